@@ -1,0 +1,164 @@
+"""Hugging Face checkpoint folders <-> the runtime's `Transformer`.
+
+A folder holds config.json and model.safetensors (or model.safetensors.index.json with shards).
+The runtime fuses q/k/v and gate/up; this module is the only place that knows both layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .llama import Transformer, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A model folder that cannot be loaded; the message is one line meant for the user."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, folder_cfg: dict | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        name = (folder_cfg or {}).get("torch_dtype") or (folder_cfg or {}).get("dtype") or "float32"
+        return DTYPES.get(str(name), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown dtype {dtype!r} (choose float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def read_config(folder: str | os.PathLike) -> dict:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {str(folder)!r} does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: corrupt index ({e})") from None
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(folder)):
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index is missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+    return tensors
+
+
+def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in sd.items():
+        if name.startswith("model.") or name.startswith("lm_head."):
+            out[name] = t
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
+            if all(n in out for n in parts):
+                out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in parts])
+        gate, up = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
+        if gate in out and up in out:
+            out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(gate), out.pop(up)])
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for name, t in sd.items():
+        if ".qkv_proj." in name:
+            for x, part in zip("qkv", t.split((q, kv, kv))):
+                out[name.replace("qkv_proj", f"{x}_proj")] = part
+        elif ".gate_up_proj." in name:
+            gate, up = t.chunk(2)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = t
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> Transformer:
+    raw = read_config(folder)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    torch_dtype = resolve_dtype(dtype, raw)
+    sd = hf_to_fused(read_state_dict(folder), cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {n for n, _ in model.named_parameters()}
+    missing, unexpected = expected - set(sd), set(sd) - expected
+    if missing:
+        raise CheckpointError(f"{folder}: weights missing from the checkpoint: {sorted(missing)[0]} "
+                              f"(and {len(missing) - 1} more)" if len(missing) > 1 else
+                              f"{folder}: weight missing from the checkpoint: {next(iter(missing))}")
+    if unexpected:
+        raise CheckpointError(f"{folder}: unexpected weight in the checkpoint: {sorted(unexpected)[0]}")
+    model = model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name not in sd:  # the tied LM head, re-tied below
+            continue
+        src = sd[name]
+        if src.shape != param.shape:
+            raise CheckpointError(f"{folder}: {name} has shape {tuple(src.shape)}, "
+                                  f"config.json implies {tuple(param.shape)}")
+        param.data = src.to(device=device, dtype=torch_dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers were left uninitialised on meta
+    return model.eval().requires_grad_(False)
+
+
+def save_model(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+               extra_config: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+    save_file(fused_to_hf(sd, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+    hf.update(extra_config or {})
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

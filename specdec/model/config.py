@@ -1,0 +1,124 @@
+"""The architecture hyper-parameters of a Llama-family checkpoint, read from config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k, v
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES.values():
+            if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+                raise ValueError(
+                    f"unsupported architecture {archs or model_type!r}; "
+                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
+            model_type = SUPPORTED_ARCHITECTURES[next(a for a in archs if a in SUPPORTED_ARCHITECTURES)]
+        try:
+            n_heads = cfg["num_attention_heads"]
+            hidden = cfg["hidden_size"]
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=n_heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+                head_dim=cfg.get("head_dim") or hidden // n_heads,
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5),
+                rope_theta=_rope_theta(cfg),
+                rope_scaling=_rope_scaling(cfg),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                model_type=model_type,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        """config.json for LlamaForCausalLM (or the family the checkpoint came from)."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.model_type]
+        out = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias and self.model_type == "llama",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "bfloat16",
+        }
+        return out
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_parameters(self) -> int:
+        d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                           self.num_key_value_heads, self.head_dim)
+        attn = d * hd * (h + 2 * kv) + h * hd * d
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + emb + d
+
+
+def _rope_theta(cfg: dict) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    return dict(scaling)

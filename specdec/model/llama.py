@@ -1,0 +1,253 @@
+"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2) with a static KV cache.
+
+The cache is allocated once and written by absolute slot, so rejecting draft tokens is
+"advance the length less" (`KVCache.rollback`). A forward call feeds T new tokens per row at
+slots `start[b] .. start[b]+T-1`; every earlier slot of the row is visible, and among the new
+tokens the mask is causal, or the ancestor mask of a token tree (`TreeAttention`).
+
+Module names follow Hugging Face's, except that q/k/v and gate/up are fused into one matmul
+each (fewer, larger kernels); `model/checkpoint.py` converts at load and save.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of `batch` sequences, `max_len` slots each, one pair of tensors per layer.
+
+    `lengths[b]` is the number of valid slots of row b; it lives on the host (the engine always
+    knows it), so reading it costs no device sync.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str, num_layers: int | None = None):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        n = num_layers if num_layers is not None else cfg.num_hidden_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.max_len = max_len
+        self.lengths = [0] * batch
+
+    @property
+    def length(self) -> int:
+        """The length of row 0: the single-sequence engine's view."""
+        return self.lengths[0]
+
+    def rollback(self, length: int, row: int = 0) -> None:
+        """Forget every slot from `length` on; O(1), the stale slots are simply overwritten."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot roll back row {row} from {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def move(self, src: Sequence[int], dst_start: int, row: int = 0) -> None:
+        """Copy the entries of slots `src` to `dst_start, dst_start+1, ...` in every layer.
+
+        Tree verification writes each node at its own slot; the accepted path is then moved
+        to be contiguous after the prefix.
+        """
+        if list(src) == list(range(dst_start, dst_start + len(src))):
+            return
+        idx = torch.tensor(list(src), device=self.k[0].device)
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[row, :, dst_start:dst_start + len(src)] = t[row, :, idx]
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """The attention pattern among the T new tokens of a tree forward.
+
+    depth: [T] int   position offset of each node (root = 0)
+    mask:  [T, T] bool  mask[i, j] = node j is node i itself or one of its ancestors
+    """
+    depth: Tensor
+    mask: Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, blended, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.split = (q, kv, kv)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int,
+                cache: KVCache | None, start: Sequence[int] | None, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is None:  # training / full-sequence scoring
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            k, v = _write_cache(cache, layer, k, v, start)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def _write_cache(cache: KVCache, layer: int, k: Tensor, v: Tensor, start: Sequence[int]):
+    """Write k, v [B, n_kv, T, hd] at slots start[b]..start[b]+T-1; return the visible span."""
+    T = k.shape[2]
+    span = max(start) + T
+    kc, vc = cache.k[layer], cache.v[layer]
+    if len(start) == 1:
+        kc[:, :, start[0]:span] = k
+        vc[:, :, start[0]:span] = v
+    else:
+        for b, s in enumerate(start):
+            kc[b, :, s:s + T] = k[b]
+            vc[b, :, s:s + T] = v[b]
+    return kc[:, :, :span], vc[:, :, :span]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer, cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
+        return KVCache(self.config, batch, max_len or self.config.max_position_embeddings,
+                       self.dtype, self.device, num_layers)
+
+    def forward(
+        self,
+        tokens: Tensor,                       # [B, T] int64
+        cache: KVCache | None = None,
+        start: Sequence[int] | None = None,   # [B] host ints: first slot of the new tokens
+        tree: TreeAttention | None = None,
+        exit_layer: int | None = None,        # run only the first `exit_layer` layers
+        logits: bool | slice = True,          # False: skip the LM head; a slice: only those positions
+        hidden: bool = False,                 # also return the final-norm hidden states
+    ):
+        B, T = tokens.shape
+        if cache is not None and start is None:
+            start = list(cache.lengths)
+        positions, mask = self._positions_and_mask(B, T, cache, start, tree, tokens.device)
+        freqs = positions[..., None].float() * self.inv_freq       # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, T, hd]
+        x = self.model.embed_tokens(tokens)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, i, cache, start, mask)
+        if cache is not None:
+            for b, s in enumerate(start):
+                cache.lengths[b] = s + T
+        h = self.model.norm(x)
+        out = None
+        if logits is not False:
+            out = self.lm_head(h if logits is True else h[:, logits])
+        return (out, h) if hidden else out
+
+    def _positions_and_mask(self, B, T, cache, start, tree, device):
+        if cache is None:
+            return torch.arange(T, device=device).expand(B, T), None
+        offsets = tree.depth if tree is not None else torch.arange(T, device=device)
+        starts = torch.tensor(start, device=device)
+        positions = starts[:, None] + offsets[None, :]              # [B, T]
+        if tree is None and T == 1 and len(set(start)) == 1:
+            return positions, None                                   # decode: see every slot
+        span = max(start) + T
+        slot = torch.arange(span, device=device)
+        rel = slot[None, :] - starts[:, None]                        # [B, span] slot - start
+        new = tree.mask if tree is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        rel_idx = rel.clamp(0, T - 1)
+        visible_new = new[:, rel_idx].permute(1, 0, 2)               # [B, T, span]
+        in_new = (rel >= 0) & (rel < T)
+        mask = torch.where(in_new[:, None, :], visible_new, (rel < 0)[:, None, :])
+        return positions, mask[:, None]                              # [B, 1, T, span]

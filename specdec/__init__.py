@@ -1,0 +1,7 @@
+"""specdec: lossless speculative decoding for Llama-family models."""
+
+from .config import SamplingParams, SpeculativeConfig
+from .llm import LLM, CompletionOutput, RequestOutput
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput", "__version__"]

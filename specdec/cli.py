@@ -1,0 +1,183 @@
+"""`specdec generate | serve | bench | train`.
+
+Each subcommand lives beside what it drives (server/cli.py, bench/cli.py, train/cli.py) and
+exposes add_parser(subparsers) and run(args); this file only dispatches and turns bad input
+into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+SUBCOMMANDS = {
+    "generate": "specdec.cli",
+    "serve": "specdec.server.cli",
+    "bench": "specdec.bench.cli",
+    "train": "specdec.train.cli",
+}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model flags shared by generate, serve and bench (vLLM's names)."""
+    p.add_argument("--model", help="target Hugging Face folder (default: the bundled target)")
+    p.add_argument("--speculative-model", help="draft model folder, or '[ngram]' for prompt lookup")
+    p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
+    p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+
+
+def _k(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be an integer or "auto", got {value!r}') from None
+
+
+def _json_obj(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def llm_from_args(args, seed: int | None = None):
+    from .llm import LLM
+
+    return LLM(model=args.model, speculative_model=args.speculative_model,
+               num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
+               dtype=args.dtype, device=args.device,
+               max_model_len=args.max_model_len, seed=seed)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion, streaming, with speculative statistics")
+    add_model_args(p)
+    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--show-acceptance", action="store_true", help="colour accepted draft tokens (green) apart from target tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--compare", action="store_true", help="also run plain decoding; print the speedup and whether outputs match")
+
+
+def run(args) -> int:
+    from .config import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = llm_from_args(args)
+    prompt_ids = llm.tokenizer.encode(prompt)
+    llm.engine.check_prompt(prompt_ids, params)
+    tokens, text, event = [], [], None
+    tty = sys.stdout.isatty() or args.show_acceptance
+    if not args.json:
+        sys.stdout.write(prompt)
+    for event in llm.engine.generate(prompt_ids, params):
+        tokens += event.token_ids
+        text.append(event.text)
+        if not args.json:
+            sys.stdout.write(_colour(llm, event) if args.show_acceptance and tty else event.text)
+            sys.stdout.flush()
+    result = {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason,
+              "stats": event.stats.to_dict()}
+    if args.compare:
+        result["compare"] = _compare(llm, prompt_ids, params, tokens, event.stats)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print("\n" + "-" * 60, file=sys.stderr)
+    _print_stats(result, llm)
+    return 0
+
+
+def _colour(llm, event) -> str:
+    """Accepted drafts in green, the target's own token in the default colour."""
+    if not event.num_accepted:
+        return event.text
+    acc = llm.tokenizer.decode(event.token_ids[:event.num_accepted])
+    if event.text.startswith(acc):
+        return f"\x1b[32m{acc}\x1b[0m{event.text[len(acc):]}"
+    return event.text
+
+
+def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
+    plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    plain_tokens, event = [], None
+    for event in plain_engine.generate(prompt_ids, params):
+        plain_tokens += event.token_ids
+    plain_tps, spec_tps = event.stats.tokens_per_second, spec_stats.tokens_per_second
+    return {"plain_tokens_per_second": round(plain_tps, 2), "speculative_tokens_per_second": round(spec_tps, 2),
+            "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+            "identical": plain_tokens == spec_tokens if params.greedy else None}
+
+
+def _print_stats(result: dict, llm) -> None:
+    s = result["stats"]
+    spec = llm.spec
+    method = f"{spec.method}, K={spec.num_speculative_tokens}" if spec and llm.engine.proposer else "plain decoding"
+    lines = [
+        f"method               {method}",
+        f"finish reason        {result['finish_reason']}",
+        f"tokens               {s['output_tokens']} in {s['wall_time_s']:.2f} s = {s['tokens_per_second']:.1f} tokens/s",
+        f"target forwards      {s['target_forward_passes']}",
+    ]
+    if s["draft_tokens"]:
+        per_pos = " ".join(f"{x:.2f}" for x in s["per_position_acceptance"])
+        lines += [f"acceptance rate      {s['acceptance_rate']:.3f} ({s['accepted_tokens']}/{s['draft_tokens']} drafted)",
+                  f"mean accepted length {s['mean_accepted_length']:.2f} tokens per target forward",
+                  f"per position         {per_pos}"]
+    c = result.get("compare")
+    if c:
+        same = {True: "identical", False: "DIFFERENT", None: "n/a (sampling)"}[c["identical"]]
+        lines += [f"plain decoding       {c['plain_tokens_per_second']:.1f} tokens/s",
+                  f"speedup              {c['speedup']}x, outputs {same}"]
+    print("\n".join(lines), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, module in SUBCOMMANDS.items():
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ImportError:
+            continue  # a subcommand whose optional dependencies are missing
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .model import CheckpointError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (CheckpointError, ValueError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"specdec: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Incremental detokenization with stop-string handling, for streaming."""
+
+from __future__ import annotations
+
+from .tokenizer import Tokenizer
+
+
+class Detokenizer:
+    """Turns output tokens into text one token at a time and watches for stop strings.
+
+    Text is released only when it is final: a trailing incomplete UTF-8 sequence ("\\ufffd")
+    and a tail that could still become a stop string are held back until the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0                       # characters of `text` already released
+        self.stop_reason: str | None = None
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token: int) -> bool:
+        """Append one token; True when a stop string has completed (text is cut before it)."""
+        self.ids.append(token)
+        if not self.stop:
+            return False
+        before = len(self.text)
+        self.text = self.tokenizer.decode(self.ids, self.skip)
+        lo = max(0, before - self._hold - 1)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.text, self.stop_reason = self.text[:i], s
+            return True
+        return False
+
+    def delta(self, final: bool) -> str:
+        """The newly released text."""
+        if not self.stop:
+            self.text = self.tokenizer.decode(self.ids, self.skip)
+        end = len(self.text)
+        if not final:
+            end = len(self.text.rstrip("\ufffd"))
+            if self.stop:
+                end = min(end, len(self.text) - self._hold)
+        if end <= self.sent:
+            return ""
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out

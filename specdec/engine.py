@@ -1,0 +1,142 @@
+"""The decoding loop: prefill -> repeat(propose -> verify -> commit) -> stream.
+
+Invariant: the target's cache holds every committed token but the last one; each step feeds
+[last token, d_1 .. d_K] in one forward pass, so a plain decoding step is the K = 0 case.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .adaptive import AdaptiveK, FixedK
+from .config import SamplingParams
+from .detokenize import Detokenizer
+from .metrics import RequestStats
+from .model import Transformer
+from .proposers import Proposer, RequestContext
+from .sampling import make_generator, process
+from .tokenizer import Tokenizer
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class StepEvent:
+    """What one decoding step adds to a request's output."""
+    token_ids: list[int]                 # new output tokens
+    text: str                            # new text (held back while it could still change)
+    num_accepted: int                    # token_ids[:num_accepted] were accepted drafts
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" | "length"
+    stop_reason: int | str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class Engine:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
+                 num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8):
+        self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.max_k = max_k
+        self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
+                                 target.config.max_position_embeddings)
+        self.eos_ids = set(tokenizer.eos_token_ids)
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty: it must have at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt is too long: {len(prompt)} tokens, the context holds "
+                             f"{self.max_model_len} (prompt + output)")
+        vocab = self.target.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _policy(self):
+        k = self.num_speculative_tokens
+        return AdaptiveK(self.max_k) if k == "auto" else FixedK(int(k))
+
+    def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
+        """Stream one request; the last event has finished=True and the final stats."""
+        self.check_prompt(prompt, params)
+        t_start = time.perf_counter()
+        seed = None if params.seed is None else params.seed + seed_offset
+        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size)
+        stats = RequestStats(prompt_tokens=len(prompt))
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
+        cache = self.target.new_cache(1, self.max_model_len)
+        self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False)
+        session = self.proposer.start(prompt, ctx, cache) if self.proposer is not None else None
+        policy = self._policy()
+        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        seq, out = list(prompt), []
+        while True:
+            room = min(self.max_model_len - len(seq) - 1, max_tokens - len(out) - 1)
+            k = max(0, min(policy.choose(), room)) if session is not None else 0
+            t0 = time.perf_counter()
+            draft = session.propose(seq, k) if k > 0 else None
+            k = draft.k if draft is not None else 0
+            t1 = time.perf_counter()
+            emitted, n = self._verify(seq, draft, cache, ctx)
+            t2 = time.perf_counter()
+            policy.update(k, n, t1 - t0, t2 - t1)
+            stats.draft_time_s += t1 - t0
+            stats.target_time_s += t2 - t1
+            seq += emitted
+            cache.rollback(len(seq) - 1)
+            if session is not None:
+                session.commit(seq)
+            event = self._accept(emitted, n, out, detok, params, max_tokens, len(prompt))
+            stats.record_step(k, n, len(event.token_ids))
+            if not stats.time_to_first_token_s:
+                stats.time_to_first_token_s = time.perf_counter() - t_start
+            stats.wall_time_s = time.perf_counter() - t_start
+            event.stats = stats
+            yield event
+            if event.finished:
+                return
+
+    @torch.inference_mode()
+    def _forward(self, tokens, cache, start, logits=True):
+        if tokens.shape[1] == 0:
+            return None
+        return self.target(tokens.to(self.target.device), cache, start, logits=logits)
+
+    @torch.inference_mode()
+    def _verify(self, seq: list[int], draft, cache, ctx: RequestContext) -> tuple[list[int], int]:
+        dev = self.target.device
+        drafted = draft.tokens.to(dev) if draft is not None else torch.empty(0, dtype=torch.long, device=dev)
+        tokens = torch.cat([torch.tensor(seq[-1:], device=dev), drafted])[None]
+        logits = self.target(tokens, cache, [len(seq) - 1])[0]               # [K+1, V]
+        if ctx.params.greedy:
+            emitted, n = verify_greedy(drafted, logits)
+        else:
+            p = process(logits, ctx.params)
+            q = draft.probs.to(dev) if draft is not None and draft.probs is not None else None
+            emitted, n = verify_sampling(drafted, q, p, ctx.generator)
+        host = torch.cat([n[None], emitted]).tolist()                       # the step's one sync
+        n = host[0]
+        return host[1:n + 2], n
+
+    def _accept(self, emitted, n, out, detok: Detokenizer, params, max_tokens, prompt_len) -> StepEvent:
+        """Append emitted tokens one by one until a stop condition; nothing after it is kept."""
+        new, reason, stop_reason = [], None, None
+        for tok in emitted:
+            new.append(tok)
+            out.append(tok)
+            if (tok in self.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+                reason, stop_reason = "stop", (tok if tok in params.stop_token_ids else None)
+                detok.add(tok)
+                break
+            if detok.add(tok):
+                reason, stop_reason = "stop", detok.stop_reason
+                break
+            if len(out) >= max_tokens or prompt_len + len(out) >= self.max_model_len:
+                reason = "length"
+                break
+        text = detok.delta(final=reason is not None)
+        return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)

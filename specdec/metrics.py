@@ -1,0 +1,85 @@
+"""Per-request speculative statistics, with vLLM's meanings.
+
+- drafted tokens: proposals the target scored; accepted tokens: those it kept.
+- acceptance_rate = accepted / drafted.
+- mean_accepted_length = output tokens per target forward pass (accepted + recovered/bonus),
+  as vLLM counts "mean acceptance length": 1.0 for plain decoding.
+- per_position_acceptance[i] = P(draft position i accepted | position i was drafted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    target_forward_passes: int = 0
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+    def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
+        self.target_forward_passes += 1
+        self.output_tokens += emitted
+        if k == 0:
+            return
+        self.num_drafts += 1
+        self.draft_tokens += k
+        self.accepted_tokens += num_accepted
+        if len(self.drafted_per_position) < k:
+            grow = k - len(self.drafted_per_position)
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.output_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def merge(self, other: "RequestStats") -> None:
+        for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
+                     "accepted_tokens", "wall_time_s", "draft_time_s", "target_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
+        self.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position), pad(other.drafted_per_position))]
+        self.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))]
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "target_forward_passes": self.target_forward_passes,
+            "num_drafts": self.num_drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "wall_time_s": round(self.wall_time_s, 4),
+            "time_to_first_token_s": round(self.time_to_first_token_s, 4),
+        }

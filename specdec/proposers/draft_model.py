@@ -1,0 +1,54 @@
+"""A small draft model sharing the target's tokenizer, drafting K tokens autoregressively."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import Transformer
+from ..sampling import process, sample
+from .base import Draft, RequestContext, fit_vocab
+
+
+class DraftModelProposer:
+    name = "draft_model"
+
+    def __init__(self, model: Transformer, max_len: int):
+        self.model, self.max_len = model, max_len
+
+    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> "DraftModelSession":
+        return DraftModelSession(self.model, self.model.new_cache(1, self.max_len), ctx)
+
+
+class DraftModelSession:
+    """Invariant: the draft cache holds a prefix of the committed sequence (plus, during a step,
+    the drafts fed back). Every step first feeds what the cache lacks: the whole prompt on the
+    first step, one token after a rejection, two (the last draft and the bonus) after a step that
+    accepted everything."""
+
+    def __init__(self, model: Transformer, cache, ctx: RequestContext):
+        self.model, self.cache, self.ctx = model, cache, ctx
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k: int) -> Draft:
+        dev = self.model.device
+        pending = torch.tensor(seq[self.cache.length:], device=dev)[None]
+        logits = self.model(pending, self.cache, logits=slice(-1, None))[0]       # [1, V]
+        tokens, probs = [], []
+        for i in range(k):
+            logits = fit_vocab(logits, self.ctx.vocab_size)
+            if self.ctx.params.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = process(logits, self.ctx.params)
+                tok = sample(q, self.ctx.generator)
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self.model(tok[None], self.cache)[0]
+        if not tokens:
+            return Draft(torch.empty(0, dtype=torch.long, device=dev))
+        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+
+    def commit(self, seq: list[int]) -> None:
+        # entries past len(seq) - 1 include rejected drafts; the last token is fed next step
+        self.cache.rollback(min(self.cache.length, len(seq) - 1))

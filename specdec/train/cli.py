@@ -1,0 +1,52 @@
+"""`specdec train lm | draft`: argument parsing and dispatch for the training jobs."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train", help="train the bundled models (tokenizer, LM, draft, heads)")
+    tsub = train.add_subparsers(dest="train_cmd", required=True)
+
+    lm = tsub.add_parser("lm", help="pretrain a Llama-architecture LM from scratch on the stdlib corpus")
+    lm.add_argument("--config", required=True, help="JSON training config (see configs/)")
+    lm.add_argument("--out", required=True, help="Hugging Face folder to write")
+    _common(lm)
+
+    draft = tsub.add_parser("draft", help="distil a small draft from a target (KL to its soft labels)")
+    draft.add_argument("--target", required=True, help="the target's Hugging Face folder")
+    draft.add_argument("--config", required=True)
+    draft.add_argument("--out", required=True)
+    _common(draft)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads (overrides the config)")
+    p.add_argument("--max-steps", type=int, help="override the config's max_steps")
+    p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .lm import TrainConfig, train
+
+    cfg = TrainConfig.load(args.config, threads=args.threads, max_steps=args.max_steps)
+    out = Path(args.out)
+    work = Path(args.work) if args.work else Path("runs") / out.name
+    command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.train_cmd == "lm":
+        result = train(cfg, out, work, device=args.device, command=command, stop_after=args.stop_after)
+    else:
+        target = Path(args.target)
+        result = train(cfg, out, work, tokenizer_dir=target, teacher_dir=target, device=args.device,
+                       command=command, stop_after=args.stop_after)
+    if result["finished"]:
+        print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
+    else:
+        print(f"stopped at step {result['step']}; run the same command again to resume")
+    return 0

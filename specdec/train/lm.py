@@ -1,0 +1,243 @@
+"""Pretraining (cross-entropy) and draft distillation (KL to a frozen target), one loop for both.
+
+Deterministic given the seed: batch i is drawn from `numpy.random.default_rng((seed, i))`, so a
+run resumed from a checkpoint sees exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..model import ModelConfig, Transformer, load_model, save_model
+from ..tokenizer import Tokenizer
+from .data import cached_tokens
+from .tokenizer import copy_tokenizer, train_tokenizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: dict = field(default_factory=dict)   # ModelConfig fields (vocab comes from the tokenizer)
+    seq_len: int = 512
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 50
+    seed: int = 0
+    threads: int = 1
+    vocab_size: int = 8192
+    distill_temperature: float = 1.0
+    precision: str = "auto"   # "bf16" autocast, "fp32", or "auto": bf16 where matmuls have native bf16
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **overrides) -> "TrainConfig":
+        raw = json.loads(Path(path).read_text())
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown training option {sorted(unknown)[0]!r}")
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**raw)
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """bf16 autocast pays only with native bf16 matmuls; an AVX2-only CPU emulates them ~9x slower."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision: {precision!r} is not auto, bf16 or fp32")
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return True
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def batch_at(tokens: np.ndarray, step: int, cfg: TrainConfig, salt: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng((cfg.seed, salt, step))
+    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+    return torch.from_numpy(np.stack([tokens[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+
+
+def eval_windows(tokens: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
+    """Fixed, evenly spaced windows: the same every evaluation, so losses compare."""
+    n = cfg.eval_batches * cfg.batch_size
+    starts = np.linspace(0, len(tokens) - cfg.seq_len - 2, n).astype(np.int64)
+    rows = np.stack([tokens[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
+    return list(torch.from_numpy(rows).split(cfg.batch_size))
+
+
+def _loss(student: Transformer, batch: torch.Tensor, teacher: Transformer | None, temp: float, bf16: bool):
+    x, y = batch[:, :-1], batch[:, 1:]
+    with torch.autocast(student.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = student(x).float()
+        if teacher is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        with torch.no_grad():
+            t_logits = teacher(x).float()
+    V = min(logits.shape[-1], t_logits.shape[-1])
+    q_log = F.log_softmax(logits[..., :V] / temp, -1)
+    p_log = F.log_softmax(t_logits[..., :V] / temp, -1)
+    # forward KL(p || q): the draft must put mass wherever the target does
+    return (p_log.exp() * (p_log - q_log)).sum(-1).mean() * temp * temp
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, windows: list[torch.Tensor], bf16: bool = False) -> float:
+    model.eval()
+    total = 0.0
+    for w in windows:
+        w = w.to(model.device)
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(w[:, :-1]).float()
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1)).item()
+    model.train()
+    return total / len(windows)
+
+
+def build_model(cfg: TrainConfig, tok: Tokenizer, seed: int) -> Transformer:
+    fields = dict(cfg.model)
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    mc = ModelConfig(
+        vocab_size=tok.vocab_size, head_dim=fields.pop("head_dim", hidden // heads),
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, model_type="llama", **fields)
+    torch.manual_seed(seed)
+    model = Transformer(mc)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2's residual scaling
+                p.data /= math.sqrt(2 * mc.num_hidden_layers)
+        elif "norm" in name:
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.zeros_(p)
+    return model
+
+
+def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = None,
+          teacher_dir: Path | None = None, device: str = "cpu", command: str = "",
+          stop_after: int | None = None) -> dict:
+    """Train until cfg.max_steps (or `stop_after` steps in this call), checkpointing to `work`."""
+    torch.set_num_threads(cfg.threads)
+    work.mkdir(parents=True, exist_ok=True)
+    tok_dir = tokenizer_dir or (work / "tokenizer")
+    if not (tok_dir / "tokenizer.json").is_file():
+        train_tokenizer(tok_dir, cfg.vocab_size)
+    tok = Tokenizer(tok_dir)
+    data = {s: cached_tokens(tok, s, work / "tokens") for s in ("train", "validation", "test")}
+    bf16 = use_bf16(cfg.precision, torch.device(device))
+    teacher = load_model(teacher_dir, "bfloat16" if bf16 else "float32", device) if teacher_dir else None
+
+    model = build_model(cfg, tok, cfg.seed).to(device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "history": []}
+    ckpt = work / "checkpoint.pt"
+    if ckpt.is_file():
+        saved = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
+
+    val = eval_windows(data["validation"], cfg)
+    model.train()
+    start_step, t0, base_elapsed = state["step"], time.time(), state["elapsed_s"]
+    end = cfg.max_steps if stop_after is None else min(cfg.max_steps, start_step + stop_after)
+    bar = tqdm(range(start_step, end), initial=start_step, total=cfg.max_steps, desc="train", file=sys.stderr,
+               dynamic_ncols=True, mininterval=30 if not sys.stderr.isatty() else 0.1)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        batch = batch_at(data["train"], step, cfg).to(device)
+        loss = _loss(model, batch, teacher, cfg.distill_temperature, bf16)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        state["step"] = step + 1
+        state["tokens"] += batch.numel() - batch.shape[0]
+        state["elapsed_s"] = base_elapsed + time.time() - t0
+        done = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{done / max(1e-9, time.time() - t0):.0f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
+            v = evaluate(model, val, bf16)
+            state["history"].append({"step": step + 1, "train_loss": loss.item(), "val_loss": v})
+            print(f"step {step + 1}: train {loss.item():.4f}  val {v:.4f}", file=sys.stderr)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == end:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt.with_suffix(".tmp"))
+            os.replace(ckpt.with_suffix(".tmp"), ckpt)
+    bar.close()
+    if state["step"] < cfg.max_steps:
+        return {"finished": False, "step": state["step"]}
+    return finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16)
+
+
+def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16) -> dict:
+    model.eval()
+    test = eval_windows(data["test"], cfg)
+    val = eval_windows(data["validation"], cfg)
+    result = {
+        "steps": state["step"], "tokens_seen": state["tokens"], "wall_time_s": round(state["elapsed_s"], 1),
+        "validation_loss": round(evaluate(model, val, bf16), 4),
+        "test_loss": round(evaluate(model, test, bf16), 4),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    save_model(model, out, torch.bfloat16)
+    copy_tokenizer(tok_dir, out)
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result,
+                                                    "history": state["history"]}, indent=1) + "\n")
+    (out / "README.md").write_text(model_card(out, cfg, result, teacher_dir, command))
+    return {"finished": True, **result}
+
+
+def model_card(out: Path, cfg: TrainConfig, r: dict, teacher_dir, command: str) -> str:
+    kind = f"draft distilled from `{teacher_dir}` (forward KL to its soft labels, DistillSpec-style)" \
+        if teacher_dir else "target language model, pretrained from scratch"
+    m = cfg.model
+    return f"""# {out.name}
+
+A Llama-architecture {kind}, trained by specdec on the Python standard library's source.
+
+| | |
+|---|---|
+| parameters | {r['parameters']:,} |
+| layers / hidden / MLP / heads / kv heads | {m['num_hidden_layers']} / {m['hidden_size']} / {m['intermediate_size']} / {m['num_attention_heads']} / {m.get('num_key_value_heads', m['num_attention_heads'])} |
+| tokenizer | byte-level BPE, {cfg.vocab_size} tokens, trained on the train split |
+| data | CPython {platform.python_version()} stdlib `*.py`, split by file (`data/split.json`); test files never trained on |
+| steps x batch x sequence | {r['steps']} x {cfg.batch_size} x {cfg.seq_len} |
+| tokens seen | {r['tokens_seen']:,} |
+| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), precision {cfg.precision} |
+| validation loss | {r['validation_loss']} |
+| test loss | {r['test_loss']} |
+
+Reproduce:
+```
+{command}
+```
+"""

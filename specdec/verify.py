@@ -34,31 +34,39 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]
     return best, num_accepted
 
 
-def verify_sampling(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Rejection-sampling verification of a chain of K drafts.
+def rejection_plan(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Tensor, Tensor]:
+    """The deterministic half of rejection sampling: what is accepted with which probability,
+    and what is drawn after each possible first rejection.
 
     draft: [K] int64         proposed tokens
     q:     [K, V] float32    the draft's processed distributions; None = deterministic draft
                              (a point mass on each proposed token, e.g. n-gram lookup)
     p:     [K+1, V] float32  the target's processed distributions
-    returns (emitted [K+1] int64, num_accepted [] int64); emitted[:num_accepted + 1] are output.
+    returns (accept_prob [K] = min(1, p(x)/q(x)),
+             candidates [K+1, V]: row i < K is norm(max(0, p_i - q_i)), row K is p_K (bonus))
     """
     K = draft.shape[0]
     rows = torch.arange(K, device=p.device)
-    p_x = p[rows, draft]
     if q is None:
         q = torch.zeros_like(p[:K]).scatter_(-1, draft[:, None], 1.0)
-    q_x = q[rows, draft]
-    u = torch.rand(K, generator=generator, device=p.device)
-    accept = u * q_x < p_x                                         # u < p/q, without dividing by 0
-    num_accepted = accept.long().cumprod(0).sum()
-
+    p_x, q_x = p[rows, draft], q[rows, draft]
+    accept_prob = torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(q_x))
     residual = (p[:K] - q).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
-    # mass 0 means p == q on that row: rejection there has probability 0, any row will do
+    # mass 0 means p == q on that row: a rejection there has probability 0, any row will do
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:K])
-    candidates = torch.cat([residual, p[K:]], dim=0)               # [K+1, V]
+    return accept_prob, torch.cat([residual, p[K:]], dim=0)
+
+
+def verify_sampling(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Rejection-sampling verification of a chain of K drafts (shapes as in rejection_plan).
+
+    returns (emitted [K+1] int64, num_accepted [] int64); emitted[:num_accepted + 1] are output.
+    """
+    accept_prob, candidates = rejection_plan(draft, q, p)
+    u = torch.rand(accept_prob.shape, generator=generator, device=p.device)
+    num_accepted = (u < accept_prob).long().cumprod(0).sum()
+    # one draw per row, independent of u: the row used is chosen after the fact
     final = torch.multinomial(candidates, 1, generator=generator).squeeze(-1)
     emitted = torch.cat([draft, draft.new_zeros(1)])
-    emitted = emitted.scatter(0, num_accepted[None], final.gather(0, num_accepted[None]))
-    return emitted, num_accepted
+    return emitted.scatter(0, num_accepted[None], final.gather(0, num_accepted[None])), num_accepted

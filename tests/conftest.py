@@ -39,8 +39,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     tok_vocab = json.loads((folder / "tokenizer.json").read_text())
     n_tok = len(tok_vocab["model"]["vocab"]) + sum(1 for t in tok_vocab["added_tokens"] if t["content"] not in tok_vocab["model"]["vocab"])
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[arch]
+    kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
     cfg = cls(vocab_size=vocab or n_tok, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=kw.pop("max_position_embeddings", 256),
               bos_token_id=0, eos_token_id=1, **kw)
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,

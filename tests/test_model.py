@@ -1,0 +1,132 @@
+"""The runtime against transformers' own implementation, and the KV cache mechanics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from conftest import make_checkpoint
+from specdec.model import CheckpointError, TreeAttention, load_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+ARCHS = [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    ("llama", {"num_key_value_heads": 4}),          # plain multi-head attention
+    ("mistral", {}),
+    ("qwen2", {}),                                   # q/k/v bias
+]
+
+
+@pytest.mark.parametrize("arch,kw", ARCHS, ids=[f"{a}-{'-'.join(k) or 'base'}" for a, k in ARCHS])
+def test_logits_match_transformers(tmp_path, arch, kw):
+    kw = dict(kw)
+    folder = make_checkpoint(tmp_path / "m", arch=arch, **kw)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder, "float32")
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = ref_model(tokens).logits
+        full = ours(tokens)
+        cache = ours.new_cache(batch=1)
+        chunks = [ours(tokens[:1, a:b], cache) for a, b in [(0, 17), (17, 18), (18, 40)]]
+    assert (full - ref).abs().max() < 1e-4
+    assert (torch.cat(chunks, 1) - ref[:1]).abs().max() < 1e-4
+
+
+def test_sharded_checkpoint_and_dtypes(tmp_path):
+    folder = make_checkpoint(tmp_path / "m")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    for f in folder.glob("tokenizer*"):
+        (tmp_path / "sharded" / f.name).write_bytes(f.read_bytes())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, b = load_model(folder, "float32"), load_model(tmp_path / "sharded", "float32")
+    x = torch.arange(10)[None]
+    assert torch.equal(a(x), b(x))
+    for dtype in (torch.bfloat16, torch.float16):
+        m = load_model(folder, dtype)
+        assert m.dtype == dtype and m(x).dtype == dtype
+
+
+def test_rollback_then_forward_equals_fresh_prefill(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "m"), "float32")
+    seq = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache()
+    model(seq[:, :20], cache)
+    model(torch.randint(0, 90, (1, 6)), cache)      # rejected drafts
+    cache.rollback(20)
+    after = model(seq[:, 20:], cache)
+    fresh = model(seq)[:, 20:]
+    assert cache.length == 30
+    assert (after - fresh).abs().max() < 1e-5
+    with pytest.raises(ValueError):
+        cache.rollback(31)
+
+
+def test_batch_rows_with_different_lengths(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "m"), "float32")
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 90, (1, 12), generator=g), torch.randint(0, 90, (1, 7), generator=g)
+    cache = model.new_cache(batch=2)
+    for row, seq in ((0, a), (1, b)):   # prefill each row on its own
+        single = model.new_cache()
+        model(seq[:, :-3], single)
+        for layer in range(len(cache.k)):
+            cache.k[layer][row] = single.k[layer][0]
+            cache.v[layer][row] = single.v[layer][0]
+    cache.lengths = [a.shape[1] - 3, b.shape[1] - 3]
+    out = model(torch.cat([a[:, -3:], b[:, -3:]]), cache)        # starts 9 and 4
+    assert (out[0] - model(a)[0, -3:]).abs().max() < 1e-5
+    assert (out[1] - model(b)[0, -3:]).abs().max() < 1e-5
+    assert cache.lengths == [12, 7]
+
+
+def test_tree_attention_equals_each_branch(tmp_path):
+    """A tree root -> {x, y}, x -> {z}: each node's logits equal a plain run of its own path."""
+    model = load_model(make_checkpoint(tmp_path / "m"), "float32")
+    prefix = torch.randint(0, 90, (1, 10), generator=torch.Generator().manual_seed(3))
+    root, x, y, z = 5, 17, 23, 42
+    nodes = torch.tensor([[root, x, y, z]])
+    parents = [-1, 0, 0, 1]
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    depth = torch.zeros(4, dtype=torch.long)
+    for i, par in enumerate(parents):
+        mask[i, i] = True
+        if par >= 0:
+            mask[i] |= mask[par]
+            depth[i] = depth[par] + 1
+    cache = model.new_cache()
+    model(prefix, cache)
+    tree_logits = model(nodes, cache, tree=TreeAttention(depth, mask))[0]
+    for i, path in enumerate([[root], [root, x], [root, y], [root, x, z]]):
+        plain = model(torch.cat([prefix, torch.tensor([path])], 1))[0, -1]
+        assert (tree_logits[i] - plain).abs().max() < 1e-5, i
+    # move the accepted path root, x, z into place and continue: equals the plain sequence
+    cache.move([10, 11, 13], 10)
+    cache.rollback(13)
+    nxt = model(torch.tensor([[7]]), cache)[0, -1]
+    plain = model(torch.cat([prefix, torch.tensor([[root, x, z, 7]])], 1))[0, -1]
+    assert (nxt - plain).abs().max() < 1e-5
+
+
+def test_bad_folders_give_one_line_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_model(tmp_path / "empty")
+    folder = make_checkpoint(tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_model(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        load_model(folder)

@@ -1,0 +1,17 @@
+"""OpenAI-compatible HTTP server: `specdec serve` or `python -m specdec.entrypoints.openai.api_server`.
+
+    cli.py        vLLM's command line -> ServerConfig + LLM -> uvicorn
+    app.py        build_app(llm, config): routes, error handlers, lifespan
+    protocol.py   request bodies (OpenAI's schema, strictly typed)
+    serving.py    request -> validated prompts and SamplingParams -> Generation
+    responses.py  JSON bodies and server-sent-event chunks for completions and chat
+    worker.py     the one thread that owns the engine; requests take turns step by step
+    logprobs.py   token log-probabilities under the target's distribution
+    metrics.py    Prometheus metrics, one registry per app
+    errors.py     OpenAI-style error JSON, the body size limit, the API key check
+"""
+
+from .app import build_app
+from .config import ServerConfig
+
+__all__ = ["build_app", "ServerConfig"]

@@ -1,0 +1,117 @@
+"""build_app(llm, config): the FastAPI application around one LLM.
+
+One app owns one LLM: its worker thread is the only caller of the engine. Routes stay thin;
+validation lives in serving.py, response shapes in responses.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .. import __version__
+from ..llm import LLM
+from .config import ServerConfig
+from .errors import ApiKeyGuard, BodyLimit, error_response, install_error_handlers
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .responses import ChatFormat, CompletionFormat, collect, stream
+from .serving import Service
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+
+
+def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    service = Service(llm, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.worker.start()
+        yield
+        # uvicorn has already let in-flight requests finish; this drains anything left queued
+        await asyncio.to_thread(service.worker.stop)
+
+    app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API with speculative decoding statistics.")
+    app.state.service = service
+    install_error_handlers(app, service.metrics.rejected)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=service.metrics.rejected)
+    if config.api_key:      # added last = outermost: the key is checked before the body is read
+        app.add_middleware(ApiKeyGuard, key=config.api_key, on_reject=service.metrics.rejected)
+    app.include_router(_public_routes(service))
+    app.include_router(_api_routes(service), responses=_ERRORS)
+    return app
+
+
+def _public_routes(service: Service) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        if not service.worker.alive:
+            return error_response(503, "the engine is not running")
+        return {"status": "ok"}
+
+    @router.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    return router
+
+
+def _api_routes(service: Service) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    model = service.config.model_name
+
+    @router.get("/models")
+    async def models():
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "specdec", "root": service.llm.model_path,
+             "max_model_len": service.engine.max_model_len} for name in service.config.served_model_names]}
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        prompts, params = service.prepare_completion(body)
+        fmt = CompletionFormat(service.tokenizer, params.logprobs is not None)
+        return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        prompts, params = service.prepare_chat(body)
+        fmt = ChatFormat(service.tokenizer, params.logprobs is not None)
+        return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
+
+    return router
+
+
+async def _respond(request: Request, gen, fmt, model: str, body):
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(gen, fmt, model, include_usage), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+    work = asyncio.ensure_future(collect(gen, fmt, model))
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        work.cancel()               # the client left: cancelling frees its engine slots now
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)
+    return JSONResponse(work.result())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

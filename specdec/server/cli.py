@@ -1,0 +1,111 @@
+"""`specdec serve ...` and `python -m specdec.entrypoints.openai.api_server ...`: vLLM's command line.
+
+vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --enforce-eager, ...) are
+accepted with a warning, so an existing vLLM command line works with only the module name
+changed. A model that cannot load fails before the port opens, with one line and status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..cli import add_model_args, llm_from_args
+
+# vLLM's dtype spellings that add_model_args does not list
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def add_parser(sub) -> None:
+    """Register `serve`. Its flags are parsed by build_parser() in run(), which tolerates vLLM's
+    unknown ones; a strict subparser would reject them before run() is reached."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)", add_help=False,
+                       prefix_chars="\x00")      # no option syntax: every word lands in `argv`
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+
+
+def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                description="OpenAI-compatible server with speculative decoding.")
+    add_model_args(p)
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="completions decoded in turn; the rest queue")
+    p.add_argument("--seed", type=int, help="seeds sampling requests that bring no seed of their own")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return p
+
+
+def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.Namespace, list[str]]:
+    """-> (args, the unknown flags that were ignored)."""
+    argv = list(argv)
+    for i, word in enumerate(argv[:-1]):
+        if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
+            argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
+    args, unknown = build_parser(prog).parse_known_args(argv)
+    return args, ignored_flags(unknown)
+
+
+def ignored_flags(unknown: list[str]) -> list[str]:
+    """Group unknown words into flags with their values: a flag takes the next word as its
+    value unless that word is itself a flag. A stray word without a flag is an error."""
+    flags: list[str] = []
+    for word in unknown:
+        if word.startswith("-") and not _is_number(word):
+            flags.append(word)
+        elif flags and "=" not in flags[-1] and " " not in flags[-1]:
+            flags[-1] += " " + word
+        else:
+            raise ValueError(f"unexpected argument {word!r}")
+    return flags
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def server_config(args):
+    from .config import ServerConfig
+
+    names = tuple(args.served_model_name or [args.model or "specdec"])
+    return ServerConfig(served_model_names=names, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
+                        max_request_bytes=args.max_request_bytes, seed=args.seed)
+
+
+def run(args, prog: str = "specdec serve") -> int:
+    """`args` from `specdec serve` (its words in args.argv) or a parsed namespace."""
+    if hasattr(args, "argv"):
+        if "-h" in args.argv or "--help" in args.argv:
+            build_parser(prog).print_help()
+            return 0
+        args, ignored = parse_args(args.argv, prog)
+    else:
+        ignored = []
+    for flag in ignored:
+        print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
+    config = server_config(args)            # bad settings fail before the model loads
+    llm = llm_from_args(args, seed=args.seed)
+    return serve(llm, config, args.host, args.port, args.uvicorn_log_level)
+
+
+def serve(llm, config, host: str, port: int, log_level: str = "info") -> int:
+    import uvicorn
+
+    from .app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(llm, config)
+    # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight requests, run the lifespan's
+    # shutdown (which drains the engine worker), then return
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                  timeout_graceful_shutdown=None)).run()
+    return 0

@@ -1,0 +1,154 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every way a request can go wrong ends here, so clients (and the official openai package, which
+reads these fields) see one shape: FastAPI's 422 validation answers become 400, unknown routes
+404, oversized bodies 413, and an unexpected exception 500 without taking the server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..config import SamplingParams
+
+log = logging.getLogger("specdec.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def bad_value(e: ValueError, default_param: str | None = None) -> APIError:
+    """A ValueError from SamplingParams or the engine; its message starts with the field's name."""
+    msg = str(e).splitlines()[0] if str(e) else "invalid request"
+    first = msg.split(" ", 1)[0]
+    param = first if first in SamplingParams.__dataclass_fields__ else default_param
+    return APIError(400, msg, param)
+
+
+def install_error_handlers(app: FastAPI, on_reject=None) -> None:
+    """`on_reject(status)` is told of every error answer (the metrics count them)."""
+    def answer(status, message, param=None, code=None, headers=None):
+        if on_reject is not None:
+            on_reject(status)
+        return error_response(status, message, param, code, headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return answer(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return answer(400, *_describe(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return answer(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return answer(500, f"internal error: {type(exc).__name__}")
+
+
+def _describe(errors) -> tuple[str, str | None]:
+    """FastAPI's list of validation errors -> one message and the top-level field it is about."""
+    if not errors:
+        return "invalid request body", None
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if not loc:
+        return "request body must be a JSON object, sent with Content-Type: application/json", None
+    return f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", loc[0]
+
+
+class ApiKeyGuard:
+    """ASGI middleware: 401 for /v1/* unless the request carries `Authorization: Bearer <key>`.
+
+    Checked before the body is read or parsed, so a client without the key learns nothing else
+    (not even that its JSON was malformed). /health, /version and /metrics stay open, as in vLLM.
+    """
+
+    def __init__(self, app, key: str, on_reject=None):
+        self.app, self.expected, self.on_reject = app, key.encode(), on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._allowed(scope):
+            if self.on_reject is not None:
+                self.on_reject(401)
+            response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                                      None, "invalid_api_key", {"www-authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        # compare_digest: the answer time must not reveal how much of the key was right
+        return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.expected)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over `max_bytes` with 413 before anything parses them.
+
+    The body is read here (at most max_bytes are held) and replayed to the app; later receive()
+    calls go straight through, so the app still sees the client's disconnect.
+    """
+
+    def __init__(self, app, max_bytes: int, on_reject=None):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return              # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, send)
+            if not message.get("more_body", False):
+                break
+        buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return buffered.pop() if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, send):
+        if self.on_reject is not None:
+            self.on_reject(413)
+        response = error_response(413, f"request body is larger than {self.max_bytes} bytes")
+        response.headers["connection"] = "close"
+        await response(scope, None, send)

@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in a process never collide).
+
+Names follow vLLM's (`vllm:` -> `specdec:`), so its meanings carry over:
+- `specdec:spec_decode_num_drafts_total`: decoding steps that scored a draft
+- `specdec:spec_decode_num_draft_tokens_total`: draft tokens scored by the target
+- `specdec:spec_decode_num_accepted_tokens_total`: draft tokens the target kept
+- `specdec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`: kept at draft position i
+  (0-based); `..._num_draft_tokens_per_pos_total` is its denominator when K adapts.
+acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
+Counters are added when a completion ends (finished, aborted or failed), from its RequestStats.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..metrics import RequestStats
+
+PREFIX = "specdec:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, running=lambda: 0, waiting=lambda: 0):
+        self.registry = reg = CollectorRegistry()
+        Gauge(PREFIX + "num_requests_running", "Completions being decoded now.", registry=reg).set_function(running)
+        Gauge(PREFIX + "num_requests_waiting", "Completions queued for a decoding slot.", registry=reg).set_function(waiting)
+        self.requests = Counter(
+            PREFIX + "requests", "Completions by outcome: stop, length, abort (client gone), error; "
+            "invalid counts requests refused with a 4xx before decoding.", ["outcome"], registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive deliveries "
+                             "of tokens to one completion (one decoding step may deliver several).",
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last token.",
+                             buckets=_E2E_BUCKETS, registry=reg)
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Decoding steps that scored a draft.", registry=reg)
+        self.draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens scored.", registry=reg)
+        self.accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=reg)
+        self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position.", ["position"], registry=reg)
+        self.drafted_per_pos = Counter(PREFIX + "spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens scored at each draft position.", ["position"], registry=reg)
+        for outcome in ("stop", "length", "abort", "error", "invalid"):
+            self.requests.labels(outcome)     # present at 0 from the start, so rates are defined
+
+    def rejected(self, status: int) -> None:
+        if 400 <= status < 500:
+            self.requests.labels("invalid").inc()
+
+    def finished(self, outcome: str, stats: RequestStats | None) -> None:
+        """One completion is over: count its outcome and its speculative work."""
+        self.requests.labels(outcome or "stop").inc()
+        if stats is None:
+            return
+        self.num_drafts.inc(stats.num_drafts)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
+        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
+            self.drafted_per_pos.labels(str(i)).inc(d)
+            self.accepted_per_pos.labels(str(i)).inc(a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

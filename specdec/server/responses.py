@@ -1,0 +1,151 @@
+"""Response bodies and server-sent events for /v1/completions and /v1/chat/completions.
+
+The two endpoints differ only in names and in how a choice carries its text, so one collector
+and one streamer serve both through a small format object. Beyond OpenAI's fields every
+response carries `"speculative"`: the request's RequestStats (summed over its choices); in a
+stream each choice's last chunk carries its own, and the usage chunk the request's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..metrics import RequestStats
+from ..tokenizer import Tokenizer
+from .errors import APIError, error_body
+from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from .serving import Generation
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionFormat:
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
+        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+
+    def choice(self, r: ChoiceResult) -> dict:
+        return {"index": r.index, "text": "".join(r.text), "logprobs": self._logprobs(r.logprobs, 0),
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+
+    def opening(self, index: int) -> dict | None:
+        return None
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
+              finish_reason: str | None, stop_reason) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(logprobs, offset),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _logprobs(self, entries, offset) -> dict | None:
+        return completion_logprobs(self.tokenizer, entries, offset) if self.want_logprobs else None
+
+
+class ChatFormat:
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
+        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+
+    def choice(self, r: ChoiceResult) -> dict:
+        return {"index": r.index, "message": {"role": "assistant", "content": "".join(r.text)},
+                "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason}
+
+    def opening(self, index: int) -> dict | None:
+        # OpenAI's streams name the role once, in a first chunk of its own
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
+              finish_reason: str | None, stop_reason) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    def _logprobs(self, entries) -> dict | None:
+        return chat_logprobs(self.tokenizer, entries) if self.want_logprobs else None
+
+
+def _head(fmt, model: str, chunk: bool) -> dict:
+    return {"id": fmt.id_prefix + uuid.uuid4().hex, "object": fmt.chunk_object if chunk else fmt.object,
+            "created": int(time.time()), "model": model}
+
+
+def usage(gen: Generation, completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in gen.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative(gen: Generation) -> dict:
+    """The choices' statistics summed; prompt tokens counted once per prompt, as in usage."""
+    total = RequestStats()
+    done = [s for s in gen.stats if s is not None]
+    for s in done:
+        total.merge(s)
+    total.prompt_tokens = sum(len(p) for p in gen.prompts)
+    total.time_to_first_token_s = min((s.time_to_first_token_s for s in done), default=0.0)
+    return total.to_dict()
+
+
+async def collect(gen: Generation, fmt, model: str) -> dict:
+    """Run a generation to the end and build the non-streaming body."""
+    results = [ChoiceResult(i) for i in range(len(gen.prompts) * gen.params.n)]
+    async with gen:
+        async for index, out in gen.steps():
+            r, ev = results[index], out.event
+            r.text.append(ev.text)
+            r.token_ids += ev.token_ids
+            r.logprobs += out.logprobs or []
+            r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
+    return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results],
+            "usage": usage(gen, sum(len(r.token_ids) for r in results)), "speculative": speculative(gen)}
+
+
+async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per decoding step that releases text, then `data: [DONE]`."""
+    head = _head(fmt, model, chunk=True)
+    extra = {"usage": None} if include_usage else {}
+    n_choices = len(gen.prompts) * gen.params.n
+    offsets, tokens = [0] * n_choices, 0
+    try:
+        async with gen:
+            for i in range(n_choices):
+                if (opening := fmt.opening(i)) is not None:
+                    yield _sse({**head, "choices": [opening], **extra})
+            async for index, out in gen.steps():
+                ev = out.event
+                tokens += len(ev.token_ids)
+                if not (ev.text or ev.finished or out.logprobs):
+                    continue            # text held back (a partial character or a possible stop string)
+                chunk = {**head, "choices": [fmt.delta(index, ev.text, out.logprobs or [], offsets[index],
+                                                       ev.finish_reason, ev.stop_reason)], **extra}
+                offsets[index] += len(ev.text)
+                if ev.finished:
+                    chunk["speculative"] = ev.stats.to_dict()
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(gen, tokens), "speculative": speculative(gen)})
+    except APIError as e:
+        # the status line went out with the first byte; the error can only travel as an event
+        yield _sse(error_body(e.status, e.message, e.param, e.code))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,206 @@
+"""From a validated request body to a running Generation: prompts, SamplingParams, engine jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from functools import partial
+
+from ..config import SamplingParams
+from ..llm import LLM
+from ..metrics import RequestStats
+from ..tokenizer import TokenizerError
+from .config import ServerConfig
+from .errors import APIError, bad_value
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .worker import EngineWorker, Job, ShuttingDown, StepOutput
+
+# Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
+# the work one HTTP call can queue on a CPU server.
+MAX_CHOICES = 16
+
+
+class Service:
+    """What the routes need: the model, the worker that owns its engine, and the metrics."""
+
+    def __init__(self, llm: LLM, config: ServerConfig):
+        self.llm, self.config = llm, config
+        self.tokenizer, self.engine = llm.tokenizer, llm.engine
+        self.worker = EngineWorker(llm.engine, config.max_num_seqs)
+        self.metrics = ServerMetrics(lambda: self.worker.num_running, lambda: self.worker.num_waiting)
+        self._seeds = itertools.count(config.seed) if config.seed is not None else None
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        self._check_model(req)
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompts = self._completion_prompts(req.prompt)
+        params = self._params(req, req.max_tokens, req.logprobs)
+        self._check_prompts(prompts, params, "prompt")
+        return prompts, params
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        self._check_model(req)
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        prompts = [self._chat_prompt(req)]
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self._check_prompts(prompts, params, "messages")
+        return prompts, params
+
+    def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> "Generation":
+        return Generation(self.worker, self.metrics, prompts, params, arrival)
+
+    def _check_model(self, req: _Sampling) -> None:
+        if req.model is not None and req.model not in self.config.served_model_names:
+            raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+
+    def _params(self, req: _Sampling, max_tokens, logprobs) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0)", name)
+        fields = dict(n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
+                      top_k=_or(req.top_k, -1), min_p=_or(req.min_p, 0.0), seed=req.seed,
+                      max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                      ignore_eos=req.ignore_eos, logprobs=logprobs)
+        try:
+            params = SamplingParams(**fields)
+        except ValueError as e:
+            raise bad_value(e) from None
+        if params.seed is None and self._seeds is not None and not params.greedy:
+            params = dataclasses.replace(params, seed=next(self._seeds))
+        return params
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], str):
+            return [self.tokenizer.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        messages = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except TokenizerError as e:
+            raise APIError(400, str(e), "messages") from None
+        # the template writes its own special tokens (BOS); encoding must not add a second one
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x n), "
+                                f"got {len(prompts) * params.n}", "n")
+        limit = self.engine.max_model_len
+        for ids in prompts:
+            try:
+                self.engine.check_prompt(ids, params)
+            except ValueError as e:
+                raise APIError(400, str(e), param) from None
+            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                    f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                                    f"{param}, {params.max_tokens} for the completion).", "max_tokens")
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _join_text(parts) -> str:
+    if any(p.type != "text" for p in parts):
+        raise APIError(400, "only text content parts are supported", "messages")
+    return "".join(p.text or "" for p in parts)
+
+
+class _Clock:
+    """Latency bookkeeping of one choice, for the histograms."""
+
+    def __init__(self, arrival: float):
+        self.arrival, self.last = arrival, None
+
+
+class Generation:
+    """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepOutput).
+
+    Use `async with`: entering queues the jobs; leaving with choices unfinished (client gone,
+    cancellation, engine error) cancels them, so their slots free at once.
+    """
+
+    def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
+                 params: SamplingParams, arrival: float):
+        self.prompts, self.params, self.arrival = prompts, params, arrival
+        self._worker, self._metrics = worker, metrics
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * params.n + i))
+                      for p, ids in enumerate(prompts) for i in range(params.n)]
+        self._clocks = [_Clock(arrival) for _ in self._jobs]
+        self.stats: list[RequestStats | None] = [None] * len(self._jobs)
+        self._open = set(range(len(self._jobs)))
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.params.n]
+
+    async def __aenter__(self) -> "Generation":
+        try:
+            self._worker.submit(self._jobs)
+        except ShuttingDown as e:
+            raise APIError(503, str(e)) from None
+        self._metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        outcome = "error" if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else "abort"
+        for i in sorted(self._open):
+            self._worker.cancel(self._jobs[i])
+            self._metrics.finished(outcome, self.stats[i])
+        self._open.clear()
+
+    async def steps(self):
+        """Yield (choice index, StepOutput) until every choice has finished."""
+        while self._open:
+            index, item = await self._queue.get()
+            if isinstance(item, Exception):
+                self._open.discard(index)
+                self._metrics.finished("error", self.stats[index])
+                if isinstance(item, ValueError):
+                    raise bad_value(item)
+                raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
+            self._observe(index, item)
+            yield index, item
+
+    def _observe(self, index: int, out: StepOutput) -> None:
+        event, clock, now = out.event, self._clocks[index], time.perf_counter()
+        self.stats[index] = event.stats
+        if event.token_ids:
+            self._metrics.generation_tokens.inc(len(event.token_ids))
+            if clock.last is None:
+                self._metrics.ttft.observe(now - clock.arrival)
+            else:
+                self._metrics.itl.observe(now - clock.last)
+            clock.last = now
+        if event.finished:
+            self._open.discard(index)
+            self._metrics.e2e.observe(now - clock.arrival)
+            self._metrics.finished(event.finish_reason, event.stats)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item) -> None:
+    """Runs on the worker thread: hand one step to the event loop."""
+    loop.call_soon_threadsafe(queue.put_nowait, (index, item))

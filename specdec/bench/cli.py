@@ -1,0 +1,130 @@
+"""`specdec bench`: flags, then load once -> build variants -> measure each scenario -> report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_KS = "1,2,4,6,8,auto"
+
+
+def add_parser(sub) -> None:
+    from ..cli import add_model_args
+
+    # "resolve": bench takes a list of K where generate takes one value
+    p = sub.add_parser("bench", conflict_handler="resolve",
+                       help="benchmark speculative methods side by side with transformers' generate")
+    add_model_args(p)
+    p.add_argument("--num-speculative-tokens", default=DEFAULT_KS, type=_ks,
+                   help=f'comma-separated K values, "auto" included (default {DEFAULT_KS})')
+    p.add_argument("--speculative-config", type=_per_method,
+                   help='per-method settings as JSON, e.g. \'{"layer_skip": {"num_layers": 2}, "ngram": {"prompt_lookup_max": 3}}\'')
+    p.add_argument("--methods", type=_names, help="comma-separated: plain, any registered method, hf_plain, hf_assisted, "
+                   "hf_assisted_default, hf_assisted_heuristic, hf_prompt_lookup (default: plain, every registered "
+                   "method and, with --peers, every hf_* but hf_assisted_heuristic)")
+    p.add_argument("--temperature", type=_temps, default="0,1", help="comma-separated temperatures (default 0,1)")
+    p.add_argument("--prompts", type=_names, default="code",
+                   help="comma-separated prompt sets: bundled names (code, repeat) or .jsonl files (default code)")
+    p.add_argument("--limit-prompts", type=_positive, help="use only the first N prompts of each set")
+    p.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt unless the set says (default 64)")
+    p.add_argument("--repeats", type=_positive, default=3, help="timed repetitions after one warm-up (default 3)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' generate on the same checkpoints (default: on)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (prompt i uses seed + i)")
+    p.add_argument("--threads", type=_positive, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md and the plots")
+
+
+def _split(value: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("must list at least one value")
+    return items
+
+
+def _names(value: str) -> list[str]:
+    return _split(value)
+
+
+def _ks(value: str) -> list:
+    out = []
+    for x in _split(value):
+        if x == "auto":
+            out.append(x)
+            continue
+        try:
+            k = int(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'K must be an integer >= 1 or "auto", got {x!r}') from None
+        if k < 1:
+            raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
+        out.append(k)
+    return list(dict.fromkeys(out))
+
+
+def _temps(value: str) -> list[float]:
+    try:
+        temps = [float(x) for x in _split(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperatures must be numbers, got {value!r}") from None
+    if any(not t >= 0 for t in temps):
+        raise argparse.ArgumentTypeError("temperatures must be >= 0")
+    return list(dict.fromkeys(temps))
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return n
+
+
+def _per_method(value: str) -> dict:
+    from ..cli import _json_obj
+
+    obj = _json_obj(value)
+    if not all(isinstance(v, dict) for v in obj.values()):
+        raise argparse.ArgumentTypeError('must map method names to objects: {"layer_skip": {"num_layers": 2}}')
+    return obj
+
+
+def command_line(args) -> str:
+    """The run's full command with every setting explicit, for results and README."""
+    parts = ["specdec", "bench"]
+    for flag, value in (("--model", args.model), ("--speculative-model", args.speculative_model),
+                        ("--dtype", args.dtype), ("--device", args.device), ("--max-model-len", args.max_model_len),
+                        ("--methods", ",".join(args.methods) if args.methods else None),
+                        ("--num-speculative-tokens", ",".join(map(str, args.num_speculative_tokens))),
+                        ("--temperature", ",".join(f"{t:g}" for t in args.temperature)),
+                        ("--prompts", ",".join(args.prompts)), ("--limit-prompts", args.limit_prompts),
+                        ("--max-tokens", args.max_tokens), ("--repeats", args.repeats), ("--seed", args.seed),
+                        ("--threads", args.threads), ("--out", args.out)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.speculative_config:
+        import json
+        parts += ["--speculative-config", json.dumps(args.speculative_config)]
+    parts.append("--peers" if args.peers else "--no-peers")
+    return shlex.join(parts)
+
+
+def run(args) -> int:
+    from .run import run_benchmark
+
+    results, written = run_benchmark(args, command_line(args))
+    for s in results["scenarios"]:
+        print(f"{s['name']}:", file=sys.stderr)
+        for m in s["methods"]:
+            sp = m["speedup_vs_plain"]
+            g = m["greedy_match"]
+            same = "" if g is None else ("  greedy identical" if g["identical"] else "  GREEDY MISMATCH")
+            print(f"  {m['name']:<24} {m['tokens_per_second']['median']:8.1f} tok/s"
+                  f"  {sp['median'] if sp else float('nan'):5.2f}x{same}", file=sys.stderr)
+    for path in written:
+        print(path)
+    return 0

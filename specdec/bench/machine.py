@@ -1,0 +1,86 @@
+"""The machine a benchmark ran on, its memory bandwidth, and the plain-decoding roofline.
+
+Decoding one token at batch 1 reads every weight the step uses once, so tokens/s cannot beat
+(memory bandwidth / bytes of weights read per step). The input embedding is not read whole
+(one row per token), so it is left out unless it is tied to the LM head.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+BANDWIDTH_BYTES = 256 * 2**20
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit(repo: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info() -> dict:
+    try:
+        import transformers
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = None
+    return {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gib": None if mem_gib is None else round(mem_gib, 1),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": hf,
+        "specdec_commit": _git_commit(Path(__file__).resolve().parent),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write), best of `tries`, with torch's threads."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                       # fault the pages in before timing
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decoding step reads (all but an untied input embedding)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    skip = set()
+    if embed is not None and not (head is not None and head.weight is embed.weight):
+        skip.add(id(embed.weight))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def roofline(model: torch.nn.Module, bandwidth: float) -> dict:
+    nbytes = weight_bytes_per_step(model)
+    return {"weight_bytes_per_step": nbytes, "dtype": str(model.dtype).replace("torch.", ""),
+            "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+            "roofline_tokens_per_second": round(bandwidth / nbytes, 1)}

@@ -1,0 +1,81 @@
+"""specdec's own variants: plain decoding and every registered proposer at each K, on one target.
+
+Every engine shares the target already loaded by the LLM (and one loaded draft), so adding a
+method or a K costs no memory and no load time; only the proposers differ.
+"""
+
+from __future__ import annotations
+
+from ..config import SpeculativeConfig
+from ..engine import Engine
+from ..model import CheckpointError
+from ..proposers import REGISTRY, build_proposer
+from .variant import SPECDEC, Skipped, Variant, engine_runner
+
+PLAIN = "plain"
+
+
+def registered_methods() -> list[str]:
+    return list(REGISTRY)
+
+
+def _cached_loader(llm):
+    """Load each draft folder once, however many K values and methods use it."""
+    loaded: dict[str, object] = {}
+
+    def load(folder: str):
+        if folder not in loaded:
+            loaded[folder] = llm._load_draft(folder)
+        return loaded[folder]
+    return load
+
+
+def plain_variant(llm) -> Variant:
+    engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine))
+
+
+def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> SpeculativeConfig:
+    fields = dict(overrides)
+    if method == "draft_model" and draft_dir is not None:
+        fields.setdefault("model", draft_dir)
+    return SpeculativeConfig.from_dict({**fields, "method": method, "num_speculative_tokens": k})
+
+
+def _engine(llm, spec: SpeculativeConfig, load) -> Engine:
+    max_len = llm.engine.max_model_len
+    proposer = build_proposer(spec, llm.target, load, max_len)
+    draft = getattr(proposer, "model", None)
+    if draft is not None and draft is not llm.target:
+        max_len = min(max_len, draft.config.max_position_embeddings)
+    return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k)
+
+
+def _settings(spec: SpeculativeConfig, proposer) -> dict:
+    """What this proposer ran with: its own scalar settings (n-gram sizes, exit layer, ...),
+    read generically so that a newly registered method is described without code here."""
+    out = {"model": spec.model} if spec.model else {}
+    out.update({k: v for k, v in vars(proposer).items()
+                if not k.startswith("_") and isinstance(v, (int, float, str, bool))})
+    if spec.adaptive:
+        out["max_k"] = spec.max_k
+    return {**out, **spec.extra}
+
+
+def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | None,
+                         overrides: dict[str, dict]) -> tuple[list[Variant], list[Skipped]]:
+    """One variant per (registered method, K). A method that cannot be built at a K (no draft
+    model, no trained heads, K beyond what it supports) is skipped with its reason."""
+    load = _cached_loader(llm)
+    variants, skipped = [], []
+    for method in methods:
+        for k in ks:
+            try:
+                spec = _spec(method, k, draft_dir, overrides.get(method, {}))
+                engine = _engine(llm, spec, load)
+            except (ValueError, CheckpointError, OSError, NotImplementedError) as e:
+                skipped.append(Skipped(method, k, str(e).splitlines()[0] if str(e) else type(e).__name__))
+                continue
+            settings = _settings(spec, engine.proposer)
+            variants.append(Variant(f"{method} K={k}", SPECDEC, method, k, engine_runner(engine), settings))
+    return variants, skipped

@@ -1,0 +1,103 @@
+"""PNG plots per scenario: speedup against K with the analytic curve; acceptance by draft position."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")                    # files only: no display on a server or in tests
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .summary import predicted_speedup  # noqa: E402
+
+
+def _label(m: dict) -> str:
+    return m["method"] + (" (transformers)" if m["family"] == "transformers" else "")
+
+
+def _fixed_k_groups(methods: list[dict]) -> dict[str, list[dict]]:
+    """Variants with an integer K > 0 (and drafts), grouped by method, sorted by K."""
+    groups = defaultdict(list)
+    for m in methods:
+        if isinstance(m["k"], int) and m["k"] > 0 and m["speedup_vs_plain"] is not None:
+            groups[_label(m)].append(m)
+    return {name: sorted(ms, key=lambda m: m["k"]) for name, ms in groups.items()}
+
+
+def _pooled(ms: list[dict]) -> tuple[float, float] | None:
+    """alpha over all drafted tokens of a method's K values, and the median c."""
+    drafted = sum(m["draft_tokens"] for m in ms)
+    cs = [m["c"] for m in ms if m["c"] is not None]
+    if not drafted or not cs:
+        return None
+    return sum(m["accepted_tokens"] for m in ms) / drafted, float(np.median(cs))
+
+
+def speedup_plot(scenario: dict, path: Path) -> bool:
+    groups = _fixed_k_groups(scenario["methods"])
+    if not groups:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    k_max = max(m["k"] for ms in groups.values() for m in ms)
+    grid = np.linspace(1, k_max, 100)
+    for i, (name, ms) in enumerate(groups.items()):
+        color = colors[i % len(colors)]
+        ks = [m["k"] for m in ms]
+        med = [m["speedup_vs_plain"]["median"] for m in ms]
+        err = [[a - m["speedup_vs_plain"]["min"] for a, m in zip(med, ms)],
+               [m["speedup_vs_plain"]["max"] - a for a, m in zip(med, ms)]]
+        ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, color=color, label=name)
+        pooled = _pooled(ms)
+        if pooled is not None:
+            alpha, c = pooled
+            ax.plot(grid, [predicted_speedup(alpha, k, c) for k in grid], "--", color=color, alpha=0.6,
+                    label=f"{name}: analytic (α={alpha:.2f}, c={c:.2f})")
+    for j, m in enumerate(m for m in scenario["methods"] if m["k"] in (None, "auto") and m["num_drafts"]):
+        if m["speedup_vs_plain"] is not None:
+            ax.plot([m["mean_k"]], [m["speedup_vs_plain"]["median"]], marker="*", markersize=12, linestyle="none",
+                    color=colors[(len(groups) + j) % len(colors)], label=f"{m['name']} (mean K)")
+    peer = next((m for m in scenario["methods"] if m["method"] == "hf_plain"), None)
+    ax.axhline(1.0, color="black", linewidth=0.8, label="specdec plain")
+    if peer is not None and peer["speedup_vs_plain"] is not None:
+        ax.axhline(peer["speedup_vs_plain"]["median"], color="grey", linestyle=":", label="transformers plain")
+    ax.set(xlabel="K (tokens drafted per step)", ylabel="speedup over specdec plain (tokens/s ratio)",
+           title=f"{scenario['prompt_set']} prompts, temperature {scenario['temperature']:g}")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def acceptance_plot(scenario: dict, path: Path) -> bool:
+    """Per method, its largest fixed K: P(position i accepted | drafted)."""
+    groups = _fixed_k_groups(scenario["methods"])
+    curves = {name: ms[-1] for name, ms in groups.items() if ms[-1]["per_position_acceptance"]}
+    if not curves:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, m in curves.items():
+        acc = m["per_position_acceptance"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} K={m['k']}")
+    ax.set(xlabel="draft position", ylabel="acceptance (given drafted)", ylim=(0, 1.02),
+           title=f"Acceptance by draft position: {scenario['prompt_set']}, temperature {scenario['temperature']:g}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_scenario(scenario: dict, out: Path) -> list[Path]:
+    written = []
+    for kind, draw in (("speedup", speedup_plot), ("acceptance", acceptance_plot)):
+        path = out / f"{kind}_{scenario['name']}.png"
+        if draw(scenario, path):
+            written.append(path)
+    return written

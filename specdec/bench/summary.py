@@ -1,0 +1,115 @@
+"""From raw runs to the numbers in the table: tokens/s, speedups, c, the analytic prediction,
+and the greedy comparison against specdec's plain decoding.
+
+Glossary (per variant, over every timed run):
+- alpha: acceptance rate, accepted / drafted tokens.
+- K: mean tokens drafted per drafting step (the fixed K, or the mean for "auto" and n-gram).
+- t_target: seconds per timed target forward (a verification of K + 1 tokens; plain: 1 token).
+- t_draft: seconds of drafting per drafted token; c = t_draft / t_target.
+- predicted speedup (Leviathan et al.): (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); it assumes
+  i.i.d. acceptance and that a verification costs what a plain decoding step costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..adaptive import expected_tokens
+from ..metrics import RequestStats
+from .variant import Run, Variant
+
+REFERENCE, PEER_REFERENCE = "plain", "hf_plain"
+MAX_LISTED_MISMATCHES = 5
+
+
+def predicted_speedup(alpha: float, k: float, c: float) -> float:
+    return expected_tokens(alpha, k) / (k * c + 1)
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "per_repeat": [round(v, 4) for v in values]}
+
+
+def _tokens_per_second(runs: list[list[Run]]) -> list[float]:
+    """Per repeat: all output tokens over all wall time of that repeat's prompts."""
+    out = []
+    for rep in runs:
+        wall = sum(r.wall_s for r in rep)
+        out.append(sum(len(r.token_ids) for r in rep) / wall if wall > 0 else 0.0)
+    return out
+
+
+def _paired_speedup(tps: list[float], ref_tps: list[float] | None) -> dict | None:
+    """Ratios repeat by repeat (both measured within the same interleaved pass), then spread."""
+    if not ref_tps:
+        return None
+    return _spread([a / b if b else 0.0 for a, b in zip(tps, ref_tps)])
+
+
+def _merged(runs: list[list[Run]]) -> tuple[RequestStats, int]:
+    total, timed = RequestStats(), 0
+    for rep in runs:
+        for r in rep:
+            total.merge(r.stats)
+            timed += r.timed_target_forwards
+    return total, timed
+
+
+def greedy_comparison(runs: list[list[Run]], reference: list[list[Run]], prompt_ids: list[str]) -> dict:
+    """Token-for-token against specdec plain's first repeat, every repeat of this variant."""
+    ref = [r.token_ids for r in reference[0]]
+    mismatches = []
+    for rep_index, rep in enumerate(runs):
+        for i, run in enumerate(rep):
+            if run.token_ids != ref[i]:
+                first = next((j for j, (a, b) in enumerate(zip(run.token_ids, ref[i])) if a != b),
+                             min(len(run.token_ids), len(ref[i])))
+                mismatches.append({"prompt": prompt_ids[i], "repeat": rep_index, "first_difference": first,
+                                   "tokens": len(run.token_ids), "reference_tokens": len(ref[i])})
+    bad_prompts = sorted({m["prompt"] for m in mismatches})
+    return {"identical": not mismatches, "mismatched_prompts": len(bad_prompts), "checked_prompts": len(ref),
+            "mismatches": mismatches[:MAX_LISTED_MISMATCHES]}
+
+
+def _timing(stats: RequestStats, timed: int) -> dict:
+    t_target = stats.target_time_s / timed if timed else None
+    t_draft = stats.draft_time_s / stats.draft_tokens if stats.draft_tokens else None
+    c = t_draft / t_target if t_draft is not None and t_target else None
+    k = stats.draft_tokens / stats.num_drafts if stats.num_drafts else 0.0
+    predicted = predicted_speedup(stats.acceptance_rate, k, c) if c is not None else None
+    ms = lambda s: None if s is None else round(s * 1e3, 4)  # noqa: E731
+    return {"mean_k": round(k, 3), "target_forward_ms": ms(t_target), "draft_token_ms": ms(t_draft),
+            "c": None if c is None else round(c, 4), "predicted_speedup": None if predicted is None else round(predicted, 4)}
+
+
+def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool, prompt_ids: list[str]) -> dict:
+    mine = runs[v.name]
+    tps = _tokens_per_second(mine)
+    ref_tps = _tokens_per_second(runs[REFERENCE]) if REFERENCE in runs else None
+    peer_tps = _tokens_per_second(runs[PEER_REFERENCE]) if PEER_REFERENCE in runs else None
+    stats, timed = _merged(mine)
+    return {
+        "name": v.name, "family": v.family, "method": v.method, "k": v.k, "settings": v.settings,
+        "tokens_per_second": _spread(tps),
+        "speedup_vs_plain": _paired_speedup(tps, ref_tps),
+        "speedup_vs_hf_plain": _paired_speedup(tps, peer_tps),
+        "output_tokens": stats.output_tokens,
+        "target_forward_passes": stats.target_forward_passes,
+        "num_drafts": stats.num_drafts, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": round(stats.acceptance_rate, 4) if stats.draft_tokens else None,
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
+        **_timing(stats, timed),
+        "greedy_match": greedy_comparison(mine, runs[REFERENCE], prompt_ids) if greedy and REFERENCE in runs else None,
+    }
+
+
+def summarize(variants: list[Variant], runs: dict[str, list[list[Run]]], scenario, max_tokens: int, repeats: int) -> dict:
+    prompt_ids = [p.id for p in scenario.prompts]
+    return {
+        "name": scenario.name, "prompt_set": scenario.prompt_set, "temperature": scenario.temperature,
+        "num_prompts": len(scenario.prompts), "max_tokens": max_tokens, "repeats": repeats,
+        "prompt_tokens_mean": round(statistics.mean(len(p.ids) for p in scenario.prompts), 1),
+        "methods": [summarize_variant(v, runs, scenario.greedy, prompt_ids) for v in variants],
+    }

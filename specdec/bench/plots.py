@@ -36,41 +36,54 @@ def _pooled(ms: list[dict]) -> tuple[float, float] | None:
     return sum(m["accepted_tokens"] for m in ms) / drafted, float(np.median(cs))
 
 
+def _base_label(m: dict) -> str:
+    """hf_assisted_default and _heuristic share hf_assisted's colour."""
+    return _label({**m, "method": m["method"].removesuffix("_default").removesuffix("_heuristic")})
+
+
+def _own_plain(scenario: dict, family: str) -> float:
+    """Where a family's plain decoding sits on the axis: the analytic speedup is over the
+    family's own plain decoding (c is measured against its own forwards)."""
+    if family == "specdec":
+        return 1.0
+    peer = next((m for m in scenario["methods"] if m["method"] == "hf_plain"), None)
+    return peer["speedup_vs_plain"]["median"] if peer and peer["speedup_vs_plain"] else float("nan")
+
+
 def speedup_plot(scenario: dict, path: Path) -> bool:
     groups = _fixed_k_groups(scenario["methods"])
     if not groups:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {name: cycle[i % len(cycle)] for i, name in enumerate(groups)}
     k_max = max(m["k"] for ms in groups.values() for m in ms)
     grid = np.linspace(1, k_max, 100)
-    for i, (name, ms) in enumerate(groups.items()):
-        color = colors[i % len(colors)]
+    for name, ms in groups.items():
         ks = [m["k"] for m in ms]
         med = [m["speedup_vs_plain"]["median"] for m in ms]
         err = [[a - m["speedup_vs_plain"]["min"] for a, m in zip(med, ms)],
                [m["speedup_vs_plain"]["max"] - a for a, m in zip(med, ms)]]
-        ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, color=color, label=name)
+        ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, color=colors[name], label=name)
         pooled = _pooled(ms)
         if pooled is not None:
             alpha, c = pooled
-            ax.plot(grid, [predicted_speedup(alpha, k, c) for k in grid], "--", color=color, alpha=0.6,
-                    label=f"{name}: analytic (α={alpha:.2f}, c={c:.2f})")
-    for j, m in enumerate(m for m in scenario["methods"] if m["k"] in (None, "auto") and m["num_drafts"]):
-        if m["speedup_vs_plain"] is not None:
+            base = _own_plain(scenario, ms[0]["family"])
+            ax.plot(grid, [base * predicted_speedup(alpha, k, c) for k in grid], "--", color=colors[name],
+                    alpha=0.6, label=f"{name}: analytic (α={alpha:.2f}, c={c:.2f})")
+    for m in scenario["methods"]:
+        if m["k"] in (None, "auto") and m["num_drafts"] and m["speedup_vs_plain"] is not None:
             ax.plot([m["mean_k"]], [m["speedup_vs_plain"]["median"]], marker="*", markersize=12, linestyle="none",
-                    color=colors[(len(groups) + j) % len(colors)], label=f"{m['name']} (mean K)")
-    peer = next((m for m in scenario["methods"] if m["method"] == "hf_plain"), None)
+                    color=colors.get(_base_label(m), "black"), label=f"{m['name']} (at its mean K)")
     ax.axhline(1.0, color="black", linewidth=0.8, label="specdec plain")
-    if peer is not None and peer["speedup_vs_plain"] is not None:
-        ax.axhline(peer["speedup_vs_plain"]["median"], color="grey", linestyle=":", label="transformers plain")
+    peer_plain = _own_plain(scenario, "transformers")
+    if peer_plain == peer_plain:                       # not NaN: hf_plain ran
+        ax.axhline(peer_plain, color="grey", linestyle=":", label="transformers plain")
     ax.set(xlabel="K (tokens drafted per step)", ylabel="speedup over specdec plain (tokens/s ratio)",
-           title=f"{scenario['prompt_set']} prompts, temperature {scenario['temperature']:g}")
-    ax.legend(fontsize=7, loc="best")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+           title=f"{scenario['prompt_set']} prompts, temperature {scenario['temperature']:g}: "
+                 "measured (median, min–max) and analytic (dashed)")
+    ax.set_xticks(sorted({m["k"] for ms in groups.values() for m in ms}))
+    _finish(fig, ax, path)
     return True
 
 
@@ -80,18 +93,23 @@ def acceptance_plot(scenario: dict, path: Path) -> bool:
     curves = {name: ms[-1] for name, ms in groups.items() if ms[-1]["per_position_acceptance"]}
     if not curves:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, m in curves.items():
         acc = m["per_position_acceptance"]
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} K={m['k']}")
     ax.set(xlabel="draft position", ylabel="acceptance (given drafted)", ylim=(0, 1.02),
            title=f"Acceptance by draft position: {scenario['prompt_set']}, temperature {scenario['temperature']:g}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set_xticks(range(1, max(len(m["per_position_acceptance"]) for m in curves.values()) + 1))
+    _finish(fig, ax, path)
     return True
+
+
+def _finish(fig, ax, path: Path) -> None:
+    # the legend beside the axes: inside, it hides the curves it names
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def plot_scenario(scenario: dict, out: Path) -> list[Path]:

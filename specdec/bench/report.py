@@ -43,7 +43,7 @@ def _positions(xs: list[float], limit: int = 8) -> str:
     return (shown + " …") if len(xs) > limit else (shown or "–")
 
 
-HEADER = ("| method | K | tokens/s median (min–max) | × specdec plain | × HF plain | predicted × | α | tokens/step "
+HEADER = ("| method | K | tokens/s median (min–max) | × specdec plain | × HF plain | predicted × own plain | α | tokens/step "
           "| acceptance by position | target fwd ms | draft ms/token | c | greedy = plain |")
 
 
@@ -78,8 +78,17 @@ def _header_lines(results: dict) -> list[str]:
     return lines
 
 
+LEGEND = (
+    "Columns: tokens/s over each repeat's prompts (median and min–max of repeats); speedups are ratios "
+    "within each repeat; predicted × is (1 − α^(K+1)) / ((1 − α)(Kc + 1)) over the method's own family's plain "
+    "decoding, from its measured α (acceptance rate), K (mean drafted per step) and c = draft ms per drafted "
+    "token / target ms per verification forward; tokens/step = output tokens per target forward; greedy = plain "
+    "compares every token of every repeat with specdec plain decoding."
+)
+
+
 def markdown(results: dict) -> str:
-    lines = ["# specdec bench", "", *_header_lines(results)]
+    lines = ["# specdec bench", "", *_header_lines(results), "", LEGEND]
     for s in results["scenarios"]:
         lines += ["", f"## {s['prompt_set']} prompts, temperature {s['temperature']:g}", "",
                   f"{s['num_prompts']} prompts (mean {s['prompt_tokens_mean']} tokens), up to {s['max_tokens']} new tokens, "

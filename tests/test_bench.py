@@ -1,0 +1,145 @@
+"""`specdec bench`: a smoke run on tiny checkpoints, and the pieces it is built from.
+
+Timings are never asserted: only that every number is there, and that greedy outputs agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.bench import cli as bench_cli
+from specdec.bench.harness import rotated
+from specdec.bench.prompts import BUNDLED, read_rows
+from specdec.bench.run import select_methods
+from specdec.bench.summary import greedy_comparison, predicted_speedup
+from specdec.bench.variant import Run, Variant
+from specdec.cli import main
+from specdec.metrics import RequestStats
+from specdec.proposers import REGISTRY
+from specdec.train.data import split_of
+
+METHOD_KEYS = {"name", "family", "method", "k", "settings", "tokens_per_second", "speedup_vs_plain",
+               "speedup_vs_hf_plain", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+               "target_forward_ms", "draft_token_ms", "c", "predicted_speedup", "greedy_match", "mean_k"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)     # a training job shares this machine
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> Path:
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "def add(a, b):\n", "id": "add"}, {"prompt": "for i in range(10):\n", "max_tokens": 6}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _bench(tmp_path, *flags) -> tuple[int, dict, Path]:
+    out = tmp_path / "out"
+    rc = main(["bench", "--repeats", "1", "--max-tokens", "8", "--out", str(out), *flags])
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else None
+    return rc, results, out
+
+
+def test_smoke_run_writes_results_and_greedy_outputs_agree(tiny_pair, prompts_file, tmp_path):
+    target, draft = tiny_pair
+    rc, results, out = _bench(tmp_path, "--model", str(target), "--speculative-model", str(draft),
+                              "--methods", "draft_model,ngram,hf_assisted", "--num-speculative-tokens", "2,auto",
+                              "--temperature", "0,1", "--prompts", str(prompts_file))
+    assert rc == 0
+    for name in ("results.json", "results.md", "speedup_p_t0.png", "acceptance_p_t0.png", "speedup_p_t1.png"):
+        assert (out / name).is_file(), name
+    assert [s["name"] for s in results["scenarios"]] == ["p_t0", "p_t1"]
+    greedy, sampled = results["scenarios"]
+    names = [m["name"] for m in greedy["methods"]]
+    assert names == ["plain", "draft_model K=2", "draft_model K=auto", "ngram K=2", "ngram K=auto",
+                     "hf_plain", "hf_assisted K=2"]
+    for m in greedy["methods"]:
+        assert METHOD_KEYS <= set(m), m["name"]
+        assert m["tokens_per_second"]["min"] <= m["tokens_per_second"]["median"] <= m["tokens_per_second"]["max"]
+        assert m["output_tokens"] > 0
+    for m in greedy["methods"]:
+        if m["family"] == "specdec":
+            assert m["greedy_match"]["identical"], m
+        else:
+            assert m["greedy_match"] is not None     # peers are compared too (reported, not asserted)
+    spec = {m["name"]: m for m in greedy["methods"]}
+    assert spec["draft_model K=2"]["draft_tokens"] > 0 and spec["draft_model K=2"]["c"] is not None
+    assert len(spec["draft_model K=2"]["per_position_acceptance"]) == 2
+    assert spec["hf_assisted K=2"]["draft_tokens"] > 0     # the probe saw transformers' drafts
+    assert all(m["greedy_match"] is None for m in sampled["methods"])
+    table = (out / "results.md").read_text()
+    assert "| draft_model | 2 |" in table and "hf_assisted (transformers)" in table
+    assert results["command"].startswith("specdec bench ") and results["machine"]["cores"]
+
+
+def test_a_method_without_its_model_is_skipped_not_fatal(tiny_pair, prompts_file, tmp_path):
+    target, _ = tiny_pair
+    rc, results, _ = _bench(tmp_path, "--model", str(target), "--methods", "draft_model,layer_skip",
+                            "--num-speculative-tokens", "1", "--temperature", "0", "--no-peers",
+                            "--prompts", str(prompts_file))
+    assert rc == 0
+    assert [m["name"] for m in results["scenarios"][0]["methods"]] == ["plain", "layer_skip K=1"]
+    assert [(s["method"], s["k"]) for s in results["skipped"]] == [("draft_model", 1)]
+    assert "model" in results["skipped"][0]["reason"]
+
+
+def test_bad_flags_are_one_line_errors(tiny_pair, prompts_file, tmp_path, capsys):
+    target, _ = tiny_pair
+    rc, _, _ = _bench(tmp_path, "--model", str(target), "--methods", "nope", "--prompts", str(prompts_file))
+    assert rc == 2 and "unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--num-speculative-tokens", "0", "--out", str(tmp_path)])
+
+
+def test_method_selection_follows_the_registry():
+    spec, hf, skipped = select_methods(None, peers=True)
+    assert spec == list(REGISTRY) and hf[0] == "hf_plain" and not skipped
+    spec, hf, _ = select_methods(["ngram", "hf_prompt_lookup"], peers=True)
+    assert spec == ["ngram"] and hf == ["hf_plain", "hf_prompt_lookup"]
+    assert select_methods(["hf_assisted"], peers=False)[1] == []
+
+
+def test_k_and_temperature_lists():
+    assert bench_cli._ks("1,2,auto,2") == [1, 2, "auto"]
+    assert bench_cli._temps("0,1,0") == [0.0, 1.0]
+
+
+def test_analytic_speedup():
+    assert predicted_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    # alpha 0.8, K 4, c 0.1: (1 - 0.8^5) / 0.2 / 1.4
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+
+
+def _run(tokens):
+    return Run(tokens, 0.1, RequestStats(output_tokens=len(tokens)), 1)
+
+
+def test_greedy_mismatch_is_reported_with_its_position():
+    ref = [[_run([1, 2, 3]), _run([4, 5])]]
+    other = [[_run([1, 2, 3]), _run([4, 6, 7])], [_run([1, 2]), _run([4, 5])]]
+    g = greedy_comparison(other, ref, ["a", "b"])
+    assert not g["identical"] and g["mismatched_prompts"] == 2
+    assert {(m["prompt"], m["repeat"], m["first_difference"]) for m in g["mismatches"]} == {("b", 0, 1), ("a", 1, 2)}
+    assert greedy_comparison(ref, ref, ["a", "b"])["identical"]
+
+
+def test_interleaving_rotates_every_variant_through_every_slot():
+    vs = [Variant(str(i), "specdec", "plain", 0, None) for i in range(3)]
+    firsts = {rotated(vs, s)[0].name for s in range(3)}
+    assert firsts == {"0", "1", "2"}
+
+
+def test_bundled_prompts_come_from_the_test_split():
+    code, repeat = read_rows(BUNDLED / "code.jsonl"), read_rows(BUNDLED / "repeat.jsonl")
+    assert len(code) >= 15 and len(repeat) >= 8
+    for row in code + repeat:
+        assert split_of(row["id"].split(":", 1)[0]) == "test", row["id"]
+    assert all("renamed to" in r["prompt"] for r in repeat)

@@ -63,8 +63,16 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offse
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_text(tokenizer, i): lp for i, lp in e.top} for e in entries],
+            "top_logprobs": [_top_dict(tokenizer, e.top) for e in entries],
             "text_offset": offsets}
+
+
+def _top_dict(tokenizer: Tokenizer, top) -> dict[str, float]:
+    """{token text: logprob}; tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best."""
+    out: dict[str, float] = {}
+    for token_id, lp in top:
+        out.setdefault(_text(tokenizer, token_id), lp)
+    return out
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:

@@ -1,0 +1,446 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn on a loopback port, tiny checkpoints,
+the official openai client, raw HTTP for bad input, schemathesis over the OpenAPI schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from specdec.llm import LLM
+from specdec.server import ServerConfig, build_app
+from specdec.server.cli import parse_args
+
+MAX_LEN = 128
+K = 3
+PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os\n", "print(i)",
+           "    return a + b", "if __name__ == '__main__':", "self.x = x"]
+
+
+class LiveServer:
+    """uvicorn serving `app` from a thread, on a socket bound before start (no port races)."""
+
+    def __init__(self, app):
+        torch.set_num_threads(1)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=K, max_model_len=MAX_LEN)
+    app = build_app(llm, ServerConfig(served_model_names=("tiny", "tiny-alias"), max_num_seqs=6))
+    with LiveServer(app) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def metric(http, name: str) -> float:
+    """One sample of the Prometheus text at /metrics (0 when absent)."""
+    text = http.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def healthy(http) -> None:
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "def", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def stream_text(client, **kw) -> tuple[list[str], dict | None, list]:
+    """Streamed completion -> (text per choice, usage, chunks)."""
+    chat = "messages" in kw
+    create = client.chat.completions.create if chat else client.completions.create
+    chunks = list(create(model="tiny", stream=True, **kw))
+    texts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            part = (c.delta.content or "") if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + part
+    usage = next((ch.usage for ch in chunks if ch.usage is not None), None)
+    return [texts[i] for i in sorted(texts)], usage, chunks
+
+
+# --- endpoints ---------------------------------------------------------------------------
+
+def test_health_version_models(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/version").json()["version"]
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny", "tiny-alias"]
+    assert models["data"][0]["max_model_len"] == MAX_LEN
+
+
+def test_completion_and_chat(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    spec = r.model_extra["speculative"]
+    assert spec["output_tokens"] == 12 and spec["num_drafts"] > 0
+    assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    c = client.chat.completions.create(model="tiny-alias", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, temperature=0)
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.usage.completion_tokens <= 8 and "speculative" in c.model_extra
+    # list prompts and token-id prompts: one choice per prompt
+    b = client.completions.create(model="tiny", prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=4, temperature=0)
+    assert [ch.index for ch in b.choices] == [0, 1]
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_stop_and_logprobs(client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:8]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and full.startswith(cut.text) and stop not in cut.text
+    lp = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(top.values()) - x) < 1e-4 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_stream_equals_non_stream(client):
+    for kw in (dict(prompt=PROMPTS[0], max_tokens=24, temperature=0),
+               dict(prompt=PROMPTS[1], max_tokens=24, temperature=0.9, seed=11, n=2),
+               dict(messages=[{"role": "user", "content": "hello"}], max_tokens=16, temperature=0)):
+        chat = "messages" in kw
+        create = client.chat.completions.create if chat else client.completions.create
+        whole = create(model="tiny", extra_body={"ignore_eos": True}, **kw)
+        expected = [c.message.content if chat else c.text for c in whole.choices]
+        texts, usage, chunks = stream_text(client, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}, **kw)
+        assert texts == expected
+        assert usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].model_extra["speculative"]["output_tokens"] == usage.completion_tokens
+        finishing = [c for ch in chunks for c in ch.choices if c.finish_reason]
+        assert len(finishing) == len(expected)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a = client.completions.create(seed=1234, n=2, **kw)
+    b = client.completions.create(seed=1234, n=2, **kw)
+    one = client.completions.create(seed=1234, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert one.choices[0].text == a.choices[0].text        # choice i samples with seed + i
+
+
+def test_greedy_matches_specdec_generate(client, tiny_pair, capsys):
+    from specdec.cli import main
+
+    target, draft = tiny_pair
+    rc = main(["generate", PROMPTS[4], "--model", str(target), "--speculative-model", str(draft),
+               "--num-speculative-tokens", str(K), "--max-model-len", str(MAX_LEN), "--max-tokens", "24", "--json"])
+    assert rc == 0
+    expected = json.loads(capsys.readouterr().out)
+    got = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=24, temperature=0).choices[0]
+    assert got.text == expected["text"] and got.finish_reason == expected["finish_reason"]
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+LONG_PROMPT = "x = 1\n" * 200
+BAD = [
+    ("malformed JSON", b'{"prompt": "x", ', 400, None),
+    ("not an object", b'["prompt"]', 400, None),
+    ("not an object (string)", b'"hello"', 400, None),
+    ("wrong type", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("bool as int", {"prompt": "x", "n": True}, 400, "n"),
+    ("prompt missing", {"max_tokens": 3}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens beyond context", {"prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    ("prompt too long", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
+    ("empty prompt", {"prompt": [], "max_tokens": 1}, 400, "prompt"),
+    ("empty token list", {"prompt": [[]], "max_tokens": 1}, 400, "prompt"),
+    ("token id outside vocab", {"prompt": [1, 99999], "max_tokens": 1}, 400, "prompt"),
+    ("NaN temperature", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("Infinity temperature", b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("negative temperature", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("too many stop strings", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("n too large", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("logprobs too large", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("unsupported penalty", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+]
+BAD_CHAT = [
+    ("no messages", {"messages": []}, 400, "messages"),
+    ("message not an object", {"messages": ["hi"]}, 400, "messages"),
+    ("image content", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("max_tokens beyond context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,case", [("/v1/completions", c) for c in BAD] + [("/v1/chat/completions", c) for c in BAD_CHAT],
+                         ids=lambda x: x[0] if isinstance(x, tuple) else x)
+def test_bad_input_gets_openai_error_then_server_is_healthy(http, path, case):
+    _, body, status, param = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    healthy(http)
+
+
+def test_more_bad_requests(http):
+    assert http.post("/v1/completions", content=b"prompt=x").status_code == 400    # form, not JSON
+    assert http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert http.get("/v1/completions").status_code == 405
+    big = json.dumps({"prompt": "x" * (1 << 20 + 1)}).encode()
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+    def chunked():
+        for _ in range(20):
+            yield b" " * 100_000
+    r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    healthy(http)
+
+
+# --- serving behaviour -------------------------------------------------------------------
+
+def test_concurrent_streams_match_sequential(server, client, http):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    kw = dict(max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    sequential = [client.completions.create(model="tiny", prompt=p, **kw).choices[0].text for p in prompts]
+
+    async def all_streams():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        async def one(p):
+            text = ""
+            async for ch in await aclient.completions.create(model="tiny", prompt=p, stream=True, **kw):
+                text += "".join(c.text for c in ch.choices)
+            return text
+
+        async def health_while_busy():
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(base_url=server.url) as h:
+                t0 = time.perf_counter()
+                r = await h.get("/health")
+                return r.status_code, time.perf_counter() - t0
+
+        results = await asyncio.gather(*(one(p) for p in prompts), health_while_busy())
+        await aclient.close()
+        return results[:-1], results[-1]
+
+    concurrent, (status, latency) = asyncio.run(all_streams())
+    assert concurrent == sequential
+    assert status == 200 and latency < 2.0          # the event loop answers while the worker decodes
+    assert metric(http, "specdec:num_requests_running") == 0
+
+
+def test_disconnect_frees_the_slot(server, http):
+    aborted = metric(http, 'specdec:requests_total{outcome="abort"}')
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_LEN - 20, "n": 4, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            first = next(r.iter_lines())
+            assert first.startswith("data: ")
+    # a non-streaming request whose client gives up
+    body.update(stream=False, n=8)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while metric(http, 'specdec:requests_total{outcome="abort"}') < aborted + 12 \
+            or metric(http, "specdec:num_requests_running") > 0:
+        assert time.monotonic() < deadline, http.get("/metrics").text
+        time.sleep(0.05)
+    healthy(http)
+
+
+def test_metrics(http):
+    text = http.get("/metrics").text
+    for name in ("specdec:prompt_tokens_total", "specdec:generation_tokens_total",
+                 "specdec:time_to_first_token_seconds_bucket", "specdec:inter_token_latency_seconds_bucket",
+                 "specdec:e2e_request_latency_seconds_bucket", "specdec:spec_decode_num_drafts_total",
+                 "specdec:spec_decode_num_draft_tokens_total", "specdec:spec_decode_num_accepted_tokens_total",
+                 'specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                 'specdec:requests_total{outcome="length"}', 'specdec:requests_total{outcome="invalid"}'):
+        assert name in text, name
+    drafts = metric(http, "specdec:spec_decode_num_drafts_total")
+    drafted = metric(http, "specdec:spec_decode_num_draft_tokens_total")
+    accepted = metric(http, "specdec:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(metric(http, f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}')
+                  for i in range(K))
+    assert drafts > 0 and drafted <= K * drafts and per_pos == accepted
+    assert metric(http, 'specdec:requests_total{outcome="invalid"}') > 0
+
+
+def test_api_key(tiny_pair):
+    llm = LLM(tiny_pair[0], speculative_model="[ngram]", num_speculative_tokens=2, max_model_len=64)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("k",), api_key="sekrit"))) as live:
+        body = {"prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
+            r = httpx.post(live.url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # the key is checked before the body is even parsed
+        assert httpx.post(live.url + "/v1/completions", content=b"{oops").status_code == 401
+        assert httpx.get(live.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=live.url + "/v1", api_key="sekrit", max_retries=0)
+        assert ok.completions.create(model="k", prompt="def", max_tokens=3, temperature=0).usage.completion_tokens >= 1
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_dict(httpx.get(server.url + "/openapi.json").json())
+    failures = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        # negative data needs something to break: only the POST bodies have it
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+        for mode in modes:
+            @settings(max_examples=12, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def check(case):
+                response = case.call(base_url=server.url, timeout=30)
+                if response.status_code >= 500:
+                    failures.append((operation.label, case.body, response.status_code, response.text))
+            check()
+    assert not failures, failures[:3]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# --- command line ------------------------------------------------------------------------
+
+def test_vllm_flags_are_accepted():
+    args, ignored = parse_args(["--model", "m", "--use-v2-block-manager", "--gpu-memory-utilization", "0.9",
+                                "--tensor-parallel-size", "1", "--enforce-eager", "--swap-space=4",
+                                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                "--dtype", "half", "--port", "9001", "--served-model-name", "a", "b"])
+    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--tensor-parallel-size 1",
+                       "--enforce-eager", "--swap-space=4"]
+    assert args.model == "m" and args.port == 9001 and args.host == "127.0.0.1" and args.dtype == "float16"
+    assert args.speculative_config["num_speculative_tokens"] == 3 and args.served_model_name == ["a", "b"]
+
+
+def test_bad_model_fails_fast(tiny_pair, tmp_path, capsys):
+    from specdec.cli import main
+
+    target, draft = tiny_pair
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "1"]) == 2
+    # a draft whose vocabulary disagrees with the target's
+    bad = tmp_path / "draft"
+    shutil.copytree(draft, bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    assert main(["serve", "--model", str(target), "--speculative-model", str(bad), "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("specdec: error: ") for line in err)
+    assert "vocabular" in err[1]
+
+
+def test_sigterm_finishes_in_flight_requests(tiny_pair):
+    target, draft = tiny_pair
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec.entrypoints.openai.api_server", "--model", str(target),
+         "--speculative-model", str(draft), "--num-speculative-tokens", "3", "--port", str(port),
+         "--served-model-name", "t", "--use-v2-block-manager", "--gpu-memory-utilization", "0.9",
+         "--uvicorn-log-level", "warning"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)        # mid-stream
+                lines.append(line)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert events[-1]["usage"]["completion_tokens"] == 120
+        # uvicorn drains, then re-raises the signal so the exit status says what ended it
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+        stderr = proc.stderr.read()
+        assert "ignoring vLLM flag with no meaning here: --use-v2-block-manager" in stderr
+        assert "--gpu-memory-utilization 0.9" in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

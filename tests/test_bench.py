@@ -124,11 +124,28 @@ def _run(tokens):
 
 def test_greedy_mismatch_is_reported_with_its_position():
     ref = [[_run([1, 2, 3]), _run([4, 5])]]
-    other = [[_run([1, 2, 3]), _run([4, 6, 7])], [_run([1, 2]), _run([4, 5])]]
+    other = [[_run([1, 2, 3]), _run([4, 6, 7])], [_run([1, 2]), _run([4, 6, 7])]]
     g = greedy_comparison(other, ref, ["a", "b"])
     assert not g["identical"] and g["mismatched_prompts"] == 2
-    assert {(m["prompt"], m["repeat"], m["first_difference"]) for m in g["mismatches"]} == {("b", 0, 1), ("a", 1, 2)}
+    by_prompt = {m["prompt"]: m for m in g["mismatches"]}
+    assert (by_prompt["a"]["first_difference"], by_prompt["a"]["repeats_differing"]) == (2, 1)
+    assert by_prompt["a"]["got_token"] is None          # it stopped early: no token to compare
+    assert (by_prompt["b"]["first_difference"], by_prompt["b"]["expected_token"], by_prompt["b"]["got_token"]) == (1, 5, 6)
+    assert by_prompt["b"]["repeats_differing"] == 2
     assert greedy_comparison(ref, ref, ["a", "b"])["identical"]
+
+
+def test_logit_gap_labels_a_clear_choice_as_no_tie(tiny_pair):
+    from specdec.bench.diagnose import logit_gap
+    from specdec.model import load_model
+
+    model = load_model(tiny_pair[0], "float32", "cpu")
+    prompt = [5, 6, 7]
+    logits = model(torch.tensor([prompt]))[0, -1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    d = logit_gap(model, prompt, [best], 0, worst)
+    assert d["logit_gap"] > 0 and not d["near_tie"]
+    assert logit_gap(model, prompt, [best], 0, best)["near_tie"]
 
 
 def test_interleaving_rotates_every_variant_through_every_slot():

@@ -35,7 +35,8 @@ def _greedy(m: dict) -> str:
         return "n/a (sampled)"
     if g["identical"]:
         return "yes"
-    return f"**NO** ({g['mismatched_prompts']}/{g['checked_prompts']} prompts)"
+    why = "; logit near-ties" if g.get("all_listed_near_ties") else ""
+    return f"**NO** ({g['mismatched_prompts']}/{g['checked_prompts']} prompts{why})"
 
 
 def _positions(xs: list[float], limit: int = 8) -> str:

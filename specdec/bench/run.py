@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ..config import METHODS
 from ..llm import DEFAULT_DRAFT, LLM
 from . import machine, report
+from .diagnose import label_mismatches
 from .harness import Scenario, measure, num_steps
 from .methods import PLAIN, plain_variant, registered_methods, speculative_variants
 from .peers import DEFAULT_PEERS, PEERS, peer_variants
@@ -87,5 +88,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for s in scenarios:
             runs = measure(variants, s, args.repeats, args.seed, bar)
-            results["scenarios"].append(summarize(variants, runs, s, args.max_tokens, args.repeats))
+            summary = summarize(variants, runs, s, args.max_tokens, args.repeats)
+            if s.greedy:
+                label_mismatches(llm.target, s, summary, runs[PLAIN])
+            results["scenarios"].append(summary)
     return results, report.write_all(results, args.out)

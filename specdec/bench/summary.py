@@ -56,19 +56,29 @@ def _merged(runs: list[list[Run]]) -> tuple[RequestStats, int]:
     return total, timed
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def greedy_comparison(runs: list[list[Run]], reference: list[list[Run]], prompt_ids: list[str]) -> dict:
-    """Token-for-token against specdec plain's first repeat, every repeat of this variant."""
+    """Token for token against specdec plain's first repeat, in every repeat of this variant.
+
+    One entry per mismatching prompt: where it first differs (in the first repeat that
+    differs), the two tokens there, and in how many repeats it differed."""
     ref = [r.token_ids for r in reference[0]]
     mismatches = []
-    for rep_index, rep in enumerate(runs):
-        for i, run in enumerate(rep):
-            if run.token_ids != ref[i]:
-                first = next((j for j, (a, b) in enumerate(zip(run.token_ids, ref[i])) if a != b),
-                             min(len(run.token_ids), len(ref[i])))
-                mismatches.append({"prompt": prompt_ids[i], "repeat": rep_index, "first_difference": first,
-                                   "tokens": len(run.token_ids), "reference_tokens": len(ref[i])})
-    bad_prompts = sorted({m["prompt"] for m in mismatches})
-    return {"identical": not mismatches, "mismatched_prompts": len(bad_prompts), "checked_prompts": len(ref),
+    for i, expected in enumerate(ref):
+        outs = [rep[i].token_ids for rep in runs]
+        bad = [out for out in outs if out != expected]
+        if not bad:
+            continue
+        pos = _first_difference(bad[0], expected)
+        mismatches.append({"prompt": prompt_ids[i], "prompt_index": i, "first_difference": pos,
+                           "expected_token": expected[pos] if pos < len(expected) else None,
+                           "got_token": bad[0][pos] if pos < len(bad[0]) else None,
+                           "repeats_differing": len(bad), "repeats": len(outs),
+                           "tokens": len(bad[0]), "reference_tokens": len(expected)})
+    return {"identical": not mismatches, "mismatched_prompts": len(mismatches), "checked_prompts": len(ref),
             "mismatches": mismatches[:MAX_LISTED_MISMATCHES]}
 
 

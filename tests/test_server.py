@@ -63,6 +63,7 @@ def server(tiny_pair):
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=K, max_model_len=MAX_LEN)
     app = build_app(llm, ServerConfig(served_model_names=("tiny", "tiny-alias"), max_num_seqs=6))
     with LiveServer(app) as live:
+        live.app = app
         yield live
 
 
@@ -310,6 +311,29 @@ def test_disconnect_frees_the_slot(server, http):
     healthy(http)
 
 
+def test_engine_failure_is_an_error_not_a_crash(server, http):
+    engine = server.app.state.service.engine
+    real = engine.generate
+
+    def failing(prompt, params, seed_offset=0):
+        steps = real(prompt, params, seed_offset)
+        yield next(steps)
+        steps.close()
+        raise RuntimeError("boom")
+
+    engine.generate = failing
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "ignore_eos": True}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        lines = [x for x in http.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if x]
+        assert json.loads(lines[-2][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
+    finally:
+        engine.generate = real
+    assert metric(http, 'specdec:requests_total{outcome="error"}') == 2
+    healthy(http)
+
+
 def test_metrics(http):
     text = http.get("/metrics").text
     for name in ("specdec:prompt_tokens_total", "specdec:generation_tokens_total",
@@ -422,21 +446,29 @@ def test_sigterm_finishes_in_flight_requests(tiny_pair):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        lines = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line and not lines:
-                    proc.send_signal(signal.SIGTERM)        # mid-stream
-                lines.append(line)
+        body = {"prompt": PROMPTS[0], "max_tokens": 120, "n": 4, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        lines, started = [], threading.Event()
+
+        def read_stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in filter(None, r.iter_lines()):
+                    started.set()
+                    lines.append(line)
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)                  # mid-stream
+        time.sleep(0.5)
+        if reader.is_alive():                             # still draining: new connections are refused
+            with pytest.raises(httpx.TransportError):
+                httpx.get(url + "/health", timeout=2)
+        reader.join(60)
         events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
-        assert events[-1]["usage"]["completion_tokens"] == 120
+        assert lines[-1] == "data: [DONE]" and events[-1]["usage"]["completion_tokens"] == 4 * 120
         # uvicorn drains, then re-raises the signal so the exit status says what ended it
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        with pytest.raises(httpx.TransportError):
-            httpx.get(url + "/health", timeout=2)
         stderr = proc.stderr.read()
         assert "ignoring vLLM flag with no meaning here: --use-v2-block-manager" in stderr
         assert "--gpu-memory-utilization 0.9" in stderr

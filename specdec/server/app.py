@@ -104,6 +104,7 @@ async def _respond(request: Request, gen, fmt, model: str, body):
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
     if not work.done():
         work.cancel()               # the client left: cancelling frees its engine slots now
         await asyncio.gather(work, return_exceptions=True)

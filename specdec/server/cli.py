@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ..cli import add_model_args, llm_from_args
@@ -32,7 +33,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="completions decoded in turn; the rest queue")
     p.add_argument("--seed", type=int, help="seeds sampling requests that bring no seed of their own")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")

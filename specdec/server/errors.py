@@ -119,26 +119,27 @@ class BodyLimit:
     calls go straight through, so the app still sees the client's disconnect.
     """
 
+    # Before answering 413 the rest of the body is read and dropped (up to this many times the
+    # limit): closing a socket with unread data resets it, and the client would see a reset
+    # instead of the answer.
+    DRAIN_FACTOR = 16
+
     def __init__(self, app, max_bytes: int, on_reject=None):
         self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, send)
-        chunks, size = [], 0
-        while True:
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
             if message["type"] != "http.request":
                 return              # the client left before sending its body
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
+            more = message.get("more_body", False)
             if size > self.max_bytes:
-                return await self._refuse(scope, send)
-            if not message.get("more_body", False):
-                break
+                return await self._refuse(scope, receive, send, size, more)
         buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
@@ -146,9 +147,16 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, send):
+    async def _refuse(self, scope, receive, send, size: int, more: bool):
         if self.on_reject is not None:
             self.on_reject(413)
+        while more and size <= self.DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
         response = error_response(413, f"request body is larger than {self.max_bytes} bytes")
-        response.headers["connection"] = "close"
-        await response(scope, None, send)
+        if more:
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)

@@ -31,7 +31,8 @@ class Service:
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.worker = EngineWorker(llm.engine, config.max_num_seqs)
         self.metrics = ServerMetrics(lambda: self.worker.num_running, lambda: self.worker.num_waiting)
-        self._seeds = itertools.count(config.seed) if config.seed is not None else None
+        # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
+        self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)

@@ -43,7 +43,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -81,7 +81,7 @@ def http(server):
 def metric(http, name: str) -> float:
     """One sample of the Prometheus text at /metrics (0 when absent)."""
     text = http.get("/metrics").text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
@@ -295,10 +295,9 @@ def test_disconnect_frees_the_slot(server, http):
     aborted = metric(http, 'specdec:requests_total{outcome="abort"}')
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_LEN - 20, "n": 4, "ignore_eos": True,
             "temperature": 0, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            first = next(r.iter_lines())
-            assert first.startswith("data: ")
+    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
     # a non-streaming request whose client gives up
     body.update(stream=False, n=8)
     with pytest.raises(httpx.ReadTimeout):
@@ -386,7 +385,7 @@ def test_schemathesis_finds_no_server_errors(server):
             def check(case):
                 response = case.call(base_url=server.url, timeout=30)
                 if response.status_code >= 500:
-                    failures.append((operation.label, case.body, response.status_code, response.text))
+                    failures.append((case.operation.label, case.body, response.status_code, response.text))
             check()
     assert not failures, failures[:3]
     assert httpx.get(server.url + "/health").status_code == 200

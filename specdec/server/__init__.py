@@ -14,4 +14,4 @@
 from .app import build_app
 from .config import ServerConfig
 
-__all__ = ["build_app", "ServerConfig"]
+__all__ = ["ServerConfig", "build_app"]

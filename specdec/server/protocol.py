@@ -7,11 +7,7 @@ Unknown fields are ignored, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Union
-
 from pydantic import BaseModel, ConfigDict, Field
-
-Stop = Union[str, list[str], None]
 
 
 class _Body(BaseModel):
@@ -32,7 +28,7 @@ class _Sampling(_Body):
     min_p: float | None = Field(None, description="vLLM extension; 0 disables")
     n: int = 1
     seed: int | None = None
-    stop: Stop = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
     ignore_eos: bool = Field(False, description="vLLM extension")
     stream: bool = False
@@ -43,7 +39,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many alternatives per token (0..20)")
     echo: bool = Field(False, description="only false is supported")
@@ -56,7 +52,7 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

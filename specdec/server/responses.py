@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from ..metrics import RequestStats
 from ..tokenizer import Tokenizer

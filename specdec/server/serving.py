@@ -55,7 +55,7 @@ class Service:
         self._check_prompts(prompts, params, "messages")
         return prompts, params
 
-    def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> "Generation":
+    def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
         return Generation(self.worker, self.metrics, prompts, params, arrival)
 
     def _check_model(self, req: _Sampling) -> None:
@@ -158,7 +158,7 @@ class Generation:
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.params.n]
 
-    async def __aenter__(self) -> "Generation":
+    async def __aenter__(self) -> Generation:
         try:
             self._worker.submit(self._jobs)
         except ShuttingDown as e:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from ..config import SamplingParams
 from ..engine import Engine, StepEvent

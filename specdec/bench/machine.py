@@ -30,7 +30,7 @@ def _cpu_model() -> str:
 
 def _git_commit(repo: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5, check=False)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -56,7 +56,7 @@ def machine_info() -> dict:
     }
 
 
-def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 5) -> float:
+def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 10) -> float:
     """Bytes/s of a large tensor copy (read + write), best of `tries`, with torch's threads."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)

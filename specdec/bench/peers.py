@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -51,13 +51,16 @@ class Probe:
         self.draft_s, self._t0 = 0.0, 0.0
         self._hooks = [self.model.register_forward_pre_hook(self._pre),
                        self.model.register_forward_hook(self._post)]
-        self.model._get_candidate_generator = self._candidate_generator
+        self._wrapped = hasattr(type(self.model), "_get_candidate_generator")
+        if self._wrapped:
+            self.model._get_candidate_generator = self._candidate_generator
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._hooks:
             h.remove()
-        del self.model._get_candidate_generator
+        if self._wrapped:
+            del self.model._get_candidate_generator
 
     def _pre(self, module, args):
         self._t0 = time.perf_counter()
@@ -164,6 +167,9 @@ def peer_variants(names: list[str], ks: list, target_dir: str, draft_dir: str | 
     transformers.logging.set_verbosity_error()     # per-call notices would bury the progress bar
     transformers.logging.disable_progress_bar()
     version = {"transformers": transformers.__version__}
+    if not hasattr(transformers.GenerationMixin, "_get_candidate_generator"):
+        # the probe counts drafts through this hook; without it acceptance would read as zero
+        version["acceptance_counts"] = "unavailable: this transformers has no _get_candidate_generator"
     target = _load(target_dir, dtype, device)
     assistant, skipped = None, []
     if any(n in NEEDS_ASSISTANT for n in names):

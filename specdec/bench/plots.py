@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def speedup_plot(scenario: dict, path: Path) -> bool:
                     color=colors.get(_base_label(m), "black"), label=f"{m['name']} (at its mean K)")
     ax.axhline(1.0, color="black", linewidth=0.8, label="specdec plain")
     peer_plain = _own_plain(scenario, "transformers")
-    if peer_plain == peer_plain:                       # not NaN: hf_plain ran
+    if not math.isnan(peer_plain):                     # hf_plain ran
         ax.axhline(peer_plain, color="grey", linestyle=":", label="transformers plain")
     ax.set(xlabel="K (tokens drafted per step)", ylabel="speedup over specdec plain (tokens/s ratio)",
            title=f"{scenario['prompt_set']} prompts, temperature {scenario['temperature']:g}: "

@@ -160,3 +160,18 @@ def test_bundled_prompts_come_from_the_test_split():
     for row in code + repeat:
         assert split_of(row["id"].split(":", 1)[0]) == "test", row["id"]
     assert all("renamed to" in r["prompt"] for r in repeat)
+
+
+def test_probe_counts_drafts_and_leaves_the_model_as_it_was(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.bench.peers import Probe
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    with Probe(target) as probe:
+        target.generate(input_ids=torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=6, do_sample=False,
+                        prompt_lookup_num_tokens=2)
+    stats, timed = probe.stats(6)
+    assert stats.target_forward_passes == len(probe.steps) >= 1 and timed == len(probe.forward_s) - 1
+    assert "_get_candidate_generator" not in vars(target)
+    assert not target._forward_hooks and not target._forward_pre_hooks

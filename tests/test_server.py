@@ -169,6 +169,13 @@ def test_stream_equals_non_stream(client):
         assert len(finishing) == len(expected)
 
 
+def test_numeric_edges_do_not_fail(client):
+    for extra in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 1e308},
+                  {"temperature": 1.0, "min_p": 1.0, "top_k": 10**30}, {"seed": -2**63}):
+        r = client.completions.create(model="tiny", prompt="def", max_tokens=4, extra_body=extra)
+        assert r.usage.completion_tokens >= 1
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.95,
               extra_body={"ignore_eos": True, "top_k": 50})
@@ -217,6 +224,7 @@ BAD = [
     ("too many stop strings", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ("n too large", {"prompt": "x", "n": 1000}, 400, "n"),
     ("logprobs too large", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("seed beyond 64 bits", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("unsupported penalty", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
 ]
 BAD_CHAT = [

@@ -26,7 +26,7 @@ class LogprobScorer:
     """Mirrors the engine's cache invariant: the cache holds every token but the last one."""
 
     def __init__(self, model: Transformer, prompt: list[int], max_len: int, top_n: int):
-        self.model, self.top_n = model, top_n
+        self.model, self.top_n = model, min(top_n, model.config.vocab_size)
         self.cache = model.new_cache(1, max_len)
         self.seq = list(prompt)
         if len(prompt) > 1:

@@ -71,9 +71,11 @@ class Service:
                       max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                       ignore_eos=req.ignore_eos, logprobs=logprobs)
         try:
-            params = SamplingParams(**fields)
+            params = _numerically_safe(SamplingParams(**fields))
         except ValueError as e:
             raise bad_value(e) from None
+        if params.seed is not None and not -2**63 <= params.seed < 2**63 - MAX_CHOICES:
+            raise APIError(400, f"seed must be a 64-bit integer, got {params.seed}", "seed")
         if params.seed is None and self._seeds is not None and not params.greedy:
             params = dataclasses.replace(params, seed=next(self._seeds))
         return params
@@ -117,6 +119,20 @@ class Service:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                                     f"{param}, {params.max_tokens} for the completion).", "max_tokens")
+
+
+# Below these the engine's float32 sampling overflows (logits / T -> inf) or keeps no token at
+# all (top_p rounds to 0); vLLM likewise treats T < 1e-5 as greedy. Raising top_p to 1e-6 changes
+# nothing else: the most likely token always has probability >= 1/V > 1e-6.
+_MIN_TEMPERATURE, _MIN_TOP_P = 1e-5, 1e-6
+
+
+def _numerically_safe(params: SamplingParams) -> SamplingParams:
+    if 0 < params.temperature < _MIN_TEMPERATURE:
+        params = dataclasses.replace(params, temperature=0.0)
+    if params.top_p < _MIN_TOP_P:
+        params = dataclasses.replace(params, top_p=_MIN_TOP_P)
+    return params
 
 
 def _or(value, default):

@@ -360,7 +360,8 @@ def test_metrics(http):
 
 
 def test_api_key(tiny_pair):
-    llm = LLM(tiny_pair[0], speculative_model="[ngram]", num_speculative_tokens=2, max_model_len=64)
+    # the target drafting for itself: every greedy draft is accepted, which checks the statistics
+    llm = LLM(tiny_pair[0], speculative_model=str(tiny_pair[0]), num_speculative_tokens=2, max_model_len=64)
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("k",), api_key="sekrit"))) as live:
         body = {"prompt": "x", "max_tokens": 2}
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
@@ -372,7 +373,14 @@ def test_api_key(tiny_pair):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=live.url + "/v1", api_key="sekrit", max_retries=0)
-        assert ok.completions.create(model="k", prompt="def", max_tokens=3, temperature=0).usage.completion_tokens >= 1
+        r = ok.completions.create(model="k", prompt="def", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        spec = r.model_extra["speculative"]
+        assert spec["accepted_tokens"] == spec["draft_tokens"] > 0 and spec["acceptance_rate"] == 1.0
+        with httpx.Client(base_url=live.url) as h:
+            drafts = metric(h, "specdec:spec_decode_num_drafts_total")
+            assert drafts == spec["num_drafts"] and metric(h, "specdec:spec_decode_num_accepted_tokens_total") == \
+                spec["accepted_tokens"]
+            assert metric(h, 'specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') == drafts
 
 
 def test_schemathesis_finds_no_server_errors(server):

@@ -56,6 +56,12 @@ def machine_info() -> dict:
     }
 
 
+def busy(info: dict) -> bool:
+    """Other work holds at least half the cores (1-minute load average): timings will be skewed."""
+    load, cores = info.get("load_average"), info.get("cores")
+    return bool(load and cores and load[0] >= 0.5 * cores)
+
+
 def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 10) -> float:
     """Bytes/s of a large tensor copy (read + write), best of `tries`, with torch's threads."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)

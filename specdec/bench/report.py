@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import plots
+from . import machine, plots
 
 
 def write_all(results: dict, out: Path) -> list[Path]:
@@ -67,10 +67,13 @@ def table(scenario: dict) -> str:
 def _header_lines(results: dict) -> list[str]:
     mach, cfg = results["machine"], results["config"]
     lines = [f"Command: `{results['command']}`", "",
-             f"Machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} threads, "
-             f"transformers {mach['transformers']}, specdec {mach['specdec_commit']}; load average at start "
-             f"{mach['load_average']}", "",
-             f"Target `{cfg['model']}`, draft `{cfg['draft_model']}`, dtype {cfg['dtype']}, device {cfg['device']}."]
+             (f"Machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} "
+              f"threads, transformers {mach['transformers']}, specdec {mach['specdec_commit']}; load average "
+              f"{mach['load_average']} at the start, {mach.get('load_average_end')} at the end.")]
+    if machine.busy(mach):
+        lines += ["", (f"**Warning:** other work held at least half of the {mach['cores']} cores when this run "
+                       "started: these timings are not representative.")]
+    lines += ["", f"Target `{cfg['model']}`, draft `{cfg['draft_model']}`, dtype {cfg['dtype']}, device {cfg['device']}."]
     roof = results.get("roofline")
     if roof:
         lines += ["", f"Roofline for plain decoding: {roof['weight_bytes_per_step'] / 1e6:.1f} MB of {roof['dtype']} weights "

@@ -84,6 +84,9 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     results = {"command": command, "machine": machine.machine_info(), "config": _config(args, llm, draft_dir),
                "roofline": machine.roofline(llm.target, machine.memory_bandwidth()) if args.device == "cpu" else None,
                "scenarios": [], "skipped": [s.to_dict() for s in skipped]}
+    if machine.busy(results["machine"]):
+        print(f"specdec bench: warning: the machine is busy (load average {results['machine']['load_average']} "
+              f"on {results['machine']['cores']} cores); timings will not be representative", file=sys.stderr)
     total = sum(num_steps(len(variants), len(s.prompts), args.repeats) for s in scenarios)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for s in scenarios:
@@ -92,4 +95,5 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
             if s.greedy:
                 label_mismatches(llm.target, s, summary, runs[PLAIN])
             results["scenarios"].append(summary)
+    results["machine"]["load_average_end"] = machine.machine_info()["load_average"]
     return results, report.write_all(results, args.out)

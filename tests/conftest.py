@@ -9,6 +9,7 @@ import pytest
 import torch
 
 VOCAB = 96
+torch.set_num_threads(1)   # 2-core machine: one thread is faster than two that contend
 
 
 def make_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
@@ -59,3 +60,21 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = make_checkpoint(root / "target", seed=0, layers=3)
     draft = make_checkpoint(root / "draft", seed=1, layers=1, hidden=32, tokenizer_from=target)
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def near_draft(tiny_pair, tmp_path_factory) -> Path:
+    """The target with noise on its LM head: a draft that agrees often but not always."""
+    import transformers
+
+    target, _ = tiny_pair
+    folder = tmp_path_factory.mktemp("near") / "draft"
+    model = transformers.AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w.add_(torch.randn_like(w) * w.std() * 0.3)
+    model.save_pretrained(folder)
+    for f in target.glob("tokenizer*.json"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder

@@ -1,0 +1,230 @@
+"""The decoding loop end to end on tiny checkpoints: lossless greedy, lossless sampling, edges."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from conftest import make_checkpoint
+from specdec import LLM, SamplingParams
+from specdec.model import CheckpointError
+from specdec import verify as verify_mod
+
+PROMPTS = [f"def f{i}(x):\n    return x * {i}" for i in range(12)] + [
+    "import os\n", "class A:\n", "for i in range(", "x = [", "# comment\n", "if __name__", "print(", "def add(a, b):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    target, draft = tiny_pair
+    return {
+        "plain": LLM(model=target, dtype="float32", num_speculative_tokens=0),
+        "draft": {k: LLM(model=target, speculative_model=draft, num_speculative_tokens=k, dtype="float32") for k in range(1, 9)},
+        "self": LLM(model=target, speculative_model=target, num_speculative_tokens=4, dtype="float32"),
+        "target_dir": target, "draft_dir": draft,
+    }
+
+
+def tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_greedy_speculative_equals_plain_for_every_k(models):
+    plain = tokens(models["plain"], PROMPTS, GREEDY)
+    assert len(PROMPTS) >= 20
+    for k, llm in models["draft"].items():
+        assert tokens(llm, PROMPTS, GREEDY) == plain, f"K={k}"
+
+
+def test_greedy_equals_transformers_generate(models):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(models["target_dir"], dtype=torch.float32).eval()
+    llm = models["draft"][4]
+    for prompt in PROMPTS[:6]:
+        ids = llm.tokenizer.encode(prompt)
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                           pad_token_id=1, eos_token_id=None)[0, len(ids):].tolist()
+        assert tokens(llm, [prompt], GREEDY)[0] == out
+
+
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 3},
+                                    {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}])
+def test_self_speculative_methods_greedy_lossless(models, method):
+    llm = LLM(model=models["target_dir"], speculative_config=method, dtype="float32")
+    assert tokens(llm, PROMPTS[:8], GREEDY) == tokens(models["plain"], PROMPTS[:8], GREEDY)
+
+
+def test_identical_draft_accepts_everything(models):
+    out = models["self"].generate(PROMPTS[:4], GREEDY)
+    assert all(o.stats.acceptance_rate == 1.0 for o in out)
+    assert all(o.stats.mean_accepted_length > 4 for o in out)     # all accepted + bonus each step
+    sampled = models["self"].generate(PROMPTS[:4], SamplingParams(temperature=1.0, seed=0, max_tokens=24, ignore_eos=True))
+    assert min(o.stats.acceptance_rate for o in sampled) >= 0.98
+
+
+def first_two_tokens(llm, prompt, params, n):
+    counts = collections.Counter()
+    for i in range(n):
+        p = dataclasses.replace(params, seed=i)
+        counts[tuple(llm.generate([prompt], p)[0].outputs[0].token_ids[:2])] += 1
+    return counts
+
+
+def exact_first_two(llm, prompt, params):
+    """The processed target distribution over the first two output tokens, from its logits."""
+    from specdec.sampling import process
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        p1 = process(llm.target(torch.tensor([ids]))[0, -1:], params)[0]
+        out = {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = process(llm.target(torch.tensor([ids + [a]]))[0, -1:], params)[0]
+            for b in torch.nonzero(p2).flatten().tolist():
+                out[(a, b)] = p1[a].item() * p2[b].item()
+    return out
+
+
+def total_variation(counts, exact, n):
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+def test_monte_carlo_speculative_sampling_matches_target(models, near_draft, monkeypatch):
+    """Seeded Monte Carlo over two-token sequences; a deliberately broken verifier must fail."""
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=2, ignore_eos=True)
+    llm = LLM(model=models["target_dir"], speculative_model=near_draft, num_speculative_tokens=2, dtype="float32")
+    prompt, n = "def add(a, b):", 1000
+    exact = exact_first_two(llm, prompt, params)
+    # threshold: about three times the sampling noise of n draws over <= 4 outcomes
+    good = total_variation(first_two_tokens(llm, prompt, params, n), exact, n)
+    plain = total_variation(first_two_tokens(models["plain"], prompt, params, n), exact, n)
+    assert good < 0.05 and plain < 0.05, (good, plain)
+    stats = llm.generate([prompt], dataclasses.replace(params, seed=0, max_tokens=24)).pop().stats
+    assert 0 < stats.acceptance_rate < 1         # both branches of the verifier are exercised
+
+    real_plan = verify_mod.rejection_plan
+
+    def accept_all(draft, q, p):                 # never rejects: the output follows q
+        acc, cand = real_plan(draft, q, p)
+        return torch.ones_like(acc), cand
+
+    def wrong_residual(draft, q, p):             # recovers from p instead of norm(max(0, p - q))
+        acc, cand = real_plan(draft, q, p)
+        return acc, torch.cat([p[:-1], cand[-1:]])
+
+    for broken_plan in (accept_all, wrong_residual):
+        monkeypatch.setattr(verify_mod, "rejection_plan", broken_plan)
+        broken = total_variation(first_two_tokens(llm, prompt, params, n), exact, n)
+        assert broken > 0.05, (broken_plan.__name__, broken, stats.acceptance_rate)
+
+
+def test_eos_stop_string_and_max_tokens_inside_a_draft_block(models):
+    llm = models["self"]                      # accepts everything: every stop lands mid-block
+    full = llm.generate(["def add(a, b):"], GREEDY)[0].outputs[0]
+    stop_tok = full.token_ids[6]
+    cut = full.token_ids.index(stop_tok)
+    out = llm.generate(["def add(a, b):"], dataclasses.replace(GREEDY, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:cut + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # the same token as EOS (its id is in the tokenizer's eos list) ends generation there too
+    llm.engine.eos_ids.add(stop_tok)
+    try:
+        out = llm.generate(["def add(a, b):"], dataclasses.replace(GREEDY, ignore_eos=False))[0].outputs[0]
+        assert out.token_ids == full.token_ids[:cut + 1] and out.finish_reason == "stop"
+    finally:
+        llm.engine.eos_ids.discard(stop_tok)
+    stop_str = full.text[5:8]
+    out = llm.generate(["def add(a, b):"], dataclasses.replace(GREEDY, stop=[stop_str]))[0].outputs[0]
+    assert out.text == full.text[:full.text.index(stop_str)] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_str
+    out = llm.generate(["def add(a, b):"], dataclasses.replace(GREEDY, max_tokens=7))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:7] and out.finish_reason == "length"
+
+
+def test_none_accepted_still_emits_one_token_per_step(models):
+    llm = models["draft"][3]
+    out = llm.generate(PROMPTS[:6], GREEDY)
+    assert any(o.stats.accepted_tokens < o.stats.draft_tokens for o in out)
+    for o in out:
+        assert o.stats.output_tokens == 24
+        assert o.stats.target_forward_passes <= 24
+
+
+def test_k_larger_than_tokens_left_and_prompt_at_context_limit(tiny_pair):
+    target, _ = tiny_pair
+    llm = LLM(model=target, speculative_model=target, num_speculative_tokens=8, dtype="float32", max_model_len=40)
+    ids = llm.tokenizer.encode("def add(a, b):")
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.stats.draft_tokens <= 2
+    long = list(range(2, 41))[:39]                  # 39 tokens: one below the limit of 40
+    out = llm.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt is too long"):
+        llm.generate([{"prompt_token_ids": list(range(2, 42))}], GREEDY)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(ids) + len(out.outputs[0].token_ids) == 40   # runs to the context limit, never beyond
+
+
+def test_seeded_runs_reproduce_and_unseeded_differ(models):
+    llm = models["draft"][3]
+    p = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    assert tokens(llm, PROMPTS[:3], p) == tokens(llm, PROMPTS[:3], p)
+    free = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = {tuple(tokens(llm, PROMPTS[:1], free)[0]) for _ in range(4)}
+    assert len(runs) > 1
+
+
+def test_vocabulary_mismatch_names_the_token(tmp_path, tiny_pair):
+    target, _ = tiny_pair
+    other = make_checkpoint(tmp_path / "other", seed=3)
+    tok = (other / "tokenizer.json").read_text()
+    import json
+    data = json.loads(tok)
+    vocab = data["model"]["vocab"]
+    victim = next(t for t, i in vocab.items() if i == 50)
+    vocab["zzzz"] = vocab.pop(victim)
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="token id 50"):
+        LLM(model=target, speculative_model=other, num_speculative_tokens=2, dtype="float32")
+
+
+def test_padded_draft_embedding_is_fine(tmp_path, tiny_pair):
+    """A draft whose embedding matrix is padded beyond the tokenizer (as between Qwen sizes)."""
+    target, _ = tiny_pair
+    import json
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    padded = make_checkpoint(tmp_path / "padded", seed=1, layers=1, hidden=32, tokenizer_from=target, vocab=vocab + 37)
+    llm = LLM(model=target, speculative_model=padded, num_speculative_tokens=3, dtype="float32")
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    assert tokens(llm, PROMPTS[:4], GREEDY) == tokens(plain, PROMPTS[:4], GREEDY)
+    sampled = llm.generate(PROMPTS[:2], SamplingParams(temperature=1.0, seed=0, max_tokens=8))
+    assert all(len(o.outputs[0].token_ids) > 0 for o in sampled)
+
+
+def test_invalid_sampling_parameters_name_the_field():
+    for field, value in [("temperature", -1.0), ("top_p", 0.0), ("top_k", -3), ("min_p", 2.0),
+                         ("max_tokens", 0), ("temperature", float("nan")), ("n", 0), ("seed", "x")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x"] * 17)
+
+
+def test_streaming_equals_batch_and_vllm_shape(models):
+    llm = models["draft"][3]
+    out = llm.generate("def add(a, b):", GREEDY)[0]
+    streamed = list(llm.stream("def add(a, b):", GREEDY))
+    assert "".join(e.text for e in streamed) == out.outputs[0].text
+    assert sum((e.token_ids for e in streamed), []) == out.outputs[0].token_ids
+    assert streamed[-1].finished and not any(e.finished for e in streamed[:-1])
+    assert out.prompt == "def add(a, b):" and out.prompt_token_ids == llm.tokenizer.encode("def add(a, b):")
+    d = out.stats.to_dict()
+    for key in ("target_forward_passes", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_accepted_length", "per_position_acceptance", "tokens_per_second", "wall_time_s"):
+        assert key in d
+    assert len(d["per_position_acceptance"]) == 3
+    n2 = llm.generate("def add(a, b):", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8))[0]
+    assert len(n2.outputs) == 2 and [o.index for o in n2.outputs] == [0, 1]

@@ -15,12 +15,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lm = tsub.add_parser("lm", help="pretrain a Llama-architecture LM from scratch on the stdlib corpus")
     lm.add_argument("--config", required=True, help="JSON training config (see configs/)")
     lm.add_argument("--out", required=True, help="Hugging Face folder to write")
+    lm.add_argument("--tokenizer", help="use this folder's tokenizer instead of training one")
     _common(lm)
 
     draft = tsub.add_parser("draft", help="distil a small draft from a target (KL to its soft labels)")
     draft.add_argument("--target", required=True, help="the target's Hugging Face folder")
     draft.add_argument("--config", required=True)
     draft.add_argument("--out", required=True)
+    draft.add_argument("--init", help="start from this draft checkpoint (e.g. pretrained with `train lm`)")
     _common(draft)
 
 
@@ -40,11 +42,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else Path("runs") / out.name
     command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.train_cmd == "lm":
-        result = train(cfg, out, work, device=args.device, command=command, stop_after=args.stop_after)
+        tok = Path(args.tokenizer) if args.tokenizer else None
+        result = train(cfg, out, work, tokenizer_dir=tok, device=args.device, command=command,
+                       stop_after=args.stop_after)
     else:
         target = Path(args.target)
         result = train(cfg, out, work, tokenizer_dir=target, teacher_dir=target, device=args.device,
-                       command=command, stop_after=args.stop_after)
+                       command=command, stop_after=args.stop_after,
+                       init_dir=Path(args.init) if args.init else None)
     if result["finished"]:
         print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
     else:

@@ -139,7 +139,7 @@ def build_model(cfg: TrainConfig, tok: Tokenizer, seed: int) -> Transformer:
 
 def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = None,
           teacher_dir: Path | None = None, device: str = "cpu", command: str = "",
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None, init_dir: Path | None = None) -> dict:
     """Train until cfg.max_steps (or `stop_after` steps in this call), checkpointing to `work`."""
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
@@ -152,6 +152,11 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
     teacher = load_model(teacher_dir, "bfloat16" if bf16 else "float32", device) if teacher_dir else None
 
     model = build_model(cfg, tok, cfg.seed).to(device)
+    if init_dir is not None:      # start from a pretrained checkpoint (e.g. a CE-pretrained draft)
+        init = load_model(init_dir, "float32", device)
+        if init.config != model.config:
+            raise ValueError(f"--init {init_dir}: its architecture differs from the config's")
+        model.load_state_dict(init.state_dict())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

@@ -146,6 +146,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers were left uninitialised on meta
+    if torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        model.use_fp32_activations()
     return model.eval().requires_grad_(False)
 
 

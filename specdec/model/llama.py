@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from .config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class KVCache:
@@ -81,10 +89,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -114,8 +119,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int,
@@ -153,8 +158,8 @@ def _write_cache(cache: KVCache, layer: int, k: Tensor, v: Tensor, start: Sequen
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -187,14 +192,27 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
+        self.compute_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of activations, logits and the KV cache."""
+        return self.compute_dtype or self.lm_head.weight.dtype
+
+    def use_fp32_activations(self) -> "Transformer":
+        """bf16 weights, fp32 activations: for CPUs without native bf16 arithmetic, where
+        bf16 elementwise ops and attention are emulated (slow) while the weights, read from
+        memory, stay half the bytes (the skinny kernel widens them in registers)."""
+        self.compute_dtype = torch.float32
+        for name, mod in self.named_modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.data = mod.weight.data.float()
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -220,7 +238,7 @@ class Transformer(nn.Module):
         positions, mask = self._positions_and_mask(B, T, cache, start, tree, tokens.device)
         freqs = positions[..., None].float() * self.inv_freq       # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, T, hd]
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens).to(self.dtype)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
         for i, layer in enumerate(layers):

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from .model import CheckpointError
 
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)   # for model cards: the exact command
     try:
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
     except KeyboardInterrupt:

@@ -25,6 +25,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     draft.add_argument("--init", help="start from this draft checkpoint (e.g. pretrained with `train lm`)")
     _common(draft)
 
+    rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
+    rep.add_argument("--target", default="models/target")
+    rep.add_argument("--draft", default="models/draft")
+    rep.add_argument("--k", type=int, default=4)
+    rep.add_argument("--functions", type=int, default=50)
+    rep.add_argument("--max-tokens", type=int, default=128)
+    rep.add_argument("--threads", type=int)
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
@@ -35,12 +43,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.train_cmd == "report":
+        return _report(args)
     from .lm import TrainConfig, train
 
     cfg = TrainConfig.load(args.config, threads=args.threads, max_steps=args.max_steps)
     out = Path(args.out)
     work = Path(args.work) if args.work else Path("runs") / out.name
-    command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     if args.train_cmd == "lm":
         tok = Path(args.tokenizer) if args.tokenizer else None
         result = train(cfg, out, work, tokenizer_dir=tok, device=args.device, command=command,
@@ -54,4 +64,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
     else:
         print(f"stopped at step {result['step']}; run the same command again to resume")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .report import run_report, write_into_cards
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = run_report(Path(args.target), Path(args.draft), args.k, args.functions, args.max_tokens)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    write_into_cards(r, command, Path(args.target), Path(args.draft))
+    print(json.dumps(r, indent=1))
     return 0

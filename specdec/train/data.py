@@ -42,14 +42,19 @@ def corpus_files(root: Path | None = None) -> dict[str, list[str]]:
     return out
 
 
-def read_texts(split: str, root: Path | None = None) -> list[str]:
+def read_texts(split: str, root: Path | None = None, limit_mb: float | None = None) -> list[str]:
+    """The split's files in path order; with limit_mb, only the first files up to that size."""
     root = root or stdlib_root()
-    texts = []
+    texts, size = [], 0
     for rel in corpus_files(root)[split]:
         try:
-            texts.append((root / rel).read_text(encoding="utf-8"))
+            text = (root / rel).read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # a handful of test files are deliberately not UTF-8
+        if limit_mb is not None and texts and size + len(text) > limit_mb * 1e6:
+            break
+        texts.append(text)
+        size += len(text)
     return texts
 
 
@@ -60,11 +65,11 @@ def write_split_record(path: Path, root: Path | None = None) -> None:
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def encode_split(tokenizer, split: str, root: Path | None = None) -> np.ndarray:
+def encode_split(tokenizer, split: str, root: Path | None = None, limit_mb: float | None = None) -> np.ndarray:
     """All files of a split as one token stream, each file framed by <bos> ... <eos>."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     ids: list[int] = []
-    texts = read_texts(split, root)
+    texts = read_texts(split, root, limit_mb)
     for enc in tokenizer.backend.encode_batch(texts, add_special_tokens=False):
         ids.append(bos)
         ids.extend(enc.ids)
@@ -72,11 +77,11 @@ def encode_split(tokenizer, split: str, root: Path | None = None) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-def cached_tokens(tokenizer, split: str, cache_dir: Path) -> np.ndarray:
+def cached_tokens(tokenizer, split: str, cache_dir: Path, limit_mb: float | None = None) -> np.ndarray:
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{split}.npy"
     if path.is_file():
         return np.load(path)
-    arr = encode_split(tokenizer, split)
+    arr = encode_split(tokenizer, split, limit_mb=limit_mb)
     np.save(path, arr)
     return arr

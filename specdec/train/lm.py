@@ -45,6 +45,7 @@ class TrainConfig:
     vocab_size: int = 8192
     distill_temperature: float = 1.0
     precision: str = "auto"   # "bf16" autocast, "fp32", or "auto": bf16 where matmuls have native bf16
+    corpus_limit_mb: float | None = None   # use only the first files of each split (smoke runs)
 
     @classmethod
     def load(cls, path: str | os.PathLike, **overrides) -> "TrainConfig":
@@ -145,9 +146,9 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
     work.mkdir(parents=True, exist_ok=True)
     tok_dir = tokenizer_dir or (work / "tokenizer")
     if not (tok_dir / "tokenizer.json").is_file():
-        train_tokenizer(tok_dir, cfg.vocab_size)
+        train_tokenizer(tok_dir, cfg.vocab_size, limit_mb=cfg.corpus_limit_mb)
     tok = Tokenizer(tok_dir)
-    data = {s: cached_tokens(tok, s, work / "tokens") for s in ("train", "validation", "test")}
+    data = {s: cached_tokens(tok, s, work / "tokens", cfg.corpus_limit_mb) for s in ("train", "validation", "test")}
     bf16 = use_bf16(cfg.precision, torch.device(device))
     teacher = load_model(teacher_dir, "bfloat16" if bf16 else "float32", device) if teacher_dir else None
 

@@ -17,8 +17,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(out: Path, vocab_size: int = 8192, texts: list[str] | None = None) -> Path:
-    texts = texts if texts is not None else read_texts("train")
+def train_tokenizer(out: Path, vocab_size: int = 8192, texts: list[str] | None = None,
+                    limit_mb: float | None = None) -> Path:
+    texts = texts if texts is not None else read_texts("train", limit_mb=limit_mb)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

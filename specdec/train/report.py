@@ -1,0 +1,117 @@
+"""`specdec train report`: the quality numbers of a target/draft pair on the held-out test split.
+
+- validation and test loss of each model (the same fixed windows as training's evaluation);
+- acceptance rate and mean accepted length of draft-model speculation at K (default 4), greedy
+  and at temperature 1, completing test-split function headers;
+- the share of those functions whose greedy completion `ast.parse` accepts. Greedy speculative
+  output is the target's own greedy output (lossless), so one run gives both.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..config import SamplingParams
+from ..llm import LLM
+from .data import encode_split
+from .lm import TrainConfig, eval_windows, evaluate
+
+
+def function_headers(n: int) -> list[dict]:
+    from ..bench.make_prompts import _round_robin, held_out_functions
+
+    keep = lambda f: f.body_lines >= 2 and len(f.header) <= 1500  # noqa: E731
+    return [{"id": f"{f.file}:{f.qualname}", "prompt": f.header}
+            for f in _round_robin(held_out_functions(), keep, n, set())]
+
+
+def completed_body(completion: str) -> str:
+    """The completion's lines up to the first one back at column 0 (where the body ends); a
+    last line cut short by max_tokens is dropped."""
+    lines = completion.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.strip() and not line[0].isspace():
+            return "".join(lines[:i])
+    return "".join(lines if completion.endswith("\n") else lines[:-1])
+
+
+def completes(header: str, completion: str) -> bool:
+    """The completion adds at least one statement and the function parses."""
+    body = completed_body(completion)
+    if not any(s.strip() and not s.strip().startswith("#") for s in body.splitlines()):
+        return False
+    try:
+        ast.parse(header + body)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def losses(folder: Path, tok, seq_len: int = 512, batches: int = 4) -> dict:
+    from ..model import load_model
+
+    model = load_model(folder, "float32")
+    cfg = TrainConfig(seq_len=seq_len, batch_size=4, eval_batches=batches)
+    out = {}
+    for split in ("validation", "test"):
+        tokens = encode_split(tok, split)
+        out[f"{split}_loss"] = round(evaluate(model, eval_windows(np.asarray(tokens), cfg)), 4)
+    return out
+
+
+def run_report(target: Path, draft: Path, k: int = 4, n: int = 50, max_tokens: int = 128,
+               dtype: str = "bfloat16") -> dict:
+    llm = LLM(model=target, speculative_model=draft, num_speculative_tokens=k, dtype=dtype)
+    prompts = function_headers(n)
+    result = {"k": k, "functions": len(prompts), "max_tokens": max_tokens, "dtype": dtype}
+    for temp in (0.0, 1.0):
+        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
+        outs = llm.generate([p["prompt"] for p in prompts], params)
+        drafted = sum(o.stats.draft_tokens for o in outs)
+        accepted = sum(o.stats.accepted_tokens for o in outs)
+        emitted = sum(o.stats.output_tokens for o in outs)
+        passes = sum(o.stats.target_forward_passes for o in outs)
+        key = "greedy" if temp == 0 else "temperature_1"
+        result[key] = {"acceptance_rate": round(accepted / max(1, drafted), 4),
+                       "mean_accepted_length": round(emitted / max(1, passes), 4)}
+        if temp == 0:
+            ok = [completes(p["prompt"], o.outputs[0].text) for p, o in zip(prompts, outs)]
+            result["ast_parse_share"] = round(sum(ok) / len(ok), 4)
+    result["target"] = losses(target, llm.tokenizer)
+    result["draft"] = losses(draft, llm.tokenizer)
+    return result
+
+
+def quality_section(r: dict, command: str) -> str:
+    g, t = r["greedy"], r["temperature_1"]
+    return f"""
+## Quality (held-out test split)
+
+| | |
+|---|---|
+| target validation / test loss | {r['target']['validation_loss']} / {r['target']['test_loss']} |
+| draft validation / test loss | {r['draft']['validation_loss']} / {r['draft']['test_loss']} |
+| acceptance rate, K={r['k']}, greedy | {g['acceptance_rate']} (mean accepted length {g['mean_accepted_length']}) |
+| acceptance rate, K={r['k']}, temperature 1 | {t['acceptance_rate']} (mean accepted length {t['mean_accepted_length']}) |
+| target's greedy completions that add a body `ast.parse` accepts | {r['ast_parse_share']:.0%} of {r['functions']} test-split functions |
+
+Measured on {r['functions']} documented test-split functions (def line and docstring as the prompt,
+{r['max_tokens']} new tokens, {r['dtype']}) by:
+```
+{command}
+```
+"""
+
+
+def write_into_cards(r: dict, command: str, *folders: Path) -> None:
+    marker = "\n## Quality (held-out test split)"
+    for folder in folders:
+        card = folder / "README.md"
+        text = card.read_text() if card.is_file() else f"# {folder.name}\n"
+        text = text.split(marker)[0].rstrip("\n") + "\n" + quality_section(r, command)
+        card.write_text(text)
+        (folder / "quality.json").write_text(json.dumps(r, indent=1) + "\n")

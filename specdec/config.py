@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
+GREEDY_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below 1e-5 the scaled logits overflow float32; vLLM treats such temperatures as 0 too
+        return self.temperature < GREEDY_EPS
 
 
 def _real(x) -> bool:

@@ -25,7 +25,9 @@ def process(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass of strictly more likely tokens
-        drop = torch.empty_like(before, dtype=torch.bool).scatter_(-1, idx, before >= params.top_p)
+        drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False                      # the most likely token always stays
+        drop = torch.empty_like(drop_sorted).scatter_(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
@@ -37,7 +39,7 @@ def process(logits: Tensor, params: SamplingParams) -> Tensor:
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator: seeded runs reproduce, unseeded ones draw fresh OS entropy."""
     g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    g.manual_seed(seed % 2**64 if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     return g
 
 

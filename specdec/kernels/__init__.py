@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64   # verification of up to 63 drafts stays on the kernel: same sums as decoding
-_SRC = Path(__file__).with_name("skinny.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("skinny.c", "forward.c")]
 _lib = None
 _tried = False
 
@@ -50,13 +50,12 @@ def load():
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         return None
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src).hexdigest()[:16]
-    path = _cache_dir() / f"skinny-{tag}.so"
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
+    path = _cache_dir() / f"kernels-{tag}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", str(_SRC), "-o", str(tmp)]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", *map(str, _SOURCES), "-o", str(tmp), "-lm"]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         os.replace(tmp, path)
@@ -64,6 +63,8 @@ def load():
     lib.skinny_linear.restype = None
     lib.skinny_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    from .cforward import declare
+    declare(lib)
     _lib = lib
     return lib
 
@@ -71,7 +72,7 @@ def load():
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and x.dtype in (torch.bfloat16, torch.float32) and weight.is_contiguous()
-            and weight.shape[1] % 8 == 0
+            and weight.shape[1] % 32 == 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..kernels import cforward
 from .config import ModelConfig
 
 
@@ -235,6 +236,8 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if cache is not None and start is None:
             start = list(cache.lengths)
+        if cache is not None and self._c_path(cache, logits):
+            return self._forward_c(tokens, cache, start[0], tree, exit_layer, logits, hidden)
         positions, mask = self._positions_and_mask(B, T, cache, start, tree, tokens.device)
         freqs = positions[..., None].float() * self.inv_freq       # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, T, hd]
@@ -251,6 +254,30 @@ class Transformer(nn.Module):
         if logits is not False:
             out = self.lm_head(h if logits is True else h[:, logits])
         return (out, h) if hidden else out
+
+    def _c_path(self, cache: KVCache, logits) -> bool:
+        """One CPU sequence at inference: the whole forward in one C call (kernels/forward.c)."""
+        if self.lm_head.weight.requires_grad or kernels.load() is None:
+            return False
+        if isinstance(logits, slice) and (logits.stop is not None or logits.step is not None):
+            return False
+        return cforward.supported(self, cache)
+
+    def _forward_c(self, tokens, cache, start, tree, exit_layer, logits, hidden):
+        T = tokens.shape[1]
+        offsets = tree.depth if tree is not None else torch.arange(T)
+        if logits is False:
+            logit_from = None
+        elif logits is True:
+            logit_from = 0
+        else:
+            logit_from = (logits.start or 0) % T if logits.start is not None and logits.start < 0 else (logits.start or 0)
+        out, h = cforward.forward(kernels.load(), self, tokens[0], cache, start, offsets + start,
+                                  tree.mask if tree is not None else None,
+                                  exit_layer or self.config.num_hidden_layers, logit_from, hidden)
+        cache.lengths[0] = start + T
+        out = out[None] if out is not None else None
+        return (out, h[None]) if hidden else out
 
     def _positions_and_mask(self, B, T, cache, start, tree, device):
         if cache is None:

@@ -190,7 +190,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
         state["tokens"] += batch.numel() - batch.shape[0]
         state["elapsed_s"] = base_elapsed + time.time() - t0
         done = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{done / max(1e-9, time.time() - t0):.0f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{done / max(1e-9, time.time() - t0):.0f}", refresh=False)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
             v = evaluate(model, val, bf16)
             state["history"].append({"step": step + 1, "train_loss": loss.item(), "val_loss": v})

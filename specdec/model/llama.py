@@ -210,9 +210,11 @@ class Transformer(nn.Module):
         bf16 elementwise ops and attention are emulated (slow) while the weights, read from
         memory, stay half the bytes (the skinny kernel widens them in registers)."""
         self.compute_dtype = torch.float32
-        for name, mod in self.named_modules():
+        for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.weight.data = mod.weight.data.float()
+            if isinstance(mod, Linear) and mod.bias is not None:   # Qwen2's q/k/v bias
+                mod.bias.data = mod.bias.data.float()
         return self
 
     @property

@@ -85,6 +85,8 @@ def run(args) -> int:
     llm = llm_from_args(args)
     prompt_ids = llm.tokenizer.encode(prompt)
     llm.engine.check_prompt(prompt_ids, params)
+    if args.compare:
+        _warm_up(llm.engine, prompt_ids)
     tokens, text, event = [], [], None
     tty = sys.stdout.isatty() or args.show_acceptance
     if not args.json:
@@ -117,8 +119,17 @@ def _colour(llm, event) -> str:
     return event.text
 
 
+def _warm_up(engine, prompt_ids) -> None:
+    """One short run first, so that timings exclude one-off costs (kernel build, allocator)."""
+    from .config import SamplingParams
+
+    for _ in engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=4)):
+        pass
+
+
 def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
     plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    _warm_up(plain_engine, prompt_ids)
     plain_tokens, event = [], None
     for event in plain_engine.generate(prompt_ids, params):
         plain_tokens += event.token_ids

@@ -1,0 +1,71 @@
+"""`specdec generate`: output shapes, the comparison, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_and_compare(tiny_pair, capsys):
+    target, draft = tiny_pair
+    code, out, err = run(capsys, "generate", "--model", str(target), "--speculative-model", str(target),
+                         "--num-speculative-tokens", "3", "--max-tokens", "12", "--ignore-eos", "--json",
+                         "--compare", "def add(a, b):")
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 12 and result["finish_reason"] == "length"
+    assert result["stats"]["acceptance_rate"] == 1.0
+    assert result["compare"]["identical"] is True and result["compare"]["speedup"] > 0
+
+
+def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):
+    target, draft = tiny_pair
+    code, out, err = run(capsys, "generate", "--model", str(target), "--speculative-model", str(draft),
+                         "--num-speculative-tokens", "2", "--max-tokens", "8", "--show-acceptance",
+                         "--temperature", "0.8", "--seed", "3", "def add(a, b):")
+    assert code == 0 and out.startswith("def add(a, b):")
+    assert "acceptance rate" in err and "mean accepted length" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_pair, capsys, argv, message):
+    target, _ = tiny_pair
+    argv = argv if argv[0] == "--model" else ["--model", str(target), *argv]
+    code, out, err = run(capsys, "generate", *argv, "hello")
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_prompt_longer_than_context(tiny_pair, capsys):
+    target, _ = tiny_pair
+    code, _, err = run(capsys, "generate", "--model", str(target), "--max-model-len", "8", "x " * 50)
+    assert code == 2 and "prompt is too long" in err
+
+
+def test_vocabulary_mismatch_fails_fast(tiny_pair, tmp_path, capsys):
+    import json as _json
+    from conftest import make_checkpoint
+
+    target, _ = tiny_pair
+    other = make_checkpoint(tmp_path / "other", seed=2)
+    data = _json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    victim = next(t for t, i in vocab.items() if i == 77)
+    vocab["qqqq"] = vocab.pop(victim)
+    (other / "tokenizer.json").write_text(_json.dumps(data))
+    code, _, err = run(capsys, "generate", "--model", str(target), "--speculative-model", str(other), "x")
+    assert code == 2 and "token id 77" in err

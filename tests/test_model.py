@@ -146,8 +146,8 @@ def test_skinny_kernel_matches_blas_and_is_row_independent():
         w = torch.randn(200, 96, generator=g).to(dtype)
         b = torch.randn(200, generator=g).to(dtype)
         x = torch.randn(11, 96, generator=g).to(torch.float32)
-        got = kernels.linear(x, w, b)
+        got = kernels.linear(x, w, b, kernels.pack(w))
         ref = F.linear(x, w.float(), b.float())
         assert (got - ref).abs().max() < 1e-4
         for rows in range(1, 12):   # row 0 alone, and among 1..10 others: bit-identical
-            assert torch.equal(kernels.linear(x[:rows], w, b)[0], got[0])
+            assert torch.equal(kernels.linear(x[:rows], w, b, kernels.pack(w))[0], got[0])

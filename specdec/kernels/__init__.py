@@ -71,8 +71,7 @@ def load():
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
-            and x.dtype in (torch.bfloat16, torch.float32) and weight.is_contiguous()
-            and weight.shape[1] % 32 == 0
+            and x.dtype in (torch.bfloat16, torch.float32)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
@@ -88,9 +87,32 @@ def _tall_ok(weight: torch.Tensor) -> bool:
     return not _native_bf16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+PANEL = 16   # outputs per packed panel (skinny.c)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: panel p holds rows 16p..16p+15 interleaved along k."""
+    N, K = weight.shape
+    pad = (-N) % PANEL
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, K)])
+    return weight.reshape(-1, PANEL, K).transpose(1, 2).contiguous()
+
+
+def packed_of(module) -> torch.Tensor:
+    """The module's weight packed for the kernel; repacked whenever the weight changes."""
+    w = module.weight
+    key = (w.data_ptr(), w._version, w.dtype)
+    if getattr(module, "_packed_key", None) != key:
+        module._packed, module._packed_key = pack(w.detach()), key
+    return module._packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); given packed = pack(weight), the kernel where it fits."""
     rows = x.numel() // x.shape[-1]
-    if not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)) or load() is None:
+    if packed is None or not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)) or load() is None:
         if x.dtype != weight.dtype:     # fp32 activations against bf16 weights
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return F.linear(x, weight, bias)
@@ -98,7 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     xf = x.reshape(rows, K).to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
     b = bias.to(torch.float32).contiguous() if bias is not None else None
-    _lib.skinny_linear(xf.data_ptr(), weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+    _lib.skinny_linear(xf.data_ptr(), packed.data_ptr(), int(weight.dtype == torch.bfloat16),
                        b.data_ptr() if b is not None else None, out.data_ptr(),
                        int(out.dtype == torch.bfloat16), rows, N, K)
     return out

@@ -7,6 +7,8 @@ from ctypes import POINTER, c_float, c_int, c_void_p
 
 import torch
 
+from . import packed_of
+
 
 class _Layer(ctypes.Structure):
     _fields_ = [(n, c_void_p) for n in ("in_norm", "post_norm", "qkv", "o", "gate_up", "down",
@@ -27,14 +29,12 @@ def declare(lib) -> None:
 
 
 def supported(model, cache) -> bool:
-    """forward.c covers one fp32-activation sequence with bf16/fp32 weights and dims % 32 == 0."""
+    """forward.c covers one fp32-activation sequence with bf16 or fp32 weights."""
     cfg = model.config
     w = model.lm_head.weight
     return (w.device.type == "cpu" and model.dtype == torch.float32 and len(cache.lengths) == 1
             and cache.k[0].dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float32)
-            and all(d % 32 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
-                                         cfg.num_attention_heads * cfg.head_dim))
-            and model.model.embed_tokens.weight.is_contiguous())
+            and cfg.head_dim % 8 == 0 and model.model.embed_tokens.weight.is_contiguous())
 
 
 def _ptr(t: torch.Tensor | None):
@@ -51,13 +51,13 @@ def c_model(model, cache) -> _Model:
     for i, (layer, k, v) in enumerate(zip(model.model.layers, cache.k, cache.v)):
         att, mlp = layer.self_attn, layer.mlp
         layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                           _ptr(att.qkv_proj.weight), _ptr(att.o_proj.weight), _ptr(mlp.gate_up_proj.weight),
-                           _ptr(mlp.down_proj.weight), _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
+                           *(_ptr(packed_of(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                           _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
     m = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                cfg.head_dim, cfg.vocab_size, len(cache.k), cache.max_len,
                int(model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
                _ptr(model.model.embed_tokens.weight), _ptr(model.model.norm.weight),
-               _ptr(model.lm_head.weight), _ptr(model.inv_freq), layers)
+               _ptr(packed_of(model.lm_head)), _ptr(model.inv_freq), layers)
     views[id(model)] = (m, layers)   # the array must live as long as the struct points at it
     return m
 

@@ -7,6 +7,7 @@
  * path uses, with the same masks (causal, or a token tree's ancestor mask). Matrix products use
  * skinny.c's kernel, so logits are bit-identical whichever T a token is scored in.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +32,22 @@ typedef struct {
     const float *inv_freq;                /* [hd / 2] */
     const Layer *layers;
 } Model;
+
+/* head_dim % 8 == 0 (cforward.supported checks) */
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void axpy(float *y, float a, const float *x, int n) {
+    __m256 va = _mm256_set1_ps(a);
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+}
 
 static float widen(const void *w, int bf16, long i) {
     if (!bf16) return ((const float *)w)[i];
@@ -82,9 +99,7 @@ static void attention(const Model *m, const Layer *L, const float *q, float *out
                 int j = s - start;
                 int vis = j < 0 || (mask ? mask[t * T + j] : j <= t);
                 if (!vis) { scores[s] = -INFINITY; continue; }
-                float d = 0.0f;
-                for (int i = 0; i < hd; i++) d += qt[i] * kc[(long)s * hd + i];
-                scores[s] = d * scale;
+                scores[s] = dot(qt, kc + (long)s * hd, hd) * scale;
                 if (scores[s] > mx) mx = scores[s];
             }
             float sum = 0.0f;
@@ -96,8 +111,7 @@ static void attention(const Model *m, const Layer *L, const float *q, float *out
             memset(o, 0, sizeof(float) * hd);
             for (int s = 0; s < span; s++) {
                 if (scores[s] == 0.0f) continue;
-                float p = scores[s] / sum;
-                for (int i = 0; i < hd; i++) o[i] += p * vc[(long)s * hd + i];
+                axpy(o, scores[s] / sum, vc + (long)s * hd, hd);
             }
             free(scores);
         }

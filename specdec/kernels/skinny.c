@@ -2,9 +2,9 @@
  *
  * Decoding multiplies a handful of rows (1 for plain decoding, K+1 to verify K drafts) by
  * weights far larger than the caches, so the time is the weight bytes read from memory. BLAS
- * libraries tuned for big products pack w or re-read it per row and lose that; this kernel
- * streams each weight row from memory once and reuses it for every row of x (held in L1/L2),
- * so M = 2..8 costs well under M times what M = 1 does. Each output's sum runs in the same order
+ * libraries tuned for big products lose that at small M; this kernel streams each weight panel
+ * from memory once and reuses it for every row of x, so M = 2..6 costs little more than M = 1
+ * where memory, not arithmetic, is the limit. Each output's sum runs in the same order
  * whatever M is: scoring a token alone or among K drafts gives bit-identical logits.
  * bf16 weights are widened to fp32 in registers (a 16-bit shift); accumulation is fp32.
  */
@@ -40,41 +40,61 @@ static inline void store(void *out, int out_bf16, long i, float v) {
     else ((float *)out)[i] = v;
 }
 
-/* One weight row n against RM rows of x from m. A single sequential stream through w measured
- * fastest here; tiles of several weight rows (1 KB apart) ran 30-40% slower. Each x row keeps
- * U = 4 accumulators (k, k+8, k+16, k+24), so the FMA latency is hidden even for one row,
- * and RM <= 3 keeps 4 * RM accumulators in registers. The summation order (four interleaved
- * partial sums, then their pairwise total) is the same for every M: a token's logits do not
- * depend on the rows around it. */
-#define U 4
+/* Weights are packed at load into panels of 16 outputs: wp[p][k][i] = w[16p + i][k]
+ * (kernels.pack). A panel streams sequentially from memory once per call; each k-slice (two
+ * vectors) meets a broadcast x[m][k] for up to RM = 6 rows of x: 12 accumulators, 2 weight
+ * vectors and a broadcast fill the 16 registers, and no horizontal sums are needed. Every
+ * output is one FMA chain over k in order, the same for every M, so a token's logits do not
+ * depend on the rows scored with it. BF16 and RM are compile-time constants in each call
+ * (always_inline + the switches below), so the loops unroll with no branch inside. */
+#define PANEL 16
+
 static inline __attribute__((always_inline)) void
-tile(const float *x, const void *w, int bf16, const float *bias, void *out, int out_bf16,
-     long n, int m, int RM, int N, int K) {
-    __m256 acc[3][U];
-    for (int j = 0; j < RM; j++)
-        for (int u = 0; u < U; u++) acc[j][u] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += 8 * U) {
-        for (int u = 0; u < U; u++) {
-            __m256 wv = load_w(w, bf16, n * K + k + 8 * u);
-            for (int j = 0; j < RM; j++)
-                acc[j][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (long)(m + j) * K + k + 8 * u), acc[j][u]);
+tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
+     long p, int m, int RM, int N, int K, int BF16) {
+    __m256 acc[6][2];
+    for (int j = 0; j < RM; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    const long base = p * K * PANEL;
+    for (long k = 0; k < K; k++) {
+        __m256 w0 = load_w(wp, BF16, base + k * PANEL), w1 = load_w(wp, BF16, base + k * PANEL + 8);
+        for (int j = 0; j < RM; j++) {
+            __m256 xb = _mm256_broadcast_ss(x + (long)(m + j) * K + k);
+            acc[j][0] = _mm256_fmadd_ps(xb, w0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(xb, w1, acc[j][1]);
         }
     }
-    float b = bias ? bias[n] : 0.0f;
+    /* All accumulators leave the registers here, in one go: an epilogue that kept some live
+     * while it stored others made gcc hold them on the stack throughout the k loop (2x slower). */
+    float res[6][PANEL];
     for (int j = 0; j < RM; j++) {
-        __m256 s = _mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]), _mm256_add_ps(acc[j][2], acc[j][3]));
-        store(out, out_bf16, (long)(m + j) * N + n, hsum(s) + b);
+        _mm256_storeu_ps(res[j], acc[j][0]);
+        _mm256_storeu_ps(res[j] + 8, acc[j][1]);
     }
+    long n0 = p * PANEL;
+    int width = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    for (int j = 0; j < RM; j++)
+        for (int i = 0; i < width; i++)
+            store(out, out_bf16, (long)(m + j) * N + n0 + i, res[j][i] + (bias ? bias[n0 + i] : 0.0f));
 }
 
-/* Requires K % 32 == 0 (the caller falls back to BLAS otherwise). */
-void skinny_linear(const float *x, const void *w, int w_bf16, const float *bias, void *out,
+#define PANEL_ROWS(BF16)                                                                  \
+    for (; m + 6 <= M; m += 6) tile(x, wp, bias, out, out_bf16, p, m, 6, N, K, BF16);     \
+    switch (M - m) {                                                                      \
+    case 0: break;                                                                        \
+    case 1: tile(x, wp, bias, out, out_bf16, p, m, 1, N, K, BF16); break;                \
+    case 2: tile(x, wp, bias, out, out_bf16, p, m, 2, N, K, BF16); break;                \
+    case 3: tile(x, wp, bias, out, out_bf16, p, m, 3, N, K, BF16); break;                \
+    case 4: tile(x, wp, bias, out, out_bf16, p, m, 4, N, K, BF16); break;                \
+    default: tile(x, wp, bias, out, out_bf16, p, m, 5, N, K, BF16); break;               \
+    }
+
+/* x [M, K] fp32; wp packed [ceil(N / 16), K, 16], bf16 or fp32; out [M, N] fp32 or bf16. */
+void skinny_linear(const float *x, const void *wp, int w_bf16, const float *bias, void *out,
                    int out_bf16, int M, int N, int K) {
+    long panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
+    for (long p = 0; p < panels; p++) {
         int m = 0;
-        for (; m + 3 <= M; m += 3) tile(x, w, w_bf16, bias, out, out_bf16, n, m, 3, N, K);
-        if (M - m == 2) tile(x, w, w_bf16, bias, out, out_bf16, n, m, 2, N, K);
-        else if (M - m == 1) tile(x, w, w_bf16, bias, out, out_bf16, n, m, 1, N, K);
+        if (w_bf16) { PANEL_ROWS(1) } else { PANEL_ROWS(0) }
     }
 }

@@ -28,7 +28,9 @@ class Linear(nn.Linear):
     """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
+            return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, kernels.packed_of(self))
 
 
 class KVCache:

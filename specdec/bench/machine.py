@@ -87,6 +87,6 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 def roofline(model: torch.nn.Module, bandwidth: float) -> dict:
     nbytes = weight_bytes_per_step(model)
-    return {"weight_bytes_per_step": nbytes, "dtype": str(model.dtype).replace("torch.", ""),
+    return {"weight_bytes_per_step": nbytes, "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
             "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "roofline_tokens_per_second": round(bandwidth / nbytes, 1)}

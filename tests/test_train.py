@@ -35,7 +35,7 @@ def test_train_lm_resume_and_distil_draft(tmp_path, capsys):
                  "--work", str(tmp_path / "work2")]) == 0
     a, b = load_model(out, "float32"), load_model(tmp_path / "straight", "float32")
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
-    assert resumed["result"]["steps"] == 6 and "command" not in resumed
+    assert resumed["result"]["steps"] == 6 and resumed["commands"][0].startswith("specdec train lm")
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "README.md"):
         assert (out / name).is_file(), name

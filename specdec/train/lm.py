@@ -201,10 +201,10 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
     bar.close()
     if state["step"] < cfg.max_steps:
         return {"finished": False, "step": state["step"]}
-    return finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16)
+    return finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir)
 
 
-def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16) -> dict:
+def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir=None) -> dict:
     model.eval()
     test = eval_windows(data["test"], cfg)
     val = eval_windows(data["validation"], cfg)
@@ -216,13 +216,27 @@ def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16) ->
     }
     save_model(model, out, torch.bfloat16)
     copy_tokenizer(tok_dir, out)
-    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result,
+    commands, init = [command], None
+    if init_dir is not None and (Path(init_dir) / "training.json").is_file():
+        init = json.loads((Path(init_dir) / "training.json").read_text())
+        commands = init.get("commands", []) + commands
+        result["initialised_from"] = {"folder": str(init_dir), **{k: init["result"][k] for k in
+                                      ("steps", "tokens_seen", "wall_time_s", "validation_loss", "test_loss")}}
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
                                                     "history": state["history"]}, indent=1) + "\n")
-    (out / "README.md").write_text(model_card(out, cfg, result, teacher_dir, command))
+    (out / "README.md").write_text(model_card(out, cfg, result, teacher_dir, commands))
     return {"finished": True, **result}
 
 
-def model_card(out: Path, cfg: TrainConfig, r: dict, teacher_dir, command: str) -> str:
+def _init_row(r: dict) -> str:
+    i = r.get("initialised_from")
+    if not i:
+        return ""
+    return (f"| initialised from | `{i['folder']}`: {i['steps']} steps, {i['tokens_seen']:,} tokens, "
+            f"{i['wall_time_s'] / 3600:.2f} h of cross-entropy pretraining (validation loss {i['validation_loss']}) |\n")
+
+
+def model_card(out: Path, cfg: TrainConfig, r: dict, teacher_dir, commands: list[str]) -> str:
     kind = f"draft distilled from `{teacher_dir}` (forward KL to its soft labels, DistillSpec-style)" \
         if teacher_dir else "target language model, pretrained from scratch"
     m = cfg.model
@@ -239,11 +253,11 @@ A Llama-architecture {kind}, trained by specdec on the Python standard library's
 | steps x batch x sequence | {r['steps']} x {cfg.batch_size} x {cfg.seq_len} |
 | tokens seen | {r['tokens_seen']:,} |
 | wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), precision {cfg.precision} |
-| validation loss | {r['validation_loss']} |
+{_init_row(r)}| validation loss | {r['validation_loss']} |
 | test loss | {r['test_loss']} |
 
-Reproduce:
+Reproduce{" (in order: the initial checkpoint first)" if len(commands) > 1 else ""}:
 ```
-{command}
+{chr(10).join(commands)}
 ```
 """

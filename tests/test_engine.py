@@ -228,3 +228,31 @@ def test_streaming_equals_batch_and_vllm_shape(models):
     assert len(d["per_position_acceptance"]) == 3
     n2 = llm.generate("def add(a, b):", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8))[0]
     assert len(n2.outputs) == 2 and [o.index for o in n2.outputs] == [0, 1]
+
+
+def test_draft_cache_right_after_full_acceptance_and_after_rejection(models):
+    """The draft's cache after a step that accepted everything (two tokens pending: the last
+    draft and the bonus) and after a rejection gives the same proposals as a fresh prefill."""
+    from specdec.proposers import RequestContext
+    from specdec.sampling import make_generator
+
+    llm = models["draft"][3]
+    proposer = llm.engine.proposer
+    seq = llm.tokenizer.encode("def add(a, b):")
+    params = SamplingParams(temperature=1.0)
+
+    def ctx():
+        return RequestContext(params, make_generator(11), llm.target.config.vocab_size)
+
+    session = proposer.start(seq, ctx())
+    draft = session.propose(seq, 3)
+    for accepted, recovered in ((3, 5), (1, 7)):      # all accepted + bonus; then a rejection
+        seq = seq + draft.tokens.tolist()[:accepted] + [recovered]
+        session.commit(seq)
+        assert session.cache.length <= len(seq) - 1
+        session.ctx = ctx()
+        continued = session.propose(seq, 3)
+        fresh = proposer.start(seq, ctx()).propose(seq, 3)
+        assert continued.tokens.tolist() == fresh.tokens.tolist()
+        assert (continued.probs - fresh.probs).abs().max() < 1e-5
+        draft = continued

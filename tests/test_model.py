@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +152,22 @@ def test_skinny_kernel_matches_blas_and_is_row_independent():
         assert (got - ref).abs().max() < 1e-4
         for rows in range(1, 12):   # row 0 alone, and among 1..10 others: bit-identical
             assert torch.equal(kernels.linear(x[:rows], w, b, kernels.pack(w))[0], got[0])
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models"
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_bundled_models_load_in_transformers_and_match(name):
+    folder = BUNDLED / name
+    if not (folder / "model.safetensors").is_file():
+        pytest.skip(f"{folder} not present")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder, "float32")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = torch.tensor([tok("def parse(text):\n    \"\"\"Split text into words.\"\"\"\n")["input_ids"]])
+    with torch.no_grad():
+        assert (ref(ids).logits - ours(ids)).abs().max() < 1e-4
+        cache = ours.new_cache()
+        stepwise = torch.cat([ours(ids[:, :-3], cache), ours(ids[:, -3:], cache)], 1)
+        assert (ref(ids).logits - stepwise).abs().max() < 1e-4

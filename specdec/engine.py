@@ -44,6 +44,9 @@ class Engine:
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids)
+        # "auto" K learns acceptance and costs across requests: they belong to the method and the
+        # machine, and one request of a few dozen steps is too short to learn them from scratch
+        self._adaptive = AdaptiveK(max_k) if self.num_speculative_tokens == "auto" else None
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -57,8 +60,7 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _policy(self):
-        k = self.num_speculative_tokens
-        return AdaptiveK(self.max_k) if k == "auto" else FixedK(int(k))
+        return self._adaptive or FixedK(int(self.num_speculative_tokens))
 
     def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats."""

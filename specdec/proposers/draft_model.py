@@ -15,15 +15,19 @@ class DraftModelProposer:
     def __init__(self, model: Transformer, max_len: int):
         self.model, self.max_len = model, max_len
 
+    @torch.inference_mode()
     def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> "DraftModelSession":
-        return DraftModelSession(self.model, self.model.new_cache(1, self.max_len), ctx)
+        cache = self.model.new_cache(1, self.max_len)
+        if len(prompt) > 1:   # prefill here, so that proposal timings (adaptive K) are per-step costs
+            self.model(torch.tensor(prompt[:-1], device=self.model.device)[None], cache, logits=False)
+        return DraftModelSession(self.model, cache, ctx)
 
 
 class DraftModelSession:
     """Invariant: the draft cache holds a prefix of the committed sequence (plus, during a step,
-    the drafts fed back). Every step first feeds what the cache lacks: the whole prompt on the
-    first step, one token after a rejection, two (the last draft and the bonus) after a step that
-    accepted everything."""
+    the drafts fed back). Every step first feeds what the cache lacks: the last prompt token on
+    the first step, one token after a rejection, two (the last draft and the bonus) after a
+    step that accepted everything."""
 
     def __init__(self, model: Transformer, cache, ctx: RequestContext):
         self.model, self.cache, self.ctx = model, cache, ctx

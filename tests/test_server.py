@@ -63,7 +63,7 @@ def server(tiny_pair):
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=K, max_model_len=MAX_LEN)
     app = build_app(llm, ServerConfig(served_model_names=("tiny", "tiny-alias"), max_num_seqs=6))
     with LiveServer(app) as live:
-        live.app = app
+        live.app, live.llm = app, llm
         yield live
 
 
@@ -299,7 +299,16 @@ def test_concurrent_streams_match_sequential(server, client, http):
     assert metric(http, "specdec:num_requests_running") == 0
 
 
-def test_disconnect_frees_the_slot(server, http):
+def test_disconnect_frees_the_slot(server, http, monkeypatch):
+    # the tiny model decodes a whole completion in milliseconds; pace its steps so that the
+    # clients below really leave mid-generation
+    real_generate = server.llm.engine.generate
+
+    def paced(*args, **kwargs):
+        for event in real_generate(*args, **kwargs):
+            time.sleep(0.02)
+            yield event
+    monkeypatch.setattr(server.llm.engine, "generate", paced)
     aborted = metric(http, 'specdec:requests_total{outcome="abort"}')
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_LEN - 20, "n": 4, "ignore_eos": True,
             "temperature": 0, "stream": True}

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..config import SamplingParams
+from ..sampling import process, sample
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,22 @@ class Proposer(Protocol):
     name: str
 
     def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> DraftSession: ...
+
+
+def draw(logits: Tensor, ctx: RequestContext) -> tuple[Tensor, Tensor | None]:
+    """One draft token from logits [1, V]: the argmax when greedy (q unused), else a sample from
+    the processed q, returned with it."""
+    if ctx.params.greedy:
+        return logits.argmax(-1), None
+    q = process(logits, ctx.params)
+    return sample(q, ctx.generator), q
+
+
+def chain(tokens: list[Tensor], probs: list[Tensor], device) -> Draft:
+    """The Draft of a chain of single-token proposals."""
+    if not tokens:
+        return Draft(torch.empty(0, dtype=torch.long, device=device))
+    return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
 
 
 def fit_vocab(logits: Tensor, vocab_size: int) -> Tensor:

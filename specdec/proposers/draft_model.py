@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from ..sampling import process, sample
-from .base import Draft, RequestContext, fit_vocab
+from .base import Draft, RequestContext, chain, draw, fit_vocab
 
 
 class DraftModelProposer:
@@ -39,19 +38,12 @@ class DraftModelSession:
         logits = self.model(pending, self.cache, logits=slice(-1, None))[0]       # [1, V]
         tokens, probs = [], []
         for i in range(k):
-            logits = fit_vocab(logits, self.ctx.vocab_size)
-            if self.ctx.params.greedy:
-                tok = logits.argmax(-1)
-            else:
-                q = process(logits, self.ctx.params)
-                tok = sample(q, self.ctx.generator)
-                probs.append(q)
+            tok, q = draw(fit_vocab(logits, self.ctx.vocab_size), self.ctx)
             tokens.append(tok)
+            probs += [q] if q is not None else []
             if i + 1 < k:
                 logits = self.model(tok[None], self.cache)[0]
-        if not tokens:
-            return Draft(torch.empty(0, dtype=torch.long, device=dev))
-        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+        return chain(tokens, probs, dev)
 
     def commit(self, seq: list[int]) -> None:
         # entries past len(seq) - 1 include rejected drafts; the last token is fed next step

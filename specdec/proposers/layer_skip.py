@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from ..sampling import process, sample
-from .base import Draft, RequestContext
+from .base import RequestContext, chain, draw
 
 
 class LayerSkipProposer:
@@ -40,17 +39,11 @@ class LayerSkipSession:
         tokens, probs = [], []
         for i in range(k):
             logits = self.model(tok[None], self.cache, start=[start + i], exit_layer=self.L)[0]
-            if self.ctx.params.greedy:
-                tok = logits.argmax(-1)
-            else:
-                q = process(logits, self.ctx.params)
-                tok = sample(q, self.ctx.generator)
-                probs.append(q)
+            tok, q = draw(logits, self.ctx)
             tokens.append(tok)
+            probs += [q] if q is not None else []
         self.cache.rollback(start)                 # the verification forward rewrites them
-        if not tokens:
-            return Draft(torch.empty(0, dtype=torch.long, device=self.model.device))
-        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+        return chain(tokens, probs, self.model.device)
 
     def commit(self, seq: list[int]) -> None:
         pass

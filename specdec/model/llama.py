@@ -272,10 +272,9 @@ class Transformer(nn.Module):
         offsets = tree.depth if tree is not None else torch.arange(T)
         if logits is False:
             logit_from = None
-        elif logits is True:
-            logit_from = 0
         else:
-            logit_from = (logits.start or 0) % T if logits.start is not None and logits.start < 0 else (logits.start or 0)
+            first = 0 if logits is True else (logits.start or 0)
+            logit_from = max(0, first + T) if first < 0 else first
         out, h = cforward.forward(kernels.load(), self, tokens[0], cache, start, offsets + start,
                                   tree.mask if tree is not None else None,
                                   exit_layer or self.config.num_hidden_layers, logit_from, hidden)

@@ -70,3 +70,106 @@ def verify_sampling(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch
     final = torch.multinomial(candidates, 1, generator=generator).squeeze(-1)
     emitted = torch.cat([draft, draft.new_zeros(1)])
     return emitted.scatter(0, num_accepted[None], final.gather(0, num_accepted[None])), num_accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees. A draft tree is plain data: node i (0-based, topologically ordered) holds token
+# tokens[i] and hangs below parents[i] (-1 = the root, i.e. the last committed token). The
+# target scores the root and every node in one forward (a tree attention mask), giving a row of
+# logits per node: row 0 = after the root, row i + 1 = after node i.
+#
+# Worked example, greedy: root r with children a (node 0) and b (node 1); a has child c (node 2).
+# parents = [-1, -1, 0]. The target's argmax after r is b, after b is y: b is accepted, b has no
+# children, so the step emits [b, y] (1 accepted + bonus). Had the argmax after r been a and
+# after a been c, it would emit [a, c, argmax after c].
+#
+# Sampling: the children of a node are candidates drawn one after another WITHOUT replacement
+# from the node's draft distribution q (or fixed tokens with q = None). Recursive rejection
+# sampling (SpecInfer's multi-round sampling; Jeon et al. 2024 for the without-replacement
+# form): with p_1 = p and q_1 = q, candidate x_i is accepted with probability
+# min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm(max(0, p_i - q_i)) and q_{i+1} is q
+# without x_1..x_i, renormalised. If every candidate is rejected, the token is drawn from the
+# last p. Each x_i is distributed as q_i given the earlier rejections, so by backward induction
+# every round emits exactly p_i, and the node emits exactly p. An accepted candidate's own
+# children are then verified against the target's distribution after it.
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """children[j + 1] = the nodes below node j, in order (children[0]: below the root)."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, par in enumerate(parents):
+        if not -1 <= par < i:
+            raise ValueError(f"tree node {i} has parent {par}: parents must come before children")
+        children[par + 1].append(i)
+    return children
+
+
+def verify_tree_greedy(tokens: list[int], parents: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:
+    """Greedy verification of a tree (host lists; argmax has len(tokens) + 1 entries, row 0 for
+    the root). Returns (path: the accepted nodes in order, emitted tokens = their tokens plus
+    the target's token after the last of them)."""
+    children = tree_children(parents)
+    path, row = [], 0
+    while True:
+        want = argmax[row]
+        nxt = next((c for c in children[row] if tokens[c] == want), None)
+        if nxt is None:
+            return path, [tokens[i] for i in path] + [want]
+        path.append(nxt)
+        row = nxt + 1
+
+
+def sibling_plan(p: Tensor, q: Tensor | None, candidates: list[int]) -> tuple[list[float], Tensor]:
+    """Recursive rejection sampling at one node, its deterministic half.
+
+    p: [V] float32   the target's processed distribution at the node
+    q: [V] float32   the distribution the candidates were drawn from without replacement;
+                     None = fixed candidates (each is a point mass)
+    candidates: tokens in the order they were drawn
+    returns (accept_prob [m]: of candidate i given candidates < i were rejected,
+             final [V]: what to draw from when all are rejected)
+    """
+    accept = []
+    q_left = q.clone() if q is not None else None
+    for x in candidates:
+        if q_left is None:
+            qi = torch.zeros_like(p)
+            qi[x] = 1.0
+        else:
+            mass = q_left.sum()
+            qi = q_left / mass if mass > 0 else q_left
+        px, qx = p[x].item(), qi[x].item()
+        accept.append(1.0 if qx <= 0 else min(1.0, px / qx))
+        residual = (p - qi).clamp_min(0.0)
+        total = residual.sum()
+        # total 0: p == q_i, so a rejection has probability 0 and p stays as good as any
+        p = residual / total if total > 0 else p
+        if q_left is not None:
+            q_left = q_left.clone()
+            q_left[x] = 0.0
+    return accept, p
+
+
+def verify_tree_sampling(tokens: list[int], parents: list[int], p: Tensor, q: Tensor | None,
+                         generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """Sampling verification of a tree. p: [N+1, V] the target's processed distributions (row 0
+    after the root, row i + 1 after node i); q: [N, V] row i = the distribution node i was
+    drawn from (siblings share it), None = fixed candidates. Returns (path, emitted) as
+    verify_tree_greedy does."""
+    children = tree_children(parents)
+    path, row = [], 0
+    while True:
+        kids = children[row]
+        q_row = q[kids[0]] if (q is not None and kids) else None
+        accept, final = sibling_plan(p[row], q_row, [tokens[c] for c in kids])
+        nxt = None
+        for c, a in zip(kids, accept):
+            if torch.rand((), generator=generator, device=p.device).item() < a:
+                nxt = c
+                break
+        if nxt is None:
+            tok = torch.multinomial(final, 1, generator=generator).item()
+            return path, [tokens[i] for i in path] + [tok]
+        path.append(nxt)
+        row = nxt + 1

@@ -80,3 +80,49 @@ class AdaptiveK:
         trials = accepted + (1 if accepted < k else 0)
         if trials:
             self.alpha = d * self.alpha + (1 - d) * (accepted / trials)
+
+
+class AdaptiveSize:
+    """"auto" for token trees, where acceptance is not one geometric rate: measure each tree
+    size directly. For every size in a ladder (0 = plain decoding) keep running means of the
+    tokens a step emits and of what the step costs (draft + verify); play the size with the best
+    tokens/second, after trying each a few times. Every `probe_every` steps it plays a neighbour
+    of the best size instead, so the estimates follow the text as it changes.
+    """
+
+    LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+    def __init__(self, max_size: int = 32, warmup: int = 3, probe_every: int = 10, decay: float = 0.9):
+        self.sizes = [s for s in self.LADDER if s <= max_size]
+        self.warmup, self.probe_every, self.decay = warmup, probe_every, decay
+        self.tokens: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+        self.steps = 0
+
+    def rate(self, size: int) -> float:
+        return self.tokens[size] / max(self.seconds[size], 1e-9)
+
+    def choose(self) -> int:
+        fresh = [s for s in self.sizes if self.count.get(s, 0) < self.warmup]
+        if fresh:
+            return fresh[0]
+        self.steps += 1
+        best = max(self.sizes, key=self.rate)
+        if self.steps % self.probe_every == 0:
+            i = self.sizes.index(best)
+            side = (self.steps // self.probe_every) % 2
+            j = min(len(self.sizes) - 1, i + 1) if side else max(0, i - 1)
+            return self.sizes[j]
+        return best
+
+    def update(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        size = min(self.sizes, key=lambda s: abs(s - k))   # a step may draft fewer than asked
+        n, cost = accepted + 1.0, draft_s + verify_s
+        if size not in self.count:
+            self.tokens[size], self.seconds[size], self.count[size] = n, cost, 1
+            return
+        d = self.decay if self.count[size] >= self.warmup else (self.count[size] / (self.count[size] + 1))
+        self.tokens[size] = d * self.tokens[size] + (1 - d) * n
+        self.seconds[size] = d * self.seconds[size] + (1 - d) * cost
+        self.count[size] += 1

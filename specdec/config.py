@@ -71,7 +71,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     num_layers: int | None = None        # layer_skip: exit after this many layers
-    max_k: int = 8                       # upper bound for "auto"
+    max_k: int | None = None             # upper bound for "auto": K (default 8), tree size (32)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -82,6 +82,13 @@ class SpeculativeConfig:
         _check(ok, "num_speculative_tokens", 'must be an integer in [0, 64] or "auto"', k)
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                "must be >= 1 and <= prompt_lookup_max", self.prompt_lookup_min)
+        if self.max_k is None:
+            object.__setattr__(self, "max_k", 32 if self.method in ("medusa", "eagle") else 8)
+        _check(isinstance(self.max_k, int) and not isinstance(self.max_k, bool) and 1 <= self.max_k <= 64,
+               "max_k", "must be an integer in [1, 64]", self.max_k)
+        if self.method in ("draft_model", "medusa", "eagle") and not self.model:
+            what = "a draft model folder" if self.method == "draft_model" else f"a heads folder (specdec train {self.method})"
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}: {what}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method 'draft_model'")
 

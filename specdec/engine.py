@@ -12,15 +12,15 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import AdaptiveK, FixedK
+from .adaptive import AdaptiveK, AdaptiveSize, FixedK
 from .config import SamplingParams
 from .detokenize import Detokenizer
 from .metrics import RequestStats
-from .model import Transformer
+from .model import Transformer, TreeAttention
 from .proposers import Proposer, RequestContext
 from .sampling import make_generator, process
 from .tokenizer import Tokenizer
-from .verify import verify_greedy, verify_sampling
+from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
 @dataclass
@@ -44,9 +44,13 @@ class Engine:
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids)
+        # proposers that read the target's features (Medusa, EAGLE) get them after every forward
+        self.feeds_hidden = bool(getattr(proposer, "needs_hidden", False))
         # "auto" K learns acceptance and costs across requests: they belong to the method and the
         # machine, and one request of a few dozen steps is too short to learn them from scratch
-        self._adaptive = AdaptiveK(max_k) if self.num_speculative_tokens == "auto" else None
+        self._adaptive = None
+        if self.num_speculative_tokens == "auto":
+            self._adaptive = AdaptiveSize(max_k) if getattr(proposer, "tree", False) else AdaptiveK(max_k)
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -71,8 +75,14 @@ class Engine:
         stats = RequestStats(prompt_tokens=len(prompt))
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
         cache = self.target.new_cache(1, self.max_model_len)
-        self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False)
-        session = self.proposer.start(prompt, ctx, cache) if self.proposer is not None else None
+        session = None
+        if self.feeds_hidden:
+            h = self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False, hidden=True)
+            session = self.proposer.start(prompt, ctx, cache, hidden=h)
+        else:
+            self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False)
+            if self.proposer is not None:
+                session = self.proposer.start(prompt, ctx, cache)
         policy = self._policy()
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq, out = list(prompt), []
@@ -83,14 +93,19 @@ class Engine:
             draft = session.propose(seq, k) if k > 0 else None
             k = draft.k if draft is not None else 0
             t1 = time.perf_counter()
-            emitted, n = self._verify(seq, draft, cache, ctx)
+            if draft is not None and draft.is_tree:
+                emitted, n, feats = self._verify_tree(seq, draft, cache, ctx)
+            else:
+                emitted, n, feats = self._verify(seq, draft, cache, ctx)
             t2 = time.perf_counter()
             policy.update(k, n, t1 - t0, t2 - t1)
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1
             seq += emitted
             cache.rollback(len(seq) - 1)
-            if session is not None:
+            if self.feeds_hidden:
+                session.commit(seq, feats)
+            elif session is not None:
                 session.commit(seq)
             event = self._accept(emitted, n, out, detok, params, max_tokens, len(prompt))
             stats.record_step(k, n, len(event.token_ids))
@@ -103,17 +118,25 @@ class Engine:
                 return
 
     @torch.inference_mode()
-    def _forward(self, tokens, cache, start, logits=True):
+    def _forward(self, tokens, cache, start, logits=True, hidden=False):
         if tokens.shape[1] == 0:
-            return None
-        return self.target(tokens.to(self.target.device), cache, start, logits=logits)
+            return tokens.new_zeros(0, self.target.config.hidden_size, dtype=torch.float32) if hidden else None
+        out = self.target(tokens.to(self.target.device), cache, start, logits=logits, hidden=hidden)
+        return out[1][0] if hidden else out
 
     @torch.inference_mode()
-    def _verify(self, seq: list[int], draft, cache, ctx: RequestContext) -> tuple[list[int], int]:
+    def _verify(self, seq: list[int], draft, cache, ctx: RequestContext) -> tuple[list[int], int, torch.Tensor | None]:
+        """A chain step; returns (emitted tokens, accepted count, the target's features of the
+        fed tokens that are now committed, when the proposer reads them)."""
         dev = self.target.device
         drafted = draft.tokens.to(dev) if draft is not None else torch.empty(0, dtype=torch.long, device=dev)
         tokens = torch.cat([torch.tensor(seq[-1:], device=dev), drafted])[None]
-        logits = self.target(tokens, cache, [len(seq) - 1])[0]               # [K+1, V]
+        feats = None
+        if self.feeds_hidden:
+            logits, feats = self.target(tokens, cache, [len(seq) - 1], hidden=True)
+            logits, feats = logits[0], feats[0]
+        else:
+            logits = self.target(tokens, cache, [len(seq) - 1])[0]               # [K+1, V]
         if ctx.params.greedy:
             emitted, n = verify_greedy(drafted, logits)
         else:
@@ -122,7 +145,27 @@ class Engine:
             emitted, n = verify_sampling(drafted, q, p, ctx.generator)
         host = torch.cat([n[None], emitted]).tolist()                       # the step's one sync
         n = host[0]
-        return host[1:n + 2], n
+        return host[1:n + 2], n, (feats[:n + 1] if feats is not None else None)
+
+    @torch.inference_mode()
+    def _verify_tree(self, seq: list[int], draft, cache, ctx: RequestContext):
+        """A tree step: [last token, nodes...] in one forward under the tree mask, then the
+        accepted path's cache entries moved to follow the prefix (verify.py has the rules)."""
+        dev = self.target.device
+        start = len(seq) - 1
+        tokens = [seq[-1]] + draft.tokens.tolist()
+        tree = TreeAttention.from_parents(draft.parents, dev)
+        out = self.target(torch.tensor(tokens, device=dev)[None], cache, [start], tree=tree, hidden=self.feeds_hidden)
+        logits, feats = (out[0][0], out[1][0]) if self.feeds_hidden else (out[0], None)
+        if ctx.params.greedy:
+            path, emitted = verify_tree_greedy(tokens[1:], draft.parents, logits.argmax(-1).tolist())
+        else:
+            p = process(logits, ctx.params)
+            q = draft.probs.to(dev) if draft.probs is not None else None
+            path, emitted = verify_tree_sampling(tokens[1:], draft.parents, p, q, ctx.generator)
+        rows = [0] + [i + 1 for i in path]                                   # root + accepted nodes
+        cache.move([start + r for r in rows[1:]], start + 1)
+        return emitted, len(path), (feats[rows] if feats is not None else None)
 
     def _accept(self, emitted, n, out, detok: Detokenizer, params, max_tokens, prompt_len) -> StepEvent:
         """Append emitted tokens one by one until a stop condition; nothing after it is kept."""

@@ -24,7 +24,7 @@ class _Model(ctypes.Structure):
 
 def declare(lib) -> None:
     lib.llama_forward.restype = None
-    lib.llama_forward.argtypes = [POINTER(_Model), c_void_p, c_int, c_int, c_void_p, c_void_p, c_int,
+    lib.llama_forward.argtypes = [POINTER(_Model), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
                                   c_void_p, c_int, c_void_p]
 
 
@@ -63,18 +63,23 @@ def c_model(model, cache) -> _Model:
 
 
 def forward(lib, model, tokens, cache, start: int, positions, mask, n_layers: int,
-            logit_from: int | None, want_hidden: bool):
-    """tokens [T] int64; positions [T] int64; mask [T, T] bool or None.
-    Returns (logits [T - logit_from, V] or None, hidden [T, D] or None)."""
-    T = tokens.shape[0]
-    tokens = tokens.contiguous()
+            logit_from: int | None, want_hidden: bool, embeds=None, past: int = 0):
+    """tokens [T] int64, or None with embeds [T, D] float32; positions [T] int64; mask
+    [T, past + T] bool over slots start - past .. start + T - 1, or None (causal). Returns (logits [T - logit_from, V] or None, hidden [T, D] or None)."""
+    if embeds is not None:
+        embeds = embeds.to(torch.float32).contiguous()
+        T = embeds.shape[0]
+    else:
+        tokens = tokens.contiguous()
+        T = tokens.shape[0]
     positions = positions.to(torch.long).contiguous()
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else None
     hidden = torch.empty(T, model.config.hidden_size) if want_hidden else None
     logits = None
     if logit_from is not None and logit_from < T:
         logits = torch.empty(T - logit_from, model.config.vocab_size)
-    lib.llama_forward(ctypes.byref(c_model(model, cache)), tokens.data_ptr(), T, start, positions.data_ptr(),
-                      _ptr(mask_u8), n_layers, _ptr(hidden), logit_from if logit_from is not None else T,
+    lib.llama_forward(ctypes.byref(c_model(model, cache)), _ptr(tokens if embeds is None else None),
+                      _ptr(embeds), T, start, positions.data_ptr(),
+                      _ptr(mask_u8), start - past, n_layers, _ptr(hidden), logit_from if logit_from is not None else T,
                       _ptr(logits))
     return logits, hidden

@@ -81,11 +81,13 @@ static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos)
     }
 }
 
-/* Attention of T new queries over slots [0, start + T): every slot before `start` is visible;
- * among the new ones, mask[t * T + j] (NULL: causal). */
+/* Attention of T new queries over slots [0, start + T). NULL mask: every slot before `start`
+ * is visible, causal among the new ones. Otherwise slots before mask_from are visible and slot
+ * s >= mask_from is visible to query t iff mask[t * (span - mask_from) + s - mask_from]. */
 static void attention(const Model *m, const Layer *L, const float *q, float *out, int T, int start,
-                      const uint8_t *mask) {
+                      const uint8_t *mask, int mask_from) {
     int H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv, span = start + T;
+    int cols = span - mask_from;
     float scale = 1.0f / sqrtf((float)hd);
     #pragma omp parallel for collapse(2) schedule(static)
     for (int t = 0; t < T; t++) {
@@ -96,8 +98,7 @@ static void attention(const Model *m, const Layer *L, const float *q, float *out
             const float *vc = L->v_cache + (long)(h / group) * m->max_len * hd;
             float mx = -INFINITY;
             for (int s = 0; s < span; s++) {
-                int j = s - start;
-                int vis = j < 0 || (mask ? mask[t * T + j] : j <= t);
+                int vis = mask ? (s < mask_from || mask[(long)t * cols + s - mask_from]) : s <= start + t;
                 if (!vis) { scores[s] = -INFINITY; continue; }
                 scores[s] = dot(qt, kc + (long)s * hd, hd) * scale;
                 if (scores[s] > mx) mx = scores[s];
@@ -119,7 +120,7 @@ static void attention(const Model *m, const Layer *L, const float *q, float *out
 }
 
 static void layer_forward(const Model *m, const Layer *L, float *x, float *buf, float *qkv, float *att,
-                          float *ff, int T, int start, const long *pos, const uint8_t *mask) {
+                          float *ff, int T, int start, const long *pos, const uint8_t *mask, int mask_from) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
     rms_norm(buf, x, L->in_norm, T, D, m->eps);
@@ -135,7 +136,7 @@ static void layer_forward(const Model *m, const Layer *L, float *x, float *buf, 
         }
         memcpy(buf + (long)t * nq, row, sizeof(float) * nq);   /* q, packed [T, H * hd] */
     }
-    attention(m, L, buf, att, T, start, mask);
+    attention(m, L, buf, att, T, start, mask, mask_from);
     skinny_linear(att, L->o, m->w_bf16, NULL, buf, 0, T, D, nq);
     for (long i = 0; i < (long)T * D; i++) x[i] += buf[i];
     rms_norm(buf, x, L->post_norm, T, D, m->eps);
@@ -148,20 +149,23 @@ static void layer_forward(const Model *m, const Layer *L, float *x, float *buf, 
     for (long i = 0; i < (long)T * D; i++) x[i] += buf[i];
 }
 
-/* tokens [T]; pos [T] rope positions; new tokens go to slots start .. start+T-1.
+/* mask: see attention(); tokens [T] (or, when tokens is NULL, input vectors embeds [T, D] instead of the embedding
+ * lookup: EAGLE's head); pos [T] rope positions; new tokens go to slots start .. start+T-1.
  * Runs the first n_layers layers, then the final norm into hidden_out [T, D] (if not NULL)
  * and the LM head for rows [logit_from, T) into logits [T - logit_from, V] (if not NULL). */
-void llama_forward(const Model *m, const int64_t *tokens, int T, int start, const long *pos,
-                   const uint8_t *mask, int n_layers, float *hidden_out, int logit_from, float *logits) {
+void llama_forward(const Model *m, const int64_t *tokens, const float *embeds, int T, int start, const long *pos,
+                   const uint8_t *mask, int mask_from, int n_layers, float *hidden_out, int logit_from, float *logits) {
     int D = m->dim, nqkv = (m->n_heads + 2 * m->n_kv) * m->head_dim;
     int wide = D > m->n_heads * m->head_dim ? D : m->n_heads * m->head_dim;
     if (m->hidden > wide) wide = m->hidden;
     float *x = malloc(sizeof(float) * T * D), *buf = malloc(sizeof(float) * T * wide);
     float *qkv = malloc(sizeof(float) * T * nqkv), *att = malloc(sizeof(float) * T * wide);
     float *ff = malloc(sizeof(float) * T * 2 * m->hidden);
-    for (int t = 0; t < T; t++)
-        for (int i = 0; i < D; i++) x[(long)t * D + i] = widen(m->embed, m->w_bf16, tokens[t] * D + i);
-    for (int l = 0; l < n_layers; l++) layer_forward(m, &m->layers[l], x, buf, qkv, att, ff, T, start, pos, mask);
+    if (tokens == NULL) memcpy(x, embeds, sizeof(float) * T * D);
+    else
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < D; i++) x[(long)t * D + i] = widen(m->embed, m->w_bf16, tokens[t] * D + i);
+    for (int l = 0; l < n_layers; l++) layer_forward(m, &m->layers[l], x, buf, qkv, att, ff, T, start, pos, mask, mask_from);
     rms_norm(buf, x, m->final_norm, T, D, m->eps);
     if (hidden_out) memcpy(hidden_out, buf, sizeof(float) * T * D);
     if (logits && logit_from < T)

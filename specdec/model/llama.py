@@ -76,13 +76,29 @@ class KVCache:
 
 @dataclass(frozen=True)
 class TreeAttention:
-    """The attention pattern among the T new tokens of a tree forward.
+    """The attention pattern of the T new tokens of a tree forward.
 
     depth: [T] int   position offset of each node (root = 0)
-    mask:  [T, T] bool  mask[i, j] = node j is node i itself or one of its ancestors
+    mask:  [T, past + T] bool  over slots start - past .. start + T - 1: mask[i, past + j] =
+           new node j is node i itself or one of its ancestors. Slots before start - past are
+           visible to every node. past > 0 lets a tree grow over several forwards (EAGLE's
+           drafting): earlier nodes stay in the cache and each new node sees its ancestors only.
     """
     depth: Tensor
     mask: Tensor
+    past: int = 0
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], device=None) -> "TreeAttention":
+        """The root (the first token) and nodes hanging below parents[i] (-1 = the root)."""
+        T = len(parents) + 1
+        depth = [0] * T
+        mask = torch.eye(T, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, par in enumerate(parents):
+            depth[i + 1] = depth[par + 1] + 1
+            mask[i + 1] |= mask[par + 1]
+        return cls(torch.tensor(depth, device=device), mask.to(device))
 
 
 class RMSNorm(nn.Module):
@@ -229,23 +245,25 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens: Tensor,                       # [B, T] int64
+        tokens: Tensor | None,                # [B, T] int64 (None: embeds instead)
         cache: KVCache | None = None,
         start: Sequence[int] | None = None,   # [B] host ints: first slot of the new tokens
         tree: TreeAttention | None = None,
         exit_layer: int | None = None,        # run only the first `exit_layer` layers
         logits: bool | slice = True,          # False: skip the LM head; a slice: only those positions
         hidden: bool = False,                 # also return the final-norm hidden states
+        embeds: Tensor | None = None,         # [B, T, D] input vectors instead of token embeddings
     ):
-        B, T = tokens.shape
+        B, T = embeds.shape[:2] if embeds is not None else tokens.shape
         if cache is not None and start is None:
             start = list(cache.lengths)
         if cache is not None and self._c_path(cache, logits):
-            return self._forward_c(tokens, cache, start[0], tree, exit_layer, logits, hidden)
-        positions, mask = self._positions_and_mask(B, T, cache, start, tree, tokens.device)
+            return self._forward_c(tokens, cache, start[0], tree, exit_layer, logits, hidden, embeds)
+        device = self.device
+        positions, mask = self._positions_and_mask(B, T, cache, start, tree, device)
         freqs = positions[..., None].float() * self.inv_freq       # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, T, hd]
-        x = self.model.embed_tokens(tokens).to(self.dtype)
+        x = (self.model.embed_tokens(tokens) if embeds is None else embeds).to(self.dtype)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
         for i, layer in enumerate(layers):
@@ -267,17 +285,18 @@ class Transformer(nn.Module):
             return False
         return cforward.supported(self, cache)
 
-    def _forward_c(self, tokens, cache, start, tree, exit_layer, logits, hidden):
-        T = tokens.shape[1]
+    def _forward_c(self, tokens, cache, start, tree, exit_layer, logits, hidden, embeds=None):
+        T = tokens.shape[1] if embeds is None else embeds.shape[1]
         offsets = tree.depth if tree is not None else torch.arange(T)
         if logits is False:
             logit_from = None
         else:
             first = 0 if logits is True else (logits.start or 0)
             logit_from = max(0, first + T) if first < 0 else first
-        out, h = cforward.forward(kernels.load(), self, tokens[0], cache, start, offsets + start,
-                                  tree.mask if tree is not None else None,
-                                  exit_layer or self.config.num_hidden_layers, logit_from, hidden)
+        out, h = cforward.forward(kernels.load(), self, tokens[0] if embeds is None else None, cache, start,
+                                  offsets + start, tree.mask if tree is not None else None,
+                                  exit_layer or self.config.num_hidden_layers, logit_from, hidden,
+                                  embeds[0] if embeds is not None else None, tree.past if tree is not None else 0)
         cache.lengths[0] = start + T
         out = out[None] if out is not None else None
         return (out, h[None]) if hidden else out
@@ -291,11 +310,12 @@ class Transformer(nn.Module):
         if tree is None and T == 1 and len(set(start)) == 1:
             return positions, None                                   # decode: see every slot
         span = max(start) + T
+        past = tree.past if tree is not None else 0
         slot = torch.arange(span, device=device)
-        rel = slot[None, :] - starts[:, None]                        # [B, span] slot - start
+        rel = slot[None, :] - starts[:, None] + past                 # [B, span] column of the mask
         new = tree.mask if tree is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        rel_idx = rel.clamp(0, T - 1)
+        rel_idx = rel.clamp(0, past + T - 1)
         visible_new = new[:, rel_idx].permute(1, 0, 2)               # [B, T, span]
-        in_new = (rel >= 0) & (rel < T)
+        in_new = (rel >= 0) & (rel < past + T)
         mask = torch.where(in_new[:, None, :], visible_new, (rel < 0)[:, None, :])
         return positions, mask[:, None]                              # [B, 1, T, span]

@@ -7,7 +7,9 @@ from typing import Callable
 from ..config import SpeculativeConfig
 from .base import Draft, DraftSession, Proposer, RequestContext
 from .draft_model import DraftModelProposer
+from .eagle import EagleProposer
 from .layer_skip import LayerSkipProposer
+from .medusa import MedusaProposer
 from .ngram import NgramProposer
 
 
@@ -24,11 +26,47 @@ def _layer_skip(spec: SpeculativeConfig, target, loader, max_len):
     return LayerSkipProposer(target, n)
 
 
+def _load_heads(spec: SpeculativeConfig, target, kind: str):
+    from ..model.heads import load_heads
+    if not spec.model:
+        raise ValueError(f"speculative_config.model is required for method {spec.method!r}: "
+                         f"a heads folder written by `specdec train {spec.method}`")
+    return load_heads(spec.model, target, kind)
+
+
+def _medusa(spec: SpeculativeConfig, target, loader, max_len):
+    from ..model.heads import MEDUSA
+    heads = _load_heads(spec, target, MEDUSA)
+    return MedusaProposer(heads, target.config.vocab_size, heads_config(spec.model).get("accuracy"))
+
+
+def _eagle(spec: SpeculativeConfig, target, loader, max_len):
+    from ..model.heads import EAGLE
+    cfg = heads_config(spec.model) if spec.model else {}
+    topk = spec.extra.get("topk", cfg.get("default_topk", 4))
+    depth = spec.extra.get("depth", cfg.get("default_depth"))
+    for name, v in (("topk", topk), ("depth", depth)):
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
+            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    return EagleProposer(_load_heads(spec, target, EAGLE), target, max_len, topk=topk, depth=depth)
+
+
+def heads_config(folder) -> dict:
+    import json
+    from pathlib import Path
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 # method name -> builder(spec, target model, load_model(dir), max_len) -> Proposer
 REGISTRY: dict[str, Callable] = {
     "draft_model": _draft_model,
     "ngram": _ngram,
     "layer_skip": _layer_skip,
+    "medusa": _medusa,
+    "eagle": _eagle,
 }
 
 

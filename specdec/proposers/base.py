@@ -14,12 +14,19 @@ from ..sampling import process, sample
 
 @dataclass(frozen=True)
 class Draft:
+    """A chain of K proposed tokens, or a tree of K nodes (parents set; see verify.py)."""
     tokens: Tensor                 # [K] int64 proposed tokens (K may be 0: nothing to propose)
-    probs: Tensor | None = None    # [K, V] float32 processed q(x); None = deterministic draft
+    probs: Tensor | None = None    # [K, V] float32: row i = the processed q node i was drawn from
+                                   # (siblings share it); None = deterministic draft
+    parents: list[int] | None = None   # tree only: parents[i] = node i's parent, -1 = the root
 
     @property
     def k(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass
@@ -61,6 +68,35 @@ def chain(tokens: list[Tensor], probs: list[Tensor], device) -> Draft:
     if not tokens:
         return Draft(torch.empty(0, dtype=torch.long, device=device))
     return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+
+
+def draw_without_replacement(q: Tensor, m: int, generator: torch.Generator) -> Tensor:
+    """Up to m distinct tokens drawn one after another without replacement from q [V], in draw
+    order (Gumbel-top-k: sorting log q + Gumbel noise is sequential sampling without
+    replacement). Fewer when q has fewer than m tokens with mass."""
+    m = min(m, int((q > 0).sum()))
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_min(1e-30)
+    keys = q.log() - (-u.log()).log()
+    return keys.topk(m).indices
+
+
+def to_target_vocab(logits: Tensor, draft_vocab: Tensor, vocab_size: int) -> Tensor:
+    """Logits [..., V'] over a draft vocabulary -> [..., vocab_size], -inf off the draft vocabulary."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return out.scatter(-1, draft_vocab.expand(*logits.shape[:-1], -1), logits)
+
+
+def prune_tree(tokens: list[int], parents: list[int], keep: list[bool]) -> tuple[list[int], list[int], list[int]]:
+    """Drop the nodes not kept (and everything below them); returns (tokens, parents, kept
+    old indices), re-indexed."""
+    new_index, out_t, out_p, kept = {-1: -1}, [], [], []
+    for i, (t, par) in enumerate(zip(tokens, parents)):
+        if keep[i] and par in new_index:
+            new_index[i] = len(out_t)
+            out_t.append(t)
+            out_p.append(new_index[par])
+            kept.append(i)
+    return out_t, out_p, kept
 
 
 def fit_vocab(logits: Tensor, vocab_size: int) -> Tensor:

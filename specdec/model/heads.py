@@ -1,0 +1,151 @@
+"""Speculative heads that ride on the target: Medusa and EAGLE.
+
+Both read the target's final-norm hidden state (its "feature") and predict over a *draft
+vocabulary*: the V' most frequent tokens of the target's own generations (`draft_vocab`, a
+[V'] map from draft index to target token id). A full 16k-row LM head per draft step would
+cost a quarter of a target forward on the bundled model; V' = 4096 rows cost a sixteenth.
+Tokens outside the draft vocabulary are never proposed, which costs acceptance, not
+correctness: verification decides every emitted token.
+
+- MedusaHeads (Cai et al. 2024): head i (1-based) maps the feature of token t to logits for
+  token t + 1 + i, through its own residual block h + SiLU(W_i h + b_i) and an LM head
+  shared by the heads (one weight read scores all heads at once).
+- EagleHead (Li et al. 2024): fc([feature_t ; embed(token_{t+1})]) -> one Llama decoder
+  layer -> norm = a predicted feature for token t + 1 -> LM head over V'. It drafts
+  autoregressively at the feature level with its own one-layer KV cache.
+
+A heads folder is self-contained: config.json ("architectures": ["SpecdecMedusaHeads"] or
+["SpecdecEagleHead"]), model.safetensors, README.md (the card) and training.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .checkpoint import CheckpointError
+from .config import ModelConfig
+from .llama import KVCache, Linear, Transformer, TreeAttention
+
+MEDUSA, EAGLE = "SpecdecMedusaHeads", "SpecdecEagleHead"
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, draft_vocab: Tensor):
+        super().__init__()
+        self.num_heads = num_heads
+        self.blocks = nn.ModuleList(Linear(hidden_size, hidden_size, bias=True) for _ in range(num_heads))
+        self.lm_head = Linear(hidden_size, draft_vocab.numel(), bias=False)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
+        for b in self.blocks:   # Medusa's init: each block starts as the identity
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h [..., D] features -> logits [num_heads, ..., V'] over the draft vocabulary."""
+        h = h.to(self.lm_head.weight.dtype) if self.lm_head.weight.requires_grad else h
+        xs = torch.stack([h + F.silu(b(h)) for b in self.blocks])
+        return self.lm_head(xs)
+
+    def config(self) -> dict:
+        return {"architectures": [MEDUSA], "hidden_size": self.lm_head.in_features,
+                "num_heads": self.num_heads, "draft_vocab_size": self.draft_vocab.numel()}
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target_cfg: ModelConfig, draft_vocab: Tensor):
+        super().__init__()
+        D = target_cfg.hidden_size
+        cfg = target_cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(), tie_word_embeddings=False)
+        self.fc = Linear(2 * D, D, bias=True)
+        self.decoder = Transformer(cfg)
+        # the decoder's input comes from fc, never from a token lookup
+        self.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, D))
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
+
+    @property
+    def decoder_config(self) -> ModelConfig:
+        return self.decoder.config
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return self.decoder.new_cache(1, max_len)
+
+    def forward(self, feats: Tensor, token_embeds: Tensor, cache: KVCache | None = None,
+                start: list[int] | None = None, tree: TreeAttention | None = None) -> tuple[Tensor, Tensor]:
+        """feats [B, T, D]: features of tokens t; token_embeds [B, T, D]: the target's embeddings
+        of tokens t + 1. Returns (logits [B, T, V'] for tokens t + 2, predicted features
+        [B, T, D] of tokens t + 1)."""
+        x = self.fc(torch.cat([feats, token_embeds], -1).to(self.decoder.dtype))
+        return self.decoder(None, cache, start, tree=tree, hidden=True, embeds=x)
+
+    def use_fp32_activations(self) -> "EagleHead":
+        self.decoder.use_fp32_activations()
+        self.fc.bias.data = self.fc.bias.data.float()
+        return self
+
+    def config(self) -> dict:
+        return {"architectures": [EAGLE], "hidden_size": self.fc.out_features,
+                "draft_vocab_size": self.draft_vocab.numel(), "decoder": self.decoder.config.to_hf()}
+
+
+def save_heads(heads: MedusaHeads | EagleHead, folder: str | os.PathLike, dtype=torch.bfloat16,
+               extra: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
+          for k, v in heads.state_dict().items() if not k.endswith("embed_tokens.weight")}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**heads.config(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None = None):
+    """Load a heads folder for `target`: weights in the target's dtype, on its device."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (expected a heads folder written by `specdec train`)")
+    cfg = json.loads(cfg_path.read_text())
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in (MEDUSA, EAGLE):
+        raise CheckpointError(f"{folder}: not a Medusa or EAGLE heads folder (architectures: {arch})")
+    if kind is not None and arch != kind:
+        want = "Medusa" if kind == MEDUSA else "EAGLE"
+        raise CheckpointError(f"{folder}: holds {arch}, the method needs {want} heads")
+    tcfg = target.config
+    if cfg["hidden_size"] != tcfg.hidden_size:
+        raise CheckpointError(f"{folder}: heads of hidden size {cfg['hidden_size']}, the target has {tcfg.hidden_size}")
+    sd = load_file(str(folder / "model.safetensors"))
+    vocab = sd["draft_vocab"]
+    if vocab.numel() == 0 or int(vocab.max()) >= tcfg.vocab_size or int(vocab.min()) < 0:
+        raise CheckpointError(f"{folder}: draft vocabulary ids fall outside the target's vocabulary [0, {tcfg.vocab_size})")
+    if arch == MEDUSA:
+        heads = MedusaHeads(cfg["hidden_size"], cfg["num_heads"], vocab)
+    else:
+        dec = ModelConfig.from_hf(cfg["decoder"])
+        heads = EagleHead(tcfg.replace(**{k: getattr(dec, k) for k in (
+            "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "attention_bias")}), vocab)
+    dtype = target.lm_head.weight.dtype
+    missing, unexpected = heads.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not m.endswith("embed_tokens.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: weights do not match the config: "
+                              f"{(missing or unexpected)[0]} {'missing' if missing else 'unexpected'}")
+    heads = heads.to(device=target.device)
+    for name, p in heads.named_parameters():
+        if not name.endswith("embed_tokens.weight"):
+            p.data = p.data.to(dtype)
+    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # CPU without native bf16
+        if isinstance(heads, EagleHead):
+            heads.use_fp32_activations()
+        else:
+            for b in heads.blocks:
+                b.bias.data = b.bias.data.float()
+    return heads.eval().requires_grad_(False)

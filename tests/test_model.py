@@ -171,3 +171,26 @@ def test_bundled_models_load_in_transformers_and_match(name):
         cache = ours.new_cache()
         stepwise = torch.cat([ours(ids[:, :-3], cache), ours(ids[:, -3:], cache)], 1)
         assert (ref(ids).logits - stepwise).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c-forward", "torch"])
+def test_tree_grown_over_two_forwards_equals_one_forward(tmp_path, monkeypatch, c_kernels):
+    """EAGLE grows its draft tree one depth per forward: nodes of the second forward see the
+    prefix and their ancestors among the first forward's nodes (TreeAttention.past), nothing else."""
+    from specdec import kernels
+    if not c_kernels:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    model = load_model(make_checkpoint(tmp_path / "m"), "float32")
+    prefix = torch.randint(0, 90, (1, 10), generator=torch.Generator().manual_seed(4))
+    # first forward: root a, b (depth 0 after the prefix); second: c below a, d below b, e below a
+    first = torch.tensor([[11, 12]])
+    second = torch.tensor([[13, 14, 15]])
+    cache = model.new_cache()
+    model(prefix, cache)
+    model(first, cache, tree=TreeAttention(torch.zeros(2, dtype=torch.long), torch.eye(2, dtype=torch.bool)))
+    mask = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    # positions: a, b at 10; c, d, e at 11 = start (12) + offset (-1)
+    out = model(second, cache, tree=TreeAttention(torch.full((3,), -1), mask, past=2))[0]
+    for i, path in enumerate([[11, 13], [12, 14], [11, 15]]):
+        plain = model(torch.cat([prefix, torch.tensor([path])], 1))[0, -1]
+        assert (out[i] - plain).abs().max() < 1e-5, i

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -25,6 +26,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     draft.add_argument("--init", help="start from this draft checkpoint (e.g. pretrained with `train lm`)")
     _common(draft)
 
+    for kind, text in (("medusa", "train Medusa heads on a frozen target (self-distillation)"),
+                       ("eagle", "train an EAGLE head on a frozen target (self-distillation)")):
+        h = tsub.add_parser(kind, help=text)
+        h.add_argument("--target", default="models/target", help="the target's Hugging Face folder")
+        h.add_argument("--out", required=True, help="heads folder to write")
+        h.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
+        h.add_argument("--data", default="runs/selfdistill", help="self-distillation data folder (made if missing, reused)")
+        h.add_argument("--steps", type=int)
+        h.add_argument("--batch", type=int)
+        h.add_argument("--lr", type=float)
+        h.add_argument("--draft-vocab", type=int, help="draft vocabulary size (most frequent tokens)")
+        h.add_argument("--shards", type=int, help="self-distillation shards of 32 x 256 tokens")
+        h.add_argument("--val-shards", type=int)
+        if kind == "medusa":
+            h.add_argument("--num-heads", type=int)
+        else:
+            h.add_argument("--window", type=int, help="pairs per training row")
+        h.add_argument("--threads", type=int)
+        h.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+        h.add_argument("--report-prompts", type=int, default=20,
+                       help="held-out function headers for the card's acceptance numbers (0: skip)")
+
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
     rep.add_argument("--draft", default="models/draft")
@@ -45,6 +68,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.train_cmd == "report":
         return _report(args)
+    if args.train_cmd in ("medusa", "eagle"):
+        return _heads(args)
     from .lm import TrainConfig, train
 
     cfg = TrainConfig.load(args.config, threads=args.threads, max_steps=args.max_steps)
@@ -80,4 +105,25 @@ def _report(args: argparse.Namespace) -> int:
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     write_into_cards(r, command, Path(args.target), Path(args.draft))
     print(json.dumps(r, indent=1))
+    return 0
+
+
+def _heads(args: argparse.Namespace) -> int:
+    from .heads import HeadsConfig, train_heads
+
+    fields = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
+              "shards": args.shards, "val_shards": args.val_shards, "threads": args.threads,
+              "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
+    cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
+    target = Path(args.target)
+    if not (target / "config.json").is_file():
+        raise ValueError(f"--target {target}: not a model folder (no config.json)")
+    out = Path(args.out)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    r = train_heads(cfg, target, out, Path(args.work) if args.work else Path("runs") / out.name, Path(args.data),
+                    command=command, stop_after=args.stop_after, report_prompts=args.report_prompts)
+    if r["finished"]:
+        print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
+    else:
+        print(f"stopped at step {r['step']}; run the same command again to resume")
     return 0

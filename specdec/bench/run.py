@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import METHODS
-from ..llm import DEFAULT_DRAFT, LLM
+from ..llm import DEFAULT_DRAFT, LLM, MODELS_DIR
 from . import machine, report
 from .diagnose import label_mismatches
 from .harness import Scenario, measure, num_steps
@@ -52,10 +52,14 @@ def _draft_dir(args) -> str | None:
 
 def build_variants(args, llm: LLM, draft_dir: str | None):
     spec_methods, peer_names, skipped = select_methods(args.methods, args.peers)
-    overrides = args.speculative_config or {}
+    overrides = {m: dict(v) for m, v in (args.speculative_config or {}).items()}
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
+    if args.model is None:    # the bundled target: its bundled heads, where present
+        for method in ("medusa", "eagle"):
+            if (MODELS_DIR / method).is_dir():
+                overrides.setdefault(method, {}).setdefault("model", str(MODELS_DIR / method))
     variants = [plain_variant(llm)]
     spec_vs, spec_skipped = speculative_variants(llm, spec_methods, args.num_speculative_tokens, draft_dir, overrides)
     peer_vs, peer_skipped = peer_variants(peer_names, args.num_speculative_tokens, llm.model_path, draft_dir,

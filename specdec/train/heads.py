@@ -44,7 +44,7 @@ class HeadsConfig:
     num_heads: int = 4                 # medusa
     draft_vocab: int = 2048
     steps: int = 1500
-    batch: int = 512                   # medusa: positions per step; eagle: rows of `window` pairs
+    batch: int | None = None           # medusa: positions per step (512); eagle: rows of `window` pairs (8)
     window: int = 128                  # eagle: pairs per row
     lr: float = 1e-3
     warmup: int = 50
@@ -55,6 +55,12 @@ class HeadsConfig:
     save_every: int = 100
     threads: int = 1
     corpus_limit_mb: float | None = None   # prompts from the first files of each split only (smoke runs)
+
+    def __post_init__(self):
+        if self.kind not in ("medusa", "eagle"):
+            raise ValueError(f"kind must be medusa or eagle, got {self.kind!r}")
+        if self.batch is None:
+            object.__setattr__(self, "batch", 512 if self.kind == "medusa" else 8)
 
 
 def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
@@ -156,6 +162,7 @@ def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_
                 command: str = "", stop_after: int | None = None, report_prompts: int = 20,
                 log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     torch.set_num_threads(cfg.threads)
+    torch.set_flush_denormal(True)   # tiny gradients otherwise turn CPU matmuls 10x slower
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(target_dir, "float32")
     tok = Tokenizer(target_dir)

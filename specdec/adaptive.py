@@ -23,7 +23,7 @@ class FixedK:
     def choose(self) -> int:
         return self.k
 
-    def update(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, k: int, accepted: int, draft_s: float, verify_s: float, path=None) -> None:
         pass
 
 
@@ -66,7 +66,7 @@ class AdaptiveK:
                 return 1
         return best_k
 
-    def update(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, k: int, accepted: int, draft_s: float, verify_s: float, path=None) -> None:
         d = self.decay
         prev = self.t_verify.get(k)
         self.t_verify[k] = verify_s if prev is None else d * prev + (1 - d) * verify_s
@@ -83,46 +83,61 @@ class AdaptiveK:
 
 
 class AdaptiveSize:
-    """"auto" for token trees, where acceptance is not one geometric rate: measure each tree
-    size directly. For every size in a ladder (0 = plain decoding) keep running means of the
-    tokens a step emits and of what the step costs (draft + verify); play the size with the best
-    tokens/second, after trying each a few times. Every `probe_every` steps it plays a neighbour
-    of the best size instead, so the estimates follow the text as it changes.
+    """"auto" for token trees, whose acceptance is not one geometric rate: estimate, for each
+    size in a ladder (0 = plain decoding), the tokens a step emits and what the step costs
+    (draft + verify), and play the size with the best tokens/second.
+
+    Trees are nested: the proposers list nodes best first, so the tree of size s is the first
+    s nodes of any larger one. A greedy step that verified a tree of size k therefore also
+    tells what every smaller size would have accepted (the accepted path cut at the first node
+    beyond s), and all those estimates move every step. Costs are measured per size played;
+    every `probe_every` steps the policy plays the next size up (to see whether a bigger tree
+    would now pay) or down (to refresh its cost), alternately.
     """
 
     LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
-    def __init__(self, max_size: int = 32, warmup: int = 3, probe_every: int = 10, decay: float = 0.9):
+    def __init__(self, max_size: int = 32, warmup: int = 2, probe_every: int = 8, decay: float = 0.9):
         self.sizes = [s for s in self.LADDER if s <= max_size]
         self.warmup, self.probe_every, self.decay = warmup, probe_every, decay
         self.tokens: dict[int, float] = {}
         self.seconds: dict[int, float] = {}
-        self.count: dict[int, int] = {}
+        self.played: dict[int, int] = {}      # steps played per size (its cost observations)
+        self.observed: dict[int, int] = {}    # token observations per size (counterfactual included)
         self.steps = 0
 
     def rate(self, size: int) -> float:
-        return self.tokens[size] / max(self.seconds[size], 1e-9)
+        if size not in self.tokens or size not in self.seconds:
+            return 0.0
+        # a bigger nested tree accepts at least what a smaller one does
+        tokens = max(self.tokens[s] for s in self.tokens if s <= size)
+        return tokens / max(self.seconds[size], 1e-9)
 
     def choose(self) -> int:
-        fresh = [s for s in self.sizes if self.count.get(s, 0) < self.warmup]
+        fresh = [s for s in self.sizes if self.played.get(s, 0) < self.warmup]
         if fresh:
             return fresh[0]
         self.steps += 1
         best = max(self.sizes, key=self.rate)
         if self.steps % self.probe_every == 0:
             i = self.sizes.index(best)
-            side = (self.steps // self.probe_every) % 2
-            j = min(len(self.sizes) - 1, i + 1) if side else max(0, i - 1)
-            return self.sizes[j]
+            up = (self.steps // self.probe_every) % 2
+            return self.sizes[min(len(self.sizes) - 1, i + 1) if up else max(0, i - 1)]
         return best
 
-    def update(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        size = min(self.sizes, key=lambda s: abs(s - k))   # a step may draft fewer than asked
-        n, cost = accepted + 1.0, draft_s + verify_s
-        if size not in self.count:
-            self.tokens[size], self.seconds[size], self.count[size] = n, cost, 1
+    def _observe(self, table: dict, counts: dict, size: int, value: float) -> None:
+        n = counts[size] = counts.get(size, 0) + 1
+        d = min(self.decay, (n - 1) / n)      # a plain mean over the first observations
+        table[size] = value if n == 1 else d * table[size] + (1 - d) * value
+
+    def update(self, k: int, accepted: int, draft_s: float, verify_s: float, path: list[int] | None = None) -> None:
+        size = max((s for s in self.sizes if s <= k), default=0)   # a step may draft fewer than asked
+        self._observe(self.seconds, self.played, size, draft_s + verify_s)
+        if path is None:          # sampling: only the size played is observed
+            self._observe(self.tokens, self.observed, size, accepted + 1.0)
             return
-        d = self.decay if self.count[size] >= self.warmup else (self.count[size] / (self.count[size] + 1))
-        self.tokens[size] = d * self.tokens[size] + (1 - d) * n
-        self.seconds[size] = d * self.seconds[size] + (1 - d) * cost
-        self.count[size] += 1
+        for s in self.sizes:
+            if s > k:
+                break
+            cut = next((i for i, node in enumerate(path) if node >= s), len(path))
+            self._observe(self.tokens, self.observed, s, cut + 1.0)

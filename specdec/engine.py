@@ -93,12 +93,14 @@ class Engine:
             draft = session.propose(seq, k) if k > 0 else None
             k = draft.k if draft is not None else 0
             t1 = time.perf_counter()
+            path = None
             if draft is not None and draft.is_tree:
-                emitted, n, feats = self._verify_tree(seq, draft, cache, ctx)
+                emitted, n, feats, path = self._verify_tree(seq, draft, cache, ctx)
             else:
                 emitted, n, feats = self._verify(seq, draft, cache, ctx)
             t2 = time.perf_counter()
-            policy.update(k, n, t1 - t0, t2 - t1)
+            # greedy tree steps tell what every smaller (nested) tree would have accepted
+            policy.update(k, n, t1 - t0, t2 - t1, path=path if ctx.params.greedy else None)
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1
             seq += emitted
@@ -165,7 +167,7 @@ class Engine:
             path, emitted = verify_tree_sampling(tokens[1:], draft.parents, p, q, ctx.generator)
         rows = [0] + [i + 1 for i in path]                                   # root + accepted nodes
         cache.move([start + r for r in rows[1:]], start + 1)
-        return emitted, len(path), (feats[rows] if feats is not None else None)
+        return emitted, len(path), (feats[rows] if feats is not None else None), path
 
     def _accept(self, emitted, n, out, detok: Detokenizer, params, max_tokens, prompt_len) -> StepEvent:
         """Append emitted tokens one by one until a stop condition; nothing after it is kept."""

@@ -90,7 +90,7 @@ class EagleSession:
             expand = sorted(new, key=lambda i: (-t.scores[i], i))[:topk]
             level = self._expand(t, expand, written, base, depth)
         self.cache.rollback(base)
-        if greedy and len(t.tokens) > k:
+        if greedy:       # best first (smaller trees are prefixes: adaptive sizes rely on it)
             t = t.best(k)
         if not t.tokens:
             return Draft(torch.empty(0, dtype=torch.long), parents=[])
@@ -152,9 +152,9 @@ class _Tree:
         return len(self.tokens) - 1
 
     def best(self, n: int) -> "_Tree":
-        """The n nodes of highest score: a tree, since scores only fall along a path (ties go
-        to the earlier node, and parents come before children)."""
-        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:n])
+        """The n nodes of highest score, best first: a tree in topological order, since scores
+        only fall along a path (ties go to the earlier node, and parents come before children)."""
+        keep = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:n]
         out, index = _Tree(), {-1: -1}
         for i in keep:
             index[i] = out.add(self.tokens[i], index[self.parents[i]], self.scores[i], None, self.feats[i])

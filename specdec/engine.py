@@ -17,10 +17,10 @@ from .config import SamplingParams
 from .detokenize import Detokenizer
 from .metrics import RequestStats
 from .model import Transformer, TreeAttention
-from .proposers import Proposer, RequestContext
+from .proposers import Draft, Proposer, RequestContext
 from .sampling import make_generator, process
 from .tokenizer import Tokenizer
-from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Engine:
         self.eos_ids = set(tokenizer.eos_token_ids)
         # proposers that read the target's features (Medusa, EAGLE) get them after every forward
         self.feeds_hidden = bool(getattr(proposer, "needs_hidden", False))
+        # (threshold, alpha) of Medusa's typical acceptance: lossy, only when asked for
+        self.typical = getattr(proposer, "typical_acceptance", None)
         # "auto" K learns acceptance and costs across requests: they belong to the method and the
         # machine, and one request of a few dozen steps is too short to learn them from scratch
         self._adaptive = None
@@ -94,6 +96,8 @@ class Engine:
             k = draft.k if draft is not None else 0
             t1 = time.perf_counter()
             path = None
+            if draft is not None and self.typical is not None and not params.greedy and not draft.is_tree:
+                draft = Draft(draft.tokens, draft.probs, list(range(-1, draft.k - 1)))   # a chain is a tree
             if draft is not None and draft.is_tree:
                 emitted, n, feats, path = self._verify_tree(seq, draft, cache, ctx)
             else:
@@ -161,6 +165,9 @@ class Engine:
         logits, feats = (out[0][0], out[1][0]) if self.feeds_hidden else (out[0], None)
         if ctx.params.greedy:
             path, emitted = verify_tree_greedy(tokens[1:], draft.parents, logits.argmax(-1).tolist())
+        elif self.typical is not None:
+            path, emitted = verify_tree_typical(tokens[1:], draft.parents, process(logits, ctx.params),
+                                                ctx.generator, *self.typical)
         else:
             p = process(logits, ctx.params)
             q = draft.probs.to(dev) if draft.probs is not None else None

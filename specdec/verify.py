@@ -173,3 +173,26 @@ def verify_tree_sampling(tokens: list[int], parents: list[int], p: Tensor, q: Te
             return path, [tokens[i] for i in path] + [tok]
         path.append(nxt)
         row = nxt + 1
+
+
+def verify_tree_typical(tokens: list[int], parents: list[int], p: Tensor, generator: torch.Generator,
+                        threshold: float = 0.09, alpha: float = 0.3) -> tuple[list[int], list[int]]:
+    """Medusa's typical acceptance: LOSSY, an explicit opt-in (acceptance_method
+    "typical_acceptance_sampler"); the output is no longer distributed as the target's.
+
+    A candidate x is accepted when p(x) > min(threshold, alpha * exp(-H(p))), H the entropy of
+    the target's distribution p at its parent; among acceptable siblings the most likely one
+    is followed. After the accepted path, one token is sampled from p (the bonus).
+    p: [N+1, V] the target's processed distributions (row 0 after the root).
+    """
+    children = tree_children(parents)
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)                    # [N+1]
+    bar = torch.clamp(alpha * torch.exp(-entropy), max=threshold).tolist()
+    path, row = [], 0
+    while True:
+        ok = [(p[row, tokens[c]].item(), c) for c in children[row] if p[row, tokens[c]].item() > bar[row]]
+        if not ok:
+            tok = torch.multinomial(p[row], 1, generator=generator).item()
+            return path, [tokens[i] for i in path] + [tok]
+        path.append(max(ok)[1])
+        row = path[-1] + 1

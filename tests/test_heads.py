@@ -218,3 +218,44 @@ def test_train_medusa_and_eagle_tiny_end_to_end(heads, tmp_path):
         llm = LLM(model=heads["target"], dtype="float32",
                   speculative_config={"method": kind, "model": str(tmp_path / f"{kind}-b"), "num_speculative_tokens": 4})
         assert tokens(llm, PROMPTS[:4], GREEDY) == tokens(heads["plain"], PROMPTS[:4], GREEDY)
+
+
+def test_typical_acceptance_is_opt_in_and_lossy(heads):
+    """Medusa's typical acceptance must be asked for, leaves greedy alone, and is not exact:
+    here it always takes a candidate the target would pick half the time."""
+    from specdec.verify import verify_tree_typical
+
+    assert _llm(heads, "medusa", 4).engine.typical is None
+    llm = _llm(heads, "medusa", 4, acceptance_method="typical_acceptance_sampler")
+    assert llm.engine.typical == (0.09, 0.3)
+    assert tokens(llm, PROMPTS[:4], GREEDY) == tokens(heads["plain"], PROMPTS[:4], GREEDY)
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    g = torch.Generator().manual_seed(0)
+    firsts = {verify_tree_typical([0], [-1], p, g)[1][0] for _ in range(50)}
+    assert firsts == {0}                   # exact sampling would give 1 half of the time
+    with pytest.raises(ValueError, match="acceptance_method must be one of"):
+        _llm(heads, "medusa", 4, acceptance_method="greedy")
+
+
+def _simulate(policy, tokens_of, cost_of, steps=300):
+    from collections import Counter
+    played = Counter()
+    for _ in range(steps):
+        k = policy.choose()
+        played[k] += 1
+        n = tokens_of(k)
+        policy.update(k, n, 0.0, cost_of(k), path=list(range(n)))
+    return played
+
+
+def test_adaptive_tree_size_finds_the_best_size_and_falls_back_to_plain():
+    from specdec.adaptive import AdaptiveSize
+
+    # every step accepts the first 4 nodes of a best-first chain; cost grows with size
+    played = _simulate(AdaptiveSize(32), lambda k: min(k, 4), lambda k: 1 + 0.3 * k)
+    assert played.most_common(1)[0][0] == 4 and played[4] > 200
+    # nothing is ever accepted: plain decoding wins
+    played = _simulate(AdaptiveSize(32), lambda k: 0, lambda k: 1 + 0.3 * k)
+    assert played.most_common(1)[0][0] == 0 and played[0] > 200

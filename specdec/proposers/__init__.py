@@ -70,11 +70,26 @@ REGISTRY: dict[str, Callable] = {
 }
 
 
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+
+
 def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer:
     if spec.method not in REGISTRY:
         raise ValueError(f"speculative method {spec.method!r} is not available "
                          f"(available: {', '.join(REGISTRY)})")
-    return REGISTRY[spec.method](spec, target, loader, max_len)
+    acceptance = spec.extra.get("acceptance_method", "rejection_sampler")
+    if acceptance not in ACCEPTANCE_METHODS:
+        raise ValueError(f"speculative_config.acceptance_method must be one of {', '.join(ACCEPTANCE_METHODS)}, "
+                         f"got {acceptance!r}")
+    proposer = REGISTRY[spec.method](spec, target, loader, max_len)
+    if acceptance == "typical_acceptance_sampler":   # lossy (Medusa): explicitly asked for
+        threshold = spec.extra.get("posterior_threshold", 0.09)
+        alpha = spec.extra.get("posterior_alpha", 0.3)
+        for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
+                raise ValueError(f"speculative_config.{name} must be in (0, 1], got {v!r}")
+        proposer.typical_acceptance = (float(threshold), float(alpha))
+    return proposer
 
 
 __all__ = ["Draft", "DraftSession", "Proposer", "RequestContext", "REGISTRY", "build_proposer"]

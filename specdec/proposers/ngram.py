@@ -19,14 +19,18 @@ class NgramProposer:
 
 
 def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
-    """The up-to-k tokens after the latest earlier match of seq's last n tokens (longest n first)."""
+    """Up to k tokens that followed an earlier match of seq's last n tokens (longest n first):
+    the latest match with k tokens after it, else the one with the most (the earliest). The
+    latest match alone is often the tail's own neighbour in a repeating stretch, with a single
+    token after it."""
     L = len(seq)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         tail = seq[L - n:]
         windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)   # starts 0..L-1-n
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
-            start = hits[-1] + n
+            full = hits[L - (hits + n) >= k]
+            start = (full[-1] if full.size else hits[0]) + n
             return seq[start:start + k]
     return seq[:0]
 

@@ -44,11 +44,19 @@ class DraftSession(Protocol):
         """Propose up to k tokens to follow `seq` (prompt + output so far)."""
 
     def commit(self, seq: list[int]) -> None:
-        """`seq` is the sequence after verification: roll back whatever was rejected."""
+        """`seq` is the sequence after verification: roll back whatever was rejected.
+
+        Proposers with `needs_hidden` are called as commit(seq, hidden) with hidden [n, D]: the
+        target's final-norm features of the tokens the step fed and kept, i.e. of
+        seq[len(seq) - 1 - n : len(seq) - 1] (the last token is fed by the next step)."""
 
 
 class Proposer(Protocol):
-    """A drafting method; holds what is shared across requests (weights)."""
+    """A drafting method; holds what is shared across requests (weights).
+
+    Optional attributes: `needs_hidden` (Medusa, EAGLE: the engine passes the target's
+    features to start(..., hidden=[len(prompt) - 1, D]) and commit) and `tree` (drafts are
+    token trees, listed best first; "auto" then adapts the tree size)."""
     name: str
 
     def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> DraftSession: ...

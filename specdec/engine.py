@@ -85,6 +85,7 @@ class Engine:
             self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False)
             if self.proposer is not None:
                 session = self.proposer.start(prompt, ctx, cache)
+        stats.prefill_time_s = time.perf_counter() - t_start
         policy = self._policy()
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq, out = list(prompt), []

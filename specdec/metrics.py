@@ -26,6 +26,7 @@ class RequestStats:
     time_to_first_token_s: float = 0.0
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
+    prefill_time_s: float = 0.0      # the prompt's forward (and the proposer's own prefill)
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1
@@ -61,7 +62,7 @@ class RequestStats:
 
     def merge(self, other: "RequestStats") -> None:
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
-                     "accepted_tokens", "wall_time_s", "draft_time_s", "target_time_s"):
+                     "accepted_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
@@ -82,4 +83,5 @@ class RequestStats:
             "tokens_per_second": round(self.tokens_per_second, 2),
             "wall_time_s": round(self.wall_time_s, 4),
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
+            "prefill_time_s": round(self.prefill_time_s, 4),
         }

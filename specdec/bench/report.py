@@ -44,7 +44,7 @@ def _positions(xs: list[float], limit: int = 8) -> str:
     return (shown + " …") if len(xs) > limit else (shown or "–")
 
 
-HEADER = ("| method | K | tokens/s median (min–max) | × specdec plain | × HF plain | predicted × own plain | α | tokens/step "
+HEADER = ("| method | K | tokens/s median (min–max) | × specdec plain | × plain, decode phase | × HF plain | predicted × own plain | α | tokens/step "
           "| acceptance by position | target fwd ms | draft ms/token | c | greedy = plain |")
 
 
@@ -57,6 +57,7 @@ def table(scenario: dict) -> str:
         name = m["name"].split(" K=")[0] + (" (transformers)" if m["family"] == "transformers" else "")
         lines.append("| " + " | ".join([
             name, k, _spread(m["tokens_per_second"], 1), _spread(m["speedup_vs_plain"], 2, "x"),
+            _spread(m.get("decode_speedup_vs_plain"), 2, "x"),
             _spread(m["speedup_vs_hf_plain"], 2, "x"), _num(m["predicted_speedup"], 2, "x"),
             _num(m["acceptance_rate"], 3), _num(m["mean_accepted_length"], 2),
             _positions(m["per_position_acceptance"]), _num(m["target_forward_ms"], 2),
@@ -84,7 +85,8 @@ def _header_lines(results: dict) -> list[str]:
 
 LEGEND = (
     "Columns: tokens/s over each repeat's prompts (median and min–max of repeats); speedups are ratios "
-    "within each repeat; predicted × is (1 − α^(K+1)) / ((1 − α)(Kc + 1)) over the method's own family's plain "
+    "within each repeat (tokens/s include the prompt's prefill; \"decode phase\" leaves it out: output "
+    "tokens over the time after the prompt's forward, the per-token latency users see once streaming starts); predicted × is (1 − α^(K+1)) / ((1 − α)(Kc + 1)) over the method's own family's plain "
     "decoding, from its measured α (acceptance rate), K (mean drafted per step) and c = draft ms per drafted "
     "token / target ms per verification forward; tokens/step = output tokens per target forward; greedy = plain "
     "compares every token of every repeat with specdec plain decoding."

@@ -40,6 +40,24 @@ def _tokens_per_second(runs: list[list[Run]]) -> list[float]:
     return out
 
 
+def _decode_tokens_per_second(runs: list[list[Run]]) -> list[float] | None:
+    """Per repeat: output tokens over wall time less the prefill (the decoding phase alone);
+    None for runs that do not report their prefill (transformers' generate)."""
+    out = []
+    for rep in runs:
+        if any(r.stats.prefill_time_s <= 0 for r in rep):
+            return None
+        wall = sum(r.wall_s - r.stats.prefill_time_s for r in rep)
+        out.append(sum(len(r.token_ids) for r in rep) / wall if wall > 0 else 0.0)
+    return out
+
+
+def _decode_speedup(mine, reference) -> dict | None:
+    tps = _decode_tokens_per_second(mine)
+    ref = _decode_tokens_per_second(reference) if reference else None
+    return _paired_speedup(tps, ref) if tps else None
+
+
 def _paired_speedup(tps: list[float], ref_tps: list[float] | None) -> dict | None:
     """Ratios repeat by repeat (both measured within the same interleaved pass), then spread."""
     if not ref_tps:
@@ -104,6 +122,7 @@ def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool
         "tokens_per_second": _spread(tps),
         "speedup_vs_plain": _paired_speedup(tps, ref_tps),
         "speedup_vs_hf_plain": _paired_speedup(tps, peer_tps),
+        "decode_speedup_vs_plain": _decode_speedup(mine, runs.get(REFERENCE)),
         "output_tokens": stats.output_tokens,
         "target_forward_passes": stats.target_forward_passes,
         "num_drafts": stats.num_drafts, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,

@@ -18,6 +18,7 @@ from .detokenize import Detokenizer
 from .metrics import RequestStats
 from .model import Transformer, TreeAttention
 from .proposers import Draft, Proposer, RequestContext
+from .proposers.base import prune_tree
 from .sampling import make_generator, process
 from .tokenizer import Tokenizer
 from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling, verify_tree_typical
@@ -35,6 +36,24 @@ class StepEvent:
     stats: RequestStats = field(default_factory=RequestStats)
 
 
+def _is_chain(parents: list[int]) -> bool:
+    return all(par == i - 1 for i, par in enumerate(parents))
+
+
+def _limit_depth(draft: Draft, max_depth: int) -> Draft:
+    """Drop the nodes deeper than max_depth (a rule on positions only, never on the drawn
+    tokens, so the verification of what remains stays exact)."""
+    depth = []
+    for par in draft.parents:
+        depth.append(1 if par == -1 else depth[par] + 1)
+    if not depth or max(depth) <= max_depth:
+        return draft
+    keep = [d <= max_depth for d in depth]
+    tokens, parents, kept = prune_tree(draft.tokens.tolist(), draft.parents, keep)
+    probs = draft.probs[kept] if draft.probs is not None and kept else None
+    return Draft(torch.tensor(tokens, dtype=torch.long, device=draft.tokens.device), probs, parents)
+
+
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8):
@@ -48,6 +67,7 @@ class Engine:
         self.feeds_hidden = bool(getattr(proposer, "needs_hidden", False))
         # (threshold, alpha) of Medusa's typical acceptance: lossy, only when asked for
         self.typical = getattr(proposer, "typical_acceptance", None)
+        self.trees = bool(getattr(proposer, "tree", False))
         # "auto" K learns acceptance and costs across requests: they belong to the method and the
         # machine, and one request of a few dozen steps is too short to learn them from scratch
         self._adaptive = None
@@ -90,19 +110,25 @@ class Engine:
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq, out = list(prompt), []
         while True:
+            # room: how many drafts can still be emitted; a tree may hold more nodes than that
+            # (as long as they fit in the cache), but no path deeper than it
             room = min(self.max_model_len - len(seq) - 1, max_tokens - len(out) - 1)
-            k = max(0, min(policy.choose(), room)) if session is not None else 0
+            slots = self.max_model_len - len(seq) if self.trees else room
+            k = max(0, min(policy.choose(), slots)) if session is not None and room > 0 else 0
             t0 = time.perf_counter()
             draft = session.propose(seq, k) if k > 0 else None
+            if draft is not None and draft.is_tree:
+                draft = _limit_depth(draft, room)
             k = draft.k if draft is not None else 0
             t1 = time.perf_counter()
             path = None
             if draft is not None and self.typical is not None and not params.greedy and not draft.is_tree:
                 draft = Draft(draft.tokens, draft.probs, list(range(-1, draft.k - 1)))   # a chain is a tree
-            if draft is not None and draft.is_tree:
+            if draft is not None and draft.is_tree and not (self.typical is None and _is_chain(draft.parents)):
                 emitted, n, feats, path = self._verify_tree(seq, draft, cache, ctx)
-            else:
+            else:   # a chain (a tree proposer's included: no tree mask, nothing to move)
                 emitted, n, feats = self._verify(seq, draft, cache, ctx)
+                path = list(range(n)) if draft is not None and draft.is_tree else None
             t2 = time.perf_counter()
             # greedy tree steps tell what every smaller (nested) tree would have accepted
             policy.update(k, n, t1 - t0, t2 - t1, path=path if ctx.params.greedy else None)

@@ -148,7 +148,7 @@ def test_monte_carlo_tree_sampling_matches_target(heads, method, monkeypatch):
     good = total_variation(first_two_tokens(llm, prompt, params, n), exact, n)
     assert good < 0.05, good
     stats = llm.generate([prompt], dataclasses.replace(params, seed=0, max_tokens=32)).pop().stats
-    assert stats.accepted_tokens > 0
+    assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.num_drafts   # trees, not chains
 
     real = verify_mod.sibling_plan
 

@@ -73,6 +73,8 @@ class EagleSession:
         greedy, topk = self.ctx.params.greedy, self.p.topk
         depth_max = min(k, self.p.depth or DEFAULT_DEPTH)
         base = len(seq) - 1                     # the head's first free slot: its pairs cover seq[:-1]
+        if topk == 1:
+            return self._chain(depth_max, base)
         t = _Tree()
         # the root: the logits after the sequence, the predicted feature of its last token
         level = [(-1, self.logits, self.feature)]
@@ -96,6 +98,22 @@ class EagleSession:
             return Draft(torch.empty(0, dtype=torch.long), parents=[])
         probs = torch.stack(t.probs) if t.probs else None
         return Draft(torch.tensor(t.tokens, dtype=torch.long), probs, t.parents)
+
+    def _chain(self, n: int, base: int) -> Draft:
+        """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right)."""
+        tokens, probs = [], []
+        logits, feat = self.logits, self.feature
+        for depth in range(n):
+            (tok, _, q), = self._children(logits, 1)
+            tokens.append(tok)
+            if q is not None:
+                probs.append(q)
+            if depth + 1 < n:
+                out, f = self.p.head(feat[None, None], self._embed([tok])[None], self.cache, [base + depth])
+                logits, feat = out[0, -1], f[0, -1]
+        self.cache.rollback(base)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None,
+                     list(range(-1, n - 1)))
 
     def _children(self, logits, m: int):
         """m candidates after a node: (target token id, log q, q or None) each."""
@@ -130,7 +148,7 @@ class EagleSession:
         return [(n, logits[0, i], f[0, i]) for i, n in enumerate(nodes)]
 
 
-DEFAULT_DEPTH = 5
+DEFAULT_DEPTH = 8
 
 
 class _Tree:

@@ -55,6 +55,8 @@ class HeadsConfig:
     save_every: int = 100
     threads: int = 1
     corpus_limit_mb: float | None = None   # prompts from the first files of each split only (smoke runs)
+    default_topk: int = 1              # eagle: the tree's branching when speculative_config has no "topk";
+                                       # chains measured fastest on the 2-core CPU (README, Methods)
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -161,8 +163,15 @@ def eagle_accuracy(head: EagleHead, embed, data: dict, to_draft) -> float:
 def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_dir: Path,
                 command: str = "", stop_after: int | None = None, report_prompts: int = 20,
                 log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    torch.set_num_threads(cfg.threads)
     torch.set_flush_denormal(True)   # tiny gradients otherwise turn CPU matmuls 10x slower
+    try:
+        return _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log)
+    finally:
+        torch.set_flush_denormal(False)   # the process-wide default: inference numerics untouched
+
+
+def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log) -> dict:
+    torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(target_dir, "float32")
     tok = Tokenizer(target_dir)
@@ -228,6 +237,8 @@ def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_
               "train_tokens": int(train["tokens"].numel()),
               "trainable_parameters": sum(p.numel() for p in params)}
     extra = {"draft_vocab_coverage": result["draft_vocab_coverage"]}
+    if cfg.kind == "eagle":
+        extra["default_topk"] = cfg.default_topk
     if cfg.kind == "medusa":
         greedy_val = {k: v[val["greedy"]] for k, v in val.items()}
         extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft)

@@ -55,12 +55,14 @@ def _llm(heads, method, size, **extra):
                speculative_config={"method": method, "model": str(heads[method]), "num_speculative_tokens": size, **extra})
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_greedy_trees_equal_plain_for_every_size(heads, method):
+@pytest.mark.parametrize("method,extra", [("medusa", {}), ("eagle", {}), ("eagle", {"topk": 1})],
+                         ids=["medusa", "eagle-tree", "eagle-chain"])
+def test_greedy_trees_equal_plain_for_every_size(heads, method, extra):
+    """Trees of 1..8 nodes and "auto"; EAGLE's topk-1 chains run in one C call per step."""
     plain = tokens(heads["plain"], PROMPTS, GREEDY)
     accepted = 0
     for size in [1, 2, 3, 4, 5, 6, 7, 8, "auto"]:
-        llm = _llm(heads, method, size)
+        llm = _llm(heads, method, size, **extra)
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == plain, f"{method} size {size}"
         accepted += sum(o.stats.accepted_tokens for o in outs)
@@ -259,3 +261,33 @@ def test_adaptive_tree_size_finds_the_best_size_and_falls_back_to_plain():
     # nothing is ever accepted: plain decoding wins
     played = _simulate(AdaptiveSize(32), lambda k: 0, lambda k: 1 + 0.3 * k)
     assert played.most_common(1)[0][0] == 0 and played[0] > 200
+
+
+def test_generate_cli_with_heads_compares_equal(heads, capsys):
+    """`specdec generate --speculative-config` with a heads folder: --compare reports identical
+    output to plain decoding."""
+    for method in ("medusa", "eagle"):
+        spec = json.dumps({"method": method, "model": str(heads[method]), "num_speculative_tokens": 4})
+        rc = main(["generate", "def add(a, b):", "--model", str(heads["target"]), "--dtype", "float32",
+                   "--speculative-config", spec, "--max-tokens", "16", "--ignore-eos", "--compare", "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert rc == 0 and out["compare"]["identical"] is True, out
+
+
+def test_eagle_c_chain_drafts_what_the_python_chain_drafts(heads, monkeypatch):
+    from specdec.proposers.eagle import EagleSession
+
+    llm = _llm(heads, "eagle", 6, topk=1)
+    prompt = llm.tokenizer.encode(PROMPTS[3])
+    feats = llm.target(torch.tensor([prompt[:-1]]), hidden=True)[1][0]
+
+    def draft():
+        session = llm.engine.proposer.start(prompt, _ctx(llm, GREEDY), None, hidden=feats)
+        assert session._c_chain_ok() or not c_on
+        return session.propose(prompt, 6).tokens.tolist()
+
+    c_on = True
+    fast = draft()
+    c_on = False
+    monkeypatch.setattr(EagleSession, "_c_chain_ok", lambda self: False)
+    assert draft() == fast and len(fast) == 6

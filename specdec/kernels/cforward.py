@@ -23,9 +23,29 @@ class _Model(ctypes.Structure):
 
 
 def declare(lib) -> None:
+    declare_eagle(lib)
     lib.llama_forward.restype = None
     lib.llama_forward.argtypes = [POINTER(_Model), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
                                   c_void_p, c_int, c_void_p]
+
+
+def declare_eagle(lib) -> None:
+    lib.eagle_chain.restype = None
+    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_void_p,
+                                ctypes.c_int64, c_int, c_int, c_void_p]
+
+
+def eagle_chain(lib, head, cache, embed_weight, feat, tok: int, start: int, n: int) -> list[int]:
+    """n greedy EAGLE steps in one C call (forward.c: eagle_chain); feat [D] fp32 is not modified."""
+    fc = head.fc
+    out = torch.empty(n, dtype=torch.long)
+    feat = feat.to(torch.float32).clone().contiguous()
+    bias = fc.bias.to(torch.float32).contiguous()
+    lib.eagle_chain(ctypes.byref(c_model(head.decoder, cache)), packed_of(fc).data_ptr(),
+                    int(fc.weight.dtype == torch.bfloat16), bias.data_ptr(), embed_weight.data_ptr(),
+                    int(embed_weight.dtype == torch.bfloat16), head.draft_vocab.data_ptr(), feat.data_ptr(),
+                    tok, start, n, out.data_ptr())
+    return out.tolist()
 
 
 def supported(model, cache) -> bool:

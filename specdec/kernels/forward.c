@@ -172,3 +172,27 @@ void llama_forward(const Model *m, const int64_t *tokens, const float *embeds, i
         skinny_linear(buf + (long)logit_from * D, m->lm_head, m->w_bf16, NULL, logits, 0, T - logit_from, m->vocab, D);
     free(x); free(buf); free(qkv); free(att); free(ff);
 }
+
+/* EAGLE's greedy chain in one call: n times, x = fc([feat ; embed[tok]]) (fc: packed [D, 2D]
+ * weights + fp32 bias), run the head (`head`: its decoder layers, norm and LM head over the
+ * draft vocabulary) on x at slot start + s, take the argmax, map it through vocab[] to a target
+ * token id, and carry the head's output feature on. feat [D] is updated in place. */
+void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
+                 const void *embed, int embed_bf16, const int64_t *vocab, float *feat,
+                 int64_t tok, int start, int n, int64_t *out_tokens) {
+    int D = head->dim, V = head->vocab;
+    float *in = malloc(sizeof(float) * 2 * D), *x = malloc(sizeof(float) * D);
+    float *logits = malloc(sizeof(float) * V);
+    for (int s = 0; s < n; s++) {
+        memcpy(in, feat, sizeof(float) * D);
+        for (int i = 0; i < D; i++) in[D + i] = widen(embed, embed_bf16, tok * D + i);
+        skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, 1, D, 2 * D);
+        long pos = start + s;
+        llama_forward(head, NULL, x, 1, start + s, &pos, NULL, 0, head->n_layers, feat, 0, logits);
+        int best = 0;
+        for (int v = 1; v < V; v++) if (logits[v] > logits[best]) best = v;
+        tok = vocab[best];
+        out_tokens[s] = tok;
+    }
+    free(in); free(x); free(logits);
+}

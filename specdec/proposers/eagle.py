@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .. import kernels
+from ..kernels import cforward
 from ..model import Transformer, TreeAttention
 from ..model.heads import EagleHead
 from ..sampling import process
@@ -100,7 +102,13 @@ class EagleSession:
         return Draft(torch.tensor(t.tokens, dtype=torch.long), probs, t.parents)
 
     def _chain(self, n: int, base: int) -> Draft:
-        """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right)."""
+        """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right).
+        Greedy chains on the CPU run in one C call (kernels/forward.c: eagle_chain)."""
+        if self.ctx.params.greedy and self._c_chain_ok():
+            first = int(self.p.head.draft_vocab[self.logits.argmax()])
+            rest = cforward.eagle_chain(kernels.load(), self.p.head, self.cache, self.p.target.model.embed_tokens.weight,
+                                        self.feature, first, base, n - 1) if n > 1 else []
+            return Draft(torch.tensor([first] + rest, dtype=torch.long), None, list(range(-1, n - 1)))
         tokens, probs = [], []
         logits, feat = self.logits, self.feature
         for depth in range(n):
@@ -114,6 +122,12 @@ class EagleSession:
         self.cache.rollback(base)
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None,
                      list(range(-1, n - 1)))
+
+    def _c_chain_ok(self) -> bool:
+        head, emb = self.p.head, self.p.target.model.embed_tokens.weight
+        return (kernels.load() is not None and cforward.supported(head.decoder, self.cache)
+                and head.fc.weight.dtype in (torch.float32, torch.bfloat16) and emb.device.type == "cpu"
+                and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
 
     def _children(self, logits, m: int):
         """m candidates after a node: (target token id, log q, q or None) each."""

@@ -291,10 +291,11 @@ def card(out: Path, target_dir: Path, cfg: HeadsConfig, r: dict, commands: list[
         acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
         steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
     rows = ""
+    shape = f" (topk {cfg.default_topk}: {'a chain' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
     for key, v in r.get("speculation", {}).items():
         if key.startswith("tree"):
             size, mode = key[4:].split("_", 1)
-            rows += f"| tree of {size} nodes, {mode.replace('_', ' ')} | {v['mean_accepted_length']} |\n"
+            rows += f"| {size} nodes{shape}, {mode.replace('_', ' ')} | {v['mean_accepted_length']} |\n"
     s = r.get("speculation", {})
     return f"""# {out.name}
 
@@ -305,7 +306,7 @@ def card(out: Path, target_dir: Path, cfg: HeadsConfig, r: dict, commands: list[
 |---|---|
 | trainable parameters | {r['trainable_parameters']:,} |
 | draft vocabulary | {cfg.draft_vocab} most frequent tokens of the training data; they cover {r['draft_vocab_coverage']:.1%} of the validation generations |
-| data | self-distillation: {cfg.shards} x 32 prompts of 64 tokens from the train split of the corpus, each continued by the target for 192 tokens (half greedy, half at temperature 0.8), with the target's features; {r['train_tokens']:,} tokens |
+| data | self-distillation: {cfg.shards} x 32 prompts of 64 tokens from the train split of the corpus, each continued by the target for 192 tokens (half greedy, half at temperature 0.8), with the target's features; {r['train_tokens']:,} tokens, trained on at every position (corpus prompt and the target's own continuation) |
 | steps | {steps}, AdamW lr {cfg.lr}, cosine |
 | wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), fp32 |
 {acc}
@@ -315,7 +316,7 @@ def card(out: Path, target_dir: Path, cfg: HeadsConfig, r: dict, commands: list[
 Mean accepted length (tokens per target forward) on {s.get('functions', 0)} test-split function headers,
 {s.get('max_tokens', 0)} new tokens, bfloat16:
 
-| tree | mean accepted length |
+| draft | mean accepted length |
 |---|---|
 {rows}
 Reproduce (writes this folder, card included):

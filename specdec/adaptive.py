@@ -105,15 +105,18 @@ class AdaptiveSize:
         self.played: dict[int, int] = {}      # steps played per size (its cost observations)
         self.observed: dict[int, int] = {}    # token observations per size (counterfactual included)
         self.steps = 0
+        self.chosen = 0                       # the size last asked for: the arm a step's outcome belongs to
 
     def rate(self, size: int) -> float:
         if size not in self.tokens or size not in self.seconds:
             return 0.0
-        # a bigger nested tree accepts at least what a smaller one does
-        tokens = max(self.tokens[s] for s in self.tokens if s <= size)
-        return tokens / max(self.seconds[size], 1e-9)
+        return self.tokens[size] / max(self.seconds[size], 1e-9)
 
     def choose(self) -> int:
+        self.chosen = self._choose()
+        return self.chosen
+
+    def _choose(self) -> int:
         fresh = [s for s in self.sizes if self.played.get(s, 0) < self.warmup]
         if fresh:
             return fresh[0]
@@ -131,13 +134,15 @@ class AdaptiveSize:
         table[size] = value if n == 1 else d * table[size] + (1 - d) * value
 
     def update(self, k: int, accepted: int, draft_s: float, verify_s: float, path: list[int] | None = None) -> None:
-        size = max((s for s in self.sizes if s <= k), default=0)   # a step may draft fewer than asked
+        # the outcome belongs to the size asked for, even when the proposer drafted fewer nodes
+        # (a depth limit, a draft distribution with little support, the end of the request)
+        size = self.chosen if k > 0 else 0
         self._observe(self.seconds, self.played, size, draft_s + verify_s)
         if path is None:          # sampling: only the size played is observed
             self._observe(self.tokens, self.observed, size, accepted + 1.0)
             return
         for s in self.sizes:
-            if s > k:
+            if s > size:
                 break
             cut = next((i for i, node in enumerate(path) if node >= s), len(path))
             self._observe(self.tokens, self.observed, s, cut + 1.0)

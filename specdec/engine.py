@@ -72,7 +72,11 @@ class Engine:
         # machine, and one request of a few dozen steps is too short to learn them from scratch
         self._adaptive = None
         if self.num_speculative_tokens == "auto":
-            self._adaptive = AdaptiveSize(max_k) if getattr(proposer, "tree", False) else AdaptiveK(max_k)
+            if getattr(proposer, "tree", False):
+                # no ladder rung beyond what the proposer can draft (EAGLE's chains: its depth)
+                self._adaptive = AdaptiveSize(min(max_k, getattr(proposer, "max_tree_size", None) or max_k))
+            else:
+                self._adaptive = AdaptiveK(max_k)
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -121,25 +125,21 @@ class Engine:
                 draft = _limit_depth(draft, room)
             k = draft.k if draft is not None else 0
             t1 = time.perf_counter()
-            path = None
-            if draft is not None and self.typical is not None and not params.greedy and not draft.is_tree:
-                draft = Draft(draft.tokens, draft.probs, list(range(-1, draft.k - 1)))   # a chain is a tree
-            if draft is not None and draft.is_tree and not (self.typical is None and _is_chain(draft.parents)):
-                emitted, n, feats, path = self._verify_tree(seq, draft, cache, ctx)
-            else:   # a chain (a tree proposer's included: no tree mask, nothing to move)
-                emitted, n, feats = self._verify(seq, draft, cache, ctx)
-                path = list(range(n)) if draft is not None and draft.is_tree else None
+            emitted, n, feats, path = self._verify_any(seq, draft, cache, ctx)
             t2 = time.perf_counter()
-            # greedy tree steps tell what every smaller (nested) tree would have accepted
-            policy.update(k, n, t1 - t0, t2 - t1, path=path if ctx.params.greedy else None)
-            stats.draft_time_s += t1 - t0
-            stats.target_time_s += t2 - t1
             seq += emitted
             cache.rollback(len(seq) - 1)
             if self.feeds_hidden:
                 session.commit(seq, feats)
             elif session is not None:
                 session.commit(seq)
+            # what the proposer does after verification (EAGLE re-reads the kept features) is
+            # drafting cost too: "auto" must weigh it
+            draft_s = (t1 - t0) + (time.perf_counter() - t2)
+            # greedy tree steps tell what every smaller (nested) tree would have accepted
+            policy.update(k, n, draft_s, t2 - t1, path=path if ctx.params.greedy else None)
+            stats.draft_time_s += draft_s
+            stats.target_time_s += t2 - t1
             event = self._accept(emitted, n, out, detok, params, max_tokens, len(prompt))
             stats.record_step(k, n, len(event.token_ids))
             if not stats.time_to_first_token_s:
@@ -156,6 +156,17 @@ class Engine:
             return tokens.new_zeros(0, self.target.config.hidden_size, dtype=torch.float32) if hidden else None
         out = self.target(tokens.to(self.target.device), cache, start, logits=logits, hidden=hidden)
         return out[1][0] if hidden else out
+
+    def _verify_any(self, seq: list[int], draft, cache, ctx: RequestContext):
+        """One target forward over the draft (chain or tree); returns (emitted tokens, accepted
+        count, the kept tokens' features or None, the accepted tree path or None)."""
+        if draft is not None and self.typical is not None and not ctx.params.greedy and not draft.is_tree:
+            draft = Draft(draft.tokens, draft.probs, list(range(-1, draft.k - 1)))   # a chain is a tree
+        if draft is not None and draft.is_tree and not (self.typical is None and _is_chain(draft.parents)):
+            return self._verify_tree(seq, draft, cache, ctx)
+        # a chain, a tree proposer's included: no tree mask, nothing to move
+        emitted, n, feats = self._verify(seq, draft, cache, ctx)
+        return emitted, n, feats, (list(range(n)) if draft is not None and draft.is_tree else None)
 
     @torch.inference_mode()
     def _verify(self, seq: list[int], draft, cache, ctx: RequestContext) -> tuple[list[int], int, torch.Tensor | None]:

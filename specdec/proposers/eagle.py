@@ -37,6 +37,11 @@ class EagleProposer:
             raise ValueError(f"speculative_config.topk must be >= 1, got {topk}")
         self.head, self.target, self.max_len, self.topk, self.depth = head, target, max_len, topk, depth
 
+    @property
+    def max_tree_size(self) -> int | None:
+        """A chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request."""
+        return (self.depth or DEFAULT_DEPTH) if self.topk == 1 else None
+
     def start(self, prompt: list[int], ctx: RequestContext, target_cache=None, hidden=None) -> "EagleSession":
         s = EagleSession(self, ctx)
         if hidden is not None and len(hidden):

@@ -70,13 +70,16 @@ class Engine:
         self.trees = bool(getattr(proposer, "tree", False))
         # "auto" K learns acceptance and costs across requests: they belong to the method and the
         # machine, and one request of a few dozen steps is too short to learn them from scratch
+        # "auto" keeps one policy for greedy requests and one for sampled ones: their acceptance
+        # differs systematically, and estimates learned on one would mislead the other
         self._adaptive = None
         if self.num_speculative_tokens == "auto":
             if getattr(proposer, "tree", False):
                 # no ladder rung beyond what the proposer can draft (EAGLE's chains: its depth)
-                self._adaptive = AdaptiveSize(min(max_k, getattr(proposer, "max_tree_size", None) or max_k))
+                size = min(max_k, getattr(proposer, "max_tree_size", None) or max_k)
+                self._adaptive = {greedy: AdaptiveSize(size) for greedy in (True, False)}
             else:
-                self._adaptive = AdaptiveK(max_k)
+                self._adaptive = {greedy: AdaptiveK(max_k) for greedy in (True, False)}
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -89,8 +92,8 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def _policy(self):
-        return self._adaptive or FixedK(int(self.num_speculative_tokens))
+    def _policy(self, greedy: bool):
+        return self._adaptive[greedy] if self._adaptive else FixedK(int(self.num_speculative_tokens))
 
     def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats."""
@@ -110,7 +113,7 @@ class Engine:
             if self.proposer is not None:
                 session = self.proposer.start(prompt, ctx, cache)
         stats.prefill_time_s = time.perf_counter() - t_start
-        policy = self._policy()
+        policy = self._policy(params.greedy)
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq, out = list(prompt), []
         while True:

@@ -291,7 +291,7 @@ def card(out: Path, target_dir: Path, cfg: HeadsConfig, r: dict, commands: list[
         acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
         steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
     rows = ""
-    shape = f" (topk {cfg.default_topk}: {'a chain' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
+    shape = f" (topk {cfg.default_topk}: {'a chain, at most 8 deep' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
     for key, v in r.get("speculation", {}).items():
         if key.startswith("tree"):
             size, mode = key[4:].split("_", 1)

@@ -97,7 +97,7 @@ class AdaptiveSize:
 
     LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
-    def __init__(self, max_size: int = 32, warmup: int = 2, probe_every: int = 8, decay: float = 0.9):
+    def __init__(self, max_size: int = 32, warmup: int = 2, probe_every: int = 16, decay: float = 0.9):
         self.sizes = [s for s in self.LADDER if s <= max_size]
         self.warmup, self.probe_every, self.decay = warmup, probe_every, decay
         self.tokens: dict[int, float] = {}

@@ -106,6 +106,8 @@ class AdaptiveSize:
         self.observed: dict[int, int] = {}    # token observations per size (counterfactual included)
         self.steps = 0
         self.chosen = 0                       # the size last asked for: the arm a step's outcome belongs to
+        self.incumbent: int | None = None     # the size played between probes
+        self.switch_margin = 1.05
 
     def rate(self, size: int) -> float:
         if size not in self.tokens or size not in self.seconds:
@@ -117,11 +119,19 @@ class AdaptiveSize:
         return self.chosen
 
     def _choose(self) -> int:
-        fresh = [s for s in self.sizes if self.played.get(s, 0) < self.warmup]
+        # warm up in increasing size, but never beyond the rung above the best so far: trees
+        # far past the point where acceptance saturates only cost (a 32-node tree is 4x a step)
+        warmed = [s for s in self.sizes if self.played.get(s, 0) >= self.warmup]
+        top = self.sizes.index(max(warmed, key=self.rate)) + 1 if warmed else 0
+        fresh = [s for s in self.sizes[:top + 1] if self.played.get(s, 0) < self.warmup]
         if fresh:
             return fresh[0]
         self.steps += 1
+        # switch only for a clear gain: estimates of rarely played sizes are noisy
         best = max(self.sizes, key=self.rate)
+        if self.incumbent is not None and self.rate(best) < self.switch_margin * self.rate(self.incumbent):
+            best = self.incumbent
+        self.incumbent = best
         if self.steps % self.probe_every == 0:
             i = self.sizes.index(best)
             up = (self.steps // self.probe_every) % 2

@@ -119,10 +119,10 @@ class AdaptiveSize:
         return self.chosen
 
     def _choose(self) -> int:
-        # warm up in increasing size, but never beyond the rung above the best so far: trees
-        # far past the point where acceptance saturates only cost (a 32-node tree is 4x a step)
+        # warm up in increasing size, but never more than two rungs above the best so far:
+        # trees far past the point where acceptance saturates only cost (32 nodes: 4x a step)
         warmed = [s for s in self.sizes if self.played.get(s, 0) >= self.warmup]
-        top = self.sizes.index(max(warmed, key=self.rate)) + 1 if warmed else 0
+        top = self.sizes.index(max(warmed, key=self.rate)) + 2 if warmed else 0
         fresh = [s for s in self.sizes[:top + 1] if self.played.get(s, 0) < self.warmup]
         if fresh:
             return fresh[0]

@@ -145,8 +145,7 @@ def sibling_plan(p: Tensor, q: Tensor | None, candidates: list[int]) -> tuple[li
         total = residual.sum()
         # total 0: p == q_i, so a rejection has probability 0 and p stays as good as any
         p = residual / total if total > 0 else p
-        if q_left is not None:
-            q_left = q_left.clone()
+        if q_left is not None:      # our own copy (cloned above); qi was divided out of it
             q_left[x] = 0.0
     return accept, p
 

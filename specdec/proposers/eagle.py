@@ -53,6 +53,7 @@ class EagleSession:
     def __init__(self, p: EagleProposer, ctx: RequestContext):
         self.p, self.ctx = p, ctx
         self.cache = p.head.new_cache(p.max_len)
+        self.c_chain = self._c_chain_ok()     # decided once per request, not every step
         self.logits = None     # [V'] for the token after the sequence's last token
         self.feature = None    # [D] the head's predicted feature of the sequence's last token
 
@@ -109,7 +110,7 @@ class EagleSession:
     def _chain(self, n: int, base: int) -> Draft:
         """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right).
         Greedy chains on the CPU run in one C call (kernels/forward.c: eagle_chain)."""
-        if self.ctx.params.greedy and self._c_chain_ok():
+        if self.ctx.params.greedy and self.c_chain:
             first = int(self.p.head.draft_vocab[self.logits.argmax()])
             rest = cforward.eagle_chain(kernels.load(), self.p.head, self.cache, self.p.target.model.embed_tokens.weight,
                                         self.feature, first, base, n - 1) if n > 1 else []

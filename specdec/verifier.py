@@ -97,12 +97,8 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
         res = verify_greedy_batch(torch.cat(drafted).to(logits.device) if drafted else torch.empty(0, dtype=torch.long),
                                   [ks[i] for i in chains], argmax[torch.cat([rows[i] for i in chains]).to(logits.device)])
         out[torch.tensor(chains, device=logits.device), :res.shape[1]] = res
-    sampled = [i for i in range(B) if not greedy[i]]
-    p = {}
-    if sampled:   # every sampled request's rows processed at once, each with its own parameters
-        probs = process_rows(logits[torch.cat([rows[i] for i in sampled]).to(logits.device)],
-                             [reqs[i].params for i in sampled], [ks[i] + 1 for i in sampled])
-        p = dict(zip(sampled, probs.split([ks[i] + 1 for i in sampled])))
+    p = target_probs(reqs, ks, logits, offsets)
+    sampled = list(p)
     for i in sampled:
         if parents[i] is None:
             d = drafts[i]
@@ -121,6 +117,18 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
         at += ks[i] + 1
     return [_verified(i, drafts[i], parents[i], emitted[i], tree_argmax.get(i), p.get(i), reqs[i], typical)
             for i in range(B)]
+
+
+def target_probs(reqs, ks: list[int], logits: Tensor, offsets: list[int]) -> dict[int, Tensor]:
+    """The processed target distributions of the sampled requests' rows: {i: [K_i + 1, V]},
+    every row processed at once with its own request's parameters (bit-identical to process()
+    on that request's rows alone)."""
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if not sampled:
+        return {}
+    index = torch.cat([torch.arange(offsets[i], offsets[i] + ks[i] + 1) for i in sampled]).to(logits.device)
+    probs = process_rows(logits[index], [reqs[i].params for i in sampled], [ks[i] + 1 for i in sampled])
+    return dict(zip(sampled, probs.split([ks[i] + 1 for i in sampled])))
 
 
 def _verified(i, draft, parents, emitted, argmax, p, req, typical) -> Verified:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from specdec import LLM, SamplingParams
 from specdec.engine import Engine

@@ -118,3 +118,22 @@ def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch):
         outs.append((out.logits, out.hidden, kv.k[1][kv.slot_index("t", range(11))[0], :, kv.slot_index("t", range(11))[1]]))
     for a, b in zip(*outs):
         assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch):
+    """Plain and speculative batches through the PyTorch path (any device) end to end: the
+    same greedy tokens as the C path on this model (no near-ties among its logits)."""
+    from specdec import LLM, SamplingParams
+
+    prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 3}
+    outs = []
+    for c_path in (True, False):
+        if not c_path:
+            monkeypatch.setattr(kernels, "load", lambda: None)
+        for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
+            llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] == outs[2] == outs[3]

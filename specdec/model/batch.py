@@ -126,14 +126,17 @@ class PaddedAttention:
     write_blocks, write_offsets: [N] where each new token's k/v go
     token_seq, token_pos:        [N] (b, t) of each flat token in the padded [B, T_max] layout
     blocks:                      [B, L / block_size] block ids to gather
-    mask:                        [B, 1, T_max, L] bool
+    mask:                        [B, 1, T_max, L] bool; None: one sequence decoding one causal
+                                 token, whose gathered slots are cut to its span instead
+    span:                        slots to keep of the gathered blocks (L, or the span above)
     """
     write_blocks: Tensor
     write_offsets: Tensor
     token_seq: Tensor
     token_pos: Tensor
     blocks: Tensor
-    mask: Tensor
+    mask: Tensor | None
+    span: int
 
     @classmethod
     def of(cls, batch: ForwardBatch, kv, device) -> "PaddedAttention":
@@ -161,5 +164,7 @@ class PaddedAttention:
         mask &= t[None, :, None] < counts[:, None, None]                  # padded query rows ...
         mask[:, :, 0] |= ~(t[None, :] < counts[:, None])                  # ... see slot 0 (no NaN)
         to = lambda x: x.to(device)  # noqa: E731
+        plain = B == 1 and t_max == 1 and batch.trees[0] is None
         return cls(to(write_blocks.long()), to(slots % bs), to(token_seq), to(token_pos),
-                   to(table[:, :n_blocks].long()), to(mask[:, None]))
+                   to(table[:, :n_blocks].long()), None if plain else to(mask[:, None]),
+                   spans[0] if plain else n_blocks * bs)

@@ -112,12 +112,14 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pa
     kc[pad.write_blocks, :, pad.write_offsets] = k
     vc[pad.write_blocks, :, pad.write_offsets] = v
     B, nb = pad.blocks.shape
-    t_max = pad.mask.shape[2]
     N, H, hd = q.shape
-    qp = q.new_zeros(B, t_max, H, hd)
+    keys = kc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, kc.shape[1], nb * kc.shape[2], hd)[:, :, :pad.span]
+    vals = vc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, vc.shape[1], nb * vc.shape[2], hd)[:, :, :pad.span]
+    if pad.mask is None:            # one sequence, one token: every gathered slot is visible
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, enable_gqa=gqa)
+        return out[0].transpose(0, 1).reshape(N, H * hd)
+    qp = q.new_zeros(B, pad.mask.shape[2], H, hd)
     qp[pad.token_seq, pad.token_pos] = q
-    keys = kc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, kc.shape[1], nb * kc.shape[2], hd)
-    vals = vc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, vc.shape[1], nb * vc.shape[2], hd)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=pad.mask, enable_gqa=gqa)
     return out.transpose(1, 2)[pad.token_seq, pad.token_pos].reshape(N, H * hd)
 

@@ -20,7 +20,8 @@ import torch
 from .. import kernels
 from ..model.heads import MedusaHeads
 from ..sampling import process
-from .base import Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, draw_without_replacement, prune_tree, to_target_vocab
+from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, draw_without_replacement, prune_tree,
+                   to_target_vocab)
 
 MAX_RANK = 10
 

@@ -124,3 +124,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                        b.data_ptr() if b is not None else None, out.data_ptr(),
                        int(out.dtype == torch.bfloat16), rows, N, K)
     return out
+
+
+def prepare_quant(qweight: torch.Tensor, qtype: str):
+    """Whatever quant_linear wants precomputed for qweight [N, row_bytes] uint8 of ggml blocks
+    (a repacked copy, ...), computed once per matrix; None when there is nothing to prepare."""
+    return None
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                 prepared=None) -> torch.Tensor | None:
+    """x [R, K] fp32 @ dequantized(qweight [N, row_bytes])^T + bias -> [R, N] fp32, each row's
+    sums independent of R; None when no kernel covers (qtype, this CPU)."""
+    return None

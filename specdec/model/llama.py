@@ -237,7 +237,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         return KVCache(self.config, batch, max_len or self.config.max_position_embeddings,
@@ -279,7 +279,7 @@ class Transformer(nn.Module):
 
     def _c_path(self, cache: KVCache, logits) -> bool:
         """One CPU sequence at inference: the whole forward in one C call (kernels/forward.c)."""
-        if self.lm_head.weight.requires_grad or kernels.load() is None:
+        if self.model.norm.weight.requires_grad or kernels.load() is None:
             return False
         if isinstance(logits, slice) and (logits.stop is not None or logits.step is not None):
             return False

@@ -53,6 +53,8 @@ class GGUFVocab:
     bos_token_id: int | None
     eos_token_id: int | None
     eot_token_id: int | None         # end of turn (Llama 3's <|eot_id|>): also ends generation
+    unk_token_id: int | None
+    pad_token_id: int | None
     add_bos_token: bool
     add_eos_token: bool
     chat_template: str | None
@@ -73,7 +75,8 @@ class GGUFVocab:
                    token_types=[int(t) for t in types], merges=g.get("tokenizer.ggml.merges"),
                    scores=g.get("tokenizer.ggml.scores"),
                    bos_token_id=opt("tokenizer.ggml.bos_token_id"), eos_token_id=opt("tokenizer.ggml.eos_token_id"),
-                   eot_token_id=opt("tokenizer.ggml.eot_token_id"),
+                   eot_token_id=opt("tokenizer.ggml.eot_token_id"), unk_token_id=opt("tokenizer.ggml.unknown_token_id"),
+                   pad_token_id=opt("tokenizer.ggml.padding_token_id"),
                    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
                    add_bos_token=bool(add_bos) if add_bos is not None else model == "llama",
                    add_eos_token=bool(g.get("tokenizer.ggml.add_eos_token") or False),
@@ -147,10 +150,13 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
     byte_level = v.model == "gpt2"
     alphabet = set(byte_alphabet().values())
     # control tokens stay whole and are special (skipped when decoding); a "control" token
-    # spelled outside the byte alphabet of a byte-level vocabulary is a converter's mislabel
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(v.tokens, v.token_types)
+    # spelled outside the byte alphabet of a byte-level vocabulary is a converter's mislabel.
+    # The tokens named BOS, EOS, UNK and PAD are special too, whatever their type.
+    named = {v.token(i) for i in (v.bos_token_id, v.eos_token_id, v.unk_token_id, v.pad_token_id)} - {None}
+    control = [t for t, kind in zip(v.tokens, v.token_types)
                if kind == CONTROL and (not byte_level or set(t) <= alphabet)]
-    tk.add_special_tokens(control)
+    special = list(dict.fromkeys([*control, *sorted(named - set(control))]))
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     vocab = tk.get_vocab()
     user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(v.tokens, v.token_types)
             if kind == USER_DEFINED and t in vocab]

@@ -117,8 +117,7 @@ class Tokenizer:
         except Exception as e:    # tokenizers rejects an inconsistent vocabulary or merge list
             raise TokenizerError(f"{g.path}: cannot build the tokenizer ({str(e).splitlines()[0]})") from None
         self.bos_token, self.eos_token = v.token(v.bos_token_id), v.token(v.eos_token_id)
-        self.unk_token = v.token(g.get("tokenizer.ggml.unknown_token_id"))
-        self.pad_token = v.token(g.get("tokenizer.ggml.padding_token_id"))
+        self.unk_token, self.pad_token = v.token(v.unk_token_id), v.token(v.pad_token_id)
         self.bos_token_id, self.eos_token_id = v.bos_token_id, v.eos_token_id
         self.eos_token_ids = sorted({i for i in (v.eos_token_id, v.eot_token_id) if i is not None})
         self.add_bos_token = False          # the post-processor adds it (v.add_bos_token)

@@ -158,7 +158,7 @@ def _write_vocab(w: GGUFWriter, v: dict, pre: str, bos: int, eos: int, add_bos) 
     w.add_token_types(v["types"])
     if v.get("scores") is not None:
         w.add_token_scores(v["scores"])
-    if v.get("merges"):
+    if v.get("merges") is not None:
         w.add_token_merges(v["merges"])
     w.add_bos_token_id(bos)
     w.add_eos_token_id(eos)
@@ -182,8 +182,9 @@ def sentencepiece_vocab(texts: list[str], size: int = 400, with_merges: bool = T
     tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, show_progress=False, min_frequency=2))
     data = json.loads(tk.to_str())
     learned = sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])
-    pieces = [t for t, _ in learned]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    reserved = {"<unk>", "<s>", "</s>", *byte_tokens}
+    pieces = [t for t, _ in learned if t not in reserved]    # a token listed twice is ambiguous
     tokens = ["<unk>", "<s>", "</s>", *byte_tokens, *pieces]
     types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]

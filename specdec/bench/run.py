@@ -68,7 +68,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None):
 
 
 def _config(args, llm: LLM, draft_dir: str | None) -> dict:
-    return {"model": llm.model_path, "draft_model": draft_dir, "dtype": str(llm.target.lm_head.weight.dtype).replace("torch.", ""),
+    return {"model": llm.model_path, "draft_model": draft_dir, "dtype": machine.weights_kind(llm.target),
             "device": args.device, "num_speculative_tokens": args.num_speculative_tokens,
             "temperatures": args.temperature, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "seed": args.seed, "peers": args.peers,

@@ -54,6 +54,23 @@ def load_matrices(path: Path) -> list[tuple[str, np.ndarray, str]]:
     return out
 
 
+def _direct(lib, p):
+    """The C call alone, output preallocated, as forward.c will make it (no Python per call
+    beyond ctypes): x [M, K] fp32 contiguous."""
+    from specdec.kernels import qformats
+
+    outs = {}
+
+    def call(x):
+        M = x.shape[0]
+        if M not in outs:
+            outs[M] = torch.empty(M, p.n)
+        lib.quant_linear(x.data_ptr(), p.data.data_ptr(), qformats.FORMATS[p.qtype], None, outs[M].data_ptr(), M, p.n, p.k)
+        return outs[M]
+    call.keep = p      # the prepared bytes live as long as the call
+    return call
+
+
 def sweeps(mats, variants: list[str], libraries: bool) -> dict:
     """name -> (list of (call(x), K), weight bytes)."""
     from specdec import kernels
@@ -64,9 +81,8 @@ def sweeps(mats, variants: list[str], libraries: bool) -> dict:
         lib = kernels.load(v)
         calls = []
         for _, q, qt in mats:
-            qw = torch.from_numpy(np.ascontiguousarray(q))
-            p = kernels.prepare_quant(qw, qt)
-            calls.append(((lambda x, qw=qw, qt=qt, p=p, lib=lib: kernels.quant_linear(x, qw, qt, None, p, lib=lib)), p.k))
+            p = kernels.prepare_quant(torch.from_numpy(np.ascontiguousarray(q)), qt)
+            calls.append((_direct(lib, p), p.k))
         out[f"specdec {v} GGUF blocks"] = (calls, sum(q.nbytes for _, q, _ in mats))
     dense = [torch.from_numpy(qformats.dequantize(q, qt)) for _, q, qt in mats]
     for v in variants[:1] + variants[-1:]:

@@ -168,8 +168,8 @@ def prepare_quant(qweight: torch.Tensor, qtype: str) -> PreparedQuant | None:
     return PreparedQuant(torch.from_numpy(data), qtype, qweight.shape[0], K)
 
 
-def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None,
-                 prepared: PreparedQuant | None, lib=None) -> torch.Tensor | None:
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                 prepared: PreparedQuant | None = None, lib=None) -> torch.Tensor | None:
     """x [M, K] fp32 @ dequant(qweight [N, row_bytes])^T + bias [N] -> [M, N] fp32, or None
     where the kernel does not cover it (the caller's PyTorch reference then runs). Activations
     are quantized to int8 per row and block of 32 (as llama.cpp does); a row's result does not

@@ -99,16 +99,16 @@ def smollm2():
 
 
 def test_smollm2_is_the_default_with_ngram(smollm2):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=24)
     llm = LLM()
     assert llm.model_path == str(smollm2) and llm.spec.method == "ngram"
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24))[0]
-    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+    out = llm.chat(question, params)[0]
     plain = LLM(model=str(smollm2))                       # a model without speculative arguments: plain
     assert plain.engine.proposer is None
-    again = plain.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(temperature=0, max_tokens=24))[0]
-    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert plain.chat(question, params)[0].outputs[0].token_ids == out.outputs[0].token_ids
+    exact = LLM(model=str(smollm2), quantization="none")  # weights dequantized, fp32 activations
+    assert "Paris" in exact.chat(question, params)[0].outputs[0].text
 
 
 def test_served_gguf_chat(chat_llm):

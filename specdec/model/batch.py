@@ -119,52 +119,63 @@ class ForwardBatch:
 
 
 @dataclass(frozen=True)
-class PaddedAttention:
-    """The PyTorch path's view of a ForwardBatch: queries padded to [B, T_max], each
-    sequence's blocks gathered to [B, L] slots, and one mask for all layers.
+class SeqAttention:
+    """One sequence's part of a forward, for the PyTorch path."""
+    first: int                       # its first row among the N flat tokens
+    count: int                       # its new tokens
+    blocks: Tensor                   # [ceil(span / block_size)] its block ids, in slot order
+    span: int                        # start + count: the slots its tokens may see
+    seen: list | None                # per token: how many leading slots it sees (causal), or the
+                                     # indices [n] of the slots it sees (tree); None when masked
+    mask: Tensor | None              # [1, 1, count, span] bool, for a chunk too long to go row by row
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The PyTorch path's view of a ForwardBatch, built once per forward for every layer.
 
     write_blocks, write_offsets: [N] where each new token's k/v go
-    token_seq, token_pos:        [N] (b, t) of each flat token in the padded [B, T_max] layout
-    blocks:                      [B, L / block_size] block ids to gather
-    mask:                        [B, 1, T_max, L] bool; None: one sequence decoding one causal
-                                 token, whose gathered slots are cut to its span instead
-    span:                        slots to keep of the gathered blocks (L, or the span above)
+    seqs: per sequence, what its tokens attend to (model/llama.py: _paged_attention)
     """
     write_blocks: Tensor
     write_offsets: Tensor
-    token_seq: Tensor
-    token_pos: Tensor
-    blocks: Tensor
-    mask: Tensor | None
-    span: int
+    seqs: list[SeqAttention]
 
     @classmethod
-    def of(cls, batch: ForwardBatch, kv, device) -> "PaddedAttention":
+    def of(cls, batch: ForwardBatch, kv, device, max_rows: int) -> "AttentionPlan":
+        """Sequences of at most max_rows tokens go token by token, longer ones masked."""
         bs = kv.block_size
-        counts = torch.tensor(batch.counts)
-        B, t_max = len(batch.counts), max(batch.counts)
-        token_seq = torch.repeat_interleave(torch.arange(B), counts)
-        token_pos = torch.arange(batch.num_tokens) - batch.cu_seqlens[:-1].long()[token_seq]
-        slots = batch.start_slots.long()[token_seq] + token_pos
-        table = kv.blocks.table[batch.rows.long()]                        # [B, max_blocks]
-        spans = [st + n for st, n in zip(batch.starts, batch.counts)]
-        n_blocks = -(-max(spans) // bs)
-        write_blocks = table[token_seq, slots // bs]
-        cols = torch.arange(n_blocks * bs)
-        t = torch.arange(t_max)
-        start = batch.start_slots.long()[:, None, None]
-        mask = cols[None, None, :] <= start + t[None, :, None]           # causal
-        for b, tree in enumerate(batch.trees):
-            if tree is not None:
-                lo, hi = batch.starts[b] - tree.past, spans[b]
-                m = cols[None, :] < lo                                    # the prefix
-                m = m.expand(t_max, -1).clone()
-                m[:batch.counts[b], lo:hi] = tree.mask.cpu()
-                mask[b] = m
-        mask &= t[None, :, None] < counts[:, None, None]                  # padded query rows ...
-        mask[:, :, 0] |= ~(t[None, :] < counts[:, None])                  # ... see slot 0 (no NaN)
-        to = lambda x: x.to(device)  # noqa: E731
-        plain = B == 1 and t_max == 1 and batch.trees[0] is None
-        return cls(to(write_blocks.long()), to(slots % bs), to(token_seq), to(token_pos),
-                   to(table[:, :n_blocks].long()), None if plain else to(mask[:, None]),
-                   spans[0] if plain else n_blocks * bs)
+        write_blocks, write_offsets, seqs = [], [], []
+        first = 0
+        for b, (seq, st, n, tree) in enumerate(zip(batch.seqs, batch.starts, batch.counts, batch.trees)):
+            table = kv.blocks.blocks(seq)
+            span = st + n
+            write_blocks += [table[s // bs] for s in range(st, span)]
+            write_offsets += [s % bs for s in range(st, span)]
+            blocks = torch.tensor(table[:-(-span // bs)], device=device)
+            seen, mask = None, None
+            if n <= max_rows:
+                seen = list(range(st + 1, span + 1)) if tree is None else _tree_seen(tree, st, device)
+            else:
+                mask = _chunk_mask(tree, st, n).to(device)[None, None]
+            seqs.append(SeqAttention(first, n, blocks, span, seen, mask))
+            first += n
+        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs)
+
+
+def _tree_seen(tree: TreeAttention, start: int, device) -> list[Tensor]:
+    """Per node: the slots it sees, the prefix before start - past, then its tree ancestors."""
+    lo = start - tree.past
+    prefix = torch.arange(lo)
+    return [torch.cat([prefix, lo + row.nonzero().flatten()]).to(device) for row in tree.mask.cpu()]
+
+
+def _chunk_mask(tree: TreeAttention | None, start: int, n: int) -> Tensor:
+    """[n, start + n] bool: what each of n new tokens sees."""
+    cols = torch.arange(start + n)
+    if tree is None:
+        return cols[None, :] <= start + torch.arange(n)[:, None]
+    lo = start - tree.past
+    mask = (cols < lo)[None, :].expand(n, -1).clone()
+    mask[:, lo:] = tree.mask.cpu()
+    return mask

@@ -126,10 +126,10 @@ class KVCache:
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (blocks.num_blocks, num_kv_heads, blocks.block_size, head_dim)
-        # zeros, not empty: the PyTorch path gathers whole blocks and masks the unwritten slots,
-        # and a masked NaN would still poison the weighted sum
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty: no path ever reads a slot before writing it (attention sees slots < start + T
+        # only), and untouched pages of a large pool cost no memory until used
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.blocks = blocks
         self.index = blocks.register_cache()
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..kernels import cforward
-from .batch import ForwardBatch, ForwardOutput, PaddedAttention, TreeAttention
+from .batch import AttentionPlan, ForwardBatch, ForwardOutput, TreeAttention
 from .config import ModelConfig
 from .kv import KVCache
 
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.split = (q, kv, kv)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
-                pad: PaddedAttention | None) -> Tensor:
+                plan: AttentionPlan | None) -> Tensor:
         """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -102,26 +102,42 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return self.o_proj(_paged_attention(q, k, v, kv.k[layer], kv.v[layer], pad, gqa))
+        return self.o_proj(_paged_attention(q, k, v, kv.k[layer], kv.v[layer], plan, gqa))
 
 
-def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pad: PaddedAttention,
+def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
                      gqa: bool) -> Tensor:
     """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [num_blocks, KV, bs, hd] one layer's cache.
-    Writes k/v at their slots, attends per sequence over its gathered blocks; returns [N, H * hd]."""
-    kc[pad.write_blocks, :, pad.write_offsets] = k
-    vc[pad.write_blocks, :, pad.write_offsets] = v
-    B, nb = pad.blocks.shape
+    Writes k/v at their slots; each sequence attends over its own gathered blocks; returns
+    [N, H * hd].
+
+    A sequence feeding at most kernels.MAX_ROWS tokens (decoding, verification, a short chunk)
+    attends one token at a time over exactly the keys that token sees, with no mask: the same
+    operation on the same values as when the token is decoded alone, whatever else is in the
+    batch (a masked attention over several rows sums in another order, and a last-bit
+    difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
+    tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
+    kc[plan.write_blocks, :, plan.write_offsets] = k
+    vc[plan.write_blocks, :, plan.write_offsets] = v
     N, H, hd = q.shape
-    keys = kc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, kc.shape[1], nb * kc.shape[2], hd)[:, :, :pad.span]
-    vals = vc[pad.blocks].permute(0, 2, 1, 3, 4).reshape(B, vc.shape[1], nb * vc.shape[2], hd)[:, :, :pad.span]
-    if pad.mask is None:            # one sequence, one token: every gathered slot is visible
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, enable_gqa=gqa)
-        return out[0].transpose(0, 1).reshape(N, H * hd)
-    qp = q.new_zeros(B, pad.mask.shape[2], H, hd)
-    qp[pad.token_seq, pad.token_pos] = q
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=pad.mask, enable_gqa=gqa)
-    return out.transpose(1, 2)[pad.token_seq, pad.token_pos].reshape(N, H * hd)
+    out = q.new_empty(N, H, hd)
+    for seq in plan.seqs:
+        keys = kc[seq.blocks].transpose(0, 1).reshape(kc.shape[1], -1, hd)          # [KV, nb * bs, hd]
+        vals = vc[seq.blocks].transpose(0, 1).reshape(vc.shape[1], -1, hd)
+        if seq.mask is not None:
+            rows = slice(seq.first, seq.first + seq.count)
+            out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
+                                                       vals[None, :, :seq.span], attn_mask=seq.mask,
+                                                       enable_gqa=gqa)[0].transpose(0, 1)
+            continue
+        for t, seen in enumerate(seq.seen):
+            kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
+            qt = q[seq.first + t].clone()          # a fresh buffer: sums must not depend on where it starts
+            out[seq.first + t] = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None],
+                                                                enable_gqa=gqa)[0, :, 0]
+    return out.reshape(N, H * hd)
+
+
 
 
 class MLP(nn.Module):
@@ -143,8 +159,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, kv, pad):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, pad)
+    def forward(self, x, cos, sin, layer, kv, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -189,7 +205,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
     def kv_bytes_per_slot(self, num_layers: int | None = None) -> int:
         cfg = self.config
@@ -236,7 +252,7 @@ class Transformer(nn.Module):
     def c_view(self, kv: KVCache) -> cforward.CView | None:
         """The C path's view of (this model, kv), built once; None where the C path does not
         apply (training, no compiler, not the CPU, bf16 activations)."""
-        if self.lm_head.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
+        if self.model.norm.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
             return None
         view = self._c_views.get(kv)
         if view is None:
@@ -271,8 +287,8 @@ class Transformer(nn.Module):
         x = (self.model.embed_tokens(tokens.to(dev)) if embeds is None else embeds.to(dev)).to(self.dtype)
         cos, sin = self._rope(batch.positions.to(dev), x.dtype)
         cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
-        pad = PaddedAttention.of(batch, kv, dev)
+        plan = AttentionPlan.of(batch, kv, dev, kernels.MAX_ROWS)
         for i, layer in enumerate(self.model.layers[:n_layers]):
-            x = layer(x, cos, sin, i, kv, pad)
+            x = layer(x, cos, sin, i, kv, plan)
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows)

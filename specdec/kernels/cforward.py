@@ -1,9 +1,9 @@
 """ctypes glue for forward.c: a C view of a Transformer over a paged KV cache, and the calls.
 
 A `CView` is built once per (model, cache) pair and owned by the model (Transformer keeps
-them in a weak dictionary keyed by the cache), so nothing is stored on the cache or on the
-modules by this file; the view holds references to the packed weights and cache tensors its
-pointers point into.
+them in a weak dictionary keyed by the cache); the packed weights belong to their Linear
+modules (`Linear.packed()`), so nothing is stored on the cache or on the modules by this file.
+The view holds references to the packed weights and cache tensors its pointers point into.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from ctypes import POINTER, c_float, c_int, c_void_p
 
 import torch
 
-from . import packed_of
 
 
 class _Layer(ctypes.Structure):
@@ -83,11 +82,11 @@ class CView:
         layers = (_Layer * len(kv.k))()
         for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
             att, mlp = layer.self_attn, layer.mlp
-            packed = [packed_of(lin) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            packed = [lin.packed() for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             self._keep += packed
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                                *(_ptr(p) for p in packed), _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
-        head = packed_of(model.lm_head)
+        head = model.lm_head.packed()
         self._keep += [head, kv.blocks.table, *kv.k, *kv.v]
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -133,7 +132,7 @@ def eagle_chain(lib, view: CView, fc, embed_weight, draft_vocab, rows, base, ste
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
     bias = fc.bias.to(torch.float32).contiguous()
-    lib.eagle_chain(ctypes.byref(view.struct), packed_of(fc).data_ptr(), int(fc.weight.dtype == torch.bfloat16),
+    lib.eagle_chain(ctypes.byref(view.struct), fc.packed().data_ptr(), int(fc.weight.dtype == torch.bfloat16),
                     bias.data_ptr(), embed_weight.data_ptr(), int(embed_weight.dtype == torch.bfloat16),
                     draft_vocab.data_ptr(), B, rows_t.data_ptr(), base_t.data_ptr(), steps_t.data_ptr(),
                     feats.data_ptr(), toks.data_ptr(), max_steps, out.data_ptr())

@@ -36,12 +36,26 @@ __all__ = ["ForwardBatch", "ForwardOutput", "KVCache", "Linear", "Transformer", 
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels)."""
+    """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels). It owns the
+    packed copy of its weight that the kernels read (kernels.pack), repacked whenever the weight
+    changes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias)
+        self._packed: Tensor | None = None
+        self._packed_key: tuple | None = None
+
+    def packed(self) -> Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._packed_key != key:
+            self._packed, self._packed_key = kernels.pack(w.detach()), key
+        return self._packed
 
     def forward(self, x: Tensor) -> Tensor:
         if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
             return kernels.linear(x, self.weight, self.bias)
-        return kernels.linear(x, self.weight, self.bias, kernels.packed_of(self))
+        return kernels.linear(x, self.weight, self.bias, self.packed())
 
 
 class RMSNorm(nn.Module):

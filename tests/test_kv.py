@@ -137,3 +137,38 @@ def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, m
             llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1] == outs[2] == outs[3]
+
+
+def test_pytorch_attention_is_per_token_whatever_the_batch(model):
+    """The PyTorch path's attention (any device): a sequence's rows come out bit-identical alone
+    and among other sequences (a tree, a longer chunk, other lengths)."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    g = torch.Generator().manual_seed(3)
+    H, KV, hd = 4, 2, 16
+    outs = []
+    for others in (False, True):
+        blocks, kv = _pool(model)
+        if others:
+            for s, n in {"t": 11, "p": 7}.items():
+                blocks.add(s)
+                blocks.ensure(s, n)
+        blocks.add("x")
+        blocks.ensure("x", 14)
+        hist = torch.randn(11, KV, hd, generator=torch.Generator().manual_seed(4))
+        plan = AttentionPlan.of(ForwardBatch.build(kv, ["x"], [11], [0]), kv, "cpu", 64)
+        _TorchAttention(kv, plan)(0, torch.zeros(11, H, hd), hist, hist, True)
+        seqs, counts, starts, trees = ["x"], [3], [11], [None]
+        if others:
+            seqs, counts, starts = ["t", "x", "p"], [5, 3, 7], [6, 11, 0]
+            trees = [TreeAttention.from_parents([-1, -1, 0, 1]), None, None]
+        batch = ForwardBatch.build(kv, seqs, counts, starts, trees)
+        n = sum(counts)
+        q, k = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+        x_rows = slice(5, 8) if others else slice(0, 3)
+        q[x_rows] = torch.arange(3 * H * hd, dtype=torch.float32).reshape(3, H, hd).sin()
+        k[x_rows] = torch.arange(3 * KV * hd, dtype=torch.float32).reshape(3, KV, hd).cos()
+        out = _TorchAttention(kv, AttentionPlan.of(batch, kv, "cpu", 64))(0, q, k, k, True)
+        outs.append(out[x_rows])
+    assert torch.equal(outs[0], outs[1])

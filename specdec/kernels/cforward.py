@@ -36,9 +36,18 @@ def declare(lib) -> None:
     lib.llama_forward.restype = None
     lib.llama_forward.argtypes = [POINTER(_Model), POINTER(_Batch), c_void_p, c_void_p, c_int, c_void_p, c_int,
                                   c_void_p, c_int, c_void_p, c_void_p]
+    lib.paged_attention.restype = None
+    lib.paged_attention.argtypes = [POINTER(_Model), c_int, POINTER(_Batch), c_void_p, c_void_p, c_void_p, c_void_p,
+                                    c_int]
     lib.eagle_chain.restype = None
     lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int,
                                 c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
+
+
+def attention_supported(model, kv) -> bool:
+    """paged_attention covers an fp32 cache on the CPU whatever the matrices are (packed too)."""
+    return (kv.k[0].device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+            and model.config.head_dim % 8 == 0)
 
 
 def supported(model, kv) -> bool:
@@ -74,26 +83,50 @@ def _ptr(t: torch.Tensor | None):
 
 
 class CView:
-    """The C description of (model, kv): weights, the cache's layers and its block table."""
+    """The C description of (model, kv): the cache's layers and block table, and the weights
+    unless weights=False (an attention-only view, for paged_attention)."""
 
-    def __init__(self, model, kv):
+    def __init__(self, model, kv, weights: bool = True):
         cfg = model.config
-        self._keep = []        # every tensor a pointer below points into
+        self._keep = [kv.blocks.table, *kv.k, *kv.v]      # every tensor a pointer below points into
         layers = (_Layer * len(kv.k))()
         for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
+            if not weights:
+                layers[i] = _Layer(*([None] * 7), _ptr(k), _ptr(v))
+                continue
             att, mlp = layer.self_attn, layer.mlp
             packed = [lin.packed() for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             self._keep += packed
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                                *(_ptr(p) for p in packed), _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
-        head = model.lm_head.packed()
-        self._keep += [head, kv.blocks.table, *kv.k, *kv.v]
+        head = model.lm_head.packed() if weights else None
+        self._keep.append(head)
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.block_size, kv.blocks.max_blocks_per_seq,
-                             int(model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
-                             _ptr(model.model.embed_tokens.weight), _ptr(model.model.norm.weight), _ptr(head),
+                             int(weights and model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             _ptr(model.model.embed_tokens.weight) if weights else None,
+                             _ptr(model.model.norm.weight) if weights else None, _ptr(head),
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
+
+
+class CAttention:
+    """One forward's attention through forward.c (paged_attention), for the PyTorch path on the
+    CPU: per token over its own sequence's slots, as the C forward attends."""
+
+    def __init__(self, lib, view: CView, batch):
+        self.lib, self.view, self.batch = lib, view, batch
+        self.struct = _batch_struct(batch)
+
+    def __call__(self, layer: int, q, k, v, gqa: bool = True):
+        """q [N, H, hd], k/v [N, KV, hd] fp32 (RoPE applied) -> [N, H * hd]; writes k/v.
+        (gqa: implied by the sizes here.)"""
+        N, H, hd = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty(N, H * hd)
+        self.lib.paged_attention(ctypes.byref(self.view.struct), layer, ctypes.byref(self.struct), q.data_ptr(),
+                                 k.data_ptr(), v.data_ptr(), out.data_ptr(), N)
+        return out
 
 
 def _batch_struct(batch) -> _Batch:

@@ -191,6 +191,41 @@ static void layer_forward(const Model *m, const Layer *L, const Batch *b, const 
     for (long i = 0; i < (long)N * D; i++) x[i] += buf[i];
 }
 
+/* who[n] for every flat token; returns the longest span any sequence's tokens see. */
+static int tokens_of(const Batch *b, TokenOf *who) {
+    int max_span = 0;
+    for (int sq = 0; sq < b->n_seqs; sq++) {
+        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
+        for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
+        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
+    }
+    return max_span;
+}
+
+/* The attention block of one layer for a caller that runs the rest of the layer itself (the
+ * PyTorch path on the CPU, e.g. packed GGUF matrices): write the N new tokens' keys and values
+ * (k, v [N, KV * hd], RoPE applied) into their slots of layer `layer`, then out [N, H * hd] =
+ * each token's attention over its own sequence, exactly as llama_forward computes it. Only the
+ * model's sizes, block table and layers' caches are read (weights may be NULL). */
+void paged_attention(const Model *m, int layer, const Batch *b, const float *q, const float *k, const float *v,
+                     float *out, int N) {
+    if (N <= 0) return;
+    const Layer *L = &m->layers[layer];
+    int hd = m->head_dim, KV = m->n_kv;
+    TokenOf *who = malloc(sizeof(TokenOf) * N);
+    int max_span = tokens_of(b, who);
+    for (int n = 0; n < N; n++) {
+        int sq = who[n].seq;
+        for (int g = 0; g < KV; g++) {
+            long at = slot_at(m, b->rows[sq], b->start[sq] + who[n].t, g);
+            memcpy(L->k_cache + at, k + ((long)n * KV + g) * hd, sizeof(float) * hd);
+            memcpy(L->v_cache + at, v + ((long)n * KV + g) * hd, sizeof(float) * hd);
+        }
+    }
+    attention(m, L, b, who, q, out, N, max_span);
+    free(who);
+}
+
 /* tokens [N] (or, when tokens is NULL, input vectors embeds [N, D] instead of the embedding
  * lookup: EAGLE's head); pos [N] rope positions. Runs the first n_layers layers, then the final
  * norm into hidden_out [N, D] (if not NULL) and the LM head for the n_logits rows logit_rows
@@ -203,12 +238,7 @@ void llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
     int wide = D > m->n_heads * m->head_dim ? D : m->n_heads * m->head_dim;
     if (m->hidden > wide) wide = m->hidden;
     TokenOf *who = malloc(sizeof(TokenOf) * N);
-    int max_span = 0;
-    for (int sq = 0; sq < b->n_seqs; sq++) {
-        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
-        for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
-        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
-    }
+    int max_span = tokens_of(b, who);
     float *x = malloc(sizeof(float) * N * D), *buf = malloc(sizeof(float) * N * wide);
     float *qkv = malloc(sizeof(float) * N * nqkv), *att = malloc(sizeof(float) * N * wide);
     float *ff = malloc(sizeof(float) * N * 2 * m->hidden);

@@ -99,8 +99,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
-                plan: AttentionPlan | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend) -> Tensor:
         """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -108,7 +107,7 @@ class Attention(nn.Module):
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
         gqa = self.n_kv != self.n_heads
-        if kv is None:  # training / full-sequence scoring: [B, H, T, hd]
+        if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -116,7 +115,17 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return self.o_proj(_paged_attention(q, k, v, kv.k[layer], kv.v[layer], plan, gqa))
+        return self.o_proj(attend(layer, q, k, v, gqa))
+
+
+class _TorchAttention:
+    """One forward's attention in PyTorch (any device): see _paged_attention."""
+
+    def __init__(self, kv: KVCache, plan: AttentionPlan):
+        self.kv, self.plan = kv, plan
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
+        return _paged_attention(q, k, v, self.kv.k[layer], self.kv.v[layer], self.plan, gqa)
 
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
@@ -173,8 +182,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, kv, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, plan)
+    def forward(self, x, cos, sin, layer, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,8 +206,10 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
-        # the C path's view of each cache this model writes into (kernels/cforward.CView)
+        # the C path's views of each cache this model writes into (kernels/cforward.CView): the
+        # whole forward's, and the attention-only one of the PyTorch path on the CPU
         self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -273,6 +284,17 @@ class Transformer(nn.Module):
             view = self._c_views[kv] = cforward.CView(self, kv)
         return view
 
+    def _attention(self, kv: KVCache, batch: ForwardBatch):
+        """Where this forward's attention runs: forward.c's per-token attention on the CPU with
+        an fp32 cache (whatever the matrices: packed GGUF ones too), else PyTorch."""
+        lib = kernels.load()
+        if lib is not None and not self.model.norm.weight.requires_grad and cforward.attention_supported(self, kv):
+            view = self._c_attention_views.get(kv)
+            if view is None:
+                view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
+            return cforward.CAttention(lib, view, batch)
+        return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS))
+
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -293,7 +315,7 @@ class Transformer(nn.Module):
         cos, sin = cos[:, None], sin[:, None]                         # [B, 1, T, hd]
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, i, None, None)
+            x = layer(x, cos, sin, i, None)
         return self._head(x, logits, hidden)
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
@@ -301,8 +323,8 @@ class Transformer(nn.Module):
         x = (self.model.embed_tokens(tokens.to(dev)) if embeds is None else embeds.to(dev)).to(self.dtype)
         cos, sin = self._rope(batch.positions.to(dev), x.dtype)
         cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
-        plan = AttentionPlan.of(batch, kv, dev, kernels.MAX_ROWS)
+        attend = self._attention(kv, batch)
         for i, layer in enumerate(self.model.layers[:n_layers]):
-            x = layer(x, cos, sin, i, kv, plan)
+            x = layer(x, cos, sin, i, attend)
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows)

@@ -22,7 +22,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "block_size", "max_blocks", "w_bf16")],
+                                       "n_layers", "num_blocks", "block_size", "max_blocks", "w_bf16")],
                 ("eps", c_float), ("embed", c_void_p), ("final_norm", c_void_p), ("lm_head", c_void_p),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
@@ -103,7 +103,8 @@ class CView:
         self._keep.append(head)
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.block_size, kv.blocks.max_blocks_per_seq,
+                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
+                             kv.blocks.max_blocks_per_seq,
                              int(weights and model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
                              _ptr(model.model.embed_tokens.weight) if weights else None,
                              _ptr(model.model.norm.weight) if weights else None, _ptr(head),

@@ -4,7 +4,7 @@
  * reading the weights; a draft model that fits the cache spends most of its time there. This
  * file runs embedding -> layers -> norm -> LM head for N new tokens of several sequences with
  * fp32 activations and bf16 or fp32 weights, writing keys and values into the same paged KV
- * cache the PyTorch path uses (model/kv.py: per layer [num_blocks, n_kv, block_size, hd]), with
+ * cache the PyTorch path uses (model/kv.py: per layer [n_kv, num_blocks, block_size, hd]), with
  * the same masks (causal, or a token tree's ancestor mask, per sequence).
  *
  * Invariant (what lossless batching needs): a token's logits, features and cache entries are
@@ -27,11 +27,11 @@ typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
     const void *qkv, *o, *gate_up, *down; /* weights, bf16 or fp32 */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
-    float *k_cache, *v_cache;             /* [num_blocks, KV, block_size, hd] fp32 */
+    float *k_cache, *v_cache;             /* [KV, num_blocks, block_size, hd] fp32 */
 } Layer;
 
 typedef struct {
-    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, block_size, max_blocks, w_bf16;
+    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, w_bf16;
     float eps;
     const void *embed;                    /* [V, D] */
     const float *final_norm;              /* [D] */
@@ -103,7 +103,7 @@ static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos)
 /* Where kv head g of slot s of the sequence in block-table row `row` lives. */
 static inline long slot_at(const Model *m, int row, long s, int g) {
     int32_t blk = m->block_table[(long)row * m->max_blocks + s / m->block_size];
-    return (((long)blk * m->n_kv + g) * m->block_size + s % m->block_size) * m->head_dim;
+    return (((long)g * m->num_blocks + blk) * m->block_size + s % m->block_size) * m->head_dim;
 }
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
@@ -119,7 +119,7 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
     float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *kb = L->k_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const float *kb = L->k_cache + ((long)g * m->num_blocks + table[s0 / bs]) * bs * hd;
         int n = span - s0 < bs ? span - s0 : bs;
         for (int j = 0; j < n; j++) {
             int s = s0 + j;
@@ -138,7 +138,7 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     }
     memset(o, 0, sizeof(float) * hd);
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *vb = L->v_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const float *vb = L->v_cache + ((long)g * m->num_blocks + table[s0 / bs]) * bs * hd;
         int n = span - s0 < bs ? span - s0 : bs;
         for (int j = 0; j < n; j++)
             if (scores[s0 + j] != 0.0f) axpy(o, scores[s0 + j] / sum, vb + (long)j * hd, hd);

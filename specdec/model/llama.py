@@ -130,7 +130,7 @@ class _TorchAttention:
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
                      gqa: bool) -> Tensor:
-    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [num_blocks, KV, bs, hd] one layer's cache.
+    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [KV, num_blocks, bs, hd] one layer's cache.
     Writes k/v at their slots; each sequence attends over its own gathered blocks; returns
     [N, H * hd].
 
@@ -140,13 +140,17 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
-    kc[plan.write_blocks, :, plan.write_offsets] = k
-    vc[plan.write_blocks, :, plan.write_offsets] = v
+    if plan.slot is not None:       # one token: plain indexing, no index tensors
+        kc[:, plan.slot[0], plan.slot[1]] = k[0]
+        vc[:, plan.slot[0], plan.slot[1]] = v[0]
+    else:
+        kc[:, plan.write_blocks, plan.write_offsets] = k.transpose(0, 1)
+        vc[:, plan.write_blocks, plan.write_offsets] = v.transpose(0, 1)
     N, H, hd = q.shape
     out = q.new_empty(N, H, hd)
     for seq in plan.seqs:
-        keys = kc[seq.blocks].transpose(0, 1).reshape(kc.shape[1], -1, hd)          # [KV, nb * bs, hd]
-        vals = vc[seq.blocks].transpose(0, 1).reshape(vc.shape[1], -1, hd)
+        keys = torch.index_select(kc, 1, seq.blocks).view(kc.shape[0], -1, hd)     # [KV, nb * bs, hd]
+        vals = torch.index_select(vc, 1, seq.blocks).view(vc.shape[0], -1, hd)
         if seq.mask is not None:
             rows = slice(seq.first, seq.first + seq.count)
             out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
@@ -155,9 +159,13 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
             continue
         for t, seen in enumerate(seq.seen):
             kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
-            qt = q[seq.first + t].clone()          # a fresh buffer: sums must not depend on where it starts
-            out[seq.first + t] = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None],
-                                                                enable_gqa=gqa)[0, :, 0]
+            row = seq.first + t
+            # row 0 starts a fresh buffer; the others get one: sums must not depend on where q starts
+            qt = q[row] if row == 0 else q[row].clone()
+            att = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None], enable_gqa=gqa)
+            if N == 1:
+                return att.reshape(1, H * hd)
+            out[row] = att[0, :, 0]
     return out.reshape(N, H * hd)
 
 

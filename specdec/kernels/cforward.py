@@ -22,7 +22,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "num_blocks", "block_size", "max_blocks", "w_bf16")],
+                                       "n_layers", "num_blocks", "block_size", "max_blocks", "w_bf16", "kv_bf16")],
                 ("eps", c_float), ("embed", c_void_p), ("final_norm", c_void_p), ("lm_head", c_void_p),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
@@ -45,8 +45,10 @@ def declare(lib) -> None:
 
 
 def attention_supported(model, kv) -> bool:
-    """paged_attention covers an fp32 cache on the CPU whatever the matrices are (packed too)."""
-    return (kv.k[0].device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+    """paged_attention covers an fp32 or bf16 cache (and activations of the same dtype) on the
+    CPU, whatever the matrices are (packed GGUF ones too)."""
+    dt = kv.k[0].dtype
+    return (kv.k[0].device.type == "cpu" and dt in (torch.float32, torch.bfloat16) and model.dtype == dt
             and model.config.head_dim % 8 == 0)
 
 
@@ -105,7 +107,8 @@ class CView:
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
                              kv.blocks.max_blocks_per_seq,
-                             int(weights and model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             int(weights and model.lm_head.weight.dtype == torch.bfloat16),
+                             int(kv.k[0].dtype == torch.bfloat16), cfg.rms_norm_eps,
                              _ptr(model.model.embed_tokens.weight) if weights else None,
                              _ptr(model.model.norm.weight) if weights else None, _ptr(head),
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
@@ -120,11 +123,11 @@ class CAttention:
         self.struct = _batch_struct(batch)
 
     def __call__(self, layer: int, q, k, v, gqa: bool = True):
-        """q [N, H, hd], k/v [N, KV, hd] fp32 (RoPE applied) -> [N, H * hd]; writes k/v.
-        (gqa: implied by the sizes here.)"""
+        """q [N, H, hd], k/v [N, KV, hd] in the cache's dtype (RoPE applied) -> [N, H * hd];
+        writes k/v. (gqa: implied by the sizes here.)"""
         N, H, hd = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty(N, H * hd)
+        out = torch.empty(N, H * hd, dtype=q.dtype)
         self.lib.paged_attention(ctypes.byref(self.view.struct), layer, ctypes.byref(self.struct), q.data_ptr(),
                                  k.data_ptr(), v.data_ptr(), out.data_ptr(), N)
         return out

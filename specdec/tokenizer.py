@@ -50,7 +50,9 @@ class Tokenizer:
         # every id that ends generation: the tokenizer's eos and the model config's list
         self.eos_token_ids = sorted({i for i in [self.eos_token_id, *cfg_eos] if i is not None})
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.chat_template = cfg.get("chat_template")
+        # transformers >= 4.43 may write the template beside the config instead of inside it
+        jinja = folder / "chat_template.jinja"
+        self.chat_template = cfg.get("chat_template") or (jinja.read_text() if jinja.is_file() else None)
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
 
     @property

@@ -48,6 +48,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--report-prompts", type=int, default=20,
                        help="held-out function headers for the card's acceptance numbers (0: skip)")
 
+    pr = tsub.add_parser("prompts", help="chat training prompts made on this machine (no downloads), checked against Spec-Bench")
+    pr.add_argument("--out", required=True, help="folder for prompts.jsonl and its data card")
+    pr.add_argument("--count", type=int, default=8000)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--target", help="model folder that writes the self-instruct tasks (none: no self-instruct)")
+    pr.add_argument("--self-instruct", type=int, default=1500, help="how many tasks to ask the target for")
+    pr.add_argument("--eval", default="spec-bench", help='evaluation questions to exclude ("spec-bench", a file, or "none")')
+    pr.add_argument("--threads", type=int, default=1)
+
+    an = tsub.add_parser("answers", help="the target's answers to the prompts, with its features (resumable shards)")
+    an.add_argument("--target", required=True)
+    an.add_argument("--prompts", required=True, help="prompts.jsonl from `specdec train prompts`")
+    an.add_argument("--out", required=True, help="shard folder")
+    an.add_argument("--limit", type=int, help="answer only the first N prompts")
+    an.add_argument("--max-new-tokens", type=int, default=256)
+    an.add_argument("--batch", type=int, default=48)
+    an.add_argument("--per-shard", type=int, default=96)
+    an.add_argument("--greedy-fraction", type=float, default=0.5)
+    an.add_argument("--dtype", default="bfloat16")
+    an.add_argument("--threads", type=int, default=1)
+    an.add_argument("--stop-after", type=int, help="write at most this many new shards")
+
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
     rep.add_argument("--draft", default="models/draft")
@@ -68,6 +90,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.train_cmd == "report":
         return _report(args)
+    if args.train_cmd in ("prompts", "answers"):
+        return _chat_data(args)
     if args.train_cmd in ("medusa", "eagle"):
         return _heads(args)
     from .lm import TrainConfig, train
@@ -126,4 +150,35 @@ def _heads(args: argparse.Namespace) -> int:
         print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
     else:
         print(f"stopped at step {r['step']}; run the same command again to resume")
+    return 0
+
+
+def _chat_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from .chatdata import SPEC_BENCH, make_prompt_set
+
+    torch.set_num_threads(args.threads)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    if args.train_cmd == "prompts":
+        from .prompts import PromptConfig
+
+        ev = {"spec-bench": SPEC_BENCH, "none": None}.get(args.eval, Path(args.eval))
+        if ev is not None and not ev.is_file():
+            raise ValueError(f"--eval {args.eval}: no such file")
+        s = make_prompt_set(Path(args.out), PromptConfig(count=args.count, seed=args.seed),
+                            Path(args.target) if args.target else None, args.self_instruct, ev, command)
+        print(json.dumps({k: s[k] for k in ("prompts", "families")}))
+        return 0
+    from ..model import load_model
+    from ..tokenizer import Tokenizer
+    from .answers import AnswerConfig, read_prompts, write_shards
+
+    prompts = read_prompts(Path(args.prompts))[:args.limit]
+    cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
+                       greedy_fraction=args.greedy_fraction, threads=args.threads)
+    paths = write_shards(load_model(args.target, args.dtype), Tokenizer(args.target), prompts, Path(args.out), cfg,
+                         stop_after=args.stop_after)
+    total = -(-len(prompts) // cfg.per_shard)
+    print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
     return 0

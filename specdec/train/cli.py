@@ -32,12 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--target", default="models/target", help="the target's Hugging Face folder")
         h.add_argument("--out", required=True, help="heads folder to write")
         h.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
-        h.add_argument("--data", default="runs/selfdistill", help="self-distillation data folder (made if missing, reused)")
+        h.add_argument("--data", default="runs/selfdistill",
+                       help="self-distillation data folder (selfdistill: made if missing, reused; chat: the answers folder)")
+        h.add_argument("--data-kind", choices=("selfdistill", "chat"), default="selfdistill",
+                       help="selfdistill: the toy target continues corpus prompts; chat: `specdec train answers` shards")
         h.add_argument("--steps", type=int)
         h.add_argument("--batch", type=int)
         h.add_argument("--lr", type=float)
         h.add_argument("--draft-vocab", type=int, help="draft vocabulary size (most frequent tokens)")
-        h.add_argument("--shards", type=int, help="self-distillation shards of 32 x 256 tokens")
+        h.add_argument("--shards", type=int, help="selfdistill: shards of 32 x 256 tokens to make (48); chat: answer shards to train on (all)")
         h.add_argument("--val-shards", type=int)
         if kind == "medusa":
             h.add_argument("--num-heads", type=int)
@@ -46,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--threads", type=int)
         h.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
         h.add_argument("--report-prompts", type=int, default=20,
-                       help="held-out function headers for the card's acceptance numbers (0: skip)")
+                       help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
+        h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
 
     pr = tsub.add_parser("prompts", help="chat training prompts made on this machine (no downloads), checked against Spec-Bench")
     pr.add_argument("--out", required=True, help="folder for prompts.jsonl and its data card")
@@ -137,6 +141,7 @@ def _heads(args: argparse.Namespace) -> int:
 
     fields = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
               "shards": args.shards, "val_shards": args.val_shards, "threads": args.threads,
+              "data_kind": args.data_kind, "noise": getattr(args, "noise", None),
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
+
 BANDWIDTH_BYTES = 256 * 2**20
 
 
@@ -53,6 +55,7 @@ def machine_info() -> dict:
         "torch": torch.__version__, "transformers": hf,
         "specdec_commit": _git_commit(Path(__file__).resolve().parent),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "kernels": kernels.describe(),
     }
 
 

@@ -1,72 +1,91 @@
-"""CPU kernels compiled on first use (gcc, cached per source hash) and called through ctypes.
+"""CPU kernels compiled on first use (gcc, one build per instruction set) and called through ctypes.
 
 `linear(x, weight, bias)` is F.linear with a fast path for the skinny products of decoding
 (see skinny.c). It also takes bf16 products of any height when the CPU has no native bf16
 matmul (oneDNN then emulates it at ~9 GFLOP/s on this project's AVX2 machines; the kernel's
 fp32 FMAs run ~4x faster). Anything else (GPU tensors, autograd, fp32 products over
 MAX_ROWS rows (prefill), odd shapes, no C compiler) takes F.linear.
+
+`quant_linear` multiplies by GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K) kept in their
+blocks (qgemm.c), after `prepare_quant` repacked them once.
+
+Which build runs is chosen once per process (isa.py: the best variant whose self-test passes
+on this CPU; `SPECDEC_ISA` forces one, `SPECDEC_KERNELS=0` turns all off); `describe()` says
+which, for benchmark output and bug reports.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from . import isa, qformats
+
 MAX_ROWS = 64   # verification of up to 63 drafts stays on the kernel: same sums as decoding
-_SOURCES = [Path(__file__).with_name(n) for n in ("skinny.c", "forward.c")]
-_lib = None
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}   # variant name -> loaded library (None: does not run here)
+_chosen: list = []                          # [(variant name or None, reason)] once chosen
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("SPECDEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "specdec")
-    return Path(base)
-
-
-def _cpu_ok() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
-
-
-def load():
-    """The compiled library, or None (no gcc, no AVX2/FMA, SPECDEC_KERNELS=0, or build failure)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("SPECDEC_KERNELS", "1") == "0" or sys.platform != "linux" or not _cpu_ok():
-        return None
-    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    if cc is None:
-        return None
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
-    path = _cache_dir() / f"kernels-{tag}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", *map(str, _SOURCES), "-o", str(tmp), "-lm"]
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
-            return None
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
+    c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
     lib.skinny_linear.restype = None
-    lib.skinny_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.skinny_linear.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
+    lib.quant_linear.restype = c_int
+    lib.quant_linear.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_int]
     from .cforward import declare
     declare(lib)
-    _lib = lib
-    return lib
+
+
+def _open(variant: isa.Variant, path) -> ctypes.CDLL:
+    if variant.name not in _libs:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        _libs[variant.name] = lib
+    return _libs[variant.name]
+
+
+def load(variant: str | None = None):
+    """The compiled library of the chosen variant, or of `variant` (a name in isa.VARIANTS) if it
+    runs on this CPU; None when kernels are off, no variant runs, or gcc is missing."""
+    if variant is not None:
+        v = isa.BY_NAME[variant]
+        if variant not in _libs:
+            path = isa.usable(v) if isa.enabled() else None
+            if path is None:
+                _libs[variant] = None
+                return None
+            return _open(v, path)
+        return _libs[variant]
+    if not _chosen:
+        found = isa.choose()
+        if found is None:
+            _chosen.append((None, "off (SPECDEC_KERNELS=0)" if not isa.enabled() else "no variant runs here"))
+        else:
+            _open(*found)
+            _chosen.append((found[0].name, "forced by SPECDEC_ISA" if isa.requested() else "best that passes its self-test"))
+    name = _chosen[0][0]
+    return None if name is None else _libs[name]
+
+
+def chosen() -> str | None:
+    """The name of the variant in use (None: PyTorch everywhere)."""
+    load()
+    return _chosen[0][0]
+
+
+def runnable_variants() -> list[str]:
+    """Every variant this CPU claims, builds and passes the self-test of, best first."""
+    return [v.name for v in isa.claimed() if load(v.name) is not None] if isa.enabled() else []
+
+
+def describe() -> str:
+    """One line for benchmark output and bug reports."""
+    name = chosen()
+    flags = sorted(f for f in isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    return f"{name or 'PyTorch'} ({_chosen[0][1]}); runnable: {', '.join(runnable_variants()) or 'none'}; cpu flags: {' '.join(flags)}"
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -109,10 +128,12 @@ def packed_of(module) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); given packed = pack(weight), the kernel where it fits."""
+           packed: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """F.linear(x, weight, bias); given packed = pack(weight), the kernel where it fits (lib: a
+    variant's library from load(name), default the chosen one)."""
     rows = x.numel() // x.shape[-1]
-    if packed is None or not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)) or load() is None:
+    lib = lib or load()
+    if packed is None or lib is None or not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)):
         if x.dtype != weight.dtype:     # fp32 activations against bf16 weights
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return F.linear(x, weight, bias)
@@ -120,7 +141,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     xf = x.reshape(rows, K).to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
     b = bias.to(torch.float32).contiguous() if bias is not None else None
-    _lib.skinny_linear(xf.data_ptr(), packed.data_ptr(), int(weight.dtype == torch.bfloat16),
-                       b.data_ptr() if b is not None else None, out.data_ptr(),
-                       int(out.dtype == torch.bfloat16), rows, N, K)
+    lib.skinny_linear(xf.data_ptr(), packed.data_ptr(), int(weight.dtype == torch.bfloat16),
+                      b.data_ptr() if b is not None else None, out.data_ptr(),
+                      int(out.dtype == torch.bfloat16), rows, N, K)
     return out
+
+
+@dataclass(frozen=True)
+class PreparedQuant:
+    """GGUF rows repacked for qgemm.c (qformats.prepare): kept by the module that owns them."""
+    data: torch.Tensor    # [bytes] uint8, panels of 16 outputs
+    qtype: str
+    n: int                # outputs
+    k: int                # inputs
+
+
+def prepare_quant(qweight: torch.Tensor, qtype: str) -> PreparedQuant | None:
+    """qweight [N, row_bytes] uint8 GGUF rows -> their kernel layout, or None when no kernel
+    covers them here (kernels off, another format, rows not whole blocks)."""
+    if qtype not in qformats.FORMATS or load() is None or qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        return None
+    K = qformats.row_elements(qtype, qweight.shape[1])
+    if K is None or K % qformats.BLOCK[qtype][0]:
+        return None
+    data = qformats.prepare(qweight.detach().cpu().contiguous().numpy(), qtype)
+    return PreparedQuant(torch.from_numpy(data), qtype, qweight.shape[0], K)
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                 prepared: PreparedQuant | None = None, lib=None) -> torch.Tensor | None:
+    """x [M, K] fp32 @ dequant(qweight [N, row_bytes])^T + bias [N] -> [M, N] fp32, or None
+    where the kernel does not cover it (the caller's PyTorch reference then runs). Activations
+    are quantized to int8 per row and block of 32 (as llama.cpp does); a row's result does not
+    depend on the other rows."""
+    lib = lib or load()
+    if (prepared is None or lib is None or x.device.type != "cpu" or x.shape[-1] != prepared.k
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    rows = x.numel() // prepared.k
+    xf = x.reshape(rows, prepared.k).to(torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], prepared.n, dtype=torch.float32)
+    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    rc = lib.quant_linear(xf.data_ptr(), prepared.data.data_ptr(), qformats.FORMATS[prepared.qtype],
+                          b.data_ptr() if b is not None else None, out.data_ptr(), rows, prepared.n, prepared.k)
+    return out if rc == 0 else None

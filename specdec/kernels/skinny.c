@@ -41,35 +41,20 @@ static inline void store(void *out, int out_bf16, long i, float v) {
 }
 
 /* Weights are packed at load into panels of 16 outputs: wp[p][k][i] = w[16p + i][k]
- * (kernels.pack). A panel streams sequentially from memory once per call; each k-slice (two
- * vectors) meets a broadcast x[m][k] for up to RM = 6 rows of x: 12 accumulators, 2 weight
- * vectors and a broadcast fill the 16 registers, and no horizontal sums are needed. Every
- * output is one FMA chain over k in order, the same for every M, so a token's logits do not
- * depend on the rows scored with it. BF16 and RM are compile-time constants in each call
- * (always_inline + the switches below), so the loops unroll with no branch inside. */
+ * (kernels.pack). A panel streams sequentially from memory once per call; each k-slice meets
+ * a broadcast x[m][k] for up to RM rows of x. Every output is one FMA chain over k in order,
+ * the same for every M and for every instruction set (AVX2 holds a panel in two 8-lane
+ * vectors, AVX-512 in one 16-lane vector: the lanes are outputs, so the chains are the same),
+ * so a token's logits depend neither on the rows scored with it nor on the CPU's vector width.
+ * BF16, RM and PN are compile-time constants in each call (always_inline + the switches below),
+ * so the loops unroll with no branch inside. */
 #define PANEL 16
 
-static inline __attribute__((always_inline)) void
-tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
-     long p, int m, int RM, int N, int K, int BF16) {
-    __m256 acc[6][2];
-    for (int j = 0; j < RM; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    const long base = p * K * PANEL;
-    for (long k = 0; k < K; k++) {
-        __m256 w0 = load_w(wp, BF16, base + k * PANEL), w1 = load_w(wp, BF16, base + k * PANEL + 8);
-        for (int j = 0; j < RM; j++) {
-            __m256 xb = _mm256_broadcast_ss(x + (long)(m + j) * K + k);
-            acc[j][0] = _mm256_fmadd_ps(xb, w0, acc[j][0]);
-            acc[j][1] = _mm256_fmadd_ps(xb, w1, acc[j][1]);
-        }
-    }
-    /* All accumulators leave the registers here, in one go: an epilogue that kept some live
-     * while it stored others made gcc hold them on the stack throughout the k loop (2x slower). */
-    float res[6][PANEL];
-    for (int j = 0; j < RM; j++) {
-        _mm256_storeu_ps(res[j], acc[j][0]);
-        _mm256_storeu_ps(res[j] + 8, acc[j][1]);
-    }
+/* All accumulators leave the registers in one go, then the epilogue adds the bias: an epilogue
+ * that kept some live while it stored others made gcc hold them on the stack throughout the k
+ * loop (2x slower). */
+static __attribute__((noinline)) void   /* one copy: it runs once per tile, not per k */
+store_tile(float res[][PANEL], const float *bias, void *out, int out_bf16, long p, int m, int RM, int N) {
     long n0 = p * PANEL;
     int width = N - n0 < PANEL ? (int)(N - n0) : PANEL;
     for (int j = 0; j < RM; j++)
@@ -77,24 +62,118 @@ tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
             store(out, out_bf16, (long)(m + j) * N + n0 + i, res[j][i] + (bias ? bias[n0 + i] : 0.0f));
 }
 
-#define PANEL_ROWS(BF16)                                                                  \
-    for (; m + 6 <= M; m += 6) tile(x, wp, bias, out, out_bf16, p, m, 6, N, K, BF16);     \
+#if defined(__AVX512F__)
+#define MAXRM 12        /* 32 registers: 12 accumulators, a weight vector and a broadcast */
+
+static inline __m512 load_w16(const void *w, int bf16, long i) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+/* PN panels at once when there are few rows: their FMA chains are independent, so the ~4-cycle
+ * FMA latency does not bound a single-row product. */
+static inline __attribute__((always_inline)) void
+tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
+     long p, int m, int RM, int PN, int N, int K, int BF16) {
+    __m512 acc[2][MAXRM];
+    for (int q = 0; q < PN; q++)
+        for (int j = 0; j < RM; j++) acc[q][j] = _mm512_setzero_ps();
+    const long base = p * K * PANEL;
+    for (long k = 0; k < K; k++) {
+        __m512 w[2];
+        for (int q = 0; q < PN; q++) w[q] = load_w16(wp, BF16, base + (q * K + k) * PANEL);
+        for (int j = 0; j < RM; j++) {
+            __m512 xb = _mm512_set1_ps(x[(long)(m + j) * K + k]);
+            for (int q = 0; q < PN; q++) acc[q][j] = _mm512_fmadd_ps(xb, w[q], acc[q][j]);
+        }
+    }
+    for (int q = 0; q < PN; q++) {
+        float res[MAXRM][PANEL];
+        for (int j = 0; j < RM; j++) _mm512_storeu_ps(res[j], acc[q][j]);
+        store_tile(res, bias, out, out_bf16, p + q, m, RM, N);
+    }
+}
+#else
+#define MAXRM 6         /* 16 registers: 12 accumulators, 2 weight vectors and a broadcast */
+
+static inline __attribute__((always_inline)) void
+tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
+     long p, int m, int RM, int PN, int N, int K, int BF16) {
+    __m256 acc[2][MAXRM][2];
+    for (int q = 0; q < PN; q++)
+        for (int j = 0; j < RM; j++) acc[q][j][0] = acc[q][j][1] = _mm256_setzero_ps();
+    const long base = p * K * PANEL;
+    for (long k = 0; k < K; k++) {
+        __m256 w[2][2];
+        for (int q = 0; q < PN; q++) {
+            w[q][0] = load_w(wp, BF16, base + (q * K + k) * PANEL);
+            w[q][1] = load_w(wp, BF16, base + (q * K + k) * PANEL + 8);
+        }
+        for (int j = 0; j < RM; j++) {
+            __m256 xb = _mm256_broadcast_ss(x + (long)(m + j) * K + k);
+            for (int q = 0; q < PN; q++) {
+                acc[q][j][0] = _mm256_fmadd_ps(xb, w[q][0], acc[q][j][0]);
+                acc[q][j][1] = _mm256_fmadd_ps(xb, w[q][1], acc[q][j][1]);
+            }
+        }
+    }
+    for (int q = 0; q < PN; q++) {
+        float res[MAXRM][PANEL];
+        for (int j = 0; j < RM; j++) {
+            _mm256_storeu_ps(res[j], acc[q][j][0]);
+            _mm256_storeu_ps(res[j] + 8, acc[q][j][1]);
+        }
+        store_tile(res, bias, out, out_bf16, p + q, m, RM, N);
+    }
+}
+#endif
+
+#define T(RM, PN) tile(x, wp, bias, out, out_bf16, p, m, RM, PN, N, K, BF16)
+
+/* One panel, all M rows, in tiles of up to MAXRM rows. */
+#define PANEL_ROWS(PN)                                                                    \
+    for (; m + MAXRM <= M; m += MAXRM) T(MAXRM, PN);                                      \
     switch (M - m) {                                                                      \
     case 0: break;                                                                        \
-    case 1: tile(x, wp, bias, out, out_bf16, p, m, 1, N, K, BF16); break;                \
-    case 2: tile(x, wp, bias, out, out_bf16, p, m, 2, N, K, BF16); break;                \
-    case 3: tile(x, wp, bias, out, out_bf16, p, m, 3, N, K, BF16); break;                \
-    case 4: tile(x, wp, bias, out, out_bf16, p, m, 4, N, K, BF16); break;                \
-    default: tile(x, wp, bias, out, out_bf16, p, m, 5, N, K, BF16); break;               \
+    case 1: T(1, PN); break;                                                              \
+    case 2: T(2, PN); break;                                                              \
+    case 3: T(3, PN); break;                                                              \
+    case 4: T(4, PN); break;                                                              \
+    case 5: T(5, PN); break;                                                              \
+    ROWS_ABOVE_5(PN)                                                                      \
     }
+
+#if MAXRM > 6
+#define ROWS_ABOVE_5(PN) case 6: T(6, PN); break; case 7: T(7, PN); break; case 8: T(8, PN); break; \
+    case 9: T(9, PN); break; case 10: T(10, PN); break; default: T(11, PN); break;
+#else
+#define ROWS_ABOVE_5(PN)
+#endif
+
+/* Rows at which pairing panels stops paying: with more rows the chains are independent anyway. */
+#define PAIR_ROWS 2
+
+static inline __attribute__((always_inline)) void panels(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
+                   int M, int N, int K, long p, int BF16) {
+    int m = 0;
+    if (M <= PAIR_ROWS && (p + 1) * PANEL < N) {
+        if (M == 1) T(1, 2);
+        else T(2, 2);
+    } else { PANEL_ROWS(1) }
+}
 
 /* x [M, K] fp32; wp packed [ceil(N / 16), K, 16], bf16 or fp32; out [M, N] fp32 or bf16. */
 void skinny_linear(const float *x, const void *wp, int w_bf16, const float *bias, void *out,
                    int out_bf16, int M, int N, int K) {
-    long panels = (N + PANEL - 1) / PANEL;
+    long panel_count = (N + PANEL - 1) / PANEL;
+    long step = M <= PAIR_ROWS ? 2 : 1;     /* each iteration takes a pair of panels if M is small */
+    long iters = (panel_count + step - 1) / step;
     #pragma omp parallel for schedule(static)
-    for (long p = 0; p < panels; p++) {
-        int m = 0;
-        if (w_bf16) { PANEL_ROWS(1) } else { PANEL_ROWS(0) }
+    for (long it = 0; it < iters; it++) {
+        if (w_bf16) panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 1);
+        else panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 0);
     }
 }

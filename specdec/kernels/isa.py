@@ -1,0 +1,163 @@
+"""Which build of the kernels this CPU runs: variants by instruction set, built and probed once.
+
+Each variant is the same C sources compiled with its own -m flags into its own shared object
+(cached per source hash and flags). /proc/cpuinfo says what the CPU claims; it is not trusted
+alone (a VM may list instructions that fault, as AMX does on this project's Xeons), so each
+candidate first runs its self-test (`specdec_selftest`, every instruction family it uses) in a
+child process: an illegal instruction kills the child, not us. The verdict is cached next to
+the object, keyed by the CPU's model and flags. The best variant that passes is chosen;
+`SPECDEC_ISA=<name>` forces one (a lower one, to test it), `SPECDEC_KERNELS=0` disables all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / n for n in ("skinny.c", "forward.c", "qgemm.c", "selftest.c")]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    needs: tuple[str, ...]     # /proc/cpuinfo flags
+    cflags: tuple[str, ...]    # gcc -m flags
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_M_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_M_AVX512 = (*_M_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+
+# Best first. No AVX-512-BF16 variant: `vdpbf16ps` (bf16 x bf16 pairs into fp32) measured slower
+# than widening bf16 weights to fp32 FMAs on this project's Xeon (LM-head shape, 9 rows: 4.4 ms
+# against 3.1, one thread), and it would round activations to bf16.
+VARIANTS = (
+    Variant("avx512_vnni", (*_AVX512, "avx512_vnni"), (*_M_AVX512, "-mavx512vnni")),
+    Variant("avx512", _AVX512, _M_AVX512),
+    Variant("avx_vnni", (*_AVX2, "avx_vnni"), (*_M_AVX2, "-mavxvnni")),
+    Variant("avx2", _AVX2, _M_AVX2),
+)
+BY_NAME = {v.name: v for v in VARIANTS}
+
+# -ffp-contract=off: gcc may otherwise fuse a separate multiply and add into an FMA in one
+# inlined copy of a loop and not in another, and each output's sum must not depend on M.
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+_PROBE = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).specdec_selftest())"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SPECDEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "specdec")
+    return Path(base)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
+def claimed(flags: set[str] | None = None) -> list[Variant]:
+    """Variants whose instructions /proc/cpuinfo lists, best first."""
+    flags = cpu_flags() if flags is None else flags
+    return [v for v in VARIANTS if all(f in flags for f in v.needs)]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+
+
+def build(v: Variant) -> Path | None:
+    """The variant's shared object, compiled on first use; None without a compiler or on failure."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join((*_CFLAGS, *v.cflags)).encode())
+    path = cache_dir() / f"kernels-{v.name}-{h.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cc, *_CFLAGS, *v.cflags, *map(str, SOURCES), "-o", str(tmp), "-lm"]
+    if subprocess.run(cmd, capture_output=True).returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, path)   # atomic: a concurrent build of the same variant is harmless
+    return path
+
+
+def probe(path: Path) -> bool:
+    """Run the object's self-test in a child process once per CPU; the verdict is cached."""
+    verdict = path.with_suffix(".probe")
+    fp = _cpu_fingerprint()
+    try:
+        cached = json.loads(verdict.read_text())
+        if cached.get("cpu") == fp:
+            return bool(cached["ok"])
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        ok = r.returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    tmp = verdict.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"cpu": fp, "ok": ok}))
+    os.replace(tmp, verdict)
+    return ok
+
+
+def usable(v: Variant) -> Path | None:
+    """The variant's object if this CPU claims its instructions, it builds, and its self-test passes."""
+    if v not in claimed():
+        return None
+    path = build(v)
+    return path if path is not None and probe(path) else None
+
+
+def requested() -> str | None:
+    """SPECDEC_ISA, validated: a clear error for a name that is not a variant."""
+    name = os.environ.get("SPECDEC_ISA", "").strip().lower()
+    if not name or name == "auto":
+        return None
+    if name not in BY_NAME:
+        raise ValueError(f"SPECDEC_ISA={name!r}: not a kernel variant (choose from auto, {', '.join(BY_NAME)})")
+    return name
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECDEC_KERNELS", "1") != "0" and sys.platform == "linux"
+
+
+def choose() -> tuple[Variant, Path] | None:
+    """The variant to use: SPECDEC_ISA's if set (and it runs here), else the best that runs."""
+    if not enabled():
+        return None
+    name = requested()
+    candidates = [BY_NAME[name]] if name else list(VARIANTS)
+    for v in candidates:
+        path = usable(v)
+        if path is not None:
+            return v, path
+    return None

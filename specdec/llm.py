@@ -11,6 +11,7 @@ from .config import SamplingParams, SpeculativeConfig
 from .engine import Engine, StepEvent
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
+from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .proposers import build_proposer
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch
 
@@ -93,7 +94,10 @@ class LLM:
         self._counter = 0
 
     def _load_draft(self, folder: str):
-        draft = load_model(folder, self.dtype, self.device)
+        if is_vocab_draft(folder):      # a draft over a draft vocabulary, on the target's embeddings
+            draft = load_vocab_draft(folder, self.target)
+        else:
+            draft = load_model(folder, self.dtype, self.device)
         try:
             draft_tok = Tokenizer(folder)
         except TokenizerError:

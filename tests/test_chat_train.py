@@ -135,3 +135,29 @@ def test_heads_train_on_chat_answers(answers, kind, tmp_path):
     prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:3]]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+
+
+def test_vocab_draft_distils_resumes_and_stays_lossless(answers, tmp_path):
+    target, root, rows = answers
+    common = ["train", "vocab-draft", "--target", str(target), "--data", str(root / "answers"), "--layers", "1",
+              "--draft-vocab", "40", "--steps", "4", "--batch", "2", "--window", "48", "--val-shards", "1",
+              "--precision", "fp32", "--report-prompts", "2"]
+    assert main([*common, "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa"), "--stop-after", "2"]) == 0
+    assert not (tmp_path / "a").exists()
+    assert main([*common, "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa")]) == 0
+    assert main([*common, "--out", str(tmp_path / "b"), "--work", str(tmp_path / "wb")]) == 0
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any("embed_tokens" in k for k in a) and a["lm_head.weight"].shape[0] == 40
+    info = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert 0 <= info["result"]["greedy_top1_agreement"] <= 1
+    assert info["result"]["speculation"]["tree4_greedy"]["mean_accepted_length"] >= 1.0
+    spec = LLM(model=target, dtype="float32", speculative_model=str(tmp_path / "a"), num_speculative_tokens=3)
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:3]]
+    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),):
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    sampled = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
+    assert all(o.stats.draft_tokens > 0 for o in sampled)

@@ -52,6 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
         h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
 
+    vd = tsub.add_parser("vocab-draft", help="distil a draft over a draft vocabulary from a chat target's answers")
+    vd.add_argument("--target", required=True)
+    vd.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
+    vd.add_argument("--out", required=True)
+    vd.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
+    for flag, kind in (("--layers", int), ("--draft-vocab", int), ("--steps", int), ("--batch", int), ("--window", int),
+                       ("--lr", float), ("--hard-weight", float), ("--shards", int), ("--val-shards", int),
+                       ("--threads", int)):
+        vd.add_argument(flag, type=kind)
+    vd.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    vd.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+    vd.add_argument("--report-prompts", type=int, default=20, help="validation prompts for the card's acceptance (0: skip)")
+
     pr = tsub.add_parser("prompts", help="chat training prompts made on this machine (no downloads), checked against Spec-Bench")
     pr.add_argument("--out", required=True, help="folder for prompts.jsonl and its data card")
     pr.add_argument("--count", type=int, default=8000)
@@ -96,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return _report(args)
     if args.train_cmd in ("prompts", "answers"):
         return _chat_data(args)
+    if args.train_cmd == "vocab-draft":
+        return _vocab_draft(args)
     if args.train_cmd in ("medusa", "eagle"):
         return _heads(args)
     from .lm import TrainConfig, train
@@ -186,4 +201,22 @@ def _chat_data(args: argparse.Namespace) -> int:
                          stop_after=args.stop_after)
     total = -(-len(prompts) // cfg.per_shard)
     print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
+    return 0
+
+
+def _vocab_draft(args: argparse.Namespace) -> int:
+    from .vocab_draft import VocabDraftConfig, train_vocab_draft
+
+    names = ("layers", "draft_vocab", "steps", "batch", "window", "lr", "hard_weight", "shards", "val_shards",
+             "threads", "precision")
+    cfg = VocabDraftConfig(**{k: getattr(args, k) for k in names if getattr(args, k) is not None})
+    out = Path(args.out)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    r = train_vocab_draft(cfg, Path(args.target), Path(args.data), out,
+                          Path(args.work) if args.work else Path("runs") / out.name, command=command,
+                          stop_after=args.stop_after, report_prompts=args.report_prompts)
+    if r["finished"]:
+        print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
+    else:
+        print(f"stopped at step {r['step']}; run the same command again to resume")
     return 0

@@ -51,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--report-prompts", type=int, default=20,
                        help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
         h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
+        h.add_argument("--precision", choices=("fp32", "bf16", "auto"), help="training matmuls (default fp32)")
 
     vd = tsub.add_parser("vocab-draft", help="distil a draft over a draft vocabulary from a chat target's answers")
     vd.add_argument("--target", required=True)
@@ -156,7 +157,7 @@ def _heads(args: argparse.Namespace) -> int:
 
     fields = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
               "shards": args.shards, "val_shards": args.val_shards, "threads": args.threads,
-              "data_kind": args.data_kind, "noise": getattr(args, "noise", None),
+              "data_kind": args.data_kind, "noise": getattr(args, "noise", None), "precision": args.precision,
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)

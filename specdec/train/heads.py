@@ -38,6 +38,7 @@ from ..model.heads import EagleHead, MedusaHeads, save_heads
 from ..tokenizer import Tokenizer
 from .data import cached_tokens
 from .headdata import FlatData, chat_data
+from .lm import use_bf16
 from .headreport import card, eagle_accuracy, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
@@ -62,6 +63,7 @@ class HeadsConfig:
     corpus_limit_mb: float | None = None   # prompts from the first files of each split only (smoke runs)
     default_topk: int = 1              # eagle: the tree's branching when speculative_config has no "topk";
                                        # chains measured fastest on the 2-core CPU (README, Methods)
+    precision: str = "fp32"            # "bf16" autocast (or "auto": where matmuls have native bf16); fp32 master weights
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -194,6 +196,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         opt.load_state_dict(saved["optimizer"])
         log(f"resumed from {ckpt} at step {state['step']}")
     label_t, label_seq = train.label_positions(2)
+    bf16 = use_bf16(cfg.precision, torch.device("cpu"))
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
@@ -201,14 +204,15 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        if cfg.kind == "medusa":
-            pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
-            loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft), {}
-        else:
-            idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
-            mask = valid & train.trained_on(idx, seq, 2)
-            loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen)
-            parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if cfg.kind == "medusa":
+                pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
+                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft), {}
+            else:
+                idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
+                mask = valid & train.trained_on(idx, seq, 2)
+                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen)
+                parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -49,12 +49,23 @@ def eagle_chain(lib, head, cache, embed_weight, feat, tok: int, start: int, n: i
 
 
 def supported(model, cache) -> bool:
-    """forward.c covers one fp32-activation sequence with bf16 or fp32 weights."""
+    """forward.c covers one fp32-activation sequence with bf16 or fp32 weights (not packed
+    GGUF matrices yet: those run through PyTorch, model/quant.py)."""
+    if not _dense(model):
+        return False
     cfg = model.config
     w = model.lm_head.weight
     return (w.device.type == "cpu" and model.dtype == torch.float32 and len(cache.lengths) == 1
             and cache.k[0].dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float32)
             and cfg.head_dim % 8 == 0 and model.model.embed_tokens.weight.is_contiguous())
+
+
+def _dense(model) -> bool:
+    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
+    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
+        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
 
 
 def _ptr(t: torch.Tensor | None):

@@ -155,8 +155,37 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
             k, v = _write_cache(cache, layer, k, v, start)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            if mask is not None and T <= kernels.MAX_ROWS:
+                out = _rowwise_attention(q, k, v, mask, self.n_kv != self.n_heads)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def _rowwise_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool) -> Tensor:
+    """q [B, H, T, hd]; k, v [B, Hkv, span, hd]; mask [B, 1, T, span] bool -> [B, H, T, hd].
+
+    The few rows of a verification (or a short prefill) attend one at a time, each over exactly
+    the keys it sees, with no mask: the same operation, on the same values, as when that token
+    is decoded alone. A masked attention over all rows sums in another order, and a difference
+    in the last bit can flip a near-tie in greedy decoding (quantized activations amplify it),
+    so speculative output would stop equalling plain output. The C forward (forward.c) has the
+    same property by construction; this is the PyTorch path's (packed GGUF models, native bf16)."""
+    B, T, span = q.shape[0], q.shape[2], mask.shape[-1]
+    rows = mask[:, 0]                                                        # [B, T, span]
+    seen = rows.sum(-1)                                                      # [B, T]
+    prefix = (rows == (torch.arange(span, device=q.device) < seen[..., None])).all(-1)
+    seen, prefix = seen.tolist(), prefix.tolist()                            # one sync per layer
+    out = torch.empty_like(q)
+    for b in range(B):
+        for i in range(T):
+            if prefix[b][i]:      # a chain: the first seen[b][i] slots, a view as in decoding
+                kk, vv = k[b:b + 1, :, :seen[b][i]], v[b:b + 1, :, :seen[b][i]]
+            else:                 # a tree node: the prefix and its ancestors
+                idx = rows[b, i].nonzero().squeeze(1)
+                kk, vv = k[b:b + 1, :, idx], v[b:b + 1, :, idx]
+            out[b:b + 1, :, i:i + 1] = F.scaled_dot_product_attention(q[b:b + 1, :, i:i + 1], kk, vv, enable_gqa=gqa)
+    return out
 
 
 def _write_cache(cache: KVCache, layer: int, k: Tensor, v: Tensor, start: Sequence[int]):
@@ -237,7 +266,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         return KVCache(self.config, batch, max_len or self.config.max_position_embeddings,
@@ -279,7 +308,7 @@ class Transformer(nn.Module):
 
     def _c_path(self, cache: KVCache, logits) -> bool:
         """One CPU sequence at inference: the whole forward in one C call (kernels/forward.c)."""
-        if self.lm_head.weight.requires_grad or kernels.load() is None:
+        if self.model.norm.weight.requires_grad or kernels.load() is None:
             return False
         if isinstance(logits, slice) and (logits.stop is not None or logits.step is not None):
             return False

@@ -120,7 +120,8 @@ def load_vocab_draft(folder: str | os.PathLike, target: Transformer, dtype: torc
     if missing or unexpected:
         raise CheckpointError(f"{folder}: weights do not match the config: "
                               f"{(missing or unexpected)[0]} {'missing' if missing else 'unexpected'}")
-    dtype = dtype or target.lm_head.weight.dtype
+    # a GGUF target kept packed has no dense LM-head weight: its draft is stored and run in bf16
+    dtype = dtype or getattr(getattr(target.lm_head, "weight", None), "dtype", torch.bfloat16)
     draft = draft.to(device=target.device)
     for name, p in draft.decoder.named_parameters():
         if not name.endswith("embed_tokens.weight"):

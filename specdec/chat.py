@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from .cli import add_model_args, add_sampling_args, llm_from_args, sampling_params
-from .config import SamplingParams
+from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_args, sampling_params
+from .config import SamplingParams, SchedulerConfig
 from .engine import Engine
 from .metrics import RequestStats
 
@@ -26,6 +26,7 @@ PLAIN_PROBE_TOKENS = 32
 def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (streaming) with each answer's speedup and acceptance")
     add_model_args(p)
+    add_engine_args(p)
     add_sampling_args(p, 256)
     p.add_argument("--system", help="a system message starting the conversation")
     p.add_argument("--compare", action="store_true",
@@ -53,7 +54,8 @@ class ChatSession:
     def __init__(self, llm, params: SamplingParams, system: str | None = None, compare: bool = False):
         self.llm, self.params, self.system, self.compare = llm, params, system, compare
         self.messages: list[dict] = []
-        self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+        self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
+                            scheduler_config=SchedulerConfig(max_num_seqs=1))
         self.speculative = llm.engine.proposer is not None
         self.reference_rate: float | None = None    # plain decoding, measured once
 

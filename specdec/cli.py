@@ -39,6 +39,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Batching flags shared by generate and serve (vLLM's names)."""
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together; the rest queue (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--kv-cache-memory", type=_bytes,
+                   help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+
+
+def _bytes(value: str) -> int:
+    from .config import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _k(value: str):
     if value == "auto":
         return value
@@ -65,7 +84,9 @@ def llm_from_args(args, seed: int | None = None):
                num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=seed,
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
-               generation_config=args.generation_config)
+               generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+               block_size=args.block_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -96,6 +117,7 @@ def sampling_params(args, model_defaults: dict):
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion, streaming, with speculative statistics")
     add_model_args(p)
+    add_engine_args(p)
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="the prompt is a user message: apply the chat template")
     p.add_argument("--system", help="with --chat: a system message first")
@@ -161,7 +183,8 @@ def _warm_up(engine, prompt_ids) -> None:
 
 
 def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
-    plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
+                                    scheduler_config=llm.engine.config)
     _warm_up(plain_engine, prompt_ids)
     plain_tokens, event = [], None
     for event in plain_engine.generate(prompt_ids, params):

@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .config import SamplingParams, SpeculativeConfig
+from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
 from .engine import Engine, StepEvent
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
-from .proposers import build_proposer
+from .proposers import build_proposer, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
@@ -65,13 +65,21 @@ class LLM:
     format, else dequantize; "gguf" = keep them packed; "none" = dequantize to `dtype`.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
+    generate() runs all its prompts concurrently: up to max_num_seqs at once,
+    max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
+    arguments; see SchedulerConfig).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
                  num_speculative_tokens: int | str | None = None, speculative_config: dict | None = None,
                  dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 block_size: int = 16):
+        sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+                                gpu_memory_utilization, block_size)
         if model is None:
             model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:
@@ -93,12 +101,11 @@ class LLM:
         proposer = None
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
-            draft = getattr(proposer, "model", None)
-            if draft is not None and draft is not self.target:
-                max_len = min(max_len, draft.config.max_position_embeddings)
+            max_len = min(max_len, proposer.caps.max_len or max_len)
         self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
-                             max_k=self.spec.max_k if self.spec else 8)
+                             max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
+                             typical=typical_acceptance(self.spec) if proposer is not None else None)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):
@@ -184,6 +191,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -192,24 +200,35 @@ class LLM:
             plist = list(sampling_params)
         else:
             plist = [sampling_params] * len(prompts)
-        results = []
+        jobs = []     # (request id, text, ids, params) per prompt, all checked before any runs
         for prompt, params in zip(prompts, plist):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
             self.engine.check_prompt(ids, params)
-            stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-            for i in range(params.n):
-                event, toks, parts = None, [], []
-                for event in self.engine.generate(ids, params, seed_offset=i):
-                    toks += event.token_ids
-                    parts.append(event.text)
-                outputs.append(CompletionOutput(i, "".join(parts), toks, event.finish_reason, event.stop_reason))
-                stats.merge(event.stats)
-            stats.prompt_tokens = len(ids)
-            stats.time_to_first_token_s = event.stats.time_to_first_token_s
-            results.append(RequestOutput(str(self._counter), text, ids, outputs, True, stats))
+            jobs.append((str(self._counter), text, ids, params))
             self._counter += 1
-        return results
+        reqs = {}
+        try:
+            for rid, _, ids, params in jobs:
+                for i in range(params.n):
+                    reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
+            while any(not r.finished for r in reqs.values()):
+                self.engine.step()
+        finally:
+            for r in reqs.values():
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+        return [self._output(rid, text, ids, params, reqs) for rid, text, ids, params in jobs]
+
+    def _output(self, rid, text, ids, params, reqs) -> RequestOutput:
+        stats, outputs = RequestStats(prompt_tokens=len(ids)), []
+        for i in range(params.n):
+            r = reqs[(rid, i)]
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason))
+            stats.merge(r.stats)
+        stats.prompt_tokens = len(ids)
+        stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
+        return RequestOutput(rid, text, ids, outputs, True, stats)
 
 
 def _text_content(content) -> str:

@@ -48,7 +48,7 @@ def hf_gguf_model(path):
 
 def logits(model, ids=IDS):
     with torch.inference_mode():
-        return model(ids)[0]
+        return model(ids).logits[0]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
@@ -306,25 +306,31 @@ def test_smollm2_packed_and_dequantized(smollm2):
 def test_pytorch_path_scores_a_token_alike_alone_or_among_drafts(gguf_files, packed_path):
     """Packed models run through PyTorch (not forward.c): a chain or tree verification must give
     each token the logits decoding gives it, bit for bit (model/llama.py: _rowwise_attention)."""
-    from specdec.model import TreeAttention
+    from specdec.model import ForwardBatch, TreeAttention
 
     m = load_model(gguf_files["llama_q"], quantization="gguf")
     prompt, last = [0, 9, 17, 33, 42], 8
 
+    def run(cache, tokens, tree=None):
+        start = cache.length(0)
+        out = m(torch.tensor(tokens), cache, ForwardBatch.build(cache, [0], [len(tokens)], [start], [tree])).logits
+        cache.set_length(0, start + len(tokens))
+        return out
+
     def decoded(path: list[int]) -> torch.Tensor:
         """Logits after feeding `last` then `path` one token at a time: [1 + len(path), V]."""
         cache = m.new_cache(1, 64)
-        m(torch.tensor([prompt]), cache)
-        return torch.cat([m(torch.tensor([[t]]), cache)[0] for t in [last, *path]])
+        run(cache, prompt)
+        return torch.cat([run(cache, [t]) for t in [last, *path]])
 
     with torch.inference_mode():
         cache = m.new_cache(1, 64)
-        m(torch.tensor([prompt]), cache)
-        chain = m(torch.tensor([[last, 61, 20, 5]]), cache)[0]
+        run(cache, prompt)
+        chain = run(cache, [last, 61, 20, 5])
         assert torch.equal(chain, decoded([61, 20, 5]))
         cache = m.new_cache(1, 64)
-        m(torch.tensor([prompt]), cache)
+        run(cache, prompt)
         # nodes 61 <- 20 under the root, and 5 under the root: 5 sees the prefix, `last` and itself
-        tree = m(torch.tensor([[last, 61, 20, 5]]), cache, tree=TreeAttention.from_parents([-1, 0, -1]))[0]
+        tree = run(cache, [last, 61, 20, 5], TreeAttention.from_parents([-1, 0, -1]))
         assert torch.equal(tree[:3], decoded([61, 20]))
         assert torch.equal(tree[3], decoded([5])[1])

@@ -80,7 +80,7 @@ def _config(args, llm: LLM, draft_dir: str | None) -> dict:
 def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device,
+    llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device, max_num_seqs=1,
               max_model_len=args.max_model_len)
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir)

@@ -25,9 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .batch import ForwardBatch, ForwardOutput
 from .checkpoint import CheckpointError, fused_to_hf, hf_to_fused
 from .config import ModelConfig
-from .llama import KVCache, Transformer
+from .kv import KVCache
+from .llama import Transformer
 
 VOCAB_DRAFT = "SpecdecVocabDraft"
 
@@ -54,23 +56,30 @@ class VocabDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.decoder.dtype
 
+    def kv_bytes_per_slot(self) -> int:
+        return self.decoder.kv_bytes_per_slot()
+
+    def new_kv(self, blocks) -> KVCache:
+        return self.decoder.new_kv(blocks)
+
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         return self.decoder.new_cache(batch, max_len)
 
-    def draft_logits(self, tokens: Tensor, cache: KVCache | None = None, start=None,
-                     logits: bool | slice = True) -> Tensor:
-        """tokens [B, T] target ids -> logits [B, T', V'] over the draft vocabulary."""
+    def draft_logits(self, tokens: Tensor, kv: KVCache | None = None, batch: ForwardBatch | None = None,
+                     logits: bool = True) -> Tensor | None:
+        """tokens [B, T] (no cache) or [N] target ids -> logits over the draft vocabulary
+        ([B, T, V'], or the rows `batch` asks for), None when logits is False."""
         x = self.target_embed[0](tokens).to(self.decoder.dtype)
-        return self.decoder(None, cache, start, logits=logits, embeds=x)
+        return self.decoder(None, kv, batch, embeds=x, logits=logits).logits
 
-    def forward(self, tokens: Tensor, cache: KVCache | None = None, start=None, logits: bool | slice = True):
-        """tokens [B, T] -> logits [B, T', V] over the target's vocabulary (-inf off V'), or None
-        when logits is False (prefill)."""
-        out = self.draft_logits(tokens, cache, start, logits)
+    def forward(self, tokens: Tensor, kv: KVCache | None = None, batch: ForwardBatch | None = None, *,
+                logits: bool = True) -> ForwardOutput:
+        """Transformer's interface, with logits over the target's vocabulary (-inf off V')."""
+        out = self.draft_logits(tokens, kv, batch, logits)
         if out is None:
-            return None
+            return ForwardOutput(None, None)
         full = out.new_full((*out.shape[:-1], self.target_vocab_size), float("-inf"))
-        return full.scatter(-1, self.draft_vocab.expand(*out.shape[:-1], -1), out)
+        return ForwardOutput(full.scatter(-1, self.draft_vocab.expand(*out.shape[:-1], -1), out), None)
 
     def config_dict(self) -> dict:
         return {"architectures": [VOCAB_DRAFT], "hidden_size": self.config.hidden_size,

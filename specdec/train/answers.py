@@ -2,9 +2,10 @@
 
 Each prompt goes through the target's chat template (one user turn) and the target answers it,
 greedily or sampled (temperature 0.7, top-p 0.95), in batches of ragged rows on specdec's own
-runtime: each row is prefilled alone, then the rows decode together, each at its own position
-(the KV cache is written per row), and a row leaves the batch when it ends. The final-norm
-features come out of the same forwards, so they are the features the engine feeds a proposer.
+runtime (flat forwards over a KV cache, model/batch.py): the prompts are prefilled together,
+then the rows decode together, each at its own position, and a row leaves the batch when it
+ends. The final-norm features come out of the same forwards, so they are the features the
+engine feeds a proposer.
 
 Shards of `per_shard` prompts (prompt i of the prompt file lives in shard i // per_shard):
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingParams
-from ..model import KVCache, Transformer
+from ..model import ForwardBatch, Transformer
 from ..sampling import make_generator, process
 
 
@@ -60,29 +61,6 @@ def is_greedy(seed: int, index: int, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def _prefill_row(model: Transformer, ids: list[int], cache: KVCache, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one prompt alone and copy its keys/values into row `row` of the batch cache.
-    Returns (logits [V] at the last position, features [P, D])."""
-    one = model.new_cache(1, len(ids))
-    logits, h = model(torch.tensor([ids], device=model.device), one, [0], logits=slice(-1, None), hidden=True)
-    for dst, src in ((cache.k, one.k), (cache.v, one.v)):
-        for layer in range(len(dst)):
-            dst[layer][row, :, :len(ids)] = src[layer][0]
-    cache.lengths[row] = len(ids)
-    return logits[0, -1], h[0]
-
-
-def _keep_rows(model: Transformer, cache: KVCache, rows: list[int]) -> KVCache:
-    """A cache holding only `rows` of `cache`, in that order (finished rows leave the batch)."""
-    new = model.new_cache(len(rows), cache.max_len)
-    idx = torch.tensor(rows, device=cache.k[0].device)
-    for dst, src in ((new.k, cache.k), (new.v, cache.v)):
-        for layer in range(len(dst)):
-            dst[layer].copy_(src[layer].index_select(0, idx))
-    new.lengths = [cache.lengths[r] for r in rows]
-    return new
-
-
 def _next_tokens(logits: torch.Tensor, greedy: list[bool], params: SamplingParams, gen) -> torch.Tensor:
     """logits [A, V] -> next token ids [A]; greedy rows take the argmax, the others sample."""
     out = logits.argmax(-1)
@@ -93,43 +71,57 @@ def _next_tokens(logits: torch.Tensor, greedy: list[bool], params: SamplingParam
     return out
 
 
+def _feed(model: Transformer, kv, seqs: list[int], tokens: list[list[int]], logits: bool = True):
+    """One flat forward: sequence seqs[i] gets tokens[i] after what it holds. Returns
+    (logits [len(seqs), V] at each sequence's last new token, features per sequence [T_i, D])."""
+    counts = [len(t) for t in tokens]
+    batch = ForwardBatch.build(kv, seqs, counts, logits=[1] * len(seqs) if logits else None)
+    flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=model.device)
+    out = model(flat, kv, batch, hidden=True)
+    for s, n in zip(seqs, counts):
+        kv.set_length(s, kv.length(s) + n)
+    return out.logits, list(out.hidden.split(counts))
+
+
 @torch.inference_mode()
 def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool], cfg: AnswerConfig,
-                 eos_ids: set[int], gen: torch.Generator) -> list[dict]:
-    """Answer each prompt; returns per row {"answer": [ids], "hidden": [P + len(answer) - 1, D], "finished"}."""
+                 eos_ids: set[int], gen: torch.Generator, prefill_tokens: int = 4096) -> list[dict]:
+    """Answer each prompt; returns per row {"answer": [ids], "hidden": [P + len(answer) - 1, D], "finished"}.
+
+    Prompts are prefilled together in flat forwards of about `prefill_tokens` tokens; then every
+    unfinished row decodes one token per forward, each at its own position (ForwardBatch), and
+    a row that ends simply stops being fed."""
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
-    max_len = max(map(len, prompts)) + cfg.max_new_tokens
-    cache = model.new_cache(len(prompts), max_len)
+    kv = model.new_cache(len(prompts), max(map(len, prompts)) + cfg.max_new_tokens)
     rows = [{"answer": [], "hidden": [], "finished": False} for _ in prompts]
-    last = []
-    for r, ids in enumerate(prompts):
-        logits, h = _prefill_row(model, ids, cache, r)
-        rows[r]["hidden"].append(h)
-        last.append(logits)
-    slots: list[int | None] = list(range(len(prompts)))   # prompt of each cache row; None = ended
-    logits = torch.stack(last)                                # [rows, V], aligned with slots
-    while True:
-        live = [i for i, r in enumerate(slots) if r is not None]
-        nxt = _next_tokens(logits[live].float(), [greedy[slots[i]] for i in live], params, gen).tolist()
-        feed = [0] * len(slots)            # an ended row is fed a dummy token until it is dropped
-        for i, t in zip(live, nxt):
-            row = rows[slots[i]]
+    last = [None] * len(prompts)
+    group: list[int] = []
+    for r in range(len(prompts) + 1):
+        if group and (r == len(prompts) or sum(len(prompts[i]) for i in group) + len(prompts[r]) > prefill_tokens):
+            logits, feats = _feed(model, kv, group, [prompts[i] for i in group])
+            for j, i in enumerate(group):
+                rows[i]["hidden"].append(feats[j])
+                last[i] = logits[j]
+            group = []
+        if r < len(prompts):
+            group.append(r)
+    live, logits = list(range(len(prompts))), torch.stack(last)      # logits [live, V]
+    while live:
+        nxt = _next_tokens(logits.float(), [greedy[r] for r in live], params, gen).tolist()
+        fed = []
+        for r, t in zip(live, nxt):
+            row = rows[r]
             row["answer"].append(t)
-            feed[i] = t
             if t in eos_ids or len(row["answer"]) == cfg.max_new_tokens:
                 row["finished"] = t in eos_ids
-                slots[i] = None
-        live = [i for i, r in enumerate(slots) if r is not None]
+            else:
+                fed.append((r, t))
+        live = [r for r, _ in fed]
         if not live:
             break
-        if len(live) <= 0.75 * len(slots):   # compacting copies the cache: only once a quarter idles
-            cache = _keep_rows(model, cache, live)
-            feed, slots = [feed[i] for i in live], [slots[i] for i in live]
-        out, h = model(torch.tensor(feed, device=model.device)[:, None], cache, list(cache.lengths), hidden=True)
-        for i, r in enumerate(slots):
-            if r is not None:
-                rows[r]["hidden"].append(h[i])
-        logits = out[:, -1]
+        logits, feats = _feed(model, kv, live, [[t] for _, t in fed])
+        for r, f in zip(live, feats):
+            rows[r]["hidden"].append(f)
     return [{"answer": x["answer"], "finished": x["finished"], "hidden": torch.cat(x["hidden"])} for x in rows]
 
 

@@ -42,7 +42,7 @@ def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
     hits = total = 0
     for st, a, e in _sequences(data):
         feats = data.hidden[st:e - 2].float()[None]
-        logits, _ = head(feats, embed(data.tokens[st + 1:e - 1].long()).float()[None])
+        logits = head(feats, embed(data.tokens[st + 1:e - 1].long()).float()[None]).logits
         labels = to_draft[data.tokens[st + 2:e].long()]
         mask = torch.arange(st + 2, e) >= a
         hits += int(((logits[0].argmax(-1) == labels) & mask).sum())

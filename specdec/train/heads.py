@@ -133,7 +133,8 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     if noise > 0:
         rms = feats.pow(2).mean().sqrt()
         feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise * rms
-    logits, pred = head(feats, embed(data.tokens[idx + 1].long()).float())
+    out = head(feats, embed(data.tokens[idx + 1].long()).float())
+    logits, pred = out.logits, out.hidden
     want = data.hidden[idx + 1].float()
     labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
     m = mask[..., None].float()

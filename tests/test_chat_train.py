@@ -110,7 +110,7 @@ def test_answers_are_the_targets_own_with_its_features(answers):
         out = llm.generate([{"prompt_token_ids": data["tokens"][s:a].tolist()}],
                            SamplingParams(temperature=0, max_tokens=12))[0]
         assert data["tokens"][a:e].tolist() == out.outputs[0].token_ids
-        _, h = model(data["tokens"][s:e][None].long(), hidden=True)
+        h = model(data["tokens"][s:e][None].long(), hidden=True).hidden
         assert torch.allclose(data["hidden"][s:e - 1].float(), h[0, :-1], atol=1e-2)
         assert not data["hidden"][e - 1].any()          # the last token's feature is never computed
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
+clock = time.perf_counter
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 2, 4, 9, 16, 64)
 
@@ -171,10 +172,10 @@ def bench_shape(name: str, N: int, K: int, args, bw: float, variants: list[str])
             for m in ROWS:
                 xm = x[:m].contiguous()
                 for k, (copies, _) in methods.items():
-                    t = time.perf_counter()
+                    t = clock()
                     for call, _ in copies:
                         call(xm)
-                    times[k][m].append((time.perf_counter() - t) / len(copies))
+                    times[k][m].append((clock() - t) / len(copies))
         for k, (copies, nbytes) in methods.items():
             best = {m: min(v) for m, v in times[k].items()}   # least disturbed: the cores are shared
             gbs = nbytes / best[1] / 1e9
@@ -187,6 +188,8 @@ def bench_shape(name: str, N: int, K: int, args, bw: float, variants: list[str])
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (with --threads 1), unaffected by other processes' time slices")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--set-mb", type=int, default=256, help="MiB of weight copies each method cycles through")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -195,11 +198,16 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="specdec variants, comma-separated (default: all that run here)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if args.threads != 1:
+            raise SystemExit("--clock cpu counts the calling thread's CPU time: use it with --threads 1")
+        global clock
+        clock = time.thread_time     # time on the core, not waiting for it: robust on shared machines
     from specdec.bench.machine import machine_info, memory_bandwidth
     info = machine_info()
-    bw = memory_bandwidth()
+    bw = memory_bandwidth(clock=clock)
     print(f"CPU: {info['cpu']}, {info['cores']} cores, {args.threads} threads; torch {info['torch']}; "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s (256 MiB tensor copy, read + write, best of 10); "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s (256 MiB tensor copy, read + write, best of 10); clock: {args.clock}; "
           f"load average {info['load_average']}")
     from specdec import kernels
     print(f"specdec kernels: {kernels.describe()}")

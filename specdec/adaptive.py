@@ -156,3 +156,36 @@ class AdaptiveSize:
                 break
             cut = next((i for i, node in enumerate(path) if node >= s), len(path))
             self._observe(self.tokens, self.observed, s, cut + 1.0)
+
+
+class SpeculationPolicy:
+    """K (or tree size) for each decoding request of a step, and what the step taught.
+
+    The engine asks once per step for all its decoding requests and reports back once; this is
+    the hook where a batch-aware (goodput) policy chooses K from the batch size and the
+    measured cost of a forward over n tokens. This default keeps what runs at batch 1: one
+    policy per kind of request (greedy, sampled: their acceptance differs systematically),
+    shared across requests because acceptance and costs belong to the method and the machine.
+    Every request of a kind gets that kind's choice in a step; costs are the whole step's
+    (what each of its requests waited for).
+    """
+
+    def __init__(self, num_speculative_tokens: int | str, tree: bool = False, max_k: int = 8,
+                 max_tree_size: int | None = None):
+        if num_speculative_tokens == "auto":
+            # no ladder rung beyond what the proposer can draft (EAGLE's chains: their depth)
+            make = (lambda: AdaptiveSize(min(max_k, max_tree_size or max_k))) if tree else (lambda: AdaptiveK(max_k))
+            self.by_kind = {greedy: make() for greedy in (True, False)}
+        else:
+            self.by_kind = {greedy: FixedK(int(num_speculative_tokens)) for greedy in (True, False)}
+
+    def choose(self, greedy: list[bool]) -> list[int]:
+        """greedy: one flag per decoding request -> the K each may draft (before any room limit)."""
+        ks = {g: self.by_kind[g].choose() for g in set(greedy)}
+        return [ks[g] for g in greedy]
+
+    def observe(self, outcomes: list[tuple[bool, int, int, list[int] | None]], draft_s: float, verify_s: float) -> None:
+        """outcomes: per decoding request (greedy, drafted k, accepted, accepted tree path of a
+        greedy step or None); draft_s / verify_s: the step's drafting and verification time."""
+        for greedy, k, accepted, path in outcomes:
+            self.by_kind[greedy].update(k, accepted, draft_s, verify_s, path=path)

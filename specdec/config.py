@@ -59,6 +59,60 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
         raise ValueError(f"{name} {rule}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests run at once and what they may use (vLLM's engine arguments).
+
+    max_num_seqs: requests decoded together; the rest wait (FIFO).
+    max_num_batched_tokens: tokens one step may feed the target (decoding tokens and drafts
+        first, then prompt chunks): long prompts are prefilled in chunks so that running
+        streams keep flowing.
+    kv_cache_memory: bytes for the KV pool (target + draft caches); None = enough for
+        max_num_seqs sequences of max_model_len, capped at DEFAULT_KV_CAP bytes.
+    gpu_memory_utilization: on CUDA, the fraction of the GPU's memory the process may use
+        (weights included), vLLM's meaning; the KV pool gets what is left of it.
+    block_size: slots per KV block.
+    """
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    block_size: int = 16
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1", v)
+        v = self.kv_cache_memory
+        _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "kv_cache_memory",
+               "must be a number of bytes > 0", v)
+        u = self.gpu_memory_utilization
+        _check(u is None or (_real(u) and 0 < u <= 1), "gpu_memory_utilization", "must be in (0, 1]", u)
+
+
+DEFAULT_KV_CAP = 1 << 30
+
+
+def parse_bytes(value) -> int:
+    """A byte count: an integer, or a string with a suffix k/m/g (powers of 1000) or K/M/G, KiB,
+    MiB, GiB (powers of 1024), as vLLM reads --kv-cache-memory."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix) and text[:-len(suffix)].strip():
+            try:
+                return int(float(text[:-len(suffix)]) * units[suffix])
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory must be a number of bytes (e.g. 536870912, 512M, 2G), got {value!r}") from None
+
+
 METHODS = ("draft_model", "ngram", "layer_skip", "medusa", "eagle")
 
 

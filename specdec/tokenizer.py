@@ -1,11 +1,20 @@
-"""Tokenizer of a Hugging Face folder: tokenizer.json + tokenizer_config.json, with its chat template."""
+"""The tokenizer and chat template of a model: a Hugging Face folder or a GGUF file.
+
+A folder: tokenizer.json, tokenizer_config.json (special tokens, add_bos_token), the chat
+template from chat_template.jinja, chat_template.json or tokenizer_config.json (the first found,
+transformers 5 writes the .jinja), and the end-of-sequence ids of config.json and
+generation_config.json. A .gguf (or a folder holding one): everything from its metadata
+(gguf_tokenizer.py).
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 
@@ -19,9 +28,59 @@ def _token_content(tok) -> str | None:
     return tok["content"] if isinstance(tok, dict) else str(tok)
 
 
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value) -> list[int]:
+    """An eos_token_id field: an int, a list of ints, or absent."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    return [i for i in (value or []) if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _pick_template(value) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template}."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+def folder_chat_template(folder: Path, cfg: dict) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    as_json = _read_json(folder / "chat_template.json")
+    if as_json.get("chat_template"):
+        return _pick_template(as_json["chat_template"])
+    return _pick_template(cfg.get("chat_template"))
+
+
 class Tokenizer:
-    def __init__(self, folder: str | Path):
-        folder = Path(folder)
+    """`Tokenizer(path)`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf."""
+
+    def __init__(self, source, gguf=None):
+        """gguf: an already opened model.gguf.GGUFFile for `source` (saves parsing it twice)."""
+        from .model.gguf import GGUFError, GGUFFile, find_gguf
+
+        path = Path(source)
+        try:
+            gguf_path = None if gguf is not None else find_gguf(path)
+            if gguf is not None or gguf_path is not None:
+                self._from_gguf(gguf or GGUFFile(gguf_path))
+                return
+        except GGUFError as e:
+            raise TokenizerError(str(e)) from None
+        self._from_folder(path)
+
+    def _from_folder(self, folder: Path) -> None:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{folder}: no tokenizer.json")
@@ -29,28 +88,40 @@ class Tokenizer:
             self.backend = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise TokenizerError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        cfg_path = folder / "tokenizer_config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
-        model_cfg = {}
-        if (folder / "config.json").is_file():
-            try:
-                model_cfg = json.loads((folder / "config.json").read_text())
-            except json.JSONDecodeError:
-                pass
+        cfg = _read_json(folder / "tokenizer_config.json")
+        model_cfg = _read_json(folder / "config.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
+        self.unk_token = _token_content(cfg.get("unk_token"))
+        self.pad_token = _token_content(cfg.get("pad_token"))
         self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else model_cfg.get("bos_token_id")
         eos_id = self.backend.token_to_id(self.eos_token) if self.eos_token else None
-        cfg_eos = model_cfg.get("eos_token_id")
-        cfg_eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+        cfg_eos = _ids(model_cfg.get("eos_token_id")) + _ids(gen_cfg.get("eos_token_id"))
         self.eos_token_id = eos_id if eos_id is not None else (cfg_eos[0] if cfg_eos else None)
-        # every id that ends generation: the tokenizer's eos and the model config's list
+        # every id that ends generation: the tokenizer's eos and the configs' lists
         self.eos_token_ids = sorted({i for i in [self.eos_token_id, *cfg_eos] if i is not None})
+        # the tokenizer.json's post-processor may not add BOS itself; encode() then does
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.chat_template = cfg.get("chat_template")
+        self.chat_template = folder_chat_template(folder, cfg)
+        self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
+
+    def _from_gguf(self, g) -> None:
+        from .gguf_tokenizer import GGUFTokenizerError, GGUFVocab, build_tokenizer
+
+        try:
+            v = GGUFVocab.from_gguf(g)
+            self.backend = build_tokenizer(v)
+        except GGUFTokenizerError as e:
+            raise TokenizerError(str(e) if str(e).startswith(str(g.path)) else f"{g.path}: {e}") from None
+        except Exception as e:    # tokenizers rejects an inconsistent vocabulary or merge list
+            raise TokenizerError(f"{g.path}: cannot build the tokenizer ({str(e).splitlines()[0]})") from None
+        self.bos_token, self.eos_token = v.token(v.bos_token_id), v.token(v.eos_token_id)
+        self.unk_token, self.pad_token = v.token(v.unk_token_id), v.token(v.pad_token_id)
+        self.bos_token_id, self.eos_token_id = v.bos_token_id, v.eos_token_id
+        self.eos_token_ids = sorted({i for i in (v.eos_token_id, v.eot_token_id) if i is not None})
+        self.add_bos_token = False          # the post-processor adds it (v.add_bos_token)
+        self.chat_template = v.chat_template
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
 
     @property
@@ -70,23 +141,46 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        template = self.chat_template or _DEFAULT_TEMPLATE
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-
-        def raise_exception(msg):
-            raise TokenizerError(msg)
-
-        env.globals["raise_exception"] = raise_exception
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
+        """The prompt text; encode it with add_special_tokens=False (the template writes BOS)."""
+        template = chat_template or self.chat_template or _DEFAULT_TEMPLATE
+        if continue_final_message and add_generation_prompt:
+            raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
         try:
-            return env.from_string(template).render(
+            text = _environment().from_string(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
+        if continue_final_message:   # cut what the template wrote after the last message
+            last = messages[-1].get("content") if messages else None
+            if isinstance(last, str) and last.strip() and last.strip() in text:
+                text = text[:text.rindex(last.strip()) + len(last.strip())]
+        return text
 
 
-# Used only for a folder that ships no chat_template.
+def _environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as transformers renders chat templates (templates from a model file are untrusted:
+    sandboxed): trimmed blocks, loop controls, raise_exception, strftime_now, a tojson that
+    keeps non-ASCII text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(msg):
+        raise jinja2.TemplateError(msg)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = tojson
+    return env
+
+
+# Used only for a model that ships no chat template.
 _DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

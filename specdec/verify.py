@@ -73,6 +73,66 @@ def verify_sampling(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch
 
 
 # ---------------------------------------------------------------------------------------------
+# Batches (vLLM's layout). The drafts of B requests lie flat, request after request:
+# num_draft[b] tokens each (0 for a request that decodes plainly), and the target scored
+# num_draft[b] + 1 rows for request b, also flat. The result is one [B, max_k + 1] tensor whose
+# row b holds request b's emitted tokens followed by PLACEHOLDER; the engine turns it into
+# ragged host lists with one sync (`parse_output`).
+#
+# Worked example: num_draft [2, 0, 3], drafts [a, b | - | c, d, e], target argmax rows
+# [a, x, y | z | c, d, e, w]: request 0 accepts a, then b != x, so it emits [a, x]; request 1
+# emits [z]; request 2 accepts everything and adds the bonus w:
+#     [[a, x, -1, -1], [z, -1, -1, -1], [c, d, e, w]]
+# ---------------------------------------------------------------------------------------------
+
+PLACEHOLDER = -1
+
+
+def verify_greedy_batch(draft_tokens: Tensor, num_draft: list[int], target_argmax: Tensor) -> Tensor:
+    """Greedy verification of B chains at once.
+
+    draft_tokens:  [sum(num_draft)] int64  all requests' drafts, flat
+    num_draft:     B host ints
+    target_argmax: [sum(num_draft) + B] int64  the target's argmax at every scored row, flat
+    returns [B, max(num_draft) + 1] int64: emitted tokens, then PLACEHOLDER
+    """
+    dev = target_argmax.device
+    B, M = len(num_draft), max(num_draft, default=0)
+    nd = torch.tensor(num_draft, device=dev)
+    first_draft = torch.cumsum(nd, 0) - nd
+    j = torch.arange(M + 1, device=dev)
+    rows = (first_draft + torch.arange(B, device=dev))[:, None] + j               # [B, M + 1]
+    tgt = target_argmax[rows.clamp(max=target_argmax.shape[0] - 1)]
+    if M and draft_tokens.numel():
+        drafted = draft_tokens.to(dev)[(first_draft[:, None] + j[:M]).clamp(max=draft_tokens.shape[0] - 1)]
+        match = (drafted == tgt[:, :M]) & (j[:M] < nd[:, None])
+        num_accepted = match.long().cumprod(1).sum(1)
+    else:
+        num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    return torch.where(j <= num_accepted[:, None], tgt, torch.full_like(tgt, PLACEHOLDER))
+
+
+def padded_row(emitted: Tensor, num_accepted: Tensor, width: int) -> Tensor:
+    """One request's (emitted [K+1], num_accepted []) as a row of the batch output [width]."""
+    row = torch.full((width,), PLACEHOLDER, dtype=torch.long, device=emitted.device)
+    j = torch.arange(emitted.shape[0], device=emitted.device)
+    row[:emitted.shape[0]] = torch.where(j <= num_accepted, emitted, torch.full_like(emitted, PLACEHOLDER))
+    return row
+
+
+def parse_output(rows: list[list[int]]) -> list[list[int]]:
+    """Host rows of the batch output -> each request's emitted tokens (placeholders dropped;
+    they only ever trail)."""
+    out = []
+    for row in rows:
+        n = len(row)
+        while n and row[n - 1] == PLACEHOLDER:
+            n -= 1
+        out.append(row[:n])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Trees. A draft tree is plain data: node i (0-based, topologically ordered) holds token
 # tokens[i] and hangs below parents[i] (-1 = the root, i.e. the last committed token). The
 # target scores the root and every node in one forward (a tree attention mask), giving a row of

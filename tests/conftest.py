@@ -78,3 +78,54 @@ def near_draft(tiny_pair, tmp_path_factory) -> Path:
     for f in target.glob("tokenizer*.json"):
         (folder / f.name).write_bytes(f.read_bytes())
     return folder
+
+
+def _scale_embeddings(folder: Path, factor: float) -> None:
+    """A tied model's logits come from its embeddings: sharpen them as make_checkpoint sharpens an LM head."""
+    from safetensors.numpy import load_file, save_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] * factor
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    """Tiny GGUF files written from transformers checkpoints (tests/gguf_helpers.py):
+    - llama_q: GQA, tied Q8_0 embedding, packed Q4_K q/k/v, Q4_0 o, Q4_1 gate/up, Q8_0 down (hidden 256);
+    - llama_mixed: untied, F16 / BF16 / Q5_K / Q6_K / mixed q,k,v types: dequantized at load;
+    - qwen2_q: qkv bias, Q8_0 / Q4_0 / Q4_1 / F16, unpermuted;
+    - draft: a one-layer llama_q sibling (same vocabulary), in a folder of its own;
+    and the HF checkpoint each came from (key + "_hf")."""
+    from gguf_helpers import T, write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    tok = root / "tok"
+    make_tokenizer(tok, vocab=320)       # with merges: transformers' GGUF loader needs some
+
+    def kinds(table: dict):
+        def pick(name: str, ndim: int):
+            return next((v for k, v in table.items() if f".{k}." in name or name.startswith(k + ".")), T.F32)
+        return pick
+
+    out = {}
+    llama = make_checkpoint(root / "llama_hf", hidden=256, layers=2, tokenizer_from=tok, tie_word_embeddings=True)
+    _scale_embeddings(llama, 8.0)
+    out["llama_q"] = write_gguf(llama, root / "llama_q" / "model.gguf", kinds(
+        {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+         "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "token_embd": T.Q8_0}))
+    out["llama_mixed"] = write_gguf(make_checkpoint(root / "mixed_hf", seed=3, hidden=256, layers=2, tokenizer_from=tok),
+                                    root / "llama_mixed.gguf", kinds(
+        {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.Q6_K, "attn_output": T.F16, "ffn_gate": T.BF16,
+         "ffn_up": T.Q5_K, "ffn_down": T.Q4_1, "token_embd": T.F16, "output": T.Q6_K}))
+    qwen = make_checkpoint(root / "qwen2_hf", arch="qwen2", seed=4, hidden=64, layers=2, tokenizer_from=tok)
+    out["qwen2_q"] = write_gguf(qwen, root / "qwen2_q.gguf", kinds(
+        {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+         "ffn_up": T.Q4_1, "ffn_down": T.F16, "token_embd": T.Q8_0, "output": T.Q8_0}))
+    draft = make_checkpoint(root / "draft_hf", seed=5, hidden=256, layers=1, tokenizer_from=tok, tie_word_embeddings=True)
+    _scale_embeddings(draft, 8.0)
+    out["draft"] = write_gguf(draft, root / "draft" / "draft.gguf", kinds(
+        {"token_embd": T.Q8_0, **dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output"), T.Q8_0),
+         **dict.fromkeys(("ffn_gate", "ffn_up", "ffn_down"), T.Q4_0)}))
+    out.update({"llama_q_hf": llama, "llama_mixed_hf": root / "mixed_hf", "qwen2_q_hf": qwen, "draft_hf": draft})
+    return out

@@ -141,7 +141,7 @@ def test_logit_gap_labels_a_clear_choice_as_no_tie(tiny_pair):
 
     model = load_model(tiny_pair[0], "float32", "cpu")
     prompt = [5, 6, 7]
-    logits = model(torch.tensor([prompt]))[0, -1]
+    logits = model(torch.tensor([prompt])).logits[0, -1]
     best, worst = int(logits.argmax()), int(logits.argmin())
     d = logit_gap(model, prompt, [best], 0, worst)
     assert d["logit_gap"] > 0 and not d["near_tie"]

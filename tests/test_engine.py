@@ -79,10 +79,10 @@ def exact_first_two(llm, prompt, params):
     from specdec.sampling import process
     ids = llm.tokenizer.encode(prompt)
     with torch.no_grad():
-        p1 = process(llm.target(torch.tensor([ids]))[0, -1:], params)[0]
+        p1 = process(llm.target(torch.tensor([ids])).logits[0, -1:], params)[0]
         out = {}
         for a in torch.nonzero(p1).flatten().tolist():
-            p2 = process(llm.target(torch.tensor([ids + [a]]))[0, -1:], params)[0]
+            p2 = process(llm.target(torch.tensor([ids + [a]])).logits[0, -1:], params)[0]
             for b in torch.nonzero(p2).flatten().tolist():
                 out[(a, b)] = p1[a].item() * p2[b].item()
     return out
@@ -233,26 +233,39 @@ def test_streaming_equals_batch_and_vllm_shape(models):
 def test_draft_cache_right_after_full_acceptance_and_after_rejection(models):
     """The draft's cache after a step that accepted everything (two tokens pending: the last
     draft and the bonus) and after a rejection gives the same proposals as a fresh prefill."""
-    from specdec.proposers import RequestContext
+    from specdec.proposers import Committed, ProposeItem, RequestContext
     from specdec.sampling import make_generator
 
     llm = models["draft"][3]
-    proposer = llm.engine.proposer
+    proposer, blocks = llm.engine.proposer, llm.engine.blocks
     seq = llm.tokenizer.encode("def add(a, b):")
     params = SamplingParams(temperature=1.0)
 
     def ctx():
         return RequestContext(params, make_generator(11), llm.target.config.vocab_size)
 
-    session = proposer.start(seq, ctx())
-    draft = session.propose(seq, 3)
+    def start(rid, seq):      # the target holds seq[:-1]: the draft prefills it
+        blocks.add(rid)
+        blocks.ensure(rid, 64)
+        proposer.add_request(rid, ctx())
+        proposer.update([Committed(rid, seq, len(seq) - 1, None, prefill=True)])
+
+    def drop(rid):
+        proposer.remove_request(rid)
+        blocks.remove(rid)
+
+    start("s", seq)
+    draft = proposer.propose([ProposeItem("s", seq, 3)])[0]
     for accepted, recovered in ((3, 5), (1, 7)):      # all accepted + bonus; then a rejection
         seq = seq + draft.tokens.tolist()[:accepted] + [recovered]
-        session.commit(seq)
-        assert session.cache.length <= len(seq) - 1
-        session.ctx = ctx()
-        continued = session.propose(seq, 3)
-        fresh = proposer.start(seq, ctx()).propose(seq, 3)
+        proposer.update([Committed("s", seq, len(seq) - 1, None, prefill=False)])
+        assert proposer.kv.length("s") <= len(seq) - 1
+        proposer.add_request("s", ctx())               # a fresh generator, as the fresh request's
+        continued = proposer.propose([ProposeItem("s", seq, 3)])[0]
+        start("f", seq)
+        fresh = proposer.propose([ProposeItem("f", seq, 3)])[0]
+        drop("f")
         assert continued.tokens.tolist() == fresh.tokens.tolist()
         assert (continued.probs - fresh.probs).abs().max() < 1e-5
         draft = continued
+    drop("s")

@@ -14,7 +14,7 @@ from specdec import verify as verify_mod
 from specdec.cli import main
 from specdec.model import CheckpointError, load_model
 from specdec.model.heads import EagleHead, MedusaHeads, load_heads, save_heads
-from specdec.proposers.base import Draft
+from specdec.proposers.base import Draft, ProposerBase, ProposerCaps
 from specdec.proposers.medusa import build_tree
 
 from test_engine import PROMPTS, exact_first_two, first_two_tokens, tokens, total_variation
@@ -69,44 +69,42 @@ def test_greedy_trees_equal_plain_for_every_size(heads, method, extra):
     assert accepted > 0          # accepted paths (and their moved cache entries) were exercised
 
 
-class OracleTree:
+class OracleTree(ProposerBase):
     """A test proposer: random trees that hide the target's true continuation on one branch,
-    at a random sibling position, so that deep paths get accepted and moved into place."""
-    name, tree = "oracle", True
+    at a random sibling position, so that deep paths get accepted and moved into place.
+    truth: prompt (tuple) -> its plain greedy output; a request's prompt is found as the
+    longest key its sequence starts with."""
+    name = "oracle"
+    caps = ProposerCaps(tree=True)
 
     def __init__(self, truth: dict, seed: int):
+        super().__init__()
         self.truth, self.g = truth, torch.Generator().manual_seed(seed)
 
-    def start(self, prompt, ctx, target_cache=None):
-        return self._Session(self, prompt)
+    def propose(self, items):
+        return [self._one(it.seq, it.k) for it in items]
 
-    class _Session:
-        def __init__(self, p, prompt):
-            self.p, self.n_prompt, self.full = p, len(prompt), p.truth[tuple(prompt)]
-
-        def propose(self, seq, k):
-            true_next = self.full[len(seq) - self.n_prompt:]
-            tokens, parents, on_path = [], [], -1
-            for depth in range(min(k, len(true_next))):
-                width = int(torch.randint(1, 4, (), generator=self.p.g))
-                slot = int(torch.randint(0, width, (), generator=self.p.g))
-                nxt = -1
-                for j in range(width):
-                    tok = true_next[depth] if j == slot else int(torch.randint(0, 90, (), generator=self.p.g))
-                    if j != slot and tok == true_next[depth]:
-                        continue
-                    tokens.append(tok)
-                    parents.append(on_path)
-                    if j == slot:
-                        nxt = len(tokens) - 1
-                on_path = nxt
-                if len(tokens) >= k:
-                    break
-            tokens, parents = tokens[:k], parents[:k]
-            return Draft(torch.tensor(tokens, dtype=torch.long), parents=parents)
-
-        def commit(self, seq):
-            pass
+    def _one(self, seq, k):
+        prompt = max((p for p in self.truth if tuple(seq[:len(p)]) == p), key=len)
+        true_next = self.truth[prompt][len(seq) - len(prompt):]
+        tokens, parents, on_path = [], [], -1
+        for depth in range(min(k, len(true_next))):
+            width = int(torch.randint(1, 4, (), generator=self.g))
+            slot = int(torch.randint(0, width, (), generator=self.g))
+            nxt = -1
+            for j in range(width):
+                tok = true_next[depth] if j == slot else int(torch.randint(0, 90, (), generator=self.g))
+                if j != slot and tok == true_next[depth]:
+                    continue
+                tokens.append(tok)
+                parents.append(on_path)
+                if j == slot:
+                    nxt = len(tokens) - 1
+            on_path = nxt
+            if len(tokens) >= k:
+                break
+        tokens, parents = tokens[:k], parents[:k]
+        return Draft(torch.tensor(tokens, dtype=torch.long), parents=parents)
 
 
 def test_deep_accepted_tree_paths_are_moved_into_place(heads):
@@ -165,15 +163,30 @@ def test_monte_carlo_tree_sampling_matches_target(heads, method, monkeypatch):
 
 def test_proposals_stay_in_the_draft_vocabulary(heads):
     llm = _llm(heads, "eagle", 8)
-    session = llm.engine.proposer.start(llm.tokenizer.encode(PROMPTS[0]), _ctx(llm, GREEDY), None,
-                                        hidden=torch.randn(len(llm.tokenizer.encode(PROMPTS[0])) - 1, 64))
-    draft = session.propose(llm.tokenizer.encode(PROMPTS[0]), 8)
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    draft = _eagle_draft(llm, prompt, torch.randn(len(prompt) - 1, 64), 8)
     assert draft.k == 8 and all(t % 2 == 0 for t in draft.tokens.tolist())
 
 
 def _ctx(llm, params):
     from specdec.proposers import RequestContext
     return RequestContext(params, torch.Generator().manual_seed(0), llm.target.config.vocab_size)
+
+
+def _eagle_draft(llm, prompt, feats, k, rid="t"):
+    """A fresh EAGLE request in the LLM's own pool: feed the prompt's features, draft k."""
+    from specdec.proposers import Committed, ProposeItem
+
+    proposer, blocks = llm.engine.proposer, llm.engine.blocks
+    blocks.add(rid)
+    blocks.ensure(rid, len(prompt) + proposer.lookahead_slots(k) + 1)
+    try:
+        proposer.add_request(rid, _ctx(llm, GREEDY))
+        proposer.update([Committed(rid, prompt, len(prompt) - 1, feats, prefill=True)])
+        return proposer.propose([ProposeItem(rid, prompt, k)])[0]
+    finally:
+        proposer.remove_request(rid)
+        blocks.remove(rid)
 
 
 def test_heads_errors_are_one_line(heads, tmp_path, capsys):
@@ -274,20 +287,11 @@ def test_generate_cli_with_heads_compares_equal(heads, capsys):
         assert rc == 0 and out["compare"]["identical"] is True, out
 
 
-def test_eagle_c_chain_drafts_what_the_python_chain_drafts(heads, monkeypatch):
-    from specdec.proposers.eagle import EagleSession
-
-    llm = _llm(heads, "eagle", 6, topk=1)
-    prompt = llm.tokenizer.encode(PROMPTS[3])
-    feats = llm.target(torch.tensor([prompt[:-1]]), hidden=True)[1][0]
-
-    def draft():
-        session = llm.engine.proposer.start(prompt, _ctx(llm, GREEDY), None, hidden=feats)
-        assert session._c_chain_ok() or not c_on
-        return session.propose(prompt, 6).tokens.tolist()
-
-    c_on = True
-    fast = draft()
-    c_on = False
-    monkeypatch.setattr(EagleSession, "_c_chain_ok", lambda self: False)
-    assert draft() == fast and len(fast) == 6
+def test_eagle_c_chain_drafts_what_the_python_chain_drafts(heads):
+    fast, slow = _llm(heads, "eagle", 6, topk=1), _llm(heads, "eagle", 6, topk=1)
+    slow.engine.proposer.c_chain = False      # the Python chain, one head forward per depth
+    assert fast.engine.proposer.c_chain
+    prompt = fast.tokenizer.encode(PROMPTS[3])
+    feats = fast.target(torch.tensor([prompt[:-1]]), hidden=True).hidden[0]
+    drafted = _eagle_draft(fast, prompt, feats, 6).tokens.tolist()
+    assert _eagle_draft(slow, prompt, feats, 6).tokens.tolist() == drafted and len(drafted) == 6

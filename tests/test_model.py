@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from conftest import make_checkpoint
-from specdec.model import CheckpointError, TreeAttention, load_model
+from specdec.model import CheckpointError, ForwardBatch, TreeAttention, load_model
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -25,6 +25,16 @@ ARCHS = [
 ]
 
 
+def run(model, cache, tokens, tree=None, seq=0):
+    """Feed tokens ([T] or [1, T]) to one sequence of a cache after its valid slots, as the
+    engine does; returns the logits [T, V] and advances the sequence's length."""
+    tokens = tokens.reshape(-1)
+    start = cache.length(seq)
+    out = model(tokens, cache, ForwardBatch.build(cache, [seq], [len(tokens)], [start], [tree]))
+    cache.set_length(seq, start + len(tokens))
+    return out.logits
+
+
 @pytest.mark.parametrize("arch,kw", ARCHS, ids=[f"{a}-{'-'.join(k) or 'base'}" for a, k in ARCHS])
 def test_logits_match_transformers(tmp_path, arch, kw):
     kw = dict(kw)
@@ -34,11 +44,11 @@ def test_logits_match_transformers(tmp_path, arch, kw):
     tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = ref_model(tokens).logits
-        full = ours(tokens)
+        full = ours(tokens).logits
         cache = ours.new_cache(batch=1)
-        chunks = [ours(tokens[:1, a:b], cache) for a, b in [(0, 17), (17, 18), (18, 40)]]
+        chunks = [run(ours, cache, tokens[0, a:b]) for a, b in [(0, 17), (17, 18), (18, 40)]]
     assert (full - ref).abs().max() < 1e-4
-    assert (torch.cat(chunks, 1) - ref[:1]).abs().max() < 1e-4
+    assert (torch.cat(chunks) - ref[0]).abs().max() < 1e-4
 
 
 def test_sharded_checkpoint_and_dtypes(tmp_path):
@@ -50,27 +60,27 @@ def test_sharded_checkpoint_and_dtypes(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     a, b = load_model(folder, "float32"), load_model(tmp_path / "sharded", "float32")
     x = torch.arange(10)[None]
-    assert torch.equal(a(x), b(x))
+    assert torch.equal(a(x).logits, b(x).logits)
     for dtype in (torch.bfloat16, torch.float16):
         m = load_model(folder, dtype)
-        assert m.lm_head.weight.dtype == dtype and m(x).dtype == m.dtype
+        assert m.lm_head.weight.dtype == dtype and m(x).logits.dtype == m.dtype
         # bf16 on a CPU without native bf16: bf16 weights, fp32 activations; close to fp32
-        assert (m(x).float() - a(x)).abs().max() < 0.1 * a(x).abs().max()
+        assert (m(x).logits.float() - a(x).logits).abs().max() < 0.1 * a(x).logits.abs().max()
 
 
 def test_rollback_then_forward_equals_fresh_prefill(tmp_path):
     model = load_model(make_checkpoint(tmp_path / "m"), "float32")
     seq = torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(1))
     cache = model.new_cache()
-    model(seq[:, :20], cache)
-    model(torch.randint(0, 90, (1, 6)), cache)      # rejected drafts
-    cache.rollback(20)
-    after = model(seq[:, 20:], cache)
-    fresh = model(seq)[:, 20:]
-    assert cache.length == 30
+    run(model, cache, seq[:, :20])
+    run(model, cache, torch.randint(0, 90, (1, 6)))      # rejected drafts
+    cache.rollback(0, 20)
+    after = run(model, cache, seq[:, 20:])
+    fresh = model(seq).logits[0, 20:]
+    assert cache.length(0) == 30
     assert (after - fresh).abs().max() < 1e-5
     with pytest.raises(ValueError):
-        cache.rollback(31)
+        cache.rollback(0, 31)
 
 
 def test_batch_rows_with_different_lengths(tmp_path):
@@ -80,15 +90,16 @@ def test_batch_rows_with_different_lengths(tmp_path):
     cache = model.new_cache(batch=2)
     for row, seq in ((0, a), (1, b)):   # prefill each row on its own
         single = model.new_cache()
-        model(seq[:, :-3], single)
+        run(model, single, seq[:, :-3])
         for layer in range(len(cache.k)):
             cache.k[layer][row] = single.k[layer][0]
             cache.v[layer][row] = single.v[layer][0]
-    cache.lengths = [a.shape[1] - 3, b.shape[1] - 3]
-    out = model(torch.cat([a[:, -3:], b[:, -3:]]), cache)        # starts 9 and 4
-    assert (out[0] - model(a)[0, -3:]).abs().max() < 1e-5
-    assert (out[1] - model(b)[0, -3:]).abs().max() < 1e-5
-    assert cache.lengths == [12, 7]
+        cache.set_length(row, seq.shape[1] - 3)
+    # both rows in one flat forward, starts 9 and 4
+    batch = ForwardBatch.build(cache, [0, 1], [3, 3])
+    out = model(torch.cat([a[0, -3:], b[0, -3:]]), cache, batch).logits
+    assert (out[:3] - model(a).logits[0, -3:]).abs().max() < 1e-5
+    assert (out[3:] - model(b).logits[0, -3:]).abs().max() < 1e-5
 
 
 def test_tree_attention_equals_each_branch(tmp_path):
@@ -106,16 +117,16 @@ def test_tree_attention_equals_each_branch(tmp_path):
             mask[i] |= mask[par]
             depth[i] = depth[par] + 1
     cache = model.new_cache()
-    model(prefix, cache)
-    tree_logits = model(nodes, cache, tree=TreeAttention(depth, mask))[0]
+    run(model, cache, prefix)
+    tree_logits = run(model, cache, nodes, tree=TreeAttention(depth, mask))
     for i, path in enumerate([[root], [root, x], [root, y], [root, x, z]]):
-        plain = model(torch.cat([prefix, torch.tensor([path])], 1))[0, -1]
+        plain = model(torch.cat([prefix, torch.tensor([path])], 1)).logits[0, -1]
         assert (tree_logits[i] - plain).abs().max() < 1e-5, i
     # move the accepted path root, x, z into place and continue: equals the plain sequence
-    cache.move([10, 11, 13], 10)
-    cache.rollback(13)
-    nxt = model(torch.tensor([[7]]), cache)[0, -1]
-    plain = model(torch.cat([prefix, torch.tensor([[root, x, z, 7]])], 1))[0, -1]
+    cache.move(0, [10, 11, 13], 10)
+    cache.rollback(0, 13)
+    nxt = run(model, cache, torch.tensor([[7]]))[-1]
+    plain = model(torch.cat([prefix, torch.tensor([[root, x, z, 7]])], 1)).logits[0, -1]
     assert (nxt - plain).abs().max() < 1e-5
 
 
@@ -167,10 +178,10 @@ def test_bundled_models_load_in_transformers_and_match(name):
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     ids = torch.tensor([tok("def parse(text):\n    \"\"\"Split text into words.\"\"\"\n")["input_ids"]])
     with torch.no_grad():
-        assert (ref(ids).logits - ours(ids)).abs().max() < 1e-4
+        assert (ref(ids).logits - ours(ids).logits).abs().max() < 1e-4
         cache = ours.new_cache()
-        stepwise = torch.cat([ours(ids[:, :-3], cache), ours(ids[:, -3:], cache)], 1)
-        assert (ref(ids).logits - stepwise).abs().max() < 1e-4
+        stepwise = torch.cat([run(ours, cache, ids[:, :-3]), run(ours, cache, ids[:, -3:])])
+        assert (ref(ids).logits[0] - stepwise).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("c_kernels", [True, False], ids=["c-forward", "torch"])
@@ -186,11 +197,11 @@ def test_tree_grown_over_two_forwards_equals_one_forward(tmp_path, monkeypatch, 
     first = torch.tensor([[11, 12]])
     second = torch.tensor([[13, 14, 15]])
     cache = model.new_cache()
-    model(prefix, cache)
-    model(first, cache, tree=TreeAttention(torch.zeros(2, dtype=torch.long), torch.eye(2, dtype=torch.bool)))
+    run(model, cache, prefix)
+    run(model, cache, first, tree=TreeAttention(torch.zeros(2, dtype=torch.long), torch.eye(2, dtype=torch.bool)))
     mask = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
     # positions: a, b at 10; c, d, e at 11 = start (12) + offset (-1)
-    out = model(second, cache, tree=TreeAttention(torch.full((3,), -1), mask, past=2))[0]
+    out = run(model, cache, second, tree=TreeAttention(torch.full((3,), -1), mask, past=2))
     for i, path in enumerate([[11, 13], [12, 14], [11, 15]]):
-        plain = model(torch.cat([prefix, torch.tensor([path])], 1))[0, -1]
+        plain = model(torch.cat([prefix, torch.tensor([path])], 1)).logits[0, -1]
         assert (out[i] - plain).abs().max() < 1e-5, i

@@ -59,11 +59,12 @@ def _tables(seed: int, K: int, zero_q: bool):
     return table
 
 
-def exact_step_distribution(K: int, params: SamplingParams, table) -> dict:
+def exact_step_distribution(K: int, params: SamplingParams, table, p_of=None) -> dict:
     """P(first two output tokens) under one speculative step (plus the next step's first token
     when the step emits only one), computed by enumerating every draft and every acceptance
-    pattern with the probabilities `rejection_plan` returns."""
-    p_of = lambda prefix: process(table("p", prefix)[None], params)[0]   # noqa: E731
+    pattern with the probabilities `rejection_plan` returns. p_of(prefix): the processed target
+    distribution the verifier uses (default: process() on the table's logits)."""
+    p_of = p_of or (lambda prefix: process(table("p", prefix)[None], params)[0])   # noqa: E731
     q_of = lambda prefix: process(table("q", prefix)[None], params)[0]   # noqa: E731
     out: dict[tuple, float] = {}
     for draft in itertools.product(range(V), repeat=K):

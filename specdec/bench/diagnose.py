@@ -21,7 +21,7 @@ def logit_gap(model, prompt_ids: list[int], reference: list[int], pos: int, got:
     """Target logits after prompt + reference[:pos] (one full-sequence forward): how far the
     token plain decoding chose (reference[pos]) is ahead of the one the variant emitted."""
     seq = torch.tensor([prompt_ids + reference[:pos]], device=model.device)
-    logits = model(seq, logits=slice(-1, None))[0, -1].float()          # [V]
+    logits = model(seq).logits[0, -1].float()                            # [V]
     gap = (logits[reference[pos]] - logits[got]).item()
     scale = logits.abs().max().item()
     return {"logit_gap": round(gap, 5), "max_abs_logit": round(scale, 3),

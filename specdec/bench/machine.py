@@ -80,17 +80,33 @@ def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 10, clock=time.
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decoding step reads (all but an untied input embedding)."""
+    """Bytes of weights a batch-1 decoding step reads (all but an untied input embedding),
+    packed GGUF matrices (model/quant.py) at their packed size."""
+    from ..model.quant import QuantEmbedding, QuantLinear
+
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
+    weight = lambda m: getattr(m, "weight", None) if not isinstance(m, (QuantLinear, QuantEmbedding)) else m.qweight  # noqa: E731
     skip = set()
-    if embed is not None and not (head is not None and head.weight is embed.weight):
-        skip.add(id(embed.weight))
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    if embed is not None and not (head is not None and weight(head) is weight(embed)):
+        skip.add(id(weight(embed)))
+    tensors = {id(t): t for t in [*model.parameters(),
+                                  *(m.qweight for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))]}
+    return sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in skip)
+
+
+def weights_kind(model: torch.nn.Module) -> str:
+    """The weights' dtype, or their ggml formats when packed ("Q4_1+Q8_0")."""
+    from ..model.quant import QuantLinear
+
+    packed = sorted({m.qtype for m in model.modules() if isinstance(m, QuantLinear)})
+    dense = next((p.dtype for n, p in model.named_parameters() if n.endswith("proj.weight")), None)
+    kinds = packed + ([str(dense).replace("torch.", "")] if dense is not None else [])
+    return "+".join(kinds) or str(next(model.parameters()).dtype).replace("torch.", "")
 
 
 def roofline(model: torch.nn.Module, bandwidth: float) -> dict:
     nbytes = weight_bytes_per_step(model)
-    return {"weight_bytes_per_step": nbytes, "dtype": str(model.lm_head.weight.dtype).replace("torch.", ""),
+    return {"weight_bytes_per_step": nbytes, "dtype": weights_kind(model),
             "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "roofline_tokens_per_second": round(bandwidth / nbytes, 1)}

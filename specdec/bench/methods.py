@@ -6,13 +6,15 @@ method or a K costs no memory and no load time; only the proposers differ.
 
 from __future__ import annotations
 
-from ..config import SpeculativeConfig
+from ..config import SchedulerConfig, SpeculativeConfig
 from ..engine import Engine
 from ..model import CheckpointError
-from ..proposers import REGISTRY, build_proposer
+from ..proposers import REGISTRY, build_proposer, typical_acceptance
 from .variant import SPECDEC, Skipped, Variant, engine_runner
 
 PLAIN = "plain"
+# the harness runs one request at a time: a pool for one sequence per engine (many engines live at once)
+ONE_AT_A_TIME = SchedulerConfig(max_num_seqs=1)
 
 
 def registered_methods() -> list[str]:
@@ -31,7 +33,7 @@ def _cached_loader(llm):
 
 
 def plain_variant(llm) -> Variant:
-    engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len)
+    engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len, scheduler_config=ONE_AT_A_TIME)
     return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine))
 
 
@@ -45,10 +47,9 @@ def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> Speculative
 def _engine(llm, spec: SpeculativeConfig, load) -> Engine:
     max_len = llm.engine.max_model_len
     proposer = build_proposer(spec, llm.target, load, max_len)
-    draft = getattr(proposer, "model", None)
-    if draft is not None and draft is not llm.target:
-        max_len = min(max_len, draft.config.max_position_embeddings)
-    return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k)
+    max_len = min(max_len, proposer.caps.max_len or max_len)
+    return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k,
+                  scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec))
 
 
 def _settings(spec: SpeculativeConfig, proposer) -> dict:

@@ -131,6 +131,12 @@ def _runner(model, eos_ids: list[int], extra: dict, prepare: Callable[[], None] 
 def _load(folder: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
+    from ..model.gguf import find_gguf
+
+    gguf = find_gguf(folder)
+    if gguf is not None:      # transformers dequantizes a GGUF (as specdec's --quantization none)
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                    dtype=resolve_dtype(dtype, {"torch_dtype": "float32"})).to(device).eval()
     torch_dtype = resolve_dtype(dtype, read_config(folder))
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
 

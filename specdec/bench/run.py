@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import METHODS
+from ..defaults import is_bundled
 from ..llm import DEFAULT_DRAFT, LLM, MODELS_DIR
 from . import machine, report
 from .diagnose import label_mismatches
@@ -42,10 +43,10 @@ def select_methods(requested: list[str] | None, peers: bool) -> tuple[list[str],
     return spec, hf, skipped
 
 
-def _draft_dir(args) -> str | None:
+def _draft_dir(args, llm: LLM) -> str | None:
     if args.speculative_model and args.speculative_model not in ("[ngram]", "ngram"):
         return args.speculative_model
-    if args.model is None and DEFAULT_DRAFT.is_dir():
+    if args.model is None and is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
         return str(DEFAULT_DRAFT)        # the bundled pair
     return None
 
@@ -56,7 +57,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None):
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
-    if args.model is None:    # the bundled target: its bundled heads, where present
+    if args.model is None and is_bundled(llm.model_path):    # the bundled target: its bundled heads
         for method in ("medusa", "eagle"):
             if (MODELS_DIR / method).is_dir():
                 overrides.setdefault(method, {}).setdefault("model", str(MODELS_DIR / method))
@@ -68,7 +69,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None):
 
 
 def _config(args, llm: LLM, draft_dir: str | None) -> dict:
-    return {"model": llm.model_path, "draft_model": draft_dir, "dtype": str(llm.target.lm_head.weight.dtype).replace("torch.", ""),
+    return {"model": llm.model_path, "draft_model": draft_dir, "dtype": machine.weights_kind(llm.target),
             "device": args.device, "num_speculative_tokens": args.num_speculative_tokens,
             "temperatures": args.temperature, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "seed": args.seed, "peers": args.peers,
@@ -78,9 +79,9 @@ def _config(args, llm: LLM, draft_dir: str | None) -> dict:
 def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device,
+    llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device, max_num_seqs=1,
               max_model_len=args.max_model_len)
-    draft_dir = _draft_dir(args)
+    draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir)
     max_len = llm.engine.max_model_len
     sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts) for p in args.prompts]

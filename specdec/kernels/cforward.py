@@ -1,4 +1,10 @@
-"""ctypes glue for forward.c: a C view of a Transformer and its KV cache, built once per pair."""
+"""ctypes glue for forward.c: a C view of a Transformer over a paged KV cache, and the calls.
+
+A `CView` is built once per (model, cache) pair and owned by the model (Transformer keeps
+them in a weak dictionary keyed by the cache), so nothing is stored on the cache or on the
+modules by this file; the view holds references to the packed weights and cache tensors its
+pointers point into.
+"""
 
 from __future__ import annotations
 
@@ -17,89 +23,118 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "max_len", "w_bf16")],
+                                       "n_layers", "block_size", "max_blocks", "w_bf16")],
                 ("eps", c_float), ("embed", c_void_p), ("final_norm", c_void_p), ("lm_head", c_void_p),
-                ("inv_freq", c_void_p), ("layers", POINTER(_Layer))]
+                ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("n_seqs", c_int), *[(n, c_void_p) for n in ("cu_seqlens", "start", "rows", "mask_from",
+                                                             "mask_offset", "masks")]]
 
 
 def declare(lib) -> None:
-    declare_eagle(lib)
     lib.llama_forward.restype = None
-    lib.llama_forward.argtypes = [POINTER(_Model), c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
-                                  c_void_p, c_int, c_void_p]
-
-
-def declare_eagle(lib) -> None:
+    lib.llama_forward.argtypes = [POINTER(_Model), POINTER(_Batch), c_void_p, c_void_p, c_int, c_void_p, c_int,
+                                  c_void_p, c_int, c_void_p, c_void_p]
     lib.eagle_chain.restype = None
-    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_void_p,
-                                ctypes.c_int64, c_int, c_int, c_void_p]
+    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int,
+                                c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
 
 
-def eagle_chain(lib, head, cache, embed_weight, feat, tok: int, start: int, n: int) -> list[int]:
-    """n greedy EAGLE steps in one C call (forward.c: eagle_chain); feat [D] fp32 is not modified."""
-    fc = head.fc
-    out = torch.empty(n, dtype=torch.long)
-    feat = feat.to(torch.float32).clone().contiguous()
-    bias = fc.bias.to(torch.float32).contiguous()
-    lib.eagle_chain(ctypes.byref(c_model(head.decoder, cache)), packed_of(fc).data_ptr(),
-                    int(fc.weight.dtype == torch.bfloat16), bias.data_ptr(), embed_weight.data_ptr(),
-                    int(embed_weight.dtype == torch.bfloat16), head.draft_vocab.data_ptr(), feat.data_ptr(),
-                    tok, start, n, out.data_ptr())
-    return out.tolist()
-
-
-def supported(model, cache) -> bool:
-    """forward.c covers one fp32-activation sequence with bf16 or fp32 weights."""
+def supported(model, kv) -> bool:
+    """forward.c covers fp32 activations and an fp32 cache with bf16 or fp32 weights, on the CPU
+    (not packed GGUF matrices yet: those run through PyTorch, model/quant.py)."""
+    if not _dense(model):
+        return False
     cfg = model.config
     w = model.lm_head.weight
-    return (w.device.type == "cpu" and model.dtype == torch.float32 and len(cache.lengths) == 1
-            and cache.k[0].dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float32)
-            and cfg.head_dim % 8 == 0 and model.model.embed_tokens.weight.is_contiguous())
+    return (w.device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+            and w.dtype in (torch.bfloat16, torch.float32) and cfg.head_dim % 8 == 0
+            and model.model.embed_tokens.weight.is_contiguous())
+
+
+def _dense(model) -> bool:
+    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
+    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
+        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
+
+
+def _dense(model) -> bool:
+    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
+    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
+        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
 
 
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def c_model(model, cache) -> _Model:
-    """The C description of (model, cache); kept on the cache, which outlives many forwards."""
-    views = cache.__dict__.setdefault("_c_views", {})
-    if id(model) in views:
-        return views[id(model)][0]
-    cfg = model.config
-    layers = (_Layer * len(cache.k))()
-    for i, (layer, k, v) in enumerate(zip(model.model.layers, cache.k, cache.v)):
-        att, mlp = layer.self_attn, layer.mlp
-        layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                           *(_ptr(packed_of(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                           _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
-    m = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-               cfg.head_dim, cfg.vocab_size, len(cache.k), cache.max_len,
-               int(model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
-               _ptr(model.model.embed_tokens.weight), _ptr(model.model.norm.weight),
-               _ptr(packed_of(model.lm_head)), _ptr(model.inv_freq), layers)
-    views[id(model)] = (m, layers)   # the array must live as long as the struct points at it
-    return m
+class CView:
+    """The C description of (model, kv): weights, the cache's layers and its block table."""
+
+    def __init__(self, model, kv):
+        cfg = model.config
+        self._keep = []        # every tensor a pointer below points into
+        layers = (_Layer * len(kv.k))()
+        for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
+            att, mlp = layer.self_attn, layer.mlp
+            packed = [packed_of(lin) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            self._keep += packed
+            layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                               *(_ptr(p) for p in packed), _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
+        head = packed_of(model.lm_head)
+        self._keep += [head, kv.blocks.table, *kv.k, *kv.v]
+        self.layers = layers   # the array must live as long as the struct points at it
+        self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.block_size, kv.blocks.max_blocks_per_seq,
+                             int(model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             _ptr(model.model.embed_tokens.weight), _ptr(model.model.norm.weight), _ptr(head),
+                             _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
 
 
-def forward(lib, model, tokens, cache, start: int, positions, mask, n_layers: int,
-            logit_from: int | None, want_hidden: bool, embeds=None, past: int = 0):
-    """tokens [T] int64, or None with embeds [T, D] float32; positions [T] int64; mask
-    [T, past + T] bool over slots start - past .. start + T - 1, or None (causal). Returns (logits [T - logit_from, V] or None, hidden [T, D] or None)."""
+def _batch_struct(batch) -> _Batch:
+    return _Batch(len(batch.seqs), _ptr(batch.cu_seqlens), _ptr(batch.start_slots), _ptr(batch.rows),
+                  _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks))
+
+
+def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits: bool, want_hidden: bool):
+    """tokens [N] int64, or None with embeds [N, D] float32; batch: a ForwardBatch. Returns
+    (logits [R, V] (rows batch.logits_indices, or all N) or None, hidden [N, D] or None)."""
+    N = batch.num_tokens
+    cfg = view.struct
     if embeds is not None:
         embeds = embeds.to(torch.float32).contiguous()
-        T = embeds.shape[0]
     else:
         tokens = tokens.contiguous()
-        T = tokens.shape[0]
-    positions = positions.to(torch.long).contiguous()
-    mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else None
-    hidden = torch.empty(T, model.config.hidden_size) if want_hidden else None
-    logits = None
-    if logit_from is not None and logit_from < T:
-        logits = torch.empty(T - logit_from, model.config.vocab_size)
-    lib.llama_forward(ctypes.byref(c_model(model, cache)), _ptr(tokens if embeds is None else None),
-                      _ptr(embeds), T, start, positions.data_ptr(),
-                      _ptr(mask_u8), start - past, n_layers, _ptr(hidden), logit_from if logit_from is not None else T,
-                      _ptr(logits))
+    rows = batch.logits_indices
+    hidden = torch.empty(N, cfg.dim) if want_hidden else None
+    logits = torch.empty(N if rows is None else rows.shape[0], cfg.vocab) if want_logits else None
+    lib.llama_forward(ctypes.byref(view.struct), ctypes.byref(_batch_struct(batch)),
+                      _ptr(tokens if embeds is None else None), _ptr(embeds), N, batch.positions.data_ptr(),
+                      n_layers, _ptr(hidden), logits.shape[0] if logits is not None else 0, _ptr(rows), _ptr(logits))
     return logits, hidden
+
+
+def eagle_chain(lib, view: CView, fc, embed_weight, draft_vocab, rows, base, steps, feats, toks) -> list[list[int]]:
+    """Greedy EAGLE chains of B sequences in one C call (forward.c: eagle_chain).
+
+    rows, base, steps: [B] host ints (block-table row, first slot, chain length after the first
+    token); feats [B, D]: each sequence's last predicted feature; toks [B]: its first drafted
+    token. Returns the further tokens of each chain (steps[b] of them)."""
+    B, max_steps = len(rows), max(steps)
+    out = torch.empty(B, max_steps, dtype=torch.long)
+    feats = feats.to(torch.float32).contiguous().clone()
+    toks = torch.tensor(toks, dtype=torch.long)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
+    bias = fc.bias.to(torch.float32).contiguous()
+    lib.eagle_chain(ctypes.byref(view.struct), packed_of(fc).data_ptr(), int(fc.weight.dtype == torch.bfloat16),
+                    bias.data_ptr(), embed_weight.data_ptr(), int(embed_weight.dtype == torch.bfloat16),
+                    draft_vocab.data_ptr(), B, rows_t.data_ptr(), base_t.data_ptr(), steps_t.data_ptr(),
+                    feats.data_ptr(), toks.data_ptr(), max_steps, out.data_ptr())
+    return [out[b, :steps[b]].tolist() for b in range(B)]

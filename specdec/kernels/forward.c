@@ -1,11 +1,18 @@
-/* The whole decoder forward for one sequence on the CPU, in one call (llama2.c style).
+/* The whole decoder forward over a flat batch of sequences on the CPU, in one call (llama2.c style).
  *
  * Decoding on a CPU spends as long in Python dispatching ~200 small ops per forward as in
  * reading the weights; a draft model that fits the cache spends most of its time there. This
- * file runs embedding -> layers -> norm -> LM head for T new tokens with fp32 activations and
- * bf16 or fp32 weights, writing keys and values into the same KV cache tensors the PyTorch
- * path uses, with the same masks (causal, or a token tree's ancestor mask). Matrix products use
- * skinny.c's kernel, so logits are bit-identical whichever T a token is scored in.
+ * file runs embedding -> layers -> norm -> LM head for N new tokens of several sequences with
+ * fp32 activations and bf16 or fp32 weights, writing keys and values into the same paged KV
+ * cache the PyTorch path uses (model/kv.py: per layer [num_blocks, n_kv, block_size, hd]), with
+ * the same masks (causal, or a token tree's ancestor mask, per sequence).
+ *
+ * Invariant (what lossless batching needs): a token's logits, features and cache entries are
+ * bit-identical whatever else is in the batch and however its prompt was chunked. Matrix
+ * products run over all N rows at once (the weights stream from memory once per forward) with
+ * skinny.c's kernel, whose every output is one FMA chain in a fixed order whatever the number
+ * of rows; norms and RoPE are per row; attention is per token over its own sequence's slots in
+ * slot order (invisible slots add exact zeros), never across sequences.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,18 +27,30 @@ typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
     const void *qkv, *o, *gate_up, *down; /* weights, bf16 or fp32 */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
-    float *k_cache, *v_cache;             /* [KV, max_len, hd] fp32 (batch row 0) */
+    float *k_cache, *v_cache;             /* [num_blocks, KV, block_size, hd] fp32 */
 } Layer;
 
 typedef struct {
-    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, max_len, w_bf16;
+    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, block_size, max_blocks, w_bf16;
     float eps;
     const void *embed;                    /* [V, D] */
     const float *final_norm;              /* [D] */
     const void *lm_head;                  /* [V, D] */
     const float *inv_freq;                /* [hd / 2] */
     const Layer *layers;
+    const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
 } Model;
+
+/* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;
+ * slots before mask_from[b] are visible to all of them; from mask_from[b] on, causal when
+ * mask_offset[b] < 0, else the tree mask masks[mask_offset[b] + t * cols + (s - mask_from[b])]
+ * with cols = start[b] + T_b - mask_from[b] (model/batch.py: ForwardBatch). */
+typedef struct {
+    int n_seqs;
+    const int32_t *cu_seqlens, *start, *rows, *mask_from;
+    const int64_t *mask_offset;
+    const uint8_t *masks;
+} Batch;
 
 /* head_dim % 8 == 0 (cforward.supported checks) */
 static inline float dot(const float *a, const float *b, int n) {
@@ -81,118 +100,181 @@ static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos)
     }
 }
 
-/* Attention of T new queries over slots [0, start + T). NULL mask: every slot before `start`
- * is visible, causal among the new ones. Otherwise slots before mask_from are visible and slot
- * s >= mask_from is visible to query t iff mask[t * (span - mask_from) + s - mask_from]. */
-static void attention(const Model *m, const Layer *L, const float *q, float *out, int T, int start,
-                      const uint8_t *mask, int mask_from) {
-    int H = m->n_heads, hd = m->head_dim, group = m->n_heads / m->n_kv, span = start + T;
-    int cols = span - mask_from;
-    float scale = 1.0f / sqrtf((float)hd);
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int t = 0; t < T; t++) {
-        for (int h = 0; h < H; h++) {
-            float *scores = malloc(sizeof(float) * span);
-            const float *qt = q + ((long)t * H + h) * hd;
-            const float *kc = L->k_cache + (long)(h / group) * m->max_len * hd;
-            const float *vc = L->v_cache + (long)(h / group) * m->max_len * hd;
-            float mx = -INFINITY;
-            for (int s = 0; s < span; s++) {
-                int vis = mask ? (s < mask_from || mask[(long)t * cols + s - mask_from]) : s <= start + t;
-                if (!vis) { scores[s] = -INFINITY; continue; }
-                scores[s] = dot(qt, kc + (long)s * hd, hd) * scale;
-                if (scores[s] > mx) mx = scores[s];
+/* Where kv head g of slot s of the sequence in block-table row `row` lives. */
+static inline long slot_at(const Model *m, int row, long s, int g) {
+    int32_t blk = m->block_table[(long)row * m->max_blocks + s / m->block_size];
+    return (((long)blk * m->n_kv + g) * m->block_size + s % m->block_size) * m->head_dim;
+}
+
+typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
+
+/* One query (token n, head h) over its own sequence's visible slots, in slot order. */
+static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt,
+                       float *o, int h, float *scores) {
+    int hd = m->head_dim, g = h / (m->n_heads / m->n_kv), bs = m->block_size, sq = who.seq;
+    int start = b->start[sq], T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq], from = b->mask_from[sq];
+    int64_t moff = b->mask_offset[sq];
+    int span = moff < 0 ? start + who.t + 1 : start + T;    /* causal: nothing after the token */
+    int cols = start + T - from;
+    const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
+    float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
+    for (int s0 = 0; s0 < span; s0 += bs) {
+        const float *kb = L->k_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        int n = span - s0 < bs ? span - s0 : bs;
+        for (int j = 0; j < n; j++) {
+            int s = s0 + j;
+            if (moff >= 0 && s >= from && !b->masks[moff + (long)who.t * cols + s - from]) {
+                scores[s] = -INFINITY;
+                continue;
             }
-            float sum = 0.0f;
-            for (int s = 0; s < span; s++) {
-                scores[s] = scores[s] == -INFINITY ? 0.0f : expf(scores[s] - mx);
-                sum += scores[s];
-            }
-            float *o = out + ((long)t * H + h) * hd;
-            memset(o, 0, sizeof(float) * hd);
-            for (int s = 0; s < span; s++) {
-                if (scores[s] == 0.0f) continue;
-                axpy(o, scores[s] / sum, vc + (long)s * hd, hd);
-            }
-            free(scores);
+            scores[s] = dot(qt, kb + (long)j * hd, hd) * scale;
+            if (scores[s] > mx) mx = scores[s];
         }
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < span; s++) {
+        scores[s] = scores[s] == -INFINITY ? 0.0f : expf(scores[s] - mx);
+        sum += scores[s];
+    }
+    memset(o, 0, sizeof(float) * hd);
+    for (int s0 = 0; s0 < span; s0 += bs) {
+        const float *vb = L->v_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        int n = span - s0 < bs ? span - s0 : bs;
+        for (int j = 0; j < n; j++)
+            if (scores[s0 + j] != 0.0f) axpy(o, scores[s0 + j] / sum, vb + (long)j * hd, hd);
     }
 }
 
-static void layer_forward(const Model *m, const Layer *L, float *x, float *buf, float *qkv, float *att,
-                          float *ff, int T, int start, const long *pos, const uint8_t *mask, int mask_from) {
+static void attention(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
+                      float *out, int N, int max_span) {
+    int H = m->n_heads, hd = m->head_dim;
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
+        #pragma omp for collapse(2) schedule(static)
+        for (int n = 0; n < N; n++)
+            for (int h = 0; h < H; h++)
+                attend_one(m, L, b, who[n], q + ((long)n * H + h) * hd, out + ((long)n * H + h) * hd, h, scores);
+        free(scores);
+    }
+}
+
+static void layer_forward(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, float *x, float *buf,
+                          float *qkv, float *att, float *ff, int N, const int64_t *pos, int max_span) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
-    rms_norm(buf, x, L->in_norm, T, D, m->eps);
-    skinny_linear(buf, L->qkv, m->w_bf16, L->qkv_bias, qkv, 0, T, nqkv, D);
-    for (int t = 0; t < T; t++) {
-        float *row = qkv + (long)t * nqkv;
-        rope(row, H, hd, m->inv_freq, pos[t]);
-        rope(row + nq, KV, hd, m->inv_freq, pos[t]);
-        for (int g = 0; g < KV; g++) {   /* cache slot start + t */
-            long slot = ((long)g * m->max_len + start + t) * hd;
-            memcpy(L->k_cache + slot, row + nq + (long)g * hd, sizeof(float) * hd);
-            memcpy(L->v_cache + slot, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
+    rms_norm(buf, x, L->in_norm, N, D, m->eps);
+    skinny_linear(buf, L->qkv, m->w_bf16, L->qkv_bias, qkv, 0, N, nqkv, D);
+    for (int n = 0; n < N; n++) {
+        float *row = qkv + (long)n * nqkv;
+        rope(row, H, hd, m->inv_freq, pos[n]);
+        rope(row + nq, KV, hd, m->inv_freq, pos[n]);
+        int sq = who[n].seq;
+        long slot = b->start[sq] + who[n].t;
+        for (int g = 0; g < KV; g++) {
+            long at = slot_at(m, b->rows[sq], slot, g);
+            memcpy(L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
+            memcpy(L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
         }
-        memcpy(buf + (long)t * nq, row, sizeof(float) * nq);   /* q, packed [T, H * hd] */
+        memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
-    attention(m, L, buf, att, T, start, mask, mask_from);
-    skinny_linear(att, L->o, m->w_bf16, NULL, buf, 0, T, D, nq);
-    for (long i = 0; i < (long)T * D; i++) x[i] += buf[i];
-    rms_norm(buf, x, L->post_norm, T, D, m->eps);
-    skinny_linear(buf, L->gate_up, m->w_bf16, NULL, ff, 0, T, 2 * F, D);
-    for (int t = 0; t < T; t++) {
-        float *g = ff + (long)t * 2 * F, *u = g + F, *o = att + (long)t * F;
+    attention(m, L, b, who, buf, att, N, max_span);
+    skinny_linear(att, L->o, m->w_bf16, NULL, buf, 0, N, D, nq);
+    for (long i = 0; i < (long)N * D; i++) x[i] += buf[i];
+    rms_norm(buf, x, L->post_norm, N, D, m->eps);
+    skinny_linear(buf, L->gate_up, m->w_bf16, NULL, ff, 0, N, 2 * F, D);
+    for (int n = 0; n < N; n++) {
+        float *g = ff + (long)n * 2 * F, *u = g + F, *o = att + (long)n * F;
         for (int i = 0; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    skinny_linear(att, L->down, m->w_bf16, NULL, buf, 0, T, D, F);
-    for (long i = 0; i < (long)T * D; i++) x[i] += buf[i];
+    skinny_linear(att, L->down, m->w_bf16, NULL, buf, 0, N, D, F);
+    for (long i = 0; i < (long)N * D; i++) x[i] += buf[i];
 }
 
-/* mask: see attention(); tokens [T] (or, when tokens is NULL, input vectors embeds [T, D] instead of the embedding
- * lookup: EAGLE's head); pos [T] rope positions; new tokens go to slots start .. start+T-1.
- * Runs the first n_layers layers, then the final norm into hidden_out [T, D] (if not NULL)
- * and the LM head for rows [logit_from, T) into logits [T - logit_from, V] (if not NULL). */
-void llama_forward(const Model *m, const int64_t *tokens, const float *embeds, int T, int start, const long *pos,
-                   const uint8_t *mask, int mask_from, int n_layers, float *hidden_out, int logit_from, float *logits) {
+/* tokens [N] (or, when tokens is NULL, input vectors embeds [N, D] instead of the embedding
+ * lookup: EAGLE's head); pos [N] rope positions. Runs the first n_layers layers, then the final
+ * norm into hidden_out [N, D] (if not NULL) and the LM head for the n_logits rows logit_rows
+ * (all N in order when NULL) into logits [n_logits, V] (if not NULL). */
+void llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const float *embeds, int N,
+                   const int64_t *pos, int n_layers, float *hidden_out, int n_logits, const int64_t *logit_rows,
+                   float *logits) {
+    if (N <= 0) return;
     int D = m->dim, nqkv = (m->n_heads + 2 * m->n_kv) * m->head_dim;
     int wide = D > m->n_heads * m->head_dim ? D : m->n_heads * m->head_dim;
     if (m->hidden > wide) wide = m->hidden;
-    float *x = malloc(sizeof(float) * T * D), *buf = malloc(sizeof(float) * T * wide);
-    float *qkv = malloc(sizeof(float) * T * nqkv), *att = malloc(sizeof(float) * T * wide);
-    float *ff = malloc(sizeof(float) * T * 2 * m->hidden);
-    if (tokens == NULL) memcpy(x, embeds, sizeof(float) * T * D);
+    TokenOf *who = malloc(sizeof(TokenOf) * N);
+    int max_span = 0;
+    for (int sq = 0; sq < b->n_seqs; sq++) {
+        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
+        for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
+        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
+    }
+    float *x = malloc(sizeof(float) * N * D), *buf = malloc(sizeof(float) * N * wide);
+    float *qkv = malloc(sizeof(float) * N * nqkv), *att = malloc(sizeof(float) * N * wide);
+    float *ff = malloc(sizeof(float) * N * 2 * m->hidden);
+    if (tokens == NULL) memcpy(x, embeds, sizeof(float) * N * D);
     else
-        for (int t = 0; t < T; t++)
-            for (int i = 0; i < D; i++) x[(long)t * D + i] = widen(m->embed, m->w_bf16, tokens[t] * D + i);
-    for (int l = 0; l < n_layers; l++) layer_forward(m, &m->layers[l], x, buf, qkv, att, ff, T, start, pos, mask, mask_from);
-    rms_norm(buf, x, m->final_norm, T, D, m->eps);
-    if (hidden_out) memcpy(hidden_out, buf, sizeof(float) * T * D);
-    if (logits && logit_from < T)
-        skinny_linear(buf + (long)logit_from * D, m->lm_head, m->w_bf16, NULL, logits, 0, T - logit_from, m->vocab, D);
-    free(x); free(buf); free(qkv); free(att); free(ff);
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < D; i++) x[(long)n * D + i] = widen(m->embed, m->w_bf16, tokens[n] * D + i);
+    for (int l = 0; l < n_layers; l++)
+        layer_forward(m, &m->layers[l], b, who, x, buf, qkv, att, ff, N, pos, max_span);
+    rms_norm(buf, x, m->final_norm, N, D, m->eps);
+    if (hidden_out) memcpy(hidden_out, buf, sizeof(float) * N * D);
+    if (logits && n_logits > 0) {
+        const float *rows = buf;
+        if (logit_rows) {   /* gather the rows that need logits: only they meet the LM head */
+            for (int r = 0; r < n_logits; r++)
+                memcpy(x + (long)r * D, buf + logit_rows[r] * D, sizeof(float) * D);
+            rows = x;
+        }
+        skinny_linear(rows, m->lm_head, m->w_bf16, NULL, logits, 0, n_logits, m->vocab, D);
+    }
+    free(who); free(x); free(buf); free(qkv); free(att); free(ff);
 }
 
-/* EAGLE's greedy chain in one call: n times, x = fc([feat ; embed[tok]]) (fc: packed [D, 2D]
- * weights + fp32 bias), run the head (`head`: its decoder layers, norm and LM head over the
- * draft vocabulary) on x at slot start + s, take the argmax, map it through vocab[] to a target
- * token id, and carry the head's output feature on. feat [D] is updated in place. */
+/* EAGLE's greedy chains for B sequences in one call. Step s (0-based) of sequence b, while
+ * s < steps[b]: x = fc([feat_b ; embed[tok_b]]) (fc: packed [D, 2D] weights + fp32 bias), run
+ * the head (`head`: its decoder layers, norm and LM head over the draft vocabulary) on x at
+ * slot and position base[b] + s of block-table row rows[b], take the argmax, map it through
+ * vocab[] to a target token id (out_tokens[b * max_steps + s]) and carry the head's output
+ * feature on. Every active sequence shares one head forward per step. feats [B, D] and toks
+ * [B] (each sequence's first token) are updated in place. */
 void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
-                 const void *embed, int embed_bf16, const int64_t *vocab, float *feat,
-                 int64_t tok, int start, int n, int64_t *out_tokens) {
+                 const void *embed, int embed_bf16, const int64_t *vocab, int B, const int32_t *rows,
+                 const int32_t *base, const int32_t *steps, float *feats, int64_t *toks, int max_steps,
+                 int64_t *out_tokens) {
     int D = head->dim, V = head->vocab;
-    float *in = malloc(sizeof(float) * 2 * D), *x = malloc(sizeof(float) * D);
-    float *logits = malloc(sizeof(float) * V);
-    for (int s = 0; s < n; s++) {
-        memcpy(in, feat, sizeof(float) * D);
-        for (int i = 0; i < D; i++) in[D + i] = widen(embed, embed_bf16, tok * D + i);
-        skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, 1, D, 2 * D);
-        long pos = start + s;
-        llama_forward(head, NULL, x, 1, start + s, &pos, NULL, 0, head->n_layers, feat, 0, logits);
-        int best = 0;
-        for (int v = 1; v < V; v++) if (logits[v] > logits[best]) best = v;
-        tok = vocab[best];
-        out_tokens[s] = tok;
+    float *in = malloc(sizeof(float) * B * 2 * D), *x = malloc(sizeof(float) * B * D);
+    float *feat_out = malloc(sizeof(float) * B * D), *logits = malloc(sizeof(float) * B * V);
+    int32_t *act = malloc(sizeof(int32_t) * B), *cu = malloc(sizeof(int32_t) * (B + 1));
+    int32_t *start = malloc(sizeof(int32_t) * B), *arow = malloc(sizeof(int32_t) * B);
+    int64_t *pos = malloc(sizeof(int64_t) * B), *moff = malloc(sizeof(int64_t) * B);
+    for (int s = 0; s < max_steps; s++) {
+        int n = 0;
+        for (int i = 0; i < B; i++) if (steps[i] > s) act[n++] = i;
+        if (n == 0) break;
+        cu[0] = 0;
+        for (int a = 0; a < n; a++) {
+            int i = act[a];
+            memcpy(in + (long)a * 2 * D, feats + (long)i * D, sizeof(float) * D);
+            for (int j = 0; j < D; j++) in[(long)a * 2 * D + D + j] = widen(embed, embed_bf16, toks[i] * D + j);
+            cu[a + 1] = a + 1;
+            start[a] = base[i] + s;
+            pos[a] = base[i] + s;
+            arow[a] = rows[i];
+            moff[a] = -1;
+        }
+        skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
+        Batch b = {n, cu, start, arow, start, moff, NULL};
+        llama_forward(head, &b, NULL, x, n, pos, head->n_layers, feat_out, n, NULL, logits);
+        for (int a = 0; a < n; a++) {
+            int i = act[a], best = 0;
+            const float *lg = logits + (long)a * V;
+            for (int v = 1; v < V; v++) if (lg[v] > lg[best]) best = v;
+            toks[i] = vocab[best];
+            out_tokens[(long)i * max_steps + s] = toks[i];
+            memcpy(feats + (long)i * D, feat_out + (long)a * D, sizeof(float) * D);
+        }
     }
-    free(in); free(x); free(logits);
+    free(in); free(x); free(feat_out); free(logits); free(act); free(cu); free(start); free(arow); free(pos); free(moff);
 }

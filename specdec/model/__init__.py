@@ -1,5 +1,8 @@
+from .batch import ForwardBatch, ForwardOutput, TreeAttention
 from .checkpoint import CheckpointError, load_model, save_model
 from .config import ModelConfig
-from .llama import KVCache, Transformer, TreeAttention
+from .kv import BlockManager, KVCache
+from .llama import Transformer
 
-__all__ = ["CheckpointError", "KVCache", "ModelConfig", "Transformer", "TreeAttention", "load_model", "save_model"]
+__all__ = ["BlockManager", "CheckpointError", "ForwardBatch", "ForwardOutput", "KVCache", "ModelConfig", "Transformer",
+           "TreeAttention", "load_model", "save_model"]

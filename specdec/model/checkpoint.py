@@ -116,7 +116,19 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
 
 
 def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> Transformer:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> Transformer:
+    """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
+    to a GGUF only (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize)."""
+    from .gguf import GGUFError, find_gguf, load_gguf
+
+    try:
+        gguf_path = find_gguf(folder)
+        if gguf_path is not None:
+            return load_gguf(gguf_path, dtype, device, quantization)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    if quantization not in (None, "auto", "none"):
+        raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
     raw = read_config(folder)
     try:
         cfg = ModelConfig.from_hf(raw)
@@ -146,6 +158,10 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers were left uninitialised on meta
+    return finish(model, torch_dtype, device)
+
+
+def finish(model: Transformer, torch_dtype: torch.dtype, device) -> Transformer:
     if torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
             and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         model.use_fp32_activations()

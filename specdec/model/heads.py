@@ -31,7 +31,9 @@ from torch import Tensor, nn
 
 from .checkpoint import CheckpointError
 from .config import ModelConfig
-from .llama import KVCache, Linear, Transformer, TreeAttention
+from .batch import ForwardBatch, ForwardOutput
+from .kv import KVCache
+from .llama import Linear, Transformer
 
 MEDUSA, EAGLE = "SpecdecMedusaHeads", "SpecdecEagleHead"
 
@@ -73,16 +75,14 @@ class EagleHead(nn.Module):
     def decoder_config(self) -> ModelConfig:
         return self.decoder.config
 
-    def new_cache(self, max_len: int) -> KVCache:
-        return self.decoder.new_cache(1, max_len)
-
-    def forward(self, feats: Tensor, token_embeds: Tensor, cache: KVCache | None = None,
-                start: list[int] | None = None, tree: TreeAttention | None = None) -> tuple[Tensor, Tensor]:
-        """feats [B, T, D]: features of tokens t; token_embeds [B, T, D]: the target's embeddings
-        of tokens t + 1. Returns (logits [B, T, V'] for tokens t + 2, predicted features
-        [B, T, D] of tokens t + 1)."""
+    def forward(self, feats: Tensor, token_embeds: Tensor, kv: KVCache | None = None,
+                batch: ForwardBatch | None = None) -> ForwardOutput:
+        """feats: features of tokens t; token_embeds: the target's embeddings of tokens t + 1;
+        both [B, T, D] without a cache, [N, D] flat with one. Returns logits (for tokens t + 2,
+        over the draft vocabulary; the rows batch.logits_indices asks for) and hidden: the
+        predicted features of tokens t + 1."""
         x = self.fc(torch.cat([feats, token_embeds], -1).to(self.decoder.dtype))
-        return self.decoder(None, cache, start, tree=tree, hidden=True, embeds=x)
+        return self.decoder(None, kv, batch, hidden=True, embeds=x)
 
     def use_fp32_activations(self) -> "EagleHead":
         self.decoder.use_fp32_activations()

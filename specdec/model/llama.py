@@ -1,9 +1,17 @@
-"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2) with a static KV cache.
+"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2) over a paged KV cache.
 
-The cache is allocated once and written by absolute slot, so rejecting draft tokens is
-"advance the length less" (`KVCache.rollback`). A forward call feeds T new tokens per row at
-slots `start[b] .. start[b]+T-1`; every earlier slot of the row is visible, and among the new
-tokens the mask is causal, or the ancestor mask of a token tree (`TreeAttention`).
+Two ways in, one return type (`ForwardOutput`):
+- `model(tokens [B, T])`: full sequences, causal, no cache (training, scoring);
+- `model(tokens [N], kv, batch)`: N new tokens of several sequences, flat, written into the
+  paged cache `kv` where `batch` (a `ForwardBatch`) says, each seeing its own sequence's earlier
+  slots and, among the new ones, the causal pattern or its tree's ancestor mask.
+
+On the CPU with fp32 activations the cached path runs in one C call (kernels/forward.c), whose
+per-row matrix products and per-token attention make a token's results bit-identical whatever
+else is in the batch and however its prompt was chunked. The PyTorch path (any device) pads
+the batch to [B, T_max] and gathers each sequence's blocks; its BLAS and SDPA kernels may sum
+in a different order for a different batch shape, so there a token's logits can differ in the
+last bits with the batch around it (greedy ties could then break differently).
 
 Module names follow Hugging Face's, except that q/k/v and gate/up are fused into one matmul
 each (fewer, larger kernels); `model/checkpoint.py` converts at load and save.
@@ -12,8 +20,7 @@ each (fewer, larger kernels); `model/checkpoint.py` converts at load and save.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +28,11 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..kernels import cforward
+from .batch import AttentionPlan, ForwardBatch, ForwardOutput, TreeAttention
 from .config import ModelConfig
+from .kv import KVCache
+
+__all__ = ["ForwardBatch", "ForwardOutput", "KVCache", "Linear", "Transformer", "TreeAttention"]
 
 
 class Linear(nn.Linear):
@@ -31,74 +42,6 @@ class Linear(nn.Linear):
         if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
             return kernels.linear(x, self.weight, self.bias)
         return kernels.linear(x, self.weight, self.bias, kernels.packed_of(self))
-
-
-class KVCache:
-    """Keys and values of `batch` sequences, `max_len` slots each, one pair of tensors per layer.
-
-    `lengths[b]` is the number of valid slots of row b; it lives on the host (the engine always
-    knows it), so reading it costs no device sync.
-    """
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, num_layers: int | None = None):
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        n = num_layers if num_layers is not None else cfg.num_hidden_layers
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.max_len = max_len
-        self.lengths = [0] * batch
-
-    @property
-    def length(self) -> int:
-        """The length of row 0: the single-sequence engine's view."""
-        return self.lengths[0]
-
-    def rollback(self, length: int, row: int = 0) -> None:
-        """Forget every slot from `length` on; O(1), the stale slots are simply overwritten."""
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"cannot roll back row {row} from {self.lengths[row]} to {length}")
-        self.lengths[row] = length
-
-    def move(self, src: Sequence[int], dst_start: int, row: int = 0) -> None:
-        """Copy the entries of slots `src` to `dst_start, dst_start+1, ...` in every layer.
-
-        Tree verification writes each node at its own slot; the accepted path is then moved
-        to be contiguous after the prefix.
-        """
-        if list(src) == list(range(dst_start, dst_start + len(src))):
-            return
-        idx = torch.tensor(list(src), device=self.k[0].device)
-        for cache in (self.k, self.v):
-            for t in cache:
-                t[row, :, dst_start:dst_start + len(src)] = t[row, :, idx]
-
-
-@dataclass(frozen=True)
-class TreeAttention:
-    """The attention pattern of the T new tokens of a tree forward.
-
-    depth: [T] int   position offset of each node (root = 0)
-    mask:  [T, past + T] bool  over slots start - past .. start + T - 1: mask[i, past + j] =
-           new node j is node i itself or one of its ancestors. Slots before start - past are
-           visible to every node. past > 0 lets a tree grow over several forwards (EAGLE's
-           drafting): earlier nodes stay in the cache and each new node sees its ancestors only.
-    """
-    depth: Tensor
-    mask: Tensor
-    past: int = 0
-
-    @classmethod
-    def from_parents(cls, parents: Sequence[int], device=None) -> "TreeAttention":
-        """The root (the first token) and nodes hanging below parents[i] (-1 = the root)."""
-        T = len(parents) + 1
-        depth = [0] * T
-        mask = torch.eye(T, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, par in enumerate(parents):
-            depth[i + 1] = depth[par + 1] + 1
-            mask[i + 1] |= mask[par + 1]
-        return cls(torch.tensor(depth, device=device), mask.to(device))
 
 
 class RMSNorm(nn.Module):
@@ -142,36 +85,59 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int,
-                cache: KVCache | None, start: Sequence[int] | None, mask: Tensor | None) -> Tensor:
-        B, T, _ = x.shape
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
+                plan: AttentionPlan | None) -> Tensor:
+        """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
+        lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
+        gqa = self.n_kv != self.n_heads
+        if kv is None:  # training / full-sequence scoring: [B, H, T, hd]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache is None:  # training / full-sequence scoring
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            k, v = _write_cache(cache, layer, k, v, start)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(_paged_attention(q, k, v, kv.k[layer], kv.v[layer], plan, gqa))
 
 
-def _write_cache(cache: KVCache, layer: int, k: Tensor, v: Tensor, start: Sequence[int]):
-    """Write k, v [B, n_kv, T, hd] at slots start[b]..start[b]+T-1; return the visible span."""
-    T = k.shape[2]
-    span = max(start) + T
-    kc, vc = cache.k[layer], cache.v[layer]
-    if len(start) == 1:
-        kc[:, :, start[0]:span] = k
-        vc[:, :, start[0]:span] = v
-    else:
-        for b, s in enumerate(start):
-            kc[b, :, s:s + T] = k[b]
-            vc[b, :, s:s + T] = v[b]
-    return kc[:, :, :span], vc[:, :, :span]
+def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
+                     gqa: bool) -> Tensor:
+    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [num_blocks, KV, bs, hd] one layer's cache.
+    Writes k/v at their slots; each sequence attends over its own gathered blocks; returns
+    [N, H * hd].
+
+    A sequence feeding at most kernels.MAX_ROWS tokens (decoding, verification, a short chunk)
+    attends one token at a time over exactly the keys that token sees, with no mask: the same
+    operation on the same values as when the token is decoded alone, whatever else is in the
+    batch (a masked attention over several rows sums in another order, and a last-bit
+    difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
+    tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
+    kc[plan.write_blocks, :, plan.write_offsets] = k
+    vc[plan.write_blocks, :, plan.write_offsets] = v
+    N, H, hd = q.shape
+    out = q.new_empty(N, H, hd)
+    for seq in plan.seqs:
+        keys = kc[seq.blocks].transpose(0, 1).reshape(kc.shape[1], -1, hd)          # [KV, nb * bs, hd]
+        vals = vc[seq.blocks].transpose(0, 1).reshape(vc.shape[1], -1, hd)
+        if seq.mask is not None:
+            rows = slice(seq.first, seq.first + seq.count)
+            out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
+                                                       vals[None, :, :seq.span], attn_mask=seq.mask,
+                                                       enable_gqa=gqa)[0].transpose(0, 1)
+            continue
+        for t, seen in enumerate(seq.seen):
+            kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
+            qt = q[seq.first + t].clone()          # a fresh buffer: sums must not depend on where it starts
+            out[seq.first + t] = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None],
+                                                                enable_gqa=gqa)[0, :, 0]
+    return out.reshape(N, H * hd)
+
+
 
 
 class MLP(nn.Module):
@@ -193,8 +159,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, start, mask)
+    def forward(self, x, cos, sin, layer, kv, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -217,6 +183,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
+        # the C path's view of each cache this model writes into (kernels/cforward.CView)
+        self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,85 +205,90 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
+
+    def kv_bytes_per_slot(self, num_layers: int | None = None) -> int:
+        cfg = self.config
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
+        return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+
+    def new_kv(self, blocks, num_layers: int | None = None) -> KVCache:
+        """A cache for this model over the blocks of a BlockManager (model/kv.py)."""
+        cfg = self.config
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
+        return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
-        return KVCache(self.config, batch, max_len or self.config.max_position_embeddings,
-                       self.dtype, self.device, num_layers)
+        """A contiguous cache: sequences 0..batch-1 of max_len slots each."""
+        cfg = self.config
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
+        return KVCache.dense(batch, max_len or cfg.max_position_embeddings, n, cfg.num_key_value_heads,
+                             cfg.head_dim, self.dtype, self.device)
 
     def forward(
         self,
-        tokens: Tensor | None,                # [B, T] int64 (None: embeds instead)
-        cache: KVCache | None = None,
-        start: Sequence[int] | None = None,   # [B] host ints: first slot of the new tokens
-        tree: TreeAttention | None = None,
+        tokens: Tensor | None,                # [B, T] (no cache) or [N] int64; None: embeds instead
+        kv: KVCache | None = None,
+        batch: ForwardBatch | None = None,    # where the N tokens go (required with kv)
+        *,
+        embeds: Tensor | None = None,         # [B, T, D] / [N, D] input vectors instead of token embeddings
         exit_layer: int | None = None,        # run only the first `exit_layer` layers
-        logits: bool | slice = True,          # False: skip the LM head; a slice: only those positions
+        logits: bool = True,                  # False: skip the LM head
         hidden: bool = False,                 # also return the final-norm hidden states
-        embeds: Tensor | None = None,         # [B, T, D] input vectors instead of token embeddings
-    ):
-        B, T = embeds.shape[:2] if embeds is not None else tokens.shape
-        if cache is not None and start is None:
-            start = list(cache.lengths)
-        if cache is not None and self._c_path(cache, logits):
-            return self._forward_c(tokens, cache, start[0], tree, exit_layer, logits, hidden, embeds)
-        device = self.device
-        positions, mask = self._positions_and_mask(B, T, cache, start, tree, device)
-        freqs = positions[..., None].float() * self.inv_freq       # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, T, hd]
-        x = (self.model.embed_tokens(tokens) if embeds is None else embeds).to(self.dtype)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
-        for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, i, cache, start, mask)
-        if cache is not None:
-            for b, s in enumerate(start):
-                cache.lengths[b] = s + T
+    ) -> ForwardOutput:
+        if kv is None:
+            return self._forward_full(tokens, embeds, exit_layer, logits, hidden)
+        n_layers = self.config.num_hidden_layers if exit_layer is None else exit_layer
+        if batch.num_tokens == 0:
+            empty = torch.empty(0, device=self.device, dtype=self.dtype)
+            return ForwardOutput(empty.new_empty(0, self.config.vocab_size) if logits else None,
+                                 empty.new_empty(0, self.config.hidden_size) if hidden else None)
+        view = self.c_view(kv)
+        if view is not None:
+            out, h = cforward.forward(kernels.load(), view, tokens, embeds, batch, n_layers, logits, hidden)
+            return ForwardOutput(out, h)
+        return self._forward_paged(tokens, embeds, kv, batch, n_layers, logits, hidden)
+
+    def c_view(self, kv: KVCache) -> cforward.CView | None:
+        """The C path's view of (this model, kv), built once; None where the C path does not
+        apply (training, no compiler, not the CPU, bf16 activations)."""
+        if self.model.norm.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
+            return None
+        view = self._c_views.get(kv)
+        if view is None:
+            view = self._c_views[kv] = cforward.CView(self, kv)
+        return view
+
+    def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _head(self, x: Tensor, logits: bool, hidden: bool, rows: Tensor | None = None) -> ForwardOutput:
         h = self.model.norm(x)
         out = None
-        if logits is not False:
-            out = self.lm_head(h if logits is True else h[:, logits])
-        return (out, h) if hidden else out
+        if logits:
+            out = self.lm_head(h if rows is None else h[rows])
+        return ForwardOutput(out, h if hidden else None)
 
-    def _c_path(self, cache: KVCache, logits) -> bool:
-        """One CPU sequence at inference: the whole forward in one C call (kernels/forward.c)."""
-        if self.lm_head.weight.requires_grad or kernels.load() is None:
-            return False
-        if isinstance(logits, slice) and (logits.stop is not None or logits.step is not None):
-            return False
-        return cforward.supported(self, cache)
+    def _forward_full(self, tokens, embeds, exit_layer, logits, hidden) -> ForwardOutput:
+        B, T = embeds.shape[:2] if embeds is not None else tokens.shape
+        x = (self.model.embed_tokens(tokens) if embeds is None else embeds).to(self.dtype)
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]                         # [B, 1, T, hd]
+        layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, i, None, None)
+        return self._head(x, logits, hidden)
 
-    def _forward_c(self, tokens, cache, start, tree, exit_layer, logits, hidden, embeds=None):
-        T = tokens.shape[1] if embeds is None else embeds.shape[1]
-        offsets = tree.depth if tree is not None else torch.arange(T)
-        if logits is False:
-            logit_from = None
-        else:
-            first = 0 if logits is True else (logits.start or 0)
-            logit_from = max(0, first + T) if first < 0 else first
-        out, h = cforward.forward(kernels.load(), self, tokens[0] if embeds is None else None, cache, start,
-                                  offsets + start, tree.mask if tree is not None else None,
-                                  exit_layer or self.config.num_hidden_layers, logit_from, hidden,
-                                  embeds[0] if embeds is not None else None, tree.past if tree is not None else 0)
-        cache.lengths[0] = start + T
-        out = out[None] if out is not None else None
-        return (out, h[None]) if hidden else out
-
-    def _positions_and_mask(self, B, T, cache, start, tree, device):
-        if cache is None:
-            return torch.arange(T, device=device).expand(B, T), None
-        offsets = tree.depth if tree is not None else torch.arange(T, device=device)
-        starts = torch.tensor(start, device=device)
-        positions = starts[:, None] + offsets[None, :]              # [B, T]
-        if tree is None and T == 1 and len(set(start)) == 1:
-            return positions, None                                   # decode: see every slot
-        span = max(start) + T
-        past = tree.past if tree is not None else 0
-        slot = torch.arange(span, device=device)
-        rel = slot[None, :] - starts[:, None] + past                 # [B, span] column of the mask
-        new = tree.mask if tree is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        rel_idx = rel.clamp(0, past + T - 1)
-        visible_new = new[:, rel_idx].permute(1, 0, 2)               # [B, T, span]
-        in_new = (rel >= 0) & (rel < past + T)
-        mask = torch.where(in_new[:, None, :], visible_new, (rel < 0)[:, None, :])
-        return positions, mask[:, None]                              # [B, 1, T, span]
+    def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
+        dev = self.device
+        x = (self.model.embed_tokens(tokens.to(dev)) if embeds is None else embeds.to(dev)).to(self.dtype)
+        cos, sin = self._rope(batch.positions.to(dev), x.dtype)
+        cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
+        plan = AttentionPlan.of(batch, kv, dev, kernels.MAX_ROWS)
+        for i, layer in enumerate(self.model.layers[:n_layers]):
+            x = layer(x, cos, sin, i, kv, plan)
+        rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
+        return self._head(x, logits, hidden, rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import SpeculativeConfig
-from .base import Draft, DraftSession, Proposer, RequestContext
+from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .layer_skip import LayerSkipProposer
@@ -14,7 +14,7 @@ from .ngram import NgramProposer
 
 
 def _draft_model(spec: SpeculativeConfig, target, loader, max_len):
-    return DraftModelProposer(loader(spec.model), max_len)
+    return DraftModelProposer(loader(spec.model))
 
 
 def _ngram(spec: SpeculativeConfig, target, loader, max_len):
@@ -48,7 +48,7 @@ def _eagle(spec: SpeculativeConfig, target, loader, max_len):
     for name, v in (("topk", topk), ("depth", depth)):
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
             raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
-    return EagleProposer(_load_heads(spec, target, EAGLE), target, max_len, topk=topk, depth=depth)
+    return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)
 
 
 def heads_config(folder) -> dict:
@@ -77,19 +77,28 @@ def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer
     if spec.method not in REGISTRY:
         raise ValueError(f"speculative method {spec.method!r} is not available "
                          f"(available: {', '.join(REGISTRY)})")
+    typical_acceptance(spec)          # a bad acceptance setting fails before any weights load
+    return REGISTRY[spec.method](spec, target, loader, max_len)
+
+
+def typical_acceptance(spec: SpeculativeConfig | None) -> tuple[float, float] | None:
+    """(threshold, alpha) of Medusa's typical acceptance when the config asks for it (lossy:
+    only ever explicit), else None; a verification setting of the engine, not of a proposer."""
+    if spec is None:
+        return None
     acceptance = spec.extra.get("acceptance_method", "rejection_sampler")
     if acceptance not in ACCEPTANCE_METHODS:
         raise ValueError(f"speculative_config.acceptance_method must be one of {', '.join(ACCEPTANCE_METHODS)}, "
                          f"got {acceptance!r}")
-    proposer = REGISTRY[spec.method](spec, target, loader, max_len)
-    if acceptance == "typical_acceptance_sampler":   # lossy (Medusa): explicitly asked for
-        threshold = spec.extra.get("posterior_threshold", 0.09)
-        alpha = spec.extra.get("posterior_alpha", 0.3)
-        for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
-                raise ValueError(f"speculative_config.{name} must be in (0, 1], got {v!r}")
-        proposer.typical_acceptance = (float(threshold), float(alpha))
-    return proposer
+    if acceptance != "typical_acceptance_sampler":
+        return None
+    threshold = spec.extra.get("posterior_threshold", 0.09)
+    alpha = spec.extra.get("posterior_alpha", 0.3)
+    for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
+            raise ValueError(f"speculative_config.{name} must be in (0, 1], got {v!r}")
+    return float(threshold), float(alpha)
 
 
-__all__ = ["Draft", "DraftSession", "Proposer", "RequestContext", "REGISTRY", "build_proposer"]
+__all__ = ["Committed", "Draft", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps", "RequestContext",
+           "REGISTRY", "build_proposer", "typical_acceptance"]

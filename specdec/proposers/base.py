@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,29 +38,89 @@ class RequestContext:
     vocab_size: int                # the target's logits width: q is padded or cut to it
 
 
-class DraftSession(Protocol):
-    """One request's proposer state (a draft KV cache, an n-gram index, ...)."""
+@dataclass(frozen=True)
+class ProposerCaps:
+    """What a proposer is, declared on it (the engine never probes for attributes)."""
+    tree: bool = False                 # drafts are token trees, listed best first ("auto" adapts the size)
+    needs_hidden: bool = False         # reads the target's final-norm features (Medusa, EAGLE)
+    max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
+    max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
 
-    def propose(self, seq: list[int], k: int) -> Draft:
-        """Propose up to k tokens to follow `seq` (prompt + output so far)."""
 
-    def commit(self, seq: list[int]) -> None:
-        """`seq` is the sequence after verification: roll back whatever was rejected.
+@dataclass(frozen=True)
+class ProposeItem:
+    request_id: Hashable
+    seq: list[int]                 # prompt + output so far; the target's cache holds seq[:-1]
+    k: int                         # tokens (tree nodes) wanted, >= 1
 
-        Proposers with `needs_hidden` are called as commit(seq, hidden) with hidden [n, D]: the
-        target's final-norm features of the tokens the step fed and kept, i.e. of
-        seq[len(seq) - 1 - n : len(seq) - 1] (the last token is fed by the next step)."""
+
+@dataclass(frozen=True)
+class Committed:
+    """After a step, for one request: the target's cache now holds seq[:num_cached]."""
+    request_id: Hashable
+    seq: list[int]
+    num_cached: int
+    hidden: Tensor | None          # [m, D] the target's features of seq[num_cached - m : num_cached]
+                                   # (proposers with needs_hidden only)
+    prefill: bool                  # a prompt chunk; else a verified decoding step
 
 
 class Proposer(Protocol):
-    """A drafting method; holds what is shared across requests (weights).
+    """A drafting method over a batch of requests. It holds what requests share (weights, its
+    own KV cache over the engine's blocks) and each request's state, keyed by request id.
 
-    Optional attributes: `needs_hidden` (Medusa, EAGLE: the engine passes the target's
-    features to start(..., hidden=[len(prompt) - 1, D]) and commit) and `tree` (drafts are
-    token trees, listed best first; "auto" then adapts the tree size)."""
+    Per step the engine calls propose() for the requests that draft (one draft forward per
+    depth over all of them, where a model drafts), then, after the target's forward and
+    verification, update() with what each request now holds. A request's drafts must depend
+    only on its own tokens and generator (never on the batch), so that its output is the same
+    as when it runs alone."""
     name: str
+    caps: ProposerCaps
 
-    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> DraftSession: ...
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of the proposer's own KV per token slot (0 = none); sizes the shared pool."""
+
+    def initialize_kv(self, blocks, target_kv) -> None:
+        """Called once: allocate own caches over `blocks` (shared block tables); layer_skip
+        drafts into `target_kv`."""
+
+    def lookahead_slots(self, k: int) -> int:
+        """Slots past the committed prefix (len(seq) - 1) its caches write when drafting k."""
+
+    def add_request(self, request_id: Hashable, ctx: RequestContext) -> None: ...
+
+    def remove_request(self, request_id: Hashable) -> None: ...
+
+    def propose(self, items: list[ProposeItem]) -> list[Draft]: ...
+
+    def update(self, items: list[Committed]) -> None: ...
+
+
+class ProposerBase:
+    """Defaults for the Proposer interface: no KV of its own, per-request contexts."""
+    name = "base"
+    caps = ProposerCaps()
+
+    def __init__(self):
+        self.ctx: dict[Hashable, RequestContext] = {}
+
+    def kv_bytes_per_slot(self) -> int:
+        return 0
+
+    def initialize_kv(self, blocks, target_kv) -> None:
+        pass
+
+    def lookahead_slots(self, k: int) -> int:
+        return k
+
+    def add_request(self, request_id: Hashable, ctx: RequestContext) -> None:
+        self.ctx[request_id] = ctx
+
+    def remove_request(self, request_id: Hashable) -> None:
+        self.ctx.pop(request_id, None)
+
+    def update(self, items: list[Committed]) -> None:
+        pass
 
 
 def draw(logits: Tensor, ctx: RequestContext) -> tuple[Tensor, Tensor | None]:
@@ -69,6 +130,27 @@ def draw(logits: Tensor, ctx: RequestContext) -> tuple[Tensor, Tensor | None]:
         return logits.argmax(-1), None
     q = process(logits, ctx.params)
     return sample(q, ctx.generator), q
+
+
+def grow_chains(items: list[ProposeItem], ctxs: list[RequestContext], logits: Tensor, step) -> list[Draft]:
+    """Autoregressive chains for a batch: draw each request's next token from its row of
+    logits [B, V] (its own generator, in the same order as alone), then call
+    step(active, tokens, depth) -> logits [len(active), V] for the requests (indices into
+    items) that want more, fed their newest token (tokens [len(active)]) at depth + 1."""
+    tokens: list[list[Tensor]] = [[] for _ in items]
+    probs: list[list[Tensor]] = [[] for _ in items]
+    active, depth = list(range(len(items))), 0
+    while True:
+        for row, i in enumerate(active):
+            tok, q = draw(fit_vocab(logits[row:row + 1], ctxs[i].vocab_size), ctxs[i])
+            tokens[i].append(tok)
+            probs[i] += [q] if q is not None else []
+        active = [i for i in active if items[i].k > depth + 1]
+        if not active:
+            break
+        logits = step(active, torch.cat([tokens[i][-1] for i in active]), depth)
+        depth += 1
+    return [chain(t, q, logits.device) for t, q in zip(tokens, probs)]
 
 
 def chain(tokens: list[Tensor], probs: list[Tensor], device) -> Draft:

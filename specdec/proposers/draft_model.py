@@ -1,50 +1,65 @@
-"""A small draft model sharing the target's tokenizer, drafting K tokens autoregressively."""
+"""A small draft model sharing the target's tokenizer, drafting K tokens autoregressively.
+
+Its KV cache lives on the engine's blocks (the same block tables as the target's: one
+allocation covers both), with its own length per request. Invariant: the draft cache holds a
+prefix of the committed sequence (plus, during a step, the drafts fed back). Prompt chunks are
+fed as the target prefills them; every step first feeds what the cache lacks: one token after
+a rejection, two (the last draft and the bonus) after a step that accepted everything.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..model import Transformer
-from .base import Draft, RequestContext, chain, draw, fit_vocab
+from ..model import ForwardBatch, Transformer
+from .base import Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, grow_chains
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     name = "draft_model"
 
-    def __init__(self, model: Transformer, max_len: int):
-        self.model, self.max_len = model, max_len
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+        self.caps = ProposerCaps(max_len=model.config.max_position_embeddings)
+        self.kv = None
+
+    def kv_bytes_per_slot(self) -> int:
+        return self.model.kv_bytes_per_slot()
+
+    def initialize_kv(self, blocks, target_kv) -> None:
+        self.kv = self.model.new_kv(blocks)
+
+    def _forward(self, ids, tokens: list[int] | torch.Tensor, counts, starts, logits: bool):
+        kv = self.kv
+        batch = ForwardBatch.build(kv, ids, counts, starts, logits=[1] * len(ids) if logits else None)
+        tokens = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
+        out = self.model(tokens.to(self.model.device), kv, batch, logits=logits).logits
+        for rid, st, n in zip(ids, starts, counts):
+            kv.set_length(rid, st + n)
+        return out
 
     @torch.inference_mode()
-    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> "DraftModelSession":
-        cache = self.model.new_cache(1, self.max_len)
-        if len(prompt) > 1:   # prefill here, so that proposal timings (adaptive K) are per-step costs
-            self.model(torch.tensor(prompt[:-1], device=self.model.device)[None], cache, logits=False)
-        return DraftModelSession(self.model, cache, ctx)
-
-
-class DraftModelSession:
-    """Invariant: the draft cache holds a prefix of the committed sequence (plus, during a step,
-    the drafts fed back). Every step first feeds what the cache lacks: the last prompt token on
-    the first step, one token after a rejection, two (the last draft and the bonus) after a
-    step that accepted everything."""
-
-    def __init__(self, model: Transformer, cache, ctx: RequestContext):
-        self.model, self.cache, self.ctx = model, cache, ctx
+    def update(self, items: list[Committed]) -> None:
+        feed = []
+        for it in items:
+            length = min(self.kv.length(it.request_id), it.num_cached)
+            self.kv.rollback(it.request_id, length)
+            if it.prefill and length < it.num_cached:
+                feed.append((it.request_id, it.seq[length:it.num_cached], length))
+        if feed:   # prompt chunks: in the same step as the target's, so proposals cost per-step work
+            self._forward([f[0] for f in feed], [t for f in feed for t in f[1]], [len(f[1]) for f in feed],
+                          [f[2] for f in feed], logits=False)
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k: int) -> Draft:
-        dev = self.model.device
-        pending = torch.tensor(seq[self.cache.length:], device=dev)[None]
-        logits = self.model(pending, self.cache, logits=slice(-1, None))[0]       # [1, V]
-        tokens, probs = [], []
-        for i in range(k):
-            tok, q = draw(fit_vocab(logits, self.ctx.vocab_size), self.ctx)
-            tokens.append(tok)
-            probs += [q] if q is not None else []
-            if i + 1 < k:
-                logits = self.model(tok[None], self.cache)[0]
-        return chain(tokens, probs, dev)
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        ids = [it.request_id for it in items]
+        starts = [self.kv.length(rid) for rid in ids]
+        pending = [it.seq[st:] for it, st in zip(items, starts)]
+        logits = self._forward(ids, [t for p in pending for t in p], [len(p) for p in pending], starts, True)
 
-    def commit(self, seq: list[int]) -> None:
-        # entries past len(seq) - 1 include rejected drafts; the last token is fed next step
-        self.cache.rollback(min(self.cache.length, len(seq) - 1))
+        def step(active, tokens, depth):
+            sel = [ids[i] for i in active]
+            return self._forward(sel, tokens, [1] * len(active), [len(items[i].seq) + depth for i in active], True)
+
+        return grow_chains(items, [self.ctx[rid] for rid in ids], logits, step)

@@ -11,6 +11,11 @@ all of them, a tree mask over the head's cache), each with `topk` children. Gree
 then keeps the N best nodes overall (a tree, since scores only fall along a path). Sampling
 draws each node's children without replacement from its q and keeps every drawn node (node
 counts decided before drawing, never by the drawn values), so verification stays exact.
+
+Batched: the head's cache lives on the engine's blocks (the target's block tables); feeding,
+each chain depth and each tree expansion run one head forward over every request at once,
+each request's nodes under its own tree mask. Greedy chains on the CPU run in one C call for
+the whole batch (kernels/forward.c: eagle_chain).
 """
 
 from __future__ import annotations
@@ -21,137 +26,189 @@ import torch
 
 from .. import kernels
 from ..kernels import cforward
-from ..model import Transformer, TreeAttention
+from ..model import ForwardBatch, Transformer, TreeAttention
 from ..model.heads import EagleHead
 from ..sampling import process
-from .base import Draft, RequestContext, draw_without_replacement, to_target_vocab
+from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, RequestContext,
+                   draw_without_replacement, to_target_vocab)
 
 
-class EagleProposer:
+class EagleProposer(ProposerBase):
     name = "eagle"
-    needs_hidden = True
-    tree = True
 
-    def __init__(self, head: EagleHead, target: Transformer, max_len: int, topk: int = 4, depth: int | None = None):
+    def __init__(self, head: EagleHead, target: Transformer, topk: int = 4, depth: int | None = None):
+        super().__init__()
         if topk < 1:
             raise ValueError(f"speculative_config.topk must be >= 1, got {topk}")
-        self.head, self.target, self.max_len, self.topk, self.depth = head, target, max_len, topk, depth
+        self.head, self.target, self.topk, self.depth = head, target, topk, depth
+        # a chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request
+        self.caps = ProposerCaps(tree=True, needs_hidden=True,
+                                 max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
+        self.kv = None
+        self.c_chain = False
+        self.state: dict = {}    # request id -> (logits [V'] after its last token, that token's predicted feature [D])
 
-    @property
-    def max_tree_size(self) -> int | None:
-        """A chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request."""
-        return (self.depth or DEFAULT_DEPTH) if self.topk == 1 else None
+    def kv_bytes_per_slot(self) -> int:
+        return self.head.decoder.kv_bytes_per_slot()
 
-    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None, hidden=None) -> "EagleSession":
-        s = EagleSession(self, ctx)
-        if hidden is not None and len(hidden):
-            s.feed(prompt, hidden, 0)
-        return s
+    def initialize_kv(self, blocks, target_kv) -> None:
+        self.kv = self.head.decoder.new_kv(blocks)
+        self.c_chain = self._c_chain_ok()      # decided once, not every step
 
+    def lookahead_slots(self, k: int) -> int:
+        levels = max(0, min(k, self.depth or DEFAULT_DEPTH) - 1)       # head forwards past the root
+        return levels * self.topk
 
-class EagleSession:
-    def __init__(self, p: EagleProposer, ctx: RequestContext):
-        self.p, self.ctx = p, ctx
-        self.cache = p.head.new_cache(p.max_len)
-        self.c_chain = self._c_chain_ok()     # decided once per request, not every step
-        self.logits = None     # [V'] for the token after the sequence's last token
-        self.feature = None    # [D] the head's predicted feature of the sequence's last token
-
-    def _embed(self, tokens: list[int]):
-        emb = self.p.target.model.embed_tokens
-        return emb(torch.tensor(tokens, device=emb.weight.device)).to(self.p.head.decoder.dtype)
-
-    @torch.inference_mode()
-    def feed(self, seq: list[int], feats, start: int) -> None:
-        """feats [n, D]: the target's features of seq[start : start + n]; write pairs start.. ."""
-        n = feats.shape[0]
-        self.cache.rollback(start)
-        logits, f = self.p.head(feats[None].to(self.p.head.decoder.dtype),
-                                self._embed(seq[start + 1:start + 1 + n])[None], self.cache, [start])
-        self.logits, self.feature = logits[0, -1], f[0, -1]
-
-    def commit(self, seq: list[int], hidden=None) -> None:
-        if hidden is not None and len(hidden):
-            self.feed(seq, hidden, len(seq) - 1 - hidden.shape[0])
-
-    @torch.inference_mode()
-    def propose(self, seq: list[int], k: int) -> Draft:
-        if self.logits is None or k == 0:
-            return Draft(torch.empty(0, dtype=torch.long), parents=[])
-        greedy, topk = self.ctx.params.greedy, self.p.topk
-        depth_max = min(k, self.p.depth or DEFAULT_DEPTH)
-        base = len(seq) - 1                     # the head's first free slot: its pairs cover seq[:-1]
-        if topk == 1:
-            return self._chain(depth_max, base)
-        t = _Tree()
-        # the root: the logits after the sequence, the predicted feature of its last token
-        level = [(-1, self.logits, self.feature)]
-        written: list[int] = []                 # nodes whose pairs sit at slots base, base + 1, ...
-        for depth in range(depth_max):
-            new = []
-            for node, logits, feat in level:
-                m = topk if greedy else min(topk, k - len(t.tokens))
-                if m <= 0:
-                    break
-                for tok, logq, q in self._children(logits, m):
-                    new.append(t.add(tok, node, t.score(node) + logq, q, feat))
-            if not new or depth + 1 == depth_max or (not greedy and len(t.tokens) >= k):
-                break
-            expand = sorted(new, key=lambda i: (-t.scores[i], i))[:topk]
-            level = self._expand(t, expand, written, base, depth)
-        self.cache.rollback(base)
-        if greedy:       # best first (smaller trees are prefixes: adaptive sizes rely on it)
-            t = t.best(k)
-        if not t.tokens:
-            return Draft(torch.empty(0, dtype=torch.long), parents=[])
-        probs = torch.stack(t.probs) if t.probs else None
-        return Draft(torch.tensor(t.tokens, dtype=torch.long), probs, t.parents)
-
-    def _chain(self, n: int, base: int) -> Draft:
-        """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right).
-        Greedy chains on the CPU run in one C call (kernels/forward.c: eagle_chain)."""
-        if self.ctx.params.greedy and self.c_chain:
-            first = int(self.p.head.draft_vocab[self.logits.argmax()])
-            rest = cforward.eagle_chain(kernels.load(), self.p.head, self.cache, self.p.target.model.embed_tokens.weight,
-                                        self.feature, first, base, n - 1) if n > 1 else []
-            return Draft(torch.tensor([first] + rest, dtype=torch.long), None, list(range(-1, n - 1)))
-        tokens, probs = [], []
-        logits, feat = self.logits, self.feature
-        for depth in range(n):
-            (tok, _, q), = self._children(logits, 1)
-            tokens.append(tok)
-            if q is not None:
-                probs.append(q)
-            if depth + 1 < n:
-                out, f = self.p.head(feat[None, None], self._embed([tok])[None], self.cache, [base + depth])
-                logits, feat = out[0, -1], f[0, -1]
-        self.cache.rollback(base)
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None,
-                     list(range(-1, n - 1)))
+    def remove_request(self, request_id) -> None:
+        super().remove_request(request_id)
+        self.state.pop(request_id, None)
 
     def _c_chain_ok(self) -> bool:
-        head, emb = self.p.head, self.p.target.model.embed_tokens.weight
-        return (kernels.load() is not None and cforward.supported(head.decoder, self.cache)
-                and head.fc.weight.dtype in (torch.float32, torch.bfloat16) and emb.device.type == "cpu"
-                and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
+        head, emb = self.head, self.target.model.embed_tokens.weight
+        return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
+                and emb.device.type == "cpu" and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
 
-    def _children(self, logits, m: int):
+    def _embed(self, tokens: list[int]):
+        emb = self.target.model.embed_tokens
+        return emb(torch.tensor(tokens, dtype=torch.long, device=emb.weight.device)).to(self.head.decoder.dtype)
+
+    def _run(self, ids, feats, tokens: list[int], counts, starts, trees=None, last_only=False):
+        """One head forward: pairs (feats [N, D], tokens [N]) of several requests."""
+        batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits=[1] * len(ids) if last_only else None)
+        return self.head(feats.to(self.head.decoder.dtype), self._embed(tokens), self.kv, batch)
+
+    @torch.inference_mode()
+    def update(self, items: list[Committed]) -> None:
+        """Write the pairs (feature_j, token_{j+1}) of the tokens the target just kept."""
+        items = [it for it in items if it.hidden is not None and len(it.hidden)]
+        if not items:
+            return
+        ids = [it.request_id for it in items]
+        counts = [it.hidden.shape[0] for it in items]
+        starts = [it.num_cached - n for it, n in zip(items, counts)]
+        tokens = [t for it, st, n in zip(items, starts, counts) for t in it.seq[st + 1:st + 1 + n]]
+        out = self._run(ids, torch.cat([it.hidden for it in items]), tokens, counts, starts, last_only=True)
+        last = torch.tensor(counts).cumsum(0) - 1
+        for b, it in enumerate(items):
+            self.state[it.request_id] = (out.logits[b], out.hidden[last[b]])
+            self.kv.set_length(it.request_id, it.num_cached)
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        drafts = [Draft(torch.empty(0, dtype=torch.long), parents=[])] * len(items)
+        live = [i for i, it in enumerate(items) if it.request_id in self.state]
+        if self.topk == 1:
+            greedy_c = [i for i in live if self.c_chain and self.ctx[items[i].request_id].params.greedy]
+            self._c_chains(items, greedy_c, drafts)
+            self._chains(items, [i for i in live if i not in greedy_c], drafts)
+        else:
+            self._trees(items, live, drafts)
+        return drafts
+
+    def _c_chains(self, items, idx: list[int], drafts: list) -> None:
+        """topk = 1, greedy, CPU: every request's chain in one C call."""
+        if not idx:
+            return
+        vocab = self.head.draft_vocab
+        n = [min(items[i].k, self.depth or DEFAULT_DEPTH) for i in idx]
+        first = [int(vocab[self.state[items[i].request_id][0].argmax()]) for i in idx]
+        steps = [m - 1 for m in n]
+        rest = [[] for _ in idx]
+        if max(steps) > 0:
+            feats = torch.stack([self.state[items[i].request_id][1] for i in idx])
+            rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), self.head.fc,
+                                        self.target.model.embed_tokens.weight, vocab,
+                                        [self.kv.blocks.row(items[i].request_id) for i in idx],
+                                        [len(items[i].seq) - 1 for i in idx], steps, feats, first)
+        for j, i in enumerate(idx):
+            drafts[i] = Draft(torch.tensor([first[j]] + rest[j], dtype=torch.long), None, list(range(-1, n[j] - 1)))
+
+    def _chains(self, items, idx: list[int], drafts: list) -> None:
+        """topk = 1: the tree is a chain, and a chain needs no tree mask (causal is right)."""
+        if not idx:
+            return
+        n = {i: min(items[i].k, self.depth or DEFAULT_DEPTH) for i in idx}
+        cur = {i: self.state[items[i].request_id] for i in idx}
+        tokens, probs = {i: [] for i in idx}, {i: [] for i in idx}
+        active, depth = list(idx), 0
+        while active:
+            for i in active:
+                (tok, _, q), = self._children(cur[i][0], 1, self.ctx[items[i].request_id])
+                tokens[i].append(tok)
+                probs[i] += [q] if q is not None else []
+            active = [i for i in active if n[i] > depth + 1]
+            if not active:
+                break
+            out = self._run([items[i].request_id for i in active], torch.stack([cur[i][1] for i in active]),
+                            [tokens[i][-1] for i in active], [1] * len(active),
+                            [len(items[i].seq) - 1 + depth for i in active])
+            for row, i in enumerate(active):
+                cur[i] = (out.logits[row], out.hidden[row])
+            depth += 1
+        for i in idx:
+            drafts[i] = Draft(torch.tensor(tokens[i], dtype=torch.long), torch.stack(probs[i]) if probs[i] else None,
+                              list(range(-1, n[i] - 1)))
+
+    def _trees(self, items, idx: list[int], drafts: list) -> None:
+        """EAGLE-2 trees, grown one depth per head forward over every request at once."""
+        grow = {i: _Growth(self, items[i], self.ctx[items[i].request_id], *self.state[items[i].request_id])
+                for i in idx}
+        while pending := [i for i in idx if grow[i].expand]:
+            asks = [grow[i].ask() for i in pending]
+            out = self._run([items[i].request_id for i in pending], torch.cat([a[0] for a in asks]),
+                            [t for a in asks for t in a[1]], [len(a[1]) for a in asks], [a[3] for a in asks],
+                            [a[2] for a in asks])
+            at = 0
+            for i, a in zip(pending, asks):
+                T = len(a[1])
+                grow[i].absorb(out.logits[at:at + T], out.hidden[at:at + T])
+                at += T
+        for i in idx:
+            drafts[i] = grow[i].draft()
+
+    def _children(self, logits, m: int, ctx: RequestContext):
         """m candidates after a node: (target token id, log q, q or None) each."""
-        vocab = self.p.head.draft_vocab
-        if self.ctx.params.greedy:
+        vocab = self.head.draft_vocab
+        if ctx.params.greedy:
             lp = torch.log_softmax(logits.float(), -1)
             top = lp.topk(min(m, lp.shape[0]))
             return [(tok, lq, None) for tok, lq in zip(vocab[top.indices].tolist(), top.values.tolist())]
-        q = process(to_target_vocab(logits[None].float(), vocab, self.ctx.vocab_size), self.ctx.params)[0]
-        picks = draw_without_replacement(q, m, self.ctx.generator).tolist()
+        q = process(to_target_vocab(logits[None].float(), vocab, ctx.vocab_size), ctx.params)[0]
+        picks = draw_without_replacement(q, m, ctx.generator).tolist()
         return [(tok, math.log(max(q[tok].item(), 1e-30)), q) for tok in picks]
 
-    def _expand(self, t: "_Tree", nodes: list[int], written: list[int], base: int, depth: int):
-        """One head forward over the pairs (parent's predicted feature, node's token) of `nodes`
-        (all at `depth`, 0-based), each seeing the committed slots and its ancestors' pairs;
-        returns the next level: (node, its logits, its predicted feature)."""
-        past, T = len(written), len(nodes)
-        slot = {n: i for i, n in enumerate(written)}
+
+class _Growth:
+    """One request's EAGLE-2 tree while it grows: draw the current level's children, pick the
+    nodes to expand (ask), take the head's outputs for them (absorb), repeat."""
+
+    def __init__(self, p: EagleProposer, item: ProposeItem, ctx: RequestContext, logits, feature):
+        self.p, self.ctx, self.k = p, ctx, item.k
+        self.greedy = ctx.params.greedy
+        self.base = len(item.seq) - 1          # the head's first free slot: its pairs cover seq[:-1]
+        self.depth_max = min(item.k, p.depth or DEFAULT_DEPTH)
+        self.t, self.written, self.depth, self.expand = _Tree(), [], 0, None
+        # the root: the logits after the sequence, the predicted feature of its last token
+        self.level = [(-1, logits, feature)]
+        self._grow()
+
+    def _grow(self) -> None:
+        t, topk, new = self.t, self.p.topk, []
+        for node, logits, feat in self.level:
+            m = topk if self.greedy else min(topk, self.k - len(t.tokens))
+            if m <= 0:
+                break
+            for tok, logq, q in self.p._children(logits, m, self.ctx):
+                new.append(t.add(tok, node, t.score(node) + logq, q, feat))
+        done = not new or self.depth + 1 == self.depth_max or (not self.greedy and len(t.tokens) >= self.k)
+        self.expand = None if done else sorted(new, key=lambda i: (-t.scores[i], i))[:topk]
+
+    def ask(self):
+        """The next head forward's part for this request: (pair features [T, D], pair tokens,
+        its tree mask, start slot). Each node sees the committed slots and its ancestors' pairs."""
+        t, nodes = self.t, self.expand
+        past, T = len(self.written), len(nodes)
+        slot = {n: i for i, n in enumerate(self.written)}
         mask = torch.zeros(T, past + T, dtype=torch.bool)
         for row, n in enumerate(nodes):
             mask[row, past + row] = True
@@ -160,12 +217,23 @@ class EagleSession:
                 mask[row, slot[a]] = True
                 a = t.parents[a]
         # a depth-d node's pair sits at position base + d; its slot is base + past + row
-        offsets = torch.full((T,), depth - past, dtype=torch.long)
-        feats = torch.stack([t.feats[n] for n in nodes])[None]
-        logits, f = self.p.head(feats, self._embed([t.tokens[n] for n in nodes])[None], self.cache,
-                                [base + past], tree=TreeAttention(offsets, mask, past))
-        written.extend(nodes)
-        return [(n, logits[0, i], f[0, i]) for i, n in enumerate(nodes)]
+        offsets = torch.full((T,), self.depth - past, dtype=torch.long)
+        feats = torch.stack([t.feats[n] for n in nodes])
+        return feats, [t.tokens[n] for n in nodes], TreeAttention(offsets, mask, past), self.base + past
+
+    def absorb(self, logits, feats) -> None:
+        nodes = self.expand
+        self.written.extend(nodes)
+        self.level = [(n, logits[i], feats[i]) for i, n in enumerate(nodes)]
+        self.depth += 1
+        self._grow()
+
+    def draft(self) -> Draft:
+        t = self.t.best(self.k) if self.greedy else self.t   # best first: smaller trees are prefixes
+        if not t.tokens:
+            return Draft(torch.empty(0, dtype=torch.long), parents=[])
+        probs = torch.stack(t.probs) if t.probs else None
+        return Draft(torch.tensor(t.tokens, dtype=torch.long), probs, t.parents)
 
 
 DEFAULT_DEPTH = 8

@@ -17,9 +17,11 @@ from functools import lru_cache
 
 import torch
 
+from .. import kernels
 from ..model.heads import MedusaHeads
 from ..sampling import process
-from .base import Draft, RequestContext, draw_without_replacement, prune_tree, to_target_vocab
+from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, draw_without_replacement, prune_tree,
+                   to_target_vocab)
 
 MAX_RANK = 10
 
@@ -59,61 +61,72 @@ def build_tree(accuracy: list[list[float]], size: int) -> tuple[list[int], list[
     return parents, depth, rank
 
 
-class MedusaProposer:
+class MedusaProposer(ProposerBase):
+    """Holds, per request, the target's feature of the token before the sequence's last one:
+    the last token the target has processed (the engine's cache holds seq[:-1])."""
     name = "medusa"
-    needs_hidden = True
-    tree = True
 
     def __init__(self, heads: MedusaHeads, vocab_size: int, accuracy: list[list[float]] | None = None):
+        super().__init__()
         self.heads, self.vocab_size = heads, vocab_size
+        self.caps = ProposerCaps(tree=True, needs_hidden=True)
         self.accuracy = accuracy or default_accuracy(heads.num_heads)
         self._tree = lru_cache(maxsize=None)(lambda n: build_tree(self.accuracy, n))
+        self.feature: dict = {}
 
-    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None, hidden=None) -> "MedusaSession":
-        return MedusaSession(self, ctx, hidden[-1] if hidden is not None and len(hidden) else None)
+    def remove_request(self, request_id) -> None:
+        super().remove_request(request_id)
+        self.feature.pop(request_id, None)
 
-
-class MedusaSession:
-    """Holds the target's feature of the token before the last one of the sequence: the last
-    token the target has processed (the engine's cache holds seq[:-1])."""
-
-    def __init__(self, proposer: MedusaProposer, ctx: RequestContext, feature):
-        self.p, self.ctx, self.feature = proposer, ctx, feature
+    def update(self, items: list[Committed]) -> None:
+        for it in items:
+            if it.hidden is not None and len(it.hidden):
+                self.feature[it.request_id] = it.hidden[-1]
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k: int) -> Draft:
-        heads = self.p.heads
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        heads = self.heads
         dev = heads.draft_vocab.device
-        if self.feature is None or k == 0:
-            return Draft(torch.empty(0, dtype=torch.long, device=dev), parents=[])
-        parents, depth, rank = self.p._tree(k)
-        # head d, fed the feature of seq[-2], predicts the token d + 1 places after seq[-1]
-        logits = heads(self.feature[None])[:, 0]                       # [M, V']
-        if self.ctx.params.greedy:
-            top = logits.topk(max(rank) + 1, dim=-1).indices             # [M, R]
-            ids = heads.draft_vocab[top].tolist()
-            tokens = [ids[d][r] for d, r in zip(depth, rank)]
-            return Draft(torch.tensor(tokens, device=dev), parents=list(parents))
-        return self._sampled(logits, parents, depth, rank)
+        empty = Draft(torch.empty(0, dtype=torch.long, device=dev), parents=[])
+        live = [i for i, it in enumerate(items) if it.request_id in self.feature]
+        drafts = [empty] * len(items)
+        if not live:
+            return drafts
+        # head d, fed the feature of seq[-2], predicts the token d + 1 places after seq[-1]; the
+        # requests go through in groups small enough for the row-exact CPU kernel, so that a
+        # request's heads give the same values whatever the batch
+        feats = torch.stack([self.feature[items[i].request_id] for i in live])
+        group = max(1, kernels.MAX_ROWS // heads.num_heads)
+        logits = torch.cat([heads(feats[g:g + group]) for g in range(0, len(live), group)], dim=1)   # [M, B, V']
+        trees = [self._tree(items[i].k) for i in live]
+        greedy = [self.ctx[items[i].request_id].params.greedy for i in live]
+        top = None
+        if any(greedy):
+            ranks = max(max(rank) for (_, _, rank), g in zip(trees, greedy) if g) + 1
+            top = heads.draft_vocab[logits.topk(ranks, dim=-1).indices].tolist()         # [M][B][R]
+        for j, i in enumerate(live):
+            parents, depth, rank = trees[j]
+            if greedy[j]:
+                tokens = [top[d][j][r] for d, r in zip(depth, rank)]
+                drafts[i] = Draft(torch.tensor(tokens, device=dev), parents=list(parents))
+            else:
+                drafts[i] = self._sampled(logits[:, j], parents, depth, rank, self.ctx[items[i].request_id])
+        return drafts
 
-    def _sampled(self, logits, parents, depth, rank) -> Draft:
+    def _sampled(self, logits, parents, depth, rank, ctx) -> Draft:
         used = sorted(set(depth))
-        q = {d: process(to_target_vocab(logits[d:d + 1], self.p.heads.draft_vocab, self.p.vocab_size),
-                        self.ctx.params)[0] for d in used}
+        q = {d: process(to_target_vocab(logits[d:d + 1], self.heads.draft_vocab, self.vocab_size),
+                        ctx.params)[0] for d in used}
         n_children: dict[int, int] = {}
         for par in parents:
             n_children[par] = n_children.get(par, 0) + 1
         drawn = {}   # parent -> its children's tokens in draw order
         tokens, keep = [], []
-        for i, (par, d, r) in enumerate(zip(parents, depth, rank)):
+        for par, d, r in zip(parents, depth, rank):
             if par not in drawn:
-                drawn[par] = draw_without_replacement(q[d], n_children[par], self.ctx.generator).tolist()
+                drawn[par] = draw_without_replacement(q[d], n_children[par], ctx.generator).tolist()
             keep.append(r < len(drawn[par]))
             tokens.append(drawn[par][r] if keep[-1] else -1)
         tokens, parents, kept = prune_tree(tokens, parents, keep)
         probs = torch.stack([q[depth[i]] for i in kept]) if kept else None
         return Draft(torch.tensor(tokens, dtype=torch.long), probs, parents)
-
-    def commit(self, seq: list[int], hidden=None) -> None:
-        if hidden is not None and len(hidden):
-            self.feature = hidden[-1]

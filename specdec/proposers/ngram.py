@@ -5,17 +5,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Draft, RequestContext
+from .base import Draft, ProposeItem, ProposerBase
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     name = "ngram"
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
+        super().__init__()
         self.n_max, self.n_min = n_max, n_min
 
-    def start(self, prompt: list[int], ctx: RequestContext, target_cache=None) -> "NgramSession":
-        return NgramSession(self.n_max, self.n_min, ctx)
+    def propose(self, items: list[ProposeItem]) -> list[Draft]:
+        return [Draft(torch.from_numpy(lookup(np.asarray(it.seq, dtype=np.int64), it.k, self.n_max,
+                                              self.n_min).copy())) for it in items]
 
 
 def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
@@ -33,15 +35,3 @@ def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
             start = (full[-1] if full.size else hits[0]) + n
             return seq[start:start + k]
     return seq[:0]
-
-
-class NgramSession:
-    def __init__(self, n_max: int, n_min: int, ctx: RequestContext):
-        self.n_max, self.n_min, self.ctx = n_max, n_min, ctx
-
-    def propose(self, seq: list[int], k: int) -> Draft:
-        found = lookup(np.asarray(seq, dtype=np.int64), k, self.n_max, self.n_min)
-        return Draft(torch.from_numpy(found.copy()))
-
-    def commit(self, seq: list[int]) -> None:
-        pass

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from ..cli import add_model_args, llm_from_args
+from ..cli import add_engine_args, add_model_args, llm_from_args
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -30,12 +30,12 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                 description="OpenAI-compatible server with speculative decoding.")
     add_model_args(p)
+    add_engine_args(p)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="completions decoded in turn; the rest queue")
     p.add_argument("--seed", type=int, help="seeds sampling requests that bring no seed of their own")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import Transformer
+from ..model import ForwardBatch, Transformer
 from ..tokenizer import Tokenizer
 
 
@@ -36,7 +36,7 @@ class LogprobScorer:
         if not new_tokens:
             return []
         # rows of [last, t_1 .. t_{m-1}] predict t_1 .. t_m
-        logits = self._forward([self.seq[-1], *new_tokens[:-1]], len(self.seq) - 1)[0]   # [m, V]
+        logits = self._forward([self.seq[-1], *new_tokens[:-1]], len(self.seq) - 1)      # [m, V]
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, torch.tensor(new_tokens, device=logp.device)[:, None])[:, 0].tolist()
         tops = [[] for _ in new_tokens]
@@ -48,7 +48,8 @@ class LogprobScorer:
 
     @torch.inference_mode()
     def _forward(self, tokens: list[int], start: int, logits: bool = True):
-        return self.model(torch.tensor([tokens], device=self.model.device), self.cache, [start], logits=logits)
+        batch = ForwardBatch.build(self.cache, [0], [len(tokens)], [start])
+        return self.model(torch.tensor(tokens), self.cache, batch, logits=logits).logits
 
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:

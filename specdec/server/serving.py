@@ -66,9 +66,13 @@ class Service:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (only 0)", name)
-        fields = dict(n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
-                      top_k=_or(req.top_k, -1), min_p=_or(req.min_p, 0.0), seed=req.seed,
-                      max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        # what a request leaves out comes from the model's generation_config.json (vLLM's
+        # --generation-config auto), then from OpenAI's defaults
+        model = self.llm.generation_defaults
+        fields = dict(n=req.n, temperature=_or(req.temperature, model.get("temperature", 1.0)),
+                      top_p=_or(req.top_p, model.get("top_p", 1.0)), top_k=_or(req.top_k, model.get("top_k", -1)),
+                      min_p=_or(req.min_p, model.get("min_p", 0.0)), seed=req.seed,
+                      max_tokens=_or(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
                       ignore_eos=req.ignore_eos, logprobs=logprobs)
         try:
             params = _numerically_safe(SamplingParams(**fields))

@@ -123,7 +123,8 @@ def eagle_loss(head: EagleHead, embed, hidden, tokens, rows, starts, window, to_
         rms = feats.pow(2).mean().sqrt()
         feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise * rms
     nxt = tokens[rows[:, None], idx + 1].long()
-    logits, pred = head(feats, embed(nxt).float())
+    out = head(feats, embed(nxt).float())
+    logits, pred = out.logits, out.hidden
     want = hidden[rows[:, None], idx + 1].float()
     labels = to_draft[tokens[rows[:, None], idx + 2].long()]
     reg = F.smooth_l1_loss(pred, want)
@@ -155,7 +156,7 @@ def eagle_accuracy(head: EagleHead, embed, data: dict, to_draft) -> float:
     """Top-1 accuracy of the token after next from true features (validation data)."""
     hidden, tokens = data["hidden"], data["tokens"]
     B, L = tokens.shape
-    logits, _ = head(hidden[:, :L - 2].float(), embed(tokens[:, 1:L - 1].long()).float())
+    logits = head(hidden[:, :L - 2].float(), embed(tokens[:, 1:L - 1].long()).float()).logits
     labels = to_draft[tokens[:, 2:].long()]
     return round((logits.argmax(-1) == labels).float().mean().item(), 4)
 

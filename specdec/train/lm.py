@@ -93,11 +93,11 @@ def eval_windows(tokens: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
 def _loss(student: Transformer, batch: torch.Tensor, teacher: Transformer | None, temp: float, bf16: bool):
     x, y = batch[:, :-1], batch[:, 1:]
     with torch.autocast(student.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = student(x).float()
+        logits = student(x).logits.float()
         if teacher is None:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         with torch.no_grad():
-            t_logits = teacher(x).float()
+            t_logits = teacher(x).logits.float()
     V = min(logits.shape[-1], t_logits.shape[-1])
     q_log = F.log_softmax(logits[..., :V] / temp, -1)
     p_log = F.log_softmax(t_logits[..., :V] / temp, -1)
@@ -112,7 +112,7 @@ def evaluate(model: Transformer, windows: list[torch.Tensor], bf16: bool = False
     for w in windows:
         w = w.to(model.device)
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(w[:, :-1]).float()
+            logits = model(w[:, :-1]).logits.float()
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1)).item()
     model.train()
     return total / len(windows)

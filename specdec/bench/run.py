@@ -17,6 +17,7 @@ from .harness import Scenario, measure, num_steps
 from .methods import PLAIN, plain_variant, registered_methods, speculative_variants
 from .peers import DEFAULT_PEERS, PEERS, peer_variants
 from .prompts import load_prompts
+from .spec_bench import category_summaries
 from .summary import summarize
 from .variant import Skipped
 
@@ -84,7 +85,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir)
     max_len = llm.engine.max_model_len
-    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts) for p in args.prompts]
+    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts, args.limit_per_category)
+            for p in args.prompts]
     scenarios = [Scenario(name, t, prompts) for name, prompts in sets for t in args.temperature]
     results = {"command": command, "machine": machine.machine_info(), "config": _config(args, llm, draft_dir),
                "roofline": machine.roofline(llm.target, machine.memory_bandwidth()) if args.device == "cpu" else None,
@@ -97,6 +99,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
         for s in scenarios:
             runs = measure(variants, s, args.repeats, args.seed, bar)
             summary = summarize(variants, runs, s, args.max_tokens, args.repeats)
+            if any(p.category for p in s.prompts):
+                summary["categories"] = category_summaries(variants, runs, s.prompts, s.greedy)
             if s.greedy:
                 label_mismatches(llm.target, s, summary, runs[PLAIN])
             results["scenarios"].append(summary)

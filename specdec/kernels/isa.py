@@ -2,7 +2,8 @@
 
 Each variant is the same C sources compiled with its own -m flags into its own shared object
 (cached per source hash and flags). /proc/cpuinfo says what the CPU claims; it is not trusted
-alone (a VM may list instructions that fault, as AMX does on this project's Xeons), so each
+alone (a listed feature can still fault: a hypervisor may not enable its register state, and
+AMX faults until the process asks Linux for it with arch_prctl), so each
 candidate first runs its self-test (`specdec_selftest`, every instruction family it uses) in a
 child process: an illegal instruction kills the child, not us. The verdict is cached next to
 the object, keyed by the CPU's model and flags. The best variant that passes is chosen;

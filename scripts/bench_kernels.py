@@ -1,8 +1,9 @@
 """Skinny products on SmolLM2-135M's shapes: maintained libraries against specdec's kernels.
 
-For each weight shape and row count M it prints ms per call (median of interleaved repeats, the
-caches flushed before each call so the weights stream from memory as in a real forward), the
-effective bandwidth in weight bytes, that as a fraction of the measured copy bandwidth, and
+For each weight shape and row count M it prints ms per call (the minimum over interleaved
+repeats, each repeat a pass over copies of the weights totalling --set-mb, so they stream from
+memory as a whole model's do rather than sit in L2), the effective bandwidth in weight bytes,
+that as a fraction of the measured copy bandwidth, and
 whether row i's output is bit-identical whatever M is ("rows" column: speculative verification
 needs it for greedy outputs to equal plain decoding).
 
@@ -13,16 +14,15 @@ Library methods that fail to build on this machine are listed as skipped, not hi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
+clock = time.perf_counter
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 2, 4, 9, 16, 64)
 
@@ -34,31 +34,36 @@ def _q8_channel(w: torch.Tensor):
 
 
 def torch_methods(w: torch.Tensor) -> dict:
-    """name -> (call(x [M, K] fp32) -> [M, N], weight bytes). w [N, K] fp32."""
+    """name -> builder() -> (call(x [M, K] fp32) -> [M, N], weight bytes); each builder call makes
+    an independent copy of the weights. w [N, K] fp32."""
     N, K = w.shape
-    out = {"torch fp32": (lambda x: F.linear(x, w), w.numel() * 4)}
-    wb = w.bfloat16()
-    out["torch bf16 (x bf16)"] = (lambda x: F.linear(x.bfloat16(), wb), w.numel() * 2)
-    q, s = _q8_channel(w)
-    out["torch _weight_int8pack_mm"] = (lambda x: torch._weight_int8pack_mm(x, q, s), w.numel())
+    out = {"torch fp32": lambda: _closure(lambda x, w: F.linear(x, w), w.clone(), nbytes=w.numel() * 4),
+           "torch bf16 (x bf16)": lambda: _closure(lambda x, w: F.linear(x.bfloat16(), w), w.bfloat16(), nbytes=w.numel() * 2),
+           "torch _weight_int8pack_mm": lambda: _closure(lambda x, q, s: torch._weight_int8pack_mm(x, q, s),
+                                                         *_q8_channel(w), nbytes=w.numel())}
     for engine in ("fbgemm", "onednn"):
-        out[f"torch.ao dynamic int8 ({engine})"] = (_ao_dynamic(w, engine), w.numel())
+        out[f"torch.ao dynamic int8 ({engine})"] = lambda engine=engine: (_ao_dynamic(w, engine), w.numel())
     try:
         packed, sz = _int4pack(w)
-        out["torch _weight_int4pack_mm_for_cpu (x bf16)"] = (
-            lambda x: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz), w.numel() // 2 + sz.numel() * 2)
+        out["torch _weight_int4pack_mm_for_cpu (x bf16)"] = lambda: _closure(
+            lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), p, 32, sz), *_int4pack(w),
+            nbytes=w.numel() // 2 + sz.numel() * 2)
     except RuntimeError as e:
         print(f"skipped _weight_int4pack_mm_for_cpu: {e}", file=sys.stderr)
-    try:   # on x86 (no KleidiAI) this packs dequantized fp32 weights: listed for completeness
+    try:   # on x86 (no KleidiAI) this packs dequantized fp32 weights
         p = torch._dyn_quant_pack_4bit_weight(torch.randint(0, 16, (N, K), dtype=torch.uint8), torch.rand(N, K // 32),
                                               None, 32, K, N)
         torch._dyn_quant_matmul_4bit(torch.randn(1, K), p, 32, K, N)
-        out["torch _dyn_quant_matmul_4bit"] = (lambda x: torch._dyn_quant_matmul_4bit(x, p, 32, K, N),
-                                               p.numel() * p.element_size())
+        out["torch _dyn_quant_matmul_4bit"] = lambda: _closure(lambda x, p: torch._dyn_quant_matmul_4bit(x, p, 32, K, N),
+                                                               p.clone(), nbytes=p.numel() * p.element_size())
     except RuntimeError as e:
         print(f"skipped _dyn_quant_matmul_4bit: {str(e).splitlines()[0]}", file=sys.stderr)
     out.update(torchao_methods(w))
     return out
+
+
+def _closure(fn, *tensors, nbytes: int):
+    return (lambda x: fn(x, *tensors)), nbytes
 
 
 def _ao_dynamic(w: torch.Tensor, engine: str):
@@ -94,20 +99,23 @@ def torchao_methods(w: torch.Tensor) -> dict:
     out = {}
     for name, cfg in (("torchao int8 dynamic act+weight", Int8DynamicActivationInt8WeightConfig()),
                       ("torchao int8 weight-only", Int8WeightOnlyConfig())):
-        lin = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
-        lin[0].weight.data.copy_(w)
-        try:
+        def build(cfg=cfg):
+            lin = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
+            lin[0].weight.data.copy_(w)
             quantize_(lin, cfg)
-            lin(torch.randn(2, w.shape[1]))
+            return lin, w.numel()
+        try:
+            build()[0](torch.randn(2, w.shape[1]))
         except Exception as e:   # noqa: BLE001 - a library path that does not run here is reported
             print(f"skipped {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
-        out[name] = (lin, w.numel())
+        out[name] = build
     return out
 
 
 def specdec_methods(w: torch.Tensor, variants: list[str]) -> dict:
-    """specdec's kernels for the given variants: fp32/bf16 packed panels, GGUF blocks."""
+    """specdec's kernels for the given variants (builders, as torch_methods): fp32/bf16 packed
+    panels, GGUF blocks."""
     from specdec import kernels
     from specdec.kernels import qformats
 
@@ -115,28 +123,21 @@ def specdec_methods(w: torch.Tensor, variants: list[str]) -> dict:
     for isa in variants:
         lib = kernels.load(isa)
         for dt in (torch.float32, torch.bfloat16):
-            wd = w.to(dt)
-            packed = kernels.pack(wd)
-            out[f"specdec {isa} {str(dt)[6:]}"] = (
-                (lambda x, wd=wd, p=packed, lib=lib: kernels.linear(x, wd, None, p, lib=lib)), wd.numel() * wd.element_size())
+            def dense(dt=dt, lib=lib):
+                wd = w.to(dt).clone()
+                return _closure(lambda x, wd, p: kernels.linear(x, wd, None, p, lib=lib), wd, kernels.pack(wd),
+                                nbytes=wd.numel() * wd.element_size())
+            out[f"specdec {isa} {str(dt)[6:]}"] = dense
         for qtype in qformats.QTYPES:
             if w.shape[1] % qformats.BLOCK[qtype][0]:
                 continue      # Q4_K needs K % 256 == 0 (llama.cpp picks another type for such tensors)
             qw = torch.from_numpy(qformats.quantize(w.numpy(), qtype))
-            prep = kernels.prepare_quant(qw, qtype)
-            out[f"specdec {isa} {qtype}"] = (
-                (lambda x, qw=qw, q=qtype, p=prep, lib=lib: kernels.quant_linear(x, qw, q, None, p, lib=lib)), qw.numel())
+
+            def quant(qw=qw, qtype=qtype, lib=lib):
+                prep = kernels.prepare_quant(qw, qtype)
+                return (lambda x: kernels.quant_linear(x, qw, qtype, None, prep, lib=lib)), qw.numel()
+            out[f"specdec {isa} {qtype}"] = quant
     return out
-
-
-class Flusher:
-    """Reads a buffer larger than the last-level cache so the next call's weights come from memory."""
-
-    def __init__(self, mb: int):
-        self.buf = torch.ones(mb * 2**18)
-
-    def __call__(self):
-        self.buf.sum()
 
 
 def row_independent(call, x: torch.Tensor, m: int) -> bool:
@@ -145,13 +146,18 @@ def row_independent(call, x: torch.Tensor, m: int) -> bool:
     return all(torch.equal(y[i], call(x[i:i + 1]).float()[0]) for i in {0, m - 1})
 
 
-def bench_shape(name: str, N: int, K: int, args, flush: Flusher, bw: float) -> None:
+def bench_shape(name: str, N: int, K: int, args, bw: float, variants: list[str]) -> None:
+    """Each method cycles through copies of its weights totalling >= --set-mb, so the weights
+    stream from memory (or the last-level cache, as a whole model's would) rather than sit in L2."""
     torch.manual_seed(0)
     w = torch.randn(N, K) * 0.02
-    methods = {} if args.only_specdec else torch_methods(w)
-    if not args.no_specdec:
-        from specdec import kernels
-        methods.update(specdec_methods(w, args.variants.split(",") if args.variants else kernels.runnable_variants()))
+    builders = {} if args.only_specdec else torch_methods(w)
+    builders.update(specdec_methods(w, variants))
+    methods = {}
+    for k, build in builders.items():
+        first = build()
+        copies = max(1, min(64, -(-args.set_mb * 2**20 // first[1])))
+        methods[k] = ([first] + [build() for _ in range(copies - 1)], first[1])
     # rows of very different magnitudes: a per-tensor activation scale would show
     x = torch.randn(max(ROWS), K) * torch.logspace(-1, 1, max(ROWS))[:, None]
     print(f"\n### {name}: [{N}, {K}] weights\n")
@@ -159,50 +165,55 @@ def bench_shape(name: str, N: int, K: int, args, flush: Flusher, bw: float) -> N
     print("|---" * (len(ROWS) + 6) + "|")
     times = {k: {m: [] for m in ROWS} for k in methods}
     with torch.inference_mode():
-        for call, _ in methods.values():
-            call(x[:9])
+        for copies, _ in methods.values():
+            for call, _ in copies:
+                call(x[:9])
         for _ in range(args.repeats):
             for m in ROWS:
-                for k, (call, _) in methods.items():
-                    flush()
-                    t = time.perf_counter()
-                    call(x[:m])
-                    times[k][m].append(time.perf_counter() - t)
-        for k, (call, nbytes) in methods.items():
-            med = {m: min(v) for m, v in times[k].items()}   # least disturbed: the cores are shared
-            gbs = nbytes / med[1] / 1e9
-            indep = all(row_independent(call, x, m) for m in ROWS[1:])
-            print(f"| {k} | {nbytes / 1e6:.2f} | " + " | ".join(f"{med[m] * 1e3:.3f}" for m in ROWS)
-                  + f" | {gbs:.1f} | {gbs * 1e9 / bw:.0%} | {med[9] / med[1]:.2f} | {'yes' if indep else 'no'} |")
+                xm = x[:m].contiguous()
+                for k, (copies, _) in methods.items():
+                    t = clock()
+                    for call, _ in copies:
+                        call(xm)
+                    times[k][m].append((clock() - t) / len(copies))
+        for k, (copies, nbytes) in methods.items():
+            best = {m: min(v) for m, v in times[k].items()}   # least disturbed: the cores are shared
+            gbs = nbytes / best[1] / 1e9
+            indep = all(row_independent(copies[0][0], x, m) for m in ROWS[1:])
+            print(f"| {k} | {nbytes / 1e6:.2f} | " + " | ".join(f"{best[m] * 1e3:.3f}" for m in ROWS)
+                  + f" | {gbs:.1f} | {gbs * 1e9 / bw:.0%} | {best[9] / best[1]:.2f} | {'yes' if indep else 'no'} |")
         sys.stdout.flush()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (with --threads 1), unaffected by other processes' time slices")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--flush-mb", type=int, default=768, help="bytes read between calls (> last-level cache)")
+    ap.add_argument("--set-mb", type=int, default=256, help="MiB of weight copies each method cycles through")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--no-specdec", action="store_true", help="libraries only")
     ap.add_argument("--only-specdec", action="store_true")
     ap.add_argument("--variants", default="", help="specdec variants, comma-separated (default: all that run here)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if args.threads != 1:
+            raise SystemExit("--clock cpu counts the calling thread's CPU time: use it with --threads 1")
+        global clock
+        clock = time.thread_time     # time on the core, not waiting for it: robust on shared machines
     from specdec.bench.machine import machine_info, memory_bandwidth
     info = machine_info()
-    bw = memory_bandwidth()
+    bw = memory_bandwidth(clock=clock)
     print(f"CPU: {info['cpu']}, {info['cores']} cores, {args.threads} threads; torch {info['torch']}; "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s (256 MiB tensor copy, read + write, best of 10); "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s (256 MiB tensor copy, read + write, best of 10); clock: {args.clock}; "
           f"load average {info['load_average']}")
-    try:
-        from specdec import kernels
-        print(f"specdec kernels: {kernels.describe()}")
-    except (ImportError, AttributeError):
-        pass
-    flush = Flusher(args.flush_mb)
-    np.random.seed(0)
+    from specdec import kernels
+    print(f"specdec kernels: {kernels.describe()}")
+    variants = [] if args.no_specdec else (args.variants.split(",") if args.variants else kernels.runnable_variants())
     for name in args.shapes.split(","):
-        bench_shape(name, *SHAPES[name], args, flush, bw)
+        bench_shape(name, *SHAPES[name], args, bw, variants)
 
 
 if __name__ == "__main__":

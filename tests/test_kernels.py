@@ -131,7 +131,7 @@ def test_claimed_variants_follow_cpu_flags():
 
 
 def test_probe_rejects_a_build_that_faults(tmp_path):
-    """A CPU may list instructions that fault (AMX in this project's VMs): the child dies, we don't."""
+    """A CPU may list instructions that fault (AMX without Linux's permission): the child dies, we don't."""
     src = tmp_path / "faults.c"
     src.write_text("int specdec_selftest(void) { __builtin_trap(); return 0; }\n")
     so = tmp_path / "faults.so"

@@ -26,8 +26,11 @@ def add_parser(sub) -> None:
                    "method and, with --peers, every hf_* but hf_assisted_heuristic)")
     p.add_argument("--temperature", type=_temps, default="0,1", help="comma-separated temperatures (default 0,1)")
     p.add_argument("--prompts", type=_names, default="code",
-                   help="comma-separated prompt sets: bundled names (code, repeat) or .jsonl files (default code)")
+                   help="comma-separated prompt sets: bundled names (code, repeat), spec-bench (Spec-Bench's "
+                        "questions through the chat template, reported per category) or .jsonl files (default code)")
     p.add_argument("--limit-prompts", type=_positive, help="use only the first N prompts of each set")
+    p.add_argument("--limit-per-category", type=_positive,
+                   help="spec-bench: only the first N questions of each category (a quick run)")
     p.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt unless the set says (default 64)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
@@ -102,6 +105,7 @@ def command_line(args) -> str:
                         ("--num-speculative-tokens", ",".join(map(str, args.num_speculative_tokens))),
                         ("--temperature", ",".join(f"{t:g}" for t in args.temperature)),
                         ("--prompts", ",".join(args.prompts)), ("--limit-prompts", args.limit_prompts),
+                        ("--limit-per-category", args.limit_per_category),
                         ("--max-tokens", args.max_tokens), ("--repeats", args.repeats), ("--seed", args.seed),
                         ("--threads", args.threads), ("--out", args.out)):
         if value is not None:

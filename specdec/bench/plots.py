@@ -115,7 +115,12 @@ def _finish(fig, ax, path: Path) -> None:
 
 def plot_scenario(scenario: dict, out: Path) -> list[Path]:
     written = []
-    for kind, draw in (("speedup", speedup_plot), ("acceptance", acceptance_plot)):
+    from .spec_bench import plot as category_plot
+
+    kinds = [("speedup", speedup_plot), ("acceptance", acceptance_plot)]
+    if scenario.get("categories"):
+        kinds.append(("categories", category_plot))
+    for kind, draw in kinds:
         path = out / f"{kind}_{scenario['name']}.png"
         if draw(scenario, path):
             written.append(path)

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import spec_bench
+
 BUNDLED = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 
 
@@ -15,10 +17,11 @@ class Prompt:
     text: str
     ids: list[int]                # token ids, encoded once and fed to every method alike
     max_tokens: int
+    category: str | None = None   # Spec-Bench's category: results are also reported per category
 
 
 def resolve(spec: str) -> Path:
-    """A path, or the name of a bundled set ("code", "repeat")."""
+    """A path, or the name of a bundled set ("code", "repeat"; "spec-bench" is load_prompts')."""
     path = Path(spec)
     if path.is_file():
         return path
@@ -26,7 +29,7 @@ def resolve(spec: str) -> Path:
     if bundled.is_file():
         return bundled
     names = ", ".join(sorted(p.stem for p in BUNDLED.glob("*.jsonl")))
-    raise ValueError(f"--prompts: {spec!r} is neither a file nor a bundled set ({names})")
+    raise ValueError(f"--prompts: {spec!r} is neither a file nor a bundled set ({names}, spec-bench)")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -49,16 +52,23 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def load_prompts(spec: str, tokenizer, max_tokens: int, max_len: int, limit: int | None = None) -> tuple[str, list[Prompt]]:
+def load_prompts(spec: str, tokenizer, max_tokens: int, max_len: int, limit: int | None = None,
+                 limit_per_category: int | None = None) -> tuple[str, list[Prompt]]:
     """(set name, prompts). Each prompt's max_tokens is capped so prompt + output fits the
-    context: every method then stops at the same place, which the greedy comparison needs."""
-    path = resolve(spec)
-    rows = read_rows(path)[:limit]
+    context: every method then stops at the same place, which the greedy comparison needs.
+    "spec-bench": Spec-Bench's questions, first turn through the chat template (spec_bench.py)."""
+    if spec == spec_bench.NAME:
+        path = spec_bench.QUESTIONS
+        rows = spec_bench.read_questions(path, limit_per_category)[:limit]
+    else:
+        path = resolve(spec)
+        rows = read_rows(path)[:limit]
     prompts = []
     for i, row in enumerate(rows):
-        ids = tokenizer.encode(row["prompt"])
+        ids = spec_bench.chat_prompt(tokenizer, row["prompt"]) if spec == spec_bench.NAME else tokenizer.encode(row["prompt"])
         room = max_len - len(ids)
         if room < 1:
             raise ValueError(f"{path}: prompt {i} has {len(ids)} tokens; the context holds {max_len}")
-        prompts.append(Prompt(str(row.get("id", i)), row["prompt"], ids, min(row.get("max_tokens") or max_tokens, room)))
-    return path.stem, prompts
+        prompts.append(Prompt(str(row.get("id", i)), row["prompt"], ids, min(row.get("max_tokens") or max_tokens, room),
+                              row.get("category")))
+    return (spec_bench.NAME if spec == spec_bench.NAME else path.stem), prompts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import machine, plots
+from . import machine, plots, spec_bench
 
 
 def write_all(results: dict, out: Path) -> list[Path]:
@@ -101,6 +101,8 @@ def markdown(results: dict) -> str:
                   f"{s['num_prompts']} prompts (mean {s['prompt_tokens_mean']} tokens), up to {s['max_tokens']} new tokens, "
                   f"{s['repeats']} interleaved repeats after one warm-up per method. Speedups are per-repeat ratios "
                   f"(median, min–max).", "", table(s)]
+        if s.get("categories"):
+            lines += ["", "### Per category (Spec-Bench)", "", spec_bench.tables(s)]
         plain = next((m for m in s["methods"] if m["name"] == "plain"), None)
         roof = results.get("roofline")
         if plain and roof:

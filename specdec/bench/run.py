@@ -17,6 +17,7 @@ from .harness import Scenario, measure, num_steps
 from .methods import PLAIN, plain_variant, registered_methods, speculative_variants
 from .peers import DEFAULT_PEERS, PEERS, peer_variants
 from .prompts import load_prompts
+from .spec_bench import category_summaries
 from .summary import summarize
 from .variant import Skipped
 
@@ -46,7 +47,7 @@ def select_methods(requested: list[str] | None, peers: bool) -> tuple[list[str],
 def _draft_dir(args, llm: LLM) -> str | None:
     if args.speculative_model and args.speculative_model not in ("[ngram]", "ngram"):
         return args.speculative_model
-    if args.model is None and is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
+    if is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
         return str(DEFAULT_DRAFT)        # the bundled pair
     return None
 
@@ -57,7 +58,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None):
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
-    if args.model is None and is_bundled(llm.model_path):    # the bundled target: its bundled heads
+    if is_bundled(llm.model_path):    # the bundled target: its bundled heads
         for method in ("medusa", "eagle"):
             if (MODELS_DIR / method).is_dir():
                 overrides.setdefault(method, {}).setdefault("model", str(MODELS_DIR / method))
@@ -84,7 +85,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir)
     max_len = llm.engine.max_model_len
-    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts) for p in args.prompts]
+    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts, args.limit_per_category)
+            for p in args.prompts]
     scenarios = [Scenario(name, t, prompts) for name, prompts in sets for t in args.temperature]
     results = {"command": command, "machine": machine.machine_info(), "config": _config(args, llm, draft_dir),
                "roofline": machine.roofline(llm.target, machine.memory_bandwidth()) if args.device == "cpu" else None,
@@ -97,6 +99,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
         for s in scenarios:
             runs = measure(variants, s, args.repeats, args.seed, bar)
             summary = summarize(variants, runs, s, args.max_tokens, args.repeats)
+            if any(p.category for p in s.prompts):
+                summary["categories"] = category_summaries(variants, runs, s.prompts, s.greedy)
             if s.greedy:
                 label_mismatches(llm.target, s, summary, runs[PLAIN])
             results["scenarios"].append(summary)

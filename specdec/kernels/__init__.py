@@ -179,8 +179,10 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch
             or (torch.is_grad_enabled() and x.requires_grad)):
         return None
     rows = x.numel() // prepared.k
-    xf = x.reshape(rows, prepared.k).to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], prepared.n, dtype=torch.float32)
+    if rows == 0:
+        return out
+    xf = x.reshape(rows, prepared.k).to(torch.float32).contiguous()
     b = bias.to(torch.float32).contiguous() if bias is not None else None
     rc = lib.quant_linear(xf.data_ptr(), prepared.data.data_ptr(), qformats.FORMATS[prepared.qtype],
                           b.data_ptr() if b is not None else None, out.data_ptr(), rows, prepared.n, prepared.k)

@@ -2,7 +2,8 @@
 
 Each variant is the same C sources compiled with its own -m flags into its own shared object
 (cached per source hash and flags). /proc/cpuinfo says what the CPU claims; it is not trusted
-alone (a VM may list instructions that fault, as AMX does on this project's Xeons), so each
+alone (a listed feature can still fault: a hypervisor may not enable its register state, and
+AMX faults until the process asks Linux for it with arch_prctl), so each
 candidate first runs its self-test (`specdec_selftest`, every instruction family it uses) in a
 child process: an illegal instruction kills the child, not us. The verdict is cached next to
 the object, keyed by the CPU's model and flags. The best variant that passes is chosen;
@@ -96,13 +97,16 @@ def build(v: Variant) -> Path | None:
     path = cache_dir() / f"kernels-{v.name}-{h.hexdigest()[:16]}.so"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cc, *_CFLAGS, *v.cflags, *map(str, SOURCES), "-o", str(tmp), "-lm"]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        tmp.unlink(missing_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            tmp.unlink(missing_ok=True)
+            return None
+        os.replace(tmp, path)   # atomic: a concurrent build of the same variant is harmless
+    except OSError:             # an unwritable cache: PyTorch it is
         return None
-    os.replace(tmp, path)   # atomic: a concurrent build of the same variant is harmless
     return path
 
 
@@ -123,8 +127,11 @@ def probe(path: Path) -> bool:
     except subprocess.TimeoutExpired:
         ok = False
     tmp = verdict.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"cpu": fp, "ok": ok}))
-    os.replace(tmp, verdict)
+    try:
+        tmp.write_text(json.dumps({"cpu": fp, "ok": ok}))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass                    # not cached: probed again next time
     return ok
 
 

@@ -62,7 +62,7 @@ static float weight(int fmt, const uint8_t *pw, int i, int k) {
 }
 
 static int check_quant(int fmt) {
-    enum { M = 2, N = 16, K = 256 };
+    enum { M = 17, N = 16, K = 256 };       /* 17 rows: whole row tiles and a remainder */
     static uint8_t pw[8 * 544];
     float x[M * K], out[M * N];
     long unit = quant_panel_bytes(fmt, fmt == 3 ? 256 : 32), units = fmt == 3 ? 1 : K / 32;

@@ -32,12 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--target", default="models/target", help="the target's Hugging Face folder")
         h.add_argument("--out", required=True, help="heads folder to write")
         h.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
-        h.add_argument("--data", default="runs/selfdistill", help="self-distillation data folder (made if missing, reused)")
+        h.add_argument("--data", default="runs/selfdistill",
+                       help="self-distillation data folder (selfdistill: made if missing, reused; chat: the answers folder)")
+        h.add_argument("--data-kind", choices=("selfdistill", "chat"), default="selfdistill",
+                       help="selfdistill: the toy target continues corpus prompts; chat: `specdec train answers` shards")
         h.add_argument("--steps", type=int)
         h.add_argument("--batch", type=int)
         h.add_argument("--lr", type=float)
         h.add_argument("--draft-vocab", type=int, help="draft vocabulary size (most frequent tokens)")
-        h.add_argument("--shards", type=int, help="self-distillation shards of 32 x 256 tokens")
+        h.add_argument("--shards", type=int, help="selfdistill: shards of 32 x 256 tokens to make (48); chat: answer shards to train on (all)")
         h.add_argument("--val-shards", type=int)
         if kind == "medusa":
             h.add_argument("--num-heads", type=int)
@@ -46,7 +49,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--threads", type=int)
         h.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
         h.add_argument("--report-prompts", type=int, default=20,
-                       help="held-out function headers for the card's acceptance numbers (0: skip)")
+                       help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
+        h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
+        h.add_argument("--precision", choices=("fp32", "bf16", "auto"), help="training matmuls (default fp32)")
+
+    vd = tsub.add_parser("vocab-draft", help="distil a draft over a draft vocabulary from a chat target's answers")
+    vd.add_argument("--target", required=True)
+    vd.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
+    vd.add_argument("--out", required=True)
+    vd.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
+    for flag, kind in (("--layers", int), ("--draft-vocab", int), ("--steps", int), ("--batch", int), ("--window", int),
+                       ("--lr", float), ("--hard-weight", float), ("--shards", int), ("--val-shards", int),
+                       ("--threads", int)):
+        vd.add_argument(flag, type=kind)
+    vd.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    vd.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+    vd.add_argument("--report-prompts", type=int, default=20, help="validation prompts for the card's acceptance (0: skip)")
+
+    pr = tsub.add_parser("prompts", help="chat training prompts made on this machine (no downloads), checked against Spec-Bench")
+    pr.add_argument("--out", required=True, help="folder for prompts.jsonl and its data card")
+    pr.add_argument("--count", type=int, default=8000)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--target", help="model folder that writes the self-instruct tasks (none: no self-instruct)")
+    pr.add_argument("--self-instruct", type=int, default=1500, help="how many tasks to ask the target for")
+    pr.add_argument("--eval", default="spec-bench", help='evaluation questions to exclude ("spec-bench", a file, or "none")')
+    pr.add_argument("--threads", type=int, default=1)
+
+    an = tsub.add_parser("answers", help="the target's answers to the prompts, with its features (resumable shards)")
+    an.add_argument("--target", required=True)
+    an.add_argument("--prompts", required=True, help="prompts.jsonl from `specdec train prompts`")
+    an.add_argument("--out", required=True, help="shard folder")
+    an.add_argument("--limit", type=int, help="answer only the first N prompts")
+    an.add_argument("--max-new-tokens", type=int, default=256)
+    an.add_argument("--batch", type=int, default=48)
+    an.add_argument("--per-shard", type=int, default=96)
+    an.add_argument("--greedy-fraction", type=float, default=0.5)
+    an.add_argument("--dtype", default="bfloat16")
+    an.add_argument("--backend", choices=("transformers", "specdec"), default="transformers",
+                    help="transformers: padded batches (faster for bulk generation here); specdec: its own runtime")
+    an.add_argument("--threads", type=int, default=1)
+    an.add_argument("--stop-after", type=int, help="write at most this many new shards")
 
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
@@ -68,6 +110,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.train_cmd == "report":
         return _report(args)
+    if args.train_cmd in ("prompts", "answers"):
+        return _chat_data(args)
+    if args.train_cmd == "vocab-draft":
+        return _vocab_draft(args)
     if args.train_cmd in ("medusa", "eagle"):
         return _heads(args)
     from .lm import TrainConfig, train
@@ -113,6 +159,7 @@ def _heads(args: argparse.Namespace) -> int:
 
     fields = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
               "shards": args.shards, "val_shards": args.val_shards, "threads": args.threads,
+              "data_kind": args.data_kind, "noise": getattr(args, "noise", None), "precision": args.precision,
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)
@@ -122,6 +169,61 @@ def _heads(args: argparse.Namespace) -> int:
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     r = train_heads(cfg, target, out, Path(args.work) if args.work else Path("runs") / out.name, Path(args.data),
                     command=command, stop_after=args.stop_after, report_prompts=args.report_prompts)
+    if r["finished"]:
+        print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
+    else:
+        print(f"stopped at step {r['step']}; run the same command again to resume")
+    return 0
+
+
+def _chat_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from .chatdata import SPEC_BENCH, make_prompt_set
+
+    torch.set_num_threads(args.threads)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    if args.train_cmd == "prompts":
+        from .prompts import PromptConfig
+
+        ev = {"spec-bench": SPEC_BENCH, "none": None}.get(args.eval, Path(args.eval))
+        if ev is not None and not ev.is_file():
+            raise ValueError(f"--eval {args.eval}: no such file")
+        s = make_prompt_set(Path(args.out), PromptConfig(count=args.count, seed=args.seed),
+                            Path(args.target) if args.target else None, args.self_instruct, ev, command)
+        print(json.dumps({k: s[k] for k in ("prompts", "families")}))
+        return 0
+    from ..model import load_model
+    from ..tokenizer import Tokenizer
+    from .answers import AnswerConfig, read_prompts, write_shards
+
+    prompts = read_prompts(Path(args.prompts))[:args.limit]
+    cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
+                       greedy_fraction=args.greedy_fraction, threads=args.threads)
+    if args.backend == "specdec":
+        model = load_model(args.target, args.dtype)
+    else:
+        import transformers
+
+        from ..model.checkpoint import resolve_dtype
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype)).eval()
+    paths = write_shards(model, Tokenizer(args.target), prompts, Path(args.out), cfg, stop_after=args.stop_after)
+    total = -(-len(prompts) // cfg.per_shard)
+    print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
+    return 0
+
+
+def _vocab_draft(args: argparse.Namespace) -> int:
+    from .vocab_draft import VocabDraftConfig, train_vocab_draft
+
+    names = ("layers", "draft_vocab", "steps", "batch", "window", "lr", "hard_weight", "shards", "val_shards",
+             "threads", "precision")
+    cfg = VocabDraftConfig(**{k: getattr(args, k) for k in names if getattr(args, k) is not None})
+    out = Path(args.out)
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    r = train_vocab_draft(cfg, Path(args.target), Path(args.data), out,
+                          Path(args.work) if args.work else Path("runs") / out.name, command=command,
+                          stop_after=args.stop_after, report_prompts=args.report_prompts)
     if r["finished"]:
         print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
     else:

@@ -1,7 +1,9 @@
 """`specdec train medusa | eagle`: heads for a frozen target, trained on its own generations.
 
-1. Self-distillation data (selfdistill.py): prompts cut from the corpus split, continued by the
-   target (half greedy, half sampled), with the target's features at every position.
+1. Self-distillation data, either (`data_kind`) the toy target's (selfdistill.py: prompts cut
+   from the corpus split, continued by the target, trained at every position) or a chat
+   model's (answers.py: chat prompts and the target's answers, trained on the answers), with
+   the target's features at every position (headdata.py lays both out alike).
 2. The draft vocabulary: the most frequent tokens of that data (model/heads.py says why).
 3. Training, deterministic and resumable like `train lm`: batch i comes from
    default_rng((seed, i)); a checkpoint every `save_every` steps in the work folder.
@@ -11,10 +13,10 @@
      token t + 2 through the frozen LM-head rows (cross-entropy, weight 0.1), as in EAGLE;
      input features get uniform noise (EAGLE's augmentation against drafting on its own,
      imperfect features).
-4. Evaluation on the validation split's generations: per-head top-r accuracy (Medusa: it also
+4. Evaluation on held-out generations (headreport.py): per-head top-r accuracy (Medusa: it also
    shapes the candidate tree) or top-1 accuracy of the drafted token (EAGLE), then speculative
-   decoding on held-out function headers through the engine: acceptance rate and mean
-   accepted length, written into the card with the commands.
+   decoding on held-out prompts (function headers, or validation chat prompts) through the
+   engine: mean accepted length, written into the card with the commands.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from ..model import load_model
 from ..model.heads import EagleHead, MedusaHeads, save_heads
 from ..tokenizer import Tokenizer
 from .data import cached_tokens
+from .headdata import FlatData, chat_data
+from .lm import use_bf16
+from .headreport import card, eagle_accuracy, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
 
@@ -49,7 +54,8 @@ class HeadsConfig:
     lr: float = 1e-3
     warmup: int = 50
     noise: float = 0.1                 # eagle: input feature noise, uniform in +-noise * rms
-    shards: int = 48                   # self-distillation shards (32 x 256 tokens each)
+    data_kind: str = "selfdistill"     # "selfdistill" (toy target, made here) | "chat" (answers.py shards)
+    shards: int | None = None          # selfdistill: shards to make (None: 48); chat: answer shards to train on (None: all)
     val_shards: int = 4
     seed: int = 0
     save_every: int = 100
@@ -57,10 +63,13 @@ class HeadsConfig:
     corpus_limit_mb: float | None = None   # prompts from the first files of each split only (smoke runs)
     default_topk: int = 1              # eagle: the tree's branching when speculative_config has no "topk";
                                        # chains measured fastest on the 2-core CPU (README, Methods)
+    precision: str = "fp32"            # "bf16" autocast (or "auto": where matmuls have native bf16); fp32 master weights
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
             raise ValueError(f"kind must be medusa or eagle, got {self.kind!r}")
+        if self.data_kind not in ("selfdistill", "chat"):
+            raise ValueError(f"data_kind must be selfdistill or chat, got {self.data_kind!r}")
         if self.batch is None:
             object.__setattr__(self, "batch", 512 if self.kind == "medusa" else 8)
 
@@ -104,61 +113,57 @@ def _to_draft(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return m
 
 
-def medusa_loss(heads: MedusaHeads, hidden, tokens, rows, cols, to_draft) -> torch.Tensor:
-    """hidden [B, L, D], tokens [B, L]; positions (rows, cols) with cols + 1 + M < L."""
-    h = hidden[rows, cols].float()                                     # [N, D]
-    logits = heads(h)                                                  # [M, N, V']
+def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft) -> torch.Tensor:
+    """Feature positions t [N] of sequences seq [N]; head i learns token t + 2 + i of the same sequence."""
+    logits = heads(data.hidden[t].float())                              # [M, N, V']
+    end = data.ends[seq]
     loss = 0.0
     for i in range(heads.num_heads):
-        labels = to_draft[tokens[rows, cols + 2 + i].long()]
+        pos = t + 2 + i
+        labels = to_draft[data.tokens[pos.clamp(max=len(data.tokens) - 1)].long()]
+        labels = labels.masked_fill(pos >= end, -100)
         loss = loss + 0.8 ** i * F.cross_entropy(logits[i], labels, ignore_index=-100)
     return loss
 
 
-def eagle_loss(head: EagleHead, embed, hidden, tokens, rows, starts, window, to_draft, noise, gen):
-    """Rows of `window` consecutive pairs (feature t, token t + 1) -> feature t + 1, token t + 2."""
-    idx = starts[:, None] + torch.arange(window)[None]                   # [B, W]
-    feats = hidden[rows[:, None], idx].float()                           # [B, W, D]
+def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen):
+    """Rows of pair positions idx [B, W] (feature t, token t + 1) -> feature t + 1, token t + 2;
+    mask [B, W]: pairs whose token t + 2 is trained on."""
+    feats = data.hidden[idx].float()                                     # [B, W, D]
     if noise > 0:
         rms = feats.pow(2).mean().sqrt()
         feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise * rms
-    nxt = tokens[rows[:, None], idx + 1].long()
-    out = head(feats, embed(nxt).float())
+    out = head(feats, embed(data.tokens[idx + 1].long()).float())
     logits, pred = out.logits, out.hidden
-    want = hidden[rows[:, None], idx + 1].float()
-    labels = to_draft[tokens[rows[:, None], idx + 2].long()]
-    reg = F.smooth_l1_loss(pred, want)
+    want = data.hidden[idx + 1].float()
+    labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
+    m = mask[..., None].float()
+    reg = (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     return reg + 0.1 * ce, reg, ce
 
 
-@torch.no_grad()
-def medusa_accuracy(heads: MedusaHeads, data: dict, to_draft, ranks: int = 10) -> list[list[float]]:
-    """acc[i][r]: how often head i's r-th ranked token is the right one (validation data)."""
-    hidden, tokens = data["hidden"], data["tokens"]
-    B, L = tokens.shape
-    M = heads.num_heads
-    cols = torch.arange(0, L - 2 - M)
-    hits = torch.zeros(M, ranks)
-    total = 0
-    for b in range(B):
-        logits = heads(hidden[b, cols].float())                           # [M, N, V']
-        top = logits.topk(ranks, -1).indices                              # [M, N, R]
-        for i in range(M):
-            labels = to_draft[tokens[b, cols + 2 + i].long()]
-            hits[i] += (top[i] == labels[:, None]).float().sum(0)
-        total += len(cols)
-    return [[round(x, 4) for x in row] for row in (hits / total).tolist()]
-
-
-@torch.no_grad()
-def eagle_accuracy(head: EagleHead, embed, data: dict, to_draft) -> float:
-    """Top-1 accuracy of the token after next from true features (validation data)."""
-    hidden, tokens = data["hidden"], data["tokens"]
-    B, L = tokens.shape
-    logits = head(hidden[:, :L - 2].float(), embed(tokens[:, 1:L - 1].long()).float()).logits
-    labels = to_draft[tokens[:, 2:].long()]
-    return round((logits.argmax(-1) == labels).float().mean().item(), 4)
+def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state: dict, log) -> tuple[FlatData, FlatData, str]:
+    """(train, validation, a line for the card). Chat data: the train shard count is fixed at the
+    first start (state["train_shards"]), so a resumed run trains on the same sequences."""
+    if cfg.data_kind == "chat":
+        train, val, n = chat_data(data_dir, state.get("train_shards", cfg.shards), cfg.val_shards)
+        state["train_shards"] = n
+        what = (f"chat self-distillation: {n} shards of the target's answers to chat prompts "
+                f"({train.num_sequences} answers, {len(train.answer_tokens()):,} answer tokens trained on; "
+                f"prompts as context only), from `{data_dir}`")
+        return train, val, what
+    tok = Tokenizer(target_dir)
+    shards = cfg.shards or 48
+    rows = {}
+    for split, n, seed in (("train", shards, 0), ("validation", cfg.val_shards, 1)):
+        stream = cached_tokens(tok, split, data_dir / "tokens", cfg.corpus_limit_mb)
+        paths = make_shards(target, stream, data_dir / split, n, seed=seed, log=lambda s: log(f"{split} {s}"))
+        rows[split] = FlatData.from_rows(load_shards(paths))
+    what = (f"self-distillation: {shards} x 32 prompts of 64 tokens from the train split of the corpus, each "
+            f"continued by the target for 192 tokens (half greedy, half at temperature 0.8), with the target's "
+            f"features; {len(rows['train'].tokens):,} tokens, trained on at every position")
+    return rows["train"], rows["validation"], what
 
 
 def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_dir: Path,
@@ -175,30 +180,24 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(target_dir, "float32")
-    tok = Tokenizer(target_dir)
     V = target.config.vocab_size
-    data = {}
-    for split, n, seed in (("train", cfg.shards, 0), ("validation", cfg.val_shards, 1)):
-        stream = cached_tokens(tok, split, data_dir / "tokens", cfg.corpus_limit_mb)
-        paths = make_shards(target, stream, data_dir / split, n, seed=seed, log=lambda s: log(f"{split} {s}"))
-        data[split] = load_shards(paths)
-    train, val = data["train"], data["validation"]
-    vocab = draft_vocabulary(train["tokens"], cfg.draft_vocab, V)
-    coverage = torch.isin(val["tokens"][:, 64:].long(), vocab).float().mean().item()
+    ckpt = work / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
+    train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
+    vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
+    coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
     to_draft = _to_draft(vocab, V)
     heads = build_heads(cfg, target, vocab)
     embed = target.model.embed_tokens
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = {"step": 0, "elapsed_s": 0.0, "history": []}
-    ckpt = work / "checkpoint.pt"
-    if ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
+    if saved:
         heads.load_state_dict(saved["heads"])
         opt.load_state_dict(saved["optimizer"])
-        state = saved["state"]
         log(f"resumed from {ckpt} at step {state['step']}")
-    B, L = train["tokens"].shape
+    label_t, label_seq = train.label_positions(2)
+    bf16 = use_bf16(cfg.precision, torch.device("cpu"))
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
@@ -206,17 +205,15 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        if cfg.kind == "medusa":
-            rows = torch.from_numpy(rng.integers(0, B, cfg.batch))
-            cols = torch.from_numpy(rng.integers(0, L - 2 - cfg.num_heads, cfg.batch))
-            loss = medusa_loss(heads, train["hidden"], train["tokens"], rows, cols, to_draft)
-            parts = {}
-        else:
-            rows = torch.from_numpy(rng.integers(0, B, cfg.batch))
-            starts = torch.from_numpy(rng.integers(0, L - 2 - cfg.window + 1, cfg.batch))
-            loss, reg, ce = eagle_loss(heads, embed, train["hidden"], train["tokens"], rows, starts,
-                                       cfg.window, to_draft, cfg.noise, gen)
-            parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if cfg.kind == "medusa":
+                pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
+                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft), {}
+            else:
+                idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
+                mask = valid & train.trained_on(idx, seq, 2)
+                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen)
+                parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -226,7 +223,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
             state["history"].append({"step": step + 1, "loss": round(loss.item(), 4), **parts})
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
-                f"({state['elapsed_s'] / (step + 1):.2f} s/step)")
+                f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
             torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt.with_suffix(".tmp"))
             os.replace(ckpt.with_suffix(".tmp"), ckpt)
@@ -234,24 +231,23 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         return {"finished": False, "step": state["step"]}
     heads.eval()
     result = {"steps": state["step"], "wall_time_s": round(state["elapsed_s"], 1),
-              "draft_vocab_coverage": round(coverage, 4),
-              "train_tokens": int(train["tokens"].numel()),
+              "draft_vocab_coverage": round(coverage, 4), "data": what,
+              "train_tokens": int(len(train.tokens)),
               "trainable_parameters": sum(p.numel() for p in params)}
     extra = {"draft_vocab_coverage": result["draft_vocab_coverage"]}
+    greedy_val, sampled_val = val.select(val.greedy), val.select(~val.greedy)
     if cfg.kind == "eagle":
         extra["default_topk"] = cfg.default_topk
-    if cfg.kind == "medusa":
-        greedy_val = {k: v[val["greedy"]] for k, v in val.items()}
+        result["top1_accuracy"] = eagle_accuracy(heads, embed, greedy_val, to_draft)
+        result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, sampled_val, to_draft)
+    else:
         extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft)
         result["top1_accuracy_per_head"] = [a[0] for a in extra["accuracy"]]
-        result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(
-            heads, {k: v[~val["greedy"]] for k, v in val.items()}, to_draft)]
-    else:
-        result["top1_accuracy"] = eagle_accuracy(heads, embed, {k: v[val["greedy"]] for k, v in val.items()}, to_draft)
-        result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, {k: v[~val["greedy"]] for k, v in val.items()}, to_draft)
+        result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(heads, sampled_val, to_draft)]
     save_heads(heads, out, torch.bfloat16, extra=extra)
     if report_prompts:
-        result["speculation"] = speculation_report(target_dir, out, cfg.kind, report_prompts)
+        prompts, what_prompts = _report_prompts(cfg, val, report_prompts, target_dir)
+        result["speculation"] = speculation_report(target_dir, out, cfg.kind, prompts, what_prompts)
     commands = [command]
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
                                                     "history": state["history"]}, indent=1) + "\n")
@@ -259,69 +255,12 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     return {"finished": True, **result}
 
 
-def speculation_report(target_dir: Path, heads_dir: Path, kind: str, n: int, max_tokens: int = 64,
-                       sizes=(4, 8, 16)) -> dict:
-    """Acceptance on held-out function headers (test split), through the engine, bf16."""
-    from ..config import SamplingParams
-    from ..llm import LLM
+def _report_prompts(cfg: HeadsConfig, val: FlatData, n: int, target_dir: Path) -> tuple[list[list[int]], str]:
+    """Held-out prompts as token ids: validation chat prompts, or test-split function headers."""
+    if cfg.data_kind == "chat":
+        spans = list(zip(val.starts.tolist(), val.answer_starts.tolist()))[:n]
+        return [val.tokens[s:a].tolist() for s, a in spans], "validation chat prompts (chat template, first turn)"
     from .report import function_headers
 
-    prompts = [p["prompt"] for p in function_headers(n)]
-    out = {"functions": len(prompts), "max_tokens": max_tokens}
-    for size in sizes:
-        llm = LLM(model=target_dir, dtype="bfloat16",
-                  speculative_config={"method": kind, "model": str(heads_dir), "num_speculative_tokens": size})
-        for temp in (0.0, 1.0):
-            outs = llm.generate(prompts, SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0))
-            emitted = sum(o.stats.output_tokens for o in outs)
-            passes = sum(o.stats.target_forward_passes for o in outs)
-            accepted = sum(o.stats.accepted_tokens for o in outs)
-            out[f"tree{size}_{'greedy' if temp == 0 else 'temperature_1'}"] = {
-                "mean_accepted_length": round(emitted / max(1, passes), 3),
-                "accepted_per_step": round(accepted / max(1, passes), 3)}
-    return out
-
-
-def card(out: Path, target_dir: Path, cfg: HeadsConfig, r: dict, commands: list[str]) -> str:
-    what = (f"{cfg.num_heads} Medusa heads (a residual block each, one shared LM head over the draft vocabulary)"
-            if cfg.kind == "medusa" else "an EAGLE head (fc + one Llama decoder layer + the target's final norm and LM-head rows)")
-    if cfg.kind == "medusa":
-        acc = f"| top-1 accuracy per head, greedy / sampled generations | {r['top1_accuracy_per_head']} / {r['sampled_top1_accuracy_per_head']} |"
-        steps = f"{r['steps']} x {cfg.batch} positions"
-    else:
-        acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
-        steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
-    rows = ""
-    shape = f" (topk {cfg.default_topk}: {'a chain, at most 8 deep' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
-    for key, v in r.get("speculation", {}).items():
-        if key.startswith("tree"):
-            size, mode = key[4:].split("_", 1)
-            rows += f"| {size} nodes{shape}, {mode.replace('_', ' ')} | {v['mean_accepted_length']} |\n"
-    s = r.get("speculation", {})
-    return f"""# {out.name}
-
-{what} for `{target_dir}`, trained by specdec with the target frozen
-(`specdec train {cfg.kind}`; see specdec/train/heads.py).
-
-| | |
-|---|---|
-| trainable parameters | {r['trainable_parameters']:,} |
-| draft vocabulary | {cfg.draft_vocab} most frequent tokens of the training data; they cover {r['draft_vocab_coverage']:.1%} of the validation generations |
-| data | self-distillation: {cfg.shards} x 32 prompts of 64 tokens from the train split of the corpus, each continued by the target for 192 tokens (half greedy, half at temperature 0.8), with the target's features; {r['train_tokens']:,} tokens, trained on at every position (corpus prompt and the target's own continuation) |
-| steps | {steps}, AdamW lr {cfg.lr}, cosine |
-| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), fp32 |
-{acc}
-
-## Speculation on held-out functions
-
-Mean accepted length (tokens per target forward) on {s.get('functions', 0)} test-split function headers,
-{s.get('max_tokens', 0)} new tokens, bfloat16:
-
-| draft | mean accepted length |
-|---|---|
-{rows}
-Reproduce (writes this folder, card included):
-```
-{chr(10).join(commands)}
-```
-"""
+    tok = Tokenizer(target_dir)
+    return [tok.encode(h["prompt"]) for h in function_headers(n)], "test-split function headers"

@@ -1,0 +1,118 @@
+"""How good trained heads are: accuracy on validation features, speculation through the engine,
+and the model card (heads.py trains; this module measures and writes)."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+from ..model.heads import EagleHead, MedusaHeads
+from .headdata import FlatData
+
+
+def _sequences(data: FlatData):
+    for st, a, e in zip(data.starts.tolist(), data.answer_starts.tolist(), data.ends.tolist()):
+        if e - st >= 3:
+            yield st, a, e
+
+
+@torch.no_grad()
+def medusa_accuracy(heads: MedusaHeads, data: FlatData, to_draft, ranks: int = 10) -> list[list[float]]:
+    """acc[i][r]: how often head i's r-th ranked token is the right one (trained-on positions)."""
+    M = heads.num_heads
+    hits, total = torch.zeros(M, ranks), torch.zeros(M)
+    for st, a, e in _sequences(data):
+        t = torch.arange(max(st, a - 2), e - 2)                          # head 0 predicts t + 2
+        if len(t) == 0:
+            continue
+        top = heads(data.hidden[t].float()).topk(ranks, -1).indices       # [M, N, R]
+        for i in range(M):
+            ok = t + 2 + i < e
+            labels = to_draft[data.tokens[(t + 2 + i).clamp(max=e - 1)].long()]
+            hits[i] += ((top[i] == labels[:, None]) & ok[:, None]).float().sum(0)
+            total[i] += ok.sum()
+    return [[round(x, 4) for x in row] for row in (hits / total.clamp(min=1)[:, None]).tolist()]
+
+
+@torch.no_grad()
+def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
+    """Top-1 accuracy of the token after next from true features, on trained-on positions."""
+    hits = total = 0
+    for st, a, e in _sequences(data):
+        feats = data.hidden[st:e - 2].float()[None]
+        logits = head(feats, embed(data.tokens[st + 1:e - 1].long()).float()[None]).logits
+        labels = to_draft[data.tokens[st + 2:e].long()]
+        mask = torch.arange(st + 2, e) >= a
+        hits += int(((logits[0].argmax(-1) == labels) & mask).sum())
+        total += int(mask.sum())
+    return round(hits / max(1, total), 4)
+
+
+def speculation_report(target_dir: Path, heads_dir: Path, kind: str, prompts: list[list[int]], what: str,
+                       max_tokens: int = 64, sizes=(4, 8, 16), dtype: str = "bfloat16") -> dict:
+    """Mean accepted length through the engine on held-out prompts (token ids), greedy and at
+    temperature 1, for each tree size."""
+    from ..config import SamplingParams
+    from ..llm import LLM
+
+    out = {"prompts": len(prompts), "what": what, "max_tokens": max_tokens}
+    for size in sizes:
+        llm = LLM(model=target_dir, dtype=dtype,
+                  speculative_config={"method": kind, "model": str(heads_dir), "num_speculative_tokens": size})
+        for temp in (0.0, 1.0):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0))
+            emitted = sum(o.stats.output_tokens for o in outs)
+            passes = sum(o.stats.target_forward_passes for o in outs)
+            accepted = sum(o.stats.accepted_tokens for o in outs)
+            out[f"tree{size}_{'greedy' if temp == 0 else 'temperature_1'}"] = {
+                "mean_accepted_length": round(emitted / max(1, passes), 3),
+                "accepted_per_step": round(accepted / max(1, passes), 3)}
+    return out
+
+
+def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
+    what = (f"{cfg.num_heads} Medusa heads (a residual block each, one shared LM head over the draft vocabulary)"
+            if cfg.kind == "medusa" else "an EAGLE head (fc + one Llama decoder layer + the target's final norm and LM-head rows)")
+    if cfg.kind == "medusa":
+        acc = f"| top-1 accuracy per head, greedy / sampled generations | {r['top1_accuracy_per_head']} / {r['sampled_top1_accuracy_per_head']} |"
+        steps = f"{r['steps']} x {cfg.batch} positions"
+    else:
+        acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
+        steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
+    rows = ""
+    shape = f" (topk {cfg.default_topk}: {'a chain, at most 8 deep' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
+    for key, v in r.get("speculation", {}).items():
+        if key.startswith("tree"):
+            size, mode = key[4:].split("_", 1)
+            rows += f"| {size} nodes{shape}, {mode.replace('_', ' ')} | {v['mean_accepted_length']} |\n"
+    s = r.get("speculation", {})
+    return f"""# {out.name}
+
+{what} for `{target_dir}`, trained by specdec with the target frozen
+(`specdec train {cfg.kind}`; see specdec/train/heads.py).
+
+| | |
+|---|---|
+| trainable parameters | {r['trainable_parameters']:,} |
+| draft vocabulary | {cfg.draft_vocab} most frequent tokens of the training data; they cover {r['draft_vocab_coverage']:.1%} of the validation tokens trained on |
+| data | {r['data']} |
+| steps | {steps}, AdamW lr {cfg.lr}, cosine |
+| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), fp32 |
+{acc}
+
+## Speculation on held-out prompts
+
+Mean accepted length (tokens per target forward) on {s.get('prompts', 0)} {s.get('what', '')},
+{s.get('max_tokens', 0)} new tokens, bfloat16:
+
+| draft | mean accepted length |
+|---|---|
+{rows}
+Reproduce (writes this folder, card included):
+```
+{chr(10).join(commands)}
+```
+"""

@@ -1,0 +1,180 @@
+"""Chat training data end to end on tiny parts: prompts, the overlap check, the target's
+answers with features, and EAGLE / Medusa heads trained on them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.model import load_model
+from specdec.model.heads import load_heads
+from specdec.tokenizer import Tokenizer
+from specdec.train.answers import AnswerConfig, chat_ids, load_answer_shards, write_shards
+from specdec.train.chatdata import make_prompt_set
+from specdec.train.documents import Passage, chunk
+from specdec.train.headdata import FlatData
+from specdec.train.overlap import check_overlap
+from specdec.train.prompts import FAMILY_WEIGHTS, Material, PromptConfig, build_prompts, clean_instruction
+
+TEXT = ("The scheduler keeps a queue of tasks and runs each task when its time comes. Tasks can be "
+        "cancelled before they run, and the scheduler reports how many tasks are waiting in the queue.")
+
+
+def tiny_material() -> Material:
+    passages = [Passage(f"mod{i}", f"{TEXT} Part {i} of the notes on mod{i}.", f"stdlib:mod{i}.py") for i in range(6)]
+    return Material(passages, ["def f(x):\n    return x + 1\n", "def g(a, b):\n    return a * b\n"],
+                    {"de": [("The file was not found.", "Die Datei wurde nicht gefunden, bitte erneut versuchen.")],
+                     "fr": [("Cannot open the file now.", "Impossible d'ouvrir le fichier maintenant, désolé.")]},
+                    ["Dieses Programm zeigt den Inhalt einer Datei auf dem Bildschirm an."])
+
+
+def test_prompts_cover_the_families_and_are_deterministic():
+    cfg = PromptConfig(count=120, seed=3)
+    a = build_prompts(cfg, tiny_material(), ["Write a haiku about a spoon."])
+    assert a == build_prompts(cfg, tiny_material(), ["Write a haiku about a spoon."])
+    assert {p["family"] for p in a} == set(FAMILY_WEIGHTS)
+    assert len({p["prompt"] for p in a}) == len(a) and len(a) >= 100
+    assert all(p["id"].startswith("p") and p["prompt"] for p in a)
+    german = [p["prompt"] for p in a if p["prompt"].startswith("Translate German to English: ")]
+    assert german and all(g.split(": ", 1)[1] in ("Die Datei wurde nicht gefunden, bitte erneut versuchen.",
+                                                  "Dieses Programm zeigt den Inhalt einer Datei auf dem Bildschirm an.")
+                          for g in german)
+    assert not any(p["family"] == "self_instruct" for p in build_prompts(cfg, tiny_material()))
+
+
+def test_overlap_check_drops_copies_of_evaluation_questions():
+    evals = ["Where was the rugby cup held?",
+             "Summarize: " + " ".join(f"word{i}" for i in range(40))]
+    prompts = [{"id": "exact", "prompt": "where was the RUGBY cup held"},
+               {"id": "contains", "prompt": "Tell me: where was the rugby cup held? Thanks."},
+               {"id": "13gram", "prompt": "Give the gist. " + " ".join(f"word{i}" for i in range(10, 24))},
+               {"id": "clean", "prompt": "Write a poem about the rugby cup."}]
+    kept, report = check_overlap(prompts, evals)
+    assert [p["id"] for p in kept] == ["clean"]
+    assert report["dropped_exact"] == 2 and report["dropped_shared_13gram"] == 1
+    assert set(report["dropped_ids"]) == {"exact", "contains", "13gram"}
+
+
+def test_clean_instruction():
+    assert clean_instruction("2. Write a letter to a friend about a trip.\nMore text") == \
+        "Write a letter to a friend about a trip."
+    assert clean_instruction("Sure, here is a task") is None
+    assert clean_instruction("Task:") is None
+    assert clean_instruction("Hi") is None
+
+
+def test_chunk_joins_paragraphs_within_limits():
+    paras = [" ".join(["w"] * 30)] * 5
+    out = chunk(paras, 50, 70)
+    assert all(50 <= len(c.split()) <= 70 for c in out) and len(out) == 2
+
+
+@pytest.fixture(scope="module")
+def answers(tiny_pair, tmp_path_factory):
+    target, _ = tiny_pair
+    root = tmp_path_factory.mktemp("chat")
+    s = make_prompt_set(root / "prompts", PromptConfig(count=24, seed=1), None, 0, None, "test", tiny_material())
+    assert s["prompts"] == 24 and "not checked for overlap" in (root / "prompts" / "README.md").read_text()
+    rows = [json.loads(line) for line in (root / "prompts" / "prompts.jsonl").read_text().splitlines()]
+    # short prompts: the tiny target's context is 256 tokens
+    rows = [r for r in rows if len(r["prompt"]) < 120][:10]
+    (root / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["train", "answers", "--target", str(target), "--prompts", str(root / "short.jsonl"),
+               "--out", str(root / "answers"), "--max-new-tokens", "12", "--batch", "3", "--per-shard", "2",
+               "--dtype", "float32", "--stop-after", "2"])
+    assert rc == 0 and len(list((root / "answers").glob("shard_*.pt"))) == 2
+    assert main(["train", "answers", "--target", str(target), "--prompts", str(root / "short.jsonl"),
+                 "--out", str(root / "answers"), "--max-new-tokens", "12", "--batch", "3", "--per-shard", "2",
+                 "--dtype", "float32", "--backend", "specdec"]) == 0
+    return target, root, rows
+
+
+def test_both_backends_give_the_same_answers(answers, tmp_path):
+    target, root, rows = answers
+    assert main(["train", "answers", "--target", str(target), "--prompts", str(root / "short.jsonl"),
+                 "--out", str(tmp_path / "hf"), "--max-new-tokens", "12", "--batch", "3", "--per-shard", "2",
+                 "--dtype", "float32", "--backend", "transformers"]) == 0
+    hf = load_answer_shards(sorted((tmp_path / "hf").glob("shard_*.pt")))
+    ours = load_answer_shards(sorted((root / "answers").glob("shard_*.pt")))
+    for k in ("prompt_lens", "greedy"):
+        assert torch.equal(hf[k], ours[k]), k
+    a, b = FlatData.from_answers(hf), FlatData.from_answers(ours)
+    for i in range(b.num_sequences):      # greedy rows token for token (sampled rows draw differently)
+        if ours["greedy"][i]:
+            x, y = slice(int(a.starts[i]), int(a.ends[i])), slice(int(b.starts[i]), int(b.ends[i]))
+            assert torch.equal(hf["tokens"][x], ours["tokens"][y])
+            assert torch.allclose(hf["hidden"][x], ours["hidden"][y], atol=1e-2)
+
+
+def test_answers_are_the_targets_own_with_its_features(answers):
+    target, root, rows = answers
+    paths = sorted((root / "answers").glob("shard_*.pt"))
+    assert len(paths) == 5
+    data = load_answer_shards(paths)
+    assert data["ids"] == [r["id"] for r in rows]
+    tok, model = Tokenizer(target), load_model(target, "float32")
+    llm = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    flat = FlatData.from_answers(data)
+    greedy_rows = [i for i in range(len(rows)) if data["greedy"][i]]
+    assert greedy_rows and not data["greedy"].all()      # both kinds of answer are there
+    for i in greedy_rows:
+        s, a, e = int(flat.starts[i]), int(flat.answer_starts[i]), int(flat.ends[i])
+        assert data["tokens"][s:a].tolist() == chat_ids(tok, rows[i]["prompt"])
+        out = llm.generate([{"prompt_token_ids": data["tokens"][s:a].tolist()}],
+                           SamplingParams(temperature=0, max_tokens=12))[0]
+        assert data["tokens"][a:e].tolist() == out.outputs[0].token_ids
+        h = model(data["tokens"][s:e][None].long(), hidden=True).hidden
+        assert torch.allclose(data["hidden"][s:e - 1].float(), h[0, :-1], atol=1e-2)
+        assert not data["hidden"][e - 1].any()          # the last token's feature is never computed
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_heads_train_on_chat_answers(answers, kind, tmp_path):
+    target, root, rows = answers
+    out = tmp_path / kind
+    flags = ["--window", "8", "--batch", "2"] if kind == "eagle" else ["--num-heads", "2", "--batch", "16"]
+    rc = main(["train", kind, "--target", str(target), "--out", str(out), "--work", str(tmp_path / "w"),
+               "--data", str(root / "answers"), "--data-kind", "chat", "--steps", "4", "--val-shards", "1",
+               "--draft-vocab", "40", "--report-prompts", "2", *flags])
+    assert rc == 0
+    info = json.loads((out / "training.json").read_text())
+    assert "chat self-distillation: 4 shards" in info["result"]["data"]
+    assert info["result"]["speculation"]["tree4_greedy"]["mean_accepted_length"] >= 1.0
+    assert load_heads(out, load_model(target, "float32")).draft_vocab.numel() == 40
+    spec = LLM(model=target, dtype="float32",
+               speculative_config={"method": kind, "model": str(out), "num_speculative_tokens": 4})
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:3]]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+
+
+def test_vocab_draft_distils_resumes_and_stays_lossless(answers, tmp_path):
+    target, root, rows = answers
+    common = ["train", "vocab-draft", "--target", str(target), "--data", str(root / "answers"), "--layers", "1",
+              "--draft-vocab", "40", "--steps", "4", "--batch", "2", "--window", "48", "--val-shards", "1",
+              "--precision", "fp32", "--report-prompts", "2"]
+    assert main([*common, "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa"), "--stop-after", "2"]) == 0
+    assert not (tmp_path / "a").exists()
+    assert main([*common, "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa")]) == 0
+    assert main([*common, "--out", str(tmp_path / "b"), "--work", str(tmp_path / "wb")]) == 0
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any("embed_tokens" in k for k in a) and a["lm_head.weight"].shape[0] == 40
+    info = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert 0 <= info["result"]["greedy_top1_agreement"] <= 1
+    assert info["result"]["speculation"]["tree4_greedy"]["mean_accepted_length"] >= 1.0
+    spec = LLM(model=target, dtype="float32", speculative_model=str(tmp_path / "a"), num_speculative_tokens=3)
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:3]]
+    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),):
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    sampled = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
+    assert all(o.stats.draft_tokens > 0 for o in sampled)

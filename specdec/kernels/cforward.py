@@ -72,14 +72,6 @@ def _dense(model) -> bool:
         all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
 
 
-def _dense(model) -> bool:
-    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
-    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
-    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
-        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
-
-
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 

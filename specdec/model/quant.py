@@ -166,13 +166,3 @@ class QuantEmbedding(nn.Module):
         """tokens [...] int64 -> [..., embedding_dim] fp32."""
         rows = self.qweight[tokens.reshape(-1)]
         return dequantize(rows, self.qtype, self.embedding_dim).reshape(*tokens.shape, self.embedding_dim)
-
-
-def quantized_bytes(module: nn.Module) -> int:
-    """Bytes of the packed matrices a module holds (each shared buffer counted once)."""
-    seen, total = set(), 0
-    for m in module.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.qweight.data_ptr() not in seen:
-            seen.add(m.qweight.data_ptr())
-            total += m.qweight.numel()
-    return total

@@ -71,10 +71,57 @@ static inline __attribute__((always_inline)) float dot_kv(const float *a, const 
     return _mm_cvtss_f32(s);
 }
 
+/* Four keys' dot products at once: four independent FMA chains instead of one chain at a time
+ * (each chain is one key's, in the same order as dot_kv, so the values are the same). */
+static inline __attribute__((always_inline)) void dot4_kv(const float *a, const void *b, long stride, int n, int bf16,
+                                                          float *out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int i = 0; i < n; i += 8) {
+        __m256 x = _mm256_loadu_ps(a + i);
+        c0 = _mm256_fmadd_ps(x, load_kv(b, bf16, i), c0);
+        c1 = _mm256_fmadd_ps(x, load_kv(b, bf16, stride + i), c1);
+        c2 = _mm256_fmadd_ps(x, load_kv(b, bf16, 2 * stride + i), c2);
+        c3 = _mm256_fmadd_ps(x, load_kv(b, bf16, 3 * stride + i), c3);
+    }
+    __m256 cs[4] = {c0, c1, c2, c3};
+    for (int k = 0; k < 4; k++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(cs[k]), _mm256_extractf128_ps(cs[k], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[k] = _mm_cvtss_f32(s);
+    }
+}
+
 static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *x, int n, int bf16) {
     __m256 va = _mm256_set1_ps(a);
     for (int i = 0; i < n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_kv(x, bf16, i), _mm256_loadu_ps(y + i)));
+}
+
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
+ * x below -88.4 gives 0. Softmax exponentials are most of attention's arithmetic: one call per
+ * 8 slots instead of 8 scalar expf calls. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
 static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
@@ -141,21 +188,32 @@ attend_one_t(const Model *m, const Layer *L, const Batch *b, TokenOf who, const 
     for (int s0 = 0; s0 < span; s0 += bs) {
         const char *kb = (const char *)L->k_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
-        for (int j = 0; j < n; j++) {
+        int j = 0;
+        for (; j + 4 <= n; j += 4) dot4_kv(qt, kb + (long)j * hd * es, hd, hd, BF16, scores + s0 + j);
+        for (; j < n; j++) scores[s0 + j] = dot_kv(qt, kb + (long)j * hd * es, hd, BF16);
+        for (j = 0; j < n; j++) {
             int s = s0 + j;
             if (moff >= 0 && s >= from && !b->masks[moff + (long)who.t * cols + s - from]) {
                 scores[s] = -INFINITY;
                 continue;
             }
-            scores[s] = dot_kv(qt, kb + (long)j * hd * es, hd, BF16) * scale;
+            scores[s] *= scale;
             if (scores[s] > mx) mx = scores[s];
         }
     }
-    float sum = 0.0f;
-    for (int s = 0; s < span; s++) {
-        scores[s] = scores[s] == -INFINITY ? 0.0f : expf(scores[s] - mx);
-        sum += scores[s];
+    /* e^(score - max) 8 slots at a time; the buffer holds span rounded up to 8, the padding
+     * and masked slots give exact zeros. The lanes' order depends on the span only, which is
+     * the token's own: the same alone, in a batch, in any chunk. */
+    int padded = (span + 7) & ~7;
+    for (int s = span; s < padded; s++) scores[s] = -INFINITY;
+    __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY), acc = _mm256_setzero_ps();
+    for (int s = 0; s < padded; s += 8) {
+        __m256 x = _mm256_loadu_ps(scores + s);
+        __m256 e = _mm256_blendv_ps(exp8(_mm256_sub_ps(x, vmx)), _mm256_setzero_ps(), _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
+        _mm256_storeu_ps(scores + s, e);
+        acc = _mm256_add_ps(acc, e);
     }
+    float sum = hsum8(acc);
     memset(o, 0, sizeof(float) * hd);
     for (int s0 = 0; s0 < span; s0 += bs) {
         const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
@@ -176,7 +234,7 @@ static void attention(const Model *m, const Layer *L, const Batch *b, const Toke
     int H = m->n_heads, hd = m->head_dim;
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
+        float *scores = malloc(sizeof(float) * (max_span + 8));   /* + padding to whole vectors */
         #pragma omp for collapse(2) schedule(static)
         for (int n = 0; n < N; n++)
             for (int h = 0; h < H; h++)

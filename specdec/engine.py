@@ -196,8 +196,14 @@ class Engine:
         each entry's first row in it (for decoding requests also their first logits row: they
         come first and every one of their rows has logits) and the number of tokens fed."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
+        # every draft's tokens to the host at once (proposers may leave them on either device)
+        proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
+        host = torch.cat(proposed).tolist() if proposed else []
+        at = 0
         for r, draft in zip(plan.decode, drafts):
-            fed, tree = feed_of(r.seq[-1], draft, self.typical is not None and not r.params.greedy)
+            k = draft.k if draft is not None else 0
+            fed, tree = feed_of(r.seq[-1], draft, host[at:at + k], self.typical is not None and not r.params.greedy)
+            at += k
             offsets.append(sum(counts))
             ids.append(r.request_id), counts.append(len(fed)), trees.append(tree), logits.append(len(fed))
             tokens += fed

@@ -69,12 +69,14 @@ def _tree_attention(parents: tuple[int, ...]) -> TreeAttention:
     return TreeAttention.from_parents(parents)      # static trees (Medusa's) are built once
 
 
-def feed_of(last: int, draft: Draft | None, typical_sampled: bool) -> tuple[list[int], TreeAttention | None]:
-    """The tokens a decoding request feeds ([last, drafts or nodes...]) and its tree mask."""
+def feed_of(last: int, draft: Draft | None, drafted: list[int], typical_sampled: bool
+            ) -> tuple[list[int], TreeAttention | None]:
+    """The tokens a decoding request feeds ([last, drafts or nodes...]; drafted: the draft's
+    tokens on the host) and its tree mask."""
     if draft is None:
         return [last], None
     parents = tree_parents(draft, typical_sampled)
-    return [last] + draft.tokens.tolist(), (_tree_attention(tuple(parents)) if parents is not None else None)
+    return [last] + drafted, (_tree_attention(tuple(parents)) if parents is not None else None)
 
 
 def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offsets: list[int],

@@ -87,6 +87,8 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
     ks = [d.k if d is not None else 0 for d in drafts]
     greedy = [r.params.greedy for r in reqs]
     parents = [tree_parents(d, typical is not None and not g) for d, g in zip(drafts, greedy)]
+    if all(greedy) and all(p is None for p in parents) and _packed(offsets, ks):
+        return _greedy_chains(drafts, ks, logits)
     rows = [torch.arange(off, off + k + 1) for off, k in zip(offsets, ks)]
     width = max(ks) + 1
     out = torch.full((B, width), PLACEHOLDER, dtype=torch.long, device=logits.device)
@@ -117,6 +119,28 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
         at += ks[i] + 1
     return [_verified(i, drafts[i], parents[i], emitted[i], tree_argmax.get(i), p.get(i), reqs[i], typical)
             for i in range(B)]
+
+
+def _packed(offsets: list[int], ks: list[int]) -> bool:
+    """Request i's rows start where request i - 1's end (the engine lays them out so)."""
+    at = 0
+    for off, k in zip(offsets, ks):
+        if off != at:
+            return False
+        at += k + 1
+    return True
+
+
+def _greedy_chains(drafts, ks: list[int], logits: Tensor) -> list[Verified]:
+    """Every request greedy with a chain (the common case, plain decoding included): the
+    whole step is an argmax, a comparison and one sync."""
+    argmax = logits.argmax(-1)
+    drafted = [d.tokens for d in drafts if d is not None]
+    if not drafted:           # plain decoding: the argmax is the output
+        return [Verified([t], 0, [0], False, None) for t in argmax.tolist()]
+    emitted = parse_output(verify_greedy_batch(torch.cat(drafted).to(logits.device), ks, argmax).tolist())
+    return [Verified(e, len(e) - 1, list(range(len(e))), False,
+                     list(range(len(e) - 1)) if d is not None and d.is_tree else None) for e, d in zip(emitted, drafts)]
 
 
 def target_probs(reqs, ks: list[int], logits: Tensor, offsets: list[int]) -> dict[int, Tensor]:

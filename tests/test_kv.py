@@ -52,15 +52,12 @@ def test_rollback_and_move_touch_one_sequence_only(model):
     model(tokens, kv, ForwardBatch.build(kv, ["a", "b"], [10, 10], [0, 0]), logits=False)
     kv.set_length("a", 10)
     kv.set_length("b", 10)
-    before_b = [t.clone() for t in kv.k]
-    blk_a, off_a = kv.slot_index("a", [7, 8, 9])
-    want = kv.k[0][blk_a, :, off_a].clone()
+    before_b = [kv.entries("b", range(10), layer) for layer in range(len(kv.k))]
+    want = kv.entries("a", [7, 8, 9], 0)
     kv.move("a", [7, 8, 9], 3)                 # an accepted tree path moved next to a prefix of 3
-    dst_b, dst_o = kv.slot_index("a", [3, 4, 5])
-    assert torch.equal(kv.k[0][dst_b, :, dst_o], want)
-    rows_b = kv.blocks.blocks("b")
-    # equal_nan: the pool is not zeroed, and b's unwritten slots hold whatever was there
-    assert all(torch.allclose(t[rows_b], u[rows_b], rtol=0, atol=0, equal_nan=True) for t, u in zip(kv.k, before_b))
+    got = kv.entries("a", [3, 4, 5], 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(kv.entries("b", range(10), layer)[0], before_b[layer][0]) for layer in range(len(kv.k)))
     kv.rollback("a", 6)
     assert kv.length("a") == 6 and kv.length("b") == 10
     with pytest.raises(ValueError, match="cannot roll back"):
@@ -85,7 +82,7 @@ def test_c_rows_are_bit_identical_whatever_the_batch_and_chunking(model):
     blocks.ensure("x", 14)
     model(x[:11], kv, ForwardBatch.build(kv, ["x"], [11], [0]), logits=False)
     alone = model(x[11:], kv, ForwardBatch.build(kv, ["x"], [3], [11])).logits
-    alone_k = [t[kv.slot_index("x", range(14))[0], :, kv.slot_index("x", range(14))[1]].clone() for t in kv.k]
+    alone_k = [kv.entries("x", range(14), layer) for layer in range(len(kv.k))]
 
     blocks2, kv2 = _pool(model)
     others = {"t": 11, "p": 7, "y": 10}
@@ -102,8 +99,9 @@ def test_c_rows_are_bit_identical_whatever_the_batch_and_chunking(model):
     feed = torch.cat([torch.randint(0, 90, (5,), generator=g), x[11:], torch.randint(0, 90, (8,), generator=g)])
     together = model(feed, kv2, batch).logits[5:8]
     assert torch.equal(together, alone)
-    idx = kv2.slot_index("x", range(14))
-    assert all(torch.equal(t[idx[0], :, idx[1]], a) for t, a in zip(kv2.k, alone_k))
+    for layer, (keys, values) in enumerate(alone_k):
+        got = kv2.entries("x", range(14), layer)
+        assert torch.equal(got[0], keys) and torch.equal(got[1], values)
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
@@ -148,7 +146,7 @@ def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch):
         model(history, kv, ForwardBatch.build(kv, ["t", "x", "y"], [6, 11, 9], [0, 0, 0]), logits=False)
         out = model(feed, kv, _mixed_batch(kv, blocks, None), hidden=True)
         assert (model.c_view(kv) is not None) == c_path
-        outs.append((out.logits, out.hidden, kv.k[1][kv.slot_index("t", range(11))[0], :, kv.slot_index("t", range(11))[1]]))
+        outs.append((out.logits, out.hidden, kv.entries("t", range(11), 1)[0]))
     for a, b in zip(*outs):
         assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item())
 
@@ -170,3 +168,39 @@ def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, m
             llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1] == outs[2] == outs[3]
+
+
+def test_pytorch_attention_is_per_token_whatever_the_batch(model):
+    """The PyTorch path's attention (any device): a sequence's rows come out bit-identical alone
+    and among other sequences (a tree, a longer chunk, other lengths)."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    g = torch.Generator().manual_seed(3)
+    cfg = model.config
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    outs = []
+    for others in (False, True):
+        blocks, kv = _pool(model)
+        if others:
+            for s, n in {"t": 11, "p": 7}.items():
+                blocks.add(s)
+                blocks.ensure(s, n)
+        blocks.add("x")
+        blocks.ensure("x", 14)
+        hist = torch.randn(11, KV, hd, generator=torch.Generator().manual_seed(4))
+        plan = AttentionPlan.of(ForwardBatch.build(kv, ["x"], [11], [0]), kv, "cpu", 64)
+        _TorchAttention(kv, plan)(0, torch.zeros(11, H, hd), hist, hist, True)
+        seqs, counts, starts, trees = ["x"], [3], [11], [None]
+        if others:
+            seqs, counts, starts = ["t", "x", "p"], [5, 3, 7], [6, 11, 0]
+            trees = [TreeAttention.from_parents([-1, -1, 0, 1]), None, None]
+        batch = ForwardBatch.build(kv, seqs, counts, starts, trees)
+        n = sum(counts)
+        q, k = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+        x_rows = slice(5, 8) if others else slice(0, 3)
+        q[x_rows] = torch.arange(3 * H * hd, dtype=torch.float32).reshape(3, H, hd).sin()
+        k[x_rows] = torch.arange(3 * KV * hd, dtype=torch.float32).reshape(3, KV, hd).cos()
+        out = _TorchAttention(kv, AttentionPlan.of(batch, kv, "cpu", 64))(0, q, k, k, True)
+        outs.append(out[x_rows])
+    assert torch.equal(outs[0], outs[1])

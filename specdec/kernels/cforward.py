@@ -6,9 +6,10 @@ copy a QuantLinear keeps), the embedding by its rows as stored (a QuantEmbedding
 dequantized a row at a time in C with model/quant.py's operations).
 
 A `CView` is built once per (model, cache) pair and owned by the model (Transformer keeps
-them in a weak dictionary keyed by the cache), so nothing is stored on the cache or on the
-modules by this file; the view holds references to the packed weights and cache tensors its
-pointers point into.
+them in a weak dictionary keyed by the cache); the packed weights belong to their modules
+(`Linear.packed()`, `QuantLinear.prepared`), so nothing is stored on the cache or on the
+modules by this file. The view holds references to the weights and cache tensors its pointers
+point into.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ctypes import POINTER, c_float, c_int, c_void_p
 
 import torch
 
-from . import packed_of, qformats
+from . import qformats
 
 
 class _Mat(ctypes.Structure):
@@ -32,7 +33,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "block_size", "max_blocks")],
+                                       "n_layers", "num_blocks", "block_size", "max_blocks", "kv_bf16")],
                 ("eps", c_float), ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
@@ -46,6 +47,9 @@ def declare(lib) -> None:
     lib.llama_forward.restype = ctypes.c_long
     lib.llama_forward.argtypes = [POINTER(_Model), POINTER(_Batch), c_void_p, c_void_p, c_int, c_void_p, c_int,
                                   c_void_p, c_int, c_void_p, c_void_p, c_void_p, ctypes.c_long]
+    lib.paged_attention.restype = None
+    lib.paged_attention.argtypes = [POINTER(_Model), c_int, POINTER(_Batch), c_void_p, c_void_p, c_void_p, c_void_p,
+                                    c_int]
     lib.eagle_chain.restype = c_int
     lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, POINTER(_Mat), c_void_p, c_int, c_void_p,
                                 c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
@@ -69,7 +73,7 @@ def _mat(module) -> tuple[_Mat, torch.Tensor] | None:
     w = getattr(module, "weight", None)
     if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return None
-    packed = packed_of(module)
+    packed = module.packed()
     return _Mat(packed.data_ptr(), qformats.DENSE[str(w.dtype).removeprefix("torch.")]), packed
 
 
@@ -86,6 +90,14 @@ def embedding_mat(embedding) -> tuple[_Mat, torch.Tensor] | None:
             or not w.is_contiguous():
         return None
     return _Mat(w.data_ptr(), qformats.DENSE[str(w.dtype).removeprefix("torch.")]), w
+
+
+def attention_supported(model, kv) -> bool:
+    """paged_attention covers an fp32 or bf16 cache (and activations of the same dtype) on the
+    CPU, whatever the matrices are."""
+    dt = kv.k[0].dtype
+    return (kv.k[0].device.type == "cpu" and dt in (torch.float32, torch.bfloat16) and model.dtype == dt
+            and model.config.head_dim % 8 == 0)
 
 
 def supported(model, kv) -> bool:
@@ -109,24 +121,30 @@ def _ptr(t: torch.Tensor | None):
 
 
 class CView:
-    """The C description of (model, kv): weights, the cache's layers, its block table, and the
-    workspace forwards reuse (grown when a forward needs more)."""
+    """The C description of (model, kv): the cache's layers and block table, the weights unless
+    weights=False (an attention-only view, for paged_attention), and the workspace forwards
+    reuse (grown when a forward needs more)."""
 
-    def __init__(self, model, kv):
+    def __init__(self, model, kv, weights: bool = True):
         cfg = model.config
-        self._keep = []        # every tensor a pointer below points into
+        self._keep = [kv.blocks.table, *kv.k, *kv.v]      # every tensor a pointer below points into
+        none = _Mat(None, 0)
         layers = (_Layer * len(kv.k))()
         for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
+            if not weights:
+                layers[i] = _Layer(None, None, none, none, none, none, None, _ptr(k), _ptr(v))
+                continue
             att, mlp = layer.self_attn, layer.mlp
             mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                                *mats, _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
-        head, embed = self._hold(_mat(model.lm_head)), self._hold(embedding_mat(model.model.embed_tokens))
-        self._keep += [kv.blocks.table, *kv.k, *kv.v]
+        head = self._hold(_mat(model.lm_head)) if weights else none
+        embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.block_size, kv.blocks.max_blocks_per_seq,
-                             cfg.rms_norm_eps, embed, _ptr(model.model.norm.weight), head,
+                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
+                             kv.blocks.max_blocks_per_seq, int(kv.k[0].dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
@@ -134,6 +152,25 @@ class CView:
         mat, tensor = found
         self._keep.append(tensor)
         return mat
+
+
+class CAttention:
+    """One forward's attention through forward.c (paged_attention), for the PyTorch path on the
+    CPU: per token over its own sequence's slots, as the C forward attends."""
+
+    def __init__(self, lib, view: CView, batch):
+        self.lib, self.view, self.batch = lib, view, batch
+        self.struct = _batch_struct(batch)
+
+    def __call__(self, layer: int, q, k, v, gqa: bool = True):
+        """q [N, H, hd], k/v [N, KV, hd] in the cache's dtype (RoPE applied) -> [N, H * hd];
+        writes k/v. (gqa: implied by the sizes here.)"""
+        N, H, hd = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty(N, H * hd, dtype=q.dtype)
+        self.lib.paged_attention(ctypes.byref(self.view.struct), layer, ctypes.byref(self.struct), q.data_ptr(),
+                                 k.data_ptr(), v.data_ptr(), out.data_ptr(), N)
+        return out
 
 
 def _batch_struct(batch) -> _Batch:
@@ -180,7 +217,7 @@ def eagle_chain(lib, view: CView, fc, embedding, draft_vocab, rows, base, steps,
     rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
     bias = fc.bias.to(torch.float32).contiguous()
     embed, _rows = embedding_mat(embedding)
-    rc = lib.eagle_chain(ctypes.byref(view.struct), packed_of(fc).data_ptr(), int(fc.weight.dtype == torch.bfloat16),
+    rc = lib.eagle_chain(ctypes.byref(view.struct), fc.packed().data_ptr(), int(fc.weight.dtype == torch.bfloat16),
                          bias.data_ptr(), ctypes.byref(embed), draft_vocab.data_ptr(), B, rows_t.data_ptr(),
                          base_t.data_ptr(), steps_t.data_ptr(), feats.data_ptr(), toks.data_ptr(), max_steps,
                          out.data_ptr())

@@ -5,7 +5,7 @@
  * file runs embedding -> layers -> norm -> LM head for N new tokens of several sequences with
  * fp32 activations and weights in any format kernels.h names (fp32, bf16, or GGUF blocks: each
  * matrix its own), writing keys and values into the same paged KV cache the PyTorch path uses
- * (model/kv.py: per layer [num_blocks, n_kv, block_size, hd]), with the same masks (causal, or a
+ * (model/kv.py: per layer [n_kv, num_blocks, block_size, hd]), with the same masks (causal, or a
  * token tree's ancestor mask, per sequence).
  *
  * Invariant (what lossless batching needs): a token's logits, features and cache entries are
@@ -35,11 +35,11 @@ typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
     Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
-    float *k_cache, *v_cache;             /* [num_blocks, KV, block_size, hd] fp32 */
+    void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] fp32 (bf16: kv_bf16) */
 } Layer;
 
 typedef struct {
-    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, block_size, max_blocks;
+    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, kv_bf16;
     float eps;
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
@@ -60,20 +60,37 @@ typedef struct {
     const uint8_t *masks;
 } Batch;
 
-/* head_dim % 8 == 0 (cforward.supported checks) */
-static inline float dot(const float *a, const float *b, int n) {
+/* head_dim % 8 == 0 everywhere (cforward.supported / attention_supported check) */
+/* 8 keys' or values' elements as fp32: bf16 widened exactly (a 16-bit shift) */
+static inline __m256 load_kv(const void *p, int bf16, long i) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int n, int bf16) {
     __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, bf16, i), acc);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-static inline void axpy(float *y, float a, const float *x, int n) {
+static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *x, int n, int bf16) {
     __m256 va = _mm256_set1_ps(a);
     for (int i = 0; i < n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_kv(x, bf16, i), _mm256_loadu_ps(y + i)));
+}
+
+static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
 }
 
 static float widen(const void *w, int bf16, long i) {
@@ -133,14 +150,16 @@ static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos)
 /* Where kv head g of slot s of the sequence in block-table row `row` lives. */
 static inline long slot_at(const Model *m, int row, long s, int g) {
     int32_t blk = m->block_table[(long)row * m->max_blocks + s / m->block_size];
-    return (((long)blk * m->n_kv + g) * m->block_size + s % m->block_size) * m->head_dim;
+    return (((long)g * m->num_blocks + blk) * m->block_size + s % m->block_size) * m->head_dim;
 }
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
 
-/* One query (token n, head h) over its own sequence's visible slots, in slot order. */
-static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt,
-                       float *o, int h, float *scores) {
+/* One query (token n, head h) over its own sequence's visible slots, in slot order. BF16: the
+ * cache holds bf16 (a compile-time constant in each caller, so the loops carry no branch). */
+static inline __attribute__((always_inline)) void
+attend_one_t(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o, int h,
+             float *scores, int BF16) {
     int hd = m->head_dim, g = h / (m->n_heads / m->n_kv), bs = m->block_size, sq = who.seq;
     int start = b->start[sq], T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq], from = b->mask_from[sq];
     int64_t moff = b->mask_offset[sq];
@@ -148,8 +167,9 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     int cols = start + T - from;
     const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
     float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
+    int es = BF16 ? 2 : 4;
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *kb = L->k_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const char *kb = (const char *)L->k_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
         for (int j = 0; j < n; j++) {
             int s = s0 + j;
@@ -157,7 +177,7 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
                 scores[s] = -INFINITY;
                 continue;
             }
-            scores[s] = dot(qt, kb + (long)j * hd, hd) * scale;
+            scores[s] = dot_kv(qt, kb + (long)j * hd * es, hd, BF16) * scale;
             if (scores[s] > mx) mx = scores[s];
         }
     }
@@ -168,11 +188,84 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     }
     memset(o, 0, sizeof(float) * hd);
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *vb = L->v_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
         for (int j = 0; j < n; j++)
-            if (scores[s0 + j] != 0.0f) axpy(o, scores[s0 + j] / sum, vb + (long)j * hd, hd);
+            if (scores[s0 + j] != 0.0f) axpy_kv(o, scores[s0 + j] / sum, vb + (long)j * hd * es, hd, BF16);
     }
+}
+
+static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o,
+                       int h, float *scores) {
+    if (m->kv_bf16) attend_one_t(m, L, b, who, qt, o, h, scores, 1);
+    else attend_one_t(m, L, b, who, qt, o, h, scores, 0);
+}
+
+/* out [N, H * hd] = every (token, head)'s attention, split across the team; scores: this
+ * thread's [max_span] scratch. */
+static void attention_for(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
+                          float *out, int N, float *scores) {
+    int H = m->n_heads, hd = m->head_dim;
+    #pragma omp for collapse(2) schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++)
+            attend_one(m, L, b, who[n], q + ((long)n * H + h) * hd, out + ((long)n * H + h) * hd, h, scores);
+}
+
+/* who[n] for every flat token; returns the longest span any sequence's tokens see. */
+static int tokens_of(const Batch *b, TokenOf *who) {
+    int max_span = 0;
+    for (int sq = 0; sq < b->n_seqs; sq++) {
+        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
+        if (who)
+            for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
+        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
+    }
+    return max_span;
+}
+
+/* The attention block of one layer for a caller that runs the rest of the layer itself (the
+ * PyTorch path on the CPU: bf16 activations, or matrices no kernel covers): write the N new
+ * tokens' keys and values (k, v [N, KV * hd], RoPE applied) into their slots of layer `layer`,
+ * then out [N, H * hd] = each token's attention over its own sequence, as llama_forward
+ * computes it. q, k, v, out and the cache are bf16 when m->kv_bf16, else fp32; the arithmetic
+ * is fp32. Only the model's sizes, block table and layers' caches are read (weights may be NULL). */
+void paged_attention(const Model *m, int layer, const Batch *b, const void *q, const void *k, const void *v,
+                     void *out, int N) {
+    if (N <= 0) return;
+    const Layer *L = &m->layers[layer];
+    int hd = m->head_dim, KV = m->n_kv, H = m->n_heads, es = m->kv_bf16 ? 2 : 4;
+    long nq = (long)N * H * hd;
+    TokenOf *who = malloc(sizeof(TokenOf) * N);
+    int max_span = tokens_of(b, who);
+    for (int n = 0; n < N; n++) {
+        int sq = who[n].seq;
+        for (int g = 0; g < KV; g++) {
+            long at = slot_at(m, b->rows[sq], b->start[sq] + who[n].t, g) * es, src = ((long)n * KV + g) * hd * es;
+            memcpy((char *)L->k_cache + at, (const char *)k + src, (size_t)es * hd);
+            memcpy((char *)L->v_cache + at, (const char *)v + src, (size_t)es * hd);
+        }
+    }
+    const float *qf = q;
+    float *of = out;
+    if (m->kv_bf16) {
+        float *wq = malloc(sizeof(float) * nq);
+        for (long i = 0; i < nq; i++) wq[i] = widen(q, 1, i);
+        qf = wq;
+        of = malloc(sizeof(float) * nq);
+    }
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
+        attention_for(m, L, b, who, qf, of, N, scores);
+        free(scores);
+    }
+    if (m->kv_bf16) {
+        for (long i = 0; i < nq; i++) ((uint16_t *)out)[i] = to_bf16(of[i]);
+        free((void *)qf);
+        free(of);
+    }
+    free(who);
 }
 
 /* Scratch of one forward, carved from the caller's workspace (sizes in floats unless said). */
@@ -218,17 +311,14 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
         for (int g = 0; g < KV; g++) {
-            long at = slot_at(m, b->rows[sq], slot, g);
-            memcpy(L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
-            memcpy(L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
+            long at = slot_at(m, b->rows[sq], slot, g);          /* llama_forward's cache is fp32 */
+            memcpy((float *)L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
+            memcpy((float *)L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
         }
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
     float *scores = w->scores + (long)omp_get_thread_num() * (w->max_span > 0 ? w->max_span : 1);
-    #pragma omp for collapse(2) schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int h = 0; h < H; h++)
-            attend_one(m, L, b, w->who[n], buf + ((long)n * H + h) * hd, att + ((long)n * H + h) * hd, h, scores);
+    attention_for(m, L, b, w->who, buf, att, N, scores);
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++)
@@ -255,17 +345,12 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
                    const int64_t *pos, int n_layers, float *hidden_out, int n_logits, const int64_t *logit_rows,
                    float *logits, void *ws, long ws_bytes) {
     if (N <= 0) return 0;
-    int D = m->dim, max_span = 0;
-    for (int sq = 0; sq < b->n_seqs; sq++) {
-        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
-        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
-    }
+    int D = m->dim, max_span = tokens_of(b, NULL);
     Work w;
     long need = work_layout(m, N, max_span, omp_get_max_threads(), NULL, &w);
     if (need > ws_bytes || ws == NULL) return need;
     work_layout(m, N, max_span, omp_get_max_threads(), ws, &w);
-    for (int sq = 0; sq < b->n_seqs; sq++)
-        for (int t = 0; t < b->cu_seqlens[sq + 1] - b->cu_seqlens[sq]; t++) w.who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
+    tokens_of(b, w.who);
     /* the rows that need logits, gathered into x after the final norm: only they meet the LM head */
     const float *head_in = logit_rows ? w.x : w.buf;
     #pragma omp parallel firstprivate(w)

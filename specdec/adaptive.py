@@ -184,8 +184,11 @@ class SpeculationPolicy:
         ks = {g: self.by_kind[g].choose() for g in set(greedy)}
         return [ks[g] for g in greedy]
 
-    def observe(self, outcomes: list[tuple[bool, int, int, list[int] | None]], draft_s: float, verify_s: float) -> None:
+    def observe(self, outcomes: list[tuple[bool, int, int, list[int] | None]], draft_s: float, verify_s: float,
+                num_tokens: int = 0) -> None:
         """outcomes: per decoding request (greedy, drafted k, accepted, accepted tree path of a
-        greedy step or None); draft_s / verify_s: the step's drafting and verification time."""
+        greedy step or None); draft_s / verify_s: the step's drafting and verification time;
+        num_tokens: what the target forward fed (decoding and prompt tokens), for a policy that
+        models the forward's cost as a function of it."""
         for greedy, k, accepted, path in outcomes:
             self.by_kind[greedy].update(k, accepted, draft_s, verify_s, path=path)

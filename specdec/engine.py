@@ -41,7 +41,7 @@ class StepEvent:
     text: str                            # new text (held back while it could still change)
     num_accepted: int                    # token_ids[:num_accepted] were accepted drafts
     finished: bool = False
-    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    finish_reason: str | None = None     # "stop" | "length"
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str | None = None
@@ -153,14 +153,14 @@ class Engine:
             return []
         drafts = self._propose(plan)
         t1 = time.perf_counter()
-        out, offsets = self._forward(plan, drafts)
+        out, offsets, num_tokens = self._forward(plan, drafts)
         results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
         t2 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
         if self.proposer is not None and committed:
             self.proposer.update(committed)
         t3 = time.perf_counter()
-        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0)
+        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens)
 
     # -- one step, in order ------------------------------------------------------------------
 
@@ -192,9 +192,9 @@ class Engine:
         return drafts
 
     def _forward(self, plan, drafts):
-        """One target forward: decoding requests first, then prompt chunks; returns the output
-        and each entry's first row in it (for decoding requests also their first logits row:
-        they come first and every one of their rows has logits)."""
+        """One target forward: decoding requests first, then prompt chunks; returns the output,
+        each entry's first row in it (for decoding requests also their first logits row: they
+        come first and every one of their rows has logits) and the number of tokens fed."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
         for r, draft in zip(plan.decode, drafts):
             fed, tree = feed_of(r.seq[-1], draft, self.typical is not None and not r.params.greedy)
@@ -209,7 +209,7 @@ class Engine:
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode), hidden=self.caps.needs_hidden)
-        return out, offsets
+        return out, offsets, len(tokens)
 
     def _commit(self, plan, drafts, results: list[Verified], hidden, offsets) -> list[Committed]:
         """Rejected slots are forgotten (rollback), accepted tree paths moved next to the prefix."""
@@ -231,7 +231,7 @@ class Engine:
         return committed
 
     def _finish_step(self, plan, drafts, results: list[Verified], draft_s: float, verify_s: float,
-                     step_s: float) -> list[StepEvent]:
+                     step_s: float, num_tokens: int) -> list[StepEvent]:
         now = time.perf_counter()
         events, outcomes = [], []
         for r, draft, res in zip(plan.decode, drafts, results):
@@ -258,7 +258,7 @@ class Engine:
         for r, _, _ in plan.chunks:
             r.stats.prefill_time_s += step_s
         if outcomes:
-            self.policy.observe(outcomes, draft_s, verify_s)
+            self.policy.observe(outcomes, draft_s, verify_s, num_tokens)
         return events
 
     def _retire(self, r: Request) -> None:

@@ -64,13 +64,13 @@ class EagleProposer(ProposerBase):
         self.state.pop(request_id, None)
 
     def _c_chain_ok(self) -> bool:
-        head, emb = self.head, self.target.model.embed_tokens.weight
+        head = self.head
         return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
-                and emb.device.type == "cpu" and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
+                and cforward.embedding_mat(self.target.model.embed_tokens) is not None)
 
     def _embed(self, tokens: list[int]):
         emb = self.target.model.embed_tokens
-        return emb(torch.tensor(tokens, dtype=torch.long, device=emb.weight.device)).to(self.head.decoder.dtype)
+        return emb(torch.tensor(tokens, dtype=torch.long, device=self.target.device)).to(self.head.decoder.dtype)
 
     def _run(self, ids, feats, tokens: list[int], counts, starts, trees=None, last_only=False):
         """One head forward: pairs (feats [N, D], tokens [N]) of several requests."""
@@ -117,7 +117,7 @@ class EagleProposer(ProposerBase):
         if max(steps) > 0:
             feats = torch.stack([self.state[items[i].request_id][1] for i in idx])
             rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), self.head.fc,
-                                        self.target.model.embed_tokens.weight, vocab,
+                                        self.target.model.embed_tokens, vocab,
                                         [self.kv.blocks.row(items[i].request_id) for i in idx],
                                         [len(items[i].seq) - 1 for i in idx], steps, feats, first)
         for j, i in enumerate(idx):

@@ -28,9 +28,10 @@ from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
-from .sampling import make_generator
+from .sampling import Controls, make_generator, needs_controls
+from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
-from .verifier import Verified, feed_of, limit_depth, verify_batch
+from .verifier import Verified, cut_to_grammar, feed_of, limit_depth, verify_batch
 from .tokenizer import Tokenizer
 
 
@@ -63,6 +64,7 @@ class Engine:
         self.blocks, self.kv = self._allocate_kv(max_k)
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids))
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
@@ -91,13 +93,36 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+
+    def controls(self, prompt: list[int], params: SamplingParams) -> Controls | None:
+        """A request's sequence-reading controls, or None when it has none (the fast path)."""
+        if not needs_controls(params):
+            return None
+        bad_words = []
+        for word in params.bad_words or []:
+            # vLLM's rule: the word as given and with a leading space (a different token in
+            # byte-level vocabularies), the latter only when it is a distinct same-length encoding
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            bad_words += [w for w in (plain, spaced) if w]
+            if spaced and plain and (spaced[0] == plain[0] or len(spaced) != len(plain)):
+                bad_words.pop()
+        stop_ids = sorted(({*self.eos_ids} if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free."""
         self.check_prompt(prompt, params)
         seed = None if params.seed is None else params.seed + seed_offset
-        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size)
+        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
+                             self.controls(prompt, params))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
@@ -188,6 +213,9 @@ class Engine:
         for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
+            controls = plan.decode[i].ctx.controls
+            if controls is not None and controls.grammar is not None and draft.k > 0:
+                draft = cut_to_grammar(draft, controls.grammar)
             drafts[i] = draft if draft.k > 0 else None
         return drafts
 
@@ -226,6 +254,8 @@ class Engine:
                 self.kv.move(r.request_id, [start + row for row in res.rows[1:]], start + 1)
             r.seq += res.emitted
             r.num_cached = len(r.seq) - 1
+            if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
+                r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))

@@ -137,7 +137,10 @@ def draw(logits: Tensor, ctx: RequestContext, seq: list[int] | None = None,
     """One draft token from logits [1, V] after seq + path: the argmax when greedy (q unused),
     else a sample from the processed q, returned with it."""
     if ctx.controls is not None:
-        logits = ctx.adjust(logits, seq, [path or []])
+        adjusted = ctx.adjust(logits, seq, [path or []])
+        # a draft vocabulary narrower than the target's may have nothing the controls allow:
+        # then draw from the raw q (the verifier rejects what the target forbids, exactly)
+        logits = adjusted if bool((adjusted > float("-inf")).any()) else logits
     if ctx.params.greedy:
         return logits.argmax(-1), None
     q = process(logits, ctx.params)

@@ -134,9 +134,12 @@ class EagleProposer(ProposerBase):
         active, depth = list(idx), 0
         while active:
             for i in active:
-                (tok, _, q), = self._children(cur[i][0], 1, self.ctx[items[i].request_id], items[i].seq, tokens[i])
-                tokens[i].append(tok)
-                probs[i] += [q] if q is not None else []
+                picks = self._children(cur[i][0], 1, self.ctx[items[i].request_id], items[i].seq, tokens[i])
+                for tok, _, q in picks:     # none: the controls leave nothing in the draft vocabulary
+                    tokens[i].append(tok)
+                    probs[i] += [q] if q is not None else []
+                if not picks:
+                    n[i] = len(tokens[i])
             active = [i for i in active if n[i] > depth + 1]
             if not active:
                 break
@@ -174,9 +177,12 @@ class EagleProposer(ProposerBase):
         vocab = self.head.draft_vocab
         if ctx.controls is not None:
             row = ctx.adjust(to_target_vocab(logits[None].float(), vocab, ctx.vocab_size), seq, [path])
+            allowed = int((row > float("-inf")).sum())
+            if allowed == 0:        # the controls leave nothing in the draft vocabulary
+                return []
             if ctx.params.greedy:
                 lp = torch.log_softmax(row[0], -1)
-                top = lp.topk(min(m, int((lp > float("-inf")).sum())))
+                top = lp.topk(min(m, allowed))
                 return [(tok, lq, None) for tok, lq in zip(top.indices.tolist(), top.values.tolist())]
             q = process(row, ctx.params)[0]
             picks = draw_without_replacement(q, m, ctx.generator).tolist()

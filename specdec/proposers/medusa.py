@@ -133,8 +133,10 @@ class MedusaProposer(ProposerBase):
             if par not in drawn:
                 row = ctx.adjust(to_target_vocab(logits[d:d + 1].float(), self.heads.draft_vocab, self.vocab_size),
                                  seq, [paths[par]])
-                if ctx.params.greedy:
-                    allowed = int((row > float("-inf")).sum())
+                allowed = int((row > float("-inf")).sum())
+                if allowed == 0:       # the controls leave nothing in the heads' vocabulary
+                    drawn[par] = []
+                elif ctx.params.greedy:
                     drawn[par] = row[0].topk(min(n_children[par], allowed)).indices.tolist()
                 else:
                     q[par] = process(row, ctx.params)[0]

@@ -46,6 +46,7 @@ class StepEvent:
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str | None = None
+    cumulative_logprob: float | None = None   # the output's so far (requests with best_of > n)
 
 
 class Engine:
@@ -180,12 +181,14 @@ class Engine:
         t1 = time.perf_counter()
         out, offsets, num_tokens = self._forward(plan, drafts)
         results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
+        step_logprobs = _emitted_logprobs(plan.decode, results, out.logits, offsets)
         t2 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
         if self.proposer is not None and committed:
             self.proposer.update(committed)
         t3 = time.perf_counter()
-        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens)
+        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens,
+                                 step_logprobs)
 
     # -- one step, in order ------------------------------------------------------------------
 
@@ -267,10 +270,10 @@ class Engine:
         return committed
 
     def _finish_step(self, plan, drafts, results: list[Verified], draft_s: float, verify_s: float,
-                     step_s: float, num_tokens: int) -> list[StepEvent]:
+                     step_s: float, num_tokens: int, step_logprobs: list) -> list[StepEvent]:
         now = time.perf_counter()
         events, outcomes = [], []
-        for r, draft, res in zip(plan.decode, drafts, results):
+        for r, draft, res, lps in zip(plan.decode, drafts, results, step_logprobs):
             k = draft.k if draft is not None else 0
             # greedy tree steps tell what every smaller (nested) tree would have accepted
             outcomes.append((r.params.greedy, k, res.accepted, res.path if r.params.greedy else None))
@@ -280,6 +283,9 @@ class Engine:
             stats.draft_time_s += draft_s
             stats.target_time_s += verify_s
             event = self._accept(r, res.emitted, res.accepted)
+            if lps is not None:
+                r.cumulative_logprob += sum(lps[:len(event.token_ids)])
+                event.cumulative_logprob = r.cumulative_logprob
             stats.record_step(k, res.accepted, len(event.token_ids))
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
@@ -322,3 +328,21 @@ class Engine:
                 break
         text = r.detok.delta(final=reason is not None)
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)
+
+
+def _emitted_logprobs(reqs, results: list[Verified], logits, offsets: list[int]) -> list[list[float] | None]:
+    """The raw target log-probability of each emitted token (vLLM's default logprobs mode), for
+    the requests that rank candidates by it (best_of > n); None for the others. Emitted token j
+    was scored at kept row rows[j]."""
+    want = [i for i, r in enumerate(reqs) if (r.params.best_of or r.params.n) > r.params.n]
+    out: list[list[float] | None] = [None] * len(reqs)
+    if not want:
+        return out
+    index = torch.tensor([offsets[i] + row for i in want for row in results[i].rows[:len(results[i].emitted)]])
+    tokens = torch.tensor([t for i in want for t in results[i].emitted])
+    lp = torch.log_softmax(logits[index.to(logits.device)].float(), -1).gather(1, tokens.to(logits.device)[:, None])
+    flat, at = lp[:, 0].tolist(), 0
+    for i in want:
+        n = len(results[i].emitted)
+        out[i], at = flat[at:at + n], at + n
+    return out

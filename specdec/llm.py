@@ -210,7 +210,7 @@ class LLM:
         reqs = {}
         try:
             for rid, _, ids, params in jobs:
-                for i in range(params.n):
+                for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
             while any(not r.finished for r in reqs.values()):
                 self.engine.step()
@@ -222,9 +222,15 @@ class LLM:
 
     def _output(self, rid, text, ids, params, reqs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-        for i in range(params.n):
+        candidates = [reqs[(rid, i)] for i in range(params.best_of or params.n)]
+        ranked = len(candidates) > params.n
+        if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
+            candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
+        for i, r in enumerate(candidates):
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
+                                            r.cumulative_logprob if ranked else None))
+        for i in range(params.best_of or params.n):     # every candidate's work counts
             r = reqs[(rid, i)]
-            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason))
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s

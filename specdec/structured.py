@@ -137,8 +137,6 @@ class Grammar:
         never reached (the bad token has p = 0, so it is rejected first), any real mask will do."""
         import time
 
-        from llguidance.torch import fill_next_token_bitmask
-
         out = torch.empty(len(paths), self.words, dtype=torch.int32)
         for i, path in enumerate(paths):
             key = tuple(path)
@@ -148,9 +146,9 @@ class Grammar:
                 n = self._walk(path)
                 row = self.cache.get(tuple(path[:n]))
                 if row is None:
-                    buf = torch.empty(1, self.words, dtype=torch.int32)
-                    fill_next_token_bitmask(self.matcher, buf)
-                    row = buf[0]
+                    # written in place (llguidance.torch's helper would import torch.compile: seconds)
+                    row = torch.empty(self.words, dtype=torch.int32)
+                    self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
                     if not row.any():      # nothing left (past the end with ignore_eos): EOS only
                         row = eos_only(self.eos_ids, self.words)
                     self.cache[tuple(path[:n])] = row

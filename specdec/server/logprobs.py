@@ -4,38 +4,46 @@ reads them off the verification forward (specdec/logprobs.py): no second forward
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..logprobs import TokenLogprob
 from ..tokenizer import Tokenizer
 
-
-def _text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+Namer = Callable[[int], str]
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+def token_namer(tokenizer: Tokenizer, as_ids: bool = False) -> Namer:
+    """How a token is named in logprobs: its text, or "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids, for clients that need the exact ids)."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(name: Namer, entries: list[TokenLogprob], offset: int = 0) -> dict:
     """The legacy completions shape: parallel lists, `top_logprobs` as {token: logprob}."""
-    tokens = [_text(tokenizer, e.token_id) for e in entries]
+    tokens = [name(e.token_id) for e in entries]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_top_dict(tokenizer, e.top) for e in entries],
+            "top_logprobs": [_top_dict(name, e.top) for e in entries],
             "text_offset": offsets}
 
 
-def _top_dict(tokenizer: Tokenizer, top) -> dict[str, float]:
+def _top_dict(name: Namer, top) -> dict[str, float]:
     """{token text: logprob}; tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best."""
     out: dict[str, float] = {}
     for token_id, lp in top:
-        out.setdefault(_text(tokenizer, token_id), lp)
+        out.setdefault(name(token_id), lp)
     return out
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+def chat_logprobs(name: Namer, entries: list[TokenLogprob]) -> dict:
     """The chat shape: one object per token with its bytes and its alternatives."""
     def item(token_id: int, logprob: float) -> dict:
-        text = _text(tokenizer, token_id)
+        text = name(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}

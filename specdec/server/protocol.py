@@ -36,6 +36,8 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, description="only 0 is supported")
     user: str | None = None
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprobs name tokens "
+                                                                "'token_id:<id>'")
 
 
 class CompletionRequest(_Sampling):

@@ -18,7 +18,7 @@ from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
 from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, token_namer
 from .serving import Generation
 
 
@@ -36,8 +36,8 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False):
+        self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
 
     def choice(self, r: ChoiceResult) -> dict:
         return {"index": r.index, "text": "".join(r.text), "logprobs": self._logprobs(r.logprobs, 0),
@@ -52,15 +52,15 @@ class CompletionFormat:
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def _logprobs(self, entries, offset) -> dict | None:
-        return completion_logprobs(self.tokenizer, entries, offset) if self.want_logprobs else None
+        return completion_logprobs(self.name, entries, offset) if self.want_logprobs else None
 
 
 class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False):
+        self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
 
     def choice(self, r: ChoiceResult) -> dict:
         return {"index": r.index, "message": {"role": "assistant", "content": "".join(r.text)},
@@ -79,7 +79,7 @@ class ChatFormat:
                 "stop_reason": stop_reason}
 
     def _logprobs(self, entries) -> dict | None:
-        return chat_logprobs(self.tokenizer, entries) if self.want_logprobs else None
+        return chat_logprobs(self.name, entries) if self.want_logprobs else None
 
 
 def _head(fmt, model: str, chunk: bool) -> dict:

@@ -9,7 +9,9 @@ Each step runs, for every running request at once:
 Invariant: a running request's target cache holds every committed token but the last one, so a
 plain decoding step is the K = 0 case. A request's tokens meet only its own cache slots and its
 own generator, so its output is the same as when it runs alone (greedy: always; seeded
-sampling: with a fixed K, since "auto" K's choices depend on measured timings).
+sampling: with a fixed K, since "auto" K's choices depend on measured timings). "auto" chooses
+each request's K per step by goodput (goodput.py); the scheduler reserves KV slots for the
+chosen K only, so K = 0 costs no slots for drafts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import SpeculationPolicy
+from .goodput import Outcome, SeqInfo, StepCosts
 from .config import SamplingParams, SchedulerConfig
 from .detokenize import Detokenizer
 from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
@@ -53,7 +56,7 @@ class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
-                 logprobs_mode: str = "processed_logprobs"):
+                 logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
@@ -64,7 +67,8 @@ class Engine:
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
-        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size)
+        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size,
+                                        disable_by_batch_size)
         self.config = scheduler_config or SchedulerConfig()
         self.blocks, self.kv = self._allocate_kv(max_k)
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
@@ -170,34 +174,40 @@ class Engine:
         self.last_step_tokens = self.last_step_drafting = 0
         if plan.empty:
             return []
-        drafts = self._propose(plan)
         t1 = time.perf_counter()
-        out, offsets, num_tokens = self._forward(plan, drafts)
+        drafts = self._propose(plan)
+        t2 = time.perf_counter()
+        out, offsets, num_tokens, attention = self._forward(plan, drafts)
         self.last_step_tokens = num_tokens
         self.last_step_drafting = sum(d is not None for d in drafts)
         results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
         logprobs = self._logprobs(plan, results, out.logits, offsets)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
+        t4 = time.perf_counter()
         if self.proposer is not None and committed:
             self.proposer.update(committed)
-        t3 = time.perf_counter()
-        return self._finish_step(plan, drafts, results, logprobs, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0, num_tokens)
+        # what the proposer does after verification (EAGLE re-reads the kept features, a draft
+        # model prefills its prompt chunks) is drafting cost too: "auto" must weigh it
+        propose_s = (t2 - t1) + (time.perf_counter() - t4)
+        events = self._finish_step(plan, drafts, results, logprobs, propose_s, t3 - t2, time.perf_counter() - t0)
+        self._observe(plan, drafts, results, attention, propose_s, time.perf_counter() - t0)
+        return events
 
     # -- one step, in order ------------------------------------------------------------------
 
     def _choose_k(self, decoding: list[Request]) -> list[int]:
         """K per decoding request: the policy's choice, cut to what can still be emitted. A tree
         may hold more nodes than that (as long as they fit in the context), no deeper path."""
-        ks = [0] * len(decoding)
         if self.proposer is None:
-            return ks
-        want = [i for i, r in enumerate(decoding) if self._room(r) > 0]
-        for i, k in zip(want, self.policy.choose([decoding[i].params.greedy for i in want])):
-            r = decoding[i]
-            slots = self.max_model_len - len(r.seq) if self.caps.tree else self._room(r)
-            ks[i] = max(0, min(k, slots))
-        return ks
+            return [0] * len(decoding)
+        seqs = []
+        for r in decoding:
+            room = self._room(r)
+            cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
+            seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
+        ks = self.policy.choose(seqs, len(self.scheduler.running))
+        return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
 
     def _room(self, r: Request) -> int:
         return min(self.max_model_len - len(r.seq) - 1, r.max_tokens - len(r.out) - 1)
@@ -216,7 +226,8 @@ class Engine:
     def _forward(self, plan, drafts):
         """One target forward: decoding requests first, then prompt chunks; returns the output,
         each entry's first row in it (for decoding requests also their first logits row: they
-        come first and every one of their rows has logits) and the number of tokens fed."""
+        come first and every one of their rows has logits), the number of tokens fed and the
+        slots they attend over (each sees its sequence's earlier slots: the attention's work)."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
         # every draft's tokens to the host at once (proposers may leave them on either device)
         proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
@@ -237,7 +248,8 @@ class Engine:
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode), hidden=self.caps.needs_hidden)
-        return out, offsets, len(tokens)
+        attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
+        return out, offsets, len(tokens), attention
 
     def _logprobs(self, plan, results: list[Verified], logits, offsets) -> dict[int, list[TokenLogprob]]:
         """{decoding index: logprobs of its emitted tokens} for the requests that ask, from this
@@ -266,17 +278,13 @@ class Engine:
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed
 
-    def _finish_step(self, plan, drafts, results: list[Verified], logprobs: dict, draft_s: float, verify_s: float,
-                     step_s: float, num_tokens: int) -> list[StepEvent]:
+    def _finish_step(self, plan, drafts, results: list[Verified], logprobs: dict, draft_s: float,
+                     verify_s: float, step_s: float) -> list[StepEvent]:
         now = time.perf_counter()
-        events, outcomes = [], []
+        events = []
         for i, (r, draft, res) in enumerate(zip(plan.decode, drafts, results)):
             k = draft.k if draft is not None else 0
-            # greedy tree steps tell what every smaller (nested) tree would have accepted
-            outcomes.append((r.params.greedy, k, res.accepted, res.path if r.params.greedy else None))
             stats = r.stats
-            # what the proposer does after verification (EAGLE re-reads the kept features) is
-            # drafting cost too: "auto" must weigh it
             stats.draft_time_s += draft_s
             stats.target_time_s += verify_s
             event = self._accept(r, res.emitted, res.accepted)
@@ -295,14 +303,27 @@ class Engine:
                 self._retire(r)
         for r, _, _ in plan.chunks:
             r.stats.prefill_time_s += step_s
-        if outcomes:
-            self.policy.observe(outcomes, draft_s, verify_s, num_tokens)
         return events
+
+    def _observe(self, plan, drafts, results: list[Verified], attention: int, propose_s: float,
+                 step_s: float) -> None:
+        """Tell the policy what each decoding request's draft yielded and what the step fed and
+        cost (greedy tree steps also tell what every smaller, nested tree would have kept)."""
+        if not plan.decode or self.proposer is None:
+            return
+        ks = [d.k if d is not None else 0 for d in drafts]
+        outcomes = [Outcome(r.request_id, r.params.greedy, k, res.accepted, res.path if r.params.greedy else None)
+                    for r, k, res in zip(plan.decode, ks, results)]
+        # drafting costs follow what was asked (a lookup that finds nothing still ran)
+        costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention,
+                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s, step_s - propose_s)
+        self.policy.observe(outcomes, costs)
 
     def _retire(self, r: Request) -> None:
         """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""
         running = r.status == RUNNING
         self.scheduler.finish(r)
+        self.policy.forget(r.request_id)
         if self.proposer is not None and running:
             self.proposer.remove_request(r.request_id)
 

@@ -109,7 +109,8 @@ class LLM:
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
-                             logprobs_mode=logprobs_mode)
+                             logprobs_mode=logprobs_mode,
+                             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):

@@ -32,9 +32,10 @@ from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
-from .sampling import make_generator
+from .sampling import Controls, make_generator, needs_controls
+from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
-from .verifier import Verified, feed_of, limit_depth, verify_batch
+from .verifier import Verified, cut_to_grammar, feed_of, limit_depth, verify_batch
 from .tokenizer import Tokenizer
 
 
@@ -50,6 +51,7 @@ class StepEvent:
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str | None = None
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when params.logprobs is set
+    cumulative_logprob: float | None = None   # the output's so far (requests with best_of > n)
 
 
 class Engine:
@@ -77,6 +79,7 @@ class Engine:
         self.num_preemptions = 0
         self.last_step_tokens = 0          # tokens fed to the target
         self.last_step_drafting = 0        # decoding requests that drafted
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids))
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
@@ -105,13 +108,36 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+
+    def controls(self, prompt: list[int], params: SamplingParams) -> Controls | None:
+        """A request's sequence-reading controls, or None when it has none (the fast path)."""
+        if not needs_controls(params):
+            return None
+        bad_words = []
+        for word in params.bad_words or []:
+            # vLLM's rule: the word as given and with a leading space (a different token in
+            # byte-level vocabularies), the latter only when it is a distinct same-length encoding
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            bad_words += [w for w in (plain, spaced) if w]
+            if spaced and plain and (spaced[0] == plain[0] or len(spaced) != len(plain)):
+                bad_words.pop()
+        stop_ids = sorted(({*self.eos_ids} if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free."""
         self.check_prompt(prompt, params)
         seed = None if params.seed is None else params.seed + seed_offset
-        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size)
+        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
+                             self.controls(prompt, params))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
@@ -220,6 +246,9 @@ class Engine:
         for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
+            controls = plan.decode[i].ctx.controls
+            if controls is not None and controls.grammar is not None and draft.k > 0:
+                draft = cut_to_grammar(draft, controls.grammar)
             drafts[i] = draft if draft.k > 0 else None
         return drafts
 
@@ -252,9 +281,10 @@ class Engine:
         return out, offsets, len(tokens), attention
 
     def _logprobs(self, plan, results: list[Verified], logits, offsets) -> dict[int, list[TokenLogprob]]:
-        """{decoding index: logprobs of its emitted tokens} for the requests that ask, from this
-        step's logits (the row that predicted each token)."""
-        asking = [i for i, r in enumerate(plan.decode) if r.params.logprobs is not None]
+        """{decoding index: logprobs of its emitted tokens} for the requests that ask (or rank
+        their candidates by them: best_of > n), from this step's logits (the row that predicted
+        each token)."""
+        asking = [i for i, r in enumerate(plan.decode) if r.params.logprobs is not None or _ranked(r.params)]
         wanted = [(plan.decode[i].params, [offsets[i] + row for row in results[i].rows], results[i].emitted)
                   for i in asking]
         return dict(zip(asking, step_logprobs(logits, wanted, self.logprobs_mode)))
@@ -268,6 +298,8 @@ class Engine:
                 self.kv.move(r.request_id, [start + row for row in res.rows[1:]], start + 1)
             r.seq += res.emitted
             r.num_cached = len(r.seq) - 1
+            if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
+                r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
@@ -289,7 +321,12 @@ class Engine:
             stats.target_time_s += verify_s
             event = self._accept(r, res.emitted, res.accepted)
             if i in logprobs:
-                event.logprobs = logprobs[i][:len(event.token_ids)]
+                lps = logprobs[i][:len(event.token_ids)]
+                if r.params.logprobs is not None:
+                    event.logprobs = lps
+                if _ranked(r.params):
+                    r.cumulative_logprob += sum(x.logprob for x in lps)
+                    event.cumulative_logprob = r.cumulative_logprob
             stats.record_step(k, res.accepted, len(event.token_ids))
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
@@ -345,3 +382,8 @@ class Engine:
                 break
         text = r.detok.delta(final=reason is not None)
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)
+
+
+def _ranked(params) -> bool:
+    """best_of > n: the candidates are ranked by cumulative logprob."""
+    return (params.best_of or params.n) > params.n

@@ -215,7 +215,7 @@ class LLM:
         reqs, logprobs = {}, {}
         try:
             for rid, _, ids, params in jobs:
-                for i in range(params.n):
+                for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
@@ -229,11 +229,17 @@ class LLM:
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-        for i in range(params.n):
-            r = reqs[(rid, i)]
+        candidates = [reqs[(rid, i)] for i in range(params.best_of or params.n)]
+        ranked = len(candidates) > params.n
+        if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
+            candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
+        for i, r in enumerate(candidates):
             lp = logprobs.get(r.request_id, []) if params.logprobs is not None else None
+            cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
             outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
-                                            sum(x.logprob for x in lp) if lp is not None else None, lp))
+                                            cumulative, lp))
+        for i in range(params.best_of or params.n):     # every candidate's work counts
+            r = reqs[(rid, i)]
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s

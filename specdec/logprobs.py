@@ -47,12 +47,12 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     counts = [len(rows) for _, rows, _ in wanted]
     logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
     chosen = logp.gather(1, tokens[:, None])[:, 0].clamp_min(FLOOR).tolist()
-    n_top = min(max(p.logprobs for p, _, _ in wanted), logp.shape[-1])
+    n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
     top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long()))
     top_v, top_i = top_v.clamp_min(FLOOR).tolist(), top_i.tolist()
     out, at = [], 0
     for (params, _, toks), n in zip(wanted, counts):
-        k = params.logprobs
+        k = params.logprobs or 0
         out.append([TokenLogprob(t, chosen[at + j], tuple(zip(top_i[at + j][:k], top_v[at + j][:k])))
                     for j, t in enumerate(toks)])
         at += n

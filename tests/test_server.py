@@ -225,7 +225,7 @@ BAD = [
     ("n too large", {"prompt": "x", "n": 1000}, 400, "n"),
     ("logprobs too large", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("seed beyond 64 bits", {"prompt": "x", "seed": 2**70}, 400, "seed"),
-    ("unsupported penalty", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("penalty out of range", {"prompt": "x", "presence_penalty": 3.0}, 400, "presence_penalty"),
 ]
 BAD_CHAT = [
     ("no messages", {"messages": []}, 400, "messages"),

@@ -16,6 +16,7 @@ from ..tokenizer import TokenizerError
 from .config import ServerConfig
 from .errors import APIError, bad_value
 from .metrics import ServerMetrics
+from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .worker import EngineWorker, Job, ShuttingDown
 
@@ -37,8 +38,8 @@ class Service:
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)", "echo")
         prompts = self._completion_prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
         self._check_prompts(prompts, params, "prompt")
@@ -46,8 +47,7 @@ class Service:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        extra.check_chat(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompts = [self._chat_prompt(req)]
@@ -55,6 +55,16 @@ class Service:
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         self._check_prompts(prompts, params, "messages")
         return prompts, params
+
+    def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt's text for echo: as sent, or decoded when sent as token ids."""
+        if not req.echo:
+            return None
+        if isinstance(req.prompt, str):
+            return [req.prompt]
+        if req.prompt and isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
         return Generation(self.worker, self.metrics, prompts, params, arrival)
@@ -64,9 +74,10 @@ class Service:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
 
     def _params(self, req: _Sampling, max_tokens, logprobs) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", name)
+        structured, field = extra.structured_outputs(req)
+        extra.check_grammar(self.engine, structured, field)
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
         # what a request leaves out comes from the model's generation_config.json (vLLM's
         # --generation-config auto), then from OpenAI's defaults
         model = self.llm.generation_defaults
@@ -74,7 +85,11 @@ class Service:
                       top_p=_or(req.top_p, model.get("top_p", 1.0)), top_k=_or(req.top_k, model.get("top_k", -1)),
                       min_p=_or(req.min_p, model.get("min_p", 0.0)), seed=req.seed,
                       max_tokens=_or(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
-                      ignore_eos=req.ignore_eos, logprobs=logprobs)
+                      ignore_eos=req.ignore_eos, logprobs=logprobs,
+                      presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+                      repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
+                      logit_bias=extra.logit_bias(req), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
+                      structured_outputs=structured, best_of=req.best_of)
         try:
             params = _numerically_safe(SamplingParams(**fields))
         except ValueError as e:
@@ -111,9 +126,10 @@ class Service:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
-        if len(prompts) * params.n > MAX_CHOICES:
-            raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x n), "
-                                f"got {len(prompts) * params.n}", "n")
+        per_prompt = params.best_of or params.n
+        if len(prompts) * per_prompt > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x max(n, best_of)), "
+                                f"got {len(prompts) * per_prompt}", "best_of" if params.best_of else "n")
         limit = self.engine.max_model_len
         for ids in prompts:
             try:
@@ -170,14 +186,16 @@ class Generation:
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * params.n + i))
-                      for p, ids in enumerate(prompts) for i in range(params.n)]
+        # best_of > n: every candidate runs, the best n per prompt are kept at the end
+        self.per_prompt = params.best_of or params.n
+        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i))
+                      for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         self._clocks = [_Clock(arrival) for _ in self._jobs]
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
 
     def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // self.params.n]
+        return self.prompts[index // self.per_prompt]
 
     async def __aenter__(self) -> Generation:
         try:

@@ -226,6 +226,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     num_layers: int | None = None        # layer_skip: exit after this many layers
     max_k: int | None = None             # upper bound for "auto": K (default 8), tree size (32)
+    disable_by_batch_size: int | None = None   # vLLM's: from this many running requests on, nobody drafts
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -240,6 +241,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "max_k", 32 if self.method in ("medusa", "eagle") else 8)
         _check(isinstance(self.max_k, int) and not isinstance(self.max_k, bool) and 1 <= self.max_k <= 64,
                "max_k", "must be an integer in [1, 64]", self.max_k)
+        d = self.disable_by_batch_size
+        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
+               "disable_by_batch_size", "must be an integer >= 1", d)
         if self.method in ("draft_model", "medusa", "eagle") and not self.model:
             what = "a draft model folder" if self.method == "draft_model" else f"a heads folder (specdec train {self.method})"
             raise ValueError(f"speculative_config.model is required for method {self.method!r}: {what}")

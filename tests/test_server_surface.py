@@ -22,8 +22,9 @@ MSG = [{"role": "user", "content": "def parse(data):"}]
 
 @pytest.fixture(scope="module")
 def live():
-    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=256)
-    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",), max_num_seqs=8))) as server:
+    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=256,
+              max_num_seqs=8)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
         server.llm = llm
         yield server
 

@@ -9,6 +9,7 @@ import time
 from functools import partial
 
 from ..config import SamplingParams
+from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
 from ..tokenizer import TokenizerError
@@ -17,7 +18,7 @@ from .errors import APIError, bad_value
 from .metrics import ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from .worker import EngineWorker, Job, ShuttingDown, StepOutput
+from .worker import EngineWorker, Job, ShuttingDown
 
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
@@ -30,8 +31,8 @@ class Service:
     def __init__(self, llm: LLM, config: ServerConfig):
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
-        self.worker = EngineWorker(llm.engine, config.max_num_seqs)
-        self.metrics = ServerMetrics(lambda: self.worker.num_running, lambda: self.worker.num_waiting)
+        self.metrics = ServerMetrics(llm.engine)
+        self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
         # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
@@ -169,11 +170,11 @@ class _Clock:
     """Latency bookkeeping of one choice, for the histograms."""
 
     def __init__(self, arrival: float):
-        self.arrival, self.last = arrival, None
+        self.arrival, self.first, self.last = arrival, None, None
 
 
 class Generation:
-    """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepOutput).
+    """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepEvent).
 
     Use `async with`: entering queues the jobs; leaving with choices unfinished (client gone,
     cancellation, engine error) cancels them, so their slots free at once.
@@ -212,7 +213,7 @@ class Generation:
         self._open.clear()
 
     async def steps(self):
-        """Yield (choice index, StepOutput) until every choice has finished."""
+        """Yield (choice index, StepEvent) until every choice has finished."""
         while self._open:
             index, item = await self._queue.get()
             if isinstance(item, Exception):
@@ -224,19 +225,21 @@ class Generation:
             self._observe(index, item)
             yield index, item
 
-    def _observe(self, index: int, out: StepOutput) -> None:
-        event, clock, now = out.event, self._clocks[index], time.perf_counter()
+    def _observe(self, index: int, event: StepEvent) -> None:
+        clock, now = self._clocks[index], time.perf_counter()
         self.stats[index] = event.stats
         if event.token_ids:
             self._metrics.generation_tokens.inc(len(event.token_ids))
             if clock.last is None:
                 self._metrics.ttft.observe(now - clock.arrival)
+                clock.first = now
             else:
                 self._metrics.itl.observe(now - clock.last)
             clock.last = now
         if event.finished:
             self._open.discard(index)
-            self._metrics.e2e.observe(now - clock.arrival)
+            if clock.first is not None:
+                self._metrics.latencies(event.stats, clock.first, clock.last, clock.arrival)
             self._metrics.finished(event.finish_reason, event.stats)
 
 

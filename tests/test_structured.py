@@ -148,3 +148,18 @@ def test_command_line_flags(capsys, tmp_path):
         assert main(base + bad + ["x"]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_processed_logprobs_follow_the_grammar():
+    """Processed logprobs are of the distribution verified against: under a digits-only
+    grammar every alternative reported is a digit token or EOS; raw ones are not restricted."""
+    so = StructuredOutputsParams(regex="[0-9]{4}")
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, logprobs=5, structured_outputs=so)
+    for mode, restricted in (("processed_logprobs", True), ("raw_logprobs", False)):
+        llm = LLM(model=BUNDLED_TARGET, speculative_model=BUNDLED_DRAFT, num_speculative_tokens=3, logprobs_mode=mode)
+        out = llm.generate("x = ", params)[0].outputs[0]
+        assert out.text.isdigit() and len(out.text) == 4
+        tops = [(llm.tokenizer.decode([t]), lp) for e in out.logprobs for t, lp in e.top if lp > -9999]
+        assert all(lp > -9999 for e in out.logprobs for lp in [e.logprob])
+        ok = all(text.isdigit() or text == "" for text, _ in tops)
+        assert ok == restricted, (mode, tops)

@@ -47,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
 
 
 def _bytes(value: str) -> int:
@@ -86,7 +88,7 @@ def llm_from_args(args, seed: int | None = None):
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
                generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               block_size=args.block_size)
+               block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

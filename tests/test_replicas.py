@@ -226,11 +226,12 @@ def test_a_bad_model_fails_before_ray_starts(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("specdec: error: ") and "does not exist" in r.stderr
 
 
-def test_federated_metrics_keep_each_replicas_samples_apart():
+def test_federated_metrics_keep_each_replicas_samples_apart(tiny_pair):
+    from specdec import LLM
     from specdec.server.federate import merge
     from specdec.server.metrics import ServerMetrics
 
-    a, b = ServerMetrics(), ServerMetrics()
+    a, b = ServerMetrics(LLM(tiny_pair[0]).engine), ServerMetrics(LLM(tiny_pair[0]).engine)
     a.requests.labels("stop").inc(3)
     a.ttft.observe(0.2)
     b.requests.labels("length").inc(2)

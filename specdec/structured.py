@@ -112,7 +112,6 @@ class Grammar:
         self.words = mask_words(vocab_size)
         self.cursor: list[int] = []          # tokens consumed past the committed output
         self.cache: dict[tuple, Tensor] = {}
-        self.mask_seconds, self.masks_computed = 0.0, 0
 
     def _walk(self, path: list[int]) -> int:
         """Move the matcher to the longest valid prefix of path; returns its length."""
@@ -135,14 +134,11 @@ class Grammar:
         """[len(paths), words] int32: the allowed next tokens after the committed output plus
         each path. A path that leaves the grammar gets the mask of its valid prefix: its row is
         never reached (the bad token has p = 0, so it is rejected first), any real mask will do."""
-        import time
-
         out = torch.empty(len(paths), self.words, dtype=torch.int32)
         for i, path in enumerate(paths):
             key = tuple(path)
             row = self.cache.get(key)
             if row is None:
-                t0 = time.perf_counter()
                 n = self._walk(path)
                 row = self.cache.get(tuple(path[:n]))
                 if row is None:
@@ -152,9 +148,7 @@ class Grammar:
                     if not row.any():      # nothing left (past the end with ignore_eos): EOS only
                         row = eos_only(self.eos_ids, self.words)
                     self.cache[tuple(path[:n])] = row
-                    self.masks_computed += 1
                 self.cache[key] = row
-                self.mask_seconds += time.perf_counter() - t0
             out[i] = row
         return out
 

@@ -125,3 +125,26 @@ def test_smollm2_greedy_ngram_equals_plain_with_controls():
     out = spec.chat(msgs, SamplingParams(temperature=0, max_tokens=100,
                                          structured_outputs=StructuredOutputsParams(json=person)))[0].outputs[0]
     assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"name", "age", "hobbies"}
+
+
+def test_command_line_flags(capsys, tmp_path):
+    from specdec.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--model", str(BUNDLED_TARGET), "--speculative-model", str(BUNDLED_DRAFT), "--json"]
+    assert main(base + ["--json-schema", str(schema), "--max-tokens", "64", "x = "]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == set(SCHEMA["properties"])
+    assert main(base + ["--presence-penalty", "0.5", "--repetition-penalty", "1.2", "--logit-bias", '{"29": 4}',
+                        "--bad-words", "the", "--min-tokens", "4", "--max-tokens", "8", "def f():"]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2,
+                            logit_bias={29: 4.0}, bad_words=["the"], min_tokens=4)
+    want = LLM(model=BUNDLED_TARGET, num_speculative_tokens=0).generate("def f():", params)[0].outputs[0].token_ids
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    for bad, needle in ((["--regex", "[a-z"], "structured_outputs.regex is invalid"),
+                        (["--regex", "a", "--choice", "b"], "at most one of"),
+                        (["--frequency-penalty", "9"], "frequency_penalty must be in [-2, 2]")):
+        assert main(base + bad + ["x"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err

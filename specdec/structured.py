@@ -79,6 +79,10 @@ class GrammarCompiler:
                                                   eos_token=self.eos_ids)
             return self._ll
 
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now (a server does it at start, off its event loop)."""
+        self._lltokenizer()
+
     def check(self, spec: StructuredOutputsParams) -> str:
         """The grammar text of spec, or GrammarError naming the field."""
         import llguidance

@@ -31,7 +31,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.worker.start()
+        # the grammar engine's tokenizer (a few hundred ms for a 50k vocabulary) is built in the
+        # background, so the first JSON-mode request does not stall the event loop on it
+        warm = asyncio.get_running_loop().run_in_executor(None, service.engine.grammars.prepare)
         yield
+        await warm
         # uvicorn has already let in-flight requests finish; this drains anything left queued
         await asyncio.to_thread(service.worker.stop)
 

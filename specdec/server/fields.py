@@ -65,7 +65,7 @@ def check_grammar(engine, spec: StructuredOutputsParams | None, field: str | Non
         raise APIError(400, f"{field} is invalid: {e.detail}", field) from None
 
 
-def logit_bias(req: _Sampling) -> dict[int, float] | None:
+def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's {"token id": bias} with string keys -> {int: float}."""
     if req.logit_bias is None:
         return None
@@ -73,6 +73,9 @@ def logit_bias(req: _Sampling) -> dict[int, float] | None:
     for key, bias in req.logit_bias.items():
         if not key.strip().isdigit():
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",
+                           "logit_bias")
         out[int(key)] = bias
     return out
 

@@ -88,7 +88,7 @@ class Service:
                       ignore_eos=req.ignore_eos, logprobs=logprobs,
                       presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
                       repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
-                      logit_bias=extra.logit_bias(req), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
+                      logit_bias=extra.logit_bias(req, self.engine.target.config.vocab_size), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
                       structured_outputs=structured, best_of=req.best_of)
         try:
             params = _numerically_safe(SamplingParams(**fields))

@@ -236,10 +236,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Started:
+    url: str
+    pid: int
+
+
 @contextmanager
 def server(argv: list[str], log: Path, startup_s: float = 600.0):
     """`specdec serve argv` on a free loopback port until the block ends (then SIGTERM, which
-    drains it); yields its base URL."""
+    drains it); yields its Started (base URL, process id)."""
     import httpx
 
     port = free_port()
@@ -261,7 +267,7 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.25)
-            yield url
+            yield Started(url, proc.pid)
         finally:
             proc.terminate()
             try:

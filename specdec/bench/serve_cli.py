@@ -168,7 +168,7 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
         for v in variants(args):
             log = out / f"server-{re.sub(r'[^a-z0-9]+', '-', v['name'].lower()).strip('-')}.log"
             print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
-            started.append((v, stack.enter_context(serve.server(v["argv"], log))))
+            started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
             results["variants"].append({**v, "points": []})
         pool = serve.fitting(pool, started[0][1], args.output_len)
         results["settings"]["prompts_that_fit"] = len(pool)

@@ -235,8 +235,17 @@ class Engine:
             room = self._room(r)
             cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
             seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
-        ks = self.policy.choose(seqs, len(self.scheduler.running))
+        ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
         return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
+
+    def _pending_prefill(self, decoding: int) -> int:
+        """Prompt tokens this step will likely prefill: what running and seatable waiting
+        requests have left, within the step's token budget."""
+        sched = self.scheduler
+        left = sum(len(r.seq) - 1 - r.num_cached for r in sched.running if not r.prefilled)
+        seats = self.config.max_num_seqs - len(sched.running)
+        left += sum(len(r.seq) - 1 for r in itertools.islice(sched.waiting, max(0, seats)))
+        return max(0, min(left, self.config.max_num_batched_tokens - decoding))
 
     def _room(self, r: Request) -> int:
         return min(self.max_model_len - len(r.seq) - 1, r.max_tokens - len(r.out) - 1)

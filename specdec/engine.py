@@ -35,7 +35,8 @@ from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestCo
 from .sampling import Controls, make_generator, needs_controls
 from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
-from .verifier import Verified, cut_to_grammar, feed_of, limit_depth, verify_batch
+from .verifier import (Verified, controlled_logits, cut_to_grammar, extend_with_forced, feed_of, limit_depth,
+                       verify_batch)
 from .tokenizer import Tokenizer
 
 
@@ -209,8 +210,12 @@ class Engine:
         out, offsets, num_tokens, attention = self._forward(plan, drafts)
         self.last_step_tokens = num_tokens
         self.last_step_drafting = sum(d is not None for d in drafts)
-        results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
-        logprobs = self._logprobs(plan, results, out.logits, offsets)
+        # p's controls (penalties, bias, grammar...) per row path, once: verification and
+        # processed logprobs read the same rows
+        logits = controlled_logits(plan.decode, drafts, out.logits, offsets)
+        results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
+        logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode == "raw_logprobs" else logits,
+                                  offsets)
         t3 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
         t4 = time.perf_counter()
@@ -259,9 +264,10 @@ class Engine:
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
             controls = plan.decode[i].ctx.controls
-            if controls is not None and controls.grammar is not None and draft.k > 0:
-                draft = cut_to_grammar(draft, controls.grammar)
-            drafts[i] = draft if draft.k > 0 else None
+            if controls is not None and controls.grammar is not None:
+                draft = cut_to_grammar(draft, controls.grammar) if draft.k > 0 else draft
+                draft = extend_with_forced(draft, controls.grammar, plan.ks[i])
+            drafts[i] = draft if draft is not None and draft.k > 0 else None
         return drafts
 
     def _forward(self, plan, drafts):

@@ -7,8 +7,9 @@ second forward, only a log-softmax over the rows of the requests that ask.
 
 Modes (vLLM's `logprobs_mode` names):
 - "processed_logprobs" (default): log p(x) under the distribution the token was verified
-  against: temperature, top-k, top-p and min-p applied (sampling.process_rows); tokens those
-  filters removed get FLOOR. Greedy requests report the unscaled distribution (temperature 0
+  against: the request's controls (penalties, bias, grammar mask: the rows the engine passes
+  in), then temperature, top-k, top-p and min-p (sampling.process_rows); tokens those
+  removed get FLOOR. Greedy requests report the unscaled distribution (temperature 0
   has no distribution of its own), so greedy logprobs are the same in both modes.
 - "raw_logprobs": log-softmax of the raw logits, before any processing.
 A recovered token is drawn from norm(max(0, p - q)), yet the figure reported is log p(x): the

@@ -95,7 +95,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._lltokenizer(), self.check(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(spec.kind, _first_line(matcher.get_error()))
-        return Grammar(matcher, self.vocab_size, self.eos_ids)
+        return Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
 
 
 def _first_line(message: str) -> str:
@@ -107,12 +107,11 @@ class Grammar:
     """One request's matcher: at the committed output between steps, walking draft paths
     during one. A path that leaves the grammar is never walked past its first bad token."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: list[int]):
-        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+    def __init__(self, matcher, vocab_size: int, eos_ids: list[int], lltokenizer=None):
+        self.matcher, self.vocab_size, self.eos_ids, self.lltokenizer = matcher, vocab_size, eos_ids, lltokenizer
         self.words = mask_words(vocab_size)
         self.cursor: list[int] = []          # tokens consumed past the committed output
         self.cache: dict[tuple, Tensor] = {}
-        self.mask_seconds, self.masks_computed = 0.0, 0
 
     def _walk(self, path: list[int]) -> int:
         """Move the matcher to the longest valid prefix of path; returns its length."""
@@ -135,14 +134,11 @@ class Grammar:
         """[len(paths), words] int32: the allowed next tokens after the committed output plus
         each path. A path that leaves the grammar gets the mask of its valid prefix: its row is
         never reached (the bad token has p = 0, so it is rejected first), any real mask will do."""
-        import time
-
         out = torch.empty(len(paths), self.words, dtype=torch.int32)
         for i, path in enumerate(paths):
             key = tuple(path)
             row = self.cache.get(key)
             if row is None:
-                t0 = time.perf_counter()
                 n = self._walk(path)
                 row = self.cache.get(tuple(path[:n]))
                 if row is None:
@@ -152,15 +148,31 @@ class Grammar:
                     if not row.any():      # nothing left (past the end with ignore_eos): EOS only
                         row = eos_only(self.eos_ids, self.words)
                     self.cache[tuple(path[:n])] = row
-                    self.masks_computed += 1
                 self.cache[key] = row
-                self.mask_seconds += time.perf_counter() - t0
             out[i] = row
         return out
 
     def valid_prefix(self, path: list[int]) -> int:
         """How many leading tokens of path the grammar allows after the committed output."""
         return self._walk(path)
+
+    def forced(self, path: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after the committed output plus path (the
+        canonical tokens of bytes it leaves no choice about: `","name":"` between two JSON
+        fields); [] when path leaves the grammar."""
+        if limit <= 0 or self._walk(path) < len(path):
+            return []
+        ff = self.matcher.compute_ff_tokens()
+        if self.lltokenizer is not None:
+            # llguidance stops its forced tokens before the last token boundary that the next
+            # bytes could still move (`":"` may merge with a string's first letters); as a draft
+            # the plain tokenization of the forced bytes is worth trying: a wrong guess is
+            # rejected like any draft
+            forced_bytes = self.matcher.compute_ff_bytes()
+            if forced_bytes:
+                ff = self.lltokenizer.tokenize_bytes(forced_bytes)
+        ff = ff[:limit]
+        return ff[:self._walk(list(path) + ff) - len(path)] if ff else []
 
     def advance(self, tokens: list[int]) -> None:
         """The step's verdict: back to the committed output, then consume what was emitted."""

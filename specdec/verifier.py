@@ -83,6 +83,26 @@ def cut_to_grammar(draft: Draft, grammar) -> Draft:
     return Draft(torch.tensor(kept_tokens, dtype=torch.long, device=draft.tokens.device), None, parents)
 
 
+def extend_with_forced(draft: Draft | None, grammar, k: int) -> Draft | None:
+    """A chain shorter than k (an n-gram lookup that found little, a draft cut to the grammar)
+    filled up to k with the tokens the grammar forces after it. They are drafts like any other
+    (a point mass each, q = one-hot where the chain carries q), so verification stays exact;
+    the target almost always agrees, since its masked p leaves it little else."""
+    tokens = draft.tokens.tolist() if draft is not None else []
+    if len(tokens) >= k or (draft is not None and draft.is_tree):
+        return draft
+    forced = grammar.forced(tokens, k - len(tokens))
+    if not forced:
+        return draft
+    device = draft.tokens.device if draft is not None else torch.device("cpu")
+    extra = torch.tensor(forced, dtype=torch.long, device=device)
+    probs = None
+    if draft is not None and draft.probs is not None:
+        one_hot = torch.zeros(len(forced), draft.probs.shape[-1], dtype=draft.probs.dtype, device=draft.probs.device)
+        probs = torch.cat([draft.probs, one_hot.scatter_(1, extra[:, None].to(one_hot.device), 1.0)])
+    return Draft(torch.cat([draft.tokens, extra]) if draft is not None else extra, probs)
+
+
 def tree_parents(draft: Draft | None, typical_sampled: bool) -> list[int] | None:
     """The parents to verify as a tree, or None for the chain path. Chain-shaped trees take the
     chain path (no mask, nothing to move), except under typical acceptance, which is a tree rule."""
@@ -112,14 +132,15 @@ def feed_of(last: int, draft: Draft | None, drafted: list[int], typical_sampled:
 def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offsets: list[int],
                  typical: tuple[float, float] | None) -> list[Verified]:
     """reqs: the decoding requests (params, ctx); drafts: theirs (None = K 0); logits [R, V]:
-    the target's rows, request i's K_i + 1 rows from offsets[i]."""
+    the target's rows, request i's K_i + 1 rows from offsets[i], with the requests' controls
+    already applied (controlled_logits: the engine applies them once and reads logprobs off
+    the same rows)."""
     B = len(reqs)
     if B == 0:
         return []
     ks = [d.k if d is not None else 0 for d in drafts]
     greedy = [r.params.greedy for r in reqs]
     parents = [tree_parents(d, typical is not None and not g) for d, g in zip(drafts, greedy)]
-    logits = controlled_logits(reqs, drafts, logits, offsets)
     if all(greedy) and all(p is None for p in parents) and _packed(offsets, ks):
         return _greedy_chains(drafts, ks, logits)
     rows = [torch.arange(off, off + k + 1) for off, k in zip(offsets, ks)]

@@ -241,3 +241,19 @@ def test_tree_fixed_candidates_leaving_the_grammar_are_pruned():
     draft = Draft(torch.tensor([1, 2, 3, 1]), parents=[-1, -1, 1, 1])
     cut = cut_to_grammar(draft, controls.grammar)
     assert cut.tokens.tolist() == [2, 3] and cut.parents == [-1, 0]
+
+
+def test_forced_tokens_fill_short_chains():
+    """Where the grammar leaves no choice, its tokens fill a chain up to k: fixed drafts (a
+    one-hot q where the chain carries q), so the enumerations above cover their exactness."""
+    from specdec.verifier import extend_with_forced
+
+    grammar = GrammarCompiler(tiny_tokenizer(), V, [EOS]).grammar(StructuredOutputsParams(regex="abc(a|d)"))
+    assert extend_with_forced(None, grammar, 4).tokens.tolist() == [0, 1, 2]
+    assert extend_with_forced(None, grammar, 2).tokens.tolist() == [0, 1]
+    q = torch.full((1, V), 0.2)
+    got = extend_with_forced(Draft(torch.tensor([0]), q), grammar, 3)
+    assert got.tokens.tolist() == [0, 1, 2] and torch.equal(got.probs[1:], torch.eye(V)[[1, 2]])
+    assert extend_with_forced(Draft(torch.tensor([1])), grammar, 3).tokens.tolist() == [1]   # left the grammar
+    grammar.advance([0, 1, 2])
+    assert extend_with_forced(None, grammar, 3) is None                                        # a choice: a or d

@@ -125,3 +125,41 @@ def test_smollm2_greedy_ngram_equals_plain_with_controls():
     out = spec.chat(msgs, SamplingParams(temperature=0, max_tokens=100,
                                          structured_outputs=StructuredOutputsParams(json=person)))[0].outputs[0]
     assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"name", "age", "hobbies"}
+
+
+def test_command_line_flags(capsys, tmp_path):
+    from specdec.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--model", str(BUNDLED_TARGET), "--speculative-model", str(BUNDLED_DRAFT), "--json"]
+    assert main(base + ["--json-schema", str(schema), "--max-tokens", "64", "x = "]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == set(SCHEMA["properties"])
+    assert main(base + ["--presence-penalty", "0.5", "--repetition-penalty", "1.2", "--logit-bias", '{"29": 4}',
+                        "--bad-words", "the", "--min-tokens", "4", "--max-tokens", "8", "def f():"]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2,
+                            logit_bias={29: 4.0}, bad_words=["the"], min_tokens=4)
+    want = LLM(model=BUNDLED_TARGET, num_speculative_tokens=0).generate("def f():", params)[0].outputs[0].token_ids
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    for bad, needle in ((["--regex", "[a-z"], "structured_outputs.regex is invalid"),
+                        (["--regex", "a", "--choice", "b"], "at most one of"),
+                        (["--frequency-penalty", "9"], "frequency_penalty must be in [-2, 2]")):
+        assert main(base + bad + ["x"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_processed_logprobs_follow_the_grammar():
+    """Processed logprobs are of the distribution verified against: under a digits-only
+    grammar every alternative reported is a digit token or EOS; raw ones are not restricted."""
+    so = StructuredOutputsParams(regex="[0-9]{4}")
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, logprobs=5, structured_outputs=so)
+    for mode, restricted in (("processed_logprobs", True), ("raw_logprobs", False)):
+        llm = LLM(model=BUNDLED_TARGET, speculative_model=BUNDLED_DRAFT, num_speculative_tokens=3, logprobs_mode=mode)
+        out = llm.generate("x = ", params)[0].outputs[0]
+        assert out.text.isdigit() and len(out.text) == 4
+        tops = [(llm.tokenizer.decode([t]), lp) for e in out.logprobs for t, lp in e.top if lp > -9999]
+        assert all(lp > -9999 for e in out.logprobs for lp in [e.logprob])
+        ok = all(text.isdigit() or text == "" for text, _ in tops)
+        assert ok == restricted, (mode, tops)

@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--breakdown", type=int, help="time one plain step at this concurrency by component")
+    p.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: each is a variant of plain (interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.batch.split(",")]
@@ -101,7 +102,9 @@ def main() -> None:
     if args.breakdown:
         print(json.dumps(breakdown(LLM(num_speculative_tokens=0, **common), args.breakdown)))
         return
-    llms = {"plain": LLM(num_speculative_tokens=0, **common)}
+    dtypes = args.kv_cache_dtype.split(",")
+    llms = {("plain" if len(dtypes) == 1 else f"plain, KV {dt}"): LLM(num_speculative_tokens=0, kv_cache_dtype=dt, **common)
+            for dt in dtypes}
     if args.speculative_model:
         llms[f"draft_model K={args.num_speculative_tokens}"] = LLM(
             speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens, **common)

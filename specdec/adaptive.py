@@ -36,12 +36,13 @@ class SpeculationPolicy:
         else:
             self.fixed = int(num_speculative_tokens)
 
-    def choose(self, seqs: list[SeqInfo], num_running: int) -> list[int]:
-        """The size each decoding request may draft (before any room limit)."""
+    def choose(self, seqs: list[SeqInfo], num_running: int, prompt_tokens: int = 0) -> list[int]:
+        """The size each decoding request may draft (before any room limit); prompt_tokens:
+        what the step is expected to prefill besides."""
         if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
             return [0] * len(seqs)
         if self.goodput is not None:
-            return self.goodput.choose(seqs)
+            return self.goodput.choose(seqs, prompt_tokens)
         return [self.fixed] * len(seqs)
 
     def observe(self, outcomes: list[Outcome], costs: StepCosts) -> None:

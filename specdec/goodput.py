@@ -280,14 +280,16 @@ class GoodputPolicy:
     def forget(self, request_id: Hashable) -> None:
         self.seqs.pop(request_id, None)
 
-    def choose(self, seqs: list[SeqInfo]) -> list[int]:
+    def choose(self, seqs: list[SeqInfo], prompt_tokens: int = 0) -> list[int]:
+        """seqs: the decoding requests; prompt_tokens: prompt-chunk tokens the step will also
+        feed (a step that prefills is long anyway: drafts cost relatively less in it)."""
         if not seqs:
             return []
         self.probing = False
         if self.steps < self.warmup:
             ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
         else:
-            ks = self._optimise(seqs)
+            ks = self._optimise(seqs, prompt_tokens)
             self.idle = 0 if any(ks) else self.idle + 1
             if self.idle >= self.probe_every:
                 ks = self._probe(seqs, ks)
@@ -316,7 +318,7 @@ class GoodputPolicy:
         E = 1.0 + (avail * mult)[:, None] * (E - 1.0)
         return np.minimum(E, 1.0 + avail[:, None] * self.sizes[None, :]), avail
 
-    def _optimise(self, seqs: list[SeqInfo]) -> list[int]:
+    def _optimise(self, seqs: list[SeqInfo], prompt_tokens: int = 0) -> list[int]:
         """Dinkelbach's iteration: for lam = the goodput so far, maximise E - lam * T (exactly:
         each request's best size for every possible longest draft), then lam = E / T of that
         choice, until it stops growing."""
@@ -324,7 +326,7 @@ class GoodputPolicy:
         E, avail = self._expected(seqs)
         ctx = np.array([s.context for s in seqs], dtype=float) / 1024
         wt, wd = self.target.w, self.draft.w
-        T0 = wt @ np.array([1.0, B, 0.0, ctx.sum()])
+        T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum()]) + max(wd[4], 0.0) * prompt_tokens
         if not T0 > 0:
             return [0] * B
         per_token = np.maximum(wt[1] + wt[3] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]

@@ -77,7 +77,8 @@ class LLM:
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
-    "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py).
+    "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py). kv_cache_dtype: the target's
+    KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16" or "float32" (vLLM's flag).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -86,8 +87,8 @@ class LLM:
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 block_size: int = 16, logprobs_mode: str = "processed_logprobs", tensor_parallel_size: int = 1,
-                 distributed_timeout_s: float = 120.0):
+                 block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
@@ -122,7 +123,8 @@ class LLM:
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
                              logprobs_mode=logprobs_mode,
-                             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None)
+                             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
+                             kv_cache_dtype=kv_cache_dtype)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.engine import Engine
@@ -189,6 +190,34 @@ def test_bf16_batch_equals_solo(setup):
     solo_llm = LLM(max_num_seqs=1, **kw)
     solo = [solo_llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle-tree"])
+def test_bf16_kv_cache_batch_equals_solo_and_plain(setup, method):
+    """fp32 activations over a bf16 KV cache (--kv-cache-dtype bfloat16: forward.c rounds keys
+    and values when it writes them): greedy speculation in a batch decodes what plain decoding
+    over the same cache decodes alone."""
+    prompts, params = MIXED[:7], _params(True)[:7]
+    solo = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1,
+               kv_cache_dtype="bfloat16")
+    assert solo.engine.kv.k[0].dtype == torch.bfloat16
+    plain = [solo.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    batch = _llm(setup, method, 3, kv_cache_dtype="bfloat16").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in batch] == plain
+
+
+def test_kv_cache_dtype_auto(setup, gguf_files):
+    """auto: the activations' dtype for dense models, bf16 for GGUF-packed ones on the CPU."""
+    from specdec.engine import kv_cache_dtype_of
+    from specdec.model import load_model
+
+    dense = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0)
+    assert dense.engine.kv.k[0].dtype == torch.float32
+    packed = load_model(gguf_files["llama_q"], quantization="gguf")
+    assert kv_cache_dtype_of(packed, "auto") == torch.bfloat16
+    assert kv_cache_dtype_of(packed, "float32") == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_dtype_of(packed, "fp8")
 
 
 def test_engine_flags_on_the_command_line(setup, capsys):

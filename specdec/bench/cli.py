@@ -37,7 +37,12 @@ def add_parser(sub) -> None:
                    help="also run transformers' generate on the same checkpoints (default: on)")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (prompt i uses seed + i)")
     p.add_argument("--threads", type=_positive, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md and the plots")
+    p.add_argument("--out", type=Path, help="folder for results.json, results.md and the plots (required)")
+    sub = p.add_subparsers(dest="bench_command", metavar="{serve}")
+    from .serve_cli import add_arguments
+
+    add_arguments(sub.add_parser("serve", help="an OpenAI server under load (vLLM's `vllm bench serve`): throughput, "
+                                 "goodput, TTFT/TPOT/ITL/E2EL, acceptance, plain vs fixed K vs auto"))
 
 
 def _split(value: str) -> list[str]:
@@ -118,6 +123,13 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
+    if args.bench_command == "serve":
+        from .serve_cli import run as run_serve
+
+        words = list(getattr(args, "command_line", []))
+        return run_serve(args, words[words.index("serve") + 1:] if "serve" in words else [])
+    if args.out is None:
+        raise ValueError("specdec bench: --out is required")
     from .run import run_benchmark
 
     results, written = run_benchmark(args, command_line(args))

@@ -101,12 +101,14 @@ def attention_supported(model, kv) -> bool:
 
 
 def supported(model, kv) -> bool:
-    """forward.c covers fp32 activations and an fp32 cache on the CPU, with every matrix in a
-    format a kernel multiplies (fp32, bf16, or GGUF blocks with prepared panels)."""
+    """forward.c covers fp32 activations and an fp32 or bf16 cache (keys and values rounded to
+    bf16 when written) on the CPU, with every matrix in a format a kernel multiplies (fp32,
+    bf16, or GGUF blocks with prepared panels)."""
     cfg = model.config
     from ..model.quant import QuantLinear
 
-    ok = (model.device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+    ok = (model.device.type == "cpu" and model.dtype == torch.float32
+          and kv.k[0].dtype in (torch.float32, torch.bfloat16)
           and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
     return ok and all((m.prepared is not None) if isinstance(m, QuantLinear) else _dense_ok(m) for m in _linears(model))
 

@@ -372,9 +372,15 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
         for (int g = 0; g < KV; g++) {
-            long at = slot_at(m, b->rows[sq], slot, g);          /* llama_forward's cache is fp32 */
-            memcpy((float *)L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
-            memcpy((float *)L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
+            long at = slot_at(m, b->rows[sq], slot, g);
+            const float *k = row + nq + (long)g * hd, *v = row + nq + nkv + (long)g * hd;
+            if (m->kv_bf16) {           /* a bf16 cache: rounded once, when written */
+                uint16_t *kc = (uint16_t *)L->k_cache + at, *vc = (uint16_t *)L->v_cache + at;
+                for (int i = 0; i < hd; i++) { kc[i] = to_bf16(k[i]); vc[i] = to_bf16(v[i]); }
+            } else {
+                memcpy((float *)L->k_cache + at, k, sizeof(float) * hd);
+                memcpy((float *)L->v_cache + at, v, sizeof(float) * hd);
+            }
         }
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }

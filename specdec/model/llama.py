@@ -141,6 +141,7 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
+    k, v = k.to(kc.dtype), v.to(vc.dtype)         # a cache may hold fewer bits than the activations
     if plan.slot is not None:       # one token: plain indexing, no index tensors
         kc[:, plan.slot[0], plan.slot[1]] = k[0]
         vc[:, plan.slot[0], plan.slot[1]] = v[0]
@@ -150,8 +151,8 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
     N, H, hd = q.shape
     out = q.new_empty(N, H, hd)
     for seq in plan.seqs:
-        keys = torch.index_select(kc, 1, seq.blocks).view(kc.shape[0], -1, hd)     # [KV, nb * bs, hd]
-        vals = torch.index_select(vc, 1, seq.blocks).view(vc.shape[0], -1, hd)
+        keys = torch.index_select(kc, 1, seq.blocks).view(kc.shape[0], -1, hd).to(q.dtype)   # [KV, nb * bs, hd]
+        vals = torch.index_select(vc, 1, seq.blocks).view(vc.shape[0], -1, hd).to(q.dtype)
         if seq.mask is not None:
             rows = slice(seq.first, seq.first + seq.count)
             out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
@@ -263,16 +264,17 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
-    def kv_bytes_per_slot(self, num_layers: int | None = None) -> int:
+    def kv_bytes_per_slot(self, num_layers: int | None = None, dtype: torch.dtype | None = None) -> int:
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
-        return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype)
 
-    def new_kv(self, blocks, num_layers: int | None = None) -> KVCache:
-        """A cache for this model over the blocks of a BlockManager (model/kv.py)."""
+    def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache for this model over the blocks of a BlockManager (model/kv.py); dtype: the
+        cache's (default: the activations'), e.g. bf16 keys and values for fp32 activations."""
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
-        return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         """A contiguous cache: sequences 0..batch-1 of max_len slots each."""

@@ -12,6 +12,7 @@ step.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -67,6 +68,11 @@ class EngineWorker:
         return self._thread.is_alive() and not self._closing
 
     def start(self) -> None:
+        # the model, tokenizer and pool are loaded: move them out of the collector's way, so
+        # that collections triggered by each step's short-lived objects stop walking them
+        # (vLLM freezes its heap after start-up for the same reason)
+        gc.collect()
+        gc.freeze()
         self._thread.start()
 
     def submit(self, jobs: list[Job]) -> None:

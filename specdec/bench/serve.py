@@ -1,0 +1,310 @@
+"""`specdec bench serve`: an OpenAI server under load, in the shape of vLLM's `vllm bench serve`.
+
+For each variant (plain batched decoding, speculation with a fixed K, speculation with "auto"
+K) it starts a server (or targets one with --base-url), then for each load point sends
+Spec-Bench questions as streaming chat requests: Poisson arrivals at --request-rate (gaps from
+a Gamma of shape --burstiness, as vLLM: 1 = Poisson, lower = burstier) and/or at most
+--max-concurrency in flight. Per load point it reports, with vLLM's meanings:
+- TTFT: request sent -> first chunk carrying tokens;
+- TPOT: per request (e2e - TTFT) / (output tokens - 1);
+- ITL: gaps between chunks (with speculation one chunk may carry several tokens);
+- E2EL: request sent -> last chunk;
+- throughput: output tokens (and requests) per second of the load point's wall time;
+- goodput (--goodput ttft:ms tpot:ms e2el:ms): requests per second meeting every SLO given;
+- acceptance: from the server's /metrics counters over the load point (rate, mean length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .spec_bench import read_questions
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "num_preemptions_total")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)     # arrival time of each chunk carrying tokens
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def e2el(self) -> float:
+        return self.chunks[-1] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+    @property
+    def itl(self) -> list[float]:
+        return list(np.diff(self.chunks))
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load point: Poisson arrivals at `rate` requests/s (inf: all at once) with at most
+    `concurrency` in flight (None: no cap)."""
+    rate: float
+    concurrency: int | None
+
+    @property
+    def name(self) -> str:
+        parts = [] if self.rate == float("inf") else [f"rate {self.rate:g}/s"]
+        return ", ".join(parts + ([f"concurrency {self.concurrency}"] if self.concurrency else [])) or "all at once"
+
+
+def questions(category: str | None = None) -> list[dict]:
+    """Spec-Bench's questions (first turns) as chat requests: {"category", "messages"}."""
+    qs = [{"category": q["category"], "messages": [{"role": "user", "content": q["prompt"]}]}
+          for q in read_questions() if category is None or q["category"] == category]
+    if not qs:
+        raise ValueError(f"--spec-bench-category {category!r} has no questions")
+    return qs
+
+
+def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
+    """The items whose prompt (through the served model's chat template) leaves room for
+    output_len tokens in its context, as vLLM's benchmark drops over-long prompts; all of them
+    when the model's files are not on this machine."""
+    import httpx
+
+    from ..tokenizer import Tokenizer
+
+    info = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]
+    root, max_len = info.get("root"), info.get("max_model_len")
+    if not root or not max_len or not Path(root).exists():
+        return items
+    tok = Tokenizer(root)
+    keep = [it for it in items if len(tok.encode(tok.apply_chat_template(it["messages"]), add_special_tokens=False))
+            + output_len <= max_len]
+    if not keep:
+        raise ValueError(f"no Spec-Bench prompt leaves room for {output_len} output tokens in {max_len}")
+    return keep
+
+
+def sample(pool: list[dict], num: int, seed: int) -> list[dict]:
+    """num requests from the pool: a seeded shuffle, repeated as needed (categories interleave)."""
+    order = list(pool)
+    random.Random(seed).shuffle(order)
+    return [order[i % len(order)] for i in range(num)]
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds before each request: Gamma(shape=burstiness, mean=1/rate) gaps; 0 at rate inf."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return list(rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n))
+
+
+async def _one(client, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
+    result.sent = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(model=model, messages=item["messages"], stream=True,
+                                                      stream_options={"include_usage": True}, **sampling)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                result.output_tokens, result.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            if any(c.delta.content for c in chunk.choices):
+                result.chunks.append(now)
+        result.ok = bool(result.chunks) and result.output_tokens > 0
+        result.error = "" if result.ok else "no tokens"
+    except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(e).__name__}: {e}"
+
+
+async def run_load(base_url: str, model: str, items: list[dict], load: Load, burstiness: float, sampling: dict,
+                   seed: int) -> tuple[list[RequestResult], float]:
+    """Send every item at the load point's arrival times; (results, wall seconds)."""
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=max(64, load.concurrency or len(items)))
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                max_retries=0, timeout=3600, http_client=httpx.AsyncClient(limits=limits, timeout=3600))
+    gate = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    results = [RequestResult() for _ in items]
+
+    async def gated(item, result):
+        if gate is None:
+            return await _one(client, model, item, sampling, result)
+        async with gate:
+            return await _one(client, model, item, sampling, result)
+
+    start, tasks = time.perf_counter(), []
+    try:
+        for item, result, gap in zip(items, results, arrival_gaps(len(items), load.rate, burstiness, seed)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(gated(item, result)))
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return results, time.perf_counter() - start
+
+
+def parse_goodput(specs: list[str] | None) -> dict[str, float]:
+    """vLLM's --goodput KEY:MS ... (ttft, tpot, e2el) -> {key: seconds}."""
+    out = {}
+    for spec in specs or []:
+        key, _, value = spec.partition(":")
+        if key not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput {spec!r}: the metric must be ttft, tpot or e2el")
+        try:
+            out[key] = float(value) / 1000.0
+        except ValueError:
+            raise ValueError(f"--goodput {spec!r}: the value must be milliseconds, e.g. tpot:50") from None
+        if not out[key] > 0:
+            raise ValueError(f"--goodput {spec!r}: the value must be > 0")
+    return out
+
+
+def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], percentiles: list[float]) -> dict:
+    """vLLM's summary of one load point (times in ms)."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    per = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
+           "itl": [g for r in ok for g in r.itl], "e2el": [r.e2el for r in ok]}
+    good = [r for r in ok if all((getattr(r, k) or 0.0) <= v for k, v in slo.items())]
+    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(wall, 3),
+               "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
+               "request_throughput": round(len(ok) / wall, 4), "output_throughput": round(out_tokens / wall, 2),
+               "request_goodput": round(len(good) / wall, 4) if slo else None,
+               "errors": sorted({r.error for r in results if not r.ok})[:5]}
+    for name, values in per.items():
+        xs = np.array(values) * 1000.0
+        summary[name] = {"mean": round(float(xs.mean()), 2) if len(xs) else None,
+                         "median": round(float(np.median(xs)), 2) if len(xs) else None,
+                         "std": round(float(xs.std()), 2) if len(xs) else None,
+                         **{f"p{p:g}": round(float(np.percentile(xs, p)), 2) if len(xs) else None for p in percentiles}}
+    return summary
+
+
+def read_counters(base_url: str) -> dict[str, float]:
+    """The server's speculative counters (and generated tokens, preemptions) from /metrics."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for name in SPEC_COUNTERS:
+        m = re.search(rf"^\w+:{name} (\S+)$", text, re.MULTILINE)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    drafted, accepted, drafts = (d["spec_decode_num_draft_tokens_total"], d["spec_decode_num_accepted_tokens_total"],
+                                 d["spec_decode_num_drafts_total"])
+    return {"draft_tokens": int(drafted), "accepted_tokens": int(accepted), "num_drafts": int(drafts),
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "preemptions": int(d["num_preemptions_total"])}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Started:
+    url: str
+    pid: int
+
+
+@contextmanager
+def server(argv: list[str], log: Path, startup_s: float = 600.0):
+    """`specdec serve argv` on a free loopback port until the block ends (then SIGTERM, which
+    drains it); yields its Started (base URL, process id)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "specdec.entrypoints.openai.api_server", *argv, "--port", str(port),
+           "--uvicorn-log-level", "warning"]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {proc.returncode} (log: {log})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start within {startup_s:.0f} s (log: {log})")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            yield Started(url, proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def served_model(base_url: str) -> str:
+    import httpx
+
+    return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict) -> list[dict]:
+    """Every load point against one server: warm-up requests first, then the measured ones."""
+    model = served_model(base_url)
+    sampling = {"max_tokens": args.output_len, "temperature": args.temperature, "seed": args.seed,
+                "extra_body": {"ignore_eos": args.ignore_eos}}
+    if args.warmup:
+        asyncio.run(run_load(base_url, model, sample(pool, args.warmup, args.seed + 999), Load(float("inf"), args.warmup),
+                             1.0, sampling, args.seed))
+    points = []
+    for load in loads:
+        n = max(args.num_prompts, 2 * (load.concurrency or 0))
+        before = read_counters(base_url)
+        results, wall = asyncio.run(run_load(base_url, model, sample(pool, n, args.seed), load, args.burstiness,
+                                             sampling, args.seed))
+        point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
+                 "num_prompts": n, **summarize(results, wall, slo, args.metric_percentiles),
+                 "speculation": acceptance(before, read_counters(base_url))}
+        print(f"  {load.name}: {point['output_throughput']:.1f} tok/s, median TPOT {point['tpot']['median']} ms, "
+              f"median TTFT {point['ttft']['median']} ms, {point['failed']} failed", file=sys.stderr, flush=True)
+        points.append(point)
+    return points
+
+
+def dump(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")

@@ -1,0 +1,186 @@
+"""`specdec bench serve`: flags (vLLM's names where vLLM has them), variants, load points, run.
+
+    specdec bench serve --num-speculative-tokens 0,4,auto --max-concurrency 1,2,4,8,16,32 \\
+        --num-prompts 32 --output-len 128 --goodput ttft:2000 tpot:100
+
+starts one server per variant (0 = plain batched decoding; the method is the default model's,
+or --speculative-config's), all before the first load point, and measures the load points
+variant after variant (interleaved, so that a machine whose load drifts affects all alike).
+With --base-url it measures that one running server instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", help="measure this running server (http://host:port) instead of starting servers")
+    p.add_argument("--label", default="server", help="the variant's name with --base-url")
+    p.add_argument("--model", help="target for the servers started (default: the default model)")
+    p.add_argument("--speculative-config", type=_json, help="the method for the speculative variants (JSON, as serve)")
+    p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
+                   help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
+    p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32'")
+    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench"])
+    p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
+    p.add_argument("--request-rate", default="inf", type=_rates,
+                   help="requests/s, comma-separated (inf = all at once; default inf)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson)")
+    p.add_argument("--max-concurrency", default="1,2,4,8,16,32", type=_concurrency,
+                   help="requests in flight at most, comma-separated (default 1,2,4,8,16,32)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per load point (at least 2x its concurrency)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default 128)")
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates --output-len tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:100 (vLLM's)")
+    p.add_argument("--metric-percentiles", default="50,90,99", type=_floats)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
+
+
+def _split(value: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("must list at least one value")
+    return items
+
+
+def _ks(value: str) -> list:
+    out = []
+    for x in _split(value):
+        if x != "auto" and not (x.isdigit() and int(x) <= 64):
+            raise argparse.ArgumentTypeError(f'each must be an integer in [0, 64] or "auto", got {x!r}')
+        out.append(x if x == "auto" else int(x))
+    return list(dict.fromkeys(out))
+
+
+def _rates(value: str) -> list[float]:
+    try:
+        rates = [float(x) for x in _split(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates must be numbers or inf, got {value!r}") from None
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return rates
+
+
+def _concurrency(value: str) -> list[int | None]:
+    if value == "none":
+        return [None]
+    try:
+        out = [int(x) for x in _split(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers >= 1 or 'none', got {value!r}") from None
+    if any(c < 1 for c in out):
+        raise argparse.ArgumentTypeError("must be integers >= 1")
+    return out
+
+
+def _floats(value: str) -> list[float]:
+    try:
+        return [float(x) for x in _split(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be numbers, got {value!r}") from None
+
+
+def _json(value: str) -> dict:
+    from ..cli import _json_obj
+
+    return _json_obj(value)
+
+
+def cpu_kind() -> str:
+    """A folder name for this CPU: vendor family and the kernels' best instruction set."""
+    from .. import kernels
+    from .machine import _cpu_model
+
+    cpu = _cpu_model().lower()
+    family = next((f for f in ("xeon", "epyc", "ryzen", "core", "graviton", "neoverse") if f in cpu), None)
+    isa = kernels.describe().split(" ", 1)[0].replace("_", "")
+    return "-".join(x for x in (family or __import__("platform").machine(), isa) if x)
+
+
+def variants(args) -> list[dict]:
+    """[{name, k, argv}] of the servers to start."""
+    out = []
+    base = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    for k in args.num_speculative_tokens:
+        if k == 0:
+            out.append({"name": "plain", "k": 0, "argv": base + ["--num-speculative-tokens", "0"]})
+            continue
+        argv = list(base)
+        if args.speculative_config:
+            argv += ["--speculative-config", json.dumps({**args.speculative_config, "num_speculative_tokens": k})]
+        else:
+            argv += ["--num-speculative-tokens", str(k)]
+        out.append({"name": f"speculative K={k}", "k": k, "argv": argv})
+    return out
+
+
+def command_line(argv: list[str]) -> str:
+    return shlex.join(["specdec", "bench", "serve", *argv])
+
+
+def run(args, argv: list[str]) -> int:
+    from . import serve
+    from .machine import machine_info
+    from .serve_report import write_all
+
+    slo = serve.parse_goodput(args.goodput)
+    if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0:
+        raise ValueError("--num-prompts and --output-len must be >= 1, --warmup >= 0, --burstiness > 0")
+    loads = [serve.Load(r, c) for r in args.request_rate for c in args.max_concurrency]
+    pool = serve.questions(args.spec_bench_category)      # a bad category fails before any server starts
+    out = args.out or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"command": command_line(argv), "machine": machine_info(),
+               "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                            "burstiness": args.burstiness, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
+                            "dataset": "spec_bench" + (f":{args.spec_bench_category}" if args.spec_bench_category else "")},
+               "variants": []}
+    if args.base_url:
+        url = args.base_url.rstrip("/")
+        results["variants"].append({"name": args.label, "k": None, "argv": None,
+                                    "points": serve.measure(url, loads, serve.fitting(pool, url, args.output_len), args, slo)})
+    else:
+        _run_started(args, loads, pool, slo, out, results)
+    results["machine"]["load_average_after"] = machine_info()["load_average"]
+    for path in write_all(results, out):
+        print(path)
+    return 0
+
+
+def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
+    """Start every variant's server, then measure each load point on each in turn."""
+    from contextlib import ExitStack
+
+    from . import serve
+
+    with ExitStack() as stack:
+        started = []
+        for v in variants(args):
+            log = out / f"server-{re.sub(r'[^a-z0-9]+', '-', v['name'].lower()).strip('-')}.log"
+            print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
+            started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
+            results["variants"].append({**v, "points": []})
+        pool = serve.fitting(pool, started[0][1], args.output_len)
+        results["settings"]["prompts_that_fit"] = len(pool)
+        for load in loads:
+            for (v, url), entry in zip(started, results["variants"]):
+                print(f"{v['name']}:", file=sys.stderr, flush=True)
+                warm = args.warmup if load is loads[0] else 0
+                entry["points"] += serve.measure(url, [load], pool, _with(args, warmup=warm), slo)
+
+
+def _with(args, **changes):
+    new = argparse.Namespace(**vars(args))
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new

@@ -1,0 +1,122 @@
+"""`specdec bench serve` results: results.json, results.md (tables with the command) and a plot
+of throughput, median TPOT and goodput against load, one line per variant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write_all(results: dict, out: Path) -> list[Path]:
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(markdown(results))
+    png = out / "serve.png"
+    if plot(results, png):
+        paths.append(png)
+    return paths
+
+
+def _load(p: dict) -> str:
+    rate = "" if p["rate"] == "inf" else f"{p['rate']}/s"
+    conc = f"c={p['concurrency']}" if p["concurrency"] else ""
+    return " ".join(x for x in (rate, conc) if x) or "all at once"
+
+
+def _ms(d: dict, key: str) -> str:
+    return "–" if d.get(key) is None else f"{d[key]:.0f}"
+
+
+def _x(x, digits=2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def summary_table(results: dict) -> str:
+    lines = ["| variant | load | done | output tok/s | req/s | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+             "| ITL p50 / p99 ms | E2EL p50 ms | acceptance | tokens per draft step |", "|" + "---|" * 12]
+    for v in results["variants"]:
+        for p in v["points"]:
+            s = p["speculation"]
+            lines.append(f"| {v['name']} | {_load(p)} | {p['completed']}/{p['num_prompts']} | {p['output_throughput']:.1f} "
+                         f"| {p['request_throughput']:.3f} | {_x(p['request_goodput'], 3)} "
+                         f"| {_ms(p['ttft'], 'median')} / {_ms(p['ttft'], 'p99')} "
+                         f"| {_ms(p['tpot'], 'median')} / {_ms(p['tpot'], 'p99')} "
+                         f"| {_ms(p['itl'], 'median')} / {_ms(p['itl'], 'p99')} | {_ms(p['e2el'], 'median')} "
+                         f"| {_x(s['acceptance_rate'])} | {_x(s['mean_acceptance_length'])} |")
+    return "\n".join(lines)
+
+
+def comparison_table(results: dict) -> str:
+    """Each variant against plain batched decoding at the same load: throughput, goodput,
+    median TPOT (plain's / the variant's: > 1 is faster)."""
+    plain = next((v for v in results["variants"] if v.get("k") == 0), None)
+    others = [v for v in results["variants"] if v is not plain]
+    if plain is None or not others:
+        return ""
+    head = "| load | plain tok/s | plain TPOT p50 ms | " + " | ".join(
+        f"{v['name']}: throughput / goodput / TPOT speedup" for v in others) + " |"
+    lines = [head, "|" + "---|" * (3 + len(others))]
+    for i, p in enumerate(plain["points"]):
+        cells = []
+        for v in others:
+            q = v["points"][i]
+            good = (q["request_goodput"] / p["request_goodput"]) if p["request_goodput"] else None
+            tpot = (p["tpot"]["median"] / q["tpot"]["median"]) if p["tpot"]["median"] and q["tpot"]["median"] else None
+            cells.append(f"{q['output_throughput'] / p['output_throughput']:.2f}x / {_x(good)}x / {_x(tpot)}x"
+                         if p["output_throughput"] else "–")
+        lines.append(f"| {_load(p)} | {p['output_throughput']:.1f} | {_ms(p['tpot'], 'median')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    m, s = results["machine"], results["settings"]
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput_slo_ms"].items()) or "none given"
+    lines = ["# specdec bench serve", "", "```bash", results["command"], "```", "",
+             f"- machine: {m['cpu']}, {m['cores']} cores, load average {m.get('load_average')} before, "
+             f"{m.get('load_average_after')} after (other jobs share the cores: see the README on timing)",
+             f"- requests: {s['dataset']} first turns through the chat template, streamed, max_tokens "
+             f"{s['output_len']}, temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
+             f"{s['burstiness']:g}; goodput SLOs: {slo}",
+             "- TTFT: request sent -> first chunk with tokens; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; "
+             "ITL: gaps between chunks (a speculative step's chunk carries several tokens); acceptance from the "
+             "server's /metrics over the load point", "", "## Per variant and load", "", summary_table(results), ""]
+    comparison = comparison_table(results)
+    if comparison:
+        lines += ["## Against plain batched decoding at the same load", "",
+                  "Ratios: the variant's output throughput and goodput over plain's, and plain's median TPOT over the "
+                  "variant's (above 1: the variant is faster).", "", comparison, ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    variants = [v for v in results["variants"] if v["points"]]
+    if not variants:
+        return False
+    by_rate = any(p["rate"] != "inf" for p in variants[0]["points"])
+    xkey, xlabel = ("rate", "request rate (requests/s)") if by_rate else ("concurrency", "concurrent requests")
+    panels = [("output_throughput", "output tokens/s"), ("tpot", "median TPOT (ms)")]
+    if any(p["request_goodput"] is not None for p in variants[0]["points"]):
+        panels.append(("request_goodput", "goodput (requests/s within SLOs)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, label) in zip(axes, panels):
+        for v in variants:
+            pts = [p for p in v["points"] if p[xkey] not in (None, "inf")]
+            ys = [p[key]["median"] if isinstance(p[key], dict) else p[key] for p in pts]
+            ax.plot([p[xkey] for p in pts], ys, marker="o", label=v["name"])
+        ax.set(xlabel=xlabel, ylabel=label)
+        if not by_rate:
+            ticks = sorted({p[xkey] for p in variants[0]["points"] if p[xkey]})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"specdec bench serve: {results['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,86 @@
+"""`specdec bench serve` on the tiny pair, a few requests: against a running server and with
+the servers it starts itself; its metrics on hand-made request timings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specdec.bench import serve
+from specdec.cli import main
+from specdec.llm import LLM
+from specdec.server import ServerConfig, build_app
+from test_server import LiveServer
+
+
+def test_summary_follows_vllms_definitions():
+    a = serve.RequestResult(ok=True, sent=0.0, chunks=[0.5, 0.6, 0.9], output_tokens=5, prompt_tokens=7)
+    b = serve.RequestResult(ok=True, sent=1.0, chunks=[3.0, 3.2], output_tokens=3, prompt_tokens=4)
+    failed = serve.RequestResult(ok=False, error="BadRequestError: too long")
+    s = serve.summarize([a, b, failed], wall=4.0, slo={"ttft": 1.0, "tpot": 0.2}, percentiles=[50, 99])
+    assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (2, 1, 8, 11)
+    assert s["output_throughput"] == 2.0 and s["request_throughput"] == 0.5
+    assert s["ttft"]["median"] == pytest.approx(1250.0)            # 500 and 2000 ms
+    assert s["tpot"]["mean"] == pytest.approx((100.0 + 100.0) / 2)  # (0.9-0.5)/4, (3.2-3.0)/2
+    assert s["itl"]["median"] == pytest.approx(200.0)              # gaps 100, 300, 200 ms
+    assert s["e2el"]["median"] == pytest.approx(1550.0)
+    assert s["request_goodput"] == 0.25                             # only a meets ttft <= 1 s
+    assert s["errors"] == ["BadRequestError: too long"]
+
+
+def test_arrivals_and_goodput_flags():
+    gaps = serve.arrival_gaps(20000, rate=4.0, burstiness=0.5, seed=0)
+    assert np.mean(gaps) == pytest.approx(0.25, rel=0.05)
+    assert np.std(gaps) > 1.3 * np.mean(gaps)             # burstier than Poisson (std = mean)
+    assert serve.arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    assert serve.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 0.5, "tpot": 0.05}
+    for bad in (["itl:5"], ["tpot:x"], ["tpot:0"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            serve.parse_goodput(bad)
+
+
+def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        rc = main(["bench", "serve", "--base-url", live.url, "--label", "tiny K=2", "--max-concurrency", "1,2",
+                   "--num-prompts", "3", "--output-len", "6", "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000",
+                   "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (v,) = results["variants"]
+    assert v["name"] == "tiny K=2" and [p["concurrency"] for p in v["points"]] == [1, 2]
+    for p in v["points"]:
+        assert p["completed"] == p["num_prompts"] == 4 - (p["concurrency"] == 1)     # at least 2x concurrency
+        assert p["total_output_tokens"] == 6 * p["completed"] and p["output_throughput"] > 0
+        assert p["request_goodput"] == p["request_throughput"]                       # loose SLOs: all meet them
+        assert p["tpot"]["median"] > 0 and p["speculation"]["draft_tokens"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "specdec bench serve --base-url" in md and "| tiny K=2 | c=2 |" in md
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    rc = main(["bench", "serve", "--model", str(target), "--speculative-config",
+               json.dumps({"method": "draft_model", "model": str(draft)}), "--num-speculative-tokens", "0,2",
+               "--server-args", "--max-model-len 256 --max-num-seqs 4", "--max-concurrency", "2",
+               "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    plain, spec = results["variants"]
+    assert (plain["name"], spec["name"]) == ("plain", "speculative K=2")
+    assert plain["points"][0]["completed"] == spec["points"][0]["completed"] == 4
+    assert plain["points"][0]["speculation"]["acceptance_rate"] is None
+    assert spec["points"][0]["speculation"]["draft_tokens"] > 0
+    assert "Against plain batched decoding" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "server-plain.log").exists()
+
+
+def test_bench_serve_bad_flags_exit_2(capsys):
+    assert main(["bench", "serve", "--goodput", "latency:5", "--out", "/nonexistent/x"]) == 2
+    assert "--goodput" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--num-speculative-tokens", "x"])

@@ -51,7 +51,8 @@ def test_llamacpp_peers_run_on_the_same_file_and_ids(tiny_gguf, prompts_file, tm
     assert "--peers llamacpp" in results["command"] and results["config"]["threads"] == 1
     greedy, sampled = results["scenarios"]
     by_name = {m["name"]: m for m in greedy["methods"]}
-    assert list(by_name) == ["plain", "ngram K=3", "llamacpp_plain", "llamacpp_prompt_lookup K=3"]
+    assert list(by_name) == ["plain", "ngram K=3", "llamacpp_plain", "llamacpp_prompt_lookup K=3",
+                             "llamacpp_prompt_lookup K=10"]           # the K asked for, and its default
     plain, pld = by_name["llamacpp_plain"], by_name["llamacpp_prompt_lookup K=3"]
     assert plain["family"] == pld["family"] == "llama.cpp"
     assert plain["output_tokens"] > 0 and pld["output_tokens"] > 0

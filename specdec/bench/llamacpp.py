@@ -1,7 +1,7 @@
 """llama.cpp as a peer, through llama-cpp-python, on the same GGUF file and prompt token ids.
 
 - llamacpp_plain: `Llama.generate`, one token per forward.
-- llamacpp_prompt_lookup K=k: llama-cpp-python's only built-in drafter,
+- llamacpp_prompt_lookup K=k (each integer K asked for, and its default 10): llama-cpp-python's only built-in drafter,
   `LlamaPromptLookupDecoding(num_pred_tokens=k)` (n-grams of up to 2 tokens, its default); the
   binding then needs `logits_all=True` (every row's logits copied out of each forward). It
   verifies by sampling each drafted position and comparing: lossless in exact arithmetic, but
@@ -114,7 +114,7 @@ def llamacpp_variants(names: list[str], ks: list, gguf: str | None, threads: int
         variants.append(Variant(PLAIN, LLAMACPP, PLAIN, None, _runner(_llama(gguf, threads, n_ctx), eos, clock, None),
                                 dict(info)))
     if "llamacpp_prompt_lookup" in names:
-        for k in [k for k in ks if isinstance(k, int)] or [DEFAULT_K]:
+        for k in sorted({*(k for k in ks if isinstance(k, int)), DEFAULT_K}):     # the K asked for, and its own default
             rec = _Recorder(LlamaPromptLookupDecoding(num_pred_tokens=k))
             llm = _llama(gguf, threads, n_ctx, rec)
             variants.append(Variant(f"llamacpp_prompt_lookup K={k}", LLAMACPP, "llamacpp_prompt_lookup", k,

@@ -112,6 +112,44 @@ void quantize_rows_for(const float *x, int M, Act *a) {
     }
 }
 
+static void store_rows(const VF acc[][NH], int mr, const float *bias, float *out, int N, long p) {
+    int width = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+    for (int j = 0; j < mr; j++) {
+        float res[PANEL];
+        for (int h = 0; h < NH; h++) fstore(res + h * LANES, acc[j][h]);
+        float *o = out + (long)j * N + p * PANEL;
+        for (int i = 0; i < width; i++) o[i] = res[i] + (bias ? bias[p * PANEL + i] : 0.0f);
+    }
+}
+
+/* Rows m0 .. m0 + MR - 1 of panel p. MR up to FEW is a compile-time constant in its copy, so
+ * the accumulators live in registers (decoding's one row, verification's few); more rows keep
+ * theirs in L1. The same operations either way. */
+#define FEW 8
+static inline __attribute__((always_inline)) void
+rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *bias, float *out, int N, long p) {
+    if (MR <= FEW) {
+        VF acc[FEW][NH];
+        for (int j = 0; j < MR; j++)
+            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
+        panel_q(fmt, pp, a, m0, MR, acc);
+        store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
+    } else {
+        VF acc[RCH][NH];
+        for (int j = 0; j < MR; j++)
+            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
+        panel_q(fmt, pp, a, m0, MR, acc);
+        store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
+    }
+}
+
+#define ROWS(F, R) case R: rows_of(F, R, pp, a, m0, bias, out, N, p); break;
+#define BY_ROWS(F)                                                                                 \
+    switch (mr) {                                                                                  \
+    ROWS(F, 1) ROWS(F, 2) ROWS(F, 3) ROWS(F, 4) ROWS(F, 5) ROWS(F, 6) ROWS(F, 7) ROWS(F, 8)        \
+    default: rows_of(F, mr, pp, a, m0, bias, out, N, p); break;                                    \
+    }
+
 /* out[M, N] = the quantized rows a against the prepared panels pw (+ bias), panels split
  * across the team. */
 void quant_panels_for(const Act *a, const uint8_t *pw, int fmt, const float *bias, float *out, int M, int N) {
@@ -119,24 +157,14 @@ void quant_panels_for(const Act *a, const uint8_t *pw, int fmt, const float *bia
     long panel_bytes = unit_bytes(fmt) * (fmt == Q4_K ? a->nb / 8 : a->nb);
     #pragma omp for schedule(static)
     for (long p = 0; p < panels; p++) {
-        VF acc[RCH][NH];
-        float res[PANEL];
-        int width = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+        const uint8_t *pp = pw + p * panel_bytes;
         for (int m0 = 0; m0 < M; m0 += RCH) {
             int mr = M - m0 < RCH ? M - m0 : RCH;
-            for (int j = 0; j < mr; j++)
-                for (int h = 0; h < NH; h++) acc[j][h] = fzero();
-            const uint8_t *pp = pw + p * panel_bytes;
             switch (fmt) {      /* a constant format in each inlined copy: no branch per block */
-            case Q8_0: panel_q(Q8_0, pp, a, m0, mr, acc); break;
-            case Q4_0: panel_q(Q4_0, pp, a, m0, mr, acc); break;
-            case Q4_1: panel_q(Q4_1, pp, a, m0, mr, acc); break;
-            default: panel_q(Q4_K, pp, a, m0, mr, acc); break;
-            }
-            for (int j = 0; j < mr; j++) {
-                for (int h = 0; h < NH; h++) fstore(res + h * LANES, acc[j][h]);
-                float *o = out + (long)(m0 + j) * N + p * PANEL;
-                for (int i = 0; i < width; i++) o[i] = res[i] + (bias ? bias[p * PANEL + i] : 0.0f);
+            case Q8_0: BY_ROWS(Q8_0) break;
+            case Q4_0: BY_ROWS(Q4_0) break;
+            case Q4_1: BY_ROWS(Q4_1) break;
+            default: BY_ROWS(Q4_K) break;
             }
         }
     }

@@ -52,14 +52,13 @@ def is_bundled(model) -> bool:
     return model is not None and Path(model).resolve() == BUNDLED_TARGET.resolve()
 
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def generation_defaults(model) -> dict:
     """The sampling values a checkpoint's generation_config.json sets, renamed to
     SamplingParams fields (max_new_tokens -> max_tokens); {} when there is none. As vLLM's
-    `--generation-config auto`: they become the defaults of requests that do not set them.
-    (repetition_penalty, which specdec does not implement, is ignored.)"""
+    `--generation-config auto`: they become the defaults of requests that do not set them."""
     p = Path(model)
     folder = p.parent if p.is_file() else p
     path = folder / "generation_config.json"

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
 from .engine import Engine, StepEvent
+from .logprobs import TokenLogprob
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
@@ -28,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None      # per output token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -67,7 +69,8 @@ class LLM:
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
-    arguments; see SchedulerConfig).
+    arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
+    "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -76,7 +79,7 @@ class LLM:
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, logprobs_mode: str = "processed_logprobs"):
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization, block_size)
@@ -105,7 +108,9 @@ class LLM:
         self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
-                             typical=typical_acceptance(self.spec) if proposer is not None else None)
+                             typical=typical_acceptance(self.spec) if proposer is not None else None,
+                             logprobs_mode=logprobs_mode,
+                             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):
@@ -207,24 +212,34 @@ class LLM:
             self.engine.check_prompt(ids, params)
             jobs.append((str(self._counter), text, ids, params))
             self._counter += 1
-        reqs = {}
+        reqs, logprobs = {}, {}
         try:
             for rid, _, ids, params in jobs:
-                for i in range(params.n):
+                for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
             while any(not r.finished for r in reqs.values()):
-                self.engine.step()
+                for event in self.engine.step():
+                    if event.logprobs is not None:
+                        logprobs.setdefault(event.request_id, []).extend(event.logprobs)
         finally:
             for r in reqs.values():
                 if not r.finished:
                     self.engine.abort(r.request_id)
-        return [self._output(rid, text, ids, params, reqs) for rid, text, ids, params in jobs]
+        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params in jobs]
 
-    def _output(self, rid, text, ids, params, reqs) -> RequestOutput:
+    def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-        for i in range(params.n):
+        candidates = [reqs[(rid, i)] for i in range(params.best_of or params.n)]
+        ranked = len(candidates) > params.n
+        if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
+            candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
+        for i, r in enumerate(candidates):
+            lp = logprobs.get(r.request_id, []) if params.logprobs is not None else None
+            cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
+                                            cumulative, lp))
+        for i in range(params.best_of or params.n):     # every candidate's work counts
             r = reqs[(rid, i)]
-            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason))
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s

@@ -79,7 +79,7 @@ def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
-    return ServerConfig(served_model_names=names, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
+    return ServerConfig(served_model_names=names, api_key=args.api_key,
                         max_request_bytes=args.max_request_bytes, seed=args.seed)
 
 

@@ -49,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs",
                    help="logprobs under the processed distribution (temperature, top-k/p, min-p; default) or the raw one")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
 
 
 def _bytes(value: str) -> int:
@@ -88,7 +90,8 @@ def llm_from_args(args, seed: int | None = None):
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
                generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               block_size=args.block_size, logprobs_mode=args.logprobs_mode)
+               block_size=args.block_size, logprobs_mode=args.logprobs_mode,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import torch
+
 from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
 from .engine import Engine, StepEvent
 from .logprobs import TokenLogprob
@@ -67,6 +71,9 @@ class LLM:
     format, else dequantize; "gguf" = keep them packed; "none" = dequantize to `dtype`.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
+    tensor_parallel_size: split the target over that many ranks (Megatron-style; workers are
+    spawned here, or are the other ranks of a torchrun launch); a rank that fails or stays
+    silent for distributed_timeout_s stops the group with a TensorParallelError.
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
@@ -79,7 +86,9 @@ class LLM:
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 block_size: int = 16, logprobs_mode: str = "processed_logprobs"):
+                 block_size: int = 16, logprobs_mode: str = "processed_logprobs", tensor_parallel_size: int = 1,
+                 distributed_timeout_s: float = 120.0):
+        parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization, block_size)
@@ -97,6 +106,9 @@ class LLM:
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.target, self.tokenizer = self._load(model, tokenizer)
+        self._leader = None
+        if parallel.tensor_parallel_size > 1:
+            self.target = self._shard(self.target, parallel)
         self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
@@ -126,6 +138,26 @@ class LLM:
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None
         return model, tok
+
+    def _shard(self, full, parallel: ParallelConfig):
+        """The target split over tensor-parallel ranks; the workers stop when this LLM goes."""
+        from .distributed import TargetSpec, start
+
+        spec = TargetSpec(self.model_path, self.dtype, self.device, self.quantization, torch.get_num_threads())
+        target = start(full, spec, parallel)
+        self._leader = target.leader
+        weakref.finalize(self, target.leader.shutdown)
+        return target
+
+    def check_health(self) -> None:
+        """Raises when the engine cannot serve (a tensor-parallel group that has stopped)."""
+        if self._leader is not None:
+            self._leader.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the LLM is collected)."""
+        if self._leader is not None:
+            self._leader.shutdown()
 
     def _load_draft(self, path: str):
         if is_vocab_draft(path):      # a draft over a draft vocabulary, on the target's embeddings

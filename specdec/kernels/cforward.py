@@ -126,7 +126,7 @@ class CView:
     reuse (grown when a forward needs more)."""
 
     def __init__(self, model, kv, weights: bool = True):
-        cfg = model.config
+        cfg = model.local_config       # a tensor-parallel shard's own heads (= config without one)
         self._keep = [kv.blocks.table, *kv.k, *kv.v]      # every tensor a pointer below points into
         none = _Mat(None, 0)
         layers = (_Layer * len(kv.k))()

@@ -81,6 +81,15 @@ class BlockManager:
         self._free.extend(reversed(s.blocks))
         self._free_rows.append(s.row)
 
+    def mirror(self, tables: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
+        """Hold exactly these sequences, as another manager placed them: (id, block-table row,
+        blocks). A tensor-parallel worker's caches follow rank 0's allocations this way; its own
+        free lists stay unused."""
+        self._seqs = {}
+        for seq, row, blocks in tables:
+            self.table[row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+            self._seqs[seq] = _SeqBlocks(row, list(blocks), [0] * self._num_caches)
+
     def row(self, seq: Hashable) -> int:
         return self._seqs[seq].row
 
@@ -136,10 +145,11 @@ class KVCache:
 
     @classmethod
     def dense(cls, batch: int, max_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype, device) -> "KVCache":
-        """`batch` sequences 0..batch-1 of `max_len` slots each, one block per sequence."""
+              dtype: torch.dtype, device, **kw) -> "KVCache":
+        """`batch` sequences 0..batch-1 of `max_len` slots each, one block per sequence (kw: a
+        subclass's own arguments)."""
         manager = BlockManager(batch, max_len, batch, 1)
-        cache = cls(manager, num_layers, num_kv_heads, head_dim, dtype, device)
+        cache = cls(manager, num_layers, num_kv_heads, head_dim, dtype, device, **kw)
         for row in range(batch):
             manager.add(row)
             manager.ensure(row, max_len)

@@ -92,6 +92,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
+        """cfg: the heads this module holds (a tensor-parallel rank's share: `shard_config`)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
@@ -203,11 +204,33 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """What one of `tp_size` tensor-parallel ranks holds (Megatron's split): its attention
+    heads, its KV heads (each rank keeps the KV head its query heads read: a share of them, or
+    one replicated head when there are fewer KV heads than ranks) and its part of the MLP. The
+    embedding and the hidden size stay whole. The same config when tp_size is 1."""
+    if tp_size == 1:
+        return cfg
+    H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    for name, n in (("num_attention_heads", H), ("intermediate_size", inter)):
+        if n % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} must divide the model's {name} ({n})")
+    if KV % tp_size and tp_size % KV:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's num_key_value_heads ({KV}) "
+                         f"must divide one another")
+    return cfg.replace(num_attention_heads=H // tp_size, num_key_value_heads=max(1, KV // tp_size),
+                       intermediate_size=inter // tp_size)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
+        """tp_size > 1: one rank's shard of a tensor-parallel model (distributed/shard.py fills
+        its weights and puts the all-reduces in): layers sized by `shard_config`."""
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.tp_size = tp_size
+        self.local_config = shard_config(cfg, tp_size)     # the heads and MLP part this rank holds
+        self.model = Backbone(self.local_config)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -241,19 +264,19 @@ class Transformer(nn.Module):
         return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
     def kv_bytes_per_slot(self, num_layers: int | None = None) -> int:
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
 
     def new_kv(self, blocks, num_layers: int | None = None) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py)."""
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         """A contiguous cache: sequences 0..batch-1 of max_len slots each."""
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.dense(batch, max_len or cfg.max_position_embeddings, n, cfg.num_key_value_heads,
                              cfg.head_dim, self.dtype, self.device)
@@ -284,8 +307,9 @@ class Transformer(nn.Module):
 
     def c_view(self, kv: KVCache) -> cforward.CView | None:
         """The C path's view of (this model, kv), built once; None where the C path does not
-        apply (training, no compiler, not the CPU, bf16 activations)."""
-        if self.model.norm.weight.requires_grad or kernels.load() is None:
+        apply (training, no compiler, not the CPU, bf16 activations, a tensor-parallel shard:
+        its all-reduces sit between the layers' products)."""
+        if self.tp_size > 1 or self.model.norm.weight.requires_grad or kernels.load() is None:
             return None
         if kv not in self._c_views:     # decided once per cache (checking 120 modules costs ~1 ms a step)
             self._c_views[kv] = cforward.CView(self, kv) if cforward.supported(self, kv) else None

@@ -99,11 +99,13 @@ def test_bad_flags_are_one_line_errors(tiny_pair, prompts_file, tmp_path, capsys
 
 
 def test_method_selection_follows_the_registry():
-    spec, hf, skipped = select_methods(None, peers=True)
-    assert spec == list(REGISTRY) and hf[0] == "hf_plain" and not skipped
-    spec, hf, _ = select_methods(["ngram", "hf_prompt_lookup"], peers=True)
+    spec, hf, lc, skipped = select_methods(None, peers=["transformers"])
+    assert spec == list(REGISTRY) and hf[0] == "hf_plain" and lc == [] and not skipped
+    spec, hf, lc, _ = select_methods(["ngram", "hf_prompt_lookup", "llamacpp_prompt_lookup"], peers=["transformers", "llamacpp"])
     assert spec == ["ngram"] and hf == ["hf_plain", "hf_prompt_lookup"]
-    assert select_methods(["hf_assisted"], peers=False)[1] == []
+    assert lc == ["llamacpp_plain", "llamacpp_prompt_lookup"]          # a family's plain decoding always runs
+    assert select_methods(["hf_assisted"], peers=[])[1] == []
+    assert select_methods(None, peers=["llamacpp"])[1:3] == ([], ["llamacpp_plain", "llamacpp_prompt_lookup"])
 
 
 def test_k_and_temperature_lists():

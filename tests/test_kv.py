@@ -132,6 +132,29 @@ def test_c_rows_do_not_depend_on_the_thread_count(model):
     assert all(torch.equal(o.logits, outs[0].logits) and torch.equal(o.hidden, outs[0].hidden) for o in outs)
 
 
+@pytest.mark.skipif(len(kernels.runnable_variants()) < 2, reason="fewer than two kernel variants run here")
+def test_c_forward_is_bit_identical_across_instruction_sets(model):
+    """Every variant (AMX, AVX-512, AVX2, ...) computes the same forward to the bit: products,
+    attention, softmax and SiLU (the same vector maths in every build)."""
+    g = torch.Generator().manual_seed(5)
+    history = torch.randint(0, 90, (6 + 11 + 9,), generator=g)
+    feed = torch.randint(0, 90, (16,), generator=g)
+    outs = []
+    for name in kernels.runnable_variants():
+        lib = kernels.load(name)
+        blocks, kv = _pool(model)
+        for s, n in {"t": 11, "x": 14, "p": 7, "y": 10}.items():
+            blocks.add(s)
+            blocks.ensure(s, n)
+        view = cforward.CView(model, kv)
+        cforward.forward(lib, view, history, None, ForwardBatch.build(kv, ["t", "x", "y"], [6, 11, 9], [0, 0, 0]),
+                         len(model.model.layers), False, False)
+        outs.append(cforward.forward(lib, view, feed, None, _mixed_batch(kv, blocks, None), len(model.model.layers),
+                                     True, True))
+    for name, (logits, hidden) in zip(kernels.runnable_variants(), outs):
+        assert torch.equal(logits, outs[0][0]) and torch.equal(hidden, outs[0][1]), name
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
 @KV_DTYPES
 def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch, kv_dtype):

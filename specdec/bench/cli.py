@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-config", type=_per_method,
                    help='per-method settings as JSON, e.g. \'{"layer_skip": {"num_layers": 2}, "ngram": {"prompt_lookup_max": 3}}\'')
     p.add_argument("--methods", type=_names, help="comma-separated: plain, any registered method, hf_plain, hf_assisted, "
-                   "hf_assisted_default, hf_assisted_heuristic, hf_prompt_lookup (default: plain, every registered "
-                   "method and, with --peers, every hf_* but hf_assisted_heuristic)")
+                   "hf_assisted_default, hf_assisted_heuristic, hf_prompt_lookup, llamacpp_plain, "
+                   "llamacpp_prompt_lookup (default: plain, every registered method and every method of the --peers "
+                   "families but hf_assisted_heuristic)")
     p.add_argument("--temperature", type=_temps, default="0,1", help="comma-separated temperatures (default 0,1)")
     p.add_argument("--prompts", type=_names, default="code",
                    help="comma-separated prompt sets: bundled names (code, repeat), spec-bench (Spec-Bench's "
@@ -33,11 +34,20 @@ def add_parser(sub) -> None:
                    help="spec-bench: only the first N questions of each category (a quick run)")
     p.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt unless the set says (default 64)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed repetitions after one warm-up (default 3)")
-    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run transformers' generate on the same checkpoints (default: on)")
+    p.add_argument("--peers", nargs="?", type=_families, const=["transformers"], default=["transformers"],
+                   help="peers run on the same checkpoint and token ids: comma-separated families, transformers "
+                        "(its generate) and llamacpp (llama.cpp through llama-cpp-python, GGUF targets; "
+                        "pip install -e '.[peers]'); --peers alone = transformers (the default)")
+    p.add_argument("--no-peers", dest="peers", action="store_const", const=[], help="no peers")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time requests by the wall clock (default) or by the process's CPU time (all its threads): "
+                        "honest on a shared, loaded machine with --threads 1; with more threads it also counts "
+                        "threads spinning while they wait for each other")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (prompt i uses seed + i)")
     p.add_argument("--threads", type=_positive, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, help="folder for results.json, results.md and the plots (required)")
+    p.add_argument("--out", type=Path,
+                   help="folder for results.json, results.md and the plots (required); {cpu} in it is replaced by the "
+                        "CPU's kind (e.g. bench/{cpu}/smollm2 -> bench/xeon-avx512vnni/smollm2: results kept per machine kind)")
     sub = p.add_subparsers(dest="bench_command", metavar="{serve}")
     from .serve_cli import add_arguments
 
@@ -82,6 +92,17 @@ def _temps(value: str) -> list[float]:
     return list(dict.fromkeys(temps))
 
 
+FAMILIES = ("transformers", "llamacpp")
+
+
+def _families(value: str) -> list[str]:
+    items = _split(value)
+    bad = [x for x in items if x not in FAMILIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown peer family {bad[0]!r} (choose from {', '.join(FAMILIES)})")
+    return list(dict.fromkeys(items))
+
+
 def _positive(value: str) -> int:
     try:
         n = int(value)
@@ -112,13 +133,13 @@ def command_line(args) -> str:
                         ("--prompts", ",".join(args.prompts)), ("--limit-prompts", args.limit_prompts),
                         ("--limit-per-category", args.limit_per_category),
                         ("--max-tokens", args.max_tokens), ("--repeats", args.repeats), ("--seed", args.seed),
-                        ("--threads", args.threads), ("--out", args.out)):
+                        ("--threads", args.threads), ("--clock", args.clock), ("--out", args.out)):
         if value is not None:
             parts += [flag, str(value)]
     if args.speculative_config:
         import json
         parts += ["--speculative-config", json.dumps(args.speculative_config)]
-    parts.append("--peers" if args.peers else "--no-peers")
+    parts += ["--peers", ",".join(args.peers)] if args.peers else ["--no-peers"]
     return shlex.join(parts)
 
 
@@ -130,8 +151,10 @@ def run(args) -> int:
         return run_serve(args, words[words.index("serve") + 1:] if "serve" in words else [])
     if args.out is None:
         raise ValueError("specdec bench: --out is required")
+    from . import machine
     from .run import run_benchmark
 
+    args.out = Path(str(args.out).replace("{cpu}", machine.cpu_kind()))
     results, written = run_benchmark(args, command_line(args))
     for s in results["scenarios"]:
         print(f"{s['name']}:", file=sys.stderr)
@@ -139,8 +162,10 @@ def run(args) -> int:
             sp = m["speedup_vs_plain"]
             g = m["greedy_match"]
             same = "" if g is None else ("  greedy identical" if g["identical"] else "  GREEDY MISMATCH")
-            print(f"  {m['name']:<24} {m['tokens_per_second']['median']:8.1f} tok/s"
-                  f"  {sp['median'] if sp else float('nan'):5.2f}x{same}", file=sys.stderr)
+            roof = m.get("roofline_fraction")
+            print(f"  {m['name']:<30} {m['tokens_per_second']['median']:8.1f} tok/s"
+                  f"  {sp['median'] if sp else float('nan'):5.2f}x"
+                  + (f"  {roof:5.0%} of roofline" if roof is not None else "") + same, file=sys.stderr)
     for path in written:
         print(path)
     return 0

@@ -59,6 +59,32 @@ def machine_info() -> dict:
     }
 
 
+def cpu_kind() -> str:
+    """A short name for this kind of machine, for result folders: the CPU line and the kernel
+    variant that runs here, e.g. "xeon-avx512vnni", "epyc-avx2", "cpu-pytorch"."""
+    model = _cpu_model().lower()
+    line = next((n for n in ("xeon", "epyc", "ryzen", "core", "graviton", "apple") if n in model), "cpu")
+    return f"{line}-{(kernels.chosen() or 'pytorch').replace('_', '')}"
+
+
+def describe(info: dict, roof: dict | None) -> str:
+    """The machine in a few lines (benchmark output)."""
+    lines = [f"machine: {info['cpu']} ({cpu_kind()}), {info['cores']} cores, load average {info['load_average']}",
+             f"kernels: {info['kernels']}"]
+    if roof:
+        lines.append(f"roofline: {roof['weight_bytes_per_step'] / 1e6:.1f} MB of {roof['dtype']} weights per token at "
+                     f"{roof['memory_bandwidth_gb_s']} GB/s copy bandwidth = {roof['roofline_tokens_per_second']} tokens/s")
+    return "\n".join(lines)
+
+
+def add_roofline_fractions(summary: dict, roof: dict | None) -> None:
+    """Each method's tokens/s over the plain-decoding roofline (speculation can pass 1: it reads
+    the weights once for several tokens)."""
+    for m in summary["methods"]:
+        m["roofline_fraction"] = (round(m["tokens_per_second"]["median"] / roof["roofline_tokens_per_second"], 4)
+                                  if roof else None)
+
+
 def busy(info: dict) -> bool:
     """Other work holds at least half the cores (1-minute load average): timings will be skewed."""
     load, cores = info.get("load_average"), info.get("cores")

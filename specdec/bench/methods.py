@@ -6,6 +6,8 @@ method or a K costs no memory and no load time; only the proposers differ.
 
 from __future__ import annotations
 
+import time
+
 from ..config import SchedulerConfig, SpeculativeConfig
 from ..engine import Engine
 from ..model import CheckpointError
@@ -32,9 +34,9 @@ def _cached_loader(llm):
     return load
 
 
-def plain_variant(llm) -> Variant:
+def plain_variant(llm, clock=time.perf_counter) -> Variant:
     engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len, scheduler_config=ONE_AT_A_TIME)
-    return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine))
+    return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine, clock))
 
 
 def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> SpeculativeConfig:
@@ -64,7 +66,7 @@ def _settings(spec: SpeculativeConfig, proposer) -> dict:
 
 
 def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | None,
-                         overrides: dict[str, dict]) -> tuple[list[Variant], list[Skipped]]:
+                         overrides: dict[str, dict], clock=time.perf_counter) -> tuple[list[Variant], list[Skipped]]:
     """One variant per (registered method, K). A method that cannot be built at a K (no draft
     model, no trained heads, K beyond what it supports) is skipped with its reason."""
     load = _cached_loader(llm)
@@ -78,5 +80,5 @@ def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | Non
                 skipped.append(Skipped(method, k, str(e).splitlines()[0] if str(e) else type(e).__name__))
                 continue
             settings = _settings(spec, engine.proposer)
-            variants.append(Variant(f"{method} K={k}", SPECDEC, method, k, engine_runner(engine), settings))
+            variants.append(Variant(f"{method} K={k}", SPECDEC, method, k, engine_runner(engine, clock), settings))
     return variants, skipped

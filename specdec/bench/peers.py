@@ -109,7 +109,7 @@ def _sampling_kwargs(params: SamplingParams, eos_ids: list[int]) -> dict:
     return {**kw, "do_sample": True, "temperature": params.temperature, "top_k": 0, "top_p": 1.0}
 
 
-def _runner(model, eos_ids: list[int], extra: dict, prepare: Callable[[], None] | None = None):
+def _runner(model, eos_ids: list[int], extra: dict, prepare: Callable[[], None] | None = None, clock=time.perf_counter):
     def generate(prompt_ids: list[int], params: SamplingParams) -> Run:
         if prepare is not None:
             prepare()
@@ -118,9 +118,9 @@ def _runner(model, eos_ids: list[int], extra: dict, prepare: Callable[[], None] 
         ids = torch.tensor([prompt_ids], device=model.device)
         kwargs = {**_sampling_kwargs(params, eos_ids), **extra}
         with torch.inference_mode(), Probe(model) as probe:
-            t0 = time.perf_counter()
+            t0 = clock()
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-            wall = time.perf_counter() - t0
+            wall = clock() - t0
         tokens = out[0, len(prompt_ids):].tolist()
         stats, timed = probe.stats(len(tokens))
         stats.prompt_tokens, stats.wall_time_s = len(prompt_ids), wall
@@ -164,7 +164,7 @@ def _default_settings(base_cfg) -> dict:
 
 
 def peer_variants(names: list[str], ks: list, target_dir: str, draft_dir: str | None, dtype: str,
-                  device: str, eos_ids: list[int]) -> tuple[list[Variant], list[Skipped]]:
+                  device: str, eos_ids: list[int], clock=time.perf_counter) -> tuple[list[Variant], list[Skipped]]:
     """The requested peers, in PEERS order; a peer that cannot run is skipped with its reason."""
     try:
         import transformers
@@ -190,32 +190,32 @@ def peer_variants(names: list[str], ks: list, target_dir: str, draft_dir: str | 
         if name in NEEDS_ASSISTANT and assistant is None:
             continue
         if name == "hf_plain":
-            variants.append(Variant(name, TRANSFORMERS, name, None, _runner(target, eos_ids, {}), dict(version)))
+            variants.append(Variant(name, TRANSFORMERS, name, None, _runner(target, eos_ids, {}, None, clock), dict(version)))
         elif name == "hf_assisted_default":
             prep = _assistant_setup(assistant, base_cfg)
             variants.append(Variant(name, TRANSFORMERS, name, None,
-                                    _runner(target, eos_ids, {"assistant_model": assistant}, prep),
+                                    _runner(target, eos_ids, {"assistant_model": assistant}, prep, clock),
                                     {**version, **_default_settings(base_cfg)}))
         elif name == "hf_assisted_heuristic":
             fields = {"num_assistant_tokens": HEURISTIC_START, "num_assistant_tokens_schedule": "heuristic"}
             prep = _assistant_setup(assistant, base_cfg, **fields)
             variants.append(Variant(name, TRANSFORMERS, name, None,
-                                    _runner(target, eos_ids, {"assistant_model": assistant}, prep), {**version, **fields}))
+                                    _runner(target, eos_ids, {"assistant_model": assistant}, prep, clock), {**version, **fields}))
         for k in int_ks if name in PER_K else []:
-            variants.append(_per_k_variant(name, k, target, assistant, base_cfg, eos_ids, version))
+            variants.append(_per_k_variant(name, k, target, assistant, base_cfg, eos_ids, version, clock))
     if any(n in PER_K for n in names) and not int_ks:
         skipped.append(Skipped(",".join(n for n in names if n in PER_K), None, "no integer K in --num-speculative-tokens"))
     return variants, skipped
 
 
-def _per_k_variant(name, k, target, assistant, base_cfg, eos_ids, version) -> Variant:
+def _per_k_variant(name, k, target, assistant, base_cfg, eos_ids, version, clock) -> Variant:
     if name == "hf_prompt_lookup":
         extra = {"prompt_lookup_num_tokens": k}
-        return Variant(f"{name} K={k}", TRANSFORMERS, name, k, _runner(target, eos_ids, extra),
+        return Variant(f"{name} K={k}", TRANSFORMERS, name, k, _runner(target, eos_ids, extra, None, clock),
                        {**version, **extra, "max_matching_ngram_size": "default (2)"})
     # K fixed: the constant schedule, and no confidence early stop cutting drafts short
     fields = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
               "assistant_confidence_threshold": 0.0}
     prep = _assistant_setup(assistant, base_cfg, **fields)
     return Variant(f"{name} K={k}", TRANSFORMERS, name, k,
-                   _runner(target, eos_ids, {"assistant_model": assistant}, prep), {**version, **fields})
+                   _runner(target, eos_ids, {"assistant_model": assistant}, prep, clock), {**version, **fields})

@@ -44,24 +44,42 @@ def _positions(xs: list[float], limit: int = 8) -> str:
     return (shown + " …") if len(xs) > limit else (shown or "–")
 
 
-HEADER = ("| method | K | tokens/s median (min–max) | × specdec plain | × plain, decode phase | × HF plain | predicted × own plain | α | tokens/step "
-          "| acceptance by position | target fwd ms | draft ms/token | c | greedy = plain |")
+COLUMNS = ("method", "K", "tokens/s median (min–max)", "× specdec plain", "× plain, decode phase", "× HF plain",
+           "× llama.cpp plain", "of roofline", "predicted × own plain", "α", "tokens/step", "acceptance by position",
+           "target fwd ms", "draft ms/token", "c", "greedy = plain", "greedy = own plain")
+OPTIONAL = {"× HF plain": "speedup_vs_hf_plain", "× llama.cpp plain": "speedup_vs_llamacpp_plain",
+            "× plain, decode phase": "decode_speedup_vs_plain", "greedy = own plain": "greedy_match_own_plain"}
+FAMILY_LABEL = {"transformers": " (transformers)", "llama.cpp": " (llama.cpp)"}
+
+
+def _own(m: dict) -> str:
+    g = m.get("greedy_match_own_plain")
+    return "–" if g is None else _greedy({"greedy_match": g})
 
 
 def table(scenario: dict) -> str:
-    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
-    for m in scenario["methods"]:
+    """One row per method; a column that no method fills (a peer family that did not run) is left out."""
+    methods = scenario["methods"]
+    cols = [c for c in COLUMNS if c not in OPTIONAL or any(m.get(OPTIONAL[c]) is not None for m in methods)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for m in methods:
         k = "–" if m["k"] in (None, 0) else str(m["k"])
         if m["k"] in (None, "auto") and m["num_drafts"]:
             k += f" (mean {m['mean_k']:.1f})"
-        name = m["name"].split(" K=")[0] + (" (transformers)" if m["family"] == "transformers" else "")
-        lines.append("| " + " | ".join([
-            name, k, _spread(m["tokens_per_second"], 1), _spread(m["speedup_vs_plain"], 2, "x"),
-            _spread(m.get("decode_speedup_vs_plain"), 2, "x"),
-            _spread(m["speedup_vs_hf_plain"], 2, "x"), _num(m["predicted_speedup"], 2, "x"),
-            _num(m["acceptance_rate"], 3), _num(m["mean_accepted_length"], 2),
-            _positions(m["per_position_acceptance"]), _num(m["target_forward_ms"], 2),
-            _num(m["draft_token_ms"], 3), _num(m["c"], 3), _greedy(m)]) + " |")
+        roof = m.get("roofline_fraction")
+        cell = {
+            "method": m["name"].split(" K=")[0] + FAMILY_LABEL.get(m["family"], ""), "K": k,
+            "tokens/s median (min–max)": _spread(m["tokens_per_second"], 1),
+            "× specdec plain": _spread(m["speedup_vs_plain"], 2, "x"),
+            "× plain, decode phase": _spread(m.get("decode_speedup_vs_plain"), 2, "x"),
+            "× HF plain": _spread(m.get("speedup_vs_hf_plain"), 2, "x"),
+            "× llama.cpp plain": _spread(m.get("speedup_vs_llamacpp_plain"), 2, "x"),
+            "of roofline": "–" if roof is None else f"{roof:.0%}",
+            "predicted × own plain": _num(m["predicted_speedup"], 2, "x"), "α": _num(m["acceptance_rate"], 3),
+            "tokens/step": _num(m["mean_accepted_length"], 2), "acceptance by position": _positions(m["per_position_acceptance"]),
+            "target fwd ms": _num(m["target_forward_ms"], 2), "draft ms/token": _num(m["draft_token_ms"], 3),
+            "c": _num(m["c"], 3), "greedy = plain": _greedy(m), "greedy = own plain": _own(m)}
+        lines.append("| " + " | ".join(cell[c] for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -75,12 +93,18 @@ def _header_lines(results: dict) -> list[str]:
     if machine.busy(mach):
         lines += ["", (f"**Warning:** other work held at least half of the {mach['cores']} cores when this run "
                        "started: these timings are not representative.")]
-    lines += ["", f"Target `{cfg['model']}`, draft `{cfg['draft_model']}`, dtype {cfg['dtype']}, device {cfg['device']}."]
+    lines += ["", f"Target `{cfg['model']}`, draft `{cfg['draft_model']}`, dtype {cfg['dtype']}, device {cfg['device']}, "
+                  f"{cfg.get('threads')} threads for every method, timed by the {cfg.get('clock', 'wall')} clock"
+                  + (" (the process's CPU time)" if cfg.get("clock") == "cpu" else "") + "."]
+    lc = next((m["settings"] for s in results["scenarios"] for m in s["methods"] if m["family"] == "llama.cpp"), None)
+    if lc:
+        lines += ["", f"llama.cpp: llama-cpp-python {lc['llama_cpp_python']}, {lc['system_info']}"]
     roof = results.get("roofline")
     if roof:
         lines += ["", f"Roofline for plain decoding: {roof['weight_bytes_per_step'] / 1e6:.1f} MB of {roof['dtype']} weights "
                       f"per token at {roof['memory_bandwidth_gb_s']} GB/s (measured copy bandwidth) = "
-                      f"{roof['roofline_tokens_per_second']} tokens/s."]
+                      f"{roof['roofline_tokens_per_second']} tokens/s"
+                      + (" (bandwidth and tokens per CPU-second)." if cfg.get("clock") == "cpu" else ".")]
     return lines
 
 
@@ -90,7 +114,9 @@ LEGEND = (
     "tokens over the time after the prompt's forward, the per-token latency users see once streaming starts); predicted × is (1 − α^(K+1)) / ((1 − α)(Kc + 1)) over the method's own family's plain "
     "decoding, from its measured α (acceptance rate), K (mean drafted per step) and c = draft ms per drafted "
     "token / target ms per verification forward; tokens/step = output tokens per target forward; greedy = plain "
-    "compares every token of every repeat with specdec plain decoding."
+    "compares every token of every repeat with specdec plain decoding, \"greedy = own plain\" a peer's speculation "
+    "with that peer's own plain decoding; \"of roofline\" is tokens/s over the plain-decoding roofline above (weight "
+    "bytes per token / copy bandwidth; the same GGUF bytes for llama.cpp)."
 )
 
 

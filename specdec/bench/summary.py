@@ -18,7 +18,8 @@ from ..adaptive import expected_tokens
 from ..metrics import RequestStats
 from .variant import Run, Variant
 
-REFERENCE, PEER_REFERENCE = "plain", "hf_plain"
+REFERENCE, PEER_REFERENCE, LLAMACPP_REFERENCE = "plain", "hf_plain", "llamacpp_plain"
+OWN_PLAIN = {"transformers": PEER_REFERENCE, "llama.cpp": LLAMACPP_REFERENCE}   # each peer family's plain decoding
 MAX_LISTED_MISMATCHES = 5
 
 
@@ -111,18 +112,20 @@ def _timing(stats: RequestStats, timed: int) -> dict:
             "c": None if c is None else round(c, 4), "predicted_speedup": None if predicted is None else round(predicted, 4)}
 
 
-def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool, prompt_ids: list[str]) -> dict:
+def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool, prompt_ids: list[str],
+                      decode_phase: bool = True) -> dict:
     mine = runs[v.name]
     tps = _tokens_per_second(mine)
-    ref_tps = _tokens_per_second(runs[REFERENCE]) if REFERENCE in runs else None
-    peer_tps = _tokens_per_second(runs[PEER_REFERENCE]) if PEER_REFERENCE in runs else None
+    ref = lambda name: _tokens_per_second(runs[name]) if name in runs else None  # noqa: E731
+    own = OWN_PLAIN.get(v.family)
     stats, timed = _merged(mine)
     return {
         "name": v.name, "family": v.family, "method": v.method, "k": v.k, "settings": v.settings,
         "tokens_per_second": _spread(tps),
-        "speedup_vs_plain": _paired_speedup(tps, ref_tps),
-        "speedup_vs_hf_plain": _paired_speedup(tps, peer_tps),
-        "decode_speedup_vs_plain": _decode_speedup(mine, runs.get(REFERENCE)),
+        "speedup_vs_plain": _paired_speedup(tps, ref(REFERENCE)),
+        "speedup_vs_hf_plain": _paired_speedup(tps, ref(PEER_REFERENCE)),
+        "speedup_vs_llamacpp_plain": _paired_speedup(tps, ref(LLAMACPP_REFERENCE)),
+        "decode_speedup_vs_plain": _decode_speedup(mine, runs.get(REFERENCE)) if decode_phase else None,
         "output_tokens": stats.output_tokens,
         "target_forward_passes": stats.target_forward_passes,
         "num_drafts": stats.num_drafts, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
@@ -131,14 +134,18 @@ def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
         **_timing(stats, timed),
         "greedy_match": greedy_comparison(mine, runs[REFERENCE], prompt_ids) if greedy and REFERENCE in runs else None,
+        # a peer's speculation against its own plain decoding (llama.cpp's may differ from it)
+        "greedy_match_own_plain": (greedy_comparison(mine, runs[own], prompt_ids)
+                                   if greedy and own in runs and v.name != own else None),
     }
 
 
-def summarize(variants: list[Variant], runs: dict[str, list[list[Run]]], scenario, max_tokens: int, repeats: int) -> dict:
+def summarize(variants: list[Variant], runs: dict[str, list[list[Run]]], scenario, max_tokens: int, repeats: int,
+              decode_phase: bool = True) -> dict:
     prompt_ids = [p.id for p in scenario.prompts]
     return {
         "name": scenario.name, "prompt_set": scenario.prompt_set, "temperature": scenario.temperature,
         "num_prompts": len(scenario.prompts), "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens_mean": round(statistics.mean(len(p.ids) for p in scenario.prompts), 1),
-        "methods": [summarize_variant(v, runs, scenario.greedy, prompt_ids) for v in variants],
+        "methods": [summarize_variant(v, runs, scenario.greedy, prompt_ids, decode_phase) for v in variants],
     }

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from ..config import SamplingParams
 from ..metrics import RequestStats
 
-SPECDEC, TRANSFORMERS = "specdec", "transformers"
+SPECDEC, TRANSFORMERS, LLAMACPP = "specdec", "transformers", "llama.cpp"
 
 
 @dataclass
@@ -24,8 +24,8 @@ class Run:
 @dataclass
 class Variant:
     name: str                     # unique label, e.g. "draft_model K=4", "hf_assisted K=4"
-    family: str                   # SPECDEC or TRANSFORMERS
-    method: str                   # "plain", a registry name, or a peer: "hf_plain", "hf_assisted", ...
+    family: str                   # SPECDEC, TRANSFORMERS or LLAMACPP
+    method: str                   # "plain", a registry name, or a peer: "hf_plain", "llamacpp_plain", ...
     k: int | str | None           # tokens drafted per step; "auto"; None (plain, or the peer decides)
     generate: Callable[[list[int], SamplingParams], Run]
     settings: dict = field(default_factory=dict)   # recorded in results.json as they ran
@@ -42,14 +42,14 @@ class Skipped:
         return {"method": self.method, "k": self.k, "reason": self.reason}
 
 
-def engine_runner(engine) -> Callable[[list[int], SamplingParams], Run]:
+def engine_runner(engine, clock=time.perf_counter) -> Callable[[list[int], SamplingParams], Run]:
     """A specdec Engine as a Variant.generate: stream to the end, time the whole stream."""
     def generate(prompt_ids: list[int], params: SamplingParams) -> Run:
         tokens, event = [], None
-        t0 = time.perf_counter()
+        t0 = clock()
         for event in engine.generate(prompt_ids, params):
             tokens += event.token_ids
-        wall = time.perf_counter() - t0
+        wall = clock() - t0
         # the engine times verification steps only; prefill is outside target_time_s
         return Run(tokens, wall, event.stats, event.stats.target_forward_passes)
     return generate

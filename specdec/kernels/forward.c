@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vmath.h"
 
 typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
@@ -70,66 +71,56 @@ static inline __m256 load_kv(const void *p, int bf16, long i) {
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int n, int bf16) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, bf16, i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#if defined(__AVX512F__)
+static inline __m512 load_kv16(const void *p, int bf16, long i) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* a . b over n (a multiple of 8) as 8 lanes: 16 lanes of partial sums in k order (AVX2 holds
+ * them in two 8-lane halves, AVX-512 in one vector: the same sums), lane i + 8 added to lane i. */
+static inline __attribute__((always_inline)) __m256 dot8(const float *a, const void *b, int n, int bf16) {
+    __m256 lo, hi;
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_kv16(b, bf16, i), acc);
+    lo = _mm512_castps512_ps256(acc);
+    hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+#else
+    lo = hi = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, bf16, i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_kv(b, bf16, i + 8), hi);
+    }
+#endif
+    if (i < n) lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, bf16, i), lo);
+    return _mm256_add_ps(lo, hi);
 }
 
-/* Four keys' dot products at once: four independent FMA chains instead of one chain at a time
- * (each chain is one key's, in the same order as dot_kv, so the values are the same). */
-static inline __attribute__((always_inline)) void dot4_kv(const float *a, const void *b, long stride, int n, int bf16,
-                                                          float *out) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    for (int i = 0; i < n; i += 8) {
-        __m256 x = _mm256_loadu_ps(a + i);
-        c0 = _mm256_fmadd_ps(x, load_kv(b, bf16, i), c0);
-        c1 = _mm256_fmadd_ps(x, load_kv(b, bf16, stride + i), c1);
-        c2 = _mm256_fmadd_ps(x, load_kv(b, bf16, 2 * stride + i), c2);
-        c3 = _mm256_fmadd_ps(x, load_kv(b, bf16, 3 * stride + i), c3);
-    }
-    __m256 cs[4] = {c0, c1, c2, c3};
-    for (int k = 0; k < 4; k++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(cs[k]), _mm256_extractf128_ps(cs[k], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[k] = _mm_cvtss_f32(s);
-    }
+/* The sums of 8 vectors' lanes, one per lane: ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
+ * the same for every position t (a dot product does not depend on the slots beside it). */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+/* y += a x, elementwise (one FMA per element in any width) */
 static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *x, int n, int bf16) {
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 va16 = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va16, load_kv16(x, bf16, i), _mm512_loadu_ps(y + i)));
+#endif
     __m256 va = _mm256_set1_ps(a);
-    for (int i = 0; i < n; i += 8)
+    for (; i < n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_kv(x, bf16, i), _mm256_loadu_ps(y + i)));
-}
-
-/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
- * x below -88.4 gives 0. Softmax exponentials are most of attention's arithmetic: one call per
- * 8 slots instead of 8 scalar expf calls. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
@@ -180,11 +171,20 @@ static void linear_for(const Mat *w, const float *x, const float *bias, float *o
     quant_panels_for(&a, w->w, w->fmt, bias, out, M, N);
 }
 
-/* Rotate the halves of each head's vector by position pos (Hugging Face's rotate_half). */
-static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos) {
+/* cs [hd]: cos then sin of pos * inv_freq[i] for i < hd / 2, once per token and forward. */
+static void rope_angles(float *cs, int hd, const float *inv_freq, long pos) {
+    for (int i = 0; i < hd / 2; i++) {
+        float a = (float)pos * inv_freq[i];
+        cs[i] = cosf(a);
+        cs[hd / 2 + i] = sinf(a);
+    }
+}
+
+/* Rotate the halves of each head's vector (Hugging Face's rotate_half) by the angles cs. */
+static void rope(float *v, int n_heads, int hd, const float *cs) {
     int half = hd / 2;
     for (int i = 0; i < half; i++) {
-        float a = (float)pos * inv_freq[i], c = cosf(a), s = sinf(a);
+        float c = cs[i], s = cs[half + i];
         for (int h = 0; h < n_heads; h++) {
             float *x = v + (long)h * hd;
             float x1 = x[i], x2 = x[i + half];
@@ -215,41 +215,68 @@ attend_one_t(const Model *m, const Layer *L, const Batch *b, TokenOf who, const 
     const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
     float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
     int es = BF16 ? 2 : 4;
-    for (int s0 = 0; s0 < span; s0 += bs) {
+    for (int s0 = 0; s0 < span; s0 += bs) {      /* scores, 8 slots at a time */
         const char *kb = (const char *)L->k_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
-        int j = 0;
-        for (; j + 4 <= n; j += 4) dot4_kv(qt, kb + (long)j * hd * es, hd, hd, BF16, scores + s0 + j);
-        for (; j < n; j++) scores[s0 + j] = dot_kv(qt, kb + (long)j * hd * es, hd, BF16);
-        for (j = 0; j < n; j++) {
-            int s = s0 + j;
-            if (moff >= 0 && s >= from && !b->masks[moff + (long)who.t * cols + s - from]) {
-                scores[s] = -INFINITY;
-                continue;
-            }
-            scores[s] *= scale;
-            if (scores[s] > mx) mx = scores[s];
+        for (int j0 = 0; j0 < n; j0 += 8) {
+            int cnt = n - j0 < 8 ? n - j0 : 8;
+            __m256 v[8];
+            for (int t = 0; t < 8; t++)
+                v[t] = t < cnt ? dot8(qt, kb + (long)(j0 + t) * hd * es, hd, BF16) : _mm256_setzero_ps();
+            store_part(scores + s0 + j0, _mm256_mul_ps(hsum8x8(v), _mm256_set1_ps(scale)), cnt);
         }
     }
-    /* e^(score - max) 8 slots at a time; the buffer holds span rounded up to 8, the padding
-     * and masked slots give exact zeros. The lanes' order depends on the span only, which is
-     * the token's own: the same alone, in a batch, in any chunk. */
-    int padded = (span + 7) & ~7;
-    for (int s = span; s < padded; s++) scores[s] = -INFINITY;
-    __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY), acc = _mm256_setzero_ps();
-    for (int s = 0; s < padded; s += 8) {
-        __m256 x = _mm256_loadu_ps(scores + s);
-        __m256 e = _mm256_blendv_ps(exp8(_mm256_sub_ps(x, vmx)), _mm256_setzero_ps(), _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
-        _mm256_storeu_ps(scores + s, e);
-        acc = _mm256_add_ps(acc, e);
+    if (moff >= 0)                                /* a tree: slots that are not ancestors */
+        for (int s = from; s < span; s++)
+            if (!b->masks[moff + (long)who.t * cols + s - from]) scores[s] = -INFINITY;
+    for (int s = 0; s < span; s++) mx = scores[s] > mx ? scores[s] : mx;
+    /* e^(score - max), masked slots exactly 0, then summed in slot order: a tree's masked slots
+     * add exact zeros, so a node sums what the same token sums when decoded alone */
+    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+    for (int s = 0; s < span; s += 8) {
+        int n = span - s < 8 ? span - s : 8;
+        __m256 v = load_part(scores + s, n);
+        __m256 e = _mm256_and_ps(vexp(_mm256_sub_ps(v, vmx)), _mm256_cmp_ps(v, ninf, _CMP_NEQ_UQ));
+        store_part(scores + s, e, n);
     }
-    float sum = hsum8(acc);
-    memset(o, 0, sizeof(float) * hd);
-    for (int s0 = 0; s0 < span; s0 += bs) {
-        const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
-        int n = span - s0 < bs ? span - s0 : bs;
-        for (int j = 0; j < n; j++)
-            if (scores[s0 + j] != 0.0f) axpy_kv(o, scores[s0 + j] / sum, vb + (long)j * hd * es, hd, BF16);
+    float sum = 0.0f;
+    for (int s = 0; s < span; s++) sum += scores[s];
+    /* o = sum_s (e_s / sum) v_s, each element's FMAs in slot order; 64 elements at a time in
+     * registers (the same FMAs, in the same order, as one axpy per slot) */
+    for (int c0 = 0; c0 < hd; c0 += 64) {
+        int w = hd - c0 < 64 ? hd - c0 : 64;
+#if defined(__AVX512F__)
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#else
+        __m256 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+#endif
+        if (w < 64) memset(o + c0, 0, sizeof(float) * w);
+        for (int s0 = 0; s0 < span; s0 += bs) {
+            const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd + c0) * es;
+            int n = span - s0 < bs ? span - s0 : bs;
+            for (int j = 0; j < n; j++) {
+                if (scores[s0 + j] == 0.0f) continue;
+                float a = scores[s0 + j] / sum;
+                const char *vj = vb + (long)j * hd * es;
+                if (w < 64) {
+                    axpy_kv(o + c0, a, vj, w, BF16);
+                    continue;
+                }
+#if defined(__AVX512F__)
+                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(a), load_kv16(vj, BF16, 16 * k), acc[k]);
+#else
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(a), load_kv(vj, BF16, 8 * k), acc[k]);
+#endif
+            }
+        }
+        if (w == 64) {
+#if defined(__AVX512F__)
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + c0 + 16 * k, acc[k]);
+#else
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + c0 + 8 * k, acc[k]);
+#endif
+        }
     }
 }
 
@@ -259,11 +286,8 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     else attend_one_t(m, L, b, who, qt, o, h, scores, 0);
 }
 
-/* Scores scratch for spans up to max_span: rounded up to whole 8-lane vectors (attend_one). */
-#define SCORES(max_span) ((long)(max_span) + 8)
-
 /* out [N, H * hd] = every (token, head)'s attention, split across the team; scores: this
- * thread's [SCORES(max_span)] scratch. */
+ * thread's [max_span] scratch. */
 static void attention_for(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
                           float *out, int N, float *scores) {
     int H = m->n_heads, hd = m->head_dim;
@@ -317,7 +341,7 @@ void paged_attention(const Model *m, int layer, const Batch *b, const void *q, c
     }
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * SCORES(max_span));
+        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
         attention_for(m, L, b, who, qf, of, N, scores);
         free(scores);
     }
@@ -332,6 +356,7 @@ void paged_attention(const Model *m, int layer, const Batch *b, const void *q, c
 /* Scratch of one forward, carved from the caller's workspace (sizes in floats unless said). */
 typedef struct {
     float *x, *buf, *qkv, *att, *ff;      /* [N, D], [N, wide], [N, nqkv], [N, wide], [N, 2F] */
+    float *angles;                        /* [N, hd]: each token's rope cos, sin */
     float *scores;                        /* [threads, max_span] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -345,12 +370,13 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     int D = m->dim, nq = m->n_heads * m->head_dim, nqkv = nq + 2 * m->n_kv * m->head_dim;
     int wide = D > nq ? D : nq;
     if (m->hidden > wide) wide = m->hidden;
-    long sizes[8] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
-                     4L * threads * SCORES(max_span), quant_act_bytes(N, wide), (long)sizeof(TokenOf) * N};
-    void **at[8] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
-                    (void **)&w->scores, &w->qs, (void **)&w->who};
+    long sizes[9] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+                     4L * threads * (max_span > 0 ? max_span + 8 : 8), quant_act_bytes(N, wide),
+                     (long)sizeof(TokenOf) * N, 4L * N * m->head_dim};
+    void **at[9] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                    (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles};
     long off = 0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
@@ -358,7 +384,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     return off;
 }
 
-static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N, const int64_t *pos) {
+static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
     float *x = w->x, *buf = w->buf, *qkv = w->qkv, *att = w->att, *ff = w->ff;
@@ -367,8 +393,8 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
-        rope(row, H, hd, m->inv_freq, pos[n]);
-        rope(row + nq, KV, hd, m->inv_freq, pos[n]);
+        rope(row, H, hd, w->angles + (long)n * hd);
+        rope(row + nq, KV, hd, w->angles + (long)n * hd);
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
         for (int g = 0; g < KV; g++) {
@@ -384,7 +410,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         }
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
-    float *scores = w->scores + (long)omp_get_thread_num() * SCORES(w->max_span);
+    float *scores = w->scores + (long)omp_get_thread_num() * (w->max_span > 0 ? w->max_span + 8 : 8);
     attention_for(m, L, b, w->who, buf, att, N, scores);
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
     #pragma omp for schedule(static)
@@ -394,8 +420,14 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
-        float *g = ff + (long)n * 2 * F, *u = g + F, *o = att + (long)n * F;
-        for (int i = 0; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *g = ff + (long)n * 2 * F, *u = g + F;
+        float *o = att + (long)n * F;
+        for (int i = 0; i < F; i += 8) {      /* SiLU(gate) * up */
+            int k = F - i < 8 ? F - i : 8;
+            __m256 gv = load_part(g + i, k), e = vexp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 y = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k));
+            store_part(o + i, y, k);
+        }
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
     #pragma omp for schedule(static)
@@ -424,10 +456,11 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
     {
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
+            rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, pos[n]);
             if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
             else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
         }
-        for (int l = 0; l < n_layers; l++) layer_for(m, &m->layers[l], b, &w, N, pos);
+        for (int l = 0; l < n_layers; l++) layer_for(m, &m->layers[l], b, &w, N);
         rms_norm_for(w.buf, w.x, m->final_norm, N, D, m->eps);
         if (hidden_out) {
             #pragma omp for schedule(static)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / n for n in ("skinny.c", "forward.c", "qgemm.c", "selftest.c")]
-HEADERS = [_DIR / "kernels.h"]
+HEADERS = [_DIR / n for n in ("kernels.h", "qlanes.h", "vmath.h")]
 
 
 @dataclass(frozen=True)

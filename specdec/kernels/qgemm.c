@@ -16,177 +16,12 @@
  * lane what AVX-512 does in 16 lanes), so a row's result is bit-identical alone, among M
  * rows, and across variants.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "kernels.h"
+#include "qlanes.h"
 
-#define PANEL 16
 #define RCH 64               /* rows per chunk: their accumulators stay in L1 */
-
-/* Prepared bytes per panel and unit (32 k, or 256 for Q4_K); qformats.py writes this layout. */
-static long unit_bytes(int fmt) {
-    switch (fmt) {
-    case Q8_0: return 512 + 32;                  /* int8 [8 quads][16][4], f16 d [16] */
-    case Q4_0: return 256 + 32;                  /* nibbles [4][16][4], f16 d [16] */
-    case Q4_1: return 256 + 64;                  /* nibbles, f16 d [16], f16 m [16] */
-    default: return 2048 + 64 + 256;             /* nibbles [4 chunks][8][16][4], f16 d, dmin [16], u8 sc, m [8][16] */
-    }
-}
-
-static inline int32_t ld32(const int8_t *p) {   /* 4 activation bytes as one int (no aliasing) */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* ---- lanes: one 16-lane vector per panel (AVX-512) or two 8-lane halves (AVX2) ---- */
-#if defined(__AVX512F__)
-#define LANES 16
-#define NH 1
-typedef __m512i VI;
-typedef __m512 VF;
-#define vload(p) _mm512_loadu_si512((const void *)(p))
-#define vset1(i) _mm512_set1_epi32(i)
-#define vand(a, b) _mm512_and_si512(a, b)
-#define vsrl16(a, n) _mm512_srli_epi16(a, n)
-#define vadd32(a, b) _mm512_add_epi32(a, b)
-#define vsub32(a, b) _mm512_sub_epi32(a, b)
-#define vzero() _mm512_setzero_si512()
-#define fset1(f) _mm512_set1_ps(f)
-#define fzero() _mm512_setzero_ps()
-#define fmul(a, b) _mm512_mul_ps(a, b)
-#define ffma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define ffnma(a, b, c) _mm512_fnmadd_ps(a, b, c)
-#define fcvt(a) _mm512_cvtepi32_ps(a)
-#define fstore(p, a) _mm512_storeu_ps(p, a)
-static inline VF load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline VF load_u8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-#else
-#define LANES 8
-#define NH 2
-typedef __m256i VI;
-typedef __m256 VF;
-#define vload(p) _mm256_loadu_si256((const __m256i *)(p))
-#define vset1(i) _mm256_set1_epi32(i)
-#define vand(a, b) _mm256_and_si256(a, b)
-#define vsrl16(a, n) _mm256_srli_epi16(a, n)
-#define vadd32(a, b) _mm256_add_epi32(a, b)
-#define vsub32(a, b) _mm256_sub_epi32(a, b)
-#define vzero() _mm256_setzero_si256()
-#define fset1(f) _mm256_set1_ps(f)
-#define fzero() _mm256_setzero_ps()
-#define fmul(a, b) _mm256_mul_ps(a, b)
-#define ffma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define ffnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
-#define fcvt(a) _mm256_cvtepi32_ps(a)
-#define fstore(p, a) _mm256_storeu_ps(p, a)
-static inline VF load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline VF load_u8f(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-#endif
-
-/* Sum over the block's 8 quads of w[v] (u8, < 16) . x[4v .. 4v+3] (s8) per lane: exact. */
-static inline VI dot_u4(const VI w[8], const int8_t *x) {
-#if defined(__AVX512VNNI__)
-    VI a = _mm512_dpbusd_epi32(vzero(), w[0], vset1(ld32(x))), b = _mm512_dpbusd_epi32(vzero(), w[1], vset1(ld32(x + 4)));
-    for (int v = 2; v < 8; v += 2) {
-        a = _mm512_dpbusd_epi32(a, w[v], vset1(ld32(x + 4 * v)));
-        b = _mm512_dpbusd_epi32(b, w[v + 1], vset1(ld32(x + 4 * v + 4)));
-    }
-    return vadd32(a, b);
-#elif defined(__AVX512F__)
-    /* 16-bit pair sums stay below 8 * 2 * 15 * 127 = 30480: add them before widening */
-    __m512i s = _mm512_maddubs_epi16(w[0], vset1(ld32(x)));
-    for (int v = 1; v < 8; v++) s = _mm512_add_epi16(s, _mm512_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
-    return _mm512_madd_epi16(s, _mm512_set1_epi16(1));
-#elif defined(__AVXVNNI__)
-    VI a = _mm256_dpbusd_avx_epi32(vzero(), w[0], vset1(ld32(x))), b = _mm256_dpbusd_avx_epi32(vzero(), w[1], vset1(ld32(x + 4)));
-    for (int v = 2; v < 8; v += 2) {
-        a = _mm256_dpbusd_avx_epi32(a, w[v], vset1(ld32(x + 4 * v)));
-        b = _mm256_dpbusd_avx_epi32(b, w[v + 1], vset1(ld32(x + 4 * v + 4)));
-    }
-    return vadd32(a, b);
-#else
-    __m256i s = _mm256_maddubs_epi16(w[0], vset1(ld32(x)));
-    for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-#endif
-}
-
-/* Sum over 8 quads of w[v] (s8) . x (s8) per lane, exact. aux: per-ISA data shared by all rows
- * (VNNI-512: 128 * sum(w) per lane, since vpdpbusd takes x + 128 unsigned; else |w|). */
-static inline VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const int8_t *xu) {
-#if defined(__AVX512VNNI__)
-    (void)x;
-    VI a = _mm512_dpbusd_epi32(vzero(), vset1(ld32(xu)), w[0]), b = _mm512_dpbusd_epi32(vzero(), vset1(ld32(xu + 4)), w[1]);
-    for (int v = 2; v < 8; v += 2) {
-        a = _mm512_dpbusd_epi32(a, vset1(ld32(xu + 4 * v)), w[v]);
-        b = _mm512_dpbusd_epi32(b, vset1(ld32(xu + 4 * v + 4)), w[v + 1]);
-    }
-    return vsub32(vadd32(a, b), aux[0]);
-#elif defined(__AVX512F__)
-    /* no vpsignb in AVX-512: negate x where w < 0 with a byte mask, then |w| * that */
-    (void)xu;
-    __m512i acc = vzero();
-    for (int v = 0; v < 8; v++) {
-        __m512i xv = vset1(ld32(x + 4 * v));
-        xv = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w[v]), _mm512_setzero_si512(), xv);
-        acc = vadd32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(aux[v], xv), _mm512_set1_epi16(1)));
-    }
-    return acc;
-#elif defined(__AVXVNNI__)
-    (void)xu;
-    VI a = vzero(), b = vzero();
-    for (int v = 0; v < 8; v += 2) {
-        a = _mm256_dpbusd_avx_epi32(a, aux[v], _mm256_sign_epi8(vset1(ld32(x + 4 * v)), w[v]));
-        b = _mm256_dpbusd_avx_epi32(b, aux[v + 1], _mm256_sign_epi8(vset1(ld32(x + 4 * v + 4)), w[v + 1]));
-    }
-    return vadd32(a, b);
-#else
-    /* |w| * (x signed by w): 16-bit pair sums reach 2 * 128 * 127 = 32512, so widen per quad */
-    (void)xu;
-    __m256i acc = vzero();
-    for (int v = 0; v < 8; v++) {
-        __m256i p = _mm256_maddubs_epi16(aux[v], _mm256_sign_epi8(vset1(ld32(x + 4 * v)), w[v]));
-        acc = vadd32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-    }
-    return acc;
-#endif
-}
-
-static inline void s8_aux(const VI w[8], VI aux[8]) {
-#if defined(__AVX512VNNI__)
-    VI s = vzero();
-    for (int v = 0; v < 8; v++) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi8(1), w[v]);
-    aux[0] = _mm512_slli_epi32(s, 7);
-#elif defined(__AVX512F__)
-    for (int v = 0; v < 8; v++) aux[v] = _mm512_abs_epi8(w[v]);
-#else
-    for (int v = 0; v < 8; v++) aux[v] = _mm256_abs_epi8(w[v]);
-#endif
-}
-
-/* The 8 quads of a 4-bit block: vector v holds quad v in its low nibbles, quad v + 4 (Q4_0,
- * Q4_1: elements 16..31) or the other sub-block (Q4_K, hi = 1) in its high nibbles. */
-static inline void unpack4(const uint8_t *raw, int nvec, int shift, VI w[8]) {
-    const VI lo = vset1(0x0f0f0f0f);
-    for (int v = 0; v < nvec; v++) {
-        VI r = vload(raw + v * PANEL * 4);
-        if (nvec == 4) {
-            w[v] = vand(r, lo);
-            w[v + 4] = vand(vsrl16(r, 4), lo);
-        } else {
-            w[v] = vand(shift ? vsrl16(r, 4) : r, lo);
-        }
-    }
-}
-
-#define XQ4(row, blk) (a->q + (long)(row) * a->K + (long)(blk) * 32)
-#define XU4(row, blk) ((const int8_t *)a->u + (long)(row) * a->K + (long)(blk) * 32)
-#define AIX(row, blk) ((long)(row) * a->nb + (blk))
 
 /* acc[j][h] += the panel's contribution for rows m0 .. m0 + mr - 1, block by block in k order. */
 static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t *pw, const Act *a, int m0, int mr, VF acc[][NH]) {
@@ -201,22 +36,14 @@ static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t
                 for (int v = 0; v < 8; v++) w[v] = vload(u + off + v * PANEL * 4);
                 s8_aux(w, aux);
                 VF d = load_f16((const uint16_t *)(u + 512) + h * LANES);
-                for (int j = 0; j < mr; j++) {
-                    int r = m0 + j;
-                    VI s = dot_s8(w, aux, XQ4(r, b), XU4(r, b));
-                    acc[j][h] = ffma(fcvt(s), fmul(d, fset1(a->d[AIX(r, b)])), acc[j][h]);
-                }
+                for (int j = 0; j < mr; j++)
+                    acc[j][h] = epi(Q8_0, acc[j][h], dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b)), d, d, a, m0 + j, b);
             } else if (fmt == Q4_0 || fmt == Q4_1) {
                 unpack4(u + off, 4, 0, w);
                 VF d = load_f16((const uint16_t *)(u + 256) + h * LANES);
                 VF m = fmt == Q4_1 ? load_f16((const uint16_t *)(u + 288) + h * LANES) : fzero();
-                for (int j = 0; j < mr; j++) {
-                    int r = m0 + j;
-                    VI s = dot_u4(w, XQ4(r, b));
-                    if (fmt == Q4_0) s = vsub32(s, vset1(8 * a->s[AIX(r, b)]));   /* (q - 8) * x */
-                    acc[j][h] = ffma(fcvt(s), fmul(d, fset1(a->d[AIX(r, b)])), acc[j][h]);
-                    if (fmt == Q4_1) acc[j][h] = ffma(m, fset1(a->ds[AIX(r, b)]), acc[j][h]);
-                }
+                for (int j = 0; j < mr; j++)
+                    acc[j][h] = epi(fmt, acc[j][h], dot_u4(w, XQ4(m0 + j, b)), d, m, a, m0 + j, b);
             } else {
                 VF d = load_f16((const uint16_t *)(u + 2048) + h * LANES);
                 VF dmin = load_f16((const uint16_t *)(u + 2080) + h * LANES);
@@ -225,12 +52,8 @@ static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t
                     VF sc = fmul(d, load_u8f(u + 2112 + sb * PANEL + h * LANES));      /* exact */
                     VF mn = fmul(dmin, load_u8f(u + 2240 + sb * PANEL + h * LANES));   /* exact */
                     int blk = b * 8 + sb;
-                    for (int j = 0; j < mr; j++) {
-                        int r = m0 + j;
-                        VI s = dot_u4(w, XQ4(r, blk));
-                        acc[j][h] = ffma(fcvt(s), fmul(sc, fset1(a->d[AIX(r, blk)])), acc[j][h]);
-                        acc[j][h] = ffnma(mn, fset1(a->ds[AIX(r, blk)]), acc[j][h]);
-                    }
+                    for (int j = 0; j < mr; j++)
+                        acc[j][h] = epi(Q4_K, acc[j][h], dot_u4(w, XQ4(m0 + j, blk)), sc, mn, a, m0 + j, blk);
                 }
             }
         }
@@ -247,31 +70,85 @@ Act quant_act(void *scratch, int M, int K) {
                  (int32_t *)(p + 2 * mk + M * nb * 8), K, (int)nb};
 }
 
-/* Per row and block of 32: d = max|x| / 127, q = round-to-even(x / d) (x * (1 / d), as llama.cpp). */
+/* Per row and block of 32: d = max|x| / 127, q = round-to-even(x / d) (x * (1 / d), as llama.cpp),
+ * in 8-lane vectors in every variant: max and the integer sums are exact in any order, and each
+ * q is one multiply and one rounding, as the scalar form would do it. */
 void quantize_rows_for(const float *x, int M, Act *a) {
     int K = a->K, nb = a->nb;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), off = _mm256_set1_epi8((char)128);
     #pragma omp for schedule(static)
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)r * K + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) {
-                float v = nearbyintf(xb[i] * id);
-                int qi = v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v;
-                a->q[(long)r * K + b * 32 + i] = (int8_t)qi;
-                a->u[(long)r * K + b * 32 + i] = (uint8_t)(qi + 128);
-                sum += qi;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));   /* nearest even */
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(t, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+                sum = _mm256_add_epi32(sum, q[i]);
+            }
+            /* 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes: undo it) */
+            __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(a->q + (long)r * K + b * 32), p8);
+            _mm256_storeu_si256((__m256i *)(a->u + (long)r * K + b * 32), _mm256_add_epi8(p8, off));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             long k = (long)r * nb + b;
             a->d[k] = db;
-            a->s[k] = sum;
-            a->ds[k] = db * (float)sum;
+            a->s[k] = _mm_cvtsi128_si32(s4);
+            a->ds[k] = db * (float)a->s[k];
         }
     }
 }
+
+static void store_rows(const VF acc[][NH], int mr, const float *bias, float *out, int N, long p) {
+    int width = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+    for (int j = 0; j < mr; j++) {
+        float res[PANEL];
+        for (int h = 0; h < NH; h++) fstore(res + h * LANES, acc[j][h]);
+        float *o = out + (long)j * N + p * PANEL;
+        for (int i = 0; i < width; i++) o[i] = res[i] + (bias ? bias[p * PANEL + i] : 0.0f);
+    }
+}
+
+/* Rows m0 .. m0 + MR - 1 of panel p. MR up to FEW is a compile-time constant in its copy, so
+ * the accumulators live in registers (decoding's one row, verification's few); more rows keep
+ * theirs in L1. The same operations either way. */
+#define FEW 8
+static inline __attribute__((always_inline)) void
+rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *bias, float *out, int N, long p) {
+    if (MR <= FEW) {
+        VF acc[FEW][NH];
+        for (int j = 0; j < MR; j++)
+            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
+        panel_q(fmt, pp, a, m0, MR, acc);
+        store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
+    } else {
+        VF acc[RCH][NH];
+        for (int j = 0; j < MR; j++)
+            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
+        panel_q(fmt, pp, a, m0, MR, acc);
+        store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
+    }
+}
+
+#define ROWS(F, R) case R: rows_of(F, R, pp, a, m0, bias, out, N, p); break;
+#define BY_ROWS(F)                                                                                 \
+    switch (mr) {                                                                                  \
+    ROWS(F, 1) ROWS(F, 2) ROWS(F, 3) ROWS(F, 4) ROWS(F, 5) ROWS(F, 6) ROWS(F, 7) ROWS(F, 8)        \
+    default: rows_of(F, mr, pp, a, m0, bias, out, N, p); break;                                    \
+    }
 
 /* out[M, N] = the quantized rows a against the prepared panels pw (+ bias), panels split
  * across the team. */
@@ -280,24 +157,14 @@ void quant_panels_for(const Act *a, const uint8_t *pw, int fmt, const float *bia
     long panel_bytes = unit_bytes(fmt) * (fmt == Q4_K ? a->nb / 8 : a->nb);
     #pragma omp for schedule(static)
     for (long p = 0; p < panels; p++) {
-        VF acc[RCH][NH];
-        float res[PANEL];
-        int width = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+        const uint8_t *pp = pw + p * panel_bytes;
         for (int m0 = 0; m0 < M; m0 += RCH) {
             int mr = M - m0 < RCH ? M - m0 : RCH;
-            for (int j = 0; j < mr; j++)
-                for (int h = 0; h < NH; h++) acc[j][h] = fzero();
-            const uint8_t *pp = pw + p * panel_bytes;
             switch (fmt) {      /* a constant format in each inlined copy: no branch per block */
-            case Q8_0: panel_q(Q8_0, pp, a, m0, mr, acc); break;
-            case Q4_0: panel_q(Q4_0, pp, a, m0, mr, acc); break;
-            case Q4_1: panel_q(Q4_1, pp, a, m0, mr, acc); break;
-            default: panel_q(Q4_K, pp, a, m0, mr, acc); break;
-            }
-            for (int j = 0; j < mr; j++) {
-                for (int h = 0; h < NH; h++) fstore(res + h * LANES, acc[j][h]);
-                float *o = out + (long)(m0 + j) * N + p * PANEL;
-                for (int i = 0; i < width; i++) o[i] = res[i] + (bias ? bias[p * PANEL + i] : 0.0f);
+            case Q8_0: BY_ROWS(Q8_0) break;
+            case Q4_0: BY_ROWS(Q4_0) break;
+            case Q4_1: BY_ROWS(Q4_1) break;
+            default: BY_ROWS(Q4_K) break;
             }
         }
     }

@@ -311,12 +311,11 @@ class Transformer(nn.Module):
         """The C path's view of (this model, kv), built once; None where the C path does not
         apply (training, no compiler, not the CPU, bf16 activations, a tensor-parallel shard:
         its all-reduces sit between the layers' products)."""
-        if self.tp_size > 1 or self.model.norm.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
+        if self.tp_size > 1 or self.model.norm.weight.requires_grad or kernels.load() is None:
             return None
-        view = self._c_views.get(kv)
-        if view is None:
-            view = self._c_views[kv] = cforward.CView(self, kv)
-        return view
+        if kv not in self._c_views:     # decided once per cache (checking 120 modules costs ~1 ms a step)
+            self._c_views[kv] = cforward.CView(self, kv) if cforward.supported(self, kv) else None
+        return self._c_views[kv]
 
     def _attention(self, kv: KVCache, batch: ForwardBatch):
         """Where this forward's attention runs: forward.c's per-token attention on the CPU with

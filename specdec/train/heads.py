@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -64,6 +65,9 @@ class HeadsConfig:
     default_topk: int = 1              # eagle: the tree's branching when speculative_config has no "topk";
                                        # chains measured fastest on the 2-core CPU (README, Methods)
     precision: str = "fp32"            # "bf16" autocast (or "auto": where matmuls have native bf16); fp32 master weights
+    eval_every: int = 0                # log top-1 accuracy on a probe of greedy validation sequences (0: never)
+    prompt_loss: bool = False          # chat data: also train on the prompt's positions (more data; the answer copies them)
+    init_from_target: bool = False     # eagle: start the decoder layer from the target's last layer
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -99,6 +103,11 @@ def build_heads(cfg: HeadsConfig, target, vocab: torch.Tensor):
             if p.dim() == 2 and "embed_tokens" not in name:
                 torch.nn.init.normal_(p, std=0.02)
         torch.nn.init.zeros_(heads.fc.bias)
+        if cfg.init_from_target:    # the target's last decoder layer: a prior for "one more layer"
+            last = f"model.layers.{target.config.num_hidden_layers - 1}."
+            src = target.state_dict()
+            heads.decoder.model.layers[0].load_state_dict(
+                {k[len(last):]: v.float().clone() for k, v in src.items() if k.startswith(last)})
         # the target's final norm and LM-head rows: features live in the target's space
         heads.decoder.model.norm.weight.data = target.model.norm.weight.data.float().clone()
         heads.decoder.lm_head.weight.data = target.lm_head.weight.data[vocab].float().clone()
@@ -187,6 +196,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
     vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
+    if cfg.prompt_loss and cfg.data_kind == "chat":     # every position, the vocabulary still the answers'
+        train = dataclasses.replace(train, answer_starts=train.starts.clone())
+        what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
     heads = build_heads(cfg, target, vocab)
     embed = target.model.embed_tokens
@@ -198,6 +210,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         log(f"resumed from {ckpt} at step {state['step']}")
     label_t, label_seq = train.label_positions(2)
     bf16 = use_bf16(cfg.precision, torch.device("cpu"))
+    # a fixed probe of greedy validation sequences: top-1 accuracy during training shows overfitting
+    val_probe = val.select(val.greedy & (torch.arange(val.num_sequences) < 4 * 24)) if cfg.eval_every else None
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
@@ -221,6 +235,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                parts["val_top1"] = _val_top1(cfg, heads, embed, val_probe, to_draft)
             state["history"].append({"step": step + 1, "loss": round(loss.item(), 4), **parts})
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
@@ -253,6 +269,14 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                                                     "history": state["history"]}, indent=1) + "\n")
     (out / "README.md").write_text(card(out, target_dir, cfg, result, commands))
     return {"finished": True, **result}
+
+
+def _val_top1(cfg: HeadsConfig, heads, embed, probe: FlatData, to_draft) -> float:
+    heads.eval()
+    acc = eagle_accuracy(heads, embed, probe, to_draft) if cfg.kind == "eagle" else \
+        medusa_accuracy(heads, probe, to_draft, ranks=1)[0][0]
+    heads.train()
+    return acc
 
 
 def _report_prompts(cfg: HeadsConfig, val: FlatData, n: int, target_dir: Path) -> tuple[list[list[int]], str]:

@@ -68,6 +68,8 @@ class HeadsConfig:
     eval_every: int = 0                # log top-1 accuracy on a probe of greedy validation sequences (0: never)
     prompt_loss: bool = False          # chat data: also train on the prompt's positions (more data; the answer copies them)
     init_from_target: bool = False     # eagle: start the decoder layer from the target's last layer
+    soft_labels: bool = False          # token loss against the target's distribution (from its stored features)
+    token_weight: float = 0.1          # eagle: weight of the token loss beside the feature regression
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -122,8 +124,9 @@ def _to_draft(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return m
 
 
-def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft) -> torch.Tensor:
-    """Feature positions t [N] of sequences seq [N]; head i learns token t + 2 + i of the same sequence."""
+def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft, soft: bool = False) -> torch.Tensor:
+    """Feature positions t [N] of sequences seq [N]; head i learns token t + 2 + i of the same
+    sequence (soft: the target's distribution there, from its feature at t + 1 + i)."""
     logits = heads(data.hidden[t].float())                              # [M, N, V']
     end = data.ends[seq]
     loss = 0.0
@@ -131,11 +134,26 @@ def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft) -> torch.T
         pos = t + 2 + i
         labels = to_draft[data.tokens[pos.clamp(max=len(data.tokens) - 1)].long()]
         labels = labels.masked_fill(pos >= end, -100)
-        loss = loss + 0.8 ** i * F.cross_entropy(logits[i], labels, ignore_index=-100)
+        src = data.hidden[(pos - 1).clamp(max=len(data.tokens) - 1)] if soft else None
+        loss = loss + 0.8 ** i * _token_loss(logits[i], labels, src, heads.lm_head.weight)
     return loss
 
 
-def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen):
+def _token_loss(logits, labels, soft_from, head_rows) -> torch.Tensor:
+    """Cross-entropy of logits [N, V'] with the hard labels [N] (-100: skip), or, given the
+    target's features soft_from [N, D] at the label's previous position, with the target's own
+    distribution over the draft vocabulary (softmax of its LM-head rows head_rows [V', D]):
+    every position then teaches the whole distribution, not one sampled token."""
+    keep = labels != -100
+    if soft_from is None or not keep.any():
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+    with torch.no_grad():
+        p = torch.softmax(soft_from[keep].float() @ head_rows.float().T, -1)
+    return -(p * F.log_softmax(logits[keep].float(), -1)).sum(-1).mean()
+
+
+def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen,
+               soft: bool = False, token_weight: float = 0.1):
     """Rows of pair positions idx [B, W] (feature t, token t + 1) -> feature t + 1, token t + 2;
     mask [B, W]: pairs whose token t + 2 is trained on."""
     feats = data.hidden[idx].float()                                     # [B, W, D]
@@ -148,8 +166,9 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
     m = mask[..., None].float()
     reg = (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-    return reg + 0.1 * ce, reg, ce
+    ce = _token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                     want.reshape(-1, want.shape[-1]) if soft else None, head.decoder.lm_head.weight)
+    return reg + token_weight * ce, reg, ce
 
 
 def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state: dict, log) -> tuple[FlatData, FlatData, str]:
@@ -222,11 +241,12 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if cfg.kind == "medusa":
                 pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
-                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft), {}
+                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft, cfg.soft_labels), {}
             else:
                 idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
                 mask = valid & train.trained_on(idx, seq, 2)
-                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen)
+                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen,
+                                           cfg.soft_labels, cfg.token_weight)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         opt.zero_grad(set_to_none=True)
         loss.backward()

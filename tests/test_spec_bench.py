@@ -75,4 +75,4 @@ def test_bench_reports_per_category(long_target, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert "--limit-per-category 1" in results["command"]
     card = spec_bench.method_card_table(results, "ngram K=2")
-    assert "| 0 | overall | 13 |" in card and "| 0 | rag | 1 |" in card and card.count("\n") == 15
+    assert "| 0 | overall | 13 |" in card and "| 0 | rag | 1 |" in card and card.count("\n") == 16

@@ -64,13 +64,15 @@ class EagleProposer(ProposerBase):
         self.state.pop(request_id, None)
 
     def _c_chain_ok(self) -> bool:
-        head, emb = self.head, self.target.model.embed_tokens.weight
+        head, emb = self.head, getattr(self.target.model.embed_tokens, "weight", None)
+        if emb is None:           # a packed (GGUF) embedding table: the C chain reads a dense one
+            return False
         return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
                 and emb.device.type == "cpu" and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
 
     def _embed(self, tokens: list[int]):
         emb = self.target.model.embed_tokens
-        return emb(torch.tensor(tokens, dtype=torch.long, device=emb.weight.device)).to(self.head.decoder.dtype)
+        return emb(torch.tensor(tokens, dtype=torch.long, device=self.target.device)).to(self.head.decoder.dtype)
 
     def _run(self, ids, feats, tokens: list[int], counts, starts, trees=None, last_only=False):
         """One head forward: pairs (feats [N, D], tokens [N]) of several requests."""

@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+    p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs",
+                   help="logprobs under the processed distribution (temperature, top-k/p, min-p; default) or the raw one")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
 
 
 def _bytes(value: str) -> int:
@@ -86,7 +90,8 @@ def llm_from_args(args, seed: int | None = None):
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
                generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-               block_size=args.block_size)
+               block_size=args.block_size, logprobs_mode=args.logprobs_mode,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -100,7 +105,49 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    g = p.add_argument_group("penalties and bias (OpenAI / vLLM meanings, applied exactly under speculation)")
+    g.add_argument("--presence-penalty", type=float, help="subtract this from tokens already in the output")
+    g.add_argument("--frequency-penalty", type=float, help="subtract this times each token's count in the output")
+    g.add_argument("--repetition-penalty", type=float, help="divide (multiply if negative) logits of tokens in prompt or output")
+    g.add_argument("--logit-bias", type=_json_obj, help='JSON {"token id": bias in [-100, 100]}')
+    g.add_argument("--bad-words", action="append", help="a word never generated (repeatable)")
+    g.add_argument("--min-tokens", type=int, help="EOS and stop tokens banned until this many tokens are out")
+    s = p.add_argument_group("structured outputs (one of)")
+    s.add_argument("--json-schema", type=_schema, help="a JSON schema: inline JSON or a file")
+    s.add_argument("--json-object", action="store_true", help="any JSON object")
+    s.add_argument("--regex", help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", help="the output is one of these (repeatable)")
+    s.add_argument("--grammar", type=_text_or_file, help="a Lark or GBNF grammar: inline or a file")
     p.set_defaults(default_max_tokens=max_tokens)
+
+
+def _schema(value: str):
+    text = _text_or_file(value)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON schema: {e}") from None
+
+
+def _text_or_file(value: str) -> str:
+    from pathlib import Path
+
+    path = Path(value)
+    try:
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {e}") from None
+
+
+def structured_outputs(args):
+    from .config import StructuredOutputsParams
+
+    given = {"json": args.json_schema, "json_object": args.json_object or None, "regex": args.regex,
+             "choice": args.choice, "grammar": args.grammar}
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError("give at most one of --json-schema, --json-object, --regex, --choice, --grammar")
+    return StructuredOutputsParams(**given) if given else None
 
 
 def sampling_params(args, model_defaults: dict):
@@ -109,7 +156,10 @@ def sampling_params(args, model_defaults: dict):
 
     fields = {"temperature": 0.0, "max_tokens": args.default_max_tokens, **model_defaults}
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-             "max_tokens": args.max_tokens, "seed": args.seed}
+             "max_tokens": args.max_tokens, "seed": args.seed, "presence_penalty": args.presence_penalty,
+             "frequency_penalty": args.frequency_penalty, "repetition_penalty": args.repetition_penalty,
+             "logit_bias": args.logit_bias, "bad_words": args.bad_words, "min_tokens": args.min_tokens,
+             "structured_outputs": structured_outputs(args)}
     fields.update({k: v for k, v in given.items() if v is not None})
     return SamplingParams(**fields, stop=args.stop, ignore_eos=args.ignore_eos)
 

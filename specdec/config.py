@@ -7,11 +7,56 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 300          # OpenAI accepts at most 300 entries in logit_bias
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs` (its older guided_json / guided_regex / guided_choice /
+    guided_grammar, OpenAI's response_format): exactly one constraint.
+
+    json: a JSON schema (dict or its text); regex: the output matches it whole; choice: the
+    output is one of these strings; grammar: a Lark grammar, or GBNF (llama.cpp's EBNF, told
+    apart by `::=`); json_object: any JSON object (OpenAI's json_object mode)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", "must set exactly one of json, regex, choice, grammar, json_object", given)
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json", "must be a JSON schema", self.json)
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex", "must be a string", self.regex)
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar", "must be a string", self.grammar)
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice),
+                   "structured_outputs.choice", "must be a non-empty list of strings", self.choice)
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's sampling parameters. temperature 0 means greedy; top_k <= 0 and top_p 1 disable."""
+    """vLLM's sampling parameters. temperature 0 means greedy; top_k <= 0 and top_p 1 disable.
+
+    Controls that read the sequence (applied, in vLLM's order, before temperature and the
+    filters; greedy decoding takes the argmax after them):
+    structured_outputs: only tokens the grammar allows (EOS only where the output is complete);
+    bad_words: a word's last token is banned where the output ends with the rest of it;
+    min_tokens: EOS and stop_token_ids banned until this many tokens are out;
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI);
+    repetition_penalty: a token seen in the prompt or the output has its logit divided by it
+        when positive, multiplied when negative (HF/vLLM; 1 = off);
+    frequency_penalty / presence_penalty: subtract penalty x (count in the output so far) /
+        penalty x (seen in the output) (OpenAI; in [-2, 2], 0 = off).
+    best_of: draw this many candidates, return the n of highest cumulative log-probability
+        (vLLM's meaning; >= n).
+    """
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -24,6 +69,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
+    best_of: int | None = None
 
     def __post_init__(self):
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]", self.n)
@@ -43,6 +96,53 @@ class SamplingParams:
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "stop_token_ids", "must be token ids >= 0", ids)
         object.__setattr__(self, "stop_token_ids", ids)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]", self.logprobs)
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
+        _check(_real(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+               "must be in (0, 2]", self.repetition_penalty)
+        bias = self.logit_bias or {}
+        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must map at most {MAX_LOGIT_BIAS} token ids to biases", type(bias).__name__)
+        clean = {}
+        for tok, b in bias.items():
+            # OpenAI's JSON keys are strings of token ids
+            ok = isinstance(tok, int) and not isinstance(tok, bool) or (isinstance(tok, str) and tok.isdigit())
+            _check(ok and int(tok) >= 0, "logit_bias", "keys must be token ids >= 0", tok)
+            _check(_real(b) and -100 <= b <= 100, "logit_bias", "values must be in [-100, 100]", b)
+            clean[int(tok)] = float(b)
+        object.__setattr__(self, "logit_bias", clean or None)
+        words = self.bad_words or []
+        _check(isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in words),
+               "bad_words", "must be non-empty strings", self.bad_words)
+        object.__setattr__(self, "bad_words", list(words) or None)
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0,
+               "min_tokens", "must be an integer >= 0", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be <= max_tokens", self.min_tokens)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            so = StructuredOutputsParams(**so)
+            object.__setattr__(self, "structured_outputs", so)
+        _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
+               "must be a StructuredOutputsParams", so)
+        b = self.best_of
+        _check(b is None or (isinstance(b, int) and not isinstance(b, bool) and self.n <= b <= 16), "best_of",
+               f"must be an integer in [n, 16] (n = {self.n})", b)
+
+    @property
+    def penalties(self) -> bool:
+        """Whether a penalty reads the sequence's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def reads_sequence(self) -> bool:
+        """Whether processing depends on the tokens before each row (then every draft position
+        is processed with the drafts before it counted as output)."""
+        return self.penalties or bool(self.bad_words) or self.min_tokens > 0 or self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +226,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     num_layers: int | None = None        # layer_skip: exit after this many layers
     max_k: int | None = None             # upper bound for "auto": K (default 8), tree size (32)
+    disable_by_batch_size: int | None = None   # vLLM's: from this many running requests on, nobody drafts
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -140,6 +241,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "max_k", 32 if self.method in ("medusa", "eagle") else 8)
         _check(isinstance(self.max_k, int) and not isinstance(self.max_k, bool) and 1 <= self.max_k <= 64,
                "max_k", "must be an integer in [1, 64]", self.max_k)
+        d = self.disable_by_batch_size
+        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
+               "disable_by_batch_size", "must be an integer >= 1", d)
         if self.method in ("draft_model", "medusa", "eagle") and not self.model:
             what = "a draft model folder" if self.method == "draft_model" else f"a heads folder (specdec train {self.method})"
             raise ValueError(f"speculative_config.model is required for method {self.method!r}: {what}")

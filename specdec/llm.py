@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import torch
+
 from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
 from .engine import Engine, StepEvent
+from .logprobs import TokenLogprob
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
@@ -28,6 +33,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None      # per output token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -65,9 +71,13 @@ class LLM:
     format, else dequantize; "gguf" = keep them packed; "none" = dequantize to `dtype`.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
+    tensor_parallel_size: split the target over that many ranks (Megatron-style; workers are
+    spawned here, or are the other ranks of a torchrun launch); a rank that fails or stays
+    silent for distributed_timeout_s stops the group with a TensorParallelError.
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
-    arguments; see SchedulerConfig).
+    arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
+    "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -76,7 +86,9 @@ class LLM:
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, logprobs_mode: str = "processed_logprobs", tensor_parallel_size: int = 1,
+                 distributed_timeout_s: float = 120.0):
+        parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization, block_size)
@@ -94,6 +106,9 @@ class LLM:
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.target, self.tokenizer = self._load(model, tokenizer)
+        self._leader = None
+        if parallel.tensor_parallel_size > 1:
+            self.target = self._shard(self.target, parallel)
         self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
@@ -105,7 +120,9 @@ class LLM:
         self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
-                             typical=typical_acceptance(self.spec) if proposer is not None else None)
+                             typical=typical_acceptance(self.spec) if proposer is not None else None,
+                             logprobs_mode=logprobs_mode,
+                             disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):
@@ -121,6 +138,26 @@ class LLM:
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None
         return model, tok
+
+    def _shard(self, full, parallel: ParallelConfig):
+        """The target split over tensor-parallel ranks; the workers stop when this LLM goes."""
+        from .distributed import TargetSpec, start
+
+        spec = TargetSpec(self.model_path, self.dtype, self.device, self.quantization, torch.get_num_threads())
+        target = start(full, spec, parallel)
+        self._leader = target.leader
+        weakref.finalize(self, target.leader.shutdown)
+        return target
+
+    def check_health(self) -> None:
+        """Raises when the engine cannot serve (a tensor-parallel group that has stopped)."""
+        if self._leader is not None:
+            self._leader.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the LLM is collected)."""
+        if self._leader is not None:
+            self._leader.shutdown()
 
     def _load_draft(self, path: str):
         if is_vocab_draft(path):      # a draft over a draft vocabulary, on the target's embeddings
@@ -207,24 +244,34 @@ class LLM:
             self.engine.check_prompt(ids, params)
             jobs.append((str(self._counter), text, ids, params))
             self._counter += 1
-        reqs = {}
+        reqs, logprobs = {}, {}
         try:
             for rid, _, ids, params in jobs:
-                for i in range(params.n):
+                for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
             while any(not r.finished for r in reqs.values()):
-                self.engine.step()
+                for event in self.engine.step():
+                    if event.logprobs is not None:
+                        logprobs.setdefault(event.request_id, []).extend(event.logprobs)
         finally:
             for r in reqs.values():
                 if not r.finished:
                     self.engine.abort(r.request_id)
-        return [self._output(rid, text, ids, params, reqs) for rid, text, ids, params in jobs]
+        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params in jobs]
 
-    def _output(self, rid, text, ids, params, reqs) -> RequestOutput:
+    def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
-        for i in range(params.n):
+        candidates = [reqs[(rid, i)] for i in range(params.best_of or params.n)]
+        ranked = len(candidates) > params.n
+        if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
+            candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
+        for i, r in enumerate(candidates):
+            lp = logprobs.get(r.request_id, []) if params.logprobs is not None else None
+            cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
+                                            cumulative, lp))
+        for i in range(params.best_of or params.n):     # every candidate's work counts
             r = reqs[(rid, i)]
-            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason))
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s

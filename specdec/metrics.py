@@ -27,6 +27,7 @@ class RequestStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     prefill_time_s: float = 0.0      # the prompt's forward (and the proposer's own prefill)
+    queue_time_s: float = 0.0        # arrival to the step that first scheduled it
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1
@@ -84,4 +85,5 @@ class RequestStats:
             "wall_time_s": round(self.wall_time_s, 4),
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "prefill_time_s": round(self.prefill_time_s, 4),
+            "queue_time_s": round(self.queue_time_s, 4),
         }

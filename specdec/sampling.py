@@ -1,13 +1,22 @@
 """Logits processing shared by the target (p) and every draft (q).
 
-Both distributions go through the same temperature -> top-k -> top-p -> min-p chain (Hugging
-Face's warper order), so rejection sampling reproduces exactly the *processed* target
-distribution.
+Two stages, in vLLM's order:
+1. controls (`adjust_rows`): the grammar's mask, bad words, min_tokens, logit_bias, then the
+   repetition / frequency / presence penalties. They read the sequence before the row, so a
+   row at draft position i is processed with drafts 0..i-1 counted as output (a tree node:
+   the drafts on its own path), exactly as plain decoding would process that position once
+   they are accepted. Greedy decoding takes the argmax here.
+2. sampling filters (`process` / `process_rows`): temperature -> top-k -> top-p -> min-p
+   (Hugging Face's warper order).
+Both p and q go through both stages with the same rows' histories, so rejection sampling
+reproduces exactly the *processed* target distribution.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -89,3 +98,150 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """probs [N, V] -> token ids [N]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Controls: what a row's processing reads from the sequence before it.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Controls:
+    """One request's sequence-reading controls (built once, when the request is added).
+
+    bad_words: token sequences (each word tokenized with and without a leading space, vLLM's
+    rule); stop_ids: the tokens min_tokens bans (EOS unless ignore_eos, and stop_token_ids);
+    grammar: a structured.Grammar or None."""
+    params: SamplingParams
+    prompt: list[int]
+    bad_words: list[list[int]] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
+    grammar: object | None = None
+    _prompt_mask: Tensor | None = None
+
+    def prompt_mask(self, vocab: int) -> Tensor:
+        """[V] bool: tokens of the prompt (what repetition_penalty counts besides the output)."""
+        if self._prompt_mask is None or self._prompt_mask.shape[0] != vocab:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            ids = torch.tensor([t for t in self.prompt if t < vocab], dtype=torch.long)
+            self._prompt_mask = mask.index_fill_(0, ids, True)
+        return self._prompt_mask
+
+
+def needs_controls(params: SamplingParams) -> bool:
+    return params.reads_sequence or bool(params.logit_bias)
+
+
+class Row(NamedTuple):
+    """A logits row to adjust: its request's controls, the request's committed output tokens
+    and the drafts before the row (its path; [] for the first row of a step)."""
+    controls: Controls
+    output: list[int]
+    path: list[int]
+
+
+def adjust_rows(logits: Tensor, rows: list[Row]) -> Tensor:
+    """logits [R, V] -> float32 logits [R, V] with every row's controls applied (grammar mask,
+    bad words, min_tokens, logit_bias, penalties, in vLLM's order). Rows of one request must
+    be consecutive (the grammar walks its paths in order)."""
+    logits = logits.float().clone()
+    V, dev = logits.shape[-1], logits.device
+    _apply_grammar(logits, rows)
+    bans_r, bans_t, bias_r, bias_t, bias_v = [], [], [], [], []
+    for r, (c, output, path) in enumerate(rows):
+        p = c.params
+        n_out = len(output) + len(path)
+        banned = list(c.stop_ids) if n_out < p.min_tokens else []
+        if c.bad_words:
+            banned += [w[-1] for w in c.bad_words if len(w) == 1 or _ends_with(output, path, w[:-1])]
+        bans_r += [r] * len(banned)
+        bans_t += banned
+        if p.logit_bias:
+            bias_r += [r] * len(p.logit_bias)
+            bias_t += list(p.logit_bias)
+            bias_v += list(p.logit_bias.values())
+    if bans_t:
+        keep = [i for i, t in enumerate(bans_t) if t < V]
+        banned = logits.clone()
+        banned[torch.tensor([bans_r[i] for i in keep], device=dev, dtype=torch.long),
+               torch.tensor([bans_t[i] for i in keep], device=dev, dtype=torch.long)] = float("-inf")
+        # a ban that leaves no token at all (min_tokens where the grammar allows only EOS) is
+        # lifted for that row: the same rule in p, q and plain decoding, so nothing is lost
+        alive = (banned > float("-inf")).any(-1, keepdim=True)
+        logits = torch.where(alive, banned, logits)
+    if bias_t:
+        logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+                          torch.tensor(bias_v, device=dev), accumulate=True)
+    _apply_penalties(logits, rows)
+    return logits
+
+
+def _ends_with(output: list[int], path: list[int], prefix: list[int]) -> bool:
+    """Whether output + path ends with prefix (without building the concatenation)."""
+    n = len(prefix)
+    if n <= len(path):
+        return path[len(path) - n:] == prefix
+    k = n - len(path)
+    return len(output) >= k and output[len(output) - k:] == prefix[:k] and path == prefix[k:]
+
+
+def _apply_grammar(logits: Tensor, rows: list[Row]) -> None:
+    idx = [r for r, row in enumerate(rows) if row.controls.grammar is not None]
+    if not idx:
+        return
+    masks, at = [], 0
+    while at < len(idx):      # one call per request: its rows' paths walked in order
+        c = rows[idx[at]].controls
+        end = at
+        while end < len(idx) and rows[idx[end]].controls is c:
+            end += 1
+        masks.append(c.grammar.masks([rows[r].path for r in idx[at:end]]))
+        at = end
+    sel = torch.tensor(idx, device=logits.device)
+    logits[sel] = apply_bitmask(logits[sel], torch.cat(masks).to(logits.device))
+
+
+# bits of a byte, low first: the bitmask's int32 words are little-endian, so bit j of word w
+# is byte w * 4 + j // 8, bit j % 8
+_BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1        # [256, 8] bool
+
+
+def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """logits [R, V], bitmask [R, ceil(V / 32)] int32 (bit set = allowed) -> logits with the
+    forbidden tokens at -inf."""
+    V = logits.shape[-1]
+    allowed = _BYTE_BITS.to(logits.device)[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _apply_penalties(logits: Tensor, rows: list[Row]) -> None:
+    """Repetition (prompt and output), frequency and presence (output) penalties, vLLM's maths."""
+    idx = [r for r, row in enumerate(rows) if row.controls.params.penalties]
+    if not idx:
+        return
+    V, dev = logits.shape[-1], logits.device
+    counts = torch.zeros(len(idx), V, device=dev)
+    prompt = torch.zeros(len(idx), V, dtype=torch.bool, device=dev)
+    base: dict[int, tuple[Tensor, Tensor]] = {}       # per request: output counts, prompt mask
+    path_r, path_t = [], []
+    for j, r in enumerate(idx):
+        c, output, path = rows[r]
+        if id(c) not in base:
+            ids = torch.tensor([t for t in output if t < V], dtype=torch.long)
+            base[id(c)] = (torch.bincount(ids, minlength=V).float().to(dev), c.prompt_mask(V).to(dev))
+        counts[j], prompt[j] = base[id(c)]
+        path_r += [j] * len(path)
+        path_t += path
+    if path_t:
+        counts.index_put_((torch.tensor(path_r, device=dev), torch.tensor(path_t, device=dev)),
+                          torch.ones(len(path_t), device=dev), accumulate=True)
+    params = [rows[r].controls.params for r in idx]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    sel = torch.tensor(idx, device=dev)
+    x = logits[sel]
+    seen = counts > 0
+    x = torch.where(seen | prompt, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * seen.float()
+    logits[sel] = x

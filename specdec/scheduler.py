@@ -49,6 +49,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     events: deque = field(default_factory=deque)
+    cumulative_logprob: float = 0.0     # of the kept output under the raw target (best_of only)
 
     def __post_init__(self):
         self.seq = list(self.prompt)

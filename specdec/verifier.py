@@ -20,7 +20,7 @@ from torch import Tensor
 from .model import TreeAttention
 from .proposers import Draft
 from .proposers.base import prune_tree
-from .sampling import process_rows
+from .sampling import Row, adjust_rows, process_rows
 from .verify import (PLACEHOLDER, padded_row, parse_output, verify_greedy_batch, verify_sampling, verify_tree_greedy,
                      verify_tree_sampling, verify_tree_typical)
 
@@ -53,6 +53,36 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     return Draft(torch.tensor(tokens, dtype=torch.long, device=draft.tokens.device), probs, parents)
 
 
+def cut_to_grammar(draft: Draft, grammar) -> Draft:
+    """Drop the drafts a grammar forbids (with everything after or below them) before they are
+    verified.
+
+    Exact: a forbidden token x has p(x) = 0 after the mask. A fixed draft (q = None, a point
+    mass on x) is then accepted with probability p(x) = 0 and the token is drawn from
+    norm(max(0, p - onehot(x))) = p, which is what the position draws with no draft at all;
+    a fixed tree candidate likewise leaves its siblings' recursive rejection sampling as it
+    was. Greedy: the masked argmax is never x. A draft drawn from q came from the masked q, so
+    it never leaves the grammar; should one (a q without the mask), it is kept as the last
+    draft, because its rejection must still draw from norm(max(0, p - q))."""
+    tokens = draft.tokens.tolist()
+    if not draft.is_tree:
+        n = grammar.valid_prefix(tokens)
+        keep = n if draft.probs is None else min(n + 1, len(tokens))
+        if keep == len(tokens):
+            return draft
+        return Draft(draft.tokens[:keep], draft.probs[:keep] if draft.probs is not None else None)
+    if draft.probs is not None:
+        return draft
+    paths, keep = [[]], []
+    for i, par in enumerate(draft.parents):
+        paths.append(paths[par + 1] + [tokens[i]])
+        keep.append(grammar.valid_prefix(paths[-1]) == len(paths[-1]))
+    if all(keep):
+        return draft
+    kept_tokens, parents, _ = prune_tree(tokens, draft.parents, keep)
+    return Draft(torch.tensor(kept_tokens, dtype=torch.long, device=draft.tokens.device), None, parents)
+
+
 def tree_parents(draft: Draft | None, typical_sampled: bool) -> list[int] | None:
     """The parents to verify as a tree, or None for the chain path. Chain-shaped trees take the
     chain path (no mask, nothing to move), except under typical acceptance, which is a tree rule."""
@@ -69,12 +99,14 @@ def _tree_attention(parents: tuple[int, ...]) -> TreeAttention:
     return TreeAttention.from_parents(parents)      # static trees (Medusa's) are built once
 
 
-def feed_of(last: int, draft: Draft | None, typical_sampled: bool) -> tuple[list[int], TreeAttention | None]:
-    """The tokens a decoding request feeds ([last, drafts or nodes...]) and its tree mask."""
+def feed_of(last: int, draft: Draft | None, drafted: list[int], typical_sampled: bool
+            ) -> tuple[list[int], TreeAttention | None]:
+    """The tokens a decoding request feeds ([last, drafts or nodes...]; drafted: the draft's
+    tokens on the host) and its tree mask."""
     if draft is None:
         return [last], None
     parents = tree_parents(draft, typical_sampled)
-    return [last] + draft.tokens.tolist(), (_tree_attention(tuple(parents)) if parents is not None else None)
+    return [last] + drafted, (_tree_attention(tuple(parents)) if parents is not None else None)
 
 
 def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offsets: list[int],
@@ -87,6 +119,9 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
     ks = [d.k if d is not None else 0 for d in drafts]
     greedy = [r.params.greedy for r in reqs]
     parents = [tree_parents(d, typical is not None and not g) for d, g in zip(drafts, greedy)]
+    logits = controlled_logits(reqs, drafts, logits, offsets)
+    if all(greedy) and all(p is None for p in parents) and _packed(offsets, ks):
+        return _greedy_chains(drafts, ks, logits)
     rows = [torch.arange(off, off + k + 1) for off, k in zip(offsets, ks)]
     width = max(ks) + 1
     out = torch.full((B, width), PLACEHOLDER, dtype=torch.long, device=logits.device)
@@ -117,6 +152,59 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
         at += ks[i] + 1
     return [_verified(i, drafts[i], parents[i], emitted[i], tree_argmax.get(i), p.get(i), reqs[i], typical)
             for i in range(B)]
+
+
+def row_paths(draft: Draft | None) -> list[list[int]]:
+    """The drafts before each of a request's scored rows: row 0 after the last committed token
+    ([]), row i + 1 after draft (node) i: a chain's prefixes, a tree node's root-to-node path."""
+    if draft is None:
+        return [[]]
+    tokens = draft.tokens.tolist()
+    if not draft.is_tree:
+        return [tokens[:j] for j in range(len(tokens) + 1)]
+    paths = [[]]
+    for i, par in enumerate(draft.parents):
+        paths.append(paths[par + 1] + [tokens[i]])
+    return paths
+
+
+def controlled_logits(reqs, drafts: list[Draft | None], logits: Tensor, offsets: list[int]) -> Tensor:
+    """logits [R, V] with each controlled request's rows adjusted (sampling.adjust_rows): row j
+    processed with the drafts on its path counted as output, as plain decoding processes that
+    position once they are accepted. The same function gives the proposers' q."""
+    ctl = [i for i, r in enumerate(reqs) if r.ctx.controls is not None]
+    if not ctl:
+        return logits
+    rows, index = [], []
+    for i in ctl:
+        r, paths = reqs[i], row_paths(drafts[i])
+        output = r.seq[len(r.ctx.controls.prompt):]
+        rows += [Row(r.ctx.controls, output, p) for p in paths]
+        index += range(offsets[i], offsets[i] + len(paths))
+    index = torch.tensor(index, device=logits.device)
+    return logits.float().index_copy(0, index, adjust_rows(logits[index], rows))
+
+
+def _packed(offsets: list[int], ks: list[int]) -> bool:
+    """Request i's rows start where request i - 1's end (the engine lays them out so)."""
+    at = 0
+    for off, k in zip(offsets, ks):
+        if off != at:
+            return False
+        at += k + 1
+    return True
+
+
+def _greedy_chains(drafts, ks: list[int], logits: Tensor) -> list[Verified]:
+    """Every request greedy with a chain (the common case, plain decoding included): the
+    whole step is an argmax, a comparison and one sync."""
+    argmax = logits.argmax(-1)
+    drafted = [d.tokens for d in drafts if d is not None]
+    if not drafted:           # plain decoding: the argmax is the output
+        return [Verified([t], 0, [0], False, None) for t in argmax.tolist()]
+    emitted = parse_output(verify_greedy_batch(torch.cat(drafted).to(logits.device), ks, argmax).tolist())
+    return [Verified(e, len(e) - 1, list(range(len(e))), False,
+                     list(range(len(e) - 1)) if d is not None and d.is_tree else None) for e, d in zip(emitted, drafts)]
 
 
 def target_probs(reqs, ks: list[int], logits: Tensor, offsets: list[int]) -> dict[int, Tensor]:

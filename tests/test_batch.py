@@ -176,3 +176,34 @@ def test_plain_engine_runs_many_sequences_without_a_proposer(setup):
 def _plain(setup):
     llm = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0)
     return llm.target, llm.tokenizer
+
+
+def test_bf16_batch_equals_solo(setup):
+    """bf16 weights: the C forward (CPUs without native bf16) or the PyTorch path with bf16
+    activations and forward.c's bf16 attention (native bf16): a batch decodes what solo runs
+    do. (Up to 64 rows per step here, the row-exact kernel's range: README.)"""
+    kw = dict(model=setup["target"], dtype="bfloat16",
+              speculative_config=METHODS["draft_model"](setup, 3), max_num_batched_tokens=16)
+    prompts, params = MIXED[1:7], _params(True)[1:7]
+    batch = LLM(max_num_seqs=4, **kw).generate(prompts, params)
+    solo_llm = LLM(max_num_seqs=1, **kw)
+    solo = [solo_llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo]
+
+
+def test_engine_flags_on_the_command_line(setup, capsys):
+    import json
+
+    from specdec.cli import main
+
+    args = ["generate", "def add(a, b):", "--model", str(setup["target"]), "--dtype", "float32", "--max-tokens", "6",
+            "--ignore-eos", "--json", "--num-speculative-tokens", "0"]
+    assert main(args + ["--max-num-seqs", "2", "--max-num-batched-tokens", "4", "--kv-cache-memory", "1M"]) == 0
+    chunked = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == chunked        # a prompt in chunks of 4
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--kv-cache-memory", "lots"])
+    assert e.value.code == 2 and "kv_cache_memory must be a number of bytes" in capsys.readouterr().err
+    assert main(args + ["--kv-cache-memory", "10"]) == 2
+    assert "kv_cache_memory of 10 bytes" in capsys.readouterr().err

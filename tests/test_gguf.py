@@ -46,6 +46,16 @@ def hf_gguf_model(path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def mapped_file(address: int) -> str | None:
+    """The file mapped at `address` in this process (/proc/self/maps), or None."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
 def logits(model, ids=IDS):
     with torch.inference_mode():
         return model(ids).logits[0]
@@ -121,7 +131,16 @@ def test_packed_layout_shares_the_tied_embedding(gguf_files):
     assert [type(x).__name__ for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)] == ["QuantLinear"] * 4
     assert (attn.qkv_proj.qtype, attn.o_proj.qtype, mlp.gate_up_proj.qtype) == ("Q4_K", "Q4_0", "Q4_1")
     assert isinstance(m.model.embed_tokens, QuantEmbedding) and isinstance(m.lm_head, QuantLinear)
-    assert m.lm_head.qweight.data_ptr() == m.model.embed_tokens.qweight.data_ptr()   # no copy
+    head, emb = m.lm_head, m.model.embed_tokens
+    assert torch.equal(head.qweight, emb.qweight)
+    quant = [q for q in m.modules() if isinstance(q, QuantLinear)]
+    if kernels.load() is not None:
+        # one copy of the weights: matrices keep only their kernel panels; the embedding reads
+        # the file's mapped rows
+        assert all(q.rows is None and q.prepared is not None for q in quant)
+        assert mapped_file(emb.qweight.data_ptr()) == str(gguf_files["llama_q"])    # not a copy
+    else:
+        assert head.rows.data_ptr() == emb.qweight.data_ptr()
     mixed = load_model(gguf_files["llama_mixed"], quantization="gguf")
     layer = mixed.model.layers[0]
     # q/k/v of different types, and types that are never kept packed, are dequantized
@@ -161,6 +180,8 @@ def test_packed_speculative_greedy_equals_plain(gguf_files, spec, packed_path):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         accepted += b.stats.accepted_tokens
     assert accepted > 0          # verification scored several rows at once, and they agreed
+    # kernels: the whole forward runs in C (forward.c over the prepared panels); reference: PyTorch
+    assert (fast.target.c_view(fast.engine.kv) is not None) == (packed_path == "kernels" and kernels.load() is not None)
 
 
 def test_packed_logits_close_to_dequantized(gguf_files, packed_path):
@@ -303,11 +324,16 @@ def test_smollm2_packed_and_dequantized(smollm2):
     assert_near(logits(packed, ids), logits(dense, ids), "kernels")
 
 
-def test_pytorch_path_scores_a_token_alike_alone_or_among_drafts(gguf_files, packed_path):
-    """Packed models run through PyTorch (not forward.c): a chain or tree verification must give
-    each token the logits decoding gives it, bit for bit (model/llama.py: _rowwise_attention)."""
+@pytest.mark.parametrize("c_path", [True, False], ids=["c-forward", "torch"])
+def test_a_token_scores_alike_alone_or_among_drafts(gguf_files, packed_path, c_path, monkeypatch):
+    """Packed models through forward.c (kernels) or PyTorch (the reference, or the kernels a
+    matrix at a time): a chain or tree verification must give each token the logits decoding
+    gives it, bit for bit (model/llama.py: _paged_attention's per-token attention)."""
+    from specdec.kernels import cforward
     from specdec.model import ForwardBatch, TreeAttention
 
+    if not c_path:
+        monkeypatch.setattr(cforward, "supported", lambda model, kv: False)
     m = load_model(gguf_files["llama_q"], quantization="gguf")
     prompt, last = [0, 9, 17, 33, 42], 8
 

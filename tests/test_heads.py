@@ -254,28 +254,6 @@ def test_typical_acceptance_is_opt_in_and_lossy(heads):
         _llm(heads, "medusa", 4, acceptance_method="greedy")
 
 
-def _simulate(policy, tokens_of, cost_of, steps=300):
-    from collections import Counter
-    played = Counter()
-    for _ in range(steps):
-        k = policy.choose()
-        played[k] += 1
-        n = tokens_of(k)
-        policy.update(k, n, 0.0, cost_of(k), path=list(range(n)))
-    return played
-
-
-def test_adaptive_tree_size_finds_the_best_size_and_falls_back_to_plain():
-    from specdec.adaptive import AdaptiveSize
-
-    # every step accepts the first 4 nodes of a best-first chain; cost grows with size
-    played = _simulate(AdaptiveSize(32), lambda k: min(k, 4), lambda k: 1 + 0.3 * k)
-    assert played.most_common(1)[0][0] == 4 and played[4] > 200
-    # nothing is ever accepted: plain decoding wins
-    played = _simulate(AdaptiveSize(32), lambda k: 0, lambda k: 1 + 0.3 * k)
-    assert played.most_common(1)[0][0] == 0 and played[0] > 200
-
-
 def test_generate_cli_with_heads_compares_equal(heads, capsys):
     """`specdec generate --speculative-config` with a heads folder: --compare reports identical
     output to plain decoding."""

@@ -112,6 +112,34 @@ def test_quant_ragged_and_uncovered_shapes():
     assert kernels.quant_linear(torch.zeros(1, 64), None, "Q8_0", None, prepared) is None  # wrong K
 
 
+@pytest.mark.parametrize("qtype", qformats.QTYPES)
+def test_prepared_panels_give_back_the_file_rows(qtype):
+    """A QuantLinear keeps only its panels (one copy of the weights); reference paths rebuild
+    the rows from them: every byte pattern survives the round trip."""
+    rng = np.random.default_rng(6)
+    per, nbytes = qformats.BLOCK[qtype]
+    rows = rng.integers(0, 256, (37, 512 // per * nbytes), dtype=np.uint8)     # 37: a partial panel
+    assert np.array_equal(qformats.unprepare(qformats.prepare(rows, qtype), qtype, 37, 512), rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", qformats.QTYPES)
+def test_c_row_dequantizer_is_bit_identical_to_pytorch(qtype):
+    """forward.c looks up a packed embedding's rows in C: the same floats as model/quant.py."""
+    from specdec.model.quant import dequantize
+
+    w = np.random.default_rng(7).standard_normal((20, 512)).astype(np.float32) * 3
+    rows = torch.from_numpy(qformats.quantize(w, qtype))
+    ref = dequantize(rows, qtype, 512)
+    for name in VARIANTS:
+        lib = kernels.load(name)
+        out = torch.empty(20, 512)
+        for i in range(20):
+            lib.dequant_row(qformats.FORMATS[qtype], rows[i].data_ptr(), out[i].data_ptr(), 512)
+        assert torch.equal(out, ref), name
+    assert torch.equal(kernels.dequant_rows(rows, qtype, 512), ref)
+
+
 def test_q4k_scales_unpack_like_gguf():
     """Our 6-bit scale/min unpacking agrees with gguf-py's on every byte pattern position."""
     import gguf

@@ -8,11 +8,17 @@ import torch
 
 from conftest import make_checkpoint
 from specdec import kernels
+from specdec.kernels import cforward
 from specdec.model import BlockManager, ForwardBatch, TreeAttention, load_model
+from specdec.model.quant import QuantLinear
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dense", "gguf"])
+def model(request, tmp_path_factory):
+    """A float32 checkpoint, and a GGUF one whose matrices stay packed (Q4_K, Q4_0, Q4_1, Q8_0
+    and a tied Q8_0 embedding: forward.c's quantized kernels and its C embedding lookup)."""
+    if request.param == "gguf":
+        return load_model(request.getfixturevalue("gguf_files")["llama_q"], quantization="gguf")
     return load_model(make_checkpoint(tmp_path_factory.mktemp("kv") / "m", layers=2), "float32")
 
 
@@ -46,14 +52,12 @@ def test_rollback_and_move_touch_one_sequence_only(model):
     model(tokens, kv, ForwardBatch.build(kv, ["a", "b"], [10, 10], [0, 0]), logits=False)
     kv.set_length("a", 10)
     kv.set_length("b", 10)
-    before_b = [t.clone() for t in kv.k]
-    blk_a, off_a = kv.slot_index("a", [7, 8, 9])
-    want = kv.k[0][blk_a, :, off_a].clone()
+    before_b = [kv.entries("b", range(10), layer) for layer in range(len(kv.k))]
+    want = kv.entries("a", [7, 8, 9], 0)
     kv.move("a", [7, 8, 9], 3)                 # an accepted tree path moved next to a prefix of 3
-    dst_b, dst_o = kv.slot_index("a", [3, 4, 5])
-    assert torch.equal(kv.k[0][dst_b, :, dst_o], want)
-    rows_b = kv.blocks.blocks("b")
-    assert all(torch.equal(t[rows_b], u[rows_b]) for t, u in zip(kv.k, before_b))
+    got = kv.entries("a", [3, 4, 5], 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(kv.entries("b", range(10), layer)[0], before_b[layer][0]) for layer in range(len(kv.k)))
     kv.rollback("a", 6)
     assert kv.length("a") == 6 and kv.length("b") == 10
     with pytest.raises(ValueError, match="cannot roll back"):
@@ -78,7 +82,7 @@ def test_c_rows_are_bit_identical_whatever_the_batch_and_chunking(model):
     blocks.ensure("x", 14)
     model(x[:11], kv, ForwardBatch.build(kv, ["x"], [11], [0]), logits=False)
     alone = model(x[11:], kv, ForwardBatch.build(kv, ["x"], [3], [11])).logits
-    alone_k = [t[kv.slot_index("x", range(14))[0], :, kv.slot_index("x", range(14))[1]].clone() for t in kv.k]
+    alone_k = [kv.entries("x", range(14), layer) for layer in range(len(kv.k))]
 
     blocks2, kv2 = _pool(model)
     others = {"t": 11, "p": 7, "y": 10}
@@ -95,8 +99,31 @@ def test_c_rows_are_bit_identical_whatever_the_batch_and_chunking(model):
     feed = torch.cat([torch.randint(0, 90, (5,), generator=g), x[11:], torch.randint(0, 90, (8,), generator=g)])
     together = model(feed, kv2, batch).logits[5:8]
     assert torch.equal(together, alone)
-    idx = kv2.slot_index("x", range(14))
-    assert all(torch.equal(t[idx[0], :, idx[1]], a) for t, a in zip(kv2.k, alone_k))
+    for layer, (keys, values) in enumerate(alone_k):
+        got = kv2.entries("x", range(14), layer)
+        assert torch.equal(got[0], keys) and torch.equal(got[1], values)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_c_rows_do_not_depend_on_the_thread_count(model):
+    """One parallel region per forward splits rows, panels and heads across threads: which
+    thread computes a value must not change it."""
+    g = torch.Generator().manual_seed(3)
+    history = torch.randint(0, 90, (6 + 11 + 9,), generator=g)
+    feed = torch.randint(0, 90, (16,), generator=g)
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            kernels.set_threads(threads)
+            blocks, kv = _pool(model)
+            for s, n in {"t": 11, "x": 14, "p": 7, "y": 10}.items():
+                blocks.add(s)
+                blocks.ensure(s, n)
+            model(history, kv, ForwardBatch.build(kv, ["t", "x", "y"], [6, 11, 9], [0, 0, 0]), logits=False)
+            outs.append(model(feed, kv, _mixed_batch(kv, blocks, None), hidden=True))
+    finally:
+        kernels.set_threads(torch.get_num_threads())
+    assert all(torch.equal(o.logits, outs[0].logits) and torch.equal(o.hidden, outs[0].hidden) for o in outs)
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
@@ -105,9 +132,12 @@ def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch):
     g = torch.Generator().manual_seed(2)
     history = torch.randint(0, 90, (6 + 11 + 9,), generator=g)
     feed = torch.randint(0, 90, (16,), generator=g)
+    packed = isinstance(model.lm_head, QuantLinear)
     outs = []
     for c_path in (True, False):
-        if not c_path:
+        if not c_path and packed:      # the same quantized kernels, called one matrix at a time
+            monkeypatch.setattr(cforward, "supported", lambda model, kv: False)
+        elif not c_path:
             monkeypatch.setattr(kernels, "load", lambda: None)
         blocks, kv = _pool(model)
         for s, n in {"t": 11, "x": 14, "p": 7, "y": 10}.items():
@@ -115,9 +145,10 @@ def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch):
             blocks.ensure(s, n)
         model(history, kv, ForwardBatch.build(kv, ["t", "x", "y"], [6, 11, 9], [0, 0, 0]), logits=False)
         out = model(feed, kv, _mixed_batch(kv, blocks, None), hidden=True)
-        outs.append((out.logits, out.hidden, kv.k[1][kv.slot_index("t", range(11))[0], :, kv.slot_index("t", range(11))[1]]))
+        assert (model.c_view(kv) is not None) == c_path
+        outs.append((out.logits, out.hidden, kv.entries("t", range(11), 1)[0]))
     for a, b in zip(*outs):
-        assert (a - b).abs().max() < 1e-4
+        assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item())
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
@@ -137,3 +168,39 @@ def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, m
             llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1] == outs[2] == outs[3]
+
+
+def test_pytorch_attention_is_per_token_whatever_the_batch(model):
+    """The PyTorch path's attention (any device): a sequence's rows come out bit-identical alone
+    and among other sequences (a tree, a longer chunk, other lengths)."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    g = torch.Generator().manual_seed(3)
+    cfg = model.config
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    outs = []
+    for others in (False, True):
+        blocks, kv = _pool(model)
+        if others:
+            for s, n in {"t": 11, "p": 7}.items():
+                blocks.add(s)
+                blocks.ensure(s, n)
+        blocks.add("x")
+        blocks.ensure("x", 14)
+        hist = torch.randn(11, KV, hd, generator=torch.Generator().manual_seed(4))
+        plan = AttentionPlan.of(ForwardBatch.build(kv, ["x"], [11], [0]), kv, "cpu", 64)
+        _TorchAttention(kv, plan)(0, torch.zeros(11, H, hd), hist, hist, True)
+        seqs, counts, starts, trees = ["x"], [3], [11], [None]
+        if others:
+            seqs, counts, starts = ["t", "x", "p"], [5, 3, 7], [6, 11, 0]
+            trees = [TreeAttention.from_parents([-1, -1, 0, 1]), None, None]
+        batch = ForwardBatch.build(kv, seqs, counts, starts, trees)
+        n = sum(counts)
+        q, k = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+        x_rows = slice(5, 8) if others else slice(0, 3)
+        q[x_rows] = torch.arange(3 * H * hd, dtype=torch.float32).reshape(3, H, hd).sin()
+        k[x_rows] = torch.arange(3 * KV * hd, dtype=torch.float32).reshape(3, KV, hd).cos()
+        out = _TorchAttention(kv, AttentionPlan.of(batch, kv, "cpu", 64))(0, q, k, k, True)
+        outs.append(out[x_rows])
+    assert torch.equal(outs[0], outs[1])

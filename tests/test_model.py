@@ -91,9 +91,9 @@ def test_batch_rows_with_different_lengths(tmp_path):
     for row, seq in ((0, a), (1, b)):   # prefill each row on its own
         single = model.new_cache()
         run(model, single, seq[:, :-3])
-        for layer in range(len(cache.k)):
-            cache.k[layer][row] = single.k[layer][0]
-            cache.v[layer][row] = single.v[layer][0]
+        for layer in range(len(cache.k)):      # [n_kv, rows, max_len, head_dim]
+            cache.k[layer][:, row] = single.k[layer][:, 0]
+            cache.v[layer][:, row] = single.v[layer][:, 0]
         cache.set_length(row, seq.shape[1] - 3)
     # both rows in one flat forward, starts 9 and 4
     batch = ForwardBatch.build(cache, [0, 1], [3, 3])

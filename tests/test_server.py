@@ -60,8 +60,8 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def server(tiny_pair):
     target, draft = tiny_pair
-    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=K, max_model_len=MAX_LEN)
-    app = build_app(llm, ServerConfig(served_model_names=("tiny", "tiny-alias"), max_num_seqs=6))
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=K, max_model_len=MAX_LEN, max_num_seqs=6)
+    app = build_app(llm, ServerConfig(served_model_names=("tiny", "tiny-alias")))
     with LiveServer(app) as live:
         live.app, live.llm = app, llm
         yield live
@@ -225,7 +225,7 @@ BAD = [
     ("n too large", {"prompt": "x", "n": 1000}, 400, "n"),
     ("logprobs too large", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("seed beyond 64 bits", {"prompt": "x", "seed": 2**70}, 400, "seed"),
-    ("unsupported penalty", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("penalty out of range", {"prompt": "x", "presence_penalty": 3.0}, 400, "presence_penalty"),
 ]
 BAD_CHAT = [
     ("no messages", {"messages": []}, 400, "messages"),
@@ -302,13 +302,13 @@ def test_concurrent_streams_match_sequential(server, client, http):
 def test_disconnect_frees_the_slot(server, http, monkeypatch):
     # the tiny model decodes a whole completion in milliseconds; pace its steps so that the
     # clients below really leave mid-generation
-    real_generate = server.llm.engine.generate
+    engine = server.llm.engine
+    real_step = engine.step
 
-    def paced(*args, **kwargs):
-        for event in real_generate(*args, **kwargs):
-            time.sleep(0.02)
-            yield event
-    monkeypatch.setattr(server.llm.engine, "generate", paced)
+    def paced():
+        time.sleep(0.02)
+        return real_step()
+    monkeypatch.setattr(engine, "step", paced)
     aborted = metric(http, 'specdec:requests_total{outcome="abort"}')
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_LEN - 20, "n": 4, "ignore_eos": True,
             "temperature": 0, "stream": True}
@@ -324,29 +324,30 @@ def test_disconnect_frees_the_slot(server, http, monkeypatch):
             or metric(http, "specdec:num_requests_running") > 0:
         assert time.monotonic() < deadline, http.get("/metrics").text
         time.sleep(0.05)
+    assert metric(http, "specdec:kv_cache_usage_perc") == 0       # every block is back in the pool
     healthy(http)
 
 
-def test_engine_failure_is_an_error_not_a_crash(server, http):
+def test_engine_failure_is_an_error_not_a_crash(server, http, monkeypatch):
     engine = server.app.state.service.engine
-    real = engine.generate
+    real_step, calls = engine.step, []
 
-    def failing(prompt, params, seed_offset=0):
-        steps = real(prompt, params, seed_offset)
-        yield next(steps)
-        steps.close()
-        raise RuntimeError("boom")
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:          # a step fails mid-generation: its requests end with an error
+            raise RuntimeError("boom")
+        return real_step()
 
-    engine.generate = failing
-    try:
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "ignore_eos": True}
-        r = http.post("/v1/completions", json=body)
-        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
-        lines = [x for x in http.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if x]
-        assert json.loads(lines[-2][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
-    finally:
-        engine.generate = real
+    monkeypatch.setattr(engine, "step", failing)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    calls.clear()
+    lines = [x for x in http.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if x]
+    assert json.loads(lines[-2][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
+    monkeypatch.setattr(engine, "step", real_step)
     assert metric(http, 'specdec:requests_total{outcome="error"}') == 2
+    assert metric(http, "specdec:kv_cache_usage_perc") == 0
     healthy(http)
 
 
@@ -423,8 +424,8 @@ def test_vllm_flags_are_accepted():
                                 "--tensor-parallel-size", "1", "--enforce-eager", "--swap-space=4",
                                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
                                 "--dtype", "half", "--port", "9001", "--served-model-name", "a", "b"])
-    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--tensor-parallel-size 1",
-                       "--enforce-eager", "--swap-space=4"]
+    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--enforce-eager", "--swap-space=4"]
+    assert args.tensor_parallel_size == 1          # a flag of specdec's own now (README: Scale-out)
     assert args.model == "m" and args.port == 9001 and args.host == "127.0.0.1" and args.dtype == "float16"
     assert args.speculative_config["num_speculative_tokens"] == 3 and args.served_model_name == ["a", "b"]
 

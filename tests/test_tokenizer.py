@@ -106,7 +106,8 @@ def test_generation_config_sampling_defaults(tiny_pair, tmp_path, capsys):
     (folder / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "repetition_penalty": 1.1}))
     llm = LLM(str(folder))
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5,
+                                                               repetition_penalty=1.1)
     out = llm.generate("def", None)[0]                      # no SamplingParams: the model's defaults
     assert len(out.outputs[0].token_ids) == 5 or out.outputs[0].finish_reason == "stop"
     explicit = llm.generate("def", SamplingParams(max_tokens=3, ignore_eos=True))[0]

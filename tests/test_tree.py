@@ -50,12 +50,13 @@ def draws_without_replacement(q: torch.Tensor, m: int):
         yield list(seq), w
 
 
-def exact_tree_distribution(params: SamplingParams, table, fixed: bool, p_of=None) -> dict:
+def exact_tree_distribution(params: SamplingParams, table, fixed: bool, p_of=None, q_of=None) -> dict:
     """P(first two output tokens) of one tree step (plus the next step's first token when the
     step emits one), enumerating every tree the proposer can draw and every acceptance pattern
-    with the probabilities `sibling_plan` gives. p_of as in test_verify.exact_step_distribution."""
+    with the probabilities `sibling_plan` gives. p_of, q_of as in
+    test_verify.exact_step_distribution."""
     p_of = p_of or (lambda prefix: process(table("p", prefix)[None], params)[0])   # noqa: E731
-    q_of = lambda prefix: process(table("q", prefix)[None], params)[0]   # noqa: E731
+    q_of = q_of or (lambda prefix: process(table("q", prefix)[None], params)[0])   # noqa: E731
     children = tree_children(SHAPE)
     out: dict[tuple, float] = {}
 

@@ -59,13 +59,14 @@ def _tables(seed: int, K: int, zero_q: bool):
     return table
 
 
-def exact_step_distribution(K: int, params: SamplingParams, table, p_of=None) -> dict:
+def exact_step_distribution(K: int, params: SamplingParams, table, p_of=None, q_of=None) -> dict:
     """P(first two output tokens) under one speculative step (plus the next step's first token
     when the step emits only one), computed by enumerating every draft and every acceptance
-    pattern with the probabilities `rejection_plan` returns. p_of(prefix): the processed target
-    distribution the verifier uses (default: process() on the table's logits)."""
+    pattern with the probabilities `rejection_plan` returns. p_of(prefix) / q_of(prefix): the
+    processed target / draft distributions after prefix (default: process() on the table's
+    logits)."""
     p_of = p_of or (lambda prefix: process(table("p", prefix)[None], params)[0])   # noqa: E731
-    q_of = lambda prefix: process(table("q", prefix)[None], params)[0]   # noqa: E731
+    q_of = q_of or (lambda prefix: process(table("q", prefix)[None], params)[0])   # noqa: E731
     out: dict[tuple, float] = {}
     for draft in itertools.product(range(V), repeat=K):
         q_rows = [q_of(draft[:i]) for i in range(K)]

@@ -28,7 +28,7 @@ NEIGHBOURS = [SamplingParams(temperature=0.9, top_k=2), SamplingParams(temperatu
 
 
 def _req(params, seed=0):
-    return SimpleNamespace(params=params, ctx=SimpleNamespace(generator=torch.Generator().manual_seed(seed)))
+    return SimpleNamespace(params=params, ctx=SimpleNamespace(generator=torch.Generator().manual_seed(seed), controls=None))
 
 
 def batched_p_of(params, table):

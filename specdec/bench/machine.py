@@ -80,19 +80,19 @@ def memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, tries: int = 10, clock=time.
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decoding step reads (all but an untied input embedding),
-    packed GGUF matrices (model/quant.py) at their packed size."""
-    from ..model.quant import QuantEmbedding, QuantLinear
+    """Bytes of weights a batch-1 decoding step reads: every matrix and vector but the input
+    embedding (one row per token) unless the LM head is that same tensor; packed GGUF matrices
+    (model/quant.py) at the size their kernel reads."""
+    from ..model.quant import QuantLinear
 
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    weight = lambda m: getattr(m, "weight", None) if not isinstance(m, (QuantLinear, QuantEmbedding)) else m.qweight  # noqa: E731
-    skip = set()
-    if embed is not None and not (head is not None and weight(head) is weight(embed)):
-        skip.add(id(weight(embed)))
-    tensors = {id(t): t for t in [*model.parameters(),
-                                  *(m.qweight for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))]}
-    return sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in skip)
+    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    if head is not None and not isinstance(head, QuantLinear) and getattr(head, "weight", None) is getattr(embed, "weight", 0):
+        skip = set()                               # a tied dense head reads the whole table
+    dense = {id(p): p for p in model.parameters() if id(p) not in skip}
+    packed = {id(m): m.nbytes for m in model.modules() if isinstance(m, QuantLinear)}
+    return sum(p.numel() * p.element_size() for p in dense.values()) + sum(packed.values())
 
 
 def weights_kind(model: torch.nn.Module) -> str:

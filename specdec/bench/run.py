@@ -47,7 +47,7 @@ def select_methods(requested: list[str] | None, peers: bool) -> tuple[list[str],
 def _draft_dir(args, llm: LLM) -> str | None:
     if args.speculative_model and args.speculative_model not in ("[ngram]", "ngram"):
         return args.speculative_model
-    if args.model is None and is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
+    if is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
         return str(DEFAULT_DRAFT)        # the bundled pair
     return None
 
@@ -58,7 +58,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None):
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
-    if args.model is None and is_bundled(llm.model_path):    # the bundled target: its bundled heads
+    if is_bundled(llm.model_path):    # the bundled target: its bundled heads
         for method in ("medusa", "eagle"):
             if (MODELS_DIR / method).is_dir():
                 overrides.setdefault(method, {}).setdefault("model", str(MODELS_DIR / method))

@@ -35,6 +35,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.skinny_linear.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
     lib.quant_linear.restype = c_int
     lib.quant_linear.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_int]
+    lib.dequant_row.restype = None
+    lib.dequant_row.argtypes = [c_int, c_void_p, c_void_p, c_int]
     from .cforward import declare
     declare(lib)
 
@@ -74,6 +76,14 @@ def chosen() -> str | None:
     """The name of the variant in use (None: PyTorch everywhere)."""
     load()
     return _chosen[0][0]
+
+
+def set_threads(n: int) -> None:
+    """Threads for the kernels' parallel regions started from this thread (torch.set_num_threads
+    sets the same when torch's OpenMP runtime is the one the kernels loaded; this makes sure)."""
+    lib = load()
+    if lib is not None:
+        lib.specdec_set_threads(int(n))
 
 
 def runnable_variants() -> list[str]:
@@ -187,3 +197,17 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch
     rc = lib.quant_linear(xf.data_ptr(), prepared.data.data_ptr(), qformats.FORMATS[prepared.qtype],
                           b.data_ptr() if b is not None else None, out.data_ptr(), rows, prepared.n, prepared.k)
     return out if rc == 0 else None
+
+
+def dequant_rows(rows: torch.Tensor, qtype: str, k: int) -> torch.Tensor | None:
+    """rows [n, row_bytes] uint8 GGUF rows (as the file stores them) -> [n, k] fp32, with the
+    operations of model/quant.py's dequantize (bit-identical: forward.c looks embeddings up with
+    the same C code); None where no kernel runs here."""
+    lib = load()
+    if lib is None or qtype not in qformats.FORMATS or rows.device.type != "cpu" or rows.dtype != torch.uint8:
+        return None
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], k, dtype=torch.float32)
+    for i in range(rows.shape[0]):
+        lib.dequant_row(qformats.FORMATS[qtype], rows[i].data_ptr(), out[i].data_ptr(), k)
+    return out

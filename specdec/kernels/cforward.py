@@ -1,9 +1,15 @@
 """ctypes glue for forward.c: a C view of a Transformer over a paged KV cache, and the calls.
 
+Every matrix is described by a pointer and a format (kernels.h: Mat): dense fp32/bf16 weights
+packed in panels of 16 outputs (skinny.c), GGUF matrices by their prepared panels (the only
+copy a QuantLinear keeps), the embedding by its rows as stored (a QuantEmbedding's GGUF rows,
+dequantized a row at a time in C with model/quant.py's operations).
+
 A `CView` is built once per (model, cache) pair and owned by the model (Transformer keeps
-them in a weak dictionary keyed by the cache), so nothing is stored on the cache or on the
-modules by this file; the view holds references to the packed weights and cache tensors its
-pointers point into.
+them in a weak dictionary keyed by the cache); the packed weights belong to their modules
+(`Linear.packed()`, `QuantLinear.prepared`), so nothing is stored on the cache or on the
+modules by this file. The view holds references to the weights and cache tensors its pointers
+point into.
 """
 
 from __future__ import annotations
@@ -13,18 +19,22 @@ from ctypes import POINTER, c_float, c_int, c_void_p
 
 import torch
 
-from . import packed_of
+from . import qformats
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("w", c_void_p), ("fmt", c_int)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, c_void_p) for n in ("in_norm", "post_norm", "qkv", "o", "gate_up", "down",
-                                        "qkv_bias", "k_cache", "v_cache")]
+    _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
+                *[(n, c_void_p) for n in ("qkv_bias", "k_cache", "v_cache")]]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "block_size", "max_blocks", "w_bf16")],
-                ("eps", c_float), ("embed", c_void_p), ("final_norm", c_void_p), ("lm_head", c_void_p),
+                                       "n_layers", "num_blocks", "block_size", "max_blocks", "kv_bf16")],
+                ("eps", c_float), ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
 
@@ -34,40 +44,76 @@ class _Batch(ctypes.Structure):
 
 
 def declare(lib) -> None:
-    lib.llama_forward.restype = None
+    lib.llama_forward.restype = ctypes.c_long
     lib.llama_forward.argtypes = [POINTER(_Model), POINTER(_Batch), c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                  c_void_p, c_int, c_void_p, c_void_p]
-    lib.eagle_chain.restype = None
-    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
+                                  c_void_p, c_int, c_void_p, c_void_p, c_void_p, ctypes.c_long]
+    lib.paged_attention.restype = None
+    lib.paged_attention.argtypes = [POINTER(_Model), c_int, POINTER(_Batch), c_void_p, c_void_p, c_void_p, c_void_p,
+                                    c_int]
+    lib.eagle_chain.restype = c_int
+    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, POINTER(_Mat), c_void_p, c_int, c_void_p,
+                                c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
+    lib.specdec_set_threads.restype = None
+    lib.specdec_set_threads.argtypes = [c_int]
+
+
+def _linears(model) -> list:
+    return [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+
+
+def _mat(module) -> tuple[_Mat, torch.Tensor] | None:
+    """A linear module as forward.c reads it (and the tensor to keep alive), or None when no
+    kernel covers it: dense fp32/bf16 weights packed in panels, or GGUF panels prepared."""
+    from ..model.quant import QuantLinear
+
+    if isinstance(module, QuantLinear):
+        p = module.prepared
+        return None if p is None else (_Mat(p.data.data_ptr(), qformats.FORMATS[p.qtype]), p.data)
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    packed = module.packed()
+    return _Mat(packed.data_ptr(), qformats.DENSE[str(w.dtype).removeprefix("torch.")]), packed
+
+
+def embedding_mat(embedding) -> tuple[_Mat, torch.Tensor] | None:
+    """An embedding table's rows as stored (dense, or the GGUF rows of a QuantEmbedding)."""
+    from ..model.quant import QuantEmbedding
+
+    if isinstance(embedding, QuantEmbedding):
+        rows = embedding.qweight
+        ok = embedding.qtype in qformats.FORMATS and rows.device.type == "cpu" and rows.is_contiguous()
+        return (_Mat(rows.data_ptr(), qformats.FORMATS[embedding.qtype]), rows) if ok else None
+    w = getattr(embedding, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
+            or not w.is_contiguous():
+        return None
+    return _Mat(w.data_ptr(), qformats.DENSE[str(w.dtype).removeprefix("torch.")]), w
+
+
+def attention_supported(model, kv) -> bool:
+    """paged_attention covers an fp32 or bf16 cache (and activations of the same dtype) on the
+    CPU, whatever the matrices are."""
+    dt = kv.k[0].dtype
+    return (kv.k[0].device.type == "cpu" and dt in (torch.float32, torch.bfloat16) and model.dtype == dt
+            and model.config.head_dim % 8 == 0)
 
 
 def supported(model, kv) -> bool:
-    """forward.c covers fp32 activations and an fp32 cache with bf16 or fp32 weights, on the CPU
-    (not packed GGUF matrices yet: those run through PyTorch, model/quant.py)."""
-    if not _dense(model):
-        return False
+    """forward.c covers fp32 activations and an fp32 cache on the CPU, with every matrix in a
+    format a kernel multiplies (fp32, bf16, or GGUF blocks with prepared panels)."""
     cfg = model.config
-    w = model.lm_head.weight
-    return (w.device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
-            and w.dtype in (torch.bfloat16, torch.float32) and cfg.head_dim % 8 == 0
-            and model.model.embed_tokens.weight.is_contiguous())
+    from ..model.quant import QuantLinear
+
+    ok = (model.device.type == "cpu" and model.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+          and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
+    return ok and all((m.prepared is not None) if isinstance(m, QuantLinear) else _dense_ok(m) for m in _linears(model))
 
 
-def _dense(model) -> bool:
-    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
-    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
-    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
-        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
-
-
-def _dense(model) -> bool:
-    """Every matrix forward.c reads is a plain tensor (no QuantLinear / QuantEmbedding)."""
-    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
-    return isinstance(getattr(model.model.embed_tokens, "weight", None), torch.Tensor) and \
-        all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in linears)
+def _dense_ok(module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -75,26 +121,56 @@ def _ptr(t: torch.Tensor | None):
 
 
 class CView:
-    """The C description of (model, kv): weights, the cache's layers and its block table."""
+    """The C description of (model, kv): the cache's layers and block table, the weights unless
+    weights=False (an attention-only view, for paged_attention), and the workspace forwards
+    reuse (grown when a forward needs more)."""
 
-    def __init__(self, model, kv):
-        cfg = model.config
-        self._keep = []        # every tensor a pointer below points into
+    def __init__(self, model, kv, weights: bool = True):
+        cfg = model.local_config       # a tensor-parallel shard's own heads (= config without one)
+        self._keep = [kv.blocks.table, *kv.k, *kv.v]      # every tensor a pointer below points into
+        none = _Mat(None, 0)
         layers = (_Layer * len(kv.k))()
         for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
+            if not weights:
+                layers[i] = _Layer(None, None, none, none, none, none, None, _ptr(k), _ptr(v))
+                continue
             att, mlp = layer.self_attn, layer.mlp
-            packed = [packed_of(lin) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            self._keep += packed
+            mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                               *(_ptr(p) for p in packed), _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
-        head = packed_of(model.lm_head)
-        self._keep += [head, kv.blocks.table, *kv.k, *kv.v]
+                               *mats, _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
+        head = self._hold(_mat(model.lm_head)) if weights else none
+        embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.block_size, kv.blocks.max_blocks_per_seq,
-                             int(model.lm_head.weight.dtype == torch.bfloat16), cfg.rms_norm_eps,
-                             _ptr(model.model.embed_tokens.weight), _ptr(model.model.norm.weight), _ptr(head),
+                             cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
+                             kv.blocks.max_blocks_per_seq, int(kv.k[0].dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
+        self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def _hold(self, found: tuple[_Mat, torch.Tensor]) -> _Mat:
+        mat, tensor = found
+        self._keep.append(tensor)
+        return mat
+
+
+class CAttention:
+    """One forward's attention through forward.c (paged_attention), for the PyTorch path on the
+    CPU: per token over its own sequence's slots, as the C forward attends."""
+
+    def __init__(self, lib, view: CView, batch):
+        self.lib, self.view, self.batch = lib, view, batch
+        self.struct = _batch_struct(batch)
+
+    def __call__(self, layer: int, q, k, v, gqa: bool = True):
+        """q [N, H, hd], k/v [N, KV, hd] in the cache's dtype (RoPE applied) -> [N, H * hd];
+        writes k/v. (gqa: implied by the sizes here.)"""
+        N, H, hd = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty(N, H * hd, dtype=q.dtype)
+        self.lib.paged_attention(ctypes.byref(self.view.struct), layer, ctypes.byref(self.struct), q.data_ptr(),
+                                 k.data_ptr(), v.data_ptr(), out.data_ptr(), N)
+        return out
 
 
 def _batch_struct(batch) -> _Batch:
@@ -114,18 +190,25 @@ def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits:
     rows = batch.logits_indices
     hidden = torch.empty(N, cfg.dim) if want_hidden else None
     logits = torch.empty(N if rows is None else rows.shape[0], cfg.vocab) if want_logits else None
-    lib.llama_forward(ctypes.byref(view.struct), ctypes.byref(_batch_struct(batch)),
-                      _ptr(tokens if embeds is None else None), _ptr(embeds), N, batch.positions.data_ptr(),
-                      n_layers, _ptr(hidden), logits.shape[0] if logits is not None else 0, _ptr(rows), _ptr(logits))
+    b = _batch_struct(batch)
+    args = (ctypes.byref(view.struct), ctypes.byref(b), _ptr(tokens if embeds is None else None), _ptr(embeds), N,
+            batch.positions.data_ptr(), n_layers, _ptr(hidden), logits.shape[0] if logits is not None else 0,
+            _ptr(rows), _ptr(logits))
+    need = lib.llama_forward(*args, view.workspace.data_ptr(), view.workspace.numel())
+    if need > 0:       # a longer batch than any before: grow the workspace once, run again
+        view.workspace = torch.empty(need, dtype=torch.uint8)
+        need = lib.llama_forward(*args, view.workspace.data_ptr(), view.workspace.numel())
+        assert need == 0
     return logits, hidden
 
 
-def eagle_chain(lib, view: CView, fc, embed_weight, draft_vocab, rows, base, steps, feats, toks) -> list[list[int]]:
+def eagle_chain(lib, view: CView, fc, embedding, draft_vocab, rows, base, steps, feats, toks) -> list[list[int]]:
     """Greedy EAGLE chains of B sequences in one C call (forward.c: eagle_chain).
 
     rows, base, steps: [B] host ints (block-table row, first slot, chain length after the first
     token); feats [B, D]: each sequence's last predicted feature; toks [B]: its first drafted
-    token. Returns the further tokens of each chain (steps[b] of them)."""
+    token; embedding: the target's embedding module (embedding_mat covers it). Returns the
+    further tokens of each chain (steps[b] of them)."""
     B, max_steps = len(rows), max(steps)
     out = torch.empty(B, max_steps, dtype=torch.long)
     feats = feats.to(torch.float32).contiguous().clone()
@@ -133,8 +216,11 @@ def eagle_chain(lib, view: CView, fc, embed_weight, draft_vocab, rows, base, ste
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
     bias = fc.bias.to(torch.float32).contiguous()
-    lib.eagle_chain(ctypes.byref(view.struct), packed_of(fc).data_ptr(), int(fc.weight.dtype == torch.bfloat16),
-                    bias.data_ptr(), embed_weight.data_ptr(), int(embed_weight.dtype == torch.bfloat16),
-                    draft_vocab.data_ptr(), B, rows_t.data_ptr(), base_t.data_ptr(), steps_t.data_ptr(),
-                    feats.data_ptr(), toks.data_ptr(), max_steps, out.data_ptr())
+    embed, _rows = embedding_mat(embedding)
+    rc = lib.eagle_chain(ctypes.byref(view.struct), fc.packed().data_ptr(), int(fc.weight.dtype == torch.bfloat16),
+                         bias.data_ptr(), ctypes.byref(embed), draft_vocab.data_ptr(), B, rows_t.data_ptr(),
+                         base_t.data_ptr(), steps_t.data_ptr(), feats.data_ptr(), toks.data_ptr(), max_steps,
+                         out.data_ptr())
+    if rc != 0:
+        raise MemoryError("eagle_chain: out of memory")
     return [out[b, :steps[b]].tolist() for b in range(B)]

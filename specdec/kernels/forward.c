@@ -3,39 +3,47 @@
  * Decoding on a CPU spends as long in Python dispatching ~200 small ops per forward as in
  * reading the weights; a draft model that fits the cache spends most of its time there. This
  * file runs embedding -> layers -> norm -> LM head for N new tokens of several sequences with
- * fp32 activations and bf16 or fp32 weights, writing keys and values into the same paged KV
- * cache the PyTorch path uses (model/kv.py: per layer [num_blocks, n_kv, block_size, hd]), with
- * the same masks (causal, or a token tree's ancestor mask, per sequence).
+ * fp32 activations and weights in any format kernels.h names (fp32, bf16, or GGUF blocks: each
+ * matrix its own), writing keys and values into the same paged KV cache the PyTorch path uses
+ * (model/kv.py: per layer [n_kv, num_blocks, block_size, hd]), with the same masks (causal, or a
+ * token tree's ancestor mask, per sequence).
  *
  * Invariant (what lossless batching needs): a token's logits, features and cache entries are
  * bit-identical whatever else is in the batch and however its prompt was chunked. Matrix
  * products run over all N rows at once (the weights stream from memory once per forward) with
- * skinny.c's kernel, whose every output is one FMA chain in a fixed order whatever the number
- * of rows; norms and RoPE are per row; attention is per token over its own sequence's slots in
- * slot order (invisible slots add exact zeros), never across sequences.
+ * skinny.c's or qgemm.c's kernels, whose every output is computed in a fixed order whatever the
+ * number of rows; norms, RoPE and the int8 quantization of activations are per row; attention
+ * is per token over its own sequence's slots in slot order (invisible slots add exact zeros),
+ * never across sequences. The thread count changes which thread computes a row or panel, never
+ * how.
+ *
+ * One OpenMP parallel region covers the whole forward: each step is a worksharing loop over
+ * rows, panels or (token, head) pairs, separated by the loops' barriers, so a forward costs one
+ * fork and join instead of one per matrix product. Scratch comes from one caller-owned
+ * workspace (llama_forward returns the size it needs when given too little).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-void skinny_linear(const float *x, const void *w, int w_bf16, const float *bias, void *out,
-                   int out_bf16, int M, int N, int K);
+#include "kernels.h"
 
 typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
-    const void *qkv, *o, *gate_up, *down; /* weights, bf16 or fp32 */
+    Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
-    float *k_cache, *v_cache;             /* [num_blocks, KV, block_size, hd] fp32 */
+    void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] fp32 (bf16: kv_bf16) */
 } Layer;
 
 typedef struct {
-    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, block_size, max_blocks, w_bf16;
+    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, kv_bf16;
     float eps;
-    const void *embed;                    /* [V, D] */
+    Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
-    const void *lm_head;                  /* [V, D] */
+    Mat lm_head;                          /* [V, D] packed panels */
     const float *inv_freq;                /* [hd / 2] */
     const Layer *layers;
     const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
@@ -52,20 +60,84 @@ typedef struct {
     const uint8_t *masks;
 } Batch;
 
-/* head_dim % 8 == 0 (cforward.supported checks) */
-static inline float dot(const float *a, const float *b, int n) {
+/* head_dim % 8 == 0 everywhere (cforward.supported / attention_supported check) */
+/* 8 keys' or values' elements as fp32: bf16 widened exactly (a 16-bit shift) */
+static inline __m256 load_kv(const void *p, int bf16, long i) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int n, int bf16) {
     __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, bf16, i), acc);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-static inline void axpy(float *y, float a, const float *x, int n) {
+/* Four keys' dot products at once: four independent FMA chains instead of one chain at a time
+ * (each chain is one key's, in the same order as dot_kv, so the values are the same). */
+static inline __attribute__((always_inline)) void dot4_kv(const float *a, const void *b, long stride, int n, int bf16,
+                                                          float *out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int i = 0; i < n; i += 8) {
+        __m256 x = _mm256_loadu_ps(a + i);
+        c0 = _mm256_fmadd_ps(x, load_kv(b, bf16, i), c0);
+        c1 = _mm256_fmadd_ps(x, load_kv(b, bf16, stride + i), c1);
+        c2 = _mm256_fmadd_ps(x, load_kv(b, bf16, 2 * stride + i), c2);
+        c3 = _mm256_fmadd_ps(x, load_kv(b, bf16, 3 * stride + i), c3);
+    }
+    __m256 cs[4] = {c0, c1, c2, c3};
+    for (int k = 0; k < 4; k++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(cs[k]), _mm256_extractf128_ps(cs[k], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[k] = _mm_cvtss_f32(s);
+    }
+}
+
+static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *x, int n, int bf16) {
     __m256 va = _mm256_set1_ps(a);
     for (int i = 0; i < n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_kv(x, bf16, i), _mm256_loadu_ps(y + i)));
+}
+
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
+ * x below -88.4 gives 0. Softmax exponentials are most of attention's arithmetic: one call per
+ * 8 slots instead of 8 scalar expf calls. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
 }
 
 static float widen(const void *w, int bf16, long i) {
@@ -76,7 +148,18 @@ static float widen(const void *w, int bf16, long i) {
     return f;
 }
 
-static void rms_norm(float *out, const float *x, const float *w, int T, int D, float eps) {
+/* Row `token` of an embedding table as stored (fp32, bf16, or GGUF blocks) -> D floats. */
+static void embed_row(const Mat *e, int64_t token, float *out, int D) {
+    if (e->fmt == F32 || e->fmt == BF16) {
+        for (int i = 0; i < D; i++) out[i] = widen(e->w, e->fmt == BF16, token * D + i);
+        return;
+    }
+    long row_bytes = e->fmt == Q4_K ? D / 256 * 144 : D / 32 * (e->fmt == Q8_0 ? 34 : e->fmt == Q4_0 ? 18 : 20);
+    dequant_row(e->fmt, (const uint8_t *)e->w + token * row_bytes, out, D);
+}
+
+static void rms_norm_for(float *out, const float *x, const float *w, int T, int D, float eps) {
+    #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *xt = x + (long)t * D;
         double ss = 0.0;
@@ -84,6 +167,17 @@ static void rms_norm(float *out, const float *x, const float *w, int T, int D, f
         float r = 1.0f / sqrtf((float)(ss / D) + eps);
         for (int i = 0; i < D; i++) out[(long)t * D + i] = w[i] * (xt[i] * r);
     }
+}
+
+/* out [M, N] = x [M, K] @ w^T (+ bias) by the team; qs: scratch for M quantized rows of K. */
+static void linear_for(const Mat *w, const float *x, const float *bias, float *out, int M, int N, int K, void *qs) {
+    if (w->fmt == F32 || w->fmt == BF16) {
+        skinny_for(x, w->w, w->fmt == BF16, bias, out, M, N, K);
+        return;
+    }
+    Act a = quant_act(qs, M, K);
+    quantize_rows_for(x, M, &a);
+    quant_panels_for(&a, w->w, w->fmt, bias, out, M, N);
 }
 
 /* Rotate the halves of each head's vector by position pos (Hugging Face's rotate_half). */
@@ -103,14 +197,16 @@ static void rope(float *v, int n_heads, int hd, const float *inv_freq, long pos)
 /* Where kv head g of slot s of the sequence in block-table row `row` lives. */
 static inline long slot_at(const Model *m, int row, long s, int g) {
     int32_t blk = m->block_table[(long)row * m->max_blocks + s / m->block_size];
-    return (((long)blk * m->n_kv + g) * m->block_size + s % m->block_size) * m->head_dim;
+    return (((long)g * m->num_blocks + blk) * m->block_size + s % m->block_size) * m->head_dim;
 }
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
 
-/* One query (token n, head h) over its own sequence's visible slots, in slot order. */
-static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt,
-                       float *o, int h, float *scores) {
+/* One query (token n, head h) over its own sequence's visible slots, in slot order. BF16: the
+ * cache holds bf16 (a compile-time constant in each caller, so the loops carry no branch). */
+static inline __attribute__((always_inline)) void
+attend_one_t(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o, int h,
+             float *scores, int BF16) {
     int hd = m->head_dim, g = h / (m->n_heads / m->n_kv), bs = m->block_size, sq = who.seq;
     int start = b->start[sq], T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq], from = b->mask_from[sq];
     int64_t moff = b->mask_offset[sq];
@@ -118,118 +214,228 @@ static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf w
     int cols = start + T - from;
     const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
     float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
+    int es = BF16 ? 2 : 4;
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *kb = L->k_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const char *kb = (const char *)L->k_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
-        for (int j = 0; j < n; j++) {
+        int j = 0;
+        for (; j + 4 <= n; j += 4) dot4_kv(qt, kb + (long)j * hd * es, hd, hd, BF16, scores + s0 + j);
+        for (; j < n; j++) scores[s0 + j] = dot_kv(qt, kb + (long)j * hd * es, hd, BF16);
+        for (j = 0; j < n; j++) {
             int s = s0 + j;
             if (moff >= 0 && s >= from && !b->masks[moff + (long)who.t * cols + s - from]) {
                 scores[s] = -INFINITY;
                 continue;
             }
-            scores[s] = dot(qt, kb + (long)j * hd, hd) * scale;
+            scores[s] *= scale;
             if (scores[s] > mx) mx = scores[s];
         }
     }
-    float sum = 0.0f;
-    for (int s = 0; s < span; s++) {
-        scores[s] = scores[s] == -INFINITY ? 0.0f : expf(scores[s] - mx);
-        sum += scores[s];
+    /* e^(score - max) 8 slots at a time; the buffer holds span rounded up to 8, the padding
+     * and masked slots give exact zeros. The lanes' order depends on the span only, which is
+     * the token's own: the same alone, in a batch, in any chunk. */
+    int padded = (span + 7) & ~7;
+    for (int s = span; s < padded; s++) scores[s] = -INFINITY;
+    __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY), acc = _mm256_setzero_ps();
+    for (int s = 0; s < padded; s += 8) {
+        __m256 x = _mm256_loadu_ps(scores + s);
+        __m256 e = _mm256_blendv_ps(exp8(_mm256_sub_ps(x, vmx)), _mm256_setzero_ps(), _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
+        _mm256_storeu_ps(scores + s, e);
+        acc = _mm256_add_ps(acc, e);
     }
+    float sum = hsum8(acc);
     memset(o, 0, sizeof(float) * hd);
     for (int s0 = 0; s0 < span; s0 += bs) {
-        const float *vb = L->v_cache + ((long)table[s0 / bs] * m->n_kv + g) * bs * hd;
+        const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
         int n = span - s0 < bs ? span - s0 : bs;
         for (int j = 0; j < n; j++)
-            if (scores[s0 + j] != 0.0f) axpy(o, scores[s0 + j] / sum, vb + (long)j * hd, hd);
+            if (scores[s0 + j] != 0.0f) axpy_kv(o, scores[s0 + j] / sum, vb + (long)j * hd * es, hd, BF16);
     }
 }
 
-static void attention(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
-                      float *out, int N, int max_span) {
+static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o,
+                       int h, float *scores) {
+    if (m->kv_bf16) attend_one_t(m, L, b, who, qt, o, h, scores, 1);
+    else attend_one_t(m, L, b, who, qt, o, h, scores, 0);
+}
+
+/* Scores scratch for spans up to max_span: rounded up to whole 8-lane vectors (attend_one). */
+#define SCORES(max_span) ((long)(max_span) + 8)
+
+/* out [N, H * hd] = every (token, head)'s attention, split across the team; scores: this
+ * thread's [SCORES(max_span)] scratch. */
+static void attention_for(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
+                          float *out, int N, float *scores) {
     int H = m->n_heads, hd = m->head_dim;
+    #pragma omp for collapse(2) schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++)
+            attend_one(m, L, b, who[n], q + ((long)n * H + h) * hd, out + ((long)n * H + h) * hd, h, scores);
+}
+
+/* who[n] for every flat token; returns the longest span any sequence's tokens see. */
+static int tokens_of(const Batch *b, TokenOf *who) {
+    int max_span = 0;
+    for (int sq = 0; sq < b->n_seqs; sq++) {
+        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
+        if (who)
+            for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
+        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
+    }
+    return max_span;
+}
+
+/* The attention block of one layer for a caller that runs the rest of the layer itself (the
+ * PyTorch path on the CPU: bf16 activations, or matrices no kernel covers): write the N new
+ * tokens' keys and values (k, v [N, KV * hd], RoPE applied) into their slots of layer `layer`,
+ * then out [N, H * hd] = each token's attention over its own sequence, as llama_forward
+ * computes it. q, k, v, out and the cache are bf16 when m->kv_bf16, else fp32; the arithmetic
+ * is fp32. Only the model's sizes, block table and layers' caches are read (weights may be NULL). */
+void paged_attention(const Model *m, int layer, const Batch *b, const void *q, const void *k, const void *v,
+                     void *out, int N) {
+    if (N <= 0) return;
+    const Layer *L = &m->layers[layer];
+    int hd = m->head_dim, KV = m->n_kv, H = m->n_heads, es = m->kv_bf16 ? 2 : 4;
+    long nq = (long)N * H * hd;
+    TokenOf *who = malloc(sizeof(TokenOf) * N);
+    int max_span = tokens_of(b, who);
+    for (int n = 0; n < N; n++) {
+        int sq = who[n].seq;
+        for (int g = 0; g < KV; g++) {
+            long at = slot_at(m, b->rows[sq], b->start[sq] + who[n].t, g) * es, src = ((long)n * KV + g) * hd * es;
+            memcpy((char *)L->k_cache + at, (const char *)k + src, (size_t)es * hd);
+            memcpy((char *)L->v_cache + at, (const char *)v + src, (size_t)es * hd);
+        }
+    }
+    const float *qf = q;
+    float *of = out;
+    if (m->kv_bf16) {
+        float *wq = malloc(sizeof(float) * nq);
+        for (long i = 0; i < nq; i++) wq[i] = widen(q, 1, i);
+        qf = wq;
+        of = malloc(sizeof(float) * nq);
+    }
     #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
-        #pragma omp for collapse(2) schedule(static)
-        for (int n = 0; n < N; n++)
-            for (int h = 0; h < H; h++)
-                attend_one(m, L, b, who[n], q + ((long)n * H + h) * hd, out + ((long)n * H + h) * hd, h, scores);
+        float *scores = malloc(sizeof(float) * SCORES(max_span));
+        attention_for(m, L, b, who, qf, of, N, scores);
         free(scores);
     }
+    if (m->kv_bf16) {
+        for (long i = 0; i < nq; i++) ((uint16_t *)out)[i] = to_bf16(of[i]);
+        free((void *)qf);
+        free(of);
+    }
+    free(who);
 }
 
-static void layer_forward(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, float *x, float *buf,
-                          float *qkv, float *att, float *ff, int N, const int64_t *pos, int max_span) {
+/* Scratch of one forward, carved from the caller's workspace (sizes in floats unless said). */
+typedef struct {
+    float *x, *buf, *qkv, *att, *ff;      /* [N, D], [N, wide], [N, nqkv], [N, wide], [N, 2F] */
+    float *scores;                        /* [threads, max_span] */
+    void *qs;                             /* quant_act_bytes(N, wide) */
+    TokenOf *who;                         /* [N] */
+    int max_span;
+} Work;
+
+static long round_up(long n) { return (n + 63) / 64 * 64; }
+
+/* Bytes of workspace a forward of N tokens needs (carve: also lay it out from ws). */
+static long work_layout(const Model *m, int N, int max_span, int threads, char *ws, Work *w) {
+    int D = m->dim, nq = m->n_heads * m->head_dim, nqkv = nq + 2 * m->n_kv * m->head_dim;
+    int wide = D > nq ? D : nq;
+    if (m->hidden > wide) wide = m->hidden;
+    long sizes[8] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+                     4L * threads * SCORES(max_span), quant_act_bytes(N, wide), (long)sizeof(TokenOf) * N};
+    void **at[8] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                    (void **)&w->scores, &w->qs, (void **)&w->who};
+    long off = 0;
+    for (int i = 0; i < 8; i++) {
+        if (ws) *at[i] = ws + off;
+        off += round_up(sizes[i]);
+    }
+    w->max_span = max_span;
+    return off;
+}
+
+static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N, const int64_t *pos) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
-    rms_norm(buf, x, L->in_norm, N, D, m->eps);
-    skinny_linear(buf, L->qkv, m->w_bf16, L->qkv_bias, qkv, 0, N, nqkv, D);
+    float *x = w->x, *buf = w->buf, *qkv = w->qkv, *att = w->att, *ff = w->ff;
+    rms_norm_for(buf, x, L->in_norm, N, D, m->eps);
+    linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, D, w->qs);
+    #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
         rope(row, H, hd, m->inv_freq, pos[n]);
         rope(row + nq, KV, hd, m->inv_freq, pos[n]);
-        int sq = who[n].seq;
-        long slot = b->start[sq] + who[n].t;
+        int sq = w->who[n].seq;
+        long slot = b->start[sq] + w->who[n].t;
         for (int g = 0; g < KV; g++) {
-            long at = slot_at(m, b->rows[sq], slot, g);
-            memcpy(L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
-            memcpy(L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
+            long at = slot_at(m, b->rows[sq], slot, g);          /* llama_forward's cache is fp32 */
+            memcpy((float *)L->k_cache + at, row + nq + (long)g * hd, sizeof(float) * hd);
+            memcpy((float *)L->v_cache + at, row + nq + nkv + (long)g * hd, sizeof(float) * hd);
         }
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
-    attention(m, L, b, who, buf, att, N, max_span);
-    skinny_linear(att, L->o, m->w_bf16, NULL, buf, 0, N, D, nq);
-    for (long i = 0; i < (long)N * D; i++) x[i] += buf[i];
-    rms_norm(buf, x, L->post_norm, N, D, m->eps);
-    skinny_linear(buf, L->gate_up, m->w_bf16, NULL, ff, 0, N, 2 * F, D);
+    float *scores = w->scores + (long)omp_get_thread_num() * SCORES(w->max_span);
+    attention_for(m, L, b, w->who, buf, att, N, scores);
+    linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += buf[i];
+    rms_norm_for(buf, x, L->post_norm, N, D, m->eps);
+    linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
+    #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *g = ff + (long)n * 2 * F, *u = g + F, *o = att + (long)n * F;
         for (int i = 0; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    skinny_linear(att, L->down, m->w_bf16, NULL, buf, 0, N, D, F);
-    for (long i = 0; i < (long)N * D; i++) x[i] += buf[i];
+    linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += buf[i];
 }
 
 /* tokens [N] (or, when tokens is NULL, input vectors embeds [N, D] instead of the embedding
  * lookup: EAGLE's head); pos [N] rope positions. Runs the first n_layers layers, then the final
  * norm into hidden_out [N, D] (if not NULL) and the LM head for the n_logits rows logit_rows
- * (all N in order when NULL) into logits [n_logits, V] (if not NULL). */
-void llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const float *embeds, int N,
+ * (all N in order when NULL) into logits [n_logits, V] (if not NULL). ws: ws_bytes of scratch.
+ * Returns 0, or (computing nothing) the workspace bytes it needs when ws_bytes is less. */
+long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const float *embeds, int N,
                    const int64_t *pos, int n_layers, float *hidden_out, int n_logits, const int64_t *logit_rows,
-                   float *logits) {
-    if (N <= 0) return;
-    int D = m->dim, nqkv = (m->n_heads + 2 * m->n_kv) * m->head_dim;
-    int wide = D > m->n_heads * m->head_dim ? D : m->n_heads * m->head_dim;
-    if (m->hidden > wide) wide = m->hidden;
-    TokenOf *who = malloc(sizeof(TokenOf) * N);
-    int max_span = 0;
-    for (int sq = 0; sq < b->n_seqs; sq++) {
-        int T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq];
-        for (int t = 0; t < T; t++) who[b->cu_seqlens[sq] + t] = (TokenOf){sq, t};
-        if (b->start[sq] + T > max_span) max_span = b->start[sq] + T;
-    }
-    float *x = malloc(sizeof(float) * N * D), *buf = malloc(sizeof(float) * N * wide);
-    float *qkv = malloc(sizeof(float) * N * nqkv), *att = malloc(sizeof(float) * N * wide);
-    float *ff = malloc(sizeof(float) * N * 2 * m->hidden);
-    if (tokens == NULL) memcpy(x, embeds, sizeof(float) * N * D);
-    else
-        for (int n = 0; n < N; n++)
-            for (int i = 0; i < D; i++) x[(long)n * D + i] = widen(m->embed, m->w_bf16, tokens[n] * D + i);
-    for (int l = 0; l < n_layers; l++)
-        layer_forward(m, &m->layers[l], b, who, x, buf, qkv, att, ff, N, pos, max_span);
-    rms_norm(buf, x, m->final_norm, N, D, m->eps);
-    if (hidden_out) memcpy(hidden_out, buf, sizeof(float) * N * D);
-    if (logits && n_logits > 0) {
-        const float *rows = buf;
-        if (logit_rows) {   /* gather the rows that need logits: only they meet the LM head */
-            for (int r = 0; r < n_logits; r++)
-                memcpy(x + (long)r * D, buf + logit_rows[r] * D, sizeof(float) * D);
-            rows = x;
+                   float *logits, void *ws, long ws_bytes) {
+    if (N <= 0) return 0;
+    int D = m->dim, max_span = tokens_of(b, NULL);
+    Work w;
+    long need = work_layout(m, N, max_span, omp_get_max_threads(), NULL, &w);
+    if (need > ws_bytes || ws == NULL) return need;
+    work_layout(m, N, max_span, omp_get_max_threads(), ws, &w);
+    tokens_of(b, w.who);
+    /* the rows that need logits, gathered into x after the final norm: only they meet the LM head */
+    const float *head_in = logit_rows ? w.x : w.buf;
+    #pragma omp parallel firstprivate(w)
+    {
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
+            else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
         }
-        skinny_linear(rows, m->lm_head, m->w_bf16, NULL, logits, 0, n_logits, m->vocab, D);
+        for (int l = 0; l < n_layers; l++) layer_for(m, &m->layers[l], b, &w, N, pos);
+        rms_norm_for(w.buf, w.x, m->final_norm, N, D, m->eps);
+        if (hidden_out) {
+            #pragma omp for schedule(static)
+            for (int n = 0; n < N; n++) memcpy(hidden_out + (long)n * D, w.buf + (long)n * D, sizeof(float) * D);
+        }
+        if (logits && n_logits > 0) {
+            if (logit_rows) {
+                #pragma omp for schedule(static)
+                for (int r = 0; r < n_logits; r++) memcpy(w.x + (long)r * D, w.buf + logit_rows[r] * D, sizeof(float) * D);
+            }
+            linear_for(&m->lm_head, head_in, NULL, logits, n_logits, m->vocab, D, w.qs);
+        }
     }
-    free(who); free(x); free(buf); free(qkv); free(att); free(ff);
+    return 0;
 }
 
 /* EAGLE's greedy chains for B sequences in one call. Step s (0-based) of sequence b, while
@@ -238,18 +444,21 @@ void llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
  * slot and position base[b] + s of block-table row rows[b], take the argmax, map it through
  * vocab[] to a target token id (out_tokens[b * max_steps + s]) and carry the head's output
  * feature on. Every active sequence shares one head forward per step. feats [B, D] and toks
- * [B] (each sequence's first token) are updated in place. */
-void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
-                 const void *embed, int embed_bf16, const int64_t *vocab, int B, const int32_t *rows,
-                 const int32_t *base, const int32_t *steps, float *feats, int64_t *toks, int max_steps,
-                 int64_t *out_tokens) {
-    int D = head->dim, V = head->vocab;
+ * [B] (each sequence's first token) are updated in place; embed: the target's embedding rows.
+ * Returns 0, or -1 when memory runs out. */
+int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
+                const Mat *embed, const int64_t *vocab, int B, const int32_t *rows,
+                const int32_t *base, const int32_t *steps, float *feats, int64_t *toks, int max_steps,
+                int64_t *out_tokens) {
+    int D = head->dim, V = head->vocab, rc = 0;
     float *in = malloc(sizeof(float) * B * 2 * D), *x = malloc(sizeof(float) * B * D);
     float *feat_out = malloc(sizeof(float) * B * D), *logits = malloc(sizeof(float) * B * V);
     int32_t *act = malloc(sizeof(int32_t) * B), *cu = malloc(sizeof(int32_t) * (B + 1));
     int32_t *start = malloc(sizeof(int32_t) * B), *arow = malloc(sizeof(int32_t) * B);
     int64_t *pos = malloc(sizeof(int64_t) * B), *moff = malloc(sizeof(int64_t) * B);
-    for (int s = 0; s < max_steps; s++) {
+    void *ws = NULL;
+    long ws_bytes = 0;
+    for (int s = 0; s < max_steps && rc == 0; s++) {
         int n = 0;
         for (int i = 0; i < B; i++) if (steps[i] > s) act[n++] = i;
         if (n == 0) break;
@@ -257,7 +466,7 @@ void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *
         for (int a = 0; a < n; a++) {
             int i = act[a];
             memcpy(in + (long)a * 2 * D, feats + (long)i * D, sizeof(float) * D);
-            for (int j = 0; j < D; j++) in[(long)a * 2 * D + D + j] = widen(embed, embed_bf16, toks[i] * D + j);
+            embed_row(embed, toks[i], in + (long)a * 2 * D + D, D);
             cu[a + 1] = a + 1;
             start[a] = base[i] + s;
             pos[a] = base[i] + s;
@@ -266,8 +475,13 @@ void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *
         }
         skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
         Batch b = {n, cu, start, arow, start, moff, NULL};
-        llama_forward(head, &b, NULL, x, n, pos, head->n_layers, feat_out, n, NULL, logits);
-        for (int a = 0; a < n; a++) {
+        long need;
+        while ((need = llama_forward(head, &b, NULL, x, n, pos, head->n_layers, feat_out, n, NULL, logits, ws, ws_bytes)) > 0) {
+            free(ws);
+            ws_bytes = need;
+            if (!(ws = malloc(ws_bytes))) { rc = -1; break; }
+        }
+        for (int a = 0; a < n && rc == 0; a++) {
             int i = act[a], best = 0;
             const float *lg = logits + (long)a * V;
             for (int v = 1; v < V; v++) if (lg[v] > lg[best]) best = v;
@@ -276,5 +490,10 @@ void eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *
             memcpy(feats + (long)i * D, feat_out + (long)a * D, sizeof(float) * D);
         }
     }
-    free(in); free(x); free(feat_out); free(logits); free(act); free(cu); free(start); free(arow); free(pos); free(moff);
+    free(ws); free(in); free(x); free(feat_out); free(logits); free(act); free(cu); free(start); free(arow); free(pos); free(moff);
+    return rc;
 }
+
+/* The thread count of the calling thread's parallel regions (torch.set_num_threads sets the
+ * same runtime's count when torch loaded libgomp first; this sets it when it did not). */
+void specdec_set_threads(int n) { omp_set_num_threads(n); }

@@ -23,6 +23,7 @@ from pathlib import Path
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / n for n in ("skinny.c", "forward.c", "qgemm.c", "selftest.c")]
+HEADERS = [_DIR / "kernels.h"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def build(v: Variant) -> Path | None:
     cc = _compiler()
     if cc is None:
         return None
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join((*_CFLAGS, *v.cflags)).encode())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join((*_CFLAGS, *v.cflags)).encode())
     path = cache_dir() / f"kernels-{v.name}-{h.hexdigest()[:16]}.so"
     if path.is_file():
         return path

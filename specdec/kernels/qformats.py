@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}     # the codes qgemm.c switches on
+DENSE = {torch_name: code for torch_name, code in (("float32", 4), ("bfloat16", 5))}   # kernels.h: F32, BF16
 BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}   # (elements, bytes)
 QTYPES = tuple(FORMATS)
 PANEL = 16
@@ -87,6 +88,47 @@ def prepare(qweight: np.ndarray, qtype: str) -> np.ndarray:
         parts = [_quads(blocks[..., 16:], 32), _lanes(blocks[..., 0:2]), _lanes(blocks[..., 2:4]),
                  _by_subblock(sc), _by_subblock(mn)]
     return np.ascontiguousarray(np.concatenate(parts, -1)).reshape(-1)
+
+
+def _part_sizes(qtype: str) -> list[tuple[str, int]]:
+    """The parts `prepare` lays side by side per panel and unit: (kind, bytes)."""
+    return {"Q8_0": [("quads", 512), ("lanes", 32)], "Q4_0": [("quads", 256), ("lanes", 32)],
+            "Q4_1": [("quads", 256), ("lanes", 32), ("lanes", 32)],
+            "Q4_K": [("quads", 2048), ("lanes", 32), ("lanes", 32), ("sub", 128), ("sub", 128)]}[qtype]
+
+
+def unprepare(data: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    """The inverse of `prepare`: the panels of an [n, k] matrix -> its [n, row_bytes] file rows
+    (a module keeps only the panels; the rows are rebuilt when a reference path needs them)."""
+    per, nbytes = BLOCK[qtype]
+    units = k // per
+    sizes = _part_sizes(qtype)
+    flat = data.reshape(-1, units, sum(b for _, b in sizes))
+    P = flat.shape[0]
+    fields, at = [], 0
+    for kind, b in sizes:
+        part = flat[..., at:at + b]
+        at += b
+        if kind == "quads":       # [P, u, vectors, 16, 4] -> [P, 16, u, vectors * 4]
+            fields.append(part.reshape(P, units, b // 64, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(P, PANEL, units, -1))
+        elif kind == "lanes":     # [P, u, 16, f] -> [P, 16, u, f]
+            fields.append(np.moveaxis(part.reshape(P, units, PANEL, -1), 2, 1))
+        else:                     # [P, u, 8, 16] -> [P, 16, u, 8]
+            fields.append(part.reshape(P, units, 8, PANEL).transpose(0, 3, 1, 2))
+    if qtype == "Q8_0":
+        blocks = [fields[1], fields[0]]
+    elif qtype == "Q4_0":
+        blocks = [fields[1], fields[0]]
+    elif qtype == "Q4_1":
+        blocks = [fields[1], fields[2], fields[0]]
+    else:
+        sc, mn = fields[3], fields[4]
+        packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                                 (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+                                 (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1).astype(np.uint8)
+        blocks = [fields[1], fields[2], packed, fields[0]]
+    rows = np.concatenate(blocks, -1).reshape(P * PANEL, units * nbytes)
+    return np.ascontiguousarray(rows[:n])
 
 
 # ---- references (tests, benchmarks) ----

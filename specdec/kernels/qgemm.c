@@ -22,7 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3 };
+#include "kernels.h"
+
 #define PANEL 16
 #define RCH 64               /* rows per chunk: their accumulators stay in L1 */
 
@@ -35,14 +36,6 @@ static long unit_bytes(int fmt) {
     default: return 2048 + 64 + 256;             /* nibbles [4 chunks][8][16][4], f16 d, dmin [16], u8 sc, m [8][16] */
     }
 }
-
-typedef struct {             /* the activations of M rows, quantized per block of 32 */
-    const int8_t *q;         /* [M, K] */
-    const uint8_t *u;        /* [M, K] q + 128 (the unsigned operand of vpdpbusd) */
-    const float *d, *ds;     /* [M, K / 32]: scale, scale * sum(q) */
-    const int32_t *s;        /* [M, K / 32]: sum(q) */
-    int K, nb;
-} Act;
 
 static inline int32_t ld32(const int8_t *p) {   /* 4 activation bytes as one int (no aliasing) */
     int32_t v;
@@ -244,10 +237,20 @@ static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t
     }
 }
 
+/* Scratch for M rows of K activations: q and u [M, K] bytes, then d, s, ds [M, K / 32] */
+long quant_act_bytes(int M, int K) { return (long)M * K * 2 + (long)M * (K / 32) * 12; }
+
+Act quant_act(void *scratch, int M, int K) {
+    char *p = scratch;
+    long nb = K / 32, mk = (long)M * K;
+    return (Act){(int8_t *)p, (uint8_t *)p + mk, (float *)(p + 2 * mk), (float *)(p + 2 * mk + M * nb * 4),
+                 (int32_t *)(p + 2 * mk + M * nb * 8), K, (int)nb};
+}
+
 /* Per row and block of 32: d = max|x| / 127, q = round-to-even(x / d) (x * (1 / d), as llama.cpp). */
-static void quantize_rows(const float *x, int M, int K, int8_t *q, uint8_t *u, float *d, int32_t *s, float *ds) {
-    int nb = K / 32;
-    #pragma omp parallel for schedule(static) if (M >= 16)
+void quantize_rows_for(const float *x, int M, Act *a) {
+    int K = a->K, nb = a->nb;
+    #pragma omp for schedule(static)
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)r * K + b * 32;
@@ -258,31 +261,24 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, uint8_t *u, f
             for (int i = 0; i < 32; i++) {
                 float v = nearbyintf(xb[i] * id);
                 int qi = v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v;
-                q[(long)r * K + b * 32 + i] = (int8_t)qi;
-                u[(long)r * K + b * 32 + i] = (uint8_t)(qi + 128);
+                a->q[(long)r * K + b * 32 + i] = (int8_t)qi;
+                a->u[(long)r * K + b * 32 + i] = (uint8_t)(qi + 128);
                 sum += qi;
             }
             long k = (long)r * nb + b;
-            d[k] = db;
-            s[k] = sum;
-            ds[k] = db * (float)sum;
+            a->d[k] = db;
+            a->s[k] = sum;
+            a->ds[k] = db * (float)sum;
         }
     }
 }
 
-/* x [M, K] fp32; pw the prepared panels (kernels/qformats.py); bias [N] or NULL; out [M, N].
- * K % 32 == 0 (K % 256 for Q4_K). Returns 0, or -1 when scratch memory runs out. */
-int quant_linear(const float *x, const uint8_t *pw, int fmt, const float *bias, float *out, int M, int N, int K) {
-    int nb = K / 32;
-    char *scratch = malloc((size_t)M * K * 2 + (size_t)M * nb * 12);
-    if (!scratch) return -1;
-    Act a = {(int8_t *)scratch, (uint8_t *)scratch + (size_t)M * K, (float *)(scratch + (size_t)M * K * 2),
-             (float *)(scratch + (size_t)M * K * 2 + (size_t)M * nb * 4),
-             (int32_t *)(scratch + (size_t)M * K * 2 + (size_t)M * nb * 8), K, nb};
-    quantize_rows(x, M, K, (int8_t *)a.q, (uint8_t *)a.u, (float *)a.d, (int32_t *)a.s, (float *)a.ds);
+/* out[M, N] = the quantized rows a against the prepared panels pw (+ bias), panels split
+ * across the team. */
+void quant_panels_for(const Act *a, const uint8_t *pw, int fmt, const float *bias, float *out, int M, int N) {
     long panels = (N + PANEL - 1) / PANEL;
-    long panel_bytes = unit_bytes(fmt) * (fmt == Q4_K ? nb / 8 : nb);
-    #pragma omp parallel for schedule(static)
+    long panel_bytes = unit_bytes(fmt) * (fmt == Q4_K ? a->nb / 8 : a->nb);
+    #pragma omp for schedule(static)
     for (long p = 0; p < panels; p++) {
         VF acc[RCH][NH];
         float res[PANEL];
@@ -293,10 +289,10 @@ int quant_linear(const float *x, const uint8_t *pw, int fmt, const float *bias, 
                 for (int h = 0; h < NH; h++) acc[j][h] = fzero();
             const uint8_t *pp = pw + p * panel_bytes;
             switch (fmt) {      /* a constant format in each inlined copy: no branch per block */
-            case Q8_0: panel_q(Q8_0, pp, &a, m0, mr, acc); break;
-            case Q4_0: panel_q(Q4_0, pp, &a, m0, mr, acc); break;
-            case Q4_1: panel_q(Q4_1, pp, &a, m0, mr, acc); break;
-            default: panel_q(Q4_K, pp, &a, m0, mr, acc); break;
+            case Q8_0: panel_q(Q8_0, pp, a, m0, mr, acc); break;
+            case Q4_0: panel_q(Q4_0, pp, a, m0, mr, acc); break;
+            case Q4_1: panel_q(Q4_1, pp, a, m0, mr, acc); break;
+            default: panel_q(Q4_K, pp, a, m0, mr, acc); break;
             }
             for (int j = 0; j < mr; j++) {
                 for (int h = 0; h < NH; h++) fstore(res + h * LANES, acc[j][h]);
@@ -305,8 +301,60 @@ int quant_linear(const float *x, const uint8_t *pw, int fmt, const float *bias, 
             }
         }
     }
+}
+
+/* x [M, K] fp32; pw the prepared panels (kernels/qformats.py); bias [N] or NULL; out [M, N].
+ * K % 32 == 0 (K % 256 for Q4_K). Returns 0, or -1 when scratch memory runs out. */
+int quant_linear(const float *x, const uint8_t *pw, int fmt, const float *bias, float *out, int M, int N, int K) {
+    void *scratch = malloc(quant_act_bytes(M, K));
+    if (!scratch) return -1;
+    Act a = quant_act(scratch, M, K);
+    #pragma omp parallel
+    {
+        quantize_rows_for(x, M, &a);
+        quant_panels_for(&a, pw, fmt, bias, out, M, N);
+    }
     free(scratch);
     return 0;
 }
 
 long quant_panel_bytes(int fmt, int K) { return unit_bytes(fmt) * (fmt == Q4_K ? K / 256 : K / 32); }
+
+static float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The same operations, in the same order, as model/quant.py (each a separate rounding). */
+void dequant_row(int fmt, const uint8_t *row, float *out, int K) {
+    if (fmt == Q4_K) {
+        for (int b = 0; b < K / 256; b++) {
+            const uint8_t *blk = row + b * 144, *p = blk + 4, *qs = blk + 16;
+            float d = half(blk), dmin = half(blk + 2);
+            for (int j = 0; j < 8; j++) {
+                int sc = j < 4 ? p[j] & 63 : (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
+                int mn = j < 4 ? p[j + 4] & 63 : (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+                float scale = d * (float)sc, offset = dmin * (float)mn;
+                for (int i = 0; i < 32; i++) {
+                    int byte = qs[(j / 2) * 32 + i], q = j % 2 ? byte >> 4 : byte & 15;
+                    out[b * 256 + j * 32 + i] = scale * (float)q - offset;
+                }
+            }
+        }
+        return;
+    }
+    int bytes = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20;
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = row + (long)b * bytes;
+        float d = half(blk);
+        for (int i = 0; i < 32; i++) {
+            float *o = out + b * 32 + i;
+            if (fmt == Q8_0) *o = (float)(int8_t)blk[2 + i] * d;
+            else {
+                int byte = blk[(fmt == Q4_1 ? 4 : 2) + i % 16], q = i < 16 ? byte & 15 : byte >> 4;
+                *o = fmt == Q4_0 ? d * (float)(q - 8) : d * (float)q + half(blk + 2);
+            }
+        }
+    }
+}

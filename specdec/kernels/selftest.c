@@ -10,10 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-void skinny_linear(const float *x, const void *wp, int w_bf16, const float *bias, void *out,
-                   int out_bf16, int M, int N, int K);
-int quant_linear(const float *x, const uint8_t *pw, int fmt, const float *bias, float *out, int M, int N, int K);
-long quant_panel_bytes(int fmt, int K);
+#include "kernels.h"
 
 static uint32_t rng = 12345;
 static int next(int n) { rng = rng * 1103515245u + 12345u; return (int)((rng >> 16) % (uint32_t)n); }

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 static inline __m256 load_w(const void *w, int bf16, long i) {
     if (bf16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
@@ -165,15 +167,26 @@ static inline __attribute__((always_inline)) void panels(const float *x, const v
     } else { PANEL_ROWS(1) }
 }
 
-/* x [M, K] fp32; wp packed [ceil(N / 16), K, 16], bf16 or fp32; out [M, N] fp32 or bf16. */
-void skinny_linear(const float *x, const void *wp, int w_bf16, const float *bias, void *out,
-                   int out_bf16, int M, int N, int K) {
+static void panels_for(const float *x, const void *wp, int w_bf16, const float *bias, void *out, int out_bf16,
+                       int M, int N, int K) {
     long panel_count = (N + PANEL - 1) / PANEL;
     long step = M <= PAIR_ROWS ? 2 : 1;     /* each iteration takes a pair of panels if M is small */
     long iters = (panel_count + step - 1) / step;
-    #pragma omp parallel for schedule(static)
+    #pragma omp for schedule(static)
     for (long it = 0; it < iters; it++) {
         if (w_bf16) panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 1);
         else panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 0);
     }
+}
+
+/* The same product with fp32 output, its panels split across the enclosing team (kernels.h). */
+void skinny_for(const float *x, const void *wp, int w_bf16, const float *bias, float *out, int M, int N, int K) {
+    panels_for(x, wp, w_bf16, bias, out, 0, M, N, K);
+}
+
+/* x [M, K] fp32; wp packed [ceil(N / 16), K, 16], bf16 or fp32; out [M, N] fp32 or bf16. */
+void skinny_linear(const float *x, const void *wp, int w_bf16, const float *bias, void *out,
+                   int out_bf16, int M, int N, int K) {
+    #pragma omp parallel
+    panels_for(x, wp, w_bf16, bias, out, out_bf16, M, N, K);
 }

@@ -96,11 +96,11 @@ class ForwardBatch:
                                  f"{kv.blocks.capacity(seq)} allocated slots")
             cu.append(cu[-1] + n)
             if tree is None:
-                positions.append(torch.arange(st, st + n))
+                positions += range(st, st + n)
                 mask_from.append(st)
                 offsets.append(-1)
             else:
-                positions.append(st + tree.depth.cpu().long())
+                positions += [st + d for d in tree.depth.tolist()]
                 mask_from.append(st - tree.past)
                 offsets.append(n_mask)
                 masks.append(tree.mask.cpu().to(torch.uint8).flatten())
@@ -109,12 +109,11 @@ class ForwardBatch:
         if logits is not None:
             idx = torch.tensor([i for b, m in enumerate(logits) for i in range(cu[b + 1] - m, cu[b + 1])],
                                dtype=torch.long)
-        i32 = torch.int32
-        return cls(tuple(seqs), tuple(counts), tuple(starts), tuple(trees),
-                   torch.cat(positions) if positions else torch.empty(0, dtype=torch.long),
-                   torch.tensor(cu, dtype=i32), torch.tensor(starts, dtype=i32),
-                   torch.tensor([kv.blocks.row(s) for s in seqs], dtype=i32),
-                   torch.tensor(mask_from, dtype=i32), torch.tensor(offsets, dtype=torch.long),
+        # the int32 fields in one tensor (one allocation), handed out as contiguous slices
+        meta = torch.tensor(cu + starts + [kv.blocks.row(s) for s in seqs] + mask_from, dtype=torch.int32)
+        cu_t, starts_t, rows_t, from_t = meta[:B + 1], meta[B + 1:2 * B + 1], meta[2 * B + 1:3 * B + 1], meta[3 * B + 1:]
+        return cls(tuple(seqs), tuple(counts), tuple(starts), tuple(trees), torch.tensor(positions, dtype=torch.long),
+                   cu_t, starts_t, rows_t, from_t, torch.tensor(offsets, dtype=torch.long),
                    torch.cat(masks) if masks else None, idx)
 
 
@@ -136,10 +135,12 @@ class AttentionPlan:
 
     write_blocks, write_offsets: [N] where each new token's k/v go
     seqs: per sequence, what its tokens attend to (model/llama.py: _paged_attention)
+    slot: (block, offset) of the only new token when N == 1 (plain decoding of one sequence)
     """
     write_blocks: Tensor
     write_offsets: Tensor
     seqs: list[SeqAttention]
+    slot: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch, kv, device, max_rows: int) -> "AttentionPlan":
@@ -160,7 +161,8 @@ class AttentionPlan:
                 mask = _chunk_mask(tree, st, n).to(device)[None, None]
             seqs.append(SeqAttention(first, n, blocks, span, seen, mask))
             first += n
-        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs)
+        slot = (write_blocks[0], write_offsets[0]) if len(write_blocks) == 1 else None
+        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs, slot)
 
 
 def _tree_seen(tree: TreeAttention, start: int, device) -> list[Tensor]:

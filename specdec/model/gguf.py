@@ -139,11 +139,6 @@ class GGUFFile:
         )
 
 
-def _layer_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
-                                            "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-
-
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected tensor shapes, PyTorch order ([out, in])."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

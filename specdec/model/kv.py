@@ -5,13 +5,14 @@
   row indices, never rebuilt tables) and, per sequence, a host-side length for each cache that
   mirrors it. Several caches share one manager: the target's, a draft model's, an EAGLE
   head's. One allocation covers them all, and freeing a sequence frees it everywhere.
-- `KVCache` holds the tensors of one model: per layer k, v [num_blocks, n_kv, block_size,
-  head_dim]. Slot s of a sequence lives in block table[s // block_size], offset s % block_size.
+- `KVCache` holds the tensors of one model: per layer k, v [n_kv, num_blocks, block_size,
+  head_dim]. Slot s of a sequence lives in block table[s // block_size], offset s % block_size;
+  kv heads outermost, so that a sequence's blocks gathered for one head are one contiguous run.
 
 Rejected drafts are never erased: `rollback` only lowers the length, and the next step
 overwrites those slots (vLLM's scheduler rewinds the same way). `move` copies a tree's
 accepted path next to the prefix. A contiguous cache of B rows x max_len slots is the special
-case block_size = max_len, one block per row (`KVCache.dense`).
+case block_size = max_len, one block per row (`KVCache.dense`): [n_kv, batch, max_len, head_dim].
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ class BlockManager:
         self._free.extend(reversed(s.blocks))
         self._free_rows.append(s.row)
 
+    def mirror(self, tables: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
+        """Hold exactly these sequences, as another manager placed them: (id, block-table row,
+        blocks). A tensor-parallel worker's caches follow rank 0's allocations this way; its own
+        free lists stay unused."""
+        self._seqs = {}
+        for seq, row, blocks in tables:
+            self.table[row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+            self._seqs[seq] = _SeqBlocks(row, list(blocks), [0] * self._num_caches)
+
     def row(self, seq: Hashable) -> int:
         return self._seqs[seq].row
 
@@ -125,7 +135,7 @@ class KVCache:
 
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (blocks.num_blocks, num_kv_heads, blocks.block_size, head_dim)
+        shape = (num_kv_heads, blocks.num_blocks, blocks.block_size, head_dim)
         # empty: no path ever reads a slot before writing it (attention sees slots < start + T
         # only), and untouched pages of a large pool cost no memory until used
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -135,11 +145,11 @@ class KVCache:
 
     @classmethod
     def dense(cls, batch: int, max_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype, device) -> "KVCache":
-        """`batch` sequences 0..batch-1 of `max_len` slots each, one block per sequence: the
-        layout [batch, n_kv, max_len, head_dim] of a contiguous cache."""
+              dtype: torch.dtype, device, **kw) -> "KVCache":
+        """`batch` sequences 0..batch-1 of `max_len` slots each, one block per sequence (kw: a
+        subclass's own arguments)."""
         manager = BlockManager(batch, max_len, batch, 1)
-        cache = cls(manager, num_layers, num_kv_heads, head_dim, dtype, device)
+        cache = cls(manager, num_layers, num_kv_heads, head_dim, dtype, device, **kw)
         for row in range(batch):
             manager.add(row)
             manager.ensure(row, max_len)
@@ -174,6 +184,11 @@ class KVCache:
         off = torch.tensor([s % bs for s in slots], device=self.k[0].device)
         return blk, off
 
+    def entries(self, seq: Hashable, slots: Sequence[int], layer: int) -> tuple[Tensor, Tensor]:
+        """The (keys, values) [n, n_kv, head_dim] a layer holds at the sequence's slots."""
+        blk, off = self.slot_index(seq, slots)
+        return self.k[layer][:, blk, off].transpose(0, 1), self.v[layer][:, blk, off].transpose(0, 1)
+
     def move(self, seq: Hashable, src: Sequence[int], dst_start: int) -> None:
         """Copy the entries of slots `src` to `dst_start, dst_start+1, ...` in every layer.
 
@@ -188,7 +203,7 @@ class KVCache:
         db, do = self.slot_index(seq, dst)
         for cache in (self.k, self.v):
             for t in cache:
-                t[db, :, do] = t[sb, :, so]
+                t[:, db, do] = t[:, sb, so]
 
 
 def plan_blocks(config, bytes_per_slot: int, max_slots_per_seq: int, device) -> tuple[int, int]:

@@ -36,12 +36,26 @@ __all__ = ["ForwardBatch", "ForwardOutput", "KVCache", "Linear", "Transformer", 
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels)."""
+    """nn.Linear whose inference path takes the skinny CPU kernel (specdec/kernels). It owns the
+    packed copy of its weight that the kernels read (kernels.pack), repacked whenever the weight
+    changes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias)
+        self._packed: Tensor | None = None
+        self._packed_key: tuple | None = None
+
+    def packed(self) -> Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._packed_key != key:
+            self._packed, self._packed_key = kernels.pack(w.detach()), key
+        return self._packed
 
     def forward(self, x: Tensor) -> Tensor:
         if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
             return kernels.linear(x, self.weight, self.bias)
-        return kernels.linear(x, self.weight, self.bias, kernels.packed_of(self))
+        return kernels.linear(x, self.weight, self.bias, self.packed())
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +92,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
+        """cfg: the heads this module holds (a tensor-parallel rank's share: `shard_config`)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
@@ -85,8 +100,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
-                plan: AttentionPlan | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend) -> Tensor:
         """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -94,7 +108,7 @@ class Attention(nn.Module):
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
         gqa = self.n_kv != self.n_heads
-        if kv is None:  # training / full-sequence scoring: [B, H, T, hd]
+        if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -102,12 +116,22 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return self.o_proj(_paged_attention(q, k, v, kv.k[layer], kv.v[layer], plan, gqa))
+        return self.o_proj(attend(layer, q, k, v, gqa))
+
+
+class _TorchAttention:
+    """One forward's attention in PyTorch (any device): see _paged_attention."""
+
+    def __init__(self, kv: KVCache, plan: AttentionPlan):
+        self.kv, self.plan = kv, plan
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
+        return _paged_attention(q, k, v, self.kv.k[layer], self.kv.v[layer], self.plan, gqa)
 
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
                      gqa: bool) -> Tensor:
-    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [num_blocks, KV, bs, hd] one layer's cache.
+    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [KV, num_blocks, bs, hd] one layer's cache.
     Writes k/v at their slots; each sequence attends over its own gathered blocks; returns
     [N, H * hd].
 
@@ -117,13 +141,17 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
-    kc[plan.write_blocks, :, plan.write_offsets] = k
-    vc[plan.write_blocks, :, plan.write_offsets] = v
+    if plan.slot is not None:       # one token: plain indexing, no index tensors
+        kc[:, plan.slot[0], plan.slot[1]] = k[0]
+        vc[:, plan.slot[0], plan.slot[1]] = v[0]
+    else:
+        kc[:, plan.write_blocks, plan.write_offsets] = k.transpose(0, 1)
+        vc[:, plan.write_blocks, plan.write_offsets] = v.transpose(0, 1)
     N, H, hd = q.shape
     out = q.new_empty(N, H, hd)
     for seq in plan.seqs:
-        keys = kc[seq.blocks].transpose(0, 1).reshape(kc.shape[1], -1, hd)          # [KV, nb * bs, hd]
-        vals = vc[seq.blocks].transpose(0, 1).reshape(vc.shape[1], -1, hd)
+        keys = torch.index_select(kc, 1, seq.blocks).view(kc.shape[0], -1, hd)     # [KV, nb * bs, hd]
+        vals = torch.index_select(vc, 1, seq.blocks).view(vc.shape[0], -1, hd)
         if seq.mask is not None:
             rows = slice(seq.first, seq.first + seq.count)
             out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
@@ -132,9 +160,13 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
             continue
         for t, seen in enumerate(seq.seen):
             kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
-            qt = q[seq.first + t].clone()          # a fresh buffer: sums must not depend on where it starts
-            out[seq.first + t] = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None],
-                                                                enable_gqa=gqa)[0, :, 0]
+            row = seq.first + t
+            # row 0 starts a fresh buffer; the others get one: sums must not depend on where q starts
+            qt = q[row] if row == 0 else q[row].clone()
+            att = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None], enable_gqa=gqa)
+            if N == 1:
+                return att.reshape(1, H * hd)
+            out[row] = att[0, :, 0]
     return out.reshape(N, H * hd)
 
 
@@ -159,8 +191,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, kv, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, plan)
+    def forward(self, x, cos, sin, layer, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,19 +204,43 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """What one of `tp_size` tensor-parallel ranks holds (Megatron's split): its attention
+    heads, its KV heads (each rank keeps the KV head its query heads read: a share of them, or
+    one replicated head when there are fewer KV heads than ranks) and its part of the MLP. The
+    embedding and the hidden size stay whole. The same config when tp_size is 1."""
+    if tp_size == 1:
+        return cfg
+    H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    for name, n in (("num_attention_heads", H), ("intermediate_size", inter)):
+        if n % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} must divide the model's {name} ({n})")
+    if KV % tp_size and tp_size % KV:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's num_key_value_heads ({KV}) "
+                         f"must divide one another")
+    return cfg.replace(num_attention_heads=H // tp_size, num_key_value_heads=max(1, KV // tp_size),
+                       intermediate_size=inter // tp_size)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
+        """tp_size > 1: one rank's shard of a tensor-parallel model (distributed/shard.py fills
+        its weights and puts the all-reduces in): layers sized by `shard_config`."""
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.tp_size = tp_size
+        self.local_config = shard_config(cfg, tp_size)     # the heads and MLP part this rank holds
+        self.model = Backbone(self.local_config)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
-        # the C path's view of each cache this model writes into (kernels/cforward.CView)
+        # the C path's views of each cache this model writes into (kernels/cforward.CView): the
+        # whole forward's, and the attention-only one of the PyTorch path on the CPU
         self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,19 +264,19 @@ class Transformer(nn.Module):
         return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
     def kv_bytes_per_slot(self, num_layers: int | None = None) -> int:
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
 
     def new_kv(self, blocks, num_layers: int | None = None) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py)."""
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         """A contiguous cache: sequences 0..batch-1 of max_len slots each."""
-        cfg = self.config
+        cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.dense(batch, max_len or cfg.max_position_embeddings, n, cfg.num_key_value_heads,
                              cfg.head_dim, self.dtype, self.device)
@@ -251,13 +307,25 @@ class Transformer(nn.Module):
 
     def c_view(self, kv: KVCache) -> cforward.CView | None:
         """The C path's view of (this model, kv), built once; None where the C path does not
-        apply (training, no compiler, not the CPU, bf16 activations)."""
-        if self.model.norm.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
+        apply (training, no compiler, not the CPU, bf16 activations, a tensor-parallel shard:
+        its all-reduces sit between the layers' products)."""
+        if self.tp_size > 1 or self.model.norm.weight.requires_grad or kernels.load() is None or not cforward.supported(self, kv):
             return None
         view = self._c_views.get(kv)
         if view is None:
             view = self._c_views[kv] = cforward.CView(self, kv)
         return view
+
+    def _attention(self, kv: KVCache, batch: ForwardBatch):
+        """Where this forward's attention runs: forward.c's per-token attention on the CPU with
+        an fp32 cache (whatever the matrices: packed GGUF ones too), else PyTorch."""
+        lib = kernels.load()
+        if lib is not None and not self.model.norm.weight.requires_grad and cforward.attention_supported(self, kv):
+            view = self._c_attention_views.get(kv)
+            if view is None:
+                view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
+            return cforward.CAttention(lib, view, batch)
+        return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS))
 
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
@@ -279,7 +347,7 @@ class Transformer(nn.Module):
         cos, sin = cos[:, None], sin[:, None]                         # [B, 1, T, hd]
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, i, None, None)
+            x = layer(x, cos, sin, i, None)
         return self._head(x, logits, hidden)
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
@@ -287,8 +355,8 @@ class Transformer(nn.Module):
         x = (self.model.embed_tokens(tokens.to(dev)) if embeds is None else embeds.to(dev)).to(self.dtype)
         cos, sin = self._rope(batch.positions.to(dev), x.dtype)
         cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
-        plan = AttentionPlan.of(batch, kv, dev, kernels.MAX_ROWS)
+        attend = self._attention(kv, batch)
         for i, layer in enumerate(self.model.layers[:n_layers]):
-            x = layer(x, cos, sin, i, kv, plan)
+            x = layer(x, cos, sin, i, attend)
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows)

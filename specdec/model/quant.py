@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..kernels import qformats
 
 # qtype -> (weights per block, bytes per block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
@@ -101,11 +102,13 @@ def dequantize(qweight: Tensor, qtype: str, in_features: int) -> Tensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W kept packed (`qweight`, see the module docstring).
+    """y = x W^T + b with W kept packed (see the module docstring).
 
-    The contract with specdec/kernels: `kernels.prepare_quant(qweight, qtype)` runs once here
-    (its result, possibly None, is `prepared`); `kernels.quant_linear(x2d, qweight, qtype, bias,
-    prepared)` returns the product, or None when no kernel covers (qtype, this CPU).
+    The contract with specdec/kernels: `kernels.prepare_quant(qweight, qtype)` runs once here;
+    its result `prepared` (None where no kernel covers the format on this CPU) is the only copy
+    of the weights the module keeps, and `kernels.quant_linear(x2d, ..., prepared)` multiplies
+    by it. Without it the module keeps the file's rows and runs the PyTorch reference. `qweight`
+    gives the file's rows either way (rebuilt from the panels: for reference paths and tests).
     """
 
     def __init__(self, qweight: Tensor, qtype: str, in_features: int, bias: Tensor | None = None):
@@ -116,9 +119,23 @@ class QuantLinear(nn.Module):
             raise ValueError(f"QuantLinear: qweight must be uint8 [N, {row_bytes(qtype, in_features)}], "
                              f"got {qweight.dtype} {tuple(qweight.shape)}")
         self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
-        self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32), persistent=False)
         self.prepared = kernels.prepare_quant(qweight, qtype)
+        # one copy of the weights: the kernel's panels, or (no kernel here) the file's rows
+        self.register_buffer("rows", qweight if self.prepared is None else None, persistent=False)
+
+    @property
+    def qweight(self) -> Tensor:
+        """[out_features, row_bytes] uint8: the rows as the .gguf file stores them."""
+        if self.rows is not None:
+            return self.rows
+        return torch.from_numpy(qformats.unprepare(self.prepared.data.numpy(), self.qtype, self.out_features,
+                                                   self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights a product reads (the panels, or the rows)."""
+        return (self.rows if self.rows is not None else self.prepared.data).numel()
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype}, bias={self.bias is not None}"
@@ -131,7 +148,7 @@ class QuantLinear(nn.Module):
         """x [..., in_features] fp32 -> [..., out_features] fp32."""
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = kernels.quant_linear(x2d, self.qweight, self.qtype, self.bias, self.prepared)
+        out = kernels.quant_linear(x2d, None, self.qtype, self.bias, self.prepared)
         if out is None:
             out = self.reference(x2d)
         return out.reshape(*lead, self.out_features)
@@ -165,14 +182,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens [...] int64 -> [..., embedding_dim] fp32."""
         rows = self.qweight[tokens.reshape(-1)]
-        return dequantize(rows, self.qtype, self.embedding_dim).reshape(*tokens.shape, self.embedding_dim)
-
-
-def quantized_bytes(module: nn.Module) -> int:
-    """Bytes of the packed matrices a module holds (each shared buffer counted once)."""
-    seen, total = set(), 0
-    for m in module.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.qweight.data_ptr() not in seen:
-            seen.add(m.qweight.data_ptr())
-            total += m.qweight.numel()
-    return total
+        out = kernels.dequant_rows(rows, self.qtype, self.embedding_dim)
+        if out is None:
+            out = dequantize(rows, self.qtype, self.embedding_dim)
+        return out.reshape(*tokens.shape, self.embedding_dim)

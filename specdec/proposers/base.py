@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..config import SamplingParams
-from ..sampling import process, sample
+from ..sampling import Controls, Row, adjust_rows, process, sample
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,15 @@ class RequestContext:
     params: SamplingParams
     generator: torch.Generator
     vocab_size: int                # the target's logits width: q is padded or cut to it
+    controls: Controls | None = None   # penalties, bias, bad words, min_tokens, grammar (None: none)
+
+    def adjust(self, logits: Tensor, seq: list[int], paths: list[list[int]]) -> Tensor:
+        """logits [N, V] (row i after seq + paths[i]) with the request's controls applied, as the
+        verifier applies them to p; unchanged without controls. seq: prompt + output so far."""
+        if self.controls is None:
+            return logits
+        output = seq[len(self.controls.prompt):]
+        return adjust_rows(logits, [Row(self.controls, output, list(p)) for p in paths])
 
 
 @dataclass(frozen=True)
@@ -123,9 +132,15 @@ class ProposerBase:
         pass
 
 
-def draw(logits: Tensor, ctx: RequestContext) -> tuple[Tensor, Tensor | None]:
-    """One draft token from logits [1, V]: the argmax when greedy (q unused), else a sample from
-    the processed q, returned with it."""
+def draw(logits: Tensor, ctx: RequestContext, seq: list[int] | None = None,
+         path: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """One draft token from logits [1, V] after seq + path: the argmax when greedy (q unused),
+    else a sample from the processed q, returned with it."""
+    if ctx.controls is not None:
+        adjusted = ctx.adjust(logits, seq, [path or []])
+        # a draft vocabulary narrower than the target's may have nothing the controls allow:
+        # then draw from the raw q (the verifier rejects what the target forbids, exactly)
+        logits = adjusted if bool((adjusted > float("-inf")).any()) else logits
     if ctx.params.greedy:
         return logits.argmax(-1), None
     q = process(logits, ctx.params)
@@ -142,7 +157,8 @@ def grow_chains(items: list[ProposeItem], ctxs: list[RequestContext], logits: Te
     active, depth = list(range(len(items))), 0
     while True:
         for row, i in enumerate(active):
-            tok, q = draw(fit_vocab(logits[row:row + 1], ctxs[i].vocab_size), ctxs[i])
+            path = [int(t) for t in tokens[i]] if ctxs[i].controls is not None else None
+            tok, q = draw(fit_vocab(logits[row:row + 1], ctxs[i].vocab_size), ctxs[i], items[i].seq, path)
             tokens[i].append(tok)
             probs[i] += [q] if q is not None else []
         active = [i for i in active if items[i].k > depth + 1]

@@ -64,11 +64,9 @@ class EagleProposer(ProposerBase):
         self.state.pop(request_id, None)
 
     def _c_chain_ok(self) -> bool:
-        head, emb = self.head, getattr(self.target.model.embed_tokens, "weight", None)
-        if emb is None:           # a packed (GGUF) embedding table: the C chain reads a dense one
-            return False
+        head = self.head
         return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
-                and emb.device.type == "cpu" and emb.dtype in (torch.float32, torch.bfloat16) and emb.is_contiguous())
+                and cforward.embedding_mat(self.target.model.embed_tokens) is not None)
 
     def _embed(self, tokens: list[int]):
         emb = self.target.model.embed_tokens
@@ -100,7 +98,8 @@ class EagleProposer(ProposerBase):
         drafts = [Draft(torch.empty(0, dtype=torch.long), parents=[])] * len(items)
         live = [i for i, it in enumerate(items) if it.request_id in self.state]
         if self.topk == 1:
-            greedy_c = [i for i in live if self.c_chain and self.ctx[items[i].request_id].params.greedy]
+            greedy_c = [i for i in live if self.c_chain and self.ctx[items[i].request_id].params.greedy
+                        and self.ctx[items[i].request_id].controls is None]
             self._c_chains(items, greedy_c, drafts)
             self._chains(items, [i for i in live if i not in greedy_c], drafts)
         else:
@@ -119,7 +118,7 @@ class EagleProposer(ProposerBase):
         if max(steps) > 0:
             feats = torch.stack([self.state[items[i].request_id][1] for i in idx])
             rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), self.head.fc,
-                                        self.target.model.embed_tokens.weight, vocab,
+                                        self.target.model.embed_tokens, vocab,
                                         [self.kv.blocks.row(items[i].request_id) for i in idx],
                                         [len(items[i].seq) - 1 for i in idx], steps, feats, first)
         for j, i in enumerate(idx):
@@ -135,9 +134,12 @@ class EagleProposer(ProposerBase):
         active, depth = list(idx), 0
         while active:
             for i in active:
-                (tok, _, q), = self._children(cur[i][0], 1, self.ctx[items[i].request_id])
-                tokens[i].append(tok)
-                probs[i] += [q] if q is not None else []
+                picks = self._children(cur[i][0], 1, self.ctx[items[i].request_id], items[i].seq, tokens[i])
+                for tok, _, q in picks:     # none: the controls leave nothing in the draft vocabulary
+                    tokens[i].append(tok)
+                    probs[i] += [q] if q is not None else []
+                if not picks:
+                    n[i] = len(tokens[i])
             active = [i for i in active if n[i] > depth + 1]
             if not active:
                 break
@@ -168,9 +170,23 @@ class EagleProposer(ProposerBase):
         for i in idx:
             drafts[i] = grow[i].draft()
 
-    def _children(self, logits, m: int, ctx: RequestContext):
-        """m candidates after a node: (target token id, log q, q or None) each."""
+    def _children(self, logits, m: int, ctx: RequestContext, seq: list[int], path: list[int]):
+        """m candidates after a node (path: the drafts before it): (target token id, log q, q or
+        None) each. With controls the logits are adjusted for the node's path first, so q is
+        processed exactly as p will be there."""
         vocab = self.head.draft_vocab
+        if ctx.controls is not None:
+            row = ctx.adjust(to_target_vocab(logits[None].float(), vocab, ctx.vocab_size), seq, [path])
+            allowed = int((row > float("-inf")).sum())
+            if allowed == 0:        # the controls leave nothing in the draft vocabulary
+                return []
+            if ctx.params.greedy:
+                lp = torch.log_softmax(row[0], -1)
+                top = lp.topk(min(m, allowed))
+                return [(tok, lq, None) for tok, lq in zip(top.indices.tolist(), top.values.tolist())]
+            q = process(row, ctx.params)[0]
+            picks = draw_without_replacement(q, m, ctx.generator).tolist()
+            return [(tok, math.log(max(q[tok].item(), 1e-30)), q) for tok in picks]
         if ctx.params.greedy:
             lp = torch.log_softmax(logits.float(), -1)
             top = lp.topk(min(m, lp.shape[0]))
@@ -185,7 +201,7 @@ class _Growth:
     nodes to expand (ask), take the head's outputs for them (absorb), repeat."""
 
     def __init__(self, p: EagleProposer, item: ProposeItem, ctx: RequestContext, logits, feature):
-        self.p, self.ctx, self.k = p, ctx, item.k
+        self.p, self.ctx, self.k, self.seq = p, ctx, item.k, item.seq
         self.greedy = ctx.params.greedy
         self.base = len(item.seq) - 1          # the head's first free slot: its pairs cover seq[:-1]
         self.depth_max = min(item.k, p.depth or DEFAULT_DEPTH)
@@ -200,7 +216,8 @@ class _Growth:
             m = topk if self.greedy else min(topk, self.k - len(t.tokens))
             if m <= 0:
                 break
-            for tok, logq, q in self.p._children(logits, m, self.ctx):
+            path = t.path(node) if self.ctx.controls is not None else []
+            for tok, logq, q in self.p._children(logits, m, self.ctx, self.seq, path):
                 new.append(t.add(tok, node, t.score(node) + logq, q, feat))
         done = not new or self.depth + 1 == self.depth_max or (not self.greedy and len(t.tokens) >= self.k)
         self.expand = None if done else sorted(new, key=lambda i: (-t.scores[i], i))[:topk]
@@ -246,6 +263,14 @@ class _Tree:
 
     def __init__(self):
         self.tokens, self.parents, self.scores, self.probs, self.feats = [], [], [], [], []
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root down to node (inclusive)."""
+        out = []
+        while node != -1:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def score(self, node: int) -> float:
         return 0.0 if node == -1 else self.scores[node]

@@ -106,12 +106,48 @@ class MedusaProposer(ProposerBase):
             top = heads.draft_vocab[logits.topk(ranks, dim=-1).indices].tolist()         # [M][B][R]
         for j, i in enumerate(live):
             parents, depth, rank = trees[j]
-            if greedy[j]:
+            ctx = self.ctx[items[i].request_id]
+            if ctx.controls is not None:
+                drafts[i] = self._controlled(logits[:, j], parents, depth, rank, ctx, items[i].seq)
+            elif greedy[j]:
                 tokens = [top[d][j][r] for d, r in zip(depth, rank)]
                 drafts[i] = Draft(torch.tensor(tokens, device=dev), parents=list(parents))
             else:
                 drafts[i] = self._sampled(logits[:, j], parents, depth, rank, self.ctx[items[i].request_id])
         return drafts
+
+    def _controlled(self, logits, parents, depth, rank, ctx, seq) -> Draft:
+        """A request with penalties, bias or a grammar: each node's children come from head d's
+        logits adjusted for the node's own path (greedy: the best ranks; sampling: drawn
+        without replacement from that q), so every node's q is processed as p will be there."""
+        n_children: dict[int, int] = {}
+        for par in parents:
+            n_children[par] = n_children.get(par, 0) + 1
+        drawn, q, paths = {}, {}, {-1: []}
+        tokens, keep = [], []
+        for i, (par, d, r) in enumerate(zip(parents, depth, rank)):
+            if par not in paths:           # below a node that was not drawn
+                keep.append(False)
+                tokens.append(-1)
+                continue
+            if par not in drawn:
+                row = ctx.adjust(to_target_vocab(logits[d:d + 1].float(), self.heads.draft_vocab, self.vocab_size),
+                                 seq, [paths[par]])
+                allowed = int((row > float("-inf")).sum())
+                if allowed == 0:       # the controls leave nothing in the heads' vocabulary
+                    drawn[par] = []
+                elif ctx.params.greedy:
+                    drawn[par] = row[0].topk(min(n_children[par], allowed)).indices.tolist()
+                else:
+                    q[par] = process(row, ctx.params)[0]
+                    drawn[par] = draw_without_replacement(q[par], n_children[par], ctx.generator).tolist()
+            keep.append(r < len(drawn[par]))
+            tokens.append(drawn[par][r] if keep[-1] else -1)
+            if keep[-1]:
+                paths[i] = paths[par] + [tokens[-1]]
+        tokens, new_parents, kept = prune_tree(tokens, parents, keep)
+        probs = torch.stack([q[parents[i]] for i in kept]) if q and kept else None
+        return Draft(torch.tensor(tokens, dtype=torch.long), probs, new_parents)
 
     def _sampled(self, logits, parents, depth, rank, ctx) -> Draft:
         used = sorted(set(depth))

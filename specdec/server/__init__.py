@@ -5,8 +5,8 @@
     protocol.py   request bodies (OpenAI's schema, strictly typed)
     serving.py    request -> validated prompts and SamplingParams -> Generation
     responses.py  JSON bodies and server-sent-event chunks for completions and chat
-    worker.py     the one thread that owns the engine; requests take turns step by step
-    logprobs.py   token log-probabilities under the target's distribution
+    worker.py     the one thread that owns the batch engine: adds, aborts, steps, streams
+    logprobs.py   OpenAI's logprobs shapes (the figures come from the verification forward)
     metrics.py    Prometheus metrics, one registry per app
     errors.py     OpenAI-style error JSON, the body size limit, the API key check
 """

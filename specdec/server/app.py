@@ -82,14 +82,15 @@ def _api_routes(service: Service) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params = service.prepare_completion(body)
-        fmt = CompletionFormat(service.tokenizer, params.logprobs is not None)
+        fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
+                               body.return_tokens_as_token_ids)
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params = service.prepare_chat(body)
-        fmt = ChatFormat(service.tokenizer, params.logprobs is not None)
+        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, body.return_tokens_as_token_ids)
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     return router

@@ -40,7 +40,33 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
+    ray.add_argument("--replicas", type=_positive, help="engine replicas behind the one endpoint")
+    ray.add_argument("--autoscale", type=_min_max, metavar="MIN,MAX",
+                     help="let Ray Serve scale between MIN and MAX replicas with the load")
+    ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    ray.add_argument("--replica-cpus", type=float, help="CPUs Ray reserves per replica (default: --tensor-parallel-size)")
     return p
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return n
+
+
+def _min_max(value: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in value.split(","))
+    except ValueError:
+        lo = hi = -1
+    if not 0 <= lo <= hi or hi < 1:
+        raise argparse.ArgumentTypeError(f"must be MIN,MAX with 0 <= MIN <= MAX and MAX >= 1, got {value!r}")
+    return lo, hi
 
 
 def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.Namespace, list[str]]:
@@ -79,22 +105,27 @@ def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
-    return ServerConfig(served_model_names=names, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
+    return ServerConfig(served_model_names=names, api_key=args.api_key,
                         max_request_bytes=args.max_request_bytes, seed=args.seed)
 
 
 def run(args, prog: str = "specdec serve") -> int:
     """`args` from `specdec serve` (its words in args.argv) or a parsed namespace."""
+    argv = None
     if hasattr(args, "argv"):
         if "-h" in args.argv or "--help" in args.argv:
             build_parser(prog).print_help()
             return 0
-        args, ignored = parse_args(args.argv, prog)
+        argv = args.argv
+        args, ignored = parse_args(argv, prog)
     else:
         ignored = []
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads
+    if argv is not None and (args.replicas or args.autoscale or args.ray_address):
+        from .replicas import serve_replicas
+        return serve_replicas(args, argv, prog)
     llm = llm_from_args(args, seed=args.seed)
     return serve(llm, config, args.host, args.port, args.uvicorn_log_level)
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 class ServerConfig:
     served_model_names: tuple[str, ...] = ("specdec",)
     api_key: str | None = None            # when set, /v1/* needs `Authorization: Bearer <key>`
-    max_num_seqs: int = 16                # completions decoded in turn; later ones wait in a FIFO queue
     max_request_bytes: int = 1 << 20      # larger bodies get 413
     seed: int | None = None               # seeds unseeded sampling requests: seed, seed+1, ...
 
@@ -18,8 +17,6 @@ class ServerConfig:
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError("served_model_names must be non-empty strings")
         object.__setattr__(self, "served_model_names", names)
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key:

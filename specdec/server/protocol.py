@@ -33,16 +33,29 @@ class _Sampling(_Body):
     ignore_eos: bool = Field(False, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="only 0 is supported")
+    presence_penalty: float | None = Field(None, description="[-2, 2]: subtract from tokens already in the output")
+    frequency_penalty: float | None = Field(None, description="[-2, 2]: subtract times each token's count in the output")
+    repetition_penalty: float | None = Field(None, description="vLLM extension: (0, 2], over prompt and output; 1 = off")
+    logit_bias: dict[str, float] | None = Field(None, description='{"token id": bias in [-100, 100]}')
+    bad_words: list[str] | None = Field(None, description="vLLM extension: words never generated")
+    min_tokens: int | None = Field(None, description="vLLM extension: EOS and stop tokens banned until this many tokens")
+    best_of: int | None = Field(None, description="draw this many, return the n of highest cumulative logprob")
+    response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'schema': ...}}")
+    structured_outputs: dict | None = Field(None, description="vLLM: one of json, regex, choice, grammar, json_object")
+    guided_json: dict | str | None = Field(None, description="vLLM (older name): a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM (older name): a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM (older name): one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM (older name): a Lark or GBNF grammar")
     user: str | None = None
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprobs name tokens "
+                                                                "'token_id:<id>'")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many alternatives per token (0..20)")
-    echo: bool = Field(False, description="only false is supported")
+    echo: bool = Field(False, description="prepend the prompt to each choice's text")
 
 
 class ContentPart(_Body):
@@ -61,7 +74,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict | None = Field(None, description="only {'type': 'text'} is supported")
+    tools: list[dict] | None = Field(None, description="not supported: a request with tools is refused (400)")
+    tool_choice: str | dict | None = Field(None, description="only 'none' (or absent) is supported")
+    parallel_tool_calls: bool | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
 from .errors import APIError, error_body
-from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from ..logprobs import TokenLogprob
+from .logprobs import chat_logprobs, completion_logprobs, token_namer
 from .serving import Generation
 
 
@@ -35,8 +36,13 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, echo: list[str] | None = None,
+                 tokens_as_ids: bool = False):
+        """echo: each prompt's text, put before its choices' text (OpenAI's echo)."""
+        self.name, self.want_logprobs, self.echo = token_namer(tokenizer, tokens_as_ids), want_logprobs, echo
+
+    def prefix(self, prompt_index: int) -> str:
+        return self.echo[prompt_index] if self.echo else ""
 
     def choice(self, r: ChoiceResult) -> dict:
         return {"index": r.index, "text": "".join(r.text), "logprobs": self._logprobs(r.logprobs, 0),
@@ -51,15 +57,18 @@ class CompletionFormat:
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def _logprobs(self, entries, offset) -> dict | None:
-        return completion_logprobs(self.tokenizer, entries, offset) if self.want_logprobs else None
+        return completion_logprobs(self.name, entries, offset) if self.want_logprobs else None
 
 
 class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False):
+        self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
+
+    def prefix(self, prompt_index: int) -> str:
+        return ""
 
     def choice(self, r: ChoiceResult) -> dict:
         return {"index": r.index, "message": {"role": "assistant", "content": "".join(r.text)},
@@ -78,7 +87,7 @@ class ChatFormat:
                 "stop_reason": stop_reason}
 
     def _logprobs(self, entries) -> dict | None:
-        return chat_logprobs(self.tokenizer, entries) if self.want_logprobs else None
+        return chat_logprobs(self.name, entries) if self.want_logprobs else None
 
 
 def _head(fmt, model: str, chunk: bool) -> dict:
@@ -105,37 +114,47 @@ def speculative(gen: Generation) -> dict:
 
 async def collect(gen: Generation, fmt, model: str) -> dict:
     """Run a generation to the end and build the non-streaming body."""
-    results = [ChoiceResult(i) for i in range(len(gen.prompts) * gen.params.n)]
+    per = gen.per_prompt
+    results = [ChoiceResult(i, [fmt.prefix(i // per)]) for i in range(len(gen.prompts) * per)]
+    score = [0.0] * len(results)
     async with gen:
-        async for index, out in gen.steps():
-            r, ev = results[index], out.event
+        async for index, ev in gen.steps():
+            r = results[index]
             r.text.append(ev.text)
             r.token_ids += ev.token_ids
-            r.logprobs += out.logprobs or []
+            r.logprobs += ev.logprobs or []
             r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
+            score[index] = ev.cumulative_logprob if ev.cumulative_logprob is not None else score[index]
+    tokens = sum(len(r.token_ids) for r in results)      # every candidate's tokens are billed
+    if per > gen.params.n:       # best_of: each prompt's n candidates of highest cumulative logprob
+        results = [r for p in range(len(gen.prompts))
+                   for r in sorted(results[p * per:(p + 1) * per], key=lambda r: -score[r.index])[:gen.params.n]]
+        for i, r in enumerate(results):
+            r.index = i
     return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results],
-            "usage": usage(gen, sum(len(r.token_ids) for r in results)), "speculative": speculative(gen)}
+            "usage": usage(gen, tokens), "speculative": speculative(gen)}
 
 
 async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per decoding step that releases text, then `data: [DONE]`."""
     head = _head(fmt, model, chunk=True)
     extra = {"usage": None} if include_usage else {}
-    n_choices = len(gen.prompts) * gen.params.n
+    n_choices = len(gen.prompts) * gen.params.n      # streams never carry best_of > n
     offsets, tokens = [0] * n_choices, 0
+    echo = [fmt.prefix(i // gen.params.n) for i in range(n_choices)]
     try:
         async with gen:
             for i in range(n_choices):
                 if (opening := fmt.opening(i)) is not None:
                     yield _sse({**head, "choices": [opening], **extra})
-            async for index, out in gen.steps():
-                ev = out.event
+            async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
-                if not (ev.text or ev.finished or out.logprobs):
+                text, echo[index] = echo[index] + ev.text, ""
+                if not (text or ev.finished or ev.logprobs):
                     continue            # text held back (a partial character or a possible stop string)
-                chunk = {**head, "choices": [fmt.delta(index, ev.text, out.logprobs or [], offsets[index],
+                chunk = {**head, "choices": [fmt.delta(index, text, ev.logprobs or [], offsets[index],
                                                        ev.finish_reason, ev.stop_reason)], **extra}
-                offsets[index] += len(ev.text)
+                offsets[index] += len(text)
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()
                 yield _sse(chunk)

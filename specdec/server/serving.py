@@ -9,14 +9,16 @@ import time
 from functools import partial
 
 from ..config import SamplingParams
+from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
 from ..tokenizer import TokenizerError
 from .config import ServerConfig
 from .errors import APIError, bad_value
 from .metrics import ServerMetrics
+from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from .worker import EngineWorker, Job, ShuttingDown, StepOutput
+from .worker import EngineWorker, Job, ShuttingDown
 
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
@@ -29,15 +31,15 @@ class Service:
     def __init__(self, llm: LLM, config: ServerConfig):
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
-        self.worker = EngineWorker(llm.engine, config.max_num_seqs)
-        self.metrics = ServerMetrics(lambda: self.worker.num_running, lambda: self.worker.num_waiting)
+        self.metrics = ServerMetrics(llm.engine)
+        self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
         # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)", "echo")
         prompts = self._completion_prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
         self._check_prompts(prompts, params, "prompt")
@@ -45,8 +47,7 @@ class Service:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        extra.check_chat(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompts = [self._chat_prompt(req)]
@@ -54,6 +55,16 @@ class Service:
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         self._check_prompts(prompts, params, "messages")
         return prompts, params
+
+    def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt's text for echo: as sent, or decoded when sent as token ids."""
+        if not req.echo:
+            return None
+        if isinstance(req.prompt, str):
+            return [req.prompt]
+        if req.prompt and isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
         return Generation(self.worker, self.metrics, prompts, params, arrival)
@@ -63,9 +74,10 @@ class Service:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
 
     def _params(self, req: _Sampling, max_tokens, logprobs) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", name)
+        structured, field = extra.structured_outputs(req)
+        extra.check_grammar(self.engine, structured, field)
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
         # what a request leaves out comes from the model's generation_config.json (vLLM's
         # --generation-config auto), then from OpenAI's defaults
         model = self.llm.generation_defaults
@@ -73,7 +85,11 @@ class Service:
                       top_p=_or(req.top_p, model.get("top_p", 1.0)), top_k=_or(req.top_k, model.get("top_k", -1)),
                       min_p=_or(req.min_p, model.get("min_p", 0.0)), seed=req.seed,
                       max_tokens=_or(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
-                      ignore_eos=req.ignore_eos, logprobs=logprobs)
+                      ignore_eos=req.ignore_eos, logprobs=logprobs,
+                      presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+                      repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
+                      logit_bias=extra.logit_bias(req), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
+                      structured_outputs=structured, best_of=req.best_of)
         try:
             params = _numerically_safe(SamplingParams(**fields))
         except ValueError as e:
@@ -110,9 +126,10 @@ class Service:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
-        if len(prompts) * params.n > MAX_CHOICES:
-            raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x n), "
-                                f"got {len(prompts) * params.n}", "n")
+        per_prompt = params.best_of or params.n
+        if len(prompts) * per_prompt > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x max(n, best_of)), "
+                                f"got {len(prompts) * per_prompt}", "best_of" if params.best_of else "n")
         limit = self.engine.max_model_len
         for ids in prompts:
             try:
@@ -153,11 +170,11 @@ class _Clock:
     """Latency bookkeeping of one choice, for the histograms."""
 
     def __init__(self, arrival: float):
-        self.arrival, self.last = arrival, None
+        self.arrival, self.first, self.last = arrival, None, None
 
 
 class Generation:
-    """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepOutput).
+    """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepEvent).
 
     Use `async with`: entering queues the jobs; leaving with choices unfinished (client gone,
     cancellation, engine error) cancels them, so their slots free at once.
@@ -169,14 +186,16 @@ class Generation:
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * params.n + i))
-                      for p, ids in enumerate(prompts) for i in range(params.n)]
+        # best_of > n: every candidate runs, the best n per prompt are kept at the end
+        self.per_prompt = params.best_of or params.n
+        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i))
+                      for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         self._clocks = [_Clock(arrival) for _ in self._jobs]
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
 
     def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // self.params.n]
+        return self.prompts[index // self.per_prompt]
 
     async def __aenter__(self) -> Generation:
         try:
@@ -194,7 +213,7 @@ class Generation:
         self._open.clear()
 
     async def steps(self):
-        """Yield (choice index, StepOutput) until every choice has finished."""
+        """Yield (choice index, StepEvent) until every choice has finished."""
         while self._open:
             index, item = await self._queue.get()
             if isinstance(item, Exception):
@@ -206,19 +225,21 @@ class Generation:
             self._observe(index, item)
             yield index, item
 
-    def _observe(self, index: int, out: StepOutput) -> None:
-        event, clock, now = out.event, self._clocks[index], time.perf_counter()
+    def _observe(self, index: int, event: StepEvent) -> None:
+        clock, now = self._clocks[index], time.perf_counter()
         self.stats[index] = event.stats
         if event.token_ids:
             self._metrics.generation_tokens.inc(len(event.token_ids))
             if clock.last is None:
                 self._metrics.ttft.observe(now - clock.arrival)
+                clock.first = now
             else:
                 self._metrics.itl.observe(now - clock.last)
             clock.last = now
         if event.finished:
             self._open.discard(index)
-            self._metrics.e2e.observe(now - clock.arrival)
+            if clock.first is not None:
+                self._metrics.latencies(event.stats, clock.first, clock.last, clock.arrival)
             self._metrics.finished(event.finish_reason, event.stats)
 
 

@@ -1,43 +1,41 @@
-"""One thread owns the engine; the active completions take turns, one decoding step each.
+"""One thread owns the batch engine: between steps it admits new requests and aborts cancelled
+ones; each step advances every running request in one forward, and its events reach their
+requests as soon as the step ends.
 
-The torch engine is not thread-safe and a CPU box has few cores, so there is no batching: a
-round-robin over at most `max_num_seqs` active jobs (the rest wait FIFO) keeps every client
-moving. Steps travel to the asyncio side through each job's `deliver` callback, which the
-server builds from `loop.call_soon_threadsafe`, so the event loop never waits on torch.
+The torch engine is not thread-safe, so nothing else touches it. The engine queues what does
+not fit (max_num_seqs seats, max_num_batched_tokens per step, the KV pool) and preempts when
+the pool runs dry; the worker only moves requests in and out. Events travel to the asyncio
+side through each job's `deliver` callback (loop.call_soon_threadsafe), so the event loop
+never waits on torch, and a client that leaves frees its seat and KV blocks before the next
+step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import SamplingParams
 from ..engine import Engine, StepEvent
-from .logprobs import LogprobScorer, TokenLogprob
 
 log = logging.getLogger("specdec.server")
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    event: StepEvent
-    logprobs: list[TokenLogprob] | None = None
-
-
 @dataclass(eq=False)
 class Job:
-    """One completion choice. `deliver` is called on the worker thread with a StepOutput or an
-    Exception; after an Exception, or a finished event, nothing more comes."""
+    """One completion choice. `deliver` is called on the worker thread with StepEvents, or one
+    Exception; after an Exception or a finished event, nothing more comes."""
     prompt_ids: list[int]
     params: SamplingParams
     seed_offset: int
     deliver: Callable[[object], None]
+    request_id: str = ""
     cancelled: bool = False                        # set by any thread; the worker acts on it
-    steps: Iterator[StepEvent] | None = field(default=None, repr=False)
-    scorer: LogprobScorer | None = field(default=None, repr=False)
+    started: bool = field(default=False, repr=False)   # handed to the engine
 
 
 class ShuttingDown(RuntimeError):
@@ -45,21 +43,24 @@ class ShuttingDown(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_num_seqs: int):
-        self.engine, self.max_num_seqs = engine, max_num_seqs
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[StepEvent]], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step                     # told of every step (the metrics)
         self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._active: list[Job] = []
+        self._inbox: deque[Job] = deque()          # submitted, not yet in the engine
+        self._cancels: deque[Job] = deque()        # in the engine, to abort before the next step
+        self._jobs: dict[str, Job] = {}            # request id -> job, while in the engine
+        self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
 
     @property
     def num_running(self) -> int:
-        return len(self._active)
+        return self.engine.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self.engine.num_waiting + len(self._inbox)
 
     @property
     def alive(self) -> bool:
@@ -73,19 +74,24 @@ class EngineWorker:
         with self._cond:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            self._waiting.extend(jobs)
+            for job in jobs:
+                job.request_id = f"req-{next(self._ids)}"
+            self._inbox.extend(jobs)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Drop a job: a waiting one leaves the queue now, an active one at its next turn."""
-        job.cancelled = True
+        """Drop a job: one not yet in the engine leaves the queue now, one in it is aborted
+        (its seat and blocks freed) before the next step."""
         with self._cond:
-            if job in self._waiting:
-                self._waiting.remove(job)
+            job.cancelled = True
+            if job in self._inbox:
+                self._inbox.remove(job)
+            elif job.started:
+                self._cancels.append(job)
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new jobs, let the queued and active ones finish, then end the thread."""
+        """Refuse new jobs, let the queued and running ones finish, then end the thread."""
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -93,52 +99,61 @@ class EngineWorker:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while (turn := self._next_turn()) is not None:
-            for job in turn:
-                self._step(job)
+        while self._between_steps():
+            try:
+                events = self.engine.step()
+            except Exception as e:           # the step's requests cannot go on; the server can
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for event in events:
+                job = self._jobs.get(event.request_id)
+                if job is None:
+                    continue
+                if event.finished:
+                    del self._jobs[event.request_id]     # the engine has freed its seat already
+                self._send(job, event)
+            if self.on_step is not None:
+                self.on_step(self.engine, events)
 
-    def _next_turn(self) -> list[Job] | None:
+    def _between_steps(self) -> bool:
+        """Apply cancellations and admit new jobs; wait while there is nothing to do. False
+        when closing and everything has finished."""
         with self._cond:
-            while True:
-                while self._waiting and len(self._active) < self.max_num_seqs:
-                    self._active.append(self._waiting.popleft())
-                if self._active:
-                    return list(self._active)
+            while not (self._inbox or self._cancels or self.engine.has_unfinished()):
                 if self._closing:
-                    return None
+                    return False
                 self._cond.wait()
+            new, cancels = list(self._inbox), list(self._cancels)
+            self._inbox.clear()
+            self._cancels.clear()
+            for job in new:
+                job.started = True
+        for job in cancels:
+            if self._jobs.pop(job.request_id, None) is not None:
+                self.engine.abort(job.request_id)
+        for job in new:
+            try:
+                self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id)
+            except ValueError as e:
+                self._send(job, e)
+                continue
+            self._jobs[job.request_id] = job
+        return True
 
-    def _step(self, job: Job) -> None:
-        if job.cancelled:
-            self._retire(job)
-            return
-        try:
-            if job.steps is None:
-                job.steps = self.engine.generate(job.prompt_ids, job.params, seed_offset=job.seed_offset)
-                if job.params.logprobs is not None:
-                    job.scorer = LogprobScorer(self.engine.target, job.prompt_ids, self.engine.max_model_len,
-                                               job.params.logprobs)
-            event = next(job.steps)
-            out = StepOutput(event, job.scorer.score(event.token_ids) if job.scorer else None)
-        except Exception as e:           # one failing request must not stop the others
-            log.exception("request failed in the engine")
-            self._retire(job)
-            self._send(job, e)
-            return
-        if event.finished:
-            self._retire(job)            # the slot is free before the client hears of the end
-        self._send(job, out)
-
-    def _retire(self, job: Job) -> None:
-        if job.steps is not None:
-            job.steps.close()
-            job.steps, job.scorer = None, None
-        with self._cond:
-            if job in self._active:
-                self._active.remove(job)
+    def _fail_all(self, error: Exception) -> None:
+        for rid, job in list(self._jobs.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:                # noqa: BLE001 - the engine is already in trouble
+                log.exception("abort after a failed step")
+            self._send(job, error)
+        self._jobs.clear()
 
     def _send(self, job: Job, item) -> None:
         try:
             job.deliver(item)
-        except RuntimeError:             # the event loop is gone: nobody is listening any more
-            job.cancelled = True
+        except RuntimeError:                 # the event loop is gone: nobody is listening any more
+            if job.request_id in self._jobs:
+                del self._jobs[job.request_id]
+                self.engine.abort(job.request_id)

@@ -1,0 +1,130 @@
+"""One rank's shard of a loaded Transformer (Megatron's split, as gpt-fast's tp.py does it).
+
+- column-parallel: q/k/v and gate/up. The runtime fuses each into one matrix, so each part is
+  split on its own and the rank's pieces are concatenated again: rows of its query heads, of
+  the KV heads those heads read (GQA: a share of the KV heads, or one replicated head when
+  there are fewer KV heads than ranks), its slice of gate and the same slice of up. No
+  communication: every rank keeps its heads' keys and values in its own KV cache.
+- row-parallel: o and down take the matching input columns; their outputs are partial sums,
+  added over the ranks by one all-reduce each (`RowParallel`).
+- vocabulary-parallel LM head: each rank scores its share of the vocabulary; rank 0 gathers
+  the columns before verification (`VocabParallelHead`). The embedding, the norms and RoPE stay
+  whole on every rank.
+
+GGUF matrices stay packed: column splits select whole rows (a quantized row is whole), row
+splits cut every row on a block boundary (blocks are independent). A row split that would cut
+a block (a Q4_K block holds 256 weights) dequantizes that matrix's shard instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..model.llama import Linear, Transformer
+from ..model.quant import BLOCKS, QuantLinear, dequantize
+from .comm import Collectives
+
+
+class RowParallel(nn.Module):
+    """A row-parallel product: this rank's input columns, then the sum over ranks."""
+
+    def __init__(self, inner: nn.Module, comm: Collectives):
+        super().__init__()
+        self.inner, self.comm = inner, comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in / tp] -> [..., out], the same on every rank."""
+        return self.comm.all_reduce(self.inner(x))
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's rows of the LM head; rank 0 receives the whole vocabulary's logits."""
+
+    def __init__(self, inner: nn.Module, widths: list[int], comm: Collectives):
+        super().__init__()
+        self.inner, self.widths, self.comm = inner, widths, comm
+
+    @property
+    def weight(self) -> Tensor:
+        """The local rows (dense heads: callers read the dtype from here)."""
+        return self.inner.weight
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h [R, D] -> logits [R, V] on rank 0 (gathered), this rank's [R, V / tp] elsewhere."""
+        local = self.inner(h)
+        pad = max(self.widths) - local.shape[-1]
+        padded = torch.nn.functional.pad(local, (0, pad)) if pad else local
+        full = self.comm.gather_columns(padded.reshape(-1, padded.shape[-1]), self.widths)
+        return local if full is None else full.reshape(*h.shape[:-1], -1)
+
+
+def vocab_split(vocab: int, world: int) -> list[int]:
+    """Rows of the LM head per rank: as even as can be (the first ranks take one more)."""
+    return [vocab // world + (r < vocab % world) for r in range(world)]
+
+
+def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = Transformer, **kw) -> Transformer:
+    """Rank comm.rank's shard of `full` (which it may drop afterwards); cls(config, tp_size, **kw)."""
+    cfg, rank, world = full.config, comm.rank, comm.world_size
+    with torch.device("meta"):
+        model = cls(cfg, world, **kw)
+    model.compute_dtype = full.compute_dtype
+    model.inv_freq = full.inv_freq
+    model.model.embed_tokens, model.model.norm = full.model.embed_tokens, full.model.norm
+    local = model.local_config
+    H, hd, inter = cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size
+    q_rows = _span(rank * local.num_attention_heads * hd, local.num_attention_heads * hd)
+    kv_rows = _span(_first_kv_head(cfg.num_key_value_heads, rank, world) * hd, local.num_key_value_heads * hd)
+    mlp_rows = _span(rank * local.intermediate_size, local.intermediate_size)
+    kv_width = cfg.num_key_value_heads * hd
+    qkv_rows = torch.cat([q_rows, H * hd + kv_rows, H * hd + kv_width + kv_rows])
+    for src, dst in zip(full.model.layers, model.model.layers):
+        dst.input_layernorm, dst.post_attention_layernorm = src.input_layernorm, src.post_attention_layernorm
+        dst.self_attn.qkv_proj = column(src.self_attn.qkv_proj, qkv_rows)
+        dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
+        dst.mlp.gate_up_proj = column(src.mlp.gate_up_proj, torch.cat([mlp_rows, inter + mlp_rows]))
+        dst.mlp.down_proj = RowParallel(row(src.mlp.down_proj, mlp_rows), comm)
+    widths = vocab_split(cfg.vocab_size, world)
+    model.lm_head = VocabParallelHead(column(full.lm_head, _span(sum(widths[:rank]), widths[rank])), widths, comm)
+    return model.eval().requires_grad_(False)
+
+
+def _span(start: int, n: int) -> Tensor:
+    return torch.arange(start, start + n)
+
+
+def _first_kv_head(num_kv: int, rank: int, world: int) -> int:
+    """The first KV head rank `rank` holds: its share, or the one its query heads read."""
+    return rank * (num_kv // world) if num_kv >= world else rank // (world // num_kv)
+
+
+def column(module: nn.Module, rows: Tensor) -> nn.Module:
+    """The module's output rows `rows` [n] (a column-parallel shard), in the same format."""
+    bias = None if module.bias is None else module.bias[rows].clone()
+    if isinstance(module, QuantLinear):
+        return QuantLinear(module.qweight[rows].contiguous(), module.qtype, module.in_features, bias)
+    with torch.device("meta"):
+        out = Linear(module.in_features, len(rows), bias=bias is not None)
+    out.weight = nn.Parameter(module.weight[rows].contiguous(), requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias, requires_grad=False)
+    return out
+
+
+def row(module: nn.Module, cols: Tensor) -> nn.Module:
+    """The module's input columns `cols` [n] (a contiguous run; a row-parallel shard), no bias
+    (o and down have none: a bias would be added once per rank)."""
+    start, n = int(cols[0]), len(cols)
+    if isinstance(module, QuantLinear):
+        per_block, nbytes = BLOCKS[module.qtype]
+        if start % per_block == 0 and n % per_block == 0:
+            qweight = module.qweight[:, start // per_block * nbytes:(start + n) // per_block * nbytes]
+            return QuantLinear(qweight.contiguous(), module.qtype, n)
+        weight = dequantize(module.qweight, module.qtype, module.in_features)[:, start:start + n]
+    else:
+        weight = module.weight[:, start:start + n]
+    with torch.device("meta"):
+        out = Linear(n, weight.shape[0], bias=False)
+    out.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    return out

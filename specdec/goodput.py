@@ -1,0 +1,372 @@
+"""Goodput-aware speculation ("auto"): how many tokens each decoding request drafts this step.
+
+Goodput here is what SmartSpec / TurboSpec maximise: expected emitted tokens per second for
+the whole batch. For a step that gives request i a draft of size s_i,
+
+    G(s) = sum_i E_i(s_i) / (T_target(x) + T_draft(z))
+
+E_i(s): tokens request i emits when it drafts s (1 at s = 0), from measured acceptance:
+    chains: per-position conditional acceptance a_j (P(position j kept | positions < j kept)),
+            E(s) = 1 + sum_{j<s} prod_{l<=j} a_l, per kind (greedy / sampled: they differ
+            systematically) and per method (one proposer per engine);
+    trees:  the mean emitted tokens measured at each size of a ladder (greedy steps also tell
+            every smaller, nested tree's outcome);
+    per request, a multiplier (its accepted tokens over what the kind's model expected) and,
+    for proposers that may come back empty (ngram: no match), the chance it drafts at all.
+T_target: the step without drafting work, linear in x = [1, N, P, A]: N = B + D tokens fed
+    for B decoding requests and their D drafts (a draft token costs the forward what any fed
+    token costs: one coefficient, which any change of B or K identifies), P prompt-chunk
+    tokens, A slots attended (/1024);
+T_draft: z = [any drafting, requests drafting, D, longest draft, P].
+Both are learned online by exponentially weighted recursive least squares, with outliers (a
+step slowed by another process) clipped, so no offline profile is needed and the fit follows
+the machine's load. Under load the per-token cost of a draft weighs against the goodput the
+batch already has, so speculation switches off by itself; at low load it switches back on.
+
+The step's sizes maximise G exactly for the model (Dinkelbach's iteration on the ratio: each
+round picks, for every possible longest draft, each request's best size, in a few numpy
+operations). No flapping: a request that is not drafting needs a clear gain to start
+(its gains count (1 - h)), one that drafts keeps drafting while it nearly pays (1 + h); the
+estimates move smoothly. While nobody drafts, one request drafts a few tokens every
+`probe_every` steps, so acceptance and draft costs stay measured. K = 0 reserves nothing: the
+scheduler allocates KV slots for the sizes chosen here, after this choice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PRIOR_ALPHA = 0.6          # optimistic start: speculate first, let measurements say otherwise
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    """A decoding request as the policy sees it."""
+    request_id: Hashable
+    greedy: bool
+    context: int            # slots its tokens attend over (its sequence length)
+    cap: int                # the most tokens (tree nodes) it may draft now
+
+
+@dataclass(frozen=True)
+class Outcome:
+    request_id: Hashable
+    greedy: bool
+    drafted: int            # tokens (nodes) it drafted, 0 = none
+    accepted: int
+    path: list[int] | None  # a greedy tree step's accepted nodes
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step fed and what it cost."""
+    decoding: int           # B: decoding requests
+    draft_tokens: int       # D: drafts fed to the target
+    prompt_tokens: int      # P: prompt-chunk tokens fed
+    attention: float        # A: slots attended, summed over every fed token
+    drafting: int           # requests that drafted
+    depth: int              # the longest draft
+    propose_s: float        # drafting: propose + the proposer's update
+    rest_s: float           # the rest: target forward, verification, bookkeeping
+
+
+class OnlineLinear:
+    """y ~ w . x over the last `window` samples, recent ones weighing more (weights halve every
+    `half_life` samples), refitted when asked after new samples.
+
+    Every coefficient is a cost, so the fit is non-negative least squares: features that always
+    move together (one request drafting K tokens: D = longest = K) share a cost between them
+    instead of cancelling with opposite signs.
+    Robust to a shared machine: a step now and then waits a scheduler quantum for another
+    process, several times its own length. Slower-than-fitted samples are down-weighted as in
+    Huber's estimator (beyond 1.345 robust standard deviations, from the residuals' median
+    absolute deviation), a few reweighted rounds; faster ones keep their weight (nothing makes
+    a step faster by accident). When the costs themselves change (another job starts or ends,
+    a drafter slows down) the recent samples soon outweigh the old ones. The first `skip`
+    samples are dropped: a code path's first run pays one-off costs."""
+
+    def __init__(self, dim: int, window: int = 128, half_life: float = 48.0, skip: int = 2, rounds: int = 2,
+                 refit_every: int = 4):
+        self.skip, self.rounds, self.refit_every = skip, rounds, refit_every
+        self.X, self.y = np.zeros((window, dim)), np.zeros(window)       # a ring of the last samples
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.n = 0                   # samples seen (with x != 0)
+        self.kept = 0                # samples in the ring
+        self.fresh = 0               # samples since the last fit
+        self._w = np.zeros(dim)
+
+    @property
+    def w(self) -> np.ndarray:
+        """The coefficients, refitted once `refit_every` samples have come (or the first one)."""
+        if self.fresh >= self.refit_every or (self.fresh and not self._w.any()):
+            self._w, self.fresh = self._fit(), 0
+        return self._w
+
+    def predict(self, x) -> float:
+        return float(self.w @ np.asarray(x, dtype=float))
+
+    def update(self, x, y: float) -> None:
+        x = np.asarray(x, dtype=float)
+        if not x.any():
+            return
+        self.n += 1
+        if self.n <= self.skip:
+            return
+        at = self.kept % len(self.y)
+        self.X[at], self.y[at] = x, y
+        self.kept += 1
+        self.fresh += 1
+
+    def _fit(self) -> np.ndarray:
+        size = min(self.kept, len(self.y))
+        X, y = self.X[:size], self.y[:size]
+        age = (self.kept - 1 - np.arange(size)) % len(self.y)       # 0 = the newest
+        recency = self.decay ** age
+        weight = recency
+        # a weak pull towards the last fit: what the window cannot tell (the per-token cost
+        # while every step fed the same number of tokens) keeps its last measured value
+        prior = 1e-4 * float(np.trace(X.T @ (X * recency[:, None]))) / X.shape[1] + 1e-30
+        for _ in range(self.rounds + 1):
+            Xw = X * weight[:, None]
+            w = nonnegative_least_squares(Xw.T @ X + prior * np.eye(X.shape[1]), Xw.T @ y + prior * self._w)
+            r = y - X @ w
+            scale = 1.4826 * float(np.median(np.abs(r))) + 1e-12
+            weight = recency * np.minimum(1.0, 1.345 * scale / np.maximum(r, 1e-30))
+        return w
+
+
+def nonnegative_least_squares(G: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin over w >= 0 of w.G.w / 2 - b.w (G = X'X, b = X'y: least squares on the normal
+    equations), by Lawson and Hanson's active-set method."""
+    k = len(b)
+    w = np.linalg.solve(G, b)
+    if (w >= 0).all():             # the common case: the unconstrained optimum is feasible
+        return w
+    w, free = np.zeros(k), np.zeros(k, dtype=bool)
+    for _ in range(3 * k):
+        grad = b - G @ w
+        grad[free] = 0.0
+        j = int(np.argmax(grad))
+        if grad[j] <= 1e-12 * (abs(b).max() + 1e-30):
+            break
+        free[j] = True
+        for _ in range(3 * k):
+            s = np.zeros(k)
+            idx = np.flatnonzero(free)
+            s[idx] = np.linalg.solve(G[np.ix_(idx, idx)], b[idx])
+            if (s[idx] > 0).all():
+                w = s
+                break
+            bad = idx[s[idx] <= 0]
+            alpha = float(np.min(w[bad] / np.maximum(w[bad] - s[bad], 1e-300)))
+            w = w + alpha * (s - w)
+            free &= w > 1e-15
+            w[~free] = 0.0
+    return w
+
+
+class ChainAcceptance:
+    """Per-position conditional acceptance of chains, counted with exponential forgetting."""
+
+    def __init__(self, max_k: int, decay: float = 0.99, prior_n: float = 2.0):
+        self.sizes = np.arange(max_k + 1)
+        self.tried, self.kept = np.zeros(max_k), np.zeros(max_k)
+        self.decay, self.prior_n = decay, prior_n
+
+    def expected(self) -> np.ndarray:
+        """[S] tokens emitted per size."""
+        alpha = (self.kept + PRIOR_ALPHA * self.prior_n) / (self.tried + self.prior_n)
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(alpha))])
+
+    def observe(self, asked: int, drafted: int, accepted: int, path) -> None:
+        reached = min(drafted, accepted + 1)        # positions tried: up to the first rejection
+        self.tried[:reached] += 1
+        self.kept[:accepted] += 1
+
+    def forget(self) -> None:
+        self.tried *= self.decay
+        self.kept *= self.decay
+
+
+class TreeAcceptance:
+    """Mean emitted tokens per tree size of a ladder (trees are nested: the proposers list
+    nodes best first, so a greedy step tells what every smaller tree would have kept)."""
+
+    def __init__(self, max_size: int, decay: float = 0.99, prior_n: float = 1.0):
+        self.sizes = np.array([s for s in LADDER if s <= max_size])
+        depth = np.minimum(self.sizes, 1 + np.floor(np.log2(np.maximum(self.sizes, 1))))
+        self.prior = (1 - PRIOR_ALPHA ** (depth + 1)) / (1 - PRIOR_ALPHA)
+        self.tokens, self.count = np.zeros(len(self.sizes)), np.zeros(len(self.sizes))
+        self.decay, self.prior_n = decay, prior_n
+
+    def expected(self) -> np.ndarray:
+        mean = (self.tokens + self.prior * self.prior_n) / (self.count + self.prior_n)
+        mean[0] = 1.0
+        return np.maximum.accumulate(np.minimum(mean, self.sizes + 1.0))
+
+    def observe(self, asked: int, drafted: int, accepted: int, path) -> None:
+        if asked <= 0:
+            return
+        if path is None:         # a sampled step: only the size played is observed
+            i = int(np.searchsorted(self.sizes, asked))
+            if i < len(self.sizes) and self.sizes[i] == asked:
+                self.tokens[i] += accepted + 1
+                self.count[i] += 1
+            return
+        for i, s in enumerate(self.sizes):
+            if 0 < s <= asked:
+                cut = next((j for j, node in enumerate(path) if node >= s), len(path))
+                self.tokens[i] += cut + 1
+                self.count[i] += 1
+
+    def forget(self) -> None:
+        self.tokens *= self.decay
+        self.count *= self.decay
+
+
+@dataclass
+class _Seq:
+    """What the policy remembers of one request."""
+    asked: int = 0
+    kept: float = 0.0       # accepted tokens (decayed)
+    expect: float = 0.0     # what the kind's model expected for the same drafts (decayed)
+    asks: float = 0.0       # steps it was asked to draft (decayed)
+    drafts: float = 0.0     # ... and came back with a draft
+
+    def multiplier(self, strength: float = 8.0) -> float:
+        return float(np.clip((self.kept + strength) / (self.expect + strength), 0.25, 4.0))
+
+    def available(self, strength: float = 2.0) -> float:
+        return (self.drafts + strength) / (self.asks + strength)
+
+
+# the sizes played while the cost models have no data: varied, so that the fits can tell
+# per-token from per-step costs
+_WARM = (4, 0, 2, 0, 1, 3, 0, 4)
+
+
+class GoodputPolicy:
+    """Sizes per decoding request per step (see the module docstring).
+
+    max_k: the largest chain (or tree) a request may draft; tree: drafts are token trees
+    (sizes on LADDER); hysteresis h, probe_every and warmup as described above."""
+
+    def __init__(self, max_k: int, tree: bool = False, hysteresis: float = 0.1, probe_every: int = 16,
+                 probe_size: int = 2, warmup: int = len(_WARM)):
+        make = (lambda: TreeAcceptance(max_k)) if tree else (lambda: ChainAcceptance(max_k))
+        self.acceptance = {True: make(), False: make()}
+        self.sizes = self.acceptance[True].sizes
+        self.target = OnlineLinear(4)        # x = [1, B + D, P, A / 1024] -> seconds
+        # z = [any, requests drafting, D, longest, P] -> seconds; drafting is observed only on
+        # the steps that draft (rarely while speculation is off): it forgets per sample, faster
+        self.draft = OnlineLinear(5, window=16, half_life=4.0, refit_every=1)
+        self.h, self.probe_every, self.warmup = hysteresis, probe_every, warmup
+        self.probe_size = self._rung(probe_size)
+        self.seqs: dict[Hashable, _Seq] = {}
+        self.steps = 0                       # steps observed (with decoding requests)
+        self.idle = 0                        # steps since anyone drafted
+        self.probing = False                 # the last choice was a probe
+        self._probe_turn = 0
+
+    def _rung(self, size: int) -> int:
+        """The largest playable size <= size."""
+        return int(self.sizes[np.searchsorted(self.sizes, size, side="right") - 1])
+
+    def forget(self, request_id: Hashable) -> None:
+        self.seqs.pop(request_id, None)
+
+    def choose(self, seqs: list[SeqInfo]) -> list[int]:
+        if not seqs:
+            return []
+        self.probing = False
+        if self.steps < self.warmup:
+            ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
+        else:
+            ks = self._optimise(seqs)
+            self.idle = 0 if any(ks) else self.idle + 1
+            if self.idle >= self.probe_every:
+                ks = self._probe(seqs, ks)
+                self.probing = True
+        for s, k in zip(seqs, ks):
+            self.seqs.setdefault(s.request_id, _Seq()).asked = k
+        return ks
+
+    def _probe(self, seqs: list[SeqInfo], ks: list[int]) -> list[int]:
+        """One request (in turn) drafts a few tokens, so that acceptance stays measured."""
+        able = [i for i, s in enumerate(seqs) if s.cap >= 1]
+        if able:
+            i = able[self._probe_turn % len(able)]
+            self._probe_turn += 1
+            ks[i] = self._rung(min(seqs[i].cap, self.probe_size))
+            self.idle = 0
+        return ks
+
+    def _expected(self, seqs: list[SeqInfo]) -> tuple[np.ndarray, np.ndarray]:
+        """([B, S] expected emitted tokens per size, [B] chance a request's draft is not empty)."""
+        base = {g: a.expected() for g, a in self.acceptance.items()}
+        state = [self.seqs.get(s.request_id) or _Seq() for s in seqs]
+        mult = np.array([st.multiplier() for st in state])
+        avail = np.array([st.available() for st in state])
+        E = np.stack([base[s.greedy] for s in seqs])
+        E = 1.0 + (avail * mult)[:, None] * (E - 1.0)
+        return np.minimum(E, 1.0 + avail[:, None] * self.sizes[None, :]), avail
+
+    def _optimise(self, seqs: list[SeqInfo]) -> list[int]:
+        """Dinkelbach's iteration: for lam = the goodput so far, maximise E - lam * T (exactly:
+        each request's best size for every possible longest draft), then lam = E / T of that
+        choice, until it stops growing."""
+        B, sizes = len(seqs), self.sizes
+        E, avail = self._expected(seqs)
+        ctx = np.array([s.context for s in seqs], dtype=float) / 1024
+        wt, wd = self.target.w, self.draft.w
+        T0 = wt @ np.array([1.0, B, 0.0, ctx.sum()])
+        if not T0 > 0:
+            return [0] * B
+        per_token = np.maximum(wt[1] + wt[3] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]
+        tokens = avail[:, None] * sizes[None, :]                                                # [B, S]
+        cost = tokens * per_token[:, None] + (sizes > 0)[None, :] * avail[:, None] * max(wd[1], 0.0)
+        shared = max(wd[3], 0.0) * sizes + max(wd[0], 0.0) * (sizes > 0)                        # [S]
+        drafting = np.array([(self.seqs.get(s.request_id) or _Seq()).asked > 0 for s in seqs])
+        gain = 1.0 + (E - 1.0) * np.where(drafting, 1.0 + self.h, 1.0 - self.h)[:, None]
+        allowed = sizes[None, :] <= np.array([s.cap for s in seqs])[:, None]
+        # the ratio is taken on the hysteresis-weighted gains, so that "keep drafting while it
+        # nearly pays" holds against plain decoding too
+        rows, lam, choice = np.arange(B), B / T0, np.zeros(B, dtype=int)
+        for _ in range(8):
+            value = np.where(allowed, gain - lam * cost, -np.inf)                               # [B, S]
+            total = np.maximum.accumulate(value, axis=1).sum(0) - lam * shared                 # [S]
+            pick = value[:, :int(np.argmax(total)) + 1].argmax(1)
+            ratio = gain[rows, pick].sum() / (T0 + cost[rows, pick].sum() + shared[pick.max()])
+            if ratio <= lam * (1 + 1e-9):
+                break
+            choice, lam = pick, ratio
+        return [int(sizes[c]) for c in choice]
+
+    def observe(self, outcomes: list[Outcome], costs: StepCosts) -> None:
+        """A step is over: its requests' acceptance and its costs update the models."""
+        if not outcomes:
+            return
+        self.steps += 1
+        for acc in self.acceptance.values():
+            acc.forget()
+        for o in outcomes:
+            st = self.seqs.get(o.request_id)      # None: it finished this step (forgotten)
+            asked = st.asked if st is not None else o.drafted
+            if st is not None and st.asked > 0:
+                st.asks = 0.9 * st.asks + 1
+                st.drafts = 0.9 * st.drafts + (o.drafted > 0)
+            if o.drafted > 0:
+                if st is not None:
+                    base = self.acceptance[o.greedy].expected()
+                    rung = int(np.searchsorted(self.sizes, o.drafted, side="right") - 1)
+                    st.expect = 0.95 * st.expect + (base[rung] - 1.0)
+                    st.kept = 0.95 * st.kept + o.accepted
+                self.acceptance[o.greedy].observe(asked, o.drafted, o.accepted, o.path)
+        c = costs
+        self.target.update([1.0, c.decoding + c.draft_tokens, c.prompt_tokens, c.attention / 1024], c.rest_s)
+        self.draft.update([float(c.drafting > 0), c.drafting, c.draft_tokens, c.depth, c.prompt_tokens], c.propose_s)

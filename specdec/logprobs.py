@@ -1,0 +1,74 @@
+"""Log-probabilities of emitted tokens, read from the verification forward's own logits.
+
+A step's target forward already scored every emitted token: emitted token j of a request was
+predicted by its fed row rows[j] (0 = the last committed token, i + 1 = draft i or tree node
+i), whether it was an accepted draft, a recovered token or the bonus. So logprobs cost no
+second forward, only a log-softmax over the rows of the requests that ask.
+
+Modes (vLLM's `logprobs_mode` names):
+- "processed_logprobs" (default): log p(x) under the distribution the token was verified
+  against: temperature, top-k, top-p and min-p applied (sampling.process_rows); tokens those
+  filters removed get FLOOR. Greedy requests report the unscaled distribution (temperature 0
+  has no distribution of its own), so greedy logprobs are the same in both modes.
+- "raw_logprobs": log-softmax of the raw logits, before any processing.
+A recovered token is drawn from norm(max(0, p - q)), yet the figure reported is log p(x): the
+probability of the token under the target at its position, as if decoded without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .sampling import process_rows
+
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+FLOOR = -9999.0          # what -inf becomes: JSON has no infinity (vLLM reports the same value)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]      # the `params.logprobs` most likely tokens, best first
+
+
+def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int]]], mode: str
+                  ) -> list[list[TokenLogprob]]:
+    """logits [R, V]: a step's target rows; wanted: per asking request (its SamplingParams,
+    the logits rows predicting its emitted tokens, those tokens). One list per request."""
+    if not wanted:
+        return []
+    dev = logits.device
+    rows = torch.tensor([r for _, rows, _ in wanted for r in rows], device=dev)
+    tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=dev)
+    counts = [len(rows) for _, rows, _ in wanted]
+    logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
+    chosen = logp.gather(1, tokens[:, None])[:, 0].clamp_min(FLOOR).tolist()
+    n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
+    top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long()))
+    top_v, top_i = top_v.clamp_min(FLOOR).tolist(), top_i.tolist()
+    out, at = [], 0
+    for (params, _, toks), n in zip(wanted, counts):
+        k = params.logprobs or 0
+        out.append([TokenLogprob(t, chosen[at + j], tuple(zip(top_i[at + j][:k], top_v[at + j][:k])))
+                    for j, t in enumerate(toks)])
+        at += n
+    return out
+
+
+def _log_distribution(rows: Tensor, params: list, counts: list[int], mode: str) -> Tensor:
+    """[M, V] log-probabilities of each request's rows (counts[i] rows of request i)."""
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    if mode == "raw_logprobs":
+        return logp
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return logp
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    index = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in sampled]).to(rows.device)
+    probs = process_rows(rows[index], [params[i] for i in sampled], [counts[i] for i in sampled])
+    logp[index] = probs.log()
+    return logp

@@ -1,0 +1,90 @@
+"""The request fields beyond plain sampling: structured outputs (OpenAI's response_format,
+vLLM's structured_outputs and guided_*), penalties and bias, chat roles, tools.
+
+Each check raises APIError(400) naming the field the client sent, so that a bad schema in
+`guided_json` is reported as `guided_json`, not as an internal name.
+"""
+
+from __future__ import annotations
+
+from ..config import StructuredOutputsParams
+from .errors import APIError
+from .protocol import ChatCompletionRequest, _Sampling
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: _Sampling) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the request's constraint, the field that carried it); at most one field may carry one."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise APIError(400, "response_format.json_schema.schema is required (a JSON schema object)",
+                               "response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                           "response_format")
+    for name, key in GUIDED.items():
+        if getattr(req, name) is not None:
+            found.append((name, {key: getattr(req, name)}))
+    if req.structured_outputs is not None:
+        given = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        found.append(("structured_outputs", given))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError(400, f"give one structured-output field, got {', '.join(f for f, _ in found)}", found[1][0])
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields), name
+    except TypeError:              # a key StructuredOutputsParams does not have
+        raise APIError(400, f"{name} takes one of json, regex, choice, grammar, json_object; got "
+                            f"{', '.join(sorted(fields))}", name) from None
+    except ValueError as e:
+        raise APIError(400, f"{name}: {e}", name) from None
+
+
+def check_grammar(engine, spec: StructuredOutputsParams | None, field: str | None) -> None:
+    """Compile the constraint now: an invalid schema, regex or grammar is a 400 naming the field."""
+    from ..structured import GrammarError
+
+    if spec is None:
+        return
+    try:
+        engine.grammars.check(spec)
+    except GrammarError as e:
+        raise APIError(400, f"{field} is invalid: {e.detail}", field) from None
+
+
+def logit_bias(req: _Sampling) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with string keys -> {int: float}."""
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    """Roles OpenAI knows; tools refused out loud (no function-calling parser for the model)."""
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
+                           f"messages[{i}].role")
+    if req.tools:
+        raise APIError(400, "tools (function calling) are not supported: the served model has no tool-call "
+                            "format this server parses; send the request without tools", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise APIError(400, f"tool_choice {req.tool_choice!r} needs tools, which are not supported", "tool_choice")

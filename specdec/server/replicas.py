@@ -1,0 +1,230 @@
+"""N engine replicas behind one OpenAI-compatible endpoint: a Ray Serve deployment.
+
+Each replica is a Ray actor that loads its own LLM (its own engine, KV pool and "auto" K
+state; with --tensor-parallel-size its own TP group) and serves the single-process server's
+FastAPI app (app.py's build_app, unchanged: the same routes, errors, streaming and metrics).
+Ray Serve's proxy owns the port and routes each request to a replica with a free seat; it
+replaces a replica whose actor dies or whose health check fails.
+
+Metrics: every replica also serves its own registry on a port of its own (its address is
+logged, and kept by a small `MetricsBoard` deployment of the same application), and `GET
+/metrics` on the shared endpoint answers with every live replica's metrics, each sample
+labelled `replica="<id>"` (federate.py). Responses carry `x-specdec-replica: <id>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
+from ray import serve
+from ray.serve import Application
+
+from .federate import merge
+
+log = logging.getLogger("specdec.server")
+REPLICA_HEADER = b"x-specdec-replica"
+APP_NAME, DEPLOYMENT = "specdec", "specdec"
+PROXY_CALLBACK, PROXY_MIDDLEWARES = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "specdec.server.proxy:middlewares"
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class MetricsBoard:
+    """Where each replica's own metrics are served: {replica id: URL}."""
+
+    def __init__(self):
+        self.urls: dict[str, str] = {}
+
+    def register(self, replica: str, url: str) -> None:
+        self.urls[replica] = url
+
+    def drop(self, replica: str) -> None:
+        self.urls.pop(replica, None)
+
+    def all(self) -> dict[str, str]:
+        return dict(self.urls)
+
+
+@serve.ingress()
+class EngineReplica:
+    """One replica: the LLM of `argv` (the `specdec serve` flags) and the server's app around it."""
+
+    def __init__(self, argv: list[str], board=None):
+        import ray
+
+        from ..cli import llm_from_args
+        from .cli import parse_args, server_config
+
+        args, _ = parse_args(argv)
+        self.config = server_config(args)
+        self.llm = llm_from_args(args, seed=args.seed)
+        self.board = board
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.util.get_node_ip_address()
+        self.server = None
+
+    async def __serve_build_asgi_app__(self):
+        from .app import build_app
+
+        self.server = build_app(self.llm, self.config)
+        registry = self.server.state.service.metrics.registry
+        server, _ = start_http_server(0, addr=self.node, registry=registry)
+        self.metrics_url = f"http://{self.node}:{server.server_port}/metrics"
+        log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
+        if self.board is not None:
+            await self.board.register.remote(self.id, self.metrics_url)
+        return ReplicaApp(self.server, self.id, self.federated_metrics)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the app's own /health (the engine worker runs, a TP
+        group has not stopped); a failure gets the replica replaced."""
+        self.llm.check_health()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.server), base_url="http://replica") as c:
+            r = await c.get("/health")
+        if r.status_code != 200:
+            raise RuntimeError(f"replica {self.id} is unhealthy: {r.text}")
+
+    async def federated_metrics(self) -> bytes:
+        """Every live replica's metrics, labelled; a replica that does not answer is dropped."""
+        own = self.server.state.service.metrics.render().decode()
+        urls = await self.board.all.remote() if self.board is not None else {}
+        texts = {self.id: own}
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            others = [(r, u) for r, u in urls.items() if r != self.id]
+            replies = await asyncio.gather(*(client.get(u) for _, u in others), return_exceptions=True)
+        for (replica, _), reply in zip(others, replies):
+            if isinstance(reply, httpx.Response) and reply.status_code == 200:
+                texts[replica] = reply.text
+            else:
+                await self.board.drop.remote(replica)
+        return merge(texts)
+
+
+class ReplicaApp:
+    """The server's app with GET /metrics answered for the whole deployment and every
+    response marked with the replica that served it."""
+
+    def __init__(self, app, replica: str, metrics):
+        self.app, self.replica, self.metrics = app, replica.encode(), metrics
+
+    def add_exception_handler(self, *args, **kw):      # Ray Serve installs its own handlers
+        self.app.add_exception_handler(*args, **kw)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] == "/metrics" and scope["method"] == "GET":
+            body = await self.metrics()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()), (REPLICA_HEADER, self.replica)]})
+            await send({"type": "http.response.body", "body": body})
+            return None
+
+        async def marked(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.replica)]}
+            await send(message)
+
+        return await self.app(scope, receive, marked)
+
+
+def application(argv: list[str]) -> Application:
+    """The Ray Serve application of a `specdec serve` command line (its replica flags decide
+    the deployment's options; every replica parses the rest)."""
+    from .cli import parse_args, server_config
+
+    args, _ = parse_args(argv)
+    server_config(args)                    # bad settings and models fail here, before any replica starts
+    check_model(args.model)
+    opts = deployment_options(args)
+    replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
+    return replica.bind(list(argv), MetricsBoard.bind())
+
+
+def check_model(path: str | None) -> None:
+    """What can be checked without loading weights: the folder's config.json, or the GGUF's
+    header and tensor table (CheckpointError naming the file)."""
+    from ..model.checkpoint import CheckpointError, read_config
+    from ..model.config import ModelConfig
+    from ..model.gguf import GGUFError, GGUFFile, check_tensors, find_gguf
+
+    if path is None:
+        return
+    try:
+        found = find_gguf(path)
+        if found is not None:
+            g = GGUFFile(found)
+            check_tensors(g, g.config())
+        else:
+            ModelConfig.from_hf(read_config(path))
+    except (GGUFError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
+
+
+def deployment_options(args) -> dict:
+    """--replicas, --autoscale MIN,MAX, --replica-cpus as Ray Serve deployment options. A
+    replica decodes up to --max-num-seqs requests at once; more wait in Ray's queue for the
+    first replica with a free seat. Autoscaling aims at half that many per replica."""
+    tp = args.tensor_parallel_size
+    cpus = args.replica_cpus if args.replica_cpus is not None else float(tp)
+    opts = {"ray_actor_options": {"num_cpus": cpus, "num_gpus": tp if args.device.startswith("cuda") else 0},
+            "max_ongoing_requests": args.max_num_seqs, "health_check_period_s": 5.0, "health_check_timeout_s": 30.0}
+    if args.autoscale is None:
+        opts["num_replicas"] = args.replicas or 1
+        return opts
+    lo, hi = args.autoscale
+    start = min(max(args.replicas or lo, lo), hi)
+    opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": start,
+                                  "target_ongoing_requests": max(1, args.max_num_seqs // 2)}
+    return opts
+
+
+def serve_replicas(args, argv: list[str], prog: str) -> int:
+    """`specdec serve --replicas N ...`: join the cluster at --ray-address or start a local
+    one, run the application on --host/--port until SIGINT/SIGTERM, then drain and stop."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    app = application(argv)
+    hi = args.autoscale[1] if args.autoscale else (args.replicas or 1)
+    cpus = deployment_options(args)["ray_actor_options"]["num_cpus"]
+    # the proxy's error middleware (proxy.py); a joined cluster's proxies need it in their env
+    os.environ.setdefault(PROXY_CALLBACK, PROXY_MIDDLEWARES)
+    env = {"env_vars": {PROXY_CALLBACK: os.environ[PROXY_CALLBACK]}}
+    if args.ray_address:
+        ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
+    else:   # a local cluster with room for every replica (logical CPUs: Ray only counts them)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus * hi + 0.999)), include_dashboard=False,
+                 logging_level=logging.WARNING, runtime_env=env)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:
+            raise ValueError(f"the replicas did not start: {_cause(e)}") from None
+        print(f"{prog}: {'autoscaling' if args.autoscale else hi} replica(s) serving on "
+              f"http://{args.host}:{args.port} (Ray Serve; GET /metrics: every replica's metrics)", file=sys.stderr)
+        stop.wait()
+    finally:
+        if args.ray_address:
+            serve.delete(APP_NAME)      # other applications on the cluster keep running
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _cause(e: Exception) -> str:
+    """The replica's own error in Ray's deployment failure report: its last 'XError: ...' line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    found = [ln for ln in lines if "Error: " in ln and not ln.endswith("Traceback (most recent call last):")]
+    return (found[-1] if found else lines[0] if lines else type(e).__name__)[:500]

@@ -1,0 +1,192 @@
+"""Goodput-aware speculation: the policy against synthetic machines (costs linear in what a step
+feeds, with noise and outliers; i.i.d. acceptance), then in a real engine whose drafter turns
+slow and fast again."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.adaptive import SpeculationPolicy
+from specdec.goodput import GoodputPolicy, OnlineLinear, Outcome, SeqInfo, StepCosts
+from specdec.proposers import NgramProposer
+
+
+class Machine:
+    """A step costs fixed + per_token * tokens fed (x (1 + noise), and now and then 4x: another
+    process took the core); each draft position is kept with probability alpha[request]."""
+
+    def __init__(self, fixed=4.3e-3, per_token=2.5e-3, noise=0.1, seed=0):
+        self.fixed, self.per_token, self.noise = fixed, per_token, noise
+        self.rng = random.Random(seed)
+
+    def step(self, policy: GoodputPolicy, ids: list, alpha: dict, greedy=True, context=300):
+        ks = policy.choose([SeqInfo(i, greedy, context, 8) for i in ids])
+        probe = policy.probing
+        outcomes = []
+        for i, k in zip(ids, ks):
+            kept = 0
+            while kept < k and self.rng.random() < alpha[i]:
+                kept += 1
+            outcomes.append(Outcome(i, greedy, k, kept, None))
+        D, B = sum(ks), len(ids)
+        t = (self.fixed + self.per_token * (B + D)) * max(0.2, 1 + self.noise * self.rng.gauss(0, 1))
+        if self.rng.random() < 0.02:
+            t *= 4
+        policy.observe(outcomes, StepCosts(B, D, 0, (B + D) * context, sum(k > 0 for k in ks), max(ks), 0.0, t))
+        return ks, probe
+
+    def run(self, policy, ids, alpha, steps):
+        """The sizes of the steps that were not probes."""
+        out = []
+        for _ in range(steps):
+            ks, probe = self.step(policy, ids, alpha, )
+            if not probe:
+                out.append(ks)
+        return out
+
+
+def drafting(history) -> float:
+    return float(np.mean([[k > 0 for k in ks] for ks in history]))
+
+
+def test_speculation_switches_off_under_load_and_back_on():
+    """With these costs a 0.6-acceptance draft pays at 1 request (K = 1-2: +15%) and costs
+    from 3 on: the policy finds both, and returns to drafting when the load goes."""
+    machine, policy = Machine(), GoodputPolicy(8)
+    alpha = {i: 0.6 for i in range(32)}
+    alone = machine.run(policy, [0], alpha, 300)[-150:]
+    assert drafting(alone) > 0.9 and 1 <= np.mean([k[0] for k in alone]) <= 3
+    loaded = machine.run(policy, list(range(32)), alpha, 300)[-150:]
+    assert drafting(loaded) < 0.02
+    again = machine.run(policy, [0], alpha, 300)[-150:]
+    assert drafting(again) > 0.9
+
+
+def test_no_flapping_when_the_batch_size_straddles_the_break_even_point():
+    """The batch alternates between 2 and 3 requests every step, where drafting is within a few
+    percent of break-even: vLLM's batch-size rule flips every step; with hysteresis the
+    requests keep their state, and without it they do flip (the test can fail)."""
+    def switches(h):
+        machine, policy = Machine(seed=1), GoodputPolicy(8, hysteresis=h)
+        alpha = {i: 0.6 for i in range(3)}
+        history = []
+        for t in range(1500):
+            ks, probe = machine.step(policy, [0, 1, 2][:2 + t % 2], alpha)
+            if not probe:
+                history.append([k > 0 for k in ks[:2]])
+        history = history[100:]
+        return sum(a != b for prev, cur in zip(history, history[1:]) for a, b in zip(prev, cur)) / len(history)
+
+    assert switches(0.1) < 0.08 < switches(0.0)
+
+
+def test_per_request_k_follows_each_requests_acceptance():
+    """Eight requests, four whose drafts are nearly always right and four nearly always wrong:
+    only the first four draft."""
+    machine, policy = Machine(per_token=1e-3), GoodputPolicy(8)
+    alpha = {i: (0.95 if i < 4 else 0.05) for i in range(8)}
+    history = machine.run(policy, list(range(8)), alpha, 400)[-100:]
+    good = np.mean([[k > 0 for k in ks[:4]] for ks in history])
+    bad = np.mean([[k > 0 for k in ks[4:]] for ks in history])
+    assert good > 0.9 and bad < 0.1
+
+
+def test_tree_sizes_find_the_best_size_and_fall_back_to_plain():
+    def run(kept_of, per_node):
+        policy, played = GoodputPolicy(32, tree=True), []
+        for _ in range(300):
+            (k,) = policy.choose([SeqInfo(0, True, 100, 32)])
+            n = kept_of(k)
+            policy.observe([Outcome(0, True, k, n, list(range(n)))],
+                           StepCosts(1, k, 0, (k + 1) * 100, int(k > 0), k, 0.0, 1e-3 * (1 + per_node * k)))
+            played.append(k)
+        return played[-100:]
+
+    # every step keeps the first 4 nodes of a best-first tree: 4 nodes is the best size
+    played = run(lambda k: min(k, 4), 0.3)
+    assert max(set(played), key=played.count) == 4
+    # nothing is ever kept: plain decoding (bar probes)
+    played = run(lambda k: 0, 0.3)
+    assert played.count(0) > 85
+
+
+def test_cost_fit_ignores_outliers():
+    """Steps cost 4 ms + 2 ms per token + 1 ms per 1024 attended slots (5% noise), and one in
+    twenty takes 10x: the fit stays within a few percent, where plain least squares does not."""
+    def mean_error(fit, seed=0):
+        rng, errors = np.random.default_rng(seed), []
+        for i in range(1500):
+            x = np.array([1.0, rng.integers(1, 33), rng.integers(0, 65)])
+            y = x @ [4e-3, 2e-3, 1e-3] * (1 + 0.05 * rng.standard_normal())
+            fit.update(x, y * (10 if rng.random() < 0.05 else 1))
+            if i >= 500:      # inside the data (its corners are noisier)
+                errors += [fit.predict(q) / np.dot(q, [4e-3, 2e-3, 1e-3]) - 1 for q in ([1, 16, 0], [1, 16, 64])]
+        return float(np.mean(np.abs(errors)))
+
+    assert mean_error(OnlineLinear(3)) < 0.05
+    assert mean_error(OnlineLinear(3, rounds=0)) > 0.2      # without the reweighting
+
+
+def test_disable_by_batch_size_and_fixed_k():
+    seqs = [SeqInfo(i, True, 10, 8) for i in range(4)]
+    policy = SpeculationPolicy(3, disable_by_batch_size=4)
+    assert policy.choose(seqs[:3], num_running=3) == [3, 3, 3]
+    assert policy.choose(seqs, num_running=4) == [0, 0, 0, 0]
+    auto = SpeculationPolicy("auto", disable_by_batch_size=2)
+    assert auto.choose(seqs, num_running=4) == [0, 0, 0, 0]
+
+
+class SlowNgram(NgramProposer):
+    """Prompt lookup whose drafting takes `delay` seconds per step: a drafter that costs more
+    than it saves while slow."""
+
+    def __init__(self):
+        super().__init__(4, 1)
+        self.delay = 0.0
+
+    def propose(self, items):
+        if self.delay:            # sleep(0) would yield the core: on a busy machine, a quantum
+            time.sleep(self.delay)
+        return super().propose(items)
+
+
+def test_engine_turns_speculation_off_when_drafting_is_slow_and_back_on(tiny_pair):
+    from specdec.engine import Engine
+
+    target = LLM(tiny_pair[0], num_speculative_tokens=0, dtype="float32")
+    proposer = SlowNgram()
+    engine = Engine(target.target, target.tokenizer, proposer, "auto", 256)
+    prompt = target.tokenizer.encode("x = 1\n" * 12)         # repetitive: lookups are mostly right
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+    def drafted_fraction():
+        """Of one request's steps, those that verified a draft (a lookup may find nothing)."""
+        req, steps = engine.add_request(prompt, params), []
+        while not req.finished:
+            engine.step()
+            steps.append(engine.last_step_drafting)
+        return np.mean(steps)
+
+    assert max(drafted_fraction() for _ in range(2)) > 0.5      # fast drafting of good drafts: on
+    proposer.delay = 0.02                           # 20x a step of this model: off, bar probes
+    assert min(drafted_fraction() for _ in range(3)) < 0.15
+    proposer.delay = 0.0                            # the probes (every 16 steps) notice: on again
+    assert max(drafted_fraction() for _ in range(4)) > 0.5
+    plain = target.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    req = engine.add_request(prompt, params)
+    while not req.finished:
+        engine.step()
+    assert req.out == plain                          # lossless whatever it chose
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_disable_by_batch_size_is_validated(bad):
+    from specdec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(method="ngram", disable_by_batch_size=bad)

@@ -1,0 +1,245 @@
+"""Replicas behind Ray Serve: `specdec serve --replicas 2` as a real subprocess starting a local
+Ray cluster, a tiny checkpoint, the official openai client. Completions and streams through
+the one endpoint, requests spread over both replicas, every replica's metrics at /metrics, and
+a replica killed mid-traffic: its in-flight requests end with a clear error, the others finish,
+the endpoint keeps answering and Ray Serve starts a replacement.
+
+One cluster serves the module (about 20-30 s to start on 2 cores; marked `ray`: `pytest -m
+"not ray"` skips it). The builder and option tests need no cluster."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from specdec.server.cli import parse_args  # noqa: E402
+from specdec.server.proxy import MESSAGE  # noqa: E402
+from specdec.server.replicas import deployment_options  # noqa: E402
+
+from conftest import make_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.ray
+LONG = 1200          # tokens of a request kept in flight while a replica is killed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _replica_pids(driver: int) -> list[int]:
+    """The engine replicas of the cluster `driver` started (Ray titles them
+    ServeReplica:<app>:<deployment>; their raylet is the driver's child)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"ServeReplica:specdec:specdec" in f.read() and _parent(_parent(int(entry))) == driver:
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_checkpoint(tmp_path_factory.mktemp("replicas") / "target", layers=2, max_position_embeddings=2048)
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("replicas-log") / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(model), "--served-model-name", "tiny",
+                             "--replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "4", "--port", str(port),
+                             "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_replicas(proc, url, log)
+        yield {"url": url, "driver": proc.pid,
+               "client": openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)}
+    finally:
+        proc.send_signal(signal.SIGTERM)          # drains, shuts Serve and the local cluster down
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_for_replicas(proc, url: str, log) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
+        try:            # both replicas up: each lists its metrics in the federated /metrics
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200 and len(_requests_by_replica(url)) == 2:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def _tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-3000:]
+
+
+def _complete(client, **kw):
+    r = client.completions.with_raw_response.create(model="tiny", **kw)
+    return r.headers["x-specdec-replica"], r.parse()
+
+
+def _requests_by_replica(url: str) -> dict[str, float]:
+    totals = collections.Counter()
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name == "specdec:requests":
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    totals[s.labels["replica"]] += s.value
+    return totals
+
+
+def test_completions_and_streams_spread_over_both_replicas(cluster):
+    client, url = cluster["client"], cluster["url"]
+    served = collections.Counter()
+    results = []
+    lock = threading.Lock()
+
+    def one(i):
+        replica, out = _complete(client, prompt=f"def f{i}(x):", max_tokens=400, temperature=0)
+        with lock:
+            served[replica] += 1
+            results.append(out)
+
+    # 4 seats per replica (--max-num-seqs 4 = Ray's max_ongoing_requests): 8 at once need both
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert len(results) == 8 and all(r.choices[0].finish_reason in ("length", "stop") for r in results)
+    assert len(served) == 2, served
+    whole = _complete(client, prompt="class Point:", max_tokens=24, temperature=0)[1].choices[0].text
+    chunks = client.completions.create(model="tiny", prompt="class Point:", max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          stream=True, stream_options={"include_usage": True})
+    assert [c.usage for c in chat][-1].completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError, match="does not exist"):       # the same errors as one server
+        client.completions.create(model="other", prompt="x", max_tokens=4)
+    # every replica's metrics through the one endpoint, labelled by replica
+    counts = _requests_by_replica(url)
+    assert set(counts) == set(served) and sum(counts.values()) >= 8 + 3
+
+
+def test_a_killed_replica_fails_its_requests_clearly_and_the_service_recovers(cluster):
+    client, url = cluster["client"], cluster["url"]
+    outcome, replica_of, started = {}, {}, threading.Semaphore(0)
+
+    def stream(i):
+        try:
+            raw = client.completions.with_raw_response.create(
+                model="tiny", prompt=f"def g{i}():", max_tokens=LONG, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            replica_of[i] = raw.headers["x-specdec-replica"]
+            started.release()
+            finish = [c.choices[0].finish_reason for c in raw.parse() if c.choices][-1]
+            outcome[i] = ("finished", finish)
+        except openai.APIError as e:
+            outcome[i] = ("error", str(e))
+
+    threads = []
+    while len(set(replica_of.values())) < 2 and len(threads) < 12:   # until both hold a stream
+        threads.append(threading.Thread(target=stream, args=(len(threads),)))
+        threads[-1].start()
+        assert started.acquire(timeout=30)
+    assert len(set(replica_of.values())) == 2
+    victim = _replica_pids(cluster["driver"])[0]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    answer = None
+    while answer is None and time.monotonic() - killed_at < 10:       # the endpoint answers again
+        try:
+            answer = _complete(client, prompt="x = ", max_tokens=4)
+        except openai.APIError:
+            time.sleep(0.2)
+    assert answer is not None
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()                                          # nothing hangs
+    failed = {replica_of[i] for i, (kind, _) in outcome.items() if kind == "error"}
+    assert len(failed) == 1, outcome                                     # one replica died with its requests
+    for i, (kind, detail) in outcome.items():
+        if replica_of[i] in failed:
+            assert kind == "error" and MESSAGE in detail, detail
+        else:
+            assert (kind, detail) == ("finished", "length")              # the other replica's are unaffected
+    deadline = time.monotonic() + 90
+    while not (len(_replica_pids(cluster["driver"])) == 2 and victim not in _replica_pids(cluster["driver"])):
+        assert time.monotonic() < deadline, "no replacement replica"     # Ray Serve replaced it
+        time.sleep(0.5)
+
+
+def test_flags_map_to_ray_serve_options():
+    args, _ = parse_args(["--replicas", "3", "--max-num-seqs", "8", "--tensor-parallel-size", "2"])
+    opts = deployment_options(args)
+    assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 8
+    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0}
+    args, _ = parse_args(["--autoscale", "1,4", "--max-num-seqs", "8"])
+    assert deployment_options(args)["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 1, "target_ongoing_requests": 4}
+
+
+def test_app_builder_takes_the_serve_flags(tiny_pair):
+    from ray.serve import Application
+
+    from specdec.serve import app, argv_of
+
+    assert argv_of({"model": "m", "num_speculative_tokens": 4, "speculative_config": {"method": "ngram"},
+                    "ignore_eos": True}) == ["--model", "m", "--num-speculative-tokens", "4",
+                                             "--speculative-config", '{"method": "ngram"}', "--ignore-eos"]
+    assert isinstance(app({"model": str(tiny_pair[0]), "replicas": "2"}), Application)
+    with pytest.raises(ValueError, match="port: set by Ray"):
+        app({"model": str(tiny_pair[0]), "port": 8000})
+
+
+def test_a_bad_model_fails_before_ray_starts(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "specdec", "serve", "--model", str(tmp_path / "missing"), "--replicas", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("specdec: error: ") and "does not exist" in r.stderr
+
+
+def test_federated_metrics_keep_each_replicas_samples_apart(tiny_pair):
+    from specdec import LLM
+    from specdec.server.federate import merge
+    from specdec.server.metrics import ServerMetrics
+
+    a, b = ServerMetrics(LLM(tiny_pair[0]).engine), ServerMetrics(LLM(tiny_pair[0]).engine)
+    a.requests.labels("stop").inc(3)
+    a.ttft.observe(0.2)
+    b.requests.labels("length").inc(2)
+    fams = {f.name: f for f in text_string_to_metric_families(merge({"a": a.render().decode(),
+                                                                      "b": b.render().decode()}).decode())}
+    totals = {(s.labels["replica"], s.labels["outcome"]): s.value for s in fams["specdec:requests"].samples
+              if s.name.endswith("_total")}
+    assert totals[("a", "stop")] == 3 and totals[("b", "length")] == 2 and totals[("b", "stop")] == 0
+    counts = {s.labels["replica"]: s.value for s in fams["specdec:time_to_first_token_seconds"].samples
+              if s.name.endswith("_count")}
+    assert fams["specdec:time_to_first_token_seconds"].type == "histogram" and counts == {"a": 1, "b": 0}

@@ -1,0 +1,136 @@
+"""The rest of the OpenAI surface through a real uvicorn server and the official openai client:
+structured outputs (response_format, structured_outputs, guided_*), penalties and logit bias,
+echo, n with best_of, roles and tools; bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.config import StructuredOutputsParams
+from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
+from specdec.server import ServerConfig, build_app
+
+from test_server import LiveServer
+from test_structured import SCHEMA
+
+MSG = [{"role": "user", "content": "def parse(data):"}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=256,
+              max_num_seqs=8)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
+        server.llm = llm
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_json_schema_response_format_and_guided_fields(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    chat = client.chat.completions.create(model="toy", messages=MSG, response_format=rf, max_tokens=80,
+                                          temperature=1.0, seed=3, n=3)
+    for c in chat.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    obj = client.chat.completions.create(model="toy", messages=MSG, response_format={"type": "json_object"},
+                                         max_tokens=120, temperature=0)
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = client.completions.create(model="toy", prompt="x = ", max_tokens=80, temperature=0,
+                                     extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+    regex = client.completions.create(model="toy", prompt="x = ", max_tokens=20, temperature=0.8, seed=1,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert len(regex.choices[0].text) == 6 and regex.choices[0].text[3] == "-"
+    choice = client.chat.completions.create(model="toy", messages=MSG, max_tokens=10, temperature=1.0, seed=2,
+                                            extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert choice.choices[0].message.content in {"yes", "no", "maybe"}
+
+
+def test_penalties_bias_and_min_tokens_match_the_engine(client, live):
+    """The server passes every control through: its greedy output equals LLM.generate's."""
+    body = dict(presence_penalty=0.5, frequency_penalty=0.7, logit_bias={"29": 3.0})
+    extra = dict(repetition_penalty=1.2, min_tokens=10, bad_words=["the"])
+    got = client.completions.create(model="toy", prompt="def parse(data):", max_tokens=20, temperature=0,
+                                    **body, extra_body=extra)
+    params = SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, frequency_penalty=0.7,
+                            logit_bias={29: 3.0}, **extra)
+    plain = LLM(BUNDLED_TARGET, num_speculative_tokens=0).generate("def parse(data):", params)[0].outputs[0]
+    assert got.choices[0].text == plain.text
+    unconstrained = client.completions.create(model="toy", prompt="def parse(data):", max_tokens=20, temperature=0)
+    assert unconstrained.choices[0].text != plain.text
+
+
+def test_echo_and_best_of(client):
+    out = client.completions.create(model="toy", prompt="import os\n", max_tokens=6, temperature=0, echo=True)
+    assert out.choices[0].text.startswith("import os\n") and len(out.choices[0].text) > len("import os\n")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="toy", prompt="import os\n", max_tokens=6, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+    best = client.completions.create(model="toy", prompt="def f(x):", max_tokens=8, temperature=1.0, seed=5, n=2,
+                                     best_of=4)
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens >= 8 * 2
+
+
+def test_best_of_keeps_the_most_likely_candidates(live):
+    """best_of=4, n=2 returns the two of the four seeded candidates (the same as n=4 draws)
+    whose cumulative log-probability, recomputed here from the target, is highest."""
+    import torch
+    llm, prompt = live.llm, "def f(x):"
+    draws = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=6))[0].outputs
+    best = llm.generate(prompt, SamplingParams(n=2, best_of=4, temperature=1.0, seed=9, max_tokens=6))[0].outputs
+    ids = llm.tokenizer.encode(prompt)
+
+    def logprob(out):
+        with torch.no_grad():
+            logits = llm.target(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1]
+        return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None]).sum().item()
+
+    ranked = sorted(draws, key=logprob, reverse=True)
+    assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
+    # bf16 weights: the verifier's rows and this whole-sequence forward round a little apart
+    assert best[0].cumulative_logprob == pytest.approx(logprob(ranked[0]), abs=0.05)
+
+
+@pytest.mark.parametrize("kind,kw,param", [
+    ("chat", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format"),
+    ("chat", dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
+    ("chat", dict(response_format={"type": "yaml"}), "response_format"),
+    ("completion", dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex"),
+    ("completion", dict(extra_body={"guided_json": "{not json"}), "guided_json"),
+    ("completion", dict(extra_body={"structured_outputs": {"grammar": "start: missing_rule"}}), "structured_outputs"),
+    ("completion", dict(extra_body={"structured_outputs": {"yaml": "x"}}), "structured_outputs"),
+    ("completion", dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), "guided_choice"),
+    ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("chat", dict(tool_choice="required"), "tool_choice"),
+    ("completion", dict(logit_bias={"abc": 1}), "logit_bias"),
+    ("completion", dict(logit_bias={"5": 500}), "logit_bias"),
+    ("completion", dict(frequency_penalty=-3), "frequency_penalty"),
+    ("completion", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    ("completion", dict(n=3, best_of=2), "best_of"),
+    ("completion", dict(best_of=3, stream=True), "best_of"),
+    ("completion", dict(echo=True, logprobs=1), "echo"),
+])
+def test_bad_input_is_a_400_naming_the_field(client, kind, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            client.chat.completions.create(**{"model": "toy", "messages": MSG, "max_tokens": 4, **kw})
+        else:
+            client.completions.create(**{"model": "toy", "prompt": "x", "max_tokens": 4, **kw})
+    assert e.value.body["param"] == param, e.value.body
+    assert client.models.list().data              # still serving
+
+
+def test_structured_outputs_in_the_python_api_names_the_field():
+    with pytest.raises(ValueError, match="structured_outputs must set exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))

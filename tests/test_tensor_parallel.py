@@ -1,0 +1,173 @@
+"""Tensor parallelism over gloo, two real processes (rank 0 here, rank 1 spawned): a tiny fp32
+checkpoint written by transformers and a tiny packed GGUF. TP=2 logits equal TP=1's within fp32
+tolerance; greedy plain and speculative outputs and seeded samples are identical to TP=1's; a
+rank that dies or stops answering ends the group with a clear error instead of a hang.
+
+Each LLM(tensor_parallel_size=2) starts a process (a few seconds on 2 cores), so the speculative
+engines of a model share one TP=2 target (marked `tp`: `pytest -m "not tp"` skips them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
+from specdec.distributed import TensorParallelError
+from specdec.engine import Engine
+from specdec.model import ForwardBatch
+from specdec.proposers import build_proposer
+
+from test_heads import _heads_dirs
+
+pytestmark = pytest.mark.tp
+
+MAX_LEN = 96
+TEXT = ["def add(a, b):", "class Point:", "for i in range(10):", "import os\n", "    return a + b"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=11, ignore_eos=True)
+
+
+def _specs(draft, heads=None) -> dict:
+    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+             "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+             "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}}
+    if heads:
+        specs["eagle-tree"] = {"method": "eagle", "model": str(heads["eagle"]), "num_speculative_tokens": 4}
+        specs["medusa"] = {"method": "medusa", "model": str(heads["medusa"]), "num_speculative_tokens": 3}
+    return specs
+
+
+def _engine(llm: LLM, spec: dict | None) -> Engine:
+    """An engine over llm's target (TP or not) with the method of `spec`: one TP group serves all."""
+    if spec is None:
+        return Engine(llm.target, llm.tokenizer, None, 0, MAX_LEN)
+    cfg = SpeculativeConfig.from_dict(spec)
+    proposer = build_proposer(cfg, llm.target, llm._load_draft, MAX_LEN)
+    return Engine(llm.target, llm.tokenizer, proposer, cfg.num_speculative_tokens, MAX_LEN)
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Every prompt at once through the batch engine; outputs in prompt order."""
+    reqs = [engine.add_request(p, params, seed_offset=i) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [list(r.out) for r in reqs]
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    kv = llm.target.new_cache(1, MAX_LEN)
+    return llm.target(torch.tensor(ids), kv, ForwardBatch.build(kv, [0], [len(ids)], [0])).logits
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_pair, near_draft, tmp_path_factory):
+    target = tiny_pair[0]
+    heads = _heads_dirs(target, tmp_path_factory.mktemp("tp-heads"))
+    kw = dict(model=target, dtype="float32", num_speculative_tokens=0, max_model_len=MAX_LEN)
+    tp2 = LLM(**kw, tensor_parallel_size=2)
+    yield {"tp1": LLM(**kw), "tp2": tp2, "specs": _specs(near_draft, heads)}
+    tp2.shutdown()
+
+
+@pytest.fixture(scope="module")
+def packed(gguf_files):
+    kw = dict(model=str(gguf_files["llama_q"]), quantization="gguf", num_speculative_tokens=0, max_model_len=MAX_LEN)
+    tp2 = LLM(**kw, tensor_parallel_size=2)
+    yield {"tp1": LLM(**kw), "tp2": tp2, "specs": _specs(gguf_files["draft"].parent)}
+    tp2.shutdown()
+
+
+@pytest.fixture(params=["dense", "packed"])
+def pair(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_logits_equal_tp1_within_fp32_tolerance(pair):
+    ids = pair["tp1"].tokenizer.encode(TEXT[0] + TEXT[1])
+    a, b = _logits(pair["tp1"], ids), _logits(pair["tp2"], ids)
+    assert a.shape == b.shape == (len(ids), pair["tp1"].target.config.vocab_size)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+    assert pair["tp2"].target.lm_head.inner.out_features < a.shape[1]     # each rank scored a share
+
+
+def test_greedy_and_seeded_outputs_identical_to_tp1(pair):
+    prompts = [pair["tp1"].tokenizer.encode(t) for t in TEXT]
+    for name, spec in pair["specs"].items():
+        for params in (GREEDY, SAMPLED):
+            want = _run(_engine(pair["tp1"], spec), prompts, params)
+            assert _run(_engine(pair["tp2"], spec), prompts, params) == want, (name, params.temperature)
+
+
+def test_unseeded_requests_keep_ranks_in_step(dense):
+    """Sampling without a seed draws fresh randomness on rank 0 only: the worker just repeats
+    rank 0's forwards, so the group keeps working (and a later greedy request is still exact)."""
+    prompts = [dense["tp1"].tokenizer.encode(t) for t in TEXT]
+    engine = _engine(dense["tp2"], dense["specs"]["draft_model"])
+    _run(engine, prompts, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    assert _run(engine, prompts, GREEDY) == _run(_engine(dense["tp1"], None), prompts, GREEDY)
+
+
+def test_tp_size_must_divide_the_heads(tiny_pair):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's num_attention_heads"):
+        LLM(model=tiny_pair[0], tensor_parallel_size=3)
+
+
+def _worker(llm: LLM):
+    return llm.target.leader.procs[0]
+
+
+def test_a_killed_rank_stops_the_group_with_a_clear_error(tiny_pair):
+    llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, tensor_parallel_size=2)
+    worker = _worker(llm)
+    threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker.pid}\) was killed by SIGKILL"):
+        while True:      # keep the group busy until the kill lands
+            llm.generate(TEXT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(TensorParallelError):          # the group stays stopped
+        llm.check_health()
+    with pytest.raises(TensorParallelError):
+        llm.generate(TEXT[0], GREEDY)
+
+
+def test_a_silent_rank_times_out_instead_of_hanging(tiny_pair):
+    llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, tensor_parallel_size=2,
+              distributed_timeout_s=2.0)
+    worker = _worker(llm)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="Timed out"):
+            llm.generate(TEXT[0], GREEDY)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if worker.exitcode is None:
+            os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+
+
+def test_torchrun_runs_the_same_command_on_every_rank(tiny_pair):
+    """Under torchrun both ranks run `specdec generate --tensor-parallel-size 2`: rank 1 serves
+    rank 0's forwards and exits, rank 0 prints what TP=1 prints."""
+    cmd = ["-m", "specdec", "generate", "--model", str(tiny_pair[0]), "--dtype", "float32", "--max-tokens", "12",
+           "--json", "def add(a, b):"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *argv: subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,  # noqa: E731
+                                       timeout=240)
+    one = run(*cmd)
+    launched = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd,
+                   "--tensor-parallel-size", "2")
+    for r in (one, launched):
+        assert r.returncode == 0, r.stderr[-3000:]
+    tokens = lambda r: json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]  # noqa: E731
+    assert tokens(launched) == tokens(one)

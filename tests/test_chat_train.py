@@ -178,3 +178,30 @@ def test_vocab_draft_distils_resumes_and_stays_lossless(answers, tmp_path):
             [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     sampled = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
     assert all(o.stats.draft_tokens > 0 for o in sampled)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "vocab_draft"])
+def test_heads_and_vocab_draft_run_on_a_packed_gguf_target(gguf_files, kind, tmp_path):
+    """A packed GGUF target has no dense embedding or LM-head weights: heads and the vocab draft
+    built for it still load, and greedy output stays the target's own."""
+    from specdec.model.heads import save_heads
+    from specdec.model.vocab_draft import save_vocab_draft
+    from specdec.train.heads import HeadsConfig, build_heads
+    from specdec.train.vocab_draft import VocabDraftConfig, init_draft
+
+    path = str(gguf_files["llama_q"])
+    dense = load_model(path, "float32", quantization="none")
+    vocab = torch.arange(0, dense.config.vocab_size, 2)
+    if kind == "vocab_draft":
+        save_vocab_draft(init_draft(VocabDraftConfig(layers=1), dense, vocab), tmp_path / "d")
+        spec = {"method": "draft_model", "model": str(tmp_path / "d"), "num_speculative_tokens": 3}
+    else:
+        save_heads(build_heads(HeadsConfig(kind=kind, num_heads=2), dense, vocab), tmp_path / "d")
+        spec = {"method": kind, "model": str(tmp_path / "d"), "num_speculative_tokens": 3}
+    plain = LLM(path, quantization="gguf")
+    fast = LLM(path, quantization="gguf", speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for ids in ([0, 9, 17, 9, 17, 9], [0, 5, 6, 7, 8, 5, 6]):
+        a = plain.generate({"prompt_token_ids": ids}, params)[0]
+        b = fast.generate({"prompt_token_ids": ids}, params)[0]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and b.stats.draft_tokens > 0

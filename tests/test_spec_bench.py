@@ -72,4 +72,7 @@ def test_bench_reports_per_category(long_target, tmp_path):
     md = (out / "results.md").read_text()
     assert "Per category (Spec-Bench)" in md and "| ngram K=2 |" in md
     assert (out / "categories_spec-bench_t0.png").is_file()
-    assert "--limit-per-category 1" in json.loads((out / "results.json").read_text())["command"]
+    results = json.loads((out / "results.json").read_text())
+    assert "--limit-per-category 1" in results["command"]
+    card = spec_bench.method_card_table(results, "ngram K=2")
+    assert "| 0 | overall | 13 |" in card and "| 0 | rag | 1 |" in card and card.count("\n") == 16

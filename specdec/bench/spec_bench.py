@@ -128,3 +128,23 @@ def plot(scenario: dict, path: Path) -> bool:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
+
+
+def method_card_table(results: dict, name: str) -> str:
+    """One method's Spec-Bench figures per category (for a model card): tau, acceptance rate,
+    speedup over plain and whether greedy output equalled plain, for every scenario of a run."""
+    lines = ["| temperature | category | prompts | tau | acceptance | speedup over plain | greedy = plain |",
+             "|---|---|---|---|---|---|---|"]
+    for s in results["scenarios"]:
+        for group, c in s.get("categories", {}).items():
+            m = next((m for m in c["methods"] if m["name"] == name), None)
+            if m is None:
+                continue
+            sp = m["speedup_vs_plain"]
+            g = m["greedy_match"]
+            same = "–" if g is None else ("yes" if g["identical"] else f"no ({g['mismatched_prompts']})")
+            acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
+            speed = "–" if sp is None else f"{sp['median']:.2f}x"
+            lines.append(f"| {s['temperature']:g} | {group} | {c['num_prompts']} | {m['mean_accepted_length']:.2f} | {acc} | "
+                         f"{speed} | {same} |")
+    return "\n".join(lines)

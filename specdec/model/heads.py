@@ -132,7 +132,8 @@ def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None 
         heads = EagleHead(tcfg.replace(**{k: getattr(dec, k) for k in (
             "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "attention_bias")}), vocab)
-    dtype = target.lm_head.weight.dtype
+    # a GGUF target kept packed has no dense LM-head weight: its heads are stored and run in bf16
+    dtype = getattr(getattr(target.lm_head, "weight", None), "dtype", torch.bfloat16)
     missing, unexpected = heads.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("embed_tokens.weight")]
     if missing or unexpected:

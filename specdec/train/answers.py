@@ -210,13 +210,16 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
         chunk = [(s + i, p) for i, p in enumerate(prompts[s:s + cfg.per_shard])]
         encoded = [(i, p, chat_ids(tokenizer, p["prompt"])) for i, p in chunk]
         kept = [(i, p, ids) for i, p, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-        results = []
-        for b in range(0, len(kept), cfg.batch):
-            part = kept[b:b + cfg.batch]
+        # batches of similar prompt lengths: a padded batch costs its longest prompt per row
+        order = sorted(range(len(kept)), key=lambda j: len(kept[j][2]))
+        results = [None] * len(kept)
+        for b in range(0, len(order), cfg.batch):
+            part = [kept[j] for j in order[b:b + cfg.batch]]
             greedy = [is_greedy(cfg.seed, i, cfg.greedy_fraction) for i, _, _ in part]
             gen = make_generator(cfg.seed * 1_000_003 + part[0][0], model.device)
             run = answer_batch if isinstance(model, Transformer) else answer_batch_hf
-            results += run(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)
+            for j, r in zip(order[b:b + cfg.batch], run(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)):
+                results[j] = r
         _save_shard(path, kept, results, cfg)
         paths.append(path)
         made += 1

@@ -52,6 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
         h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
         h.add_argument("--precision", choices=("fp32", "bf16", "auto"), help="training matmuls (default fp32)")
+        h.add_argument("--eval-every", type=int, help="log validation top-1 accuracy every N steps")
+        h.add_argument("--soft-labels", action="store_true", default=None,
+                       help="token loss against the target's distribution (its LM head on the stored features)")
+        h.add_argument("--token-weight", type=float, help="eagle: token loss weight (default 0.1)")
+        h.add_argument("--prompt-loss", action="store_true", default=None, help="chat data: train on prompt positions too")
+        h.add_argument("--init-from-target", action="store_true", default=None,
+                       help="eagle: start the decoder layer from the target's last layer")
 
     vd = tsub.add_parser("vocab-draft", help="distil a draft over a draft vocabulary from a chat target's answers")
     vd.add_argument("--target", required=True)
@@ -160,6 +167,9 @@ def _heads(args: argparse.Namespace) -> int:
     fields = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
               "shards": args.shards, "val_shards": args.val_shards, "threads": args.threads,
               "data_kind": args.data_kind, "noise": getattr(args, "noise", None), "precision": args.precision,
+              "eval_every": args.eval_every, "prompt_loss": args.prompt_loss,
+              "soft_labels": args.soft_labels, "token_weight": getattr(args, "token_weight", None),
+              "init_from_target": getattr(args, "init_from_target", None),
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -64,6 +65,11 @@ class HeadsConfig:
     default_topk: int = 1              # eagle: the tree's branching when speculative_config has no "topk";
                                        # chains measured fastest on the 2-core CPU (README, Methods)
     precision: str = "fp32"            # "bf16" autocast (or "auto": where matmuls have native bf16); fp32 master weights
+    eval_every: int = 0                # log top-1 accuracy on a probe of greedy validation sequences (0: never)
+    prompt_loss: bool = False          # chat data: also train on the prompt's positions (more data; the answer copies them)
+    init_from_target: bool = False     # eagle: start the decoder layer from the target's last layer
+    soft_labels: bool = False          # token loss against the target's distribution (from its stored features)
+    token_weight: float = 0.1          # eagle: weight of the token loss beside the feature regression
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -99,6 +105,11 @@ def build_heads(cfg: HeadsConfig, target, vocab: torch.Tensor):
             if p.dim() == 2 and "embed_tokens" not in name:
                 torch.nn.init.normal_(p, std=0.02)
         torch.nn.init.zeros_(heads.fc.bias)
+        if cfg.init_from_target:    # the target's last decoder layer: a prior for "one more layer"
+            last = f"model.layers.{target.config.num_hidden_layers - 1}."
+            src = target.state_dict()
+            heads.decoder.model.layers[0].load_state_dict(
+                {k[len(last):]: v.float().clone() for k, v in src.items() if k.startswith(last)})
         # the target's final norm and LM-head rows: features live in the target's space
         heads.decoder.model.norm.weight.data = target.model.norm.weight.data.float().clone()
         heads.decoder.lm_head.weight.data = target.lm_head.weight.data[vocab].float().clone()
@@ -113,8 +124,9 @@ def _to_draft(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return m
 
 
-def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft) -> torch.Tensor:
-    """Feature positions t [N] of sequences seq [N]; head i learns token t + 2 + i of the same sequence."""
+def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft, soft: bool = False) -> torch.Tensor:
+    """Feature positions t [N] of sequences seq [N]; head i learns token t + 2 + i of the same
+    sequence (soft: the target's distribution there, from its feature at t + 1 + i)."""
     logits = heads(data.hidden[t].float())                              # [M, N, V']
     end = data.ends[seq]
     loss = 0.0
@@ -122,11 +134,26 @@ def medusa_loss(heads: MedusaHeads, data: FlatData, t, seq, to_draft) -> torch.T
         pos = t + 2 + i
         labels = to_draft[data.tokens[pos.clamp(max=len(data.tokens) - 1)].long()]
         labels = labels.masked_fill(pos >= end, -100)
-        loss = loss + 0.8 ** i * F.cross_entropy(logits[i], labels, ignore_index=-100)
+        src = data.hidden[(pos - 1).clamp(max=len(data.tokens) - 1)] if soft else None
+        loss = loss + 0.8 ** i * _token_loss(logits[i], labels, src, heads.lm_head.weight)
     return loss
 
 
-def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen):
+def _token_loss(logits, labels, soft_from, head_rows) -> torch.Tensor:
+    """Cross-entropy of logits [N, V'] with the hard labels [N] (-100: skip), or, given the
+    target's features soft_from [N, D] at the label's previous position, with the target's own
+    distribution over the draft vocabulary (softmax of its LM-head rows head_rows [V', D]):
+    every position then teaches the whole distribution, not one sampled token."""
+    keep = labels != -100
+    if soft_from is None or not keep.any():
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+    with torch.no_grad():
+        p = torch.softmax(soft_from[keep].float() @ head_rows.float().T, -1)
+    return -(p * F.log_softmax(logits[keep].float(), -1)).sum(-1).mean()
+
+
+def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen,
+               soft: bool = False, token_weight: float = 0.1):
     """Rows of pair positions idx [B, W] (feature t, token t + 1) -> feature t + 1, token t + 2;
     mask [B, W]: pairs whose token t + 2 is trained on."""
     feats = data.hidden[idx].float()                                     # [B, W, D]
@@ -139,8 +166,9 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
     m = mask[..., None].float()
     reg = (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-    return reg + 0.1 * ce, reg, ce
+    ce = _token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                     want.reshape(-1, want.shape[-1]) if soft else None, head.decoder.lm_head.weight)
+    return reg + token_weight * ce, reg, ce
 
 
 def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state: dict, log) -> tuple[FlatData, FlatData, str]:
@@ -187,6 +215,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
     vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
+    if cfg.prompt_loss and cfg.data_kind == "chat":     # every position, the vocabulary still the answers'
+        train = dataclasses.replace(train, answer_starts=train.starts.clone())
+        what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
     heads = build_heads(cfg, target, vocab)
     embed = target.model.embed_tokens
@@ -198,6 +229,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         log(f"resumed from {ckpt} at step {state['step']}")
     label_t, label_seq = train.label_positions(2)
     bf16 = use_bf16(cfg.precision, torch.device("cpu"))
+    # a fixed probe of greedy validation sequences: top-1 accuracy during training shows overfitting
+    val_probe = val.select(val.greedy & (torch.arange(val.num_sequences) < 4 * 24)) if cfg.eval_every else None
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
@@ -208,11 +241,12 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if cfg.kind == "medusa":
                 pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
-                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft), {}
+                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft, cfg.soft_labels), {}
             else:
                 idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
                 mask = valid & train.trained_on(idx, seq, 2)
-                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen)
+                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen,
+                                           cfg.soft_labels, cfg.token_weight)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -221,6 +255,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                parts["val_top1"] = _val_top1(cfg, heads, embed, val_probe, to_draft)
             state["history"].append({"step": step + 1, "loss": round(loss.item(), 4), **parts})
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
@@ -253,6 +289,14 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                                                     "history": state["history"]}, indent=1) + "\n")
     (out / "README.md").write_text(card(out, target_dir, cfg, result, commands))
     return {"finished": True, **result}
+
+
+def _val_top1(cfg: HeadsConfig, heads, embed, probe: FlatData, to_draft) -> float:
+    heads.eval()
+    acc = eagle_accuracy(heads, embed, probe, to_draft) if cfg.kind == "eagle" else \
+        medusa_accuracy(heads, probe, to_draft, ranks=1)[0][0]
+    heads.train()
+    return acc
 
 
 def _report_prompts(cfg: HeadsConfig, val: FlatData, n: int, target_dir: Path) -> tuple[list[list[int]], str]:

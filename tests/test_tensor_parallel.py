@@ -74,7 +74,7 @@ def dense(tiny_pair, near_draft, tmp_path_factory):
     heads = _heads_dirs(target, tmp_path_factory.mktemp("tp-heads"))
     kw = dict(model=target, dtype="float32", num_speculative_tokens=0, max_model_len=MAX_LEN)
     tp2 = LLM(**kw, tensor_parallel_size=2)
-    yield {"tp1": LLM(**kw), "tp2": tp2, "specs": _specs(near_draft, heads)}
+    yield {"kind": "dense", "tp1": LLM(**kw), "tp2": tp2, "specs": _specs(near_draft, heads)}
     tp2.shutdown()
 
 
@@ -82,7 +82,7 @@ def dense(tiny_pair, near_draft, tmp_path_factory):
 def packed(gguf_files):
     kw = dict(model=str(gguf_files["llama_q"]), quantization="gguf", num_speculative_tokens=0, max_model_len=MAX_LEN)
     tp2 = LLM(**kw, tensor_parallel_size=2)
-    yield {"tp1": LLM(**kw), "tp2": tp2, "specs": _specs(gguf_files["draft"].parent)}
+    yield {"kind": "packed", "tp1": LLM(**kw), "tp2": tp2, "specs": _specs(gguf_files["draft"].parent)}
     tp2.shutdown()
 
 
@@ -95,7 +95,14 @@ def test_logits_equal_tp1_within_fp32_tolerance(pair):
     ids = pair["tp1"].tokenizer.encode(TEXT[0] + TEXT[1])
     a, b = _logits(pair["tp1"], ids), _logits(pair["tp2"], ids)
     assert a.shape == b.shape == (len(ids), pair["tp1"].target.config.vocab_size)
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+    if pair["kind"] == "packed":
+        # GGUF-packed products quantize their input activations to int8 per 32-block (llama.cpp's
+        # scheme): a shard's partial sum added in another order can round one activation code the
+        # other way, so the bound is a quantization step's effect, not fp32's; the argmax holds.
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-2 * a.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    else:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
     assert pair["tp2"].target.lm_head.inner.out_features < a.shape[1]     # each rank scored a share
 
 

@@ -193,13 +193,15 @@ class LeaderTransformer(Transformer):
         return self.leader.call(super().forward, tokens, kv, batch, embeds=embeds, exit_layer=exit_layer,
                                 logits=logits, hidden=hidden)
 
-    def new_kv(self, blocks: BlockManager, num_layers: int | None = None) -> KVCache:
+    def new_kv(self, blocks: BlockManager, num_layers: int | None = None,
+               dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
+        dtype = dtype or self.dtype          # every rank's cache in the same dtype (--kv-cache-dtype)
         handle = self.leader.new_handle()
         self.leader.send("new_kv", handle, (blocks.num_blocks, blocks.block_size, blocks.table.shape[0],
-                                            blocks.max_blocks_per_seq, n))
-        return LeaderKVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                            blocks.max_blocks_per_seq, n, dtype))
+        return LeaderKVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
                              self.leader, handle)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:

@@ -39,9 +39,9 @@ class Worker:
             self.ops[cmd.op](cmd)
 
     def _new_kv(self, cmd: Command) -> None:
-        num_blocks, block_size, max_seqs, max_blocks, num_layers = cmd.args
+        num_blocks, block_size, max_seqs, max_blocks, num_layers, dtype = cmd.args
         self.caches[cmd.cache] = self.model.new_kv(BlockManager(num_blocks, block_size, max_seqs, max_blocks),
-                                                   num_layers)
+                                                   num_layers, dtype)
 
     def _new_cache(self, cmd: Command) -> None:
         batch, max_len, num_layers = cmd.args

@@ -39,6 +39,25 @@ def smollm2_gguf() -> Path | None:
     return None
 
 
+# The drafters trained for a target and shipped under models/ (method -> folder name): the toy
+# pair's, and SmolLM2's (issue #12; the model cards say how each was trained and measured).
+BUNDLED_DRAFTERS = {"toy": {"draft_model": "draft", "medusa": "medusa", "eagle": "eagle"},
+                    "smollm2": {"draft_model": "smollm2-draft", "medusa": "smollm2-medusa", "eagle": "smollm2-eagle"}}
+
+
+def is_smollm2(model) -> bool:
+    gguf = smollm2_gguf()
+    return model is not None and gguf is not None and Path(model).resolve() in (gguf.resolve(), gguf.parent.resolve())
+
+
+def bundled_drafters(model) -> dict[str, str]:
+    """method -> folder of a drafter bundled for this target (only the folders present), so that
+    `--speculative-config '{"method": "eagle"}'` on the default model needs no path."""
+    kind = "toy" if is_bundled(model) else "smollm2" if is_smollm2(model) else None
+    found = {m: MODELS_DIR / name for m, name in BUNDLED_DRAFTERS.get(kind, {}).items()}
+    return {m: str(folder) for m, folder in found.items() if (folder / "config.json").is_file()}
+
+
 def default_model() -> tuple[str, dict | None, str | None]:
     """(target, speculative_config, bundled draft folder): SmolLM2 with ngram when installed,
     else the bundled target with the bundled draft."""

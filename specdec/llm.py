@@ -12,7 +12,7 @@ import torch
 
 from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
 from .distributed.launch import ParallelConfig
-from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, default_model, generation_defaults
+from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
 from .engine import Engine, StepEvent
 from .logprobs import TokenLogprob
 from .metrics import RequestStats
@@ -104,6 +104,9 @@ class LLM:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         self.model_path = str(model)
         self.seed = seed
+        if isinstance(speculative_config, dict) and not speculative_config.get("model"):
+            found = bundled_drafters(model).get(speculative_config.get("method"))
+            speculative_config = {**speculative_config, "model": found} if found else speculative_config
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.target, self.tokenizer = self._load(model, tokenizer)

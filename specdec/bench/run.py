@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from .. import kernels
 from ..config import METHODS
-from ..defaults import is_bundled
-from ..llm import DEFAULT_DRAFT, LLM, MODELS_DIR
+from ..defaults import bundled_drafters
+from ..llm import LLM
 from ..model.gguf import find_gguf
 from . import machine, report
 from .diagnose import label_mismatches
@@ -55,9 +55,7 @@ def select_methods(requested: list[str] | None, peers: list[str]) -> tuple[list[
 def _draft_dir(args, llm: LLM) -> str | None:
     if args.speculative_model and args.speculative_model not in ("[ngram]", "ngram"):
         return args.speculative_model
-    if is_bundled(llm.model_path) and DEFAULT_DRAFT.is_dir():
-        return str(DEFAULT_DRAFT)        # the bundled pair
-    return None
+    return bundled_drafters(llm.model_path).get("draft_model")      # the toy pair's or SmolLM2's
 
 
 def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counter):
@@ -66,10 +64,9 @@ def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counte
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
-    if is_bundled(llm.model_path):    # the bundled target: its bundled heads
-        for method in ("medusa", "eagle"):
-            if (MODELS_DIR / method).is_dir():
-                overrides.setdefault(method, {}).setdefault("model", str(MODELS_DIR / method))
+    for method, folder in bundled_drafters(llm.model_path).items():     # heads bundled for this target
+        if method != "draft_model":
+            overrides.setdefault(method, {}).setdefault("model", folder)
     variants = [plain_variant(llm, clock)]
     spec_vs, spec_skipped = speculative_variants(llm, spec_methods, args.num_speculative_tokens, draft_dir, overrides,
                                                  clock)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specdec.bench import cli as bench_cli
-from specdec.bench.harness import rotated
-from specdec.bench.prompts import BUNDLED, read_rows
+from specdec.bench.harness import Scenario, rotated, sampling_params
+from specdec.bench.prompts import BUNDLED, Prompt, read_rows
 from specdec.bench.run import select_methods
 from specdec.bench.summary import greedy_comparison, predicted_speedup
 from specdec.bench.variant import Run, Variant
@@ -96,6 +96,15 @@ def test_bad_flags_are_one_line_errors(tiny_pair, prompts_file, tmp_path, capsys
     assert rc == 2 and "unknown nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--num-speculative-tokens", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["bench", "--top-p", "0", "--out", str(tmp_path)])
+
+
+def test_top_p_reaches_the_sampled_runs_only():
+    prompts = [Prompt("a", "a", [1, 2], 4), Prompt("b", "b", [3], 4)]
+    sampled = sampling_params(Scenario("x", 0.7, prompts, top_p=0.95), seed=5)
+    assert [(p.top_p, p.seed, p.temperature) for p in sampled] == [(0.95, 5, 0.7), (0.95, 6, 0.7)]
+    assert {p.top_p for p in sampling_params(Scenario("x", 0.0, prompts, top_p=0.95), seed=5)} == {1.0}
 
 
 def test_method_selection_follows_the_registry():

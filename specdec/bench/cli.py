@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                    "llamacpp_prompt_lookup (default: plain, every registered method and every method of the --peers "
                    "families but hf_assisted_heuristic)")
     p.add_argument("--temperature", type=_temps, default="0,1", help="comma-separated temperatures (default 0,1)")
+    p.add_argument("--top-p", type=_top_p, default=1.0,
+                   help="nucleus sampling of the sampled runs, every method and peer alike (default 1.0: off)")
     p.add_argument("--prompts", type=_names, default="code",
                    help="comma-separated prompt sets: bundled names (code, repeat), spec-bench (Spec-Bench's "
                         "questions through the chat template, reported per category) or .jsonl files (default code)")
@@ -53,6 +55,16 @@ def add_parser(sub) -> None:
 
     add_arguments(sub.add_parser("serve", help="an OpenAI server under load (vLLM's `vllm bench serve`): throughput, "
                                  "goodput, TTFT/TPOT/ITL/E2EL, acceptance, plain vs fixed K vs auto"))
+
+
+def _top_p(value: str) -> float:
+    try:
+        p = float(value)
+    except ValueError:
+        p = -1.0
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value!r}")
+    return p
 
 
 def _split(value: str) -> list[str]:
@@ -130,6 +142,7 @@ def command_line(args) -> str:
                         ("--methods", ",".join(args.methods) if args.methods else None),
                         ("--num-speculative-tokens", ",".join(map(str, args.num_speculative_tokens))),
                         ("--temperature", ",".join(f"{t:g}" for t in args.temperature)),
+                        ("--top-p", None if args.top_p == 1.0 else f"{args.top_p:g}"),
                         ("--prompts", ",".join(args.prompts)), ("--limit-prompts", args.limit_prompts),
                         ("--limit-per-category", args.limit_per_category),
                         ("--max-tokens", args.max_tokens), ("--repeats", args.repeats), ("--seed", args.seed),

@@ -19,6 +19,7 @@ class Scenario:
     prompt_set: str               # "code", "repeat", or a file's stem
     temperature: float
     prompts: list[Prompt]
+    top_p: float = 1.0            # nucleus sampling of sampled runs (every method, peers included)
 
     @property
     def name(self) -> str:
@@ -32,7 +33,7 @@ class Scenario:
 def sampling_params(scenario: Scenario, seed: int) -> list[SamplingParams]:
     """One per prompt; sampled runs get a seed per prompt, the same in every repeat and variant."""
     return [SamplingParams(temperature=scenario.temperature, max_tokens=p.max_tokens,
-                           seed=None if scenario.greedy else seed + i)
+                           top_p=1.0 if scenario.greedy else scenario.top_p, seed=None if scenario.greedy else seed + i)
             for i, p in enumerate(scenario.prompts)]
 
 

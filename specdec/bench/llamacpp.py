@@ -78,7 +78,7 @@ def _runner(llm, eos_ids: set[int], clock, recorder: _Recorder | None):
             recorder.prompt_len, recorder.drafts = len(prompt_ids), []
         tokens: list[int] = []
         t0 = clock()
-        gen = llm.generate(prompt_ids, temp=0.0 if greedy else params.temperature, top_k=0, top_p=1.0, min_p=0.0,
+        gen = llm.generate(prompt_ids, temp=0.0 if greedy else params.temperature, top_k=0, top_p=params.top_p, min_p=0.0,
                            typical_p=1.0, repeat_penalty=1.0, reset=True)
         for tok in gen:
             tokens.append(int(tok))

@@ -106,7 +106,7 @@ def _sampling_kwargs(params: SamplingParams, eos_ids: list[int]) -> dict:
     if params.greedy:
         return {**kw, "do_sample": False}
     # specdec applies no top-k unless asked; transformers defaults to top_k=50
-    return {**kw, "do_sample": True, "temperature": params.temperature, "top_k": 0, "top_p": 1.0}
+    return {**kw, "do_sample": True, "temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
 
 
 def _runner(model, eos_ids: list[int], extra: dict, prepare: Callable[[], None] | None = None, clock=time.perf_counter):

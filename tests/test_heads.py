@@ -273,3 +273,30 @@ def test_eagle_c_chain_drafts_what_the_python_chain_drafts(heads):
     feats = fast.target(torch.tensor([prompt[:-1]]), hidden=True).hidden[0]
     drafted = _eagle_draft(fast, prompt, feats, 6).tokens.tolist()
     assert _eagle_draft(slow, prompt, feats, 6).tokens.tolist() == drafted and len(drafted) == 6
+
+
+def test_unrolled_training_chain_is_the_serving_chain(heads):
+    """Training at depth s (eagle_unroll.unrolled, --unroll) computes what the engine's chain
+    computes at draft position s + 1 from the head's own features through its KV cache: the
+    depths trained are the depths served (teacher forcing alone trained depth 0 only)."""
+    from specdec.model import ForwardBatch
+    from specdec.train.eagle_unroll import unrolled
+
+    target = load_model(heads["target"], "float32")
+    head = load_heads(heads["eagle"], target)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.1)          # predicted features unlike the inputs
+    W, D = 12, target.config.hidden_size
+    feats, toks = torch.randn(W, D), torch.randint(0, target.config.vocab_size, (W + 1,))
+    embeds = target.model.embed_tokens(toks[1:])
+    with torch.no_grad():
+        depths = unrolled(head, feats[None], embeds[None], 3)
+        assert torch.allclose(depths[0][0][0], head(feats[None], embeds[None]).logits[0], atol=1e-5)
+        for t in (2, 5, 9):
+            kv = head.decoder.new_cache(1, 32)
+            out = head(feats[:t], embeds[:t], kv, ForwardBatch.build(kv, [0], [t], [0]))
+            for s in (1, 2):      # chain slot t + s - 1: (the last predicted feature, the next token)
+                out = head(out.hidden[-1:], embeds[t + s - 1:t + s], kv, ForwardBatch.build(kv, [0], [1], [t + s - 1]))
+                assert torch.allclose(depths[s][0][0, t + s - 1], out.logits[0], atol=1e-4), (t, s)
+                assert torch.allclose(depths[s][1][0, t + s - 1], out.hidden[0], atol=1e-4), (t, s)

@@ -56,6 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--soft-labels", action="store_true", default=None,
                        help="token loss against the target's distribution (its LM head on the stored features)")
         h.add_argument("--token-weight", type=float, help="eagle: token loss weight (default 0.1)")
+        h.add_argument("--unroll", type=int, help="eagle: chain depths trained (1: teacher forcing only; "
+                       "2+: the later depths on the head's own predicted features)")
         h.add_argument("--prompt-loss", action="store_true", default=None, help="chat data: train on prompt positions too")
         h.add_argument("--init-from-target", action="store_true", default=None,
                        help="eagle: start the decoder layer from the target's last layer")
@@ -169,7 +171,7 @@ def _heads(args: argparse.Namespace) -> int:
               "data_kind": args.data_kind, "noise": getattr(args, "noise", None), "precision": args.precision,
               "eval_every": args.eval_every, "prompt_loss": args.prompt_loss,
               "soft_labels": args.soft_labels, "token_weight": getattr(args, "token_weight", None),
-              "init_from_target": getattr(args, "init_from_target", None),
+              "init_from_target": getattr(args, "init_from_target", None), "unroll": getattr(args, "unroll", None),
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)

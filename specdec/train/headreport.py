@@ -50,6 +50,26 @@ def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
     return round(hits / max(1, total), 4)
 
 
+@torch.no_grad()
+def eagle_chain_accuracy(head: EagleHead, embed, data: FlatData, to_draft, depths: int = 4) -> list[float]:
+    """Per chain depth s: top-1 accuracy of the token drafted at position s + 1 from the head's
+    own features of the s earlier drafts (true tokens: the accuracy given they were right, the
+    engine's conditional acceptance), on trained-on positions. Depth 0 is eagle_accuracy."""
+    from .eagle_unroll import unrolled
+
+    hits, total = torch.zeros(depths), torch.zeros(depths)
+    for st, a, e in _sequences(data):
+        outs = unrolled(head, data.hidden[st:e - 2].float()[None], embed(data.tokens[st + 1:e - 1].long()).float()[None],
+                        depths)
+        labels = to_draft[data.tokens[st + 2:e].long()]
+        rows = torch.arange(e - 2 - st)
+        for s, (logits, _) in enumerate(outs):
+            keep = (rows + st + 2 >= a) & (rows >= s)
+            hits[s] += ((logits[0].argmax(-1) == labels) & keep).sum()
+            total[s] += keep.sum()
+    return [round(x, 4) for x in (hits / total.clamp(min=1)).tolist()]
+
+
 def speculation_report(target_dir: Path, heads_dir: Path, kind: str, prompts: list[list[int]], what: str,
                        max_tokens: int = 64, sizes=(4, 8, 16), dtype: str = "bfloat16") -> dict:
     """Mean accepted length through the engine on held-out prompts (token ids), greedy and at
@@ -81,6 +101,11 @@ def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
         steps = f"{r['steps']} x {cfg.batch} positions"
     else:
         acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
+        if "chain_top1_accuracy" in r:
+            acc += (f"\n| top-1 accuracy by chain position, from the head's own features (given the earlier drafts "
+                    f"right), greedy generations | {' '.join(map(str, r['chain_top1_accuracy']))} |")
+        if cfg.unroll > 1:
+            acc += f"\n| chain depths trained | {cfg.unroll} (the later ones on the head's own predicted features) |"
         steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
     rows = ""
     shape = f" (topk {cfg.default_topk}: {'a chain, at most 8 deep' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""

@@ -38,9 +38,10 @@ from ..model import load_model
 from ..model.heads import EagleHead, MedusaHeads, save_heads
 from ..tokenizer import Tokenizer
 from .data import cached_tokens
+from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
 from .lm import use_bf16
-from .headreport import card, eagle_accuracy, medusa_accuracy, speculation_report
+from .headreport import card, eagle_accuracy, eagle_chain_accuracy, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
 
@@ -70,12 +71,15 @@ class HeadsConfig:
     init_from_target: bool = False     # eagle: start the decoder layer from the target's last layer
     soft_labels: bool = False          # token loss against the target's distribution (from its stored features)
     token_weight: float = 0.1          # eagle: weight of the token loss beside the feature regression
+    unroll: int = 1                    # eagle: chain depths trained, the later ones on the head's own features
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
             raise ValueError(f"kind must be medusa or eagle, got {self.kind!r}")
         if self.data_kind not in ("selfdistill", "chat"):
             raise ValueError(f"data_kind must be selfdistill or chat, got {self.data_kind!r}")
+        if self.unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if self.batch is None:
             object.__setattr__(self, "batch", 512 if self.kind == "medusa" else 8)
 
@@ -153,21 +157,30 @@ def _token_loss(logits, labels, soft_from, head_rows) -> torch.Tensor:
 
 
 def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, noise, gen,
-               soft: bool = False, token_weight: float = 0.1):
+               soft: bool = False, token_weight: float = 0.1, unroll: int = 1):
     """Rows of pair positions idx [B, W] (feature t, token t + 1) -> feature t + 1, token t + 2;
-    mask [B, W]: pairs whose token t + 2 is trained on."""
+    mask [B, W]: pairs whose token t + 2 is trained on. unroll > 1: also the chain's later
+    depths, drafted from the head's own predicted features (eagle_unroll.py), each weighted as
+    depth 0. Returns (loss, feature loss, token loss) summed over depths."""
     feats = data.hidden[idx].float()                                     # [B, W, D]
     if noise > 0:
         rms = feats.pow(2).mean().sqrt()
         feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise * rms
-    out = head(feats, embed(data.tokens[idx + 1].long()).float())
-    logits, pred = out.logits, out.hidden
+    embeds = embed(data.tokens[idx + 1].long()).float()
+    if unroll > 1:
+        depths = unrolled(head, feats, embeds, unroll)
+    else:
+        out = head(feats, embeds)
+        depths = [(out.logits, out.hidden)]
     want = data.hidden[idx + 1].float()
     labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
-    m = mask[..., None].float()
-    reg = (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
-    ce = _token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                     want.reshape(-1, want.shape[-1]) if soft else None, head.decoder.lm_head.weight)
+    reg = ce = 0.0
+    for s, (logits, pred) in enumerate(depths):
+        keep = mask & (torch.arange(mask.shape[1]) >= s)[None]      # depth s needs s committed rows before
+        m = keep[..., None].float()
+        reg = reg + (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
+        ce = ce + _token_loss(logits.reshape(-1, logits.shape[-1]), labels.masked_fill(~keep, -100).reshape(-1),
+                              want.reshape(-1, want.shape[-1]) if soft else None, head.decoder.lm_head.weight)
     return reg + token_weight * ce, reg, ce
 
 
@@ -246,7 +259,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                 idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
                 mask = valid & train.trained_on(idx, seq, 2)
                 loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen,
-                                           cfg.soft_labels, cfg.token_weight)
+                                           cfg.soft_labels, cfg.token_weight, cfg.unroll)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -276,6 +289,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         extra["default_topk"] = cfg.default_topk
         result["top1_accuracy"] = eagle_accuracy(heads, embed, greedy_val, to_draft)
         result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, sampled_val, to_draft)
+        result["chain_top1_accuracy"] = eagle_chain_accuracy(heads, embed, greedy_val, to_draft)
     else:
         extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft)
         result["top1_accuracy_per_head"] = [a[0] for a in extra["accuracy"]]

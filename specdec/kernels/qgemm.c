@@ -22,13 +22,20 @@
 #include "qlanes.h"
 
 #define RCH 64               /* rows per chunk: their accumulators stay in L1 */
+/* The panel bytes ~2 KiB ahead are prefetched (whole units): with several rows the block loop
+ * is busy with dot products and the hardware prefetcher alone let the memory stream stall (as
+ * in skinny.c). The panels of a matrix are contiguous, so near a panel's end this fetches the
+ * next one's start; past the end of the weights a prefetch does not fault. */
+#define PF_BYTES 2048
 
 /* acc[j][h] += the panel's contribution for rows m0 .. m0 + mr - 1, block by block in k order. */
 static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t *pw, const Act *a, int m0, int mr, VF acc[][NH]) {
     const long ub = unit_bytes(fmt);
     const int units = fmt == Q4_K ? a->nb / 8 : a->nb;
+    const long ahead = ub >= PF_BYTES ? ub : (PF_BYTES / ub) * ub;
     for (int b = 0; b < units; b++) {
         const uint8_t *u = pw + b * ub;
+        for (long o = 0; o < ub; o += 64) _mm_prefetch((const char *)u + ahead + o, _MM_HINT_T0);
         for (int h = 0; h < NH; h++) {
             const int off = h * LANES * 4;
             VI w[8], aux[8];
@@ -37,13 +44,13 @@ static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t
                 s8_aux(w, aux);
                 VF d = load_f16((const uint16_t *)(u + 512) + h * LANES);
                 for (int j = 0; j < mr; j++)
-                    acc[j][h] = epi(Q8_0, acc[j][h], dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b)), d, d, a, m0 + j, b);
+                    acc[j][h] = epi(Q8_0, acc[j][h], dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b), mr > 1), d, d, a, m0 + j, b);
             } else if (fmt == Q4_0 || fmt == Q4_1) {
                 unpack4(u + off, 4, 0, w);
                 VF d = load_f16((const uint16_t *)(u + 256) + h * LANES);
                 VF m = fmt == Q4_1 ? load_f16((const uint16_t *)(u + 288) + h * LANES) : fzero();
                 for (int j = 0; j < mr; j++)
-                    acc[j][h] = epi(fmt, acc[j][h], dot_u4(w, XQ4(m0 + j, b)), d, m, a, m0 + j, b);
+                    acc[j][h] = epi(fmt, acc[j][h], dot_u4(w, XQ4(m0 + j, b), mr > 1), d, m, a, m0 + j, b);
             } else {
                 VF d = load_f16((const uint16_t *)(u + 2048) + h * LANES);
                 VF dmin = load_f16((const uint16_t *)(u + 2080) + h * LANES);
@@ -53,7 +60,7 @@ static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t
                     VF mn = fmul(dmin, load_u8f(u + 2240 + sb * PANEL + h * LANES));   /* exact */
                     int blk = b * 8 + sb;
                     for (int j = 0; j < mr; j++)
-                        acc[j][h] = epi(Q4_K, acc[j][h], dot_u4(w, XQ4(m0 + j, blk)), sc, mn, a, m0 + j, blk);
+                        acc[j][h] = epi(Q4_K, acc[j][h], dot_u4(w, XQ4(m0 + j, blk), mr > 1), sc, mn, a, m0 + j, blk);
                 }
             }
         }
@@ -125,7 +132,11 @@ static void store_rows(const VF acc[][NH], int mr, const float *bias, float *out
 /* Rows m0 .. m0 + MR - 1 of panel p. MR up to FEW is a compile-time constant in its copy, so
  * the accumulators live in registers (decoding's one row, verification's few); more rows keep
  * theirs in L1. The same operations either way. */
+#if defined(__AVX512F__)
+#define FEW 12               /* 32 registers: 12 rows' accumulators, 8 weight vectors, broadcasts */
+#else
 #define FEW 8
+#endif
 static inline __attribute__((always_inline)) void
 rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *bias, float *out, int N, long p) {
     if (MR <= FEW) {
@@ -143,10 +154,16 @@ rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *b
     }
 }
 
+#if FEW > 8
+#define ROWS_ABOVE_8(F) ROWS(F, 9) ROWS(F, 10) ROWS(F, 11) ROWS(F, 12)
+#else
+#define ROWS_ABOVE_8(F)
+#endif
 #define ROWS(F, R) case R: rows_of(F, R, pp, a, m0, bias, out, N, p); break;
 #define BY_ROWS(F)                                                                                 \
     switch (mr) {                                                                                  \
     ROWS(F, 1) ROWS(F, 2) ROWS(F, 3) ROWS(F, 4) ROWS(F, 5) ROWS(F, 6) ROWS(F, 7) ROWS(F, 8)        \
+    ROWS_ABOVE_8(F)                                                                                \
     default: rows_of(F, mr, pp, a, m0, bias, out, N, p); break;                                    \
     }
 

@@ -77,8 +77,13 @@ static inline VF load_u8f(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_c
 #endif
 
 /* Sum over the block's 8 quads of w[v] (u8, < 16) . x[4v .. 4v+3] (s8) per lane: exact. */
-static inline VI dot_u4(const VI w[8], const int8_t *x) {
+static inline __attribute__((always_inline)) VI dot_u4(const VI w[8], const int8_t *x, int one_chain) {
 #if defined(__AVX512VNNI__)
+    if (one_chain) {        /* several rows in flight: their chains hide the latency, save the add */
+        VI a = _mm512_dpbusd_epi32(vzero(), w[0], vset1(ld32(x)));
+        for (int v = 1; v < 8; v++) a = _mm512_dpbusd_epi32(a, w[v], vset1(ld32(x + 4 * v)));
+        return a;
+    }
     VI a = _mm512_dpbusd_epi32(vzero(), w[0], vset1(ld32(x))), b = _mm512_dpbusd_epi32(vzero(), w[1], vset1(ld32(x + 4)));
     for (int v = 2; v < 8; v += 2) {
         a = _mm512_dpbusd_epi32(a, w[v], vset1(ld32(x + 4 * v)));
@@ -86,11 +91,13 @@ static inline VI dot_u4(const VI w[8], const int8_t *x) {
     }
     return vadd32(a, b);
 #elif defined(__AVX512F__)
+    (void)one_chain;
     /* 16-bit pair sums stay below 8 * 2 * 15 * 127 = 30480: add them before widening */
     __m512i s = _mm512_maddubs_epi16(w[0], vset1(ld32(x)));
     for (int v = 1; v < 8; v++) s = _mm512_add_epi16(s, _mm512_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
     return _mm512_madd_epi16(s, _mm512_set1_epi16(1));
 #elif defined(__AVXVNNI__)
+    (void)one_chain;
     VI a = _mm256_dpbusd_avx_epi32(vzero(), w[0], vset1(ld32(x))), b = _mm256_dpbusd_avx_epi32(vzero(), w[1], vset1(ld32(x + 4)));
     for (int v = 2; v < 8; v += 2) {
         a = _mm256_dpbusd_avx_epi32(a, w[v], vset1(ld32(x + 4 * v)));
@@ -98,6 +105,7 @@ static inline VI dot_u4(const VI w[8], const int8_t *x) {
     }
     return vadd32(a, b);
 #else
+    (void)one_chain;
     __m256i s = _mm256_maddubs_epi16(w[0], vset1(ld32(x)));
     for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
@@ -106,9 +114,14 @@ static inline VI dot_u4(const VI w[8], const int8_t *x) {
 
 /* Sum over 8 quads of w[v] (s8) . x (s8) per lane, exact. aux: per-ISA data shared by all rows
  * (VNNI-512: 128 * sum(w) per lane, since vpdpbusd takes x + 128 unsigned; else |w|). */
-static inline VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const int8_t *xu) {
+static inline __attribute__((always_inline)) VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const int8_t *xu, int one_chain) {
 #if defined(__AVX512VNNI__)
     (void)x;
+    if (one_chain) {
+        VI a = _mm512_dpbusd_epi32(vzero(), vset1(ld32(xu)), w[0]);
+        for (int v = 1; v < 8; v++) a = _mm512_dpbusd_epi32(a, vset1(ld32(xu + 4 * v)), w[v]);
+        return vsub32(a, aux[0]);
+    }
     VI a = _mm512_dpbusd_epi32(vzero(), vset1(ld32(xu)), w[0]), b = _mm512_dpbusd_epi32(vzero(), vset1(ld32(xu + 4)), w[1]);
     for (int v = 2; v < 8; v += 2) {
         a = _mm512_dpbusd_epi32(a, vset1(ld32(xu + 4 * v)), w[v]);
@@ -117,7 +130,7 @@ static inline VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const i
     return vsub32(vadd32(a, b), aux[0]);
 #elif defined(__AVX512F__)
     /* no vpsignb in AVX-512: negate x where w < 0 with a byte mask, then |w| * that */
-    (void)xu;
+    (void)xu, (void)one_chain;
     __m512i acc = vzero();
     for (int v = 0; v < 8; v++) {
         __m512i xv = vset1(ld32(x + 4 * v));
@@ -126,7 +139,7 @@ static inline VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const i
     }
     return acc;
 #elif defined(__AVXVNNI__)
-    (void)xu;
+    (void)xu, (void)one_chain;
     VI a = vzero(), b = vzero();
     for (int v = 0; v < 8; v += 2) {
         a = _mm256_dpbusd_avx_epi32(a, aux[v], _mm256_sign_epi8(vset1(ld32(x + 4 * v)), w[v]));
@@ -135,7 +148,7 @@ static inline VI dot_s8(const VI w[8], const VI aux[8], const int8_t *x, const i
     return vadd32(a, b);
 #else
     /* |w| * (x signed by w): 16-bit pair sums reach 2 * 128 * 127 = 32512, so widen per quad */
-    (void)xu;
+    (void)xu, (void)one_chain;
     __m256i acc = vzero();
     for (int v = 0; v < 8; v++) {
         __m256i p = _mm256_maddubs_epi16(aux[v], _mm256_sign_epi8(vset1(ld32(x + 4 * v)), w[v]));

@@ -64,8 +64,18 @@ store_tile(float res[][PANEL], const float *bias, void *out, int out_bf16, long 
             store(out, out_bf16, (long)(m + j) * N + n0 + i, res[j][i] + (bias ? bias[n0 + i] : 0.0f));
 }
 
+#define MAXPN 4
+
+/* Each panel's weights are prefetched PF k-steps ahead (4 KiB fp32, 2 KiB bf16): with several
+ * rows the k loop is busy with FMAs and the hardware prefetcher alone let the memory stream
+ * stall (SmolLM2's products, 9 rows, one thread: 1.3x faster with it; see bench/kernels). A
+ * prefetch past the end of the weights does not fault. */
+#define PF 64
+static inline void prefetch_w(const void *w, int bf16, long i) {
+    _mm_prefetch((const char *)w + i * (bf16 ? 2 : 4), _MM_HINT_T0);
+}
 #if defined(__AVX512F__)
-#define MAXRM 12        /* 32 registers: 12 accumulators, a weight vector and a broadcast */
+#define MAXRM 12        /* 32 registers: up to 24 accumulators (12 rows x 2 panels), weights, a broadcast */
 
 static inline __m512 load_w16(const void *w, int bf16, long i) {
     if (bf16) {
@@ -75,17 +85,19 @@ static inline __m512 load_w16(const void *w, int bf16, long i) {
     return _mm512_loadu_ps((const float *)w + i);
 }
 
-/* PN panels at once when there are few rows: their FMA chains are independent, so the ~4-cycle
- * FMA latency does not bound a single-row product. */
+/* PN panels at once: their FMA chains are independent, so with few rows the ~4-cycle FMA
+ * latency does not bound the product (2 FMA ports x 4 cycles want 8 chains in flight). */
 static inline __attribute__((always_inline)) void
 tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
      long p, int m, int RM, int PN, int N, int K, int BF16) {
-    __m512 acc[2][MAXRM];
+    __m512 acc[MAXPN][MAXRM];
     for (int q = 0; q < PN; q++)
         for (int j = 0; j < RM; j++) acc[q][j] = _mm512_setzero_ps();
     const long base = p * K * PANEL;
     for (long k = 0; k < K; k++) {
-        __m512 w[2];
+        __m512 w[MAXPN];
+        if ((k & (BF16 ? 1 : 0)) == 0)        /* a 64-byte line per panel every 1 (fp32) or 2 (bf16) k */
+            for (int q = 0; q < PN; q++) prefetch_w(wp, BF16, base + (q * K + k + PF) * PANEL);
         for (int q = 0; q < PN; q++) w[q] = load_w16(wp, BF16, base + (q * K + k) * PANEL);
         for (int j = 0; j < RM; j++) {
             __m512 xb = _mm512_set1_ps(x[(long)(m + j) * K + k]);
@@ -99,17 +111,19 @@ tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
     }
 }
 #else
-#define MAXRM 6         /* 16 registers: 12 accumulators, 2 weight vectors and a broadcast */
+#define MAXRM 6         /* 16 registers: up to 12 accumulators (6 rows x 1 panel x 2 halves), weights, a broadcast */
 
 static inline __attribute__((always_inline)) void
 tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
      long p, int m, int RM, int PN, int N, int K, int BF16) {
-    __m256 acc[2][MAXRM][2];
+    __m256 acc[MAXPN][MAXRM][2];
     for (int q = 0; q < PN; q++)
         for (int j = 0; j < RM; j++) acc[q][j][0] = acc[q][j][1] = _mm256_setzero_ps();
     const long base = p * K * PANEL;
     for (long k = 0; k < K; k++) {
-        __m256 w[2][2];
+        __m256 w[MAXPN][2];
+        if ((k & (BF16 ? 1 : 0)) == 0)        /* a 64-byte line per panel every 1 (fp32) or 2 (bf16) k */
+            for (int q = 0; q < PN; q++) prefetch_w(wp, BF16, base + (q * K + k + PF) * PANEL);
         for (int q = 0; q < PN; q++) {
             w[q][0] = load_w(wp, BF16, base + (q * K + k) * PANEL);
             w[q][1] = load_w(wp, BF16, base + (q * K + k) * PANEL + 8);
@@ -135,7 +149,9 @@ tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
 
 #define T(RM, PN) tile(x, wp, bias, out, out_bf16, p, m, RM, PN, N, K, BF16)
 
-/* One panel, all M rows, in tiles of up to MAXRM rows. */
+/* One group of PN panels, all M rows, in tiles of up to MAXRM rows. */
+#define ROWS_ABOVE_5(PN) case 6: T(6, PN); break; case 7: T(7, PN); break; case 8: T(8, PN); break; \
+    case 9: T(9, PN); break; case 10: T(10, PN); break; default: T(11, PN); break;
 #define PANEL_ROWS(PN)                                                                    \
     for (; m + MAXRM <= M; m += MAXRM) T(MAXRM, PN);                                      \
     switch (M - m) {                                                                      \
@@ -145,37 +161,48 @@ tile(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
     case 3: T(3, PN); break;                                                              \
     case 4: T(4, PN); break;                                                              \
     case 5: T(5, PN); break;                                                              \
-    ROWS_ABOVE_5(PN)                                                                      \
+    ROWS_ABOVE_5_IF(PN)                                                                   \
     }
 
 #if MAXRM > 6
-#define ROWS_ABOVE_5(PN) case 6: T(6, PN); break; case 7: T(7, PN); break; case 8: T(8, PN); break; \
-    case 9: T(9, PN); break; case 10: T(10, PN); break; default: T(11, PN); break;
+#define ROWS_ABOVE_5_IF(PN) ROWS_ABOVE_5(PN)
 #else
-#define ROWS_ABOVE_5(PN)
+#define ROWS_ABOVE_5_IF(PN)
 #endif
 
-/* Rows at which pairing panels stops paying: with more rows the chains are independent anyway. */
-#define PAIR_ROWS 2
+/* Panels per group for M rows: enough independent FMA chains (rows x panels x vectors per
+ * panel) to cover the FMA latency, within the registers. Which panels share a group changes
+ * nothing in any output's sum. */
+static inline int group_of(int M) {
+#if defined(__AVX512F__)
+    return M <= 2 ? 4 : M <= 8 ? 3 : 2;
+#else
+    return M == 1 ? 4 : M == 2 ? 2 : 1;
+#endif
+}
 
 static inline __attribute__((always_inline)) void panels(const float *x, const void *wp, const float *bias, void *out, int out_bf16,
-                   int M, int N, int K, long p, int BF16) {
+                   int M, int N, int K, long p, int pn, int BF16) {
     int m = 0;
-    if (M <= PAIR_ROWS && (p + 1) * PANEL < N) {
-        if (M == 1) T(1, 2);
-        else T(2, 2);
-    } else { PANEL_ROWS(1) }
+    switch (pn) {
+    case 1: { PANEL_ROWS(1) } break;
+    case 2: { PANEL_ROWS(2) } break;
+    case 3: { PANEL_ROWS(3) } break;
+    default: { PANEL_ROWS(4) } break;
+    }
 }
 
 static void panels_for(const float *x, const void *wp, int w_bf16, const float *bias, void *out, int out_bf16,
                        int M, int N, int K) {
     long panel_count = (N + PANEL - 1) / PANEL;
-    long step = M <= PAIR_ROWS ? 2 : 1;     /* each iteration takes a pair of panels if M is small */
+    long step = group_of(M);
     long iters = (panel_count + step - 1) / step;
     #pragma omp for schedule(static)
     for (long it = 0; it < iters; it++) {
-        if (w_bf16) panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 1);
-        else panels(x, wp, bias, out, out_bf16, M, N, K, it * step, 0);
+        long p = it * step;
+        int pn = (int)(panel_count - p < step ? panel_count - p : step);     /* the last group may be short */
+        if (w_bf16) panels(x, wp, bias, out, out_bf16, M, N, K, p, pn, 1);
+        else panels(x, wp, bias, out, out_bf16, M, N, K, p, pn, 0);
     }
 }
 

@@ -143,7 +143,7 @@ def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None 
     for name, p in heads.named_parameters():
         if not name.endswith("embed_tokens.weight"):
             p.data = p.data.to(dtype)
-    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # CPU without native bf16
+    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations (checkpoint.finish)
         if isinstance(heads, EagleHead):
             heads.use_fp32_activations()
         else:

@@ -249,9 +249,10 @@ class Transformer(nn.Module):
         return self.compute_dtype or self.lm_head.weight.dtype
 
     def use_fp32_activations(self) -> "Transformer":
-        """bf16 weights, fp32 activations: for CPUs without native bf16 arithmetic, where
-        bf16 elementwise ops and attention are emulated (slow) while the weights, read from
-        memory, stay half the bytes (the skinny kernel widens them in registers)."""
+        """bf16 weights, fp32 activations: the weights, read from memory, stay half the bytes
+        (the kernels widen them in registers) and the whole forward runs in one C call
+        (kernels/forward.c); without the kernels, for CPUs whose bf16 arithmetic PyTorch
+        emulates (slow). checkpoint.finish decides."""
         self.compute_dtype = torch.float32
         for mod in self.modules():
             if isinstance(mod, RMSNorm):

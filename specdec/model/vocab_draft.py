@@ -135,6 +135,6 @@ def load_vocab_draft(folder: str | os.PathLike, target: Transformer, dtype: torc
     for name, p in draft.decoder.named_parameters():
         if not name.endswith("embed_tokens.weight"):
             p.data = p.data.to(dtype)
-    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # CPU without native bf16
+    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations (checkpoint.finish)
         draft.decoder.use_fp32_activations()
     return draft.eval().requires_grad_(False)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sampling import sample
+
 
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy verification.
@@ -67,7 +69,7 @@ def verify_sampling(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch
     u = torch.rand(accept_prob.shape, generator=generator, device=p.device)
     num_accepted = (u < accept_prob).long().cumprod(0).sum()
     # one draw per row, independent of u: the row used is chosen after the fact
-    final = torch.multinomial(candidates, 1, generator=generator).squeeze(-1)
+    final = sample(candidates, generator)
     emitted = torch.cat([draft, draft.new_zeros(1)])
     return emitted.scatter(0, num_accepted[None], final.gather(0, num_accepted[None])), num_accepted
 
@@ -228,7 +230,7 @@ def verify_tree_sampling(tokens: list[int], parents: list[int], p: Tensor, q: Te
                 nxt = c
                 break
         if nxt is None:
-            tok = torch.multinomial(final, 1, generator=generator).item()
+            tok = sample(final[None], generator).item()
             return path, [tokens[i] for i in path] + [tok]
         path.append(nxt)
         row = nxt + 1
@@ -251,7 +253,7 @@ def verify_tree_typical(tokens: list[int], parents: list[int], p: Tensor, genera
     while True:
         ok = [(p[row, tokens[c]].item(), c) for c in children[row] if p[row, tokens[c]].item() > bar[row]]
         if not ok:
-            tok = torch.multinomial(p[row], 1, generator=generator).item()
+            tok = sample(p[row][None], generator).item()
             return path, [tokens[i] for i in path] + [tok]
         path.append(max(ok)[1])
         row = path[-1] + 1

@@ -1,0 +1,57 @@
+"""Where a loaded server's time goes, without the server: Spec-Bench requests through
+LLM.generate at a given concurrency (prefill and decode mixed, as the server runs them), and
+the cost of prefill alone against the prompt's length.
+
+    python scripts/offline_load.py --batch 16 --num-prompts 64 --prefill 128,512,1024,2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench.spec_bench import chat_prompt, read_questions
+
+
+def spec_bench_requests(llm: LLM, n: int, max_prompt: int) -> list[list[int]]:
+    qs = read_questions()
+    random.Random(0).shuffle(qs)
+    prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs]
+    return [p for p in prompts if len(p) <= max_prompt][:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="default: the default model")
+    ap.add_argument("--batch", type=int, default=16, help="sequences decoded together (max_num_seqs)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prefill", default="128,512,1024,2000", help="prompt lengths timed alone ('' = none)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=args.batch)
+    prompts = spec_bench_requests(llm, args.num_prompts, llm.engine.max_model_len - args.max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{len(prompts)} Spec-Bench requests at {args.batch} sequences: {sum(map(len, prompts))} prompt tokens "
+          f"(mean {sum(map(len, prompts)) / len(prompts):.0f}), {n} output tokens in {dt:.1f} s = {n / dt:.1f} output tokens/s")
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for L in [int(x) for x in args.prefill.split(",") if x]:
+        ids = [random.Random(L).randrange(1000, 40000) for _ in range(L)]
+        llm.generate([{"prompt_token_ids": ids}], one)          # warm-up
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], one)
+        dt = time.perf_counter() - t
+        print(f"prefill of {L} tokens: {dt * 1000:.0f} ms = {L / dt:.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -79,6 +79,15 @@ def test_smoke_run_writes_results_and_greedy_outputs_agree(tiny_pair, prompts_fi
     assert results["command"].startswith("specdec bench ") and results["machine"]["cores"]
 
 
+@pytest.mark.parametrize("quantization, kinds", [("none", "float32"), ("gguf", "Q4_0+Q4_1+Q4_K+Q8_0")])
+def test_quantization_reaches_the_benchmarked_model(gguf_files, prompts_file, tmp_path, quantization, kinds):
+    """--quantization none benchmarks the dequantized weights (it was parsed and then ignored)."""
+    rc, results, _ = _bench(tmp_path, "--model", str(gguf_files["llama_q"]), "--quantization", quantization,
+                            "--methods", "plain", "--temperature", "0", "--prompts", str(prompts_file), "--no-peers")
+    assert rc == 0 and results["roofline"]["dtype"] == kinds
+    assert f"--quantization {quantization}" in results["command"]
+
+
 def test_a_method_without_its_model_is_skipped_not_fatal(tiny_pair, prompts_file, tmp_path):
     target, _ = tiny_pair
     rc, results, _ = _bench(tmp_path, "--model", str(target), "--methods", "draft_model,layer_skip",

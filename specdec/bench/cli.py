@@ -138,6 +138,7 @@ def command_line(args) -> str:
     """The run's full command with every setting explicit, for results and README."""
     parts = ["specdec", "bench"]
     for flag, value in (("--model", args.model), ("--speculative-model", args.speculative_model),
+                        ("--quantization", None if args.quantization == "auto" else args.quantization),
                         ("--dtype", args.dtype), ("--device", args.device), ("--max-model-len", args.max_model_len),
                         ("--methods", ",".join(args.methods) if args.methods else None),
                         ("--num-speculative-tokens", ",".join(map(str, args.num_speculative_tokens))),

@@ -19,6 +19,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import torch
+
 from ..model.kv import BlockManager, KVCache
 from ..model.llama import Transformer
 

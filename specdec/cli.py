@@ -55,6 +55,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return n
+
+
 def _bytes(value: str) -> int:
     from .config import parse_bytes
 

@@ -38,6 +38,8 @@ def nucleus_drop(probs: Tensor, top_p: Tensor) -> Tensor:
     exactly equal probabilities, which a sort leaves unspecified too)."""
     R, V = probs.shape
     top_p = top_p.to(probs.device, torch.float32)[:, None]
+    if probs.device.type != "cpu":        # an accelerator sorts fast, and the tiers would sync the host
+        return _sorted_drop(probs, top_p)
     drop = (top_p < 1.0).expand(R, V).clone()         # rows with top_p 1 drop nothing
     rows = (top_p[:, 0] < 1.0).nonzero().squeeze(-1)
     for k in (*(t for t in NUCLEUS_TIERS if t < V), V):
@@ -57,6 +59,14 @@ def nucleus_drop(probs: Tensor, top_p: Tensor) -> Tensor:
         drop[rows[d]] = torch.ones_like(sub[d], dtype=torch.bool).scatter_(-1, idx[d], ~keep[d])
         rows = rows[~done]
     return drop
+
+
+def _sorted_drop(probs: Tensor, top_p: Tensor) -> Tensor:
+    """nucleus_drop by one descending sort of every row (top_p [R, 1]), without host syncs."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    drop = (sorted_p.double().cumsum(-1) - sorted_p >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    return torch.empty_like(drop).scatter_(-1, idx, drop)
 
 
 def process(logits: Tensor, params: SamplingParams) -> Tensor:

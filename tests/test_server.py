@@ -57,6 +57,14 @@ class LiveServer:
         self.sock.close()
 
 
+async def streamed_text(aclient, prompt: str, **kw) -> str:
+    """One streamed completion's text, its chunks joined (model "tiny")."""
+    text = ""
+    async for ch in await aclient.completions.create(model="tiny", prompt=prompt, stream=True, **kw):
+        text += "".join(c.text for c in ch.choices)
+    return text
+
+
 @pytest.fixture(scope="module")
 def server(tiny_pair):
     target, draft = tiny_pair
@@ -276,12 +284,6 @@ def test_concurrent_streams_match_sequential(server, client, http):
     async def all_streams():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
-        async def one(p):
-            text = ""
-            async for ch in await aclient.completions.create(model="tiny", prompt=p, stream=True, **kw):
-                text += "".join(c.text for c in ch.choices)
-            return text
-
         async def health_while_busy():
             await asyncio.sleep(0.2)
             async with httpx.AsyncClient(base_url=server.url) as h:
@@ -289,7 +291,7 @@ def test_concurrent_streams_match_sequential(server, client, http):
                 r = await h.get("/health")
                 return r.status_code, time.perf_counter() - t0
 
-        results = await asyncio.gather(*(one(p) for p in prompts), health_while_busy())
+        results = await asyncio.gather(*(streamed_text(aclient, p, **kw) for p in prompts), health_while_busy())
         await aclient.close()
         return results[:-1], results[-1]
 

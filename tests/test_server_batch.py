@@ -14,7 +14,7 @@ import pytest
 from specdec.llm import LLM
 from specdec.server import ServerConfig, build_app
 from test_logprobs import TOL, reference
-from test_server import PROMPTS, LiveServer, metric
+from test_server import PROMPTS, LiveServer, metric, streamed_text
 
 SEATS = 4
 
@@ -105,14 +105,8 @@ def test_streams_share_steps_and_wait_for_seats(server, client, monkeypatch):
 
     async def streams():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-        async def one(p):
-            text = ""
-            async for ch in await aclient.completions.create(model="tiny", prompt=p, stream=True, **kw):
-                text += "".join(c.text for c in ch.choices)
-            return text
         try:
-            return await asyncio.gather(*(one(p) for p in prompts))
+            return await asyncio.gather(*(streamed_text(aclient, p, **kw) for p in prompts))
         finally:
             await aclient.close()
 

@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli import positive_int as _positive
+
 DEFAULT_KS = "1,2,4,6,8,auto"
 
 
@@ -113,16 +115,6 @@ def _families(value: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown peer family {bad[0]!r} (choose from {', '.join(FAMILIES)})")
     return list(dict.fromkeys(items))
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
 
 
 def _per_method(value: str) -> dict:

@@ -123,14 +123,6 @@ static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, con
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_kv(x, bf16, i), _mm256_loadu_ps(y + i)));
 }
 
-static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
 static float widen(const void *w, int bf16, long i) {
     if (!bf16) return ((const float *)w)[i];
     uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;

@@ -8,6 +8,7 @@
 #ifndef SPECDEC_KERNELS_H
 #define SPECDEC_KERNELS_H
 #include <stdint.h>
+#include <string.h>
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, F32 = 4, BF16 = 5 };
 
@@ -42,5 +43,15 @@ long quant_panel_bytes(int fmt, int K);
 /* One row of a GGUF tensor as the file stores it (row_bytes per row) -> K floats, with the
  * operations model/quant.py's dequantize uses (bit-identical to it). */
 void dequant_row(int fmt, const uint8_t *row, float *out, int K);
+
+/* fp32 -> bf16, round to nearest even, NaN kept NaN: the one rounding every kernel that writes
+ * bf16 uses (weights, the KV cache, outputs), so the paths agree bit for bit. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
 
 #endif

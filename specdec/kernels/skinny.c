@@ -29,14 +29,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline uint16_t to_bf16(float f) {          /* round to nearest even, NaN kept NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
 static inline void store(void *out, int out_bf16, long i, float v) {
     if (out_bf16) ((uint16_t *)out)[i] = to_bf16(v);
     else ((float *)out)[i] = v;

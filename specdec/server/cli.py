@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from ..cli import add_engine_args, add_model_args, llm_from_args
+from ..cli import add_engine_args, add_model_args, llm_from_args, positive_int as _positive
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -47,16 +47,6 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--replica-cpus", type=float, help="CPUs Ray reserves per replica (default: --tensor-parallel-size)")
     return p
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
 
 
 def _min_max(value: str) -> tuple[int, int]:

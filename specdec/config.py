@@ -213,7 +213,11 @@ def parse_bytes(value) -> int:
         raise ValueError(f"kv_cache_memory must be a number of bytes (e.g. 536870912, 512M, 2G), got {value!r}") from None
 
 
-METHODS = ("draft_model", "ngram", "layer_skip", "medusa", "eagle")
+METHODS = ("draft_model", "ngram", "layer_skip", "medusa", "eagle", "ngram+eagle", "ngram+draft_model")
+# what each method's `model` is, for the methods that need one (hybrids: their learned drafter's)
+MODEL_KIND = {"draft_model": "a draft model folder", "ngram+draft_model": "a draft model folder",
+              "medusa": "a heads folder (specdec train medusa)", "eagle": "a heads folder (specdec train eagle)",
+              "ngram+eagle": "a heads folder (specdec train eagle)"}
 
 
 @dataclass(frozen=True)
@@ -244,11 +248,8 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
                "disable_by_batch_size", "must be an integer >= 1", d)
-        if self.method in ("draft_model", "medusa", "eagle") and not self.model:
-            what = "a draft model folder" if self.method == "draft_model" else f"a heads folder (specdec train {self.method})"
-            raise ValueError(f"speculative_config.model is required for method {self.method!r}: {what}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if self.method in MODEL_KIND and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}: {MODEL_KIND[self.method]}")
 
     @property
     def adaptive(self) -> bool:

@@ -42,8 +42,11 @@ def smollm2_gguf() -> Path | None:
 
 # The drafters trained for a target and shipped under models/ (method -> folder name): the toy
 # pair's, and SmolLM2's (issue #12; the model cards say how each was trained and measured).
-BUNDLED_DRAFTERS = {"toy": {"draft_model": "draft", "medusa": "medusa", "eagle": "eagle"},
-                    "smollm2": {"draft_model": "smollm2-draft", "medusa": "smollm2-medusa", "eagle": "smollm2-eagle"}}
+# The hybrids (ngram+eagle, ngram+draft_model) use their learned part's folder.
+BUNDLED_DRAFTERS = {"toy": {"draft_model": "draft", "medusa": "medusa", "eagle": "eagle",
+                            "ngram+eagle": "eagle", "ngram+draft_model": "draft"},
+                    "smollm2": {"draft_model": "smollm2-draft", "medusa": "smollm2-medusa", "eagle": "smollm2-eagle",
+                                "ngram+eagle": "smollm2-eagle", "ngram+draft_model": "smollm2-draft"}}
 
 
 def is_smollm2(model) -> bool:

@@ -60,10 +60,14 @@ class Engine:
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
                  logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", clock=time.perf_counter):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        # times the parts of a step (the stats' draft / target / prefill times, "auto"'s cost
+        # model); time.process_time on a shared machine (`specdec bench --clock cpu`). Arrival,
+        # queue and first-token times stay on the wall clock.
+        self.clock = clock
         self.logprobs_mode = logprobs_mode
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
@@ -190,7 +194,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """Advance every running request by one step; returns the step's events."""
-        t0 = time.perf_counter()
+        t0, wall0 = self.clock(), time.perf_counter()
         plan = self.scheduler.schedule(self._choose_k)
         self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
@@ -198,15 +202,15 @@ class Engine:
                 self.proposer.remove_request(r.request_id)
         for r in plan.admitted:
             if not r.num_preemptions:
-                r.stats.queue_time_s = t0 - r.arrival
+                r.stats.queue_time_s = wall0 - r.arrival
             if self.proposer is not None:
                 self.proposer.add_request(r.request_id, r.ctx)
         self.last_step_tokens = self.last_step_drafting = 0
         if plan.empty:
             return []
-        t1 = time.perf_counter()
+        t1 = self.clock()
         drafts = self._propose(plan)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         out, offsets, num_tokens, attention = self._forward(plan, drafts)
         self.last_step_tokens = num_tokens
         self.last_step_drafting = sum(d is not None for d in drafts)
@@ -216,16 +220,16 @@ class Engine:
         results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
         logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode == "raw_logprobs" else logits,
                                   offsets)
-        t3 = time.perf_counter()
+        t3 = self.clock()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
-        t4 = time.perf_counter()
+        t4 = self.clock()
         if self.proposer is not None and committed:
             self.proposer.update(committed)
         # what the proposer does after verification (EAGLE re-reads the kept features, a draft
         # model prefills its prompt chunks) is drafting cost too: "auto" must weigh it
-        propose_s = (t2 - t1) + (time.perf_counter() - t4)
-        events = self._finish_step(plan, drafts, results, logprobs, propose_s, t3 - t2, time.perf_counter() - t0)
-        self._observe(plan, drafts, results, attention, propose_s, time.perf_counter() - t0)
+        propose_s = (t2 - t1) + (self.clock() - t4)
+        events = self._finish_step(plan, drafts, results, logprobs, propose_s, t3 - t2, self.clock() - t0)
+        self._observe(plan, drafts, results, attention, propose_s, self.clock() - t0)
         return events
 
     # -- one step, in order ------------------------------------------------------------------

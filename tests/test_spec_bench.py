@@ -26,6 +26,13 @@ def test_vendored_questions_load_with_their_categories():
     assert (spec_bench.QUESTIONS.parent / "LICENSE").is_file()
 
 
+def test_categories_select_questions_and_an_unknown_one_names_the_known():
+    rows = spec_bench.read_questions(limit_per_category=3, categories=["rag", "qa"])
+    assert [r["category"] for r in rows] == ["qa"] * 3 + ["rag"] * 3      # file order kept
+    with pytest.raises(ValueError, match=r"no category 'ragg' \(categories: .*rag"):
+        spec_bench.read_questions(categories=["ragg"])
+
+
 def test_bad_question_file_names_the_line(tmp_path):
     bad = tmp_path / "q.jsonl"
     bad.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Who?"]}) + "\n"
@@ -71,8 +78,23 @@ def test_bench_reports_per_category(long_target, tmp_path):
     assert ngram["speedup_vs_plain"] is not None and ngram["greedy_match"]["identical"]
     md = (out / "results.md").read_text()
     assert "Per category (Spec-Bench)" in md and "| ngram K=2 |" in md
+    assert "Decoding phase alone" in md
     assert (out / "categories_spec-bench_t0.png").is_file()
     results = json.loads((out / "results.json").read_text())
     assert "--limit-per-category 1" in results["command"]
     card = spec_bench.method_card_table(results, "ngram K=2")
     assert "| 0 | overall | 13 |" in card and "| 0 | rag | 1 |" in card and card.count("\n") == 16
+
+
+def test_bench_categories_by_the_cpu_clock_report_the_decoding_phase(long_target, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(long_target), "--methods", "ngram", "--num-speculative-tokens", "2",
+               "--temperature", "0", "--prompts", "spec-bench", "--categories", "qa,rag", "--limit-per-category", "1",
+               "--max-tokens", "4", "--repeats", "1", "--clock", "cpu", "--no-peers", "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    cats = results["scenarios"][0]["categories"]
+    assert list(cats) == ["overall", "qa", "rag"] and "--categories qa,rag" in results["command"]
+    # the engine timed its steps by the same CPU clock, so the prefill can be left out
+    assert all(m["decode_speedup_vs_plain"] is not None for m in cats["overall"]["methods"])

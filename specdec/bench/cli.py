@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--limit-prompts", type=_positive, help="use only the first N prompts of each set")
     p.add_argument("--limit-per-category", type=_positive,
                    help="spec-bench: only the first N questions of each category (a quick run)")
+    p.add_argument("--categories", type=_names,
+                   help="spec-bench: only these categories, comma-separated (e.g. summarization,rag,qa)")
     p.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt unless the set says (default 64)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--peers", nargs="?", type=_families, const=["transformers"], default=["transformers"],
@@ -138,6 +140,7 @@ def command_line(args) -> str:
                         ("--top-p", None if args.top_p == 1.0 else f"{args.top_p:g}"),
                         ("--prompts", ",".join(args.prompts)), ("--limit-prompts", args.limit_prompts),
                         ("--limit-per-category", args.limit_per_category),
+                        ("--categories", ",".join(args.categories) if args.categories else None),
                         ("--max-tokens", args.max_tokens), ("--repeats", args.repeats), ("--seed", args.seed),
                         ("--threads", args.threads), ("--clock", args.clock), ("--out", args.out)):
         if value is not None:

@@ -35,7 +35,8 @@ def _cached_loader(llm):
 
 
 def plain_variant(llm, clock=time.perf_counter) -> Variant:
-    engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len, scheduler_config=ONE_AT_A_TIME)
+    engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len, scheduler_config=ONE_AT_A_TIME,
+                    clock=clock)
     return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine, clock))
 
 
@@ -46,12 +47,12 @@ def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> Speculative
     return SpeculativeConfig.from_dict({**fields, "method": method, "num_speculative_tokens": k})
 
 
-def _engine(llm, spec: SpeculativeConfig, load) -> Engine:
+def _engine(llm, spec: SpeculativeConfig, load, clock=time.perf_counter) -> Engine:
     max_len = llm.engine.max_model_len
     proposer = build_proposer(spec, llm.target, load, max_len)
     max_len = min(max_len, proposer.caps.max_len or max_len)
     return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k,
-                  scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec))
+                  scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec), clock=clock)
 
 
 def _settings(spec: SpeculativeConfig, proposer) -> dict:
@@ -75,7 +76,7 @@ def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | Non
         for k in ks:
             try:
                 spec = _spec(method, k, draft_dir, overrides.get(method, {}))
-                engine = _engine(llm, spec, load)
+                engine = _engine(llm, spec, load, clock)
             except (ValueError, CheckpointError, OSError, NotImplementedError) as e:
                 skipped.append(Skipped(method, k, str(e).splitlines()[0] if str(e) else type(e).__name__))
                 continue

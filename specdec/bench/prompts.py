@@ -53,13 +53,13 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def load_prompts(spec: str, tokenizer, max_tokens: int, max_len: int, limit: int | None = None,
-                 limit_per_category: int | None = None) -> tuple[str, list[Prompt]]:
+                 limit_per_category: int | None = None, categories: list[str] | None = None) -> tuple[str, list[Prompt]]:
     """(set name, prompts). Each prompt's max_tokens is capped so prompt + output fits the
     context: every method then stops at the same place, which the greedy comparison needs.
     "spec-bench": Spec-Bench's questions, first turn through the chat template (spec_bench.py)."""
     if spec == spec_bench.NAME:
         path = spec_bench.QUESTIONS
-        rows = spec_bench.read_questions(path, limit_per_category)[:limit]
+        rows = spec_bench.read_questions(path, limit_per_category, categories)[:limit]
     else:
         path = resolve(spec)
         rows = read_rows(path)[:limit]

@@ -100,7 +100,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir, clock)
     max_len = llm.engine.max_model_len
-    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts, args.limit_per_category)
+    sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts, args.limit_per_category,
+                         args.categories)
             for p in args.prompts]
     scenarios = [Scenario(name, t, prompts, args.top_p) for name, prompts in sets for t in args.temperature]
     results = {"command": command, "machine": machine.machine_info(), "config": _config(args, llm, draft_dir),
@@ -114,7 +115,7 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for s in scenarios:
             runs = measure(variants, s, args.repeats, args.seed, bar)
-            summary = summarize(variants, runs, s, args.max_tokens, args.repeats, decode_phase=args.clock == "wall")
+            summary = summarize(variants, runs, s, args.max_tokens, args.repeats)
             machine.add_roofline_fractions(summary, results["roofline"])
             if any(p.category for p in s.prompts):
                 summary["categories"] = category_summaries(variants, runs, s.prompts, s.greedy)

@@ -25,8 +25,10 @@ TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 ORDER = ("overall", "mt_bench", *TASKS, *MT_BENCH)
 
 
-def read_questions(path: Path = QUESTIONS, limit_per_category: int | None = None) -> list[dict]:
-    """[{"id", "category", "prompt"}] in file order; the first `limit_per_category` of each category."""
+def read_questions(path: Path = QUESTIONS, limit_per_category: int | None = None,
+                   categories: list[str] | None = None) -> list[dict]:
+    """[{"id", "category", "prompt"}] in file order; the first `limit_per_category` of each category
+    (of `categories` only, when given: an unknown name is an error naming the known ones)."""
     out, seen = [], {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -38,10 +40,15 @@ def read_questions(path: Path = QUESTIONS, limit_per_category: int | None = None
             raise ValueError(f"{path}:{n}: not a Spec-Bench question ({type(e).__name__}: {e})") from None
         if not isinstance(turn, str) or not turn or not isinstance(cat, str):
             raise ValueError(f"{path}:{n}: turns[0] must be a non-empty string and category a string")
-        if limit_per_category is not None and seen.get(cat, 0) >= limit_per_category:
+        if (categories is not None and cat not in categories) or \
+                (limit_per_category is not None and seen.get(cat, 0) >= limit_per_category):
+            seen.setdefault(cat, 0)
             continue
         seen[cat] = seen.get(cat, 0) + 1
         out.append({"id": str(qid), "category": cat, "prompt": turn})
+    unknown = sorted(set(categories or []) - set(seen))
+    if unknown:
+        raise ValueError(f"{path}: no category {unknown[0]!r} (categories: {', '.join(sorted(seen))})")
     if not out:
         raise ValueError(f"{path}: no questions")
     return out
@@ -92,6 +99,14 @@ def tables(scenario: dict) -> str:
              head, "|" + "---|" * (len(groups) + 1)]
     for j, name in enumerate(names):
         lines.append(f"| {name} | " + " | ".join(_cell(cats[g]["methods"][j]) for g in groups) + " |")
+    if any(m.get("decode_speedup_vs_plain") for m in cats["overall"]["methods"]):
+        # long prompts (summarization, rag) spend most of a request in the prefill, which no
+        # proposer shortens: the decoding phase alone shows what speculation does
+        lines += ["", "Decoding phase alone (each prompt's prefill left out), speedup over specdec plain:", "",
+                  head, "|" + "---|" * (len(groups) + 1)]
+        for j, name in enumerate(names):
+            cells = [cats[g]["methods"][j].get("decode_speedup_vs_plain") for g in groups]
+            lines.append(f"| {name} | " + " | ".join("–" if c is None else f"{c['median']:.2f}x" for c in cells) + " |")
     lines += ["", "Acceptance by draft position (P(position i accepted | drafted)):", "",
               "| method | category | positions 1.. |", "|---|---|---|"]
     for j, name in enumerate(names):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from ..config import SpeculativeConfig
 from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
+from .hybrid import HybridProposer, HybridSettings
 from .layer_skip import LayerSkipProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
@@ -51,6 +53,25 @@ def _eagle(spec: SpeculativeConfig, target, loader, max_len):
     return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)
 
 
+HYBRID_KEYS = ("verify_cost", "learned_cost", "probe_every")
+
+
+def _hybrid(learned_method: str) -> Callable:
+    """"ngram+<learned_method>": lookup first, the learned proposer where it pays (hybrid.py)."""
+    def build(spec: SpeculativeConfig, target, loader, max_len):
+        settings = HybridSettings(**{k: spec.extra[k] for k in HYBRID_KEYS if k in spec.extra})
+        extra = {k: v for k, v in spec.extra.items() if k not in HYBRID_KEYS}
+        if learned_method == "eagle":
+            if extra.get("topk", 1) != 1:
+                raise ValueError(f"speculative_config.topk must be 1 for {spec.method!r} (it drafts chains), "
+                                 f"got {extra['topk']!r}")
+            extra["topk"] = 1
+        learned = REGISTRY[learned_method](dataclasses.replace(spec, method=learned_method, extra=extra),
+                                           target, loader, max_len)
+        return HybridProposer(learned, spec.prompt_lookup_max, spec.prompt_lookup_min, settings)
+    return build
+
+
 def heads_config(folder) -> dict:
     import json
     from pathlib import Path
@@ -67,6 +88,8 @@ REGISTRY: dict[str, Callable] = {
     "layer_skip": _layer_skip,
     "medusa": _medusa,
     "eagle": _eagle,
+    "ngram+eagle": _hybrid("eagle"),
+    "ngram+draft_model": _hybrid("draft_model"),
 }
 
 
@@ -100,5 +123,5 @@ def typical_acceptance(spec: SpeculativeConfig | None) -> tuple[float, float] | 
     return float(threshold), float(alpha)
 
 
-__all__ = ["Committed", "Draft", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps", "RequestContext",
-           "REGISTRY", "build_proposer", "typical_acceptance"]
+__all__ = ["Committed", "Draft", "HybridProposer", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps",
+           "RequestContext", "REGISTRY", "build_proposer", "typical_acceptance"]

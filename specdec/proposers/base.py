@@ -54,6 +54,8 @@ class ProposerCaps:
     needs_hidden: bool = False         # reads the target's final-norm features (Medusa, EAGLE)
     max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
     max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
+    deferrable: bool = False           # update() may be skipped for some steps and then given one
+                                       # Committed that merges them (merge_committed): it catches up
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,17 @@ class Committed:
     hidden: Tensor | None          # [m, D] the target's features of seq[num_cached - m : num_cached]
                                    # (proposers with needs_hidden only)
     prefill: bool                  # a prompt chunk; else a verified decoding step
+
+
+def merge_committed(items: list[Committed]) -> Committed:
+    """Consecutive Committed of one request (oldest first) as one: the latest sequence and cache
+    length, the features of every token kept since the first (their rows are contiguous: each
+    step's start where the previous one ended). A proposer whose caps say `deferrable` takes it
+    as if it had seen every step."""
+    last = items[-1]
+    hidden = [it.hidden for it in items]
+    merged = None if any(h is None for h in hidden) else torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+    return Committed(last.request_id, last.seq, last.num_cached, merged, last.prefill)
 
 
 class Proposer(Protocol):

@@ -5,6 +5,10 @@ allocation covers both), with its own length per request. Invariant: the draft c
 prefix of the committed sequence (plus, during a step, the drafts fed back). Prompt chunks are
 fed as the target prefills them; every step first feeds what the cache lacks: one token after
 a rejection, two (the last draft and the bonus) after a step that accepted everything.
+
+Deferrable (ProposerCaps): after an update that merges several steps, the cache keeps the
+drafts it was fed only as far as they agree with the committed sequence, and the next propose
+feeds everything after that in one forward.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ class DraftModelProposer(ProposerBase):
     def __init__(self, model: Transformer):
         super().__init__()
         self.model = model
-        self.caps = ProposerCaps(max_len=model.config.max_position_embeddings)
+        self.caps = ProposerCaps(max_len=model.config.max_position_embeddings, deferrable=True)
         self.kv = None
+        self.fed: dict = {}     # request id -> (slot of its first fed draft, the drafts fed [k - 1])
 
     def kv_bytes_per_slot(self) -> int:
         return self.model.kv_bytes_per_slot()
@@ -39,11 +44,20 @@ class DraftModelProposer(ProposerBase):
             kv.set_length(rid, st + n)
         return out
 
+    def remove_request(self, request_id) -> None:
+        super().remove_request(request_id)
+        self.fed.pop(request_id, None)
+
     @torch.inference_mode()
     def update(self, items: list[Committed]) -> None:
         feed = []
         for it in items:
             length = min(self.kv.length(it.request_id), it.num_cached)
+            if it.request_id in self.fed:     # keep the fed drafts the sequence agrees with
+                start, drafts = self.fed.pop(it.request_id)
+                agree = next((j for j, (a, b) in enumerate(zip(drafts.tolist(), it.seq[start:])) if a != b),
+                             min(len(drafts), len(it.seq) - start))
+                length = min(length, start + agree)
             self.kv.rollback(it.request_id, length)
             if it.prefill and length < it.num_cached:
                 feed.append((it.request_id, it.seq[length:it.num_cached], length))
@@ -62,4 +76,7 @@ class DraftModelProposer(ProposerBase):
             sel = [ids[i] for i in active]
             return self._forward(sel, tokens, [1] * len(active), [len(items[i].seq) + depth for i in active], True)
 
-        return grow_chains(items, [self.ctx[rid] for rid in ids], logits, step)
+        drafts = grow_chains(items, [self.ctx[rid] for rid in ids], logits, step)
+        for it, d in zip(items, drafts):      # all but each chain's last token went into the cache
+            self.fed[it.request_id] = (len(it.seq), d.tokens[:-1])
+        return drafts

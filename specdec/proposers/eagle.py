@@ -42,7 +42,9 @@ class EagleProposer(ProposerBase):
             raise ValueError(f"speculative_config.topk must be >= 1, got {topk}")
         self.head, self.target, self.topk, self.depth = head, target, topk, depth
         # a chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request
-        self.caps = ProposerCaps(tree=True, needs_hidden=True,
+        # deferrable: update() rewrites the pairs of every token kept since the head's last update
+        # (drafted pairs beyond them included), so merged steps catch it up
+        self.caps = ProposerCaps(tree=True, needs_hidden=True, deferrable=True,
                                  max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
         self.kv = None
         self.c_chain = False

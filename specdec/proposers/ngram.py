@@ -25,6 +25,11 @@ def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
     the latest match with k tokens after it, else the one with the most (the earliest). The
     latest match alone is often the tail's own neighbour in a repeating stretch, with a single
     token after it."""
+    return match(seq, k, n_max, n_min)[0]
+
+
+def match(seq: np.ndarray, k: int, n_max: int, n_min: int) -> tuple[np.ndarray, int]:
+    """lookup()'s tokens and the length n of the match they follow (0: none)."""
     L = len(seq)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         tail = seq[L - n:]
@@ -33,5 +38,5 @@ def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
         if hits.size:
             full = hits[L - (hits + n) >= k]
             start = (full[-1] if full.size else hits[0]) + n
-            return seq[start:start + k]
-    return seq[:0]
+            return seq[start:start + k], n
+    return seq[:0], 0

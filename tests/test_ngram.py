@@ -16,3 +16,27 @@ from specdec.proposers.ngram import lookup
 ])
 def test_lookup_prefers_recent_matches_with_a_full_continuation(seq, k, want):
     assert lookup(np.asarray(seq), k, 4, 1).tolist() == want
+
+
+def _reference(seq, k, n_max, n_min):
+    """The definition, by brute force: for the longest n with an earlier occurrence of the tail,
+    the latest occurrence with k tokens after it, else the earliest."""
+    L = len(seq)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        starts = [s for s in range(0, L - n) if list(seq[s:s + n]) == list(seq[L - n:])]
+        if starts:
+            full = [s for s in starts if L - (s + n) >= k]
+            start = (full[-1] if full else starts[0]) + n
+            return list(seq[start:start + k]), n
+    return [], 0
+
+
+def test_match_agrees_with_the_definition_on_random_sequences():
+    from specdec.proposers.ngram import match
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        seq = rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 40))
+        k, n_max = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        n_min = int(rng.integers(1, n_max + 1))
+        tokens, n = match(seq, k, n_max, n_min)
+        assert (tokens.tolist(), n) == _reference(seq, k, n_max, n_min), (seq.tolist(), k, n_max, n_min)

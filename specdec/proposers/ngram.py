@@ -29,14 +29,27 @@ def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
 
 
 def match(seq: np.ndarray, k: int, n_max: int, n_min: int) -> tuple[np.ndarray, int]:
-    """lookup()'s tokens and the length n of the match they follow (0: none)."""
+    """lookup()'s tokens and the length n of the match they follow (0: none).
+
+    Candidates are the earlier positions holding the last token; each is extended backwards
+    while it agrees with the tail (at most n_max), so a step costs O(candidates x n_max), not a
+    scan of the whole sequence per n."""
     L = len(seq)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        tail = seq[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)   # starts 0..L-1-n
-        hits = np.flatnonzero((windows == tail).all(axis=1))
+    if L < 2 or n_max < 1:
+        return seq[:0], 0
+    ends = np.flatnonzero(seq[:L - 1] == seq[L - 1])        # where an earlier match would end
+    length = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for d in range(1, min(n_max, L - 1)):
+        alive &= ends >= d
+        alive[alive] = seq[ends[alive] - d] == seq[L - 1 - d]
+        if not alive.any():
+            break
+        length += alive
+    for n in range(min(n_max, L - 1, int(length.max(initial=0))), n_min - 1, -1):
+        hits = ends[length >= n]
         if hits.size:
-            full = hits[L - (hits + n) >= k]
-            start = (full[-1] if full.size else hits[0]) + n
+            full = hits[L - 1 - hits >= k]
+            start = (full[-1] if full.size else hits[0]) + 1
             return seq[start:start + k], n
     return seq[:0], 0

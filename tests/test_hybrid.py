@@ -297,3 +297,25 @@ def test_monte_carlo_through_the_engine_matches_the_target(method, tiny_drafters
                     exact[(a, b)] = p1[a].item() * p2[b].item()
         sampled = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
         assert total_variation(sampled, exact, n) < 0.05, source
+
+
+def test_cli_and_bench_take_the_hybrid_by_method(toy, tmp_path, capsys):
+    import json
+
+    from specdec.cli import main
+
+    spec = json.dumps({"method": "ngram+eagle", "num_speculative_tokens": 4})    # the bundled head, found by method
+    rc = main(["generate", PROMPTS[2], "--model", str(BUNDLED_TARGET), "--speculative-config", spec,
+               "--max-tokens", "24", "--ignore-eos", "--compare", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["compare"]["identical"] is True and out["stats"]["accepted_tokens"] > 0, out
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rc = main(["bench", "--model", str(BUNDLED_TARGET), "--methods", "ngram+eagle,ngram+draft_model",
+               "--num-speculative-tokens", "4,auto", "--temperature", "0", "--prompts", str(prompts), "--max-tokens", "16",
+               "--repeats", "1", "--no-peers", "--out", str(tmp_path / "out")])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    methods = {m["name"]: m for m in results["scenarios"][0]["methods"]}
+    assert rc == 0 and set(methods) == {"plain", "ngram+eagle K=4", "ngram+eagle K=auto", "ngram+draft_model K=4",
+                                        "ngram+draft_model K=auto"}
+    assert all(m["greedy_match"]["identical"] for m in methods.values())

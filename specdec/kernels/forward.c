@@ -225,7 +225,9 @@ block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query 
                 __m256 v[8];
                 for (int t = 0; t < 8; t++)
                     v[t] = t < cnt ? dot8(qs[i].q, kb + (long)(j0 + t) * hd * es, hd, BF16) : _mm256_setzero_ps();
-                store_part(qs[i].sc + s0 + j0, _mm256_mul_ps(hsum8x8(v), scale), cnt);
+                __m256 r = _mm256_mul_ps(hsum8x8(v), scale);
+                if (cnt == 8) _mm256_storeu_ps(qs[i].sc + s0 + j0, r);
+                else store_part(qs[i].sc + s0 + j0, r, cnt);
             }
     }
 }

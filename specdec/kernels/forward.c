@@ -194,99 +194,199 @@ static inline long slot_at(const Model *m, int row, long s, int g) {
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
 
-/* One query (token n, head h) over its own sequence's visible slots, in slot order. BF16: the
- * cache holds bf16 (a compile-time constant in each caller, so the loops carry no branch). */
+/* Attention is computed in blocks of up to QB queries that read the same keys and values: the
+ * (token, head) pairs of one sequence and one kv head g, token-major (a decoding token's G =
+ * H / KV heads share g; a prompt chunk adds its next tokens). Each key and value row is loaded
+ * once per block instead of once per query, and the value sums of the block's queries run side
+ * by side, so the adds are not one dependent chain. A query's arithmetic is the same whatever
+ * block it lands in: its scores come from the same 8-slot groups, and a slot beyond its span
+ * adds fma(0, v, acc), which is acc exactly (acc starts at +0 and never becomes -0). */
+enum { QB = 4 };
+
+typedef struct {
+    int n, span;                      /* the flat token, and the slots it sees */
+    const float *q;                   /* [hd] */
+    float *o;                         /* [hd] */
+    float *sc;                        /* [stride]: scores, then weights e_s / sum */
+} Query;
+
+/* Scores of every query of the block, 8 slots at a time (groups of 8 within each cache block,
+ * as a lone query's), scaled by 1 / sqrt(hd). */
 static inline __attribute__((always_inline)) void
-attend_one_t(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o, int h,
-             float *scores, int BF16) {
-    int hd = m->head_dim, g = h / (m->n_heads / m->n_kv), bs = m->block_size, sq = who.seq;
-    int start = b->start[sq], T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq], from = b->mask_from[sq];
-    int64_t moff = b->mask_offset[sq];
-    int span = moff < 0 ? start + who.t + 1 : start + T;    /* causal: nothing after the token */
-    int cols = start + T - from;
-    const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
-    float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
-    int es = BF16 ? 2 : 4;
-    for (int s0 = 0; s0 < span; s0 += bs) {      /* scores, 8 slots at a time */
+block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int np, int maxspan, int BF16) {
+    int hd = m->head_dim, bs = m->block_size, es = BF16 ? 2 : 4;
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)hd));
+    for (int s0 = 0; s0 < maxspan; s0 += bs) {
         const char *kb = (const char *)L->k_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd) * es;
-        int n = span - s0 < bs ? span - s0 : bs;
-        for (int j0 = 0; j0 < n; j0 += 8) {
-            int cnt = n - j0 < 8 ? n - j0 : 8;
-            __m256 v[8];
-            for (int t = 0; t < 8; t++)
-                v[t] = t < cnt ? dot8(qt, kb + (long)(j0 + t) * hd * es, hd, BF16) : _mm256_setzero_ps();
-            store_part(scores + s0 + j0, _mm256_mul_ps(hsum8x8(v), _mm256_set1_ps(scale)), cnt);
-        }
+        for (int j0 = 0; j0 < bs && s0 + j0 < maxspan; j0 += 8)
+            for (int i = 0; i < np; i++) {
+                int lim = qs[i].span - s0 < bs ? qs[i].span - s0 : bs, cnt = lim - j0 < 8 ? lim - j0 : 8;
+                if (cnt <= 0) continue;
+                __m256 v[8];
+                for (int t = 0; t < 8; t++)
+                    v[t] = t < cnt ? dot8(qs[i].q, kb + (long)(j0 + t) * hd * es, hd, BF16) : _mm256_setzero_ps();
+                __m256 r = _mm256_mul_ps(hsum8x8(v), scale);
+                if (cnt == 8) _mm256_storeu_ps(qs[i].sc + s0 + j0, r);
+                else store_part(qs[i].sc + s0 + j0, r, cnt);
+            }
     }
-    if (moff >= 0)                                /* a tree: slots that are not ancestors */
-        for (int s = from; s < span; s++)
-            if (!b->masks[moff + (long)who.t * cols + s - from]) scores[s] = -INFINITY;
-    for (int s = 0; s < span; s++) mx = scores[s] > mx ? scores[s] : mx;
-    /* e^(score - max), masked slots exactly 0, then summed in slot order: a tree's masked slots
-     * add exact zeros, so a node sums what the same token sums when decoded alone */
-    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+}
+
+/* Scores -> weights e^(s - max) / sum over the query's span (masked slots exactly 0), and
+ * zeros from the span to `upto` (a multiple of 8), where the block's longer queries read. The
+ * sum runs in 8 lanes over the visible slots, the k-th visible one in lane k % 8, lanes summed
+ * in a fixed tree: a tree node (mask: its row of the tree mask from slot `from` on, else NULL)
+ * sums what the same token sums when decoded alone, whatever masked slots lie between. */
+static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, int from) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vm = ninf, acc = _mm256_setzero_ps();
     for (int s = 0; s < span; s += 8) {
         int n = span - s < 8 ? span - s : 8;
-        __m256 v = load_part(scores + s, n);
-        __m256 e = _mm256_and_ps(vexp(_mm256_sub_ps(v, vmx)), _mm256_cmp_ps(v, ninf, _CMP_NEQ_UQ));
-        store_part(scores + s, e, n);
+        vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, load_part(sc + s, n), _mm256_castsi256_ps(
+                 _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
     }
-    float sum = 0.0f;
-    for (int s = 0; s < span; s++) sum += scores[s];
-    /* o = sum_s (e_s / sum) v_s, each element's FMAs in slot order; 64 elements at a time in
-     * registers (the same FMAs, in the same order, as one axpy per slot) */
-    for (int c0 = 0; c0 < hd; c0 += 64) {
-        int w = hd - c0 < 64 ? hd - c0 : 64;
+    float lane[8], mx = -INFINITY;
+    _mm256_storeu_ps(lane, vm);
+    for (int k = 0; k < 8; k++) mx = lane[k] > mx ? lane[k] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (int s = 0; s < span; s += 8) {
+        int n = span - s < 8 ? span - s : 8;
+        __m256 v = load_part(sc + s, n);
+        __m256 e = _mm256_and_ps(vexp(_mm256_sub_ps(v, vmx)), _mm256_cmp_ps(v, ninf, _CMP_NEQ_UQ));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+        _mm256_storeu_ps(sc + s, e);               /* lanes past the span: 0 */
+    }
+    int dense = mask ? from / 8 * 8 : (span + 7) / 8 * 8, k = 0;
+    for (int s = 0; s < dense; s += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(sc + s));
+    float part[8] = {0};
+    for (int s = dense; s < span; s++) {          /* a tree node's tail: the visible slots, packed */
+        if (s >= from && !mask[s - from]) continue;
+        part[k++] = sc[s];
+        if (k == 8) { acc = _mm256_add_ps(acc, _mm256_loadu_ps(part)); memset(part, 0, sizeof(part)); k = 0; }
+    }
+    if (k) acc = _mm256_add_ps(acc, _mm256_loadu_ps(part));
+    _mm256_storeu_ps(lane, acc);
+    float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    const __m256 vsum = _mm256_set1_ps(sum);
+    int s = 0;
+    for (; s < span; s += 8) _mm256_storeu_ps(sc + s, _mm256_div_ps(_mm256_loadu_ps(sc + s), vsum));
+    for (; s < upto; s += 8) _mm256_storeu_ps(sc + s, _mm256_setzero_ps());
+}
+
+/* o_i = sum_s w_is v_s for NP queries at once, each element's FMAs in slot order. AVX-512: 64
+ * columns (4 vectors) per query at a time; AVX2: 16 (2 vectors), to stay within 16 registers. */
+static inline __attribute__((always_inline)) void
+block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int maxspan, int NP, int BF16) {
+    int hd = m->head_dim, bs = m->block_size, es = BF16 ? 2 : 4;
 #if defined(__AVX512F__)
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    enum { W = 16, NV = 4 };
+    typedef __m512 vec;
+#define VZERO _mm512_setzero_ps()
+#define VFMA(a, p, c) _mm512_fmadd_ps(_mm512_set1_ps(a), load_kv16(p, BF16, 0), c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #else
-        __m256 acc[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    enum { W = 8, NV = 2 };
+    typedef __m256 vec;
+#define VZERO _mm256_setzero_ps()
+#define VFMA(a, p, c) _mm256_fmadd_ps(_mm256_set1_ps(a), load_kv(p, BF16, 0), c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #endif
-        if (w < 64) memset(o + c0, 0, sizeof(float) * w);
-        for (int s0 = 0; s0 < span; s0 += bs) {
+    for (int c0 = 0; c0 < hd; c0 += W * NV) {
+        int nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;   /* hd % 8 == 0: AVX-512 may end on 8 */
+        vec acc[QB][NV];
+        for (int i = 0; i < NP; i++)
+            for (int k = 0; k < NV; k++) acc[i][k] = VZERO;
+        for (int s0 = 0; s0 < maxspan; s0 += bs) {
             const char *vb = (const char *)L->v_cache + (((long)g * m->num_blocks + table[s0 / bs]) * bs * hd + c0) * es;
-            int n = span - s0 < bs ? span - s0 : bs;
+            int n = maxspan - s0 < bs ? maxspan - s0 : bs;
             for (int j = 0; j < n; j++) {
-                if (scores[s0 + j] == 0.0f) continue;
-                float a = scores[s0 + j] / sum;
                 const char *vj = vb + (long)j * hd * es;
-                if (w < 64) {
-                    axpy_kv(o + c0, a, vj, w, BF16);
-                    continue;
+                for (int i = 0; i < NP; i++) {
+                    float a = qs[i].sc[s0 + j];
+                    for (int k = 0; k < NV; k++)
+                        if (k < nv) acc[i][k] = VFMA(a, vj + (long)k * W * es, acc[i][k]);
                 }
-#if defined(__AVX512F__)
-                for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(a), load_kv16(vj, BF16, 16 * k), acc[k]);
-#else
-                for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(a), load_kv(vj, BF16, 8 * k), acc[k]);
-#endif
             }
         }
-        if (w == 64) {
-#if defined(__AVX512F__)
-            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + c0 + 16 * k, acc[k]);
-#else
-            for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + c0 + 8 * k, acc[k]);
-#endif
+        for (int i = 0; i < NP; i++)
+            for (int k = 0; k < NV; k++)
+                if (k < nv) VSTORE(qs[i].o + c0 + k * W, acc[i][k]);
+        if (nv * W < hd - c0 && nv < NV) {          /* AVX-512, hd % 16 == 8: the last 8 columns */
+            int c = c0 + nv * W;
+            for (int i = 0; i < NP; i++) {
+                memset(qs[i].o + c, 0, sizeof(float) * 8);
+                for (int s = 0; s < maxspan; s++) {
+                    const char *vs = (const char *)L->v_cache +
+                        ((((long)g * m->num_blocks + table[s / bs]) * bs + s % bs) * hd + c) * es;
+                    axpy_kv(qs[i].o + c, qs[i].sc[s], vs, 8, BF16);
+                }
+            }
+            break;
         }
+    }
+#undef VZERO
+#undef VFMA
+#undef VSTORE
+}
+
+/* Pairs p0 .. p0 + np - 1 (pair p: token p / G, head g G + p % G) of sequence sq. */
+static inline __attribute__((always_inline)) void
+attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, int p0, int np, const float *q,
+               float *out, float *scratch, long stride, int BF16) {
+    int H = m->n_heads, G = H / m->n_kv, hd = m->head_dim;
+    int start = b->start[sq], T = b->cu_seqlens[sq + 1] - b->cu_seqlens[sq], from = b->mask_from[sq];
+    int64_t moff = b->mask_offset[sq];
+    int cols = start + T - from, maxspan = 0;
+    const int32_t *table = m->block_table + (long)b->rows[sq] * m->max_blocks;
+    Query qs[QB];
+    for (int i = 0; i < np; i++) {
+        int t = (p0 + i) / G, h = g * G + (p0 + i) % G, n = b->cu_seqlens[sq] + t;
+        qs[i] = (Query){n, moff < 0 ? start + t + 1 : start + T, q + ((long)n * H + h) * hd,
+                        out + ((long)n * H + h) * hd, scratch + i * stride};
+        if (qs[i].span > maxspan) maxspan = qs[i].span;
+    }
+    block_scores(m, L, table, g, qs, np, maxspan, BF16);
+    for (int i = 0; i < np; i++) {
+        int t = qs[i].n - b->cu_seqlens[sq];
+        const uint8_t *mask = moff >= 0 ? b->masks + moff + (long)t * cols : NULL;
+        if (mask)                                 /* a tree: slots that are not ancestors */
+            for (int s = from; s < qs[i].span; s++)
+                if (!mask[s - from]) qs[i].sc[s] = -INFINITY;
+        softmax_weights(qs[i].sc, qs[i].span, (maxspan + 7) / 8 * 8, mask, from);
+    }
+    switch (np) {                                 /* the query count as a constant: registers */
+    case 1: block_values(m, L, table, g, qs, maxspan, 1, BF16); break;
+    case 2: block_values(m, L, table, g, qs, maxspan, 2, BF16); break;
+    case 3: block_values(m, L, table, g, qs, maxspan, 3, BF16); break;
+    default: block_values(m, L, table, g, qs, maxspan, QB, BF16); break;
     }
 }
 
-static void attend_one(const Model *m, const Layer *L, const Batch *b, TokenOf who, const float *qt, float *o,
-                       int h, float *scores) {
-    if (m->kv_bf16) attend_one_t(m, L, b, who, qt, o, h, scores, 1);
-    else attend_one_t(m, L, b, who, qt, o, h, scores, 0);
+static void attend_block(const Model *m, const Layer *L, const Batch *b, int sq, int g, int p0, int np,
+                         const float *q, float *out, float *scratch, long stride) {
+    if (m->kv_bf16) attend_block_t(m, L, b, sq, g, p0, np, q, out, scratch, stride, 1);
+    else attend_block_t(m, L, b, sq, g, p0, np, q, out, scratch, stride, 0);
 }
 
-/* out [N, H * hd] = every (token, head)'s attention, split across the team; scores: this
- * thread's [max_span] scratch. */
-static void attention_for(const Model *m, const Layer *L, const Batch *b, const TokenOf *who, const float *q,
-                          float *out, int N, float *scores) {
-    int H = m->n_heads, hd = m->head_dim;
-    #pragma omp for collapse(2) schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int h = 0; h < H; h++)
-            attend_one(m, L, b, who[n], q + ((long)n * H + h) * hd, out + ((long)n * H + h) * hd, h, scores);
+/* Floats of attention scratch per thread for the longest span. */
+static long attn_scratch(int max_span) { return (long)QB * ((max_span > 0 ? max_span : 1) + 8); }
+
+/* out [N, H * hd] = every (token, head)'s attention, split across the team by blocks (dynamic:
+ * a causal prompt's later tokens see more slots); scratch: the team's [threads, attn_scratch]. */
+static void attention_for(const Model *m, const Layer *L, const Batch *b, const float *q, float *out,
+                          float *scratch, int max_span) {
+    int G = m->n_heads / m->n_kv;
+    long stride = (max_span > 0 ? max_span : 1) + 8;
+    float *mine = scratch + (long)omp_get_thread_num() * attn_scratch(max_span);
+    for (int sq = 0; sq < b->n_seqs; sq++) {
+        int pairs = (b->cu_seqlens[sq + 1] - b->cu_seqlens[sq]) * G, nblk = (pairs + QB - 1) / QB;
+        #pragma omp for collapse(2) schedule(dynamic, 1) nowait
+        for (int g = 0; g < m->n_kv; g++)
+            for (int k = 0; k < nblk; k++)
+                attend_block(m, L, b, sq, g, k * QB, pairs - k * QB < QB ? pairs - k * QB : QB, q, out, mine, stride);
+    }
+    #pragma omp barrier
 }
 
 /* who[n] for every flat token; returns the longest span any sequence's tokens see. */
@@ -331,12 +431,10 @@ void paged_attention(const Model *m, int layer, const Batch *b, const void *q, c
         qf = wq;
         of = malloc(sizeof(float) * nq);
     }
+    float *scratch = malloc(sizeof(float) * attn_scratch(max_span) * omp_get_max_threads());
     #pragma omp parallel
-    {
-        float *scores = malloc(sizeof(float) * (max_span > 0 ? max_span : 1));
-        attention_for(m, L, b, who, qf, of, N, scores);
-        free(scores);
-    }
+    attention_for(m, L, b, qf, of, scratch, max_span);
+    free(scratch);
     if (m->kv_bf16) {
         for (long i = 0; i < nq; i++) ((uint16_t *)out)[i] = to_bf16(of[i]);
         free((void *)qf);
@@ -349,7 +447,7 @@ void paged_attention(const Model *m, int layer, const Batch *b, const void *q, c
 typedef struct {
     float *x, *buf, *qkv, *att, *ff;      /* [N, D], [N, wide], [N, nqkv], [N, wide], [N, 2F] */
     float *angles;                        /* [N, hd]: each token's rope cos, sin */
-    float *scores;                        /* [threads, max_span] */
+    float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
     int max_span;
@@ -363,7 +461,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     int wide = D > nq ? D : nq;
     if (m->hidden > wide) wide = m->hidden;
     long sizes[9] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
-                     4L * threads * (max_span > 0 ? max_span + 8 : 8), quant_act_bytes(N, wide),
+                     4L * threads * attn_scratch(max_span), quant_act_bytes(N, wide),
                      (long)sizeof(TokenOf) * N, 4L * N * m->head_dim};
     void **at[9] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                     (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles};
@@ -402,8 +500,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         }
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
-    float *scores = w->scores + (long)omp_get_thread_num() * (w->max_span > 0 ? w->max_span + 8 : 8);
-    attention_for(m, L, b, w->who, buf, att, N, scores);
+    attention_for(m, L, b, buf, att, w->scores, w->max_span);
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++)

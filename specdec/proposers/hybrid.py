@@ -15,8 +15,8 @@ token it drafts costs a fraction of a target forward. Per request and step:
 3. the step drafts the source and length that maximise expected tokens per unit of cost,
    (1 + E(m)) / (1 + m * (verify_cost + c)), c = 0 for lookup and learned_cost for the learned
    drafter; m = 0 (plain decoding) competes too, so a source that does not pay for a request
-   stops drafting for it. A source left unused for probe_every steps drafts one token the next
-   time the step would otherwise draft nothing, so its figures stay measured.
+   stops drafting for it. A source left unused for probe_every steps (or never used yet) drafts
+   one token the next time the step would otherwise draft nothing, so its figures stay measured.
 
 Lossless. A step's choice depends only on the request's sequence and the outcomes of its
 earlier steps, never on anything drawn in this step; the learned drafter is then asked for
@@ -51,9 +51,12 @@ MAX_DEFERRED = 512     # feature rows kept per request before the learned drafte
 
 @dataclass(frozen=True)
 class HybridSettings:
-    verify_cost: float = 0.15      # a verified draft token's cost, in target forwards (SmolLM2 Q4_1 on one Xeon
-                                   # core: 0.12-0.16 at 64-256 tokens of context, 0.3 at 1000; ~0 on a GPU)
-    learned_cost: float = 0.17     # the learned drafter's cost per drafted token (SmolLM2's EAGLE head: c 0.16-0.19)
+    # Costs in plain decoding steps, measured in `specdec bench` steps of SmolLM2 Q4_1 on one Xeon core
+    # (README): a verified draft token 0.15-0.2 (0.12 at 64 tokens of context, 0.3 at 1000; ~0 on a
+    # GPU); an EAGLE-drafted token 0.5-0.8 all told (the head forward, its catch-up, q's processing
+    # when sampling) on top of its verification.
+    verify_cost: float = 0.25
+    learned_cost: float = 0.5
     probe_every: int = 8           # steps a source may stay unused before it drafts one token again
     decay: float = 0.95            # forgetting per observation of a record
 
@@ -113,7 +116,8 @@ class SourceRecords:
         self.size, self.s = size, settings
         self.lookup, self.learned = _Record(size, settings.decay), _Record(size, settings.decay)
         self.by_n: dict[int, _Record] = {}
-        self.idle = {LOOKUP: 0, LEARNED: 0}
+        # as if unused for long: each source's first chance probes it, however costly it is assumed
+        self.idle = {LOOKUP: settings.probe_every, LEARNED: settings.probe_every}
 
     def lookup_rates(self, n: int, m: int) -> np.ndarray:
         overall = self.lookup.rates(m, PRIOR, PRIOR_WEIGHT)

@@ -191,6 +191,7 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Advance every running request by one step; returns the step's events."""
         t0 = time.perf_counter()
+        self._choose_s = 0.0                  # the policy's time this step (_choose_k)
         plan = self.scheduler.schedule(self._choose_k)
         self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
@@ -240,7 +241,9 @@ class Engine:
             room = self._room(r)
             cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
             seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
+        t = time.perf_counter()
         ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
+        self._choose_s = time.perf_counter() - t
         return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
 
     def _pending_prefill(self, decoding: int) -> int:
@@ -370,8 +373,11 @@ class Engine:
         outcomes = [Outcome(r.request_id, r.params.greedy, k, res.accepted, res.path if r.params.greedy else None)
                     for r, k, res in zip(plan.decode, ks, results)]
         # drafting costs follow what was asked (a lookup that finds nothing still ran)
+        # the policy's own time is left out: it refits only now and then, which would read as
+        # noise in what a fed token costs
         costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention,
-                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s, step_s - propose_s)
+                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s,
+                          step_s - propose_s - self._choose_s)
         self.policy.observe(outcomes, costs)
 
     def _retire(self, r: Request) -> None:

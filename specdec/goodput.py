@@ -262,11 +262,11 @@ class GoodputPolicy:
     (sizes on LADDER); hysteresis h, probe_every and warmup as described above."""
 
     def __init__(self, max_k: int, tree: bool = False, hysteresis: float = 0.1, probe_every: int = 16,
-                 probe_size: int = 2, warmup: int = len(_WARM), reuse: int = 4):
+                 probe_size: int = 2, warmup: int = len(_WARM), reuse: int = 8):
         make = (lambda: TreeAcceptance(max_k)) if tree else (lambda: ChainAcceptance(max_k))
         self.acceptance = {True: make(), False: make()}
         self.sizes = self.acceptance[True].sizes
-        self.target = OnlineLinear(4)        # x = [1, B + D, P, A / 1024] -> seconds
+        self.target = OnlineLinear(4, refit_every=8)     # x = [1, B + D, P, A / 1024] -> seconds
         # z = [any, requests drafting, D, longest, P] -> seconds; drafting is observed only on
         # the steps that draft (rarely while speculation is off): it forgets per sample, faster,
         # and a probe's sample is fitted at once (observe)
@@ -279,7 +279,7 @@ class GoodputPolicy:
         self.probing = False                 # the last choice was a probe
         self._probe_turn = 0
         # an unchanged batch keeps its sizes for `reuse` steps: the optimisation and the fits
-        # cost ~0.3 ms of Python a step, 8% of a one-token step of a 135M model on one core
+        # cost ~0.3 ms of Python, 8% of a one-token step of a 135M model on one core
         self.reuse = reuse
         self._last: tuple[tuple, list[int], int] | None = None     # (request ids, sizes, age)
 

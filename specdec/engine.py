@@ -76,6 +76,11 @@ class Engine:
         self.config = scheduler_config or SchedulerConfig()
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)
         self.blocks, self.kv = self._allocate_kv(max_k)
+        if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
+            raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
+                             "every prompt token (its own cache or the target's features); use it without prefix "
+                             "caching, or prefix caching with ngram or no speculation")
+        self.blocks.prefix_caching = self.config.enable_prefix_caching
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()
         # what the last step did, and running totals: read by the server's metrics
@@ -165,6 +170,15 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.blocks.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.blocks.prefix_hits
 
     @property
     def kv_cache_usage(self) -> float:
@@ -322,11 +336,13 @@ class Engine:
             if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
                 r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
+            self.blocks.register(r.request_id, r.seq, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
         for (r, start, n), off in zip(plan.chunks, offsets[len(plan.decode):]):
             r.num_cached = start + n
             self.kv.set_length(r.request_id, r.num_cached)
+            self.blocks.register(r.request_id, r.seq, r.num_cached)
             committed.append(Committed(r.request_id, r.seq, r.num_cached,
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed

@@ -54,6 +54,8 @@ class ProposerCaps:
     needs_hidden: bool = False         # reads the target's final-norm features (Medusa, EAGLE)
     max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
     max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
+    reuses_cached_prefix: bool = False  # a request may start with a prompt prefix the target's
+                                        # cache already holds (prefix caching): it reads tokens only
 
 
 @dataclass(frozen=True)

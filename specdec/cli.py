@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV blocks of earlier requests' identical prompt prefixes (plain decoding and "
+                        "ngram; default off)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype')")
     p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs",
@@ -103,7 +106,7 @@ def llm_from_args(args, seed: int | None = None):
                generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -172,12 +172,15 @@ class SchedulerConfig:
     gpu_memory_utilization: on CUDA, the fraction of the GPU's memory the process may use
         (weights included), vLLM's meaning; the KV pool gets what is left of it.
     block_size: slots per KV block.
+    enable_prefix_caching: a prompt's leading full blocks are taken from earlier requests' caches
+        when they hold the same tokens (model/kv.py); plain decoding and ngram only.
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -186,6 +189,8 @@ class SchedulerConfig:
         v = self.kv_cache_memory
         _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "kv_cache_memory",
                "must be a number of bytes > 0", v)
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be true or false",
+               self.enable_prefix_caching)
         u = self.gpu_memory_utilization
         _check(u is None or (_real(u) and 0 < u <= 1), "gpu_memory_utilization", "must be in (0, 1]", u)
 

@@ -80,6 +80,11 @@ class Engine:
         self.config = scheduler_config or SchedulerConfig()
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)
         self.blocks, self.kv = self._allocate_kv(max_k)
+        if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
+            raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
+                             "every prompt token (its own cache or the target's features); use it without prefix "
+                             "caching, or prefix caching with ngram or no speculation")
+        self.blocks.prefix_caching = self.config.enable_prefix_caching
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()
         # what the last step did, and running totals: read by the server's metrics
@@ -171,6 +176,15 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.blocks.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.blocks.prefix_hits
+
+    @property
     def kv_cache_usage(self) -> float:
         """Fraction of the KV pool's blocks held by requests."""
         return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
@@ -195,6 +209,7 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Advance every running request by one step; returns the step's events."""
         t0, wall0 = self.clock(), time.perf_counter()
+        self._choose_s = 0.0                  # the policy's time this step (_choose_k)
         plan = self.scheduler.schedule(self._choose_k)
         self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
@@ -244,7 +259,9 @@ class Engine:
             room = self._room(r)
             cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
             seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
+        t = self.clock()
         ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
+        self._choose_s = self.clock() - t
         return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
 
     def _pending_prefill(self, decoding: int) -> int:
@@ -323,11 +340,13 @@ class Engine:
             if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
                 r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
+            self.blocks.register(r.request_id, r.seq, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
         for (r, start, n), off in zip(plan.chunks, offsets[len(plan.decode):]):
             r.num_cached = start + n
             self.kv.set_length(r.request_id, r.num_cached)
+            self.blocks.register(r.request_id, r.seq, r.num_cached)
             committed.append(Committed(r.request_id, r.seq, r.num_cached,
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed
@@ -374,8 +393,11 @@ class Engine:
         outcomes = [Outcome(r.request_id, r.params.greedy, k, res.accepted, res.path if r.params.greedy else None)
                     for r, k, res in zip(plan.decode, ks, results)]
         # drafting costs follow what was asked (a lookup that finds nothing still ran)
+        # the policy's own time is left out: it refits only now and then, which would read as
+        # noise in what a fed token costs
         costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention,
-                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s, step_s - propose_s)
+                          sum(k > 0 for k in plan.ks), max(plan.ks), propose_s,
+                          step_s - propose_s - self._choose_s)
         self.policy.observe(outcomes, costs)
 
     def _retire(self, r: Request) -> None:

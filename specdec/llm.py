@@ -79,6 +79,8 @@ class LLM:
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
     "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py). kv_cache_dtype: the target's
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16" or "float32" (vLLM's flag).
+    enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
+    (vLLM's flag; plain decoding and ngram).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -88,11 +90,12 @@ class LLM:
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
-                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0):
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
+                 enable_prefix_caching: bool = False):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-                                gpu_memory_utilization, block_size)
+                                gpu_memory_utilization, block_size, enable_prefix_caching)
         if model is None:
             model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:

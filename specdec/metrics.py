@@ -28,6 +28,7 @@ class RequestStats:
     target_time_s: float = 0.0
     prefill_time_s: float = 0.0      # the prompt's forward (and the proposer's own prefill)
     queue_time_s: float = 0.0        # arrival to the step that first scheduled it
+    cached_tokens: int = 0           # prompt tokens found in the prefix cache (not computed)
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1
@@ -63,7 +64,7 @@ class RequestStats:
 
     def merge(self, other: "RequestStats") -> None:
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
-                     "accepted_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s"):
+                     "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
@@ -86,4 +87,5 @@ class RequestStats:
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "prefill_time_s": round(self.prefill_time_s, 4),
             "queue_time_s": round(self.queue_time_s, 4),
+            "cached_tokens": self.cached_tokens,
         }

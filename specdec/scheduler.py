@@ -12,7 +12,9 @@ Per step, in order:
    and blocks for their whole prompt; none joins in a step that preempted.
 
 Invariant of a running request: the target's cache holds seq[:num_cached]; it decodes once
-num_cached == len(seq) - 1 (the last token is fed by the next step, with the drafts).
+num_cached == len(seq) - 1 (the last token is fed by the next step, with the drafts). With
+prefix caching a request may join with num_cached > 0 (its prompt's leading blocks found in the
+cache), even == len(seq) - 1.
 """
 
 from __future__ import annotations
@@ -109,9 +111,9 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
             r = self.waiting.popleft()
             plan.admitted.append(r)
-            n = min(len(r.seq) - 1, budget)
+            n = min(len(r.seq) - 1 - r.num_cached, budget)
             if n > 0:
-                plan.chunks.append((r, 0, n))
+                plan.chunks.append((r, r.num_cached, n))
                 budget -= n
         return plan
 
@@ -126,12 +128,14 @@ class Scheduler:
         return True
 
     def _admit(self, r: Request) -> bool:
-        """A seat for r when its whole prompt (and the slot of its first step) fits now."""
-        if self.blocks.blocks_for(len(r.seq)) > self.blocks.num_free_blocks:
+        """A seat for r when its whole prompt (and the slot of its first step) fits now; the
+        prompt's leading blocks come from the prefix cache when it holds them."""
+        cached = self.blocks.admit(r.request_id, r.seq[:-1], len(r.seq))
+        if cached is None:
             return False
-        self.blocks.add(r.request_id)
-        self.blocks.ensure(r.request_id, len(r.seq))
-        r.status, r.num_cached = RUNNING, 0
+        r.status, r.num_cached = RUNNING, cached
+        if not r.num_preemptions:
+            r.stats.cached_tokens = min(cached, len(r.prompt))
         self.running.append(r)
         return True
 

@@ -116,6 +116,24 @@ def test_top_p_reaches_the_sampled_runs_only():
     assert {p.top_p for p in sampling_params(Scenario("x", 0.0, prompts, top_p=0.95), seed=5)} == {1.0}
 
 
+def test_ignore_eos_reaches_every_method(tiny_pair, prompts_file, tmp_path):
+    from specdec.bench.peers import _sampling_kwargs
+
+    prompts = [Prompt("a", "x", [1, 2], 5), Prompt("b", "y", [3], 6)]
+    assert all(p.ignore_eos for p in sampling_params(Scenario("x", 0.7, prompts, ignore_eos=True), seed=0))
+    kw = _sampling_kwargs(sampling_params(Scenario("x", 0.0, prompts, ignore_eos=True), seed=0)[0], [2])
+    assert kw["eos_token_id"] is None and kw["min_new_tokens"] == 5          # transformers' generate
+    target, _ = tiny_pair
+    rc, results, out = _bench(tmp_path, "--model", str(target), "--methods", "ngram,hf_plain", "--num-speculative-tokens", "2",
+                              "--temperature", "0.7", "--prompts", str(prompts_file), "--ignore-eos")
+    assert rc == 0 and "--ignore-eos" in results["command"]
+    (scenario,) = results["scenarios"]
+    assert scenario["ignore_eos"] and "exactly" in (out / "results.md").read_text()
+    assert {m["name"] for m in scenario["methods"]} >= {"plain", "ngram K=2", "hf_plain"}
+    for m in scenario["methods"]:                 # every prompt ran to its max tokens: 8 and 6
+        assert m["output_tokens"] == 14, m["name"]
+
+
 def test_method_selection_follows_the_registry():
     spec, hf, lc, skipped = select_methods(None, peers=["transformers"])
     assert spec == list(REGISTRY) and hf[0] == "hf_plain" and lc == [] and not skipped

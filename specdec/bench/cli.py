@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=_temps, default="0,1", help="comma-separated temperatures (default 0,1)")
     p.add_argument("--top-p", type=_top_p, default=1.0,
                    help="nucleus sampling of the sampled runs, every method and peer alike (default 1.0: off)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request generates its max tokens (as vllm bench's flag): sampled runs of different "
+                        "methods then time the same number of tokens, whatever text each draws")
     p.add_argument("--prompts", type=_names, default="code",
                    help="comma-separated prompt sets: bundled names (code, repeat), spec-bench (Spec-Bench's "
                         "questions through the chat template, reported per category) or .jsonl files (default code)")
@@ -145,6 +148,8 @@ def command_line(args) -> str:
                         ("--threads", args.threads), ("--clock", args.clock), ("--out", args.out)):
         if value is not None:
             parts += [flag, str(value)]
+    if args.ignore_eos:
+        parts.append("--ignore-eos")
     if args.speculative_config:
         import json
         parts += ["--speculative-config", json.dumps(args.speculative_config)]

@@ -20,6 +20,7 @@ class Scenario:
     temperature: float
     prompts: list[Prompt]
     top_p: float = 1.0            # nucleus sampling of sampled runs (every method, peers included)
+    ignore_eos: bool = False      # every request runs to its max tokens (every method, peers included)
 
     @property
     def name(self) -> str:
@@ -33,7 +34,8 @@ class Scenario:
 def sampling_params(scenario: Scenario, seed: int) -> list[SamplingParams]:
     """One per prompt; sampled runs get a seed per prompt, the same in every repeat and variant."""
     return [SamplingParams(temperature=scenario.temperature, max_tokens=p.max_tokens,
-                           top_p=1.0 if scenario.greedy else scenario.top_p, seed=None if scenario.greedy else seed + i)
+                           top_p=1.0 if scenario.greedy else scenario.top_p, seed=None if scenario.greedy else seed + i,
+                           ignore_eos=scenario.ignore_eos)
             for i, p in enumerate(scenario.prompts)]
 
 

@@ -82,7 +82,7 @@ def _runner(llm, eos_ids: set[int], clock, recorder: _Recorder | None):
                            typical_p=1.0, repeat_penalty=1.0, reset=True)
         for tok in gen:
             tokens.append(int(tok))
-            if tok in eos_ids or len(tokens) >= params.max_tokens:
+            if (tok in eos_ids and not params.ignore_eos) or len(tokens) >= params.max_tokens:
                 break
         gen.close()
         wall = clock() - t0

@@ -101,8 +101,10 @@ class Probe:
 
 
 def _sampling_kwargs(params: SamplingParams, eos_ids: list[int]) -> dict:
-    kw = {"max_new_tokens": params.max_tokens, "eos_token_id": eos_ids or None,
+    kw = {"max_new_tokens": params.max_tokens, "eos_token_id": None if params.ignore_eos else eos_ids or None,
           "pad_token_id": eos_ids[0] if eos_ids else None}
+    if params.ignore_eos:
+        kw["min_new_tokens"] = params.max_tokens
     if params.greedy:
         return {**kw, "do_sample": False}
     # specdec applies no top-k unless asked; transformers defaults to top_k=50

@@ -124,7 +124,9 @@ def markdown(results: dict) -> str:
     lines = ["# specdec bench", "", *_header_lines(results), "", LEGEND]
     for s in results["scenarios"]:
         lines += ["", f"## {s['prompt_set']} prompts, temperature {s['temperature']:g}", "",
-                  f"{s['num_prompts']} prompts (mean {s['prompt_tokens_mean']} tokens), up to {s['max_tokens']} new tokens, "
+                  f"{s['num_prompts']} prompts (mean {s['prompt_tokens_mean']} tokens), "
+                  f"{'exactly' if s.get('ignore_eos') else 'up to'} {s['max_tokens']} new tokens"
+                  f"{' (EOS ignored)' if s.get('ignore_eos') else ''}, "
                   f"{s['repeats']} interleaved repeats after one warm-up per method. Speedups are per-repeat ratios "
                   f"(median, min–max).", "", table(s)]
         if s.get("categories"):

@@ -83,7 +83,7 @@ def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counte
 def _config(args, llm: LLM, draft_dir: str | None) -> dict:
     return {"model": llm.model_path, "draft_model": draft_dir, "dtype": machine.weights_kind(llm.target),
             "device": args.device, "num_speculative_tokens": args.num_speculative_tokens,
-            "temperatures": args.temperature, "top_p": args.top_p, "prompts": args.prompts, "max_tokens": args.max_tokens,
+            "temperatures": args.temperature, "top_p": args.top_p, "ignore_eos": args.ignore_eos, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "seed": args.seed, "peers": args.peers, "clock": args.clock,
             "threads": args.threads or torch.get_num_threads(),
             "speculative_config": args.speculative_config or {}}
@@ -103,7 +103,7 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
     sets = [load_prompts(p, llm.tokenizer, args.max_tokens, max_len, args.limit_prompts, args.limit_per_category,
                          args.categories)
             for p in args.prompts]
-    scenarios = [Scenario(name, t, prompts, args.top_p) for name, prompts in sets for t in args.temperature]
+    scenarios = [Scenario(name, t, prompts, args.top_p, args.ignore_eos) for name, prompts in sets for t in args.temperature]
     results = {"command": command, "machine": machine.machine_info(), "config": _config(args, llm, draft_dir),
                "roofline": machine.roofline(llm.target, machine.memory_bandwidth(clock=clock)) if args.device == "cpu" else None,
                "scenarios": [], "skipped": [s.to_dict() for s in skipped]}

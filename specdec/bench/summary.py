@@ -146,6 +146,7 @@ def summarize(variants: list[Variant], runs: dict[str, list[list[Run]]], scenari
     return {
         "name": scenario.name, "prompt_set": scenario.prompt_set, "temperature": scenario.temperature,
         "num_prompts": len(scenario.prompts), "max_tokens": max_tokens, "repeats": repeats,
+        "ignore_eos": scenario.ignore_eos,
         "prompt_tokens_mean": round(statistics.mean(len(p.ids) for p in scenario.prompts), 1),
         "methods": [summarize_variant(v, runs, scenario.greedy, prompt_ids, decode_phase) for v in variants],
     }

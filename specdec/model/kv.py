@@ -9,6 +9,14 @@
   head_dim]. Slot s of a sequence lives in block table[s // block_size], offset s % block_size;
   kv heads outermost, so that a sequence's blocks gathered for one head are one contiguous run.
 
+Prefix caching (vLLM's automatic prefix caching, opt-in: `enable_prefix_caching`): a full block
+whose slots hold the target's keys and values of known tokens is registered under a hash of
+those tokens and of every token before them (a chain over the blocks). A new sequence whose
+prompt starts with registered blocks takes them (reference counts) instead of computing them
+again; a block nobody holds stays registered until the pool needs it (least recently freed
+first). The C forward computes each token's keys and values bit-identically whatever the
+chunking, so a reused block holds exactly what recomputing it would give.
+
 Rejected drafts are never erased: `rollback` only lowers the length, and the next step
 overwrites those slots (vLLM's scheduler rewinds the same way). `move` copies a tree's
 accepted path next to the prefix. A contiguous cache of B rows x max_len slots is the special
@@ -17,7 +25,9 @@ case block_size = max_len, one block per row (`KVCache.dense`): [n_kv, batch, ma
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +40,14 @@ class _SeqBlocks:
     row: int
     blocks: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)   # one per registered cache
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a full block: its tokens and (through parent) every token before them."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return h.digest()
 
 
 class BlockManager:
@@ -46,6 +64,15 @@ class BlockManager:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._num_caches = 0
+        # prefix caching: blocks by hash, hashes by block, holders per block, and the registered
+        # blocks nobody holds (least recently freed first: evicted in that order)
+        self.prefix_caching = False
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._refs = [0] * num_blocks
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self.prefix_queries = 0          # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0             # ... found in the cache
 
     def register_cache(self) -> int:
         """A cache mirroring these sequences; returns its index into each sequence's lengths."""
@@ -56,7 +83,8 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get: free ones and registered ones nobody holds."""
+        return len(self._free) + len(self._idle)
 
     @property
     def max_slots_per_seq(self) -> int:
@@ -76,10 +104,78 @@ class BlockManager:
         self._seqs[seq] = _SeqBlocks(self._free_rows.pop(), lengths=[0] * self._num_caches)
 
     def remove(self, seq: Hashable) -> None:
-        """Free the sequence's blocks and row in every cache (finished, aborted, preempted)."""
+        """Free the sequence's blocks and row in every cache (finished, aborted, preempted);
+        registered blocks stay findable until the pool needs them."""
         s = self._seqs.pop(seq)
-        self._free.extend(reversed(s.blocks))
+        for b in reversed(s.blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
         self._free_rows.append(s.row)
+
+    def _take(self) -> int:
+        """A block for new slots: a free one, else the least recently freed registered one."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._idle.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(b)]
+        self._refs[b] = 1
+        return b
+
+    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The registered blocks that hold the longest run of tokens' full blocks from the start."""
+        found, parent, bs = [], b"", self.block_size
+        for i in range(len(tokens) // bs):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            b = self._by_hash.get(parent)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int) -> int | None:
+        """Add seq with room for num_slots slots, its first blocks taken from the prefix cache
+        when tokens (what its cache may hold: the prompt but its last token) start with
+        registered blocks. Returns how many leading tokens it found cached, or None (nothing
+        changed) when the pool lacks the blocks."""
+        hit = self.cached_prefix(tokens) if self.prefix_caching else []
+        idle = sum(1 for b in hit if self._refs[b] == 0)
+        if self.blocks_for(num_slots) - len(hit) > self.num_free_blocks - idle:
+            return None
+        self.add(seq)
+        s = self._seqs[seq]
+        for b in hit:
+            if self._refs[b] == 0:
+                del self._idle[b]
+            self._refs[b] += 1
+            self.table[s.row, len(s.blocks)] = b
+            s.blocks.append(b)
+            s.hashes.append(self._hash_of[b])
+        self.ensure(seq, num_slots)
+        cached = len(hit) * self.block_size
+        if self.prefix_caching:
+            self.prefix_queries += len(tokens)
+            self.prefix_hits += cached
+        s.lengths = [cached] * self._num_caches
+        return cached
+
+    def register(self, seq: Hashable, tokens: Sequence[int], num_written: int) -> None:
+        """seq's caches hold tokens[:num_written]: its full blocks among them become findable (a
+        block whose content is registered already, by a sequence that computed it at the same
+        time, stays private and is freed as usual)."""
+        if not self.prefix_caching:
+            return
+        s, bs = self._seqs[seq], self.block_size
+        for i in range(len(s.hashes), min(num_written // bs, len(s.blocks))):
+            h = chain_hash(s.hashes[-1] if s.hashes else b"", tokens[i * bs:(i + 1) * bs])
+            s.hashes.append(h)
+            b = s.blocks[i]
+            if h not in self._by_hash and b not in self._hash_of:
+                self._by_hash[h], self._hash_of[b] = b, h
 
     def mirror(self, tables: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
         """Hold exactly these sequences, as another manager placed them: (id, block-table row,
@@ -109,10 +205,10 @@ class BlockManager:
         need = self.blocks_for(num_slots) - len(s.blocks)
         if need <= 0:
             return True
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block = self._free.pop()
+            block = self._take()
             self.table[s.row, len(s.blocks)] = block
             s.blocks.append(block)
         return True

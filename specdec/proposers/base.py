@@ -56,6 +56,8 @@ class ProposerCaps:
     max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
     deferrable: bool = False           # update() may be skipped for some steps and then given one
                                        # Committed that merges them (merge_committed): it catches up
+    reuses_cached_prefix: bool = False  # a request may start with a prompt prefix the target's
+                                        # cache already holds (prefix caching): it reads tokens only
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,8 @@ class HybridProposer(ProposerBase):
         self.settings = settings or HybridSettings()
         self.max_k = max_k
         lc = learned.caps
-        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, max_len=lc.max_len)
+        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, max_len=lc.max_len,
+                                 reuses_cached_prefix=lc.reuses_cached_prefix)
         self.learned_depth = lc.max_tree_size      # an EAGLE chain's depth; None: no limit
         self.requests: dict[Hashable, _Request] = {}
         self.counts = SourceCounts()

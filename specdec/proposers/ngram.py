@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Draft, ProposeItem, ProposerBase
+from .base import Draft, ProposeItem, ProposerBase, ProposerCaps
 
 
 class NgramProposer(ProposerBase):
     name = "ngram"
+    caps = ProposerCaps(reuses_cached_prefix=True)       # it reads the tokens, nothing else
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         super().__init__()

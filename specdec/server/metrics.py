@@ -44,6 +44,12 @@ class _EngineCollector:
         c = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted (blocks freed, to be recomputed).")
         c.add_metric([], e.num_preemptions)
         yield c
+        c = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        c.add_metric([], e.prefix_cache_queries)
+        yield c
+        c = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        c.add_metric([], e.prefix_cache_hits)
+        yield c
 
 
 class ServerMetrics:

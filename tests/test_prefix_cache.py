@@ -164,9 +164,11 @@ def test_server_reports_prefix_cache_hits(tiny_pair):
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
         prompt = PROMPTS[1] * 2
-        texts = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-                 for _ in range(2)]
-        assert texts[0] == texts[1]
+        first, second = (client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                         for _ in range(2))
+        assert first.choices[0].text == second.choices[0].text
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
         with httpx.Client(base_url=live.url, timeout=30) as http:
             hits, queries = (metric(http, f"specdec:prefix_cache_{n}_total") for n in ("hits", "queries"))
         assert queries >= hits > 0

@@ -96,9 +96,14 @@ def _head(fmt, model: str, chunk: bool) -> dict:
 
 
 def usage(gen: Generation, completion_tokens: int) -> dict:
+    """OpenAI's usage; cached_tokens: each prompt's tokens found in the prefix cache (the most
+    any of its choices found: they may run side by side)."""
     prompt_tokens = sum(len(p) for p in gen.prompts)
+    per = gen.per_prompt
+    cached = sum(max((s.cached_tokens for s in gen.stats[p * per:(p + 1) * per] if s is not None), default=0)
+                 for p in range(len(gen.prompts)))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculative(gen: Generation) -> dict:

@@ -20,7 +20,7 @@ from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR
 from specdec.model import BlockManager, load_model
 from specdec.proposers import Committed, ProposeItem, RequestContext, build_proposer
 from specdec.proposers.base import merge_committed
-from specdec.proposers.hybrid import LEARNED, LOOKUP, HybridSettings, SourceRecords
+from specdec.proposers.hybrid import LEARNED, LOOKUP, Choice, HybridSettings, SourceRecords
 from specdec.proposers.ngram import match
 from specdec.sampling import make_generator, process
 from specdec.verify import rejection_plan
@@ -32,6 +32,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n",
            "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
            "class Point3:\n    def __init__(self, x, y, z):\n        self.x = x\n"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# costs of a machine where drafting is cheap (a GPU; the defaults are this CPU's, where the
+# toy drafters would rarely pay): there both sources draft
+CHEAP = {"verify_cost": 0.05, "learned_cost": 0.05, "catch_up_cost": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def _hybrid(method: str, k, **extra) -> LLM:
 @pytest.mark.parametrize("method", sorted(TOY_HEADS))
 @pytest.mark.parametrize("k", [1, 4, 8, "auto"])
 def test_greedy_hybrid_equals_plain_on_the_toy_pair(toy, method, k):
-    llm = _hybrid(method, k)
+    llm = _hybrid(method, k, **CHEAP)
     outs = llm.generate(PROMPTS, GREEDY)       # every prompt in one batch
     assert [o.outputs[0].token_ids for o in outs] == toy["outputs"]
     counts = llm.engine.proposer.counts
@@ -61,7 +64,7 @@ def test_the_bundled_pair_is_found_by_method():
 
 
 def _one_step_counts(method: str, prompt_ids: list[int]):
-    llm = _hybrid(method, 4)
+    llm = _hybrid(method, 4, **CHEAP)
     # two new tokens: the first step may draft one, so the source choice is made exactly once
     llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     return llm.engine.proposer.counts
@@ -98,6 +101,27 @@ def test_bad_hybrid_settings_are_one_line_errors():
             _hybrid("ngram+eagle", 4, **extra)
     with pytest.raises(ValueError, match="model is required"):
         SpeculativeConfig(method="ngram+eagle")
+
+
+def test_the_choice_weighs_what_each_source_achieved_and_costs():
+    cheap = HybridSettings(**CHEAP)
+    rec = SourceRecords(8, cheap)
+    assert rec.choose(0, 0, 4).source == LEARNED                      # no match: the learned drafter
+    assert rec.choose(3, 4, 4).source == LOOKUP                       # a match: lookup, as likely and free
+    for _ in range(6):                                                # this request's lookups keep failing
+        rec.observe(Choice(LOOKUP, 2, 3), 0)
+    assert rec.choose(3, 4, 4).source == LEARNED
+    # the defaults (this CPU): a learned drafter that must first catch up on a long prompt does not pay
+    assert SourceRecords(8, HybridSettings()).choose(0, 0, 4, catch_up=1000).source is None
+    # a long match that has paid is drafted long; a short one that has not, not at all
+    rec = SourceRecords(8, HybridSettings())
+    for _ in range(6):
+        rec.observe(Choice(LOOKUP, 8, 8), 8)
+        rec.observe(Choice(LOOKUP, 2, 2), 0)
+    assert rec.choose(8, 8, 0) == Choice(LOOKUP, 8, 8) and rec.choose(2, 8, 0).source is None
+    # ... until it has sat unused for probe_every steps: then one token, so its figures stay measured
+    choices = [rec.choose(2, 8, 0) for _ in range(HybridSettings().probe_every)]
+    assert [c.source for c in choices].count(LOOKUP) == 1 and choices[-1] == Choice(LOOKUP, 1, 2)
 
 
 # -- exactness by enumeration ------------------------------------------------------------------
@@ -272,7 +296,7 @@ def test_monte_carlo_through_the_engine_matches_the_target(method, tiny_drafters
 
     target, folders = tiny_drafters
     llm = LLM(model=target, dtype="float32", speculative_config={"method": method, "model": str(folders[method]),
-                                                                 "num_speculative_tokens": 2})
+                                                                 "num_speculative_tokens": 2, **CHEAP})
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=2, ignore_eos=True)
     proposer, drafts = llm.engine.proposer, []
     propose = proposer.propose

@@ -13,10 +13,12 @@ token it drafts costs a fraction of a target forward. Per request and step:
    are kept far more often (shrunk towards all of the request's lookups while an n has few
    samples); both start from an optimistic prior;
 3. the step drafts the source and length that maximise expected tokens per unit of cost,
-   (1 + E(m)) / (1 + m * (verify_cost + c)), c = 0 for lookup and learned_cost for the learned
-   drafter; m = 0 (plain decoding) competes too, so a source that does not pay for a request
-   stops drafting for it. A source left unused for probe_every steps (or never used yet) drafts
-   one token the next time the step would otherwise draft nothing, so its figures stay measured.
+   (1 + E(m)) / (1 + m * (verify_cost + c) + u), c = 0 for lookup and learned_cost for the
+   learned drafter, u its catch-up (below: catch_up_cost per feature row it has not seen yet);
+   m = 0 (plain decoding) competes too, so a source that does not pay for a request stops
+   drafting for it. A source that has drafted for the request but was left unused for
+   probe_every steps drafts one token the next time the step would otherwise draft nothing, so
+   its figures stay measured.
 
 Lossless. A step's choice depends only on the request's sequence and the outcomes of its
 earlier steps, never on anything drawn in this step; the learned drafter is then asked for
@@ -34,6 +36,7 @@ learned drafter next drafts for it, so steps served by lookup (or plain) skip it
 from __future__ import annotations
 
 from collections.abc import Hashable
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +49,8 @@ LOOKUP, LEARNED = "lookup", "learned"
 PRIOR = 0.6            # optimistic start: draft first, let the request's outcomes say otherwise
 PRIOR_WEIGHT = 2.0     # ... worth this many observations
 BUCKET_WEIGHT = 2.0    # a match length's own figures against all of the request's lookups
-MAX_DEFERRED = 512     # feature rows kept per request before the learned drafter catches up anyway
+MAX_DEFERRED = 4096    # feature rows kept per request before the learned drafter catches up anyway
+                       # (SmolLM2: 2.3 KB a row)
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,12 @@ class HybridSettings:
     # when sampling) on top of its verification.
     verify_cost: float = 0.25
     learned_cost: float = 0.5
-    probe_every: int = 8           # steps a source may stay unused before it drafts one token again
+    catch_up_cost: float = 0.02    # per feature row the learned drafter catches up on (EAGLE: ~0.1 ms a row)
+    probe_every: int = 16          # steps a source may stay unused before it drafts one token again
     decay: float = 0.95            # forgetting per observation of a record
 
     def __post_init__(self):
-        for name in ("verify_cost", "learned_cost"):
+        for name in ("verify_cost", "learned_cost", "catch_up_cost"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 10):
                 raise ValueError(f"speculative_config.{name} must be a number in [0, 10], got {v!r}")
@@ -100,11 +105,12 @@ class _Record:
         self.kept[:min(accepted, drafted)] += 1
 
 
-def best_length(rates: np.ndarray, cost: float) -> tuple[float, int]:
+def best_length(rates: np.ndarray, cost: float, fixed: float = 0.0) -> tuple[float, int]:
     """(expected tokens per unit of cost, m) of the best draft length m >= 1 for conditional
-    acceptance rates [M] (position j kept given 0..j-1 kept) at `cost` per drafted token."""
+    acceptance rates [M] (position j kept given 0..j-1 kept) at `cost` per drafted token plus
+    `fixed` for drafting at all (units: a plain decoding step)."""
     emitted = 1.0 + np.cumsum(np.cumprod(rates))
-    ratio = emitted / (1.0 + cost * np.arange(1, len(rates) + 1))
+    ratio = emitted / (1.0 + fixed + cost * np.arange(1, len(rates) + 1))
     m = int(np.argmax(ratio))
     return float(ratio[m]), m + 1
 
@@ -116,8 +122,7 @@ class SourceRecords:
         self.size, self.s = size, settings
         self.lookup, self.learned = _Record(size, settings.decay), _Record(size, settings.decay)
         self.by_n: dict[int, _Record] = {}
-        # as if unused for long: each source's first chance probes it, however costly it is assumed
-        self.idle = {LOOKUP: settings.probe_every, LEARNED: settings.probe_every}
+        self.idle = {LOOKUP: 0, LEARNED: 0}
 
     def lookup_rates(self, n: int, m: int) -> np.ndarray:
         overall = self.lookup.rates(m, PRIOR, PRIOR_WEIGHT)
@@ -127,20 +132,22 @@ class SourceRecords:
     def learned_rates(self, m: int) -> np.ndarray:
         return self.learned.rates(m, PRIOR, PRIOR_WEIGHT)
 
-    def choose(self, n: int, lookup_len: int, learned_max: int) -> Choice:
+    def choose(self, n: int, lookup_len: int, learned_max: int, catch_up: int = 0) -> Choice:
         """n, lookup_len: lookup's match length and how many tokens it found (0: none);
-        learned_max: the most the learned drafter may draft now (0: it may not)."""
+        learned_max: the most the learned drafter may draft now (0: it may not); catch_up: the
+        feature rows it would have to catch up on first."""
         best, choice = 1.0, Choice(None, 0)               # plain decoding: 1 token per forward
         if lookup_len:
             ratio, m = best_length(self.lookup_rates(n, lookup_len), self.s.verify_cost)
             best, choice = (ratio, Choice(LOOKUP, m, n)) if ratio > best else (best, choice)
         if learned_max:
-            ratio, m = best_length(self.learned_rates(learned_max), self.s.verify_cost + self.s.learned_cost)
+            ratio, m = best_length(self.learned_rates(learned_max), self.s.verify_cost + self.s.learned_cost,
+                                   self.s.catch_up_cost * catch_up)
             best, choice = (ratio, Choice(LEARNED, m)) if ratio > best else (best, choice)
-        if choice.source is None:     # a probe: one token from a source left unused too long
-            if lookup_len and self.idle[LOOKUP] >= self.s.probe_every:
+        if choice.source is None:     # a probe: one token from a tried source left unused too long
+            if lookup_len and self.idle[LOOKUP] >= self.s.probe_every and self.lookup.tried[0] > 0:
                 choice = Choice(LOOKUP, 1, n)
-            elif learned_max and self.idle[LEARNED] >= self.s.probe_every:
+            elif learned_max and self.idle[LEARNED] >= self.s.probe_every and self.learned.tried[0] > 0:
                 choice = Choice(LEARNED, 1)
         for src, able in ((LOOKUP, lookup_len), (LEARNED, learned_max)):
             self.idle[src] = 0 if choice.source == src else self.idle[src] + bool(able)
@@ -220,7 +227,7 @@ class HybridProposer(ProposerBase):
             req = self.requests[it.request_id]
             tokens, n = match(np.asarray(it.seq, dtype=np.int64), it.k, self.n_max, self.n_min)
             cap = min(it.k, self.learned_depth or it.k)
-            choice = req.records.choose(n, len(tokens), cap)
+            choice = req.records.choose(n, len(tokens), cap, req.rows)
             req.pending = (choice, len(it.seq)) if choice.source else None
             if choice.source == LOOKUP:
                 drafts[i] = Draft(torch.from_numpy(tokens[:choice.m].copy()))
@@ -249,7 +256,8 @@ class HybridProposer(ProposerBase):
             if not self.learned.caps.deferrable:
                 now.append(it)
                 continue
-            req.deferred.append(it)
+            # a copy: a prompt chunk's rows are a view of the whole step's features
+            req.deferred.append(it if it.hidden is None else dataclasses.replace(it, hidden=it.hidden.clone()))
             req.rows += it.hidden.shape[0] if it.hidden is not None else 0
             if req.rows >= MAX_DEFERRED:          # bound the memory a long lookup run holds
                 self._catch_up([it.request_id])

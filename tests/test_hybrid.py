@@ -96,6 +96,7 @@ def test_speculation_switched_off_costs_the_learned_drafter_nothing(toy):
 
 def test_bad_hybrid_settings_are_one_line_errors():
     for extra, field in (({"verify_cost": -1}, "verify_cost"), ({"probe_every": 0}, "probe_every"),
+                         ({"catch_up_cost": "x"}, "catch_up_cost"),
                          ({"topk": 3}, "topk")):
         with pytest.raises(ValueError, match=field):
             _hybrid("ngram+eagle", 4, **extra)

@@ -53,7 +53,7 @@ def _eagle(spec: SpeculativeConfig, target, loader, max_len):
     return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)
 
 
-HYBRID_KEYS = ("verify_cost", "learned_cost", "probe_every")
+HYBRID_KEYS = tuple(f.name for f in dataclasses.fields(HybridSettings) if f.name != "decay")
 
 
 def _hybrid(learned_method: str) -> Callable:

@@ -30,6 +30,7 @@ def main() -> int:
     argv = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     log = (args.out.with_suffix(".server.log") if args.out else Path("serve_stress.server.log"))
     before = machine_info()["load_average"]
+    serve.unwind_on_sigterm()
     with serve.server(argv, log) as started:
         report = stress.run(started.url, args.clients, args.seconds, args.max_tokens,
                             stress.process_rss(started.pid), args.sample_every)

@@ -84,3 +84,39 @@ def test_bench_serve_bad_flags_exit_2(capsys):
     assert "--goodput" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--num-speculative-tokens", "x"])
+
+
+def test_a_terminated_bench_stops_the_servers_it_started(tiny_pair, tmp_path):
+    """SIGTERM while the servers run (a load point that would take minutes): the benchmark exits
+    and takes its servers with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target, _ = tiny_pair
+    cmd = [sys.executable, "-m", "specdec", "bench", "serve", "--model", str(target), "--num-speculative-tokens", "0",
+           "--server-args", "--max-model-len 256", "--max-concurrency", "1", "--num-prompts", "500",
+           "--output-len", "200", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path)]
+    bench = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "starting plain" in bench.stderr.readline()
+    log = tmp_path / "server-plain.log"
+    deadline = time.monotonic() + 120
+    while "plain:" not in bench.stderr.readline():       # measuring: the server is up
+        assert time.monotonic() < deadline and bench.poll() is None
+    children = subprocess.run(["pgrep", "-P", str(bench.pid)], capture_output=True, text=True).stdout.split()
+    assert children, "the bench runs its server as a child process"
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=90) != 0
+    for pid in map(int, children):
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"server {pid} outlived the benchmark")
+    assert log.exists()

@@ -21,9 +21,11 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -240,6 +242,13 @@ def free_port() -> int:
 class Started:
     url: str
     pid: int
+
+
+def unwind_on_sigterm() -> None:
+    """A SIGTERM (a job runner, `kill`) unwinds like Ctrl-C, so that servers started by
+    `server` blocks are stopped too instead of outliving the benchmark (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 @contextmanager

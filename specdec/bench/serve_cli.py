@@ -163,6 +163,7 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
 
     from . import serve
 
+    serve.unwind_on_sigterm()
     with ExitStack() as stack:
         started = []
         for v in variants(args):

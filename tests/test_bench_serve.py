@@ -105,11 +105,11 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_pair, tmp_path):
     deadline = time.monotonic() + 120
     while "plain:" not in bench.stderr.readline():       # measuring: the server is up
         assert time.monotonic() < deadline and bench.poll() is None
-    children = subprocess.run(["pgrep", "-P", str(bench.pid)], capture_output=True, text=True).stdout.split()
+    children = _children(bench.pid)
     assert children, "the bench runs its server as a child process"
     bench.send_signal(signal.SIGTERM)
     assert bench.wait(timeout=90) != 0
-    for pid in map(int, children):
+    for pid in children:
         for _ in range(100):
             try:
                 os.kill(pid, 0)
@@ -120,3 +120,18 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_pair, tmp_path):
             os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"server {pid} outlived the benchmark")
     assert log.exists()
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is pid (from /proc: no procps needed)."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out

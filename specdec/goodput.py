@@ -299,15 +299,16 @@ class GoodputPolicy:
         ids = tuple(s.request_id for s in seqs)
         if self.steps < self.warmup:
             ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
-        elif self._last and self._last[0] == ids and self._last[2] < self.reuse and not prompt_tokens:
-            ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
-            self._last = (ids, self._last[1], self._last[2] + 1)
-            self.idle = 0 if any(ks) else self.idle + 1
         else:
-            ks = self._optimise(seqs, prompt_tokens)
-            self._last = (ids, ks, 1)
+            reused = self._last and self._last[0] == ids and self._last[2] < self.reuse and not prompt_tokens
+            if reused:
+                ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
+                self._last = (ids, self._last[1], self._last[2] + 1)
+            else:
+                ks = self._optimise(seqs, prompt_tokens)
+                self._last = (ids, ks, 1)
             self.idle = 0 if any(ks) else self.idle + 1
-            if self.idle >= self.probe_every:
+            if not reused and self.idle >= self.probe_every:
                 ks = self._probe(seqs, ks)
                 self.probing = True
         for s, k in zip(seqs, ks):

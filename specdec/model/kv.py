@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class _SeqBlocks:
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The hash of a full block: its tokens and (through parent) every token before them."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    h.update(array("l", tokens).tobytes())
     return h.digest()
 
 

@@ -78,7 +78,8 @@ class LLM:
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
     "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py). kv_cache_dtype: the target's
-    KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16" or "float32" (vLLM's flag).
+    KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
+    flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
     (vLLM's flag; plain decoding and ngram).
     """

@@ -28,12 +28,12 @@ class _Mat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
-                *[(n, c_void_p) for n in ("qkv_bias", "k_cache", "v_cache")]]
+                *[(n, c_void_p) for n in ("qkv_bias", "k_cache", "v_cache", "k_scale", "v_scale")]]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
-                                       "n_layers", "num_blocks", "block_size", "max_blocks", "kv_bf16")],
+                                       "n_layers", "num_blocks", "block_size", "max_blocks", "kv_type")],
                 ("eps", c_float), ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
@@ -92,23 +92,26 @@ def embedding_mat(embedding) -> tuple[_Mat, torch.Tensor] | None:
     return _Mat(w.data_ptr(), qformats.DENSE[str(w.dtype).removeprefix("torch.")]), w
 
 
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}   # forward.h: kv_type
+
+
 def attention_supported(model, kv) -> bool:
-    """paged_attention covers an fp32 or bf16 cache (and activations of the same dtype) on the
-    CPU, whatever the matrices are."""
-    dt = kv.k[0].dtype
-    return (kv.k[0].device.type == "cpu" and dt in (torch.float32, torch.bfloat16) and model.dtype == dt
-            and model.config.head_dim % 8 == 0)
+    """paged_attention covers an fp32 or bf16 cache with activations of the same dtype, or an
+    int8 cache with fp32 activations, on the CPU, whatever the matrices are."""
+    dt = kv.dtype
+    return (kv.k[0].device.type == "cpu" and model.config.head_dim % 8 == 0
+            and (model.dtype == dt in (torch.float32, torch.bfloat16) or (dt == torch.int8 and model.dtype == torch.float32)))
 
 
 def supported(model, kv) -> bool:
-    """forward.c covers fp32 activations and an fp32 or bf16 cache (keys and values rounded to
-    bf16 when written) on the CPU, with every matrix in a format a kernel multiplies (fp32,
+    """forward.c covers fp32 activations and an fp32, bf16 or int8 cache (keys and values rounded
+    or quantized when written) on the CPU, with every matrix in a format a kernel multiplies (fp32,
     bf16, or GGUF blocks with prepared panels)."""
     cfg = model.config
     from ..model.quant import QuantLinear
 
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
-          and kv.k[0].dtype in (torch.float32, torch.bfloat16)
+          and kv.dtype in KV_TYPES
           and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
     return ok and all((m.prepared is not None) if isinstance(m, QuantLinear) else _dense_ok(m) for m in _linears(model))
 
@@ -129,23 +132,25 @@ class CView:
 
     def __init__(self, model, kv, weights: bool = True):
         cfg = model.local_config       # a tensor-parallel shard's own heads (= config without one)
-        self._keep = [kv.blocks.table, *kv.k, *kv.v]      # every tensor a pointer below points into
+        # every tensor a pointer below points into
+        self._keep = [kv.blocks.table, *kv.k, *kv.v, *(kv.k_scale or ()), *(kv.v_scale or ())]
         none = _Mat(None, 0)
         layers = (_Layer * len(kv.k))()
-        for i, (layer, k, v) in enumerate(zip(model.model.layers, kv.k, kv.v)):
+        for i, layer in enumerate(model.model.layers[:len(kv.k)]):
+            cache = (_ptr(kv.k[i]), _ptr(kv.v[i]), *((_ptr(kv.k_scale[i]), _ptr(kv.v_scale[i])) if kv.k_scale else (None, None)))
             if not weights:
-                layers[i] = _Layer(None, None, none, none, none, none, None, _ptr(k), _ptr(v))
+                layers[i] = _Layer(None, None, none, none, none, none, None, *cache)
                 continue
             att, mlp = layer.self_attn, layer.mlp
             mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                               *mats, _ptr(att.qkv_proj.bias), _ptr(k), _ptr(v))
+                               *mats, _ptr(att.qkv_proj.bias), *cache)
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
-                             kv.blocks.max_blocks_per_seq, int(kv.k[0].dtype == torch.bfloat16), cfg.rms_norm_eps,
+                             kv.blocks.max_blocks_per_seq, KV_TYPES[kv.dtype], cfg.rms_norm_eps,
                              embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
         self.workspace = torch.empty(0, dtype=torch.uint8)

@@ -8,6 +8,11 @@
 - `KVCache` holds the tensors of one model: per layer k, v [n_kv, num_blocks, block_size,
   head_dim]. Slot s of a sequence lives in block table[s // block_size], offset s % block_size;
   kv heads outermost, so that a sequence's blocks gathered for one head are one contiguous run.
+  An int8 cache (`--kv-cache-dtype int8`) adds per layer k_scale, v_scale [n_kv, num_blocks,
+  block_size] fp32: each (slot, kv head) row of head_dim values is stored as round(x / d) with
+  d = absmax / 127 (`quantize_rows`), computed once when the slot is written. The scales sit in
+  the same blocks as the rows, so whatever shares or reuses a block (prefix caching, a
+  preempted request's recompute) carries them, and `move` copies them with the rows.
 
 Prefix caching (vLLM's automatic prefix caching, opt-in: `enable_prefix_caching`): a full block
 whose slots hold the target's keys and values of known tokens is registered under a hash of
@@ -227,8 +232,21 @@ class BlockManager:
         s.lengths[cache] = length
 
 
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., hd] -> (int8 [..., hd], fp32 scales [...]): d = absmax / 127 per row and
+    round(x / d), ties to even (d = 0: zeros). forward.c's quantize_row does the same fp32
+    operations, so both paths store the same bytes for the same keys and values."""
+    x = x.float()
+    d = x.abs().amax(-1) / 127
+    q = torch.where(d[..., None] > 0, torch.round(x / torch.where(d > 0, d, 1)[..., None]), 0)
+    return q.clamp_(-127, 127).to(torch.int8), d
+
+
 class KVCache:
-    """One model's keys and values over the blocks of a BlockManager (see the module docstring)."""
+    """One model's keys and values over the blocks of a BlockManager (see the module docstring).
+
+    dtype: fp32, bf16 (the rows as stored) or torch.int8 (rows quantized, with k_scale and
+    v_scale; None otherwise)."""
 
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -237,6 +255,12 @@ class KVCache:
         # only), and untouched pages of a large pool cost no memory until used
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scale: list[Tensor] | None = None
+        self.v_scale: list[Tensor] | None = None
+        if dtype == torch.int8:
+            self.k_scale = [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            self.v_scale = [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.dtype = dtype
         self.blocks = blocks
         self.index = blocks.register_cache()
 
@@ -254,7 +278,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        """Keys and values of one slot in every layer (int8: head_dim bytes and a 4-byte scale per row)."""
+        row = head_dim + 4 if dtype == torch.int8 else head_dim * torch.empty(0, dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * row
 
     @property
     def block_size(self) -> int:
@@ -282,9 +308,37 @@ class KVCache:
         return blk, off
 
     def entries(self, seq: Hashable, slots: Sequence[int], layer: int) -> tuple[Tensor, Tensor]:
-        """The (keys, values) [n, n_kv, head_dim] a layer holds at the sequence's slots."""
+        """The (keys, values) [n, n_kv, head_dim] a layer holds at the sequence's slots (an int8
+        cache's dequantized to fp32: what attention reads)."""
         blk, off = self.slot_index(seq, slots)
-        return self.k[layer][:, blk, off].transpose(0, 1), self.v[layer][:, blk, off].transpose(0, 1)
+        k, v = self.k[layer][:, blk, off], self.v[layer][:, blk, off]
+        if self.k_scale is not None:
+            k = k.float() * self.k_scale[layer][:, blk, off][..., None]
+            v = v.float() * self.v_scale[layer][:, blk, off][..., None]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def write(self, layer: int, blocks: Tensor, offsets: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store new keys and values k, v [n_kv, n, head_dim] at (blocks [n], offsets [n]) of a
+        layer, rounded (bf16) or quantized (int8) to the cache's format (the PyTorch path)."""
+        if self.k_scale is None:
+            self.k[layer][:, blocks, offsets] = k.to(self.dtype)
+            self.v[layer][:, blocks, offsets] = v.to(self.dtype)
+            return
+        for rows, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, d = quantize_rows(x)
+            rows[layer][:, blocks, offsets] = q
+            scales[layer][:, blocks, offsets] = d
+
+    def gather(self, layer: int, blocks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A sequence's blocks [nb] of a layer, dequantized: (keys, values) [n_kv, nb * bs, head_dim]
+        in dtype (the PyTorch path's attention reads these)."""
+        out = []
+        for rows, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = torch.index_select(rows[layer], 1, blocks)
+            if scales is not None:   # the row's scale in fp32, as forward.c applies it
+                x = x.float() * torch.index_select(scales[layer], 1, blocks)[..., None]
+            out.append(x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype))
+        return out[0], out[1]
 
     def move(self, seq: Hashable, src: Sequence[int], dst_start: int) -> None:
         """Copy the entries of slots `src` to `dst_start, dst_start+1, ...` in every layer.
@@ -298,7 +352,7 @@ class KVCache:
             return
         sb, so = self.slot_index(seq, src)
         db, do = self.slot_index(seq, dst)
-        for cache in (self.k, self.v):
+        for cache in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for t in cache:
                 t[:, db, do] = t[:, sb, so]
 

@@ -126,14 +126,14 @@ class _TorchAttention:
         self.kv, self.plan = kv, plan
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
-        return _paged_attention(q, k, v, self.kv.k[layer], self.kv.v[layer], self.plan, gqa)
+        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa)
 
 
-def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, plan: AttentionPlan,
+def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, plan: AttentionPlan,
                      gqa: bool) -> Tensor:
-    """q [N, H, hd], k/v [N, KV, hd] new tokens; kc/vc [KV, num_blocks, bs, hd] one layer's cache.
-    Writes k/v at their slots; each sequence attends over its own gathered blocks; returns
-    [N, H * hd].
+    """q [N, H, hd], k/v [N, KV, hd] new tokens; kv: the cache, of which layer `layer` is read.
+    Writes k/v at their slots (in the cache's format); each sequence attends over its own
+    gathered (dequantized) blocks; returns [N, H * hd].
 
     A sequence feeding at most kernels.MAX_ROWS tokens (decoding, verification, a short chunk)
     attends one token at a time over exactly the keys that token sees, with no mask: the same
@@ -141,18 +141,15 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pl
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
-    k, v = k.to(kc.dtype), v.to(vc.dtype)         # a cache may hold fewer bits than the activations
-    if plan.slot is not None:       # one token: plain indexing, no index tensors
-        kc[:, plan.slot[0], plan.slot[1]] = k[0]
-        vc[:, plan.slot[0], plan.slot[1]] = v[0]
+    if plan.slot is not None and kv.k_scale is None:    # one token: plain indexing, no index tensors
+        kv.k[layer][:, plan.slot[0], plan.slot[1]] = k[0].to(kv.dtype)   # a cache may hold fewer bits
+        kv.v[layer][:, plan.slot[0], plan.slot[1]] = v[0].to(kv.dtype)
     else:
-        kc[:, plan.write_blocks, plan.write_offsets] = k.transpose(0, 1)
-        vc[:, plan.write_blocks, plan.write_offsets] = v.transpose(0, 1)
+        kv.write(layer, plan.write_blocks, plan.write_offsets, k.transpose(0, 1), v.transpose(0, 1))
     N, H, hd = q.shape
     out = q.new_empty(N, H, hd)
     for seq in plan.seqs:
-        keys = torch.index_select(kc, 1, seq.blocks).view(kc.shape[0], -1, hd).to(q.dtype)   # [KV, nb * bs, hd]
-        vals = torch.index_select(vc, 1, seq.blocks).view(vc.shape[0], -1, hd).to(q.dtype)
+        keys, vals = kv.gather(layer, seq.blocks, q.dtype)      # [KV, nb * bs, hd]
         if seq.mask is not None:
             rows = slice(seq.first, seq.first + seq.count)
             out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
@@ -272,7 +269,8 @@ class Transformer(nn.Module):
 
     def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py); dtype: the
-        cache's (default: the activations'), e.g. bf16 keys and values for fp32 activations."""
+        cache's (default: the activations'), e.g. bf16 keys and values for fp32 activations, or
+        torch.int8 (quantized rows with a scale each)."""
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device)
@@ -319,8 +317,8 @@ class Transformer(nn.Module):
         return self._c_views[kv]
 
     def _attention(self, kv: KVCache, batch: ForwardBatch):
-        """Where this forward's attention runs: forward.c's per-token attention on the CPU with
-        an fp32 cache (whatever the matrices: packed GGUF ones too), else PyTorch."""
+        """Where this forward's attention runs: forward.c's per-token attention on the CPU
+        (cforward.attention_supported: whatever the matrices, packed GGUF ones too), else PyTorch."""
         lib = kernels.load()
         if lib is not None and not self.model.norm.weight.requires_grad and cforward.attention_supported(self, kv):
             view = self._c_attention_views.get(kv)

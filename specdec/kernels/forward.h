@@ -1,0 +1,62 @@
+/* The model, batch and cache descriptions forward.c and attention.c share (Python mirrors them:
+ * kernels/cforward.py). */
+#ifndef SPECDEC_FORWARD_H
+#define SPECDEC_FORWARD_H
+#include <stdint.h>
+
+#include "kernels.h"
+
+/* How the paged KV cache stores keys and values (Model.kv_type):
+ * KV_F32, KV_BF16: rows of hd values; KV_I8: rows of hd int8 values q and, per row (slot, kv
+ * head), one fp32 scale d in k_scale / v_scale: the value is q * d (model/kv.py: quantize_rows). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+
+typedef struct {
+    const float *in_norm, *post_norm;     /* [D] fp32 */
+    Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
+    const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
+    void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] in kv_type's format */
+    float *k_scale, *v_scale;             /* [KV, num_blocks, block_size] (KV_I8), else NULL */
+} Layer;
+
+typedef struct {
+    int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, kv_type;
+    float eps;
+    Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
+    const float *final_norm;              /* [D] */
+    Mat lm_head;                          /* [V, D] packed panels */
+    const float *inv_freq;                /* [hd / 2] */
+    const Layer *layers;
+    const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
+} Model;
+
+/* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;
+ * slots before mask_from[b] are visible to all of them; from mask_from[b] on, causal when
+ * mask_offset[b] < 0, else the tree mask masks[mask_offset[b] + t * cols + (s - mask_from[b])]
+ * with cols = start[b] + T_b - mask_from[b] (model/batch.py: ForwardBatch). */
+typedef struct {
+    int n_seqs;
+    const int32_t *cu_seqlens, *start, *rows, *mask_from;
+    const int64_t *mask_offset;
+    const uint8_t *masks;
+} Batch;
+
+typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
+
+/* Where kv head g of slot s of the sequence in block-table row `row` lives: the index of its
+ * first element in a layer's k_cache / v_cache (divided by head_dim: of its scale). */
+static inline long slot_at(const Model *m, int row, long s, int g) {
+    int32_t blk = m->block_table[(long)row * m->max_blocks + s / m->block_size];
+    return (((long)g * m->num_blocks + blk) * m->block_size + s % m->block_size) * m->head_dim;
+}
+
+/* forward.c */
+int tokens_of(const Batch *b, TokenOf *who);
+
+/* attention.c */
+void kv_store(const Model *m, const Layer *L, long at, const float *k, const float *v);
+long attn_scratch(int max_span);
+void attention_for(const Model *m, const Layer *L, const Batch *b, const float *q, float *out, float *scratch,
+                   int max_span);
+
+#endif

@@ -105,31 +105,56 @@ typedef struct {
     float *sc;                        /* [stride]: scores, then weights e_s / sum */
 } Query;
 
+/* n (a multiple of 8) elements of format KIND -> fp32, exactly. */
+static inline __attribute__((always_inline)) void widen_rows(float *dst, const char *src, long n, int KIND) {
+    long e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= n; e += 16) _mm512_storeu_ps(dst + e, load_kv16(src, KIND, e));
+#endif
+    for (; e < n; e += 8) _mm256_storeu_ps(dst + e, load_kv(src, KIND, e));
+}
+
+/* The scores of every query against rows j0 .. j0 + 7 of the cache block that starts at slot
+ * s0 (kr: row j0, in format KIND; d: the rows' scales, or NULL), scaled by 1 / sqrt(hd). */
+static inline __attribute__((always_inline)) void
+group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, const float *d, __m256 scale,
+             int KIND) {
+    int es = kv_bytes(KIND);
+    for (int i = 0; i < np; i++) {
+        int lim = qs[i].span - s0 < bs ? qs[i].span - s0 : bs, cnt = lim - j0 < 8 ? lim - j0 : 8;
+        if (cnt <= 0) continue;
+        __m256 v[8];
+        for (int t = 0; t < 8; t++)
+            v[t] = t < cnt ? dot8(qs[i].q, kr + (long)t * hd * es, hd, KIND) : _mm256_setzero_ps();
+        __m256 r = hsum8x8(v);
+        if (d) r = _mm256_mul_ps(r, cnt == 8 ? _mm256_loadu_ps(d) : load_part(d, cnt));
+        r = _mm256_mul_ps(r, scale);
+        if (cnt == 8) _mm256_storeu_ps(qs[i].sc + s0 + j0, r);
+        else store_part(qs[i].sc + s0 + j0, r, cnt);
+    }
+}
+
 /* Scores of every query of the block, 8 slots at a time (groups of 8 within each cache block,
- * as a lone query's), times each key row's scale (int8), scaled by 1 / sqrt(hd). */
+ * as a lone query's), times each key row's scale (int8), scaled by 1 / sqrt(hd). With several
+ * queries, a bf16 or int8 group is widened to fp32 once (exactly) instead of once per query. */
 static inline __attribute__((always_inline)) void
 block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int np, int maxspan, int KIND) {
     int hd = m->head_dim, bs = m->block_size, es = kv_bytes(KIND);
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)hd));
+    float kf[KIND == KV_F32 ? 1 : 8 * hd];
     for (int s0 = 0; s0 < maxspan; s0 += bs) {
         long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;   /* the block's first row */
-        const char *kb = (const char *)L->k_cache + row0 * hd * es;
-        for (int j0 = 0; j0 < bs && s0 + j0 < maxspan; j0 += 8)
-            for (int i = 0; i < np; i++) {
-                int lim = qs[i].span - s0 < bs ? qs[i].span - s0 : bs, cnt = lim - j0 < 8 ? lim - j0 : 8;
-                if (cnt <= 0) continue;
-                __m256 v[8];
-                for (int t = 0; t < 8; t++)
-                    v[t] = t < cnt ? dot8(qs[i].q, kb + (long)(j0 + t) * hd * es, hd, KIND) : _mm256_setzero_ps();
-                __m256 r = hsum8x8(v);
-                if (KIND == KV_I8) {
-                    const float *d = L->k_scale + row0 + j0;
-                    r = _mm256_mul_ps(r, cnt == 8 ? _mm256_loadu_ps(d) : load_part(d, cnt));
-                }
-                r = _mm256_mul_ps(r, scale);
-                if (cnt == 8) _mm256_storeu_ps(qs[i].sc + s0 + j0, r);
-                else store_part(qs[i].sc + s0 + j0, r, cnt);
+        for (int j0 = 0; j0 < bs && s0 + j0 < maxspan; j0 += 8) {
+            const char *kr = (const char *)L->k_cache + (row0 + j0) * hd * es;
+            const float *d = KIND == KV_I8 ? L->k_scale + row0 + j0 : NULL;
+            if (KIND == KV_F32 || np == 1) {
+                group_scores(qs, np, s0, j0, bs, hd, kr, d, scale, KIND);
+            } else {
+                int rows = bs - j0 < maxspan - s0 - j0 ? bs - j0 : maxspan - s0 - j0;
+                widen_rows(kf, kr, (long)(rows < 8 ? rows : 8) * hd, KIND);
+                group_scores(qs, np, s0, j0, bs, hd, (const char *)kf, d, scale, KV_F32);
             }
+        }
     }
 }
 
@@ -185,13 +210,15 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
     enum { W = 16, NV = 4 };
     typedef __m512 vec;
 #define VZERO _mm512_setzero_ps()
-#define VFMA(a, p, c) _mm512_fmadd_ps(_mm512_set1_ps(a), load_kv16(p, KIND, 0), c)
+#define VLOAD(p) load_kv16(p, KIND, 0)
+#define VFMA(a, x, c) _mm512_fmadd_ps(_mm512_set1_ps(a), x, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #else
     enum { W = 8, NV = 2 };
     typedef __m256 vec;
 #define VZERO _mm256_setzero_ps()
-#define VFMA(a, p, c) _mm256_fmadd_ps(_mm256_set1_ps(a), load_kv(p, KIND, 0), c)
+#define VLOAD(p) load_kv(p, KIND, 0)
+#define VFMA(a, x, c) _mm256_fmadd_ps(_mm256_set1_ps(a), x, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #endif
     for (int c0 = 0; c0 < hd; c0 += W * NV) {
@@ -205,11 +232,14 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
             int n = maxspan - s0 < bs ? maxspan - s0 : bs;
             for (int j = 0; j < n; j++) {
                 const char *vj = vb + (long)j * hd * es;
+                vec x[NV];                          /* the row, widened once for every query */
+                for (int k = 0; k < NV; k++)
+                    if (k < nv) x[k] = VLOAD(vj + (long)k * W * es);
                 for (int i = 0; i < NP; i++) {
                     float a = qs[i].sc[s0 + j];
                     if (KIND == KV_I8) a *= L->v_scale[row0 + j];
                     for (int k = 0; k < NV; k++)
-                        if (k < nv) acc[i][k] = VFMA(a, vj + (long)k * W * es, acc[i][k]);
+                        if (k < nv) acc[i][k] = VFMA(a, x[k], acc[i][k]);
                 }
             }
         }
@@ -230,6 +260,7 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
         }
     }
 #undef VZERO
+#undef VLOAD
 #undef VFMA
 #undef VSTORE
 }

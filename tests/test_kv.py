@@ -22,12 +22,12 @@ def model(request, tmp_path_factory):
     return load_model(make_checkpoint(tmp_path_factory.mktemp("kv") / "m", layers=2), "float32")
 
 
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16, torch.int8], ids=["kv-fp32", "kv-bf16", "kv-int8"])
+
+
 def _pool(model, num_blocks=32, block_size=4, max_seqs=8, max_blocks=32, dtype=None):
     blocks = BlockManager(num_blocks, block_size, max_seqs, max_blocks)
     return blocks, model.new_kv(blocks, dtype=dtype)
-
-
-KV_DTYPES = pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16, torch.int8], ids=["kv-fp32", "kv-bf16", "kv-int8"])
 
 
 def test_blocks_are_per_sequence_and_return_to_the_pool():
@@ -45,8 +45,10 @@ def test_blocks_are_per_sequence_and_return_to_the_pool():
         blocks.ensure("b", 33)
 
 
-def test_rollback_and_move_touch_one_sequence_only(model):
-    blocks, kv = _pool(model)
+@KV_DTYPES
+def test_rollback_and_move_touch_one_sequence_only(model, kv_dtype):
+    """(int8: the rows' scales move with them.)"""
+    blocks, kv = _pool(model, dtype=kv_dtype)
     for s in ("a", "b"):
         blocks.add(s)
         blocks.ensure(s, 12)

@@ -218,3 +218,19 @@ def test_smollm2_ngram_equals_plain_with_int8_and_stays_close_to_full_precision(
     ref, got = probs[torch.float32], probs[torch.int8]
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (ref.exp() * (ref - got)).sum(-1).mean() < 0.03
+
+
+def test_tensor_parallel_ranks_keep_int8_caches(setup):
+    """tensor_parallel_size=2: every rank's cache is int8 (the leader sends the dtype), moves
+    and rollbacks are repeated there, and greedy speculation over them decodes what plain
+    decoding over them decodes."""
+    prompts, params = MIXED[:4], _params(True)[:4]
+    kw = dict(model=setup["target"], dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, kv_cache_dtype="int8",
+              tensor_parallel_size=2)
+    outs = []
+    for config in ({"num_speculative_tokens": 0}, {"speculative_config": METHODS["eagle-tree"](setup, 3)}):
+        llm = LLM(**kw, **config)
+        assert llm.engine.kv.k_scale is not None
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert outs[0] == outs[1]

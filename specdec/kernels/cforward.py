@@ -98,9 +98,9 @@ KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}   # forward.h: k
 def attention_supported(model, kv) -> bool:
     """paged_attention covers an fp32 or bf16 cache with activations of the same dtype, or an
     int8 cache with fp32 activations, on the CPU, whatever the matrices are."""
-    dt = kv.dtype
+    activations = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.float32}
     return (kv.k[0].device.type == "cpu" and model.config.head_dim % 8 == 0
-            and (model.dtype == dt in (torch.float32, torch.bfloat16) or (dt == torch.int8 and model.dtype == torch.float32)))
+            and activations.get(kv.dtype) == model.dtype)
 
 
 def supported(model, kv) -> bool:

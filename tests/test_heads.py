@@ -235,6 +235,24 @@ def test_train_medusa_and_eagle_tiny_end_to_end(heads, tmp_path):
         assert tokens(llm, PROMPTS[:4], GREEDY) == tokens(heads["plain"], PROMPTS[:4], GREEDY)
 
 
+def test_train_medusa_freeze_lm_head_keeps_the_target_rows(heads, tmp_path):
+    """--freeze-lm-head: the heads' shared LM head stays the target's rows over the draft
+    vocabulary while the residual blocks train; without it the head moves."""
+    from specdec.train.heads import HeadsConfig, train_heads
+
+    target = load_model(heads["target"], "float32")
+    for freeze in (True, False):
+        cfg = HeadsConfig(kind="medusa", steps=4, batch=32, shards=2, val_shards=2, num_heads=2, draft_vocab=48,
+                          corpus_limit_mb=0.2, freeze_lm_head=freeze)
+        out = tmp_path / f"m-{freeze}"
+        train_heads(cfg, heads["target"], out, tmp_path / f"w-{freeze}", tmp_path / "data",
+                    command="specdec train medusa", report_prompts=0)
+        m = load_heads(out, target)
+        rows = target.lm_head.weight[m.draft_vocab].bfloat16().to(m.lm_head.weight.dtype)   # saved in bf16
+        assert torch.equal(m.lm_head.weight, rows) == freeze
+        assert not torch.equal(m.blocks[0].weight, torch.zeros_like(m.blocks[0].weight))
+
+
 def test_typical_acceptance_is_opt_in_and_lossy(heads):
     """Medusa's typical acceptance must be asked for, leaves greedy alone, and is not exact:
     here it always takes a candidate the target would pick half the time."""

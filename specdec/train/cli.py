@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--val-shards", type=int)
         if kind == "medusa":
             h.add_argument("--num-heads", type=int)
+            h.add_argument("--freeze-lm-head", action="store_true", default=None,
+                           help="keep the heads' shared LM head at the target's rows (trained, it drifts toward "
+                                "the far heads' guesses)")
         else:
             h.add_argument("--window", type=int, help="pairs per training row")
         h.add_argument("--threads", type=int)
@@ -172,7 +175,8 @@ def _heads(args: argparse.Namespace) -> int:
               "eval_every": args.eval_every, "prompt_loss": args.prompt_loss,
               "soft_labels": args.soft_labels, "token_weight": getattr(args, "token_weight", None),
               "init_from_target": getattr(args, "init_from_target", None), "unroll": getattr(args, "unroll", None),
-              "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None)}
+              "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None),
+              "freeze_lm_head": getattr(args, "freeze_lm_head", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     target = Path(args.target)
     if not (target / "config.json").is_file():

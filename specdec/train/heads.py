@@ -72,6 +72,8 @@ class HeadsConfig:
     soft_labels: bool = False          # token loss against the target's distribution (from its stored features)
     token_weight: float = 0.1          # eagle: weight of the token loss beside the feature regression
     unroll: int = 1                    # eagle: chain depths trained, the later ones on the head's own features
+    freeze_lm_head: bool = False       # medusa: keep the shared LM head at the target's rows (EAGLE's always is):
+                                       # trained, it drifts toward the far heads' guesses and head 1 loses accuracy
 
     def __post_init__(self):
         if self.kind not in ("medusa", "eagle"):
@@ -103,6 +105,7 @@ def build_heads(cfg: HeadsConfig, target, vocab: torch.Tensor):
     if cfg.kind == "medusa":
         heads = MedusaHeads(target.config.hidden_size, cfg.num_heads, vocab)
         heads.lm_head.weight.data = target.lm_head.weight.data[vocab].float().clone()
+        heads.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     else:
         heads = EagleHead(target.config, vocab)
         for name, p in heads.named_parameters():

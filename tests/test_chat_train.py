@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, kernels
 from specdec.cli import main
 from specdec.model import load_model
 from specdec.model.heads import load_heads
+from specdec.model.quant import QuantLinear
 from specdec.tokenizer import Tokenizer
 from specdec.train.answers import AnswerConfig, chat_ids, load_answer_shards, write_shards
 from specdec.train.chatdata import make_prompt_set
@@ -205,6 +206,11 @@ def test_heads_and_vocab_draft_run_on_a_packed_gguf_target(gguf_files, kind, tmp
         spec = {"method": kind, "model": str(tmp_path / "d"), "num_speculative_tokens": 3}
     plain = LLM(path, quantization="gguf")
     fast = LLM(path, quantization="gguf", speculative_config=spec)
+    if kind != "medusa" and kernels.load() is not None:   # the drafter's matrices run as Q8_0 panels, as the target's
+        p = fast.engine.proposer
+        decoder = p.head.decoder if kind == "eagle" else p.model.decoder
+        assert all(isinstance(m, QuantLinear) and m.qtype == "Q8_0" and m.prepared is not None
+                   for m in (decoder.lm_head, decoder.model.layers[0].self_attn.qkv_proj, decoder.model.layers[0].mlp.down_proj))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for ids in ([0, 9, 17, 9, 17, 9], [0, 5, 6, 7, 8, 5, 6]):
         a = plain.generate({"prompt_token_ids": ids}, params)[0]

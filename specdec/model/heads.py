@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .batch import ForwardBatch, ForwardOutput
 from .kv import KVCache
 from .llama import Linear, Transformer
+from .quant import pack_q8_0
 
 MEDUSA, EAGLE = "SpecdecMedusaHeads", "SpecdecEagleHead"
 
@@ -146,6 +147,8 @@ def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None 
     if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations (checkpoint.finish)
         if isinstance(heads, EagleHead):
             heads.use_fp32_activations()
+            if getattr(target.lm_head, "weight", None) is None:    # packed GGUF target: the decoder as Q8_0 panels
+                pack_q8_0(heads.decoder)
         else:
             for b in heads.blocks:
                 b.bias.data = b.bias.data.float()

@@ -30,6 +30,7 @@ from .checkpoint import CheckpointError, fused_to_hf, hf_to_fused
 from .config import ModelConfig
 from .kv import KVCache
 from .llama import Transformer
+from .quant import pack_q8_0
 
 VOCAB_DRAFT = "SpecdecVocabDraft"
 
@@ -137,4 +138,6 @@ def load_vocab_draft(folder: str | os.PathLike, target: Transformer, dtype: torc
             p.data = p.data.to(dtype)
     if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations (checkpoint.finish)
         draft.decoder.use_fp32_activations()
+        if getattr(target.lm_head, "weight", None) is None:        # packed GGUF target: Q8_0 panels, as the head's
+            pack_q8_0(draft.decoder)
     return draft.eval().requires_grad_(False)

@@ -361,21 +361,3 @@ def test_a_token_scores_alike_alone_or_among_drafts(gguf_files, packed_path, c_p
         assert torch.equal(tree[:3], decoded([61, 20]))
         assert torch.equal(tree[3], decoded([5])[1])
 
-
-def test_quantize_q8_0_writes_what_gguf_py_writes():
-    """specdec's Q8_0 quantizer (drafters beside a packed target) gives gguf-py's bytes, zero
-    blocks and half-way values included, and dequantizes back within half a step."""
-    import gguf
-    from specdec.model.quant import dequantize, quantize_q8_0
-
-    torch.manual_seed(0)
-    w = torch.randn(6, 96) * 3
-    w[0, :32] = 0
-    w[1, :32] = torch.arange(32) - 15.5          # block scales that put values on .5 steps
-    ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
-    q = quantize_q8_0(w)
-    assert torch.equal(q, torch.from_numpy(ref.view(np.uint8)).reshape(q.shape))
-    step = w.reshape(6, 3, 32).abs().amax(-1, keepdim=True) / 127
-    assert ((dequantize(q, "Q8_0", 96).reshape(6, 3, 32) - w.reshape(6, 3, 32)).abs() <= step * 0.51 + 1e-3).all()
-    with pytest.raises(ValueError, match="whole 32-weight blocks"):
-        quantize_q8_0(torch.zeros(2, 40))

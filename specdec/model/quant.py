@@ -188,21 +188,6 @@ class QuantEmbedding(nn.Module):
         return out.reshape(*tokens.shape, self.embedding_dim)
 
 
-def quantize_q8_0(w: Tensor) -> Tensor:
-    """w [N, K] (K a multiple of 32) -> uint8 [N, K / 32 * 34] Q8_0 rows as llama.cpp's reference
-    quantizer (and gguf-py) writes them: per block of 32, d = absmax / 127, q = round(w * (1 / d))
-    half away from zero, d stored as fp16."""
-    N, K = w.shape
-    if K % 32:
-        raise ValueError(f"Q8_0 needs rows of whole 32-weight blocks, got {K} columns")
-    b = w.detach().float().reshape(N, K // 32, 32)
-    d = b.abs().amax(-1) / 127
-    x = b * torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)[..., None]
-    q = (torch.sign(x) * torch.floor(x.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
-    d16 = d.to(torch.float16).view(torch.uint8).reshape(N, K // 32, 2)
-    return torch.cat([d16, q.view(torch.uint8)], -1).reshape(N, -1).contiguous()
-
-
 def pack_q8_0(decoder) -> bool:
     """A drafter's Transformer (an EAGLE head's decoder, a vocabulary draft) beside a GGUF target
     kept packed: its LM head and every layer's matrices become Q8_0 panels, the format of the
@@ -215,7 +200,8 @@ def pack_q8_0(decoder) -> bool:
     mods = [getattr(p, n) for p, n in layers]
     if any(isinstance(m, QuantLinear) or getattr(m, "weight", None) is None or m.weight.shape[1] % 32 for m in mods):
         return False
-    packed = [QuantLinear(quantize_q8_0(m.weight), "Q8_0", m.in_features, getattr(m, "bias", None)) for m in mods]
+    rows = [torch.from_numpy(qformats.quantize(m.weight.detach().float().cpu().numpy(), "Q8_0")) for m in mods]
+    packed = [QuantLinear(r, "Q8_0", m.in_features, getattr(m, "bias", None)) for r, m in zip(rows, mods)]
     if any(q.prepared is None for q in packed):
         return False
     for (parent, name), q in zip(layers, packed):

@@ -48,7 +48,8 @@ def smollm2_gguf() -> Path | None:
 BUNDLED_DRAFTERS = {"toy": {"draft_model": "draft", "medusa": "medusa", "eagle": "eagle",
                             "ngram+eagle": "eagle", "ngram+draft_model": "draft"},
                     "smollm2": {"draft_model": "smollm2-draft", "medusa": "smollm2-medusa", "eagle": "smollm2-eagle",
-                                "ngram+eagle": "smollm2-eagle", "ngram+draft_model": "smollm2-draft"}}
+                                "ngram+eagle": "smollm2-eagle", "ngram+draft_model": "smollm2-draft",
+                                "suffix": "smollm2-suffix"}}
 
 
 def is_smollm2(model) -> bool:

@@ -13,6 +13,7 @@ from .hybrid import HybridProposer, HybridSettings
 from .layer_skip import LayerSkipProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
+from .suffix import SuffixProposer, SuffixSettings, load_datastore
 
 
 def _draft_model(spec: SpeculativeConfig, target, loader, max_len):
@@ -21,6 +22,14 @@ def _draft_model(spec: SpeculativeConfig, target, loader, max_len):
 
 def _ngram(spec: SpeculativeConfig, target, loader, max_len):
     return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+
+def _suffix(spec: SpeculativeConfig, target, loader, max_len):
+    """Own-context matches of at least max(2, prompt_lookup_min) tokens first (single-token
+    matches lose to the datastore's longer ones), then the datastore (`model`) and the cache."""
+    settings = SuffixSettings.from_extra(spec.extra)
+    store = load_datastore(spec.model) if spec.model else None
+    return SuffixProposer(settings, max(spec.prompt_lookup_max, 2), max(2, spec.prompt_lookup_min), store)
 
 
 def _layer_skip(spec: SpeculativeConfig, target, loader, max_len):
@@ -85,6 +94,7 @@ def heads_config(folder) -> dict:
 REGISTRY: dict[str, Callable] = {
     "draft_model": _draft_model,
     "ngram": _ngram,
+    "suffix": _suffix,
     "layer_skip": _layer_skip,
     "medusa": _medusa,
     "eagle": _eagle,
@@ -124,4 +134,4 @@ def typical_acceptance(spec: SpeculativeConfig | None) -> tuple[float, float] | 
 
 
 __all__ = ["Committed", "Draft", "HybridProposer", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps",
-           "RequestContext", "REGISTRY", "build_proposer", "typical_acceptance"]
+           "RequestContext", "REGISTRY", "SuffixProposer", "build_proposer", "typical_acceptance"]

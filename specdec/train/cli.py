@@ -102,6 +102,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--threads", type=int, default=1)
     an.add_argument("--stop-after", type=int, help="write at most this many new shards")
 
+    sx = tsub.add_parser("suffix", help="index the target's answers as a datastore for method \"suffix\" (nothing is trained)")
+    sx.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
+    sx.add_argument("--out", required=True, help="datastore folder")
+    sx.add_argument("--shards", type=int, help="training shards to index (default: all)")
+    sx.add_argument("--val-shards", type=int, default=1, help="the first shards, left out (the heads' validation)")
+    sx.add_argument("--depth", type=int, default=32, help="longest match the index resolves (tokens)")
+
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
     rep.add_argument("--draft", default="models/draft")
@@ -126,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return _chat_data(args)
     if args.train_cmd == "vocab-draft":
         return _vocab_draft(args)
+    if args.train_cmd == "suffix":
+        return _suffix(args)
     if args.train_cmd in ("medusa", "eagle"):
         return _heads(args)
     from .lm import TrainConfig, train
@@ -147,6 +156,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
     else:
         print(f"stopped at step {result['step']}; run the same command again to resume")
+    return 0
+
+
+def _suffix(args: argparse.Namespace) -> int:
+    from .suffix import build, summary
+
+    if not 1 <= args.depth <= 64:
+        raise ValueError(f"--depth must be in [1, 64], got {args.depth}")
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    info = build(Path(args.data), Path(args.out), args.shards, args.val_shards, args.depth, command)
+    print(f"wrote {args.out}: " + summary(info))
     return 0
 
 

@@ -216,3 +216,28 @@ def test_heads_and_vocab_draft_run_on_a_packed_gguf_target(gguf_files, kind, tmp
         a = plain.generate({"prompt_token_ids": ids}, params)[0]
         b = fast.generate({"prompt_token_ids": ids}, params)[0]
         assert b.outputs[0].token_ids == a.outputs[0].token_ids and b.stats.draft_tokens > 0
+
+
+def test_suffix_datastore_from_answers_is_lossless(answers, tmp_path):
+    target, root, rows = answers
+    assert main(["train", "suffix", "--data", str(root / "answers"), "--out", str(tmp_path / "store"),
+                 "--val-shards", "1", "--depth", "16"]) == 0
+    cfg = json.loads((tmp_path / "store" / "config.json").read_text())
+    data = load_answer_shards(sorted((root / "answers").glob("shard_*.pt"))[1:], hidden=False)
+    answer_tokens = int((data["offsets"][1:] - data["offsets"][:-1] - data["prompt_lens"]).sum())
+    # every training answer, with the 3 prompt tokens before it (the assistant header)
+    assert cfg["architectures"] == ["SpecdecSuffixDatastore"] and cfg["depth"] == 16
+    assert cfg["num_tokens"] == answer_tokens + 3 * len(data["prompt_lens"])
+    assert cfg["source"]["answers"] == len(data["prompt_lens"])
+    prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:4]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    spec = LLM(model=target, dtype="float32", speculative_config={
+        "method": "suffix", "model": str(tmp_path / "store"), "num_speculative_tokens": 3,
+        "suffix_decoding_max_cached_requests": 0})
+    outs = spec.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    # the prompts answered in the training shards are answered the same way again: drafts are kept
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+    assert main(["train", "suffix", "--data", str(root / "answers"), "--out", str(tmp_path / "x"),
+                 "--val-shards", "9"]) == 2       # one line, exit status 2 (as for every CLI error)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, defaults
 from specdec.cli import main
 
 CONV = [{"role": "user", "content": "def add(a, b):"}]
@@ -81,7 +81,7 @@ def test_chat_session_keeps_the_conversation(chat_llm):
 
 
 def test_default_without_the_package_is_the_bundled_pair(monkeypatch):
-    from specdec import defaults
+
 
     monkeypatch.setattr(defaults, "smollm2_gguf", lambda: None)
     target, spec, draft = defaults.default_model()
@@ -98,12 +98,14 @@ def smollm2():
     return path
 
 
-def test_smollm2_is_the_default_with_ngram(smollm2):
+def test_smollm2_is_the_default_with_suffix_decoding(smollm2):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0, max_tokens=24)
     llm = LLM()
-    assert llm.model_path == str(smollm2) and llm.spec.method == "ngram"
+    assert llm.model_path == str(smollm2) and llm.spec.method == "suffix"
+    assert llm.spec.model == str(defaults.MODELS_DIR / "smollm2-suffix")     # the bundled datastore
     out = llm.chat(question, params)[0]
+    assert out.stats.accepted_tokens > 0
     plain = LLM(model=str(smollm2))                       # a model without speculative arguments: plain
     assert plain.engine.proposer is None
     assert plain.chat(question, params)[0].outputs[0].token_ids == out.outputs[0].token_ids

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from .. import kernels
 from ..config import METHODS
 from ..defaults import bundled_drafters
+from ..proposers.suffix import CACHE_KEY
 from ..llm import LLM
 from ..model.gguf import find_gguf
 from . import machine, report
@@ -67,6 +68,9 @@ def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counte
     for method, folder in bundled_drafters(llm.model_path).items():     # heads bundled for this target
         if method != "draft_model":
             overrides.setdefault(method, {}).setdefault("model", folder)
+    # suffix decoding's cache of finished requests' outputs would let a prompt run again (the
+    # warm-up, each repeat) draft its own earlier answer: off unless asked for
+    overrides.setdefault("suffix", {}).setdefault(CACHE_KEY, 0)
     variants = [plain_variant(llm, clock)]
     spec_vs, spec_skipped = speculative_variants(llm, spec_methods, args.num_speculative_tokens, draft_dir, overrides,
                                                  clock)

@@ -109,6 +109,8 @@ def cpu_kind() -> str:
 
 def variants(args) -> list[dict]:
     """[{name, k, argv}] of the servers to start."""
+    from ..proposers.suffix import CACHE_KEY
+
     out = []
     base = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     for k in args.num_speculative_tokens:
@@ -117,7 +119,11 @@ def variants(args) -> list[dict]:
             continue
         argv = list(base)
         if args.speculative_config:
-            argv += ["--speculative-config", json.dumps({**args.speculative_config, "num_speculative_tokens": k})]
+            cfg = {**args.speculative_config, "num_speculative_tokens": k}
+            if cfg.get("method") == "suffix":
+                # every load point sends the same prompts: the cache of earlier outputs would draft them
+                cfg.setdefault(CACHE_KEY, 0)
+            argv += ["--speculative-config", json.dumps(cfg)]
         else:
             argv += ["--num-speculative-tokens", str(k)]
         out.append({"name": f"speculative K={k}", "k": k, "argv": argv})

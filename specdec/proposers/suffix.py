@@ -42,6 +42,7 @@ ARCH = "SpecdecSuffixDatastore"
 INDEX_FILE = "suffix_index.npz"
 HEADER_TOKENS = 3       # prompt tokens kept before each answer (the chat template's assistant header)
 PREFIX = "suffix_decoding_"
+CACHE_KEY = PREFIX + "max_cached_requests"
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ prompt tokens, the chat template's assistant header) are indexed for suffix look
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ..bench.machine import _cpu_model
 from ..proposers.suffix import HEADER_TOKENS, save_datastore
 from ..proposers.suffix_index import SuffixIndex
 
@@ -44,7 +44,7 @@ def build(answers_dir: Path, out: Path, shards: int | None = None, val_shards: i
     docs, info = answer_documents(answers_dir, shards, val_shards)
     index = SuffixIndex.build(docs, depth)
     info.update({"num_tokens": index.num_tokens, "depth": depth, "build_s": round(time.time() - t0, 1),
-                 "machine": platform.processor() or platform.machine(), "command": command})
+                 "machine": _cpu_model(), "command": command})
     save_datastore(index, out, {"source": info})
     return info
 

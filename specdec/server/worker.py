@@ -20,6 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
+from .. import kernels
 from ..config import SamplingParams
 from ..engine import Engine, StepEvent
 
@@ -73,6 +76,10 @@ class EngineWorker:
         # (vLLM freezes its heap after start-up for the same reason)
         gc.collect()
         gc.freeze()
+        # the engine thread computes from now on, with this thread's thread count; this thread's
+        # OpenMP team goes, so that the process holds one team (kernels.release_threads: why)
+        self._threads, self._starter = torch.get_num_threads(), threading.get_ident()
+        kernels.release_threads()
         self._thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
@@ -103,8 +110,12 @@ class EngineWorker:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if threading.get_ident() == getattr(self, "_starter", None):
+            torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)
+        kernels.set_threads(self._threads)
         while self._between_steps():
             try:
                 events = self.engine.step()

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import kernels
 from .config import SamplingParams
 
 
@@ -71,28 +72,20 @@ def _sorted_drop(probs: Tensor, top_p: Tensor) -> Tensor:
 
 def process(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k, top-p, min-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        probs = probs.masked_fill(nucleus_drop(probs, torch.full((probs.shape[0],), params.top_p)), 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
-    if params.top_p < 1.0 or params.min_p > 0.0:
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return process_rows(logits, [params], [logits.shape[0]])
 
 
-def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int] | None = None) -> Tensor:
+def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int] | None = None,
+                 kernel: bool = True) -> Tensor:
     """process() over the rows of several requests at once, each with its own parameters.
 
     logits:  [R, V]
     params:  one SamplingParams per request
     repeats: rows per request (sum = R); None = one row each
     Row r gets exactly process(logits[r:r+1], params of its request): the same operations in
-    the same order, the filters only touching the rows that use them.
+    the same order, the filters only touching the rows that use them. On the CPU the kernels
+    (sampling.c) compute the rows unless kernel=False (PyTorch ops: GPUs, and the reference
+    tests compare the kernel with).
     """
     dev = logits.device
     repeats = [1] * len(params) if repeats is None else repeats
@@ -103,12 +96,16 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
 
     V = logits.shape[-1]
     temp = per_row([p.temperature for p in params], torch.float32)
-    logits = logits.float() / temp[:, None]
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if kernel and dev.type == "cpu" and kernels.load() is not None:
+        if any(top_k):                       # scaled first, as below: ties after the division count
+            logits = _top_k(logits.float() / temp[:, None], top_k, per_row)
+            temp = torch.ones_like(temp)
+        return kernels.processed_probs(logits, temp, per_row([p.top_p for p in params], torch.float32),
+                                       per_row([p.min_p for p in params], torch.float32))
+    logits = logits.float() / temp[:, None]
     if any(top_k):
-        k = per_row(top_k, torch.long)
-        kth = torch.topk(logits, max(top_k), dim=-1).values.gather(-1, (k - 1).clamp_min(0)[:, None])
-        logits = logits.masked_fill((logits < kth) & (k > 0)[:, None], float("-inf"))
+        logits = _top_k(logits, top_k, per_row)
     probs = torch.softmax(logits, dim=-1)
     use_p = [p.top_p < 1.0 for p in params]
     if any(use_p):
@@ -122,6 +119,18 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
     if any(renorm):
         probs = torch.where(per_row(renorm, torch.bool)[:, None], probs / probs.sum(-1, keepdim=True), probs)
     return probs
+
+
+def _top_k(logits: Tensor, top_k: list[int], per_row) -> Tensor:
+    """logits [R, V] with everything below each row's k-th largest set to -inf (k 0: kept)."""
+    k = per_row(top_k, torch.long)
+    kth = torch.topk(logits, max(top_k), dim=-1).values.gather(-1, (k - 1).clamp_min(0)[:, None])
+    return logits.masked_fill((logits < kth) & (k > 0)[:, None], float("-inf"))
+
+
+def rejection_rows(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Tensor, Tensor] | None:
+    """verify.rejection_plan through the CPU kernels (sampling.c), or None where they do not run."""
+    return kernels.rejection_rows(draft, q, p)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -138,8 +147,14 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     draws V exponentials per row (~0.9 ms for 49k tokens on a CPU core; this is ~0.1 ms). The
     first index whose running sum exceeds u * total has positive probability, so a token of
     probability 0 is never drawn."""
-    c = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    drawn = kernels.draw(probs, u[:, 0]) if probs.device.type == "cpu" else None
+    return drawn if drawn is not None else sample_with(probs, u)
+
+
+def sample_with(probs: Tensor, u: Tensor) -> Tensor:
+    """sample() in PyTorch ops with the uniforms u [N, 1] (float64) given."""
+    c = probs.double().cumsum(-1)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sampling import sample
+from .sampling import rejection_rows, sample
 
 
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,6 +47,12 @@ def rejection_plan(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Tensor, 
     returns (accept_prob [K] = min(1, p(x)/q(x)),
              candidates [K+1, V]: row i < K is norm(max(0, p_i - q_i)), row K is p_K (bonus))
     """
+    fast = rejection_rows(draft, q, p)        # the same rule in one pass per row (kernels, CPU)
+    return fast if fast is not None else rejection_plan_torch(draft, q, p)
+
+
+def rejection_plan_torch(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Tensor, Tensor]:
+    """rejection_plan in PyTorch ops (GPUs, no kernels; the reference the kernel is tested on)."""
     K = draft.shape[0]
     rows = torch.arange(K, device=p.device)
     if q is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,3 +61,73 @@ def test_sample_is_reproducible_and_takes_unnormalised_rows():
     b = sample(probs * 7.0, make_generator(3))        # the scale of a row does not matter
     assert torch.equal(a, b)
     assert ((a >= 0) & (a < 1000)).all()
+
+
+# ---- the CPU kernels (sampling.c) against the PyTorch ops they replace ----
+
+from specdec import kernels  # noqa: E402
+from specdec.sampling import sample_with  # noqa: E402
+from specdec.verify import rejection_plan, rejection_plan_torch  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="CPU kernels off or not built")
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [49152, 5003])
+def test_kernel_processing_equals_pytorch(V):
+    """Every filter and their combinations, rows with masked (-inf) tokens, a vocabulary that is
+    not a multiple of 8: the same support and the same probabilities as the PyTorch ops."""
+    g = torch.Generator().manual_seed(V)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t in (0.3, 0.7, 1.0, 1.7) for k in (0, 1, 40) for p in (1.0, 0.999, 0.95, 0.5, 0.1) for m in (0.0, 0.05)]
+    logits = torch.randn(len(params), V, generator=g) * torch.linspace(0.5, 12.0, len(params))[:, None]
+    logits[::3, : V // 2] = float("-inf")                  # a grammar's or bad words' mask
+    got = process_rows(logits, params)
+    torch.testing.assert_close(got.sum(-1).double(), torch.ones(len(params), dtype=torch.float64), rtol=0, atol=1e-5)
+    unfiltered = [dataclasses.replace(p, top_p=1.0, min_p=0.0) for p in params]
+    bare = process_rows(logits, unfiltered)                # temperature, top-k, softmax
+    torch.testing.assert_close(bare, process_rows(logits, unfiltered, kernel=False), rtol=2e-5, atol=1e-9)
+    # the filters exactly: the kernel's own unfiltered rows through the definitions above (a
+    # nucleus that ends among many near-equal tokens may end a few tokens apart on the two
+    # paths' softmax roundings, so the supports are compared on the kernel's probabilities)
+    top_p, min_p = torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params])
+    want = bare.masked_fill(_sorted_definition(bare, top_p), 0.0)
+    want = want.masked_fill(want < min_p[:, None] * bare.amax(-1, keepdim=True), 0.0)
+    filtered = (top_p < 1.0) | (min_p > 0.0)
+    want = torch.where(filtered[:, None], want / want.sum(-1, keepdim=True), want)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    one = process(logits[7:8], params[7])                  # a row alone = the same row in a batch
+    assert torch.equal(one, got[7:8])
+
+
+@needs_kernels
+def test_kernel_draws_follow_the_running_sum_and_never_take_a_zero():
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 3001, generator=g) ** 8
+    probs[probs < 0.05] = 0.0                             # most tokens impossible
+    probs[:, -50:] = 0.0                                  # ... including the row's end
+    u = torch.rand(64, 1, generator=g, dtype=torch.float64)
+    u[0] = 1.0 - 2 ** -53                                 # the very end of the CDF
+    u[1] = 0.0
+    got = kernels.draw(probs, u[:, 0])
+    assert torch.equal(got, sample_with(probs, u))
+    assert (probs.gather(1, got[:, None]) > 0).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_kernel_rejection_plan_equals_pytorch(point_mass):
+    g = torch.Generator().manual_seed(int(point_mass))
+    K, V = 5, 4099
+    p = (torch.randn(K + 1, V, generator=g) * 3).softmax(-1)
+    q = None if point_mass else (torch.randn(K, V, generator=g) * 3).softmax(-1)
+    draft = torch.randint(0, V, (K,), generator=g)
+    if q is not None:
+        q[2] = p[2]                                       # p == q on a row: nothing to draw there
+        q[3, draft[3]] = 0.0                              # q(x) = 0: accepted with probability 1
+    accept, cand = rejection_plan(draft, q, p)
+    ref_accept, ref_cand = rejection_plan_torch(draft, q, p)
+    torch.testing.assert_close(accept, ref_accept, rtol=1e-6, atol=0)
+    torch.testing.assert_close(cand, ref_cand, rtol=1e-5, atol=1e-9)
+    assert torch.equal(cand > 0, ref_cand > 0)

@@ -37,6 +37,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_linear.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_int]
     lib.dequant_row.restype = None
     lib.dequant_row.argtypes = [c_int, c_void_p, c_void_p, c_int]
+    lib.sampling_process.restype = c_int
+    lib.sampling_process.argtypes = [c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_void_p]
+    lib.sampling_draw.restype = None
+    lib.sampling_draw.argtypes = [c_void_p, c_int, c_int, c_void_p, c_void_p]
+    lib.sampling_residual.restype = None
+    lib.sampling_residual.argtypes = [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p]
     from .cforward import declare
     declare(lib)
 
@@ -192,6 +198,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                       b.data_ptr() if b is not None else None, out.data_ptr(),
                       int(out.dtype == torch.bfloat16), rows, N, K)
     return out
+
+
+def processed_probs(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor | None:
+    """sampling.c's processed distributions of logits [R, V] (float32, CPU; top-k already
+    applied as -inf) with per-row temp, top_p, min_p [R] (float32), or None where the kernels
+    do not run (the caller's PyTorch path)."""
+    lib = load()
+    if lib is None or logits.device.type != "cpu":
+        return None
+    x = logits.to(torch.float32).contiguous()
+    R, V = x.shape
+    probs = torch.empty_like(x)
+    temp, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temp, top_p, min_p))
+    if lib.sampling_process(x.data_ptr(), probs.data_ptr(), R, V, temp.data_ptr(), top_p.data_ptr(), min_p.data_ptr()):
+        raise MemoryError("sampling_process: out of memory")
+    return probs
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """sampling.c's inverse-CDF draws from probs [R, V] with uniforms u [R] (float64), or None
+    where the kernels do not run."""
+    lib = load()
+    if lib is None or probs.device.type != "cpu":
+        return None
+    p = probs.to(torch.float32).contiguous()
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(p.shape[0], dtype=torch.long)
+    lib.sampling_draw(p.data_ptr(), p.shape[0], p.shape[1], u.data_ptr(), out.data_ptr())
+    return out
+
+
+def rejection_rows(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """sampling.c's rejection plan of a chain (verify.rejection_plan's shapes and meaning:
+    accept_prob [K], candidates [K + 1, V]), or None where the kernels do not run."""
+    lib = load()
+    if lib is None or p.device.type != "cpu" or (q is not None and q.device.type != "cpu"):
+        return None
+    K, V = draft.shape[0], p.shape[-1]
+    pf = p.to(torch.float32).contiguous()
+    qf = q.to(torch.float32).contiguous() if q is not None else None
+    d = draft.to(torch.long).contiguous()
+    accept, cand = torch.empty(K), torch.empty(K + 1, V)
+    lib.sampling_residual(pf.data_ptr(), qf.data_ptr() if qf is not None else None, d.data_ptr(), K, V,
+                          accept.data_ptr(), cand.data_ptr())
+    return accept, cand
 
 
 @dataclass(frozen=True)

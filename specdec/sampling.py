@@ -89,20 +89,19 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
     """
     dev = logits.device
     repeats = [1] * len(params) if repeats is None else repeats
-    rep = torch.tensor(repeats, device=dev)
 
-    def per_row(values, dtype):
-        return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=dev), rep)
+    def per_row(values, dtype):              # one value per request -> one per row
+        return torch.tensor([v for v, r in zip(values, repeats) for _ in range(r)], dtype=dtype, device=dev)
 
     V = logits.shape[-1]
-    temp = per_row([p.temperature for p in params], torch.float32)
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if kernel and dev.type == "cpu" and kernels.load() is not None:
+        temp, top_p, min_p = per_row([(p.temperature, p.top_p, p.min_p) for p in params], torch.float32).unbind(-1)
         if any(top_k):                       # scaled first, as below: ties after the division count
             logits = _top_k(logits.float() / temp[:, None], top_k, per_row)
             temp = torch.ones_like(temp)
-        return kernels.processed_probs(logits, temp, per_row([p.top_p for p in params], torch.float32),
-                                       per_row([p.min_p for p in params], torch.float32))
+        return kernels.processed_probs(logits, temp, top_p, min_p)
+    temp = per_row([p.temperature for p in params], torch.float32)
     logits = logits.float() / temp[:, None]
     if any(top_k):
         logits = _top_k(logits, top_k, per_row)

@@ -235,8 +235,12 @@ def target_probs(reqs, ks: list[int], logits: Tensor, offsets: list[int]) -> dic
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if not sampled:
         return {}
-    index = torch.cat([torch.arange(offsets[i], offsets[i] + ks[i] + 1) for i in sampled]).to(logits.device)
-    probs = process_rows(logits[index], [reqs[i].params for i in sampled], [ks[i] + 1 for i in sampled])
+    spans = [(offsets[i], offsets[i] + ks[i] + 1) for i in sampled]
+    if all(a == b for (_, b), (a, _) in zip(spans, spans[1:])):
+        rows = logits[spans[0][0]:spans[-1][1]]          # one run of rows: a view, nothing copied
+    else:
+        rows = logits[torch.cat([torch.arange(a, b) for a, b in spans]).to(logits.device)]
+    probs = process_rows(rows, [reqs[i].params for i in sampled], [ks[i] + 1 for i in sampled])
     return dict(zip(sampled, probs.split([ks[i] + 1 for i in sampled])))
 
 

@@ -19,8 +19,26 @@ from specdec.server.worker import EngineWorker, Job
 needs_two = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no team to give up")
 
 
+TEAM_NAME = b"specdec-team-t"       # this test thread's OS name, which its OpenMP workers inherit
+
+
 def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """OS threads named like the calling test thread: it and the team workers it started (other
+    tests' threads come and go beside it)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+                count += f.read().strip() == TEAM_NAME
+        except OSError:            # a thread that just ended
+            pass
+    return count
+
+
+def _name_this_thread() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(TEAM_NAME), 0, 0, 0)   # PR_SET_NAME
 
 
 def _omp_max_threads() -> int:
@@ -34,6 +52,7 @@ def _in_thread(fn):
     out = {}
 
     def run():
+        _name_this_thread()
         saved = torch.get_num_threads()
         torch.set_num_threads(2)
         try:

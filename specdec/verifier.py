@@ -21,8 +21,8 @@ from .model import TreeAttention
 from .proposers import Draft
 from .proposers.base import prune_tree
 from .sampling import Row, adjust_rows, process_rows
-from .verify import (PLACEHOLDER, padded_row, parse_output, verify_greedy_batch, verify_sampling, verify_tree_greedy,
-                     verify_tree_sampling, verify_tree_typical)
+from .verify import (PLACEHOLDER, padded_row, parse_output, verify_greedy_batch, verify_greedy_host, verify_sampling,
+                     verify_tree_greedy, verify_tree_sampling, verify_tree_typical)
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,10 @@ def _greedy_chains(drafts, ks: list[int], logits: Tensor) -> list[Verified]:
     drafted = [d.tokens for d in drafts if d is not None]
     if not drafted:           # plain decoding: the argmax is the output
         return [Verified([t], 0, [0], False, None) for t in argmax.tolist()]
-    emitted = parse_output(verify_greedy_batch(torch.cat(drafted).to(logits.device), ks, argmax).tolist())
+    if logits.device.type == "cpu":           # the comparison on host lists: no tensor ops to dispatch
+        emitted = verify_greedy_host([d.tokens.tolist() if d is not None else [] for d in drafts], argmax.tolist())
+    else:
+        emitted = parse_output(verify_greedy_batch(torch.cat(drafted).to(logits.device), ks, argmax).tolist())
     return [Verified(e, len(e) - 1, list(range(len(e))), False,
                      list(range(len(e) - 1)) if d is not None and d.is_tree else None) for e, d in zip(emitted, drafts)]
 

@@ -120,6 +120,21 @@ def verify_greedy_batch(draft_tokens: Tensor, num_draft: list[int], target_argma
     return torch.where(j <= num_accepted[:, None], tgt, torch.full_like(tgt, PLACEHOLDER))
 
 
+def verify_greedy_host(drafts: list[list[int]], target_argmax: list[int]) -> list[list[int]]:
+    """verify_greedy_batch on host lists (a CPU's cheaper form: a dozen tensor ops cost more
+    than the comparison): drafts[b] request b's drafts, target_argmax its rows' argmax, flat
+    as there; returns each request's emitted tokens (accepted drafts + recovered or bonus)."""
+    out, at = [], 0
+    for d in drafts:
+        tgt = target_argmax[at:at + len(d) + 1]
+        n = 0
+        while n < len(d) and d[n] == tgt[n]:
+            n += 1
+        out.append(tgt[:n + 1])
+        at += len(d) + 1
+    return out
+
+
 def padded_row(emitted: Tensor, num_accepted: Tensor, width: int) -> Tensor:
     """One request's (emitted [K+1], num_accepted []) as a row of the batch output [width]."""
     row = torch.full((width,), PLACEHOLDER, dtype=torch.long, device=emitted.device)

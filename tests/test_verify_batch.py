@@ -16,7 +16,7 @@ from specdec import verify as verify_mod
 from specdec.proposers import Draft
 from specdec.sampling import process, process_rows
 from specdec.verifier import target_probs, verify_batch
-from specdec.verify import PLACEHOLDER, parse_output, verify_greedy, verify_greedy_batch, verify_sampling
+from specdec.verify import PLACEHOLDER, parse_output, verify_greedy, verify_greedy_batch, verify_greedy_host, verify_sampling
 
 from test_engine import exact_first_two, total_variation
 from test_tree import exact_tree_distribution
@@ -49,6 +49,21 @@ def test_verify_greedy_batch_worked_example():
     out = verify_greedy_batch(torch.tensor([a, b, c, d, e]), [2, 0, 3], torch.tensor([a, x, y, z, c, d, e, w]))
     assert out.tolist() == [[a, x, PLACEHOLDER, PLACEHOLDER], [z] + [PLACEHOLDER] * 3, [c, d, e, w]]
     assert parse_output(out.tolist()) == [[a, x], [z], [c, d, e, w]]
+
+
+def test_greedy_chains_on_the_host_equal_the_tensor_form():
+    """The CPU's host-list form gives what the tensor form gives (the worked example, then random
+    batches with K 0..4, full and partial acceptances)."""
+    a, b, c, d, e, x, y, z, w = range(9)
+    assert verify_greedy_host([[a, b], [], [c, d, e]], [a, x, y, z, c, d, e, w]) == [[a, x], [z], [c, d, e, w]]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ks = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        argmax = torch.randint(0, 3, (sum(ks) + len(ks),), generator=g)
+        drafts = torch.randint(0, 3, (sum(ks),), generator=g)
+        want = parse_output(verify_greedy_batch(drafts, ks, argmax).tolist())
+        split = [t.tolist() for t in drafts.split(ks)]
+        assert verify_greedy_host(split, argmax.tolist()) == want
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))

@@ -31,12 +31,13 @@ def _reference(seq, k, n_max, n_min):
     return [], 0
 
 
-def test_match_agrees_with_the_definition_on_random_sequences():
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "numpy"])
+def test_match_agrees_with_the_definition_on_random_sequences(kernel):
     from specdec.proposers.ngram import match
     rng = np.random.default_rng(0)
     for _ in range(400):
         seq = rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 40))
         k, n_max = int(rng.integers(1, 6)), int(rng.integers(1, 6))
         n_min = int(rng.integers(1, n_max + 1))
-        tokens, n = match(seq, k, n_max, n_min)
+        tokens, n = match(seq, k, n_max, n_min, kernel=kernel)
         assert (tokens.tolist(), n) == _reference(seq, k, n_max, n_min), (seq.tolist(), k, n_max, n_min)

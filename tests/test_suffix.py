@@ -31,8 +31,9 @@ def brute_match(docs, tail, depth):
     return best
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "numpy"])
 @pytest.mark.parametrize("seed", range(6))
-def test_match_and_continuation_agree_with_brute_force(seed):
+def test_match_and_continuation_agree_with_brute_force(seed, kernel):
     rng = np.random.default_rng(seed)
     vocab = 3 + seed                       # small vocabularies: many repeats, long matches
     docs = [rng.integers(0, vocab, rng.integers(1, 40)).tolist() for _ in range(rng.integers(1, 8))]
@@ -41,7 +42,7 @@ def test_match_and_continuation_agree_with_brute_force(seed):
     assert ix.num_tokens == sum(map(len, docs))
     for _ in range(40):
         tail = rng.integers(0, vocab + 1, rng.integers(1, 10))      # vocab itself occurs nowhere
-        lo, hi, m = ix.match(tail)
+        lo, hi, m = ix.match(tail, kernel=kernel)
         bm, occ = brute_match(docs, tail, depth)
         assert m == bm and hi - lo == len(occ)
         if not m:
@@ -53,7 +54,7 @@ def test_match_and_continuation_agree_with_brute_force(seed):
             flat += [None] + [(d, i) for i in range(len(doc))]
         assert sorted(flat[e] for e in ends) == sorted(occ)
         # the chain: the most frequent next token among occurrences agreeing so far (ties: smaller id)
-        toks, probs = ix.continue_chain(lo, hi, m, 4, 0.0)
+        toks, probs = ix.continue_chain(lo, hi, m, 4, 0.0, kernel=kernel)
         live = occ
         for j, (t, p) in enumerate(zip(toks, probs)):
             nxt = Counter(docs[d][i + 1 + j] for d, i in live if i + 1 + j < len(docs[d]))
@@ -61,6 +62,22 @@ def test_match_and_continuation_agree_with_brute_force(seed):
             assert t == min(k for k, v in nxt.items() if v == top) and p == pytest.approx(top / len(occ))
             live = [(d, i) for d, i in live if i + 1 + j < len(docs[d]) and docs[d][i + 1 + j] == t]
         assert len(toks) == 4 or not any(i + 1 + len(toks) < len(docs[d]) for d, i in live)
+
+
+def test_kernel_lookup_equals_numpy_with_a_spread_of_occurrences():
+    """lookup.c against the NumPy forms where the occurrences are thinned to max_occurrences
+    (NumPy's linspace picks them) and where min_token_prob cuts the chain."""
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(0, 4, rng.integers(20, 200)).tolist() for _ in range(30)]
+    ix = SuffixIndex.build(docs, 8)
+    for _ in range(60):
+        tail = rng.integers(0, 4, rng.integers(1, 6))
+        found = ix.match(tail)
+        assert found == ix.match(tail, kernel=False)
+        lo, hi, m = found
+        for occ, prob in ((7, 0.0), (64, 0.2), (4096, 0.05)):
+            assert ix.continue_chain(lo, hi, m, 6, prob, max_occurrences=occ) == \
+                ix.continue_chain(lo, hi, m, 6, prob, max_occurrences=occ, kernel=False)
 
 
 def test_min_token_prob_and_save_load(tmp_path):

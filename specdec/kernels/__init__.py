@@ -43,6 +43,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sampling_draw.argtypes = [c_void_p, c_int, c_int, c_void_p, c_void_p]
     lib.sampling_residual.restype = None
     lib.sampling_residual.argtypes = [c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p]
+    c_long, c_double = ctypes.c_long, ctypes.c_double
+    lib.ngram_match.restype = c_int
+    lib.ngram_match.argtypes = [c_void_p, c_int, c_int, c_int, c_int, ctypes.POINTER(c_int)]
+    lib.suffix_match.restype = c_int
+    lib.suffix_match.argtypes = [c_void_p, c_void_p, c_long, c_void_p, c_int, c_int, ctypes.POINTER(c_long),
+                                 ctypes.POINTER(c_long)]
+    lib.suffix_continue.restype = c_int
+    lib.suffix_continue.argtypes = [c_void_p, c_void_p, c_long, c_long, c_long, c_int, c_double, c_long, c_void_p,
+                                    c_void_p]
     from .cforward import declare
     declare(lib)
 
@@ -243,6 +252,49 @@ def rejection_rows(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor)
     lib.sampling_residual(pf.data_ptr(), qf.data_ptr() if qf is not None else None, d.data_ptr(), K, V,
                           accept.data_ptr(), cand.data_ptr())
     return accept, cand
+
+
+NGRAM_MAX = 64   # lookup.c: the longest n-gram the kernel matches
+
+
+def ngram_match(seq, k: int, n_max: int, n_min: int) -> tuple[int, int] | None:
+    """lookup.c's (start, n) for proposers/ngram.match (seq: int64, contiguous), or None where
+    the kernels do not run."""
+    lib = load()
+    if lib is None or n_max > NGRAM_MAX:
+        return None
+    start = ctypes.c_int()
+    n = lib.ngram_match(seq.ctypes.data, len(seq), k, n_max, n_min, ctypes.byref(start))
+    return start.value, n
+
+
+def suffix_match(rev, sa, tail, limit: int) -> tuple[int, int, int] | None:
+    """lookup.c's (lo, hi, m) for SuffixIndex.match (int32 rev and sa, int64 tail; all
+    contiguous NumPy arrays), or None where the kernels do not run."""
+    lib = load()
+    if lib is None:
+        return None
+    lo, hi = ctypes.c_long(), ctypes.c_long()
+    m = lib.suffix_match(rev.ctypes.data, sa.ctypes.data, len(sa), tail.ctypes.data, len(tail), limit,
+                         ctypes.byref(lo), ctypes.byref(hi))
+    return lo.value, hi.value, m
+
+
+def suffix_continue(fwd, sa, n: int, lo: int, hi: int, k: int, min_prob: float,
+                    max_occurrences: int) -> tuple[list[int], list[float]] | None:
+    """lookup.c's SuffixIndex.continue_chain (int32 fwd and sa), or None where the kernels do
+    not run."""
+    lib = load()
+    if lib is None:
+        return None
+    import numpy as np
+
+    tokens, probs = np.empty(max(k, 0), np.int64), np.empty(max(k, 0), np.float64)
+    made = lib.suffix_continue(fwd.ctypes.data, sa.ctypes.data, n, lo, hi, k, min_prob, max_occurrences,
+                               tokens.ctypes.data, probs.ctypes.data)
+    if made < 0:
+        raise MemoryError("suffix_continue: out of memory")
+    return tokens[:made].tolist(), probs[:made].tolist()
 
 
 @dataclass(frozen=True)

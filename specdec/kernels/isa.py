@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / n for n in ("skinny.c", "forward.c", "attention.c", "qgemm.c", "sampling.c", "selftest.c")]
+SOURCES = [_DIR / n for n in ("skinny.c", "forward.c", "attention.c", "qgemm.c", "sampling.c", "lookup.c", "selftest.c")]
 HEADERS = [_DIR / n for n in ("kernels.h", "forward.h", "qlanes.h", "vmath.h")]
 
 

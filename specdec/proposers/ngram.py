@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import kernels
 from .base import Draft, ProposeItem, ProposerBase, ProposerCaps
 
 
@@ -29,12 +30,18 @@ def lookup(seq: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
     return match(seq, k, n_max, n_min)[0]
 
 
-def match(seq: np.ndarray, k: int, n_max: int, n_min: int) -> tuple[np.ndarray, int]:
+def match(seq: np.ndarray, k: int, n_max: int, n_min: int, kernel: bool = True) -> tuple[np.ndarray, int]:
     """lookup()'s tokens and the length n of the match they follow (0: none).
 
     Candidates are the earlier positions holding the last token; each is extended backwards
     while it agrees with the tail (at most n_max), so a step costs O(candidates x n_max), not a
-    scan of the whole sequence per n."""
+    scan of the whole sequence per n. On the CPU kernels (lookup.c) unless kernel=False."""
+    if kernel:
+        seq = np.ascontiguousarray(seq, dtype=np.int64)
+        found = kernels.ngram_match(seq, k, n_max, n_min)
+        if found is not None:
+            start, n = found
+            return (seq[start:start + k], n) if start >= 0 else (seq[:0], 0)
     L = len(seq)
     if L < 2 or n_max < 1:
         return seq[:0], 0

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import kernels
+
 SEP = 0
 
 
@@ -91,12 +93,17 @@ class SuffixIndex:
             raise ValueError(f"{path}: not a suffix index written by SuffixIndex.save")
         return cls(fwd.astype(np.int32, copy=False), sa.astype(np.int32, copy=False), depth)
 
-    def match(self, tail: np.ndarray, max_len: int | None = None) -> tuple[int, int, int]:
+    def match(self, tail: np.ndarray, max_len: int | None = None, kernel: bool = True) -> tuple[int, int, int]:
         """(lo, hi, m): the suffix-array range [lo, hi) of the occurrences of tail's last m
-        tokens, m as long as the corpus allows (up to max_len and depth); m = 0: no match."""
+        tokens, m as long as the corpus allows (up to max_len and depth); m = 0: no match. On
+        the CPU kernels (lookup.c) unless kernel=False."""
         rev, sa = self.rev, self.sa
         lo, hi, m = 0, len(sa), 0
         limit = min(len(tail), self.depth, max_len or self.depth)
+        if kernel:
+            found = kernels.suffix_match(rev, sa, np.ascontiguousarray(tail, dtype=np.int64), limit)
+            if found is not None:
+                return found
         while m < limit:
             c = int(tail[len(tail) - 1 - m]) + 1
             # first i in [lo, hi) with rev[sa[i] + m] >= c, then first with > c
@@ -121,13 +128,17 @@ class SuffixIndex:
         return (lo, hi, m) if m else (0, 0, 0)
 
     def continue_chain(self, lo: int, hi: int, m: int, k: int, min_prob: float,
-                       max_occurrences: int = 4096) -> tuple[list[int], list[float]]:
+                       max_occurrences: int = 4096, kernel: bool = True) -> tuple[list[int], list[float]]:
         """Up to k tokens after the occurrences sa[lo:hi] of a match of length m: each the most
         frequent next token among the occurrences that agree so far (ties: the smaller id),
         while its share of all the occurrences (the path's probability) is >= min_prob.
-        Returns (token ids, path probabilities)."""
+        Returns (token ids, path probabilities). On the CPU kernels unless kernel=False."""
         if hi <= lo or k <= 0:
             return [], []
+        if kernel:
+            found = kernels.suffix_continue(self.fwd, self.sa, self.n, lo, hi, k, min_prob, max_occurrences)
+            if found is not None:
+                return found
         idx = np.arange(lo, hi)
         if len(idx) > max_occurrences:       # an even spread of a very frequent short match
             idx = idx[np.linspace(0, len(idx) - 1, max_occurrences).astype(np.int64)]

@@ -7,7 +7,9 @@ the whole batch. For a step that gives request i a draft of size s_i,
 
 E_i(s): tokens request i emits when it drafts s (1 at s = 0), from measured acceptance:
     chains: per-position conditional acceptance a_j (P(position j kept | positions < j kept)),
-            E(s) = 1 + sum_{j<s} prod_{l<=j} a_l, per kind (greedy / sampled: they differ
+            and l_j, the chance that a draft asked for j or more tokens has a j-th (lookups
+            stop where their match gives out), E(s) = 1 + sum_{j<=s} l_j prod_{l<=j} a_l and
+            the draft tokens fed sum_{j<=s} l_j, per kind (greedy / sampled: they differ
             systematically) and per method (one proposer per engine);
     trees:  the mean emitted tokens measured at each size of a ladder (greedy steps also tell
             every smaller, nested tree's outcome);
@@ -176,26 +178,45 @@ def nonnegative_least_squares(G: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class ChainAcceptance:
-    """Per-position conditional acceptance of chains, counted with exponential forgetting."""
+    """Per-position conditional acceptance of chains, and how often a draft asked for j tokens
+    has a j-th one (lookups stop where their match gives out: suffix decoding drafts at most
+    spec_factor x its match length), counted with exponential forgetting."""
 
     def __init__(self, max_k: int, decay: float = 0.99, prior_n: float = 2.0):
         self.sizes = np.arange(max_k + 1)
         self.tried, self.kept = np.zeros(max_k), np.zeros(max_k)
+        self.offered, self.got = np.zeros(max_k), np.zeros(max_k)    # asks reaching position j, drafts reaching it
         self.decay, self.prior_n = decay, prior_n
 
+    def _alpha(self) -> np.ndarray:
+        return (self.kept + PRIOR_ALPHA * self.prior_n) / (self.tried + self.prior_n)
+
+    def _length(self) -> np.ndarray:
+        """[K] P(a non-empty draft asked for >= j tokens has a j-th), full length a priori."""
+        return (self.got + self.prior_n) / (self.offered + self.prior_n)
+
     def expected(self) -> np.ndarray:
-        """[S] tokens emitted per size."""
-        alpha = (self.kept + PRIOR_ALPHA * self.prior_n) / (self.tried + self.prior_n)
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(alpha))])
+        """[S] tokens emitted per size asked (the drafts a size gets are often shorter)."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(self._length() * np.cumprod(self._alpha()))])
+
+    def expected_given(self) -> np.ndarray:
+        """[S] tokens emitted per size actually drafted."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self._alpha()))])
+
+    def drafted(self) -> np.ndarray:
+        """[S] draft tokens fed per size asked (of a non-empty draft)."""
+        return np.concatenate([[0.0], np.cumsum(self._length())])
 
     def observe(self, asked: int, drafted: int, accepted: int, path) -> None:
         reached = min(drafted, accepted + 1)        # positions tried: up to the first rejection
         self.tried[:reached] += 1
         self.kept[:accepted] += 1
+        self.offered[:max(asked, drafted)] += 1
+        self.got[:drafted] += 1
 
     def forget(self) -> None:
-        self.tried *= self.decay
-        self.kept *= self.decay
+        for a in (self.tried, self.kept, self.offered, self.got):
+            a *= self.decay
 
 
 class TreeAcceptance:
@@ -213,6 +234,11 @@ class TreeAcceptance:
         mean = (self.tokens + self.prior * self.prior_n) / (self.count + self.prior_n)
         mean[0] = 1.0
         return np.maximum.accumulate(np.minimum(mean, self.sizes + 1.0))
+
+    expected_given = expected      # a tree is drafted at the size asked
+
+    def drafted(self) -> np.ndarray:
+        return self.sizes.astype(float)
 
     def observe(self, asked: int, drafted: int, accepted: int, path) -> None:
         if asked <= 0:
@@ -326,28 +352,30 @@ class GoodputPolicy:
         return ks
 
     def _expected(self, seqs: list[SeqInfo]) -> tuple[np.ndarray, np.ndarray]:
-        """([B, S] expected emitted tokens per size, [B] chance a request's draft is not empty)."""
-        base = {g: a.expected() for g, a in self.acceptance.items()}
+        """([B, S] expected emitted tokens per size, [B, S] expected draft tokens fed per size),
+        with each request's chance that its draft is not empty."""
+        base = {g: (a.expected(), a.drafted()) for g, a in self.acceptance.items()}
         state = [self.seqs.get(s.request_id) or _Seq() for s in seqs]
         mult = np.array([st.multiplier() for st in state])
         avail = np.array([st.available() for st in state])
-        E = np.stack([base[s.greedy] for s in seqs])
+        E = np.stack([base[s.greedy][0] for s in seqs])
+        fed = avail[:, None] * np.stack([base[s.greedy][1] for s in seqs])
         E = 1.0 + (avail * mult)[:, None] * (E - 1.0)
-        return np.minimum(E, 1.0 + avail[:, None] * self.sizes[None, :]), avail
+        return np.minimum(E, 1.0 + fed), fed
 
     def _optimise(self, seqs: list[SeqInfo], prompt_tokens: int = 0) -> list[int]:
         """Dinkelbach's iteration: for lam = the goodput so far, maximise E - lam * T (exactly:
         each request's best size for every possible longest draft), then lam = E / T of that
         choice, until it stops growing."""
         B, sizes = len(seqs), self.sizes
-        E, avail = self._expected(seqs)
+        E, tokens = self._expected(seqs)                                                       # [B, S]
+        avail = np.array([(self.seqs.get(s.request_id) or _Seq()).available() for s in seqs])
         ctx = np.array([s.context for s in seqs], dtype=float) / 1024
         wt, wd = self.target.w, self.draft.w
         T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum()]) + max(wd[4], 0.0) * prompt_tokens
         if not T0 > 0:
             return [0] * B
         per_token = np.maximum(wt[1] + wt[3] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]
-        tokens = avail[:, None] * sizes[None, :]                                                # [B, S]
         cost = tokens * per_token[:, None] + (sizes > 0)[None, :] * avail[:, None] * max(wd[1], 0.0)
         shared = max(wd[3], 0.0) * sizes + max(wd[0], 0.0) * (sizes > 0)                        # [S]
         drafting = np.array([(self.seqs.get(s.request_id) or _Seq()).asked > 0 for s in seqs])
@@ -381,7 +409,7 @@ class GoodputPolicy:
                 st.drafts = 0.9 * st.drafts + (o.drafted > 0)
             if o.drafted > 0:
                 if st is not None:
-                    base = self.acceptance[o.greedy].expected()
+                    base = self.acceptance[o.greedy].expected_given()
                     rung = int(np.searchsorted(self.sizes, o.drafted, side="right") - 1)
                     st.expect = 0.95 * st.expect + (base[rung] - 1.0)
                     st.kept = 0.95 * st.kept + o.accepted

@@ -25,15 +25,19 @@ class Machine:
         self.drafting = drafting          # seconds a step that drafts spends in the drafter
         self.rng = random.Random(seed)
 
-    def step(self, policy: GoodputPolicy, ids: list, alpha: dict, greedy=True, context=300):
+    def step(self, policy: GoodputPolicy, ids: list, alpha: dict, greedy=True, context=300, longest=None):
+        """longest: the most tokens the drafter ever has (a lookup whose matches give out)."""
         ks = policy.choose([SeqInfo(i, greedy, context, 8) for i in ids])
         probe = policy.probing
-        outcomes = []
+        outcomes, fed = [], []
         for i, k in zip(ids, ks):
+            d = k if longest is None else min(k, longest)
             kept = 0
-            while kept < k and self.rng.random() < alpha[i]:
+            while kept < d and self.rng.random() < alpha[i]:
                 kept += 1
-            outcomes.append(Outcome(i, greedy, k, kept, None))
+            outcomes.append(Outcome(i, greedy, d, kept, None))
+            fed.append(d)
+        ks = fed
         D, B = sum(ks), len(ids)
         t = (self.fixed + self.per_token * (B + D)) * max(0.2, 1 + self.noise * self.rng.gauss(0, 1))
         if self.rng.random() < 0.02:
@@ -85,6 +89,29 @@ def test_no_flapping_when_the_batch_size_straddles_the_break_even_point():
         return sum(a != b for prev, cur in zip(history, history[1:]) for a, b in zip(prev, cur)) / len(history)
 
     assert switches(0.1) < 0.08 < switches(0.0)
+
+
+def test_chain_model_counts_what_a_short_drafter_actually_drafts():
+    """A lookup asked for 4 tokens that has only 2 (suffix decoding drafts at most spec_factor x
+    its match): the positions it never reaches add neither emitted nor fed tokens, instead of
+    being valued at their prior; a drafter that fills its asks keeps full-length estimates."""
+    from specdec.goodput import ChainAcceptance
+
+    short, full = ChainAcceptance(8), ChainAcceptance(8)
+    rng = random.Random(0)
+    for _ in range(300):
+        for model, drafted in ((short, 2), (full, 4)):
+            kept = 0
+            while kept < drafted and rng.random() < 0.9:
+                kept += 1
+            model.forget()
+            model.observe(4, drafted, kept, None)
+    e, fed = short.expected(), short.drafted()
+    assert abs(e[4] - e[2]) < 0.03 and abs(fed[4] - 2.0) < 0.06          # the prior (2 pseudo-asks) fading
+    assert e[2] == pytest.approx(1 + 0.9 + 0.81, abs=0.06)
+    e, fed = full.expected(), full.drafted()
+    assert fed[4] == pytest.approx(4.0, abs=1e-9) and e[4] == pytest.approx(1 + 0.9 + 0.81 + 0.729 + 0.656, abs=0.25)
+    assert short.expected_given()[2] == pytest.approx(e[2], abs=0.06)
 
 
 def test_per_request_k_follows_each_requests_acceptance():

@@ -79,6 +79,25 @@ def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
     assert (tmp_path / "server-plain.log").exists()
 
 
+def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys):
+    """--rounds 3: each load point's 6 requests in rounds of 2 (twice the concurrency), the
+    variants taking turns; every variant's point holds all of them."""
+    target, _ = tiny_pair
+    rc = main(["bench", "serve", "--model", str(target), "--num-speculative-tokens", "0,2", "--speculative-config",
+               json.dumps({"method": "ngram"}), "--server-args", "--max-model-len 256 --max-num-seqs 4",
+               "--max-concurrency", "1", "--num-prompts", "6", "--output-len", "4", "--ignore-eos", "--warmup", "0",
+               "--rounds", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    turns = [line.split(":")[0] for line in err.splitlines() if ", round " in line]
+    assert turns == ["plain", "speculative K=2"] * 3
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["rounds"] == 3
+    for v in results["variants"]:
+        (point,) = v["points"]
+        assert point["completed"] == point["num_prompts"] == 6 and point["total_output_tokens"] == 24
+
+
 def test_bench_serve_bad_flags_exit_2(capsys):
     assert main(["bench", "serve", "--goodput", "latency:5", "--out", "/nonexistent/x"]) == 2
     assert "--goodput" in capsys.readouterr().err

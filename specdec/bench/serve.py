@@ -292,26 +292,56 @@ def served_model(base_url: str) -> str:
     return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict) -> list[dict]:
-    """Every load point against one server: warm-up requests first, then the measured ones."""
-    model = served_model(base_url)
-    sampling = {"max_tokens": args.output_len, "temperature": args.temperature, "seed": args.seed,
-                "extra_body": {"ignore_eos": args.ignore_eos}}
+def _sampling(args) -> dict:
+    return {"max_tokens": args.output_len, "temperature": args.temperature, "seed": args.seed,
+            "extra_body": {"ignore_eos": args.ignore_eos}}
+
+
+def warm_up(base_url: str, pool: list[dict], args) -> None:
     if args.warmup:
-        asyncio.run(run_load(base_url, model, sample(pool, args.warmup, args.seed + 999), Load(float("inf"), args.warmup),
-                             1.0, sampling, args.seed))
-    points = []
-    for load in loads:
-        n = max(args.num_prompts, 2 * (load.concurrency or 0))
+        asyncio.run(run_load(base_url, served_model(base_url), sample(pool, args.warmup, args.seed + 999),
+                             Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed))
+
+
+def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
+    """The requests of a load point: --num-prompts (at least twice its concurrency)."""
+    return sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed)
+
+
+@dataclass
+class Measured:
+    """What one server did at one load point, possibly over several rounds."""
+    results: list = field(default_factory=list)
+    wall: float = 0.0
+    counters: dict = field(default_factory=dict)     # the speculative counters' increments
+
+    def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
-        results, wall = asyncio.run(run_load(base_url, model, sample(pool, n, args.seed), load, args.burstiness,
-                                             sampling, args.seed))
+        results, wall = asyncio.run(run_load(base_url, served_model(base_url), items, load, args.burstiness,
+                                             _sampling(args), seed))
+        after = read_counters(base_url)
+        self.results += results
+        self.wall += wall
+        for k in set(before) | set(after):
+            self.counters[k] = self.counters.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
+
+    def point(self, load: Load, slo: dict, args) -> dict:
         point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
-                 "num_prompts": n, **summarize(results, wall, slo, args.metric_percentiles),
-                 "speculation": acceptance(before, read_counters(base_url))}
+                 "num_prompts": len(self.results), **summarize(self.results, self.wall, slo, args.metric_percentiles),
+                 "speculation": acceptance({}, self.counters)}
         print(f"  {load.name}: {point['output_throughput']:.1f} tok/s, median TPOT {point['tpot']['median']} ms, "
               f"median TTFT {point['ttft']['median']} ms, {point['failed']} failed", file=sys.stderr, flush=True)
-        points.append(point)
+        return point
+
+
+def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict) -> list[dict]:
+    """Every load point against one server: warm-up requests first, then the measured ones."""
+    warm_up(base_url, pool, args)
+    points = []
+    for load in loads:
+        m = Measured()
+        m.run(base_url, point_requests(load, pool, args), load, args, args.seed)
+        points.append(m.point(load, slo, args))
     return points
 
 

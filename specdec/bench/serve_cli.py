@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:100 (vLLM's)")
     p.add_argument("--metric-percentiles", default="50,90,99", type=_floats)
     p.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split each load point's requests into rounds (of at least twice its concurrency) in which "
+                        "the variants take turns, so that a machine whose speed drifts over minutes weighs on all "
+                        "alike (default 1: each variant's whole load point in turn)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
 
@@ -140,8 +144,8 @@ def run(args, argv: list[str]) -> int:
     from .serve_report import write_all
 
     slo = serve.parse_goodput(args.goodput)
-    if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0:
-        raise ValueError("--num-prompts and --output-len must be >= 1, --warmup >= 0, --burstiness > 0")
+    if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
+        raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
     loads = [serve.Load(r, c) for r in args.request_rate for c in args.max_concurrency]
     pool = serve.questions(args.spec_bench_category)      # a bad category fails before any server starts
     out = args.out or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
@@ -179,15 +183,20 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
             results["variants"].append({**v, "points": []})
         pool = serve.fitting(pool, started[0][1], args.output_len)
         results["settings"]["prompts_that_fit"] = len(pool)
+        results["settings"]["rounds"] = args.rounds
+        for _, url in started:
+            serve.warm_up(url, pool, args)
         for load in loads:
-            for (v, url), entry in zip(started, results["variants"]):
-                print(f"{v['name']}:", file=sys.stderr, flush=True)
-                warm = args.warmup if load is loads[0] else 0
-                entry["points"] += serve.measure(url, [load], pool, _with(args, warmup=warm), slo)
+            items = serve.point_requests(load, pool, args)
+            # rounds of at least twice the concurrency each, the variants taking turns in every round
+            rounds = max(1, min(args.rounds, len(items) // (2 * (load.concurrency or len(items)))))
+            cuts = [len(items) * r // rounds for r in range(rounds + 1)]
+            measured = [serve.Measured() for _ in started]
+            for r in range(rounds):
+                for (v, url), m, entry in zip(started, measured, results["variants"]):
+                    print(f"{v['name']}:" + (f" {load.name}, round {r + 1} of {rounds}" if rounds > 1 else ""),
+                          file=sys.stderr, flush=True)
+                    m.run(url, items[cuts[r]:cuts[r + 1]], load, args, args.seed + r)
+                    if r == rounds - 1:
+                        entry["points"].append(m.point(load, slo, args))
 
-
-def _with(args, **changes):
-    new = argparse.Namespace(**vars(args))
-    for k, v in changes.items():
-        setattr(new, k, v)
-    return new

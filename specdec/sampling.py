@@ -71,8 +71,9 @@ def _sorted_drop(probs: Tensor, top_p: Tensor) -> Tensor:
 
 
 def process(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k, top-p, min-p."""
-    return process_rows(logits, [params], [logits.shape[0]])
+    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k, top-p, min-p."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return process_rows(rows, [params], [rows.shape[0]]).reshape(logits.shape)
 
 
 def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int] | None = None,

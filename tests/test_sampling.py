@@ -102,6 +102,29 @@ def test_kernel_processing_equals_pytorch(V):
 
 
 @needs_kernels
+def test_kernel_rows_shared_over_threads_equal_each_alone():
+    """A batch of rows is shared out over the team (8 rows or more): each row's result is the
+    one it gets alone."""
+    import threading
+
+    def body(out):
+        torch.set_num_threads(2)
+        kernels.set_threads(2)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(24, 3001, generator=g) * 4
+        ps = [SamplingParams(temperature=0.7, top_p=0.95, min_p=0.02 * (i % 3)) for i in range(24)]
+        batch = process_rows(x, ps)
+        out.append(all(torch.equal(batch[i:i + 1], process_rows(x[i:i + 1], [ps[i]])) for i in range(24)))
+
+    out = []
+    t = threading.Thread(target=body, args=(out,))      # its own team; the suite's thread keeps one
+    t.start()
+    t.join(60)
+    torch.set_num_threads(1)
+    assert out == [True]
+
+
+@needs_kernels
 def test_kernel_draws_follow_the_running_sum_and_never_take_a_zero():
     g = torch.Generator().manual_seed(3)
     probs = torch.rand(64, 3001, generator=g) ** 8

@@ -136,45 +136,59 @@ static int nucleus(float *p, int V, double top_p, Ranked *buf) {
  * softmax(logits / temp), then top-p (top_p < 1), then min-p (min_p > 0: tokens below min_p
  * times the row's best dropped), renormalised when a filter ran. Returns 0, or -1 when scratch
  * memory runs out. */
+/* One row of sampling_process; buf: V entries of scratch, allocated on first need. */
+static int process_row(const float *x, float *p, int V, float temp, float top_p, float min_p, Ranked **buf) {
+    float best = softmax_row(x, p, V, temp), cut = min_p > 0.0f ? min_p * best : 0.0f;
+    if (top_p < 1.0f) {                                  /* a sparse row now: the rest on its kept tokens */
+        if (!*buf && !(*buf = malloc(sizeof(Ranked) * V))) return -1;
+        Ranked *b = *buf;
+        int keep = nucleus(p, V, top_p, b);
+        double sum = 0.0;
+        for (int k = 0; k < keep; k++) {
+            if (b[k].p < cut) p[b[k].i] = 0.0f;          /* min-p (the best token is never cut) */
+            else sum += b[k].p;
+        }
+        float scale = (float)(1.0 / sum);
+        for (int k = 0; k < keep; k++) p[b[k].i] *= scale;
+    } else if (cut > 0.0f) {
+        const __m256 vc = _mm256_set1_ps(cut);
+        __m256 acc = _mm256_setzero_ps();
+        int v = 0;
+        for (; v + 8 <= V; v += 8) {
+            __m256 q = _mm256_loadu_ps(p + v);
+            q = _mm256_and_ps(q, _mm256_cmp_ps(q, vc, _CMP_GE_OQ));
+            _mm256_storeu_ps(p + v, q);
+            acc = _mm256_add_ps(acc, q);
+        }
+        double sum = hsum8(acc);
+        for (; v < V; v++) {
+            if (p[v] < cut) p[v] = 0.0f;
+            sum += p[v];
+        }
+        const __m256 k8 = _mm256_set1_ps((float)(1.0 / sum));
+        for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(p + v, _mm256_mul_ps(_mm256_loadu_ps(p + v), k8));
+        for (; v < V; v++) p[v] *= _mm256_cvtss_f32(k8);
+    }
+    return 0;
+}
+
+/* probs [R, V] = the processed distributions of logits [R, V] (top-k already applied as -inf):
+ * softmax(logits / temp), then top-p (top_p < 1), then min-p (min_p > 0: tokens below min_p
+ * times the row's best dropped), renormalised when a filter ran. Rows are independent (a row's
+ * result does not depend on the others or on which thread ran it); a batch of 8 or more rows is
+ * shared out over the calling thread's team. Returns 0, or -1 when scratch memory runs out. */
 int sampling_process(const float *logits, float *probs, int R, int V, const float *temp, const float *top_p,
                      const float *min_p) {
-    Ranked *buf = NULL;
-    for (int r = 0; r < R; r++) {
-        const float *x = logits + (long)r * V;
-        float *p = probs + (long)r * V;
-        float best = softmax_row(x, p, V, temp[r]), cut = min_p[r] > 0.0f ? min_p[r] * best : 0.0f;
-        if (top_p[r] < 1.0f) {                           /* a sparse row now: the rest on its kept tokens */
-            if (!buf && !(buf = malloc(sizeof(Ranked) * V))) return -1;
-            int keep = nucleus(p, V, top_p[r], buf);
-            double sum = 0.0;
-            for (int k = 0; k < keep; k++) {
-                if (buf[k].p < cut) p[buf[k].i] = 0.0f;  /* min-p (the best token is never cut) */
-                else sum += buf[k].p;
-            }
-            float scale = (float)(1.0 / sum);
-            for (int k = 0; k < keep; k++) p[buf[k].i] *= scale;
-        } else if (cut > 0.0f) {
-            const __m256 vc = _mm256_set1_ps(cut);
-            __m256 acc = _mm256_setzero_ps();
-            int v = 0;
-            for (; v + 8 <= V; v += 8) {
-                __m256 q = _mm256_loadu_ps(p + v);
-                q = _mm256_and_ps(q, _mm256_cmp_ps(q, vc, _CMP_GE_OQ));
-                _mm256_storeu_ps(p + v, q);
-                acc = _mm256_add_ps(acc, q);
-            }
-            double sum = hsum8(acc);
-            for (; v < V; v++) {
-                if (p[v] < cut) p[v] = 0.0f;
-                sum += p[v];
-            }
-            const __m256 k8 = _mm256_set1_ps((float)(1.0 / sum));
-            for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(p + v, _mm256_mul_ps(_mm256_loadu_ps(p + v), k8));
-            for (; v < V; v++) p[v] *= _mm256_cvtss_f32(k8);
-        }
+    int failed = 0;
+    #pragma omp parallel if (R >= 8) reduction(|:failed)
+    {
+        Ranked *buf = NULL;
+        #pragma omp for schedule(static)
+        for (int r = 0; r < R; r++)
+            failed |= process_row(logits + (long)r * V, probs + (long)r * V, V, temp[r], top_p[r], min_p[r], &buf) != 0;
+        free(buf);
     }
-    free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* out[r] = a draw from probs[r] (rows need not sum to 1) with uniform u[r]: the first token of

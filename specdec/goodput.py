@@ -351,9 +351,9 @@ class GoodputPolicy:
             self.idle = 0
         return ks
 
-    def _expected(self, seqs: list[SeqInfo]) -> tuple[np.ndarray, np.ndarray]:
-        """([B, S] expected emitted tokens per size, [B, S] expected draft tokens fed per size),
-        with each request's chance that its draft is not empty."""
+    def _expected(self, seqs: list[SeqInfo]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([B, S] expected emitted tokens per size, [B, S] expected draft tokens fed per size,
+        [B] each request's chance that its draft is not empty)."""
         base = {g: (a.expected(), a.drafted()) for g, a in self.acceptance.items()}
         state = [self.seqs.get(s.request_id) or _Seq() for s in seqs]
         mult = np.array([st.multiplier() for st in state])
@@ -361,15 +361,14 @@ class GoodputPolicy:
         E = np.stack([base[s.greedy][0] for s in seqs])
         fed = avail[:, None] * np.stack([base[s.greedy][1] for s in seqs])
         E = 1.0 + (avail * mult)[:, None] * (E - 1.0)
-        return np.minimum(E, 1.0 + fed), fed
+        return np.minimum(E, 1.0 + fed), fed, avail
 
     def _optimise(self, seqs: list[SeqInfo], prompt_tokens: int = 0) -> list[int]:
         """Dinkelbach's iteration: for lam = the goodput so far, maximise E - lam * T (exactly:
         each request's best size for every possible longest draft), then lam = E / T of that
         choice, until it stops growing."""
         B, sizes = len(seqs), self.sizes
-        E, tokens = self._expected(seqs)                                                       # [B, S]
-        avail = np.array([(self.seqs.get(s.request_id) or _Seq()).available() for s in seqs])
+        E, tokens, avail = self._expected(seqs)                                                # [B, S], [B, S], [B]
         ctx = np.array([s.context for s in seqs], dtype=float) / 1024
         wt, wd = self.target.w, self.draft.w
         T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum()]) + max(wd[4], 0.0) * prompt_tokens

@@ -128,11 +128,6 @@ def _top_k(logits: Tensor, top_k: list[int], per_row) -> Tensor:
     return logits.masked_fill((logits < kth) & (k > 0)[:, None], float("-inf"))
 
 
-def rejection_rows(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Tensor, Tensor] | None:
-    """verify.rejection_plan through the CPU kernels (sampling.c), or None where they do not run."""
-    return kernels.rejection_rows(draft, q, p)
-
-
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator: seeded runs reproduce, unseeded ones draw fresh OS entropy."""
     g = torch.Generator(device=device)
@@ -148,7 +143,7 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     first index whose running sum exceeds u * total has positive probability, so a token of
     probability 0 is never drawn."""
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
-    drawn = kernels.draw(probs, u[:, 0]) if probs.device.type == "cpu" else None
+    drawn = kernels.draw(probs, u[:, 0])      # None off the CPU or without the kernels
     return drawn if drawn is not None else sample_with(probs, u)
 
 

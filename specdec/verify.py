@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sampling import rejection_rows, sample
+from .kernels import rejection_rows
+from .sampling import sample
 
 
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:

@@ -57,6 +57,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._threads, self._starter = torch.get_num_threads(), None    # start(): the starter's count and id
 
     @property
     def num_running(self) -> int:
@@ -110,7 +111,7 @@ class EngineWorker:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if threading.get_ident() == getattr(self, "_starter", None):
+        if threading.get_ident() == self._starter:
             torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
 
     def _loop(self) -> None:

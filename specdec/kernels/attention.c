@@ -65,6 +65,30 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *a, const v
     return _mm256_add_ps(lo, hi);
 }
 
+#if !defined(__AVX512F__)
+/* dot8 of one query against CNT (<= 4) rows of kr (row stride rs bytes), each row's FMAs exactly
+ * dot8's; the query's vectors are loaded once for the rows (AVX2 has 16 registers: 4 rows' two
+ * accumulators and the query's two vectors fit). */
+static inline __attribute__((always_inline)) void dot8_rows(const float *a, const char *kr, long rs, int n, int kind,
+                                                            int cnt, __m256 *v) {
+    __m256 lo[4], hi[4];
+    for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 al = _mm256_loadu_ps(a + i), ah = _mm256_loadu_ps(a + i + 8);
+        for (int t = 0; t < cnt; t++) {
+            lo[t] = _mm256_fmadd_ps(al, load_kv(kr + t * rs, kind, i), lo[t]);
+            hi[t] = _mm256_fmadd_ps(ah, load_kv(kr + t * rs, kind, i + 8), hi[t]);
+        }
+    }
+    if (i < n) {
+        __m256 al = _mm256_loadu_ps(a + i);
+        for (int t = 0; t < cnt; t++) lo[t] = _mm256_fmadd_ps(al, load_kv(kr + t * rs, kind, i), lo[t]);
+    }
+    for (int t = 0; t < cnt; t++) v[t] = _mm256_add_ps(lo[t], hi[t]);
+}
+#endif
+
 /* The sums of 8 vectors' lanes, one per lane: ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
  * the same for every position t (a dot product does not depend on the slots beside it). */
 static inline __m256 hsum8x8(const __m256 v[8]) {
@@ -124,8 +148,18 @@ group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, 
         int lim = qs[i].span - s0 < bs ? qs[i].span - s0 : bs, cnt = lim - j0 < 8 ? lim - j0 : 8;
         if (cnt <= 0) continue;
         __m256 v[8];
+#if defined(__AVX512F__)
         for (int t = 0; t < 8; t++)
             v[t] = t < cnt ? dot8(qs[i].q, kr + (long)t * hd * es, hd, KIND) : _mm256_setzero_ps();
+#else
+        if (cnt == 8) {
+            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, 4, v);
+            dot8_rows(qs[i].q, kr + 4L * hd * es, (long)hd * es, hd, KIND, 4, v + 4);
+        } else {
+            for (int t = 0; t < 8; t++)
+                v[t] = t < cnt ? dot8(qs[i].q, kr + (long)t * hd * es, hd, KIND) : _mm256_setzero_ps();
+        }
+#endif
         __m256 r = hsum8x8(v);
         if (d) r = _mm256_mul_ps(r, cnt == 8 ? _mm256_loadu_ps(d) : load_part(d, cnt));
         r = _mm256_mul_ps(r, scale);

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specdec import kernels
-from specdec.kernels import isa
+from specdec.kernels import isa, qformats
 
 HARNESS = r"""
 #include <stdio.h>
@@ -57,7 +57,6 @@ int main(int argc, char **argv) {
 """
 SHAPES = [("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
           ("down", "Q4_1", 576, 1536), ("lm_head", "Q8_0", 49152, 576)]
-CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}
 
 
 def prepared(fmt: str, n: int, k: int, path: Path) -> None:
@@ -91,7 +90,7 @@ def main() -> None:
         for name, fmt, n, k in SHAPES:
             wfile = Path(tmp) / f"{name}.bin"
             prepared(fmt, n, k, wfile)
-            out = subprocess.run([str(exe), str(CODES[fmt]), str(n), str(k), str(args.repeats), str(wfile)], env=env,
+            out = subprocess.run([str(exe), str(qformats.FORMATS[fmt]), str(n), str(k), str(args.repeats), str(wfile)], env=env,
                                  capture_output=True, text=True, check=True).stdout
             rows.append((name, fmt, n, k, [tuple(float(t) for t in line.split()) for line in out.splitlines()]))
         Ms = [int(m) for m, _, _ in rows[0][4]]

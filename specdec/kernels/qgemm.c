@@ -162,7 +162,7 @@ rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *b
 #define ROWS(F, R) case R: rows_of(F, R, pp, a, m0, bias, out, N, p); break;
 /* AVX2 (16 registers): from 3 rows on, two halves' accumulators per row beside a block's 8
  * weight vectors made gcc spill the broadcast activations in the unrolled copies; the loop over
- * rows with accumulators in L1 is 20-30% faster there (3 and 5 rows: scripts/qgemm_rows.py). */
+ * rows with accumulators in L1 is 9-33% faster there (3 and 5 rows: scripts/qgemm_rows.py). */
 #if NH == 2
 #define ROWS_ABOVE_2(F)
 #else

@@ -31,16 +31,19 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_PROCESS_CPUTIME
 int main(int argc, char **argv) {
     int fmt = atoi(argv[1]), N = atoi(argv[2]), K = atoi(argv[3]), repeats = atoi(argv[4]);
     FILE *f = fopen(argv[5], "rb");
-    int Ms[] = {1, 2, 3, 5, 9, 16, 64};
+    int nM = argc - 6, Ms[32];
+    for (int i = 0; i < nM && i < 32; i++) Ms[i] = atoi(argv[6 + i]);
+    int maxM = 1;
+    for (int i = 0; i < nM; i++) if (Ms[i] > maxM) maxM = Ms[i];
     long pb = quant_panel_bytes(fmt, K) * ((N + 15) / 16);
     int copies = (int)(96l * 1024 * 1024 / pb) + 1;
     unsigned char *w = malloc(pb * copies);
     if (!f || fread(w, 1, pb, f) != (size_t)pb) return 1;
     for (int c = 1; c < copies; c++) memcpy(w + pb * c, w, pb);
-    float *x = malloc(64l * K * 4), *out = malloc(64l * N * 4);
-    for (long i = 0; i < 64l * K; i++) x[i] = (rand() % 1000) / 500.0f - 1;
-    for (int mi = 0; mi < 7; mi++) {
-        int M = Ms[mi], R = M > 16 ? 20 : 100;
+    float *x = malloc((long)maxM * K * 4), *out = malloc((long)maxM * N * 4);
+    for (long i = 0; i < (long)maxM * K; i++) x[i] = (rand() % 1000) / 500.0f - 1;
+    for (int mi = 0; mi < nM; mi++) {
+        int M = Ms[mi], R = M > 64 ? 5 : M > 16 ? 20 : 100;
         double hot = 1e9, cold = 1e9;
         for (int t = 0; t < repeats; t++) {
             double t0 = now();
@@ -75,22 +78,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--isa", default="avx2", choices=sorted(isa.BY_NAME))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", default="1,2,3,5,9,16,64", help="row counts M, comma-separated")
+    ap.add_argument("--source", type=Path, default=None, help="a qgemm.c to time instead of the package's (A/B runs)")
+    ap.add_argument("--shapes", default="", help="products to time (default: all of " + ",".join(s[0] for s in SHAPES) + ")")
     args = ap.parse_args()
     v = isa.BY_NAME[args.isa]
     kdir = Path(isa.__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "rows.c", Path(tmp) / "rows"
         src.write_text(HARNESS)
-        subprocess.run(["gcc", "-O3", "-ffp-contract=off", "-fopenmp", *v.cflags, f"-I{kdir}", str(kdir / "qgemm.c"),
+        subprocess.run(["gcc", "-O3", "-ffp-contract=off", "-fopenmp", *v.cflags, f"-I{kdir}", str(args.source or kdir / "qgemm.c"),
                         str(src), "-o", str(exe), "-lm"], check=True)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         print(f"qgemm.c rows, variant {args.isa}, one thread, CPU time, best of {args.repeats}: µs per call "
               "hot / cold (cost over one row, cold)\n")
         rows = []
-        for name, fmt, n, k in SHAPES:
+        shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+        for name, fmt, n, k in shapes:
             wfile = Path(tmp) / f"{name}.bin"
             prepared(fmt, n, k, wfile)
-            out = subprocess.run([str(exe), str(qformats.FORMATS[fmt]), str(n), str(k), str(args.repeats), str(wfile)], env=env,
+            out = subprocess.run([str(exe), str(qformats.FORMATS[fmt]), str(n), str(k), str(args.repeats), str(wfile),
+                                  *args.rows.split(",")], env=env,
                                  capture_output=True, text=True, check=True).stdout
             rows.append((name, fmt, n, k, [tuple(float(t) for t in line.split()) for line in out.splitlines()]))
         Ms = [int(m) for m, _, _ in rows[0][4]]

@@ -44,10 +44,31 @@ static inline __m512 load_kv16(const void *p, int kind, long i) {
 }
 #endif
 
-#if !defined(__AVX512F__)
-/* dot8 (below) of one query against CNT (<= 4) rows of kr (row stride rs bytes), each row's
- * FMAs in the same order whatever CNT; the query's vectors are loaded once for the rows (AVX2
- * has 16 registers: 4 rows' two accumulators and the query's two vectors fit). */
+/* a . b over n (a multiple of 8) as 8 lanes, for one query a against CNT rows b of kr (row
+ * stride rs bytes): 16 lanes of partial sums in k order (AVX2 holds them in two 8-lane halves,
+ * AVX-512 in one vector: the same sums), lane i + 8 added to lane i; each row's FMAs in the
+ * same order whatever CNT. The rows' chains run side by side (a lone row's is 4 dependent FMAs
+ * at hd = 64, whose latency had bounded the scores) and the query's vectors are loaded once for
+ * the rows. AVX-512: up to 8 rows (32 registers); AVX2: up to 4 (16 registers: 4 rows' two
+ * accumulators and the query's two vectors). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void dot8_rows(const float *a, const char *kr, long rs, int n, int kind,
+                                                            int cnt, __m256 *v) {
+    __m512 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 q = _mm512_loadu_ps(a + i);
+        for (int t = 0; t < cnt; t++) acc[t] = _mm512_fmadd_ps(q, load_kv16(kr + t * rs, kind, i), acc[t]);
+    }
+    for (int t = 0; t < cnt; t++) {
+        __m256 lo = _mm512_castps512_ps256(acc[t]);
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
+        if (i < n) lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(kr + t * rs, kind, i), lo);
+        v[t] = _mm256_add_ps(lo, hi);
+    }
+}
+#else
 static inline __attribute__((always_inline)) void dot8_rows(const float *a, const char *kr, long rs, int n, int kind,
                                                             int cnt, __m256 *v) {
     __m256 lo[4], hi[4];
@@ -67,24 +88,6 @@ static inline __attribute__((always_inline)) void dot8_rows(const float *a, cons
     for (int t = 0; t < cnt; t++) v[t] = _mm256_add_ps(lo[t], hi[t]);
 }
 #endif
-
-/* a . b over n (a multiple of 8) as 8 lanes: 16 lanes of partial sums in k order (AVX2 holds
- * them in two 8-lane halves, AVX-512 in one vector: the same sums), lane i + 8 added to lane i. */
-static inline __attribute__((always_inline)) __m256 dot8(const float *a, const void *b, int n, int kind) {
-#if defined(__AVX512F__)
-    int i = 0;
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_kv16(b, kind, i), acc);
-    __m256 lo = _mm512_castps512_ps256(acc);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-    if (i < n) lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(b, kind, i), lo);
-    return _mm256_add_ps(lo, hi);
-#else
-    __m256 v;
-    dot8_rows(a, (const char *)b, 0, n, kind, 1, &v);
-    return v;
-#endif
-}
 
 /* The sums of 8 vectors' lanes, one per lane: ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
  * the same for every position t (a dot product does not depend on the slots beside it). */
@@ -146,8 +149,12 @@ group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, 
         if (cnt <= 0) continue;
         __m256 v[8];
 #if defined(__AVX512F__)
-        for (int t = 0; t < 8; t++)
-            v[t] = t < cnt ? dot8(qs[i].q, kr + (long)t * hd * es, hd, KIND) : _mm256_setzero_ps();
+        if (cnt == 8) {
+            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, 8, v);
+        } else {                          /* a span's last group */
+            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, cnt, v);
+            for (int t = cnt; t < 8; t++) v[t] = _mm256_setzero_ps();
+        }
 #else
         if (cnt == 8) {
             dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, 4, v);

@@ -28,43 +28,61 @@
  * next one's start; past the end of the weights a prefetch does not fault. */
 #define PF_BYTES 2048
 
-/* acc[j][h] += the panel's contribution for rows m0 .. m0 + mr - 1, block by block in k order. */
-static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t *pw, const Act *a, int m0, int mr, VF acc[][NH]) {
-    const long ub = unit_bytes(fmt);
-    const int units = fmt == Q4_K ? a->nb / 8 : a->nb;
+#if defined(__AVX512F__)
+#define FEW 12               /* 32 registers: 12 rows' accumulators, 8 weight vectors, broadcasts */
+#else
+#define FEW 8
+#endif
+
+/* The accumulator an output's next block adds to: +0 before its first block (held in a register,
+ * never written to memory first: zeroing 64 rows' L1 accumulators per panel had cost 15% of a
+ * long prefill's products), acc[j][h] after. */
+#define ACC(j, h) (FIRST ? fzero() : acc[j][h])
+
+/* acc[j][h] (+)= unit b of the panel for rows m0 .. m0 + mr - 1; FIRST: b is the first unit. */
+static inline __attribute__((always_inline)) void
+unit_q(int fmt, const uint8_t *pw, long ub, int b, const Act *a, int m0, int mr, VF acc[][NH], int FIRST) {
+    const uint8_t *u = pw + b * ub;
     const long ahead = ub >= PF_BYTES ? ub : (PF_BYTES / ub) * ub;
-    for (int b = 0; b < units; b++) {
-        const uint8_t *u = pw + b * ub;
-        for (long o = 0; o < ub; o += 64) _mm_prefetch((const char *)u + ahead + o, _MM_HINT_T0);
-        for (int h = 0; h < NH; h++) {
-            const int off = h * LANES * 4;
-            VI w[8], aux[8];
-            if (fmt == Q8_0) {
-                for (int v = 0; v < 8; v++) w[v] = vload(u + off + v * PANEL * 4);
-                s8_aux(w, aux);
-                VF d = load_f16((const uint16_t *)(u + 512) + h * LANES);
+    for (long o = 0; o < ub; o += 64) _mm_prefetch((const char *)u + ahead + o, _MM_HINT_T0);
+    for (int h = 0; h < NH; h++) {
+        const int off = h * LANES * 4;
+        VI w[8], aux[8];
+        if (fmt == Q8_0) {
+            for (int v = 0; v < 8; v++) w[v] = vload(u + off + v * PANEL * 4);
+            s8_aux(w, aux);
+            VF d = load_f16((const uint16_t *)(u + 512) + h * LANES);
+            for (int j = 0; j < mr; j++)
+                acc[j][h] = epi(Q8_0, ACC(j, h), dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b), mr > 1), d, d, a, m0 + j, b);
+        } else if (fmt == Q4_0 || fmt == Q4_1) {
+            unpack4(u + off, 4, 0, w);
+            VF d = load_f16((const uint16_t *)(u + 256) + h * LANES);
+            VF m = fmt == Q4_1 ? load_f16((const uint16_t *)(u + 288) + h * LANES) : fzero();
+            for (int j = 0; j < mr; j++)
+                acc[j][h] = epi(fmt, ACC(j, h), dot_u4(w, XQ4(m0 + j, b), mr > 1), d, m, a, m0 + j, b);
+        } else {
+            VF d = load_f16((const uint16_t *)(u + 2048) + h * LANES);
+            VF dmin = load_f16((const uint16_t *)(u + 2080) + h * LANES);
+            for (int sb = 0; sb < 8; sb++) {      /* sub-block sb: chunk sb / 2, nibble sb % 2 */
+                unpack4(u + (sb / 2) * 8 * PANEL * 4 + off, 8, sb % 2, w);
+                VF sc = fmul(d, load_u8f(u + 2112 + sb * PANEL + h * LANES));      /* exact */
+                VF mn = fmul(dmin, load_u8f(u + 2240 + sb * PANEL + h * LANES));   /* exact */
+                int blk = b * 8 + sb;
                 for (int j = 0; j < mr; j++)
-                    acc[j][h] = epi(Q8_0, acc[j][h], dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b), mr > 1), d, d, a, m0 + j, b);
-            } else if (fmt == Q4_0 || fmt == Q4_1) {
-                unpack4(u + off, 4, 0, w);
-                VF d = load_f16((const uint16_t *)(u + 256) + h * LANES);
-                VF m = fmt == Q4_1 ? load_f16((const uint16_t *)(u + 288) + h * LANES) : fzero();
-                for (int j = 0; j < mr; j++)
-                    acc[j][h] = epi(fmt, acc[j][h], dot_u4(w, XQ4(m0 + j, b), mr > 1), d, m, a, m0 + j, b);
-            } else {
-                VF d = load_f16((const uint16_t *)(u + 2048) + h * LANES);
-                VF dmin = load_f16((const uint16_t *)(u + 2080) + h * LANES);
-                for (int sb = 0; sb < 8; sb++) {      /* sub-block sb: chunk sb / 2, nibble sb % 2 */
-                    unpack4(u + (sb / 2) * 8 * PANEL * 4 + off, 8, sb % 2, w);
-                    VF sc = fmul(d, load_u8f(u + 2112 + sb * PANEL + h * LANES));      /* exact */
-                    VF mn = fmul(dmin, load_u8f(u + 2240 + sb * PANEL + h * LANES));   /* exact */
-                    int blk = b * 8 + sb;
-                    for (int j = 0; j < mr; j++)
-                        acc[j][h] = epi(Q4_K, acc[j][h], dot_u4(w, XQ4(m0 + j, blk), mr > 1), sc, mn, a, m0 + j, blk);
-                }
+                    acc[j][h] = epi(Q4_K, FIRST && sb == 0 ? fzero() : acc[j][h], dot_u4(w, XQ4(m0 + j, blk), mr > 1),
+                                    sc, mn, a, m0 + j, blk);
             }
         }
     }
+}
+#undef ACC
+
+/* acc[j][h] = the panel's contribution for rows m0 .. m0 + mr - 1, block by block in k order. */
+static inline __attribute__((always_inline)) void panel_q(int fmt, const uint8_t *pw, const Act *a, int m0, int mr, VF acc[][NH]) {
+    const long ub = unit_bytes(fmt);
+    const int units = fmt == Q4_K ? a->nb / 8 : a->nb;
+    unit_q(fmt, pw, ub, 0, a, m0, mr, acc, 1);
+    for (int b = 1; b < units; b++) unit_q(fmt, pw, ub, b, a, m0, mr, acc, 0);
 }
 
 /* Scratch for M rows of K activations: q and u [M, K] bytes, then d, s, ds [M, K / 32] */
@@ -132,23 +150,14 @@ static void store_rows(const VF acc[][NH], int mr, const float *bias, float *out
 /* Rows m0 .. m0 + MR - 1 of panel p. MR up to FEW is a compile-time constant in its copy, so
  * the accumulators live in registers (decoding's one row, verification's few); more rows keep
  * theirs in L1. The same operations either way. */
-#if defined(__AVX512F__)
-#define FEW 12               /* 32 registers: 12 rows' accumulators, 8 weight vectors, broadcasts */
-#else
-#define FEW 8
-#endif
 static inline __attribute__((always_inline)) void
 rows_of(int fmt, int MR, const uint8_t *pp, const Act *a, int m0, const float *bias, float *out, int N, long p) {
     if (MR <= FEW) {
         VF acc[FEW][NH];
-        for (int j = 0; j < MR; j++)
-            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
         panel_q(fmt, pp, a, m0, MR, acc);
         store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
     } else {
         VF acc[RCH][NH];
-        for (int j = 0; j < MR; j++)
-            for (int h = 0; h < NH; h++) acc[j][h] = fzero();
         panel_q(fmt, pp, a, m0, MR, acc);
         store_rows(acc, MR, bias, out + (long)m0 * N, N, p);
     }

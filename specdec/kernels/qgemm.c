@@ -34,9 +34,9 @@
 #define FEW 8
 #endif
 
-/* The accumulator an output's next block adds to: +0 before its first block (held in a register,
- * never written to memory first: zeroing 64 rows' L1 accumulators per panel had cost 15% of a
- * long prefill's products), acc[j][h] after. */
+/* The accumulator an output's next block adds to: +0 before its first block (a register zero:
+ * no memset of up to 64 rows' L1 accumulators per panel first, a few % at 16-64 rows on the
+ * Xeon), acc[j][h] after. */
 #define ACC(j, h) (FIRST ? fzero() : acc[j][h])
 
 /* acc[j][h] (+)= unit b of the panel for rows m0 .. m0 + mr - 1; FIRST: b is the first unit. */

@@ -1,4 +1,4 @@
-"""One forward's cost for 1, 5 and 9 new tokens, per weight format and kernel variant, against
+"""One forward's cost for 1, 5 and 9 (--rows) new tokens, per weight format and kernel variant, against
 the plain-decoding roofline (issue #15).
 
 For each instruction-set variant (a child process with SPECDEC_ISA set: the variant is chosen
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 CONFIGS = ("q4_1", "q8_0", "fp32", "bf16", "toy")
-ROWS = (1, 5, 9)
+ROWS = (1, 5, 9)              # new tokens per timed forward (--rows)
 FLUSH_BYTES = 1 << 30    # read between repeats: more than this Xeon's 300 MiB L3
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,25 +153,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isas", default="avx512_vnni,avx512,avx2", help="kernel variants (SPECDEC_ISA), comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rows", default="1,5,9", help="new tokens per timed forward, comma-separated (1 first)")
     ap.add_argument("--context", type=int, default=128, help="cached tokens before the timed forwards")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--q8-path", type=Path, default=Path("/tmp/specdec-smollm2-q8_0.gguf"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global ROWS
+    ROWS = tuple(int(n) for n in args.rows.split(","))
+    if ROWS[0] != 1:
+        sys.exit("forward_cost: --rows must start with 1 (the ratios are over one token)")
     args.gguf = args.gguf or smollm2_gguf()
     if args.worker:
         return worker(args)
     if "q8_0" in args.configs.split(","):
         write_q8_0(args.gguf, args.q8_path)
-    print("| variant | model | weights | act | kv | path | MB/token | cold 1 / 5 / 9 tok ms | 5/1 | 9/1 | % roofline "
-          "| hot 1 / 5 / 9 tok ms | 5/1 | 9/1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ns = " / ".join(map(str, ROWS))
+    ratios = " | ".join(f"{n}/1" for n in ROWS[1:])
+    print(f"| variant | model | weights | act | kv | path | MB/token | cold {ns} tok ms | {ratios} | % roofline "
+          f"| hot {ns} tok ms | {ratios} |")
+    print("|---" * (10 + 2 * (len(ROWS) - 1)) + "|")
     bws = []
     for isa in args.isas.split(","):
         env = {**os.environ, "SPECDEC_ISA": isa, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, __file__, "--worker", "--configs", args.configs, "--context", str(args.context),
-               "--repeats", str(args.repeats), "--gguf", str(args.gguf), "--q8-path", str(args.q8_path)]
+               "--repeats", str(args.repeats), "--rows", args.rows, "--gguf", str(args.gguf), "--q8-path", str(args.q8_path)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"forward_cost: the {isa} child failed:\n{out.stderr[-3000:]}")
@@ -181,8 +188,8 @@ def main() -> None:
             bws.append(r["bw"])
             cells = []
             for c in ("cold", "hot"):
-                cells.append(f"{ms[c + '1']:.2f} / {ms[c + '5']:.2f} / {ms[c + '9']:.2f} | {ms[c + '5'] / ms[c + '1']:.2f} "
-                             f"| {ms[c + '9'] / ms[c + '1']:.2f}")
+                cells.append(" / ".join(f"{ms[c + str(n)]:.2f}" for n in ROWS) + " | "
+                             + " | ".join(f"{ms[c + str(n)] / ms[c + '1']:.2f}" for n in ROWS[1:]))
             cells[0] += f" | {100 * r['roof'] / ms['cold1']:.0f}%"
             print(f"| {r['isa']} | {r['config']} | {r['weights']} | {r['activations']} | {r['kv']} | {r['path']} "
                   f"| {r['mb']:.1f} | {' | '.join(cells)} |", flush=True)

@@ -50,17 +50,19 @@ def run(llm: LLM, params: SamplingParams) -> tuple[float, int, int, dict]:
         model_cls.__call__ = timed(acc, "model forward", saved_call)
         total, steps, tokens = 0.0, 0, 0
         for prompt in PROMPTS:
+            start = dict(acc)
             req = eng.add_request(llm.tokenizer.encode(prompt), params)
             while not req.out:
                 eng.step()
-            before, n0 = dict(acc), len(req.out)
+            prefill = {k: v - start.get(k, 0.0) for k, v in acc.items()}   # this prompt's prefill steps
+            n0 = len(req.out)
             t0 = time.perf_counter()
             while eng.has_unfinished():
                 eng.step()
                 steps += 1
             total += time.perf_counter() - t0
             tokens += len(req.out) - n0
-            for k, v in before.items():         # keep the decode steps only
+            for k, v in prefill.items():        # keep the decode steps only
                 acc[k] -= v
         return total, steps, tokens, dict(acc)
     finally:

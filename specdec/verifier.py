@@ -21,7 +21,7 @@ from .model import TreeAttention
 from .proposers import Draft
 from .proposers.base import prune_tree
 from .sampling import Row, adjust_rows, process_rows
-from .verify import (PLACEHOLDER, padded_row, parse_output, verify_greedy_batch, verify_greedy_host, verify_sampling,
+from .verify import (PLACEHOLDER, greedy_tokens, padded_row, parse_output, verify_greedy_batch, verify_greedy_host, verify_sampling,
                      verify_tree_greedy, verify_tree_sampling, verify_tree_typical)
 
 
@@ -146,7 +146,7 @@ def verify_batch(reqs, drafts: list[Draft | None], logits: Tensor | None, offset
     rows = [torch.arange(off, off + k + 1) for off, k in zip(offsets, ks)]
     width = max(ks) + 1
     out = torch.full((B, width), PLACEHOLDER, dtype=torch.long, device=logits.device)
-    argmax = logits.argmax(-1) if any(greedy) else None
+    argmax = greedy_tokens(logits) if any(greedy) else None
     chains = [i for i in range(B) if greedy[i] and parents[i] is None]
     if chains:
         drafted = [drafts[i].tokens for i in chains if drafts[i] is not None]
@@ -219,7 +219,7 @@ def _packed(offsets: list[int], ks: list[int]) -> bool:
 def _greedy_chains(drafts, ks: list[int], logits: Tensor) -> list[Verified]:
     """Every request greedy with a chain (the common case, plain decoding included): the
     whole step is an argmax, a comparison and one sync."""
-    argmax = logits.argmax(-1)
+    argmax = greedy_tokens(logits)
     drafted = [d.tokens for d in drafts if d is not None]
     if not drafted:           # plain decoding: the argmax is the output
         return [Verified([t], 0, [0], False, None) for t in argmax.tolist()]

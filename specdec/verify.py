@@ -25,6 +25,15 @@ from .kernels import rejection_rows
 from .sampling import sample
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """logits.argmax(-1), the greedy choice of every row. On the CPU in fp32 through numpy, which
+    picks the same index (the first maximum; a NaN counts as the maximum, as in torch) 10-25x
+    faster for a step's few rows of a 49K vocabulary (3 rows: 9 us against 229 on the Xeon)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.as_tensor(logits.detach().numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy verification.
 
@@ -32,7 +41,7 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]
     target_logits: [K+1, V]      target logits after the prefix and after each draft token
     returns (emitted [K+1] int64, num_accepted [] int64); emitted[:num_accepted + 1] are output.
     """
-    best = target_logits.argmax(-1)                               # [K+1]
+    best = greedy_tokens(target_logits)                           # [K+1]
     num_accepted = (draft == best[:-1]).long().cumprod(0).sum()
     return best, num_accepted
 

@@ -134,3 +134,23 @@ def test_sampling_verifier_matches_plan_statistically():
     assert (counts / n_trials - want_n).abs().max() < 0.015
     want_first = acc[0] * torch.nn.functional.one_hot(draft[0], V) + (1 - acc[0]) * cand[0]
     assert (first / n_trials - want_first).abs().max() < 0.015
+
+
+def test_greedy_tokens_equals_torch_argmax():
+    """The CPU fast path (numpy) picks torch's index: first maximum, NaN as the maximum, ties,
+    all -inf rows, strided views; other dtypes go through torch itself."""
+    from specdec.verify import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 49152, generator=g)
+    x[1, 10] = x[1, 20] = x[1].max() + 1                  # a tie: the first wins
+    x[2, 300] = float("nan")
+    x[2, 5] = float("nan")
+    x[3] = float("-inf")
+    x[4, 7] = float("inf")
+    x[4, 9] = float("inf")
+    x[5] = 0.0
+    x[5, 3] = -0.0
+    for t in (x, x[::2], x[:, 1000:], x.T.contiguous().T, x.to(torch.bfloat16), x[0]):
+        got = greedy_tokens(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1)), t.shape

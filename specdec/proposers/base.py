@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..config import SamplingParams
 from ..sampling import Controls, Row, adjust_rows, process, sample
+from ..verify import greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def draw(logits: Tensor, ctx: RequestContext, seq: list[int] | None = None,
         # then draw from the raw q (the verifier rejects what the target forbids, exactly)
         logits = adjusted if bool((adjusted > float("-inf")).any()) else logits
     if ctx.params.greedy:
-        return logits.argmax(-1), None
+        return greedy_tokens(logits), None
     q = process(logits, ctx.params)
     return sample(q, ctx.generator), q
 

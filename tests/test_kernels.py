@@ -19,7 +19,7 @@ from specdec.kernels import isa, qformats
 
 VARIANTS = kernels.runnable_variants()
 needs_kernels = pytest.mark.skipif(not VARIANTS, reason="no kernel variant runs here (no gcc or no AVX2)")
-ROWS = [1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 25, 64, 65, 70]   # every row-tile remainder of both widths, and > 64
+ROWS = [1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 25, 64, 65, 70, 97]   # every row-tile remainder of both widths, > 64 (chunks of 32)
 
 
 def skinny(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,17 @@ static inline __attribute__((always_inline)) void dot8_rows(const float *a, cons
 }
 #endif
 
+/* dot8_rows over a group of CNT <= 8 rows (AVX2: two calls of up to 4). */
+static inline __attribute__((always_inline)) void dot8_group(const float *a, const char *kr, long rs, int n, int kind,
+                                                             int cnt, __m256 *v) {
+#if defined(__AVX512F__)
+    dot8_rows(a, kr, rs, n, kind, cnt, v);
+#else
+    dot8_rows(a, kr, rs, n, kind, cnt < 4 ? cnt : 4, v);
+    if (cnt > 4) dot8_rows(a, kr + 4 * rs, rs, n, kind, cnt - 4, v + 4);
+#endif
+}
+
 /* The sums of 8 vectors' lanes, one per lane: ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)),
  * the same for every position t (a dot product does not depend on the slots beside it). */
 static inline __m256 hsum8x8(const __m256 v[8]) {
@@ -150,23 +161,12 @@ group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, 
         int lim = qs[i].span - s0 < bs ? qs[i].span - s0 : bs, cnt = lim - j0 < 8 ? lim - j0 : 8;
         if (cnt <= 0) continue;
         __m256 v[8];
-#if defined(__AVX512F__)
-        if (cnt == 8) {
-            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, 8, v);
+        if (cnt == 8) {                   /* a constant count: the unrolled copy */
+            dot8_group(qs[i].q, kr, (long)hd * es, hd, KIND, 8, v);
         } else {                          /* a span's last group */
-            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, cnt, v);
+            dot8_group(qs[i].q, kr, (long)hd * es, hd, KIND, cnt, v);
             for (int t = cnt; t < 8; t++) v[t] = _mm256_setzero_ps();
         }
-#else
-        if (cnt == 8) {
-            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, 4, v);
-            dot8_rows(qs[i].q, kr + 4L * hd * es, (long)hd * es, hd, KIND, 4, v + 4);
-        } else {                          /* a span's last group */
-            dot8_rows(qs[i].q, kr, (long)hd * es, hd, KIND, cnt < 4 ? cnt : 4, v);
-            if (cnt > 4) dot8_rows(qs[i].q, kr + 4L * hd * es, (long)hd * es, hd, KIND, cnt - 4, v + 4);
-            for (int t = cnt; t < 8; t++) v[t] = _mm256_setzero_ps();
-        }
-#endif
         __m256 r = hsum8x8(v);
         if (d) r = _mm256_mul_ps(r, cnt == 8 ? _mm256_loadu_ps(d) : load_part(d, cnt));
         r = _mm256_mul_ps(r, scale);

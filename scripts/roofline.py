@@ -6,7 +6,7 @@ import torch
 from pathlib import Path
 from specdec.model.config import ModelConfig
 from specdec.model.llama import Transformer
-from specdec.model import save_model, load_model
+from specdec.model import save_model
 from specdec.train.tokenizer import copy_tokenizer
 from specdec.bench.machine import memory_bandwidth, weight_bytes_per_step
 from specdec import LLM, SamplingParams

@@ -36,7 +36,6 @@ scheduler allocates KV slots for the sizes chosen here, after this choice.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 

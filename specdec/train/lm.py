@@ -69,6 +69,20 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, clip: float) -> None:
+    """One update: gradients of loss, clipped to norm `clip` over params, applied."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
+def save_checkpoint(obj: dict, path: Path) -> None:
+    """torch.save through a temporary file, so an interrupted run leaves the last whole one."""
+    torch.save(obj, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -182,10 +196,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
             g["lr"] = lr_at(step, cfg)
         batch = batch_at(data["train"], step, cfg).to(device)
         loss = _loss(model, batch, teacher, cfg.distill_temperature, bf16)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
         state["step"] = step + 1
         state["tokens"] += batch.numel() - batch.shape[0]
         state["elapsed_s"] = base_elapsed + time.time() - t0
@@ -196,8 +207,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
             state["history"].append({"step": step + 1, "train_loss": loss.item(), "val_loss": v})
             print(f"step {step + 1}: train {loss.item():.4f}  val {v:.4f}", file=sys.stderr)
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt.with_suffix(".tmp"))
-            os.replace(ckpt.with_suffix(".tmp"), ckpt)
+            save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
     bar.close()
     if state["step"] < cfg.max_steps:
         return {"finished": False, "step": state["step"]}

@@ -15,13 +15,11 @@ never read for making prompts; `check_overlap` compares the result with them (ex
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from . import documents, seeds
 

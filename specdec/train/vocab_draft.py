@@ -15,7 +15,6 @@ row i of step s comes from default_rng((seed, s)), so a resumed run equals a str
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
@@ -29,8 +28,8 @@ import torch.nn.functional as F
 from ..model import load_model
 from ..model.vocab_draft import VocabDraft, save_vocab_draft
 from .headdata import FlatData, chat_data
-from .heads import draft_vocabulary
-from .lm import use_bf16
+from .heads import draft_vocabulary, lr_at      # the same warm-up and cosine schedule (lr, warmup, steps)
+from .lm import optimizer_step, save_checkpoint, use_bf16
 
 
 @dataclass(frozen=True)
@@ -65,13 +64,6 @@ def init_draft(cfg: VocabDraftConfig, target, vocab: torch.Tensor) -> VocabDraft
     own["lm_head.weight"] = target.lm_head.weight.data[vocab].float().clone()
     draft.decoder.load_state_dict({k: v for k, v in own.items() if not k.endswith("embed_tokens.weight")}, strict=False)
     return draft.float().train()
-
-
-def lr_at(step: int, cfg: VocabDraftConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1.0, t))))
 
 
 def batch_rows(data: FlatData, seqs: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,10 +152,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
             g["lr"] = lr_at(step, cfg)
         tokens, pos, mask = batch_rows(train, seqs, cfg.window)
         loss, agree = distill_loss(draft, head_rows, train, tokens, pos, mask, to_draft, cfg.hard_weight, bf16)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
         if (step + 1) % 25 == 0 or step + 1 == cfg.steps:
@@ -171,9 +160,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
             log(f"step {step + 1}/{cfg.steps}: KL {loss.item():.4f}, top-1 agreement {agree:.3f} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            torch.save({"decoder": draft.decoder.state_dict(), "optimizer": opt.state_dict(), "state": state},
-                       ckpt.with_suffix(".tmp"))
-            os.replace(ckpt.with_suffix(".tmp"), ckpt)
+            save_checkpoint({"decoder": draft.decoder.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     return _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab)

@@ -75,7 +75,8 @@ def run(llm: LLM, params: SamplingParams) -> tuple[float, int, int, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="suffix")
-    ap.add_argument("--num-speculative-tokens", type=int, default=2)
+    ap.add_argument("--num-speculative-tokens", type=lambda v: v if v == "auto" else int(v), default=2,
+                    help="K, or auto (goodput-aware)")
     ap.add_argument("--speculative-config", default='{"suffix_decoding_min_token_prob": 0.2, '
                     '"suffix_decoding_max_spec_factor": 0.5, "suffix_decoding_max_cached_requests": 0}')
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -135,3 +135,100 @@ def test_bad_input_is_a_400_naming_the_field(client, kind, kw, param):
 def test_structured_outputs_in_the_python_api_names_the_field():
     with pytest.raises(ValueError, match="structured_outputs must set exactly one"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
+
+
+# vLLM's chat template surface: --chat-template / --response-role, and per request
+# chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message
+PLAIN_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}{{ tag or '' }}] {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}### The reply, in full:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def templated(live, tmp_path_factory):
+    """A second server on the same engine with --chat-template's file and --response-role."""
+    from specdec.server.cli import load_chat_template
+
+    path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    config = ServerConfig(served_model_names=("toy",), chat_template=load_chat_template(str(path)), response_role="bot",
+                          trust_request_chat_template=True)
+    with LiveServer(build_app(live.llm, config)) as server:
+        yield server
+
+
+def _chat_json(url: str, **body) -> tuple[int, dict]:
+    import httpx
+
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "toy", "max_tokens": 4, "temperature": 0, **body},
+                   timeout=120)
+    return r.status_code, r.json()
+
+
+def _prompt_tokens(llm: LLM, text: str) -> int:
+    return len(llm.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_server_chat_template_and_response_role(templated, live):
+    msgs = [{"role": "user", "content": "def f(x):"}]
+    status, out = _chat_json(templated.url, messages=msgs)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "bot"
+    assert out["usage"]["prompt_tokens"] == _prompt_tokens(live.llm, "[user] def f(x):\n### The reply, in full:")
+    # the same request to the server without the flag renders the tokenizer's own template
+    status, plain = _chat_json(live.url, messages=msgs)
+    assert status == 200 and plain["choices"][0]["message"]["role"] == "assistant"
+    own = live.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert plain["usage"]["prompt_tokens"] == _prompt_tokens(live.llm, own) != out["usage"]["prompt_tokens"]
+    # streamed: the role is named once, in the first chunk
+    client = openai.OpenAI(base_url=templated.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(model="toy", messages=msgs, max_tokens=4, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "bot"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out["choices"][0]["message"]["content"]
+
+
+def test_request_chat_template_kwargs_and_continuation(templated, live):
+    msgs = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "    return"}]
+    # a request's own template wins over the server's (one started with --trust-request-chat-template),
+    # and its kwargs reach the template
+    client = openai.OpenAI(base_url=templated.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model="toy", messages=msgs[:1], max_tokens=4, temperature=0,
+                                          extra_body={"chat_template": PLAIN_TEMPLATE, "chat_template_kwargs": {"tag": "!"}})
+    assert chat.usage.prompt_tokens == _prompt_tokens(live.llm, "[user!] def f(x):\n### The reply, in full:")
+    # continue_final_message: the reply continues the assistant's text, as LLM.chat does it
+    status, out = _chat_json(templated.url, messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    expected = live.llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), chat_template=PLAIN_TEMPLATE,
+                             add_generation_prompt=False, continue_final_message=True)[0]
+    assert status == 200 and expected.prompt.endswith("[assistant]     return")
+    assert out["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+    assert out["choices"][0]["message"]["content"] == expected.outputs[0].text
+    # add_generation_prompt false alone: no reply header
+    status, out = _chat_json(templated.url, messages=msgs[:1], add_generation_prompt=False)
+    assert status == 200 and out["usage"]["prompt_tokens"] == _prompt_tokens(live.llm, "[user] def f(x):\n")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True}, "continue_final_message"),          # with add_generation_prompt (default)
+    ({"chat_template": "{% for m in messages %}"}, "chat_template"),       # does not compile
+    ({"chat_template": "{{ raise_exception('no') }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),  # the server's own variable
+    ({"chat_template_kwargs": "tag"}, None),                               # not an object
+])
+def test_bad_chat_template_fields_are_400(templated, body, param):
+    status, out = _chat_json(templated.url, messages=[{"role": "user", "content": "hi"}], **body)
+    assert status == 400 and out["error"]["type"] == "invalid_request_error", out
+    if param:
+        assert out["error"]["param"] == param
+
+
+def test_a_request_template_is_refused_unless_trusted(live):
+    status, out = _chat_json(live.url, messages=[{"role": "user", "content": "hi"}], chat_template=PLAIN_TEMPLATE)
+    assert status == 400 and out["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in out["error"]["message"]
+
+
+def test_chat_template_flag_bad_values_exit_2(tmp_path, capsys):
+    from specdec.cli import main
+
+    for value, says in [(str(tmp_path / "missing.jinja"), "no such file"), ("{% if %}", "not a valid template")]:
+        assert main(["serve", "--model", str(BUNDLED_TARGET), "--chat-template", value, "--port", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

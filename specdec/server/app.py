@@ -94,7 +94,8 @@ def _api_routes(service: Service) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params = service.prepare_chat(body)
-        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, body.return_tokens_as_token_ids)
+        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, body.return_tokens_as_token_ids,
+                         service.config.response_role)
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     return router

@@ -38,6 +38,11 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
     p.add_argument("--seed", type=int, help="seeds sampling requests that bring no seed of their own")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, used instead of "
+                                           "the tokenizer's (a request's own chat_template still wins)")
+    p.add_argument("--response-role", default="assistant", help="the role chat responses name (default: assistant)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template sent with a request (default: refused with 400; a template is code)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
@@ -91,12 +96,42 @@ def _is_number(word: str) -> bool:
         return False
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's text, else the value itself when it looks like a
+    template (it has braces or line breaks); checked to compile, so a bad one fails at start."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    import jinja2
+
+    from ..tokenizer import _environment
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot be read ({e})") from None
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
+    try:
+        _environment().from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
+    return template
+
+
 def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
     return ServerConfig(served_model_names=names, api_key=args.api_key,
-                        max_request_bytes=args.max_request_bytes, seed=args.seed)
+                        max_request_bytes=args.max_request_bytes, seed=args.seed,
+                        chat_template=load_chat_template(args.chat_template), response_role=args.response_role,
+                        trust_request_chat_template=args.trust_request_chat_template)
 
 
 def run(args, prog: str = "specdec serve") -> int:

@@ -11,6 +11,9 @@ class ServerConfig:
     api_key: str | None = None            # when set, /v1/* needs `Authorization: Bearer <key>`
     max_request_bytes: int = 1 << 20      # larger bodies get 413
     seed: int | None = None               # seeds unseeded sampling requests: seed, seed+1, ...
+    chat_template: str | None = None      # replaces the tokenizer's (vLLM's --chat-template, already read)
+    response_role: str = "assistant"      # the role chat responses name (vLLM's --response-role)
+    trust_request_chat_template: bool = False   # a request's own chat_template runs only when set (vLLM's flag)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -21,6 +24,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError("response_role must be a non-empty string")
 
     @property
     def model_name(self) -> str:

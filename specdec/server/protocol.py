@@ -77,6 +77,13 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = Field(None, description="not supported: a request with tools is refused (400)")
     tool_choice: str | dict | None = Field(None, description="only 'none' (or absent) is supported")
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the template's assistant header")
+    continue_final_message: bool = Field(False, description="vLLM: the reply continues the last (assistant) message; "
+                                                            "needs add_generation_prompt false")
+    chat_template: str | None = Field(None, description="vLLM: a Jinja chat template for this request instead of "
+                                                         "the server's")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM: extra variables for the chat template")
 
 
 class ErrorDetail(BaseModel):

@@ -64,20 +64,21 @@ class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False):
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant"):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
+        self.role = role
 
     def prefix(self, prompt_index: int) -> str:
         return ""
 
     def choice(self, r: ChoiceResult) -> dict:
-        return {"index": r.index, "message": {"role": "assistant", "content": "".join(r.text)},
+        return {"index": r.index, "message": {"role": self.role, "content": "".join(r.text)},
                 "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason,
                 "stop_reason": r.stop_reason}
 
     def opening(self, index: int) -> dict | None:
         # OpenAI's streams name the role once, in a first chunk of its own
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return {"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,

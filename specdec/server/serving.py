@@ -23,6 +23,9 @@ from .worker import EngineWorker, Job, ShuttingDown
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
 MAX_CHOICES = 16
+# what the server itself passes to a chat template (apply_chat_template's own arguments)
+_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
+                       "chat_template", "continue_final_message"}
 
 
 class Service:
@@ -118,10 +121,23 @@ class Service:
         for m in req.messages:
             content = m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content)
             messages.append({"role": m.role, "content": content or ""})
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
+        if req.chat_template is not None and not self.config.trust_request_chat_template:
+            # a template is code: one sent by a client could loop for as long as it likes
+            raise APIError(400, "this server does not run chat templates sent with a request "
+                                "(it was not started with --trust-request-chat-template)", "chat_template")
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & _TEMPLATE_VARIABLES)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template or self.config.chat_template,
+                continue_final_message=req.continue_final_message, **kwargs)
         except TokenizerError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), "chat_template" if req.chat_template else "messages") from None
         # the template writes its own special tokens (BOS); encoding must not add a second one
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -232,3 +232,120 @@ def test_chat_template_flag_bad_values_exit_2(tmp_path, capsys):
         assert main(["serve", "--model", str(BUNDLED_TARGET), "--chat-template", value, "--port", "1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+# vLLM's HTTP flags: CORS (--allowed-origins ...), --root-path, TLS (--ssl-keyfile / --ssl-certfile)
+def _app(live, **config):
+    return build_app(live.llm, ServerConfig(served_model_names=("toy",), **config))
+
+
+def test_cors_answers_preflights_before_the_api_key_and_marks_every_response(live):
+    import httpx
+
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with LiveServer(_app(live, api_key="k")) as server:     # vLLM's defaults: any origin
+        r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://ui.example"})   # no key: 401, readable
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://ui.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    with LiveServer(_app(live, allowed_origins=("https://ui.example",), allow_credentials=True)) as server:
+        ok = httpx.options(server.url + "/v1/completions", headers=preflight)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        other = httpx.options(server.url + "/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+class _Served:
+    """uvicorn serving an app from a thread with serve()'s settings (server.cli.uvicorn_config)."""
+
+    def __init__(self, app, config: ServerConfig, ssl: dict | None = None):
+        import socket
+        import threading
+
+        import uvicorn
+
+        from specdec.server.cli import uvicorn_config
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"{'https' if ssl else 'http'}://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn_config(app, config, "warning", ssl))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def test_root_path_is_the_prefix_the_openapi_schema_names(live):
+    import httpx
+
+    config = ServerConfig(served_model_names=("toy",), root_path="/llm")
+    with _Served(build_app(live.llm, config), config) as server:
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "toy"
+        assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
+    with pytest.raises(ValueError, match="root_path"):
+        ServerConfig(root_path="llm/")
+
+
+def test_https_with_the_ssl_flags(live, tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    import httpx
+
+    from specdec.server.cli import build_parser, ssl_settings
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    args = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
+    config = ServerConfig(served_model_names=("toy",))
+    trust = ssl.create_default_context(cafile=str(cert))
+    with _Served(build_app(live.llm, config), config, ssl_settings(args)) as server:
+        assert server.url.startswith("https://")
+        assert httpx.get(server.url + "/health", verify=trust).json() == {"status": "ok"}
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                               http_client=httpx.Client(verify=trust))
+        out = client.completions.create(model="toy", prompt="def f(x):", max_tokens=4, temperature=0)
+        alone = live.llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+        assert out.choices[0].text == alone
+        with pytest.raises(httpx.ConnectError):        # a client that does not trust the certificate
+            httpx.get(server.url + "/health")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such file"),
+    (["--allowed-origins", '{"a": 1}'], "--allowed-origins: must be a JSON list of strings"),
+])
+def test_http_flags_bad_values_exit_2(flags, says, capsys, tmp_path, monkeypatch):
+    from specdec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["serve", "--model", str(BUNDLED_TARGET), *flags, "--port", "1"])
+    except SystemExit as e:          # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and says in err[-1], err

@@ -11,6 +11,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
@@ -46,6 +47,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=service.metrics.rejected)
     if config.api_key:      # added last = outermost: the key is checked before the body is read
         app.add_middleware(ApiKeyGuard, key=config.api_key, on_reject=service.metrics.rejected)
+    # outermost: a browser's preflight (which carries no key) is answered, and every response,
+    # errors included, carries the CORS headers a page needs to read it
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
     app.include_router(_public_routes(service))
     app.include_router(_api_routes(service), responses=_ERRORS)
     return app

@@ -41,6 +41,16 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, used instead of "
                                            "the tokenizer's (a request's own chat_template still wins)")
     p.add_argument("--response-role", default="assistant", help="the role chat responses name (default: assistant)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, JSON (default ["*"])')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, JSON (default ["*"])')
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, JSON (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves the app under")
+    p.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (PEM)")
+    p.add_argument("--ssl-certfile", help="... and this certificate (PEM)")
+    p.add_argument("--ssl-ca-certs", help="CA certificates for client certificates (PEM)")
+    p.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                   help="whether clients must show a certificate (Python's ssl.CERT_*: 0 none, 1 optional, 2 required)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent with a request (default: refused with 400; a template is code)")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -96,6 +106,19 @@ def _is_number(word: str) -> bool:
         return False
 
 
+def _json_list(value: str) -> list[str]:
+    """vLLM's JSON list flags (--allowed-origins '["https://a.example"]'); a bare word is a list of one."""
+    import json
+
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError:
+        v = [value]
+    if not (isinstance(v, list) and all(isinstance(x, str) and x for x in v)):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
+    return v
+
+
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template as vLLM reads it: a file's text, else the value itself when it looks like a
     template (it has braces or line breaks); checked to compile, so a bad one fails at start."""
@@ -131,7 +154,10 @@ def server_config(args):
     return ServerConfig(served_model_names=names, api_key=args.api_key,
                         max_request_bytes=args.max_request_bytes, seed=args.seed,
                         chat_template=load_chat_template(args.chat_template), response_role=args.response_role,
-                        trust_request_chat_template=args.trust_request_chat_template)
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                        root_path=args.root_path)
 
 
 def run(args, prog: str = "specdec serve") -> int:
@@ -148,14 +174,39 @@ def run(args, prog: str = "specdec serve") -> int:
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads
+    ssl = ssl_settings(args)
     if argv is not None and (args.replicas or args.autoscale or args.ray_address):
+        if ssl:
+            raise ValueError("--ssl-keyfile / --ssl-certfile need a single server (behind Ray Serve its proxy serves HTTP)")
         from .replicas import serve_replicas
         return serve_replicas(args, argv, prog)
     llm = llm_from_args(args, seed=args.seed)
-    return serve(llm, config, args.host, args.port, args.uvicorn_log_level)
+    return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl)
 
 
-def serve(llm, config, host: str, port: int, log_level: str = "info") -> int:
+def ssl_settings(args) -> dict:
+    """uvicorn's TLS settings from --ssl-*: both files or neither, each readable."""
+    key, cert, ca = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None), getattr(args, "ssl_ca_certs", None)
+    if not (key or cert or ca):
+        return {}
+    if not (key and cert):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert), ("--ssl-ca-certs", ca)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    return {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": ca, "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", 0)}
+
+
+def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None, **kw):
+    """uvicorn's settings for the app: the log level, TLS (ssl_settings) and the root path a proxy
+    serves it under (uvicorn sets it on every request; FastAPI's schema names it)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
+                          **(ssl or {}), **kw)
+
+
+def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None) -> int:
     import uvicorn
 
     from .app import build_app
@@ -164,6 +215,5 @@ def serve(llm, config, host: str, port: int, log_level: str = "info") -> int:
     app = build_app(llm, config)
     # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight requests, run the lifespan's
     # shutdown (which drains the engine worker), then return
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                  timeout_graceful_shutdown=None)).run()
+    uvicorn.Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run()
     return 0

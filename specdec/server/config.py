@@ -14,12 +14,25 @@ class ServerConfig:
     chat_template: str | None = None      # replaces the tokenizer's (vLLM's --chat-template, already read)
     response_role: str = "assistant"      # the role chat responses name (vLLM's --response-role)
     trust_request_chat_template: bool = False   # a request's own chat_template runs only when set (vLLM's flag)
+    # CORS, vLLM's defaults: any origin, method and header; no credentials
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""                   # the path prefix a proxy serves the app under (vLLM's --root-path)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError("served_model_names must be non-empty strings")
         object.__setattr__(self, "served_model_names", names)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            v = tuple(getattr(self, name))
+            if not all(isinstance(x, str) and x for x in v):
+                raise ValueError(f"{name} must be non-empty strings, got {v!r}")
+            object.__setattr__(self, name, v)
+        if self.root_path and not (self.root_path.startswith("/") and not self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with / and not end with one, got {self.root_path!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key:

@@ -77,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None   # vLLM's: each prompt token's logprob and this many alternatives
 
     def __post_init__(self):
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]", self.n)
@@ -96,6 +97,9 @@ class SamplingParams:
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "stop_token_ids", "must be token ids >= 0", ids)
         object.__setattr__(self, "stop_token_ids", ids)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]", self.logprobs)
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", "must be in [0, 20]", self.prompt_logprobs)
         self._check_controls()
 
     def _check_controls(self) -> None:

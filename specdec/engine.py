@@ -16,6 +16,7 @@ chosen K only, so K = 0 costs no slots for drafts.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Hashable, Iterator
@@ -53,6 +54,7 @@ class StepEvent:
     request_id: str | None = None
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when params.logprobs is set
     cumulative_logprob: float | None = None   # the output's so far (requests with best_of > n)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # on a request's first event (params.prompt_logprobs)
 
 
 class Engine:
@@ -226,7 +228,11 @@ class Engine:
         t1 = self.clock()
         drafts = self._propose(plan)
         t2 = self.clock()
-        out, offsets, num_tokens, attention = self._forward(plan, drafts)
+        out, offsets, num_tokens, attention, scored = self._forward(plan, drafts)
+        if scored:                            # prompt chunks' rows, after every decoding row
+            first = scored[0][3]
+            self._score_prompts(scored, out.logits[first:])
+            out = dataclasses.replace(out, logits=out.logits[:first])
         self.last_step_tokens = num_tokens
         self.last_step_drafting = sum(d is not None for d in drafts)
         # p's controls (penalties, bias, grammar...) per row path, once: verification and
@@ -308,16 +314,36 @@ class Engine:
             offsets.append(sum(counts))
             ids.append(r.request_id), counts.append(len(fed)), trees.append(tree), logits.append(len(fed))
             tokens += fed
+        scored, row = [], sum(logits)         # (request, chunk start, rows, first logits row)
         for r, start, n in plan.chunks:
             offsets.append(sum(counts))
-            ids.append(r.request_id), counts.append(n), trees.append(None), logits.append(0)
+            # a chunk's row j predicts position start + j + 1: rows for the prompt positions
+            # not scored yet, when the request asks for prompt logprobs
+            want = r.prompt_logprobs is not None and start + n >= r.prompt_logprobs_next and start + 1 < len(r.prompt)
+            ids.append(r.request_id), counts.append(n), trees.append(None), logits.append(n if want else 0)
+            if want:
+                scored.append((r, start, n, row))
+                row += n
             tokens += r.seq[start:start + n]
         starts = [r.num_cached for r in plan.decode] + [start for _, start, _ in plan.chunks]
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
-                          logits=bool(plan.decode), hidden=self.caps.needs_hidden)
+                          logits=bool(plan.decode) or bool(scored), hidden=self.caps.needs_hidden)
         attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
-        return out, offsets, len(tokens), attention
+        return out, offsets, len(tokens), attention, scored
+
+    def _score_prompts(self, scored, logits) -> None:
+        """Prompt logprobs (raw log-softmax of the target, as vLLM reports them) of the positions
+        the chunks' rows predict, into each request's list."""
+        wanted, spans = [], []
+        for r, start, n, row in scored:
+            lo, hi = max(r.prompt_logprobs_next, start + 1), min(len(r.prompt), start + n + 1)   # positions
+            wanted.append((_TopK(r.params.prompt_logprobs), [row - scored[0][3] + p - 1 - start for p in range(lo, hi)],
+                           r.prompt[lo:hi]))
+            spans.append((r, lo, hi))
+        for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs")):
+            r.prompt_logprobs[lo:hi] = lps
+            r.prompt_logprobs_next = hi
 
     def _logprobs(self, plan, results: list[Verified], logits, offsets) -> dict[int, list[TokenLogprob]]:
         """{decoding index: logprobs of its emitted tokens} for the requests that ask (or rank
@@ -360,7 +386,10 @@ class Engine:
             stats = r.stats
             stats.draft_time_s += draft_s
             stats.target_time_s += verify_s
+            first = not r.out
             event = self._accept(r, res.emitted, res.accepted)
+            if first and r.prompt_logprobs is not None:
+                event.prompt_logprobs = list(r.prompt_logprobs)
             if i in logprobs:
                 lps = logprobs[i][:len(event.token_ids)]
                 if r.params.logprobs is not None:
@@ -452,3 +481,10 @@ def kv_cache_dtype_of(target: Transformer, name: str) -> torch.dtype:
 def _ranked(params) -> bool:
     """best_of > n: the candidates are ranked by cumulative logprob."""
     return (params.best_of or params.n) > params.n
+
+
+@dataclass(frozen=True)
+class _TopK:
+    """What step_logprobs reads of a request's parameters, for its prompt logprobs."""
+    logprobs: int
+    greedy: bool = True

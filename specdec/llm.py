@@ -44,6 +44,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     stats: RequestStats = field(default_factory=RequestStats)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
+    # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _speculative(speculative_model, num_speculative_tokens, speculative_config) -> SpeculativeConfig | None:
@@ -284,7 +287,7 @@ class LLM:
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
-        return RequestOutput(rid, text, ids, outputs, True, stats)
+        return RequestOutput(rid, text, ids, outputs, True, stats, reqs[(rid, 0)].prompt_logprobs)
 
 
 def _text_content(content) -> str:

@@ -52,10 +52,15 @@ class Request:
     stop_reason: int | str | None = None
     events: deque = field(default_factory=deque)
     cumulative_logprob: float = 0.0     # of the kept output under the raw target (best_of only)
+    # params.prompt_logprobs: each prompt token's (None for the first), filled as chunks are prefilled
+    prompt_logprobs: list | None = None
+    prompt_logprobs_next: int = 1       # the first prompt position not yet scored
 
     def __post_init__(self):
         self.seq = list(self.prompt)
         self.stats.prompt_tokens = len(self.prompt)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt)
 
     @property
     def prefilled(self) -> bool:
@@ -130,7 +135,9 @@ class Scheduler:
     def _admit(self, r: Request) -> bool:
         """A seat for r when its whole prompt (and the slot of its first step) fits now; the
         prompt's leading blocks come from the prefix cache when it holds them."""
-        cached = self.blocks.admit(r.request_id, r.seq[:-1], len(r.seq))
+        # prompt logprobs need every prompt token's forward: no prefix-cache hits then
+        wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
+        cached = self.blocks.admit(r.request_id, wanted, len(r.seq))
         if cached is None:
             return False
         r.status, r.num_cached = RUNNING, cached

@@ -97,3 +97,51 @@ def heads_llm(tiny_pair, tmp_path_factory):
     dirs = _heads_dirs(target, tmp_path_factory.mktemp("heads"))
     return LLM(target, speculative_config={"method": "eagle", "model": str(dirs["eagle"]), "num_speculative_tokens": 8},
                dtype="float32", max_model_len=128)
+
+
+def prompt_reference(llm, prompt_ids, top_n):
+    """Raw logprob of each prompt token after the first, and the top_n at its position."""
+    with torch.inference_mode():
+        logp = torch.log_softmax(llm.target(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
+    return logp.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), logp.topk(top_n, -1) if top_n else None
+
+
+@pytest.mark.parametrize("name", ["plain", "draft_model"])
+def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair, near_draft, name):
+    """vLLM's SamplingParams.prompt_logprobs: the prefill's own rows, chunk by chunk (8 tokens a
+    step here), raw; the output is what the same request decodes without them."""
+    target, _ = tiny_pair
+    spec = dict(speculative_model=str(near_draft), num_speculative_tokens=3) if name == "draft_model" else {}
+    llm = LLM(target, dtype="float32", max_model_len=128, max_num_batched_tokens=8, **spec)
+    prompts = [PROMPTS[0] * 5, PROMPTS[1], "x"]          # 3 chunks and more, one, and a 1-token prompt
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3)
+    outs = llm.generate(prompts, params)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for o, p in zip(outs, plain):
+        ids, lps = o.prompt_token_ids, o.prompt_logprobs
+        assert len(lps) == len(ids) and lps[0] is None and p.prompt_logprobs is None
+        assert o.outputs[0].token_ids == p.outputs[0].token_ids
+        if len(ids) == 1:
+            continue
+        chosen, top = prompt_reference(llm, ids, 3)
+        assert [x.token_id for x in lps[1:]] == ids[1:]
+        assert max(abs(x.logprob - c) for x, c in zip(lps[1:], chosen)) < TOL
+        for j, x in enumerate(lps[1:]):
+            assert [t for t, _ in x.top] == top.indices[j].tolist()
+            assert all(abs(v - w) < TOL for (_, v), w in zip(x.top, top.values[j].tolist()))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(tiny_pair):
+    """A prompt whose blocks are cached is still scored in full (every position's row is needed);
+    without prompt_logprobs the same prompt takes the cached blocks."""
+    target, _ = tiny_pair
+    llm = LLM(target, dtype="float32", max_model_len=128, enable_prefix_caching=True, block_size=4)
+    prompt = PROMPTS[2] * 3
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    assert again.stats.cached_tokens == 0 and again.prompt_logprobs == first.prompt_logprobs
+    assert all(x is not None and x.top == () for x in again.prompt_logprobs[1:])
+    cached = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert cached.stats.cached_tokens > 0 and cached.outputs[0].token_ids == first.outputs[0].token_ids

@@ -120,7 +120,6 @@ def test_best_of_keeps_the_most_likely_candidates(live):
     ("completion", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     ("completion", dict(n=3, best_of=2), "best_of"),
     ("completion", dict(best_of=3, stream=True), "best_of"),
-    ("completion", dict(echo=True, logprobs=1), "echo"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client, kind, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -349,3 +348,30 @@ def test_http_flags_bad_values_exit_2(flags, says, capsys, tmp_path, monkeypatch
         code = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and says in err[-1], err
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, live):
+    """OpenAI's echo + logprobs (what lm-evaluation-harness reads for loglikelihoods): the prompt's
+    tokens first, a null logprob and alternatives for the first, then the completion's; the
+    figures are the engine's prompt_logprobs; streamed, the same lists arrive across the chunks."""
+    prompt = "def fib(n):\n    if n < 2:"
+    out = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    ref = live.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2))[0]
+    lp, ids = out.choices[0].logprobs, ref.prompt_token_ids
+    n = len(ids)
+    assert out.choices[0].text == prompt + ref.outputs[0].text
+    assert len(lp.tokens) == n + len(ref.outputs[0].token_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    name = lambda t: live.llm.tokenizer.decode([t], skip_special_tokens=False)   # noqa: E731
+    assert lp.tokens[:n] == [name(t) for t in ids]
+    expected = [x.logprob for x in ref.prompt_logprobs[1:]] + [x.logprob for x in ref.outputs[0].logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    # without echo nothing of the prompt is listed (and nothing of it is scored)
+    plain = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    assert len(plain.choices[0].logprobs.tokens) == len(ref.outputs[0].token_ids)

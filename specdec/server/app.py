@@ -93,7 +93,7 @@ def _api_routes(service: Service) -> APIRouter:
         arrival = time.perf_counter()
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
-                               body.return_tokens_as_token_ids)
+                               body.return_tokens_as_token_ids, prompts, params.best_of or params.n)
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     @router.post("/chat/completions")

@@ -20,15 +20,20 @@ def token_namer(tokenizer: Tokenizer, as_ids: bool = False) -> Namer:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(name: Namer, entries: list[TokenLogprob], offset: int = 0) -> dict:
-    """The legacy completions shape: parallel lists, `top_logprobs` as {token: logprob}."""
-    tokens = [name(e.token_id) for e in entries]
+def completion_logprobs(name: Namer, entries: list[TokenLogprob], offset: int = 0,
+                        prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict:
+    """The legacy completions shape: parallel lists, `top_logprobs` as {token: logprob}.
+    prompt: (the prompt's ids, their logprobs: None for the first token) listed before the
+    entries, as OpenAI's echo with logprobs does (null logprob and alternatives first)."""
+    items = list(zip(*prompt)) if prompt else []
+    items += [(e.token_id, e) for e in entries]
+    tokens = [name(t) for t, _ in items]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_top_dict(name, e.top) for e in entries],
+    return {"tokens": tokens, "token_logprobs": [e.logprob if e is not None else None for _, e in items],
+            "top_logprobs": [_top_dict(name, e.top) if e is not None else None for _, e in items],
             "text_offset": offsets}
 
 

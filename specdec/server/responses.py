@@ -28,6 +28,8 @@ class ChoiceResult:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None     # echo with logprobs
+    prompt_index: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -37,28 +39,34 @@ class CompletionFormat:
     id_prefix = "cmpl-"
 
     def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, echo: list[str] | None = None,
-                 tokens_as_ids: bool = False):
-        """echo: each prompt's text, put before its choices' text (OpenAI's echo)."""
+                 tokens_as_ids: bool = False, prompts: list[list[int]] | None = None, per_prompt: int = 1):
+        """echo: each prompt's text, put before its choices' text (OpenAI's echo); with logprobs,
+        the prompts' ids (choice i is of prompt i // per_prompt), whose tokens are listed first."""
         self.name, self.want_logprobs, self.echo = token_namer(tokenizer, tokens_as_ids), want_logprobs, echo
+        self.prompts, self.per_prompt = prompts, per_prompt
+
+    def _prompt(self, prompt_index: int, prompt_logprobs) -> tuple | None:
+        if not (self.echo and self.prompts and prompt_logprobs):
+            return None
+        return self.prompts[prompt_index], prompt_logprobs
 
     def prefix(self, prompt_index: int) -> str:
         return self.echo[prompt_index] if self.echo else ""
 
     def choice(self, r: ChoiceResult) -> dict:
-        return {"index": r.index, "text": "".join(r.text), "logprobs": self._logprobs(r.logprobs, 0),
+        lp = (completion_logprobs(self.name, r.logprobs, 0, self._prompt(r.prompt_index, r.prompt_logprobs))
+              if self.want_logprobs else None)
+        return {"index": r.index, "text": "".join(r.text), "logprobs": lp,
                 "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
 
     def opening(self, index: int) -> dict | None:
         return None
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
-              finish_reason: str | None, stop_reason) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs(logprobs, offset),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-    def _logprobs(self, entries, offset) -> dict | None:
-        return completion_logprobs(self.name, entries, offset) if self.want_logprobs else None
-
+              finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict:
+        lp = (completion_logprobs(self.name, logprobs, offset, self._prompt(index // self.per_prompt, prompt_logprobs))
+              if self.want_logprobs else None)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
@@ -82,7 +90,7 @@ class ChatFormat:
                 "finish_reason": None}
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
-              finish_reason: str | None, stop_reason) -> dict:
+              finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict:
         return {"index": index, "delta": {"content": text} if text else {},
                 "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
@@ -121,7 +129,7 @@ def speculative(gen: Generation) -> dict:
 async def collect(gen: Generation, fmt, model: str) -> dict:
     """Run a generation to the end and build the non-streaming body."""
     per = gen.per_prompt
-    results = [ChoiceResult(i, [fmt.prefix(i // per)]) for i in range(len(gen.prompts) * per)]
+    results = [ChoiceResult(i, [fmt.prefix(i // per)], prompt_index=i // per) for i in range(len(gen.prompts) * per)]
     score = [0.0] * len(results)
     async with gen:
         async for index, ev in gen.steps():
@@ -129,6 +137,8 @@ async def collect(gen: Generation, fmt, model: str) -> dict:
             r.text.append(ev.text)
             r.token_ids += ev.token_ids
             r.logprobs += ev.logprobs or []
+            if ev.prompt_logprobs is not None:
+                r.prompt_logprobs = ev.prompt_logprobs
             r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
             score[index] = ev.cumulative_logprob if ev.cumulative_logprob is not None else score[index]
     tokens = sum(len(r.token_ids) for r in results)      # every candidate's tokens are billed
@@ -148,6 +158,7 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> Async
     n_choices = len(gen.prompts) * gen.params.n      # streams never carry best_of > n
     offsets, tokens = [0] * n_choices, 0
     echo = [fmt.prefix(i // gen.params.n) for i in range(n_choices)]
+    held = [None] * n_choices        # prompt logprobs not sent yet
     try:
         async with gen:
             for i in range(n_choices):
@@ -156,10 +167,12 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> Async
             async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
                 text, echo[index] = echo[index] + ev.text, ""
+                prompt_lps, held[index] = held[index] or ev.prompt_logprobs, None
                 if not (text or ev.finished or ev.logprobs):
+                    held[index] = prompt_lps     # the echoed prompt's logprobs go with its text
                     continue            # text held back (a partial character or a possible stop string)
                 chunk = {**head, "choices": [fmt.delta(index, text, ev.logprobs or [], offsets[index],
-                                                       ev.finish_reason, ev.stop_reason)], **extra}
+                                                       ev.finish_reason, ev.stop_reason, prompt_lps)], **extra}
                 offsets[index] += len(text)
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()

@@ -41,10 +41,10 @@ class Service:
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_model(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)", "echo")
         prompts = self._completion_prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:     # the prompt's tokens are scored too (OpenAI's echo)
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 

@@ -30,6 +30,13 @@ def live():
 
 
 @pytest.fixture(scope="module")
+def ref():
+    """The same model outside the server, for expected outputs: the live server's worker thread
+    is its engine's only caller, so tests never drive live.llm themselves."""
+    return LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -151,7 +158,8 @@ def templated(live, tmp_path_factory):
     path.write_text(PLAIN_TEMPLATE)
     config = ServerConfig(served_model_names=("toy",), chat_template=load_chat_template(str(path)), response_role="bot",
                           trust_request_chat_template=True)
-    with LiveServer(build_app(live.llm, config)) as server:
+    # its own engine: a server's worker thread must be its engine's only caller
+    with LiveServer(build_app(_own_llm(), config)) as server:
         yield server
 
 
@@ -184,7 +192,7 @@ def test_server_chat_template_and_response_role(templated, live):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out["choices"][0]["message"]["content"]
 
 
-def test_request_chat_template_kwargs_and_continuation(templated, live):
+def test_request_chat_template_kwargs_and_continuation(templated, live, ref):
     msgs = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "    return"}]
     # a request's own template wins over the server's (one started with --trust-request-chat-template),
     # and its kwargs reach the template
@@ -194,7 +202,7 @@ def test_request_chat_template_kwargs_and_continuation(templated, live):
     assert chat.usage.prompt_tokens == _prompt_tokens(live.llm, "[user!] def f(x):\n### The reply, in full:")
     # continue_final_message: the reply continues the assistant's text, as LLM.chat does it
     status, out = _chat_json(templated.url, messages=msgs, add_generation_prompt=False, continue_final_message=True)
-    expected = live.llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), chat_template=PLAIN_TEMPLATE,
+    expected = ref.chat(msgs, SamplingParams(temperature=0, max_tokens=4), chat_template=PLAIN_TEMPLATE,
                              add_generation_prompt=False, continue_final_message=True)[0]
     assert status == 200 and expected.prompt.endswith("[assistant]     return")
     assert out["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
@@ -234,8 +242,12 @@ def test_chat_template_flag_bad_values_exit_2(tmp_path, capsys):
 
 
 # vLLM's HTTP flags: CORS (--allowed-origins ...), --root-path, TLS (--ssl-keyfile / --ssl-certfile)
+def _own_llm() -> LLM:
+    return LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=256)
+
+
 def _app(live, **config):
-    return build_app(live.llm, ServerConfig(served_model_names=("toy",), **config))
+    return build_app(_own_llm(), ServerConfig(served_model_names=("toy",), **config))
 
 
 def test_cors_answers_preflights_before_the_api_key_and_marks_every_response(live):
@@ -296,14 +308,14 @@ def test_root_path_is_the_prefix_the_openapi_schema_names(live):
     import httpx
 
     config = ServerConfig(served_model_names=("toy",), root_path="/llm")
-    with _Served(build_app(live.llm, config), config) as server:
+    with _Served(build_app(_own_llm(), config), config) as server:
         assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "toy"
         assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
     with pytest.raises(ValueError, match="root_path"):
         ServerConfig(root_path="llm/")
 
 
-def test_https_with_the_ssl_flags(live, tmp_path):
+def test_https_with_the_ssl_flags(live, ref, tmp_path):
     import shutil
     import ssl
     import subprocess
@@ -321,13 +333,13 @@ def test_https_with_the_ssl_flags(live, tmp_path):
     args = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
     config = ServerConfig(served_model_names=("toy",))
     trust = ssl.create_default_context(cafile=str(cert))
-    with _Served(build_app(live.llm, config), config, ssl_settings(args)) as server:
+    with _Served(build_app(_own_llm(), config), config, ssl_settings(args)) as server:
         assert server.url.startswith("https://")
         assert httpx.get(server.url + "/health", verify=trust).json() == {"status": "ok"}
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,
                                http_client=httpx.Client(verify=trust))
         out = client.completions.create(model="toy", prompt="def f(x):", max_tokens=4, temperature=0)
-        alone = live.llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+        alone = ref.generate("def f(x):", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
         assert out.choices[0].text == alone
         with pytest.raises(httpx.ConnectError):        # a client that does not trust the certificate
             httpx.get(server.url + "/health")
@@ -350,20 +362,20 @@ def test_http_flags_bad_values_exit_2(flags, says, capsys, tmp_path, monkeypatch
     assert code == 2 and says in err[-1], err
 
 
-def test_echo_with_logprobs_scores_the_prompt(client, live):
+def test_echo_with_logprobs_scores_the_prompt(client, live, ref):
     """OpenAI's echo + logprobs (what lm-evaluation-harness reads for loglikelihoods): the prompt's
     tokens first, a null logprob and alternatives for the first, then the completion's; the
     figures are the engine's prompt_logprobs; streamed, the same lists arrive across the chunks."""
     prompt = "def fib(n):\n    if n < 2:"
     out = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
-    ref = live.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2))[0]
-    lp, ids = out.choices[0].logprobs, ref.prompt_token_ids
+    expect = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2))[0]
+    lp, ids = out.choices[0].logprobs, expect.prompt_token_ids
     n = len(ids)
-    assert out.choices[0].text == prompt + ref.outputs[0].text
-    assert len(lp.tokens) == n + len(ref.outputs[0].token_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert out.choices[0].text == prompt + expect.outputs[0].text
+    assert len(lp.tokens) == n + len(expect.outputs[0].token_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     name = lambda t: live.llm.tokenizer.decode([t], skip_special_tokens=False)   # noqa: E731
     assert lp.tokens[:n] == [name(t) for t in ids]
-    expected = [x.logprob for x in ref.prompt_logprobs[1:]] + [x.logprob for x in ref.outputs[0].logprobs]
+    expected = [x.logprob for x in expect.prompt_logprobs[1:]] + [x.logprob for x in expect.outputs[0].logprobs]
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
     assert all(len(t) == 2 for t in lp.top_logprobs[1:])
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
@@ -374,4 +386,4 @@ def test_echo_with_logprobs_scores_the_prompt(client, live):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
     # without echo nothing of the prompt is listed (and nothing of it is scored)
     plain = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
-    assert len(plain.choices[0].logprobs.tokens) == len(ref.outputs[0].token_ids)
+    assert len(plain.choices[0].logprobs.tokens) == len(expect.outputs[0].token_ids)

@@ -35,12 +35,15 @@ PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os\n
 class LiveServer:
     """uvicorn serving `app` from a thread, on a socket bound before start (no port races)."""
 
-    def __init__(self, app):
+    def __init__(self, app, config: uvicorn.Config | None = None):
+        """config: uvicorn's settings for app (TLS, a root path...); default: quiet, plain HTTP."""
         torch.set_num_threads(1)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        config = config or uvicorn.Config(app, log_level="warning")
+        scheme = "https" if config.ssl_keyfile else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -271,44 +271,18 @@ def test_cors_answers_preflights_before_the_api_key_and_marks_every_response(liv
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
-class _Served:
-    """uvicorn serving an app from a thread with serve()'s settings (server.cli.uvicorn_config)."""
+def _served(app, config: ServerConfig, ssl: dict | None = None) -> LiveServer:
+    """A live server with serve()'s uvicorn settings (server.cli.uvicorn_config)."""
+    from specdec.server.cli import uvicorn_config
 
-    def __init__(self, app, config: ServerConfig, ssl: dict | None = None):
-        import socket
-        import threading
-
-        import uvicorn
-
-        from specdec.server.cli import uvicorn_config
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"{'https' if ssl else 'http'}://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(app, config, "warning", ssl))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        import time
-
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
+    return LiveServer(app, uvicorn_config(app, config, "warning", ssl))
 
 
 def test_root_path_is_the_prefix_the_openapi_schema_names(live):
     import httpx
 
     config = ServerConfig(served_model_names=("toy",), root_path="/llm")
-    with _Served(build_app(_own_llm(), config), config) as server:
+    with _served(build_app(_own_llm(), config), config) as server:
         assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "toy"
         assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
     with pytest.raises(ValueError, match="root_path"):
@@ -333,7 +307,7 @@ def test_https_with_the_ssl_flags(live, ref, tmp_path):
     args = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
     config = ServerConfig(served_model_names=("toy",))
     trust = ssl.create_default_context(cafile=str(cert))
-    with _Served(build_app(_own_llm(), config), config, ssl_settings(args)) as server:
+    with _served(build_app(_own_llm(), config), config, ssl_settings(args)) as server:
         assert server.url.startswith("https://")
         assert httpx.get(server.url + "/health", verify=trust).json() == {"status": "ok"}
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,

@@ -341,7 +341,7 @@ class Engine:
             wanted.append((_TopK(r.params.prompt_logprobs), [row - scored[0][3] + p - 1 - start for p in range(lo, hi)],
                            r.prompt[lo:hi]))
             spans.append((r, lo, hi))
-        for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs")):
+        for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs", ranks=True)):
             r.prompt_logprobs[lo:hi] = lps
             r.prompt_logprobs_next = hi
 

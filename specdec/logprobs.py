@@ -34,12 +34,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]      # the `params.logprobs` most likely tokens, best first
+    rank: int | None = None                 # 1 + how many tokens are likelier (prompt logprobs: vLLM reports it)
 
 
-def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int]]], mode: str
-                  ) -> list[list[TokenLogprob]]:
+def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int]]], mode: str,
+                  ranks: bool = False) -> list[list[TokenLogprob]]:
     """logits [R, V]: a step's target rows; wanted: per asking request (its SamplingParams,
-    the logits rows predicting its emitted tokens, those tokens). One list per request."""
+    the logits rows predicting its emitted tokens, those tokens). One list per request; ranks:
+    each token's rank too."""
     if not wanted:
         return []
     dev = logits.device
@@ -47,14 +49,16 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=dev)
     counts = [len(rows) for _, rows, _ in wanted]
     logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
-    chosen = logp.gather(1, tokens[:, None])[:, 0].clamp_min(FLOOR).tolist()
+    picked = logp.gather(1, tokens[:, None])
+    rank = ((logp > picked).sum(-1) + 1).tolist() if ranks else [None] * len(tokens)
+    chosen = picked[:, 0].clamp_min(FLOOR).tolist()
     n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
     top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long()))
     top_v, top_i = top_v.clamp_min(FLOOR).tolist(), top_i.tolist()
     out, at = [], 0
     for (params, _, toks), n in zip(wanted, counts):
         k = params.logprobs or 0
-        out.append([TokenLogprob(t, chosen[at + j], tuple(zip(top_i[at + j][:k], top_v[at + j][:k])))
+        out.append([TokenLogprob(t, chosen[at + j], tuple(zip(top_i[at + j][:k], top_v[at + j][:k])), rank[at + j])
                     for j, t in enumerate(toks)])
         at += n
     return out

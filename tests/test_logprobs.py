@@ -106,6 +106,14 @@ def prompt_reference(llm, prompt_ids, top_n):
     return logp.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), logp.topk(top_n, -1) if top_n else None
 
 
+def prompt_ranks(llm, prompt_ids):
+    """1 + how many tokens the model finds likelier than each prompt token (after the first)."""
+    with torch.inference_mode():
+        logp = torch.log_softmax(llm.target(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
+    chosen = logp.gather(1, torch.tensor(prompt_ids[1:])[:, None])
+    return ((logp > chosen).sum(-1) + 1).tolist()
+
+
 @pytest.mark.parametrize("name", ["plain", "draft_model"])
 def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair, near_draft, name):
     """vLLM's SamplingParams.prompt_logprobs: the prefill's own rows, chunk by chunk (8 tokens a
@@ -126,6 +134,8 @@ def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair,
         chosen, top = prompt_reference(llm, ids, 3)
         assert [x.token_id for x in lps[1:]] == ids[1:]
         assert max(abs(x.logprob - c) for x, c in zip(lps[1:], chosen)) < TOL
+        ranks = prompt_ranks(llm, ids)
+        assert [x.rank for x in lps[1:]] == ranks
         for j, x in enumerate(lps[1:]):
             assert [t for t, _ in x.top] == top.indices[j].tolist()
             assert all(abs(v - w) < TOL for (_, v), w in zip(x.top, top.values[j].tolist()))

@@ -361,3 +361,31 @@ def test_echo_with_logprobs_scores_the_prompt(client, live, ref):
     # without echo nothing of the prompt is listed (and nothing of it is scored)
     plain = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
     assert len(plain.choices[0].logprobs.tokens) == len(expect.outputs[0].token_ids)
+
+
+def test_vllm_prompt_logprobs_field(client, ref):
+    """vLLM's prompt_logprobs extension: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the token and its alternatives; per choice for completions, once
+    for chat; not streamed (400)."""
+    prompt = "class Point:"
+    out = client.completions.create(model="toy", prompt=prompt, max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 2})
+    expect = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert len(got) == len(expect.prompt_token_ids) and got[0] is None
+        for t, entry, x in zip(expect.prompt_token_ids[1:], got[1:], expect.prompt_logprobs[1:]):
+            mine = entry[str(t)]
+            assert mine["logprob"] == pytest.approx(x.logprob, abs=1e-6) and mine["rank"] == x.rank
+            assert mine["decoded_token"] == ref.tokenizer.decode([t], skip_special_tokens=False)
+            assert {1, 2} <= {v["rank"] for v in entry.values()} and len(entry) == 2 + (x.rank > 2)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="toy", messages=msgs, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    listed = chat.model_extra["prompt_logprobs"]
+    assert len(listed) == chat.usage.prompt_tokens and listed[0] is None
+    assert all(len(d) == 1 and next(iter(d.values()))["rank"] >= 1 for d in listed[1:])
+    assert "prompt_logprobs" not in client.chat.completions.create(model="toy", messages=msgs, max_tokens=2).model_extra
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="toy", prompt=prompt, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"

@@ -94,6 +94,7 @@ def _api_routes(service: Service) -> APIRouter:
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                body.return_tokens_as_token_ids, prompts, params.best_of or params.n)
+        fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     @router.post("/chat/completions")
@@ -101,7 +102,8 @@ def _api_routes(service: Service) -> APIRouter:
         arrival = time.perf_counter()
         prompts, params = service.prepare_chat(body)
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, body.return_tokens_as_token_ids,
-                         service.config.response_role)
+                         service.config.response_role, prompts[0])
+        fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     return router

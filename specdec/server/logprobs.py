@@ -37,6 +37,20 @@ def completion_logprobs(name: Namer, entries: list[TokenLogprob], offset: int = 
             "text_offset": offsets}
 
 
+def vllm_prompt_logprobs(name: Namer, ids: list[int], entries: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and its position's most likely alternatives."""
+    out: list[dict | None] = []
+    for t, e in zip(ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": name(i)} for r, (i, lp) in enumerate(e.top)}
+        d.setdefault(str(t), {"logprob": e.logprob, "rank": e.rank, "decoded_token": name(t)})
+        out.append(d)
+    return out
+
+
 def _top_dict(name: Namer, top) -> dict[str, float]:
     """{token text: logprob}; tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best."""
     out: dict[str, float] = {}

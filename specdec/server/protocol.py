@@ -47,6 +47,8 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = Field(None, description="vLLM (older name): one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM (older name): a Lark or GBNF grammar")
     user: str | None = None
+    prompt_logprobs: int | None = Field(None, description="vLLM extension: each prompt token's logprob, rank and "
+                                                          "this many alternatives (not streamed)")
     return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprobs name tokens "
                                                                 "'token_id:<id>'")
 

@@ -18,7 +18,7 @@ from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
 from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
-from .logprobs import chat_logprobs, completion_logprobs, token_namer
+from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
 
 
@@ -44,6 +44,7 @@ class CompletionFormat:
         the prompts' ids (choice i is of prompt i // per_prompt), whose tokens are listed first."""
         self.name, self.want_logprobs, self.echo = token_namer(tokenizer, tokens_as_ids), want_logprobs, echo
         self.prompts, self.per_prompt = prompts, per_prompt
+        self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed on each choice
 
     def _prompt(self, prompt_index: int, prompt_logprobs) -> tuple | None:
         if not (self.echo and self.prompts and prompt_logprobs):
@@ -53,11 +54,17 @@ class CompletionFormat:
     def prefix(self, prompt_index: int) -> str:
         return self.echo[prompt_index] if self.echo else ""
 
+    def top_level(self, results: list[ChoiceResult]) -> dict:
+        return {}                              # completions list prompt logprobs per choice
+
     def choice(self, r: ChoiceResult) -> dict:
         lp = (completion_logprobs(self.name, r.logprobs, 0, self._prompt(r.prompt_index, r.prompt_logprobs))
               if self.want_logprobs else None)
-        return {"index": r.index, "text": "".join(r.text), "logprobs": lp,
-                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+        out = {"index": r.index, "text": "".join(r.text), "logprobs": lp,
+               "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+        if self.want_prompt_logprobs and self.prompts and r.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.name, self.prompts[r.prompt_index], r.prompt_logprobs)
+        return out
 
     def opening(self, index: int) -> dict | None:
         return None
@@ -72,9 +79,16 @@ class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant"):
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant",
+                 prompt: list[int] | None = None):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
-        self.role = role
+        self.role, self.prompt = role, prompt
+        self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
+
+    def top_level(self, results: list[ChoiceResult]) -> dict:
+        if not (self.want_prompt_logprobs and self.prompt and results and results[0].prompt_logprobs is not None):
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.name, self.prompt, results[0].prompt_logprobs)}
 
     def prefix(self, prompt_index: int) -> str:
         return ""
@@ -147,7 +161,7 @@ async def collect(gen: Generation, fmt, model: str) -> dict:
                    for r in sorted(results[p * per:(p + 1) * per], key=lambda r: -score[r.index])[:gen.params.n]]
         for i, r in enumerate(results):
             r.index = i
-    return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results],
+    return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results], **fmt.top_level(results),
             "usage": usage(gen, tokens), "speculative": speculative(gen)}
 
 

@@ -43,8 +43,8 @@ class Service:
         self._check_model(req)
         prompts = self._completion_prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:     # the prompt's tokens are scored too (OpenAI's echo)
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 
@@ -92,7 +92,9 @@ class Service:
                       presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
                       repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
                       logit_bias=extra.logit_bias(req, self.engine.target.config.vocab_size), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
-                      structured_outputs=structured, best_of=req.best_of)
+                      structured_outputs=structured, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs cannot be streamed", "prompt_logprobs")
         try:
             params = _numerically_safe(SamplingParams(**fields))
         except ValueError as e:

@@ -19,6 +19,7 @@ from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_ar
 from .config import SamplingParams, SchedulerConfig
 from .engine import Engine
 from .metrics import RequestStats
+from .tokenizer import load_chat_template
 
 PLAIN_PROBE_TOKENS = 32
 
@@ -29,6 +30,8 @@ def add_parser(sub) -> None:
     add_engine_args(p)
     add_sampling_args(p, 256)
     p.add_argument("--system", help="a system message starting the conversation")
+    p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, instead of the "
+                                           "tokenizer's (as serve's)")
     p.add_argument("--compare", action="store_true",
                    help="decode every answer plainly too: exact speedup and whether the outputs are identical")
 
@@ -51,8 +54,10 @@ class Answer:
 class ChatSession:
     """A conversation with one LLM: ask() streams an answer and remembers both turns."""
 
-    def __init__(self, llm, params: SamplingParams, system: str | None = None, compare: bool = False):
+    def __init__(self, llm, params: SamplingParams, system: str | None = None, compare: bool = False,
+                 chat_template: str | None = None):
         self.llm, self.params, self.system, self.compare = llm, params, system, compare
+        self.chat_template = chat_template         # None: the tokenizer's
         self.messages: list[dict] = []
         self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
                             scheduler_config=SchedulerConfig(max_num_seqs=1))
@@ -64,7 +69,8 @@ class ChatSession:
 
     def prompt_ids(self, user: str) -> list[int]:
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return self.llm.chat_prompt(head + self.messages + [{"role": "user", "content": user}])["prompt_token_ids"]
+        return self.llm.chat_prompt(head + self.messages + [{"role": "user", "content": user}],
+                                    chat_template=self.chat_template)["prompt_token_ids"]
 
     def ask(self, user: str):
         """Yield the answer's text as it is decoded; then the Answer (the last item)."""
@@ -118,8 +124,9 @@ def _method(llm) -> str:
 
 def run(args) -> int:
     sampling_params(args, {})                              # bad flags fail before the model loads
+    template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
-    session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare)
+    session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare, template)
     interactive = sys.stdin.isatty()
     print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits.",
           file=sys.stderr)

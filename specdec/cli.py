@@ -187,6 +187,8 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="the prompt is a user message: apply the chat template")
     p.add_argument("--system", help="with --chat: a system message first")
+    p.add_argument("--chat-template", help="with --chat: a Jinja chat template file, or the template itself, "
+                                           "instead of the tokenizer's (as serve's)")
     add_sampling_args(p, 128)
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted draft tokens (green) apart from target tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -195,13 +197,16 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from .tokenizer import load_chat_template
+
     sampling_params(args, {})                      # bad flags fail before the model loads
+    template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
     params = sampling_params(args, llm.generation_defaults)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": prompt}]
-        rendered = llm.chat_prompt(messages)
+        rendered = llm.chat_prompt(messages, chat_template=template)
         prompt, prompt_ids = rendered["prompt"], rendered["prompt_token_ids"]
     else:
         prompt_ids = llm.tokenizer.encode(prompt)

@@ -194,3 +194,25 @@ def first_vocab_mismatch(a: Tokenizer, b: Tokenizer) -> int | None:
         if a.id_to_token(i) != b.id_to_token(i):
             return i
     return None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's text, else the value itself when it looks like a
+    template (it has braces or line breaks); checked to compile, so a bad one fails at start."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot be read ({e})") from None
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
+    try:
+        _environment().from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
+    return template

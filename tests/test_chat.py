@@ -117,3 +117,23 @@ def test_served_gguf_chat(chat_llm):
         r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=8, temperature=0)
     assert r.choices[0].message.content == expected
     assert r.model_extra["speculative"]["draft_tokens"] > 0
+
+
+def test_generate_chat_and_the_repl_take_a_chat_template(gguf_files, chat_llm, capsys, monkeypatch, tmp_path):
+    """--chat-template (a file or the template itself, as serve's) replaces the tokenizer's."""
+    template = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}<<assistant>>"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = chat_llm.chat(CONV, params, chat_template=template)[0]
+    assert expected.outputs[0].token_ids != chat_llm.chat(CONV, params)[0].outputs[0].token_ids
+    for value in (template, str(path)):
+        code = main(["generate", "--model", str(gguf_files["llama_q"]), *NGRAM, "--chat", CONV[0]["content"],
+                     "--chat-template", value, "--max-tokens", "8", "--ignore-eos", "--json"])
+        assert code == 0 and json.loads(capsys.readouterr().out)["token_ids"] == expected.outputs[0].token_ids
+    monkeypatch.setattr("sys.stdin", io.StringIO(CONV[0]["content"] + "\n/exit\n"))
+    code = main(["chat", "--model", str(gguf_files["llama_q"]), *NGRAM, "--max-tokens", "8", "--ignore-eos",
+                 "--chat-template", str(path)])
+    assert code == 0 and capsys.readouterr().out == expected.outputs[0].text + "\n"
+    assert main(["generate", "--model", str(gguf_files["llama_q"]), "--chat", "hi", "--chat-template", "missing.jinja"]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -152,7 +152,7 @@ PLAIN_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}{{ tag or '' }}] {{ m[
 @pytest.fixture(scope="module")
 def templated(live, tmp_path_factory):
     """A second server on the same engine with --chat-template's file and --response-role."""
-    from specdec.server.cli import load_chat_template
+    from specdec.tokenizer import load_chat_template
 
     path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     path.write_text(PLAIN_TEMPLATE)

@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..cli import add_engine_args, add_model_args, llm_from_args, positive_int as _positive
+from ..tokenizer import load_chat_template
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -117,34 +118,6 @@ def _json_list(value: str) -> list[str]:
     if not (isinstance(v, list) and all(isinstance(x, str) and x for x in v)):
         raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
     return v
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template as vLLM reads it: a file's text, else the value itself when it looks like a
-    template (it has braces or line breaks); checked to compile, so a bad one fails at start."""
-    if value is None:
-        return None
-    from pathlib import Path
-
-    import jinja2
-
-    from ..tokenizer import _environment
-
-    path = Path(value).expanduser()
-    if path.is_file():
-        try:
-            template = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat-template {value}: cannot be read ({e})") from None
-    elif any(c in value for c in "{}\n"):
-        template = value
-    else:
-        raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
-    try:
-        _environment().from_string(template)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
-    return template
 
 
 def server_config(args):

@@ -389,3 +389,25 @@ def test_vllm_prompt_logprobs_field(client, ref):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="toy", prompt=prompt, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_token_id_names_and_docs_flags(live):
+    """--return-tokens-as-token-ids names logprob tokens "token_id:<id>" unless a request says
+    otherwise; --disable-fastapi-docs drops /docs, /redoc and /openapi.json."""
+    import httpx
+
+    body = {"model": "toy", "prompt": "def f(x):", "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    with LiveServer(_app(live, return_tokens_as_token_ids=True, disable_fastapi_docs=True)) as server:
+        named = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+        assert all(t.startswith("token_id:") for t in named["tokens"])
+        assert all(k.startswith("token_id:") for top in named["top_logprobs"] for k in top)
+        texts = httpx.post(server.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": False},
+                           timeout=120).json()["choices"][0]["logprobs"]["tokens"]
+        assert [f"token_id:{live.llm.tokenizer.encode(t, add_special_tokens=False)[0]}" for t in texts] == named["tokens"]
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(server.url + path).status_code == 404
+    assert httpx.get(live.url + "/openapi.json").status_code == 200
+    chat = httpx.post(live.url + "/v1/chat/completions", timeout=120, json={
+        "model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "return_tokens_as_token_ids": True}).json()
+    assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])

@@ -40,8 +40,9 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         # uvicorn has already let in-flight requests finish; this drains anything left queued
         await asyncio.to_thread(service.worker.stop)
 
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
     app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API with speculative decoding statistics.")
+                  description="OpenAI-compatible API with speculative decoding statistics.", **docs)
     app.state.service = service
     install_error_handlers(app, service.metrics.rejected)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=service.metrics.rejected)
@@ -93,7 +94,7 @@ def _api_routes(service: Service) -> APIRouter:
         arrival = time.perf_counter()
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
-                               body.return_tokens_as_token_ids, prompts, params.best_of or params.n)
+                               _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
@@ -101,12 +102,17 @@ def _api_routes(service: Service) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params = service.prepare_chat(body)
-        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, body.return_tokens_as_token_ids,
+        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
                          service.config.response_role, prompts[0])
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 
     return router
+
+
+def _as_ids(body, config: ServerConfig) -> bool:
+    """A request's return_tokens_as_token_ids, else the server's (--return-tokens-as-token-ids)."""
+    return config.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids
 
 
 async def _respond(request: Request, gen, fmt, model: str, body):

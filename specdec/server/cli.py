@@ -52,6 +52,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--ssl-ca-certs", help="CA certificates for client certificates (PEM)")
     p.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                    help="whether clients must show a certificate (Python's ssl.CERT_*: 0 none, 1 optional, 2 required)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:<id>" (a request may say otherwise)')
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent with a request (default: refused with 400; a template is code)")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -130,7 +133,8 @@ def server_config(args):
                         trust_request_chat_template=args.trust_request_chat_template,
                         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
-                        root_path=args.root_path)
+                        root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        disable_fastapi_docs=args.disable_fastapi_docs)
 
 
 def run(args, prog: str = "specdec serve") -> int:

@@ -20,6 +20,8 @@ class ServerConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     root_path: str = ""                   # the path prefix a proxy serves the app under (vLLM's --root-path)
+    return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
+    disable_fastapi_docs: bool = False    # no /docs, /redoc, /openapi.json
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

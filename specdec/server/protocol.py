@@ -49,7 +49,7 @@ class _Sampling(_Body):
     user: str | None = None
     prompt_logprobs: int | None = Field(None, description="vLLM extension: each prompt token's logprob, rank and "
                                                           "this many alternatives (not streamed)")
-    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprobs name tokens "
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens "
                                                                 "'token_id:<id>'")
 
 

@@ -230,9 +230,8 @@ class Engine:
         t2 = self.clock()
         out, offsets, num_tokens, attention, scored = self._forward(plan, drafts)
         if scored:                            # prompt chunks' rows, after every decoding row
-            first = scored[0][3]
-            self._score_prompts(scored, out.logits[first:])
-            out = dataclasses.replace(out, logits=out.logits[:first])
+            self._score_prompts(scored, out.logits)
+            out = dataclasses.replace(out, logits=out.logits[:scored[0][3]])
         self.last_step_tokens = num_tokens
         self.last_step_drafting = sum(d is not None for d in drafts)
         # p's controls (penalties, bias, grammar...) per row path, once: verification and
@@ -334,11 +333,12 @@ class Engine:
 
     def _score_prompts(self, scored, logits) -> None:
         """Prompt logprobs (raw log-softmax of the target, as vLLM reports them) of the positions
-        the chunks' rows predict, into each request's list."""
+        the chunks' rows predict (row: the chunk's first row in the step's logits), into each
+        request's list."""
         wanted, spans = [], []
         for r, start, n, row in scored:
             lo, hi = max(r.prompt_logprobs_next, start + 1), min(len(r.prompt), start + n + 1)   # positions
-            wanted.append((_TopK(r.params.prompt_logprobs), [row - scored[0][3] + p - 1 - start for p in range(lo, hi)],
+            wanted.append((_TopK(r.params.prompt_logprobs), [row + p - 1 - start for p in range(lo, hi)],
                            r.prompt[lo:hi]))
             spans.append((r, lo, hi))
         for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs", ranks=True)):

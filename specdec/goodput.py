@@ -191,12 +191,6 @@ class ChainAcceptance:
         self._unit = 1.0
         self.decay, self.prior_n = decay, prior_n
 
-    # the decayed counts
-    tried = property(lambda self: self._tried * self._unit)
-    kept = property(lambda self: self._kept * self._unit)
-    offered = property(lambda self: self._offered * self._unit)
-    got = property(lambda self: self._got * self._unit)
-
     def _alpha(self) -> np.ndarray:
         n = self.prior_n / self._unit
         return (self._kept + PRIOR_ALPHA * n) / (self._tried + n)
@@ -453,7 +447,7 @@ class GoodputPolicy:
                     if o.greedy not in given:
                         given[o.greedy] = self.acceptance[o.greedy].expected_given()
                     base = given[o.greedy]
-                    rung = int(np.searchsorted(self.sizes, o.drafted, side="right") - 1)
+                    rung = bisect.bisect_right(self._size_list, o.drafted) - 1
                     st.expect = 0.95 * st.expect + (base[rung] - 1.0)
                     st.kept = 0.95 * st.kept + o.accepted
                 self.acceptance[o.greedy].observe(asked, o.drafted, o.accepted, o.path)

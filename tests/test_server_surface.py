@@ -1,6 +1,6 @@
 """The rest of the OpenAI surface through a real uvicorn server and the official openai client:
 structured outputs (response_format, structured_outputs, guided_*), penalties and logit bias,
-echo, n with best_of, roles and tools; bad input is a 400 naming the field."""
+echo, n with best_of, roles (tools: test_tools.py); bad input is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def test_best_of_keeps_the_most_likely_candidates(live):
     ("completion", dict(extra_body={"structured_outputs": {"yaml": "x"}}), "structured_outputs"),
     ("completion", dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), "guided_choice"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "no spaces"}}], tool_choice="none"), "tools"),
     ("chat", dict(tool_choice="required"), "tool_choice"),
     ("completion", dict(logit_bias={"abc": 1}), "logit_bias"),
     ("completion", dict(logit_bias={"5": 500}), "logit_bias"),

@@ -101,9 +101,9 @@ def _api_routes(service: Service) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        prompts, params = service.prepare_chat(body)
+        prompts, params, tools = service.prepare_chat(body)
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
-                         service.config.response_role, prompts[0])
+                         service.config.response_role, prompts[0], tools)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 

@@ -57,6 +57,10 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent with a request (default: refused with 400; a template is code)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model calls tools on its own, read by --tool-call-parser')
+    p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes "
+                                              "(<tool_call>{...}</tool_call>: Hermes 2 Pro / 3, Qwen2.5)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
@@ -134,7 +138,8 @@ def server_config(args):
                         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                         root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        disable_fastapi_docs=args.disable_fastapi_docs)
+                        disable_fastapi_docs=args.disable_fastapi_docs,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def run(args, prog: str = "specdec serve") -> int:

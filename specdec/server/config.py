@@ -22,6 +22,8 @@ class ServerConfig:
     root_path: str = ""                   # the path prefix a proxy serves the app under (vLLM's --root-path)
     return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
     disable_fastapi_docs: bool = False    # no /docs, /redoc, /openapi.json
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's own calls, taken out by the parser
+    tool_call_parser: str | None = None   # the format of those calls (tools.PARSERS)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -39,6 +41,12 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        from .tools import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("response_role must be a non-empty string")
 

@@ -1,5 +1,5 @@
 """The request fields beyond plain sampling: structured outputs (OpenAI's response_format,
-vLLM's structured_outputs and guided_*), penalties and bias, chat roles, tools.
+vLLM's structured_outputs and guided_*), penalties and bias, chat roles (tools: tools.py).
 
 Each check raises APIError(400) naming the field the client sent, so that a bad schema in
 `guided_json` is reported as `guided_json`, not as an internal name.
@@ -81,13 +81,8 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    """Roles OpenAI knows; tools refused out loud (no function-calling parser for the model)."""
+    """Roles OpenAI knows."""
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
                            f"messages[{i}].role")
-    if req.tools:
-        raise APIError(400, "tools (function calling) are not supported: the served model has no tool-call "
-                            "format this server parses; send the request without tools", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise APIError(400, f"tool_choice {req.tool_choice!r} needs tools, which are not supported", "tool_choice")

@@ -69,6 +69,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = Field(None, description="an assistant's earlier calls (given to the chat template)")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -76,9 +78,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = Field(None, description="not supported: a request with tools is refused (400)")
-    tool_choice: str | dict | None = Field(None, description="only 'none' (or absent) is supported")
-    parallel_tool_calls: bool | None = None
+    tools: list[dict] | None = Field(None, description='[{"type": "function", "function": {"name", "description", '
+                                                        '"parameters"}}]')
+    tool_choice: str | dict | None = Field(None, description='"none", "auto" (default with tools; needs the server\'s '
+                                                              '--enable-auto-tool-choice), "required", or '
+                                                              '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
     # vLLM's chat extensions
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the template's assistant header")
     continue_final_message: bool = Field(False, description="vLLM: the reply continues the last (assistant) message; "

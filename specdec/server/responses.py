@@ -20,6 +20,7 @@ from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
 from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
+from .tools import ToolPlan, ToolStream, extract
 
 
 @dataclass
@@ -80,10 +81,13 @@ class ChatFormat:
     id_prefix = "chatcmpl-"
 
     def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant",
-                 prompt: list[int] | None = None):
+                 prompt: list[int] | None = None, tools: ToolPlan | None = None):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
         self.role, self.prompt = role, prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
+        # tool_choice named / required / auto: replies become tool calls (tools.py); "none": text
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self._streams: dict[int, ToolStream] = {}
 
     def top_level(self, results: list[ChoiceResult]) -> dict:
         if not (self.want_prompt_logprobs and self.prompt and results and results[0].prompt_logprobs is not None):
@@ -94,8 +98,12 @@ class ChatFormat:
         return ""
 
     def choice(self, r: ChoiceResult) -> dict:
-        return {"index": r.index, "message": {"role": self.role, "content": "".join(r.text)},
-                "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason,
+        message, finish = {"role": self.role, "content": "".join(r.text)}, r.finish_reason
+        if self.tools is not None:
+            message["content"], calls, finish = extract(self.tools, message["content"], finish)
+            if calls:
+                message["tool_calls"] = calls
+        return {"index": r.index, "message": message, "logprobs": self._logprobs(r.logprobs), "finish_reason": finish,
                 "stop_reason": r.stop_reason}
 
     def opening(self, index: int) -> dict | None:
@@ -104,9 +112,20 @@ class ChatFormat:
                 "finish_reason": None}
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
-              finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
+              finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict | None:
+        calls: list[dict] = []
+        if self.tools is not None:         # text becomes content and call deltas; some of it is held
+            ts = self._streams.setdefault(index, ToolStream(self.tools))
+            text, calls = ts.feed(text)
+            if finish_reason is not None:
+                rest, more, finish_reason = ts.finish(finish_reason)
+                text, calls = text + rest, calls + more
+            if not (text or calls or logprobs or finish_reason):
+                return None
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
     def _logprobs(self, entries) -> dict | None:
@@ -185,9 +204,12 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> Async
                 if not (text or ev.finished or ev.logprobs):
                     held[index] = prompt_lps     # the echoed prompt's logprobs go with its text
                     continue            # text held back (a partial character or a possible stop string)
-                chunk = {**head, "choices": [fmt.delta(index, text, ev.logprobs or [], offsets[index],
-                                                       ev.finish_reason, ev.stop_reason, prompt_lps)], **extra}
+                choice = fmt.delta(index, text, ev.logprobs or [], offsets[index], ev.finish_reason, ev.stop_reason,
+                                   prompt_lps)
                 offsets[index] += len(text)
+                if choice is None:      # all of it held back (a tool call being written)
+                    continue
+                chunk = {**head, "choices": [choice], **extra}
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()
                 yield _sse(chunk)

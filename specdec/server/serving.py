@@ -18,6 +18,7 @@ from .errors import APIError, bad_value
 from .metrics import ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .tools import ToolPlan, plan_tools, template_messages
 from .worker import EngineWorker, Job, ShuttingDown
 
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
@@ -25,7 +26,7 @@ from .worker import EngineWorker, Job, ShuttingDown
 MAX_CHOICES = 16
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
-                       "chat_template", "continue_final_message"}
+                       "chat_template", "continue_final_message", "tools"}
 
 
 class Service:
@@ -48,16 +49,19 @@ class Service:
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         self._check_model(req)
         extra.check_chat(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompts = [self._chat_prompt(req)]
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
+                          self.config.tool_call_parser)
+        prompts = [self._chat_prompt(req, plan)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                              plan.constraint if plan else None)
         self._check_prompts(prompts, params, "messages")
-        return prompts, params
+        return prompts, params, plan
 
     def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text for echo: as sent, or decoded when sent as token ids."""
@@ -76,8 +80,13 @@ class Service:
         if req.model is not None and req.model not in self.config.served_model_names:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
 
-    def _params(self, req: _Sampling, max_tokens, logprobs) -> SamplingParams:
+    def _params(self, req: _Sampling, max_tokens, logprobs, tool_constraint=None) -> SamplingParams:
         structured, field = extra.structured_outputs(req)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError(400, f"{field} cannot be combined with a named or required tool_choice (the tools' "
+                                    f"schemas constrain the reply)", field)
+            structured, field = tool_constraint, "tools"
         extra.check_grammar(self.engine, structured, field)
         if req.best_of is not None and req.best_of > req.n and req.stream:
             raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
@@ -116,13 +125,12 @@ class Service:
             return [self.tokenizer.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        messages = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content)
-            messages.append({"role": m.role, "content": content or ""})
+        messages = template_messages(
+            {"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content),
+             "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in req.messages)
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
         if req.chat_template is not None and not self.config.trust_request_chat_template:
@@ -133,6 +141,8 @@ class Service:
         reserved = sorted(set(kwargs) & _TEMPLATE_VARIABLES)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")
+        if plan is not None:
+            kwargs = {**kwargs, "tools": plan.template_tools}
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,

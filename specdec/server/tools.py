@@ -1,0 +1,306 @@
+"""OpenAI tool calling (function calling) with vLLM's `tool_choice` semantics.
+
+- `"none"`: the tools are given to the chat template (which may show them to the model); the
+  reply is text.
+- named, `{"type": "function", "function": {"name": N}}`: the reply is constrained (structured
+  outputs) to N's `parameters` schema and returned as one call of N (finish_reason "stop", as
+  OpenAI answers a forced function).
+- `"required"`: the reply is constrained to a JSON array of `{"name": ..., "parameters": ...}`
+  objects, each one of the tools with its own schema, at least one (exactly one when
+  `parallel_tool_calls` is false); returned as calls, finish_reason "tool_calls".
+- `"auto"` (the default when tools are given): the model writes freely and the server's
+  `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
+  as in vLLM. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  Hermes 2 Pro / 3 and Qwen2.5's templates).
+
+A constrained reply is lossless under speculation like every structured output: the grammar
+masks p and q alike, and verification keeps exactly the constrained target's tokens.
+
+Streams: a named call streams its arguments as they are generated; `required` sends its calls
+when the array is complete (at the end); `auto` streams the text outside the call blocks and
+each call once its block has closed. The content streamed equals the non-streamed content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from ..config import StructuredOutputsParams
+from .errors import APIError
+
+PARSERS = ("hermes",)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request uses its tools (None when it sends none)."""
+    mode: str                                  # "none" | "named" | "required" | "auto"
+    tools: tuple[dict, ...]                    # the request's tools, as sent (for the chat template)
+    name: str | None = None                    # named: the function
+    parser: str | None = None                  # auto: the server's --tool-call-parser
+    constraint: StructuredOutputsParams | None = None   # named / required: the reply's grammar
+
+    @property
+    def template_tools(self) -> list[dict]:
+        return [dict(t) for t in self.tools]
+
+
+def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parser: str | None) -> ToolPlan | None:
+    """Validate a request's tools and tool_choice; a 400 names the field at fault."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice is only allowed when tools are given", "tool_choice")
+        return None
+    functions = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                                f'"parameters": {{...}}}}}}', "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
+        if name in functions:
+            raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", "tools")
+        params = fn.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise APIError(400, f"tools[{i}].function.description must be a string", "tools")
+        functions[name] = params
+    plain = tuple(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", plain)
+    if choice == "auto":
+        if not (enable_auto and parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                'set (or send tool_choice "required", "none" or a named function)', "tool_choice")
+        return ToolPlan("auto", plain, parser=parser)
+    if choice == "required":
+        one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan("required", plain, constraint=StructuredOutputsParams(json=schema))
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                '"function": {"name": ...}}', "tool_choice")
+        if name not in functions:
+            raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+        return ToolPlan("named", plain, name=name, constraint=StructuredOutputsParams(json=functions[name]))
+    raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                   "tool_choice")
+
+
+def call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _required_calls(text: str) -> list[dict] | None:
+    """The calls of a complete `required` array, or None when the text is not one (cut short)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
+        return None
+    return [_call(x["name"], _arguments(x.get("parameters", {}))) for x in items]
+
+
+# ---- hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> ----
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _hermes_call(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _call(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {}))))
+
+
+def _hermes_split(text: str) -> tuple[str, list[dict]]:
+    """(text outside the call blocks, the calls). A block that does not parse stays text; a last
+    block left open (the reply ended inside it) is a call if what follows the tag parses."""
+    content, calls, at = [], [], 0
+    while True:
+        start = text.find(_OPEN, at)
+        if start < 0:
+            content.append(text[at:])
+            break
+        content.append(text[at:start])
+        end = text.find(_CLOSE, start)
+        body = text[start + len(_OPEN):end if end >= 0 else len(text)]
+        call = _hermes_call(body)
+        if call is None:
+            content.append(text[start:end + len(_CLOSE)] if end >= 0 else text[start:])
+        else:
+            calls.append(call)
+        if end < 0:
+            break
+        at = end + len(_CLOSE)
+    return "".join(content), calls
+
+
+def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    """A finished reply -> (message content, tool calls, finish_reason)."""
+    if plan.mode == "named":
+        return None, [_call(plan.name, text)], finish_reason
+    if plan.mode == "required":
+        calls = _required_calls(text)
+        if calls is None:                      # cut short (length): the text as it stands
+            return text, [], finish_reason
+        return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+    if plan.mode == "auto":
+        content, calls = _hermes_split(text)
+        content = content if content.strip() else None
+        return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+    return text, [], finish_reason
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins tag (held back: the tag may be arriving)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice: feed() each step's text, finish() at the end; both return
+    (content delta, tool-call deltas)."""
+    plan: ToolPlan
+    buf: str = ""
+    calls: int = 0
+    in_call: bool = False
+    shown: bool = False            # non-whitespace content sent: whitespace is sent as it comes
+    held_ws: str = ""              # whitespace-only content not sent yet
+    _named_id: str = field(default_factory=call_id)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.plan.mode == "named":
+            if not text:
+                return "", []
+            return "", [self._named_delta(text)]
+        if self.plan.mode == "required":
+            self.buf += text
+            return "", []
+        if self.plan.mode != "auto":
+            return text, []
+        self.buf += text
+        out, deltas = [], []
+        while True:
+            if not self.in_call:
+                start = self.buf.find(_OPEN)
+                if start < 0:
+                    keep = _partial_tag(self.buf, _OPEN)
+                    out.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                out.append(self.buf[:start])
+                self.buf, self.in_call = self.buf[start + len(_OPEN):], True
+            end = self.buf.find(_CLOSE)
+            if end < 0:
+                break
+            body, self.buf, self.in_call = self.buf[:end], self.buf[end + len(_CLOSE):], False
+            call = _hermes_call(body)
+            if call is None:
+                out.append(_OPEN + body + _CLOSE)
+            else:
+                deltas.append(self._delta(call))
+        return self._content("".join(out)), deltas
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """What is still held, and the choice's finish_reason."""
+        if self.plan.mode == "named":
+            deltas = [] if self.calls else [self._named_delta("")]
+            return "", deltas, finish_reason
+        if self.plan.mode == "required":
+            calls = _required_calls(self.buf)
+            if calls is None:
+                return self.buf, [], finish_reason
+            return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
+        if self.plan.mode != "auto":
+            return "", [], finish_reason
+        rest, deltas = self.buf, []
+        if self.in_call:
+            call = _hermes_call(rest)
+            rest = _OPEN + rest if call is None else ""
+            if call is not None:
+                deltas.append(self._delta(call))
+        self.buf = ""
+        text = self._content(rest) + (self.held_ws if self.shown else "")
+        reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
+        return text, deltas, reason
+
+    def _content(self, text: str) -> str:
+        if not text:
+            return ""
+        if not text.strip():
+            if self.shown:
+                return text
+            self.held_ws += text
+            return ""
+        text, self.held_ws, self.shown = self.held_ws + text, "", True
+        return text
+
+    def _delta(self, call: dict) -> dict:
+        d = {"index": self.calls, **call}
+        self.calls += 1
+        return d
+
+    def _named_delta(self, text: str) -> dict:
+        if self.calls:
+            return {"index": 0, "function": {"arguments": text}}
+        self.calls = 1
+        return {"index": 0, "id": self._named_id, "type": "function",
+                "function": {"name": self.plan.name, "arguments": text}}
+
+
+def template_messages(messages) -> list[dict]:
+    """Chat messages as chat templates expect them: content as text, an assistant's earlier
+    tool_calls with their arguments as objects (Hugging Face templates iterate them; OpenAI
+    sends JSON strings), a tool reply's tool_call_id and name."""
+    out = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                c["function"] = fn
+                calls.append(c)
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out

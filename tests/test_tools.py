@@ -1,0 +1,295 @@
+"""Tool calling (OpenAI's tools / tool_choice, vLLM's --enable-auto-tool-choice --tool-call-parser):
+the parsers on their own, then through a real uvicorn server with the official openai client:
+named and required calls are constrained to the tools' schemas and equal plain decoding's
+constrained output, streamed == not streamed, auto calls parsed (hermes), tool messages in the
+history reach the chat template, bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import openai
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.config import StructuredOutputsParams
+from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
+from specdec.server import ServerConfig, build_app
+from specdec.server.errors import APIError
+from specdec.server.tools import ToolStream, extract, plan_tools, template_messages
+
+from test_server import LiveServer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                   "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+MSG = [{"role": "user", "content": "def weather(city):"}]
+# a chat template that shows tools and earlier calls, as tool-calling models' templates do
+TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\ntools: {% for t in tools %}{{ t['function']['name'] }} "
+            "{% endfor %}<|end|>\n{% endif %}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+            "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function']['name'] }} "
+            "{{ c['function']['arguments']['city'] }}</tool_call>{% endfor %}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def plan(mode, parser="hermes"):
+    choice = {"named": {"type": "function", "function": {"name": "add"}}}.get(mode, mode)
+    return plan_tools(TOOLS, choice, None, True, parser)
+
+
+# ---- the parsers alone ----
+
+def test_hermes_extract_content_calls_and_bad_blocks():
+    auto = plan("auto")
+    text = ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+            '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    content, calls, finish = extract(auto, text, "stop")
+    assert content == "Let me check.\n\n" and finish == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
+    # a block that is not a call stays text; no calls: finish_reason unchanged
+    content, calls, finish = extract(auto, "x <tool_call>not json</tool_call> y", "stop")
+    assert (content, calls, finish) == ("x <tool_call>not json</tool_call> y", [], "stop")
+    # the reply ended inside a block (EOS before the closing tag): still a call
+    content, calls, _ = extract(auto, '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}', "stop")
+    assert content is None and calls[0]["function"]["name"] == "add"
+    # cut by max_tokens: "length" is kept
+    assert extract(auto, '<tool_call>{"name": "add", "argu', "length")[2] == "length"
+
+
+def test_required_and_named_extract():
+    content, calls, finish = extract(plan("required"), '[{"name": "add", "parameters": {"a": 1, "b": 2}}]', "stop")
+    assert content is None and finish == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert extract(plan("required"), '[{"name": "add", "param', "length") == ('[{"name": "add", "param', [], "length")
+    content, calls, finish = extract(plan("named"), '{"a": 5, "b": 6}', "stop")
+    assert content is None and finish == "stop" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 5, "b": 6}'}
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n',
+    '  \n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>  <tool_call>{"name": "get_weather", '
+    '"arguments": {"city": "Rome", "unit": "celsius"}}</tool_call>',
+    "no calls here, just <tool and < text",
+    'a <tool_call>broken</tool_call> b <tool_call>{"name": "add", "arguments": {"a": 0, "b": 0}}',
+    '<tool_call>{"name": "add", "arguments": {"a": 9',
+])
+def test_hermes_stream_equals_extract_for_any_chunking(text):
+    auto = plan("auto")
+    want_content, want_calls, want_finish = extract(auto, text, "stop")
+    rng = random.Random(0)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        ts, content, calls = ToolStream(auto), "", []
+        for p in pieces:
+            c, d = ts.feed(p)
+            content, calls = content + c, calls + d
+        c, d, finish = ts.finish("stop")
+        content, calls = content + c, calls + d
+        assert (content or None) == want_content and finish == want_finish
+        assert [(d["index"], d["function"]) for d in calls] == [(i, c["function"]) for i, c in enumerate(want_calls)]
+
+
+def test_named_and_required_streams():
+    ts = ToolStream(plan("named"))
+    deltas = [ts.feed(t)[1] for t in ['{"a"', ": 1, ", '"b": 2}']]
+    assert deltas[0][0]["function"]["name"] == "add" and "id" in deltas[0][0] and "id" not in deltas[1][0]
+    assert "".join(d[0]["function"]["arguments"] for d in deltas) == '{"a": 1, "b": 2}'
+    assert ts.finish("stop") == ("", [], "stop")
+    ts = ToolStream(plan("required"))
+    assert ts.feed('[{"name": "add", ') == ("", []) and ts.feed('"parameters": {"a": 1, "b": 2}}]') == ("", [])
+    content, calls, finish = ts.finish("stop")
+    assert content == "" and finish == "tool_calls" and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "add"
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    (None, "required", "tool_choice"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools"),
+    ([{"type": "retrieval"}], "required", "tools"),
+    ([WEATHER, WEATHER], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "nope"}}], "required", "tools"),
+    (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice"),
+    (TOOLS, "sometimes", "tool_choice"),
+])
+def test_plan_rejects_bad_tools(tools, choice, param):
+    with pytest.raises(APIError) as e:
+        plan_tools(tools, choice, None, True, "hermes")
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_auto_needs_the_server_flags():
+    with pytest.raises(APIError) as e:
+        plan_tools(TOOLS, None, None, False, None)        # tools given: "auto" is the default
+    assert e.value.param == "tool_choice" and "--enable-auto-tool-choice" in e.value.message
+    assert plan_tools(TOOLS, "none", None, False, None).mode == "none"
+    assert plan_tools(TOOLS, None, None, True, "hermes").mode == "auto"
+
+
+def test_template_messages_parse_arguments():
+    out = template_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"}])
+    assert out[0]["content"] == "" and out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    assert out[1] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+
+
+# ---- through the server ----
+
+@pytest.fixture(scope="module")
+def live():
+    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=256,
+              max_num_seqs=8)
+    config = ServerConfig(served_model_names=("toy",), enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          chat_template=TEMPLATE)
+    with LiveServer(build_app(llm, config)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """Plain decoding of the same model outside the server (expected outputs)."""
+    return LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _prompt_ids(ref, messages, tools):
+    text = ref.tokenizer.apply_chat_template(template_messages(messages), chat_template=TEMPLATE, tools=tools)
+    return ref.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _streamed(client, **kw):
+    content, calls, finish = "", {}, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = c.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def test_named_call_is_the_constrained_plain_output(client, ref):
+    jsonschema = pytest.importorskip("jsonschema")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=60,
+                                         temperature=0)
+    msg = out.choices[0].message
+    assert msg.content is None and out.choices[0].finish_reason == "stop" and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # lossless: the speculative server's call is what plain decoding writes under the same schema
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=WEATHER["function"]["parameters"]))
+    plain = ref.generate({"prompt_token_ids": _prompt_ids(ref, MSG, TOOLS)}, params)[0].outputs[0]
+    assert call.function.arguments == plain.text
+    assert out.usage.prompt_tokens == len(_prompt_ids(ref, MSG, TOOLS))
+    content, calls, finish = _streamed(client, model="toy", messages=MSG, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=60, temperature=0)
+    assert content is None and finish == "stop" and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments and calls[0]["id"]
+
+
+def test_required_calls_follow_the_tools_schemas(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    out = client.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, tool_choice="required",
+                                         max_tokens=120, temperature=1.0, seed=4, n=3)
+    for ch in out.choices:
+        if ch.finish_reason == "length":
+            continue
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    one = client.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=120, temperature=0)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+    content, calls, finish = _streamed(client, model="toy", messages=MSG, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=120, temperature=0)
+    want = one.choices[0].message.tool_calls[0].function
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [(want.name, want.arguments)]
+
+
+def test_auto_calls_are_parsed_from_the_text(client):
+    """The model's own hermes call (steered here by a regex, as the toy model knows no tools):
+    the server's parser returns it as a call, streamed or not."""
+    regex = r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,6}", "unit": "celsius"\}\}</tool_call>'
+    kw = dict(model="toy", messages=MSG, tools=TOOLS, max_tokens=80, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    out = client.chat.completions.create(**kw)
+    ch = out.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Checking."
+    assert ch.message.tool_calls[0].function.name == "get_weather"
+    args = json.loads(ch.message.tool_calls[0].function.arguments)
+    assert args["unit"] == "celsius" and args["city"].istitle()
+    content, calls, finish = _streamed(client, **kw)
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", ch.message.tool_calls[0].function.arguments)]
+    # without a call in the reply: plain text, finish_reason stop or length
+    text = client.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, max_tokens=8, temperature=0)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+
+
+def test_tool_messages_reach_the_template(client, ref):
+    history = MSG + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    out = client.chat.completions.create(model="toy", messages=history, tools=TOOLS, tool_choice="none", max_tokens=6,
+                                         temperature=0)
+    ids = _prompt_ids(ref, history, TOOLS)
+    assert "Oslo" in ref.tokenizer.decode(ids) and "tools: get_weather add" in ref.tokenizer.decode(ids)
+    assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.tool_calls is None
+    plain = ref.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert out.choices[0].message.content == plain.text
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+          tool_choice="required"), "tools"),
+])
+def test_bad_tools_are_a_400_naming_the_field(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="toy", messages=MSG, max_tokens=4, **kw)
+    assert e.value.body["param"] == param, e.value.body
+    assert client.models.list().data
+
+
+def test_auto_is_refused_without_the_flags():
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=128)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, max_tokens=4)
+        assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
+        ok = c.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=60,
+                                       temperature=0)
+        assert ok.choices[0].message.tool_calls or ok.choices[0].finish_reason == "length"
+
+
+def test_server_flags_are_validated():
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")

@@ -19,7 +19,7 @@ from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .proposers import build_proposer, typical_acceptance
-from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch
+from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, template_messages
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
@@ -208,12 +208,15 @@ class LLM:
         return params
 
     def chat_prompt(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:
-        """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template."""
-        msgs = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> dict:
+        """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template
+        (tools: OpenAI's tool list, given to the template as `tools`)."""
+        msgs = template_messages([{**m, "content": _text_content(m.get("content"))} for m in messages])
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, chat_template,
-                                                      continue_final_message, **(chat_template_kwargs or {}))
+                                                      continue_final_message, **kwargs)
         except TokenizerError as e:
             raise ValueError(str(e)) from None
         # the template writes its own special tokens (BOS): encoding must not add a second one
@@ -221,14 +224,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"}) or a list of them;
-        one RequestOutput per conversation, its `prompt` the rendered template."""
+        one RequestOutput per conversation, its `prompt` the rendered template. tools: OpenAI's
+        tool list for the template (constrain a call with structured_outputs; the server's
+        tool_choice does that for you)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} (or a list of such lists)")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
-                                    chat_template_kwargs) for c in conversations]
+                                    chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0) -> Iterator[StepEvent]:

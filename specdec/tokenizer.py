@@ -162,6 +162,29 @@ class Tokenizer:
         return text
 
 
+def template_messages(messages) -> list[dict]:
+    """Chat messages as chat templates expect them: content as text ("" for none), an assistant's
+    earlier tool_calls with their arguments as objects (Hugging Face templates read them; OpenAI
+    sends JSON strings), fields sent as null left out; every other field kept."""
+    out = []
+    for m in messages:
+        msg = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function") or {}) if isinstance(c, dict) else {}
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**c, "function": fn} if isinstance(c, dict) else c)
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """Jinja as transformers renders chat templates (templates from a model file are untrusted:
     sandboxed): trimmed blocks, loop controls, raise_exception, strftime_now, a tojson that

@@ -17,7 +17,8 @@ from specdec.config import StructuredOutputsParams
 from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
 from specdec.server import ServerConfig, build_app
 from specdec.server.errors import APIError
-from specdec.server.tools import ToolStream, extract, plan_tools, template_messages
+from specdec.server.tools import ToolStream, extract, plan_tools
+from specdec.tokenizer import template_messages
 
 from test_server import LiveServer
 
@@ -140,6 +141,8 @@ def test_template_messages_parse_arguments():
         {"role": "tool", "content": "3", "tool_call_id": "c1"}])
     assert out[0]["content"] == "" and out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
     assert out[1] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+    assert template_messages([{"role": "user", "content": "hi", "name": None, "extra": 1}]) == [
+        {"role": "user", "content": "hi", "extra": 1}]
 
 
 # ---- through the server ----
@@ -257,6 +260,7 @@ def test_tool_messages_reach_the_template(client, ref):
     ids = _prompt_ids(ref, history, TOOLS)
     assert "Oslo" in ref.tokenizer.decode(ids) and "tools: get_weather add" in ref.tokenizer.decode(ids)
     assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.tool_calls is None
+    assert ref.chat_prompt(history, chat_template=TEMPLATE, tools=TOOLS)["prompt_token_ids"] == ids   # LLM.chat's
     plain = ref.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     assert out.choices[0].message.content == plain.text
 

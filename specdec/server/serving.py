@@ -12,13 +12,13 @@ from ..config import SamplingParams
 from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
-from ..tokenizer import TokenizerError
+from ..tokenizer import TokenizerError, template_messages
 from .config import ServerConfig
 from .errors import APIError, bad_value
 from .metrics import ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from .tools import ToolPlan, plan_tools, template_messages
+from .tools import ToolPlan, plan_tools
 from .worker import EngineWorker, Job, ShuttingDown
 
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds

@@ -276,31 +276,3 @@ class ToolStream:
         self.calls = 1
         return {"index": 0, "id": self._named_id, "type": "function",
                 "function": {"name": self.plan.name, "arguments": text}}
-
-
-def template_messages(messages) -> list[dict]:
-    """Chat messages as chat templates expect them: content as text, an assistant's earlier
-    tool_calls with their arguments as objects (Hugging Face templates iterate them; OpenAI
-    sends JSON strings), a tool reply's tool_call_id and name."""
-    out = []
-    for m in messages:
-        msg = {"role": m["role"], "content": m.get("content") or ""}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        if m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = m["tool_call_id"]
-        if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
-                c = dict(c)
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                c["function"] = fn
-                calls.append(c)
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out

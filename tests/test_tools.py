@@ -297,3 +297,27 @@ def test_server_flags_are_validated():
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="mistral")
+
+
+# ---- vLLM's /tokenize and /detokenize (the same server) ----
+
+def test_tokenize_and_detokenize(live, ref):
+    import httpx
+    tok = ref.tokenizer
+    r = httpx.post(live.url + "/tokenize", json={"prompt": "def f(x):", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("def f(x):") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert r["token_strs"] == [tok.id_to_token(i) for i in r["tokens"]]
+    plain = httpx.post(live.url + "/tokenize", json={"prompt": "def f(x):", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode("def f(x):", add_special_tokens=False) and plain["token_strs"] is None
+    # messages: the ids a chat completion is given (its usage counts them), tools rendered by the template
+    chat = httpx.post(live.url + "/tokenize", json={"messages": MSG, "tools": TOOLS}).json()
+    assert chat["tokens"] == _prompt_ids(ref, MSG, TOOLS)
+    back = httpx.post(live.url + "/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert back["prompt"] == tok.decode(chat["tokens"], skip_special_tokens=False) and "tools: get_weather" in back["prompt"]
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "x", "messages": MSG}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens")]:
+        r = httpx.post(live.url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert httpx.post(live.url + "/detokenize", json={"tokens": "abc"}).status_code == 400

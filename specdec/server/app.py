@@ -18,7 +18,7 @@ from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
 from .errors import ApiKeyGuard, BodyLimit, error_response, install_error_handlers
-from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from .responses import ChatFormat, CompletionFormat, collect, stream
 from .serving import Service
 
@@ -55,6 +55,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                        allow_credentials=config.allow_credentials)
     app.include_router(_public_routes(service))
     app.include_router(_api_routes(service), responses=_ERRORS)
+    app.include_router(_token_routes(service), responses=_ERRORS)
     return app
 
 
@@ -74,6 +75,21 @@ def _public_routes(service: Service) -> APIRouter:
     @router.get("/metrics")
     async def metrics():
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    return router
+
+
+def _token_routes(service: Service) -> APIRouter:
+    """vLLM's /tokenize and /detokenize (outside /v1, as there: no API key)."""
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return service.tokenize(body)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return service.detokenize(body)
 
     return router
 

@@ -93,6 +93,26 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = Field(None, description="vLLM: extra variables for the chat template")
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
+                                                              "(the template writes them)")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+    return_token_strs: bool = Field(False, description="also list each token's string")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

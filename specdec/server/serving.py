@@ -17,7 +17,7 @@ from .config import ServerConfig
 from .errors import APIError, bad_value
 from .metrics import ServerMetrics
 from . import fields as extra
-from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
 from .tools import ToolPlan, plan_tools
 from .worker import EngineWorker, Job, ShuttingDown
 
@@ -56,7 +56,8 @@ class Service:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
                           self.config.tool_call_parser)
-        prompts = [self._chat_prompt(req, plan)]
+        prompts = [self.tokenizer.encode(self._chat_text(req, plan.template_tools if plan else None),
+                                         add_special_tokens=False)]     # the template writes its special tokens
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                               plan.constraint if plan else None)
@@ -125,7 +126,32 @@ class Service:
             return [self.tokenizer.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
-    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+        self._check_model(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if req.messages is not None:
+            extra.check_chat(req)
+            if req.tools is not None:
+                plan_tools(req.tools, "none", None, False, None)       # the tools' shape only
+            ids = self.tokenizer.encode(self._chat_text(req, req.tools), add_special_tokens=bool(req.add_special_tokens))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add)
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req)
+        vocab = self.engine.target.config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def _chat_text(self, req, tools: list[dict] | None = None) -> str:
+        """The conversation through the chat template (req: a chat or tokenize request)."""
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
         messages = template_messages(
@@ -141,17 +167,15 @@ class Service:
         reserved = sorted(set(kwargs) & _TEMPLATE_VARIABLES)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")
-        if plan is not None:
-            kwargs = {**kwargs, "tools": plan.template_tools}
+        if tools is not None:
+            kwargs = {**kwargs, "tools": tools}
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template or self.config.chat_template,
                 continue_final_message=req.continue_final_message, **kwargs)
         except TokenizerError as e:
             raise APIError(400, str(e), "chat_template" if req.chat_template else "messages") from None
-        # the template writes its own special tokens (BOS); encoding must not add a second one
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
         per_prompt = params.best_of or params.n

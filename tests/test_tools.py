@@ -100,6 +100,50 @@ def test_hermes_stream_equals_extract_for_any_chunking(text):
         assert [(d["index"], d["function"]) for d in calls] == [(i, c["function"]) for i, c in enumerate(want_calls)]
 
 
+WHOLE_REPLIES = {
+    "llama3_json": ['{"name": "add", "parameters": {"a": 1, "b": 2}}',
+                    '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
+                    '"parameters": {"city": "Oslo", "unit": "celsius"}}',
+                    '{"answer": 42}', "The sum is 3.", '{"name": "add", "parameters": {"a": 1'],
+    "pythonic": ['[add(a=1, b=2)]', '[add(a=1, b=2), get_weather(city="Oslo", unit="celsius")]',
+                 '[1, 2, 3]', "[add(1, 2)]", "Sure: [add(a=1, b=2)]", '[add(a=1, b=open("x"))]'],
+    "mistral": ['[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]',
+                '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
+                '"arguments": {"city": "Oslo", "unit": "celsius"}}]',
+                "[1, 2]", "Hello there", '[TOOL_CALLS][{"name": "add", "argu'],
+}
+CALLS = {"llama3_json": [1, 2, 0, 0, 0], "pythonic": [1, 2, 0, 0, 0, 0], "mistral": [1, 2, 0, 0, 0]}
+
+
+@pytest.mark.parametrize("parser", sorted(WHOLE_REPLIES))
+def test_whole_reply_parsers(parser):
+    """llama3_json, pythonic, mistral: calls when the whole reply is calls, else text; any
+    chunking of a stream gives the same."""
+    p = plan("auto", parser)
+    for text, n in zip(WHOLE_REPLIES[parser], CALLS[parser]):
+        content, calls, finish = extract(p, text, "stop")
+        assert len(calls) == n, (text, calls)
+        if n:
+            assert content is None and finish == "tool_calls" and calls[0]["function"]["name"] == "add"
+            assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+        else:
+            assert content == text and finish == "stop"
+        rng = random.Random(1)
+        for _ in range(20):
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8))))
+            ts, got, deltas = ToolStream(p), "", []
+            for a, b in zip([0] + cuts, cuts + [len(text)]):
+                c, d = ts.feed(text[a:b])
+                got, deltas = got + c, deltas + d
+            c, d, f = ts.finish("stop")
+            got, deltas = got + c, deltas + d
+            assert (got or None, f) == (content, finish)
+            assert [d["function"] for d in deltas] == [c["function"] for c in calls]
+    # text that cannot be a call streams at once
+    ts = ToolStream(p)
+    assert ts.feed("Hello")[0] == "Hello"
+
+
 def test_named_and_required_streams():
     ts = ToolStream(plan("named"))
     deltas = [ts.feed(t)[1] for t in ['{"a"', ": 1, ", '"b": 2}']]
@@ -292,11 +336,33 @@ def test_auto_is_refused_without_the_flags():
         assert ok.choices[0].message.tool_calls or ok.choices[0].finish_reason == "length"
 
 
+def test_pythonic_parser_through_the_server():
+    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=2, max_model_len=128)
+    config = ServerConfig(served_model_names=("toy",), enable_auto_tool_choice=True, tool_call_parser="pythonic")
+    with LiveServer(build_app(llm, config)) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="toy", messages=MSG, tools=TOOLS, max_tokens=60, temperature=0,
+                  extra_body={"structured_outputs": {"regex": r'\[get_weather\(city="[A-Z][a-z]{2,6}", unit="celsius"\)\]'}})
+        out = c.chat.completions.create(**kw).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        args = json.loads(out.message.tool_calls[0].function.arguments)
+        assert out.message.tool_calls[0].function.name == "get_weather" and args["unit"] == "celsius"
+        content, calls, finish = _streamed(c, **kw)
+        assert (content, finish) == (None, "tool_calls")
+        assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", out.message.tool_calls[0].function.arguments)]
+        # skip_special_tokens (vLLM's field) reaches the engine: the toy model's <|end|> shows when kept
+        kept = c.completions.create(model="toy", prompt="x", max_tokens=3, temperature=0, logit_bias={"3": 100},
+                                    extra_body={"skip_special_tokens": False, "ignore_eos": True})
+        skipped = c.completions.create(model="toy", prompt="x", max_tokens=3, temperature=0, logit_bias={"3": 100},
+                                       extra_body={"ignore_eos": True})
+        assert len(kept.choices[0].text) > len(skipped.choices[0].text)
+
+
 def test_server_flags_are_validated():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerConfig(tool_call_parser="mistral")
+        ServerConfig(tool_call_parser="granite")
 
 
 # ---- vLLM's /tokenize and /detokenize (the same server) ----

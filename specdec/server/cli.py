@@ -59,8 +59,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help="run a chat_template sent with a request (default: refused with 400; a template is code)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": the model calls tools on its own, read by --tool-call-parser')
-    p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes "
-                                              "(<tool_call>{...}</tool_call>: Hermes 2 Pro / 3, Qwen2.5)")
+    p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes (Hermes 2 Pro / 3, "
+                                              "Qwen2.5), llama3_json (Llama 3.1 / 3.2), pythonic (Llama 3.2 / 4 "
+                                              "pythonic templates), mistral (Mistral 7B v0.3+)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")

@@ -31,6 +31,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
     ignore_eos: bool = Field(False, description="vLLM extension")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, description="[-2, 2]: subtract from tokens already in the output")

@@ -61,6 +61,8 @@ class Service:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                               plan.constraint if plan else None)
+        if plan is not None and plan.mode == "auto" and plan.parser == "mistral":
+            params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 
@@ -98,7 +100,7 @@ class Service:
                       top_p=_or(req.top_p, model.get("top_p", 1.0)), top_k=_or(req.top_k, model.get("top_k", -1)),
                       min_p=_or(req.min_p, model.get("min_p", 0.0)), seed=req.seed,
                       max_tokens=_or(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
-                      ignore_eos=req.ignore_eos, logprobs=logprobs,
+                      ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
                       presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
                       repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
                       logit_bias=extra.logit_bias(req, self.engine.target.config.vocab_size), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),

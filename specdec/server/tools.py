@@ -10,15 +10,21 @@
   `parallel_tool_calls` is false); returned as calls, finish_reason "tool_calls".
 - `"auto"` (the default when tools are given): the model writes freely and the server's
   `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
-  as in vLLM. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  Hermes 2 Pro / 3 and Qwen2.5's templates).
+  as in vLLM. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), and three whose calls are the whole
+  reply: `llama3_json` (`{"name": ..., "parameters": {...}}`, several joined by `;`, after an
+  optional `<|python_tag|>`: Llama 3.1 / 3.2), `pythonic` (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's
+  pythonic templates, ToolACE) and `mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`:
+  Mistral 7B v0.3 and later; the marker is a special token, so replies keep special tokens).
 
 A constrained reply is lossless under speculation like every structured output: the grammar
 masks p and q alike, and verification keeps exactly the constrained target's tokens.
 
 Streams: a named call streams its arguments as they are generated; `required` sends its calls
-when the array is complete (at the end); `auto` streams the text outside the call blocks and
-each call once its block has closed. The content streamed equals the non-streamed content.
+when the array is complete (at the end); `auto` with hermes streams the text outside the call
+blocks and each call once its block has closed; with the whole-reply parsers a reply that begins
+like a call is held to the end (then sent as calls, or as text if it does not parse), any other
+streams as text. The content streamed equals the non-streamed content.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 from ..config import StructuredOutputsParams
 from .errors import APIError
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -162,6 +168,91 @@ def _hermes_split(text: str) -> tuple[str, list[dict]]:
     return "".join(content), calls
 
 
+# ---- parsers whose calls are the whole reply ----
+_PYTHON_TAG, _TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+
+
+def _llama3_json_calls(text: str) -> list[dict] | None:
+    """`{"name": ..., "parameters": {...}}` objects joined by `;`, after an optional <|python_tag|>."""
+    s = text.strip().removeprefix(_PYTHON_TAG).strip()
+    calls, at, dec = [], 0, json.JSONDecoder()
+    while at < len(s):
+        try:
+            obj, at = dec.raw_decode(s, at)
+        except json.JSONDecodeError:
+            return None
+        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
+            return None
+        calls.append(_call(obj["name"], _arguments(args)))
+        while at < len(s) and s[at] in " \t\r\n;":
+            at += 1
+    return calls or None
+
+
+def _pythonic_calls(text: str) -> list[dict] | None:
+    """`[f(a=1, b="x"), g()]`: a Python list of calls with literal keyword arguments."""
+    import ast
+
+    s = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    try:
+        tree = ast.parse(s, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            name = ast.unparse(node.func)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        if len(args) != len(node.keywords):
+            return None
+        calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def _mistral_calls(text: str) -> list[dict] | None:
+    """`[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`."""
+    s = text.strip()
+    if not s.startswith(_TOOL_CALLS):
+        return None
+    try:
+        items = json.loads(s[len(_TOOL_CALLS):])
+    except json.JSONDecodeError:
+        return None
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items or not all(
+            isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
+        return None
+    return [_call(x["name"], _arguments(x.get("arguments", x.get("parameters", {})))) for x in items]
+
+
+# parser -> (its calls or None, the starts of a reply that may be a call)
+_WHOLE = {"llama3_json": (_llama3_json_calls, ("{", _PYTHON_TAG)),
+          "pythonic": (_pythonic_calls, ("[", "<|python_start|>")),
+          "mistral": (_mistral_calls, (_TOOL_CALLS,))}
+
+
+def _may_be_call(parser: str, text: str) -> bool:
+    """Whether a reply beginning with `text` may still turn out to be calls."""
+    s = text.lstrip()
+    return any(s.startswith(m) or m.startswith(s) for m in _WHOLE[parser][1])
+
+
+def _split(parser: str, text: str) -> tuple[str, list[dict]]:
+    """(text outside the calls, the calls) of a finished reply."""
+    if parser == "hermes":
+        return _hermes_split(text)
+    calls = _WHOLE[parser][0](text) if _may_be_call(parser, text) and text.strip() else None
+    return ("", calls) if calls else (text, [])
+
+
 def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
     """A finished reply -> (message content, tool calls, finish_reason)."""
     if plan.mode == "named":
@@ -172,7 +263,7 @@ def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str |
             return text, [], finish_reason
         return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     if plan.mode == "auto":
-        content, calls = _hermes_split(text)
+        content, calls = _split(plan.parser, text)
         content = content if content.strip() else None
         return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
     return text, [], finish_reason
@@ -196,6 +287,7 @@ class ToolStream:
     in_call: bool = False
     shown: bool = False            # non-whitespace content sent: whitespace is sent as it comes
     held_ws: str = ""              # whitespace-only content not sent yet
+    holding: bool = True           # whole-reply parsers: the reply so far may be calls
     _named_id: str = field(default_factory=call_id)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -208,6 +300,8 @@ class ToolStream:
             return "", []
         if self.plan.mode != "auto":
             return text, []
+        if self.plan.parser != "hermes":
+            return self._feed_whole(text), []
         self.buf += text
         out, deltas = [], []
         while True:
@@ -243,6 +337,13 @@ class ToolStream:
             return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
         if self.plan.mode != "auto":
             return "", [], finish_reason
+        if self.plan.parser != "hermes":
+            if not self.holding:
+                return "", [], finish_reason
+            content, calls = _split(self.plan.parser, self.buf)
+            self.buf, self.holding = "", False
+            deltas = [self._delta(c) for c in calls]
+            return self._content(content), deltas, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         rest, deltas = self.buf, []
         if self.in_call:
             call = _hermes_call(rest)
@@ -253,6 +354,16 @@ class ToolStream:
         text = self._content(rest) + (self.held_ws if self.shown else "")
         reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
         return text, deltas, reason
+
+    def _feed_whole(self, text: str) -> str:
+        """Whole-reply parsers: hold the reply while it may be calls; once it cannot, send it as text."""
+        if not self.holding:
+            return self._content(text)
+        self.buf += text
+        if _may_be_call(self.plan.parser, self.buf):
+            return ""
+        text, self.buf, self.holding = self.buf, "", False
+        return self._content(text)
 
     def _content(self, text: str) -> str:
         if not text:

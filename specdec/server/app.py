@@ -118,8 +118,10 @@ def _api_routes(service: Service) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         prompts, params, tools = service.prepare_chat(body)
+        # a constrained reply (structured outputs, named or required calls) has no think block
+        reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
-                         service.config.response_role, prompts[0], tools)
+                         service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
 

@@ -62,6 +62,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes (Hermes 2 Pro / 3, "
                                               "Qwen2.5), llama3_json (Llama 3.1 / 3.2), pythonic (Llama 3.2 / 4 "
                                               "pythonic templates), mistral (Mistral 7B v0.3+)")
+    p.add_argument("--reasoning-parser", help="return a reasoning model's <think> block as reasoning_content: "
+                                              "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
@@ -140,7 +142,8 @@ def server_config(args):
                         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                         root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         disable_fastapi_docs=args.disable_fastapi_docs,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def run(args, prog: str = "specdec serve") -> int:

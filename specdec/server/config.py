@@ -24,6 +24,7 @@ class ServerConfig:
     disable_fastapi_docs: bool = False    # no /docs, /redoc, /openapi.json
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's own calls, taken out by the parser
     tool_call_parser: str | None = None   # the format of those calls (tools.PARSERS)
+    reasoning_parser: str | None = None   # thinking returned as reasoning_content (reasoning.PARSERS)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -45,6 +46,10 @@ class ServerConfig:
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        from .reasoning import PARSERS as REASONING
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not isinstance(self.response_role, str) or not self.response_role:

@@ -92,6 +92,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = Field(None, description="vLLM: a Jinja chat template for this request instead of "
                                                          "the server's")
     chat_template_kwargs: dict | None = Field(None, description="vLLM: extra variables for the chat template")
+    include_reasoning: bool = Field(True, description="vLLM: with the server's --reasoning-parser, return the "
+                                                      "thinking as reasoning_content (false: leave it out)")
 
 
 class TokenizeRequest(_Body):

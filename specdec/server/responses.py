@@ -20,6 +20,7 @@ from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
 from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
+from .reasoning import ReasoningStream, split_reasoning
 from .tools import ToolPlan, ToolStream, extract
 
 
@@ -81,13 +82,18 @@ class ChatFormat:
     id_prefix = "chatcmpl-"
 
     def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant",
-                 prompt: list[int] | None = None, tools: ToolPlan | None = None):
+                 prompt: list[int] | None = None, tools: ToolPlan | None = None, reasoning: str | None = None,
+                 include_reasoning: bool = True):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
         self.role, self.prompt = role, prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
         # tool_choice named / required / auto: replies become tool calls (tools.py); "none": text
         self.tools = tools if tools is not None and tools.mode != "none" else None
+        # --reasoning-parser: the thinking apart from the answer (reasoning.py); the answer then
+        # goes to the tool parser
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self._streams: dict[int, ToolStream] = {}
+        self._thinking: dict[int, ReasoningStream] = {}
 
     def top_level(self, results: list[ChoiceResult]) -> dict:
         if not (self.want_prompt_logprobs and self.prompt and results and results[0].prompt_logprobs is not None):
@@ -99,7 +105,12 @@ class ChatFormat:
 
     def choice(self, r: ChoiceResult) -> dict:
         message, finish = {"role": self.role, "content": "".join(r.text)}, r.finish_reason
-        if self.tools is not None:
+        if self.reasoning is not None:
+            thought, answer = split_reasoning(self.reasoning, message["content"])
+            message["content"] = answer if answer or not thought else None
+            if self.include_reasoning:
+                message["reasoning_content"] = thought or None
+        if self.tools is not None and message["content"] is not None:
             message["content"], calls, finish = extract(self.tools, message["content"], finish)
             if calls:
                 message["tool_calls"] = calls
@@ -114,15 +125,26 @@ class ChatFormat:
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
               finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict | None:
         calls: list[dict] = []
+        thought = ""
+        if self.reasoning is not None:     # the thinking first; what follows </think> is the answer
+            rs = self._thinking.setdefault(index, ReasoningStream(self.reasoning))
+            thought, text = rs.feed(text)
+            if finish_reason is not None:
+                more_thought, rest = rs.finish()
+                thought, text = thought + more_thought, text + rest
+            thought = thought if self.include_reasoning else ""
         if self.tools is not None:         # text becomes content and call deltas; some of it is held
             ts = self._streams.setdefault(index, ToolStream(self.tools))
             text, calls = ts.feed(text)
             if finish_reason is not None:
                 rest, more, finish_reason = ts.finish(finish_reason)
                 text, calls = text + rest, calls + more
-            if not (text or calls or logprobs or finish_reason):
-                return None
+        if (self.reasoning is not None or self.tools is not None) and not (
+                text or thought or calls or logprobs or finish_reason):
+            return None                    # all of it held back
         delta = {"content": text} if text else {}
+        if thought:
+            delta["reasoning_content"] = thought
         if calls:
             delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,

@@ -1,0 +1,112 @@
+"""vLLM's --reasoning-parser: a reasoning model's <think> block returned as reasoning_content,
+split alike streamed and not (any chunking), composed with the tool-call parser, and through a
+real uvicorn server with the openai client."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+
+from specdec import LLM
+from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
+from specdec.server import ServerConfig, build_app
+from specdec.server.reasoning import ReasoningStream, split_reasoning
+from specdec.server.responses import ChatFormat, ChoiceResult
+from specdec.server.tools import plan_tools
+
+from test_server import LiveServer
+
+REPLIES = ["<think>\nplan</think>\n\nAnswer.", "plan step</think>answer", "just thinking, cut short",
+           "  <think>x</think>", "Plain answer", "<thi", "", "a</think", "<think>unclosed </thi"]
+
+
+def test_split():
+    assert split_reasoning("deepseek_r1", "weigh it</think>\n\n42") == ("weigh it", "\n\n42")
+    assert split_reasoning("deepseek_r1", "<think>weigh</think>42") == ("weigh", "42")
+    assert split_reasoning("deepseek_r1", "never closed") == ("never closed", "")     # all reasoning
+    assert split_reasoning("qwen3", "<think>weigh</think>42") == ("weigh", "42")
+    assert split_reasoning("qwen3", "42") == ("", "42")                               # thinking off
+    assert split_reasoning("qwen3", "<think>cut short") == ("cut short", "")
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_stream_equals_split_for_any_chunking(parser):
+    rng = random.Random(0)
+    for text in REPLIES:
+        want = split_reasoning(parser, text)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+            rs, got = ReasoningStream(parser), ["", ""]
+            for a, b in zip([0] + cuts, cuts + [len(text)]):
+                r, t = rs.feed(text[a:b])
+                got = [got[0] + r, got[1] + t]
+            r, t = rs.finish()
+            assert (got[0] + r, got[1] + t) == want, (text, cuts)
+
+
+def _format(reasoning, tools=None, include=True):
+    from specdec.tokenizer import Tokenizer
+    return ChatFormat(Tokenizer(BUNDLED_TARGET), False, tools=tools, reasoning=reasoning, include_reasoning=include)
+
+
+def test_reasoning_then_tool_calls_streamed_and_not():
+    """The answer after </think> goes to the tool parser: one hermes call, the same both ways."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plan = plan_tools(tools, "auto", None, True, "hermes")
+    text = 'Add them.</think>\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    msg = _format("deepseek_r1", plan).choice(ChoiceResult(0, [text], finish_reason="stop"))
+    assert msg["message"]["reasoning_content"] == "Add them." and msg["finish_reason"] == "tool_calls"
+    assert msg["message"]["content"] is None and msg["message"]["tool_calls"][0]["function"]["name"] == "add"
+    fmt, thought, content, calls, finish = _format("deepseek_r1", plan), "", "", [], None
+    for i in range(0, len(text), 5):
+        last = i + 5 >= len(text)
+        d = fmt.delta(0, text[i:i + 5], [], 0, "stop" if last else None, None)
+        if d is not None:
+            thought += d["delta"].get("reasoning_content", "")
+            content += d["delta"].get("content", "")
+            calls += d["delta"].get("tool_calls", [])
+            finish = d["finish_reason"] or finish
+    assert (thought, content or None, finish) == ("Add them.", None, "tool_calls")
+    assert [c["function"] for c in calls] == [c["function"] for c in msg["message"]["tool_calls"]]
+    hidden = _format("deepseek_r1", include=False).choice(ChoiceResult(0, ["hmm</think>42"], finish_reason="stop"))
+    assert "reasoning_content" not in hidden["message"] and hidden["message"]["content"] == "42"
+
+
+@pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
+def live(request):
+    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=2, max_model_len=128)
+    config = ServerConfig(served_model_names=("toy",), reasoning_parser=request.param)
+    with LiveServer(build_app(llm, config)) as server:
+        server.parser = request.param
+        yield server
+
+
+def test_through_the_server(live):
+    """The toy model never closes a think block: with deepseek_r1 its whole reply is reasoning
+    (the template would have opened the block), with qwen3 it is all answer; streamed alike."""
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="toy", messages=[{"role": "user", "content": "def f(x):"}], max_tokens=12, temperature=0)
+    msg = c.chat.completions.create(**kw).choices[0].message
+    thought = msg.model_extra.get("reasoning_content")
+    if live.parser == "deepseek_r1":
+        assert thought and msg.content is None
+    else:
+        assert thought is None and msg.content
+    streamed_thought, streamed_content = "", ""
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            streamed_thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_content += choice.delta.content or ""
+    assert (streamed_thought or None, streamed_content or None) == (thought, msg.content)
+    off = c.chat.completions.create(extra_body={"include_reasoning": False}, **kw).choices[0].message
+    assert "reasoning_content" not in (off.model_extra or {}) and off.content == msg.content
+    # a constrained reply is not split: the grammar leaves no think block
+    choice = c.chat.completions.create(extra_body={"guided_choice": ["yes", "no"]}, **kw).choices[0].message
+    assert choice.content in ("yes", "no") and not (choice.model_extra or {}).get("reasoning_content")
+
+
+def test_flag_is_validated():
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerConfig(reasoning_parser="granite")

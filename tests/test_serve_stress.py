@@ -1,5 +1,5 @@
 """The stress run, short (scripts/serve_stress.py runs it for ten minutes): 16 streaming
-clients with random disconnects and bad requests against a speculative server on the tiny
+clients with random disconnects, bad requests and tool calls against a speculative server on the tiny
 pair: no 5xx, every greedy completion equals its solo output, nothing left running or held."""
 
 from __future__ import annotations
@@ -17,6 +17,6 @@ def test_short_stress_run(tiny_pair):
         report = stress.run(live.url, clients=16, seconds=6, max_tokens=24)
     result = report.to_dict()
     assert report.ok(), result
-    assert all(result["actions"].get(a, 0) > 0 for a in ("greedy", "leave", "bad"))
+    assert all(result["actions"].get(a, 0) > 0 for a in ("greedy", "leave", "bad", "tools"))
     assert not any(int(code) >= 500 for code in result["status"])
     assert result["end_metrics"]["kv_cache_usage_perc"] == 0

@@ -7,7 +7,9 @@ Each client loops over random actions:
 - leave: the same request, abandoned after a few chunks (the server must free its seat and
   blocks at once);
 - bad: a malformed or invalid request, which must get a 4xx with OpenAI's error body;
-- sampled: a seeded sampled completion (checked for completing only).
+- sampled: a seeded sampled completion (checked for completing only);
+- tools: a streamed greedy call of a tool (`tool_choice` "required": the grammar makes the
+  model call it), its name and arguments checked against the same request's solo output.
 Checks: no 5xx and no transport failure ever; every greedy completion equals its solo output;
 at the end nothing is running and the KV pool is empty; the server's resident memory, sampled
 every few seconds, is flat (second half against first half of the run).
@@ -35,7 +37,10 @@ BAD = [b'{"messages": [{"role": "user", "content": "x"}], ', b'["not an object"]
        json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}).encode(),
        json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 10**4}).encode(),
        json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode()]
-ACTIONS = (("greedy", 0.6), ("leave", 0.2), ("bad", 0.1), ("sampled", 0.1))
+ACTIONS = (("greedy", 0.5), ("leave", 0.2), ("bad", 0.1), ("sampled", 0.1), ("tools", 0.1))
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a topic up", "parameters": {
+    "type": "object", "properties": {"topic": {"type": "string", "maxLength": 40}}, "required": ["topic"],
+    "additionalProperties": False}}}]
 
 
 @dataclass
@@ -76,9 +81,18 @@ def _body(prompt: str, max_tokens: int, **extra) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True, **extra}
 
 
+def _tool_body(prompt: str, max_tokens: int) -> dict:
+    return _body(prompt, max_tokens, temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+
+
+def _reply(content: str | None, calls) -> str:
+    """A reply as one string: its text, then each call's name and arguments."""
+    return (content or "") + "".join(f"\n<call {c['function']['name']}>{c['function']['arguments']}" for c in calls or [])
+
+
 async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_after: int | None = None) -> str | None:
     """A streamed chat completion's text (None when left early or failed)."""
-    text, chunks = [], 0
+    text, chunks, calls = [], 0, {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         report.status[r.status_code] += 1
         if r.status_code != 200:
@@ -93,12 +107,16 @@ async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_a
                 return None
             for c in event.get("choices", []):
                 text.append(c["delta"].get("content") or "")
+                for d in c["delta"].get("tool_calls") or []:
+                    call = calls.setdefault(d["index"], {"function": {"name": "", "arguments": ""}})
+                    for key in ("name", "arguments"):
+                        call["function"][key] += (d.get("function") or {}).get(key) or ""
             chunks += 1
             if leave_after is not None and chunks >= leave_after:
                 return None                         # closing the stream disconnects
             if event.get("usage"):
                 report.tokens += event["usage"]["completion_tokens"]
-    return "".join(text)
+    return _reply("".join(text), [calls[i] for i in sorted(calls)])
 
 
 async def _bad(client: httpx.AsyncClient, report: Report, rng: random.Random) -> None:
@@ -112,7 +130,7 @@ async def _bad(client: httpx.AsyncClient, report: Report, rng: random.Random) ->
         report.failures.append(f"bad request answered {r.status_code}: {r.text[:200]}")
 
 
-async def _client(url: str, until: float, solo: dict[str, str], max_tokens: int, report: Report, seed: int) -> None:
+async def _client(url: str, until: float, solo: dict, max_tokens: int, report: Report, seed: int) -> None:
     rng = random.Random(seed)
     names, weights = zip(*ACTIONS)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -122,6 +140,12 @@ async def _client(url: str, until: float, solo: dict[str, str], max_tokens: int,
             try:
                 if action == "bad":
                     await _bad(client, report, rng)
+                elif action == "tools":
+                    body = {**_tool_body(prompt, max_tokens), "stream_options": {"include_usage": True}}
+                    text = await _stream(client, body, report)
+                    if text is not None and text != solo["tools", prompt]:
+                        report.mismatches.append({"prompt": prompt, "tools": True, "got": text[:200],
+                                                  "solo": solo["tools", prompt][:200]})
                 elif action == "sampled":
                     body = _body(prompt, max_tokens, temperature=0.8, seed=rng.randrange(1 << 30),
                                  stream_options={"include_usage": True})
@@ -152,14 +176,19 @@ async def _sample_rss(rss, until: float, every: float, report: Report, start: fl
         await asyncio.sleep(every)
 
 
-def solo_outputs(url: str, max_tokens: int) -> dict[str, str]:
-    """Each prompt's greedy output, requested alone."""
+def solo_outputs(url: str, max_tokens: int) -> dict:
+    """Each prompt's greedy output (key: the prompt) and greedy tool call (key: ("tools", prompt)),
+    requested alone and not streamed."""
     out = {}
     with httpx.Client(base_url=url, timeout=600) as c:
         for p in PROMPTS:
             r = c.post("/v1/chat/completions", json={**_body(p, max_tokens, temperature=0), "stream": False})
             r.raise_for_status()
             out[p] = r.json()["choices"][0]["message"]["content"]
+            r = c.post("/v1/chat/completions", json={**_tool_body(p, max_tokens), "stream": False})
+            r.raise_for_status()
+            msg = r.json()["choices"][0]["message"]
+            out["tools", p] = _reply(msg["content"], msg.get("tool_calls"))
     return out
 
 

@@ -110,3 +110,15 @@ def test_through_the_server(live):
 def test_flag_is_validated():
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="granite")
+
+
+def test_responses_api_returns_a_reasoning_item(live):
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = c.responses.create(model="toy", input="def f(x):", max_output_tokens=12, temperature=0)
+    chat = c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "def f(x):"}], max_tokens=12,
+                                     temperature=0).choices[0].message
+    kinds = [o.type for o in r.output]
+    if live.parser == "deepseek_r1":           # never closed: all thinking, no message
+        assert kinds == ["reasoning"] and r.output[0].content[0].text == chat.model_extra["reasoning_content"]
+    else:
+        assert kinds == ["message"] and r.output_text == chat.content

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -17,9 +18,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
-from .errors import ApiKeyGuard, BodyLimit, error_response, install_error_handlers
+from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from .responses import ChatFormat, CompletionFormat, collect, stream
+from .responses_api import (ResponseStore, ResponsesRequest, chat_request, conversation, input_messages, renamed,
+                            respond, stream as stream_response)
 from .serving import Service
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
@@ -55,6 +58,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                        allow_credentials=config.allow_credentials)
     app.include_router(_public_routes(service))
     app.include_router(_api_routes(service), responses=_ERRORS)
+    app.include_router(_responses_routes(service, ResponseStore()), responses=_ERRORS)
     app.include_router(_token_routes(service), responses=_ERRORS)
     return app
 
@@ -128,6 +132,53 @@ def _api_routes(service: Service) -> APIRouter:
     return router
 
 
+def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
+    """OpenAI's Responses API over the chat path (responses_api.py)."""
+    router = APIRouter(prefix="/v1")
+    model = service.config.model_name
+
+    @router.post("/responses")
+    async def create(body: ResponsesRequest, request: Request):
+        arrival = time.perf_counter()
+        history = store.get(body.previous_response_id)[0] if body.previous_response_id else []
+        turn = history + input_messages(body)
+        chat = chat_request(body, history)
+        try:
+            prompts, params, tools = service.prepare_chat(chat)
+        except APIError as e:
+            raise renamed(e) from None
+        reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
+        fmt = ChatFormat(service.tokenizer, False, False, service.config.response_role, prompts[0], tools, reasoning,
+                         body.include_reasoning)
+        rid = f"resp_{uuid.uuid4().hex}"
+
+        def keep(response: dict) -> None:
+            if body.store:
+                store.put(rid, conversation(turn, response["output"]), response)
+
+        gen = service.generation(prompts, params, arrival)
+        if body.stream:
+            return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+
+        async def run():
+            response, _ = await respond(gen, fmt, body, model, rid)
+            keep(response)
+            return response
+        return await _until_done(request, run())
+
+    @router.get("/responses/{rid}")
+    async def read(rid: str):
+        return store.get(rid)[1]
+
+    @router.delete("/responses/{rid}")
+    async def forget(rid: str):
+        store.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    return router
+
+
 def _as_ids(body, config: ServerConfig) -> bool:
     """A request's return_tokens_as_token_ids, else the server's (--return-tokens-as-token-ids)."""
     return config.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids
@@ -138,7 +189,12 @@ async def _respond(request: Request, gen, fmt, model: str, body):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream(gen, fmt, model, include_usage), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
-    work = asyncio.ensure_future(collect(gen, fmt, model))
+    return await _until_done(request, collect(gen, fmt, model))
+
+
+async def _until_done(request: Request, coro):
+    """The JSON body coro builds, unless the client leaves first (then its work is cancelled)."""
+    work = asyncio.ensure_future(coro)
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()

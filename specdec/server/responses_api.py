@@ -1,0 +1,369 @@
+"""OpenAI's Responses API (`POST /v1/responses`, vLLM's shape) on top of the chat path.
+
+A request becomes a chat completion request (input items -> messages, `instructions` -> a system
+message first, flat function tools -> chat tools, `text.format` -> response_format,
+`max_output_tokens` -> max_tokens), so templates, tools, reasoning parsers, structured outputs
+and speculation behave exactly as in /v1/chat/completions; the reply becomes output items:
+a `reasoning` item (with a --reasoning-parser), a `message` with one `output_text` part, and a
+`function_call` item per tool call.
+
+Conversation state: a stored response (`store`, default true) keeps its conversation, so a
+later request may send only its new input with `previous_response_id`; `GET` and `DELETE
+/v1/responses/{id}` read and forget one. The store holds the latest `max_items` responses in
+memory (a server restart forgets them, as vLLM's does).
+
+Streams are OpenAI's typed server-sent events, numbered by `sequence_number`:
+response.created, response.in_progress, then per item response.output_item.added, its deltas
+(response.reasoning_text.delta, response.content_part.added + response.output_text.delta,
+response.function_call_arguments.delta) and their .done events, response.output_item.done, and
+at the end response.completed (or response.incomplete when max_output_tokens cut it short).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import Field
+
+from .errors import APIError, error_body
+from .protocol import ChatCompletionRequest, _Body
+from .responses import ChatFormat, ChoiceResult, collect
+from .serving import Generation
+
+# chat fields whose errors a Responses client knows by another name
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict | None = Field(None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+    reasoning: dict | None = Field(None, description="accepted; the thinking is returned with --reasoning-parser")
+    store: bool = True
+    stream: bool = False
+    metadata: dict | None = None
+    user: str | None = None
+    # vLLM's sampling extensions, as on the chat endpoint
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    include_reasoning: bool = True
+
+
+class ResponseStore:
+    """The latest responses, in memory: id -> (the conversation as chat messages, the body)."""
+
+    def __init__(self, max_items: int = 1024):
+        self.max_items = max_items
+        self._items: collections.OrderedDict[str, tuple[list[dict], dict]] = collections.OrderedDict()
+
+    def put(self, rid: str, messages: list[dict], body: dict) -> None:
+        self._items[rid] = (messages, body)
+        self._items.move_to_end(rid)
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[list[dict], dict]:
+        if rid not in self._items:
+            raise APIError(404, f"no stored response with id {rid!r} (only the latest {self.max_items} are kept, "
+                                "in memory)", "previous_response_id", "response_not_found")
+        return self._items[rid]
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        del self._items[rid]
+
+
+def _text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts", "input")
+    out = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content: only text parts (input_text, output_text) are supported", "input")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The request's own input as chat messages (instructions not included)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            if not isinstance(item.get("role"), str):
+                raise APIError(400, f"{where}.role is required", "input")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") \
+                    and not messages[-1]["content"]:
+                messages[-1]["tool_calls"].append(call)        # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "reasoning":
+            continue                                           # earlier thinking is not sent back
+        else:
+            raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
+                                "function_call_output, reasoning)", "input")
+    return messages
+
+
+def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise APIError(400, f"tools[{i}]: only function tools are supported", "tools")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                      if k in t}})
+    return out
+
+
+def _chat_tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", "text")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema"),
+                                                       "strict": fmt.get("strict")}}
+    return {"type": fmt.get("type")}
+
+
+def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """The chat completion request this Responses request means (history: a stored conversation)."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
+        + input_messages(req)
+    body = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+            "seed": req.seed, "repetition_penalty": req.repetition_penalty, "tools": _chat_tools(req.tools),
+            "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
+            "user": req.user}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValueError as e:
+        raise APIError(400, f"invalid request: {str(e).splitlines()[0]}", "input") from None
+
+
+def renamed(e: APIError) -> APIError:
+    """A chat-path error under the Responses API's field names."""
+    param = e.param
+    for chat, ours in _PARAMS.items():
+        if param and (param == chat or param.startswith(chat + "[") or param.startswith(chat + ".")):
+            param = ours + param[len(chat):]
+    return APIError(e.status, e.message, param, e.code)
+
+
+def _message_item(text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def response_body(rid: str, req: ResponsesRequest, model: str, created: float, output: list[dict],
+                  finish: str | None, usage: dict | None, status: str | None = None) -> dict:
+    incomplete = finish == "length"
+    status = status or ("incomplete" if incomplete else "completed")
+    u = usage or {}
+    return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+            "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
+            "reasoning": req.reasoning, "metadata": req.metadata or {}, "user": req.user, "store": req.store,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "usage": None if usage is None else {
+                "input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                "total_tokens": u["total_tokens"],
+                "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+                "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def output_items(message: dict, finish: str | None) -> list[dict]:
+    """A chat choice's message -> Responses output items."""
+    status = "incomplete" if finish == "length" else "completed"
+    items = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"], status))
+    if message.get("content"):
+        items.append(_message_item(message["content"], status))
+    items += [_call_item(c, status) for c in message.get("tool_calls") or []]
+    return items
+
+
+def conversation(turn: list[dict], items: list[dict]) -> list[dict]:
+    """What a stored response keeps: the conversation so far (earlier turns and this request's
+    input, as chat messages; not the instructions, which each request gives anew) and the reply."""
+    text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in items if i["type"] == "function_call"]
+    reply = {"role": "assistant", "content": text}
+    if calls:
+        reply["tool_calls"] = calls
+    return turn + [reply]
+
+
+async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str) -> tuple[dict, str | None]:
+    """Run to the end: (the response body, the chat finish_reason)."""
+    created = time.time()
+    body = await collect(gen, fmt, model)
+    choice = body["choices"][0]
+    out = response_body(rid, req, model, created, output_items(choice["message"], choice["finish_reason"]),
+                        choice["finish_reason"], body["usage"])
+    return out, choice["finish_reason"]
+
+
+class _Events:
+    """The stream's typed events, numbered."""
+
+    def __init__(self):
+        self.seq = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
+                 done) -> AsyncIterator[str]:
+    """Typed events as the reply is generated; done(body) is called with the final response."""
+    ev, created = _Events(), time.time()
+    start = response_body(rid, req, model, created, [], None, None, status="in_progress")
+    yield ev("response.created", response=start)
+    yield ev("response.in_progress", response=start)
+    output: list[dict] = []
+    open_item: dict | None = None          # the item being streamed: reasoning, message or a call
+    calls: dict[int, dict] = {}            # tool-call delta index -> its item
+    finish, tokens = None, 0
+
+    def close(status: str = "completed"):
+        nonlocal open_item
+        item, open_item = open_item, None
+        if item is None:
+            return []
+        idx = output.index(item)
+        item["status"] = status
+        events = []
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                          text=text, logprobs=[]),
+                       ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                          part=item["content"][0])]
+        elif item["type"] == "reasoning":
+            events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                             text=item["content"][0]["text"]))
+        else:
+            events.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                             arguments=item["arguments"], name=item["name"]))
+        return events + [ev("response.output_item.done", output_index=idx, item=item)]
+
+    def begin(item: dict):
+        nonlocal open_item
+        events = close()
+        output.append(item)
+        open_item = item
+        idx = len(output) - 1
+        shown = {**item, "status": "in_progress"}
+        events.append(ev("response.output_item.added", output_index=idx, item=shown))
+        if item["type"] == "message":
+            events.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        return events
+
+    try:
+        async with gen:
+            async for _, step in gen.steps():
+                tokens += len(step.token_ids)
+                d = fmt.delta(0, step.text, [], 0, step.finish_reason, step.stop_reason)
+                if step.finished:
+                    finish = d["finish_reason"] if d is not None else step.finish_reason
+                if d is None:
+                    continue
+                delta = d["delta"]
+                if delta.get("reasoning_content"):
+                    if open_item is None or open_item["type"] != "reasoning":
+                        for e in begin(_reasoning_item("", "in_progress")):
+                            yield e
+                    open_item["content"][0]["text"] += delta["reasoning_content"]
+                    yield ev("response.reasoning_text.delta", item_id=open_item["id"],
+                             output_index=len(output) - 1, content_index=0, delta=delta["reasoning_content"])
+                if delta.get("content"):
+                    if open_item is None or open_item["type"] != "message":
+                        for e in begin(_message_item("", "in_progress")):
+                            yield e
+                    open_item["content"][0]["text"] += delta["content"]
+                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output) - 1,
+                             content_index=0, delta=delta["content"], logprobs=[])
+                for c in delta.get("tool_calls") or []:
+                    fn = c.get("function") or {}
+                    if c["index"] not in calls:
+                        item = _call_item({"id": c.get("id") or f"call_{uuid.uuid4().hex}",
+                                           "function": {"name": fn.get("name") or "", "arguments": ""}}, "in_progress")
+                        for e in begin(item):
+                            yield e
+                        calls[c["index"]] = item
+                    item = calls[c["index"]]
+                    if fn.get("arguments"):
+                        item["arguments"] += fn["arguments"]
+                        yield ev("response.function_call_arguments.delta", item_id=item["id"],
+                                 output_index=output.index(item), delta=fn["arguments"])
+        status = "incomplete" if finish == "length" else "completed"
+        for e in close(status):
+            yield e
+        prompt_tokens = sum(len(p) for p in gen.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
+                 "prompt_tokens_details": {"cached_tokens": max((s.cached_tokens for s in gen.stats if s), default=0)}}
+        body = response_body(rid, req, model, created, output, finish, usage)
+        done(body)
+        yield ev("response.incomplete" if finish == "length" else "response.completed", response=body)
+    except APIError as e:
+        yield ev("error", **error_body(e.status, e.message, e.param, e.code)["error"])

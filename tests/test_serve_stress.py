@@ -17,6 +17,8 @@ def test_short_stress_run(tiny_pair):
         report = stress.run(live.url, clients=16, seconds=6, max_tokens=24)
     result = report.to_dict()
     assert report.ok(), result
-    assert all(result["actions"].get(a, 0) > 0 for a in ("greedy", "leave", "bad", "tools"))
+    # every client finishes its first action, and the seeded clients' first actions (seeds 0..15)
+    # already include each of these, so this holds however slow the machine
+    assert all(result["actions"].get(a, 0) > 0 for a in ("greedy", "leave", "bad", "tools", "responses"))
     assert not any(int(code) >= 500 for code in result["status"])
     assert result["end_metrics"]["kv_cache_usage_perc"] == 0

@@ -9,7 +9,9 @@ Each client loops over random actions:
 - bad: a malformed or invalid request, which must get a 4xx with OpenAI's error body;
 - sampled: a seeded sampled completion (checked for completing only);
 - tools: a streamed greedy call of a tool (`tool_choice` "required": the grammar makes the
-  model call it), its name and arguments checked against the same request's solo output.
+  model call it), its name and arguments checked against the same request's solo output;
+- responses: the greedy request through the Responses API, streamed (its typed events), its
+  text checked against the chat endpoint's solo output.
 Checks: no 5xx and no transport failure ever; every greedy completion equals its solo output;
 at the end nothing is running and the KV pool is empty; the server's resident memory, sampled
 every few seconds, is flat (second half against first half of the run).
@@ -37,7 +39,7 @@ BAD = [b'{"messages": [{"role": "user", "content": "x"}], ', b'["not an object"]
        json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}).encode(),
        json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 10**4}).encode(),
        json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode()]
-ACTIONS = (("greedy", 0.5), ("leave", 0.2), ("bad", 0.1), ("sampled", 0.1), ("tools", 0.1))
+ACTIONS = (("greedy", 0.4), ("leave", 0.2), ("bad", 0.1), ("sampled", 0.1), ("tools", 0.1), ("responses", 0.1))
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a topic up", "parameters": {
     "type": "object", "properties": {"topic": {"type": "string", "maxLength": 40}}, "required": ["topic"],
     "additionalProperties": False}}}]
@@ -119,6 +121,33 @@ async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_a
     return _reply("".join(text), [calls[i] for i in sorted(calls)])
 
 
+async def _responses(client: httpx.AsyncClient, prompt: str, max_tokens: int, report: Report) -> str | None:
+    """A streamed Responses API reply's text (None when it failed)."""
+    body = {"input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "stream": True, "store": False}
+    text, final = [], None
+    async with client.stream("POST", "/v1/responses", json=body) as r:
+        report.status[r.status_code] += 1
+        if r.status_code != 200:
+            report.failures.append(f"status {r.status_code} for a valid responses request: {(await r.aread())[:200]!r}")
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "error":
+                report.failures.append(f"error event mid-stream: {event}")
+                return None
+            if event["type"] == "response.output_text.delta":
+                text.append(event["delta"])
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                final = event["response"]
+                report.tokens += final["usage"]["output_tokens"]
+    if final is None:
+        report.failures.append("a responses stream ended without response.completed")
+        return None
+    return "".join(text)
+
+
 async def _bad(client: httpx.AsyncClient, report: Report, rng: random.Random) -> None:
     r = await client.post("/v1/chat/completions", content=rng.choice(BAD), headers={"content-type": "application/json"})
     report.status[r.status_code] += 1
@@ -146,6 +175,11 @@ async def _client(url: str, until: float, solo: dict, max_tokens: int, report: R
                     if text is not None and text != solo["tools", prompt]:
                         report.mismatches.append({"prompt": prompt, "tools": True, "got": text[:200],
                                                   "solo": solo["tools", prompt][:200]})
+                elif action == "responses":
+                    text = await _responses(client, prompt, max_tokens, report)
+                    if text is not None and text != solo[prompt]:
+                        report.mismatches.append({"prompt": prompt, "responses": True, "got": text[:200],
+                                                  "solo": solo[prompt][:200]})
                 elif action == "sampled":
                     body = _body(prompt, max_tokens, temperature=0.8, seed=rng.randrange(1 << 30),
                                  stream_options={"include_usage": True})

@@ -17,7 +17,7 @@ T = GGMLQuantizationType
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf: str) -> str:
@@ -123,6 +123,9 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_rope_dimension_count(head_dim)
+    if cfg.get("head_dim"):          # as llama.cpp's converter: the head size where config.json names it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_file_type(1)

@@ -297,14 +297,22 @@ def test_unrolled_training_chain_is_the_serving_chain(heads):
     """Training at depth s (eagle_unroll.unrolled, --unroll) computes what the engine's chain
     computes at draft position s + 1 from the head's own features through its KV cache: the
     depths trained are the depths served (teacher forcing alone trained depth 0 only)."""
+    check_unrolled_is_the_serving_chain(heads["target"], heads["eagle"])
+
+
+def check_unrolled_is_the_serving_chain(target_dir, eagle_dir) -> None:
+    """(Also run on a Qwen3 target by test_qwen3.py: its head's layer norms q and k per head.)"""
     from specdec.model import ForwardBatch
     from specdec.train.eagle_unroll import unrolled
 
-    target = load_model(heads["target"], "float32")
-    head = load_heads(heads["eagle"], target)
+    target = load_model(target_dir, "float32")
+    head = load_heads(eagle_dir, target)
     torch.manual_seed(0)
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.1)          # predicted features unlike the inputs
+        for name, p in head.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 2.0)
     W, D = 12, target.config.hidden_size
     feats, toks = torch.randn(W, D), torch.randint(0, target.config.vocab_size, (W + 1,))
     embeds = target.model.embed_tokens(toks[1:])

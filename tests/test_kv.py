@@ -13,12 +13,15 @@ from specdec.model import BlockManager, ForwardBatch, TreeAttention, load_model
 from specdec.model.quant import QuantLinear
 
 
-@pytest.fixture(scope="module", params=["dense", "gguf"])
+@pytest.fixture(scope="module", params=["dense", "gguf", "qwen3"])
 def model(request, tmp_path_factory):
-    """A float32 checkpoint, and a GGUF one whose matrices stay packed (Q4_K, Q4_0, Q4_1, Q8_0
-    and a tied Q8_0 embedding: forward.c's quantized kernels and its C embedding lookup)."""
+    """A float32 checkpoint, a GGUF one whose matrices stay packed (Q4_K, Q4_0, Q4_1, Q8_0
+    and a tied Q8_0 embedding: forward.c's quantized kernels and its C embedding lookup), and a
+    float32 Qwen3 (per-head q/k norms before RoPE; head_dim 32 with hidden 64)."""
     if request.param == "gguf":
         return load_model(request.getfixturevalue("gguf_files")["llama_q"], quantization="gguf")
+    if request.param == "qwen3":
+        return load_model(make_checkpoint(tmp_path_factory.mktemp("kv") / "q3", arch="qwen3", head_dim=32), "float32")
     return load_model(make_checkpoint(tmp_path_factory.mktemp("kv") / "m", layers=2), "float32")
 
 

@@ -4,7 +4,8 @@
   split on its own and the rank's pieces are concatenated again: rows of its query heads, of
   the KV heads those heads read (GQA: a share of the KV heads, or one replicated head when
   there are fewer KV heads than ranks), its slice of gate and the same slice of up. No
-  communication: every rank keeps its heads' keys and values in its own KV cache.
+  communication: every rank keeps its heads' keys and values in its own KV cache. Qwen3's
+  per-head q/k norms (one weight shared by the heads) stay whole on every rank.
 - row-parallel: o and down take the matching input columns; their outputs are partial sums,
   added over the ranks by one all-reduce each (`RowParallel`).
 - vocabulary-parallel LM head: each rank scores its share of the vocabulary; rank 0 gathers
@@ -83,6 +84,8 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
         dst.input_layernorm, dst.post_attention_layernorm = src.input_layernorm, src.post_attention_layernorm
         dst.self_attn.qkv_proj = column(src.self_attn.qkv_proj, qkv_rows)
         dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
+        # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
+        dst.self_attn.q_norm, dst.self_attn.k_norm = src.self_attn.q_norm, src.self_attn.k_norm
         dst.mlp.gate_up_proj = column(src.mlp.gate_up_proj, torch.cat([mlp_rows, inter + mlp_rows]))
         dst.mlp.down_proj = RowParallel(row(src.mlp.down_proj, mlp_rows), comm)
     widths = vocab_split(cfg.vocab_size, world)

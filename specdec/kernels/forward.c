@@ -64,6 +64,18 @@ static void rms_norm_for(float *out, const float *x, const float *w, int T, int 
     }
 }
 
+/* Each of n_heads vectors of hd in v, in place: rms_norm_for's operations on one head (Qwen3's
+ * q_norm / k_norm, one weight w [hd] shared by the heads). */
+static void head_norm(float *v, int n_heads, int hd, const float *w, float eps) {
+    for (int h = 0; h < n_heads; h++) {
+        float *x = v + (long)h * hd;
+        double ss = 0.0;
+        for (int i = 0; i < hd; i++) ss += (double)x[i] * x[i];
+        float r = 1.0f / sqrtf((float)(ss / hd) + eps);
+        for (int i = 0; i < hd; i++) x[i] = w[i] * (x[i] * r);
+    }
+}
+
 /* out [M, N] = x [M, K] @ w^T (+ bias) by the team; qs: scratch for M quantized rows of K. */
 static void linear_for(const Mat *w, const float *x, const float *bias, float *out, int M, int N, int K, void *qs) {
     if (w->fmt == F32 || w->fmt == BF16) {
@@ -150,6 +162,10 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
+        if (L->q_norm) {
+            head_norm(row, H, hd, L->q_norm, m->eps);
+            head_norm(row + nq, KV, hd, L->k_norm, m->eps);
+        }
         rope(row, H, hd, w->angles + (long)n * hd);
         rope(row + nq, KV, hd, w->angles + (long)n * hd);
         int sq = w->who[n].seq;

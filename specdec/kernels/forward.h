@@ -15,6 +15,7 @@ typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
     Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
+    const float *q_norm, *k_norm;         /* [hd] fp32: Qwen3's per-head RMSNorm before RoPE, or NULL */
     void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] in kv_type's format */
     float *k_scale, *v_scale;             /* [KV, num_blocks, block_size] (KV_I8), else NULL */
 } Layer;

@@ -9,6 +9,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -27,6 +28,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v
+    qk_norm: bool = False         # Qwen3: an RMSNorm over each query and key head, before RoPE
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -46,6 +48,9 @@ class ModelConfig:
         try:
             n_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
+            qwen = model_type in ("qwen2", "qwen3")
+            if model_type == "qwen3":
+                _check_qwen3(cfg)
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
@@ -55,11 +60,12 @@ class ModelConfig:
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5),
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=_rope_scaling(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -100,9 +106,17 @@ class ModelConfig:
         d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                            self.num_key_value_heads, self.head_dim)
         attn = d * hd * (h + 2 * kv) + h * hd * d
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + emb + d
+
+
+def _check_qwen3(cfg: dict) -> None:
+    """What Qwen3ForCausalLM can do that the runtime does not (no released dense Qwen3 does it)."""
+    if cfg.get("attention_bias"):
+        raise ValueError("qwen3 with attention_bias=true is not supported (it puts a bias on o_proj too)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("qwen3 with use_sliding_window=true is not supported (full attention only)")
 
 
 def _rope_theta(cfg: dict) -> float:

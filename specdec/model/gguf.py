@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2).
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -7,8 +7,9 @@ weight is built, so a bad file fails with one line and nothing half-loaded.
 
 Two llama.cpp conventions are undone here:
 - its converter permutes the rows of attn_q / attn_k of llama and mistral models (rotary pairs
-  interleaved instead of split into halves); qwen2 is stored unpermuted. ggml rows are whole in
-  every format, so the inverse permutation is a row shuffle, valid on quantized rows too;
+  interleaved instead of split into halves); qwen2 and qwen3 are stored unpermuted. ggml rows
+  are whole in every format, so the inverse permutation is a row shuffle, valid on quantized
+  rows too;
 - q/k/v and gate/up are separate tensors; the runtime fuses them (a row concatenation).
 
 Packed matrices (`load_gguf`'s quantization): Q8_0 / Q4_0 / Q4_1 / Q4_K matrices can stay in
@@ -34,7 +35,7 @@ from .config import ModelConfig
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer, rope_inv_freq
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PERMUTED = ("llama", "mistral")          # q/k rows interleaved by llama.cpp's converter
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 QUANTIZATIONS = (None, "auto", "gguf", "none")
@@ -129,10 +130,11 @@ class GGUFFile:
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
             max_position_embeddings=int(a("context_length", 2048)),
-            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
+            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm=arch == "qwen3",
             model_type=arch,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
@@ -153,6 +155,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)})
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        if cfg.qk_norm:
+            out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
     return out
 
 
@@ -298,6 +302,9 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
         _swap_linear(layer.self_attn, "qkv_proj", b.linear([p + f"attn_{x}.weight" for x in "qkv"], biases))
         _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
+        if cfg.qk_norm:
+            layer.self_attn.q_norm.weight = b.param(p + "attn_q_norm.weight")
+            layer.self_attn.k_norm.weight = b.param(p + "attn_k_norm.weight")
         _swap_linear(layer.mlp, "gate_up_proj", b.linear([p + "ffn_gate.weight", p + "ffn_up.weight"]))
         _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
     model.model.norm.weight = b.param("output_norm.weight")

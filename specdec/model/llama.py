@@ -1,4 +1,4 @@
-"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2) over a paged KV cache.
+"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Two ways in, one return type (`ForwardOutput`):
 - `model(tokens [B, T])`: full sequences, causal, no cache (training, scoring);
@@ -99,14 +99,26 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
+        # Qwen3: one [hd] weight shared by the heads, so a tensor-parallel rank keeps it whole
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend) -> Tensor:
-        """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [..., D] -> q [..., H, hd], k and v [..., KV, hd]: projected, q/k normed per head
+        (Qwen3), RoPE not yet applied."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend) -> Tensor:
+        """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
+        lead = x.shape[:-1]
+        q, k, v = self.heads(x)
         gqa = self.n_kv != self.n_heads
         if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))

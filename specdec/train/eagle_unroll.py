@@ -41,11 +41,7 @@ def chain_mask(width: int, depth: int, device=None) -> Tensor:
 
 def _qkv(attn, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x [B, W, D] -> q [B, H, W, hd], k and v [B, KV, W, hd], rotary applied."""
-    B, W, _ = x.shape
-    q, k, v = attn.qkv_proj(x).split(attn.split, dim=-1)
-    q = q.view(B, W, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = k.view(B, W, attn.n_kv, attn.head_dim).transpose(1, 2)
-    v = v.view(B, W, attn.n_kv, attn.head_dim).transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in attn.heads(x))
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 

@@ -260,65 +260,86 @@ async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model
     return out, choice["finish_reason"]
 
 
-class _Events:
-    """The stream's typed events, numbered."""
+class _ItemStream:
+    """The output items of one streamed reply, as OpenAI's typed events: an item opens
+    (output_item.added), takes its deltas, and closes (its .done events, output_item.done) when
+    the next one opens or the reply ends. Each method returns the events it makes."""
 
     def __init__(self):
         self.seq = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None
+        self.calls: dict[int, dict] = {}        # a tool-call delta's index -> its item
 
-    def __call__(self, kind: str, **fields) -> str:
+    def event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def close(self, status: str = "completed") -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        idx, ev = self.output.index(item), self.event
+        item["status"] = status
+        if item["type"] == "message":
+            events = [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                         text=item["content"][0]["text"], logprobs=[]),
+                      ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                         part=item["content"][0])]
+        elif item["type"] == "reasoning":
+            events = [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                         text=item["content"][0]["text"])]
+        else:
+            events = [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                         arguments=item["arguments"], name=item["name"])]
+        return events + [ev("response.output_item.done", output_index=idx, item=item)]
+
+    def begin(self, item: dict) -> list[str]:
+        events = self.close()
+        self.output.append(item)
+        self.open, idx = item, len(self.output) - 1
+        events.append(self.event("response.output_item.added", output_index=idx, item={**item, "status": "in_progress"}))
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                            "logprobs": []}))
+        return events
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """Reasoning (kind "reasoning") or answer ("message") text."""
+        events = [] if self.open is not None and self.open["type"] == kind else \
+            self.begin(_reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress"))
+        self.open["content"][0]["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self.event(name, item_id=self.open["id"], output_index=len(self.output) - 1,
+                                    content_index=0, delta=delta, **extra)]
+
+    def call(self, c: dict) -> list[str]:
+        """One tool-call delta of the chat format (its first names the function)."""
+        fn, events = c.get("function") or {}, []
+        if c["index"] not in self.calls:
+            item = _call_item({"id": c.get("id") or f"call_{uuid.uuid4().hex}",
+                               "function": {"name": fn.get("name") or "", "arguments": ""}}, "in_progress")
+            events = self.begin(item)
+            self.calls[c["index"]] = item
+        item = self.calls[c["index"]]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=self.output.index(item), delta=fn["arguments"]))
+        return events
 
 
 async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
                  done) -> AsyncIterator[str]:
     """Typed events as the reply is generated; done(body) is called with the final response."""
-    ev, created = _Events(), time.time()
+    items, created = _ItemStream(), time.time()
     start = response_body(rid, req, model, created, [], None, None, status="in_progress")
-    yield ev("response.created", response=start)
-    yield ev("response.in_progress", response=start)
-    output: list[dict] = []
-    open_item: dict | None = None          # the item being streamed: reasoning, message or a call
-    calls: dict[int, dict] = {}            # tool-call delta index -> its item
+    yield items.event("response.created", response=start)
+    yield items.event("response.in_progress", response=start)
     finish, tokens = None, 0
-
-    def close(status: str = "completed"):
-        nonlocal open_item
-        item, open_item = open_item, None
-        if item is None:
-            return []
-        idx = output.index(item)
-        item["status"] = status
-        events = []
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            events += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                          text=text, logprobs=[]),
-                       ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                          part=item["content"][0])]
-        elif item["type"] == "reasoning":
-            events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                             text=item["content"][0]["text"]))
-        else:
-            events.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                             arguments=item["arguments"], name=item["name"]))
-        return events + [ev("response.output_item.done", output_index=idx, item=item)]
-
-    def begin(item: dict):
-        nonlocal open_item
-        events = close()
-        output.append(item)
-        open_item = item
-        idx = len(output) - 1
-        shown = {**item, "status": "in_progress"}
-        events.append(ev("response.output_item.added", output_index=idx, item=shown))
-        if item["type"] == "message":
-            events.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-        return events
-
     try:
         async with gen:
             async for _, step in gen.steps():
@@ -328,42 +349,22 @@ async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model:
                     finish = d["finish_reason"] if d is not None else step.finish_reason
                 if d is None:
                     continue
-                delta = d["delta"]
+                delta, events = d["delta"], []
                 if delta.get("reasoning_content"):
-                    if open_item is None or open_item["type"] != "reasoning":
-                        for e in begin(_reasoning_item("", "in_progress")):
-                            yield e
-                    open_item["content"][0]["text"] += delta["reasoning_content"]
-                    yield ev("response.reasoning_text.delta", item_id=open_item["id"],
-                             output_index=len(output) - 1, content_index=0, delta=delta["reasoning_content"])
+                    events += items.text("reasoning", delta["reasoning_content"])
                 if delta.get("content"):
-                    if open_item is None or open_item["type"] != "message":
-                        for e in begin(_message_item("", "in_progress")):
-                            yield e
-                    open_item["content"][0]["text"] += delta["content"]
-                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output) - 1,
-                             content_index=0, delta=delta["content"], logprobs=[])
+                    events += items.text("message", delta["content"])
                 for c in delta.get("tool_calls") or []:
-                    fn = c.get("function") or {}
-                    if c["index"] not in calls:
-                        item = _call_item({"id": c.get("id") or f"call_{uuid.uuid4().hex}",
-                                           "function": {"name": fn.get("name") or "", "arguments": ""}}, "in_progress")
-                        for e in begin(item):
-                            yield e
-                        calls[c["index"]] = item
-                    item = calls[c["index"]]
-                    if fn.get("arguments"):
-                        item["arguments"] += fn["arguments"]
-                        yield ev("response.function_call_arguments.delta", item_id=item["id"],
-                                 output_index=output.index(item), delta=fn["arguments"])
-        status = "incomplete" if finish == "length" else "completed"
-        for e in close(status):
+                    events += items.call(c)
+                for e in events:
+                    yield e
+        for e in items.close("incomplete" if finish == "length" else "completed"):
             yield e
         prompt_tokens = sum(len(p) for p in gen.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
                  "prompt_tokens_details": {"cached_tokens": max((s.cached_tokens for s in gen.stats if s), default=0)}}
-        body = response_body(rid, req, model, created, output, finish, usage)
+        body = response_body(rid, req, model, created, items.output, finish, usage)
         done(body)
-        yield ev("response.incomplete" if finish == "length" else "response.completed", response=body)
+        yield items.event("response.incomplete" if finish == "length" else "response.completed", response=body)
     except APIError as e:
-        yield ev("error", **error_body(e.status, e.message, e.param, e.code)["error"])
+        yield items.event("error", **error_body(e.status, e.message, e.param, e.code)["error"])

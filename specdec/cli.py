@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse the KV blocks of earlier requests' identical prompt prefixes (plain decoding and "
                         "ngram; default off)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: requests join in arrival order; priority: by each request's `priority` "
+                        "(lower first), then arrival, and the least urgent is preempted (default fcfs)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
                         "~1.9x the slots of bf16, outputs differ slightly)")
@@ -107,7 +110,8 @@ def llm_from_args(args, seed: int | None = None):
                generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
-               tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+               tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+               scheduling_policy=args.scheduling_policy)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -178,6 +178,9 @@ class SchedulerConfig:
     block_size: slots per KV block.
     enable_prefix_caching: a prompt's leading full blocks are taken from earlier requests' caches
         when they hold the same tokens (model/kv.py); plain decoding and ngram only.
+    scheduling_policy: "fcfs" (waiting requests join in arrival order; the newest running one is
+        preempted) or "priority" (vLLM's: by each request's priority, lower first, then arrival;
+        the least urgent running one is preempted).
     """
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -185,6 +188,7 @@ class SchedulerConfig:
     gpu_memory_utilization: float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = False
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -197,9 +201,12 @@ class SchedulerConfig:
                self.enable_prefix_caching)
         u = self.gpu_memory_utilization
         _check(u is None or (_real(u) and 0 < u <= 1), "gpu_memory_utilization", "must be in (0, 1]", u)
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {', '.join(SCHEDULING_POLICIES)}", self.scheduling_policy)
 
 
 DEFAULT_KV_CAP = 1 << 30
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_bytes(value) -> int:

@@ -147,8 +147,10 @@ class Engine:
         return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
-                    request_id: str | None = None, stream: bool = False) -> Request:
-        """Queue a request; it joins the running batch at a step when a seat and blocks are free."""
+                    request_id: str | None = None, stream: bool = False, priority: int = 0) -> Request:
+        """Queue a request; it joins the running batch at a step when a seat and blocks are free
+        (priority: under scheduling_policy="priority", lower joins first)."""
+        self.check_priority(priority)
         self.check_prompt(prompt, params)
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
@@ -156,9 +158,17 @@ class Engine:
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
-                      stream=stream)
+                      stream=stream, priority=priority)
         self.scheduler.add(req)
         return req
+
+    def check_priority(self, priority) -> None:
+        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             f"(--scheduling-policy priority)")
 
     def abort(self, request_id: Hashable) -> None:
         req = next((r for r in itertools.chain(self.scheduler.running, self.scheduler.waiting)

@@ -84,7 +84,8 @@ class LLM:
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
-    (vLLM's flag; plain decoding and ngram).
+    (vLLM's flag; plain decoding and ngram). scheduling_policy: "fcfs" or "priority" (then
+    generate(..., priority=[...]) orders the queue, lower first; vLLM's).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -95,11 +96,11 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs"):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-                                gpu_memory_utilization, block_size, enable_prefix_caching)
+                                gpu_memory_utilization, block_size, enable_prefix_caching, scheduling_policy)
         if model is None:
             model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:
@@ -245,8 +246,9 @@ class LLM:
         return self.engine.generate(ids, params, seed_offset=index)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order.
+        priority: one per prompt, under scheduling_policy="priority" (lower first; vLLM's)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -255,18 +257,23 @@ class LLM:
             plist = list(sampling_params)
         else:
             plist = [sampling_params] * len(prompts)
-        jobs = []     # (request id, text, ids, params) per prompt, all checked before any runs
-        for prompt, params in zip(prompts, plist):
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must be one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        jobs = []     # (request id, text, ids, params, priority) per prompt, all checked before any runs
+        for prompt, params, prio in zip(prompts, plist, priorities):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
+            self.engine.check_priority(prio)
             self.engine.check_prompt(ids, params)
-            jobs.append((str(self._counter), text, ids, params))
+            jobs.append((str(self._counter), text, ids, params, prio))
             self._counter += 1
         reqs, logprobs = {}, {}
         try:
-            for rid, _, ids, params in jobs:
+            for rid, _, ids, params, prio in jobs:
                 for i in range(params.best_of or params.n):
-                    reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}")
+                    reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
+                                                             priority=prio)
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
                     if event.logprobs is not None:
@@ -275,7 +282,7 @@ class LLM:
             for r in reqs.values():
                 if not r.finished:
                     self.engine.abort(r.request_id)
-        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params in jobs]
+        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _ in jobs]
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []

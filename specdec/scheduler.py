@@ -11,6 +11,11 @@ Per step, in order:
 3. waiting requests join, oldest first, while there is a free seat (max_num_seqs), budget,
    and blocks for their whole prompt; none joins in a step that preempted.
 
+Under vLLM's `scheduling_policy="priority"` the queue is ordered by (priority, arrival), lower
+first; the running requests reserve their blocks in that order and the victim of a preemption
+is the least urgent running request (the largest (priority, arrival)), which rejoins the queue
+at its place. A running request is never preempted to seat a waiting one (as in vLLM).
+
 Invariant of a running request: the target's cache holds seq[:num_cached]; it decodes once
 num_cached == len(seq) - 1 (the last token is fed by the next step, with the drafts). With
 prefix caching a request may join with num_cached > 0 (its prompt's leading blocks found in the
@@ -19,6 +24,7 @@ cache), even == len(seq) - 1.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +48,7 @@ class Request:
     detok: Detokenizer
     arrival: float
     stream: bool = False            # keep events for a streaming iterator (Engine.generate)
+    priority: int = 0               # scheduling_policy="priority": lower runs first
     seq: list[int] = field(default_factory=list)        # prompt + output so far
     out: list[int] = field(default_factory=list)        # output tokens
     stats: RequestStats = field(default_factory=RequestStats)
@@ -70,6 +77,11 @@ class Request:
     def finished(self) -> bool:
         return self.status == FINISHED
 
+    @property
+    def urgency(self) -> tuple[int, float]:
+        """The priority policy's order key: smaller runs first."""
+        return self.priority, self.arrival
+
 
 @dataclass
 class StepPlan:
@@ -89,9 +101,17 @@ class Scheduler:
         self.config, self.blocks, self.lookahead = config, blocks, lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.by_priority = config.scheduling_policy == "priority"
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if self.by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.append(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the priority queue at its (priority, arrival) place."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, req.urgency, key=lambda r: r.urgency), req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,6 +120,8 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self.running if r.prefilled]
+        if self.by_priority:        # the most urgent reserve first: a victim is never already planned
+            decoding.sort(key=lambda r: r.urgency)
         for r, k in zip(decoding, choose_k(decoding) if decoding else []):
             if r.status != RUNNING:         # preempted for an older request in this loop
                 continue
@@ -123,9 +145,9 @@ class Scheduler:
         return plan
 
     def _reserve(self, r: Request, num_slots: int, plan: StepPlan) -> bool:
-        """Blocks for r's step, preempting the newest running requests (r itself last)."""
+        """Blocks for r's step, preempting the newest (or least urgent) running requests, r itself last."""
         while not self.blocks.ensure(r.request_id, num_slots):
-            victim = self.running[-1]
+            victim = max(self.running, key=lambda q: q.urgency) if self.by_priority else self.running[-1]
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is r:
@@ -151,7 +173,10 @@ class Scheduler:
         self.blocks.remove(r.request_id)
         r.status, r.num_cached = WAITING, 0
         r.num_preemptions += 1
-        self.waiting.appendleft(r)
+        if self.by_priority:
+            self._enqueue(r)
+        else:
+            self.waiting.appendleft(r)
 
     def finish(self, r: Request) -> None:
         """r is done (finished or aborted): its seat and blocks are free."""

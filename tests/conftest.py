@@ -80,17 +80,22 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def near_draft(tiny_pair, tmp_path_factory) -> Path:
     """The target with noise on its LM head: a draft that agrees often but not always."""
+    target, _ = tiny_pair
+    return noisy_head_copy(target, tmp_path_factory.mktemp("near") / "draft")
+
+
+def noisy_head_copy(src: Path, folder: Path, noise: float = 0.3, seed: int = 7) -> Path:
+    """src's checkpoint with noise on its LM head (noise x the head's std), saved with its
+    tokenizer in folder: a draft that agrees with src often but not always."""
     import transformers
 
-    target, _ = tiny_pair
-    folder = tmp_path_factory.mktemp("near") / "draft"
-    model = transformers.AutoModelForCausalLM.from_pretrained(target)
-    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    torch.manual_seed(seed)
     with torch.no_grad():
         w = model.lm_head.weight
-        w.add_(torch.randn_like(w) * w.std() * 0.3)
+        w.add_(torch.randn_like(w) * w.std() * noise)
     model.save_pretrained(folder)
-    for f in target.glob("tokenizer*.json"):
+    for f in src.glob("tokenizer*.json"):
         (folder / f.name).write_bytes(f.read_bytes())
     return folder
 

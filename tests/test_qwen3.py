@@ -17,7 +17,7 @@ import torch
 import transformers
 from gguf import quants
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model, save_model
@@ -36,15 +36,7 @@ def files(tmp_path_factory) -> dict:
     often, not always); f32 / q8_0: GGUF files of the target; heads: untrained Medusa / EAGLE."""
     root = tmp_path_factory.mktemp("qwen3")
     hf = make_checkpoint(root / "hf", arch="qwen3", head_dim=32)
-    near = root / "near"
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        w = model.lm_head.weight
-        w.add_(torch.randn_like(w) * w.std() * 0.3)
-    model.save_pretrained(near)
-    for f in hf.glob("tokenizer*.json"):
-        (near / f.name).write_bytes(f.read_bytes())
+    near = noisy_head_copy(hf, root / "near")
     return {"hf": hf, "near": near, "f32": write_gguf(hf, root / "f32.gguf", pre="qwen2"),
             "q8_0": write_gguf(hf, root / "q8" / "model.gguf", lambda name, ndim: T.Q8_0, pre="qwen2"),
             **_heads_dirs(hf, root)}

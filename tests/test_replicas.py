@@ -149,7 +149,7 @@ def test_completions_and_streams_spread_over_both_replicas(cluster):
 
 
 def test_a_killed_replica_fails_its_requests_clearly_and_the_service_recovers(cluster):
-    client, url = cluster["client"], cluster["url"]
+    client = cluster["client"]
     outcome, replica_of, started = {}, {}, threading.Semaphore(0)
 
     def stream(i):

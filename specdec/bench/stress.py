@@ -20,6 +20,7 @@ every few seconds, is flat (second half against first half of the run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -92,18 +93,27 @@ def _reply(content: str | None, calls) -> str:
     return (content or "") + "".join(f"\n<call {c['function']['name']}>{c['function']['arguments']}" for c in calls or [])
 
 
+async def _events(client: httpx.AsyncClient, path: str, body: dict, report: Report):
+    """A streamed POST's data events, parsed; a single None when it failed (recorded). Iterate
+    it inside contextlib.aclosing: leaving the loop early then closes the stream at once."""
+    async with client.stream("POST", path, json=body) as r:
+        report.status[r.status_code] += 1
+        if r.status_code != 200:
+            report.failures.append(f"status {r.status_code} for a valid {path} request: {(await r.aread())[:200]!r}")
+            yield None
+            return
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
+
+
 async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_after: int | None = None) -> str | None:
     """A streamed chat completion's text (None when left early or failed)."""
     text, chunks, calls = [], 0, {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        report.status[r.status_code] += 1
-        if r.status_code != 200:
-            report.failures.append(f"status {r.status_code} for a valid request: {(await r.aread())[:200]!r}")
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+    async with contextlib.aclosing(_events(client, "/v1/chat/completions", body, report)) as events:
+        async for event in events:
+            if event is None:
+                return None
             if "error" in event:
                 report.failures.append(f"error event mid-stream: {event['error']}")
                 return None
@@ -125,15 +135,10 @@ async def _responses(client: httpx.AsyncClient, prompt: str, max_tokens: int, re
     """A streamed Responses API reply's text (None when it failed)."""
     body = {"input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "stream": True, "store": False}
     text, final = [], None
-    async with client.stream("POST", "/v1/responses", json=body) as r:
-        report.status[r.status_code] += 1
-        if r.status_code != 200:
-            report.failures.append(f"status {r.status_code} for a valid responses request: {(await r.aread())[:200]!r}")
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+    async with contextlib.aclosing(_events(client, "/v1/responses", body, report)) as events:
+        async for event in events:
+            if event is None:
+                return None
             if event["type"] == "error":
                 report.failures.append(f"error event mid-stream: {event}")
                 return None

@@ -116,7 +116,7 @@ def _api_routes(service: Service) -> APIRouter:
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority), fmt, model, body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -127,7 +127,7 @@ def _api_routes(service: Service) -> APIRouter:
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
                          service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival), fmt, model, body)
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority), fmt, model, body)
 
     return router
 
@@ -156,7 +156,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             if body.store:
                 store.put(rid, conversation(turn, response["output"]), response)
 
-        gen = service.generation(prompts, params, arrival)
+        gen = service.generation(prompts, params, arrival, chat.priority)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})

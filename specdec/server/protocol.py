@@ -52,6 +52,7 @@ class _Sampling(_Body):
                                                           "this many alternatives (not streamed)")
     return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens "
                                                                 "'token_id:<id>'")
+    priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
 
 
 class CompletionRequest(_Sampling):

@@ -35,8 +35,9 @@ def split_reasoning(parser: str, text: str) -> tuple[str, str]:
     return reasoning, answer if found else ""
 
 
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of text that begins tag."""
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins tag: what a stream holds back, since the
+    tag may be arriving (also the tool parsers' call tags)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n
@@ -69,7 +70,7 @@ class ReasoningStream:
             reasoning, answer = self.buf[:at], self.buf[at + len(END):]
             self.buf, self.state = "", "answer"
             return reasoning, answer
-        keep = _held(self.buf, END)
+        keep = held_back(self.buf, END)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         return out, ""
 

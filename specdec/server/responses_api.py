@@ -31,7 +31,7 @@ from pydantic import Field
 
 from .errors import APIError, error_body
 from .protocol import ChatCompletionRequest, _Body
-from .responses import ChatFormat, ChoiceResult, collect
+from .responses import ChatFormat, collect
 from .serving import Generation
 
 # chat fields whose errors a Responses client knows by another name
@@ -61,6 +61,7 @@ class ResponsesRequest(_Body):
     seed: int | None = None
     repetition_penalty: float | None = None
     include_reasoning: bool = True
+    priority: int = 0                   # vLLM's: with --scheduling-policy priority, lower first
 
 
 class ResponseStore:
@@ -176,7 +177,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
             "seed": req.seed, "repetition_penalty": req.repetition_penalty, "tools": _chat_tools(req.tools),
             "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
-            "user": req.user}
+            "user": req.user, "priority": req.priority}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValueError as e:

@@ -76,14 +76,19 @@ class Service:
             return list(req.prompt)
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
-    def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
-        return Generation(self.worker, self.metrics, prompts, params, arrival)
+    def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
+                   priority: int = 0) -> Generation:
+        return Generation(self.worker, self.metrics, prompts, params, arrival, priority)
 
     def _check_model(self, req: _Sampling) -> None:
         if req.model is not None and req.model not in self.config.served_model_names:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
 
     def _params(self, req: _Sampling, max_tokens, logprobs, tool_constraint=None) -> SamplingParams:
+        try:
+            self.engine.check_priority(req.priority)
+        except ValueError as e:
+            raise APIError(400, str(e), "priority") from None
         structured, field = extra.structured_outputs(req)
         if tool_constraint is not None:
             if structured is not None:
@@ -235,14 +240,15 @@ class Generation:
     """
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
-                 params: SamplingParams, arrival: float):
+                 params: SamplingParams, arrival: float, priority: int = 0):
         self.prompts, self.params, self.arrival = prompts, params, arrival
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         # best_of > n: every candidate runs, the best n per prompt are kept at the end
         self.per_prompt = params.best_of or params.n
-        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i))
+        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i),
+                          priority=priority)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         self._clocks = [_Clock(arrival) for _ in self._jobs]
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from ..config import StructuredOutputsParams
 from .errors import APIError
+from .reasoning import held_back
 
 PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -269,14 +270,6 @@ def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str |
     return text, [], finish_reason
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that begins tag (held back: the tag may be arriving)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 @dataclass
 class ToolStream:
     """One streamed choice: feed() each step's text, finish() at the end; both return
@@ -308,7 +301,7 @@ class ToolStream:
             if not self.in_call:
                 start = self.buf.find(_OPEN)
                 if start < 0:
-                    keep = _partial_tag(self.buf, _OPEN)
+                    keep = held_back(self.buf, _OPEN)
                     out.append(self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break

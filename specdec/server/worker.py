@@ -38,6 +38,7 @@ class Job:
     seed_offset: int
     deliver: Callable[[object], None]
     request_id: str = ""
+    priority: int = 0                              # scheduling_policy="priority": lower first
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -152,7 +153,8 @@ class EngineWorker:
                 self.engine.abort(job.request_id)
         for job in new:
             try:
-                self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id)
+                self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
+                                        priority=job.priority)
             except ValueError as e:
                 self._send(job, e)
                 continue

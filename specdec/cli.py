@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: requests join in arrival order; priority: by each request's `priority` "
                         "(lower first), then arrival, and the least urgent is preempted (default fcfs)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs); -1: the whole vocabulary (default 20, vLLM's)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
                         "~1.9x the slots of bf16, outputs differ slightly)")
@@ -111,7 +114,7 @@ def llm_from_args(args, seed: int | None = None):
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-               scheduling_policy=args.scheduling_policy)
+               scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -96,10 +96,10 @@ class SamplingParams:
         ids = list(self.stop_token_ids or [])
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "stop_token_ids", "must be token ids >= 0", ids)
         object.__setattr__(self, "stop_token_ids", ids)
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]", self.logprobs)
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
-                                                and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", "must be in [0, 20]", self.prompt_logprobs)
+        # the upper limit is the engine's max_logprobs (20 by default, vLLM's)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), name, "must be an integer >= 0", v)
         self._check_controls()
 
     def _check_controls(self) -> None:

@@ -62,7 +62,7 @@ class Engine:
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
                  logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None,
-                 kv_cache_dtype: str = "auto", clock=time.perf_counter):
+                 kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
@@ -71,6 +71,10 @@ class Engine:
         # queue and first-token times stay on the wall clock.
         self.clock = clock
         self.logprobs_mode = logprobs_mode
+        if not (isinstance(max_logprobs, int) and max_logprobs >= -1):
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {max_logprobs!r}")
+        # vLLM's --max-logprobs: the most alternatives a request may ask for per token (-1: any)
+        self.max_logprobs = target.config.vocab_size if max_logprobs == -1 else min(max_logprobs, target.config.vocab_size)
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_model_len = min(max_model_len or target.config.max_position_embeddings,
                                  target.config.max_position_embeddings)
@@ -128,6 +132,13 @@ class Engine:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        self.check_logprobs(params)
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (max_logprobs), got {n}")
 
     def controls(self, prompt: list[int], params: SamplingParams) -> Controls | None:
         """A request's sequence-reading controls, or None when it has none (the fast path)."""

@@ -85,7 +85,8 @@ class LLM:
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
     (vLLM's flag; plain decoding and ngram). scheduling_policy: "fcfs" or "priority" (then
-    generate(..., priority=[...]) orders the queue, lower first; vLLM's).
+    generate(..., priority=[...]) orders the queue, lower first; vLLM's). max_logprobs: the most
+    alternatives per token a request may ask for (logprobs, prompt_logprobs; -1: any; vLLM's 20).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -96,7 +97,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
-                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs"):
+                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
@@ -135,7 +136,7 @@ class LLM:
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
                              logprobs_mode=logprobs_mode,
                              disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
-                             kv_cache_dtype=kv_cache_dtype)
+                             kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None):

@@ -140,7 +140,25 @@ def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair,
             assert [t for t, _ in x.top] == top.indices[j].tolist()
             assert all(abs(v - w) < TOL for (_, v), w in zip(x.top, top.values[j].tolist()))
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_pair):
+    """vLLM's --max-logprobs: 20 by default; more is refused before anything runs; -1 allows the
+    whole vocabulary, whose alternatives are then every token, best first."""
+    target, _ = tiny_pair
+    llm = LLM(target, dtype="float32", max_model_len=64, num_speculative_tokens=0)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} must be at most 20 \\(max_logprobs\\), got 21"):
+            llm.generate("x", SamplingParams(max_tokens=2, **{field: 21}))
+    wide = LLM(target, dtype="float32", max_model_len=64, num_speculative_tokens=0, max_logprobs=-1)
+    vocab = wide.target.config.vocab_size
+    out = wide.generate("x y", SamplingParams(temperature=0, max_tokens=2, logprobs=vocab, prompt_logprobs=vocab))[0]
+    for lp in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        values = [v for _, v in lp.top]
+        assert len(lp.top) == vocab and values == sorted(values, reverse=True)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer"):
+        LLM(target, dtype="float32", num_speculative_tokens=0, max_logprobs=-2)
 
 
 def test_prompt_logprobs_bypass_the_prefix_cache(tiny_pair):

@@ -180,6 +180,37 @@ def test_stream_equals_non_stream(client):
         assert len(finishing) == len(expected)
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+    far (its prompt's tokens, the tokens it has produced), ending at the non-streamed counts."""
+    for kw in (dict(prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=12, temperature=0.9, seed=3, n=2),
+               dict(messages=[{"role": "user", "content": "hello"}], max_tokens=10, temperature=0)):
+        chat = "messages" in kw
+        create = client.chat.completions.create if chat else client.completions.create
+        whole = create(model="tiny", extra_body={"ignore_eos": True}, **kw)
+        chunks = list(create(model="tiny", stream=True, stream_options={"include_usage": True,
+                                                                        "continuous_usage_stats": True},
+                             extra_body={"ignore_eos": True}, **kw))
+        *steps, last = chunks
+        assert not last.choices and last.usage.completion_tokens == whole.usage.completion_tokens
+        prompt_tokens = ([whole.usage.prompt_tokens] if chat else
+                         [client.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens
+                          for p in kw["prompt"]])
+        seen: dict[int, list[int]] = {}
+        for ch in steps:
+            (c,) = ch.choices
+            u = ch.usage
+            assert u.prompt_tokens == prompt_tokens[c.index // kw.get("n", 1)]
+            assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+            seen.setdefault(c.index, []).append(u.completion_tokens)
+        assert len(seen) == len(whole.choices)
+        assert all(c == sorted(c) for c in seen.values())                       # never decreasing
+        assert sum(c[-1] for c in seen.values()) == whole.usage.completion_tokens
+    plain = list(client.completions.create(model="tiny", prompt="x", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_numeric_edges_do_not_fail(client):
     for extra in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 1e308},
                   {"temperature": 1.0, "min_p": 1.0, "top_k": 10**30}, {"seed": -2**63}):
@@ -243,6 +274,10 @@ BAD_CHAT = [
     ("message not an object", {"messages": ["hi"]}, 400, "messages"),
     ("image content", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("max_tokens beyond context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
+    ("top_logprobs above --max-logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                           "top_logprobs": 21}, 400, "top_logprobs"),
+    ("prompt_logprobs above --max-logprobs", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21},
+     400, "prompt_logprobs"),
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
 ]
 

@@ -186,8 +186,10 @@ def _as_ids(body, config: ServerConfig) -> bool:
 
 async def _respond(request: Request, gen, fmt, model: str, body):
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(gen, fmt, model, include_usage), media_type="text/event-stream",
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        return StreamingResponse(stream(gen, fmt, model, include_usage, include_usage and opts.continuous_usage_stats),
+                                 media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     return await _until_done(request, collect(gen, fmt, model))
 

@@ -16,6 +16,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: with include_usage, every chunk "
+                                                           "carries its choice's usage so far")
 
 
 class _Sampling(_Body):
@@ -58,7 +60,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, description="return this many alternatives per token (0..20)")
+    logprobs: int | None = Field(None, description="return this many alternatives per token (0 to --max-logprobs, default 20)")
     echo: bool = Field(False, description="prepend the prompt to each choice's text")
 
 

@@ -206,21 +206,36 @@ async def collect(gen: Generation, fmt, model: str) -> dict:
             "usage": usage(gen, tokens), "speculative": speculative(gen)}
 
 
-async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per decoding step that releases text, then `data: [DONE]`."""
+def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuous_usage: bool = False) \
+        -> AsyncIterator[str]:
+    """Server-sent events: one chunk per decoding step that releases text, then `data: [DONE]`.
+    include_usage: a last chunk with the request's usage (every other chunk says "usage": null);
+    continuous_usage (vLLM's continuous_usage_stats): every chunk carries its choice's usage so far."""
     head = _head(fmt, model, chunk=True)
-    extra = {"usage": None} if include_usage else {}
     n_choices = len(gen.prompts) * gen.params.n      # streams never carry best_of > n
-    offsets, tokens = [0] * n_choices, 0
+    offsets, tokens, counts = [0] * n_choices, 0, [0] * n_choices
+
+    def extra(i: int) -> dict:
+        if not include_usage:
+            return {}
+        if not continuous_usage:
+            return {"usage": None}
+        return {"usage": _usage_so_far(len(gen.prompt_of(i)), counts[i])}
     echo = [fmt.prefix(i // gen.params.n) for i in range(n_choices)]
     held = [None] * n_choices        # prompt logprobs not sent yet
     try:
         async with gen:
             for i in range(n_choices):
                 if (opening := fmt.opening(i)) is not None:
-                    yield _sse({**head, "choices": [opening], **extra})
+                    yield _sse({**head, "choices": [opening], **extra(i)})
             async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
+                counts[index] += len(ev.token_ids)
                 text, echo[index] = echo[index] + ev.text, ""
                 prompt_lps, held[index] = held[index] or ev.prompt_logprobs, None
                 if not (text or ev.finished or ev.logprobs):
@@ -231,7 +246,7 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool) -> Async
                 offsets[index] += len(text)
                 if choice is None:      # all of it held back (a tool call being written)
                     continue
-                chunk = {**head, "choices": [choice], **extra}
+                chunk = {**head, "choices": [choice], **extra(index)}
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()
                 yield _sse(chunk)

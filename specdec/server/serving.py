@@ -114,8 +114,12 @@ class Service:
             raise APIError(400, "prompt_logprobs cannot be streamed", "prompt_logprobs")
         try:
             params = _numerically_safe(SamplingParams(**fields))
+            self.engine.check_logprobs(params)
         except ValueError as e:
-            raise bad_value(e) from None
+            err = bad_value(e)
+            if err.param == "logprobs" and isinstance(req, ChatCompletionRequest):
+                err.param = "top_logprobs"          # the chat endpoint's name for the count
+            raise err from None
         if params.seed is not None and not -2**63 <= params.seed < 2**63 - MAX_CHOICES:
             raise APIError(400, f"seed must be a 64-bit integer, got {params.seed}", "seed")
         if params.seed is None and self._seeds is not None and not params.greedy:

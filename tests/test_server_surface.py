@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -412,3 +413,36 @@ def test_token_id_names_and_docs_flags(live):
         "model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
         "return_tokens_as_token_ids": True}).json()
     assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_enable_log_requests_logs_each_request_and_its_end(tiny_pair, caplog):
+    """vLLM's --enable-log-requests / --max-log-len: a line per queued choice (prompt text and ids
+    cut at max_log_len, the parameters, the priority) and one as it ends; nothing by default."""
+    import logging
+
+    from specdec.server.cli import parse_args, server_config
+
+    args, _ = parse_args(["--enable-log-requests", "--max-log-len", "5"], "x")
+    assert server_config(args).enable_log_requests and server_config(args).max_log_len == 5
+    assert not server_config(parse_args([], "x")[0]).enable_log_requests
+    assert not server_config(parse_args(["--disable-log-requests"], "x")[0]).enable_log_requests
+    llm = LLM(tiny_pair[0], dtype="float32", num_speculative_tokens=0, max_model_len=64)
+    prompt = "def fibonacci(n):"
+    for enabled in (True, False):
+        config = ServerConfig(served_model_names=("tiny",), enable_log_requests=enabled, max_log_len=5)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specdec.server"), LiveServer(build_app(llm, config)) as live:
+            with httpx.Client(base_url=live.url, timeout=60) as http:
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "n": 2,
+                                                       "ignore_eos": True})
+                assert r.status_code == 200
+        received = [m for m in caplog.messages if m.startswith("Received request")]
+        finished = [m for m in caplog.messages if m.startswith("Finished request")]
+        if not enabled:
+            assert not received and not finished
+            continue
+        ids = llm.tokenizer.encode(prompt)
+        text = llm.tokenizer.decode(ids, skip_special_tokens=False)
+        assert len(received) == 2 and all(f"prompt: {text[:5]!r}" in m and f"prompt_token_ids: {ids[:5]}" in m
+                                          and "max_tokens=3" in m for m in received)
+        assert len(finished) == 2 and all("length" in m and "3 output tokens" in m for m in finished)

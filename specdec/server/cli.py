@@ -64,6 +64,12 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                                               "pythonic templates), mistral (Mistral 7B v0.3+)")
     p.add_argument("--reasoning-parser", help="return a reasoning model's <think> block as reasoning_content: "
                                               "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request: its prompt, sampling parameters, and how it ended (vLLM's flag)")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="the older vLLM spelling of --no-enable-log-requests (the default)")
+    p.add_argument("--max-log-len", type=_positive,
+                   help="with --enable-log-requests: at most this many prompt characters and token ids per line")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
@@ -143,7 +149,8 @@ def server_config(args):
                         root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         disable_fastapi_docs=args.disable_fastapi_docs,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
+                        max_log_len=args.max_log_len)
 
 
 def run(args, prog: str = "specdec serve") -> int:

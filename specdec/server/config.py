@@ -25,6 +25,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's own calls, taken out by the parser
     tool_call_parser: str | None = None   # the format of those calls (tools.PARSERS)
     reasoning_parser: str | None = None   # thinking returned as reasoning_content (reasoning.PARSERS)
+    enable_log_requests: bool = False     # log each request's prompt, parameters and end (vLLM's flag)
+    max_log_len: int | None = None        # at most this many prompt characters and token ids in that log
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import time
 from functools import partial
 
@@ -20,6 +21,8 @@ from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
 from .tools import ToolPlan, plan_tools
 from .worker import EngineWorker, Job, ShuttingDown
+
+log = logging.getLogger("specdec.server")
 
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
@@ -78,7 +81,8 @@ class Service:
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                    priority: int = 0) -> Generation:
-        return Generation(self.worker, self.metrics, prompts, params, arrival, priority)
+        logger = RequestLogger(self.tokenizer, self.config.max_log_len) if self.config.enable_log_requests else None
+        return Generation(self.worker, self.metrics, prompts, params, arrival, priority, logger)
 
     def _check_model(self, req: _Sampling) -> None:
         if req.model is not None and req.model not in self.config.served_model_names:
@@ -236,6 +240,26 @@ class _Clock:
         self.arrival, self.first, self.last = arrival, None, None
 
 
+class RequestLogger:
+    """vLLM's --enable-log-requests: a line when a request's jobs are queued (prompt text and
+    token ids, cut at max_log_len, the sampling parameters, the priority) and one as each ends."""
+
+    def __init__(self, tokenizer, max_len: int | None):
+        self.tokenizer, self.max_len = tokenizer, max_len
+
+    def received(self, job: Job) -> None:
+        ids, text = job.prompt_ids, self.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
+        if self.max_len is not None:
+            ids, text = ids[:self.max_len], text[:self.max_len]
+        log.info("Received request %s: prompt: %r, params: %s, priority: %d, prompt_token_ids: %s",
+                 job.request_id, text, job.params, job.priority, ids)
+
+    def ended(self, job: Job, outcome: str, stats: RequestStats | None) -> None:
+        tokens = stats.output_tokens if stats is not None else 0
+        log.info("Finished request %s: %s, %d prompt tokens, %d output tokens", job.request_id, outcome,
+                 len(job.prompt_ids), tokens)
+
+
 class Generation:
     """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepEvent).
 
@@ -244,8 +268,8 @@ class Generation:
     """
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
-                 params: SamplingParams, arrival: float, priority: int = 0):
-        self.prompts, self.params, self.arrival = prompts, params, arrival
+                 params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None):
+        self.prompts, self.params, self.arrival, self._logger = prompts, params, arrival, logger
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -266,6 +290,9 @@ class Generation:
             self._worker.submit(self._jobs)
         except ShuttingDown as e:
             raise APIError(503, str(e)) from None
+        if self._logger is not None:
+            for job in self._jobs:
+                self._logger.received(job)
         self._metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
         return self
 
@@ -273,8 +300,13 @@ class Generation:
         outcome = "error" if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else "abort"
         for i in sorted(self._open):
             self._worker.cancel(self._jobs[i])
-            self._metrics.finished(outcome, self.stats[i])
+            self._finished(i, outcome)
         self._open.clear()
+
+    def _finished(self, index: int, outcome: str) -> None:
+        self._metrics.finished(outcome, self.stats[index])
+        if self._logger is not None:
+            self._logger.ended(self._jobs[index], outcome, self.stats[index])
 
     async def steps(self):
         """Yield (choice index, StepEvent) until every choice has finished."""
@@ -282,7 +314,7 @@ class Generation:
             index, item = await self._queue.get()
             if isinstance(item, Exception):
                 self._open.discard(index)
-                self._metrics.finished("error", self.stats[index])
+                self._finished(index, "error")
                 if isinstance(item, ValueError):
                     raise bad_value(item)
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
@@ -304,7 +336,7 @@ class Generation:
             self._open.discard(index)
             if clock.first is not None:
                 self._metrics.latencies(event.stats, clock.first, clock.last, clock.arrival)
-            self._metrics.finished(event.finish_reason, event.stats)
+            self._finished(index, event.finish_reason)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item) -> None:

@@ -66,10 +66,18 @@ def encode(w: np.ndarray, qtype) -> np.ndarray:
         return w.astype(np.float32)
     if qtype == T.Q4_K:
         return quantize_q4_k(w)
-    if qtype in (T.Q5_K, T.Q6_K, T.Q2_K):
-        # gguf-py cannot encode these: random blocks with a sane fp16 scale (loading only)
+    if qtype in RANDOM_BLOCKS:
+        # gguf-py cannot encode these: random blocks with sane scales (loading only)
         return _random_blocks(w, qtype)
     return quants.quantize(w.astype(np.float32), qtype)
+
+
+# where each format gguf-py cannot encode keeps its fp16 block scale(s) (byte offsets; ggml's
+# block structs); IQ1_M spreads its scale over the top nibbles of its four 16-bit sub-scales,
+# MXFP4 has an 8-bit power-of-two exponent first
+RANDOM_BLOCKS = {T.Q5_K: (0, 2), T.Q6_K: (-2,), T.Q2_K: (-4, -2), T.Q3_K: (-2,), T.TQ1_0: (-2,), T.TQ2_0: (-2,),
+                 T.IQ1_S: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
+                 T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_M: (), T.MXFP4: (), T.Q8_1: ()}
 
 
 def _random_blocks(w: np.ndarray, qtype) -> np.ndarray:
@@ -77,12 +85,17 @@ def _random_blocks(w: np.ndarray, qtype) -> np.ndarray:
     per, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (w.size // per, size), dtype=np.uint8)
-    scale = np.array([np.abs(w).max() / 2048], dtype=np.float16).view(np.uint8)
-    blocks[:, -2:] = scale if qtype in (T.Q6_K, T.Q2_K) else blocks[:, -2:]   # d is last in Q6_K/Q2_K
-    if qtype == T.Q5_K:
-        blocks[:, 0:2], blocks[:, 2:4] = scale, scale
-    if qtype == T.Q2_K:
-        blocks[:, -4:-2] = scale
+    d = np.array([np.abs(w).max() / 2048], dtype=np.float16)
+    for at in RANDOM_BLOCKS[qtype]:
+        blocks[:, at:at + 2 if at != -2 else None] = d.view(np.uint8)
+    if qtype == T.IQ1_M:                      # scale = the top nibbles of sub-scales 0..3 (low to high)
+        sc = blocks[:, 48:56].copy().view(np.uint16)
+        bits = int(d.view(np.uint16)[0])
+        for i in range(4):
+            sc[:, i] = (sc[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = sc.view(np.uint8)
+    if qtype == T.MXFP4:
+        blocks[:, 0] = 120                    # 2^(120 - 127)
     return blocks.reshape(w.shape[0], -1)
 
 

@@ -111,6 +111,33 @@ def test_packed_logits_near_transformers_gguf_loading(gguf_files, name, packed_p
     assert_near(logits(load_model(path, quantization="gguf")), expected, packed_path)
 
 
+# every format a layer of the low-bit file holds (llama.cpp's Q2_K / Q3_K presets, the i-quants,
+# ternary and MXFP4), a different one per matrix
+LOWBIT = {0: {"attn_q": T.Q2_K, "attn_k": T.Q3_K, "attn_v": T.IQ1_S, "attn_output": T.IQ1_M, "ffn_gate": T.IQ2_XXS,
+              "ffn_up": T.IQ2_XS, "ffn_down": T.IQ4_NL},
+          1: {"attn_q": T.IQ2_S, "attn_k": T.IQ3_XXS, "attn_v": T.IQ3_S, "attn_output": T.IQ4_XS, "ffn_gate": T.TQ1_0,
+              "ffn_up": T.TQ2_0, "ffn_down": T.MXFP4}}
+
+
+@pytest.fixture(scope="module")
+def lowbit(gguf_files, tmp_path_factory):
+    def pick(name: str, ndim: int):
+        if name == "output.weight":
+            return T.Q3_K
+        parts = name.split(".")
+        return LOWBIT[int(parts[1])][parts[2]] if parts[0] == "blk" and parts[2] in LOWBIT[0] else T.F32
+    return write_gguf(gguf_files["llama_mixed_hf"], tmp_path_factory.mktemp("lowbit") / "lowbit.gguf", pick)
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf", None])
+def test_low_bit_formats_load_as_transformers_loads_them(lowbit, quantization):
+    """Q2_K, Q3_K, IQ1_S .. IQ4_XS, TQ1_0, TQ2_0 and MXFP4 matrices (random blocks with sane
+    scales: gguf-py cannot encode them) are dequantized at load, as transformers does with gguf-py."""
+    with torch.inference_mode():
+        expected = hf_gguf_model(lowbit)(IDS).logits[0]
+    assert_near(logits(load_model(lowbit, quantization=quantization)), expected, "dense")
+
+
 def test_greedy_output_equals_transformers(gguf_files, monkeypatch):
     path = gguf_files["llama_q"]
     ref = hf_gguf_model(path)
@@ -246,7 +273,7 @@ def _hf(gguf_files):
 
 @pytest.mark.parametrize("case,message", [
     ("arch", "unsupported architecture 'gpt2'"),
-    ("type", "type Q2_K, which specdec cannot load"),
+    ("type", "type Q8_1, which specdec cannot load"),
     ("missing", "tensor blk.0.ffn_down.weight is missing"),
     ("extra", "unexpected tensor blk.0.mystery.weight"),
 ])
@@ -255,7 +282,7 @@ def test_unusable_file(gguf_files, tmp_path, capsys, case, message):
     if case == "arch":
         write_gguf(hf, out, arch="gpt2")
     elif case == "type":
-        write_gguf(hf, out, lambda name, ndim: T.Q2_K if "ffn_up" in name else T.F32)
+        write_gguf(hf, out, lambda name, ndim: T.Q8_1 if "ffn_up" in name else T.F32)     # ggml's internal format
     elif case == "missing":
         write_gguf(hf, out, skip={"blk.0.ffn_down.weight"})
     else:

@@ -37,7 +37,11 @@ from .llama import Transformer, rope_inv_freq
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PERMUTED = ("llama", "mistral")          # q/k rows interleaved by llama.cpp's converter
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
+# importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0",
+                "TQ2_0", "MXFP4")
 QUANTIZATIONS = (None, "auto", "gguf", "none")
 
 

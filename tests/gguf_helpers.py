@@ -146,7 +146,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     if chat_template:
         w.add_chat_template(_CHAT if chat_template == "default" else chat_template)
     for key, value in (metadata or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     qtypes = qtypes or (lambda n, ndim: T.F32)
     tensors = {gguf_name(k): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})

@@ -87,12 +87,13 @@ static void linear_for(const Mat *w, const float *x, const float *bias, float *o
     quant_panels_for(&a, w->w, w->fmt, bias, out, M, N);
 }
 
-/* cs [hd]: cos then sin of pos * inv_freq[i] for i < hd / 2, once per token and forward. */
-static void rope_angles(float *cs, int hd, const float *inv_freq, long pos) {
+/* cs [hd]: cos then sin of pos * inv_freq[i] for i < hd / 2, times scale (YaRN's attention
+ * factor: 1 leaves them exact), once per token and forward. */
+static void rope_angles(float *cs, int hd, const float *inv_freq, float scale, long pos) {
     for (int i = 0; i < hd / 2; i++) {
         float a = (float)pos * inv_freq[i];
-        cs[i] = cosf(a);
-        cs[hd / 2 + i] = sinf(a);
+        cs[i] = cosf(a) * scale;
+        cs[hd / 2 + i] = sinf(a) * scale;
     }
 }
 
@@ -227,7 +228,7 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
     {
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
-            rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, pos[n]);
+            rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, m->rope_attn, pos[n]);
             if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
             else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
         }

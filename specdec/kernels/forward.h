@@ -23,6 +23,7 @@ typedef struct {
 typedef struct {
     int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, kv_type;
     float eps;
+    float rope_attn;                      /* cos and sin are scaled by it (YaRN; 1 otherwise) */
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
     Mat lm_head;                          /* [V, D] packed panels */

@@ -133,6 +133,16 @@ def _rope_scaling(cfg: dict) -> dict | None:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
-    return dict(scaling)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = kind
+    if kind == "yarn":      # transformers' default: the model's own context length
+        out.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+                       or cfg.get("max_position_embeddings", 2048))
+    return out
+
+
+# Hugging Face's rope_type values the runtime computes (model/llama.py rope_inv_freq): llama3
+# (Llama 3.1+), linear (positions divided by factor), yarn (Qwen2.5 / Qwen3 long context, ...)
+ROPE_TYPES = ("llama3", "linear", "yarn")

@@ -119,8 +119,14 @@ class GGUFFile:
         n_heads = int(self.require(f"{arch}.attention.head_count"))
         hidden = int(self.require(f"{arch}.embedding_length"))
         scaling = a("rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r}")
+        if scaling not in (None, "none", "linear", "yarn"):
+            raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r} (supported: linear, yarn)")
+        rope_scaling = None
+        if scaling in ("linear", "yarn"):     # llama.cpp's keys -> transformers' rope_scaling
+            rope_scaling = {"rope_type": scaling, "factor": float(self.require(f"{arch}.rope.scaling.factor"))}
+            if scaling == "yarn":
+                rope_scaling["original_max_position_embeddings"] = int(
+                    a("rope.scaling.original_context_length") or a("context_length", 2048))
         embd = self.tensors.get("token_embd.weight")
         vocab = a("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
         if vocab is None:
@@ -136,6 +142,7 @@ class GGUFFile:
             max_position_embeddings=int(a("context_length", 2048)),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm=arch == "qwen3",

@@ -69,11 +69,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """The rotary frequencies, as transformers computes them for cfg.rope_scaling's rope_type."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
+    kind = s.get("rope_type", "llama3")
+    if kind == "linear":                # positions divided by factor
+        return inv_freq / s["factor"]
+    if kind == "yarn":
+        return _yarn(cfg, s)[0]
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -83,6 +89,45 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
     return torch.where(medium, blended, scaled)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    s = cfg.rope_scaling
+    return _yarn(cfg, s)[1] if s is not None and s.get("rope_type") == "yarn" else 1.0
+
+
+def _yarn(cfg: ModelConfig, s: dict) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023) as transformers computes it: frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by factor), those that
+    turn more than beta_fast times are kept, a linear ramp between; cos and sin scaled by
+    0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio, or attention_factor)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    old = s["original_max_position_embeddings"]
+    factor = s.get("factor") or cfg.max_position_embeddings / old
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:       # the dimension that turns `rotations` times over `old`
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp                               # 1: extrapolate (kept), 0: interpolate
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -245,6 +290,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_attention = rope_attention_factor(cfg)    # cos and sin are scaled by it (YaRN)
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
         # the C path's views of each cache this model writes into (kernels/cforward.CView): the
@@ -342,7 +388,10 @@ class Transformer(nn.Module):
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_attention != 1.0:
+            cos, sin = cos * self.rope_attention, sin * self.rope_attention
+        return cos.to(dtype), sin.to(dtype)
 
     def _head(self, x: Tensor, logits: bool, hidden: bool, rows: Tensor | None = None) -> ForwardOutput:
         h = self.model.norm(x)

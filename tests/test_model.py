@@ -205,3 +205,29 @@ def test_tree_grown_over_two_forwards_equals_one_forward(tmp_path, monkeypatch, 
     for i, path in enumerate([[11, 13], [12, 14], [11, 15]]):
         plain = model(torch.cat([prefix, torch.tensor([path])], 1)).logits[0, -1]
         assert (out[i] - plain).abs().max() < 1e-5, i
+
+
+def test_config_refuses_what_the_runtime_does_not_compute(tmp_path):
+    """A config whose model the runtime would compute differently is one clear error, never a
+    silently different model; a sliding window shorter than the context caps the context."""
+    from specdec.model.config import ModelConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
+    for extra, message in (({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+                           ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf({**base, **extra})
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 128}).max_position_embeddings == 128
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 512
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 4096}).max_position_embeddings == 512
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 64}
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).max_position_embeddings == 512
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_position_embeddings == 64
+    folder = tmp_path / "gelu"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**base, "hidden_act": "gelu"}))
+    with pytest.raises(Exception, match="hidden_act 'gelu'"):
+        load_model(folder, "float32")

@@ -51,6 +51,7 @@ class ModelConfig:
             qwen = model_type in ("qwen2", "qwen3")
             if model_type == "qwen3":
                 _check_qwen3(cfg)
+            _check_common(cfg)
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
@@ -59,7 +60,7 @@ class ModelConfig:
                 num_attention_heads=n_heads,
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                max_position_embeddings=_context(cfg, model_type),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5),
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=_rope_scaling(cfg),
@@ -109,6 +110,29 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + emb + d
+
+
+def _check_common(cfg: dict) -> None:
+    """Settings of these families that the runtime does not compute: refused, never run wrong."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported (no bias on the MLP's projections)")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported (rotary over "
+                         f"whole heads only)")
+
+
+def _context(cfg: dict, model_type: str) -> int:
+    """max_position_embeddings, or the sliding window when that is shorter: attention is full
+    here, which equals sliding-window attention for sequences no longer than the window (as
+    vLLM's --disable-sliding-window caps the context)."""
+    n = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None                       # Qwen names a window it does not use unless asked
+    return min(n, window) if isinstance(window, int) and window > 0 else n
 
 
 def _check_qwen3(cfg: dict) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import FUSED_CHECKPOINTS, ModelConfig
 from .llama import Transformer, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -101,7 +101,9 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     kv = cfg.num_key_value_heads * cfg.head_dim
     out = {}
     for name, t in sd.items():
-        if ".qkv_proj." in name:
+        if cfg.model_type in FUSED_CHECKPOINTS:        # stored fused, as the runtime holds them
+            out[name] = t
+        elif ".qkv_proj." in name:
             for x, part in zip("qkv", t.split((q, kv, kv))):
                 out[name.replace("qkv_proj", f"{x}_proj")] = part
         elif ".gate_up_proj." in name:

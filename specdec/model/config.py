@@ -10,7 +10,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",        # Phi-3 / Phi-3.5 dense (fused qkv and gate_up in its checkpoints)
 }
+FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class ModelConfig:
             "attention_bias": self.attention_bias and self.model_type == "llama",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "pad_token_id": None,
             "torch_dtype": "bfloat16",
         }
         return out

@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3).
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -35,7 +35,8 @@ from .config import ModelConfig
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer, rope_inv_freq
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
 PERMUTED = ("llama", "mistral")          # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
@@ -139,7 +140,7 @@ class GGUFFile:
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
-            max_position_embeddings=int(a("context_length", 2048)),
+            max_position_embeddings=_context(int(a("context_length", 2048)), a("attention.sliding_window")),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -152,6 +153,19 @@ class GGUFFile:
         )
 
 
+def _context(n: int, window) -> int:
+    """The context, or a shorter sliding window (attention is full here: the same up to the window)."""
+    return min(n, int(window)) if window else n
+
+
+def _qkv_names(cfg: ModelConfig, p: str) -> list[str]:
+    return [p + "attn_qkv.weight"] if cfg.model_type in FUSED else [p + f"attn_{x}.weight" for x in "qkv"]
+
+
+def _gate_up_names(cfg: ModelConfig, p: str) -> list[str]:
+    return [p + "ffn_up.weight"] if cfg.model_type in FUSED else [p + "ffn_gate.weight", p + "ffn_up.weight"]
+
+
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected tensor shapes, PyTorch order ([out, in])."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -161,9 +175,13 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["output.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
         p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_q.weight": (q, d),
-                    p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q),
-                    p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)})
+        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_output.weight": (d, q),
+                    p + "ffn_down.weight": (d, f)})
+        if cfg.model_type in FUSED:
+            out.update({p + "attn_qkv.weight": (q + 2 * kv, d), p + "ffn_up.weight": (2 * f, d)})
+        else:
+            out.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d),
+                        p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)})
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
@@ -311,12 +329,12 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         layer.input_layernorm.weight = b.param(p + "attn_norm.weight")
         layer.post_attention_layernorm.weight = b.param(p + "ffn_norm.weight")
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
-        _swap_linear(layer.self_attn, "qkv_proj", b.linear([p + f"attn_{x}.weight" for x in "qkv"], biases))
+        _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
         _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
         if cfg.qk_norm:
             layer.self_attn.q_norm.weight = b.param(p + "attn_q_norm.weight")
             layer.self_attn.k_norm.weight = b.param(p + "attn_k_norm.weight")
-        _swap_linear(layer.mlp, "gate_up_proj", b.linear([p + "ffn_gate.weight", p + "ffn_up.weight"]))
+        _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
         _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
     model.model.norm.weight = b.param("output_norm.weight")
     _set_embeddings(model, b, cfg)

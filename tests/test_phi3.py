@@ -1,0 +1,111 @@
+"""Phi-3 (dense): a llama-shaped model whose checkpoints store q/k/v and gate/up fused
+(qkv_proj, gate_up_proj; GGUF attn_qkv, and ffn_up holding gate rows then up rows), rotary
+pairs unpermuted in GGUF, and a sliding window that caps the context.
+
+A tiny Phi3ForCausalLM written by transformers, as a Hugging Face folder and as GGUF files (F32,
+and Q8_0 everywhere), against transformers' forward and generate, speculation against plain
+decoding on both forward paths, a batch against solo runs, and save -> load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import make_checkpoint, noisy_head_copy
+from gguf_helpers import T, write_gguf
+from specdec import LLM, SamplingParams, kernels
+from specdec.model import load_model, save_model
+from test_qwen3 import IDS, PROMPTS, GREEDY, NO_KERNELS, cached_logits, reference, without_kernels
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("phi3")
+    hf = make_checkpoint(root / "hf", arch="phi3")
+    return {"hf": hf, "near": noisy_head_copy(hf, root / "near"), "f32": write_gguf(hf, root / "f32.gguf"),
+            "q8_0": write_gguf(hf, root / "q8" / "model.gguf", lambda name, ndim: T.Q8_0)}
+
+
+def test_the_checkpoint_is_fused_and_loads_as_phi3(files, tmp_path):
+    with safe_open(str(files["hf"] / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(".qkv_proj." in k for k in keys) and any(".gate_up_proj." in k for k in keys)
+    model = load_model(files["hf"], "float32")
+    assert model.config.model_type == "phi3" and load_model(files["f32"]).config.model_type == "phi3"
+    save_model(model, tmp_path / "saved", torch.float32)         # fused again, a Phi3ForCausalLM folder
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    again = reference(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS).logits, reference(files["hf"])(IDS).logits)
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_logits_match_transformers(files, monkeypatch, c_path):
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    ours = load_model(files["hf"], "float32")
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens).logits
+        assert (ours(tokens).logits - ref).abs().max() < 1e-4
+        assert (cached_logits(ours, tokens[0], [(0, 17), (17, 18), (18, 40)]) - ref[0]).abs().max() < 1e-4
+
+
+def test_gguf_files_equal_the_checkpoint(files):
+    """F32: the fused attn_qkv / ffn_up tensors, unpermuted. Q8_0 packed: close (int8 activations)."""
+    with torch.no_grad():
+        expected = reference(files["hf"])(IDS).logits[0]
+        torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
+        packed = load_model(files["q8_0"], quantization="gguf")(IDS).logits[0]
+    assert ((packed - expected).norm() / expected.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("path", ["hf", "f32"])
+def test_greedy_output_equals_transformers_generate(files, path):
+    prompt = IDS[0].tolist()
+    with torch.no_grad():
+        expected = reference(files["hf"]).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
+                                                   min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(files[path]), dtype="float32", num_speculative_tokens=0)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    solo = LLM(model=files["hf"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(PROMPTS, GREEDY)]
+    assert len({tuple(p) for p in plain}) > 1
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "draft_model", "model": str(files["near"]), "num_speculative_tokens": 3},
+                 {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
+        llm = LLM(model=files["hf"], dtype="float32", speculative_config=spec, max_num_seqs=4, max_num_batched_tokens=8)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain, spec["method"]
+
+
+@NO_KERNELS
+def test_packed_q8_0_batch_equals_solo(files):
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    solo = LLM(str(files["q8_0"]), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
+    llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+
+
+def test_sliding_window_caps_the_context(files, tmp_path):
+    """Phi-3-mini-4k names a 2047-token window: full attention equals it up to the window."""
+    folder = make_checkpoint(tmp_path / "sw", arch="phi3", tokenizer_from=files["hf"], sliding_window=100)
+    assert load_model(folder, "float32").config.max_position_embeddings == 100
+    gguf = write_gguf(folder, tmp_path / "sw.gguf", metadata={"phi3.attention.sliding_window": 100})
+    assert load_model(gguf).config.max_position_embeddings == 100
+    with pytest.raises(ValueError, match="prompt is too long"):
+        LLM(str(folder), dtype="float32", num_speculative_tokens=0).generate({"prompt_token_ids": [5] * 100},
+                                                                             GREEDY)

@@ -9,7 +9,9 @@ decoding on both forward paths, a batch against solo runs, and save -> load."""
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -109,3 +111,47 @@ def test_sliding_window_caps_the_context(files, tmp_path):
     with pytest.raises(ValueError, match="prompt is too long"):
         LLM(str(folder), dtype="float32", num_speculative_tokens=0).generate({"prompt_token_ids": [5] * 100},
                                                                              GREEDY)
+
+
+SHORT = [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.6, 3.1]          # head_dim 16: 8 frequencies
+LONG = [1.0, 1.2, 1.9, 3.5, 6.0, 9.0, 12.0, 16.0]
+
+
+@pytest.fixture(scope="module")
+def longrope(files, tmp_path_factory):
+    """Phi-3-mini-128k's layout: max_position_embeddings 4x original_max_position_embeddings."""
+    return make_checkpoint(tmp_path_factory.mktemp("longrope") / "hf", arch="phi3", tokenizer_from=files["hf"],
+                           original_max_position_embeddings=64,
+                           rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_longrope_short_factors_match_transformers_within_the_original_context(longrope, monkeypatch, c_path):
+    """transformers uses the short factors (and the attention factor sqrt(1 + ln 4 / ln 64)) while
+    a sequence stays within original_max_position_embeddings: the context is capped there."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    ours = load_model(longrope, "float32")
+    assert ours.config.max_position_embeddings == 64 and ours.config.rope_scaling["rope_type"] == "longrope"
+    assert abs(ours.rope_attention - (1 + math.log(4) / math.log(64)) ** 0.5) < 1e-12
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = reference(longrope)(tokens).logits[0]
+        assert (ours(tokens).logits[0] - ref).abs().max() < 1e-4
+        assert (cached_logits(ours, tokens[0], [(0, 30), (30, 31), (31, 64)]) - ref).abs().max() < 1e-4
+
+
+def test_longrope_gguf_as_llama_cpp_writes_it(longrope, tmp_path):
+    """rope_factors_short / rope_factors_long tensors, rope.scaling.attn_factor and
+    rope.scaling.original_context_length (Phi-3's converter)."""
+    attn = (1 + math.log(4) / math.log(64)) ** 0.5
+    path = write_gguf(longrope, tmp_path / "longrope.gguf",
+                      extra_tensors={"rope_factors_short.weight": np.array(SHORT, np.float32),
+                                     "rope_factors_long.weight": np.array(LONG, np.float32)},
+                      metadata={"phi3.rope.scaling.original_context_length": 64, "phi3.rope.scaling.attn_factor": attn})
+    ours = load_model(path)
+    assert ours.config.max_position_embeddings == 64
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits[0], reference(longrope)(tokens).logits[0], atol=1e-4, rtol=1e-4)

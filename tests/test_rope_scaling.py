@@ -88,5 +88,5 @@ def test_greedy_speculation_equals_plain_under_yarn(folders):
 
 def test_other_scalings_are_refused(tmp_path):
     folder = make_checkpoint(tmp_path / "dyn", hidden=64, layers=1, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic' \\(supported: llama3, linear, yarn\\)"):
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic' \\(supported: llama3, linear, yarn, longrope\\)"):
         load_model(folder, "float32")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = {
@@ -132,6 +133,9 @@ def _context(cfg: dict, model_type: str) -> int:
     here, which equals sliding-window attention for sequences no longer than the window (as
     vLLM's --disable-sliding-window caps the context)."""
     n = cfg.get("max_position_embeddings", 2048)
+    scaling = _rope_scaling(cfg)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        n = min(n, scaling["original_max_position_embeddings"])     # the short factors' range (see ROPE_TYPES)
     window = cfg.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None                       # Qwen names a window it does not use unless asked
@@ -160,6 +164,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
+    kind = "longrope" if kind == "su" else kind             # Phi-3's first name for it
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
@@ -167,9 +172,19 @@ def _rope_scaling(cfg: dict) -> dict | None:
     if kind == "yarn":      # transformers' default: the model's own context length
         out.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings")
                        or cfg.get("max_position_embeddings", 2048))
+    if kind == "longrope":  # transformers' rules: a top-level original length first; the attention factor
+        n = cfg.get("max_position_embeddings", 2048)
+        old = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or n
+        factor = scaling.get("factor") or n / old
+        if out.get("attention_factor") is None:
+            out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+        out["original_max_position_embeddings"] = old
     return out
 
 
 # Hugging Face's rope_type values the runtime computes (model/llama.py rope_inv_freq): llama3
-# (Llama 3.1+), linear (positions divided by factor), yarn (Qwen2.5 / Qwen3 long context, ...)
-ROPE_TYPES = ("llama3", "linear", "yarn")
+# (Llama 3.1+), linear (positions divided by factor), yarn (Qwen2.5 / Qwen3 long context, ...),
+# longrope (Phi-3 / Phi-3.5 128k) with its short factors, which transformers uses while the
+# sequence is within original_max_position_embeddings: the context is capped there (past it,
+# transformers switches every later token to the long factors over keys cached with the short ones)
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")

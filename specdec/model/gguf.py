@@ -24,6 +24,7 @@ Q4_K_M files), are dequantized at load to the model dtype.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -128,6 +129,19 @@ class GGUFFile:
             if scaling == "yarn":
                 rope_scaling["original_max_position_embeddings"] = int(
                     a("rope.scaling.original_context_length") or a("context_length", 2048))
+        context = int(a("context_length", 2048))
+        if "rope_factors_short.weight" in self.tensors:     # Phi-3's longrope, as its converter writes it
+            old = int(a("rope.scaling.original_context_length") or context)
+            factors = {k: _dense(self.tensors[f"rope_factors_{k}.weight"],
+                                 _raw_rows(self.tensors[f"rope_factors_{k}.weight"])).tolist()
+                       for k in ("short", "long") if f"rope_factors_{k}.weight" in self.tensors}
+            attn = a("rope.scaling.attn_factor")
+            if attn is None:
+                attn = 1.0 if context <= old else math.sqrt(1 + math.log(context / old) / math.log(old))
+            rope_scaling = {"rope_type": "longrope", "short_factor": factors["short"],
+                            "long_factor": factors.get("long", factors["short"]),
+                            "original_max_position_embeddings": old, "attention_factor": float(attn)}
+            context = min(context, old)          # the short factors' range (config.py ROPE_TYPES)
         embd = self.tensors.get("token_embd.weight")
         vocab = a("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
         if vocab is None:
@@ -140,7 +154,7 @@ class GGUFFile:
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
-            max_position_embeddings=_context(int(a("context_length", 2048)), a("attention.sliding_window")),
+            max_position_embeddings=_context(context, a("attention.sliding_window")),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -192,7 +206,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
     """Every tensor the model needs is there, of a type and shape we can load; nothing else is."""
     expected = _shapes(cfg)
-    optional = {"rope_freqs.weight": (cfg.head_dim // 2,)}
+    optional = {"rope_freqs.weight": (cfg.head_dim // 2,), "rope_factors_short.weight": (cfg.head_dim // 2,),
+                "rope_factors_long.weight": (cfg.head_dim // 2,)}
     for name in expected:
         if name not in g.tensors:
             raise GGUFError(f"{g.path}: tensor {name} is missing")

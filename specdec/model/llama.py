@@ -80,6 +80,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv_freq / s["factor"]
     if kind == "yarn":
         return _yarn(cfg, s)[0]
+    if kind == "longrope":              # the short factors (config.py ROPE_TYPES)
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * cfg.rope_theta ** shape)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -94,7 +97,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """What cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
     s = cfg.rope_scaling
-    return _yarn(cfg, s)[1] if s is not None and s.get("rope_type") == "yarn" else 1.0
+    if s is None or s.get("rope_type") not in ("yarn", "longrope"):
+        return 1.0
+    return _yarn(cfg, s)[1] if s["rope_type"] == "yarn" else float(s["attention_factor"])
 
 
 def _yarn(cfg: ModelConfig, s: dict) -> tuple[Tensor, float]:

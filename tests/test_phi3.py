@@ -18,9 +18,10 @@ from safetensors import safe_open
 
 from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
-from specdec import LLM, SamplingParams, kernels
+from specdec import LLM, kernels
 from specdec.model import load_model, save_model
-from test_qwen3 import IDS, PROMPTS, GREEDY, NO_KERNELS, cached_logits, reference, without_kernels
+from test_qwen3 import (GREEDY, IDS, NO_KERNELS, PROMPTS, cached_logits, check_greedy_equals_transformers_generate,
+                        reference, without_kernels)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +69,7 @@ def test_gguf_files_equal_the_checkpoint(files):
 
 @pytest.mark.parametrize("path", ["hf", "f32"])
 def test_greedy_output_equals_transformers_generate(files, path):
-    prompt = IDS[0].tolist()
-    with torch.no_grad():
-        expected = reference(files["hf"]).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
-                                                   min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    llm = LLM(str(files[path]), dtype="float32", num_speculative_tokens=0)
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == expected
+    check_greedy_equals_transformers_generate(files["hf"], files[path])
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

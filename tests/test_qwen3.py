@@ -125,15 +125,20 @@ def test_q8_0_gguf_equals_its_dequantized_weights(files):
     assert (packed.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.8
 
 
-@pytest.mark.parametrize("path", ["hf", "f32"])
-def test_greedy_output_equals_transformers_generate(files, path):
+def check_greedy_equals_transformers_generate(hf, path) -> None:
+    """16 greedy tokens of `path` (the folder hf, or a GGUF of it) == transformers' generate on hf."""
     prompt = IDS[0].tolist()
     with torch.no_grad():
-        expected = reference(files["hf"]).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
-                                                   min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    llm = LLM(str(files[path]), dtype="float32", num_speculative_tokens=0)
+        expected = reference(hf).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
+                                          min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", num_speculative_tokens=0)
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("path", ["hf", "f32"])
+def test_greedy_output_equals_transformers_generate(files, path):
+    check_greedy_equals_transformers_generate(files["hf"], files[path])
 
 
 SPECS = {

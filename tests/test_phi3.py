@@ -20,8 +20,9 @@ from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
 from specdec import LLM, kernels
 from specdec.model import load_model, save_model
-from test_qwen3 import (GREEDY, IDS, NO_KERNELS, PROMPTS, cached_logits, check_greedy_equals_transformers_generate,
-                        reference, without_kernels)
+from test_heads import _heads_dirs
+from test_qwen3 import (GREEDY, IDS, NO_KERNELS, cached_logits, check_greedy_equals_transformers_generate,
+                        check_speculative_greedy_equals_plain, reference, without_kernels)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("phi3")
     hf = make_checkpoint(root / "hf", arch="phi3")
     return {"hf": hf, "near": noisy_head_copy(hf, root / "near"), "f32": write_gguf(hf, root / "f32.gguf"),
-            "q8_0": write_gguf(hf, root / "q8" / "model.gguf", lambda name, ndim: T.Q8_0)}
+            "q8_0": write_gguf(hf, root / "q8" / "model.gguf", lambda name, ndim: T.Q8_0), **_heads_dirs(hf, root)}
 
 
 def test_the_checkpoint_is_fused_and_loads_as_phi3(files, tmp_path):
@@ -74,17 +75,8 @@ def test_greedy_output_equals_transformers_generate(files, path):
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
 def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    if c_path and kernels.load() is None:
-        pytest.skip("no C compiler or no AVX2/FMA here")
-    without_kernels(monkeypatch, c_path)
-    solo = LLM(model=files["hf"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
-    plain = [o.outputs[0].token_ids for o in solo.generate(PROMPTS, GREEDY)]
-    assert len({tuple(p) for p in plain}) > 1
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
-                 {"method": "draft_model", "model": str(files["near"]), "num_speculative_tokens": 3},
-                 {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
-        llm = LLM(model=files["hf"], dtype="float32", speculative_config=spec, max_num_seqs=4, max_num_batched_tokens=8)
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain, spec["method"]
+    """ngram, draft model, self-draft, layer skip, EAGLE tree and chain (untrained heads)."""
+    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
 
 
 @NO_KERNELS

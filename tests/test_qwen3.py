@@ -153,8 +153,12 @@ SPECS = {
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
 def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    """Every method, one request at a time and four at once (prompts of different lengths,
-    prefilled in chunks of 8): the tokens plain decoding gives alone."""
+    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
+
+
+def check_speculative_greedy_equals_plain(files, monkeypatch, c_path: bool) -> None:
+    """Every method (files: hf, near, eagle, medusa), one request at a time and four at once
+    (prompts of different lengths, prefilled in chunks of 8): the tokens plain decoding gives alone."""
     if c_path and kernels.load() is None:
         pytest.skip("no C compiler or no AVX2/FMA here")
     without_kernels(monkeypatch, c_path)

@@ -28,7 +28,8 @@ class _Mat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
-                *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")]]
+                *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
+                ("use_rope", c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -146,12 +147,12 @@ class CView:
         for i, layer in enumerate(model.model.layers[:len(kv.k)]):
             cache = (_ptr(kv.k[i]), _ptr(kv.v[i]), *((_ptr(kv.k_scale[i]), _ptr(kv.v_scale[i])) if kv.k_scale else (None, None)))
             if not weights:
-                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache)   # no weights, bias, norms
+                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1)   # no weights, bias, norms
                 continue
             att, mlp = layer.self_attn, layer.mlp
             mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                               *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache)
+                               *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope))
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it

@@ -167,8 +167,10 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
             head_norm(row, H, hd, L->q_norm, m->eps);
             head_norm(row + nq, KV, hd, L->k_norm, m->eps);
         }
-        rope(row, H, hd, w->angles + (long)n * hd);
-        rope(row + nq, KV, hd, w->angles + (long)n * hd);
+        if (L->use_rope) {
+            rope(row, H, hd, w->angles + (long)n * hd);
+            rope(row + nq, KV, hd, w->angles + (long)n * hd);
+        }
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
         for (int g = 0; g < KV; g++)        /* bf16 / int8 caches: rounded once, when written */

@@ -18,6 +18,7 @@ typedef struct {
     const float *q_norm, *k_norm;         /* [hd] fp32: Qwen3's per-head RMSNorm before RoPE, or NULL */
     void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] in kv_type's format */
     float *k_scale, *v_scale;             /* [KV, num_blocks, block_size] (KV_I8), else NULL */
+    int use_rope;                         /* 0 in SmolLM3's NoPE layers */
 } Layer;
 
 typedef struct {

@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",        # Phi-3 / Phi-3.5 dense (fused qkv and gate_up in its checkpoints)
+    "SmolLM3ForCausalLM": "smollm3",  # llama with no RoPE in every 4th layer (no_rope_layers)
 }
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 
@@ -32,6 +33,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False         # Qwen3: an RMSNorm over each query and key head, before RoPE
+    nope_layers: tuple[int, ...] = ()   # SmolLM3: the layers that apply no RoPE (NoPE)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -70,6 +72,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type == "qwen3",
+                nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -102,6 +105,8 @@ class ModelConfig:
             "pad_token_id": None,
             "torch_dtype": "bfloat16",
         }
+        if self.model_type == "smollm3":
+            out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
         return out
 
     def replace(self, **kw) -> "ModelConfig":
@@ -140,6 +145,19 @@ def _context(cfg: dict, model_type: str) -> int:
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None                       # Qwen names a window it does not use unless asked
     return min(n, window) if isinstance(window, int) and window > 0 else n
+
+
+def _nope_layers(cfg: dict) -> tuple[int, ...]:
+    """SmolLM3's no_rope_layers (1: the layer applies RoPE), else its interval (every 4th layer)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        step = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % step != 0) for i in range(cfg["num_hidden_layers"])]
+    if len(flags) != cfg["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {cfg['num_hidden_layers']} layers")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("smollm3 with use_sliding_window=true is not supported (full attention only)")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _check_qwen3(cfg: dict) -> None:

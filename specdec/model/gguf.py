@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3).
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3, smollm3).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -36,9 +36,9 @@ from .config import ModelConfig
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer, rope_inv_freq
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
-PERMUTED = ("llama", "mistral")          # q/k rows interleaved by llama.cpp's converter
+PERMUTED = ("llama", "mistral", "smollm3")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -130,6 +130,7 @@ class GGUFFile:
                 rope_scaling["original_max_position_embeddings"] = int(
                     a("rope.scaling.original_context_length") or a("context_length", 2048))
         context = int(a("context_length", 2048))
+        n_layers = int(self.require(f"{arch}.block_count"))
         if "rope_factors_short.weight" in self.tensors:     # Phi-3's longrope, as its converter writes it
             old = int(a("rope.scaling.original_context_length") or context)
             factors = {k: _dense(self.tensors[f"rope_factors_{k}.weight"],
@@ -150,7 +151,7 @@ class GGUFFile:
         return ModelConfig(
             vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(self.require(f"{arch}.feed_forward_length")),
-            num_hidden_layers=int(self.require(f"{arch}.block_count")),
+            num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
@@ -161,6 +162,8 @@ class GGUFFile:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm=arch == "qwen3",
+            # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
+            nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
             model_type=arch,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),

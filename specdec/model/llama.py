@@ -152,6 +152,7 @@ class Attention(nn.Module):
         # Qwen3: one [hd] weight shared by the heads, so a tensor-parallel rank keeps it whole
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.use_rope = True             # False in SmolLM3's NoPE layers (Backbone sets it)
 
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., D] -> q [..., H, hd], k and v [..., KV, hd]: projected, q/k normed per head
@@ -172,12 +173,14 @@ class Attention(nn.Module):
         gqa = self.n_kv != self.n_heads
         if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if self.use_rope:
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.use_rope:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         return self.o_proj(attend(layer, q, k, v, gqa))
 
 
@@ -261,6 +264,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        for i in cfg.nope_layers:            # SmolLM3's NoPE layers (a drafter's shorter copy: those it has)
+            if i < len(self.layers):
+                self.layers[i].self_attn.use_rope = False
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -470,6 +470,20 @@ def test_vllm_flags_are_accepted():
     assert args.speculative_config["num_speculative_tokens"] == 3 and args.served_model_name == ["a", "b"]
 
 
+def test_the_model_may_come_first_as_in_vllm_serve(tmp_path, capsys):
+    """`vllm serve MODEL [options]`: the first word names the model (vLLM flags still ignored)."""
+    args, ignored = parse_args(["m", "--gpu-memory-utilization", "0.9", "--port", "9001"])
+    assert args.model == "m" and args.port == 9001 and ignored == ["--gpu-memory-utilization 0.9"]
+    assert parse_args(["m", "--model", "m"])[0].model == "m"
+    with pytest.raises(ValueError, match="the model is named twice: 'm' and --model 'n'"):
+        parse_args(["m", "--model", "n"])
+    from specdec.cli import main
+
+    assert main(["serve", str(tmp_path / "missing"), "--port", "1"]) == 2      # loaded as --model: one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "missing") in err
+
+
 def test_bad_model_fails_fast(tiny_pair, tmp_path, capsys):
     from specdec.cli import main
 

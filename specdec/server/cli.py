@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
 
 
 def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                description="OpenAI-compatible server with speculative decoding.")
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=f"{prog} [MODEL] [options]",
+                                description="OpenAI-compatible server with speculative decoding. MODEL, "
+                                            "first (as in `vllm serve MODEL`), is the same as --model.")
     add_model_args(p)
     add_engine_args(p)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
@@ -97,7 +98,13 @@ def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.N
     for i, word in enumerate(argv[:-1]):
         if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
             argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
+    # `vllm serve MODEL [options]`: a first word that is not a flag names the model
+    tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
     args, unknown = build_parser(prog).parse_known_args(argv)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
     return args, ignored_flags(unknown)
 
 

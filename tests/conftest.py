@@ -41,7 +41,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     n_tok = len(tok_vocab["model"]["vocab"]) + sum(1 for t in tok_vocab["added_tokens"] if t["content"] not in tok_vocab["model"]["vocab"])
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
-           "smollm3": transformers.SmolLM3Config}[arch]
+           "smollm3": transformers.SmolLM3Config, "granite": transformers.GraniteConfig}[arch]
     if arch in ("phi3", "smollm3"):
         kw = {"pad_token_id": None, **kw}        # their configs' default pad id is outside a tiny vocabulary
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
@@ -50,7 +50,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
                  "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-                 "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM}[arch]
+                 "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM,
+                 "granite": transformers.GraniteForCausalLM}[arch]
     model = model_cls(cfg)
     # random init is nearly uniform; sharpen the output so greedy paths and acceptance mean something
     with torch.no_grad():

@@ -155,7 +155,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         if gname in skip:
             continue
         v = v.astype(np.float32)
-        if arch in ("llama", "mistral", "smollm3") and (".attn_q." in gname or ".attn_k." in gname):
+        if arch in ("llama", "mistral", "smollm3", "granite") and (".attn_q." in gname or ".attn_k." in gname):
             v = permute_rotary(v, kv if ".attn_k." in gname else heads)
         qtype = qtypes(gname, v.ndim) if v.ndim == 2 else T.F32
         data = encode(v, qtype)

@@ -181,7 +181,7 @@ group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, 
 static inline __attribute__((always_inline)) void
 block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int np, int maxspan, int KIND) {
     int hd = m->head_dim, bs = m->block_size, es = kv_bytes(KIND);
-    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)hd));
+    const __m256 scale = _mm256_set1_ps(m->attn_scale != 0.0f ? m->attn_scale : 1.0f / sqrtf((float)hd));
     float kf[KIND == KV_F32 ? 1 : 8 * hd];
     for (int s0 = 0; s0 < maxspan; s0 += bs) {
         long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;   /* the block's first row */

@@ -35,7 +35,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
                                        "n_layers", "num_blocks", "block_size", "max_blocks", "kv_type")],
-                ("eps", c_float), ("rope_attn", c_float), ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
+                ("eps", c_float), ("rope_attn", c_float),
+                *[(n, c_float) for n in ("embed_scale", "residual_scale", "attn_scale", "logit_scale")], ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
                 ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
 
 
@@ -159,7 +160,8 @@ class CView:
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
                              kv.blocks.max_blocks_per_seq, KV_TYPES[kv.dtype], cfg.rms_norm_eps,
-                             model.rope_attention, embed, _ptr(model.model.norm.weight) if weights else None, head,
+                             model.rope_attention, cfg.embedding_multiplier, cfg.residual_multiplier,
+                             cfg.attention_multiplier or 0.0, cfg.logits_scaling, embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
         self.workspace = torch.empty(0, dtype=torch.uint8)
 

@@ -154,6 +154,17 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     return off;
 }
 
+/* x += h, or x += h * scale (Granite's residual multiplier), row by row across the team. */
+static void residual_add(float *x, const float *h, int N, int D, float scale) {
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+        if (scale == 1.0f)
+            for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += h[i];
+        else
+            for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += h[i] * scale;
+    }
+}
+
 static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
@@ -179,9 +190,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     }
     attention_for(m, L, b, buf, att, w->scores, w->max_span);
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += buf[i];
+    residual_add(x, buf, N, D, m->residual_scale);
     rms_norm_for(buf, x, L->post_norm, N, D, m->eps);
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
     #pragma omp for schedule(static)
@@ -204,9 +213,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         }
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (long i = (long)n * D; i < (long)(n + 1) * D; i++) x[i] += buf[i];
+    residual_add(x, buf, N, D, m->residual_scale);
 }
 
 /* tokens [N] (or, when tokens is NULL, input vectors embeds [N, D] instead of the embedding
@@ -233,6 +240,8 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
             rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, m->rope_attn, pos[n]);
             if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
             else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
+            if (m->embed_scale != 1.0f)       /* Granite: inputs (looked up or given) scaled */
+                for (long i = (long)n * D; i < (long)(n + 1) * D; i++) w.x[i] *= m->embed_scale;
         }
         for (int l = 0; l < n_layers; l++) layer_for(m, &m->layers[l], b, &w, N);
         rms_norm_for(w.buf, w.x, m->final_norm, N, D, m->eps);
@@ -246,6 +255,10 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
                 for (int r = 0; r < n_logits; r++) memcpy(w.x + (long)r * D, w.buf + logit_rows[r] * D, sizeof(float) * D);
             }
             linear_for(&m->lm_head, head_in, NULL, logits, n_logits, m->vocab, D, w.qs);
+            if (m->logit_scale != 1.0f) {     /* Granite: logits / logits_scaling */
+                #pragma omp for schedule(static)
+                for (long i = 0; i < (long)n_logits * m->vocab; i++) logits[i] /= m->logit_scale;
+            }
         }
     }
     return 0;

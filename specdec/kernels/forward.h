@@ -25,6 +25,9 @@ typedef struct {
     int dim, hidden, n_heads, n_kv, head_dim, vocab, n_layers, num_blocks, block_size, max_blocks, kv_type;
     float eps;
     float rope_attn;                      /* cos and sin are scaled by it (YaRN; 1 otherwise) */
+    /* Granite's multipliers (1 otherwise): embeddings x embed_scale, each block's output x
+     * residual_scale before its add, scores x attn_scale (0: 1 / sqrt(hd)), logits / logit_scale */
+    float embed_scale, residual_scale, attn_scale, logit_scale;
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
     Mat lm_head;                          /* [V, D] packed panels */

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",        # Phi-3 / Phi-3.5 dense (fused qkv and gate_up in its checkpoints)
     "SmolLM3ForCausalLM": "smollm3",  # llama with no RoPE in every 4th layer (no_rope_layers)
+    "GraniteForCausalLM": "granite",  # llama with multipliers: embeddings, residuals, attention, logits
 }
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 
@@ -34,6 +35,13 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False         # Qwen3: an RMSNorm over each query and key head, before RoPE
     nope_layers: tuple[int, ...] = ()   # SmolLM3: the layers that apply no RoPE (NoPE)
+    # Granite's multipliers: embeddings x embedding_multiplier, each block's output x
+    # residual_multiplier before its residual add, attention scores x attention_multiplier (None:
+    # 1 / sqrt(head_dim)), logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -73,6 +81,7 @@ class ModelConfig:
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type == "qwen3",
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
+                **(_granite(cfg) if model_type == "granite" else {}),
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -107,6 +116,9 @@ class ModelConfig:
         }
         if self.model_type == "smollm3":
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
+        if self.model_type == "granite":
+            out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
+                       attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
         return out
 
     def replace(self, **kw) -> "ModelConfig":
@@ -145,6 +157,15 @@ def _context(cfg: dict, model_type: str) -> int:
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None                       # Qwen names a window it does not use unless asked
     return min(n, window) if isinstance(window, int) and window > 0 else n
+
+
+def _granite(cfg: dict) -> dict:
+    """GraniteConfig's multipliers (its defaults: 1.0 each, the attention's included). An explicit
+    null attention_multiplier is the usual 1 / sqrt(head_dim) (what a drafter's plain layer saves)."""
+    out = {name: float(cfg.get(name, 1.0)) for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+    m = cfg.get("attention_multiplier", 1.0)
+    out["attention_multiplier"] = None if m is None else float(m)
+    return out
 
 
 def _nope_layers(cfg: dict) -> tuple[int, ...]:

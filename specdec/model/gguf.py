@@ -1,4 +1,4 @@
-"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3, smollm3).
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3, smollm3, granite).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -36,9 +36,9 @@ from .config import ModelConfig
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer, rope_inv_freq
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
-PERMUTED = ("llama", "mistral", "smollm3")    # q/k rows interleaved by llama.cpp's converter
+PERMUTED = ("llama", "mistral", "smollm3", "granite")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -164,6 +164,10 @@ class GGUFFile:
             qk_norm=arch == "qwen3",
             # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
             nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
+            **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
+                "residual_multiplier": float(a("residual_scale", 1.0)),
+                "attention_multiplier": float(a("attention.scale", 1.0)),
+                "logits_scaling": float(a("logit_scale", 1.0))} if arch == "granite" else {}),
             model_type=arch,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),

@@ -65,7 +65,10 @@ class EagleHead(nn.Module):
     def __init__(self, target_cfg: ModelConfig, draft_vocab: Tensor):
         super().__init__()
         D = target_cfg.hidden_size
-        cfg = target_cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(), tie_word_embeddings=False)
+        # a plain decoder layer whatever the target's quirks (SmolLM3's NoPE, Granite's multipliers)
+        cfg = target_cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(), tie_word_embeddings=False,
+                                 nope_layers=(), embedding_multiplier=1.0, residual_multiplier=1.0,
+                                 attention_multiplier=None, logits_scaling=1.0)
         self.fc = Linear(2 * D, D, bias=True)
         self.decoder = Transformer(cfg)
         # the decoder's input comes from fc, never from a token lookup

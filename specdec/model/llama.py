@@ -153,6 +153,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.use_rope = True             # False in SmolLM3's NoPE layers (Backbone sets it)
+        self.scale = cfg.attention_multiplier    # scores' scale; None: 1 / sqrt(head_dim) (Granite sets it)
 
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., D] -> q [..., H, hd], k and v [..., KV, hd]: projected, q/k normed per head
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             if self.use_rope:
                 q = q * cos + rotate_half(q) * sin
                 k = k * cos + rotate_half(k) * sin
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         if self.use_rope:
             q = q * cos + rotate_half(q) * sin
@@ -187,15 +188,15 @@ class Attention(nn.Module):
 class _TorchAttention:
     """One forward's attention in PyTorch (any device): see _paged_attention."""
 
-    def __init__(self, kv: KVCache, plan: AttentionPlan):
-        self.kv, self.plan = kv, plan
+    def __init__(self, kv: KVCache, plan: AttentionPlan, scale: float | None = None):
+        self.kv, self.plan, self.scale = kv, plan, scale
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
-        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa)
+        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa, self.scale)
 
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, plan: AttentionPlan,
-                     gqa: bool) -> Tensor:
+                     gqa: bool, scale: float | None = None) -> Tensor:
     """q [N, H, hd], k/v [N, KV, hd] new tokens; kv: the cache, of which layer `layer` is read.
     Writes k/v at their slots (in the cache's format); each sequence attends over its own
     gathered (dequantized) blocks; returns [N, H * hd].
@@ -219,14 +220,14 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
             rows = slice(seq.first, seq.first + seq.count)
             out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
                                                        vals[None, :, :seq.span], attn_mask=seq.mask,
-                                                       enable_gqa=gqa)[0].transpose(0, 1)
+                                                       enable_gqa=gqa, scale=scale)[0].transpose(0, 1)
             continue
         for t, seen in enumerate(seq.seen):
             kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
             row = seq.first + t
             # row 0 starts a fresh buffer; the others get one: sums must not depend on where q starts
             qt = q[row] if row == 0 else q[row].clone()
-            att = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None], enable_gqa=gqa)
+            att = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None], enable_gqa=gqa, scale=scale)
             if N == 1:
                 return att.reshape(1, H * hd)
             out[row] = att[0, :, 0]
@@ -253,10 +254,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.residual_scale = cfg.residual_multiplier      # Granite: each block's output scaled before its add
 
     def forward(self, x, cos, sin, layer, attend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
+        x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
 
 class Backbone(nn.Module):
@@ -394,7 +398,8 @@ class Transformer(nn.Module):
             if view is None:
                 view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
             return cforward.CAttention(lib, view, batch)
-        return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS))
+        return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS),
+                               self.config.attention_multiplier)
 
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
@@ -409,11 +414,18 @@ class Transformer(nn.Module):
         out = None
         if logits:
             out = self.lm_head(h if rows is None else h[rows])
+            if self.config.logits_scaling != 1.0:          # Granite
+                out = out / self.config.logits_scaling
         return ForwardOutput(out, h if hidden else None)
+
+    def _embed(self, tokens: Tensor | None, embeds: Tensor | None) -> Tensor:
+        x = (self.model.embed_tokens(tokens) if embeds is None else embeds).to(self.dtype)
+        m = self.config.embedding_multiplier              # Granite: inputs (embeddings or given) scaled
+        return x if m == 1.0 else x * m
 
     def _forward_full(self, tokens, embeds, exit_layer, logits, hidden) -> ForwardOutput:
         B, T = embeds.shape[:2] if embeds is not None else tokens.shape
-        x = (self.model.embed_tokens(tokens) if embeds is None else embeds).to(self.dtype)
+        x = self._embed(tokens, embeds)
         positions = torch.arange(T, device=self.device).expand(B, T)
         cos, sin = self._rope(positions, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                         # [B, 1, T, hd]
@@ -424,7 +436,7 @@ class Transformer(nn.Module):
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
         dev = self.device
-        x = (self.model.embed_tokens(tokens.to(dev)) if embeds is None else embeds.to(dev)).to(self.dtype)
+        x = self._embed(tokens.to(dev) if embeds is None else None, embeds.to(dev) if embeds is not None else None)
         cos, sin = self._rope(batch.positions.to(dev), x.dtype)
         cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
         attend = self._attention(kv, batch)

@@ -64,7 +64,7 @@ def unrolled(head: EagleHead, feats: Tensor, embeds: Tensor, depths: int) -> lis
         keys.append(k)
         vals.append(v)
         mask = chain_mask(W, s, x.device)
-        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask,
+        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask, scale=attn.scale,
                                            enable_gqa=attn.n_kv != attn.n_heads)
         h = x + attn.o_proj(a.transpose(1, 2).reshape(*x.shape[:2], -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

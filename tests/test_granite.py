@@ -14,11 +14,11 @@ import torch
 
 from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import write_gguf
-from specdec import kernels
 from specdec.model import load_model, save_model
 from test_heads import _heads_dirs
-from test_qwen3 import (IDS, cached_logits, check_greedy_equals_transformers_generate,
-                        check_speculative_greedy_equals_plain, reference, without_kernels)
+from arch_checks import (IDS, reference,  # noqa: F401 (run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
 MULTIPLIERS = {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.05,
                "logits_scaling": 2.5}
@@ -47,32 +47,3 @@ def test_config_reads_and_writes_the_multipliers(files, tmp_path):
         torch.testing.assert_close(reference(tmp_path / "saved")(IDS).logits, reference(files["hf"])(IDS).logits)
 
 
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_logits_match_transformers(files, monkeypatch, c_path):
-    if c_path and kernels.load() is None:
-        pytest.skip("no C compiler or no AVX2/FMA here")
-    without_kernels(monkeypatch, c_path)
-    ours = load_model(files["hf"], "float32")
-    assert (ours.c_view(ours.new_cache(1, 8)) is not None) == c_path
-    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = reference(files["hf"])(tokens).logits
-        assert (ours(tokens).logits - ref).abs().max() < 1e-4 * ref.abs().max()
-        chunks = cached_logits(ours, tokens[0], [(0, 17), (17, 18), (18, 40)])
-        assert (chunks - ref[0]).abs().max() < 1e-4 * ref.abs().max()
-
-
-def test_f32_gguf_equals_the_checkpoint(files):
-    with torch.no_grad():
-        expected = reference(files["hf"])(IDS).logits[0]
-        torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("path", ["hf", "f32"])
-def test_greedy_output_equals_transformers_generate(files, path):
-    check_greedy_equals_transformers_generate(files["hf"], files[path])
-
-
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)

@@ -21,8 +21,9 @@ from gguf_helpers import T, write_gguf
 from specdec import LLM, kernels
 from specdec.model import load_model, save_model
 from test_heads import _heads_dirs
-from test_qwen3 import (GREEDY, IDS, NO_KERNELS, cached_logits, check_greedy_equals_transformers_generate,
-                        check_speculative_greedy_equals_plain, reference, without_kernels)
+from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference, without_kernels,  # noqa: F401 (run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
 
 @pytest.fixture(scope="module")
@@ -46,37 +47,13 @@ def test_the_checkpoint_is_fused_and_loads_as_phi3(files, tmp_path):
         torch.testing.assert_close(again(IDS).logits, reference(files["hf"])(IDS).logits)
 
 
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_logits_match_transformers(files, monkeypatch, c_path):
-    if c_path and kernels.load() is None:
-        pytest.skip("no C compiler or no AVX2/FMA here")
-    without_kernels(monkeypatch, c_path)
-    ours = load_model(files["hf"], "float32")
-    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = reference(files["hf"])(tokens).logits
-        assert (ours(tokens).logits - ref).abs().max() < 1e-4
-        assert (cached_logits(ours, tokens[0], [(0, 17), (17, 18), (18, 40)]) - ref[0]).abs().max() < 1e-4
-
-
-def test_gguf_files_equal_the_checkpoint(files):
-    """F32: the fused attn_qkv / ffn_up tensors, unpermuted. Q8_0 packed: close (int8 activations)."""
+def test_q8_0_gguf_packed_is_close_to_the_checkpoint(files):
+    """The fused attn_qkv / ffn_up tensors kept packed: close (int8 activations). (F32: the
+    shared test_f32_gguf_equals_the_checkpoint.)"""
     with torch.no_grad():
         expected = reference(files["hf"])(IDS).logits[0]
-        torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
         packed = load_model(files["q8_0"], quantization="gguf")(IDS).logits[0]
     assert ((packed - expected).norm() / expected.norm()).item() < 0.05
-
-
-@pytest.mark.parametrize("path", ["hf", "f32"])
-def test_greedy_output_equals_transformers_generate(files, path):
-    check_greedy_equals_transformers_generate(files["hf"], files[path])
-
-
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    """ngram, draft model, self-draft, layer skip, EAGLE tree and chain (untrained heads)."""
-    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
 
 
 @NO_KERNELS

@@ -14,20 +14,16 @@ import json
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import quants
 
 from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
-from specdec import LLM, SamplingParams, kernels
+from specdec import LLM, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model, save_model
 from test_heads import _heads_dirs, check_unrolled_is_the_serving_chain
-
-IDS = torch.tensor([[0, 9, 17, 33, 42, 8, 61, 20, 5, 77, 130, 2]])
-PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n", "for i in range(10):\n    print(i)",
-           "import os\n"]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-NO_KERNELS = pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+from arch_checks import (GREEDY, IDS, NO_KERNELS, PROMPTS, cached_logits, reference,  # noqa: F401 (tests run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_speculative_greedy_equals_plain, without_kernels)
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +36,6 @@ def files(tmp_path_factory) -> dict:
     return {"hf": hf, "near": near, "f32": write_gguf(hf, root / "f32.gguf", pre="qwen2"),
             "q8_0": write_gguf(hf, root / "q8" / "model.gguf", lambda name, ndim: T.Q8_0, pre="qwen2"),
             **_heads_dirs(hf, root)}
-
-
-def reference(folder, **replace) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, value in replace.items():
-            model.get_parameter(name).copy_(value)
-    return model
-
-
-def cached_logits(model, ids: torch.Tensor, chunks) -> torch.Tensor:
-    """ids [T] fed in chunks through the paged cache (the engine's path) -> logits [T, V]."""
-    cache = model.new_cache(batch=1)
-    out = []
-    for a, b in chunks:
-        out.append(model(ids[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
-        cache.set_length(0, b)
-    return torch.cat(out)
-
-
-def without_kernels(monkeypatch, c_path: bool) -> None:
-    if not c_path:     # the PyTorch path (what SPECDEC_KERNELS=0 runs)
-        monkeypatch.setattr(kernels, "load", lambda *a: None)
 
 
 def test_config_reads_head_dim_and_qk_norm(files, tmp_path):
@@ -97,15 +70,6 @@ def test_logits_match_transformers(files, tmp_path, monkeypatch, c_path, tied):
     assert (chunks - ref[0]).abs().max() < 1e-4
 
 
-def test_f32_gguf_equals_the_checkpoint(files):
-    """Unpermuted q/k (as qwen2), attn_q_norm / attn_k_norm, head_dim from attention.key_length."""
-    ours = load_model(files["f32"])
-    with torch.no_grad():
-        expected = reference(files["hf"])(IDS).logits[0]
-        torch.testing.assert_close(ours(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(cached_logits(ours, IDS[0], [(0, 5), (5, 12)]), expected, atol=1e-4, rtol=1e-4)
-
-
 def test_q8_0_gguf_equals_its_dequantized_weights(files):
     """Dequantized at load: transformers' model with the same Q8_0-rounded matrices (gguf-py's
     dequantizer), to fp32 rounding. Packed: the int8-activation kernels, close to it."""
@@ -123,53 +87,6 @@ def test_q8_0_gguf_equals_its_dequantized_weights(files):
     torch.testing.assert_close(dense, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
     assert ((packed - expected).norm() / expected.norm()).item() < 0.05
     assert (packed.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.8
-
-
-def check_greedy_equals_transformers_generate(hf, path) -> None:
-    """16 greedy tokens of `path` (the folder hf, or a GGUF of it) == transformers' generate on hf."""
-    prompt = IDS[0].tolist()
-    with torch.no_grad():
-        expected = reference(hf).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
-                                          min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    llm = LLM(str(path), dtype="float32", num_speculative_tokens=0)
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == expected
-
-
-@pytest.mark.parametrize("path", ["hf", "f32"])
-def test_greedy_output_equals_transformers_generate(files, path):
-    check_greedy_equals_transformers_generate(files["hf"], files[path])
-
-
-SPECS = {
-    "ngram": lambda f: {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": lambda f: {"method": "draft_model", "model": str(f["near"]), "num_speculative_tokens": 3},
-    "self-draft": lambda f: {"method": "draft_model", "model": str(f["hf"]), "num_speculative_tokens": 4},
-    "layer_skip": lambda f: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},
-    "eagle-tree": lambda f: {"method": "eagle", "model": str(f["eagle"]), "num_speculative_tokens": 4},
-    "eagle-chain": lambda f: {"method": "eagle", "model": str(f["eagle"]), "num_speculative_tokens": 3, "topk": 1},
-}
-
-
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
-
-
-def check_speculative_greedy_equals_plain(files, monkeypatch, c_path: bool) -> None:
-    """Every method (files: hf, near, eagle, medusa), one request at a time and four at once
-    (prompts of different lengths, prefilled in chunks of 8): the tokens plain decoding gives alone."""
-    if c_path and kernels.load() is None:
-        pytest.skip("no C compiler or no AVX2/FMA here")
-    without_kernels(monkeypatch, c_path)
-    solo = LLM(model=files["hf"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
-    plain = [o.outputs[0].token_ids for o in solo.generate(PROMPTS, GREEDY)]
-    assert len({tuple(p) for p in plain}) > 1
-    for name, spec in SPECS.items():
-        for seqs in (1, 4):
-            llm = LLM(model=files["hf"], dtype="float32", speculative_config=spec(files), max_num_seqs=seqs,
-                      max_num_batched_tokens=8)
-            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain, (name, seqs)
 
 
 def test_eagle_head_trains_on_the_chain_it_serves(files):

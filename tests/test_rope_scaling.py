@@ -14,7 +14,7 @@ from conftest import make_checkpoint
 from gguf_helpers import write_gguf
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import load_model
-from test_qwen3 import cached_logits, reference, without_kernels
+from arch_checks import cached_logits, reference, without_kernels
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},

@@ -14,8 +14,9 @@ from gguf_helpers import write_gguf
 from specdec import kernels
 from specdec.model import load_model, save_model
 from test_heads import _heads_dirs
-from test_qwen3 import (IDS, cached_logits, check_greedy_equals_transformers_generate,
-                        check_speculative_greedy_equals_plain, reference, without_kernels)
+from arch_checks import (IDS, cached_logits, reference, without_kernels,  # noqa: F401 (run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_speculative_greedy_equals_plain)
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +53,3 @@ def test_logits_match_transformers(files, monkeypatch, c_path):
         assert (ours(tokens).logits - ref).abs().max() > 1e-3
 
 
-def test_f32_gguf_equals_the_checkpoint(files):
-    """Permuted q/k rows as llama's converter writes them; RoPE skipped in layer 3."""
-    with torch.no_grad():
-        torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], reference(files["hf"])(IDS).logits[0],
-                                   atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("path", ["hf", "f32"])
-def test_greedy_output_equals_transformers_generate(files, path):
-    check_greedy_equals_transformers_generate(files["hf"], files[path])
-
-
-@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
-    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)

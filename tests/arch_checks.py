@@ -1,0 +1,114 @@
+"""What every architecture's test module checks on its own `files` fixture (hf: a transformers
+checkpoint of that architecture; f32: its F32 GGUF; near: a draft that agrees often; eagle: an
+untrained EAGLE head), and the helpers for it. A module imports the test functions below
+(`from arch_checks import test_...`) and pytest runs them there, on that module's fixture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec import LLM, SamplingParams, kernels
+from specdec.model import ForwardBatch, load_model
+
+IDS = torch.tensor([[0, 9, 17, 33, 42, 8, 61, 20, 5, 77, 130, 2]])
+PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n", "for i in range(10):\n    print(i)",
+           "import os\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+NO_KERNELS = pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+
+
+def reference(folder, **replace) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, value in replace.items():
+            model.get_parameter(name).copy_(value)
+    return model
+
+
+def cached_logits(model, ids: torch.Tensor, chunks) -> torch.Tensor:
+    """ids [T] fed in chunks through the paged cache (the engine's path) -> logits [T, V]."""
+    cache = model.new_cache(batch=1)
+    out = []
+    for a, b in chunks:
+        out.append(model(ids[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
+        cache.set_length(0, b)
+    return torch.cat(out)
+
+
+def without_kernels(monkeypatch, c_path: bool) -> None:
+    if not c_path:     # the PyTorch path (what SPECDEC_KERNELS=0 runs)
+        monkeypatch.setattr(kernels, "load", lambda *a: None)
+
+
+def check_greedy_equals_transformers_generate(hf, path) -> None:
+    """16 greedy tokens of `path` (the folder hf, or a GGUF of it) == transformers' generate on hf."""
+    prompt = IDS[0].tolist()
+    with torch.no_grad():
+        expected = reference(hf).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
+                                          min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", num_speculative_tokens=0)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected
+
+
+SPECS = {
+    "ngram": lambda f: {"method": "ngram", "num_speculative_tokens": 3},
+    "draft_model": lambda f: {"method": "draft_model", "model": str(f["near"]), "num_speculative_tokens": 3},
+    "self-draft": lambda f: {"method": "draft_model", "model": str(f["hf"]), "num_speculative_tokens": 4},
+    "layer_skip": lambda f: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},
+    "eagle-tree": lambda f: {"method": "eagle", "model": str(f["eagle"]), "num_speculative_tokens": 4},
+    "eagle-chain": lambda f: {"method": "eagle", "model": str(f["eagle"]), "num_speculative_tokens": 3, "topk": 1},
+}
+
+
+def check_speculative_greedy_equals_plain(files, monkeypatch, c_path: bool) -> None:
+    """Every method (files: hf, near, eagle, medusa), one request at a time and four at once
+    (prompts of different lengths, prefilled in chunks of 8): the tokens plain decoding gives alone."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    solo = LLM(model=files["hf"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(PROMPTS, GREEDY)]
+    assert len({tuple(p) for p in plain}) > 1
+    for name, spec in SPECS.items():
+        for seqs in (1, 4):
+            llm = LLM(model=files["hf"], dtype="float32", speculative_config=spec(files), max_num_seqs=seqs,
+                      max_num_batched_tokens=8)
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain, (name, seqs)
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_logits_match_transformers(files, monkeypatch, c_path):
+    """Whole sequences and the paged cache fed in chunks, on the C and the PyTorch forward."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    ours = load_model(files["hf"], "float32")
+    assert (ours.c_view(ours.new_cache(1, 8)) is not None) == c_path
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens).logits
+        tol = 1e-4 * max(1.0, ref.abs().max().item())
+        assert (ours(tokens).logits - ref).abs().max() < tol
+        assert (cached_logits(ours, tokens[0], [(0, 17), (17, 18), (18, 40)]) - ref[0]).abs().max() < tol
+
+
+def test_f32_gguf_equals_the_checkpoint(files):
+    with torch.no_grad():
+        expected = reference(files["hf"])(IDS).logits[0]
+        torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cached_logits(load_model(files["f32"]), IDS[0], [(0, 5), (5, 12)]), expected,
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["hf", "f32"])
+def test_greedy_output_equals_transformers_generate(files, path):
+    check_greedy_equals_transformers_generate(files["hf"], files[path])
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
+    """ngram, draft model, self-draft, layer skip, EAGLE tree and chain, alone and four at once."""
+    check_speculative_greedy_equals_plain(files, monkeypatch, c_path)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -247,9 +248,11 @@ class LLM:
         return self.engine.generate(ids, params, seed_offset=index)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order.
-        priority: one per prompt, under scheduling_policy="priority" (lower first; vLLM's)."""
+        priority: one per prompt, under scheduling_policy="priority" (lower first; vLLM's).
+        use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
+        second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -269,20 +272,26 @@ class LLM:
             self.engine.check_prompt(ids, params)
             jobs.append((str(self._counter), text, ids, params, prio))
             self._counter += 1
-        reqs, logprobs = {}, {}
+        reqs, logprobs, bar = {}, {}, None
         try:
             for rid, _, ids, params, prio in jobs:
                 for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
                                                              priority=prio)
+            bar = _progress(use_tqdm, len(jobs))
+            done, start = set(), time.perf_counter()
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
                     if event.logprobs is not None:
                         logprobs.setdefault(event.request_id, []).extend(event.logprobs)
+                if bar is not None:
+                    _advance(bar, jobs, reqs, done, time.perf_counter() - start)
         finally:
             for r in reqs.values():
                 if not r.finished:
                     self.engine.abort(r.request_id)
+            if bar is not None:
+                bar.close()
         return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _ in jobs]
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
@@ -302,6 +311,32 @@ class LLM:
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
         return RequestOutput(rid, text, ids, outputs, True, stats, reqs[(rid, 0)].prompt_logprobs)
+
+
+def _progress(use_tqdm, total: int):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm) and use_tqdm is not True:
+        cls = use_tqdm
+    else:
+        from tqdm.auto import tqdm as cls
+    return cls(total=total, desc="Processed prompts", dynamic_ncols=True,
+               postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+
+
+def _advance(bar, jobs, reqs, done: set, elapsed: float) -> None:
+    """Count the prompts whose every completion has finished; the speeds over all so far."""
+    new = [rid for rid, _, _, params, _ in jobs if rid not in done
+           and all(reqs[(rid, i)].finished for i in range(params.best_of or params.n))]
+    if not new:
+        return
+    done.update(new)
+    prompt_tokens = sum(len(ids) for rid, _, ids, _, _ in jobs if rid in done)
+    output_tokens = sum(len(r.out) for (rid, _), r in reqs.items() if rid in done)
+    elapsed = max(elapsed, 1e-9)
+    bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                        f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+    bar.update(len(new))
 
 
 def _text_content(content) -> str:

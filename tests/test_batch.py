@@ -240,3 +240,35 @@ def test_engine_flags_on_the_command_line(setup, capsys):
     assert e.value.code == 2 and "kv_cache_memory must be a number of bytes" in capsys.readouterr().err
     assert main(args + ["--kv-cache-memory", "10"]) == 2
     assert "kv_cache_memory of 10 bytes" in capsys.readouterr().err
+
+
+def test_generate_shows_progress_as_vllm_does(setup, capsys):
+    """use_tqdm=True: a bar over the prompts on stderr with the speeds so far; a tqdm-like class
+    is used instead when given; nothing by default."""
+    llm = LLM(model=setup["target"], dtype="float32", num_speculative_tokens=0, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
+    prompts = PROMPTS[:3]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert capsys.readouterr().err == ""
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=True)] == plain
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "3/3" in err and "output: " in err and "toks/s" in err
+
+    class Recorder:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.postfix, self.closed = total, 0, "", False
+            seen.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, s, refresh=True):
+            self.postfix = s
+
+        def close(self):
+            self.closed = True
+
+    seen: list = []
+    llm.generate(prompts, params, use_tqdm=Recorder)
+    (bar,) = seen
+    assert bar.total == bar.n == 3 and bar.closed and bar.postfix.startswith("est. speed input: ")

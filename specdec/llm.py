@@ -278,14 +278,13 @@ class LLM:
                 for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
                                                              priority=prio)
-            bar = _progress(use_tqdm, len(jobs))
-            done, start = set(), time.perf_counter()
+            bar = _Progress(use_tqdm, jobs, reqs) if use_tqdm else None
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
                     if event.logprobs is not None:
                         logprobs.setdefault(event.request_id, []).extend(event.logprobs)
                 if bar is not None:
-                    _advance(bar, jobs, reqs, done, time.perf_counter() - start)
+                    bar.advance()
         finally:
             for r in reqs.values():
                 if not r.finished:
@@ -313,30 +312,37 @@ class LLM:
         return RequestOutput(rid, text, ids, outputs, True, stats, reqs[(rid, 0)].prompt_logprobs)
 
 
-def _progress(use_tqdm, total: int):
-    if not use_tqdm:
-        return None
-    if callable(use_tqdm) and use_tqdm is not True:
-        cls = use_tqdm
-    else:
-        from tqdm.auto import tqdm as cls
-    return cls(total=total, desc="Processed prompts", dynamic_ncols=True,
-               postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+class _Progress:
+    """generate()'s progress bar (use_tqdm: True for tqdm's, or a tqdm-like class): prompts whose
+    every completion has finished, and the input / output tokens per second so far. Only the
+    prompts still pending are looked at each step; totals grow as prompts finish."""
 
+    def __init__(self, use_tqdm, jobs, reqs):
+        if use_tqdm is True or not callable(use_tqdm):
+            from tqdm.auto import tqdm as use_tqdm
+        self.bar = use_tqdm(total=len(jobs), desc="Processed prompts", dynamic_ncols=True,
+                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.pending = [(ids, [reqs[(rid, i)] for i in range(params.best_of or params.n)])
+                        for rid, _, ids, params, _ in jobs]
+        self.prompt_tokens = self.output_tokens = 0
+        self.start = time.perf_counter()
 
-def _advance(bar, jobs, reqs, done: set, elapsed: float) -> None:
-    """Count the prompts whose every completion has finished; the speeds over all so far."""
-    new = [rid for rid, _, _, params, _ in jobs if rid not in done
-           and all(reqs[(rid, i)].finished for i in range(params.best_of or params.n))]
-    if not new:
-        return
-    done.update(new)
-    prompt_tokens = sum(len(ids) for rid, _, ids, _, _ in jobs if rid in done)
-    output_tokens = sum(len(r.out) for (rid, _), r in reqs.items() if rid in done)
-    elapsed = max(elapsed, 1e-9)
-    bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
-                        f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
-    bar.update(len(new))
+    def advance(self) -> None:
+        done, pending = [], []
+        for p in self.pending:
+            (done if all(r.finished for r in p[1]) else pending).append(p)
+        if not done:
+            return
+        self.pending = pending
+        self.prompt_tokens += sum(len(ids) for ids, _ in done)
+        self.output_tokens += sum(len(r.out) for _, rs in done for r in rs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(len(done))
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _text_content(content) -> str:

@@ -65,6 +65,7 @@ class ModelConfig:
             if model_type == "qwen3":
                 _check_qwen3(cfg)
             _check_common(cfg)
+            rope_scaling = _rope_scaling(cfg)
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
@@ -73,10 +74,10 @@ class ModelConfig:
                 num_attention_heads=n_heads,
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
-                max_position_embeddings=_context(cfg, model_type),
+                max_position_embeddings=_context(cfg, model_type, rope_scaling),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5),
                 rope_theta=_rope_theta(cfg),
-                rope_scaling=_rope_scaling(cfg),
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type == "qwen3",
@@ -145,18 +146,28 @@ def _check_common(cfg: dict) -> None:
                          f"whole heads only)")
 
 
-def _context(cfg: dict, model_type: str) -> int:
-    """max_position_embeddings, or the sliding window when that is shorter: attention is full
-    here, which equals sliding-window attention for sequences no longer than the window (as
-    vLLM's --disable-sliding-window caps the context)."""
+def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:
+    """max_position_embeddings, capped at longrope's original context (see ROPE_TYPES) and at a
+    sliding window (cap_context)."""
     n = cfg.get("max_position_embeddings", 2048)
-    scaling = _rope_scaling(cfg)
     if scaling is not None and scaling["rope_type"] == "longrope":
-        n = min(n, scaling["original_max_position_embeddings"])     # the short factors' range (see ROPE_TYPES)
+        n = min(n, scaling["original_max_position_embeddings"])
     window = cfg.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None                       # Qwen names a window it does not use unless asked
-    return min(n, window) if isinstance(window, int) and window > 0 else n
+    return cap_context(n, window)
+
+
+def cap_context(n: int, window) -> int:
+    """The context, or a shorter sliding window: attention is full here, which equals
+    sliding-window attention for sequences no longer than the window (as vLLM's
+    --disable-sliding-window caps the context)."""
+    return min(n, int(window)) if window else n
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """transformers' default for longrope (Phi-3): sqrt(1 + ln(factor) / ln(original context))."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _granite(cfg: dict) -> dict:
@@ -216,7 +227,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
         old = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or n
         factor = scaling.get("factor") or n / old
         if out.get("attention_factor") is None:
-            out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+            out["attention_factor"] = longrope_attention_factor(factor, old)
         out["original_max_position_embeddings"] = old
     return out
 

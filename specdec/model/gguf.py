@@ -24,7 +24,6 @@ Q4_K_M files), are dequantized at load to the model dtype.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, cap_context, longrope_attention_factor
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer, rope_inv_freq
 
@@ -138,7 +137,7 @@ class GGUFFile:
                        for k in ("short", "long") if f"rope_factors_{k}.weight" in self.tensors}
             attn = a("rope.scaling.attn_factor")
             if attn is None:
-                attn = 1.0 if context <= old else math.sqrt(1 + math.log(context / old) / math.log(old))
+                attn = longrope_attention_factor(context / old, old)
             rope_scaling = {"rope_type": "longrope", "short_factor": factors["short"],
                             "long_factor": factors.get("long", factors["short"]),
                             "original_max_position_embeddings": old, "attention_factor": float(attn)}
@@ -155,7 +154,7 @@ class GGUFFile:
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
-            max_position_embeddings=_context(context, a("attention.sliding_window")),
+            max_position_embeddings=cap_context(context, a("attention.sliding_window")),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -172,11 +171,6 @@ class GGUFFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
-
-
-def _context(n: int, window) -> int:
-    """The context, or a shorter sliding window (attention is full here: the same up to the window)."""
-    return min(n, int(window)) if window else n
 
 
 def _qkv_names(cfg: ModelConfig, p: str) -> list[str]:

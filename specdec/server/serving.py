@@ -40,6 +40,7 @@ class Service:
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.metrics = ServerMetrics(llm.engine)
         self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
+        self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
         # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
@@ -81,8 +82,7 @@ class Service:
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                    priority: int = 0) -> Generation:
-        logger = RequestLogger(self.tokenizer, self.config.max_log_len) if self.config.enable_log_requests else None
-        return Generation(self.worker, self.metrics, prompts, params, arrival, priority, logger)
+        return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger)
 
     def _check_model(self, req: _Sampling) -> None:
         if req.model is not None and req.model not in self.config.served_model_names:

@@ -45,9 +45,10 @@ def without_kernels(monkeypatch, c_path: bool) -> None:
 def check_greedy_equals_transformers_generate(hf, path) -> None:
     """16 greedy tokens of `path` (the folder hf, or a GGUF of it) == transformers' generate on hf."""
     prompt = IDS[0].tolist()
-    with torch.no_grad():
-        expected = reference(hf).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16,
-                                          min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    model = reference(hf)
+    with torch.no_grad():    # an EOS id no token has: never stops, never masked (as min_new_tokens would)
+        expected = model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=model.config.vocab_size, pad_token_id=0)[0, len(prompt):].tolist()
     llm = LLM(str(path), dtype="float32", num_speculative_tokens=0)
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected

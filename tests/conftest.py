@@ -41,9 +41,13 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     n_tok = len(tok_vocab["model"]["vocab"]) + sum(1 for t in tok_vocab["added_tokens"] if t["content"] not in tok_vocab["model"]["vocab"])
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
-           "smollm3": transformers.SmolLM3Config, "granite": transformers.GraniteConfig}[arch]
+           "smollm3": transformers.SmolLM3Config, "granite": transformers.GraniteConfig,
+           "gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
+           "gemma3_text": transformers.Gemma3TextConfig}[arch]
     if arch in ("phi3", "smollm3"):
         kw = {"pad_token_id": None, **kw}        # their configs' default pad id is outside a tiny vocabulary
+    if arch.startswith("gemma"):                 # their head size defaults to 256
+        kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
     cfg = cls(vocab_size=vocab or n_tok, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
               bos_token_id=0, eos_token_id=1, **kw)
@@ -51,7 +55,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
                  "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM,
-                 "granite": transformers.GraniteForCausalLM}[arch]
+                 "granite": transformers.GraniteForCausalLM, "gemma": transformers.GemmaForCausalLM,
+                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM}[arch]
     model = model_cls(cfg)
     # random init is nearly uniform; sharpen the output so greedy paths and acceptance mean something
     with torch.no_grad():
@@ -59,6 +64,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):   # Qwen3's start at ones: make them count
                 p.uniform_(0.5, 2.0)
+            if arch.startswith("gemma") and name.endswith("norm.weight"):   # Gemma's (1 + w) start at w = 0
+                p.uniform_(-0.5, 1.0)
     model.save_pretrained(folder)
     return folder
 

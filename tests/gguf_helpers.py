@@ -21,7 +21,12 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}      # phi3's fused tensors
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 2 / 3's sandwich norms: post_attention_layernorm norms the attention's output there
+SANDWICH_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf: str, sandwich: bool = False) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -30,7 +35,7 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, i, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{HF_TO_GGUF[module]}.{kind}"
+    return f"blk.{i}.{(SANDWICH_TO_GGUF if sandwich and module in SANDWICH_TO_GGUF else HF_TO_GGUF)[module]}.{kind}"
 
 
 def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -121,7 +126,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     """A .gguf of the transformers checkpoint in hf_dir. qtypes(gguf_name, ndim) -> GGMLQuantizationType
     (default: F32 everywhere)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or cfg["model_type"]
+    arch = arch or {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -140,7 +145,9 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     if cfg.get("head_dim"):          # as llama.cpp's converter: the head size where config.json names it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)        # Gemma 3: its global layers' (the local base is llama.cpp's 10000)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_file_type(1)
     _write_vocab(w, vocab or byte_level_vocab(hf_dir), pre, bos, eos, add_bos)
@@ -149,7 +156,10 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     for key, value in (metadata or {}).items():
         (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     qtypes = qtypes or (lambda n, ndim: T.F32)
-    tensors = {gguf_name(k): v for k, v in sd.items()}
+    gemma = arch.startswith("gemma")
+    if gemma:          # llama.cpp's converter stores Gemma's norms as 1 + w
+        sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
+    tensors = {gguf_name(k, arch in ("gemma2", "gemma3")): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})
     for gname, v in tensors.items():
         if gname in skip:

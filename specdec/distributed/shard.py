@@ -71,7 +71,7 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
     with torch.device("meta"):
         model = cls(cfg, world, **kw)
     model.compute_dtype = full.compute_dtype
-    model.inv_freq = full.inv_freq
+    model.inv_freq, model.inv_freq_local = full.inv_freq, full.inv_freq_local
     model.model.embed_tokens, model.model.norm = full.model.embed_tokens, full.model.norm
     local = model.local_config
     H, hd, inter = cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size
@@ -82,6 +82,9 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
     qkv_rows = torch.cat([q_rows, H * hd + kv_rows, H * hd + kv_width + kv_rows])
     for src, dst in zip(full.model.layers, model.model.layers):
         dst.input_layernorm, dst.post_attention_layernorm = src.input_layernorm, src.post_attention_layernorm
+        if src.sandwich:     # Gemma 2 / 3's norms around the MLP: over the hidden size, whole on each rank
+            dst.pre_feedforward_layernorm = src.pre_feedforward_layernorm
+            dst.post_feedforward_layernorm = src.post_feedforward_layernorm
         dst.self_attn.qkv_proj = column(src.self_attn.qkv_proj, qkv_rows)
         dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
         # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank

@@ -339,6 +339,15 @@ attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, in
     for (int i = 0; i < np; i++) {
         int t = qs[i].n - b->cu_seqlens[sq];
         const uint8_t *mask = moff >= 0 ? b->masks + moff + (long)t * cols : NULL;
+        if (m->attn_softcap != 0.0f) {            /* Gemma 2: cap tanh(s / cap), before any mask */
+            float cap = m->attn_softcap;
+            for (int s = 0; s < qs[i].span; s++) qs[i].sc[s] = cap * tanhf(qs[i].sc[s] / cap);
+        }
+        if (L->window > 0) {                      /* a sliding window: slots `window` or more back */
+            long lo = b->pos[qs[i].n] - L->window + 1;
+            int lim = mask ? from : qs[i].span;   /* a tree's own slots: its mask decides */
+            for (int s = 0; s < lo && s < lim; s++) qs[i].sc[s] = -INFINITY;
+        }
         if (mask)                                 /* a tree: slots that are not ancestors */
             for (int s = from; s < qs[i].span; s++)
                 if (!mask[s - from]) qs[i].sc[s] = -INFINITY;

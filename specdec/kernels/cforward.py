@@ -29,20 +29,25 @@ class _Mat(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
                 *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
-                ("use_rope", c_int)]
+                ("use_rope", c_int), ("attn_out_norm", c_void_p), ("ffn_out_norm", c_void_p), ("window", c_int),
+                ("local_rope", c_int)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, c_int) for n in ("dim", "hidden", "n_heads", "n_kv", "head_dim", "vocab",
                                        "n_layers", "num_blocks", "block_size", "max_blocks", "kv_type")],
                 ("eps", c_float), ("rope_attn", c_float),
-                *[(n, c_float) for n in ("embed_scale", "residual_scale", "attn_scale", "logit_scale")], ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat),
-                ("inv_freq", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
+                *[(n, c_float) for n in ("embed_scale", "residual_scale", "attn_scale", "logit_scale", "attn_softcap",
+                                         "final_softcap")], ("act", c_int),
+                ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
+                ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
+
+ACTS = {"silu": 0, "gelu_tanh": 1}       # forward.h: ACT_SILU, ACT_GELU_TANH
 
 
 class _Batch(ctypes.Structure):
     _fields_ = [("n_seqs", c_int), *[(n, c_void_p) for n in ("cu_seqlens", "start", "rows", "mask_from",
-                                                             "mask_offset", "masks")]]
+                                                             "mask_offset", "masks", "pos")]]
 
 
 def declare(lib) -> None:
@@ -147,13 +152,18 @@ class CView:
         layers = (_Layer * len(kv.k))()
         for i, layer in enumerate(model.model.layers[:len(kv.k)]):
             cache = (_ptr(kv.k[i]), _ptr(kv.v[i]), *((_ptr(kv.k_scale[i]), _ptr(kv.v_scale[i])) if kv.k_scale else (None, None)))
-            if not weights:
-                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1)   # no weights, bias, norms
-                continue
             att, mlp = layer.self_attn, layer.mlp
+            window, local = att.window or 0, int(att.local_rope)
+            if not weights:      # no weights, bias, norms
+                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local)
+                continue
             mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                               *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope))
+            out_norms = (None, None)
+            if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
+                out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
+            layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.mlp_norm.weight),
+                               *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
+                               *out_norms, window, local)
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
@@ -161,8 +171,9 @@ class CView:
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
                              kv.blocks.max_blocks_per_seq, KV_TYPES[kv.dtype], cfg.rms_norm_eps,
                              model.rope_attention, cfg.embedding_multiplier, cfg.residual_multiplier,
-                             cfg.attention_multiplier or 0.0, cfg.logits_scaling, embed, _ptr(model.model.norm.weight) if weights else None, head,
-                             _ptr(model.inv_freq), layers, _ptr(kv.blocks.table))
+                             cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
+                             ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
+                             _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table))
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def _hold(self, found: tuple[_Mat, torch.Tensor]) -> _Mat:
@@ -192,7 +203,7 @@ class CAttention:
 
 def _batch_struct(batch) -> _Batch:
     return _Batch(len(batch.seqs), _ptr(batch.cu_seqlens), _ptr(batch.start_slots), _ptr(batch.rows),
-                  _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks))
+                  _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks), _ptr(batch.positions))
 
 
 def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits: bool, want_hidden: bool):

@@ -127,6 +127,7 @@ int tokens_of(const Batch *b, TokenOf *who) {
 typedef struct {
     float *x, *buf, *qkv, *att, *ff;      /* [N, D], [N, wide], [N, nqkv], [N, wide], [N, 2F] */
     float *angles;                        /* [N, hd]: each token's rope cos, sin */
+    float *angles_local;                  /* [N, hd]: the same from inv_freq_local (or unused) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -140,13 +141,13 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     int D = m->dim, nq = m->n_heads * m->head_dim, nqkv = nq + 2 * m->n_kv * m->head_dim;
     int wide = D > nq ? D : nq;
     if (m->hidden > wide) wide = m->hidden;
-    long sizes[9] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
-                     4L * threads * attn_scratch(max_span), quant_act_bytes(N, wide),
-                     (long)sizeof(TokenOf) * N, 4L * N * m->head_dim};
-    void **at[9] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
-                    (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles};
+    long sizes[10] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+                      4L * threads * attn_scratch(max_span), quant_act_bytes(N, wide),
+                      (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0};
+    void **at[10] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                     (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local};
     long off = 0;
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 10; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
@@ -165,6 +166,49 @@ static void residual_add(float *x, const float *h, int N, int D, float scale) {
     }
 }
 
+/* o = SiLU(g) * u = g / (1 + e^-g) * u over F elements. */
+static void silu_mul(const float *g, const float *u, float *o, int F) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= F; i += 16) {            /* the same operations per element in 16 lanes */
+        __m512 gv = _mm512_loadu_ps(g + i), e = vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                              _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < F; i += 8) {
+        int k = F - i < 8 ? F - i : 8;
+        __m256 gv = load_part(g + i, k), e = vexp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        __m256 y = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k));
+        store_part(o + i, y, k);
+    }
+}
+
+/* o = GELU_tanh(g) * u (Gemma's GeGLU): 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3),
+ * which is g / (1 + e^(-2y)), computed so (SiLU's operations with -2y for -g). */
+static void gelu_tanh_mul(const float *g, const float *u, float *o, int F) {
+    const float c = -2.0f * 0.7978845608028654f, c3 = 0.044715f;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= F; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 y = _mm512_mul_ps(_mm512_set1_ps(c), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c3), gv),
+                                                                    _mm512_mul_ps(gv, gv), gv));
+        __m512 e = vexp16(y);
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                              _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < F; i += 8) {
+        int k = F - i < 8 ? F - i : 8;
+        __m256 gv = load_part(g + i, k);
+        __m256 y = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c3), gv),
+                                                                    _mm256_mul_ps(gv, gv), gv));
+        __m256 e = vexp(y);
+        store_part(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k)), k);
+    }
+}
+
 static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
@@ -179,8 +223,9 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
             head_norm(row + nq, KV, hd, L->k_norm, m->eps);
         }
         if (L->use_rope) {
-            rope(row, H, hd, w->angles + (long)n * hd);
-            rope(row + nq, KV, hd, w->angles + (long)n * hd);
+            const float *cs = (L->local_rope ? w->angles_local : w->angles) + (long)n * hd;
+            rope(row, H, hd, cs);
+            rope(row + nq, KV, hd, cs);
         }
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
@@ -190,6 +235,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     }
     attention_for(m, L, b, buf, att, w->scores, w->max_span);
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
+    if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
     rms_norm_for(buf, x, L->post_norm, N, D, m->eps);
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
@@ -197,22 +243,11 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     for (int n = 0; n < N; n++) {
         const float *g = ff + (long)n * 2 * F, *u = g + F;
         float *o = att + (long)n * F;
-        int i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= F; i += 16) {        /* the same operations per element in 16 lanes */
-            __m512 gv = _mm512_loadu_ps(g + i), e = vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                                  _mm512_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < F; i += 8) {               /* SiLU(gate) * up */
-            int k = F - i < 8 ? F - i : 8;
-            __m256 gv = load_part(g + i, k), e = vexp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            __m256 y = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k));
-            store_part(o + i, y, k);
-        }
+        if (m->act == ACT_GELU_TANH) gelu_tanh_mul(g, u, o, F);
+        else silu_mul(g, u, o, F);
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
+    if (L->ffn_out_norm) rms_norm_for(buf, buf, L->ffn_out_norm, N, D, m->eps);     /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
 }
 
@@ -238,6 +273,8 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, m->rope_attn, pos[n]);
+            if (m->inv_freq_local)            /* Gemma 3's sliding layers: their own base, unscaled */
+                rope_angles(w.angles_local + (long)n * m->head_dim, m->head_dim, m->inv_freq_local, 1.0f, pos[n]);
             if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
             else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
             if (m->embed_scale != 1.0f)       /* Granite: inputs (looked up or given) scaled */
@@ -258,6 +295,11 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
             if (m->logit_scale != 1.0f) {     /* Granite: logits / logits_scaling */
                 #pragma omp for schedule(static)
                 for (long i = 0; i < (long)n_logits * m->vocab; i++) logits[i] /= m->logit_scale;
+            }
+            if (m->final_softcap != 0.0f) {   /* Gemma 2: cap tanh(logits / cap) */
+                float cap = m->final_softcap;
+                #pragma omp for schedule(static)
+                for (long i = 0; i < (long)n_logits * m->vocab; i++) logits[i] = cap * tanhf(logits[i] / cap);
             }
         }
     }
@@ -300,7 +342,7 @@ int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *f
             moff[a] = -1;
         }
         skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
-        Batch b = {n, cu, start, arow, start, moff, NULL};
+        Batch b = {n, cu, start, arow, start, moff, NULL, pos};
         long need;
         while ((need = llama_forward(head, &b, NULL, x, n, pos, head->n_layers, feat_out, n, NULL, logits, ws, ws_bytes)) > 0) {
             free(ws);

@@ -10,6 +10,7 @@
  * KV_F32, KV_BF16: rows of hd values; KV_I8: rows of hd int8 values q and, per row (slot, kv
  * head), one fp32 scale d in k_scale / v_scale: the value is q * d (model/kv.py: quantize_rows). */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32 */
@@ -19,6 +20,12 @@ typedef struct {
     void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] in kv_type's format */
     float *k_scale, *v_scale;             /* [KV, num_blocks, block_size] (KV_I8), else NULL */
     int use_rope;                         /* 0 in SmolLM3's NoPE layers */
+    /* Gemma 2 / 3's sandwich norms: the attention's and the MLP's outputs normed before their
+     * residual adds ([D] fp32), or NULL */
+    const float *attn_out_norm, *ffn_out_norm;
+    int window;                           /* sliding window: a token sees the `window` slots up to
+                                           * its own position (0: every earlier slot) */
+    int local_rope;                       /* RoPE from inv_freq_local (Gemma 3's sliding layers) */
 } Layer;
 
 typedef struct {
@@ -28,10 +35,14 @@ typedef struct {
     /* Granite's multipliers (1 otherwise): embeddings x embed_scale, each block's output x
      * residual_scale before its add, scores x attn_scale (0: 1 / sqrt(hd)), logits / logit_scale */
     float embed_scale, residual_scale, attn_scale, logit_scale;
+    /* Gemma 2's tanh soft-caps (0: none): scores -> cap tanh(scores / cap), logits the same */
+    float attn_softcap, final_softcap;
+    int act;                              /* the MLP's gate: ACT_SILU (SwiGLU) or ACT_GELU_TANH (GeGLU) */
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
     Mat lm_head;                          /* [V, D] packed panels */
     const float *inv_freq;                /* [hd / 2] */
+    const float *inv_freq_local;          /* [hd / 2] for layers with local_rope, or NULL */
     const Layer *layers;
     const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
 } Model;
@@ -39,12 +50,15 @@ typedef struct {
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;
  * slots before mask_from[b] are visible to all of them; from mask_from[b] on, causal when
  * mask_offset[b] < 0, else the tree mask masks[mask_offset[b] + t * cols + (s - mask_from[b])]
- * with cols = start[b] + T_b - mask_from[b] (model/batch.py: ForwardBatch). */
+ * with cols = start[b] + T_b - mask_from[b] (model/batch.py: ForwardBatch). A layer with a
+ * sliding window also hides the slots before mask_from[b] that lie `window` or more positions
+ * before the token's own (a slot there holds the token of that position). */
 typedef struct {
     int n_seqs;
     const int32_t *cu_seqlens, *start, *rows, *mask_from;
     const int64_t *mask_offset;
     const uint8_t *masks;
+    const int64_t *pos;                   /* [N] each token's position (a sliding window counts from it) */
 } Batch;
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */

@@ -127,6 +127,9 @@ class SeqAttention:
     seen: list | None                # per token: how many leading slots it sees (causal), or the
                                      # indices [n] of the slots it sees (tree); None when masked
     mask: Tensor | None              # [1, 1, count, span] bool, for a chunk too long to go row by row
+    positions: Tensor | None = None  # [count] its tokens' positions (a sliding window counts from them)
+    free_from: int = 0               # its first slot under a tree mask, which a sliding window leaves be
+                                     # (span when causal: the window covers every slot)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ class AttentionPlan:
                 seen = list(range(st + 1, span + 1)) if tree is None else _tree_seen(tree, st, device)
             else:
                 mask = _chunk_mask(tree, st, n).to(device)[None, None]
-            seqs.append(SeqAttention(first, n, blocks, span, seen, mask))
+            seqs.append(SeqAttention(first, n, blocks, span, seen, mask, batch.positions[first:first + n].to(device),
+                                     span if tree is None else st - tree.past))
             first += n
         slot = (write_blocks[0], write_offsets[0]) if len(write_blocks) == 1 else None
         return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs, slot)

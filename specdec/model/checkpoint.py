@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import FUSED_CHECKPOINTS, ModelConfig
-from .llama import Transformer, rope_inv_freq
+from .config import FUSED_CHECKPOINTS, GEMMA, ModelConfig
+from .llama import Transformer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -93,7 +93,13 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(gate), out.pop(up)])
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    if cfg.model_type in GEMMA:      # Gemma's RMSNorm scales by (1 + w): the runtime holds 1 + w, in fp32
+        out.update({n: t.float() + 1 for n, t in out.items() if _is_norm(n)})
     return out
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
 
 
 def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -114,6 +120,8 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             out[name] = t
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    if cfg.model_type in GEMMA:
+        out.update({n: t.float() - 1 for n, t in out.items() if _is_norm(n)})
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -156,10 +164,12 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         if src.shape != param.shape:
             raise CheckpointError(f"{folder}: {name} has shape {tuple(src.shape)}, "
                                   f"config.json implies {tuple(param.shape)}")
-        param.data = src.to(device=device, dtype=torch_dtype)
+        # Gemma's norms (1 + w) stay fp32, as transformers computes them
+        keep = cfg.model_type in GEMMA and _is_norm(name)
+        param.data = src.to(device=device, dtype=torch.float32 if keep else torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers were left uninitialised on meta
+    model.reset_rope(device)  # buffers were left uninitialised on meta
     return finish(model, torch_dtype, device)
 
 
@@ -185,8 +195,9 @@ def save_model(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-    save_file(fused_to_hf(sd, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    sd = {k: v.to(dtype).contiguous() for k, v in fused_to_hf(sd, cfg).items()}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf()
     hf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     hf.update(extra_config or {})

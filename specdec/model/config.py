@@ -14,8 +14,12 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",        # Phi-3 / Phi-3.5 dense (fused qkv and gate_up in its checkpoints)
     "SmolLM3ForCausalLM": "smollm3",  # llama with no RoPE in every 4th layer (no_rope_layers)
     "GraniteForCausalLM": "granite",  # llama with multipliers: embeddings, residuals, attention, logits
+    "GemmaForCausalLM": "gemma",      # GeGLU, embeddings x sqrt(hidden), norms (1 + w)
+    "Gemma2ForCausalLM": "gemma2",    # + sandwich norms, soft-capping, sliding window every other layer
+    "Gemma3ForCausalLM": "gemma3_text",  # + q/k norms, sliding window 5 layers in 6 with their own RoPE base
 }
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
+GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,18 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma: the MLP's gate ("silu": SwiGLU; "gelu_tanh": GeGLU); sandwich norms (Gemma 2 / 3:
+    # the attention's and the MLP's outputs normed before their residual adds); tanh soft-caps
+    # of the attention scores and the final logits (Gemma 2; 0: none); a sliding window in the
+    # layers sliding_layers (a token sees itself and the sliding_window - 1 positions before
+    # it), whose RoPE base is local_rope_theta, unscaled, when given (Gemma 3)
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -64,7 +80,15 @@ class ModelConfig:
             qwen = model_type in ("qwen2", "qwen3")
             if model_type == "qwen3":
                 _check_qwen3(cfg)
-            _check_common(cfg)
+            gemma = _gemma(cfg, model_type) if model_type in GEMMA else {}
+            if gemma:      # Gemma 3 keeps its global layers' RoPE under rope_parameters["full_attention"]
+                glob = gemma.pop("global_rope")
+                if glob is not None:
+                    cfg = {**cfg, "rope_parameters": glob}
+                    if "rope_theta" in glob:
+                        cfg["rope_theta"] = glob["rope_theta"]
+            else:
+                _check_common(cfg)
             rope_scaling = _rope_scaling(cfg)
             return cls(
                 vocab_size=cfg["vocab_size"],
@@ -75,14 +99,15 @@ class ModelConfig:
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
                 max_position_embeddings=_context(cfg, model_type, rope_scaling),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen or gemma else 1e-5),
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "gemma3_text"),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type == "granite" else {}),
+                **gemma,
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -120,6 +145,15 @@ class ModelConfig:
         if self.model_type == "granite":
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
+        if self.model_type in GEMMA:
+            out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+            if self.model_type != "gemma":
+                out.update(query_pre_attn_scalar=_pre_attn_scalar(self), attn_logit_softcapping=self.attn_softcap or None,
+                           final_logit_softcapping=self.final_softcap or None, sliding_window=self.sliding_window,
+                           layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
+                                        for i in range(self.num_hidden_layers)])
+            if self.model_type == "gemma3_text":
+                out["rope_local_base_freq"] = self.local_rope_theta
         return out
 
     def replace(self, **kw) -> "ModelConfig":
@@ -132,6 +166,58 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + emb + d
+
+
+def _gemma(cfg: dict, model_type: str) -> dict:
+    """The ModelConfig fields of a Gemma, Gemma 2 or Gemma 3 (text) config.json, with transformers'
+    defaults for what it leaves out, and its global layers' RoPE settings under "global_rope"."""
+    one = model_type == "gemma"
+    act = (cfg.get("hidden_act") if one else cfg.get("hidden_activation") or cfg.get("hidden_act")) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu" if one else "gelu_pytorch_tanh"):
+        raise ValueError(f"{model_type} with hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention=true is not supported (causal only)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{model_type} with attention_bias=true is not supported (it puts a bias on o_proj too)")
+    out = {"hidden_act": "gelu_tanh", "embedding_multiplier": float(cfg["hidden_size"] ** 0.5),
+           "global_rope": cfg.get("rope_parameters")}
+    if one:
+        return out
+    n = cfg["num_hidden_layers"]
+    gemma2 = model_type == "gemma2"
+    soft = lambda key, default: float(cfg.get(key, default) or 0.0)  # noqa: E731  (null: none)
+    out.update(sandwich_norms=True, attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+               attn_softcap=soft("attn_logit_softcapping", 50.0 if gemma2 else None),
+               final_softcap=soft("final_logit_softcapping", 30.0 if gemma2 else None))
+    types = cfg.get("layer_types")
+    if types is None:      # transformers' defaults: every other layer (Gemma 2), 5 in 6 (Gemma 3)
+        every = 2 if gemma2 else int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    window = cfg.get("sliding_window", 4096)
+    if window is not None and any(t == "sliding_attention" for t in types):
+        out.update(sliding_window=int(window), sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+    if not gemma2:
+        params = cfg.get("rope_parameters") or {}
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"gemma3 sliding layers' rope_type {local['rope_type']!r} is not supported (default only)")
+        out["local_rope_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+        glob = params.get("full_attention")
+        if glob is None and "full_attention" not in params:
+            glob = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+        out["global_rope"] = glob
+    return out
+
+
+def _pre_attn_scalar(cfg: "ModelConfig") -> float | int:
+    """Gemma 2 / 3's query_pre_attn_scalar back from the attention's scale (its -2th power)."""
+    m = cfg.attention_multiplier
+    if m is None:
+        return cfg.head_dim
+    v = m ** -2
+    return int(round(v)) if abs(v - round(v)) < 1e-3 else v
 
 
 def _check_common(cfg: dict) -> None:
@@ -155,6 +241,8 @@ def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:
     window = cfg.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None                       # Qwen names a window it does not use unless asked
+    if model_type in GEMMA:
+        window = None                       # computed: sliding_window, sliding_layers
     return cap_context(n, window)
 
 

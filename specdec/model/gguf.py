@@ -1,4 +1,5 @@
-"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2, qwen3, phi3, smollm3, granite).
+"""llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2,
+qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -31,11 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import ModelConfig, cap_context, longrope_attention_factor
+from .config import GEMMA, ModelConfig, cap_context, longrope_attention_factor
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
-from .llama import Transformer, rope_inv_freq
+from .llama import Transformer
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3")
+MODEL_TYPES = {"gemma3": "gemma3_text"}    # GGUF architecture -> Hugging Face model_type, where they differ
+SANDWICH = ("gemma2", "gemma3")            # post_attention_norm, ffn_norm (the MLP's input) and post_ffw_norm
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
 PERMUTED = ("llama", "mistral", "smollm3", "granite")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
@@ -147,6 +150,7 @@ class GGUFFile:
         if vocab is None:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor")
         eos = self.get("tokenizer.ggml.eos_token_id")
+        gemma = _gemma_fields(self, arch, n_layers, hidden, n_heads) if arch.startswith("gemma") else {}
         return ModelConfig(
             vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(self.require(f"{arch}.feed_forward_length")),
@@ -154,23 +158,56 @@ class GGUFFile:
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
-            max_position_embeddings=cap_context(context, a("attention.sliding_window")),
+            max_position_embeddings=context if gemma else cap_context(context, a("attention.sliding_window")),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
             nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
             **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
                 "residual_multiplier": float(a("residual_scale", 1.0)),
                 "attention_multiplier": float(a("attention.scale", 1.0)),
                 "logits_scaling": float(a("logit_scale", 1.0))} if arch == "granite" else {}),
-            model_type=arch,
+            **gemma,
+            model_type=MODEL_TYPES.get(arch, arch),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+def _gemma_fields(g: GGUFFile, arch: str, n_layers: int, hidden: int, n_heads: int) -> dict:
+    """Gemma's ModelConfig fields from llama.cpp's keys and its rules: embeddings x sqrt(hidden),
+    GeGLU; Gemma 2 / 3: sandwich norms, a sliding window (every even layer; 5 layers in 6 for
+    Gemma 3, whose sliding layers take RoPE base 10000 unless rope.freq_base_swa says), the
+    attention scaled by attention.scale or else llama.cpp's 1 / sqrt(head_dim) (the 27B models:
+    1 / sqrt(hidden / heads)), Gemma 2's soft-caps."""
+    a = lambda key, default=None: g.get(f"{arch}.{key}", default)  # noqa: E731
+    out = {"hidden_act": "gelu_tanh", "embedding_multiplier": float(hidden ** 0.5)}
+    if arch == "gemma":
+        return out
+    head_dim = int(a("attention.key_length") or hidden // n_heads)
+    big = n_layers == (46 if arch == "gemma2" else 62)          # the 27B models
+    scale = a("attention.scale")
+    out.update(sandwich_norms=True,
+               attention_multiplier=float(scale) if scale is not None else (hidden / n_heads if big else head_dim) ** -0.5,
+               attn_softcap=float(a("attn_logit_softcapping") or 0.0),
+               final_softcap=float(a("final_logit_softcapping") or 0.0))
+    window = a("attention.sliding_window")
+    pattern = a("attention.sliding_window_pattern")
+    if isinstance(pattern, list):          # per layer: true = a sliding layer
+        sliding = tuple(i for i, f in enumerate(pattern) if f)
+    else:
+        every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+        sliding = tuple(i for i in range(n_layers) if (i + 1) % every)
+    if window and sliding:
+        out.update(sliding_window=int(window), sliding_layers=sliding)
+    if arch == "gemma3":
+        out["local_rope_theta"] = float(a("rope.freq_base_swa", 10000.0))
+    return out
+
 
 
 def _qkv_names(cfg: ModelConfig, p: str) -> list[str]:
@@ -201,6 +238,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
             out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        if cfg.sandwich_norms:
+            out.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     return out
 
 
@@ -267,9 +306,14 @@ class _Builder:
             rows = rows[rotary_unpermutation(rows.shape[0], n)]
         return rows
 
-    def param(self, name: str) -> nn.Parameter:
+    def param(self, name: str, dtype: torch.dtype | None = None) -> nn.Parameter:
         value = _dense(self.g.tensors[name], self.rows(name))
-        return nn.Parameter(value.to(self.device, self.dtype), requires_grad=False)
+        return nn.Parameter(value.to(self.device, dtype or self.dtype), requires_grad=False)
+
+    def norm(self, name: str) -> nn.Parameter:
+        """A norm's weight; Gemma's (stored as 1 + w by llama.cpp's converter, as the runtime
+        holds them) stay fp32, as transformers computes them."""
+        return self.param(name, torch.float32 if self.cfg.model_type in GEMMA else None)
 
     def linear(self, names: list[str], biases: list[str] | None = None) -> nn.Module:
         """The row concatenation of `names`: packed when they share a kept format, else dense."""
@@ -342,22 +386,25 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         model = Transformer(cfg)
     for i, layer in enumerate(model.model.layers):
         p = f"blk.{i}."
-        layer.input_layernorm.weight = b.param(p + "attn_norm.weight")
-        layer.post_attention_layernorm.weight = b.param(p + "ffn_norm.weight")
+        layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
+        layer.mlp_norm.weight = b.norm(p + "ffn_norm.weight")
+        if layer.sandwich:
+            layer.post_attention_layernorm.weight = b.norm(p + "post_attention_norm.weight")
+            layer.post_feedforward_layernorm.weight = b.norm(p + "post_ffw_norm.weight")
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
         _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
         _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
         if cfg.qk_norm:
-            layer.self_attn.q_norm.weight = b.param(p + "attn_q_norm.weight")
-            layer.self_attn.k_norm.weight = b.param(p + "attn_k_norm.weight")
+            layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
+            layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
         _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
         _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
-    model.model.norm.weight = b.param("output_norm.weight")
+    model.model.norm.weight = b.norm("output_norm.weight")
     _set_embeddings(model, b, cfg)
-    inv_freq = rope_inv_freq(cfg)
+    model.reset_rope(device)
     if "rope_freqs.weight" in g.tensors:    # llama3-style scaling, stored as per-frequency divisors
-        inv_freq = inv_freq / _dense(g.tensors["rope_freqs.weight"], _raw_rows(g.tensors["rope_freqs.weight"]))
-    model.inv_freq = inv_freq.to(device)
+        model.inv_freq = model.inv_freq / _dense(g.tensors["rope_freqs.weight"],
+                                                 _raw_rows(g.tensors["rope_freqs.weight"])).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
     if left:
         raise RuntimeError(f"GGUF loader left {left[0]} unset")   # a bug here, not bad input

@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""One Llama-family decoder (Llama 1/2/3, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Gemma 1/2/3)
+over a paged KV cache.
 
 Two ways in, one return type (`ForwardOutput`):
 - `model(tokens [B, T])`: full sequences, causal, no cache (training, scoring);
@@ -135,6 +136,42 @@ def _yarn(cfg: ModelConfig, s: dict) -> tuple[Tensor, float]:
     return inv_freq, float(attention)
 
 
+def local_inv_freq(cfg: ModelConfig) -> Tensor | None:
+    """The rotary frequencies of Gemma 3's sliding layers (their own base, unscaled), or None."""
+    if cfg.local_rope_theta is None:
+        return None
+    dim = cfg.head_dim
+    return 1.0 / (cfg.local_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
+           scale: float | None = None, softcap: float = 0.0, gqa: bool = False) -> Tensor:
+    """F.scaled_dot_product_attention over q [..., H, L, hd], k/v [..., KV, S, hd] (mask: bool,
+    True = seen), or its eager form when the scores are soft-capped (Gemma 2: cap tanh(s / cap),
+    before the mask), which SDPA cannot do."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
+    if k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def sliding_mask(positions: Tensor, span: int, window: int, free_from: int | None = None) -> Tensor:
+    """[n, span] bool: the slots that tokens at `positions` [n] see through a sliding window of
+    `window` (slot s holds position s; slots from free_from on are left to other masks)."""
+    cols = torch.arange(span, device=positions.device)
+    seen = cols[None, :] > positions[:, None] - window
+    return seen if free_from is None else seen | (cols[None, :] >= free_from)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -153,7 +190,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.use_rope = True             # False in SmolLM3's NoPE layers (Backbone sets it)
-        self.scale = cfg.attention_multiplier    # scores' scale; None: 1 / sqrt(head_dim) (Granite sets it)
+        self.scale = cfg.attention_multiplier    # scores' scale; None: 1 / sqrt(head_dim) (Granite, Gemma 2 / 3)
+        self.softcap = cfg.attn_softcap          # Gemma 2's tanh cap of the scores (0: none)
+        self.window: int | None = None           # a sliding window; Backbone sets it in cfg.sliding_layers
+        self.local_rope = False                  # RoPE from the local base (Gemma 3's sliding layers)
 
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., D] -> q [..., H, hd], k and v [..., KV, hd]: projected, q/k normed per head
@@ -177,7 +217,9 @@ class Attention(nn.Module):
             if self.use_rope:
                 q = q * cos + rotate_half(q) * sin
                 k = k * cos + rotate_half(k) * sin
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
+            T = q.shape[-2]
+            mask = None if self.window is None else sliding_mask(torch.arange(T, device=q.device), T, self.window).tril()
+            out = sdpa(q, k, v, mask, mask is None, self.scale, self.softcap, gqa)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         if self.use_rope:
             q = q * cos + rotate_half(q) * sin
@@ -186,17 +228,21 @@ class Attention(nn.Module):
 
 
 class _TorchAttention:
-    """One forward's attention in PyTorch (any device): see _paged_attention."""
+    """One forward's attention in PyTorch (any device): see _paged_attention. windows: each
+    layer's sliding window (None: full)."""
 
-    def __init__(self, kv: KVCache, plan: AttentionPlan, scale: float | None = None):
-        self.kv, self.plan, self.scale = kv, plan, scale
+    def __init__(self, kv: KVCache, plan: AttentionPlan, scale: float | None = None, softcap: float = 0.0,
+                 windows: list | None = None):
+        self.kv, self.plan, self.scale, self.softcap, self.windows = kv, plan, scale, softcap, windows
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
-        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa, self.scale)
+        window = self.windows[layer] if self.windows else None
+        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa, self.scale, window, self.softcap)
 
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, plan: AttentionPlan,
-                     gqa: bool, scale: float | None = None) -> Tensor:
+                     gqa: bool, scale: float | None = None, window: int | None = None,
+                     softcap: float = 0.0) -> Tensor:
     """q [N, H, hd], k/v [N, KV, hd] new tokens; kv: the cache, of which layer `layer` is read.
     Writes k/v at their slots (in the cache's format); each sequence attends over its own
     gathered (dequantized) blocks; returns [N, H * hd].
@@ -206,7 +252,8 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
     operation on the same values as when the token is decoded alone, whatever else is in the
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
-    tokens' results depend on how the prompt was chunked (README: losslessness under batching)."""
+    tokens' results depend on how the prompt was chunked (README: losslessness under batching).
+    A sliding window (Gemma 2 / 3) leaves out the slots `window` or more positions back."""
     if plan.slot is not None and kv.k_scale is None:    # one token: plain indexing, no index tensors
         kv.k[layer][:, plan.slot[0], plan.slot[1]] = k[0].to(kv.dtype)   # a cache may hold fewer bits
         kv.v[layer][:, plan.slot[0], plan.slot[1]] = v[0].to(kv.dtype)
@@ -218,16 +265,24 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
         keys, vals = kv.gather(layer, seq.blocks, q.dtype)      # [KV, nb * bs, hd]
         if seq.mask is not None:
             rows = slice(seq.first, seq.first + seq.count)
-            out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span],
-                                                       vals[None, :, :seq.span], attn_mask=seq.mask,
-                                                       enable_gqa=gqa, scale=scale)[0].transpose(0, 1)
+            mask = seq.mask
+            if window is not None:
+                mask = mask & sliding_mask(seq.positions, seq.span, window, seq.free_from)
+            out[rows] = sdpa(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span], vals[None, :, :seq.span],
+                             mask, False, scale, softcap, gqa)[0].transpose(0, 1)
             continue
         for t, seen in enumerate(seq.seen):
-            kk, vv = (keys[:, :seen], vals[:, :seen]) if isinstance(seen, int) else (keys[:, seen], vals[:, seen])
+            if isinstance(seen, int):       # causal: slots lo .. seen - 1 (the token's own is seen - 1)
+                lo = 0 if window is None else max(0, seen - window)
+                kk, vv = keys[:, lo:seen], vals[:, lo:seen]
+            else:
+                if window is not None:
+                    seen = seen[(seen > int(seq.positions[t]) - window) | (seen >= seq.free_from)]
+                kk, vv = keys[:, seen], vals[:, seen]
             row = seq.first + t
             # row 0 starts a fresh buffer; the others get one: sums must not depend on where q starts
             qt = q[row] if row == 0 else q[row].clone()
-            att = F.scaled_dot_product_attention(qt[None, :, None], kk[None], vv[None], enable_gqa=gqa, scale=scale)
+            att = sdpa(qt[None, :, None], kk[None], vv[None], None, False, scale, softcap, gqa)
             if N == 1:
                 return att.reshape(1, H * hd)
             out[row] = att[0, :, 0]
@@ -241,13 +296,19 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"        # Gemma's GeGLU, else SwiGLU
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks. Gemma 2 / 3's sandwich norms (Hugging Face's names):
+    post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's
+    input and post_feedforward_layernorm its output; elsewhere post_attention_layernorm is the
+    MLP's input norm (`mlp_norm` is whichever it is)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -255,11 +316,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.residual_scale = cfg.residual_multiplier      # Granite: each block's output scaled before its add
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, cos, sin, layer, attend):
         h = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
         x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
-        h = self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.mlp_norm(x))
+        if self.sandwich:
+            h = self.post_feedforward_layernorm(h)
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
 
@@ -271,6 +344,10 @@ class Backbone(nn.Module):
         for i in cfg.nope_layers:            # SmolLM3's NoPE layers (a drafter's shorter copy: those it has)
             if i < len(self.layers):
                 self.layers[i].self_attn.use_rope = False
+        for i in cfg.sliding_layers:         # Gemma 2 / 3's sliding-window layers
+            if i < len(self.layers):
+                self.layers[i].self_attn.window = cfg.sliding_window
+                self.layers[i].self_attn.local_rope = cfg.local_rope_theta is not None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -305,6 +382,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq_local", local_inv_freq(cfg), persistent=False)   # None but in Gemma 3
         self.rope_attention = rope_attention_factor(cfg)    # cos and sin are scaled by it (YaRN)
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
@@ -398,16 +476,33 @@ class Transformer(nn.Module):
             if view is None:
                 view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
             return cforward.CAttention(lib, view, batch)
+        windows = [layer.self_attn.window for layer in self.model.layers]
         return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS),
-                               self.config.attention_multiplier)
+                               self.config.attention_multiplier, self.config.attn_softcap,
+                               windows if any(w is not None for w in windows) else None)
 
-    def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
+    def reset_rope(self, device) -> None:
+        """The rotary frequency buffers from the config (a load leaves them uninitialised on meta)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        local = local_inv_freq(self.config)
+        self.inv_freq_local = None if local is None else local.to(device)
+
+    def _rope(self, positions: Tensor, dtype, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., hd] at positions (local: from Gemma 3's local base, unscaled)."""
+        freqs = positions[..., None].float() * (self.inv_freq_local if local else self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        if self.rope_attention != 1.0:
+        if self.rope_attention != 1.0 and not local:
             cos, sin = cos * self.rope_attention, sin * self.rope_attention
         return cos.to(dtype), sin.to(dtype)
+
+    def _ropes(self, positions: Tensor, dtype, unsqueeze: int) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's (cos, sin), unsqueezed at dim `unsqueeze` for the heads."""
+        glob = tuple(t.unsqueeze(unsqueeze) for t in self._rope(positions, dtype))
+        if self.inv_freq_local is None:
+            return [glob] * len(self.model.layers)
+        local = tuple(t.unsqueeze(unsqueeze) for t in self._rope(positions, dtype, local=True))
+        return [local if layer.self_attn.local_rope else glob for layer in self.model.layers]
 
     def _head(self, x: Tensor, logits: bool, hidden: bool, rows: Tensor | None = None) -> ForwardOutput:
         h = self.model.norm(x)
@@ -416,6 +511,8 @@ class Transformer(nn.Module):
             out = self.lm_head(h if rows is None else h[rows])
             if self.config.logits_scaling != 1.0:          # Granite
                 out = out / self.config.logits_scaling
+            if self.config.final_softcap:                  # Gemma 2
+                out = torch.tanh(out / self.config.final_softcap) * self.config.final_softcap
         return ForwardOutput(out, h if hidden else None)
 
     def _embed(self, tokens: Tensor | None, embeds: Tensor | None) -> Tensor:
@@ -427,20 +524,18 @@ class Transformer(nn.Module):
         B, T = embeds.shape[:2] if embeds is not None else tokens.shape
         x = self._embed(tokens, embeds)
         positions = torch.arange(T, device=self.device).expand(B, T)
-        cos, sin = self._rope(positions, x.dtype)
-        cos, sin = cos[:, None], sin[:, None]                         # [B, 1, T, hd]
+        ropes = self._ropes(positions, x.dtype, 1)                    # [B, 1, T, hd] each
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, i, None)
+            x = layer(x, *ropes[i], i, None)
         return self._head(x, logits, hidden)
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
         dev = self.device
         x = self._embed(tokens.to(dev) if embeds is None else None, embeds.to(dev) if embeds is not None else None)
-        cos, sin = self._rope(batch.positions.to(dev), x.dtype)
-        cos, sin = cos[:, None], sin[:, None]                         # [N, 1, hd]
+        ropes = self._ropes(batch.positions.to(dev), x.dtype, 1)      # [N, 1, hd] each
         attend = self._attention(kv, batch)
         for i, layer in enumerate(self.model.layers[:n_layers]):
-            x = layer(x, cos, sin, i, attend)
+            x = layer(x, *ropes[i], i, attend)
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows)

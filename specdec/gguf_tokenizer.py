@@ -18,9 +18,10 @@ added tokens, and BOS is added by a post-processor when the file asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -58,6 +59,7 @@ class GGUFVocab:
     add_bos_token: bool
     add_eos_token: bool
     chat_template: str | None
+    architecture: str | None = None  # general.architecture (Gemma's SentencePiece files differ)
 
     @classmethod
     def from_gguf(cls, g) -> "GGUFVocab":
@@ -71,16 +73,19 @@ class GGUFVocab:
         types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         add_bos = g.get("tokenizer.ggml.add_bos_token")
         opt = lambda key: None if g.get(key) is None else int(g.get(key))  # noqa: E731
+        eot = opt("tokenizer.ggml.eot_token_id")
+        if eot is None and "<end_of_turn>" in tokens:     # llama.cpp's rule: Gemma's end of turn
+            eot = list(tokens).index("<end_of_turn>")
         return cls(model=model, pre=g.get("tokenizer.ggml.pre"), tokens=list(tokens),
                    token_types=[int(t) for t in types], merges=g.get("tokenizer.ggml.merges"),
                    scores=g.get("tokenizer.ggml.scores"),
                    bos_token_id=opt("tokenizer.ggml.bos_token_id"), eos_token_id=opt("tokenizer.ggml.eos_token_id"),
-                   eot_token_id=opt("tokenizer.ggml.eot_token_id"), unk_token_id=opt("tokenizer.ggml.unknown_token_id"),
+                   eot_token_id=eot, unk_token_id=opt("tokenizer.ggml.unknown_token_id"),
                    pad_token_id=opt("tokenizer.ggml.padding_token_id"),
                    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
                    add_bos_token=bool(add_bos) if add_bos is not None else model == "llama",
                    add_eos_token=bool(g.get("tokenizer.ggml.add_eos_token") or False),
-                   chat_template=g.get("tokenizer.chat_template"))
+                   chat_template=g.get("tokenizer.chat_template"), architecture=g.architecture)
 
     def token(self, i: int | None) -> str | None:
         return self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else None
@@ -123,6 +128,25 @@ def _sentencepiece(v: GGUFVocab) -> Tokenizer:
     return tk
 
 
+def _gemma_sentencepiece(v: GGUFVocab) -> Tokenizer:
+    """Gemma's SentencePiece (as transformers' GemmaTokenizer and its GGUF loader build it): no
+    prefix space, spaces turned into "▁" by a normalizer; a token of spaces only is stored as
+    real spaces and looked up as as many "▁"; without merges in the file, the merges are
+    rebuilt ranked by the tokens' order in the file (Gemma's scores do not follow its merges)."""
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in v.tokens]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    respelled = dataclasses.replace(v, tokens=tokens, scores=None if v.merges else [-float(i) for i in range(len(tokens))])
+    tk = Tokenizer(BPE(vocab, _merges(respelled, vocab), dropout=None, fuse_unk=True, byte_fallback=True,
+                       unk_token=v.token(v.unk_token_id)))
+    tk.normalizer = normalizers.Replace(" ", "▁")
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tk
+
+
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
 def _merges(v: GGUFVocab, vocab: dict[str, int]) -> list[tuple[str, str]]:
     if v.merges:
         out = []
@@ -146,7 +170,10 @@ def _merges(v: GGUFVocab, vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 
 def build_tokenizer(v: GGUFVocab) -> Tokenizer:
-    tk = _byte_level(v) if v.model == "gpt2" else _sentencepiece(v)
+    if v.model == "gpt2":
+        tk = _byte_level(v)
+    else:
+        tk = _gemma_sentencepiece(v) if v.architecture in GEMMA_ARCHITECTURES else _sentencepiece(v)
     byte_level = v.model == "gpt2"
     alphabet = set(byte_alphabet().values())
     # control tokens stay whole and are special (skipped when decoding); a "control" token

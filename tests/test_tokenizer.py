@@ -59,6 +59,28 @@ def test_gguf_tokenizer_matches_transformers(vocab_files, flavour):
         assert ours.encode("x")[0] == 1
 
 
+@pytest.fixture(scope="module")
+def gemma_vocab(tmp_path_factory):
+    """A Gemma GGUF's SentencePiece vocabulary: no merges, scores that do not rank the merges,
+    tokens of spaces stored as real spaces, and Gemma's turn tokens."""
+    v = sentencepiece_vocab(STRINGS * 3, 600, with_merges=False)
+    extra = ["  ", "    ", "<start_of_turn>", "<end_of_turn>"]
+    v = {**v, "tokens": v["tokens"] + extra, "types": v["types"] + [1, 1, 3, 3],
+         "scores": [0.0] * len(v["tokens"]) + [0.0] * 4}         # Gemma's files: scores carry no order
+    root = tmp_path_factory.mktemp("gemma_vocab")
+    hf = make_checkpoint(root / "hf", arch="gemma2", hidden=32, layers=1, vocab=len(v["tokens"]))
+    return write_gguf(hf, root / "gguf" / "m.gguf", vocab=v, bos=1, eos=2, add_bos=True, chat_template=None)
+
+
+def test_gemma_gguf_tokenizer_matches_transformers(gemma_vocab):
+    """Gemma's SentencePiece files: no prefix space, runs of spaces as their own tokens, merges
+    rebuilt in file order (transformers' Gemma GGUF loader); <end_of_turn> ends generation."""
+    ours, hf = assert_same_as_transformers(gemma_vocab)
+    assert ours.encode("hi", add_special_tokens=False) != Tokenizer(gemma_vocab).encode(" hi", add_special_tokens=False)
+    assert ours.encode("x")[0] == 1
+    assert hf.convert_tokens_to_ids("<end_of_turn>") in ours.eos_token_ids and 2 in ours.eos_token_ids
+
+
 def test_pre_tokenizer_families_split_differently(vocab_files):
     """The `pre` name matters: llama3's split groups digits in threes, qwen2's one by one."""
     text = "1234567 tokens"

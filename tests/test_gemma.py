@@ -113,3 +113,43 @@ def test_unsupported_gemma_settings_are_refused(bad, message):
     assert ModelConfig.from_hf(cfg).sliding_layers == (0,)       # transformers' default: every other layer
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf({**cfg, **bad})
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["kv-fp32", "kv-int8"])
+def test_windowed_rows_are_bit_identical_however_chunked_and_batched(files, kv_dtype):
+    """The C forward skips the cache blocks before every query's window (blocks of 4 slots,
+    window 8): each token's logits are the same bits whether its prompt went in one chunk, token
+    by token or in uneven chunks, alone or beside another sequence."""
+    from specdec import kernels
+    from specdec.model import BlockManager, ForwardBatch
+
+    if kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    model = load_model(files["hf"], "float32")
+    tokens = torch.randint(0, 200, (48,), generator=torch.Generator().manual_seed(1))
+    other = torch.randint(0, 200, (48,), generator=torch.Generator().manual_seed(2))
+
+    def run(chunks, beside: bool) -> torch.Tensor:
+        blocks = BlockManager(64, 4, 2, 16)
+        kv = model.new_kv(blocks, dtype=kv_dtype)
+        for s in ("x", "y"):
+            blocks.add(s)
+            blocks.ensure(s, 48)
+        out = []
+        for a, b in chunks:
+            seqs, counts, starts, feed = ["x"], [b - a], [a], [tokens[a:b]]
+            if beside:
+                seqs, counts, starts, feed = ["y", "x"], [b - a, b - a], [a, a], [other[a:b], tokens[a:b]]
+            logits = model(torch.cat(feed), kv, ForwardBatch.build(kv, seqs, counts, starts)).logits
+            out.append(logits[-(b - a):])
+            for s in seqs:
+                kv.set_length(s, b)
+        return torch.cat(out)
+
+    whole = run([(0, 48)], False)
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens[None]).logits[0]
+    assert (whole - ref).abs().max() < (1e-4 if kv_dtype is None else 0.2)
+    for chunks in ([(i, i + 1) for i in range(48)], [(0, 5), (5, 6), (6, 23), (23, 48)]):
+        for beside in (False, True):
+            assert torch.equal(run(chunks, beside), whole), (chunks[:2], beside)

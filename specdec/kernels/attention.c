@@ -179,11 +179,12 @@ group_scores(Query *qs, int np, int s0, int j0, int bs, int hd, const char *kr, 
  * as a lone query's), times each key row's scale (int8), scaled by 1 / sqrt(hd). With several
  * queries, a bf16 or int8 group is widened to fp32 once (exactly) instead of once per query. */
 static inline __attribute__((always_inline)) void
-block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int np, int maxspan, int KIND) {
+block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int np, int first, int maxspan,
+             int KIND) {
     int hd = m->head_dim, bs = m->block_size, es = kv_bytes(KIND);
     const __m256 scale = _mm256_set1_ps(m->attn_scale != 0.0f ? m->attn_scale : 1.0f / sqrtf((float)hd));
     float kf[KIND == KV_F32 ? 1 : 8 * hd];
-    for (int s0 = 0; s0 < maxspan; s0 += bs) {
+    for (int s0 = first; s0 < maxspan; s0 += bs) {
         long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;   /* the block's first row */
         for (int j0 = 0; j0 < bs && s0 + j0 < maxspan; j0 += 8) {
             const char *kr = (const char *)L->k_cache + (row0 + j0) * hd * es;
@@ -258,7 +259,8 @@ static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, 
  * times the row's scale, then the FMA over the converted row). AVX-512: 64 columns (4 vectors)
  * per query at a time; AVX2: 16 (2 vectors), to stay within 16 registers. */
 static inline __attribute__((always_inline)) void
-block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int maxspan, int NP, int KIND) {
+block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query *qs, int first, int maxspan, int NP,
+             int KIND) {
     int hd = m->head_dim, bs = m->block_size, es = kv_bytes(KIND);
 #if defined(__AVX512F__)
     enum { W = 16, NV = 4 };
@@ -280,7 +282,7 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
         vec acc[QB][NV];
         for (int i = 0; i < NP; i++)
             for (int k = 0; k < NV; k++) acc[i][k] = VZERO;
-        for (int s0 = 0; s0 < maxspan; s0 += bs) {
+        for (int s0 = first; s0 < maxspan; s0 += bs) {
             long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;
             const char *vb = (const char *)L->v_cache + (row0 * hd + c0) * es;
             int n = maxspan - s0 < bs ? maxspan - s0 : bs;
@@ -304,7 +306,7 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
             int c = c0 + nv * W;
             for (int i = 0; i < NP; i++) {
                 memset(qs[i].o + c, 0, sizeof(float) * 8);
-                for (int s = 0; s < maxspan; s++) {
+                for (int s = first; s < maxspan; s++) {
                     long row = ((long)g * m->num_blocks + table[s / bs]) * bs + s % bs;
                     float a = KIND == KV_I8 ? qs[i].sc[s] * L->v_scale[row] : qs[i].sc[s];
                     axpy_kv(qs[i].o + c, a, (const char *)L->v_cache + (row * hd + c) * es, 8, KIND);
@@ -335,7 +337,21 @@ attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, in
                         out + ((long)n * H + h) * hd, scratch + i * stride};
         if (qs[i].span > maxspan) maxspan = qs[i].span;
     }
-    block_scores(m, L, table, g, qs, np, maxspan, KIND);
+    /* A sliding window: whole cache blocks before every query's window are skipped. Their
+     * weights would be exact zeros, and adding a zero term (or fma(0, v, acc)) leaves every sum
+     * as it is: the same results as attending over them. */
+    int first = 0;
+    if (L->window > 0) {
+        long lo = from;                           /* a tree's own slots: all computed */
+        for (int i = 0; i < np; i++) {
+            long w = b->pos[qs[i].n] - L->window + 1;
+            if (w < lo) lo = w;
+        }
+        first = lo > 0 ? (int)(lo / m->block_size) * m->block_size : 0;
+        for (int i = 0; i < np; i++)
+            for (int s = 0; s < first; s++) qs[i].sc[s] = -INFINITY;
+    }
+    block_scores(m, L, table, g, qs, np, first, maxspan, KIND);
     for (int i = 0; i < np; i++) {
         int t = qs[i].n - b->cu_seqlens[sq];
         const uint8_t *mask = moff >= 0 ? b->masks + moff + (long)t * cols : NULL;
@@ -354,12 +370,12 @@ attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, in
         softmax_weights(qs[i].sc, qs[i].span, (maxspan + 7) / 8 * 8, mask, from);
     }
     switch (np) {                                 /* the query count as a constant: registers */
-    case 1: block_values(m, L, table, g, qs, maxspan, 1, KIND); break;
-    case 2: block_values(m, L, table, g, qs, maxspan, 2, KIND); break;
-    case 3: block_values(m, L, table, g, qs, maxspan, 3, KIND); break;
-    case 4: block_values(m, L, table, g, qs, maxspan, 4, KIND); break;
-    case 5: block_values(m, L, table, g, qs, maxspan, 5, KIND); break;
-    default: block_values(m, L, table, g, qs, maxspan, QB, KIND); break;
+    case 1: block_values(m, L, table, g, qs, first, maxspan, 1, KIND); break;
+    case 2: block_values(m, L, table, g, qs, first, maxspan, 2, KIND); break;
+    case 3: block_values(m, L, table, g, qs, first, maxspan, 3, KIND); break;
+    case 4: block_values(m, L, table, g, qs, first, maxspan, 4, KIND); break;
+    case 5: block_values(m, L, table, g, qs, first, maxspan, 5, KIND); break;
+    default: block_values(m, L, table, g, qs, first, maxspan, QB, KIND); break;
     }
 }
 

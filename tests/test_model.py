@@ -209,7 +209,7 @@ def test_tree_grown_over_two_forwards_equals_one_forward(tmp_path, monkeypatch, 
 
 def test_config_refuses_what_the_runtime_does_not_compute(tmp_path):
     """A config whose model the runtime would compute differently is one clear error, never a
-    silently different model; a sliding window shorter than the context caps the context."""
+    silently different model; a sliding window is kept, in the layers transformers applies it to."""
     from specdec.model.config import ModelConfig
 
     base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32, "hidden_size": 16,
@@ -219,13 +219,15 @@ def test_config_refuses_what_the_runtime_does_not_compute(tmp_path):
                            ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported")):
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf({**base, **extra})
-    mistral = {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
-    assert ModelConfig.from_hf({**mistral, "sliding_window": 128}).max_position_embeddings == 128
-    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 512
-    assert ModelConfig.from_hf({**mistral, "sliding_window": 4096}).max_position_embeddings == 512
-    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 64}
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).max_position_embeddings == 512
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_position_embeddings == 64
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_hidden_layers": 2}
+    window = lambda cfg: (cfg.max_position_embeddings, cfg.sliding_window, cfg.sliding_layers)  # noqa: E731
+    assert window(ModelConfig.from_hf({**mistral, "sliding_window": 128})) == (512, 128, (0, 1))
+    assert window(ModelConfig.from_hf({**mistral, "sliding_window": None})) == (512, None, ())
+    assert window(ModelConfig.from_hf({**mistral, "sliding_window": 4096})) == (512, None, ())   # never hides a slot
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 64,
+            "num_hidden_layers": 3, "max_window_layers": 1}
+    assert window(ModelConfig.from_hf({**qwen, "use_sliding_window": False})) == (512, None, ())
+    assert window(ModelConfig.from_hf({**qwen, "use_sliding_window": True})) == (512, 64, (1, 2))
     folder = tmp_path / "gelu"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**base, "hidden_act": "gelu"}))

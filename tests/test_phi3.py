@@ -66,15 +66,17 @@ def test_packed_q8_0_batch_equals_solo(files):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
 
 
-def test_sliding_window_caps_the_context(files, tmp_path):
-    """Phi-3-mini-4k names a 2047-token window: full attention equals it up to the window."""
+def test_sliding_window_is_computed_not_capped(files, tmp_path):
+    """Phi-3-mini-4k names a 2047-token window: kept in every layer (HF and GGUF), and a prompt
+    longer than the window runs (tests/test_sliding_window.py checks the logits)."""
     folder = make_checkpoint(tmp_path / "sw", arch="phi3", tokenizer_from=files["hf"], sliding_window=100)
-    assert load_model(folder, "float32").config.max_position_embeddings == 100
+    cfg = load_model(folder, "float32").config
+    assert (cfg.max_position_embeddings, cfg.sliding_window, cfg.sliding_layers) == (256, 100, (0, 1))
     gguf = write_gguf(folder, tmp_path / "sw.gguf", metadata={"phi3.attention.sliding_window": 100})
-    assert load_model(gguf).config.max_position_embeddings == 100
-    with pytest.raises(ValueError, match="prompt is too long"):
-        LLM(str(folder), dtype="float32", num_speculative_tokens=0).generate({"prompt_token_ids": [5] * 100},
-                                                                             GREEDY)
+    g = load_model(gguf).config
+    assert (g.max_position_embeddings, g.sliding_window, g.sliding_layers) == (256, 100, (0, 1))
+    out = LLM(str(folder), dtype="float32", num_speculative_tokens=0).generate({"prompt_token_ids": [5] * 120}, GREEDY)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 SHORT = [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.6, 3.1]          # head_dim 16: 8 frequencies

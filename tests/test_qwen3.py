@@ -139,7 +139,7 @@ def test_tensor_parallel_equals_tp1(files):
 
 
 def test_unsupported_qwen3_variants_are_one_line_errors(files, tmp_path):
-    for field, message in (("attention_bias", "attention_bias"), ("use_sliding_window", "sliding")):
+    for field, message in (("attention_bias", "attention_bias"),):
         folder = tmp_path / field
         folder.mkdir()
         for f in files["hf"].iterdir():

@@ -107,7 +107,7 @@ class ModelConfig:
                 qk_norm=model_type in ("qwen3", "gemma3_text"),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type == "granite" else {}),
-                **gemma,
+                **(gemma or _sliding(cfg, model_type)),
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -145,6 +145,12 @@ class ModelConfig:
         if self.model_type == "granite":
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
+        if self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
+            out["sliding_window"] = self.sliding_window
+            if self.model_type in ("qwen2", "qwen3"):
+                out.update(use_sliding_window=True, max_window_layers=min(self.sliding_layers, default=0),
+                           layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
+                                        for i in range(self.num_hidden_layers)])
         if self.model_type in GEMMA:
             out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
             if self.model_type != "gemma":
@@ -233,24 +239,31 @@ def _check_common(cfg: dict) -> None:
 
 
 def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:
-    """max_position_embeddings, capped at longrope's original context (see ROPE_TYPES) and at a
-    sliding window (cap_context)."""
+    """max_position_embeddings, capped at longrope's original context (see ROPE_TYPES)."""
     n = cfg.get("max_position_embeddings", 2048)
     if scaling is not None and scaling["rope_type"] == "longrope":
         n = min(n, scaling["original_max_position_embeddings"])
-    window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
-        window = None                       # Qwen names a window it does not use unless asked
-    if model_type in GEMMA:
-        window = None                       # computed: sliding_window, sliding_layers
-    return cap_context(n, window)
+    return n
 
 
-def cap_context(n: int, window) -> int:
-    """The context, or a shorter sliding window: attention is full here, which equals
-    sliding-window attention for sequences no longer than the window (as vLLM's
-    --disable-sliding-window caps the context)."""
-    return min(n, int(window)) if window else n
+def _sliding(cfg: dict, model_type: str) -> dict:
+    """The sliding window of Mistral and Phi-3 (every layer) and of Qwen2 / Qwen3 when
+    use_sliding_window is set (the layers layer_types marks, else those from max_window_layers
+    on), as transformers applies them; {} when there is none. (Gemma: _gemma.)"""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if not window or model_type not in ("mistral", "phi3", "qwen2", "qwen3"):
+        return {}
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return {}                       # Qwen names a window it does not use unless asked
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                           else "full_attention" for i in range(n)]
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        layers = tuple(range(n))
+    if int(window) >= cfg.get("max_position_embeddings", 2048) or not layers:
+        return {}                           # the window never hides a slot
+    return {"sliding_window": int(window), "sliding_layers": layers}
 
 
 def longrope_attention_factor(factor: float, original: int) -> float:
@@ -284,8 +297,6 @@ def _check_qwen3(cfg: dict) -> None:
     """What Qwen3ForCausalLM can do that the runtime does not (no released dense Qwen3 does it)."""
     if cfg.get("attention_bias"):
         raise ValueError("qwen3 with attention_bias=true is not supported (it puts a bias on o_proj too)")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("qwen3 with use_sliding_window=true is not supported (full attention only)")
 
 
 def _rope_theta(cfg: dict) -> float:

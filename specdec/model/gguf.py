@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import GEMMA, ModelConfig, cap_context, longrope_attention_factor
+from .config import GEMMA, ModelConfig, longrope_attention_factor
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 
@@ -158,7 +158,7 @@ class GGUFFile:
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
             head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
-            max_position_embeddings=context if gemma else cap_context(context, a("attention.sliding_window")),
+            max_position_embeddings=context,
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -171,11 +171,18 @@ class GGUFFile:
                 "residual_multiplier": float(a("residual_scale", 1.0)),
                 "attention_multiplier": float(a("attention.scale", 1.0)),
                 "logits_scaling": float(a("logit_scale", 1.0))} if arch == "granite" else {}),
-            **gemma,
+            **(gemma or _sliding_fields(a("attention.sliding_window"), context, n_layers)),
             model_type=MODEL_TYPES.get(arch, arch),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+def _sliding_fields(window, context: int, n_layers: int) -> dict:
+    """A sliding window in every layer (llama.cpp writes one for Phi-3: phi3.attention.sliding_window)."""
+    if not window or int(window) >= context:
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": tuple(range(n_layers))}
 
 
 def _gemma_fields(g: GGUFFile, arch: str, n_layers: int, hidden: int, n_heads: int) -> dict:

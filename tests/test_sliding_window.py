@@ -1,0 +1,67 @@
+"""Sliding-window attention as transformers applies it, computed rather than capping the context:
+Mistral and Phi-3 in every layer, Qwen2 and Qwen3 (use_sliding_window) from max_window_layers on.
+Windows of 8 tokens, so that prompts, decoding and draft trees cross them; each family as a
+Hugging Face folder and a GGUF file ({arch}.attention.sliding_window: every layer, as llama.cpp
+reads it), on the PyTorch and the C forward, against transformers, and every speculative method
+against plain decoding. (Gemma 2 / 3: tests/test_gemma.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_checkpoint, noisy_head_copy
+from gguf_helpers import write_gguf
+from specdec.model import load_model, save_model
+from test_heads import _heads_dirs
+from arch_checks import (IDS, cached_logits, reference,  # noqa: F401 (run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+
+WINDOW = 8
+QWEN = {"use_sliding_window": True, "max_window_layers": 0}      # every layer, as a GGUF file says
+CONFIGS = {"mistral": {}, "phi3": {}, "qwen2": QWEN, "qwen3": QWEN}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def files(request, tmp_path_factory) -> dict:
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"sw-{arch}")
+    hf = make_checkpoint(root / "hf", arch=arch, sliding_window=WINDOW, **CONFIGS[arch])
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
+            "f32": write_gguf(hf, root / "f32.gguf", metadata={f"{arch}.attention.sliding_window": WINDOW}),
+            **_heads_dirs(hf, root)}
+
+
+def test_the_window_is_read_saved_and_matters(files, tmp_path):
+    model = load_model(files["hf"], "float32")
+    for cfg in (model.config, load_model(files["f32"]).config):
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.max_position_embeddings) == (WINDOW, (0, 1), 256)
+    save_model(model, tmp_path / "saved", torch.float32)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["sliding_window"] == WINDOW
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens[None]).logits[0]
+        torch.testing.assert_close(reference(tmp_path / "saved")(tokens[None]).logits[0], ref)
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+        for layer in model.model.layers:
+            layer.self_attn.window = None
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() > 1e-3
+
+
+def test_qwen_window_starts_at_max_window_layers(files, tmp_path):
+    """Qwen's max_window_layers: the layers before it attend in full (transformers' layer_types)."""
+    if not files["arch"].startswith("qwen"):
+        pytest.skip("Qwen only")
+    hf = make_checkpoint(tmp_path / "hf", arch=files["arch"], layers=3, sliding_window=WINDOW,
+                         use_sliding_window=True, max_window_layers=2, tokenizer_from=files["hf"])
+    model = load_model(hf, "float32")
+    assert model.config.sliding_layers == (2,)
+    assert [layer.self_attn.window for layer in model.model.layers] == [None, None, WINDOW]
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(hf)(tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4

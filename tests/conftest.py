@@ -43,7 +43,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
            "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
            "smollm3": transformers.SmolLM3Config, "granite": transformers.GraniteConfig,
            "gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3_text": transformers.Gemma3TextConfig}[arch]
+           "gemma3_text": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
+           "olmo3": transformers.Olmo3Config}[arch]
     if arch in ("phi3", "smollm3"):
         kw = {"pad_token_id": None, **kw}        # their configs' default pad id is outside a tiny vocabulary
     if arch.startswith("gemma"):                 # their head size defaults to 256
@@ -56,7 +57,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                  "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM,
                  "granite": transformers.GraniteForCausalLM, "gemma": transformers.GemmaForCausalLM,
-                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM}[arch]
+                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM,
+                 "olmo2": transformers.Olmo2ForCausalLM, "olmo3": transformers.Olmo3ForCausalLM}[arch]
     model = model_cls(cfg)
     # random init is nearly uniform; sharpen the output so greedy paths and acceptance mean something
     with torch.no_grad():
@@ -66,6 +68,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                 p.uniform_(0.5, 2.0)
             if arch.startswith("gemma") and name.endswith("norm.weight"):   # Gemma's (1 + w) start at w = 0
                 p.uniform_(-0.5, 1.0)
+            if arch.startswith("olmo") and name.endswith("layernorm.weight"):   # OLMo's output norms
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     return folder
 

@@ -126,7 +126,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     """A .gguf of the transformers checkpoint in hf_dir. qtypes(gguf_name, ndim) -> GGMLQuantizationType
     (default: F32 everywhere)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2"}.get(cfg["model_type"], cfg["model_type"])
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -154,12 +154,13 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     if chat_template:
         w.add_chat_template(_CHAT if chat_template == "default" else chat_template)
     for key, value in (metadata or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        (w.add_array if isinstance(value, list) else w.add_string if isinstance(value, str)
+         else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     qtypes = qtypes or (lambda n, ndim: T.F32)
     gemma = arch.startswith("gemma")
     if gemma:          # llama.cpp's converter stores Gemma's norms as 1 + w
         sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
-    tensors = {gguf_name(k, arch in ("gemma2", "gemma3")): v for k, v in sd.items()}
+    tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2")): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})
     for gname, v in tensors.items():
         if gname in skip:

@@ -40,7 +40,8 @@ class _Model(ctypes.Structure):
                 *[(n, c_float) for n in ("embed_scale", "residual_scale", "attn_scale", "logit_scale", "attn_softcap",
                                          "final_softcap")], ("act", c_int),
                 ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
-                ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p)]
+                ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
+                ("qk_full", c_int)]
 
 ACTS = {"silu": 0, "gelu_tanh": 1}       # forward.h: ACT_SILU, ACT_GELU_TANH
 
@@ -161,7 +162,8 @@ class CView:
             out_norms = (None, None)
             if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
                 out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
-            layers[i] = _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.mlp_norm.weight),
+            norms = (layer.in_norm, layer.mlp_norm)     # None (OLMo 2): no norm before the block
+            layers[i] = _Layer(*(None if n is None else _ptr(n.weight) for n in norms),
                                *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
                                *out_norms, window, local)
         head = self._hold(_mat(model.lm_head)) if weights else none
@@ -173,7 +175,8 @@ class CView:
                              model.rope_attention, cfg.embedding_multiplier, cfg.residual_multiplier,
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
                              ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
-                             _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table))
+                             _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
+                             int(cfg.qk_norm_full))
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def _hold(self, found: tuple[_Mat, torch.Tensor]) -> _Mat:

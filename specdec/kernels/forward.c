@@ -64,6 +64,16 @@ static void rms_norm_for(float *out, const float *x, const float *w, int T, int 
     }
 }
 
+/* out = the rows of x normed by w, or copied when w is NULL (OLMo 2: no norm before a block). */
+static void norm_or_copy(float *out, const float *x, const float *w, int T, int D, float eps) {
+    if (w) {
+        rms_norm_for(out, x, w, T, D, eps);
+        return;
+    }
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) memcpy(out + (long)t * D, x + (long)t * D, sizeof(float) * D);
+}
+
 /* Each of n_heads vectors of hd in v, in place: rms_norm_for's operations on one head (Qwen3's
  * q_norm / k_norm, one weight w [hd] shared by the heads). */
 static void head_norm(float *v, int n_heads, int hd, const float *w, float eps) {
@@ -213,12 +223,15 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
     float *x = w->x, *buf = w->buf, *qkv = w->qkv, *att = w->att, *ff = w->ff;
-    rms_norm_for(buf, x, L->in_norm, N, D, m->eps);
+    norm_or_copy(buf, x, L->in_norm, N, D, m->eps);
     linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
-        if (L->q_norm) {
+        if (L->q_norm && m->qk_full) {      /* OLMo 2: one norm over each whole projection */
+            head_norm(row, 1, nq, L->q_norm, m->eps);
+            head_norm(row + nq, 1, nkv, L->k_norm, m->eps);
+        } else if (L->q_norm) {
             head_norm(row, H, hd, L->q_norm, m->eps);
             head_norm(row + nq, KV, hd, L->k_norm, m->eps);
         }
@@ -237,7 +250,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
     if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
-    rms_norm_for(buf, x, L->post_norm, N, D, m->eps);
+    norm_or_copy(buf, x, L->post_norm, N, D, m->eps);
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {

@@ -13,10 +13,11 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
-    const float *in_norm, *post_norm;     /* [D] fp32 */
+    const float *in_norm, *post_norm;     /* [D] fp32: before the attention and the MLP (NULL: none, OLMo 2) */
     Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
     const float *qkv_bias;                /* [(H + 2 KV) * hd] or NULL */
-    const float *q_norm, *k_norm;         /* [hd] fp32: Qwen3's per-head RMSNorm before RoPE, or NULL */
+    const float *q_norm, *k_norm;         /* [hd] fp32: Qwen3's per-head RMSNorm before RoPE (OLMo 2's over
+                                           * the whole projections: qk_full), or NULL */
     void *k_cache, *v_cache;              /* [KV, num_blocks, block_size, hd] in kv_type's format */
     float *k_scale, *v_scale;             /* [KV, num_blocks, block_size] (KV_I8), else NULL */
     int use_rope;                         /* 0 in SmolLM3's NoPE layers */
@@ -45,6 +46,7 @@ typedef struct {
     const float *inv_freq_local;          /* [hd / 2] for layers with local_rope, or NULL */
     const Layer *layers;
     const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
+    int qk_full;                          /* OLMo 2: q_norm / k_norm over the whole [H hd] / [KV hd] */
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;

@@ -17,9 +17,12 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",      # GeGLU, embeddings x sqrt(hidden), norms (1 + w)
     "Gemma2ForCausalLM": "gemma2",    # + sandwich norms, soft-capping, sliding window every other layer
     "Gemma3ForCausalLM": "gemma3_text",  # + q/k norms, sliding window 5 layers in 6 with their own RoPE base
+    "Olmo2ForCausalLM": "olmo2",      # norms after attention and MLP only; q/k normed over whole projections
+    "Olmo3ForCausalLM": "olmo3",      # + a sliding window in 3 layers of 4
 }
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
+OLMO = ("olmo2", "olmo3")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False         # Qwen3: an RMSNorm over each query and key head, before RoPE
+    qk_norm_full: bool = False    # OLMo 2: that norm over the whole q and k projections instead
+    pre_norms: bool = True        # False in OLMo 2: no norm before the attention and the MLP
     nope_layers: tuple[int, ...] = ()   # SmolLM3: the layers that apply no RoPE (NoPE)
     # Granite's multipliers: embeddings x embedding_multiplier, each block's output x
     # residual_multiplier before its residual add, attention scores x attention_multiplier (None:
@@ -80,14 +85,14 @@ class ModelConfig:
             qwen = model_type in ("qwen2", "qwen3")
             if model_type == "qwen3":
                 _check_qwen3(cfg)
-            gemma = _gemma(cfg, model_type) if model_type in GEMMA else {}
-            if gemma:      # Gemma 3 keeps its global layers' RoPE under rope_parameters["full_attention"]
-                glob = gemma.pop("global_rope")
+            family = _gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO else {}
+            if family:     # Gemma 3 / OLMo 3 keep their global layers' RoPE under rope_parameters["full_attention"]
+                glob = family.pop("global_rope")
                 if glob is not None:
                     cfg = {**cfg, "rope_parameters": glob}
                     if "rope_theta" in glob:
                         cfg["rope_theta"] = glob["rope_theta"]
-            else:
+            if model_type not in GEMMA:
                 _check_common(cfg)
             rope_scaling = _rope_scaling(cfg)
             return cls(
@@ -99,15 +104,15 @@ class ModelConfig:
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
                 max_position_embeddings=_context(cfg, model_type, rope_scaling),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen or gemma else 1e-5),
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen or model_type in GEMMA else 1e-5),
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3_text"),
+                qk_norm=model_type in ("qwen3", "gemma3_text", *OLMO),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type == "granite" else {}),
-                **(gemma or _sliding(cfg, model_type)),
+                **(family or _sliding(cfg, model_type)),
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -145,7 +150,10 @@ class ModelConfig:
         if self.model_type == "granite":
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
-        if self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
+        if self.model_type == "olmo3":
+            out.update(sliding_window=self.sliding_window, layer_types=[
+                "sliding_attention" if i in self.sliding_layers else "full_attention" for i in range(self.num_hidden_layers)])
+        elif self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
             out["sliding_window"] = self.sliding_window
             if self.model_type in ("qwen2", "qwen3"):
                 out.update(use_sliding_window=True, max_window_layers=min(self.sliding_layers, default=0),
@@ -214,6 +222,37 @@ def _gemma(cfg: dict, model_type: str) -> dict:
         if glob is None and "full_attention" not in params:
             glob = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
         out["global_rope"] = glob
+    return out
+
+
+def _olmo(cfg: dict, model_type: str) -> dict:
+    """OLMo 2 / 3's ModelConfig fields (as _gemma: "global_rope" holds the global layers' RoPE):
+    norms after the attention and the MLP only, q and k normed over their whole projections;
+    OLMo 3's sliding window in the layers layer_types marks (default: 3 in 4), whose RoPE is
+    unscaled at the same base."""
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{model_type} with attention_bias=true is not supported (it puts a bias on o_proj too)")
+    out = {"pre_norms": False, "sandwich_norms": True, "qk_norm_full": True, "global_rope": cfg.get("rope_parameters")}
+    if model_type == "olmo2":
+        return out
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    window = cfg.get("sliding_window", 4096)
+    if window is not None and "sliding_attention" in types:
+        out.update(sliding_window=int(window), sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"olmo3 sliding layers' rope_type {local['rope_type']!r} is not supported (default only)")
+        out["global_rope"] = glob
+        local_theta = float(local.get("rope_theta", glob.get("rope_theta", 500000.0)))
+        if glob.get("rope_type", "default") != "default" or local_theta != float(glob.get("rope_theta", 500000.0)):
+            out["local_rope_theta"] = local_theta
+    elif cfg.get("rope_scaling"):       # the old layout: the scaling is the global layers' only
+        out["local_rope_theta"] = float(cfg.get("rope_theta", 500000.0))
     return out
 
 

@@ -1,5 +1,5 @@
 """llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2,
-qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3).
+qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3, olmo2 -- OLMo 2 and OLMo 3).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -36,7 +36,8 @@ from .config import GEMMA, ModelConfig, longrope_attention_factor
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
+                 "olmo2")
 MODEL_TYPES = {"gemma3": "gemma3_text"}    # GGUF architecture -> Hugging Face model_type, where they differ
 SANDWICH = ("gemma2", "gemma3")            # post_attention_norm, ffn_norm (the MLP's input) and post_ffw_norm
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
@@ -150,7 +151,8 @@ class GGUFFile:
         if vocab is None:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor")
         eos = self.get("tokenizer.ggml.eos_token_id")
-        gemma = _gemma_fields(self, arch, n_layers, hidden, n_heads) if arch.startswith("gemma") else {}
+        family = (_gemma_fields(self, arch, n_layers, hidden, n_heads) if arch.startswith("gemma")
+                  else _olmo_fields(self, arch, n_layers, rope_scaling) if arch == "olmo2" else {})
         return ModelConfig(
             vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(self.require(f"{arch}.feed_forward_length")),
@@ -164,18 +166,35 @@ class GGUFFile:
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
             # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
             nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
             **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
                 "residual_multiplier": float(a("residual_scale", 1.0)),
                 "attention_multiplier": float(a("attention.scale", 1.0)),
                 "logits_scaling": float(a("logit_scale", 1.0))} if arch == "granite" else {}),
-            **(gemma or _sliding_fields(a("attention.sliding_window"), context, n_layers)),
-            model_type=MODEL_TYPES.get(arch, arch),
+            **(family or _sliding_fields(a("attention.sliding_window"), context, n_layers)),
+            **({"model_type": MODEL_TYPES.get(arch, arch)} if "model_type" not in family else {}),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+def _olmo_fields(g: GGUFFile, arch: str, n_layers: int, rope_scaling: dict | None) -> dict:
+    """OLMo 2's fields (llama.cpp converts OLMo 3 to the same architecture, with a sliding window
+    and its per-layer pattern; the window's layers keep the RoPE base unscaled, as transformers)."""
+    out = {"pre_norms": False, "sandwich_norms": True, "qk_norm_full": True}
+    window, pattern = g.get(f"{arch}.attention.sliding_window"), g.get(f"{arch}.attention.sliding_window_pattern")
+    if window:
+        if isinstance(pattern, list):
+            sliding = tuple(i for i, f in enumerate(pattern) if f)
+        else:
+            sliding = tuple(i for i in range(n_layers) if (i + 1) % 4)
+        if sliding:
+            out.update(sliding_window=int(window), sliding_layers=sliding, model_type="olmo3")
+            if rope_scaling is not None:
+                out["local_rope_theta"] = float(g.get(f"{arch}.rope.freq_base", 10000.0))
+    return out
 
 
 def _sliding_fields(window, context: int, n_layers: int) -> dict:
@@ -234,8 +253,9 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["output.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
         p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_output.weight": (d, q),
-                    p + "ffn_down.weight": (d, f)})
+        out.update({p + "attn_output.weight": (d, q), p + "ffn_down.weight": (d, f)})
+        if cfg.pre_norms:
+            out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
         if cfg.model_type in FUSED:
             out.update({p + "attn_qkv.weight": (q + 2 * kv, d), p + "ffn_up.weight": (2 * f, d)})
         else:
@@ -244,7 +264,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
-            out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+            out.update({p + "attn_q_norm.weight": (q if cfg.qk_norm_full else hd,),
+                        p + "attn_k_norm.weight": (kv if cfg.qk_norm_full else hd,)})
         if cfg.sandwich_norms:
             out.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     return out
@@ -393,8 +414,9 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         model = Transformer(cfg)
     for i, layer in enumerate(model.model.layers):
         p = f"blk.{i}."
-        layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
-        layer.mlp_norm.weight = b.norm(p + "ffn_norm.weight")
+        if layer.pre_norms:
+            layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
+            layer.mlp_norm.weight = b.norm(p + "ffn_norm.weight")
         if layer.sandwich:
             layer.post_attention_layernorm.weight = b.norm(p + "post_attention_norm.weight")
             layer.post_feedforward_layernorm.weight = b.norm(p + "post_ffw_norm.weight")

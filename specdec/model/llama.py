@@ -186,9 +186,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.split = (q, kv, kv)
-        # Qwen3: one [hd] weight shared by the heads, so a tensor-parallel rank keeps it whole
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3: one [hd] weight shared by the heads, so a tensor-parallel rank keeps it whole;
+        # OLMo 2 (qk_norm_full): one over the whole projection, [H hd] and [KV hd]
+        self.qk_full = cfg.qk_norm_full
+        q_dim, k_dim = (q, kv) if self.qk_full else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.use_rope = True             # False in SmolLM3's NoPE layers (Backbone sets it)
         self.scale = cfg.attention_multiplier    # scores' scale; None: 1 / sqrt(head_dim) (Granite, Gemma 2 / 3)
         self.softcap = cfg.attn_softcap          # Gemma 2's tanh cap of the scores (0: none)
@@ -200,10 +203,12 @@ class Attention(nn.Module):
         (Qwen3), RoPE not yet applied."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        if self.qk_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -307,30 +312,40 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks. Gemma 2 / 3's sandwich norms (Hugging Face's names):
     post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's
     input and post_feedforward_layernorm its output; elsewhere post_attention_layernorm is the
-    MLP's input norm (`mlp_norm` is whichever it is)."""
+    MLP's input norm (`mlp_norm` is whichever it is). OLMo 2 keeps only the output norms
+    (pre_norms false: no input_layernorm, `mlp_norm` None)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_norms = cfg.pre_norms
+        if self.pre_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.residual_scale = cfg.residual_multiplier      # Granite: each block's output scaled before its add
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if self.pre_norms:
+                self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
-    def mlp_norm(self) -> RMSNorm:
+    def in_norm(self) -> RMSNorm | None:
+        return self.input_layernorm if self.pre_norms else None
+
+    @property
+    def mlp_norm(self) -> RMSNorm | None:
+        if not self.pre_norms:
+            return None
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, cos, sin, layer, attend):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
+        h = self.self_attn(self.input_layernorm(x) if self.pre_norms else x, cos, sin, layer, attend)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
         x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x) if self.pre_norms else x)
         if self.sandwich:
             h = self.post_feedforward_layernorm(h)
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
@@ -358,6 +373,8 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     embedding and the hidden size stay whole. The same config when tp_size is 1."""
     if tp_size == 1:
         return cfg
+    if cfg.qk_norm_full:
+        raise ValueError(f"tensor_parallel_size {tp_size}: {cfg.model_type}'s q/k norms span every head (not supported)")
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     for name, n in (("num_attention_heads", H), ("intermediate_size", inter)):
         if n % tp_size:

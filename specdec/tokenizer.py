@@ -17,6 +17,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .model.config import text_config
+
 
 class TokenizerError(ValueError):
     pass
@@ -89,7 +91,7 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         cfg = _read_json(folder / "tokenizer_config.json")
-        model_cfg = _read_json(folder / "config.json")
+        model_cfg = text_config(_read_json(folder / "config.json"))    # a multimodal one's language model
         gen_cfg = _read_json(folder / "generation_config.json")
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))

@@ -153,3 +153,37 @@ def test_windowed_rows_are_bit_identical_however_chunked_and_batched(files, kv_d
     for chunks in ([(i, i + 1) for i in range(48)], [(0, 5), (5, 6), (6, 23), (23, 48)]):
         for beside in (False, True):
             assert torch.equal(run(chunks, beside), whole), (chunks[:2], beside)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(files, tmp_path):
+    """A Gemma3ForConditionalGeneration folder (gemma-3-4b-it's layout: text_config, the language
+    model under language_model.*, a vision tower and projector beside it): text in, text out,
+    with the logits transformers' multimodal model gives for text alone."""
+    import transformers
+
+    if files["arch"] != "gemma3_text":
+        pytest.skip("Gemma 3 only")
+    text = transformers.Gemma3TextConfig.from_pretrained(files["hf"])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                    image_token_index=text.vocab_size - 1, boi_token_index=text.vocab_size - 3,
+                                    eoi_token_index=text.vocab_size - 2)
+    torch.manual_seed(0)
+    mm = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        mm.model.language_model.load_state_dict(reference(files["hf"]).model.state_dict())
+        mm.lm_head.weight.copy_(mm.model.language_model.embed_tokens.weight)
+    mm.save_pretrained(tmp_path / "mm")
+    for f in files["hf"].glob("tokenizer*.json"):
+        (tmp_path / "mm" / f.name).write_bytes(f.read_bytes())
+    model = load_model(tmp_path / "mm", "float32")
+    assert model.config.model_type == "gemma3_text" and model.config.sliding_layers == (0,)
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = mm(input_ids=tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+    from specdec import LLM, SamplingParams
+    out = LLM(str(tmp_path / "mm"), dtype="float32", num_speculative_tokens=0).generate(
+        {"prompt_token_ids": tokens[:10].tolist()}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -77,9 +77,23 @@ def read_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# a multimodal checkpoint's language model, under the names a text-only one uses
+# (transformers' saved layout, and the one its multimodal modules hold); the vision tower and the
+# projector are left out
+TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.language_model.", "model."))
+IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+
+
 def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in sd.items():
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        if name.startswith(IMAGE_PREFIXES):
+            continue
         if name.startswith("model.") or name.startswith("lm_head."):
             out[name] = t
     for i in range(cfg.num_hidden_layers):

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",      # norms after attention and MLP only; q/k normed over whole projections
     "Olmo3ForCausalLM": "olmo3",      # + a sliding window in 3 layers of 4
 }
+# multimodal checkpoints whose language model runs alone (text in, text out): its class and model_type
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
@@ -70,6 +72,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        cfg = text_config(cfg)
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES.values():
@@ -180,6 +183,17 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + emb + d
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config of a multimodal checkpoint (TEXT_OF_MULTIMODAL: its
+    text_config, as its own family), else cfg itself."""
+    found = next((a for a in cfg.get("architectures") or [] if a in TEXT_OF_MULTIMODAL), None)
+    if found is None or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    arch, model_type = TEXT_OF_MULTIMODAL[found]
+    text = {k: v for k, v in cfg.items() if k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")}
+    return {**text, **cfg["text_config"], "architectures": [arch], "model_type": model_type}
 
 
 def _gemma(cfg: dict, model_type: str) -> dict:

@@ -27,6 +27,8 @@ SANDWICH_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feed
 
 
 def gguf_name(hf: str, sandwich: bool = False) -> str:
+    if hf.startswith("blk."):              # already llama.cpp's (stacked experts)
+        return hf
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -126,7 +128,8 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     """A .gguf of the transformers checkpoint in hf_dir. qtypes(gguf_name, ndim) -> GGMLQuantizationType
     (default: F32 everywhere)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2"}.get(cfg["model_type"], cfg["model_type"])
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe",
+                    "mixtral": "llama"}.get(cfg["model_type"], cfg["model_type"])
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -160,6 +163,12 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     gemma = arch.startswith("gemma")
     if gemma:          # llama.cpp's converter stores Gemma's norms as 1 + w
         sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
+    sd = _stack_experts(sd, cfg)
+    if "num_experts_per_tok" in cfg:     # llama.cpp's expert keys
+        w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2")): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})
     for gname, v in tensors.items():
@@ -168,13 +177,35 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         v = v.astype(np.float32)
         if arch in ("llama", "mistral", "smollm3", "granite") and (".attn_q." in gname or ".attn_k." in gname):
             v = permute_rotary(v, kv if ".attn_k." in gname else heads)
-        qtype = qtypes(gname, v.ndim) if v.ndim == 2 else T.F32
-        data = encode(v, qtype)
+        qtype = qtypes(gname, v.ndim) if v.ndim >= 2 else T.F32
+        data = encode(v.reshape(-1, v.shape[-1]), qtype)
+        data = data.reshape(*v.shape[:-1], data.shape[-1])      # a stack of experts stays 3-D
         w.add_tensor(gname, data, raw_dtype=None if qtype == T.F32 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _stack_experts(sd: dict, cfg: dict) -> dict:
+    """Each layer's experts as llama.cpp stores them: one [E, rows, in] tensor per matrix, the
+    router as ffn_gate_inp (Hugging Face: mlp.* / Mixtral's block_sparse_moe.*)."""
+    out, stacks = {}, {}
+    for k, v in sd.items():
+        parts = k.split(".")
+        if "experts" in parts:
+            i, e, mat = parts[2], int(parts[parts.index("experts") + 1]), parts[parts.index("experts") + 2]
+            stacks.setdefault(f"blk.{i}.{EXPERT_NAMES[mat]}.weight", {})[e] = v
+        elif parts[-2] == "gate" and parts[-3] in ("mlp", "block_sparse_moe"):
+            out[f"blk.{parts[2]}.ffn_gate_inp.weight"] = v
+        else:
+            out[k] = v
+    out.update({name: np.stack([d[e] for e in sorted(d)]) for name, d in stacks.items()})
     return out
 
 

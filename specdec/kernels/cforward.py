@@ -30,7 +30,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
                 *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
                 ("use_rope", c_int), ("attn_out_norm", c_void_p), ("ffn_out_norm", c_void_p), ("window", c_int),
-                ("local_rope", c_int)]
+                ("local_rope", c_int), *[(n, c_int) for n in ("n_experts", "top_k", "norm_topk", "moe_hidden")],
+                ("router", _Mat), ("experts", POINTER(_Mat))]
 
 
 class _Model(ctypes.Structure):
@@ -67,7 +68,14 @@ def declare(lib) -> None:
 
 def _linears(model) -> list:
     return [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))]
+
+
+def _mlp_linears(mlp) -> list:
+    """An MLP's matrices, or a mixture's: its router, then each expert's gate_up and down."""
+    if hasattr(mlp, "experts"):
+        return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj))]
+    return [mlp.gate_up_proj, mlp.down_proj]
 
 
 def _mat(module) -> tuple[_Mat, torch.Tensor] | None:
@@ -156,16 +164,25 @@ class CView:
             att, mlp = layer.self_attn, layer.mlp
             window, local = att.window or 0, int(att.local_rope)
             if not weights:      # no weights, bias, norms
-                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local)
+                layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local,
+                                   0, 0, 0, 0, none, None)
                 continue
-            mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            moe = (0, 0, 0, 0, none, None)
+            if hasattr(mlp, "experts"):   # a mixture: no dense MLP; its router and experts
+                experts = (_Mat * (2 * len(mlp.experts)))(*[self._hold(_mat(m)) for m in _mlp_linears(mlp)[1:]])
+                self._keep.append(experts)
+                moe = (len(mlp.experts), mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size,
+                       self._hold(_mat(mlp.gate)), experts)
+                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + [none, none]
+            else:
+                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             out_norms = (None, None)
             if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
                 out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
             norms = (layer.in_norm, layer.mlp_norm)     # None (OLMo 2): no norm before the block
             layers[i] = _Layer(*(None if n is None else _ptr(n.weight) for n in norms),
                                *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
-                               *out_norms, window, local)
+                               *out_norms, window, local, *moe)
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it

@@ -138,6 +138,13 @@ typedef struct {
     float *x, *buf, *qkv, *att, *ff;      /* [N, D], [N, wide], [N, nqkv], [N, wide], [N, 2F] */
     float *angles;                        /* [N, hd]: each token's rope cos, sin */
     float *angles_local;                  /* [N, hd]: the same from inv_freq_local (or unused) */
+    /* mixtures of experts (sized for the largest layer; unused without one): router probabilities
+     * [N, E], each token's experts and weights [N, K], the rows each expert takes grouped by
+     * expert [N K] (expert e's from off[e]: token indices, and which of the token's K), offsets
+     * [E + 1] and a cursor [E + 1]; an expert's gathered inputs, gate/up, activations and
+     * outputs; the sum [N, D] */
+    float *moe_probs, *moe_w, *moe_x, *moe_ff, *moe_act, *moe_y, *moe_sum;
+    int *moe_sel, *moe_rows, *moe_slot, *moe_off;
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -151,13 +158,26 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     int D = m->dim, nq = m->n_heads * m->head_dim, nqkv = nq + 2 * m->n_kv * m->head_dim;
     int wide = D > nq ? D : nq;
     if (m->hidden > wide) wide = m->hidden;
-    long sizes[10] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
-                      4L * threads * attn_scratch(max_span), quant_act_bytes(N, wide),
-                      (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0};
-    void **at[10] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
-                     (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local};
+    int E = 0, K = 0, FM = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        const Layer *L = &m->layers[l];
+        if (L->n_experts > E) E = L->n_experts;
+        if (L->top_k > K) K = L->top_k;
+        if (L->moe_hidden > FM) FM = L->moe_hidden;
+    }
+    int qwide = wide > FM ? wide : FM;
+    long sizes[21] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+                      4L * threads * attn_scratch(max_span), quant_act_bytes(N, qwide),
+                      (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0,
+                      4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
+                      E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0};
+    void **at[21] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                     (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
+                     (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
+                     (void **)&w->moe_act, (void **)&w->moe_y, (void **)&w->moe_sum, (void **)&w->moe_sel,
+                     (void **)&w->moe_rows, (void **)&w->moe_slot, (void **)&w->moe_off};
     long off = 0;
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < 21; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
@@ -219,6 +239,79 @@ static void gelu_tanh_mul(const float *g, const float *u, float *o, int F) {
     }
 }
 
+/* Token n's experts: the top K of softmax(logits [E]) (fp32; ties to the lower index), weights
+ * renormalised to sum 1 when norm; sel / wts [K] in descending probability. */
+static void route(const float *logits, int E, int K, int norm, int *sel, float *wts) {
+    float mx = -INFINITY, sum = 0.0f, p[E];
+    for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    for (int e = 0; e < E; e++) sum += (p[e] = expf(logits[e] - mx));
+    for (int e = 0; e < E; e++) p[e] /= sum;
+    float total = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= sel[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        sel[k] = best;
+        total += (wts[k] = p[best]);
+    }
+    if (norm)
+        for (int k = 0; k < K; k++) wts[k] /= total;
+}
+
+/* buf [N, D] (the MLP's normed input) -> buf = the layer's mixture of experts. Each expert runs
+ * once over the rows routed to it (gathered in token order); each token's weighted outputs are
+ * added in expert order into a zeroed sum: a token's result does not depend on the batch. */
+static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
+    int D = m->dim, E = L->n_experts, K = L->top_k, F = L->moe_hidden;
+    linear_for(&L->router, w->buf, NULL, w->moe_probs, N, E, D, w->qs);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+        route(w->moe_probs + (long)n * E, E, K, L->norm_topk, w->moe_sel + (long)n * K, w->moe_w + (long)n * K);
+        memset(w->moe_sum + (long)n * D, 0, sizeof(float) * D);
+    }
+    #pragma omp single
+    {                                     /* rows grouped by expert, tokens in order */
+        int *off = w->moe_off;
+        memset(off, 0, sizeof(int) * (E + 1));
+        for (long i = 0; i < (long)N * K; i++) off[w->moe_sel[i] + 1]++;
+        for (int e = 0; e < E; e++) off[e + 1] += off[e];
+        int *fill = off + E + 1;
+        for (int e = 0; e < E; e++) fill[e] = off[e];
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < K; k++) {
+                int e = w->moe_sel[(long)n * K + k];
+                w->moe_rows[fill[e]] = n;
+                w->moe_slot[fill[e]++] = k;
+            }
+    }
+    for (int e = 0; e < E; e++) {
+        int first = w->moe_off[e], c = w->moe_off[e + 1] - first;
+        if (c == 0) continue;
+        const int *rows = w->moe_rows + first, *slot = w->moe_slot + first;
+        #pragma omp for schedule(static)
+        for (int r = 0; r < c; r++) memcpy(w->moe_x + (long)r * D, w->buf + (long)rows[r] * D, sizeof(float) * D);
+        linear_for(&L->experts[2 * e], w->moe_x, NULL, w->moe_ff, c, 2 * F, D, w->qs);
+        #pragma omp for schedule(static)
+        for (int r = 0; r < c; r++) {
+            const float *g = w->moe_ff + (long)r * 2 * F;
+            silu_mul(g, g + F, w->moe_act + (long)r * F, F);
+        }
+        linear_for(&L->experts[2 * e + 1], w->moe_act, NULL, w->moe_y, c, D, F, w->qs);
+        #pragma omp for schedule(static)
+        for (int r = 0; r < c; r++) {     /* a token takes an expert once: rows never collide */
+            float wt = w->moe_w[(long)rows[r] * K + slot[r]];
+            float *dst = w->moe_sum + (long)rows[r] * D;
+            const float *y = w->moe_y + (long)r * D;
+            for (int i = 0; i < D; i++) dst[i] += wt * y[i];
+        }
+    }
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) memcpy(w->buf + (long)n * D, w->moe_sum + (long)n * D, sizeof(float) * D);
+}
+
 static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
@@ -251,6 +344,12 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
     norm_or_copy(buf, x, L->post_norm, N, D, m->eps);
+    if (L->n_experts) {
+        moe_for(m, L, w, N);
+        if (L->ffn_out_norm) rms_norm_for(buf, buf, L->ffn_out_norm, N, D, m->eps);
+        residual_add(x, buf, N, D, m->residual_scale);
+        return;
+    }
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {

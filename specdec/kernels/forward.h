@@ -27,6 +27,12 @@ typedef struct {
     int window;                           /* sliding window: a token sees the `window` slots up to
                                            * its own position (0: every earlier slot) */
     int local_rope;                       /* RoPE from inv_freq_local (Gemma 3's sliding layers) */
+    /* A mixture of experts in place of gate_up / down when n_experts > 0 (Mixtral, Qwen3-MoE,
+     * OLMoE): router [E, D]; experts [2 E]: expert e's gate_up [2 F, D] then down [D, F], F =
+     * moe_hidden; each token's top_k experts by router softmax, weights renormalised if norm_topk */
+    int n_experts, top_k, norm_topk, moe_hidden;
+    Mat router;
+    const Mat *experts;
 } Layer;
 
 typedef struct {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -94,6 +95,8 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
                 break
         if name.startswith(IMAGE_PREFIXES):
             continue
+        if cfg.model_type == "mixtral":
+            name = _MIXTRAL_IN.sub(lambda m: _MIXTRAL_NAMES[m.group(0)], name)
         if name.startswith("model.") or name.startswith("lm_head."):
             out[name] = t
     for i in range(cfg.num_hidden_layers):
@@ -102,14 +105,20 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             parts = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
             if all(n in out for n in parts):
                 out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in parts])
-        gate, up = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
-        if gate in out and up in out:
-            out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(gate), out.pop(up)])
+    for gate in [n for n in out if n.endswith(".gate_proj.weight")]:      # the MLP's, or each expert's
+        up = gate.replace(".gate_proj.", ".up_proj.")
+        if up in out:
+            out[gate.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([out.pop(gate), out.pop(up)])
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     if cfg.model_type in GEMMA:      # Gemma's RMSNorm scales by (1 + w): the runtime holds 1 + w, in fp32
         out.update({n: t.float() + 1 for n, t in out.items() if _is_norm(n)})
     return out
+
+
+# Mixtral's names for its experts' matrices and its mixture (the runtime uses Qwen3-MoE's)
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_IN = re.compile("|".join(re.escape(k) for k in _MIXTRAL_NAMES))
 
 
 def _is_norm(name: str) -> bool:
@@ -136,7 +145,19 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out.pop("lm_head.weight", None)
     if cfg.model_type in GEMMA:
         out.update({n: t.float() - 1 for n, t in out.items() if _is_norm(n)})
+    if cfg.model_type == "mixtral":
+        out = {_mixtral_name(n): t for n, t in out.items()}
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _mixtral_name(name: str) -> str:
+    """The runtime's expert and mixture names -> Mixtral's."""
+    if ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+        name = name.replace(ours, theirs)
+    return name
 
 
 def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,

@@ -19,12 +19,17 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",  # + q/k norms, sliding window 5 layers in 6 with their own RoPE base
     "Olmo2ForCausalLM": "olmo2",      # norms after attention and MLP only; q/k normed over whole projections
     "Olmo3ForCausalLM": "olmo3",      # + a sliding window in 3 layers of 4
+    # mixtures of experts: a router picks num_experts_per_tok SwiGLU experts per token
+    "MixtralForCausalLM": "mixtral",  # mistral with experts in every layer (weights renormalised)
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # qwen3 with experts in the layers decoder_sparse_step / mlp_only_layers say
+    "OlmoeForCausalLM": "olmoe",      # llama with q/k normed over whole projections and experts in every layer
 }
 # multimodal checkpoints whose language model runs alone (text in, text out): its class and model_type
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
+MOE = ("mixtral", "qwen3_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,14 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    # mixtures of experts: in the layers moe_layers, a router (softmax over num_experts) picks
+    # the num_experts_per_tok best experts, SwiGLU MLPs of moe_intermediate_size, whose outputs
+    # are summed weighted by their probabilities (renormalised to 1 when norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -85,10 +98,11 @@ class ModelConfig:
         try:
             n_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
-            qwen = model_type in ("qwen2", "qwen3")
-            if model_type == "qwen3":
+            qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+            if model_type in ("qwen3", "qwen3_moe"):
                 _check_qwen3(cfg)
-            family = _gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO else {}
+            family = (_gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO
+                      else _moe(cfg, model_type) if model_type in MOE else {})
             if family:     # Gemma 3 / OLMo 3 keep their global layers' RoPE under rope_parameters["full_attention"]
                 glob = family.pop("global_rope")
                 if glob is not None:
@@ -112,10 +126,10 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3_text", *OLMO),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type == "granite" else {}),
-                **(family or _sliding(cfg, model_type)),
+                **{**_sliding(cfg, model_type), **family},
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -158,10 +172,18 @@ class ModelConfig:
                 "sliding_attention" if i in self.sliding_layers else "full_attention" for i in range(self.num_hidden_layers)])
         elif self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
             out["sliding_window"] = self.sliding_window
-            if self.model_type in ("qwen2", "qwen3"):
+            if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
                 out.update(use_sliding_window=True, max_window_layers=min(self.sliding_layers, default=0),
                            layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
                                         for i in range(self.num_hidden_layers)])
+        if self.model_type in MOE:
+            out.update(num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
+                       **{"num_local_experts" if self.model_type == "mixtral" else "num_experts": self.num_experts})
+            if self.model_type == "qwen3_moe":
+                out.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
+                           mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
+            else:
+                out["intermediate_size"] = self.moe_intermediate_size
         if self.model_type in GEMMA:
             out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
             if self.model_type != "gemma":
@@ -180,9 +202,11 @@ class ModelConfig:
         d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                            self.num_key_value_heads, self.head_dim)
         attn = d * hd * (h + 2 * kv) + h * hd * d
-        per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
+        per_layer = attn + 2 * d + (2 * hd if self.qk_norm else 0)
+        moe = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        mlps = (self.num_hidden_layers - len(self.moe_layers)) * 3 * d * f + len(self.moe_layers) * moe
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + emb + d
+        return self.num_hidden_layers * per_layer + mlps + emb + d
 
 
 def text_config(cfg: dict) -> dict:
@@ -236,6 +260,30 @@ def _gemma(cfg: dict, model_type: str) -> dict:
         if glob is None and "full_attention" not in params:
             glob = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
         out["global_rope"] = glob
+    return out
+
+
+def _moe(cfg: dict, model_type: str) -> dict:
+    """The experts of Mixtral, Qwen3-MoE and OLMoE (as _gemma: "global_rope" passes the RoPE on)."""
+    n = cfg["num_hidden_layers"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")     # either name, by version
+    if not experts:
+        raise KeyError("num_experts")
+    out = {"num_experts": int(experts),
+           "num_experts_per_tok": int(cfg["num_experts_per_tok"]), "global_rope": cfg.get("rope_parameters")}
+    if model_type == "qwen3_moe":
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
+                   moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
+    else:          # Mixtral always renormalises; OLMoE as its config says. The experts have intermediate_size
+        out.update(moe_intermediate_size=int(cfg["intermediate_size"]), moe_layers=tuple(range(n)),
+                   norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob")))
+    if model_type == "olmoe":
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"olmoe with clip_qkv={cfg['clip_qkv']} is not supported")
+        out["qk_norm_full"] = True
+    if out["num_experts_per_tok"] > out["num_experts"] or out["num_experts"] <= 0:
+        raise ValueError(f"num_experts_per_tok {out['num_experts_per_tok']} of {out['num_experts']} experts")
     return out
 
 
@@ -304,9 +352,9 @@ def _sliding(cfg: dict, model_type: str) -> dict:
     use_sliding_window is set (the layers layer_types marks, else those from max_window_layers
     on), as transformers applies them; {} when there is none. (Gemma: _gemma.)"""
     window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
-    if not window or model_type not in ("mistral", "phi3", "qwen2", "qwen3"):
+    if not window or model_type not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"):
         return {}
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if not cfg.get("use_sliding_window"):
             return {}                       # Qwen names a window it does not use unless asked
         types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)

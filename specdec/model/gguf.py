@@ -1,5 +1,6 @@
 """llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2,
-qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3, olmo2 -- OLMo 2 and OLMo 3).
+qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3, olmo2 -- OLMo 2 and OLMo 3 --, and the
+mixtures of experts qwen3moe, olmoe and llama with experts -- Mixtral).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -37,11 +38,13 @@ from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
-                 "olmo2")
-MODEL_TYPES = {"gemma3": "gemma3_text"}    # GGUF architecture -> Hugging Face model_type, where they differ
+                 "olmo2", "qwen3moe", "olmoe")
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}   # GGUF architecture -> Hugging Face model_type
+# llama.cpp's default for renormalising the chosen experts' weights (its expert_weights_norm key wins)
+EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True}
 SANDWICH = ("gemma2", "gemma3")            # post_attention_norm, ffn_norm (the MLP's input) and post_ffw_norm
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
-PERMUTED = ("llama", "mistral", "smollm3", "granite")    # q/k rows interleaved by llama.cpp's converter
+PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -153,6 +156,8 @@ class GGUFFile:
         eos = self.get("tokenizer.ggml.eos_token_id")
         family = (_gemma_fields(self, arch, n_layers, hidden, n_heads) if arch.startswith("gemma")
                   else _olmo_fields(self, arch, n_layers, rope_scaling) if arch == "olmo2" else {})
+        if a("expert_count"):
+            family.update(_moe_fields(self, arch, n_layers))
         return ModelConfig(
             vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(self.require(f"{arch}.feed_forward_length")),
@@ -166,7 +171,7 @@ class GGUFFile:
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
-            qk_norm=arch in ("qwen3", "gemma3", "olmo2"),
+            qk_norm=arch in ("qwen3", "gemma3", "olmo2", "qwen3moe", "olmoe"),
             # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
             nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
             **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
@@ -178,6 +183,23 @@ class GGUFFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+def _moe_fields(g: GGUFFile, arch: str, n_layers: int) -> dict:
+    """A mixture of experts: llama.cpp's expert_count / expert_used_count /
+    expert_feed_forward_length, in the layers that have a router (ffn_gate_inp); Mixtral's
+    files are `llama` ones with experts."""
+    a = lambda key, default=None: g.get(f"{arch}.{key}", default)  # noqa: E731
+    norm = a("expert_weights_norm")
+    out = {"num_experts": int(a("expert_count")), "num_experts_per_tok": int(g.require(f"{arch}.expert_used_count")),
+           "moe_intermediate_size": int(a("expert_feed_forward_length") or g.require(f"{arch}.feed_forward_length")),
+           "norm_topk_prob": EXPERTS_NORM.get(arch, True) if norm is None else bool(norm),
+           "moe_layers": tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in g.tensors)}
+    if arch == "llama":
+        out["model_type"] = "mixtral"
+    if arch == "olmoe":
+        out["qk_norm_full"] = True
+    return out
 
 
 def _olmo_fields(g: GGUFFile, arch: str, n_layers: int, rope_scaling: dict | None) -> dict:
@@ -253,14 +275,21 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["output.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
         p = f"blk.{i}."
-        out.update({p + "attn_output.weight": (d, q), p + "ffn_down.weight": (d, f)})
+        out.update({p + "attn_output.weight": (d, q)})
+        if i in cfg.moe_layers:             # a router and each expert's matrices stacked: [E, rows, in]
+            E, fm = cfg.num_experts, cfg.moe_intermediate_size
+            out.update({p + "ffn_gate_inp.weight": (E, d), p + "ffn_gate_exps.weight": (E, fm, d),
+                        p + "ffn_up_exps.weight": (E, fm, d), p + "ffn_down_exps.weight": (E, d, fm)})
+        else:
+            out[p + "ffn_down.weight"] = (d, f)
         if cfg.pre_norms:
             out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
         if cfg.model_type in FUSED:
             out.update({p + "attn_qkv.weight": (q + 2 * kv, d), p + "ffn_up.weight": (2 * f, d)})
         else:
-            out.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d),
-                        p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)})
+            out.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
+            if i not in cfg.moe_layers:
+                out.update({p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)})
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
@@ -359,6 +388,23 @@ class _Builder:
             lin.bias = nn.Parameter(bias.to(self.device, self.dtype), requires_grad=False)
         return lin
 
+    def expert_linear(self, names: list[str], e: int) -> nn.Module:
+        """Expert e's rows of the stacked [E, rows, in] tensors `names`, concatenated (as linear)."""
+        parts = []
+        for n in names:
+            t = self.g.tensors[n]
+            rows = _raw_rows(t)
+            per = int(t.shape[1])                    # rows of one expert
+            parts.append(rows.reshape(-1, rows.shape[-1])[e * per:(e + 1) * per])
+        kinds = {self.g.tensors[n].tensor_type.name for n in names}
+        in_features = int(self.g.tensors[names[0]].shape[0])
+        if self.quantize and len(kinds) == 1 and next(iter(kinds)) in QTYPES:
+            return QuantLinear(torch.cat(parts).contiguous().to(self.device), next(iter(kinds)), in_features)
+        weight = torch.cat([_dense(self.g.tensors[n], r) for n, r in zip(names, parts)])
+        lin = nn.Linear(in_features, weight.shape[0], bias=False, device="meta")
+        lin.weight = nn.Parameter(weight.to(self.device, self.dtype), requires_grad=False)
+        return lin
+
     def packed(self, name: str) -> torch.Tensor | None:
         """The raw rows of `name` if it stays packed, else None."""
         t = self.g.tensors[name]
@@ -426,8 +472,14 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         if cfg.qk_norm:
             layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
             layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
-        _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
-        _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
+        if i in cfg.moe_layers:
+            _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"]))
+            for e, expert in enumerate(layer.mlp.experts):
+                _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
+                _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
+        else:
+            _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
+            _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
     model.model.norm.weight = b.norm("output_norm.weight")
     _set_embeddings(model, b, cfg)
     model.reset_rope(device)

@@ -297,15 +297,47 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
+        """size: the intermediate size (default cfg.intermediate_size; an expert's may differ)."""
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * size, bias=False)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"        # Gemma's GeGLU, else SwiGLU
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+
+
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE, OLMoE; Hugging Face's names: `gate` is
+    the router). Each token's router probabilities (softmax in fp32) pick its top_k experts,
+    whose outputs are summed weighted by those probabilities (renormalised to 1 when
+    norm_topk), expert by expert in index order (the C forward's order too)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e in ids.unique().tolist():
+            rows, k = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, k, None])
+        return out.reshape(x.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -315,14 +347,14 @@ class DecoderLayer(nn.Module):
     MLP's input norm (`mlp_norm` is whichever it is). OLMo 2 keeps only the output norms
     (pre_norms false: no input_layernorm, `mlp_norm` None)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.pre_norms = cfg.pre_norms
         if self.pre_norms:
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if index in cfg.moe_layers else MLP(cfg)
         self.residual_scale = cfg.residual_multiplier      # Granite: each block's output scaled before its add
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
@@ -355,7 +387,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         for i in cfg.nope_layers:            # SmolLM3's NoPE layers (a drafter's shorter copy: those it has)
             if i < len(self.layers):
                 self.layers[i].self_attn.use_rope = False
@@ -375,6 +407,8 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
         return cfg
     if cfg.qk_norm_full:
         raise ValueError(f"tensor_parallel_size {tp_size}: {cfg.model_type}'s q/k norms span every head (not supported)")
+    if cfg.num_experts:
+        raise ValueError(f"tensor_parallel_size {tp_size}: mixtures of experts ({cfg.model_type}) are not sharded")
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     for name, n in (("num_attention_heads", H), ("intermediate_size", inter)):
         if n % tp_size:

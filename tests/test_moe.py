@@ -1,0 +1,114 @@
+"""Mixtures of experts: Mixtral (experts in every layer, weights renormalised), Qwen3-MoE (q/k
+head norms; a dense layer where mlp_only_layers says; norm_topk_prob) and OLMoE (q/k normed over
+whole projections; weights not renormalised), with 4 experts and 2 per token. Each as a Hugging
+Face folder and a GGUF file (llama.cpp's stacked [E, rows, in] expert tensors and router
+ffn_gate_inp; Mixtral as a `llama` file with experts), on the PyTorch and the C forward, against
+transformers, and every speculative method against plain decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_checkpoint, noisy_head_copy
+from gguf_helpers import T, write_gguf
+from specdec import LLM, kernels
+from specdec.model import BlockManager, ForwardBatch, load_model, save_model
+from specdec.model.llama import MoE, shard_config
+from test_heads import _heads_dirs
+from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference,  # noqa: F401 (run here)
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+
+CONFIGS = {"mixtral": {}, "qwen3_moe": {"mlp_only_layers": [0], "norm_topk_prob": True}, "olmoe": {}}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def files(request, tmp_path_factory) -> dict:
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch)
+    hf = make_checkpoint(root / "hf", arch=arch, **CONFIGS[arch])
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), "f32": write_gguf(hf, root / "f32.gguf"),
+            "q8_0": write_gguf(hf, root / "q8.gguf", qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n
+                               else T.F32),
+            **_heads_dirs(hf, root)}
+
+
+def test_config_reads_and_writes_the_experts(files, tmp_path):
+    model = load_model(files["hf"], "float32")
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "moe_layers",
+              "model_type", "qk_norm", "qk_norm_full")
+    expected = {"mixtral": (4, 2, 128, True, (0, 1), "mixtral", False, False),
+                "qwen3_moe": (4, 2, 32, True, (1,), "qwen3_moe", True, False),
+                "olmoe": (4, 2, 128, False, (0, 1), "olmoe", True, True)}[files["arch"]]
+    for cfg in (model.config, load_model(files["f32"]).config):
+        assert tuple(getattr(cfg, f) for f in fields) == expected
+    assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [i in expected[4] for i in range(2)]
+    save_model(model, tmp_path / "saved", torch.float32)
+    json.loads((tmp_path / "saved" / "config.json").read_text())
+    with torch.no_grad():
+        torch.testing.assert_close(reference(tmp_path / "saved")(IDS).logits, reference(files["hf"])(IDS).logits)
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        shard_config(model.config.replace(qk_norm_full=False), 2)
+
+
+def test_routing_matters(files):
+    """One expert per token instead of two: the logits leave transformers'."""
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    model = load_model(files["hf"], "float32")
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.top_k = 1
+        model._c_views.clear()
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() > 1e-3
+
+
+@NO_KERNELS
+def test_expert_rows_are_bit_identical_however_chunked_and_batched(files):
+    """Each expert runs once over the rows routed to it: a token's logits are the same bits in
+    one chunk, token by token or beside another sequence."""
+    model = load_model(files["hf"], "float32")
+    tokens, other = (torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+
+    def run(chunks, beside: bool) -> torch.Tensor:
+        blocks = BlockManager(32, 4, 2, 8)
+        kv = model.new_kv(blocks)
+        for s in ("x", "y"):
+            blocks.add(s)
+            blocks.ensure(s, 24)
+        out = []
+        for a, b in chunks:
+            seqs, feed = (["y", "x"], [other[a:b], tokens[a:b]]) if beside else (["x"], [tokens[a:b]])
+            logits = model(torch.cat(feed), kv, ForwardBatch.build(kv, seqs, [b - a] * len(seqs), [a] * len(seqs))).logits
+            out.append(logits[-(b - a):])
+            for s in seqs:
+                kv.set_length(s, b)
+        return torch.cat(out)
+
+    whole = run([(0, 24)], False)
+    for chunks in ([(i, i + 1) for i in range(24)], [(0, 5), (5, 6), (6, 24)]):
+        for beside in (False, True):
+            assert torch.equal(run(chunks, beside), whole), (chunks[:2], beside)
+
+
+@NO_KERNELS
+def test_packed_q8_0_experts(files):
+    """Q8_0 experts stay packed (the C kernels multiply them); greedy output four at once with
+    speculation equals plain decoding one at a time."""
+    model = load_model(files["q8_0"], quantization="gguf")
+    moe = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE))
+    assert type(moe.experts[0].gate_up_proj).__name__ == "QuantLinear"
+    with torch.no_grad():
+        ref = reference(files["hf"])(IDS).logits[0]
+        assert (cached_logits(model, IDS[0], [(0, 5), (5, 12)]) - ref).abs().max() < 0.1 * ref.abs().max()
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    solo = LLM(str(files["q8_0"]), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
+    llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain

@@ -175,7 +175,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         if gname in skip:
             continue
         v = v.astype(np.float32)
-        if arch in ("llama", "mistral", "smollm3", "granite") and (".attn_q." in gname or ".attn_k." in gname):
+        if arch in ("llama", "mistral", "smollm3", "granite", "granitemoe") and (".attn_q." in gname or ".attn_k." in gname):
             v = permute_rotary(v, kv if ".attn_k." in gname else heads)
         qtype = qtypes(gname, v.ndim) if v.ndim >= 2 else T.F32
         data = encode(v.reshape(-1, v.shape[-1]), qtype)
@@ -198,7 +198,16 @@ def _stack_experts(sd: dict, cfg: dict) -> dict:
     out, stacks = {}, {}
     for k, v in sd.items():
         parts = k.split(".")
-        if "experts" in parts:
+        if parts[-2] in ("input_linear", "output_linear"):       # GraniteMoE: stacked already, gate and up fused
+            i = parts[2]
+            if parts[-2] == "input_linear":
+                half = v.shape[1] // 2
+                out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = v[:, :half], v[:, half:]
+            else:
+                out[f"blk.{i}.ffn_down_exps.weight"] = v
+        elif parts[-2] == "layer" and parts[-3] == "router":
+            out[f"blk.{parts[2]}.ffn_gate_inp.weight"] = v
+        elif "experts" in parts:
             i, e, mat = parts[2], int(parts[parts.index("experts") + 1]), parts[parts.index("experts") + 2]
             stacks.setdefault(f"blk.{i}.{EXPERT_NAMES[mat]}.weight", {})[e] = v
         elif parts[-2] == "gate" and parts[-3] in ("mlp", "block_sparse_moe"):

@@ -1,4 +1,5 @@
-"""Mixtures of experts: Mixtral (experts in every layer, weights renormalised), Qwen3-MoE (q/k
+"""Mixtures of experts: Mixtral (experts in every layer, weights renormalised), Granite MoE (the
+same with Granite's multipliers and stacked experts in its checkpoints), Qwen3-MoE (q/k
 head norms; a dense layer where mlp_only_layers says; norm_topk_prob) and OLMoE (q/k normed over
 whole projections; weights not renormalised), with 4 experts and 2 per token. Each as a Hugging
 Face folder and a GGUF file (llama.cpp's stacked [E, rows, in] expert tensors and router
@@ -22,7 +23,10 @@ from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference,  # n
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
-CONFIGS = {"mixtral": {}, "qwen3_moe": {"mlp_only_layers": [0], "norm_topk_prob": True}, "olmoe": {}}
+GRANITE = {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.05, "logits_scaling": 2.5}
+CONFIGS = {"mixtral": {}, "qwen3_moe": {"mlp_only_layers": [0], "norm_topk_prob": True}, "olmoe": {}, "granitemoe": GRANITE}
+GGUF_KEYS = {"granitemoe": {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3,
+                            "granitemoe.attention.scale": 0.05, "granitemoe.logit_scale": 2.5}}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -30,9 +34,11 @@ def files(request, tmp_path_factory) -> dict:
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
     hf = make_checkpoint(root / "hf", arch=arch, **CONFIGS[arch])
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), "f32": write_gguf(hf, root / "f32.gguf"),
-            "q8_0": write_gguf(hf, root / "q8.gguf", qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n
-                               else T.F32),
+    meta = GGUF_KEYS.get(arch)
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
+            "f32": write_gguf(hf, root / "f32.gguf", metadata=meta),
+            "q8_0": write_gguf(hf, root / "q8.gguf", metadata=meta,
+                               qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32),
             **_heads_dirs(hf, root)}
 
 
@@ -42,7 +48,8 @@ def test_config_reads_and_writes_the_experts(files, tmp_path):
               "model_type", "qk_norm", "qk_norm_full")
     expected = {"mixtral": (4, 2, 128, True, (0, 1), "mixtral", False, False),
                 "qwen3_moe": (4, 2, 32, True, (1,), "qwen3_moe", True, False),
-                "olmoe": (4, 2, 128, False, (0, 1), "olmoe", True, True)}[files["arch"]]
+                "olmoe": (4, 2, 128, False, (0, 1), "olmoe", True, True),
+                "granitemoe": (4, 2, 128, True, (0, 1), "granitemoe", False, False)}[files["arch"]]
     for cfg in (model.config, load_model(files["f32"]).config):
         assert tuple(getattr(cfg, f) for f in fields) == expected
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [i in expected[4] for i in range(2)]
@@ -112,3 +119,10 @@ def test_packed_q8_0_experts(files):
     llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               max_num_seqs=4, max_num_batched_tokens=8)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+
+
+def test_eagle_head_of_a_mixture_is_a_plain_layer(files):
+    from specdec.model.heads import EagleHead
+
+    head = EagleHead(load_model(files["hf"], "float32").config, torch.arange(8))
+    assert not isinstance(head.decoder.model.layers[0].mlp, MoE) and head.decoder.config.model_type == "llama"

@@ -105,6 +105,14 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             parts = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
             if all(n in out for n in parts):
                 out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in parts])
+    if cfg.model_type == "granitemoe":      # experts stacked [E, rows, in]: gate and up already fused
+        for name in [n for n in out if ".block_sparse_moe." in n]:
+            t, p = out.pop(name), name.split(".block_sparse_moe.")[0] + ".mlp."
+            if name.endswith("router.layer.weight"):
+                out[p + "gate.weight"] = t
+            else:
+                kind = "gate_up_proj" if "input_linear" in name else "down_proj"
+                out.update({p + f"experts.{e}.{kind}.weight": t[e] for e in range(t.shape[0])})
     for gate in [n for n in out if n.endswith(".gate_proj.weight")]:      # the MLP's, or each expert's
         up = gate.replace(".gate_proj.", ".up_proj.")
         if up in out:
@@ -135,6 +143,8 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         elif ".qkv_proj." in name:
             for x, part in zip("qkv", t.split((q, kv, kv))):
                 out[name.replace("qkv_proj", f"{x}_proj")] = part
+        elif cfg.model_type == "granitemoe" and ".experts." in name:
+            out[name] = t                          # stacked below
         elif ".gate_up_proj." in name:
             gate, up = t.chunk(2)
             out[name.replace("gate_up_proj", "gate_proj")] = gate
@@ -147,7 +157,20 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out.update({n: t.float() - 1 for n, t in out.items() if _is_norm(n)})
     if cfg.model_type == "mixtral":
         out = {_mixtral_name(n): t for n, t in out.items()}
+    if cfg.model_type == "granitemoe":
+        out = _granitemoe_stacked(out, cfg)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _granitemoe_stacked(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The runtime's per-expert matrices and router -> GraniteMoE's stacked block_sparse_moe tensors."""
+    out = {n: t for n, t in sd.items() if ".mlp." not in n}
+    for i in range(cfg.num_hidden_layers):
+        p, q = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+        out[q + "router.layer.weight"] = sd[p + "gate.weight"]
+        for kind, theirs in (("gate_up_proj", "input_linear"), ("down_proj", "output_linear")):
+            out[q + f"{theirs}.weight"] = torch.stack([sd[p + f"experts.{e}.{kind}.weight"] for e in range(cfg.num_experts)])
+    return out
 
 
 def _mixtral_name(name: str) -> str:

@@ -23,13 +23,14 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",  # mistral with experts in every layer (weights renormalised)
     "Qwen3MoeForCausalLM": "qwen3_moe",  # qwen3 with experts in the layers decoder_sparse_step / mlp_only_layers say
     "OlmoeForCausalLM": "olmoe",      # llama with q/k normed over whole projections and experts in every layer
+    "GraniteMoeForCausalLM": "granitemoe",  # granite with experts in every layer (stacked in its checkpoints)
 }
 # multimodal checkpoints whose language model runs alone (text in, text out): its class and model_type
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
-MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe")
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class ModelConfig:
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
-                **(_granite(cfg) if model_type == "granite" else {}),
+                **(_granite(cfg) if model_type in ("granite", "granitemoe") else {}),
                 **{**_sliding(cfg, model_type), **family},
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -164,7 +165,7 @@ class ModelConfig:
         }
         if self.model_type == "smollm3":
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
-        if self.model_type == "granite":
+        if self.model_type in ("granite", "granitemoe"):
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
         if self.model_type == "olmo3":
@@ -178,7 +179,8 @@ class ModelConfig:
                                         for i in range(self.num_hidden_layers)])
         if self.model_type in MOE:
             out.update(num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
-                       **{"num_local_experts" if self.model_type == "mixtral" else "num_experts": self.num_experts})
+                       **{"num_local_experts" if self.model_type in ("mixtral", "granitemoe") else "num_experts":
+                          self.num_experts})
             if self.model_type == "qwen3_moe":
                 out.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
                            mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
@@ -275,9 +277,9 @@ def _moe(cfg: dict, model_type: str) -> dict:
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
                    moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
-    else:          # Mixtral always renormalises; OLMoE as its config says. The experts have intermediate_size
+    else:          # Mixtral and Granite renormalise; OLMoE as its config says. The experts have intermediate_size
         out.update(moe_intermediate_size=int(cfg["intermediate_size"]), moe_layers=tuple(range(n)),
-                   norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob")))
+                   norm_topk_prob=model_type in ("mixtral", "granitemoe") or bool(cfg.get("norm_topk_prob")))
     if model_type == "olmoe":
         if cfg.get("clip_qkv") is not None:
             raise ValueError(f"olmoe with clip_qkv={cfg['clip_qkv']} is not supported")

@@ -38,13 +38,13 @@ from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
-                 "olmo2", "qwen3moe", "olmoe")
+                 "olmo2", "qwen3moe", "olmoe", "granitemoe")
 MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}   # GGUF architecture -> Hugging Face model_type
 # llama.cpp's default for renormalising the chosen experts' weights (its expert_weights_norm key wins)
-EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True}
+EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True, "granitemoe": True}
 SANDWICH = ("gemma2", "gemma3")            # post_attention_norm, ffn_norm (the MLP's input) and post_ffw_norm
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
-PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")    # q/k rows interleaved by llama.cpp's converter
+PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral", "granitemoe")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -177,7 +177,7 @@ class GGUFFile:
             **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
                 "residual_multiplier": float(a("residual_scale", 1.0)),
                 "attention_multiplier": float(a("attention.scale", 1.0)),
-                "logits_scaling": float(a("logit_scale", 1.0))} if arch == "granite" else {}),
+                "logits_scaling": float(a("logit_scale", 1.0))} if arch in ("granite", "granitemoe") else {}),
             **(family or _sliding_fields(a("attention.sliding_window"), context, n_layers)),
             **({"model_type": MODEL_TYPES.get(arch, arch)} if "model_type" not in family else {}),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),

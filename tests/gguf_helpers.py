@@ -144,7 +144,8 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_rope_dimension_count(head_dim)
+    rope = cfg.get("rope_parameters") or {}      # a partial rotary (Phi-4-mini): the rotated dims, as llama.cpp
+    w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1)))
     if cfg.get("head_dim"):          # as llama.cpp's converter: the head size where config.json names it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -42,7 +42,7 @@ class _Model(ctypes.Structure):
                                          "final_softcap")], ("act", c_int),
                 ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
                 ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
-                ("qk_full", c_int)]
+                ("qk_full", c_int), ("rot_dim", c_int)]
 
 ACTS = {"silu": 0, "gelu_tanh": 1}       # forward.h: ACT_SILU, ACT_GELU_TANH
 
@@ -193,7 +193,7 @@ class CView:
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
                              ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
-                             int(cfg.qk_norm_full))
+                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim)
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def _hold(self, found: tuple[_Mat, torch.Tensor]) -> _Mat:

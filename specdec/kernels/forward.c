@@ -107,9 +107,10 @@ static void rope_angles(float *cs, int hd, const float *inv_freq, float scale, l
     }
 }
 
-/* Rotate the halves of each head's vector (Hugging Face's rotate_half) by the angles cs. */
-static void rope(float *v, int n_heads, int hd, const float *cs) {
-    int half = hd / 2;
+/* Rotate the halves of each head's first rot dims (all hd but in a partial rotary; Hugging
+ * Face's rotate_half) by the angles cs [rot]. */
+static void rope(float *v, int n_heads, int hd, int rot, const float *cs) {
+    int half = rot / 2;
     for (int i = 0; i < half; i++) {
         float c = cs[i], s = cs[half + i];
         for (int h = 0; h < n_heads; h++) {
@@ -330,8 +331,8 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         }
         if (L->use_rope) {
             const float *cs = (L->local_rope ? w->angles_local : w->angles) + (long)n * hd;
-            rope(row, H, hd, cs);
-            rope(row + nq, KV, hd, cs);
+            rope(row, H, hd, m->rot_dim, cs);
+            rope(row + nq, KV, hd, m->rot_dim, cs);
         }
         int sq = w->who[n].seq;
         long slot = b->start[sq] + w->who[n].t;
@@ -384,9 +385,9 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
     {
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
-            rope_angles(w.angles + (long)n * m->head_dim, m->head_dim, m->inv_freq, m->rope_attn, pos[n]);
+            rope_angles(w.angles + (long)n * m->head_dim, m->rot_dim, m->inv_freq, m->rope_attn, pos[n]);
             if (m->inv_freq_local)            /* Gemma 3's sliding layers: their own base, unscaled */
-                rope_angles(w.angles_local + (long)n * m->head_dim, m->head_dim, m->inv_freq_local, 1.0f, pos[n]);
+                rope_angles(w.angles_local + (long)n * m->head_dim, m->rot_dim, m->inv_freq_local, 1.0f, pos[n]);
             if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
             else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
             if (m->embed_scale != 1.0f)       /* Granite: inputs (looked up or given) scaled */

@@ -48,11 +48,12 @@ typedef struct {
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
     const float *final_norm;              /* [D] */
     Mat lm_head;                          /* [V, D] packed panels */
-    const float *inv_freq;                /* [hd / 2] */
+    const float *inv_freq;                /* [rot_dim / 2] */
     const float *inv_freq_local;          /* [hd / 2] for layers with local_rope, or NULL */
     const Layer *layers;
     const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
     int qk_full;                          /* OLMo 2: q_norm / k_norm over the whole [H hd] / [KV hd] */
+    int rot_dim;                          /* RoPE over each head's first rot_dim dims (Phi-4-mini; = head_dim) */
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;

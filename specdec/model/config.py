@@ -42,6 +42,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    rotary_dim: int | None = None  # Phi-4-mini's partial rotary: RoPE on each head's first rotary_dim dims
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -111,7 +112,7 @@ class ModelConfig:
                     if "rope_theta" in glob:
                         cfg["rope_theta"] = glob["rope_theta"]
             if model_type not in GEMMA:
-                _check_common(cfg)
+                _check_common(cfg, model_type)
             rope_scaling = _rope_scaling(cfg)
             return cls(
                 vocab_size=cfg["vocab_size"],
@@ -120,7 +121,8 @@ class ModelConfig:
                 num_hidden_layers=cfg["num_hidden_layers"],
                 num_attention_heads=n_heads,
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-                head_dim=cfg.get("head_dim") or hidden // n_heads,
+                head_dim=(head_dim := cfg.get("head_dim") or hidden // n_heads),
+                rotary_dim=_rotary_dim(cfg, head_dim),
                 max_position_embeddings=_context(cfg, model_type, rope_scaling),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen or model_type in GEMMA else 1e-5),
                 rope_theta=_rope_theta(cfg),
@@ -163,6 +165,8 @@ class ModelConfig:
             "pad_token_id": None,
             "torch_dtype": "bfloat16",
         }
+        if self.rotary_dim:
+            out["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if self.model_type == "smollm3":
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
         if self.model_type in ("granite", "granitemoe"):
@@ -329,16 +333,30 @@ def _pre_attn_scalar(cfg: "ModelConfig") -> float | int:
     return int(round(v)) if abs(v - round(v)) < 1e-3 else v
 
 
-def _check_common(cfg: dict) -> None:
+def _partial_rotary_factor(cfg: dict) -> float:
+    """config.json's (Phi-4-mini), or transformers 5's rope_parameters'."""
+    return float(cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+                 or 1.0)
+
+
+def _rotary_dim(cfg: dict, head_dim: int) -> int | None:
+    """The rotated dims of a head when fewer than all (Phi-3's partial_rotary_factor; _check_common
+    refuses it for the families whose transformers code rotates whole heads)."""
+    dim = int(head_dim * _partial_rotary_factor(cfg))
+    return dim if dim < head_dim else None
+
+
+def _check_common(cfg: dict, model_type: str = "llama") -> None:
     """Settings of these families that the runtime does not compute: refused, never run wrong."""
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (no bias on the MLP's projections)")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported (rotary over "
-                         f"whole heads only)")
+    factor = _partial_rotary_factor(cfg)
+    if factor != 1.0 and model_type != "phi3":
+        raise ValueError(f"partial_rotary_factor {factor} is not supported for {model_type} (rotary over whole heads "
+                         f"only; Phi-3 / Phi-4-mini rotate part)")
 
 
 def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:

@@ -154,6 +154,10 @@ class GGUFFile:
         if vocab is None:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor")
         eos = self.get("tokenizer.ggml.eos_token_id")
+        # Phi-3's rope.dimension_count is the rotated part of a head (Phi-4-mini: 96 of 128)
+        head_dim = int(a("attention.key_length") or (hidden // n_heads if arch == "phi3" else None)
+                       or a("rope.dimension_count") or hidden // n_heads)
+        rotary = int(a("rope.dimension_count") or head_dim) if arch == "phi3" else head_dim
         family = (_gemma_fields(self, arch, n_layers, hidden, n_heads) if arch.startswith("gemma")
                   else _olmo_fields(self, arch, n_layers, rope_scaling) if arch == "olmo2" else {})
         if a("expert_count"):
@@ -164,7 +168,8 @@ class GGUFFile:
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(a("attention.head_count_kv") or n_heads),
-            head_dim=int(a("attention.key_length") or a("rope.dimension_count") or hidden // n_heads),
+            head_dim=head_dim,
+            rotary_dim=rotary if rotary < head_dim else None,
             max_position_embeddings=context,
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
@@ -303,8 +308,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
     """Every tensor the model needs is there, of a type and shape we can load; nothing else is."""
     expected = _shapes(cfg)
-    optional = {"rope_freqs.weight": (cfg.head_dim // 2,), "rope_factors_short.weight": (cfg.head_dim // 2,),
-                "rope_factors_long.weight": (cfg.head_dim // 2,)}
+    half = (cfg.rotary_dim or cfg.head_dim) // 2
+    optional = {"rope_freqs.weight": (half,), "rope_factors_short.weight": (half,), "rope_factors_long.weight": (half,)}
     for name in expected:
         if name not in g.tensors:
             raise GGUFError(f"{g.path}: tensor {name} is missing")

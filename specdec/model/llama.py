@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """The rotary frequencies, as transformers computes them for cfg.rope_scaling's rope_type."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
     if s is None:
@@ -108,7 +108,7 @@ def _yarn(cfg: ModelConfig, s: dict) -> tuple[Tensor, float]:
     beta_slow times over the original context are interpolated (divided by factor), those that
     turn more than beta_fast times are kept, a linear ramp between; cos and sin scaled by
     0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio, or attention_factor)."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
     old = s["original_max_position_embeddings"]
     factor = s.get("factor") or cfg.max_position_embeddings / old
 
@@ -140,12 +140,12 @@ def local_inv_freq(cfg: ModelConfig) -> Tensor | None:
     """The rotary frequencies of Gemma 3's sliding layers (their own base, unscaled), or None."""
     if cfg.local_rope_theta is None:
         return None
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     return 1.0 / (cfg.local_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-           scale: float | None = None, softcap: float = 0.0, gqa: bool = False) -> Tensor:
+         scale: float | None = None, softcap: float = 0.0, gqa: bool = False) -> Tensor:
     """F.scaled_dot_product_attention over q [..., H, L, hd], k/v [..., KV, S, hd] (mask: bool,
     True = seen), or its eager form when the scores are soft-capped (Gemma 2: cap tanh(s / cap),
     before the mask), which SDPA cannot do."""
@@ -175,6 +175,15 @@ def sliding_mask(positions: Tensor, span: int, window: int, free_from: int | Non
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE over x's last dim, or over its first cos.shape[-1] dims (a partial rotary: Phi-4-mini)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr = x[..., :rot]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., rot:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -220,15 +229,13 @@ class Attention(nn.Module):
         if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             if self.use_rope:
-                q = q * cos + rotate_half(q) * sin
-                k = k * cos + rotate_half(k) * sin
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             T = q.shape[-2]
             mask = None if self.window is None else sliding_mask(torch.arange(T, device=q.device), T, self.window).tril()
             out = sdpa(q, k, v, mask, mask is None, self.scale, self.softcap, gqa)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         if self.use_rope:
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(attend(layer, q, k, v, gqa))
 
 

@@ -97,6 +97,12 @@ def test_logits_match_transformers(files, monkeypatch, c_path):
 
 
 def test_f32_gguf_equals_the_checkpoint(files):
+    """The same parameters as the folder's (llama.cpp's names, layouts and q/k permutations
+    undone: a wrong permutation moves tiny models' logits by little), and the same logits."""
+    ours, theirs = dict(load_model(files["hf"], "float32").named_parameters()), dict(load_model(files["f32"]).named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        torch.testing.assert_close(theirs[name], value, atol=1e-6, rtol=1e-6, msg=name)
     with torch.no_grad():
         expected = reference(files["hf"])(IDS).logits[0]
         torch.testing.assert_close(load_model(files["f32"])(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)

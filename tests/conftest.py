@@ -46,12 +46,14 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
            "gemma3_text": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
            "olmo3": transformers.Olmo3Config, "mixtral": transformers.MixtralConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
-           "granitemoe": transformers.GraniteMoeConfig}[arch]
+           "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
     if arch in ("phi3", "smollm3"):
         kw = {"pad_token_id": None, **kw}        # their configs' default pad id is outside a tiny vocabulary
-    if arch in ("mixtral", "qwen3_moe", "olmoe", "granitemoe"):   # 4 experts, 2 per token
-        kw = {("num_local_experts" if arch in ("mixtral", "granitemoe") else "num_experts"): 4, "num_experts_per_tok": 2,
-              "pad_token_id": None, **({"moe_intermediate_size": hidden // 2} if arch == "qwen3_moe" else {}), **kw}
+    if arch in ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe"):   # 4 experts, 2 per token
+        kw = {("num_local_experts" if arch in ("mixtral", "granitemoe", "granitemoeshared") else "num_experts"): 4,
+              "num_experts_per_tok": 2, "pad_token_id": None,
+              **({"moe_intermediate_size": hidden // 2} if arch in ("qwen3_moe", "qwen2_moe") else {}), **kw}
     if arch.startswith("gemma"):                 # their head size defaults to 256
         kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
@@ -65,7 +67,9 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                  "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM,
                  "olmo2": transformers.Olmo2ForCausalLM, "olmo3": transformers.Olmo3ForCausalLM,
                  "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-                 "olmoe": transformers.OlmoeForCausalLM, "granitemoe": transformers.GraniteMoeForCausalLM}[arch]
+                 "olmoe": transformers.OlmoeForCausalLM, "granitemoe": transformers.GraniteMoeForCausalLM,
+                 "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
+                 "qwen2_moe": transformers.Qwen2MoeForCausalLM}[arch]
     model = model_cls(cfg)
     # random init is nearly uniform; sharpen the output so greedy paths and acceptance mean something
     with torch.no_grad():

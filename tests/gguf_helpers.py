@@ -18,7 +18,9 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}      # phi3's fused tensors
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",      # phi3's fused tensors
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 # Gemma 2 / 3's sandwich norms: post_attention_layernorm norms the attention's output there
@@ -128,8 +130,8 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     """A .gguf of the transformers checkpoint in hf_dir. qtypes(gguf_name, ndim) -> GGMLQuantizationType
     (default: F32 everywhere)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe",
-                    "mixtral": "llama"}.get(cfg["model_type"], cfg["model_type"])
+    arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+                    "mixtral": "llama", "granitemoeshared": "granitemoe"}.get(cfg["model_type"], cfg["model_type"])
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -199,7 +201,16 @@ def _stack_experts(sd: dict, cfg: dict) -> dict:
     out, stacks = {}, {}
     for k, v in sd.items():
         parts = k.split(".")
-        if parts[-2] in ("input_linear", "output_linear"):       # GraniteMoE: stacked already, gate and up fused
+        if len(parts) > 3 and parts[-3] == "shared_mlp":        # Granite MoE shared: its shared expert, gate and up fused
+            i = parts[2]
+            if parts[-2] == "input_linear":
+                half = v.shape[0] // 2
+                out[f"blk.{i}.ffn_gate_shexp.weight"], out[f"blk.{i}.ffn_up_shexp.weight"] = v[:half], v[half:]
+            else:
+                out[f"blk.{i}.ffn_down_shexp.weight"] = v
+        elif k.endswith("shared_expert_gate.weight"):      # Qwen2-MoE: llama.cpp keeps it as a vector
+            out[f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"] = v.reshape(-1)
+        elif parts[-2] in ("input_linear", "output_linear"):       # GraniteMoE: stacked already, gate and up fused
             i = parts[2]
             if parts[-2] == "input_linear":
                 half = v.shape[1] // 2

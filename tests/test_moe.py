@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
-from specdec import LLM, kernels
+from specdec import LLM
 from specdec.model import BlockManager, ForwardBatch, load_model, save_model
 from specdec.model.llama import MoE, shard_config
 from test_heads import _heads_dirs
@@ -24,9 +24,12 @@ from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference,  # n
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
 GRANITE = {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.05, "logits_scaling": 2.5}
-CONFIGS = {"mixtral": {}, "qwen3_moe": {"mlp_only_layers": [0], "norm_topk_prob": True}, "olmoe": {}, "granitemoe": GRANITE}
-GGUF_KEYS = {"granitemoe": {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3,
-                            "granitemoe.attention.scale": 0.05, "granitemoe.logit_scale": 2.5}}
+CONFIGS = {"mixtral": {}, "qwen3_moe": {"mlp_only_layers": [0], "norm_topk_prob": True}, "olmoe": {}, "granitemoe": GRANITE,
+           "granitemoeshared": {**GRANITE, "shared_intermediate_size": 64},
+           "qwen2_moe": {"shared_expert_intermediate_size": 64}}
+GRANITE_KEYS = {"embedding_scale": 6.0, "residual_scale": 0.3, "attention.scale": 0.05, "logit_scale": 2.5}
+GGUF_KEYS = {"granitemoe": {f"granitemoe.{k}": v for k, v in GRANITE_KEYS.items()},
+             "granitemoeshared": {f"granitemoe.{k}": v for k, v in GRANITE_KEYS.items()}}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -49,7 +52,9 @@ def test_config_reads_and_writes_the_experts(files, tmp_path):
     expected = {"mixtral": (4, 2, 128, True, (0, 1), "mixtral", False, False),
                 "qwen3_moe": (4, 2, 32, True, (1,), "qwen3_moe", True, False),
                 "olmoe": (4, 2, 128, False, (0, 1), "olmoe", True, True),
-                "granitemoe": (4, 2, 128, True, (0, 1), "granitemoe", False, False)}[files["arch"]]
+                "granitemoe": (4, 2, 128, True, (0, 1), "granitemoe", False, False),
+                "granitemoeshared": (4, 2, 128, True, (0, 1), "granitemoeshared", False, False),
+                "qwen2_moe": (4, 2, 32, False, (0, 1), "qwen2_moe", False, False)}[files["arch"]]
     for cfg in (model.config, load_model(files["f32"]).config):
         assert tuple(getattr(cfg, f) for f in fields) == expected
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [i in expected[4] for i in range(2)]

@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
                 *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
                 ("use_rope", c_int), ("attn_out_norm", c_void_p), ("ffn_out_norm", c_void_p), ("window", c_int),
                 ("local_rope", c_int), *[(n, c_int) for n in ("n_experts", "top_k", "norm_topk", "moe_hidden")],
-                ("router", _Mat), ("experts", POINTER(_Mat))]
+                ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat)]
 
 
 class _Model(ctypes.Structure):
@@ -72,9 +72,12 @@ def _linears(model) -> list:
 
 
 def _mlp_linears(mlp) -> list:
-    """An MLP's matrices, or a mixture's: its router, then each expert's gate_up and down."""
+    """An MLP's matrices, or a mixture's: its router, then each expert's gate_up and down (then
+    its shared expert's and that one's gate, where it has them)."""
     if hasattr(mlp, "experts"):
-        return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj))]
+        shared = [] if mlp.shared_expert is None else [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj]
+        gate = [] if mlp.shared_expert_gate is None else [mlp.shared_expert_gate]
+        return [mlp.gate, *(m for e in mlp.experts for m in (e.gate_up_proj, e.down_proj)), *shared, *gate]
     return [mlp.gate_up_proj, mlp.down_proj]
 
 
@@ -165,15 +168,19 @@ class CView:
             window, local = att.window or 0, int(att.local_rope)
             if not weights:      # no weights, bias, norms
                 layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local,
-                                   0, 0, 0, 0, none, None)
+                                   0, 0, 0, 0, none, None, 0, none)
                 continue
-            moe = (0, 0, 0, 0, none, None)
-            if hasattr(mlp, "experts"):   # a mixture: no dense MLP; its router and experts
-                experts = (_Mat * (2 * len(mlp.experts)))(*[self._hold(_mat(m)) for m in _mlp_linears(mlp)[1:]])
+            moe = (0, 0, 0, 0, none, None, 0, none)
+            if hasattr(mlp, "experts"):   # a mixture: its router and experts; its shared expert as the dense MLP
+                n = len(mlp.experts)
+                experts = (_Mat * (2 * n))(*[self._hold(_mat(m)) for m in _mlp_linears(mlp)[1:2 * n + 1]])
                 self._keep.append(experts)
-                moe = (len(mlp.experts), mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size,
-                       self._hold(_mat(mlp.gate)), experts)
-                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + [none, none]
+                shared = mlp.shared_expert
+                gate = none if mlp.shared_expert_gate is None else self._hold(_mat(mlp.shared_expert_gate))
+                moe = (n, mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size, self._hold(_mat(mlp.gate)), experts,
+                       cfg.shared_expert_size if shared is not None else 0, gate)
+                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + (
+                    [none, none] if shared is None else [self._hold(_mat(m)) for m in (shared.gate_up_proj, shared.down_proj)])
             else:
                 mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             out_norms = (None, None)

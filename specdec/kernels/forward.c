@@ -165,6 +165,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
         if (L->n_experts > E) E = L->n_experts;
         if (L->top_k > K) K = L->top_k;
         if (L->moe_hidden > FM) FM = L->moe_hidden;
+        if (L->shared_hidden > FM) FM = L->shared_hidden;
     }
     int qwide = wide > FM ? wide : FM;
     long sizes[21] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
@@ -307,6 +308,28 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
             float *dst = w->moe_sum + (long)rows[r] * D;
             const float *y = w->moe_y + (long)r * D;
             for (int i = 0; i < D; i++) dst[i] += wt * y[i];
+        }
+    }
+    if (L->shared_hidden) {               /* the shared expert over every row, added last */
+        int S = L->shared_hidden;
+        linear_for(&L->gate_up, w->buf, NULL, w->moe_ff, N, 2 * S, D, w->qs);
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const float *g = w->moe_ff + (long)n * 2 * S;
+            silu_mul(g, g + S, w->moe_act + (long)n * S, S);
+        }
+        linear_for(&L->down, w->moe_act, NULL, w->moe_y, N, D, S, w->qs);
+        if (L->shared_gate.w) linear_for(&L->shared_gate, w->buf, NULL, w->moe_probs, N, 1, D, w->qs);
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float *dst = w->moe_sum + (long)n * D;
+            const float *y = w->moe_y + (long)n * D;
+            if (L->shared_gate.w) {
+                float sig = 1.0f / (1.0f + expf(-w->moe_probs[n]));
+                for (int i = 0; i < D; i++) dst[i] += sig * y[i];
+            } else {
+                for (int i = 0; i < D; i++) dst[i] += y[i];
+            }
         }
     }
     #pragma omp for schedule(static)

@@ -33,6 +33,10 @@ typedef struct {
     int n_experts, top_k, norm_topk, moe_hidden;
     Mat router;
     const Mat *experts;
+    /* a shared expert every token takes (gate_up / down hold it; 0: none), its output scaled by
+     * sigmoid(shared_gate x) when shared_gate's w is set (Qwen2-MoE) */
+    int shared_hidden;
+    Mat shared_gate;
 } Layer;
 
 typedef struct {

@@ -105,7 +105,10 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             parts = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
             if all(n in out for n in parts):
                 out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in parts])
-    if cfg.model_type == "granitemoe":      # experts stacked [E, rows, in]: gate and up already fused
+    if cfg.model_type in ("granitemoe", "granitemoeshared"):   # experts stacked [E, rows, in]: gate and up fused
+        for name in [n for n in out if ".shared_mlp." in n]:
+            kind = "gate_up_proj" if "input_linear" in name else "down_proj"
+            out[name.split(".shared_mlp.")[0] + f".mlp.shared_expert.{kind}.weight"] = out.pop(name)
         for name in [n for n in out if ".block_sparse_moe." in n]:
             t, p = out.pop(name), name.split(".block_sparse_moe.")[0] + ".mlp."
             if name.endswith("router.layer.weight"):
@@ -143,7 +146,7 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         elif ".qkv_proj." in name:
             for x, part in zip("qkv", t.split((q, kv, kv))):
                 out[name.replace("qkv_proj", f"{x}_proj")] = part
-        elif cfg.model_type == "granitemoe" and ".experts." in name:
+        elif cfg.model_type in ("granitemoe", "granitemoeshared") and (".experts." in name or ".shared_expert." in name):
             out[name] = t                          # stacked below
         elif ".gate_up_proj." in name:
             gate, up = t.chunk(2)
@@ -157,7 +160,7 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out.update({n: t.float() - 1 for n, t in out.items() if _is_norm(n)})
     if cfg.model_type == "mixtral":
         out = {_mixtral_name(n): t for n, t in out.items()}
-    if cfg.model_type == "granitemoe":
+    if cfg.model_type in ("granitemoe", "granitemoeshared"):
         out = _granitemoe_stacked(out, cfg)
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -167,6 +170,9 @@ def _granitemoe_stacked(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     out = {n: t for n, t in sd.items() if ".mlp." not in n}
     for i in range(cfg.num_hidden_layers):
         p, q = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+        if cfg.shared_expert_size:
+            for kind, theirs in (("gate_up_proj", "input_linear"), ("down_proj", "output_linear")):
+                out[f"model.layers.{i}.shared_mlp.{theirs}.weight"] = sd[p + f"shared_expert.{kind}.weight"]
         out[q + "router.layer.weight"] = sd[p + "gate.weight"]
         for kind, theirs in (("gate_up_proj", "input_linear"), ("down_proj", "output_linear")):
             out[q + f"{theirs}.weight"] = torch.stack([sd[p + f"experts.{e}.{kind}.weight"] for e in range(cfg.num_experts)])

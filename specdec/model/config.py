@@ -24,13 +24,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",  # qwen3 with experts in the layers decoder_sparse_step / mlp_only_layers say
     "OlmoeForCausalLM": "olmoe",      # llama with q/k normed over whole projections and experts in every layer
     "GraniteMoeForCausalLM": "granitemoe",  # granite with experts in every layer (stacked in its checkpoints)
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",  # + a shared expert every token takes
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # qwen2 with experts and a shared expert behind a sigmoid gate
 }
 # multimodal checkpoints whose language model runs alone (text in, text out): its class and model_type
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
-MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
+GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # a shared expert of that intermediate size every token takes beside its routed ones (0: none),
+    # its output scaled by sigmoid(shared_expert_gate(x)) when shared_expert_gate (Qwen2-MoE)
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -100,7 +107,7 @@ class ModelConfig:
         try:
             n_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
-            qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+            qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
             if model_type in ("qwen3", "qwen3_moe"):
                 _check_qwen3(cfg)
             family = (_gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO
@@ -128,10 +135,10 @@ class ModelConfig:
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
-                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
-                **(_granite(cfg) if model_type in ("granite", "granitemoe") else {}),
+                **(_granite(cfg) if model_type in GRANITE else {}),
                 **{**_sliding(cfg, model_type), **family},
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -169,7 +176,7 @@ class ModelConfig:
             out["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if self.model_type == "smollm3":
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
-        if self.model_type in ("granite", "granitemoe"):
+        if self.model_type in GRANITE:
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
         if self.model_type == "olmo3":
@@ -183,9 +190,13 @@ class ModelConfig:
                                         for i in range(self.num_hidden_layers)])
         if self.model_type in MOE:
             out.update(num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
-                       **{"num_local_experts" if self.model_type in ("mixtral", "granitemoe") else "num_experts":
+                       **{"num_local_experts" if self.model_type in ("mixtral", *GRANITE) else "num_experts":
                           self.num_experts})
-            if self.model_type == "qwen3_moe":
+            if self.model_type == "qwen2_moe":
+                out["shared_expert_intermediate_size"] = self.shared_expert_size
+            if self.model_type == "granitemoeshared":
+                out["shared_intermediate_size"] = self.shared_expert_size
+            if self.model_type in ("qwen3_moe", "qwen2_moe"):
                 out.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
                            mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
             else:
@@ -277,13 +288,18 @@ def _moe(cfg: dict, model_type: str) -> dict:
         raise KeyError("num_experts")
     out = {"num_experts": int(experts),
            "num_experts_per_tok": int(cfg["num_experts_per_tok"]), "global_rope": cfg.get("rope_parameters")}
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
                    moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
     else:          # Mixtral and Granite renormalise; OLMoE as its config says. The experts have intermediate_size
         out.update(moe_intermediate_size=int(cfg["intermediate_size"]), moe_layers=tuple(range(n)),
-                   norm_topk_prob=model_type in ("mixtral", "granitemoe") or bool(cfg.get("norm_topk_prob")))
+                   norm_topk_prob=model_type in ("mixtral", "granitemoe", "granitemoeshared")
+                   or bool(cfg.get("norm_topk_prob")))
+    if model_type == "qwen2_moe":
+        out.update(shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
+    if model_type == "granitemoeshared":
+        out["shared_expert_size"] = int(cfg.get("shared_intermediate_size") or 0)
     if model_type == "olmoe":
         if cfg.get("clip_qkv") is not None:
             raise ValueError(f"olmoe with clip_qkv={cfg['clip_qkv']} is not supported")

@@ -38,13 +38,13 @@ from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
-                 "olmo2", "qwen3moe", "olmoe", "granitemoe")
-MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}   # GGUF architecture -> Hugging Face model_type
+                 "olmo2", "qwen3moe", "olmoe", "granitemoe", "qwen2moe")
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}   # GGUF architecture -> Hugging Face model_type
 # llama.cpp's default for renormalising the chosen experts' weights (its expert_weights_norm key wins)
-EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True, "granitemoe": True}
+EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True, "granitemoe": True, "qwen2moe": False}
 SANDWICH = ("gemma2", "gemma3")            # post_attention_norm, ffn_norm (the MLP's input) and post_ffw_norm
 FUSED = ("phi3",)                        # attn_qkv and ffn_up (gate rows, then up rows) as one tensor each
-PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral", "granitemoe")    # q/k rows interleaved by llama.cpp's converter
+PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral", "granitemoe", "granitemoeshared")    # q/k rows interleaved by llama.cpp's converter
 # every ggml format gguf-py can dequantize: the legacy and k-quants, the i-quants of llama.cpp's
 # importance-matrix presets (IQ1_S .. IQ4_XS), the ternary TQ1_0 / TQ2_0 and MXFP4
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -200,6 +200,13 @@ def _moe_fields(g: GGUFFile, arch: str, n_layers: int) -> dict:
            "moe_intermediate_size": int(a("expert_feed_forward_length") or g.require(f"{arch}.feed_forward_length")),
            "norm_topk_prob": EXPERTS_NORM.get(arch, True) if norm is None else bool(norm),
            "moe_layers": tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in g.tensors)}
+    shared = next((g.tensors[f"blk.{i}.ffn_down_shexp.weight"] for i in out["moe_layers"]
+                   if f"blk.{i}.ffn_down_shexp.weight" in g.tensors), None)
+    if shared is not None:                 # a shared expert (Qwen2-MoE: behind a gate; Granite MoE shared)
+        out["shared_expert_size"] = int(a("expert_shared_feed_forward_length") or shared.shape[0])
+        out["shared_expert_gate"] = any(f"blk.{i}.ffn_gate_inp_shexp.weight" in g.tensors for i in out["moe_layers"])
+        if arch == "granitemoe":
+            out["model_type"] = "granitemoeshared"
     if arch == "llama":
         out["model_type"] = "mixtral"
     if arch == "olmoe":
@@ -285,6 +292,12 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             E, fm = cfg.num_experts, cfg.moe_intermediate_size
             out.update({p + "ffn_gate_inp.weight": (E, d), p + "ffn_gate_exps.weight": (E, fm, d),
                         p + "ffn_up_exps.weight": (E, fm, d), p + "ffn_down_exps.weight": (E, d, fm)})
+            if cfg.shared_expert_size:
+                sz = cfg.shared_expert_size
+                out.update({p + "ffn_gate_shexp.weight": (sz, d), p + "ffn_up_shexp.weight": (sz, d),
+                            p + "ffn_down_shexp.weight": (d, sz)})
+            if cfg.shared_expert_gate:
+                out[p + "ffn_gate_inp_shexp.weight"] = (d,)
         else:
             out[p + "ffn_down.weight"] = (d, f)
         if cfg.pre_norms:
@@ -482,6 +495,13 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
             for e, expert in enumerate(layer.mlp.experts):
                 _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
                 _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
+            if cfg.shared_expert_size:
+                shared = layer.mlp.shared_expert
+                _swap_linear(shared, "gate_up_proj", b.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
+                _swap_linear(shared, "down_proj", b.linear([p + "ffn_down_shexp.weight"]))
+            if cfg.shared_expert_gate:     # stored as a vector [D]
+                layer.mlp.shared_expert_gate.weight = nn.Parameter(
+                    b.param(p + "ffn_gate_inp_shexp.weight").data.reshape(1, -1), requires_grad=False)
         else:
             _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
             _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))

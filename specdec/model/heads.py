@@ -73,7 +73,7 @@ class EagleHead(nn.Module):
                                  sandwich_norms=False, attn_softcap=0.0, final_softcap=0.0, sliding_window=None,
                                  sliding_layers=(), local_rope_theta=None, pre_norms=True, qk_norm_full=False,
                                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
-                                 moe_layers=(), model_type="llama" if target_cfg.model_type in (*GEMMA, *OLMO, *MOE)
+                                 moe_layers=(), shared_expert_size=0, shared_expert_gate=False, model_type="llama" if target_cfg.model_type in (*GEMMA, *OLMO, *MOE)
                                  else target_cfg.model_type)
         self.fc = Linear(2 * D, D, bias=True)
         self.decoder = Transformer(cfg)

@@ -328,6 +328,9 @@ class MoE(nn.Module):
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # a shared expert every token takes (Qwen2-MoE, Granite MoE shared), Qwen2-MoE's behind a sigmoid gate
+        self.shared_expert = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -344,6 +347,11 @@ class MoE(nn.Module):
         for e in ids.unique().tolist():
             rows, k = (ids == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, k, None])
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.reshape(x.shape)
 
 

@@ -37,6 +37,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--hf-overrides", type=_json_obj,
+                   help='fields of the model\'s config.json replaced (a GGUF\'s too), e.g. \'{"rope_scaling": '
+                        '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
+    p.add_argument("--disable-sliding-window", action="store_true",
+                   help="full attention, the context capped at the model's sliding window")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -114,7 +119,8 @@ def llm_from_args(args, seed: int | None = None):
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-               scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs)
+               scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
+               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

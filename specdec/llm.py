@@ -98,7 +98,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
-                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20):
+                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
+                 hf_overrides: dict | None = None, disable_sliding_window: bool = False):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
@@ -119,7 +120,8 @@ class LLM:
             speculative_config = {**speculative_config, "model": found} if found else speculative_config
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         self.dtype, self.device, self.quantization = dtype, device, quantization
-        self.target, self.tokenizer = self._load(model, tokenizer)
+        self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
+        self.target, self.tokenizer = self._load(model, tokenizer, target=True)
         self._leader = None
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
@@ -140,15 +142,17 @@ class LLM:
                              kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs)
         self._counter = 0
 
-    def _load(self, path, tokenizer_path=None):
-        """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both."""
+    def _load(self, path, tokenizer_path=None, target: bool = False):
+        """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both.
+        The target takes hf_overrides and disable_sliding_window (vLLM's: not the draft)."""
         from .model.gguf import GGUFError, GGUFFile, find_gguf, load_gguf
 
+        cfg = (self.hf_overrides, self.disable_sliding_window) if target else (None, False)
         try:
             gguf_path = find_gguf(path)
             g = GGUFFile(gguf_path) if gguf_path is not None else None
-            model = load_gguf(g, self.dtype, self.device, self.quantization) if g is not None else \
-                load_model(path, self.dtype, self.device, self.quantization)
+            model = load_gguf(g, self.dtype, self.device, self.quantization, *cfg) if g is not None else \
+                load_model(path, self.dtype, self.device, self.quantization, *cfg)
             tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None
@@ -158,7 +162,8 @@ class LLM:
         """The target split over tensor-parallel ranks; the workers stop when this LLM goes."""
         from .distributed import TargetSpec, start
 
-        spec = TargetSpec(self.model_path, self.dtype, self.device, self.quantization, torch.get_num_threads())
+        spec = TargetSpec(self.model_path, self.dtype, self.device, self.quantization, torch.get_num_threads(),
+                          self.hf_overrides, self.disable_sliding_window)
         target = start(full, spec, parallel)
         self._leader = target.leader
         weakref.finalize(self, target.leader.shutdown)

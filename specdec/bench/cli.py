@@ -150,8 +150,12 @@ def command_line(args) -> str:
             parts += [flag, str(value)]
     if args.ignore_eos:
         parts.append("--ignore-eos")
+    import json
+    if args.hf_overrides:
+        parts += ["--hf-overrides", json.dumps(args.hf_overrides)]
+    if args.disable_sliding_window:
+        parts.append("--disable-sliding-window")
     if args.speculative_config:
-        import json
         parts += ["--speculative-config", json.dumps(args.speculative_config)]
     parts += ["--peers", ",".join(args.peers)] if args.peers else ["--no-peers"]
     return shlex.join(parts)

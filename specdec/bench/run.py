@@ -99,7 +99,8 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
         kernels.set_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device, max_num_seqs=1,
-              max_model_len=args.max_model_len,
+              max_model_len=args.max_model_len, hf_overrides=args.hf_overrides,
+              disable_sliding_window=args.disable_sliding_window,
               quantization=None if args.quantization == "auto" else args.quantization)
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir, clock)

@@ -51,6 +51,8 @@ class TargetSpec:
     device: str
     quantization: str | None
     threads: int
+    hf_overrides: dict | None = None
+    disable_sliding_window: bool = False
 
 
 def start(full: Transformer, spec: TargetSpec, config: ParallelConfig) -> LeaderTransformer:

@@ -93,7 +93,8 @@ def worker_main(rank: int, world: int, port: int, spec, config) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=config.startup_timeout_s))
     device = _device(spec.device, rank)
     try:
-        full = load_model(spec.model, spec.dtype, device, spec.quantization)
+        full = load_model(spec.model, spec.dtype, device, spec.quantization, spec.hf_overrides,
+                          spec.disable_sliding_window)
     except Exception as e:
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         sys.exit(1)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import FUSED_CHECKPOINTS, GEMMA, ModelConfig
+from .config import FUSED_CHECKPOINTS, GEMMA, ModelConfig, apply_hf_overrides, text_config
 from .llama import Transformer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -190,22 +190,26 @@ def _mixtral_name(name: str) -> str:
 
 
 def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu", quantization: str | None = None) -> Transformer:
+               device: str | torch.device = "cpu", quantization: str | None = None,
+               hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> Transformer:
     """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
-    to a GGUF only (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize)."""
+    to a GGUF only (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize);
+    hf_overrides and disable_sliding_window as vLLM's flags (ModelConfig.configured)."""
     from .gguf import GGUFError, find_gguf, load_gguf
 
     try:
         gguf_path = find_gguf(folder)
         if gguf_path is not None:
-            return load_gguf(gguf_path, dtype, device, quantization)
+            return load_gguf(gguf_path, dtype, device, quantization, hf_overrides, disable_sliding_window)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
     if quantization not in (None, "auto", "none"):
         raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
     raw = read_config(folder)
     try:
-        cfg = ModelConfig.from_hf(raw)
+        if hf_overrides:
+            raw = apply_hf_overrides(text_config(raw), hf_overrides)
+        cfg = ModelConfig.from_hf(raw).configured(disable_sliding_window=disable_sliding_window)
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     torch_dtype = resolve_dtype(dtype, raw)

@@ -215,6 +215,18 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    def configured(self, hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> "ModelConfig":
+        """This config with vLLM's --hf-overrides applied to its config.json form (a GGUF's, whose
+        config comes from metadata) and --disable-sliding-window: no window, the context capped
+        at the shortest one (full attention equals windowed attention that far)."""
+        cfg = self
+        if hf_overrides:
+            cfg = ModelConfig.from_hf(apply_hf_overrides(cfg.to_hf(), hf_overrides))
+        if disable_sliding_window and cfg.sliding_window:
+            cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
+                              sliding_window=None, sliding_layers=())
+        return cfg
+
     def num_parameters(self) -> int:
         d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                            self.num_key_value_heads, self.head_dim)
@@ -224,6 +236,25 @@ class ModelConfig:
         mlps = (self.num_hidden_layers - len(self.moe_layers)) * 3 * d * f + len(self.moe_layers) * moe
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + mlps + emb + d
+
+
+def apply_hf_overrides(raw: dict, overrides: dict) -> dict:
+    """vLLM's --hf-overrides on a config.json: its top-level fields replaced (a dict value
+    replaces the whole field). A yarn or linear rope_scaling brought in without a
+    max_position_embeddings of its own extends the context to the original length x factor, as
+    vLLM derives its max model len, the original length pinned in the scaling."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
+    out = {**raw, **overrides}
+    s = overrides.get("rope_scaling")
+    if isinstance(s, dict) and "max_position_embeddings" not in overrides and s.get("factor"):
+        kind = s.get("rope_type") or s.get("type")
+        if kind in ("yarn", "linear"):
+            old = int(s.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 2048)
+            out["max_position_embeddings"] = int(old * float(s["factor"]))
+            if kind == "yarn":
+                out["rope_scaling"] = {**s, "original_max_position_embeddings": old}
+    return out
 
 
 def text_config(cfg: dict) -> dict:

@@ -441,14 +441,19 @@ def _swap_linear(owner: nn.Module, attr: str, new: nn.Module) -> None:
         old.bias = new.bias
 
 
-def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantization: str | None = None) -> Transformer:
-    """The runtime model of a .gguf (see the module docstring for `quantization`)."""
+def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantization: str | None = None,
+              hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> Transformer:
+    """The runtime model of a .gguf (see the module docstring for `quantization`; hf_overrides
+    and disable_sliding_window: ModelConfig.configured)."""
     from .checkpoint import finish, resolve_dtype
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)
-    cfg = g.config()
+    try:
+        cfg = g.config().configured(hf_overrides, disable_sliding_window)
+    except ValueError as e:
+        raise GGUFError(f"{g.path}: {e}") from None
     check_tensors(g, cfg)
     torch_dtype = resolve_dtype(dtype, {"torch_dtype": "float32"})
     packed = quantization == "gguf" or (quantization in (None, "auto") and kernels_cover(

@@ -19,6 +19,62 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 NO_KERNELS = pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
 
 
+def arch_files(root, arch: str, config: dict | None = None, metadata: dict | None = None, **gguf_files) -> dict:
+    """A module's `files`: a transformers checkpoint of `arch` (config: its settings), a draft
+    that agrees often (near), its F32 GGUF (metadata: llama.cpp's keys the writer does not
+    derive) and untrained heads; gguf_files: name -> qtypes for more GGUFs of the checkpoint."""
+    from conftest import make_checkpoint, noisy_head_copy
+    from gguf_helpers import write_gguf
+    from test_heads import _heads_dirs
+
+    hf = make_checkpoint(root / "hf", arch=arch, **(config or {}))
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
+            "f32": write_gguf(hf, root / "f32.gguf", metadata=metadata),
+            **{name: write_gguf(hf, root / f"{name}.gguf", metadata=metadata, qtypes=q) for name, q in gguf_files.items()},
+            **_heads_dirs(hf, root)}
+
+
+def check_rows_bit_identical(model, length: int, kv_dtype=None) -> torch.Tensor:
+    """The C forward's invariant on `model` (blocks of 4 slots): each of `length` tokens' logits
+    are the same bits in one chunk, token by token or in uneven chunks, alone or beside another
+    sequence. Returns the one-chunk logits."""
+    from specdec.model import BlockManager
+
+    tokens, other = (torch.randint(0, 200, (length,), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+
+    def run(chunks, beside: bool) -> torch.Tensor:
+        blocks = BlockManager(2 * (length // 4 + 1), 4, 2, length // 4 + 1)
+        kv = model.new_kv(blocks, dtype=kv_dtype)
+        for s in ("x", "y"):
+            blocks.add(s)
+            blocks.ensure(s, length)
+        out = []
+        for a, b in chunks:
+            seqs, feed = (["y", "x"], [other[a:b], tokens[a:b]]) if beside else (["x"], [tokens[a:b]])
+            logits = model(torch.cat(feed), kv, ForwardBatch.build(kv, seqs, [b - a] * len(seqs), [a] * len(seqs))).logits
+            out.append(logits[-(b - a):])
+            for s in seqs:
+                kv.set_length(s, b)
+        return torch.cat(out)
+
+    whole = run([(0, length)], False)
+    for chunks in ([(i, i + 1) for i in range(length)], [(0, 5), (5, 6), (6, length // 2), (length // 2, length)]):
+        for beside in (False, True):
+            assert torch.equal(run(chunks, beside), whole), (chunks[:2], beside)
+    return whole
+
+
+def check_packed_batch_equals_solo(path) -> None:
+    """A GGUF kept packed: greedy output four at once, with speculation, equals plain decoding
+    one at a time."""
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    solo = LLM(str(path), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
+    plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
+    llm = LLM(str(path), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+
+
 def reference(folder, **replace) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

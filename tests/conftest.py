@@ -25,6 +25,21 @@ def make_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     train_tokenizer(folder, vocab, texts)
 
 
+# the transformers config and model classes of each architecture the tests build
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+}
+
+
 def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int | None = None,
                     layers: int = 2, hidden: int = 64, tokenizer_from: Path | None = None, **kw) -> Path:
     import transformers
@@ -39,15 +54,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
             (folder / "special_tokens_map.json").write_bytes((tokenizer_from / "special_tokens_map.json").read_bytes())
     tok_vocab = json.loads((folder / "tokenizer.json").read_text())
     n_tok = len(tok_vocab["model"]["vocab"]) + sum(1 for t in tok_vocab["added_tokens"] if t["content"] not in tok_vocab["model"]["vocab"])
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
-           "smollm3": transformers.SmolLM3Config, "granite": transformers.GraniteConfig,
-           "gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3_text": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
-           "olmo3": transformers.Olmo3Config, "mixtral": transformers.MixtralConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
-           "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
-           "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
+    cls = getattr(transformers, HF_CLASSES[arch][0])
     if arch in ("phi3", "smollm3"):
         kw = {"pad_token_id": None, **kw}        # their configs' default pad id is outside a tiny vocabulary
     if arch in ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe"):   # 4 experts, 2 per token
@@ -60,16 +67,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     cfg = cls(vocab_size=vocab or n_tok, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
               bos_token_id=0, eos_token_id=1, **kw)
     torch.manual_seed(seed)
-    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-                 "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM,
-                 "granite": transformers.GraniteForCausalLM, "gemma": transformers.GemmaForCausalLM,
-                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM,
-                 "olmo2": transformers.Olmo2ForCausalLM, "olmo3": transformers.Olmo3ForCausalLM,
-                 "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-                 "olmoe": transformers.OlmoeForCausalLM, "granitemoe": transformers.GraniteMoeForCausalLM,
-                 "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
-                 "qwen2_moe": transformers.Qwen2MoeForCausalLM}[arch]
+    model_cls = getattr(transformers, HF_CLASSES[arch][1])
     model = model_cls(cfg)
     # random init is nearly uniform; sharpen the output so greedy paths and acceptance mean something
     with torch.no_grad():

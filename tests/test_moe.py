@@ -13,13 +13,11 @@ import json
 import pytest
 import torch
 
-from conftest import make_checkpoint, noisy_head_copy
-from gguf_helpers import T, write_gguf
-from specdec import LLM
-from specdec.model import BlockManager, ForwardBatch, load_model, save_model
+from gguf_helpers import T
+from specdec.model import load_model, save_model
 from specdec.model.llama import MoE, shard_config
-from test_heads import _heads_dirs
-from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference,  # noqa: F401 (run here)
+from arch_checks import (IDS, NO_KERNELS, arch_files, cached_logits, check_packed_batch_equals_solo,  # noqa: F401
+                         check_rows_bit_identical, reference,
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -35,14 +33,8 @@ GGUF_KEYS = {"granitemoe": {f"granitemoe.{k}": v for k, v in GRANITE_KEYS.items(
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def files(request, tmp_path_factory) -> dict:
     arch = request.param
-    root = tmp_path_factory.mktemp(arch)
-    hf = make_checkpoint(root / "hf", arch=arch, **CONFIGS[arch])
-    meta = GGUF_KEYS.get(arch)
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
-            "f32": write_gguf(hf, root / "f32.gguf", metadata=meta),
-            "q8_0": write_gguf(hf, root / "q8.gguf", metadata=meta,
-                               qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32),
-            **_heads_dirs(hf, root)}
+    return arch_files(tmp_path_factory.mktemp(arch), arch, CONFIGS[arch], GGUF_KEYS.get(arch),
+                      q8_0=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
 
 
 def test_config_reads_and_writes_the_experts(files, tmp_path):
@@ -82,30 +74,9 @@ def test_routing_matters(files):
 
 @NO_KERNELS
 def test_expert_rows_are_bit_identical_however_chunked_and_batched(files):
-    """Each expert runs once over the rows routed to it: a token's logits are the same bits in
-    one chunk, token by token or beside another sequence."""
-    model = load_model(files["hf"], "float32")
-    tokens, other = (torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
-
-    def run(chunks, beside: bool) -> torch.Tensor:
-        blocks = BlockManager(32, 4, 2, 8)
-        kv = model.new_kv(blocks)
-        for s in ("x", "y"):
-            blocks.add(s)
-            blocks.ensure(s, 24)
-        out = []
-        for a, b in chunks:
-            seqs, feed = (["y", "x"], [other[a:b], tokens[a:b]]) if beside else (["x"], [tokens[a:b]])
-            logits = model(torch.cat(feed), kv, ForwardBatch.build(kv, seqs, [b - a] * len(seqs), [a] * len(seqs))).logits
-            out.append(logits[-(b - a):])
-            for s in seqs:
-                kv.set_length(s, b)
-        return torch.cat(out)
-
-    whole = run([(0, 24)], False)
-    for chunks in ([(i, i + 1) for i in range(24)], [(0, 5), (5, 6), (6, 24)]):
-        for beside in (False, True):
-            assert torch.equal(run(chunks, beside), whole), (chunks[:2], beside)
+    """Each expert runs once over the rows routed to it: a token's logits are the same bits
+    however chunked and batched."""
+    check_rows_bit_identical(load_model(files["hf"], "float32"), 24)
 
 
 @NO_KERNELS
@@ -118,12 +89,7 @@ def test_packed_q8_0_experts(files):
     with torch.no_grad():
         ref = reference(files["hf"])(IDS).logits[0]
         assert (cached_logits(model, IDS[0], [(0, 5), (5, 12)]) - ref).abs().max() < 0.1 * ref.abs().max()
-    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
-    solo = LLM(str(files["q8_0"]), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
-    plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
-    llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              max_num_seqs=4, max_num_batched_tokens=8)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    check_packed_batch_equals_solo(files["q8_0"])
 
 
 def test_eagle_head_of_a_mixture_is_a_plain_layer(files):

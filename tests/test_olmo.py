@@ -12,12 +12,9 @@ import json
 import pytest
 import torch
 
-from conftest import make_checkpoint, noisy_head_copy
-from gguf_helpers import write_gguf
 from specdec.model import ModelConfig, load_model, save_model
 from specdec.model.llama import shard_config
-from test_heads import _heads_dirs
-from arch_checks import (IDS, cached_logits, reference,  # noqa: F401 (run here)
+from arch_checks import (IDS, arch_files, cached_logits, reference,  # noqa: F401 (run here)
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -30,10 +27,7 @@ GGUF_KEYS = {"olmo2": {}, "olmo3": {"olmo2.attention.sliding_window": WINDOW,
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def files(request, tmp_path_factory) -> dict:
     arch = request.param
-    root = tmp_path_factory.mktemp(arch)
-    hf = make_checkpoint(root / "hf", arch=arch, **CONFIGS[arch])
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
-            "f32": write_gguf(hf, root / "f32.gguf", metadata=GGUF_KEYS[arch]), **_heads_dirs(hf, root)}
+    return arch_files(tmp_path_factory.mktemp(arch), arch, CONFIGS[arch], GGUF_KEYS[arch])
 
 
 def test_config_reads_and_writes_olmo(files, tmp_path):

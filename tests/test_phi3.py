@@ -21,7 +21,8 @@ from gguf_helpers import T, write_gguf
 from specdec import LLM, kernels
 from specdec.model import load_model, save_model
 from test_heads import _heads_dirs
-from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, reference, without_kernels,  # noqa: F401 (run here)
+from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, check_packed_batch_equals_solo,  # noqa: F401 (run here)
+                         reference, without_kernels,
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -58,12 +59,7 @@ def test_q8_0_gguf_packed_is_close_to_the_checkpoint(files):
 
 @NO_KERNELS
 def test_packed_q8_0_batch_equals_solo(files):
-    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
-    solo = LLM(str(files["q8_0"]), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
-    plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
-    llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              max_num_seqs=4, max_num_batched_tokens=8)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    check_packed_batch_equals_solo(files["q8_0"])
 
 
 def test_sliding_window_is_computed_not_capped(files, tmp_path):

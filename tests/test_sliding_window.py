@@ -12,11 +12,9 @@ import json
 import pytest
 import torch
 
-from conftest import make_checkpoint, noisy_head_copy
-from gguf_helpers import write_gguf
+from conftest import make_checkpoint
 from specdec.model import load_model, save_model
-from test_heads import _heads_dirs
-from arch_checks import (IDS, cached_logits, reference,  # noqa: F401 (run here)
+from arch_checks import (arch_files, cached_logits, reference,  # noqa: F401 (run here)
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -28,11 +26,8 @@ CONFIGS = {"mistral": {}, "phi3": {}, "qwen2": QWEN, "qwen3": QWEN}
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def files(request, tmp_path_factory) -> dict:
     arch = request.param
-    root = tmp_path_factory.mktemp(f"sw-{arch}")
-    hf = make_checkpoint(root / "hf", arch=arch, sliding_window=WINDOW, **CONFIGS[arch])
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"),
-            "f32": write_gguf(hf, root / "f32.gguf", metadata={f"{arch}.attention.sliding_window": WINDOW}),
-            **_heads_dirs(hf, root)}
+    return arch_files(tmp_path_factory.mktemp(f"sw-{arch}"), arch, {"sliding_window": WINDOW, **CONFIGS[arch]},
+                      {f"{arch}.attention.sliding_window": WINDOW})
 
 
 def test_the_window_is_read_saved_and_matters(files, tmp_path):

@@ -1,6 +1,7 @@
 """What a sliding window saves a decoding step: one token's forward at several context lengths,
 for a model with Gemma 3's layout (5 sliding layers in 6) and the same model with the windows
-taken away (full attention everywhere), random weights, one thread, the process's CPU clock.
+taken away (full attention everywhere), random weights, one thread, the process's CPU clock,
+the two timed in turn.
 
 The C attention skips the cache blocks before each token's window (kernels/attention.c), so the
 windowed layers' cost stops growing once the context passes the window; the full-attention
@@ -44,30 +45,35 @@ def main() -> None:
         hf = make_checkpoint(Path(tmp) / "m", arch="gemma3_text", hidden=args.hidden, layers=args.layers,
                              sliding_window=args.window, num_attention_heads=4, num_key_value_heads=1,
                              max_position_embeddings=longest + 16)
-        rows = {}
+        models, caches = {}, {}
         for name in ("windowed", "full"):
-            model = load_model(hf, "float32")
+            model = models[name] = load_model(hf, "float32")
             if name == "full":
                 for layer in model.model.layers:
                     layer.self_attn.window = None
             blocks = BlockManager(longest // 16 + 2, 16, 1, longest // 16 + 2)
-            kv = model.new_kv(blocks)
+            caches[name] = model.new_kv(blocks)
             blocks.add(0)
             blocks.ensure(0, longest)
-            tokens = torch.randint(0, 200, (longest,))
-            done = 0
-            for ctx in contexts:
-                while done < ctx:                      # prefill up to this context, in chunks
-                    n = min(512, ctx - done)
-                    model(tokens[done:done + n], kv, ForwardBatch.build(kv, [0], [n], [done]), logits=False)
-                    done += n
-                    kv.set_length(0, done)
-                times = []
-                for _ in range(args.repeats):
+        tokens = torch.randint(0, 200, (longest,))
+        rows, done = {}, 0
+        for ctx in contexts:
+            for name, model in models.items():        # prefill both up to this context, in chunks
+                kv, at = caches[name], done
+                while at < ctx:
+                    n = min(512, ctx - at)
+                    model(tokens[at:at + n], kv, ForwardBatch.build(kv, [0], [n], [at]), logits=False)
+                    at += n
+                    kv.set_length(0, at)
+            done = ctx
+            times = {name: [] for name in models}
+            for _ in range(args.repeats):                # the two interleaved
+                for name, model in models.items():
+                    kv = caches[name]
                     t0 = time.process_time()
                     model(tokens[ctx:ctx + 1], kv, ForwardBatch.build(kv, [0], [1], [ctx]))
-                    times.append(time.process_time() - t0)
-                rows.setdefault(ctx, {})[name] = statistics.median(times) * 1e3
+                    times[name].append(time.process_time() - t0)
+            rows[ctx] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     info = machine_info()
     print(f"CPU: {info['cpu']} (kernels: {info['kernels']}); one thread; {args.layers} layers of hidden {args.hidden}, "
           f"window {args.window} in 5 layers of 6; `python scripts/window_cost.py --contexts {args.contexts} "

@@ -204,11 +204,13 @@ block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query 
  * zeros from the span to `upto` (a multiple of 8), where the block's longer queries read. The
  * sum runs in 8 lanes over the visible slots, the k-th visible one in lane k % 8, lanes summed
  * in a fixed tree: a tree node (mask: its row of the tree mask from slot `from` on, else NULL)
- * sums what the same token sums when decoded alone, whatever masked slots lie between. */
-static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, int from) {
+ * sums what the same token sums when decoded alone, whatever masked slots lie between. Slots
+ * before `lo` (a multiple of 8: a sliding window's skipped blocks) are neither read nor
+ * written; their weights would be exact zeros, which leave the lanes' sums as they are. */
+static void softmax_weights(float *sc, int lo, int span, int upto, const uint8_t *mask, int from) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vm = ninf, acc = _mm256_setzero_ps();
-    for (int s = 0; s < span; s += 8) {
+    for (int s = lo; s < span; s += 8) {
         int n = span - s < 8 ? span - s : 8;
         vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, load_part(sc + s, n), _mm256_castsi256_ps(
                  _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
@@ -217,7 +219,7 @@ static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, 
     _mm256_storeu_ps(lane, vm);
     for (int k = 0; k < 8; k++) mx = lane[k] > mx ? lane[k] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
-    int s8 = 0;
+    int s8 = lo;
 #if defined(__AVX512F__)
     const __m512 vmx16 = _mm512_set1_ps(mx), ninf16 = _mm512_set1_ps(-INFINITY);
     for (; s8 + 16 <= span; s8 += 16) {           /* the same operations per slot in 16 lanes */
@@ -235,7 +237,7 @@ static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, 
         _mm256_storeu_ps(sc + s, e);               /* lanes past the span: 0 */
     }
     int dense = mask ? from / 8 * 8 : (span + 7) / 8 * 8, k = 0;
-    for (int s = 0; s < dense; s += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(sc + s));
+    for (int s = lo; s < dense; s += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(sc + s));
     float part[8] = {0};
     for (int s = dense; s < span; s++) {          /* a tree node's tail: the visible slots, packed */
         if (s >= from && !mask[s - from]) continue;
@@ -246,7 +248,7 @@ static void softmax_weights(float *sc, int span, int upto, const uint8_t *mask, 
     _mm256_storeu_ps(lane, acc);
     float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     const __m256 vsum = _mm256_set1_ps(sum);
-    int s = 0;
+    int s = lo;
 #if defined(__AVX512F__)
     const __m512 vsum16 = _mm512_set1_ps(sum);
     for (; s + 16 <= span; s += 16) _mm512_storeu_ps(sc + s, _mm512_div_ps(_mm512_loadu_ps(sc + s), vsum16));
@@ -348,26 +350,27 @@ attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, in
             if (w < lo) lo = w;
         }
         first = lo > 0 ? (int)(lo / m->block_size) * m->block_size : 0;
-        for (int i = 0; i < np; i++)
-            for (int s = 0; s < first; s++) qs[i].sc[s] = -INFINITY;
     }
+    int first8 = first / 8 * 8;                   /* softmax's lanes start on a multiple of 8 */
+    for (int i = 0; i < np; i++)
+        for (int s = first8; s < first; s++) qs[i].sc[s] = -INFINITY;
     block_scores(m, L, table, g, qs, np, first, maxspan, KIND);
     for (int i = 0; i < np; i++) {
         int t = qs[i].n - b->cu_seqlens[sq];
         const uint8_t *mask = moff >= 0 ? b->masks + moff + (long)t * cols : NULL;
         if (m->attn_softcap != 0.0f) {            /* Gemma 2: cap tanh(s / cap), before any mask */
             float cap = m->attn_softcap;
-            for (int s = 0; s < qs[i].span; s++) qs[i].sc[s] = cap * tanhf(qs[i].sc[s] / cap);
+            for (int s = first; s < qs[i].span; s++) qs[i].sc[s] = cap * tanhf(qs[i].sc[s] / cap);
         }
         if (L->window > 0) {                      /* a sliding window: slots `window` or more back */
             long lo = b->pos[qs[i].n] - L->window + 1;
             int lim = mask ? from : qs[i].span;   /* a tree's own slots: its mask decides */
-            for (int s = 0; s < lo && s < lim; s++) qs[i].sc[s] = -INFINITY;
+            for (int s = first; s < lo && s < lim; s++) qs[i].sc[s] = -INFINITY;
         }
         if (mask)                                 /* a tree: slots that are not ancestors */
             for (int s = from; s < qs[i].span; s++)
                 if (!mask[s - from]) qs[i].sc[s] = -INFINITY;
-        softmax_weights(qs[i].sc, qs[i].span, (maxspan + 7) / 8 * 8, mask, from);
+        softmax_weights(qs[i].sc, first8, qs[i].span, (maxspan + 7) / 8 * 8, mask, from);
     }
     switch (np) {                                 /* the query count as a constant: registers */
     case 1: block_values(m, L, table, g, qs, first, maxspan, 1, KIND); break;

@@ -83,7 +83,7 @@ def read_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 # projector are left out
 TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                  ("model.language_model.", "model."))
-IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")
 
 
 def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

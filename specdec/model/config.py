@@ -27,8 +27,15 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "granitemoeshared",  # + a shared expert every token takes
     "Qwen2MoeForCausalLM": "qwen2_moe",  # qwen2 with experts and a shared expert behind a sigmoid gate
 }
-# multimodal checkpoints whose language model runs alone (text in, text out): its class and model_type
-TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+# multimodal checkpoints whose language model runs alone (text in, text out): the model_type their
+# text_config has when it names none
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral",
+                      "LlavaForConditionalGeneration": "llama", "Qwen2VLForConditionalGeneration": "qwen2",
+                      "Qwen2_5_VLForConditionalGeneration": "qwen2", "Qwen3VLForConditionalGeneration": "qwen3"}
+# the text models of the Qwen VL families are Qwen2 / Qwen3: their multimodal RoPE turns every
+# section by the same position for text alone, which is plain RoPE
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
+                    "qwen3_vl_text": "qwen3", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
@@ -259,13 +266,24 @@ def apply_hf_overrides(raw: dict, overrides: dict) -> dict:
 
 def text_config(cfg: dict) -> dict:
     """The language model's config of a multimodal checkpoint (TEXT_OF_MULTIMODAL: its
-    text_config, as its own family), else cfg itself."""
+    text_config, as the family its model_type names), else cfg itself. The top level's
+    tie_word_embeddings wins, as transformers ties the multimodal model by it."""
     found = next((a for a in cfg.get("architectures") or [] if a in TEXT_OF_MULTIMODAL), None)
-    if found is None or not isinstance(cfg.get("text_config"), dict):
+    if found is None:
         return cfg
-    arch, model_type = TEXT_OF_MULTIMODAL[found]
-    text = {k: v for k, v in cfg.items() if k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")}
-    return {**text, **cfg["text_config"], "architectures": [arch], "model_type": model_type}
+    # transformers 5 nests text_config; older Qwen VL folders keep the text fields at the top level
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else \
+        {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures")}
+    model_type = text.get("model_type") or TEXT_OF_MULTIMODAL[found]
+    model_type = TEXT_MODEL_TYPES.get(model_type, model_type)
+    arch = next((a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
+    if arch is None:
+        raise ValueError(f"{found}'s language model {model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    out = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}, **text}
+    if "tie_word_embeddings" in cfg:
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return {**out, "architectures": [arch], "model_type": model_type}
 
 
 def _gemma(cfg: dict, model_type: str) -> dict:
@@ -479,7 +497,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    if kind in (None, "default", "mrope"):      # mrope: Qwen VL's, plain RoPE for text (TEXT_MODEL_TYPES)
         return None
     kind = "longrope" if kind == "su" else kind             # Phi-3's first name for it
     if kind not in ROPE_TYPES:

@@ -7,7 +7,9 @@
   communication: every rank keeps its heads' keys and values in its own KV cache. Qwen3's
   per-head q/k norms (one weight shared by the heads) stay whole on every rank.
 - row-parallel: o and down take the matching input columns; their outputs are partial sums,
-  added over the ranks by one all-reduce each (`RowParallel`).
+  added over the ranks by one all-reduce each (`RowParallel`). A mixture of experts splits each
+  expert (and its shared expert) as an MLP, keeps the router whole, and adds the experts'
+  weighted partial sums locally before one all-reduce (`_shard_moe`, MoE.comm).
 - vocabulary-parallel LM head: each rank scores its share of the vocabulary; rank 0 gathers
   the columns before verification (`VocabParallelHead`). The embedding, the norms and RoPE stay
   whole on every rank.
@@ -89,11 +91,32 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
         dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
         # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
         dst.self_attn.q_norm, dst.self_attn.k_norm = src.self_attn.q_norm, src.self_attn.k_norm
+        if hasattr(src.mlp, "experts"):
+            _shard_moe(src.mlp, dst.mlp, rank, comm)
+            continue
         dst.mlp.gate_up_proj = column(src.mlp.gate_up_proj, torch.cat([mlp_rows, inter + mlp_rows]))
         dst.mlp.down_proj = RowParallel(row(src.mlp.down_proj, mlp_rows), comm)
     widths = vocab_split(cfg.vocab_size, world)
     model.lm_head = VocabParallelHead(column(full.lm_head, _span(sum(widths[:rank]), widths[rank])), widths, comm)
     return model.eval().requires_grad_(False)
+
+
+def _shard_moe(src: nn.Module, dst: nn.Module, rank: int, comm: Collectives) -> None:
+    """A mixture of experts split as its MLPs are: each expert's (and the shared expert's) gate/up
+    rows and down columns; the router and the shared expert's gate whole. The experts' partial
+    sums are added locally, weighted, and summed over the ranks once (MoE.comm)."""
+    def split(mlp_src, mlp_dst):
+        local = mlp_dst.down_proj.in_features
+        rows = _span(rank * local, local)
+        mlp_dst.gate_up_proj = column(mlp_src.gate_up_proj, torch.cat([rows, mlp_src.down_proj.in_features + rows]))
+        mlp_dst.down_proj = row(mlp_src.down_proj, rows)
+
+    dst.gate, dst.shared_expert_gate = src.gate, src.shared_expert_gate
+    for e_src, e_dst in zip(src.experts, dst.experts):
+        split(e_src, e_dst)
+    if src.shared_expert is not None:
+        split(src.shared_expert, dst.shared_expert)
+    dst.comm = comm
 
 
 def _span(start: int, n: int) -> Tensor:

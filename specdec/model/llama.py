@@ -331,6 +331,7 @@ class MoE(nn.Module):
         # a shared expert every token takes (Qwen2-MoE, Granite MoE shared), Qwen2-MoE's behind a sigmoid gate
         self.shared_expert = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.comm = None    # a tensor-parallel shard's (distributed/shard.py): its experts' outputs are partial sums
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -352,6 +353,8 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
+        if self.comm is not None:       # each expert's down product saw this rank's columns only: one sum
+            out = self.comm.all_reduce(out)
         return out.reshape(x.shape)
 
 
@@ -422,17 +425,17 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
         return cfg
     if cfg.qk_norm_full:
         raise ValueError(f"tensor_parallel_size {tp_size}: {cfg.model_type}'s q/k norms span every head (not supported)")
-    if cfg.num_experts:
-        raise ValueError(f"tensor_parallel_size {tp_size}: mixtures of experts ({cfg.model_type}) are not sharded")
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    for name, n in (("num_attention_heads", H), ("intermediate_size", inter)):
+    for name, n in (("num_attention_heads", H), ("intermediate_size", inter),
+                    ("moe_intermediate_size", cfg.moe_intermediate_size), ("shared_expert_size", cfg.shared_expert_size)):
         if n % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} must divide the model's {name} ({n})")
     if KV % tp_size and tp_size % KV:
         raise ValueError(f"tensor_parallel_size {tp_size} and the model's num_key_value_heads ({KV}) "
                          f"must divide one another")
     return cfg.replace(num_attention_heads=H // tp_size, num_key_value_heads=max(1, KV // tp_size),
-                       intermediate_size=inter // tp_size)
+                       intermediate_size=inter // tp_size, moe_intermediate_size=cfg.moe_intermediate_size // tp_size,
+                       shared_expert_size=cfg.shared_expert_size // tp_size)
 
 
 class Transformer(nn.Module):

@@ -47,6 +47,11 @@ def test_a_yarn_override_equals_the_edited_config(qwen3):
             torch.testing.assert_close(cached_logits(model, tokens, [(0, 280), (280, 300)]), ref, rtol=1e-5, atol=1e-5)
         plain = load_model(qwen3["hf"], "float32")
         assert plain.config.max_position_embeddings == 256
+        # transformers 5's name for it, over a config that names a scaling of its own
+        from specdec.model.config import ModelConfig, apply_hf_overrides
+        raw = {**plain.config.to_hf(), "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+        cfg = ModelConfig.from_hf(apply_hf_overrides(raw, {"rope_parameters": {**YARN, "rope_theta": 10000.0}}))
+        assert (cfg.rope_scaling["rope_type"], cfg.max_position_embeddings) == ("yarn", 512)
 
 
 def test_overrides_through_llm_and_the_command_line(qwen3, capsys):

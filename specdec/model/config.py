@@ -253,14 +253,17 @@ def apply_hf_overrides(raw: dict, overrides: dict) -> dict:
     if not isinstance(overrides, dict):
         raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
     out = {**raw, **overrides}
-    s = overrides.get("rope_scaling")
+    key = "rope_scaling" if "rope_scaling" in overrides else "rope_parameters"   # transformers 5's name too
+    if key == "rope_parameters" and key in overrides:
+        out.pop("rope_scaling", None)     # the config's own scaling would be read first
+    s = overrides.get(key)
     if isinstance(s, dict) and "max_position_embeddings" not in overrides and s.get("factor"):
         kind = s.get("rope_type") or s.get("type")
         if kind in ("yarn", "linear"):
             old = int(s.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 2048)
             out["max_position_embeddings"] = int(old * float(s["factor"]))
             if kind == "yarn":
-                out["rope_scaling"] = {**s, "original_max_position_embeddings": old}
+                out[key] = {**s, "original_max_position_embeddings": old}
     return out
 
 

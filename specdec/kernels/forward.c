@@ -198,35 +198,19 @@ static void residual_add(float *x, const float *h, int N, int D, float scale) {
     }
 }
 
-/* o = SiLU(g) * u = g / (1 + e^-g) * u over F elements. */
-static void silu_mul(const float *g, const float *u, float *o, int F) {
-    int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= F; i += 16) {            /* the same operations per element in 16 lanes */
-        __m512 gv = _mm512_loadu_ps(g + i), e = vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                              _mm512_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < F; i += 8) {
-        int k = F - i < 8 ? F - i : 8;
-        __m256 gv = load_part(g + i, k), e = vexp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        __m256 y = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k));
-        store_part(o + i, y, k);
-    }
-}
-
-/* o = GELU_tanh(g) * u (Gemma's GeGLU): 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3),
- * which is g / (1 + e^(-2y)), computed so (SiLU's operations with -2y for -g). */
-static void gelu_tanh_mul(const float *g, const float *u, float *o, int F) {
+/* o = act(g) * u over F elements, both gates as g / (1 + e^z): SiLU (SwiGLU) with z = -g;
+ * GELU_tanh (Gemma's GeGLU), 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3), with
+ * z = -2y. `act` is the model's constant: the branch goes the same way for every element. */
+static void gate_mul(const float *g, const float *u, float *o, int F, int act) {
     const float c = -2.0f * 0.7978845608028654f, c3 = 0.044715f;
     int i = 0;
 #if defined(__AVX512F__)
-    for (; i + 16 <= F; i += 16) {
+    for (; i + 16 <= F; i += 16) {            /* the same operations per element in 16 lanes */
         __m512 gv = _mm512_loadu_ps(g + i);
-        __m512 y = _mm512_mul_ps(_mm512_set1_ps(c), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c3), gv),
-                                                                    _mm512_mul_ps(gv, gv), gv));
-        __m512 e = vexp16(y);
+        __m512 z = act == ACT_GELU_TANH
+            ? _mm512_mul_ps(_mm512_set1_ps(c), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c3), gv), _mm512_mul_ps(gv, gv), gv))
+            : _mm512_sub_ps(_mm512_setzero_ps(), gv);
+        __m512 e = vexp16(z);
         _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                               _mm512_loadu_ps(u + i)));
     }
@@ -234,9 +218,10 @@ static void gelu_tanh_mul(const float *g, const float *u, float *o, int F) {
     for (; i < F; i += 8) {
         int k = F - i < 8 ? F - i : 8;
         __m256 gv = load_part(g + i, k);
-        __m256 y = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c3), gv),
-                                                                    _mm256_mul_ps(gv, gv), gv));
-        __m256 e = vexp(y);
+        __m256 z = act == ACT_GELU_TANH
+            ? _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c3), gv), _mm256_mul_ps(gv, gv), gv))
+            : _mm256_sub_ps(_mm256_setzero_ps(), gv);
+        __m256 e = vexp(z);
         store_part(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k)), k);
     }
 }
@@ -299,7 +284,7 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
         #pragma omp for schedule(static)
         for (int r = 0; r < c; r++) {
             const float *g = w->moe_ff + (long)r * 2 * F;
-            silu_mul(g, g + F, w->moe_act + (long)r * F, F);
+            gate_mul(g, g + F, w->moe_act + (long)r * F, F, ACT_SILU);
         }
         linear_for(&L->experts[2 * e + 1], w->moe_act, NULL, w->moe_y, c, D, F, w->qs);
         #pragma omp for schedule(static)
@@ -316,7 +301,7 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const float *g = w->moe_ff + (long)n * 2 * S;
-            silu_mul(g, g + S, w->moe_act + (long)n * S, S);
+            gate_mul(g, g + S, w->moe_act + (long)n * S, S, ACT_SILU);
         }
         linear_for(&L->down, w->moe_act, NULL, w->moe_y, N, D, S, w->qs);
         if (L->shared_gate.w) linear_for(&L->shared_gate, w->buf, NULL, w->moe_probs, N, 1, D, w->qs);
@@ -379,8 +364,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     for (int n = 0; n < N; n++) {
         const float *g = ff + (long)n * 2 * F, *u = g + F;
         float *o = att + (long)n * F;
-        if (m->act == ACT_GELU_TANH) gelu_tanh_mul(g, u, o, F);
-        else silu_mul(g, u, o, F);
+        gate_mul(g, u, o, F, m->act);
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
     if (L->ffn_out_norm) rms_norm_for(buf, buf, L->ffn_out_norm, N, D, m->eps);     /* Gemma 2 / 3 */

@@ -187,14 +187,12 @@ class ModelConfig:
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                        attention_multiplier=self.attention_multiplier, logits_scaling=self.logits_scaling)
         if self.model_type == "olmo3":
-            out.update(sliding_window=self.sliding_window, layer_types=[
-                "sliding_attention" if i in self.sliding_layers else "full_attention" for i in range(self.num_hidden_layers)])
+            out.update(sliding_window=self.sliding_window, layer_types=self._layer_types())
         elif self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
             out["sliding_window"] = self.sliding_window
             if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
                 out.update(use_sliding_window=True, max_window_layers=min(self.sliding_layers, default=0),
-                           layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
-                                        for i in range(self.num_hidden_layers)])
+                           layer_types=self._layer_types())
         if self.model_type in MOE:
             out.update(num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
                        **{"num_local_experts" if self.model_type in ("mixtral", *GRANITE) else "num_experts":
@@ -213,11 +211,14 @@ class ModelConfig:
             if self.model_type != "gemma":
                 out.update(query_pre_attn_scalar=_pre_attn_scalar(self), attn_logit_softcapping=self.attn_softcap or None,
                            final_logit_softcapping=self.final_softcap or None, sliding_window=self.sliding_window,
-                           layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
-                                        for i in range(self.num_hidden_layers)])
+                           layer_types=self._layer_types())
             if self.model_type == "gemma3_text":
                 out["rope_local_base_freq"] = self.local_rope_theta
         return out
+
+    def _layer_types(self) -> list[str]:
+        """transformers' layer_types: which layers slide."""
+        return ["sliding_attention" if i in self.sliding_layers else "full_attention" for i in range(self.num_hidden_layers)]
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -304,21 +305,13 @@ def _gemma(cfg: dict, model_type: str) -> dict:
            "global_rope": cfg.get("rope_parameters")}
     if one:
         return out
-    n = cfg["num_hidden_layers"]
     gemma2 = model_type == "gemma2"
     soft = lambda key, default: float(cfg.get(key, default) or 0.0)  # noqa: E731  (null: none)
     out.update(sandwich_norms=True, attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
                attn_softcap=soft("attn_logit_softcapping", 50.0 if gemma2 else None),
                final_softcap=soft("final_logit_softcapping", 30.0 if gemma2 else None))
-    types = cfg.get("layer_types")
-    if types is None:      # transformers' defaults: every other layer (Gemma 2), 5 in 6 (Gemma 3)
-        every = 2 if gemma2 else int(cfg.get("sliding_window_pattern", 6))
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
-    window = cfg.get("sliding_window", 4096)
-    if window is not None and any(t == "sliding_attention" for t in types):
-        out.update(sliding_window=int(window), sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+    # transformers' defaults: every other layer (Gemma 2), 5 in 6 (Gemma 3)
+    out.update(_window_layers(cfg, 2 if gemma2 else int(cfg.get("sliding_window_pattern", 6))))
     if not gemma2:
         params = cfg.get("rope_parameters") or {}
         local = params.get("sliding_attention") or {}
@@ -371,13 +364,7 @@ def _olmo(cfg: dict, model_type: str) -> dict:
     out = {"pre_norms": False, "sandwich_norms": True, "qk_norm_full": True, "global_rope": cfg.get("rope_parameters")}
     if model_type == "olmo2":
         return out
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
-    window = cfg.get("sliding_window", 4096)
-    if window is not None and "sliding_attention" in types:
-        out.update(sliding_window=int(window), sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+    out.update(_window_layers(cfg, 4))
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
@@ -433,6 +420,18 @@ def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:
     if scaling is not None and scaling["rope_type"] == "longrope":
         n = min(n, scaling["original_max_position_embeddings"])
     return n
+
+
+def _window_layers(cfg: dict, every: int) -> dict:
+    """Gemma 2 / 3's and OLMo 3's window (transformers' default 4096) in the layers layer_types
+    marks, else in all but every `every`-th layer; {} when none slides."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    window = cfg.get("sliding_window", 4096)
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return {"sliding_window": int(window), "sliding_layers": layers} if window is not None and layers else {}
 
 
 def _sliding(cfg: dict, model_type: str) -> dict:

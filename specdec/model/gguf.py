@@ -218,17 +218,25 @@ def _olmo_fields(g: GGUFFile, arch: str, n_layers: int, rope_scaling: dict | Non
     """OLMo 2's fields (llama.cpp converts OLMo 3 to the same architecture, with a sliding window
     and its per-layer pattern; the window's layers keep the RoPE base unscaled, as transformers)."""
     out = {"pre_norms": False, "sandwich_norms": True, "qk_norm_full": True}
-    window, pattern = g.get(f"{arch}.attention.sliding_window"), g.get(f"{arch}.attention.sliding_window_pattern")
+    window = _gguf_window_layers(g, arch, n_layers, 4)
     if window:
-        if isinstance(pattern, list):
-            sliding = tuple(i for i, f in enumerate(pattern) if f)
-        else:
-            sliding = tuple(i for i in range(n_layers) if (i + 1) % 4)
-        if sliding:
-            out.update(sliding_window=int(window), sliding_layers=sliding, model_type="olmo3")
-            if rope_scaling is not None:
-                out["local_rope_theta"] = float(g.get(f"{arch}.rope.freq_base", 10000.0))
+        out.update(window, model_type="olmo3")
+        if rope_scaling is not None:
+            out["local_rope_theta"] = float(g.get(f"{arch}.rope.freq_base", 10000.0))
     return out
+
+
+def _gguf_window_layers(g: GGUFFile, arch: str, n_layers: int, every: int) -> dict:
+    """{arch}.attention.sliding_window in the layers {arch}.attention.sliding_window_pattern
+    marks (a per-layer list: true slides; or a period), else in all but every `every`-th layer
+    (llama.cpp's default for the family); {} without a window."""
+    window, pattern = g.get(f"{arch}.attention.sliding_window"), g.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = tuple(i for i, f in enumerate(pattern) if f)
+    else:
+        period = int(pattern) if pattern else every
+        sliding = tuple(i for i in range(n_layers) if (i + 1) % period)
+    return {"sliding_window": int(window), "sliding_layers": sliding} if window and sliding else {}
 
 
 def _sliding_fields(window, context: int, n_layers: int) -> dict:
@@ -255,15 +263,7 @@ def _gemma_fields(g: GGUFFile, arch: str, n_layers: int, hidden: int, n_heads: i
                attention_multiplier=float(scale) if scale is not None else (hidden / n_heads if big else head_dim) ** -0.5,
                attn_softcap=float(a("attn_logit_softcapping") or 0.0),
                final_softcap=float(a("final_logit_softcapping") or 0.0))
-    window = a("attention.sliding_window")
-    pattern = a("attention.sliding_window_pattern")
-    if isinstance(pattern, list):          # per layer: true = a sliding layer
-        sliding = tuple(i for i, f in enumerate(pattern) if f)
-    else:
-        every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
-        sliding = tuple(i for i in range(n_layers) if (i + 1) % every)
-    if window and sliding:
-        out.update(sliding_window=int(window), sliding_layers=sliding)
+    out.update(_gguf_window_layers(g, arch, n_layers, 2 if arch == "gemma2" else 6))
     if arch == "gemma3":
         out["local_rope_theta"] = float(a("rope.freq_base_swa", 10000.0))
     return out

@@ -121,6 +121,7 @@ class LLM:
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
+        self.max_model_len = max_model_len
         self.target, self.tokenizer = self._load(model, tokenizer, target=True)
         self._leader = None
         if parallel.tensor_parallel_size > 1:
@@ -144,10 +145,12 @@ class LLM:
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
         """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both.
-        The target takes hf_overrides and disable_sliding_window (vLLM's: not the draft)."""
+        The target takes hf_overrides and disable_sliding_window (vLLM's: not the draft); both
+        take max_model_len (longrope's factor set: ModelConfig.configured)."""
         from .model.gguf import GGUFError, GGUFFile, find_gguf, load_gguf
 
         cfg = (self.hf_overrides, self.disable_sliding_window) if target else (None, False)
+        cfg = (*cfg, self.max_model_len)
         try:
             gguf_path = find_gguf(path)
             g = GGUFFile(gguf_path) if gguf_path is not None else None
@@ -163,7 +166,7 @@ class LLM:
         from .distributed import TargetSpec, start
 
         spec = TargetSpec(self.model_path, self.dtype, self.device, self.quantization, torch.get_num_threads(),
-                          self.hf_overrides, self.disable_sliding_window)
+                          self.hf_overrides, self.disable_sliding_window, self.max_model_len)
         target = start(full, spec, parallel)
         self._leader = target.leader
         weakref.finalize(self, target.leader.shutdown)

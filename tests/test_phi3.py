@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from conftest import make_checkpoint, noisy_head_copy
 from gguf_helpers import T, write_gguf
-from specdec import LLM, kernels
+from specdec import LLM, SamplingParams, kernels
 from specdec.model import load_model, save_model
 from test_heads import _heads_dirs
 from arch_checks import (GREEDY, IDS, NO_KERNELS, cached_logits, check_packed_batch_equals_solo,  # noqa: F401 (run here)
@@ -117,3 +117,80 @@ def test_longrope_gguf_as_llama_cpp_writes_it(longrope, tmp_path):
     tokens = torch.randint(0, ours.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens).logits[0], reference(longrope)(tokens).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def long_reference(path, tokens):
+    """transformers over a sequence longer than the original context, in one forward: the long
+    factors at every position (what ModelConfig.configured picks for such a max_model_len)."""
+    assert tokens.shape[1] > 64
+    return reference(path)(tokens).logits[0]
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_longrope_long_factors_when_max_model_len_asks_past_the_original_context(longrope, monkeypatch, c_path):
+    """max_model_len past original_max_position_embeddings: the long factors for every
+    position (vLLM's choice at start-up), through one forward and through the paged cache."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    ours = load_model(longrope, "float32", max_model_len=200)
+    assert ours.config.long_rope and ours.config.max_position_embeddings == 256
+    assert abs(ours.rope_attention - (1 + math.log(4) / math.log(64)) ** 0.5) < 1e-12
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = long_reference(longrope, tokens)
+        assert (ours(tokens).logits[0] - ref).abs().max() < 1e-4
+        assert (cached_logits(ours, tokens[0], [(0, 40), (40, 41), (41, 150)]) - ref).abs().max() < 1e-4
+    short = load_model(longrope, "float32", max_model_len=64)
+    assert not short.config.long_rope and short.config.max_position_embeddings == 64
+    assert not torch.equal(short.inv_freq, ours.inv_freq)
+
+
+def test_longrope_gguf_long_factors(longrope, tmp_path):
+    """The GGUF's rope_factors_long tensor, chosen by max_model_len as for the folder."""
+    attn = (1 + math.log(4) / math.log(64)) ** 0.5
+    path = write_gguf(longrope, tmp_path / "longrope.gguf",
+                      extra_tensors={"rope_factors_short.weight": np.array(SHORT, np.float32),
+                                     "rope_factors_long.weight": np.array(LONG, np.float32)},
+                      metadata={"phi3.rope.scaling.original_context_length": 64, "phi3.rope.scaling.attn_factor": attn})
+    ours = load_model(path, max_model_len=256)
+    assert ours.config.long_rope and ours.config.max_position_embeddings == 256
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits[0], long_reference(longrope, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_llm_max_model_len_past_the_original_context(longrope):
+    """LLM(max_model_len=...) past the original context: the long factors, answers as long as
+    asked, speculation (a draft model that is the target's copy) identical to plain; by default
+    and within the original context, the short factors and that context; past
+    max_position_embeddings, a clear error."""
+    default = LLM(model=longrope, dtype="float32", num_speculative_tokens=0)
+    assert default.engine.max_model_len == 64 and not default.target.config.long_rope
+    long = LLM(model=longrope, dtype="float32", num_speculative_tokens=0, max_model_len=200)
+    assert long.engine.max_model_len == 200 and long.target.config.long_rope
+    ids = long.tokenizer.encode("a b c d e f g h " * 8)[:60]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    plain = long.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    assert len(plain) == 120
+    spec = LLM(model=longrope, dtype="float32", speculative_model=str(longrope), num_speculative_tokens=3,
+               max_model_len=200)
+    assert spec.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == plain
+    with torch.no_grad():       # the greedy tokens are the argmax of one long forward
+        full = torch.tensor([ids + plain[:-1]])
+        assert long_reference(longrope, full)[len(ids) - 1:].argmax(-1).tolist() == plain
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 256\], got 300"):
+        LLM(model=longrope, dtype="float32", num_speculative_tokens=0, max_model_len=300)
+
+
+@pytest.mark.tp
+def test_longrope_long_factors_under_tensor_parallelism(longrope):
+    """Each rank loads with the same max_model_len, so every rank rotates by the long factors."""
+    kw = dict(model=longrope, dtype="float32", num_speculative_tokens=0, max_model_len=200)
+    tp1, tp2 = LLM(**kw), LLM(**kw, tensor_parallel_size=2)
+    try:
+        ids = torch.randint(0, tp1.target.config.vocab_size, (150,), generator=torch.Generator().manual_seed(7))
+        a, b = (cached_logits(m.target, ids, [(0, 150)]) for m in (tp1, tp2))
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+    finally:
+        del tp2

@@ -53,6 +53,7 @@ class TargetSpec:
     threads: int
     hf_overrides: dict | None = None
     disable_sliding_window: bool = False
+    max_model_len: int | None = None
 
 
 def start(full: Transformer, spec: TargetSpec, config: ParallelConfig) -> LeaderTransformer:

@@ -94,7 +94,7 @@ def worker_main(rank: int, world: int, port: int, spec, config) -> None:
     device = _device(spec.device, rank)
     try:
         full = load_model(spec.model, spec.dtype, device, spec.quantization, spec.hf_overrides,
-                          spec.disable_sliding_window)
+                          spec.disable_sliding_window, spec.max_model_len)
     except Exception as e:
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         sys.exit(1)

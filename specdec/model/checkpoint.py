@@ -191,16 +191,18 @@ def _mixtral_name(name: str) -> str:
 
 def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", quantization: str | None = None,
-               hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> Transformer:
+               hf_overrides: dict | None = None, disable_sliding_window: bool = False,
+               max_model_len: int | None = None) -> Transformer:
     """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
     to a GGUF only (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize);
-    hf_overrides and disable_sliding_window as vLLM's flags (ModelConfig.configured)."""
+    hf_overrides, disable_sliding_window and max_model_len as vLLM's flags (ModelConfig.configured)."""
     from .gguf import GGUFError, find_gguf, load_gguf
 
     try:
         gguf_path = find_gguf(folder)
         if gguf_path is not None:
-            return load_gguf(gguf_path, dtype, device, quantization, hf_overrides, disable_sliding_window)
+            return load_gguf(gguf_path, dtype, device, quantization, hf_overrides, disable_sliding_window,
+                             max_model_len)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
     if quantization not in (None, "auto", "none"):
@@ -209,7 +211,8 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     try:
         if hf_overrides:
             raw = apply_hf_overrides(text_config(raw), hf_overrides)
-        cfg = ModelConfig.from_hf(raw).configured(disable_sliding_window=disable_sliding_window)
+        cfg = ModelConfig.from_hf(raw).configured(disable_sliding_window=disable_sliding_window,
+                                                  max_model_len=max_model_len)
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     torch_dtype = resolve_dtype(dtype, raw)

@@ -57,6 +57,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    long_rope: bool = False       # longrope (Phi-3 / Phi-4-mini): its long factors, not its short ones
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False         # Qwen3: an RMSNorm over each query and key head, before RoPE
@@ -137,7 +138,7 @@ class ModelConfig:
                 num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
                 head_dim=(head_dim := cfg.get("head_dim") or hidden // n_heads),
                 rotary_dim=_rotary_dim(cfg, head_dim),
-                max_position_embeddings=_context(cfg, model_type, rope_scaling),
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if qwen or model_type in GEMMA else 1e-5),
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
@@ -223,16 +224,29 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
-    def configured(self, hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> "ModelConfig":
+    def configured(self, hf_overrides: dict | None = None, disable_sliding_window: bool = False,
+                   max_model_len: int | None = None) -> "ModelConfig":
         """This config with vLLM's --hf-overrides applied to its config.json form (a GGUF's, whose
-        config comes from metadata) and --disable-sliding-window: no window, the context capped
-        at the shortest one (full attention equals windowed attention that far)."""
+        config comes from metadata), --disable-sliding-window (no window, the context capped at
+        the shortest one: full attention equals windowed attention that far) and longrope's
+        factor set for --max-model-len, chosen once as vLLM chooses it: the short factors and
+        the context capped at original_max_position_embeddings unless max_model_len asks for
+        more, then the long factors for every position of every sequence (transformers switches
+        a sequence to the long ones once it outgrows the original context, over keys cached
+        with the short ones: a cache cannot follow that)."""
         cfg = self
         if hf_overrides:
             cfg = ModelConfig.from_hf(apply_hf_overrides(cfg.to_hf(), hf_overrides))
         if disable_sliding_window and cfg.sliding_window:
             cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
                               sliding_window=None, sliding_layers=())
+        s = cfg.rope_scaling
+        if s is not None and s["rope_type"] == "longrope" and not cfg.long_rope:
+            old = s["original_max_position_embeddings"]
+            if max_model_len is not None and max_model_len > old:
+                cfg = cfg.replace(long_rope=True)
+            else:
+                cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, old))
         return cfg
 
     def num_parameters(self) -> int:
@@ -414,14 +428,6 @@ def _check_common(cfg: dict, model_type: str = "llama") -> None:
                          f"only; Phi-3 / Phi-4-mini rotate part)")
 
 
-def _context(cfg: dict, model_type: str, scaling: dict | None) -> int:
-    """max_position_embeddings, capped at longrope's original context (see ROPE_TYPES)."""
-    n = cfg.get("max_position_embeddings", 2048)
-    if scaling is not None and scaling["rope_type"] == "longrope":
-        n = min(n, scaling["original_max_position_embeddings"])
-    return n
-
-
 def _window_layers(cfg: dict, every: int) -> dict:
     """Gemma 2 / 3's and OLMo 3's window (transformers' default 4096) in the layers layer_types
     marks, else in all but every `every`-th layer; {} when none slides."""
@@ -521,7 +527,6 @@ def _rope_scaling(cfg: dict) -> dict | None:
 
 # Hugging Face's rope_type values the runtime computes (model/llama.py rope_inv_freq): llama3
 # (Llama 3.1+), linear (positions divided by factor), yarn (Qwen2.5 / Qwen3 long context, ...),
-# longrope (Phi-3 / Phi-3.5 128k) with its short factors, which transformers uses while the
-# sequence is within original_max_position_embeddings: the context is capped there (past it,
-# transformers switches every later token to the long factors over keys cached with the short ones)
+# longrope (Phi-3 / Phi-3.5 128k, Phi-4-mini) with the factor set --max-model-len selects
+# (ModelConfig.configured)
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")

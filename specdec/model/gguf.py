@@ -148,7 +148,6 @@ class GGUFFile:
             rope_scaling = {"rope_type": "longrope", "short_factor": factors["short"],
                             "long_factor": factors.get("long", factors["short"]),
                             "original_max_position_embeddings": old, "attention_factor": float(attn)}
-            context = min(context, old)          # the short factors' range (config.py ROPE_TYPES)
         embd = self.tensors.get("token_embd.weight")
         vocab = a("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
         if vocab is None:
@@ -442,16 +441,17 @@ def _swap_linear(owner: nn.Module, attr: str, new: nn.Module) -> None:
 
 
 def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantization: str | None = None,
-              hf_overrides: dict | None = None, disable_sliding_window: bool = False) -> Transformer:
-    """The runtime model of a .gguf (see the module docstring for `quantization`; hf_overrides
-    and disable_sliding_window: ModelConfig.configured)."""
+              hf_overrides: dict | None = None, disable_sliding_window: bool = False,
+              max_model_len: int | None = None) -> Transformer:
+    """The runtime model of a .gguf (see the module docstring for `quantization`; hf_overrides,
+    disable_sliding_window and max_model_len: ModelConfig.configured)."""
     from .checkpoint import finish, resolve_dtype
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)
     try:
-        cfg = g.config().configured(hf_overrides, disable_sliding_window)
+        cfg = g.config().configured(hf_overrides, disable_sliding_window, max_model_len)
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
     check_tensors(g, cfg)

@@ -81,9 +81,10 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv_freq / s["factor"]
     if kind == "yarn":
         return _yarn(cfg, s)[0]
-    if kind == "longrope":              # the short factors (config.py ROPE_TYPES)
+    if kind == "longrope":              # the factor set the context chose (ModelConfig.configured)
         shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * cfg.rope_theta ** shape)
+        factors = s["long_factor"] if cfg.long_rope else s["short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta ** shape)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]

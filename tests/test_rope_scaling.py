@@ -1,6 +1,6 @@
-"""RoPE scaling beyond llama3's: linear (positions divided by factor) and YaRN (interpolated
+"""RoPE scaling beyond llama3's: linear (positions divided by factor), YaRN (interpolated
 frequencies below beta_slow rotations, extrapolated above beta_fast, and cos / sin scaled by the
-attention factor), from Hugging Face configs and from GGUF metadata, in the PyTorch and the C
+attention factor) and dynamic NTK (fixed at start-up by max_model_len), from Hugging Face configs and from GGUF metadata, in the PyTorch and the C
 forward alike: logits equal transformers' past the original context."""
 
 from __future__ import annotations
@@ -86,7 +86,50 @@ def test_greedy_speculation_equals_plain_under_yarn(folders):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
+@pytest.fixture(scope="module")
+def dynamic(folders, tmp_path_factory):
+    """Dynamic NTK scaling (factor 2) over a 64-token context."""
+    return make_checkpoint(tmp_path_factory.mktemp("dynamic") / "hf", seed=2, hidden=64, layers=2,
+                           tokenizer_from=folders["linear"], max_position_embeddings=64,
+                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_dynamic_ntk_fixed_at_start_up(dynamic, monkeypatch, c_path):
+    """vLLM's static dynamic-NTK: within max_position_embeddings plain RoPE, as transformers runs
+    a sequence that short; --max-model-len past it (up to 2x here) the base transformers uses
+    for a 128-token sequence, at every position: logits equal transformers' one forward."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    short = load_model(dynamic, "float32")
+    assert short.config.max_position_embeddings == 64 and short.config.rope_scaling is None
+    long = load_model(dynamic, "float32", max_model_len=100)
+    assert long.config.max_position_embeddings == 128 and long.config.rope_theta > short.config.rope_theta
+    ids = torch.randint(0, short.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref_short, ref_long = reference(dynamic)(ids[:, :64]).logits[0], reference(dynamic)(ids).logits[0]
+        assert (short(ids[:, :64]).logits[0] - ref_short).abs().max() < 1e-4
+        assert (long(ids).logits[0] - ref_long).abs().max() < 1e-4
+        assert (cached_logits(long, ids[0], [(0, 50), (50, 51), (51, 128)]) - ref_long).abs().max() < 1e-4
+        assert (ref_long[:64] - ref_short).abs().max() > 1e-2       # the base moved
+
+
+def test_dynamic_ntk_max_model_len_bounds(dynamic):
+    assert LLM(dynamic, dtype="float32", num_speculative_tokens=0).engine.max_model_len == 64
+    llm = LLM(dynamic, dtype="float32", num_speculative_tokens=0, max_model_len=128)
+    out = llm.generate([{"prompt_token_ids": list(range(2, 62))}], SamplingParams(temperature=0, max_tokens=60,
+                                                                               ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 60
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 128\], got 129"):
+        LLM(dynamic, dtype="float32", num_speculative_tokens=0, max_model_len=129)
+
+
 def test_other_scalings_are_refused(tmp_path):
     folder = make_checkpoint(tmp_path / "dyn", hidden=64, layers=1, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic' \\(supported: llama3, linear, yarn, longrope\\)"):
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "ntk-by-parts"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'ntk-by-parts' "
+                                         "\\(supported: llama3, linear, yarn, longrope, dynamic\\)"):
         load_model(folder, "float32")

@@ -241,13 +241,29 @@ class ModelConfig:
             cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
                               sliding_window=None, sliding_layers=())
         s = cfg.rope_scaling
-        if s is not None and s["rope_type"] == "longrope" and not cfg.long_rope:
+        if s is not None and s["rope_type"] == "dynamic":
+            cfg = cfg._static_ntk(max_model_len)
+        elif s is not None and s["rope_type"] == "longrope" and not cfg.long_rope:
             old = s["original_max_position_embeddings"]
             if max_model_len is not None and max_model_len > old:
                 cfg = cfg.replace(long_rope=True)
             else:
                 cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, old))
         return cfg
+
+    def _static_ntk(self, max_model_len: int | None) -> "ModelConfig":
+        """Dynamic NTK scaling fixed at start-up, as vLLM runs it: within max_position_embeddings
+        plain RoPE (what transformers computes for a sequence that short); a max_model_len past
+        it, up to max_position_embeddings x factor, moves the base where transformers moves it
+        for a sequence of that whole length, base (factor^2 - factor + 1)^(d / (d - 2)), for
+        every position (transformers re-bases a growing sequence over keys cached with the old
+        base: a cache cannot follow that)."""
+        old, factor = self.max_position_embeddings, float(self.rope_scaling["factor"])
+        if max_model_len is None or max_model_len <= old:
+            return self.replace(rope_scaling=None)
+        dim = self.rotary_dim or self.head_dim
+        theta = self.rope_theta * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
+        return self.replace(rope_scaling=None, rope_theta=theta, max_position_embeddings=int(old * factor))
 
     def num_parameters(self) -> int:
         d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
@@ -508,6 +524,10 @@ def _rope_scaling(cfg: dict) -> dict | None:
     if kind in (None, "default", "mrope"):      # mrope: Qwen VL's, plain RoPE for text (TEXT_MODEL_TYPES)
         return None
     kind = "longrope" if kind == "su" else kind             # Phi-3's first name for it
+    if kind == "dynamic":                                   # fixed at start-up: ModelConfig._static_ntk
+        if not float(scaling.get("factor") or 0) > 1:
+            raise ValueError(f"dynamic rope scaling needs a factor > 1, got {scaling.get('factor')!r}")
+        return {"rope_type": "dynamic", "factor": float(scaling["factor"])}
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
@@ -528,5 +548,5 @@ def _rope_scaling(cfg: dict) -> dict | None:
 # Hugging Face's rope_type values the runtime computes (model/llama.py rope_inv_freq): llama3
 # (Llama 3.1+), linear (positions divided by factor), yarn (Qwen2.5 / Qwen3 long context, ...),
 # longrope (Phi-3 / Phi-3.5 128k, Phi-4-mini) with the factor set --max-model-len selects
-# (ModelConfig.configured)
-ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
+# (ModelConfig.configured); and dynamic (NTK), fixed at start-up by --max-model-len as vLLM does
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "dynamic")

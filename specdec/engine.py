@@ -348,7 +348,8 @@ class Engine:
         starts = [r.num_cached for r in plan.decode] + [start for _, start, _ in plan.chunks]
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
-                          logits=bool(plan.decode) or bool(scored), hidden=self.caps.needs_hidden)
+                          logits=bool(plan.decode) or bool(scored),
+                          hidden=self.caps.feature_layers or self.caps.needs_hidden)
         attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
         return out, offsets, len(tokens), attention, scored
 

@@ -55,7 +55,7 @@ class _Batch(ctypes.Structure):
 def declare(lib) -> None:
     lib.llama_forward.restype = ctypes.c_long
     lib.llama_forward.argtypes = [POINTER(_Model), POINTER(_Batch), c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                  c_void_p, c_int, c_void_p, c_void_p, c_void_p, ctypes.c_long]
+                                  c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_void_p, ctypes.c_long]
     lib.paged_attention.restype = None
     lib.paged_attention.argtypes = [POINTER(_Model), c_int, POINTER(_Batch), c_void_p, c_void_p, c_void_p, c_void_p,
                                     c_int]
@@ -233,9 +233,12 @@ def _batch_struct(batch) -> _Batch:
                   _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks), _ptr(batch.positions))
 
 
-def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits: bool, want_hidden: bool):
+def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits: bool,
+            want_hidden: bool | tuple[int, ...]):
     """tokens [N] int64, or None with embeds [N, D] float32; batch: a ForwardBatch. Returns
-    (logits [R, V] (rows batch.logits_indices, or all N) or None, hidden [N, D] or None)."""
+    (logits [R, V] (rows batch.logits_indices, or all N) or None, hidden or None): hidden [N, D]
+    final-norm states, or with want_hidden a tuple of layers, [N, len * D] the residual stream
+    entering each of them (Transformer.forward)."""
     N = batch.num_tokens
     cfg = view.struct
     if embeds is not None:
@@ -243,11 +246,13 @@ def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits:
     else:
         tokens = tokens.contiguous()
     rows = batch.logits_indices
-    hidden = torch.empty(N, cfg.dim) if want_hidden else None
+    aux = torch.tensor(want_hidden, dtype=torch.int32) if isinstance(want_hidden, tuple) else None
+    hidden = torch.empty(N, cfg.dim * (len(aux) if aux is not None else 1)) if want_hidden else None
     logits = torch.empty(N if rows is None else rows.shape[0], cfg.vocab) if want_logits else None
     b = _batch_struct(batch)
     args = (ctypes.byref(view.struct), ctypes.byref(b), _ptr(tokens if embeds is None else None), _ptr(embeds), N,
-            batch.positions.data_ptr(), n_layers, _ptr(hidden), logits.shape[0] if logits is not None else 0,
+            batch.positions.data_ptr(), n_layers, _ptr(hidden), _ptr(aux), len(aux) if aux is not None else 0,
+            logits.shape[0] if logits is not None else 0,
             _ptr(rows), _ptr(logits))
     need = lib.llama_forward(*args, view.workspace.data_ptr(), view.workspace.numel())
     if need > 0:       # a longer batch than any before: grow the workspace once, run again

@@ -240,6 +240,11 @@ class Attention(nn.Module):
         return self.o_proj(attend(layer, q, k, v, gqa))
 
 
+def _aux(captured: dict | None, layers) -> list | None:
+    """The residual streams captured entering `layers`, in their order (None: not asked)."""
+    return None if captured is None else [captured[i] for i in layers]
+
+
 class _TorchAttention:
     """One forward's attention in PyTorch (any device): see _paged_attention. windows: each
     layer's sliding window (None: full)."""
@@ -512,15 +517,20 @@ class Transformer(nn.Module):
         embeds: Tensor | None = None,         # [B, T, D] / [N, D] input vectors instead of token embeddings
         exit_layer: int | None = None,        # run only the first `exit_layer` layers
         logits: bool = True,                  # False: skip the LM head
-        hidden: bool = False,                 # also return the final-norm hidden states
+        hidden: bool | tuple[int, ...] = False,   # also return the final-norm hidden states [N, D]; a
+                                              # tuple of layers: the residual stream entering each,
+                                              # side by side [N, len * D] (EAGLE-3's features)
     ) -> ForwardOutput:
+        n_layers = self.config.num_hidden_layers if exit_layer is None else exit_layer
+        if isinstance(hidden, tuple) and not all(0 <= i < n_layers for i in hidden):
+            raise ValueError(f"hidden states asked entering layers {hidden}, this forward runs layers 0..{n_layers - 1}")
         if kv is None:
             return self._forward_full(tokens, embeds, exit_layer, logits, hidden)
-        n_layers = self.config.num_hidden_layers if exit_layer is None else exit_layer
         if batch.num_tokens == 0:
             empty = torch.empty(0, device=self.device, dtype=self.dtype)
+            width = self.config.hidden_size * (len(hidden) if isinstance(hidden, tuple) else 1)
             return ForwardOutput(empty.new_empty(0, self.config.vocab_size) if logits else None,
-                                 empty.new_empty(0, self.config.hidden_size) if hidden else None)
+                                 empty.new_empty(0, width) if hidden else None)
         view = self.c_view(kv)
         if view is not None:
             out, h = cforward.forward(kernels.load(), view, tokens, embeds, batch, n_layers, logits, hidden)
@@ -574,7 +584,7 @@ class Transformer(nn.Module):
         local = tuple(t.unsqueeze(unsqueeze) for t in self._rope(positions, dtype, local=True))
         return [local if layer.self_attn.local_rope else glob for layer in self.model.layers]
 
-    def _head(self, x: Tensor, logits: bool, hidden: bool, rows: Tensor | None = None) -> ForwardOutput:
+    def _head(self, x: Tensor, logits: bool, hidden, rows: Tensor | None = None, aux=None) -> ForwardOutput:
         h = self.model.norm(x)
         out = None
         if logits:
@@ -583,6 +593,8 @@ class Transformer(nn.Module):
                 out = out / self.config.logits_scaling
             if self.config.final_softcap:                  # Gemma 2
                 out = torch.tanh(out / self.config.final_softcap) * self.config.final_softcap
+        if aux is not None:
+            h = torch.cat(aux, -1)
         return ForwardOutput(out, h if hidden else None)
 
     def _embed(self, tokens: Tensor | None, embeds: Tensor | None) -> Tensor:
@@ -596,16 +608,22 @@ class Transformer(nn.Module):
         positions = torch.arange(T, device=self.device).expand(B, T)
         ropes = self._ropes(positions, x.dtype, 1)                    # [B, 1, T, hd] each
         layers = self.model.layers if exit_layer is None else self.model.layers[:exit_layer]
+        aux = {} if isinstance(hidden, tuple) else None
         for i, layer in enumerate(layers):
+            if aux is not None and i in hidden:
+                aux[i] = x
             x = layer(x, *ropes[i], i, None)
-        return self._head(x, logits, hidden)
+        return self._head(x, logits, hidden, aux=_aux(aux, hidden))
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
         dev = self.device
         x = self._embed(tokens.to(dev) if embeds is None else None, embeds.to(dev) if embeds is not None else None)
         ropes = self._ropes(batch.positions.to(dev), x.dtype, 1)      # [N, 1, hd] each
         attend = self._attention(kv, batch)
+        aux = {} if isinstance(hidden, tuple) else None
         for i, layer in enumerate(self.model.layers[:n_layers]):
+            if aux is not None and i in hidden:
+                aux[i] = x
             x = layer(x, *ropes[i], i, attend)
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
-        return self._head(x, logits, hidden, rows)
+        return self._head(x, logits, hidden, rows, aux=_aux(aux, hidden))

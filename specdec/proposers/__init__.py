@@ -62,6 +62,19 @@ def _eagle(spec: SpeculativeConfig, target, loader, max_len):
     return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)
 
 
+def _eagle3(spec: SpeculativeConfig, target, loader, max_len):
+    """An EAGLE-3 head (vLLM's / the authors' folders: model/eagle3.py); chains unless topk > 1
+    asks for EAGLE-2 trees (vLLM drafts EAGLE-3 chains by default)."""
+    from ..model.eagle3 import load_eagle3
+    if not spec.model:
+        raise ValueError("speculative_config.model is required for method 'eagle3': an EAGLE-3 head's folder")
+    topk, depth = spec.extra.get("topk", 1), spec.extra.get("depth")
+    for name, v in (("topk", topk), ("depth", depth)):
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
+            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    return EagleProposer(load_eagle3(spec.model, target), target, topk=topk, depth=depth)
+
+
 HYBRID_KEYS = tuple(f.name for f in dataclasses.fields(HybridSettings) if f.name != "decay")
 
 
@@ -98,6 +111,7 @@ REGISTRY: dict[str, Callable] = {
     "layer_skip": _layer_skip,
     "medusa": _medusa,
     "eagle": _eagle,
+    "eagle3": _eagle3,
     "ngram+eagle": _hybrid("eagle"),
     "ngram+draft_model": _hybrid("draft_model"),
 }

@@ -53,6 +53,8 @@ class ProposerCaps:
     """What a proposer is, declared on it (the engine never probes for attributes)."""
     tree: bool = False                 # drafts are token trees, listed best first ("auto" adapts the size)
     needs_hidden: bool = False         # reads the target's final-norm features (Medusa, EAGLE)
+    feature_layers: tuple[int, ...] = ()   # with needs_hidden: reads instead the residual stream
+                                           # entering these target layers, side by side (EAGLE-3)
     max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
     max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
     deferrable: bool = False           # update() may be skipped for some steps and then given one

@@ -1,0 +1,298 @@
+"""EAGLE-3 heads in the folders vLLM and the EAGLE authors use (`{"method": "eagle3"}`).
+
+A tiny 8-layer Llama target written by transformers; an EAGLE-3 head trained here for a few
+seconds on the target's own greedy continuations by a reference written from the method's
+definition in plain torch (features from transformers' hidden_states entering layers 2, 4 and
+5, fused by fc; one layer over [input_layernorm(embed) ; hidden_norm(h)]; norm; LM head over a
+draft vocabulary with d2t), saved in the authors' layout (midlayer.*, pytorch_model.bin) and in
+the speculators library's. Checked: the target's captured features against transformers', the
+head's logits and states against the reference (whole sequence and through the paged cache),
+the proposer's first greedy chain against the reference's, greedy speculation identical to
+plain decoding (chains and trees, batched, both forward paths), acceptance, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+
+from conftest import make_checkpoint
+from specdec import LLM, SamplingParams, kernels
+from specdec.model import CheckpointError, ForwardBatch, load_model
+from specdec.model.eagle3 import load_eagle3
+from specdec.proposers.eagle import EagleProposer
+from arch_checks import without_kernels
+from test_engine import exact_first_two, first_two_tokens, total_variation
+
+LAYERS = (2, 4, 5)        # vLLM's default for 8 layers: 2, 8 // 2, 8 - 3
+D, H, KV, HD, FF, EPS, THETA = 64, 4, 2, 16, 128, 1e-5, 10000.0
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("eagle3") / "target", layers=8, hidden=D, seed=3)
+
+
+def features(hf, ids: torch.Tensor) -> torch.Tensor:
+    """[T, 3D]: transformers' hidden states entering layers 2, 4, 5 (hidden_states[i] is layer i's input)."""
+    hs = hf(ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([hs[i][0] for i in LAYERS], -1)
+
+
+def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def rope(x, pos):
+    inv = 1.0 / THETA ** (torch.arange(0, HD, 2).float() / HD)
+    ang = pos[:, None].float() * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., HD // 2:], x[..., :HD // 2]], -1)
+    return x * cos + half * sin
+
+
+def ref_head(w: dict, h: torch.Tensor, embeds: torch.Tensor):
+    """The method's definition over one sequence of T rows (causal): h [T, D] the rows' states
+    (fc of the target's features, or the head's own), embeds [T, D] of the next tokens.
+    Returns (logits over the draft vocabulary [T, V'], the new states [T, D])."""
+    T = h.shape[0]
+    hn = rms(h, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), hn], -1)
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, HD)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, KV, HD)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, KV, HD)
+    pos = torch.arange(T)
+    q, k = rope(q, pos), rope(k, pos)
+    k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    h = h + att.transpose(0, 1).reshape(T, H * HD) @ w["midlayer.self_attn.o_proj.weight"].T
+    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
+        @ w["midlayer.mlp.down_proj.weight"].T
+    return rms(h, w["norm.weight"]) @ w["lm_head.weight"].T, h
+
+
+def config(vocab: int, draft: int) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
+            "intermediate_size": FF, "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1,
+            "rms_norm_eps": EPS, "rope_theta": THETA, "max_position_embeddings": 256, "hidden_act": "silu",
+            "vocab_size": vocab, "draft_vocab_size": draft, "target_hidden_size": D, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    """An EAGLE-3 head trained (reference forward, 120 Adam steps) to predict token t + 2 from
+    the target's features of token t and the embedding of token t + 1, on the target's greedy
+    continuations; its draft vocabulary: the 64 tokens those continuations use most."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, V, (24, 6), generator=g)
+    with torch.no_grad():
+        seqs = hf.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
+        feats = torch.stack([features(hf, s) for s in seqs])
+        embeds = hf.model.embed_tokens(seqs)
+    counts = torch.bincount(seqs.flatten(), minlength=V)
+    vocab = counts.argsort(descending=True)[:64].sort().values
+    d2t = vocab - torch.arange(64)
+    index = torch.full((V,), -100)
+    index[vocab] = torch.arange(64)
+    torch.manual_seed(0)
+    w = {"fc.weight": torch.randn(D, 3 * D) * 0.05, "norm.weight": torch.ones(D),
+         "lm_head.weight": hf.lm_head.weight[vocab].detach().clone(), "d2t": d2t, "t2d": torch.zeros(V, dtype=torch.bool)}
+    w["t2d"][vocab] = True
+    for name, shape in (("q_proj", (H * HD, 2 * D)), ("k_proj", (KV * HD, 2 * D)), ("v_proj", (KV * HD, 2 * D)),
+                        ("o_proj", (D, H * HD))):
+        w[f"midlayer.self_attn.{name}.weight"] = torch.randn(shape) * 0.05
+    for name, shape in (("gate_proj", (FF, D)), ("up_proj", (FF, D)), ("down_proj", (D, FF))):
+        w[f"midlayer.mlp.{name}.weight"] = torch.randn(shape) * 0.05
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"midlayer.{name}.weight"] = torch.ones(D)
+    params = [t.requires_grad_() for k, t in w.items() if t.is_floating_point()]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    labels = index[seqs[:, 2:]]                   # row t (pair: features t, token t + 1) predicts t + 2
+    for _ in range(120):
+        loss = 0
+        for b in range(seqs.shape[0]):
+            logits, _ = ref_head(w, feats[b, :-2] @ w["fc.weight"].T, embeds[b, 1:-1])
+            loss = loss + F.cross_entropy(logits, labels[b], ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w = {k: t.detach() for k, t in w.items()}
+    root = tmp_path_factory.mktemp("eagle3-heads")
+    authors = root / "authors"
+    authors.mkdir()
+    (authors / "config.json").write_text(json.dumps(config(V, 64)))
+    torch.save(w, authors / "pytorch_model.bin")
+    spec = root / "speculators"                   # the speculators library's layout of the same weights
+    spec.mkdir()
+    layer = {k: v for k, v in config(V, 64).items() if k not in ("architectures", "draft_vocab_size",
+                                                                   "target_hidden_size")}
+    (spec / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
+                                                  "speculators_model_type": "eagle3", "draft_vocab_size": 64,
+                                                  "norm_before_residual": False, "transformer_layer_config": layer}))
+    save_file({k.replace("midlayer.", "layers.0."): v.contiguous() for k, v in w.items()},
+              str(spec / "model.safetensors"))
+    return {"weights": w, "authors": authors, "speculators": spec, "hf": hf, "vocab": vocab, "prompts": prompts.tolist()}
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_target_features_are_the_inputs_of_layers_2_4_5(target, head, monkeypatch, c_path):
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    model = load_model(target, "float32")
+    ids = torch.randint(2, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = features(head["hf"], ids)
+        cache, parts = model.new_cache(batch=1), []
+        for a, b in ((0, 11), (11, 12), (12, 30)):
+            parts.append(model(ids[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a]), hidden=LAYERS).hidden)
+            cache.set_length(0, b)
+        got = torch.cat(parts)
+        assert got.shape == (30, 3 * D)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids[None], hidden=LAYERS).hidden[0], want, atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="entering layers \\(2, 9\\)"):
+            model(ids[None], hidden=(2, 9))
+
+
+@pytest.mark.parametrize("layout", ["authors", "speculators"])
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_head_matches_the_reference(target, head, monkeypatch, layout, c_path):
+    """Logits and states over a sequence of target features, whole and through the paged cache
+    in chunks, equal the reference's; the draft vocabulary is arange + d2t."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    model = load_model(target, "float32")
+    ours = load_eagle3(head[layout], model)
+    assert ours.feature_layers == LAYERS and torch.equal(ours.draft_vocab, head["vocab"])
+    w, hf = head["weights"], head["hf"]
+    ids = torch.randint(2, model.config.vocab_size, (25,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        feats, embeds = features(hf, ids)[:-1], hf.model.embed_tokens(ids[1:])
+        ref_logits, ref_h = ref_head(w, feats @ w["fc.weight"].T, embeds)
+        whole = ours(feats[None], embeds[None])
+        torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
+        cache = ours.decoder.new_cache(batch=1)
+        parts = []
+        for a, b in ((0, 9), (9, 10), (10, 24)):
+            parts.append(ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
+            cache.set_length(0, b)
+        torch.testing.assert_close(torch.cat([p.logits for p in parts]), ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat([p.hidden for p in parts]), ref_h, atol=1e-4, rtol=1e-4)
+
+
+def test_first_greedy_chain_equals_the_reference(target, head, monkeypatch):
+    """The proposer's first drafts after a prompt (K = 4, a chain) are the reference's: the
+    prompt's pairs (features of token j, token j + 1; the target's cache holds all but the
+    prompt's last token when the first step drafts), then each draft's own state and embedding
+    appended, argmax through d2t each time."""
+    drafts = []
+    propose = EagleProposer.propose
+
+    def spy(self, items):
+        out = propose(self, items)
+        drafts.append(out[0].tokens.tolist())
+        return out
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    llm = LLM(model=target, dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(head["authors"]), "num_speculative_tokens": 4})
+    prompt = [5, 17, 33, 8, 61, 12, 40]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    w, hf, vocab = head["weights"], head["hf"], head["vocab"]
+    with torch.no_grad():
+        ids = torch.tensor(prompt)
+        h = features(hf, ids[:-1]) @ w["fc.weight"].T
+        embeds = hf.model.embed_tokens(ids[1:])
+        chain = []
+        for _ in range(4):
+            logits, states = ref_head(w, h, embeds)
+            tok = int(vocab[logits[-1].argmax()])
+            chain.append(tok)
+            h = torch.cat([h, states[-1:]])
+            embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor([tok]))])
+    assert drafts[0] == chain
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_greedy_speculation_equals_plain(target, head, monkeypatch, c_path, topk):
+    """Chains (vLLM's default) and EAGLE-2 trees, four requests batched: every output identical
+    to plain decoding; the trained head's drafts are accepted often."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    # four of the training prompts (the tiny head generalises little): wrong features would be rejected
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:4]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
+        prompts, params)]
+    llm = LLM(model=target, dtype="float32", max_num_seqs=4,
+              speculative_config={"method": "eagle3", "model": str(head["authors"]), "num_speculative_tokens": 4,
+                                  "topk": topk})
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+def test_trained_head_is_accepted(target, head):
+    """One draft a step (what the head was trained for; deeper drafts start from its own states,
+    which this short training never saw): most are accepted, so the features reach it right."""
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:8]]
+    llm = LLM(model=target, dtype="float32", max_num_seqs=8,
+              speculative_config={"method": "eagle3", "model": str(head["authors"]), "num_speculative_tokens": 1})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("accepted_tokens", "draft_tokens"))
+    assert accepted > 0.6 * drafted, (accepted, drafted)
+
+
+def test_monte_carlo_sampling_matches_target(target, head):
+    """Seeded Monte Carlo over two-token sequences through the whole engine (test_heads' check)."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, ignore_eos=True)
+    llm = LLM(model=target, dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(head["authors"]), "num_speculative_tokens": 3})
+    prompt, n = "def add(a, b):", 1000
+    exact = exact_first_two(llm, prompt, params)
+    assert total_variation(first_two_tokens(llm, prompt, params, n), exact, n) < 0.05
+
+
+def test_clear_errors(target, head, tmp_path):
+    model = load_model(target, "float32")
+    bad, V = tmp_path / "bad", model.config.vocab_size
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**config(V, 64), "target_hidden_size": 128}))
+    torch.save(head["weights"], bad / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="trained on features of hidden size 128, the target's is 64"):
+        load_eagle3(bad, model)
+    (bad / "config.json").write_text(json.dumps(config(V, 64)))
+    torch.save({k: v for k, v in head["weights"].items() if k != "fc.weight"}, bad / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="fc.weight missing"):
+        load_eagle3(bad, model)
+    with pytest.raises(CheckpointError, match="not an EAGLE-3 folder"):
+        load_eagle3(target, model)
+    with pytest.raises(ValueError, match="speculative_config.model is required for method 'eagle3'"):
+        LLM(model=target, dtype="float32", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+@pytest.mark.tp
+def test_under_tensor_parallelism(target, head):
+    """The target split over two ranks: rank 0's residual stream is whole between layers, so the
+    features are the same; outputs identical to plain decoding."""
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
+        prompts, params)]
+    llm = LLM(model=target, dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "eagle3", "model": str(head["authors"]), "num_speculative_tokens": 2})
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.stats.accepted_tokens for o in outs) > 0

@@ -158,6 +158,11 @@ def test_target_features_are_the_inputs_of_layers_2_4_5(target, head, monkeypatc
         assert got.shape == (30, 3 * D)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(model(ids[None], hidden=LAYERS).hidden[0], want, atol=1e-4, rtol=1e-4)
+        # layer 8 of 8: the stream after the last layer, which the final norm turns into transformers' last state
+        cache = model.new_cache(batch=1)
+        last = model(ids, cache, ForwardBatch.build(cache, [0], [30], [0]), hidden=(8,)).hidden
+        hs = head["hf"](ids[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(model.model.norm(last), hs[8][0], atol=1e-4, rtol=1e-4)
         with pytest.raises(ValueError, match="entering layers \\(2, 9\\)"):
             model(ids[None], hidden=(2, 9))
 
@@ -296,3 +301,40 @@ def test_under_tensor_parallelism(target, head):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+def test_train_eagle3_end_to_end(target, head, tmp_path):
+    """`specdec train eagle3` on a datastore of the target's own continuations (seconds): a
+    folder in vLLM's layout that loads, drafts, and leaves greedy output identical to plain;
+    its training chain (training-time test) at depth 0 is the head's own forward."""
+    from specdec.cli import main
+    from specdec.proposers.suffix import save_datastore
+    from specdec.proposers.suffix_index import SuffixIndex
+    from specdec.train.eagle3 import unrolled
+
+    hf = head["hf"]
+    with torch.no_grad():
+        seqs = hf.generate(torch.tensor(head["prompts"][:16]), max_new_tokens=30, do_sample=False,
+                           min_new_tokens=30, pad_token_id=0)
+    save_datastore(SuffixIndex.build(seqs.tolist()), tmp_path / "store")
+    out = tmp_path / "head"
+    assert main(["train", "eagle3", "--target", str(target), "--data", str(tmp_path / "store"), "--out", str(out),
+                 "--work", str(tmp_path / "work"), "--steps", "30", "--batch", "2", "--window", "16", "--unroll", "3",
+                 "--draft-vocab", "64", "--val-docs", "2", "--feature-layers", "2,4,5", "--precision", "fp32"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    trained = json.loads((out / "training.json").read_text())["result"]
+    assert trained["steps"] == 30 and len(trained["chain_top1_by_depth"]) == 4
+    model = load_model(target, "float32")
+    ours = load_eagle3(out, model).float()
+    ids = seqs[0]
+    with torch.no_grad():
+        feats, embeds = features(hf, ids)[:-1][None], hf.model.embed_tokens(ids[1:])[None]
+        torch.testing.assert_close(unrolled(ours, feats, embeds, 2)[0], ours(feats, embeds).logits, atol=1e-4, rtol=1e-4)
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
+        prompts, params)]
+    llm = LLM(model=target, dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain

@@ -375,8 +375,9 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
  * lookup: EAGLE's head); pos [N] rope positions. Runs the first n_layers layers, then the final
  * norm into hidden_out [N, D] (if not NULL) and the LM head for the n_logits rows logit_rows
  * (all N in order when NULL) into logits [n_logits, V] (if not NULL). With n_aux > 0, hidden_out
- * [N, n_aux * D] takes instead the residual stream entering each layer aux_layers[a] (EAGLE-3's
- * features: row n holds its n_aux vectors side by side). ws: ws_bytes of scratch.
+ * [N, n_aux * D] takes instead the residual stream entering each layer aux_layers[a] (n_layers:
+ * after the last one, before the final norm; EAGLE-3's features: row n holds its n_aux vectors
+ * side by side). ws: ws_bytes of scratch.
  * Returns 0, or (computing nothing) the workspace bytes it needs when ws_bytes is less. */
 long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const float *embeds, int N,
                    const int64_t *pos, int n_layers, float *hidden_out, const int32_t *aux_layers, int n_aux,
@@ -402,14 +403,14 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
             if (m->embed_scale != 1.0f)       /* Granite: inputs (looked up or given) scaled */
                 for (long i = (long)n * D; i < (long)(n + 1) * D; i++) w.x[i] *= m->embed_scale;
         }
-        for (int l = 0; l < n_layers; l++) {
+        for (int l = 0; l <= n_layers; l++) {
             for (int a = 0; a < n_aux; a++) {
                 if (aux_layers[a] != l || !hidden_out) continue;
                 #pragma omp for schedule(static)
                 for (int n = 0; n < N; n++)
                     memcpy(hidden_out + ((long)n * n_aux + a) * D, w.x + (long)n * D, sizeof(float) * D);
             }
-            layer_for(m, &m->layers[l], b, &w, N);
+            if (l < n_layers) layer_for(m, &m->layers[l], b, &w, N);
         }
         rms_norm_for(w.buf, w.x, m->final_norm, N, D, m->eps);
         if (hidden_out && n_aux == 0) {

@@ -236,3 +236,48 @@ def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:
         if getattr(target.lm_head, "weight", None) is None:
             pack_q8_0(head.decoder)
     return head.eval().requires_grad_(False)
+
+
+def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, dtype=torch.bfloat16, extra: dict | None = None) -> None:
+    """The authors' / vLLM's layout (what `load_eagle3` and vLLM's `"method": "eagle3"` read):
+    config.json with LlamaForCausalLMEagle3 and the feature layers named, model.safetensors with
+    fc, midlayer.*, norm, lm_head, d2t and t2d."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg, layer = head.decoder.config, head.decoder.model.layers[0]
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    V = head.draft_vocab.numel()
+    vocab_size = int(head.embed_tokens.num_embeddings) if head.embed_tokens is not None else None
+    cast = lambda t: t.detach().to("cpu", dtype).contiguous()  # noqa: E731
+    sd = {"fc.weight": cast(head.fc.weight), "norm.weight": cast(head.decoder.model.norm.weight),
+          "lm_head.weight": cast(head.decoder.lm_head.weight),
+          "midlayer.self_attn.q_proj.weight": cast(wq), "midlayer.self_attn.k_proj.weight": cast(wk),
+          "midlayer.self_attn.v_proj.weight": cast(wv), "midlayer.self_attn.o_proj.weight": cast(layer.self_attn.o_proj.weight),
+          "midlayer.mlp.gate_proj.weight": cast(gate), "midlayer.mlp.up_proj.weight": cast(up),
+          "midlayer.mlp.down_proj.weight": cast(layer.mlp.down_proj.weight),
+          "d2t": (head.draft_vocab.cpu() - torch.arange(V)).contiguous()}
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        sd[f"midlayer.{name}.weight"] = cast(getattr(layer, name).weight)
+    if head.embed_tokens is not None:
+        sd["embed_tokens.weight"] = cast(head.embed_tokens.weight)
+    target_vocab = (extra or {}).get("vocab_size", vocab_size)
+    if target_vocab is not None:
+        t2d = torch.zeros(target_vocab, dtype=torch.bool)
+        t2d[head.draft_vocab.cpu()] = True
+        sd["t2d"] = t2d
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+           "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "num_hidden_layers": 1,
+           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+           "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+           "tie_word_embeddings": False, "draft_vocab_size": V, "target_hidden_size": head.fc.in_features // len(head.feature_layers),
+           "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+           "norm_before_residual": layer.norm_before_residual, "torch_dtype": str(dtype).removeprefix("torch."),
+           **(extra or {})}
+    (folder / "config.json").write_text(json.dumps(out, indent=2) + "\n")

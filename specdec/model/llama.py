@@ -519,11 +519,13 @@ class Transformer(nn.Module):
         logits: bool = True,                  # False: skip the LM head
         hidden: bool | tuple[int, ...] = False,   # also return the final-norm hidden states [N, D]; a
                                               # tuple of layers: the residual stream entering each,
-                                              # side by side [N, len * D] (EAGLE-3's features)
+                                              # side by side [N, len * D] (EAGLE-3's features; the
+                                              # number of layers run: after the last, unnormed)
     ) -> ForwardOutput:
         n_layers = self.config.num_hidden_layers if exit_layer is None else exit_layer
-        if isinstance(hidden, tuple) and not all(0 <= i < n_layers for i in hidden):
-            raise ValueError(f"hidden states asked entering layers {hidden}, this forward runs layers 0..{n_layers - 1}")
+        if isinstance(hidden, tuple) and not all(0 <= i <= n_layers for i in hidden):
+            raise ValueError(f"hidden states asked entering layers {hidden}; this forward has layers 0..{n_layers - 1} "
+                             f"({n_layers}: after the last)")
         if kv is None:
             return self._forward_full(tokens, embeds, exit_layer, logits, hidden)
         if batch.num_tokens == 0:
@@ -613,6 +615,8 @@ class Transformer(nn.Module):
             if aux is not None and i in hidden:
                 aux[i] = x
             x = layer(x, *ropes[i], i, None)
+        if aux is not None and len(layers) in hidden:
+            aux[len(layers)] = x
         return self._head(x, logits, hidden, aux=_aux(aux, hidden))
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
@@ -625,5 +629,7 @@ class Transformer(nn.Module):
             if aux is not None and i in hidden:
                 aux[i] = x
             x = layer(x, *ropes[i], i, attend)
+        if aux is not None and n_layers in hidden:
+            aux[n_layers] = x
         rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows, aux=_aux(aux, hidden))

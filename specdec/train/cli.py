@@ -108,6 +108,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sx.add_argument("--val-shards", type=int, default=1, help="the first shards, left out (the heads' validation)")
     sx.add_argument("--depth", type=int, default=32, help="longest match the index resolves (tokens)")
 
+    e3 = tsub.add_parser("eagle3", help="train an EAGLE-3 head (vLLM's layout) on a frozen target's own answers")
+    e3.add_argument("--target", help="the target: a .gguf, a folder holding one, or a Hugging Face folder "
+                                     "(default: the default model)")
+    e3.add_argument("--data", required=True, help="a suffix datastore folder (`specdec train suffix`): its documents")
+    e3.add_argument("--out", required=True, help="head folder to write")
+    e3.add_argument("--work", help="checkpoint and feature folder (default: runs/<out name>)")
+    for name, kind, text in (("steps", int, "optimizer steps"), ("batch", int, "rows per step"),
+                             ("window", int, "pairs per row"), ("lr", float, "peak learning rate"),
+                             ("unroll", int, "chain depths trained (training-time test)"),
+                             ("draft-vocab", int, "draft vocabulary size"),
+                             ("max-tokens", int, "feature positions taken from the documents"),
+                             ("val-docs", int, "documents held out"), ("intermediate-size", int, "the head's MLP width"),
+                             ("threads", int, "torch threads"), ("seed", int, "seed")):
+        e3.add_argument(f"--{name}", type=kind, help=text)
+    e3.add_argument("--feature-layers", help="comma-separated target layers (default: 2, L // 2, L - 3)")
+    e3.add_argument("--precision", choices=("fp32", "bf16", "auto"))
+    e3.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
     rep.add_argument("--draft", default="models/draft")
@@ -136,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         return _suffix(args)
     if args.train_cmd in ("medusa", "eagle"):
         return _heads(args)
+    if args.train_cmd == "eagle3":
+        return _eagle3(args)
     from .lm import TrainConfig, train
 
     cfg = TrainConfig.load(args.config, threads=args.threads, max_steps=args.max_steps)
@@ -153,6 +173,28 @@ def run(args: argparse.Namespace) -> int:
                        init_dir=Path(args.init) if args.init else None)
     if result["finished"]:
         print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
+    else:
+        print(f"stopped at step {result['step']}; run the same command again to resume")
+    return 0
+
+
+def _eagle3(args: argparse.Namespace) -> int:
+    from ..defaults import default_model
+    from .eagle3 import Eagle3Config, train_eagle3
+
+    keys = ("steps", "batch", "window", "lr", "unroll", "draft_vocab", "max_tokens", "val_docs", "intermediate_size",
+            "threads", "seed", "precision")
+    kw = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    if args.feature_layers:
+        kw["feature_layers"] = tuple(int(x) for x in args.feature_layers.split(","))
+    cfg = Eagle3Config(**kw)
+    out = Path(args.out)
+    work = Path(args.work) if args.work else Path("runs") / out.name
+    command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
+    result = train_eagle3(cfg, args.target or default_model()[0], Path(args.data), out, work, command,
+                          stop_after=args.stop_after)
+    if result["finished"]:
+        print(f"wrote {out}: top-1 agreement with the target by chain depth {result['chain_top1_by_depth']}")
     else:
         print(f"stopped at step {result['step']}; run the same command again to resume")
     return 0

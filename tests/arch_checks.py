@@ -98,6 +98,22 @@ def without_kernels(monkeypatch, c_path: bool) -> None:
         monkeypatch.setattr(kernels, "load", lambda *a: None)
 
 
+def check_tensor_parallel_equals_tp1(hf) -> None:
+    """LLM(tensor_parallel_size=2) on the checkpoint `hf`: logits within float tolerance of TP=1
+    (the ranks' partial sums add in another order), greedy output identical."""
+    kw = dict(model=hf, dtype="float32", num_speculative_tokens=0, max_model_len=96)
+    tp1, tp2 = LLM(**kw), LLM(**kw, tensor_parallel_size=2)
+    try:
+        ids = IDS[0].tolist()
+        a, b = (cached_logits(m.target, torch.tensor(ids), [(0, len(ids))]) for m in (tp1, tp2))
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+        prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY)] == \
+            [o.outputs[0].token_ids for o in tp1.generate(prompts, GREEDY)]
+    finally:
+        tp2.shutdown()
+
+
 def check_greedy_equals_transformers_generate(hf, path) -> None:
     """16 greedy tokens of `path` (the folder hf, or a GGUF of it) == transformers' generate on hf."""
     prompt = IDS[0].tolist()

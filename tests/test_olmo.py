@@ -14,7 +14,7 @@ import torch
 
 from specdec.model import ModelConfig, load_model, save_model
 from specdec.model.llama import shard_config
-from arch_checks import (IDS, arch_files, cached_logits, reference,  # noqa: F401 (run here)
+from arch_checks import (IDS, arch_files, cached_logits, check_tensor_parallel_equals_tp1, reference,  # noqa: F401
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -61,9 +61,22 @@ def test_whole_projection_norms_matter(files):
         assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() > 1e-3
 
 
-def test_tensor_parallel_is_refused_for_whole_projection_norms(files):
-    cfg = load_model(files["hf"], "float32").config
-    with pytest.raises(ValueError, match="q/k norms span every head"):
-        shard_config(cfg, 2)
+@pytest.mark.tp
+def test_tensor_parallel_equals_tp1(files):
+    """q and k normed over their whole projections while each rank holds half the heads: the
+    ranks' sums of squares are added (ShardedRMSNorm), so TP=2 computes TP=1's logits."""
+    assert shard_config(load_model(files["hf"], "float32").config, 2).num_attention_heads == 2
+    check_tensor_parallel_equals_tp1(files["hf"])
+
+
+@pytest.mark.tp
+def test_tensor_parallel_with_a_replicated_kv_head(tmp_path):
+    """One KV head for two ranks: both hold it, and its sum of squares counts once."""
+    from conftest import make_checkpoint
+
+    check_tensor_parallel_equals_tp1(make_checkpoint(tmp_path / "kv1", arch="olmo2", num_key_value_heads=1))
+
+
+def test_attention_bias_is_refused(files):
     with pytest.raises(ValueError, match="attention_bias"):
         ModelConfig.from_hf({**json.loads((files["hf"] / "config.json").read_text()), "attention_bias": True})

@@ -5,7 +5,9 @@
   the KV heads those heads read (GQA: a share of the KV heads, or one replicated head when
   there are fewer KV heads than ranks), its slice of gate and the same slice of up. No
   communication: every rank keeps its heads' keys and values in its own KV cache. Qwen3's
-  per-head q/k norms (one weight shared by the heads) stay whole on every rank.
+  per-head q/k norms (one weight shared by the heads) stay whole on every rank; OLMo 2 / 3's
+  and OLMoE's, over the whole q and k projections, take the rank's part of their weight and
+  add the ranks' sums of squares with one small all-reduce each (`ShardedRMSNorm`).
 - row-parallel: o and down take the matching input columns; their outputs are partial sums,
   added over the ranks by one all-reduce each (`RowParallel`). A mixture of experts splits each
   expert (and its shared expert) as an MLP, keeps the router whole, and adds the experts'
@@ -39,6 +41,26 @@ class RowParallel(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in / tp] -> [..., out], the same on every rank."""
         return self.comm.all_reduce(self.inner(x))
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMS norm over a vector whose parts the ranks hold (OLMo 2's q and k norms span every
+    head): this rank's sum of squares, the sum over ranks (an all-reduce of [..., 1]), then each
+    rank scales its own part with its slice of the weight. `replicas`: how many ranks hold each
+    part (GQA with fewer KV heads than ranks replicates a head), whose sums are divided by it."""
+
+    def __init__(self, weight: Tensor, eps: float, full_dim: int, replicas: int, comm: Collectives):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps, self.full_dim, self.replicas, self.comm = eps, full_dim, replicas, comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        squares = xf.square().sum(-1, keepdim=True)
+        if self.replicas > 1:
+            squares = squares / self.replicas
+        mean = self.comm.all_reduce(squares) / self.full_dim
+        return (xf * torch.rsqrt(mean + self.eps) * self.weight.float()).to(x.dtype)
 
 
 class VocabParallelHead(nn.Module):
@@ -81,16 +103,24 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
     kv_rows = _span(_first_kv_head(cfg.num_key_value_heads, rank, world) * hd, local.num_key_value_heads * hd)
     mlp_rows = _span(rank * local.intermediate_size, local.intermediate_size)
     kv_width = cfg.num_key_value_heads * hd
+    kv_replicas = max(1, world // cfg.num_key_value_heads)     # ranks holding each KV head
     qkv_rows = torch.cat([q_rows, H * hd + kv_rows, H * hd + kv_width + kv_rows])
     for src, dst in zip(full.model.layers, model.model.layers):
-        dst.input_layernorm, dst.post_attention_layernorm = src.input_layernorm, src.post_attention_layernorm
-        if src.sandwich:     # Gemma 2 / 3's norms around the MLP: over the hidden size, whole on each rank
-            dst.pre_feedforward_layernorm = src.pre_feedforward_layernorm
-            dst.post_feedforward_layernorm = src.post_feedforward_layernorm
+        # the layer's norms are over the hidden size, whole on each rank (OLMo 2 has no input
+        # norm; Gemma 2 / 3 and OLMo 2 norm the blocks' outputs too)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            if hasattr(src, name):
+                setattr(dst, name, getattr(src, name))
         dst.self_attn.qkv_proj = column(src.self_attn.qkv_proj, qkv_rows)
         dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
-        # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
-        dst.self_attn.q_norm, dst.self_attn.k_norm = src.self_attn.q_norm, src.self_attn.k_norm
+        if src.self_attn.qk_full:     # OLMo 2 / OLMoE: norms over the whole projections, split
+            qn, kn = src.self_attn.q_norm, src.self_attn.k_norm
+            dst.self_attn.q_norm = ShardedRMSNorm(qn.weight.detach()[q_rows].clone(), qn.eps, H * hd, 1, comm)
+            dst.self_attn.k_norm = ShardedRMSNorm(kn.weight.detach()[kv_rows].clone(), kn.eps, kv_width,
+                                                  kv_replicas, comm)
+        else:   # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
+            dst.self_attn.q_norm, dst.self_attn.k_norm = src.self_attn.q_norm, src.self_attn.k_norm
         if hasattr(src.mlp, "experts"):
             _shard_moe(src.mlp, dst.mlp, rank, comm)
             continue

@@ -266,6 +266,9 @@ class Engine:
         t4 = self.clock()
         if self.proposer is not None and committed:
             self.proposer.update(committed)
+        if self.blocks.window is not None:        # every cache windowed: blocks behind it go back
+            for c in committed:
+                self.blocks.trim(c.request_id)
         # what the proposer does after verification (EAGLE re-reads the kept features, a draft
         # model prefills its prompt chunks) is drafting cost too: "auto" must weigh it
         propose_s = (t2 - t1) + (self.clock() - t4)

@@ -49,6 +49,11 @@ class RequestOutput:
     # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
+        return self.stats.cached_tokens
+
 
 def _speculative(speculative_model, num_speculative_tokens, speculative_config) -> SpeculativeConfig | None:
     if speculative_config is not None:

@@ -11,6 +11,11 @@ Per step, in order:
 3. waiting requests join, oldest first, while there is a free seat (max_num_seqs), budget,
    and blocks for their whole prompt; none joins in a step that preempted.
 
+When every cache is windowed (model/kv.py: the blocks behind the window are given back after
+each step), a request joins with blocks for its first chunk only, and each later chunk reserves
+its own slots as decoding does (preempting when the pool is out of blocks): a long prompt then
+never holds more than its window and a chunk.
+
 Under vLLM's `scheduling_policy="priority"` the queue is ordered by (priority, arrival), lower
 first; the running requests reserve their blocks in that order and the victim of a preemption
 is the least urgent running request (the largest (priority, arrival)), which rejoins the queue
@@ -129,13 +134,17 @@ class Scheduler:
                 plan.decode.append(r)
                 plan.ks.append(k)
                 budget -= k + 1
-        for r in self.running:
-            if not r.prefilled and budget > 0:
+        windowed = self.blocks.window is not None
+        for r in list(self.running):
+            if not r.prefilled and budget > 0 and r.status == RUNNING:
                 n = min(len(r.seq) - 1 - r.num_cached, budget)
+                if windowed and not self._reserve_chunk(r, r.num_cached + n, plan):
+                    continue
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
         while (self.waiting and not plan.preempted and budget > 0
-               and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
+               and len(self.running) < self.config.max_num_seqs
+               and self._admit(self.waiting[0], budget + 1 if windowed else None)):
             r = self.waiting.popleft()
             plan.admitted.append(r)
             n = min(len(r.seq) - 1 - r.num_cached, budget)
@@ -154,12 +163,26 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, r: Request) -> bool:
-        """A seat for r when its whole prompt (and the slot of its first step) fits now; the
-        prompt's leading blocks come from the prefix cache when it holds them."""
+    def _reserve_chunk(self, r: Request, num_slots: int, plan: StepPlan) -> bool:
+        """Blocks for a prompt chunk of r (sliding windows), preempting the newest (or least
+        urgent) running requests not planned in this step; False (r waits) when none is left."""
+        while not self.blocks.ensure(r.request_id, num_slots):
+            planned = set(plan.decode) | {q for q, _, _ in plan.chunks} | {r}
+            others = [q for q in self.running if q not in planned]
+            if not others:
+                return False
+            victim = max(others, key=lambda q: q.urgency) if self.by_priority else others[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+        return True
+
+    def _admit(self, r: Request, ahead: int | None = None) -> bool:
+        """A seat for r when its whole prompt (and the slot of its first step) fits now, or its
+        first `ahead` slots (sliding windows); the prompt's leading blocks come from the prefix
+        cache when it holds them."""
         # prompt logprobs need every prompt token's forward: no prefix-cache hits then
         wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
-        cached = self.blocks.admit(r.request_id, wanted, len(r.seq))
+        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead)
         if cached is None:
             return False
         r.status, r.num_cached = RUNNING, cached

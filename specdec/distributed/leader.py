@@ -165,8 +165,9 @@ class LeaderKVCache(KVCache):
     """Rank 0's cache of a tensor-parallel target: each worker holds the same cache over its
     own KV heads; moves are repeated there."""
 
-    def __init__(self, blocks, num_layers, num_kv_heads, head_dim, dtype, device, leader: Leader, handle: int):
-        super().__init__(blocks, num_layers, num_kv_heads, head_dim, dtype, device)
+    def __init__(self, blocks, num_layers, num_kv_heads, head_dim, dtype, device, leader: Leader, handle: int,
+                 window: int | None = None):
+        super().__init__(blocks, num_layers, num_kv_heads, head_dim, dtype, device, window)
         self.leader, self.handle = leader, handle
         weakref.finalize(self, leader.release, handle)
 
@@ -204,7 +205,7 @@ class LeaderTransformer(Transformer):
         self.leader.send("new_kv", handle, (blocks.num_blocks, blocks.block_size, blocks.table.shape[0],
                                             blocks.max_blocks_per_seq, n, dtype))
         return LeaderKVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
-                             self.leader, handle)
+                             self.leader, handle, self.kv_window(n))
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         cfg = self.local_config

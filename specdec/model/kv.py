@@ -22,6 +22,13 @@ again; a block nobody holds stays registered until the pool needs it (least rece
 first). The C forward computes each token's keys and values bit-identically whatever the
 chunking, so a reused block holds exactly what recomputing it would give.
 
+Sliding windows (Mistral, Phi-3, Qwen2 with every layer windowed): when every cache sharing
+the manager attends only to the last `window` positions (each cache says so when it registers),
+the blocks wholly behind every cache's window are given back after each step (`trim`, vLLM frees
+them the same way), so a long sequence holds about window + a step's slots. Their block-table
+entries stay as they were: no forward reads them (the C attention skips whole blocks before a
+window, the PyTorch one masks them) and they always point at written, finite rows.
+
 Rejected drafts are never erased: `rollback` only lowers the length, and the next step
 overwrites those slots (vLLM's scheduler rewinds the same way). `move` copies a tree's
 accepted path next to the prefix. A contiguous cache of B rows x max_len slots is the special
@@ -47,6 +54,7 @@ class _SeqBlocks:
     blocks: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)   # one per registered cache
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks
+    released: int = 0          # its first blocks given back behind a sliding window (`trim`)
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -70,6 +78,7 @@ class BlockManager:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._num_caches = 0
+        self._windows: list[int | None] = []     # each cache's sliding window (None: full attention)
         # prefix caching: blocks by hash, hashes by block, holders per block, and the registered
         # blocks nobody holds (least recently freed first: evicted in that order)
         self.prefix_caching = False
@@ -80,9 +89,11 @@ class BlockManager:
         self.prefix_queries = 0          # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_hits = 0             # ... found in the cache
 
-    def register_cache(self) -> int:
-        """A cache mirroring these sequences; returns its index into each sequence's lengths."""
+    def register_cache(self, window: int | None = None) -> int:
+        """A cache mirroring these sequences; returns its index into each sequence's lengths.
+        window: every layer of its model attends to the last `window` positions only."""
         self._num_caches += 1
+        self._windows.append(window)
         for s in self._seqs.values():
             s.lengths.append(0)
         return self._num_caches - 1
@@ -91,6 +102,14 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks a sequence can get: free ones and registered ones nobody holds."""
         return len(self._free) + len(self._idle)
+
+    @property
+    def window(self) -> int | None:
+        """The positions every cache may still read behind a sequence's next token, when each of
+        them is windowed (the largest window); None when any attends to its whole context."""
+        if not self._windows or any(w is None for w in self._windows):
+            return None
+        return max(self._windows)
 
     @property
     def max_slots_per_seq(self) -> int:
@@ -113,14 +132,32 @@ class BlockManager:
         """Free the sequence's blocks and row in every cache (finished, aborted, preempted);
         registered blocks stay findable until the pool needs them."""
         s = self._seqs.pop(seq)
-        for b in reversed(s.blocks):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if b in self._hash_of:
-                    self._idle[b] = None
-                else:
-                    self._free.append(b)
+        for b in reversed(s.blocks[s.released:]):
+            self._unref(b)
         self._free_rows.append(s.row)
+
+    def _unref(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            if b in self._hash_of:
+                self._idle[b] = None
+            else:
+                self._free.append(b)
+
+    def trim(self, seq: Hashable) -> int:
+        """Give back seq's blocks that no cache will read again: those whose slots all lie
+        `window` or more positions behind the first slot any cache writes next (its length).
+        Returns how many it gave back (0 unless every cache is windowed)."""
+        window = self.window
+        if window is None:
+            return 0
+        s = self._seqs[seq]
+        keep_from = min(s.lengths, default=0) - window + 1     # the oldest slot a future token sees
+        upto = min(max(0, keep_from) // self.block_size, len(s.blocks))
+        for i in range(s.released, upto):
+            self._unref(s.blocks[i])
+        n, s.released = max(0, upto - s.released), max(s.released, upto)
+        return n
 
     def _take(self) -> int:
         """A block for new slots: a free one, else the least recently freed registered one."""
@@ -143,12 +180,15 @@ class BlockManager:
             found.append(b)
         return found
 
-    def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int) -> int | None:
+    def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int, ahead: int | None = None) -> int | None:
         """Add seq with room for num_slots slots, its first blocks taken from the prefix cache
         when tokens (what its cache may hold: the prompt but its last token) start with
         registered blocks. Returns how many leading tokens it found cached, or None (nothing
-        changed) when the pool lacks the blocks."""
+        changed) when the pool lacks the blocks. ahead: room only for that many slots past the
+        cached ones (at most num_slots), the rest allocated as it is written (sliding windows)."""
         hit = self.cached_prefix(tokens) if self.prefix_caching else []
+        if ahead is not None:
+            num_slots = min(num_slots, len(hit) * self.block_size + ahead)
         idle = sum(1 for b in hit if self._refs[b] == 0)
         if self.blocks_for(num_slots) - len(hit) > self.num_free_blocks - idle:
             return None
@@ -180,7 +220,7 @@ class BlockManager:
             h = chain_hash(s.hashes[-1] if s.hashes else b"", tokens[i * bs:(i + 1) * bs])
             s.hashes.append(h)
             b = s.blocks[i]
-            if h not in self._by_hash and b not in self._hash_of:
+            if i >= s.released and h not in self._by_hash and b not in self._hash_of:
                 self._by_hash[h], self._hash_of[b] = b, h
 
     def mirror(self, tables: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
@@ -249,7 +289,7 @@ class KVCache:
     v_scale; None otherwise)."""
 
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, window: int | None = None):
         shape = (num_kv_heads, blocks.num_blocks, blocks.block_size, head_dim)
         # empty: no path ever reads a slot before writing it (attention sees slots < start + T
         # only), and untouched pages of a large pool cost no memory until used
@@ -262,7 +302,7 @@ class KVCache:
             self.v_scale = [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.dtype = dtype
         self.blocks = blocks
-        self.index = blocks.register_cache()
+        self.index = blocks.register_cache(window)     # window: every layer's sliding window
 
     @classmethod
     def dense(cls, batch: int, max_len: int, num_layers: int, num_kv_heads: int, head_dim: int,

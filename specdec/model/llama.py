@@ -497,7 +497,14 @@ class Transformer(nn.Module):
         torch.int8 (quantized rows with a scale each)."""
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
-        return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device)
+        return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device,
+                       window=self.kv_window(n))
+
+    def kv_window(self, num_layers: int) -> int | None:
+        """The sliding window of the first num_layers layers when each has one (the blocks
+        behind it can be given back: BlockManager.trim), else None."""
+        windows = {layer.self_attn.window for layer in self.model.layers[:num_layers]}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         """A contiguous cache: sequences 0..batch-1 of max_len slots each."""

@@ -138,8 +138,10 @@ class Scheduler:
         for r in list(self.running):
             if not r.prefilled and budget > 0 and r.status == RUNNING:
                 n = min(len(r.seq) - 1 - r.num_cached, budget)
-                if windowed and not self._reserve_chunk(r, r.num_cached + n, plan):
-                    continue
+                if windowed:    # the chunk's own blocks; it never preempts r or what this step planned
+                    spare = frozenset([r, *plan.decode, *(q for q, _, _ in plan.chunks)])
+                    if not self._reserve(r, r.num_cached + n, plan, spare):
+                        continue
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
         while (self.waiting and not plan.preempted and budget > 0
@@ -153,27 +155,18 @@ class Scheduler:
                 budget -= n
         return plan
 
-    def _reserve(self, r: Request, num_slots: int, plan: StepPlan) -> bool:
-        """Blocks for r's step, preempting the newest (or least urgent) running requests, r itself last."""
+    def _reserve(self, r: Request, num_slots: int, plan: StepPlan, spare: frozenset = frozenset()) -> bool:
+        """Blocks for r's step, preempting the newest (or least urgent) running requests outside
+        `spare`: r itself last when it is not spared; False when r cannot have them."""
         while not self.blocks.ensure(r.request_id, num_slots):
-            victim = max(self.running, key=lambda q: q.urgency) if self.by_priority else self.running[-1]
-            self._preempt(victim)
-            plan.preempted.append(victim)
-            if victim is r:
-                return False
-        return True
-
-    def _reserve_chunk(self, r: Request, num_slots: int, plan: StepPlan) -> bool:
-        """Blocks for a prompt chunk of r (sliding windows), preempting the newest (or least
-        urgent) running requests not planned in this step; False (r waits) when none is left."""
-        while not self.blocks.ensure(r.request_id, num_slots):
-            planned = set(plan.decode) | {q for q, _, _ in plan.chunks} | {r}
-            others = [q for q in self.running if q not in planned]
+            others = [q for q in self.running if q not in spare]
             if not others:
                 return False
             victim = max(others, key=lambda q: q.urgency) if self.by_priority else others[-1]
             self._preempt(victim)
             plan.preempted.append(victim)
+            if victim is r:
+                return False
         return True
 
     def _admit(self, r: Request, ahead: int | None = None) -> bool:

@@ -79,6 +79,9 @@ class BlockManager:
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._num_caches = 0
         self._windows: list[int | None] = []     # each cache's sliding window (None: full attention)
+        # the positions every cache may still read behind a sequence's next token when each of
+        # them is windowed (the largest window); None when any attends to its whole context
+        self.window: int | None = None
         # prefix caching: blocks by hash, hashes by block, holders per block, and the registered
         # blocks nobody holds (least recently freed first: evicted in that order)
         self.prefix_caching = False
@@ -94,6 +97,7 @@ class BlockManager:
         window: every layer of its model attends to the last `window` positions only."""
         self._num_caches += 1
         self._windows.append(window)
+        self.window = None if None in self._windows else max(self._windows)
         for s in self._seqs.values():
             s.lengths.append(0)
         return self._num_caches - 1
@@ -102,14 +106,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks a sequence can get: free ones and registered ones nobody holds."""
         return len(self._free) + len(self._idle)
-
-    @property
-    def window(self) -> int | None:
-        """The positions every cache may still read behind a sequence's next token, when each of
-        them is windowed (the largest window); None when any attends to its whole context."""
-        if not self._windows or any(w is None for w in self._windows):
-            return None
-        return max(self._windows)
 
     @property
     def max_slots_per_seq(self) -> int:

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .config import SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .config import MTP_METHODS, SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
 from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
 from .engine import Engine, StepEvent
@@ -124,6 +124,8 @@ class LLM:
             found = bundled_drafters(model).get(speculative_config.get("method"))
             speculative_config = {**speculative_config, "model": found} if found else speculative_config
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
+        if self.spec is not None and self.spec.method in MTP_METHODS and not self.spec.model:
+            self.spec = dataclasses.replace(self.spec, model=str(model))     # vLLM's: the target's own MTP layers
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
         self.max_model_len = max_model_len

@@ -6,9 +6,10 @@ method or a K costs no memory and no load time; only the proposers differ.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from ..config import SchedulerConfig, SpeculativeConfig
+from ..config import MTP_METHODS, SchedulerConfig, SpeculativeConfig
 from ..engine import Engine
 from ..model import CheckpointError
 from ..proposers import REGISTRY, build_proposer, typical_acceptance
@@ -76,6 +77,8 @@ def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | Non
         for k in ks:
             try:
                 spec = _spec(method, k, draft_dir, overrides.get(method, {}))
+                if method in MTP_METHODS and not spec.model:        # the target's own MTP layers
+                    spec = dataclasses.replace(spec, model=llm.model_path)
                 engine = _engine(llm, spec, load, clock)
             except (ValueError, CheckpointError, OSError, NotImplementedError) as e:
                 skipped.append(Skipped(method, k, str(e).splitlines()[0] if str(e) else type(e).__name__))

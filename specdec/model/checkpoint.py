@@ -86,6 +86,17 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head."
 IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")
 
 
+MTP_PREFIX = "model.mtp_layers."     # MiMo's MTP layers; DeepSeek-V3's and GLM-4.5's follow the last layer
+
+
+def is_mtp_weight(name: str, num_hidden_layers: int) -> bool:
+    """A weight of a multi-token-prediction layer in a target's checkpoint (model/mtp.py)."""
+    if name.startswith(MTP_PREFIX):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= num_hidden_layers
+
+
 def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in sd.items():
@@ -216,7 +227,10 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     torch_dtype = resolve_dtype(dtype, raw)
-    sd = hf_to_fused(read_state_dict(folder), cfg)
+    sd = read_state_dict(folder)
+    if text_config(raw).get("num_nextn_predict_layers"):   # MTP layers: a drafter's (model/mtp.py), not the target's
+        sd = {k: v for k, v in sd.items() if not is_mtp_weight(k, cfg.num_hidden_layers)}
+    sd = hf_to_fused(sd, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {n for n, _ in model.named_parameters()}

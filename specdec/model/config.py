@@ -27,6 +27,9 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "granitemoeshared",  # + a shared expert every token takes
     "Qwen2MoeForCausalLM": "qwen2_moe",  # qwen2 with experts and a shared expert behind a sigmoid gate
 }
+# families that are another one under a different name: MiMo is Qwen2 with MTP layers (model/mtp.py)
+MODEL_TYPE_ALIASES = {"mimo": "qwen2"}
+ARCHITECTURE_ALIASES = {"MiMoForCausalLM": "qwen2"}
 # multimodal checkpoints whose language model runs alone (text in, text out): the model_type their
 # text_config has when it names none
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral",
@@ -104,7 +107,10 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         cfg = text_config(cfg)
         archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
+        model_type = MODEL_TYPE_ALIASES.get(cfg.get("model_type"), cfg.get("model_type"))
+        alias = next((ARCHITECTURE_ALIASES[a] for a in archs if a in ARCHITECTURE_ALIASES), None)
+        if model_type not in SUPPORTED_ARCHITECTURES.values() and alias is not None:
+            model_type = alias
         if model_type not in SUPPORTED_ARCHITECTURES.values():
             if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
                 raise ValueError(

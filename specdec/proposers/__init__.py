@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..config import SpeculativeConfig
+from ..config import MTP_METHODS, SpeculativeConfig
 from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
@@ -75,6 +75,20 @@ def _eagle3(spec: SpeculativeConfig, target, loader, max_len):
     return EagleProposer(load_eagle3(spec.model, target), target, topk=topk, depth=depth)
 
 
+def _mtp(spec: SpeculativeConfig, target, loader, max_len):
+    """The MTP layers a target ships (model/mtp.py), in its own folder unless `model` names
+    another; chains (vLLM's), or EAGLE-2 trees with topk > 1."""
+    from ..model.mtp import load_mtp
+    if not spec.model:
+        raise ValueError(f"speculative_config.model is required for method {spec.method!r} here: the folder "
+                         "whose checkpoint holds the MTP layers (LLM() fills in the target's)")
+    topk, depth = spec.extra.get("topk", 1), spec.extra.get("depth")
+    for name, v in (("topk", topk), ("depth", depth)):
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
+            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    return EagleProposer(load_mtp(spec.model, target), target, topk=topk, depth=depth)
+
+
 HYBRID_KEYS = tuple(f.name for f in dataclasses.fields(HybridSettings) if f.name != "decay")
 
 
@@ -112,6 +126,7 @@ REGISTRY: dict[str, Callable] = {
     "medusa": _medusa,
     "eagle": _eagle,
     "eagle3": _eagle3,
+    **{name: _mtp for name in MTP_METHODS},
     "ngram+eagle": _hybrid("eagle"),
     "ngram+draft_model": _hybrid("draft_model"),
 }

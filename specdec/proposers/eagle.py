@@ -1,5 +1,6 @@
 """EAGLE: a one-layer head drafts at the feature level; EAGLE-2's dynamic tree; EAGLE-3 heads
-(model/eagle3.py: features from three target layers, fused) through the same steps.
+(model/eagle3.py: features from three target layers, fused) and the MTP layers a target ships
+(model/mtp.py: DeepSeek-V3, MiMo, GLM-4.5) through the same steps.
 
 The head's cache slot j holds the pair (feature of token j, token j + 1); its output there is a
 predicted feature of token j + 1 and logits for token j + 2. Committed slots are always fed the
@@ -30,6 +31,7 @@ from ..kernels import cforward
 from ..model import ForwardBatch, Transformer, TreeAttention
 from ..model.eagle3 import Eagle3Head
 from ..model.heads import EagleHead
+from ..model.mtp import MTPHead
 from ..sampling import process
 from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, RequestContext,
                    draw_without_replacement, to_target_vocab)
@@ -38,20 +40,22 @@ from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, Re
 class EagleProposer(ProposerBase):
     name = "eagle"
 
-    def __init__(self, head: EagleHead | Eagle3Head, target: Transformer, topk: int = 4, depth: int | None = None):
+    def __init__(self, head: EagleHead | Eagle3Head | MTPHead, target: Transformer, topk: int = 4,
+                 depth: int | None = None):
         super().__init__()
         if topk < 1:
             raise ValueError(f"speculative_config.topk must be >= 1, got {topk}")
         self.head, self.target, self.topk, self.depth = head, target, topk, depth
         eagle3 = isinstance(head, Eagle3Head)
-        self.name = "eagle3" if eagle3 else "eagle"
-        # token embeddings: the target's, or an EAGLE-3 head's own
-        self.embedding = head.embed_tokens if eagle3 and head.embed_tokens is not None else target.model.embed_tokens
+        self.name = "eagle3" if eagle3 else "mtp" if isinstance(head, MTPHead) else "eagle"
+        # token embeddings: the target's, or an EAGLE-3 head's or an MTP layer's own
+        own = None if isinstance(head, EagleHead) else head.embed_tokens
+        self.embedding = own if own is not None else target.model.embed_tokens
         # a chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request
         # deferrable: update() rewrites the pairs of every token kept since the head's last update
         # (drafted pairs beyond them included), so merged steps catch it up
         self.caps = ProposerCaps(tree=True, needs_hidden=True, deferrable=True,
-                                 feature_layers=head.feature_layers if eagle3 else (),
+                                 feature_layers=() if isinstance(head, EagleHead) else head.feature_layers,
                                  max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
         self.kv = None
         self.c_chain = False
@@ -74,7 +78,7 @@ class EagleProposer(ProposerBase):
 
     def _c_chain_ok(self) -> bool:
         head = self.head
-        if isinstance(head, Eagle3Head):        # forward.c's eagle_chain runs EAGLE-1/2 heads only
+        if not isinstance(head, EagleHead):     # forward.c's eagle_chain runs EAGLE-1/2 heads only
             return False
         return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
                 and cforward.embedding_mat(self.target.model.embed_tokens) is not None)

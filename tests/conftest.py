@@ -36,7 +36,7 @@ HF_CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 
@@ -61,6 +61,10 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
         kw = {("num_local_experts" if arch in ("mixtral", "granitemoe", "granitemoeshared") else "num_experts"): 4,
               "num_experts_per_tok": 2, "pad_token_id": None,
               **({"moe_intermediate_size": hidden // 2} if arch in ("qwen3_moe", "qwen2_moe") else {}), **kw}
+    if arch == "glm4_moe":                        # 8 experts in 2 groups, 2 per token from 1 group; a shared expert
+        kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+              "attention_bias": True, "pad_token_id": None, "num_nextn_predict_layers": 0, **kw}
     if arch.startswith("gemma"):                 # their head size defaults to 256
         kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
@@ -79,6 +83,11 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                 p.uniform_(-0.5, 1.0)
             if arch.startswith("olmo") and name.endswith("layernorm.weight"):   # OLMo's output norms
                 p.uniform_(0.5, 1.5)
+            if arch == "glm4_moe" and name.endswith("mlp.gate.weight"):      # GLM-4.5's router starts at zeros: every score ties
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):    # zeros too: make the choice bias count
+                b.uniform_(-0.3, 0.3)
     model.save_pretrained(folder)
     return folder
 

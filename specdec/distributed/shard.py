@@ -142,6 +142,7 @@ def _shard_moe(src: nn.Module, dst: nn.Module, rank: int, comm: Collectives) -> 
         mlp_dst.down_proj = row(mlp_src.down_proj, rows)
 
     dst.gate, dst.shared_expert_gate = src.gate, src.shared_expert_gate
+    dst.e_score_correction_bias = src.e_score_correction_bias
     for e_src, e_dst in zip(src.experts, dst.experts):
         split(e_src, e_dst)
     if src.shared_expert is not None:

@@ -31,7 +31,9 @@ class _Layer(ctypes.Structure):
                 *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
                 ("use_rope", c_int), ("attn_out_norm", c_void_p), ("ffn_out_norm", c_void_p), ("window", c_int),
                 ("local_rope", c_int), *[(n, c_int) for n in ("n_experts", "top_k", "norm_topk", "moe_hidden")],
-                ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat)]
+                ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat),
+                *[(n, c_int) for n in ("router_sigmoid", "n_group", "topk_group")], ("scaling", c_float),
+                ("score_bias", c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -132,7 +134,10 @@ def supported(model, kv) -> bool:
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
           and kv.dtype in KV_TYPES
           and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
-    return ok and all((m.prepared is not None) if isinstance(m, QuantLinear) else _dense_ok(m) for m in _linears(model))
+    biases = [layer.mlp.e_score_correction_bias for layer in model.model.layers
+              if getattr(layer.mlp, "e_score_correction_bias", None) is not None]
+    return (ok and all(b.dtype == torch.float32 for b in biases)
+            and all((m.prepared is not None) if isinstance(m, QuantLinear) else _dense_ok(m) for m in _linears(model)))
 
 
 def _dense_ok(module) -> bool:
@@ -170,7 +175,7 @@ class CView:
                 layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local,
                                    0, 0, 0, 0, none, None, 0, none)
                 continue
-            moe = (0, 0, 0, 0, none, None, 0, none)
+            moe = (0, 0, 0, 0, none, None, 0, none, 0, 1, 1, 1.0, None)
             if hasattr(mlp, "experts"):   # a mixture: its router and experts; its shared expert as the dense MLP
                 n = len(mlp.experts)
                 experts = (_Mat * (2 * n))(*[self._hold(_mat(m)) for m in _mlp_linears(mlp)[1:2 * n + 1]])
@@ -178,7 +183,8 @@ class CView:
                 shared = mlp.shared_expert
                 gate = none if mlp.shared_expert_gate is None else self._hold(_mat(mlp.shared_expert_gate))
                 moe = (n, mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size, self._hold(_mat(mlp.gate)), experts,
-                       cfg.shared_expert_size if shared is not None else 0, gate)
+                       cfg.shared_expert_size if shared is not None else 0, gate, int(mlp.sigmoid), mlp.n_group,
+                       mlp.topk_group, mlp.scaling, _ptr(mlp.e_score_correction_bias))
                 mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + (
                     [none, none] if shared is None else [self._hold(_mat(m)) for m in (shared.gate_up_proj, shared.down_proj)])
             else:

@@ -226,26 +226,58 @@ static void gate_mul(const float *g, const float *u, float *o, int F, int act) {
     }
 }
 
-/* Token n's experts: the top K of softmax(logits [E]) (fp32; ties to the lower index), weights
- * renormalised to sum 1 when norm; sel / wts [K] in descending probability. */
-static void route(const float *logits, int E, int K, int norm, int *sel, float *wts) {
-    float mx = -INFINITY, sum = 0.0f, p[E];
-    for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
-    for (int e = 0; e < E; e++) sum += (p[e] = expf(logits[e] - mx));
-    for (int e = 0; e < E; e++) p[e] /= sum;
-    float total = 0.0f;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int j = 0; j < k; j++) taken |= sel[j] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        sel[k] = best;
-        total += (wts[k] = p[best]);
+/* The index of the largest of v [n] not yet in taken [k] (ties to the lower index). */
+static int best_untaken(const float *v, int n, const int *taken, int k) {
+    int best = -1;
+    for (int e = 0; e < n; e++) {
+        int t = 0;
+        for (int j = 0; j < k; j++) t |= taken[j] == e;
+        if (!t && (best < 0 || v[e] > v[best])) best = e;
     }
-    if (norm)
-        for (int k = 0; k < K; k++) wts[k] /= total;
+    return best;
+}
+
+/* Token n's experts: the top K of softmax(logits [E]) (fp32; ties to the lower index), weights
+ * renormalised to sum 1 when norm; sel / wts [K] in descending probability. With the layer's
+ * router_sigmoid, DeepSeek-V3's choice instead (Layer). */
+static void route(const Layer *L, const float *logits, int E, int K, int *sel, float *wts) {
+    float p[E], c[E], total = 0.0f;
+    if (L->router_sigmoid) {
+        for (int e = 0; e < E; e++) {
+            p[e] = 1.0f / (1.0f + expf(-logits[e]));
+            c[e] = p[e] + L->score_bias[e];
+        }
+        int G = L->n_group, per = E / G;
+        if (G > 1) {                       /* groups ranked by the sum of their two best choices */
+            float gs[G];
+            int kept[G];
+            for (int g = 0; g < G; g++) {
+                const float *x = c + g * per;
+                int a = best_untaken(x, per, NULL, 0), b = best_untaken(x, per, &a, 1);
+                gs[g] = x[a] + x[b];
+            }
+            for (int t = 0; t < L->topk_group; t++) kept[t] = best_untaken(gs, G, kept, t);
+            for (int g = 0; g < G; g++) {
+                int keep = 0;
+                for (int t = 0; t < L->topk_group; t++) keep |= kept[t] == g;
+                if (!keep)
+                    for (int e = g * per; e < (g + 1) * per; e++) c[e] = -INFINITY;
+            }
+        }
+    } else {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int e = 0; e < E; e++) sum += (p[e] = expf(logits[e] - mx));
+        for (int e = 0; e < E; e++) c[e] = p[e] /= sum;
+    }
+    for (int k = 0; k < K; k++) {
+        sel[k] = best_untaken(c, E, sel, k);
+        total += (wts[k] = p[sel[k]]);
+    }
+    if (L->norm_topk)
+        for (int k = 0; k < K; k++) wts[k] /= L->router_sigmoid ? total + 1e-20f : total;
+    if (L->router_sigmoid)
+        for (int k = 0; k < K; k++) wts[k] *= L->scaling;
 }
 
 /* buf [N, D] (the MLP's normed input) -> buf = the layer's mixture of experts. Each expert runs
@@ -256,7 +288,7 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
     linear_for(&L->router, w->buf, NULL, w->moe_probs, N, E, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
-        route(w->moe_probs + (long)n * E, E, K, L->norm_topk, w->moe_sel + (long)n * K, w->moe_w + (long)n * K);
+        route(L, w->moe_probs + (long)n * E, E, K, w->moe_sel + (long)n * K, w->moe_w + (long)n * K);
         memset(w->moe_sum + (long)n * D, 0, sizeof(float) * D);
     }
     #pragma omp single

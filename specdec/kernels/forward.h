@@ -37,6 +37,12 @@ typedef struct {
      * sigmoid(shared_gate x) when shared_gate's w is set (Qwen2-MoE) */
     int shared_hidden;
     Mat shared_gate;
+    /* DeepSeek-V3's / GLM-4.5's router (router_sigmoid): sigmoid scores, the choice biased by
+     * score_bias [E] (fp32) within the topk_group of n_group groups whose two best biased scores
+     * sum highest; weights the unbiased scores (renormalised if norm_topk) x scaling */
+    int router_sigmoid, n_group, topk_group;
+    float scaling;
+    const float *score_bias;
 } Layer;
 
 typedef struct {

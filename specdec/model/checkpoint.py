@@ -127,6 +127,8 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             else:
                 kind = "gate_up_proj" if "input_linear" in name else "down_proj"
                 out.update({p + f"experts.{e}.{kind}.weight": t[e] for e in range(t.shape[0])})
+    for name in [n for n in out if ".mlp.shared_experts." in n or n.endswith(".mlp.gate.e_score_correction_bias")]:
+        out[name.replace(".shared_experts.", ".shared_expert.").replace(".gate.e_score", ".e_score")] = out.pop(name)
     for gate in [n for n in out if n.endswith(".gate_proj.weight")]:      # the MLP's, or each expert's
         up = gate.replace(".gate_proj.", ".up_proj.")
         if up in out:
@@ -173,6 +175,9 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out = {_mixtral_name(n): t for n, t in out.items()}
     if cfg.model_type in ("granitemoe", "granitemoeshared"):
         out = _granitemoe_stacked(out, cfg)
+    if cfg.router_sigmoid:       # GLM-4.5's names: the router holds the choice bias; shared_experts
+        out = {n.replace(".shared_expert.", ".shared_experts.").replace(".mlp.e_score", ".mlp.gate.e_score"): t
+               for n, t in out.items()}
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -250,7 +255,7 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
             raise CheckpointError(f"{folder}: {name} has shape {tuple(src.shape)}, "
                                   f"config.json implies {tuple(param.shape)}")
         # Gemma's norms (1 + w) stay fp32, as transformers computes them
-        keep = cfg.model_type in GEMMA and _is_norm(name)
+        keep = (cfg.model_type in GEMMA and _is_norm(name)) or name.endswith("e_score_correction_bias")
         param.data = src.to(device=device, dtype=torch.float32 if keep else torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

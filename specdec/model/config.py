@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",  # granite with experts in every layer (stacked in its checkpoints)
     "GraniteMoeSharedForCausalLM": "granitemoeshared",  # + a shared expert every token takes
     "Qwen2MoeForCausalLM": "qwen2_moe",  # qwen2 with experts and a shared expert behind a sigmoid gate
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5 / 4.6: partial RoPE, sigmoid group routing (DeepSeek-V3's), shared experts
 }
 # families that are another one under a different name: MiMo is Qwen2 with MTP layers (model/mtp.py)
 MODEL_TYPE_ALIASES = {"mimo": "qwen2"}
@@ -42,7 +43,7 @@ TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2_vl_text": "qwen2", "qwen2_5_
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
-MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "glm4_moe")
 GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
 
@@ -98,6 +99,14 @@ class ModelConfig:
     # its output scaled by sigmoid(shared_expert_gate(x)) when shared_expert_gate (Qwen2-MoE)
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    # DeepSeek-V3's router (GLM-4.5's too; "noaux_tc"): sigmoid scores, plus a per-expert bias
+    # (e_score_correction_bias) for choosing only; the experts chosen within the topk_group of
+    # n_group groups with the best sums of their two best biased scores; the chosen experts'
+    # unbiased scores as weights (renormalised when norm_topk_prob), x routed_scaling_factor
+    router_sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -122,6 +131,8 @@ class ModelConfig:
             n_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
             qwen = model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+            if model_type == "glm4_moe" and "partial_rotary_factor" not in {**cfg, **(cfg.get("rope_parameters") or {})}:
+                cfg = {**cfg, "partial_rotary_factor": 0.5}     # transformers' default: RoPE over half of each head
             if model_type in ("qwen3", "qwen3_moe"):
                 _check_qwen3(cfg)
             family = (_gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO
@@ -150,7 +161,8 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
                 attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO)
+                or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type in GRANITE else {}),
                 **{**_sliding(cfg, model_type), **family},
@@ -211,6 +223,13 @@ class ModelConfig:
             if self.model_type in ("qwen3_moe", "qwen2_moe"):
                 out.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
                            mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
+            elif self.model_type == "glm4_moe":
+                out.update(moe_intermediate_size=self.moe_intermediate_size, n_routed_experts=self.num_experts,
+                           n_shared_experts=self.shared_expert_size // self.moe_intermediate_size,
+                           first_k_dense_replace=min(self.moe_layers, default=self.num_hidden_layers),
+                           n_group=self.n_group, topk_group=self.topk_group,
+                           routed_scaling_factor=self.routed_scaling_factor, use_qk_norm=self.qk_norm,
+                           attention_bias=self.attention_bias, num_nextn_predict_layers=0)
             else:
                 out["intermediate_size"] = self.moe_intermediate_size
         if self.model_type in GEMMA:
@@ -364,12 +383,16 @@ def _gemma(cfg: dict, model_type: str) -> dict:
 def _moe(cfg: dict, model_type: str) -> dict:
     """The experts of Mixtral, Qwen3-MoE and OLMoE (as _gemma: "global_rope" passes the RoPE on)."""
     n = cfg["num_hidden_layers"]
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")     # either name, by version
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")   # by family
     if not experts:
         raise KeyError("num_experts")
     out = {"num_experts": int(experts),
            "num_experts_per_tok": int(cfg["num_experts_per_tok"]), "global_rope": cfg.get("rope_parameters")}
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type == "glm4_moe":
+        first = int(cfg.get("first_k_dense_replace", 1))
+        out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   moe_layers=tuple(range(first, n)))
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
                    moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
@@ -379,6 +402,8 @@ def _moe(cfg: dict, model_type: str) -> dict:
                    or bool(cfg.get("norm_topk_prob")))
     if model_type == "qwen2_moe":
         out.update(shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
+    if model_type == "glm4_moe":
+        out.update(_noaux_router(cfg))
     if model_type == "granitemoeshared":
         out["shared_expert_size"] = int(cfg.get("shared_intermediate_size") or 0)
     if model_type == "olmoe":
@@ -388,6 +413,22 @@ def _moe(cfg: dict, model_type: str) -> dict:
     if out["num_experts_per_tok"] > out["num_experts"] or out["num_experts"] <= 0:
         raise ValueError(f"num_experts_per_tok {out['num_experts_per_tok']} of {out['num_experts']} experts")
     return out
+
+
+def _noaux_router(cfg: dict) -> dict:
+    """DeepSeek-V3's / GLM-4.5's router settings and shared experts (transformers' defaults)."""
+    method = cfg.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ValueError(f"topk_method {method!r} is not supported (noaux_tc only)")
+    experts, groups, top = int(cfg["n_routed_experts"]), int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if experts % groups or not 1 <= top <= groups or (groups > 1 and experts // groups < 2):
+        raise ValueError(f"{experts} experts in n_group={groups} groups (topk_group={top}): the groups must split the "
+                         "experts evenly, at least two each, and topk_group be in [1, n_group]")
+    if groups > 1 and top * (experts // groups) < int(cfg["num_experts_per_tok"]):
+        raise ValueError(f"topk_group={top} groups of {experts // groups} experts hold fewer than num_experts_per_tok")
+    return {"router_sigmoid": True, "n_group": groups, "topk_group": top,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "shared_expert_size": int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)}
 
 
 def _olmo(cfg: dict, model_type: str) -> dict:
@@ -445,7 +486,7 @@ def _check_common(cfg: dict, model_type: str = "llama") -> None:
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (no bias on the MLP's projections)")
     factor = _partial_rotary_factor(cfg)
-    if factor != 1.0 and model_type != "phi3":
+    if factor != 1.0 and model_type not in ("phi3", "glm4_moe"):
         raise ValueError(f"partial_rotary_factor {factor} is not supported for {model_type} (rotary over whole heads "
                          f"only; Phi-3 / Phi-4-mini rotate part)")
 

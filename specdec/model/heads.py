@@ -67,14 +67,15 @@ class EagleHead(nn.Module):
         D = target_cfg.hidden_size
         # a plain decoder layer whatever the target's quirks (SmolLM3's NoPE, Granite's multipliers,
         # Gemma's GeGLU, norms, soft-caps and windows, OLMo's norms, experts: a llama layer, saved as one)
-        cfg = target_cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(), tie_word_embeddings=False,
+        plain = target_cfg.model_type in (*GEMMA, *OLMO, *MOE)     # saved as a llama layer (whole-head RoPE)
+        cfg = target_cfg.replace(num_hidden_layers=1, rotary_dim=None if plain else target_cfg.rotary_dim, vocab_size=draft_vocab.numel(), tie_word_embeddings=False,
                                  nope_layers=(), embedding_multiplier=1.0, residual_multiplier=1.0,
                                  attention_multiplier=None, logits_scaling=1.0, hidden_act="silu",
                                  sandwich_norms=False, attn_softcap=0.0, final_softcap=0.0, sliding_window=None,
                                  sliding_layers=(), local_rope_theta=None, pre_norms=True, qk_norm_full=False,
                                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
-                                 moe_layers=(), shared_expert_size=0, shared_expert_gate=False, model_type="llama" if target_cfg.model_type in (*GEMMA, *OLMO, *MOE)
-                                 else target_cfg.model_type)
+                                 moe_layers=(), shared_expert_size=0, shared_expert_gate=False, router_sigmoid=False,
+                                 model_type="llama" if plain else target_cfg.model_type)
         self.fc = Linear(2 * D, D, bias=True)
         self.decoder = Transformer(cfg)
         # the decoder's input comes from fc, never from a token lookup

@@ -327,13 +327,18 @@ class MoE(nn.Module):
     """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE, OLMoE; Hugging Face's names: `gate` is
     the router). Each token's router probabilities (softmax in fp32) pick its top_k experts,
     whose outputs are summed weighted by those probabilities (renormalised to 1 when
-    norm_topk), expert by expert in index order (the C forward's order too)."""
+    norm_topk), expert by expert in index order (the C forward's order too). GLM-4.5 and
+    DeepSeek-V3 route by sigmoid scores instead (ModelConfig.router_sigmoid: `route`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.sigmoid, self.n_group, self.topk_group = cfg.router_sigmoid, cfg.n_group, cfg.topk_group
+        self.scaling = cfg.routed_scaling_factor
+        # the experts' choice bias (fp32; DeepSeek-V3's e_score_correction_bias)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_sigmoid else None
         # a shared expert every token takes (Qwen2-MoE, Granite MoE shared), Qwen2-MoE's behind a sigmoid gate
         self.shared_expert = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
@@ -341,11 +346,30 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        if self.sigmoid:
+            return self._route_sigmoid(x)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
+
+    def _route_sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """DeepSeek-V3's "noaux_tc": sigmoid scores; the choice biased by e_score_correction_bias
+        and kept within the topk_group groups whose two best biased scores sum highest; the
+        chosen experts' unbiased scores as weights, renormalised, x routed_scaling_factor."""
+        scores = torch.sigmoid(self.gate(x).float())
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            T, E = choice.shape
+            groups = choice.view(T, self.n_group, E // self.n_group).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, 1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.scaling).to(x.dtype), ids
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -37,6 +37,7 @@ HF_CLASSES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -65,6 +66,12 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
         kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
               "attention_bias": True, "pad_token_id": None, "num_nextn_predict_layers": 0, **kw}
+    if arch.startswith("deepseek"):               # latent attention (32 + 16 rotary dims); 8 experts in 2 groups
+        kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+              "qk_nope_head_dim": 32, "v_head_dim": 24, "pad_token_id": None, "num_key_value_heads": 4,
+              **({"q_lora_rank": 48, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0} if arch == "deepseek_v3"
+                 else {"q_lora_rank": None, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5}), **kw}
     if arch.startswith("gemma"):                 # their head size defaults to 256
         kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
@@ -83,7 +90,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                 p.uniform_(-0.5, 1.0)
             if arch.startswith("olmo") and name.endswith("layernorm.weight"):   # OLMo's output norms
                 p.uniform_(0.5, 1.5)
-            if arch == "glm4_moe" and name.endswith("mlp.gate.weight"):      # GLM-4.5's router starts at zeros: every score ties
+            if arch in ("glm4_moe", "deepseek_v2", "deepseek_v3") and name.endswith("mlp.gate.weight"):
+                # GLM-4.5's and DeepSeek's routers start at zeros: every score ties
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):    # zeros too: make the choice bias count

@@ -33,7 +33,7 @@ class _Layer(ctypes.Structure):
                 ("local_rope", c_int), *[(n, c_int) for n in ("n_experts", "top_k", "norm_topk", "moe_hidden")],
                 ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat),
                 *[(n, c_int) for n in ("router_sigmoid", "n_group", "topk_group")], ("scaling", c_float),
-                ("score_bias", c_void_p)]
+                ("score_bias", c_void_p), ("group_by_max", c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -131,6 +131,8 @@ def supported(model, kv) -> bool:
     cfg = model.config
     from ..model.quant import QuantLinear
 
+    if cfg.kv_lora_rank:      # multi-head latent attention: the PyTorch path, with paged_attention
+        return False
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
           and kv.dtype in KV_TYPES
           and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
@@ -175,7 +177,7 @@ class CView:
                 layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local,
                                    0, 0, 0, 0, none, None, 0, none)
                 continue
-            moe = (0, 0, 0, 0, none, None, 0, none, 0, 1, 1, 1.0, None)
+            moe = (0, 0, 0, 0, none, None, 0, none, 0, 1, 1, 1.0, None, 0)
             if hasattr(mlp, "experts"):   # a mixture: its router and experts; its shared expert as the dense MLP
                 n = len(mlp.experts)
                 experts = (_Mat * (2 * n))(*[self._hold(_mat(m)) for m in _mlp_linears(mlp)[1:2 * n + 1]])
@@ -184,7 +186,7 @@ class CView:
                 gate = none if mlp.shared_expert_gate is None else self._hold(_mat(mlp.shared_expert_gate))
                 moe = (n, mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size, self._hold(_mat(mlp.gate)), experts,
                        cfg.shared_expert_size if shared is not None else 0, gate, int(mlp.sigmoid), mlp.n_group,
-                       mlp.topk_group, mlp.scaling, _ptr(mlp.e_score_correction_bias))
+                       mlp.topk_group, mlp.scaling, _ptr(mlp.e_score_correction_bias), int(mlp.group_by_max))
                 mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + (
                     [none, none] if shared is None else [self._hold(_mat(m)) for m in (shared.gate_up_proj, shared.down_proj)])
             else:

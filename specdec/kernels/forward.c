@@ -247,28 +247,33 @@ static void route(const Layer *L, const float *logits, int E, int K, int *sel, f
             p[e] = 1.0f / (1.0f + expf(-logits[e]));
             c[e] = p[e] + L->score_bias[e];
         }
-        int G = L->n_group, per = E / G;
-        if (G > 1) {                       /* groups ranked by the sum of their two best choices */
-            float gs[G];
-            int kept[G];
-            for (int g = 0; g < G; g++) {
-                const float *x = c + g * per;
-                int a = best_untaken(x, per, NULL, 0), b = best_untaken(x, per, &a, 1);
-                gs[g] = x[a] + x[b];
-            }
-            for (int t = 0; t < L->topk_group; t++) kept[t] = best_untaken(gs, G, kept, t);
-            for (int g = 0; g < G; g++) {
-                int keep = 0;
-                for (int t = 0; t < L->topk_group; t++) keep |= kept[t] == g;
-                if (!keep)
-                    for (int e = g * per; e < (g + 1) * per; e++) c[e] = -INFINITY;
-            }
-        }
     } else {
         float mx = -INFINITY, sum = 0.0f;
         for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
         for (int e = 0; e < E; e++) sum += (p[e] = expf(logits[e] - mx));
         for (int e = 0; e < E; e++) c[e] = p[e] /= sum;
+    }
+    int G = L->n_group, per = E / (G > 0 ? G : 1);
+    if (G > 1) {                           /* groups ranked by their best choice, or their two best's sum */
+        float gs[G];
+        int kept[G];
+        for (int g = 0; g < G; g++) {
+            const float *x = c + g * per;
+            int a = best_untaken(x, per, NULL, 0);
+            if (L->group_by_max) {
+                gs[g] = x[a];
+            } else {
+                int b = best_untaken(x, per, &a, 1);
+                gs[g] = x[a] + x[b];
+            }
+        }
+        for (int t = 0; t < L->topk_group; t++) kept[t] = best_untaken(gs, G, kept, t);
+        for (int g = 0; g < G; g++) {
+            int keep = 0;
+            for (int t = 0; t < L->topk_group; t++) keep |= kept[t] == g;
+            if (!keep)
+                for (int e = g * per; e < (g + 1) * per; e++) c[e] = -INFINITY;
+        }
     }
     for (int k = 0; k < K; k++) {
         sel[k] = best_untaken(c, E, sel, k);
@@ -276,7 +281,7 @@ static void route(const Layer *L, const float *logits, int E, int K, int *sel, f
     }
     if (L->norm_topk)
         for (int k = 0; k < K; k++) wts[k] /= L->router_sigmoid ? total + 1e-20f : total;
-    if (L->router_sigmoid)
+    if (L->scaling != 1.0f)
         for (int k = 0; k < K; k++) wts[k] *= L->scaling;
 }
 

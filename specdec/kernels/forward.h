@@ -39,10 +39,12 @@ typedef struct {
     Mat shared_gate;
     /* DeepSeek-V3's / GLM-4.5's router (router_sigmoid): sigmoid scores, the choice biased by
      * score_bias [E] (fp32) within the topk_group of n_group groups whose two best biased scores
-     * sum highest; weights the unbiased scores (renormalised if norm_topk) x scaling */
+     * sum highest; weights the unbiased scores (renormalised if norm_topk) x scaling. Softmax
+     * routers take the groups and the scaling too (DeepSeek-V2) */
     int router_sigmoid, n_group, topk_group;
     float scaling;
     const float *score_bias;
+    int group_by_max;                     /* DeepSeek-V2's groups: ranked by their best score */
 } Layer;
 
 typedef struct {

@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import FUSED_CHECKPOINTS, GEMMA, ModelConfig, apply_hf_overrides, text_config
+from .config import DEEPSEEK, FUSED_CHECKPOINTS, GEMMA, ModelConfig, apply_hf_overrides, text_config
 from .llama import Transformer
+from .mla import deinterleave_rope, rope_interleaved
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -175,7 +176,9 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out = {_mixtral_name(n): t for n, t in out.items()}
     if cfg.model_type in ("granitemoe", "granitemoeshared"):
         out = _granitemoe_stacked(out, cfg)
-    if cfg.router_sigmoid:       # GLM-4.5's names: the router holds the choice bias; shared_experts
+    if cfg.kv_lora_rank:         # DeepSeek's interleaved rotary rows (config.json says rope_interleave)
+        out = deinterleave_rope(out, cfg, inverse=True)
+    if cfg.model_type in ("glm4_moe", *DEEPSEEK):      # their names: the router holds the choice bias; shared_experts
         out = {n.replace(".shared_expert.", ".shared_experts.").replace(".mlp.e_score", ".mlp.gate.e_score"): t
                for n, t in out.items()}
     return {k: v.contiguous() for k, v in out.items()}
@@ -235,6 +238,8 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     sd = read_state_dict(folder)
     if text_config(raw).get("num_nextn_predict_layers"):   # MTP layers: a drafter's (model/mtp.py), not the target's
         sd = {k: v for k, v in sd.items() if not is_mtp_weight(k, cfg.num_hidden_layers)}
+    if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
+        sd = deinterleave_rope(sd, cfg)
     sd = hf_to_fused(sd, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -27,6 +27,10 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "granitemoeshared",  # + a shared expert every token takes
     "Qwen2MoeForCausalLM": "qwen2_moe",  # qwen2 with experts and a shared expert behind a sigmoid gate
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5 / 4.6: partial RoPE, sigmoid group routing (DeepSeek-V3's), shared experts
+    # multi-head latent attention (MLA) and DeepSeekMoE: V2 / V2-Lite (softmax routing), V3 / R1,
+    # Kimi K2, Moonlight (sigmoid group routing)
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # families that are another one under a different name: MiMo is Qwen2 with MTP layers (model/mtp.py)
 MODEL_TYPE_ALIASES = {"mimo": "qwen2"}
@@ -43,7 +47,9 @@ TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2_vl_text": "qwen2", "qwen2_5_
 FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_proj and gate_up_proj fused
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
-MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "glm4_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "glm4_moe", "deepseek_v2",
+       "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
 
@@ -107,6 +113,17 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    group_by_max: bool = False    # DeepSeek-V2's group_limited_greedy: groups ranked by their best score
+    # multi-head latent attention (DeepSeek-V2 / V3; kv_lora_rank 0: none). Keys and values come
+    # from a latent of kv_lora_rank per token (kv_b_proj expands it per head into qk_nope_head_dim
+    # key and v_head_dim value dims) and one shared key part of rotary_dim dims with RoPE; queries
+    # from q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj (q_lora_rank > 0). The cache holds
+    # [latent ; rotated key part] per token as one KV head: head_dim = kv_lora_rank + rotary_dim
+    # (model/mla.py); the scores' scale is attention_multiplier
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -146,7 +163,8 @@ class ModelConfig:
             if model_type not in GEMMA:
                 _check_common(cfg, model_type)
             rope_scaling = _rope_scaling(cfg)
-            return cls(
+            mla = _mla(cfg, rope_scaling) if model_type in DEEPSEEK else {}
+            fields = dict(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
                 intermediate_size=cfg["intermediate_size"],
@@ -170,6 +188,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
             )
+            return cls(**{**fields, **mla})
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
 
@@ -198,7 +217,7 @@ class ModelConfig:
             "pad_token_id": None,
             "torch_dtype": "bfloat16",
         }
-        if self.rotary_dim:
+        if self.rotary_dim and not self.kv_lora_rank:      # MLA's rotary dims are qk_rope_head_dim
             out["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if self.model_type == "smollm3":
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
@@ -223,6 +242,19 @@ class ModelConfig:
             if self.model_type in ("qwen3_moe", "qwen2_moe"):
                 out.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
                            mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
+            elif self.model_type in DEEPSEEK:
+                out.update(moe_intermediate_size=self.moe_intermediate_size, n_routed_experts=self.num_experts,
+                           n_shared_experts=self.shared_expert_size // self.moe_intermediate_size,
+                           first_k_dense_replace=min(self.moe_layers, default=self.num_hidden_layers),
+                           n_group=self.n_group, topk_group=self.topk_group, moe_layer_freq=1,
+                           routed_scaling_factor=self.routed_scaling_factor,
+                           topk_method="noaux_tc" if self.router_sigmoid else
+                           "group_limited_greedy" if self.group_by_max else "greedy",
+                           q_lora_rank=self.q_lora_rank or None, kv_lora_rank=self.kv_lora_rank,
+                           qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.rotary_dim,
+                           v_head_dim=self.v_head_dim, head_dim=self.rotary_dim, rope_interleave=True,
+                           num_key_value_heads=self.num_attention_heads, num_nextn_predict_layers=0,
+                           attention_bias=False)
             elif self.model_type == "glm4_moe":
                 out.update(moe_intermediate_size=self.moe_intermediate_size, n_routed_experts=self.num_experts,
                            n_shared_experts=self.shared_expert_size // self.moe_intermediate_size,
@@ -388,10 +420,15 @@ def _moe(cfg: dict, model_type: str) -> dict:
         raise KeyError("num_experts")
     out = {"num_experts": int(experts),
            "num_experts_per_tok": int(cfg["num_experts_per_tok"]), "global_rope": cfg.get("rope_parameters")}
-    if model_type == "glm4_moe":
-        first = int(cfg.get("first_k_dense_replace", 1))
+    if model_type in ("glm4_moe", *DEEPSEEK):
+        first = int(cfg.get("first_k_dense_replace", 1 if model_type == "glm4_moe" else 0))
+        if int(cfg.get("moe_layer_freq", 1)) != 1:
+            raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (1: experts in every layer "
+                             "from first_k_dense_replace on)")
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                    moe_layers=tuple(range(first, n)))
+        if model_type == "deepseek_v2":     # transformers' DeepSeek-V2 never renormalises
+            out["norm_topk_prob"] = False
     elif model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
@@ -402,8 +439,10 @@ def _moe(cfg: dict, model_type: str) -> dict:
                    or bool(cfg.get("norm_topk_prob")))
     if model_type == "qwen2_moe":
         out.update(shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "deepseek_v3"):
         out.update(_noaux_router(cfg))
+    if model_type == "deepseek_v2":
+        out.update(_greedy_router(cfg))
     if model_type == "granitemoeshared":
         out["shared_expert_size"] = int(cfg.get("shared_intermediate_size") or 0)
     if model_type == "olmoe":
@@ -429,6 +468,38 @@ def _noaux_router(cfg: dict) -> dict:
     return {"router_sigmoid": True, "n_group": groups, "topk_group": top,
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_size": int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)}
+
+
+def _greedy_router(cfg: dict) -> dict:
+    """DeepSeek-V2's router: softmax; "greedy" (V2-Lite) or "group_limited_greedy" (V2: the
+    experts of the topk_group groups with the best single scores); x routed_scaling_factor."""
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 with topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts"))
+    groups, top = (int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)) if method != "greedy" else (1, 1)
+    if experts % groups or not 1 <= top <= groups or top * (experts // groups) < int(cfg["num_experts_per_tok"]):
+        raise ValueError(f"{experts} experts in n_group={groups} groups (topk_group={top}) cannot hold "
+                         "num_experts_per_tok")
+    return {"n_group": groups, "topk_group": top, "group_by_max": groups > 1,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "shared_expert_size": int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)}
+
+
+def _mla(cfg: dict, rope_scaling: dict | None) -> dict:
+    """DeepSeek-V2 / V3's attention fields (ModelConfig: multi-head latent attention)."""
+    rope, nope, v = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    latent = int(cfg["kv_lora_rank"])
+    scale = (nope + rope) ** -0.5
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn" and rope_scaling.get("mscale_all_dim"):
+        factor = float(rope_scaling["factor"])      # transformers' yarn_apply_mscale: the scores' temperature
+        m = 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    if cfg.get("attention_bias"):
+        raise ValueError("deepseek with attention_bias=true is not supported")
+    return {"q_lora_rank": int(cfg.get("q_lora_rank") or 0), "kv_lora_rank": latent, "qk_nope_head_dim": nope,
+            "v_head_dim": v, "head_dim": latent + rope, "rotary_dim": rope, "num_key_value_heads": 1,
+            "attention_multiplier": scale, "attention_bias": False, "qk_norm": False}
 
 
 def _olmo(cfg: dict, model_type: str) -> dict:

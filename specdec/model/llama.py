@@ -336,7 +336,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.n_group, self.topk_group = cfg.router_sigmoid, cfg.n_group, cfg.topk_group
-        self.scaling = cfg.routed_scaling_factor
+        self.scaling, self.group_by_max = cfg.routed_scaling_factor, cfg.group_by_max
         # the experts' choice bias (fp32; DeepSeek-V3's e_score_correction_bias)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_sigmoid else None
         # a shared expert every token takes (Qwen2-MoE, Granite MoE shared), Qwen2-MoE's behind a sigmoid gate
@@ -346,29 +346,33 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-        if self.sigmoid:
-            return self._route_sigmoid(x)
+        if self.sigmoid or self.n_group > 1 or self.scaling != 1.0:
+            return self._route_deepseek(x)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def _route_sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """DeepSeek-V3's "noaux_tc": sigmoid scores; the choice biased by e_score_correction_bias
-        and kept within the topk_group groups whose two best biased scores sum highest; the
-        chosen experts' unbiased scores as weights, renormalised, x routed_scaling_factor."""
-        scores = torch.sigmoid(self.gate(x).float())
-        choice = scores + self.e_score_correction_bias.float()
+    def _route_deepseek(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """DeepSeek's routers. V3's "noaux_tc" (GLM-4.5's too): sigmoid scores; the choice biased
+        by e_score_correction_bias and kept within the topk_group groups whose two best biased
+        scores sum highest; the chosen experts' unbiased scores as weights, renormalised, x
+        routed_scaling_factor. V2's: softmax scores, groups ranked by their best (group_by_max),
+        x routed_scaling_factor."""
+        logits = self.gate(x).float()
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores + self.e_score_correction_bias.float() if self.sigmoid else scores
         if self.n_group > 1:
             T, E = choice.shape
-            groups = choice.view(T, self.n_group, E // self.n_group).topk(2, dim=-1).values.sum(-1)
+            per_group = choice.view(T, self.n_group, E // self.n_group)
+            groups = per_group.amax(-1) if self.group_by_max else per_group.topk(2, dim=-1).values.sum(-1)
             keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, 1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
         return (weights * self.scaling).to(x.dtype), ids
 
     def forward(self, x: Tensor) -> Tensor:
@@ -400,7 +404,11 @@ class DecoderLayer(nn.Module):
         self.pre_norms = cfg.pre_norms
         if self.pre_norms:
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        if cfg.kv_lora_rank:                # DeepSeek-V2 / V3's multi-head latent attention
+            from .mla import MLAttention
+            self.self_attn = MLAttention(cfg)
+        else:
+            self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if index in cfg.moe_layers else MLP(cfg)
         self.residual_scale = cfg.residual_multiplier      # Granite: each block's output scaled before its add
@@ -453,6 +461,8 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     embedding and the hidden size stay whole. The same config when tp_size is 1."""
     if tp_size == 1:
         return cfg
+    if cfg.kv_lora_rank:
+        raise ValueError(f"tensor parallelism is not supported for {cfg.model_type}'s multi-head latent attention yet")
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     for name, n in (("num_attention_heads", H), ("intermediate_size", inter),
                     ("moe_intermediate_size", cfg.moe_intermediate_size), ("shared_expert_size", cfg.shared_expert_size)):

@@ -35,6 +35,7 @@ from .checkpoint import MTP_PREFIX, CheckpointError, hf_to_fused, is_mtp_weight,
 from .config import ModelConfig, text_config
 from .kv import KVCache
 from .llama import Linear, RMSNorm, Transformer
+from .mla import deinterleave_rope, rope_interleaved
 from .quant import pack_q8_0
 
 
@@ -148,6 +149,8 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
             torch.equal(embeds.to(target.model.embed_tokens.weight.dtype), target.model.embed_tokens.weight.cpu()):
         embeds = None                                        # the target's own (DeepSeek-V3's): shared
     head = MTPHead(cfg, embeds_first=not mimo, embedding_rows=embeds.shape[0] if embeds is not None else 0)
+    if cfg.kv_lora_rank and rope_interleaved(raw):      # DeepSeek's latent attention (model/mla.py)
+        layer = deinterleave_rope(layer, cfg)
     state = {**own, **{"decoder." + k: v for k, v in hf_to_fused(layer, cfg).items()}}
     if embeds is not None:
         state["embed_tokens.weight"] = embeds

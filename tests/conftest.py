@@ -70,7 +70,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
         kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
               "qk_nope_head_dim": 32, "v_head_dim": 24, "pad_token_id": None, "num_key_value_heads": 4,
-              **({"q_lora_rank": 48, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0} if arch == "deepseek_v3"
+              **({"q_lora_rank": 64, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0} if arch == "deepseek_v3"
                  else {"q_lora_rank": None, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5}), **kw}
     if arch.startswith("gemma"):                 # their head size defaults to 256
         kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}

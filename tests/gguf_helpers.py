@@ -20,7 +20,13 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",      # phi3's fused tensors
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              # GLM-4.5 / DeepSeek: shared experts; DeepSeek's latent attention
+              "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+              "mlp.shared_experts.down_proj": "ffn_down_shexp", "self_attn.q_a_proj": "attn_q_a",
+              "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+              "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+              "self_attn.kv_b_proj": "attn_kv_b"}
 
 
 # Gemma 2 / 3's sandwich norms: post_attention_layernorm norms the attention's output there
@@ -131,7 +137,9 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     (default: F32 everywhere)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-                    "mixtral": "llama", "granitemoeshared": "granitemoe"}.get(cfg["model_type"], cfg["model_type"])
+                    "mixtral": "llama", "granitemoeshared": "granitemoe", "glm4_moe": "glm4moe",
+                    "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
+    meta = dict(metadata or {})       # keys given here replace the ones derived below
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
@@ -140,26 +148,31 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), arch)
     w.add_name(name)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+
+    def base(key, add, value):          # a derived key, unless `metadata` gives it
+        if f"{arch}.{key}" not in meta:
+            add(value)
+    base("context_length", w.add_context_length, cfg["max_position_embeddings"])
+    base("embedding_length", w.add_embedding_length, cfg["hidden_size"])
+    base("block_count", w.add_block_count, cfg["num_hidden_layers"])
+    base("feed_forward_length", w.add_feed_forward_length, cfg["intermediate_size"])
+    base("attention.head_count", w.add_head_count, heads)
+    base("attention.head_count_kv", w.add_head_count_kv, kv)
     rope = cfg.get("rope_parameters") or {}      # a partial rotary (Phi-4-mini): the rotated dims, as llama.cpp
-    w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1)))
+    base("rope.dimension_count", w.add_rope_dimension_count,
+         int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1)))
     if cfg.get("head_dim"):          # as llama.cpp's converter: the head size where config.json names it
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+        base("attention.key_length", w.add_key_length, head_dim)
+        base("attention.value_length", w.add_value_length, head_dim)
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)        # Gemma 3: its global layers' (the local base is llama.cpp's 10000)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    base("rope.freq_base", w.add_rope_freq_base, float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    base("attention.layer_norm_rms_epsilon", w.add_layer_norm_rms_eps, float(cfg["rms_norm_eps"]))
     w.add_file_type(1)
     _write_vocab(w, vocab or byte_level_vocab(hf_dir), pre, bos, eos, add_bos)
     if chat_template:
         w.add_chat_template(_CHAT if chat_template == "default" else chat_template)
-    for key, value in (metadata or {}).items():
+    for key, value in meta.items():
         (w.add_array if isinstance(value, list) else w.add_string if isinstance(value, str)
          else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     qtypes = qtypes or (lambda n, ndim: T.F32)
@@ -168,11 +181,13 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
     sd = _stack_experts(sd, cfg)
     if "num_experts_per_tok" in cfg:     # llama.cpp's expert keys
-        w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        base("expert_count", w.add_expert_count, cfg.get("num_local_experts") or cfg.get("num_experts")
+             or cfg.get("n_routed_experts"))
+        base("expert_used_count", w.add_expert_used_count, cfg["num_experts_per_tok"])
         if cfg.get("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2")): v for k, v in sd.items()}
+            base("expert_feed_forward_length", w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+    # GLM-4.5's MLP input norm is llama.cpp's post_attention_norm, as in the sandwich families
+    tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2", "glm4moe")): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})
     for gname, v in tensors.items():
         if gname in skip:
@@ -208,6 +223,8 @@ def _stack_experts(sd: dict, cfg: dict) -> dict:
                 out[f"blk.{i}.ffn_gate_shexp.weight"], out[f"blk.{i}.ffn_up_shexp.weight"] = v[:half], v[half:]
             else:
                 out[f"blk.{i}.ffn_down_shexp.weight"] = v
+        elif k.endswith("mlp.gate.e_score_correction_bias"):     # GLM-4.5 / DeepSeek-V3's choice bias
+            out[f"blk.{parts[2]}.exp_probs_b.bias"] = v
         elif k.endswith("shared_expert_gate.weight"):      # Qwen2-MoE: llama.cpp keeps it as a vector
             out[f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"] = v.reshape(-1)
         elif parts[-2] in ("input_linear", "output_linear"):       # GraniteMoE: stacked already, gate and up fused

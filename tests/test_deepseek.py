@@ -46,7 +46,7 @@ def test_config_and_latent_cache(files, tmp_path):
     cfg = model.config
     v3 = files["arch"] == "deepseek_v3"
     assert (cfg.kv_lora_rank, cfg.rotary_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank) == \
-        (32, 16, 32, 24, 48 if v3 else 0)
+        (32, 16, 32, 24, 64 if v3 else 0)
     assert (cfg.router_sigmoid, cfg.group_by_max, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == \
         ((True, False, 2, 1, 2.5) if v3 else (False, True, 2, 1, 1.5))
     assert isinstance(model.model.layers[0].self_attn, MLAttention)
@@ -198,3 +198,75 @@ def test_mtp_greedy_equals_plain(v3_mtp):
     llm = LLM(model=v3_mtp["hf"], dtype="float32", max_num_seqs=4,
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None):
+    """llama.cpp's deepseek2 file of the folder, as its converter writes it: MLA as one KV head of
+    kv_lora_rank + rope dims (key_length) with the head sizes under key_length_mla /
+    value_length_mla, sigmoid gating (2) for V3, YaRN's mscale_all_dim as yarn_log_multiplier;
+    split_kv_b: kv_b_proj as k_b [H, latent, nope] and v_b [H, v, latent] (its converters since
+    the MLA cache), else the older attn_kv_b."""
+    from gguf_helpers import write_gguf
+    cfg = json.loads((files["hf"] / "config.json").read_text())
+    H, C, r, nope, v = (cfg[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                         "v_head_dim"))
+    a = "deepseek2."
+    meta = {a + "attention.head_count_kv": 1, a + "leading_dense_block_count": cfg["first_k_dense_replace"],
+            a + "vocab_size": cfg["vocab_size"], a + "attention.kv_lora_rank": C, a + "attention.key_length": C + r,
+            a + "attention.value_length": C, a + "attention.key_length_mla": nope + r,
+            a + "attention.value_length_mla": v, a + "rope.dimension_count": r,
+            a + "expert_shared_count": cfg["n_shared_experts"], a + "expert_weights_scale": float(cfg["routed_scaling_factor"]),
+            a + "expert_group_count": cfg["n_group"], a + "expert_group_used_count": cfg["topk_group"]}
+    if cfg["model_type"] == "deepseek_v3":
+        meta.update({a + "attention.q_lora_rank": cfg["q_lora_rank"], a + "expert_gating_func": 2,
+                     a + "expert_weights_norm": True})
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn":
+        meta.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": float(rope["factor"]),
+                     a + "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+                     a + "rope.scaling.yarn_log_multiplier": 0.1 * rope["mscale_all_dim"]})
+    extra, skip = {}, ()
+    if split_kv_b:
+        sd = load_file(str(files["hf"] / "model.safetensors"))
+        for i in range(L):
+            kv_b = sd[f"model.layers.{i}.self_attn.kv_b_proj.weight"].view(H, nope + v, C)
+            extra[f"blk.{i}.attn_k_b.weight"] = kv_b[:, :nope].transpose(1, 2).contiguous().numpy()
+            extra[f"blk.{i}.attn_v_b.weight"] = kv_b[:, nope:].contiguous().numpy()
+        skip = tuple(f"blk.{i}.attn_kv_b.weight" for i in range(L))
+    return write_gguf(files["hf"], out, qtypes=qtypes, metadata=meta, extra_tensors=extra, skip=skip)
+
+
+@pytest.mark.parametrize("split_kv_b", [False, True], ids=["kv_b", "k_b-v_b"])
+def test_gguf_equals_the_checkpoint(files, tmp_path, split_kv_b):
+    """An F32 deepseek2 file: the same config, the same logits as the folder (whole and paged)."""
+    path = deepseek_gguf(files, tmp_path / "f32.gguf", split_kv_b)
+    ours = load_model(path)
+    hf_cfg = load_model(files["hf"], "float32").config
+    fields = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim", "head_dim",
+              "num_key_value_heads", "moe_layers", "num_experts", "shared_expert_size", "router_sigmoid", "n_group",
+              "topk_group", "group_by_max", "routed_scaling_factor", "norm_topk_prob")
+    assert [getattr(ours.config, f) for f in fields] == [getattr(hf_cfg, f) for f in fields]
+    assert ours.config.attention_multiplier == pytest.approx(hf_cfg.attention_multiplier, rel=1e-6)
+    with torch.no_grad():
+        expected = reference(files["hf"])(IDS).logits[0]
+        torch.testing.assert_close(ours(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cached_logits(ours, IDS[0], [(0, 5), (5, 12)]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_gguf_speculation_equals_plain(files, tmp_path):
+    """A Q8_0 file kept packed (its projections as quantized panels; kv_b dense): greedy with
+    ngram and layer-skip drafts, four at once, equals plain decoding of the same file."""
+    from gguf_helpers import T
+    from specdec.model.quant import QuantLinear
+    path = deepseek_gguf(files, tmp_path / "q8.gguf", True,
+                         qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
+    model = load_model(path)
+    assert isinstance(model.model.layers[0].self_attn.kv_a_proj_with_mqa, QuantLinear)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0, max_num_seqs=1).generate(
+        prompts, params)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
+        llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec

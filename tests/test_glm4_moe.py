@@ -161,3 +161,52 @@ def test_mtp_greedy_equals_plain(files, mtp, monkeypatch, c_path):
                  {"method": "mtp", "num_speculative_tokens": 4, "topk": 2}):
         llm = LLM(model=mtp["hf"], dtype="float32", max_num_seqs=4, speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec
+
+
+def glm_gguf(files, out, qtypes=None):
+    """llama.cpp's glm4moe file of the folder (its converter's keys: sigmoid gating, the shared
+    experts, the leading dense layer; the MLP's input norm as post_attention_norm)."""
+    from gguf_helpers import write_gguf
+    cfg = json.loads((files["hf"] / "config.json").read_text())
+    a = "glm4moe."
+    meta = {a + "expert_shared_count": cfg["n_shared_experts"], a + "leading_dense_block_count": cfg["first_k_dense_replace"],
+            a + "expert_gating_func": 2, a + "expert_weights_scale": float(cfg["routed_scaling_factor"]),
+            a + "expert_weights_norm": True, a + "expert_group_count": cfg["n_group"],
+            a + "expert_group_used_count": cfg["topk_group"]}
+    return write_gguf(files["hf"], out, qtypes=qtypes, metadata=meta)
+
+
+def test_gguf_equals_the_checkpoint(files, tmp_path):
+    path = glm_gguf(files, tmp_path / "f32.gguf")
+    ours = load_model(path)
+    ref = load_model(files["hf"], "float32")
+    fields = ("model_type", "rotary_dim", "qk_norm", "attention_bias", "moe_layers", "num_experts", "shared_expert_size",
+              "router_sigmoid", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")
+    assert [getattr(ours.config, f) for f in fields] == [getattr(ref.config, f) for f in fields]
+    with torch.no_grad():
+        expected = reference(files["hf"])(IDS).logits[0]
+        torch.testing.assert_close(ours(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
+        cache = ours.new_cache(batch=1)
+        parts = []
+        for a, b in ((0, 5), (5, 12)):
+            parts.append(ours(IDS[0, a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
+            cache.set_length(0, b)
+        torch.testing.assert_close(torch.cat(parts), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_gguf_speculation_equals_plain(files, tmp_path):
+    """A Q8_0 file kept packed, on the C forward where it runs: greedy with ngram and layer-skip
+    drafts, four at once, equals plain decoding of the same file."""
+    from gguf_helpers import T
+    from specdec.model.quant import QuantLinear
+    path = glm_gguf(files, tmp_path / "q8.gguf", qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
+    model = load_model(path)
+    assert isinstance(model.model.layers[1].mlp.experts[0].gate_up_proj, QuantLinear)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0, max_num_seqs=1).generate(
+        prompts, params)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
+        llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec

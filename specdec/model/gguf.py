@@ -27,6 +27,7 @@ Q4_K_M files), are dequantized at load to the model dtype.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +37,14 @@ from torch import nn
 from .config import GEMMA, ModelConfig, longrope_attention_factor
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
+from .mla import rope_row_order
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
-                 "olmo2", "qwen3moe", "olmoe", "granitemoe", "qwen2moe")
+                 "olmo2", "qwen3moe", "olmoe", "granitemoe", "qwen2moe", "glm4moe", "deepseek2")
+# read through a Hugging Face config built from their metadata (_hf_config); MTP ("nextn")
+# blocks after the last layer are left out
+HF_LIKE = ("glm4moe", "deepseek2")
+MLP_NORM = {"glm4_moe": "post_attention_norm"}     # the MLP's input norm where it is not ffn_norm
 MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}   # GGUF architecture -> Hugging Face model_type
 # llama.cpp's default for renormalising the chosen experts' weights (its expert_weights_norm key wins)
 EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True, "granitemoe": True, "qwen2moe": False}
@@ -119,10 +125,17 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: metadata lacks {key}")
         return value
 
+    @property
+    def nextn_layers(self) -> int:
+        """MTP blocks stored after the last layer (llama.cpp's nextn_predict_layers)."""
+        return int(self.get(f"{self.architecture}.nextn_predict_layers") or 0)
+
     def config(self) -> ModelConfig:
         arch = self.architecture
         if arch not in ARCHITECTURES:
             raise GGUFError(f"{self.path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+        if arch in HF_LIKE:
+            return ModelConfig.from_hf(self._hf_config())
         a = lambda key, default=None: self.get(f"{arch}.{key}", default)  # noqa: E731
         n_heads = int(self.require(f"{arch}.attention.head_count"))
         hidden = int(self.require(f"{arch}.embedding_length"))
@@ -187,6 +200,65 @@ class GGUFFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+    def _hf_config(self) -> dict:
+        """GLM-4.5's and DeepSeek-V2 / V3's config.json from llama.cpp's keys (its converters'
+        names; expert_gating_func 2 is sigmoid routing, 1 or none softmax; DeepSeek's
+        yarn_log_multiplier is 0.1 x mscale_all_dim; files before MLA's split store the head
+        sizes as key_length / value_length)."""
+        arch = self.architecture
+        a = lambda key, default=None: self.get(f"{arch}.{key}", default)  # noqa: E731
+        req = lambda key: self.require(f"{arch}.{key}")  # noqa: E731
+        heads, hidden = int(req("attention.head_count")), int(req("embedding_length"))
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise GGUFError(f"{self.path}: no token_embd.weight tensor")
+        sigmoid = int(a("expert_gating_func") or 1) == 2
+        groups, used_groups = int(a("expert_group_count") or 1), int(a("expert_group_used_count") or 1)
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        cfg = {"vocab_size": int(a("vocab_size") or embd.shape[1]), "hidden_size": hidden, "num_attention_heads": heads,
+               "intermediate_size": int(req("feed_forward_length")),
+               "num_hidden_layers": int(req("block_count")) - self.nextn_layers,
+               "max_position_embeddings": int(a("context_length", 4096)),
+               "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+               "rope_theta": float(a("rope.freq_base", 10000.0)), "tie_word_embeddings": "output.weight" not in self.tensors,
+               "n_routed_experts": int(req("expert_count")), "num_experts_per_tok": int(req("expert_used_count")),
+               "moe_intermediate_size": int(req("expert_feed_forward_length")),
+               "n_shared_experts": int(a("expert_shared_count") or 0),
+               "first_k_dense_replace": int(a("leading_dense_block_count") or 0),
+               "routed_scaling_factor": float(a("expert_weights_scale") or 1.0),
+               "norm_topk_prob": bool(a("expert_weights_norm") or False), "n_group": groups, "topk_group": used_groups,
+               "bos_token_id": self.get("tokenizer.ggml.bos_token_id"), "eos_token_id": None if eos is None else int(eos)}
+        kind = a("rope.scaling.type")
+        if kind not in (None, "none", "yarn"):
+            raise GGUFError(f"{self.path}: unsupported rope scaling {kind!r} for {arch} (supported: yarn)")
+        if kind == "yarn":
+            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": float(req("rope.scaling.factor")),
+                                   "original_max_position_embeddings": int(a("rope.scaling.original_context_length")
+                                                                           or cfg["max_position_embeddings"])}
+            mul = a("rope.scaling.yarn_log_multiplier")
+            if mul and arch == "deepseek2":      # mscale = mscale_all_dim: cos and sin unscaled, as DeepSeek's configs
+                cfg["rope_scaling"].update(mscale=float(mul) / 0.1, mscale_all_dim=float(mul) / 0.1)
+        if arch == "glm4moe":
+            if not sigmoid:
+                raise GGUFError(f"{self.path}: glm4moe with softmax routing is not supported (expert_gating_func 2)")
+            head_dim = int(a("attention.key_length") or hidden // heads)
+            cfg.update(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", head_dim=head_dim,
+                       num_key_value_heads=int(a("attention.head_count_kv") or heads),
+                       partial_rotary_factor=int(a("rope.dimension_count") or head_dim) / head_dim,
+                       attention_bias="blk.0.attn_q.bias" in self.tensors,
+                       use_qk_norm="blk.0.attn_q_norm.weight" in self.tensors)
+            return cfg
+        rope = int(req("rope.dimension_count"))
+        key_mla, value_mla = a("attention.key_length_mla"), a("attention.value_length_mla")
+        cfg.update(architectures=["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+                   model_type="deepseek_v3" if sigmoid else "deepseek_v2",
+                   q_lora_rank=a("attention.q_lora_rank"), kv_lora_rank=int(req("attention.kv_lora_rank")),
+                   qk_rope_head_dim=rope, qk_nope_head_dim=int(key_mla or req("attention.key_length")) - rope,
+                   v_head_dim=int(value_mla or req("attention.value_length")), rope_interleave=True,
+                   topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy")
+        return cfg
 
 
 def _moe_fields(g: GGUFFile, arch: str, n_layers: int) -> dict:
@@ -277,16 +349,40 @@ def _gate_up_names(cfg: ModelConfig, p: str) -> list[str]:
     return [p + "ffn_up.weight"] if cfg.model_type in FUSED else [p + "ffn_gate.weight", p + "ffn_up.weight"]
 
 
-def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _mla_shapes(cfg: ModelConfig, p: str, split_kv_b: bool) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's latent attention tensors (llama.cpp's names; kv_b split into k_b, stored
+    [H, latent, nope], and v_b, [H, v, latent], by its converters since MLA's cache)."""
+    d, H, r, C = cfg.hidden_size, cfg.num_attention_heads, cfg.rotary_dim, cfg.kv_lora_rank
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    out = {p + "attn_kv_a_mqa.weight": (C + r, d), p + "attn_kv_a_norm.weight": (C,)}
+    if cfg.q_lora_rank:
+        out.update({p + "attn_q_a.weight": (cfg.q_lora_rank, d), p + "attn_q_a_norm.weight": (cfg.q_lora_rank,),
+                    p + "attn_q_b.weight": (H * (nope + r), cfg.q_lora_rank)})
+    else:
+        out[p + "attn_q.weight"] = (H * (nope + r), d)
+    if split_kv_b:
+        out.update({p + "attn_k_b.weight": (H, C, nope), p + "attn_v_b.weight": (H, v, C)})
+    else:
+        out[p + "attn_kv_b.weight"] = (H * (nope + v), C)
+    return out
+
+
+def _shapes(cfg: ModelConfig, split_kv_b: bool = False) -> dict[str, tuple[int, ...]]:
     """Expected tensor shapes, PyTorch order ([out, in])."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    if cfg.kv_lora_rank:
+        q = cfg.num_attention_heads * cfg.v_head_dim      # attn_output's input
     out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_hidden_layers):
         p = f"blk.{i}."
         out.update({p + "attn_output.weight": (d, q)})
+        if cfg.kv_lora_rank:
+            out.update(_mla_shapes(cfg, p, split_kv_b))
+        if cfg.router_sigmoid and i in cfg.moe_layers:
+            out[p + "exp_probs_b.bias"] = (cfg.num_experts,)
         if i in cfg.moe_layers:             # a router and each expert's matrices stacked: [E, rows, in]
             E, fm = cfg.num_experts, cfg.moe_intermediate_size
             out.update({p + "ffn_gate_inp.weight": (E, d), p + "ffn_gate_exps.weight": (E, fm, d),
@@ -300,11 +396,12 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             out[p + "ffn_down.weight"] = (d, f)
         if cfg.pre_norms:
-            out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+            out.update({p + "attn_norm.weight": (d,), p + MLP_NORM.get(cfg.model_type, "ffn_norm") + ".weight": (d,)})
         if cfg.model_type in FUSED:
             out.update({p + "attn_qkv.weight": (q + 2 * kv, d), p + "ffn_up.weight": (2 * f, d)})
         else:
-            out.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
+            if not cfg.kv_lora_rank:
+                out.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
             if i not in cfg.moe_layers:
                 out.update({p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)})
         if cfg.attention_bias:
@@ -319,13 +416,16 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
     """Every tensor the model needs is there, of a type and shape we can load; nothing else is."""
-    expected = _shapes(cfg)
+    expected = _shapes(cfg, "blk.0.attn_k_b.weight" in g.tensors)
     half = (cfg.rotary_dim or cfg.head_dim) // 2
     optional = {"rope_freqs.weight": (half,), "rope_factors_short.weight": (half,), "rope_factors_long.weight": (half,)}
     for name in expected:
         if name not in g.tensors:
             raise GGUFError(f"{g.path}: tensor {name} is missing")
     for name, t in g.tensors.items():
+        block = re.match(r"blk\.(\d+)\.", name)
+        if g.nextn_layers and block is not None and int(block.group(1)) >= cfg.num_hidden_layers:
+            continue                      # an MTP block (not loaded: the mtp method reads Hugging Face folders)
         shape = expected.get(name) or optional.get(name)
         if shape is None:
             raise GGUFError(f"{g.path}: unexpected tensor {name} for architecture {g.architecture}")
@@ -378,6 +478,8 @@ class _Builder:
         if self.cfg.model_type in PERMUTED and (kv or ".attn_q." in name):
             n = self.cfg.num_key_value_heads if kv else self.cfg.num_attention_heads
             rows = rows[rotary_unpermutation(rows.shape[0], n)]
+        if self.cfg.kv_lora_rank and (".attn_q." in name or ".attn_q_b." in name or ".attn_kv_a_mqa." in name):
+            rows = rows[rope_row_order(self.cfg, rows.shape[0], ".attn_kv_a_mqa." in name)]   # DeepSeek's pairs
         return rows
 
     def param(self, name: str, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -485,18 +587,23 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
         p = f"blk.{i}."
         if layer.pre_norms:
             layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
-            layer.mlp_norm.weight = b.norm(p + "ffn_norm.weight")
+            layer.mlp_norm.weight = b.norm(p + MLP_NORM.get(cfg.model_type, "ffn_norm") + ".weight")
         if layer.sandwich:
             layer.post_attention_layernorm.weight = b.norm(p + "post_attention_norm.weight")
             layer.post_feedforward_layernorm.weight = b.norm(p + "post_ffw_norm.weight")
-        biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
-        _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
+        if cfg.kv_lora_rank:
+            _mla(layer.self_attn, b, cfg, p)
+        else:
+            biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
+            _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
         _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
         if cfg.qk_norm:
             layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
             layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
         if i in cfg.moe_layers:
             _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"]))
+            if cfg.router_sigmoid:         # the choice bias, fp32
+                layer.mlp.e_score_correction_bias = b.param(p + "exp_probs_b.bias", torch.float32)
             for e, expert in enumerate(layer.mlp.experts):
                 _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
                 _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
@@ -522,6 +629,29 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
     if packed:
         model.use_fp32_activations()     # packed products take and return fp32
     return model
+
+
+def _mla(att: nn.Module, b: _Builder, cfg: ModelConfig, p: str) -> None:
+    """DeepSeek's latent attention from llama.cpp's tensors: its projections (packed where they
+    can be), norms, and kv_b_proj dense (model/mla.py reads its per-head slices), rebuilt from
+    k_b / v_b in the files that split it."""
+    if cfg.q_lora_rank:
+        _swap_linear(att, "q_a_proj", b.linear([p + "attn_q_a.weight"]))
+        att.q_a_layernorm.weight = b.norm(p + "attn_q_a_norm.weight")
+        _swap_linear(att, "q_b_proj", b.linear([p + "attn_q_b.weight"]))
+    else:
+        _swap_linear(att, "q_proj", b.linear([p + "attn_q.weight"]))
+    _swap_linear(att, "kv_a_proj_with_mqa", b.linear([p + "attn_kv_a_mqa.weight"]))
+    att.kv_a_layernorm.weight = b.norm(p + "attn_kv_a_norm.weight")
+    if p + "attn_kv_b.weight" in b.g.tensors:
+        kv_b = b.param(p + "attn_kv_b.weight").data
+    else:
+        H, C = cfg.num_attention_heads, cfg.kv_lora_rank
+        k_b, v_b = (b.g.tensors[p + f"attn_{x}_b.weight"] for x in "kv")
+        k = _dense(k_b, _raw_rows(k_b).reshape(-1, _raw_rows(k_b).shape[-1])).reshape(H, C, -1).transpose(1, 2)
+        v = _dense(v_b, _raw_rows(v_b).reshape(-1, _raw_rows(v_b).shape[-1])).reshape(H, -1, C)
+        kv_b = torch.cat([k, v], 1).reshape(-1, C).to(b.device, b.dtype)
+    att.kv_b_proj.weight = nn.Parameter(kv_b, requires_grad=False)
 
 
 def _set_embeddings(model: Transformer, b: _Builder, cfg: ModelConfig) -> None:

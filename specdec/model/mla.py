@@ -79,25 +79,30 @@ class MLAttention(nn.Module):
 _ROPE_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$")
 
 
-def deinterleave_rope(sd: dict[str, Tensor], cfg: ModelConfig, inverse: bool = False) -> dict[str, Tensor]:
-    """The rotary rows of q (each head's last qk_rope_head_dim) and of kv_a_proj_with_mqa (its
-    last qk_rope_head_dim) reordered from DeepSeek's interleaved pairs to evens then odds
-    (inverse: back). Other weights are returned as they are."""
+def rope_row_order(cfg: ModelConfig, rows: int, latent: bool, inverse: bool = False) -> Tensor:
+    """[rows] index reordering a weight's rotary rows from DeepSeek's interleaved pairs to evens
+    then odds (inverse: back): kv_a_proj_with_mqa's last qk_rope_head_dim rows (latent), else
+    the last qk_rope_head_dim rows of each query head."""
     r = cfg.rotary_dim
     order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
     if inverse:
         order = order.argsort()
+    if latent:
+        return torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+    per = cfg.qk_nope_head_dim + r
+    head = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + order])
+    return (torch.arange(rows // per)[:, None] * per + head).reshape(-1)
+
+
+def deinterleave_rope(sd: dict[str, Tensor], cfg: ModelConfig, inverse: bool = False) -> dict[str, Tensor]:
+    """The rotary rows of q (each head's last qk_rope_head_dim) and of kv_a_proj_with_mqa (its
+    last qk_rope_head_dim) reordered from DeepSeek's interleaved pairs to evens then odds
+    (inverse: back). Other weights are returned as they are."""
     out = dict(sd)
     for name, t in sd.items():
         m = _ROPE_ROWS.search(name)
-        if m is None:
-            continue
-        if m.group(1) == "kv_a_proj_with_mqa":
-            out[name] = torch.cat([t[:cfg.kv_lora_rank], t[cfg.kv_lora_rank:][order]])
-        else:
-            heads = t.view(-1, cfg.qk_nope_head_dim + r, t.shape[-1])
-            out[name] = torch.cat([heads[:, :cfg.qk_nope_head_dim], heads[:, cfg.qk_nope_head_dim:][:, order]], 1) \
-                .reshape(t.shape)
+        if m is not None:
+            out[name] = t[rope_row_order(cfg, t.shape[0], m.group(1) == "kv_a_proj_with_mqa", inverse)]
     return out
 
 

@@ -24,7 +24,8 @@ from specdec.model.llama import MoE
 from specdec.model.mla import MLAttention
 from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, cached_logits, check_greedy_equals_transformers_generate,
-                         check_speculative_greedy_equals_plain, reference, without_kernels)
+                         check_speculative_greedy_equals_plain, check_tensor_parallel_equals_tp1, reference,
+                         without_kernels)
 from test_heads import _heads_dirs
 
 L = 2
@@ -113,9 +114,24 @@ def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
     check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
 
 
-def test_tensor_parallelism_is_refused(files):
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for deepseek_v.'s multi-head latent"):
-        LLM(model=files["hf"], dtype="float32", tensor_parallel_size=2, num_speculative_tokens=0)
+@pytest.mark.tp
+def test_tensor_parallel_equals_tp1(files):
+    """Two ranks with two query heads each (their slices of q, kv_b and o), the latent rows
+    cached whole on both: logits within float tolerance of TP=1, greedy output identical."""
+    check_tensor_parallel_equals_tp1(files["hf"])
+
+
+@pytest.mark.tp
+def test_mtp_under_tensor_parallelism(v3_mtp):
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=v3_mtp["plain"], dtype="float32").generate(prompts, params)]
+    llm = LLM(model=v3_mtp["hf"], dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    finally:
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")

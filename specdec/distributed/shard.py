@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..model.llama import Linear, Transformer
+from ..model.mla import MLAttention
 from ..model.quant import BLOCKS, QuantLinear, dequantize
 from .comm import Collectives
 
@@ -112,15 +113,11 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
                      "post_feedforward_layernorm"):
             if hasattr(src, name):
                 setattr(dst, name, getattr(src, name))
-        dst.self_attn.qkv_proj = column(src.self_attn.qkv_proj, qkv_rows)
-        dst.self_attn.o_proj = RowParallel(row(src.self_attn.o_proj, q_rows), comm)
-        if src.self_attn.qk_full:     # OLMo 2 / OLMoE: norms over the whole projections, split
-            qn, kn = src.self_attn.q_norm, src.self_attn.k_norm
-            dst.self_attn.q_norm = ShardedRMSNorm(qn.weight.detach()[q_rows].clone(), qn.eps, H * hd, 1, comm)
-            dst.self_attn.k_norm = ShardedRMSNorm(kn.weight.detach()[kv_rows].clone(), kn.eps, kv_width,
-                                                  kv_replicas, comm)
-        else:   # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
-            dst.self_attn.q_norm, dst.self_attn.k_norm = src.self_attn.q_norm, src.self_attn.k_norm
+        if isinstance(src.self_attn, MLAttention):
+            _shard_mla(src.self_attn, dst.self_attn, rank, comm)
+        else:
+            _shard_attention(src.self_attn, dst.self_attn, qkv_rows, q_rows, kv_rows, H * hd, kv_width,
+                             kv_replicas, comm)
         if hasattr(src.mlp, "experts"):
             _shard_moe(src.mlp, dst.mlp, rank, comm)
             continue
@@ -129,6 +126,38 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
     widths = vocab_split(cfg.vocab_size, world)
     model.lm_head = VocabParallelHead(column(full.lm_head, _span(sum(widths[:rank]), widths[rank])), widths, comm)
     return model.eval().requires_grad_(False)
+
+
+def _shard_attention(src: nn.Module, dst: nn.Module, qkv_rows: Tensor, q_rows: Tensor, kv_rows: Tensor, q_width: int,
+                     kv_width: int, kv_replicas: int, comm: Collectives) -> None:
+    """Grouped-query attention: this rank's query heads and the KV heads they read."""
+    dst.qkv_proj = column(src.qkv_proj, qkv_rows)
+    dst.o_proj = RowParallel(row(src.o_proj, q_rows), comm)
+    if src.qk_full:     # OLMo 2 / OLMoE: norms over the whole projections, split
+        qn, kn = src.q_norm, src.k_norm
+        dst.q_norm = ShardedRMSNorm(qn.weight.detach()[q_rows].clone(), qn.eps, q_width, 1, comm)
+        dst.k_norm = ShardedRMSNorm(kn.weight.detach()[kv_rows].clone(), kn.eps, kv_width, kv_replicas, comm)
+    else:   # Qwen3's per-head q/k norms: one [hd] weight for every head, whole on each rank
+        dst.q_norm, dst.k_norm = src.q_norm, src.k_norm
+
+
+def _shard_mla(src: MLAttention, dst: MLAttention, rank: int, comm: Collectives) -> None:
+    """Latent attention (vLLM's split): this rank's query heads (q_proj / q_b_proj rows), their
+    slices of kv_b_proj and their o_proj columns; the latent projection kv_a, its norm and q_a
+    whole on every rank, so each rank caches the same [latent ; rotary key] rows."""
+    heads = _span(rank * dst.n_heads, dst.n_heads)[:, None]
+
+    def rows(per: int) -> Tensor:
+        return (heads * per + torch.arange(per)).reshape(-1)
+
+    qk = src.nope + src.rope
+    if src.q_proj is not None:
+        dst.q_proj = column(src.q_proj, rows(qk))
+    else:
+        dst.q_a_proj, dst.q_a_layernorm, dst.q_b_proj = src.q_a_proj, src.q_a_layernorm, column(src.q_b_proj, rows(qk))
+    dst.kv_a_proj_with_mqa, dst.kv_a_layernorm = src.kv_a_proj_with_mqa, src.kv_a_layernorm
+    dst.kv_b_proj = column(src.kv_b_proj, rows(src.nope + src.v_dim))
+    dst.o_proj = RowParallel(row(src.o_proj, rows(src.v_dim)), comm)
 
 
 def _shard_moe(src: nn.Module, dst: nn.Module, rank: int, comm: Collectives) -> None:

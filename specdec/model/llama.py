@@ -461,8 +461,6 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     embedding and the hidden size stay whole. The same config when tp_size is 1."""
     if tp_size == 1:
         return cfg
-    if cfg.kv_lora_rank:
-        raise ValueError(f"tensor parallelism is not supported for {cfg.model_type}'s multi-head latent attention yet")
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     for name, n in (("num_attention_heads", H), ("intermediate_size", inter),
                     ("moe_intermediate_size", cfg.moe_intermediate_size), ("shared_expert_size", cfg.shared_expert_size)):

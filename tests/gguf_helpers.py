@@ -26,7 +26,11 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.shared_experts.down_proj": "ffn_down_shexp", "self_attn.q_a_proj": "attn_q_a",
               "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
               "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-              "self_attn.kv_b_proj": "attn_kv_b"}
+              "self_attn.kv_b_proj": "attn_kv_b",
+              # MTP layers after the last (GLM-4.5 / DeepSeek-V3: llama.cpp's nextn tensors)
+              "enorm": "nextn.enorm", "hnorm": "nextn.hnorm", "eh_proj": "nextn.eh_proj",
+              "shared_head.norm": "nextn.shared_head_norm", "shared_head.head": "nextn.shared_head_head",
+              "embed_tokens": "nextn.embed_tokens"}
 
 
 # Gemma 2 / 3's sandwich norms: post_attention_layernorm norms the attention's output there

@@ -163,7 +163,7 @@ def test_mtp_greedy_equals_plain(files, mtp, monkeypatch, c_path):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec
 
 
-def glm_gguf(files, out, qtypes=None):
+def glm_gguf(files, out, qtypes=None, metadata=None):
     """llama.cpp's glm4moe file of the folder (its converter's keys: sigmoid gating, the shared
     experts, the leading dense layer; the MLP's input norm as post_attention_norm)."""
     from gguf_helpers import write_gguf
@@ -172,7 +172,7 @@ def glm_gguf(files, out, qtypes=None):
     meta = {a + "expert_shared_count": cfg["n_shared_experts"], a + "leading_dense_block_count": cfg["first_k_dense_replace"],
             a + "expert_gating_func": 2, a + "expert_weights_scale": float(cfg["routed_scaling_factor"]),
             a + "expert_weights_norm": True, a + "expert_group_count": cfg["n_group"],
-            a + "expert_group_used_count": cfg["topk_group"]}
+            a + "expert_group_used_count": cfg["topk_group"], **(metadata or {})}
     return write_gguf(files["hf"], out, qtypes=qtypes, metadata=meta)
 
 
@@ -210,3 +210,39 @@ def test_packed_gguf_speculation_equals_plain(files, tmp_path):
                  {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
         llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec
+
+
+@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+def test_mtp_from_gguf(files, mtp, tmp_path, quant):
+    """llama.cpp's layout: block L holds the MTP layer (nextn.* tensors and a decoder layer),
+    block_count counts it and nextn_predict_layers says so. The target leaves it out; the mtp
+    method reads it from the same file: the head's logits equal the folder's head's (F32), and
+    greedy speculation equals plain decoding of the file (F32 and packed Q8_0)."""
+    from gguf_helpers import T
+    qtypes = None if quant == "f32" else (lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
+    path = glm_gguf({"hf": mtp["hf"]}, tmp_path / f"{quant}.gguf", qtypes,
+                    {"glm4moe.block_count": L + 1, "glm4moe.nextn_predict_layers": 1})
+    target = load_model(path)
+    assert target.config.num_hidden_layers == L
+    head = load_mtp(path, target)
+    if quant == "f32":
+        ref_model = load_model(mtp["hf"], "float32")
+        ref = load_mtp(mtp["hf"], ref_model)
+        ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
+            embeds = ref_model.model.embed_tokens(ids[1:])
+            torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
+                                       atol=1e-4, rtol=1e-4)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
+    llm = LLM(model=str(path), max_num_seqs=3, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def test_mtp_needs_nextn_blocks(files, tmp_path):
+    from specdec.model import CheckpointError
+    path = glm_gguf(files, tmp_path / "plain.gguf")
+    with pytest.raises(CheckpointError, match="has no MTP blocks"):
+        LLM(model=str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})

@@ -584,39 +584,7 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
     with torch.device("meta"):
         model = Transformer(cfg)
     for i, layer in enumerate(model.model.layers):
-        p = f"blk.{i}."
-        if layer.pre_norms:
-            layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
-            layer.mlp_norm.weight = b.norm(p + MLP_NORM.get(cfg.model_type, "ffn_norm") + ".weight")
-        if layer.sandwich:
-            layer.post_attention_layernorm.weight = b.norm(p + "post_attention_norm.weight")
-            layer.post_feedforward_layernorm.weight = b.norm(p + "post_ffw_norm.weight")
-        if cfg.kv_lora_rank:
-            _mla(layer.self_attn, b, cfg, p)
-        else:
-            biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
-            _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
-        _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
-        if cfg.qk_norm:
-            layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
-            layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
-        if i in cfg.moe_layers:
-            _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"]))
-            if cfg.router_sigmoid:         # the choice bias, fp32
-                layer.mlp.e_score_correction_bias = b.param(p + "exp_probs_b.bias", torch.float32)
-            for e, expert in enumerate(layer.mlp.experts):
-                _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
-                _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
-            if cfg.shared_expert_size:
-                shared = layer.mlp.shared_expert
-                _swap_linear(shared, "gate_up_proj", b.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
-                _swap_linear(shared, "down_proj", b.linear([p + "ffn_down_shexp.weight"]))
-            if cfg.shared_expert_gate:     # stored as a vector [D]
-                layer.mlp.shared_expert_gate.weight = nn.Parameter(
-                    b.param(p + "ffn_gate_inp_shexp.weight").data.reshape(1, -1), requires_grad=False)
-        else:
-            _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
-            _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
+        _fill_layer(layer, b, cfg, f"blk.{i}.", i in cfg.moe_layers)
     model.model.norm.weight = b.norm("output_norm.weight")
     _set_embeddings(model, b, cfg)
     model.reset_rope(device)
@@ -629,6 +597,42 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
     if packed:
         model.use_fp32_activations()     # packed products take and return fp32
     return model
+
+
+def _fill_layer(layer: nn.Module, b: _Builder, cfg: ModelConfig, p: str, moe: bool) -> None:
+    """One decoder layer's weights from the tensors named p + ... (blk.{i}.)."""
+    if layer.pre_norms:
+        layer.input_layernorm.weight = b.norm(p + "attn_norm.weight")
+        layer.mlp_norm.weight = b.norm(p + MLP_NORM.get(cfg.model_type, "ffn_norm") + ".weight")
+    if layer.sandwich:
+        layer.post_attention_layernorm.weight = b.norm(p + "post_attention_norm.weight")
+        layer.post_feedforward_layernorm.weight = b.norm(p + "post_ffw_norm.weight")
+    if cfg.kv_lora_rank:
+        _mla(layer.self_attn, b, cfg, p)
+    else:
+        biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
+        _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
+    _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
+    if cfg.qk_norm:
+        layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
+        layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
+    if moe:
+        _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"]))
+        if cfg.router_sigmoid:         # the choice bias, fp32
+            layer.mlp.e_score_correction_bias = b.param(p + "exp_probs_b.bias", torch.float32)
+        for e, expert in enumerate(layer.mlp.experts):
+            _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
+            _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
+        if cfg.shared_expert_size:
+            shared = layer.mlp.shared_expert
+            _swap_linear(shared, "gate_up_proj", b.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
+            _swap_linear(shared, "down_proj", b.linear([p + "ffn_down_shexp.weight"]))
+        if cfg.shared_expert_gate:     # stored as a vector [D]
+            layer.mlp.shared_expert_gate.weight = nn.Parameter(
+                b.param(p + "ffn_gate_inp_shexp.weight").data.reshape(1, -1), requires_grad=False)
+    else:
+        _swap_linear(layer.mlp, "gate_up_proj", b.linear(_gate_up_names(cfg, p)))
+        _swap_linear(layer.mlp, "down_proj", b.linear([p + "ffn_down.weight"]))
 
 
 def _mla(att: nn.Module, b: _Builder, cfg: ModelConfig, p: str) -> None:
@@ -652,6 +656,59 @@ def _mla(att: nn.Module, b: _Builder, cfg: ModelConfig, p: str) -> None:
         v = _dense(v_b, _raw_rows(v_b).reshape(-1, _raw_rows(v_b).shape[-1])).reshape(H, -1, C)
         kv_b = torch.cat([k, v], 1).reshape(-1, C).to(b.device, b.dtype)
     att.kv_b_proj.weight = nn.Parameter(kv_b, requires_grad=False)
+
+
+def load_mtp_gguf(path: str | os.PathLike, target: Transformer):
+    """The first MTP ("nextn") block of a GGUF file (GLM-4.5's, as llama.cpp's converter writes
+    it: block num_hidden_layers holds a decoder layer and nextn.enorm / hnorm / eh_proj /
+    shared_head_norm / shared_head_head) as the drafter model/mtp.py describes, packed as the
+    target's file is where the kernels multiply its formats."""
+    from .checkpoint import resolve_dtype
+    from .mtp import MTPHead
+
+    g = GGUFFile(path)
+    if g.architecture not in ARCHITECTURES:
+        raise GGUFError(f"{g.path}: unsupported architecture {g.architecture!r}")
+    if g.nextn_layers < 1:
+        raise GGUFError(f"{g.path}: the file has no MTP blocks ({g.architecture}.nextn_predict_layers is not set)")
+    try:
+        full = g.config()
+    except ValueError as e:
+        raise GGUFError(f"{g.path}: {e}") from None
+    L = full.num_hidden_layers
+    p = f"blk.{L}."
+    moe = p + "ffn_gate_inp.weight" in g.tensors
+    cfg = full.replace(num_hidden_layers=1, moe_layers=(0,) if moe else (), tie_word_embeddings=False,
+                       sliding_window=None, sliding_layers=(), local_rope_theta=None)
+    need = [p + n for n in ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight",
+                            "nextn.shared_head_norm.weight", "attn_norm.weight", "attn_output.weight")]
+    missing = [n for n in need if n not in g.tensors]
+    if missing:
+        raise GGUFError(f"{g.path}: MTP tensor {missing[0]} is missing")
+    dtype = resolve_dtype(None, {"torch_dtype": "float32"})
+    device = target.device
+    packed = kernels_cover({t.tensor_type.name for t in g.tensors.values()} & set(QTYPES), torch.device(device))
+    b = _Builder(g, cfg, dtype, device, packed)
+    with torch.device("meta"):
+        head = MTPHead(cfg, embeds_first=True)
+    _fill_layer(head.decoder.model.layers[0], b, cfg, p, moe)
+    head.enorm.weight, head.hnorm.weight = b.norm(p + "nextn.enorm.weight"), b.norm(p + "nextn.hnorm.weight")
+    _swap_linear(head, "eh_proj", b.linear([p + "nextn.eh_proj.weight"]))
+    head.decoder.model.norm.weight = b.norm(p + "nextn.shared_head_norm.weight")
+    head.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, cfg.hidden_size, device=device),
+                                                          requires_grad=False)
+    if p + "nextn.shared_head_head.weight" in g.tensors:
+        _swap_linear(head.decoder, "lm_head", b.linear([p + "nextn.shared_head_head.weight"]))
+    else:
+        head.decoder.lm_head = target.lm_head
+    head.draft_vocab = torch.arange(cfg.vocab_size, device=device)
+    head.decoder.reset_rope(device)
+    left = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"GGUF MTP loader left {left[0]} unset")   # a bug here, not bad input
+    if packed or target.compute_dtype == torch.float32:
+        head.use_fp32_activations()
+    return head.eval().requires_grad_(False)
 
 
 def _set_embeddings(model: Transformer, b: _Builder, cfg: ModelConfig) -> None:

@@ -101,12 +101,19 @@ def _layer_config(raw: dict, index: int) -> ModelConfig:
 
 
 def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
-    """The first MTP layer of the Hugging Face folder `folder` (the target's own, usually) as a
-    drafter for `target`: weights in the target's dtype, on its device."""
+    """The first MTP layer of the Hugging Face folder or GGUF file `folder` (the target's own,
+    usually) as a drafter for `target`: weights in the target's dtype, on its device."""
+    from .gguf import GGUFError, find_gguf, load_mtp_gguf
+
     folder = Path(folder)
-    if folder.suffix == ".gguf" or not (folder / "config.json").is_file():
-        raise CheckpointError(f"{folder}: MTP layers are read from a Hugging Face folder (config.json and "
-                              "safetensors); a GGUF's are not supported")
+    try:
+        gguf_path = find_gguf(folder)
+        if gguf_path is not None:           # llama.cpp's nextn blocks (GLM-4.5's files)
+            return load_mtp_gguf(gguf_path, target)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: neither a Hugging Face folder (config.json) nor a GGUF file")
     raw = text_config(read_config(folder))
     if num_mtp_layers(raw) < 1:
         raise CheckpointError(f"{folder}: the checkpoint has no MTP layers (config.json's "

@@ -506,10 +506,14 @@ class Transformer(nn.Module):
         (the kernels widen them in registers) and the whole forward runs in one C call
         (kernels/forward.c); without the kernels, for CPUs whose bf16 arithmetic PyTorch
         emulates (slow). checkpoint.finish decides."""
+        from .mla import MLAttention
+
         self.compute_dtype = torch.float32
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.weight.data = mod.weight.data.float()
+            if isinstance(mod, MLAttention):     # read per head every step (never through a kernel): widened once
+                mod.kv_b_proj.weight.data = mod.kv_b_proj.weight.data.float()
             if isinstance(mod, Linear) and mod.bias is not None:   # Qwen2's q/k/v bias
                 mod.bias.data = mod.bias.data.float()
         return self

@@ -10,22 +10,22 @@ and experts) against transformers' own decoder layer; the cache's size; what is 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import make_checkpoint, noisy_head_copy
 from specdec import LLM, SamplingParams, kernels
-from specdec.model import ForwardBatch, load_model, save_model
+from specdec.model import load_model, save_model
 from specdec.model.llama import MoE
 from specdec.model.mla import MLAttention
 from specdec.model.mtp import load_mtp
-from arch_checks import (IDS, cached_logits, check_greedy_equals_transformers_generate,
+from arch_checks import (IDS, cached_logits, check_greedy_equals_transformers_generate,  # noqa: F401
                          check_speculative_greedy_equals_plain, check_tensor_parallel_equals_tp1, reference,
-                         without_kernels)
+                         test_logits_match_transformers, without_kernels)
+from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
 L = 2
@@ -39,7 +39,9 @@ def files(request, tmp_path_factory) -> dict:
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
     hf = make_checkpoint(root / "hf", arch=arch, layers=L, **CONFIGS[arch])
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), **_heads_dirs(hf, root)}
+    # c_forward: forward.c's whole forward does not run latent attention (its paged attention does)
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), "c_forward": False,
+            **_heads_dirs(hf, root)}
 
 
 def test_config_and_latent_cache(files, tmp_path):
@@ -60,23 +62,6 @@ def test_config_and_latent_cache(files, tmp_path):
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["rope_interleave"] is True
     with torch.no_grad():
         torch.testing.assert_close(reference(tmp_path / "saved")(IDS).logits, reference(files["hf"])(IDS).logits)
-
-
-@pytest.mark.parametrize("c_path", [True, False], ids=["c-attention", "pytorch"])
-def test_logits_match_transformers(files, monkeypatch, c_path):
-    """Whole sequences and the paged cache fed in chunks (forward.c's paged_attention over the
-    latent rows, or PyTorch's)."""
-    if c_path and kernels.load() is None:
-        pytest.skip("no C compiler or no AVX2/FMA here")
-    without_kernels(monkeypatch, c_path)
-    ours = load_model(files["hf"], "float32")
-    assert ours.c_view(ours.new_cache(1, 8)) is None        # the whole-forward C path does not run MLA
-    tokens = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = reference(files["hf"])(tokens).logits
-        tol = 1e-4 * max(1.0, ref.abs().max().item())
-        assert (ours(tokens).logits - ref).abs().max() < tol
-        assert (cached_logits(ours, tokens[0], [(0, 17), (17, 18), (18, 40)]) - ref[0]).abs().max() < tol
 
 
 def test_non_interleaved_rope(tmp_path):
@@ -137,74 +122,24 @@ def test_mtp_under_tensor_parallelism(v3_mtp):
 @pytest.fixture(scope="module")
 def v3_mtp(tmp_path_factory):
     """A V3 folder with an MTP layer after its last (enorm, hnorm, eh_proj, shared_head, and a
-    latent-attention + experts decoder layer), random weights, in interleaved-RoPE layout."""
-    folder = tmp_path_factory.mktemp("ds-mtp") / "hf"
-    make_checkpoint(folder, arch="deepseek_v3", layers=L)
-    sd = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(11)
-    p, D = f"model.layers.{L}.", 64
-    extra = {p + k[len("model.layers.1."):]: v + 0.05 * torch.randn(v.shape, generator=g)
-             for k, v in sd.items() if k.startswith("model.layers.1.")}
-    extra.update({p + "enorm.weight": 1 + 0.1 * torch.randn(D, generator=g), p + "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
-                  p + "eh_proj.weight": torch.randn(D, 2 * D, generator=g) * 0.1,
-                  p + "shared_head.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
-                  p + "shared_head.head.weight": sd["lm_head.weight"].clone(),
-                  p + "embed_tokens.weight": sd["model.embed_tokens.weight"].clone()})
-    save_file({**sd, **{k: v.contiguous() for k, v in extra.items()}}, str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    plain = folder.parent / "plain"
-    shutil.copytree(folder, plain)
-    save_file(sd, str(plain / "model.safetensors"))
-    (plain / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
-    return {"hf": folder, "plain": plain, "weights": extra}
+    latent-attention + experts decoder layer), random weights, in interleaved-RoPE layout; and
+    the folder without it."""
+    root = tmp_path_factory.mktemp("ds-mtp")
+    plain = make_checkpoint(root / "plain", arch="deepseek_v3", layers=L)
+    return {"hf": root / "hf", "plain": plain, "weights": add_mtp_layer(plain, root / "hf", L, 64)}
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c-attention", "pytorch"])
 def test_mtp_layer_matches_transformers_layer(v3_mtp, monkeypatch, c_path):
-    """The MTP head (whole, and paged in chunks) against its definition with transformers' own
-    DeepseekV3DecoderLayer at index L (latent attention, experts) and RoPE."""
+    """Against transformers' own DeepseekV3DecoderLayer at index L (latent attention, experts)."""
     if c_path and kernels.load() is None:
         pytest.skip("no C compiler or no AVX2/FMA here")
     without_kernels(monkeypatch, c_path)
-    hf = reference(v3_mtp["plain"])
-    w, p = v3_mtp["weights"], f"model.layers.{L}."
-    layer = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(hf.config, L).eval()
-    sd = {k[len(p):]: v for k, v in w.items() if k[len(p):].startswith(
-        ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")) and ".experts." not in k}
-    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[p + f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up")])
-                                                  for e in range(8)])
-    sd["mlp.experts.down_proj"] = torch.stack([w[p + f"mlp.experts.{e}.down_proj.weight"] for e in range(8)])
-    missing, unexpected = layer.load_state_dict(sd, strict=False)
-    assert not missing and not unexpected
-
-    def rms(x, name):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.rms_norm_eps) * w[p + name]
-
-    model = load_model(v3_mtp["hf"], "float32")
-    head = load_mtp(v3_mtp["hf"], model)
+    check_mtp_layer_matches_transformers(reference(v3_mtp["plain"]), v3_mtp["hf"], v3_mtp["weights"],
+                                         transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
+                                         L, 8)
+    head = load_mtp(v3_mtp["hf"], load_model(v3_mtp["hf"], "float32"))
     assert isinstance(head.decoder.model.layers[0].self_attn, MLAttention)
-    ids = torch.randint(2, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        feats = hf(ids[None], output_hidden_states=True).hidden_states[-1][0][:-1]
-        embeds = hf.model.embed_tokens(ids[1:])
-        T = feats.shape[0]
-        e = rms(embeds, "enorm.weight") * (torch.arange(T) != 0)[:, None]
-        x = torch.cat([e, rms(feats, "hnorm.weight")], -1) @ w[p + "eh_proj.weight"].T
-        pos = torch.arange(T)[None]
-        out = layer(x[None], position_embeddings=hf.model.rotary_emb(x[None], pos), attention_mask=None,
-                    position_ids=pos)
-        out = (out[0] if isinstance(out, tuple) else out)[0]
-        ref_logits = rms(out, "shared_head.norm.weight") @ w[p + "shared_head.head.weight"].T
-        whole = head(feats[None], embeds[None])
-        torch.testing.assert_close(whole.hidden[0], out, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
-        cache = head.decoder.new_cache(batch=1)
-        parts = []
-        for a, b in ((0, 7), (7, 8), (8, T)):
-            parts.append(head(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
-            cache.set_length(0, b)
-        torch.testing.assert_close(torch.cat(parts), ref_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_mtp_greedy_equals_plain(v3_mtp):

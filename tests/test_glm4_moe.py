@@ -9,12 +9,10 @@ decoder layer, tensor parallelism."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from conftest import make_checkpoint, noisy_head_copy
 from specdec import LLM, SamplingParams, kernels
@@ -24,6 +22,7 @@ from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, NO_KERNELS, check_greedy_equals_transformers_generate,  # noqa: F401
                          check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers,
                          test_speculative_greedy_equals_plain, without_kernels)
+from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
 L = 2
@@ -84,69 +83,17 @@ def mtp(files, tmp_path_factory):
     """The checkpoint with an MTP layer after its last (GLM's layout: enorm, hnorm, eh_proj,
     shared_head, and a mixture-of-experts decoder layer), random weights."""
     folder = tmp_path_factory.mktemp("glm-mtp") / "hf"
-    shutil.copytree(files["hf"], folder)
-    sd = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(11)
-    p = f"model.layers.{L}."
-    extra = {p + k[len("model.layers.1."):]: v + 0.05 * torch.randn(v.shape, generator=g)
-             for k, v in sd.items() if k.startswith("model.layers.1.")}   # a decoder layer of the same kind
-    D = 64
-    extra.update({p + "enorm.weight": 1 + 0.1 * torch.randn(D, generator=g), p + "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
-                  p + "eh_proj.weight": torch.randn(D, 2 * D, generator=g) * 0.1,
-                  p + "shared_head.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
-                  p + "shared_head.head.weight": sd["lm_head.weight"].clone(),
-                  p + "embed_tokens.weight": sd["model.embed_tokens.weight"].clone()})
-    save_file({**sd, **{k: v.contiguous() for k, v in extra.items()}}, str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    return {"hf": folder, "weights": extra}
+    return {"hf": folder, "weights": add_mtp_layer(files["hf"], folder, L, 64)}
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
 def test_mtp_layer_matches_transformers_layer(files, mtp, monkeypatch, c_path):
-    """The MTP head over a sequence (whole, and paged in chunks) against its definition with
-    transformers' own Glm4MoeDecoderLayer (index L: a mixture of experts) and RoPE."""
+    """Against transformers' own Glm4MoeDecoderLayer (index L: a mixture of experts) and RoPE."""
     if c_path and kernels.load() is None:
         pytest.skip("no C compiler or no AVX2/FMA here")
     without_kernels(monkeypatch, c_path)
-    hf = reference(files["hf"])
-    w, p = mtp["weights"], f"model.layers.{L}."
-    layer = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer(hf.config, L).eval()
-    sd = {k[len(p):]: v for k, v in w.items() if k[len(p):].startswith(
-        ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")) and ".experts." not in k}
-    experts = range(8)       # the module stacks its experts: gate_up [E, 2F, D], down [E, D, F]
-    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[p + f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up")])
-                                                  for e in experts])
-    sd["mlp.experts.down_proj"] = torch.stack([w[p + f"mlp.experts.{e}.down_proj.weight"] for e in experts])
-    missing, unexpected = layer.load_state_dict(sd, strict=False)
-    assert not missing and not unexpected
-
-    def rms(x, name):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.rms_norm_eps) * w[p + name]
-
-    model = load_model(mtp["hf"], "float32")
-    head = load_mtp(mtp["hf"], model)
-    ids = torch.randint(2, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        feats = hf(ids[None], output_hidden_states=True).hidden_states[-1][0][:-1]
-        embeds = hf.model.embed_tokens(ids[1:])
-        T = feats.shape[0]
-        e = rms(embeds, "enorm.weight") * (torch.arange(T) != 0)[:, None]
-        x = torch.cat([e, rms(feats, "hnorm.weight")], -1) @ w[p + "eh_proj.weight"].T
-        pos = torch.arange(T)[None]
-        out = layer(x[None], position_embeddings=hf.model.rotary_emb(x[None], pos), attention_mask=None,
-                    position_ids=pos)
-        out = (out[0] if isinstance(out, tuple) else out)[0]
-        ref_logits = rms(out, "shared_head.norm.weight") @ w[p + "shared_head.head.weight"].T
-        whole = head(feats[None], embeds[None])
-        torch.testing.assert_close(whole.hidden[0], out, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
-        cache = head.decoder.new_cache(batch=1)
-        parts = []
-        for a, b in ((0, 7), (7, 8), (8, T)):
-            parts.append(head(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
-            cache.set_length(0, b)
-        torch.testing.assert_close(torch.cat(parts), ref_logits, atol=1e-4, rtol=1e-4)
+    check_mtp_layer_matches_transformers(reference(files["hf"]), mtp["hf"], mtp["weights"],
+                                         transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer, L, 8)
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

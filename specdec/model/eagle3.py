@@ -31,7 +31,7 @@ from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .kv import KVCache
 from .llama import MLP, Attention, Linear, RMSNorm, Transformer
-from .quant import pack_q8_0
+from .heads import place_head
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
@@ -201,7 +201,6 @@ def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:
     head = Eagle3Head(cfg, target_hidden, layers, draft_vocab, bool(raw.get("norm_before_residual", False)),
                       embedding_rows=own.shape[0] if own is not None else 0,
                       logit_scale=float(raw.get("logit_scale", 1.0)))
-    layer = head.decoder.model.layers[0]
     p = "layers.0."
     state = {"fc.weight": sd.pop("fc.weight", None), "decoder.model.norm.weight": sd.pop("norm.weight", None),
              "decoder.lm_head.weight": sd.pop("lm_head.weight")}
@@ -224,18 +223,7 @@ def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:
         if v.shape != expected[k]:
             raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(expected[k])}")
     head.load_state_dict(state, strict=False)
-    # a GGUF target kept packed has no dense LM-head weight: the head is stored and run in bf16
-    dtype = getattr(getattr(target.lm_head, "weight", None), "dtype", torch.bfloat16)
-    head = head.to(device=target.device)
-    for name, prm in head.named_parameters():
-        if prm.numel():
-            prm.data = prm.data.to(dtype)
-    head.decoder.reset_rope(target.device)
-    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations
-        head.use_fp32_activations()
-        if getattr(target.lm_head, "weight", None) is None:
-            pack_q8_0(head.decoder)
-    return head.eval().requires_grad_(False)
+    return place_head(head, target)
 
 
 def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, dtype=torch.bfloat16, extra: dict | None = None) -> None:

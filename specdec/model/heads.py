@@ -122,6 +122,27 @@ def save_heads(heads: MedusaHeads | EagleHead, folder: str | os.PathLike, dtype=
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def place_head(head: nn.Module, target: Transformer, lm_head: nn.Module | None = None) -> nn.Module:
+    """An EAGLE-3 or MTP head (a `decoder` Transformer beside its own modules) made ready to draft
+    for `target`: on its device, weights in its weight dtype (bf16 beside a packed GGUF target,
+    which has no dense LM head; routers' choice biases stay fp32), `lm_head` put in after the
+    cast (the target's own, shared), RoPE rebuilt, and fp32 activations where the target runs
+    bf16 weights with them (the decoder as Q8_0 panels beside a packed target)."""
+    dtype = getattr(getattr(target.lm_head, "weight", None), "dtype", torch.bfloat16)
+    head = head.to(device=target.device)
+    for name, p in head.named_parameters():
+        if p.numel() and not name.endswith("e_score_correction_bias"):
+            p.data = p.data.to(dtype)
+    if lm_head is not None:
+        head.decoder.lm_head = lm_head
+    head.decoder.reset_rope(target.device)
+    if target.compute_dtype == torch.float32 and dtype != torch.float32:
+        head.use_fp32_activations()
+        if getattr(target.lm_head, "weight", None) is None:
+            pack_q8_0(head.decoder)
+    return head.eval().requires_grad_(False)
+
+
 def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None = None):
     """Load a heads folder for `target`: weights in the target's dtype, on its device."""
     folder = Path(folder)

@@ -36,7 +36,7 @@ from .config import ModelConfig, text_config
 from .kv import KVCache
 from .llama import Linear, RMSNorm, Transformer
 from .mla import deinterleave_rope, rope_interleaved
-from .quant import pack_q8_0
+from .heads import place_head
 
 
 
@@ -178,16 +178,4 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
         if v.shape != expected[k]:
             raise CheckpointError(f"{folder}: MTP weight {k} is {tuple(v.shape)}, the config gives {tuple(expected[k])}")
     head.load_state_dict(state, strict=False)
-    dtype = getattr(getattr(target.lm_head, "weight", None), "dtype", torch.bfloat16)
-    head = head.to(device=target.device)
-    for name, p in head.named_parameters():
-        if p.numel():
-            p.data = p.data.to(dtype)
-    if shared_head:
-        head.decoder.lm_head = target.lm_head
-    head.decoder.reset_rope(target.device)
-    if target.compute_dtype == torch.float32 and dtype != torch.float32:   # bf16 weights, fp32 activations
-        head.use_fp32_activations()
-        if getattr(target.lm_head, "weight", None) is None:
-            pack_q8_0(head.decoder)
-    return head.eval().requires_grad_(False)
+    return place_head(head, target, target.lm_head if shared_head else None)

@@ -192,3 +192,19 @@ def test_greedy_output_equals_transformers_generate(files, path):
 def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
     """ngram, draft model, self-draft, layer skip, EAGLE tree and chain, alone and four at once."""
     check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
+
+
+def check_grouped_routing_matches_transformers(hf, layer: int = 1, group: int = 4) -> None:
+    """DeepSeek-style routers (GLM-4.5, DeepSeek-V2 / V3): each of 500 random tokens' experts and
+    weights from MoE.route equal transformers' router's (in any order), and both experts of a
+    token lie in one group of `group` (topk_group 1)."""
+    ref = reference(hf)
+    ours = load_model(hf, "float32").model.layers[layer].mlp
+    x = torch.randn(500, ref.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, w_ref, ids_ref = ref.model.layers[layer].mlp.gate(x)
+        w, ids = ours.route(x)
+    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref))
+    assert torch.equal(ids[:, 0] // group, ids[:, 1] // group)

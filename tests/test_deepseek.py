@@ -23,8 +23,8 @@ from specdec.model.llama import MoE
 from specdec.model.mla import MLAttention
 from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, cached_logits, check_greedy_equals_transformers_generate,  # noqa: F401
-                         check_speculative_greedy_equals_plain, check_tensor_parallel_equals_tp1, reference,
-                         test_logits_match_transformers, without_kernels)
+                         check_grouped_routing_matches_transformers, check_speculative_greedy_equals_plain,
+                         check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers, without_kernels)
 from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
@@ -73,16 +73,7 @@ def test_non_interleaved_rope(tmp_path):
 
 
 def test_routing_matches_transformers_router(files):
-    hf = reference(files["hf"])
-    ours = load_model(files["hf"], "float32").model.layers[1].mlp
-    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        _, w_ref, ids_ref = hf.model.layers[1].mlp.gate(x)
-        w, ids = ours.route(x)
-    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
-    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
-    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref))
-    assert torch.equal(ids[:, 0] // 4, ids[:, 1] // 4)        # one group of four per token
+    check_grouped_routing_matches_transformers(files["hf"])
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c-attention", "pytorch"])

@@ -20,8 +20,8 @@ from specdec.model import ForwardBatch, load_model, save_model
 from specdec.model.llama import MoE, shard_config
 from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, NO_KERNELS, check_greedy_equals_transformers_generate,  # noqa: F401
-                         check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers,
-                         test_speculative_greedy_equals_plain, without_kernels)
+                         check_grouped_routing_matches_transformers, check_tensor_parallel_equals_tp1, reference,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain, without_kernels)
 from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
@@ -51,18 +51,7 @@ def test_config_reads_and_writes_the_router(files, tmp_path):
 
 
 def test_routing_matches_transformers_router(files):
-    """Expert ids and weights of many tokens, PyTorch route() against transformers' router."""
-    hf = reference(files["hf"])
-    ours = load_model(files["hf"], "float32").model.layers[1].mlp
-    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        _, w_ref, ids_ref = hf.model.layers[1].mlp.gate(x)
-        w, ids = ours.route(x)
-    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
-    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
-    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref))
-    # the choice stays inside one group of four experts per token (topk_group 1 of n_group 2)
-    assert torch.equal(ids[:, 0] // 4, ids[:, 1] // 4)
+    check_grouped_routing_matches_transformers(files["hf"])
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

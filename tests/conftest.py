@@ -38,6 +38,7 @@ HF_CLASSES = {
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
 }
 
 
@@ -66,6 +67,11 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
         kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
               "attention_bias": True, "pad_token_id": None, "num_nextn_predict_layers": 0, **kw}
+    if arch == "glm4_moe_lite":                   # DeepSeek-V3's layers; the first dense by its mlp_layer_types
+        kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
+              "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+              "v_head_dim": 24, "q_lora_rank": 64, "routed_scaling_factor": 1.8, "pad_token_id": None,
+              "num_key_value_heads": 4, **kw}
     if arch.startswith("deepseek"):               # latent attention (32 + 16 rotary dims); 8 experts in 2 groups
         kw = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
@@ -90,7 +96,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
                 p.uniform_(-0.5, 1.0)
             if arch.startswith("olmo") and name.endswith("layernorm.weight"):   # OLMo's output norms
                 p.uniform_(0.5, 1.5)
-            if arch in ("glm4_moe", "deepseek_v2", "deepseek_v3") and name.endswith("mlp.gate.weight"):
+            if arch in ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite") and name.endswith("mlp.gate.weight"):
                 # GLM-4.5's and DeepSeek's routers start at zeros: every score ties
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():

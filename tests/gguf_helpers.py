@@ -142,7 +142,8 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                     "mixtral": "llama", "granitemoeshared": "granitemoe", "glm4_moe": "glm4moe",
-                    "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
+                    "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                    "glm4_moe_lite": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
     meta = dict(metadata or {})       # keys given here replace the ones derived below
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; Kimi K2 and Moonlight are V3):
+"""DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; Kimi K2 and Moonlight are V3) and
+GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`: V3's layers, its dense ones listed by mlp_layer_types):
 multi-head latent attention with the latent cache (model/mla.py) and DeepSeekMoE. Tiny folders
 written by transformers: V3 with q_a/q_b projections, interleaved RoPE and sigmoid group routing
 with a choice bias; V2 with a plain q_proj, YaRN with mscale_all_dim (the scores' temperature)
@@ -31,7 +32,7 @@ from test_heads import _heads_dirs
 L = 2
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                          "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}}
-CONFIGS = {"deepseek_v3": {}, "deepseek_v2": YARN}
+CONFIGS = {"deepseek_v3": {}, "deepseek_v2": YARN, "glm4_moe_lite": {}}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -47,11 +48,12 @@ def files(request, tmp_path_factory) -> dict:
 def test_config_and_latent_cache(files, tmp_path):
     model = load_model(files["hf"], "float32")
     cfg = model.config
-    v3 = files["arch"] == "deepseek_v3"
+    v2 = files["arch"] == "deepseek_v2"
     assert (cfg.kv_lora_rank, cfg.rotary_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank) == \
-        (32, 16, 32, 24, 64 if v3 else 0)
-    assert (cfg.router_sigmoid, cfg.group_by_max, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == \
-        ((True, False, 2, 1, 2.5) if v3 else (False, True, 2, 1, 1.5))
+        (32, 16, 32, 24, 0 if v2 else 64)
+    assert (cfg.router_sigmoid, cfg.group_by_max, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == {
+        "deepseek_v3": (True, False, 2, 1, 2.5), "deepseek_v2": (False, True, 2, 1, 1.5),
+        "glm4_moe_lite": (True, False, 2, 1, 1.8)}[files["arch"]]
     assert isinstance(model.model.layers[0].self_attn, MLAttention)
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [False, True]
     # one cached row per token and layer: [latent ; rotary key], 48 floats (keys and values: twice)
@@ -153,13 +155,14 @@ def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None):
     H, C, r, nope, v = (cfg[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                          "v_head_dim"))
     a = "deepseek2."
-    meta = {a + "attention.head_count_kv": 1, a + "leading_dense_block_count": cfg["first_k_dense_replace"],
+    dense = cfg.get("first_k_dense_replace", (cfg.get("mlp_layer_types") or ["sparse"]).index("sparse"))
+    meta = {a + "attention.head_count_kv": 1, a + "leading_dense_block_count": dense,
             a + "vocab_size": cfg["vocab_size"], a + "attention.kv_lora_rank": C, a + "attention.key_length": C + r,
             a + "attention.value_length": C, a + "attention.key_length_mla": nope + r,
             a + "attention.value_length_mla": v, a + "rope.dimension_count": r,
             a + "expert_shared_count": cfg["n_shared_experts"], a + "expert_weights_scale": float(cfg["routed_scaling_factor"]),
             a + "expert_group_count": cfg["n_group"], a + "expert_group_used_count": cfg["topk_group"]}
-    if cfg["model_type"] == "deepseek_v3":
+    if cfg["model_type"] != "deepseek_v2":       # V3 and GLM-4.7-Flash: q_lora, sigmoid routing
         meta.update({a + "attention.q_lora_rank": cfg["q_lora_rank"], a + "expert_gating_func": 2,
                      a + "expert_weights_norm": True})
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -184,11 +187,13 @@ def test_gguf_equals_the_checkpoint(files, tmp_path, split_kv_b):
     path = deepseek_gguf(files, tmp_path / "f32.gguf", split_kv_b)
     ours = load_model(path)
     hf_cfg = load_model(files["hf"], "float32").config
-    fields = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim", "head_dim",
+    assert ours.config.model_type == ("deepseek_v2" if files["arch"] == "deepseek_v2" else "deepseek_v3")
+    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim", "head_dim",
               "num_key_value_heads", "moe_layers", "num_experts", "shared_expert_size", "router_sigmoid", "n_group",
-              "topk_group", "group_by_max", "routed_scaling_factor", "norm_topk_prob")
+              "topk_group", "group_by_max", "norm_topk_prob")
     assert [getattr(ours.config, f) for f in fields] == [getattr(hf_cfg, f) for f in fields]
-    assert ours.config.attention_multiplier == pytest.approx(hf_cfg.attention_multiplier, rel=1e-6)
+    for f in ("attention_multiplier", "routed_scaling_factor"):       # float32 metadata
+        assert getattr(ours.config, f) == pytest.approx(getattr(hf_cfg, f), rel=1e-6)
     with torch.no_grad():
         expected = reference(files["hf"])(IDS).logits[0]
         torch.testing.assert_close(ours(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)

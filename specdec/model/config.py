@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     # Kimi K2, Moonlight (sigmoid group routing)
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's layers, dense ones where mlp_layer_types says
 }
 # families that are another one under a different name: MiMo is Qwen2 with MTP layers (model/mtp.py)
 MODEL_TYPE_ALIASES = {"mimo": "qwen2"}
@@ -48,8 +49,8 @@ FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_pro
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "glm4_moe", "deepseek_v2",
-       "deepseek_v3")
-DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+       "deepseek_v3", "glm4_moe_lite")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
 
@@ -255,6 +256,9 @@ class ModelConfig:
                            v_head_dim=self.v_head_dim, head_dim=self.rotary_dim, rope_interleave=True,
                            num_key_value_heads=self.num_attention_heads, num_nextn_predict_layers=0,
                            attention_bias=False)
+                if self.model_type == "glm4_moe_lite":
+                    out["mlp_layer_types"] = ["sparse" if i in self.moe_layers else "dense"
+                                              for i in range(self.num_hidden_layers)]
             elif self.model_type == "glm4_moe":
                 out.update(moe_intermediate_size=self.moe_intermediate_size, n_routed_experts=self.num_experts,
                            n_shared_experts=self.shared_expert_size // self.moe_intermediate_size,
@@ -427,6 +431,11 @@ def _moe(cfg: dict, model_type: str) -> dict:
                              "from first_k_dense_replace on)")
         out.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                    moe_layers=tuple(range(first, n)))
+        if model_type == "glm4_moe_lite":       # its own list (transformers' default: the first layer dense)
+            types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+            if len(types) != n:
+                raise ValueError(f"mlp_layer_types has {len(types)} entries for {n} layers")
+            out["moe_layers"] = tuple(i for i, t in enumerate(types) if t == "sparse")
         if model_type == "deepseek_v2":     # transformers' DeepSeek-V2 never renormalises
             out["norm_topk_prob"] = False
     elif model_type in ("qwen3_moe", "qwen2_moe"):
@@ -439,7 +448,7 @@ def _moe(cfg: dict, model_type: str) -> dict:
                    or bool(cfg.get("norm_topk_prob")))
     if model_type == "qwen2_moe":
         out.update(shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):
         out.update(_noaux_router(cfg))
     if model_type == "deepseek_v2":
         out.update(_greedy_router(cfg))

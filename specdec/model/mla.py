@@ -29,23 +29,28 @@ from .config import ModelConfig
 from .llama import Linear, RMSNorm, apply_rope, sdpa
 
 
+LATENT_NORM_EPS = 1e-6
+
+
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         """cfg: ModelConfig's MLA fields (kv_lora_rank > 0); head_dim is the cache row's width."""
         super().__init__()
-        D, H, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.rms_norm_eps
+        D, H = cfg.hidden_size, cfg.num_attention_heads
         self.n_heads, self.n_kv, self.head_dim = H, 1, cfg.head_dim
         self.nope, self.rope, self.v_dim, self.latent = cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qk = self.nope + self.rope
+        # the low-rank norms take 1e-6 whatever rms_norm_eps says, as DeepSeek's code and transformers
+        # build them (GLM-4.7-Flash's rms_norm_eps is 1e-5)
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, bias=False)
             self.q_proj = None
         else:
             self.q_proj = Linear(D, H * qk, bias=False)
         self.kv_a_proj_with_mqa = Linear(D, self.latent + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.latent, eps)
+        self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(self.latent, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(H * self.v_dim, D, bias=False)
         self.scale = cfg.attention_multiplier          # (nope + rope) ** -0.5, x YaRN's mscale_all_dim ** 2

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from conftest import make_checkpoint, noisy_head_copy
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import load_model, save_model
+from specdec.model.config import ModelConfig
 from specdec.model.llama import MoE
 from specdec.model.mla import MLAttention
 from specdec.model.mtp import load_mtp
@@ -56,6 +57,7 @@ def test_config_and_latent_cache(files, tmp_path):
         "glm4_moe_lite": (True, False, 2, 1, 1.8)}[files["arch"]]
     assert isinstance(model.model.layers[0].self_attn, MLAttention)
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [False, True]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg          # what --hf-overrides goes through
     # one cached row per token and layer: [latent ; rotary key], 48 floats (keys and values: twice)
     assert model.kv_bytes_per_slot() == 2 * L * 1 * (32 + 16) * 4
     expanded = 2 * L * 4 * (32 + 16 + 24) * 4 // 2       # four heads' keys (48) and values (24)

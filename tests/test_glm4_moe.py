@@ -17,6 +17,7 @@ import transformers
 from conftest import make_checkpoint, noisy_head_copy
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import ForwardBatch, load_model, save_model
+from specdec.model.config import ModelConfig
 from specdec.model.llama import MoE, shard_config
 from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, NO_KERNELS, check_greedy_equals_transformers_generate,  # noqa: F401
@@ -44,6 +45,7 @@ def test_config_reads_and_writes_the_router(files, tmp_path):
         ("glm4_moe", 8, 2, 32, (1,), 32, True, 2, 1, 2.5, 8, True, True)
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [False, True]
     assert model.model.layers[1].mlp.e_score_correction_bias.dtype == torch.float32
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg          # what --hf-overrides goes through
     save_model(model, tmp_path / "saved", torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(reference(tmp_path / "saved")(IDS).logits, reference(files["hf"])(IDS).logits)

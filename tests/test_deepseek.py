@@ -58,10 +58,11 @@ def test_config_and_latent_cache(files, tmp_path):
     assert isinstance(model.model.layers[0].self_attn, MLAttention)
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [False, True]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg          # what --hf-overrides goes through
-    # one cached row per token and layer: [latent ; rotary key], 48 floats (keys and values: twice)
-    assert model.kv_bytes_per_slot() == 2 * L * 1 * (32 + 16) * 4
-    expanded = 2 * L * 4 * (32 + 16 + 24) * 4 // 2       # four heads' keys (48) and values (24)
-    assert model.kv_bytes_per_slot() < expanded
+    # one cached row per token and layer, [latent ; rotary key]: 48 floats, read as keys and values
+    assert model.kv_bytes_per_slot() == L * 1 * (32 + 16) * 4
+    assert model.kv_bytes_per_slot() * 6 == L * 4 * ((32 + 16) + 24) * 4     # 1/6 of four heads' keys and values
+    kv = model.new_cache(batch=1, max_len=8)
+    assert kv.v is kv.k
     save_model(model, tmp_path / "saved", torch.float32)
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["rope_interleave"] is True
     with torch.no_grad():
@@ -219,3 +220,18 @@ def test_packed_gguf_speculation_equals_plain(files, tmp_path):
                  {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
         llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec
+
+
+def test_int8_latent_cache(files):
+    """--kv-cache-dtype int8 over the latent rows (one scale per row, shared by keys and values):
+    speculation equals plain decoding with the same cache, and the output stays close to fp32's
+    (most tokens the same)."""
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(model=files["hf"], dtype="float32", kv_cache_dtype="int8")
+    plain = [o.outputs[0].token_ids for o in LLM(**kw, num_speculative_tokens=0).generate(prompts, params)]
+    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=3)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
+    fp32 = [o.outputs[0].token_ids for o in LLM(model=files["hf"], dtype="float32").generate(prompts, params)]
+    same = sum(a == b for p, q in zip(plain, fp32) for a, b in zip(p, q))
+    assert same >= 0.5 * sum(map(len, fp32)), (plain, fp32)

@@ -166,8 +166,8 @@ class LeaderKVCache(KVCache):
     own KV heads; moves are repeated there."""
 
     def __init__(self, blocks, num_layers, num_kv_heads, head_dim, dtype, device, leader: Leader, handle: int,
-                 window: int | None = None):
-        super().__init__(blocks, num_layers, num_kv_heads, head_dim, dtype, device, window)
+                 window: int | None = None, values_are_keys: bool = False):
+        super().__init__(blocks, num_layers, num_kv_heads, head_dim, dtype, device, window, values_are_keys)
         self.leader, self.handle = leader, handle
         weakref.finalize(self, leader.release, handle)
 
@@ -205,7 +205,7 @@ class LeaderTransformer(Transformer):
         self.leader.send("new_kv", handle, (blocks.num_blocks, blocks.block_size, blocks.table.shape[0],
                                             blocks.max_blocks_per_seq, n, dtype))
         return LeaderKVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
-                             self.leader, handle, self.kv_window(n))
+                             self.leader, handle, self.kv_window(n), bool(cfg.kv_lora_rank))
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         cfg = self.local_config
@@ -214,4 +214,5 @@ class LeaderTransformer(Transformer):
         handle = self.leader.new_handle()
         self.leader.send("new_cache", handle, (batch, max_len, n))
         return LeaderKVCache.dense(batch, max_len, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
-                                   self.device, leader=self.leader, handle=handle)
+                                   self.device, leader=self.leader, handle=handle,
+                                   values_are_keys=bool(cfg.kv_lora_rank))

@@ -285,17 +285,21 @@ class KVCache:
     v_scale; None otherwise)."""
 
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, window: int | None = None):
+                 dtype: torch.dtype, device: torch.device | str, window: int | None = None,
+                 values_are_keys: bool = False):
+        """values_are_keys: the model's values are its keys (DeepSeek's latent attention caches one
+        [latent ; rotary key] row per token and reads values from the same rows): v is k, stored once."""
         shape = (num_kv_heads, blocks.num_blocks, blocks.block_size, head_dim)
         # empty: no path ever reads a slot before writing it (attention sees slots < start + T
         # only), and untouched pages of a large pool cost no memory until used
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if values_are_keys else [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_scale: list[Tensor] | None = None
         self.v_scale: list[Tensor] | None = None
         if dtype == torch.int8:
             self.k_scale = [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
-            self.v_scale = [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            self.v_scale = self.k_scale if values_are_keys else \
+                [torch.empty(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.dtype = dtype
         self.blocks = blocks
         self.index = blocks.register_cache(window)     # window: every layer's sliding window
@@ -313,10 +317,11 @@ class KVCache:
         return cache
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       values_are_keys: bool = False) -> int:
         """Keys and values of one slot in every layer (int8: head_dim bytes and a 4-byte scale per row)."""
         row = head_dim + 4 if dtype == torch.int8 else head_dim * torch.empty(0, dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * row
+        return (1 if values_are_keys else 2) * num_layers * num_kv_heads * row
 
     @property
     def block_size(self) -> int:

@@ -525,7 +525,8 @@ class Transformer(nn.Module):
     def kv_bytes_per_slot(self, num_layers: int | None = None, dtype: torch.dtype | None = None) -> int:
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
-        return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype)
+        return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype,
+                                      values_are_keys=bool(cfg.kv_lora_rank))
 
     def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py); dtype: the
@@ -534,7 +535,7 @@ class Transformer(nn.Module):
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device,
-                       window=self.kv_window(n))
+                       window=self.kv_window(n), values_are_keys=bool(cfg.kv_lora_rank))
 
     def kv_window(self, num_layers: int) -> int | None:
         """The sliding window of the first num_layers layers when each has one (the blocks
@@ -547,7 +548,7 @@ class Transformer(nn.Module):
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.dense(batch, max_len or cfg.max_position_embeddings, n, cfg.num_key_value_heads,
-                             cfg.head_dim, self.dtype, self.device)
+                             cfg.head_dim, self.dtype, self.device, values_are_keys=bool(cfg.kv_lora_rank))
 
     def forward(
         self,

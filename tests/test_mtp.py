@@ -273,3 +273,30 @@ def test_under_tensor_parallelism(mtp):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+def test_served_with_the_openai_client(mtp):
+    """`specdec serve MODEL --speculative-config '{"method": "mtp"}'`'s app on a real uvicorn: greedy
+    completions through the official openai client equal plain decoding's text, and the
+    Prometheus counters show the MTP layer's drafts."""
+    import httpx
+    import openai
+    from specdec.server import ServerConfig, build_app
+    from specdec.server.cli import parse_args
+    from test_server import LiveServer
+
+    args, _ = parse_args(["--model", str(mtp["mimo"]), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = [p[:6] for p in mtp["prompts"][:3]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(model=mtp["plain"], dtype="float32")
+    expected = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(model=mtp["mimo"], dtype="float32", speculative_config=args.speculative_config)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("mimo",)))) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        texts = [client.completions.create(model="mimo", prompt=p, max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+        metrics = httpx.get(live.url + "/metrics").text
+    assert texts == expected
+    drafted = [line for line in metrics.splitlines() if line.startswith("specdec:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0, drafted

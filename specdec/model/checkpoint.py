@@ -65,7 +65,9 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: str | os.PathLike, keep=None) -> dict[str, torch.Tensor]:
+    """The folder's tensors by name; keep(name) -> bool: only those (the others are never read:
+    a target without its MTP layers, or the MTP layers alone, out of a shared checkpoint)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(folder)):
         if not path.is_file():
@@ -73,7 +75,8 @@ def read_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    if keep is None or keep(name):
+                        tensors[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises several types for a damaged file
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     return tensors
@@ -235,9 +238,8 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     torch_dtype = resolve_dtype(dtype, raw)
-    sd = read_state_dict(folder)
-    if text_config(raw).get("num_nextn_predict_layers"):   # MTP layers: a drafter's (model/mtp.py), not the target's
-        sd = {k: v for k, v in sd.items() if not is_mtp_weight(k, cfg.num_hidden_layers)}
+    mtp = bool(text_config(raw).get("num_nextn_predict_layers"))     # MTP layers: a drafter's (model/mtp.py)
+    sd = read_state_dict(folder, (lambda k: not is_mtp_weight(k, cfg.num_hidden_layers)) if mtp else None)
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
     sd = hf_to_fused(sd, cfg)

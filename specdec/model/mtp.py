@@ -127,8 +127,7 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
         raise CheckpointError(f"{folder}: MTP layers of hidden size {cfg.hidden_size} over {cfg.vocab_size} tokens, "
                               f"the target has {tcfg.hidden_size} over {tcfg.vocab_size}")
-    full = read_state_dict(folder)
-    sd = {k: v for k, v in full.items() if is_mtp_weight(k, L)}
+    sd = read_state_dict(folder, lambda k: is_mtp_weight(k, L))      # the target's own tensors stay unread
     mimo = any(k.startswith(MTP_PREFIX) for k in sd)
     if mimo:
         names = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
@@ -166,7 +165,8 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     # over tensor-parallel ranks (the head drafts on rank 0 alone)
     shared_head = "decoder.lm_head.weight" not in state and isinstance(target.lm_head, Linear)
     if "decoder.lm_head.weight" not in state and not shared_head:
-        state["decoder.lm_head.weight"] = full.get("lm_head.weight", full.get("model.embed_tokens.weight"))
+        heads = read_state_dict(folder, lambda k: k in ("lm_head.weight", "model.embed_tokens.weight"))
+        state["decoder.lm_head.weight"] = heads.get("lm_head.weight", heads.get("model.embed_tokens.weight"))
     expected = {k: v.shape for k, v in head.state_dict().items()
                 if not k.endswith("model.embed_tokens.weight") and k != "draft_vocab"
                 and not (shared_head and k == "decoder.lm_head.weight")}

@@ -235,3 +235,22 @@ def test_int8_latent_cache(files):
     fp32 = [o.outputs[0].token_ids for o in LLM(model=files["hf"], dtype="float32").generate(prompts, params)]
     same = sum(a == b for p, q in zip(plain, fp32) for a, b in zip(p, q))
     assert same >= 0.5 * sum(map(len, fp32)), (plain, fp32)
+
+
+@pytest.mark.tp
+def test_packed_gguf_tensor_parallel_equals_tp1(tmp_path):
+    """A Q8_0 deepseek2 file split over two ranks: q_b's rows and o_proj's columns stay packed
+    (v_head_dim 32: each rank's columns are whole Q8_0 blocks), kv_b dense; greedy output
+    identical to one rank's."""
+    from gguf_helpers import T
+    hf = make_checkpoint(tmp_path / "hf", arch="deepseek_v3", layers=L, v_head_dim=32)
+    path = deepseek_gguf({"hf": hf}, tmp_path / "q8.gguf", True,
+                         qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 7)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
+    llm = LLM(model=str(path), num_speculative_tokens=0, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == one
+    finally:
+        llm.shutdown()

@@ -39,7 +39,6 @@ from .mla import deinterleave_rope, rope_interleaved
 from .heads import place_head
 
 
-
 def num_mtp_layers(raw: dict) -> int:
     """config.json's count of MTP layers (0: none)."""
     return int(text_config(raw).get("num_nextn_predict_layers") or 0)

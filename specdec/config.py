@@ -229,8 +229,9 @@ def parse_bytes(value) -> int:
         raise ValueError(f"kv_cache_memory must be a number of bytes (e.g. 536870912, 512M, 2G), got {value!r}") from None
 
 
-# the MTP layers a target ships (model/mtp.py): vLLM's "mtp" and its older per-family names
-MTP_METHODS = ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp")
+# the MTP layers a target ships (model/mtp.py): vLLM's "mtp" and its older per-family names, and
+# prompt lookup with the MTP layer behind it; `model` defaults to the target's own checkpoint
+MTP_METHODS = ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ngram+mtp")
 METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "medusa", "eagle", "eagle3", *MTP_METHODS, "ngram+eagle",
            "ngram+draft_model")
 # what each method's `model` is, for the methods that need one (hybrids: their learned drafter's)

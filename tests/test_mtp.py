@@ -207,7 +207,7 @@ def test_first_greedy_chain_equals_the_reference(mtp, monkeypatch):
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
-@pytest.mark.parametrize("method,topk", [("mtp", 1), ("mimo_mtp", 2), ("deepseek_mtp", 1)])
+@pytest.mark.parametrize("method,topk", [("mtp", 1), ("mimo_mtp", 2), ("deepseek_mtp", 1), ("ngram+mtp", 1)])
 def test_greedy_speculation_equals_plain(mtp, monkeypatch, c_path, method, topk):
     """Chains (vLLM's default) and EAGLE-2 trees, four requests batched: every output identical
     to plain decoding; the layer's drafts are accepted."""

@@ -97,7 +97,7 @@ def _hybrid(learned_method: str) -> Callable:
     def build(spec: SpeculativeConfig, target, loader, max_len):
         settings = HybridSettings(**{k: spec.extra[k] for k in HYBRID_KEYS if k in spec.extra})
         extra = {k: v for k, v in spec.extra.items() if k not in HYBRID_KEYS}
-        if learned_method == "eagle":
+        if learned_method in ("eagle", "mtp"):
             if extra.get("topk", 1) != 1:
                 raise ValueError(f"speculative_config.topk must be 1 for {spec.method!r} (it drafts chains), "
                                  f"got {extra['topk']!r}")
@@ -126,9 +126,10 @@ REGISTRY: dict[str, Callable] = {
     "medusa": _medusa,
     "eagle": _eagle,
     "eagle3": _eagle3,
-    **{name: _mtp for name in MTP_METHODS},
+    **{name: _mtp for name in MTP_METHODS if not name.startswith("ngram+")},
     "ngram+eagle": _hybrid("eagle"),
     "ngram+draft_model": _hybrid("draft_model"),
+    "ngram+mtp": _hybrid("mtp"),
 }
 
 

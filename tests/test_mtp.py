@@ -29,22 +29,15 @@ from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.mtp import MTPHead, load_mtp
 from specdec.proposers.eagle import EagleProposer
 from arch_checks import without_kernels
+from test_eagle3 import rope        # the same head size and base: RoPE written out in plain torch
 from test_engine import exact_first_two, first_two_tokens, total_variation
 
-D, H, KV, HD, FF, EPS, THETA, L = 64, 4, 2, 16, 128, 1e-6, 10000.0, 4
+D, H, KV, HD, FF, EPS, L = 64, 4, 2, 16, 128, 1e-6, 4
 P = "model.mtp_layers.0."
 
 
 def rms(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
-
-
-def rope(x, pos):
-    inv = 1.0 / THETA ** (torch.arange(0, HD, 2).float() / HD)
-    ang = pos[:, None].float() * inv
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    half = torch.cat([-x[..., HD // 2:], x[..., :HD // 2]], -1)
-    return x * cos + half * sin
 
 
 def ref_mtp(w: dict, lm_head: torch.Tensor, h: torch.Tensor, embeds: torch.Tensor):

@@ -205,7 +205,7 @@ class LeaderTransformer(Transformer):
         self.leader.send("new_kv", handle, (blocks.num_blocks, blocks.block_size, blocks.table.shape[0],
                                             blocks.max_blocks_per_seq, n, dtype))
         return LeaderKVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
-                             self.leader, handle, self.kv_window(n), bool(cfg.kv_lora_rank))
+                             self.leader, handle, self.kv_window(n), self.values_are_keys)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, num_layers: int | None = None) -> KVCache:
         cfg = self.local_config
@@ -215,4 +215,4 @@ class LeaderTransformer(Transformer):
         self.leader.send("new_cache", handle, (batch, max_len, n))
         return LeaderKVCache.dense(batch, max_len, n, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
                                    self.device, leader=self.leader, handle=handle,
-                                   values_are_keys=bool(cfg.kv_lora_rank))
+                                   values_are_keys=self.values_are_keys)

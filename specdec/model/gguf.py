@@ -443,6 +443,12 @@ def _raw_rows(t) -> torch.Tensor:
     return torch.from_numpy(np.asarray(t.data))
 
 
+def _stacked_rows(t) -> torch.Tensor:
+    """A 3-D tensor's rows as stored, its outer dimensions flattened: [E x rows, row]."""
+    rows = _raw_rows(t)
+    return rows.reshape(-1, rows.shape[-1])
+
+
 def _dense(t, rows: torch.Tensor) -> torch.Tensor:
     """rows (from _raw_rows, maybe shuffled) -> fp32 values, [rows, in] or [n]."""
     kind = t.tensor_type.name
@@ -512,9 +518,8 @@ class _Builder:
         parts = []
         for n in names:
             t = self.g.tensors[n]
-            rows = _raw_rows(t)
             per = int(t.shape[1])                    # rows of one expert
-            parts.append(rows.reshape(-1, rows.shape[-1])[e * per:(e + 1) * per])
+            parts.append(_stacked_rows(t)[e * per:(e + 1) * per])
         kinds = {self.g.tensors[n].tensor_type.name for n in names}
         in_features = int(self.g.tensors[names[0]].shape[0])
         if self.quantize and len(kinds) == 1 and next(iter(kinds)) in QTYPES:
@@ -651,10 +656,9 @@ def _mla(att: nn.Module, b: _Builder, cfg: ModelConfig, p: str) -> None:
         kv_b = b.param(p + "attn_kv_b.weight").data
     else:
         H, C = cfg.num_attention_heads, cfg.kv_lora_rank
-        k_b, v_b = (b.g.tensors[p + f"attn_{x}_b.weight"] for x in "kv")
-        k = _dense(k_b, _raw_rows(k_b).reshape(-1, _raw_rows(k_b).shape[-1])).reshape(H, C, -1).transpose(1, 2)
-        v = _dense(v_b, _raw_rows(v_b).reshape(-1, _raw_rows(v_b).shape[-1])).reshape(H, -1, C)
-        kv_b = torch.cat([k, v], 1).reshape(-1, C).to(b.device, b.dtype)
+        k, v = (_dense(t, _stacked_rows(t)) for t in (b.g.tensors[p + f"attn_{x}_b.weight"] for x in "kv"))
+        kv_b = torch.cat([k.reshape(H, C, -1).transpose(1, 2), v.reshape(H, -1, C)], 1).reshape(-1, C)
+        kv_b = kv_b.to(b.device, b.dtype)
     att.kv_b_proj.weight = nn.Parameter(kv_b, requires_grad=False)
 
 

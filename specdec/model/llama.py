@@ -522,11 +522,16 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.inv_freq.device     # every model has it; a packed LM head has no `weight`
 
+    @property
+    def values_are_keys(self) -> bool:
+        """Its cache reads values from the keys' rows (DeepSeek's latent attention): stored once."""
+        return bool(self.config.kv_lora_rank)
+
     def kv_bytes_per_slot(self, num_layers: int | None = None, dtype: torch.dtype | None = None) -> int:
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype,
-                                      values_are_keys=bool(cfg.kv_lora_rank))
+                                      values_are_keys=self.values_are_keys)
 
     def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py); dtype: the
@@ -535,7 +540,7 @@ class Transformer(nn.Module):
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device,
-                       window=self.kv_window(n), values_are_keys=bool(cfg.kv_lora_rank))
+                       window=self.kv_window(n), values_are_keys=self.values_are_keys)
 
     def kv_window(self, num_layers: int) -> int | None:
         """The sliding window of the first num_layers layers when each has one (the blocks
@@ -548,7 +553,7 @@ class Transformer(nn.Module):
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache.dense(batch, max_len or cfg.max_position_embeddings, n, cfg.num_key_value_heads,
-                             cfg.head_dim, self.dtype, self.device, values_are_keys=bool(cfg.kv_lora_rank))
+                             cfg.head_dim, self.dtype, self.device, values_are_keys=self.values_are_keys)
 
     def forward(
         self,

@@ -51,14 +51,19 @@ def _medusa(spec: SpeculativeConfig, target, loader, max_len):
     return MedusaProposer(heads, target.config.vocab_size, heads_config(spec.model).get("accuracy"))
 
 
-def _eagle(spec: SpeculativeConfig, target, loader, max_len):
-    from ..model.heads import EAGLE
-    cfg = heads_config(spec.model) if spec.model else {}
-    topk = spec.extra.get("topk", cfg.get("default_topk", 4))
-    depth = spec.extra.get("depth", cfg.get("default_depth"))
+def _tree_shape(spec: SpeculativeConfig, topk: int, depth: int | None) -> tuple[int, int | None]:
+    """The EAGLE proposer's `topk` and `depth` (speculative_config's, else these defaults), checked."""
+    topk, depth = spec.extra.get("topk", topk), spec.extra.get("depth", depth)
     for name, v in (("topk", topk), ("depth", depth)):
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
             raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    return topk, depth
+
+
+def _eagle(spec: SpeculativeConfig, target, loader, max_len):
+    from ..model.heads import EAGLE
+    cfg = heads_config(spec.model) if spec.model else {}
+    topk, depth = _tree_shape(spec, cfg.get("default_topk", 4), cfg.get("default_depth"))
     return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)
 
 
@@ -68,10 +73,7 @@ def _eagle3(spec: SpeculativeConfig, target, loader, max_len):
     from ..model.eagle3 import load_eagle3
     if not spec.model:
         raise ValueError("speculative_config.model is required for method 'eagle3': an EAGLE-3 head's folder")
-    topk, depth = spec.extra.get("topk", 1), spec.extra.get("depth")
-    for name, v in (("topk", topk), ("depth", depth)):
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
-            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    topk, depth = _tree_shape(spec, 1, None)
     return EagleProposer(load_eagle3(spec.model, target), target, topk=topk, depth=depth)
 
 
@@ -82,10 +84,7 @@ def _mtp(spec: SpeculativeConfig, target, loader, max_len):
     if not spec.model:
         raise ValueError(f"speculative_config.model is required for method {spec.method!r} here: the folder "
                          "whose checkpoint holds the MTP layers (LLM() fills in the target's)")
-    topk, depth = spec.extra.get("topk", 1), spec.extra.get("depth")
-    for name, v in (("topk", topk), ("depth", depth)):
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
-            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    topk, depth = _tree_shape(spec, 1, None)
     return EagleProposer(load_mtp(spec.model, target), target, topk=topk, depth=depth)
 
 

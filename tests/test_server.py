@@ -58,6 +58,8 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+        if exc[0] is None:              # a server that outlives its test is a leak (a client left open?)
+            assert not self.thread.is_alive(), "the server did not stop within 30 s"
 
 
 async def streamed_text(aclient, prompt: str, **kw) -> str:

@@ -96,6 +96,13 @@ def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys)
     for v in results["variants"]:
         (point,) = v["points"]
         assert point["completed"] == point["num_prompts"] == 6 and point["total_output_tokens"] == 24
+        assert len(point["rounds"]) == 3 and all(r["tpot_median_ms"] > 0 and r["output_throughput"] > 0
+                                                 for r in point["rounds"])
+    # the report pairs each round's figures: plain's median TPOT over the variant's, round by round
+    plain, spec = (v["points"][0]["rounds"] for v in results["variants"])
+    ratios = " / ".join(f"{a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x" for a, b in zip(plain, spec))
+    report = (tmp_path / "results.md").read_text()
+    assert "## Round by round" in report and f"| c=1 | speculative K=2 | {ratios} (spread " in report
 
 
 def test_bench_serve_bad_flags_exit_2(capsys):

@@ -314,6 +314,7 @@ class Measured:
     results: list = field(default_factory=list)
     wall: float = 0.0
     counters: dict = field(default_factory=dict)     # the speculative counters' increments
+    rounds: list = field(default_factory=list)       # per round: its median TPOT and output tok/s
 
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
@@ -322,13 +323,17 @@ class Measured:
         after = read_counters(base_url)
         self.results += results
         self.wall += wall
+        tpots = [r.tpot for r in results if r.ok and r.tpot is not None]
+        self.rounds.append({"tpot_median_ms": round(float(np.median(tpots)) * 1000.0, 2) if tpots else None,
+                            "output_throughput": round(sum(r.output_tokens for r in results if r.ok) / wall, 2)
+                            if wall > 0 else None})
         for k in set(before) | set(after):
             self.counters[k] = self.counters.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
 
     def point(self, load: Load, slo: dict, args) -> dict:
         point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
                  "num_prompts": len(self.results), **summarize(self.results, self.wall, slo, args.metric_percentiles),
-                 "speculation": acceptance({}, self.counters)}
+                 "speculation": acceptance({}, self.counters), "rounds": self.rounds}
         print(f"  {load.name}: {point['output_throughput']:.1f} tok/s, median TPOT {point['tpot']['median']} ms, "
               f"median TTFT {point['ttft']['median']} ms, {point['failed']} failed", file=sys.stderr, flush=True)
         return point

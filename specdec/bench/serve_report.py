@@ -73,6 +73,28 @@ def comparison_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(results: dict) -> str:
+    """With --rounds > 1: each variant against plain within every round (the same requests, one
+    after the other), so that a run shows how far its own rounds agree; empty otherwise."""
+    plain = next((v for v in results["variants"] if v.get("k") == 0), None)
+    others = [v for v in results["variants"] if v is not plain]
+    if plain is None or not others or not any(len(p.get("rounds", [])) > 1 for p in plain["points"]):
+        return ""
+    lines = ["| load | variant | TPOT speedup per round | throughput per round |", "|---|---|---|---|"]
+    for i, p in enumerate(plain["points"]):
+        for v in others:
+            pairs = list(zip(p.get("rounds", []), v["points"][i].get("rounds", [])))
+            tpot = [a["tpot_median_ms"] / b["tpot_median_ms"] for a, b in pairs
+                    if a["tpot_median_ms"] and b["tpot_median_ms"]]
+            thr = [b["output_throughput"] / a["output_throughput"] for a, b in pairs
+                   if a["output_throughput"] and b["output_throughput"]]
+
+            def cell(xs):
+                return " / ".join(f"{x:.2f}x" for x in xs) + (f" (spread {max(xs) / min(xs):.2f})" if len(xs) > 1 else "")
+            lines.append(f"| {_load(p)} | {v['name']} | {cell(tpot) or '–'} | {cell(thr) or '–'} |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput_slo_ms"].items()) or "none given"
@@ -90,6 +112,12 @@ def markdown(results: dict) -> str:
         lines += ["## Against plain batched decoding at the same load", "",
                   "Ratios: the variant's output throughput and goodput over plain's, and plain's median TPOT over the "
                   "variant's (above 1: the variant is faster).", "", comparison, ""]
+    by_round = rounds_table(results)
+    if by_round:
+        lines += ["## Round by round", "",
+                  "The same ratios within each round: the variants took turns on the same requests, so a spread "
+                  "between rounds is the machine's drift, and a figure that only one round shows is not one "
+                  "to read.", "", by_round, ""]
     return "\n".join(lines)
 
 

@@ -197,11 +197,35 @@ def ssl_settings(args) -> dict:
     return {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": ca, "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", 0)}
 
 
+def _tls_http_protocol():
+    """uvicorn's HTTP protocol (httptools where installed, as its "auto" picks, else h11), except
+    that at shutdown an idle TLS connection is dropped at once. uvicorn closes idle keep-alive
+    connections then, and asyncio waits up to 30 s (its ssl_shutdown_timeout) for each TLS peer's
+    close_notify, which an idle client that is not reading never sends: the server (and a
+    Kubernetes pod's SIGTERM grace of 30 s) waited that long. Connections with a response in
+    flight are left to finish as before."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class TLSHTTPProtocol(Base):
+        def shutdown(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            super().shutdown()
+            if idle:
+                self.transport.abort()
+
+    return TLSHTTPProtocol
+
+
 def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None, **kw):
     """uvicorn's settings for the app: the log level, TLS (ssl_settings) and the root path a proxy
     serves it under (uvicorn sets it on every request; FastAPI's schema names it)."""
     import uvicorn
 
+    if ssl:
+        kw.setdefault("http", _tls_http_protocol())
     return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
                           **(ssl or {}), **kw)
 

@@ -323,10 +323,8 @@ class Measured:
         after = read_counters(base_url)
         self.results += results
         self.wall += wall
-        tpots = [r.tpot for r in results if r.ok and r.tpot is not None]
-        self.rounds.append({"tpot_median_ms": round(float(np.median(tpots)) * 1000.0, 2) if tpots else None,
-                            "output_throughput": round(sum(r.output_tokens for r in results if r.ok) / wall, 2)
-                            if wall > 0 else None})
+        this = summarize(results, wall, {}, [])
+        self.rounds.append({"tpot_median_ms": this["tpot"]["median"], "output_throughput": this["output_throughput"]})
         for k in set(before) | set(after):
             self.counters[k] = self.counters.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
 

@@ -54,8 +54,7 @@ def summary_table(results: dict) -> str:
 def comparison_table(results: dict) -> str:
     """Each variant against plain batched decoding at the same load: throughput, goodput,
     median TPOT (plain's / the variant's: > 1 is faster)."""
-    plain = next((v for v in results["variants"] if v.get("k") == 0), None)
-    others = [v for v in results["variants"] if v is not plain]
+    plain, others = _plain_and_others(results)
     if plain is None or not others:
         return ""
     head = "| load | plain tok/s | plain TPOT p50 ms | " + " | ".join(
@@ -73,11 +72,20 @@ def comparison_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _plain_and_others(results: dict) -> tuple[dict | None, list[dict]]:
+    """The plain batched variant (K = 0), if any, and the rest."""
+    plain = next((v for v in results["variants"] if v.get("k") == 0), None)
+    return plain, [v for v in results["variants"] if v is not plain]
+
+
+def _ratios_cell(xs: list[float]) -> str:
+    return " / ".join(f"{x:.2f}x" for x in xs) + (f" (spread {max(xs) / min(xs):.2f})" if len(xs) > 1 else "")
+
+
 def rounds_table(results: dict) -> str:
     """With --rounds > 1: each variant against plain within every round (the same requests, one
     after the other), so that a run shows how far its own rounds agree; empty otherwise."""
-    plain = next((v for v in results["variants"] if v.get("k") == 0), None)
-    others = [v for v in results["variants"] if v is not plain]
+    plain, others = _plain_and_others(results)
     if plain is None or not others or not any(len(p.get("rounds", [])) > 1 for p in plain["points"]):
         return ""
     lines = ["| load | variant | TPOT speedup per round | throughput per round |", "|---|---|---|---|"]
@@ -88,10 +96,7 @@ def rounds_table(results: dict) -> str:
                     if a["tpot_median_ms"] and b["tpot_median_ms"]]
             thr = [b["output_throughput"] / a["output_throughput"] for a, b in pairs
                    if a["output_throughput"] and b["output_throughput"]]
-
-            def cell(xs):
-                return " / ".join(f"{x:.2f}x" for x in xs) + (f" (spread {max(xs) / min(xs):.2f})" if len(xs) > 1 else "")
-            lines.append(f"| {_load(p)} | {v['name']} | {cell(tpot) or '–'} | {cell(thr) or '–'} |")
+            lines.append(f"| {_load(p)} | {v['name']} | {_ratios_cell(tpot) or '–'} | {_ratios_cell(thr) or '–'} |")
     return "\n".join(lines)
 
 

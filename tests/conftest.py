@@ -39,6 +39,7 @@ HF_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -78,6 +79,11 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
               "qk_nope_head_dim": 32, "v_head_dim": 24, "pad_token_id": None, "num_key_value_heads": 4,
               **({"q_lora_rank": 64, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0} if arch == "deepseek_v3"
                  else {"q_lora_rank": None, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5}), **kw}
+    if arch == "gpt_oss":                         # 4 experts, 2 per token; a 6-token window in layer 0; YaRN
+        kw = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, "head_dim": 16, "pad_token_id": None,
+              "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+              **kw}
     if arch.startswith("gemma"):                 # their head size defaults to 256
         kw = {"head_dim": hidden // kw.get("num_attention_heads", 4), **kw}
     kw = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **kw}
@@ -99,6 +105,11 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
             if arch in ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite") and name.endswith("mlp.gate.weight"):
                 # GLM-4.5's and DeepSeek's routers start at zeros: every score ties
                 p.normal_(0, 0.5)
+            if arch == "gpt_oss" and name.endswith(("_bias", ".bias", "sinks")):   # zeros or tiny: make them count
+                # (but the biases the residual stream adds at the embeddings' scale, or they drown the input)
+                p.normal_(0, 0.02 if name.endswith(("o_proj.bias", "down_proj_bias")) else 0.5)
+            if arch == "gpt_oss" and name.endswith("experts.gate_up_proj"):     # past swiglu_limit 7 at times
+                p.normal_(0, 0.6)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):    # zeros too: make the choice bias count
                 b.uniform_(-0.3, 0.3)

@@ -93,11 +93,11 @@ def encode(w: np.ndarray, qtype) -> np.ndarray:
 
 
 # where each format gguf-py cannot encode keeps its fp16 block scale(s) (byte offsets; ggml's
-# block structs); IQ1_M spreads its scale over the top nibbles of its four 16-bit sub-scales,
-# MXFP4 has an 8-bit power-of-two exponent first
+# block structs); IQ1_M spreads its scale over the top nibbles of its four 16-bit sub-scales.
+# (gguf-py encodes MXFP4 itself.)
 RANDOM_BLOCKS = {T.Q5_K: (0, 2), T.Q6_K: (-2,), T.Q2_K: (-4, -2), T.Q3_K: (-2,), T.TQ1_0: (-2,), T.TQ2_0: (-2,),
                  T.IQ1_S: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
-                 T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_M: (), T.MXFP4: (), T.Q8_1: ()}
+                 T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_M: (), T.Q8_1: ()}
 
 
 def _random_blocks(w: np.ndarray, qtype) -> np.ndarray:
@@ -114,8 +114,6 @@ def _random_blocks(w: np.ndarray, qtype) -> np.ndarray:
         for i in range(4):
             sc[:, i] = (sc[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
         blocks[:, 48:56] = sc.view(np.uint8)
-    if qtype == T.MXFP4:
-        blocks[:, 0] = 120                    # 2^(120 - 127)
     return blocks.reshape(w.shape[0], -1)
 
 
@@ -143,7 +141,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
     arch = arch or {"gemma3_text": "gemma3", "olmo3": "olmo2", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                     "mixtral": "llama", "granitemoeshared": "granitemoe", "glm4_moe": "glm4moe",
                     "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-                    "glm4_moe_lite": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
+                    "glm4_moe_lite": "deepseek2", "gpt_oss": "gpt-oss"}.get(cfg["model_type"], cfg["model_type"])
     meta = dict(metadata or {})       # keys given here replace the ones derived below
     sd = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
@@ -191,8 +189,17 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         base("expert_used_count", w.add_expert_used_count, cfg["num_experts_per_tok"])
         if cfg.get("moe_intermediate_size"):
             base("expert_feed_forward_length", w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+    if arch == "gpt-oss":                # as llama.cpp's converter: the experts' size, the window, YaRN
+        base("expert_feed_forward_length", w.add_expert_feed_forward_length, cfg["intermediate_size"])
+        base("attention.sliding_window", w.add_sliding_window, cfg["sliding_window"])
+        if rope.get("rope_type") == "yarn":
+            from gguf import RopeScalingType
+            base("rope.scaling.type", w.add_rope_scaling_type, RopeScalingType.YARN)
+            base("rope.scaling.factor", w.add_rope_scaling_factor, rope["factor"])
+            base("rope.scaling.original_context_length", w.add_rope_scaling_orig_ctx_len,
+                 rope["original_max_position_embeddings"])
     # GLM-4.5's MLP input norm is llama.cpp's post_attention_norm, as in the sandwich families
-    tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2", "glm4moe")): v for k, v in sd.items()}
+    tensors = {gguf_name(k, arch in ("gemma2", "gemma3", "olmo2", "glm4moe", "gpt-oss")): v for k, v in sd.items()}
     tensors.update(extra_tensors or {})
     for gname, v in tensors.items():
         if gname in skip:
@@ -200,7 +207,7 @@ def write_gguf(hf_dir: Path, out: Path, qtypes=None, arch: str | None = None, vo
         v = v.astype(np.float32)
         if arch in ("llama", "mistral", "smollm3", "granite", "granitemoe") and (".attn_q." in gname or ".attn_k." in gname):
             v = permute_rotary(v, kv if ".attn_k." in gname else heads)
-        qtype = qtypes(gname, v.ndim) if v.ndim >= 2 else T.F32
+        qtype = qtypes(gname, v.ndim) if v.ndim >= 2 and gname.endswith(".weight") else T.F32   # biases stay F32
         data = encode(v.reshape(-1, v.shape[-1]), qtype)
         data = data.reshape(*v.shape[:-1], data.shape[-1])      # a stack of experts stays 3-D
         w.add_tensor(gname, data, raw_dtype=None if qtype == T.F32 else qtype)
@@ -221,7 +228,22 @@ def _stack_experts(sd: dict, cfg: dict) -> dict:
     out, stacks = {}, {}
     for k, v in sd.items():
         parts = k.split(".")
-        if len(parts) > 3 and parts[-3] == "shared_mlp":        # Granite MoE shared: its shared expert, gate and up fused
+        if k.endswith("self_attn.sinks"):                    # gpt-oss: its sinks; router and stacked experts below
+            out[f"blk.{parts[2]}.attn_sinks.weight"] = v
+        elif ".mlp.router." in k:
+            out[f"blk.{parts[2]}.ffn_gate_inp.{parts[-1]}"] = v
+        elif parts[-1] in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") and parts[-2] == "experts":
+            i = parts[2]        # gate_up [E, D, 2F] with gate and up columns interleaved; down [E, F, D]
+            if parts[-1] == "gate_up_proj":
+                v = v.transpose(0, 2, 1)
+                out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = v[:, 0::2], v[:, 1::2]
+            elif parts[-1] == "gate_up_proj_bias":
+                out[f"blk.{i}.ffn_gate_exps.bias"], out[f"blk.{i}.ffn_up_exps.bias"] = v[:, 0::2], v[:, 1::2]
+            elif parts[-1] == "down_proj":
+                out[f"blk.{i}.ffn_down_exps.weight"] = v.transpose(0, 2, 1)
+            else:
+                out[f"blk.{i}.ffn_down_exps.bias"] = v
+        elif len(parts) > 3 and parts[-3] == "shared_mlp":        # Granite MoE shared: its shared expert, gate and up fused
             i = parts[2]
             if parts[-2] == "input_linear":
                 half = v.shape[0] // 2

@@ -131,8 +131,8 @@ def lowbit(gguf_files, tmp_path_factory):
 
 @pytest.mark.parametrize("quantization", ["none", "gguf", None])
 def test_low_bit_formats_load_as_transformers_loads_them(lowbit, quantization):
-    """Q2_K, Q3_K, IQ1_S .. IQ4_XS, TQ1_0, TQ2_0 and MXFP4 matrices (random blocks with sane
-    scales: gguf-py cannot encode them) are dequantized at load, as transformers does with gguf-py."""
+    """Q2_K, Q3_K, IQ1_S .. IQ4_XS, TQ1_0, TQ2_0 (random blocks with sane scales: gguf-py cannot
+    encode them) and MXFP4 matrices are dequantized at load, as transformers does with gguf-py."""
     with torch.inference_mode():
         expected = hf_gguf_model(lowbit)(IDS).logits[0]
     assert_near(logits(load_model(lowbit, quantization=quantization)), expected, "dense")

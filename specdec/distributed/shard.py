@@ -9,9 +9,11 @@
   and OLMoE's, over the whole q and k projections, take the rank's part of their weight and
   add the ranks' sums of squares with one small all-reduce each (`ShardedRMSNorm`).
 - row-parallel: o and down take the matching input columns; their outputs are partial sums,
-  added over the ranks by one all-reduce each (`RowParallel`). A mixture of experts splits each
-  expert (and its shared expert) as an MLP, keeps the router whole, and adds the experts'
-  weighted partial sums locally before one all-reduce (`_shard_moe`, MoE.comm).
+  added over the ranks by one all-reduce each (`RowParallel`); a bias (gpt-oss's) stays on
+  rank 0 only, so the sum adds it once. A mixture of experts splits each expert (and its
+  shared expert) as an MLP, keeps the router whole, and adds the experts' weighted partial
+  sums locally before one all-reduce (`_shard_moe`, MoE.comm). gpt-oss's attention sinks go
+  with their query heads.
 - vocabulary-parallel LM head: each rank scores its share of the vocabulary; rank 0 gathers
   the columns before verification (`VocabParallelHead`). The embedding, the norms and RoPE stay
   whole on every rank.
@@ -117,7 +119,7 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
             _shard_mla(src.self_attn, dst.self_attn, rank, comm)
         else:
             _shard_attention(src.self_attn, dst.self_attn, qkv_rows, q_rows, kv_rows, H * hd, kv_width,
-                             kv_replicas, comm)
+                             kv_replicas, comm, hd)
         if hasattr(src.mlp, "experts"):
             _shard_moe(src.mlp, dst.mlp, rank, comm)
             continue
@@ -129,10 +131,12 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
 
 
 def _shard_attention(src: nn.Module, dst: nn.Module, qkv_rows: Tensor, q_rows: Tensor, kv_rows: Tensor, q_width: int,
-                     kv_width: int, kv_replicas: int, comm: Collectives) -> None:
+                     kv_width: int, kv_replicas: int, comm: Collectives, head_dim: int) -> None:
     """Grouped-query attention: this rank's query heads and the KV heads they read."""
     dst.qkv_proj = column(src.qkv_proj, qkv_rows)
-    dst.o_proj = RowParallel(row(src.o_proj, q_rows), comm)
+    dst.o_proj = RowParallel(row(src.o_proj, q_rows, bias=comm.rank == 0), comm)
+    if src.sinks is not None:        # gpt-oss: this rank's heads' sinks
+        dst.sinks = nn.Parameter(src.sinks.detach()[q_rows[::head_dim] // head_dim].clone(), requires_grad=False)
     if src.qk_full:     # OLMo 2 / OLMoE: norms over the whole projections, split
         qn, kn = src.q_norm, src.k_norm
         dst.q_norm = ShardedRMSNorm(qn.weight.detach()[q_rows].clone(), qn.eps, q_width, 1, comm)
@@ -168,7 +172,7 @@ def _shard_moe(src: nn.Module, dst: nn.Module, rank: int, comm: Collectives) -> 
         local = mlp_dst.down_proj.in_features
         rows = _span(rank * local, local)
         mlp_dst.gate_up_proj = column(mlp_src.gate_up_proj, torch.cat([rows, mlp_src.down_proj.in_features + rows]))
-        mlp_dst.down_proj = row(mlp_src.down_proj, rows)
+        mlp_dst.down_proj = row(mlp_src.down_proj, rows, bias=rank == 0)     # gpt-oss's: added once
 
     dst.gate, dst.shared_expert_gate = src.gate, src.shared_expert_gate
     dst.e_score_correction_bias = src.e_score_correction_bias
@@ -201,19 +205,22 @@ def column(module: nn.Module, rows: Tensor) -> nn.Module:
     return out
 
 
-def row(module: nn.Module, cols: Tensor) -> nn.Module:
-    """The module's input columns `cols` [n] (a contiguous run; a row-parallel shard), no bias
-    (o and down have none: a bias would be added once per rank)."""
+def row(module: nn.Module, cols: Tensor, bias: bool = False) -> nn.Module:
+    """The module's input columns `cols` [n] (a contiguous run; a row-parallel shard), with the
+    module's bias only when `bias` (one rank keeps it: the ranks' outputs are summed)."""
     start, n = int(cols[0]), len(cols)
+    b = module.bias.detach().clone() if bias and module.bias is not None else None
     if isinstance(module, QuantLinear):
         per_block, nbytes = BLOCKS[module.qtype]
         if start % per_block == 0 and n % per_block == 0:
             qweight = module.qweight[:, start // per_block * nbytes:(start + n) // per_block * nbytes]
-            return QuantLinear(qweight.contiguous(), module.qtype, n)
+            return QuantLinear(qweight.contiguous(), module.qtype, n, b)
         weight = dequantize(module.qweight, module.qtype, module.in_features)[:, start:start + n]
     else:
         weight = module.weight[:, start:start + n]
     with torch.device("meta"):
-        out = Linear(n, weight.shape[0], bias=False)
+        out = Linear(n, weight.shape[0], bias=b is not None)
     out.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if b is not None:
+        out.bias = nn.Parameter(b, requires_grad=False)
     return out

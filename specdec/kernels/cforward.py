@@ -120,6 +120,8 @@ def attention_supported(model, kv) -> bool:
     """paged_attention covers an fp32 or bf16 cache with activations of the same dtype, or an
     int8 cache with fp32 activations, on the CPU, whatever the matrices are."""
     activations = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.float32}
+    if model.config.attn_sinks:       # gpt-oss's sinks: the PyTorch attention
+        return False
     return (kv.k[0].device.type == "cpu" and model.config.head_dim % 8 == 0
             and activations.get(kv.dtype) == model.dtype)
 
@@ -132,6 +134,8 @@ def supported(model, kv) -> bool:
     from ..model.quant import QuantLinear
 
     if cfg.kv_lora_rank:      # multi-head latent attention: the PyTorch path, with paged_attention
+        return False
+    if cfg.attn_sinks or cfg.o_bias or cfg.mlp_bias or cfg.hidden_act == "swiglu_oai":    # gpt-oss: PyTorch
         return False
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
           and kv.dtype in KV_TYPES

@@ -114,6 +114,8 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             name = _MIXTRAL_IN.sub(lambda m: _MIXTRAL_NAMES[m.group(0)], name)
         if name.startswith("model.") or name.startswith("lm_head."):
             out[name] = t
+    if cfg.model_type == "gpt_oss":
+        out = _gpt_oss_experts(out, cfg)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for kind in ("weight", "bias"):
@@ -144,6 +146,74 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
+# OCP's MXFP4 (gpt-oss's experts): the 16 values of an FP4 E2M1 nibble; a block of 32 of them
+# shares one E8M0 exponent byte (scale 2^(byte - 127))
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's packed tensors -> fp32 (exact: every value has at most two significant bits):
+    blocks [..., G, 16] uint8 (two values a byte, the low nibble first), scales [..., G] uint8
+    -> [..., G * 32]."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                              "([..., G, 16] uint8 and [..., G])")
+    lut = torch.tensor(FP4_VALUES)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)    # [..., G, 32]
+    vals = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
+    return vals.flatten(-2)
+
+
+def _gpt_oss_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """gpt-oss's mixtures -> the runtime's: the router (mlp.router) as mlp.gate; the experts'
+    stacked gate_up_proj [E, D, 2F] (gate and up columns interleaved) and down_proj [E, F, D],
+    or their MXFP4 _blocks / _scales ([E, rows, in] once unpacked), as each expert's [gate; up]
+    rows and down rows, with their biases."""
+    out = {n: t for n, t in sd.items() if ".mlp.experts." not in n and ".mlp.router." not in n}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            if p + f"router.{kind}" in sd:
+                out[p + f"gate.{kind}"] = sd[p + f"router.{kind}"]
+        for mat in ("gate_up_proj", "down_proj"):
+            name = p + "experts." + mat
+            if name + "_blocks" in sd and name + "_scales" in sd:
+                w = mxfp4_dequantize(sd[name + "_blocks"], sd[name + "_scales"])          # [E, rows, in]
+            elif name in sd:
+                w = sd[name].transpose(1, 2)
+            else:
+                continue          # missing: load_model names it
+            b = sd.get(name + "_bias")
+            for e in range(w.shape[0]):
+                we, be = w[e], None if b is None else b[e]
+                if mat == "gate_up_proj":      # interleaved columns -> gate rows then up rows
+                    we = torch.cat([we[0::2], we[1::2]])
+                    be = None if be is None else torch.cat([be[0::2], be[1::2]])
+                out[p + f"experts.{e}.{mat}.weight"] = we.contiguous()
+                if be is not None:
+                    out[p + f"experts.{e}.{mat}.bias"] = be.contiguous()
+    return out
+
+
+def _gpt_oss_stacked(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The runtime's experts -> gpt-oss's stacked, interleaved layout (_gpt_oss_experts undone)."""
+    out = {n: t for n, t in sd.items() if ".mlp." not in n}
+    F = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        out[p + "router.weight"], out[p + "router.bias"] = sd[p + "gate.weight"], sd[p + "gate.bias"]
+        gu = torch.stack([sd[p + f"experts.{e}.gate_up_proj.weight"] for e in range(cfg.num_experts)])   # [E, 2F, D]
+        gu_b = torch.stack([sd[p + f"experts.{e}.gate_up_proj.bias"] for e in range(cfg.num_experts)])
+        inter = torch.stack([gu[:, :F], gu[:, F:]], dim=2).flatten(1, 2)                  # rows g0 u0 g1 u1 ...
+        out[p + "experts.gate_up_proj"] = inter.transpose(1, 2)
+        out[p + "experts.gate_up_proj_bias"] = torch.stack([gu_b[:, :F], gu_b[:, F:]], dim=2).flatten(1, 2)
+        out[p + "experts.down_proj"] = torch.stack(
+            [sd[p + f"experts.{e}.down_proj.weight"] for e in range(cfg.num_experts)]).transpose(1, 2)
+        out[p + "experts.down_proj_bias"] = torch.stack(
+            [sd[p + f"experts.{e}.down_proj.bias"] for e in range(cfg.num_experts)])
+    return out
+
+
 # Mixtral's names for its experts' matrices and its mixture (the runtime uses Qwen3-MoE's)
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _MIXTRAL_IN = re.compile("|".join(re.escape(k) for k in _MIXTRAL_NAMES))
@@ -165,7 +235,7 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
                 out[name.replace("qkv_proj", f"{x}_proj")] = part
         elif cfg.model_type in ("granitemoe", "granitemoeshared") and (".experts." in name or ".shared_expert." in name):
             out[name] = t                          # stacked below
-        elif ".gate_up_proj." in name:
+        elif ".gate_up_proj." in name and cfg.model_type != "gpt_oss":      # gpt-oss's: _gpt_oss_stacked
             gate, up = t.chunk(2)
             out[name.replace("gate_up_proj", "gate_proj")] = gate
             out[name.replace("gate_up_proj", "up_proj")] = up
@@ -179,6 +249,8 @@ def fused_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
         out = {_mixtral_name(n): t for n, t in out.items()}
     if cfg.model_type in ("granitemoe", "granitemoeshared"):
         out = _granitemoe_stacked(out, cfg)
+    if cfg.model_type == "gpt_oss":
+        out = _gpt_oss_stacked(out, cfg)
     if cfg.kv_lora_rank:         # DeepSeek's interleaved rotary rows (config.json says rope_interleave)
         out = deinterleave_rope(out, cfg, inverse=True)
     if cfg.model_type in ("glm4_moe", *DEEPSEEK):      # their names: the router holds the choice bias; shared_experts
@@ -230,6 +302,10 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if quantization not in (None, "auto", "none"):
         raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
     raw = read_config(folder)
+    quant = (text_config(raw).get("quantization_config") or raw.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise CheckpointError(f"{folder}: quantization_config.quant_method {quant!r} is not supported (specdec reads "
+                              "unquantized folders, gpt-oss's MXFP4 experts, and GGUF files)")
     try:
         if hf_overrides:
             raw = apply_hf_overrides(text_config(raw), hf_overrides)

@@ -32,6 +32,9 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's layers, dense ones where mlp_layer_types says
+    # gpt-oss-20b / 120b: attention sinks, biases on every projection, router and expert, a clamped
+    # SwiGLU, a 128-token window in every other layer, YaRN; MXFP4 experts in its checkpoints
+    "GptOssForCausalLM": "gpt_oss",
 }
 # families that are another one under a different name: MiMo is Qwen2 with MTP layers (model/mtp.py)
 MODEL_TYPE_ALIASES = {"mimo": "qwen2"}
@@ -49,7 +52,7 @@ FUSED_CHECKPOINTS = ("phi3",)         # families whose checkpoints store qkv_pro
 GEMMA = ("gemma", "gemma2", "gemma3_text")   # checkpoints store RMSNorm weights w for (1 + w)
 OLMO = ("olmo2", "olmo3")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "glm4_moe", "deepseek_v2",
-       "deepseek_v3", "glm4_moe_lite")
+       "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
@@ -125,6 +128,15 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # gpt-oss: a learned logit per query head that joins every softmax's denominator (an
+    # "attention sink" no value stands behind); a bias on o_proj too (o_bias); biases on the
+    # router and on every expert's gate/up and down (mlp_bias); hidden_act "swiglu_oai", its
+    # clamped SwiGLU: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    attn_sinks: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -154,7 +166,7 @@ class ModelConfig:
             if model_type in ("qwen3", "qwen3_moe"):
                 _check_qwen3(cfg)
             family = (_gemma(cfg, model_type) if model_type in GEMMA else _olmo(cfg, model_type) if model_type in OLMO
-                      else _moe(cfg, model_type) if model_type in MOE else {})
+                      else _gpt_oss(cfg) if model_type == "gpt_oss" else _moe(cfg, model_type) if model_type in MOE else {})
             if family:     # Gemma 3 / OLMo 3 keep their global layers' RoPE under rope_parameters["full_attention"]
                 glob = family.pop("global_rope")
                 if glob is not None:
@@ -179,7 +191,8 @@ class ModelConfig:
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
-                attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+                attention_bias=model_type in ("qwen2", "qwen2_moe")
+                or bool(cfg.get("attention_bias", model_type == "gpt_oss")),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO)
                 or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
@@ -212,7 +225,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": self.attention_bias and self.model_type == "llama",
+            "attention_bias": self.attention_bias and self.model_type in ("llama", "gpt_oss"),
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": None,
@@ -268,6 +281,10 @@ class ModelConfig:
                            attention_bias=self.attention_bias, num_nextn_predict_layers=0)
             else:
                 out["intermediate_size"] = self.moe_intermediate_size
+        if self.model_type == "gpt_oss":
+            out.update(num_local_experts=self.num_experts, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
+                       sliding_window=self.sliding_window, layer_types=self._layer_types())
+            out.pop("num_experts", None)
         if self.model_type in GEMMA:
             out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
             if self.model_type != "gemma":
@@ -460,6 +477,20 @@ def _moe(cfg: dict, model_type: str) -> dict:
         out["qk_norm_full"] = True
     if out["num_experts_per_tok"] > out["num_experts"] or out["num_experts"] <= 0:
         raise ValueError(f"num_experts_per_tok {out['num_experts_per_tok']} of {out['num_experts']} experts")
+    return out
+
+
+def _gpt_oss(cfg: dict) -> dict:
+    """gpt-oss's fields (as _moe's, with "global_rope"): experts of intermediate_size in every
+    layer, the top num_experts_per_tok by router logit weighted by the softmax over their logits
+    (the whole softmax renormalised: the same weights); its 128-token window in the layers
+    layer_types marks (transformers' default: every even layer), the same RoPE in all."""
+    if not cfg.get("attention_bias", True):
+        raise ValueError("gpt_oss with attention_bias=false is not supported")
+    out = _moe(cfg, "gpt_oss")
+    out.update(norm_topk_prob=True, attn_sinks=True, o_bias=True, mlp_bias=True, hidden_act="swiglu_oai",
+               swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    out.update(_window_layers({**cfg, "sliding_window": cfg.get("sliding_window", 128)}, 2))
     return out
 
 

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF checkpoints -> the runtime's `Transformer` (architectures llama, mistral, qwen2,
 qwen3, phi3, smollm3, granite, gemma, gemma2, gemma3, olmo2 -- OLMo 2 and OLMo 3 --, and the
-mixtures of experts qwen3moe, olmoe and llama with experts -- Mixtral).
+mixtures of experts qwen3moe, olmoe, llama with experts -- Mixtral --, granitemoe, qwen2moe,
+glm4moe, deepseek2 and gpt-oss).
 
 A .gguf holds the hyper-parameters and the tokenizer as metadata and every tensor in a ggml
 format (F32, F16, BF16, or a block-quantized one). The file is memory-mapped (gguf-py's
@@ -40,11 +41,12 @@ from .llama import Transformer
 from .mla import rope_row_order
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3",
-                 "olmo2", "qwen3moe", "olmoe", "granitemoe", "qwen2moe", "glm4moe", "deepseek2")
+                 "olmo2", "qwen3moe", "olmoe", "granitemoe", "qwen2moe", "glm4moe", "deepseek2", "gpt-oss")
 # read through a Hugging Face config built from their metadata (_hf_config); MTP ("nextn")
 # blocks after the last layer are left out
-HF_LIKE = ("glm4moe", "deepseek2")
-MLP_NORM = {"glm4_moe": "post_attention_norm"}     # the MLP's input norm where it is not ffn_norm
+HF_LIKE = ("glm4moe", "deepseek2", "gpt-oss")
+# the MLP's input norm where it is not ffn_norm
+MLP_NORM = {"glm4_moe": "post_attention_norm", "gpt_oss": "post_attention_norm"}
 MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}   # GGUF architecture -> Hugging Face model_type
 # llama.cpp's default for renormalising the chosen experts' weights (its expert_weights_norm key wins)
 EXPERTS_NORM = {"qwen3moe": True, "olmoe": False, "llama": True, "granitemoe": True, "qwen2moe": False}
@@ -240,6 +242,8 @@ class GGUFFile:
             mul = a("rope.scaling.yarn_log_multiplier")
             if mul and arch == "deepseek2":      # mscale = mscale_all_dim: cos and sin unscaled, as DeepSeek's configs
                 cfg["rope_scaling"].update(mscale=float(mul) / 0.1, mscale_all_dim=float(mul) / 0.1)
+        if arch == "gpt-oss":
+            return self._gpt_oss_config(cfg)
         if arch == "glm4moe":
             if not sigmoid:
                 raise GGUFError(f"{self.path}: glm4moe with softmax routing is not supported (expert_gating_func 2)")
@@ -258,6 +262,30 @@ class GGUFFile:
                    qk_rope_head_dim=rope, qk_nope_head_dim=int(key_mla or req("attention.key_length")) - rope,
                    v_head_dim=int(value_mla or req("attention.value_length")), rope_interleave=True,
                    topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy")
+        return cfg
+
+
+    def _gpt_oss_config(self, cfg: dict) -> dict:
+        """gpt-oss's config.json from llama.cpp's keys: experts of expert_feed_forward_length,
+        its window in the layers sliding_window_pattern marks (llama.cpp's default: the even
+        ones), YaRN with the model's own untruncated ramp (transformers' and vLLM's truncate=false)."""
+        a = lambda key, default=None: self.get(f"gpt-oss.{key}", default)  # noqa: E731
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        n = cfg["num_hidden_layers"]
+        window = _gguf_window_layers(self, "gpt-oss", n, 2)
+        rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        if "rope_scaling" in cfg:
+            rope = {**cfg.pop("rope_scaling"), "beta_fast": float(a("rope.scaling.yarn_beta_fast") or 32.0),
+                    "beta_slow": float(a("rope.scaling.yarn_beta_slow") or 1.0), "truncate": False,
+                    "rope_theta": cfg["rope_theta"]}
+        cfg.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                   head_dim=int(a("attention.key_length") or hidden // heads),
+                   num_key_value_heads=int(a("attention.head_count_kv") or heads),
+                   intermediate_size=int(self.require("gpt-oss.expert_feed_forward_length")),
+                   num_local_experts=cfg["n_routed_experts"], attention_bias=True, rope_parameters=rope,
+                   sliding_window=window.get("sliding_window"),
+                   layer_types=["sliding_attention" if i in window.get("sliding_layers", ()) else "full_attention"
+                                for i in range(n)])
         return cfg
 
 
@@ -393,6 +421,9 @@ def _shapes(cfg: ModelConfig, split_kv_b: bool = False) -> dict[str, tuple[int, 
                             p + "ffn_down_shexp.weight": (d, sz)})
             if cfg.shared_expert_gate:
                 out[p + "ffn_gate_inp_shexp.weight"] = (d,)
+            if cfg.mlp_bias:              # gpt-oss: the router's and the experts' biases
+                out.update({p + "ffn_gate_inp.bias": (E,), p + "ffn_gate_exps.bias": (E, fm),
+                            p + "ffn_up_exps.bias": (E, fm), p + "ffn_down_exps.bias": (E, d)})
         else:
             out[p + "ffn_down.weight"] = (d, f)
         if cfg.pre_norms:
@@ -406,6 +437,10 @@ def _shapes(cfg: ModelConfig, split_kv_b: bool = False) -> dict[str, tuple[int, 
                 out.update({p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d)})
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        if cfg.o_bias:
+            out[p + "attn_output.bias"] = (d,)
+        if cfg.attn_sinks:
+            out[p + "attn_sinks.weight"] = (cfg.num_attention_heads,)
         if cfg.qk_norm:
             out.update({p + "attn_q_norm.weight": (q if cfg.qk_norm_full else hd,),
                         p + "attn_k_norm.weight": (kv if cfg.qk_norm_full else hd,)})
@@ -513,8 +548,9 @@ class _Builder:
             lin.bias = nn.Parameter(bias.to(self.device, self.dtype), requires_grad=False)
         return lin
 
-    def expert_linear(self, names: list[str], e: int) -> nn.Module:
-        """Expert e's rows of the stacked [E, rows, in] tensors `names`, concatenated (as linear)."""
+    def expert_linear(self, names: list[str], e: int, biases: list[str] | None = None) -> nn.Module:
+        """Expert e's rows of the stacked [E, rows, in] tensors `names`, concatenated (as linear),
+        with its rows of the stacked [E, rows] `biases` (gpt-oss)."""
         parts = []
         for n in names:
             t = self.g.tensors[n]
@@ -522,11 +558,17 @@ class _Builder:
             parts.append(_stacked_rows(t)[e * per:(e + 1) * per])
         kinds = {self.g.tensors[n].tensor_type.name for n in names}
         in_features = int(self.g.tensors[names[0]].shape[0])
+        bias = None
+        if biases:
+            bias = torch.cat([_dense(self.g.tensors[b], _raw_rows(self.g.tensors[b]))[e] for b in biases])
         if self.quantize and len(kinds) == 1 and next(iter(kinds)) in QTYPES:
-            return QuantLinear(torch.cat(parts).contiguous().to(self.device), next(iter(kinds)), in_features)
+            return QuantLinear(torch.cat(parts).contiguous().to(self.device), next(iter(kinds)), in_features,
+                               None if bias is None else bias.to(self.device))
         weight = torch.cat([_dense(self.g.tensors[n], r) for n, r in zip(names, parts)])
-        lin = nn.Linear(in_features, weight.shape[0], bias=False, device="meta")
+        lin = nn.Linear(in_features, weight.shape[0], bias=bias is not None, device="meta")
         lin.weight = nn.Parameter(weight.to(self.device, self.dtype), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(self.device, self.dtype), requires_grad=False)
         return lin
 
     def packed(self, name: str) -> torch.Tensor | None:
@@ -617,17 +659,22 @@ def _fill_layer(layer: nn.Module, b: _Builder, cfg: ModelConfig, p: str, moe: bo
     else:
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.attention_bias else None
         _swap_linear(layer.self_attn, "qkv_proj", b.linear(_qkv_names(cfg, p), biases))
-    _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"]))
+    _swap_linear(layer.self_attn, "o_proj", b.linear([p + "attn_output.weight"],
+                                                     [p + "attn_output.bias"] if cfg.o_bias else None))
+    if cfg.attn_sinks:
+        layer.self_attn.sinks = b.param(p + "attn_sinks.weight")
     if cfg.qk_norm:
         layer.self_attn.q_norm.weight = b.norm(p + "attn_q_norm.weight")
         layer.self_attn.k_norm.weight = b.norm(p + "attn_k_norm.weight")
     if moe:
-        _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"]))
+        bias = (lambda *names: [p + f"{n}.bias" for n in names]) if cfg.mlp_bias else (lambda *names: None)
+        _swap_linear(layer.mlp, "gate", b.linear([p + "ffn_gate_inp.weight"], bias("ffn_gate_inp")))
         if cfg.router_sigmoid:         # the choice bias, fp32
             layer.mlp.e_score_correction_bias = b.param(p + "exp_probs_b.bias", torch.float32)
         for e, expert in enumerate(layer.mlp.experts):
-            _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e))
-            _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e))
+            _swap_linear(expert, "gate_up_proj", b.expert_linear([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], e,
+                                                                 bias("ffn_gate_exps", "ffn_up_exps")))
+            _swap_linear(expert, "down_proj", b.expert_linear([p + "ffn_down_exps.weight"], e, bias("ffn_down_exps")))
         if cfg.shared_expert_size:
             shared = layer.mlp.shared_expert
             _swap_linear(shared, "gate_up_proj", b.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))

@@ -81,6 +81,7 @@ class EagleHead(nn.Module):
                                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
                                  moe_layers=(), shared_expert_size=0, shared_expert_gate=False, router_sigmoid=False,
                                  n_group=1, topk_group=1, routed_scaling_factor=1.0, group_by_max=False,
+                                 attn_sinks=False, o_bias=False, mlp_bias=False,
                                  model_type="llama" if plain else target_cfg.model_type)
         self.fc = Linear(2 * D, D, bias=True)
         self.decoder = Transformer(cfg)

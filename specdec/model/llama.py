@@ -146,23 +146,29 @@ def local_inv_freq(cfg: ModelConfig) -> Tensor | None:
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-         scale: float | None = None, softcap: float = 0.0, gqa: bool = False) -> Tensor:
+         scale: float | None = None, softcap: float = 0.0, gqa: bool = False, sinks: Tensor | None = None) -> Tensor:
     """F.scaled_dot_product_attention over q [..., H, L, hd], k/v [..., KV, S, hd] (mask: bool,
     True = seen), or its eager form when the scores are soft-capped (Gemma 2: cap tanh(s / cap),
-    before the mask), which SDPA cannot do."""
-    if not softcap:
+    before the mask) or a sink joins each softmax (gpt-oss: sinks [H], one more logit per head
+    whose probability goes to no value), which SDPA cannot do."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
     if k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    s = torch.tanh(s / softcap) * softcap
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if causal:
         L, S = q.shape[-2], k.shape[-2]
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+    s = s.float()
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        return torch.softmax(s, dim=-1)[..., :-1].to(q.dtype) @ v
+    return torch.softmax(s, dim=-1).to(q.dtype) @ v
 
 
 def sliding_mask(positions: Tensor, span: int, window: int, free_from: int | None = None) -> Tensor:
@@ -194,8 +200,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.split = (q, kv, kv)
+        # gpt-oss: each head's sink logit (a tensor-parallel rank holds its heads')
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attn_sinks else None
         # Qwen3: one [hd] weight shared by the heads, so a tensor-parallel rank keeps it whole;
         # OLMo 2 (qk_norm_full): one over the whole projection, [H hd] and [KV hd]
         self.qk_full = cfg.qk_norm_full
@@ -233,7 +241,7 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             T = q.shape[-2]
             mask = None if self.window is None else sliding_mask(torch.arange(T, device=q.device), T, self.window).tril()
-            out = sdpa(q, k, v, mask, mask is None, self.scale, self.softcap, gqa)
+            out = sdpa(q, k, v, mask, mask is None, self.scale, self.softcap, gqa, self.sinks)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -247,20 +255,21 @@ def _aux(captured: dict | None, layers) -> list | None:
 
 class _TorchAttention:
     """One forward's attention in PyTorch (any device): see _paged_attention. windows: each
-    layer's sliding window (None: full)."""
+    layer's sliding window (None: full); sinks: each layer's sink logits (gpt-oss), or None."""
 
     def __init__(self, kv: KVCache, plan: AttentionPlan, scale: float | None = None, softcap: float = 0.0,
-                 windows: list | None = None):
-        self.kv, self.plan, self.scale, self.softcap, self.windows = kv, plan, scale, softcap, windows
+                 windows: list | None = None, sinks: list | None = None):
+        self.kv, self.plan, self.scale, self.softcap, self.windows, self.sinks = kv, plan, scale, softcap, windows, sinks
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
         window = self.windows[layer] if self.windows else None
-        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa, self.scale, window, self.softcap)
+        sinks = self.sinks[layer] if self.sinks else None
+        return _paged_attention(q, k, v, self.kv, layer, self.plan, gqa, self.scale, window, self.softcap, sinks)
 
 
 def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, plan: AttentionPlan,
                      gqa: bool, scale: float | None = None, window: int | None = None,
-                     softcap: float = 0.0) -> Tensor:
+                     softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """q [N, H, hd], k/v [N, KV, hd] new tokens; kv: the cache, of which layer `layer` is read.
     Writes k/v at their slots (in the cache's format); each sequence attends over its own
     gathered (dequantized) blocks; returns [N, H * hd].
@@ -287,7 +296,7 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
             if window is not None:
                 mask = mask & sliding_mask(seq.positions, seq.span, window, seq.free_from)
             out[rows] = sdpa(q[rows].transpose(0, 1)[None], keys[None, :, :seq.span], vals[None, :, :seq.span],
-                             mask, False, scale, softcap, gqa)[0].transpose(0, 1)
+                             mask, False, scale, softcap, gqa, sinks)[0].transpose(0, 1)
             continue
         for t, seen in enumerate(seq.seen):
             if isinstance(seen, int):       # causal: slots lo .. seen - 1 (the token's own is seen - 1)
@@ -300,7 +309,7 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
             row = seq.first + t
             # row 0 starts a fresh buffer; the others get one: sums must not depend on where q starts
             qt = q[row] if row == 0 else q[row].clone()
-            att = sdpa(qt[None, :, None], kk[None], vv[None], None, False, scale, softcap, gqa)
+            att = sdpa(qt[None, :, None], kk[None], vv[None], None, False, scale, softcap, gqa, sinks)
             if N == 1:
                 return att.reshape(1, H * hd)
             out[row] = att[0, :, 0]
@@ -314,13 +323,17 @@ class MLP(nn.Module):
         """size: the intermediate size (default cfg.intermediate_size; an expert's may differ)."""
         super().__init__()
         size = size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * size, bias=False)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=False)
-        self.gelu = cfg.hidden_act == "gelu_tanh"        # Gemma's GeGLU, else SwiGLU
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act       # "silu": SwiGLU; "gelu_tanh": Gemma's GeGLU; "swiglu_oai": gpt-oss's
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+        if self.act == "swiglu_oai":
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)) * up)
 
 
 class MoE(nn.Module):
@@ -332,7 +345,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.mlp_bias)     # gpt-oss's router has a bias
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.n_group, self.topk_group = cfg.router_sigmoid, cfg.n_group, cfg.topk_group
@@ -606,9 +619,11 @@ class Transformer(nn.Module):
                 view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
             return cforward.CAttention(lib, view, batch)
         windows = [layer.self_attn.window for layer in self.model.layers]
+        sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.model.layers]
         return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS),
                                self.config.attention_multiplier, self.config.attn_softcap,
-                               windows if any(w is not None for w in windows) else None)
+                               windows if any(w is not None for w in windows) else None,
+                               sinks if any(t is not None for t in sinks) else None)
 
     def reset_rope(self, device) -> None:
         """The rotary frequency buffers from the config (a load leaves them uninitialised on meta)."""

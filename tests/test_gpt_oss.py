@@ -1,0 +1,159 @@
+"""gpt-oss (GptOssForCausalLM): attention sinks, biases on q/k/v/o, the router and the experts, the
+clamped SwiGLU, a sliding window in every other layer and YaRN (untruncated), as a Hugging Face
+folder (unquantized, and with MXFP4 experts as OpenAI ships them) and a GGUF file (llama.cpp's
+gpt-oss names; F32, and MXFP4 experts), against transformers; every speculative method against
+plain decoding; tensor parallelism. The tiny model: 4 experts, 2 per token, a 6-token window in
+layer 0, gate/up biases large enough that swiglu_limit's clamps (7, which llama.cpp's files
+cannot change) bite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T, quants
+from safetensors.numpy import load_file, save_file
+
+from gguf_helpers import write_gguf
+from specdec.model import load_model, save_model
+from specdec.model.checkpoint import CheckpointError
+from specdec.model.llama import MoE
+from arch_checks import (IDS, arch_files, cached_logits, check_tensor_parallel_equals_tp1, reference,  # noqa: F401
+                         test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+
+CONFIG = {}
+
+
+def _mxfp4_folder(hf, out):
+    """hf with its experts in OpenAI's MXFP4 layout (gate_up_proj_blocks [E, 2F, D / 32, 16]: rows
+    in gate/up interleaved order, two values a byte with the low nibble first; _scales E8M0), as
+    gguf-py quantizes them (ggml's blocks: the exponent byte, then value j in the low nibble of
+    byte j and value j + 16 in its high one)."""
+    shutil.copytree(hf, out)
+    sd, packed = load_file(str(hf / "model.safetensors")), {}
+    for name, v in sd.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = v
+            continue
+        w = v.transpose(0, 2, 1)                                           # [E, rows, in]
+        g = quants.quantize(np.ascontiguousarray(w.reshape(-1, w.shape[-1])), T.MXFP4).reshape(-1, w.shape[-1] // 32, 17)
+        nibbles = np.concatenate([g[..., 1:] & 0x0F, g[..., 1:] >> 4], axis=-1)      # values 0..31 of each block
+        blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+        packed[name + "_blocks"] = np.ascontiguousarray(blocks.reshape(*w.shape[:2], -1, 16))
+        packed[name + "_scales"] = np.ascontiguousarray(g[..., 0].reshape(*w.shape[:2], -1))
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    out = arch_files(root, "gpt_oss", CONFIG)
+    out["c_forward"] = False            # sinks, biases and the clamped SwiGLU: the PyTorch forward
+    out["mxfp4"] = _mxfp4_folder(out["hf"], root / "mxfp4")
+    out["mxfp4_gguf"] = write_gguf(out["hf"], root / "mxfp4.gguf",
+                                   qtypes=lambda n, ndim: T.MXFP4 if "_exps." in n else T.F32)
+    return out
+
+
+def test_config_reads_and_writes_gpt_oss(files, tmp_path):
+    model = load_model(files["hf"], "float32")
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_layers,
+            cfg.sliding_window, cfg.sliding_layers, cfg.hidden_act, cfg.swiglu_limit, cfg.attn_sinks, cfg.o_bias,
+            cfg.mlp_bias, cfg.attention_bias) == \
+        ("gpt_oss", 4, 2, 128, (0, 1), 6, (0,), "swiglu_oai", 7.0, True, True, True, True)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
+    assert all(isinstance(layer.mlp, MoE) and layer.mlp.gate.bias is not None for layer in model.model.layers)
+    assert load_model(files["f32"]).config.replace(rms_norm_eps=cfg.rms_norm_eps) == cfg
+    save_model(model, tmp_path / "saved", torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(tmp_path / "saved")(IDS).logits, reference(files["hf"])(IDS).logits)
+    assert load_model(tmp_path / "saved", "float32").config == cfg
+
+
+def test_sinks_clamps_and_window_matter(files):
+    """Without the sinks, without the clamps, or with the window left open, the logits leave
+    transformers' (so the agreement elsewhere is not by accident)."""
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(files["hf"])(tokens[None]).logits[0]
+        model = load_model(files["hf"], "float32")
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+        for change in ("sinks", "clamps", "window"):
+            model = load_model(files["hf"], "float32")
+            for layer in model.model.layers:
+                if change == "sinks":
+                    layer.self_attn.sinks.data.fill_(-1e4)
+                elif change == "window":
+                    layer.self_attn.window = None
+                else:
+                    for expert in layer.mlp.experts:
+                        expert.limit = 1e4
+            assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() > 1e-3, change
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(files):
+    """OpenAI's MXFP4 folder: logits equal transformers' (Mxfp4Config(dequantize=True)); the same
+    experts from a GGUF with MXFP4 ffn_*_exps tensors are the same parameters, bit for bit."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    ours = load_model(files["mxfp4"], "float32")
+    theirs = AutoModelForCausalLM.from_pretrained(files["mxfp4"], dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        expected = theirs(IDS).logits[0]
+        torch.testing.assert_close(ours(IDS).logits[0], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cached_logits(ours, IDS[0], [(0, 5), (5, 12)]), expected, atol=1e-4, rtol=1e-4)
+        plain = reference(files["hf"])(IDS).logits[0]
+        assert (plain - expected).abs().max() > 1e-4         # the 4-bit experts differ from the fp32 ones
+    a, b = dict(ours.named_parameters()), dict(load_model(files["mxfp4_gguf"]).named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        if ".experts." in name and name.endswith("weight"):
+            assert torch.equal(a[name], b[name]), name
+        else:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_bf16_mxfp4_folder_greedy_equals_transformers(files):
+    """The dtype a real checkpoint runs in: bf16 weights (MXFP4 values are exact in bf16)."""
+    from specdec import LLM, SamplingParams
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    theirs = AutoModelForCausalLM.from_pretrained(files["mxfp4"], dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        expected = theirs.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=theirs.config.vocab_size, pad_token_id=0)[0, IDS.shape[1]:].tolist()
+    llm = LLM(str(files["mxfp4"]), dtype="float32", num_speculative_tokens=0)
+    out = llm.generate({"prompt_token_ids": IDS[0].tolist()}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected
+    bf16 = load_model(files["mxfp4"], "bfloat16")
+    experts = bf16.model.layers[0].mlp.experts[0].gate_up_proj.weight
+    assert experts.dtype == torch.bfloat16
+    assert torch.equal(experts.float(), load_model(files["mxfp4"], "float32").model.layers[0].mlp.experts[0].gate_up_proj.weight)
+
+
+def test_other_quantized_folders_are_refused(files, tmp_path):
+    folder = shutil.copytree(files["hf"], tmp_path / "gptq")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
+        load_model(folder)
+
+
+@pytest.mark.tp
+def test_tensor_parallel_equals_tp1(files):
+    """Each rank's query heads with their sinks; o_proj's and the experts' down biases added once
+    (rank 0's), the router whole."""
+    check_tensor_parallel_equals_tp1(files["hf"])

@@ -154,3 +154,21 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
         assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
             hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == [2]
+
+
+def test_gpt4o_pre_tokenizer_splits_as_o200k():
+    """llama.cpp's "gpt-4o" pre type (gpt-oss's files; Llama 4's call it "llama4"): o200k's split,
+    letter runs cut where lower case turns to upper and contractions kept, digits in threes, a
+    trailing "/" kept with punctuation; GPT-2's split (the default) differs on each."""
+    from specdec.gguf_tokenizer import GGUFVocab, build_tokenizer
+
+    def pieces(pre: str, text: str) -> list[str]:
+        v = GGUFVocab(model="gpt2", pre=pre, tokens=["a", "b"], token_types=[1, 1], merges=[], scores=None,
+                      bos_token_id=None, eos_token_id=None, eot_token_id=None, unk_token_id=None, pad_token_id=None,
+                      add_bos_token=False, add_eos_token=False, chat_template=None)
+        return [p for p, _ in build_tokenizer(v).pre_tokenizer.pre_tokenize_str(text)]
+
+    text = "HelloWorld's 12345 tokens, ok?/\n"
+    expected = ["Hello", "World's", "Ġ", "123", "45", "Ġtokens", ",", "Ġok", "?/Ċ"]
+    assert pieces("gpt-4o", text) == pieces("llama4", text) == expected
+    assert pieces("gpt2", text) != expected

@@ -157,3 +157,28 @@ def test_tensor_parallel_equals_tp1(files):
     """Each rank's query heads with their sinks; o_proj's and the experts' down biases added once
     (rank 0's), the router whole."""
     check_tensor_parallel_equals_tp1(files["hf"])
+
+
+def test_server_reads_harmony_by_itself(files):
+    """A gpt_oss model's server splits harmony replies without --reasoning-parser (vLLM does too);
+    the tiny model writes no channels, so its reply is all answer, streamed alike."""
+    import openai
+
+    from specdec import LLM
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    llm = LLM(str(files["hf"]), dtype="float32", num_speculative_tokens=0, max_model_len=128)
+    app = build_app(llm, ServerConfig(served_model_names=("gpt-oss",)))
+    assert app.state.service.config.reasoning_parser == "openai_gptoss"
+    with LiveServer(app) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            kw = dict(model="gpt-oss", messages=[{"role": "user", "content": "def f(x):"}], max_tokens=12, temperature=0)
+            msg = c.chat.completions.create(**kw).choices[0].message
+            assert msg.content and not (msg.model_extra or {}).get("reasoning_content")
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+                               if ch.choices)
+            assert streamed == msg.content
+        finally:
+            c.close()

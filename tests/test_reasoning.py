@@ -12,7 +12,7 @@ import pytest
 from specdec import LLM
 from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
 from specdec.server import ServerConfig, build_app
-from specdec.server.reasoning import ReasoningStream, split_reasoning
+from specdec.server.reasoning import ReasoningStream, reasoning_stream, split_reasoning
 from specdec.server.responses import ChatFormat, ChoiceResult
 from specdec.server.tools import plan_tools
 
@@ -39,6 +39,35 @@ def test_stream_equals_split_for_any_chunking(parser):
         for _ in range(30):
             cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
             rs, got = ReasoningStream(parser), ["", ""]
+            for a, b in zip([0] + cuts, cuts + [len(text)]):
+                r, t = rs.feed(text[a:b])
+                got = [got[0] + r, got[1] + t]
+            r, t = rs.finish()
+            assert (got[0] + r, got[1] + t) == want, (text, cuts)
+
+
+HARMONY = ["<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|><|start|>assistant<|channel|>final<|message|>4.",
+           "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary<|message|>Let me check."
+           "<|end|><|start|>assistant<|channel|>final<|message|>Done <b>.",
+           "<|channel|>analysis<|message|>cut off in thought", "<|channel|>analysis<|message|>x<|end|><|start|>assis",
+           "Plain answer <i>, no markup", "", "<|chan"]
+
+
+def test_harmony_split():
+    """gpt-oss's harmony replies: analysis bodies are reasoning, final (and commentary) bodies the
+    answer, as paragraphs; the markup never shows; text outside the format is answer."""
+    assert [split_reasoning("openai_gptoss", t) for t in HARMONY] == [
+        ("User asks 2+2. Easy.", "4."), ("a", "Let me check.\n\nDone <b>."), ("cut off in thought", ""), ("x", ""),
+        ("", "Plain answer <i>, no markup"), ("", ""), ("", "<|chan")]
+
+
+def test_harmony_stream_equals_split_for_any_chunking():
+    rng = random.Random(0)
+    for text in HARMONY:
+        want = split_reasoning("openai_gptoss", text)
+        for _ in range(200):
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 30)))) if len(text) > 1 else []
+            rs, got = reasoning_stream("openai_gptoss"), ["", ""]
             for a, b in zip([0] + cuts, cuts + [len(text)]):
                 r, t = rs.feed(text[a:b])
                 got = [got[0] + r, got[1] + t]

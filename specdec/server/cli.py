@@ -64,7 +64,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                                               "Qwen2.5), llama3_json (Llama 3.1 / 3.2), pythonic (Llama 3.2 / 4 "
                                               "pythonic templates), mistral (Mistral 7B v0.3+)")
     p.add_argument("--reasoning-parser", help="return a reasoning model's <think> block as reasoning_content: "
-                                              "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ)")
+                                              "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), "
+                                              "openai_gptoss (gpt-oss's harmony channels; the default for gpt-oss)")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request: its prompt, sampling parameters, and how it ended (vLLM's flag)")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",

@@ -9,6 +9,13 @@
 - `qwen3` (Qwen3, QwQ): the reply opens the block itself: a reply that starts with `<think>` is
   reasoning up to `</think>` (or to its end, if cut short), one that does not is all answer (Qwen3
   with thinking switched off writes no block).
+- `openai_gptoss` (gpt-oss; chosen by itself for a gpt_oss model, as vLLM does): OpenAI's harmony
+  format. After the prompt's `<|start|>assistant` the reply is a run of messages
+  `<|channel|>NAME<|message|>BODY<|end|>`, each after the first opened by
+  `<|start|>assistant`: the `analysis` channel's bodies are reasoning, the others' (`final`,
+  and `commentary` preambles) the answer. The reply keeps its special tokens for this parser
+  (serving.py), and the markup never reaches the client. Tool calls in the harmony format
+  (`commentary to=functions.NAME`) are not parsed: they come back as answer text.
 
 The answer then goes to the tool-call parser, if any. A constrained reply (structured outputs,
 named or required tool calls) is not split: the grammar leaves the model no think block.
@@ -18,12 +25,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 START, END = "<think>", "</think>"
+HARMONY = "openai_gptoss"
+# the harmony markup: a message's header runs from <|start|> (or the reply's start) to
+# <|message|>, naming its channel after <|channel|>; its body runs to <|end|> (<|return|> and
+# <|call|> end the reply: they are stop tokens, never in the text)
+_H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+_H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+def split_harmony(text: str, final: bool = True) -> tuple[str, str]:
+    """A harmony reply (special tokens kept) -> (reasoning, answer). final=False: the reply may
+    be cut mid-marker (a stream): an unfinished marker or header is left out."""
+    reasoning, answer = [], []
+    # text before the first header is outside the format: answer
+    pos = min((i for m in (_H_CHANNEL, _H_START) if (i := text.find(m)) >= 0), default=len(text))
+    lead = text[:pos]
+    if pos == len(text) and not final:
+        lead = lead[:len(lead) - max(held_back(lead, m) for m in (_H_CHANNEL, _H_START))]
+    answer.append(lead)
+    while pos < len(text):
+        if text.startswith(_H_START, pos):
+            pos += len(_H_START)
+        at = text.find(_H_MESSAGE, pos)
+        if at < 0:
+            break                                  # a header still arriving, or cut off: dropped
+        header = text[pos:at]
+        channel = header.split(_H_CHANNEL, 1)[1] if _H_CHANNEL in header else ""
+        body_at = at + len(_H_MESSAGE)
+        ends = [(i, tag) for tag in _H_ENDS if (i := text.find(tag, body_at)) >= 0]
+        end, tag = min(ends) if ends else (len(text), "")
+        body = text[body_at:end]
+        if not ends and not final:                 # the last body, maybe ending in a marker's first part
+            body = body[:len(body) - max(held_back(body, t) for t in (*_H_ENDS, _H_START))]
+        (reasoning if channel.split()[:1] == ["analysis"] else answer).append(body)
+        pos = end + len(tag)
+    # messages of one channel kind read as paragraphs (a commentary preamble, then the final answer)
+    return "\n\n".join(r for r in reasoning if r), "\n\n".join(a for a in answer if a)
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str, str]:
     """A finished reply -> (reasoning, answer); either may be empty."""
+    if parser == HARMONY:
+        return split_harmony(text)
     s = text.lstrip()
     if s.startswith(START):
         body = s[len(START):]
@@ -42,6 +87,30 @@ def held_back(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class HarmonyStream:
+    """ReasoningStream for harmony replies: the reply so far is parsed again at each step (a
+    harmony reply only grows at its end) and what its parts gained is sent."""
+
+    def __init__(self):
+        self.text, self.sent = "", ("", "")
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.text += text
+        return self._gained(split_harmony(self.text, final=False))
+
+    def finish(self) -> tuple[str, str]:
+        return self._gained(split_harmony(self.text))
+
+    def _gained(self, parts: tuple[str, str]) -> tuple[str, str]:
+        out = tuple(now[len(before):] for now, before in zip(parts, self.sent))
+        self.sent = parts
+        return out
+
+
+def reasoning_stream(parser: str):
+    return HarmonyStream() if parser == HARMONY else ReasoningStream(parser)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
 from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
-from .reasoning import ReasoningStream, split_reasoning
+from .reasoning import ReasoningStream, reasoning_stream, split_reasoning
 from .tools import ToolPlan, ToolStream, extract
 
 
@@ -127,7 +127,9 @@ class ChatFormat:
         calls: list[dict] = []
         thought = ""
         if self.reasoning is not None:     # the thinking first; what follows </think> is the answer
-            rs = self._thinking.setdefault(index, ReasoningStream(self.reasoning))
+            rs = self._thinking.get(index)
+            if rs is None:
+                rs = self._thinking[index] = reasoning_stream(self.reasoning)
             thought, text = rs.feed(text)
             if finish_reason is not None:
                 more_thought, rest = rs.finish()

@@ -19,6 +19,7 @@ from .errors import APIError, bad_value
 from .metrics import ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
+from .reasoning import HARMONY
 from .tools import ToolPlan, plan_tools
 from .worker import EngineWorker, Job, ShuttingDown
 
@@ -36,6 +37,9 @@ class Service:
     """What the routes need: the model, the worker that owns its engine, and the metrics."""
 
     def __init__(self, llm: LLM, config: ServerConfig):
+        model_cfg = getattr(getattr(llm, "target", None), "config", None)
+        if config.reasoning_parser is None and getattr(model_cfg, "model_type", None) == "gpt_oss":
+            config = dataclasses.replace(config, reasoning_parser=HARMONY)    # vLLM reads gpt-oss's harmony by itself
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.metrics = ServerMetrics(llm.engine)
@@ -67,6 +71,8 @@ class Service:
                               plan.constraint if plan else None)
         if plan is not None and plan.mode == "auto" and plan.parser == "mistral":
             params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
+        if self.config.reasoning_parser == HARMONY and params.structured_outputs is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 

@@ -180,5 +180,22 @@ def test_server_reads_harmony_by_itself(files):
             streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
                                if ch.choices)
             assert streamed == msg.content
+            with pytest.raises(openai.BadRequestError):
+                c.chat.completions.create(reasoning_effort="extreme", **kw)
         finally:
             c.close()
+
+
+def test_reasoning_effort_reaches_the_chat_template(files):
+    """OpenAI's reasoning_effort is the template's reasoning_effort (gpt-oss's template writes it
+    into its system message as "Reasoning: low")."""
+    from specdec import LLM
+    from specdec.server import ServerConfig, build_app
+    from specdec.server.protocol import ChatCompletionRequest
+
+    template = "Reasoning: {{ reasoning_effort | default('medium') }}\n{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    llm = LLM(str(files["hf"]), dtype="float32", num_speculative_tokens=0, max_model_len=128)
+    service = build_app(llm, ServerConfig(served_model_names=("gpt-oss",), chat_template=template)).state.service
+    ask = lambda **kw: service._chat_text(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw))  # noqa: E731
+    assert ask().startswith("Reasoning: medium") and ask(reasoning_effort="low").startswith("Reasoning: low")
+    assert ask(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).startswith("Reasoning: high")

@@ -7,6 +7,8 @@ Unknown fields are ignored, so newer clients keep working.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -97,6 +99,9 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = Field(None, description="vLLM: extra variables for the chat template")
     include_reasoning: bool = Field(True, description="vLLM: with the server's --reasoning-parser, return the "
                                                       "thinking as reasoning_content (false: leave it out)")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="OpenAI: how much a reasoning model thinks; the chat template gets it as reasoning_effort "
+                          "(gpt-oss's writes it into its system message)")
 
 
 class TokenizeRequest(_Body):

@@ -190,6 +190,9 @@ class Service:
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")
         if tools is not None:
             kwargs = {**kwargs, "tools": tools}
+        effort = getattr(req, "reasoning_effort", None)      # OpenAI's field, for templates that read it
+        if effort is not None and "reasoning_effort" not in kwargs:
+            kwargs = {**kwargs, "reasoning_effort": effort}
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,

@@ -151,3 +151,43 @@ def test_responses_api_returns_a_reasoning_item(live):
         assert kinds == ["reasoning"] and r.output[0].content[0].text == chat.model_extra["reasoning_content"]
     else:
         assert kinds == ["message"] and r.output_text == chat.content
+
+
+def test_harmony_tool_calls_streamed_and_not():
+    """--tool-call-parser openai (gpt-oss): a harmony message to=functions.NAME is a call, its body
+    the arguments (the header's two orders); the analysis is reasoning; finish_reason tool_calls;
+    the same calls streamed under any chunking."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plan = plan_tools(tools, "auto", None, True, "openai")
+    replies = {
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Tokyo\"}": ("Need the weather.", None),
+        "<|channel|>analysis<|message|>Two.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json"
+        "<|message|>{\"city\": \"Oslo\"}<|call|>": ("Two.", None),
+    }
+    rng = random.Random(0)
+    for text, (thought, content) in replies.items():
+        msg = _format("openai_gptoss", plan).choice(ChoiceResult(0, [text], finish_reason="stop"))
+        assert (msg["message"]["reasoning_content"], msg["message"]["content"], msg["finish_reason"]) == \
+            (thought, content, "tool_calls")
+        [call] = msg["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith('{"city"')
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 20)))
+            fmt, got = _format("openai_gptoss", plan), {"r": "", "c": "", "calls": [], "finish": None}
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            for i, piece in enumerate(pieces):
+                d = fmt.delta(0, piece, [], 0, "stop" if i == len(pieces) - 1 else None, None)
+                if d is not None:
+                    got["r"] += d["delta"].get("reasoning_content", "")
+                    got["c"] += d["delta"].get("content", "")
+                    got["calls"] += d["delta"].get("tool_calls", [])
+                    got["finish"] = d["finish_reason"] or got["finish"]
+            assert (got["r"], got["c"] or None, got["finish"]) == (thought, content, "tool_calls")
+            assert [c["function"] for c in got["calls"]] == [call["function"]] and got["calls"][0]["index"] == 0
+    # without tools the call's arguments are answer text; a non-harmony model cannot use the parser
+    plain = _format("openai_gptoss").choice(ChoiceResult(0, [next(iter(replies))], finish_reason="stop"))
+    assert plain["message"]["content"] == '{"city": "Tokyo"}' and "tool_calls" not in plain["message"]
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=64)
+    with pytest.raises(ValueError, match="needs a gpt-oss model"):
+        build_app(llm, ServerConfig(enable_auto_tool_choice=True, tool_call_parser="openai"))

@@ -62,7 +62,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help='tool_choice "auto": the model calls tools on its own, read by --tool-call-parser')
     p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes (Hermes 2 Pro / 3, "
                                               "Qwen2.5), llama3_json (Llama 3.1 / 3.2), pythonic (Llama 3.2 / 4 "
-                                              "pythonic templates), mistral (Mistral 7B v0.3+)")
+                                              "pythonic templates), mistral (Mistral 7B v0.3+), openai (gpt-oss's harmony calls)")
     p.add_argument("--reasoning-parser", help="return a reasoning model's <think> block as reasoning_content: "
                                               "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), "
                                               "openai_gptoss (gpt-oss's harmony channels; the default for gpt-oss)")

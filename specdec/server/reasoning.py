@@ -14,8 +14,9 @@
   `<|channel|>NAME<|message|>BODY<|end|>`, each after the first opened by
   `<|start|>assistant`: the `analysis` channel's bodies are reasoning, the others' (`final`,
   and `commentary` preambles) the answer. The reply keeps its special tokens for this parser
-  (serving.py), and the markup never reaches the client. Tool calls in the harmony format
-  (`commentary to=functions.NAME`) are not parsed: they come back as answer text.
+  (serving.py), and the markup never reaches the client. Messages addressed to a function
+  (`to=functions.NAME` in the header) are tool calls under `--tool-call-parser openai`
+  (parse_harmony(calls=True), responses.ChatFormat); otherwise their arguments are answer text.
 
 The answer then goes to the tool-call parser, if any. A constrained reply (structured outputs,
 named or required tool calls) is not split: the grammar leaves the model no think block.
@@ -23,6 +24,7 @@ named or required tool calls) is not split: the grammar leaves the model no thin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
@@ -35,10 +37,22 @@ _H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
-def split_harmony(text: str, final: bool = True) -> tuple[str, str]:
-    """A harmony reply (special tokens kept) -> (reasoning, answer). final=False: the reply may
-    be cut mid-marker (a stream): an unfinished marker or header is left out."""
-    reasoning, answer = [], []
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+@dataclass(frozen=True)
+class HarmonyCall:
+    """A message the reply addressed to a function (`to=functions.NAME` in its header)."""
+    name: str
+    arguments: str
+    closed: bool              # its body ended (<|end|>, or <|call|> / the reply's end when final)
+
+
+def parse_harmony(text: str, final: bool = True, calls: bool = False) -> tuple[str, str, list[HarmonyCall]]:
+    """A harmony reply (special tokens kept) -> (reasoning, answer, function calls). final=False:
+    the reply may be cut mid-marker (a stream): an unfinished marker or header is left out.
+    calls=False: a call's arguments are answer text (no tool parsing asked)."""
+    reasoning, answer, found = [], [], []
     # text before the first header is outside the format: answer
     pos = min((i for m in (_H_CHANNEL, _H_START) if (i := text.find(m)) >= 0), default=len(text))
     lead = text[:pos]
@@ -59,10 +73,19 @@ def split_harmony(text: str, final: bool = True) -> tuple[str, str]:
         body = text[body_at:end]
         if not ends and not final:                 # the last body, maybe ending in a marker's first part
             body = body[:len(body) - max(held_back(body, t) for t in (*_H_ENDS, _H_START))]
-        (reasoning if channel.split()[:1] == ["analysis"] else answer).append(body)
+        recipient = _RECIPIENT.search(header)
+        if calls and recipient is not None:
+            found.append(HarmonyCall(recipient.group(1), body, bool(ends) or final))
+        else:
+            (reasoning if channel.split()[:1] == ["analysis"] else answer).append(body)
         pos = end + len(tag)
     # messages of one channel kind read as paragraphs (a commentary preamble, then the final answer)
-    return "\n\n".join(r for r in reasoning if r), "\n\n".join(a for a in answer if a)
+    return "\n\n".join(r for r in reasoning if r), "\n\n".join(a for a in answer if a), found
+
+
+def split_harmony(text: str, final: bool = True) -> tuple[str, str]:
+    """parse_harmony's (reasoning, answer), function calls' arguments as answer text."""
+    return parse_harmony(text, final)[:2]
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str, str]:
@@ -91,26 +114,38 @@ def held_back(text: str, tag: str) -> int:
 
 class HarmonyStream:
     """ReasoningStream for harmony replies: the reply so far is parsed again at each step (a
-    harmony reply only grows at its end) and what its parts gained is sent."""
+    harmony reply only grows at its end) and what its parts gained is sent. calls=True: function
+    calls are kept apart; take_calls() returns each once its arguments are complete."""
 
-    def __init__(self):
-        self.text, self.sent = "", ("", "")
+    def __init__(self, calls: bool = False):
+        self.text, self.sent, self.calls, self.calls_sent = "", ("", ""), calls, 0
+        self._calls: list[HarmonyCall] = []
 
     def feed(self, text: str) -> tuple[str, str]:
         self.text += text
-        return self._gained(split_harmony(self.text, final=False))
+        return self._gained(parse_harmony(self.text, False, self.calls))
 
     def finish(self) -> tuple[str, str]:
-        return self._gained(split_harmony(self.text))
+        return self._gained(parse_harmony(self.text, True, self.calls))
 
-    def _gained(self, parts: tuple[str, str]) -> tuple[str, str]:
-        out = tuple(now[len(before):] for now, before in zip(parts, self.sent))
-        self.sent = parts
+    def take_calls(self) -> list[HarmonyCall]:
+        ready = []
+        for c in self._calls[self.calls_sent:]:
+            if not c.closed:
+                break
+            ready.append(c)
+        self.calls_sent += len(ready)
+        return ready
+
+    def _gained(self, parsed) -> tuple[str, str]:
+        reasoning, answer, self._calls = parsed
+        out = tuple(now[len(before):] for now, before in zip((reasoning, answer), self.sent))
+        self.sent = (reasoning, answer)
         return out
 
 
-def reasoning_stream(parser: str):
-    return HarmonyStream() if parser == HARMONY else ReasoningStream(parser)
+def reasoning_stream(parser: str, calls: bool = False):
+    return HarmonyStream(calls) if parser == HARMONY else ReasoningStream(parser)
 
 
 @dataclass

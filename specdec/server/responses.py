@@ -20,8 +20,8 @@ from .errors import APIError, error_body
 from ..logprobs import TokenLogprob
 from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
-from .reasoning import ReasoningStream, reasoning_stream, split_reasoning
-from .tools import ToolPlan, ToolStream, extract
+from .reasoning import HARMONY, ReasoningStream, parse_harmony, reasoning_stream, split_reasoning
+from .tools import ToolPlan, ToolStream, extract, tool_call
 
 
 @dataclass
@@ -92,6 +92,10 @@ class ChatFormat:
         # --reasoning-parser: the thinking apart from the answer (reasoning.py); the answer then
         # goes to the tool parser
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        # gpt-oss's calls (--tool-call-parser openai) are harmony messages: the reasoning parser finds them
+        self.harmony_calls = (reasoning == HARMONY and self.tools is not None and self.tools.mode == "auto"
+                              and self.tools.parser == "openai")
+        self._call_counts: dict[int, int] = {}
         self._streams: dict[int, ToolStream] = {}
         self._thinking: dict[int, ReasoningStream] = {}
 
@@ -106,11 +110,17 @@ class ChatFormat:
     def choice(self, r: ChoiceResult) -> dict:
         message, finish = {"role": self.role, "content": "".join(r.text)}, r.finish_reason
         if self.reasoning is not None:
-            thought, answer = split_reasoning(self.reasoning, message["content"])
-            message["content"] = answer if answer or not thought else None
+            if self.harmony_calls:
+                thought, answer, found = parse_harmony(message["content"], True, True)
+                if found:
+                    message["tool_calls"] = [tool_call(c.name, c.arguments) for c in found]
+                    finish = "tool_calls" if finish == "stop" else finish
+            else:
+                thought, answer = split_reasoning(self.reasoning, message["content"])
+            message["content"] = answer if answer or not (thought or message.get("tool_calls")) else None
             if self.include_reasoning:
                 message["reasoning_content"] = thought or None
-        if self.tools is not None and message["content"] is not None:
+        if self.tools is not None and message["content"] is not None and not self.harmony_calls:
             message["content"], calls, finish = extract(self.tools, message["content"], finish)
             if calls:
                 message["tool_calls"] = calls
@@ -129,13 +139,20 @@ class ChatFormat:
         if self.reasoning is not None:     # the thinking first; what follows </think> is the answer
             rs = self._thinking.get(index)
             if rs is None:
-                rs = self._thinking[index] = reasoning_stream(self.reasoning)
+                rs = self._thinking[index] = reasoning_stream(self.reasoning, self.harmony_calls)
             thought, text = rs.feed(text)
             if finish_reason is not None:
                 more_thought, rest = rs.finish()
                 thought, text = thought + more_thought, text + rest
             thought = thought if self.include_reasoning else ""
-        if self.tools is not None:         # text becomes content and call deltas; some of it is held
+            if self.harmony_calls:
+                for c in rs.take_calls():
+                    n = self._call_counts.get(index, 0)
+                    calls.append({"index": n, **tool_call(c.name, c.arguments)})
+                    self._call_counts[index] = n + 1
+                if finish_reason == "stop" and self._call_counts.get(index):
+                    finish_reason = "tool_calls"
+        if self.tools is not None and not self.harmony_calls:    # text becomes content and call deltas; some held
             ts = self._streams.setdefault(index, ToolStream(self.tools))
             text, calls = ts.feed(text)
             if finish_reason is not None:

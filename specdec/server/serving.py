@@ -40,6 +40,9 @@ class Service:
         model_cfg = getattr(getattr(llm, "target", None), "config", None)
         if config.reasoning_parser is None and getattr(model_cfg, "model_type", None) == "gpt_oss":
             config = dataclasses.replace(config, reasoning_parser=HARMONY)    # vLLM reads gpt-oss's harmony by itself
+        if config.tool_call_parser == "openai" and config.reasoning_parser != HARMONY:
+            raise ValueError("--tool-call-parser openai reads gpt-oss's harmony replies: it needs a gpt-oss model "
+                             "(or --reasoning-parser openai_gptoss)")
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.metrics = ServerMetrics(llm.engine)

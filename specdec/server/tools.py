@@ -16,6 +16,10 @@
   optional `<|python_tag|>`: Llama 3.1 / 3.2), `pythonic` (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's
   pythonic templates, ToolACE) and `mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`:
   Mistral 7B v0.3 and later; the marker is a special token, so replies keep special tokens).
+  `openai` (gpt-oss): its calls are harmony messages addressed `to=functions.NAME`, whose body
+  is the arguments; the harmony reasoning parser (reasoning.py) finds them, so this parser
+  needs it (a gpt-oss model chooses it by itself). A call is sent once its message has ended
+  (at the reply's end: `<|call|>` stops generation).
 
 A constrained reply is lossless under speculation like every structured output: the grammar
 masks p and q alike, and verification keeps exactly the constrained target's tokens.
@@ -38,7 +42,7 @@ from ..config import StructuredOutputsParams
 from .errors import APIError
 from .reasoning import held_back
 
-PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "openai")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -113,8 +117,12 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call(name: str, arguments: str) -> dict:
+def tool_call(name: str, arguments: str) -> dict:
+    """One call as OpenAI returns it."""
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+_call = tool_call
 
 
 def _arguments(value) -> str:
@@ -250,6 +258,8 @@ def _split(parser: str, text: str) -> tuple[str, list[dict]]:
     """(text outside the calls, the calls) of a finished reply."""
     if parser == "hermes":
         return _hermes_split(text)
+    if parser == "openai":            # harmony calls: taken out by the reasoning parser (responses.ChatFormat)
+        return text, []
     calls = _WHOLE[parser][0](text) if _may_be_call(parser, text) and text.strip() else None
     return ("", calls) if calls else (text, [])
 
@@ -291,7 +301,7 @@ class ToolStream:
         if self.plan.mode == "required":
             self.buf += text
             return "", []
-        if self.plan.mode != "auto":
+        if self.plan.mode != "auto" or self.plan.parser == "openai":      # openai: harmony calls, found elsewhere
             return text, []
         if self.plan.parser != "hermes":
             return self._feed_whole(text), []
@@ -328,7 +338,7 @@ class ToolStream:
             if calls is None:
                 return self.buf, [], finish_reason
             return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
-        if self.plan.mode != "auto":
+        if self.plan.mode != "auto" or self.plan.parser == "openai":
             return "", [], finish_reason
         if self.plan.parser != "hermes":
             if not self.holding:

@@ -199,3 +199,41 @@ def test_reasoning_effort_reaches_the_chat_template(files):
     ask = lambda **kw: service._chat_text(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw))  # noqa: E731
     assert ask().startswith("Reasoning: medium") and ask(reasoning_effort="low").startswith("Reasoning: low")
     assert ask(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).startswith("Reasoning: high")
+
+
+def test_eagle3_speculator_on_gpt_oss(files, tmp_path):
+    """vLLM's usual gpt-oss deployment drafts with an EAGLE-3 speculator (the speculators
+    library's layout): features from the target's layers, greedy output equal to plain, four
+    requests batched (an untrained head: its drafts are rarely kept, the plumbing is what counts)."""
+    from safetensors.torch import save_file as save_torch
+
+    from specdec import LLM, SamplingParams
+
+    cfg = json.loads((files["hf"] / "config.json").read_text())
+    D, V, H, KV, HD, FF = cfg["hidden_size"], cfg["vocab_size"], 4, 2, 16, 128
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    w = {"fc.weight": rand(D, 2 * D), "norm.weight": torch.ones(D), "lm_head.weight": rand(V, D) * 8,
+         "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
+         "layers.0.self_attn.q_proj.weight": rand(H * HD, 2 * D), "layers.0.self_attn.k_proj.weight": rand(KV * HD, 2 * D),
+         "layers.0.self_attn.v_proj.weight": rand(KV * HD, 2 * D), "layers.0.self_attn.o_proj.weight": rand(D, H * HD),
+         "layers.0.mlp.gate_proj.weight": rand(FF, D), "layers.0.mlp.up_proj.weight": rand(FF, D),
+         "layers.0.mlp.down_proj.weight": rand(D, FF)}
+    w.update({f"layers.0.{n}.weight": torch.ones(D) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")})
+    head = tmp_path / "speculator"
+    head.mkdir()
+    save_torch(w, str(head / "model.safetensors"))
+    layer = {"model_type": "llama", "hidden_size": D, "intermediate_size": FF, "num_attention_heads": H,
+             "num_key_value_heads": KV, "head_dim": HD, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "max_position_embeddings": 256, "hidden_act": "silu", "vocab_size": V}
+    (head / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": V,
+        "norm_before_residual": False, "transformer_layer_config": layer,
+        "eagle_aux_hidden_state_layer_ids": [0, 1]}))
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(files["hf"]), dtype="float32", num_speculative_tokens=0,
+                                                  max_num_seqs=1).generate(prompts, params)]
+    llm = LLM(str(files["hf"]), dtype="float32", max_num_seqs=4,
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain

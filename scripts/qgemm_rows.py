@@ -1,6 +1,7 @@
 """qgemm.c's products for M rows, timed in C (no Python call overhead, ~20 us per call, which
 hides what a few rows cost): SmolLM2-135M's fused shapes in Q4_1 and its tied LM head in Q8_0,
-one thread, the process's CPU time, the best of --repeats.
+and (--shapes oss_...) one gpt-oss-20b expert's gate/up and down in MXFP4 and, for comparison,
+Q4_0; one thread, the process's CPU time, the best of --repeats.
 
 "hot": the same weights every call (from L2/L3); "cold": cycling through 96 MiB of copies (from
 memory, as in a forward). Prints µs per call and the cost of M rows over one row.
@@ -60,14 +61,19 @@ int main(int argc, char **argv) {
 """
 SHAPES = [("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
           ("down", "Q4_1", 576, 1536), ("lm_head", "Q8_0", 49152, 576)]
+OSS = [("oss_gate_up_mxfp4", "MXFP4", 5760, 2880), ("oss_gate_up_q4_0", "Q4_0", 5760, 2880),
+       ("oss_down_mxfp4", "MXFP4", 2880, 2880), ("oss_down_q4_0", "Q4_0", 2880, 2880)]
 
 
 def prepared(fmt: str, n: int, k: int, path: Path) -> None:
     """Random GGUF rows with realistic f16 scales (no denormals), in the kernel's layout."""
     rng = np.random.default_rng(0)
-    block = {"Q4_1": 20, "Q8_0": 34}[fmt]
+    block = {"Q4_1": 20, "Q8_0": 34, "Q4_0": 18, "MXFP4": 17}[fmt]
     raw = rng.integers(0, 256, size=(n, k // 32, block), dtype=np.uint8)
-    raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if fmt == "MXFP4":
+        raw[:, :, 0] = 120                          # E8M0 2^-7
+    else:
+        raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     if fmt == "Q4_1":
         raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
     prep = kernels.prepare_quant(torch.from_numpy(raw.reshape(n, -1).copy()), fmt)
@@ -80,7 +86,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2,3,5,9,16,64", help="row counts M, comma-separated")
     ap.add_argument("--source", type=Path, default=None, help="a qgemm.c to time instead of the package's (A/B runs)")
-    ap.add_argument("--shapes", default="", help="products to time (default: all of " + ",".join(s[0] for s in SHAPES) + ")")
+    ap.add_argument("--shapes", default="", help="products to time (default: all of " + ",".join(s[0] for s in SHAPES)
+                    + "; also " + ",".join(s[0] for s in OSS) + ")")
     args = ap.parse_args()
     v = isa.BY_NAME[args.isa]
     kdir = Path(isa.__file__).parent
@@ -93,7 +100,7 @@ def main() -> None:
         print(f"qgemm.c rows, variant {args.isa}, one thread, CPU time, best of {args.repeats}: µs per call "
               "hot / cold (cost over one row, cold)\n")
         rows = []
-        shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+        shapes = [s for s in SHAPES + OSS if (s in SHAPES and not args.shapes) or s[0] in args.shapes.split(",")]
         for name, fmt, n, k in shapes:
             wfile = Path(tmp) / f"{name}.bin"
             prepared(fmt, n, k, wfile)

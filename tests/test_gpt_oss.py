@@ -21,7 +21,8 @@ from gguf_helpers import write_gguf
 from specdec.model import load_model, save_model
 from specdec.model.checkpoint import CheckpointError
 from specdec.model.llama import MoE
-from arch_checks import (IDS, arch_files, cached_logits, check_tensor_parallel_equals_tp1, reference,  # noqa: F401
+from arch_checks import (IDS, NO_KERNELS, arch_files, cached_logits, check_packed_batch_equals_solo,  # noqa: F401
+                         check_tensor_parallel_equals_tp1, reference,
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -116,13 +117,28 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(files):
         torch.testing.assert_close(cached_logits(ours, IDS[0], [(0, 5), (5, 12)]), expected, atol=1e-4, rtol=1e-4)
         plain = reference(files["hf"])(IDS).logits[0]
         assert (plain - expected).abs().max() > 1e-4         # the 4-bit experts differ from the fp32 ones
-    a, b = dict(ours.named_parameters()), dict(load_model(files["mxfp4_gguf"]).named_parameters())
+    a, b = dict(ours.named_parameters()), dict(load_model(files["mxfp4_gguf"], quantization="none").named_parameters())
     assert a.keys() == b.keys()
     for name in a:
         if ".experts." in name and name.endswith("weight"):
             assert torch.equal(a[name], b[name]), name
         else:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+@NO_KERNELS
+def test_packed_mxfp4_experts(files):
+    """llama.cpp's MXFP4 experts stay packed (qgemm.c multiplies them: FP4 values by a byte
+    table, int8 activations, as Q8_0): logits near the dequantized model's; greedy output four at
+    once with speculation equals plain decoding one at a time."""
+    model = load_model(files["mxfp4_gguf"], quantization="gguf")
+    expert = model.model.layers[0].mlp.experts[0]
+    assert type(expert.gate_up_proj).__name__ == "QuantLinear" and expert.gate_up_proj.qtype == "MXFP4"
+    assert expert.gate_up_proj.bias is not None and expert.gate_up_proj.prepared is not None
+    with torch.no_grad():
+        ref = load_model(files["mxfp4_gguf"], quantization="none")(IDS).logits[0]
+        assert (cached_logits(model, IDS[0], [(0, 5), (5, 12)]) - ref).abs().max() < 0.1 * ref.abs().max()
+    check_packed_batch_equals_solo(files["mxfp4_gguf"])
 
 
 def test_bf16_mxfp4_folder_greedy_equals_transformers(files):

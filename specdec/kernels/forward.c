@@ -49,7 +49,8 @@ static void embed_row(const Mat *e, int64_t token, float *out, int D) {
         for (int i = 0; i < D; i++) out[i] = widen(e->w, e->fmt == BF16, token * D + i);
         return;
     }
-    long row_bytes = e->fmt == Q4_K ? D / 256 * 144 : D / 32 * (e->fmt == Q8_0 ? 34 : e->fmt == Q4_0 ? 18 : 20);
+    long row_bytes = e->fmt == Q4_K ? D / 256 * 144
+                     : D / 32 * (e->fmt == Q8_0 ? 34 : e->fmt == Q4_0 ? 18 : e->fmt == MXFP4 ? 17 : 20);
     dequant_row(e->fmt, (const uint8_t *)e->w + token * row_bytes, out, D);
 }
 

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, F32 = 4, BF16 = 5 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, F32 = 4, BF16 = 5, MXFP4 = 6 };
 
 /* A weight matrix [N, K]: dense ones packed in panels of 16 outputs (skinny.c), quantized ones
  * in their prepared panels (qgemm.c). */

@@ -8,21 +8,23 @@ File layouts (per block, little-endian; ggml-common.h):
   Q4_K 144 B per 256: f16 d, f16 dmin, 12 B of 6-bit scales and mins for 8 sub-blocks of 32,
                       qs[128] (32-byte chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high);
                                                                   w = d * sc[j] * q - dmin * m[j]
+  MXFP4 17 B per 32:  u8 e (E8M0), qs[16] as Q4_0;              w = FP4[q] * 2^(e - 127)
+                      (OCP's microscaling FP4: gpt-oss's experts)
 
 `prepare` repacks [N, row_bytes] file rows into panels of 16 outputs for qgemm.c: per panel and
 block, the quants as [quad][16 outputs][4 bytes] (4 consecutive k of one output per 32-bit lane),
 then the 16 outputs' scales. The 4-bit formats move whole bytes (a byte keeps both its nibbles),
 so a prepared Q4_0/Q4_1/Q8_0 panel has exactly the file's bytes; Q4_K unpacks its 6-bit scales
-to bytes (148 B per 256 instead of 144).
+to bytes (148 B per 256 instead of 144); MXFP4 keeps its bytes, its 16 exponents padded to 32.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}     # the codes qgemm.c switches on
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "MXFP4": 6}     # the codes qgemm.c switches on
 DENSE = {torch_name: code for torch_name, code in (("float32", 4), ("bfloat16", 5))}   # kernels.h: F32, BF16
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}   # (elements, bytes)
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "MXFP4": (32, 17)}   # (elements, bytes)
 QTYPES = tuple(FORMATS)
 PANEL = 16
 
@@ -83,6 +85,9 @@ def prepare(qweight: np.ndarray, qtype: str) -> np.ndarray:
         parts = [_quads(blocks[..., 2:], 4), _lanes(blocks[..., :2])]
     elif qtype == "Q4_1":
         parts = [_quads(blocks[..., 4:], 4), _lanes(blocks[..., :2]), _lanes(blocks[..., 2:4])]
+    elif qtype == "MXFP4":
+        e = _lanes(blocks[..., :1])
+        parts = [_quads(blocks[..., 1:], 4), e, np.zeros_like(e)]
     else:
         sc, mn = scales_mins(blocks[..., 4:16])          # [P, 16, ns, 8] each
         parts = [_quads(blocks[..., 16:], 32), _lanes(blocks[..., 0:2]), _lanes(blocks[..., 2:4]),
@@ -94,6 +99,7 @@ def _part_sizes(qtype: str) -> list[tuple[str, int]]:
     """The parts `prepare` lays side by side per panel and unit: (kind, bytes)."""
     return {"Q8_0": [("quads", 512), ("lanes", 32)], "Q4_0": [("quads", 256), ("lanes", 32)],
             "Q4_1": [("quads", 256), ("lanes", 32), ("lanes", 32)],
+            "MXFP4": [("quads", 256), ("lanes", 16), ("pad", 16)],
             "Q4_K": [("quads", 2048), ("lanes", 32), ("lanes", 32), ("sub", 128), ("sub", 128)]}[qtype]
 
 
@@ -113,6 +119,8 @@ def unprepare(data: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
             fields.append(part.reshape(P, units, b // 64, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(P, PANEL, units, -1))
         elif kind == "lanes":     # [P, u, 16, f] -> [P, 16, u, f]
             fields.append(np.moveaxis(part.reshape(P, units, PANEL, -1), 2, 1))
+        elif kind == "pad":
+            continue
         else:                     # [P, u, 8, 16] -> [P, 16, u, 8]
             fields.append(part.reshape(P, units, 8, PANEL).transpose(0, 3, 1, 2))
     if qtype == "Q8_0":
@@ -121,6 +129,8 @@ def unprepare(data: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
         blocks = [fields[1], fields[0]]
     elif qtype == "Q4_1":
         blocks = [fields[1], fields[2], fields[0]]
+    elif qtype == "MXFP4":
+        blocks = [fields[1], fields[0]]
     else:
         sc, mn = fields[3], fields[4]
         packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),

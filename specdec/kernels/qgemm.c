@@ -1,7 +1,7 @@
 /* Skinny products with GGUF-quantized weights: out[M, N] = x[M, K] @ dequant(w)^T (+ bias).
  *
- * Weights keep llama.cpp's block quantization (Q8_0, Q4_0, Q4_1: blocks of 32 along k; Q4_K:
- * super-blocks of 256 with 6-bit scales and mins per 32) but are repacked once
+ * Weights keep llama.cpp's block quantization (Q8_0, Q4_0, Q4_1, MXFP4: blocks of 32 along k;
+ * Q4_K: super-blocks of 256 with 6-bit scales and mins per 32) but are repacked once
  * (kernels/qformats.py) into panels of 16 outputs whose bytes are interleaved the way the
  * integer dot-product instructions want them: each 4-byte group is 4 consecutive k of one
  * output, so one VNNI `vpdpbusd` (or AVX2 `maddubs` + `madd`) against 4 broadcast activation
@@ -55,6 +55,12 @@ unit_q(int fmt, const uint8_t *pw, long ub, int b, const Act *a, int m0, int mr,
             VF d = load_f16((const uint16_t *)(u + 512) + h * LANES);
             for (int j = 0; j < mr; j++)
                 acc[j][h] = epi(Q8_0, ACC(j, h), dot_s8(w, aux, XQ4(m0 + j, b), XU4(m0 + j, b), mr > 1), d, d, a, m0 + j, b);
+        } else if (fmt == MXFP4) {     /* Q4_0's nibbles through the FP4 table (offset: unsigned) */
+            unpack4(u + off, 4, 0, w);
+            lut_mxfp4(w);
+            VF d = load_e8m0_half(u + 256 + h * LANES);
+            for (int j = 0; j < mr; j++)
+                acc[j][h] = epi(MXFP4, ACC(j, h), dot_u24(w, XQ4(m0 + j, b), mr > 1), d, d, a, m0 + j, b);
         } else if (fmt == Q4_0 || fmt == Q4_1) {
             unpack4(u + off, 4, 0, w);
             VF d = load_f16((const uint16_t *)(u + 256) + h * LANES);
@@ -206,6 +212,7 @@ void quant_panels_for(const Act *a, const uint8_t *pw, int fmt, const float *bia
             case Q8_0: BY_ROWS(Q8_0) break;
             case Q4_0: BY_ROWS(Q4_0) break;
             case Q4_1: BY_ROWS(Q4_1) break;
+            case MXFP4: BY_ROWS(MXFP4) break;
             default: BY_ROWS(Q4_K) break;
             }
         }
@@ -249,6 +256,20 @@ void dequant_row(int fmt, const uint8_t *row, float *out, int K) {
                     int byte = qs[(j / 2) * 32 + i], q = j % 2 ? byte >> 4 : byte & 15;
                     out[b * 256 + j * 32 + i] = scale * (float)q - offset;
                 }
+            }
+        }
+        return;
+    }
+    if (fmt == MXFP4) {              /* e, nibbles[16] (Q4_0's order); ggml's doubled values x 2^(e - 128) */
+        static const int8_t k2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = row + (long)b * 17;
+            uint32_t bits = blk[0] < 2 ? 0x00200000u << blk[0] : (uint32_t)(blk[0] - 1) << 23;
+            float d;
+            memcpy(&d, &bits, 4);
+            for (int i = 0; i < 32; i++) {
+                int byte = blk[1 + i % 16], q = i < 16 ? byte & 15 : byte >> 4;
+                out[b * 32 + i] = (float)k2[q] * d;
             }
         }
         return;

@@ -21,6 +21,7 @@ static inline long unit_bytes(int fmt) {
     case Q8_0: return 512 + 32;                  /* int8 [8 quads][16][4], f16 d [16] */
     case Q4_0: return 256 + 32;                  /* nibbles [4][16][4], f16 d [16] */
     case Q4_1: return 256 + 64;                  /* nibbles, f16 d [16], f16 m [16] */
+    case MXFP4: return 256 + 32;                 /* nibbles [4][16][4], u8 E8M0 e [16], 16 zero bytes */
     default: return 2048 + 64 + 256;             /* nibbles [4 chunks][8][16][4], f16 d, dmin [16], u8 sc, m [8][16] */
     }
 }
@@ -77,6 +78,32 @@ static inline VF load_u8f(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_c
 #endif
 
 /* Sum over the block's 8 quads of w[v] (u8, < 16) . x[4v .. 4v+3] (s8) per lane: exact. */
+static inline __attribute__((always_inline)) VI dot_u4(const VI w[8], const int8_t *x, int one_chain);
+
+/* dot_u4 for bytes up to 24 (MXFP4's offset values): without VNNI the 16-bit pair sums of
+ * 8 quads could reach 8 * 2 * 24 * 127 = 48768, so each half of the quads widens on its own. */
+static inline __attribute__((always_inline)) VI dot_u24(const VI w[8], const int8_t *x, int one_chain) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return dot_u4(w, x, one_chain);
+#elif defined(__AVX512F__)
+    (void)one_chain;
+    __m512i s = _mm512_maddubs_epi16(w[0], vset1(ld32(x))), t = _mm512_maddubs_epi16(w[4], vset1(ld32(x + 16)));
+    for (int v = 1; v < 4; v++) {
+        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
+        t = _mm512_add_epi16(t, _mm512_maddubs_epi16(w[v + 4], vset1(ld32(x + 16 + 4 * v))));
+    }
+    return vadd32(_mm512_madd_epi16(s, _mm512_set1_epi16(1)), _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+#else
+    (void)one_chain;
+    __m256i s = _mm256_maddubs_epi16(w[0], vset1(ld32(x))), t = _mm256_maddubs_epi16(w[4], vset1(ld32(x + 16)));
+    for (int v = 1; v < 4; v++) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], vset1(ld32(x + 4 * v))));
+        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[v + 4], vset1(ld32(x + 16 + 4 * v))));
+    }
+    return vadd32(_mm256_madd_epi16(s, _mm256_set1_epi16(1)), _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+#endif
+}
+
 static inline __attribute__((always_inline)) VI dot_u4(const VI w[8], const int8_t *x, int one_chain) {
 #if defined(__AVX512VNNI__)
     if (one_chain) {        /* several rows in flight: their chains hide the latency, save the add */
@@ -185,6 +212,38 @@ static inline void unpack4(const uint8_t *raw, int nvec, int shift, VI w[8]) {
     }
 }
 
+/* MXFP4: 4-bit indices -> FP4 E2M1 values doubled (ggml's kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8,
+ * 12 and their negatives) plus 12, unsigned bytes 0..24, by a byte shuffle in each 128-bit
+ * lane: the unsigned products of Q4_0 (dot_u24), then 12 * sum(x) taken off (epi), exactly. */
+#define MXFP4_OFFSET 12
+static inline void lut_mxfp4(VI w[8]) {
+    const __m128i t = _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+#if defined(__AVX512F__)
+    const VI lut = _mm512_broadcast_i32x4(t);
+    for (int v = 0; v < 8; v++) w[v] = _mm512_shuffle_epi8(lut, w[v]);
+#else
+    const VI lut = _mm256_broadcastsi128_si256(t);
+    for (int v = 0; v < 8; v++) w[v] = _mm256_shuffle_epi8(lut, w[v]);
+#endif
+}
+
+/* 16 (8) E8M0 bytes -> 2^(e - 128), the scale of the doubled values (ggml's
+ * e8m0_to_fp32_half: subnormal for e < 2), exact. */
+static inline VF load_e8m0_half(const uint8_t *p) {
+#if defined(__AVX512F__)
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), big, small));
+#else
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    __m256i is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(big, small, is_small));
+#endif
+}
+
 #define XQ4(row, blk) (a->q + (long)(row) * a->K + (long)(blk) * 32)
 #define XU4(row, blk) ((const int8_t *)a->u + (long)(row) * a->K + (long)(blk) * 32)
 #define AIX(row, blk) ((long)(row) * a->nb + (blk))
@@ -193,6 +252,7 @@ static inline void unpack4(const uint8_t *raw, int nvec, int shift, VI w[8]) {
  * weights' scale (Q4_K: d * sc), m their offset (Q4_1: m; Q4_K: dmin * mn; else unused). */
 static inline __attribute__((always_inline)) VF epi(int fmt, VF acc, VI s, VF d, VF m, const Act *a, int r, int blk) {
     if (fmt == Q4_0) s = vsub32(s, vset1(8 * a->s[AIX(r, blk)]));           /* (q - 8) * x */
+    if (fmt == MXFP4) s = vsub32(s, vset1(MXFP4_OFFSET * a->s[AIX(r, blk)]));
     acc = ffma(fcvt(s), fmul(d, fset1(a->d[AIX(r, blk)])), acc);
     if (fmt == Q4_1) acc = ffma(m, fset1(a->ds[AIX(r, blk)]), acc);
     if (fmt == Q4_K) acc = ffnma(m, fset1(a->ds[AIX(r, blk)]), acc);

@@ -55,6 +55,10 @@ static float weight(int fmt, const uint8_t *pw, int i, int k) {
     int e = k % 32;
     if (fmt == 0) return f16(u + 512 + 2 * i) * (int8_t)u[(e / 4) * 64 + i * 4 + e % 4];
     int byte = u[((e % 16) / 4) * 64 + i * 4 + e % 4], q = e < 16 ? byte & 15 : byte >> 4;
+    if (fmt == 6) {             /* MXFP4: doubled FP4 values x 2^(e - 128) (the test's e: 127 or 128) */
+        static const int k2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        return (float)k2[q] * (u[256 + i] == 128 ? 1.0f : 0.5f);
+    }
     return fmt == 1 ? f16(u + 256 + 2 * i) * (q - 8) : f16(u + 256 + 2 * i) * q + f16(u + 288 + 2 * i);
 }
 
@@ -67,7 +71,10 @@ static int check_quant(int fmt) {
     for (long b = 0; b < units; b++) {     /* scales: powers of two (f16 0x3800 = 0.5, 0x3C00 = 1) */
         uint8_t *u = pw + b * unit;
         int at = fmt == 0 ? 512 : fmt == 3 ? 2048 : 256, count = fmt == 0 || fmt == 1 ? 16 : 32;
-        for (int j = 0; j < count; j++) { u[at + 2 * j] = 0; u[at + 2 * j + 1] = next(2) ? 0x38 : 0x3C; }
+        if (fmt == 6)                       /* MXFP4: E8M0 bytes 127 (x 1/2) or 128 (x 1) */
+            for (int j = 0; j < 16; j++) u[256 + j] = next(2) ? 127 : 128;
+        else
+            for (int j = 0; j < count; j++) { u[at + 2 * j] = 0; u[at + 2 * j + 1] = next(2) ? 0x38 : 0x3C; }
         if (fmt == 3)
             for (int j = 0; j < 256; j++) u[2112 + j] = (uint8_t)next(8);
     }
@@ -87,5 +94,6 @@ int specdec_selftest(void) {
     if (check_skinny(0) || check_skinny(1)) return 2;
     for (int fmt = 0; fmt < 4; fmt++)
         if (check_quant(fmt)) return 3 + fmt;
+    if (check_quant(6)) return 7;
     return 0;
 }

@@ -1,4 +1,4 @@
-"""Weights that stay in llama.cpp's packed block formats: Q8_0, Q4_0, Q4_1, Q4_K.
+"""Weights that stay in llama.cpp's packed block formats: Q8_0, Q4_0, Q4_1, Q4_K, MXFP4.
 
 A quantized matrix is a uint8 tensor [out_features, row_bytes]: each output row's ggml blocks
 exactly as the .gguf file stores them (rows are whole in every ggml format, so rows can be
@@ -9,6 +9,8 @@ shuffled and concatenated without decoding them). Block layouts (ggml-common.h):
     Q4_1  32 weights, 20 bytes: d fp16, m fp16, nibbles[16]           w = d * q + m
     Q4_K 256 weights, 144 bytes: d fp16, dmin fp16, 12 bytes of 6-bit scales and mins for
           8 sub-blocks of 32, nibbles[128]                             w = (d * sc) * q - dmin * mn
+    MXFP4 32 weights, 17 bytes: e uint8 (E8M0), nibbles[16]            w = FP4[q] * 2^(e - 127)
+          (ggml computes it as (2 FP4[q]) * 2^(e - 128): both exact)
 
 In the 32-weight formats byte j holds weight j (low nibble) and weight j + 16 (high nibble); in
 Q4_K each 32-byte group holds two sub-blocks (low nibbles, then high nibbles). The products are
@@ -31,7 +33,7 @@ from .. import kernels
 from ..kernels import qformats
 
 # qtype -> (weights per block, bytes per block)
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "MXFP4": (32, 17)}
 QTYPES = tuple(BLOCKS)
 
 
@@ -90,7 +92,22 @@ def _q4_k(blocks: Tensor) -> Tensor:
     return (scale * q - offset).reshape(n, 256)
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+# ggml's kvalues_mxfp4: the FP4 E2M1 values doubled
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def e8m0_half(e: Tensor) -> Tensor:
+    """E8M0 exponent bytes -> 2^(e - 128) fp32, exactly (subnormal below e = 2: ggml's e8m0_to_fp32_half)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(blocks: Tensor) -> Tensor:
+    return _MXFP4_VALUES[_nibbles(blocks[:, 1:]).long()] * e8m0_half(blocks[:, 0])[:, None]
+
+
+_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "MXFP4": _mxfp4}
 
 
 def dequantize(qweight: Tensor, qtype: str, in_features: int) -> Tensor:

@@ -108,7 +108,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(files):
     experts from a GGUF with MXFP4 ffn_*_exps tensors are the same parameters, bit for bit."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    ours = load_model(files["mxfp4"], "float32")
+    ours = load_model(files["mxfp4"], "float32", quantization="none")
     theirs = AutoModelForCausalLM.from_pretrained(files["mxfp4"], dtype=torch.float32,
                                                   quantization_config=Mxfp4Config(dequantize=True)).eval()
     with torch.no_grad():
@@ -151,13 +151,38 @@ def test_bf16_mxfp4_folder_greedy_equals_transformers(files):
     with torch.no_grad():
         expected = theirs.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=12, do_sample=False,
                                    eos_token_id=theirs.config.vocab_size, pad_token_id=0)[0, IDS.shape[1]:].tolist()
-    llm = LLM(str(files["mxfp4"]), dtype="float32", num_speculative_tokens=0)
+    llm = LLM(str(files["mxfp4"]), dtype="float32", num_speculative_tokens=0, quantization="none")
     out = llm.generate({"prompt_token_ids": IDS[0].tolist()}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
-    bf16 = load_model(files["mxfp4"], "bfloat16")
+    bf16 = load_model(files["mxfp4"], "bfloat16", quantization="none")
     experts = bf16.model.layers[0].mlp.experts[0].gate_up_proj.weight
     assert experts.dtype == torch.bfloat16
-    assert torch.equal(experts.float(), load_model(files["mxfp4"], "float32").model.layers[0].mlp.experts[0].gate_up_proj.weight)
+    assert torch.equal(experts.float(), load_model(files["mxfp4"], "float32", quantization="none")
+                       .model.layers[0].mlp.experts[0].gate_up_proj.weight)
+
+
+@NO_KERNELS
+def test_mxfp4_folder_experts_stay_packed(files):
+    """OpenAI's MXFP4 folder, loaded as it comes: the experts stay MXFP4 (converted to ggml's
+    rows: the same bytes as llama.cpp's file of the same weights), bf16 elsewhere; greedy output
+    four at once with speculation equals plain decoding one at a time."""
+    from specdec import LLM, SamplingParams
+
+    folder, gguf = load_model(files["mxfp4"], "bfloat16"), load_model(files["mxfp4_gguf"], quantization="gguf")
+    for a, b in zip(folder.model.layers, gguf.model.layers):
+        for ea, eb in zip(a.mlp.experts, b.mlp.experts):
+            for mat in ("gate_up_proj", "down_proj"):
+                qa, qb = getattr(ea, mat), getattr(eb, mat)
+                assert type(qa).__name__ == "QuantLinear" and qa.qtype == "MXFP4"
+                assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.bias, qb.bias)
+    assert folder.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(files["mxfp4"]), num_speculative_tokens=0, max_num_seqs=1)
+             .generate(prompts, params)]
+    llm = LLM(str(files["mxfp4"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
 def test_other_quantized_folders_are_refused(files, tmp_path):

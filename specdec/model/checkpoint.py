@@ -195,6 +195,37 @@ def _gpt_oss_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 layout -> ggml's MXFP4 rows (what GGUF files hold and qgemm.c multiplies):
+    blocks [..., G, 16] (byte i: values 2i, 2i + 1) and scales [..., G] -> [..., G * 17], per
+    block the E8M0 byte then 16 bytes holding value j in the low nibble and j + 16 in the high."""
+    nib = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)            # [..., G, 32] in order
+    qs = nib[..., :16] | (nib[..., 16:] << 4)
+    return torch.cat([scales[..., None], qs], dim=-1).flatten(-2).contiguous()
+
+
+def _gpt_oss_packed(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tuple]:
+    """gpt-oss's MXFP4 experts kept packed: {module name: (ggml rows [out, row bytes], bias,
+    in_features)} for each expert's gate_up_proj ([gate; up] rows) and down_proj; their tensors
+    leave sd."""
+    packed = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        for mat in ("gate_up_proj", "down_proj"):
+            if p + mat + "_blocks" not in sd or p + mat + "_scales" not in sd:
+                continue
+            blocks, scales = sd.pop(p + mat + "_blocks"), sd.pop(p + mat + "_scales")
+            rows, bias = mxfp4_rows(blocks, scales), sd.pop(p + mat + "_bias", None)   # [E, out, bytes]
+            k = blocks.shape[-2] * 32
+            for e in range(rows.shape[0]):
+                r, b = rows[e], None if bias is None else bias[e]
+                if mat == "gate_up_proj":                        # interleaved rows -> gate rows, then up rows
+                    r = torch.cat([r[0::2], r[1::2]])
+                    b = None if b is None else torch.cat([b[0::2], b[1::2]])
+                packed[p + f"{e}.{mat}"] = (r.contiguous(), b, k)
+    return packed
+
+
 def _gpt_oss_stacked(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The runtime's experts -> gpt-oss's stacked, interleaved layout (_gpt_oss_experts undone)."""
     out = {n: t for n, t in sd.items() if ".mlp." not in n}
@@ -288,7 +319,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                hf_overrides: dict | None = None, disable_sliding_window: bool = False,
                max_model_len: int | None = None) -> Transformer:
     """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
-    to a GGUF only (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize);
+    to a GGUF (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize) and to
+    gpt-oss's MXFP4 experts in a folder (None: packed where the CPU kernels multiply MXFP4,
+    "none": dequantized);
     hf_overrides, disable_sliding_window and max_model_len as vLLM's flags (ModelConfig.configured)."""
     from .gguf import GGUFError, find_gguf, load_gguf
 
@@ -318,10 +351,16 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     sd = read_state_dict(folder, (lambda k: not is_mtp_weight(k, cfg.num_hidden_layers)) if mtp else None)
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
+    packed = {}
+    if cfg.model_type == "gpt_oss" and quant == "mxfp4" and quantization != "none":
+        from .gguf import kernels_cover
+
+        if kernels_cover({"MXFP4"}, torch.device(device)):     # the experts stay MXFP4 (qgemm.c)
+            packed = _gpt_oss_packed(sd, cfg)
     sd = hf_to_fused(sd, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {n for n, _ in model.named_parameters()}
+    expected = {n for n, _ in model.named_parameters()} - {f"{m}.{kind}" for m in packed for kind in ("weight", "bias")}
     missing, unexpected = expected - set(sd), set(sd) - expected
     if missing:
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {sorted(missing)[0]} "
@@ -342,7 +381,15 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         param.data = src.to(device=device, dtype=torch.float32 if keep else torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, (rows, bias, k) in packed.items():
+        from .quant import QuantLinear
+
+        owner, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attr, QuantLinear(rows.to(device), "MXFP4", k,
+                                                              None if bias is None else bias.to(device, torch.float32)))
     model.reset_rope(device)  # buffers were left uninitialised on meta
+    if packed:
+        model.use_fp32_activations()     # packed products take and return fp32
     return finish(model, torch_dtype, device)
 
 

@@ -22,7 +22,7 @@ from specdec.model import load_model, save_model
 from specdec.model.checkpoint import CheckpointError
 from specdec.model.llama import MoE
 from arch_checks import (IDS, NO_KERNELS, arch_files, cached_logits, check_packed_batch_equals_solo,  # noqa: F401
-                         check_tensor_parallel_equals_tp1, reference,
+                         check_rows_bit_identical, check_tensor_parallel_equals_tp1, reference, without_kernels,
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain)
 
@@ -59,7 +59,6 @@ def _mxfp4_folder(hf, out):
 def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("gpt_oss")
     out = arch_files(root, "gpt_oss", CONFIG)
-    out["c_forward"] = False            # sinks, biases and the clamped SwiGLU: the PyTorch forward
     out["mxfp4"] = _mxfp4_folder(out["hf"], root / "mxfp4")
     out["mxfp4_gguf"] = write_gguf(out["hf"], root / "mxfp4.gguf",
                                    qtypes=lambda n, ndim: T.MXFP4 if "_exps." in n else T.F32)
@@ -82,9 +81,11 @@ def test_config_reads_and_writes_gpt_oss(files, tmp_path):
     assert load_model(tmp_path / "saved", "float32").config == cfg
 
 
-def test_sinks_clamps_and_window_matter(files):
+def test_sinks_clamps_and_window_matter(files, monkeypatch):
     """Without the sinks, without the clamps, or with the window left open, the logits leave
-    transformers' (so the agreement elsewhere is not by accident)."""
+    transformers' (so the agreement elsewhere, on both forwards, is not by accident). On the
+    PyTorch path, whose modules are changed here (the C forward reads the config's limit)."""
+    without_kernels(monkeypatch, False)
     tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = reference(files["hf"])(tokens[None]).logits[0]
@@ -101,6 +102,17 @@ def test_sinks_clamps_and_window_matter(files):
                     for expert in layer.mlp.experts:
                         expert.limit = 1e4
             assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() > 1e-3, change
+
+
+@NO_KERNELS
+def test_c_forward_rows_are_bit_identical_however_chunked_and_batched(files):
+    """forward.c runs gpt-oss whole (sinks in its attention's softmax, the biases, the clamped
+    SwiGLU): a token's logits are the same bits however chunked and batched, the experts dense
+    and packed MXFP4 alike."""
+    check_rows_bit_identical(load_model(files["hf"], "float32"), 24)
+    packed = load_model(files["mxfp4"], "float32")
+    assert packed.c_view(packed.new_cache(1, 8)) is not None
+    check_rows_bit_identical(packed, 24)
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(files):

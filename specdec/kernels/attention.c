@@ -200,14 +200,15 @@ block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query 
     }
 }
 
-/* Scores -> weights e^(s - max) / sum over the query's span (masked slots exactly 0), and
+/* Scores -> weights e^(s - max) / sum over the query's span (masked slots exactly 0; a sink
+ * (gpt-oss; -inf: none) is one more logit in the max and the sum, weighing no value), and
  * zeros from the span to `upto` (a multiple of 8), where the block's longer queries read. The
  * sum runs in 8 lanes over the visible slots, the k-th visible one in lane k % 8, lanes summed
  * in a fixed tree: a tree node (mask: its row of the tree mask from slot `from` on, else NULL)
  * sums what the same token sums when decoded alone, whatever masked slots lie between. Slots
  * before `lo` (a multiple of 8: a sliding window's skipped blocks) are neither read nor
  * written; their weights would be exact zeros, which leave the lanes' sums as they are. */
-static void softmax_weights(float *sc, int lo, int span, int upto, const uint8_t *mask, int from) {
+static void softmax_weights(float *sc, int lo, int span, int upto, const uint8_t *mask, int from, float sink) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vm = ninf, acc = _mm256_setzero_ps();
     for (int s = lo; s < span; s += 8) {
@@ -218,6 +219,7 @@ static void softmax_weights(float *sc, int lo, int span, int upto, const uint8_t
     float lane[8], mx = -INFINITY;
     _mm256_storeu_ps(lane, vm);
     for (int k = 0; k < 8; k++) mx = lane[k] > mx ? lane[k] : mx;
+    if (sink > mx) mx = sink;                     /* gpt-oss: the sink's logit joins the max and the sum */
     const __m256 vmx = _mm256_set1_ps(mx);
     int s8 = lo;
 #if defined(__AVX512F__)
@@ -247,6 +249,7 @@ static void softmax_weights(float *sc, int lo, int span, int upto, const uint8_t
     if (k) acc = _mm256_add_ps(acc, _mm256_loadu_ps(part));
     _mm256_storeu_ps(lane, acc);
     float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    if (sink != -INFINITY) sum += expf(sink - mx);
     const __m256 vsum = _mm256_set1_ps(sum);
     int s = lo;
 #if defined(__AVX512F__)
@@ -370,7 +373,8 @@ attend_block_t(const Model *m, const Layer *L, const Batch *b, int sq, int g, in
         if (mask)                                 /* a tree: slots that are not ancestors */
             for (int s = from; s < qs[i].span; s++)
                 if (!mask[s - from]) qs[i].sc[s] = -INFINITY;
-        softmax_weights(qs[i].sc, first8, qs[i].span, (maxspan + 7) / 8 * 8, mask, from);
+        float sink = L->sinks ? L->sinks[g * G + (p0 + i) % G] : -INFINITY;    /* gpt-oss: the head's sink */
+        softmax_weights(qs[i].sc, first8, qs[i].span, (maxspan + 7) / 8 * 8, mask, from, sink);
     }
     switch (np) {                                 /* the query count as a constant: registers */
     case 1: block_values(m, L, table, g, qs, first, maxspan, 1, KIND); break;

@@ -33,7 +33,8 @@ class _Layer(ctypes.Structure):
                 ("local_rope", c_int), *[(n, c_int) for n in ("n_experts", "top_k", "norm_topk", "moe_hidden")],
                 ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat),
                 *[(n, c_int) for n in ("router_sigmoid", "n_group", "topk_group")], ("scaling", c_float),
-                ("score_bias", c_void_p), ("group_by_max", c_int)]
+                ("score_bias", c_void_p), ("group_by_max", c_int),
+                *[(n, c_void_p) for n in ("sinks", "o_bias", "router_bias", "expert_bias")], ("moe_act", c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -44,9 +45,9 @@ class _Model(ctypes.Structure):
                                          "final_softcap")], ("act", c_int),
                 ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
                 ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
-                ("qk_full", c_int), ("rot_dim", c_int)]
+                ("qk_full", c_int), ("rot_dim", c_int), ("swiglu_alpha", c_float), ("swiglu_limit", c_float)]
 
-ACTS = {"silu": 0, "gelu_tanh": 1}       # forward.h: ACT_SILU, ACT_GELU_TANH
+ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI
 
 
 class _Batch(ctypes.Structure):
@@ -120,8 +121,6 @@ def attention_supported(model, kv) -> bool:
     """paged_attention covers an fp32 or bf16 cache with activations of the same dtype, or an
     int8 cache with fp32 activations, on the CPU, whatever the matrices are."""
     activations = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.float32}
-    if model.config.attn_sinks:       # gpt-oss's sinks: the PyTorch attention
-        return False
     return (kv.k[0].device.type == "cpu" and model.config.head_dim % 8 == 0
             and activations.get(kv.dtype) == model.dtype)
 
@@ -134,8 +133,6 @@ def supported(model, kv) -> bool:
     from ..model.quant import QuantLinear
 
     if cfg.kv_lora_rank:      # multi-head latent attention: the PyTorch path, with paged_attention
-        return False
-    if cfg.attn_sinks or cfg.o_bias or cfg.mlp_bias or cfg.hidden_act == "swiglu_oai":    # gpt-oss: PyTorch
         return False
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
           and kv.dtype in KV_TYPES
@@ -177,9 +174,10 @@ class CView:
             cache = (_ptr(kv.k[i]), _ptr(kv.v[i]), *((_ptr(kv.k_scale[i]), _ptr(kv.v_scale[i])) if kv.k_scale else (None, None)))
             att, mlp = layer.self_attn, layer.mlp
             window, local = att.window or 0, int(att.local_rope)
+            sinks = self._fp32(getattr(att, "sinks", None))     # gpt-oss: attention needs them, weights or not
             if not weights:      # no weights, bias, norms
                 layers[i] = _Layer(None, None, *[none] * 4, None, None, None, *cache, 1, None, None, window, local,
-                                   0, 0, 0, 0, none, None, 0, none)
+                                   0, 0, 0, 0, none, None, 0, none, 0, 1, 1, 1.0, None, 0, sinks, None, None, None, 0)
                 continue
             moe = (0, 0, 0, 0, none, None, 0, none, 0, 1, 1, 1.0, None, 0)
             if hasattr(mlp, "experts"):   # a mixture: its router and experts; its shared expert as the dense MLP
@@ -199,9 +197,16 @@ class CView:
             if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
                 out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
             norms = (layer.in_norm, layer.mlp_norm)     # None (OLMo 2): no norm before the block
+            oss = (sinks, self._fp32(att.o_proj.bias), None, None, 0)
+            if hasattr(mlp, "experts"):       # gpt-oss: the router's and experts' biases, its gate
+                biases = [torch.cat([e.gate_up_proj.bias, e.down_proj.bias]) for e in mlp.experts
+                          if e.gate_up_proj.bias is not None and e.down_proj.bias is not None]
+                oss = (sinks, oss[1], self._fp32(mlp.gate.bias),
+                       self._fp32(torch.stack(biases)) if len(biases) == len(mlp.experts) else None,
+                       ACTS["swiglu_oai"] if cfg.hidden_act == "swiglu_oai" else ACTS["silu"])
             layers[i] = _Layer(*(None if n is None else _ptr(n.weight) for n in norms),
                                *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
-                               *out_norms, window, local, *moe)
+                               *out_norms, window, local, *moe, *oss)
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
@@ -212,8 +217,16 @@ class CView:
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
                              ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
-                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim)
+                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def _fp32(self, t: torch.Tensor | None):
+        """A pointer to an fp32 contiguous copy of t (kept), or None."""
+        if t is None:
+            return None
+        t = t.detach().to(torch.float32).contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
 
     def _hold(self, found: tuple[_Mat, torch.Tensor]) -> _Mat:
         mat, tensor = found

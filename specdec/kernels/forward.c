@@ -201,29 +201,40 @@ static void residual_add(float *x, const float *h, int N, int D, float scale) {
 
 /* o = act(g) * u over F elements, both gates as g / (1 + e^z): SiLU (SwiGLU) with z = -g;
  * GELU_tanh (Gemma's GeGLU), 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3), with
- * z = -2y. `act` is the model's constant: the branch goes the same way for every element. */
-static void gate_mul(const float *g, const float *u, float *o, int F, int act) {
+ * z = -2y; SWIGLU_OAI (gpt-oss), g clamped above at limit, z = -alpha g, times (u clamped to
+ * +-limit) + 1. `act` is the model's constant: the branch goes the same way for every element. */
+static void gate_mul(const float *g, const float *u, float *o, int F, int act, float alpha, float limit) {
     const float c = -2.0f * 0.7978845608028654f, c3 = 0.044715f;
+    const int oai = act == ACT_SWIGLU_OAI;
     int i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= F; i += 16) {            /* the same operations per element in 16 lanes */
-        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+        if (oai) {
+            gv = _mm512_min_ps(gv, _mm512_set1_ps(limit));
+            uv = _mm512_add_ps(_mm512_max_ps(_mm512_min_ps(uv, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit)),
+                               _mm512_set1_ps(1.0f));
+        }
         __m512 z = act == ACT_GELU_TANH
             ? _mm512_mul_ps(_mm512_set1_ps(c), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c3), gv), _mm512_mul_ps(gv, gv), gv))
-            : _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            : oai ? _mm512_mul_ps(_mm512_set1_ps(-alpha), gv) : _mm512_sub_ps(_mm512_setzero_ps(), gv);
         __m512 e = vexp16(z);
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                              _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv));
     }
 #endif
     for (; i < F; i += 8) {
         int k = F - i < 8 ? F - i : 8;
-        __m256 gv = load_part(g + i, k);
+        __m256 gv = load_part(g + i, k), uv = load_part(u + i, k);
+        if (oai) {
+            gv = _mm256_min_ps(gv, _mm256_set1_ps(limit));
+            uv = _mm256_add_ps(_mm256_max_ps(_mm256_min_ps(uv, _mm256_set1_ps(limit)), _mm256_set1_ps(-limit)),
+                               _mm256_set1_ps(1.0f));
+        }
         __m256 z = act == ACT_GELU_TANH
             ? _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c3), gv), _mm256_mul_ps(gv, gv), gv))
-            : _mm256_sub_ps(_mm256_setzero_ps(), gv);
+            : oai ? _mm256_mul_ps(_mm256_set1_ps(-alpha), gv) : _mm256_sub_ps(_mm256_setzero_ps(), gv);
         __m256 e = vexp(z);
-        store_part(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_part(u + i, k)), k);
+        store_part(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), uv), k);
     }
 }
 
@@ -291,7 +302,7 @@ static void route(const Layer *L, const float *logits, int E, int K, int *sel, f
  * added in expert order into a zeroed sum: a token's result does not depend on the batch. */
 static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
     int D = m->dim, E = L->n_experts, K = L->top_k, F = L->moe_hidden;
-    linear_for(&L->router, w->buf, NULL, w->moe_probs, N, E, D, w->qs);
+    linear_for(&L->router, w->buf, L->router_bias, w->moe_probs, N, E, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         route(L, w->moe_probs + (long)n * E, E, K, w->moe_sel + (long)n * K, w->moe_w + (long)n * K);
@@ -318,13 +329,14 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
         const int *rows = w->moe_rows + first, *slot = w->moe_slot + first;
         #pragma omp for schedule(static)
         for (int r = 0; r < c; r++) memcpy(w->moe_x + (long)r * D, w->buf + (long)rows[r] * D, sizeof(float) * D);
-        linear_for(&L->experts[2 * e], w->moe_x, NULL, w->moe_ff, c, 2 * F, D, w->qs);
+        const float *eb = L->expert_bias ? L->expert_bias + (long)e * (2 * F + D) : NULL;
+        linear_for(&L->experts[2 * e], w->moe_x, eb, w->moe_ff, c, 2 * F, D, w->qs);
         #pragma omp for schedule(static)
         for (int r = 0; r < c; r++) {
             const float *g = w->moe_ff + (long)r * 2 * F;
-            gate_mul(g, g + F, w->moe_act + (long)r * F, F, ACT_SILU);
+            gate_mul(g, g + F, w->moe_act + (long)r * F, F, L->moe_act, m->swiglu_alpha, m->swiglu_limit);
         }
-        linear_for(&L->experts[2 * e + 1], w->moe_act, NULL, w->moe_y, c, D, F, w->qs);
+        linear_for(&L->experts[2 * e + 1], w->moe_act, eb ? eb + 2 * F : NULL, w->moe_y, c, D, F, w->qs);
         #pragma omp for schedule(static)
         for (int r = 0; r < c; r++) {     /* a token takes an expert once: rows never collide */
             float wt = w->moe_w[(long)rows[r] * K + slot[r]];
@@ -339,7 +351,7 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const float *g = w->moe_ff + (long)n * 2 * S;
-            gate_mul(g, g + S, w->moe_act + (long)n * S, S, ACT_SILU);
+            gate_mul(g, g + S, w->moe_act + (long)n * S, S, ACT_SILU, 0.0f, 0.0f);
         }
         linear_for(&L->down, w->moe_act, NULL, w->moe_y, N, D, S, w->qs);
         if (L->shared_gate.w) linear_for(&L->shared_gate, w->buf, NULL, w->moe_probs, N, 1, D, w->qs);
@@ -387,7 +399,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         memcpy(buf + (long)n * nq, row, sizeof(float) * nq);   /* q, packed [N, H * hd] */
     }
     attention_for(m, L, b, buf, att, w->scores, w->max_span);
-    linear_for(&L->o, att, NULL, buf, N, D, nq, w->qs);
+    linear_for(&L->o, att, L->o_bias, buf, N, D, nq, w->qs);
     if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
     norm_or_copy(buf, x, L->post_norm, N, D, m->eps);
@@ -402,7 +414,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     for (int n = 0; n < N; n++) {
         const float *g = ff + (long)n * 2 * F, *u = g + F;
         float *o = att + (long)n * F;
-        gate_mul(g, u, o, F, m->act);
+        gate_mul(g, u, o, F, m->act, m->swiglu_alpha, m->swiglu_limit);
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
     if (L->ffn_out_norm) rms_norm_for(buf, buf, L->ffn_out_norm, N, D, m->eps);     /* Gemma 2 / 3 */

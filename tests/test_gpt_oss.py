@@ -291,3 +291,24 @@ def test_eagle3_speculator_on_gpt_oss(files, tmp_path):
     llm = LLM(str(files["hf"]), dtype="float32", max_num_seqs=4,
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def test_vllms_quantization_mxfp4(files, tmp_path, capsys):
+    """vLLM's --quantization mxfp4 on gpt-oss's folder: the experts as auto keeps them; a folder
+    or GGUF file it does not fit gets one line (the CLI: exit 2)."""
+    from specdec import kernels
+    from specdec.cli import main
+
+    if kernels.load() is not None:       # kernels here: the experts stay packed
+        packed = load_model(files["mxfp4"], "float32", quantization="mxfp4")
+        assert type(packed.model.layers[0].mlp.experts[0].down_proj).__name__ == "QuantLinear"
+    with pytest.raises(CheckpointError, match="quantization='mxfp4' needs a folder quantized with it"):
+        load_model(files["hf"], quantization="mxfp4")
+    with pytest.raises(CheckpointError, match="quantization='mxfp4' is for Hugging Face folders"):
+        load_model(files["mxfp4_gguf"], quantization="mxfp4")
+    code = main(["generate", "--model", str(files["mxfp4"]), "--quantization", "mxfp4", "--num-speculative-tokens", "0",
+                 "--max-tokens", "4", "--json", "def f(x):"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["stats"]["output_tokens"] == 4
+    assert main(["generate", "--model", str(files["hf"]), "--quantization", "mxfp4", "--max-tokens", "4", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantization='mxfp4' needs a folder quantized with it" in err[0]

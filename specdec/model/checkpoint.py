@@ -317,8 +317,8 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                max_model_len: int | None = None) -> Transformer:
     """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
     to a GGUF (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize) and to
-    gpt-oss's MXFP4 experts in a folder (None: packed where the CPU kernels multiply MXFP4,
-    "none": dequantized);
+    gpt-oss's MXFP4 experts in a folder (None, or vLLM's "mxfp4": packed where the CPU kernels
+    multiply MXFP4; "none": dequantized);
     hf_overrides, disable_sliding_window and max_model_len as vLLM's flags (ModelConfig.configured)."""
     from .gguf import GGUFError, find_gguf, load_gguf
 
@@ -329,13 +329,16 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                              max_model_len)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
-    if quantization not in (None, "auto", "none"):
+    if quantization not in (None, "auto", "none", "mxfp4"):
         raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
     raw = read_config(folder)
     quant = (text_config(raw).get("quantization_config") or raw.get("quantization_config") or {}).get("quant_method")
     if quant not in (None, "mxfp4"):
         raise CheckpointError(f"{folder}: quantization_config.quant_method {quant!r} is not supported (specdec reads "
                               "unquantized folders, gpt-oss's MXFP4 experts, and GGUF files)")
+    if quantization == "mxfp4" and quant != "mxfp4":      # vLLM's --quantization mxfp4: the folder must be
+        raise CheckpointError(f"{folder}: quantization='mxfp4' needs a folder quantized with it (quantization_config "
+                              f"quant_method 'mxfp4', as gpt-oss's), this one has {quant or 'none'}")
     try:
         if hf_overrides:
             raw = apply_hf_overrides(text_config(raw), hf_overrides)

@@ -596,6 +596,9 @@ def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantiz
     disable_sliding_window and max_model_len: ModelConfig.configured)."""
     from .checkpoint import finish, resolve_dtype
 
+    if quantization == "mxfp4":
+        raise GGUFError(f"{Path(getattr(g, 'path', g))}: quantization='mxfp4' is for Hugging Face folders with MXFP4 "
+                        "weights; a GGUF file's MXFP4 tensors stay packed with 'gguf' or auto")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)

@@ -8,10 +8,15 @@ start (a short greedy plain decoding of the first question); `--compare` instead
 answer a second time without speculation, for the exact speedup and an identical-output check.
 
 Lines starting with "/" are commands: /reset (forget the conversation), /exit.
+
+gpt-oss writes harmony replies (server/reasoning.py): its analysis goes to stderr as it comes,
+its answer to stdout, and only the answer joins the conversation (gpt-oss's template drops
+earlier turns' analysis anyway).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -42,6 +47,38 @@ def decode_rate(stats: RequestStats) -> float:
     return stats.output_tokens / t if t > 0 else 0.0
 
 
+def writes_harmony(llm) -> bool:
+    """Whether the model replies in OpenAI's harmony format (gpt-oss)."""
+    return getattr(getattr(llm.target, "config", None), "model_type", None) == "gpt_oss"
+
+
+class Thought(str):
+    """A piece of a harmony reply's analysis (ChatSession.ask yields it beside the answer's text)."""
+
+
+class HarmonySplit:
+    """A reply's pieces as they are decoded -> (analysis, answer) deltas: a harmony reply split
+    by its channels, any other reply all answer."""
+
+    def __init__(self, harmony: bool):
+        from .server.reasoning import HarmonyStream
+
+        self.stream = HarmonyStream() if harmony else None
+        self.reasoning, self.answer = [], []
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, str]:
+        if self.stream is None:
+            thought, piece = "", text
+        else:
+            thought, piece = self.stream.feed(text)
+            if last:
+                more = self.stream.finish()
+                thought, piece = thought + more[0], piece + more[1]
+        self.reasoning.append(thought)
+        self.answer.append(piece)
+        return thought, piece
+
+
 @dataclass
 class Answer:
     text: str
@@ -49,6 +86,7 @@ class Answer:
     stats: RequestStats
     plain_rate: float | None = None      # tok/s of plain decoding on this very prompt (--compare)
     identical: bool | None = None        # greedy answers: equal to plain decoding's
+    reasoning: str = ""                  # a harmony reply's analysis
 
 
 class ChatSession:
@@ -56,6 +94,9 @@ class ChatSession:
 
     def __init__(self, llm, params: SamplingParams, system: str | None = None, compare: bool = False,
                  chat_template: str | None = None):
+        self.harmony = writes_harmony(llm)
+        if self.harmony:                           # its channels are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         self.llm, self.params, self.system, self.compare = llm, params, system, compare
         self.chat_template = chat_template         # None: the tokenizer's
         self.messages: list[dict] = []
@@ -73,17 +114,21 @@ class ChatSession:
                                     chat_template=self.chat_template)["prompt_token_ids"]
 
     def ask(self, user: str):
-        """Yield the answer's text as it is decoded; then the Answer (the last item)."""
+        """Yield the answer's text as it is decoded (a harmony reply's analysis as Thought
+        pieces); then the Answer (the last item)."""
         ids = self.prompt_ids(user)
         self.llm.engine.check_prompt(ids, self.params)
         if self.speculative and not self.compare and self.reference_rate is None:
             self.reference_rate = self._plain_rate(ids)
-        tokens, parts, event = [], [], None
+        tokens, split, event = [], HarmonySplit(self.harmony), None
         for event in self.llm.engine.generate(ids, self.params):
             tokens += event.token_ids
-            parts.append(event.text)
-            yield event.text
-        answer = Answer("".join(parts), tokens, event.stats)
+            thought, piece = split.feed(event.text, last=event.finished)
+            if thought:
+                yield Thought(thought)
+            if piece:
+                yield piece
+        answer = Answer("".join(split.answer), tokens, event.stats, reasoning="".join(split.reasoning))
         if self.speculative and self.compare:
             plain_tokens, plain_stats = self._run_plain(ids, self.params)
             answer.plain_rate = decode_rate(plain_stats)
@@ -147,7 +192,10 @@ def run(args) -> int:
             continue
         answer = None
         for answer in session.ask(text):
-            if isinstance(answer, str):
+            if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
+                sys.stderr.write(answer)
+                sys.stderr.flush()
+            elif isinstance(answer, str):
                 sys.stdout.write(answer)
                 sys.stdout.flush()
         sys.stdout.write("\n")

@@ -8,6 +8,7 @@ into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -217,6 +218,11 @@ def run(args) -> int:
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
     params = sampling_params(args, llm.generation_defaults)
+    from .chat import HarmonySplit, writes_harmony
+
+    harmony = args.chat and writes_harmony(llm)      # gpt-oss: its analysis to stderr, its answer to stdout
+    if harmony:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": prompt}]
@@ -227,18 +233,23 @@ def run(args) -> int:
     llm.engine.check_prompt(prompt_ids, params)
     if args.compare:
         _warm_up(llm.engine, prompt_ids)
-    tokens, text, event = [], [], None
+    tokens, split, event = [], HarmonySplit(harmony), None
     tty = sys.stdout.isatty() or args.show_acceptance
     if not args.json and not args.chat:
         sys.stdout.write(prompt)
     for event in llm.engine.generate(prompt_ids, params):
         tokens += event.token_ids
-        text.append(event.text)
+        thought, piece = split.feed(event.text, last=event.finished)
         if not args.json:
-            sys.stdout.write(_colour(llm, event) if args.show_acceptance and tty else event.text)
+            if thought:
+                sys.stderr.write(thought)
+                sys.stderr.flush()
+            sys.stdout.write(_colour(llm, event) if args.show_acceptance and tty and not harmony else piece)
             sys.stdout.flush()
-    result = {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason,
+    result = {"text": "".join(split.answer), "token_ids": tokens, "finish_reason": event.finish_reason,
               "stats": event.stats.to_dict()}
+    if harmony:
+        result["reasoning"] = "".join(split.reasoning)
     if args.compare:
         result["compare"] = _compare(llm, prompt_ids, params, tokens, event.stats)
     if args.json:

@@ -312,3 +312,27 @@ def test_vllms_quantization_mxfp4(files, tmp_path, capsys):
     assert main(["generate", "--model", str(files["hf"]), "--quantization", "mxfp4", "--max-tokens", "4", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantization='mxfp4' needs a folder quantized with it" in err[0]
+
+
+def test_cli_chat_splits_harmony(files, capsys, monkeypatch):
+    """`specdec generate --chat` and `specdec chat` on gpt-oss: the reply detokenized with its
+    special tokens and split as the server splits it (the tiny model writes no channels, so all
+    of it is the answer, on stdout; the JSON names its reasoning too)."""
+    import io
+
+    from specdec import LLM, SamplingParams
+    from specdec.cli import main
+    from specdec.server.reasoning import split_harmony
+
+    argv = ["--model", str(files["hf"]), "--num-speculative-tokens", "0", "--max-tokens", "8", "--temperature", "0"]
+    assert main(["generate", *argv, "--chat", "--json", "hi there"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    llm = LLM(str(files["hf"]), num_speculative_tokens=0)
+    raw = llm.tokenizer.decode(result["token_ids"], skip_special_tokens=False)
+    assert (result["reasoning"], result["text"]) == split_harmony(raw)
+    assert result["text"] == llm.generate(llm.chat_prompt([{"role": "user", "content": "hi there"}]),
+                                          SamplingParams(temperature=0, max_tokens=8,
+                                                         skip_special_tokens=False))[0].outputs[0].text
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi there\n/exit\n"))
+    assert main(["chat", *argv]) == 0
+    assert capsys.readouterr().out == result["text"] + "\n"

@@ -336,3 +336,62 @@ def test_cli_chat_splits_harmony(files, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hi there\n/exit\n"))
     assert main(["chat", *argv]) == 0
     assert capsys.readouterr().out == result["text"] + "\n"
+
+
+@pytest.fixture(scope="module")
+def harmony_llm(tmp_path_factory):
+    """A tiny gpt-oss whose tokenizer has harmony's special tokens; a grammar makes it write the
+    format (llguidance matches the special tokens by name), so replies are real token streams."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    from conftest import make_checkpoint, make_tokenizer
+    from specdec import LLM
+
+    root = tmp_path_factory.mktemp("harmony")
+    make_tokenizer(root / "tok")
+    tok = HFTokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(m, special=True) for m in
+                            ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")])
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    return LLM(str(make_checkpoint(root / "hf", arch="gpt_oss", tokenizer_from=root / "tok")), num_speculative_tokens=0)
+
+
+def test_harmony_replies_from_real_token_streams(harmony_llm):
+    """Replies the model writes token by token (special tokens detokenized as text for the
+    parser), through the server's ChatFormat streamed and not: the analysis as reasoning_content,
+    the final channel as content, a call to=functions.NAME as a tool call with its arguments."""
+    from specdec import SamplingParams
+    from specdec.config import StructuredOutputsParams
+    from specdec.server.responses import ChatFormat, ChoiceResult
+    from specdec.server.tools import plan_tools
+
+    tools = plan_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                       "auto", None, True, "openai")
+    answer = ('start: <|channel|> "analysis" <|message|> /[a-z]{3,6}/ <|end|> <|start|> "assistant" <|channel|> "final" '
+              '<|message|> /[a-z ]{3,8}/')
+    call = ('start: <|channel|> "analysis" <|message|> /[a-z]{3,6}/ <|end|> <|start|> "assistant to=functions.get_weather" '
+            '<|channel|> "commentary " <|constrain|> "json" <|message|> "{\\"city\\": \\"" /[a-z]{2,5}/ "\\"}"')
+    for grammar, plan in ((answer, None), (call, tools)):
+        params = SamplingParams(temperature=0, max_tokens=160, skip_special_tokens=False,
+                                structured_outputs=StructuredOutputsParams(grammar=grammar))
+        pieces = [e.text for e in harmony_llm.engine.generate([5, 6, 7], params)]
+        text = "".join(pieces)
+        assert text.startswith("<|channel|>analysis<|message|>") and text.count("<|message|>") == 2
+        thought = text.split("<|message|>")[1].split("<|end|>")[0]
+        body = text.split("<|message|>")[2]
+        msg = ChatFormat(harmony_llm.tokenizer, False, tools=plan, reasoning="openai_gptoss").choice(
+            ChoiceResult(0, [text], finish_reason="stop"))
+        assert msg["message"]["reasoning_content"] == thought
+        fmt, streamed = ChatFormat(harmony_llm.tokenizer, False, tools=plan, reasoning="openai_gptoss"), {}
+        for i, piece in enumerate(pieces):
+            d = fmt.delta(0, piece, [], 0, "stop" if i == len(pieces) - 1 else None, None)
+            for key, value in (d or {}).get("delta", {}).items():
+                streamed[key] = streamed.get(key, [] if key == "tool_calls" else "") + value
+        assert streamed.get("reasoning_content") == thought
+        if plan is None:
+            assert msg["message"]["content"] == body == streamed["content"] and msg["finish_reason"] == "stop"
+        else:
+            [c] = msg["message"]["tool_calls"]
+            assert c["function"] == {"name": "get_weather", "arguments": body} and body.startswith('{"city": "')
+            assert msg["message"]["content"] is None and msg["finish_reason"] == "tool_calls"
+            assert [s["function"] for s in streamed["tool_calls"]] == [c["function"]] and "content" not in streamed

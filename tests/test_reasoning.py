@@ -191,3 +191,20 @@ def test_harmony_tool_calls_streamed_and_not():
     llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=64)
     with pytest.raises(ValueError, match="needs a gpt-oss model"):
         build_app(llm, ServerConfig(enable_auto_tool_choice=True, tool_call_parser="openai"))
+
+
+def test_earlier_reasoning_reaches_the_chat_template():
+    """An assistant message's reasoning_content (or reasoning) goes back to the template as
+    reasoning_content (Qwen3's templates read it) and thinking (gpt-oss's keeps the analysis
+    before a tool call); without it neither key is set."""
+    from specdec.server.protocol import ChatCompletionRequest
+
+    template = ("{% for m in messages %}{{ m.role }}[{{ m.thinking | default('-') }}|{{ m.reasoning_content | default('-') }}]"
+                "{{ m.content }};{% endfor %}")
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=64)
+    service = build_app(llm, ServerConfig(chat_template=template)).state.service
+    for field in ("reasoning_content", "reasoning"):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "2+2?"},
+                                              {"role": "assistant", "content": "4", field: "add them"},
+                                              {"role": "user", "content": "and 3+3?"}])
+        assert service._chat_text(req) == "user[-|-]2+2?;assistant[add them|add them]4;user[-|-]and 3+3?;"

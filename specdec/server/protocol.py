@@ -77,6 +77,10 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict] | None = Field(None, description="an assistant's earlier calls (given to the chat template)")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    reasoning_content: str | None = Field(None, description="vLLM: an assistant's earlier thinking, for the chat "
+                                                            "template (Qwen3's reads reasoning_content, gpt-oss's "
+                                                            "thinking: both are given)")
+    reasoning: str | None = Field(None, description="the same, under its newer name")
 
 
 class ChatCompletionRequest(_Sampling):

@@ -180,7 +180,8 @@ class Service:
             raise APIError(400, "messages must not be empty", "messages")
         messages = template_messages(
             {"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content),
-             "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in req.messages)
+             "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
+             **_thinking(getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None))} for m in req.messages)
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
         if req.chat_template is not None and not self.config.trust_request_chat_template:
@@ -237,6 +238,12 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
 
 def _or(value, default):
     return default if value is None else value
+
+
+def _thinking(text: str | None) -> dict:
+    """An assistant's earlier reasoning under the names chat templates read it by: Qwen3's
+    reasoning_content, gpt-oss's thinking (which keeps the analysis before a tool call)."""
+    return {} if not text else {"reasoning_content": text, "thinking": text}
 
 
 def _join_text(parts) -> str:

@@ -129,3 +129,28 @@ def test_bad_input_is_a_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="toy", **kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_reasoning_items_and_effort_reach_the_chat_request():
+    """A reasoning item sent back before a function call (or an assistant message) becomes that
+    turn's reasoning_content (gpt-oss's template keeps a call's analysis), one before a user
+    message is dropped; a stored reply keeps its reasoning; reasoning.effort is the template's
+    reasoning_effort, and a bad one a 400."""
+    from specdec.server.errors import APIError
+    from specdec.server.responses_api import ResponsesRequest, chat_request, conversation
+
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "need the sum"}], "summary": []}
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
+    req = ResponsesRequest(model="toy", reasoning={"effort": "low"}, input=[
+        {"role": "user", "content": "Add 2 and 3."}, thought, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "5"}, thought, {"role": "user", "content": "ok"}])
+    chat = chat_request(req, [])
+    msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert msgs[1]["reasoning_content"] == "need the sum" and msgs[1]["tool_calls"][0]["id"] == "c1"
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "user"]
+    assert all("reasoning_content" not in m for m in msgs[2:]) and chat.reasoning_effort == "low"
+    reply = conversation([], [{**thought, "id": "rs_1"}, {"type": "message", "content": [{"type": "output_text", "text": "5"}]}])
+    assert reply[-1] == {"role": "assistant", "content": "5", "reasoning_content": "need the sum"}
+    with pytest.raises(APIError) as e:
+        chat_request(ResponsesRequest(model="toy", input="x", reasoning={"effort": "extreme"}), [])
+    assert e.value.status == 400

@@ -50,7 +50,8 @@ class ResponsesRequest(_Body):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     text: dict | None = Field(None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
-    reasoning: dict | None = Field(None, description="accepted; the thinking is returned with --reasoning-parser")
+    reasoning: dict | None = Field(None, description='{"effort": "low" | "medium" | "high"} reaches the chat template as '
+                                                     "reasoning_effort; the thinking is returned with a reasoning parser")
     store: bool = True
     stream: bool = False
     metadata: dict | None = None
@@ -107,6 +108,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     messages: list[dict] = []
+    thought = None             # a reasoning item's text: the next assistant turn's reasoning_content
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -114,24 +116,30 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             if not isinstance(item.get("role"), str):
                 raise APIError(400, f"{where}.role is required", "input")
             messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            if item["role"] == "assistant" and thought:
+                messages[-1]["reasoning_content"] = thought
+            thought = None
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") \
-                    and not messages[-1]["content"]:
+                    and not messages[-1]["content"] and not thought:
                 messages[-1]["tool_calls"].append(call)        # parallel calls: one assistant turn
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call],
+                                 **({"reasoning_content": thought} if thought else {})})
+            thought = None
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else json.dumps(output)})
-        elif kind == "reasoning":
-            continue                                           # earlier thinking is not sent back
+        elif kind == "reasoning":     # the thinking before the assistant turn that follows (gpt-oss keeps
+            thought = "".join(p.get("text", "") for p in item.get("content") or item.get("summary") or []
+                              if isinstance(p, dict)) or None     # a call's analysis in its template)
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
                                 "function_call_output, reasoning)", "input")
@@ -177,7 +185,8 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
             "seed": req.seed, "repetition_penalty": req.repetition_penalty, "tools": _chat_tools(req.tools),
             "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
-            "user": req.user, "priority": req.priority}
+            "user": req.user, "priority": req.priority,
+            "reasoning_effort": (req.reasoning or {}).get("effort")}     # OpenAI's reasoning.effort
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValueError as e:
@@ -248,6 +257,9 @@ def conversation(turn: list[dict], items: list[dict]) -> list[dict]:
     reply = {"role": "assistant", "content": text}
     if calls:
         reply["tool_calls"] = calls
+    thought = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
+    if thought:
+        reply["reasoning_content"] = thought
     return turn + [reply]
 
 

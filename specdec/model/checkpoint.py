@@ -381,14 +381,16 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         param.data = src.to(device=device, dtype=torch.float32 if keep else torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name, (rows, bias, k) in packed.items():
-        from .quant import QuantLinear
+    from .quant import QuantLinear
 
+    kept_packed = bool(packed)
+    for name in list(packed):    # popped as built: each expert's rows freed once its panels exist
+        rows, bias, k = packed.pop(name)
         owner, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(owner), attr, QuantLinear(rows.to(device), "MXFP4", k,
                                                               None if bias is None else bias.to(device, torch.float32)))
     model.reset_rope(device)  # buffers were left uninitialised on meta
-    if packed:
+    if kept_packed:
         model.use_fp32_activations()     # packed products take and return fp32
     return finish(model, torch_dtype, device)
 

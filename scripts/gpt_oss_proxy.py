@@ -33,6 +33,8 @@ def build(root: Path, layers: int, hidden: int, experts: int) -> tuple[Path, Pat
     from gguf import GGMLQuantizationType as T, quants
     from safetensors.torch import load_file, save_file
 
+    from specdec.model.checkpoint import mxfp4_blocks
+
     cfg = transformers.GptOssConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
                                     num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
                                     num_local_experts=experts, num_experts_per_tok=4, max_position_embeddings=4096,
@@ -51,12 +53,9 @@ def build(root: Path, layers: int, hidden: int, experts: int) -> tuple[Path, Pat
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             out[name] = v
             continue
-        w = v.float().numpy().transpose(0, 2, 1)
-        g = quants.quantize(np.ascontiguousarray(w.reshape(-1, w.shape[-1])), T.MXFP4).reshape(-1, w.shape[-1] // 32, 17)
-        nib = np.concatenate([g[..., 1:] & 0x0F, g[..., 1:] >> 4], -1)
-        out[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(
-            (nib[..., 0::2] | (nib[..., 1::2] << 4)).reshape(*w.shape[:2], -1, 16)))
-        out[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(g[..., 0].reshape(*w.shape[:2], -1)))
+        w = v.float().numpy().transpose(0, 2, 1)                          # [E, rows, in]
+        rows = quants.quantize(np.ascontiguousarray(w.reshape(-1, w.shape[-1])), T.MXFP4).reshape(*w.shape[:2], -1)
+        out[name + "_blocks"], out[name + "_scales"] = mxfp4_blocks(torch.from_numpy(rows))
     save_file(out, str(mx / "model.safetensors"), metadata={"format": "pt"})
     c = json.loads((mx / "config.json").read_text())
     c["quantization_config"] = {"quant_method": "mxfp4"}

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from gguf_helpers import write_gguf
 from specdec.model import load_model, save_model
-from specdec.model.checkpoint import CheckpointError
+from specdec.model.checkpoint import CheckpointError, mxfp4_blocks
 from specdec.model.llama import MoE
 from arch_checks import (IDS, NO_KERNELS, arch_files, cached_logits, check_packed_batch_equals_solo,  # noqa: F401
                          check_rows_bit_identical, check_tensor_parallel_equals_tp1, reference, without_kernels,
@@ -41,11 +41,9 @@ def _mxfp4_folder(hf, out):
             packed[name] = v
             continue
         w = v.transpose(0, 2, 1)                                           # [E, rows, in]
-        g = quants.quantize(np.ascontiguousarray(w.reshape(-1, w.shape[-1])), T.MXFP4).reshape(-1, w.shape[-1] // 32, 17)
-        nibbles = np.concatenate([g[..., 1:] & 0x0F, g[..., 1:] >> 4], axis=-1)      # values 0..31 of each block
-        blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-        packed[name + "_blocks"] = np.ascontiguousarray(blocks.reshape(*w.shape[:2], -1, 16))
-        packed[name + "_scales"] = np.ascontiguousarray(g[..., 0].reshape(*w.shape[:2], -1))
+        rows = quants.quantize(np.ascontiguousarray(w.reshape(-1, w.shape[-1])), T.MXFP4).reshape(*w.shape[:2], -1)
+        blocks, scales = mxfp4_blocks(torch.from_numpy(rows))
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks.numpy(), scales.numpy()
     save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4",

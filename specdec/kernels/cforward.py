@@ -197,13 +197,14 @@ class CView:
             if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
                 out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
             norms = (layer.in_norm, layer.mlp_norm)     # None (OLMo 2): no norm before the block
-            oss = (sinks, self._fp32(att.o_proj.bias), None, None, 0)
-            if hasattr(mlp, "experts"):       # gpt-oss: the router's and experts' biases, its gate
-                biases = [torch.cat([e.gate_up_proj.bias, e.down_proj.bias]) for e in mlp.experts
-                          if e.gate_up_proj.bias is not None and e.down_proj.bias is not None]
-                oss = (sinks, oss[1], self._fp32(mlp.gate.bias),
-                       self._fp32(torch.stack(biases)) if len(biases) == len(mlp.experts) else None,
-                       ACTS["swiglu_oai"] if cfg.hidden_act == "swiglu_oai" else ACTS["silu"])
+            router_bias = expert_bias = None
+            if hasattr(mlp, "experts"):       # gpt-oss: the router's and experts' biases
+                router_bias = self._fp32(mlp.gate.bias)
+                if mlp.experts[0].down_proj.bias is not None:
+                    expert_bias = self._fp32(torch.stack([torch.cat([e.gate_up_proj.bias, e.down_proj.bias])
+                                                          for e in mlp.experts]))
+            moe_act = ACTS["swiglu_oai"] if cfg.hidden_act == "swiglu_oai" else ACTS["silu"]
+            oss = (sinks, self._fp32(att.o_proj.bias), router_bias, expert_bias, moe_act)
             layers[i] = _Layer(*(None if n is None else _ptr(n.weight) for n in norms),
                                *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
                                *out_norms, window, local, *moe, *oss)

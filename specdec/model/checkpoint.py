@@ -159,6 +159,14 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.to(torch.uint8)[..., None], qs], dim=-1).flatten(-2).contiguous()
 
 
+def mxfp4_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxfp4_rows undone: ggml MXFP4 rows [..., G * 17] -> OpenAI's (blocks [..., G, 16], scales
+    [..., G]) (tests and scripts write MXFP4 folders from gguf-py's quantizer)."""
+    g = rows.reshape(*rows.shape[:-1], -1, 17)
+    nib = torch.cat([g[..., 1:] & 0x0F, g[..., 1:] >> 4], dim=-1)                 # values 0..31 in order
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous(), g[..., 0].contiguous()
+
+
 def _gate_then_up(w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gpt-oss's gate/up rows, interleaved (g0 u0 g1 u1 ...) -> gate rows, then up rows (and bias)."""
     return torch.cat([w[0::2], w[1::2]]), None if b is None else torch.cat([b[0::2], b[1::2]])

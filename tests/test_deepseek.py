@@ -3,9 +3,10 @@ GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`: V3's layers, its dense ones listed by m
 multi-head latent attention with the latent cache (model/mla.py) and DeepSeekMoE. Tiny folders
 written by transformers: V3 with q_a/q_b projections, interleaved RoPE and sigmoid group routing
 with a choice bias; V2 with a plain q_proj, YaRN with mscale_all_dim (the scores' temperature)
-and softmax group_limited_greedy routing. Checked against transformers on the PyTorch forward
-(with forward.c's paged attention and without the kernels): logits whole and through the paged
-cache, the router, greedy output, every speculative method; V3's MTP layer (latent attention
+and softmax group_limited_greedy routing. Checked against transformers on forward.c's whole
+forward and on the PyTorch forward (with forward.c's paged attention, and without the kernels):
+logits whole and through the paged cache, the router, greedy output, every speculative method;
+forward.c's rows bit-identical however chunked and batched; V3's MTP layer (latent attention
 and experts) against transformers' own decoder layer; the cache's size; what is refused."""
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from specdec.model.config import ModelConfig
 from specdec.model.llama import MoE
 from specdec.model.mla import MLAttention
 from specdec.model.mtp import load_mtp
-from arch_checks import (IDS, cached_logits, check_greedy_equals_transformers_generate,  # noqa: F401
-                         check_grouped_routing_matches_transformers, check_speculative_greedy_equals_plain,
+from arch_checks import (IDS, NO_KERNELS, cached_logits, check_greedy_equals_transformers_generate,  # noqa: F401
+                         check_grouped_routing_matches_transformers, check_rows_bit_identical,
+                         check_speculative_greedy_equals_plain,
                          check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers, without_kernels)
 from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
@@ -41,9 +43,7 @@ def files(request, tmp_path_factory) -> dict:
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
     hf = make_checkpoint(root / "hf", arch=arch, layers=L, **CONFIGS[arch])
-    # c_forward: forward.c's whole forward does not run latent attention (its paged attention does)
-    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), "c_forward": False,
-            **_heads_dirs(hf, root)}
+    return {"arch": arch, "hf": hf, "near": noisy_head_copy(hf, root / "near"), **_heads_dirs(hf, root)}
 
 
 def test_config_and_latent_cache(files, tmp_path):
@@ -93,6 +93,40 @@ def test_greedy_output_equals_transformers_generate(files, monkeypatch, c_path):
 def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
     """ngram, draft model, self-draft, layer skip, EAGLE tree and chain, alone and four at once."""
     check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
+
+
+@NO_KERNELS
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["fp32-cache", "int8-cache"])
+def test_c_forward_rows_are_bit_identical_however_chunked_and_batched(files, kv_dtype):
+    """forward.c runs latent attention whole (q_proj, or q_a -> norm -> q_b; the latent's norm; each
+    head's absorbed query and value products; one cached [latent ; rotary key] row read as key and
+    value): a token's logits are the same bits however its prompt is chunked and whatever shares
+    its batch, with an fp32 or an int8 latent cache; the int8 cache's logits stay near fp32's."""
+    model = load_model(files["hf"], "float32")
+    exact = check_rows_bit_identical(model, 24)
+    if kv_dtype is not None:
+        rounded = check_rows_bit_identical(model, 24, kv_dtype)
+        assert 0 < (rounded - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+@NO_KERNELS
+def test_bf16_checkpoint_absorbs_through_bf16_panels(files, tmp_path, monkeypatch):
+    """A bf16 folder (kv_b widened to fp32 at load): forward.c reads each head's absorbed
+    products from bf16 panels, and its logits are the same bits as from fp32 panels of the same
+    values."""
+    from specdec.kernels import cforward
+    save_model(load_model(files["hf"], "float32"), tmp_path / "bf16", torch.bfloat16)
+    model = load_model(tmp_path / "bf16")
+    att = model.model.layers[0].self_attn
+    assert att.kv_b_proj.weight.dtype == torch.float32 and model.c_view(model.new_cache(1, 8)) is not None
+    assert all(t.dtype == torch.bfloat16 for t in cforward._absorbed(att))
+    tokens = IDS[0, :12]
+    half = cached_logits(model, tokens, [(0, 5), (5, 12)])
+    widened = cforward._absorbed
+    monkeypatch.setattr(cforward, "_absorbed", lambda a: tuple(t.float() for t in widened(a)))
+    model = load_model(tmp_path / "bf16")
+    assert cforward._absorbed(model.model.layers[0].self_attn)[0].dtype == torch.float32
+    assert torch.equal(cached_logits(model, tokens, [(0, 5), (5, 12)]), half)
 
 
 @pytest.mark.tp
@@ -204,14 +238,18 @@ def test_gguf_equals_the_checkpoint(files, tmp_path, split_kv_b):
 
 
 def test_packed_gguf_speculation_equals_plain(files, tmp_path):
-    """A Q8_0 file kept packed (its projections as quantized panels; kv_b dense): greedy with
-    ngram and layer-skip drafts, four at once, equals plain decoding of the same file."""
+    """A Q8_0 file kept packed (its projections as quantized panels; kv_b dense), run whole by
+    forward.c (its rows bit-identical however batched): greedy with ngram and layer-skip drafts,
+    four at once, equals plain decoding of the same file."""
     from gguf_helpers import T
     from specdec.model.quant import QuantLinear
     path = deepseek_gguf(files, tmp_path / "q8.gguf", True,
                          qtypes=lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
     model = load_model(path)
     assert isinstance(model.model.layers[0].self_attn.kv_a_proj_with_mqa, QuantLinear)
+    if kernels.load() is not None:       # forward.c runs it whole, its projections packed
+        assert model.c_view(model.new_cache(1, 8)) is not None
+        check_rows_bit_identical(model, 24)
     prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0, max_num_seqs=1).generate(

@@ -34,7 +34,9 @@ class _Layer(ctypes.Structure):
                 ("router", _Mat), ("experts", POINTER(_Mat)), ("shared_hidden", c_int), ("shared_gate", _Mat),
                 *[(n, c_int) for n in ("router_sigmoid", "n_group", "topk_group")], ("scaling", c_float),
                 ("score_bias", c_void_p), ("group_by_max", c_int),
-                *[(n, c_void_p) for n in ("sinks", "o_bias", "router_bias", "expert_bias")], ("moe_act", c_int)]
+                *[(n, c_void_p) for n in ("sinks", "o_bias", "router_bias", "expert_bias")], ("moe_act", c_int),
+                ("q_a", _Mat), ("kv_a", _Mat), *[(n, c_void_p) for n in ("q_a_norm", "kv_a_norm", "uk", "uv")],
+                ("mla_bf16", c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -45,7 +47,8 @@ class _Model(ctypes.Structure):
                                          "final_softcap")], ("act", c_int),
                 ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
                 ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
-                ("qk_full", c_int), ("rot_dim", c_int), ("swiglu_alpha", c_float), ("swiglu_limit", c_float)]
+                ("qk_full", c_int), ("rot_dim", c_int), ("swiglu_alpha", c_float), ("swiglu_limit", c_float),
+                *[(n, c_int) for n in ("mla_latent", "mla_nope", "mla_rope", "mla_v", "q_lora")], ("mla_eps", c_float)]
 
 ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI
 
@@ -71,7 +74,35 @@ def declare(lib) -> None:
 
 def _linears(model) -> list:
     return [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))]
+        *_attention_linears(layer.self_attn), layer.self_attn.o_proj, *_mlp_linears(layer.mlp)))]
+
+
+def _attention_linears(att) -> list:
+    """The attention's input projections: qkv, or latent attention's q (q_proj, or q_a then q_b)
+    and kv_a (its kv_b is read per head through dense panels: _absorbed)."""
+    from ..model.mla import MLAttention
+
+    if not isinstance(att, MLAttention):
+        return [att.qkv_proj]
+    q = [att.q_proj] if att.q_proj is not None else [att.q_a_proj, att.q_b_proj]
+    return [*q, att.kv_a_proj_with_mqa]
+
+
+def _absorbed(att) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent attention's per-head products as forward.c reads them: each head's W_UK^T [latent,
+    nope], then each head's W_UV [v, latent], dense panels (pack) one head after another. bf16
+    panels when every weight is a bf16 value (a bf16 checkpoint, widened to fp32 at load): the
+    same products from half the bytes."""
+    from . import pack
+
+    H, P, V, C = att.n_heads, att.nope, att.v_dim, att.latent
+    w = att.kv_b_proj.weight.detach()
+    if w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w):
+        w = w.to(torch.bfloat16)
+    w = w.view(H, P + V, C)
+    uk = torch.cat([pack(w[h, :P].t().contiguous()).reshape(-1) for h in range(H)])
+    uv = torch.cat([pack(w[h, P:].contiguous()).reshape(-1) for h in range(H)])
+    return uk, uv
 
 
 def _mlp_linears(mlp) -> list:
@@ -129,12 +160,13 @@ def supported(model, kv) -> bool:
     """forward.c covers fp32 activations and an fp32, bf16 or int8 cache (keys and values rounded
     or quantized when written) on the CPU, with every matrix in a format a kernel multiplies (fp32,
     bf16, or GGUF blocks with prepared panels)."""
-    cfg = model.config
+    from ..model.mla import MLAttention
     from ..model.quant import QuantLinear
 
-    if cfg.kv_lora_rank:      # multi-head latent attention: the PyTorch path, with paged_attention
-        return False
+    cfg = model.config
+    kv_b = [layer.self_attn.kv_b_proj for layer in model.model.layers if isinstance(layer.self_attn, MLAttention)]
     ok = (model.device.type == "cpu" and model.dtype == torch.float32
+          and all(_dense_ok(m) for m in kv_b)
           and kv.dtype in KV_TYPES
           and cfg.head_dim % 8 == 0 and embedding_mat(model.model.embed_tokens) is not None)
     biases = [layer.mlp.e_score_correction_bias for layer in model.model.layers
@@ -165,6 +197,8 @@ class CView:
     reuse (grown when a forward needs more)."""
 
     def __init__(self, model, kv, weights: bool = True):
+        from ..model.mla import LATENT_NORM_EPS, MLAttention
+
         cfg = model.local_config       # a tensor-parallel shard's own heads (= config without one)
         # every tensor a pointer below points into
         self._keep = [kv.blocks.table, *kv.k, *kv.v, *(kv.k_scale or ()), *(kv.v_scale or ())]
@@ -173,6 +207,7 @@ class CView:
         for i, layer in enumerate(model.model.layers[:len(kv.k)]):
             cache = (_ptr(kv.k[i]), _ptr(kv.v[i]), *((_ptr(kv.k_scale[i]), _ptr(kv.v_scale[i])) if kv.k_scale else (None, None)))
             att, mlp = layer.self_attn, layer.mlp
+            latent = isinstance(att, MLAttention)
             window, local = att.window or 0, int(att.local_rope)
             sinks = self._fp32(getattr(att, "sinks", None))     # gpt-oss: attention needs them, weights or not
             if not weights:      # no weights, bias, norms
@@ -189,10 +224,12 @@ class CView:
                 moe = (n, mlp.top_k, int(mlp.norm_topk), cfg.moe_intermediate_size, self._hold(_mat(mlp.gate)), experts,
                        cfg.shared_expert_size if shared is not None else 0, gate, int(mlp.sigmoid), mlp.n_group,
                        mlp.topk_group, mlp.scaling, _ptr(mlp.e_score_correction_bias), int(mlp.group_by_max))
-                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj)] + (
-                    [none, none] if shared is None else [self._hold(_mat(m)) for m in (shared.gate_up_proj, shared.down_proj)])
+                mlp_mats = [none, none] if shared is None else [shared.gate_up_proj, shared.down_proj]
             else:
-                mats = [self._hold(_mat(lin)) for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                mlp_mats = [mlp.gate_up_proj, mlp.down_proj]
+            # qkv: the attention's input projection (latent attention's queries: q_proj, or q_b_proj)
+            q_in = (att.q_b_proj if att.q_proj is None else att.q_proj) if latent else att.qkv_proj
+            mats = [m if isinstance(m, _Mat) else self._hold(_mat(m)) for m in (q_in, att.o_proj, *mlp_mats)]
             out_norms = (None, None)
             if layer.sandwich:   # Gemma 2 / 3: post_attention_layernorm norms the attention's output
                 out_norms = (_ptr(layer.post_attention_layernorm.weight), _ptr(layer.post_feedforward_layernorm.weight))
@@ -205,9 +242,19 @@ class CView:
                                                           for e in mlp.experts]))
             moe_act = ACTS["swiglu_oai"] if cfg.hidden_act == "swiglu_oai" else ACTS["silu"]
             oss = (sinks, self._fp32(att.o_proj.bias), router_bias, expert_bias, moe_act)
+            mla = ()
+            if latent:           # q_a (or none), kv_a, their norms, the absorbed per-head products
+                uk, uv = _absorbed(att)
+                self._keep += [uk, uv]
+                lora = att.q_proj is None
+                q_a = self._hold(_mat(att.q_a_proj)) if lora else none
+                q_a_norm = _ptr(att.q_a_layernorm.weight) if lora else None
+                mla = (q_a, self._hold(_mat(att.kv_a_proj_with_mqa)), q_a_norm, _ptr(att.kv_a_layernorm.weight),
+                       uk.data_ptr(), uv.data_ptr(), int(uk.dtype == torch.bfloat16))
             layers[i] = _Layer(*(None if n is None else _ptr(n.weight) for n in norms),
-                               *mats, _ptr(att.qkv_proj.bias), *_qk_norms(att), *cache, int(att.use_rope),
-                               *out_norms, window, local, *moe, *oss)
+                               *mats, None if latent else _ptr(att.qkv_proj.bias),
+                               *((None, None) if latent else _qk_norms(att)), *cache, int(att.use_rope),
+                               *out_norms, window, local, *moe, *oss, *mla)
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
@@ -218,7 +265,9 @@ class CView:
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
                              ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
                              _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
-                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit)
+                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
+                             *((cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim,
+                                cfg.q_lora_rank or 0, LATENT_NORM_EPS) if cfg.kv_lora_rank and weights else ()))
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def _fp32(self, t: torch.Tensor | None):

@@ -147,6 +147,10 @@ typedef struct {
      * outputs; the sum [N, D] */
     float *moe_probs, *moe_w, *moe_x, *moe_ff, *moe_act, *moe_y, *moe_sum;
     int *moe_sel, *moe_rows, *moe_slot, *moe_off;
+    /* latent attention (unused without it): queries [N, H (nope + rope)], latents and rotary keys
+     * [N, latent + rope], q_a's output [N, q_lora], one head's gathered inputs and outputs of its
+     * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
+    float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -169,18 +173,25 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
         if (L->shared_hidden > FM) FM = L->shared_hidden;
     }
     int qwide = wide > FM ? wide : FM;
-    long sizes[21] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+    if (m->q_lora > qwide) qwide = m->q_lora;
+    int C = m->mla_latent, P = m->mla_nope, R = m->mla_rope, V = m->mla_v;
+    long mla_in = C ? (P > C ? P : C) : 0, mla_out = C ? (V > C ? V : C) : 0;
+    long sizes[26] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
                       4L * threads * attn_scratch(max_span), quant_act_bytes(N, qwide),
                       (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0,
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
-                      E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0};
-    void **at[21] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                      E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
+                      C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
+                      4L * N * mla_in, 4L * N * mla_out};
+    void **at[26] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
                      (void **)&w->moe_act, (void **)&w->moe_y, (void **)&w->moe_sum, (void **)&w->moe_sel,
-                     (void **)&w->moe_rows, (void **)&w->moe_slot, (void **)&w->moe_off};
+                     (void **)&w->moe_rows, (void **)&w->moe_slot, (void **)&w->moe_off,
+                     (void **)&w->mla_q, (void **)&w->mla_kv, (void **)&w->mla_lora, (void **)&w->mla_in,
+                     (void **)&w->mla_out};
     long off = 0;
-    for (int i = 0; i < 21; i++) {
+    for (int i = 0; i < 26; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
@@ -371,11 +382,65 @@ static void moe_for(const Model *m, const Layer *L, Work *w, int N) {
     for (int n = 0; n < N; n++) memcpy(w->buf + (long)n * D, w->moe_sum + (long)n * D, sizeof(float) * D);
 }
 
-static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
-    int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, F = m->hidden;
+/* out [N, rows] = head h's block of dense panels (kernels.pack; each head's padded to a multiple of
+ * 16 rows) applied to columns col .. col + K of each row of x [N, x_stride], by the team: the
+ * columns gathered into w->mla_in first (the kernel reads contiguous rows). */
+static void head_product(const Layer *L, const void *panels, int h, int rows, int K, const float *x, long x_stride,
+                         long col, float *out, Work *w, int N) {
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) memcpy(w->mla_in + (long)n * K, x + n * x_stride + col, sizeof(float) * K);
+    long per_head = (long)(rows + 15) / 16 * 16 * K;
+    const char *wp = (const char *)panels + (size_t)h * per_head * (L->mla_bf16 ? 2 : 4);
+    skinny_for(w->mla_in, wp, L->mla_bf16, NULL, out, N, rows, K);
+}
+
+/* Latent attention (model/mla.py, absorbed): buf [N, D] (the normed input) -> buf [N, D] = the
+ * attention block's output (after o). Each head's query W_UK[h]^T q_nope joins its rotary part
+ * in a row of the cache's width; every head attends over the same cached [latent ; rotary key]
+ * rows (one kv head), and W_UV[h] turns each head's weighted latent into its value. */
+static void mla_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
+    int D = m->dim, H = m->n_heads, hd = m->head_dim;
+    int C = m->mla_latent, P = m->mla_nope, R = m->mla_rope, V = m->mla_v, QH = P + R;
+    float *buf = w->buf, *q = w->mla_q, *kv = w->mla_kv, *rows = w->qkv, *att = w->att;
+    if (L->q_a.w) {
+        linear_for(&L->q_a, buf, NULL, w->mla_lora, N, m->q_lora, D, w->qs);
+        rms_norm_for(w->mla_lora, w->mla_lora, L->q_a_norm, N, m->q_lora, m->mla_eps);
+        linear_for(&L->qkv, w->mla_lora, NULL, q, N, H * QH, m->q_lora, w->qs);
+    } else {
+        linear_for(&L->qkv, buf, NULL, q, N, H * QH, D, w->qs);
+    }
+    linear_for(&L->kv_a, buf, NULL, kv, N, C + R, D, w->qs);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float *k = kv + (long)n * (C + R), *qn = q + (long)n * H * QH, *row = rows + (long)n * H * hd;
+        const float *cs = w->angles + (long)n * hd;
+        head_norm(k, 1, C, L->kv_a_norm, m->mla_eps);
+        rope(k + C, 1, R, R, cs);
+        rope(qn + P, H, QH, R, cs);       /* each head's rotary dims follow its nope dims */
+        for (int h = 0; h < H; h++) memcpy(row + (long)h * hd + C, qn + (long)h * QH + P, sizeof(float) * R);
+        int sq = w->who[n].seq;
+        kv_store(m, L, slot_at(m, b->rows[sq], b->start[sq] + w->who[n].t, 0), k, k);   /* v is k: one row */
+    }
+    for (int h = 0; h < H; h++) {         /* the absorbed queries: row[n, h, :C] = W_UK[h]^T q_nope[n, h] */
+        head_product(L, L->uk, h, C, P, q, (long)H * QH, (long)h * QH, w->mla_out, w, N);
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) memcpy(rows + ((long)n * H + h) * hd, w->mla_out + (long)n * C, sizeof(float) * C);
+    }
+    attention_for(m, L, b, rows, att, w->scores, w->max_span);
+    for (int h = 0; h < H; h++) {         /* values: rows[n, h * V ..] = W_UV[h] (weighted latent of head h) */
+        head_product(L, L->uv, h, V, C, att, (long)H * hd, (long)h * hd, w->mla_out, w, N);
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) memcpy(rows + (long)n * H * V + (long)h * V, w->mla_out + (long)n * V, sizeof(float) * V);
+    }
+    linear_for(&L->o, rows, L->o_bias, buf, N, D, H * V, w->qs);
+}
+
+/* The attention block (grouped-query): buf [N, D] (the normed input) -> buf [N, D] = its output
+ * (after o), the new tokens' keys and values written to the cache. */
+static void gqa_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
+    int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
-    float *x = w->x, *buf = w->buf, *qkv = w->qkv, *att = w->att, *ff = w->ff;
-    norm_or_copy(buf, x, L->in_norm, N, D, m->eps);
+    float *buf = w->buf, *qkv = w->qkv, *att = w->att;
     linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -400,6 +465,14 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
     }
     attention_for(m, L, b, buf, att, w->scores, w->max_span);
     linear_for(&L->o, att, L->o_bias, buf, N, D, nq, w->qs);
+}
+
+static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
+    int D = m->dim, F = m->hidden;
+    float *x = w->x, *buf = w->buf, *att = w->att, *ff = w->ff;
+    norm_or_copy(buf, x, L->in_norm, N, D, m->eps);
+    if (m->mla_latent) mla_for(m, L, b, w, N);
+    else gqa_for(m, L, b, w, N);
     if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
     norm_or_copy(buf, x, L->post_norm, N, D, m->eps);

@@ -51,6 +51,17 @@ typedef struct {
      * and limit) */
     const float *sinks, *o_bias, *router_bias, *expert_bias;
     int moe_act;
+    /* Multi-head latent attention (Model.mla_latent > 0: DeepSeek-V2 / V3, GLM-4.7-Flash; model/mla.py).
+     * qkv holds q_proj, or q_b_proj with q_a [q_lora, D] (q_a.w set) and its norm q_a_norm [q_lora]
+     * before it; kv_a [latent + rope, D] gives the latent, normed by kv_a_norm [latent], and the
+     * shared rotary key. uk: each head's W_UK transposed [latent, nope], uv: its W_UV [v, latent],
+     * dense panels (kernels.pack) of mla_bf16 weights, head after head, each head's panels padded
+     * to a multiple of 16 rows. The cache row (head_dim = latent + rope, one kv head) is the key
+     * and, in its first latent dims, the value. */
+    Mat q_a, kv_a;
+    const float *q_a_norm, *kv_a_norm;
+    const void *uk, *uv;
+    int mla_bf16;
 } Layer;
 
 typedef struct {
@@ -74,6 +85,10 @@ typedef struct {
     int rot_dim;                          /* RoPE over each head's first rot_dim dims (Phi-4-mini; = head_dim) */
     /* ACT_SWIGLU_OAI (gpt-oss): (clamp(u, -limit, limit) + 1) * g' sigmoid(alpha g'), g' = min(g, limit) */
     float swiglu_alpha, swiglu_limit;
+    /* latent attention's sizes (mla_latent 0: none; then head_dim = mla_latent + mla_rope, n_kv = 1,
+     * rot_dim = mla_rope) and its low-rank norms' epsilon */
+    int mla_latent, mla_nope, mla_rope, mla_v, q_lora;
+    float mla_eps;
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;

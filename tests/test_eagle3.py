@@ -25,7 +25,7 @@ from specdec import LLM, SamplingParams, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.eagle3 import load_eagle3
 from specdec.proposers.eagle import EagleProposer
-from arch_checks import without_kernels
+from arch_checks import NO_KERNELS, without_kernels
 from test_engine import exact_first_two, first_two_tokens, total_variation
 
 LAYERS = (2, 4, 5)        # vLLM's default for 8 layers: 2, 8 // 2, 8 - 3
@@ -187,6 +187,7 @@ def test_head_matches_the_reference(target, head, monkeypatch, layout, c_path):
         torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
         cache = ours.decoder.new_cache(batch=1)
+        assert (ours.decoder.c_view(cache) is not None) == c_path      # forward.c runs the head's layer whole
         parts = []
         for a, b in ((0, 9), (9, 10), (10, 24)):
             parts.append(ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
@@ -195,17 +196,52 @@ def test_head_matches_the_reference(target, head, monkeypatch, layout, c_path):
         torch.testing.assert_close(torch.cat([p.hidden for p in parts]), ref_h, atol=1e-4, rtol=1e-4)
 
 
+@NO_KERNELS
+def test_norm_before_residual_on_forward_c(target, head, tmp_path, monkeypatch):
+    """A speculators head with norm_before_residual (its residual is hidden_norm(h)): forward.c's
+    logits and states through the paged cache equal the PyTorch path's, and differ from the
+    same weights without the flag."""
+    import shutil
+    folder = tmp_path / "nbr"
+    shutil.copytree(head["speculators"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "norm_before_residual": True}))
+    model = load_model(target, "float32")
+    ids = torch.randint(2, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        feats, embeds = features(head["hf"], ids)[:-1], head["hf"].model.embed_tokens(ids[1:])
+
+        def run(ours):
+            cache = ours.decoder.new_cache(batch=1)
+            out = [ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a]))
+                   for a, b in ((0, 7), (7, 15))]
+            cache.set_length(0, 15)
+            return torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]), ours.decoder.c_view(cache)
+
+        c_logits, c_hidden, view = run(load_eagle3(folder, model))
+        assert view is not None
+        plain_logits = run(load_eagle3(head["speculators"], model))[0]
+        assert (plain_logits - c_logits).abs().max() > 1e-3
+        monkeypatch.setattr(kernels, "load", lambda *a: None)
+        t_logits, t_hidden, view = run(load_eagle3(folder, model))
+        assert view is None
+    torch.testing.assert_close(c_logits, t_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(c_hidden, t_hidden, atol=1e-4, rtol=1e-4)
+
+
 def test_first_greedy_chain_equals_the_reference(target, head, monkeypatch):
     """The proposer's first drafts after a prompt (K = 4, a chain) are the reference's: the
     prompt's pairs (features of token j, token j + 1; the target's cache holds all but the
     prompt's last token when the first step drafts), then each draft's own state and embedding
-    appended, argmax through d2t each time."""
-    drafts = []
+    appended, argmax through d2t each time. Drafted in one C call (forward.c's eagle_chain) where
+    the kernels load."""
+    drafts, c_chains = [], []
     propose = EagleProposer.propose
 
     def spy(self, items):
         out = propose(self, items)
         drafts.append(out[0].tokens.tolist())
+        c_chains.append(self.c_chain)
         return out
 
     monkeypatch.setattr(EagleProposer, "propose", spy)
@@ -226,6 +262,7 @@ def test_first_greedy_chain_equals_the_reference(target, head, monkeypatch):
             h = torch.cat([h, states[-1:]])
             embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor([tok]))])
     assert drafts[0] == chain
+    assert c_chains[0] == (kernels.load() is not None)
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

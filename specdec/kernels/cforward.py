@@ -36,7 +36,7 @@ class _Layer(ctypes.Structure):
                 ("score_bias", c_void_p), ("group_by_max", c_int),
                 *[(n, c_void_p) for n in ("sinks", "o_bias", "router_bias", "expert_bias")], ("moe_act", c_int),
                 ("q_a", _Mat), ("kv_a", _Mat), *[(n, c_void_p) for n in ("q_a_norm", "kv_a_norm", "uk", "uv")],
-                ("mla_bf16", c_int)]
+                ("mla_bf16", c_int), ("e_norm", c_void_p), ("norm_before_residual", c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -48,7 +48,8 @@ class _Model(ctypes.Structure):
                 ("embed", _Mat), ("final_norm", c_void_p), ("lm_head", _Mat), ("inv_freq", c_void_p),
                 ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
                 ("qk_full", c_int), ("rot_dim", c_int), ("swiglu_alpha", c_float), ("swiglu_limit", c_float),
-                *[(n, c_int) for n in ("mla_latent", "mla_nope", "mla_rope", "mla_v", "q_lora")], ("mla_eps", c_float)]
+                *[(n, c_int) for n in ("mla_latent", "mla_nope", "mla_rope", "mla_v", "q_lora")], ("mla_eps", c_float),
+                ("two_inputs", c_int)]
 
 ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI
 
@@ -197,9 +198,11 @@ class CView:
     reuse (grown when a forward needs more)."""
 
     def __init__(self, model, kv, weights: bool = True):
+        from ..model.eagle3 import Eagle3Layer
         from ..model.mla import LATENT_NORM_EPS, MLAttention
 
         cfg = model.local_config       # a tensor-parallel shard's own heads (= config without one)
+        two_inputs = 0                 # EAGLE-3's decoder: input rows [h ; e]
         # every tensor a pointer below points into
         self._keep = [kv.blocks.table, *kv.k, *kv.v, *(kv.k_scale or ()), *(kv.v_scale or ())]
         none = _Mat(None, 0)
@@ -255,6 +258,10 @@ class CView:
                                *mats, None if latent else _ptr(att.qkv_proj.bias),
                                *((None, None) if latent else _qk_norms(att)), *cache, int(att.use_rope),
                                *out_norms, window, local, *moe, *oss, *mla)
+            if isinstance(layer, Eagle3Layer):   # its attention reads [input_layernorm(e) ; hidden_norm(h)]
+                layers[i].e_norm = _ptr(layer.input_layernorm.weight)
+                layers[i].norm_before_residual = int(layer.norm_before_residual)
+                two_inputs = 1
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
@@ -268,6 +275,7 @@ class CView:
                              int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
                              *((cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim,
                                 cfg.q_lora_rank or 0, LATENT_NORM_EPS) if cfg.kv_lora_rank and weights else ()))
+        self.struct.two_inputs = two_inputs
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def _fp32(self, t: torch.Tensor | None):
@@ -342,18 +350,19 @@ def eagle_chain(lib, view: CView, fc, embedding, draft_vocab, rows, base, steps,
 
     rows, base, steps: [B] host ints (block-table row, first slot, chain length after the first
     token); feats [B, D]: each sequence's last predicted feature; toks [B]: its first drafted
-    token; embedding: the target's embedding module (embedding_mat covers it). Returns the
-    further tokens of each chain (steps[b] of them)."""
+    token; embedding: the drafter's token embedding module (embedding_mat covers it); fc: EAGLE's
+    fusing layer, or None for EAGLE-3's head (view.struct.two_inputs). Returns the further tokens
+    of each chain (steps[b] of them)."""
     B, max_steps = len(rows), max(steps)
     out = torch.empty(B, max_steps, dtype=torch.long)
     feats = feats.to(torch.float32).contiguous().clone()
     toks = torch.tensor(toks, dtype=torch.long)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
-    bias = fc.bias.to(torch.float32).contiguous()
+    bias = None if fc is None else fc.bias.to(torch.float32).contiguous()
     embed, _rows = embedding_mat(embedding)
-    rc = lib.eagle_chain(ctypes.byref(view.struct), fc.packed().data_ptr(), int(fc.weight.dtype == torch.bfloat16),
-                         bias.data_ptr(), ctypes.byref(embed), draft_vocab.data_ptr(), B, rows_t.data_ptr(),
+    rc = lib.eagle_chain(ctypes.byref(view.struct), None if fc is None else fc.packed().data_ptr(),
+                         int(fc is not None and fc.weight.dtype == torch.bfloat16), _ptr(bias), ctypes.byref(embed), draft_vocab.data_ptr(), B, rows_t.data_ptr(),
                          base_t.data_ptr(), steps_t.data_ptr(), feats.data_ptr(), toks.data_ptr(), max_steps,
                          out.data_ptr())
     if rc != 0:

@@ -54,15 +54,17 @@ static void embed_row(const Mat *e, int64_t token, float *out, int D) {
     dequant_row(e->fmt, (const uint8_t *)e->w + token * row_bytes, out, D);
 }
 
+/* out [D] = x [D] RMS-normed, times w (out may be x). */
+static void norm_row(float *out, const float *x, const float *w, int D, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < D; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / D) + eps);
+    for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
+}
+
 static void rms_norm_for(float *out, const float *x, const float *w, int T, int D, float eps) {
     #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *xt = x + (long)t * D;
-        double ss = 0.0;
-        for (int i = 0; i < D; i++) ss += (double)xt[i] * xt[i];
-        float r = 1.0f / sqrtf((float)(ss / D) + eps);
-        for (int i = 0; i < D; i++) out[(long)t * D + i] = w[i] * (xt[i] * r);
-    }
+    for (int t = 0; t < T; t++) norm_row(out + (long)t * D, x + (long)t * D, w, D, eps);
 }
 
 /* out = the rows of x normed by w, or copied when w is NULL (OLMo 2: no norm before a block). */
@@ -151,6 +153,7 @@ typedef struct {
      * [N, latent + rope], q_a's output [N, q_lora], one head's gathered inputs and outputs of its
      * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
     float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
+    float *e;                             /* [N, D]: EAGLE-3's token embeddings (two_inputs) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -163,6 +166,7 @@ static long round_up(long n) { return (n + 63) / 64 * 64; }
 static long work_layout(const Model *m, int N, int max_span, int threads, char *ws, Work *w) {
     int D = m->dim, nq = m->n_heads * m->head_dim, nqkv = nq + 2 * m->n_kv * m->head_dim;
     int wide = D > nq ? D : nq;
+    if (m->two_inputs && 2 * D > wide) wide = 2 * D;     /* EAGLE-3's attention input */
     if (m->hidden > wide) wide = m->hidden;
     int E = 0, K = 0, FM = 0;
     for (int l = 0; l < m->n_layers; l++) {
@@ -176,22 +180,22 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     if (m->q_lora > qwide) qwide = m->q_lora;
     int C = m->mla_latent, P = m->mla_nope, R = m->mla_rope, V = m->mla_v;
     long mla_in = C ? (P > C ? P : C) : 0, mla_out = C ? (V > C ? V : C) : 0;
-    long sizes[26] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+    long sizes[27] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
                       4L * threads * attn_scratch(max_span), quant_act_bytes(N, qwide),
                       (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0,
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
                       E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
                       C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
-                      4L * N * mla_in, 4L * N * mla_out};
-    void **at[26] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0};
+    void **at[27] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
                      (void **)&w->moe_act, (void **)&w->moe_y, (void **)&w->moe_sum, (void **)&w->moe_sel,
                      (void **)&w->moe_rows, (void **)&w->moe_slot, (void **)&w->moe_off,
                      (void **)&w->mla_q, (void **)&w->mla_kv, (void **)&w->mla_lora, (void **)&w->mla_in,
-                     (void **)&w->mla_out};
+                     (void **)&w->mla_out, (void **)&w->e};
     long off = 0;
-    for (int i = 0; i < 26; i++) {
+    for (int i = 0; i < 27; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
@@ -441,7 +445,7 @@ static void gqa_for(const Model *m, const Layer *L, const Batch *b, Work *w, int
     int D = m->dim, H = m->n_heads, KV = m->n_kv, hd = m->head_dim;
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
     float *buf = w->buf, *qkv = w->qkv, *att = w->att;
-    linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, D, w->qs);
+    linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, L->e_norm ? 2 * D : D, w->qs);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
@@ -470,7 +474,17 @@ static void gqa_for(const Model *m, const Layer *L, const Batch *b, Work *w, int
 static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
     int D = m->dim, F = m->hidden;
     float *x = w->x, *buf = w->buf, *att = w->att, *ff = w->ff;
-    norm_or_copy(buf, x, L->in_norm, N, D, m->eps);
+    if (L->e_norm) {                      /* EAGLE-3: buf = [e_norm(e) ; in_norm(h)], residual h or in_norm(h) */
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float *row = buf + (long)n * 2 * D, *h = x + (long)n * D;
+            norm_row(row, w->e + (long)n * D, L->e_norm, D, m->eps);
+            norm_row(row + D, h, L->in_norm, D, m->eps);
+            if (L->norm_before_residual) memcpy(h, row + D, sizeof(float) * D);
+        }
+    } else {
+        norm_or_copy(buf, x, L->in_norm, N, D, m->eps);
+    }
     if (m->mla_latent) mla_for(m, L, b, w, N);
     else gqa_for(m, L, b, w, N);
     if (L->attn_out_norm) rms_norm_for(buf, buf, L->attn_out_norm, N, D, m->eps);   /* Gemma 2 / 3 */
@@ -495,7 +509,8 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
 }
 
 /* tokens [N] (or, when tokens is NULL, input vectors embeds [N, D] instead of the embedding
- * lookup: EAGLE's head); pos [N] rope positions. Runs the first n_layers layers, then the final
+ * lookup: EAGLE's head; [N, 2 D] for EAGLE-3's, Model.two_inputs: each row the state, then the
+ * token's embedding); pos [N] rope positions. Runs the first n_layers layers, then the final
  * norm into hidden_out [N, D] (if not NULL) and the LM head for the n_logits rows logit_rows
  * (all N in order when NULL) into logits [n_logits, V] (if not NULL). With n_aux > 0, hidden_out
  * [N, n_aux * D] takes instead the residual stream entering each layer aux_layers[a] (n_layers:
@@ -521,8 +536,14 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
             rope_angles(w.angles + (long)n * m->head_dim, m->rot_dim, m->inv_freq, m->rope_attn, pos[n]);
             if (m->inv_freq_local)            /* Gemma 3's sliding layers: their own base, unscaled */
                 rope_angles(w.angles_local + (long)n * m->head_dim, m->rot_dim, m->inv_freq_local, 1.0f, pos[n]);
-            if (tokens == NULL) memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
-            else embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
+            if (tokens == NULL && m->two_inputs) {    /* EAGLE-3: rows [h ; e] */
+                memcpy(w.x + (long)n * D, embeds + (long)n * 2 * D, sizeof(float) * D);
+                memcpy(w.e + (long)n * D, embeds + (long)n * 2 * D + D, sizeof(float) * D);
+            } else if (tokens == NULL) {
+                memcpy(w.x + (long)n * D, embeds + (long)n * D, sizeof(float) * D);
+            } else {
+                embed_row(&m->embed, tokens[n], w.x + (long)n * D, D);
+            }
             if (m->embed_scale != 1.0f)       /* Granite: inputs (looked up or given) scaled */
                 for (long i = (long)n * D; i < (long)(n + 1) * D; i++) w.x[i] *= m->embed_scale;
         }
@@ -565,7 +586,8 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
  * the head (`head`: its decoder layers, norm and LM head over the draft vocabulary) on x at
  * slot and position base[b] + s of block-table row rows[b], take the argmax, map it through
  * vocab[] to a target token id (out_tokens[b * max_steps + s]) and carry the head's output
- * feature on. Every active sequence shares one head forward per step. feats [B, D] and toks
+ * feature on. EAGLE-3's head (head->two_inputs, fc_w NULL) takes [feat_b ; embed[tok_b]] itself,
+ * and the state it carries on is its layer's output before the final norm. Every active sequence shares one head forward per step. feats [B, D] and toks
  * [B] (each sequence's first token) are updated in place; embed: the target's embedding rows.
  * Returns 0, or -1 when memory runs out. */
 int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
@@ -595,10 +617,13 @@ int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *f
             arow[a] = rows[i];
             moff[a] = -1;
         }
-        skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
+        if (fc_w) skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
         Batch b = {n, cu, start, arow, start, moff, NULL, pos};
         long need;
-        while ((need = llama_forward(head, &b, NULL, x, n, pos, head->n_layers, feat_out, NULL, 0, n, NULL, logits, ws, ws_bytes)) > 0) {
+        const int32_t last[1] = {head->n_layers};      /* EAGLE-3: the state before the final norm */
+        while ((need = llama_forward(head, &b, NULL, fc_w ? x : in, n, pos, head->n_layers, feat_out,
+                                     head->two_inputs ? last : NULL, head->two_inputs, n, NULL, logits, ws,
+                                     ws_bytes)) > 0) {
             free(ws);
             ws_bytes = need;
             if (!(ws = malloc(ws_bytes))) { rc = -1; break; }

@@ -62,6 +62,12 @@ typedef struct {
     const float *q_a_norm, *kv_a_norm;
     const void *uk, *uv;
     int mla_bf16;
+    /* EAGLE-3's decoder layer (e_norm set): its attention reads [e_norm(e) ; in_norm(h)] (2 D wide:
+     * qkv is [.., 2 D]) for the token embedding e and the state h a forward's input rows carry
+     * side by side (Model.two_inputs), and its residual is h, or in_norm(h) with
+     * norm_before_residual */
+    const float *e_norm;
+    int norm_before_residual;
 } Layer;
 
 typedef struct {
@@ -89,6 +95,7 @@ typedef struct {
      * rot_dim = mla_rope) and its low-rank norms' epsilon */
     int mla_latent, mla_nope, mla_rope, mla_v, q_lora;
     float mla_eps;
+    int two_inputs;                       /* EAGLE-3's head: input rows [h ; e] (2 D) instead of D wide */
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;

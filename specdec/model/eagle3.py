@@ -57,6 +57,17 @@ class Eagle3Layer(nn.Module):
         self.self_attn.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, D, bias=False)
         self.mlp = MLP(cfg)
         self.norm_before_residual = norm_before_residual
+        self.sandwich = False
+
+    # what forward.c reads of a layer (kernels/cforward.CView): the state's norm gives the
+    # attention input's second half (the embeddings' norm, its first, comes as e_norm)
+    @property
+    def in_norm(self) -> RMSNorm:
+        return self.hidden_norm
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.post_attention_layernorm
 
     def forward(self, embeds: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
         normed = self.hidden_norm(h)
@@ -102,6 +113,9 @@ class Eagle3Head(nn.Module):
         h = feats.to(d.dtype)
         if h.shape[-1] == self.fc.in_features:
             h = self.fc(h)
+        if kv is not None and d.c_view(kv) is not None:     # forward.c: rows [h ; e], the state before the norm
+            out = d(None, kv, batch, embeds=torch.cat([h, token_embeds.to(d.dtype)], -1), hidden=(1,))
+            return ForwardOutput(out.logits * self.logit_scale if self.logit_scale != 1.0 else out.logits, out.hidden)
         if kv is None:      # training / scoring a whole sequence: [B, T, .]
             B, T = h.shape[:2]
             positions, attend = torch.arange(T, device=d.device).expand(B, T), None

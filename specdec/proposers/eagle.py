@@ -77,11 +77,16 @@ class EagleProposer(ProposerBase):
         self.state.pop(request_id, None)
 
     def _c_chain_ok(self) -> bool:
+        """forward.c's eagle_chain runs EAGLE-1/2 heads and EAGLE-3's (not MTP layers): a chain
+        of greedy drafts in one call."""
         head = self.head
-        if not isinstance(head, EagleHead):     # forward.c's eagle_chain runs EAGLE-1/2 heads only
+        if isinstance(head, EagleHead):
+            fused = head.fc.weight.dtype in (torch.float32, torch.bfloat16)
+        elif isinstance(head, Eagle3Head):     # argmax over its logits x logit_scale: the same when positive
+            fused = head.logit_scale > 0
+        else:
             return False
-        return (head.decoder.c_view(self.kv) is not None and head.fc.weight.dtype in (torch.float32, torch.bfloat16)
-                and cforward.embedding_mat(self.target.model.embed_tokens) is not None)
+        return fused and head.decoder.c_view(self.kv) is not None and cforward.embedding_mat(self.embedding) is not None
 
     def _embed(self, tokens: list[int]):
         return self.embedding(torch.tensor(tokens, dtype=torch.long, device=self.target.device)).to(self.head.decoder.dtype)
@@ -131,8 +136,8 @@ class EagleProposer(ProposerBase):
         rest = [[] for _ in idx]
         if max(steps) > 0:
             feats = torch.stack([self.state[items[i].request_id][1] for i in idx])
-            rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), self.head.fc,
-                                        self.target.model.embed_tokens, vocab,
+            fc = self.head.fc if isinstance(self.head, EagleHead) else None    # EAGLE-3: its layer takes [h ; e]
+            rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), fc, self.embedding, vocab,
                                         [self.kv.blocks.row(items[i].request_id) for i in idx],
                                         [len(items[i].seq) - 1 for i in idx], steps, feats, first)
         for j, i in enumerate(idx):

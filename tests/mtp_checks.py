@@ -1,6 +1,7 @@
 """Shared by the test modules of families that ship MTP layers (GLM-4.5, DeepSeek-V3): an MTP
 layer in DeepSeek's layout written into a copy of a checkpoint, and the check of the `mtp`
-head against its definition computed with transformers' own decoder layer."""
+head against its definition computed with transformers' own decoder layer; forward.c's chains
+against the PyTorch chains."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec import LLM, SamplingParams
 from specdec.model import ForwardBatch, load_model
 from specdec.model.mtp import load_mtp
+from arch_checks import IDS
 
 
 def add_mtp_layer(src, folder, L: int, hidden: int, seed: int = 11) -> dict:
@@ -78,3 +81,33 @@ def check_mtp_layer_matches_transformers(hf, mtp_folder, w: dict, layer_cls, L: 
             parts.append(head(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])).logits)
             cache.set_length(0, b)
         torch.testing.assert_close(torch.cat(parts), ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def check_c_chain_equals_pytorch_chain(folder, monkeypatch, k: int = 3) -> None:
+    """An MTP layer's greedy chains drafted by forward.c's eagle_chain (its norms, eh_proj and
+    layer in one call per chain) are the PyTorch chain's, step by step, for four prompts at once."""
+    from specdec.proposers.eagle import EagleProposer
+
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    propose, chain_ok = EagleProposer.propose, EagleProposer._c_chain_ok
+
+    def run(c_chain: bool) -> list:
+        seen = []
+
+        def spy(self, items):
+            out = propose(self, items)
+            assert (self.c_chain is not None) == c_chain
+            seen.append([d.tokens.tolist() for d in out])
+            return out
+
+        monkeypatch.setattr(EagleProposer, "propose", spy)
+        monkeypatch.setattr(EagleProposer, "_c_chain_ok", chain_ok if c_chain else lambda self: None)
+        llm = LLM(model=str(folder), dtype="float32", max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        llm.generate(prompts, params)
+        return seen
+
+    c, torch_chain = run(True), run(False)
+    assert sum(len(t) for step in c for t in step) > 0
+    assert c == torch_chain

@@ -29,7 +29,7 @@ from arch_checks import (IDS, NO_KERNELS, cached_logits, check_greedy_equals_tra
                          check_grouped_routing_matches_transformers, check_rows_bit_identical,
                          check_speculative_greedy_equals_plain,
                          check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers, without_kernels)
-from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
+from mtp_checks import add_mtp_layer, check_c_chain_equals_pytorch_chain, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
 L = 2
@@ -179,6 +179,13 @@ def test_mtp_greedy_equals_plain(v3_mtp):
     llm = LLM(model=v3_mtp["hf"], dtype="float32", max_num_seqs=4,
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
+@NO_KERNELS
+def test_mtp_c_chain_equals_pytorch_chain(v3_mtp, monkeypatch):
+    """[enorm(e) ; hnorm(h)] through eh_proj, then latent attention and experts, drafted in
+    forward.c: the PyTorch chain's drafts at every step."""
+    check_c_chain_equals_pytorch_chain(v3_mtp["hf"], monkeypatch)
 
 
 def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None):

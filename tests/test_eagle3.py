@@ -262,7 +262,7 @@ def test_first_greedy_chain_equals_the_reference(target, head, monkeypatch):
             h = torch.cat([h, states[-1:]])
             embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor([tok]))])
     assert drafts[0] == chain
-    assert c_chains[0] == (kernels.load() is not None)
+    assert (c_chains[0] is not None) == (kernels.load() is not None)
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

@@ -28,7 +28,8 @@ from specdec import LLM, SamplingParams, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.mtp import MTPHead, load_mtp
 from specdec.proposers.eagle import EagleProposer
-from arch_checks import without_kernels
+from arch_checks import NO_KERNELS, without_kernels
+from mtp_checks import check_c_chain_equals_pytorch_chain
 from test_eagle3 import rope        # the same head size and base: RoPE written out in plain torch
 from test_engine import exact_first_two, first_two_tokens, total_variation
 
@@ -197,6 +198,14 @@ def test_first_greedy_chain_equals_the_reference(mtp, monkeypatch):
             h = torch.cat([h, states[-1:]])
             embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor(chain[-1:]))])
     assert drafts[0] == chain
+
+
+@NO_KERNELS
+@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+def test_c_chain_equals_pytorch_chain(mtp, monkeypatch, layout):
+    """Chains drafted in one forward.c call per step (the norms, [h ; e] for MiMo or [e ; h] for
+    DeepSeek's layout, the projection and the layer) equal the PyTorch chains at every step."""
+    check_c_chain_equals_pytorch_chain(mtp[layout], monkeypatch)
 
 
 @pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])

@@ -54,6 +54,11 @@ class _Model(ctypes.Structure):
 ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI
 
 
+class _Fuse(ctypes.Structure):
+    _fields_ = [("fc_w", c_void_p), ("fc_bf16", c_int), *[(n, c_void_p) for n in ("fc_b", "e_norm", "h_norm")],
+                ("embeds_first", c_int), ("state_before_norm", c_int)]
+
+
 class _Batch(ctypes.Structure):
     _fields_ = [("n_seqs", c_int), *[(n, c_void_p) for n in ("cu_seqlens", "start", "rows", "mask_from",
                                                              "mask_offset", "masks", "pos")]]
@@ -67,7 +72,7 @@ def declare(lib) -> None:
     lib.paged_attention.argtypes = [POINTER(_Model), c_int, POINTER(_Batch), c_void_p, c_void_p, c_void_p, c_void_p,
                                     c_int]
     lib.eagle_chain.restype = c_int
-    lib.eagle_chain.argtypes = [POINTER(_Model), c_void_p, c_int, c_void_p, POINTER(_Mat), c_void_p, c_int, c_void_p,
+    lib.eagle_chain.argtypes = [POINTER(_Model), POINTER(_Fuse), POINTER(_Mat), c_void_p, c_int, c_void_p,
                                 c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
     lib.specdec_set_threads.restype = None
     lib.specdec_set_threads.argtypes = [c_int]
@@ -345,26 +350,47 @@ def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits:
     return logits, hidden
 
 
-def eagle_chain(lib, view: CView, fc, embedding, draft_vocab, rows, base, steps, feats, toks) -> list[list[int]]:
-    """Greedy EAGLE chains of B sequences in one C call (forward.c: eagle_chain).
+def chain_fuse(head) -> tuple[_Fuse, list] | None:
+    """How forward.c's eagle_chain feeds `head` (forward.h: Fuse) and the tensors to keep alive, or
+    None when it cannot: EAGLE's fc (dense fp32 / bf16), EAGLE-3's two inputs (positive logit
+    scale: the argmax is the same), an MTP layer's norms and eh_proj (dense fp32 / bf16)."""
+    from ..model.eagle3 import Eagle3Head
+    from ..model.heads import EagleHead
+    from ..model.mtp import MTPHead
 
-    rows, base, steps: [B] host ints (block-table row, first slot, chain length after the first
-    token); feats [B, D]: each sequence's last predicted feature; toks [B]: its first drafted
-    token; embedding: the drafter's token embedding module (embedding_mat covers it); fc: EAGLE's
-    fusing layer, or None for EAGLE-3's head (view.struct.two_inputs). Returns the further tokens
-    of each chain (steps[b] of them)."""
+    if isinstance(head, Eagle3Head):
+        return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 else None
+    fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
+    if fc is None or not _dense_ok(fc):
+        return None
+    keep = [fc.packed()]
+    bf16 = int(fc.weight.dtype == torch.bfloat16)
+    if isinstance(head, EagleHead):
+        keep.append(fc.bias.detach().to(torch.float32).contiguous())
+        return _Fuse(keep[0].data_ptr(), bf16, keep[1].data_ptr(), None, None, 0, 0), keep
+    norms = [n.weight.detach().to(torch.float32).contiguous() for n in (head.enorm, head.hnorm)]
+    keep += norms
+    return _Fuse(keep[0].data_ptr(), bf16, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first), 1), keep
+
+
+def eagle_chain(lib, view: CView, fuse: tuple[_Fuse, list], embedding, draft_vocab, rows, base, steps, feats,
+                toks) -> list[list[int]]:
+    """Greedy drafter chains of B sequences in one C call (forward.c: eagle_chain).
+
+    fuse: chain_fuse(head); rows, base, steps: [B] host ints (block-table row, first slot, chain
+    length after the first token); feats [B, D]: each sequence's state after its last token;
+    toks [B]: its first drafted token; embedding: the drafter's token embedding module
+    (embedding_mat covers it). Returns the further tokens of each chain (steps[b] of them)."""
     B, max_steps = len(rows), max(steps)
     out = torch.empty(B, max_steps, dtype=torch.long)
     feats = feats.to(torch.float32).contiguous().clone()
     toks = torch.tensor(toks, dtype=torch.long)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     rows_t, base_t, steps_t = i32(rows), i32(base), i32(steps)
-    bias = None if fc is None else fc.bias.to(torch.float32).contiguous()
     embed, _rows = embedding_mat(embedding)
-    rc = lib.eagle_chain(ctypes.byref(view.struct), None if fc is None else fc.packed().data_ptr(),
-                         int(fc is not None and fc.weight.dtype == torch.bfloat16), _ptr(bias), ctypes.byref(embed), draft_vocab.data_ptr(), B, rows_t.data_ptr(),
-                         base_t.data_ptr(), steps_t.data_ptr(), feats.data_ptr(), toks.data_ptr(), max_steps,
-                         out.data_ptr())
+    rc = lib.eagle_chain(ctypes.byref(view.struct), ctypes.byref(fuse[0]), ctypes.byref(embed),
+                         draft_vocab.data_ptr(), B, rows_t.data_ptr(), base_t.data_ptr(), steps_t.data_ptr(),
+                         feats.data_ptr(), toks.data_ptr(), max_steps, out.data_ptr())
     if rc != 0:
         raise MemoryError("eagle_chain: out of memory")
     return [out[b, :steps[b]].tolist() for b in range(B)]

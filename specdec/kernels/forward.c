@@ -581,17 +581,15 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
     return 0;
 }
 
-/* EAGLE's greedy chains for B sequences in one call. Step s (0-based) of sequence b, while
- * s < steps[b]: x = fc([feat_b ; embed[tok_b]]) (fc: packed [D, 2D] weights + fp32 bias), run
- * the head (`head`: its decoder layers, norm and LM head over the draft vocabulary) on x at
- * slot and position base[b] + s of block-table row rows[b], take the argmax, map it through
- * vocab[] to a target token id (out_tokens[b * max_steps + s]) and carry the head's output
- * feature on. EAGLE-3's head (head->two_inputs, fc_w NULL) takes [feat_b ; embed[tok_b]] itself,
- * and the state it carries on is its layer's output before the final norm. Every active sequence shares one head forward per step. feats [B, D] and toks
- * [B] (each sequence's first token) are updated in place; embed: the target's embedding rows.
- * Returns 0, or -1 when memory runs out. */
-int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *fc_b,
-                const Mat *embed, const int64_t *vocab, int B, const int32_t *rows,
+/* Greedy drafter chains for B sequences in one call. Step s (0-based) of sequence b, while
+ * s < steps[b]: the input from the state feat_b and embed[tok_b] (`f`: EAGLE's fc, EAGLE-3's two
+ * inputs or an MTP layer's norms and projection), the head (`head`: its decoder layers, norm and
+ * LM head over the draft vocabulary) run on it at slot and position base[b] + s of block-table
+ * row rows[b], the argmax mapped through vocab[] to a target token id (out_tokens[b * max_steps +
+ * s]), and the head's state carried on. Every active sequence shares one head forward per step.
+ * feats [B, D] and toks [B] (each sequence's first token) are updated in place; embed: the
+ * drafter's token embedding rows. Returns 0, or -1 when memory runs out. */
+int eagle_chain(const Model *head, const Fuse *f, const Mat *embed, const int64_t *vocab, int B, const int32_t *rows,
                 const int32_t *base, const int32_t *steps, float *feats, int64_t *toks, int max_steps,
                 int64_t *out_tokens) {
     int D = head->dim, V = head->vocab, rc = 0;
@@ -609,20 +607,27 @@ int eagle_chain(const Model *head, const void *fc_w, int fc_bf16, const float *f
         cu[0] = 0;
         for (int a = 0; a < n; a++) {
             int i = act[a];
-            memcpy(in + (long)a * 2 * D, feats + (long)i * D, sizeof(float) * D);
-            embed_row(embed, toks[i], in + (long)a * 2 * D + D, D);
+            float *row = in + (long)a * 2 * D, *h = row, *e = row + D;
+            if (f->e_norm && f->embeds_first) { e = row; h = row + D; }
+            memcpy(h, feats + (long)i * D, sizeof(float) * D);
+            embed_row(embed, toks[i], e, D);
+            if (f->e_norm) {                  /* an MTP layer: both normed, the embedding zeroed at position 0 */
+                if (base[i] + s == 0) memset(e, 0, sizeof(float) * D);
+                else norm_row(e, e, f->e_norm, D, head->eps);
+                norm_row(h, h, f->h_norm, D, head->eps);
+            }
             cu[a + 1] = a + 1;
             start[a] = base[i] + s;
             pos[a] = base[i] + s;
             arow[a] = rows[i];
             moff[a] = -1;
         }
-        if (fc_w) skinny_linear(in, fc_w, fc_bf16, fc_b, x, 0, n, D, 2 * D);
+        if (f->fc_w) skinny_linear(in, f->fc_w, f->fc_bf16, f->fc_b, x, 0, n, D, 2 * D);
         Batch b = {n, cu, start, arow, start, moff, NULL, pos};
         long need;
-        const int32_t last[1] = {head->n_layers};      /* EAGLE-3: the state before the final norm */
-        while ((need = llama_forward(head, &b, NULL, fc_w ? x : in, n, pos, head->n_layers, feat_out,
-                                     head->two_inputs ? last : NULL, head->two_inputs, n, NULL, logits, ws,
+        const int32_t last[1] = {head->n_layers};      /* the state before the final norm */
+        while ((need = llama_forward(head, &b, NULL, f->fc_w ? x : in, n, pos, head->n_layers, feat_out,
+                                     f->state_before_norm ? last : NULL, f->state_before_norm, n, NULL, logits, ws,
                                      ws_bytes)) > 0) {
             free(ws);
             ws_bytes = need;

@@ -112,6 +112,21 @@ typedef struct {
     const int64_t *pos;                   /* [N] each token's position (a sliding window counts from it) */
 } Batch;
 
+/* How a drafter's chain step (forward.c: eagle_chain) turns the state h [D] it carries and the
+ * embedding e [D] of the token it just drafted into its layers' input:
+ * - EAGLE: fc([h ; e]) + fc_b (fc_w: dense panels [D, 2 D], fc_bf16 their dtype);
+ * - EAGLE-3 (fc_w NULL; the head's Model.two_inputs): [h ; e] itself;
+ * - an MTP layer: fc([e_norm(e) ; h_norm(h)]), or [h_norm(h) ; e_norm(e)] unless embeds_first,
+ *   e_norm(e) zeroed at position 0 (vLLM's rule), no bias.
+ * state_before_norm: the state carried on is the layers' output before the final norm (EAGLE-3,
+ * MTP), else after it (EAGLE). */
+typedef struct {
+    const void *fc_w;
+    int fc_bf16;
+    const float *fc_b, *e_norm, *h_norm;
+    int embeds_first, state_before_norm;
+} Fuse;
+
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */
 
 /* Where kv head g of slot s of the sequence in block-table row `row` lives: the index of its

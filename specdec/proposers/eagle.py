@@ -58,7 +58,7 @@ class EagleProposer(ProposerBase):
                                  feature_layers=() if isinstance(head, EagleHead) else head.feature_layers,
                                  max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
         self.kv = None
-        self.c_chain = False
+        self.c_chain = None      # cforward.chain_fuse's description where forward.c drafts chains
         self.state: dict = {}    # request id -> (logits [V'] after its last token, that token's predicted feature [D])
 
     def kv_bytes_per_slot(self) -> int:
@@ -76,17 +76,13 @@ class EagleProposer(ProposerBase):
         super().remove_request(request_id)
         self.state.pop(request_id, None)
 
-    def _c_chain_ok(self) -> bool:
-        """forward.c's eagle_chain runs EAGLE-1/2 heads and EAGLE-3's (not MTP layers): a chain
-        of greedy drafts in one call."""
-        head = self.head
-        if isinstance(head, EagleHead):
-            fused = head.fc.weight.dtype in (torch.float32, torch.bfloat16)
-        elif isinstance(head, Eagle3Head):     # argmax over its logits x logit_scale: the same when positive
-            fused = head.logit_scale > 0
-        else:
-            return False
-        return fused and head.decoder.c_view(self.kv) is not None and cforward.embedding_mat(self.embedding) is not None
+    def _c_chain_ok(self):
+        """forward.c's eagle_chain (a chain of greedy drafts in one call) for EAGLE-1/2 heads,
+        EAGLE-3's and MTP layers, where the C forward runs the head: how it feeds the head
+        (cforward.chain_fuse), else None."""
+        if self.head.decoder.c_view(self.kv) is None or cforward.embedding_mat(self.embedding) is None:
+            return None
+        return cforward.chain_fuse(self.head)
 
     def _embed(self, tokens: list[int]):
         return self.embedding(torch.tensor(tokens, dtype=torch.long, device=self.target.device)).to(self.head.decoder.dtype)
@@ -136,8 +132,8 @@ class EagleProposer(ProposerBase):
         rest = [[] for _ in idx]
         if max(steps) > 0:
             feats = torch.stack([self.state[items[i].request_id][1] for i in idx])
-            fc = self.head.fc if isinstance(self.head, EagleHead) else None    # EAGLE-3: its layer takes [h ; e]
-            rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), fc, self.embedding, vocab,
+            rest = cforward.eagle_chain(kernels.load(), self.head.decoder.c_view(self.kv), self.c_chain, self.embedding,
+                                        vocab,
                                         [self.kv.blocks.row(items[i].request_id) for i in idx],
                                         [len(items[i].seq) - 1 for i in idx], steps, feats, first)
         for j, i in enumerate(idx):

@@ -232,12 +232,32 @@ def parse_bytes(value) -> int:
 # the MTP layers a target ships (model/mtp.py): vLLM's "mtp" and its older per-family names, and
 # prompt lookup with the MTP layer behind it; `model` defaults to the target's own checkpoint
 MTP_METHODS = ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ngram+mtp")
-METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "medusa", "eagle", "eagle3", *MTP_METHODS, "ngram+eagle",
-           "ngram+draft_model")
+METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "medusa", "eagle", "eagle3", "mlp_speculator", *MTP_METHODS,
+           "ngram+eagle", "ngram+draft_model")
 # what each method's `model` is, for the methods that need one (hybrids: their learned drafter's)
 MODEL_KIND = {"draft_model": "a draft model folder", "ngram+draft_model": "a draft model folder",
               "medusa": "a heads folder (specdec train medusa)", "eagle": "a heads folder (specdec train eagle)",
-              "ngram+eagle": "a heads folder (specdec train eagle)"}
+              "ngram+eagle": "a heads folder (specdec train eagle)",
+              "mlp_speculator": "an MLP speculator folder (IBM's accelerators: model_type 'mlp_speculator')"}
+
+
+def _method_of(model) -> str:
+    """The method a draft folder implies when none is named (vLLM reads its config the same
+    way): an MLP speculator's or an EAGLE-3 head's folder, else a draft model."""
+    from .model.eagle3 import is_eagle3
+    from .model.mlp_speculator import is_mlp_speculator
+    if is_mlp_speculator(model):
+        return "mlp_speculator"
+    return "eagle3" if is_eagle3(model) else "draft_model"
+
+
+def _n_predict(model) -> int:
+    import json
+    from pathlib import Path
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text()).get("n_predict", 3))
+    except (OSError, ValueError, TypeError):
+        return 3
 
 
 @dataclass(frozen=True)
@@ -280,8 +300,10 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be an object, got {type(d).__name__}")
         d = dict(d)
-        if "method" not in d:
-            d["method"] = "draft_model" if d.get("model") else "ngram"
+        if "method" not in d:       # as vLLM: the draft folder's config says which method it is
+            d["method"] = _method_of(d["model"]) if d.get("model") else "ngram"
+        if d["method"] == "mlp_speculator" and "num_speculative_tokens" not in d and d.get("model"):
+            d["num_speculative_tokens"] = _n_predict(d["model"])       # vLLM's default: all its stages
         known = set(cls.__dataclass_fields__) - {"extra"}
         extra = {k: d.pop(k) for k in list(d) if k not in known}
         return cls(**d, extra=extra)

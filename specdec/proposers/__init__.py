@@ -88,6 +88,18 @@ def _mtp(spec: SpeculativeConfig, target, loader, max_len):
     return EagleProposer(load_mtp(spec.model, target), target, topk=topk, depth=depth)
 
 
+def _mlp_speculator(spec: SpeculativeConfig, target, loader, max_len):
+    """IBM's MLP speculators (model/mlp_speculator.py): chains of at most n_predict tokens."""
+    from ..model.mlp_speculator import load_mlp_speculator
+    from .mlp_speculator import MLPSpeculatorProposer
+    speculator = load_mlp_speculator(spec.model, target)
+    k = spec.num_speculative_tokens
+    if k != "auto" and k > speculator.n_predict:
+        raise ValueError(f"num_speculative_tokens ({k}) exceeds the MLP speculator's n_predict "
+                         f"({speculator.n_predict}): it drafts at most that many tokens a step")
+    return MLPSpeculatorProposer(speculator, target.config.vocab_size)
+
+
 HYBRID_KEYS = tuple(f.name for f in dataclasses.fields(HybridSettings) if f.name != "decay")
 
 
@@ -125,6 +137,7 @@ REGISTRY: dict[str, Callable] = {
     "medusa": _medusa,
     "eagle": _eagle,
     "eagle3": _eagle3,
+    "mlp_speculator": _mlp_speculator,
     **{name: _mtp for name in MTP_METHODS if not name.startswith("ngram+")},
     "ngram+eagle": _hybrid("eagle"),
     "ngram+draft_model": _hybrid("draft_model"),

@@ -64,8 +64,11 @@ def _speculative(speculative_model, num_speculative_tokens, speculative_config) 
         return None
     if str(speculative_model) in ("[ngram]", "ngram"):
         return SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens or 4)
-    return SpeculativeConfig(method="draft_model", model=str(speculative_model),
-                             num_speculative_tokens=4 if num_speculative_tokens is None else num_speculative_tokens)
+    # the folder says which method it is (a draft model, an MLP speculator, an EAGLE-3 head)
+    spec = {"model": str(speculative_model)}
+    if num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = num_speculative_tokens
+    return SpeculativeConfig.from_dict(spec)
 
 
 class LLM:

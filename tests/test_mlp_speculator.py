@@ -229,8 +229,11 @@ def test_tied_weights(target, spec, tmp_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
-def test_method_read_from_the_folder(spec):
-    """As vLLM: a speculative_config naming only the folder means mlp_speculator, K = n_predict."""
+def test_method_read_from_the_folder(target, spec):
+    """As vLLM: a speculative_config naming only the folder (or the older speculative_model)
+    means mlp_speculator, K = n_predict."""
+    llm = LLM(model=target, dtype="float32", speculative_model=str(spec["plain"]))
+    assert (llm.engine.proposer.name, llm.spec.num_speculative_tokens) == ("mlp_speculator", N_PREDICT)
     cfg = SpeculativeConfig.from_dict({"model": str(spec["plain"])})
     assert (cfg.method, cfg.num_speculative_tokens) == ("mlp_speculator", N_PREDICT)
     assert SpeculativeConfig.from_dict({"model": str(spec["plain"]), "num_speculative_tokens": 2}).num_speculative_tokens == 2

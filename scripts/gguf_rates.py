@@ -13,7 +13,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams, kernels
-from specdec.bench.machine import _cpu_model, memory_bandwidth, weight_bytes_per_step, weights_kind
+from specdec.bench.machine import cpu_model, memory_bandwidth, weight_bytes_per_step, weights_kind
 from specdec.defaults import smollm2_gguf
 
 CHAT = [
@@ -63,7 +63,7 @@ def plain_rates(path: str, max_tokens: int, repeats: int) -> None:
             n = 8 if "reference" in name else max_tokens        # the reference dequantizes every step
             out = llm.chat(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
             best[name] = max(best[name], decode_rate(out.stats))
-    print(f"\nplain decoding, {_cpu_model()}, {torch.get_num_threads()} thread(s), read bandwidth {bandwidth / 1e9:.1f} GB/s "
+    print(f"\nplain decoding, {cpu_model()}, {torch.get_num_threads()} thread(s), read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(copy: {copy / 1e9:.1f} GB/s); roofline = read bandwidth / weight bytes per token")
     print(f"{'weights':28s} {'kind':12s} {'MB/token':>9s} {'roofline':>9s} {'tok/s':>7s} {'of roofline':>11s}")
     for name, llm in llms.items():

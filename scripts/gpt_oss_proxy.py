@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -20,12 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+from specdec.bench.machine import cpu_model
 
 
 def build(root: Path, layers: int, hidden: int, experts: int) -> tuple[Path, Path]:
@@ -99,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dense, mx = build(Path(tmp), args.layers, args.hidden, args.experts)
         print(f"gpt-oss proxy: {args.layers} layers, hidden {args.hidden}, {args.experts} experts (4 per token); "
-              f"one thread; {cpu_name()}; greedy, {args.tokens} tokens after 32, best of 3\n")
+              f"one thread; {cpu_model()}; greedy, {args.tokens} tokens after 32, best of 3\n")
         print("| path | experts | ms / token | weights MiB | C forward |")
         print("|---|---|---|---|---|")
         for label, folder, quant, on in (("PyTorch (kernels off)", dense, "auto", "0"), ("forward.c", dense, "auto", "1"),

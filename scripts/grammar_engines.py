@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdec.bench.machine import _cpu_model
+from specdec.bench.machine import cpu_model
 from specdec.defaults import smollm2_gguf
 from specdec.tokenizer import Tokenizer
 
@@ -168,7 +168,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = Tokenizer(args.model or str(smollm2_gguf()))
     V = tok.vocab_size
-    print(json.dumps({"cpu": _cpu_model(), "vocab": V}))
+    print(json.dumps({"cpu": cpu_model(), "vocab": V}))
     for name, make in ENGINES.items():
         print(json.dumps(measure(name, make, tok, V, walks(tok), args.repeats)), flush=True)
 

@@ -17,7 +17,6 @@ Prints ms per token (best of 3), whether the C forward ran, and the CPU.
 from __future__ import annotations
 
 import argparse
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,19 +24,14 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.machine import cpu_model
+
 ARCHS = {     # the real models' attention sizes
     "deepseek_v2_lite": dict(cls="DeepseekV2", heads=16, q_lora_rank=None, qk_nope_head_dim=128, v_head_dim=128,
                              extra={"topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}),
     "glm_4.7_flash": dict(cls="DeepseekV3", heads=20, q_lora_rank=768, qk_nope_head_dim=192, v_head_dim=256,
                           extra={"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8, "num_nextn_predict_layers": 0}),
 }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def build(root: Path, arch: str, layers: int, hidden: int) -> Path:
@@ -94,7 +88,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     print(f"latent attention proxies: {args.layers} layers, hidden {args.hidden}, 16 experts (6 per token, 2 shared), "
-          f"bf16 weights; one thread; {cpu_name()}; greedy, {args.tokens} tokens after 32, best of 3\n")
+          f"bf16 weights; one thread; {cpu_model()}; greedy, {args.tokens} tokens after 32, best of 3\n")
     print("| proxy | path | ms / token | C forward |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.bench.machine import _cpu_model
+from specdec.bench.machine import cpu_model
 from specdec.config import StructuredOutputsParams
 from specdec.defaults import smollm2_gguf
 from specdec import sampling, structured
@@ -104,7 +104,7 @@ def main() -> None:
     warm = SamplingParams(temperature=0, max_tokens=8, structured_outputs=MODES["json_object"])
     for llm in llms.values():
         llm.generate(prompts[0], warm)
-    report = {"cpu": _cpu_model(), "model": model, "speculative_config": spec, "threads": args.threads,
+    report = {"cpu": cpu_model(), "model": model, "speculative_config": spec, "threads": args.threads,
               "clock": args.clock,
               "max_tokens": args.max_tokens, "modes": {}}
     for mode, so in [("none", None), *MODES.items()]:

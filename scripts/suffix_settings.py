@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specdec import LLM, SamplingParams, kernels
-from specdec.bench.machine import _cpu_model
+from specdec.bench.machine import cpu_model
 from specdec.train.answers import load_answer_shards
 
 
@@ -50,7 +50,7 @@ def main() -> int:
             variants.append((f"suffix K={k} min_token_prob={p} max_spec_factor={f}",
                              {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_cached_requests": 0,
                               "suffix_decoding_min_token_prob": p, "suffix_decoding_max_spec_factor": f}))
-    print(f"{len(prompts)} validation prompts, {args.max_tokens} tokens each, one thread, CPU clock, {_cpu_model()}")
+    print(f"{len(prompts)} validation prompts, {args.max_tokens} tokens each, one thread, CPU clock, {cpu_model()}")
     print("| variant | speedup over plain | tau | greedy = plain |\n|---|---|---|---|")
     for name, cfg in variants:
         t, outs = timed(LLM(speculative_config=cfg))

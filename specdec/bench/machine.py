@@ -20,7 +20,7 @@ from .. import kernels
 BANDWIDTH_BYTES = 256 * 2**20
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -49,7 +49,7 @@ def machine_info() -> dict:
     except (ValueError, OSError, AttributeError):
         mem_gib = None
     return {
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "memory_gib": None if mem_gib is None else round(mem_gib, 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": hf,
@@ -62,7 +62,7 @@ def machine_info() -> dict:
 def cpu_kind() -> str:
     """A short name for this kind of machine, for result folders: the CPU line and the kernel
     variant that runs here, e.g. "xeon-avx512vnni", "epyc-avx2", "cpu-pytorch"."""
-    model = _cpu_model().lower()
+    model = cpu_model().lower()
     line = next((n for n in ("xeon", "epyc", "ryzen", "core", "graviton", "apple") if n in model), "cpu")
     return f"{line}-{(kernels.chosen() or 'pytorch').replace('_', '')}"
 

@@ -103,9 +103,9 @@ def _json(value: str) -> dict:
 def cpu_kind() -> str:
     """A folder name for this CPU: vendor family and the kernels' best instruction set."""
     from .. import kernels
-    from .machine import _cpu_model
+    from .machine import cpu_model
 
-    cpu = _cpu_model().lower()
+    cpu = cpu_model().lower()
     family = next((f for f in ("xeon", "epyc", "ryzen", "core", "graviton", "neoverse") if f in cpu), None)
     isa = kernels.describe().split(" ", 1)[0].replace("_", "")
     return "-".join(x for x in (family or __import__("platform").machine(), isa) if x)

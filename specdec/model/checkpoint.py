@@ -434,3 +434,14 @@ def save_model(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def read_head_file(folder: Path) -> dict[str, torch.Tensor]:
+    """The one weights file of a drafter's folder (an EAGLE-3 head, an MLP speculator), as its
+    authors ship it: model.safetensors, else pytorch_model.bin (tensors only)."""
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")

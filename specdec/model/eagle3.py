@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch import ForwardBatch, ForwardOutput
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_head_file
 from .config import ModelConfig
 from .kv import KVCache
 from .llama import MLP, Attention, Linear, RMSNorm, Transformer
@@ -155,18 +155,7 @@ def feature_layers_of(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def _weights(folder: Path) -> dict[str, Tensor]:
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        sd = load_file(str(folder / "model.safetensors"))
-    elif (folder / "pytorch_model.bin").is_file():
-        sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
-        out[name] = t
-    return out
+    return {name.removeprefix("model.").replace("midlayer.", "layers.0."): t for name, t in read_head_file(folder).items()}
 
 
 def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_head_file
 from .llama import Linear
 
 
@@ -99,14 +99,7 @@ class MLPSpeculator(nn.Module):
 
 
 def _weights(folder: Path) -> dict[str, Tensor]:
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        sd = load_file(str(folder / "model.safetensors"))
-    elif (folder / "pytorch_model.bin").is_file():
-        sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
-    return {k.removeprefix("speculator."): v for k, v in sd.items()}
+    return {k.removeprefix("speculator."): v for k, v in read_head_file(folder).items()}
 
 
 def load_mlp_speculator(folder: str | os.PathLike, target) -> MLPSpeculator:

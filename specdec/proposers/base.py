@@ -150,6 +150,25 @@ class ProposerBase:
         pass
 
 
+class LastFeatureProposer(ProposerBase):
+    """A proposer that drafts from the target's final-norm feature of the token before the
+    sequence's last one (the last token the target has processed: its cache holds seq[:-1]), kept
+    per request by update and dropped with the request (Medusa, MLP speculators)."""
+
+    def __init__(self):
+        super().__init__()
+        self.feature: dict = {}
+
+    def remove_request(self, request_id: Hashable) -> None:
+        super().remove_request(request_id)
+        self.feature.pop(request_id, None)
+
+    def update(self, items: list[Committed]) -> None:
+        for it in items:
+            if it.hidden is not None and len(it.hidden):
+                self.feature[it.request_id] = it.hidden[-1]
+
+
 def draw(logits: Tensor, ctx: RequestContext, seq: list[int] | None = None,
          path: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
     """One draft token from logits [1, V] after seq + path: the argmax when greedy (q unused),

@@ -20,7 +20,7 @@ import torch
 from .. import kernels
 from ..model.heads import MedusaHeads
 from ..sampling import process
-from .base import (Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, draw_without_replacement, prune_tree,
+from .base import (Draft, LastFeatureProposer, ProposeItem, ProposerCaps, draw_without_replacement, prune_tree,
                    to_target_vocab)
 
 MAX_RANK = 10
@@ -61,9 +61,8 @@ def build_tree(accuracy: list[list[float]], size: int) -> tuple[list[int], list[
     return parents, depth, rank
 
 
-class MedusaProposer(ProposerBase):
-    """Holds, per request, the target's feature of the token before the sequence's last one:
-    the last token the target has processed (the engine's cache holds seq[:-1])."""
+class MedusaProposer(LastFeatureProposer):
+    """M heads on the feature of the token before the sequence's last (LastFeatureProposer)."""
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, vocab_size: int, accuracy: list[list[float]] | None = None):
@@ -72,16 +71,6 @@ class MedusaProposer(ProposerBase):
         self.caps = ProposerCaps(tree=True, needs_hidden=True)
         self.accuracy = accuracy or default_accuracy(heads.num_heads)
         self._tree = lru_cache(maxsize=None)(lambda n: build_tree(self.accuracy, n))
-        self.feature: dict = {}
-
-    def remove_request(self, request_id) -> None:
-        super().remove_request(request_id)
-        self.feature.pop(request_id, None)
-
-    def update(self, items: list[Committed]) -> None:
-        for it in items:
-            if it.hidden is not None and len(it.hidden):
-                self.feature[it.request_id] = it.hidden[-1]
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Draft]:

@@ -15,10 +15,10 @@ import torch
 from .. import kernels
 from ..model.mlp_speculator import MLPSpeculator
 from ..sampling import process
-from .base import Committed, Draft, ProposeItem, ProposerBase, ProposerCaps, to_target_vocab
+from .base import Draft, LastFeatureProposer, ProposeItem, ProposerCaps, to_target_vocab
 
 
-class MLPSpeculatorProposer(ProposerBase):
+class MLPSpeculatorProposer(LastFeatureProposer):
     name = "mlp_speculator"
 
     def __init__(self, speculator: MLPSpeculator, vocab_size: int):
@@ -27,16 +27,6 @@ class MLPSpeculatorProposer(ProposerBase):
         # a chain of at most n_predict tokens ("auto" climbs no higher)
         self.caps = ProposerCaps(needs_hidden=True, max_tree_size=speculator.n_predict)
         self.draft_vocab = torch.arange(speculator.vocab_size)
-        self.feature: dict = {}
-
-    def remove_request(self, request_id) -> None:
-        super().remove_request(request_id)
-        self.feature.pop(request_id, None)
-
-    def update(self, items: list[Committed]) -> None:
-        for it in items:
-            if it.hidden is not None and len(it.hidden):
-                self.feature[it.request_id] = it.hidden[-1]
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Draft]:

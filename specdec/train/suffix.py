@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.machine import _cpu_model
+from ..bench.machine import cpu_model
 from ..proposers.suffix import HEADER_TOKENS, save_datastore
 from ..proposers.suffix_index import SuffixIndex
 
@@ -44,7 +44,7 @@ def build(answers_dir: Path, out: Path, shards: int | None = None, val_shards: i
     docs, info = answer_documents(answers_dir, shards, val_shards)
     index = SuffixIndex.build(docs, depth)
     info.update({"num_tokens": index.num_tokens, "depth": depth, "build_s": round(time.time() - t0, 1),
-                 "machine": _cpu_model(), "command": command})
+                 "machine": cpu_model(), "command": command})
     save_datastore(index, out, {"source": info})
     return info
 

@@ -275,7 +275,7 @@ class CView:
                              kv.blocks.max_blocks_per_seq, KV_TYPES[kv.dtype], cfg.rms_norm_eps,
                              model.rope_attention, cfg.embedding_multiplier, cfg.residual_multiplier,
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
-                             ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights else None, head,
+                             ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights and model.final_norm else None, head,
                              _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
                              int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
                              *((cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim,
@@ -365,9 +365,10 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
         return None
     keep = [fc.packed()]
     bf16 = int(fc.weight.dtype == torch.bfloat16)
-    if isinstance(head, EagleHead):
-        keep.append(fc.bias.detach().to(torch.float32).contiguous())
-        return _Fuse(keep[0].data_ptr(), bf16, keep[1].data_ptr(), None, None, 0, 0), keep
+    if isinstance(head, EagleHead):      # [h ; e], or the authors' [e ; h]; a bias where it has one
+        bias = None if fc.bias is None else fc.bias.detach().to(torch.float32).contiguous()
+        keep.append(bias)
+        return _Fuse(keep[0].data_ptr(), bf16, _ptr(bias), None, None, int(head.embeds_first), 0), keep
     norms = [n.weight.detach().to(torch.float32).contiguous() for n in (head.enorm, head.hnorm)]
     keep += norms
     return _Fuse(keep[0].data_ptr(), bf16, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first), 1), keep

@@ -556,7 +556,7 @@ long llama_forward(const Model *m, const Batch *b, const int64_t *tokens, const 
             }
             if (l < n_layers) layer_for(m, &m->layers[l], b, &w, N);
         }
-        rms_norm_for(w.buf, w.x, m->final_norm, N, D, m->eps);
+        norm_or_copy(w.buf, w.x, m->final_norm, N, D, m->eps);     /* NULL: the EAGLE authors' heads */
         if (hidden_out && n_aux == 0) {
             #pragma omp for schedule(static)
             for (int n = 0; n < N; n++) memcpy(hidden_out + (long)n * D, w.buf + (long)n * D, sizeof(float) * D);
@@ -608,7 +608,7 @@ int eagle_chain(const Model *head, const Fuse *f, const Mat *embed, const int64_
         for (int a = 0; a < n; a++) {
             int i = act[a];
             float *row = in + (long)a * 2 * D, *h = row, *e = row + D;
-            if (f->e_norm && f->embeds_first) { e = row; h = row + D; }
+            if (f->embeds_first) { e = row; h = row + D; }
             memcpy(h, feats + (long)i * D, sizeof(float) * D);
             embed_row(embed, toks[i], e, D);
             if (f->e_norm) {                  /* an MTP layer: both normed, the embedding zeroed at position 0 */

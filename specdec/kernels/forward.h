@@ -81,7 +81,7 @@ typedef struct {
     float attn_softcap, final_softcap;
     int act;                              /* the MLP's gate: ACT_SILU (SwiGLU) or ACT_GELU_TANH (GeGLU) */
     Mat embed;                            /* [V, D] rows as stored (not panels): fp32, bf16 or GGUF blocks */
-    const float *final_norm;              /* [D] */
+    const float *final_norm;              /* [D], or NULL: none (the LM head reads the last layer's output) */
     Mat lm_head;                          /* [V, D] packed panels */
     const float *inv_freq;                /* [rot_dim / 2] */
     const float *inv_freq_local;          /* [hd / 2] for layers with local_rope, or NULL */
@@ -114,7 +114,8 @@ typedef struct {
 
 /* How a drafter's chain step (forward.c: eagle_chain) turns the state h [D] it carries and the
  * embedding e [D] of the token it just drafted into its layers' input:
- * - EAGLE: fc([h ; e]) + fc_b (fc_w: dense panels [D, 2 D], fc_bf16 their dtype);
+ * - EAGLE: fc([h ; e]) + fc_b (fc_w: dense panels [D, 2 D], fc_bf16 their dtype; fc_b may be
+ *   NULL), or fc([e ; h]) with embeds_first (the EAGLE authors' heads);
  * - EAGLE-3 (fc_w NULL; the head's Model.two_inputs): [h ; e] itself;
  * - an MTP layer: fc([e_norm(e) ; h_norm(h)]), or [h_norm(h) ; e_norm(e)] unless embeds_first,
  *   e_norm(e) zeroed at position 0 (vLLM's rule), no bias.

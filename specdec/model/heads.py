@@ -62,7 +62,13 @@ class MedusaHeads(nn.Module):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, target_cfg: ModelConfig, draft_vocab: Tensor):
+    """authors: the EAGLE authors' layout (vLLM's `"method": "eagle"` heads, load_eagle_authors):
+    fc over [embedding ; feature] (a bias only where the checkpoint has one), no input norm in the
+    first layer, no final norm, the target's LM head over its whole vocabulary. specdec's own
+    heads: fc over [feature ; embedding] with a bias, a norm before every block and a final norm,
+    an LM head over the draft vocabulary."""
+
+    def __init__(self, target_cfg: ModelConfig, draft_vocab: Tensor, authors: bool = False, fc_bias: bool = True):
         super().__init__()
         D = target_cfg.hidden_size
         # a plain decoder layer whatever the target's quirks (SmolLM3's NoPE, Granite's multipliers,
@@ -83,11 +89,17 @@ class EagleHead(nn.Module):
                                  n_group=1, topk_group=1, routed_scaling_factor=1.0, group_by_max=False,
                                  attn_sinks=False, o_bias=False, mlp_bias=False,
                                  model_type="llama" if plain else target_cfg.model_type)
-        self.fc = Linear(2 * D, D, bias=True)
+        if authors:
+            cfg = target_cfg
+        self.fc = Linear(2 * D, D, bias=fc_bias)
         self.decoder = Transformer(cfg)
         # the decoder's input comes from fc, never from a token lookup
         self.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, D))
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
+        self.embeds_first = authors
+        if authors:
+            self.decoder.model.layers[0].input_layernorm = nn.Identity()
+            self.decoder.final_norm = False
 
     @property
     def decoder_config(self) -> ModelConfig:
@@ -99,12 +111,14 @@ class EagleHead(nn.Module):
         both [B, T, D] without a cache, [N, D] flat with one. Returns logits (for tokens t + 2,
         over the draft vocabulary; the rows batch.logits_indices asks for) and hidden: the
         predicted features of tokens t + 1."""
-        x = self.fc(torch.cat([feats, token_embeds], -1).to(self.decoder.dtype))
+        pair = [token_embeds, feats] if self.embeds_first else [feats, token_embeds]
+        x = self.fc(torch.cat(pair, -1).to(self.decoder.dtype))
         return self.decoder(None, kv, batch, hidden=True, embeds=x)
 
     def use_fp32_activations(self) -> "EagleHead":
         self.decoder.use_fp32_activations()
-        self.fc.bias.data = self.fc.bias.data.float()
+        if self.fc.bias is not None:
+            self.fc.bias.data = self.fc.bias.data.float()
         return self
 
     def config(self) -> dict:
@@ -191,3 +205,67 @@ def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None 
             for b in heads.blocks:
                 b.bias.data = b.bias.data.float()
     return heads.eval().requires_grad_(False)
+
+
+def is_eagle_authors(folder: str | os.PathLike) -> bool:
+    """An EAGLE(-2) head as its authors ship it (yuhuili/EAGLE-*: a llama config.json beside
+    pytorch_model.bin or model.safetensors holding fc.weight and layers.N.*)."""
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if (cfg.get("architectures") or [None])[0] in (MEDUSA, EAGLE) or "speculators_model_type" in cfg \
+            or not isinstance(cfg.get("num_hidden_layers"), int) or cfg["num_hidden_layers"] > 2:
+        return False          # (a draft model has more layers: its weights are never read here)
+    if (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            names = list(f.keys())
+    elif (folder / "pytorch_model.bin").is_file():
+        names = list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    else:
+        return False
+    return "fc.weight" in names and any(k.startswith("layers.0.") for k in names)
+
+
+def load_eagle_authors(folder: str | os.PathLike, target: Transformer) -> EagleHead:
+    """The EAGLE authors' head in `folder` for `target` (vLLM's EAGLE-1 layout, as its
+    llama_eagle loads them): fc [hidden, 2 hidden] over [embedding ; feature] (plus fc.bias where
+    saved), num_hidden_layers llama layers without the first one's input_layernorm, no final norm,
+    logits from the target's own LM head; embed_tokens, when saved, is the target's and unused."""
+    from .checkpoint import hf_to_fused, read_head_file
+
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    tcfg = target.config
+    if raw.get("add_para_norm"):
+        raise CheckpointError(f"{folder}: HASS heads (add_para_norm) are not supported")
+    try:
+        cfg = ModelConfig.from_hf({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                   "tie_word_embeddings": False})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder}: EAGLE head config: {e}") from None
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise CheckpointError(f"{folder}: an EAGLE head of hidden size {cfg.hidden_size}, the target has {tcfg.hidden_size}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise CheckpointError(f"{folder}: an EAGLE head for a vocabulary of {cfg.vocab_size} tokens, the target "
+                              f"has {tcfg.vocab_size}")
+    sd = read_head_file(folder)
+    sd.pop("embed_tokens.weight", None)
+    fc = {k: sd.pop(k) for k in ("fc.weight", "fc.bias") if k in sd}
+    layers = hf_to_fused({"model." + k: v for k, v in sd.items()}, cfg)
+    head = EagleHead(cfg.replace(vocab_size=tcfg.vocab_size), torch.arange(tcfg.vocab_size), authors=True,
+                     fc_bias="fc.bias" in fc)
+    state = {**fc, **{"decoder." + k: v for k, v in layers.items()}}
+    want = {k: v.shape for k, v in head.state_dict().items()
+            if not k.startswith(("decoder.lm_head.", "decoder.model.norm.", "decoder.model.embed_tokens.", "draft_vocab"))}
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or unexpected:
+        what = f"{missing[0]} missing" if missing else f"{unexpected[0]} unexpected"
+        raise CheckpointError(f"{folder}: EAGLE weights do not match the config: {what}")
+    for k, v in state.items():
+        if v.shape != want[k]:
+            raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(want[k])}")
+    head.load_state_dict(state, strict=False)
+    return place_head(head, target, lm_head=target.lm_head)

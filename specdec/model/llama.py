@@ -433,7 +433,9 @@ class DecoderLayer(nn.Module):
 
     @property
     def in_norm(self) -> RMSNorm | None:
-        return self.input_layernorm if self.pre_norms else None
+        """The norm before the attention; None without one (OLMo 2, or an EAGLE head's first
+        layer, whose input_layernorm is an Identity: the authors' layout)."""
+        return self.input_layernorm if self.pre_norms and isinstance(self.input_layernorm, RMSNorm) else None
 
     @property
     def mlp_norm(self) -> RMSNorm | None:
@@ -508,6 +510,8 @@ class Transformer(nn.Module):
         # whole forward's, and the attention-only one of the PyTorch path on the CPU
         self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
+        self.final_norm = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -649,7 +653,7 @@ class Transformer(nn.Module):
         return [local if layer.self_attn.local_rope else glob for layer in self.model.layers]
 
     def _head(self, x: Tensor, logits: bool, hidden, rows: Tensor | None = None, aux=None) -> ForwardOutput:
-        h = self.model.norm(x)
+        h = self.model.norm(x) if self.final_norm else x
         out = None
         if logits:
             out = self.lm_head(h if rows is None else h[rows])

@@ -61,7 +61,12 @@ def _tree_shape(spec: SpeculativeConfig, topk: int, depth: int | None) -> tuple[
 
 
 def _eagle(spec: SpeculativeConfig, target, loader, max_len):
-    from ..model.heads import EAGLE
+    """specdec's heads folder, or an EAGLE head as its authors ship it (vLLM's "eagle" heads:
+    chains unless topk > 1 asks for EAGLE-2 trees, as vLLM drafts them)."""
+    from ..model.heads import EAGLE, is_eagle_authors, load_eagle_authors
+    if spec.model and is_eagle_authors(spec.model):
+        topk, depth = _tree_shape(spec, 1, None)
+        return EagleProposer(load_eagle_authors(spec.model, target), target, topk=topk, depth=depth)
     cfg = heads_config(spec.model) if spec.model else {}
     topk, depth = _tree_shape(spec, cfg.get("default_topk", 4), cfg.get("default_depth"))
     return EagleProposer(_load_heads(spec, target, EAGLE), target, topk=topk, depth=depth)

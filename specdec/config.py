@@ -243,13 +243,15 @@ MODEL_KIND = {"draft_model": "a draft model folder", "ngram+draft_model": "a dra
 
 def _method_of(model) -> str:
     """The method a draft folder implies when none is named (vLLM reads its config the same
-    way): an MLP speculator's, an EAGLE-3 head's or the EAGLE authors' head's folder, else a
-    draft model."""
+    way): an MLP speculator's, released Medusa heads', an EAGLE-3 head's or the EAGLE authors'
+    head's folder, else a draft model."""
     from .model.eagle3 import is_eagle3
-    from .model.heads import is_eagle_authors
+    from .model.heads import is_eagle_authors, is_released_medusa
     from .model.mlp_speculator import is_mlp_speculator
     if is_mlp_speculator(model):
         return "mlp_speculator"
+    if is_released_medusa(model):
+        return "medusa"
     if is_eagle3(model):
         return "eagle3"
     return "eagle" if is_eagle_authors(model) else "draft_model"

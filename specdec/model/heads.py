@@ -269,3 +269,115 @@ def load_eagle_authors(folder: str | os.PathLike, target: Transformer) -> EagleH
             raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(want[k])}")
     head.load_state_dict(state, strict=False)
     return place_head(head, target, lm_head=target.lm_head)
+
+
+class ResidualMedusaHeads(nn.Module):
+    """Medusa heads as vLLM and the Medusa authors ship them (load_medusa_released): head i is
+    num_layers residual blocks x + SiLU(W x (+ b)) on the target's final-norm feature, then its
+    own LM head (or one shared by every head: vLLM's original_lm_head), over the target's
+    vocabulary or a truncated one (vLLM's token_map: draft_vocab). The proposer's interface is
+    MedusaHeads': forward(h) -> logits [num_heads, ..., V'], num_heads, draft_vocab."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_layers: int, draft_vocab: Tensor, bias: bool,
+                 shared_lm_head: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.blocks = nn.ModuleList(_ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(Linear(hidden_size, draft_vocab.numel(), bias=False)
+                                      for _ in range(1 if shared_lm_head else num_heads))
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = []
+        for i, block in enumerate(self.blocks):
+            out.append(self.lm_heads[min(i, len(self.lm_heads) - 1)](block(h)))
+        return torch.stack(out)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+def _released_medusa(folder: Path) -> tuple[dict, dict[str, Tensor]] | None:
+    """(config, weights in vLLM's names) of a released Medusa folder, or None: vLLM's layout
+    (config model_type "medusa": blocks.{i}.layers.{j}.*, lm_heads.{i}.weight or lm_head.weight,
+    token_map) or the Medusa authors' (medusa_num_heads in config.json, medusa_lm_head.pt or
+    .safetensors: {i}.{j}.linear.* then {i}.{num_layers}.weight)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if cfg.get("model_type") == "medusa" or "MedusaModel" in (cfg.get("architectures") or []):
+        from .checkpoint import read_head_file
+        return cfg, read_head_file(folder)
+    if "medusa_num_heads" not in cfg:
+        return None
+    if (folder / "medusa_lm_head.safetensors").is_file():
+        sd = load_file(str(folder / "medusa_lm_head.safetensors"))
+    elif (folder / "medusa_lm_head.pt").is_file():
+        sd = torch.load(folder / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"{folder}: no medusa_lm_head.pt or medusa_lm_head.safetensors")
+    L = int(cfg.get("medusa_num_layers", 1))
+    out = {}
+    for name, t in sd.items():
+        i, j, *rest = name.split(".")
+        if int(j) < L:       # a residual block's linear
+            out[f"blocks.{i}.layers.{j}.{rest[-1]}"] = t
+        else:                # the head's LM head
+            out[f"lm_heads.{i}.weight"] = t
+    return {"num_heads": int(cfg["medusa_num_heads"]), "num_hidden_layers": L,
+            "hidden_size": cfg.get("hidden_size"), "medusa_fc_bias": True}, out
+
+
+def is_released_medusa(folder: str | os.PathLike) -> bool:
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("model_type") == "medusa" or "MedusaModel" in (cfg.get("architectures") or []) \
+        or "medusa_num_heads" in cfg
+
+
+def load_medusa_released(folder: str | os.PathLike, target: Transformer) -> ResidualMedusaHeads:
+    """Medusa heads as vLLM (`MedusaModel` folders) or the Medusa authors (medusa_lm_head.pt)
+    ship them, for `target`: weights in its weight dtype, on its device."""
+    folder = Path(folder)
+    found = _released_medusa(folder)
+    if found is None:
+        raise CheckpointError(f"{folder}: not a Medusa heads folder")
+    cfg, sd = found
+    tcfg = target.config
+    D = int(cfg.get("hidden_size") or tcfg.hidden_size)
+    if D != tcfg.hidden_size:
+        raise CheckpointError(f"{folder}: Medusa heads of hidden size {D}, the target has {tcfg.hidden_size}")
+    token_map = sd.pop("token_map", None)
+    if "lm_head.weight" in sd:            # vLLM's original_lm_head: one LM head for every head
+        sd["lm_heads.0.weight"] = sd.pop("lm_head.weight")
+    shared = "lm_heads.1.weight" not in sd
+    rows = sd["lm_heads.0.weight"].shape[0] if "lm_heads.0.weight" in sd else 0
+    vocab = token_map.to(torch.long) if token_map is not None else torch.arange(rows)
+    if rows == 0 or vocab.numel() != rows or int(vocab.max()) >= tcfg.vocab_size or int(vocab.min()) < 0:
+        raise CheckpointError(f"{folder}: the heads' vocabulary ({rows} rows) does not fit the target's "
+                              f"({tcfg.vocab_size} tokens)")
+    heads = ResidualMedusaHeads(D, int(cfg.get("num_heads", 0)), int(cfg.get("num_hidden_layers", 1)), vocab,
+                                bias=any(k.endswith(".bias") for k in sd), shared_lm_head=shared)
+    want = heads.state_dict()
+    want.pop("draft_vocab")
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: Medusa weights do not match the config: "
+                              f"{(missing or unexpected)[0]} {'missing' if missing else 'unexpected'}")
+    for k, v in sd.items():
+        if v.shape != want[k].shape:
+            raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, expected {tuple(want[k].shape)}")
+    heads.load_state_dict(sd, strict=False)
+    return heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

@@ -46,7 +46,10 @@ def _load_heads(spec: SpeculativeConfig, target, kind: str):
 
 
 def _medusa(spec: SpeculativeConfig, target, loader, max_len):
-    from ..model.heads import MEDUSA
+    """specdec's heads folder, or Medusa heads as vLLM or the Medusa authors ship them."""
+    from ..model.heads import MEDUSA, is_released_medusa, load_medusa_released
+    if spec.model and is_released_medusa(spec.model):
+        return MedusaProposer(load_medusa_released(spec.model, target), target.config.vocab_size)
     heads = _load_heads(spec, target, MEDUSA)
     return MedusaProposer(heads, target.config.vocab_size, heads_config(spec.model).get("accuracy"))
 

@@ -55,24 +55,30 @@ def rope(x, pos):
     return x * cos + half * sin
 
 
-def ref_head(w: dict, h: torch.Tensor, embeds: torch.Tensor):
-    """The method's definition over one sequence of T rows (causal): h [T, D] the rows' states
-    (fc of the target's features, or the head's own), embeds [T, D] of the next tokens.
-    Returns (logits over the draft vocabulary [T, V'], the new states [T, D])."""
-    T = h.shape[0]
-    hn = rms(h, w["midlayer.hidden_norm.weight"])
-    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), hn], -1)
-    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, HD)
-    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, KV, HD)
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, KV, HD)
+def ref_block(w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One llama layer (weights under prefix p) over T rows: causal attention with RoPE over x
+    added to the residual h, then its SwiGLU MLP behind post_attention_layernorm."""
+    T = x.shape[0]
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, H, HD)
+    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, KV, HD)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, KV, HD)
     pos = torch.arange(T)
     q, k = rope(q, pos), rope(k, pos)
     k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    h = h + att.transpose(0, 1).reshape(T, H * HD) @ w["midlayer.self_attn.o_proj.weight"].T
-    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
-    h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
-        @ w["midlayer.mlp.down_proj.weight"].T
+    h = h + att.transpose(0, 1).reshape(T, H * HD) @ w[p + "self_attn.o_proj.weight"].T
+    m = rms(h, w[p + "post_attention_layernorm.weight"])
+    return h + (F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) \
+        @ w[p + "mlp.down_proj.weight"].T
+
+
+def ref_head(w: dict, h: torch.Tensor, embeds: torch.Tensor):
+    """The method's definition over one sequence of T rows (causal): h [T, D] the rows' states
+    (fc of the target's features, or the head's own), embeds [T, D] of the next tokens.
+    Returns (logits over the draft vocabulary [T, V'], the new states [T, D])."""
+    hn = rms(h, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), hn], -1)
+    h = ref_block(w, "midlayer.", x, h)
     return rms(h, w["norm.weight"]) @ w["lm_head.weight"].T, h
 
 

@@ -23,7 +23,7 @@ from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.heads import is_eagle_authors, load_eagle_authors
 from specdec.proposers.eagle import EagleProposer
 from arch_checks import without_kernels
-from test_eagle3 import D, EPS, FF, H, HD, KV, THETA, rms, rope
+from test_eagle3 import D, EPS, FF, H, HD, KV, THETA, ref_block
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +35,8 @@ def ref_head(w: dict, lm_head: torch.Tensor, feats: torch.Tensor, embeds: torch.
     """The authors' head over one sequence of T rows (causal): feats [T, D] the target's
     final-norm features of tokens t (or the head's own states), embeds [T, D] the embeddings of
     tokens t + 1. Returns (logits from the target's LM head [T, V], the new states [T, D])."""
-    T = feats.shape[0]
     x = torch.cat([embeds, feats], -1) @ w["fc.weight"].T + w.get("fc.bias", 0)
-    q = (x @ w["layers.0.self_attn.q_proj.weight"].T).view(T, H, HD)
-    k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(T, KV, HD)
-    v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(T, KV, HD)
-    pos = torch.arange(T)
-    q, k = rope(q, pos), rope(k, pos)
-    k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    h = x + att.transpose(0, 1).reshape(T, H * HD) @ w["layers.0.self_attn.o_proj.weight"].T
-    m = rms(h, w["layers.0.post_attention_layernorm.weight"])
-    h = h + (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)) \
-        @ w["layers.0.mlp.down_proj.weight"].T
+    h = ref_block(w, "layers.0.", x, x)          # no input norm: the block reads x, its residual is x
     return h @ lm_head.T, h
 
 
@@ -198,3 +187,30 @@ def test_clear_errors(target, head, tmp_path):
     bad = write(tmp_path / "hass", w, {**config(V), "add_para_norm": True})
     with pytest.raises(CheckpointError, match="HASS"):
         load_eagle_authors(bad, model)
+
+
+def test_qkv_bias(target, head, tmp_path, monkeypatch):
+    """A head for a Qwen2 target carries q / k / v biases: they load (fused as the layer holds
+    them), change the logits, and forward.c's logits through the paged cache equal PyTorch's."""
+    w = dict(head["weights"])
+    g = torch.Generator().manual_seed(4)
+    for n, rows in (("q", H * HD), ("k", KV * HD), ("v", KV * HD)):
+        w[f"layers.0.self_attn.{n}_proj.bias"] = torch.randn(rows, generator=g) * 0.5
+    folder = write(tmp_path / "qwen2", w, config(head["hf"].config.vocab_size))
+    model = load_model(target, "float32")
+    ids = torch.randint(2, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        feats = head["hf"](ids[None], output_hidden_states=True).hidden_states[-1][0][:-1]
+        embeds = head["hf"].model.embed_tokens(ids[1:])
+
+        def logits(path):
+            ours = load_eagle_authors(path, model)
+            cache = ours.decoder.new_cache(batch=1)
+            return ours(feats, embeds, cache, ForwardBatch.build(cache, [0], [11], [0])).logits, ours
+
+        c, ours = logits(folder)
+        bias = ours.decoder.model.layers[0].self_attn.qkv_proj.bias
+        torch.testing.assert_close(bias, torch.cat([w[f"layers.0.self_attn.{n}_proj.bias"] for n in "qkv"]))
+        assert (c - logits(head["bias"])[0]).abs().max() > 1e-3
+        monkeypatch.setattr(kernels, "load", lambda *a: None)
+        torch.testing.assert_close(logits(folder)[0], c, atol=1e-4, rtol=1e-4)

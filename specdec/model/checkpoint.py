@@ -445,3 +445,15 @@ def read_head_file(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+
+def check_state(folder, what: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
+    """A drafter's converted weights against the module's: the first missing, unexpected or
+    misshapen one raises CheckpointError naming `what` (e.g. "EAGLE weights")."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        name = f"{missing[0]} missing" if missing else f"{unexpected[0]} unexpected"
+        raise CheckpointError(f"{folder}: {what} do not match the config: {name}")
+    for k, v in state.items():
+        if v.shape != expected[k]:
+            raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(expected[k])}")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, check_state
 from .config import GEMMA, MOE, OLMO, ModelConfig
 from .batch import ForwardBatch, ForwardOutput
 from .kv import KVCache
@@ -241,9 +241,12 @@ def load_eagle_authors(folder: str | os.PathLike, target: Transformer) -> EagleH
     tcfg = target.config
     if raw.get("add_para_norm"):
         raise CheckpointError(f"{folder}: HASS heads (add_para_norm) are not supported")
+    sd = read_head_file(folder)
+    # q / k / v biases where the checkpoint has them (heads for Qwen2 targets)
+    bias = any(k.endswith("self_attn.q_proj.bias") for k in sd)
     try:
         cfg = ModelConfig.from_hf({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                   "tie_word_embeddings": False})
+                                   "tie_word_embeddings": False, "attention_bias": bias})
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{folder}: EAGLE head config: {e}") from None
     if cfg.hidden_size != tcfg.hidden_size:
@@ -251,22 +254,15 @@ def load_eagle_authors(folder: str | os.PathLike, target: Transformer) -> EagleH
     if cfg.vocab_size != tcfg.vocab_size:
         raise CheckpointError(f"{folder}: an EAGLE head for a vocabulary of {cfg.vocab_size} tokens, the target "
                               f"has {tcfg.vocab_size}")
-    sd = read_head_file(folder)
     sd.pop("embed_tokens.weight", None)
     fc = {k: sd.pop(k) for k in ("fc.weight", "fc.bias") if k in sd}
     layers = hf_to_fused({"model." + k: v for k, v in sd.items()}, cfg)
     head = EagleHead(cfg.replace(vocab_size=tcfg.vocab_size), torch.arange(tcfg.vocab_size), authors=True,
                      fc_bias="fc.bias" in fc)
     state = {**fc, **{"decoder." + k: v for k, v in layers.items()}}
-    want = {k: v.shape for k, v in head.state_dict().items()
-            if not k.startswith(("decoder.lm_head.", "decoder.model.norm.", "decoder.model.embed_tokens.", "draft_vocab"))}
-    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    if missing or unexpected:
-        what = f"{missing[0]} missing" if missing else f"{unexpected[0]} unexpected"
-        raise CheckpointError(f"{folder}: EAGLE weights do not match the config: {what}")
-    for k, v in state.items():
-        if v.shape != want[k]:
-            raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(want[k])}")
+    check_state(folder, "EAGLE weights", state, {
+        k: v.shape for k, v in head.state_dict().items()
+        if not k.startswith(("decoder.lm_head.", "decoder.model.norm.", "decoder.model.embed_tokens.", "draft_vocab"))})
     head.load_state_dict(state, strict=False)
     return place_head(head, target, lm_head=target.lm_head)
 
@@ -370,14 +366,6 @@ def load_medusa_released(folder: str | os.PathLike, target: Transformer) -> Resi
                               f"({tcfg.vocab_size} tokens)")
     heads = ResidualMedusaHeads(D, int(cfg.get("num_heads", 0)), int(cfg.get("num_hidden_layers", 1)), vocab,
                                 bias=any(k.endswith(".bias") for k in sd), shared_lm_head=shared)
-    want = heads.state_dict()
-    want.pop("draft_vocab")
-    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
-    if missing or unexpected:
-        raise CheckpointError(f"{folder}: Medusa weights do not match the config: "
-                              f"{(missing or unexpected)[0]} {'missing' if missing else 'unexpected'}")
-    for k, v in sd.items():
-        if v.shape != want[k].shape:
-            raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, expected {tuple(want[k].shape)}")
+    check_state(folder, "Medusa weights", sd, {k: v.shape for k, v in heads.state_dict().items() if k != "draft_vocab"})
     heads.load_state_dict(sd, strict=False)
     return heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

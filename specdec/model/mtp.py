@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch import ForwardBatch, ForwardOutput
-from .checkpoint import MTP_PREFIX, CheckpointError, hf_to_fused, is_mtp_weight, read_config, read_state_dict
+from .checkpoint import MTP_PREFIX, CheckpointError, check_state, hf_to_fused, is_mtp_weight, read_config, read_state_dict
 from .config import ModelConfig, text_config
 from .kv import KVCache
 from .llama import Linear, RMSNorm, Transformer
@@ -169,12 +169,6 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     expected = {k: v.shape for k, v in head.state_dict().items()
                 if not k.endswith("model.embed_tokens.weight") and k != "draft_vocab"
                 and not (shared_head and k == "decoder.lm_head.weight")}
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"{missing[0]} missing" if missing else f"{unexpected[0]} unexpected"
-        raise CheckpointError(f"{folder}: MTP weights do not match the config: {what}")
-    for k, v in state.items():
-        if v.shape != expected[k]:
-            raise CheckpointError(f"{folder}: MTP weight {k} is {tuple(v.shape)}, the config gives {tuple(expected[k])}")
+    check_state(folder, "MTP weights", state, expected)
     head.load_state_dict(state, strict=False)
     return place_head(head, target, target.lm_head if shared_head else None)

@@ -208,3 +208,13 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
          **dict.fromkeys(("ffn_gate", "ffn_up", "ffn_down"), T.Q4_0)}))
     out.update({"llama_q_hf": llama, "llama_mixed_hf": root / "mixed_hf", "qwen2_q_hf": qwen, "draft_hf": draft})
     return out
+
+
+def greedy_continuations(hf, n: int = 24, prompt_len: int = 6, new: int = 40, seed: int = 0):
+    """n random prompts of prompt_len tokens and a transformers model's greedy continuations of
+    `new` tokens each (EOS ignored): what the drafter tests train their tiny heads on. Returns
+    (prompts [n, prompt_len], sequences [n, prompt_len + new])."""
+    prompts = torch.randint(2, hf.config.vocab_size, (n, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        seqs = hf.generate(prompts, max_new_tokens=new, do_sample=False, min_new_tokens=new, pad_token_id=0)
+    return prompts, seqs

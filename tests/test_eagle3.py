@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from conftest import make_checkpoint
+from conftest import greedy_continuations, make_checkpoint
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.eagle3 import load_eagle3
@@ -96,10 +96,8 @@ def head(target, tmp_path_factory):
     continuations; its draft vocabulary: the 64 tokens those continuations use most."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     V = hf.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, V, (24, 6), generator=g)
+    prompts, seqs = greedy_continuations(hf)
     with torch.no_grad():
-        seqs = hf.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
         feats = torch.stack([features(hf, s) for s in seqs])
         embeds = hf.model.embed_tokens(seqs)
     counts = torch.bincount(seqs.flatten(), minlength=V)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from conftest import make_checkpoint
+from conftest import greedy_continuations, make_checkpoint
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.model import CheckpointError, load_model
@@ -47,9 +47,8 @@ def heads(target, tmp_path_factory):
     vocabulary (the 64 tokens the continuations use most, token_map)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     V = hf.config.vocab_size
-    prompts = torch.randint(2, V, (24, 6), generator=torch.Generator().manual_seed(0))
+    prompts, seqs = greedy_continuations(hf)
     with torch.no_grad():
-        seqs = hf.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
         feats = hf(seqs, output_hidden_states=True).hidden_states[-1]
     counts = torch.bincount(seqs.flatten(), minlength=V)
     token_map = counts.argsort(descending=True)[:64].sort().values

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import make_checkpoint
+from conftest import greedy_continuations, make_checkpoint
 from specdec import LLM, SamplingParams, kernels
 from specdec.model import CheckpointError, ForwardBatch, load_model
 from specdec.model.mtp import MTPHead, load_mtp
@@ -88,11 +88,8 @@ def mtp(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     plain = make_checkpoint(root / "qwen2", arch="qwen2", layers=L, hidden=D, seed=5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    V = hf.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, V, (24, 6), generator=g)
+    prompts, seqs = greedy_continuations(hf)
     with torch.no_grad():
-        seqs = hf.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
         feats = torch.stack([features(hf, s) for s in seqs])
         embeds = hf.model.embed_tokens(seqs)
     lm_head = hf.lm_head.weight.detach().clone()

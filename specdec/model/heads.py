@@ -71,26 +71,8 @@ class EagleHead(nn.Module):
     def __init__(self, target_cfg: ModelConfig, draft_vocab: Tensor, authors: bool = False, fc_bias: bool = True):
         super().__init__()
         D = target_cfg.hidden_size
-        # a plain decoder layer whatever the target's quirks (SmolLM3's NoPE, Granite's multipliers,
-        # Gemma's GeGLU, norms, soft-caps and windows, OLMo's norms, experts: a llama layer, saved as one)
-        plain = target_cfg.model_type in (*GEMMA, *OLMO, *MOE)     # saved as a llama layer (whole-head RoPE)
-        if target_cfg.kv_lora_rank:      # DeepSeek's latent attention: plain heads of hidden / heads dims
-            H = target_cfg.num_attention_heads
-            target_cfg = target_cfg.replace(head_dim=D // H, num_key_value_heads=H, kv_lora_rank=0, q_lora_rank=0,
-                                            qk_nope_head_dim=0, v_head_dim=0)
-        cfg = target_cfg.replace(num_hidden_layers=1, rotary_dim=None if plain else target_cfg.rotary_dim,
-                                 vocab_size=draft_vocab.numel(), tie_word_embeddings=False,
-                                 nope_layers=(), embedding_multiplier=1.0, residual_multiplier=1.0,
-                                 attention_multiplier=None, logits_scaling=1.0, hidden_act="silu",
-                                 sandwich_norms=False, attn_softcap=0.0, final_softcap=0.0, sliding_window=None,
-                                 sliding_layers=(), local_rope_theta=None, pre_norms=True, qk_norm_full=False,
-                                 num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
-                                 moe_layers=(), shared_expert_size=0, shared_expert_gate=False, router_sigmoid=False,
-                                 n_group=1, topk_group=1, routed_scaling_factor=1.0, group_by_max=False,
-                                 attn_sinks=False, o_bias=False, mlp_bias=False,
-                                 model_type="llama" if plain else target_cfg.model_type)
-        if authors:
-            cfg = target_cfg
+        # authors: target_cfg is the head's own llama config (its layers, the target's vocabulary)
+        cfg = target_cfg if authors else self._plain_layer(target_cfg, draft_vocab.numel())
         self.fc = Linear(2 * D, D, bias=fc_bias)
         self.decoder = Transformer(cfg)
         # the decoder's input comes from fc, never from a token lookup
@@ -100,6 +82,30 @@ class EagleHead(nn.Module):
         if authors:
             self.decoder.model.layers[0].input_layernorm = nn.Identity()
             self.decoder.final_norm = False
+
+    @staticmethod
+    def _plain_layer(target_cfg: ModelConfig, vocab: int) -> ModelConfig:
+        """specdec's head: one decoder layer of the target's kind over the draft vocabulary."""
+        D = target_cfg.hidden_size
+        # a plain decoder layer whatever the target's quirks (SmolLM3's NoPE, Granite's multipliers,
+        # Gemma's GeGLU, norms, soft-caps and windows, OLMo's norms, experts: a llama layer, saved as one)
+        plain = target_cfg.model_type in (*GEMMA, *OLMO, *MOE)     # saved as a llama layer (whole-head RoPE)
+        if target_cfg.kv_lora_rank:      # DeepSeek's latent attention: plain heads of hidden / heads dims
+            H = target_cfg.num_attention_heads
+            target_cfg = target_cfg.replace(head_dim=D // H, num_key_value_heads=H, kv_lora_rank=0, q_lora_rank=0,
+                                            qk_nope_head_dim=0, v_head_dim=0)
+        cfg = target_cfg.replace(num_hidden_layers=1, rotary_dim=None if plain else target_cfg.rotary_dim,
+                                 vocab_size=vocab, tie_word_embeddings=False,
+                                 nope_layers=(), embedding_multiplier=1.0, residual_multiplier=1.0,
+                                 attention_multiplier=None, logits_scaling=1.0, hidden_act="silu",
+                                 sandwich_norms=False, attn_softcap=0.0, final_softcap=0.0, sliding_window=None,
+                                 sliding_layers=(), local_rope_theta=None, pre_norms=True, qk_norm_full=False,
+                                 num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
+                                 moe_layers=(), shared_expert_size=0, shared_expert_gate=False, router_sigmoid=False,
+                                 n_group=1, topk_group=1, routed_scaling_factor=1.0, group_by_max=False,
+                                 attn_sinks=False, o_bias=False, mlp_bias=False,
+                                 model_type="llama" if plain else target_cfg.model_type)
+        return cfg
 
     @property
     def decoder_config(self) -> ModelConfig:

@@ -181,6 +181,31 @@ def test_mtp_greedy_equals_plain(v3_mtp):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
+@pytest.fixture(scope="module")
+def flash_mtp(tmp_path_factory):
+    """A GLM-4.7-Flash folder (V3's layers, dense ones listed by mlp_layer_types) with an MTP layer."""
+    root = tmp_path_factory.mktemp("glm-flash-mtp")
+    plain = make_checkpoint(root / "plain", arch="glm4_moe_lite", layers=L)
+    return {"hf": root / "hf", "plain": plain, "weights": add_mtp_layer(plain, root / "hf", L, 64)}
+
+
+def test_glm_flash_mtp_greedy_equals_plain(flash_mtp, monkeypatch):
+    """GLM-4.7-Flash's MTP layer (latent attention, experts; mlp_layer_types lists only the
+    target's layers, so it takes the last one's kind) drafts: output identical to plain decoding;
+    where the kernels load, its chains in forward.c equal the PyTorch chains."""
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=flash_mtp["plain"], dtype="float32").generate(prompts, params)]
+    llm = LLM(model=flash_mtp["hf"], dtype="float32", max_num_seqs=3,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert llm.engine.proposer.name == "mtp"
+    layer = llm.engine.proposer.head.decoder.model.layers[0]       # the last layer's kind: experts
+    assert isinstance(layer.self_attn, MLAttention) and isinstance(layer.mlp, MoE)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    if kernels.load() is not None:
+        check_c_chain_equals_pytorch_chain(flash_mtp["hf"], monkeypatch)
+
+
 @NO_KERNELS
 def test_mtp_c_chain_equals_pytorch_chain(v3_mtp, monkeypatch):
     """[enorm(e) ; hnorm(h)] through eh_proj, then latent attention and experts, drafted in

@@ -93,7 +93,11 @@ class MTPHead(nn.Module):
 def _layer_config(raw: dict, index: int) -> ModelConfig:
     """The config of the target's architecture for one decoder layer that sits at `index` (an
     MTP layer after the last: a mixture of experts where the target's deep layers are)."""
-    cfg = ModelConfig.from_hf({**raw, "num_hidden_layers": index + 1, "layer_types": None})
+    raw = {**raw, "num_hidden_layers": index + 1, "layer_types": None}
+    types = raw.get("mlp_layer_types")
+    if types and len(types) < index + 1:      # GLM-4.7-Flash lists its layers' kinds: an MTP layer is the last one's
+        raw["mlp_layer_types"] = list(types) + [types[-1]] * (index + 1 - len(types))
+    cfg = ModelConfig.from_hf(raw)
     return cfg.replace(num_hidden_layers=1, tie_word_embeddings=False, nope_layers=(), sliding_window=None,
                        sliding_layers=(), local_rope_theta=None,
                        moe_layers=(0,) if index in cfg.moe_layers else ())

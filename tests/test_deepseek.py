@@ -206,6 +206,33 @@ def test_glm_flash_mtp_greedy_equals_plain(flash_mtp, monkeypatch):
         check_c_chain_equals_pytorch_chain(flash_mtp["hf"], monkeypatch)
 
 
+@pytest.mark.parametrize("which", ["v3", "flash"])
+def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, which):
+    """llama.cpp's deepseek2 file with the MTP layer as block L (nextn.* tensors, latent
+    attention, experts; block_count counts it, nextn_predict_layers says so): the target leaves
+    it out, the mtp method reads it, the head's logits equal the folder's head's, and greedy
+    speculation equals plain decoding of the file."""
+    files = {"v3": v3_mtp, "flash": flash_mtp}[which]
+    path = deepseek_gguf({"hf": files["hf"]}, tmp_path / "f32.gguf", True,
+                         extra_meta={"deepseek2.block_count": L + 1, "deepseek2.nextn_predict_layers": 1})
+    target = load_model(path)
+    assert target.config.num_hidden_layers == L
+    head = load_mtp(path, target)
+    ref_model = load_model(files["hf"], "float32")
+    ref = load_mtp(files["hf"], ref_model)
+    ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
+        embeds = ref_model.model.embed_tokens(ids[1:])
+        torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
+                                   atol=1e-4, rtol=1e-4)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
+    llm = LLM(model=str(path), max_num_seqs=3, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
 @NO_KERNELS
 def test_mtp_c_chain_equals_pytorch_chain(v3_mtp, monkeypatch):
     """[enorm(e) ; hnorm(h)] through eh_proj, then latent attention and experts, drafted in
@@ -213,7 +240,7 @@ def test_mtp_c_chain_equals_pytorch_chain(v3_mtp, monkeypatch):
     check_c_chain_equals_pytorch_chain(v3_mtp["hf"], monkeypatch)
 
 
-def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None):
+def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None, extra_meta: dict | None = None):
     """llama.cpp's deepseek2 file of the folder, as its converter writes it: MLA as one KV head of
     kv_lora_rank + rope dims (key_length) with the head sizes under key_length_mla /
     value_length_mla, sigmoid gating (2) for V3, YaRN's mscale_all_dim as yarn_log_multiplier;
@@ -239,14 +266,16 @@ def deepseek_gguf(files, out, split_kv_b: bool, qtypes=None):
         meta.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": float(rope["factor"]),
                      a + "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
                      a + "rope.scaling.yarn_log_multiplier": 0.1 * rope["mscale_all_dim"]})
+    meta.update(extra_meta or {})
     extra, skip = {}, ()
     if split_kv_b:
         sd = load_file(str(files["hf"] / "model.safetensors"))
-        for i in range(L):
+        blocks = sorted(int(k.split(".")[2]) for k in sd if k.endswith("self_attn.kv_b_proj.weight"))
+        for i in blocks:       # an MTP layer's block too
             kv_b = sd[f"model.layers.{i}.self_attn.kv_b_proj.weight"].view(H, nope + v, C)
             extra[f"blk.{i}.attn_k_b.weight"] = kv_b[:, :nope].transpose(1, 2).contiguous().numpy()
             extra[f"blk.{i}.attn_v_b.weight"] = kv_b[:, nope:].contiguous().numpy()
-        skip = tuple(f"blk.{i}.attn_kv_b.weight" for i in range(L))
+        skip = tuple(f"blk.{i}.attn_kv_b.weight" for i in blocks)
     return write_gguf(files["hf"], out, qtypes=qtypes, metadata=meta, extra_tensors=extra, skip=skip)
 
 

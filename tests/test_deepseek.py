@@ -206,26 +206,31 @@ def test_glm_flash_mtp_greedy_equals_plain(flash_mtp, monkeypatch):
         check_c_chain_equals_pytorch_chain(flash_mtp["hf"], monkeypatch)
 
 
-@pytest.mark.parametrize("which", ["v3", "flash"])
-def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, which):
+@pytest.mark.parametrize("which,quant", [("v3", "f32"), ("flash", "f32"), ("flash", "q8_0")])
+def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, which, quant):
     """llama.cpp's deepseek2 file with the MTP layer as block L (nextn.* tensors, latent
     attention, experts; block_count counts it, nextn_predict_layers says so): the target leaves
-    it out, the mtp method reads it, the head's logits equal the folder's head's, and greedy
-    speculation equals plain decoding of the file."""
+    it out, the mtp method reads it, the head's logits equal the folder's head's (F32), and
+    greedy speculation equals plain decoding of the file (F32, and packed Q8_0 run by forward.c)."""
+    from gguf_helpers import T
     files = {"v3": v3_mtp, "flash": flash_mtp}[which]
-    path = deepseek_gguf({"hf": files["hf"]}, tmp_path / "f32.gguf", True,
+    qtypes = None if quant == "f32" else (lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
+    path = deepseek_gguf({"hf": files["hf"]}, tmp_path / f"{quant}.gguf", True, qtypes=qtypes,
                          extra_meta={"deepseek2.block_count": L + 1, "deepseek2.nextn_predict_layers": 1})
     target = load_model(path)
     assert target.config.num_hidden_layers == L
     head = load_mtp(path, target)
-    ref_model = load_model(files["hf"], "float32")
-    ref = load_mtp(files["hf"], ref_model)
-    ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
-        embeds = ref_model.model.embed_tokens(ids[1:])
-        torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
-                                   atol=1e-4, rtol=1e-4)
+    if quant == "f32":
+        ref_model = load_model(files["hf"], "float32")
+        ref = load_mtp(files["hf"], ref_model)
+        ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
+            embeds = ref_model.model.embed_tokens(ids[1:])
+            torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
+                                       atol=1e-4, rtol=1e-4)
+    elif kernels.load() is not None:      # the packed head's layer runs in forward.c
+        assert head.decoder.c_view(head.decoder.new_cache(1, 8)) is not None
     prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]

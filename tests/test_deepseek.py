@@ -207,7 +207,7 @@ def test_glm_flash_mtp_greedy_equals_plain(flash_mtp, monkeypatch):
 
 
 @pytest.mark.parametrize("which,quant", [("v3", "f32"), ("flash", "f32"), ("flash", "q8_0")])
-def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, which, quant):
+def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, monkeypatch, which, quant):
     """llama.cpp's deepseek2 file with the MTP layer as block L (nextn.* tensors, latent
     attention, experts; block_count counts it, nextn_predict_layers says so): the target leaves
     it out, the mtp method reads it, the head's logits equal the folder's head's (F32), and
@@ -229,8 +229,9 @@ def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, which, quant):
             embeds = ref_model.model.embed_tokens(ids[1:])
             torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
                                        atol=1e-4, rtol=1e-4)
-    elif kernels.load() is not None:      # the packed head's layer runs in forward.c
+    elif kernels.load() is not None:      # the packed head's layer and chains (eh_proj packed too) in forward.c
         assert head.decoder.c_view(head.decoder.new_cache(1, 8)) is not None
+        check_c_chain_equals_pytorch_chain(path, monkeypatch)
     prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]

@@ -23,7 +23,7 @@ from specdec.model.mtp import load_mtp
 from arch_checks import (IDS, NO_KERNELS, check_greedy_equals_transformers_generate,  # noqa: F401
                          check_grouped_routing_matches_transformers, check_tensor_parallel_equals_tp1, reference,
                          test_logits_match_transformers, test_speculative_greedy_equals_plain, without_kernels)
-from mtp_checks import add_mtp_layer, check_mtp_layer_matches_transformers
+from mtp_checks import add_mtp_layer, check_c_chain_equals_pytorch_chain, check_mtp_layer_matches_transformers
 from test_heads import _heads_dirs
 
 L = 2
@@ -151,7 +151,7 @@ def test_packed_gguf_speculation_equals_plain(files, tmp_path):
 
 
 @pytest.mark.parametrize("quant", ["f32", "q8_0"])
-def test_mtp_from_gguf(files, mtp, tmp_path, quant):
+def test_mtp_from_gguf(files, mtp, tmp_path, monkeypatch, quant):
     """llama.cpp's layout: block L holds the MTP layer (nextn.* tensors and a decoder layer),
     block_count counts it and nextn_predict_layers says so. The target leaves it out; the mtp
     method reads it from the same file: the head's logits equal the folder's head's (F32), and
@@ -177,6 +177,8 @@ def test_mtp_from_gguf(files, mtp, tmp_path, quant):
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
     llm = LLM(model=str(path), max_num_seqs=3, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    if quant == "q8_0" and kernels.load() is not None:    # eh_proj packed too: chains in forward.c
+        check_c_chain_equals_pytorch_chain(path, monkeypatch)
 
 
 def test_mtp_needs_nextn_blocks(files, tmp_path):

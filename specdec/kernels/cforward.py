@@ -56,7 +56,7 @@ ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU,
 
 class _Fuse(ctypes.Structure):
     _fields_ = [("fc_w", c_void_p), ("fc_bf16", c_int), *[(n, c_void_p) for n in ("fc_b", "e_norm", "h_norm")],
-                ("embeds_first", c_int), ("state_before_norm", c_int)]
+                ("embeds_first", c_int), ("state_before_norm", c_int), ("fc_q", _Mat)]
 
 
 class _Batch(ctypes.Structure):
@@ -353,7 +353,8 @@ def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits:
 def chain_fuse(head) -> tuple[_Fuse, list] | None:
     """How forward.c's eagle_chain feeds `head` (forward.h: Fuse) and the tensors to keep alive, or
     None when it cannot: EAGLE's fc (dense fp32 / bf16), EAGLE-3's two inputs (positive logit
-    scale: the argmax is the same), an MTP layer's norms and eh_proj (dense fp32 / bf16)."""
+    scale: the argmax is the same), an MTP layer's norms and eh_proj (dense fp32 / bf16, or a
+    GGUF file's quantized panels)."""
     from ..model.eagle3 import Eagle3Head
     from ..model.heads import EagleHead
     from ..model.mtp import MTPHead
@@ -361,6 +362,13 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
     if isinstance(head, Eagle3Head):
         return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 else None
     fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
+    if isinstance(head, MTPHead) and fc is not None and not _dense_ok(fc):   # a GGUF file's packed eh_proj
+        found = _mat(fc)
+        if found is None or fc.bias is not None:
+            return None
+        norms = [n.weight.detach().to(torch.float32).contiguous() for n in (head.enorm, head.hnorm)]
+        return (_Fuse(None, 0, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first), 1, found[0]),
+                [found[1], *norms])
     if fc is None or not _dense_ok(fc):
         return None
     keep = [fc.packed()]

@@ -622,11 +622,13 @@ int eagle_chain(const Model *head, const Fuse *f, const Mat *embed, const int64_
             arow[a] = rows[i];
             moff[a] = -1;
         }
+        int fused = f->fc_w || f->fc_q.w;
         if (f->fc_w) skinny_linear(in, f->fc_w, f->fc_bf16, f->fc_b, x, 0, n, D, 2 * D);
+        else if (f->fc_q.w && quant_linear(in, f->fc_q.w, f->fc_q.fmt, f->fc_b, x, n, D, 2 * D)) { rc = -1; break; }
         Batch b = {n, cu, start, arow, start, moff, NULL, pos};
         long need;
         const int32_t last[1] = {head->n_layers};      /* the state before the final norm */
-        while ((need = llama_forward(head, &b, NULL, f->fc_w ? x : in, n, pos, head->n_layers, feat_out,
+        while ((need = llama_forward(head, &b, NULL, fused ? x : in, n, pos, head->n_layers, feat_out,
                                      f->state_before_norm ? last : NULL, f->state_before_norm, n, NULL, logits, ws,
                                      ws_bytes)) > 0) {
             free(ws);

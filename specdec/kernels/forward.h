@@ -126,6 +126,7 @@ typedef struct {
     int fc_bf16;
     const float *fc_b, *e_norm, *h_norm;
     int embeds_first, state_before_norm;
+    Mat fc_q;                             /* fc as quantized panels (a GGUF file's eh_proj) when fc_w is NULL */
 } Fuse;
 
 typedef struct { int seq, t; } TokenOf;   /* a flat token's sequence and index within it */

@@ -111,3 +111,32 @@ def check_c_chain_equals_pytorch_chain(folder, monkeypatch, k: int = 3) -> None:
     c, torch_chain = run(True), run(False)
     assert sum(len(t) for step in c for t in step) > 0
     assert c == torch_chain
+
+
+def check_mtp_gguf(path, hf, monkeypatch, packed: bool) -> None:
+    """A GGUF file whose block L is the MTP layer of folder `hf` (llama.cpp's nextn layout): the
+    target leaves the block out and the mtp method reads it. F32 (packed False): the head's
+    logits equal the folder's head's. Packed: forward.c runs the head's layer and its chains
+    (eh_proj packed too), equal to the PyTorch chains. Both: greedy speculation equals plain
+    decoding of the file."""
+    from specdec import kernels
+
+    target = load_model(path)
+    head = load_mtp(path, target)
+    if not packed:
+        ref_model = load_model(hf, "float32")
+        ref = load_mtp(hf, ref_model)
+        ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
+            embeds = ref_model.model.embed_tokens(ids[1:])
+            torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
+                                       atol=1e-4, rtol=1e-4)
+    elif kernels.load() is not None:
+        assert head.decoder.c_view(head.decoder.new_cache(1, 8)) is not None
+        check_c_chain_equals_pytorch_chain(path, monkeypatch)
+    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
+    llm = LLM(model=str(path), max_num_seqs=3, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain

@@ -29,7 +29,8 @@ from arch_checks import (IDS, NO_KERNELS, cached_logits, check_greedy_equals_tra
                          check_grouped_routing_matches_transformers, check_rows_bit_identical,
                          check_speculative_greedy_equals_plain,
                          check_tensor_parallel_equals_tp1, reference, test_logits_match_transformers, without_kernels)
-from mtp_checks import add_mtp_layer, check_c_chain_equals_pytorch_chain, check_mtp_layer_matches_transformers
+from mtp_checks import (add_mtp_layer, check_c_chain_equals_pytorch_chain, check_mtp_gguf,
+                        check_mtp_layer_matches_transformers)
 from test_heads import _heads_dirs
 
 L = 2
@@ -217,26 +218,8 @@ def test_mtp_from_gguf(v3_mtp, flash_mtp, tmp_path, monkeypatch, which, quant):
     qtypes = None if quant == "f32" else (lambda n, ndim: T.Q8_0 if ndim >= 2 and "token_embd" not in n else T.F32)
     path = deepseek_gguf({"hf": files["hf"]}, tmp_path / f"{quant}.gguf", True, qtypes=qtypes,
                          extra_meta={"deepseek2.block_count": L + 1, "deepseek2.nextn_predict_layers": 1})
-    target = load_model(path)
-    assert target.config.num_hidden_layers == L
-    head = load_mtp(path, target)
-    if quant == "f32":
-        ref_model = load_model(files["hf"], "float32")
-        ref = load_mtp(files["hf"], ref_model)
-        ids = torch.randint(2, target.config.vocab_size, (15,), generator=torch.Generator().manual_seed(8))
-        with torch.no_grad():
-            feats = ref_model(ids[None], hidden=True).hidden[0][:-1]
-            embeds = ref_model.model.embed_tokens(ids[1:])
-            torch.testing.assert_close(head(feats[None], embeds[None]).logits, ref(feats[None], embeds[None]).logits,
-                                       atol=1e-4, rtol=1e-4)
-    elif kernels.load() is not None:      # the packed head's layer and chains (eh_proj packed too) in forward.c
-        assert head.decoder.c_view(head.decoder.new_cache(1, 8)) is not None
-        check_c_chain_equals_pytorch_chain(path, monkeypatch)
-    prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0).generate(prompts, params)]
-    llm = LLM(model=str(path), max_num_seqs=3, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert load_model(path).config.num_hidden_layers == L
+    check_mtp_gguf(path, files["hf"], monkeypatch, packed=quant != "f32")
 
 
 @NO_KERNELS

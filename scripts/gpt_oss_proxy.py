@@ -21,6 +21,8 @@ import torch
 
 from specdec.bench.machine import cpu_model
 
+ROOT = Path(__file__).resolve().parent.parent      # the timing children import scripts.proxy_timing from here
+
 
 def build(root: Path, layers: int, hidden: int, experts: int) -> tuple[Path, Path]:
     import transformers
@@ -58,8 +60,9 @@ def build(root: Path, layers: int, hidden: int, experts: int) -> tuple[Path, Pat
 
 
 RUN = r"""
-import sys, time, torch
-from specdec import LLM, SamplingParams, kernels
+import sys, torch
+from specdec import LLM, kernels
+from scripts.proxy_timing import best_ms_per_token
 from specdec.defaults import BUNDLED_TARGET
 folder, tokens, quant, kernels_on = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 if not kernels_on:
@@ -67,19 +70,12 @@ if not kernels_on:
 torch.set_num_threads(1)
 llm = LLM(folder, tokenizer=str(BUNDLED_TARGET), num_speculative_tokens=0, quantization=None if quant == "auto" else quant,
           max_model_len=512)
-params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-prompt = {"prompt_token_ids": list(range(2, 34))}
-llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-best = 1e9
-for _ in range(3):
-    t0 = time.perf_counter()
-    llm.generate(prompt, params)
-    best = min(best, time.perf_counter() - t0)
+ms, out = best_ms_per_token(llm, tokens)
 m = llm.target
 from specdec.model.quant import QuantLinear
 nbytes = sum(p.numel() * p.element_size() for p in m.parameters()) + sum(b.numel() * b.element_size() for b in m.buffers())
 nbytes += sum(q.prepared.data.numel() for q in m.modules() if isinstance(q, QuantLinear) and q.prepared is not None)
-print(f"{1000 * best / tokens:.1f} {nbytes / 2**20:.0f} {m.c_view(m.new_cache(1, 8)) is not None}")
+print(f"{ms:.1f} {nbytes / 2**20:.0f} {m.c_view(m.new_cache(1, 8)) is not None}")
 """
 
 
@@ -98,7 +94,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for label, folder, quant, on in (("PyTorch (kernels off)", dense, "auto", "0"), ("forward.c", dense, "auto", "1"),
                                          ("forward.c", mx, "auto", "1")):
-            r = subprocess.run([sys.executable, "-c", RUN, str(folder), str(args.tokens), quant, on],
+            r = subprocess.run([sys.executable, "-c", RUN, str(folder), str(args.tokens), quant, on], cwd=ROOT,
                                capture_output=True, text=True)
             if r.returncode != 0:
                 sys.exit(f"{label}: " + (r.stderr.strip().splitlines() or ["failed"])[-1])

@@ -26,6 +26,8 @@ import torch
 
 from specdec.bench.machine import cpu_model
 
+ROOT = Path(__file__).resolve().parent.parent      # the timing children import scripts.proxy_timing from here
+
 ARCHS = {     # the real models' attention sizes
     "deepseek_v2_lite": dict(cls="DeepseekV2", heads=16, q_lora_rank=None, qk_nope_head_dim=128, v_head_dim=128,
                              extra={"topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}),
@@ -56,8 +58,9 @@ def build(root: Path, arch: str, layers: int, hidden: int) -> Path:
 
 
 RUN = r"""
-import sys, time, torch
-from specdec import LLM, SamplingParams, kernels
+import sys, torch
+from specdec import LLM, kernels
+from scripts.proxy_timing import best_ms_per_token
 from specdec.defaults import BUNDLED_TARGET
 from specdec.kernels import cforward
 folder, tokens, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -67,16 +70,9 @@ elif path == "torch+c":
     cforward.supported = lambda model, kv: False
 torch.set_num_threads(1)
 llm = LLM(folder, tokenizer=str(BUNDLED_TARGET), num_speculative_tokens=0, max_model_len=512)
-params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-prompt = {"prompt_token_ids": list(range(2, 34))}
-llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-best = 1e9
-for _ in range(3):
-    t0 = time.perf_counter()
-    out = llm.generate(prompt, params)
-    best = min(best, time.perf_counter() - t0)
+ms, out = best_ms_per_token(llm, tokens)
 m = llm.target
-print(f"{1000 * best / tokens:.1f} {m.c_view(m.new_cache(1, 8)) is not None} {hash(tuple(out[0].outputs[0].token_ids))}")
+print(f"{ms:.1f} {m.c_view(m.new_cache(1, 8)) is not None} {hash(tuple(out[0].outputs[0].token_ids))}")
 """
 
 
@@ -97,7 +93,7 @@ def main() -> None:
             outputs = set()
             for label, path in (("PyTorch (kernels off)", "off"), ("PyTorch + C kernels (before)", "torch+c"),
                                 ("forward.c", "c")):
-                r = subprocess.run([sys.executable, "-c", RUN, str(folder), str(args.tokens), path],
+                r = subprocess.run([sys.executable, "-c", RUN, str(folder), str(args.tokens), path], cwd=ROOT,
                                    capture_output=True, text=True)
                 if r.returncode != 0:
                     sys.exit(f"{arch} {label}: " + (r.stderr.strip().splitlines() or ["failed"])[-1])

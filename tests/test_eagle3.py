@@ -82,6 +82,17 @@ def ref_head(w: dict, h: torch.Tensor, embeds: torch.Tensor):
     return rms(h, w["norm.weight"]) @ w["lm_head.weight"].T, h
 
 
+def paged_head(head, feats: torch.Tensor, embeds: torch.Tensor, chunks):
+    """A drafter head (EAGLE, EAGLE-3) fed one sequence's (feature, next-token embedding) pairs
+    through its own paged cache in chunks [(a, b)]: (logits, states, the decoder's C view or None)."""
+    cache = head.decoder.new_cache(batch=1)
+    parts = []
+    for a, b in chunks:
+        parts.append(head(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
+        cache.set_length(0, b)
+    return torch.cat([p.logits for p in parts]), torch.cat([p.hidden for p in parts]), head.decoder.c_view(cache)
+
+
 def config(vocab: int, draft: int) -> dict:
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
             "intermediate_size": FF, "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1,
@@ -190,14 +201,10 @@ def test_head_matches_the_reference(target, head, monkeypatch, layout, c_path):
         whole = ours(feats[None], embeds[None])
         torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
-        cache = ours.decoder.new_cache(batch=1)
-        assert (ours.decoder.c_view(cache) is not None) == c_path      # forward.c runs the head's layer whole
-        parts = []
-        for a, b in ((0, 9), (9, 10), (10, 24)):
-            parts.append(ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
-            cache.set_length(0, b)
-        torch.testing.assert_close(torch.cat([p.logits for p in parts]), ref_logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(torch.cat([p.hidden for p in parts]), ref_h, atol=1e-4, rtol=1e-4)
+        logits, hidden, view = paged_head(ours, feats, embeds, ((0, 9), (9, 10), (10, 24)))
+        assert (view is not None) == c_path      # forward.c runs the head's layer whole
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
 
 
 @NO_KERNELS
@@ -216,11 +223,7 @@ def test_norm_before_residual_on_forward_c(target, head, tmp_path, monkeypatch):
         feats, embeds = features(head["hf"], ids)[:-1], head["hf"].model.embed_tokens(ids[1:])
 
         def run(ours):
-            cache = ours.decoder.new_cache(batch=1)
-            out = [ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a]))
-                   for a, b in ((0, 7), (7, 15))]
-            cache.set_length(0, 15)
-            return torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out]), ours.decoder.c_view(cache)
+            return paged_head(ours, feats, embeds, ((0, 7), (7, 15)))
 
         c_logits, c_hidden, view = run(load_eagle3(folder, model))
         assert view is not None

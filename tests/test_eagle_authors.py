@@ -19,11 +19,11 @@ import transformers
 from conftest import greedy_continuations, make_checkpoint
 from specdec import LLM, SamplingParams, kernels
 from specdec.config import SpeculativeConfig
-from specdec.model import CheckpointError, ForwardBatch, load_model
+from specdec.model import CheckpointError, load_model
 from specdec.model.heads import is_eagle_authors, load_eagle_authors
 from specdec.proposers.eagle import EagleProposer
 from arch_checks import without_kernels
-from test_eagle3 import D, EPS, FF, H, HD, KV, THETA, ref_block
+from test_eagle3 import D, EPS, FF, H, HD, KV, THETA, paged_head, ref_block
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +108,10 @@ def test_head_matches_the_reference(target, head, monkeypatch, c_path):
         hs = head["hf"](ids[None], output_hidden_states=True).hidden_states[-1][0]
         feats, embeds = hs[:-1], head["hf"].model.embed_tokens(ids[1:])
         ref_logits, ref_h = ref_head(head["weights"], head["lm_head"], feats, embeds)
-        cache = ours.decoder.new_cache(batch=1)
-        assert (ours.decoder.c_view(cache) is not None) == c_path
-        parts = []
-        for a, b in ((0, 9), (9, 10), (10, 24)):
-            parts.append(ours(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
-            cache.set_length(0, b)
-    torch.testing.assert_close(torch.cat([p.logits for p in parts]), ref_logits, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(torch.cat([p.hidden for p in parts]), ref_h, atol=1e-4, rtol=1e-4)
+        logits, hidden, view = paged_head(ours, feats, embeds, ((0, 9), (9, 10), (10, 24)))
+    assert (view is not None) == c_path
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
 
 
 def test_first_greedy_chain_equals_the_reference(target, head, monkeypatch):
@@ -204,8 +200,7 @@ def test_qkv_bias(target, head, tmp_path, monkeypatch):
 
         def logits(path):
             ours = load_eagle_authors(path, model)
-            cache = ours.decoder.new_cache(batch=1)
-            return ours(feats, embeds, cache, ForwardBatch.build(cache, [0], [11], [0])).logits, ours
+            return paged_head(ours, feats, embeds, ((0, 11),))[0], ours
 
         c, ours = logits(folder)
         bias = ours.decoder.model.layers[0].self_attn.qkv_proj.bias

@@ -229,7 +229,8 @@ def is_eagle_authors(folder: str | os.PathLike) -> bool:
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
             names = list(f.keys())
     elif (folder / "pytorch_model.bin").is_file():
-        names = list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True))
+        # mapped, not read: only the names are wanted (the loader reads the tensors once, later)
+        names = list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
     else:
         return False
     return "fc.weight" in names and any(k.startswith("layers.0.") for k in names)

@@ -135,17 +135,21 @@ def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: An
     Prompts are left-padded; rows that end leave the batch (their cache rows are dropped)."""
     from transformers import DynamicCache
 
+    dev = model.device
     B, P = len(prompts), max(map(len, prompts))
     ids = torch.full((B, P), pad_id, dtype=torch.long)
     mask = torch.zeros(B, P, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, P - len(p):] = torch.tensor(p)
         mask[i, P - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
     cache = DynamicCache()
-    h = model.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    cache=cache, use_cache=True).last_hidden_state          # [B, P, D] final-norm
-    rows = [{"answer": [], "hidden": [h[i, P - len(p):].float()], "finished": False} for i, p in enumerate(prompts)]
+    step = lambda ids, mask, pos: model.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,  # noqa: E731
+                                              **{_cache_kwarg(model): cache}).last_hidden_state
+    h = step(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))             # [B, P, D] final-norm
+    host = h.float().cpu()                                              # features gathered on the host
+    rows = [{"answer": [], "hidden": [host[i, P - len(p):]], "finished": False} for i, p in enumerate(prompts)]
     live, logits = list(range(B)), model.lm_head(h[:, -1]).float()
     while live:
         nxt = _next_tokens(logits, [greedy[r] for r in live], params, gen).tolist()
@@ -159,17 +163,23 @@ def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: An
         if not keep:
             break
         if len(keep) < len(live):
-            cache.batch_select_indices(torch.tensor(keep))
+            cache.batch_select_indices(torch.tensor(keep, device=dev))
             mask = mask[keep]
         live = [live[j] for j in keep]
-        mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], 1)
-        h = model.model(input_ids=torch.tensor([[nxt[j]] for j in keep]), attention_mask=mask,
-                        position_ids=mask.sum(-1, keepdim=True) - 1, cache=cache,
-                        use_cache=True).last_hidden_state[:, -1]
-        for r, f in zip(live, h):
-            rows[r]["hidden"].append(f.float()[None])
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
+        h = step(torch.tensor([[nxt[j]] for j in keep], device=dev), mask, mask.sum(-1, keepdim=True) - 1)[:, -1]
+        host = h.float().cpu()
+        for j, r in enumerate(live):
+            rows[r]["hidden"].append(host[j:j + 1])
         logits = model.lm_head(h).float()
     return [{"answer": x["answer"], "finished": x["finished"], "hidden": torch.cat(x["hidden"])} for x in rows]
+
+
+def _cache_kwarg(model) -> str:
+    """The cache argument's name: `cache` in recent transformers, `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

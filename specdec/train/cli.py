@@ -49,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         else:
             h.add_argument("--window", type=int, help="pairs per training row")
         h.add_argument("--threads", type=int)
+        h.add_argument("--device", default="cpu", help="where the heads train (cpu, cuda)")
         h.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
         h.add_argument("--report-prompts", type=int, default=20,
                        help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
@@ -99,6 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--backend", choices=("transformers", "specdec"), default="transformers",
                     help="transformers: padded batches (faster for bulk generation here); specdec: its own runtime")
     an.add_argument("--threads", type=int, default=1)
+    an.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
     an.add_argument("--stop-after", type=int, help="write at most this many new shards")
 
     sx = tsub.add_parser("suffix", help="index the target's answers as a datastore for method \"suffix\" (nothing is trained)")
@@ -239,13 +241,16 @@ def _heads(args: argparse.Namespace) -> int:
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None),
               "freeze_lm_head": getattr(args, "freeze_lm_head", None)}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
+    from ..model.gguf import find_gguf
+
     target = Path(args.target)
-    if not (target / "config.json").is_file():
-        raise ValueError(f"--target {target}: not a model folder (no config.json)")
+    if not (target / "config.json").is_file() and find_gguf(target) is None:
+        raise ValueError(f"--target {target}: not a model folder (no config.json) nor a GGUF file")
     out = Path(args.out)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     r = train_heads(cfg, target, out, Path(args.work) if args.work else Path("runs") / out.name, Path(args.data),
-                    command=command, stop_after=args.stop_after, report_prompts=args.report_prompts)
+                    command=command, stop_after=args.stop_after, report_prompts=args.report_prompts,
+                    device=args.device)
     if r["finished"]:
         print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
     else:
@@ -278,12 +283,18 @@ def _chat_data(args: argparse.Namespace) -> int:
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
                        greedy_fraction=args.greedy_fraction, threads=args.threads)
     if args.backend == "specdec":
-        model = load_model(args.target, args.dtype)
+        model = load_model(args.target, args.dtype, args.device)
     else:
         import transformers
 
         from ..model.checkpoint import resolve_dtype
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype)).eval()
+        from ..model.gguf import find_gguf
+        if find_gguf(args.target) is not None:      # a GGUF target: dequantized, then transformers' names
+            from ..model.export import to_transformers
+            model = to_transformers(load_model(args.target, "float32", quantization="none"), resolve_dtype(args.dtype))
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype))
+        model = model.to(args.device).eval()
     paths = write_shards(model, Tokenizer(args.target), prompts, Path(args.out), cfg, stop_after=args.stop_after)
     total = -(-len(prompts) // cfg.per_shard)
     print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))

@@ -45,6 +45,12 @@ class FlatData:
         return cls(data["tokens"], data.get("hidden"), offs[:-1].clone(), offs[1:].clone(),
                    offs[:-1] + data["prompt_lens"], data["greedy"].clone())
 
+    def to(self, device) -> "FlatData":
+        """The same data on `device` (itself when already there)."""
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return FlatData(*(move(getattr(self, f)) for f in ("tokens", "hidden", "starts", "ends", "answer_starts",
+                                                           "greedy")))
+
     @property
     def num_sequences(self) -> int:
         return len(self.starts)

@@ -22,9 +22,10 @@ def _sequences(data: FlatData):
 def medusa_accuracy(heads: MedusaHeads, data: FlatData, to_draft, ranks: int = 10) -> list[list[float]]:
     """acc[i][r]: how often head i's r-th ranked token is the right one (trained-on positions)."""
     M = heads.num_heads
-    hits, total = torch.zeros(M, ranks), torch.zeros(M)
+    dev = data.tokens.device
+    hits, total = torch.zeros(M, ranks, device=dev), torch.zeros(M, device=dev)
     for st, a, e in _sequences(data):
-        t = torch.arange(max(st, a - 2), e - 2)                          # head 0 predicts t + 2
+        t = torch.arange(max(st, a - 2), e - 2, device=dev)              # head 0 predicts t + 2
         if len(t) == 0:
             continue
         top = heads(data.hidden[t].float()).topk(ranks, -1).indices       # [M, N, R]
@@ -44,7 +45,7 @@ def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
         feats = data.hidden[st:e - 2].float()[None]
         logits = head(feats, embed(data.tokens[st + 1:e - 1].long()).float()[None]).logits
         labels = to_draft[data.tokens[st + 2:e].long()]
-        mask = torch.arange(st + 2, e) >= a
+        mask = torch.arange(st + 2, e, device=labels.device) >= a
         hits += int(((logits[0].argmax(-1) == labels) & mask).sum())
         total += int(mask.sum())
     return round(hits / max(1, total), 4)
@@ -57,12 +58,13 @@ def eagle_chain_accuracy(head: EagleHead, embed, data: FlatData, to_draft, depth
     engine's conditional acceptance), on trained-on positions. Depth 0 is eagle_accuracy."""
     from .eagle_unroll import unrolled
 
-    hits, total = torch.zeros(depths), torch.zeros(depths)
+    dev = data.tokens.device
+    hits, total = torch.zeros(depths, device=dev), torch.zeros(depths, device=dev)
     for st, a, e in _sequences(data):
         outs = unrolled(head, data.hidden[st:e - 2].float()[None], embed(data.tokens[st + 1:e - 1].long()).float()[None],
                         depths)
         labels = to_draft[data.tokens[st + 2:e].long()]
-        rows = torch.arange(e - 2 - st)
+        rows = torch.arange(e - 2 - st, device=dev)
         for s, (logits, _) in enumerate(outs):
             keep = (rows + st + 2 >= a) & (rows >= s)
             hits[s] += ((logits[0].argmax(-1) == labels) & keep).sum()

@@ -168,7 +168,7 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     feats = data.hidden[idx].float()                                     # [B, W, D]
     if noise > 0:
         rms = feats.pow(2).mean().sqrt()
-        feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise * rms
+        feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device) * 2 - 1) * noise * rms
     embeds = embed(data.tokens[idx + 1].long()).float()
     if unroll > 1:
         depths = unrolled(head, feats, embeds, unroll)
@@ -179,7 +179,7 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     labels = to_draft[data.tokens[idx + 2].long()].masked_fill(~mask, -100)
     reg = ce = 0.0
     for s, (logits, pred) in enumerate(depths):
-        keep = mask & (torch.arange(mask.shape[1]) >= s)[None]      # depth s needs s committed rows before
+        keep = mask & (torch.arange(mask.shape[1], device=mask.device) >= s)[None]   # depth s: s committed rows before
         m = keep[..., None].float()
         reg = reg + (F.smooth_l1_loss(pred, want, reduction="none") * m).sum() / (m.sum() * pred.shape[-1]).clamp(min=1)
         ce = ce + _token_loss(logits.reshape(-1, logits.shape[-1]), labels.masked_fill(~keep, -100).reshape(-1),
@@ -212,21 +212,24 @@ def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state:
 
 def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_dir: Path,
                 command: str = "", stop_after: int | None = None, report_prompts: int = 20,
-                log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+                log=lambda s: print(s, file=sys.stderr, flush=True), device: str = "cpu") -> dict:
+    """device: where the heads train ("cuda": the training data is copied to the GPU whole; the
+    batches are drawn on the host as on the CPU, so a run is the same schedule on either)."""
     torch.set_flush_denormal(True)   # tiny gradients otherwise turn CPU matmuls 10x slower
     try:
-        return _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log)
+        return _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log,
+                            torch.device(device))
     finally:
         torch.set_flush_denormal(False)   # the process-wide default: inference numerics untouched
 
 
-def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log) -> dict:
+def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, report_prompts, log, device) -> dict:
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model(target_dir, "float32")
+    target = load_model(target_dir, "float32", quantization="none")     # a GGUF target dequantized
     V = target.config.vocab_size
     ckpt = work / "checkpoint.pt"
-    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
     vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
@@ -235,8 +238,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         train = dataclasses.replace(train, answer_starts=train.starts.clone())
         what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
-    heads = build_heads(cfg, target, vocab)
-    embed = target.model.embed_tokens
+    heads = build_heads(cfg, target, vocab).to(device)
+    embed = target.model.embed_tokens.to(device)
+    data, to_draft_dev = train.to(device), to_draft.to(device)      # what the loss reads (the host's on CPU)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if saved:
@@ -244,32 +248,33 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         opt.load_state_dict(saved["optimizer"])
         log(f"resumed from {ckpt} at step {state['step']}")
     label_t, label_seq = train.label_positions(2)
-    bf16 = use_bf16(cfg.precision, torch.device("cpu"))
+    bf16 = use_bf16(cfg.precision, device)
     # a fixed probe of greedy validation sequences: top-1 accuracy during training shows overfitting
-    val_probe = val.select(val.greedy & (torch.arange(val.num_sequences) < 4 * 24)) if cfg.eval_every else None
+    val_probe = val.select(val.greedy & (torch.arange(val.num_sequences) < 4 * 24)).to(device) if cfg.eval_every else None
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
         rng = np.random.default_rng((cfg.seed, step))
-        gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
+        gen = torch.Generator(device=device).manual_seed(int(rng.integers(1 << 62)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if cfg.kind == "medusa":
                 pick = torch.from_numpy(rng.integers(0, len(label_t), cfg.batch))
-                loss, parts = medusa_loss(heads, train, label_t[pick], label_seq[pick], to_draft, cfg.soft_labels), {}
+                loss, parts = medusa_loss(heads, data, label_t[pick].to(device), label_seq[pick].to(device),
+                                          to_draft_dev, cfg.soft_labels), {}
             else:
                 idx, valid, seq = train.windows(rng, label_t, label_seq, cfg.batch, cfg.window)
                 mask = valid & train.trained_on(idx, seq, 2)
-                loss, reg, ce = eagle_loss(heads, embed, train, idx, mask, to_draft, cfg.noise, gen,
-                                           cfg.soft_labels, cfg.token_weight, cfg.unroll)
+                loss, reg, ce = eagle_loss(heads, embed, data, idx.to(device), mask.to(device), to_draft_dev,
+                                           cfg.noise, gen, cfg.soft_labels, cfg.token_weight, cfg.unroll)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
         if (step + 1) % 50 == 0 or step + 1 == cfg.steps:
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                parts["val_top1"] = _val_top1(cfg, heads, embed, val_probe, to_draft)
+                parts["val_top1"] = _val_top1(cfg, heads, embed, val_probe, to_draft_dev)
             state["history"].append({"step": step + 1, "loss": round(loss.item(), 4), **parts})
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
@@ -277,22 +282,24 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
             save_checkpoint({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
+    del data
     heads.eval()
     result = {"steps": state["step"], "wall_time_s": round(state["elapsed_s"], 1),
               "draft_vocab_coverage": round(coverage, 4), "data": what,
               "train_tokens": int(len(train.tokens)),
               "trainable_parameters": sum(p.numel() for p in params)}
     extra = {"draft_vocab_coverage": result["draft_vocab_coverage"]}
-    greedy_val, sampled_val = val.select(val.greedy), val.select(~val.greedy)
+    greedy_val, sampled_val = val.select(val.greedy).to(device), val.select(~val.greedy).to(device)
     if cfg.kind == "eagle":
         extra["default_topk"] = cfg.default_topk
-        result["top1_accuracy"] = eagle_accuracy(heads, embed, greedy_val, to_draft)
-        result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, sampled_val, to_draft)
-        result["chain_top1_accuracy"] = eagle_chain_accuracy(heads, embed, greedy_val, to_draft)
+        result["top1_accuracy"] = eagle_accuracy(heads, embed, greedy_val, to_draft_dev)
+        result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, sampled_val, to_draft_dev)
+        result["chain_top1_accuracy"] = eagle_chain_accuracy(heads, embed, greedy_val, to_draft_dev)
     else:
-        extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft)
+        extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft_dev)
         result["top1_accuracy_per_head"] = [a[0] for a in extra["accuracy"]]
-        result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(heads, sampled_val, to_draft)]
+        result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(heads, sampled_val, to_draft_dev)]
+    heads, embed = heads.cpu(), embed.cpu()
     save_heads(heads, out, torch.bfloat16, extra=extra)
     if report_prompts:
         prompts, what_prompts = _report_prompts(cfg, val, report_prompts, target_dir)

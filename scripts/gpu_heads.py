@@ -1,0 +1,201 @@
+"""Drafter training data and an EAGLE head for SmolLM2 on a GPU, inside one device lease.
+
+The CPU here answers ~5K chat prompts in hours; a GPU answers ~20K in minutes. This driver runs
+specdec's own pipeline (`specdec train answers`, `specdec train eagle`, both with --device
+cuda) under a wall-clock budget, and leaves under --out what a 16 MiB-per-file transfer can
+carry back: the head (split in parts), its training.json and card, the answers' tokens (no
+features) and the logs.
+
+    python scripts/gpu_heads.py smoke --out OUT             # CUDA paths on random models; times a training step
+    python scripts/gpu_heads.py full --gguf F --prompts P --out OUT [--budget 560]
+
+`smoke` writes /tmp/specdec_calib.json (seconds per training step at the full run's shapes),
+which `full` reads to size its training to what is left of the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIB = Path("/tmp/specdec_calib.json")
+# the full run's EAGLE settings (the bundled head's, with 8x the rows per step)
+EAGLE = dict(batch=32, window=256, draft_vocab=8192, unroll=3, lr=1e-3, token_weight=1.0, noise=0.1)
+
+
+def sh(cmd: list[str], log: Path, timeout: float | None = None) -> int:
+    """Run a specdec command, its output teed to `log`; returns the exit status (124: timed out)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    print("$", " ".join(cmd), flush=True)
+    with open(log, "a") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        timer = threading.Timer(timeout, p.terminate) if timeout is not None else None
+        if timer:
+            timer.start()
+        try:
+            for line in p.stdout:
+                f.write(line)
+                if "Warning" not in line:
+                    print(line, end="", flush=True)
+            rc = p.wait(timeout=30)
+            return 124 if timer and not timer.is_alive() and rc != 0 else rc
+        finally:
+            if timer:
+                timer.cancel()
+            if p.poll() is None:
+                p.kill()
+
+
+def eagle_args(target: str, data: str, out: str, work: str, steps: int, device: str = "cuda", **over) -> list[str]:
+    e = {**EAGLE, **over}
+    return [sys.executable, "-m", "specdec", "train", "eagle", "--target", target, "--data", data, "--data-kind", "chat",
+            "--val-shards", "1", "--draft-vocab", str(e["draft_vocab"]), "--window", str(e["window"]),
+            "--batch", str(e["batch"]), "--lr", str(e["lr"]), "--soft-labels", "--prompt-loss",
+            "--token-weight", str(e["token_weight"]), "--noise", str(e["noise"]), "--unroll", str(e["unroll"]),
+            "--precision", "bf16", "--steps", str(steps), "--eval-every", str(max(50, steps // 10 // 50 * 50)),
+            "--report-prompts", "0", "--out", out, "--work", work, "--device", device]
+
+
+def fake_shards(folder: Path, n_shards: int, rows: int, length: int, vocab: int, dim: int) -> None:
+    """Answer shards of random tokens and features (answers.py's layout): a training step's cost
+    depends on the shapes alone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for s in range(n_shards):
+        tokens = torch.randint(0, vocab, (rows * length,), generator=g, dtype=torch.int32)
+        torch.save({"ids": [f"{s}-{i}" for i in range(rows)], "tokens": tokens,
+                    "offsets": torch.arange(rows + 1) * length, "prompt_lens": torch.full((rows,), length // 4),
+                    "greedy": torch.arange(rows) % 2 == 0, "finished": torch.ones(rows, dtype=torch.bool),
+                    "hidden": torch.randn(rows * length, dim, generator=g).half()}, folder / f"shard_{s:05d}.pt")
+
+
+def random_llama(folder: Path, vocab: int, hidden: int, layers: int, heads: int, kv: int, inter: int) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                   head_dim=hidden // heads, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+
+
+def smoke(args) -> int:
+    out, work = Path(args.out), Path("/tmp/smoke")
+    quick = args.device == "cpu"          # a local check of this script: small shapes, few steps
+    work.mkdir(parents=True, exist_ok=True)
+    print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU", flush=True)
+    # 1. answers on CUDA: a random model with the toy pair's tokenizer (its chat template too)
+    toy = work / "toy"
+    random_llama(toy, 16384, 128, 2, 4, 2, 256)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (toy / f).write_bytes((ROOT / "models/target" / f).read_bytes())
+    prompts = work / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"Question {i}: say something about {i * 7}."}) + "\n"
+                               for i in range(24)))
+    rc = sh([sys.executable, "-m", "specdec", "train", "answers", "--target", str(toy), "--prompts", str(prompts),
+             "--out", str(work / "ans"), "--max-new-tokens", "16", "--batch", "12", "--per-shard", "12",
+             "--dtype", "float32", "--device", args.device], out / "smoke.log")
+    print("answers rc", rc, flush=True)
+    # 2. an EAGLE head at the full run's shapes (SmolLM2's layer, 8192 draft rows) on random data
+    shaped = work / "shaped"
+    random_llama(shaped, 49152, 576, 1, 9, 3, 1536)
+    fake_shards(work / "fake", 3, 16 if quick else 256, 512, 49152, 576)
+    steps = 4 if quick else 150
+    t0 = time.time()
+    cmd = eagle_args(str(shaped), str(work / "fake"), str(work / "head"), str(work / "hw"), steps, args.device,
+                     **({"batch": 2} if quick else {}))
+    rc2 = sh(cmd, out / "smoke.log")
+    wall = time.time() - t0
+    hist = json.loads((work / "head/training.json").read_text()) if rc2 == 0 else None
+    per_step = None
+    if hist:
+        per_step = hist["result"]["wall_time_s"] / steps
+        CALIB.write_text(json.dumps({"s_per_step": per_step, "wall_s": wall}))
+    print(json.dumps({"answers_rc": rc, "eagle_rc": rc2, "s_per_step": per_step, "eagle_wall_s": round(wall, 1)}),
+          flush=True)
+    return rc or rc2
+
+
+def dump_tokens(ans: Path, out: Path) -> dict:
+    """The answers' tokens without features (uint16: SmolLM2's 49152 ids fit), for the suffix datastore."""
+    sys.path.insert(0, str(ROOT))
+    from specdec.train.answers import load_answer_shards
+
+    paths = sorted(ans.glob("shard_*.pt"))
+    d = load_answer_shards(paths, hidden=False)
+    offs, n = d["offsets"].numpy(), len(d["ids"])
+    for part, (a, b) in enumerate(((0, n // 2), (n // 2, n))):      # two files: each under the 16 MiB a file
+        np.savez_compressed(out / f"answers_tokens{part}.npz",
+                            tokens=d["tokens"][offs[a]:offs[b]].numpy().astype(np.uint16), offsets=offs[a:b + 1] - offs[a],
+                            prompt_lens=d["prompt_lens"][a:b].numpy(), greedy=d["greedy"][a:b].numpy(),
+                            finished=d["finished"][a:b].numpy(), ids=np.array(d["ids"][a:b]))
+    return {"shards": len(paths), "answers": len(d["ids"]), "tokens": int(len(d["tokens"])),
+            "answer_tokens": int(len(d["tokens"]) - d["prompt_lens"].sum())}
+
+
+def full(args) -> int:
+    t_start = time.time()
+    out = Path(args.out)
+    ans, head, work = Path("/tmp/ans"), Path("/tmp/head"), Path("/tmp/head_work")
+    log = out / "full.log"
+    # 1. the target's answers, until the generation budget runs out (shards are written whole)
+    sh([sys.executable, "-m", "specdec", "train", "answers", "--target", args.gguf, "--prompts", args.prompts,
+        "--out", str(ans), "--max-new-tokens", "256", "--batch", str(args.rows), "--per-shard", str(args.rows),
+        "--dtype", "float32", "--device", args.device], log, timeout=args.gen_s)
+    for tmp in ans.glob("*.tmp"):
+        tmp.unlink()
+    info = dump_tokens(ans, out)
+    info["generation_s"] = round(time.time() - t_start, 1)
+    print(json.dumps(info), flush=True)
+    # 2. the head: as many steps as the rest of the budget holds (data loading and evaluation kept aside)
+    calib = json.loads(CALIB.read_text()) if CALIB.is_file() else {"s_per_step": 0.05}
+    left = args.budget - (time.time() - t_start) - args.reserve_s
+    steps = int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
+    info.update(steps=steps, s_per_step_calibrated=calib["s_per_step"])
+    print(json.dumps(info), flush=True)
+    rc = sh(eagle_args(args.gguf, str(ans), str(head), str(work), steps, args.device,
+                       **({"batch": args.batch} if args.batch else {})), log)
+    info["eagle_rc"], info["total_s"] = rc, round(time.time() - t_start, 1)
+    if (head / "model.safetensors").is_file():
+        blob = (head / "model.safetensors").read_bytes()
+        half = len(blob) // 2 + 1
+        (out / "head.safetensors.part0").write_bytes(blob[:half])
+        (out / "head.safetensors.part1").write_bytes(blob[half:])
+        (out / "head_training.json").write_bytes((head / "training.json").read_bytes())
+        info["head_config"] = json.loads((head / "config.json").read_text())
+    (out / "info.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(json.dumps(info), flush=True)
+    return rc
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("smoke", "full"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--gguf")
+    p.add_argument("--prompts")
+    p.add_argument("--rows", type=int, default=512, help="rows answered together (and prompts per shard)")
+    p.add_argument("--gen-s", type=float, default=240, help="seconds of answering")
+    p.add_argument("--budget", type=float, default=545, help="seconds for the whole run")
+    p.add_argument("--reserve-s", type=float, default=75, help="seconds kept for loading data and evaluating")
+    p.add_argument("--max-steps", type=int, default=30000)
+    p.add_argument("--min-steps", type=int, default=500)
+    p.add_argument("--batch", type=int, help=f"EAGLE rows per step (default {EAGLE['batch']})")
+    p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return smoke(args) if args.what == "smoke" else full(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""specdec's `Transformer` -> a transformers `LlamaForCausalLM` with the same weights.
+"""specdec's `Transformer` -> a transformers `LlamaForCausalLM` (or `Qwen2ForCausalLM`) with the same weights.
 
 Training data for drafters comes from the target's own answers (train/answers.py), and bulk
 generation runs fastest on transformers' padded batches. A target that exists here only as a
@@ -21,6 +21,7 @@ import torch
 
 from .config import ModelConfig
 from .llama import Transformer
+from .quant import QuantEmbedding, QuantLinear
 
 
 class ExportError(ValueError):
@@ -44,29 +45,38 @@ def _check(cfg: ModelConfig) -> None:
         raise ExportError(f"only the plain Llama layout converts to transformers; this model has {', '.join(found)}")
 
 
+def _family(cfg: ModelConfig) -> str:
+    """"qwen2" (q/k/v biases, no o_proj bias: transformers' Llama ties the two) or "llama"."""
+    return "qwen2" if cfg.attention_bias else "llama"
+
+
 def llama_config(cfg: ModelConfig):
-    """The transformers LlamaConfig of a plain-Llama ModelConfig."""
+    """The transformers config (LlamaConfig, or Qwen2Config with q/k/v biases) of a plain-Llama ModelConfig."""
     import transformers
 
     _check(cfg)
-    return transformers.LlamaConfig(
+    common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.attention_bias, hidden_act="silu", bos_token_id=cfg.bos_token_id,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+        tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu", bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id)
+    if _family(cfg) == "qwen2":
+        if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+            raise ExportError(f"head_dim {cfg.head_dim} != hidden_size / heads: Qwen2 in transformers derives it")
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    return transformers.LlamaConfig(**common, head_dim=cfg.head_dim, attention_bias=False)
 
 
 def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """Hugging Face names for the runtime's weights (fused matrices split; no copies made)."""
     cfg = model.config
     _check(cfg)
-    src = model.state_dict()
-    packed = [k for k in src if not k.endswith((".weight", ".bias"))]
+    packed = [name for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
     if packed:
         raise ExportError(f"{packed[0]}: packed (quantized) weights; load the model with quantization='none'")
+    src = model.state_dict()
     q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     out = {}
     for name, t in src.items():
@@ -84,17 +94,19 @@ def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def to_transformers(model: Transformer, dtype: torch.dtype | None = None):
-    """A transformers LlamaForCausalLM (eval mode) holding `model`'s weights, in `dtype`
+    """A transformers LlamaForCausalLM / Qwen2ForCausalLM (eval mode) holding `model`'s weights, in `dtype`
     (default: the weights' own)."""
     import transformers
 
     state = llama_state_dict(model)
     dtype = dtype or next(iter(state.values())).dtype
-    hf = transformers.LlamaForCausalLM(llama_config(model.config)).to(dtype)
+    config = llama_config(model.config)
+    cls = transformers.Qwen2ForCausalLM if _family(model.config) == "qwen2" else transformers.LlamaForCausalLM
+    hf = cls(config).to(dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ExportError(f"weights do not match LlamaForCausalLM: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ExportError(f"weights do not match {cls.__name__}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if model.config.tie_word_embeddings:
         hf.tie_weights()
     return hf.to(model.model.embed_tokens.weight.device).eval()

@@ -145,7 +145,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: training runs on cpu or cuda")
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "device", None) is not None:
+        _check_device(args.device)
     if args.train_cmd == "report":
         return _report(args)
     if args.train_cmd in ("prompts", "answers"):

@@ -127,7 +127,7 @@ def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
 | draft vocabulary | {cfg.draft_vocab} most frequent tokens of the training data; they cover {r['draft_vocab_coverage']:.1%} of the validation tokens trained on |
 | data | {r['data']} |
 | steps | {steps}, AdamW lr {cfg.lr}, cosine |
-| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), {cfg.precision} matmuls (fp32 master weights) |
+| wall time | {r['wall_time_s'] / 3600:.2f} h on {r.get('device') or platform.machine() + ' CPU'}, {cfg.threads} thread(s), {cfg.precision} matmuls (fp32 master weights) |
 {acc}
 
 ## Speculation on held-out prompts

@@ -122,7 +122,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
                       log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model(target_dir, "float32")
+    target = load_model(target_dir, "float32", quantization="none")     # a GGUF target dequantized
     ckpt = work / "checkpoint.pt"
     saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}

@@ -11,6 +11,24 @@ features) and the logs.
 
 `smoke` writes /tmp/specdec_calib.json (seconds per training step at the full run's shapes),
 which `full` reads to size its training to what is left of the budget.
+
+On this workplace's device machine (H200, 15 minutes a session, 64 MiB of tree a call): make the
+prompts (`specdec train prompts --out runs/chat2 --count 24000 --target GGUF --self-instruct 240`,
+3 minutes here), commit, run `bash scripts/gpu_tree.sh runs/chat2/prompts.jsonl`, then two calls
+back to back (the machine stays warm 30 s; the first leaves half the GGUF in its /tmp):
+
+    carry [".gpu/smol.00", ".whl"]:
+      mkdir -p /tmp/keep && cp .gpu/smol.00 /tmp/keep/ && python3 -m pip install -q --no-index --no-deps
+      --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1;
+      python3 scripts/gpu_heads.py smoke --out $OUT
+    carry [".gpu/smol.01", ".whl"]:
+      export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; cat /tmp/keep/smol.00 .gpu/smol.01 > /tmp/smol.gguf &&
+      echo "$(cat gpudata/gguf.sha)  /tmp/smol.gguf" | sha256sum -c - && gunzip -c gpudata/prompts.jsonl.gz
+      > /tmp/p.jsonl && python3 scripts/gpu_heads.py full --gguf /tmp/smol.gguf --prompts /tmp/p.jsonl --out $OUT
+
+then `give_back` and `bash scripts/gpu_tree.sh --restore`. What comes back (at most 8 files of
+16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens; a vocabulary draft
+(`specdec train vocab-draft --device cuda`, 37.8 MB) would need a lease of its own.
 """
 
 from __future__ import annotations

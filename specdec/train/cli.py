@@ -75,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        ("--threads", int)):
         vd.add_argument(flag, type=kind)
     vd.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    vd.add_argument("--device", default="cpu", help="where the draft trains (cpu, cuda)")
     vd.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
     vd.add_argument("--report-prompts", type=int, default=20, help="validation prompts for the card's acceptance (0: skip)")
 
@@ -326,7 +327,7 @@ def _vocab_draft(args: argparse.Namespace) -> int:
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     r = train_vocab_draft(cfg, Path(args.target), Path(args.data), out,
                           Path(args.work) if args.work else Path("runs") / out.name, command=command,
-                          stop_after=args.stop_after, report_prompts=args.report_prompts)
+                          stop_after=args.stop_after, report_prompts=args.report_prompts, device=args.device)
     if r["finished"]:
         print(f"wrote {out}: " + json.dumps({k: v for k, v in r.items() if k != "finished"}))
     else:

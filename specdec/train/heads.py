@@ -312,6 +312,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
 
 
 def _device_name(device: torch.device) -> str:
+    """Where a run trained, for its card: the GPU's name, or the CPU's model."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     from ..bench.machine import cpu_model

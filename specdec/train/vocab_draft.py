@@ -86,7 +86,7 @@ def batch_rows(data: FlatData, seqs: list[int], window: int) -> tuple[torch.Tens
 def distill_loss(draft: VocabDraft, head_rows: torch.Tensor, data: FlatData, tokens, pos, mask, to_draft,
                  hard_weight: float, bf16: bool) -> tuple[torch.Tensor, float]:
     """KL(p || q) over the draft vocabulary at masked positions; returns (loss, top-1 agreement)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         q_logits = draft.draft_logits(tokens).float()[mask]                  # [N, V']
     with torch.no_grad():
         p_logits = data.hidden[pos[mask]].float() @ head_rows.T               # [N, V']
@@ -119,12 +119,15 @@ def agreement(draft: VocabDraft, data: FlatData, window: int, max_seqs: int = 20
 
 def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, out: Path, work: Path,
                       command: str = "", stop_after: int | None = None, report_prompts: int = 20,
-                      log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+                      log=lambda s: print(s, file=sys.stderr, flush=True), device: str = "cpu") -> dict:
+    """device: where the draft trains ("cuda": the data is copied to the GPU whole; batches are
+    drawn on the host as on the CPU)."""
+    device = torch.device(device)
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(target_dir, "float32", quantization="none")     # a GGUF target dequantized
     ckpt = work / "checkpoint.pt"
-    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, n = chat_data(answers, state.get("train_shards", cfg.shards), cfg.val_shards)
     state["train_shards"] = n
@@ -132,15 +135,17 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
     to_draft = torch.full((V,), -100, dtype=torch.long)
     to_draft[vocab] = torch.arange(vocab.numel())
-    head_rows = target.lm_head.weight.data[vocab].float()
-    draft = init_draft(cfg, target, vocab)
+    head_rows = target.lm_head.weight.data[vocab].float().to(device)
+    draft = init_draft(cfg, target, vocab).to(device)
+    target.model.embed_tokens.to(device)        # the draft reads the target's table (not one of its modules)
+    data, to_draft_dev = train.to(device), to_draft.to(device)
     params = [p for n_, p in draft.decoder.named_parameters() if not n_.endswith("embed_tokens.weight")]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if saved:
         draft.decoder.load_state_dict(saved["decoder"])
         opt.load_state_dict(saved["optimizer"])
         log(f"resumed from {ckpt} at step {state['step']}")
-    bf16 = use_bf16(cfg.precision, torch.device("cpu"))
+    bf16 = use_bf16(cfg.precision, device)
     weights = (train.ends - train.answer_starts).double()               # conversations by answer length
     weights /= weights.sum()
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
@@ -150,8 +155,8 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
         seqs = rng.choice(train.num_sequences, size=cfg.batch, p=weights.numpy()).tolist()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        tokens, pos, mask = batch_rows(train, seqs, cfg.window)
-        loss, agree = distill_loss(draft, head_rows, train, tokens, pos, mask, to_draft, cfg.hard_weight, bf16)
+        tokens, pos, mask = (t.to(device) for t in batch_rows(train, seqs, cfg.window))
+        loss, agree = distill_loss(draft, head_rows, data, tokens, pos, mask, to_draft_dev, cfg.hard_weight, bf16)
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
@@ -163,20 +168,25 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
             save_checkpoint({"decoder": draft.decoder.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
+    del data
     return _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab)
 
 
 def _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab) -> dict:
     from .headreport import speculation_report
 
-    draft.eval()
+    from .heads import _device_name
+
+    where = _device_name(draft.device)
+    draft = draft.cpu().eval()
+    draft.target_embed[0].cpu()
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
     result = {"steps": state["step"], "wall_time_s": round(state["elapsed_s"], 1),
               "train_shards": state["train_shards"], "train_answers": train.num_sequences,
               "train_answer_tokens": int(len(train.answer_tokens())),
               "draft_vocab_coverage": round(coverage, 4),
               "parameters": sum(p.numel() for n_, p in draft.decoder.named_parameters() if not n_.endswith("embed_tokens.weight")),
-              "greedy_top1_agreement": agreement(draft, val, cfg.window)}
+              "greedy_top1_agreement": agreement(draft, val, cfg.window), "device": where}
     save_vocab_draft(draft, out, torch.bfloat16, extra={"draft_vocab_coverage": result["draft_vocab_coverage"]})
     if report_prompts:
         spans = list(zip(val.starts.tolist(), val.answer_starts.tolist()))[:report_prompts]
@@ -206,7 +216,7 @@ forward KL to the target's distribution restricted to the draft vocabulary, on a
 | draft vocabulary | the {cfg.draft_vocab} most frequent answer tokens; they cover {r['draft_vocab_coverage']:.1%} of the validation answers |
 | data | {r['train_answers']} answers ({r['train_answer_tokens']:,} answer tokens, {r['train_shards']} shards) |
 | steps | {r['steps']} x {cfg.batch} conversations x up to {cfg.window} tokens, AdamW lr {cfg.lr}, cosine |
-| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), precision {cfg.precision} |
+| wall time | {r['wall_time_s'] / 3600:.2f} h on {r.get('device') or platform.machine() + ' CPU'}, {cfg.threads} thread(s), precision {cfg.precision} |
 | greedy top-1 agreement with the target (teacher-forced, validation) | {r['greedy_top1_agreement']} |
 
 Mean accepted length through the engine on held-out prompts (bfloat16):

@@ -29,7 +29,7 @@ git worktree add -q --detach "$wt" HEAD
     cd "$wt"
     git checkout -q --orphan gpu-run
     git rm -rfq .
-    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py models/target/tokenizer.json \
+    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py scripts/gpu_tree.sh models/target/tokenizer.json \
         models/target/tokenizer_config.json models/target/special_tokens_map.json
     mkdir gpudata
     gzip -c "$prompts" > gpudata/prompts.jsonl.gz

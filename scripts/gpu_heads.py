@@ -124,6 +124,7 @@ def smoke(args) -> int:
              "--out", str(work / "ans"), "--max-new-tokens", "16", "--batch", "12", "--per-shard", "12",
              "--dtype", "float32", "--device", args.device], out / "smoke.log")
     print("answers rc", rc, flush=True)
+    engine = engine_check(toy, work, args.device)
     # 2. an EAGLE head at the full run's shapes (SmolLM2's layer, 8192 draft rows) on random data
     shaped = work / "shaped"
     random_llama(shaped, 49152, 576, 1, 9, 3, 1536)
@@ -139,9 +140,40 @@ def smoke(args) -> int:
     if hist:
         per_step = hist["result"]["wall_time_s"] / steps
         CALIB.write_text(json.dumps({"s_per_step": per_step, "wall_s": wall}))
-    print(json.dumps({"answers_rc": rc, "eagle_rc": rc2, "s_per_step": per_step, "eagle_wall_s": round(wall, 1)}),
-          flush=True)
-    return rc or rc2
+    print(json.dumps({"answers_rc": rc, "eagle_rc": rc2, "s_per_step": per_step, "eagle_wall_s": round(wall, 1),
+                      "engine": engine}), flush=True)
+    return rc or rc2 or int(not engine.get("ok"))
+
+
+def engine_check(target: Path, work: Path, device: str) -> dict:
+    """The serving engine on `device`: greedy output of each speculative method equals plain
+    decoding there (a one-layer random draft with the target's vocabulary)."""
+    sys.path.insert(0, str(ROOT))
+    from specdec import LLM, SamplingParams
+
+    draft = work / "draft"
+    random_llama(draft, 16384, 128, 1, 4, 2, 256)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (draft / f).write_bytes((target / f).read_bytes())
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 9, 17, 9, 300 + i]} for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    result = {}
+    try:
+        plain = [o.outputs[0].token_ids for o in LLM(str(target), dtype="float32", device=device).generate(prompts, greedy)]
+        for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3}),
+                           ("draft_model", {"model": str(draft), "num_speculative_tokens": 3})):
+            llm = LLM(str(target), dtype="float32", device=device, speculative_config=spec)
+            outs = llm.generate(prompts, greedy)
+            result[name] = {"identical": [o.outputs[0].token_ids for o in outs] == plain,
+                            "draft_tokens": sum(o.stats.draft_tokens for o in outs)}
+        result["ok"] = all(v["identical"] for v in result.values())
+    except Exception as e:           # reported, so the lease's other checks still run
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {e}"
+    print("engine", json.dumps(result), flush=True)
+    return result
 
 
 def dump_tokens(ans: Path, out: Path) -> dict:

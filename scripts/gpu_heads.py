@@ -159,14 +159,37 @@ def engine_check(target: Path, work: Path, device: str) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     result = {}
     try:
-        plain = [o.outputs[0].token_ids for o in LLM(str(target), dtype="float32", device=device).generate(prompts, greedy)]
+        from specdec.model import load_model
+        from specdec.model.heads import save_heads
+        from specdec.train.heads import HeadsConfig, build_heads
+
+        dense = load_model(target, "float32")
+        vocab = torch.arange(0, dense.config.vocab_size, 4)      # random heads: drafts rarely accepted, still lossless
+        for kind in ("eagle", "medusa"):
+            save_heads(build_heads(HeadsConfig(kind=kind, num_heads=2), dense, vocab), work / kind)
+        base = LLM(str(target), dtype="float32", device=device)
+        plain = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
+        solo = [base.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+        sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=7, ignore_eos=True)
+        result["plain"] = {"batch_equals_solo": solo == plain,
+                           "seeded_repeats": base.generate(prompts[0], sampled)[0].outputs[0].token_ids
+                           == base.generate(prompts[0], sampled)[0].outputs[0].token_ids}
         for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3}),
-                           ("draft_model", {"model": str(draft), "num_speculative_tokens": 3})):
-            llm = LLM(str(target), dtype="float32", device=device, speculative_config=spec)
-            outs = llm.generate(prompts, greedy)
-            result[name] = {"identical": [o.outputs[0].token_ids for o in outs] == plain,
-                            "draft_tokens": sum(o.stats.draft_tokens for o in outs)}
-        result["ok"] = all(v["identical"] for v in result.values())
+                           ("suffix", {"method": "suffix", "num_speculative_tokens": 3}),
+                           ("draft_model", {"model": str(draft), "num_speculative_tokens": 3}),
+                           ("eagle", {"method": "eagle", "model": str(work / "eagle"), "num_speculative_tokens": 3}),
+                           ("eagle_tree", {"method": "eagle", "model": str(work / "eagle"), "num_speculative_tokens": 4,
+                                           "topk": 2}),
+                           ("medusa", {"method": "medusa", "model": str(work / "medusa"), "num_speculative_tokens": 3})):
+            try:
+                llm = LLM(str(target), dtype="float32", device=device, speculative_config=spec)
+                outs = llm.generate(prompts, greedy)
+                result[name] = {"identical": [o.outputs[0].token_ids for o in outs] == plain,
+                                "draft_tokens": sum(o.stats.draft_tokens for o in outs)}
+            except Exception as e:   # one method's failure is reported beside the others
+                result[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        result["ok"] = all(v.get("identical", True) and "error" not in v for v in result.values()) and \
+            all(result["plain"].values())
     except Exception as e:           # reported, so the lease's other checks still run
         import traceback
 

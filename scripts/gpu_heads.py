@@ -8,6 +8,7 @@ features) and the logs.
 
     python scripts/gpu_heads.py smoke --out OUT             # CUDA paths on random models; times a training step
     python scripts/gpu_heads.py full --gguf F --prompts P --out OUT [--budget 560]
+    python scripts/gpu_heads.py collect --src FILES_AT --out models/X [--answers-out runs/answers]   # here, after
 
 `smoke` writes /tmp/specdec_calib.json (seconds per training step at the full run's shapes),
 which `full` reads to size its training to what is left of the budget.
@@ -252,10 +253,44 @@ def full(args) -> int:
     return rc
 
 
+def collect(args) -> int:
+    """Here, after a lease: the files that came back -> a head folder (model.safetensors, config.json,
+    training.json, the card) and, with --answers-out, the answers' tokens as answer shards without
+    features (what `specdec train suffix` indexes)."""
+    sys.path.insert(0, str(ROOT))
+    from specdec.train.headreport import card
+    from specdec.train.heads import HeadsConfig
+
+    src, out = Path(args.src), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = json.loads((src / "info.json").read_text())
+    (out / "model.safetensors").write_bytes(b"".join((src / f"head.safetensors.part{i}").read_bytes() for i in (0, 1)))
+    (out / "config.json").write_text(json.dumps(info["head_config"], indent=2) + "\n")
+    training = json.loads((src / "head_training.json").read_text())
+    (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+    cfg = HeadsConfig(**training["config"])
+    (out / "README.md").write_text(card(out, Path(args.target_name), cfg, training["result"], training["commands"]))
+    print(f"wrote {out}")
+    if args.answers_out:
+        ans = Path(args.answers_out)
+        ans.mkdir(parents=True, exist_ok=True)
+        for part in (0, 1):
+            z = np.load(src / f"answers_tokens{part}.npz")
+            torch.save({"ids": [str(i) for i in z["ids"]], "tokens": torch.from_numpy(z["tokens"].astype(np.int32)),
+                        "offsets": torch.from_numpy(z["offsets"].astype(np.int64)),
+                        "prompt_lens": torch.from_numpy(z["prompt_lens"]), "greedy": torch.from_numpy(z["greedy"]),
+                        "finished": torch.from_numpy(z["finished"])}, ans / f"shard_{part:05d}.pt")
+        print(f"wrote {ans} (2 shards, no features)")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("smoke", "full"))
+    p.add_argument("what", choices=("smoke", "full", "collect"))
     p.add_argument("--out", required=True)
+    p.add_argument("--src", help="collect: the folder the lease's files came back to")
+    p.add_argument("--target-name", default="SmolLM2-135M-Instruct (Q4_1 GGUF)", help="collect: for the card")
+    p.add_argument("--answers-out", help="collect: write the answers' tokens here as shards")
     p.add_argument("--gguf")
     p.add_argument("--prompts")
     p.add_argument("--rows", type=int, default=512, help="rows answered together (and prompts per shard)")
@@ -268,7 +303,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    return smoke(args) if args.what == "smoke" else full(args)
+    return {"smoke": smoke, "full": full, "collect": collect}[args.what](args)
 
 
 if __name__ == "__main__":

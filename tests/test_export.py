@@ -124,3 +124,21 @@ def test_a_cuda_device_without_cuda_is_one_line(cmd, gguf_files, tmp_path, capsy
                  "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device cuda" in err[0] and "no CUDA" in err[0]
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}])
+def test_rope_scaling_carries_over(rope_scaling, tmp_path):
+    """Llama 3's, linear and YaRN scaling: positions past the original context give specdec's logits."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_scaling=rope_scaling)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ours = load_model(tmp_path, "float32")
+    ids = (IDS * 12)[:140]
+    torch.testing.assert_close(logits_of(to_transformers(ours), ids), ours(torch.tensor([ids])).logits[0],
+                               atol=2e-4, rtol=0)

@@ -128,6 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e3.add_argument("--feature-layers", help="comma-separated target layers (default: 2, L // 2, L - 3)")
     e3.add_argument("--precision", choices=("fp32", "bf16", "auto"))
     e3.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+    e3.add_argument("--device", default="cpu", help="where the target's pass and the training run (cpu, cuda)")
 
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
@@ -210,7 +211,7 @@ def _eagle3(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else Path("runs") / out.name
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     result = train_eagle3(cfg, args.target or default_model()[0], Path(args.data), out, work, command,
-                          stop_after=args.stop_after)
+                          stop_after=args.stop_after, device=args.device)
     if result["finished"]:
         print(f"wrote {out}: top-1 agreement with the target by chain depth {result['chain_top1_by_depth']}")
     else:

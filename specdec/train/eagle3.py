@@ -100,13 +100,15 @@ def extract(target, docs: list[list[int]], prefix: list[int], header: int, layer
                      hidden=want)
         h = out.hidden.float()
         D = h.shape[1] // len(want)
+        final_norm = norm(h[:, -D:]).half().cpu()
+        h = h.cpu()
         starts.append(n)
         answer.append(n + len(prefix) + header)
         n += len(ids)
         ends.append(n)
         toks.append(torch.tensor(ids))
         feats.append(h[:, :-D].half())
-        final.append(norm(h[:, -D:]).half())
+        final.append(final_norm)
         if (i + 1) % 200 == 0:
             log(f"features: {i + 1} documents, {n:,} tokens ({n / (time.time() - t0):.0f} tokens/s)")
         if n >= max_tokens:
@@ -154,7 +156,7 @@ def unrolled(head: Eagle3Head, feats: torch.Tensor, embeds: torch.Tensor, depths
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         keys.append(k)
         vals.append(v)
-        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=chain_mask(W, s),
+        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=chain_mask(W, s, q.device),
                                            scale=attn.scale, enable_gqa=attn.n_kv != attn.n_heads)
         x = residual + attn.o_proj(a.transpose(1, 2).reshape(*h.shape[:2], -1))
         prev = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -182,7 +184,7 @@ def loss_of(head, embed, data: Features, idx, valid, lm_rows, depths: int):
         p = torch.softmax(data.final[idx + 1].float() @ lm_rows.T, -1)
     total, parts = 0.0, []
     for s, logits in enumerate(unrolled(head, feats, embeds, depths)):
-        keep = valid & (torch.arange(idx.shape[1]) >= s)[None]
+        keep = valid & (torch.arange(idx.shape[1], device=idx.device) >= s)[None]
         lp = F.log_softmax(logits.float(), -1)
         ce = -(p * lp).sum(-1)[keep].mean()
         total = total + ce
@@ -200,12 +202,12 @@ def chain_accuracy(head, embed, data: Features, docs: torch.Tensor, depths: int,
         st, a, e = int(data.starts[s]), int(data.answer[s]), int(data.ends[s])
         if e - st < 4:
             continue
-        idx = torch.arange(st, e - 2)[None]
+        idx = torch.arange(st, e - 2, device=data.tokens.device)[None]
         want = (data.final[idx + 1].float() @ lm_rows.T).argmax(-1)
         outs = unrolled(head, data.feats[idx].float(), embed(data.tokens[idx + 1]).float(), depths)
         for d, logits in enumerate(outs):
             got = head.draft_vocab[logits.argmax(-1)]
-            keep = (idx + 2 >= a) & (torch.arange(idx.shape[1]) >= d)[None]
+            keep = (idx + 2 >= a) & (torch.arange(idx.shape[1], device=idx.device) >= d)[None]
             hits[d] += int((got == want)[keep].sum())
             counts[d] += int(keep.sum())
     head.train()
@@ -213,25 +215,28 @@ def chain_accuracy(head, embed, data: Features, docs: torch.Tensor, depths: int,
 
 
 def train_eagle3(cfg: Eagle3Config, target_path: str, source: Path, out: Path, work: Path, command: str = "",
-                 stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+                 stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True),
+                 device: str = "cpu") -> dict:
+    """device: where the target's pass and the training run ("cuda": the target dequantized on
+    the GPU; the features are kept on the host between the two and copied to the GPU whole)."""
     torch.set_flush_denormal(True)
     try:
-        return _train(cfg, target_path, source, out, work, command, stop_after, log)
+        return _train(cfg, target_path, source, out, work, command, stop_after, log, torch.device(device))
     finally:
         torch.set_flush_denormal(False)
 
 
-def _train(cfg, target_path, source, out, work, command, stop_after, log) -> dict:
+def _train(cfg, target_path, source, out, work, command, stop_after, log, device) -> dict:
     from ..model.eagle3 import feature_layers_of
     from ..tokenizer import Tokenizer
 
     torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
-    served = load_model(target_path)                      # the weights as served (GGUF: kept packed)
+    served = load_model(target_path, device=device)       # the weights as served (GGUF on the CPU: kept packed)
     dense = load_model(target_path, "float32", quantization="none")     # embeddings and LM-head rows
     tcfg = served.config
     layers = tuple(cfg.feature_layers) if cfg.feature_layers else feature_layers_of({}, tcfg.num_hidden_layers)
-    embed = dense.model.embed_tokens
+    embed = dense.model.embed_tokens.to(device)
     feats_path = work / "features.pt"
     if feats_path.is_file():
         data = Features(**torch.load(feats_path))
@@ -248,27 +253,29 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log) -> dic
     coverage = torch.isin(val_tokens, vocab).float().mean().item()
     lm_rows_full = dense.lm_head.weight.detach().float()
     lm_rows = lm_rows_full[vocab]
-    head = build_head(cfg, tcfg, layers, vocab, lm_rows, dense.model.norm.weight.detach())
+    head = build_head(cfg, tcfg, layers, vocab, lm_rows, dense.model.norm.weight.detach()).to(device)
+    lm_rows, lm_rows_full, host = lm_rows.to(device), lm_rows_full.to(device), data
+    data = Features(*(t.to(device) for t in (data.tokens, data.feats, data.final, data.starts, data.ends, data.answer)))
     params = [p for p in head.parameters() if p.requires_grad and p.numel()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.pt"
     state = {"step": 0, "elapsed_s": 0.0, "history": []}
     if ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location=device)
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {ckpt} at step {state['step']}")
-    bf16 = use_bf16(cfg.precision, torch.device("cpu"))
+    bf16 = use_bf16(cfg.precision, device)
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
         rng = np.random.default_rng((cfg.seed, step))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        idx, valid = _windows(data, rng, cfg.batch, cfg.window, train_docs)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, parts = loss_of(head, embed, data, idx, valid, lm_rows, cfg.unroll)
+        idx, valid = _windows(host, rng, cfg.batch, cfg.window, train_docs)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, parts = loss_of(head, embed, data, idx.to(device), valid.to(device), lm_rows, cfg.unroll)
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
@@ -285,7 +292,7 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log) -> dic
     result = {"steps": state["step"], "wall_time_s": round(state["elapsed_s"], 1), "feature_layers": list(layers),
               "train_tokens": int(data.ends[S - cfg.val_docs - 1]), "documents": S - cfg.val_docs,
               "draft_vocab_coverage": round(coverage, 4), "chain_top1_by_depth": acc}
-    save_eagle3(head, out, torch.bfloat16, extra={"vocab_size": tcfg.vocab_size, "max_position_embeddings":
+    save_eagle3(head.cpu(), out, torch.bfloat16, extra={"vocab_size": tcfg.vocab_size, "max_position_embeddings":
                                                   tcfg.max_position_embeddings})
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": [command],
                                                     "history": state["history"]}, indent=1) + "\n")

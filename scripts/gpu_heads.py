@@ -26,6 +26,7 @@ back to back (the machine stays warm 30 s; the first leaves half the GGUF in its
       export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; cat /tmp/keep/smol.00 .gpu/smol.01 > /tmp/smol.gguf &&
       echo "$(cat gpudata/gguf.sha)  /tmp/smol.gguf" | sha256sum -c - && gunzip -c gpudata/prompts.jsonl.gz
       > /tmp/p.jsonl && python3 scripts/gpu_heads.py full --gguf /tmp/smol.gguf --prompts /tmp/p.jsonl --out $OUT
+      --budget 480 --gen-s 200            (timeout_s 560: a start takes 1-2 minutes of the 15)
 
 then `give_back` and `bash scripts/gpu_tree.sh --restore`. What comes back (at most 8 files of
 16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens; a vocabulary draft

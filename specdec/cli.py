@@ -314,10 +314,14 @@ def _print_stats(result: dict, llm) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; `only`: register that subcommand alone (main() passes the one asked for,
+    so `specdec train ...` never imports the server's stack)."""
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             importlib.import_module(module).add_parser(sub)
         except ImportError:
@@ -328,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .model import CheckpointError
 
-    args = build_parser().parse_args(argv)
-    args.command_line = list(sys.argv[1:] if argv is None else argv)   # for model cards: the exact command
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(given[0] if given and given[0] in SUBCOMMANDS else None).parse_args(given)
+    args.command_line = given                                          # for model cards: the exact command
     try:
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
     except KeyboardInterrupt:

@@ -69,3 +69,20 @@ def test_vocabulary_mismatch_fails_fast(tiny_pair, tmp_path, capsys):
     (other / "tokenizer.json").write_text(_json.dumps(data))
     code, _, err = run(capsys, "generate", "--model", str(target), "--speculative-model", str(other), "x")
     assert code == 2 and "token id 77" in err
+
+
+def test_train_and_generate_do_not_import_the_server():
+    """`specdec train ...` (a GPU machine with torch and transformers but no fastapi) and
+    `specdec generate` register only their own subcommand: the server's stack stays unloaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom specdec.cli import main\n"
+            "for argv in (['train', 'answers', '--help'], ['generate', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'pydantic') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    out = subprocess.run([sys.executable, "-m", "specdec", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "{generate,chat,serve,bench,train}" in out.stdout

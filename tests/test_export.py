@@ -80,7 +80,7 @@ def test_answers_and_drafters_from_a_gguf_target(gguf_files, tmp_path):
                                for i, w in enumerate(["one", "two", "three", "four", "five", "six"])))
     common = ["train", "answers", "--target", gguf, "--prompts", str(prompts), "--max-new-tokens", "10",
               "--batch", "3", "--per-shard", "2", "--dtype", "float32", "--device", "cpu"]
-    assert main([*common, "--out", str(tmp_path / "hf")]) == 0
+    assert main([*common, "--out", str(tmp_path / "hf"), "--backend", "transformers"]) == 0
     assert main([*common, "--out", str(tmp_path / "ours"), "--backend", "specdec"]) == 0
     hf = load_answer_shards(sorted((tmp_path / "hf").glob("shard_*.pt")))
     ours = load_answer_shards(sorted((tmp_path / "ours").glob("shard_*.pt")))

@@ -146,8 +146,9 @@ def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: An
     ids, mask = ids.to(dev), mask.to(dev)
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
     cache = DynamicCache()
+    cache_arg = {_cache_kwarg(model): cache}
     step = lambda ids, mask, pos: model.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,  # noqa: E731
-                                              **{_cache_kwarg(model): cache}).last_hidden_state
+                                              **cache_arg).last_hidden_state
     h = step(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))             # [B, P, D] final-norm
     host = h.float().cpu()                                              # features gathered on the host
     rows = [{"answer": [], "hidden": [host[i, P - len(p):]], "finished": False} for i, p in enumerate(prompts)]

@@ -38,7 +38,7 @@ from ..tokenizer import Tokenizer
 from .data import cached_tokens
 from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
-from .lm import optimizer_step, save_checkpoint, use_bf16
+from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
 from .headreport import card, eagle_accuracy, eagle_chain_accuracy, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
@@ -286,7 +286,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     heads.eval()
     result = {"steps": state["step"], "wall_time_s": round(state["elapsed_s"], 1),
               "draft_vocab_coverage": round(coverage, 4), "data": what,
-              "train_tokens": int(len(train.tokens)), "device": _device_name(device),
+              "train_tokens": int(len(train.tokens)), "device": device_name(device),
               "trainable_parameters": sum(p.numel() for p in params)}
     extra = {"draft_vocab_coverage": result["draft_vocab_coverage"]}
     greedy_val, sampled_val = val.select(val.greedy).to(device), val.select(~val.greedy).to(device)
@@ -309,15 +309,6 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                                                     "history": state["history"]}, indent=1) + "\n")
     (out / "README.md").write_text(card(out, target_dir, cfg, result, commands))
     return {"finished": True, **result}
-
-
-def _device_name(device: torch.device) -> str:
-    """Where a run trained, for its card: the GPU's name, or the CPU's model."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from ..bench.machine import cpu_model
-
-    return f"{cpu_model()} CPU"
 
 
 def _val_top1(cfg: HeadsConfig, heads, embed, probe: FlatData, to_draft) -> float:

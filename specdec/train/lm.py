@@ -69,6 +69,15 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def device_name(device: torch.device) -> str:
+    """Where a run trained, for its card: the GPU's name, or the CPU's model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from ..bench.machine import cpu_model
+
+    return f"{cpu_model()} CPU"
+
+
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, clip: float) -> None:
     """One update: gradients of loss, clipped to norm `clip` over params, applied."""
     opt.zero_grad(set_to_none=True)

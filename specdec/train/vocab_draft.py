@@ -29,7 +29,7 @@ from ..model import load_model
 from ..model.vocab_draft import VocabDraft, save_vocab_draft
 from .headdata import FlatData, chat_data
 from .heads import draft_vocabulary, lr_at      # the same warm-up and cosine schedule (lr, warmup, steps)
-from .lm import optimizer_step, save_checkpoint, use_bf16
+from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
 def _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab) -> dict:
     from .headreport import speculation_report
 
-    from .heads import _device_name
-
-    where = _device_name(draft.device)
+    where = device_name(draft.device)
     draft = draft.cpu().eval()
     draft.target_embed[0].cpu()
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()

@@ -160,6 +160,52 @@ def test_heads_train_on_chat_answers(answers, kind, tmp_path):
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_heads_fine_tune_from_trained_heads(answers, kind, tmp_path, capsys):
+    """--init starts from a heads folder: with no steps the heads come back as they were (their
+    draft vocabulary kept whatever --draft-vocab says), with steps they train on from there;
+    heads of another shape or kind are refused in one line."""
+    from safetensors.torch import load_file
+
+    target, root, rows = answers
+    flags = ["--window", "8", "--batch", "2"] if kind == "eagle" else ["--num-heads", "2", "--batch", "16"]
+    common = ["train", kind, "--target", str(target), "--data", str(root / "answers"), "--data-kind", "chat",
+              "--val-shards", "1", "--report-prompts", "0", *flags]
+    assert main([*common, "--out", str(tmp_path / "a"), "--work", str(tmp_path / "wa"), "--steps", "3",
+                 "--draft-vocab", "40"]) == 0
+    assert main([*common, "--out", str(tmp_path / "same"), "--work", str(tmp_path / "ws"), "--steps", "0",
+                 "--draft-vocab", "20", "--init", str(tmp_path / "a")]) == 0
+    a, same = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "same"))
+    assert a.keys() == same.keys() and all(torch.equal(a[k], same[k]) for k in a)
+    assert main([*common, "--out", str(tmp_path / "b"), "--work", str(tmp_path / "wb"), "--steps", "3",
+                 "--init", str(tmp_path / "a")]) == 0
+    b = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert torch.equal(b["draft_vocab"], a["draft_vocab"]) and a["draft_vocab"].numel() == 40
+    trained = [k for k in a if a[k].is_floating_point() and not torch.equal(a[k], b[k])]
+    assert trained and "decoder.lm_head.weight" not in trained      # EAGLE's LM-head rows stay the target's
+    assert "started from the trained heads" in json.loads((tmp_path / "b" / "training.json").read_text())["result"]["data"]
+    spec = LLM(model=target, dtype="float32",
+               speculative_config={"method": kind, "model": str(tmp_path / "b"), "num_speculative_tokens": 3})
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:2]]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    capsys.readouterr()
+    other = "medusa" if kind == "eagle" else "eagle"
+    bad = [c if c != kind else other for c in common]
+    bad = bad[:bad.index("--report-prompts") + 2] + (["--num-heads", "2"] if other == "medusa" else [])
+    assert main([*bad, "--out", str(tmp_path / "c"), "--work", str(tmp_path / "wc"), "--steps", "1",
+                 "--init", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the method needs" in err
+    if kind == "medusa":
+        assert main([*common[:-4], "--num-heads", "3", "--batch", "16", "--out", str(tmp_path / "d"),
+                     "--work", str(tmp_path / "wd"), "--steps", "1", "--init", str(tmp_path / "a")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--init" in err
+
+
 def test_vocab_draft_distils_resumes_and_stays_lossless(answers, tmp_path):
     target, root, rows = answers
     common = ["train", "vocab-draft", "--target", str(target), "--data", str(root / "answers"), "--layers", "1",

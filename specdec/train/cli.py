@@ -64,6 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--prompt-loss", action="store_true", default=None, help="chat data: train on prompt positions too")
         h.add_argument("--init-from-target", action="store_true", default=None,
                        help="eagle: start the decoder layer from the target's last layer")
+        h.add_argument("--init", help="start from these trained heads (a heads folder: fine-tuning on new data); "
+                       "their draft vocabulary is kept")
 
     vd = tsub.add_parser("vocab-draft", help="distil a draft over a draft vocabulary from a chat target's answers")
     vd.add_argument("--target", required=True)
@@ -258,7 +260,7 @@ def _heads(args: argparse.Namespace) -> int:
               "soft_labels": args.soft_labels, "token_weight": getattr(args, "token_weight", None),
               "init_from_target": getattr(args, "init_from_target", None), "unroll": getattr(args, "unroll", None),
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None),
-              "freeze_lm_head": getattr(args, "freeze_lm_head", None)}
+              "freeze_lm_head": getattr(args, "freeze_lm_head", None), "init": args.init}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
     from ..model.gguf import find_gguf
 

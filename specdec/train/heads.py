@@ -67,6 +67,7 @@ class HeadsConfig:
     eval_every: int = 0                # log top-1 accuracy on a probe of greedy validation sequences (0: never)
     prompt_loss: bool = False          # chat data: also train on the prompt's positions (more data; the answer copies them)
     init_from_target: bool = False     # eagle: start the decoder layer from the target's last layer
+    init: str | None = None            # start from these trained heads (a heads folder), their draft vocabulary kept
     soft_labels: bool = False          # token loss against the target's distribution (from its stored features)
     token_weight: float = 0.1          # eagle: weight of the token loss beside the feature regression
     unroll: int = 1                    # eagle: chain depths trained, the later ones on the head's own features
@@ -78,6 +79,8 @@ class HeadsConfig:
             raise ValueError(f"kind must be medusa or eagle, got {self.kind!r}")
         if self.data_kind not in ("selfdistill", "chat"):
             raise ValueError(f"data_kind must be selfdistill or chat, got {self.data_kind!r}")
+        if self.init is not None and self.init_from_target:
+            raise ValueError("init and init_from_target exclude each other")
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if self.batch is None:
@@ -122,6 +125,34 @@ def build_heads(cfg: HeadsConfig, target, vocab: torch.Tensor):
         heads.decoder.lm_head.weight.data = target.lm_head.weight.data[vocab].float().clone()
         heads.decoder.lm_head.weight.requires_grad_(False)
     return heads.float().train()
+
+
+def _init_heads(cfg: HeadsConfig, target) -> dict:
+    """The state dict of the trained heads in cfg.init, as fp32 tensors shaped like build_heads'
+    (what stays frozen, the LM-head rows, taken from the target as a fresh start takes them)."""
+    from ..model.checkpoint import CheckpointError
+    from ..model.heads import EAGLE, MEDUSA, load_heads
+
+    heads = load_heads(cfg.init, target, kind=EAGLE if cfg.kind == "eagle" else MEDUSA)
+    fresh = build_heads(cfg, target, heads.draft_vocab).state_dict()
+    sd = {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in heads.state_dict().items()}
+    for k, v in fresh.items():
+        if k not in sd:
+            raise CheckpointError(f"--init {cfg.init}: no {k} (not the heads `train {cfg.kind}` builds with these options)")
+        if sd[k].shape != v.shape:
+            raise CheckpointError(f"--init {cfg.init}: {k} is {tuple(sd[k].shape)}, these options build "
+                                  f"{tuple(v.shape)} (--num-heads / the target's shape)")
+    extra = sorted(set(sd) - set(fresh))
+    if extra:
+        raise CheckpointError(f"--init {cfg.init}: {extra[0]} is not in the heads `train {cfg.kind}` builds with these "
+                              f"options (--num-heads?)")
+    # what a fresh start takes from the target stays the target's (in fp32): the frozen LM-head
+    # rows and the (unused) embedding table
+    frozen = ["decoder.lm_head.weight"] if cfg.kind == "eagle" else (["lm_head.weight"] if cfg.freeze_lm_head else [])
+    for k in fresh:
+        if k in frozen or k.endswith("embed_tokens.weight"):
+            sd[k] = fresh[k]
+    return {k: sd[k] for k in fresh}
 
 
 def _to_draft(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -232,13 +263,19 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
-    vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
+    init = _init_heads(cfg, target) if cfg.init else None
+    vocab = init["draft_vocab"] if init else draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
+    if init:
+        what += f"; started from the trained heads in `{cfg.init}` (their {vocab.numel()}-token draft vocabulary kept)"
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
     if cfg.prompt_loss and cfg.data_kind == "chat":     # every position, the vocabulary still the answers'
         train = dataclasses.replace(train, answer_starts=train.starts.clone())
         what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
-    heads = build_heads(cfg, target, vocab).to(device)
+    heads = build_heads(cfg, target, vocab)
+    if init and not saved:
+        heads.load_state_dict(init)
+    heads = heads.to(device)
     embed = target.model.embed_tokens.to(device)
     data, to_draft_dev = train.to(device), to_draft.to(device)      # what the loss reads (the host's on CPU)
     params = [p for p in heads.parameters() if p.requires_grad]

@@ -183,7 +183,8 @@ def test_heads_fine_tune_from_trained_heads(answers, kind, tmp_path, capsys):
     assert torch.equal(b["draft_vocab"], a["draft_vocab"]) and a["draft_vocab"].numel() == 40
     trained = [k for k in a if a[k].is_floating_point() and not torch.equal(a[k], b[k])]
     assert trained and "decoder.lm_head.weight" not in trained      # EAGLE's LM-head rows stay the target's
-    assert "started from the trained heads" in json.loads((tmp_path / "b" / "training.json").read_text())["result"]["data"]
+    info = json.loads((tmp_path / "same" / "training.json").read_text())
+    assert "started from the trained heads" in info["result"]["data"] and info["config"]["draft_vocab"] == 40
     spec = LLM(model=target, dtype="float32",
                speculative_config={"method": kind, "model": str(tmp_path / "b"), "num_speculative_tokens": 3})
     plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)

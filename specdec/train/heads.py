@@ -267,6 +267,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     vocab = init["draft_vocab"] if init else draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
     if init:
         what += f"; started from the trained heads in `{cfg.init}` (their {vocab.numel()}-token draft vocabulary kept)"
+        cfg = dataclasses.replace(cfg, draft_vocab=int(vocab.numel()))    # what the card and training.json record
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
     if cfg.prompt_loss and cfg.data_kind == "chat":     # every position, the vocabulary still the answers'
         train = dataclasses.replace(train, answer_starts=train.starts.clone())

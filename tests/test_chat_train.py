@@ -231,6 +231,18 @@ def test_vocab_draft_distils_resumes_and_stays_lossless(answers, tmp_path):
             [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     sampled = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
     assert all(o.stats.draft_tokens > 0 for o in sampled)
+    # --init: fine-tuning starts from the trained draft (no steps: it comes back bit for bit, its
+    # layer count and vocabulary kept whatever --layers / --draft-vocab say); with steps it moves
+    init = [*common[:common.index("--layers")], *common[common.index("--draft-vocab") + 2:], "--init", str(tmp_path / "a")]
+    assert main([*init, "--layers", "2", "--draft-vocab", "20", "--steps", "0", "--out", str(tmp_path / "same"),
+                 "--work", str(tmp_path / "ws")]) == 0
+    same = load_file(str(tmp_path / "same" / "model.safetensors"))
+    assert same.keys() == a.keys() and all(torch.equal(a[k], same[k]) for k in a)
+    info = json.loads((tmp_path / "same" / "training.json").read_text())
+    assert info["config"]["layers"] == 1 and info["config"]["draft_vocab"] == 40
+    assert main([*init, "--out", str(tmp_path / "c"), "--work", str(tmp_path / "wc")]) == 0
+    c = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert torch.equal(c["draft_vocab"], a["draft_vocab"]) and any(not torch.equal(a[k], c[k]) for k in a)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa", "vocab_draft"])

@@ -77,6 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        ("--threads", int)):
         vd.add_argument(flag, type=kind)
     vd.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    vd.add_argument("--init", help="start from this trained draft (a `train vocab-draft` folder: fine-tuning on new "
+                    "data); its layers and draft vocabulary are kept")
     vd.add_argument("--device", default="cpu", help="where the draft trains (cpu, cuda)")
     vd.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
     vd.add_argument("--report-prompts", type=int, default=20, help="validation prompts for the card's acceptance (0: skip)")
@@ -327,7 +329,7 @@ def _vocab_draft(args: argparse.Namespace) -> int:
     from .vocab_draft import VocabDraftConfig, train_vocab_draft
 
     names = ("layers", "draft_vocab", "steps", "batch", "window", "lr", "hard_weight", "shards", "val_shards",
-             "threads", "precision")
+             "threads", "precision", "init")
     cfg = VocabDraftConfig(**{k: getattr(args, k) for k in names if getattr(args, k) is not None})
     out = Path(args.out)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)

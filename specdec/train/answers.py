@@ -222,6 +222,9 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
         chunk = [(s + i, p) for i, p in enumerate(prompts[s:s + cfg.per_shard])]
         encoded = [(i, p, chat_ids(tokenizer, p["prompt"])) for i, p in chunk]
         kept = [(i, p, ids) for i, p, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+        if not kept:                   # nothing to answer: no shard (a resume skips these prompts again)
+            log(f"{path.name}: all {len(chunk)} prompts too long (> {cfg.max_prompt_tokens} tokens), not written")
+            continue
         # batches of similar prompt lengths: a padded batch costs its longest prompt per row
         order = sorted(range(len(kept)), key=lambda j: len(kept[j][2]))
         results = [None] * len(kept)

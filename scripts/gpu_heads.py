@@ -206,6 +206,64 @@ def engine_check(target: Path, work: Path, device: str) -> dict:
     return result
 
 
+def speed(args) -> int:
+    """Answer tokens/s of `train answers`' two backends on a random model of SmolLM2-135M's shape
+    (no GGUF needed: one call), by rows decoded together; and where transformers' step time goes."""
+    sys.path.insert(0, str(ROOT))
+    import transformers
+
+    from specdec.model import load_model
+    from specdec.train.answers import AnswerConfig, answer_batch, answer_batch_hf
+
+    quick = args.device == "cpu"
+    work = Path("/tmp/speed")
+    shutil.rmtree(work, ignore_errors=True)
+    shape = (512, 64, 2, 4, 2, 128) if quick else (49152, 576, 30, 9, 3, 1536)
+    random_llama(work, *shape)
+    dev = torch.device(args.device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).to(dev).eval()
+    ours = load_model(work, "float32", args.device)
+    new = 8 if quick else 64
+    cfg = AnswerConfig(max_new_tokens=new)
+    rng = np.random.default_rng(0)
+    results = []
+    for backend, rows in (("transformers", 64), ("transformers", 512), ("transformers", 2048), ("specdec", 64),
+                          ("specdec", 512), ("specdec", 2048)):
+        rows = rows // 32 if quick else rows
+        prompts = [rng.integers(2, shape[0], int(n)).tolist() for n in rng.integers(50, 300, rows)]
+        greedy = [i % 2 == 0 for i in range(rows)]
+        run, model = (answer_batch_hf, hf) if backend == "transformers" else (answer_batch, ours)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            out = run(model, prompts, greedy, cfg, set(), torch.Generator(device=dev).manual_seed(0))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            tokens = sum(len(o["answer"]) for o in out)
+            results.append({"backend": backend, "rows": rows, "answer_tokens": tokens, "s": round(wall, 2),
+                            "tok_per_s": round(tokens / wall), "ms_per_step": round(1000 * wall / new, 1)})
+        except Exception as e:      # one backend's failure is reported beside the others
+            results.append({"backend": backend, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(results[-1]), flush=True)
+    rows = 16 if quick else 512
+    prompts = [rng.integers(2, shape[0], int(n)).tolist() for n in rng.integers(50, 300, rows)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])) as prof:
+        answer_batch_hf(hf, prompts, [True] * rows, AnswerConfig(max_new_tokens=16), set(),
+                        torch.Generator(device=dev).manual_seed(0))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    if dev.type == "cuda":
+        table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
+    (Path(args.out) / "speed_profile.txt").write_text(table)
+    print(table[-3000:], flush=True)
+    (Path(args.out) / "speed.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0) if dev.type == "cuda"
+                                                           else "cpu", "max_new_tokens": new, "results": results},
+                                                          indent=1) + "\n")
+    return 0
+
+
 def dump_tokens(ans: Path, out: Path) -> dict:
     """The answers' tokens without features (uint16: SmolLM2's 49152 ids fit), for the suffix datastore."""
     paths = sorted(ans.glob("shard_*.pt"))
@@ -312,7 +370,7 @@ def collect(args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("smoke", "full", "collect"))
+    p.add_argument("what", choices=("smoke", "full", "collect", "speed"))
     p.add_argument("--out", required=True)
     p.add_argument("--src", help="collect: the folder the lease's files came back to")
     p.add_argument("--target-name", default="SmolLM2-135M-Instruct (Q4_1 GGUF)", help="collect: for the card")
@@ -332,7 +390,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    return {"smoke": smoke, "full": full, "collect": collect}[args.what](args)
+    return {"smoke": smoke, "full": full, "collect": collect, "speed": speed}[args.what](args)
 
 
 if __name__ == "__main__":

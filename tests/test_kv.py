@@ -246,3 +246,65 @@ def test_pytorch_attention_is_per_token_whatever_the_batch(model):
         out = _TorchAttention(kv, AttentionPlan.of(batch, kv, "cpu", 64))(0, q, k, k, True)
         outs.append(out[x_rows])
     assert torch.equal(outs[0], outs[1])
+
+
+@KV_DTYPES
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap+sinks"])
+def test_padded_attention_agrees_with_per_token_attention(model, kv_dtype, variant):
+    """The PyTorch path's padded attention (a GPU's default: the decoding sequences of a batch in
+    one masked call) gives each token what the per-token attention gives, within rounding: a
+    tree, decoding sequences of other lengths and counts; a long chunk stays on its own."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    cfg = model.config
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(5)
+    blocks, kv = _pool(model, num_blocks=64, max_blocks=32, dtype=kv_dtype)
+    lengths = {"t": 6, "x": 11, "p": 0, "y": 9, "z": 1}
+    for s, n in lengths.items():
+        blocks.add(s)
+        blocks.ensure(s, n + (70 if s == "p" else 5))
+        if n:           # an earlier forward's keys and values
+            hist = torch.randn(n, KV, hd, generator=g)
+            plan = AttentionPlan.of(ForwardBatch.build(kv, [s], [n], [0]), kv, "cpu", 64, padded=False)
+            _TorchAttention(kv, plan)(0, torch.zeros(n, H, hd), hist, hist, True)
+    tree = TreeAttention.from_parents([-1, -1, 0, 1])
+    seqs, counts = ["t", "x", "p", "y", "z"], [5, 3, 70, 1, 2]
+    batch = ForwardBatch.build(kv, seqs, counts, [lengths[s] for s in seqs], [tree, None, None, None, None])
+    n = sum(counts)
+    q, k, v = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+    options = {"plain": {}, "window": {"windows": [4]},
+               "softcap+sinks": {"softcap": 5.0, "sinks": [torch.randn(H, generator=g)]}}[variant]
+    outs = []
+    for padded in (False, True):
+        state = [(t.clone(), u.clone()) for t, u in zip(kv.k, kv.v)]
+        plan = AttentionPlan.of(batch, kv, "cpu", 64, padded=padded)
+        if padded:      # the four short sequences in one call, the 70-token chunk on its own
+            assert plan.padded.B == 4 and plan.padded.T == 5 and [s.count for s in plan.seqs] == [70]
+        outs.append(_TorchAttention(kv, plan, **options)(0, q, k, v, True))
+        for (t, u), (t0, u0) in zip(zip(kv.k, kv.v), state):
+            t.copy_(t0)
+            u.copy_(u0)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
+def test_engine_with_padded_attention_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch):
+    """The engine on the PyTorch path with padded attention (as on a GPU): plain, draft-model
+    and EAGLE-tree batches give the C path's greedy tokens on this model."""
+    from specdec import LLM, SamplingParams
+    from specdec.model import batch as batch_module
+
+    prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 3}
+    outs = []
+    for c_path in (True, False):
+        if not c_path:
+            monkeypatch.setattr(kernels, "load", lambda: None)
+            monkeypatch.setattr(batch_module, "PADDED", True)
+        for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
+            llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] == outs[2] == outs[3]

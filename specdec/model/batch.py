@@ -132,23 +132,101 @@ class SeqAttention:
                                      # (span when causal: the window covers every slot)
 
 
+# Whether the PyTorch path attends the decoding sequences of a batch in one padded call
+# (PaddedAttention) rather than token by token; None: padded on devices other than the CPU.
+PADDED: bool | None = None
+
+
+@dataclass(frozen=True)
+class PaddedAttention:
+    """The sequences of a forward that feed at most kernels.MAX_ROWS tokens each (decoding,
+    verification, trees), attended in one call: their B sequences padded to T rows and L slots.
+
+    rows [n]: their tokens' rows among the N flat ones; slots [n]: the same tokens' rows of the
+    padded [B * T] layout; table [B * L / block_size]: each sequence's blocks, padded with its
+    first; mask [B, 1, T, L]: what each token sees (causal, or its tree's ancestors); positions
+    [B, T] and free_from [B] for a sliding window (as SeqAttention); stale [B, 1, L, 1]: the slots
+    at or past each sequence's span, never written or left by other work (a pool's memory is not
+    cleared), zeroed after the gather since 0 x NaN is NaN. Padding rows see every slot (their
+    results are dropped), so no softmax row is empty."""
+    rows: Tensor
+    slots: Tensor
+    table: Tensor
+    B: int
+    T: int
+    L: int
+    mask: Tensor
+    positions: Tensor
+    free_from: Tensor
+    stale: Tensor
+
+    def window_mask(self, window: int) -> Tensor:
+        """[B, 1, T, L]: the slots less than `window` positions back, or under a tree's mask."""
+        s = torch.arange(self.L, device=self.mask.device)
+        return ((s > self.positions[..., None] - window) | (s >= self.free_from[:, None, None]))[:, None]
+
+    @classmethod
+    def of(cls, batch: "ForwardBatch", kv, picked: list[int], device) -> "PaddedAttention":
+        bs = kv.block_size
+        cu = [0]
+        for n in batch.counts:
+            cu.append(cu[-1] + n)
+        T = max(batch.counts[b] for b in picked)
+        nb = max(-(-(batch.starts[b] + batch.counts[b]) // bs) for b in picked)
+        B, L = len(picked), nb * bs
+        table, rows, slots, ends, frees, spans = [], [], [], torch.full((B, T), L, dtype=torch.long), [], []
+        positions = torch.zeros(B, T, dtype=torch.long)
+        trees = []
+        for i, b in enumerate(picked):
+            st, n, tree = batch.starts[b], batch.counts[b], batch.trees[b]
+            own = kv.blocks.blocks(batch.seqs[b])[:-(-(st + n) // bs)]
+            table += own + [own[0]] * (nb - len(own))
+            rows += range(cu[b], cu[b] + n)
+            slots += range(i * T, i * T + n)
+            positions[i, :n] = batch.positions[cu[b]:cu[b] + n]
+            spans.append(st + n)
+            if tree is None:
+                ends[i, :n] = torch.arange(st + 1, st + n + 1)
+                frees.append(st + n)
+            else:
+                trees.append((i, st - tree.past, tree.mask))
+                frees.append(st - tree.past)
+        mask = torch.arange(L)[None, None, :] < ends[..., None]         # causal rows; padding sees all
+        for i, lo, m in trees:
+            n = m.shape[0]
+            mask[i, :n] = False
+            mask[i, :n, :lo] = True
+            mask[i, :n, lo:lo + m.shape[1]] = m.cpu()
+        return cls(torch.tensor(rows, device=device), torch.tensor(slots, device=device),
+                   torch.tensor(table, device=device), B, T, L, mask[:, None].to(device), positions.to(device),
+                   torch.tensor(frees, device=device),
+                   (torch.arange(L)[None, :] >= torch.tensor(spans)[:, None])[:, None, :, None].to(device))
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """The PyTorch path's view of a ForwardBatch, built once per forward for every layer.
 
     write_blocks, write_offsets: [N] where each new token's k/v go
-    seqs: per sequence, what its tokens attend to (model/llama.py: _paged_attention)
+    seqs: per sequence attended on its own, what its tokens attend to (model/llama.py: _paged_attention)
+    padded: the sequences attended together in one padded call, or None
     slot: (block, offset) of the only new token when N == 1 (plain decoding of one sequence)
     """
     write_blocks: Tensor
     write_offsets: Tensor
     seqs: list[SeqAttention]
     slot: tuple[int, int] | None = None
+    padded: PaddedAttention | None = None
 
     @classmethod
-    def of(cls, batch: ForwardBatch, kv, device, max_rows: int) -> "AttentionPlan":
-        """Sequences of at most max_rows tokens go token by token, longer ones masked."""
+    def of(cls, batch: ForwardBatch, kv, device, max_rows: int, padded: bool | None = None) -> "AttentionPlan":
+        """Sequences of at most max_rows tokens go token by token (or, padded, two or more of
+        them in one call: default PADDED), longer ones masked."""
         bs = kv.block_size
+        device = torch.device(device)
+        padded = (device.type != "cpu" if PADDED is None else PADDED) if padded is None else padded
+        short = [b for b, n in enumerate(batch.counts) if n <= max_rows] if padded else []
+        short = short if len(short) > 1 else []
         write_blocks, write_offsets, seqs = [], [], []
         first = 0
         for b, (seq, st, n, tree) in enumerate(zip(batch.seqs, batch.starts, batch.counts, batch.trees)):
@@ -156,6 +234,9 @@ class AttentionPlan:
             span = st + n
             write_blocks += [table[s // bs] for s in range(st, span)]
             write_offsets += [s % bs for s in range(st, span)]
+            if short and n <= max_rows:      # in the padded call
+                first += n
+                continue
             blocks = torch.tensor(table[:-(-span // bs)], device=device)
             seen, mask = None, None
             if n <= max_rows:
@@ -166,7 +247,8 @@ class AttentionPlan:
                                      span if tree is None else st - tree.past))
             first += n
         slot = (write_blocks[0], write_offsets[0]) if len(write_blocks) == 1 else None
-        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs, slot)
+        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs, slot,
+                   PaddedAttention.of(batch, kv, short, device) if short else None)
 
 
 def _tree_seen(tree: TreeAttention, start: int, device) -> list[Tensor]:

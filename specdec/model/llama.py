@@ -280,7 +280,12 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching).
-    A sliding window (Gemma 2 / 3) leaves out the slots `window` or more positions back."""
+    A sliding window (Gemma 2 / 3) leaves out the slots `window` or more positions back.
+
+    On a GPU (plan.padded: batch.PADDED) the sequences feeding at most MAX_ROWS tokens attend
+    together in one padded, masked call instead: one launch per layer instead of one per token,
+    the same values up to the last bits of the sums (there the matrix products of a batch are not
+    those of one row either)."""
     if plan.slot is not None and kv.k_scale is None:    # one token: plain indexing, no index tensors
         kv.k[layer][:, plan.slot[0], plan.slot[1]] = k[0].to(kv.dtype)   # a cache may hold fewer bits
         kv.v[layer][:, plan.slot[0], plan.slot[1]] = v[0].to(kv.dtype)
@@ -288,6 +293,18 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
         kv.write(layer, plan.write_blocks, plan.write_offsets, k.transpose(0, 1), v.transpose(0, 1))
     N, H, hd = q.shape
     out = q.new_empty(N, H, hd)
+    if plan.padded is not None:         # the decoding sequences together (AttentionPlan.of: on a GPU)
+        p = plan.padded
+        keys, vals = kv.gather(layer, p.table, q.dtype)      # [KV, B * L, hd]
+        keys = keys.view(keys.shape[0], p.B, p.L, keys.shape[-1]).transpose(0, 1)
+        vals = vals.view(vals.shape[0], p.B, p.L, vals.shape[-1]).transpose(0, 1)
+        keys.masked_fill_(p.stale, 0)
+        vals.masked_fill_(p.stale, 0)
+        qp = q.new_zeros(p.B * p.T, H, hd)
+        qp[p.slots] = q[p.rows]
+        mask = p.mask if window is None else p.mask & p.window_mask(window)
+        att = sdpa(qp.view(p.B, p.T, H, hd).transpose(1, 2), keys, vals, mask, False, scale, softcap, gqa, sinks)
+        out[p.rows] = att.transpose(1, 2).reshape(p.B * p.T, H, -1)[p.slots]
     for seq in plan.seqs:
         keys, vals = kv.gather(layer, seq.blocks, q.dtype)      # [KV, nb * bs, hd]
         if seq.mask is not None:

@@ -136,12 +136,17 @@ SPECS = {
 }
 
 
-def check_speculative_greedy_equals_plain(files, monkeypatch, c_path: bool) -> None:
+def check_speculative_greedy_equals_plain(files, monkeypatch, c_path: bool, padded: bool = False) -> None:
     """Every method (files: hf, near, eagle, medusa), one request at a time and four at once
-    (prompts of different lengths, prefilled in chunks of 8): the tokens plain decoding gives alone."""
+    (prompts of different lengths, prefilled in chunks of 8): the tokens plain decoding gives alone.
+    padded: on the PyTorch path with a GPU's padded attention (model/batch.py: PaddedAttention)."""
     if c_path and kernels.load() is None:
         pytest.skip("no C compiler or no AVX2/FMA here")
     without_kernels(monkeypatch, c_path)
+    if padded:
+        from specdec.model import batch
+
+        monkeypatch.setattr(batch, "PADDED", True)
     solo = LLM(model=files["hf"], dtype="float32", num_speculative_tokens=0, max_num_seqs=1)
     plain = [o.outputs[0].token_ids for o in solo.generate(PROMPTS, GREEDY)]
     assert len({tuple(p) for p in plain}) > 1
@@ -192,6 +197,12 @@ def test_greedy_output_equals_transformers_generate(files, path):
 def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
     """ngram, draft model, self-draft, layer skip, EAGLE tree and chain, alone and four at once."""
     check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
+
+
+def test_speculative_greedy_equals_plain_padded_attention(files, monkeypatch):
+    """The same on the PyTorch path with a GPU's padded attention: imported by the modules whose
+    attention has its own parts (latent, sliding windows, soft-caps, sinks)."""
+    check_speculative_greedy_equals_plain(files, monkeypatch, False, padded=True)
 
 
 def check_grouped_routing_matches_transformers(hf, layer: int = 1, group: int = 4) -> None:

@@ -96,6 +96,11 @@ def test_speculative_greedy_equals_plain(files, monkeypatch, c_path):
     check_speculative_greedy_equals_plain(files, monkeypatch, c_path)
 
 
+def test_speculative_greedy_equals_plain_padded_attention(files, monkeypatch):
+    """The same with a GPU's padded attention over the latent cache (keys = values)."""
+    check_speculative_greedy_equals_plain(files, monkeypatch, False, padded=True)
+
+
 @NO_KERNELS
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["fp32-cache", "int8-cache"])
 def test_c_forward_rows_are_bit_identical_however_chunked_and_batched(files, kv_dtype):

@@ -16,7 +16,8 @@ import torch
 from specdec.model import ModelConfig, load_model, save_model
 from arch_checks import (IDS, arch_files, cached_logits, check_rows_bit_identical, reference,  # noqa: F401 (run here)
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
-                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain,
+                         test_speculative_greedy_equals_plain_padded_attention)
 
 WINDOW = 8
 CONFIGS = {

@@ -24,7 +24,8 @@ from specdec.model.llama import MoE
 from arch_checks import (IDS, NO_KERNELS, arch_files, cached_logits, check_packed_batch_equals_solo,  # noqa: F401
                          check_rows_bit_identical, check_tensor_parallel_equals_tp1, reference, without_kernels,
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
-                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain,
+                         test_speculative_greedy_equals_plain_padded_attention)
 
 CONFIG = {}
 

@@ -16,7 +16,8 @@ from conftest import make_checkpoint
 from specdec.model import load_model, save_model
 from arch_checks import (arch_files, cached_logits, reference,  # noqa: F401 (run here)
                          test_f32_gguf_equals_the_checkpoint, test_greedy_output_equals_transformers_generate,
-                         test_logits_match_transformers, test_speculative_greedy_equals_plain)
+                         test_logits_match_transformers, test_speculative_greedy_equals_plain,
+                         test_speculative_greedy_equals_plain_padded_attention)
 
 WINDOW = 8
 QWEN = {"use_sliding_window": True, "max_window_layers": 0}      # every layer, as a GGUF file says

@@ -123,6 +123,32 @@ def test_a_shard_of_prompts_all_too_long_is_skipped(answers, tmp_path, capsys):
     assert load_answer_shards([tmp_path / "ans" / "shard_00001.pt"])["ids"] == [r["id"] for r in rows[:2]]
 
 
+@pytest.mark.parametrize("backend", ["specdec", "transformers"])
+def test_features_added_to_token_only_shards_are_the_answers_own(answers, backend, tmp_path, capsys):
+    """`train features` on shards stripped of their features (what a GPU lease brings back) gives
+    back the features the answers were made with: the same bits on specdec's C forward (however
+    chunked), within fp16 rounding through transformers."""
+    target, root, rows = answers
+    shards = sorted((root / "answers").glob("shard_*.pt"))
+    (tmp_path / "tokens").mkdir()
+    for p in shards:
+        d = torch.load(p)
+        del d["hidden"]
+        torch.save(d, tmp_path / "tokens" / p.name)
+    assert main(["train", "features", "--target", str(target), "--data", str(tmp_path / "tokens"),
+                 "--out", str(tmp_path / "feats"), "--dtype", "float32", "--backend", backend]) == 0
+    for p in shards:
+        want, got = torch.load(p), torch.load(tmp_path / "feats" / p.name)
+        assert got.keys() == want.keys() and torch.equal(got["tokens"], want["tokens"])
+        if backend == "specdec" and kernels.load() is not None:
+            assert torch.equal(got["hidden"], want["hidden"]), p.name
+        else:
+            assert torch.allclose(got["hidden"].float(), want["hidden"].float(), atol=1e-2), p.name
+    assert main(["train", "features", "--target", str(target), "--data", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "f2")]) == 2
+    assert capsys.readouterr().err.strip().endswith("no shard_*.pt files")
+
+
 def test_answers_are_the_targets_own_with_its_features(answers):
     target, root, rows = answers
     paths = sorted((root / "answers").glob("shard_*.pt"))

@@ -262,6 +262,70 @@ def _save_shard(path: Path, kept: list, results: list[dict], cfg: AnswerConfig) 
     os.replace(tmp, path)
 
 
+@torch.inference_mode()
+def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) -> list[torch.Tensor]:
+    """The final-norm features [len(s) - 1, D] of every token of each sequence but its last, fed
+    teacher-forced: what `answer_batch` recorded while answering (specdec's runtime: its C forward
+    gives the same bits however a sequence is chunked), or a transformers causal LM's (right-padded
+    batches of about `prefill_tokens` tokens)."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    groups, group, size = [], [], 0
+    for i in order:
+        n = len(seqs[i]) - 1
+        if group and (size + n > prefill_tokens if isinstance(model, Transformer) else (len(group) + 1) * n > prefill_tokens):
+            groups.append(group)
+            group, size = [], 0
+        group.append(i)
+        size += n
+    groups += [group] if group else []
+    for group in groups:
+        fed = [seqs[i][:-1] for i in group]
+        if isinstance(model, Transformer):
+            kv = model.new_cache(len(group), max(map(len, fed)))
+            _, feats = _feed(model, kv, list(range(len(group))), fed, logits=False)
+        else:
+            L = max(map(len, fed))
+            ids = torch.zeros(len(group), L, dtype=torch.long)
+            mask = torch.zeros(len(group), L, dtype=torch.long)
+            for j, f in enumerate(fed):
+                ids[j, :len(f)], mask[j, :len(f)] = torch.tensor(f), 1
+            h = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+            feats = [h[j, :len(f)] for j, f in enumerate(fed)]
+        for i, f in zip(group, feats):
+            out[i] = f.float().cpu()
+    return out
+
+
+def add_features(model, paths: list[Path], out: Path,
+                 log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[Path]:
+    """Answer shards without features (`scripts/gpu_heads.py collect` brings back tokens only)
+    -> the same shards with the target's features, under `out` with the same names; present
+    ones are kept (resumable)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in paths:
+        dst = out / path.name
+        if not dst.is_file():
+            t0 = time.perf_counter()
+            shard = torch.load(path)
+            offs = shard["offsets"].tolist()
+            tokens = shard["tokens"]
+            seqs = [tokens[a:b].tolist() for a, b in zip(offs, offs[1:])]
+            if min(map(len, seqs)) < 2:
+                raise ValueError(f"{path}: a row with fewer than 2 tokens")
+            hidden = []
+            for f in sequence_features(model, seqs):
+                hidden += [f.to(torch.float16), torch.zeros(1, f.shape[1], dtype=torch.float16)]
+            shard["hidden"] = torch.cat(hidden)
+            tmp = dst.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            os.replace(tmp, dst)
+            log(f"{dst.name}: features of {len(seqs)} rows ({len(tokens)} tokens) in {time.perf_counter() - t0:.0f}s")
+        written.append(dst)
+    return written
+
+
 def load_answer_shards(paths: list[Path], hidden: bool = True) -> dict:
     """Concatenate shards: offsets become global, features are kept only if asked."""
     parts = [torch.load(p) for p in paths]

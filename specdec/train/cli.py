@@ -110,6 +110,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
     an.add_argument("--stop-after", type=int, help="write at most this many new shards")
 
+    fe = tsub.add_parser("features", help="add the target's features to answer shards that lack them "
+                                             "(tokens only, e.g. brought back from a GPU lease)")
+    fe.add_argument("--target", required=True)
+    fe.add_argument("--data", required=True, help="folder of answer shards (shard_*.pt) without features")
+    fe.add_argument("--out", required=True, help="folder for the shards with features (resumable)")
+    fe.add_argument("--dtype", default="float32")
+    fe.add_argument("--backend", choices=("auto", "transformers", "specdec"), default="auto",
+                    help="as for `train answers` (auto: specdec on the CPU, transformers on a GPU)")
+    fe.add_argument("--threads", type=int, default=1)
+    fe.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
+
     sx = tsub.add_parser("suffix", help="index the target's answers as a datastore for method \"suffix\" (nothing is trained)")
     sx.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
     sx.add_argument("--out", required=True, help="datastore folder")
@@ -171,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         _check_device(args.device)
     if args.train_cmd == "report":
         return _report(args)
-    if args.train_cmd in ("prompts", "answers"):
+    if args.train_cmd in ("prompts", "answers", "features"):
         return _chat_data(args)
     if args.train_cmd == "vocab-draft":
         return _vocab_draft(args)
@@ -298,31 +309,44 @@ def _chat_data(args: argparse.Namespace) -> int:
                             Path(args.target) if args.target else None, args.self_instruct, ev, command)
         print(json.dumps({k: s[k] for k in ("prompts", "families")}))
         return 0
-    from ..model import load_model
     from ..tokenizer import Tokenizer
     from .answers import AnswerConfig, read_prompts, write_shards
 
+    if args.train_cmd == "features":
+        from .answers import add_features
+
+        paths = sorted(Path(args.data).glob("shard_*.pt"))
+        if not paths:
+            raise ValueError(f"--data {args.data}: no shard_*.pt files")
+        done = add_features(_answer_model(args), paths, Path(args.out))
+        print(f"{len(done)} shards with features in {args.out}")
+        return 0
     prompts = read_prompts(Path(args.prompts))[:args.limit]
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
                        greedy_fraction=args.greedy_fraction, threads=args.threads)
-    backend = args.backend if args.backend != "auto" else ("specdec" if args.device == "cpu" else "transformers")
-    if backend == "specdec":
-        model = load_model(args.target, args.dtype, args.device)
-    else:
-        import transformers
-
-        from ..model.checkpoint import resolve_dtype
-        from ..model.gguf import find_gguf
-        if find_gguf(args.target) is not None:      # a GGUF target: dequantized, then transformers' names
-            from ..model.export import to_transformers
-            model = to_transformers(load_model(args.target, "float32", quantization="none"), resolve_dtype(args.dtype))
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype))
-        model = model.to(args.device).eval()
-    paths = write_shards(model, Tokenizer(args.target), prompts, Path(args.out), cfg, stop_after=args.stop_after)
+    paths = write_shards(_answer_model(args), Tokenizer(args.target), prompts, Path(args.out), cfg, stop_after=args.stop_after)
     total = -(-len(prompts) // cfg.per_shard)
     print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
     return 0
+
+
+def _answer_model(args: argparse.Namespace):
+    """The target as `train answers` / `train features` run it: specdec's runtime or transformers'."""
+    from ..model import load_model
+
+    backend = args.backend if args.backend != "auto" else ("specdec" if args.device == "cpu" else "transformers")
+    if backend == "specdec":
+        return load_model(args.target, args.dtype, args.device)
+    import transformers
+
+    from ..model.checkpoint import resolve_dtype
+    from ..model.gguf import find_gguf
+    if find_gguf(args.target) is not None:      # a GGUF target: dequantized, then transformers' names
+        from ..model.export import to_transformers
+        model = to_transformers(load_model(args.target, "float32", quantization="none"), resolve_dtype(args.dtype))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype))
+    return model.to(args.device).eval()
 
 
 def _vocab_draft(args: argparse.Namespace) -> int:

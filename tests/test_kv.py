@@ -194,10 +194,13 @@ def test_pytorch_path_agrees_with_the_c_path(model, monkeypatch, kv_dtype):
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
-def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch):
-    """Plain and speculative batches through the PyTorch path (any device) end to end: the
-    same greedy tokens as the C path on this model (no near-ties among its logits)."""
+@pytest.mark.parametrize("padded", [False, True], ids=["per-token", "padded"])
+def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch, padded):
+    """Plain and speculative batches through the PyTorch path (any device; padded: its attention
+    as on a GPU) end to end: the same greedy tokens as the C path on this model (no near-ties
+    among its logits)."""
     from specdec import LLM, SamplingParams
+    from specdec.model import batch as batch_module
 
     prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -206,6 +209,7 @@ def test_engine_on_the_pytorch_path_decodes_what_the_c_path_decodes(tiny_pair, m
     for c_path in (True, False):
         if not c_path:
             monkeypatch.setattr(kernels, "load", lambda: None)
+            monkeypatch.setattr(batch_module, "PADDED", padded)
         for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
             llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
@@ -296,24 +300,3 @@ def test_padded_attention_agrees_with_per_token_attention(model, kv_dtype, varia
             t.copy_(t0)
             u.copy_(u0)
     assert torch.isfinite(outs[0]).all() and torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.skipif(kernels.load() is None, reason="no C compiler or no AVX2/FMA here")
-def test_engine_with_padded_attention_decodes_what_the_c_path_decodes(tiny_pair, monkeypatch):
-    """The engine on the PyTorch path with padded attention (as on a GPU): plain, draft-model
-    and EAGLE-tree batches give the C path's greedy tokens on this model."""
-    from specdec import LLM, SamplingParams
-    from specdec.model import batch as batch_module
-
-    prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    spec = {"method": "draft_model", "model": str(tiny_pair[0]), "num_speculative_tokens": 3}
-    outs = []
-    for c_path in (True, False):
-        if not c_path:
-            monkeypatch.setattr(kernels, "load", lambda: None)
-            monkeypatch.setattr(batch_module, "PADDED", True)
-        for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
-            llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, **config)
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1] == outs[2] == outs[3]

@@ -290,7 +290,8 @@ def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) 
             mask = torch.zeros(len(group), L, dtype=torch.long)
             for j, f in enumerate(fed):
                 ids[j, :len(f)], mask[j, :len(f)] = torch.tensor(f), 1
-            h = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+            h = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                            use_cache=False).last_hidden_state
             feats = [h[j, :len(f)] for j, f in enumerate(fed)]
         for i, f in zip(group, feats):
             out[i] = f.float().cpu()

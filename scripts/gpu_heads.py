@@ -325,8 +325,11 @@ def full(args) -> int:
     print(json.dumps(info), flush=True)
     # 2. the head: as many steps as the rest of the budget holds (data loading and evaluation kept aside)
     calib = json.loads(CALIB.read_text()) if CALIB.is_file() else {"s_per_step": 0.05}
-    left = args.budget - (time.time() - t_start) - args.reserve_s
-    steps = int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
+    def steps_left() -> int:        # as many steps as the rest of the budget holds, in hundreds
+        left = args.budget - (time.time() - t_start) - args.reserve_s
+        return int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
+
+    steps = steps_left()
     info.update(steps=steps, s_per_step_calibrated=calib["s_per_step"])
     print(json.dumps(info), flush=True)
     over = {**({"batch": args.batch} if args.batch else {}), **({"lr": args.lr} if args.lr else {})}
@@ -334,9 +337,7 @@ def full(args) -> int:
     if rc != 0 and args.init and args.budget - (time.time() - t_start) > 120:     # the fine-tune failed early: from scratch
         info["init_failed_rc"] = rc
         print(f"--init {args.init} failed (rc {rc}): a head from scratch instead", flush=True)
-        left = args.budget - (time.time() - t_start) - args.reserve_s
-        steps = int(max(args.min_steps, min(args.max_steps, left / calib["s_per_step"] // 100 * 100)))
-        info["steps"] = steps
+        steps = info["steps"] = steps_left()
         rc = sh(eagle_args(args.gguf, str(ans), str(head), str(work) + "_scratch", steps, args.device,
                            **({"batch": args.batch} if args.batch else {})), log)
     info["init"] = args.init if "init_failed_rc" not in info else None

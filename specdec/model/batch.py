@@ -15,7 +15,7 @@ prefills a chunk of 4 tokens at slots 0..3, and only the decoding rows need logi
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -160,27 +160,28 @@ class PaddedAttention:
     free_from: Tensor
     stale: Tensor
 
-    def window_mask(self, window: int) -> Tensor:
-        """[B, 1, T, L]: the slots less than `window` positions back, or under a tree's mask."""
-        s = torch.arange(self.L, device=self.mask.device)
-        return ((s > self.positions[..., None] - window) | (s >= self.free_from[:, None, None]))[:, None]
+    _by_window: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def unread(self, window: int | None) -> Tensor:
-        """[B, 1, L, 1]: the slots no token of its sequence reads, zeroed after the gather: `stale`,
-        and with a window the slots behind it for every token (their blocks may have been given
-        back and reused: KVCache.trim), which the per-token attention never gathers."""
-        if window is None:
-            return self.stale
-        s = torch.arange(self.L, device=self.mask.device)
-        behind = (s <= self.positions[:, :1] - window) & (s < self.free_from[:, None])      # row 0: the lowest position
-        return self.stale | behind[:, None, :, None]
+    def masks(self, window: int | None) -> tuple[Tensor, Tensor]:
+        """(what each token sees [B, 1, T, L], the slots no token of a sequence reads [B, 1, L, 1])
+        under a sliding window of `window` positions (None: none), computed once per forward for
+        all the layers with that window. Behind a window a slot is unread by every token (its block
+        may have been given back and reused: KVCache.trim); the per-token attention never gathers it."""
+        if window not in self._by_window:
+            if window is None:
+                self._by_window[window] = (self.mask, self.stale)
+            else:
+                s = torch.arange(self.L, device=self.mask.device)
+                under_tree = s >= self.free_from[:, None]
+                seen = (s > self.positions[..., None] - window) | under_tree[:, None]
+                behind = (s <= self.positions[:, :1] - window) & ~under_tree     # row 0: the lowest position
+                self._by_window[window] = (self.mask & seen[:, None], self.stale | behind[:, None, :, None])
+        return self._by_window[window]
 
     @classmethod
     def of(cls, batch: "ForwardBatch", kv, picked: list[int], device) -> "PaddedAttention":
         bs = kv.block_size
-        cu = [0]
-        for n in batch.counts:
-            cu.append(cu[-1] + n)
+        cu = batch.cu_seqlens.tolist()
         T = max(batch.counts[b] for b in picked)
         nb = max(-(-(batch.starts[b] + batch.counts[b]) // bs) for b in picked)
         B, L = len(picked), nb * bs

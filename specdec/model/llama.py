@@ -298,12 +298,11 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
         keys, vals = kv.gather(layer, p.table, q.dtype)      # [KV, B * L, hd]
         keys = keys.view(keys.shape[0], p.B, p.L, keys.shape[-1]).transpose(0, 1)
         vals = vals.view(vals.shape[0], p.B, p.L, vals.shape[-1]).transpose(0, 1)
-        unread = p.unread(window)
+        mask, unread = p.masks(window)
         keys.masked_fill_(unread, 0)
         vals.masked_fill_(unread, 0)
         qp = q.new_zeros(p.B * p.T, H, hd)
         qp[p.slots] = q[p.rows]
-        mask = p.mask if window is None else p.mask & p.window_mask(window)
         att = sdpa(qp.view(p.B, p.T, H, hd).transpose(1, 2), keys, vals, mask, False, scale, softcap, gqa, sinks)
         out[p.rows] = att.transpose(1, 2).reshape(p.B * p.T, H, -1)[p.slots]
     for seq in plan.seqs:

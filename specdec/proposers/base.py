@@ -195,11 +195,12 @@ def grow_chains(items: list[ProposeItem], ctxs: list[RequestContext], logits: Te
     while True:
         # the greedy rows without controls: one argmax for all of them (the same per row)
         plain = [row for row, i in enumerate(active) if ctxs[i].params.greedy and ctxs[i].controls is None]
+        argmax = {}
         if plain:
             rows = logits if len(plain) == len(active) else logits[plain]
             argmax = dict(zip(plain, greedy_tokens(fit_vocab(rows, ctxs[active[plain[0]]].vocab_size)).split(1)))
         for row, i in enumerate(active):
-            if plain and row in argmax:
+            if row in argmax:
                 tokens[i].append(argmax[row])
                 continue
             path = [int(t) for t in tokens[i]] if ctxs[i].controls is not None else None

@@ -33,7 +33,7 @@ calls back to back (the machine stays warm 30 s; the first leaves the GGUF's fir
 
 then `give_back` and `bash scripts/gpu_tree.sh --restore`. What comes back (at most 8 files of
 16 MiB, 64 MiB in all) is the EAGLE head and the answers' tokens (`collect --answers-out`, then
-`specdec train features` here: ~300 tokens/s a core, prefill-bound; on the GPU, seconds); a
+`specdec train features` here: ~300 tokens/s on one AMD EPYC Zen 3 core, prefill-bound; on the GPU, seconds); a
 vocabulary draft (`specdec train vocab-draft --device cuda`, 37.8 MB) would need a lease of its own.
 The first lease (bench/gpu-h200/2026-12-04) answered ~2,300 answer tokens/s with transformers at
 512 rows and its 2048 training answers alone overfit a fine-tune of 5300 steps: hence `--tokens`.

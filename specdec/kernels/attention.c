@@ -124,16 +124,21 @@ static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, con
 /* Bytes of one cached element. */
 static inline int kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1; }
 
-/* Ask for the cache block AHEAD blocks after the one at slot s0 (its rows of kv head g, and
- * their int8 scales) while this one is computed: a decoding step reads its keys and values once,
- * from memory (the weights streamed by since evicted them), one block's rows (2 KiB of bf16 at
- * SmolLM2's sizes) at a time. A hint only: nothing computed changes. */
-enum { AHEAD = 2 };
+/* Ask for the cache block `specdec_kv_prefetch` blocks after the one at slot s0 (its rows of kv
+ * head g, and their int8 scales) while this one is computed (0: ask for nothing). A hint only:
+ * nothing computed changes. Set once per process (kernels/__init__.py: the variant's default or
+ * SPECDEC_KV_PREFETCH): two blocks ahead helped a decoding step's reads on an AVX2 Zen 3, where the
+ * weights streamed by between two steps evict the cache's rows; on an AVX-512 Zen 4 the hardware's
+ * own prefetchers did better without it (1-token forwards after 4096 cached tokens: 8.5 against
+ * 10.8 ms on two threads; scripts/kv_prefetch.py), the software's requests crowding the loads
+ * that need the lines now. */
+int specdec_kv_prefetch = 2;
+
 static inline __attribute__((always_inline)) void
 prefetch_block(const Model *m, const int32_t *table, int g, int s0, int maxspan, const void *cache,
                const float *scale, int es) {
-    int bs = m->block_size, s = s0 + AHEAD * bs;
-    if (s >= maxspan) return;
+    int bs = m->block_size, s = s0 + specdec_kv_prefetch * bs;
+    if (specdec_kv_prefetch <= 0 || s >= maxspan) return;
     long row0 = ((long)g * m->num_blocks + table[s / bs]) * bs;
     int n = maxspan - s < bs ? maxspan - s : bs;
     const char *p = (const char *)cache + row0 * m->head_dim * es;

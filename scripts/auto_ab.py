@@ -51,7 +51,7 @@ def main() -> None:
     for spec in specs:                      # bad entries before any model loads
         name, _, value = spec.partition(":")
         try:
-            {"then": int, "floor": int, "cap": int, "reuse": int, "decay": float, "h": float, "nomult": str}[name](value)
+            VARIANT_VALUE[name](value)
         except (KeyError, ValueError):
             raise SystemExit(f"auto_ab: bad --auto-variants entry {spec!r} (see --help)") from None
     path = smollm2_gguf()
@@ -113,12 +113,16 @@ def main() -> None:
         print(f"| {cat} | {t['plain']:.2f} | " + " | ".join(f"{t['plain'] / t[n]:.3f}x" for n in names) + " |")
 
 
+# --auto-variants: each entry's name and how its value reads
+VARIANT_VALUE = {"then": int, "floor": int, "cap": int, "reuse": int, "decay": float, "h": float, "nomult": str}
+
+
 def change(policy, spec: str) -> None:
     """Change one respect of a GoodputPolicy (--auto-variants)."""
-    name, _, value = spec.partition(":")
-    choose = policy.choose
+    name, _, raw = spec.partition(":")
+    value = VARIANT_VALUE[name](raw)
     if name in ("then", "floor", "cap"):
-        k = int(value)
+        k, choose = value, policy.choose
         pick = {"then": lambda got: k, "floor": lambda got: max(got, k) if got else 0, "cap": lambda got: min(got, k)}[name]
         policy.choose = lambda seqs, prompt_tokens=0: [
             min(pick(got), s.cap) for s, got in zip(seqs, choose(seqs, prompt_tokens))]
@@ -130,11 +134,11 @@ def change(policy, spec: str) -> None:
         policy._expected = unscaled
     elif name == "decay":
         for model in policy.acceptance.values():
-            model.decay = float(value)
+            model.decay = value
     elif name == "h":
-        policy.h = float(value)
+        policy.h = value
     elif name == "reuse":
-        policy.reuse = int(value)
+        policy.reuse = value
 
 
 if __name__ == "__main__":

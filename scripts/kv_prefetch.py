@@ -45,6 +45,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("kv_prefetch: no kernel variant runs here")
     setting = ctypes.c_int.in_dll(lib, "specdec_kv_prefetch")
+    default = setting.value
     llms = {"plain": LLM(model=str(path), num_speculative_tokens=0),
             "suffix K=2": LLM(model=str(path), speculative_config=dict(SMOLLM2_SPECULATIVE))}
     tok = llms["plain"].tokenizer
@@ -83,7 +84,7 @@ def main() -> None:
             for key, s in spent.items():
                 times[key].append(s)
     finally:
-        setting.value = kernels.kv_prefetch(kernels.chosen())
+        setting.value = default
     what = f"{args.spec_bench} rounds of Spec-Bench questions, summed per round" if args.spec_bench else \
         f"{len(prompts[0][0])} prompt tokens, {args.max_tokens} answer tokens"
     print(f"{what}; decoding seconds, median of {len(prompts)}:")

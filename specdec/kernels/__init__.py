@@ -18,6 +18,7 @@ prefetches the KV cache's blocks (kv_prefetch).
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,6 @@ def kv_prefetch(variant: str) -> int:
     """How many cache blocks ahead attention asks for the keys' and values' rows (0: none):
     SPECDEC_KV_PREFETCH, else 2 on AVX2 builds and none on AVX-512 ones (attention.c: measured on
     a Zen 3 and a Zen 4; a hint, the results are the same bits either way)."""
-    import os
-
     raw = os.environ.get("SPECDEC_KV_PREFETCH", "").strip()
     if not raw:
         return 0 if variant.startswith("avx512") else 2
@@ -162,7 +161,7 @@ def describe() -> str:
     """One line for benchmark output and bug reports."""
     name = chosen()
     flags = sorted(f for f in isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
-    prefetch = f"; KV prefetch {kv_prefetch(name)} blocks ahead" if name else ""
+    prefetch = f"; KV prefetch {ctypes.c_int.in_dll(load(), 'specdec_kv_prefetch').value} blocks ahead" if name else ""
     return (f"{name or 'PyTorch'} ({_chosen[0][1]}){prefetch}; runnable: {', '.join(runnable_variants()) or 'none'}; "
             f"cpu flags: {' '.join(flags)}")
 

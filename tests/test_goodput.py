@@ -149,6 +149,35 @@ def test_per_request_k_follows_each_requests_acceptance():
     assert good > 0.9 and bad < 0.1
 
 
+def test_a_draft_row_is_priced_at_its_own_attention_cost():
+    """One request whose context wanders between 64 and 2048 slots; a step costs 3 ms + 0.1 ms
+    per fed token + 4 ms per 1024 slots the first row attends + 0.4 ms per 1024 slots each draft
+    row attends (its keys and values were just read for the first row: only its own scores and
+    sums cost). At 2048 slots a plain step takes 11.1 ms and a draft token 0.9 ms, so a draft kept
+    a quarter of the time pays (1.25 tokens in 12 ms against 1 in 11.1). One attention
+    coefficient for every row charged a draft token the first row's rate there, and drafted on
+    under half of those steps; the fit tells the two rates apart."""
+    for seed in range(3):
+        policy, rng = GoodputPolicy(8), random.Random(seed)
+        long_steps = []
+        for i in range(1200):
+            context = 2048 if i % 4 == 0 else rng.randint(64, 2048)
+            (k,) = policy.choose([SeqInfo(0, True, context, 8)])
+            probe = policy.probing
+            kept = 0
+            while kept < k and rng.random() < 0.25:
+                kept += 1
+            first, drafted = context + 1, k * context + (k + 1) * (k + 2) // 2 - 1
+            t = (3e-3 + 1e-4 * (1 + k) + 4e-3 * first / 1024 + 4e-4 * drafted / 1024) * (1 + 0.05 * rng.gauss(0, 1))
+            policy.observe([Outcome(0, True, k, kept, None)],
+                           StepCosts(1, k, 0, first + drafted, int(k > 0), k, 0.0, t, drafted))
+            if i >= 600 and context == 2048 and not probe:
+                long_steps.append(k)
+        assert np.mean([k > 0 for k in long_steps]) > 0.9
+        w = policy.target.w
+        assert w[3] == pytest.approx(4e-3, rel=0.15) and w[4] == pytest.approx(4e-4, rel=0.5)
+
+
 def test_tree_sizes_find_the_best_size_and_fall_back_to_plain():
     def run(kept_of, per_node):
         policy, played = GoodputPolicy(32, tree=True), []

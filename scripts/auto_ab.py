@@ -20,7 +20,7 @@ more by the wall clock. Every output is checked against plain's.
   nomult     every request's multiplier, and its chance of drafting at all, 1 (the kind's model alone)
   decay:D    the acceptance models forget by D per step (default 0.99)
   h:H        the drafting hysteresis (default 0.1)
-  reuse:N    sizes kept for N steps of an unchanged batch (default 16)
+  reuse:N    sizes kept for N steps of an unchanged batch that drafts (default 64)
 
     PYTHONPATH=. python scripts/auto_ab.py --threads 2 --ks 3,auto --auto-variants floor:3,cap:3
 """

@@ -314,7 +314,7 @@ class GoodputPolicy:
     (sizes on LADDER); hysteresis h, probe_every and warmup as described above."""
 
     def __init__(self, max_k: int, tree: bool = False, hysteresis: float = 0.1, probe_every: int = 16,
-                 probe_size: int = 2, warmup: int = len(_WARM), reuse: int = 16):
+                 probe_size: int = 2, warmup: int = len(_WARM), reuse: int = 64):
         make = (lambda: TreeAcceptance(max_k)) if tree else (lambda: ChainAcceptance(max_k))
         self.acceptance = {True: make(), False: make()}
         self.sizes = self.acceptance[True].sizes
@@ -333,9 +333,14 @@ class GoodputPolicy:
         self.idle = 0                        # steps since anyone drafted
         self.probing = False                 # the last choice was a probe
         self._probe_turn = 0
-        # an unchanged batch keeps its sizes for `reuse` steps: the optimisation and the fits
-        # cost ~1-2 ms of Python, a fifth of a one-token step of a 135M model on one core (16:
-        # 0.1 ms a step spread over them, against 8's 0.2)
+        # an unchanged batch keeps its sizes for `reuse` steps (`probe_every` while nobody
+        # drafts, so that probes keep their pace): the optimisation and the fits cost ~1-2 ms of
+        # Python, a fifth of a one-token step of a 135M model on one core (16: 0.1 ms a step
+        # spread over them, against 8's 0.2), and sizes that follow every turn of the estimates
+        # cost more than they find: on one client, Spec-Bench, the Zen 4, "auto" with its
+        # sizes held 64 steps (about one re-optimisation per answer after its first) ran
+        # 2.1% / 2.4% faster than with 16 in two runs, and 32 no faster than 16
+        # (docs/serving-under-load.md)
         self.reuse = reuse
         self._last: tuple[tuple, list[int], int] | None = None     # (request ids, sizes, age)
         self._pending: list = []             # observed steps not yet applied (observe)
@@ -357,7 +362,8 @@ class GoodputPolicy:
         if self.steps < self.warmup:
             ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
         else:
-            reused = self._last and self._last[0] == ids and self._last[2] < self.reuse and not prompt_tokens
+            hold = self.reuse if self._last and any(self._last[1]) else min(self.reuse, self.probe_every)
+            reused = self._last and self._last[0] == ids and self._last[2] < hold and not prompt_tokens
             if reused:
                 ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
                 self._last = (ids, self._last[1], self._last[2] + 1)

@@ -339,7 +339,7 @@ class GoodputPolicy:
         # spread over them, against 8's 0.2), and sizes that follow every turn of the estimates
         # cost more than they find: on one client, Spec-Bench, the Zen 4, "auto" with its
         # sizes held 64 steps (about one re-optimisation per answer after its first) ran
-        # 2.1% / 2.4% faster than with 16 in two runs, and 32 no faster than 16
+        # 2.1% / 2.4% / 1.1% faster than with 16 in three runs, and 32 no faster than 16
         # (docs/serving-under-load.md)
         self.reuse = reuse
         self._last: tuple[tuple, list[int], int] | None = None     # (request ids, sizes, age)

@@ -21,6 +21,7 @@ more by the wall clock. Every output is checked against plain's.
   decay:D    the acceptance models forget by D per step (default 0.99)
   h:H        the drafting hysteresis (default 0.1)
   reuse:N    sizes kept for N steps of an unchanged batch that drafts (default 64)
+  costmem:H  the target's cost fit weighs samples by half-life H steps, over a window of 4H (default 48, 128)
 
     PYTHONPATH=. python scripts/auto_ab.py --threads 2 --ks 3,auto --auto-variants floor:3,cap:3
 """
@@ -36,6 +37,7 @@ import torch
 from specdec import LLM, SamplingParams, kernels
 from specdec.bench.spec_bench import chat_prompt, read_questions
 from specdec.defaults import SMOLLM2_SPECULATIVE, smollm2_gguf
+from specdec.goodput import OnlineLinear
 
 
 def main() -> None:
@@ -166,7 +168,7 @@ def count_sizes(choose, counts, category):
 
 
 # --auto-variants: each entry's name and how its value reads
-VARIANT_VALUE = {"then": int, "floor": int, "cap": int, "reuse": int, "decay": float, "h": float, "nomult": str}
+VARIANT_VALUE = {"costmem": int, "then": int, "floor": int, "cap": int, "reuse": int, "decay": float, "h": float, "nomult": str}
 
 
 def change(policy, spec: str) -> None:
@@ -191,6 +193,8 @@ def change(policy, spec: str) -> None:
         policy.h = value
     elif name == "reuse":
         policy.reuse = value
+    elif name == "costmem":
+        policy.target = OnlineLinear(len(policy.target.w), window=4 * value, half_life=value, refit_every=8)
 
 
 if __name__ == "__main__":

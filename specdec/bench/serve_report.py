@@ -106,6 +106,7 @@ def markdown(results: dict) -> str:
     lines = ["# specdec bench serve", "", "```bash", results["command"], "```", "",
              f"- machine: {m['cpu']}, {m['cores']} cores, load average {m.get('load_average')} before, "
              f"{m.get('load_average_after')} after (other jobs share the cores: see the README on timing)",
+             f"- kernels: {m.get('kernels', 'not recorded')}; specdec {m.get('specdec_commit', '?')}, torch {m.get('torch', '?')}",
              f"- requests: {s['dataset']} first turns through the chat template, streamed, max_tokens "
              f"{s['output_len']}, temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
              f"{s['burstiness']:g}; goodput SLOs: {slo}",

@@ -29,6 +29,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -140,11 +145,6 @@ def main() -> None:
 
 def goodput_at(rev: str):
     """specdec/goodput.py as of git revision rev, as a module of its own."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    import tempfile
     try:
         source = subprocess.run(["git", "show", f"{rev}:specdec/goodput.py"], capture_output=True, text=True,
                                 check=True).stdout

@@ -62,6 +62,34 @@ def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
+def test_both_clients_measure_the_same_stream(tiny_pair):
+    """The default aiohttp client (events parsed by hand) and the official openai client see the
+    same chunks and usage for the same greedy requests, and report a server's error alike."""
+    import asyncio
+
+    target, draft = tiny_pair
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
+    items = [{"messages": [{"role": "user", "content": text}]} for text in ("Hello!", "def add(a, b):", "1 2 3")]
+    sampling = {"max_tokens": 7, "temperature": 0.0, "seed": 0, "extra_body": {"ignore_eos": True}}
+    load = serve.Load(float("inf"), 2)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        seen = {}
+        for client in serve.CLIENTS:
+            results, wall = asyncio.run(serve.run_load(live.url, "tiny", items, load, 1.0, sampling, 0, client))
+            assert wall > 0 and all(r.ok and r.error == "" for r in results), [r.error for r in results]
+            seen[client] = [(r.output_tokens, r.prompt_tokens, len(r.chunks)) for r in results]
+            assert all(r.output_tokens == 7 and 1 <= len(r.chunks) <= 7 for r in results)
+        assert seen["aiohttp"] == seen["openai"]
+        too_long = [{"messages": [{"role": "user", "content": "word " * 400}]}]
+        for client in serve.CLIENTS:
+            (bad,), _ = asyncio.run(serve.run_load(live.url, "no-such-model", items[:1], load, 1.0, sampling, 0, client))
+            assert not bad.ok and "404" in bad.error and "no-such-model" in bad.error
+            (bad,), _ = asyncio.run(serve.run_load(live.url, "tiny", too_long, load, 1.0, sampling, 0, client))
+            assert not bad.ok and "400" in bad.error and "prompt is too long" in bad.error
+    with pytest.raises(ValueError, match="client"):
+        asyncio.run(serve.run_load("http://127.0.0.1:9", "m", items[:1], load, 1.0, sampling, 0, "curl"))
+
+
 def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
     target, draft = tiny_pair
     rc = main(["bench", "serve", "--model", str(target), "--speculative-config",

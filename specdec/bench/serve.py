@@ -92,11 +92,9 @@ def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
     """The items whose prompt (through the served model's chat template) leaves room for
     output_len tokens in its context, as vLLM's benchmark drops over-long prompts; all of them
     when the model's files are not on this machine."""
-    import httpx
-
     from ..tokenizer import Tokenizer
 
-    info = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]
+    info = json.loads(_get(base_url + "/v1/models"))["data"][0]
     root, max_len = info.get("root"), info.get("max_model_len")
     if not root or not max_len or not Path(root).exists():
         return items
@@ -124,6 +122,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 
 async def _one(client, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
+    """One streamed chat request through the official openai client (--client openai)."""
     result.sent = time.perf_counter()
     try:
         stream = await client.chat.completions.create(model=model, messages=item["messages"], stream=True,
@@ -140,23 +139,85 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
         result.error = f"{type(e).__name__}: {e}"
 
 
-async def run_load(base_url: str, model: str, items: list[dict], load: Load, burstiness: float, sampling: dict,
-                   seed: int) -> tuple[list[RequestResult], float]:
-    """Send every item at the load point's arrival times; (results, wall seconds)."""
-    import httpx
-    import openai
+async def _one_raw(session, url: str, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
+    """One streamed chat request over aiohttp, the server-sent events parsed by hand (--client aiohttp,
+    the default; vLLM's `bench serve` client does the same). The openai client's typed chunks cost the
+    client ~3x the CPU per chunk, which on a machine of a few cores it takes from the server."""
+    body = {"model": model, "messages": item["messages"], "stream": True, "stream_options": {"include_usage": True},
+            **{k: v for k, v in sampling.items() if k != "extra_body"}, **sampling.get("extra_body", {})}
+    result.sent = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                text = (await response.text())[:300]
+                result.error = f"HTTP {response.status}: {text}"
+                return
+            async for line in response.content:         # one line at a time: "data: {...}" or blank
+                if not line.startswith(b"data: "):
+                    continue
+                now = time.perf_counter()
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:                    # an error after the status line went out
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                    return
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                    result.chunks.append(now)
+        result.ok = bool(result.chunks) and result.output_tokens > 0
+        result.error = "" if result.ok else "no tokens"
+    except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(e).__name__}: {e}"
 
-    limits = httpx.Limits(max_connections=max(64, load.concurrency or len(items)))
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                                max_retries=0, timeout=3600, http_client=httpx.AsyncClient(limits=limits, timeout=3600))
+
+CLIENTS = ("aiohttp", "openai")
+
+
+async def run_load(base_url: str, model: str, items: list[dict], load: Load, burstiness: float, sampling: dict,
+                   seed: int, client: str = "aiohttp") -> tuple[list[RequestResult], float]:
+    """Send every item at the load point's arrival times; (results, wall seconds)."""
+    connections = max(64, load.concurrency or len(items))
+    if client == "openai":
+        try:
+            import httpx
+            import openai
+        except ImportError:
+            raise ValueError("--client openai needs the openai package (pip install openai)") from None
+
+        api = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                 max_retries=0, timeout=3600,
+                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=connections),
+                                                               timeout=3600))
+
+        def send(item, result):
+            return _one(api, model, item, sampling, result)
+        close = api.close
+    elif client == "aiohttp":
+        import aiohttp
+
+        key = os.environ.get("OPENAI_API_KEY", "EMPTY")
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                        timeout=aiohttp.ClientTimeout(total=3600),
+                                        headers={"Authorization": f"Bearer {key}"})
+        url = base_url + "/v1/chat/completions"
+
+        def send(item, result):
+            return _one_raw(session, url, model, item, sampling, result)
+        close = session.close
+    else:
+        raise ValueError(f"client {client!r}: expected one of {', '.join(CLIENTS)}")
     gate = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     results = [RequestResult() for _ in items]
 
     async def gated(item, result):
         if gate is None:
-            return await _one(client, model, item, sampling, result)
+            return await send(item, result)
         async with gate:
-            return await _one(client, model, item, sampling, result)
+            return await send(item, result)
 
     start, tasks = time.perf_counter(), []
     try:
@@ -165,7 +226,7 @@ async def run_load(base_url: str, model: str, items: list[dict], load: Load, bur
             tasks.append(asyncio.create_task(gated(item, result)))
         await asyncio.gather(*tasks)
     finally:
-        await client.close()
+        await close()
     return results, time.perf_counter() - start
 
 
@@ -208,11 +269,9 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
 
 def read_counters(base_url: str) -> dict[str, float]:
     """The server's speculative counters (and generated tokens, preemptions) from /metrics."""
-    import httpx
-
     try:
-        text = httpx.get(base_url + "/metrics", timeout=30).text
-    except httpx.HTTPError:
+        text = _get(base_url + "/metrics")
+    except OSError:             # urllib's URLError and HTTPError are OSErrors
         return {}
     out = {}
     for name in SPEC_COUNTERS:
@@ -255,8 +314,6 @@ def unwind_on_sigterm() -> None:
 def server(argv: list[str], log: Path, startup_s: float = 600.0):
     """`specdec serve argv` on a free loopback port until the block ends (then SIGTERM, which
     drains it); yields its Started (base URL, process id)."""
-    import httpx
-
     port = free_port()
     cmd = [sys.executable, "-m", "specdec.entrypoints.openai.api_server", *argv, "--port", str(port),
            "--uvicorn-log-level", "warning"]
@@ -271,9 +328,9 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the server did not start within {startup_s:.0f} s (log: {log})")
                 try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
+                    _get(url + "/health", timeout=2)        # raises unless 200
+                    break
+                except OSError:
                     pass
                 time.sleep(0.25)
             yield Started(url, proc.pid)
@@ -287,9 +344,16 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
 
 
 def served_model(base_url: str) -> str:
-    import httpx
+    return json.loads(_get(base_url + "/v1/models"))["data"][0]["id"]
 
-    return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+def _get(url: str, timeout: float = 30.0) -> str:
+    """A GET's body (the benchmark's few plain requests: the standard library suffices)."""
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'EMPTY')}"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
 
 
 def _sampling(args) -> dict:
@@ -300,7 +364,7 @@ def _sampling(args) -> dict:
 def warm_up(base_url: str, pool: list[dict], args) -> None:
     if args.warmup:
         asyncio.run(run_load(base_url, served_model(base_url), sample(pool, args.warmup, args.seed + 999),
-                             Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed))
+                             Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed, args.client))
 
 
 def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
@@ -319,7 +383,7 @@ class Measured:
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
         results, wall = asyncio.run(run_load(base_url, served_model(base_url), items, load, args.burstiness,
-                                             _sampling(args), seed))
+                                             _sampling(args), seed, args.client))
         after = read_counters(base_url)
         self.results += results
         self.wall += wall

@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split each load point's requests into rounds (of at least twice its concurrency) in which "
                         "the variants take turns, so that a machine whose speed drifts over minutes weighs on all "
                         "alike (default 1: each variant's whole load point in turn)")
+    p.add_argument("--client", default="aiohttp", choices=["aiohttp", "openai"],
+                   help="the benchmark's HTTP client: aiohttp with the events parsed by hand (default, as vLLM's "
+                        "benchmark), or the official openai client (~3x its CPU per chunk, taken from the server "
+                        "on a machine of few cores; runs recorded before 2026-12-05 used it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
 
@@ -152,7 +156,7 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {"command": command_line(argv), "machine": machine_info(),
                "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                            "burstiness": args.burstiness, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
+                            "burstiness": args.burstiness, "client": args.client, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": "spec_bench" + (f":{args.spec_bench_category}" if args.spec_bench_category else "")},
                "variants": []}
     if args.base_url:

@@ -109,7 +109,7 @@ def markdown(results: dict) -> str:
              f"- kernels: {m.get('kernels', 'not recorded')}; specdec {m.get('specdec_commit', '?')}, torch {m.get('torch', '?')}",
              f"- requests: {s['dataset']} first turns through the chat template, streamed, max_tokens "
              f"{s['output_len']}, temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
-             f"{s['burstiness']:g}; goodput SLOs: {slo}",
+             f"{s['burstiness']:g}; goodput SLOs: {slo}; client: {s.get('client', 'openai')}",
              "- TTFT: request sent -> first chunk with tokens; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; "
              "ITL: gaps between chunks (a speculative step's chunk carries several tokens); acceptance from the "
              "server's /metrics over the load point", "", "## Per variant and load", "", summary_table(results), ""]

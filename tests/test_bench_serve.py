@@ -70,6 +70,7 @@ def test_both_clients_measure_the_same_stream(tiny_pair):
     target, draft = tiny_pair
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
     items = [{"messages": [{"role": "user", "content": text}]} for text in ("Hello!", "def add(a, b):", "1 2 3")]
+    items += [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt": "Once upon a time", "max_tokens": 4}]
     sampling = {"max_tokens": 7, "temperature": 0.0, "seed": 0, "extra_body": {"ignore_eos": True}}
     load = serve.Load(float("inf"), 2)
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
@@ -78,7 +79,8 @@ def test_both_clients_measure_the_same_stream(tiny_pair):
             results, wall = asyncio.run(serve.run_load(live.url, "tiny", items, load, 1.0, sampling, 0, client))
             assert wall > 0 and all(r.ok and r.error == "" for r in results), [r.error for r in results]
             seen[client] = [(r.output_tokens, r.prompt_tokens, len(r.chunks)) for r in results]
-            assert all(r.output_tokens == 7 and 1 <= len(r.chunks) <= 7 for r in results)
+            assert [r.output_tokens for r in results] == [7, 7, 7, 7, 4] and all(r.chunks for r in results)
+            assert results[3].prompt_tokens == 5
         assert seen["aiohttp"] == seen["openai"]
         too_long = [{"messages": [{"role": "user", "content": "word " * 400}]}]
         for client in serve.CLIENTS:
@@ -88,6 +90,72 @@ def test_both_clients_measure_the_same_stream(tiny_pair):
             assert not bad.ok and "400" in bad.error and "prompt is too long" in bad.error
     with pytest.raises(ValueError, match="client"):
         asyncio.run(serve.run_load("http://127.0.0.1:9", "m", items[:1], load, 1.0, sampling, 0, "curl"))
+
+
+def test_random_requests_follow_vllms_lengths(tiny_pair):
+    from specdec.tokenizer import Tokenizer
+
+    target, _ = tiny_pair
+    tok = Tokenizer(target)
+    exact = serve.random_requests(tok, 6, input_len=12, output_len=5, prefix_len=3, seed=1)
+    assert [len(it["prompt_token_ids"]) for it in exact] == [15] * 6 and {it["max_tokens"] for it in exact} == {5}
+    assert len({tuple(it["prompt_token_ids"][:3]) for it in exact}) == 1          # the shared prefix
+    assert len({tuple(it["prompt_token_ids"][3:]) for it in exact}) == 6          # distinct prompts after it
+    banned = tok.special_ids | {tok.bos_token_id, *tok.eos_token_ids}
+    assert not banned & {t for it in exact for t in it["prompt_token_ids"]}
+    assert all(0 <= t < tok.vocab_size for it in exact for t in it["prompt_token_ids"])
+    spread = serve.random_requests(tok, 400, input_len=20, output_len=10, range_ratio=0.5, seed=2)
+    ins, outs = [len(it["prompt_token_ids"]) for it in spread], [it["max_tokens"] for it in spread]
+    assert (min(ins), max(ins)) == (10, 30) and (min(outs), max(outs)) == (5, 15)   # uniform within +-50%
+    assert serve.random_requests(tok, 3, 8, 4, seed=9) == serve.random_requests(tok, 3, 8, 4, seed=9)
+    with pytest.raises(ValueError, match="range-ratio"):
+        serve.random_requests(tok, 1, 8, 4, range_ratio=1.0)
+
+
+def test_custom_requests_read_vllms_jsonl(tmp_path):
+    good = tmp_path / "prompts.jsonl"
+    good.write_text('{"prompt": "Say hi"}\n\n{"prompt": "Count to 3", "output_tokens": 9}\n')
+    assert serve.custom_requests(good) == [
+        {"category": "custom", "messages": [{"role": "user", "content": "Say hi"}]},
+        {"category": "custom", "messages": [{"role": "user", "content": "Count to 3"}], "max_tokens": 9}]
+    assert serve.custom_requests(good, skip_chat_template=True)[1] == {"category": "custom", "prompt": "Count to 3",
+                                                                       "max_tokens": 9}
+    for text, message in (('{"prompt": "a"}\nnot json\n', "line 2 is not JSON"), ('{"text": "a"}\n', "no \"prompt\""),
+                          ('{"prompt": "a", "output_tokens": 0}\n', "output_tokens"), ("\n", "no prompts")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            serve.custom_requests(bad)
+    with pytest.raises(ValueError, match="--dataset-path"):
+        serve.custom_requests(tmp_path / "missing.jsonl")
+
+
+def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
+    """--dataset-name random: token-id prompts of the lengths asked, through /v1/completions;
+    --dataset-name custom: a JSONL file's prompts, through the chat template or as they are."""
+    target, draft = tiny_pair
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "def f(x):", "output_tokens": 3}\n')
+    runs = {"random": ["--dataset-name", "random", "--random-input-len", "20", "--random-output-len", "5",
+                       "--random-prefix-len", "4"],
+            "custom": ["--dataset-name", "custom", "--dataset-path", str(prompts)],
+            "custom-raw": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"]}
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        for name, flags in runs.items():
+            out = tmp_path / name
+            rc = main(["bench", "serve", "--base-url", live.url, "--max-concurrency", "2", "--num-prompts", "4",
+                       "--output-len", "6", "--ignore-eos", "--warmup", "1", "--out", str(out), *flags])
+            assert rc == 0, name
+            results = json.loads((out / "results.json").read_text())
+            (point,) = results["variants"][0]["points"]
+            assert point["completed"] == point["num_prompts"] == 4 and point["failed"] == 0
+            if name == "random":
+                assert point["total_input_tokens"] == 4 * 24 and point["total_output_tokens"] == 4 * 5
+                assert "random token ids after a shared random prefix of 4" in (out / "results.md").read_text()
+            else:                       # two prompts drawn in turn: 6 and 3 tokens each
+                assert point["total_output_tokens"] == 2 * 6 + 2 * 3
+                assert ("as they are" in (out / "results.md").read_text()) == (name == "custom-raw")
 
 
 def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
@@ -133,9 +201,17 @@ def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys)
     assert "## Round by round" in report and f"| c=1 | speculative K=2 | {ratios} (spread " in report
 
 
-def test_bench_serve_bad_flags_exit_2(capsys):
+def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
     assert main(["bench", "serve", "--goodput", "latency:5", "--out", "/nonexistent/x"]) == 2
     assert "--goodput" in capsys.readouterr().err
+    for flags, message in ((["--dataset-name", "custom"], "--dataset-path"),
+                           (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl")], "--dataset-path"),
+                           (["--dataset-path", "x.jsonl"], "--dataset-name custom"),
+                           (["--dataset-name", "random", "--random-range-ratio", "1.5"], "--random-range-ratio"),
+                           (["--dataset-name", "random", "--random-input-len", "0"], "--random-input-len")):
+        assert main(["bench", "serve", *flags, "--out", str(tmp_path / "out")]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--num-speculative-tokens", "x"])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -88,9 +89,89 @@ def questions(category: str | None = None) -> list[dict]:
     return qs
 
 
+def custom_requests(path: str | os.PathLike, skip_chat_template: bool = False) -> list[dict]:
+    """vLLM's custom dataset: a JSON Lines file, one {"prompt": text} a line, optionally with
+    "output_tokens" (that request's max_tokens). Sent as a user message through the chat template,
+    or with skip_chat_template as a plain prompt to /v1/completions."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--dataset-path {path}: {e.strerror or e}") from None
+    items = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ValueError(f"--dataset-path {path}: line {n} is not JSON") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f'--dataset-path {path}: line {n} has no "prompt" string')
+        item = {"category": "custom", **({"prompt": prompt} if skip_chat_template
+                                         else {"messages": [{"role": "user", "content": prompt}]})}
+        out = row.get("output_tokens")
+        if out is not None:
+            if not isinstance(out, int) or isinstance(out, bool) or out < 1:
+                raise ValueError(f'--dataset-path {path}: line {n}: "output_tokens" must be an integer >= 1')
+            item["max_tokens"] = out
+        items.append(item)
+    if not items:
+        raise ValueError(f"--dataset-path {path}: no prompts")
+    return items
+
+
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """vLLM's random lengths: uniform integers in [length * (1 - ratio), length * (1 + ratio)]."""
+    return max(1, math.floor(length * (1 - ratio))), max(1, math.ceil(length * (1 + ratio)))
+
+
+def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    prefix_len: int = 0, seed: int = 0) -> list[dict]:
+    """vLLM's random dataset: prompts of random token ids (no special tokens), sent as token ids to
+    /v1/completions so that their lengths are exact: a shared random prefix of prefix_len tokens,
+    then input and output lengths drawn per request from length_range(length, range_ratio)."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    if input_len < 1 or output_len < 1 or prefix_len < 0:
+        raise ValueError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0")
+    special = tokenizer.special_ids | {i for i in (tokenizer.bos_token_id, *tokenizer.eos_token_ids) if i is not None}
+    allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), np.fromiter(special, dtype=np.int64, count=len(special)))
+    rng = np.random.default_rng(seed)
+    prefix = rng.choice(allowed, prefix_len).tolist()
+    (ilo, ihi), (olo, ohi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
+    return [{"category": "random", "prompt_token_ids": prefix + rng.choice(allowed, int(rng.integers(ilo, ihi + 1))).tolist(),
+             "max_tokens": int(rng.integers(olo, ohi + 1))} for _ in range(num)]
+
+
+def served_tokenizer(base_url: str, path: str | None = None):
+    """The tokenizer at path, else the served model's own (its files on this machine)."""
+    from ..tokenizer import Tokenizer
+
+    if path:
+        try:
+            return Tokenizer(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable folder or file: one line
+            raise ValueError(f"--tokenizer {path}: {e}") from None
+    root = json.loads(_get(base_url + "/v1/models"))["data"][0].get("root")
+    if not root or not Path(root).exists():
+        raise ValueError("--dataset-name random needs the served model's tokenizer: its files are not on this "
+                         "machine, pass --tokenizer PATH")
+    return Tokenizer(root)
+
+
+def prompt_length(tok, item: dict) -> int:
+    """An item's prompt tokens as the server will count them."""
+    if "prompt_token_ids" in item:
+        return len(item["prompt_token_ids"])
+    if "prompt" in item:
+        return len(tok.encode(item["prompt"]))
+    return len(tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False))
+
+
 def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
-    """The items whose prompt (through the served model's chat template) leaves room for
-    output_len tokens in its context, as vLLM's benchmark drops over-long prompts; all of them
+    """The items whose prompt (through the served model's chat template, if a chat) leaves room
+    for its output tokens (output_len unless the item sets max_tokens) in its context, as vLLM's benchmark drops over-long prompts; all of them
     when the model's files are not on this machine."""
     from ..tokenizer import Tokenizer
 
@@ -99,10 +180,9 @@ def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
     if not root or not max_len or not Path(root).exists():
         return items
     tok = Tokenizer(root)
-    keep = [it for it in items if len(tok.encode(tok.apply_chat_template(it["messages"]), add_special_tokens=False))
-            + output_len <= max_len]
+    keep = [it for it in items if prompt_length(tok, it) + it.get("max_tokens", output_len) <= max_len]
     if not keep:
-        raise ValueError(f"no Spec-Bench prompt leaves room for {output_len} output tokens in {max_len}")
+        raise ValueError(f"no prompt leaves room for its output tokens ({output_len} unless given) in {max_len}")
     return keep
 
 
@@ -121,17 +201,27 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return list(rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n))
 
 
+def _is_chat(item: dict) -> bool:
+    return "messages" in item
+
+
 async def _one(client, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
-    """One streamed chat request through the official openai client (--client openai)."""
+    """One streamed request through the official openai client (--client openai): a chat, or a
+    completion of a prompt (text or token ids)."""
+    sampling = {**sampling, **({"max_tokens": item["max_tokens"]} if "max_tokens" in item else {})}
     result.sent = time.perf_counter()
     try:
-        stream = await client.chat.completions.create(model=model, messages=item["messages"], stream=True,
-                                                      stream_options={"include_usage": True}, **sampling)
+        if _is_chat(item):
+            stream = await client.chat.completions.create(model=model, messages=item["messages"], stream=True,
+                                                          stream_options={"include_usage": True}, **sampling)
+        else:
+            stream = await client.completions.create(model=model, prompt=item.get("prompt_token_ids", item.get("prompt")),
+                                                     stream=True, stream_options={"include_usage": True}, **sampling)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
                 result.output_tokens, result.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            if any(c.delta.content for c in chunk.choices):
+            if any(c.delta.content if _is_chat(item) else c.text for c in chunk.choices):
                 result.chunks.append(now)
         result.ok = bool(result.chunks) and result.output_tokens > 0
         result.error = "" if result.ok else "no tokens"
@@ -139,12 +229,20 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
         result.error = f"{type(e).__name__}: {e}"
 
 
-async def _one_raw(session, url: str, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
-    """One streamed chat request over aiohttp, the server-sent events parsed by hand (--client aiohttp,
+def _text_of(choice: dict, chat: bool):
+    return (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+
+
+async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
+    """One streamed request over aiohttp, the server-sent events parsed by hand (--client aiohttp,
     the default; vLLM's `bench serve` client does the same). The openai client's typed chunks cost the
     client ~3x the CPU per chunk, which on a machine of a few cores it takes from the server."""
-    body = {"model": model, "messages": item["messages"], "stream": True, "stream_options": {"include_usage": True},
-            **{k: v for k, v in sampling.items() if k != "extra_body"}, **sampling.get("extra_body", {})}
+    chat = _is_chat(item)
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": item["messages"]} if chat else {"prompt": item.get("prompt_token_ids", item.get("prompt"))}),
+            **{k: v for k, v in sampling.items() if k != "extra_body"}, **sampling.get("extra_body", {}),
+            **({"max_tokens": item["max_tokens"]} if "max_tokens" in item else {})}
+    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
     result.sent = time.perf_counter()
     try:
         async with session.post(url, json=body) as response:
@@ -166,7 +264,7 @@ async def _one_raw(session, url: str, model: str, item: dict, sampling: dict, re
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                if any(_text_of(c, chat) for c in chunk.get("choices") or ()):
                     result.chunks.append(now)
         result.ok = bool(result.chunks) and result.output_tokens > 0
         result.error = "" if result.ok else "no tokens"
@@ -203,10 +301,9 @@ async def run_load(base_url: str, model: str, items: list[dict], load: Load, bur
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
                                         timeout=aiohttp.ClientTimeout(total=3600),
                                         headers={"Authorization": f"Bearer {key}"})
-        url = base_url + "/v1/chat/completions"
 
         def send(item, result):
-            return _one_raw(session, url, model, item, sampling, result)
+            return _one_raw(session, base_url, model, item, sampling, result)
         close = session.close
     else:
         raise ValueError(f"client {client!r}: expected one of {', '.join(CLIENTS)}")

@@ -27,8 +27,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
     p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32'")
-    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench"])
+    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench", "random", "custom"],
+                   help="spec_bench: Spec-Bench's questions as chats (default); random: prompts of random token ids "
+                        "of set lengths (vLLM's, sent as token ids to /v1/completions); custom: --dataset-path")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
+    p.add_argument("--dataset-path", help='custom: a JSON Lines file, one {"prompt": ...} a line (optional '
+                                          '"output_tokens"), sent through the chat template')
+    p.add_argument("--skip-chat-template", action="store_true",
+                   help="custom: send the prompts as they are to /v1/completions")
+    p.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
+    p.add_argument("--random-output-len", type=int,
+                   help="random: output tokens, i.e. max_tokens (default: --output-len)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths drawn uniformly within +- this share of the lengths given (default 0)")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random: a random prefix of this many tokens shared by every prompt (default 0)")
+    p.add_argument("--tokenizer", help="random: the tokenizer whose ids to draw (default: the served model's, "
+                                       "when its files are on this machine)")
     p.add_argument("--request-rate", default="inf", type=_rates,
                    help="requests/s, comma-separated (inf = all at once; default inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson)")
@@ -138,6 +153,62 @@ def variants(args) -> list[dict]:
     return out
 
 
+def dataset(args, loads) -> list[dict] | None:
+    """The requests to draw from: Spec-Bench's questions, the custom file's prompts, or None for
+    random prompts (drawn once a server names its tokenizer; their flags are checked here)."""
+    from . import serve
+
+    if args.dataset_name != "custom" and (args.dataset_path or args.skip_chat_template):
+        raise ValueError("--dataset-path and --skip-chat-template go with --dataset-name custom")
+    if args.dataset_name == "custom":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name custom needs --dataset-path FILE.jsonl")
+        return serve.custom_requests(args.dataset_path, args.skip_chat_template)
+    if args.dataset_name == "random":
+        if args.spec_bench_category:
+            raise ValueError("--spec-bench-category goes with --dataset-name spec_bench")
+        _check_random(args)
+        return None
+    return serve.questions(args.spec_bench_category)
+
+
+def _check_random(args) -> None:
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    if args.random_input_len < 1 or (args.random_output_len is not None and args.random_output_len < 1) \
+            or args.random_prefix_len < 0:
+        raise ValueError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0")
+
+
+def random_pool(args, loads, url: str) -> list[dict]:
+    """Distinct random prompts, enough for the largest load point and the warm-up."""
+    from . import serve
+
+    n = max(max(args.num_prompts, 2 * (load.concurrency or 0)) for load in loads) + args.warmup
+    return serve.random_requests(serve.served_tokenizer(url, args.tokenizer), n, args.random_input_len,
+                                 args.random_output_len or args.output_len, args.random_range_ratio,
+                                 args.random_prefix_len, args.seed)
+
+
+def dataset_name(args) -> str:
+    if args.dataset_name == "spec_bench":
+        return "spec_bench" + (f":{args.spec_bench_category}" if args.spec_bench_category else "")
+    return args.dataset_name
+
+
+def requests_described(args) -> str:
+    """How the requests were made, for the report."""
+    if args.dataset_name == "random":
+        ratio = f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else ""
+        prefix = f" after a shared random prefix of {args.random_prefix_len}" if args.random_prefix_len else ""
+        return (f"random token ids{prefix}: {args.random_input_len}{ratio} prompt tokens, "
+                f"{args.random_output_len or args.output_len}{ratio} max_tokens, sent to /v1/completions")
+    if args.dataset_name == "custom":
+        how = "as they are to /v1/completions" if args.skip_chat_template else "through the chat template"
+        return f"custom prompts from {args.dataset_path}, {how}, max_tokens {args.output_len} unless the file says"
+    return f"{dataset_name(args)} first turns through the chat template, max_tokens {args.output_len}"
+
+
 def command_line(argv: list[str]) -> str:
     return shlex.join(["specdec", "bench", "serve", *argv])
 
@@ -151,16 +222,17 @@ def run(args, argv: list[str]) -> int:
     if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
     loads = [serve.Load(r, c) for r in args.request_rate for c in args.max_concurrency]
-    pool = serve.questions(args.spec_bench_category)      # a bad category fails before any server starts
+    pool = dataset(args, loads)     # a bad category, file or length fails before any server starts
     out = args.out or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
     out.mkdir(parents=True, exist_ok=True)
     results = {"command": command_line(argv), "machine": machine_info(),
                "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                             "burstiness": args.burstiness, "client": args.client, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
-                            "dataset": "spec_bench" + (f":{args.spec_bench_category}" if args.spec_bench_category else "")},
+                            "dataset": dataset_name(args), "requests": requests_described(args)},
                "variants": []}
     if args.base_url:
         url = args.base_url.rstrip("/")
+        pool = pool if pool is not None else random_pool(args, loads, url)
         results["variants"].append({"name": args.label, "k": None, "argv": None,
                                     "points": serve.measure(url, loads, serve.fitting(pool, url, args.output_len), args, slo)})
     else:
@@ -185,6 +257,7 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
             print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
             started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
             results["variants"].append({**v, "points": []})
+        pool = pool if pool is not None else random_pool(args, loads, started[0][1])
         pool = serve.fitting(pool, started[0][1], args.output_len)
         results["settings"]["prompts_that_fit"] = len(pool)
         results["settings"]["rounds"] = args.rounds

@@ -100,6 +100,11 @@ def rounds_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _spec_bench_requests(settings: dict) -> str:
+    """How results recorded before the datasets were described made their requests."""
+    return f"{settings['dataset']} first turns through the chat template, max_tokens {settings['output_len']}"
+
+
 def markdown(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput_slo_ms"].items()) or "none given"
@@ -107,8 +112,8 @@ def markdown(results: dict) -> str:
              f"- machine: {m['cpu']}, {m['cores']} cores, load average {m.get('load_average')} before, "
              f"{m.get('load_average_after')} after (other jobs share the cores: see the README on timing)",
              f"- kernels: {m.get('kernels', 'not recorded')}; specdec {m.get('specdec_commit', '?')}, torch {m.get('torch', '?')}",
-             f"- requests: {s['dataset']} first turns through the chat template, streamed, max_tokens "
-             f"{s['output_len']}, temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
+             f"- requests: {s.get('requests') or _spec_bench_requests(s)}, streamed, "
+             f"temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
              f"{s['burstiness']:g}; goodput SLOs: {slo}; client: {s.get('client', 'openai')}",
              "- TTFT: request sent -> first chunk with tokens; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; "
              "ITL: gaps between chunks (a speculative step's chunk carries several tokens); acceptance from the "

@@ -130,6 +130,34 @@ def test_custom_requests_read_vllms_jsonl(tmp_path):
         serve.custom_requests(tmp_path / "missing.jsonl")
 
 
+def test_sharegpt_requests_follow_vllms_filters(tiny_pair, tmp_path):
+    from specdec.tokenizer import Tokenizer
+
+    target, _ = tiny_pair
+    tok = Tokenizer(target)
+    convs = [{"conversations": [{"from": "human", "value": "Tell me about the sea and the sky."},
+                                {"from": "gpt", "value": "The sea is wide and blue under a bright sky today."}]},
+             {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello to you, friend."}]},
+             {"conversations": [{"from": "human", "value": "Only one turn here, no reply."}]},
+             {"id": "no conversations"}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    pairs = serve.sharegpt_pairs(path)
+    assert [a for a, _ in pairs] == ["Tell me about the sea and the sky.", "Hi"]       # two-turn conversations
+    items = serve.sharegpt_requests(pairs, tok, seed=0)
+    reply = len(tok.encode("The sea is wide and blue under a bright sky today.", add_special_tokens=False))
+    # "Hi" is under 4 tokens: left out, as vLLM does; max_tokens is the reply's length
+    assert items == [{"category": "sharegpt", "messages": [{"role": "user", "content": "Tell me about the sea and the sky."}],
+                      "max_tokens": reply}]
+    assert serve.sharegpt_requests(pairs, tok, output_len=9)[0]["max_tokens"] == 9
+    for text, message in (("[1, 2", "not JSON"), ('{"a": 1}', "JSON list"), ("[]", "two turns")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            serve.sharegpt_pairs(path)
+    with pytest.raises(ValueError, match="fits vLLM's bounds"):
+        serve.sharegpt_requests([("Hi", "Hello to you, friend.")], tok)
+
+
 def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
     """--dataset-name random: token-id prompts of the lengths asked, through /v1/completions;
     --dataset-name custom: a JSONL file's prompts, through the chat template or as they are."""
@@ -137,10 +165,14 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "def f(x):", "output_tokens": 3}\n')
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Write a short line about rain."},
+                                                       {"from": "gpt", "value": "x"}]}]))
     runs = {"random": ["--dataset-name", "random", "--random-input-len", "20", "--random-output-len", "5",
                        "--random-prefix-len", "4"],
             "custom": ["--dataset-name", "custom", "--dataset-path", str(prompts)],
-            "custom-raw": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"]}
+            "custom-raw": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"],
+            "sharegpt": ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--sharegpt-output-len", "4"]}
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
         for name, flags in runs.items():
             out = tmp_path / name
@@ -153,6 +185,9 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
             if name == "random":
                 assert point["total_input_tokens"] == 4 * 24 and point["total_output_tokens"] == 4 * 5
                 assert "random token ids after a shared random prefix of 4" in (out / "results.md").read_text()
+            elif name == "sharegpt":    # one conversation, asked four times for 4 tokens
+                assert point["total_output_tokens"] == 4 * 4
+                assert "ShareGPT first turns from" in (out / "results.md").read_text()
             else:                       # two prompts drawn in turn: 6 and 3 tokens each
                 assert point["total_output_tokens"] == 2 * 6 + 2 * 3
                 assert ("as they are" in (out / "results.md").read_text()) == (name == "custom-raw")
@@ -207,6 +242,10 @@ def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
     for flags, message in ((["--dataset-name", "custom"], "--dataset-path"),
                            (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl")], "--dataset-path"),
                            (["--dataset-path", "x.jsonl"], "--dataset-name custom"),
+                           (["--dataset-name", "sharegpt"], "--dataset-path"),
+                           (["--dataset-name", "sharegpt", "--dataset-path", "x.json", "--sharegpt-output-len", "2"],
+                            "--sharegpt-output-len"),
+                           (["--dataset-name", "random", "--spec-bench-category", "qa"], "--spec-bench-category"),
                            (["--dataset-name", "random", "--random-range-ratio", "1.5"], "--random-range-ratio"),
                            (["--dataset-name", "random", "--random-input-len", "0"], "--random-input-len")):
         assert main(["bench", "serve", *flags, "--out", str(tmp_path / "out")]) == 2, flags

@@ -121,6 +121,50 @@ def custom_requests(path: str | os.PathLike, skip_chat_template: bool = False) -
     return items
 
 
+def sharegpt_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(first human turn, the reply to it) of each conversation of a ShareGPT JSON file (a list of
+    {"conversations": [{"from": ..., "value": ...}, ...]}), as vLLM's sharegpt dataset reads it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--dataset-path {path}: {e.strerror or e}") from None
+    except ValueError:
+        raise ValueError(f"--dataset-path {path}: not JSON (a ShareGPT file is one JSON list)") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
+    pairs = []
+    for entry in data:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, reply = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
+        if isinstance(first, str) and isinstance(reply, str):
+            pairs.append((first, reply))
+    if not pairs:
+        raise ValueError(f"--dataset-path {path}: no conversation with two turns")
+    return pairs
+
+
+def sharegpt_requests(pairs: list[tuple[str, str]], tokenizer, output_len: int | None = None,
+                      seed: int = 0) -> list[dict]:
+    """vLLM's sharegpt requests: the first turns in a seeded shuffle, each asking for as many tokens
+    as its reply had (or output_len), without the pairs vLLM leaves out (a prompt or an output under
+    4 tokens, a prompt over 1024, both over 2048)."""
+    order = list(pairs)
+    random.Random(seed).shuffle(order)
+    items = []
+    for prompt, reply in order:
+        n_in = len(tokenizer.encode(prompt, add_special_tokens=False))
+        n_out = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if n_in < 4 or n_out < 4 or n_in > 1024 or n_in + n_out > 2048:
+            continue
+        items.append({"category": "sharegpt", "messages": [{"role": "user", "content": prompt}], "max_tokens": n_out})
+    if not items:
+        raise ValueError("no ShareGPT conversation fits vLLM's bounds (prompt 4-1024 tokens, output >= 4, "
+                         "both <= 2048)")
+    return items
+
+
 def length_range(length: int, ratio: float) -> tuple[int, int]:
     """vLLM's random lengths: uniform integers in [length * (1 - ratio), length * (1 + ratio)]."""
     return max(1, math.floor(length * (1 - ratio))), max(1, math.ceil(length * (1 + ratio)))
@@ -155,8 +199,8 @@ def served_tokenizer(base_url: str, path: str | None = None):
             raise ValueError(f"--tokenizer {path}: {e}") from None
     root = json.loads(_get(base_url + "/v1/models"))["data"][0].get("root")
     if not root or not Path(root).exists():
-        raise ValueError("--dataset-name random needs the served model's tokenizer: its files are not on this "
-                         "machine, pass --tokenizer PATH")
+        raise ValueError("--dataset-name random and sharegpt need the served model's tokenizer: its files are "
+                         "not on this machine, pass --tokenizer PATH")
     return Tokenizer(root)
 
 

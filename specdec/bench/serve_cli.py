@@ -27,12 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
     p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32'")
-    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench", "random", "custom"],
+    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench", "random", "custom", "sharegpt"],
                    help="spec_bench: Spec-Bench's questions as chats (default); random: prompts of random token ids "
-                        "of set lengths (vLLM's, sent as token ids to /v1/completions); custom: --dataset-path")
+                        "of set lengths (vLLM's, sent as token ids to /v1/completions); custom: --dataset-path JSONL; "
+                        "sharegpt: --dataset-path, a ShareGPT JSON file (first turns as chats, max_tokens their replies' "
+                        "lengths)")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
     p.add_argument("--dataset-path", help='custom: a JSON Lines file, one {"prompt": ...} a line (optional '
                                           '"output_tokens"), sent through the chat template')
+    p.add_argument("--sharegpt-output-len", type=int, help="sharegpt: max_tokens of every request (default: "
+                                                             "the length of the conversation's reply)")
     p.add_argument("--skip-chat-template", action="store_true",
                    help="custom: send the prompts as they are to /v1/completions")
     p.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
@@ -153,22 +157,31 @@ def variants(args) -> list[dict]:
     return out
 
 
-def dataset(args, loads) -> list[dict] | None:
-    """The requests to draw from: Spec-Bench's questions, the custom file's prompts, or None for
-    random prompts (drawn once a server names its tokenizer; their flags are checked here)."""
+def dataset(args, loads):
+    """The requests to draw from: Spec-Bench's questions or the custom file's prompts, or, for the
+    datasets that need the served model's tokenizer (random, sharegpt), a function of a server's
+    URL that makes them once a server is up. Flags and files are checked here, before any starts."""
     from . import serve
 
-    if args.dataset_name != "custom" and (args.dataset_path or args.skip_chat_template):
-        raise ValueError("--dataset-path and --skip-chat-template go with --dataset-name custom")
+    if args.dataset_name not in ("custom", "sharegpt") and args.dataset_path:
+        raise ValueError("--dataset-path goes with --dataset-name custom or sharegpt")
+    if args.dataset_name != "custom" and args.skip_chat_template:
+        raise ValueError("--skip-chat-template goes with --dataset-name custom")
+    if args.dataset_name != "spec_bench" and args.spec_bench_category:
+        raise ValueError("--spec-bench-category goes with --dataset-name spec_bench")
+    if args.dataset_name in ("custom", "sharegpt") and not args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
+    if args.sharegpt_output_len is not None and (args.dataset_name != "sharegpt" or args.sharegpt_output_len < 4):
+        raise ValueError("--sharegpt-output-len goes with --dataset-name sharegpt and must be >= 4")
     if args.dataset_name == "custom":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name custom needs --dataset-path FILE.jsonl")
         return serve.custom_requests(args.dataset_path, args.skip_chat_template)
+    if args.dataset_name == "sharegpt":
+        pairs = serve.sharegpt_pairs(args.dataset_path)
+        return lambda url: serve.sharegpt_requests(pairs, serve.served_tokenizer(url, args.tokenizer),
+                                                   args.sharegpt_output_len, args.seed)
     if args.dataset_name == "random":
-        if args.spec_bench_category:
-            raise ValueError("--spec-bench-category goes with --dataset-name spec_bench")
         _check_random(args)
-        return None
+        return lambda url: random_pool(args, loads, url)
     return serve.questions(args.spec_bench_category)
 
 
@@ -203,6 +216,9 @@ def requests_described(args) -> str:
         prefix = f" after a shared random prefix of {args.random_prefix_len}" if args.random_prefix_len else ""
         return (f"random token ids{prefix}: {args.random_input_len}{ratio} prompt tokens, "
                 f"{args.random_output_len or args.output_len}{ratio} max_tokens, sent to /v1/completions")
+    if args.dataset_name == "sharegpt":
+        out = f"max_tokens {args.sharegpt_output_len}" if args.sharegpt_output_len else "max_tokens the replies' lengths"
+        return f"ShareGPT first turns from {args.dataset_path} through the chat template, {out}"
     if args.dataset_name == "custom":
         how = "as they are to /v1/completions" if args.skip_chat_template else "through the chat template"
         return f"custom prompts from {args.dataset_path}, {how}, max_tokens {args.output_len} unless the file says"
@@ -232,7 +248,7 @@ def run(args, argv: list[str]) -> int:
                "variants": []}
     if args.base_url:
         url = args.base_url.rstrip("/")
-        pool = pool if pool is not None else random_pool(args, loads, url)
+        pool = pool(url) if callable(pool) else pool
         results["variants"].append({"name": args.label, "k": None, "argv": None,
                                     "points": serve.measure(url, loads, serve.fitting(pool, url, args.output_len), args, slo)})
     else:
@@ -257,7 +273,7 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
             print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
             started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
             results["variants"].append({**v, "points": []})
-        pool = pool if pool is not None else random_pool(args, loads, started[0][1])
+        pool = pool(started[0][1]) if callable(pool) else pool
         pool = serve.fitting(pool, started[0][1], args.output_len)
         results["settings"]["prompts_that_fit"] = len(pool)
         results["settings"]["rounds"] = args.rounds

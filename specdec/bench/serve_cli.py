@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lengths)")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
     p.add_argument("--dataset-path", help='custom: a JSON Lines file, one {"prompt": ...} a line (optional '
-                                          '"output_tokens"), sent through the chat template')
+                                          '"output_tokens"), sent through the chat template; sharegpt: a ShareGPT '
+                                          'JSON file (a list of {"conversations": [...]})')
     p.add_argument("--sharegpt-output-len", type=int, help="sharegpt: max_tokens of every request (default: "
                                                              "the length of the conversation's reply)")
     p.add_argument("--skip-chat-template", action="store_true",
@@ -46,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random: lengths drawn uniformly within +- this share of the lengths given (default 0)")
     p.add_argument("--random-prefix-len", type=int, default=0,
                    help="random: a random prefix of this many tokens shared by every prompt (default 0)")
-    p.add_argument("--tokenizer", help="random: the tokenizer whose ids to draw (default: the served model's, "
-                                       "when its files are on this machine)")
+    p.add_argument("--tokenizer", help="random, sharegpt: the tokenizer that draws the ids or counts the lengths "
+                                       "(default: the served model's, when its files are on this machine)")
     p.add_argument("--request-rate", default="inf", type=_rates,
                    help="requests/s, comma-separated (inf = all at once; default inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson)")

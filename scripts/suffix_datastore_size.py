@@ -16,12 +16,11 @@ import random
 import numpy as np
 import torch
 
-from specdec import LLM, SamplingParams
-from specdec.bench.spec_bench import chat_prompt, read_questions
-from specdec.defaults import MODELS_DIR, smollm2_gguf
+from specdec.defaults import MODELS_DIR
 from specdec.proposers.ngram import match
 from specdec.proposers.suffix import load_datastore
 from specdec.proposers.suffix_index import SEP, SuffixIndex
+from suffix_trees import greedy_answers      # scripts/: the same answers as the trees' replay
 
 MIN_PROB, SPEC_FACTOR = 0.2, 0.5        # the default model's suffix settings
 
@@ -65,13 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    qs = read_questions()
-    random.Random(0).shuffle(qs)
-    llm = LLM(model=str(smollm2_gguf()))
-    prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs[:args.questions]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    answers = [list(o.outputs[0].token_ids) for o in outs]
+    prompts, answers = greedy_answers(args.questions, args.max_tokens)
     store = load_datastore(MODELS_DIR / "smollm2-suffix")
     docs = documents(store)
     print(f"{len(answers)} answers, {sum(map(len, answers))} tokens (SmolLM2 greedy); "

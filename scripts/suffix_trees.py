@@ -66,6 +66,17 @@ def accepted(tokens: list[int], parents: list[int], truth: list[int]) -> int:
     return best
 
 
+def greedy_answers(questions: int, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, answers): SmolLM2's greedy answers to the first `questions` Spec-Bench first turns
+    (shuffled with seed 0) through its chat template, as token ids."""
+    qs = read_questions()
+    random.Random(0).shuffle(qs)
+    llm = LLM(model=str(smollm2_gguf()))
+    prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs[:questions]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return prompts, [list(o.outputs[0].token_ids) for o in outs]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=80, help="Spec-Bench questions (shuffled with seed 0)")
@@ -73,12 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    qs = read_questions()
-    random.Random(0).shuffle(qs)
-    llm = LLM(model=str(smollm2_gguf()))
-    prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs[:args.questions]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    answers = [list(o.outputs[0].token_ids) for o in outs]
+    prompts, answers = greedy_answers(args.questions, args.max_tokens)
     store = load_datastore(MODELS_DIR / "smollm2-suffix")
     print(f"{len(answers)} answers, {sum(map(len, answers))} tokens (SmolLM2 greedy)")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +70,10 @@ class Engine:
         # model); time.process_time on a shared machine (`specdec bench --clock cpu`). Arrival,
         # queue and first-token times stay on the wall clock.
         self.clock = clock
+        # called right before each target forward, once its batch is built: the server hands the
+        # previous step's events to its event loop there, so that their Python runs while the
+        # forward has released the GIL instead of beside the step's own (drafting, scheduling)
+        self.before_forward: Callable[[], None] | None = None
         self.logprobs_mode = logprobs_mode
         if not (isinstance(max_logprobs, int) and max_logprobs >= -1):
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {max_logprobs!r}")
@@ -351,6 +355,8 @@ class Engine:
             tokens += r.seq[start:start + n]
         starts = [r.num_cached for r in plan.decode] + [start for _, start, _ in plan.chunks]
         batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
+        if self.before_forward is not None:
+            self.before_forward()
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode) or bool(scored),
                           hidden=self.caps.feature_layers or self.caps.needs_hidden)

@@ -57,6 +57,11 @@ class EngineWorker:
         self._jobs: dict[str, Job] = {}            # request id -> job, while in the engine
         self._ids = itertools.count()
         self._closing = False
+        # a step's events, handed over when the next forward starts (or before the thread waits):
+        # the event loop's work on them then overlaps that forward, which runs without the GIL,
+        # instead of taking the GIL from the next step's drafting and scheduling
+        self._pending: list[tuple[Job, object]] = []
+        engine.before_forward = self._hand_over
         self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
         self._threads, self._starter = torch.get_num_threads(), None    # start(): the starter's count and id
 
@@ -112,6 +117,8 @@ class EngineWorker:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive() and self.engine.before_forward == self._hand_over:
+            self.engine.before_forward = None        # the engine may serve offline calls again
         if threading.get_ident() == self._starter:
             torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
 
@@ -123,21 +130,31 @@ class EngineWorker:
                 events = self.engine.step()
             except Exception as e:           # the step's requests cannot go on; the server can
                 log.exception("engine step failed")
+                self._hand_over()
                 self._fail_all(e)
                 continue
+            self._hand_over()                # the last step's, if this one had no forward
             for event in events:
                 job = self._jobs.get(event.request_id)
                 if job is None:
                     continue
                 if event.finished:
                     del self._jobs[event.request_id]     # the engine has freed its seat already
-                self._send(job, event)
+                self._pending.append((job, event))
             if self.on_step is not None:
                 self.on_step(self.engine, events)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        pending, self._pending = self._pending, []
+        for job, event in pending:
+            self._send(job, event)
 
     def _between_steps(self) -> bool:
         """Apply cancellations and admit new jobs; wait while there is nothing to do. False
         when closing and everything has finished."""
+        if not self.engine.has_unfinished():
+            self._hand_over()                # no forward is coming to carry them
         with self._cond:
             while not (self._inbox or self._cancels or self.engine.has_unfinished()):
                 if self._closing:

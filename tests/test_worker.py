@@ -1,0 +1,64 @@
+"""The server's engine worker: when a step's events reach the event loop."""
+
+from __future__ import annotations
+
+import threading
+
+from specdec import SamplingParams
+from specdec.llm import LLM
+from specdec.server.worker import EngineWorker, Job
+
+
+def test_a_steps_events_go_out_as_the_next_forward_starts(tiny_pair):
+    """A step's events are handed over right before the next target forward (its batch built),
+    so that the event loop's work on them overlaps a forward that runs without the GIL instead of
+    the next step's drafting; the last ones go out before the worker waits for work."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=2, max_model_len=96, dtype="float32")
+    log, done = [], threading.Event()
+    worker = EngineWorker(llm.engine)
+    hand_over = llm.engine.before_forward
+    assert hand_over is not None
+
+    def before_forward():
+        log.append("forward")
+        hand_over()
+
+    llm.engine.before_forward = before_forward
+    tokens = []
+
+    def deliver(item):
+        assert not isinstance(item, Exception), item
+        log.append("event")
+        tokens.extend(item.token_ids)
+        if item.finished:
+            done.set()
+
+    worker.start()
+    try:
+        ids = llm.tokenizer.encode("def f(x):")
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        worker.submit([Job(ids, params, 0, deliver)])
+        assert done.wait(60), "the last event went out without another forward"
+    finally:
+        worker.stop(60)
+    assert llm.engine.before_forward is before_forward      # stop() clears only its own hook
+    log = list(log)
+    # the prompt's step emits nothing; from then on each step's event follows the next forward's
+    # start, and the last one (no forward after it) goes out as the worker runs out of work
+    first = log.index("event")
+    assert first >= 2 and set(log[:first - 1]) == {"forward"}
+    assert log[first - 1:-1] == ["forward", "event"] * ((len(log) - first) // 2) and log[-1] == "event", log
+    llm.engine.before_forward = None        # offline, as after stop()
+    expected = llm.generate([{"prompt_token_ids": ids}], params)
+    assert tokens == list(expected[0].outputs[0].token_ids)
+
+
+def test_stop_takes_the_hook_off_the_engine(tiny_pair):
+    target, _ = tiny_pair
+    llm = LLM(str(target), max_model_len=64, dtype="float32")
+    worker = EngineWorker(llm.engine)
+    assert llm.engine.before_forward is not None
+    worker.start()
+    worker.stop(60)
+    assert llm.engine.before_forward is None

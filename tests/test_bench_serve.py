@@ -193,6 +193,33 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
                 assert ("as they are" in (out / "results.md").read_text()) == (name == "custom-raw")
 
 
+def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
+    """A vLLM command line: --backend openai (plain prompts, no chat template, to /v1/completions),
+    --save-result --result-dir --result-filename, --percentile-metrics."""
+    target, _ = tiny_pair
+    llm = LLM(target, max_model_len=256)
+    folder = tmp_path / "vllm-results"
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        rc = main(["bench", "serve", "--base-url", live.url, "--backend", "openai", "--max-concurrency", "1",
+                   "--num-prompts", "2", "--output-len", "3", "--ignore-eos", "--warmup", "0", "--save-result",
+                   "--result-dir", str(folder), "--result-filename", "run-1.json", "--percentile-metrics", "ttft,e2el",
+                   "--metric-percentiles", "50,99"])
+    assert rc == 0
+    results = json.loads((folder / "run-1.json").read_text())
+    assert not (folder / "results.json").exists() and (folder / "results.md").exists()
+    (point,) = results["variants"][0]["points"]
+    assert point["completed"] == 2 and results["settings"]["backend"] == "openai"
+    assert "p99" in point["ttft"] and "p99" in point["e2el"] and "p99" not in point["tpot"] and "median" in point["tpot"]
+    assert "as plain prompts (no chat template) to /v1/completions" in (folder / "results.md").read_text()
+
+
+def test_as_completions_keeps_the_question():
+    items = [{"category": "qa", "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 5},
+             {"prompt_token_ids": [1, 2]}]
+    assert serve.as_completions(items) == [{"category": "qa", "max_tokens": 5, "prompt": "Why?"},
+                                           {"prompt_token_ids": [1, 2]}]
+
+
 def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
     target, draft = tiny_pair
     rc = main(["bench", "serve", "--model", str(target), "--speculative-config",
@@ -247,8 +274,13 @@ def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
                             "--sharegpt-output-len"),
                            (["--dataset-name", "random", "--spec-bench-category", "qa"], "--spec-bench-category"),
                            (["--dataset-name", "random", "--random-range-ratio", "1.5"], "--random-range-ratio"),
-                           (["--dataset-name", "random", "--random-input-len", "0"], "--random-input-len")):
-        assert main(["bench", "serve", *flags, "--out", str(tmp_path / "out")]) == 2, flags
+                           (["--dataset-name", "random", "--random-input-len", "0"], "--random-input-len"),
+                           (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "--endpoint"),
+                           (["--percentile-metrics", "ttft,latency"], "--percentile-metrics"),
+                           (["--result-dir", str(tmp_path / "a"), "--out", str(tmp_path / "b")], "--result-dir"),
+                           (["--result-filename", "x/y.json"], "--result-filename")):
+        out = [] if "--out" in flags or "--result-dir" in flags else ["--out", str(tmp_path / "out")]
+        assert main(["bench", "serve", *flags, *out]) == 2, flags
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(SystemExit):

@@ -165,6 +165,13 @@ def sharegpt_requests(pairs: list[tuple[str, str]], tokenizer, output_len: int |
     return items
 
 
+def as_completions(items: list[dict]) -> list[dict]:
+    """The chat items as plain prompts for /v1/completions (vLLM's openai backend): the user's
+    message as it is, no chat template; items already plain are kept."""
+    return [{k: v for k, v in it.items() if k != "messages"} | {"prompt": it["messages"][-1]["content"]}
+            if "messages" in it else it for it in items]
+
+
 def length_range(length: int, ratio: float) -> tuple[int, int]:
     """vLLM's random lengths: uniform integers in [length * (1 - ratio), length * (1 + ratio)]."""
     return max(1, math.floor(length * (1 - ratio))), max(1, math.ceil(length * (1 + ratio)))
@@ -387,8 +394,13 @@ def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     return out
 
 
-def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], percentiles: list[float]) -> dict:
-    """vLLM's summary of one load point (times in ms)."""
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], percentiles: list[float],
+              percentile_metrics: tuple[str, ...] = METRICS) -> dict:
+    """vLLM's summary of one load point (times in ms): mean, median and std of every metric, the
+    percentiles of those in percentile_metrics (vLLM's --percentile-metrics)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     per = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
@@ -404,7 +416,8 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
         summary[name] = {"mean": round(float(xs.mean()), 2) if len(xs) else None,
                          "median": round(float(np.median(xs)), 2) if len(xs) else None,
                          "std": round(float(xs.std()), 2) if len(xs) else None,
-                         **{f"p{p:g}": round(float(np.percentile(xs, p)), 2) if len(xs) else None for p in percentiles}}
+                         **{f"p{p:g}": round(float(np.percentile(xs, p)), 2) if len(xs) else None for p in percentiles
+                            if name in percentile_metrics}}
     return summary
 
 
@@ -535,7 +548,8 @@ class Measured:
 
     def point(self, load: Load, slo: dict, args) -> dict:
         point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
-                 "num_prompts": len(self.results), **summarize(self.results, self.wall, slo, args.metric_percentiles),
+                 "num_prompts": len(self.results),
+                 **summarize(self.results, self.wall, slo, args.metric_percentiles, args.percentile_metrics),
                  "speculation": acceptance({}, self.counters), "rounds": self.rounds}
         print(f"  {load.name}: {point['output_throughput']:.1f} tok/s, median TPOT {point['tpot']['median']} ms, "
               f"median TTFT {point['ttft']['median']} ms, {point['failed']} failed", file=sys.stderr, flush=True)

@@ -69,8 +69,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the benchmark's HTTP client: aiohttp with the events parsed by hand (default, as vLLM's "
                         "benchmark), or the official openai client (~3x its CPU per chunk, taken from the server "
                         "on a machine of few cores; runs recorded before 2026-12-05 used it)")
+    p.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai", "vllm"],
+                   help="vLLM's: openai-chat sends chats to /v1/chat/completions (default); openai and vllm send "
+                        "each prompt as it is, without the chat template, to /v1/completions (random prompts go "
+                        "to /v1/completions as token ids either way)")
+    p.add_argument("--endpoint", choices=["/v1/chat/completions", "/v1/completions"],
+                   help="vLLM's: the backend's endpoint, named instead of the backend")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics whose --metric-percentiles are reported (vLLM's; default all four)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
+    p.add_argument("--result-dir", type=Path, help="vLLM's name for --out")
+    p.add_argument("--result-filename", help="the results JSON's file name in that folder (default results.json)")
+    p.add_argument("--save-result", action="store_true",
+                   help="accepted for vLLM's command lines: the results are always saved")
 
 
 def _split(value: str) -> list[str]:
@@ -158,6 +170,26 @@ def variants(args) -> list[dict]:
     return out
 
 
+def vllm_flags(args) -> None:
+    """Check and settle the flags vLLM's `bench serve` takes: --endpoint names the backend,
+    --result-dir the folder, --percentile-metrics a tuple of metric names."""
+    from .serve import METRICS
+
+    if args.endpoint is not None:
+        named = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"
+        if args.backend != "openai-chat" and named == "openai-chat":
+            raise ValueError(f"--endpoint {args.endpoint} does not go with --backend {args.backend}")
+        args.backend = named if args.backend == "openai-chat" else args.backend
+    if args.out is not None and args.result_dir is not None:
+        raise ValueError("--out and --result-dir name the same folder: give one")
+    if args.result_filename is not None and (not args.result_filename.endswith(".json") or "/" in args.result_filename):
+        raise ValueError("--result-filename must be a .json file name, without a folder")
+    metrics = tuple(m.strip() for m in str(args.percentile_metrics).split(",") if m.strip())
+    if not metrics or any(m not in METRICS for m in metrics):
+        raise ValueError(f"--percentile-metrics: comma-separated names among {', '.join(METRICS)}")
+    args.percentile_metrics = metrics
+
+
 def dataset(args, loads):
     """The requests to draw from: Spec-Bench's questions or the custom file's prompts, or, for the
     datasets that need the served model's tokenizer (random, sharegpt), a function of a server's
@@ -226,6 +258,15 @@ def requests_described(args) -> str:
     return f"{dataset_name(args)} first turns through the chat template, max_tokens {args.output_len}"
 
 
+def requests_sent(args) -> str:
+    """requests_described, with vLLM's openai backend's plain prompts."""
+    text = requests_described(args)
+    if args.backend == "openai-chat" or args.dataset_name == "random":
+        return text
+    return text.replace("through the chat template", "as plain prompts (no chat template) to /v1/completions") \
+        + f" (--backend {args.backend})"
+
+
 def command_line(argv: list[str]) -> str:
     return shlex.join(["specdec", "bench", "serve", *argv])
 
@@ -236,16 +277,21 @@ def run(args, argv: list[str]) -> int:
     from .serve_report import write_all
 
     slo = serve.parse_goodput(args.goodput)
+    vllm_flags(args)
     if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
     loads = [serve.Load(r, c) for r in args.request_rate for c in args.max_concurrency]
     pool = dataset(args, loads)     # a bad category, file or length fails before any server starts
-    out = args.out or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
+    if args.backend != "openai-chat":                    # vLLM's openai backend: plain prompts, no template
+        pool = (lambda make: lambda url: serve.as_completions(make(url)))(pool) if callable(pool) \
+            else serve.as_completions(pool)
+    out = args.out or args.result_dir or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
     out.mkdir(parents=True, exist_ok=True)
     results = {"command": command_line(argv), "machine": machine_info(),
                "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                             "burstiness": args.burstiness, "client": args.client, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
-                            "dataset": dataset_name(args), "requests": requests_described(args)},
+                            "dataset": dataset_name(args), "requests": requests_sent(args),
+                            "backend": args.backend},
                "variants": []}
     if args.base_url:
         url = args.base_url.rstrip("/")
@@ -255,7 +301,7 @@ def run(args, argv: list[str]) -> int:
     else:
         _run_started(args, loads, pool, slo, out, results)
     results["machine"]["load_average_after"] = machine_info()["load_average"]
-    for path in write_all(results, out):
+    for path in write_all(results, out, args.result_filename or "results.json"):
         print(path)
     return 0
 

@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def write_all(results: dict, out: Path) -> list[Path]:
-    paths = [out / "results.json", out / "results.md"]
+def write_all(results: dict, out: Path, json_name: str = "results.json") -> list[Path]:
+    paths = [out / json_name, out / "results.md"]
     paths[0].write_text(json.dumps(results, indent=1) + "\n")
     paths[1].write_text(markdown(results))
     png = out / "serve.png"

@@ -191,8 +191,11 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_
     rng = np.random.default_rng(seed)
     prefix = rng.choice(allowed, prefix_len).tolist()
     (ilo, ihi), (olo, ohi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
-    return [{"category": "random", "prompt_token_ids": prefix + rng.choice(allowed, int(rng.integers(ilo, ihi + 1))).tolist(),
-             "max_tokens": int(rng.integers(olo, ohi + 1))} for _ in range(num)]
+    items = []
+    for _ in range(num):
+        ids = prefix + rng.choice(allowed, int(rng.integers(ilo, ihi + 1))).tolist()
+        items.append({"category": "random", "prompt_token_ids": ids, "max_tokens": int(rng.integers(olo, ohi + 1))})
+    return items
 
 
 def served_tokenizer(base_url: str, path: str | None = None):
@@ -222,8 +225,8 @@ def prompt_length(tok, item: dict) -> int:
 
 def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
     """The items whose prompt (through the served model's chat template, if a chat) leaves room
-    for its output tokens (output_len unless the item sets max_tokens) in its context, as vLLM's benchmark drops over-long prompts; all of them
-    when the model's files are not on this machine."""
+    for its output tokens (output_len unless the item sets max_tokens) in its context, as vLLM's
+    benchmark drops over-long prompts; all of them when the model's files are not on this machine."""
     from ..tokenizer import Tokenizer
 
     info = json.loads(_get(base_url + "/v1/models"))["data"][0]
@@ -256,6 +259,11 @@ def _is_chat(item: dict) -> bool:
     return "messages" in item
 
 
+def _prompt(item: dict):
+    """A completion item's prompt: token ids, or text."""
+    return item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
+
+
 async def _one(client, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
     """One streamed request through the official openai client (--client openai): a chat, or a
     completion of a prompt (text or token ids)."""
@@ -266,8 +274,8 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
             stream = await client.chat.completions.create(model=model, messages=item["messages"], stream=True,
                                                           stream_options={"include_usage": True}, **sampling)
         else:
-            stream = await client.completions.create(model=model, prompt=item.get("prompt_token_ids", item.get("prompt")),
-                                                     stream=True, stream_options={"include_usage": True}, **sampling)
+            stream = await client.completions.create(model=model, prompt=_prompt(item), stream=True,
+                                                     stream_options={"include_usage": True}, **sampling)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -290,7 +298,7 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
     client ~3x the CPU per chunk, which on a machine of a few cores it takes from the server."""
     chat = _is_chat(item)
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            **({"messages": item["messages"]} if chat else {"prompt": item.get("prompt_token_ids", item.get("prompt"))}),
+            **({"messages": item["messages"]} if chat else {"prompt": _prompt(item)}),
             **{k: v for k, v in sampling.items() if k != "extra_body"}, **sampling.get("extra_body", {}),
             **({"max_tokens": item["max_tokens"]} if "max_tokens" in item else {})}
     url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -505,7 +513,8 @@ def _get(url: str, timeout: float = 30.0) -> str:
     """A GET's body (the benchmark's few plain requests: the standard library suffices)."""
     import urllib.request
 
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'EMPTY')}"})
+    key = os.environ.get("OPENAI_API_KEY", "EMPTY")
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read().decode()
 

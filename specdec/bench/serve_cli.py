@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench", "random", "custom", "sharegpt"],
                    help="spec_bench: Spec-Bench's questions as chats (default); random: prompts of random token ids "
                         "of set lengths (vLLM's, sent as token ids to /v1/completions); custom: --dataset-path JSONL; "
-                        "sharegpt: --dataset-path, a ShareGPT JSON file (first turns as chats, max_tokens their replies' "
-                        "lengths)")
+                        "sharegpt: --dataset-path, a ShareGPT JSON file (first turns as chats, max_tokens their "
+                        "replies' lengths)")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
     p.add_argument("--dataset-path", help='custom: a JSON Lines file, one {"prompt": ...} a line (optional '
                                           '"output_tokens"), sent through the chat template; sharegpt: a ShareGPT '
@@ -250,7 +250,8 @@ def requests_described(args) -> str:
         return (f"random token ids{prefix}: {args.random_input_len}{ratio} prompt tokens, "
                 f"{args.random_output_len or args.output_len}{ratio} max_tokens, sent to /v1/completions")
     if args.dataset_name == "sharegpt":
-        out = f"max_tokens {args.sharegpt_output_len}" if args.sharegpt_output_len else "max_tokens the replies' lengths"
+        out = f"max_tokens {args.sharegpt_output_len}" if args.sharegpt_output_len \
+            else "max_tokens the replies' lengths"
         return f"ShareGPT first turns from {args.dataset_path} through the chat template, {out}"
     if args.dataset_name == "custom":
         how = "as they are to /v1/completions" if args.skip_chat_template else "through the chat template"
@@ -289,7 +290,8 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {"command": command_line(argv), "machine": machine_info(),
                "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                            "burstiness": args.burstiness, "client": args.client, "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
+                            "burstiness": args.burstiness, "client": args.client,
+                            "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": dataset_name(args), "requests": requests_sent(args),
                             "backend": args.backend},
                "variants": []}

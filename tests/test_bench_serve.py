@@ -41,6 +41,20 @@ def test_arrivals_and_goodput_flags():
             serve.parse_goodput(bad)
 
 
+def test_ramp_up_follows_vllms_strategies():
+    assert serve.ramp_rates(5, "linear", 2.0, 10.0) == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert serve.ramp_rates(3, "exponential", 1.0, 16.0) == pytest.approx([1.0, 4.0, 16.0])
+    assert serve.ramp_rates(1, "linear", 0.0, 3.0) == [3.0]
+    for args in (("linear", 5.0, 1.0), ("exponential", 0.0, 4.0), ("linear", -1.0, 2.0), ("step", 1.0, 2.0)):
+        with pytest.raises(ValueError, match="ramp-up"):
+            serve.ramp_rates(4, *args)
+    gaps = serve.arrival_gaps(4000, float("inf"), 1.0, 0, ramp=("linear", 1.0, 20.0))
+    early, late = np.mean(gaps[:400]), np.mean(gaps[-400:])
+    assert early > 5 * late and late == pytest.approx(1 / 19, rel=0.2)     # the rate climbs towards 20/s
+    assert serve.arrival_gaps(3, float("inf"), 1.0, 0, ramp=("linear", 0.0, 2.0))[0] == 0.0
+    assert serve.Load(float("inf"), 4, ("exponential", 1.0, 8.0)).name == "rate 1->8/s (exponential), concurrency 4"
+
+
 def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
@@ -203,12 +217,15 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
         rc = main(["bench", "serve", "--base-url", live.url, "--backend", "openai", "--max-concurrency", "1",
                    "--num-prompts", "2", "--output-len", "3", "--ignore-eos", "--warmup", "0", "--save-result",
                    "--result-dir", str(folder), "--result-filename", "run-1.json", "--percentile-metrics", "ttft,e2el",
-                   "--metric-percentiles", "50,99"])
+                   "--metric-percentiles", "50,99", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "5",
+                   "--ramp-up-end-rps", "50"])
     assert rc == 0
     results = json.loads((folder / "run-1.json").read_text())
     assert not (folder / "results.json").exists() and (folder / "results.md").exists()
     (point,) = results["variants"][0]["points"]
     assert point["completed"] == 2 and results["settings"]["backend"] == "openai"
+    assert point["ramp"] == {"strategy": "linear", "start_rps": 5.0, "end_rps": 50.0}
+    assert "| 5->50/s linear c=1 |" in (folder / "results.md").read_text()
     assert "p99" in point["ttft"] and "p99" in point["e2el"] and "p99" not in point["tpot"] and "median" in point["tpot"]
     assert "as plain prompts (no chat template) to /v1/completions" in (folder / "results.md").read_text()
 
@@ -278,7 +295,13 @@ def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
                            (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "--endpoint"),
                            (["--percentile-metrics", "ttft,latency"], "--percentile-metrics"),
                            (["--result-dir", str(tmp_path / "a"), "--out", str(tmp_path / "b")], "--result-dir"),
-                           (["--result-filename", "x/y.json"], "--result-filename")):
+                           (["--result-filename", "x/y.json"], "--result-filename"),
+                           (["--ramp-up-strategy", "linear"], "--ramp-up-start-rps"),
+                           (["--ramp-up-end-rps", "4"], "--ramp-up-strategy"),
+                           (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "4",
+                             "--request-rate", "2"], "--request-rate"),
+                           (["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "0", "--ramp-up-end-rps", "4"],
+                            "start > 0")):
         out = [] if "--out" in flags or "--result-dir" in flags else ["--out", str(tmp_path / "out")]
         assert main(["bench", "serve", *flags, *out]) == 2, flags
         err = capsys.readouterr().err

@@ -70,14 +70,34 @@ class RequestResult:
 @dataclass(frozen=True)
 class Load:
     """One load point: Poisson arrivals at `rate` requests/s (inf: all at once) with at most
-    `concurrency` in flight (None: no cap)."""
+    `concurrency` in flight (None: no cap); or, with `ramp` = (strategy, start, end), at a rate
+    that goes from start to end requests/s over the point's requests (vLLM's --ramp-up-strategy:
+    "linear" or "exponential")."""
     rate: float
     concurrency: int | None
+    ramp: tuple[str, float, float] | None = None
 
     @property
     def name(self) -> str:
-        parts = [] if self.rate == float("inf") else [f"rate {self.rate:g}/s"]
+        if self.ramp:
+            parts = [f"rate {self.ramp[1]:g}->{self.ramp[2]:g}/s ({self.ramp[0]})"]
+        else:
+            parts = [] if self.rate == float("inf") else [f"rate {self.rate:g}/s"]
         return ", ".join(parts + ([f"concurrency {self.concurrency}"] if self.concurrency else [])) or "all at once"
+
+
+def ramp_rates(n: int, strategy: str, start: float, end: float) -> list[float]:
+    """The request rate at each of n requests going from start to end: linearly, or by a constant
+    factor per request (exponential; start > 0)."""
+    if strategy not in ("linear", "exponential"):
+        raise ValueError(f"--ramp-up-strategy {strategy!r}: linear or exponential")
+    if not (start >= 0 and end > 0 and end >= start) or (strategy == "exponential" and start <= 0):
+        raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps: 0 <= start <= end, end > 0 "
+                         "(start > 0 for exponential)")
+    fractions = [i / (n - 1) if n > 1 else 1.0 for i in range(n)]
+    if strategy == "linear":
+        return [start + (end - start) * f for f in fractions]
+    return [start * (end / start) ** f for f in fractions]
 
 
 def questions(category: str | None = None) -> list[dict]:
@@ -247,11 +267,17 @@ def sample(pool: list[dict], num: int, seed: int) -> list[dict]:
     return [order[i % len(order)] for i in range(num)]
 
 
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds before each request: Gamma(shape=burstiness, mean=1/rate) gaps; 0 at rate inf."""
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
+                 ramp: tuple[str, float, float] | None = None) -> list[float]:
+    """Seconds before each request: Gamma(shape=burstiness, mean=1/rate) gaps; 0 at rate inf.
+    With a ramp, each gap's mean is 1 / the rate at that request (a rate of 0: the first request
+    goes at once and the next gap follows the next rate)."""
+    rng = np.random.default_rng(seed)
+    if ramp is not None:
+        return [0.0 if r <= 0 else float(rng.gamma(burstiness, 1.0 / (r * burstiness)))
+                for r in ramp_rates(n, *ramp)]
     if rate == float("inf"):
         return [0.0] * n
-    rng = np.random.default_rng(seed)
     return list(rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n))
 
 
@@ -377,7 +403,7 @@ async def run_load(base_url: str, model: str, items: list[dict], load: Load, bur
 
     start, tasks = time.perf_counter(), []
     try:
-        for item, result, gap in zip(items, results, arrival_gaps(len(items), load.rate, burstiness, seed)):
+        for item, result, gap in zip(items, results, arrival_gaps(len(items), load.rate, burstiness, seed, load.ramp)):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(gated(item, result)))
         await asyncio.gather(*tasks)
@@ -557,6 +583,8 @@ class Measured:
 
     def point(self, load: Load, slo: dict, args) -> dict:
         point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
+                 **({"ramp": {"strategy": load.ramp[0], "start_rps": load.ramp[1], "end_rps": load.ramp[2]}}
+                    if load.ramp else {}),
                  "num_prompts": len(self.results),
                  **summarize(self.results, self.wall, slo, args.metric_percentiles, args.percentile_metrics),
                  "speculation": acceptance({}, self.counters), "rounds": self.rounds}

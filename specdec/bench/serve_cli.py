@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", default="inf", type=_rates,
                    help="requests/s, comma-separated (inf = all at once; default inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson)")
+    p.add_argument("--ramp-up-strategy", choices=["linear", "exponential"],
+                   help="vLLM's: instead of --request-rate, a rate going from --ramp-up-start-rps to "
+                        "--ramp-up-end-rps over each load point's requests")
+    p.add_argument("--ramp-up-start-rps", type=float, help="the ramp's first rate (requests/s)")
+    p.add_argument("--ramp-up-end-rps", type=float, help="the ramp's last rate (requests/s)")
     p.add_argument("--max-concurrency", default="1,2,4,8,16,32", type=_concurrency,
                    help="requests in flight at most, comma-separated (default 1,2,4,8,16,32)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per load point (at least 2x its concurrency)")
@@ -170,6 +175,23 @@ def variants(args) -> list[dict]:
     return out
 
 
+def ramp(args) -> tuple[str, float, float] | None:
+    """(strategy, start, end) of --ramp-up-strategy, checked; None without it."""
+    from .serve import ramp_rates
+
+    given = (args.ramp_up_start_rps, args.ramp_up_end_rps)
+    if args.ramp_up_strategy is None:
+        if any(x is not None for x in given):
+            raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps go with --ramp-up-strategy")
+        return None
+    if any(x is None for x in given):
+        raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+    if args.request_rate != [float("inf")]:
+        raise ValueError("--request-rate and --ramp-up-strategy both set the rate: give one")
+    ramp_rates(2, args.ramp_up_strategy, *given)         # checks the values
+    return (args.ramp_up_strategy, *given)
+
+
 def vllm_flags(args) -> None:
     """Check and settle the flags vLLM's `bench serve` takes: --endpoint names the backend,
     --result-dir the folder, --percentile-metrics a tuple of metric names."""
@@ -281,7 +303,7 @@ def run(args, argv: list[str]) -> int:
     vllm_flags(args)
     if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
-    loads = [serve.Load(r, c) for r in args.request_rate for c in args.max_concurrency]
+    loads = [serve.Load(r, c, ramp(args)) for r in args.request_rate for c in args.max_concurrency]
     pool = dataset(args, loads)     # a bad category, file or length fails before any server starts
     if args.backend != "openai-chat":                    # vLLM's openai backend: plain prompts, no template
         pool = (lambda make: lambda url: serve.as_completions(make(url)))(pool) if callable(pool) \

@@ -23,7 +23,9 @@ def write_all(results: dict, out: Path, json_name: str = "results.json") -> list
 
 
 def _load(p: dict) -> str:
-    rate = "" if p["rate"] == "inf" else f"{p['rate']}/s"
+    ramp = p.get("ramp")
+    rate = f"{ramp['start_rps']:g}->{ramp['end_rps']:g}/s {ramp['strategy']}" if ramp \
+        else "" if p["rate"] == "inf" else f"{p['rate']}/s"
     conc = f"c={p['concurrency']}" if p["concurrency"] else ""
     return " ".join(x for x in (rate, conc) if x) or "all at once"
 

@@ -73,6 +73,10 @@ def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
         assert p["tpot"]["median"] > 0 and p["speculation"]["draft_tokens"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "specdec bench serve --base-url" in md and "| tiny K=2 | c=2 |" in md
+    # vLLM's console block, once per load point, with the speculative counters
+    out = capsys.readouterr().out
+    assert out.count("Successful requests:") == 2 and out.count(" Speculative Decoding ") == 2
+    assert "Output token throughput (tok/s):" in out and "P99 TPOT (ms):" in out and "P50 TPOT" not in out
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 

@@ -443,6 +443,7 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(wall, 3),
                "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
                "request_throughput": round(len(ok) / wall, 4), "output_throughput": round(out_tokens / wall, 2),
+               "total_token_throughput": round((out_tokens + sum(r.prompt_tokens for r in ok)) / wall, 2),
                "request_goodput": round(len(good) / wall, 4) if slo else None,
                "errors": sorted({r.error for r in results if not r.ok})[:5]}
     for name, values in per.items():

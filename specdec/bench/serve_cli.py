@@ -297,7 +297,7 @@ def command_line(argv: list[str]) -> str:
 def run(args, argv: list[str]) -> int:
     from . import serve
     from .machine import machine_info
-    from .serve_report import write_all
+    from .serve_report import console, write_all
 
     slo = serve.parse_goodput(args.goodput)
     vllm_flags(args)
@@ -325,6 +325,7 @@ def run(args, argv: list[str]) -> int:
     else:
         _run_started(args, loads, pool, slo, out, results)
     results["machine"]["load_average_after"] = machine_info()["load_average"]
+    print(console(results))
     for path in write_all(results, out, args.result_filename or "results.json"):
         print(path)
     return 0

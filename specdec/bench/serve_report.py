@@ -102,6 +102,51 @@ def rounds_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def console(results: dict) -> str:
+    """Each variant's load points in the block `vllm bench serve` prints, with the speculative
+    counters below it."""
+    def line(label: str, value) -> str:
+        return f"{label:<40} {value}"
+
+    def rule(title: str = "", ch: str = "-") -> str:
+        return f" {title} ".center(50, ch) if title else ch * 50
+
+    names = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+             "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+    out = []
+    for v in results["variants"]:
+        for p in v["points"]:
+            out += [rule(f"{v['name']}, {_load(p)}", "="),
+                    line("Successful requests:", p["completed"]), line("Failed requests:", p["failed"]),
+                    line("Benchmark duration (s):", f"{p['duration_s']:.2f}"),
+                    line("Total input tokens:", p["total_input_tokens"]),
+                    line("Total generated tokens:", p["total_output_tokens"]),
+                    line("Request throughput (req/s):", f"{p['request_throughput']:.2f}")]
+            if p.get("request_goodput") is not None:
+                out.append(line("Request goodput (req/s):", f"{p['request_goodput']:.2f}"))
+            out += [line("Output token throughput (tok/s):", f"{p['output_throughput']:.2f}")]
+            if p.get("total_token_throughput") is not None:
+                out.append(line("Total token throughput (tok/s):", f"{p['total_token_throughput']:.2f}"))
+            for key, (title, short) in names.items():
+                m = p[key]
+                out.append(rule(title))
+                out += [line(f"Mean {short} (ms):", _ms2(m.get("mean"))), line(f"Median {short} (ms):", _ms2(m.get("median")))]
+                out += [line(f"P{k[1:]} {short} (ms):", _ms2(m[k])) for k in m if k.startswith("p") and k != "p50"]
+            spec = p.get("speculation") or {}
+            if spec.get("num_drafts"):
+                out += [rule("Speculative Decoding"),
+                        line("Acceptance rate (%):", f"{100 * spec['acceptance_rate']:.2f}"),
+                        line("Acceptance length:", f"{spec['mean_acceptance_length']:.2f}"),
+                        line("Drafts:", spec["num_drafts"]), line("Draft tokens:", spec["draft_tokens"]),
+                        line("Accepted tokens:", spec["accepted_tokens"])]
+            out.append(rule(ch="="))
+    return "\n".join(out)
+
+
+def _ms2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _spec_bench_requests(settings: dict) -> str:
     """How results recorded before the datasets were described made their requests."""
     return f"{settings['dataset']} first turns through the chat template, max_tokens {settings['output_len']}"

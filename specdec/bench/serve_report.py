@@ -130,7 +130,8 @@ def console(results: dict) -> str:
             for key, (title, short) in names.items():
                 m = p[key]
                 out.append(rule(title))
-                out += [line(f"Mean {short} (ms):", _ms2(m.get("mean"))), line(f"Median {short} (ms):", _ms2(m.get("median")))]
+                out += [line(f"Mean {short} (ms):", _ms2(m.get("mean"))),
+                        line(f"Median {short} (ms):", _ms2(m.get("median")))]
                 out += [line(f"P{k[1:]} {short} (ms):", _ms2(m[k])) for k in m if k.startswith("p") and k != "p50"]
             spec = p.get("speculation") or {}
             if spec.get("num_drafts"):

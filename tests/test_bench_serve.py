@@ -3,6 +3,7 @@ the servers it starts itself; its metrics on hand-made request timings."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -222,7 +223,8 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
                    "--num-prompts", "2", "--output-len", "3", "--ignore-eos", "--warmup", "0", "--save-result",
                    "--result-dir", str(folder), "--result-filename", "run-1.json", "--percentile-metrics", "ttft,e2el",
                    "--metric-percentiles", "50,99", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "5",
-                   "--ramp-up-end-rps", "50"])
+                   "--ramp-up-end-rps", "50", "--temperature", "0.7", "--top-p", "0.95", "--top-k", "20",
+                   "--min-p", "0.01"])
     assert rc == 0
     results = json.loads((folder / "run-1.json").read_text())
     assert not (folder / "results.json").exists() and (folder / "results.md").exists()
@@ -230,6 +232,10 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
     assert point["completed"] == 2 and results["settings"]["backend"] == "openai"
     assert point["ramp"] == {"strategy": "linear", "start_rps": 5.0, "end_rps": 50.0}
     assert "| 5->50/s linear c=1 |" in (folder / "results.md").read_text()
+    assert "temperature 0.7, top_p 0.95, top_k 20, min_p 0.01," in (folder / "results.md").read_text()
+    assert serve._sampling(argparse.Namespace(output_len=3, temperature=0.7, seed=0, ignore_eos=False, top_p=0.95,
+                                              top_k=20, min_p=None)) == {
+        "max_tokens": 3, "temperature": 0.7, "seed": 0, "top_p": 0.95, "extra_body": {"ignore_eos": False, "top_k": 20}}
     assert "p99" in point["ttft"] and "p99" in point["e2el"] and "p99" not in point["tpot"] and "median" in point["tpot"]
     assert "as plain prompts (no chat template) to /v1/completions" in (folder / "results.md").read_text()
 

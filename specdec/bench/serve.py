@@ -547,8 +547,11 @@ def _get(url: str, timeout: float = 30.0) -> str:
 
 
 def _sampling(args) -> dict:
+    """Every request's sampling fields (top_k and min_p are vLLM's extensions: extra_body)."""
+    extra = {"ignore_eos": args.ignore_eos, **{k: getattr(args, k) for k in ("top_k", "min_p")
+                                               if getattr(args, k, None) is not None}}
     return {"max_tokens": args.output_len, "temperature": args.temperature, "seed": args.seed,
-            "extra_body": {"ignore_eos": args.ignore_eos}}
+            **({"top_p": args.top_p} if getattr(args, "top_p", None) is not None else {}), "extra_body": extra}
 
 
 def warm_up(base_url: str, pool: list[dict], args) -> None:

@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default 128)")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates --output-len tokens")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, help="nucleus sampling of every request (default: the server's)")
+    p.add_argument("--top-k", type=int, help="top-k sampling of every request (vLLM's extension; default: the server's)")
+    p.add_argument("--min-p", type=float, help="min-p sampling of every request (vLLM's extension; default: the server's)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:100 (vLLM's)")
     p.add_argument("--metric-percentiles", default="50,90,99", type=_floats)
     p.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
@@ -311,7 +314,8 @@ def run(args, argv: list[str]) -> int:
     out = args.out or args.result_dir or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
     out.mkdir(parents=True, exist_ok=True)
     results = {"command": command_line(argv), "machine": machine_info(),
-               "settings": {"output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+               "settings": {"output_len": args.output_len, "temperature": args.temperature,
+                            **{k: getattr(args, k) for k in ("top_p", "top_k", "min_p") if getattr(args, k) is not None}, "ignore_eos": args.ignore_eos,
                             "burstiness": args.burstiness, "client": args.client,
                             "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": dataset_name(args), "requests": requests_sent(args),

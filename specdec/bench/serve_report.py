@@ -161,7 +161,9 @@ def markdown(results: dict) -> str:
              f"{m.get('load_average_after')} after (other jobs share the cores: see the README on timing)",
              f"- kernels: {m.get('kernels', 'not recorded')}; specdec {m.get('specdec_commit', '?')}, torch {m.get('torch', '?')}",
              f"- requests: {s.get('requests') or _spec_bench_requests(s)}, streamed, "
-             f"temperature {s['temperature']:g}, ignore_eos {s['ignore_eos']}, burstiness "
+             f"temperature {s['temperature']:g}"
+             + "".join(f", {k} {s[k]:g}" for k in ("top_p", "top_k", "min_p") if s.get(k) is not None)
+             + f", ignore_eos {s['ignore_eos']}, burstiness "
              f"{s['burstiness']:g}; goodput SLOs: {slo}; client: {s.get('client', 'openai')}",
              "- TTFT: request sent -> first chunk with tokens; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; "
              "ITL: gaps between chunks (a speculative step's chunk carries several tokens); acceptance from the "

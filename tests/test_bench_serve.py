@@ -219,7 +219,14 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
     llm = LLM(target, max_model_len=256)
     folder = tmp_path / "vllm-results"
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
-        rc = main(["bench", "serve", "--base-url", live.url, "--backend", "openai", "--max-concurrency", "1",
+        rc = main(["bench", "serve", "--base-url", live.url, "--model", "tiny", "--num-warmups", "0",
+                   "--served-model-name", "no-such-model", "--max-concurrency", "1", "--num-prompts", "2",
+                   "--output-len", "3", "--out", str(tmp_path / "wrong-name")])
+        assert rc == 0
+        (wrong,) = json.loads((tmp_path / "wrong-name" / "results.json").read_text())["variants"][0]["points"]
+        assert wrong["completed"] == 0 and wrong["failed"] == 2 and "404" in wrong["errors"][0]
+        rc = main(["bench", "serve", "--base-url", live.url, "--model", "tiny", "--backend", "openai",
+                   "--max-concurrency", "1",
                    "--num-prompts", "2", "--output-len", "3", "--ignore-eos", "--warmup", "0", "--save-result",
                    "--result-dir", str(folder), "--result-filename", "run-1.json", "--percentile-metrics", "ttft,e2el",
                    "--metric-percentiles", "50,99", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "5",

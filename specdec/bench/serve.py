@@ -536,6 +536,14 @@ def served_model(base_url: str) -> str:
     return json.loads(_get(base_url + "/v1/models"))["data"][0]["id"]
 
 
+def request_model(base_url: str, args) -> str:
+    """The model the requests name: --served-model-name, or with --base-url the --model given
+    (vLLM's meaning), else the server's first."""
+    named = getattr(args, "served_model_name", None) or (getattr(args, "model", None) if getattr(args, "base_url", None)
+                                                          else None)
+    return named or served_model(base_url)
+
+
 def _get(url: str, timeout: float = 30.0) -> str:
     """A GET's body (the benchmark's few plain requests: the standard library suffices)."""
     import urllib.request
@@ -556,7 +564,7 @@ def _sampling(args) -> dict:
 
 def warm_up(base_url: str, pool: list[dict], args) -> None:
     if args.warmup:
-        asyncio.run(run_load(base_url, served_model(base_url), sample(pool, args.warmup, args.seed + 999),
+        asyncio.run(run_load(base_url, request_model(base_url, args), sample(pool, args.warmup, args.seed + 999),
                              Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed, args.client))
 
 
@@ -575,7 +583,7 @@ class Measured:
 
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
-        results, wall = asyncio.run(run_load(base_url, served_model(base_url), items, load, args.burstiness,
+        results, wall = asyncio.run(run_load(base_url, request_model(base_url, args), items, load, args.burstiness,
                                              _sampling(args), seed, args.client))
         after = read_counters(base_url)
         self.results += results

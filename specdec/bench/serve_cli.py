@@ -22,7 +22,9 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="measure this running server (http://host:port) instead of starting servers")
     p.add_argument("--label", default="server", help="the variant's name with --base-url")
-    p.add_argument("--model", help="target for the servers started (default: the default model)")
+    p.add_argument("--model", help="target for the servers started (default: the default model); with --base-url, "
+                                   "the model the requests name (vLLM's meaning; default: the server's first)")
+    p.add_argument("--served-model-name", help="the model name the requests carry (default: the server's first)")
     p.add_argument("--speculative-config", type=_json, help="the method for the speculative variants (JSON, as serve)")
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
@@ -68,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help="min-p sampling of every request (vLLM's extension; default: the server's)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:100 (vLLM's)")
     p.add_argument("--metric-percentiles", default="50,90,99", type=_floats)
-    p.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    p.add_argument("--warmup", "--num-warmups", type=int, default=2, help="requests sent to each server before measuring")
     p.add_argument("--rounds", type=int, default=1,
                    help="split each load point's requests into rounds (of at least twice its concurrency) in which "
                         "the variants take turns, so that a machine whose speed drifts over minutes weighs on all "

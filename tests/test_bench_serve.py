@@ -56,6 +56,26 @@ def test_ramp_up_follows_vllms_strategies():
     assert serve.Load(float("inf"), 4, ("exponential", 1.0, 8.0)).name == "rate 1->8/s (exponential), concurrency 4"
 
 
+def test_requests_without_usage_are_counted_by_the_tokenizer(tiny_pair):
+    """A server that ignores stream_options (llama-cpp-python's) sends no usage: the generated text
+    and the prompt go through the tokenizer, as vLLM's benchmark counts them."""
+    from specdec.tokenizer import Tokenizer
+
+    target, _ = tiny_pair
+    tok = Tokenizer(target)
+    item = {"messages": [{"role": "user", "content": "Say something."}]}
+    counted = serve.RequestResult(ok=True, chunks=[0.1, 0.2], text="Hello there, friend")
+    given = serve.RequestResult(ok=True, chunks=[0.1], text="Hi", output_tokens=7, prompt_tokens=3)
+    args = argparse.Namespace(tokenizer=str(target))
+    serve.count_without_usage([counted, given], [item, item], "http://127.0.0.1:9", args)
+    assert counted.output_tokens == len(tok.encode("Hello there, friend", add_special_tokens=False))
+    assert counted.prompt_tokens == serve.prompt_length(tok, item) and counted.ok
+    assert (given.output_tokens, given.prompt_tokens) == (7, 3)                  # the server's usage stands
+    with pytest.raises(ValueError, match="--tokenizer"):
+        serve.count_without_usage([serve.RequestResult(ok=True, chunks=[0.1], text="x")], [item],
+                                  "http://127.0.0.1:9", argparse.Namespace(tokenizer=None))
+
+
 def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)

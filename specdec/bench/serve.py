@@ -49,6 +49,7 @@ class RequestResult:
     chunks: list[float] = field(default_factory=list)     # arrival time of each chunk carrying tokens
     output_tokens: int = 0
     prompt_tokens: int = 0
+    text: str = ""                  # the generated text, counted by a tokenizer when no usage came
 
     @property
     def ttft(self) -> float:
@@ -306,9 +307,11 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
             now = time.perf_counter()
             if chunk.usage is not None:
                 result.output_tokens, result.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            if any(c.delta.content if _is_chat(item) else c.text for c in chunk.choices):
+            piece = "".join((c.delta.content if _is_chat(item) else c.text) or "" for c in chunk.choices)
+            if piece:
                 result.chunks.append(now)
-        result.ok = bool(result.chunks) and result.output_tokens > 0
+                result.text += piece
+        result.ok = bool(result.chunks)
         result.error = "" if result.ok else "no tokens"
     except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
         result.error = f"{type(e).__name__}: {e}"
@@ -349,9 +352,11 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if any(_text_of(c, chat) for c in chunk.get("choices") or ()):
+                piece = "".join(_text_of(c, chat) or "" for c in chunk.get("choices") or ())
+                if piece:
                     result.chunks.append(now)
-        result.ok = bool(result.chunks) and result.output_tokens > 0
+                    result.text += piece
+        result.ok = bool(result.chunks)
         result.error = "" if result.ok else "no tokens"
     except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
         result.error = f"{type(e).__name__}: {e}"
@@ -429,6 +434,25 @@ def parse_goodput(specs: list[str] | None) -> dict[str, float]:
 
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def count_without_usage(results: list[RequestResult], items: list[dict], base_url: str, args) -> None:
+    """Token counts for the requests whose stream carried no usage (servers that ignore
+    stream_options, llama-cpp-python's among them): the generated text and the prompt through the
+    tokenizer (--tokenizer, else the served model's), as vLLM's benchmark counts them then."""
+    missing = [(r, it) for r, it in zip(results, items) if r.ok and not r.output_tokens]
+    if not missing:
+        return
+    try:
+        tok = served_tokenizer(base_url, getattr(args, "tokenizer", None))
+    except (ValueError, OSError, KeyError, IndexError):
+        raise ValueError("the server sent no token usage in its streams: pass --tokenizer PATH to count "
+                         "the tokens") from None
+    for r, it in missing:
+        r.output_tokens = len(tok.encode(r.text, add_special_tokens=False))
+        r.prompt_tokens = r.prompt_tokens or prompt_length(tok, it)
+        r.ok = r.output_tokens > 0
+        r.error = "" if r.ok else "no tokens"
 
 
 def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], percentiles: list[float],
@@ -586,6 +610,7 @@ class Measured:
         results, wall = asyncio.run(run_load(base_url, request_model(base_url, args), items, load, args.burstiness,
                                              _sampling(args), seed, args.client))
         after = read_counters(base_url)
+        count_without_usage(results, items, base_url, args)
         self.results += results
         self.wall += wall
         this = summarize(results, wall, {}, [])

@@ -237,17 +237,23 @@ def test_real_gguf_tensors():
 
 
 def test_kv_prefetch_defaults_and_override(monkeypatch):
-    """Attention's KV prefetch: two blocks ahead on AVX2 builds, none on AVX-512 ones, unless
-    SPECDEC_KV_PREFETCH says; a bad value is one clear error."""
+    """Attention's KV prefetch: none on AMD CPUs with AVX-512, two blocks ahead on the others
+    (Intel's, AVX2-only AMD ones), whatever the build, unless SPECDEC_KV_PREFETCH says; a bad
+    value is one clear error."""
     monkeypatch.delenv("SPECDEC_KV_PREFETCH", raising=False)
-    assert kernels.kv_prefetch("avx2") == 2 and kernels.kv_prefetch("avx_vnni") == 2
-    assert kernels.kv_prefetch("avx512_vnni") == 0 and kernels.kv_prefetch("avx512") == 0
+    zen4 = {"avx2", "avx512f", "avx512_vnni"}
+    assert kernels.kv_prefetch("AuthenticAMD", zen4) == 0
+    assert kernels.kv_prefetch("AuthenticAMD", {"avx2", "fma"}) == 2            # a Zen 3
+    assert kernels.kv_prefetch("GenuineIntel", zen4 | {"amx_int8"}) == 2
+    assert kernels.kv_prefetch() == kernels.kv_prefetch(kernels.isa.cpu_vendor(), kernels.isa.cpu_flags())
     monkeypatch.setenv("SPECDEC_KV_PREFETCH", "4")
-    assert kernels.kv_prefetch("avx512") == 4
+    assert kernels.kv_prefetch("AuthenticAMD", zen4) == 4
+    monkeypatch.setenv("SPECDEC_KV_PREFETCH", "0")
+    assert kernels.kv_prefetch("GenuineIntel", zen4) == 0
     for bad in ("x", "-1", "65"):
         monkeypatch.setenv("SPECDEC_KV_PREFETCH", bad)
         with pytest.raises(ValueError, match="SPECDEC_KV_PREFETCH"):
-            kernels.kv_prefetch("avx2")
+            kernels.kv_prefetch()
 
 
 @needs_kernels

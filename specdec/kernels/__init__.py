@@ -58,13 +58,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     declare(lib)
 
 
-def kv_prefetch(variant: str) -> int:
+def kv_prefetch(vendor: str | None = None, flags: set[str] | None = None) -> int:
     """How many cache blocks ahead attention asks for the keys' and values' rows (0: none):
-    SPECDEC_KV_PREFETCH, else 2 on AVX2 builds and none on AVX-512 ones (attention.c: measured on
-    a Zen 3 and a Zen 4; a hint, the results are the same bits either way)."""
+    SPECDEC_KV_PREFETCH, else none on AMD CPUs with AVX-512 (Zen 4 and later) and two blocks
+    ahead elsewhere. It is the machine that decides, not the build: on a Zen 4 the prefetch cost
+    with the AVX-512 and the AVX2 builds alike, on a Zen 3 (AVX2) and an AVX-512 Xeon it paid
+    (attention.c; scripts/kv_prefetch.py). A hint: the results are the same bits either way."""
     raw = os.environ.get("SPECDEC_KV_PREFETCH", "").strip()
     if not raw:
-        return 0 if variant.startswith("avx512") else 2
+        vendor = isa.cpu_vendor() if vendor is None else vendor
+        flags = isa.cpu_flags() if flags is None else flags
+        return 0 if vendor == "AuthenticAMD" and "avx512f" in flags else 2
     if not raw.isdigit() or int(raw) > 64:
         raise ValueError(f"SPECDEC_KV_PREFETCH={raw!r}: cache blocks ahead, an integer in [0, 64] (0: none)")
     return int(raw)
@@ -74,7 +78,7 @@ def _open(variant: isa.Variant, path) -> ctypes.CDLL:
     if variant.name not in _libs:
         lib = ctypes.CDLL(str(path))
         _declare(lib)
-        ctypes.c_int.in_dll(lib, "specdec_kv_prefetch").value = kv_prefetch(variant.name)
+        ctypes.c_int.in_dll(lib, "specdec_kv_prefetch").value = kv_prefetch()
         _libs[variant.name] = lib
     return _libs[variant.name]
 

@@ -126,12 +126,13 @@ static inline int kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind == KV_BF
 
 /* Ask for the cache block `specdec_kv_prefetch` blocks after the one at slot s0 (its rows of kv
  * head g, and their int8 scales) while this one is computed (0: ask for nothing). A hint only:
- * nothing computed changes. Set once per process (kernels/__init__.py: the variant's default or
+ * nothing computed changes. Set once per process (kernels/__init__.py: by the machine, or
  * SPECDEC_KV_PREFETCH): two blocks ahead helped a decoding step's reads on an AVX2 Zen 3, where the
- * weights streamed by between two steps evict the cache's rows; on an AVX-512 Zen 4 the hardware's
- * own prefetchers did better without it (1-token forwards after 4096 cached tokens: 8.5 against
- * 10.8 ms on two threads; scripts/kv_prefetch.py), the software's requests crowding the loads
- * that need the lines now. */
+ * weights streamed by between two steps evict the cache's rows, and on an AVX-512 Xeon (suffix
+ * K = 2 after a 3000-token prompt 5-10% faster); on an AVX-512 Zen 4 the hardware's own
+ * prefetchers did better without it, with either build (1-token forwards after 4096 cached
+ * tokens: 8.5 against 10.8 ms on two threads; scripts/kv_prefetch.py), the software's requests
+ * crowding the loads that need the lines now. */
 int specdec_kv_prefetch = 2;
 
 static inline __attribute__((always_inline)) void

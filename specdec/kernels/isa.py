@@ -70,6 +70,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where it has none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_fingerprint() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -151,6 +151,45 @@ def test_random_requests_follow_vllms_lengths(tiny_pair):
         serve.random_requests(tok, 1, 8, 4, range_ratio=1.0)
 
 
+def test_prefix_repetition_requests_follow_vllms_shape(tiny_pair):
+    """vLLM's prefix_repetition: num_prefixes random prefixes, each before an equal share of the
+    requests' own random suffixes, shuffled; no special tokens; seeded."""
+    from specdec.tokenizer import Tokenizer
+
+    target, _ = tiny_pair
+    tok = Tokenizer(target)
+    items = serve.prefix_repetition_requests(tok, 12, prefix_len=8, suffix_len=5, num_prefixes=3, output_len=7, seed=4)
+    assert len(items) == 12 and {it["max_tokens"] for it in items} == {7}
+    assert {len(it["prompt_token_ids"]) for it in items} == {13}
+    prefixes = [tuple(it["prompt_token_ids"][:8]) for it in items]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [4, 4, 4]       # 3 prefixes, 4 requests each
+    assert len({tuple(it["prompt_token_ids"][8:]) for it in items}) == 12       # every suffix its own
+    assert prefixes[:4] != [prefixes[0]] * 4 or prefixes[4:8] != [prefixes[4]] * 4   # shuffled, not grouped
+    banned = tok.special_ids | {tok.bos_token_id, *tok.eos_token_ids}
+    assert not banned & {t for it in items for t in it["prompt_token_ids"]}
+    assert items == serve.prefix_repetition_requests(tok, 12, 8, 5, 3, 7, seed=4)
+    assert len(serve.prefix_repetition_requests(tok, 2, 4, 4, num_prefixes=5, output_len=3)) == 5   # one per prefix
+    with pytest.raises(ValueError, match="not both 0"):
+        serve.prefix_repetition_requests(tok, 4, 0, 0, 2, 3)
+
+
+def test_spec_bench_questions_from_a_file(tmp_path):
+    """--dataset-name spec_bench --dataset-path: a Spec-Bench question.jsonl of one's own, first
+    turns, a category filter; a malformed file is one clear error naming the flag."""
+    path = tmp_path / "question.jsonl"
+    rows = [{"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now another."]},
+            {"question_id": 2, "category": "qa", "turns": ["What is 2+2?"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert serve.questions(path=path) == [
+        {"category": "writing", "messages": [{"role": "user", "content": "Write a haiku."}]},
+        {"category": "qa", "messages": [{"role": "user", "content": "What is 2+2?"}]}]
+    assert [q["category"] for q in serve.questions("qa", path)] == ["qa"]
+    assert len(serve.questions()) == 240                                            # the bundled file
+    path.write_text('{"question_id": 1, "category": "qa"}\n')
+    with pytest.raises(ValueError, match="--dataset-path .*not a Spec-Bench question"):
+        serve.questions(path=path)
+
+
 def test_custom_requests_read_vllms_jsonl(tmp_path):
     good = tmp_path / "prompts.jsonl"
     good.write_text('{"prompt": "Say hi"}\n\n{"prompt": "Count to 3", "output_tokens": 9}\n')
@@ -199,22 +238,40 @@ def test_sharegpt_requests_follow_vllms_filters(tiny_pair, tmp_path):
 
 def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
     """--dataset-name random: token-id prompts of the lengths asked, through /v1/completions;
-    --dataset-name custom: a JSONL file's prompts, through the chat template or as they are."""
-    target, draft = tiny_pair
-    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=2, max_model_len=256)
+    prefix_repetition: prompts sharing prefixes, which the server's prefix cache then serves;
+    spec_bench with --dataset-path: a question file's first turns; custom: a JSONL file's prompts,
+    through the chat template or as they are; sharegpt: a conversation file's first turns."""
+    import re
+    import urllib.request
+
+    def prefix_hits(url):
+        text = urllib.request.urlopen(url + "/metrics").read().decode()
+        return float(re.search(r"^specdec:prefix_cache_hits(?:_total)? (\S+)$", text, re.MULTILINE).group(1))
+
+    target, _ = tiny_pair
+    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_model_len=256,
+              enable_prefix_caching=True)       # a draft model keeps per-prompt state: not with prefix caching
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "def f(x):", "output_tokens": 3}\n')
+    questions = tmp_path / "question.jsonl"
+    questions.write_text('{"question_id": 7, "category": "coding", "turns": ["Write a loop."]}\n')
     sharegpt = tmp_path / "sharegpt.json"
     sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Write a short line about rain."},
                                                        {"from": "gpt", "value": "x"}]}]))
     runs = {"random": ["--dataset-name", "random", "--random-input-len", "20", "--random-output-len", "5",
                        "--random-prefix-len", "4"],
+            "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "20",
+                                  "--prefix-repetition-suffix-len", "3", "--prefix-repetition-num-prefixes", "2",
+                                  "--prefix-repetition-output-len", "4"],
+            "spec_bench-file": ["--dataset-name", "spec_bench", "--dataset-path", str(questions),
+                                "--spec-bench-output-len", "5"],
             "custom": ["--dataset-name", "custom", "--dataset-path", str(prompts)],
             "custom-raw": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"],
             "sharegpt": ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--sharegpt-output-len", "4"]}
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
         for name, flags in runs.items():
             out = tmp_path / name
+            hits = prefix_hits(live.url)
             rc = main(["bench", "serve", "--base-url", live.url, "--max-concurrency", "2", "--num-prompts", "4",
                        "--output-len", "6", "--ignore-eos", "--warmup", "1", "--out", str(out), *flags])
             assert rc == 0, name
@@ -224,6 +281,13 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
             if name == "random":
                 assert point["total_input_tokens"] == 4 * 24 and point["total_output_tokens"] == 4 * 5
                 assert "random token ids after a shared random prefix of 4" in (out / "results.md").read_text()
+            elif name == "prefix_repetition":
+                assert point["total_input_tokens"] == 4 * 23 and point["total_output_tokens"] == 4 * 4
+                assert "2 shared prefixes of 20 tokens" in (out / "results.md").read_text()
+                assert prefix_hits(live.url) > hits          # a shared prefix's full block came from the cache
+            elif name == "spec_bench-file":     # the file's one question, four times, 5 tokens each
+                assert point["total_output_tokens"] == 4 * 5
+                assert f"first turns from {questions}" in (out / "results.md").read_text()
             elif name == "sharegpt":    # one conversation, asked four times for 4 tokens
                 assert point["total_output_tokens"] == 4 * 4
                 assert "ShareGPT first turns from" in (out / "results.md").read_text()
@@ -322,7 +386,14 @@ def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
     assert "--goodput" in capsys.readouterr().err
     for flags, message in ((["--dataset-name", "custom"], "--dataset-path"),
                            (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl")], "--dataset-path"),
-                           (["--dataset-path", "x.jsonl"], "--dataset-name custom"),
+                           (["--dataset-name", "random", "--dataset-path", "x.jsonl"], "--dataset-name spec_bench, custom"),
+                           (["--dataset-path", str(tmp_path / "none.jsonl")], "--dataset-path"),
+                           (["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "0"],
+                            "--prefix-repetition-num-prefixes"),
+                           (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "0",
+                             "--prefix-repetition-suffix-len", "0"], "not both 0"),
+                           (["--dataset-name", "prefix_repetition", "--prefix-repetition-output-len", "0"],
+                            "--prefix-repetition-output-len"),
                            (["--dataset-name", "sharegpt"], "--dataset-path"),
                            (["--dataset-name", "sharegpt", "--dataset-path", "x.json", "--sharegpt-output-len", "2"],
                             "--sharegpt-output-len"),

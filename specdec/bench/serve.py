@@ -101,10 +101,21 @@ def ramp_rates(n: int, strategy: str, start: float, end: float) -> list[float]:
     return [start * (end / start) ** f for f in fractions]
 
 
-def questions(category: str | None = None) -> list[dict]:
-    """Spec-Bench's questions (first turns) as chat requests: {"category", "messages"}."""
+def questions(category: str | None = None, path: str | os.PathLike | None = None) -> list[dict]:
+    """Spec-Bench's questions (first turns) as chat requests: {"category", "messages"}; the bundled
+    240, or a Spec-Bench question.jsonl of one's own at path (its 480, say), as vLLM's spec_bench
+    dataset reads it."""
+    if path is None:
+        rows = read_questions()
+    else:
+        try:
+            rows = read_questions(Path(path))
+        except OSError as e:
+            raise ValueError(f"--dataset-path {path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ValueError(f"--dataset-path {e}") from None
     qs = [{"category": q["category"], "messages": [{"role": "user", "content": q["prompt"]}]}
-          for q in read_questions() if category is None or q["category"] == category]
+          for q in rows if category is None or q["category"] == category]
     if not qs:
         raise ValueError(f"--spec-bench-category {category!r} has no questions")
     return qs
@@ -207,9 +218,7 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_
         raise ValueError("--random-range-ratio must be in [0, 1)")
     if input_len < 1 or output_len < 1 or prefix_len < 0:
         raise ValueError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0")
-    special = tokenizer.special_ids | {i for i in (tokenizer.bos_token_id, *tokenizer.eos_token_ids) if i is not None}
-    allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), np.fromiter(special, dtype=np.int64, count=len(special)))
-    rng = np.random.default_rng(seed)
+    allowed, rng = _plain_ids(tokenizer), np.random.default_rng(seed)
     prefix = rng.choice(allowed, prefix_len).tolist()
     (ilo, ihi), (olo, ohi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
     items = []
@@ -217,6 +226,33 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_
         ids = prefix + rng.choice(allowed, int(rng.integers(ilo, ihi + 1))).tolist()
         items.append({"category": "random", "prompt_token_ids": ids, "max_tokens": int(rng.integers(olo, ohi + 1))})
     return items
+
+
+def _plain_ids(tokenizer) -> np.ndarray:
+    """The vocabulary without special tokens: what random prompts are drawn from."""
+    special = tokenizer.special_ids | {i for i in (tokenizer.bos_token_id, *tokenizer.eos_token_ids) if i is not None}
+    return np.setdiff1d(np.arange(tokenizer.vocab_size), np.fromiter(special, dtype=np.int64, count=len(special)))
+
+
+def prefix_repetition_requests(tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, seed: int = 0) -> list[dict]:
+    """vLLM's prefix_repetition dataset: num_prefixes random prefixes of prefix_len tokens, each
+    followed by random suffixes of suffix_len tokens in num // num_prefixes requests (at least
+    one each), in a seeded random order; token ids to /v1/completions, max_tokens output_len.
+    Requests that share a prefix are what prefix caching serves from its cache."""
+    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1 or num_prefixes < 1 or output_len < 1:
+        raise ValueError("--prefix-repetition-prefix-len and -suffix-len must be >= 0 (not both 0), "
+                         "--prefix-repetition-num-prefixes and -output-len >= 1")
+    allowed, rng = _plain_ids(tokenizer), np.random.default_rng(seed)
+    per_prefix = max(1, num // num_prefixes)
+    items = []
+    for _ in range(num_prefixes):
+        prefix = rng.choice(allowed, prefix_len).tolist()
+        for _ in range(per_prefix):
+            items.append({"category": "prefix_repetition", "max_tokens": output_len,
+                          "prompt_token_ids": prefix + rng.choice(allowed, suffix_len).tolist()})
+    order = rng.permutation(len(items))
+    return [items[i] for i in order]
 
 
 def served_tokenizer(base_url: str, path: str | None = None):
@@ -230,8 +266,8 @@ def served_tokenizer(base_url: str, path: str | None = None):
             raise ValueError(f"--tokenizer {path}: {e}") from None
     root = json.loads(_get(base_url + "/v1/models"))["data"][0].get("root")
     if not root or not Path(root).exists():
-        raise ValueError("--dataset-name random and sharegpt need the served model's tokenizer: its files are "
-                         "not on this machine, pass --tokenizer PATH")
+        raise ValueError("--dataset-name random, prefix_repetition and sharegpt need the served model's tokenizer: "
+                         "its files are not on this machine, pass --tokenizer PATH")
     return Tokenizer(root)
 
 

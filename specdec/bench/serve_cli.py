@@ -29,15 +29,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
     p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32'")
-    p.add_argument("--dataset-name", default="spec_bench", choices=["spec_bench", "random", "custom", "sharegpt"],
-                   help="spec_bench: Spec-Bench's questions as chats (default); random: prompts of random token ids "
-                        "of set lengths (vLLM's, sent as token ids to /v1/completions); custom: --dataset-path JSONL; "
-                        "sharegpt: --dataset-path, a ShareGPT JSON file (first turns as chats, max_tokens their "
-                        "replies' lengths)")
+    p.add_argument("--dataset-name", default="spec_bench",
+                   choices=["spec_bench", "random", "prefix_repetition", "custom", "sharegpt"],
+                   help="spec_bench: Spec-Bench's questions as chats (default: the bundled 240, or --dataset-path); "
+                        "random: prompts of random token ids of set lengths (vLLM's, sent as token ids to "
+                        "/v1/completions); prefix_repetition: random prompts sharing a few random prefixes (vLLM's: "
+                        "what prefix caching serves); custom: --dataset-path JSONL; sharegpt: --dataset-path, a "
+                        "ShareGPT JSON file (first turns as chats, max_tokens their replies' lengths)")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
-    p.add_argument("--dataset-path", help='custom: a JSON Lines file, one {"prompt": ...} a line (optional '
+    p.add_argument("--spec-bench-output-len", type=int, dest="output_len", default=argparse.SUPPRESS,
+                   help="spec_bench: vLLM's name for --output-len")
+    p.add_argument("--dataset-path", help="spec_bench: a Spec-Bench question.jsonl ({\"turns\", \"category\", "
+                                          "\"question_id\"} a line; default: the bundled 240 questions); "
+                                          'custom: a JSON Lines file, one {"prompt": ...} a line (optional '
                                           '"output_tokens"), sent through the chat template; sharegpt: a ShareGPT '
                                           'JSON file (a list of {"conversations": [...]})')
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix (default 256)")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: random tokens after the prefix, per request (default 256)")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix_repetition: distinct prefixes, each shared by an equal share of the requests "
+                        "(default 10)")
+    p.add_argument("--prefix-repetition-output-len", type=int,
+                   help="prefix_repetition: max_tokens of each request (default: --output-len)")
     p.add_argument("--sharegpt-output-len", type=int, help="sharegpt: max_tokens of every request (default: "
                                                              "the length of the conversation's reply)")
     p.add_argument("--skip-chat-template", action="store_true",
@@ -223,8 +238,8 @@ def dataset(args, loads):
     URL that makes them once a server is up. Flags and files are checked here, before any starts."""
     from . import serve
 
-    if args.dataset_name not in ("custom", "sharegpt") and args.dataset_path:
-        raise ValueError("--dataset-path goes with --dataset-name custom or sharegpt")
+    if args.dataset_name not in ("spec_bench", "custom", "sharegpt") and args.dataset_path:
+        raise ValueError("--dataset-path goes with --dataset-name spec_bench, custom or sharegpt")
     if args.dataset_name != "custom" and args.skip_chat_template:
         raise ValueError("--skip-chat-template goes with --dataset-name custom")
     if args.dataset_name != "spec_bench" and args.spec_bench_category:
@@ -242,7 +257,16 @@ def dataset(args, loads):
     if args.dataset_name == "random":
         _check_random(args)
         return lambda url: random_pool(args, loads, url)
-    return serve.questions(args.spec_bench_category)
+    if args.dataset_name == "prefix_repetition":
+        if args.prefix_repetition_output_len is not None and args.prefix_repetition_output_len < 1:
+            raise ValueError("--prefix-repetition-output-len must be >= 1")
+        if min(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len) < 0 \
+                or args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len < 1 \
+                or args.prefix_repetition_num_prefixes < 1:
+            raise ValueError("--prefix-repetition-prefix-len and -suffix-len must be >= 0 (not both 0), "
+                             "--prefix-repetition-num-prefixes >= 1")
+        return lambda url: prefix_repetition_pool(args, loads, url)
+    return serve.questions(args.spec_bench_category, args.dataset_path)
 
 
 def _check_random(args) -> None:
@@ -253,14 +277,28 @@ def _check_random(args) -> None:
         raise ValueError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0")
 
 
+def _pool_size(args, loads) -> int:
+    """Distinct prompts enough for the largest load point and the warm-up."""
+    return max(max(args.num_prompts, 2 * (load.concurrency or 0)) for load in loads) + args.warmup
+
+
 def random_pool(args, loads, url: str) -> list[dict]:
     """Distinct random prompts, enough for the largest load point and the warm-up."""
     from . import serve
 
-    n = max(max(args.num_prompts, 2 * (load.concurrency or 0)) for load in loads) + args.warmup
-    return serve.random_requests(serve.served_tokenizer(url, args.tokenizer), n, args.random_input_len,
-                                 args.random_output_len or args.output_len, args.random_range_ratio,
-                                 args.random_prefix_len, args.seed)
+    return serve.random_requests(serve.served_tokenizer(url, args.tokenizer), _pool_size(args, loads),
+                                 args.random_input_len, args.random_output_len or args.output_len,
+                                 args.random_range_ratio, args.random_prefix_len, args.seed)
+
+
+def prefix_repetition_pool(args, loads, url: str) -> list[dict]:
+    """vLLM's prefix_repetition requests, as many as random_pool draws."""
+    from . import serve
+
+    return serve.prefix_repetition_requests(
+        serve.served_tokenizer(url, args.tokenizer), _pool_size(args, loads), args.prefix_repetition_prefix_len,
+        args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+        args.prefix_repetition_output_len or args.output_len, args.seed)
 
 
 def dataset_name(args) -> str:
@@ -276,6 +314,10 @@ def requests_described(args) -> str:
         prefix = f" after a shared random prefix of {args.random_prefix_len}" if args.random_prefix_len else ""
         return (f"random token ids{prefix}: {args.random_input_len}{ratio} prompt tokens, "
                 f"{args.random_output_len or args.output_len}{ratio} max_tokens, sent to /v1/completions")
+    if args.dataset_name == "prefix_repetition":
+        return (f"random token ids: {args.prefix_repetition_num_prefixes} shared prefixes of "
+                f"{args.prefix_repetition_prefix_len} tokens, each request's own {args.prefix_repetition_suffix_len} "
+                f"after, {args.prefix_repetition_output_len or args.output_len} max_tokens, sent to /v1/completions")
     if args.dataset_name == "sharegpt":
         out = f"max_tokens {args.sharegpt_output_len}" if args.sharegpt_output_len \
             else "max_tokens the replies' lengths"
@@ -283,13 +325,14 @@ def requests_described(args) -> str:
     if args.dataset_name == "custom":
         how = "as they are to /v1/completions" if args.skip_chat_template else "through the chat template"
         return f"custom prompts from {args.dataset_path}, {how}, max_tokens {args.output_len} unless the file says"
-    return f"{dataset_name(args)} first turns through the chat template, max_tokens {args.output_len}"
+    source = f" from {args.dataset_path}" if args.dataset_path else ""
+    return f"{dataset_name(args)} first turns{source} through the chat template, max_tokens {args.output_len}"
 
 
 def requests_sent(args) -> str:
     """requests_described, with vLLM's openai backend's plain prompts."""
     text = requests_described(args)
-    if args.backend == "openai-chat" or args.dataset_name == "random":
+    if args.backend == "openai-chat" or args.dataset_name in ("random", "prefix_repetition"):
         return text
     return text.replace("through the chat template", "as plain prompts (no chat template) to /v1/completions") \
         + f" (--backend {args.backend})"

@@ -93,7 +93,7 @@ class Engine:
         if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
             raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
                              "every prompt token (its own cache or the target's features); use it without prefix "
-                             "caching, or prefix caching with ngram or no speculation")
+                             "caching, or prefix caching with ngram, suffix (and their hybrids) or no speculation")
         self.blocks.prefix_caching = self.config.enable_prefix_caching
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
         self._ids = itertools.count()

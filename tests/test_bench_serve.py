@@ -379,6 +379,8 @@ def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys)
     ratios = " / ".join(f"{a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x" for a, b in zip(plain, spec))
     report = (tmp_path / "results.md").read_text()
     assert "## Round by round" in report and f"| c=1 | speculative K=2 | {ratios} (spread " in report
+    # no goodput SLO was given: no goodput ratio, a dash rather than "–x"
+    assert "/ – /" in report and "–x" not in report
 
 
 def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):

@@ -38,6 +38,11 @@ def _x(x, digits=2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _times(x) -> str:
+    """A ratio as "1.23x", "–" where there is none (no goodput SLO, no TPOT)."""
+    return "–" if x is None else f"{x:.2f}x"
+
+
 def summary_table(results: dict) -> str:
     lines = ["| variant | load | done | output tok/s | req/s | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
              "| ITL p50 / p99 ms | E2EL p50 ms | acceptance | tokens per draft step |", "|" + "---|" * 12]
@@ -68,7 +73,7 @@ def comparison_table(results: dict) -> str:
             q = v["points"][i]
             good = (q["request_goodput"] / p["request_goodput"]) if p["request_goodput"] else None
             tpot = (p["tpot"]["median"] / q["tpot"]["median"]) if p["tpot"]["median"] and q["tpot"]["median"] else None
-            cells.append(f"{q['output_throughput'] / p['output_throughput']:.2f}x / {_x(good)}x / {_x(tpot)}x"
+            cells.append(f"{q['output_throughput'] / p['output_throughput']:.2f}x / {_times(good)} / {_times(tpot)}"
                          if p["output_throughput"] else "–")
         lines.append(f"| {_load(p)} | {p['output_throughput']:.1f} | {_ms(p['tpot'], 'median')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

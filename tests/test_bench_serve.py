@@ -173,6 +173,16 @@ def test_prefix_repetition_requests_follow_vllms_shape(tiny_pair):
         serve.prefix_repetition_requests(tok, 4, 0, 0, 2, 3)
 
 
+def test_sampling_follows_vllms_shuffle_and_oversample_flags():
+    pool = [{"n": i} for i in range(5)]
+    shuffled = serve.sample(pool, 12, seed=3)
+    assert len(shuffled) == 12 and shuffled[:5] != pool and sorted(x["n"] for x in shuffled[:5]) == list(range(5))
+    assert shuffled[5:10] == shuffled[:5]                                       # repeated as needed
+    assert serve.sample(pool, 7, seed=3, shuffle=False) == pool + pool[:2]      # --disable-shuffle
+    assert serve.sample(pool, 12, seed=3, oversample=False) == shuffled[:5]     # --no-oversample: each once
+    assert serve.sample(pool, 3, seed=3, shuffle=False, oversample=False) == pool[:3]
+
+
 def test_spec_bench_questions_from_a_file(tmp_path):
     """--dataset-name spec_bench --dataset-path: a Spec-Bench question.jsonl of one's own, first
     turns, a category filter; a malformed file is one clear error naming the flag."""
@@ -265,6 +275,8 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
                                   "--prefix-repetition-output-len", "4"],
             "spec_bench-file": ["--dataset-name", "spec_bench", "--dataset-path", str(questions),
                                 "--spec-bench-output-len", "5"],
+            "custom-once": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--no-oversample",
+                            "--disable-shuffle"],
             "custom": ["--dataset-name", "custom", "--dataset-path", str(prompts)],
             "custom-raw": ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"],
             "sharegpt": ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--sharegpt-output-len", "4"]}
@@ -277,6 +289,10 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
             assert rc == 0, name
             results = json.loads((out / "results.json").read_text())
             (point,) = results["variants"][0]["points"]
+            if name == "custom-once":   # the file's two prompts, once each, in its order: 6 then 3 tokens
+                assert point["completed"] == point["num_prompts"] == 2 and point["total_output_tokens"] == 6 + 3
+                assert results["settings"]["shuffled"] is False and results["settings"]["oversampled"] is False
+                continue
             assert point["completed"] == point["num_prompts"] == 4 and point["failed"] == 0
             if name == "random":
                 assert point["total_input_tokens"] == 4 * 24 and point["total_output_tokens"] == 4 * 5

@@ -297,10 +297,15 @@ def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
     return keep
 
 
-def sample(pool: list[dict], num: int, seed: int) -> list[dict]:
-    """num requests from the pool: a seeded shuffle, repeated as needed (categories interleave)."""
+def sample(pool: list[dict], num: int, seed: int, shuffle: bool = True, oversample: bool = True) -> list[dict]:
+    """num requests from the pool: a seeded shuffle (categories interleave; the pool's order with
+    shuffle False), repeated as needed, or at most the pool once with oversample False (vLLM's
+    --disable-shuffle and --no-oversample)."""
     order = list(pool)
-    random.Random(seed).shuffle(order)
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    if not oversample:
+        num = min(num, len(order))
     return [order[i % len(order)] for i in range(num)]
 
 
@@ -629,8 +634,11 @@ def warm_up(base_url: str, pool: list[dict], args) -> None:
 
 
 def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
-    """The requests of a load point: --num-prompts (at least twice its concurrency)."""
-    return sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed)
+    """The requests of a load point: --num-prompts (at least twice its concurrency; no more than the
+    dataset's prompts with --no-oversample), shuffled unless --disable-shuffle."""
+    return sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed,
+                  shuffle=not getattr(args, "disable_shuffle", False),
+                  oversample=not getattr(args, "no_oversample", False))
 
 
 @dataclass

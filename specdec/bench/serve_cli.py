@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           'custom: a JSON Lines file, one {"prompt": ...} a line (optional '
                                           '"output_tokens"), sent through the chat template; sharegpt: a ShareGPT '
                                           'JSON file (a list of {"conversations": [...]})')
+    p.add_argument("--disable-shuffle", action="store_true",
+                   help="send the dataset's prompts in its own order (default: a seeded shuffle)")
+    p.add_argument("--no-oversample", action="store_true",
+                   help="send each prompt at most once a load point, fewer than --num-prompts if the dataset is "
+                        "smaller (default: repeat the prompts up to --num-prompts)")
     p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
                    help="prefix_repetition: tokens of each shared prefix (default 256)")
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
@@ -364,7 +369,8 @@ def run(args, argv: list[str]) -> int:
                             "burstiness": args.burstiness, "client": args.client,
                             "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": dataset_name(args), "requests": requests_sent(args),
-                            "backend": args.backend},
+                            "backend": args.backend, "shuffled": not args.disable_shuffle,
+                            "oversampled": not args.no_oversample},
                "variants": []}
     if args.base_url:
         url = args.base_url.rstrip("/")

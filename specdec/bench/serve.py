@@ -234,15 +234,20 @@ def _plain_ids(tokenizer) -> np.ndarray:
     return np.setdiff1d(np.arange(tokenizer.vocab_size), np.fromiter(special, dtype=np.int64, count=len(special)))
 
 
+def check_prefix_repetition(prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int) -> None:
+    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1:
+        raise ValueError("--prefix-repetition-prefix-len and -suffix-len must be >= 0 (not both 0)")
+    if num_prefixes < 1 or output_len < 1:
+        raise ValueError("--prefix-repetition-num-prefixes and --prefix-repetition-output-len must be >= 1")
+
+
 def prefix_repetition_requests(tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
                                output_len: int, seed: int = 0) -> list[dict]:
     """vLLM's prefix_repetition dataset: num_prefixes random prefixes of prefix_len tokens, each
     followed by random suffixes of suffix_len tokens in num // num_prefixes requests (at least
     one each), in a seeded random order; token ids to /v1/completions, max_tokens output_len.
     Requests that share a prefix are what prefix caching serves from its cache."""
-    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1 or num_prefixes < 1 or output_len < 1:
-        raise ValueError("--prefix-repetition-prefix-len and -suffix-len must be >= 0 (not both 0), "
-                         "--prefix-repetition-num-prefixes and -output-len >= 1")
+    check_prefix_repetition(prefix_len, suffix_len, num_prefixes, output_len)
     allowed, rng = _plain_ids(tokenizer), np.random.default_rng(seed)
     per_prefix = max(1, num // num_prefixes)
     items = []
@@ -637,8 +642,7 @@ def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
     """The requests of a load point: --num-prompts (at least twice its concurrency; no more than the
     dataset's prompts with --no-oversample), shuffled unless --disable-shuffle."""
     return sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed,
-                  shuffle=not getattr(args, "disable_shuffle", False),
-                  oversample=not getattr(args, "no_oversample", False))
+                  shuffle=not args.disable_shuffle, oversample=not args.no_oversample)
 
 
 @dataclass

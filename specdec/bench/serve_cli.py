@@ -263,13 +263,8 @@ def dataset(args, loads):
         _check_random(args)
         return lambda url: random_pool(args, loads, url)
     if args.dataset_name == "prefix_repetition":
-        if args.prefix_repetition_output_len is not None and args.prefix_repetition_output_len < 1:
-            raise ValueError("--prefix-repetition-output-len must be >= 1")
-        if min(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len) < 0 \
-                or args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len < 1 \
-                or args.prefix_repetition_num_prefixes < 1:
-            raise ValueError("--prefix-repetition-prefix-len and -suffix-len must be >= 0 (not both 0), "
-                             "--prefix-repetition-num-prefixes >= 1")
+        serve.check_prefix_repetition(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                      args.prefix_repetition_num_prefixes, _prefix_repetition_output_len(args))
         return lambda url: prefix_repetition_pool(args, loads, url)
     return serve.questions(args.spec_bench_category, args.dataset_path)
 
@@ -296,6 +291,10 @@ def random_pool(args, loads, url: str) -> list[dict]:
                                  args.random_range_ratio, args.random_prefix_len, args.seed)
 
 
+def _prefix_repetition_output_len(args) -> int:
+    return args.output_len if args.prefix_repetition_output_len is None else args.prefix_repetition_output_len
+
+
 def prefix_repetition_pool(args, loads, url: str) -> list[dict]:
     """vLLM's prefix_repetition requests, as many as random_pool draws."""
     from . import serve
@@ -303,7 +302,7 @@ def prefix_repetition_pool(args, loads, url: str) -> list[dict]:
     return serve.prefix_repetition_requests(
         serve.served_tokenizer(url, args.tokenizer), _pool_size(args, loads), args.prefix_repetition_prefix_len,
         args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
-        args.prefix_repetition_output_len or args.output_len, args.seed)
+        _prefix_repetition_output_len(args), args.seed)
 
 
 def dataset_name(args) -> str:
@@ -322,7 +321,7 @@ def requests_described(args) -> str:
     if args.dataset_name == "prefix_repetition":
         return (f"random token ids: {args.prefix_repetition_num_prefixes} shared prefixes of "
                 f"{args.prefix_repetition_prefix_len} tokens, each request's own {args.prefix_repetition_suffix_len} "
-                f"after, {args.prefix_repetition_output_len or args.output_len} max_tokens, sent to /v1/completions")
+                f"after, {_prefix_repetition_output_len(args)} max_tokens, sent to /v1/completions")
     if args.dataset_name == "sharegpt":
         out = f"max_tokens {args.sharegpt_output_len}" if args.sharegpt_output_len \
             else "max_tokens the replies' lengths"

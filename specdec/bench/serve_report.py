@@ -40,7 +40,7 @@ def _x(x, digits=2) -> str:
 
 def _times(x) -> str:
     """A ratio as "1.23x", "–" where there is none (no goodput SLO, no TPOT)."""
-    return "–" if x is None else f"{x:.2f}x"
+    return _x(x) + ("" if x is None else "x")
 
 
 def summary_table(results: dict) -> str:

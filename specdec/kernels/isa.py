@@ -60,25 +60,25 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo(key: str) -> str | None:
+    """The first processor's /proc/cpuinfo value for key, None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key:
+                return value.strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where it has none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def _cpu_fingerprint() -> str:

@@ -164,6 +164,28 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (vLLM's --enable-lora and its limits).
+
+    max_loras: adapters a single step may run at once (each holds a slot of weights beside
+        the model's matrices); requests for further adapters wait until a slot frees.
+    max_lora_rank: the largest rank an adapter may have (slots are sized by it).
+    max_cpu_loras: adapters kept loaded in memory once no request uses them (default: max_loras).
+    """
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1", v)
+        v = self.max_cpu_loras
+        _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= self.max_loras),
+               "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras})", v)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """How many requests run at once and what they may use (vLLM's engine arguments).
 

@@ -26,9 +26,10 @@ import torch
 
 from .adaptive import SpeculationPolicy
 from .goodput import Outcome, SeqInfo, StepCosts
-from .config import SamplingParams, SchedulerConfig
+from .config import LoRAConfig, SamplingParams, SchedulerConfig
 from .detokenize import Detokenizer
 from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
+from .lora import LoRAManager, LoRARequest
 from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
@@ -62,7 +63,8 @@ class Engine:
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
                  logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None,
-                 kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20):
+                 kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20,
+                 lora_config: LoRAConfig | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
@@ -95,7 +97,10 @@ class Engine:
                              "every prompt token (its own cache or the target's features); use it without prefix "
                              "caching, or prefix caching with ngram, suffix (and their hybrids) or no speculation")
         self.blocks.prefix_caching = self.config.enable_prefix_caching
-        self.scheduler = Scheduler(self.config, self.blocks, self._lookahead)
+        # LoRA adapters beside the target's matrices (vLLM's --enable-lora), or None
+        self.lora = LoRAManager(target, lora_config) if lora_config is not None else None
+        self.scheduler = Scheduler(self.config, self.blocks, self._lookahead,
+                                   lora_config.max_loras if lora_config is not None else None)
         self._ids = itertools.count()
         # what the last step did, and running totals: read by the server's metrics
         self.num_preemptions = 0
@@ -162,20 +167,32 @@ class Engine:
         return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
-                    request_id: str | None = None, stream: bool = False, priority: int = 0) -> Request:
+                    request_id: str | None = None, stream: bool = False, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free
-        (priority: under scheduling_policy="priority", lower joins first)."""
+        (priority: under scheduling_policy="priority", lower joins first; lora_request: the
+        LoRA adapter it runs with)."""
         self.check_priority(priority)
         self.check_prompt(prompt, params)
+        adapter = self.check_lora(lora_request)
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
                              self.controls(prompt, params))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
-                      stream=stream, priority=priority)
+                      stream=stream, priority=priority, lora=adapter)
         self.scheduler.add(req)
         return req
+
+    def check_lora(self, lora_request: LoRARequest | None):
+        """The adapter a request names, loaded (None for none); a ValueError says what is wrong."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} requested, but LoRA "
+                             f"is not enabled (LLM(enable_lora=True), specdec serve --enable-lora)")
+        return self.lora.check(lora_request)
 
     def check_priority(self, priority) -> None:
         """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
@@ -216,10 +233,11 @@ class Engine:
         """Fraction of the KV pool's blocks held by requests."""
         return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
 
-    def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0) -> Iterator[StepEvent]:
+    def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
+                 lora_request: LoRARequest | None = None) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats. Stepping
         advances every request in the engine: other requests' events wait in their own queues."""
-        req = self.add_request(prompt, params, seed_offset, stream=True)
+        req = self.add_request(prompt, params, seed_offset, stream=True, lora_request=lora_request)
         try:
             while True:
                 while not req.events:
@@ -354,7 +372,7 @@ class Engine:
                 row += n
             tokens += r.seq[start:start + n]
         starts = [r.num_cached for r in plan.decode] + [start for _, start, _ in plan.chunks]
-        batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits)
+        batch = ForwardBatch.build(self.kv, ids, counts, starts, trees, logits, self._lora_slots(plan))
         if self.before_forward is not None:
             self.before_forward()
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
@@ -364,6 +382,17 @@ class Engine:
         # of which the drafted rows' (each decoding entry's rows after its first)
         drafted = sum(n * st + n * (n + 1) // 2 - (st + 1) for n, st in zip(counts, starts[:len(plan.decode)]))
         return out, offsets, len(tokens), (attention, drafted), scored
+
+    def _lora_slots(self, plan) -> list[int] | None:
+        """Each entry's LoRA slot (-1: none), in the forward's order; None when none has one."""
+        if self.lora is None:
+            return None
+        reqs = [*plan.decode, *(r for r, _, _ in plan.chunks)]
+        adapters = [r.lora for r in reqs if r.lora is not None]
+        if not adapters:
+            return None
+        slot_of = self.lora.activate(adapters)
+        return [-1 if r.lora is None else slot_of[r.lora.id] for r in reqs]
 
     def _score_prompts(self, scored, logits) -> None:
         """Prompt logprobs (raw log-softmax of the target, as vLLM reports them) of the positions

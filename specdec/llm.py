@@ -11,11 +11,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .config import MTP_METHODS, SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .config import MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
 from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
 from .engine import Engine, StepEvent
 from .logprobs import TokenLogprob
+from .lora import LoRARequest
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
@@ -108,8 +109,13 @@ class LLM:
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
                  enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
-                 hf_overrides: dict | None = None, disable_sliding_window: bool = False):
+                 hf_overrides: dict | None = None, disable_sliding_window: bool = False,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        if lora is not None and parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization, block_size, enable_prefix_caching, scheduling_policy)
@@ -151,7 +157,7 @@ class LLM:
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
                              logprobs_mode=logprobs_mode,
                              disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
-                             kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs)
+                             kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs, lora_config=lora)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
@@ -249,7 +255,7 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"}) or a list of them;
         one RequestOutput per conversation, its `prompt` the rendered template. tools: OpenAI's
         tool list for the template (constrain a call with structured_outputs; the server's
@@ -259,19 +265,23 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0) -> Iterator[StepEvent]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0,
+               lora_request=None) -> Iterator[StepEvent]:
         """Yield a StepEvent per decoding step (new tokens and text) for one completion."""
         params = self._params(sampling_params)
         _, ids = self._prompt_ids(prompt)
         self._counter += 1
-        return self.engine.generate(ids, params, seed_offset=index)
+        return self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order.
         priority: one per prompt, under scheduling_policy="priority" (lower first; vLLM's).
+        lora_request: the LoRA adapter (LLM(enable_lora=True)) of every prompt, or one per prompt
+        (None: the base model), as vLLM's.
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         single = isinstance(prompts, (str, dict))
@@ -285,20 +295,27 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must be one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        jobs = []     # (request id, text, ids, params, priority) per prompt, all checked before any runs
-        for prompt, params, prio in zip(prompts, plist, priorities):
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError("lora_request must be one LoRARequest, or one (or None) per prompt")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
+        jobs = []     # (request id, text, ids, params, priority, lora) per prompt, all checked before any runs
+        for prompt, params, prio, lora in zip(prompts, plist, priorities, loras):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
             self.engine.check_priority(prio)
             self.engine.check_prompt(ids, params)
-            jobs.append((str(self._counter), text, ids, params, prio))
+            self.engine.check_lora(lora)
+            jobs.append((str(self._counter), text, ids, params, prio, lora))
             self._counter += 1
         reqs, logprobs, bar = {}, {}, None
         try:
-            for rid, _, ids, params, prio in jobs:
+            for rid, _, ids, params, prio, lora in jobs:
                 for i in range(params.best_of or params.n):
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
-                                                             priority=prio)
+                                                             priority=prio, lora_request=lora)
             bar = _Progress(use_tqdm, jobs, reqs) if use_tqdm else None
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
@@ -312,7 +329,7 @@ class LLM:
                     self.engine.abort(r.request_id)
             if bar is not None:
                 bar.close()
-        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _ in jobs]
+        return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _, _ in jobs]
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
@@ -344,7 +361,7 @@ class _Progress:
         self.bar = use_tqdm(total=len(jobs), desc="Processed prompts", dynamic_ncols=True,
                             postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         self.pending = [(ids, [reqs[(rid, i)] for i in range(params.best_of or params.n)])
-                        for rid, _, ids, params, _ in jobs]
+                        for rid, _, ids, params, _, _ in jobs]
         self.prompt_tokens = self.output_tokens = 0
         self.start = time.perf_counter()
 

@@ -67,6 +67,7 @@ class Request:
     # params.prompt_logprobs: each prompt token's (None for the first), filled as chunks are prefilled
     prompt_logprobs: list | None = None
     prompt_logprobs_next: int = 1       # the first prompt position not yet scored
+    lora: object | None = None          # its LoRA adapter (specdec/lora: LoRAAdapter), or None
 
     def __post_init__(self):
         self.seq = list(self.prompt)
@@ -102,8 +103,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: Callable[[int], int]):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: Callable[[int], int],
+                 max_loras: int | None = None):
+        """max_loras: the most distinct LoRA adapters running requests may use (None: no LoRA)."""
         self.config, self.blocks, self.lookahead = config, blocks, lookahead
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_priority = config.scheduling_policy == "priority"
@@ -144,16 +148,27 @@ class Scheduler:
                         continue
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
-        while (self.waiting and not plan.preempted and budget > 0
-               and len(self.running) < self.config.max_num_seqs
-               and self._admit(self.waiting[0], budget + 1 if windowed else None)):
-            r = self.waiting.popleft()
+        while self.waiting and not plan.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            r = self._next_seatable()
+            if r is None or not self._admit(r, budget + 1 if windowed else None):
+                break
+            self.waiting.remove(r)
             plan.admitted.append(r)
             n = min(len(r.seq) - 1 - r.num_cached, budget)
             if n > 0:
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
         return plan
+
+    def _next_seatable(self) -> Request | None:
+        """The first waiting request whose LoRA adapter (if any) can run now: one the running
+        requests use, or a new one while fewer than max_loras are in use (vLLM skips the others
+        and keeps their places)."""
+        if self.max_loras is None:
+            return self.waiting[0]
+        in_use = {r.lora.id for r in self.running if r.lora is not None}
+        return next((r for r in self.waiting
+                     if r.lora is None or r.lora.id in in_use or len(in_use) < self.max_loras), None)
 
     def _reserve(self, r: Request, num_slots: int, plan: StepPlan, spare: frozenset = frozenset()) -> bool:
         """Blocks for r's step, preempting the newest (or least urgent) running requests outside
@@ -175,7 +190,8 @@ class Scheduler:
         cache when it holds them."""
         # prompt logprobs need every prompt token's forward: no prefix-cache hits then
         wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
-        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead)
+        root = b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.path}".encode()
+        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, root)
         if cached is None:
             return False
         r.status, r.num_cached = RUNNING, cached

@@ -26,6 +26,10 @@ class _Mat(ctypes.Structure):
     _fields_ = [("w", c_void_p), ("fmt", c_int)]
 
 
+class _LoraMat(ctypes.Structure):
+    _fields_ = [("a", c_void_p), ("bt", c_void_p), ("nseg", c_int), ("seg", c_int * 3)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), *[(n, _Mat) for n in ("qkv", "o", "gate_up", "down")],
                 *[(n, c_void_p) for n in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")],
@@ -36,7 +40,7 @@ class _Layer(ctypes.Structure):
                 ("score_bias", c_void_p), ("group_by_max", c_int),
                 *[(n, c_void_p) for n in ("sinks", "o_bias", "router_bias", "expert_bias")], ("moe_act", c_int),
                 ("q_a", _Mat), ("kv_a", _Mat), *[(n, c_void_p) for n in ("q_a_norm", "kv_a_norm", "uk", "uv")],
-                ("mla_bf16", c_int), ("e_norm", c_void_p), ("norm_before_residual", c_int)]
+                ("mla_bf16", c_int), ("e_norm", c_void_p), ("norm_before_residual", c_int), ("lora", _LoraMat * 4)]
 
 
 class _Model(ctypes.Structure):
@@ -49,7 +53,7 @@ class _Model(ctypes.Structure):
                 ("inv_freq_local", c_void_p), ("layers", POINTER(_Layer)), ("block_table", c_void_p),
                 ("qk_full", c_int), ("rot_dim", c_int), ("swiglu_alpha", c_float), ("swiglu_limit", c_float),
                 *[(n, c_int) for n in ("mla_latent", "mla_nope", "mla_rope", "mla_v", "q_lora")], ("mla_eps", c_float),
-                ("two_inputs", c_int)]
+                ("two_inputs", c_int), ("lora_rank", c_int), ("lora_ranks", c_void_p)]
 
 ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}       # forward.h: ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI
 
@@ -61,7 +65,7 @@ class _Fuse(ctypes.Structure):
 
 class _Batch(ctypes.Structure):
     _fields_ = [("n_seqs", c_int), *[(n, c_void_p) for n in ("cu_seqlens", "start", "rows", "mask_from",
-                                                             "mask_offset", "masks", "pos")]]
+                                                             "mask_offset", "masks", "pos", "lora")]]
 
 
 def declare(lib) -> None:
@@ -281,7 +285,22 @@ class CView:
                              *((cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim,
                                 cfg.q_lora_rank or 0, LATENT_NORM_EPS) if cfg.kv_lora_rank and weights else ()))
         self.struct.two_inputs = two_inputs
+        if weights and getattr(model, "lora", None) is not None:    # heads have none
+            self._lora(model.lora)
         self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def _lora(self, stack) -> None:
+        """The LoRA stack's slots (specdec/lora) beside each layer's matrices: forward.h's LoraMat."""
+        from ..lora.adapter import KINDS
+
+        self._keep.append(stack.ranks)
+        self.struct.lora_rank, self.struct.lora_ranks = stack.max_rank, stack.ranks.data_ptr()
+        for i, mats in enumerate(stack.mats[:len(self.layers)]):
+            for c, kind in enumerate(KINDS):
+                m = mats[kind]
+                self._keep += [m.a, m.bt]
+                self.layers[i].lora[c] = _LoraMat(m.a.data_ptr(), m.bt.data_ptr(), len(m.segs),
+                                                  (c_int * 3)(*m.segs, *[0] * (3 - len(m.segs))))
 
     def _fp32(self, t: torch.Tensor | None):
         """A pointer to an fp32 contiguous copy of t (kept), or None."""
@@ -318,7 +337,8 @@ class CAttention:
 
 def _batch_struct(batch) -> _Batch:
     return _Batch(len(batch.seqs), _ptr(batch.cu_seqlens), _ptr(batch.start_slots), _ptr(batch.rows),
-                  _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks), _ptr(batch.positions))
+                  _ptr(batch.mask_from), _ptr(batch.mask_offsets), _ptr(batch.masks), _ptr(batch.positions),
+                  _ptr(batch.lora))
 
 
 def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits: bool,

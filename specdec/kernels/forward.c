@@ -154,6 +154,7 @@ typedef struct {
      * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
     float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
     float *e;                             /* [N, D]: EAGLE-3's token embeddings (two_inputs) */
+    float *lora_t;                        /* [N, 3 lora_rank]: LoRA's A x per token (lora_for) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -180,27 +181,75 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     if (m->q_lora > qwide) qwide = m->q_lora;
     int C = m->mla_latent, P = m->mla_nope, R = m->mla_rope, V = m->mla_v;
     long mla_in = C ? (P > C ? P : C) : 0, mla_out = C ? (V > C ? V : C) : 0;
-    long sizes[27] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
+    long sizes[28] = {4L * N * D, 4L * N * wide, 4L * N * nqkv, 4L * N * wide, 8L * N * m->hidden,
                       4L * threads * attn_scratch(max_span), quant_act_bytes(N, qwide),
                       (long)sizeof(TokenOf) * N, 4L * N * m->head_dim, m->inv_freq_local ? 4L * N * m->head_dim : 0,
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
                       E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
                       C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
-                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0};
-    void **at[27] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
+                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * N * m->lora_rank};
+    void **at[28] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
                      (void **)&w->moe_act, (void **)&w->moe_y, (void **)&w->moe_sum, (void **)&w->moe_sel,
                      (void **)&w->moe_rows, (void **)&w->moe_slot, (void **)&w->moe_off,
                      (void **)&w->mla_q, (void **)&w->mla_kv, (void **)&w->mla_lora, (void **)&w->mla_in,
-                     (void **)&w->mla_out, (void **)&w->e};
+                     (void **)&w->mla_out, (void **)&w->e, (void **)&w->lora_t};
     long off = 0;
-    for (int i = 0; i < 27; i++) {
+    for (int i = 0; i < 28; i++) {
         if (ws) *at[i] = ws + off;
         off += round_up(sizes[i]);
     }
     w->max_span = max_span;
     return off;
+}
+
+/* a . b over K floats in 16 partial sums (vectorised without reassociating; the same sum for
+ * a token whatever the batch) */
+static float dot16(const float *a, const float *b, int K) {
+    float acc[16] = {0};
+    int k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int i = 0; i < 16; i++) acc[i] += a[k + i] * b[k + i];
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += acc[i];
+    for (; k < K; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* out [M, N] += each token's LoRA product B (A x) (forward.h: LoraMat) for the M tokens whose
+ * sequence has an adapter slot, by the team: first t = A x per (token, rank row), then the
+ * outputs in chunks of 64 per token. Nothing without adapters in the batch. */
+static void lora_for(const Model *m, const Layer *L, int kind, const Batch *b, const Work *w, const float *x,
+                     float *out, int M, int N, int K) {
+    const LoraMat *l = &L->lora[kind];
+    if (b->lora == NULL || l->a == NULL) return;
+    const int R = m->lora_rank, SR = l->nseg * R, chunks = (N + 63) / 64;
+    float *t = w->lora_t;
+    #pragma omp for schedule(static)
+    for (long i = 0; i < (long)M * SR; i++) {
+        int n = (int)(i / SR), jr = (int)(i % SR), s = b->lora[w->who[n].seq];
+        t[i] = s < 0 || jr % R >= m->lora_ranks[4 * s + kind] ? 0.0f
+             : dot16(l->a + ((long)s * SR + jr) * K, x + (long)n * K, K);
+    }
+    #pragma omp for schedule(static)
+    for (long i = 0; i < (long)M * chunks; i++) {
+        int n = (int)(i / chunks), c0 = (int)(i % chunks) * 64, c1 = c0 + 64 < N ? c0 + 64 : N;
+        int s = b->lora[w->who[n].seq];
+        if (s < 0) continue;
+        int rank = m->lora_ranks[4 * s + kind];
+        float *o = out + (long)n * N;
+        for (int j = 0, off = 0; j < l->nseg; off += l->seg[j], j++) {
+            int lo = c0 > off ? c0 : off, hi = c1 < off + l->seg[j] ? c1 : off + l->seg[j];
+            if (lo >= hi) continue;
+            const float *bt = l->bt + (long)s * R * N + (long)R * off;   /* segment j's [R, seg[j]] */
+            const float *tn = t + (long)n * SR + (long)j * R;
+            for (int r = 0; r < rank; r++) {
+                const float *br = bt + (long)r * l->seg[j] - off, tv = tn[r];
+                for (int c = lo; c < hi; c++) o[c] += tv * br[c];
+            }
+        }
+    }
 }
 
 /* x += h, or x += h * scale (Granite's residual multiplier), row by row across the team. */
@@ -446,6 +495,7 @@ static void gqa_for(const Model *m, const Layer *L, const Batch *b, Work *w, int
     int nq = H * hd, nkv = KV * hd, nqkv = nq + 2 * nkv;
     float *buf = w->buf, *qkv = w->qkv, *att = w->att;
     linear_for(&L->qkv, buf, L->qkv_bias, qkv, N, nqkv, L->e_norm ? 2 * D : D, w->qs);
+    lora_for(m, L, LORA_QKV, b, w, buf, qkv, N, nqkv, D);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = qkv + (long)n * nqkv;
@@ -469,6 +519,7 @@ static void gqa_for(const Model *m, const Layer *L, const Batch *b, Work *w, int
     }
     attention_for(m, L, b, buf, att, w->scores, w->max_span);
     linear_for(&L->o, att, L->o_bias, buf, N, D, nq, w->qs);
+    lora_for(m, L, LORA_O, b, w, att, buf, N, D, nq);
 }
 
 static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, int N) {
@@ -497,6 +548,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         return;
     }
     linear_for(&L->gate_up, buf, NULL, ff, N, 2 * F, D, w->qs);
+    lora_for(m, L, LORA_GATE_UP, b, w, buf, ff, N, 2 * F, D);
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *g = ff + (long)n * 2 * F, *u = g + F;
@@ -504,6 +556,7 @@ static void layer_for(const Model *m, const Layer *L, const Batch *b, Work *w, i
         gate_mul(g, u, o, F, m->act, m->swiglu_alpha, m->swiglu_limit);
     }
     linear_for(&L->down, att, NULL, buf, N, D, F, w->qs);
+    lora_for(m, L, LORA_DOWN, b, w, att, buf, N, D, F);
     if (L->ffn_out_norm) rms_norm_for(buf, buf, L->ffn_out_norm, N, D, m->eps);     /* Gemma 2 / 3 */
     residual_add(x, buf, N, D, m->residual_scale);
 }

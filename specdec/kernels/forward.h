@@ -12,6 +12,19 @@
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
 
+/* A LoRA adapter's product beside one of a layer's matrices (specdec/lora: LoRAStack), for the
+ * tokens whose sequence has an adapter slot s >= 0 (Batch.lora): out += B (A x). The matrix's
+ * outputs are nseg segments of widths seg[j] (qkv: q, k, v; gate_up: gate, up; else one), each
+ * with its own A [R, K] and B [seg[j], R] (R: Model.lora_rank, the most any slot holds). Per slot,
+ * a holds [nseg, R, K]; bt holds the segments' B^T one after another ([R, seg[j]] each, R * N in
+ * all), scaled by the adapter's alpha / r. Slot s's rank for matrix kind c (LORA_QKV ..) is
+ * Model.lora_ranks[4 s + c]: its rows beyond are zero and skipped. a == NULL: no adapter here. */
+enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 };
+typedef struct {
+    const float *a, *bt;
+    int nseg, seg[3];
+} LoraMat;
+
 typedef struct {
     const float *in_norm, *post_norm;     /* [D] fp32: before the attention and the MLP (NULL: none, OLMo 2) */
     Mat qkv, o, gate_up, down;            /* packed panels (kernels.h) */
@@ -68,6 +81,7 @@ typedef struct {
      * norm_before_residual */
     const float *e_norm;
     int norm_before_residual;
+    LoraMat lora[4];                      /* by LORA_QKV .. LORA_DOWN; a == NULL: none */
 } Layer;
 
 typedef struct {
@@ -96,6 +110,8 @@ typedef struct {
     int mla_latent, mla_nope, mla_rope, mla_v, q_lora;
     float mla_eps;
     int two_inputs;                       /* EAGLE-3's head: input rows [h ; e] (2 D) instead of D wide */
+    int lora_rank;                        /* LoraMat's R (0: no adapters) */
+    const int32_t *lora_ranks;            /* [slots, 4] each slot's rank per matrix kind */
 } Model;
 
 /* Sequence b feeds tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 into its slots start[b] ..;
@@ -110,6 +126,7 @@ typedef struct {
     const int64_t *mask_offset;
     const uint8_t *masks;
     const int64_t *pos;                   /* [N] each token's position (a sliding window counts from it) */
+    const int32_t *lora;                  /* [n_seqs] each sequence's LoRA slot (-1: none), or NULL */
 } Batch;
 
 /* How a drafter's chain step (forward.c: eagle_chain) turns the state h [D] it carries and the

@@ -75,6 +75,7 @@ class ForwardBatch:
     mask_offsets: Tensor             # [B] int64 offset of each tree mask in `masks`, -1 = causal
     masks: Tensor | None             # [sum over trees of T * (past + T)] uint8
     logits_indices: Tensor | None    # [R] int64 rows that need logits; None = every row
+    lora: Tensor | None = None       # [B] int32 each sequence's LoRA slot (-1: none); None: no adapter
 
     @property
     def num_tokens(self) -> int:
@@ -83,9 +84,10 @@ class ForwardBatch:
     @classmethod
     def build(cls, kv, seqs: Sequence[Hashable], counts: Sequence[int], starts: Sequence[int] | None = None,
               trees: Sequence[TreeAttention | None] | None = None,
-              logits: Sequence[int] | None = None) -> "ForwardBatch":
+              logits: Sequence[int] | None = None, lora: Sequence[int] | None = None) -> "ForwardBatch":
         """seqs/counts/starts as above (starts default to the cache's lengths); trees per
-        sequence or None; logits: per sequence how many of its LAST rows need logits, None = all."""
+        sequence or None; logits: per sequence how many of its LAST rows need logits, None = all;
+        lora: per sequence its LoRA adapter's slot (-1: none), None = no adapter."""
         B = len(seqs)
         starts = [kv.length(s) for s in seqs] if starts is None else list(starts)
         trees = [None] * B if trees is None else list(trees)
@@ -114,7 +116,8 @@ class ForwardBatch:
         cu_t, starts_t, rows_t, from_t = meta[:B + 1], meta[B + 1:2 * B + 1], meta[2 * B + 1:3 * B + 1], meta[3 * B + 1:]
         return cls(tuple(seqs), tuple(counts), tuple(starts), tuple(trees), torch.tensor(positions, dtype=torch.long),
                    cu_t, starts_t, rows_t, from_t, torch.tensor(offsets, dtype=torch.long),
-                   torch.cat(masks) if masks else None, idx)
+                   torch.cat(masks) if masks else None, idx,
+                   None if lora is None else torch.tensor(lora, dtype=torch.int32))
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class _SeqBlocks:
     lengths: list[int] = field(default_factory=list)   # one per registered cache
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks
     released: int = 0          # its first blocks given back behind a sliding window (`trim`)
+    root: bytes = b""          # the parent of its first block's hash (a LoRA adapter's key: admit)
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -165,9 +166,10 @@ class BlockManager:
         self._refs[b] = 1
         return b
 
-    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """The registered blocks that hold the longest run of tokens' full blocks from the start."""
-        found, parent, bs = [], b"", self.block_size
+    def cached_prefix(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
+        """The registered blocks that hold the longest run of tokens' full blocks from the start
+        (root: what else the keys and values depend on, a LoRA adapter: part of every hash)."""
+        found, parent, bs = [], root, self.block_size
         for i in range(len(tokens) // bs):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             b = self._by_hash.get(parent)
@@ -176,13 +178,15 @@ class BlockManager:
             found.append(b)
         return found
 
-    def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int, ahead: int | None = None) -> int | None:
+    def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int, ahead: int | None = None,
+              root: bytes = b"") -> int | None:
         """Add seq with room for num_slots slots, its first blocks taken from the prefix cache
         when tokens (what its cache may hold: the prompt but its last token) start with
         registered blocks. Returns how many leading tokens it found cached, or None (nothing
         changed) when the pool lacks the blocks. ahead: room only for that many slots past the
-        cached ones (at most num_slots), the rest allocated as it is written (sliding windows)."""
-        hit = self.cached_prefix(tokens) if self.prefix_caching else []
+        cached ones (at most num_slots), the rest allocated as it is written (sliding windows).
+        root: the key of what else the cache depends on (cached_prefix), kept for register."""
+        hit = self.cached_prefix(tokens, root) if self.prefix_caching else []
         if ahead is not None:
             num_slots = min(num_slots, len(hit) * self.block_size + ahead)
         idle = sum(1 for b in hit if self._refs[b] == 0)
@@ -190,6 +194,7 @@ class BlockManager:
             return None
         self.add(seq)
         s = self._seqs[seq]
+        s.root = root
         for b in hit:
             if self._refs[b] == 0:
                 del self._idle[b]
@@ -213,7 +218,7 @@ class BlockManager:
             return
         s, bs = self._seqs[seq], self.block_size
         for i in range(len(s.hashes), min(num_written // bs, len(s.blocks))):
-            h = chain_hash(s.hashes[-1] if s.hashes else b"", tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(s.hashes[-1] if s.hashes else s.root, tokens[i * bs:(i + 1) * bs])
             s.hashes.append(h)
             b = s.blocks[i]
             if i >= s.released and h not in self._by_hash and b not in self._hash_of:

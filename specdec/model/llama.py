@@ -45,6 +45,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias)
         self._packed: Tensor | None = None
         self._packed_key: tuple | None = None
+        self.lora = None        # a LoRA stack's slots beside this matrix (specdec/lora: LoRAMat), or None
 
     def packed(self) -> Tensor:
         w = self.weight
@@ -55,8 +56,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
-            return kernels.linear(x, self.weight, self.bias)
-        return kernels.linear(x, self.weight, self.bias, self.packed())
+            y = kernels.linear(x, self.weight, self.bias)
+        else:
+            y = kernels.linear(x, self.weight, self.bias, self.packed())
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class RMSNorm(nn.Module):
@@ -529,6 +532,18 @@ class Transformer(nn.Module):
         self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
         self.final_norm = True
+        self.lora = None        # LoRA adapters' slots beside the layers' matrices (set_lora), or None
+
+    def set_lora(self, stack) -> None:
+        """Serve LoRA adapters from `stack` (specdec/lora: LoRAStack): each projection gets its
+        slots, and forwards whose batch carries slots (ForwardBatch.lora) add the adapters."""
+        self.lora = stack
+        for layer, mats in zip(self.model.layers, stack.mats):
+            att, mlp = layer.self_attn, layer.mlp
+            for module, kind in ((att.qkv_proj, "qkv"), (att.o_proj, "o"), (mlp.gate_up_proj, "gate_up"),
+                                 (mlp.down_proj, "down")):
+                module.lora = mats[kind]
+        self._c_views.clear()             # the C views read the stack when built
 
     @property
     def dtype(self) -> torch.dtype:
@@ -618,7 +633,14 @@ class Transformer(nn.Module):
         if view is not None:
             out, h = cforward.forward(kernels.load(), view, tokens, embeds, batch, n_layers, logits, hidden)
             return ForwardOutput(out, h)
-        return self._forward_paged(tokens, embeds, kv, batch, n_layers, logits, hidden)
+        if self.lora is None or batch.lora is None:
+            return self._forward_paged(tokens, embeds, kv, batch, n_layers, logits, hidden)
+        counts = torch.tensor(batch.counts)
+        self.lora.token_slots = batch.lora.to(torch.long).repeat_interleave(counts).to(self.device)
+        try:
+            return self._forward_paged(tokens, embeds, kv, batch, n_layers, logits, hidden)
+        finally:
+            self.lora.token_slots = None
 
     def c_view(self, kv: KVCache) -> cforward.CView | None:
         """The C path's view of (this model, kv), built once; None where the C path does not

@@ -140,6 +140,7 @@ class QuantLinear(nn.Module):
         self.prepared = kernels.prepare_quant(qweight, qtype)
         # one copy of the weights: the kernel's panels, or (no kernel here) the file's rows
         self.register_buffer("rows", qweight if self.prepared is None else None, persistent=False)
+        self.lora = None        # a LoRA stack's slots beside this matrix (specdec/lora: LoRAMat), or None
 
     @property
     def qweight(self) -> Tensor:
@@ -168,6 +169,8 @@ class QuantLinear(nn.Module):
         out = kernels.quant_linear(x2d, None, self.qtype, self.bias, self.prepared)
         if out is None:
             out = self.reference(x2d)
+        if self.lora is not None:
+            out = self.lora.add(x2d, out)
         return out.reshape(*lead, self.out_features)
 
     def reference(self, x2d: Tensor) -> Tensor:

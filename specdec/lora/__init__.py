@@ -1,0 +1,177 @@
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA serving, small).
+
+Each request may name an adapter (LoRARequest: a Hugging Face PEFT folder). The model holds
+`max_loras` slots of adapter weights beside its q/k/v/o/gate/up/down matrices (LoRAStack); a
+step's tokens carry their sequence's slot, and every projection adds B (A x) for the tokens of
+sequences that have one: in forward.c (lora_for) on the CPU, in PyTorch (LoRAMat.add) elsewhere.
+Requests with different adapters and without any share a batch. The scheduler keeps at most
+`max_loras` distinct adapters among the running requests; the others wait.
+
+Speculation stays lossless: proposers draft without the adapter (a draft model, EAGLE's head,
+n-grams), the target verifies with it, so the output is the adapted model's. Prefix-cache
+blocks are keyed by the adapter too: the same tokens under another adapter hold other keys and
+values.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ..config import LoRAConfig
+from .adapter import KINDS, LoRAAdapter, load_adapter
+from .request import LoRARequest
+
+__all__ = ["LoRAAdapter", "LoRAConfig", "LoRAManager", "LoRARequest", "LoRAStack"]
+
+
+class LoRAMat:
+    """One projection's slots (forward.h: LoraMat): a [S, nseg, R, K]; bt [S, R N], segment j's
+    B^T [R, seg[j]] at R * (its first output); scales folded into B."""
+
+    def __init__(self, stack: "LoRAStack", segs: tuple[int, ...], k: int):
+        S, R = stack.max_loras, stack.max_rank
+        self.stack, self.segs, self.k = stack, segs, k
+        self.offsets = [sum(segs[:j]) for j in range(len(segs))]
+        self.a = torch.zeros(S, len(segs), R, k)
+        self.bt = torch.zeros(S, R * sum(segs))
+
+    def segment(self, slot: int, j: int) -> Tensor:
+        """Slot's B^T of segment j, [R, seg[j]] (a view)."""
+        R, off, n = self.stack.max_rank, self.offsets[j], self.segs[j]
+        return self.bt[slot, R * off:R * (off + n)].view(R, n)
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """y [N, out] (x [N, in]'s product) plus each token's adapter product, for the PyTorch
+        path (Transformer.forward sets the tokens' slots; none: y unchanged)."""
+        slots = self.stack.token_slots
+        if slots is None or x.dim() != 2 or x.shape[0] != slots.shape[0]:
+            return y
+        for s in slots.unique().tolist():
+            if s < 0:
+                continue
+            idx = (slots == s).nonzero().squeeze(1)
+            xs = x[idx].to(torch.float32)
+            delta = torch.cat([(xs @ self.a[s, j].t()) @ self.segment(s, j) for j in range(len(self.segs))], dim=1)
+            y = y.index_add(0, idx, delta.to(y.dtype))
+        return y
+
+
+class LoRAStack:
+    """`max_loras` slots of adapter weights beside a Transformer's matrices, each layer's
+    mats[layer][kind] (kind: adapter.KINDS), and each slot's rank per kind (ranks [S, 4],
+    forward.h: Model.lora_ranks). token_slots: the PyTorch path's per-token slots during a
+    forward (None: no adapter in it)."""
+
+    def __init__(self, model, max_loras: int, max_rank: int):
+        cfg = model.config
+        H, KV, hd, D, F = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                           cfg.intermediate_size)
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.shapes = {("qkv", 0): (H * hd, D), ("qkv", 1): (KV * hd, D), ("qkv", 2): (KV * hd, D),
+                       ("o", 0): (D, H * hd), ("gate_up", 0): (F, D), ("gate_up", 1): (F, D), ("down", 0): (D, F)}
+        segs = {"qkv": (H * hd, KV * hd, KV * hd), "o": (D,), "gate_up": (F, F), "down": (D,)}
+        ins = {"qkv": D, "o": H * hd, "gate_up": D, "down": F}
+        self.num_layers = len(model.model.layers)
+        self.mats = [{kind: LoRAMat(self, segs[kind], ins[kind]) for kind in KINDS} for _ in range(self.num_layers)]
+        self.ranks = torch.zeros(max_loras, len(KINDS), dtype=torch.int32)
+        self.token_slots: Tensor | None = None
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put adapter's matrices in slot (what was there is zeroed first)."""
+        for layer in self.mats:
+            for m in layer.values():
+                m.a[slot].zero_()
+                m.bt[slot].zero_()
+        self.ranks[slot].zero_()
+        for (i, kind, seg), (a, b) in adapter.mats.items():
+            m, r = self.mats[i][kind], a.shape[0]
+            m.a[slot, seg, :r] = a
+            m.segment(slot, seg)[:r] = b.t()
+            c = KINDS.index(kind)
+            self.ranks[slot, c] = max(int(self.ranks[slot, c]), r)
+
+
+def check_model(model) -> None:
+    """LoRA covers the dense layers of a single-process model: grouped-query attention and a
+    gated MLP (not latent attention, mixtures of experts or a tensor-parallel shard)."""
+    from ..model.mla import MLAttention
+
+    if model.tp_size > 1:
+        raise ValueError("LoRA adapters are not supported with tensor parallelism")
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, MLAttention) or hasattr(layer.mlp, "experts"):
+            raise ValueError("LoRA adapters are supported for dense models (attention and a gated MLP per "
+                             "layer); this one has latent attention or a mixture of experts")
+
+
+class LoRAManager:
+    """Adapters loaded from their folders (kept, least recently used first out, up to
+    max_cpu_loras beyond those requests hold) and the slots of the model's LoRAStack."""
+
+    def __init__(self, model, config: LoRAConfig):
+        check_model(model)
+        self.config = config
+        self.stack = LoRAStack(model, config.max_loras, config.max_lora_rank)
+        model.set_lora(self.stack)
+        self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()      # by lora_int_id
+        self._in_slot: list[LoRAAdapter | None] = [None] * config.max_loras
+        self._slot_used: list[int] = [0] * config.max_loras             # step of last use (LRU)
+        self._steps = 0
+
+    @property
+    def max_loras(self) -> int:
+        return self.config.max_loras
+
+    def check(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter a request names, loaded (once per id): a ValueError names what is wrong."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        found = self._loaded.get(request.lora_int_id)
+        if found is not None:
+            if found.name != request.lora_name or found.path != str(request.lora_path):
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {found.name!r} "
+                                 f"({found.path}); each adapter needs its own id")
+            self._loaded.move_to_end(request.lora_int_id)
+            return found
+        adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
+                               self.config.max_lora_rank)
+        adapter.id = request.lora_int_id
+        self._loaded[request.lora_int_id] = adapter
+        cap = self.config.max_cpu_loras or self.config.max_loras
+        while len(self._loaded) > cap:
+            self._loaded.popitem(last=False)      # requests that hold it keep their reference
+        return adapter
+
+    def remove(self, lora_name: str) -> bool:
+        """Forget the loaded adapter of that name (running requests keep theirs); False: none."""
+        ids = [i for i, a in self._loaded.items() if a.name == lora_name]
+        for i in ids:
+            del self._loaded[i]
+        return bool(ids)
+
+    def loaded(self) -> list[LoRAAdapter]:
+        return list(self._loaded.values())
+
+    def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
+        """Slots for this step's adapters (at most max_loras distinct ones: the scheduler's
+        rule), loading those not in a slot into the least recently used free ones. Returns
+        {lora_int_id: slot}."""
+        self._steps += 1
+        wanted = {a.id: a for a in adapters}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"{len(wanted)} adapters in one step, max_loras is {self.max_loras}")
+        slot_of = {a.id: s for s, a in enumerate(self._in_slot) if a is not None and a.id in wanted}
+        for key, adapter in wanted.items():
+            if key in slot_of:
+                continue
+            free = [s for s in range(self.max_loras) if s not in slot_of.values()]
+            s = min(free, key=lambda s: self._slot_used[s])
+            self.stack.load(s, adapter)
+            self._in_slot[s] = adapter
+            slot_of[key] = s
+        for s in slot_of.values():
+            self._slot_used[s] = self._steps
+        return slot_of

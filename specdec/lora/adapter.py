@@ -1,0 +1,128 @@
+"""Reading a Hugging Face PEFT LoRA folder into per-matrix (A, B) pairs for a specdec model.
+
+PEFT writes adapter_config.json (r, lora_alpha, target_modules, use_rslora, rank_pattern,
+alpha_pattern, ...) and adapter_model.safetensors with keys such as
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
+([out, r]). A targeted projection W then computes W x + s B A x, s = alpha / r (alpha / sqrt(r)
+with rsLoRA). specdec's layers fuse q/k/v into one matrix (qkv) and gate/up into another
+(gate_up): each projection is a segment of the fused matrix's outputs, with its own A and B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# PEFT module name -> (specdec matrix kind, segment)
+TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+KINDS = ("qkv", "o", "gate_up", "down")          # forward.h: LORA_QKV .. LORA_DOWN
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter's matrices: mats[(layer, kind, segment)] = (A [r, in], B [out_segment, r] times
+    the scale), fp32 on the CPU; rank: the largest r of any of them."""
+    name: str
+    path: str
+    rank: int
+    mats: dict
+    id: int = 0                          # the LoRARequest's lora_int_id
+
+    def nbytes(self) -> int:
+        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.mats.values())
+
+
+def _pattern(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the first key matching the end of the module name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _fail(path, why: str):
+    raise ValueError(f"LoRA adapter {path}: {why}")
+
+
+def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max_rank: int) -> LoRAAdapter:
+    """Read the PEFT folder at path. shapes: {(kind, segment): (out, in)} of the model's
+    projections; every problem is one ValueError naming the folder."""
+    root = Path(path)
+    cfg_file = root / "adapter_config.json"
+    if not cfg_file.is_file():
+        _fail(path, "no adapter_config.json there (a Hugging Face PEFT LoRA folder is expected)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(path, f"adapter_config.json is not valid JSON ({e})")
+    if not isinstance(cfg, dict):
+        _fail(path, "adapter_config.json is not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        _fail(path, f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    for flag, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) weights")):
+        if cfg.get(flag):
+            _fail(path, f"{why} is not supported")
+    if cfg.get("bias", "none") not in ("none", None):
+        _fail(path, f"bias={cfg['bias']!r}: adapters that train biases are not supported")
+    if cfg.get("modules_to_save"):
+        _fail(path, f"modules_to_save {cfg['modules_to_save']} (whole modules replaced) is not supported")
+    r0, alpha0 = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    rslora = bool(cfg.get("use_rslora"))
+    weights = _read_weights(root, path)
+    pairs: dict = {}
+    for key, t in weights.items():
+        m = _KEY.search(key)
+        if m is None:
+            what = "lora_" in key and key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
+            _fail(path, f"tensor {key} " + (f"adapts {what}: LoRA applies to {', '.join(TARGETS)} only"
+                                            if what else "is not a LoRA A/B matrix of a decoder layer"))
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in TARGETS:
+            _fail(path, f"tensor {key} adapts {module}: LoRA applies to {', '.join(TARGETS)} only")
+        if layer >= num_layers:
+            _fail(path, f"tensor {key}: the model has {num_layers} layers")
+        pairs.setdefault((layer, module), {})[ab] = t
+    if not pairs:
+        _fail(path, "no LoRA matrices in its weights")
+    mats, rank = {}, 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            _fail(path, f"layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        a, b = ab["A"].to(torch.float32), ab["B"].to(torch.float32)
+        kind, seg = TARGETS[module]
+        out, inp = shapes[(kind, seg)]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
+            _fail(path, f"layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the "
+                        f"model's {out} x {inp} projection")
+        if r > max_rank:
+            _fail(path, f"rank {r} is above max_lora_rank {max_rank} (--max-lora-rank)")
+        full = f"model.layers.{layer}.{'self_attn' if kind in ('qkv', 'o') else 'mlp'}.{module}"
+        r_cfg = _pattern(cfg.get("rank_pattern"), full, r0)
+        alpha = _pattern(cfg.get("alpha_pattern"), full, alpha0)
+        if r_cfg != r:
+            _fail(path, f"layer {layer} {module}: its matrices have rank {r}, the config says {r_cfg}")
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        mats[(layer, kind, seg)] = (a.contiguous(), (b * scale).contiguous())
+        rank = max(rank, r)
+    return LoRAAdapter(name, str(path), rank, mats)
+
+
+def _read_weights(root: Path, path) -> dict:
+    st, pt = root / "adapter_model.safetensors", root / "adapter_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+            return load_file(str(st))
+        if pt.is_file():
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:                  # noqa: BLE001 - any unreadable file is the user's error
+        _fail(path, f"cannot read its weights ({type(e).__name__}: {e})")
+    _fail(path, "no adapter_model.safetensors (or adapter_model.bin) there")

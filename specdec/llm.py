@@ -111,9 +111,9 @@ class LLM:
                  enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  hf_overrides: dict | None = None, disable_sliding_window: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, lora_dtype: str = "auto"):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
-        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
         if lora is not None and parallel.tensor_parallel_size > 1:
             raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,

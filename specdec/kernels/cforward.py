@@ -27,7 +27,7 @@ class _Mat(ctypes.Structure):
 
 
 class _LoraMat(ctypes.Structure):
-    _fields_ = [("a", c_void_p), ("bt", c_void_p), ("nseg", c_int), ("seg", c_int * 3)]
+    _fields_ = [("a", c_void_p), ("bt", c_void_p), ("nseg", c_int), ("seg", c_int * 3), ("bf16", c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -300,7 +300,8 @@ class CView:
                 m = mats[kind]
                 self._keep += [m.a, m.bt]
                 self.layers[i].lora[c] = _LoraMat(m.a.data_ptr(), m.bt.data_ptr(), len(m.segs),
-                                                  (c_int * 3)(*m.segs, *[0] * (3 - len(m.segs))))
+                                                  (c_int * 3)(*m.segs, *[0] * (3 - len(m.segs))),
+                                                  int(m.a.dtype == torch.bfloat16))
 
     def _fp32(self, t: torch.Tensor | None):
         """A pointer to an fp32 contiguous copy of t (kept), or None."""

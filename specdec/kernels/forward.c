@@ -154,7 +154,7 @@ typedef struct {
      * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
     float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
     float *e;                             /* [N, D]: EAGLE-3's token embeddings (two_inputs) */
-    float *lora_t;                        /* [N, 3 lora_rank]: LoRA's A x per token (lora_for) */
+    float *lora_t;                        /* [threads, 3 lora_rank]: LoRA's A x (lora_for) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -187,7 +187,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
                       E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
                       C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
-                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * N * m->lora_rank};
+                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * threads * m->lora_rank};
     void **at[28] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
@@ -204,49 +204,105 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     return off;
 }
 
-/* a . b over K floats in 16 partial sums (vectorised without reassociating; the same sum for
- * a token whatever the batch) */
-static float dot16(const float *a, const float *b, int K) {
-    float acc[16] = {0};
+/* a . b over K floats: four 8-lane FMA chains over 32 floats a round, summed in a fixed order
+ * (a token's sum is the same whatever the batch and the instruction set: every build has AVX2) */
+static float dot_f32(const float *a, const float *b, int K) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int k = 0;
-    for (; k + 16 <= K; k += 16)
-        for (int i = 0; i < 16; i++) acc[i] += a[k + i] * b[k + i];
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += acc[i];
+    for (; k + 32 <= K; k += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+    }
+    __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     for (; k < K; k++) s += a[k] * b[k];
     return s;
 }
 
-/* out [M, N] += each token's LoRA product B (A x) (forward.h: LoraMat) for the M tokens whose
- * sequence has an adapter slot, by the team: first t = A x per (token, rank row), then the
- * outputs in chunks of 64 per token. Nothing without adapters in the batch. */
+/* 8 bf16 values -> 8 floats (exact) */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float bf16_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* dot_f32 with a in bf16 (widened exactly: the same sums as with a's fp32 values) */
+static float dot_bf16(const uint16_t *a, const float *b, int K) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        s0 = _mm256_fmadd_ps(load_bf16x8(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(load_bf16x8(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s2 = _mm256_fmadd_ps(load_bf16x8(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+        s3 = _mm256_fmadd_ps(load_bf16x8(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+    }
+    __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (; k < K; k++) s += bf16_f32(a[k]) * b[k];
+    return s;
+}
+
+/* o[c] += t * b[c] for c in [0, n), b in bf16 */
+static void axpy_bf16(float *o, float t, const uint16_t *b, int n) {
+    const __m256 tv = _mm256_set1_ps(t);
+    int c = 0;
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(tv, load_bf16x8(b + c), _mm256_loadu_ps(o + c)));
+    for (; c < n; c++) o[c] = fmaf(t, bf16_f32(b[c]), o[c]);
+}
+
+/* o[c] += t * b[c] for c in [0, n) */
+static void axpy_f32(float *o, float t, const float *b, int n) {
+    const __m256 tv = _mm256_set1_ps(t);
+    int c = 0;
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + c), _mm256_loadu_ps(o + c)));
+    for (; c < n; c++) o[c] = fmaf(t, b[c], o[c]);
+}
+
+/* out [M, N] += each token's LoRA product B (A x) (forward.h: LoraMat), for the M tokens whose
+ * sequence has an adapter slot, by the team in one pass (one barrier): each (token, part of its
+ * outputs) computes the token's t = A x, then adds t . B^T over its part. With fewer tokens than
+ * threads a token's outputs are split among them (t is then computed once per part: A's share
+ * of the work is small); else each token is one item. A token's sums do not depend on the
+ * split. Nothing without adapters in the batch. */
 static void lora_for(const Model *m, const Layer *L, int kind, const Batch *b, const Work *w, const float *x,
                      float *out, int M, int N, int K) {
     const LoraMat *l = &L->lora[kind];
     if (b->lora == NULL || l->a == NULL) return;
-    const int R = m->lora_rank, SR = l->nseg * R, chunks = (N + 63) / 64;
-    float *t = w->lora_t;
+    const int R = m->lora_rank, SR = l->nseg * R, threads = omp_get_num_threads();
+    const int parts = M >= threads ? 1 : threads, span = (N + parts - 1) / parts;
     #pragma omp for schedule(static)
-    for (long i = 0; i < (long)M * SR; i++) {
-        int n = (int)(i / SR), jr = (int)(i % SR), s = b->lora[w->who[n].seq];
-        t[i] = s < 0 || jr % R >= m->lora_ranks[4 * s + kind] ? 0.0f
-             : dot16(l->a + ((long)s * SR + jr) * K, x + (long)n * K, K);
-    }
-    #pragma omp for schedule(static)
-    for (long i = 0; i < (long)M * chunks; i++) {
-        int n = (int)(i / chunks), c0 = (int)(i % chunks) * 64, c1 = c0 + 64 < N ? c0 + 64 : N;
-        int s = b->lora[w->who[n].seq];
+    for (long i = 0; i < (long)M * parts; i++) {
+        int n = (int)(i / parts), s = b->lora[w->who[n].seq];
         if (s < 0) continue;
-        int rank = m->lora_ranks[4 * s + kind];
-        float *o = out + (long)n * N;
+        int rank = m->lora_ranks[4 * s + kind], c0 = (int)(i % parts) * span, c1 = c0 + span < N ? c0 + span : N;
+        if (rank == 0 || c0 >= c1) continue;
+        float *t = w->lora_t + (long)omp_get_thread_num() * SR, *o = out + (long)n * N;
+        const float *xn = x + (long)n * K;
         for (int j = 0, off = 0; j < l->nseg; off += l->seg[j], j++) {
             int lo = c0 > off ? c0 : off, hi = c1 < off + l->seg[j] ? c1 : off + l->seg[j];
             if (lo >= hi) continue;
-            const float *bt = l->bt + (long)s * R * N + (long)R * off;   /* segment j's [R, seg[j]] */
-            const float *tn = t + (long)n * SR + (long)j * R;
+            long a0 = ((long)s * SR + (long)j * R) * K, b0 = (long)s * R * N + (long)R * off;   /* segment j's */
             for (int r = 0; r < rank; r++) {
-                const float *br = bt + (long)r * l->seg[j] - off, tv = tn[r];
-                for (int c = lo; c < hi; c++) o[c] += tv * br[c];
+                long ar = a0 + (long)r * K;
+                t[j * R + r] = l->bf16 ? dot_bf16((const uint16_t *)l->a + ar, xn, K) : dot_f32((const float *)l->a + ar, xn, K);
+            }
+            for (int r = 0; r < rank; r++) {
+                long br = b0 + (long)r * l->seg[j] + (lo - off);
+                if (l->bf16) axpy_bf16(o + lo, t[j * R + r], (const uint16_t *)l->bt + br, hi - lo);
+                else axpy_f32(o + lo, t[j * R + r], (const float *)l->bt + br, hi - lo);
             }
         }
     }

@@ -21,8 +21,8 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
  * Model.lora_ranks[4 s + c]: its rows beyond are zero and skipped. a == NULL: no adapter here. */
 enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 };
 typedef struct {
-    const float *a, *bt;
-    int nseg, seg[3];
+    const void *a, *bt;                   /* fp32, or bf16 when bf16 is set */
+    int nseg, seg[3], bf16;
 } LoraMat;
 
 typedef struct {

@@ -35,8 +35,8 @@ class LoRAMat:
         S, R = stack.max_loras, stack.max_rank
         self.stack, self.segs, self.k = stack, segs, k
         self.offsets = [sum(segs[:j]) for j in range(len(segs))]
-        self.a = torch.zeros(S, len(segs), R, k)
-        self.bt = torch.zeros(S, R * sum(segs))
+        self.a = torch.zeros(S, len(segs), R, k, dtype=stack.dtype)
+        self.bt = torch.zeros(S, R * sum(segs), dtype=stack.dtype)
 
     def segment(self, slot: int, j: int) -> Tensor:
         """Slot's B^T of segment j, [R, seg[j]] (a view)."""
@@ -54,7 +54,8 @@ class LoRAMat:
                 continue
             idx = (slots == s).nonzero().squeeze(1)
             xs = x[idx].to(torch.float32)
-            delta = torch.cat([(xs @ self.a[s, j].t()) @ self.segment(s, j) for j in range(len(self.segs))], dim=1)
+            delta = torch.cat([(xs @ self.a[s, j].float().t()) @ self.segment(s, j).float()
+                               for j in range(len(self.segs))], dim=1)
             y = y.index_add(0, idx, delta.to(y.dtype))
         return y
 
@@ -65,8 +66,9 @@ class LoRAStack:
     forward.h: Model.lora_ranks). token_slots: the PyTorch path's per-token slots during a
     forward (None: no adapter in it)."""
 
-    def __init__(self, model, max_loras: int, max_rank: int):
+    def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32):
         cfg = model.config
+        self.dtype = dtype
         H, KV, hd, D, F = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
                            cfg.intermediate_size)
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -107,6 +109,14 @@ def check_model(model) -> None:
                              "layer); this one has latent attention or a mixture of experts")
 
 
+def slot_dtype(model, name: str) -> torch.dtype:
+    """lora_dtype "auto": bf16 beside quantized (GGUF) or bf16 matrices, else fp32."""
+    if name != "auto":
+        return getattr(torch, name)
+    w = getattr(model.model.layers[0].self_attn.qkv_proj, "weight", None)
+    return torch.float32 if isinstance(w, Tensor) and w.dtype == torch.float32 else torch.bfloat16
+
+
 class LoRAManager:
     """Adapters loaded from their folders (kept, least recently used first out, up to
     max_cpu_loras beyond those requests hold) and the slots of the model's LoRAStack."""
@@ -114,7 +124,7 @@ class LoRAManager:
     def __init__(self, model, config: LoRAConfig):
         check_model(model)
         self.config = config
-        self.stack = LoRAStack(model, config.max_loras, config.max_lora_rank)
+        self.stack = LoRAStack(model, config.max_loras, config.max_lora_rank, slot_dtype(model, config.lora_dtype))
         model.set_lora(self.stack)
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()      # by lora_int_id
         self._in_slot: list[LoRAAdapter | None] = [None] * config.max_loras

@@ -73,6 +73,11 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         _fail(path, f"bias={cfg['bias']!r}: adapters that train biases are not supported")
     if cfg.get("modules_to_save"):
         _fail(path, f"modules_to_save {cfg['modules_to_save']} (whole modules replaced) is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (list, tuple)):            # a list of names (a string is a regex: the weights say)
+        other = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGETS]
+        if other:
+            _fail(path, f"it adapts {', '.join(map(str, other))}: LoRA applies to {', '.join(TARGETS)} only")
     r0, alpha0 = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rslora = bool(cfg.get("use_rslora"))
     weights = _read_weights(root, path)

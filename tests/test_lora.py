@@ -1,0 +1,228 @@
+"""LoRA adapters (specdec/lora): Hugging Face PEFT folders written by the real `peft` package,
+served beside the base model. The adapted logits match PEFT's own model, on the C path and the
+PyTorch path; requests with different adapters (and none) share batches and each gets its solo
+output; speculation stays lossless under an adapter; prefix-cache blocks are keyed by adapter;
+max_loras holds the other adapters back; bad adapters give one clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from specdec import LLM, SamplingParams, kernels
+from specdec.lora import LoRARequest
+from specdec.model import ForwardBatch
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = [0, 9, 17, 33, 42, 8, 61, 20, 5, 77, 130, 2]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def make_adapter(base, folder, seed: int, **config):
+    """A PEFT LoRA folder for the checkpoint `base`, with random A and B (init_lora_weights=False:
+    the adapter changes the outputs). config: LoraConfig's settings (r, target_modules, ...)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ALL, "init_lora_weights": False, **config}
+    peft.get_peft_model(model, peft.LoraConfig(**config)).save_pretrained(folder)
+    return folder
+
+
+def peft_model(base, folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(model, folder).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_pair, tmp_path_factory):
+    """Adapters of the tiny target: every projection at rank 4; q and v only at rank 8 (rsLoRA,
+    a rank and alpha pattern for v)."""
+    target, _ = tiny_pair
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "all": make_adapter(target, root / "all", 1),
+        "qv": make_adapter(target, root / "qv", 2, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                           use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 3}),
+    }
+
+
+def request(adapters, name: str, lora_id: int | None = None) -> LoRARequest:
+    return LoRARequest(name, lora_id or list(adapters).index(name) + 1, str(adapters[name]))
+
+
+def adapted_logits(llm, lora: LoRARequest | None, ids: list[int]) -> torch.Tensor:
+    """The target's logits for ids in one paged forward, with the adapter in a slot."""
+    model, manager = llm.target, llm.engine.lora
+    slots = None
+    if lora is not None:
+        adapter = manager.check(lora)
+        slots = [manager.activate([adapter])[adapter.id]]
+    cache = model.new_cache(batch=1)
+    assert (model.c_view(cache) is not None) == (kernels.load() is not None)     # the path the test names
+    return model(torch.tensor(ids), cache, ForwardBatch.build(cache, [0], [len(ids)], [0], lora=slots)).logits
+
+
+@pytest.mark.parametrize("lora_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "torch"])
+def test_adapted_logits_match_peft(tiny_pair, adapters, monkeypatch, c_path, lora_dtype):
+    """fp32 slots (auto, beside fp32 weights) within float tolerance of PEFT; bf16 slots (the
+    default beside quantized weights) within bf16's rounding of A and B."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C kernels here")
+    if not c_path:
+        monkeypatch.setattr(kernels, "load", lambda *a: None)
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2,
+              lora_dtype=lora_dtype)
+    assert llm.engine.lora.stack.dtype == (torch.float32 if lora_dtype == "auto" else torch.bfloat16)
+    tol = 1e-4 if lora_dtype == "auto" else 2e-2
+    ids = torch.tensor([IDS])
+    base = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(ids).logits[0]
+    torch.testing.assert_close(adapted_logits(llm, None, IDS), plain, rtol=1e-4, atol=1e-4)
+    for name in adapters:
+        with torch.no_grad():
+            expected = peft_model(target, adapters[name])(ids).logits[0]
+        got = adapted_logits(llm, request(adapters, name), IDS)
+        assert (expected - plain).abs().max() > 0.1             # the adapter matters
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_mixed_batch_equals_solo_and_peft_generate(tiny_pair, adapters):
+    """Base, adapter 1 and adapter 2 in one batch (and n=2 of one of them): each greedy output is
+    its solo one, and the adapters' are transformers + PEFT's own generate."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    prompts = [{"prompt_token_ids": IDS[:n]} for n in (12, 5, 9, 7)]
+    loras = [None, request(adapters, "all"), request(adapters, "qv"), request(adapters, "all")]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras)]
+    solo = [llm.generate(p, GREEDY, lora_request=lora)[0].outputs[0].token_ids for p, lora in zip(prompts, loras)]
+    assert together == solo
+    for p, lora, out in zip(prompts, loras, together):
+        if lora is None:
+            continue
+        model = peft_model(target, lora.lora_path)
+        ids = torch.tensor([p["prompt_token_ids"]])
+        with torch.no_grad():   # an EOS id no token has: never stops
+            ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                 do_sample=False, eos_token_id=model.config.vocab_size, pad_token_id=0)
+        assert out == ref[0, ids.shape[1]:].tolist()
+    assert together[0] != llm.generate(prompts[0], GREEDY, lora_request=loras[1])[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_an_adapter_is_lossless(tiny_pair, near_draft, adapters, method):
+    """The drafter proposes without the adapter; the adapted target verifies: greedy outputs are
+    plain decoding's with the adapter, alone and batched with other adapters."""
+    target, _ = tiny_pair
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram" else \
+        {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3}
+    plain = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    fast = LLM(str(target), dtype="float32", speculative_config=spec, enable_lora=True, max_loras=2)
+    prompts = [{"prompt_token_ids": IDS[:n] * 2} for n in (12, 6, 9)]
+    loras = [request(adapters, "all"), None, request(adapters, "qv")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, lora_request=loras)]
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params, lora_request=loras)] == expected
+    out = fast.generate(prompts[0], params, lora_request=loras[0])[0]
+    assert out.outputs[0].token_ids == expected[0]
+
+
+def test_max_loras_holds_other_adapters_back(tiny_pair, adapters):
+    """max_loras=1: never two adapters in the running batch; every request still finishes with
+    its solo output (base requests run beside any adapter)."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=1)
+    loras = [request(adapters, "all"), request(adapters, "qv"), None, request(adapters, "all"), None]
+    engine = llm.engine
+    reqs = [engine.add_request(IDS[:n], GREEDY, request_id=str(i), lora_request=lora)
+            for i, (n, lora) in enumerate(zip((12, 5, 9, 7, 4), loras))]
+    seen_together = set()
+    while engine.has_unfinished():
+        engine.step()
+        running = {r.lora.id for r in engine.scheduler.running if r.lora is not None}
+        assert len(running) <= 1
+        seen_together.add(frozenset(r.request_id for r in engine.scheduler.running))
+    assert any({"0", "2"} <= s for s in seen_together)        # base beside an adapter
+    solo = [llm.generate({"prompt_token_ids": IDS[:n]}, GREEDY, lora_request=lora)[0].outputs[0].token_ids
+            for n, lora in zip((12, 5, 9, 7, 4), loras)]
+    assert [r.out[:16] for r in reqs] == solo
+
+
+def test_prefix_cache_is_keyed_by_adapter(tiny_pair, adapters):
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2,
+              enable_prefix_caching=True, block_size=4)
+    fresh = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    prompt = {"prompt_token_ids": IDS + IDS[:5]}
+    lora = request(adapters, "all")
+    base = llm.generate(prompt, GREEDY)[0]
+    hits = llm.engine.prefix_cache_hits
+    first = llm.generate(prompt, GREEDY, lora_request=lora)[0]
+    assert llm.engine.prefix_cache_hits == hits                  # the base model's blocks are not its
+    assert first.outputs[0].token_ids == fresh.generate(prompt, GREEDY, lora_request=lora)[0].outputs[0].token_ids
+    assert first.outputs[0].token_ids != base.outputs[0].token_ids
+    again = llm.generate(prompt, GREEDY, lora_request=lora)[0]
+    assert llm.engine.prefix_cache_hits > hits and again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C kernels here")
+def test_gguf_target_c_and_torch_paths_agree(gguf_files, tmp_path, monkeypatch):
+    """A GGUF target (packed Q4_K q/k/v, unpermuted rows) with an adapter of its checkpoint: the C
+    path's adapted logits are the PyTorch path's, and move away from the base ones."""
+    folder = make_adapter(gguf_files["llama_q_hf"], tmp_path / "a", 3)
+    lora = LoRARequest("a", 1, str(folder))
+    llm = LLM(str(gguf_files["llama_q"]), num_speculative_tokens=0, enable_lora=True)
+    assert llm.engine.lora.stack.dtype == torch.bfloat16        # beside quantized matrices
+    c_base, c_lora = adapted_logits(llm, None, IDS), adapted_logits(llm, lora, IDS)
+    monkeypatch.setattr(kernels, "load", lambda *a: None)
+    llm = LLM(str(gguf_files["llama_q"]), num_speculative_tokens=0, enable_lora=True)
+    t_lora = adapted_logits(llm, lora, IDS)
+    assert (c_lora - c_base).abs().max() > 0.1
+    torch.testing.assert_close(c_lora, t_lora, rtol=2e-2, atol=2e-2 * t_lora.abs().max().item())
+
+
+def test_bad_adapters_and_settings_give_one_clear_error(tiny_pair, adapters, tmp_path):
+    target, _ = tiny_pair
+    plain = LLM(str(target), dtype="float32", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate({"prompt_token_ids": IDS}, GREEDY, lora_request=request(adapters, "all"))
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_lora_rank=4)
+    p = {"prompt_token_ids": IDS}
+    with pytest.raises(ValueError, match="rank 8 is above max_lora_rank 4"):
+        llm.generate(p, GREEDY, lora_request=request(adapters, "qv"))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate(p, GREEDY, lora_request=LoRARequest("x", 3, str(tmp_path / "missing")))
+    head = make_adapter(target, tmp_path / "head", 4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="adapts lm_head"):
+        llm.generate(p, GREEDY, lora_request=LoRARequest("head", 4, str(head)))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA is not supported"):
+        llm.generate(p, GREEDY, lora_request=LoRARequest("dora", 5, str(dora)))
+    llm.generate(p, GREEDY, lora_request=request(adapters, "all"))
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'all'"):
+        llm.generate(p, GREEDY, lora_request=LoRARequest("other", 1, str(adapters["qv"])))
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("x", 0, "/x")
+    with pytest.raises(ValueError, match="one .* per prompt"):
+        llm.generate([p, p], GREEDY, lora_request=[None])
+    with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
+        LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    assert llm.generate(p, GREEDY)[0].outputs[0].token_ids == plain.generate(p, GREEDY)[0].outputs[0].token_ids
+
+
+def test_mixture_of_experts_is_refused(tmp_path):
+    from conftest import make_checkpoint
+
+    moe = make_checkpoint(tmp_path / "moe", arch="mixtral", hidden=32, layers=1)
+    with pytest.raises(ValueError, match="dense models"):
+        LLM(str(moe), dtype="float32", num_speculative_tokens=0, enable_lora=True)

@@ -226,3 +226,30 @@ def test_mixture_of_experts_is_refused(tmp_path):
     moe = make_checkpoint(tmp_path / "moe", arch="mixtral", hidden=32, layers=1)
     with pytest.raises(ValueError, match="dense models"):
         LLM(str(moe), dtype="float32", num_speculative_tokens=0, enable_lora=True)
+
+
+def test_real_model_adapter_with_its_default_speculation_is_lossless(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) with a rank-8 adapter written by PEFT on transformers'
+    loading of that file: its default speculative method under the adapter gives plain decoding's
+    greedy output under the adapter, which differs from the base model's."""
+    from pathlib import Path
+
+    path = Path(smollm2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=8, target_modules=ALL, init_lora_weights=False))
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if "lora_B" in name:
+                t.mul_(0.05)
+    model.save_pretrained(tmp_path / "a")
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    fast = LLM(enable_lora=True)                                   # the default model and speculation
+    plain = LLM(num_speculative_tokens=0, enable_lora=True)
+    assert fast.engine.proposer is not None
+    chats = [[{"role": "user", "content": q}] for q in
+             ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    adapted = [o.outputs[0].token_ids for o in plain.chat(chats, params, lora_request=lora)]
+    assert [o.outputs[0].token_ids for o in fast.chat(chats, params, lora_request=lora)] == adapted
+    assert adapted != [o.outputs[0].token_ids for o in plain.chat(chats, params)]

@@ -110,7 +110,8 @@ def _json_obj(value: str) -> dict:
     return obj
 
 
-def llm_from_args(args, seed: int | None = None):
+def llm_from_args(args, seed: int | None = None, **extra):
+    """extra: further LLM(...) arguments (the server's LoRA flags)."""
     from .llm import LLM
 
     return LLM(model=args.model, speculative_model=args.speculative_model,
@@ -122,7 +123,7 @@ def llm_from_args(args, seed: int | None = None):
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
-               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window)
+               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window, **extra)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -6,6 +6,7 @@
     serving.py    request -> validated prompts and SamplingParams -> Generation
     responses.py  JSON bodies and server-sent-event chunks for completions and chat
     worker.py     the one thread that owns the batch engine: adds, aborts, steps, streams
+    lora.py       LoRA adapters by name (vLLM's --lora-modules, /v1/load_lora_adapter)
     logprobs.py   OpenAI's logprobs shapes (the figures come from the verification forward)
     metrics.py    Prometheus metrics, one registry per app
     errors.py     OpenAI-style error JSON, the body size limit, the API key check

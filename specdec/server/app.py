@@ -13,13 +13,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
 from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                       LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, stream
 from .responses_api import (ResponseStore, ResponsesRequest, chat_request, conversation, input_messages, renamed,
                             respond, stream as stream_response)
@@ -60,6 +61,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(service), responses=_ERRORS)
     app.include_router(_responses_routes(service, ResponseStore()), responses=_ERRORS)
     app.include_router(_token_routes(service), responses=_ERRORS)
+    if config.allow_runtime_lora_updating:
+        app.include_router(_lora_routes(service), responses=_ERRORS)
     return app
 
 
@@ -100,34 +103,56 @@ def _token_routes(service: Service) -> APIRouter:
 
 def _api_routes(service: Service) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    model = service.config.model_name
 
     @router.get("/models")
     async def models():
         now = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "specdec", "root": service.llm.model_path,
-             "max_model_len": service.engine.max_model_len} for name in service.config.served_model_names]}
+             "parent": None, "max_model_len": service.engine.max_model_len}
+            for name in service.config.served_model_names] + service.adapters.cards(now)}
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
+        lora = service.lora_request(body.model)
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority), fmt, model, body)
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora), fmt,
+                              service.model_name(lora), body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
+        lora = service.lora_request(body.model)
         prompts, params, tools = service.prepare_chat(body)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
                          service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority), fmt, model, body)
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora), fmt,
+                              service.model_name(lora), body)
+
+    return router
+
+
+def _lora_routes(service: Service) -> APIRouter:
+    """vLLM's runtime adapter updates (present only with VLLM_ALLOW_RUNTIME_LORA_UPDATING): a
+    plain-text "Success: ..." answer, or an error (400: name taken, adapter invalid; 404: unknown)."""
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        await service.adapters.load(body.lora_name, body.lora_path)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        await service.adapters.unload(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     return router
 
@@ -135,7 +160,6 @@ def _api_routes(service: Service) -> APIRouter:
 def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
     """OpenAI's Responses API over the chat path (responses_api.py)."""
     router = APIRouter(prefix="/v1")
-    model = service.config.model_name
 
     @router.post("/responses")
     async def create(body: ResponsesRequest, request: Request):
@@ -144,9 +168,11 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         turn = history + input_messages(body)
         chat = chat_request(body, history)
         try:
+            lora = service.lora_request(chat.model)
             prompts, params, tools = service.prepare_chat(chat)
         except APIError as e:
             raise renamed(e) from None
+        model = service.model_name(lora)
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, False, False, service.config.response_role, prompts[0], tools, reasoning,
                          body.include_reasoning)
@@ -156,7 +182,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             if body.store:
                 store.put(rid, conversation(turn, response["output"]), response)
 
-        gen = service.generation(prompts, params, arrival, chat.priority)
+        gen = service.generation(prompts, params, arrival, chat.priority, lora)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})

@@ -14,6 +14,7 @@ import sys
 
 from ..cli import add_engine_args, add_model_args, llm_from_args, positive_int as _positive
 from ..tokenizer import load_chat_template
+from .lora import parse_lora_module, runtime_updating_allowed
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -74,6 +75,18 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help="with --enable-log-requests: at most this many prompt characters and token ids per line")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags; a request names one in `model`)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, metavar="NAME=PATH",
+                      help='adapters served under their names: NAME=PATH (a Hugging Face PEFT folder) or JSON '
+                           '\'{"name": ..., "path": ..., "base_model_name": ...}\'; /v1/load_lora_adapter adds more '
+                           'when VLLM_ALLOW_RUNTIME_LORA_UPDATING=true')
+    lora.add_argument("--max-loras", type=_positive, default=1, help="adapters one step may run at once (default 1)")
+    lora.add_argument("--max-lora-rank", type=_positive, default=16, help="the largest adapter rank (default 16)")
+    lora.add_argument("--max-cpu-loras", type=_positive,
+                      help="adapters kept loaded in memory once unused (default: --max-loras)")
+    lora.add_argument("--lora-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                      help="the adapters' weights: auto = bfloat16 beside bf16 or quantized matrices, else float32")
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
     ray.add_argument("--replicas", type=_positive, help="engine replicas behind the one endpoint")
     ray.add_argument("--autoscale", type=_min_max, metavar="MIN,MAX",
@@ -158,7 +171,30 @@ def server_config(args):
                         disable_fastapi_docs=args.disable_fastapi_docs,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
-                        max_log_len=args.max_log_len)
+                        max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),
+                        allow_runtime_lora_updating=runtime_updating_allowed())
+
+
+def _lora_modules(args) -> list:
+    """--lora-modules, checked as far as can be before the model loads (the engine reads each
+    folder once it has)."""
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for m in modules:
+        if not os.path.isdir(m.path):
+            raise ValueError(f"--lora-modules {m.name}: {m.path} is not a folder (a Hugging Face PEFT LoRA "
+                             f"adapter is expected)")
+    return modules
+
+
+def build_llm(args):
+    """The LLM of the command line: the model and engine flags, and the LoRA ones."""
+    lora = {}
+    if args.enable_lora:
+        lora = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                    max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)
+    return llm_from_args(args, seed=args.seed, **lora)
 
 
 def run(args, prog: str = "specdec serve") -> int:
@@ -181,7 +217,7 @@ def run(args, prog: str = "specdec serve") -> int:
             raise ValueError("--ssl-keyfile / --ssl-certfile need a single server (behind Ray Serve its proxy serves HTTP)")
         from .replicas import serve_replicas
         return serve_replicas(args, argv, prog)
-    llm = llm_from_args(args, seed=args.seed)
+    llm = build_llm(args)
     return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl)
 
 

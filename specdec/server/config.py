@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .lora import LoRAModulePath
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -27,6 +29,9 @@ class ServerConfig:
     reasoning_parser: str | None = None   # thinking returned as reasoning_content (reasoning.PARSERS)
     enable_log_requests: bool = False     # log each request's prompt, parameters and end (vLLM's flag)
     max_log_len: int | None = None        # at most this many prompt characters and token ids in that log
+    # LoRA adapters served under their names (vLLM's --lora-modules; the LLM needs enable_lora=True)
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False   # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's variable)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -56,6 +61,20 @@ class ServerConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("response_role must be a non-empty string")
+        self._check_lora_modules()
+
+    def _check_lora_modules(self) -> None:
+        modules = tuple(self.lora_modules)
+        object.__setattr__(self, "lora_modules", modules)
+        names = self.served_model_names
+        seen = set(names)
+        for m in modules:
+            if not isinstance(m, LoRAModulePath):
+                raise ValueError(f"lora_modules must be LoRAModulePath entries, got {m!r}")
+            if m.name in seen:
+                what = "a served model name" if m.name in names else "given twice"
+                raise ValueError(f"--lora-modules: the adapter name {m.name!r} is {what}")
+            seen.add(m.name)
 
     @property
     def model_name(self) -> str:

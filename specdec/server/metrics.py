@@ -10,9 +10,14 @@ acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted
 Counters are added when a completion ends (finished, aborted or failed), from its RequestStats.
 The engine's own state (requests running and waiting, KV cache usage, preemptions) is read at
 scrape time; per-step figures (tokens per step, drafted tokens) are observed by the worker.
+With LoRA enabled, `specdec:lora_requests_info` is vLLM's vllm:lora_requests_info: one sample
+whose labels name the adapters of the running and the waiting requests (comma-separated) and
+max_lora, and whose value is the scrape's time.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -50,6 +55,23 @@ class _EngineCollector:
         c = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         c.add_metric([], e.prefix_cache_hits)
         yield c
+        if e.lora is not None:
+            yield self._lora_info(e)
+
+    @staticmethod
+    def _lora_info(e) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
+                              "the running and the waiting requests.",
+                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        g.add_metric([str(e.lora.max_loras), _adapter_names(e.scheduler.waiting), _adapter_names(e.scheduler.running)],
+                     time.time())
+        return g
+
+
+def _adapter_names(requests) -> str:
+    """The adapters of requests, each once, comma-separated. The worker thread changes the
+    queue meanwhile: list() copies it without running Python code, so without interruption."""
+    return ",".join(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
 
 
 class ServerMetrics:

@@ -24,7 +24,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     """The fields both endpoints share."""
-    model: str | None = Field(None, description="a served model name; omitted means the served model")
+    model: str | None = Field(None, description="a served model name, or a LoRA adapter's; omitted means the served model")
     max_tokens: int | None = None
     temperature: float | None = Field(None, description="0 is greedy; default 1")
     top_p: float | None = None
@@ -126,6 +126,18 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body."""
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id is accepted and ignored, as there)."""
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class ErrorDetail(BaseModel):

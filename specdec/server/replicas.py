@@ -54,12 +54,11 @@ class EngineReplica:
     def __init__(self, argv: list[str], board=None):
         import ray
 
-        from ..cli import llm_from_args
-        from .cli import parse_args, server_config
+        from .cli import build_llm, parse_args, server_config
 
         args, _ = parse_args(argv)
         self.config = server_config(args)
-        self.llm = llm_from_args(args, seed=args.seed)
+        self.llm = build_llm(args)
         self.board = board
         self.id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.util.get_node_ip_address()

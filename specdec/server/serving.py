@@ -16,6 +16,7 @@ from ..metrics import RequestStats
 from ..tokenizer import TokenizerError, template_messages
 from .config import ServerConfig
 from .errors import APIError, bad_value
+from .lora import Adapters
 from .metrics import ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
@@ -47,6 +48,10 @@ class Service:
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.metrics = ServerMetrics(llm.engine)
         self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
+        # LoRA adapters served by name beside the base model: those of --lora-modules are loaded
+        # now, so a bad folder fails before the port opens
+        self.adapters = Adapters(config.served_model_names, llm.engine.lora is not None, self.worker.call)
+        self.adapters.load_static(config.lora_modules)
         self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
         # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
@@ -90,12 +95,20 @@ class Service:
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-                   priority: int = 0) -> Generation:
-        return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger)
+                   priority: int = 0, lora_request=None) -> Generation:
+        return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
+                          lora_request)
+
+    def lora_request(self, model: str | None):
+        """The LoRA adapter a request's `model` names (None: a base model); 404 for an unknown name."""
+        return self.adapters.route(model)
+
+    def model_name(self, lora_request) -> str:
+        """The `model` responses report: the adapter's name, else the first served name (vLLM's)."""
+        return lora_request.lora_name if lora_request is not None else self.config.model_name
 
     def _check_model(self, req: _Sampling) -> None:
-        if req.model is not None and req.model not in self.config.served_model_names:
-            raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+        self.adapters.route(req.model)
 
     def _params(self, req: _Sampling, max_tokens, logprobs, tool_constraint=None) -> SamplingParams:
         try:
@@ -287,7 +300,8 @@ class Generation:
     """
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
-                 params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None):
+                 params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
+                 lora_request=None):
         self.prompts, self.params, self.arrival, self._logger = prompts, params, arrival, logger
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -295,7 +309,7 @@ class Generation:
         # best_of > n: every candidate runs, the best n per prompt are kept at the end
         self.per_prompt = params.best_of or params.n
         self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i),
-                          priority=priority)
+                          priority=priority, lora_request=lora_request)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         self._clocks = [_Clock(arrival) for _ in self._jobs]
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class Job:
     deliver: Callable[[object], None]
     request_id: str = ""
     priority: int = 0                              # scheduling_policy="priority": lower first
+    lora_request: object | None = None             # the LoRA adapter it runs with (specdec.lora.LoRARequest)
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -55,6 +57,7 @@ class EngineWorker:
         self._inbox: deque[Job] = deque()          # submitted, not yet in the engine
         self._cancels: deque[Job] = deque()        # in the engine, to abort before the next step
         self._jobs: dict[str, Job] = {}            # request id -> job, while in the engine
+        self._calls: deque[tuple[Callable[[Engine], object], Future]] = deque()   # call(): run between steps
         self._ids = itertools.count()
         self._closing = False
         # a step's events, handed over when the next forward starts (or before the thread waits):
@@ -110,6 +113,21 @@ class EngineWorker:
                 self._cancels.append(job)
             self._cond.notify()
 
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """fn(engine) on the engine's thread between two steps (the engine is not thread-safe:
+        loading a LoRA adapter, say); its result or exception in the Future. Before start() or
+        after the thread has ended, fn runs here and now; while the worker stops, ShuttingDown."""
+        future: Future = Future()
+        with self._cond:
+            if self._thread.is_alive():
+                if self._closing:
+                    raise ShuttingDown("the server is shutting down")
+                self._calls.append((fn, future))
+                self._cond.notify()
+                return future
+        _run(fn, self.engine, future)
+        return future
+
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new jobs, let the queued and running ones finish, then end the thread."""
         with self._cond:
@@ -156,22 +174,25 @@ class EngineWorker:
         if not self.engine.has_unfinished():
             self._hand_over()                # no forward is coming to carry them
         with self._cond:
-            while not (self._inbox or self._cancels or self.engine.has_unfinished()):
+            while not (self._inbox or self._cancels or self._calls or self.engine.has_unfinished()):
                 if self._closing:
                     return False
                 self._cond.wait()
-            new, cancels = list(self._inbox), list(self._cancels)
+            new, cancels, calls = list(self._inbox), list(self._cancels), list(self._calls)
             self._inbox.clear()
             self._cancels.clear()
+            self._calls.clear()
             for job in new:
                 job.started = True
         for job in cancels:
             if self._jobs.pop(job.request_id, None) is not None:
                 self.engine.abort(job.request_id)
+        for fn, future in calls:
+            _run(fn, self.engine, future)
         for job in new:
             try:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
-                                        priority=job.priority)
+                                        priority=job.priority, lora_request=job.lora_request)
             except ValueError as e:
                 self._send(job, e)
                 continue
@@ -194,3 +215,10 @@ class EngineWorker:
             if job.request_id in self._jobs:
                 del self._jobs[job.request_id]
                 self.engine.abort(job.request_id)
+
+
+def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None:
+    try:
+        future.set_result(fn(engine))
+    except Exception as e:               # noqa: BLE001 - the caller reads it from the future
+        future.set_exception(e)

@@ -154,7 +154,7 @@ typedef struct {
      * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
     float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
     float *e;                             /* [N, D]: EAGLE-3's token embeddings (two_inputs) */
-    float *lora_t;                        /* [threads, 3 lora_rank]: LoRA's A x (lora_for) */
+    float *lora_t;                        /* [max(N, threads), 3 lora_rank]: LoRA's A x (lora_for) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -187,7 +187,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
                       E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
                       C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
-                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * threads * m->lora_rank};
+                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * (N > threads ? N : threads) * m->lora_rank};
     void **at[28] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
@@ -204,105 +204,135 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
     return off;
 }
 
-/* a . b over K floats: four 8-lane FMA chains over 32 floats a round, summed in a fixed order
- * (a token's sum is the same whatever the batch and the instruction set: every build has AVX2) */
-static float dot_f32(const float *a, const float *b, int K) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
-    }
-    __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    for (; k < K; k++) s += a[k] * b[k];
-    return s;
+/* LoRA's products in 8-lane FMAs (every build has AVX2 and FMA), on fp32 or bf16 weights (bf16
+ * widened exactly). Up to 4 rows at once share the loads of x (dots) or of o (axpys); each row's
+ * arithmetic is the same in any group, so a token's result does not depend on the batch. */
+static inline __m256 ld8(const void *p, int bf16, long i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* 8 bf16 values -> 8 floats (exact) */
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline float bf16_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
+static inline float ld1(const void *p, int bf16, long i) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-/* dot_f32 with a in bf16 (widened exactly: the same sums as with a's fp32 values) */
-static float dot_bf16(const uint16_t *a, const float *b, int K) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        s0 = _mm256_fmadd_ps(load_bf16x8(a + k), _mm256_loadu_ps(b + k), s0);
-        s1 = _mm256_fmadd_ps(load_bf16x8(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
-        s2 = _mm256_fmadd_ps(load_bf16x8(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
-        s3 = _mm256_fmadd_ps(load_bf16x8(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
-    }
-    __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    for (; k < K; k++) s += bf16_f32(a[k]) * b[k];
-    return s;
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* o[c] += t * b[c] for c in [0, n), b in bf16 */
-static void axpy_bf16(float *o, float t, const uint16_t *b, int n) {
-    const __m256 tv = _mm256_set1_ps(t);
-    int c = 0;
-    for (; c + 8 <= n; c += 8)
-        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(tv, load_bf16x8(b + c), _mm256_loadu_ps(o + c)));
-    for (; c < n; c++) o[c] = fmaf(t, bf16_f32(b[c]), o[c]);
+/* t[r] = a[r] . x over K for rows r < nr (<= 4) of a (rows K apart): two chains per row over 16
+ * floats a round, then the tail in order */
+static inline __attribute__((always_inline)) void dots(const void *a, int bf16, const float *x, int K, int nr,
+                                                       float *t) {
+    __m256 s[4][2];
+    for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int r = 0; r < nr; r++) {        /* the row's bytes ~1 KiB ahead (the next rows' starts near its end) */
+            _mm_prefetch((const char *)a + (((long)r * K + k) << (bf16 ? 1 : 2)) + 1024, _MM_HINT_T0);
+            s[r][0] = _mm256_fmadd_ps(ld8(a, bf16, (long)r * K + k), x0, s[r][0]);
+            s[r][1] = _mm256_fmadd_ps(ld8(a, bf16, (long)r * K + k + 8), x1, s[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float v = hsum8(_mm256_add_ps(s[r][0], s[r][1]));
+        for (int kk = k; kk < K; kk++) v = fmaf(ld1(a, bf16, (long)r * K + kk), x[kk], v);
+        t[r] = v;
+    }
 }
 
-/* o[c] += t * b[c] for c in [0, n) */
-static void axpy_f32(float *o, float t, const float *b, int n) {
-    const __m256 tv = _mm256_set1_ps(t);
+/* o[c] += t[0] b[0][c] + .. + t[nr-1] b[nr-1][c] (in that order) for c < n; rows of b `ld` apart */
+static inline __attribute__((always_inline)) void axpys(float *o, const float *t, const void *b, int bf16, long ld,
+                                                        int n, int nr) {
     int c = 0;
-    for (; c + 8 <= n; c += 8)
-        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + c), _mm256_loadu_ps(o + c)));
-    for (; c < n; c++) o[c] = fmaf(t, b[c], o[c]);
+    for (; c + 8 <= n; c += 8) {
+        __m256 v = _mm256_loadu_ps(o + c);
+        for (int r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)b + ((r * ld + c) << (bf16 ? 1 : 2)) + 1024, _MM_HINT_T0);
+            v = _mm256_fmadd_ps(_mm256_set1_ps(t[r]), ld8(b, bf16, r * ld + c), v);
+        }
+        _mm256_storeu_ps(o + c, v);
+    }
+    for (; c < n; c++)
+        for (int r = 0; r < nr; r++) o[c] = fmaf(t[r], ld1(b, bf16, r * ld + c), o[c]);
+}
+
+/* one segment of a token's LoRA product: t = A x over its rank rows, o[lo, hi) += t . B^T */
+static void lora_segment(const void *a, const void *bt, int bf16, const float *x, int K, int rank, long ld,
+                         float *o, int n, float *t) {
+    for (int r = 0; r < rank; r += 4) {
+        int nr = rank - r < 4 ? rank - r : 4;
+        if (bf16) dots((const uint16_t *)a + (long)r * K, 1, x, K, nr, t + r);
+        else dots((const float *)a + (long)r * K, 0, x, K, nr, t + r);
+    }
+    for (int r = 0; r < rank; r += 4) {
+        int nr = rank - r < 4 ? rank - r : 4;
+        if (bf16) axpys(o, t + r, (const uint16_t *)bt + r * ld, 1, ld, n, nr);
+        else axpys(o, t + r, (const float *)bt + r * ld, 0, ld, n, nr);
+    }
 }
 
 /* out [M, N] += each token's LoRA product B (A x) (forward.h: LoraMat), for the M tokens whose
- * sequence has an adapter slot, by the team in one pass (one barrier): each (token, part of its
- * outputs) computes the token's t = A x, then adds t . B^T over its part. With fewer tokens than
- * threads a token's outputs are split among them (t is then computed once per part: A's share
- * of the work is small); else each token is one item. A token's sums do not depend on the
- * split. Nothing without adapters in the batch. */
+ * sequence has an adapter slot, by the team. With at least as many tokens as threads, one pass:
+ * each token computes its t = A x, then adds t . B^T. With fewer (decoding), two: the tokens'
+ * rows of t shared out in groups of 4, then each token's outputs split among the threads. A row
+ * of t and an output's sum take the same operations either way, so a token's result does not
+ * depend on the batch. Nothing without adapters in the batch. */
 static void lora_for(const Model *m, const Layer *L, int kind, const Batch *b, const Work *w, const float *x,
                      float *out, int M, int N, int K) {
     const LoraMat *l = &L->lora[kind];
     if (b->lora == NULL || l->a == NULL) return;
-    const int R = m->lora_rank, SR = l->nseg * R, threads = omp_get_num_threads();
-    const int parts = M >= threads ? 1 : threads, span = (N + parts - 1) / parts;
+    const int R = m->lora_rank, SR = l->nseg * R, threads = omp_get_num_threads(), bf = l->bf16;
+    const size_t e = bf ? 2 : 4;
+    const char *A = l->a, *Bt = l->bt;
+    if (M >= threads) {
+        #pragma omp for schedule(static)
+        for (int n = 0; n < M; n++) {
+            int s = b->lora[w->who[n].seq], rank = s < 0 ? 0 : m->lora_ranks[4 * s + kind];
+            float *t = w->lora_t + (long)omp_get_thread_num() * SR;
+            for (int j = 0, off = 0; j < l->nseg && rank > 0; off += l->seg[j], j++)
+                lora_segment(A + ((long)s * SR + (long)j * R) * K * e, Bt + ((long)s * R * N + (long)R * off) * e, bf,
+                             x + (long)n * K, K, rank, l->seg[j], out + (long)n * N + off, l->seg[j], t + j * R);
+        }
+        return;
+    }
+    float *T = w->lora_t;                     /* [M, SR] */
+    const int groups = (SR + 3) / 4, parts = threads, span = (N + parts - 1) / parts;
+    #pragma omp for schedule(static)
+    for (long i = 0; i < (long)M * groups; i++) {
+        int n = (int)(i / groups), q = (int)(i % groups) * 4, s = b->lora[w->who[n].seq];
+        if (s < 0) continue;
+        for (int g = q; g < q + 4 && g < SR; g++) {     /* row g: segment g / R, rank row g % R */
+            if (g % R >= m->lora_ranks[4 * s + kind]) continue;
+            int nr = 1;
+            while (g + nr < q + 4 && g + nr < SR && (g + nr) / R == g / R && (g + nr) % R < m->lora_ranks[4 * s + kind]) nr++;
+            if (bf) dots((const uint16_t *)A + ((long)s * SR + g) * K, 1, x + (long)n * K, K, nr, T + (long)n * SR + g);
+            else dots((const float *)A + ((long)s * SR + g) * K, 0, x + (long)n * K, K, nr, T + (long)n * SR + g);
+            g += nr - 1;
+        }
+    }
     #pragma omp for schedule(static)
     for (long i = 0; i < (long)M * parts; i++) {
         int n = (int)(i / parts), s = b->lora[w->who[n].seq];
         if (s < 0) continue;
         int rank = m->lora_ranks[4 * s + kind], c0 = (int)(i % parts) * span, c1 = c0 + span < N ? c0 + span : N;
-        if (rank == 0 || c0 >= c1) continue;
-        float *t = w->lora_t + (long)omp_get_thread_num() * SR, *o = out + (long)n * N;
-        const float *xn = x + (long)n * K;
         for (int j = 0, off = 0; j < l->nseg; off += l->seg[j], j++) {
             int lo = c0 > off ? c0 : off, hi = c1 < off + l->seg[j] ? c1 : off + l->seg[j];
-            if (lo >= hi) continue;
-            long a0 = ((long)s * SR + (long)j * R) * K, b0 = (long)s * R * N + (long)R * off;   /* segment j's */
-            for (int r = 0; r < rank; r++) {
-                long ar = a0 + (long)r * K;
-                t[j * R + r] = l->bf16 ? dot_bf16((const uint16_t *)l->a + ar, xn, K) : dot_f32((const float *)l->a + ar, xn, K);
-            }
-            for (int r = 0; r < rank; r++) {
-                long br = b0 + (long)r * l->seg[j] + (lo - off);
-                if (l->bf16) axpy_bf16(o + lo, t[j * R + r], (const uint16_t *)l->bt + br, hi - lo);
-                else axpy_f32(o + lo, t[j * R + r], (const float *)l->bt + br, hi - lo);
+            const float *t = T + (long)n * SR + (long)j * R;
+            long b0 = (long)s * R * N + (long)R * off + (lo - off);
+            for (int r = 0; r < rank && lo < hi; r += 4) {
+                int nr = rank - r < 4 ? rank - r : 4;
+                if (bf) axpys(out + (long)n * N + lo, t + r, (const uint16_t *)Bt + b0 + (long)r * l->seg[j], 1, l->seg[j], hi - lo, nr);
+                else axpys(out + (long)n * N + lo, t + r, (const float *)Bt + b0 + (long)r * l->seg[j], 0, l->seg[j], hi - lo, nr);
             }
         }
     }

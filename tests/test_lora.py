@@ -253,3 +253,20 @@ def test_real_model_adapter_with_its_default_speculation_is_lossless(smollm2, tm
     adapted = [o.outputs[0].token_ids for o in plain.chat(chats, params, lora_request=lora)]
     assert [o.outputs[0].token_ids for o in fast.chat(chats, params, lora_request=lora)] == adapted
     assert adapted != [o.outputs[0].token_ids for o in plain.chat(chats, params)]
+
+
+def test_fused_projections_of_phi3(tmp_path):
+    """Phi-3 checkpoints fuse q/k/v (qkv_proj) and gate/up (gate_up_proj): PEFT adapts the fused
+    modules with one A each; served logits match PEFT's model."""
+    from conftest import make_checkpoint
+
+    phi3 = make_checkpoint(tmp_path / "phi3", arch="phi3", hidden=64, layers=2)
+    folder = make_adapter(phi3, tmp_path / "a", 5, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = LLM(str(phi3), dtype="float32", num_speculative_tokens=0, enable_lora=True)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        expected = peft_model(phi3, folder)(ids).logits[0]
+        plain = transformers.AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32)(ids).logits[0]
+    got = adapted_logits(llm, LoRARequest("a", 1, str(folder)), IDS)
+    assert (expected - plain).abs().max() > 0.1
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -21,7 +21,10 @@ import torch
 # PEFT module name -> (specdec matrix kind, segment)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# checkpoints whose projections are fused already (Phi-3): one A, and B's rows split by segment
+FUSED = {"qkv_proj": ("qkv", (0, 1, 2)), "gate_up_proj": ("gate_up", (0, 1))}
 KINDS = ("qkv", "o", "gate_up", "down")          # forward.h: LORA_QKV .. LORA_DOWN
+NAMES = (*TARGETS, *FUSED)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -75,9 +78,9 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         _fail(path, f"modules_to_save {cfg['modules_to_save']} (whole modules replaced) is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, (list, tuple)):            # a list of names (a string is a regex: the weights say)
-        other = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGETS]
+        other = [t for t in targets if t.rsplit(".", 1)[-1] not in NAMES]
         if other:
-            _fail(path, f"it adapts {', '.join(map(str, other))}: LoRA applies to {', '.join(TARGETS)} only")
+            _fail(path, f"it adapts {', '.join(map(str, other))}: LoRA applies to {', '.join(NAMES)} only")
     r0, alpha0 = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rslora = bool(cfg.get("use_rslora"))
     weights = _read_weights(root, path)
@@ -86,11 +89,11 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         m = _KEY.search(key)
         if m is None:
             what = "lora_" in key and key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
-            _fail(path, f"tensor {key} " + (f"adapts {what}: LoRA applies to {', '.join(TARGETS)} only"
+            _fail(path, f"tensor {key} " + (f"adapts {what}: LoRA applies to {', '.join(NAMES)} only"
                                             if what else "is not a LoRA A/B matrix of a decoder layer"))
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in TARGETS:
-            _fail(path, f"tensor {key} adapts {module}: LoRA applies to {', '.join(TARGETS)} only")
+        if module not in NAMES:
+            _fail(path, f"tensor {key} adapts {module}: LoRA applies to {', '.join(NAMES)} only")
         if layer >= num_layers:
             _fail(path, f"tensor {key}: the model has {num_layers} layers")
         pairs.setdefault((layer, module), {})[ab] = t
@@ -101,8 +104,9 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         if set(ab) != {"A", "B"}:
             _fail(path, f"layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} without its pair")
         a, b = ab["A"].to(torch.float32), ab["B"].to(torch.float32)
-        kind, seg = TARGETS[module]
-        out, inp = shapes[(kind, seg)]
+        kind, segs = FUSED[module] if module in FUSED else (TARGETS[module][0], (TARGETS[module][1],))
+        widths = [shapes[(kind, g)][0] for g in segs]
+        out, inp = sum(widths), shapes[(kind, segs[0])][1]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
             _fail(path, f"layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the "
@@ -115,7 +119,10 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         if r_cfg != r:
             _fail(path, f"layer {layer} {module}: its matrices have rank {r}, the config says {r_cfg}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        mats[(layer, kind, seg)] = (a.contiguous(), (b * scale).contiguous())
+        for g, rows in zip(segs, (b * scale).split(widths)):
+            if (layer, kind, g) in mats:
+                _fail(path, f"layer {layer}: {module} and a separate projection adapt the same outputs")
+            mats[(layer, kind, g)] = (a.contiguous(), rows.contiguous())
         rank = max(rank, r)
     return LoRAAdapter(name, str(path), rank, mats)
 

@@ -95,8 +95,9 @@ def test_adapted_logits_match_peft(tiny_pair, adapters, monkeypatch, c_path, lor
 
 
 def test_mixed_batch_equals_solo_and_peft_generate(tiny_pair, adapters):
-    """Base, adapter 1 and adapter 2 in one batch (and n=2 of one of them): each greedy output is
-    its solo one, and the adapters' are transformers + PEFT's own generate."""
+    """Base, adapter 1 and adapter 2 in one batch (adapter 1 twice): each greedy output is its
+    solo one, and the adapters' are transformers + PEFT's own generate; seeded sampling too
+    gives each request its solo output."""
     target, _ = tiny_pair
     llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
     prompts = [{"prompt_token_ids": IDS[:n]} for n in (12, 5, 9, 7)]
@@ -114,6 +115,10 @@ def test_mixed_batch_equals_solo_and_peft_generate(tiny_pair, adapters):
                                  do_sample=False, eos_token_id=model.config.vocab_size, pad_token_id=0)
         assert out == ref[0, ids.shape[1]:].tolist()
     assert together[0] != llm.generate(prompts[0], GREEDY, lora_request=loras[1])[0].outputs[0].token_ids
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=11)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, lora_request=loras)]
+    assert together == [llm.generate(p, seeded, lora_request=lora)[0].outputs[0].token_ids
+                        for p, lora in zip(prompts, loras)]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -245,3 +245,24 @@ def test_a_folder_that_is_no_adapter_exits_with_one_line(tiny_pair, tmp_path):
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("specdec: error: ") and "adapter_config.json" in err[0], proc.stderr
+
+
+def test_bench_serve_draws_vllms_lora_modules(server, tmp_path):
+    """`specdec bench serve --lora-modules A B`: each request names one of the adapters (seeded
+    draw, both used); through the live server every one completes; a name the server does not
+    serve fails every request (so the requests did carry the names)."""
+    from specdec.bench.serve import with_lora
+    from specdec.cli import main
+
+    items = with_lora([{"prompt": "x"}] * 32, list(NAMES), seed=0)
+    assert {i["model"] for i in items} == set(NAMES) and items == with_lora([{"prompt": "x"}] * 32, list(NAMES), 0)
+    for names, failed in ((list(NAMES), 0), (["nope"], 6)):
+        out = tmp_path / names[0]
+        rc = main(["bench", "serve", "--base-url", server.url, "--lora-modules", *names, "--max-concurrency", "2",
+                   "--num-prompts", "6", "--output-len", "4", "--ignore-eos", "--warmup", "0", "--out", str(out)])
+        results = json.loads((out / "results.json").read_text())
+        (point,) = results["variants"][0]["points"]
+        assert results["settings"]["lora_modules"] == names
+        assert point["failed"] == failed and point["completed"] == 6 - failed
+        if not failed:
+            assert rc == 0

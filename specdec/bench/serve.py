@@ -341,6 +341,7 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
     """One streamed request through the official openai client (--client openai): a chat, or a
     completion of a prompt (text or token ids)."""
     sampling = {**sampling, **({"max_tokens": item["max_tokens"]} if "max_tokens" in item else {})}
+    model = item.get("model", model)
     result.sent = time.perf_counter()
     try:
         if _is_chat(item):
@@ -372,7 +373,7 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
     the default; vLLM's `bench serve` client does the same). The openai client's typed chunks cost the
     client ~3x the CPU per chunk, which on a machine of a few cores it takes from the server."""
     chat = _is_chat(item)
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+    body = {"model": item.get("model", model), "stream": True, "stream_options": {"include_usage": True},
             **({"messages": item["messages"]} if chat else {"prompt": _prompt(item)}),
             **{k: v for k, v in sampling.items() if k != "extra_body"}, **sampling.get("extra_body", {}),
             **({"max_tokens": item["max_tokens"]} if "max_tokens" in item else {})}
@@ -632,17 +633,27 @@ def _sampling(args) -> dict:
             **({"top_p": args.top_p} if getattr(args, "top_p", None) is not None else {}), "extra_body": extra}
 
 
+def with_lora(items: list[dict], names: list[str] | None, seed: int) -> list[dict]:
+    """vLLM's --lora-modules: each request names one of the adapters, drawn at random (seeded)."""
+    if not names:
+        return items
+    rng = np.random.default_rng(seed)
+    return [{**item, "model": names[int(rng.integers(len(names)))]} for item in items]
+
+
 def warm_up(base_url: str, pool: list[dict], args) -> None:
     if args.warmup:
-        asyncio.run(run_load(base_url, request_model(base_url, args), sample(pool, args.warmup, args.seed + 999),
+        items = with_lora(sample(pool, args.warmup, args.seed + 999), getattr(args, "lora_modules", None), args.seed)
+        asyncio.run(run_load(base_url, request_model(base_url, args), items,
                              Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed, args.client))
 
 
 def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
     """The requests of a load point: --num-prompts (at least twice its concurrency; no more than the
     dataset's prompts with --no-oversample), shuffled unless --disable-shuffle."""
-    return sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed,
-                  shuffle=not args.disable_shuffle, oversample=not args.no_oversample)
+    items = sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed,
+                   shuffle=not args.disable_shuffle, oversample=not args.no_oversample)
+    return with_lora(items, getattr(args, "lora_modules", None), args.seed)
 
 
 @dataclass

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target for the servers started (default: the default model); with --base-url, "
                                    "the model the requests name (vLLM's meaning; default: the server's first)")
     p.add_argument("--served-model-name", help="the model name the requests carry (default: the server's first)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME",
+                   help="LoRA adapters the server serves (its --lora-modules names): each request names one of "
+                        "them, drawn at random with --seed (vLLM's)")
     p.add_argument("--speculative-config", type=_json, help="the method for the speculative variants (JSON, as serve)")
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
@@ -368,7 +371,7 @@ def run(args, argv: list[str]) -> int:
                             "burstiness": args.burstiness, "client": args.client,
                             "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": dataset_name(args), "requests": requests_sent(args),
-                            "backend": args.backend, "shuffled": not args.disable_shuffle,
+                            "backend": args.backend, "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,
                             "oversampled": not args.no_oversample},
                "variants": []}
     if args.base_url:

@@ -4,6 +4,7 @@ made here from the model itself), at several concurrencies, interleaved in one p
 --repeats), plus speculative decoding under the adapter against plain decoding under it.
 
     python scripts/lora_cost.py --ranks 8,16 --batch 1,4 --repeats 3 --threads 2
+    python scripts/lora_cost.py --ranks 8,16 --write-adapters runs/lora    # only write them (r8/, r16/)
     python scripts/lora_cost.py --ranks 8 --batch 1 --speculative '{"method": "suffix", "num_speculative_tokens": 2}'
 
 The model defaults to the bundled default (SmolLM2-135M-Instruct Q4_1 GGUF); the adapter is
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--speculative", default=None, help="a speculative_config (JSON) to time under the adapter too")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--write-adapters", default=None, metavar="DIR", help="only write the adapters, to DIR/r<rank>")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,8 +79,11 @@ def main() -> None:
     model = args.model or str(default_model()[0])
     ranks = [int(r) for r in args.ranks.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="lora-cost-"))
+    tmp = Path(args.write_adapters or tempfile.mkdtemp(prefix="lora-cost-"))
     adapters = {r: LoRARequest(f"r{r}", i + 1, str(make_adapter(model, tmp / f"r{r}", r))) for i, r in enumerate(ranks)}
+    if args.write_adapters:
+        print("\n".join(a.lora_path for a in adapters.values()))
+        return
     llms = {"plain": LLM(model, num_speculative_tokens=0, enable_lora=True, max_lora_rank=max(ranks), max_loras=1)}
     if args.speculative:
         llms["spec"] = LLM(model, speculative_config=json.loads(args.speculative), enable_lora=True,

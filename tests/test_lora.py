@@ -7,7 +7,9 @@ max_loras holds the other adapters back; bad adapters give one clear error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -275,3 +277,57 @@ def test_fused_projections_of_phi3(tmp_path):
     got = adapted_logits(llm, LoRARequest("a", 1, str(folder)), IDS)
     assert (expected - plain).abs().max() > 0.1
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def write_gguf_lora(peft_dir, out, heads: int, kv_heads: int, arch: str = "llama"):
+    """A llama.cpp LoRA file of a PEFT folder, the way convert_lora_to_gguf.py writes one:
+    general.type "adapter", adapter.type "lora", adapter.lora.alpha; `blk.N.<tensor>.weight.lora_a`
+    [r, in] and `.lora_b` [out, r], B's rows of attn_q / attn_k interleaved as llama.cpp's
+    converter does for llama."""
+    from gguf import GGUFType, GGUFWriter, Keys
+    from gguf_helpers import permute_rotary
+    from safetensors.numpy import load_file
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    alpha = json.loads((peft_dir / "adapter_config.json").read_text())["lora_alpha"]
+    w = GGUFWriter(str(out), arch)
+    w.add_type(GGUFType.ADAPTER)
+    w.add_string(Keys.Adapter.TYPE, "lora")
+    w.add_float32(Keys.Adapter.LORA_ALPHA, float(alpha))
+    for key, value in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        parts = key.split(".")
+        i, module, ab = int(parts[parts.index("layers") + 1]), parts[-3], parts[-2][-1].lower()
+        if ab == "b" and module in ("q_proj", "k_proj"):
+            value = permute_rotary(value, kv_heads if module == "k_proj" else heads)
+        w.add_tensor(f"blk.{i}.{names[module]}.weight.lora_{ab}", value.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_llama_cpp_gguf_lora_file_matches_its_peft_folder(tiny_pair, adapters, tmp_path, gguf_files):
+    """llama.cpp's `--lora` file format: the same adapter read from a GGUF LoRA file (q/k rows
+    permuted as llama.cpp's converter does) gives PEFT's logits, beside an HF or a GGUF target;
+    a model GGUF given as an adapter is refused in one line."""
+    target, _ = tiny_pair
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    gguf_lora = write_gguf_lora(adapters["all"], tmp_path / "all.gguf", cfg["num_attention_heads"],
+                                cfg["num_key_value_heads"])
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    from_gguf = adapted_logits(llm, LoRARequest("g", 7, str(gguf_lora)), IDS)
+    from_peft = adapted_logits(llm, request(adapters, "all"), IDS)
+    torch.testing.assert_close(from_gguf, from_peft, rtol=1e-5, atol=1e-5 * from_peft.abs().max().item())
+    with pytest.raises(ValueError, match="not a LoRA adapter"):
+        llm.generate({"prompt_token_ids": IDS}, GREEDY, lora_request=LoRARequest("m", 8, str(gguf_files["draft"])))
+    # beside a quantized GGUF target of a llama checkpoint (its own q/k rows unpermuted at load)
+    hf = gguf_files["llama_q_hf"]
+    hcfg = json.loads((Path(hf) / "config.json").read_text())
+    folder = make_adapter(hf, tmp_path / "q", 6)
+    q_lora = write_gguf_lora(folder, tmp_path / "q.gguf", hcfg["num_attention_heads"], hcfg["num_key_value_heads"])
+    llm = LLM(str(gguf_files["llama_q"]), num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    a = adapted_logits(llm, LoRARequest("peft", 1, str(folder)), IDS)
+    b = adapted_logits(llm, LoRARequest("gguf", 2, str(q_lora)), IDS)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())

@@ -72,6 +72,7 @@ class LoRAStack:
         H, KV, hd, D, F = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
                            cfg.intermediate_size)
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.heads = (H, KV)
         self.shapes = {("qkv", 0): (H * hd, D), ("qkv", 1): (KV * hd, D), ("qkv", 2): (KV * hd, D),
                        ("o", 0): (D, H * hd), ("gate_up", 0): (F, D), ("gate_up", 1): (F, D), ("down", 0): (D, F)}
         segs = {"qkv": (H * hd, KV * hd, KV * hd), "o": (D,), "gate_up": (F, F), "down": (D,)}
@@ -147,7 +148,7 @@ class LoRAManager:
             self._loaded.move_to_end(request.lora_int_id)
             return found
         adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
-                               self.config.max_lora_rank)
+                               self.config.max_lora_rank, self.stack.heads)
         adapter.id = request.lora_int_id
         self._loaded[request.lora_int_id] = adapter
         cap = self.config.max_cpu_loras or self.config.max_loras

@@ -54,10 +54,16 @@ def _fail(path, why: str):
     raise ValueError(f"LoRA adapter {path}: {why}")
 
 
-def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max_rank: int) -> LoRAAdapter:
-    """Read the PEFT folder at path. shapes: {(kind, segment): (out, in)} of the model's
-    projections; every problem is one ValueError naming the folder."""
+def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max_rank: int,
+                 heads: tuple[int, int] | None = None) -> LoRAAdapter:
+    """Read the PEFT folder at path, or llama.cpp's GGUF LoRA file (load_gguf_adapter; heads:
+    the model's attention and kv heads). shapes: {(kind, segment): (out, in)} of the model's
+    projections; every problem is one ValueError naming the folder or file."""
     root = Path(path)
+    if root.is_file():
+        if heads is None:
+            _fail(path, "a file: a PEFT folder (adapter_config.json) or a llama.cpp GGUF LoRA is expected")
+        return load_gguf_adapter(name, path, shapes, num_layers, max_rank, heads)
     cfg_file = root / "adapter_config.json"
     if not cfg_file.is_file():
         _fail(path, "no adapter_config.json there (a Hugging Face PEFT LoRA folder is expected)")
@@ -99,6 +105,23 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         pairs.setdefault((layer, module), {})[ab] = t
     if not pairs:
         _fail(path, "no LoRA matrices in its weights")
+
+    def scale(layer: int, module: str, r: int) -> float:
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+        full = f"model.layers.{layer}.{block}.{module}"
+        r_cfg = _pattern(cfg.get("rank_pattern"), full, r0)
+        alpha = _pattern(cfg.get("alpha_pattern"), full, alpha0)
+        if r_cfg != r:
+            _fail(path, f"layer {layer} {module}: its matrices have rank {r}, the config says {r_cfg}")
+        return alpha / math.sqrt(r) if rslora else alpha / r
+
+    mats, rank = _matrices(path, pairs, shapes, max_rank, scale)
+    return LoRAAdapter(name, str(path), rank, mats)
+
+
+def _matrices(path, pairs: dict, shapes: dict, max_rank: int, scale) -> tuple[dict, int]:
+    """{(layer, PEFT module name): {"A": [r, in], "B": [out, r]}} -> mats (LoRAAdapter's) and the
+    largest rank; scale(layer, module, r): the factor B is multiplied by."""
     mats, rank = {}, 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -113,17 +136,59 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
                         f"model's {out} x {inp} projection")
         if r > max_rank:
             _fail(path, f"rank {r} is above max_lora_rank {max_rank} (--max-lora-rank)")
-        full = f"model.layers.{layer}.{'self_attn' if kind in ('qkv', 'o') else 'mlp'}.{module}"
-        r_cfg = _pattern(cfg.get("rank_pattern"), full, r0)
-        alpha = _pattern(cfg.get("alpha_pattern"), full, alpha0)
-        if r_cfg != r:
-            _fail(path, f"layer {layer} {module}: its matrices have rank {r}, the config says {r_cfg}")
-        scale = alpha / math.sqrt(r) if rslora else alpha / r
-        for g, rows in zip(segs, (b * scale).split(widths)):
+        for g, rows in zip(segs, (b * scale(layer, module, r)).split(widths)):
             if (layer, kind, g) in mats:
                 _fail(path, f"layer {layer}: {module} and a separate projection adapt the same outputs")
             mats[(layer, kind, g)] = (a.contiguous(), rows.contiguous())
         rank = max(rank, r)
+    return mats, rank
+
+
+# llama.cpp's tensor names (convert_lora_to_gguf.py writes `<base tensor>.lora_a` / `.lora_b`)
+GGUF_NAMES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+              "attn_qkv": "qkv_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+def load_gguf_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max_rank: int,
+                      heads: tuple[int, int]) -> LoRAAdapter:
+    """A llama.cpp LoRA adapter file (general.type "adapter", adapter.type "lora",
+    adapter.lora.alpha; llama.cpp's `--lora`): the same matrices, B's rows of attn_q / attn_k
+    put back in Hugging Face's order where llama.cpp's converter interleaved them (llama and
+    its kin), scaled alpha / r as llama.cpp does (alpha 0: unscaled). heads: (attention heads,
+    kv heads) of the model."""
+    from ..model.gguf import PERMUTED, GGUFError, GGUFFile, _dense, _raw_rows, rotary_unpermutation
+
+    try:
+        g = GGUFFile(path)
+    except GGUFError as e:
+        _fail(path, str(e).split(": ", 1)[-1])
+    if g.get("general.type") != "adapter" or g.get("adapter.type") != "lora":
+        _fail(path, f"a GGUF file of general.type {g.get('general.type')!r}, not a LoRA adapter "
+                    f"(llama.cpp's convert_lora_to_gguf.py writes general.type 'adapter', adapter.type 'lora')")
+    alpha = float(g.get("adapter.lora.alpha") or 0.0)
+    pairs: dict = {}
+    for tname, t in g.tensors.items():
+        m = _GGUF_KEY.match(tname)
+        if m is None or m.group(2) not in GGUF_NAMES:
+            _fail(path, f"tensor {tname}: LoRA applies to {', '.join(GGUF_NAMES)} of the decoder layers only")
+        layer, base, ab = int(m.group(1)), m.group(2), m.group(3).upper()
+        if layer >= num_layers:
+            _fail(path, f"tensor {tname}: the model has {num_layers} layers")
+        value = _dense(t, _raw_rows(t)).reshape(-1, int(t.shape[0]))
+        if ab == "B" and g.architecture in PERMUTED and base in ("attn_q", "attn_k"):
+            value = value[rotary_unpermutation(value.shape[0], heads[base == "attn_k"])]
+        module = GGUF_NAMES[base]
+        if base == "ffn_up" and ab == "B" and value.shape[0] == 2 * shapes[("gate_up", 1)][0]:
+            module = "gate_up_proj"        # Phi-3's fused gate and up (llama.cpp keeps it as ffn_up)
+        pairs.setdefault((layer, base), {})[ab] = (module, value)
+    if not pairs:
+        _fail(path, "no LoRA matrices in it")
+    named = {}
+    for (layer, base), ab in pairs.items():
+        module = ab.get("B", ab.get("A"))[0]
+        named[(layer, module)] = {k: v for k, (_, v) in ab.items()}
+    mats, rank = _matrices(path, named, shapes, max_rank, lambda layer, module, r: alpha / r if alpha else 1.0)
     return LoRAAdapter(name, str(path), rank, mats)
 
 

@@ -286,21 +286,11 @@ class LLM:
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError("sampling_params must be one per prompt")
-            plist = list(sampling_params)
-        else:
-            plist = [sampling_params] * len(prompts)
+        plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must be one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != len(prompts):
-                raise ValueError("lora_request must be one LoRARequest, or one (or None) per prompt")
-            loras = list(lora_request)
-        else:
-            loras = [lora_request] * len(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         jobs = []     # (request id, text, ids, params, priority, lora) per prompt, all checked before any runs
         for prompt, params, prio, lora in zip(prompts, plist, priorities, loras):
             params = self._params(params)
@@ -348,6 +338,15 @@ class LLM:
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
         return RequestOutput(rid, text, ids, outputs, True, stats, reqs[(rid, 0)].prompt_logprobs)
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """An argument given once for every prompt, or as a list of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} must be one per prompt (or one for all)")
+        return list(value)
+    return [value] * n
 
 
 class _Progress:

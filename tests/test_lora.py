@@ -220,7 +220,7 @@ def test_bad_adapters_and_settings_give_one_clear_error(tiny_pair, adapters, tmp
         llm.generate(p, GREEDY, lora_request=LoRARequest("other", 1, str(adapters["qv"])))
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("x", 0, "/x")
-    with pytest.raises(ValueError, match="one .* per prompt"):
+    with pytest.raises(ValueError, match="lora_request must be one per prompt"):
         llm.generate([p, p], GREEDY, lora_request=[None])
     with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
         LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2, max_cpu_loras=1)

@@ -20,7 +20,7 @@ class LoRARequest:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(f"lora_path must name the adapter's folder, got {self.lora_path!r}")
+            raise ValueError(f"lora_path must name the adapter's folder (or llama.cpp GGUF file), got {self.lora_path!r}")
 
     @property
     def adapter_id(self) -> int:         # vLLM's alias

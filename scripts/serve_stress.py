@@ -4,6 +4,7 @@ server's memory over time. Exit status 0 when every check passed.
 
     python scripts/serve_stress.py --clients 64 --seconds 600 --out bench/serve/stress.json
     python scripts/serve_stress.py --model models/target --clients 16 --seconds 30
+    python scripts/serve_stress.py --server-args "--enable-lora --lora-modules a=PATH b=PATH" --lora-modules a b
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
     p.add_argument("--out", type=Path, help="write the report here (JSON)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                   help="the server's LoRA adapters: valid requests name one of them, or the base model, at random")
     args = p.parse_args()
     argv = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     log = (args.out.with_suffix(".server.log") if args.out else Path("serve_stress.server.log"))
@@ -33,7 +36,7 @@ def main() -> int:
     serve.unwind_on_sigterm()
     with serve.server(argv, log) as started:
         report = stress.run(started.url, args.clients, args.seconds, args.max_tokens,
-                            stress.process_rss(started.pid), args.sample_every)
+                            stress.process_rss(started.pid), args.sample_every, loras=tuple(args.lora_modules))
     result = {"command": shlex.join([sys.executable, *sys.argv]), "load_average_before": before,
               "load_average_after": machine_info()["load_average"], **report.to_dict()}
     text = json.dumps(result, indent=1)

@@ -22,3 +22,26 @@ def test_short_stress_run(tiny_pair):
     assert all(result["actions"].get(a, 0) > 0 for a in ("greedy", "leave", "bad", "tools", "responses"))
     assert not any(int(code) >= 500 for code in result["status"])
     assert result["end_metrics"]["kv_cache_usage_perc"] == 0
+
+
+def test_short_stress_run_with_lora_adapters(tiny_pair, tmp_path):
+    """The same storm with two LoRA adapters and one slot (max_loras=1): valid requests name the
+    base model or an adapter at random, so adapter requests wait for the slot while others run;
+    still no 5xx, every greedy output (tool calls and Responses too) equals its solo one under
+    its own model, nothing left running or held."""
+    import pytest
+
+    pytest.importorskip("peft")
+    from specdec.server.lora import LoRAModulePath
+    from test_lora import make_adapter
+
+    target, draft = tiny_pair
+    modules = tuple(LoRAModulePath(n, str(make_adapter(target, tmp_path / n, seed))) for n, seed in (("a", 1), ("b", 2)))
+    llm = LLM(target, speculative_model=str(draft), num_speculative_tokens="auto", max_model_len=256, max_num_seqs=6,
+              enable_lora=True, max_loras=1)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",), lora_modules=modules))) as live:
+        report = stress.run(live.url, clients=16, seconds=6, max_tokens=24, loras=("a", "b"))
+    result = report.to_dict()
+    assert report.ok(), result
+    assert result["actions"].get("lora", 0) > 0 and result["actions"].get("greedy", 0) > 0
+    assert not any(int(code) >= 500 for code in result["status"])

@@ -12,6 +12,8 @@ Each client loops over random actions:
   model call it), its name and arguments checked against the same request's solo output;
 - responses: the greedy request through the Responses API, streamed (its typed events), its
   text checked against the chat endpoint's solo output.
+With LoRA adapters (`models`: the adapters' names, and None for the base model), each valid
+request names one of them at random, and solo outputs are kept per model.
 Checks: no 5xx and no transport failure ever; every greedy completion equals its solo output;
 at the end nothing is running and the KV pool is empty; the server's resident memory, sampled
 every few seconds, is flat (second half against first half of the run).
@@ -80,12 +82,14 @@ class Report:
                 "rss_mb": [(round(t, 1), round(m, 1)) for t, m in self.rss_mb], "end_metrics": self.end_metrics}
 
 
-def _body(prompt: str, max_tokens: int, **extra) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True, **extra}
+def _body(prompt: str, max_tokens: int, model: str | None = None, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
+            **({"model": model} if model is not None else {}), **extra}
 
 
-def _tool_body(prompt: str, max_tokens: int) -> dict:
-    return _body(prompt, max_tokens, temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+def _tool_body(prompt: str, max_tokens: int, model: str | None = None) -> dict:
+    return _body(prompt, max_tokens, model, temperature=0, tools=TOOLS, tool_choice="required",
+                 parallel_tool_calls=False)
 
 
 def _reply(content: str | None, calls) -> str:
@@ -131,9 +135,11 @@ async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_a
     return _reply("".join(text), [calls[i] for i in sorted(calls)])
 
 
-async def _responses(client: httpx.AsyncClient, prompt: str, max_tokens: int, report: Report) -> str | None:
+async def _responses(client: httpx.AsyncClient, prompt: str, max_tokens: int, report: Report,
+                     model: str | None = None) -> str | None:
     """A streamed Responses API reply's text (None when it failed)."""
-    body = {"input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "stream": True, "store": False}
+    body = {"input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "stream": True, "store": False,
+            **({"model": model} if model is not None else {})}
     text, final = [], None
     async with contextlib.aclosing(_events(client, "/v1/responses", body, report)) as events:
         async for event in events:
@@ -164,36 +170,42 @@ async def _bad(client: httpx.AsyncClient, report: Report, rng: random.Random) ->
         report.failures.append(f"bad request answered {r.status_code}: {r.text[:200]}")
 
 
-async def _client(url: str, until: float, solo: dict, max_tokens: int, report: Report, seed: int) -> None:
+async def _client(url: str, until: float, solo: dict, max_tokens: int, report: Report, seed: int,
+                  models: tuple = (None,)) -> None:
     rng = random.Random(seed)
     names, weights = zip(*ACTIONS)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         while time.monotonic() < until:
             action = rng.choices(names, weights)[0]
             prompt = rng.choice(PROMPTS)
+            model = rng.choice(models)
+            key = prompt if model is None else (model, prompt)
             try:
                 if action == "bad":
                     await _bad(client, report, rng)
                 elif action == "tools":
-                    body = {**_tool_body(prompt, max_tokens), "stream_options": {"include_usage": True}}
+                    body = {**_tool_body(prompt, max_tokens, model), "stream_options": {"include_usage": True}}
                     text = await _stream(client, body, report)
-                    if text is not None and text != solo["tools", prompt]:
-                        report.mismatches.append({"prompt": prompt, "tools": True, "got": text[:200],
-                                                  "solo": solo["tools", prompt][:200]})
+                    if text is not None and text != solo["tools", key]:
+                        report.mismatches.append({"prompt": prompt, "model": model, "tools": True, "got": text[:200],
+                                                  "solo": solo["tools", key][:200]})
                 elif action == "responses":
-                    text = await _responses(client, prompt, max_tokens, report)
-                    if text is not None and text != solo[prompt]:
-                        report.mismatches.append({"prompt": prompt, "responses": True, "got": text[:200],
-                                                  "solo": solo[prompt][:200]})
+                    text = await _responses(client, prompt, max_tokens, report, model)
+                    if text is not None and text != solo[key]:
+                        report.mismatches.append({"prompt": prompt, "model": model, "responses": True,
+                                                  "got": text[:200], "solo": solo[key][:200]})
                 elif action == "sampled":
-                    body = _body(prompt, max_tokens, temperature=0.8, seed=rng.randrange(1 << 30),
+                    body = _body(prompt, max_tokens, model, temperature=0.8, seed=rng.randrange(1 << 30),
                                  stream_options={"include_usage": True})
                     await _stream(client, body, report)
                 else:
-                    body = _body(prompt, max_tokens, temperature=0, stream_options={"include_usage": True})
+                    body = _body(prompt, max_tokens, model, temperature=0, stream_options={"include_usage": True})
                     text = await _stream(client, body, report, rng.randint(1, 6) if action == "leave" else None)
-                    if action == "greedy" and text is not None and text != solo[prompt]:
-                        report.mismatches.append({"prompt": prompt, "got": text[:200], "solo": solo[prompt][:200]})
+                    if action == "greedy" and text is not None and text != solo[key]:
+                        report.mismatches.append({"prompt": prompt, "model": model, "got": text[:200],
+                                                  "solo": solo[key][:200]})
+                if model is not None and action != "bad":
+                    report.counts["lora"] += 1          # of them, valid requests naming an adapter
                 report.counts[action] += 1
             except httpx.HTTPError as e:
                 report.failures.append(f"{action}: {type(e).__name__}: {e}")
@@ -215,32 +227,36 @@ async def _sample_rss(rss, until: float, every: float, report: Report, start: fl
         await asyncio.sleep(every)
 
 
-def solo_outputs(url: str, max_tokens: int) -> dict:
-    """Each prompt's greedy output (key: the prompt) and greedy tool call (key: ("tools", prompt)),
-    requested alone and not streamed."""
+def solo_outputs(url: str, max_tokens: int, models: tuple = (None,)) -> dict:
+    """Each prompt's greedy output (key: the prompt, or (model, prompt) for an adapter) and greedy
+    tool call (key: ("tools", that key)), requested alone and not streamed."""
     out = {}
     with httpx.Client(base_url=url, timeout=600) as c:
-        for p in PROMPTS:
-            r = c.post("/v1/chat/completions", json={**_body(p, max_tokens, temperature=0), "stream": False})
-            r.raise_for_status()
-            out[p] = r.json()["choices"][0]["message"]["content"]
-            r = c.post("/v1/chat/completions", json={**_tool_body(p, max_tokens), "stream": False})
-            r.raise_for_status()
-            msg = r.json()["choices"][0]["message"]
-            out["tools", p] = _reply(msg["content"], msg.get("tool_calls"))
+        for model in models:
+            for p in PROMPTS:
+                key = p if model is None else (model, p)
+                r = c.post("/v1/chat/completions", json={**_body(p, max_tokens, model, temperature=0), "stream": False})
+                r.raise_for_status()
+                out[key] = r.json()["choices"][0]["message"]["content"]
+                r = c.post("/v1/chat/completions", json={**_tool_body(p, max_tokens, model), "stream": False})
+                r.raise_for_status()
+                msg = r.json()["choices"][0]["message"]
+                out["tools", key] = _reply(msg["content"], msg.get("tool_calls"))
     return out
 
 
 def run(url: str, clients: int, seconds: float, max_tokens: int = 48, rss=None, every: float = 5.0,
-        seed: int = 0) -> Report:
-    """The storm against the server at `url`; rss(): its resident MiB (None: not sampled)."""
+        seed: int = 0, loras: tuple[str, ...] = ()) -> Report:
+    """The storm against the server at `url`; rss(): its resident MiB (None: not sampled); loras:
+    the server's adapters, which valid requests name at random beside the base model."""
     report = Report()
-    solo = solo_outputs(url, max_tokens)
+    models = (None, *loras)
+    solo = solo_outputs(url, max_tokens, models)
 
     async def storm():
         start = time.monotonic()
         until = start + seconds
-        tasks = [_client(url, until, solo, max_tokens, report, seed + i) for i in range(clients)]
+        tasks = [_client(url, until, solo, max_tokens, report, seed + i, models) for i in range(clients)]
         if rss is not None:
             tasks.append(_sample_rss(rss, until, every, report, start))
         await asyncio.gather(*tasks)

@@ -150,6 +150,8 @@ def test_max_loras_holds_other_adapters_back(tiny_pair, adapters):
     engine = llm.engine
     reqs = [engine.add_request(IDS[:n], GREEDY, request_id=str(i), lora_request=lora)
             for i, (n, lora) in enumerate(zip((12, 5, 9, 7, 4), loras))]
+    # one copy of each adapter while requests hold it, though only max_cpu_loras = 1 stays loaded
+    assert reqs[0].lora is reqs[3].lora and len(engine.lora.loaded()) == 1
     seen_together = set()
     while engine.has_unfinished():
         engine.step()

@@ -15,6 +15,7 @@ values.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -128,6 +129,9 @@ class LoRAManager:
         self.stack = LoRAStack(model, config.max_loras, config.max_lora_rank, slot_dtype(model, config.lora_dtype))
         model.set_lora(self.stack)
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()      # by lora_int_id
+        # every adapter some request still holds, by id: one copy each, however many requests
+        # (an adapter past max_cpu_loras is read again only once nobody holds it)
+        self._held: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         self._in_slot: list[LoRAAdapter | None] = [None] * config.max_loras
         self._slot_used: list[int] = [0] * config.max_loras             # step of last use (LRU)
         self._steps = 0
@@ -140,28 +144,37 @@ class LoRAManager:
         """The adapter a request names, loaded (once per id): a ValueError names what is wrong."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
-        found = self._loaded.get(request.lora_int_id)
+        found = self._loaded.get(request.lora_int_id) or self._held.get(request.lora_int_id)
         if found is not None:
             if found.name != request.lora_name or found.path != str(request.lora_path):
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {found.name!r} "
                                  f"({found.path}); each adapter needs its own id")
+            self._loaded[request.lora_int_id] = found
             self._loaded.move_to_end(request.lora_int_id)
+            self._trim()
             return found
         adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
                                self.config.max_lora_rank, self.stack.heads)
         adapter.id = request.lora_int_id
-        self._loaded[request.lora_int_id] = adapter
+        self._loaded[request.lora_int_id] = self._held[request.lora_int_id] = adapter
+        self._trim()
+        return adapter
+
+    def _trim(self) -> None:
+        """Keep max_cpu_loras adapters loaded (least recently used out; requests that hold one keep it)."""
         cap = self.config.max_cpu_loras or self.config.max_loras
         while len(self._loaded) > cap:
-            self._loaded.popitem(last=False)      # requests that hold it keep their reference
-        return adapter
+            self._loaded.popitem(last=False)
 
     def remove(self, lora_name: str) -> bool:
         """Forget the loaded adapter of that name (running requests keep theirs); False: none."""
         ids = [i for i, a in self._loaded.items() if a.name == lora_name]
         for i in ids:
             del self._loaded[i]
-        return bool(ids)
+        held = [i for i, a in self._held.items() if a.name == lora_name]
+        for i in held:                         # its requests keep their copy; new ones read it again
+            self._held.pop(i, None)
+        return bool(ids or held)
 
     def loaded(self) -> list[LoRAAdapter]:
         return list(self._loaded.values())

@@ -162,13 +162,21 @@ class Scheduler:
 
     def _next_seatable(self) -> Request | None:
         """The first waiting request whose LoRA adapter (if any) can run now: one the running
-        requests use, or a new one while fewer than max_loras are in use (vLLM skips the others
-        and keeps their places)."""
+        requests use, or a new one while fewer than max_loras are in use. The others keep their
+        places (as in vLLM); and once one of them waits, later requests for adapters wait behind
+        it (requests without one still go ahead), so that the running adapters' requests drain
+        and free a slot instead of keeping it forever."""
         if self.max_loras is None:
             return self.waiting[0]
         in_use = {r.lora.id for r in self.running if r.lora is not None}
-        return next((r for r in self.waiting
-                     if r.lora is None or r.lora.id in in_use or len(in_use) < self.max_loras), None)
+        blocked = False
+        for r in self.waiting:
+            if r.lora is None:
+                return r
+            if not blocked and (r.lora.id in in_use or len(in_use) < self.max_loras):
+                return r
+            blocked = True
+        return None
 
     def _reserve(self, r: Request, num_slots: int, plan: StepPlan, spare: frozenset = frozenset()) -> bool:
         """Blocks for r's step, preempting the newest (or least urgent) running requests outside

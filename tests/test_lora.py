@@ -333,3 +333,25 @@ def test_llama_cpp_gguf_lora_file_matches_its_peft_folder(tiny_pair, adapters, t
     a = adapted_logits(llm, LoRARequest("peft", 1, str(folder)), IDS)
     b = adapted_logits(llm, LoRARequest("gguf", 2, str(q_lora)), IDS)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+
+
+def test_a_waiting_adapter_is_not_starved(tiny_pair, adapters):
+    """max_loras=1, adapter "all" running and more of its requests arriving behind one for "qv":
+    those wait behind it (base requests still join), so "all" drains and "qv" gets the slot
+    before the later "all" requests."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=1)
+    engine, a, q = llm.engine, request(adapters, "all"), request(adapters, "qv")
+    first = engine.add_request(IDS[:6], GREEDY, request_id="a0", lora_request=a)
+    engine.step()
+    waiting = engine.add_request(IDS[:5], GREEDY, request_id="q", lora_request=q)
+    later = [engine.add_request(IDS[:4], GREEDY, request_id=f"a{i}", lora_request=a) for i in (1, 2)]
+    base = engine.add_request(IDS[:3], GREEDY, request_id="base")
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert "base" in running and not running & {"q", "a1", "a2"}
+    order = []
+    while engine.has_unfinished():
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    assert order.index("q") < order.index("a1") and all(r.finished for r in (first, waiting, base, *later))

@@ -154,7 +154,7 @@ typedef struct {
      * absorbed products [N, max(nope, latent)], [N, max(latent, v)] */
     float *mla_q, *mla_kv, *mla_lora, *mla_in, *mla_out;
     float *e;                             /* [N, D]: EAGLE-3's token embeddings (two_inputs) */
-    float *lora_t;                        /* [max(N, threads), 3 lora_rank]: LoRA's A x (lora_for) */
+    float *lora_t;                        /* [N, 3 lora_rank]: LoRA's A x per token (lora_for) */
     float *scores;                        /* [threads, attn_scratch(max_span)] */
     void *qs;                             /* quant_act_bytes(N, wide) */
     TokenOf *who;                         /* [N] */
@@ -187,7 +187,7 @@ static long work_layout(const Model *m, int N, int max_span, int threads, char *
                       4L * N * E, 4L * N * K, E ? 4L * N * D : 0, 8L * N * FM, 4L * N * FM, E ? 4L * N * D : 0,
                       E ? 4L * N * D : 0, 4L * N * K, 4L * N * K, 4L * N * K, E ? 8L * (E + 1) : 0,
                       C ? 4L * N * m->n_heads * (P + R) : 0, C ? 4L * N * (C + R) : 0, 4L * N * m->q_lora,
-                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * (N > threads ? N : threads) * m->lora_rank};
+                      4L * N * mla_in, 4L * N * mla_out, m->two_inputs ? 4L * N * D : 0, 12L * N * m->lora_rank};
     void **at[28] = {(void **)&w->x, (void **)&w->buf, (void **)&w->qkv, (void **)&w->att, (void **)&w->ff,
                      (void **)&w->scores, &w->qs, (void **)&w->who, (void **)&w->angles, (void **)&w->angles_local,
                      (void **)&w->moe_probs, (void **)&w->moe_w, (void **)&w->moe_x, (void **)&w->moe_ff,
@@ -266,59 +266,29 @@ static inline __attribute__((always_inline)) void axpys(float *o, const float *t
         for (int r = 0; r < nr; r++) o[c] = fmaf(t[r], ld1(b, bf16, r * ld + c), o[c]);
 }
 
-/* one segment of a token's LoRA product: t = A x over its rank rows, o[lo, hi) += t . B^T */
-static void lora_segment(const void *a, const void *bt, int bf16, const float *x, int K, int rank, long ld,
-                         float *o, int n, float *t) {
-    for (int r = 0; r < rank; r += 4) {
-        int nr = rank - r < 4 ? rank - r : 4;
-        if (bf16) dots((const uint16_t *)a + (long)r * K, 1, x, K, nr, t + r);
-        else dots((const float *)a + (long)r * K, 0, x, K, nr, t + r);
-    }
-    for (int r = 0; r < rank; r += 4) {
-        int nr = rank - r < 4 ? rank - r : 4;
-        if (bf16) axpys(o, t + r, (const uint16_t *)bt + r * ld, 1, ld, n, nr);
-        else axpys(o, t + r, (const float *)bt + r * ld, 0, ld, n, nr);
-    }
-}
-
 /* out [M, N] += each token's LoRA product B (A x) (forward.h: LoraMat), for the M tokens whose
- * sequence has an adapter slot, by the team. With at least as many tokens as threads, one pass:
- * each token computes its t = A x, then adds t . B^T. With fewer (decoding), two: the tokens'
- * rows of t shared out in groups of 4, then each token's outputs split among the threads. A row
- * of t and an output's sum take the same operations either way, so a token's result does not
- * depend on the batch. Nothing without adapters in the batch. */
+ * sequence has an adapter slot, by the team in two passes: the tokens' rows of t = A x in groups
+ * of up to 4 rank rows of a segment, then each token's outputs in as many parts as threads. A
+ * row of t and an output's sum take the same operations whatever the grouping and the split, so
+ * a token's result does not depend on the batch. Nothing without adapters in the batch. */
 static void lora_for(const Model *m, const Layer *L, int kind, const Batch *b, const Work *w, const float *x,
                      float *out, int M, int N, int K) {
     const LoraMat *l = &L->lora[kind];
     if (b->lora == NULL || l->a == NULL) return;
-    const int R = m->lora_rank, SR = l->nseg * R, threads = omp_get_num_threads(), bf = l->bf16;
-    const size_t e = bf ? 2 : 4;
+    const int R = m->lora_rank, SR = l->nseg * R, RG = (R + 3) / 4, bf = l->bf16;
+    const int parts = omp_get_num_threads(), span = (N + parts - 1) / parts;
     const char *A = l->a, *Bt = l->bt;
-    if (M >= threads) {
-        #pragma omp for schedule(static)
-        for (int n = 0; n < M; n++) {
-            int s = b->lora[w->who[n].seq], rank = s < 0 ? 0 : m->lora_ranks[4 * s + kind];
-            float *t = w->lora_t + (long)omp_get_thread_num() * SR;
-            for (int j = 0, off = 0; j < l->nseg && rank > 0; off += l->seg[j], j++)
-                lora_segment(A + ((long)s * SR + (long)j * R) * K * e, Bt + ((long)s * R * N + (long)R * off) * e, bf,
-                             x + (long)n * K, K, rank, l->seg[j], out + (long)n * N + off, l->seg[j], t + j * R);
-        }
-        return;
-    }
     float *T = w->lora_t;                     /* [M, SR] */
-    const int groups = (SR + 3) / 4, parts = threads, span = (N + parts - 1) / parts;
     #pragma omp for schedule(static)
-    for (long i = 0; i < (long)M * groups; i++) {
-        int n = (int)(i / groups), q = (int)(i % groups) * 4, s = b->lora[w->who[n].seq];
-        if (s < 0) continue;
-        for (int g = q; g < q + 4 && g < SR; g++) {     /* row g: segment g / R, rank row g % R */
-            if (g % R >= m->lora_ranks[4 * s + kind]) continue;
-            int nr = 1;
-            while (g + nr < q + 4 && g + nr < SR && (g + nr) / R == g / R && (g + nr) % R < m->lora_ranks[4 * s + kind]) nr++;
-            if (bf) dots((const uint16_t *)A + ((long)s * SR + g) * K, 1, x + (long)n * K, K, nr, T + (long)n * SR + g);
-            else dots((const float *)A + ((long)s * SR + g) * K, 0, x + (long)n * K, K, nr, T + (long)n * SR + g);
-            g += nr - 1;
-        }
+    for (long i = 0; i < (long)M * l->nseg * RG; i++) {
+        int n = (int)(i / ((long)l->nseg * RG)), j = (int)(i / RG % l->nseg), r0 = (int)(i % RG) * 4;
+        int s = b->lora[w->who[n].seq], rank = s < 0 ? 0 : m->lora_ranks[4 * s + kind];
+        if (r0 >= rank) continue;
+        int nr = rank - r0 < 4 ? rank - r0 : 4;
+        long row = (long)s * SR + (long)j * R + r0;
+        float *t = T + (long)n * SR + (long)j * R + r0;
+        if (bf) dots((const uint16_t *)A + row * K, 1, x + (long)n * K, K, nr, t);
+        else dots((const float *)A + row * K, 0, x + (long)n * K, K, nr, t);
     }
     #pragma omp for schedule(static)
     for (long i = 0; i < (long)M * parts; i++) {
@@ -331,8 +301,9 @@ static void lora_for(const Model *m, const Layer *L, int kind, const Batch *b, c
             long b0 = (long)s * R * N + (long)R * off + (lo - off);
             for (int r = 0; r < rank && lo < hi; r += 4) {
                 int nr = rank - r < 4 ? rank - r : 4;
-                if (bf) axpys(out + (long)n * N + lo, t + r, (const uint16_t *)Bt + b0 + (long)r * l->seg[j], 1, l->seg[j], hi - lo, nr);
-                else axpys(out + (long)n * N + lo, t + r, (const float *)Bt + b0 + (long)r * l->seg[j], 0, l->seg[j], hi - lo, nr);
+                float *o = out + (long)n * N + lo;
+                if (bf) axpys(o, t + r, (const uint16_t *)Bt + b0 + (long)r * l->seg[j], 1, l->seg[j], hi - lo, nr);
+                else axpys(o, t + r, (const float *)Bt + b0 + (long)r * l->seg[j], 0, l->seg[j], hi - lo, nr);
             }
         }
     }

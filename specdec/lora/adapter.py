@@ -178,16 +178,15 @@ def load_gguf_adapter(name: str, path: str | Path, shapes: dict, num_layers: int
         value = _dense(t, _raw_rows(t)).reshape(-1, int(t.shape[0]))
         if ab == "B" and g.architecture in PERMUTED and base in ("attn_q", "attn_k"):
             value = value[rotary_unpermutation(value.shape[0], heads[base == "attn_k"])]
-        module = GGUF_NAMES[base]
-        if base == "ffn_up" and ab == "B" and value.shape[0] == 2 * shapes[("gate_up", 1)][0]:
-            module = "gate_up_proj"        # Phi-3's fused gate and up (llama.cpp keeps it as ffn_up)
-        pairs.setdefault((layer, base), {})[ab] = (module, value)
+        pairs.setdefault((layer, base), {})[ab] = value
     if not pairs:
         _fail(path, "no LoRA matrices in it")
     named = {}
     for (layer, base), ab in pairs.items():
-        module = ab.get("B", ab.get("A"))[0]
-        named[(layer, module)] = {k: v for k, (_, v) in ab.items()}
+        module = GGUF_NAMES[base]
+        if base == "ffn_up" and "B" in ab and ab["B"].shape[0] == 2 * shapes[("gate_up", 1)][0]:
+            module = "gate_up_proj"        # Phi-3's fused gate and up (llama.cpp keeps it as ffn_up)
+        named[(layer, module)] = ab
     mats, rank = _matrices(path, named, shapes, max_rank, lambda layer, module, r: alpha / r if alpha else 1.0)
     return LoRAAdapter(name, str(path), rank, mats)
 

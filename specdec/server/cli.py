@@ -78,7 +78,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     lora = p.add_argument_group("LoRA adapters (vLLM's flags; a request names one in `model`)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lora.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, metavar="NAME=PATH",
-                      help='adapters served under their names: NAME=PATH (a Hugging Face PEFT folder) or JSON '
+                      help='adapters served under their names: NAME=PATH (a Hugging Face PEFT folder or a llama.cpp GGUF '
+                           'LoRA file) or JSON '
                            '\'{"name": ..., "path": ..., "base_model_name": ...}\'; /v1/load_lora_adapter adds more '
                            'when VLLM_ALLOW_RUNTIME_LORA_UPDATING=true')
     lora.add_argument("--max-loras", type=_positive, default=1, help="adapters one step may run at once (default 1)")

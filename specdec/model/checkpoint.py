@@ -337,16 +337,21 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                              max_model_len)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
-    if quantization not in (None, "auto", "none", "mxfp4"):
+    from . import hf_quant
+
+    if quantization not in (None, "auto", "none", "mxfp4", *hf_quant.METHODS):
         raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
     raw = read_config(folder)
-    quant = (text_config(raw).get("quantization_config") or raw.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "mxfp4"):
+    qcfg = text_config(raw).get("quantization_config") or raw.get("quantization_config") or {}
+    quant = hf_quant.method(qcfg)
+    if quant not in (None, "mxfp4", *hf_quant.METHODS.values()):
         raise CheckpointError(f"{folder}: quantization_config.quant_method {quant!r} is not supported (specdec reads "
-                              "unquantized folders, gpt-oss's MXFP4 experts, and GGUF files)")
-    if quantization == "mxfp4" and quant != "mxfp4":      # vLLM's --quantization mxfp4: the folder must be
-        raise CheckpointError(f"{folder}: quantization='mxfp4' needs a folder quantized with it (quantization_config "
-                              f"quant_method 'mxfp4', as gpt-oss's), this one has {quant or 'none'}")
+                              "unquantized folders, compressed-tensors, GPTQ, AWQ and FP8 folders, gpt-oss's MXFP4 "
+                              "experts, and GGUF files)")
+    asked = hf_quant.METHODS.get(quantization, quantization)
+    if asked not in (None, "auto", "none") and asked != quant:     # vLLM's --quantization names the folder's method
+        raise CheckpointError(f"{folder}: quantization={quantization!r} does not match the folder's "
+                              f"quantization_config (quant_method {quant or 'none'})")
     try:
         if hf_overrides:
             raw = apply_hf_overrides(text_config(raw), hf_overrides)
@@ -365,9 +370,15 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
 
         if kernels_cover({"MXFP4"}, torch.device(device)):     # the experts stay MXFP4 (qgemm.c)
             packed = _gpt_oss_packed(sd, cfg)
+    if quant in hf_quant.METHODS.values():
+        try:
+            sd = hf_quant.convert(sd, quant, qcfg, _packable(quantization, device))
+        except hf_quant.QuantFormatError as e:
+            raise CheckpointError(f"{folder}: {e}") from None
     sd = hf_to_fused(sd, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
+    packed.update(_packed_rows(sd, model, folder))
     expected = {n for n, _ in model.named_parameters()} - {f"{m}.{kind}" for m in packed for kind in ("weight", "bias")}
     missing, unexpected = expected - set(sd), set(sd) - expected
     if missing:
@@ -389,18 +400,49 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         param.data = src.to(device=device, dtype=torch.float32 if keep else torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    from .hf_quant import packed_format
     from .quant import QuantLinear
 
     kept_packed = bool(packed)
     for name in list(packed):    # popped as built: each expert's rows freed once its panels exist
         rows, bias, k = packed.pop(name)
-        owner, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(owner), attr, QuantLinear(rows.to(device), "MXFP4", k,
+        owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+        qtype = "MXFP4" if quant == "mxfp4" else packed_format(rows.shape[1], k)
+        setattr(model.get_submodule(owner), attr, QuantLinear(rows.to(device), qtype, k,
                                                               None if bias is None else bias.to(device, torch.float32)))
     model.reset_rope(device)  # buffers were left uninitialised on meta
     if kept_packed:
         model.use_fp32_activations()     # packed products take and return fp32
     return finish(model, torch_dtype, device)
+
+
+def _packable(quantization: str | None, device):
+    """qtype -> whether a quantized folder's matrices in that format stay packed: not with
+    quantization="none", nor where the CPU kernels do not multiply it (model/hf_quant.py)."""
+    from .gguf import kernels_cover
+
+    if quantization == "none":
+        return lambda qtype: False
+    cover: dict[str, bool] = {}
+    return lambda qtype: cover.setdefault(qtype, kernels_cover({qtype}, torch.device(device)))
+
+
+def _packed_rows(sd: dict[str, torch.Tensor], model: Transformer, folder) -> dict[str, tuple]:
+    """The matrices a quantized folder keeps packed (uint8 ggml rows in sd, model/hf_quant.py),
+    popped from sd as {module name: (rows, bias, in_features)}."""
+    from .hf_quant import packed_format
+
+    out = {}
+    for name in [n for n, t in sd.items() if t.dtype == torch.uint8 and n.endswith(".weight")]:
+        owner = name[:-len(".weight")]
+        try:
+            k = model.get_submodule(owner).in_features
+        except AttributeError:
+            raise CheckpointError(f"{folder}: unexpected weight in the checkpoint: {name}") from None
+        if packed_format(sd[name].shape[1], k) is None:
+            raise CheckpointError(f"{folder}: {name} has {sd[name].shape[1]} bytes per row for {k} columns")
+        out[owner] = (sd.pop(name), sd.pop(owner + ".bias", None), k)
+    return out
 
 
 def finish(model: Transformer, torch_dtype: torch.dtype, device) -> Transformer:

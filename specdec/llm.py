@@ -164,6 +164,7 @@ class LLM:
         """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both.
         The target takes hf_overrides and disable_sliding_window (vLLM's: not the draft); both
         take max_model_len (longrope's factor set: ModelConfig.configured)."""
+        from .model import hf_quant
         from .model.gguf import GGUFError, GGUFFile, find_gguf, load_gguf
 
         cfg = (self.hf_overrides, self.disable_sliding_window) if target else (None, False)
@@ -172,7 +173,7 @@ class LLM:
             gguf_path = find_gguf(path)
             g = GGUFFile(gguf_path) if gguf_path is not None else None
             # vLLM's --quantization names the target's method: a draft in another format loads as auto
-            quant = None if self.quantization == "mxfp4" and not target else self.quantization
+            quant = None if not target and self.quantization in ("mxfp4", *hf_quant.METHODS) else self.quantization
             model = load_gguf(g, self.dtype, self.device, quant, *cfg) if g is not None else \
                 load_model(path, self.dtype, self.device, quant, *cfg)
             tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)

@@ -349,6 +349,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                               "unquantized folders, compressed-tensors, GPTQ, AWQ and FP8 folders, gpt-oss's MXFP4 "
                               "experts, and GGUF files)")
     asked = hf_quant.METHODS.get(quantization, quantization)
+    if asked == "mxfp4" and quant != "mxfp4":
+        raise CheckpointError(f"{folder}: quantization='mxfp4' needs a folder quantized with it (quantization_config "
+                              f"quant_method 'mxfp4', as gpt-oss's), this one has {quant or 'none'}")
     if asked not in (None, "auto", "none") and asked != quant:     # vLLM's --quantization names the folder's method
         raise CheckpointError(f"{folder}: quantization={quantization!r} does not match the folder's "
                               f"quantization_config (quant_method {quant or 'none'})")

@@ -596,9 +596,14 @@ def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantiz
     disable_sliding_window and max_model_len: ModelConfig.configured)."""
     from .checkpoint import finish, resolve_dtype
 
+    from .hf_quant import METHODS
+
     if quantization == "mxfp4":
         raise GGUFError(f"{Path(getattr(g, 'path', g))}: quantization='mxfp4' is for Hugging Face folders with MXFP4 "
                         "weights; a GGUF file's MXFP4 tensors stay packed with 'gguf' or auto")
+    if quantization in METHODS:
+        raise GGUFError(f"{Path(getattr(g, 'path', g))}: quantization={quantization!r} is for Hugging Face folders "
+                        "quantized with it; a GGUF file takes 'gguf', 'none' or auto")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)

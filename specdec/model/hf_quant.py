@@ -9,14 +9,15 @@ and then either
 
 - keeps it packed, as llama.cpp's block formats that qgemm.c multiplies (model/quant.py), where
   every block of 32 columns has one scale and zero:
-    4-bit, zero 0 (symmetric)   -> Q4_0: d = scale, nibble = q + 8         (exact)
-    4-bit, any zero             -> Q4_1: d = scale, m = -scale * (8 + zero) (m rounded to fp16)
-    8-bit, zero 0               -> Q8_0: d = scale, q                      (exact)
-  (scales are stored as fp16 in the blocks: exact for fp16 scales and for bf16 / fp32 ones in
-  fp16's normal range), or
+    codes in -8..7 (2/3/4-bit), zero 0 -> Q4_0: d = scale, nibble = q + 8          (exact)
+    codes in 0..15 unsigned, zeros     -> Q4_1: d = scale, m = -scale * zero       (m as fp16)
+    8-bit codes, zero 0                -> Q8_0: d = scale, q                       (exact)
+    MXFP4 (E2M1 values, E8M0 scales)   -> MXFP4                                    (exact)
+  (the blocks hold scales as fp16: exact for fp16 and bf16 scales in fp16's normal range, as
+  GPTQ, AWQ and llm-compressor on a bf16 model store them; fp32 scales round), or
 - dequantizes it to a dense matrix in fp32 (the loader casts it to the model's dtype), for every
-  other case: FP8 / FP4 weights, 2/3-bit codes, 8-bit with zero points, groups that are not whole
-  blocks of 32, GPTQ's act-order, `quantization="none"`, and CPUs without the kernels.
+  other case: FP8 and NVFP4 weights, 8-bit codes with zero points, groups that are not whole
+  blocks of 32, GPTQ's act-order, embeddings, `quantization="none"`, and CPUs without the kernels.
 
 Packed products quantize the activations per block of 32 to int8 as llama.cpp does (qgemm.c); a
 dense matrix is multiplied in the model's dtype. Activation and KV-cache schemes in the config
@@ -74,6 +75,7 @@ class Codes:
     scale: Tensor
     zero: Tensor | None = None
     g_idx: Tensor | None = None
+    half: int = 8           # 2^(bits - 1): q + half is the stored unsigned code (Q4_1's nibble)
 
     def groups(self) -> Tensor:
         K, G = self.q.shape[1], self.scale.shape[1]
@@ -123,11 +125,12 @@ class Codes:
         if zero_free and -8 <= lo and hi <= 7:                       # Q4_0: w = d * (nibble - 8)
             u = (q + 8).to(torch.uint8)
             return _cat_blocks(_f16_bytes(d16), u[..., :16] | (u[..., 16:] << 4))
-        if zero is not None and -8 <= lo and hi <= 7:                # Q4_1: w = d * nibble + m
-            m16 = (-scale * (8 + zero)).to(torch.float16)
+        h = self.half if 0 <= lo + self.half and hi + self.half <= 15 else 8
+        if zero is not None and 0 <= lo + h and hi + h <= 15:        # Q4_1: w = d * nibble + m
+            m16 = (-scale * (h + zero)).to(torch.float16)           # the unsigned zero: the smallest m
             if not torch.isfinite(m16).all():
                 return None
-            u = (q + 8).to(torch.uint8)
+            u = (q + h).to(torch.uint8)
             return _cat_blocks(_f16_bytes(d16), _f16_bytes(m16), u[..., :16] | (u[..., 16:] << 4))
         if zero_free and -128 <= lo and hi <= 127:                   # Q8_0: w = d * q
             return _cat_blocks(_f16_bytes(d16), q.to(torch.int8).view(torch.uint8))
@@ -253,7 +256,7 @@ def _compressed_tensors(sd: dict, prefix: str, what: str) -> Codes | Tensor | No
         zero = None
         if zp is not None:          # group / channel zero points are packed along the rows
             zero = unpack_bits(zp, bits, N, dim=0) - (1 << (bits - 1)) if zp.dtype == torch.int32 else zp
-        return _codes(q, scale, zero, g_idx, what)
+        return _codes(q, scale, zero, g_idx, what, 1 << (bits - 1))
     w = _take(sd, prefix + "weight")
     if w is None:
         raise QuantFormatError(f"{what}: quantization scales without a weight")
@@ -265,7 +268,8 @@ def _compressed_tensors(sd: dict, prefix: str, what: str) -> Codes | Tensor | No
     return w.float() * _full_scale(scale, *w.shape, what)           # FP8 (float-quantized)
 
 
-def _codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, what: str) -> Codes | Tensor:
+def _codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, what: str,
+           half: int = 128) -> Codes | Tensor:
     """Integer codes with their stored scale and zero point (same layout) -> Codes, or a dense
     matrix where the groups are not whole (a block strategy's short last block)."""
     N, K = q.shape
@@ -274,7 +278,7 @@ def _codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, 
         w = q.float() if zero is None else q.float() - _full_scale(zero, N, K, what)
         return w * _full_scale(scale, N, K, what)
     z = None if zero is None else _scale_grid(zero, N, K, what).expand_as(s).contiguous()
-    return Codes(q, s, z, g_idx)
+    return Codes(q, s, z, g_idx, half)
 
 
 def _gptq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
@@ -298,7 +302,7 @@ def _gptq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
         g_idx = None                                                     # the default order: no act-order
     if g_idx is None and K % G:
         raise QuantFormatError(f"{what}: {G} GPTQ groups do not divide {K} columns")
-    return Codes(q - half, scales.float().t().contiguous(), zero - half, g_idx)
+    return Codes(q - half, scales.float().t().contiguous(), zero - half, g_idx, half)
 
 
 _AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])   # column of each nibble of an AWQ word
@@ -369,7 +373,11 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[s
     for name in [n for n in sd if n.rsplit(".", 1)[-1] in _RUNTIME_SCALES]:
         del sd[name]
     codes: dict[str, Codes | MXFP4] = {}
-    for prefix in _quantized_prefixes(sd, kind):
+    prefixes = _quantized_prefixes(sd, kind)
+    if not prefixes and kind != "compressed-tensors":    # (a compressed-tensors folder may quantize only its KV cache)
+        marker = "weight_scale_inv" if kind == "fp8" else "qweight"
+        raise QuantFormatError(f"quantization_config names {kind} but no matrix in the folder has its tensors ({marker})")
+    for prefix in prefixes:
         what = prefix[:-1]
         if kind == "compressed-tensors":
             got = _compressed_tensors(sd, prefix, what)

@@ -1,0 +1,443 @@
+"""Quantized Hugging Face folders (model/hf_quant.py): compressed-tensors folders written by the
+real `compressed_tensors` package and read back by transformers as the reference; GPTQ and AWQ
+folders in AutoGPTQ's and AutoAWQ's layouts (the writers below follow AutoGPTQ 0.7.1's
+`QuantLinear.pack` and AutoAWQ 0.2.9's `WQLinear_GEMM.from_linear`, which the reader was checked
+against); transformers' block FP8. Dense loading (quantization="none") equals the reference to
+fp32 rounding; packed loading keeps the stated llama.cpp format, with weights equal to the
+reference's, and speculative decoding on it stays lossless."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_checkpoint
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.model import CheckpointError, load_model
+from specdec.model.gguf import kernels_cover
+from specdec.model.quant import QuantLinear
+
+IDS = torch.tensor([[0, 9, 17, 33, 42, 8, 61, 20, 5, 70, 11]])
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(ids).logits[0].float()
+
+
+def hf_logits(folder, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    with torch.inference_mode():
+        return model(IDS).logits[0].float(), model
+
+
+def assert_near(x, y):
+    """int8 activations per block of 32 (qgemm.c, as llama.cpp) against exact dequantized maths."""
+    assert ((x - y).norm() / y.norm()).item() < 0.05
+    assert (x.argmax(-1) == y.argmax(-1)).float().mean().item() >= 0.8
+
+
+def runtime_weight(model, layer: int, name: str) -> torch.Tensor:
+    """The [out, in] fp32 matrix of an HF module name in the runtime's fused modules."""
+    L = model.model.layers[layer]
+    fused = {"q_proj": (L.self_attn.qkv_proj, 0), "k_proj": (L.self_attn.qkv_proj, 1), "v_proj": (L.self_attn.qkv_proj, 2),
+             "o_proj": (L.self_attn.o_proj, None), "gate_proj": (L.mlp.gate_up_proj, 0), "up_proj": (L.mlp.gate_up_proj, 1),
+             "down_proj": (L.mlp.down_proj, None)}
+    mod, part = fused[name]
+    w = mod.dequantize() if isinstance(mod, QuantLinear) else mod.weight.float()
+    if part is None:
+        return w
+    if name.endswith(("gate_proj", "up_proj")):
+        return w.chunk(2)[part]
+    cfg = model.config
+    hd = cfg.head_dim
+    sizes = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
+    return w.split(sizes)[part]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A tiny llama (hidden 256: whole 128-groups and 128x128 FP8 blocks) in a folder."""
+    return make_checkpoint(tmp_path_factory.mktemp("hfq") / "dense", hidden=256, layers=2, seed=3)
+
+
+# --- compressed-tensors ---------------------------------------------------------------------------
+
+def write_compressed_tensors(src, dst, scheme_name: str, group: int | None = None, dtype=torch.float32):
+    """dst: src quantized with compressed-tensors' preset scheme (min-max scales, as llm-compressor's
+    default observer), compressed and saved the way llm-compressor saves it."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    if group is not None:
+        scheme.weights.group_size = group
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for mod in model.modules():
+        if not hasattr(mod, "weight_scale"):
+            continue
+        args, w = mod.quantization_scheme.weights, mod.weight.data
+        if args.strategy in ("group", "tensor_group"):
+            g = w.reshape(w.shape[0], -1, args.group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+        elif args.strategy == "channel":
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        elif args.strategy == "block":
+            bn, bk = args.block_structure
+            b = w.reshape(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+            lo, hi = b.amin((1, 3)), b.amax((1, 3))
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        gscale = None
+        if hasattr(mod, "weight_global_scale"):
+            from compressed_tensors.quantization.utils import generate_gparam
+
+            gscale = generate_gparam(w.amin(), w.amax())
+            mod.weight_global_scale.data = gscale.reshape(mod.weight_global_scale.shape)
+        scale, zero = calculate_qparams(lo, hi, args, global_scale=gscale)
+        mod.weight_scale.data = scale.to(mod.weight_scale.dtype).reshape(mod.weight_scale.shape)
+        if hasattr(mod, "weight_zero_point"):
+            mod.weight_zero_point.data = zero.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, dst / f.name)
+    return dst
+
+
+# scheme, group size, the kept format (None: dequantized at load)
+CT_SCHEMES = [("W4A16", None, "Q4_0"), ("W4A16", 32, "Q4_0"), ("W4A16_ASYM", None, "Q4_1"), ("W8A16", None, "Q8_0"),
+              ("W8A8", None, "Q8_0"), ("FP8", None, None), ("FP8_DYNAMIC", None, None), ("FP8_BLOCK", None, None),
+              ("NVFP4A16", None, None), ("MXFP4A16", None, "MXFP4")]
+
+
+@pytest.fixture(scope="module")
+def ct_folders(dense, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ct")
+    return {(s, g): write_compressed_tensors(dense, root / f"{s}-{g}", s, g) for s, g, _ in CT_SCHEMES}
+
+
+def ct_reference(folder):
+    from transformers import CompressedTensorsConfig
+
+    return hf_logits(folder, quantization_config=CompressedTensorsConfig(dequantize=True))
+
+
+@pytest.mark.parametrize("scheme,group,fmt", CT_SCHEMES, ids=[f"{s}-{g}" for s, g, _ in CT_SCHEMES])
+def test_compressed_tensors_dequantized_equals_transformers(ct_folders, scheme, group, fmt):
+    folder = ct_folders[(scheme, group)]
+    ref, hf = ct_reference(folder)
+    model = load_model(folder, "float32", quantization="none")
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    for name in LINEARS:
+        got = runtime_weight(model, 1, name)
+        want = getattr(hf.model.layers[1].self_attn if name in LINEARS[:4] else hf.model.layers[1].mlp, name).weight.float()
+        if scheme.startswith("NVFP4"):       # compressed-tensors dequantizes FP4 in bf16 (its unpack's dtype)
+            got = got.bfloat16().float()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    tol = 2e-2 if scheme.startswith("NVFP4") else 1e-5
+    torch.testing.assert_close(logits(model), ref, atol=tol * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("scheme,group,fmt", CT_SCHEMES, ids=[f"{s}-{g}" for s, g, _ in CT_SCHEMES])
+def test_compressed_tensors_packed(ct_folders, scheme, group, fmt):
+    folder = ct_folders[(scheme, group)]
+    ref, hf = ct_reference(folder)
+    model = load_model(folder, "float32")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    if fmt is None or not kernels_cover({fmt}, torch.device("cpu")):
+        assert not isinstance(qkv, QuantLinear)
+        return
+    assert isinstance(qkv, QuantLinear) and qkv.qtype == fmt
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert not isinstance(model.lm_head, QuantLinear)            # ignored by the scheme: dense
+    for name in LINEARS:
+        want = getattr(hf.model.layers[0].self_attn if name in LINEARS[:4] else hf.model.layers[0].mlp, name).weight.float()
+        # the blocks hold scales (and Q4_1's m = -scale * (8 + zero)) as fp16; these fp32 scales round
+        tol = 2 ** -10 * want.abs().max().item()
+        torch.testing.assert_close(runtime_weight(model, 0, name), want, atol=tol, rtol=0)
+    assert_near(logits(model), ref)
+
+
+def test_bf16_scales_pack_exactly(dense, tmp_path):
+    """llm-compressor on a bf16 model stores bf16 scales: fp16 holds them exactly, so the packed
+    Q4_0 / Q8_0 matrices hold the folder's weights exactly (transformers forms scale * q in bf16:
+    ours, exact in fp32, rounds to its bits)."""
+    for scheme, fmt in (("W4A16", "Q4_0"), ("W8A16", "Q8_0")):
+        if not kernels_cover({fmt}, torch.device("cpu")):
+            continue
+        folder = write_compressed_tensors(dense, tmp_path / scheme, scheme, dtype=torch.bfloat16)
+        _, hf = ct_reference(folder)
+        model = load_model(folder, "float32")
+        assert model.model.layers[0].mlp.down_proj.qtype == fmt
+        for name in LINEARS:
+            want = getattr(hf.model.layers[0].self_attn if name in LINEARS[:4] else hf.model.layers[0].mlp, name).weight
+            assert torch.equal(runtime_weight(model, 0, name).bfloat16().float(), want.float())
+
+
+# --- GPTQ and AWQ -----------------------------------------------------------------------------
+
+def minmax_codes(w: torch.Tensor, bits: int, group: int, sym: bool):
+    """Codes [N, K] in 0 .. 2^bits - 1, scales [N, G] (fp16 values) and zeros [N, G] (integers),
+    w ~ scale * (code - zero), group -1 = one group per row."""
+    N, K = w.shape
+    g = K if group == -1 else group
+    blocks = w.reshape(N, K // g, g)
+    maxq = 2 ** bits - 1
+    if sym:
+        scale = (blocks.abs().amax(-1) / (maxq / 2)).clamp_min(1e-6).half().float()
+        zero = torch.full_like(scale, (maxq + 1) // 2)
+    else:
+        lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / maxq).clamp_min(1e-6).half().float()
+        zero = torch.round(-lo / scale).clamp(1, maxq)           # >= 1: AutoGPTQ stores zero - 1
+    codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, maxq).reshape(N, K).long()
+    return codes, scale, zero
+
+
+def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] codes -> int32 [R, C * bits / 32] as AutoGPTQ's word loops pack them: value j of a
+    row at bit j * bits, its high bits in the next word where it does not fit (its 3-bit case)."""
+    R, C = values.shape
+    v = values.long()
+    pos = torch.arange(C) * bits
+    word, off = pos // 32, pos % 32
+    words = torch.zeros(R, C * bits // 32 + 1, dtype=torch.int64)
+    words.scatter_add_(1, word.expand(R, C), (v << off) & 0xFFFFFFFF)
+    spill = off + bits > 32
+    words.scatter_add_(1, (word[spill] + 1).expand(R, -1), v[:, spill] >> (32 - off[spill]))
+    words = words[:, :-1]
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def write_gptq(src, dst, bits=4, group=128, sym=True, act_order=False, v2=False, seed=0):
+    """dst: src's seven projections in AutoGPTQ's layout (qweight [K * bits / 32, N], qzeros
+    [G, N * bits / 32] holding zero - 1 (v1) or zero (v2), scales [G, N] fp16, g_idx [K]); and
+    dst.parent / (dst.name + "-truth"): the dense model those codes mean, for transformers."""
+    gen = torch.Generator().manual_seed(seed)
+    sd, truth = load_file(src / "model.safetensors"), {}
+    out = {n: t for n, t in sd.items() if not any(f".{m}." in n for m in LINEARS) or n.endswith(".bias")}
+    for name, w in sd.items():
+        if not name.endswith(".weight") or not any(f".{m}." in name for m in LINEARS):
+            continue
+        p = name[:-len("weight")]
+        N, K = w.shape
+        perm = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
+        codes, scale, zero = minmax_codes(w[:, perm].float(), bits, group, sym)     # groups over the permuted k
+        g = K if group == -1 else group
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(K) // g).to(torch.int32)
+        inv = torch.argsort(perm)
+        codes = codes[:, inv]                                                         # back to column order
+        truth[name] = ((codes.float() - zero[:, g_idx.long()]) * scale[:, g_idx.long()]).to(w.dtype)
+        out[p + "qweight"] = _pack_k(codes, bits)
+        out[p + "qzeros"] = pack_fields(zero.t().long() - (0 if v2 else 1), bits)
+        out[p + "scales"] = scale.t().contiguous().half()
+        out[p + "g_idx"] = g_idx
+    _save(src, dst, out, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+                          "sym": sym, **({"checkpoint_format": "gptq_v2"} if v2 else {})})
+    return dst, _save_truth(src, dst, sd, truth)
+
+
+def _pack_k(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] -> qweight [K * bits / 32, N]: packed along k (each column n's k values)."""
+    return pack_fields(codes, bits).t().contiguous()
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def write_awq(src, dst, group=128):
+    """dst: src's projections in AutoAWQ's GEMM layout: qweight [K, N / 8] and qzeros [G, N / 8],
+    word c's nibble i holding column 8 c + AWQ_ORDER[i]; scales [G, N] fp16."""
+    sd, truth = load_file(src / "model.safetensors"), {}
+    out = {n: t for n, t in sd.items() if not any(f".{m}." in n for m in LINEARS) or n.endswith(".bias")}
+
+    def pack_n(values):                     # [R, C] -> [R, C / 8], AutoAWQ's order inside each word
+        R, C = values.shape
+        v = values.reshape(R, C // 8, 8)[:, :, AWQ_ORDER].reshape(R, C)
+        return pack_fields(v, 4)
+
+    for name, w in sd.items():
+        if not name.endswith(".weight") or not any(f".{m}." in name for m in LINEARS):
+            continue
+        p = name[:-len("weight")]
+        codes, scale, zero = minmax_codes(w.float(), 4, group, sym=False)
+        g = torch.arange(w.shape[1]) // group
+        truth[name] = ((codes.float() - zero[:, g]) * scale[:, g]).to(w.dtype)
+        out[p + "qweight"] = pack_n(codes.t())
+        out[p + "qzeros"] = pack_n(zero.t().long())
+        out[p + "scales"] = scale.t().contiguous().half()
+    _save(src, dst, out, {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True})
+    return dst, _save_truth(src, dst, sd, truth)
+
+
+def _save(src, dst, tensors, qcfg):
+    dst.mkdir(parents=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, dst / f.name)
+
+
+def _save_truth(src, dst, sd, truth):
+    folder = dst.parent / (dst.name + "-truth")
+    folder.mkdir()
+    save_file({**sd, **truth}, str(folder / "model.safetensors"))
+    shutil.copy(src / "config.json", folder / "config.json")
+    return folder
+
+
+# bits, group, sym, act_order, v2, the kept format
+GPTQ_CASES = [(4, 128, True, False, False, "Q4_0"), (4, 32, False, False, False, "Q4_1"), (8, -1, True, False, False, "Q8_0"),
+              (4, 64, True, False, True, "Q4_0"), (4, 128, True, True, False, None), (3, 128, True, False, False, "Q4_0"),
+              (2, 64, False, False, False, "Q4_1")]      # 2- and 3-bit codes fit 4-bit blocks exactly
+
+
+@pytest.mark.parametrize("bits,group,sym,act_order,v2,fmt", GPTQ_CASES,
+                         ids=["4bit-sym", "4bit-asym-g32", "8bit-channel", "v2", "act-order", "3bit", "2bit"])
+def test_gptq_folder(dense, tmp_path, bits, group, sym, act_order, v2, fmt):
+    folder, truth = write_gptq(dense, tmp_path / "gptq", bits, group, sym, act_order, v2)
+    ref, hf = hf_logits(truth)
+    model = load_model(folder, "float32", quantization="none")
+    torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    packed = load_model(folder, "float32", quantization="gptq")       # vLLM's name for the method: accepted
+    kept = fmt is not None and kernels_cover({fmt}, torch.device("cpu"))
+    qkv = packed.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) == kept and (not kept or qkv.qtype == fmt)
+    for name in LINEARS:
+        want = getattr(hf.model.layers[1].self_attn if name in LINEARS[:4] else hf.model.layers[1].mlp, name).weight
+        tol = 2 ** -10 * want.abs().max().item() if fmt == "Q4_1" else 0
+        torch.testing.assert_close(runtime_weight(packed, 1, name), want.float(), atol=tol, rtol=0)
+    if kept:
+        assert_near(logits(packed), ref)
+
+
+def test_awq_folder_with_biases(tmp_path_factory):
+    """AutoAWQ's GEMM layout on a Qwen2 (q/k/v biases): Q4_1 (AWQ's zero points)."""
+    src = make_checkpoint(tmp_path_factory.mktemp("awq") / "qwen2", arch="qwen2", hidden=256, layers=2, seed=4)
+    folder, truth = write_awq(src, src.parent / "awq")
+    ref, hf = hf_logits(truth)
+    dense = load_model(folder, "float32", quantization="none")
+    torch.testing.assert_close(logits(dense), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    packed = load_model(folder, "float32", quantization="awq_marlin")
+    if kernels_cover({"Q4_1"}, torch.device("cpu")):
+        qkv = packed.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, QuantLinear) and qkv.qtype == "Q4_1" and qkv.bias is not None
+        assert_near(logits(packed), ref)
+    for name in LINEARS:
+        want = getattr(hf.model.layers[0].self_attn if name in LINEARS[:4] else hf.model.layers[0].mlp, name).weight
+        torch.testing.assert_close(runtime_weight(packed, 0, name), want.float(), atol=2 ** -10 * want.abs().max().item(),
+                                   rtol=0)
+
+
+def test_fp8_block_folder(dense, tmp_path):
+    """transformers' "fp8" folders (Qwen3-FP8, DeepSeek-V3): float8_e4m3fn weights with
+    weight_scale_inv per 128x128 block (a short last block where a side is not a multiple)."""
+    sd, truth = load_file(dense / "model.safetensors"), {}
+    out = dict(sd)
+    for name, w in sd.items():
+        if name.endswith(".weight") and any(f".{m}." in name for m in LINEARS):
+            N, K = w.shape
+            w = w[:, :K]
+            s = torch.rand(-(-N // 128), -(-K // 128)) * 0.01 + 0.001
+            full = s.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+            q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
+            truth[name] = q.float() * full
+    _save(dense, tmp_path / "fp8", out, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]})
+    ref, _ = hf_logits(_save_truth(dense, tmp_path / "fp8", sd, truth))
+    model = load_model(tmp_path / "fp8", "float32")
+    torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+# --- speculation on a quantized target, errors ------------------------------------------------
+
+PROMPTS = [[0, 9, 17, 9, 17, 9, 17, 9], [0, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 30, 31, 32, 33, 34, 35]]
+
+
+def test_speculative_greedy_on_quantized_target_equals_plain(ct_folders, dense, tmp_path):
+    """A W4A16 target with an ngram proposer and with a GPTQ draft: every greedy output equals
+    plain decoding of the same quantized target."""
+    target = str(ct_folders[("W4A16", None)])
+    draft, _ = write_gptq(dense, tmp_path / "draft", bits=8, group=-1)
+    plain = LLM(target)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+        fast = LLM(target, quantization="compressed-tensors", speculative_config=spec)   # the target's method
+        accepted = 0
+        for ids in PROMPTS:
+            a = plain.generate({"prompt_token_ids": ids}, params)[0]
+            b = fast.generate({"prompt_token_ids": ids}, params)[0]
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            accepted += b.stats.accepted_tokens
+        assert accepted > 0
+
+
+def _with_config(src, dst, edit):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_refusals(ct_folders, dense, tmp_path, capsys):
+    gptq, _ = write_gptq(dense, tmp_path / "gptq")
+    cases = [
+        (_with_config(gptq, tmp_path / "bnb", lambda q: q.update(quant_method="bitsandbytes")), None,
+         "quant_method 'bitsandbytes' is not supported"),
+        (_with_config(gptq, tmp_path / "gemv", lambda q: q.update(quant_method="awq", version="gemv")), None,
+         "AWQ version 'gemv'"),
+        (gptq, "awq", "does not match the folder's quantization_config (quant_method gptq)"),
+        (ct_folders[("W4A16", None)], "gptq", "quant_method compressed-tensors"),
+        (dense, "compressed-tensors", "quant_method none"),
+    ]
+    for folder, quantization, message in cases:
+        with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_model(folder, quantization=quantization)
+    code = main(["generate", "--model", str(gptq), "--quantization", "awq", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "does not match" in err
+    # a damaged tensor: packed words that do not fit the stored shape
+    bad = tmp_path / "bad"
+    shutil.copytree(ct_folders[("W4A16", None)], bad)
+    sd = load_file(bad / "model.safetensors")
+    name = next(n for n in sd if n.endswith("o_proj.weight_packed"))
+    sd[name] = sd[name][:, :-3].contiguous()
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="does not fit weight_shape"):
+        load_model(bad)
+
+
+@pytest.mark.tp
+def test_tensor_parallel_on_a_gptq_folder(dense, tmp_path):
+    """The TP workers load the folder with the same loader: TP=2 greedy equals TP=1."""
+    folder, _ = write_gptq(dense, tmp_path / "gptq", bits=4, group=64, sym=False)
+    kw = dict(model=str(folder), quantization="gptq", num_speculative_tokens=0, max_model_len=96)
+    tp1, tp2 = LLM(**kw), LLM(**kw, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        for ids in PROMPTS:
+            want = tp1.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+            assert tp2.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == want
+    finally:
+        tp2.shutdown()

@@ -354,7 +354,7 @@ def _quantized_prefixes(sd: dict, kind: str) -> list[str]:
 
 
 # fused in the runtime (checkpoint.hf_to_fused): the parts of one matrix share a format or none
-_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))     # w1 / w3: Mixtral's experts
 
 
 def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[str, Tensor]:

@@ -1,10 +1,9 @@
 """Quantized Hugging Face folders (model/hf_quant.py): compressed-tensors folders written by the
 real `compressed_tensors` package and read back by transformers as the reference; GPTQ and AWQ
-folders in AutoGPTQ's and AutoAWQ's layouts (the writers below follow AutoGPTQ 0.7.1's
-`QuantLinear.pack` and AutoAWQ 0.2.9's `WQLinear_GEMM.from_linear`, which the reader was checked
-against); transformers' block FP8. Dense loading (quantization="none") equals the reference to
-fp32 rounding; packed loading keeps the stated llama.cpp format, with weights equal to the
-reference's, and speculative decoding on it stays lossless."""
+folders in AutoGPTQ's and AutoAWQ's layouts (tests/quant_writers.py); transformers' block FP8.
+Dense loading (quantization="none") equals the reference to fp32 rounding; packed loading keeps
+the stated llama.cpp format, with weights equal to the reference's, and speculative decoding on
+it stays lossless."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_checkpoint
+from quant_writers import LINEARS, save_quantized, save_truth, write_awq, write_compressed_tensors, write_gptq
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.model import CheckpointError, load_model
@@ -23,8 +23,6 @@ from specdec.model.gguf import kernels_cover
 from specdec.model.quant import QuantLinear
 
 IDS = torch.tensor([[0, 9, 17, 33, 42, 8, 61, 20, 5, 70, 11]])
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QUANTIZED = LINEARS + ("w1", "w2", "w3")        # what the GPTQ / AWQ writers quantize (Mixtral's experts: w1 w3 w2)
 
 
 def logits(model, ids=IDS):
@@ -71,57 +69,6 @@ def dense(tmp_path_factory):
 
 
 # --- compressed-tensors ---------------------------------------------------------------------------
-
-def write_compressed_tensors(src, dst, scheme_name: str | dict, group: int | None = None, dtype=torch.float32):
-    """dst: src quantized with compressed-tensors' preset scheme (or {targets: scheme}: one config
-    group each) with min-max scales (llm-compressor's default observer), compressed and saved the
-    way llm-compressor saves it."""
-    pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-    groups = scheme_name if isinstance(scheme_name, dict) else {"Linear": scheme_name}
-    schemes = {f"group_{i}": preset_name_to_scheme(name, [target]) for i, (target, name) in enumerate(groups.items())}
-    for scheme in schemes.values():
-        if group is not None:
-            scheme.weights.group_size = group
-    apply_quantization_config(model, QuantizationConfig(config_groups=schemes, ignore=["lm_head"]))
-    for mod in model.modules():
-        if not hasattr(mod, "weight_scale"):
-            continue
-        args, w = mod.quantization_scheme.weights, mod.weight.data
-        if args.strategy in ("group", "tensor_group"):
-            g = w.reshape(w.shape[0], -1, args.group_size)
-            lo, hi = g.amin(-1), g.amax(-1)
-        elif args.strategy == "channel":
-            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        elif args.strategy == "block":
-            bn, bk = args.block_structure
-            b = w.reshape(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
-            lo, hi = b.amin((1, 3)), b.amax((1, 3))
-        else:
-            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-        gscale = None
-        if hasattr(mod, "weight_global_scale"):
-            from compressed_tensors.quantization.utils import generate_gparam
-
-            gscale = generate_gparam(w.amin(), w.amax())
-            mod.weight_global_scale.data = gscale.reshape(mod.weight_global_scale.shape)
-        scale, zero = calculate_qparams(lo, hi, args, global_scale=gscale)
-        mod.weight_scale.data = scale.to(mod.weight_scale.dtype).reshape(mod.weight_scale.shape)
-        if hasattr(mod, "weight_zero_point"):
-            mod.weight_zero_point.data = zero.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(dst)
-    compressor.update_config(dst)
-    for f in src.glob("tokenizer*"):
-        shutil.copy(f, dst / f.name)
-    return dst
-
 
 # scheme, group size, the kept format (None: dequantized at load)
 CT_SCHEMES = [("W4A16", None, "Q4_0"), ("W4A16", 32, "Q4_0"), ("W4A16_ASYM", None, "Q4_1"), ("W8A16", None, "Q8_0"),
@@ -218,119 +165,6 @@ def test_bf16_scales_pack_exactly(dense, tmp_path):
 
 # --- GPTQ and AWQ -----------------------------------------------------------------------------
 
-def minmax_codes(w: torch.Tensor, bits: int, group: int, sym: bool):
-    """Codes [N, K] in 0 .. 2^bits - 1, scales [N, G] (fp16 values) and zeros [N, G] (integers),
-    w ~ scale * (code - zero), group -1 = one group per row."""
-    N, K = w.shape
-    g = K if group == -1 else group
-    blocks = w.reshape(N, K // g, g)
-    maxq = 2 ** bits - 1
-    if sym:
-        scale = (blocks.abs().amax(-1) / (maxq / 2)).clamp_min(1e-6).half().float()
-        zero = torch.full_like(scale, (maxq + 1) // 2)
-    else:
-        lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / maxq).clamp_min(1e-6).half().float()
-        zero = torch.round(-lo / scale).clamp(1, maxq)           # >= 1: AutoGPTQ stores zero - 1
-    codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, maxq).reshape(N, K).long()
-    return codes, scale, zero
-
-
-def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[R, C] codes -> int32 [R, C * bits / 32] as AutoGPTQ's word loops pack them: value j of a
-    row at bit j * bits, its high bits in the next word where it does not fit (its 3-bit case)."""
-    R, C = values.shape
-    v = values.long()
-    pos = torch.arange(C) * bits
-    word, off = pos // 32, pos % 32
-    words = torch.zeros(R, C * bits // 32 + 1, dtype=torch.int64)
-    words.scatter_add_(1, word.expand(R, C), (v << off) & 0xFFFFFFFF)
-    spill = off + bits > 32
-    words.scatter_add_(1, (word[spill] + 1).expand(R, -1), v[:, spill] >> (32 - off[spill]))
-    words = words[:, :-1]
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-
-
-def write_gptq(src, dst, bits=4, group=128, sym=True, act_order=False, v2=False, seed=0):
-    """dst: src's seven projections in AutoGPTQ's layout (qweight [K * bits / 32, N], qzeros
-    [G, N * bits / 32] holding zero - 1 (v1) or zero (v2), scales [G, N] fp16, g_idx [K]); and
-    dst.parent / (dst.name + "-truth"): the dense model those codes mean, for transformers."""
-    gen = torch.Generator().manual_seed(seed)
-    sd, truth = load_file(src / "model.safetensors"), {}
-    out = {n: t for n, t in sd.items() if not any(f".{m}." in n for m in QUANTIZED) or n.endswith(".bias")}
-    for name, w in sd.items():
-        if not name.endswith(".weight") or not any(f".{m}." in name for m in QUANTIZED):
-            continue
-        p = name[:-len("weight")]
-        N, K = w.shape
-        perm = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
-        codes, scale, zero = minmax_codes(w[:, perm].float(), bits, group, sym)     # groups over the permuted k
-        g = K if group == -1 else group
-        g_idx = torch.empty(K, dtype=torch.int32)
-        g_idx[perm] = (torch.arange(K) // g).to(torch.int32)
-        inv = torch.argsort(perm)
-        codes = codes[:, inv]                                                         # back to column order
-        truth[name] = ((codes.float() - zero[:, g_idx.long()]) * scale[:, g_idx.long()]).to(w.dtype)
-        out[p + "qweight"] = _pack_k(codes, bits)
-        out[p + "qzeros"] = pack_fields(zero.t().long() - (0 if v2 else 1), bits)
-        out[p + "scales"] = scale.t().contiguous().half()
-        out[p + "g_idx"] = g_idx
-    _save(src, dst, out, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-                          "sym": sym, **({"checkpoint_format": "gptq_v2"} if v2 else {})})
-    return dst, _save_truth(src, dst, sd, truth)
-
-
-def _pack_k(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [N, K] -> qweight [K * bits / 32, N]: packed along k (each column n's k values)."""
-    return pack_fields(codes, bits).t().contiguous()
-
-
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def write_awq(src, dst, group=128):
-    """dst: src's projections in AutoAWQ's GEMM layout: qweight [K, N / 8] and qzeros [G, N / 8],
-    word c's nibble i holding column 8 c + AWQ_ORDER[i]; scales [G, N] fp16."""
-    sd, truth = load_file(src / "model.safetensors"), {}
-    out = {n: t for n, t in sd.items() if not any(f".{m}." in n for m in LINEARS) or n.endswith(".bias")}
-
-    def pack_n(values):                     # [R, C] -> [R, C / 8], AutoAWQ's order inside each word
-        R, C = values.shape
-        v = values.reshape(R, C // 8, 8)[:, :, AWQ_ORDER].reshape(R, C)
-        return pack_fields(v, 4)
-
-    for name, w in sd.items():
-        if not name.endswith(".weight") or not any(f".{m}." in name for m in LINEARS):
-            continue
-        p = name[:-len("weight")]
-        codes, scale, zero = minmax_codes(w.float(), 4, group, sym=False)
-        g = torch.arange(w.shape[1]) // group
-        truth[name] = ((codes.float() - zero[:, g]) * scale[:, g]).to(w.dtype)
-        out[p + "qweight"] = pack_n(codes.t())
-        out[p + "qzeros"] = pack_n(zero.t().long())
-        out[p + "scales"] = scale.t().contiguous().half()
-    _save(src, dst, out, {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True})
-    return dst, _save_truth(src, dst, sd, truth)
-
-
-def _save(src, dst, tensors, qcfg):
-    dst.mkdir(parents=True)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in src.glob("tokenizer*"):
-        shutil.copy(f, dst / f.name)
-
-
-def _save_truth(src, dst, sd, truth):
-    folder = dst.parent / (dst.name + "-truth")
-    folder.mkdir()
-    save_file({**sd, **truth}, str(folder / "model.safetensors"))
-    shutil.copy(src / "config.json", folder / "config.json")
-    return folder
-
-
 # bits, group, sym, act_order, v2, the kept format
 GPTQ_CASES = [(4, 128, True, False, False, "Q4_0"), (4, 32, False, False, False, "Q4_1"), (8, -1, True, False, False, "Q8_0"),
               (4, 64, True, False, True, "Q4_0"), (4, 128, True, True, False, None), (3, 128, True, False, False, "Q4_0"),
@@ -388,9 +222,9 @@ def test_fp8_block_folder(dense, tmp_path):
             q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
             out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
             truth[name] = q.float() * full
-    _save(dense, tmp_path / "fp8", out, {"quant_method": "fp8", "activation_scheme": "dynamic",
+    save_quantized(dense, tmp_path / "fp8", out, {"quant_method": "fp8", "activation_scheme": "dynamic",
                                          "weight_block_size": [128, 128]})
-    ref, _ = hf_logits(_save_truth(dense, tmp_path / "fp8", sd, truth))
+    ref, _ = hf_logits(save_truth(dense, tmp_path / "fp8", sd, truth))
     model = load_model(tmp_path / "fp8", "float32")
     torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
 
@@ -435,6 +269,9 @@ def test_refusals(ct_folders, dense, tmp_path, capsys):
         (_with_config(gptq, tmp_path / "gemv", lambda q: q.update(quant_method="awq", version="gemv")), None,
          "AWQ version 'gemv'"),
         (gptq, "awq", "does not match the folder's quantization_config (quant_method gptq)"),
+        (_with_config(ct_folders[("W4A16", None)], tmp_path / "sparse",
+                      lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"})), None,
+         "sparsity format 'sparse-24-bitmask' is not read"),
         (ct_folders[("W4A16", None)], "gptq", "quant_method compressed-tensors"),
         (dense, "compressed-tensors", "quant_method none"),
     ]
@@ -484,3 +321,32 @@ def test_gptq_mixture_of_experts(tmp_path, arch):
         experts = [m for n, m in packed.named_modules() if ".experts." in n and isinstance(m, QuantLinear)]
         assert experts and all(m.qtype == "Q4_0" for m in experts)
         assert_near(logits(packed), ref)
+
+
+def test_command_line_runs_a_gptq_folder(dense, tmp_path, capsys):
+    folder, _ = write_gptq(dense, tmp_path / "gptq", bits=4, group=64, sym=True)
+    assert main(["generate", "--model", str(folder), "--quantization", "gptq_marlin", "--max-tokens", "6",
+                 "--temperature", "0", "hello"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_lora_adapter_on_a_gptq_folder(dense, tmp_path):
+    """A PEFT adapter served on a packed GPTQ target: its slots sit beside the Q4_0 matrices
+    (forward.c's lora_for), logits near PEFT's over the dense weights the codes mean."""
+    from specdec.lora import LoRARequest
+    from test_lora import adapted_logits, make_adapter, peft_model
+
+    folder, truth = write_gptq(dense, tmp_path / "gptq", bits=4, group=64, sym=True)
+    adapter = make_adapter(truth, tmp_path / "adapter", seed=2)
+    llm = LLM(str(folder), enable_lora=True, max_lora_rank=8, num_speculative_tokens=0)
+    assert isinstance(llm.target.model.layers[0].self_attn.qkv_proj, QuantLinear) == \
+        kernels_cover({"Q4_0"}, torch.device("cpu"))
+    ids = IDS[0].tolist()
+    reference = peft_model(truth, adapter)
+    with torch.inference_mode():
+        want = reference(torch.tensor([ids])).logits[0]
+        with reference.disable_adapter():
+            base = reference(torch.tensor([ids])).logits[0]
+    got = adapted_logits(llm, LoRARequest("a", 1, str(adapter)), ids)
+    assert_near(got.float(), want.float())
+    assert ((want - base).norm() / base.norm()).item() > 0.05          # the adapter changes the answer

@@ -137,7 +137,6 @@ class Codes:
         return None
 
 
-
 @dataclass
 class MXFP4:
     """OCP MXFP4 weights (compressed-tensors' mxfp4-pack-quantized): values [N, K / 2] uint8
@@ -369,6 +368,10 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[s
         if version != "gemm" or int(qcfg.get("w_bit", qcfg.get("bits", 4))) != 4:
             raise QuantFormatError(f"AWQ version {version!r} with {qcfg.get('w_bit', qcfg.get('bits', 4))} bits is "
                                    "not read (specdec reads AutoAWQ's 4-bit GEMM layout)")
+    sparsity = (qcfg.get("sparsity_config") or {}).get("format") if kind == "compressed-tensors" else None
+    if sparsity not in (None, "dense"):
+        raise QuantFormatError(f"compressed-tensors sparsity format {sparsity!r} is not read (dense and quantized "
+                               "weights are)")
     sd = dict(sd)
     for name in [n for n in sd if n.rsplit(".", 1)[-1] in _RUNTIME_SCALES]:
         del sd[name]

@@ -350,3 +350,17 @@ def test_lora_adapter_on_a_gptq_folder(dense, tmp_path):
     got = adapted_logits(llm, LoRARequest("a", 1, str(adapter)), ids)
     assert_near(got.float(), want.float())
     assert ((want - base).norm() / base.norm()).item() > 0.05          # the adapter changes the answer
+
+
+def test_float16_folders_run_in_bfloat16_on_the_cpu(dense, tmp_path):
+    """GPTQ and AWQ folders say float16 (as do many dense ones); on the CPU "auto" runs them in
+    bfloat16, vLLM's rule there, so the C forward takes them; an explicit float16 is kept."""
+    from specdec import kernels
+
+    folder, _ = write_gptq(dense, tmp_path / "gptq", bits=4, group=64)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float16"}))
+    llm = LLM(str(folder), num_speculative_tokens=0)
+    assert llm.target.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert (llm.target.c_view(llm.engine.kv) is not None) == (kernels.load() is not None)
+    assert load_model(folder, "float16").model.embed_tokens.weight.dtype == torch.float16

@@ -363,6 +363,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     torch_dtype = resolve_dtype(dtype, raw)
+    if dtype in (None, "auto") and torch_dtype == torch.float16 and torch.device(device).type == "cpu":
+        torch_dtype = torch.bfloat16   # vLLM's rule on the CPU: a float16 folder runs in bfloat16 (GPTQ and AWQ
+        #                                folders say float16; the C forward and oneDNN take fp32 and bf16)
     mtp = bool(text_config(raw).get("num_nextn_predict_layers"))     # MTP layers: a drafter's (model/mtp.py)
     sd = read_state_dict(folder, (lambda k: not is_mtp_weight(k, cfg.num_hidden_layers)) if mtp else None)
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):

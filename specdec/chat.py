@@ -171,6 +171,7 @@ def run(args) -> int:
     sampling_params(args, {})                              # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
+    llm.check_runner("generate")
     session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare, template)
     interactive = sys.stdin.isatty()
     print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits.",

@@ -34,6 +34,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "where a CPU kernel covers the format (default); gguf = keep a GGUF's packed; none = "
                         "dequantize to --dtype; vLLM's method names (mxfp4, compressed-tensors, gptq, awq, fp8 and "
                         "their _marlin forms) = auto, checked against the folder's quantization_config")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="pooling: an embedding model (/v1/embeddings, LLM.embed); auto: pooling for a bare "
+                        "decoder folder (architectures like Qwen3Model), else generate (vLLM's)")
+    p.add_argument("--convert", choices=["auto", "none", "embed"], default="auto",
+                   help="embed: serve a generative model's hidden states as embeddings (= --runner pooling)")
+    p.add_argument("--task", choices=["generate", "embed"], default=None, help="vLLM's older spelling of --runner")
+    p.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_obj, default=None,
+                   help='JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} over the folder\'s '
+                        "sentence-transformers pooling (default LAST, normalized)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: the model's generation_config.json sets default sampling values; vllm: ignore it")
     p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")
@@ -126,7 +135,9 @@ def llm_from_args(args, seed: int | None = None, **extra):
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
-               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window, **extra)
+               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window,
+               runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
+               task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None), **extra)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -221,6 +232,7 @@ def run(args) -> int:
     sampling_params(args, {})                      # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
+    llm.check_runner("generate")
     params = sampling_params(args, llm.generation_defaults)
     from .chat import HarmonySplit, writes_harmony
 

@@ -7,6 +7,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -111,7 +112,9 @@ class LLM:
                  enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  hf_overrides: dict | None = None, disable_sliding_window: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, lora_dtype: str = "auto"):
+                 max_cpu_loras: int | None = None, lora_dtype: str = "auto", runner: str = "auto",
+                 convert: str = "auto", task: str | None = None, pooler_config: dict | None = None,
+                 override_pooler_config: dict | None = None):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
         if lora is not None and parallel.tensor_parallel_size > 1:
@@ -140,6 +143,16 @@ class LLM:
         self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
         self.max_model_len = max_model_len
         self.target, self.tokenizer = self._load(model, tokenizer, target=True)
+        self.runner = _runner(model, runner, convert, task)
+        self.pooler = None
+        if self.runner == "pooling":
+            from .pooling import PoolerConfig
+
+            if self.spec is not None and self.spec.num_speculative_tokens != 0:
+                raise ValueError("speculative decoding needs runner='generate'; this model runs as runner='pooling'")
+            if parallel.tensor_parallel_size > 1:
+                raise ValueError("runner='pooling' does not support tensor parallelism")
+            self.pooler = PoolerConfig.of(model, pooler_config or override_pooler_config)
         self._leader = None
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
@@ -225,6 +238,50 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
+    def check_runner(self, wanted: str) -> None:
+        """Raise (one line) unless this LLM runs as `wanted` ("generate" or "pooling")."""
+        if self.runner != wanted:
+            what = "LLM.generate() / chat() / stream()" if wanted == "generate" else "LLM.embed()"
+            hint = "runner='generate'" if wanted == "generate" else "runner='pooling' (or convert='embed')"
+            raise ValueError(f"{what} needs {hint}; this model runs with runner={self.runner!r}")
+
+    def embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list:
+        """vLLM's LLM.embed (runner "pooling"): one EmbeddingRequestOutput per prompt, in order;
+        `output.outputs.embedding` is the pooled, normalized vector (specdec/pooling.py).
+        pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
+        prompt; truncate_prompt_tokens: keep each prompt's last k tokens."""
+        from .model.checkpoint import read_config
+        from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_ids
+
+        self.check_runner("pooling")
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
+        hf = read_config(self.model_path) if Path(self.model_path).is_dir() else {}
+        jobs = []
+        for prompt, params in zip(prompts, plist):
+            text, ids = self._prompt_ids(prompt)
+            keep = params.truncate_prompt_tokens or truncate_prompt_tokens
+            if keep is not None:
+                if keep < 1:
+                    raise ValueError(f"truncate_prompt_tokens must be >= 1, got {keep}")
+                ids = ids[-keep:]
+            if not ids:
+                raise ValueError("an embedding prompt must have at least one token")
+            if len(ids) > self.engine.max_model_len:
+                raise ValueError(f"this model's maximum context length is {self.engine.max_model_len} tokens; "
+                                 f"the input has {len(ids)}")
+            self.engine.check_prompt(ids, SamplingParams(max_tokens=1))
+            check_dimensions(params.dimensions, self.target.config.hidden_size, hf)
+            jobs.append((text, ids, params))
+        out = []
+        for text, ids, params in jobs:
+            self._counter += 1
+            out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(embed_ids(self.target, ids, self.pooler,
+                                                                                            params)), ids, text))
+        return out
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (vLLM's name)."""
         try:
@@ -271,6 +328,7 @@ class LLM:
     def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0,
                lora_request=None) -> Iterator[StepEvent]:
         """Yield a StepEvent per decoding step (new tokens and text) for one completion."""
+        self.check_runner("generate")
         params = self._params(sampling_params)
         _, ids = self._prompt_ids(prompt)
         self._counter += 1
@@ -285,6 +343,7 @@ class LLM:
         (None: the base model), as vLLM's.
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
+        self.check_runner("generate")
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
@@ -390,3 +449,25 @@ def _text_content(content) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(p.get("text") or "" for p in content)
     raise ValueError("message content must be a string or a list of text parts")
+
+
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def _runner(model, runner: str, convert: str, task: str | None) -> str:
+    """vLLM's runner choice: "pooling" when asked (runner, convert="embed", or the legacy
+    task="embed"), or for a bare decoder folder (architectures like Qwen3Model) under "auto"."""
+    from .model.checkpoint import is_base_model, read_config
+
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if convert not in ("auto", "none", "embed"):
+        raise ValueError(f"convert must be 'auto', 'none' or 'embed', got {convert!r}")
+    if task not in (None, "auto", "generate", "embed"):
+        raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+    if runner == "pooling" or convert == "embed" or task == "embed":
+        return "pooling"
+    if runner == "generate" or task == "generate":
+        return "generate"
+    return "pooling" if Path(model).is_dir() and (Path(model) / "config.json").is_file() and \
+        is_base_model(read_config(model)) else "generate"

@@ -6,6 +6,7 @@ The runtime fuses q/k/v and gate/up; this module is the only place that knows bo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -368,6 +369,10 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         #                                folders say float16; the C forward and oneDNN take fp32 and bf16)
     mtp = bool(text_config(raw).get("num_nextn_predict_layers"))     # MTP layers: a drafter's (model/mtp.py)
     sd = read_state_dict(folder, (lambda k: not is_mtp_weight(k, cfg.num_hidden_layers)) if mtp else None)
+    if not any(k.startswith(("model.", "lm_head.", "language_model.")) for k in sd) and any(k.startswith("layers.") for k in sd):
+        sd = {"model." + k: v for k, v in sd.items()}    # a base model as AutoModel saves it (Qwen3Model, MistralModel)
+    if is_base_model(raw) and "lm_head.weight" not in sd and not cfg.tie_word_embeddings:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)   # no LM head: embeddings only (runner "pooling")
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
     packed = {}
@@ -449,6 +454,13 @@ def _packed_rows(sd: dict[str, torch.Tensor], model: Transformer, folder) -> dic
             raise CheckpointError(f"{folder}: {name} has {sd[name].shape[1]} bytes per row for {k} columns")
         out[owner] = (sd.pop(name), sd.pop(owner + ".bias", None), k)
     return out
+
+
+def is_base_model(raw: dict) -> bool:
+    """A folder of the bare decoder (architectures like Qwen3Model / MistralModel, no LM head):
+    an embedding model, which LLM runs with runner "pooling" by default (specdec/pooling.py)."""
+    archs = text_config(raw).get("architectures") or raw.get("architectures") or []
+    return bool(archs) and all(a.endswith("Model") for a in archs)
 
 
 def finish(model: Transformer, torch_dtype: torch.dtype, device) -> Transformer:

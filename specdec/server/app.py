@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
+from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
@@ -61,6 +62,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(service), responses=_ERRORS)
     app.include_router(_responses_routes(service, ResponseStore()), responses=_ERRORS)
     app.include_router(_token_routes(service), responses=_ERRORS)
+    app.include_router(embedding_routes(service), responses=_ERRORS)
     if config.allow_runtime_lora_updating:
         app.include_router(_lora_routes(service), responses=_ERRORS)
     return app

@@ -57,6 +57,7 @@ class Service:
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        self._check_generates("Completions")
         self._check_model(req)
         prompts = self._completion_prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
@@ -66,6 +67,7 @@ class Service:
         return prompts, params
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+        self._check_generates("Chat Completions")
         self._check_model(req)
         extra.check_chat(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -106,6 +108,12 @@ class Service:
     def model_name(self, lora_request) -> str:
         """The `model` responses report: the adapter's name, else the first served name (vLLM's)."""
         return lora_request.lora_name if lora_request is not None else self.config.model_name
+
+    def _check_generates(self, api: str) -> None:
+        """A pooling model (runner "pooling": embeddings) has no generation endpoints (vLLM: 404)."""
+        if self.llm.runner != "generate":
+            raise APIError(404, f"the model {self.config.model_name!r} does not support the {api} API (it is served "
+                                "with runner 'pooling': POST /v1/embeddings)")
 
     def _check_model(self, req: _Sampling) -> None:
         self.adapters.route(req.model)

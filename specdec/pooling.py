@@ -1,0 +1,122 @@
+"""Embeddings: vLLM's pooling runner (`LLM(runner="pooling")`, `LLM.embed`, `/v1/embeddings`).
+
+A decoder model used as an embedding model (Qwen3-Embedding, e5-mistral, gte-Qwen2) runs one
+forward over the prompt and pools the final-norm hidden states of its tokens into one vector:
+
+- LAST: the last token's state (decoder embedding models; vLLM's default for them),
+- MEAN: the mean over the prompt's tokens,
+- CLS: the first token's state,
+
+then L2-normalizes it (unless told not to). The pooling comes from the folder's
+sentence-transformers files when it has them (`modules.json` naming a Pooling module, whose
+`config.json` sets `pooling_mode_*`, and a Normalize module), else LAST with normalization;
+`pooler_config` (vLLM's `--pooler-config` / `--override-pooler-config`) overrides either.
+Matryoshka models (`is_matryoshka` / `matryoshka_dimensions` in config.json) accept
+`dimensions`: the first d components, normalized again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from .model import ForwardBatch
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+    @classmethod
+    def of(cls, folder: str | Path, override: dict | None = None) -> PoolerConfig:
+        """The folder's pooling (sentence-transformers files, else LAST + normalize), then override."""
+        cfg = cls()
+        root = Path(folder)
+        root = root.parent if root.is_file() else root
+        modules = root / "modules.json"
+        if modules.is_file():
+            try:
+                entries = json.loads(modules.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{modules}: not valid JSON ({e})") from None
+            kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in entries if isinstance(m, dict)}
+            mode = None
+            if "Pooling" in kinds:
+                pooling = root / kinds["Pooling"] / "config.json"
+                st = json.loads(pooling.read_text()) if pooling.is_file() else {}
+                mode = next((v for k, v in _ST_MODES.items() if st.get(k)), None)
+            cfg = cls(mode or "LAST", "Normalize" in kinds)
+        if override:
+            unknown = set(override) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"pooler_config: unknown field {sorted(unknown)[0]!r} (pooling_type, normalize)")
+            cfg = replace(cfg, **{k: (str(v).upper() if k == "pooling_type" else bool(v)) for k, v in override.items()})
+        return cfg
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Per request (vLLM's): dimensions (matryoshka models), normalize (None: the pooler's),
+    truncate_prompt_tokens (keep the last k prompt tokens)."""
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's shape: `output.outputs.embedding`, `output.prompt_token_ids`."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    finished: bool = True
+
+
+def matryoshka(hf_config: dict) -> tuple[bool, list[int] | None]:
+    """(whether `dimensions` is accepted, the listed sizes or None for any)."""
+    dims = hf_config.get("matryoshka_dimensions")
+    return bool(hf_config.get("is_matryoshka") or dims), (list(dims) if dims else None)
+
+
+def check_dimensions(dimensions: int | None, hidden: int, hf_config: dict) -> None:
+    if dimensions is None:
+        return
+    ok, listed = matryoshka(hf_config)
+    if not ok:
+        raise ValueError(f"dimensions={dimensions}: this model does not support matryoshka representations "
+                         "(config.json has no is_matryoshka / matryoshka_dimensions)")
+    if not 1 <= dimensions <= hidden or (listed and dimensions not in listed):
+        allowed = ", ".join(map(str, listed)) if listed else f"1 to {hidden}"
+        raise ValueError(f"dimensions={dimensions}: this model supports {allowed}")
+
+
+@torch.inference_mode()
+def embed_ids(model, ids: list[int], pooler: PoolerConfig, params: PoolingParams) -> list[float]:
+    """One prompt's embedding: a forward over its tokens (a cache of its own length), pooled."""
+    kv = model.new_cache(1, len(ids))
+    out = model(torch.tensor(ids, dtype=torch.long, device=model.device), kv,
+                ForwardBatch.build(kv, [0], [len(ids)], [0]), logits=False, hidden=True)
+    h = out.hidden.float()
+    vec = h[-1] if pooler.pooling_type == "LAST" else h[0] if pooler.pooling_type == "CLS" else h.mean(0)
+    if params.dimensions is not None:
+        vec = vec[:params.dimensions]
+    if pooler.normalize if params.normalize is None else params.normalize:
+        vec = torch.nn.functional.normalize(vec, dim=0)
+    return vec.cpu().tolist()

@@ -1,0 +1,95 @@
+"""OpenAI's embeddings endpoint (`POST /v1/embeddings`, vLLM's shape) for a model served with
+runner "pooling" (specdec/pooling.py).
+
+The input is a string, a list of strings, a list of token ids or a list of those; each becomes
+one embedding, computed on the engine's thread (EngineWorker.call) so that it never races a
+decoding step. `encoding_format` "base64" packs the float32 values little-endian, as OpenAI's
+client decodes them; `dimensions` is accepted for matryoshka models only. vLLM's extensions:
+`truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true),
+`normalize`. A server whose model generates answers 404 here, and a pooling server answers 404 on
+the generation endpoints, as vLLM registers only the routes its runner serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from ..pooling import PoolingParams
+from .errors import APIError
+from .protocol import _Body
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: keep each input's last k tokens")
+    add_special_tokens: bool = Field(True, description="vLLM extension")
+    normalize: bool | None = Field(None, description="vLLM extension: default, the model's pooler")
+
+
+def embedding_routes(service) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        if service.llm.runner != "pooling":
+            raise APIError(404, f"the model {service.config.model_name!r} does not support the Embeddings API "
+                                "(serve an embedding model, or this one with --runner pooling / --convert embed)")
+        if service.lora_request(body.model) is not None:
+            raise APIError(400, "LoRA adapters are not applied to embeddings", "model")
+        prompts = _inputs(service, body)
+        params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
+        try:
+            future = service.worker.call(lambda engine: service.llm.embed(
+                [{"prompt_token_ids": ids} for ids in prompts], params))
+            outputs = await asyncio.wrap_future(future)
+        except ValueError as e:
+            raise APIError(400, str(e), "dimensions" if "dimensions" in str(e) else "input") from None
+        data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body.encoding_format)}
+                for i, o in enumerate(outputs)]
+        tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": service.config.model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return router
+
+
+def _inputs(service, body: EmbeddingRequest) -> list[list[int]]:
+    x = body.input
+    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)  # noqa: E731
+    if isinstance(x, str):
+        prompts = [encode(x)]
+    elif not x:
+        raise APIError(400, "input must not be empty", "input")
+    elif isinstance(x[0], int):
+        prompts = [list(x)]
+    elif isinstance(x[0], str):
+        prompts = [encode(t) for t in x]
+    else:
+        prompts = [list(p) for p in x]
+    vocab = service.engine.target.config.vocab_size
+    for ids in prompts:
+        if not ids:
+            raise APIError(400, "an input must not be empty", "input")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "input")
+    return prompts
+
+
+def _encode(vec: list[float], fmt: str):
+    if fmt == "float":
+        return vec
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()

@@ -1,0 +1,172 @@
+"""Embeddings (vLLM's pooling runner): a bare Qwen3 decoder saved by transformers' AutoModel (as
+Qwen3-Embedding-style folders are) and a llama with sentence-transformers pooling files.
+LLM.embed equals transformers' last hidden state pooled and normalized; through a real uvicorn
+server, the official openai client's embeddings.create returns the same vectors (float and
+base64), with OpenAI-style errors for bad input and 404s between the runners' endpoints."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import struct
+
+import openai
+import pytest
+import torch
+import transformers
+
+from conftest import make_checkpoint
+from specdec import LLM
+from specdec.cli import main
+from specdec.pooling import PoolingParams
+from specdec.server import ServerConfig, build_app
+from test_server import LiveServer
+
+TEXTS = ["def add(a, b):", "class Point:", "import os"]
+
+
+def reference(folder, ids: list[int], pooling: str = "LAST", normalize: bool = True) -> torch.Tensor:
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        h = model(torch.tensor([ids])).last_hidden_state[0]
+    vec = h[-1] if pooling == "LAST" else h[0] if pooling == "CLS" else h.mean(0)
+    return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    """A Qwen3 decoder saved as Qwen3Model (no LM head, weights without the "model." prefix),
+    marked matryoshka with two sizes."""
+    root = tmp_path_factory.mktemp("pooling")
+    src = make_checkpoint(root / "src", arch="qwen3", hidden=128, layers=2, seed=1)
+    base = transformers.AutoModel.from_pretrained(src, dtype=torch.float32)
+    base.save_pretrained(root / "embed")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, root / "embed" / f.name)
+    cfg = json.loads((root / "embed" / "config.json").read_text())
+    (root / "embed" / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [32, 64, 128]}))
+    assert cfg["architectures"] == ["Qwen3Model"]
+    return root / "embed"
+
+
+def test_embed_equals_transformers_last_token(embedder):
+    llm = LLM(str(embedder))
+    assert llm.runner == "pooling"                     # a bare decoder folder: pooling by itself
+    outs = llm.embed(TEXTS)
+    for text, out in zip(TEXTS, outs):
+        want = reference(embedder, out.prompt_token_ids)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=0)
+        assert out.prompt_token_ids == llm.tokenizer.encode(text)
+    short = llm.embed(TEXTS[0], PoolingParams(dimensions=32))[0].outputs.embedding
+    want = torch.nn.functional.normalize(reference(embedder, outs[0].prompt_token_ids, normalize=False)[:32], dim=0)
+    torch.testing.assert_close(torch.tensor(short), want, atol=1e-5, rtol=0)
+    raw = llm.embed(TEXTS[0], PoolingParams(normalize=False))[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(raw), reference(embedder, outs[0].prompt_token_ids, normalize=False),
+                               atol=1e-4, rtol=1e-5)
+    last2 = llm.embed(TEXTS[0], truncate_prompt_tokens=2)[0]
+    assert last2.prompt_token_ids == outs[0].prompt_token_ids[-2:]
+    with pytest.raises(ValueError, match="needs runner='generate'"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="dimensions=48: this model supports 32, 64, 128"):
+        llm.embed("hello", PoolingParams(dimensions=48))
+
+
+def test_sentence_transformers_pooling_and_convert(tiny_pair, tmp_path):
+    """A generative llama with sentence-transformers files (mean pooling, Normalize) runs as an
+    embedding model with convert="embed"; pooler_config overrides the files."""
+    folder = shutil.copytree(tiny_pair[0], tmp_path / "st")
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert LLM(str(folder), num_speculative_tokens=0).runner == "generate"
+    llm = LLM(str(folder), convert="embed", dtype="float32")
+    assert (llm.pooler.pooling_type, llm.pooler.normalize) == ("MEAN", True)
+    out = llm.embed(TEXTS[1])[0]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), reference(folder, out.prompt_token_ids, "MEAN"),
+                               atol=1e-5, rtol=0)
+    cls = LLM(str(folder), runner="pooling", dtype="float32", pooler_config={"pooling_type": "cls", "normalize": False})
+    out = cls.embed(TEXTS[1])[0]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                               reference(folder, out.prompt_token_ids, "CLS", normalize=False), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="LLM.embed\\(\\) needs runner='pooling'"):
+        LLM(str(folder), num_speculative_tokens=0).embed("hello")
+    with pytest.raises(ValueError, match="speculative decoding needs runner='generate'"):
+        LLM(str(folder), runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="pooling_type must be one of"):
+        LLM(str(folder), runner="pooling", pooler_config={"pooling_type": "max"})
+
+
+@pytest.fixture(scope="module")
+def server(embedder):
+    llm = LLM(str(embedder), max_model_len=64)
+    solo = {t: o.outputs.embedding for t, o in zip(TEXTS, llm.embed(TEXTS))}
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("embedder",)))) as live:
+        live.solo = solo
+        yield live
+
+
+def test_openai_client_embeddings(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    res = client.embeddings.create(model="embedder", input=TEXTS)
+    assert [d.index for d in res.data] == [0, 1, 2] and res.model == "embedder"
+    for text, d in zip(TEXTS, res.data):
+        assert d.embedding == pytest.approx(server.solo[text], abs=1e-6)
+    assert res.usage.prompt_tokens == res.usage.total_tokens > 0
+    # (asked for no format, the client asks for base64 and decodes it: the call above; asked for it, it
+    # hands the string over)
+    b64 = client.embeddings.create(model="embedder", input=TEXTS[0], encoding_format="base64")
+    values = struct.unpack(f"<{len(server.solo[TEXTS[0]])}f", base64.b64decode(b64.data[0].embedding))
+    assert values == pytest.approx(server.solo[TEXTS[0]], abs=1e-6)
+    plain = client.embeddings.create(model="embedder", input=TEXTS[0], encoding_format="float")
+    assert plain.data[0].embedding == pytest.approx(server.solo[TEXTS[0]], abs=1e-6)
+    short = client.embeddings.create(model="embedder", input=TEXTS[0], dimensions=64)
+    assert len(short.data[0].embedding) == 64
+    assert sum(x * x for x in short.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+    ids = client.embeddings.create(model="embedder", input=[[5, 6, 7], [8]])
+    assert len(ids.data) == 2 and ids.usage.prompt_tokens == 4
+
+
+def test_embeddings_errors(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    cases = [({"input": []}, 400, "must not be empty"), ({"input": [[5, 10 ** 6]]}, 400, "outside the vocabulary"),
+             ({"input": "x" * 1, "dimensions": 48}, 400, "supports 32, 64, 128"),
+             ({"input": list(range(1, 100))}, 400, "maximum context length is 64"),
+             ({"input": "hi", "model": "other"}, 404, "other")]
+    for body, status, message in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.embeddings.create(**{"model": "embedder", **body})
+        assert e.value.status_code == status and message in e.value.response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not support the Completions API"):
+        client.completions.create(model="embedder", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="does not support the Chat Completions API"):
+        client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_generating_server_has_no_embeddings(tiny_pair):
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=64)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.NotFoundError, match="does not support the Embeddings API"):
+            client.embeddings.create(model="tiny", input="hi")
+
+
+def test_command_line_flags(embedder, tiny_pair, capsys):
+    assert main(["generate", "--model", str(embedder), "hello"]) == 2
+    assert "needs runner='generate'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_pair[0]), "--runner", "pooling", "--pooler-config",
+                 '{"pooling_type": "mean"}', "hello"]) == 2
+    assert "needs runner='generate'" in capsys.readouterr().err
+
+
+def test_serve_flags(tiny_pair):
+    from specdec.server.cli import build_llm, parse_args
+
+    args, unknown = parse_args(["--model", str(tiny_pair[0]), "--convert", "embed", "--override-pooler-config",
+                       '{"pooling_type": "CLS"}', "--max-model-len", "64"])
+    assert not unknown
+    llm = build_llm(args)
+    assert llm.runner == "pooling" and llm.pooler.pooling_type == "CLS" and llm.pooler.normalize

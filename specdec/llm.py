@@ -252,7 +252,7 @@ class LLM:
         pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
         prompt; truncate_prompt_tokens: keep each prompt's last k tokens."""
         from .model.checkpoint import read_config
-        from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_ids
+        from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch
 
         self.check_runner("pooling")
         single = isinstance(prompts, (str, dict))
@@ -275,11 +275,12 @@ class LLM:
             self.engine.check_prompt(ids, SamplingParams(max_tokens=1))
             check_dimensions(params.dimensions, self.target.config.hidden_size, hf)
             jobs.append((text, ids, params))
+        vectors = embed_batch(self.target, [ids for _, ids, _ in jobs], self.pooler, [p for _, _, p in jobs],
+                              self.engine.config.max_num_batched_tokens)
         out = []
-        for text, ids, params in jobs:
+        for (text, ids, _), vec in zip(jobs, vectors):
             self._counter += 1
-            out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(embed_ids(self.target, ids, self.pooler,
-                                                                                            params)), ids, text))
+            out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(vec), ids, text))
         return out
 
     def get_default_sampling_params(self) -> SamplingParams:

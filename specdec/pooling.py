@@ -108,12 +108,32 @@ def check_dimensions(dimensions: int | None, hidden: int, hf_config: dict) -> No
 
 
 @torch.inference_mode()
-def embed_ids(model, ids: list[int], pooler: PoolerConfig, params: PoolingParams) -> list[float]:
-    """One prompt's embedding: a forward over its tokens (a cache of its own length), pooled."""
-    kv = model.new_cache(1, len(ids))
-    out = model(torch.tensor(ids, dtype=torch.long, device=model.device), kv,
-                ForwardBatch.build(kv, [0], [len(ids)], [0]), logits=False, hidden=True)
-    h = out.hidden.float()
+def embed_batch(model, prompts: list[list[int]], pooler: PoolerConfig, params: list[PoolingParams],
+                max_tokens: int = 2048) -> list[list[float]]:
+    """Each prompt's embedding, in order. Prompts run together, up to `max_tokens` tokens per
+    forward (a flat batch over a cache holding one sequence per prompt); every product and the
+    attention give a row the same result alone or in a batch, so batching changes no bits."""
+    out: list[list[float]] = []
+    start = 0
+    while start < len(prompts):
+        end, total = start + 1, len(prompts[start])
+        while end < len(prompts) and total + len(prompts[end]) <= max_tokens:
+            total += len(prompts[end])
+            end += 1
+        chunk = prompts[start:end]
+        kv = model.new_cache(len(chunk), max(len(ids) for ids in chunk))
+        tokens = torch.tensor([t for ids in chunk for t in ids], dtype=torch.long, device=model.device)
+        counts = [len(ids) for ids in chunk]
+        hidden = model(tokens, kv, ForwardBatch.build(kv, list(range(len(chunk))), counts, [0] * len(chunk)),
+                       logits=False, hidden=True).hidden.float()
+        for h, p in zip(hidden.split(counts), params[start:end]):
+            out.append(_pool(h, pooler, p))
+        start = end
+    return out
+
+
+def _pool(h: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[float]:
+    """[T, D] final-norm states of one prompt -> its embedding."""
     vec = h[-1] if pooler.pooling_type == "LAST" else h[0] if pooler.pooling_type == "CLS" else h.mean(0)
     if params.dimensions is not None:
         vec = vec[:params.dimensions]

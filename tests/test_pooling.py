@@ -170,3 +170,13 @@ def test_serve_flags(tiny_pair):
     assert not unknown
     llm = build_llm(args)
     assert llm.runner == "pooling" and llm.pooler.pooling_type == "CLS" and llm.pooler.normalize
+
+
+def test_batched_embeddings_equal_one_at_a_time(embedder):
+    """LLM.embed runs its inputs together (a flat batch up to max_num_batched_tokens per forward);
+    each vector equals the one its input gets alone, bit for bit."""
+    llm = LLM(str(embedder), max_num_batched_tokens=24)
+    texts = [f"{t} {i}" * (1 + i % 3) for i, t in enumerate(TEXTS * 4)]
+    together = [o.outputs.embedding for o in llm.embed(texts)]
+    alone = [llm.embed(t)[0].outputs.embedding for t in texts]
+    assert together == alone

@@ -283,6 +283,25 @@ class LLM:
             out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(vec), ids, text))
         return out
 
+    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's
+        embeddings (one text against a list, or two lists pairwise); ScoringRequestOutput per pair."""
+        from .pooling import ScoringOutput, ScoringRequestOutput, cosine, pairs
+
+        self.check_runner("pooling")
+        todo = pairs(data_1, data_2)
+        texts = list(dict.fromkeys(_prompt_key(x) for pair in todo for x in pair))
+        vectors = {key: out for key, out in zip(texts, self.embed([_prompt_of(k) for k in texts],
+                                                                 truncate_prompt_tokens=truncate_prompt_tokens))}
+        result = []
+        for a, b in todo:
+            ea, eb = vectors[_prompt_key(a)], vectors[_prompt_key(b)]
+            self._counter += 1
+            result.append(ScoringRequestOutput(str(self._counter), ScoringOutput(cosine(ea.outputs.embedding,
+                                                                                        eb.outputs.embedding)),
+                                               ea.prompt_token_ids + eb.prompt_token_ids))
+        return result
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (vLLM's name)."""
         try:
@@ -472,3 +491,15 @@ def _runner(model, runner: str, convert: str, task: str | None) -> str:
         return "generate"
     return "pooling" if Path(model).is_dir() and (Path(model) / "config.json").is_file() and \
         is_base_model(read_config(model)) else "generate"
+
+
+def _prompt_key(prompt):
+    """A hashable key of a prompt (a string, or {'prompt_token_ids': [...]} / {'prompt': str})."""
+    if isinstance(prompt, dict):
+        return ("ids", tuple(prompt["prompt_token_ids"])) if "prompt_token_ids" in prompt else ("text", prompt.get("prompt"))
+    return ("text", prompt)
+
+
+def _prompt_of(key):
+    kind, value = key
+    return {"prompt_token_ids": list(value)} if kind == "ids" else value

@@ -80,6 +80,40 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's shape: `output.outputs.score` (an embedding model's: the cosine similarity)."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def pairs(data_1, data_2) -> list[tuple]:
+    """vLLM's pairing for scores: one text against each of a list (1:N), or two lists of the
+    same length pairwise (N:N)."""
+    one = isinstance(data_1, (str, dict))
+    a = [data_1] if one else list(data_1)
+    b = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+    if not a or not b:
+        raise ValueError("score needs at least one text on each side")
+    if len(a) == 1:
+        return [(a[0], x) for x in b]
+    if len(a) != len(b):
+        raise ValueError(f"score pairs a list of {len(a)} texts with one of {len(b)}: give one text, or lists of "
+                         "the same length")
+    return list(zip(a, b))
+
+
+def cosine(u: list[float], v: list[float]) -> float:
+    return torch.nn.functional.cosine_similarity(torch.tensor(u), torch.tensor(v), dim=0).item()
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """vLLM's shape: `output.outputs.embedding`, `output.prompt_token_ids`."""
     request_id: str

@@ -152,6 +152,10 @@ def test_a_generating_server_has_no_embeddings(tiny_pair):
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.NotFoundError, match="does not support the Embeddings API"):
             client.embeddings.create(model="tiny", input="hi")
+        import httpx
+
+        r = httpx.post(live.url + "/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=60)
+        assert r.status_code == 404 and "does not support the Score API" in r.json()["error"]["message"]
 
 
 def test_command_line_flags(embedder, tiny_pair, capsys):
@@ -180,3 +184,44 @@ def test_batched_embeddings_equal_one_at_a_time(embedder):
     together = [o.outputs.embedding for o in llm.embed(texts)]
     alone = [llm.embed(t)[0].outputs.embedding for t in texts]
     assert together == alone
+
+
+def test_score_is_the_cosine_of_embeddings(embedder):
+    llm = LLM(str(embedder))
+    vec = {t: torch.tensor(o.outputs.embedding) for t, o in zip(TEXTS, llm.embed(TEXTS))}
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(vec[a], vec[b], dim=0).item()   # noqa: E731
+    one_to_many = llm.score(TEXTS[0], TEXTS)
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([cos(TEXTS[0], t) for t in TEXTS], abs=1e-6)
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    pairwise = llm.score(TEXTS[:2], TEXTS[1:])
+    assert [o.outputs.score for o in pairwise] == pytest.approx([cos(TEXTS[0], TEXTS[1]), cos(TEXTS[1], TEXTS[2])],
+                                                                abs=1e-6)
+    with pytest.raises(ValueError, match="lists of the same length"):
+        llm.score(TEXTS[:2], TEXTS)
+
+
+def test_score_and_rerank_endpoints(server):
+    import httpx
+
+    want = {t: torch.tensor(v) for t, v in server.solo.items()}
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(want[a], want[b], dim=0).item()   # noqa: E731
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path in ("/score", "/v1/score"):
+            r = http.post(path, json={"model": "embedder", "text_1": TEXTS[0], "text_2": TEXTS[1:]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert [d["score"] for d in body["data"]] == pytest.approx([cos(TEXTS[0], t) for t in TEXTS[1:]], abs=1e-6)
+            assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = http.post(path, json={"model": "embedder", "query": TEXTS[0], "documents": TEXTS, "top_n": 2})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -cos(TEXTS[0], TEXTS[i]))[:2]
+            assert results[0]["document"]["text"] == TEXTS[results[0]["index"]]
+        bad = [("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "same length"),
+               ("/v1/score", {"text_1": "", "text_2": "x"}, "non-empty"),
+               ("/v1/rerank", {"query": "q", "documents": []}, "non-empty"),
+               ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n")]
+        for path, body, message in bad:
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)

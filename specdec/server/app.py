@@ -62,7 +62,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_api_routes(service), responses=_ERRORS)
     app.include_router(_responses_routes(service, ResponseStore()), responses=_ERRORS)
     app.include_router(_token_routes(service), responses=_ERRORS)
-    app.include_router(embedding_routes(service), responses=_ERRORS)
+    for router in embedding_routes(service):
+        app.include_router(router, responses=_ERRORS)
     if config.allow_runtime_lora_updating:
         app.include_router(_lora_routes(service), responses=_ERRORS)
     return app

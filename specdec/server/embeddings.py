@@ -1,5 +1,7 @@
 """OpenAI's embeddings endpoint (`POST /v1/embeddings`, vLLM's shape) for a model served with
-runner "pooling" (specdec/pooling.py).
+runner "pooling" (specdec/pooling.py), and vLLM's score (`/score`, `/v1/score`) and rerank
+(`/rerank`, `/v1/rerank`, `/v2/rerank`: Jina's and Cohere's shape) endpoints, which score an
+embedding model's pairs by the cosine similarity of their embeddings.
 
 The input is a string, a list of strings, a list of token ids or a list of those; each becomes
 one embedding, computed on the engine's thread (EngineWorker.call) so that it never races a
@@ -38,8 +40,9 @@ class EmbeddingRequest(_Body):
     normalize: bool | None = Field(None, description="vLLM extension: default, the model's pooler")
 
 
-def embedding_routes(service) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
+    """(/v1/embeddings, the score and rerank routes at their vLLM paths)."""
+    router, top = APIRouter(prefix="/v1"), APIRouter()
 
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -63,7 +66,64 @@ def embedding_routes(service) -> APIRouter:
                 "model": service.config.model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    return router
+    async def run(fn):
+        try:
+            return await asyncio.wrap_future(service.worker.call(fn))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def check(model: str | None) -> None:
+        if service.llm.runner != "pooling":
+            raise APIError(404, f"the model {service.config.model_name!r} does not support the Score API "
+                                "(serve an embedding model, or this one with --runner pooling / --convert embed)")
+        if service.lora_request(model) is not None:
+            raise APIError(400, "LoRA adapters are not applied to scores", "model")
+
+    async def score(body: ScoreRequest):
+        check(body.model)
+        for name, side in (("text_1", body.text_1), ("text_2", body.text_2)):
+            if not side or (isinstance(side, list) and not all(side)):
+                raise APIError(400, f"{name} must hold non-empty text", name)
+        outs = await run(lambda engine: service.llm.score(body.text_1, body.text_2, body.truncate_prompt_tokens))
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": service.config.model_name,
+                "data": [{"index": i, "object": "score", "score": o.outputs.score} for i, o in enumerate(outs)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def rerank(body: RerankRequest):
+        check(body.model)
+        if not body.query or not body.documents or not all(body.documents):
+            raise APIError(400, "query and documents must hold non-empty text", "documents")
+        if body.top_n is not None and body.top_n < 1:
+            raise APIError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
+        outs = await run(lambda engine: service.llm.score(body.query, body.documents, body.truncate_prompt_tokens))
+        order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)[:body.top_n or len(outs)]
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": service.config.model_name,
+                "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outs)},
+                "results": [{"index": i, "document": {"text": body.documents[i]},
+                             "relevance_score": outs[i].outputs.score} for i in order]}
+
+    for path in ("/score", "/v1/score"):
+        top.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        top.add_api_route(path, rerank, methods=["POST"])
+    return router, top
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 def _inputs(service, body: EmbeddingRequest) -> list[list[int]]:

@@ -143,6 +143,18 @@ def near_draft(tiny_pair, tmp_path_factory) -> Path:
     return noisy_head_copy(target, tmp_path_factory.mktemp("near") / "draft")
 
 
+def assert_same_greedy(plain, fast, prompts, params) -> int:
+    """Every prompt ({"prompt_token_ids"} lists) gives `fast` (speculative) the token ids `plain`
+    gives; returns the draft tokens `fast` had accepted, for the caller to require some."""
+    accepted = 0
+    for ids in prompts:
+        a = plain.generate({"prompt_token_ids": ids}, params)[0]
+        b = fast.generate({"prompt_token_ids": ids}, params)[0]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        accepted += b.stats.accepted_tokens
+    return accepted
+
+
 def noisy_head_copy(src: Path, folder: Path, noise: float = 0.3, seed: int = 7) -> Path:
     """src's checkpoint with noise on its LM head (noise x the head's std), saved with its
     tokenizer in folder: a draft that agrees with src often but not always."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import quants
 
+from conftest import assert_same_greedy
 from gguf_helpers import T, encode, write_gguf
 from specdec import LLM, SamplingParams, kernels
 from specdec.cli import main
@@ -200,13 +201,7 @@ def test_packed_speculative_greedy_equals_plain(gguf_files, spec, packed_path):
     plain = LLM(path, quantization="gguf")
     fast = LLM(path, quantization="gguf", speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    accepted = 0
-    for ids in PROMPTS:
-        a = plain.generate({"prompt_token_ids": ids}, params)[0]
-        b = fast.generate({"prompt_token_ids": ids}, params)[0]
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        accepted += b.stats.accepted_tokens
-    assert accepted > 0          # verification scored several rows at once, and they agreed
+    assert assert_same_greedy(plain, fast, PROMPTS, params) > 0     # verification scored several rows at once, and they agreed
     # kernels: the whole forward runs in C (forward.c over the prepared panels); reference: PyTorch
     assert (fast.target.c_view(fast.engine.kv) is not None) == (packed_path == "kernels" and kernels.load() is not None)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_checkpoint
+from conftest import assert_same_greedy, make_checkpoint
 from quant_writers import LINEARS, save_quantized, save_truth, write_awq, write_compressed_tensors, write_gptq
 from specdec import LLM, SamplingParams
 from specdec.cli import main
@@ -244,13 +244,7 @@ def test_speculative_greedy_on_quantized_target_equals_plain(ct_folders, dense, 
     for spec in ({"method": "ngram", "num_speculative_tokens": 3},
                  {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
         fast = LLM(target, quantization="compressed-tensors", speculative_config=spec)   # the target's method
-        accepted = 0
-        for ids in PROMPTS:
-            a = plain.generate({"prompt_token_ids": ids}, params)[0]
-            b = fast.generate({"prompt_token_ids": ids}, params)[0]
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            accepted += b.stats.accepted_tokens
-        assert accepted > 0
+        assert assert_same_greedy(plain, fast, PROMPTS, params) > 0
 
 
 def _with_config(src, dst, edit):

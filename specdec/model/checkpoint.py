@@ -383,7 +383,7 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
             packed = _gpt_oss_packed(sd, cfg)
     if quant in hf_quant.METHODS.values():
         try:
-            sd = hf_quant.convert(sd, quant, qcfg, _packable(quantization, device))
+            sd = hf_quant.convert(sd, quant, qcfg, _packable(quantization, device), torch_dtype)
         except hf_quant.QuantFormatError as e:
             raise CheckpointError(f"{folder}: {e}") from None
     sd = hf_to_fused(sd, cfg)

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .quant import dequantize
+
 # vLLM's --quantization names for these folders (the _marlin ones are vLLM's GPU kernels' names)
 METHODS = {"compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
            "gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq", "fp8": "fp8"}
@@ -356,11 +358,14 @@ def _quantized_prefixes(sd: dict, kind: str) -> list[str]:
 _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))     # w1 / w3: Mixtral's experts
 
 
-def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[str, Tensor]:
+def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed,
+            dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """The state dict of a quantized folder -> one with a `.weight` for every quantized matrix:
     uint8 ggml rows where it stays packed (`packed_format` names the format from the row length),
-    otherwise a dense fp32 matrix. keep_packed(qtype) -> bool: whether to keep that format packed
-    (False for all: `quantization="none"`, or no kernels here). Activation / KV scales are dropped."""
+    otherwise a dense matrix in `dtype` (computed in fp32). keep_packed(qtype) -> bool: whether to
+    keep that format packed (False for all: `quantization="none"`, or no kernels here).
+    Activation / KV scales are dropped. One matrix is unpacked at a time (its int16 codes cost
+    2 bytes a weight), so loading needs little beyond the folder's own tensors."""
     if kind not in ("compressed-tensors", "gptq", "awq", "fp8"):
         raise QuantFormatError(f"quantization method {kind!r} is not read")
     if kind == "awq":
@@ -375,11 +380,11 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[s
     sd = dict(sd)
     for name in [n for n in sd if n.rsplit(".", 1)[-1] in _RUNTIME_SCALES]:
         del sd[name]
-    codes: dict[str, Codes | MXFP4] = {}
     prefixes = _quantized_prefixes(sd, kind)
     if not prefixes and kind != "compressed-tensors":    # (a compressed-tensors folder may quantize only its KV cache)
         marker = "weight_scale_inv" if kind == "fp8" else "qweight"
         raise QuantFormatError(f"quantization_config names {kind} but no matrix in the folder has its tensors ({marker})")
+    rows: dict[str, tuple[str, Tensor, int]] = {}       # prefix -> (format, rows, in_features)
     for prefix in prefixes:
         what = prefix[:-1]
         if kind == "compressed-tensors":
@@ -393,25 +398,25 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed) -> dict[s
         else:
             got = _fp8_block(sd, prefix, what)
         if isinstance(got, (Codes, MXFP4)):
-            codes[prefix] = got
-        else:
-            sd[prefix + "weight"] = got
-    rows: dict[str, tuple[str, Tensor]] = {}
-    for prefix, c in codes.items():
-        got = None if prefix.endswith("embed_tokens.") else c.packed()
-        if got is not None and keep_packed(got[0]):
-            rows[prefix] = got
+            packed = None if prefix.endswith("embed_tokens.") else got.packed()
+            if packed is not None and keep_packed(packed[0]):
+                k = got.q.shape[1] if isinstance(got, Codes) else got.values.shape[1] * 2
+                rows[prefix] = (*packed, k)
+                continue
+            got = got.dense()
+        sd[prefix + "weight"] = got.to(dtype)
     for prefix in list(rows):                   # siblings of a fused matrix: one format for all or none
         for group in _SIBLINGS:
             tail = next((g for g in group if prefix.endswith("." + g + ".")), None)
             if tail is None:
                 continue
             base = prefix[:-len(tail) - 1]
-            parts = [base + g + "." for g in group]
-            present = [p for p in parts if p in rows or p + "weight" in sd or p in codes]
+            present = [p for p in (base + g + "." for g in group) if p in rows or p + "weight" in sd]
             if len({rows[p][0] if p in rows else None for p in present}) > 1:
-                for p in present:
-                    rows.pop(p, None)
-    for prefix, c in codes.items():
-        sd[prefix + "weight"] = rows[prefix][1] if prefix in rows else c.dense()
+                for p in present:               # the packed ones back to dense (Q4_1: with its fp16 m)
+                    if p in rows:
+                        fmt, r, k = rows.pop(p)
+                        sd[p + "weight"] = dequantize(r, fmt, k).to(dtype)
+    for prefix, (_, r, _) in rows.items():
+        sd[prefix + "weight"] = r
     return sd

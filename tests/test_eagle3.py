@@ -382,3 +382,60 @@ def test_train_eagle3_end_to_end(target, head, tmp_path):
     llm = LLM(model=target, dtype="float32",
               speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+
+
+@pytest.mark.parametrize("option", ["norm_before_fc", "fc_norm", "norm_output"])
+def test_speculators_norm_options(target, head, tmp_path, monkeypatch, option):
+    """The speculators library's later EAGLE-3 options, on the trained head's weights: an RMSNorm
+    over the concatenated features before fc (norm_before_fc: `input_norm`), one per feature layer
+    (fc_norm: `fc_norm.i`), the normed state handed to the next step (norm_output, EAGLE 3.1).
+    Logits and states equal the reference's, whole and through the paged cache on both forward
+    paths; greedy speculation stays identical to plain decoding."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = shutil.copytree(head["speculators"], tmp_path / option)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, option: True}))
+    sd = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    extra = {"input_norm.weight": 1 + 0.3 * torch.randn(3 * D, generator=gen)} if option == "norm_before_fc" else \
+        {f"fc_norm.{i}.weight": 1 + 0.3 * torch.randn(D, generator=gen) for i in range(3)} if option == "fc_norm" else {}
+    extra["verifier_norm.weight"] = torch.ones(D)        # training-only: read past
+    save_file({**sd, **extra}, str(folder / "model.safetensors"))
+    w, hf = head["weights"], head["hf"]
+
+    def fused(feats):
+        if option == "norm_before_fc":
+            feats = rms(feats, extra["input_norm.weight"])
+        elif option == "fc_norm":
+            feats = torch.cat([rms(p, extra[f"fc_norm.{i}.weight"]) for i, p in enumerate(feats.chunk(3, -1))], -1)
+        return feats @ w["fc.weight"].T
+
+    ids = torch.randint(2, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        feats, embeds = features(hf, ids)[:-1], hf.model.embed_tokens(ids[1:])
+        ref_logits, ref_h = ref_head(w, fused(feats), embeds)
+        if option == "norm_output":
+            ref_h = rms(ref_h, w["norm.weight"])
+        for c_path in ([True, False] if kernels.load() is not None else [False]):
+            with monkeypatch.context() as m:
+                without_kernels(m, c_path)
+                ours = load_eagle3(folder, load_model(target, "float32"))
+                whole = ours(feats[None], embeds[None])
+                torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
+                logits, hidden, view = paged_head(ours, feats, embeds, ((0, 8), (8, 19)))
+                assert (view is not None) == c_path
+                torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
+        prompts, params)]
+    llm = LLM(model=target, dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    if option == "norm_output":      # forward.c's chain hands on the unnormed state: Python drafts the chains
+        assert llm.engine.proposer.c_chain is None

@@ -374,14 +374,14 @@ def forward(lib, view: CView, tokens, embeds, batch, n_layers: int, want_logits:
 def chain_fuse(head) -> tuple[_Fuse, list] | None:
     """How forward.c's eagle_chain feeds `head` (forward.h: Fuse) and the tensors to keep alive, or
     None when it cannot: EAGLE's fc (dense fp32 / bf16), EAGLE-3's two inputs (positive logit
-    scale: the argmax is the same), an MTP layer's norms and eh_proj (dense fp32 / bf16, or a
+    scale: the argmax is the same; not with norm_output), an MTP layer's norms and eh_proj (dense fp32 / bf16, or a
     GGUF file's quantized panels)."""
     from ..model.eagle3 import Eagle3Head
     from ..model.heads import EagleHead
     from ..model.mtp import MTPHead
 
-    if isinstance(head, Eagle3Head):
-        return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 else None
+    if isinstance(head, Eagle3Head):      # (norm_output: the chain would hand on the unnormed state)
+        return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 and not head.norm_output else None
     fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
     if isinstance(head, MTPHead) and fc is not None and not _dense_ok(fc):   # a GGUF file's packed eh_proj
         found = _mat(fc)

@@ -15,6 +15,12 @@ authors' and vLLM's) or "speculators_model_type": "eagle3" (the speculators libr
 settings under transformer_layer_config); weights in model.safetensors or pytorch_model.bin,
 named midlayer.* or layers.0.*, fc, norm, lm_head, d2t (t2d is not needed), and embed_tokens
 when the head has its own (else the target's embedding is shared, as vLLM does).
+
+The speculators library's later options are read too: `norm_before_fc` (an RMSNorm,
+`input_norm`, over the concatenated features before fc: its gpt-oss heads), `fc_norm` (one
+RMSNorm per feature layer, `fc_norm.i`), and `norm_output` (EAGLE 3.1: the state a draft step
+hands to the next is the final norm's output rather than the layer's); its training-only
+`verifier_norm` / `verifier_lm_head` weights are read past.
 """
 
 from __future__ import annotations
@@ -82,11 +88,20 @@ class Eagle3Head(nn.Module):
     kv, batch) -> logits over the draft vocabulary and the states the next step starts from."""
 
     def __init__(self, cfg: ModelConfig, target_hidden: int, feature_layers: tuple[int, ...], draft_vocab: Tensor,
-                 norm_before_residual: bool = False, embedding_rows: int = 0, logit_scale: float = 1.0):
+                 norm_before_residual: bool = False, embedding_rows: int = 0, logit_scale: float = 1.0,
+                 fc_norm: str | None = None, norm_output: bool = False):
         super().__init__()
         D = cfg.hidden_size
         self.feature_layers = feature_layers
-        self.fc = Linear(len(feature_layers) * target_hidden, D, bias=False)
+        n = len(feature_layers)
+        # the speculators library's options: an RMSNorm over the concatenated features before fc
+        # ("concat": norm_before_fc, gpt-oss's heads) or one per feature layer ("each": fc_norm);
+        # norm_output (EAGLE 3.1): the state carried to the next draft step is the normed one
+        self.input_norm = RMSNorm(n * target_hidden, cfg.rms_norm_eps) if fc_norm == "concat" else None
+        self.fc_norm = nn.ModuleList(RMSNorm(target_hidden, cfg.rms_norm_eps) for _ in range(n)) \
+            if fc_norm == "each" else None
+        self.norm_output = norm_output
+        self.fc = Linear(n * target_hidden, D, bias=False)
         # the decoder holds the layer, the final norm, the LM head over the draft vocabulary and
         # the rotary frequencies; its cache is the head's (one layer) on the engine's blocks
         self.decoder = Transformer(cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(),
@@ -112,9 +127,14 @@ class Eagle3Head(nn.Module):
         d = self.decoder
         h = feats.to(d.dtype)
         if h.shape[-1] == self.fc.in_features:
+            if self.input_norm is not None:
+                h = self.input_norm(h)
+            elif self.fc_norm is not None:
+                h = torch.cat([norm(part) for norm, part in zip(self.fc_norm, h.chunk(len(self.fc_norm), -1))], -1)
             h = self.fc(h)
         if kv is not None and d.c_view(kv) is not None:     # forward.c: rows [h ; e], the state before the norm
-            out = d(None, kv, batch, embeds=torch.cat([h, token_embeds.to(d.dtype)], -1), hidden=(1,))
+            out = d(None, kv, batch, embeds=torch.cat([h, token_embeds.to(d.dtype)], -1),
+                    hidden=True if self.norm_output else (1,))   # (True: the final norm's output)
             return ForwardOutput(out.logits * self.logit_scale if self.logit_scale != 1.0 else out.logits, out.hidden)
         if kv is None:      # training / scoring a whole sequence: [B, T, .]
             B, T = h.shape[:2]
@@ -124,7 +144,11 @@ class Eagle3Head(nn.Module):
         cos, sin = d._ropes(positions, h.dtype, 1)[0]
         h = d.model.layers[0](token_embeds.to(d.dtype), h, cos, sin, attend)
         rows = batch.logits_indices if batch is not None else None
-        logits = d.lm_head(d.model.norm(h if rows is None else h[rows.to(d.device)]))
+        if self.norm_output:
+            h = d.model.norm(h)
+            logits = d.lm_head(h if rows is None else h[rows.to(d.device)])
+        else:
+            logits = d.lm_head(d.model.norm(h if rows is None else h[rows.to(d.device)]))
         return ForwardOutput(logits * self.logit_scale if self.logit_scale != 1.0 else logits, h)
 
     def use_fp32_activations(self) -> "Eagle3Head":
@@ -138,7 +162,8 @@ def _settings(cfg: dict) -> dict:
     if cfg.get("speculators_model_type") == "eagle3":
         layer = cfg.get("transformer_layer_config") or {}
         return {**layer, **{k: cfg[k] for k in ("draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                                                "eagle_aux_hidden_state_layer_ids") if k in cfg}}
+                                                "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm",
+                                                "norm_output") if k in cfg}}
     return cfg
 
 
@@ -201,12 +226,22 @@ def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:
     if own is None and D != tcfg.hidden_size:
         raise CheckpointError(f"{folder}: no embed_tokens.weight, and the target's embeddings are {tcfg.hidden_size} "
                               f"wide, not {D}")
+    if raw.get("norm_before_fc") and raw.get("fc_norm"):
+        raise CheckpointError(f"{folder}: EAGLE-3 head sets both norm_before_fc and fc_norm (one norm before fc)")
+    fc_norm = "concat" if raw.get("norm_before_fc") else "each" if raw.get("fc_norm") else None
     head = Eagle3Head(cfg, target_hidden, layers, draft_vocab, bool(raw.get("norm_before_residual", False)),
                       embedding_rows=own.shape[0] if own is not None else 0,
-                      logit_scale=float(raw.get("logit_scale", 1.0)))
+                      logit_scale=float(raw.get("logit_scale", 1.0)), fc_norm=fc_norm,
+                      norm_output=bool(raw.get("norm_output", False)))
+    for name in [n for n in sd if n.startswith(("verifier_norm.", "verifier_lm_head."))]:
+        del sd[name]                    # the speculators library's training-time copies of the target's
     p = "layers.0."
     state = {"fc.weight": sd.pop("fc.weight", None), "decoder.model.norm.weight": sd.pop("norm.weight", None),
              "decoder.lm_head.weight": sd.pop("lm_head.weight")}
+    if fc_norm == "concat":
+        state["input_norm.weight"] = sd.pop("input_norm.weight", None)
+    elif fc_norm == "each":
+        state.update({f"fc_norm.{i}.weight": sd.pop(f"fc_norm.{i}.weight", None) for i in range(len(layers))})
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         state[f"decoder.model.layers.0.{name}.weight"] = sd.pop(f"{p}{name}.weight", None)
     qkv = [sd.pop(f"{p}self_attn.{n}_proj.weight", None) for n in "qkv"]
@@ -256,6 +291,10 @@ def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, dtype=torch.bfloat1
         sd[f"midlayer.{name}.weight"] = cast(getattr(layer, name).weight)
     if head.embed_tokens is not None:
         sd["embed_tokens.weight"] = cast(head.embed_tokens.weight)
+    if head.input_norm is not None:
+        sd["input_norm.weight"] = cast(head.input_norm.weight)
+    for i, norm in enumerate(head.fc_norm or ()):
+        sd[f"fc_norm.{i}.weight"] = cast(norm.weight)
     target_vocab = (extra or {}).get("vocab_size", vocab_size)
     if target_vocab is not None:
         t2d = torch.zeros(target_vocab, dtype=torch.bool)
@@ -270,5 +309,7 @@ def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, dtype=torch.bfloat1
            "tie_word_embeddings": False, "draft_vocab_size": V, "target_hidden_size": head.fc.in_features // len(head.feature_layers),
            "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
            "norm_before_residual": layer.norm_before_residual, "torch_dtype": str(dtype).removeprefix("torch."),
-           **(extra or {})}
+           **({"norm_before_fc": True} if head.input_norm is not None else {}),
+           **({"fc_norm": True} if head.fc_norm is not None else {}),
+           **({"norm_output": True} if head.norm_output else {}), **(extra or {})}
     (folder / "config.json").write_text(json.dumps(out, indent=2) + "\n")

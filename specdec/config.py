@@ -282,6 +282,9 @@ def _method_of(model) -> str:
         return "medusa"
     if is_eagle3(model):
         return "eagle3"
+    from .model.mtp import is_speculators_mtp
+    if is_speculators_mtp(model):
+        return "mtp"
     return "eagle" if is_eagle_authors(model) else "draft_model"
 
 

@@ -299,3 +299,66 @@ def test_served_with_the_openai_client(mtp):
     assert texts == expected
     drafted = [line for line in metrics.splitlines() if line.startswith("specdec:spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0, drafted
+
+
+def speculators_layout(mtp, folder):
+    """The trained layer as the speculators library saves an MTP drafter: a folder of its own,
+    `mtp_layers.0.*` (input_proj over [embedding ; feature]), the verifier's config under
+    transformer_layer_config, no embeddings or LM head (the verifier's)."""
+    folder.mkdir()
+    out = {}
+    for k, v in mtp["weights"].items():
+        rest = k[len(P):]
+        if rest.startswith("input_proj."):
+            v = torch.cat([v[:, D:], v[:, :D]], 1)
+        out["mtp_layers.0." + rest] = v.contiguous()
+    out["verifier_lm_head.weight"] = mtp["lm_head"]            # a training-time copy: read past
+    save_file(out, str(folder / "model.safetensors"))
+    layer = json.loads((mtp["plain"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["MTPDraftModel"], "speculators_model_type": "mtp", "num_nextn_predict_layers": 1,
+        "transformer_layer_config": layer,
+        "speculators_config": {"algorithm": "mtp", "proposal_methods": [{"proposal_type": "greedy",
+                                                                         "speculative_tokens": 3}]}}))
+    return folder
+
+
+@pytest.mark.parametrize("c_path", [True, False], ids=["c", "pytorch"])
+def test_speculators_mtp_drafter(mtp, tmp_path, monkeypatch, c_path):
+    """The speculators library's standalone MTP drafter: the method is read from the folder;
+    logits equal the reference's and the state handed on is the normed output (its training's
+    chaining), whole and through the paged cache; greedy speculation equals plain decoding."""
+    if c_path and kernels.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    without_kernels(monkeypatch, c_path)
+    folder = speculators_layout(mtp, tmp_path / "speculators-mtp")
+    model = load_model(mtp["plain"], "float32")
+    head = load_mtp(folder, model)
+    assert head.embeds_first and head.norm_output
+    hf, w = mtp["hf"], mtp["weights"]
+    ids = torch.randint(2, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        feats, embeds = features(hf, ids)[:-1], hf.model.embed_tokens(ids[1:])
+        ref_logits, ref_x = ref_mtp(w, mtp["lm_head"], feats, embeds)
+        ref_h = rms(ref_x, w[P + "final_layernorm.weight"])
+        whole = head(feats[None], embeds[None])
+        torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
+        cache = head.decoder.new_cache(batch=1)
+        parts = []
+        for a, b in ((0, 7), (7, 19)):
+            parts.append(head(feats[a:b], embeds[a:b], cache, ForwardBatch.build(cache, [0], [b - a], [a])))
+            cache.set_length(0, b)
+        assert (head.decoder.c_view(cache) is not None) == c_path
+        torch.testing.assert_close(torch.cat([p.logits for p in parts]), ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat([p.hidden for p in parts]), ref_h, atol=1e-4, rtol=1e-4)
+    prompts = [{"prompt_token_ids": p} for p in mtp["prompts"][:3]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=mtp["plain"], dtype="float32",
+                                                 num_speculative_tokens=0).generate(prompts, params)]
+    llm = LLM(model=mtp["plain"], dtype="float32", speculative_config={"model": str(folder), "num_speculative_tokens": 3})
+    assert llm.spec.method == "mtp"                         # read from the folder, as vLLM does
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.stats.accepted_tokens for o in outs) > 0
+    assert llm.engine.proposer.c_chain is None               # forward.c's chain hands on unnormed states

@@ -382,6 +382,8 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
 
     if isinstance(head, Eagle3Head):      # (norm_output: the chain would hand on the unnormed state)
         return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 and not head.norm_output else None
+    if isinstance(head, MTPHead) and head.norm_output:      # the chain would hand on the unnormed state
+        return None
     fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
     if isinstance(head, MTPHead) and fc is not None and not _dense_ok(fc):   # a GGUF file's packed eh_proj
         found = _mat(fc)

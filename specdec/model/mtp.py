@@ -13,6 +13,9 @@ next draft step starts from, as vLLM chains it: drafting K > 1 tokens reuses the
 its own states. At position 0 the token embedding is zeroed (vLLM's rule).
 
 Layouts (config.json's num_nextn_predict_layers > 0; the first MTP layer is used):
+- the speculators library's standalone MTP drafters (`speculators_model_type` "mtp", vLLM reads
+  them by folder): `mtp_layers.0.*` named as MiMo's below but with [embedding ; feature], the
+  target's embeddings and LM head, and the normed output as the next step's state;
 - DeepSeek-V3 / GLM-4.5: `model.layers.{L}.*` (L = num_hidden_layers) with enorm, hnorm,
   eh_proj (input [embedding ; feature]), shared_head.norm, shared_head.head (else the target's
   LM head), embed_tokens (else the target's) and the decoder layer's own weights;
@@ -50,8 +53,9 @@ class MTPHead(nn.Module):
 
     feature_layers: tuple[int, ...] = ()      # it reads the target's final-norm features
 
-    def __init__(self, layer_cfg: ModelConfig, embeds_first: bool, embedding_rows: int = 0):
+    def __init__(self, layer_cfg: ModelConfig, embeds_first: bool, embedding_rows: int = 0, norm_output: bool = False):
         super().__init__()
+        self.norm_output = norm_output        # the speculators library's: the normed output is the next state
         D, eps = layer_cfg.hidden_size, layer_cfg.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(D, eps), RMSNorm(D, eps)
         self.eh_proj = Linear(2 * D, D, bias=False)
@@ -81,7 +85,7 @@ class MTPHead(nn.Module):
         e = self.enorm(token_embeds.to(d.dtype)).masked_fill((positions == 0)[..., None], 0.0)
         h = self.hnorm(feats.to(d.dtype))
         x = self.eh_proj(torch.cat([e, h] if self.embeds_first else [h, e], -1))
-        return d(None, kv, batch, embeds=x, hidden=(1,))
+        return d(None, kv, batch, embeds=x, hidden=True if self.norm_output else (1,))
 
     def use_fp32_activations(self) -> "MTPHead":
         self.decoder.use_fp32_activations()
@@ -118,6 +122,8 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: neither a Hugging Face folder (config.json) nor a GGUF file")
     raw = text_config(read_config(folder))
+    if raw.get("speculators_model_type") == "mtp":
+        return _load_speculators_mtp(folder, raw, target)
     if num_mtp_layers(raw) < 1:
         raise CheckpointError(f"{folder}: the checkpoint has no MTP layers (config.json's "
                               f"num_nextn_predict_layers is {raw.get('num_nextn_predict_layers')!r})")
@@ -176,3 +182,56 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     check_state(folder, "MTP weights", state, expected)
     head.load_state_dict(state, strict=False)
     return place_head(head, target, target.lm_head if shared_head else None)
+
+
+def is_speculators_mtp(folder) -> bool:
+    """A standalone MTP drafter saved by the speculators library (`speculators_model_type` "mtp")."""
+    try:
+        return read_config(folder).get("speculators_model_type") == "mtp"
+    except CheckpointError:
+        return False
+
+
+def _load_speculators_mtp(folder: Path, raw: dict, target: Transformer) -> MTPHead:
+    """The speculators library's MTP drafter (`MTPDraftModel`): its layer's config under
+    transformer_layer_config (the verifier's), weights `mtp_layers.0.*` named as MiMo's
+    (token_layernorm, hidden_layernorm, input_proj, final_layernorm) but with the embedding first
+    in input_proj's input, the verifier's embeddings and LM head, and the normed output handed
+    to the next step, as its training chains it."""
+    layer_raw = {**(raw.get("transformer_layer_config") or {}), "num_nextn_predict_layers": 1}
+    tcfg = target.config
+    try:
+        if int(raw.get("num_nextn_predict_layers", 1)) != 1:
+            raise ValueError(f"{raw['num_nextn_predict_layers']} MTP layers (the speculators format holds one)")
+        cfg = _layer_config(layer_raw, int(layer_raw["num_hidden_layers"]))
+    except (KeyError, ValueError) as e:
+        what = f"lacks {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{folder}: speculators MTP drafter {what}") from None
+    if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise CheckpointError(f"{folder}: an MTP layer of hidden size {cfg.hidden_size} over {cfg.vocab_size} tokens, "
+                              f"the target has {tcfg.hidden_size} over {tcfg.vocab_size}")
+    sd = read_state_dict(folder)
+    names = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
+             "final_layernorm": "decoder.model.norm"}
+    own, layer = {}, {}
+    for name, t in sd.items():
+        if name.startswith(("embed_tokens.", "lm_head.", "verifier_lm_head.", "d2t", "t2d")):
+            continue                       # the verifier's, shared (the library never saves them)
+        if not name.startswith("mtp_layers.0."):
+            raise CheckpointError(f"{folder}: unexpected weight in the MTP drafter: {name}")
+        rest = name[len("mtp_layers.0."):]
+        module = next((m for m in names if rest.startswith(m + ".")), None)
+        if module is not None:
+            own[names[module] + rest[len(module):]] = t
+        else:
+            layer["model.layers.0." + rest] = t
+    head = MTPHead(cfg, embeds_first=True, norm_output=True)
+    state = {**own, **{"decoder." + k: v for k, v in hf_to_fused(layer, cfg).items()}}
+    if getattr(target, "tp_size", 1) > 1:
+        raise CheckpointError(f"{folder}: the speculators MTP drafter shares the target's LM head, which is split "
+                              "over tensor-parallel ranks here")
+    expected = {k: v.shape for k, v in head.state_dict().items()
+                if not k.endswith("model.embed_tokens.weight") and k not in ("draft_vocab", "decoder.lm_head.weight")}
+    check_state(folder, "MTP weights", state, expected)
+    head.load_state_dict(state, strict=False)
+    return place_head(head, target, target.lm_head)

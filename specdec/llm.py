@@ -144,15 +144,16 @@ class LLM:
         self.max_model_len = max_model_len
         self.target, self.tokenizer = self._load(model, tokenizer, target=True)
         self.runner = _runner(model, runner, convert, task)
-        self.pooler = None
+        self.pooler = self.classifier = None
         if self.runner == "pooling":
-            from .pooling import PoolerConfig
+            from .pooling import Classifier, PoolerConfig
 
             if self.spec is not None and self.spec.num_speculative_tokens != 0:
                 raise ValueError("speculative decoding needs runner='generate'; this model runs as runner='pooling'")
             if parallel.tensor_parallel_size > 1:
                 raise ValueError("runner='pooling' does not support tensor parallelism")
             self.pooler = PoolerConfig.of(model, pooler_config or override_pooler_config)
+            self.classifier = Classifier.of(model, self.target)
         self._leader = None
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
@@ -283,12 +284,32 @@ class LLM:
             out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(vec), ids, text))
         return out
 
+    def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.classify for a sequence classifier (architectures like
+        Qwen2ForSequenceClassification): the `score` head over each prompt's last token,
+        softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt."""
+        from .pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams
+
+        self.check_runner("pooling")
+        if self.classifier is None:
+            raise ValueError("LLM.classify() needs a sequence classifier (architectures like "
+                             "Qwen2ForSequenceClassification, with a score head)")
+        if self.pooler.pooling_type != "LAST" or self.pooler.normalize:
+            raise ValueError("a sequence classifier reads the last token's state: pooler_config must keep "
+                             "pooling_type LAST and normalize false")
+        outs = self.embed(prompts, PoolingParams(normalize=False), truncate_prompt_tokens)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(self.classifier.probs(o.outputs.embedding)),
+                                            o.prompt_token_ids) for o in outs]
+
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's
         embeddings (one text against a list, or two lists pairwise); ScoringRequestOutput per pair."""
         from .pooling import ScoringOutput, ScoringRequestOutput, cosine, pairs
 
         self.check_runner("pooling")
+        if self.classifier is not None:
+            raise ValueError("LLM.score() with a sequence classifier (a cross-encoder) is not supported: it scores "
+                             "with an embedding model's cosine similarity")
         todo = pairs(data_1, data_2)
         texts = list(dict.fromkeys(_prompt_key(x) for pair in todo for x in pair))
         vectors = {key: out for key, out in zip(texts, self.embed([_prompt_of(k) for k in texts],
@@ -477,7 +498,7 @@ RUNNERS = ("auto", "generate", "pooling")
 def _runner(model, runner: str, convert: str, task: str | None) -> str:
     """vLLM's runner choice: "pooling" when asked (runner, convert="embed", or the legacy
     task="embed"), or for a bare decoder folder (architectures like Qwen3Model) under "auto"."""
-    from .model.checkpoint import is_base_model, read_config
+    from .model.checkpoint import is_base_model, is_classifier, read_config
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
@@ -489,8 +510,11 @@ def _runner(model, runner: str, convert: str, task: str | None) -> str:
         return "pooling"
     if runner == "generate" or task == "generate":
         return "generate"
-    return "pooling" if Path(model).is_dir() and (Path(model) / "config.json").is_file() and \
-        is_base_model(read_config(model)) else "generate"
+    if Path(model).is_dir() and (Path(model) / "config.json").is_file():
+        raw = read_config(model)
+        if is_base_model(raw) or is_classifier(raw):
+            return "pooling"
+    return "generate"
 
 
 def _prompt_key(prompt):

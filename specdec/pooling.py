@@ -40,10 +40,11 @@ class PoolerConfig:
 
     @classmethod
     def of(cls, folder: str | Path, override: dict | None = None) -> PoolerConfig:
-        """The folder's pooling (sentence-transformers files, else LAST + normalize), then override."""
-        cfg = cls()
+        """The folder's pooling (sentence-transformers files, else LAST + normalize; a sequence
+        classifier's: LAST, not normalized), then override."""
         root = Path(folder)
         root = root.parent if root.is_file() else root
+        cfg = cls(normalize=not _classifier_config(root))
         modules = root / "modules.json"
         if modules.is_file():
             try:
@@ -174,3 +175,61 @@ def _pool(h: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[
     if pooler.normalize if params.normalize is None else params.normalize:
         vec = torch.nn.functional.normalize(vec, dim=0)
     return vec.cpu().tolist()
+
+
+def _classifier_config(root: Path) -> dict | None:
+    from .model.checkpoint import is_classifier, read_config
+
+    if not (root / "config.json").is_file():
+        return None
+    raw = read_config(root)
+    return raw if is_classifier(raw) else None
+
+
+@dataclass
+class Classifier:
+    """A sequence classifier's `score` head (transformers' *ForSequenceClassification) over the
+    last token's final-norm state: probabilities by softmax, or sigmoid for one label (vLLM's)."""
+    weight: torch.Tensor                  # [num_labels, hidden] fp32
+    bias: torch.Tensor | None
+    labels: list[str]
+
+    @classmethod
+    def of(cls, folder: str | Path, target) -> Classifier | None:
+        from .model.checkpoint import read_state_dict
+
+        root = Path(folder)
+        raw = _classifier_config(root)
+        if raw is None:
+            return None
+        sd = read_state_dict(root, lambda k: k in ("score.weight", "score.bias"))
+        if "score.weight" not in sd:
+            raise ValueError(f"{root}: a sequence classifier without score.weight")
+        w = sd["score.weight"].float()
+        if w.shape[1] != target.config.hidden_size:
+            raise ValueError(f"{root}: score.weight is {tuple(w.shape)}, the hidden size is {target.config.hidden_size}")
+        id2label = raw.get("id2label") or {}
+        labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(w.shape[0])]
+        return cls(w, sd["score.bias"].float() if "score.bias" in sd else None, labels)
+
+    def probs(self, state: list[float]) -> list[float]:
+        logits = torch.nn.functional.linear(torch.tensor(state), self.weight, self.bias)
+        return (torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)).tolist()
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's shape: `output.outputs.probs`."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -225,3 +225,56 @@ def test_score_and_rerank_endpoints(server):
         for path, body, message in bad:
             r = http.post(path, json=body)
             assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A Qwen2ForSequenceClassification with three labels, written by transformers."""
+    root = tmp_path_factory.mktemp("classify")
+    src = make_checkpoint(root / "src", arch="qwen2", hidden=64, layers=2, seed=2)
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg.num_labels, cfg.id2label = 3, {0: "negative", 1: "neutral", 2: "positive"}
+    cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    cfg.pad_token_id = 0
+    torch.manual_seed(3)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(src, config=cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(root / "clf")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, root / "clf" / f.name)
+    return root / "clf", model.eval()
+
+
+def test_classify_equals_transformers(classifier):
+    folder, hf = classifier
+    llm = LLM(str(folder))
+    assert llm.runner == "pooling" and not llm.pooler.normalize         # a classifier: by itself
+    outs = llm.classify(TEXTS)
+    for out in outs:
+        with torch.inference_mode():
+            want = torch.softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0], -1)
+        assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5) and out.outputs.num_classes == 3
+    with pytest.raises(ValueError, match="not supported"):
+        llm.score(TEXTS[0], TEXTS[1])
+    with pytest.raises(ValueError, match="pooling_type LAST and normalize false"):
+        LLM(str(folder), pooler_config={"pooling_type": "MEAN"}).classify("hi")
+
+
+def test_classify_endpoint(classifier, server):
+    import httpx
+
+    folder, hf = classifier
+    llm = LLM(str(folder), max_model_len=64)
+    want = [o.outputs.probs for o in llm.classify(TEXTS)]
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("clf",)))) as live:
+        r = httpx.post(live.url + "/classify", json={"model": "clf", "input": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert [d["probs"] for d in data] == [pytest.approx(p, abs=1e-6) for p in want]
+        assert [d["label"] for d in data] == [["negative", "neutral", "positive"][max(range(3), key=p.__getitem__)]
+                                              for p in want]
+        r = httpx.post(live.url + "/v1/classify", json={"input": []}, timeout=60)
+        assert r.status_code == 400
+    r = httpx.post(server.url + "/classify", json={"input": "hi"}, timeout=60)   # an embedding model
+    assert r.status_code == 404 and "Classification API" in r.json()["error"]["message"]

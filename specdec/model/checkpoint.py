@@ -371,7 +371,10 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     sd = read_state_dict(folder, (lambda k: not is_mtp_weight(k, cfg.num_hidden_layers)) if mtp else None)
     if not any(k.startswith(("model.", "lm_head.", "language_model.")) for k in sd) and any(k.startswith("layers.") for k in sd):
         sd = {"model." + k: v for k, v in sd.items()}    # a base model as AutoModel saves it (Qwen3Model, MistralModel)
-    if is_base_model(raw) and "lm_head.weight" not in sd and not cfg.tie_word_embeddings:
+    if is_classifier(raw):
+        sd.pop("score.weight", None)      # the classification head: specdec/pooling.py reads it (LLM.classify)
+        sd.pop("score.bias", None)
+    if (is_base_model(raw) or is_classifier(raw)) and "lm_head.weight" not in sd and not cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)   # no LM head: embeddings only (runner "pooling")
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
@@ -461,6 +464,13 @@ def is_base_model(raw: dict) -> bool:
     an embedding model, which LLM runs with runner "pooling" by default (specdec/pooling.py)."""
     archs = text_config(raw).get("architectures") or raw.get("architectures") or []
     return bool(archs) and all(a.endswith("Model") for a in archs)
+
+
+def is_classifier(raw: dict) -> bool:
+    """A sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...:
+    the decoder and a `score` head over its last token): runner "pooling", LLM.classify."""
+    archs = text_config(raw).get("architectures") or raw.get("architectures") or []
+    return bool(archs) and all(a.endswith("ForSequenceClassification") for a in archs)
 
 
 def finish(model: Transformer, torch_dtype: torch.dtype, device) -> Transformer:

@@ -1,7 +1,8 @@
 """OpenAI's embeddings endpoint (`POST /v1/embeddings`, vLLM's shape) for a model served with
 runner "pooling" (specdec/pooling.py), and vLLM's score (`/score`, `/v1/score`) and rerank
 (`/rerank`, `/v1/rerank`, `/v2/rerank`: Jina's and Cohere's shape) endpoints, which score an
-embedding model's pairs by the cosine similarity of their embeddings.
+embedding model's pairs by the cosine similarity of their embeddings, and `/classify` for a
+sequence classifier (label probabilities per input).
 
 The input is a string, a list of strings, a list of token ids or a list of those; each becomes
 one embedding, computed on the engine's thread (EngineWorker.call) so that it never races a
@@ -104,11 +105,37 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                 "results": [{"index": i, "document": {"text": body.documents[i]},
                              "relevance_score": outs[i].outputs.score} for i in order]}
 
+    async def classify(body: ClassifyRequest):
+        if service.llm.runner != "pooling" or service.llm.classifier is None:
+            raise APIError(404, f"the model {service.config.model_name!r} does not support the Classification API "
+                                "(serve a sequence classifier: architectures like Qwen2ForSequenceClassification)")
+        if service.lora_request(body.model) is not None:
+            raise APIError(400, "LoRA adapters are not applied to classification", "model")
+        prompts = _inputs(service, body)
+        outs = await run(lambda engine: service.llm.classify([{"prompt_token_ids": ids} for ids in prompts],
+                                                             body.truncate_prompt_tokens))
+        labels = service.llm.classifier.labels
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
+                 "probs": o.outputs.probs, "num_classes": o.outputs.num_classes} for i, o in enumerate(outs)]
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": service.config.model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+    for path in ("/classify", "/v1/classify"):
+        top.add_api_route(path, classify, methods=["POST"])
     for path in ("/score", "/v1/score"):
         top.add_api_route(path, score, methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         top.add_api_route(path, rerank, methods=["POST"])
     return router, top
+
+
+class ClassifyRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
 
 
 class ScoreRequest(_Body):
@@ -126,7 +153,8 @@ class RerankRequest(_Body):
     truncate_prompt_tokens: int | None = None
 
 
-def _inputs(service, body: EmbeddingRequest) -> list[list[int]]:
+def _inputs(service, body) -> list[list[int]]:
+    """The `input` of an embeddings or classify body as token ids, each checked."""
     x = body.input
     encode = lambda text: service.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)  # noqa: E731
     if isinstance(x, str):

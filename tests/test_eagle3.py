@@ -375,13 +375,7 @@ def test_train_eagle3_end_to_end(target, head, tmp_path):
     with torch.no_grad():
         feats, embeds = features(hf, ids)[:-1][None], hf.model.embed_tokens(ids[1:])[None]
         torch.testing.assert_close(unrolled(ours, feats, embeds, 2)[0], ours(feats, embeds).logits, atol=1e-4, rtol=1e-4)
-    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
-        prompts, params)]
-    llm = LLM(model=target, dtype="float32",
-              speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    greedy_equals_plain(target, head, out)
 
 
 @pytest.mark.parametrize("option", ["norm_before_fc", "fc_norm", "norm_output"])
@@ -430,6 +424,13 @@ def test_speculators_norm_options(target, head, tmp_path, monkeypatch, option):
                 assert (view is not None) == c_path
                 torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
+    llm = greedy_equals_plain(target, head, folder)
+    if option == "norm_output":      # forward.c's chain hands on the unnormed state: Python drafts the chains
+        assert llm.engine.proposer.c_chain is None
+
+
+def greedy_equals_plain(target, head, folder) -> LLM:
+    """Two training prompts, greedy, K = 3: the EAGLE-3 head in `folder` changes no token."""
     prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=target, dtype="float32", num_speculative_tokens=0).generate(
@@ -437,5 +438,4 @@ def test_speculators_norm_options(target, head, tmp_path, monkeypatch, option):
     llm = LLM(model=target, dtype="float32",
               speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
-    if option == "norm_output":      # forward.c's chain hands on the unnormed state: Python drafts the chains
-        assert llm.engine.proposer.c_chain is None
+    return llm

@@ -126,8 +126,16 @@ def test_openai_client_embeddings(server):
     short = client.embeddings.create(model="embedder", input=TEXTS[0], dimensions=64)
     assert len(short.data[0].embedding) == 64
     assert sum(x * x for x in short.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+    import httpx
+
+    def prompt_tokens() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("specdec:prompt_tokens_total")))
+
+    before = prompt_tokens()
     ids = client.embeddings.create(model="embedder", input=[[5, 6, 7], [8]])
     assert len(ids.data) == 2 and ids.usage.prompt_tokens == 4
+    assert prompt_tokens() == before + 4                  # counted as vLLM counts pooling requests
 
 
 def test_embeddings_errors(server):

@@ -52,6 +52,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                                 "(serve an embedding model, or this one with --runner pooling / --convert embed)")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to embeddings", "model")
+        start = time.perf_counter()
         prompts = _inputs(service, body)
         params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
         try:
@@ -63,15 +64,20 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body.encoding_format)}
                 for i, o in enumerate(outputs)]
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        service.metrics.pooled(tokens, time.perf_counter() - start)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": service.config.model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def run(fn):
+        """fn on the engine's thread; the request counted in the metrics (its outputs' tokens)."""
+        start = time.perf_counter()
         try:
-            return await asyncio.wrap_future(service.worker.call(fn))
+            outs = await asyncio.wrap_future(service.worker.call(fn))
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        service.metrics.pooled(sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - start)
+        return outs
 
     def check(model: str | None) -> None:
         if service.llm.runner != "pooling":

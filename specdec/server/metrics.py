@@ -115,6 +115,13 @@ class ServerMetrics:
         for outcome in ("stop", "length", "abort", "error", "invalid"):
             self.requests.labels(outcome)     # present at 0 from the start, so rates are defined
 
+    def pooled(self, prompt_tokens: int, seconds: float) -> None:
+        """One pooling request (embeddings, score, rerank, classify) answered, as vLLM counts them:
+        a finished request, its input tokens as prompt tokens, its end-to-end latency."""
+        self.requests.labels("stop").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.e2e.observe(seconds)
+
     def rejected(self, status: int) -> None:
         if 400 <= status < 500:
             self.requests.labels("invalid").inc()

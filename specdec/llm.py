@@ -284,6 +284,19 @@ class LLM:
             out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(vec), ids, text))
         return out
 
+    def beam_search(self, prompts, params) -> list:
+        """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt (a string,
+        {"prompt"} or {"prompt_token_ids"}), best first, as BeamSearchOutput(sequences=[...]) with
+        each sequence's prompt + output `tokens`, `text`, `cum_logprob` (specdec/beam_search.py)."""
+        from .beam_search import beam_search
+
+        self.check_runner("generate")
+        single = isinstance(prompts, (str, dict))
+        ids = [self._prompt_ids(p)[1] for p in ([prompts] if single else prompts)]
+        for p in ids:
+            self.engine.check_prompt(p, SamplingParams(max_tokens=params.max_tokens))
+        return beam_search(self, ids, params)
+
     def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.classify for a sequence classifier (architectures like
         Qwen2ForSequenceClassification): the `score` head over each prompt's last token,

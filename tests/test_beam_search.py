@@ -1,0 +1,73 @@
+"""Beam search (vLLM's LLM.beam_search): on a tiny fp32 llama the beams and their scores equal
+transformers' own beam search (generate(num_beams=...)), with and without end-of-sequence tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec import LLM
+from specdec.beam_search import BeamSearchParams
+
+PROMPTS = [[0, 9, 17, 33, 42], [0, 5, 6, 7], [0, 30, 31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    target = tiny_pair[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return LLM(str(target), dtype="float32", num_speculative_tokens=0), hf
+
+
+def hf_beams(hf, prompt, width, max_tokens, length_penalty=1.0):
+    """transformers' beam search with no end-of-sequence token (its generation_config's left out)."""
+    config = transformers.GenerationConfig(num_beams=width, num_return_sequences=width, do_sample=False,
+                                           max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
+                                           length_penalty=length_penalty, early_stopping=False)
+    config.output_scores = config.return_dict_in_generate = True
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():        # (the mask given: pad id 0 is also the BOS every prompt starts with)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return [s.tolist() for s in out.sequences], out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_equal_transformers_without_eos(models, width):
+    """No end-of-sequence token: every beam is max_tokens long, ranked by cumulative
+    log-probability, as transformers ranks them."""
+    llm, hf = models
+    params = BeamSearchParams(beam_width=width, max_tokens=6, ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outs):
+        seqs, scores = hf_beams(hf, prompt, width, 6)
+        assert [b.tokens for b in out.sequences] == seqs
+        # transformers' score: sum of the output's log-probabilities / output length ** length_penalty
+        assert [b.cum_logprob / 6 for b in out.sequences] == pytest.approx(scores, abs=1e-4)
+        assert all(b.finish_reason == "length" for b in out.sequences)
+
+
+def test_beams_with_eos_and_length_penalty(models):
+    """With the model's EOS: beams that end are set aside, the rest go on; the final ranking
+    divides by len ** length_penalty (vLLM's rule, over prompt and output tokens)."""
+    llm, _ = models
+    eos = llm.tokenizer.eos_token_ids
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5)
+    out = llm.beam_search({"prompt_token_ids": PROMPTS[1]}, params)[0]
+    assert len(out.sequences) == 3
+    scores = []
+    for b in out.sequences:
+        n = len(b.tokens) - (1 if b.tokens[-1] in eos else 0)
+        scores.append(b.cum_logprob / n ** 0.5)
+        assert b.tokens[:len(PROMPTS[1])] == PROMPTS[1]
+        assert b.cum_logprob == pytest.approx(sum(b.logprobs), abs=1e-5)
+        assert b.text == llm.tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens)
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_search_checks(models):
+    llm, _ = models
+    with pytest.raises(ValueError, match="beam_width must be >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError):
+        llm.beam_search({"prompt_token_ids": list(range(1, 10 ** 4))}, BeamSearchParams(2, 4))

@@ -71,3 +71,17 @@ def test_beam_search_checks(models):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError):
         llm.beam_search({"prompt_token_ids": list(range(1, 10 ** 4))}, BeamSearchParams(2, 4))
+
+
+def test_prefix_caching_and_speculation_change_no_beam(tiny_pair, near_draft, models):
+    """Beams share their prefixes through the prefix cache, and a speculative LLM scores each
+    one-token step as plain decoding does: the same beams either way."""
+    llm, _ = models
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    want = [[b.tokens for b in o.sequences] for o in llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    cached = LLM(str(tiny_pair[0]), dtype="float32", num_speculative_tokens=0, enable_prefix_caching=True)
+    spec = LLM(str(tiny_pair[0]), dtype="float32", speculative_model=str(near_draft), num_speculative_tokens=3)
+    for other in (cached, spec):
+        got = other.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [[b.tokens for b in o.sequences] for o in got] == want
+    assert cached.engine.blocks.prefix_caching

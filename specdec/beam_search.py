@@ -56,37 +56,63 @@ def beam_score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -
     return beam.cum_logprob / (n ** length_penalty)
 
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    eos = set(llm.tokenizer.eos_token_ids)
-    width = params.beam_width
-    step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * width, ignore_eos=True,
-                          seed=0 if params.temperature > 0 else None)
-    live = [[BeamSearchSequence(list(p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        todo = [(i, b) for i, beams in enumerate(live) for b in beams]
-        if not todo:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], step)
-        grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(todo, outs):
-            for tok, lp in out.outputs[0].logprobs[0].top:
+class BeamSearch:
+    """The search over several prompts, one step at a time, whoever runs the steps (the offline
+    LLM, or the server's engine jobs): `pending()` lists the beams to extend, `advance(tops)`
+    takes each one's (token, log-probability) candidates, `result(decode)` ranks the end."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: set[int]):
+        self.prompts, self.params, self.eos = [list(p) for p in prompts], params, eos
+        self.live = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def step_params(self) -> SamplingParams:
+        """One token with the 2 x width likeliest next tokens (greedy: the unscaled distribution)."""
+        return SamplingParams(temperature=self.params.temperature, max_tokens=1, logprobs=2 * self.params.beam_width,
+                              ignore_eos=True, seed=0 if self.params.temperature > 0 else None)
+
+    def pending(self) -> list[tuple[int, BeamSearchSequence]]:
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [(i, b) for i, beams in enumerate(self.live) for b in beams]
+
+    def advance(self, todo: list[tuple[int, BeamSearchSequence]], tops: list) -> None:
+        grown: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
+        for (i, beam), top in zip(todo, tops):
+            for tok, lp in top:
                 new = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [lp], beam.cum_logprob + lp)
-                if tok in eos and not params.ignore_eos:
+                if tok in self.eos and not self.params.ignore_eos:
                     new.finish_reason = "stop"
-                    done[i].append(new)
+                    self.done[i].append(new)
                 else:
                     grown[i].append(new)
-        live = [sorted(g, key=lambda b: b.cum_logprob, reverse=True)[:width] for g in grown]
-    results = []
-    for i, prompt in enumerate(prompts):
-        for b in live[i]:
-            b.finish_reason = b.finish_reason or "length"
-        best = sorted(done[i] + live[i], key=lambda b: beam_score(b, eos, params.length_penalty), reverse=True)[:width]
-        for b in best:
-            out = b.tokens[len(prompt):]
-            if b.finish_reason == "stop" and not params.include_stop_str_in_output:
-                out = out[:-1]
-            b.text = llm.tokenizer.decode(prompt + out)
-        results.append(BeamSearchOutput(best))
-    return results
+        self.live = [sorted(g, key=lambda b: b.cum_logprob, reverse=True)[:self.params.beam_width] for g in grown]
+        self.steps += 1
+
+    def result(self, decode) -> list[BeamSearchOutput]:
+        """decode(token ids) -> text. Each prompt's width best beams, best first; `text` is the
+        prompt's and the output's (vLLM's), without the EOS unless include_stop_str_in_output."""
+        out = []
+        for i, prompt in enumerate(self.prompts):
+            for b in self.live[i]:
+                b.finish_reason = b.finish_reason or "length"
+            best = sorted(self.done[i] + self.live[i], key=lambda b: beam_score(b, self.eos, self.params.length_penalty),
+                          reverse=True)[:self.params.beam_width]
+            for b in best:
+                b.text = decode(prompt + self.output_ids(b, len(prompt)))
+            out.append(BeamSearchOutput(best))
+        return out
+
+    def output_ids(self, beam: BeamSearchSequence, prompt_len: int) -> list[int]:
+        ids = beam.tokens[prompt_len:]
+        return ids[:-1] if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output else ids
+
+
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The offline search: each step's beams through llm.generate as one batch."""
+    search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids))
+    while todo := search.pending():
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], search.step_params())
+        search.advance(todo, [o.outputs[0].logprobs[0].top for o in outs])
+    return search.result(llm.tokenizer.decode)

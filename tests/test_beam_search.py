@@ -85,3 +85,26 @@ def test_prefix_caching_and_speculation_change_no_beam(tiny_pair, near_draft, mo
         got = other.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert [[b.tokens for b in o.sequences] for o in got] == want
     assert cached.engine.blocks.prefix_caching
+
+
+def test_server_use_beam_search(models):
+    """vLLM's `use_beam_search` on /v1/completions through the official client: the n choices of
+    a prompt are its n beams (LLM.beam_search's, best first, the prompt left out of the text)."""
+    import openai
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    llm, _ = models
+    want = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                           BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        res = client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, max_tokens=5, temperature=0,
+                                        extra_body={"use_beam_search": True, "ignore_eos": True})
+        texts = [c.text for c in sorted(res.choices, key=lambda c: c.index)]
+        assert texts == [llm.tokenizer.decode(b.tokens[len(p):]) for p, o in zip(PROMPTS, want) for b in o.sequences]
+        assert res.usage.completion_tokens == 2 * 3 * 5
+        with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+            client.completions.create(model="tiny", prompt="hi", n=2, max_tokens=4, stream=True,
+                                      extra_body={"use_beam_search": True})

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
+from .beam import beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
@@ -119,6 +120,8 @@ def _api_routes(service: Service) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         lora = service.lora_request(body.model)
+        if body.use_beam_search:
+            return await _until_done(request, beam_completion(service, body, arrival, lora))
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)

@@ -105,6 +105,13 @@ def test_server_use_beam_search(models):
         texts = [c.text for c in sorted(res.choices, key=lambda c: c.index)]
         assert texts == [llm.tokenizer.decode(b.tokens[len(p):]) for p, o in zip(PROMPTS, want) for b in o.sequences]
         assert res.usage.completion_tokens == 2 * 3 * 5
+        messages = [{"role": "user", "content": "def add(a, b):"}]
+        ids = llm.chat_prompt(messages)["prompt_token_ids"]
+        beams = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+        chat = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=5, temperature=0,
+                                              extra_body={"use_beam_search": True, "ignore_eos": True})
+        assert [c.message.content for c in chat.choices] == [llm.tokenizer.decode(b.tokens[len(ids):])
+                                                             for b in beams[0].sequences]
         with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
             client.completions.create(model="tiny", prompt="hi", n=2, max_tokens=4, stream=True,
                                       extra_body={"use_beam_search": True})

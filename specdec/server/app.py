@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
-from .beam import beam_completion
+from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
@@ -133,6 +133,8 @@ def _api_routes(service: Service) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         lora = service.lora_request(body.model)
+        if body.use_beam_search:
+            return await _until_done(request, beam_chat(service, body, arrival, lora))
         prompts, params, tools = service.prepare_chat(body)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None

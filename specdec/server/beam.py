@@ -1,4 +1,4 @@
-"""vLLM's `use_beam_search` on /v1/completions: the n best beams of each prompt (n is the beam
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the n best beams of each prompt (n is the beam
 width), through the same engine jobs as any request (specdec/beam_search.py's BeamSearch,
 stepped here: each step's beams are one Generation), so beams batch with other traffic and a
 client that leaves cancels them. Not streamed (the beams are known only at the end), as vLLM."""
@@ -15,15 +15,49 @@ from .errors import APIError
 
 async def beam_completion(service, body, arrival: float, lora) -> dict:
     service._check_generates("Completions")
-    if body.stream:
-        raise APIError(400, "use_beam_search cannot be streamed (the beams are known only at the end)", "stream")
     if body.logprobs is not None or body.echo or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with logprobs, echo or best_of", "use_beam_search")
     prompts = service._completion_prompts(body.prompt)
+    search, outputs = await _search(service, body, prompts, body.max_tokens, arrival, lora)
+    choices, completion_tokens = [], 0
+    for p, (prompt, out) in enumerate(zip(prompts, outputs)):
+        for j, beam in enumerate(out.sequences):
+            ids = search.output_ids(beam, len(prompt))
+            completion_tokens += len(ids)
+            choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids),
+                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
+    return _answer("cmpl", "text_completion", service, lora, choices, prompts, completion_tokens)
+
+
+async def beam_chat(service, body, arrival: float, lora) -> dict:
+    """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each a
+    plain assistant message (no tools, reasoning split or structured outputs with it)."""
+    if body.tools or body.logprobs or body.best_of is not None:
+        raise APIError(400, "use_beam_search does not combine with tools, logprobs or best_of", "use_beam_search")
+    prompts, sampling, _ = service.prepare_chat(body)
+    if sampling.structured_outputs is not None:
+        raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    search, outputs = await _search(service, body, prompts, max_tokens if max_tokens is not None else sampling.max_tokens,
+                                    arrival, lora)
+    choices, completion_tokens = [], 0
+    for j, beam in enumerate(outputs[0].sequences):
+        ids = search.output_ids(beam, len(prompts[0]))
+        completion_tokens += len(ids)
+        choices.append({"index": j, "message": {"role": service.config.response_role,
+                                                "content": service.tokenizer.decode(ids)},
+                        "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
+    return _answer("chatcmpl", "chat.completion", service, lora, choices, prompts, completion_tokens)
+
+
+async def _search(service, body, prompts: list[list[int]], max_tokens: int | None, arrival: float, lora):
+    """The beam search of `prompts` with the body's settings, stepped through engine jobs."""
+    if body.stream:
+        raise APIError(400, "use_beam_search cannot be streamed (the beams are known only at the end)", "stream")
     model = service.llm.generation_defaults
     temperature = body.temperature if body.temperature is not None else model.get("temperature", 1.0)
     try:
-        params = BeamSearchParams(beam_width=body.n, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
+        params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens if max_tokens is not None else 16,
                                   ignore_eos=body.ignore_eos, temperature=temperature,
                                   length_penalty=body.length_penalty,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
@@ -39,16 +73,12 @@ async def beam_completion(service, body, arrival: float, lora) -> dict:
                 if event.logprobs:
                     tops[index] = event.logprobs[0].top
         search.advance(todo, tops)
-    outputs = search.result(service.tokenizer.decode)
-    choices, completion_tokens = [], 0
-    for p, (prompt, out) in enumerate(zip(prompts, outputs)):
-        for j, beam in enumerate(out.sequences):
-            ids = search.output_ids(beam, len(prompt))
-            completion_tokens += len(ids)
-            choices.append({"index": p * params.beam_width + j, "text": service.tokenizer.decode(ids),
-                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
+    return search, search.result(service.tokenizer.decode)
+
+
+def _answer(prefix: str, kind: str, service, lora, choices: list, prompts, completion_tokens: int) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": service.model_name(lora), "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}

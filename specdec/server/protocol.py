@@ -57,6 +57,9 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens "
                                                                 "'token_id:<id>'")
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
+    use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
+    length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension, with use_beam_search: keep the EOS text")
 
 
 class CompletionRequest(_Sampling):
@@ -64,9 +67,6 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many alternatives per token (0 to --max-logprobs, default 20)")
     echo: bool = Field(False, description="prepend the prompt to each choice's text")
-    use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
-    length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
-    include_stop_str_in_output: bool = Field(False, description="vLLM extension, with use_beam_search: keep the EOS text")
 
 
 class ContentPart(_Body):

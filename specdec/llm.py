@@ -315,15 +315,15 @@ class LLM:
                                             o.prompt_token_ids) for o in outs]
 
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
-        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's
-        embeddings (one text against a list, or two lists pairwise); ScoringRequestOutput per pair."""
+        """vLLM's LLM.score: one text against a list, or two lists pairwise; ScoringRequestOutput
+        per pair. An embedding model scores by the cosine similarity of the two embeddings, a
+        cross-encoder (a sequence classifier with one label) by reading the pair as one input."""
         from .pooling import ScoringOutput, ScoringRequestOutput, cosine, pairs
 
         self.check_runner("pooling")
-        if self.classifier is not None:
-            raise ValueError("LLM.score() with a sequence classifier (a cross-encoder) is not supported: it scores "
-                             "with an embedding model's cosine similarity")
         todo = pairs(data_1, data_2)
+        if self.classifier is not None:
+            return self._cross_scores(todo, truncate_prompt_tokens)
         texts = list(dict.fromkeys(_prompt_key(x) for pair in todo for x in pair))
         vectors = {key: out for key, out in zip(texts, self.embed([_prompt_of(k) for k in texts],
                                                                  truncate_prompt_tokens=truncate_prompt_tokens))}
@@ -335,6 +335,24 @@ class LLM:
                                                                                         eb.outputs.embedding)),
                                                ea.prompt_token_ids + eb.prompt_token_ids))
         return result
+
+    def _cross_scores(self, todo: list[tuple], truncate_prompt_tokens: int | None) -> list:
+        """A cross-encoder (a sequence classifier with one label) scores each pair read as one
+        sequence (the tokenizer's pair template; token-id prompts are concatenated): the
+        sigmoid of its score head, as vLLM's score for such models."""
+        from .pooling import ScoringOutput, ScoringRequestOutput
+
+        if len(self.classifier.labels) != 1:
+            raise ValueError(f"LLM.score() with a sequence classifier needs one label (a cross-encoder); this one has "
+                             f"{len(self.classifier.labels)}: use LLM.classify()")
+        ids = []
+        for a, b in todo:
+            if isinstance(a, str) and isinstance(b, str):
+                ids.append(self.tokenizer.encode_pair(a, b))
+            else:
+                ids.append(self._prompt_ids(a)[1] + self._prompt_ids(b)[1])
+        outs = self.classify([{"prompt_token_ids": i} for i in ids], truncate_prompt_tokens)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids) for o in outs]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (vLLM's name)."""

@@ -143,6 +143,14 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
+        (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input)."""
+        ids = self.backend.encode(text, pair, add_special_tokens=True).ids
+        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -263,7 +263,7 @@ def test_classify_equals_transformers(classifier):
         with torch.inference_mode():
             want = torch.softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0], -1)
         assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5) and out.outputs.num_classes == 3
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="needs one label"):
         llm.score(TEXTS[0], TEXTS[1])
     with pytest.raises(ValueError, match="pooling_type LAST and normalize false"):
         LLM(str(folder), pooler_config={"pooling_type": "MEAN"}).classify("hi")
@@ -286,3 +286,37 @@ def test_classify_endpoint(classifier, server):
         assert r.status_code == 400
     r = httpx.post(server.url + "/classify", json={"input": "hi"}, timeout=60)   # an embedding model
     assert r.status_code == 404 and "Classification API" in r.json()["error"]["message"]
+
+
+def test_cross_encoder_scores_and_reranks(tmp_path):
+    """A sequence classifier with one label is a cross-encoder: score(query, document) reads the
+    pair as one input through the tokenizer's pair template and returns the sigmoid of its head,
+    as transformers' model on tokenizer(query, document) gives; /rerank orders by it."""
+    import httpx
+
+    src = make_checkpoint(tmp_path / "src", arch="qwen2", hidden=64, layers=2, seed=4)
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg.num_labels, cfg.pad_token_id = 1, 0
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(src, config=cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 1.0)
+    hf.save_pretrained(tmp_path / "ce")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "ce" / f.name)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "ce")
+    llm = LLM(str(tmp_path / "ce"), max_model_len=64)
+    outs = llm.score(TEXTS[0], TEXTS)
+    for doc, out in zip(TEXTS, outs):
+        ids = tok(TEXTS[0], doc)["input_ids"]
+        assert out.prompt_token_ids == ids
+        with torch.inference_mode():
+            want = torch.sigmoid(hf(torch.tensor([ids])).logits[0, 0]).item()
+        assert out.outputs.score == pytest.approx(want, abs=1e-5)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("ce",)))) as live:
+        r = httpx.post(live.url + "/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        order = sorted(range(3), key=lambda i: -outs[i].outputs.score)
+        assert [x["index"] for x in r.json()["results"]] == order
+        assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(
+            [outs[i].outputs.score for i in order], abs=1e-6)

@@ -80,7 +80,8 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         return outs
 
     def check(model: str | None) -> None:
-        if service.llm.runner != "pooling":
+        if service.llm.runner != "pooling" or (service.llm.classifier is not None
+                                                and len(service.llm.classifier.labels) != 1):
             raise APIError(404, f"the model {service.config.model_name!r} does not support the Score API "
                                 "(serve an embedding model, or this one with --runner pooling / --convert embed)")
         if service.lora_request(model) is not None:

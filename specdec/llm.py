@@ -540,6 +540,11 @@ def _runner(model, runner: str, convert: str, task: str | None) -> str:
     if runner == "pooling" or convert == "embed" or task == "embed":
         return "pooling"
     if runner == "generate" or task == "generate":
+        if Path(model).is_dir() and (Path(model) / "config.json").is_file():
+            raw = read_config(model)
+            if is_base_model(raw) or is_classifier(raw):
+                archs = ", ".join(raw.get("architectures") or [])
+                raise ValueError(f"{model}: {archs} has no LM head to generate with; run it with runner='pooling'")
         return "generate"
     if Path(model).is_dir() and (Path(model) / "config.json").is_file():
         raw = read_config(model)

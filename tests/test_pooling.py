@@ -265,6 +265,8 @@ def test_classify_equals_transformers(classifier):
         assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5) and out.outputs.num_classes == 3
     with pytest.raises(ValueError, match="needs one label"):
         llm.score(TEXTS[0], TEXTS[1])
+    with pytest.raises(ValueError, match="has no LM head to generate with"):
+        LLM(str(folder), runner="generate")
     with pytest.raises(ValueError, match="pooling_type LAST and normalize false"):
         LLM(str(folder), pooler_config={"pooling_type": "MEAN"}).classify("hi")
 

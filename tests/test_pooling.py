@@ -322,3 +322,25 @@ def test_cross_encoder_scores_and_reranks(tmp_path):
         assert [x["index"] for x in r.json()["results"]] == order
         assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(
             [outs[i].outputs.score for i in order], abs=1e-6)
+
+
+def test_chat_messages_and_the_pooling_endpoint(server, embedder):
+    """vLLM's extensions: /v1/embeddings takes a conversation (`messages`, through the chat
+    template, no generation prompt by default); /pooling answers each input's pooled output."""
+    import httpx
+
+    llm = LLM(str(embedder))
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ids = llm.chat_prompt(messages, add_generation_prompt=False)["prompt_token_ids"]
+    want = llm.embed({"prompt_token_ids": ids})[0].outputs.embedding
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/embeddings", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["data"][0]["embedding"] == pytest.approx(want, abs=1e-6)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        r = http.post("/v1/embeddings", json={"messages": messages, "input": "x"})
+        assert r.status_code == 400 and "either input or messages" in r.json()["error"]["message"]
+        r = http.post("/pooling", json={"input": TEXTS})
+        assert r.status_code == 200, r.text
+        assert [d["object"] for d in r.json()["data"]] == ["pooling"] * 3
+        assert [d["data"] for d in r.json()["data"]] == [pytest.approx(server.solo[t], abs=1e-6) for t in TEXTS]

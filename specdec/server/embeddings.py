@@ -27,18 +27,25 @@ from pydantic import Field
 
 from ..pooling import PoolingParams
 from .errors import APIError
-from .protocol import _Body
+from .protocol import ChatMessage, _Body
 
 
 class EmbeddingRequest(_Body):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(None, description="vLLM extension: one conversation through the chat "
+                                                                 "template, instead of input")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: keep each input's last k tokens")
-    add_special_tokens: bool = Field(True, description="vLLM extension")
+    add_special_tokens: bool | None = Field(None, description="vLLM extension: default true for input, false for "
+                                                              "messages (the template writes them)")
     normalize: bool | None = Field(None, description="vLLM extension: default, the model's pooler")
+    add_generation_prompt: bool = Field(False, description="vLLM extension, with messages")
+    continue_final_message: bool = Field(False, description="vLLM extension, with messages")
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
 
 
 def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
@@ -129,6 +136,30 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                 "model": service.config.model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
+    async def pooling(body: EmbeddingRequest):
+        """vLLM's generic pooling endpoint: each input's pooled output (an embedding model's
+        vector; a classifier's probabilities)."""
+        if service.llm.runner != "pooling":
+            raise APIError(404, f"the model {service.config.model_name!r} does not support the Pooling API "
+                                "(serve it with --runner pooling)")
+        if service.lora_request(body.model) is not None:
+            raise APIError(400, "LoRA adapters are not applied to pooling", "model")
+        prompts = [{"prompt_token_ids": ids} for ids in _inputs(service, body)]
+        if service.llm.classifier is not None:
+            outs = await run(lambda engine: service.llm.classify(prompts, body.truncate_prompt_tokens))
+            data = [o.outputs.probs for o in outs]
+        else:
+            params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
+            outs = await run(lambda engine: service.llm.embed(prompts, params))
+            data = [o.outputs.embedding for o in outs]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": service.config.model_name,
+                "data": [{"index": i, "object": "pooling", "data": _encode(d, body.encoding_format)}
+                         for i, d in enumerate(data)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    top.add_api_route("/pooling", pooling, methods=["POST"])
     for path in ("/classify", "/v1/classify"):
         top.add_api_route(path, classify, methods=["POST"])
     for path in ("/score", "/v1/score"):
@@ -142,7 +173,7 @@ class ClassifyRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
 
 
 class ScoreRequest(_Body):
@@ -161,10 +192,16 @@ class RerankRequest(_Body):
 
 
 def _inputs(service, body) -> list[list[int]]:
-    """The `input` of an embeddings or classify body as token ids, each checked."""
-    x = body.input
-    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)  # noqa: E731
-    if isinstance(x, str):
+    """The `input` (or the `messages`, through the chat template) of a pooling body as token
+    ids, each checked."""
+    x, messages = body.input, getattr(body, "messages", None)
+    if (x is None) == (messages is None):
+        raise APIError(400, "give either input or messages", "input")
+    add = body.add_special_tokens if body.add_special_tokens is not None else messages is None
+    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=add)  # noqa: E731
+    if messages is not None:
+        prompts = [encode(service._chat_text(body))]
+    elif isinstance(x, str):
         prompts = [encode(x)]
     elif not x:
         raise APIError(400, "input must not be empty", "input")

@@ -62,7 +62,12 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
                                   length_penalty=body.length_penalty,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
-        raise APIError(400, str(e), "n") from None
+        raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else
+                       "temperature" if "temperature" in str(e) else "n") from None
+    limit = service.engine.max_logprobs
+    if limit >= 0 and 2 * params.beam_width > limit:     # each step reads 2 x width candidates per beam
+        raise APIError(400, f"use_beam_search: n (the beam width) can be at most {limit // 2} here "
+                            f"(--max-logprobs {limit}), got {params.beam_width}", "n")
     service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), "prompt")
     search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids))
     step = search.step_params()

@@ -111,7 +111,7 @@ def main() -> None:
         server.terminate()
         server.wait(30)
     statuses: dict[str, int] = {}
-    worst, wrong_status, good_texts = 1.0, 0, 0
+    worst, wrong_status, good_texts, identical = 1.0, 0, 0, 0
     for body, bad, status, payload, _ in log:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
         if bad != (status == 400) or status >= 500:
@@ -119,13 +119,15 @@ def main() -> None:
         if status == 200:
             for text, d in zip(body["input"], payload["data"]):
                 good_texts += 1
+                identical += torch.equal(torch.tensor(d["embedding"]), solo[text])
                 worst = min(worst, torch.nn.functional.cosine_similarity(torch.tensor(d["embedding"]), solo[text],
                                                                          dim=0).item())
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     result = {"cpu": cpu, "clients": args.clients, "seconds": wall, "requests": len(log),
               "requests_s": len(log) / wall, "texts_s": good_texts / wall, "statuses": statuses,
-              "wrong_status": wrong_status, "min_cosine_vs_offline": worst, "rss_mb_start": start_mb,
+              "wrong_status": wrong_status, "min_cosine_vs_offline": worst,
+              "texts_identical_to_offline": f"{identical}/{good_texts}", "rss_mb_start": start_mb,
               "rss_mb_end": end_mb, "rss_mb_max_first_half": max(m for t, m in samples if t < wall / 2),
               "rss_mb_max_second_half": max(m for t, m in samples if t >= wall / 2), "rss_samples": samples}
     print(json.dumps(result, indent=1))

@@ -13,22 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import random
-import socket
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -66,6 +57,7 @@ def main() -> None:
     import torch
 
     from specdec import LLM
+    from specdec.bench.serve import server
     from specdec.bench.spec_bench import read_questions
     from specdec.defaults import smollm2_gguf
 
@@ -75,29 +67,18 @@ def main() -> None:
     offline = LLM(gguf, convert="embed", max_model_len=2048)
     solo = {t: torch.tensor(o.outputs.embedding) for t, o in zip(texts, offline.embed(texts))}
     del offline
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", gguf, "--convert", "embed",
-                               "--max-model-len", "2048", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        start_mb = rss_mb(server.pid)
+    with tempfile.TemporaryDirectory() as tmp, server(["--model", gguf, "--convert", "embed", "--max-model-len", "2048"],
+                                                      Path(tmp) / "server.log") as started:
+        url, pid = started.url, started.pid
+        start_mb = rss_mb(pid)
         log: list = []
         until = time.perf_counter() + args.seconds
         t0 = time.perf_counter()
-
         samples: list[tuple[float, float]] = []
 
         async def sample():
             while time.perf_counter() < until:
-                samples.append((time.perf_counter() - t0, rss_mb(server.pid)))
+                samples.append((time.perf_counter() - t0, rss_mb(pid)))
                 await asyncio.sleep(5)
 
         async def run():
@@ -106,10 +87,7 @@ def main() -> None:
 
         asyncio.run(run())
         wall = time.perf_counter() - t0
-        end_mb = rss_mb(server.pid)
-    finally:
-        server.terminate()
-        server.wait(30)
+        end_mb = rss_mb(pid)
     statuses: dict[str, int] = {}
     worst, wrong_status, good_texts, identical = 1.0, 0, 0, 0
     for body, bad, status, payload, _ in log:
@@ -128,8 +106,8 @@ def main() -> None:
               "requests_s": len(log) / wall, "texts_s": good_texts / wall, "statuses": statuses,
               "wrong_status": wrong_status, "min_cosine_vs_offline": worst,
               "texts_identical_to_offline": f"{identical}/{good_texts}", "rss_mb_start": start_mb,
-              "rss_mb_end": end_mb, "rss_mb_max_first_half": max(m for t, m in samples if t < wall / 2),
-              "rss_mb_max_second_half": max(m for t, m in samples if t >= wall / 2), "rss_samples": samples}
+              "rss_mb_end": end_mb, "rss_mb_max_first_half": max((m for t, m in samples if t < wall / 2), default=start_mb),
+              "rss_mb_max_second_half": max((m for t, m in samples if t >= wall / 2), default=end_mb), "rss_samples": samples}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,7 @@ class LLM:
         self.runner = _runner(model, runner, convert, task)
         self.pooler = self.classifier = None
         if self.runner == "pooling":
+            from .model.checkpoint import read_config
             from .pooling import Classifier, PoolerConfig
 
             if self.spec is not None and self.spec.num_speculative_tokens != 0:
@@ -154,6 +155,8 @@ class LLM:
                 raise ValueError("runner='pooling' does not support tensor parallelism")
             self.pooler = PoolerConfig.of(model, pooler_config or override_pooler_config)
             self.classifier = Classifier.of(model, self.target)
+            # config.json's matryoshka fields, read once (each embed request checks `dimensions`)
+            self._hf_config = read_config(model) if Path(model).is_dir() else {}
         self._leader = None
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
@@ -252,14 +255,12 @@ class LLM:
         `output.outputs.embedding` is the pooled, normalized vector (specdec/pooling.py).
         pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
         prompt; truncate_prompt_tokens: keep each prompt's last k tokens."""
-        from .model.checkpoint import read_config
         from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch
 
         self.check_runner("pooling")
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
-        hf = read_config(self.model_path) if Path(self.model_path).is_dir() else {}
         jobs = []
         for prompt, params in zip(prompts, plist):
             text, ids = self._prompt_ids(prompt)
@@ -274,7 +275,7 @@ class LLM:
                 raise ValueError(f"this model's maximum context length is {self.engine.max_model_len} tokens; "
                                  f"the input has {len(ids)}")
             self.engine.check_prompt(ids, SamplingParams(max_tokens=1))
-            check_dimensions(params.dimensions, self.target.config.hidden_size, hf)
+            check_dimensions(params.dimensions, self.target.config.hidden_size, self._hf_config)
             jobs.append((text, ids, params))
         vectors = embed_batch(self.target, [ids for _, ids, _ in jobs], self.pooler, [p for _, _, p in jobs],
                               self.engine.config.max_num_batched_tokens)

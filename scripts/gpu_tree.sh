@@ -8,15 +8,17 @@
 #   - with --init HEADS, those heads under .gpu/head (carried in the second call, ~18 MB);
 #   - with --tokens NPZ_DIR, answers made here (`gpu_heads.py pack`) under gpudata/tokens, to train on;
 #   - the gguf wheel under .whl/ (the device's image lacks it).
+#   - scripts/gpu_bench.py and Spec-Bench's questions (its `real` run takes the EAGLE head as --init).
 # Usage:  bash scripts/gpu_tree.sh PROMPTS.jsonl [--init HEADS] [--tokens NPZ_DIR]
-#         (then the two calls in gpu_heads.py's docstring)
+#         (then the two calls in gpu_heads.py's docstring; PROMPTS "-": none, for gpu_bench.py)
 #         bash scripts/gpu_tree.sh --restore            (back to main; the branch deleted)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 if [ "${1:-}" = "--restore" ]; then
     git checkout -q main && git branch -D gpu-run && exit 0
 fi
-prompts=$(realpath "${1:?usage: gpu_tree.sh PROMPTS.jsonl [--init HEADS] [--tokens NPZ_DIR] | --restore}")
+prompts="${1:?usage: gpu_tree.sh PROMPTS.jsonl|- [--init HEADS] [--tokens NPZ_DIR] | --restore}"
+[ "$prompts" = "-" ] || prompts=$(realpath "$prompts")
 init="" tokens=""
 shift
 while [ $# -gt 0 ]; do
@@ -45,10 +47,11 @@ git worktree add -q --detach "$wt" HEAD
     cd "$wt"
     git checkout -q --orphan gpu-run
     git rm -rfq .
-    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py scripts/gpu_tree.sh models/target/tokenizer.json \
-        models/target/tokenizer_config.json models/target/special_tokens_map.json
+    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py scripts/gpu_bench.py scripts/gpu_tree.sh \
+        models/target/tokenizer.json models/target/tokenizer_config.json models/target/special_tokens_map.json \
+        bench/prompts/spec_bench
     mkdir gpudata
-    gzip -c "$prompts" > gpudata/prompts.jsonl.gz
+    [ "$prompts" = "-" ] || gzip -c "$prompts" > gpudata/prompts.jsonl.gz
     if [ -n "$tokens" ]; then mkdir gpudata/tokens && cp "$tokens"/*.npz gpudata/tokens/; fi
     sha256sum "$gguf" | cut -d' ' -f1 > gpudata/gguf.sha
     git add -A

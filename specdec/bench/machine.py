@@ -65,7 +65,16 @@ def machine_info() -> dict:
         "specdec_commit": _git_commit(Path(__file__).resolve().parent),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "kernels": kernels.describe(),
+        "gpu": _gpu(),
     }
+
+
+def _gpu() -> str | None:
+    """The first CUDA device, its name, memory and driver's CUDA version (None without one)."""
+    if not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda})"
 
 
 def cpu_kind() -> str:
@@ -79,7 +88,7 @@ def cpu_kind() -> str:
 def describe(info: dict, roof: dict | None) -> str:
     """The machine in a few lines (benchmark output)."""
     lines = [f"machine: {info['cpu']} ({cpu_kind()}), {info['cores']} cores, load average {info['load_average']}",
-             f"kernels: {info['kernels']}"]
+             f"kernels: {info['kernels']}"] + ([f"gpu: {info['gpu']}"] if info.get("gpu") else [])
     if roof:
         lines.append(f"roofline: {roof['weight_bytes_per_step'] / 1e6:.1f} MB of {roof['dtype']} weights per token at "
                      f"{roof['memory_bandwidth_gb_s']} GB/s copy bandwidth = {roof['roofline_tokens_per_second']} tokens/s")

@@ -89,7 +89,8 @@ def _header_lines(results: dict) -> list[str]:
              (f"Machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} "
               f"threads, transformers {mach['transformers']}, specdec {mach['specdec_commit']}; load average "
               f"{mach['load_average']} at the start, {mach.get('load_average_end')} at the end."
-              + (f" CPU kernels: {mach['kernels']}." if mach.get("kernels") else ""))]
+              + (f" CPU kernels: {mach['kernels']}." if mach.get("kernels") else "")
+              + (f" GPU: {mach['gpu']}." if mach.get("gpu") else ""))]
     if machine.busy(mach):
         lines += ["", (f"**Warning:** other work held at least half of the {mach['cores']} cores when this run "
                        "started: these timings are not representative.")]

@@ -1,0 +1,35 @@
+"""Where a decoding step's time goes on a GPU: plain vs EAGLE chain vs suffix, batch 1 (engine stats
+and torch.profiler's kernel counts)."""
+import json, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specdec import LLM, SamplingParams
+from specdec.bench.spec_bench import chat_prompt, read_questions
+
+gguf, head, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+rows = []
+for name, spec in (("plain", None), ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}),
+                   ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4})):
+    llm = LLM(gguf, dtype="float32", device="cuda", speculative_config=spec, num_speculative_tokens=0 if spec is None else None)
+    p = chat_prompt(llm.tokenizer, read_questions()[0]["prompt"])
+    g = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p}], g)
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    o = llm.generate([{"prompt_token_ids": p}], g)[0]
+    torch.cuda.synchronize(); wall = time.perf_counter() - t0
+    s = o.stats
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate([{"prompt_token_ids": p}], g)
+    ka = prof.key_averages()
+    kernels = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    syncs = sum(e.count for e in ka if "Synchronize" in e.key or e.key in ("cudaMemcpyAsync",))
+    r = {"method": name, "wall_s": round(wall, 3), "tokens": s.output_tokens, "passes": s.target_forward_passes,
+         "ms_per_pass": round(1000 * wall / s.target_forward_passes, 2), "draft_s": round(s.draft_time_s, 3),
+         "target_s": round(s.target_time_s, 3), "kernels_per_pass": round(kernels / s.target_forward_passes),
+         "launches": launches, "memcpy_or_sync": syncs}
+    rows.append(r); print(json.dumps(r), flush=True)
+    (out / f"profile_{name.split()[0]}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30))
+    del llm
+(out / "profile.json").write_text(json.dumps(rows, indent=1))

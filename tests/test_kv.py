@@ -300,3 +300,38 @@ def test_padded_attention_agrees_with_per_token_attention(model, kv_dtype, varia
             t.copy_(t0)
             u.copy_(u0)
     assert torch.isfinite(outs[0]).all() and torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_padded_attention_takes_one_sequence_with_several_rows(model, shape):
+    """Under the padded attention (a GPU's) one sequence that feeds several rows (a verified chain
+    or tree, a drafter's update) is attended in one call, not one call per row; what each row gets
+    agrees with the per-token attention. One row alone stays on the per-token path."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    cfg = model.config
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(6)
+    blocks, kv = _pool(model)
+    blocks.add("s")
+    blocks.ensure("s", 20)
+    hist = torch.randn(9, KV, hd, generator=g)
+    plan = AttentionPlan.of(ForwardBatch.build(kv, ["s"], [9], [0]), kv, "cpu", 64, padded=False)
+    _TorchAttention(kv, plan)(0, torch.zeros(9, H, hd), hist, hist, True)
+    tree = TreeAttention.from_parents([-1, 0, 0, 1]) if shape == "tree" else None
+    n = tree.mask.shape[0] if tree is not None else 4       # a tree's rows: the last token and its nodes
+    batch = ForwardBatch.build(kv, ["s"], [n], [9], [tree])
+    q, k, v = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+    outs = []
+    for padded in (False, True):
+        state = [(t.clone(), u.clone()) for t, u in zip(kv.k, kv.v)]
+        plan = AttentionPlan.of(batch, kv, "cpu", 64, padded=padded)
+        assert (plan.padded is not None and plan.padded.B == 1 and plan.padded.T == n and not plan.seqs) == padded
+        outs.append(_TorchAttention(kv, plan)(0, q, k, v, True))
+        for (t, u), (t0, u0) in zip(zip(kv.k, kv.v), state):
+            t.copy_(t0)
+            u.copy_(u0)
+    assert torch.isfinite(outs[0]).all() and torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    one = AttentionPlan.of(ForwardBatch.build(kv, ["s"], [1], [9]), kv, "cpu", 64, padded=True)
+    assert one.padded is None and one.slot is not None

@@ -234,13 +234,17 @@ class AttentionPlan:
 
     @classmethod
     def of(cls, batch: ForwardBatch, kv, device, max_rows: int, padded: bool | None = None) -> "AttentionPlan":
-        """Sequences of at most max_rows tokens go token by token (or, padded, two or more of
-        them in one call: default PADDED), longer ones masked."""
+        """Sequences of at most max_rows tokens go token by token (or, padded, in one call when
+        they are two or more or feed several rows: default PADDED), longer ones masked."""
         bs = kv.block_size
         device = torch.device(device)
         padded = (device.type != "cpu" if PADDED is None else PADDED) if padded is None else padded
         short = [b for b, n in enumerate(batch.counts) if n <= max_rows] if padded else []
-        short = short if len(short) > 1 else []
+        # one call for two or more sequences, or for one sequence's several rows (verifying a
+        # chain or a tree, a drafter's update): token by token, each row would cost a layer its
+        # own gather and attention call, ~10 launches a row on a GPU. A single row stays on the
+        # per-token path (plain decoding of one sequence: its slot fast path)
+        short = short if len(short) > 1 or (short and batch.counts[short[0]] > 1) else []
         write_blocks, write_offsets, seqs = [], [], []
         first = 0
         for b, (seq, st, n, tree) in enumerate(zip(batch.seqs, batch.starts, batch.counts, batch.trees)):

@@ -6,7 +6,7 @@ On a GPU every op is a kernel launch or more, and specdec's path there is host-b
 a step's op count is its cost there. This counts the aten ops each phase of `Engine.step`
 dispatches (a TorchDispatchMode), per target forward, on this CPU.
 
-    PYTHONPATH=. python scripts/step_ops.py [--methods plain,suffix2,eagle2] [--tokens 48]
+    PYTHONPATH=. python scripts/step_ops.py [--methods plain,suffix2,eagle2] [--tokens 48] [--batch 1]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--methods", default="plain,suffix2,eagle2")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=8, help="the most frequent ops of each phase")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together (Spec-Bench questions)")
     args = p.parse_args()
     batch_module.PADDED = True
     model = args.model or str(smollm2_gguf())
@@ -72,9 +73,10 @@ def main() -> None:
         specs[f"eagle_tree{k}"] = {"method": "eagle", "num_speculative_tokens": k, "topk": 2}
     for name in args.methods.split(","):
         llm = LLM(model, dtype="float32", speculative_config=specs[name],
-                  num_speculative_tokens=0 if specs[name] is None else None, max_num_seqs=1)
+                  num_speculative_tokens=0 if specs[name] is None else None, max_num_seqs=args.batch)
         eng = llm.engine
-        prompt = chat_prompt(llm.tokenizer, read_questions(limit_per_category=1)[3]["prompt"])
+        qs = read_questions(limit_per_category=2)
+        prompts = [chat_prompt(llm.tokenizer, qs[(3 + i) % len(qs)]["prompt"]) for i in range(args.batch)]
         phased(eng, "_propose", "propose")
         phased(eng, "_forward", "target forward")
         phased(eng, "_commit", "commit")
@@ -97,15 +99,16 @@ def main() -> None:
         if eng.proposer is not None:
             phased(eng.proposer, "update", "proposer update")
         greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-        eng_req = eng.add_request(prompt, greedy)
-        while not eng_req.out:                 # the prompt's prefill, not counted
+        reqs = [eng.add_request(p, greedy) for p in prompts]
+        while not all(r.out for r in reqs):    # the prompts' prefill, not counted
             eng.step()
+        start = sum(len(r.out) for r in reqs)
         steps = 0
         with Count() as c:
             while eng.has_unfinished():
                 eng.step()
                 steps += 1
-        toks = len(eng_req.out) - 1
+        toks = sum(len(r.out) for r in reqs) - start
         for fn, orig in saved.items():          # undo the module patches
             setattr(engine_module, fn, orig)
         total = sum(c.ops.values())

@@ -326,3 +326,46 @@ def check_unrolled_is_the_serving_chain(target_dir, eagle_dir) -> None:
                 out = head(out.hidden[-1:], embeds[t + s - 1:t + s], kv, ForwardBatch.build(kv, [0], [1], [t + s - 1]))
                 assert torch.allclose(depths[s][0][0, t + s - 1], out.logits[0], atol=1e-4), (t, s)
                 assert torch.allclose(depths[s][1][0, t + s - 1], out.hidden[0], atol=1e-4), (t, s)
+
+
+def test_eagle_python_chains_of_a_batch_draft_what_each_drafts_alone(heads):
+    """The Python chain (a GPU's) drafts every greedy row of a batch in one argmax per depth;
+    rows that stop early (smaller k) and a row with controls (drafted one by one) keep the
+    drafts each request gets alone."""
+    from specdec import SamplingParams
+    from specdec.proposers import Committed, ProposeItem, RequestContext
+
+    llm = _llm(heads, "eagle", 6, topk=1)
+    proposer, blocks, engine = llm.engine.proposer, llm.engine.blocks, llm.engine
+    proposer.c_chain = None
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    feats = [llm.target(torch.tensor([p[:-1]]), hidden=True).hidden[0] for p in prompts]
+    ks = [2, 6, 4]
+
+    def draft(rows: list[int], params: list) -> list[list[int]]:
+        ids = [f"r{i}" for i in rows]
+        for i, rid in zip(rows, ids):
+            blocks.add(rid)
+            blocks.ensure(rid, len(prompts[i]) + proposer.lookahead_slots(ks[i]) + 1)
+            ctx = RequestContext(params[i], torch.Generator().manual_seed(0), llm.target.config.vocab_size,
+                                 engine.controls(prompts[i], params[i]))
+            proposer.add_request(rid, ctx)
+        try:
+            proposer.update([Committed(rid, prompts[i], len(prompts[i]) - 1, feats[i], prefill=True)
+                             for i, rid in zip(rows, ids)])
+            out = proposer.propose([ProposeItem(rid, prompts[i], ks[i]) for i, rid in zip(rows, ids)])
+            return [d.tokens.tolist() for d in out]
+        finally:
+            for rid in ids:
+                proposer.remove_request(rid)
+                blocks.remove(rid)
+
+    params = [GREEDY] * 3
+    alone = [draft([i], params)[0] for i in range(3)]
+    assert [len(d) for d in alone] == ks
+    assert draft([0, 1, 2], params) == alone
+    banned = alone[2][1]           # row 2 with a control: its second draft token banned
+    params[2] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={banned: -100.0})
+    together = draft([0, 1, 2], params)
+    assert together[:2] == alone[:2] and together == [draft([i], params)[0] for i in range(3)]
+    assert together[2][0] == alone[2][0] and together[2][1] != banned

@@ -147,8 +147,20 @@ class EagleProposer(ProposerBase):
         cur = {i: self.state[items[i].request_id] for i in idx}
         tokens, probs = {i: [] for i in idx}, {i: [] for i in idx}
         active, depth = list(idx), 0
+        vocab = self.head.draft_vocab
+        plain = {i for i in idx if self.ctx[items[i].request_id].params.greedy and self.ctx[items[i].request_id].controls is None}
+        last = None         # (the rows of the head's last forward, its output): read whole where they still line up
         while active:
+            # greedy rows without controls: every row's argmax in one op (on a GPU each row's own
+            # log-softmax and top-k is a handful of launches), the others one by one
+            fast = [i for i in active if i in plain]
+            if fast:
+                rows = (torch.stack([cur[i][0] for i in fast]) if last is None else _rows(last, "logits", fast))
+                for i, tok in zip(fast, vocab[rows.argmax(-1)].tolist()):
+                    tokens[i].append(tok)
             for i in active:
+                if i in plain:
+                    continue
                 picks = self._children(cur[i][0], 1, self.ctx[items[i].request_id], items[i].seq, tokens[i])
                 for tok, _, q in picks:     # none: the controls leave nothing in the draft vocabulary
                     tokens[i].append(tok)
@@ -158,11 +170,13 @@ class EagleProposer(ProposerBase):
             active = [i for i in active if n[i] > depth + 1]
             if not active:
                 break
-            out = self._run([items[i].request_id for i in active], torch.stack([cur[i][1] for i in active]),
-                            [tokens[i][-1] for i in active], [1] * len(active),
-                            [len(items[i].seq) - 1 + depth for i in active])
+            feats = torch.stack([cur[i][1] for i in active]) if last is None else _rows(last, "hidden", active)
+            out = self._run([items[i].request_id for i in active], feats, [tokens[i][-1] for i in active],
+                            [1] * len(active), [len(items[i].seq) - 1 + depth for i in active])
+            last = (active, out)
             for row, i in enumerate(active):
-                cur[i] = (out.logits[row], out.hidden[row])
+                if i not in plain:      # the rows read one by one
+                    cur[i] = (out.logits[row], None)
             depth += 1
         for i in idx:
             drafts[i] = Draft(torch.tensor(tokens[i], dtype=torch.long), torch.stack(probs[i]) if probs[i] else None,
@@ -209,6 +223,17 @@ class EagleProposer(ProposerBase):
         q = process(to_target_vocab(logits[None].float(), vocab, ctx.vocab_size), ctx.params)[0]
         picks = draw_without_replacement(q, m, ctx.generator).tolist()
         return [(tok, math.log(max(q[tok].item(), 1e-30)), q) for tok in picks]
+
+
+def _rows(last: tuple, field: str, want: list[int]):
+    """Rows `want` of the head's last output (last: (the rows it ran, its output)), in that order:
+    the whole tensor while they still line up, one index op once some rows have stopped."""
+    ran, out = last
+    t = getattr(out, field)
+    if ran == want:
+        return t
+    at = {i: r for r, i in enumerate(ran)}
+    return t[torch.tensor([at[i] for i in want], device=t.device)]
 
 
 class _Growth:

@@ -1,5 +1,8 @@
 """Where a decoding step's time goes on a GPU: plain vs EAGLE chain vs suffix, batch 1 (engine stats
-and torch.profiler's kernel counts)."""
+and torch.profiler's kernel counts).
+
+    python3 scripts/gpu_profile.py GGUF EAGLE_HEAD OUT [cuda|cpu]      (cpu: a rehearsal here)
+"""
 import json, sys, time
 from pathlib import Path
 import torch
@@ -8,18 +11,29 @@ from specdec import LLM, SamplingParams
 from specdec.bench.spec_bench import chat_prompt, read_questions
 
 gguf, head, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+device = sys.argv[4] if len(sys.argv) > 4 else "cuda"
+cuda = device.startswith("cuda")
+
+
+def sync() -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+
 rows = []
 for name, spec in (("plain", None), ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}),
                    ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4})):
-    llm = LLM(gguf, dtype="float32", device="cuda", speculative_config=spec, num_speculative_tokens=0 if spec is None else None)
+    llm = LLM(gguf, dtype="float32", device=device, speculative_config=spec, num_speculative_tokens=0 if spec is None else None)
     p = chat_prompt(llm.tokenizer, read_questions()[0]["prompt"])
     g = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p}], g)
-    torch.cuda.synchronize(); t0 = time.perf_counter()
+    sync(); t0 = time.perf_counter()
     o = llm.generate([{"prompt_token_ids": p}], g)[0]
-    torch.cuda.synchronize(); wall = time.perf_counter() - t0
+    sync(); wall = time.perf_counter() - t0
     s = o.stats
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
         llm.generate([{"prompt_token_ids": p}], g)
     ka = prof.key_averages()
     kernels = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -47,7 +47,8 @@ git worktree add -q --detach "$wt" HEAD
     cd "$wt"
     git checkout -q --orphan gpu-run
     git rm -rfq .
-    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py scripts/gpu_bench.py scripts/gpu_tree.sh \
+    git checkout main -- specdec pyproject.toml scripts/gpu_heads.py scripts/gpu_bench.py scripts/gpu_profile.py \
+        scripts/step_ops.py scripts/gpu_tree.sh \
         models/target/tokenizer.json models/target/tokenizer_config.json models/target/special_tokens_map.json \
         bench/prompts/spec_bench
     mkdir gpudata

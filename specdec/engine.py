@@ -34,12 +34,18 @@ from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
+from .proposers.base import merge_committed
 from .sampling import Controls, make_generator, needs_controls
 from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
 from .verifier import (Verified, controlled_logits, cut_to_grammar, extend_with_forced, feed_of, limit_depth,
                        verify_batch)
 from .tokenizer import Tokenizer
+
+
+# a request not drafting under "auto" hands its proposer its steps at once after this many rows
+# (bounds the features held: 256 x SmolLM2's 576 floats = 0.6 MB a request)
+DEFER_ROWS = 256
 
 
 @dataclass
@@ -86,6 +92,7 @@ class Engine:
                                  target.config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
+        self._deferred: dict = {}       # request id -> its Committed steps not yet given to the proposer (_update_proposer)
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
         self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size,
                                         disable_by_batch_size)
@@ -260,6 +267,7 @@ class Engine:
         for r in plan.preempted:
             if self.proposer is not None:
                 self.proposer.remove_request(r.request_id)
+                self._deferred.pop(r.request_id, None)
         for r in plan.admitted:
             if not r.num_preemptions:
                 r.stats.queue_time_s = wall0 - r.arrival
@@ -287,7 +295,7 @@ class Engine:
         committed = self._commit(plan, drafts, results, out.hidden, offsets)
         t4 = self.clock()
         if self.proposer is not None and committed:
-            self.proposer.update(committed)
+            self._update_proposer(plan, committed)
         if self.blocks.window is not None:        # every cache windowed: blocks behind it go back
             for c in committed:
                 self.blocks.trim(c.request_id)
@@ -327,11 +335,45 @@ class Engine:
     def _room(self, r: Request) -> int:
         return min(self.max_model_len - len(r.seq) - 1, r.max_tokens - len(r.out) - 1)
 
+    def _update_proposer(self, plan, committed: list[Committed]) -> None:
+        """Hand the proposer what the step kept. Under "auto" a deferrable proposer (EAGLE, MTP,
+        a draft model: their update is a forward of their own) is not updated for a decoding
+        request that did not draft this step: its steps are kept and merged into one update when
+        it drafts again (_propose), or when DEFER_ROWS rows have piled up. While speculation is
+        off, the proposer then costs nothing (as vLLM's disable_by_batch_size, which defers the
+        same way)."""
+        if not self.caps.deferrable or (self.policy.goodput is None and self.policy.disable_by_batch_size is None):
+            self.proposer.update(committed)
+            return
+        idle = {r.request_id for r, k in zip(plan.decode, plan.ks) if k == 0}
+        now = []
+        for c in committed:
+            held = self._deferred.get(c.request_id)
+            if c.request_id in idle and not c.prefill:
+                held = self._deferred.setdefault(c.request_id, [])
+                held.append(c if c.hidden is None else dataclasses.replace(c, hidden=c.hidden.clone()))
+                if sum(len(h.hidden) if h.hidden is not None else 1 for h in held) >= DEFER_ROWS:
+                    now.append(merge_committed(self._deferred.pop(c.request_id)))
+            elif held:
+                now.append(merge_committed([*self._deferred.pop(c.request_id), c]))
+            else:
+                now.append(c)
+        if now:
+            self.proposer.update(now)
+
+    def _catch_up(self, ids: list) -> None:
+        """The deferred updates of these requests, now (they are about to draft)."""
+        merged = [merge_committed(self._deferred.pop(i)) for i in ids if i in self._deferred]
+        if merged:
+            self.proposer.update(merged)
+
     def _propose(self, plan) -> list:
         drafts = [None] * len(plan.decode)
         asks = [(i, ProposeItem(r.request_id, r.seq, k)) for i, (r, k) in enumerate(zip(plan.decode, plan.ks)) if k > 0]
         if not asks:
             return drafts
+        if self._deferred:
+            self._catch_up([a.request_id for _, a in asks])
         for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
@@ -499,6 +541,7 @@ class Engine:
         self.policy.forget(r.request_id)
         if self.proposer is not None and running:
             self.proposer.remove_request(r.request_id)
+        self._deferred.pop(r.request_id, None)
 
     def _accept(self, r: Request, emitted: list[int], n: int) -> StepEvent:
         """Append emitted tokens one by one until a stop condition; nothing after it is kept."""

@@ -20,14 +20,16 @@ E_i(s): tokens request i emits when it drafts s (1 at s = 0), from measured acce
             every smaller, nested tree's outcome);
     per request, a multiplier (its accepted tokens over what the kind's model expected) and,
     for proposers that may come back empty (ngram: no match), the chance it drafts at all.
-T_target: the step without drafting work, linear in x = [1, N, P, A - A_D, A_D]: N = B + D
+T_target: the step without drafting work, linear in x = [1, N, P, A - A_D, A_D, D > 0]: N = B + D
     tokens fed for B decoding requests and their D drafts (a draft token costs the forward's
     products what any fed token costs: one coefficient, which any change of B or K
     identifies), P prompt-chunk tokens, A slots attended (/1024), of which A_D by the drafted
     rows: a draft row attends the keys and values its request's first row has just read, so
     it pays for its scores and sums, not for reading them (on SmolLM2 about a third of the
     first row's rate); one coefficient for both charged drafts the first row's rate and cut K
-    on long contexts. While nobody drafts A_D is 0 and its coefficient keeps its last fit;
+    on long contexts; D > 0: a fixed cost of verifying at all (from one row per request to
+    several the products leave their one-row kernels). While nobody drafts A_D and D > 0 are 0
+    and their coefficients keep their last fit;
 T_draft: z = [any drafting, requests drafting, D, longest draft, P].
 Both are learned online by exponentially weighted recursive least squares, with outliers (a
 step slowed by another process) clipped, so no offline profile is needed and the fit follows
@@ -319,9 +321,12 @@ class GoodputPolicy:
         self.acceptance = {True: make(), False: make()}
         self.sizes = self.acceptance[True].sizes
         self._size_list = [int(v) for v in self.sizes]
-        # x = [1, B + D, P, (A - A_D) / 1024, A_D / 1024] -> seconds, A_D the drafted rows' part of
-        # A: a draft row attends the slots its request's first row has just read
-        self.target = OnlineLinear(5, refit_every=8)
+        # x = [1, B + D, P, (A - A_D) / 1024, A_D / 1024, D > 0] -> seconds, A_D the drafted rows'
+        # part of A: a draft row attends the slots its request's first row has just read; the last,
+        # what verifying costs at all (SmolLM2 on one request, Intel Xeon: one drafted token added
+        # 1.6 ms to a 4.3 ms forward, a second 0.9: one row to two leaves the one-row kernels; a
+        # per-token cost alone, fitted between them, took K = 1 and 2 for cheaper than they were)
+        self.target = OnlineLinear(6, refit_every=8)
         # z = [any, requests drafting, D, longest, P] -> seconds; drafting is observed only on
         # the steps that draft (rarely while speculation is off): it forgets per sample, faster,
         # and a probe's sample is fitted at once (observe)
@@ -333,7 +338,8 @@ class GoodputPolicy:
         self.idle = 0                        # steps since anyone drafted
         self.probing = False                 # the last choice was a probe
         self._probe_turn = 0
-        # an unchanged batch keeps its sizes for `reuse` steps (`probe_every` while nobody
+        # an unchanged batch keeps its sizes for `reuse` steps once the policy has seen 4 x reuse
+        # steps (fewer before: see choose) (`probe_every` while nobody
         # drafts, so that probes keep their pace): the optimisation and the fits cost ~1-2 ms of
         # Python, a fifth of a one-token step of a 135M model on one core (16: 0.1 ms a step
         # spread over them, against 8's 0.2), and sizes that follow every turn of the estimates
@@ -362,7 +368,11 @@ class GoodputPolicy:
         if self.steps < self.warmup:
             ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
         else:
-            hold = self.reuse if self._last and any(self._last[1]) else min(self.reuse, self.probe_every)
+            # while the policy is young its estimates are mostly prior (optimistic): sizes chosen on
+            # them are held for a few steps, then for longer as measurements accumulate (a learned
+            # drafter held at K = 8 for 64 steps on its prior alone ran at 0.67x plain)
+            hold = (min(self.reuse, self.warmup + self.steps // 4) if self._last and any(self._last[1])
+                    else min(self.reuse, self.probe_every))
             reused = self._last and self._last[0] == ids and self._last[2] < hold and not prompt_tokens
             if reused:
                 ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
@@ -409,12 +419,12 @@ class GoodputPolicy:
         E, tokens, avail = self._expected(seqs)                                                # [B, S], [B, S], [B]
         ctx = np.array([s.context for s in seqs], dtype=float) / 1024
         wt, wd = self.target.w, self.draft.w
-        T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum(), 0.0]) + max(wd[4], 0.0) * prompt_tokens
+        T0 = wt @ np.array([1.0, B, float(prompt_tokens), ctx.sum(), 0.0, 0.0]) + max(wd[4], 0.0) * prompt_tokens
         if not T0 > 0:
             return [0] * B
         per_token = np.maximum(wt[1] + wt[4] * ctx, 0.02 * T0 / B) + max(wd[2], 0.0)        # [B]
         cost = tokens * per_token[:, None] + (sizes > 0)[None, :] * avail[:, None] * max(wd[1], 0.0)
-        shared = max(wd[3], 0.0) * sizes + max(wd[0], 0.0) * (sizes > 0)                        # [S]
+        shared = max(wd[3], 0.0) * sizes + (max(wd[0], 0.0) + max(wt[5], 0.0)) * (sizes > 0)    # [S]
         drafting = np.array([(self.seqs.get(s.request_id) or _Seq()).asked > 0 for s in seqs])
         gain = 1.0 + (E - 1.0) * np.where(drafting, 1.0 + self.h, 1.0 - self.h)[:, None]
         allowed = sizes[None, :] <= np.array([s.cap for s in seqs])[:, None]
@@ -479,7 +489,7 @@ class GoodputPolicy:
                     st.kept = 0.95 * st.kept + o.accepted
                 self.acceptance[o.greedy].observe(asked, o.drafted, o.accepted, o.path)
         self.target.update([1.0, c.decoding + c.draft_tokens, c.prompt_tokens, (c.attention - c.draft_attention) / 1024,
-                            c.draft_attention / 1024], c.rest_s)
+                            c.draft_attention / 1024, float(c.draft_tokens > 0)], c.rest_s)
         self.draft.update([float(c.drafting > 0), c.drafting, c.draft_tokens, c.depth, c.prompt_tokens], c.propose_s)
         if probing:
             self.draft.refit()                   # a probe's sample is fitted at once

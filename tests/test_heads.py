@@ -369,3 +369,46 @@ def test_eagle_python_chains_of_a_batch_draft_what_each_drafts_alone(heads):
     together = draft([0, 1, 2], params)
     assert together[:2] == alone[:2] and together == [draft([i], params)[0] for i in range(3)]
     assert together[2][0] == alone[2][0] and together[2][1] != banned
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+def test_auto_defers_the_heads_update_while_a_request_does_not_draft(heads, monkeypatch, topk):
+    """Under "auto" a request that drafts nothing leaves EAGLE's head alone: its steps' features
+    are kept and handed over in one update when it drafts again (or after DEFER_ROWS rows). The
+    greedy output stays plain's; the head runs far fewer updates."""
+    from specdec import engine as engine_module
+
+    plain = tokens(heads["plain"], PROMPTS[:3], GREEDY)
+    llm = _llm(heads, "eagle", "auto", topk=topk)
+    schedule = None
+    monkeypatch.setattr(llm.engine.policy.goodput, "choose", lambda seqs, prompt_tokens=0: [next(schedule)] * len(seqs))
+    items = []
+    update = llm.engine.proposer.update
+
+    def counted(batch):
+        items.extend((it.prefill, len(it.hidden)) for it in batch)
+        return update(batch)
+
+    monkeypatch.setattr(llm.engine.proposer, "update", counted)
+    outputs = {}
+    for defer in (False, True):
+        del items[:]
+        schedule = iter([0, 0, 0, 4, 0, 0, 0, 0, 0, 2, 3, 0] * 100)
+        if not defer:       # every step's update at once, as with a fixed K
+            monkeypatch.setattr(llm.engine, "_update_proposer", lambda plan, committed: llm.engine.proposer.update(committed))
+        else:
+            monkeypatch.delattr(llm.engine, "_update_proposer")
+        outputs[defer] = tokens(llm, PROMPTS[:3], GREEDY)
+        counts = [n for prefill, n in items if not prefill]
+        if not defer:
+            every = len(counts)
+    assert outputs[False] == outputs[True] == plain
+    # one update per request and step before; now a catch-up when drafting resumes and one after each drafting step
+    assert not llm.engine._deferred and len(counts) < 0.6 * every and max(counts) >= 5
+    # a batch whose requests never draft: only the prompts reach the head, then DEFER_ROWS rows at a time
+    monkeypatch.setattr(engine_module, "DEFER_ROWS", 8)
+    monkeypatch.setattr(llm.engine.policy.goodput, "choose", lambda seqs, prompt_tokens=0: [0] * len(seqs))
+    del items[:]
+    assert tokens(llm, PROMPTS[:3], GREEDY) == plain
+    decoding = [n for prefill, n in items if not prefill]
+    assert decoding and all(n == 8 for n in decoding)

@@ -94,7 +94,8 @@ class Engine:
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
         self._deferred: dict = {}       # request id -> its Committed steps not yet given to the proposer (_update_proposer)
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
-        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree, max_k, self.caps.max_tree_size,
+        self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree and not self.caps.chain, max_k,
+                                        self.caps.max_tree_size,
                                         disable_by_batch_size)
         self.config = scheduler_config or SchedulerConfig()
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)

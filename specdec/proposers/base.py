@@ -52,6 +52,9 @@ class RequestContext:
 class ProposerCaps:
     """What a proposer is, declared on it (the engine never probes for attributes)."""
     tree: bool = False                 # drafts are token trees, listed best first ("auto" adapts the size)
+    chain: bool = False                # with tree: every draft is a chain (EAGLE at topk 1): "auto" models
+                                       # its acceptance per position (a size it rarely tried is estimated
+                                       # from the positions before it, not from an optimistic tree prior)
     needs_hidden: bool = False         # reads the target's final-norm features (Medusa, EAGLE)
     feature_layers: tuple[int, ...] = ()   # with needs_hidden: reads instead the residual stream
                                            # entering these target layers, side by side (EAGLE-3)

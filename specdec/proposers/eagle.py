@@ -54,7 +54,7 @@ class EagleProposer(ProposerBase):
         # a chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request
         # deferrable: update() rewrites the pairs of every token kept since the head's last update
         # (drafted pairs beyond them included), so merged steps catch it up
-        self.caps = ProposerCaps(tree=True, needs_hidden=True, deferrable=True,
+        self.caps = ProposerCaps(tree=True, chain=topk == 1, needs_hidden=True, deferrable=True,
                                  feature_layers=() if isinstance(head, EagleHead) else head.feature_layers,
                                  max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
         self.kv = None

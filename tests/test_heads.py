@@ -412,3 +412,16 @@ def test_auto_defers_the_heads_update_while_a_request_does_not_draft(heads, monk
     assert tokens(llm, PROMPTS[:3], GREEDY) == plain
     decoding = [n for prefill, n in items if not prefill]
     assert decoding and all(n == 8 for n in decoding)
+
+
+def test_auto_models_eagle_chains_as_chains_and_trees_as_trees(heads):
+    """EAGLE at topk 1 drafts chains: "auto" estimates them per position (a long chain it rarely
+    tried from the positions before it); at topk > 1 by tree size."""
+    from specdec.goodput import ChainAcceptance, TreeAcceptance
+
+    chain, tree = _llm(heads, "eagle", "auto", topk=1), _llm(heads, "eagle", "auto", topk=3)
+    assert chain.engine.proposer.caps.chain and not tree.engine.proposer.caps.chain
+    assert isinstance(chain.engine.policy.goodput.acceptance[True], ChainAcceptance)
+    assert isinstance(tree.engine.policy.goodput.acceptance[True], TreeAcceptance)
+    plain = tokens(heads["plain"], PROMPTS[:2], GREEDY)
+    assert tokens(chain, PROMPTS[:2], GREEDY) == plain == tokens(tree, PROMPTS[:2], GREEDY)

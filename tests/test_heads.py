@@ -425,3 +425,18 @@ def test_auto_models_eagle_chains_as_chains_and_trees_as_trees(heads):
     assert isinstance(tree.engine.policy.goodput.acceptance[True], TreeAcceptance)
     plain = tokens(heads["plain"], PROMPTS[:2], GREEDY)
     assert tokens(chain, PROMPTS[:2], GREEDY) == plain == tokens(tree, PROMPTS[:2], GREEDY)
+
+
+def test_auto_defers_a_draft_models_catch_up_and_keeps_plains_output(heads, tiny_pair, monkeypatch):
+    """The draft model's update (its own forward over the kept tokens) is deferred the same way
+    under "auto": skipped while a request drafts nothing, merged when it drafts again."""
+    plain = tokens(heads["plain"], PROMPTS[:4], GREEDY)
+    llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4,
+              speculative_config={"model": str(tiny_pair[1]), "num_speculative_tokens": "auto"})
+    schedule = iter([0, 0, 3, 0, 0, 0, 0, 2, 0, 4] * 200)
+    monkeypatch.setattr(llm.engine.policy.goodput, "choose", lambda seqs, prompt_tokens=0: [next(schedule)] * len(seqs))
+    calls = []
+    update = llm.engine.proposer.update
+    monkeypatch.setattr(llm.engine.proposer, "update", lambda items: (calls.append(len(items)), update(items))[1])
+    assert tokens(llm, PROMPTS[:4], GREEDY) == plain
+    assert calls and not llm.engine._deferred

@@ -11,13 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.spec_bench import chat_prompt, read_questions
 from specdec.defaults import smollm2_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench  # noqa: E402  (its closed loop)
 
 SPECS = {"plain": None,
          "suffix_auto": {"method": "suffix", "num_speculative_tokens": "auto"},
@@ -29,24 +33,10 @@ SPECS = {"plain": None,
 
 def closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """At most `concurrency` requests in the engine at once (a new one joins as one finishes)."""
-    engine = llm.engine
-    pending, running, done = list(enumerate(prompts)), {}, {}
-    passes = 0
-    t0 = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < concurrency:
-            i, p = pending.pop(0)
-            running[i] = engine.add_request(p, params)
-        engine.step()
-        for i, r in list(running.items()):
-            if r.finished:
-                done[i] = list(r.out)
-                passes += r.stats.target_forward_passes
-                del running[i]
-    wall = time.perf_counter() - t0
-    toks = sum(len(t) for t in done.values())
-    return {"tok_per_s": toks / wall, "tokens": toks, "tokens_per_pass": toks / max(passes, 1),
-            "outputs": [done[i] for i in range(len(prompts))]}
+    out = gpu_bench.closed_loop(llm, prompts, params, concurrency)
+    toks = sum(len(t) for t in out["tokens"])
+    return {"tok_per_s": toks / out["wall_s"], "tokens": toks, "tokens_per_pass": toks / max(out["passes"], 1),
+            "outputs": out["tokens"]}
 
 
 def main() -> None:

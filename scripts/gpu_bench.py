@@ -211,7 +211,7 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
             batch = prompts[:n]
             sync(args.device)
             t0 = time.perf_counter()
-            outs = _generate(llm, batch, greedy, c)
+            outs = closed_loop(llm, batch, greedy, c)
             sync(args.device)
             wall = time.perf_counter() - t0
             toks = [list(o) for o in outs["tokens"]]
@@ -234,12 +234,14 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
     return rows
 
 
-def _generate(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
+def closed_loop(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
     """At most `concurrency` requests in the engine at once (a closed loop, as `bench serve
-    --max-concurrency`); returns each request's tokens in order and the speculation counters."""
+    --max-concurrency`); returns each request's tokens in order, the speculation counters and
+    the wall time (scripts/auto_concurrency.py uses it too)."""
     engine = llm.engine
     pending, running, done = list(enumerate(prompts)), {}, {}
     draft = accepted = passes = 0
+    t0 = time.perf_counter()
     while pending or running:
         while pending and len(running) < concurrency:
             i, p = pending.pop(0)
@@ -251,7 +253,8 @@ def _generate(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
                 draft, accepted = draft + r.stats.draft_tokens, accepted + r.stats.accepted_tokens
                 passes += r.stats.target_forward_passes
                 del running[i]
-    return {"tokens": [done[i] for i in range(len(prompts))], "draft": draft, "accepted": accepted, "passes": passes}
+    return {"tokens": [done[i] for i in range(len(prompts))], "draft": draft, "accepted": accepted, "passes": passes,
+            "wall_s": time.perf_counter() - t0}
 
 
 def real(args) -> int:

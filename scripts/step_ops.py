@@ -85,17 +85,8 @@ def main() -> None:
         phased(eng, "_observe", "observe")
         phased(eng, "_choose_k", "choose")
         saved = {fn: getattr(engine_module, fn) for fn in ("verify_batch", "controlled_logits")}
-        for fn, orig in saved.items():
-            label = "verify" if fn == "verify_batch" else "controls"
-
-            def wrapped(*a, _orig=orig, _label=label, **k):
-                before, PHASE[0] = PHASE[0], _label
-                try:
-                    return _orig(*a, **k)
-                finally:
-                    PHASE[0] = before
-
-            setattr(engine_module, fn, wrapped)
+        phased(engine_module, "verify_batch", "verify")         # module functions the engine calls by name
+        phased(engine_module, "controlled_logits", "controls")
         if eng.proposer is not None:
             phased(eng.proposer, "update", "proposer update")
         greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)

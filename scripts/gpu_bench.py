@@ -17,7 +17,8 @@ greedy output compared with plain's), then the batch engine on Spec-Bench prompt
 output against plain's.
 
 Everything is float32 (TF32 off, PyTorch's default): the greedy comparisons then test the method,
-not bf16 rounding. What comes back: $OUT/*.json and the logs; a table last on stdout.
+not bf16 rounding. What comes back: $OUT/all.tar.gz (every file and log) beside the main JSON and
+results.md files (a device call returns at most 8 files); a table last on stdout.
 
 One lease (15 minutes; 64 MiB of tree a call, so the GGUF travels in two parts, one a call, the
 machine kept warm between them): `bash scripts/gpu_tree.sh - --init models/smollm2-eagle`, then
@@ -31,7 +32,10 @@ machine kept warm between them): `bash scripts/gpu_tree.sh - --init models/smoll
       echo "$(cat gpudata/gguf.sha)  /tmp/smol.gguf" | sha256sum -c - && python3 scripts/gpu_bench.py real
       --gguf /tmp/smol.gguf --eagle .gpu/head --out $OUT --budget 380 --bench-s 220
 
-then `give_back` and `bash scripts/gpu_tree.sh --restore`.
+The second call must start within 30 s of the first's end (the machine goes back when idle, and
+with it /tmp/keep: on 2026-12-05 a third call found a fresh machine). `real` ends with
+scripts/gpu_profile.py (a batch-1 step by part) in what is left of --budget + --profile-s.
+Then `give_back` and `bash scripts/gpu_tree.sh --restore`.
 """
 
 from __future__ import annotations
@@ -269,6 +273,18 @@ def real(args) -> int:
         rcs[name] = spec_bench(args, out, name, methods, ks, timeout=share * args.bench_s)
         print(f"{name} rc {rcs[name]} ({time.time() - t0:.0f} s)", flush=True)
     rows = batch_spec(args, out, t0 + args.budget)
+    left = args.budget + args.profile_s - (time.time() - t0)
+    if left > 30:               # where a batch-1 step's time goes (scripts/gpu_profile.py), in what is left
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+        with open(out / "profile.log", "w") as log:
+            try:
+                subprocess.run([sys.executable, str(ROOT / "scripts/gpu_profile.py"), args.gguf, args.eagle, str(out),
+                                args.device], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=left)
+            except subprocess.TimeoutExpired:
+                pass
+        prof = out / "profile.json"
+        if prof.is_file():
+            print(prof.read_text())
     for name, *_ in runs:
         log = out / f"{name}.log"
         if rcs[name] != 0 and log.is_file():
@@ -292,10 +308,40 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=150, help="seconds for the whole run (parts past it are skipped)")
     p.add_argument("--bench-s", type=float, default=240, help="real: seconds for the Spec-Bench run")
     p.add_argument("--per-category", type=int, default=1, help="real: Spec-Bench questions a category")
+    p.add_argument("--profile-s", type=float, default=60, help="real: seconds past --budget for gpu_profile.py")
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    return {"check": check, "real": real}[args.what](args)
+    try:
+        return {"check": check, "real": real}[args.what](args)
+    finally:
+        pack(Path(args.out))
+
+
+# what a device call brings back: at most 8 files (16 MiB each), two folders down
+KEEP = ("engine_check.json", "plain_scaling.json", "batch_spec.json", "profile.json", "spec_bench/results.md",
+        "spec_bench_hf/results.md")
+
+
+def pack(out: Path) -> None:
+    """Everything under out in one out/all.tar.gz, beside the few files read first (KEEP, flattened:
+    spec_bench/results.md -> spec_bench_results.md): a device call returns 8 files at most."""
+    import shutil
+    import tarfile
+
+    files = [f for f in out.rglob("*") if f.is_file()]
+    if not files:
+        return
+    archive = Path("/tmp") / f"gpu_bench_{os.getpid()}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(out)))
+    kept = {name: (out / name).read_bytes() for name in KEEP if (out / name).is_file()}
+    for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    shutil.move(str(archive), out / "all.tar.gz")
+    for name, data in kept.items():
+        (out / name.replace("/", "_")).write_bytes(data)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,18 @@ def test_draft_cache_right_after_full_acceptance_and_after_rejection(models):
         assert (continued.probs - fresh.probs).abs().max() < 1e-5
         draft = continued
     drop("s")
+
+
+def test_speculative_config_keys_are_checked_as_vllm_checks_them(tiny_pair):
+    """A key specdec cannot honour is one clear error (vLLM rejects unknown keys too: a typo must
+    not pass silently); vLLM's keys that mean nothing here are taken."""
+    target = str(tiny_pair[0])
+    base = {"method": "ngram", "num_speculative_tokens": 2}
+    for extra, message in (({"prompt_lookup_maxx": 3}, "unknown key 'prompt_lookup_maxx'"),
+                           ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2"),
+                           ({"speculative_token_tree": "[(0,), (0, 0)]"}, "speculative_token_tree is not supported")):
+        with pytest.raises(ValueError, match=message):
+            LLM(target, speculative_config={**base, **extra})
+    llm = LLM(target, speculative_config={**base, "enforce_eager": True, "draft_tensor_parallel_size": 1,
+                                          "disable_log_stats": False, "revision": None})
+    assert llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids

@@ -156,10 +156,40 @@ REGISTRY: dict[str, Callable] = {
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 
 
+# speculative_config keys beside SpeculativeConfig's fields: the ones specdec reads, and vLLM's
+# that mean nothing here (its engine's internals, eager mode, logging), taken and ignored as
+# vLLM takes them; any other key is an error, as it is in vLLM (a typo must not pass silently)
+READ_KEYS = {"topk", "depth", "acceptance_method", "posterior_threshold", "posterior_alpha", *HYBRID_KEYS,
+             *(f"suffix_decoding_{f}" for f in SuffixSettings.__dataclass_fields__)}
+VLLM_IGNORED_KEYS = {"enforce_eager", "revision", "code_revision", "disable_log_stats", "disable_logprobs",
+                     "disable_padded_drafter_batch", "disable_mqa_scorer", "enable_chunked_prefill", "max_model_len",
+                     "quantization", "target_model_config", "target_parallel_config", "draft_model_config",
+                     "draft_parallel_config"}
+
+
+def check_keys(spec: SpeculativeConfig) -> None:
+    """One clear error for a speculative_config key specdec cannot honour."""
+    for key, value in spec.extra.items():
+        if key in READ_KEYS or key in VLLM_IGNORED_KEYS:
+            continue
+        if key == "draft_tensor_parallel_size":
+            if value not in (None, 1):
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size={value!r}: specdec runs the "
+                                 "drafter unsharded (1)")
+            continue
+        if key == "speculative_token_tree":
+            raise ValueError("speculative_config.speculative_token_tree is not supported: specdec grows EAGLE-2 "
+                             "dynamic trees (set topk and num_speculative_tokens, the number of nodes)")
+        known = sorted({f for f in SpeculativeConfig.__dataclass_fields__ if f != "extra"} | READ_KEYS
+                       | {"draft_tensor_parallel_size"})
+        raise ValueError(f"speculative_config: unknown key {key!r} (specdec reads {', '.join(known)})")
+
+
 def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer:
     if spec.method not in REGISTRY:
         raise ValueError(f"speculative method {spec.method!r} is not available "
                          f"(available: {', '.join(REGISTRY)})")
+    check_keys(spec)
     typical_acceptance(spec)          # a bad acceptance setting fails before any weights load
     return REGISTRY[spec.method](spec, target, loader, max_len)
 

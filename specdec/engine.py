@@ -341,8 +341,8 @@ class Engine:
         a draft model: their update is a forward of their own) is not updated for a decoding
         request that did not draft this step: its steps are kept and merged into one update when
         it drafts again (_propose), or when DEFER_ROWS rows have piled up. While speculation is
-        off, the proposer then costs nothing (as vLLM's disable_by_batch_size, which defers the
-        same way)."""
+        off ("auto" choosing plain, or disable_by_batch_size reached), the proposer then costs
+        nothing."""
         if not self.caps.deferrable or (self.policy.goodput is None and self.policy.disable_by_batch_size is None):
             self.proposer.update(committed)
             return

@@ -440,3 +440,18 @@ def test_auto_defers_a_draft_models_catch_up_and_keeps_plains_output(heads, tiny
     monkeypatch.setattr(llm.engine.proposer, "update", lambda items: (calls.append(len(items)), update(items))[1])
     assert tokens(llm, PROMPTS[:4], GREEDY) == plain
     assert calls and not llm.engine._deferred
+
+
+def test_disable_by_batch_size_defers_eagle_then_catches_up(heads):
+    """vLLM's disable_by_batch_size with a fixed K: while 3 or more requests run nobody drafts (and
+    EAGLE's head is not run); as they finish, the rest draft again after one catch-up update, with
+    plain's greedy output."""
+    from specdec import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 10, 24, 40)]
+    prompts = PROMPTS[:4]
+    plain = [o.outputs[0].token_ids for o in heads["plain"].generate(prompts, params)]
+    llm = _llm(heads, "eagle", 3, topk=1, disable_by_batch_size=3)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.stats.draft_tokens for o in outs[2:]) > 0 and not llm.engine._deferred

@@ -93,6 +93,7 @@ class Engine:
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
         self._deferred: dict = {}       # request id -> its Committed steps not yet given to the proposer (_update_proposer)
+        self._deferred_rows: dict = {}  # request id -> the feature rows those steps hold
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
         self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree and not self.caps.chain, max_k,
                                         self.caps.max_tree_size,
@@ -269,6 +270,7 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.remove_request(r.request_id)
                 self._deferred.pop(r.request_id, None)
+                self._deferred_rows.pop(r.request_id, None)
         for r in plan.admitted:
             if not r.num_preemptions:
                 r.stats.queue_time_s = wall0 - r.arrival
@@ -349,22 +351,28 @@ class Engine:
         idle = {r.request_id for r, k in zip(plan.decode, plan.ks) if k == 0}
         now = []
         for c in committed:
-            held = self._deferred.get(c.request_id)
-            if c.request_id in idle and not c.prefill:
-                held = self._deferred.setdefault(c.request_id, [])
-                held.append(c if c.hidden is None else dataclasses.replace(c, hidden=c.hidden.clone()))
-                if sum(len(h.hidden) if h.hidden is not None else 1 for h in held) >= DEFER_ROWS:
-                    now.append(merge_committed(self._deferred.pop(c.request_id)))
-            elif held:
-                now.append(merge_committed([*self._deferred.pop(c.request_id), c]))
+            rid = c.request_id
+            if rid in idle and not c.prefill:
+                self._deferred.setdefault(rid, []).append(
+                    c if c.hidden is None else dataclasses.replace(c, hidden=c.hidden.clone()))
+                self._deferred_rows[rid] = self._deferred_rows.get(rid, 0) + (1 if c.hidden is None else len(c.hidden))
+                if self._deferred_rows[rid] >= DEFER_ROWS:
+                    now.append(self._merged(rid))
+            elif rid in self._deferred:
+                now.append(self._merged(rid, c))
             else:
                 now.append(c)
         if now:
             self.proposer.update(now)
 
+    def _merged(self, rid, *after: Committed) -> Committed:
+        """rid's deferred steps (and `after`) as one, no longer held."""
+        self._deferred_rows.pop(rid, None)
+        return merge_committed([*self._deferred.pop(rid), *after])
+
     def _catch_up(self, ids: list) -> None:
         """The deferred updates of these requests, now (they are about to draft)."""
-        merged = [merge_committed(self._deferred.pop(i)) for i in ids if i in self._deferred]
+        merged = [self._merged(i) for i in ids if i in self._deferred]
         if merged:
             self.proposer.update(merged)
 
@@ -543,6 +551,7 @@ class Engine:
         if self.proposer is not None and running:
             self.proposer.remove_request(r.request_id)
         self._deferred.pop(r.request_id, None)
+        self._deferred_rows.pop(r.request_id, None)
 
     def _accept(self, r: Request, emitted: list[int], n: int) -> StepEvent:
         """Append emitted tokens one by one until a stop condition; nothing after it is kept."""

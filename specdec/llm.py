@@ -540,18 +540,12 @@ def _runner(model, runner: str, convert: str, task: str | None) -> str:
         raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
     if runner == "pooling" or convert == "embed" or task == "embed":
         return "pooling"
-    if runner == "generate" or task == "generate":
-        if Path(model).is_dir() and (Path(model) / "config.json").is_file():
-            raw = read_config(model)
-            if is_base_model(raw) or is_classifier(raw):
-                archs = ", ".join(raw.get("architectures") or [])
-                raise ValueError(f"{model}: {archs} has no LM head to generate with; run it with runner='pooling'")
-        return "generate"
-    if Path(model).is_dir() and (Path(model) / "config.json").is_file():
-        raw = read_config(model)
-        if is_base_model(raw) or is_classifier(raw):
-            return "pooling"
-    return "generate"
+    raw = read_config(model) if Path(model).is_dir() and (Path(model) / "config.json").is_file() else {}
+    headless = bool(raw) and (is_base_model(raw) or is_classifier(raw))     # no LM head to generate with
+    if headless and (runner == "generate" or task == "generate"):
+        archs = ", ".join(raw.get("architectures") or [])
+        raise ValueError(f"{model}: {archs} has no LM head to generate with; run it with runner='pooling'")
+    return "pooling" if headless else "generate"
 
 
 def _prompt_key(prompt):

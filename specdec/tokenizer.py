@@ -138,17 +138,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
-                and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
-        return ids
+        return self._with_bos(ids) if add_special_tokens else ids
 
     def encode_pair(self, text: str, pair: str) -> list[int]:
         """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
         (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input)."""
-        ids = self.backend.encode(text, pair, add_special_tokens=True).ids
+        return self._with_bos(self.backend.encode(text, pair, add_special_tokens=True).ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """BOS in front where the checkpoint asks for it and the post-processor did not add it."""
         if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
+            return [self.bos_token_id] + ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -459,18 +459,21 @@ def _packed_rows(sd: dict[str, torch.Tensor], model: Transformer, folder) -> dic
     return out
 
 
+def _archs_end_with(raw: dict, suffix: str) -> bool:
+    archs = text_config(raw).get("architectures") or raw.get("architectures") or []
+    return bool(archs) and all(a.endswith(suffix) for a in archs)
+
+
 def is_base_model(raw: dict) -> bool:
     """A folder of the bare decoder (architectures like Qwen3Model / MistralModel, no LM head):
     an embedding model, which LLM runs with runner "pooling" by default (specdec/pooling.py)."""
-    archs = text_config(raw).get("architectures") or raw.get("architectures") or []
-    return bool(archs) and all(a.endswith("Model") for a in archs)
+    return _archs_end_with(raw, "Model")
 
 
 def is_classifier(raw: dict) -> bool:
     """A sequence classifier (LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...:
     the decoder and a `score` head over its last token): runner "pooling", LLM.classify."""
-    archs = text_config(raw).get("architectures") or raw.get("architectures") or []
-    return bool(archs) and all(a.endswith("ForSequenceClassification") for a in archs)
+    return _archs_end_with(raw, "ForSequenceClassification")
 
 
 def finish(model: Transformer, torch_dtype: torch.dtype, device) -> Transformer:

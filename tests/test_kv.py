@@ -335,3 +335,38 @@ def test_padded_attention_takes_one_sequence_with_several_rows(model, shape):
     assert torch.isfinite(outs[0]).all() and torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     one = AttentionPlan.of(ForwardBatch.build(kv, ["s"], [1], [9]), kv, "cpu", 64, padded=True)
     assert one.padded is None and one.slot is not None
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [2, 2], [3, 1]])
+def test_padded_attention_of_a_decoding_batch_reads_the_flat_rows(model, counts):
+    """Sequences that feed the same number of rows fill the padded layout in their flat order
+    (decoding a batch): the padded call takes the rows as they are, with no scatter or gather,
+    and each row gets what the per-token attention gives it. Unequal counts keep the scatter."""
+    from specdec.model.batch import AttentionPlan
+    from specdec.model.llama import _TorchAttention
+
+    cfg = model.config
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(7)
+    blocks, kv = _pool(model)
+    seqs, lengths = ["a", "b", "c"][:len(counts)], [5, 9, 2][:len(counts)]
+    for s, n in zip(seqs, lengths):
+        blocks.add(s)
+        blocks.ensure(s, n + 4)
+        hist = torch.randn(n, KV, hd, generator=g)
+        plan = AttentionPlan.of(ForwardBatch.build(kv, [s], [n], [0]), kv, "cpu", 64, padded=False)
+        _TorchAttention(kv, plan)(0, torch.zeros(n, H, hd), hist, hist, True)
+    batch = ForwardBatch.build(kv, seqs, counts, lengths)
+    n = sum(counts)
+    q, k, v = torch.randn(n, H, hd, generator=g), torch.randn(n, KV, hd, generator=g), torch.randn(n, KV, hd, generator=g)
+    outs = []
+    for padded in (False, True):
+        state = [(t.clone(), u.clone()) for t, u in zip(kv.k, kv.v)]
+        plan = AttentionPlan.of(batch, kv, "cpu", 64, padded=padded)
+        if padded:
+            assert plan.padded.dense == (len(set(counts)) == 1) and not plan.seqs
+        outs.append(_TorchAttention(kv, plan)(0, q, k, v, True))
+        for (t, u), (t0, u0) in zip(zip(kv.k, kv.v), state):
+            t.copy_(t0)
+            u.copy_(u0)
+    assert torch.isfinite(outs[0]).all() and torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)

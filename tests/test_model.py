@@ -233,3 +233,22 @@ def test_config_refuses_what_the_runtime_does_not_compute(tmp_path):
     (folder / "config.json").write_text(json.dumps({**base, "hidden_act": "gelu"}))
     with pytest.raises(Exception, match="hidden_act 'gelu'"):
         load_model(folder, "float32")
+
+
+@pytest.mark.parametrize("rot", [16, 8])
+def test_rope_by_roll_is_rotate_half_bit_for_bit(rot):
+    """apply_rope (one roll against a sin whose first half is negated) gives the bits of the
+    textbook x * cos + rotate_half(x) * sin, over whole heads and a partial rotary; q and k rotated
+    in one call as in Attention.heads give what each gives alone."""
+    from specdec.model.llama import apply_rope, rotate_half, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 7, 16, generator=g).to(dtype)
+        ang = torch.randn(5, 1, rot // 2, generator=g) * 30
+        cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+        xr = x[..., :rot]
+        want = torch.cat([xr * cos + rotate_half(xr) * sin, x[..., rot:]], -1)
+        got = apply_rope(x, cos, signed_sin(sin))
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(torch.cat([apply_rope(x[:, :4], cos, signed_sin(sin)), apply_rope(x[:, 4:], cos, signed_sin(sin))], 1), got)

@@ -151,7 +151,9 @@ class PaddedAttention:
     [B, T] and free_from [B] for a sliding window (as SeqAttention); stale [B, 1, L, 1]: the slots
     at or past each sequence's span, never written or left by other work (a pool's memory is not
     cleared), zeroed after the gather since 0 x NaN is NaN. Padding rows see every slot (their
-    results are dropped), so no softmax row is empty."""
+    results are dropped), so no softmax row is empty. dense: no padding rows and the tokens in
+    their flat order (every sequence feeds T tokens and they are all of the forward's: decoding a
+    batch), so the flat queries are already the padded layout and need no scatter nor gather."""
     rows: Tensor
     slots: Tensor
     table: Tensor
@@ -162,6 +164,7 @@ class PaddedAttention:
     positions: Tensor
     free_from: Tensor
     stale: Tensor
+    dense: bool = False
 
     _by_window: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -214,7 +217,8 @@ class PaddedAttention:
         return cls(torch.tensor(rows, device=device), torch.tensor(slots, device=device),
                    torch.tensor(table, device=device), B, T, L, mask[:, None].to(device), positions.to(device),
                    torch.tensor(frees, device=device),
-                   (torch.arange(L)[None, :] >= torch.tensor(spans)[:, None])[:, None, :, None].to(device))
+                   (torch.arange(L)[None, :] >= torch.tensor(spans)[:, None])[:, None, :, None].to(device),
+                   dense=B * T == batch.num_tokens and rows == slots == list(range(batch.num_tokens)))
 
 
 @dataclass(frozen=True)

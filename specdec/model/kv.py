@@ -367,8 +367,9 @@ class KVCache:
         """Store new keys and values k, v [n_kv, n, head_dim] at (blocks [n], offsets [n]) of a
         layer, rounded (bf16) or quantized (int8) to the cache's format (the PyTorch path)."""
         if self.k_scale is None:
-            self.k[layer][:, blocks, offsets] = k.to(self.dtype)
-            self.v[layer][:, blocks, offsets] = v.to(self.dtype)
+            same = k.dtype == self.dtype         # index_put_ takes only its own dtype
+            self.k[layer][:, blocks, offsets] = k if same else k.to(self.dtype)
+            self.v[layer][:, blocks, offsets] = v if same else v.to(self.dtype)
             return
         for rows, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, d = quantize_rows(x)
@@ -383,7 +384,8 @@ class KVCache:
             x = torch.index_select(rows[layer], 1, blocks)
             if scales is not None:   # the row's scale in fp32, as forward.c applies it
                 x = x.float() * torch.index_select(scales[layer], 1, blocks)[..., None]
-            out.append(x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype))
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+            out.append(x if x.dtype == dtype else x.to(dtype))
         return out[0], out[1]
 
     def move(self, seq: Hashable, src: Sequence[int], dst_start: int) -> None:

@@ -69,7 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+        w = self.weight      # no `to` when the dtypes agree: on a GPU every dispatched op costs host time
+        return F.rms_norm(x, x.shape[-1:], w if w.dtype == x.dtype else w.to(x.dtype), self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -187,13 +188,31 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE over x's last dim, or over its first cos.shape[-1] dims (a partial rotary: Phi-4-mini)."""
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(half, -1) * signed_sin(sin),
+    bit for bit (a negation is exact, and -a * b == a * -b), in one roll instead of chunk, neg
+    and cat (apply_rope)."""
+    key = (sin.shape[-1], sin.dtype, sin.device)
+    sign = _SIGNS.get(key)
+    if sign is None:
+        with torch.inference_mode(False):       # a normal tensor: training's forwards use it too
+            sign = _SIGNS[key] = torch.ones(sin.shape[-1], dtype=sin.dtype, device=sin.device)
+            sign[:sin.shape[-1] // 2] = -1
+    return sin * sign
+
+
+_SIGNS: dict = {}       # signed_sin's [-1 .. -1, 1 .. 1] per (width, dtype, device), made once
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """RoPE over x's last dim, or over its first cos.shape[-1] dims (a partial rotary: Phi-4-mini),
+    with sin_signed = signed_sin(sin) (Transformer._ropes gives it): x * cos + rotate_half(x) * sin
+    in four ops (a GPU launch each) instead of six; the same bits."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + x.roll(rot // 2, -1) * sin_signed
     xr = x[..., :rot]
-    return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., rot:]), dim=-1)
+    return torch.cat((xr * cos + xr.roll(rot // 2, -1) * sin_signed, x[..., rot:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -219,11 +238,19 @@ class Attention(nn.Module):
         self.window: int | None = None           # a sliding window; Backbone sets it in cfg.sliding_layers
         self.local_rope = False                  # RoPE from the local base (Gemma 3's sliding layers)
 
-    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def heads(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., D] -> q [..., H, hd], k and v [..., KV, hd]: projected, q/k normed per head
-        (Qwen3), RoPE not yet applied."""
+        (Qwen3); RoPE applied when cos and sin_signed [..., 1, hd] are given (and self.use_rope).
+        Without q/k norms, q and k lie side by side in each projected row and rotate in one
+        apply_rope (four ops a layer, not eight)."""
         lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        if cos is not None and self.use_rope and self.q_norm is None:
+            nq = self.n_heads + self.n_kv
+            qk = apply_rope(qkv[..., :nq * self.head_dim].view(*lead, nq, self.head_dim), cos, sin)
+            v = qkv[..., nq * self.head_dim:].view(*lead, self.n_kv, self.head_dim)
+            return qk[..., :self.n_heads, :], qk[..., self.n_heads:, :], v
+        q, k, v = qkv.split(self.split, dim=-1)
         if self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(*lead, self.n_heads, self.head_dim)
@@ -231,23 +258,21 @@ class Attention(nn.Module):
         v = v.view(*lead, self.n_kv, self.head_dim)
         if self.q_norm is not None and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None and self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend) -> Tensor:
         """x [B, T, D] with cos/sin [B, 1, T, hd] (no cache), or x [N, D] with cos/sin [N, 1, hd]."""
         lead = x.shape[:-1]
-        q, k, v = self.heads(x)
         gqa = self.n_kv != self.n_heads
         if attend is None:  # training / full-sequence scoring: [B, H, T, hd]
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            if self.use_rope:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in self.heads(x, cos.transpose(1, 2), sin.transpose(1, 2)))
             T = q.shape[-2]
             mask = None if self.window is None else sliding_mask(torch.arange(T, device=q.device), T, self.window).tril()
             out = sdpa(q, k, v, mask, mask is None, self.scale, self.softcap, gqa, self.sinks)
             return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
-        if self.use_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.heads(x, cos, sin)
         return self.o_proj(attend(layer, q, k, v, gqa))
 
 
@@ -290,12 +315,11 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
     the same values up to the last bits of the sums (there the matrix products of a batch are not
     those of one row either)."""
     if plan.slot is not None and kv.k_scale is None:    # one token: plain indexing, no index tensors
-        kv.k[layer][:, plan.slot[0], plan.slot[1]] = k[0].to(kv.dtype)   # a cache may hold fewer bits
-        kv.v[layer][:, plan.slot[0], plan.slot[1]] = v[0].to(kv.dtype)
+        kv.k[layer][:, plan.slot[0], plan.slot[1]] = k[0]   # copy_ rounds to the cache's dtype
+        kv.v[layer][:, plan.slot[0], plan.slot[1]] = v[0]
     else:
         kv.write(layer, plan.write_blocks, plan.write_offsets, k.transpose(0, 1), v.transpose(0, 1))
     N, H, hd = q.shape
-    out = q.new_empty(N, H, hd)
     if plan.padded is not None:         # the decoding sequences together (AttentionPlan.of: on a GPU)
         p = plan.padded
         keys, vals = kv.gather(layer, p.table, q.dtype)      # [KV, B * L, hd]
@@ -304,10 +328,16 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
         mask, unread = p.masks(window)
         keys.masked_fill_(unread, 0)
         vals.masked_fill_(unread, 0)
+        if p.dense:         # decoding a batch: the flat rows are the padded layout
+            att = sdpa(q.view(p.B, p.T, H, hd).transpose(1, 2), keys, vals, mask, False, scale, softcap, gqa, sinks)
+            return att.transpose(1, 2).reshape(N, H * hd)
+        out = q.new_empty(N, H, hd)
         qp = q.new_zeros(p.B * p.T, H, hd)
         qp[p.slots] = q[p.rows]
         att = sdpa(qp.view(p.B, p.T, H, hd).transpose(1, 2), keys, vals, mask, False, scale, softcap, gqa, sinks)
         out[p.rows] = att.transpose(1, 2).reshape(p.B * p.T, H, -1)[p.slots]
+    else:
+        out = q.new_empty(N, H, hd)
     for seq in plan.seqs:
         keys, vals = kv.gather(layer, seq.blocks, q.dtype)      # [KV, nb * bs, hd]
         if seq.mask is not None:
@@ -684,11 +714,15 @@ class Transformer(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def _ropes(self, positions: Tensor, dtype, unsqueeze: int) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's (cos, sin), unsqueezed at dim `unsqueeze` for the heads."""
-        glob = tuple(t.unsqueeze(unsqueeze) for t in self._rope(positions, dtype))
+        """Each layer's (cos, signed_sin(sin)) for apply_rope, unsqueezed at dim `unsqueeze` for the heads."""
+        def pair(local: bool = False) -> tuple[Tensor, Tensor]:
+            cos, sin = self._rope(positions, dtype, local)
+            return cos.unsqueeze(unsqueeze), signed_sin(sin).unsqueeze(unsqueeze)
+
+        glob = pair()
         if self.inv_freq_local is None:
             return [glob] * len(self.model.layers)
-        local = tuple(t.unsqueeze(unsqueeze) for t in self._rope(positions, dtype, local=True))
+        local = pair(local=True)
         return [local if layer.self_attn.local_rope else glob for layer in self.model.layers]
 
     def _head(self, x: Tensor, logits: bool, hidden, rows: Tensor | None = None, aux=None) -> ForwardOutput:

@@ -8,13 +8,15 @@ the batch, and speculation on the real model (SmolLM2-135M-Instruct's Q4_1 GGUF,
   1. the serving engine's greedy output of each speculative method equals plain decoding there, a
      batch equals its rows alone, seeded sampling repeats (gpu_heads.engine_check, random models);
   2. plain decoding by concurrency (1 .. 256 greedy streams, ignore_eos) on a random model of
-     SmolLM2-135M's shape: output tokens/s of the batch engine, padded attention (the GPU's default)
-     and token by token; transformers' generate at batch 1 and 64 on the same weights beside it.
+     SmolLM2-135M's shape: output tokens/s of the batch engine, padded attention (the GPU's default),
+     the same with CUDA graphs (`compilation_config` FULL_DECODE_ONLY: captures counted, outputs
+     compared with the eager ones) and token by token; transformers' generate at batch 1 and 64 on
+     the same weights beside it.
 `real` (the next call, the whole GGUF): Spec-Bench through `specdec bench` (greedy, one question a
 category, plain / suffix / ngram / EAGLE chain and tree / transformers' generate and prompt lookup,
 greedy output compared with plain's), then the batch engine on Spec-Bench prompts at concurrency
-1, 16 and 64: plain against speculative ("auto" K), output tokens/s and each request's greedy
-output against plain's.
+1, 16 and 64: plain against speculative ("auto" K), each with and without CUDA graphs of the
+target's forwards, output tokens/s and each request's greedy output against plain's.
 
 Everything is float32 (TF32 off, PyTorch's default): the greedy comparisons then test the method,
 not bf16 rounding. What comes back: $OUT/all.tar.gz (every file and log) beside the main JSON and
@@ -56,6 +58,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+# the target's decoding forwards as CUDA graphs (specdec/model/graphs.py; off by default)
+GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
 def device_info() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
@@ -94,12 +100,13 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
     new = 16 if quick else 128
     rng = random.Random(0)
     prompts = [[rng.randrange(2, shape[0]) for _ in range(rng.randrange(128, 256))] for _ in range(256)]
-    rows = []
+    rows, eager = [], {}
     concurrencies = (1, 4) if quick else (1, 4, 16, 64, 256)
-    for attention in ("padded", "per-token"):
-        batch_module.PADDED = None if attention == "padded" else False
+    for attention in ("padded", "graphs", "per-token"):
+        batch_module.PADDED = False if attention == "per-token" else None
         llm = LLM(str(work), dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
-                  max_num_batched_tokens=8192, num_speculative_tokens=0)
+                  max_num_batched_tokens=8192, num_speculative_tokens=0,
+                  compilation_config=GRAPHS if attention == "graphs" else None)
         greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=4))   # warm-up
         for c in concurrencies:
@@ -113,10 +120,16 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
             wall = time.perf_counter() - t0
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
             ttft = max(o.stats.time_to_first_token_s for o in outs)
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            if attention == "padded":
+                eager[c] = ids
             row = {"engine": f"specdec ({attention})", "concurrency": c, "output_tokens": toks, "s": round(wall, 3),
                    "tok_per_s": round(toks / wall, 1),
                    "decode_tok_per_s": round((toks - c) / max(wall - ttft, 1e-9), 1),
                    "ms_per_step": round(1000 * (wall - ttft) / (new - 1), 2)}
+            if attention == "graphs":       # captures happen inside the timed run (a bucket's first use)
+                row["graphs"] = dict(llm.engine.target.graphs.stats)
+                row["identical_to_eager"] = f"{sum(a == b for a, b in zip(ids, eager.get(c, [])))}/{c}"
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
@@ -191,9 +204,11 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
     from specdec.bench.spec_bench import chat_prompt, read_questions
 
     quick = args.device == "cpu"
-    methods = {"plain": None,
-               "suffix auto": {"method": "suffix", "num_speculative_tokens": "auto"},
-               "eagle auto": {"method": "eagle", "model": args.eagle, "num_speculative_tokens": "auto"},
+    suffix = {"method": "suffix", "num_speculative_tokens": "auto"}
+    eagle = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": "auto"}
+    methods = {"plain": None, "plain graphs": None, "suffix auto graphs": suffix, "eagle auto graphs": eagle,
+               "eagle 2 graphs": {**eagle, "num_speculative_tokens": 2},
+               "suffix auto": suffix, "eagle auto": eagle,
                "eagle tree 8": {"method": "eagle", "model": args.eagle, "num_speculative_tokens": 8, "topk": 4}}
     concurrencies = (1, 4) if quick else (1, 16, 64)
     new = 16 if quick else 128
@@ -202,7 +217,8 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
         if time.time() > deadline:
             break
         llm = LLM(args.gguf, dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
-                  speculative_config=spec, num_speculative_tokens=0 if spec is None else None)
+                  speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
+                  compilation_config=GRAPHS if name.endswith("graphs") else None)
         qs = read_questions()
         random.Random(0).shuffle(qs)
         prompts = [p for p in (chat_prompt(llm.tokenizer, q["prompt"]) for q in qs) if len(p) <= 1024]
@@ -228,6 +244,8 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
                    "identical_to_plain": f"{same}/{n}" if key in reference else None,
                    "draft_tokens": outs["draft"], "accepted_tokens": outs["accepted"],
                    "tau": round(sum(map(len, toks)) / max(outs["passes"], 1), 3)}
+            if llm.engine.target.graphs is not None:
+                row["graphs"] = dict(llm.engine.target.graphs.stats)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
@@ -311,6 +329,9 @@ def main() -> int:
     p.add_argument("--profile-s", type=float, default=60, help="real: seconds past --budget for gpu_profile.py")
     p.add_argument("--device", default="cuda", help="cpu: a quick local check of the script")
     args = p.parse_args()
+    if args.device == "cpu":        # the local rehearsal: graphs emulated (a CPU refuses real ones)
+        from specdec.model import graphs as graphs_module
+        graphs_module.EMULATE = True
     Path(args.out).mkdir(parents=True, exist_ok=True)
     try:
         return {"check": check, "real": real}[args.what](args)

@@ -75,6 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
                         "prompt_logprobs); -1: the whole vocabulary (default 20, vLLM's)")
+    p.add_argument("-O", "--compilation-config", default=None,
+                   help='vLLM\'s: a JSON object, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' captures CUDA '
+                        "graphs of the decoding forwards on a GPU (off by default), or an optimisation level (no effect)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, whatever --compilation-config says (vLLM's)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
                         "~1.9x the slots of bf16, outputs differ slightly)")
@@ -137,7 +141,9 @@ def llm_from_args(args, seed: int | None = None, **extra):
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
                hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window,
                runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
-               task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None), **extra)
+               task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
+               compilation_config=getattr(args, "compilation_config", None),
+               enforce_eager=getattr(args, "enforce_eager", False), **extra)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -344,3 +345,51 @@ class SpeculativeConfig:
         known = set(cls.__dataclass_fields__) - {"extra"}
         extra = {k: d.pop(k) for k in list(d) if k not in known}
         return cls(**d, extra=extra)
+
+
+# vLLM's compilation_config keys about torch.compile / Inductor, which specdec does not run: taken, no effect
+COMPILATION_IGNORED_KEYS = {"level", "mode", "backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
+                            "inductor_compile_config", "inductor_passes", "cudagraph_num_of_warmups",
+                            "cudagraph_copy_inputs", "pass_config", "debug_dump_path", "cache_dir",
+                            "use_inductor_graph_partition", "compile_mm_encoder", "cudagraph_specialize_lora",
+                            "local_cache_dir", "fast_moe_cold_start", "dynamic_shapes_config"}
+CUDAGRAPH_MODES = {"NONE": False, "FULL_DECODE_ONLY": True, "FULL": True, "FULL_AND_PIECEWISE": True, "PIECEWISE": True}
+
+
+def cuda_graph_sizes(compilation_config: dict | int | str | None, enforce_eager: bool, max_num_seqs: int) -> tuple[int, ...] | None:
+    """The batch sizes to capture CUDA graphs at (model/graphs.py), or None: eager forwards.
+
+    vLLM's `compilation_config`: cudagraph_mode ("NONE", or "FULL_DECODE_ONLY": graphs of the
+    decoding forwards; "FULL", "FULL_AND_PIECEWISE" and "PIECEWISE" run as FULL_DECODE_ONLY, the
+    only graphs specdec captures), cudagraph_capture_sizes, max_cudagraph_capture_size; an
+    optimisation level (an int, `-O3`) and the torch.compile keys are taken with no effect.
+    specdec's default is "NONE" (vLLM's captures): its graphs are not yet measured on a GPU.
+    enforce_eager (vLLM's) turns them off whatever the config says."""
+    if isinstance(compilation_config, str):
+        text = compilation_config.strip()
+        compilation_config = int(text) if text.isdigit() else json.loads(text)
+    if compilation_config is None or isinstance(compilation_config, int):
+        return None
+    if not isinstance(compilation_config, dict):
+        raise ValueError(f"compilation_config must be a dict, a JSON object or an optimisation level, got {compilation_config!r}")
+    known = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cuda_graph_sizes"}
+    unknown = sorted(set(compilation_config) - known - COMPILATION_IGNORED_KEYS)
+    if unknown:
+        raise ValueError(f"compilation_config: unknown key(s) {', '.join(unknown)}; specdec reads {', '.join(sorted(known))}")
+    mode = str(compilation_config.get("cudagraph_mode", "NONE")).upper().removeprefix("CUDAGRAPHMODE.")
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"compilation_config: cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {mode!r}")
+    if enforce_eager or not CUDAGRAPH_MODES[mode]:
+        return None
+    from .model.graphs import BATCH_SIZES
+
+    sizes = compilation_config.get("cudagraph_capture_sizes") or compilation_config.get("cuda_graph_sizes")
+    if sizes is not None and not (isinstance(sizes, list) and sizes and all(isinstance(s, int) and s > 0 for s in sizes)):
+        raise ValueError(f"compilation_config: cudagraph_capture_sizes must be a list of positive integers, got {sizes!r}")
+    top = compilation_config.get("max_cudagraph_capture_size")
+    if top is not None and not (isinstance(top, int) and top > 0):
+        raise ValueError(f"compilation_config: max_cudagraph_capture_size must be a positive integer, got {top!r}")
+    sizes = sorted(set(sizes or BATCH_SIZES))
+    cover = next((s for s in sizes if s >= max_num_seqs), sizes[-1])     # a full batch fits a graph
+    top = min(top, cover) if top else cover
+    return tuple(s for s in sizes if s <= top) or (sizes[0],)

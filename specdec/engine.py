@@ -27,6 +27,8 @@ import torch
 from .adaptive import SpeculationPolicy
 from .goodput import Outcome, SeqInfo, StepCosts
 from .config import LoRAConfig, SamplingParams, SchedulerConfig
+from .model import graphs as graphs_module
+from .model.graphs import CudaGraphs
 from .detokenize import Detokenizer
 from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
 from .lora import LoRAManager, LoRARequest
@@ -70,7 +72,7 @@ class Engine:
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
                  logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None,
                  kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None, cuda_graph_sizes: tuple[int, ...] | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
@@ -100,7 +102,9 @@ class Engine:
                                         disable_by_batch_size)
         self.config = scheduler_config or SchedulerConfig()
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)
-        self.blocks, self.kv = self._allocate_kv(max_k)
+        self.blocks, self.kv = self._allocate_kv(max_k, spare=cuda_graph_sizes is not None)
+        target.graphs = None if cuda_graph_sizes is None else \
+            CudaGraphs(target, self.kv, cuda_graph_sizes, emulate=graphs_module.EMULATE)
         if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
             raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
                              "every prompt token (its own cache or the target's features); use it without prefix "
@@ -120,15 +124,16 @@ class Engine:
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
 
-    def _allocate_kv(self, max_k: int):
-        """One block pool for the target and the proposer's own caches (they share block tables)."""
+    def _allocate_kv(self, max_k: int, spare: bool = False):
+        """One block pool for the target and the proposer's own caches (they share block tables);
+        spare: the target's cache gets a block more, for CUDA graphs' padding rows."""
         k = max_k if self.num_speculative_tokens == "auto" else int(self.num_speculative_tokens)
         max_slots = self.max_model_len + max(0, self._lookahead(k) - k - 1)
         per_slot = self.target.kv_bytes_per_slot(dtype=self.kv_dtype) + \
             (self.proposer.kv_bytes_per_slot() if self.proposer else 0)
         num_blocks, max_blocks = plan_blocks(self.config, per_slot, max_slots, self.target.device)
         blocks = BlockManager(num_blocks, self.config.block_size, self.config.max_num_seqs, max_blocks)
-        kv = self.target.new_kv(blocks, dtype=self.kv_dtype)
+        kv = self.target.new_kv(blocks, dtype=self.kv_dtype, spare=spare)
         if self.proposer is not None:
             self.proposer.initialize_kv(blocks, kv)
         return blocks, kv

@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .config import MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, SpeculativeConfig, parse_bytes
+from .config import (MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, SpeculativeConfig, cuda_graph_sizes,
+                     parse_bytes)
 from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
 from .engine import Engine, StepEvent
@@ -99,6 +100,9 @@ class LLM:
     (vLLM's flag; plain decoding and ngram). scheduling_policy: "fcfs" or "priority" (then
     generate(..., priority=[...]) orders the queue, lower first; vLLM's). max_logprobs: the most
     alternatives per token a request may ask for (logprobs, prompt_logprobs; -1: any; vLLM's 20).
+    compilation_config / enforce_eager (vLLM's): {"cudagraph_mode": "FULL_DECODE_ONLY"} captures
+    CUDA graphs of the target's decoding and verification forwards on a GPU (model/graphs.py;
+    config.cuda_graph_sizes); off by default until measured on one; enforce_eager turns them off.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
@@ -114,7 +118,8 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_dtype: str = "auto", runner: str = "auto",
                  convert: str = "auto", task: str | None = None, pooler_config: dict | None = None,
-                 override_pooler_config: dict | None = None):
+                 override_pooler_config: dict | None = None, enforce_eager: bool = False,
+                 compilation_config: dict | int | str | None = None):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
         if lora is not None and parallel.tensor_parallel_size > 1:
@@ -174,7 +179,8 @@ class LLM:
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
                              logprobs_mode=logprobs_mode,
                              disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
-                             kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs, lora_config=lora)
+                             kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs, lora_config=lora,
+                             cuda_graph_sizes=cuda_graph_sizes(compilation_config, enforce_eager, max_num_seqs))
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None, target: bool = False):

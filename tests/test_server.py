@@ -466,7 +466,8 @@ def test_vllm_flags_are_accepted():
                                 "--tensor-parallel-size", "1", "--enforce-eager", "--swap-space=4",
                                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
                                 "--dtype", "half", "--port", "9001", "--served-model-name", "a", "b"])
-    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--enforce-eager", "--swap-space=4"]
+    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--swap-space=4"]
+    assert args.enforce_eager       # vLLM's: no CUDA graphs (specdec captures them only when asked)
     assert args.tensor_parallel_size == 1          # a flag of specdec's own now (README: Scale-out)
     assert args.model == "m" and args.port == 9001 and args.host == "127.0.0.1" and args.dtype == "float16"
     assert args.speculative_config["num_speculative_tokens"] == 3 and args.served_model_name == ["a", "b"]

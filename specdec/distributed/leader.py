@@ -197,7 +197,9 @@ class LeaderTransformer(Transformer):
                                 logits=logits, hidden=hidden)
 
     def new_kv(self, blocks: BlockManager, num_layers: int | None = None,
-               dtype: torch.dtype | None = None) -> KVCache:
+               dtype: torch.dtype | None = None, spare: bool = False) -> KVCache:
+        if spare:
+            raise ValueError("CUDA graphs are not supported with tensor parallelism")
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         dtype = dtype or self.dtype          # every rank's cache in the same dtype (--kv-cache-dtype)

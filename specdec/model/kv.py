@@ -291,10 +291,13 @@ class KVCache:
 
     def __init__(self, blocks: BlockManager, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, window: int | None = None,
-                 values_are_keys: bool = False):
+                 values_are_keys: bool = False, spare: bool = False):
         """values_are_keys: the model's values are its keys (DeepSeek's latent attention caches one
-        [latent ; rotary key] row per token and reads values from the same rows): v is k, stored once."""
-        shape = (num_kv_heads, blocks.num_blocks, blocks.block_size, head_dim)
+        [latent ; rotary key] row per token and reads values from the same rows): v is k, stored once.
+        spare: one more block past the pool's, never handed out (`spare_block`): where the padding
+        rows of a CUDA graph's forward write (model/graphs.py)."""
+        self.spare_block = blocks.num_blocks if spare else None
+        shape = (num_kv_heads, blocks.num_blocks + int(spare), blocks.block_size, head_dim)
         # empty: no path ever reads a slot before writing it (attention sees slots < start + T
         # only), and untouched pages of a large pool cost no memory until used
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

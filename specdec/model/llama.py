@@ -560,6 +560,7 @@ class Transformer(nn.Module):
         # whole forward's, and the attention-only one of the PyTorch path on the CPU
         self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.graphs = None      # CudaGraphs (model/graphs.py) over one cache, or None: eager forwards
         # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
         self.final_norm = True
         self.lora = None        # LoRA adapters' slots beside the layers' matrices (set_lora), or None
@@ -612,14 +613,15 @@ class Transformer(nn.Module):
         return KVCache.bytes_per_slot(n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype,
                                       values_are_keys=self.values_are_keys)
 
-    def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv(self, blocks, num_layers: int | None = None, dtype: torch.dtype | None = None,
+               spare: bool = False) -> KVCache:
         """A cache for this model over the blocks of a BlockManager (model/kv.py); dtype: the
         cache's (default: the activations'), e.g. bf16 keys and values for fp32 activations, or
-        torch.int8 (quantized rows with a scale each)."""
+        torch.int8 (quantized rows with a scale each); spare: one block more for CUDA graphs' padding."""
         cfg = self.local_config
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         return KVCache(blocks, n, cfg.num_key_value_heads, cfg.head_dim, dtype or self.dtype, self.device,
-                       window=self.kv_window(n), values_are_keys=self.values_are_keys)
+                       window=self.kv_window(n), values_are_keys=self.values_are_keys, spare=spare)
 
     def kv_window(self, num_layers: int) -> int | None:
         """The sliding window of the first num_layers layers when each has one (the blocks
@@ -663,6 +665,10 @@ class Transformer(nn.Module):
         if view is not None:
             out, h = cforward.forward(kernels.load(), view, tokens, embeds, batch, n_layers, logits, hidden)
             return ForwardOutput(out, h)
+        if self.graphs is not None and kv is self.graphs.kv and embeds is None and exit_layer is None:
+            out = self.graphs(tokens, batch, logits, hidden)     # None: the forward does not fit a graph
+            if out is not None:
+                return out
         if self.lora is None or batch.lora is None:
             return self._forward_paged(tokens, embeds, kv, batch, n_layers, logits, hidden)
         counts = torch.tensor(batch.counts)
@@ -691,10 +697,12 @@ class Transformer(nn.Module):
             if view is None:
                 view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
             return cforward.CAttention(lib, view, batch)
+        return self._torch_attention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS))
+
+    def _torch_attention(self, kv: KVCache, plan: AttentionPlan) -> "_TorchAttention":
         windows = [layer.self_attn.window for layer in self.model.layers]
         sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.model.layers]
-        return _TorchAttention(kv, AttentionPlan.of(batch, kv, self.device, kernels.MAX_ROWS),
-                               self.config.attention_multiplier, self.config.attn_softcap,
+        return _TorchAttention(kv, plan, self.config.attention_multiplier, self.config.attn_softcap,
                                windows if any(w is not None for w in windows) else None,
                                sinks if any(t is not None for t in sinks) else None)
 
@@ -760,9 +768,16 @@ class Transformer(nn.Module):
 
     def _forward_paged(self, tokens, embeds, kv, batch: ForwardBatch, n_layers, logits, hidden) -> ForwardOutput:
         dev = self.device
-        x = self._embed(tokens.to(dev) if embeds is None else None, embeds.to(dev) if embeds is not None else None)
-        ropes = self._ropes(batch.positions.to(dev), x.dtype, 1)      # [N, 1, hd] each
-        attend = self._attention(kv, batch)
+        rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
+        return self._run_layers(tokens.to(dev) if embeds is None else None, embeds.to(dev) if embeds is not None else None,
+                                batch.positions.to(dev), self._attention(kv, batch), n_layers, logits, hidden, rows)
+
+    def _run_layers(self, tokens, embeds, positions, attend, n_layers, logits, hidden, rows) -> ForwardOutput:
+        """The paged forward from its inputs on the device: tokens [N] (or embeds [N, D]) at
+        positions [N], attention by `attend`; logits for `rows` (None: all). Device work only,
+        so a CUDA graph can hold it (model/graphs.py)."""
+        x = self._embed(tokens, embeds)
+        ropes = self._ropes(positions, x.dtype, 1)      # [N, 1, hd] each
         aux = {} if isinstance(hidden, tuple) else None
         for i, layer in enumerate(self.model.layers[:n_layers]):
             if aux is not None and i in hidden:
@@ -770,5 +785,4 @@ class Transformer(nn.Module):
             x = layer(x, *ropes[i], i, attend)
         if aux is not None and n_layers in hidden:
             aux[n_layers] = x
-        rows = batch.logits_indices.to(dev) if batch.logits_indices is not None else None
         return self._head(x, logits, hidden, rows, aux=_aux(aux, hidden))

@@ -1,6 +1,6 @@
 """`specdec serve ...` and `python -m specdec.entrypoints.openai.api_server ...`: vLLM's command line.
 
-vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --enforce-eager, ...) are
+vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --swap-space 4, ...) are
 accepted with a warning, so an existing vLLM command line works with only the module name
 changed. A model that cannot load fails before the port opens, with one line and status 2.
 """

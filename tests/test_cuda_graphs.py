@@ -1,0 +1,138 @@
+"""CUDA graphs of the target's decoding forwards (model/graphs.py), emulated on the CPU: the
+static buffers, the padding into buckets, the capture-safety check and the engine's use of them.
+On a GPU the same code captures real graphs (not run here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, kernels
+from specdec.config import cuda_graph_sizes
+from specdec.model import BlockManager, ForwardBatch, TreeAttention
+from specdec.model import batch as batch_module
+from specdec.model import graphs as graphs_module
+from specdec.model.config import ModelConfig
+from specdec.model.graphs import CaptureError, CudaGraphs
+from specdec.model.llama import Transformer
+
+
+@pytest.fixture
+def pytorch_path(monkeypatch):
+    """The GPU's path on the CPU: no C kernels, the padded attention, graphs emulated."""
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(batch_module, "PADDED", True)
+    monkeypatch.setattr(graphs_module, "EMULATE", True)
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, **kw)
+    return Transformer(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_graph_forwards_give_the_eager_padded_results(pytorch_path, window):
+    """Decoding batches, a verification with unequal counts, a tree, rows past the graph's
+    buckets (run eagerly): logits and features as the eager padded forward gives them; the
+    second forward of a bucket replays its graph with new inputs (new tokens, positions, slots)."""
+    model = _model(sliding_window=window, sliding_layers=(0, 2) if window else ())
+    blocks = BlockManager(64, 16, 8, 32)
+    kv = model.new_kv(blocks, spare=True)
+    assert kv.spare_block == 64 and kv.k[0].shape[1] == 65
+    for s in "abc":
+        blocks.add(s)
+        blocks.ensure(s, 300)
+    g = torch.Generator().manual_seed(1)
+    graphs = CudaGraphs(model, kv, batch_sizes=(1, 2, 4), row_sizes=(1, 2, 4), emulate=True)
+    tree = TreeAttention.from_parents([-1, -1, 0])
+    cases = [(list("abc"), [30, 50, 7], [0, 0, 0], None, None),        # prompts: 50 rows > 4, eager
+             (list("abc"), [1, 1, 1], [30, 50, 7], None, None),
+             (list("abc"), [1, 1, 1], [31, 51, 8], None, None),          # the same bucket: a replay
+             (list("ab"), [3, 1], [32, 52], None, None),
+             (list("abc"), [4, 2, 1], [32, 52, 9], [tree, None, None], [2, 2, 1]),
+             (["c"], [2], [9], None, None)]
+    with torch.inference_mode():
+        for seqs, counts, starts, trees, logits in cases:
+            tokens = torch.randint(0, 300, (sum(counts),), generator=g)
+            batch = ForwardBatch.build(kv, seqs, counts, starts, trees, logits)
+            state = [t.clone() for t in kv.k + kv.v]
+            model.graphs = None
+            want = model(tokens, kv, batch, hidden=True)
+            written = [t[:, :64].clone() for t in kv.k + kv.v]
+            for t, t0 in zip(kv.k + kv.v, state):     # the graph's forward writes the same slots again
+                t.copy_(t0)
+            model.graphs = graphs
+            got = model(tokens, kv, batch, hidden=True)
+            assert got.logits.shape == want.logits.shape and got.hidden.shape == want.hidden.shape
+            assert torch.allclose(got.logits, want.logits, atol=1e-5) and torch.allclose(got.hidden, want.hidden, atol=1e-5)
+            assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+            # the pool's blocks as the eager forward left them: padding rows wrote only the spare block
+            assert all(torch.allclose(t[:, :64], w, atol=1e-5, equal_nan=True) for t, w in zip(kv.k + kv.v, written))
+    assert graphs.stats["captured"] == 4 and graphs.stats["replayed"] == 1
+    assert graphs.stats["eager: rows"] == 1
+    assert sorted(graphs.graphs) == [(1, 2, 256, True, True), (2, 4, 256, True, True), (4, 1, 256, True, True),
+                                     (4, 4, 256, True, True)]
+
+
+def test_a_host_read_inside_the_forward_fails_the_capture(pytorch_path, monkeypatch):
+    """What a CUDA graph cannot hold (a tensor read on the host inside the forward) fails the
+    capture with a clear error instead of freezing a value into the graph."""
+    model = _model()
+    blocks = BlockManager(16, 16, 2, 8)
+    kv = model.new_kv(blocks, spare=True)
+    blocks.add("a")
+    blocks.ensure("a", 20)
+    graphs = CudaGraphs(model, kv, emulate=True)
+    model.graphs = graphs
+    real = model._embed
+
+    def embed_with_a_host_read(tokens, embeds):
+        int(tokens.max())          # e.g. a bounds check on the host
+        return real(tokens, embeds)
+
+    monkeypatch.setattr(model, "_embed", embed_with_a_host_read)
+    with torch.inference_mode(), pytest.raises(CaptureError, match="aten.(item|_local_scalar_dense) inside a captured forward"):
+        model(torch.tensor([5]), kv, ForwardBatch.build(kv, ["a"], [1], [0]))
+
+
+def test_engine_with_cuda_graphs_keeps_greedy_output(pytorch_path, tiny_pair):
+    """LLM(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"}) on the PyTorch path (graphs
+    emulated): plain and speculative greedy outputs equal the eager engine's, and the decoding
+    and verification forwards went through graphs."""
+    prompts = ["def add(a, b):", "class Point:\n", "for i in range(10):\n    print(i)", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_pair[1]), "num_speculative_tokens": 3}
+    outs, stats = [], []
+    for graphs in (None, {"cudagraph_mode": "FULL_DECODE_ONLY"}):
+        for config in ({"num_speculative_tokens": 0}, {"speculative_config": spec}):
+            llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+                      compilation_config=graphs, **config)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            if graphs:
+                stats.append(llm.engine.target.graphs.stats)
+            else:
+                assert llm.engine.target.graphs is None
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+    assert all(s["replayed"] > 10 for s in stats), stats
+
+
+def test_compilation_config_is_read_as_vllm_reads_it():
+    assert cuda_graph_sizes(None, False, 16) is None
+    assert cuda_graph_sizes(3, False, 16) is None                        # -O3: a level, no effect
+    assert cuda_graph_sizes({"cudagraph_mode": "NONE", "level": 3}, False, 16) is None
+    assert cuda_graph_sizes({"cudagraph_mode": "FULL_DECODE_ONLY"}, False, 16) == (1, 2, 4, 8, 16)
+    assert cuda_graph_sizes('{"cudagraph_mode": "FULL_AND_PIECEWISE"}', False, 20) == (1, 2, 4, 8, 16, 24)
+    assert cuda_graph_sizes({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, 16) is None     # enforce_eager
+    assert cuda_graph_sizes({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 3, 64]}, False, 8) == (1, 3, 64)
+    assert cuda_graph_sizes({"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 4}, False, 64) == (1, 2, 4)
+    for bad, msg in (({"cudagraph_mode": "FULLY"}, "cudagraph_mode"), ({"cudagraph_modes": "FULL"}, "unknown key"),
+                     ({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [0]}, "positive"), ([1], "dict")):
+        with pytest.raises(ValueError, match=msg):
+            cuda_graph_sizes(bad, False, 16)
+
+
+def test_cuda_graphs_on_the_cpu_are_refused_with_one_line(tiny_pair):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        LLM(model=tiny_pair[0], num_speculative_tokens=0, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})

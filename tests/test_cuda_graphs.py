@@ -136,3 +136,27 @@ def test_compilation_config_is_read_as_vllm_reads_it():
 def test_cuda_graphs_on_the_cpu_are_refused_with_one_line(tiny_pair):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         LLM(model=tiny_pair[0], num_speculative_tokens=0, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+
+
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int8"}, {"enable_prefix_caching": True},
+                                     {"kv_cache_memory": 768 * 80, "max_model_len": 64}], ids=["int8-kv", "prefix-caching", "preemption"])
+def test_cache_features_under_cuda_graphs(pytorch_path, tiny_pair, options):
+    """An int8 cache (quantized writes from the graph), prefix caching (shared blocks read through
+    the graph's table) and a pool small enough to preempt and recompute: greedy and seeded
+    outputs as the eager engine's, ngram speculation on (suffix-free: its drafts depend only on
+    the text)."""
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "class Point:\n", "import os\nimport os\n",
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    outs, engines = [], []
+    for graphs in (None, {"cudagraph_mode": "FULL_DECODE_ONLY"}):
+        llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                  speculative_config=spec, compilation_config=graphs, **options)
+        outs.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in params])
+        engines.append(llm.engine)
+    assert outs[0] == outs[1]
+    assert engines[1].target.graphs.stats["replayed"] > 10
+    if "kv_cache_memory" in options:
+        assert engines[0].num_preemptions > 0 and engines[1].num_preemptions > 0

@@ -455,3 +455,27 @@ def test_disable_by_batch_size_defers_eagle_then_catches_up(heads):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.stats.draft_tokens for o in outs[2:]) > 0 and not llm.engine._deferred
+
+
+@pytest.mark.parametrize("method,extra", [("eagle", {"topk": 1}), ("eagle", {}), ("medusa", {})],
+                         ids=["eagle-chain", "eagle-tree", "medusa"])
+def test_learned_drafters_under_cuda_graphs_keep_the_eager_greedy_output(heads, method, extra, monkeypatch):
+    """The GPU's path (no C kernels, padded attention) with the target's forwards as CUDA graphs
+    (emulated here): the heads' features (hidden=True) and tree verifications come out of the graphs,
+    and every greedy output is the eager engine's."""
+    from specdec import kernels
+    from specdec.model import batch as batch_module
+    from specdec.model import graphs as graphs_module
+
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(batch_module, "PADDED", True)
+    monkeypatch.setattr(graphs_module, "EMULATE", True)
+    outs = []
+    for graphs in (None, {"cudagraph_mode": "FULL_DECODE_ONLY"}):
+        llm = LLM(model=heads["target"], dtype="float32", compilation_config=graphs, max_num_seqs=4,
+                  speculative_config={"method": method, "model": str(heads[method]), "num_speculative_tokens": 3, **extra})
+        outs.append(tokens(llm, PROMPTS, GREEDY))
+        if graphs:
+            stats = llm.engine.target.graphs.stats
+            assert stats["replayed"] > 5 and all(k[4] for k in llm.engine.target.graphs.graphs), stats   # features
+    assert outs[0] == outs[1]

@@ -1,5 +1,5 @@
-"""Where a decoding step's time goes on a GPU: plain vs EAGLE chain vs suffix, batch 1 (engine stats
-and torch.profiler's kernel counts).
+"""Where a decoding step's time goes on a GPU: plain vs EAGLE chain vs suffix, batch 1, with and
+without CUDA graphs of the target's forwards (engine stats and torch.profiler's kernel counts).
 
     python3 scripts/gpu_profile.py GGUF EAGLE_HEAD OUT [cuda|cpu]      (cpu: a rehearsal here)
 """
@@ -21,10 +21,18 @@ def sync() -> None:
 
 
 
+if not cuda:        # the rehearsal: graphs emulated (a CPU refuses real ones)
+    from specdec.model import graphs as graphs_module
+    graphs_module.EMULATE = True
+GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 rows = []
-for name, spec in (("plain", None), ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}),
-                   ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4})):
-    llm = LLM(gguf, dtype="float32", device=device, speculative_config=spec, num_speculative_tokens=0 if spec is None else None)
+for name, spec, graphs in (("plain", None, None), ("plain graphs", None, GRAPHS),
+                           ("suffix K=4 graphs", {"method": "suffix", "num_speculative_tokens": 4}, GRAPHS),
+                           ("eagle K=4 graphs", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, GRAPHS),
+                           ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, None),
+                           ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4}, None)):
+    llm = LLM(gguf, dtype="float32", device=device, speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
+              compilation_config=graphs)
     p = chat_prompt(llm.tokenizer, read_questions()[0]["prompt"])
     g = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p}], g)
@@ -43,7 +51,9 @@ for name, spec in (("plain", None), ("eagle K=4", {"method": "eagle", "model": h
          "ms_per_pass": round(1000 * wall / s.target_forward_passes, 2), "draft_s": round(s.draft_time_s, 3),
          "target_s": round(s.target_time_s, 3), "kernels_per_pass": round(kernels / s.target_forward_passes),
          "launches": launches, "memcpy_or_sync": syncs}
+    if llm.engine.target.graphs is not None:
+        r["graphs"] = dict(llm.engine.target.graphs.stats)
     rows.append(r); print(json.dumps(r), flush=True)
-    (out / f"profile_{name.split()[0]}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30))
+    (out / f"profile_{name.replace(' ', '_').replace('=', '')}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30))
     del llm
 (out / "profile.json").write_text(json.dumps(rows, indent=1))

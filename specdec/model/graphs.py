@@ -147,42 +147,50 @@ class CudaGraphs:
             g.graph.replay()
             self.stats["replayed"] += 1
         out_logits, out_hidden = g.outs
-        idx = torch.tensor(rows, device=self.model.device)
+        idx = rows.to(self.model.device)
         sel = idx if batch.logits_indices is None else idx[batch.logits_indices.to(idx.device)]
         return ForwardOutput(out_logits.index_select(0, sel) if logits else None,
                              out_hidden.index_select(0, idx) if hidden else None)
 
-    def _host_inputs(self, tokens: Tensor, batch: ForwardBatch, B: int, T: int, L: int) -> tuple[dict, list[int]]:
+    def _host_inputs(self, tokens: Tensor, batch: ForwardBatch, B: int, T: int, L: int) -> tuple[dict, Tensor]:
         """The static inputs of bucket (B, T, L) for this forward, on the host, and each flat
-        row's row in the graph."""
-        kv, bs = self.kv, self.kv.block_size
-        spare, B0 = kv.spare_block, len(batch.seqs)
-        p = PaddedAttention.of(batch, kv, list(range(B0)), "cpu")     # its tables, masks, positions
-        T0, L0, nb = p.T, p.L, L // bs
-        toks = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
+        row's row in the graph [N]. Vectorised over the sequences (a Python loop over them cost
+        ~30 us a sequence): only trees are walked one by one."""
+        kv, bs, spare = self.kv, self.kv.block_size, self.kv.spare_block
+        B0, nb = len(batch.seqs), L // bs
+        counts = torch.tensor(batch.counts)
+        starts = batch.start_slots.long()
+        j = torch.arange(T)
+        real = j[None, :] < counts[:, None]                       # [B0, T] rows that are tokens
+        table = torch.full((B, nb), spare, dtype=torch.long)
+        own = kv.blocks.table[batch.rows.long(), :nb].long()      # past a sequence's blocks: never read unmasked
+        table[:B0] = own
+        slot = starts[:, None] + j[None, :]                        # [B0, T] each row's slot
         wb = torch.full((B, T), spare, dtype=torch.long)
         wo = torch.zeros(B, T, dtype=torch.long)
-        table = torch.full((B, nb), spare, dtype=torch.long)
-        mask = torch.ones(B, 1, T, L, dtype=torch.bool)         # padding rows see every slot
-        stale = torch.zeros(B, 1, L, 1, dtype=torch.bool)
+        wb[:B0][real] = own.gather(1, (slot // bs).clamp(max=nb - 1))[real]
+        wo[:B0][real] = (slot % bs)[real]
+        toks = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        toks[:B0][real] = tokens.cpu()
+        pos[:B0][real] = batch.positions
+        ends = torch.where(real, slot + 1, L)                      # causal: slots < end; padding rows see all
+        mask = torch.ones(B, 1, T, L, dtype=torch.bool)
+        mask[:B0, 0] = torch.arange(L)[None, None, :] < ends[..., None]
+        span = starts + counts
         free = torch.zeros(B, dtype=torch.long)
-        t0 = p.table.view(B0, L0 // bs)
-        table[:B0, :L0 // bs] = t0
-        table[:B0, L0 // bs:] = t0[:, :1]
-        mask[:B0, :, :T0, :L0] = p.mask
-        mask[:B0, :, :T0, L0:] = False
-        stale[:B0, :, :L0] = p.stale
-        stale[:B0, :, L0:] = True
-        free[:B0] = p.free_from
-        rows, flat, cu = [], tokens.cpu(), batch.cu_seqlens.tolist()
-        for b, (st, n) in enumerate(zip(batch.starts, batch.counts)):
-            toks[b, :n] = flat[cu[b]:cu[b] + n]
-            pos[b, :T0] = p.positions[b]
-            slots = torch.arange(st, st + n)
-            wb[b, :n] = t0[b, slots // bs]
-            wo[b, :n] = slots % bs
-            rows += range(b * T, b * T + n)
+        free[:B0] = span
+        for b, (st, tree) in enumerate(zip(batch.starts, batch.trees)):
+            if tree is None:
+                continue
+            n, lo = tree.mask.shape[0], st - tree.past
+            mask[b, 0, :n] = False
+            mask[b, 0, :n, :lo] = True
+            mask[b, 0, :n, lo:lo + tree.mask.shape[1]] = tree.mask.cpu()
+            free[b] = lo
+        stale = torch.zeros(B, 1, L, 1, dtype=torch.bool)
+        stale[:B0, 0, :, 0] = torch.arange(L)[None, :] >= span[:, None]
+        rows = (torch.arange(B0)[:, None] * T + j[None, :])[real]
         return {"tokens": toks.view(-1), "positions": pos.view(-1), "write_blocks": wb.view(-1),
                 "write_offsets": wo.view(-1), "table": table.view(-1), "mask": mask, "stale": stale,
                 "free_from": free}, rows

@@ -186,39 +186,50 @@ class PaddedAttention:
 
     @classmethod
     def of(cls, batch: "ForwardBatch", kv, picked: list[int], device) -> "PaddedAttention":
+        """Vectorised over the sequences (a loop over them cost ~13 us a sequence every forward);
+        only trees are walked one by one."""
         bs = kv.block_size
-        cu = batch.cu_seqlens.tolist()
-        T = max(batch.counts[b] for b in picked)
-        nb = max(-(-(batch.starts[b] + batch.counts[b]) // bs) for b in picked)
-        B, L = len(picked), nb * bs
-        table, rows, slots, ends, frees, spans = [], [], [], torch.full((B, T), L, dtype=torch.long), [], []
-        positions = torch.zeros(B, T, dtype=torch.long)
-        trees = []
+        counts_list = [batch.counts[b] for b in picked]
+        B, T, N = len(picked), max(counts_list), batch.num_tokens
+        # every sequence in, in order, with T rows each: the flat rows are the padded layout
+        dense = B * T == N and len(batch.counts) == B and picked == list(range(B))
+        everyone = len(picked) == len(batch.counts) and picked == list(range(B))
+        sel = slice(None) if everyone else torch.tensor(picked, dtype=torch.long)
+        counts = torch.tensor(counts_list)
+        starts = batch.start_slots.long()[sel]
+        spans = starts + counts
+        nb = -(-max(batch.starts[b] + batch.counts[b] for b in picked) // bs)
+        L = nb * bs
+        j = torch.arange(T)
+        table = kv.blocks.table[batch.rows.long()[sel], :nb].long()
+        used = (spans + bs - 1) // bs                                    # a sequence's blocks; padded with its first
+        table = torch.where(torch.arange(nb)[None, :] < used[:, None], table, table[:, :1])
+        if dense:
+            rows = slots = torch.arange(N)
+            positions = batch.positions.view(B, T)
+            ends = starts[:, None] + j[None, :] + 1
+        else:
+            real = j[None, :] < counts[:, None]                          # [B, T] rows that are tokens
+            rows = (batch.cu_seqlens.long()[:-1][sel][:, None] + j[None, :])[real]
+            slots = (torch.arange(B)[:, None] * T + j[None, :])[real]
+            positions = torch.zeros(B, T, dtype=torch.long)
+            positions[real] = batch.positions[rows]
+            ends = torch.where(real, starts[:, None] + j[None, :] + 1, L)   # causal rows; padding sees all
+        mask = torch.arange(L)[None, None, :] < ends[..., None]
+        frees = spans.clone()
         for i, b in enumerate(picked):
-            st, n, tree = batch.starts[b], batch.counts[b], batch.trees[b]
-            own = kv.blocks.blocks(batch.seqs[b])[:-(-(st + n) // bs)]
-            table += own + [own[0]] * (nb - len(own))
-            rows += range(cu[b], cu[b] + n)
-            slots += range(i * T, i * T + n)
-            positions[i, :n] = batch.positions[cu[b]:cu[b] + n]
-            spans.append(st + n)
+            tree = batch.trees[b]
             if tree is None:
-                ends[i, :n] = torch.arange(st + 1, st + n + 1)
-                frees.append(st + n)
-            else:
-                trees.append((i, st - tree.past, tree.mask))
-                frees.append(st - tree.past)
-        mask = torch.arange(L)[None, None, :] < ends[..., None]         # causal rows; padding sees all
-        for i, lo, m in trees:
+                continue
+            m, lo = tree.mask, batch.starts[b] - tree.past
             n = m.shape[0]
             mask[i, :n] = False
             mask[i, :n, :lo] = True
             mask[i, :n, lo:lo + m.shape[1]] = m.cpu()
-        return cls(torch.tensor(rows, device=device), torch.tensor(slots, device=device),
-                   torch.tensor(table, device=device), B, T, L, mask[:, None].to(device), positions.to(device),
-                   torch.tensor(frees, device=device),
-                   (torch.arange(L)[None, :] >= torch.tensor(spans)[:, None])[:, None, :, None].to(device),
-                   dense=B * T == batch.num_tokens and rows == slots == list(range(batch.num_tokens)))
+            frees[i] = lo
+        return cls(rows.to(device), slots.to(device), table.reshape(-1).to(device), B, T, L, mask[:, None].to(device),
+                   positions.to(device), frees.to(device),
+                   (torch.arange(L)[None, :] >= spans[:, None])[:, None, :, None].to(device), dense=dense)
 
 
 @dataclass(frozen=True)
@@ -249,17 +260,25 @@ class AttentionPlan:
         # own gather and attention call, ~10 launches a row on a GPU. A single row stays on the
         # per-token path (plain decoding of one sequence: its slot fast path)
         short = short if len(short) > 1 or (short and batch.counts[short[0]] > 1) else []
-        write_blocks, write_offsets, seqs = [], [], []
-        first = 0
+        seqs, first, N = [], 0, batch.num_tokens
+        if N == 1:          # plain decoding of one sequence: its slot in plain ints, no index tensors
+            st = batch.starts[0]
+            slot = (kv.blocks.blocks(batch.seqs[0])[st // bs], st % bs)
+            write_blocks, write_offsets = torch.tensor([slot[0]]), torch.tensor([slot[1]])
+        else:               # each token's slot: its sequence's start + its index among the sequence's tokens
+            slot = None
+            counts = torch.tensor(batch.counts)
+            seq_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
+            cu = batch.cu_seqlens.long()
+            slots = batch.start_slots.long()[seq_of] + torch.arange(N) - cu[seq_of]
+            write_blocks = kv.blocks.table[batch.rows.long()[seq_of], slots // bs].long()
+            write_offsets = slots % bs
         for b, (seq, st, n, tree) in enumerate(zip(batch.seqs, batch.starts, batch.counts, batch.trees)):
-            table = kv.blocks.blocks(seq)
             span = st + n
-            write_blocks += [table[s // bs] for s in range(st, span)]
-            write_offsets += [s % bs for s in range(st, span)]
             if short and n <= max_rows:      # in the padded call
                 first += n
                 continue
-            blocks = torch.tensor(table[:-(-span // bs)], device=device)
+            blocks = torch.tensor(kv.blocks.blocks(seq)[:-(-span // bs)], device=device)
             seen, mask = None, None
             if n <= max_rows:
                 seen = list(range(st + 1, span + 1)) if tree is None else _tree_seen(tree, st, device)
@@ -268,8 +287,7 @@ class AttentionPlan:
             seqs.append(SeqAttention(first, n, blocks, span, seen, mask, batch.positions[first:first + n].to(device),
                                      span if tree is None else st - tree.past))
             first += n
-        slot = (write_blocks[0], write_offsets[0]) if len(write_blocks) == 1 else None
-        return cls(torch.tensor(write_blocks, device=device), torch.tensor(write_offsets, device=device), seqs, slot,
+        return cls(write_blocks.to(device), write_offsets.to(device), seqs, slot,
                    PaddedAttention.of(batch, kv, short, device) if short else None)
 
 

@@ -72,6 +72,10 @@ def test_graph_forwards_give_the_eager_padded_results(pytorch_path, window):
             assert all(torch.allclose(t[:, :64], w, atol=1e-5, equal_nan=True) for t, w in zip(kv.k + kv.v, written))
     assert graphs.stats["captured"] == 4 and graphs.stats["replayed"] == 1
     assert graphs.stats["eager: rows"] == 1
+    graphs.max_graphs = 4           # no room for a fifth bucket: that forward runs eagerly
+    with torch.inference_mode():
+        batch = ForwardBatch.build(kv, ["a", "b"], [1, 1], [40, 60])
+        assert graphs(torch.tensor([1, 2]), batch, True, False) is None and graphs.stats["eager: graph limit"] == 1
     assert sorted(graphs.graphs) == [(1, 2, 256, True, True), (2, 4, 256, True, True), (4, 1, 256, True, True),
                                      (4, 4, 256, True, True)]
 

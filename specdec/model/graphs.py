@@ -42,6 +42,7 @@ EMULATE = False
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)   # vLLM's capture sizes, up to 512
 ROW_SIZES = (1, 2, 4, 8, 16)            # rows a sequence (the last token and up to 15 drafts)
 MIN_SLOTS = 256                         # the smallest slot bucket; then powers of two
+MAX_GRAPHS = 256                        # captured at most (each holds its inputs and a capture's time); then eager
 
 # ops that read a tensor on the host or make one from host data: they break a capture (a graph
 # holds device work only, and such a value would be frozen into it)
@@ -95,6 +96,7 @@ class CudaGraphs:
         bs = kv.block_size
         self.max_slots = kv.blocks.max_blocks_per_seq * bs
         self.graphs: dict[tuple, _Graph] = {}
+        self.max_graphs = MAX_GRAPHS
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.stats = collections.Counter()          # captured, replayed, eager (by reason)
         cfg = model.config
@@ -137,8 +139,11 @@ class CudaGraphs:
         if key is None:
             return None
         B, T, L, _, _ = key
-        host, rows = self._host_inputs(tokens, batch, B, T, L)
         g = self.graphs.get(key)
+        if g is None and len(self.graphs) >= self.max_graphs:
+            self.stats["eager: graph limit"] += 1
+            return None
+        host, rows = self._host_inputs(tokens, batch, B, T, L)
         if g is None:
             g = self._capture(key, host)
         else:

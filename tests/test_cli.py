@@ -42,6 +42,8 @@ def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "1.5"], "top_p"),
     (["--max-tokens", "0"], "max_tokens"),
+    (["-O", '{"cudagraph_mode": "FULLY"}'], "cudagraph_mode must be one of"),
+    (["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], "CUDA graphs need a CUDA device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_pair, capsys, argv, message):
     target, _ = tiny_pair

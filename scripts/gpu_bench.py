@@ -103,36 +103,42 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
     rows, eager = [], {}
     concurrencies = (1, 4) if quick else (1, 4, 16, 64, 256)
     for attention in ("padded", "graphs", "per-token"):
-        batch_module.PADDED = False if attention == "per-token" else None
-        llm = LLM(str(work), dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
-                  max_num_batched_tokens=8192, num_speculative_tokens=0,
-                  compilation_config=GRAPHS if attention == "graphs" else None)
-        greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=4))   # warm-up
-        for c in concurrencies:
-            if time.time() > deadline or (attention == "per-token" and c > 16):
-                continue
-            batch = [{"prompt_token_ids": p} for p in prompts[:c]]
-            sync(args.device)
-            t0 = time.perf_counter()
-            outs = llm.generate(batch, greedy)
-            sync(args.device)
-            wall = time.perf_counter() - t0
-            toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            ttft = max(o.stats.time_to_first_token_s for o in outs)
-            ids = [list(o.outputs[0].token_ids) for o in outs]
-            if attention == "padded":
-                eager[c] = ids
-            row = {"engine": f"specdec ({attention})", "concurrency": c, "output_tokens": toks, "s": round(wall, 3),
-                   "tok_per_s": round(toks / wall, 1),
-                   "decode_tok_per_s": round((toks - c) / max(wall - ttft, 1e-9), 1),
-                   "ms_per_step": round(1000 * (wall - ttft) / (new - 1), 2)}
-            if attention == "graphs":       # captures happen inside the timed run (a bucket's first use)
-                row["graphs"] = dict(llm.engine.target.graphs.stats)
-                row["identical_to_eager"] = f"{sum(a == b for a, b in zip(ids, eager.get(c, [])))}/{c}"
+        try:
+            batch_module.PADDED = False if attention == "per-token" else None
+            llm = LLM(str(work), dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
+                      max_num_batched_tokens=8192, num_speculative_tokens=0,
+                      compilation_config=GRAPHS if attention == "graphs" else None)
+            greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=4))   # warm-up
+            for c in concurrencies:
+                if time.time() > deadline or (attention == "per-token" and c > 16):
+                    continue
+                batch = [{"prompt_token_ids": p} for p in prompts[:c]]
+                sync(args.device)
+                t0 = time.perf_counter()
+                outs = llm.generate(batch, greedy)
+                sync(args.device)
+                wall = time.perf_counter() - t0
+                toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                ttft = max(o.stats.time_to_first_token_s for o in outs)
+                ids = [list(o.outputs[0].token_ids) for o in outs]
+                if attention == "padded":
+                    eager[c] = ids
+                row = {"engine": f"specdec ({attention})", "concurrency": c, "output_tokens": toks, "s": round(wall, 3),
+                       "tok_per_s": round(toks / wall, 1),
+                       "decode_tok_per_s": round((toks - c) / max(wall - ttft, 1e-9), 1),
+                       "ms_per_step": round(1000 * (wall - ttft) / (new - 1), 2)}
+                if attention == "graphs":       # captures happen inside the timed run (a bucket's first use)
+                    row["graphs"] = dict(llm.engine.target.graphs.stats)
+                    row["identical_to_eager"] = f"{sum(a == b for a, b in zip(ids, eager.get(c, [])))}/{c}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del llm
+        except Exception as e:      # one variant failing (a first run of CUDA graphs) must not lose the rest
+            import traceback
+            row = {"variant": attention, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-        del llm
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
     batch_module.PADDED = None
     dev = torch.device(args.device)
     hf = transformers.AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).to(dev).eval()
@@ -176,6 +182,9 @@ def check(args) -> int:
     rows = plain_scaling(args, out, t0 + args.budget)
     print("\n| engine | concurrency | output tok/s | ms a step |\n|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | error: {r['error'][:120]} | | |")
+            continue
         print(f"| {r['engine']} | {r['concurrency']} | {r['tok_per_s']} | {r['ms_per_step']} |")
     print(f"engine check ok: {engine.get('ok')}  ({time.time() - t0:.0f} s)")
     return 0 if engine.get("ok") else 1
@@ -214,41 +223,47 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
     new = 16 if quick else 128
     rows, reference = [], {}
     for name, spec in methods.items():
-        if time.time() > deadline:
-            break
-        llm = LLM(args.gguf, dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
-                  speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
-                  compilation_config=GRAPHS if name.endswith("graphs") else None)
-        qs = read_questions()
-        random.Random(0).shuffle(qs)
-        prompts = [p for p in (chat_prompt(llm.tokenizer, q["prompt"]) for q in qs) if len(p) <= 1024]
-        greedy = SamplingParams(temperature=0, max_tokens=new)
-        llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(temperature=0, max_tokens=8))   # warm-up
-        for c in concurrencies:
+        try:
             if time.time() > deadline:
                 break
-            n = 4 if c == 1 else c
-            batch = prompts[:n]
-            sync(args.device)
-            t0 = time.perf_counter()
-            outs = closed_loop(llm, batch, greedy, c)
-            sync(args.device)
-            wall = time.perf_counter() - t0
-            toks = [list(o) for o in outs["tokens"]]
-            key = (c, n)
-            if name == "plain":
-                reference[key] = toks
-            same = sum(a == b for a, b in zip(toks, reference.get(key, [])))
-            row = {"method": name, "concurrency": c, "requests": n, "output_tokens": sum(map(len, toks)),
-                   "s": round(wall, 3), "tok_per_s": round(sum(map(len, toks)) / wall, 1),
-                   "identical_to_plain": f"{same}/{n}" if key in reference else None,
-                   "draft_tokens": outs["draft"], "accepted_tokens": outs["accepted"],
-                   "tau": round(sum(map(len, toks)) / max(outs["passes"], 1), 3)}
-            if llm.engine.target.graphs is not None:
-                row["graphs"] = dict(llm.engine.target.graphs.stats)
+            llm = LLM(args.gguf, dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
+                      speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
+                      compilation_config=GRAPHS if name.endswith("graphs") else None)
+            qs = read_questions()
+            random.Random(0).shuffle(qs)
+            prompts = [p for p in (chat_prompt(llm.tokenizer, q["prompt"]) for q in qs) if len(p) <= 1024]
+            greedy = SamplingParams(temperature=0, max_tokens=new)
+            llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+            for c in concurrencies:
+                if time.time() > deadline:
+                    break
+                n = 4 if c == 1 else c
+                batch = prompts[:n]
+                sync(args.device)
+                t0 = time.perf_counter()
+                outs = closed_loop(llm, batch, greedy, c)
+                sync(args.device)
+                wall = time.perf_counter() - t0
+                toks = [list(o) for o in outs["tokens"]]
+                key = (c, n)
+                if name == "plain":
+                    reference[key] = toks
+                same = sum(a == b for a, b in zip(toks, reference.get(key, [])))
+                row = {"method": name, "concurrency": c, "requests": n, "output_tokens": sum(map(len, toks)),
+                       "s": round(wall, 3), "tok_per_s": round(sum(map(len, toks)) / wall, 1),
+                       "identical_to_plain": f"{same}/{n}" if key in reference else None,
+                       "draft_tokens": outs["draft"], "accepted_tokens": outs["accepted"],
+                       "tau": round(sum(map(len, toks)) / max(outs["passes"], 1), 3)}
+                if llm.engine.target.graphs is not None:
+                    row["graphs"] = dict(llm.engine.target.graphs.stats)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del llm
+        except Exception as e:      # one variant failing (a first run of CUDA graphs) must not lose the rest
+            import traceback
+            row = {"variant": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-        del llm
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     (out / "batch_spec.json").write_text(json.dumps({"device": device_info(), "max_tokens": new, "rows": rows},
@@ -312,6 +327,9 @@ def real(args) -> int:
     rc = max(rcs.values())
     print("\n| method | concurrency | output tok/s | identical to plain | tau |\n|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | error: {r['error'][:120]} | | | |")
+            continue
         print(f"| {r['method']} | {r['concurrency']} | {r['tok_per_s']} | {r['identical_to_plain']} | {r['tau']} |")
     print(f"({time.time() - t0:.0f} s)")
     return rc

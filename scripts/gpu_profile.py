@@ -25,12 +25,14 @@ if not cuda:        # the rehearsal: graphs emulated (a CPU refuses real ones)
     from specdec.model import graphs as graphs_module
     graphs_module.EMULATE = True
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-rows = []
-for name, spec, graphs in (("plain", None, None), ("plain graphs", None, GRAPHS),
-                           ("suffix K=4 graphs", {"method": "suffix", "num_speculative_tokens": 4}, GRAPHS),
-                           ("eagle K=4 graphs", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, GRAPHS),
-                           ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, None),
-                           ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4}, None)):
+VARIANTS = (("plain", None, None), ("plain graphs", None, GRAPHS),
+            ("suffix K=4 graphs", {"method": "suffix", "num_speculative_tokens": 4}, GRAPHS),
+            ("eagle K=4 graphs", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, GRAPHS),
+            ("eagle K=4", {"method": "eagle", "model": head, "num_speculative_tokens": 4}, None),
+            ("suffix K=4", {"method": "suffix", "num_speculative_tokens": 4}, None))
+
+
+def profile_one(name: str, spec, graphs) -> dict:
     llm = LLM(gguf, dtype="float32", device=device, speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
               compilation_config=graphs)
     p = chat_prompt(llm.tokenizer, read_questions()[0]["prompt"])
@@ -45,7 +47,7 @@ for name, spec, graphs in (("plain", None, None), ("plain graphs", None, GRAPHS)
         llm.generate([{"prompt_token_ids": p}], g)
     ka = prof.key_averages()
     kernels = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
-    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"))
     syncs = sum(e.count for e in ka if "Synchronize" in e.key or e.key in ("cudaMemcpyAsync",))
     r = {"method": name, "wall_s": round(wall, 3), "tokens": s.output_tokens, "passes": s.target_forward_passes,
          "ms_per_pass": round(1000 * wall / s.target_forward_passes, 2), "draft_s": round(s.draft_time_s, 3),
@@ -53,7 +55,18 @@ for name, spec, graphs in (("plain", None, None), ("plain graphs", None, GRAPHS)
          "launches": launches, "memcpy_or_sync": syncs}
     if llm.engine.target.graphs is not None:
         r["graphs"] = dict(llm.engine.target.graphs.stats)
-    rows.append(r); print(json.dumps(r), flush=True)
     (out / f"profile_{name.replace(' ', '_').replace('=', '')}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30))
     del llm
-(out / "profile.json").write_text(json.dumps(rows, indent=1))
+    return r
+
+
+rows = []
+for name, spec, graphs in VARIANTS:
+    try:
+        r = profile_one(name, spec, graphs)
+    except Exception as e:      # a variant failing (a first run of CUDA graphs) must not lose the others
+        import traceback
+        r = {"method": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    rows.append(r)
+    print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+    (out / "profile.json").write_text(json.dumps(rows, indent=1))     # after each: a timeout keeps what ran

@@ -4,6 +4,8 @@ On a GPU the same code captures real graphs (not run here)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -164,3 +166,20 @@ def test_cache_features_under_cuda_graphs(pytorch_path, tiny_pair, options):
     assert engines[1].target.graphs.stats["replayed"] > 10
     if "kv_cache_memory" in options:
         assert engines[0].num_preemptions > 0 and engines[1].num_preemptions > 0
+
+
+def test_graph_counters_reach_prometheus(pytorch_path, tiny_pair):
+    """/metrics names how the target's forwards ran under CUDA graphs (emulated here)."""
+    from prometheus_client import generate_latest
+
+    from specdec.server.metrics import ServerMetrics
+
+    llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, compilation_config={"cudagraph_mode": "FULL"})
+    llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    text = generate_latest(ServerMetrics(llm.engine).registry).decode()
+    counts = {m: float(v) for m, v in re.findall(r'specdec:cuda_graph_forwards_total\{mode="([^"]+)"\} ([0-9.]+)', text)}
+    # a prompt of <= 16 tokens and the decoding steps: all through graphs (2 buckets), none eager
+    assert counts == {"captured": 2.0, "replayed": counts["replayed"]} and counts["replayed"] >= 4, counts
+    assert 'mode="eager' not in text
+    plain = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0)
+    assert "cuda_graph_forwards" not in generate_latest(ServerMetrics(plain.engine).registry).decode()

@@ -197,7 +197,7 @@ def signed_sin(sin: Tensor) -> Tensor:
     if sign is None:
         with torch.inference_mode(False):       # a normal tensor: training's forwards use it too
             sign = _SIGNS[key] = torch.ones(sin.shape[-1], dtype=sin.dtype, device=sin.device)
-            sign[:sin.shape[-1] // 2] = -1
+            sign[:sin.shape[-1] // 2].fill_(-1)     # no host-made scalar tensor: a CUDA graph's warm-up may make it
     return sin * sign
 
 

@@ -8,7 +8,8 @@ Names follow vLLM's (`vllm:` -> `specdec:`), so its meanings carry over:
   (0-based); `..._num_draft_tokens_per_pos_total` is its denominator when K adapts.
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 Counters are added when a completion ends (finished, aborted or failed), from its RequestStats.
-The engine's own state (requests running and waiting, KV cache usage, preemptions) is read at
+The engine's own state (requests running and waiting, KV cache usage, preemptions, and with CUDA
+graphs `specdec:cuda_graph_forwards_total{mode="captured"|"replayed"|"eager: <reason>"}`) is read at
 scrape time; per-step figures (tokens per step, drafted tokens) are observed by the worker.
 With LoRA enabled, `specdec:lora_requests_info` is vLLM's vllm:lora_requests_info: one sample
 whose labels name the adapters of the running and the waiting requests (comma-separated) and
@@ -55,6 +56,13 @@ class _EngineCollector:
         c = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         c.add_metric([], e.prefix_cache_hits)
         yield c
+        graphs = getattr(e.target, "graphs", None)
+        if graphs is not None:      # --compilation-config's CUDA graphs: how the target's forwards ran
+            c = CounterMetricFamily(PREFIX + "cuda_graph_forwards", "Target forwards by how they ran: a graph "
+                                    "captured or replayed, or eager (with the reason).", labels=["mode"])
+            for mode, n in dict(graphs.stats).items():     # a copy: the worker adds keys meanwhile
+                c.add_metric([mode], n)
+            yield c
         if e.lora is not None:
             yield self._lora_info(e)
 

@@ -217,16 +217,21 @@ class CudaGraphs:
         def fn():
             return self._body(inputs, key)
 
+        # a first run unchecked: one-time set-ups on the way (a library loaded, a constant cached)
+        # happen there, not in the graph; then every run is checked for per-call host work
         if self.emulate:
+            fn()
             with _NoHostOps():
                 outs = fn()         # this forward's result, computed
             graph = _Replay(fn, outs)
         else:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), _NoHostOps():
-                for _ in range(2):      # warm-up: kernels picked, workspaces allocated (writes the same values)
-                    fn()
+            with torch.cuda.stream(side):
+                fn()
+                with _NoHostOps():
+                    for _ in range(2):      # warm-up: kernels picked, workspaces allocated (the same values written)
+                        fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

@@ -183,3 +183,55 @@ def test_graph_counters_reach_prometheus(pytorch_path, tiny_pair):
     assert 'mode="eager' not in text
     plain = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0)
     assert "cuda_graph_forwards" not in generate_latest(ServerMetrics(plain.engine).registry).decode()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_graph_and_eager_padded_forwards_are_device_clean(pytorch_path, window):
+    """Device-clean as a GPU needs, with the model and cache on the meta device standing in for a
+    GPU: every op of a graph's forward (from its static inputs) takes tensors of the model's
+    device only, and the eager padded forward mixes devices in no op (its plans are built on the
+    host, then moved). A host tensor left inside the forward fails here as it would there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Devices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            devs = {t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                    if isinstance(t, torch.Tensor) and t.dim() > 0}
+            self.ops.append((func.overloadpacket.__name__, devs))
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=window,
+                      sliding_layers=(0,) if window else ())
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.eval().requires_grad_(False)
+    model.reset_rope("meta")
+    blocks = BlockManager(64, 16, 8, 32)
+    kv = model.new_kv(blocks, spare=True)
+    for s in "ab":
+        blocks.add(s)
+        blocks.ensure(s, 100)
+    graphs = CudaGraphs(model, kv, emulate=True)
+    tree = TreeAttention.from_parents([-1, 0])
+    with torch.inference_mode():
+        for counts, trees in (([1, 1], None), ([3, 1], [tree, None]), ([2, 2], None)):
+            batch = ForwardBatch.build(kv, ["a", "b"], counts, [20, 30], trees, [1, 1])
+            tokens = torch.zeros(sum(counts), dtype=torch.long)
+            key = graphs.key(batch, True, True)
+            inputs = {k: v.to("meta") for k, v in graphs._host_inputs(tokens, batch, *key[:3])[0].items()}
+            with Devices() as body:
+                logits, hidden = graphs._body(inputs, key)
+            assert logits.device.type == "meta" and hidden.device.type == "meta"
+            assert body.ops and all(devs <= {"meta"} for _, devs in body.ops), \
+                [op for op in body.ops if not op[1] <= {"meta"}][:5]
+            with Devices() as eager:
+                out = model(tokens.to("meta"), kv, batch, hidden=True)
+            assert out.logits.shape == (2, 300)
+            moves = {"to", "_to_copy", "copy_"}         # host -> device: what the plan's tensors take
+            assert all(len(devs) < 2 for name, devs in eager.ops if name not in moves), \
+                [op for op in eager.ops if len(op[1]) > 1 and op[0] not in moves][:5]

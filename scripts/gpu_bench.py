@@ -129,7 +129,7 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
                        "decode_tok_per_s": round((toks - c) / max(wall - ttft, 1e-9), 1),
                        "ms_per_step": round(1000 * (wall - ttft) / (new - 1), 2)}
                 if attention == "graphs":       # captures happen inside the timed run (a bucket's first use)
-                    row["graphs"] = dict(llm.engine.target.graphs.stats)
+                    row["graphs"] = dict(llm.engine.graphs.stats)
                     row["identical_to_eager"] = f"{sum(a == b for a, b in zip(ids, eager.get(c, [])))}/{c}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -254,8 +254,8 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
                        "identical_to_plain": f"{same}/{n}" if key in reference else None,
                        "draft_tokens": outs["draft"], "accepted_tokens": outs["accepted"],
                        "tau": round(sum(map(len, toks)) / max(outs["passes"], 1), 3)}
-                if llm.engine.target.graphs is not None:
-                    row["graphs"] = dict(llm.engine.target.graphs.stats)
+                if llm.engine.graphs is not None:
+                    row["graphs"] = dict(llm.engine.graphs.stats)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del llm

@@ -53,8 +53,8 @@ def profile_one(name: str, spec, graphs) -> dict:
          "ms_per_pass": round(1000 * wall / s.target_forward_passes, 2), "draft_s": round(s.draft_time_s, 3),
          "target_s": round(s.target_time_s, 3), "kernels_per_pass": round(kernels / s.target_forward_passes),
          "launches": launches, "memcpy_or_sync": syncs}
-    if llm.engine.target.graphs is not None:
-        r["graphs"] = dict(llm.engine.target.graphs.stats)
+    if llm.engine.graphs is not None:
+        r["graphs"] = dict(llm.engine.graphs.stats)
     (out / f"profile_{name.replace(' ', '_').replace('=', '')}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30))
     del llm
     return r

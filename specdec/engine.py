@@ -103,7 +103,8 @@ class Engine:
         self.config = scheduler_config or SchedulerConfig()
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)
         self.blocks, self.kv = self._allocate_kv(max_k, spare=cuda_graph_sizes is not None)
-        target.graphs = None if cuda_graph_sizes is None else \
+        # CUDA graphs of the target's forwards over this engine's cache (--compilation-config), or None
+        self.graphs = None if cuda_graph_sizes is None else \
             CudaGraphs(target, self.kv, cuda_graph_sizes, emulate=graphs_module.EMULATE)
         if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
             raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
@@ -433,7 +434,8 @@ class Engine:
             self.before_forward()
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode) or bool(scored),
-                          hidden=self.caps.feature_layers or self.caps.needs_hidden)
+                          hidden=self.caps.feature_layers or self.caps.needs_hidden,
+                          **({"graphs": self.graphs} if self.graphs is not None else {}))
         attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
         # of which the drafted rows' (each decoding entry's rows after its first)
         drafted = sum(n * st + n * (n + 1) // 2 - (st + 1) for n, st in zip(counts, starts[:len(plan.decode)]))

@@ -60,13 +60,11 @@ def test_graph_forwards_give_the_eager_padded_results(pytorch_path, window):
             tokens = torch.randint(0, 300, (sum(counts),), generator=g)
             batch = ForwardBatch.build(kv, seqs, counts, starts, trees, logits)
             state = [t.clone() for t in kv.k + kv.v]
-            model.graphs = None
             want = model(tokens, kv, batch, hidden=True)
             written = [t[:, :64].clone() for t in kv.k + kv.v]
             for t, t0 in zip(kv.k + kv.v, state):     # the graph's forward writes the same slots again
                 t.copy_(t0)
-            model.graphs = graphs
-            got = model(tokens, kv, batch, hidden=True)
+            got = model(tokens, kv, batch, hidden=True, graphs=graphs)
             assert got.logits.shape == want.logits.shape and got.hidden.shape == want.hidden.shape
             assert torch.allclose(got.logits, want.logits, atol=1e-5) and torch.allclose(got.hidden, want.hidden, atol=1e-5)
             assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
@@ -74,6 +72,11 @@ def test_graph_forwards_give_the_eager_padded_results(pytorch_path, window):
             assert all(torch.allclose(t[:, :64], w, atol=1e-5, equal_nan=True) for t, w in zip(kv.k + kv.v, written))
     assert graphs.stats["captured"] == 4 and graphs.stats["replayed"] == 1
     assert graphs.stats["eager: rows"] == 1
+    other = model.new_kv(BlockManager(8, 16, 1, 8), spare=True)
+    other.blocks.add("x")
+    other.blocks.ensure("x", 4)
+    with torch.inference_mode(), pytest.raises(ValueError, match="another KV cache"):
+        model(torch.tensor([1]), other, ForwardBatch.build(other, ["x"], [1], [0]), graphs=graphs)
     graphs.max_graphs = 4           # no room for a fifth bucket: that forward runs eagerly
     with torch.inference_mode():
         batch = ForwardBatch.build(kv, ["a", "b"], [1, 1], [40, 60])
@@ -91,7 +94,6 @@ def test_a_host_read_inside_the_forward_fails_the_capture(pytorch_path, monkeypa
     blocks.add("a")
     blocks.ensure("a", 20)
     graphs = CudaGraphs(model, kv, emulate=True)
-    model.graphs = graphs
     real = model._embed
 
     def embed_with_a_host_read(tokens, embeds):
@@ -100,7 +102,7 @@ def test_a_host_read_inside_the_forward_fails_the_capture(pytorch_path, monkeypa
 
     monkeypatch.setattr(model, "_embed", embed_with_a_host_read)
     with torch.inference_mode(), pytest.raises(CaptureError, match="aten.(item|_local_scalar_dense) inside a captured forward"):
-        model(torch.tensor([5]), kv, ForwardBatch.build(kv, ["a"], [1], [0]))
+        model(torch.tensor([5]), kv, ForwardBatch.build(kv, ["a"], [1], [0]), graphs=graphs)
 
 
 def test_engine_with_cuda_graphs_keeps_greedy_output(pytorch_path, tiny_pair):
@@ -117,9 +119,9 @@ def test_engine_with_cuda_graphs_keeps_greedy_output(pytorch_path, tiny_pair):
                       compilation_config=graphs, **config)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
             if graphs:
-                stats.append(llm.engine.target.graphs.stats)
+                stats.append(llm.engine.graphs.stats)
             else:
-                assert llm.engine.target.graphs is None
+                assert llm.engine.graphs is None
     assert outs[0] == outs[2] and outs[1] == outs[3]
     assert all(s["replayed"] > 10 for s in stats), stats
 
@@ -163,7 +165,7 @@ def test_cache_features_under_cuda_graphs(pytorch_path, tiny_pair, options):
         outs.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in params])
         engines.append(llm.engine)
     assert outs[0] == outs[1]
-    assert engines[1].target.graphs.stats["replayed"] > 10
+    assert engines[1].graphs.stats["replayed"] > 10
     if "kv_cache_memory" in options:
         assert engines[0].num_preemptions > 0 and engines[1].num_preemptions > 0
 

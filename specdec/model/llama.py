@@ -560,7 +560,6 @@ class Transformer(nn.Module):
         # whole forward's, and the attention-only one of the PyTorch path on the CPU
         self._c_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._c_attention_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.graphs = None      # CudaGraphs (model/graphs.py) over one cache, or None: eager forwards
         # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
         self.final_norm = True
         self.lora = None        # LoRA adapters' slots beside the layers' matrices (set_lora), or None
@@ -649,6 +648,8 @@ class Transformer(nn.Module):
                                               # tuple of layers: the residual stream entering each,
                                               # side by side [N, len * D] (EAGLE-3's features; the
                                               # number of layers run: after the last, unnormed)
+        graphs=None,                          # CudaGraphs over kv (model/graphs.py, an engine's): the
+                                              # forward replays one when it fits a bucket
     ) -> ForwardOutput:
         n_layers = self.config.num_hidden_layers if exit_layer is None else exit_layer
         if isinstance(hidden, tuple) and not all(0 <= i <= n_layers for i in hidden):
@@ -665,8 +666,10 @@ class Transformer(nn.Module):
         if view is not None:
             out, h = cforward.forward(kernels.load(), view, tokens, embeds, batch, n_layers, logits, hidden)
             return ForwardOutput(out, h)
-        if self.graphs is not None and kv is self.graphs.kv and embeds is None and exit_layer is None:
-            out = self.graphs(tokens, batch, logits, hidden)     # None: the forward does not fit a graph
+        if graphs is not None and embeds is None and exit_layer is None:
+            if kv is not graphs.kv:
+                raise ValueError("these CUDA graphs were captured over another KV cache")
+            out = graphs(tokens, batch, logits, hidden)     # None: the forward does not fit a graph
             if out is not None:
                 return out
         if self.lora is None or batch.lora is None:

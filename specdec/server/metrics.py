@@ -56,7 +56,7 @@ class _EngineCollector:
         c = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         c.add_metric([], e.prefix_cache_hits)
         yield c
-        graphs = getattr(e.target, "graphs", None)
+        graphs = getattr(e, "graphs", None)
         if graphs is not None:      # --compilation-config's CUDA graphs: how the target's forwards ran
             c = CounterMetricFamily(PREFIX + "cuda_graph_forwards", "Target forwards by how they ran: a graph "
                                     "captured or replayed, or eager (with the reason).", labels=["mode"])

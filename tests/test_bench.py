@@ -213,3 +213,31 @@ def test_probe_counts_drafts_and_leaves_the_model_as_it_was(tiny_pair):
     assert stats.target_forward_passes == len(probe.steps) >= 1 and timed == len(probe.forward_s) - 1
     assert "_get_candidate_generator" not in vars(target)
     assert not target._forward_hooks and not target._forward_pre_hooks
+
+
+def test_compilation_config_reaches_every_specdec_engine(tiny_pair, prompts_file, tmp_path, monkeypatch):
+    """`specdec bench -O '{"cudagraph_mode": ...}'`: each specdec variant's engine replays its own
+    CUDA graphs (emulated here, on the GPU's PyTorch path); greedy outputs stay plain's; the
+    command and config name it."""
+    from specdec import kernels
+    from specdec.model import batch as batch_module
+    from specdec.model import graphs as graphs_module
+
+    monkeypatch.setattr(kernels, "_chosen", [(None, "off (the GPU's path, emulated)")])
+    monkeypatch.setattr(batch_module, "PADDED", True)
+    monkeypatch.setattr(graphs_module, "EMULATE", True)
+    replays = []
+    real_call = graphs_module.CudaGraphs.__call__
+
+    def counted(self, *a, **k):
+        out = real_call(self, *a, **k)
+        replays.append(id(self))
+        return out
+
+    monkeypatch.setattr(graphs_module.CudaGraphs, "__call__", counted)
+    rc, results, _ = _bench(tmp_path, "--model", str(tiny_pair[0]), "--no-peers", "--methods", "ngram",
+                            "--num-speculative-tokens", "2", "--prompts", str(prompts_file),
+                            "-O", '{"cudagraph_mode": "FULL_DECODE_ONLY"}')
+    assert rc == 0 and results["config"]["cuda_graphs"] and "--compilation-config" in results["command"]
+    assert len(set(replays)) == 2            # plain's engine and ngram's, each its own graphs
+    assert all(m["greedy_match"]["identical"] for m in results["scenarios"][0]["methods"] if m["name"] != "plain")

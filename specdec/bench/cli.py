@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
                         "threads spinning while they wait for each other")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (prompt i uses seed + i)")
     p.add_argument("--threads", type=_positive, help="torch threads (default: torch's choice)")
+    p.add_argument("-O", "--compilation-config", default=None,
+                   help='vLLM\'s: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' runs every specdec variant\'s target '
+                        "forwards as CUDA graphs (--device cuda; each engine captures its own)")
     p.add_argument("--out", type=Path,
                    help="folder for results.json, results.md and the plots (required); {cpu} in it is replaced by the "
                         "CPU's kind (e.g. bench/{cpu}/smollm2 -> bench/xeon-avx512vnni/smollm2: results kept per machine kind)")
@@ -151,6 +154,8 @@ def command_line(args) -> str:
     if args.ignore_eos:
         parts.append("--ignore-eos")
     import json
+    if args.compilation_config:
+        parts += ["--compilation-config", args.compilation_config]
     if args.hf_overrides:
         parts += ["--hf-overrides", json.dumps(args.hf_overrides)]
     if args.disable_sliding_window:

@@ -35,9 +35,10 @@ def _cached_loader(llm):
     return load
 
 
-def plain_variant(llm, clock=time.perf_counter) -> Variant:
+def plain_variant(llm, clock=time.perf_counter, graphs: tuple[int, ...] | None = None) -> Variant:
+    """graphs: CUDA graph capture sizes for the engine's target forwards (config.cuda_graph_sizes), or None."""
     engine = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len, scheduler_config=ONE_AT_A_TIME,
-                    clock=clock)
+                    clock=clock, cuda_graph_sizes=graphs)
     return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine, clock))
 
 
@@ -48,12 +49,12 @@ def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> Speculative
     return SpeculativeConfig.from_dict({**fields, "method": method, "num_speculative_tokens": k})
 
 
-def _engine(llm, spec: SpeculativeConfig, load, clock=time.perf_counter) -> Engine:
+def _engine(llm, spec: SpeculativeConfig, load, clock=time.perf_counter, graphs: tuple[int, ...] | None = None) -> Engine:
     max_len = llm.engine.max_model_len
     proposer = build_proposer(spec, llm.target, load, max_len)
     max_len = min(max_len, proposer.caps.max_len or max_len)
     return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k,
-                  scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec), clock=clock)
+                  scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec), clock=clock, cuda_graph_sizes=graphs)
 
 
 def _settings(spec: SpeculativeConfig, proposer) -> dict:
@@ -68,7 +69,8 @@ def _settings(spec: SpeculativeConfig, proposer) -> dict:
 
 
 def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | None,
-                         overrides: dict[str, dict], clock=time.perf_counter) -> tuple[list[Variant], list[Skipped]]:
+                         overrides: dict[str, dict], clock=time.perf_counter,
+                         graphs: tuple[int, ...] | None = None) -> tuple[list[Variant], list[Skipped]]:
     """One variant per (registered method, K). A method that cannot be built at a K (no draft
     model, no trained heads, K beyond what it supports) is skipped with its reason."""
     load = _cached_loader(llm)
@@ -79,7 +81,7 @@ def speculative_variants(llm, methods: list[str], ks: list, draft_dir: str | Non
                 spec = _spec(method, k, draft_dir, overrides.get(method, {}))
                 if method in MTP_METHODS and not spec.model:        # the target's own MTP layers
                     spec = dataclasses.replace(spec, model=llm.model_path)
-                engine = _engine(llm, spec, load, clock)
+                engine = _engine(llm, spec, load, clock, graphs)
             except (ValueError, CheckpointError, OSError, NotImplementedError) as e:
                 skipped.append(Skipped(method, k, str(e).splitlines()[0] if str(e) else type(e).__name__))
                 continue

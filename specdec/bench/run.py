@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
-from ..config import METHODS
+from ..config import METHODS, cuda_graph_sizes
 from ..defaults import bundled_drafters
 from ..proposers.suffix import CACHE_KEY
 from ..llm import LLM
@@ -71,9 +71,10 @@ def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counte
     # suffix decoding's cache of finished requests' outputs would let a prompt run again (the
     # warm-up, each repeat) draft its own earlier answer: off unless asked for
     overrides.setdefault("suffix", {}).setdefault(CACHE_KEY, 0)
-    variants = [plain_variant(llm, clock)]
+    graphs = cuda_graph_sizes(args.compilation_config, False, 1)     # one request at a time: batch size 1
+    variants = [plain_variant(llm, clock, graphs)]
     spec_vs, spec_skipped = speculative_variants(llm, spec_methods, args.num_speculative_tokens, draft_dir, overrides,
-                                                 clock)
+                                                 clock, graphs)
     peer_vs, peer_skipped = peer_variants(peer_names, args.num_speculative_tokens, llm.model_path, draft_dir,
                                           args.dtype, args.device, llm.tokenizer.eos_token_ids,
                                           clock) if peer_names else ([], [])
@@ -90,7 +91,8 @@ def _config(args, llm: LLM, draft_dir: str | None) -> dict:
             "temperatures": args.temperature, "top_p": args.top_p, "ignore_eos": args.ignore_eos, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "seed": args.seed, "peers": args.peers, "clock": args.clock,
             "threads": args.threads or torch.get_num_threads(),
-            "speculative_config": args.speculative_config or {}}
+            "speculative_config": args.speculative_config or {},
+            "cuda_graphs": cuda_graph_sizes(args.compilation_config, False, 1) is not None}
 
 
 def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:

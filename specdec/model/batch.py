@@ -185,12 +185,14 @@ class PaddedAttention:
         return self._by_window[window]
 
     @classmethod
-    def of(cls, batch: "ForwardBatch", kv, picked: list[int], device) -> "PaddedAttention":
+    def of(cls, batch: "ForwardBatch", kv, picked: list[int], device, rows_to: int | None = None,
+           slots_to: int | None = None) -> "PaddedAttention":
         """Vectorised over the sequences (a loop over them cost ~13 us a sequence every forward);
-        only trees are walked one by one."""
+        only trees are walked one by one. rows_to / slots_to: pad T and L up to these (a CUDA
+        graph's bucket, model/graphs.py) instead of the batch's own maxima."""
         bs = kv.block_size
         counts_list = [batch.counts[b] for b in picked]
-        B, T, N = len(picked), max(counts_list), batch.num_tokens
+        B, T, N = len(picked), max(max(counts_list), rows_to or 0), batch.num_tokens
         # every sequence in, in order, with T rows each: the flat rows are the padded layout
         dense = B * T == N and len(batch.counts) == B and picked == list(range(B))
         everyone = len(picked) == len(batch.counts) and picked == list(range(B))
@@ -198,7 +200,7 @@ class PaddedAttention:
         counts = torch.tensor(counts_list)
         starts = batch.start_slots.long()[sel]
         spans = starts + counts
-        nb = -(-max(batch.starts[b] + batch.counts[b] for b in picked) // bs)
+        nb = -(-max(max(batch.starts[b] + batch.counts[b] for b in picked), slots_to or 0) // bs)
         L = nb * bs
         j = torch.arange(T)
         table = kv.blocks.table[batch.rows.long()[sel], :nb].long()

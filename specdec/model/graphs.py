@@ -159,46 +159,33 @@ class CudaGraphs:
 
     def _host_inputs(self, tokens: Tensor, batch: ForwardBatch, B: int, T: int, L: int) -> tuple[dict, Tensor]:
         """The static inputs of bucket (B, T, L) for this forward, on the host, and each flat
-        row's row in the graph [N]. Vectorised over the sequences (a Python loop over them cost
-        ~30 us a sequence): only trees are walked one by one."""
+        row's row in the graph [N]: the eager path's padded layout (PaddedAttention.of, padded
+        to T rows and L slots), then B - B0 padding sequences over the spare block."""
         kv, bs, spare = self.kv, self.kv.block_size, self.kv.spare_block
         B0, nb = len(batch.seqs), L // bs
-        counts = torch.tensor(batch.counts)
-        starts = batch.start_slots.long()
-        j = torch.arange(T)
-        real = j[None, :] < counts[:, None]                       # [B0, T] rows that are tokens
+        p = PaddedAttention.of(batch, kv, list(range(B0)), "cpu", rows_to=T, slots_to=L)
+        own = p.table.view(B0, nb)
         table = torch.full((B, nb), spare, dtype=torch.long)
-        own = kv.blocks.table[batch.rows.long(), :nb].long()      # past a sequence's blocks: never read unmasked
         table[:B0] = own
-        slot = starts[:, None] + j[None, :]                        # [B0, T] each row's slot
-        wb = torch.full((B, T), spare, dtype=torch.long)
-        wo = torch.zeros(B, T, dtype=torch.long)
-        wb[:B0][real] = own.gather(1, (slot // bs).clamp(max=nb - 1))[real]
-        wo[:B0][real] = (slot % bs)[real]
-        toks = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        toks[:B0][real] = tokens.cpu()
-        pos[:B0][real] = batch.positions
-        ends = torch.where(real, slot + 1, L)                      # causal: slots < end; padding rows see all
-        mask = torch.ones(B, 1, T, L, dtype=torch.bool)
-        mask[:B0, 0] = torch.arange(L)[None, None, :] < ends[..., None]
-        span = starts + counts
-        free = torch.zeros(B, dtype=torch.long)
-        free[:B0] = span
-        for b, (st, tree) in enumerate(zip(batch.starts, batch.trees)):
-            if tree is None:
-                continue
-            n, lo = tree.mask.shape[0], st - tree.past
-            mask[b, 0, :n] = False
-            mask[b, 0, :n, :lo] = True
-            mask[b, 0, :n, lo:lo + tree.mask.shape[1]] = tree.mask.cpu()
-            free[b] = lo
+        mask = torch.ones(B, 1, T, L, dtype=torch.bool)         # padding sequences see every slot
+        mask[:B0] = p.mask
         stale = torch.zeros(B, 1, L, 1, dtype=torch.bool)
-        stale[:B0, 0, :, 0] = torch.arange(L)[None, :] >= span[:, None]
-        rows = (torch.arange(B0)[:, None] * T + j[None, :])[real]
-        return {"tokens": toks.view(-1), "positions": pos.view(-1), "write_blocks": wb.view(-1),
-                "write_offsets": wo.view(-1), "table": table.view(-1), "mask": mask, "stale": stale,
-                "free_from": free}, rows
+        stale[:B0] = p.stale
+        free = torch.zeros(B, dtype=torch.long)
+        free[:B0] = p.free_from
+        pos = torch.zeros(B * T, dtype=torch.long)
+        pos[:B0 * T] = p.positions.reshape(-1)
+        rows = p.slots                                            # each flat row's row in the graph
+        toks = torch.zeros(B * T, dtype=torch.long)
+        toks[rows] = tokens.cpu()
+        seq_of = rows // T
+        slot = batch.start_slots.long()[seq_of] + rows % T         # each token's slot: its sequence's start + its index
+        wb = torch.full((B * T,), spare, dtype=torch.long)        # padding rows write into the spare block
+        wo = torch.zeros(B * T, dtype=torch.long)
+        wb[rows] = own[seq_of, slot // bs]
+        wo[rows] = slot % bs
+        return {"tokens": toks, "positions": pos, "write_blocks": wb, "write_offsets": wo, "table": table.view(-1),
+                "mask": mask, "stale": stale, "free_from": free}, rows
 
     def _body(self, inputs: dict[str, Tensor], key: tuple):
         B, T, L, logits, hidden = key

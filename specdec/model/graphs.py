@@ -77,9 +77,19 @@ class _Replay:
                 o.copy_(new)
 
 
+# the static inputs by dtype: each group lives in one device buffer, so a replay's inputs cross to the
+# device in two copies, not eight (each a host round trip on a GPU)
+_LONGS = ("tokens", "positions", "write_blocks", "write_offsets", "table", "free_from")
+_BOOLS = ("mask", "stale")
+
+
+def _packed(host: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return (torch.cat([host[n].reshape(-1) for n in _LONGS]), torch.cat([host[n].reshape(-1) for n in _BOOLS]))
+
+
 class _Graph:
-    def __init__(self, inputs: dict[str, Tensor], graph, outs: tuple):
-        self.inputs, self.graph, self.outs = inputs, graph, outs
+    def __init__(self, buffers: tuple[Tensor, Tensor], inputs: dict[str, Tensor], graph, outs: tuple):
+        self.buffers, self.inputs, self.graph, self.outs = buffers, inputs, graph, outs
 
 
 class CudaGraphs:
@@ -147,8 +157,8 @@ class CudaGraphs:
         if g is None:
             g = self._capture(key, host)
         else:
-            for name, t in host.items():
-                g.inputs[name].copy_(t, non_blocking=True)
+            for buf, t in zip(g.buffers, _packed(host)):
+                buf.copy_(t, non_blocking=True)
             g.graph.replay()
             self.stats["replayed"] += 1
         out_logits, out_hidden = g.outs
@@ -199,7 +209,14 @@ class CudaGraphs:
 
     def _capture(self, key: tuple, host: dict[str, Tensor]) -> _Graph:
         dev = self.model.device
-        inputs = {name: t.to(dev) for name, t in host.items()}
+        buffers = tuple(t.to(dev) for t in _packed(host))
+        inputs = {}
+        for names, buf in zip((_LONGS, _BOOLS), buffers):
+            at = 0
+            for n in names:         # views of the two buffers, in _packed's order
+                k = host[n].numel()
+                inputs[n] = buf[at:at + k].view(host[n].shape)
+                at += k
 
         def fn():
             return self._body(inputs, key)
@@ -225,5 +242,5 @@ class CudaGraphs:
                 outs = fn()
             graph.replay()          # a capture records, it does not run
         self.stats["captured"] += 1
-        g = self.graphs[key] = _Graph(inputs, graph, outs)
+        g = self.graphs[key] = _Graph(buffers, inputs, graph, outs)
         return g

@@ -16,8 +16,9 @@ bucket is padded into it:
 - a sequence's slots past its span are zeroed after the gather (`stale`), as in the eager path.
 
 What the graph computes is the eager padded path's arithmetic on the same values (the same
-function runs, with the inputs read from the buffers), so a request's greedy output is the
-eager path's. Forwards that do not fit (a long prompt chunk, LoRA, EAGLE-3's feature layers,
+function runs, with the inputs read from the buffers), padded to the bucket: on a GPU the
+products of a differently padded batch may round their last bits differently, as any two batch
+sizes there do on the eager path too (llama.py: _paged_attention). Forwards that do not fit (a long prompt chunk, LoRA, EAGLE-3's feature layers,
 mixture-of-experts or latent-attention models, tensor-parallel shards) run eagerly.
 
 Off CUDA, `emulate=True` stands a replay of the captured function in for the graph (tests: the

@@ -62,6 +62,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 
 
+def failed(variant: str, e: Exception) -> dict:
+    """A variant's row when it raised: the error, printed, and its traceback kept for the JSON."""
+    import traceback
+
+    row = {"variant": variant, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    return row
+
+
 def device_info() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
@@ -135,10 +144,7 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
                 print(json.dumps(row), flush=True)
             del llm
         except Exception as e:      # one variant failing (a first run of CUDA graphs) must not lose the rest
-            import traceback
-            row = {"variant": attention, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            rows.append(failed(attention, e))
     batch_module.PADDED = None
     dev = torch.device(args.device)
     hf = transformers.AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).to(dev).eval()
@@ -260,10 +266,7 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
                 print(json.dumps(row), flush=True)
             del llm
         except Exception as e:      # one variant failing (a first run of CUDA graphs) must not lose the rest
-            import traceback
-            row = {"variant": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            rows.append(failed(name, e))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     (out / "batch_spec.json").write_text(json.dumps({"device": device_info(), "max_tokens": new, "rows": rows},

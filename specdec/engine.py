@@ -434,8 +434,7 @@ class Engine:
             self.before_forward()
         out = self.target(torch.tensor(tokens, dtype=torch.long), self.kv, batch,
                           logits=bool(plan.decode) or bool(scored),
-                          hidden=self.caps.feature_layers or self.caps.needs_hidden,
-                          **({"graphs": self.graphs} if self.graphs is not None else {}))
+                          hidden=self.caps.feature_layers or self.caps.needs_hidden, graphs=self.graphs)
         attention = sum(n * st + n * (n + 1) // 2 for n, st in zip(counts, starts))
         # of which the drafted rows' (each decoding entry's rows after its first)
         drafted = sum(n * st + n * (n + 1) // 2 - (st + 1) for n, st in zip(counts, starts[:len(plan.decode)]))

@@ -188,7 +188,8 @@ class LeaderTransformer(Transformer):
         super().__init__(cfg, tp_size)
         self.leader = leader
 
-    def forward(self, tokens, kv=None, batch=None, *, embeds=None, exit_layer=None, logits=True, hidden=False):
+    def forward(self, tokens, kv=None, batch=None, *, embeds=None, exit_layer=None, logits=True, hidden=False,
+                graphs=None):       # graphs: always None here (new_kv refuses their spare block)
         cpu = lambda t: None if t is None else t.cpu()  # noqa: E731  (commands travel pickled, on the host)
         tables = tables_of(kv, batch.seqs) if kv is not None else ()
         self.leader.send("forward", kv.handle if kv is not None else None,

@@ -193,9 +193,8 @@ class PaddedAttention:
         bs = kv.block_size
         counts_list = [batch.counts[b] for b in picked]
         B, T, N = len(picked), max(max(counts_list), rows_to or 0), batch.num_tokens
-        # every sequence in, in order, with T rows each: the flat rows are the padded layout
-        dense = B * T == N and len(batch.counts) == B and picked == list(range(B))
-        everyone = len(picked) == len(batch.counts) and picked == list(range(B))
+        everyone = picked == list(range(len(batch.counts)))
+        dense = everyone and B * T == N         # and T rows each: the flat rows are the padded layout
         sel = slice(None) if everyone else torch.tensor(picked, dtype=torch.long)
         counts = torch.tensor(counts_list)
         starts = batch.start_slots.long()[sel]

@@ -71,6 +71,15 @@ def failed(variant: str, e: Exception) -> dict:
     return row
 
 
+def table(rows: list[dict], columns: dict[str, str]) -> None:
+    """A markdown table of rows (header -> key); a failed variant's row shows its error."""
+    print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for r in rows:
+        cells = [r["variant"], f"error: {r['error'][:120]}"] + [""] * (len(columns) - 2) if "error" in r else \
+            [str(r[k]) for k in columns.values()]
+        print("| " + " | ".join(cells) + " |")
+
+
 def device_info() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
@@ -186,12 +195,7 @@ def check(args) -> int:
     engine = engine_check(toy, work, args.device)
     (out / "engine_check.json").write_text(json.dumps(engine, indent=1) + "\n")
     rows = plain_scaling(args, out, t0 + args.budget)
-    print("\n| engine | concurrency | output tok/s | ms a step |\n|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | error: {r['error'][:120]} | | |")
-            continue
-        print(f"| {r['engine']} | {r['concurrency']} | {r['tok_per_s']} | {r['ms_per_step']} |")
+    table(rows, {"engine": "engine", "concurrency": "concurrency", "output tok/s": "tok_per_s", "ms a step": "ms_per_step"})
     print(f"engine check ok: {engine.get('ok')}  ({time.time() - t0:.0f} s)")
     return 0 if engine.get("ok") else 1
 
@@ -328,12 +332,8 @@ def real(args) -> int:
         elif log.is_file():     # the console summary: one line a method
             print("\n".join(ln for ln in log.read_text().splitlines() if "tok/s" in ln and "roofline" not in ln[:9]))
     rc = max(rcs.values())
-    print("\n| method | concurrency | output tok/s | identical to plain | tau |\n|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | error: {r['error'][:120]} | | | |")
-            continue
-        print(f"| {r['method']} | {r['concurrency']} | {r['tok_per_s']} | {r['identical_to_plain']} | {r['tau']} |")
+    table(rows, {"method": "method", "concurrency": "concurrency", "output tok/s": "tok_per_s",
+                 "identical to plain": "identical_to_plain", "tau": "tau"})
     print(f"({time.time() - t0:.0f} s)")
     return rc
 

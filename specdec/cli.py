@@ -67,8 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="reuse the KV blocks of earlier requests' identical prompt prefixes (plain decoding and "
-                        "ngram; default off)")
+                   help="reuse the KV blocks of earlier requests' identical prompt prefixes (any speculative "
+                        "method; default off)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: requests join in arrival order; priority: by each request's `priority` "
                         "(lower first), then arrival, and the least urgent is preempted (default fcfs)")

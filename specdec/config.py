@@ -206,7 +206,7 @@ class SchedulerConfig:
         (weights included), vLLM's meaning; the KV pool gets what is left of it.
     block_size: slots per KV block.
     enable_prefix_caching: a prompt's leading full blocks are taken from earlier requests' caches
-        when they hold the same tokens (model/kv.py); plain decoding and ngram only.
+        when they hold the same tokens (model/kv.py), with any speculative method.
     scheduling_policy: "fcfs" (waiting requests join in arrival order; the newest running one is
         preempted) or "priority" (vLLM's: by each request's priority, lower first, then arrival;
         the least urgent running one is preempted).

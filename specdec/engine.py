@@ -106,11 +106,8 @@ class Engine:
         # CUDA graphs of the target's forwards over this engine's cache (--compilation-config), or None
         self.graphs = None if cuda_graph_sizes is None else \
             CudaGraphs(target, self.kv, cuda_graph_sizes, emulate=graphs_module.EMULATE)
-        if self.config.enable_prefix_caching and proposer is not None and not self.caps.reuses_cached_prefix:
-            raise ValueError(f"enable_prefix_caching: {type(proposer).__name__} keeps per-request state built from "
-                             "every prompt token (its own cache or the target's features); use it without prefix "
-                             "caching, or prefix caching with ngram, suffix (and their hybrids) or no speculation")
         self.blocks.prefix_caching = self.config.enable_prefix_caching
+        self.blocks.recompute_last_hit = self.caps.next_token_in_cache
         # LoRA adapters beside the target's matrices (vLLM's --enable-lora), or None
         self.lora = LoRAManager(target, lora_config) if lora_config is not None else None
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead,
@@ -305,6 +302,8 @@ class Engine:
         t4 = self.clock()
         if self.proposer is not None and committed:
             self._update_proposer(plan, committed)
+        if self.blocks.prefix_caching:
+            self._register(committed)
         if self.blocks.window is not None:        # every cache windowed: blocks behind it go back
             for c in committed:
                 self.blocks.trim(c.request_id)
@@ -370,6 +369,13 @@ class Engine:
                 now.append(c)
         if now:
             self.proposer.update(now)
+
+    def _register(self, committed: list[Committed]) -> None:
+        """Prefix caching: the full blocks that every cache now holds become findable (a draft
+        model's or an EAGLE head's cache may trail the target's: deferred updates, drafts fed)."""
+        for c in committed:
+            n = self.proposer.cached_upto(c.request_id) if self.proposer is not None else None
+            self.blocks.register(c.request_id, c.seq, c.num_cached if n is None else min(n, c.num_cached))
 
     def _merged(self, rid, *after: Committed) -> Committed:
         """rid's deferred steps (and `after`) as one, no longer held."""
@@ -486,13 +492,11 @@ class Engine:
             if r.ctx.controls is not None and r.ctx.controls.grammar is not None:
                 r.ctx.controls.grammar.advance(res.emitted)
             self.kv.set_length(r.request_id, r.num_cached)
-            self.blocks.register(r.request_id, r.seq, r.num_cached)
             feats = hidden[torch.tensor([off + row for row in res.rows])] if hidden is not None else None
             committed.append(Committed(r.request_id, r.seq, r.num_cached, feats, prefill=False))
         for (r, start, n), off in zip(plan.chunks, offsets[len(plan.decode):]):
             r.num_cached = start + n
             self.kv.set_length(r.request_id, r.num_cached)
-            self.blocks.register(r.request_id, r.seq, r.num_cached)
             committed.append(Committed(r.request_id, r.seq, r.num_cached,
                                        hidden[off:off + n] if hidden is not None else None, prefill=True))
         return committed

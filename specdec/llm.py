@@ -97,7 +97,7 @@ class LLM:
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
-    (vLLM's flag; plain decoding and ngram). scheduling_policy: "fcfs" or "priority" (then
+    (vLLM's flag; every speculative method). scheduling_policy: "fcfs" or "priority" (then
     generate(..., priority=[...]) orders the queue, lower first; vLLM's). max_logprobs: the most
     alternatives per token a request may ask for (logprobs, prompt_logprobs; -1: any; vLLM's 20).
     compilation_config / enforce_eager (vLLM's): {"cudagraph_mode": "FULL_DECODE_ONLY"} captures

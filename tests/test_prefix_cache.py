@@ -3,15 +3,18 @@ earlier requests that held the same tokens, and nothing changes in what is gener
 
 The block manager's bookkeeping (hash chain, reference counts, least-recently-freed eviction)
 against hand-made sequences; then the engine: greedy and seeded sampled outputs with the cache
-equal those without it, for plain decoding and ngram, on a multi-turn conversation (each turn's
+equal those without it, for plain decoding and every speculative method, on a multi-turn conversation (each turn's
 prompt is the previous prompt and answer plus a question), repeated prompts, a prompt cached
 to its last token, and a pool so small that cached blocks are evicted and requests preempted;
-the hits are counted, and methods that cannot start from a cached prefix are refused.
+the hits are counted. Every speculative method starts from a cached prefix as it would without
+it: a draft model's cache and an EAGLE head's share the target's blocks, a block is registered
+only once every cache holds it, and an EAGLE hit computes its last block again.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.model import BlockManager
@@ -146,11 +149,133 @@ def _bytes_for(target, slots: int) -> int:
     return slots * probe.engine.target.kv_bytes_per_slot(dtype=probe.engine.kv_dtype)
 
 
-def test_methods_that_read_every_prompt_token_are_refused(tiny_pair):
-    target, draft = tiny_pair
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(model=target, dtype="float32", enable_prefix_caching=True,
-            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+@pytest.fixture(scope="module")
+def drafters(tiny_pair, near_draft, tmp_path_factory):
+    """test_heads' untrained heads, the EAGLE head's fc reading the token as well as the feature
+    (there it passes the feature on alone): a head whose cache depends on the next token."""
+    from safetensors.torch import load_file, save_file
+    from test_heads import _heads_dirs
+
+    dirs = _heads_dirs(tiny_pair[0], tmp_path_factory.mktemp("prefix-heads"))
+    path = dirs["eagle"] / "model.safetensors"
+    sd = load_file(str(path))
+    fc = next(k for k in sd if k.endswith("fc.weight"))
+    torch.manual_seed(1)
+    half = sd[fc].shape[1] // 2
+    sd[fc][:, half:] = torch.randn_like(sd[fc][:, half:]) * 0.05
+    save_file(sd, str(path), metadata={"format": "pt"})
+    return {"draft": near_draft, **dirs}
+
+
+METHODS = {
+    "draft_model": lambda d: {"method": "draft_model", "model": str(d["draft"]), "num_speculative_tokens": 3},
+    "layer_skip": lambda d: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
+    "medusa": lambda d: {"method": "medusa", "model": str(d["medusa"]), "num_speculative_tokens": 4},
+    "eagle-tree": lambda d: {"method": "eagle", "model": str(d["eagle"]), "num_speculative_tokens": 4},
+    "eagle-chain": lambda d: {"method": "eagle", "model": str(d["eagle"]), "num_speculative_tokens": 3, "topk": 1},
+    "ngram+eagle": lambda d: {"method": "ngram+eagle", "model": str(d["eagle"]), "num_speculative_tokens": 3,
+                              "topk": 1},
+}
+
+
+def _turns(llm: LLM, turns: int, params: SamplingParams) -> list[tuple[list[int], int, int]]:
+    """_conversation, with each turn's accepted and drafted counts: a proposer that starts from a
+    cached prefix holds what it would hold without the cache, so it drafts the same tokens."""
+    prompt, outs = llm.tokenizer.encode(PROMPTS[0]), []
+    for t in range(turns):
+        o = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        outs.append((list(o.outputs[0].token_ids), o.stats.accepted_tokens, o.stats.draft_tokens))
+        prompt = prompt + list(o.outputs[0].token_ids) + llm.tokenizer.encode(PROMPTS[t + 1])
+    return outs
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_every_speculative_method_drafts_the_same_from_a_cached_prefix(tiny_pair, drafters, method, greedy):
+    """Multi-turn: each turn finds the history cached (a draft model's cache, an EAGLE head's,
+    the target's features for Medusa come with it or are recomputed). Outputs, and what was
+    drafted and accepted at each turn, equal the runs without the cache."""
+    params = SamplingParams(temperature=0 if greedy else 1.0, top_k=0 if greedy else 8, max_tokens=12,
+                            seed=None if greedy else 5, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=caching,
+                  speculative_config=METHODS[method](drafters))
+        runs[caching] = _turns(llm, 4, params)
+        engine = llm.engine
+    assert runs[True] == runs[False]
+    assert sum(drafted for _, _, drafted in runs[True]) > 0
+    if method != "ngram+eagle":     # its head catches up only when it drafts: blocks register as far as that
+        assert engine.prefix_cache_hits > 0.3 * engine.prefix_cache_queries > 0
+
+
+def _head_kv(engine, request_id, slots: int):
+    kv = engine.proposer.learned.kv if hasattr(engine.proposer, "learned") else engine.proposer.kv
+    return kv.entries(request_id, list(range(slots)), 0)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_an_eagle_hit_recomputes_its_last_block_whose_last_pair_reads_the_next_token(tiny_pair, drafters,
+                                                                                   recompute):
+    """EAGLE's slot j holds (feature j, token j + 1): the last slot of a cached block depends on
+    the first token of the next, which the block's hash does not cover. Two prompts share two
+    full blocks and differ right after them: the second must not take the first's last shared
+    block (recompute=False shows what it would hold then: the first prompt's pair)."""
+    spec = {"method": "eagle", "model": str(drafters["eagle"]), "num_speculative_tokens": 3, "topk": 1}
+    kw = dict(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
+    tok = LLM(**kw).tokenizer
+    shared = tok.encode(PROMPTS[2] * 3)[:2 * 16]
+    tail = tok.encode(PROMPTS[3])[-8:]
+    first, second = shared + tail, shared + tail[1:] + tail[:1]
+    assert first[32] != second[32]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def head_after_prefill(engine):
+        req = engine.add_request(second, params)
+        while not req.out:
+            engine.step()
+        return _head_kv(engine, req.request_id, len(second) - 1), req.stats.cached_tokens
+
+    alone, _ = head_after_prefill(LLM(**kw).engine)
+    cached = LLM(**kw, enable_prefix_caching=True).engine
+    assert cached.blocks.recompute_last_hit           # EAGLE's caps ask for it
+    cached.blocks.recompute_last_hit = recompute
+    cached.add_request(first, params)
+    while cached.has_unfinished():
+        cached.step()
+    got, hits = head_after_prefill(cached)
+    assert hits == (16 if recompute else 32)
+    same = all(torch.equal(a, b) for a, b in zip(got, alone))
+    assert same == recompute
+    if not recompute:      # the shared prefix's last slot differs (it holds the first prompt's pair)
+        differ = {int(j) for a, b in zip(got, alone) for j in (a != b).flatten(1).any(1).nonzero()}
+        assert 31 in differ and not differ & set(range(31))
+
+
+def test_blocks_a_trailing_draft_cache_lacks_are_not_registered(tiny_pair, drafters):
+    """With speculation off by batch size the draft model's updates are deferred: its cache holds
+    the prompt, not the answer. The answer's blocks stay unregistered, so the next turn finds
+    only the prompt's, and its draft cache equals the one it computes alone."""
+    spec = {"method": "draft_model", "model": str(drafters["draft"]), "num_speculative_tokens": "auto",
+            "disable_by_batch_size": 1}
+    kw = dict(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
+    tok = LLM(**kw).tokenizer
+    prompt = tok.encode(PROMPTS[1] * 2)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM(**kw, enable_prefix_caching=True)
+    answer = list(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
+    follow = prompt + answer + tok.encode(PROMPTS[5])
+
+    def draft_after_prefill(engine):
+        req = engine.add_request(follow, params)
+        while not req.out:
+            engine.step()
+        return engine.proposer.kv.entries(req.request_id, list(range(len(follow) - 1)), 0), req.stats.cached_tokens
+
+    got, hits = draft_after_prefill(llm.engine)
+    alone, _ = draft_after_prefill(LLM(**kw).engine)
+    assert 0 < hits <= len(prompt) - 1
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
 
 
 def test_server_reports_prefix_cache_hits(tiny_pair):

@@ -15,8 +15,9 @@
   preempted request's recompute) carries them, and `move` copies them with the rows.
 
 Prefix caching (vLLM's automatic prefix caching, opt-in: `enable_prefix_caching`): a full block
-whose slots hold the target's keys and values of known tokens is registered under a hash of
-those tokens and of every token before them (a chain over the blocks). A new sequence whose
+whose slots hold the keys and values of known tokens in every cache (the target's, and a draft
+model's or an EAGLE head's once they have caught up) is registered under a hash of those tokens
+and of every token before them (a chain over the blocks). A new sequence whose
 prompt starts with registered blocks takes them (reference counts) instead of computing them
 again; a block nobody holds stays registered until the pool needs it (least recently freed
 first). The C forward computes each token's keys and values bit-identically whatever the
@@ -86,6 +87,9 @@ class BlockManager:
         # prefix caching: blocks by hash, hashes by block, holders per block, and the registered
         # blocks nobody holds (least recently freed first: evicted in that order)
         self.prefix_caching = False
+        # a hit's last block computed again: a cache (EAGLE's) whose slots also depend on the
+        # token after them, which the hash of their block does not cover (vLLM's use_eagle)
+        self.recompute_last_hit = False
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._refs = [0] * num_blocks
@@ -187,6 +191,8 @@ class BlockManager:
         cached ones (at most num_slots), the rest allocated as it is written (sliding windows).
         root: the key of what else the cache depends on (cached_prefix), kept for register."""
         hit = self.cached_prefix(tokens, root) if self.prefix_caching else []
+        if self.recompute_last_hit:
+            hit = hit[:-1]
         if ahead is not None:
             num_slots = min(num_slots, len(hit) * self.block_size + ahead)
         idle = sum(1 for b in hit if self._refs[b] == 0)
@@ -211,9 +217,10 @@ class BlockManager:
         return cached
 
     def register(self, seq: Hashable, tokens: Sequence[int], num_written: int) -> None:
-        """seq's caches hold tokens[:num_written]: its full blocks among them become findable (a
-        block whose content is registered already, by a sequence that computed it at the same
-        time, stays private and is freed as usual)."""
+        """Every cache of seq holds what it holds for tokens[:num_written] (the target's, and a
+        draft model's or an EAGLE head's as far as they have caught up): its full blocks among
+        them become findable (a block whose content is registered already, by a sequence that
+        computed it at the same time, stays private and is freed as usual)."""
         if not self.prefix_caching:
             return
         s, bs = self._seqs[seq], self.block_size

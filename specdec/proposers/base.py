@@ -62,8 +62,9 @@ class ProposerCaps:
     max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
     deferrable: bool = False           # update() may be skipped for some steps and then given one
                                        # Committed that merges them (merge_committed): it catches up
-    reuses_cached_prefix: bool = False  # a request may start with a prompt prefix the target's
-                                        # cache already holds (prefix caching): it reads tokens only
+    next_token_in_cache: bool = False  # its cache's slot j also depends on token j + 1 (EAGLE's pairs of
+                                       # feature j and token j + 1): a prefix-cache hit's last block is
+                                       # computed again, since the token after it may differ (vLLM's use_eagle)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,11 @@ class Proposer(Protocol):
     def lookahead_slots(self, k: int) -> int:
         """Slots past the committed prefix (len(seq) - 1) its caches write when drafting k."""
 
+    def cached_upto(self, request_id: Hashable) -> int | None:
+        """n: its own caches hold, for the request's first n slots, what they hold for the committed
+        sequence (drafts fed beyond, or steps not yet handed to update, are not counted); None: it
+        keeps no cache of its own. Prefix caching registers a block only once every cache holds it."""
+
     def add_request(self, request_id: Hashable, ctx: RequestContext) -> None: ...
 
     def remove_request(self, request_id: Hashable) -> None: ...
@@ -142,6 +148,9 @@ class ProposerBase:
 
     def lookahead_slots(self, k: int) -> int:
         return k
+
+    def cached_upto(self, request_id: Hashable) -> int | None:
+        return None
 
     def add_request(self, request_id: Hashable, ctx: RequestContext) -> None:
         self.ctx[request_id] = ctx

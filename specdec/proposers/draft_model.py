@@ -44,6 +44,11 @@ class DraftModelProposer(ProposerBase):
             kv.set_length(rid, st + n)
         return out
 
+    def cached_upto(self, request_id) -> int:
+        """Its length, but not the drafts fed by the last propose (update keeps the agreeing ones)."""
+        n = self.kv.length(request_id)
+        return min(n, self.fed[request_id][0]) if request_id in self.fed else n
+
     def remove_request(self, request_id) -> None:
         super().remove_request(request_id)
         self.fed.pop(request_id, None)

@@ -54,7 +54,8 @@ class EagleProposer(ProposerBase):
         # a chain (topk 1) holds at most `depth` nodes; a tree is bounded only by the request
         # deferrable: update() rewrites the pairs of every token kept since the head's last update
         # (drafted pairs beyond them included), so merged steps catch it up
-        self.caps = ProposerCaps(tree=True, chain=topk == 1, needs_hidden=True, deferrable=True,
+        # its cache's slot j holds the pair (feature j, token j + 1): next_token_in_cache
+        self.caps = ProposerCaps(tree=True, chain=topk == 1, needs_hidden=True, deferrable=True, next_token_in_cache=True,
                                  feature_layers=() if isinstance(head, EagleHead) else head.feature_layers,
                                  max_tree_size=(depth or DEFAULT_DEPTH) if topk == 1 else None)
         self.kv = None
@@ -71,6 +72,10 @@ class EagleProposer(ProposerBase):
     def lookahead_slots(self, k: int) -> int:
         levels = max(0, min(k, self.depth or DEFAULT_DEPTH) - 1)       # head forwards past the root
         return levels * self.topk
+
+    def cached_upto(self, request_id) -> int:
+        """update() alone sets the length (the pairs of kept tokens); drafting writes past it."""
+        return self.kv.length(request_id)
 
     def remove_request(self, request_id) -> None:
         super().remove_request(request_id)

@@ -196,7 +196,7 @@ class HybridProposer(ProposerBase):
         self.max_k = max_k
         lc = learned.caps
         self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, max_len=lc.max_len,
-                                 reuses_cached_prefix=lc.reuses_cached_prefix)
+                                 next_token_in_cache=lc.next_token_in_cache)
         self.learned_depth = lc.max_tree_size      # an EAGLE chain's depth; None: no limit
         self.requests: dict[Hashable, _Request] = {}
         self.counts = SourceCounts()
@@ -209,6 +209,9 @@ class HybridProposer(ProposerBase):
 
     def lookahead_slots(self, k: int) -> int:
         return max(k, self.learned.lookahead_slots(k))
+
+    def cached_upto(self, request_id: Hashable) -> int | None:
+        return self.learned.cached_upto(request_id)
 
     def add_request(self, request_id: Hashable, ctx: RequestContext) -> None:
         super().add_request(request_id, ctx)

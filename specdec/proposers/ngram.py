@@ -6,12 +6,11 @@ import numpy as np
 import torch
 
 from .. import kernels
-from .base import Draft, ProposeItem, ProposerBase, ProposerCaps
+from .base import Draft, ProposeItem, ProposerBase
 
 
 class NgramProposer(ProposerBase):
     name = "ngram"
-    caps = ProposerCaps(reuses_cached_prefix=True)       # it reads the tokens, nothing else
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         super().__init__()

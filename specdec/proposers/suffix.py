@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Committed, Draft, ProposeItem, ProposerBase, ProposerCaps
+from .base import Committed, Draft, ProposeItem, ProposerBase
 from .ngram import match
 from .suffix_index import SuffixIndex
 
@@ -131,7 +131,6 @@ class ResponseCache:
 
 class SuffixProposer(ProposerBase):
     name = "suffix"
-    caps = ProposerCaps(reuses_cached_prefix=True)       # it reads the tokens, nothing else
 
     def __init__(self, settings: SuffixSettings = SuffixSettings(), n_max: int = 4, n_min: int = 2,
                  datastore: SuffixIndex | None = None):

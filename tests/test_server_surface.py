@@ -359,7 +359,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, live, ref):
     assert lp.tokens[:n] == [name(t) for t in ids]
     expected = [x.logprob for x in expect.prompt_logprobs[1:]] + [x.logprob for x in expect.outputs[0].logprobs]
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
-    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # the two most likely tokens and the token itself (OpenAI's legacy completions, vLLM's)
+    assert all(tok in top and len(top) == 2 + (tok not in list(top)[:2]) for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     chunks = list(client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0, echo=True,
                                             logprobs=2, stream=True))
@@ -452,3 +453,50 @@ def test_enable_log_requests_logs_each_request_and_its_end(tiny_pair, caplog):
         assert len(received) == 2 and all(f"prompt: {text[:5]!r}" in m and f"prompt_token_ids: {ids[:5]}" in m
                                           and "max_tokens=3" in m for m in received)
         assert len(finished) == 2 and all("length" in m and "3 output tokens" in m for m in finished)
+
+
+def test_openai_details_found_by_a_users_probe(client, live, ref):
+    """What a probe of the API as a vLLM user found: echo with max_tokens 0 scores the prompt
+    alone; logprobs 0 still names the chosen token; chat echo; text parts joined by newlines;
+    every 64-bit seed; the field sent is the field named; suffix and a non-ASCII digit in
+    logit_bias are 400s (the latter was a 500 that closed the connection)."""
+    prompt = "def fib(n):"
+    scored = client.completions.create(model="toy", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    expect = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    c = scored.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(expect.prompt_token_ids) and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([x.logprob for x in expect.prompt_logprobs[1:]], abs=1e-6)
+    chunks = list(client.completions.create(model="toy", prompt=prompt, max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="toy", prompt=prompt, max_tokens=0)       # without echo: nothing to return
+
+    zero = client.completions.create(model="toy", prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+
+    msgs = [{"role": "user", "content": "Write a function."}, {"role": "assistant", "content": "def f(x):"}]
+    kw = dict(model="toy", messages=msgs, max_tokens=5, temperature=0,
+              extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    echoed = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "def f(x):" + plain
+
+    def tokens(content):
+        return httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}).json()["tokens"]
+    assert tokens([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == tokens("a\nb")
+
+    top = 2**63 - 1
+    a, b = (client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=1.0, seed=top, n=2)
+            for _ in range(2))
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    for body, param in [({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="toy", messages=MSG, extra_body=body)
+        assert e.value.body["param"] == param and param in e.value.body["message"]
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        for body, param in [({"suffix": "return x"}, "suffix"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias")]:
+            r = http.post("/v1/completions", json={"model": "toy", "prompt": prompt, "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert http.get("/health").status_code == 200          # the same connection, still open

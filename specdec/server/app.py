@@ -26,7 +26,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .responses import ChatFormat, CompletionFormat, collect, stream
 from .responses_api import (ResponseStore, ResponsesRequest, chat_request, conversation, input_messages, renamed,
                             respond, stream as stream_response)
-from .serving import Service
+from .serving import Service, echo_only
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 
@@ -126,8 +126,9 @@ def _api_routes(service: Service) -> APIRouter:
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora), fmt,
-                              service.model_name(lora), body)
+        gen = service.generation(prompts, params, arrival, body.priority, lora)
+        gen.echo_only = echo_only(body)
+        return await _respond(request, gen, fmt, service.model_name(lora), body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -139,7 +140,8 @@ def _api_routes(service: Service) -> APIRouter:
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
-                         service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
+                         service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
+                         service.chat_echo(body))
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora), fmt,
                               service.model_name(lora), body)

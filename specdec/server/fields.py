@@ -71,7 +71,7 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, bias in req.logit_bias.items():
-        if not key.strip().isdigit():
+        if not (key.strip().isascii() and key.strip().isdigit()):      # "²".isdigit() too
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if int(key) >= vocab_size:
             raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",

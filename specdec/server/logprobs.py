@@ -33,7 +33,7 @@ def completion_logprobs(name: Namer, entries: list[TokenLogprob], offset: int = 
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob if e is not None else None for _, e in items],
-            "top_logprobs": [_top_dict(name, e.top) if e is not None else None for _, e in items],
+            "top_logprobs": [_top_dict(name, e.top, (t, e.logprob)) if e is not None else None for t, e in items],
             "text_offset": offsets}
 
 
@@ -51,11 +51,14 @@ def vllm_prompt_logprobs(name: Namer, ids: list[int], entries: list[TokenLogprob
     return out
 
 
-def _top_dict(name: Namer, top) -> dict[str, float]:
-    """{token text: logprob}; tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best."""
+def _top_dict(name: Namer, top, chosen: tuple[int, float]) -> dict[str, float]:
+    """{token text: logprob}: the position's most likely tokens and the chosen one (OpenAI's legacy
+    completions list up to logprobs + 1, as vLLM does; logprobs 0 gives the chosen token alone);
+    tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best."""
     out: dict[str, float] = {}
     for token_id, lp in top:
         out.setdefault(name(token_id), lp)
+    out.setdefault(name(chosen[0]), chosen[1])
     return out
 
 

@@ -66,7 +66,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many alternatives per token (0 to --max-logprobs, default 20)")
-    echo: bool = Field(False, description="prepend the prompt to each choice's text")
+    echo: bool = Field(False, description="prepend the prompt to each choice's text (max_tokens 0: the prompt "
+                                          "alone, scored with logprobs)")
+    suffix: str | None = Field(None, description="OpenAI's insertion suffix: refused (400), as vLLM does")
 
 
 class ContentPart(_Body):
@@ -98,6 +100,8 @@ class ChatCompletionRequest(_Sampling):
                                                               '{"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
     # vLLM's chat extensions
+    echo: bool = Field(False, description="vLLM: when the last message has the reply's role, put its content "
+                                          "before each reply")
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the template's assistant header")
     continue_final_message: bool = Field(False, description="vLLM: the reply continues the last (assistant) message; "
                                                             "needs add_generation_prompt false")

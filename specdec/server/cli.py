@@ -1,8 +1,10 @@
 """`specdec serve ...` and `python -m specdec.entrypoints.openai.api_server ...`: vLLM's command line.
 
-vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --swap-space 4, ...) are
-accepted with a warning, so an existing vLLM command line works with only the module name
-changed. A model that cannot load fails before the port opens, with one line and status 2.
+vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --swap-space 4, ...: VLLM_FLAGS)
+are accepted with a warning, so an existing vLLM command line works with only the module name
+changed; any other unknown flag (a typo such as --max-num-seq) is an error, as in vLLM. Flag names
+may be spelt with underscores (--max_model_len), as vLLM's parser allows. A model that cannot
+load, or a --device this machine lacks, fails before the port opens, with one line and status 2.
 """
 
 from __future__ import annotations
@@ -12,12 +14,58 @@ import logging
 import os
 import sys
 
-from ..cli import add_engine_args, add_model_args, llm_from_args, positive_int as _positive
+from ..cli import add_engine_args, add_model_args, check_device, dashed_flags, llm_from_args, positive_int as _positive
 from ..tokenizer import load_chat_template
 from .lora import parse_lora_module, runtime_updating_allowed
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+# vLLM's `serve` flags (v0.6 .. v0.11, engine and frontend) that specdec takes and ignores with a
+# warning; the ones it honours are its own flags. A boolean's --no-X form is taken as X is.
+# --config (a YAML file of flags) is left out: ignoring it would drop every setting in it.
+VLLM_FLAGS = frozenset("""
+    additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
+    api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
+    collect-detailed-traces config-format cpu-offload-gb cuda-graph-sizes cudagraph-capture-sizes
+    data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
+    data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size
+    data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
+    dcp decode-context-parallel-size default-chat-template-kwargs default-mm-loras disable-access-log-for-endpoints
+    disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
+    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager disable-log-stats
+    disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
+    disable-uvicorn-access-log distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
+    enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel enable-force-include-usage
+    enable-log-outputs enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
+    enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
+    enable-request-id-headers enable-server-load-tracking enable-sleep-mode enable-ssl-refresh
+    enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
+    eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
+    fully-sharded-loras gpu-memory-utilization guided-decoding-backend guided-decoding-disable-additional-properties
+    guided-decoding-disable-any-whitespace guided-decoding-disable-fallback h11-max-header-count
+    h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
+    intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin kv-cache-memory-bytes
+    kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
+    log-error-stack logits-processor-pattern logits-processors long-lora-scaling-factors long-prefill-token-threshold
+    lora-extra-vocab-size mamba-block-size mamba-cache-dtype mamba-ssm-cache-dtype max-context-len-to-capture
+    max-cudagraph-capture-size max-long-partial-prefills max-num-partial-prefills max-parallel-loading-workers
+    max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture media-io-kwargs middleware
+    mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
+    mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
+    ngram-prompt-lookup-max ngram-prompt-lookup-min num-gpu-blocks-override num-lookahead-slots
+    num-redundant-experts num-scheduler-steps otlp-traces-endpoint override-attention-dtype
+    override-generation-config override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
+    preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
+    revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor
+    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init spec-decoding-acceptance-method
+    speculative-disable-by-batch-size speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
+    speculative-max-model-len speculative-model-quantization structured-outputs-config swap-space
+    tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
+    tool-parser-plugin tool-server trust-remote-code typical-acceptance-sampler-posterior-alpha
+    typical-acceptance-sampler-posterior-threshold uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
+    worker-cls worker-extension-cls worker-use-ray
+""".split())
 
 
 def add_parser(sub) -> None:
@@ -108,24 +156,26 @@ def _min_max(value: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.Namespace, list[str]]:
-    """-> (args, the unknown flags that were ignored)."""
-    argv = list(argv)
+    """-> (args, the vLLM flags that were ignored); ValueError for any other unknown word."""
+    argv = dashed_flags(argv)
     for i, word in enumerate(argv[:-1]):
         if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
             argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
     # `vllm serve MODEL [options]`: a first word that is not a flag names the model
     tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
-    args, unknown = build_parser(prog).parse_known_args(argv)
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(argv)
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
         args.model = tag
-    return args, ignored_flags(unknown)
+    return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
 
 
-def ignored_flags(unknown: list[str]) -> list[str]:
+def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
     """Group unknown words into flags with their values: a flag takes the next word as its
-    value unless that word is itself a flag. A stray word without a flag is an error."""
+    value unless that word is itself a flag. A stray word without a flag, or a flag that is
+    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean)."""
     flags: list[str] = []
     for word in unknown:
         if word.startswith("-") and not _is_number(word):
@@ -134,7 +184,21 @@ def ignored_flags(unknown: list[str]) -> list[str]:
             flags[-1] += " " + word
         else:
             raise ValueError(f"unexpected argument {word!r}")
+    bad = [f.split(" ")[0].split("=")[0] for f in flags if not _is_vllm_flag(f)]
+    if "--config" in bad:
+        raise ValueError("--config (vLLM's YAML file of flags) is not read here: give its flags on the command line")
+    if bad:
+        import difflib
+
+        close = difflib.get_close_matches(bad[0], [*own, *(f"--{n}" for n in VLLM_FLAGS)], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (neither specdec's flags nor vLLM's{hint})")
     return flags
+
+
+def _is_vllm_flag(flag: str) -> bool:
+    name = flag.split(" ")[0].split("=")[0].lstrip("-")
+    return name in VLLM_FLAGS or (name.startswith("no-") and name[3:] in VLLM_FLAGS)
 
 
 def _is_number(word: str) -> bool:
@@ -209,6 +273,7 @@ def run(args, prog: str = "specdec serve") -> int:
         args, ignored = parse_args(argv, prog)
     else:
         ignored = []
+    check_device(args.device)               # a device this machine lacks: one line, before the model loads
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads

@@ -5,6 +5,14 @@ template from chat_template.jinja, chat_template.json or tokenizer_config.json (
 transformers 5 writes the .jinja), and the end-of-sequence ids of config.json and
 generation_config.json. A .gguf (or a folder holding one): everything from its metadata
 (gguf_tokenizer.py).
+
+`LLM.get_tokenizer()` hands this class to users where vLLM hands them a transformers tokenizer,
+so it also answers the calls commonly made on one (`len(tok)`, `tok(texts)`, `batch_decode`,
+`convert_ids_to_tokens`, `get_vocab`, `apply_chat_template(..., tokenize=True)`), with the same
+results as transformers 5 on the same folder or .gguf. Three defaults stay specdec's own, as its
+callers rely on them: `apply_chat_template` returns text (tokenize=False) and adds the generation
+prompt, and `decode`/`batch_decode` skip special tokens; pass these arguments explicitly to get
+either behaviour.
 """
 
 from __future__ import annotations
@@ -28,6 +36,27 @@ def _token_content(tok) -> str | None:
     if tok is None:
         return None
     return tok["content"] if isinstance(tok, dict) else str(tok)
+
+
+class BatchEncoding(dict):
+    """What `Tokenizer(...)(text)` returns, as transformers' BatchEncoding: a dict of input_ids
+    and attention_mask whose keys also read as attributes (`enc.input_ids`)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to(self, device) -> BatchEncoding:
+        return BatchEncoding({k: v.to(device) if hasattr(v, "to") else v for k, v in self.items()})
+
+
+def _as_list(ids):
+    """Token ids given as a list, a tuple, an int, a tensor or an array -> a list (nested for a batch)."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else list(ids)
 
 
 def _read_json(path: Path) -> dict:
@@ -107,6 +136,12 @@ class Tokenizer:
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.chat_template = folder_chat_template(folder, cfg)
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
+        self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
+        self.unk_token_id = self.backend.token_to_id(self.unk_token) if self.unk_token else None
+        extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
+        self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
+        self.padding_side = cfg.get("padding_side") if cfg.get("padding_side") in ("left", "right") else "right"
+        self.model_max_length = cfg.get("model_max_length") if isinstance(cfg.get("model_max_length"), int) else None
 
     def _from_gguf(self, g) -> None:
         from .gguf_tokenizer import GGUFTokenizerError, GGUFVocab, build_tokenizer
@@ -128,10 +163,17 @@ class Tokenizer:
         self.add_bos_token = False          # the post-processor adds it (v.add_bos_token)
         self.chat_template = v.chat_template
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
+        self.pad_token_id = v.pad_token_id if self.pad_token is not None else None
+        self.unk_token_id = v.unk_token_id if self.unk_token is not None else None
+        self.additional_special_tokens, self.padding_side, self.model_max_length = [], "right", None
 
     @property
     def vocab_size(self) -> int:
+        """Every token, added ones included (what transformers 5 and len() say)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
@@ -140,10 +182,11 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._with_bos(ids) if add_special_tokens else ids
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
         """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
         (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input)."""
-        return self._with_bos(self.backend.encode(text, pair, add_special_tokens=True).ids)
+        ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids) if add_special_tokens else ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         """BOS in front where the checkpoint asks for it and the post-processor did not add it."""
@@ -151,13 +194,136 @@ class Tokenizer:
             return [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool | None = None):
+        """ids: a list (or int, tensor, array) of ids -> text; a list of lists -> a list of texts.
+        clean_up_tokenization_spaces is accepted and ignored, as transformers 5 ignores it for the
+        BPE tokenizers (all specdec loads): it would strip the spaces before punctuation."""
+        if not isinstance(ids, list):
+            ids = _as_list(ids)
+        if ids and isinstance(ids[0], list):
+            return self.batch_decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def batch_decode(self, sequences, skip_special_tokens: bool = True,
+                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+        """[decode(s) for s in sequences], with decode's default of skipping special tokens."""
+        return [self.decode(_as_list(s), skip_special_tokens, clean_up_tokenization_spaces) for s in _as_list(sequences)]
+
+    # -- the rest of transformers' tokenizer surface ---------------------------------------------
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        """An id -> its token (None if out of range); a list of ids -> a list of tokens. skip drops
+        all_special_ids (BOS, EOS, UNK, PAD and the additional ones) as transformers does."""
+        if isinstance(ids, int) or (hasattr(ids, "ndim") and ids.ndim == 0):
+            return self.backend.id_to_token(int(ids))
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.backend.id_to_token(i) for i in _as_list(ids) if i not in skip]
+
+    def convert_tokens_to_ids(self, tokens):
+        """A token -> its id (UNK's id, or None, for one not in the vocabulary); a list -> a list."""
+        if isinstance(tokens, str):
+            i = self.backend.token_to_id(tokens)
+            return self.unk_token_id if i is None else i
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        decoder = self.backend.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+
+    @property
+    def special_tokens_map(self) -> dict:
+        names = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
+                 "pad_token": self.pad_token}
+        return {k: v for k, v in names.items() if v is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        named = [self.bos_token, self.eos_token, self.unk_token, self.pad_token, *self.additional_special_tokens]
+        return list(dict.fromkeys(t for t in named if t is not None))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [i for i in map(self.backend.token_to_id, self.all_special_tokens) if i is not None]
+
+    def __call__(self, text, text_pair=None, *, add_special_tokens: bool = True, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 padding_side: str | None = None, return_tensors: str | None = None,
+                 return_attention_mask: bool = True) -> BatchEncoding:
+        """transformers' `tokenizer(text)`: a text (or a list of texts, and optionally their pairs)
+        -> BatchEncoding(input_ids, attention_mask). padding: True / "longest" (to the longest in
+        the batch) or "max_length"; truncation cuts the text, never the special tokens;
+        return_tensors: "pt" or "np" (then a single text gets a batch of one)."""
+        batched = isinstance(text, (list, tuple))
+        texts = list(text) if batched else [text]
+        pairs = [None] * len(texts) if text_pair is None else list(text_pair) if batched else [text_pair]
+        if len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} text pairs")
+        limit = max_length if max_length is not None else self.model_max_length
+        cut = limit if truncation not in (None, False, "do_not_truncate") else None
+        rows = [self._encode_row(t, p, add_special_tokens, cut) for t, p in zip(texts, pairs)]
+        masks = [[1] * len(r) for r in rows]
+        if padding not in (False, None, "do_not_pad"):
+            rows, masks = self._pad(rows, masks, limit if padding == "max_length" else None, padding_side or self.padding_side)
+        out = BatchEncoding(input_ids=rows, attention_mask=masks) if return_attention_mask else BatchEncoding(input_ids=rows)
+        if return_tensors is not None:
+            return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
+        return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
+
+    def _encode_row(self, text: str, pair: str | None, add_special_tokens: bool, cut: int | None) -> list[int]:
+        if not isinstance(text, str) or not isinstance(pair, (str, type(None))):
+            raise TypeError(f"text must be a string or a list of strings, not {type(text).__name__}")
+        if pair is not None:
+            if cut is not None:
+                raise ValueError("truncating a text pair is not supported")
+            return self.encode_pair(text, pair, add_special_tokens)
+        if cut is None:
+            return self.encode(text, add_special_tokens)
+        content = self.backend.encode(text, add_special_tokens=False)
+        finish = lambda: self._with_bos(self.backend.post_process(content).ids) if add_special_tokens else content.ids
+        ids = finish()
+        if len(ids) > cut:     # cut the text by what is over, keeping the special tokens around it
+            content.truncate(max(0, cut - (len(ids) - len(content.ids))))
+            ids = finish()
+        return ids
+
+    def _pad(self, rows, masks, length: int | None, side: str):
+        if self.pad_token_id is None:
+            raise ValueError("asking to pad but the tokenizer has no padding token (pad_token)")
+        width = length if length is not None else max(map(len, rows))   # a longer row stays as it is
+        pad = lambda r, v: [v] * max(0, width - len(r)) + r if side == "left" else r + [v] * max(0, width - len(r))
+        return [pad(r, self.pad_token_id) for r in rows], [pad(m, 0) for m in masks]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            **kwargs) -> str:
-        """The prompt text; encode it with add_special_tokens=False (the template writes BOS)."""
+                            chat_template: str | None = None, continue_final_message: bool = False, *,
+                            tokenize: bool = False, return_dict: bool = True, padding: bool | str = False,
+                            truncation: bool = False, max_length: int | None = None,
+                            return_tensors: str | None = None, tokenizer_kwargs: dict | None = None, **kwargs):
+        """The prompt text; encode it with add_special_tokens=False (the template writes BOS).
+        messages may be a list of conversations (then a list of texts). Other kwargs (tools,
+        documents, ...) are template variables.
+
+        tokenize=True tokenizes as transformers 5 does: a BatchEncoding (input_ids, attention_mask)
+        with return_dict=True, the ids alone with return_dict=False; padding, truncation,
+        max_length, return_tensors and tokenizer_kwargs go to __call__. Unlike transformers,
+        tokenize and add_generation_prompt default to False and True (specdec's callers want
+        the text of a prompt for the assistant)."""
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs)
+                 for c in (messages if batched else [messages])]
+        if not tokenize:
+            return texts if batched else texts[0]
+        out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
+                   max_length=max_length, return_tensors=return_tensors, **(tokenizer_kwargs or {}))
+        return out if return_dict else out["input_ids"]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                continue_final_message: bool, kwargs: dict) -> str:
         template = chat_template or self.chat_template or _DEFAULT_TEMPLATE
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
@@ -196,6 +362,19 @@ def template_messages(messages) -> list[dict]:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+def _tensor(rows: list[list[int]], kind: str):
+    """Equal-length rows -> a [B, T] torch tensor ("pt") or numpy array ("np")."""
+    if kind not in ("pt", "np"):
+        raise ValueError(f"return_tensors={kind!r}: specdec's tokenizer returns 'pt' or 'np'")
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError("rows of different lengths cannot make one tensor: pass padding=True")
+    if kind == "np":
+        import numpy as np
+        return np.array(rows, dtype=np.int64)
+    import torch
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -41,9 +43,20 @@ class StructuredOutputsParams:
         return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """vLLM's sampling parameters. temperature 0 means greedy; top_k <= 0 and top_p 1 disable.
+    Fields may be set after construction, as vLLM's own examples do (`sp.max_tokens = 20`): each
+    assignment is validated; `clone()` copies. A request keeps a copy of the params it was given.
+
+    Output text (vLLM's rules): a stop string ends the text and is left out of it, and so is the
+    text of the stop token (EOS, stop_token_ids) that ended it, unless include_stop_str_in_output;
+    stop strings are looked for only in the text after the first min_tokens tokens.
+    detokenize=False: token ids only, no text (no stop strings then).
+    truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds).
+    allowed_token_ids: only these tokens are ever generated (a mask on p and q alike).
+    spaces_between_special_tokens: taken; the tokenizer's own decoding is the text either way.
+    extra_args: kept for plugins, unread (vLLM's).
 
     Controls that read the sequence (applied, in vLLM's order, before temperature and the
     filters; greedy decoding takes the argmax after them):
@@ -79,6 +92,30 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None   # vLLM's: each prompt token's logprob and this many alternatives
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict | None = None
+
+    def __setattr__(self, name, value):
+        """After construction an assignment is validated like the constructor's arguments (a bad
+        value is refused and the old one kept)."""
+        if not self.__dict__.get("_ready"):
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name)
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     def __post_init__(self):
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]", self.n)
@@ -97,11 +134,24 @@ class SamplingParams:
         ids = list(self.stop_token_ids or [])
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "stop_token_ids", "must be token ids >= 0", ids)
         object.__setattr__(self, "stop_token_ids", ids)
-        # the upper limit is the engine's max_logprobs (20 by default, vLLM's)
+        # the upper limit is the engine's max_logprobs (20 by default, vLLM's); -1: the whole vocabulary
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), name, "must be an integer >= 0", v)
+            _check(v is None or (_int(v) and v >= -1), name, "must be an integer >= 0, or -1 (every token)", v)
+        for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
+        t = self.truncate_prompt_tokens
+        _check(t is None or (_int(t) and (t >= 1 or t == -1)), "truncate_prompt_tokens", "must be an integer >= 1, or -1", t)
+        _check(self.detokenize or not stop, "detokenize", "must be true when stop strings are given (they are text)",
+               self.detokenize)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, (list, tuple)) and ids and all(_int(i) and i >= 0 for i in ids), "allowed_token_ids",
+                   "must be a non-empty list of token ids >= 0", ids)
+            object.__setattr__(self, "allowed_token_ids", list(ids))
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "must be a dict", self.extra_args)
         self._check_controls()
+        object.__setattr__(self, "_ready", True)
 
     def _check_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -157,6 +207,10 @@ class SamplingParams:
 
 def _real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
@@ -317,8 +371,17 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         ok = k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 64)
         _check(ok, "num_speculative_tokens", 'must be an integer in [0, 64] or "auto"', k)
-        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            _check(_int(v) and 1 <= v <= 64, f"speculative_config.{name}", "must be an integer in [1, 64]", v)
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                "must be >= 1 and <= prompt_lookup_max", self.prompt_lookup_min)
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        _check(self.model is None or isinstance(self.model, str), "speculative_config.model",
+               "must be a path (a string)", self.model)
+        _check(self.num_layers is None or (_int(self.num_layers) and self.num_layers >= 1),
+               "speculative_config.num_layers", "must be an integer >= 1", self.num_layers)
         if self.max_k is None:
             object.__setattr__(self, "max_k", 32 if self.method in ("medusa", "eagle") else 8)
         _check(isinstance(self.max_k, int) and not isinstance(self.max_k, bool) and 1 <= self.max_k <= 64,
@@ -338,6 +401,10 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be an object, got {type(d).__name__}")
         d = dict(d)
+        model = d.get("model")
+        _check(model is None or isinstance(model, (str, os.PathLike)), "speculative_config.model",
+               "must be a path (a string)", model)
+        _check(isinstance(d.get("method", ""), str), "speculative_config.method", "must be a string", d.get("method"))
         if "method" not in d:       # as vLLM: the draft folder's config says which method it is
             d["method"] = _method_of(d["model"]) if d.get("model") else "ngram"
         if d["method"] == "mlp_speculator" and "num_speculative_tokens" not in d and d.get("model"):

@@ -10,28 +10,38 @@ class Detokenizer:
 
     Text is released only when it is final: a trailing incomplete UTF-8 sequence ("\\ufffd")
     and a tail that could still become a stop string are held back until the next token.
+    vLLM's rules: a stop string ends the text and is cut off with it, unless include_stop (then
+    the text ends with it and nothing is held back); stop strings are looked for only in the
+    text after the first min_tokens tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
+        self.include_stop, self.min_tokens = include_stop, min_tokens
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0                       # characters of `text` already released
         self.stop_reason: str | None = None
-        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._window = max((len(s) for s in stop), default=1) - 1    # a stop string's reach into earlier text
+        self._hold = 0 if include_stop else self._window
+        self._from = 0                      # stop strings start at or after this character
 
     def add(self, token: int) -> bool:
-        """Append one token; True when a stop string has completed (text is cut before it)."""
+        """Append one token; True when a stop string has completed (text is cut at it)."""
         self.ids.append(token)
         if not self.stop:
             return False
         before = len(self.text)
         self.text = self.tokenizer.decode(self.ids, self.skip)
-        lo = max(0, before - self._hold - 1)
+        if len(self.ids) <= self.min_tokens:
+            self._from = len(self.text)
+            return False
+        lo = max(self._from, before - self._window - 1)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
         if hits:
             i, s = min(hits)
-            self.text, self.stop_reason = self.text[:i], s
+            self.text, self.stop_reason = self.text[:i + len(s) if self.include_stop else i], s
             return True
         return False
 

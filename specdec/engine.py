@@ -138,7 +138,17 @@ class Engine:
 
     # -- the public surface ------------------------------------------------------------------
 
+    def truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context
+        holds with room for one generated token)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        k = self.max_model_len - 1 if k == -1 else k
+        return prompt[-k:]
+
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        prompt = self.truncated(prompt, params)
         if not prompt:
             raise ValueError("prompt is empty: it must have at least one token")
         if len(prompt) >= self.max_model_len:
@@ -151,15 +161,20 @@ class Engine:
         bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.allowed_token_ids or [] if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         self.check_logprobs(params)
 
     def check_logprobs(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
+            asked = getattr(params, name)
+            n = self.target.config.vocab_size if asked == -1 else asked
             if n is not None and n > self.max_logprobs:
-                raise ValueError(f"{name} must be at most {self.max_logprobs} (max_logprobs), got {n}")
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (max_logprobs), got {asked}"
+                                 + (" (every token: start with max_logprobs=-1)" if asked == -1 else ""))
 
     def controls(self, prompt: list[int], params: SamplingParams) -> Controls | None:
         """A request's sequence-reading controls, or None when it has none (the fast path)."""
@@ -185,14 +200,20 @@ class Engine:
         (priority: under scheduling_policy="priority", lower joins first; lora_request: the
         LoRA adapter it runs with)."""
         self.check_priority(priority)
+        params = params.clone()            # the request's own: later changes to the caller's do not reach it
+        prompt = self.truncated(prompt, params)
         self.check_prompt(prompt, params)
+        for name in ("logprobs", "prompt_logprobs"):       # -1: every token
+            if getattr(params, name) == -1:
+                object.__setattr__(params, name, self.target.config.vocab_size)
         adapter = self.check_lora(lora_request)
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
                              self.controls(prompt, params))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
-                      Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens), time.perf_counter(),
+                      Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                  params.include_stop_str_in_output, params.min_tokens), time.perf_counter(),
                       stream=stream, priority=priority, lora=adapter)
         self.scheduler.add(req)
         return req
@@ -467,7 +488,7 @@ class Engine:
             wanted.append((_TopK(r.params.prompt_logprobs), [row + p - 1 - start for p in range(lo, hi)],
                            r.prompt[lo:hi]))
             spans.append((r, lo, hi))
-        for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs", ranks=True)):
+        for (r, lo, hi), lps in zip(spans, step_logprobs(logits, wanted, "raw_logprobs")):
             r.prompt_logprobs[lo:hi] = lps
             r.prompt_logprobs_next = hi
 
@@ -569,17 +590,20 @@ class Engine:
         for tok in emitted:
             new.append(tok)
             r.out.append(tok)
-            if (tok in self.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
-                reason, stop_reason = "stop", (tok if tok in params.stop_token_ids else None)
-                r.detok.add(tok)
+            eos = tok in self.eos_ids and not params.ignore_eos
+            if eos or tok in params.stop_token_ids:
+                # vLLM's: EOS has no stop reason; the stop token's text is left out unless asked for
+                reason, stop_reason = "stop", (None if eos else tok)
+                if params.include_stop_str_in_output and params.detokenize:
+                    r.detok.add(tok)
                 break
-            if r.detok.add(tok):
+            if params.detokenize and r.detok.add(tok):
                 reason, stop_reason = "stop", r.detok.stop_reason
                 break
             if len(r.out) >= r.max_tokens or len(r.prompt) + len(r.out) >= self.max_model_len:
                 reason = "length"
                 break
-        text = r.detok.delta(final=reason is not None)
+        text = r.detok.delta(final=reason is not None) if params.detokenize else ""
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)
 
 

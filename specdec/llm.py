@@ -37,7 +37,12 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprob] | None = None      # per output token, when SamplingParams.logprobs is set
+    # per output token, when SamplingParams.logprobs is set: vLLM's {token id: Logprob} (the token
+    # and the most likely ones, with rank and decoded_token), also .token_id / .logprob / .top
+    logprobs: list[TokenLogprob] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -51,6 +56,11 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
     # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def metrics(self) -> RequestStats:
+        """vLLM's name for a request's figures (specdec's RequestStats: timings, acceptance)."""
+        return self.stats
 
     @property
     def num_cached_tokens(self) -> int:
@@ -380,6 +390,9 @@ class LLM:
         """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template
         (tools: OpenAI's tool list, given to the template as `tools`)."""
         msgs = template_messages([{**m, "content": _text_content(m.get("content"))} for m in messages])
+        reserved = sorted({"tokenize", "return_dict"} & set(chat_template_kwargs or {}))
+        if reserved:         # apply_chat_template's own switches, not template variables: the prompt is text here
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, chat_template,
@@ -434,6 +447,7 @@ class LLM:
         for prompt, params, prio, lora in zip(prompts, plist, priorities, loras):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
+            ids = self.engine.truncated(ids, params)         # truncate_prompt_tokens
             self.engine.check_priority(prio)
             self.engine.check_prompt(ids, params)
             self.engine.check_lora(lora)
@@ -467,7 +481,8 @@ class LLM:
         if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
             candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
         for i, r in enumerate(candidates):
-            lp = logprobs.get(r.request_id, []) if params.logprobs is not None else None
+            lp = [e.named(self._token_name) for e in logprobs.get(r.request_id, [])] \
+                if params.logprobs is not None else None
             cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
             outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
                                             cumulative, lp))
@@ -476,7 +491,13 @@ class LLM:
             stats.merge(r.stats)
         stats.prompt_tokens = len(ids)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
-        return RequestOutput(rid, text, ids, outputs, True, stats, reqs[(rid, 0)].prompt_logprobs)
+        prompt_lps = reqs[(rid, 0)].prompt_logprobs
+        if prompt_lps is not None:
+            prompt_lps = [e.named(self._token_name) if e is not None else None for e in prompt_lps]
+        return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps)
+
+    def _token_name(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -18,7 +18,9 @@ probability of the token under the target at its position, as if decoded without
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -30,18 +32,54 @@ FLOOR = -9999.0          # what -inf becomes: JSON has no infinity (vLLM reports
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class Logprob:
+    """vLLM's: one token's log-probability, its rank (1 = the likeliest) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True, eq=True)
+class TokenLogprob(Mapping):
+    """One position's figures: the token there (token_id, logprob, rank) and the position's most
+    likely tokens (top, best first). Also vLLM's shape of the same thing, a mapping
+    {token id: Logprob} holding the token and the top ones (`entry[token_id].logprob`,
+    `.rank`, `.decoded_token`; `names` are the tokens' texts, filled in for LLM outputs)."""
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]      # the `params.logprobs` most likely tokens, best first
-    rank: int | None = None                 # 1 + how many tokens are likelier (prompt logprobs: vLLM reports it)
+    rank: int | None = None                 # 1 + how many tokens are likelier
+    names: tuple[tuple[int, str], ...] | None = None    # (token id, text) of the token and the top ones
+
+    @cached_property
+    def _entries(self) -> dict[int, Logprob]:
+        names = dict(self.names or ())
+        out = {self.token_id: Logprob(self.logprob, self.rank, names.get(self.token_id))}
+        for r, (t, lp) in enumerate(self.top):
+            out.setdefault(t, Logprob(lp, r + 1, names.get(t)))
+        return out
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    __hash__ = None       # type: ignore[assignment]  (a mapping, as vLLM's dict)
+
+    def named(self, name) -> "TokenLogprob":
+        """This entry with its tokens' texts (name: token id -> text)."""
+        ids = dict.fromkeys([self.token_id, *(t for t, _ in self.top)])
+        return TokenLogprob(self.token_id, self.logprob, self.top, self.rank, tuple((t, name(t)) for t in ids))
 
 
-def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int]]], mode: str,
-                  ranks: bool = False) -> list[list[TokenLogprob]]:
+def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int]]], mode: str) -> list[list[TokenLogprob]]:
     """logits [R, V]: a step's target rows; wanted: per asking request (its SamplingParams,
-    the logits rows predicting its emitted tokens, those tokens). One list per request; ranks:
-    each token's rank too."""
+    the logits rows predicting its emitted tokens, those tokens). One list per request, each
+    token with its rank."""
     if not wanted:
         return []
     dev = logits.device
@@ -50,7 +88,7 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     counts = [len(rows) for _, rows, _ in wanted]
     logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
     picked = logp.gather(1, tokens[:, None])
-    rank = ((logp > picked).sum(-1) + 1).tolist() if ranks else [None] * len(tokens)
+    rank = ((logp > picked).sum(-1) + 1).tolist()           # vLLM reports it for every token
     chosen = picked[:, 0].clamp_min(FLOOR).tolist()
     n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
     top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long()))

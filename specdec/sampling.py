@@ -1,7 +1,7 @@
 """Logits processing shared by the target (p) and every draft (q).
 
 Two stages, in vLLM's order:
-1. controls (`adjust_rows`): the grammar's mask, bad words, min_tokens, logit_bias, then the
+1. controls (`adjust_rows`): the grammar's mask, allowed_token_ids, bad words, min_tokens, logit_bias, then the
    repetition / frequency / presence penalties. They read the sequence before the row, so a
    row at draft position i is processed with drafts 0..i-1 counted as output (a tree node:
    the drafts on its own path), exactly as plain decoding would process that position once
@@ -171,6 +171,14 @@ class Controls:
     stop_ids: list[int] = field(default_factory=list)
     grammar: object | None = None
     _prompt_mask: Tensor | None = None
+    _allowed: Tensor | None = None
+
+    def allowed_mask(self, vocab: int, device) -> Tensor:
+        """[V] bool: the tokens allowed_token_ids lets through."""
+        if self._allowed is None or self._allowed.shape[0] != vocab or self._allowed.device != torch.device(device):
+            ids = torch.tensor([t for t in self.params.allowed_token_ids if t < vocab], dtype=torch.long)
+            self._allowed = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True).to(device)
+        return self._allowed
 
     def prompt_mask(self, vocab: int) -> Tensor:
         """[V] bool: tokens of the prompt (what repetition_penalty counts besides the output)."""
@@ -182,7 +190,7 @@ class Controls:
 
 
 def needs_controls(params: SamplingParams) -> bool:
-    return params.reads_sequence or bool(params.logit_bias)
+    return params.reads_sequence or bool(params.logit_bias) or params.allowed_token_ids is not None
 
 
 class Row(NamedTuple):
@@ -200,6 +208,9 @@ def adjust_rows(logits: Tensor, rows: list[Row]) -> Tensor:
     logits = logits.float().clone()
     V, dev = logits.shape[-1], logits.device
     _apply_grammar(logits, rows)
+    for r, row in enumerate(rows):          # allowed_token_ids: every other token out
+        if row.controls.params.allowed_token_ids is not None:
+            logits[r].masked_fill_(~row.controls.allowed_mask(V, dev), float("-inf"))
     bans_r, bans_t, bias_r, bias_t, bias_v = [], [], [], [], []
     for r, (c, output, path) in enumerate(rows):
         p = c.params

@@ -144,6 +144,61 @@ def test_eos_stop_string_and_max_tokens_inside_a_draft_block(models):
     assert out.token_ids == full.token_ids[:7] and out.finish_reason == "length"
 
 
+def test_vllm_output_text_rules_and_sampling_fields(models):
+    """vLLM's rules, with drafts that stop mid-block: the stop token's text is left out (kept with
+    include_stop_str_in_output, as is a stop string); stop strings count only after min_tokens;
+    EOS has no stop_reason; detokenize=False, allowed_token_ids (speculative == plain under it),
+    truncate_prompt_tokens; SamplingParams set after construction, validated, copied per request."""
+    llm, plain, prompt = models["self"], models["plain"], "def add(a, b):"
+    tok = llm.tokenizer
+    full = llm.generate([prompt], GREEDY)[0].outputs[0]
+    stop_tok = full.token_ids[6]
+    cut = full.token_ids.index(stop_tok)
+
+    def run(**kw):
+        return llm.generate([prompt], dataclasses.replace(GREEDY, **kw))[0].outputs[0]
+    out = run(stop_token_ids=[stop_tok])
+    assert out.token_ids == full.token_ids[:cut + 1] and out.text == tok.decode(full.token_ids[:cut])
+    assert run(stop_token_ids=[stop_tok], include_stop_str_in_output=True).text == tok.decode(full.token_ids[:cut + 1])
+    llm.engine.eos_ids.add(stop_tok)
+    try:
+        out = run(ignore_eos=False, stop_token_ids=[stop_tok])
+        assert out.finish_reason == "stop" and out.stop_reason is None and out.text == tok.decode(full.token_ids[:cut])
+    finally:
+        llm.engine.eos_ids.discard(stop_tok)
+    stop_str = full.text[5:8]
+    at = full.text.index(stop_str)
+    assert run(stop=[stop_str], include_stop_str_in_output=True).text == full.text[:at + len(stop_str)]
+    # min_tokens: the stop string's first occurrence lies inside the first tokens, so it does not count
+    n_first = next(n for n in range(1, 25) if len(tok.decode(full.token_ids[:n])) >= at + len(stop_str))
+    late = run(stop=[stop_str], min_tokens=n_first)
+    after = len(tok.decode(full.token_ids[:n_first]))
+    nxt = full.text.find(stop_str, after)
+    assert late.text == (full.text[:nxt] if nxt >= 0 else full.text) and len(late.token_ids) >= n_first
+    out = run(detokenize=False)
+    assert out.text == "" and out.token_ids == full.token_ids
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+    allowed = sorted(set(full.token_ids[:4]) | {5, 6, 7})
+    spec = run(allowed_token_ids=allowed)
+    assert set(spec.token_ids) <= set(allowed)
+    assert spec.token_ids == plain.generate([prompt], dataclasses.replace(GREEDY, allowed_token_ids=allowed))[0].outputs[0].token_ids
+    ids = tok.encode(PROMPTS[3])
+    short = llm.generate([{"prompt_token_ids": ids}], dataclasses.replace(GREEDY, truncate_prompt_tokens=5))[0]
+    assert short.prompt_token_ids == ids[-5:]
+    assert short.outputs[0].token_ids == tokens(llm, [{"prompt_token_ids": ids[-5:]}], GREEDY)[0]
+    sp = SamplingParams(temperature=0, ignore_eos=True)
+    sp.max_tokens = 5
+    with pytest.raises(ValueError, match="temperature"):
+        sp.temperature = -1.0
+    assert sp.temperature == 0 and sp.clone() == sp and sp.clone() is not sp
+    req = llm.engine.add_request(ids, sp)
+    sp.max_tokens = 9                         # the request keeps the copy it was given
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert len(req.out) == 5
+
+
 def test_none_accepted_still_emits_one_token_per_step(models):
     llm = models["draft"][3]
     out = llm.generate(PROMPTS[:6], GREEDY)

@@ -140,7 +140,7 @@ def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair,
             assert [t for t, _ in x.top] == top.indices[j].tolist()
             assert all(abs(v - w) < TOL for (_, v), w in zip(x.top, top.values[j].tolist()))
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)          # -1 is vLLM's "every token"
 
 
 def test_max_logprobs_bounds_what_a_request_may_ask(tiny_pair):

@@ -495,6 +495,20 @@ def test_openai_details_found_by_a_users_probe(client, live, ref):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="toy", messages=MSG, extra_body=body)
         assert e.value.body["param"] == param and param in e.value.body["message"]
+    full = client.completions.create(model="toy", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    stop = full[4:7]
+    kept = client.completions.create(model="toy", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
+    ids = live.llm.tokenizer.encode(prompt)
+    short = client.completions.create(model="toy", prompt=ids, max_tokens=3, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 3})
+    assert short.usage.prompt_tokens == 3
+    assert short.choices[0].text == client.completions.create(model="toy", prompt=ids[-3:], max_tokens=3,
+                                                              temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="toy", messages=MSG, extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert e.value.body["param"] == "chat_template_kwargs"
     with httpx.Client(base_url=live.url, timeout=30) as http:
         for body, param in [({"suffix": "return x"}, "suffix"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias")]:
             r = http.post("/v1/completions", json={"model": "toy", "prompt": prompt, "max_tokens": 2, **body})

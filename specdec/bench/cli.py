@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli import _compilation_config
 from ..cli import positive_int as _positive
 
 DEFAULT_KS = "1,2,4,6,8,auto"
@@ -54,7 +55,7 @@ def add_parser(sub) -> None:
                         "threads spinning while they wait for each other")
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (prompt i uses seed + i)")
     p.add_argument("--threads", type=_positive, help="torch threads (default: torch's choice)")
-    p.add_argument("-O", "--compilation-config", default=None,
+    p.add_argument("-O", "--compilation-config", default=None, type=_checked_compilation_config,
                    help='vLLM\'s: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' runs every specdec variant\'s target '
                         "forwards as CUDA graphs (--device cuda; each engine captures its own)")
     p.add_argument("--out", type=Path,
@@ -192,3 +193,10 @@ def run(args) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def _checked_compilation_config(value: str) -> str:
+    """-O's value checked as `specdec generate` checks it (an error names the flag), kept as text:
+    the benchmark writes it into its command lines."""
+    _compilation_config(value)
+    return value

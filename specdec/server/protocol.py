@@ -59,7 +59,13 @@ class _Sampling(_Body):
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
     use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
     length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
-    include_stop_str_in_output: bool = Field(False, description="vLLM extension, with use_beam_search: keep the EOS text")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: the stop string (or stop token) "
+                                                                "that ended the text stays in it")
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: keep the prompt's last k tokens "
+                                                                 "(-1: as many as the context holds)")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM extension: only these tokens are generated")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM extension: taken (the tokenizer's own "
+                                                                  "decoding either way)")
 
 
 class CompletionRequest(_Sampling):

@@ -31,7 +31,7 @@ log = logging.getLogger("specdec.server")
 MAX_CHOICES = 16
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
-                       "chat_template", "continue_final_message", "tools"}
+                       "chat_template", "continue_final_message", "tools", "tokenize", "return_dict"}
 
 
 class Service:
@@ -67,6 +67,7 @@ class Service:
         params = self._params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
+        prompts = [self.engine.truncated(p, params) for p in prompts]
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 
@@ -93,6 +94,7 @@ class Service:
             params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
         if self.config.reasoning_parser == HARMONY and params.structured_outputs is None:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
+        prompts = [self.engine.truncated(p, params) for p in prompts]
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 
@@ -161,7 +163,10 @@ class Service:
                       presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
                       repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
                       logit_bias=extra.logit_bias(req, self.engine.target.config.vocab_size), bad_words=req.bad_words, min_tokens=_or(req.min_tokens, 0),
-                      structured_outputs=structured, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs)
+                      structured_outputs=structured, best_of=req.best_of, prompt_logprobs=req.prompt_logprobs,
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      truncate_prompt_tokens=req.truncate_prompt_tokens, allowed_token_ids=req.allowed_token_ids,
+                      spaces_between_special_tokens=req.spaces_between_special_tokens)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs cannot be streamed", "prompt_logprobs")
         try:

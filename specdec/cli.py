@@ -49,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps; checked before the model loads")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, or auto (vLLM's: cuda when there is one); checked before the model loads")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--hf-overrides", type=_json_obj,
                    help='fields of the model\'s config.json replaced (a GGUF\'s too), e.g. \'{"rope_scaling": '
@@ -145,8 +145,8 @@ def _compilation_config(value: str) -> dict | int:
 def check_device(device: str) -> None:
     """--device: a device torch can name and this machine has, else a ValueError naming the flag
     (a CPU-only torch asked for cuda otherwise fails deep inside the model's loading)."""
-    if device == "cpu":
-        return                                   # the default: no need to import torch for it
+    if device in ("cpu", "auto"):                # auto (vLLM's default): cuda when there is one, else cpu
+        return                                   # no need to import torch for these
     import torch
 
     try:

@@ -154,6 +154,8 @@ class LLM:
         self.spec = _speculative(speculative_model, num_speculative_tokens, speculative_config)
         if self.spec is not None and self.spec.method in MTP_METHODS and not self.spec.model:
             self.spec = dataclasses.replace(self.spec, model=str(model))     # vLLM's: the target's own MTP layers
+        if device == "auto":           # vLLM's default: the accelerator when there is one
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
         self.max_model_len = max_model_len

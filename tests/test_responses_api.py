@@ -131,6 +131,20 @@ def test_bad_input_is_a_400_naming_the_field(client, kw, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+def test_errors_and_fields_in_the_responses_apis_own_names(client, live):
+    """Messages name the Responses API's fields, a lookup by id names none, created_at is Unix seconds."""
+    import httpx
+
+    for kw, word in [(dict(input="x", max_output_tokens=0), "max_output_tokens"), (dict(input=[]), "input")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="toy", **kw)
+        assert e.value.body["message"].startswith(word), e.value.body
+    got = httpx.get(f"{live.url}/v1/responses/resp_nope").json()["error"]
+    assert got["param"] is None and got["code"] == "response_not_found"
+    body = httpx.post(f"{live.url}/v1/responses", json={"model": "toy", "input": "x", "max_output_tokens": 2}).json()
+    assert isinstance(body["created_at"], int)       # the openai client reads it as a float either way
+
+
 def test_reasoning_items_and_effort_reach_the_chat_request():
     """A reasoning item sent back before a function call (or an assistant message) becomes that
     turn's reasoning_content (gpt-oss's template keeps a call's analysis), one before a user

@@ -156,6 +156,49 @@ def test_named_and_required_streams():
     assert content == "" and finish == "tool_calls" and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "add"
 
 
+def test_what_a_users_probe_found():
+    """A pythonic reply whose arguments are not JSON (a set, bytes, complex) stays text (was a
+    500); parallel_tool_calls false keeps the first parsed call, streamed too; a null
+    `parameters` is as omitted; `required` hoists the tools' $defs to the root, where their
+    references resolve (pydantic's tool schemas use them); named and required calls take no
+    undeclared arguments, and a function without parameters gets {}."""
+    p = plan("auto", "pythonic")
+    for text in ["[add(a={1, 2})]", "[add(a=b'xy')]", "[add(a=1j)]"]:
+        assert extract(p, text, "stop") == (text, [], "stop")
+        ts = ToolStream(p)
+        c, d = ts.feed(text)
+        c2, d2, f = ts.finish("stop")
+        assert (c + c2, d + d2, f) == (text, [], "stop")
+    text = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    one = plan_tools(TOOLS, "auto", False, True, "hermes")
+    assert len(extract(plan("auto"), text, "stop")[1]) == 2
+    content, calls, finish = extract(one, text, "stop")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2} and len(calls) == 1
+    ts = ToolStream(one)
+    deltas = ts.feed(text)[1] + ts.finish("stop")[1]
+    assert [d["index"] for d in deltas] == [0]
+    bare = {"type": "function", "function": {"name": "now", "parameters": None}}
+    named = plan_tools([bare], {"type": "function", "function": {"name": "now"}}, None, True, None)
+    assert named.constraint.json == {"type": "object", "properties": {}, "additionalProperties": False}
+    units = {"$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}}, "type": "object",
+             "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}}, "required": ["city"]}
+    req = plan_tools([{"type": "function", "function": {"name": "w", "parameters": units}}, ADD], "required",
+                     None, True, None).constraint.json
+    assert req["$defs"] == units["$defs"] and all("$defs" not in o["properties"]["parameters"]
+                                                   for o in req["items"]["anyOf"])
+    assert req["items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
+    clash = {**units, "$defs": {"Unit": {"type": "integer"}}}
+    with pytest.raises(APIError) as e:
+        plan_tools([{"type": "function", "function": {"name": "w", "parameters": units}},
+                    {"type": "function", "function": {"name": "v", "parameters": clash}}], "required", None, True, None)
+    assert e.value.param == "tools"
+    free = {"type": "object", "properties": {"meta": {"type": "object"}}}      # a free-form object stays free
+    got = plan_tools([{"type": "function", "function": {"name": "f", "parameters": free}}],
+                     {"type": "function", "function": {"name": "f"}}, None, True, None).constraint.json
+    assert got["additionalProperties"] is False and "additionalProperties" not in got["properties"]["meta"]
+
+
 @pytest.mark.parametrize("tools,choice,param", [
     (None, "required", "tool_choice"),
     ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools"),
@@ -387,3 +430,26 @@ def test_tokenize_and_detokenize(live, ref):
         r = httpx.post(live.url + path, json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
     assert httpx.post(live.url + "/detokenize", json={"tokens": "abc"}).status_code == 400
+
+
+def test_required_with_defs_and_named_without_parameters_through_the_server(client):
+    """pydantic's tool schemas ($defs and $ref) under tool_choice required compile and hold;
+    a named function without parameters answers {}."""
+    jsonschema = pytest.importorskip("jsonschema")
+    units = {"$defs": {"Unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "type": "object",
+             "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}, "unit": {"$ref": "#/$defs/Unit"}},
+             "required": ["city", "unit"]}
+    tool = {"type": "function", "function": {"name": "weather", "parameters": units}}
+    out = client.chat.completions.create(model="toy", messages=MSG, tools=[tool, ADD], tool_choice="required",
+                                         max_tokens=80, temperature=0)
+    ch = out.choices[0]
+    if ch.finish_reason != "length":
+        for call in ch.message.tool_calls:
+            schema = units if call.function.name == "weather" else ADD["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+            if call.function.name == "weather":
+                assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+    bare = {"type": "function", "function": {"name": "now"}}
+    named = client.chat.completions.create(model="toy", messages=MSG, tools=[bare], max_tokens=20, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "now"}})
+    assert named.choices[0].message.tool_calls[0].function.arguments == "{}"

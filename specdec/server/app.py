@@ -174,7 +174,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
     @router.post("/responses")
     async def create(body: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
-        history = store.get(body.previous_response_id)[0] if body.previous_response_id else []
+        history = store.get(body.previous_response_id, "previous_response_id")[0] if body.previous_response_id else []
         turn = history + input_messages(body)
         chat = chat_request(body, history)
         try:

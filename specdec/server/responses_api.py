@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -78,10 +79,11 @@ class ResponseStore:
         while len(self._items) > self.max_items:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[list[dict], dict]:
+    def get(self, rid: str, param: str | None = None) -> tuple[list[dict], dict]:
+        """A stored response (param: the request field that named it, for a 404)."""
         if rid not in self._items:
             raise APIError(404, f"no stored response with id {rid!r} (only the latest {self.max_items} are kept, "
-                                "in memory)", "previous_response_id", "response_not_found")
+                                "in memory)", param, "response_not_found")
         return self._items[rid]
 
     def delete(self, rid: str) -> None:
@@ -195,11 +197,13 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
 
 def renamed(e: APIError) -> APIError:
     """A chat-path error under the Responses API's field names."""
-    param = e.param
+    param, message = e.param, e.message
     for chat, ours in _PARAMS.items():
         if param and (param == chat or param.startswith(chat + "[") or param.startswith(chat + ".")):
             param = ours + param[len(chat):]
-    return APIError(e.status, e.message, param, e.code)
+            message = re.sub(rf"\b{chat}\b", ours, message)          # "max_tokens must be ..." too
+    message = message.replace("the Chat Completions API", "the Responses API")
+    return APIError(e.status, message, param, e.code)
 
 
 def _message_item(text: str, status: str) -> dict:
@@ -217,7 +221,7 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
-def response_body(rid: str, req: ResponsesRequest, model: str, created: float, output: list[dict],
+def response_body(rid: str, req: ResponsesRequest, model: str, created: int, output: list[dict],
                   finish: str | None, usage: dict | None, status: str | None = None) -> dict:
     incomplete = finish == "length"
     status = status or ("incomplete" if incomplete else "completed")
@@ -265,7 +269,7 @@ def conversation(turn: list[dict], items: list[dict]) -> list[dict]:
 
 async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str) -> tuple[dict, str | None]:
     """Run to the end: (the response body, the chat finish_reason)."""
-    created = time.time()
+    created = int(time.time())       # Unix seconds, as OpenAI documents
     body = await collect(gen, fmt, model)
     choice = body["choices"][0]
     out = response_body(rid, req, model, created, output_items(choice["message"], choice["finish_reason"]),
@@ -348,7 +352,7 @@ class _ItemStream:
 async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
                  done) -> AsyncIterator[str]:
     """Typed events as the reply is generated; done(body) is called with the final response."""
-    items, created = _ItemStream(), time.time()
+    items, created = _ItemStream(), int(time.time())
     start = response_body(rid, req, model, created, [], None, None, status="in_progress")
     yield items.event("response.created", response=start)
     yield items.event("response.in_progress", response=start)

@@ -4,13 +4,16 @@
   reply is text.
 - named, `{"type": "function", "function": {"name": N}}`: the reply is constrained (structured
   outputs) to N's `parameters` schema and returned as one call of N (finish_reason "stop", as
-  OpenAI answers a forced function).
+  OpenAI answers a forced function). An object that lists its properties takes no others unless
+  its schema says so (`_strict`: vLLM's default backend compiles schemas that way), so a call
+  holds the declared parameters and a function without any gets `{}`.
 - `"required"`: the reply is constrained to a JSON array of `{"name": ..., "parameters": ...}`
   objects, each one of the tools with its own schema, at least one (exactly one when
-  `parallel_tool_calls` is false); returned as calls, finish_reason "tool_calls".
+  `parallel_tool_calls` is false); returned as calls, finish_reason "tool_calls". The tools'
+  `$defs` move to the array schema's root, where their references resolve (vLLM's).
 - `"auto"` (the default when tools are given): the model writes freely and the server's
   `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
-  as in vLLM. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  as in vLLM; with `parallel_tool_calls` false only the first call is returned. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), and three whose calls are the whole
   reply: `llama3_json` (`{"name": ..., "parameters": {...}}`, several joined by `;`, after an
   optional `<|python_tag|>`: Llama 3.1 / 3.2), `pythonic` (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's
@@ -55,6 +58,7 @@ class ToolPlan:
     name: str | None = None                    # named: the function
     parser: str | None = None                  # auto: the server's --tool-call-parser
     constraint: StructuredOutputsParams | None = None   # named / required: the reply's grammar
+    parallel: bool = True                      # auto: parallel_tool_calls (false: the first call only)
 
     @property
     def template_tools(self) -> list[dict]:
@@ -78,12 +82,13 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
             raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
         if name in functions:
             raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", "tools")
-        params = fn.get("parameters", _EMPTY_PARAMETERS)
+        params = fn.get("parameters")
+        params = _EMPTY_PARAMETERS if params is None else params     # null: as omitted (vLLM's)
         if not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise APIError(400, f"tools[{i}].function.description must be a string", "tools")
-        functions[name] = params
+        functions[name] = _strict(params)
     plain = tuple(tools)
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
@@ -92,11 +97,13 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
         if not (enable_auto and parser):
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "required", "none" or a named function)', "tool_choice")
-        return ToolPlan("auto", plain, parser=parser)
+        return ToolPlan("auto", plain, parser=parser, parallel=parallel_tool_calls is not False)
     if choice == "required":
+        defs, bare = _hoisted_defs(functions)
         one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-                "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]
+                "required": ["name", "parameters"], "additionalProperties": False} for n, p in bare.items()]
         schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+        schema.update(defs)
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan("required", plain, constraint=StructuredOutputsParams(json=schema))
@@ -111,6 +118,45 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
         return ToolPlan("named", plain, name=name, constraint=StructuredOutputsParams(json=functions[name]))
     raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                    "tool_choice")
+
+
+def _strict(schema: dict) -> dict:
+    """The schema with `"additionalProperties": false` wherever an object lists its properties
+    and says nothing of others: a call's arguments are the declared parameters (vLLM's default
+    backend compiles schemas so), and a function without parameters gets `{}`. A copy."""
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) if k in _SUBSCHEMAS else v for k, v in node.items()}
+        for k in ("properties", "$defs", "definitions", "patternProperties"):
+            if isinstance(out.get(k), dict):
+                out[k] = {name: walk(sub) for name, sub in out[k].items()}
+        if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    return walk(schema)
+
+
+_SUBSCHEMAS = {"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "additionalProperties", "contains"}
+
+
+def _hoisted_defs(functions: dict) -> tuple[dict, dict]:
+    """(the tools' $defs merged, each tool's schema without them): nested under the `required`
+    array, a `#/$defs/...` reference resolves from the root (vLLM's get_tool_schema_defs); a name
+    two tools define differently is a 400."""
+    defs, bare = {"$defs": {}, "definitions": {}}, {}
+    for name, params in functions.items():
+        for where in defs:
+            for key, value in (params.get(where) or {}).items():
+                if key in defs[where] and defs[where][key] != value:
+                    raise APIError(400, f"tools define {where} {key!r} differently ({name!r} and an earlier tool)",
+                                   "tools")
+                defs[where][key] = value
+        bare[name] = {k: v for k, v in params.items() if k not in defs}
+    return {k: v for k, v in defs.items() if v}, bare
 
 
 def call_id() -> str:
@@ -217,11 +263,12 @@ def _pythonic_calls(text: str) -> list[dict] | None:
         try:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
             name = ast.unparse(node.func)
+            arguments = json.dumps(args, ensure_ascii=False)     # a set, bytes or complex: no JSON, no call
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
         if len(args) != len(node.keywords):
             return None
-        calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+        calls.append(_call(name, arguments))
     return calls
 
 
@@ -275,6 +322,7 @@ def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str |
         return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     if plan.mode == "auto":
         content, calls = _split(plan.parser, text)
+        calls = calls if plan.parallel else calls[:1]        # parallel_tool_calls false: the first (vLLM's)
         content = content if content.strip() else None
         return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
     return text, [], finish_reason
@@ -324,8 +372,8 @@ class ToolStream:
             call = _hermes_call(body)
             if call is None:
                 out.append(_OPEN + body + _CLOSE)
-            else:
-                deltas.append(self._delta(call))
+            elif (d := self._delta(call)) is not None:
+                deltas.append(d)
         return self._content("".join(out)), deltas
 
     def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
@@ -345,14 +393,14 @@ class ToolStream:
                 return "", [], finish_reason
             content, calls = _split(self.plan.parser, self.buf)
             self.buf, self.holding = "", False
-            deltas = [self._delta(c) for c in calls]
+            deltas = [d for d in map(self._delta, calls) if d is not None]
             return self._content(content), deltas, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         rest, deltas = self.buf, []
         if self.in_call:
             call = _hermes_call(rest)
             rest = _OPEN + rest if call is None else ""
-            if call is not None:
-                deltas.append(self._delta(call))
+            if call is not None and (d := self._delta(call)) is not None:
+                deltas.append(d)
         self.buf = ""
         text = self._content(rest) + (self.held_ws if self.shown else "")
         reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
@@ -379,7 +427,9 @@ class ToolStream:
         text, self.held_ws, self.shown = self.held_ws + text, "", True
         return text
 
-    def _delta(self, call: dict) -> dict:
+    def _delta(self, call: dict) -> dict | None:
+        if self.calls and self.plan.mode == "auto" and not self.plan.parallel:
+            return None                        # parallel_tool_calls false: the first call only
         d = {"index": self.calls, **call}
         self.calls += 1
         return d

@@ -60,3 +60,14 @@ def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch, 
     assert main(["serve", "--model", str(tmp_path / "missing"), "--device", device, "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specdec: error: ") and message in err
+
+
+def test_the_model_may_follow_the_options():
+    """`vllm serve --port 8000 MODEL`: argparse there takes the model after the options too."""
+    from specdec.server.cli import parse_args
+
+    for argv in (["--port", "9", "m"], ["m", "--port", "9"], ["--max-model-len", "64", "m", "--port", "9"]):
+        args, _ = parse_args(argv)
+        assert (args.model, args.port) == ("m", 9), argv
+    with pytest.raises(ValueError, match="unexpected argument 'extra'"):
+        parse_args(["--port", "9", "m", "extra"])

@@ -79,7 +79,7 @@ def add_parser(sub) -> None:
 def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=f"{prog} [MODEL] [options]",
                                 description="OpenAI-compatible server with speculative decoding. MODEL, "
-                                            "first (as in `vllm serve MODEL`), is the same as --model.")
+                                            "first or after the options (as in `vllm serve MODEL`), is the same as --model.")
     add_model_args(p)
     add_engine_args(p)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
@@ -165,11 +165,28 @@ def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.N
     tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
+    if tag is None:        # `vllm serve --port 8000 MODEL`: argparse takes the model after the options too
+        i = _stray(unknown)
+        if i is not None:
+            tag = unknown.pop(i)
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
         args.model = tag
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
+
+
+def _stray(unknown: list[str]) -> int | None:
+    """The index of the first unknown word that is neither a flag nor an unknown flag's value."""
+    prev_flag = False
+    for i, word in enumerate(unknown):
+        if word.startswith("-") and not _is_number(word):
+            prev_flag = "=" not in word
+        elif prev_flag:
+            prev_flag = False
+        else:
+            return i
+    return None
 
 
 def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:

@@ -118,7 +118,8 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def __post_init__(self):
-        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]", self.n)
+        # no upper bound here (vLLM's); the server caps the choices of one HTTP request (serving.MAX_CHOICES)
+        _check(_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         _check(_real(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
         _check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and (self.top_k >= 1 or self.top_k in (0, -1)),
@@ -185,8 +186,7 @@ class SamplingParams:
         _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
                "must be a StructuredOutputsParams", so)
         b = self.best_of
-        _check(b is None or (isinstance(b, int) and not isinstance(b, bool) and self.n <= b <= 16), "best_of",
-               f"must be an integer in [n, 16] (n = {self.n})", b)
+        _check(b is None or (_int(b) and b >= self.n), "best_of", f"must be an integer >= n (n = {self.n})", b)
 
     @property
     def penalties(self) -> bool:

@@ -339,3 +339,9 @@ def test_speculative_config_keys_are_checked_as_vllm_checks_them(tiny_pair):
     llm = LLM(target, speculative_config={**base, "enforce_eager": True, "draft_tensor_parallel_size": 1,
                                           "disable_log_stats": False, "revision": None})
     assert llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_n_is_not_capped_offline(models):
+    """vLLM's n has no small cap: 20 samples of one prompt (the server still bounds one HTTP call)."""
+    out = models["plain"].generate(["def f(x):"], SamplingParams(n=20, temperature=1.0, max_tokens=4, seed=1))[0]
+    assert len(out.outputs) == 20 and len({tuple(o.token_ids) for o in out.outputs}) > 1

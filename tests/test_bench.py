@@ -109,6 +109,25 @@ def test_bad_flags_are_one_line_errors(tiny_pair, prompts_file, tmp_path, capsys
         main(["bench", "--top-p", "0", "--out", str(tmp_path)])
 
 
+def test_out_and_spec_bench_flags_are_checked_before_the_run(tiny_pair, prompts_file, tmp_path, capsys, monkeypatch):
+    """A --out that cannot be a folder, and --limit-per-category / --categories without
+    --prompts spec-bench, are one-line errors before any model loads."""
+    import specdec.bench.run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(specdec.bench.run, "run_benchmark", never)
+    target, _ = tiny_pair
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for flags, message in ((["--out", str(a_file)], "--out"), (["--out", str(a_file / "sub")], "--out"),
+                           (["--out", str(tmp_path / "o"), "--limit-per-category", "1"], "--limit-per-category"),
+                           (["--out", str(tmp_path / "o"), "--categories", "qa"], "--categories")):
+        rc = main(["bench", "--model", str(target), "--prompts", str(prompts_file), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (flags, err)
+
+
 def test_top_p_reaches_the_sampled_runs_only():
     prompts = [Prompt("a", "a", [1, 2], 4), Prompt("b", "b", [3], 4)]
     sampled = sampling_params(Scenario("x", 0.7, prompts, top_p=0.95), seed=5)

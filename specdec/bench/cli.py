@@ -176,9 +176,13 @@ def run(args) -> int:
     if args.out is None:
         raise ValueError("specdec bench: --out is required")
     from . import machine
+    from .spec_bench import NAME as SPEC_BENCH
+
+    if SPEC_BENCH not in args.prompts and (args.limit_per_category is not None or args.categories):
+        raise ValueError(f"--limit-per-category and --categories go with --prompts {SPEC_BENCH}")
+    args.out = output_folder(Path(str(args.out).replace("{cpu}", machine.cpu_kind())), "--out")
     from .run import run_benchmark
 
-    args.out = Path(str(args.out).replace("{cpu}", machine.cpu_kind()))
     results, written = run_benchmark(args, command_line(args))
     for s in results["scenarios"]:
         print(f"{s['name']}:", file=sys.stderr)
@@ -193,6 +197,17 @@ def run(args) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def output_folder(path: Path, flag: str) -> Path:
+    """path made a folder (it may exist as one) before anything runs; an error names the flag."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    return path
 
 
 def _checked_compilation_config(value: str) -> str:

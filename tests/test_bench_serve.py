@@ -314,7 +314,7 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
 
 def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
     """A vLLM command line: --backend openai (plain prompts, no chat template, to /v1/completions),
-    --save-result --result-dir --result-filename, --percentile-metrics."""
+    --save-result --result-dir --result-filename (vLLM's result JSON), --percentile-metrics."""
     target, _ = tiny_pair
     llm = LLM(target, max_model_len=256)
     folder = tmp_path / "vllm-results"
@@ -322,7 +322,7 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
         rc = main(["bench", "serve", "--base-url", live.url, "--model", "tiny", "--num-warmups", "0",
                    "--served-model-name", "no-such-model", "--max-concurrency", "1", "--num-prompts", "2",
                    "--output-len", "3", "--out", str(tmp_path / "wrong-name")])
-        assert rc == 0
+        assert rc == 2                                              # every request failed
         (wrong,) = json.loads((tmp_path / "wrong-name" / "results.json").read_text())["variants"][0]["points"]
         assert wrong["completed"] == 0 and wrong["failed"] == 2 and "404" in wrong["errors"][0]
         rc = main(["bench", "serve", "--base-url", live.url, "--model", "tiny", "--backend", "openai",
@@ -333,8 +333,12 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
                    "--ramp-up-end-rps", "50", "--temperature", "0.7", "--top-p", "0.95", "--top-k", "20",
                    "--min-p", "0.01"])
     assert rc == 0
-    results = json.loads((folder / "run-1.json").read_text())
-    assert not (folder / "results.json").exists() and (folder / "results.md").exists()
+    results = json.loads((folder / "results.json").read_text())
+    flat = json.loads((folder / "run-1.json").read_text())
+    assert (flat["completed"], flat["backend"], flat["model_id"], flat["ramp_up_strategy"]) == (2, "openai", "tiny",
+                                                                                                "linear")
+    assert {"p99_ttft_ms", "p99_e2el_ms", "median_e2el_ms"} <= set(flat)
+    assert not {"p99_tpot_ms", "mean_itl_ms"} & set(flat)            # only --percentile-metrics' metrics
     (point,) = results["variants"][0]["points"]
     assert point["completed"] == 2 and results["settings"]["backend"] == "openai"
     assert point["ramp"] == {"strategy": "linear", "start_rps": 5.0, "end_rps": 50.0}
@@ -359,9 +363,17 @@ def test_bench_serve_starts_and_compares_variants(tiny_pair, tmp_path):
     rc = main(["bench", "serve", "--model", str(target), "--speculative-config",
                json.dumps({"method": "draft_model", "model": str(draft)}), "--num-speculative-tokens", "0,2",
                "--server-args", "--max-model-len 256 --max-num-seqs 4", "--max-concurrency", "2",
-               "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path)])
+               "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path),
+               "--save-result"])
     assert rc == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    # vLLM's result file per variant, named as vLLM names it with the variant as its label
+    (plain_file,) = tmp_path.glob(f"plain-infqps-concurrency2-{target.name}-*.json")
+    (spec_file,) = tmp_path.glob(f"speculative-k-2-infqps-concurrency2-{target.name}-*.json")
+    assert "spec_decode_acceptance_rate" not in json.loads(plain_file.read_text())
+    flat = json.loads(spec_file.read_text())
+    assert flat["label"] == "speculative K=2" and flat["model_id"] == str(target) and flat["completed"] == 4
+    assert flat["spec_decode_draft_tokens"] > 0 and len(flat["spec_decode_per_position_acceptance_rates"]) == 2
     plain, spec = results["variants"]
     assert (plain["name"], spec["name"]) == ("plain", "speculative K=2")
     assert plain["points"][0]["completed"] == spec["points"][0]["completed"] == 4
@@ -422,6 +434,11 @@ def test_bench_serve_bad_flags_exit_2(capsys, tmp_path):
                            (["--percentile-metrics", "ttft,latency"], "--percentile-metrics"),
                            (["--result-dir", str(tmp_path / "a"), "--out", str(tmp_path / "b")], "--result-dir"),
                            (["--result-filename", "x/y.json"], "--result-filename"),
+                           (["--result-filename", "x.json"], "--save-result"),
+                           (["--base-url", "http://127.0.0.1:9", "--port", "9"], "--host/--port"),
+                           (["--input-len", "8"], "--input-len goes with --dataset-name random"),
+                           (["--dataset-name", "sharegpt", "--dataset-path", "x.json", "--output-len", "2"],
+                            "--output-len"),
                            (["--ramp-up-strategy", "linear"], "--ramp-up-start-rps"),
                            (["--ramp-up-end-rps", "4"], "--ramp-up-strategy"),
                            (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "4",
@@ -485,3 +502,204 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def fake_vllm(root, bodies: list, models: bool = True):
+    """An in-process stand-in for a vLLM server: /v1/models (the tiny target's files as its root, or
+    no model), streams of max_tokens " x" chunks with usage (404 for a model other than "fake"),
+    and /metrics with vLLM's labelled counters, split over two engines: per request 2 drafts,
+    6 draft tokens, 4 accepted (2 at position 0, 1 at each of positions 1 and 2). Request bodies go
+    to `bodies`."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    done = [0]
+
+    async def listed(request):
+        data = [{"id": "fake", "object": "model", "root": str(root), "max_model_len": 1024}] if models else []
+        return JSONResponse({"object": "list", "data": data})
+
+    async def complete(request):
+        body = await request.json()
+        bodies.append({"path": request.url.path, **body})
+        if body.get("model") != "fake":
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+        chat = request.url.path.endswith("chat/completions")
+
+        async def events():
+            for _ in range(body["max_tokens"]):
+                choice = {"index": 0, "delta": {"content": " x"}} if chat else {"index": 0, "text": " x"}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            done[0] += 1
+            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def metrics(request):
+        n, lines = done[0], []
+        for engine in ("0", "1"):
+            label = f'engine="{engine}",model_name="fake"'
+            lines += [f"vllm:spec_decode_num_drafts_total{{{label}}} {1.0 * n}",
+                      f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {3.0 * n}",
+                      f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {2.0 * n}",
+                      *(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {a * n}'
+                        for i, a in enumerate((1.0, 0.5, 0.5)))]
+        return PlainTextResponse("# TYPE vllm:spec_decode_num_drafts_total counter\n" + "\n".join(lines) + "\n")
+
+    return Starlette(routes=[Route("/v1/models", listed), Route("/metrics", metrics),
+                             Route("/v1/chat/completions", complete, methods=["POST"]),
+                             Route("/v1/completions", complete, methods=["POST"])])
+
+
+def test_counters_are_read_with_vllms_labels():
+    """vLLM labels its counters (engine, model_name, position): each is summed over its label sets,
+    as vLLM's own benchmark reads them; specdec's unlabelled ones read the same."""
+    text = ('# HELP vllm:spec_decode_num_drafts_total Number of drafts.\n'
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 6.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4.0\n'
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0\n'
+            'specdec:spec_decode_num_draft_tokens_total 12.0\n')
+    counters = serve.parse_counters(text)
+    assert counters["spec_decode_num_drafts_total"] == 10.0 and counters["spec_decode_num_draft_tokens_total"] == 12.0
+    assert serve.per_position(counters) == [5.0, 3.0]
+    spec = serve.acceptance({}, {**counters, "spec_decode_num_accepted_tokens_total": 8.0})
+    assert spec["acceptance_rate"] == pytest.approx(8 / 12, abs=1e-4)
+    assert spec["per_position_acceptance_rates"] == [0.5, 0.3]
+
+
+def test_bench_serve_against_a_vllm_server(tiny_pair, tmp_path, capsys):
+    """--base-url against a vLLM-like server: its labelled counters give the acceptance, and
+    --save-result writes vLLM's flat result JSON beside results.json."""
+    target, _ = tiny_pair
+    bodies = []
+    with LiveServer(fake_vllm(target, bodies)) as live:
+        rc = main(["bench", "serve", "--base-url", live.url, "--num-prompts", "3", "--max-concurrency", "1",
+                   "--output-len", "5", "--warmup", "0", "--out", str(tmp_path), "--save-result",
+                   "--result-filename", "vllm.json", "--metric-percentiles", "50,99.9", "--goodput", "ttft:60000"])
+    assert rc == 0
+    (point,) = json.loads((tmp_path / "results.json").read_text())["variants"][0]["points"]
+    assert point["speculation"]["draft_tokens"] == 18 and point["speculation"]["accepted_tokens"] == 12
+    assert point["speculation"]["num_drafts"] == 6
+    assert point["speculation"]["acceptance_rate"] == pytest.approx(2 / 3, abs=1e-4)
+    assert " Speculative Decoding " in capsys.readouterr().out
+    flat = json.loads((tmp_path / "vllm.json").read_text())
+    assert (flat["backend"], flat["model_id"], flat["tokenizer_id"], flat["label"]) == ("openai-chat", str(target),
+                                                                                        str(target), None)
+    assert (flat["num_prompts"], flat["completed"], flat["failed"], flat["max_concurrency"]) == (3, 3, 0, 1)
+    assert (flat["request_rate"], flat["burstiness"], flat["total_output_tokens"]) == ("inf", 1.0, 15)
+    assert flat["request_throughput"] == pytest.approx(3 / flat["duration"])
+    assert flat["request_goodput"] == pytest.approx(flat["request_throughput"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{metric}_ms", f"median_{metric}_ms", f"std_{metric}_ms", f"p50_{metric}_ms",
+                f"p99.9_{metric}_ms"} <= set(flat)
+    assert flat["spec_decode_acceptance_rate"] == pytest.approx(12 / 18 * 100)
+    assert flat["spec_decode_acceptance_length"] == pytest.approx(1 + 12 / 6)
+    assert (flat["spec_decode_num_drafts"], flat["spec_decode_draft_tokens"], flat["spec_decode_accepted_tokens"]) \
+        == (6, 18, 12)
+    assert flat["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.5, 0.5])   # 6, 3, 3 of 6
+    assert "ttfts" not in flat and "generated_texts" not in flat         # vLLM keeps them with --save-detailed
+
+
+def test_bench_serve_takes_vllms_lengths_host_and_port(tiny_pair, tmp_path):
+    """vLLM's --host/--port name the running server; --input-len is random's prompt length; random
+    requests ignore EOS; --output-len given is sharegpt's max_tokens, the replies' lengths if not;
+    --burstiness inf; --save-result names each load point's file as vLLM does."""
+    from specdec.tokenizer import Tokenizer
+
+    target, _ = tiny_pair
+    sharegpt = tmp_path / "sharegpt.json"
+    reply = "The sea is wide and blue under a bright sky today."
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Write a short line about rain."},
+                                                       {"from": "gpt", "value": reply}]}]))
+    bodies = []
+    common = ["--num-prompts", "2", "--max-concurrency", "1", "--warmup", "0"]
+    with LiveServer(fake_vllm(target, bodies)) as live:
+        port = live.url.rsplit(":", 1)[1]
+        assert main(["bench", "serve", "--host", "127.0.0.1", "--port", port, "--dataset-name", "random",
+                     "--input-len", "9", "--output-len", "3", *common, "--out", str(tmp_path / "r")]) == 0
+        random_bodies, bodies[:] = list(bodies), []
+        assert main(["bench", "serve", "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt),
+                     "--output-len", "5", *common, "--out", str(tmp_path / "s")]) == 0
+        given, bodies[:] = list(bodies), []
+        assert main(["bench", "serve", "--base-url", live.url, "--dataset-name", "sharegpt", "--dataset-path",
+                     str(sharegpt), *common, "--request-rate", "500", "--burstiness", "inf",
+                     "--out", str(tmp_path / "d")]) == 0
+        default, bodies[:] = list(bodies), []
+        assert main(["bench", "serve", "--base-url", live.url, "--num-prompts", "2", "--max-concurrency", "1,2",
+                     "--output-len", "2", "--warmup", "0", "--save-result", "--label", "mine",
+                     "--out", str(tmp_path / "v")]) == 0
+    assert len(random_bodies) == 2 and all(len(b["prompt"]) == 9 and b["max_tokens"] == 3
+                                           and b["ignore_eos"] is True for b in random_bodies)
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["settings"]["ignore_eos"] is True
+    assert [b["max_tokens"] for b in given] == [5, 5]
+    assert json.loads((tmp_path / "s" / "results.json").read_text())["settings"]["output_len"] == 5
+    assert [b["max_tokens"] for b in default] == [len(Tokenizer(target).encode(reply, add_special_tokens=False))] * 2
+    assert json.loads((tmp_path / "d" / "results.json").read_text())["settings"]["burstiness"] == "inf"
+    assert "burstiness inf;" in (tmp_path / "d" / "results.md").read_text()
+    names = sorted(p.name for p in (tmp_path / "v").glob("mine-*.json"))
+    assert [n.rsplit("-", 2)[0] for n in names] == [f"mine-infqps-concurrency1-{target.name}",
+                                                    f"mine-infqps-concurrency2-{target.name}"]
+    assert json.loads((tmp_path / "v" / names[1]).read_text())["max_concurrency"] == 2
+
+
+def test_bench_serve_one_line_errors_from_the_server(tiny_pair, tmp_path, capsys):
+    """A server listing no model, and requests that all fail: one line and exit 2; the failed
+    requests' errors printed as vLLM prints them."""
+    target, _ = tiny_pair
+    with LiveServer(fake_vllm(target, [], models=False)) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--num-prompts", "2", "--max-concurrency", "1",
+                     "--warmup", "0", "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert "No models found on the server" in err and len(err.strip().splitlines()) == 1, err
+    with LiveServer(fake_vllm(target, [])) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--model", "nonexistent", "--num-prompts", "2",
+                     "--max-concurrency", "1", "--warmup", "0", "--out", str(tmp_path / "fail")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Error 0: HTTP 404:" in "\n".join(err) and "All requests failed" in "\n".join(err)
+    assert err[-1].startswith("specdec: error: every request of server, concurrency 1, failed")
+    assert "does not exist" in err[-1]
+    assert (tmp_path / "fail" / "results.json").exists()          # the run is still recorded
+
+
+def test_a_server_that_does_not_start_is_one_line_error(tiny_pair, tmp_path, capsys):
+    """A started server that exits (a bad --model, bad --server-args) or does not answer in time:
+    one line naming the log's error and the log, exit 2, no process left behind."""
+    import os
+
+    target, _ = tiny_pair
+    before = set(_children(os.getpid()))
+    for flags, reason in ((["--model", str(tmp_path / "none")], "does not exist"),
+                          (["--model", str(target), "--server-args", "--max-num-seqs abc"], "--max-num-seqs")):
+        rc = main(["bench", "serve", *flags, "--num-speculative-tokens", "0", "--num-prompts", "2",
+                   "--max-concurrency", "1", "--warmup", "0", "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err[-1].startswith("specdec: error: the server exited with status"), err
+        assert reason in err[-1] and str(tmp_path / "o" / "server-plain.log") in err[-1]
+    with pytest.raises(serve.ServerStartError, match="did not start within 0 s"), \
+            serve.server(["--model", str(target)], tmp_path / "slow.log", startup_s=0):
+        pass
+    assert set(_children(os.getpid())) <= before
+
+
+def test_burstiness_inf_gives_constant_gaps():
+    """vLLM's get_request: as burstiness tends to infinity the gaps become 1/rate."""
+    assert serve.arrival_gaps(4, 2.0, float("inf"), 0) == [0.5] * 4
+    assert serve.arrival_gaps(3, float("inf"), float("inf"), 0, ramp=("linear", 1.0, 4.0)) == \
+        pytest.approx([1.0, 1 / 2.5, 1 / 4.0])
+
+
+def test_metric_percentiles_are_checked_when_parsed(capsys):
+    for bad in ("99,150", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["bench", "serve", "--metric-percentiles", bad])
+        assert "--metric-percentiles" in capsys.readouterr().err
+
+
+def test_results_md_keeps_sub_10_ms_digits():
+    from specdec.bench.serve_report import _ms
+
+    assert [_ms({"x": v}, "x") for v in (2.5, 4.034, 24.66, 247.3)] == ["2.50", "4.03", "24.7", "247"]
+    assert _ms({"x": None}, "x") == "–"

@@ -39,6 +39,7 @@ from .spec_bench import read_questions
 METRICS = ("ttft", "tpot", "itl", "e2el")
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "num_preemptions_total")
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"     # labelled position="i"
 
 
 @dataclass
@@ -269,7 +270,7 @@ def served_tokenizer(base_url: str, path: str | None = None):
             return Tokenizer(path)
         except Exception as e:  # noqa: BLE001 - any unreadable folder or file: one line
             raise ValueError(f"--tokenizer {path}: {e}") from None
-    root = json.loads(_get(base_url + "/v1/models"))["data"][0].get("root")
+    root = first_model(base_url).get("root")
     if not root or not Path(root).exists():
         raise ValueError("--dataset-name random, prefix_repetition and sharegpt need the served model's tokenizer: "
                          "its files are not on this machine, pass --tokenizer PATH")
@@ -291,7 +292,7 @@ def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:
     benchmark drops over-long prompts; all of them when the model's files are not on this machine."""
     from ..tokenizer import Tokenizer
 
-    info = json.loads(_get(base_url + "/v1/models"))["data"][0]
+    info = first_model(base_url)
     root, max_len = info.get("root"), info.get("max_model_len")
     if not root or not max_len or not Path(root).exists():
         return items
@@ -318,14 +319,20 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
                  ramp: tuple[str, float, float] | None = None) -> list[float]:
     """Seconds before each request: Gamma(shape=burstiness, mean=1/rate) gaps; 0 at rate inf.
     With a ramp, each gap's mean is 1 / the rate at that request (a rate of 0: the first request
-    goes at once and the next gap follows the next rate)."""
+    goes at once and the next gap follows the next rate). Burstiness inf: every gap 1/rate, the
+    Gamma's limit (vLLM's get_request)."""
     rng = np.random.default_rng(seed)
+
+    def gap(r: float) -> float:
+        if burstiness == float("inf"):
+            return 1.0 / r
+        return float(rng.gamma(burstiness, 1.0 / (r * burstiness)))
+
     if ramp is not None:
-        return [0.0 if r <= 0 else float(rng.gamma(burstiness, 1.0 / (r * burstiness)))
-                for r in ramp_rates(n, *ramp)]
+        return [0.0 if r <= 0 else gap(r) for r in ramp_rates(n, *ramp)]
     if rate == float("inf"):
         return [0.0] * n
-    return list(rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n))
+    return [gap(rate) for _ in range(n)]
 
 
 def _is_chat(item: dict) -> bool:
@@ -527,27 +534,58 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
     return summary
 
 
-def read_counters(base_url: str) -> dict[str, float]:
-    """The server's speculative counters (and generated tokens, preemptions) from /metrics."""
-    try:
-        text = _get(base_url + "/metrics")
-    except OSError:             # urllib's URLError and HTTPError are OSErrors
-        return {}
-    out = {}
-    for name in SPEC_COUNTERS:
-        m = re.search(rf"^\w+:{name} (\S+)$", text, re.MULTILINE)
-        if m:
-            out[name] = float(m.group(1))
+_SAMPLE = re.compile(r"^\w+:(\w+)(\{.*\})?\s+(\S+)(\s+\S+)?$")      # name{labels} value [timestamp]
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The speculative counters (and generated tokens, preemptions) of a /metrics text, each summed
+    over its label sets (vLLM labels them by engine and model_name; specdec's are unlabelled), and
+    the accepted tokens per draft position, keyed PER_POSITION + "[i]" (as vLLM's bench reads them)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m or (m.group(1) not in SPEC_COUNTERS and m.group(1) != PER_POSITION):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        key = m.group(1)
+        if key == PER_POSITION:
+            pos = _POSITION.search(m.group(2) or "")
+            if not pos:
+                continue
+            key = f"{PER_POSITION}[{pos.group(1)}]"
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
+def read_counters(base_url: str) -> dict[str, float]:
+    """parse_counters of the server's /metrics ({} when it has none)."""
+    try:
+        return parse_counters(_get(base_url + "/metrics"))
+    except OSError:             # urllib's URLError and HTTPError are OSErrors
+        return {}
+
+
+def per_position(counters: dict[str, float]) -> list[float]:
+    """Accepted tokens at each draft position (0, 1, ...) in counters (parse_counters' keys)."""
+    found = {int(k[len(PER_POSITION) + 1:-1]): v for k, v in counters.items() if k.startswith(PER_POSITION + "[")}
+    return [found.get(i, 0.0) for i in range(max(found) + 1)] if found else []
+
+
 def acceptance(before: dict, after: dict) -> dict:
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    """The counters' increments: drafts, draft and accepted tokens, the acceptance rate (a fraction),
+    the mean acceptance length (1 + accepted per draft) and the per-position acceptance rates
+    (accepted at position i per draft, vLLM's)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(SPEC_COUNTERS) | set(before) | set(after)}
     drafted, accepted, drafts = (d["spec_decode_num_draft_tokens_total"], d["spec_decode_num_accepted_tokens_total"],
                                  d["spec_decode_num_drafts_total"])
     return {"draft_tokens": int(drafted), "accepted_tokens": int(accepted), "num_drafts": int(drafts),
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "per_position_acceptance_rates": [round(a / drafts, 4) for a in per_position(d)] if drafts else [],
             "preemptions": int(d["num_preemptions_total"])}
 
 
@@ -570,10 +608,25 @@ def unwind_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+class ServerStartError(OSError):
+    """A server that `server` started exited or did not answer in time: its reason (the log's last
+    error line) and the log's path."""
+
+
+def _last_error(log: Path) -> str:
+    """The log's last line that reads as an error ("...: error: ...", "ValueError: ..."), if any."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if re.search(r"error", line, re.IGNORECASE)), "")
+
+
 @contextmanager
 def server(argv: list[str], log: Path, startup_s: float = 600.0):
     """`specdec serve argv` on a free loopback port until the block ends (then SIGTERM, which
-    drains it); yields its Started (base URL, process id)."""
+    drains it); yields its Started (base URL, process id). A server that exits or does not answer
+    within startup_s raises ServerStartError, no process left behind."""
     port = free_port()
     cmd = [sys.executable, "-m", "specdec.entrypoints.openai.api_server", *argv, "--port", str(port),
            "--uvicorn-log-level", "warning"]
@@ -584,9 +637,11 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
             deadline = time.monotonic() + startup_s
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {proc.returncode} (log: {log})")
+                    reason = _last_error(log)
+                    raise ServerStartError(f"the server exited with status {proc.returncode}"
+                                           + (f": {reason}" if reason else "") + f" (log: {log})")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start within {startup_s:.0f} s (log: {log})")
+                    raise ServerStartError(f"the server did not start within {startup_s:g} s (log: {log})")
                 try:
                     _get(url + "/health", timeout=2)        # raises unless 200
                     break
@@ -603,8 +658,20 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
                 proc.wait()
 
 
+def first_model(base_url: str) -> dict:
+    """The first entry of the server's /v1/models (its "id", and "root", "max_model_len" where given)."""
+    try:
+        body = json.loads(_get(base_url + "/v1/models"))
+    except ValueError:
+        raise ValueError(f"{base_url}/v1/models did not answer JSON") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not data or not isinstance(data[0], dict) or "id" not in data[0]:
+        raise ValueError(f"No models found on the server at {base_url} (its /v1/models lists none)")
+    return data[0]
+
+
 def served_model(base_url: str) -> str:
-    return json.loads(_get(base_url + "/v1/models"))["data"][0]["id"]
+    return first_model(base_url)["id"]
 
 
 def request_model(base_url: str, args) -> str:
@@ -663,6 +730,7 @@ class Measured:
     wall: float = 0.0
     counters: dict = field(default_factory=dict)     # the speculative counters' increments
     rounds: list = field(default_factory=list)       # per round: its median TPOT and output tok/s
+    load: Load | None = None                         # set by point()
 
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
@@ -678,6 +746,8 @@ class Measured:
             self.counters[k] = self.counters.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
 
     def point(self, load: Load, slo: dict, args) -> dict:
+        self.load = load
+        report_failures(self.results)
         point = {"rate": load.rate if load.rate != float("inf") else "inf", "concurrency": load.concurrency,
                  **({"ramp": {"strategy": load.ramp[0], "start_rps": load.ramp[1], "end_rps": load.ramp[2]}}
                     if load.ramp else {}),
@@ -689,15 +759,33 @@ class Measured:
         return point
 
 
-def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict) -> list[dict]:
-    """Every load point against one server: warm-up requests first, then the measured ones."""
+def report_failures(results: list[RequestResult]) -> None:
+    """vLLM's report of failed requests (the first 10 errors) and its warning when all failed."""
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print("Failed requests during benchmark run detected (capping to 10):", file=sys.stderr)
+        for i, r in enumerate(failed[:10]):
+            print(f"Error {i}: {one_line(r.error)}", file=sys.stderr)
+    if results and len(failed) == len(results):
+        print("WARNING: All requests failed. This is likely due to a misconfiguration on the benchmark arguments.",
+              file=sys.stderr)
+    sys.stderr.flush()
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict) -> list[tuple[dict, Measured]]:
+    """Every load point against one server: warm-up requests first, then the measured ones;
+    (its point, what was measured) per load point."""
     warm_up(base_url, pool, args)
-    points = []
+    out = []
     for load in loads:
         m = Measured()
         m.run(base_url, point_requests(load, pool, args), load, args, args.seed)
-        points.append(m.point(load, slo, args))
-    return points
+        out.append((m.point(load, slo, args), m))
+    return out
 
 
 def dump(obj, path: Path) -> None:

@@ -6,7 +6,7 @@
 starts one server per variant (0 = plain batched decoding; the method is the default model's,
 or --speculative-config's), all before the first load point, and measures the load points
 variant after variant (interleaved, so that a machine whose load drifts affects all alike).
-With --base-url it measures that one running server instead.
+With --base-url (or vLLM's --host/--port) it measures that one running server instead.
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ import shlex
 import sys
 from pathlib import Path
 
+OUTPUT_LEN = 128            # --output-len's default
+RANDOM_INPUT_LEN = 1024     # --random-input-len's
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="measure this running server (http://host:port) instead of starting servers")
-    p.add_argument("--label", default="server", help="the variant's name with --base-url")
+    p.add_argument("--host", help="vLLM's: measure the running server at this host (default 127.0.0.1 when --port "
+                                  "is given) instead of starting servers")
+    p.add_argument("--port", type=int, help="vLLM's: measure the running server at this port (default 8000 when "
+                                            "--host is given) instead of starting servers")
+    p.add_argument("--label", help="the variant's name with --base-url (default server; vLLM's result files: "
+                                   "their name's prefix, default the backend)")
     p.add_argument("--model", help="target for the servers started (default: the default model); with --base-url, "
                                    "the model the requests name (vLLM's meaning; default: the server's first)")
     p.add_argument("--served-model-name", help="the model name the requests carry (default: the server's first)")
@@ -62,10 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-repetition-output-len", type=int,
                    help="prefix_repetition: max_tokens of each request (default: --output-len)")
     p.add_argument("--sharegpt-output-len", type=int, help="sharegpt: max_tokens of every request (default: "
-                                                             "the length of the conversation's reply)")
+                                                             "--output-len if given, else the length of the "
+                                                             "conversation's reply, as vLLM)")
     p.add_argument("--skip-chat-template", action="store_true",
                    help="custom: send the prompts as they are to /v1/completions")
-    p.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens (default 1024)")
+    p.add_argument("--random-input-len", type=int, help="random: prompt tokens (default: --input-len, else 1024)")
+    p.add_argument("--input-len", type=int, help="vLLM's: random: --random-input-len")
     p.add_argument("--random-output-len", type=int,
                    help="random: output tokens, i.e. max_tokens (default: --output-len)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -76,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                        "(default: the served model's, when its files are on this machine)")
     p.add_argument("--request-rate", default="inf", type=_rates,
                    help="requests/s, comma-separated (inf = all at once; default inf)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of arrival gaps (1 = Poisson; inf = every gap 1/rate)")
     p.add_argument("--ramp-up-strategy", choices=["linear", "exponential"],
                    help="vLLM's: instead of --request-rate, a rate going from --ramp-up-start-rps to "
                         "--ramp-up-end-rps over each load point's requests")
@@ -85,14 +96,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", default="1,2,4,8,16,32", type=_concurrency,
                    help="requests in flight at most, comma-separated (default 1,2,4,8,16,32)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per load point (at least 2x its concurrency)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default 128)")
-    p.add_argument("--ignore-eos", action="store_true", help="every request generates --output-len tokens")
+    p.add_argument("--output-len", type=int, help=f"max_tokens of each request (default {OUTPUT_LEN}; sharegpt: "
+                                                    "the replies' lengths unless given)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request generates its max_tokens (always on with --dataset-name random, as vLLM)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, help="nucleus sampling of every request (default: the server's)")
     p.add_argument("--top-k", type=int, help="top-k sampling of every request (vLLM's extension; default: the server's)")
     p.add_argument("--min-p", type=float, help="min-p sampling of every request (vLLM's extension; default: the server's)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:100 (vLLM's)")
-    p.add_argument("--metric-percentiles", default="50,90,99", type=_floats)
+    p.add_argument("--metric-percentiles", default="50,90,99", type=_percentiles,
+                   help="percentiles reported, comma-separated, each in [0, 100] (default 50,90,99)")
     p.add_argument("--warmup", "--num-warmups", type=int, default=2, help="requests sent to each server before measuring")
     p.add_argument("--rounds", type=int, default=1,
                    help="split each load point's requests into rounds (of at least twice its concurrency) in which "
@@ -113,9 +127,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
     p.add_argument("--result-dir", type=Path, help="vLLM's name for --out")
-    p.add_argument("--result-filename", help="the results JSON's file name in that folder (default results.json)")
+    p.add_argument("--result-filename", help="with --save-result: vLLM's result file's name in that folder (a "
+                                             "single variant and load point; else its stem, then each one's)")
     p.add_argument("--save-result", action="store_true",
-                   help="accepted for vLLM's command lines: the results are always saved")
+                   help="also write each variant's load point as vLLM's result JSON (flat keys: mean_ttft_ms, "
+                        "spec_decode_acceptance_rate...), named as vLLM names it; results.json, results.md and "
+                        "serve.png are always written")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="vLLM's: the result files keep per-request lists (input_lens, ttfts, itls, generated_texts, "
+                        "errors...)")
 
 
 def _split(value: str) -> list[str]:
@@ -156,11 +176,14 @@ def _concurrency(value: str) -> list[int | None]:
     return out
 
 
-def _floats(value: str) -> list[float]:
+def _percentiles(value: str) -> list[float]:
     try:
-        return [float(x) for x in _split(value)]
+        out = [float(x) for x in _split(value)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be numbers, got {value!r}") from None
+    if any(not 0 <= p <= 100 for p in out):
+        raise argparse.ArgumentTypeError(f"each must be in [0, 100], got {value!r}")
+    return out
 
 
 def _json(value: str) -> dict:
@@ -234,10 +257,39 @@ def vllm_flags(args) -> None:
         raise ValueError("--out and --result-dir name the same folder: give one")
     if args.result_filename is not None and (not args.result_filename.endswith(".json") or "/" in args.result_filename):
         raise ValueError("--result-filename must be a .json file name, without a folder")
+    if args.result_filename is not None and not args.save_result:
+        raise ValueError("--result-filename names the --save-result file: give --save-result too")
+    if args.host is not None or args.port is not None:
+        if args.base_url:
+            raise ValueError("--base-url and --host/--port name the same server: give one")
+        host = args.host or "127.0.0.1"
+        args.base_url = f"http://{f'[{host}]' if ':' in host else host}:{8000 if args.port is None else args.port}"
     metrics = tuple(m.strip() for m in str(args.percentile_metrics).split(",") if m.strip())
     if not metrics or any(m not in METRICS for m in metrics):
         raise ValueError(f"--percentile-metrics: comma-separated names among {', '.join(METRICS)}")
     args.percentile_metrics = metrics
+
+
+def lengths(args) -> None:
+    """Settle the lengths as vLLM maps its general flags: --input-len is random's --random-input-len;
+    --output-len, when given, is also sharegpt's max_tokens (a dataset's own length flag, given too,
+    wins, as --random-output-len and --prefix-repetition-output-len do). Random prompts ignore EOS
+    (vLLM's main_async), so that each generates the length asked for."""
+    if args.input_len is not None:
+        if args.dataset_name != "random":
+            raise ValueError("--input-len goes with --dataset-name random (vLLM maps it to --random-input-len)")
+        if args.random_input_len is None:
+            args.random_input_len = args.input_len
+    if args.random_input_len is None:
+        args.random_input_len = RANDOM_INPUT_LEN
+    if args.dataset_name == "sharegpt" and args.sharegpt_output_len is None and args.output_len is not None:
+        if args.output_len < 4:
+            raise ValueError("--output-len: sharegpt's max_tokens must be >= 4")
+        args.sharegpt_output_len = args.output_len
+    if args.output_len is None:
+        args.output_len = OUTPUT_LEN
+    if args.dataset_name == "random":
+        args.ignore_eos = True
 
 
 def dataset(args, loads):
@@ -320,7 +372,8 @@ def requests_described(args) -> str:
         ratio = f" (+-{args.random_range_ratio:.0%})" if args.random_range_ratio else ""
         prefix = f" after a shared random prefix of {args.random_prefix_len}" if args.random_prefix_len else ""
         return (f"random token ids{prefix}: {args.random_input_len}{ratio} prompt tokens, "
-                f"{args.random_output_len or args.output_len}{ratio} max_tokens, sent to /v1/completions")
+                f"{args.random_output_len or args.output_len}{ratio} max_tokens with ignore_eos (as vLLM forces "
+                f"for random), sent to /v1/completions")
     if args.dataset_name == "prefix_repetition":
         return (f"random token ids: {args.prefix_repetition_num_prefixes} shared prefixes of "
                 f"{args.prefix_repetition_prefix_len} tokens, each request's own {args.prefix_repetition_suffix_len} "
@@ -350,12 +403,14 @@ def command_line(argv: list[str]) -> str:
 
 
 def run(args, argv: list[str]) -> int:
-    from . import serve
+    from . import serve, serve_vllm
+    from .cli import output_folder
     from .machine import machine_info
     from .serve_report import console, write_all
 
     slo = serve.parse_goodput(args.goodput)
     vllm_flags(args)
+    lengths(args)
     if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
     loads = [serve.Load(r, c, ramp(args)) for r in args.request_rate for c in args.max_concurrency]
@@ -364,32 +419,57 @@ def run(args, argv: list[str]) -> int:
         pool = (lambda make: lambda url: serve.as_completions(make(url)))(pool) if callable(pool) \
             else serve.as_completions(pool)
     out = args.out or args.result_dir or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out, "--result-dir" if args.result_dir else "--out")
+    sharegpt = args.dataset_name == "sharegpt"
     results = {"command": command_line(argv), "machine": machine_info(),
-               "settings": {"output_len": args.output_len, "temperature": args.temperature,
+               "settings": {"output_len": args.sharegpt_output_len if sharegpt else args.output_len,
+                            "temperature": args.temperature,
                             **{k: getattr(args, k) for k in ("top_p", "top_k", "min_p") if getattr(args, k) is not None}, "ignore_eos": args.ignore_eos,
-                            "burstiness": args.burstiness, "client": args.client,
+                            "burstiness": "inf" if args.burstiness == float("inf") else args.burstiness,
+                            "client": args.client,
                             "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
                             "dataset": dataset_name(args), "requests": requests_sent(args),
                             "backend": args.backend, "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,
                             "oversampled": not args.no_oversample},
                "variants": []}
+    runs = []           # (variant, its vLLM label, Measured) of each load point measured
     if args.base_url:
         url = args.base_url.rstrip("/")
         pool = pool(url) if callable(pool) else pool
-        results["variants"].append({"name": args.label, "k": None, "argv": None,
-                                    "points": serve.measure(url, loads, serve.fitting(pool, url, args.output_len), args, slo)})
+        name = args.label or "server"
+        measured = serve.measure(url, loads, serve.fitting(pool, url, args.output_len), args, slo)
+        results["variants"].append({"name": name, "k": None, "argv": None, "points": [p for p, _ in measured]})
+        runs = [(name, args.label, m) for _, m in measured]
+        model = serve.first_model(url) if args.save_result else None
     else:
-        _run_started(args, loads, pool, slo, out, results)
+        model = _run_started(args, loads, pool, slo, out, results, runs)
     results["machine"]["load_average_after"] = machine_info()["load_average"]
     print(console(results))
-    for path in write_all(results, out, args.result_filename or "results.json"):
+    for path in write_all(results, out):
         print(path)
+    if args.save_result:
+        for path in serve_vllm.write(runs, args, out, _vllm_head(args, model), slo):
+            print(path)
+    for name, _, m in runs:
+        if m.results and not any(r.ok for r in m.results):
+            raise ValueError(f"every request of {name}, {m.load.name}, failed; the first: "
+                             f"{serve.one_line(m.results[0].error)}")
     return 0
 
 
-def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
-    """Start every variant's server, then measure each load point on each in turn."""
+def _vllm_head(args, model: dict) -> dict:
+    """The keys vLLM's result files open with: the model as vLLM names it (--model, else the
+    server's first model's root)."""
+    from datetime import datetime
+
+    model_id = args.model or model.get("root") or model["id"]
+    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend, "backend": args.backend,
+            "model_id": model_id, "tokenizer_id": args.tokenizer or model_id}
+
+
+def _run_started(args, loads, pool, slo, out: Path, results: dict, runs: list) -> dict | None:
+    """Start every variant's server, then measure each load point on each in turn; appends
+    (variant, label, Measured) to runs; the first server's first model (with --save-result)."""
     from contextlib import ExitStack
 
     from . import serve
@@ -402,6 +482,7 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
             print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
             started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
             results["variants"].append({**v, "points": []})
+        model = serve.first_model(started[0][1]) if args.save_result else None
         pool = pool(started[0][1]) if callable(pool) else pool
         pool = serve.fitting(pool, started[0][1], args.output_len)
         results["settings"]["prompts_that_fit"] = len(pool)
@@ -421,4 +502,6 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict) -> None:
                     m.run(url, items[cuts[r]:cuts[r + 1]], load, args, args.seed + r)
                     if r == rounds - 1:
                         entry["points"].append(m.point(load, slo, args))
+                        runs.append((v["name"], v["name"], m))
+    return model
 

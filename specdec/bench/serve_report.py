@@ -31,7 +31,11 @@ def _load(p: dict) -> str:
 
 
 def _ms(d: dict, key: str) -> str:
-    return "–" if d.get(key) is None else f"{d[key]:.0f}"
+    """A latency in ms with the digits that let the table's ratios be recomputed: 2.47, 24.7, 247."""
+    x = d.get(key)
+    if x is None:
+        return "–"
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def _x(x, digits=2) -> str:
@@ -145,6 +149,10 @@ def console(results: dict) -> str:
                         line("Acceptance length:", f"{spec['mean_acceptance_length']:.2f}"),
                         line("Drafts:", spec["num_drafts"]), line("Draft tokens:", spec["draft_tokens"]),
                         line("Accepted tokens:", spec["accepted_tokens"])]
+                if spec.get("per_position_acceptance_rates"):
+                    out.append("Per-position acceptance (%):")
+                    out += [line(f"  Position {i}:", f"{100 * r:.2f}")
+                            for i, r in enumerate(spec["per_position_acceptance_rates"])]
             out.append(rule(ch="="))
     return "\n".join(out)
 
@@ -169,7 +177,7 @@ def markdown(results: dict) -> str:
              f"temperature {s['temperature']:g}"
              + "".join(f", {k} {s[k]:g}" for k in ("top_p", "top_k", "min_p") if s.get(k) is not None)
              + f", ignore_eos {s['ignore_eos']}, burstiness "
-             f"{s['burstiness']:g}; goodput SLOs: {slo}; client: {s.get('client', 'openai')}",
+             f"{float(s['burstiness']):g}; goodput SLOs: {slo}; client: {s.get('client', 'openai')}",
              "- TTFT: request sent -> first chunk with tokens; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; "
              "ITL: gaps between chunks (a speculative step's chunk carries several tokens); acceptance from the "
              "server's /metrics over the load point", "", "## Per variant and load", "", summary_table(results), ""]

@@ -485,6 +485,8 @@ class Engine:
         wanted, spans = [], []
         for r, start, n, row in scored:
             lo, hi = max(r.prompt_logprobs_next, start + 1), min(len(r.prompt), start + n + 1)   # positions
+            if lo >= hi:          # nothing of the prompt left to score (a preempted request's recompute)
+                continue
             wanted.append((_TopK(r.params.prompt_logprobs), [row + p - 1 - start for p in range(lo, hi)],
                            r.prompt[lo:hi]))
             spans.append((r, lo, hi))

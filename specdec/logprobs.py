@@ -83,8 +83,8 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     if not wanted:
         return []
     dev = logits.device
-    rows = torch.tensor([r for _, rows, _ in wanted for r in rows], device=dev)
-    tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=dev)
+    rows = torch.tensor([r for _, rows, _ in wanted for r in rows], device=dev, dtype=torch.long)
+    tokens = torch.tensor([t for _, _, toks in wanted for t in toks], device=dev, dtype=torch.long)
     counts = [len(rows) for _, rows, _ in wanted]
     logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
     picked = logp.gather(1, tokens[:, None])

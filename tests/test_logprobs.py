@@ -173,3 +173,26 @@ def test_prompt_logprobs_bypass_the_prefix_cache(tiny_pair):
     assert all(x is not None and x.top == () for x in again.prompt_logprobs[1:])
     cached = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2))[0]
     assert cached.stats.cached_tokens > 0 and cached.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_prompt_logprobs_survive_preemption(tiny_pair):
+    """A preempted request asking for prompt logprobs is recomputed with nothing of its prompt left
+    to score (was an IndexError that failed the whole step); its figures equal a roomy pool's."""
+    target, _ = tiny_pair
+    probe = LLM(target, dtype="float32", num_speculative_tokens=0, max_model_len=128, max_num_seqs=1)
+    per = probe.engine.target.kv_bytes_per_slot(dtype=probe.engine.kv_dtype)
+    ids = probe.tokenizer.encode("".join(f"def f{i}(x): return x * {i}\n" for i in range(12)))
+    prompts = [{"prompt_token_ids": ids[i * 5:i * 5 + 60]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=1 if i % 2 == 0 else None)
+              for i in range(6)]
+    kw = dict(dtype="float32", num_speculative_tokens=0, max_model_len=128, max_num_seqs=4)
+    small = LLM(target, kv_cache_memory=per * 16 * 10, **kw)
+    got = small.generate(prompts, params)
+    want = LLM(target, **kw).generate(prompts, params)
+    assert small.engine.num_preemptions > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+        if w.prompt_logprobs is not None:
+            assert [x.logprob if x else None for x in g.prompt_logprobs] == \
+                pytest.approx([x.logprob if x else None for x in w.prompt_logprobs], abs=1e-5)

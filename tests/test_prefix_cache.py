@@ -297,3 +297,22 @@ def test_server_reports_prefix_cache_hits(tiny_pair):
         with httpx.Client(base_url=live.url, timeout=30) as http:
             hits, queries = (metric(http, f"specdec:prefix_cache_{n}_total") for n in ("hits", "queries"))
         assert queries >= hits > 0
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_medusa_hit_up_to_the_last_prompt_token(tiny_pair, drafters, greedy):
+    """A prompt of whole blocks plus one token, sent again: a hit up to its last token would leave
+    Medusa without the feature it drafts from (the token before the last); the last block is
+    computed again, so it drafts and samples exactly as without the cache."""
+    spec = METHODS["medusa"](drafters)
+    kw = dict(model=tiny_pair[0], dtype="float32", speculative_config=spec)
+    params = SamplingParams(temperature=0 if greedy else 1.0, top_k=0 if greedy else 8, max_tokens=16,
+                            seed=None if greedy else 9, ignore_eos=True)
+    ids = LLM(**kw).tokenizer.encode(PROMPTS[1] * 6)[:4 * 16 + 1]
+    def run(llm):
+        o = llm.generate([{"prompt_token_ids": ids}], params)[0]
+        return list(o.outputs[0].token_ids), o.stats.draft_tokens, o.stats.accepted_tokens
+    cold = run(LLM(**kw))
+    cached = LLM(**kw, enable_prefix_caching=True)
+    assert [run(cached) for _ in range(2)] == [cold, cold]
+    assert cached.engine.prefix_cache_hits > 0

@@ -345,3 +345,22 @@ def test_n_is_not_capped_offline(models):
     """vLLM's n has no small cap: 20 samples of one prompt (the server still bounds one HTTP call)."""
     out = models["plain"].generate(["def f(x):"], SamplingParams(n=20, temperature=1.0, max_tokens=4, seed=1))[0]
     assert len(out.outputs) == 20 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_checkpoints_with_rope_buffers_load(tiny_pair, tmp_path):
+    """transformers before 4.31 saved each layer's rotary_emb.inv_freq: taken as recomputable
+    buffers (vLLM skips them), not refused as unexpected weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "old"
+    shutil.copytree(tiny_pair[0], target)
+    sd = load_file(str(target / "model.safetensors"))
+    layers = {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.")}
+    for i in layers:
+        sd[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    save_file(sd, str(target / "model.safetensors"), metadata={"format": "pt"})
+    old = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    assert tokens(old, PROMPTS[:2], GREEDY) == tokens(LLM(model=tiny_pair[0], dtype="float32",
+                                                          num_speculative_tokens=0), PROMPTS[:2], GREEDY)

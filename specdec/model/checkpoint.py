@@ -389,6 +389,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
             sd = hf_quant.convert(sd, quant, qcfg, _packable(quantization, device), torch_dtype)
         except hf_quant.QuantFormatError as e:
             raise CheckpointError(f"{folder}: {e}") from None
+    # RoPE's inverse frequencies, saved as buffers by transformers before 4.31: recomputed from
+    # the config here (vLLM skips them the same way)
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     sd = hf_to_fused(sd, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)

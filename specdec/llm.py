@@ -23,7 +23,7 @@ from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .proposers import build_proposer, typical_acceptance
-from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, template_messages
+from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eos_ids, template_messages
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
@@ -212,6 +212,9 @@ class LLM:
             model = load_gguf(g, self.dtype, self.device, quant, *cfg) if g is not None else \
                 load_model(path, self.dtype, self.device, quant, *cfg)
             tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)
+            if tokenizer_path is not None and g is None:
+                # the model's own configs say what ends generation (vLLM reads its generation_config.json)
+                tok.eos_token_ids = sorted(set(tok.eos_token_ids) | set(model_eos_ids(Path(path))))
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None
         return model, tok

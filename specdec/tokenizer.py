@@ -431,3 +431,9 @@ def load_chat_template(value: str | None) -> str | None:
     except jinja2.TemplateError as e:
         raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
     return template
+
+
+def model_eos_ids(folder: Path) -> list[int]:
+    """The ids a model folder's config.json and generation_config.json say end generation."""
+    model_cfg = text_config(_read_json(folder / "config.json"))
+    return _ids(model_cfg.get("eos_token_id")) + _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))

@@ -364,3 +364,18 @@ def test_checkpoints_with_rope_buffers_load(tiny_pair, tmp_path):
     old = LLM(model=target, dtype="float32", num_speculative_tokens=0)
     assert tokens(old, PROMPTS[:2], GREEDY) == tokens(LLM(model=tiny_pair[0], dtype="float32",
                                                           num_speculative_tokens=0), PROMPTS[:2], GREEDY)
+
+
+def test_a_separate_tokenizer_keeps_the_models_eos_ids(tiny_pair, tmp_path):
+    """--tokenizer names another folder: what ends generation still comes from the model's own
+    generation_config.json (vLLM's), not only from the tokenizer folder's."""
+    import json
+    import shutil
+
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    shutil.copytree(tiny_pair[0], model)
+    tok.mkdir()
+    for f in tiny_pair[0].glob("tokenizer*.json"):
+        shutil.copy(f, tok / f.name)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 100]}))
+    assert {1, 100} <= LLM(model=model, tokenizer=str(tok), dtype="float32", num_speculative_tokens=0).engine.eos_ids

@@ -192,13 +192,17 @@ def run(args) -> int:
             print("(conversation cleared)", file=sys.stderr)
             continue
         answer = None
-        for answer in session.ask(text):
-            if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
-                sys.stderr.write(answer)
-                sys.stderr.flush()
-            elif isinstance(answer, str):
-                sys.stdout.write(answer)
-                sys.stdout.flush()
+        try:
+            for answer in session.ask(text):
+                if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
+                    sys.stderr.write(answer)
+                    sys.stderr.flush()
+                elif isinstance(answer, str):
+                    sys.stdout.write(answer)
+                    sys.stdout.flush()
+        except ValueError as e:          # e.g. the conversation outgrew the context: the session goes on
+            print(f"error: {e} (the message was not added; /reset clears the conversation)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(session.summary(answer), file=sys.stderr)

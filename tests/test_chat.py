@@ -137,3 +137,13 @@ def test_generate_chat_and_the_repl_take_a_chat_template(gguf_files, chat_llm, c
     assert code == 0 and capsys.readouterr().out == expected.outputs[0].text + "\n"
     assert main(["generate", "--model", str(gguf_files["llama_q"]), "--chat", "hi", "--chat-template", "missing.jinja"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_chat_repl_goes_on_after_a_message_too_long(gguf_files, capsys, monkeypatch):
+    """A message that overflows the context is an error line; the session goes on."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("x " * 200 + "\ndef add(a, b):\n/exit\n"))
+    code = main(["chat", "--model", str(gguf_files["llama_q"]), "--max-model-len", "64", "--max-tokens", "4",
+                 "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "prompt is too long" in err
+    assert len([line for line in err.splitlines() if line.startswith("[")]) == 1 and out.endswith("\n")

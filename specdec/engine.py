@@ -150,7 +150,7 @@ class Engine:
         return prompt[-k:]
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        prompt = self.truncated(prompt, params)
+        """prompt: as the request runs it (already truncated: truncate_prompt_tokens)."""
         if not prompt:
             raise ValueError("prompt is empty: it must have at least one token")
         if len(prompt) >= self.max_model_len:

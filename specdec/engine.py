@@ -36,7 +36,7 @@ from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
-from .proposers.base import merge_committed
+from .proposers.base import draft_room, merge_committed
 from .sampling import Controls, make_generator, needs_controls
 from .structured import GrammarCompiler
 from .scheduler import RUNNING, Request, Scheduler
@@ -348,7 +348,8 @@ class Engine:
         for r in decoding:
             room = self._room(r)
             cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
-            seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), max(0, cap)))
+            cap = draft_room(self.caps, len(r.seq), max(0, cap))     # a draft model's shorter context
+            seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), cap))
         t = self.clock()
         ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
         self._choose_s = self.clock() - t

@@ -184,7 +184,6 @@ class LLM:
         proposer = None
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
-            max_len = min(max_len, proposer.caps.max_len or max_len)
         self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,

@@ -379,3 +379,43 @@ def test_a_separate_tokenizer_keeps_the_models_eos_ids(tiny_pair, tmp_path):
         shutil.copy(f, tok / f.name)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 100]}))
     assert {1, 100} <= LLM(model=model, tokenizer=str(tok), dtype="float32", num_speculative_tokens=0).engine.eos_ids
+
+
+def test_a_draft_with_a_shorter_context_keeps_the_targets(tiny_pair, tmp_path):
+    """vLLM keeps the target's context: a request past the draft's decodes plainly from there
+    (the draft never writes a slot past its context), and a hybrid's lookup drafts on."""
+    import json
+    import shutil
+    target, _ = tiny_pair
+    short = tmp_path / "short"                   # the target itself with a 40-token context
+    shutil.copytree(target, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 40}))
+    plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)
+    llm = LLM(model=target, speculative_model=short, num_speculative_tokens=4, dtype="float32",
+              enable_prefix_caching=True, block_size=4)
+    assert llm.engine.max_model_len == 256
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    ids = llm.tokenizer.encode("def add(a, b):")
+    want = plain.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    proposer, ends = llm.engine.proposer, []
+    forward = proposer._forward
+    proposer._forward = lambda ids_, tokens_, counts, starts, logits: (
+        ends.extend(s + n for s, n in zip(starts, counts)), forward(ids_, tokens_, counts, starts, logits))[1]
+    out = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    assert out.outputs[0].token_ids == want and len(want) == 100
+    # the draft is the target: it accepts everything while it may draft (n + k - 1 <= 40), then nothing more
+    assert out.stats.draft_tokens == out.stats.accepted_tokens and 40 - len(ids) - 4 <= out.stats.accepted_tokens <= 40 - len(ids)
+    # a prompt longer than the draft's context (refused before): plain decoding, a prefix-cache hit past it
+    long = ids + want[:60]
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == want[60:80] and out.stats.draft_tokens == 0
+    assert llm.engine.prefix_cache_hits >= 64 and 0 < max(ends) <= 40     # the draft never wrote past its context
+    # ngram+draft_model: lookup goes on drafting past the draft's context (the answer repeats itself)
+    hybrid = LLM(model=target, dtype="float32", speculative_config={"method": "ngram+draft_model", "model": str(short),
+                                                                  "num_speculative_tokens": 4})
+    out = hybrid.generate([{"prompt_token_ids": ids}], params)[0]
+    counts = hybrid.engine.proposer.counts
+    assert out.outputs[0].token_ids == want and counts.lookup_accepted > 0
+    assert counts.learned_tokens <= 40 - len(ids)

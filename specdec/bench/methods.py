@@ -52,7 +52,6 @@ def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> Speculative
 def _engine(llm, spec: SpeculativeConfig, load, clock=time.perf_counter, graphs: tuple[int, ...] | None = None) -> Engine:
     max_len = llm.engine.max_model_len
     proposer = build_proposer(spec, llm.target, load, max_len)
-    max_len = min(max_len, proposer.caps.max_len or max_len)
     return Engine(llm.target, llm.tokenizer, proposer, spec.num_speculative_tokens, max_len, max_k=spec.max_k,
                   scheduler_config=ONE_AT_A_TIME, typical=typical_acceptance(spec), clock=clock, cuda_graph_sizes=graphs)
 

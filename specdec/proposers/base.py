@@ -59,12 +59,21 @@ class ProposerCaps:
     feature_layers: tuple[int, ...] = ()   # with needs_hidden: reads instead the residual stream
                                            # entering these target layers, side by side (EAGLE-3)
     max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
-    max_len: int | None = None         # the longest sequence it can draft for (a draft model's context)
+    max_len: int | None = None         # its context (a draft model's): it drafts k tokens after a sequence
+                                       # of n only while n + k - 1 <= max_len (draft_room), and its cache
+                                       # never holds a slot past it; the target's context is not shortened
     deferrable: bool = False           # update() may be skipped for some steps and then given one
                                        # Committed that merges them (merge_committed): it catches up
     next_token_in_cache: bool = False  # its cache's slot j also depends on token j + 1 (EAGLE's pairs of
                                        # feature j and token j + 1): a prefix-cache hit's last block is
                                        # computed again, since the token after it may differ (vLLM's use_eagle)
+
+
+def draft_room(caps: ProposerCaps, seq_len: int, k: int) -> int:
+    """k cut to what a drafter of context caps.max_len may draft after seq_len tokens: it feeds
+    the last k - 1 drafts at positions seq_len .. seq_len + k - 2 (0 past its context: the
+    request decodes plainly from there, as vLLM skips speculation for such sequences)."""
+    return k if caps.max_len is None else max(0, min(k, caps.max_len + 1 - seq_len))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ prefix of the committed sequence (plus, during a step, the drafts fed back). Pro
 fed as the target prefills them; every step first feeds what the cache lacks: one token after
 a rejection, two (the last draft and the bonus) after a step that accepted everything.
 
+A prompt longer than its context is fed up to it, and the engine asks for no drafts past it
+(draft_room): those requests decode plainly while the target keeps its whole context.
+
 Deferrable (ProposerCaps): after an update that merges several steps, the cache keeps the
 drafts it was fed only as far as they agree with the committed sequence, and the next propose
 feeds everything after that in one forward.
@@ -44,10 +47,13 @@ class DraftModelProposer(ProposerBase):
             kv.set_length(rid, st + n)
         return out
 
-    def cached_upto(self, request_id) -> int:
-        """Its length, but not the drafts fed by the last propose (update keeps the agreeing ones)."""
+    def cached_upto(self, request_id) -> int | None:
+        """Its length, but not the drafts fed by the last propose (update keeps the agreeing ones);
+        None once it holds its whole context (it never writes past it: the target's blocks after
+        it may be registered with its slots unwritten, since it never reads them)."""
         n = self.kv.length(request_id)
-        return min(n, self.fed[request_id][0]) if request_id in self.fed else n
+        n = min(n, self.fed[request_id][0]) if request_id in self.fed else n
+        return None if n >= self.caps.max_len else n
 
     def remove_request(self, request_id) -> None:
         super().remove_request(request_id)
@@ -64,8 +70,9 @@ class DraftModelProposer(ProposerBase):
                              min(len(drafts), len(it.seq) - start))
                 length = min(length, start + agree)
             self.kv.rollback(it.request_id, length)
-            if it.prefill and length < it.num_cached:
-                feed.append((it.request_id, it.seq[length:it.num_cached], length))
+            end = min(it.num_cached, self.caps.max_len)    # a prompt past its context: fed up to it
+            if it.prefill and length < end:
+                feed.append((it.request_id, it.seq[length:end], length))
         if feed:   # prompt chunks: in the same step as the target's, so proposals cost per-step work
             self._forward([f[0] for f in feed], [t for f in feed for t in f[1]], [len(f[1]) for f in feed],
                           [f[2] for f in feed], logits=False)

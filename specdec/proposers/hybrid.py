@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext, merge_committed
+from .base import (Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext, draft_room,
+                   merge_committed)
 from .ngram import match
 
 LOOKUP, LEARNED = "lookup", "learned"
@@ -195,8 +196,8 @@ class HybridProposer(ProposerBase):
         self.settings = settings or HybridSettings()
         self.max_k = max_k
         lc = learned.caps
-        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, max_len=lc.max_len,
-                                 next_token_in_cache=lc.next_token_in_cache)
+        # no max_len: lookup drafts past the learned drafter's context, which propose respects
+        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, next_token_in_cache=lc.next_token_in_cache)
         self.learned_depth = lc.max_tree_size      # an EAGLE chain's depth; None: no limit
         self.requests: dict[Hashable, _Request] = {}
         self.counts = SourceCounts()
@@ -229,7 +230,7 @@ class HybridProposer(ProposerBase):
         for i, it in enumerate(items):
             req = self.requests[it.request_id]
             tokens, n = match(np.asarray(it.seq, dtype=np.int64), it.k, self.n_max, self.n_min)
-            cap = min(it.k, self.learned_depth or it.k)
+            cap = draft_room(self.learned.caps, len(it.seq), min(it.k, self.learned_depth or it.k))
             choice = req.records.choose(n, len(tokens), cap, req.rows)
             req.pending = (choice, len(it.seq)) if choice.source else None
             if choice.source == LOOKUP:

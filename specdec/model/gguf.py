@@ -609,6 +609,8 @@ def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantiz
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)
     try:
         cfg = g.config().configured(hf_overrides, disable_sliding_window, max_model_len)
+    except GGUFError:
+        raise                      # it names the file already
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
     check_tensors(g, cfg)
@@ -732,6 +734,8 @@ def load_mtp_gguf(path: str | os.PathLike, target: Transformer):
         raise GGUFError(f"{g.path}: the file has no MTP blocks ({g.architecture}.nextn_predict_layers is not set)")
     try:
         full = g.config()
+    except GGUFError:
+        raise
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
     L = full.num_hidden_layers

@@ -39,3 +39,21 @@ def test_gguf_errors_name_the_file_once(tiny, tmp_path, capsys, case, message):
     with pytest.raises(CheckpointError) as e:
         load_model(out)
     assert str(e.value).count(str(out)) == 1
+
+
+def test_missing_gguf_file_is_no_such_file(tmp_path, capsys):
+    missing = tmp_path / "missing.gguf"
+    err = _error(capsys, "--model", str(missing))
+    assert f"{missing}: no such file" in err and "folder" not in err, err
+
+
+def test_a_weights_file_instead_of_its_folder(tiny, capsys):
+    err = _error(capsys, "--model", str(tiny / "model.safetensors"))
+    assert "does not exist" not in err and "is a file" in err and f"pass the folder that holds it ({tiny})" in err, err
+    err = _error(capsys, "--model", str(tiny / "config.json"))
+    assert f"pass the folder that holds it ({tiny})" in err, err
+
+
+def test_missing_folder_still_says_so(tmp_path, capsys):
+    err = _error(capsys, "--model", str(tmp_path / "nothing"))
+    assert "does not exist" in err

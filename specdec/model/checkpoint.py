@@ -42,7 +42,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, folder_cfg: dict | None = Non
 def read_config(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"model folder {str(folder)!r} does not exist")
+        raise CheckpointError(_not_a_folder(folder))
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face model folder)")
@@ -50,6 +50,18 @@ def read_config(folder: str | os.PathLike) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def _not_a_folder(path: Path) -> str:
+    """What is wrong with a --model path that is not a folder: a missing .gguf is a missing
+    file; a file of a Hugging Face folder (model.safetensors, config.json) stands for its folder."""
+    if path.suffix.lower() == ".gguf" and not path.exists():
+        return f"{path}: no such file"
+    if path.is_file():
+        if path.suffix.lower() in (".safetensors", ".json", ".bin"):
+            return f"{path} is a file: pass the folder that holds it ({path.parent})"
+        return f"{path} is a file, not a model folder (pass a Hugging Face model folder or a .gguf file)"
+    return f"model folder {str(path)!r} does not exist"
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -178,6 +178,7 @@ class LLM:
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
         self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
+        self.get_default_sampling_params()     # a bad value there fails now, naming the file (not at a request)
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
         max_len = max_model_len or self.target.config.max_position_embeddings
@@ -380,7 +381,9 @@ class LLM:
         try:
             return SamplingParams(**self.generation_defaults)
         except ValueError as e:
-            raise ValueError(f"{self.model_path}: generation_config.json: {e}") from None
+            path = Path(self.model_path)
+            path = (path.parent if path.is_file() else path) / "generation_config.json"
+            raise CheckpointError(f"{path}: {e} (--generation-config vllm ignores the file)") from None
 
     def _params(self, params: SamplingParams | None) -> SamplingParams:
         params = params or self.get_default_sampling_params()

@@ -3,11 +3,14 @@ fault once and says what is wrong with it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 
 import pytest
 
 from conftest import make_checkpoint
 from gguf_helpers import write_gguf
+from specdec import LLM
 from specdec.cli import main
 from specdec.model import CheckpointError, load_model
 
@@ -57,3 +60,22 @@ def test_a_weights_file_instead_of_its_folder(tiny, capsys):
 def test_missing_folder_still_says_so(tmp_path, capsys):
     err = _error(capsys, "--model", str(tmp_path / "nothing"))
     assert "does not exist" in err
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("temperature", "hot", "temperature must be"),
+    ("max_new_tokens", -5, "max_tokens must be"),
+    ("top_p", 3.0, "top_p"),
+])
+def test_bad_generation_config_value_names_the_file(tiny, tmp_path, capsys, key, value, message):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, key: value}))
+    path = folder / "generation_config.json"
+    err = _error(capsys, "--model", str(folder))
+    assert f"{path}: " in err and message in err, err
+    with pytest.raises(ValueError, match="generation_config.json: "):
+        LLM(str(folder))
+    # vLLM's --generation-config vllm ignores the file: the model loads
+    assert LLM(str(folder), generation_config="vllm").generation_defaults == {}

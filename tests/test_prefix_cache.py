@@ -205,8 +205,8 @@ def test_every_speculative_method_drafts_the_same_from_a_cached_prefix(tiny_pair
         engine = llm.engine
     assert runs[True] == runs[False]
     assert sum(drafted for _, _, drafted in runs[True]) > 0
-    if method != "ngram+eagle":     # its head catches up only when it drafts: blocks register as far as that
-        assert engine.prefix_cache_hits > 0.3 * engine.prefix_cache_queries > 0
+    # (the hybrid's head takes prompts at once, its answers when it drafts: answers register as far as that)
+    assert engine.prefix_cache_hits > 0.3 * engine.prefix_cache_queries > 0
 
 
 def _head_kv(engine, request_id, slots: int):

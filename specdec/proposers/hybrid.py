@@ -30,7 +30,8 @@ first step's outcome). Greedy decoding checks the target's argmax either way.
 The learned drafter's update() is deferred while lookup serves a request (when its caps say
 `deferrable`): the request's committed steps are kept and merged into one update just before the
 learned drafter next drafts for it, so steps served by lookup (or plain) skip its per-step work
-(for EAGLE one head forward, ~0.17 of a SmolLM2 forward).
+(for EAGLE one head forward, ~0.17 of a SmolLM2 forward). Prompt chunks are handed at once, as
+the target prefills them: its cache holds every prompt, so prefix caching can register them.
 """
 
 from __future__ import annotations
@@ -259,6 +260,12 @@ class HybridProposer(ProposerBase):
                 req.pending = None
             if not self.learned.caps.deferrable:
                 now.append(it)
+                continue
+            if it.prefill:     # prompt chunks at once: its cache then holds the prompt, whose blocks
+                # prefix caching registers (only blocks every cache holds are), and its catch-up
+                # costs count decoding steps alone
+                now.append(merge_committed([*req.deferred, it]) if req.deferred else it)
+                req.deferred, req.rows = [], 0
                 continue
             # a copy: a prompt chunk's rows are a view of the whole step's features
             req.deferred.append(it if it.hidden is None else dataclasses.replace(it, hidden=it.hidden.clone()))

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import DEEPSEEK, FUSED_CHECKPOINTS, GEMMA, ModelConfig, apply_hf_overrides, text_config
+from .config import DEEPSEEK, FUSED_CHECKPOINTS, GEMMA, O_BIASED, ModelConfig, apply_hf_overrides, text_config
 from .llama import Transformer
 from .mla import deinterleave_rope, rope_interleaved
 
@@ -388,6 +388,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         sd.pop("score.bias", None)
     if (is_base_model(raw) or is_classifier(raw)) and "lm_head.weight" not in sd and not cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)   # no LM head: embeddings only (runner "pooling")
+    if cfg.attention_bias and cfg.model_type in O_BIASED and any(k.endswith("self_attn.o_proj.bias") for k in sd):
+        cfg = dataclasses.replace(cfg, o_bias=True)    # Llama's attention_bias: o_proj's too (a file without
+        #                                                one: transformers' zeros, the same model)
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
     packed = {}

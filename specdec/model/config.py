@@ -55,6 +55,10 @@ MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "qwen2
        "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 GRANITE = ("granite", "granitemoe", "granitemoeshared")
+# attention_bias as transformers reads it: these families put it on q, k, v and o_proj (the
+# o_proj bias is taken where the checkpoint holds it: checkpoint.load_model); these never read it
+O_BIASED = ("llama", "smollm3", "granite", "olmoe", "granitemoe", "granitemoeshared")
+NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,7 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
                 attention_bias=model_type in ("qwen2", "qwen2_moe")
-                or bool(cfg.get("attention_bias", model_type == "gpt_oss")),
+                or (model_type not in NO_ATTENTION_BIAS and bool(cfg.get("attention_bias", model_type == "gpt_oss"))),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO)
                 or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
@@ -225,7 +229,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": self.attention_bias and self.model_type in ("llama", "gpt_oss"),
+            "attention_bias": self.attention_bias and self.model_type in (*O_BIASED, "gpt_oss"),
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": None,

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint folders <-> the runtime's `Transformer`.
 
-A folder holds config.json and model.safetensors (or model.safetensors.index.json with shards).
+A folder holds config.json and model.safetensors (or model.safetensors.index.json with shards),
+or the PyTorch pickles older folders hold (pytorch_model.bin, or pytorch_model.bin.index.json).
 The runtime fuses q/k/v and gate/up; this module is the only place that knows both layouts.
 """
 
@@ -65,17 +66,42 @@ def _not_a_folder(path: Path) -> str:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: corrupt index ({e})") from None
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    """The folder's weight files, as vLLM picks them: safetensors (an index's shards, or one
+    file), else PyTorch pickles (pytorch_model.bin.index.json's shards, or pytorch_model.bin)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: corrupt index ({e})") from None
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        if (folder / single).is_file():
+            return [folder / single]
+    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (nor their .index.json)")
+
+
+def _file_tensors(path: Path):
+    """(name, tensor) of one weights file, each tensor read when asked for (safetensors), or
+    memory-mapped (a PyTorch pickle, loaded with weights_only: tensors, never code)."""
+    if path.suffix != ".bin":
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, lambda name=name: f.get_tensor(name)
+        return
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        sd = torch.load(path, map_location="cpu", weights_only=True)     # torch's pre-1.6 format: not mappable
+    if not isinstance(sd, dict):
+        raise ValueError(f"holds a {type(sd).__name__}, not a dict of tensors")
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} is a {type(t).__name__}, not a tensor")
+        yield name, lambda t=t: t
 
 
 def read_state_dict(folder: str | os.PathLike, keep=None) -> dict[str, torch.Tensor]:
@@ -85,13 +111,14 @@ def read_state_dict(folder: str | os.PathLike, keep=None) -> dict[str, torch.Ten
     for path in _weight_files(Path(folder)):
         if not path.is_file():
             raise CheckpointError(f"{path}: shard listed in the index is missing")
+        kind = "a PyTorch checkpoint" if path.suffix == ".bin" else "safetensors"
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if keep is None or keep(name):
-                        tensors[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+            for name, read in _file_tensors(path):
+                if keep is None or keep(name):
+                    tensors[name] = read()
+        except Exception as e:  # safetensors and torch.load raise several types for a damaged file
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{path}: cannot read {kind} ({detail})") from None
     return tensors
 
 

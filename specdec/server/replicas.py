@@ -180,6 +180,9 @@ def deployment_options(args) -> dict:
     return opts
 
 
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 def serve_replicas(args, argv: list[str], prog: str) -> int:
     """`specdec serve --replicas N ...`: join the cluster at --ray-address or start a local
     one, run the application on --host/--port until SIGINT/SIGTERM, then drain and stop."""
@@ -195,7 +198,12 @@ def serve_replicas(args, argv: list[str], prog: str) -> int:
     cpus = deployment_options(args)["ray_actor_options"]["num_cpus"]
     # the proxy's error middleware (proxy.py); a joined cluster's proxies need it in their env
     os.environ.setdefault(PROXY_CALLBACK, PROXY_MIDDLEWARES)
-    env = {"env_vars": {PROXY_CALLBACK: os.environ[PROXY_CALLBACK]}}
+    # Ray Serve's proxy must answer its ready / health checks within 5 / 10 s or it is killed and
+    # the start fails ("Proxy actor reported not ready"): on a loaded CPU machine loading a model
+    # beside it that happens; a minute each unless the user set them
+    for name in PROXY_PATIENCE:
+        os.environ.setdefault(name, PROXY_PATIENCE[name])
+    env = {"env_vars": {n: os.environ[n] for n in (PROXY_CALLBACK, *PROXY_PATIENCE)}}
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
     else:   # a local cluster with room for every replica (logical CPUs: Ray only counts them)

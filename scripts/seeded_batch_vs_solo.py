@@ -2,14 +2,16 @@
 sampling: identical"), on the bundled toy target, 14 prompts cut from the machine's Python
 files, K = 3.
 
-    python scripts/seeded_batch_vs_solo.py eagle auto 1.0     # fails (2026-12-05): 8 of 14 differ
-    python scripts/seeded_batch_vs_solo.py eagle float32 1.0  # holds
-    python scripts/seeded_batch_vs_solo.py draft auto 1.0     # holds
-    python scripts/seeded_batch_vs_solo.py eagle auto 0       # greedy: holds
+    python scripts/seeded_batch_vs_solo.py eagle auto 1.0       # holds (failed before 2026-12-06: 8 of 14)
+    python scripts/seeded_batch_vs_solo.py eagle-tree auto 1.0  # holds
+    python scripts/seeded_batch_vs_solo.py medusa auto 1.0      # holds
+    python scripts/seeded_batch_vs_solo.py draft auto 1.0       # holds
 
-Found by a stress probe on 2026-12-05 and not yet explained: the bundled EAGLE head
-(models/eagle) with dtype "auto" drafts differently in a batch than alone, so a seeded request's
-sample depends on what runs beside it (each output is still an exact sample of the target).
+Found by a stress probe on 2026-12-05: the bundled EAGLE head with dtype "auto" (bf16) drafted
+differently in a batch than alone. Its fc read every request's prompt features in one matrix
+product, and past 64 rows a CPU with native bf16 took oneDNN's GEMM, whose bf16 output for a
+row depends on the number of rows; the head's fc now keeps to the row-exact kernel
+(Linear.row_invariant).
 """
 import glob
 import random
@@ -22,6 +24,7 @@ method = sys.argv[1] if len(sys.argv) > 1 else "eagle"
 dtype = sys.argv[2] if len(sys.argv) > 2 else "auto"
 TEMP = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 spec = {"eagle": {"method": "eagle", "model": "models/eagle", "num_speculative_tokens": 3, "topk": 1},
+        "eagle-tree": {"method": "eagle", "model": "models/eagle", "num_speculative_tokens": 6},
         "draft": {"method": "draft_model", "model": "models/draft", "num_speculative_tokens": 3},
         "medusa": {"method": "medusa", "model": "models/medusa", "num_speculative_tokens": 4}}[method]
 rng = random.Random(0)

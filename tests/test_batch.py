@@ -207,6 +207,27 @@ def test_bf16_batch_equals_solo(setup):
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo]
 
 
+@pytest.mark.parametrize("method", ["eagle-chain", "eagle-tree", "medusa"])
+def test_bf16_heads_seeded_batch_equals_solo_with_prompts_prefilled_together(method):
+    """The bundled pair in bf16 (dtype auto), 14 prompts prefilled in one step (476 rows): a
+    head's input matrix (EAGLE's fc) reads them all at once, and on a CPU with native bf16
+    oneDNN's GEMM rounds a row's output differently with the number of rows: the head drafted
+    other q rows in a batch than alone, and seeded samples differed (4 of these 14). Its fc
+    keeps to the row-exact kernel. (CPUs without native bf16 never take oneDNN's path.)"""
+    from specdec.defaults import BUNDLED_TARGET, MODELS_DIR
+
+    spec = {"eagle-chain": {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "topk": 1},
+            "eagle-tree": {"method": "eagle", "model": str(MODELS_DIR / "eagle")},
+            "medusa": {"method": "medusa", "model": str(MODELS_DIR / "medusa")}}[method]
+    llm = LLM(model=str(BUNDLED_TARGET), speculative_config={**spec, "num_speculative_tokens": 3}, max_model_len=160)
+    prompts = [p * 3 for p in PROMPTS[:14]]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(len(prompts))]
+    batch = llm.generate(prompts, params)
+    solo = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo]
+    assert sum(o.stats.accepted_tokens for o in batch) > 0
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle-tree"])
 def test_bf16_kv_cache_batch_equals_solo_and_plain(setup, method):
     """fp32 activations over a bf16 KV cache (--kv-cache-dtype bfloat16: forward.c rounds keys

@@ -210,12 +210,16 @@ def packed_of(module) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, lib=None, row_invariant: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias); given packed = pack(weight), the kernel where it fits (lib: a
-    variant's library from load(name), default the chosen one)."""
+    variant's library from load(name), default the chosen one). Past MAX_ROWS rows of bf16
+    weights on a CPU with native bf16, oneDNN's GEMM (faster for tall inputs, but a row's bf16
+    output depends on how many rows there are), unless row_invariant: then the kernel, whose
+    rows never depend on each other."""
     rows = x.numel() // x.shape[-1]
     lib = lib or load()
-    if packed is None or lib is None or not _fits(x, weight) or (rows > MAX_ROWS and not _tall_ok(weight)):
+    if packed is None or lib is None or not _fits(x, weight) or \
+            (rows > MAX_ROWS and not row_invariant and not _tall_ok(weight)):
         if x.dtype != weight.dtype:     # fp32 activations against bf16 weights (the bias: either)
             y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
             return y if bias is None else y + bias.to(x.dtype)

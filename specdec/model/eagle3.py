@@ -102,6 +102,7 @@ class Eagle3Head(nn.Module):
             if fc_norm == "each" else None
         self.norm_output = norm_output
         self.fc = Linear(n * target_hidden, D, bias=False)
+        self.fc.row_invariant = True      # over prompt features of requests batched together
         # the decoder holds the layer, the final norm, the LM head over the draft vocabulary and
         # the rotary frequencies; its cache is the head's (one layer) on the engine's blocks
         self.decoder = Transformer(cfg.replace(num_hidden_layers=1, vocab_size=draft_vocab.numel(),

@@ -74,6 +74,7 @@ class EagleHead(nn.Module):
         # authors: target_cfg is the head's own llama config (its layers, the target's vocabulary)
         cfg = target_cfg if authors else self._plain_layer(target_cfg, draft_vocab.numel())
         self.fc = Linear(2 * D, D, bias=fc_bias)
+        self.fc.row_invariant = True      # over prompt features of requests batched together
         self.decoder = Transformer(cfg)
         # the decoder's input comes from fc, never from a token lookup
         self.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, D))

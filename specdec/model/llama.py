@@ -46,6 +46,9 @@ class Linear(nn.Linear):
         self._packed: Tensor | None = None
         self._packed_key: tuple | None = None
         self.lora = None        # a LoRA stack's slots beside this matrix (specdec/lora: LoRAMat), or None
+        # True: each row's output never depends on the other rows (kernels.linear), for matrices
+        # whose tall inputs pack several requests' rows, e.g. a head's prompt features
+        self.row_invariant = False
 
     def packed(self) -> Tensor:
         w = self.weight
@@ -58,7 +61,7 @@ class Linear(nn.Linear):
         if self.weight.requires_grad or self.weight.device.type != "cpu" or kernels.load() is None:
             y = kernels.linear(x, self.weight, self.bias)
         else:
-            y = kernels.linear(x, self.weight, self.bias, self.packed())
+            y = kernels.linear(x, self.weight, self.bias, self.packed(), row_invariant=self.row_invariant)
         return y if self.lora is None else self.lora.add(x, y)
 
 

@@ -59,6 +59,7 @@ class MTPHead(nn.Module):
         D, eps = layer_cfg.hidden_size, layer_cfg.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(D, eps), RMSNorm(D, eps)
         self.eh_proj = Linear(2 * D, D, bias=False)
+        self.eh_proj.row_invariant = True   # over prompt features of requests batched together
         self.embeds_first = embeds_first      # DeepSeek / GLM: [embedding ; feature]; MiMo: [feature ; embedding]
         # the decoder: the layer (the target's architecture), the final norm, the LM head, RoPE;
         # its cache is the head's own (one layer) on the engine's blocks

@@ -24,7 +24,7 @@ from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_ar
 from .config import SamplingParams, SchedulerConfig
 from .engine import Engine
 from .metrics import RequestStats
-from .tokenizer import load_chat_template
+from .tokenizer import NO_CHAT_TEMPLATE, load_chat_template
 
 PLAIN_PROBE_TOKENS = 32
 
@@ -172,6 +172,8 @@ def run(args) -> int:
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
     llm.check_runner("generate")
+    if template is None and not llm.tokenizer.chat_template:
+        raise ValueError(NO_CHAT_TEMPLATE)                 # before the prompt, not at every message
     session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare, template)
     interactive = sys.stdin.isatty()
     print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits.",

@@ -324,7 +324,9 @@ class Tokenizer:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
                 continue_final_message: bool, kwargs: dict) -> str:
-        template = chat_template or self.chat_template or _DEFAULT_TEMPLATE
+        template = chat_template or self.chat_template
+        if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
+            raise TokenizerError(NO_CHAT_TEMPLATE)
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
         try:
@@ -395,11 +397,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-# Used only for a model that ships no chat template.
-_DEFAULT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template; pass --chat-template (a Jinja file or the "
+                    "template itself; LLM.chat's chat_template=)")
 
 
 def first_vocab_mismatch(a: Tokenizer, b: Tokenizer) -> int | None:

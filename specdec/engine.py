@@ -107,9 +107,11 @@ class Engine:
         self.graphs = None if cuda_graph_sizes is None else \
             CudaGraphs(target, self.kv, cuda_graph_sizes, emulate=graphs_module.EMULATE)
         self.blocks.prefix_caching = self.config.enable_prefix_caching
-        # EAGLE: its slots read the next token; Medusa, MLP speculators: they draft from the feature
-        # of the token before the last, which a hit up to the last token would leave uncomputed
-        self.blocks.recompute_last_hit = self.caps.next_token_in_cache or self.caps.needs_hidden
+        # EAGLE: its slots read the next token, which block keys then cover; Medusa, MLP speculators:
+        # they draft from the feature of the token before the last, which a hit up to the last
+        # token would leave uncomputed
+        self.blocks.key_overlap = int(self.caps.next_token_in_cache)
+        self.blocks.recompute_last_hit = self.caps.needs_hidden and not self.caps.next_token_in_cache
         # LoRA adapters beside the target's matrices (vLLM's --enable-lora), or None
         self.lora = LoRAManager(target, lora_config) if lora_config is not None else None
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead,

@@ -214,13 +214,12 @@ def _head_kv(engine, request_id, slots: int):
     return kv.entries(request_id, list(range(slots)), 0)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_an_eagle_hit_recomputes_its_last_block_whose_last_pair_reads_the_next_token(tiny_pair, drafters,
-                                                                                   recompute):
-    """EAGLE's slot j holds (feature j, token j + 1): the last slot of a cached block depends on
-    the first token of the next, which the block's hash does not cover. Two prompts share two
+@pytest.mark.parametrize("overlap", [1, 0])
+def test_an_eagle_block_key_covers_the_token_after_it(tiny_pair, drafters, overlap):
+    """EAGLE's slot j holds (feature j, token j + 1): the last slot of a block depends on the
+    first token of the next, so EAGLE's block keys cover that token too. Two prompts share two
     full blocks and differ right after them: the second must not take the first's last shared
-    block (recompute=False shows what it would hold then: the first prompt's pair)."""
+    block (overlap=0 shows what it would hold then: the first prompt's pair)."""
     spec = {"method": "eagle", "model": str(drafters["eagle"]), "num_speculative_tokens": 3, "topk": 1}
     kw = dict(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
     tok = LLM(**kw).tokenizer
@@ -238,18 +237,52 @@ def test_an_eagle_hit_recomputes_its_last_block_whose_last_pair_reads_the_next_t
 
     alone, _ = head_after_prefill(LLM(**kw).engine)
     cached = LLM(**kw, enable_prefix_caching=True).engine
-    assert cached.blocks.recompute_last_hit           # EAGLE's caps ask for it
-    cached.blocks.recompute_last_hit = recompute
+    assert cached.blocks.key_overlap == 1 and not cached.blocks.recompute_last_hit    # EAGLE's caps ask for it
+    cached.blocks.key_overlap = overlap
     cached.add_request(first, params)
     while cached.has_unfinished():
         cached.step()
     got, hits = head_after_prefill(cached)
-    assert hits == (16 if recompute else 32)
+    assert hits == (16 if overlap else 32)
     same = all(torch.equal(a, b) for a, b in zip(got, alone))
-    assert same == recompute
-    if not recompute:      # the shared prefix's last slot differs (it holds the first prompt's pair)
+    assert same == bool(overlap)
+    if not overlap:      # the shared prefix's last slot differs (it holds the first prompt's pair)
         differ = {int(j) for a, b in zip(got, alone) for j in (a != b).flatten(1).any(1).nonzero()}
         assert 31 in differ and not differ & set(range(31))
+
+
+def test_an_eagle_hit_behind_another_sequences_next_block(tiny_pair, drafters):
+    """A request answers after two shared blocks; a second prompt shares them and goes on
+    otherwise (its own second block stays private: the first's is registered), then a third
+    asks the second again. Keyed on their own tokens only, the third found the first's block
+    behind the second's third one (the last hit block alone was computed again): its slot 31
+    held the first's pair, and seeded samples differed from the run without the cache (found
+    by a stress probe, 2026-12-05). Its head cache now equals the one it computes alone."""
+    spec = {"method": "eagle", "model": str(drafters["eagle"]), "num_speculative_tokens": 3, "topk": 1}
+    kw = dict(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
+    tok = LLM(**kw).tokenizer
+    shared = tok.encode(PROMPTS[2] * 3)[:2 * 16]
+    tail = tok.encode(PROMPTS[3] * 2)[-21:]
+    first, second = shared + tail[:5], shared + tail[1:] + tail[:1]
+    assert first[32] != second[32]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def head_after_prefill(engine, prompt):
+        req = engine.add_request(prompt, params)
+        while not req.out:
+            engine.step()
+        head = _head_kv(engine, req.request_id, len(prompt) - 1)
+        while engine.has_unfinished():
+            engine.step()
+        return head, req.stats.cached_tokens
+
+    alone, _ = head_after_prefill(LLM(**kw).engine, second)
+    cached = LLM(**kw, enable_prefix_caching=True).engine
+    head_after_prefill(cached, first)
+    assert head_after_prefill(cached, second)[1] == 16       # block 1's key covers token 32: not the first's
+    got, hits = head_after_prefill(cached, second)
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
+    assert hits == 48
 
 
 def test_blocks_a_trailing_draft_cache_lacks_are_not_registered(tiny_pair, drafters):

@@ -87,9 +87,14 @@ class BlockManager:
         # prefix caching: blocks by hash, hashes by block, holders per block, and the registered
         # blocks nobody holds (least recently freed first: evicted in that order)
         self.prefix_caching = False
-        # a hit's last block computed again: a cache (EAGLE's) whose slots also depend on the
-        # token after them, which the hash of their block does not cover (vLLM's use_eagle)
+        # a hit's last block computed again (Medusa's, MLP speculators': they draft from the
+        # feature of the token before the last, which a hit up to the last would leave uncomputed)
         self.recompute_last_hit = False
+        # tokens after a block that its key covers too: 1 where a cache's slot j also depends on
+        # token j + 1 (EAGLE's pairs): a block's last slot then reads the next block's first token,
+        # so its content is a function of its key's tokens (else, held by a sequence that went on
+        # otherwise, it would be found behind another sequence's next block)
+        self.key_overlap = 0
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._refs = [0] * num_blocks
@@ -173,9 +178,9 @@ class BlockManager:
     def cached_prefix(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
         """The registered blocks that hold the longest run of tokens' full blocks from the start
         (root: what else the keys and values depend on, a LoRA adapter: part of every hash)."""
-        found, parent, bs = [], root, self.block_size
-        for i in range(len(tokens) // bs):
-            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+        found, parent, bs, over = [], root, self.block_size, self.key_overlap
+        for i in range(max(0, len(tokens) - over) // bs):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs + over])
             b = self._by_hash.get(parent)
             if b is None:
                 break
@@ -223,9 +228,9 @@ class BlockManager:
         computed it at the same time, stays private and is freed as usual)."""
         if not self.prefix_caching:
             return
-        s, bs = self._seqs[seq], self.block_size
-        for i in range(len(s.hashes), min(num_written // bs, len(s.blocks))):
-            h = chain_hash(s.hashes[-1] if s.hashes else s.root, tokens[i * bs:(i + 1) * bs])
+        s, bs, over = self._seqs[seq], self.block_size, self.key_overlap
+        for i in range(len(s.hashes), min(num_written // bs, len(s.blocks), max(0, len(tokens) - over) // bs)):
+            h = chain_hash(s.hashes[-1] if s.hashes else s.root, tokens[i * bs:(i + 1) * bs + over])
             s.hashes.append(h)
             b = s.blocks[i]
             if i >= s.released and h not in self._by_hash and b not in self._hash_of:

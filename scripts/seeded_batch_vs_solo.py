@@ -26,6 +26,8 @@ TEMP = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 spec = {"eagle": {"method": "eagle", "model": "models/eagle", "num_speculative_tokens": 3, "topk": 1},
         "eagle-tree": {"method": "eagle", "model": "models/eagle", "num_speculative_tokens": 6},
         "draft": {"method": "draft_model", "model": "models/draft", "num_speculative_tokens": 3},
+        "ngram+draft": {"method": "ngram+draft_model", "model": "models/draft", "num_speculative_tokens": 3},
+        "ngram+eagle": {"method": "ngram+eagle", "model": "models/eagle", "num_speculative_tokens": 3, "topk": 1},
         "medusa": {"method": "medusa", "model": "models/medusa", "num_speculative_tokens": 4}}[method]
 rng = random.Random(0)
 llm = LLM(T, speculative_config=spec, max_model_len=160, dtype=dtype)

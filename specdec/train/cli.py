@@ -7,6 +7,11 @@ import json
 import shlex
 from pathlib import Path
 
+from .flags import (check_folder, check_shards, int_range, layer_list, non_negative_float, non_negative_int,
+                    positive_float, positive_int, unit_float)
+
+SELFDISTILL_DATA = "runs/selfdistill"      # medusa / eagle: made here when missing (another --data must exist)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train the bundled models (tokenizer, LM, draft, heads)")
@@ -31,35 +36,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         h.add_argument("--target", default="models/target", help="the target's Hugging Face folder")
         h.add_argument("--out", required=True, help="heads folder to write")
         h.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
-        h.add_argument("--data", default="runs/selfdistill",
-                       help="self-distillation data folder (selfdistill: made if missing, reused; chat: the answers folder)")
+        h.add_argument("--data", default=SELFDISTILL_DATA,
+                       help=f"self-distillation data folder (selfdistill: filled if empty, reused; made if missing only as the "
+                            f"default {SELFDISTILL_DATA}; chat: the answers folder)")
         h.add_argument("--data-kind", choices=("selfdistill", "chat"), default="selfdistill",
                        help="selfdistill: the toy target continues corpus prompts; chat: `specdec train answers` shards")
-        h.add_argument("--steps", type=int)
-        h.add_argument("--batch", type=int)
-        h.add_argument("--lr", type=float)
-        h.add_argument("--draft-vocab", type=int, help="draft vocabulary size (most frequent tokens)")
-        h.add_argument("--shards", type=int, help="selfdistill: shards of 32 x 256 tokens to make (48); chat: answer shards to train on (all)")
-        h.add_argument("--val-shards", type=int)
+        h.add_argument("--steps", type=non_negative_int, help="optimizer steps in all (0 with --init: the heads as they were)")
+        h.add_argument("--batch", type=positive_int)
+        h.add_argument("--lr", type=positive_float)
+        h.add_argument("--draft-vocab", type=positive_int, help="draft vocabulary size (most frequent tokens)")
+        h.add_argument("--shards", type=positive_int,
+                       help="selfdistill: shards of 32 x 256 tokens to make (48); chat: answer shards to train on (all)")
+        h.add_argument("--val-shards", type=positive_int, help="shards held out for validation (4)")
         if kind == "medusa":
-            h.add_argument("--num-heads", type=int)
+            h.add_argument("--num-heads", type=positive_int)
             h.add_argument("--freeze-lm-head", action="store_true", default=None,
                            help="keep the heads' shared LM head at the target's rows (trained, it drifts toward "
                                 "the far heads' guesses)")
         else:
-            h.add_argument("--window", type=int, help="pairs per training row")
-        h.add_argument("--threads", type=int)
+            h.add_argument("--window", type=positive_int, help="pairs per training row")
+        h.add_argument("--threads", type=positive_int)
         h.add_argument("--device", default="cpu", help="where the heads train (cpu, cuda)")
-        h.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
-        h.add_argument("--report-prompts", type=int, default=20,
-                       help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance numbers (0: skip)")
-        h.add_argument("--noise", type=float, help="eagle: input feature noise (fraction of the rms)")
+        h.add_argument("--stop-after", type=positive_int, help="stop (checkpointed) after this many steps of this run")
+        h.add_argument("--report-prompts", type=non_negative_int, default=20,
+                       help="held-out prompts (function headers, or validation chat prompts) for the card's acceptance "
+                            "numbers (0: skip); those too long for the target's context are passed over, with a warning")
+        h.add_argument("--noise", type=non_negative_float, help="eagle: input feature noise (fraction of the rms)")
         h.add_argument("--precision", choices=("fp32", "bf16", "auto"), help="training matmuls (default fp32)")
-        h.add_argument("--eval-every", type=int, help="log validation top-1 accuracy every N steps")
+        h.add_argument("--eval-every", type=non_negative_int, help="log validation top-1 accuracy every N steps (0: never)")
         h.add_argument("--soft-labels", action="store_true", default=None,
                        help="token loss against the target's distribution (its LM head on the stored features)")
-        h.add_argument("--token-weight", type=float, help="eagle: token loss weight (default 0.1)")
-        h.add_argument("--unroll", type=int, help="eagle: chain depths trained (1: teacher forcing only; "
+        h.add_argument("--token-weight", type=non_negative_float, help="eagle: token loss weight (default 0.1)")
+        h.add_argument("--unroll", type=positive_int, help="eagle: chain depths trained (1: teacher forcing only; "
                        "2+: the later depths on the head's own predicted features)")
         h.add_argument("--prompt-loss", action="store_true", default=None, help="chat data: train on prompt positions too")
         h.add_argument("--init-from-target", action="store_true", default=None,
@@ -72,43 +80,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     vd.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
     vd.add_argument("--out", required=True)
     vd.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
-    for flag, kind in (("--layers", int), ("--draft-vocab", int), ("--steps", int), ("--batch", int), ("--window", int),
-                       ("--lr", float), ("--hard-weight", float), ("--shards", int), ("--val-shards", int),
-                       ("--threads", int)):
+    for flag, kind in (("--layers", positive_int), ("--draft-vocab", positive_int), ("--steps", non_negative_int),
+                       ("--batch", positive_int), ("--window", int_range(2)), ("--lr", positive_float),
+                       ("--hard-weight", non_negative_float), ("--shards", positive_int), ("--val-shards", positive_int),
+                       ("--threads", positive_int)):
         vd.add_argument(flag, type=kind)
     vd.add_argument("--precision", choices=("auto", "bf16", "fp32"))
     vd.add_argument("--init", help="start from this trained draft (a `train vocab-draft` folder: fine-tuning on new "
                     "data); its layers and draft vocabulary are kept")
     vd.add_argument("--device", default="cpu", help="where the draft trains (cpu, cuda)")
-    vd.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
-    vd.add_argument("--report-prompts", type=int, default=20, help="validation prompts for the card's acceptance (0: skip)")
+    vd.add_argument("--stop-after", type=positive_int, help="stop (checkpointed) after this many steps of this run")
+    vd.add_argument("--report-prompts", type=non_negative_int, default=20,
+                    help="validation prompts for the card's acceptance (0: skip; those too long for the target's context "
+                         "are passed over, with a warning)")
 
     pr = tsub.add_parser("prompts", help="chat training prompts made on this machine (no downloads), checked against Spec-Bench")
     pr.add_argument("--out", required=True, help="folder for prompts.jsonl and its data card")
-    pr.add_argument("--count", type=int, default=8000)
+    pr.add_argument("--count", type=positive_int, default=8000)
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--target", help="model folder that writes the self-instruct tasks (none: no self-instruct)")
-    pr.add_argument("--self-instruct", type=int, default=1500, help="how many tasks to ask the target for")
+    pr.add_argument("--self-instruct", type=non_negative_int, default=1500, help="how many tasks to ask the target for")
     pr.add_argument("--eval", default="spec-bench", help='evaluation questions to exclude ("spec-bench", a file, or "none")')
-    pr.add_argument("--threads", type=int, default=1)
+    pr.add_argument("--threads", type=positive_int, default=1)
 
     an = tsub.add_parser("answers", help="the target's answers to the prompts, with its features (resumable shards)")
     an.add_argument("--target", required=True)
     an.add_argument("--prompts", required=True, help="prompts.jsonl from `specdec train prompts`")
     an.add_argument("--out", required=True, help="shard folder")
-    an.add_argument("--limit", type=int, help="answer only the first N prompts")
-    an.add_argument("--max-new-tokens", type=int, default=256)
-    an.add_argument("--batch", type=int, default=48)
-    an.add_argument("--per-shard", type=int, default=96)
-    an.add_argument("--greedy-fraction", type=float, default=0.5)
+    an.add_argument("--limit", type=positive_int, help="answer only the first N prompts")
+    an.add_argument("--max-new-tokens", type=positive_int, default=256)
+    an.add_argument("--batch", type=positive_int, default=48)
+    an.add_argument("--per-shard", type=positive_int, default=96)
+    an.add_argument("--greedy-fraction", type=unit_float, default=0.5, help="share of the answers decoded greedily")
     an.add_argument("--dtype", default="bfloat16")
     an.add_argument("--backend", choices=("auto", "transformers", "specdec"), default="auto",
                     help="specdec: its own runtime, the weights as served (6x transformers' rate for the Q4_1 SmolLM2 "
                          "on a 2-core AMD EPYC Zen 3: 151 against 25 answer tokens/s, 32 rows, one thread); transformers: padded "
                          "batches; auto (default): specdec on the CPU, transformers on a GPU")
-    an.add_argument("--threads", type=int, default=1)
+    an.add_argument("--threads", type=positive_int, default=1)
     an.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
-    an.add_argument("--stop-after", type=int, help="write at most this many new shards")
+    an.add_argument("--stop-after", type=positive_int, help="write at most this many new shards")
 
     fe = tsub.add_parser("features", help="add the target's features to answer shards that lack them "
                                              "(tokens only, e.g. brought back from a GPU lease)")
@@ -118,15 +129,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--dtype", default="float32")
     fe.add_argument("--backend", choices=("auto", "transformers", "specdec"), default="auto",
                     help="as for `train answers` (auto: specdec on the CPU, transformers on a GPU)")
-    fe.add_argument("--threads", type=int, default=1)
+    fe.add_argument("--threads", type=positive_int, default=1)
     fe.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
 
     sx = tsub.add_parser("suffix", help="index the target's answers as a datastore for method \"suffix\" (nothing is trained)")
     sx.add_argument("--data", required=True, help="answers folder from `specdec train answers`")
     sx.add_argument("--out", required=True, help="datastore folder")
-    sx.add_argument("--shards", type=int, help="training shards to index (default: all)")
-    sx.add_argument("--val-shards", type=int, default=1, help="the first shards, left out (the heads' validation)")
-    sx.add_argument("--depth", type=int, default=32, help="longest match the index resolves (tokens)")
+    sx.add_argument("--shards", type=positive_int, help="training shards to index (default: all)")
+    sx.add_argument("--val-shards", type=non_negative_int, default=1, help="the first shards, left out (the heads' validation)")
+    sx.add_argument("--depth", type=int_range(1, 64), default=32, help="longest match the index resolves (tokens)")
 
     e3 = tsub.add_parser("eagle3", help="train an EAGLE-3 head (vLLM's layout) on a frozen target's own answers")
     e3.add_argument("--target", help="the target: a .gguf, a folder holding one, or a Hugging Face folder "
@@ -134,34 +145,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e3.add_argument("--data", required=True, help="a suffix datastore folder (`specdec train suffix`): its documents")
     e3.add_argument("--out", required=True, help="head folder to write")
     e3.add_argument("--work", help="checkpoint and feature folder (default: runs/<out name>)")
-    for name, kind, text in (("steps", int, "optimizer steps"), ("batch", int, "rows per step"),
-                             ("window", int, "pairs per row"), ("lr", float, "peak learning rate"),
-                             ("unroll", int, "chain depths trained (training-time test)"),
-                             ("draft-vocab", int, "draft vocabulary size"),
-                             ("max-tokens", int, "feature positions taken from the documents"),
-                             ("val-docs", int, "documents held out"), ("intermediate-size", int, "the head's MLP width"),
-                             ("threads", int, "torch threads"), ("seed", int, "seed")):
+    for name, kind, text in (("steps", positive_int, "optimizer steps"), ("batch", positive_int, "rows per step"),
+                             ("window", int_range(4), "pairs per row (>= 4)"), ("lr", positive_float, "peak learning rate"),
+                             ("unroll", positive_int, "chain depths trained (training-time test)"),
+                             ("draft-vocab", positive_int, "draft vocabulary size"),
+                             ("max-tokens", positive_int, "feature positions taken from the documents"),
+                             ("val-docs", positive_int, "documents held out (48; fewer than the datastore holds)"),
+                             ("intermediate-size", positive_int, "the head's MLP width"),
+                             ("threads", positive_int, "torch threads"), ("seed", int, "seed")):
         e3.add_argument(f"--{name}", type=kind, help=text)
-    e3.add_argument("--feature-layers", help="comma-separated target layers (default: 2, L // 2, L - 3)")
+    e3.add_argument("--feature-layers", type=layer_list, help="comma-separated target layers (default: 2, L // 2, L - 3)")
     e3.add_argument("--precision", choices=("fp32", "bf16", "auto"))
-    e3.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+    e3.add_argument("--stop-after", type=positive_int, help="stop (checkpointed) after this many steps of this run")
     e3.add_argument("--device", default="cpu", help="where the target's pass and the training run (cpu, cuda)")
 
     rep = tsub.add_parser("report", help="quality of a target/draft pair on the test split; written into the model cards")
     rep.add_argument("--target", default="models/target")
     rep.add_argument("--draft", default="models/draft")
-    rep.add_argument("--k", type=int, default=4)
-    rep.add_argument("--functions", type=int, default=50)
-    rep.add_argument("--max-tokens", type=int, default=128)
-    rep.add_argument("--threads", type=int)
+    rep.add_argument("--k", type=positive_int, default=4)
+    rep.add_argument("--functions", type=positive_int, default=50)
+    rep.add_argument("--max-tokens", type=positive_int, default=128)
+    rep.add_argument("--threads", type=positive_int)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, help="torch threads (overrides the config)")
-    p.add_argument("--max-steps", type=int, help="override the config's max_steps")
-    p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many steps of this run")
+    p.add_argument("--threads", type=positive_int, help="torch threads (overrides the config)")
+    p.add_argument("--max-steps", type=non_negative_int, help="override the config's max_steps")
+    p.add_argument("--stop-after", type=positive_int, help="stop (checkpointed) after this many steps of this run")
+
+
+def _check_target(path: str) -> Path:
+    from ..model.gguf import find_gguf
+
+    target = Path(path)
+    if not (target / "config.json").is_file() and find_gguf(target) is None:
+        raise ValueError(f"--target {target}: not a model folder (no config.json) nor a GGUF file")
+    return target
 
 
 def _check_device(device: str) -> None:
@@ -216,14 +237,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _eagle3(args: argparse.Namespace) -> int:
     from ..defaults import default_model
-    from .eagle3 import Eagle3Config, train_eagle3
+    from .eagle3 import Eagle3Config, check_source, train_eagle3
 
     keys = ("steps", "batch", "window", "lr", "unroll", "draft_vocab", "max_tokens", "val_docs", "intermediate_size",
-            "threads", "seed", "precision")
-    kw = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    if args.feature_layers:
-        kw["feature_layers"] = tuple(int(x) for x in args.feature_layers.split(","))
-    cfg = Eagle3Config(**kw)
+            "threads", "seed", "precision", "feature_layers")
+    cfg = Eagle3Config(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    check_source(check_folder("--data", args.data, "datastore folder"), cfg.val_docs)
     out = Path(args.out)
     work = Path(args.work) if args.work else Path("runs") / out.name
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
@@ -239,8 +258,7 @@ def _eagle3(args: argparse.Namespace) -> int:
 def _suffix(args: argparse.Namespace) -> int:
     from .suffix import build, summary
 
-    if not 1 <= args.depth <= 64:
-        raise ValueError(f"--depth must be in [1, 64], got {args.depth}")
+    check_shards("--data", args.data, args.val_shards)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     info = build(Path(args.data), Path(args.out), args.shards, args.val_shards, args.depth, command)
     print(f"wrote {args.out}: " + summary(info))
@@ -275,11 +293,14 @@ def _heads(args: argparse.Namespace) -> int:
               "num_heads": getattr(args, "num_heads", None), "window": getattr(args, "window", None),
               "freeze_lm_head": getattr(args, "freeze_lm_head", None), "init": args.init}
     cfg = HeadsConfig(kind=args.train_cmd, **{k: v for k, v in fields.items() if v is not None})
-    from ..model.gguf import find_gguf
-
-    target = Path(args.target)
-    if not (target / "config.json").is_file() and find_gguf(target) is None:
-        raise ValueError(f"--target {target}: not a model folder (no config.json) nor a GGUF file")
+    target = _check_target(args.target)
+    if args.init:
+        check_folder("--init", args.init)
+    if cfg.data_kind == "chat":
+        check_shards("--data", args.data, cfg.val_shards)
+    elif args.data != SELFDISTILL_DATA or Path(args.data).exists():     # only the default is made when missing
+        check_folder("--data", args.data, f"folder (self-distillation data are made in a folder that exists, or in the "
+                                          f"default {SELFDISTILL_DATA})")
     out = Path(args.out)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     r = train_heads(cfg, target, out, Path(args.work) if args.work else Path("runs") / out.name, Path(args.data),
@@ -355,6 +376,10 @@ def _vocab_draft(args: argparse.Namespace) -> int:
     names = ("layers", "draft_vocab", "steps", "batch", "window", "lr", "hard_weight", "shards", "val_shards",
              "threads", "precision", "init")
     cfg = VocabDraftConfig(**{k: getattr(args, k) for k in names if getattr(args, k) is not None})
+    _check_target(args.target)
+    if args.init:
+        check_folder("--init", args.init)
+    check_shards("--data", args.data, cfg.val_shards)
     out = Path(args.out)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     r = train_vocab_draft(cfg, Path(args.target), Path(args.data), out,

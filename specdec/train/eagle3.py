@@ -59,6 +59,19 @@ class Eagle3Config:
             raise ValueError("unroll, batch and steps must be >= 1 and window >= 4")
 
 
+def check_source(source: Path, val_docs: int) -> None:
+    """Before anything is loaded or made: `source` is a datastore holding more documents than
+    --val-docs holds out."""
+    from ..proposers.suffix import INDEX_FILE
+
+    if not (source / INDEX_FILE).is_file():
+        raise ValueError(f"--data {source}: not a suffix datastore (no {INDEX_FILE}; `specdec train suffix` writes one)")
+    n = len(documents(source))
+    if n <= val_docs:
+        raise ValueError(f"--data {source}: {n} documents, --val-docs {val_docs} held out leaves none to train on: "
+                         f"lower --val-docs (below {n})")
+
+
 def documents(source: Path) -> list[list[int]]:
     """Token documents: a suffix datastore folder's corpus (ids + 1, 0 between documents)."""
     from ..proposers.suffix import INDEX_FILE
@@ -227,15 +240,14 @@ def train_eagle3(cfg: Eagle3Config, target_path: str, source: Path, out: Path, w
 
 
 def _train(cfg, target_path, source, out, work, command, stop_after, log, device) -> dict:
-    from ..model.eagle3 import feature_layers_of
     from ..tokenizer import Tokenizer
 
     torch.set_num_threads(cfg.threads)
-    work.mkdir(parents=True, exist_ok=True)
     served = load_model(target_path, device=device)       # the weights as served (GGUF on the CPU: kept packed)
-    dense = load_model(target_path, "float32", quantization="none")     # embeddings and LM-head rows
     tcfg = served.config
-    layers = tuple(cfg.feature_layers) if cfg.feature_layers else feature_layers_of({}, tcfg.num_hidden_layers)
+    layers = _feature_layers(cfg, tcfg.num_hidden_layers)
+    dense = load_model(target_path, "float32", quantization="none")     # embeddings and LM-head rows
+    work.mkdir(parents=True, exist_ok=True)
     embed = dense.model.embed_tokens.to(device)
     feats_path = work / "features.pt"
     if feats_path.is_file():
@@ -245,6 +257,9 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
         data = extract(served, documents(source), prefix, 3, layers, cfg.max_tokens + 400 * cfg.val_docs, log)
         torch.save(asdict(data), feats_path)
     S = len(data.starts)
+    if S <= cfg.val_docs:       # documents longer than --max-tokens' share: fewer taken than the datastore holds
+        raise ValueError(f"--val-docs {cfg.val_docs}: {S} documents taken (--max-tokens {cfg.max_tokens}), none left "
+                         "to train on: lower --val-docs or raise --max-tokens")
     train_docs, val_docs = torch.arange(S - cfg.val_docs), torch.arange(S - cfg.val_docs, S)
     answer_tokens = torch.cat([data.tokens[int(a):int(e)] for a, e in zip(data.answer[:S - cfg.val_docs],
                                                                          data.ends[:S - cfg.val_docs])])
@@ -297,6 +312,18 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": [command],
                                                     "history": state["history"]}, indent=1) + "\n")
     return {"finished": True, **result}
+
+
+def _feature_layers(cfg: Eagle3Config, num_layers: int) -> tuple[int, ...]:
+    from ..model.eagle3 import feature_layers_of
+
+    if cfg.feature_layers and max(cfg.feature_layers) >= num_layers:
+        raise ValueError(f"--feature-layers {','.join(map(str, cfg.feature_layers))}: the target has {num_layers} "
+                         f"layers (0 .. {num_layers - 1})")
+    try:
+        return tuple(cfg.feature_layers) if cfg.feature_layers else feature_layers_of({}, num_layers)
+    except ValueError as e:
+        raise ValueError(f"{e}: set --feature-layers") from None
 
 
 def _prefix(tok) -> list[int]:

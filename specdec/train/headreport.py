@@ -11,6 +11,8 @@ import torch
 from ..model.heads import EagleHead, MedusaHeads
 from .headdata import FlatData
 
+REPORT_TOKENS = 64      # new tokens per held-out prompt in the cards' speculation numbers
+
 
 def _sequences(data: FlatData):
     for st, a, e in zip(data.starts.tolist(), data.answer_starts.tolist(), data.ends.tolist()):
@@ -72,8 +74,26 @@ def eagle_chain_accuracy(head: EagleHead, embed, data: FlatData, to_draft, depth
     return [round(x, 4) for x in (hits / total.clamp(min=1)).tolist()]
 
 
+def fitting_prompts(prompts, n: int, context: int, log, max_tokens: int = REPORT_TOKENS) -> list[list[int]]:
+    """The first n prompts (token id lists) that leave room for max_tokens new tokens in the
+    target's context; a warning naming --report-prompts where longer ones were passed over."""
+    kept, too_long = [], 0
+    for p in prompts:
+        if len(kept) == n:
+            break
+        if len(p) + max_tokens <= context:
+            kept.append(p)
+        else:
+            too_long += 1
+    if too_long:
+        log(f"warning: --report-prompts {n}: {too_long} held-out prompt(s) too long for {max_tokens} new tokens in the "
+            f"target's {context}-token context, passed over; " +
+            (f"the card's speculation numbers come from {len(kept)}" if kept else "the card has no speculation numbers"))
+    return kept
+
+
 def speculation_report(target_dir: Path, heads_dir: Path, kind: str, prompts: list[list[int]], what: str,
-                       max_tokens: int = 64, sizes=(4, 8, 16), dtype: str = "bfloat16") -> dict:
+                       max_tokens: int = REPORT_TOKENS, sizes=(4, 8, 16), dtype: str = "bfloat16") -> dict:
     """Mean accepted length through the engine on held-out prompts (token ids), greedy and at
     temperature 1, for each tree size."""
     from ..config import SamplingParams

@@ -39,7 +39,7 @@ from .data import cached_tokens
 from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
 from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
-from .headreport import card, eagle_accuracy, eagle_chain_accuracy, medusa_accuracy, speculation_report
+from .headreport import card, eagle_accuracy, eagle_chain_accuracy, fitting_prompts, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
 
@@ -80,7 +80,7 @@ class HeadsConfig:
         if self.data_kind not in ("selfdistill", "chat"):
             raise ValueError(f"data_kind must be selfdistill or chat, got {self.data_kind!r}")
         if self.init is not None and self.init_from_target:
-            raise ValueError("init and init_from_target exclude each other")
+            raise ValueError("--init and --init-from-target exclude each other")
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if self.batch is None:
@@ -253,6 +253,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
+    # chosen before training: a warning now, not an error after it, where they outgrow the context
+    prompts, what_prompts = _report_prompts(cfg, val, report_prompts, target_dir, target.config.max_position_embeddings,
+                                            log) if report_prompts else ([], "")
     trained = None
     if cfg.init:        # fine-tuning: the heads' weights and draft vocabulary are the start
         from ..model.heads import EAGLE, MEDUSA, load_heads
@@ -332,8 +335,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(heads, sampled_val, to_draft_dev)]
     heads, embed = heads.cpu(), embed.cpu()
     save_heads(heads, out, torch.bfloat16, extra=extra)
-    if report_prompts:
-        prompts, what_prompts = _report_prompts(cfg, val, report_prompts, target_dir)
+    if prompts:
         result["speculation"] = speculation_report(target_dir, out, cfg.kind, prompts, what_prompts)
     commands = [command]
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
@@ -350,12 +352,17 @@ def _val_top1(cfg: HeadsConfig, heads, embed, probe: FlatData, to_draft) -> floa
     return acc
 
 
-def _report_prompts(cfg: HeadsConfig, val: FlatData, n: int, target_dir: Path) -> tuple[list[list[int]], str]:
-    """Held-out prompts as token ids: validation chat prompts, or test-split function headers."""
+def _report_prompts(cfg: HeadsConfig, val: FlatData, n: int, target_dir: Path, context: int,
+                    log) -> tuple[list[list[int]], str]:
+    """Up to n held-out prompts as token ids, those that fit the context: validation chat
+    prompts, or test-split function headers."""
     if cfg.data_kind == "chat":
-        spans = list(zip(val.starts.tolist(), val.answer_starts.tolist()))[:n]
-        return [val.tokens[s:a].tolist() for s, a in spans], "validation chat prompts (chat template, first turn)"
+        spans = zip(val.starts.tolist(), val.answer_starts.tolist())
+        return (fitting_prompts((val.tokens[s:a].tolist() for s, a in spans), n, context, log),
+                "validation chat prompts (chat template, first turn)")
     from .report import function_headers
 
     tok = Tokenizer(target_dir)
-    return [tok.encode(h["prompt"]) for h in function_headers(n)], "test-split function headers"
+    # more than n to choose from (round robin: where the first n fit, they are the n taken before)
+    headers = (tok.encode(h["prompt"]) for h in function_headers(max(100, 10 * n)))
+    return fitting_prompts(headers, n, context, log), "test-split function headers"

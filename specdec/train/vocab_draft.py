@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..model import load_model
 from ..model.vocab_draft import VocabDraft, save_vocab_draft
 from .headdata import FlatData, chat_data
+from .headreport import fitting_prompts
 from .heads import draft_vocabulary, lr_at      # the same warm-up and cosine schedule (lr, warmup, steps)
 from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
 
@@ -52,11 +53,15 @@ class VocabDraftConfig:
     init: str | None = None        # start from this trained draft folder (its layers and draft vocabulary kept)
 
 
+def _check_layers(cfg: VocabDraftConfig, num_layers: int) -> None:
+    if not 1 <= cfg.layers <= num_layers:
+        raise ValueError(f"--layers must be in [1, {num_layers}] (the target's layers), got {cfg.layers}")
+
+
 def init_draft(cfg: VocabDraftConfig, target, vocab: torch.Tensor) -> VocabDraft:
     """The target's first layers and final norm, LM-head rows of the draft vocabulary."""
     tcfg = target.config
-    if not 1 <= cfg.layers <= tcfg.num_hidden_layers:
-        raise ValueError(f"layers must be in [1, {tcfg.num_hidden_layers}], got {cfg.layers}")
+    _check_layers(cfg, tcfg.num_hidden_layers)
     draft = VocabDraft(tcfg.replace(num_hidden_layers=cfg.layers), vocab, target.model.embed_tokens, tcfg.vocab_size)
     src = target.state_dict()
     own = draft.decoder.state_dict()
@@ -126,13 +131,18 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     drawn on the host as on the CPU)."""
     device = torch.device(device)
     torch.set_num_threads(cfg.threads)
-    work.mkdir(parents=True, exist_ok=True)
     target = load_model(target_dir, "float32", quantization="none")     # a GGUF target dequantized
+    if cfg.init is None:        # (--init: its own layer count)
+        _check_layers(cfg, target.config.num_hidden_layers)
+    work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "checkpoint.pt"
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
     train, val, n = chat_data(answers, state.get("train_shards", cfg.shards), cfg.val_shards)
     state["train_shards"] = n
+    # chosen before training: a warning now, not an error after it, where they outgrow the context
+    prompts = fitting_prompts((val.tokens[s:a].tolist() for s, a in zip(val.starts.tolist(), val.answer_starts.tolist())),
+                              report_prompts, target.config.max_position_embeddings, log) if report_prompts else []
     V = target.config.vocab_size
     start = None
     if cfg.init:        # fine-tuning: the draft's weights, layer count and vocabulary are the start
@@ -183,10 +193,10 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     del data
-    return _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab)
+    return _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab)
 
 
-def _finish(cfg, draft, target_dir, train, val, state, out, command, report_prompts, vocab) -> dict:
+def _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab) -> dict:
     from .headreport import speculation_report
 
     where = device_name(draft.device)
@@ -200,9 +210,7 @@ def _finish(cfg, draft, target_dir, train, val, state, out, command, report_prom
               "parameters": sum(p.numel() for n_, p in draft.decoder.named_parameters() if not n_.endswith("embed_tokens.weight")),
               "greedy_top1_agreement": agreement(draft, val, cfg.window), "device": where}
     save_vocab_draft(draft, out, torch.bfloat16, extra={"draft_vocab_coverage": result["draft_vocab_coverage"]})
-    if report_prompts:
-        spans = list(zip(val.starts.tolist(), val.answer_starts.tolist()))[:report_prompts]
-        prompts = [val.tokens[s:a].tolist() for s, a in spans]
+    if prompts:
         result["speculation"] = speculation_report(target_dir, out, "draft_model", prompts,
                                                    "validation chat prompts (chat template, first turn)", sizes=(4,))
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": [command],

@@ -7,8 +7,8 @@ extensions by cumulative log-probability live on, those ending in an end-of-sequ
 (unless ignore_eos) are set aside as finished. At the end the finished and the live beams are
 ranked by cum_logprob / len ** length_penalty (len: prompt and output tokens, the EOS not
 counted), and the beam_width best are returned, best first. All beams of all prompts of a step
-run as one batch. The prompt is prefilled again each step unless the LLM was built with
-enable_prefix_caching=True, which then serves the shared prefixes from its cache.
+run as one batch. Prefix caching (on unless the LLM was built with enable_prefix_caching=False)
+serves the shared prefixes from its cache; without it the prompt is prefilled again each step.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ class ChatSession:
         self.chat_template = chat_template         # None: the tokenizer's
         self.messages: list[dict] = []
         self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
-                            scheduler_config=SchedulerConfig(max_num_seqs=1))
+                            scheduler_config=SchedulerConfig(max_num_seqs=1,
+                                                             enable_prefix_caching=llm.engine.config.enable_prefix_caching))
         self.speculative = llm.engine.proposer is not None
         self.reference_rate: float | None = None    # plain decoding, measured once
 

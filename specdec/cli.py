@@ -66,9 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prompt prefixes (any speculative "
-                        "method; default off)")
+                        "method; default on, as vLLM's V1 engine: --no-enable-prefix-caching turns it off)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: requests join in arrival order; priority: by each request's `priority` "
                         "(lower first), then arrival, and the least urgent is preempted (default fcfs)")

@@ -107,7 +107,7 @@ class LLM:
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
-    (vLLM's flag; every speculative method). scheduling_policy: "fcfs" or "priority" (then
+    (vLLM's flag; every speculative method; None: on, as vLLM's V1 engine). scheduling_policy: "fcfs" or "priority" (then
     generate(..., priority=[...]) orders the queue, lower first; vLLM's). max_logprobs: the most
     alternatives per token a request may ask for (logprobs, prompt_logprobs; -1: any; vLLM's 20).
     compilation_config / enforce_eager (vLLM's): {"cudagraph_mode": "FULL_DECODE_ONLY"} captures
@@ -123,7 +123,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
-                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
+                 enable_prefix_caching: bool | None = None, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  hf_overrides: dict | None = None, disable_sliding_window: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_dtype: str = "auto", runner: str = "auto",
@@ -136,7 +136,8 @@ class LLM:
             raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-                                gpu_memory_utilization, block_size, enable_prefix_caching, scheduling_policy)
+                                gpu_memory_utilization, block_size,
+                                True if enable_prefix_caching is None else enable_prefix_caching, scheduling_policy)
         if model is None:
             model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:

@@ -14,7 +14,7 @@
   the same blocks as the rows, so whatever shares or reuses a block (prefix caching, a
   preempted request's recompute) carries them, and `move` copies them with the rows.
 
-Prefix caching (vLLM's automatic prefix caching, opt-in: `enable_prefix_caching`): a full block
+Prefix caching (vLLM's automatic prefix caching, `enable_prefix_caching`: LLM and the CLI default to on): a full block
 whose slots hold the keys and values of known tokens in every cache (the target's, and a draft
 model's or an EAGLE head's once they have caught up) is registered under a hash of those tokens
 and of every token before them (a chain over the blocks). A new sequence whose

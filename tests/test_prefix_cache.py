@@ -349,3 +349,13 @@ def test_medusa_hit_up_to_the_last_prompt_token(tiny_pair, drafters, greedy):
     cached = LLM(**kw, enable_prefix_caching=True)
     assert [run(cached) for _ in range(2)] == [cold, cold]
     assert cached.engine.prefix_cache_hits > 0
+
+
+def test_on_by_default_as_in_vllm_v1(tiny_pair):
+    from specdec.cli import build_parser
+
+    assert LLM(model=tiny_pair[0], dtype="float32").engine.blocks.prefix_caching
+    assert not LLM(model=tiny_pair[0], dtype="float32", enable_prefix_caching=False).engine.blocks.prefix_caching
+    p = build_parser()
+    assert p.parse_args(["generate", "--model", "m", "hi"]).enable_prefix_caching is True
+    assert p.parse_args(["generate", "--model", "m", "--no-enable-prefix-caching", "hi"]).enable_prefix_caching is False

@@ -98,6 +98,7 @@ class SamplingParams:
     detokenize: bool = True
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
+    guided_decoding: StructuredOutputsParams | None = None   # vLLM < 0.11's name of structured_outputs
 
     def __setattr__(self, name, value):
         """After construction an assignment is validated like the constructor's arguments (a bad
@@ -105,6 +106,8 @@ class SamplingParams:
         if not self.__dict__.get("_ready"):
             object.__setattr__(self, name, value)
             return
+        if name == "guided_decoding" and value is not None:     # the alias: sets structured_outputs
+            name = "structured_outputs"
         old = self.__dict__.get(name)
         object.__setattr__(self, name, value)
         try:
@@ -179,6 +182,11 @@ class SamplingParams:
                "min_tokens", "must be an integer >= 0", self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "must be <= max_tokens", self.min_tokens)
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None or self.structured_outputs == self.guided_decoding, "guided_decoding",
+                   "is structured_outputs' older name: set one of them", self.guided_decoding)
+            object.__setattr__(self, "structured_outputs", self.guided_decoding)
+            object.__setattr__(self, "guided_decoding", None)     # an alias: structured_outputs holds it
         so = self.structured_outputs
         if isinstance(so, dict):
             so = StructuredOutputsParams(**so)

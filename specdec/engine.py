@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class StepEvent:
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when params.logprobs is set
     cumulative_logprob: float | None = None   # the output's so far (requests with best_of > n)
     prompt_logprobs: list[TokenLogprob | None] | None = None   # on a request's first event (params.prompt_logprobs)
+
+
+log = logging.getLogger("specdec.engine")
 
 
 class Engine:
@@ -610,6 +614,12 @@ class Engine:
             if len(r.out) >= r.max_tokens or len(r.prompt) + len(r.out) >= self.max_model_len:
                 reason = "length"
                 break
+        grammar = r.ctx.controls.grammar if r.ctx.controls is not None else None
+        if grammar is not None and grammar.error is not None and reason != "length":
+            # the grammar's matcher failed (a parser or lexer limit) and allowed EOS alone: not a
+            # "stop" whose output breaks the constraint, an abort that says why
+            reason, stop_reason = "abort", f"structured output failed: {grammar.error}"
+            log.warning("request %s: %s", r.request_id, stop_reason)
         text = r.detok.delta(final=reason is not None) if params.detokenize else ""
         return StepEvent(new, text, min(n, len(new)), reason is not None, reason, stop_reason)
 

@@ -210,7 +210,9 @@ def adjust_rows(logits: Tensor, rows: list[Row]) -> Tensor:
     _apply_grammar(logits, rows)
     for r, row in enumerate(rows):          # allowed_token_ids: every other token out
         if row.controls.params.allowed_token_ids is not None:
-            logits[r].masked_fill_(~row.controls.allowed_mask(V, dev), float("-inf"))
+            kept = logits[r].masked_fill(~row.controls.allowed_mask(V, dev), float("-inf"))
+            # unless that leaves no token (none the grammar allows): lifted for the row, as bans are
+            logits[r] = torch.where((kept > float("-inf")).any(), kept, logits[r])
     bans_r, bans_t, bias_r, bias_t, bias_v = [], [], [], [], []
     for r, (c, output, path) in enumerate(rows):
         p = c.params

@@ -55,8 +55,10 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":
+            # one lexeme (a token-level automaton), not parser alternatives: thousands of labels
+            # would overflow a parser row (llguidance's max_items_in_row)
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}\n")
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
@@ -94,12 +96,28 @@ class GrammarCompiler:
         return text
 
     def grammar(self, spec: StructuredOutputsParams) -> "Grammar":
+        """A request's matcher, its first mask computed: a grammar the parser cannot run from
+        the start (a lexer past its limits, an overflowing parser row) is a GrammarError here,
+        before the request is admitted."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._lltokenizer(), self.check(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._lltokenizer(), self.check(spec), log_level=0, limits=LIMITS())
         if matcher.is_error():
             raise GrammarError(spec.kind, _first_line(matcher.get_error()))
-        return Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
+        grammar = Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
+        grammar.masks([[]])
+        if grammar.error is not None:
+            raise GrammarError(spec.kind, grammar.error)
+        return grammar
+
+
+def LIMITS():
+    """llguidance's parser limits, its row size raised from 2000 to 50000 items (a JSON
+    schema's anyOf of a few thousand objects, as vLLM's xgrammar takes them); a grammar past
+    them stops the request with finish_reason "abort" (Grammar.error), never a quiet "stop"."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=50000)
 
 
 def _first_line(message: str) -> str:
@@ -116,6 +134,10 @@ class Grammar:
         self.words = mask_words(vocab_size)
         self.cursor: list[int] = []          # tokens consumed past the committed output
         self.cache: dict[tuple, Tensor] = {}
+        # the matcher's error once it has failed (a parser or lexer limit: llguidance then allows
+        # EOS alone); the engine ends the request with finish_reason "abort" instead of a "stop"
+        # whose output breaks the grammar
+        self.error: str | None = None
 
     def _walk(self, path: list[int]) -> int:
         """Move the matcher to the longest valid prefix of path; returns its length."""
@@ -149,6 +171,8 @@ class Grammar:
                     # written in place (llguidance.torch's helper would import torch.compile: seconds)
                     row = torch.empty(self.words, dtype=torch.int32)
                     self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
+                    if self.matcher.is_error() and self.error is None:
+                        self.error = _first_line(self.matcher.get_error())
                     if not row.any():      # nothing left (past the end with ignore_eos): EOS only
                         row = eos_only(self.eos_ids, self.words)
                     self.cache[tuple(path[:n])] = row
@@ -186,6 +210,8 @@ class Grammar:
         self.cache.clear()
         n = self.matcher.validate_tokens(tokens)
         self.matcher.consume_tokens(tokens[:n])     # an emitted token is always allowed but EOS past the end
+        if self.matcher.is_error() and self.error is None:
+            self.error = _first_line(self.matcher.get_error())
 
     def is_accepting(self) -> bool:
         return self.matcher.is_accepting()

@@ -115,3 +115,7 @@ def test_server_use_beam_search(models):
         with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
             client.completions.create(model="tiny", prompt="hi", n=2, max_tokens=4, stream=True,
                                       extra_body={"use_beam_search": True})
+        for extra in ({"guided_choice": ["a", "b"]}, {"guided_regex": "(["}, {"response_format": {"type": "json_object"}}):
+            with pytest.raises(openai.BadRequestError, match="structured outputs"):   # was answered, unconstrained
+                client.completions.create(model="tiny", prompt="hi", n=2, max_tokens=4,
+                                          extra_body={"use_beam_search": True, **extra})

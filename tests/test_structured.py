@@ -163,3 +163,56 @@ def test_processed_logprobs_follow_the_grammar():
         assert all(lp > -9999 for e in out.logprobs for lp in [e.logprob])
         ok = all(text.isdigit() or text == "" for text, _ in tops)
         assert ok == restricted, (mode, tops)
+
+
+def test_large_constraints_run_or_abort_never_a_quiet_stop(plain):
+    """Thousands of labels, an anyOf of thousands of objects: llguidance's parser row limit
+    (2000 items) made the matcher fail and allow EOS alone, so the request "stopped" with text
+    that is no label ('option', '{"'); choices are now one lexeme, the row limit is raised, and
+    a grammar that still fails (a lexer limit) ends with finish_reason "abort" saying why."""
+    import jsonschema
+
+    llm = plain[0]
+    labels = [f"option number {i}" for i in range(3000)]
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"],
+                         "additionalProperties": False} for i in range(3000)]}
+    ngram = LLM(model=BUNDLED_TARGET, speculative_config=METHODS["ngram"])
+    for so in (StructuredOutputsParams(choice=labels), StructuredOutputsParams(json=schema)):
+        params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=so)
+        out = llm.generate(["Pick one:"], params)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        if so.choice:
+            assert out.text in labels
+        else:
+            jsonschema.validate(json.loads(out.text), schema)
+        assert ngram.generate(["Pick one:"], params)[0].outputs[0].token_ids == out.token_ids
+    out = llm.generate(["a"], SamplingParams(temperature=0, max_tokens=8,
+                                             structured_outputs=StructuredOutputsParams(regex="a{1000000}")))[0].outputs[0]
+    assert out.finish_reason == "abort" and out.stop_reason.startswith("structured output failed: ")
+
+
+def test_allowed_token_ids_that_leave_the_grammar_nothing_are_lifted(plain):
+    """allowed_token_ids with no token the grammar allows left every logit at -inf: greedy
+    emitted token 0, logprobs were NaN (a 500 on the server). Such a mask is lifted for the row,
+    as a ban that leaves nothing is: the grammar holds, the logprobs are finite."""
+    import math
+
+    llm = plain[0]
+    params = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[5, 6, 7], logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    for engine in (llm, LLM(model=BUNDLED_TARGET, speculative_config=METHODS["ngram"])):
+        out = engine.generate(["Answer:"], params)[0].outputs[0]
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
+        assert all(math.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
+
+
+def test_vllm_module_path_and_older_field_name():
+    from specdec.sampling_params import GuidedDecodingParams, SamplingParams as SP, StructuredOutputsParams as SOP
+
+    assert SP is SamplingParams and SOP is StructuredOutputsParams
+    sp = SP(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+    assert sp.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    sp.guided_decoding = GuidedDecodingParams(regex="x+")
+    assert sp.structured_outputs.regex == "x+"
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SP(guided_decoding=GuidedDecodingParams(choice=["a"]), structured_outputs=StructuredOutputsParams(regex="b"))

@@ -11,12 +11,15 @@ import uuid
 from ..beam_search import BeamSearch, BeamSearchParams
 from ..config import SamplingParams
 from .errors import APIError
+from .fields import structured_outputs
 
 
 async def beam_completion(service, body, arrival: float, lora) -> dict:
     service._check_generates("Completions")
     if body.logprobs is not None or body.echo or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with logprobs, echo or best_of", "use_beam_search")
+    if structured_outputs(body)[0] is not None:
+        raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     prompts = service._completion_prompts(body.prompt)
     search, outputs = await _search(service, body, prompts, body.max_tokens, arrival, lora)
     choices, completion_tokens = [], 0

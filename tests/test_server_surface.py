@@ -292,6 +292,52 @@ def test_root_path_is_the_prefix_the_openapi_schema_names(live):
         ServerConfig(root_path="llm/")
 
 
+def test_the_api_key_holds_under_a_root_path(live):
+    """uvicorn leaves --root-path in the request's path (/llm/v1/models): the key check looked
+    for paths starting with /v1 and let every request through (a tester's find)."""
+    import httpx
+
+    config = ServerConfig(served_model_names=("toy",), root_path="/llm", api_key="k")
+    with _served(build_app(_own_llm(), config), config) as server:
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_lone_surrogates_are_a_400_and_the_engine_goes_on(live, monkeypatch):
+    """JSON may spell a lone surrogate; in bad_words it killed the engine thread (a TypeError
+    the worker did not catch: every later request hung), elsewhere it was a 500. Now a 400 naming
+    the field; and a request whose admission fails for any reason fails alone."""
+    import httpx
+
+    llm = _own_llm()
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
+        cases = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "bad_words": ["\ud800"]}, "bad_words[0]"),
+                 ("/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 2}, "prompt[1]"),
+                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+                  "messages[0].content"),
+                 ("/tokenize", {"prompt": "\ud800"}, "prompt")]
+        for path, body, field in cases:
+            r = httpx.post(server.url + path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (path, r.text)
+            assert r.json()["error"]["param"] == field.split("[")[0].split(".")[0]
+        real = llm.engine.add_request
+
+        def add_request(prompt, params, *a, **kw):     # an unexpected failure admitting one request
+            if params.max_tokens == 3:
+                raise TypeError("boom")
+            return real(prompt, params, *a, **kw)
+
+        monkeypatch.setattr(llm.engine, "add_request", add_request)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 500
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
+
+
 def test_https_with_the_ssl_flags(live, ref, tmp_path):
     import shutil
     import ssl

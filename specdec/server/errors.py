@@ -81,6 +81,9 @@ def _describe(errors) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if not loc and err.get("type") == "value_error":      # a whole-body check (protocol._Body's)
+        message = str(err.get("ctx", {}).get("error", err.get("msg")))
+        return message, message.split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0] or None
     if not loc:
         return "request body must be a JSON object, sent with Content-Type: application/json", None
     return f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", loc[0]
@@ -97,7 +100,7 @@ class ApiKeyGuard:
         self.app, self.expected, self.on_reject = app, key.encode(), on_reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._allowed(scope):
+        if scope["type"] == "http" and _app_path(scope).startswith("/v1") and not self._allowed(scope):
             if self.on_reject is not None:
                 self.on_reject(401)
             response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
@@ -110,6 +113,13 @@ class ApiKeyGuard:
         scheme, _, given = header.partition(b" ")
         # compare_digest: the answer time must not reveal how much of the key was right
         return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.expected)
+
+
+def _app_path(scope) -> str:
+    """The request's path within the app: uvicorn's --root-path (a proxy's prefix) stays in
+    scope["path"], so /api/v1/models is /v1/models here (as vLLM strips it before its key check)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class BodyLimit:

@@ -9,11 +9,44 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _lone_surrogate(value, path: str) -> str | None:
+    """The path of the first string in value (dicts, lists) holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        name = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
+        found = _lone_surrogate(key, name) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        """JSON may spell a lone surrogate (\\ud800), which no UTF-8 text holds: a 400 naming
+        the field, before a tokenizer or the engine thread meets it."""
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} is not valid Unicode text (a lone surrogate)")
+        return data
 
 
 class StreamOptions(_Body):

@@ -143,7 +143,14 @@ class EngineWorker:
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)
         kernels.set_threads(self._threads)
-        while self._between_steps():
+        while True:
+            try:
+                if not self._between_steps():
+                    break
+            except Exception as e:           # noqa: BLE001 - never a dead engine thread behind a live server
+                log.exception("engine thread: admitting or cancelling requests failed")
+                self._fail_all(e)
+                continue
             try:
                 events = self.engine.step()
             except Exception as e:           # the step's requests cannot go on; the server can
@@ -194,6 +201,14 @@ class EngineWorker:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
                                         priority=job.priority, lora_request=job.lora_request)
             except ValueError as e:
+                self._send(job, e)
+                continue
+            except Exception as e:           # noqa: BLE001 - this request fails alone; the engine goes on
+                log.exception("request %s could not be added", job.request_id)
+                try:
+                    self.engine.abort(job.request_id)
+                except Exception:            # noqa: BLE001 - it was never admitted
+                    pass
                 self._send(job, e)
                 continue
             self._jobs[job.request_id] = job

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, kernels
 from specdec.engine import Engine
 
 from test_engine import PROMPTS
@@ -207,6 +207,8 @@ def test_bf16_batch_equals_solo(setup):
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in solo]
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="bf16 rows are exact across batches through the C kernels only "
+                                                   "(SPECDEC_KERNELS=0: PyTorch's GEMMs round with the row count)")
 @pytest.mark.parametrize("method", ["eagle-chain", "eagle-tree", "medusa"])
 def test_bf16_heads_seeded_batch_equals_solo_with_prompts_prefilled_together(method):
     """The bundled pair in bf16 (dtype auto), 14 prompts prefilled in one step (476 rows): a

@@ -256,7 +256,7 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
 
     def prefix_hits(url):
         text = urllib.request.urlopen(url + "/metrics").read().decode()
-        return float(re.search(r"^specdec:prefix_cache_hits(?:_total)? (\S+)$", text, re.MULTILINE).group(1))
+        return float(re.search(r"^specdec:prefix_cache_hits(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE).group(1))
 
     target, _ = tiny_pair
     llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_model_len=256,
@@ -703,3 +703,17 @@ def test_results_md_keeps_sub_10_ms_digits():
 
     assert [_ms({"x": v}, "x") for v in (2.5, 4.034, 24.66, 247.3)] == ["2.50", "4.03", "24.7", "247"]
     assert _ms({"x": None}, "x") == "–"
+
+
+def test_bench_serve_servers_start_without_prefix_caching_unless_asked():
+    """Every load point sends the same prompts: with the servers' default prefix caching the
+    later points would find them cached (their TTFT and throughput measured on other work)."""
+    from specdec.bench.serve_cli import variants
+
+    def argvs(server_args: str) -> list[list[str]]:
+        args = argparse.Namespace(model="m", server_args=server_args, num_speculative_tokens=[0, 2],
+                                  speculative_config=None)
+        return [v["argv"] for v in variants(args)]
+
+    assert all("--no-enable-prefix-caching" in a for a in argvs("--max-num-seqs 4"))
+    assert not any("--no-enable-prefix-caching" in a for a in argvs("--enable-prefix-caching"))

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json, help="the method for the speculative variants (JSON, as serve)")
     p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
                    help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
-    p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32'")
+    p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32' (prefix caching stays off "
+                        "unless these name it: every load point sends the same prompts)")
     p.add_argument("--dataset-name", default="spec_bench",
                    choices=["spec_bench", "random", "prefix_repetition", "custom", "sharegpt"],
                    help="spec_bench: Spec-Bench's questions as chats (default: the bundled 240, or --dataset-path); "
@@ -209,6 +210,10 @@ def variants(args) -> list[dict]:
 
     out = []
     base = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    if not any("prefix-caching" in a or "prefix_caching" in a for a in base):
+        # every load point sends the same prompts: a server's prefix cache (on by default) would
+        # serve the later points' prompts from the earlier ones' blocks
+        base.append("--no-enable-prefix-caching")
     for k in args.num_speculative_tokens:
         if k == 0:
             out.append({"name": "plain", "k": 0, "argv": base + ["--num-speculative-tokens", "0"]})

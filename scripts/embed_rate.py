@@ -69,7 +69,7 @@ def main() -> None:
     for name, path, dtype in (("specdec, GGUF Q4_1 (packed)", str(gguf), "auto"),
                               ("specdec, HF folder bf16", str(dense), "bfloat16"),
                               ("specdec, HF folder fp32", str(dense), "float32")):
-        llm = LLM(path, convert="embed", dtype=dtype, max_model_len=2048)
+        llm = LLM(path, convert="embed", dtype=dtype, max_model_len=2048, enable_prefix_caching=False)
         seconds, outs = timed(lambda: llm.embed(texts), args.repeats)
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         vectors[name] = [torch.tensor(o.outputs.embedding) for o in outs]

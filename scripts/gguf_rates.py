@@ -53,7 +53,7 @@ def plain_rates(path: str, max_tokens: int, repeats: int) -> None:
     llms = {name: LLM(path, **kw) for name, kw in variants.items()}
     original = kernels.prepare_quant
     kernels.prepare_quant = lambda qweight, qtype: None      # packed, multiplied by the PyTorch reference
-    llms["packed, PyTorch reference"] = LLM(path, quantization="gguf")
+    llms["packed, PyTorch reference"] = LLM(path, quantization="gguf", enable_prefix_caching=False)
     kernels.prepare_quant = original
     best = {name: 0.0 for name in llms}
     bandwidth = copy = 0.0       # measured between the runs, best of all: a busy machine only lowers it
@@ -73,13 +73,13 @@ def plain_rates(path: str, max_tokens: int, repeats: int) -> None:
 
 
 def ngram_speedups(path: str, ks: list, max_tokens: int, repeats: int) -> None:
-    plain = LLM(path)
+    plain = LLM(path, enable_prefix_caching=False)
     engines = {"plain": plain}
     for k in ks:        # "K" or "K:min" (prompt_lookup_min: the shortest n-gram that may match)
         k, _, lo = str(k).partition(":")
         spec = {"method": "ngram", "num_speculative_tokens": k if k == "auto" else int(k),
                 "prompt_lookup_min": int(lo or 1), "prompt_lookup_max": max(4, int(lo or 1))}
-        engines[f"K={k}" + (f" n>={lo}" if lo else "")] = LLM(path, speculative_config=spec)
+        engines[f"K={k}" + (f" n>={lo}" if lo else "")] = LLM(path, speculative_config=spec, enable_prefix_caching=False)
     prompts = [plain.chat_prompt([{"role": "user", "content": q}])["prompt_token_ids"] for q in CHAT]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tokens = {}

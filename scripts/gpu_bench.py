@@ -125,7 +125,7 @@ def plain_scaling(args, out: Path, deadline: float) -> list[dict]:
             batch_module.PADDED = False if attention == "per-token" else None
             llm = LLM(str(work), dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
                       max_num_batched_tokens=8192, num_speculative_tokens=0,
-                      compilation_config=GRAPHS if attention == "graphs" else None)
+                      compilation_config=GRAPHS if attention == "graphs" else None, enable_prefix_caching=False)
             greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
             llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=4))   # warm-up
             for c in concurrencies:
@@ -238,7 +238,7 @@ def batch_spec(args, out: Path, deadline: float) -> list[dict]:
                 break
             llm = LLM(args.gguf, dtype="float32", device=args.device, max_num_seqs=max(concurrencies),
                       speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
-                      compilation_config=GRAPHS if name.endswith("graphs") else None)
+                      compilation_config=GRAPHS if name.endswith("graphs") else None, enable_prefix_caching=False)
             qs = read_questions()
             random.Random(0).shuffle(qs)
             prompts = [p for p in (chat_prompt(llm.tokenizer, q["prompt"]) for q in qs) if len(p) <= 1024]

@@ -178,7 +178,7 @@ def engine_check(target: Path, work: Path, device: str) -> dict:
         vocab = torch.arange(0, dense.config.vocab_size, 4)      # random heads: drafts rarely accepted, still lossless
         for kind in ("eagle", "medusa"):
             save_heads(build_heads(HeadsConfig(kind=kind, num_heads=2), dense, vocab), work / kind)
-        base = LLM(str(target), dtype="float32", device=device)
+        base = LLM(str(target), dtype="float32", device=device, enable_prefix_caching=False)
         plain = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
         solo = [base.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
         sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=7, ignore_eos=True)
@@ -193,7 +193,7 @@ def engine_check(target: Path, work: Path, device: str) -> dict:
                                            "topk": 2}),
                            ("medusa", {"method": "medusa", "model": str(work / "medusa"), "num_speculative_tokens": 3})):
             try:
-                llm = LLM(str(target), dtype="float32", device=device, speculative_config=spec)
+                llm = LLM(str(target), dtype="float32", device=device, speculative_config=spec, enable_prefix_caching=False)
                 outs = llm.generate(prompts, greedy)
                 result[name] = {"identical": [o.outputs[0].token_ids for o in outs] == plain,
                                 "draft_tokens": sum(o.stats.draft_tokens for o in outs)}

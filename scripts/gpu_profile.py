@@ -34,7 +34,7 @@ VARIANTS = (("plain", None, None), ("plain graphs", None, GRAPHS),
 
 def profile_one(name: str, spec, graphs) -> dict:
     llm = LLM(gguf, dtype="float32", device=device, speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
-              compilation_config=graphs)
+              compilation_config=graphs, enable_prefix_caching=False)
     p = chat_prompt(llm.tokenizer, read_questions()[0]["prompt"])
     g = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p}], g)

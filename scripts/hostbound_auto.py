@@ -42,7 +42,7 @@ def slowed(module: torch.nn.Module, ms: float, calls: list) -> None:
 
 def run(name: str, spec: dict | None, prompts: list[list[int]], args) -> dict:
     llm = LLM(args.model, speculative_config=spec, num_speculative_tokens=0 if spec is None else None,
-              max_num_seqs=1)
+              max_num_seqs=1, enable_prefix_caching=False)
     target_calls, head_calls = [0], [0]
     slowed(llm.target, args.target_ms, target_calls)
     proposer = llm.engine.proposer
@@ -81,7 +81,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.model = args.model or str(smollm2_gguf())
     eagle_module.EagleProposer._c_chain_ok = lambda self: None       # one head call per draft token, as on a GPU
-    llm = LLM(args.model, num_speculative_tokens=0)
+    llm = LLM(args.model, num_speculative_tokens=0, enable_prefix_caching=False)
     qs = read_questions(limit_per_category=1)
     prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs][:args.prompts]
     del llm

@@ -29,7 +29,7 @@ def main() -> None:
 
     spec = {"method": "ngram+eagle", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 8,
             **json.loads(args.speculative_config)}
-    llm = LLM(model=args.model, max_num_seqs=1, speculative_config=spec)
+    llm = LLM(model=args.model, max_num_seqs=1, speculative_config=spec, enable_prefix_caching=False)
     counts = llm.engine.proposer.counts
     questions = read_questions(limit_per_category=args.per_category,
                                categories=args.categories.split(",") if args.categories else None)

@@ -46,8 +46,8 @@ def main() -> None:
         raise SystemExit("kv_prefetch: no kernel variant runs here")
     setting = ctypes.c_int.in_dll(lib, "specdec_kv_prefetch")
     default = setting.value
-    llms = {"plain": LLM(model=str(path), num_speculative_tokens=0),
-            "suffix K=2": LLM(model=str(path), speculative_config=dict(SMOLLM2_SPECULATIVE))}
+    llms = {"plain": LLM(model=str(path), num_speculative_tokens=0, enable_prefix_caching=False),
+            "suffix K=2": LLM(model=str(path), speculative_config=dict(SMOLLM2_SPECULATIVE), enable_prefix_caching=False)}
     tok = llms["plain"].tokenizer
     questions = read_questions()
     if args.spec_bench:

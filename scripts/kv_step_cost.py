@@ -54,7 +54,7 @@ def main() -> None:
     from specdec.kernels import describe
     from specdec.model import ForwardBatch
 
-    llm = LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=1)
+    llm = LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=1, enable_prefix_caching=False)
     model = llm.target
     contexts = [int(c) for c in args.contexts.split(",")]
     dtypes = args.dtypes.split(",")

@@ -75,7 +75,7 @@ def specdec_split(path: str, prompts: list[list[int]], max_tokens: int, threads:
     """Wall seconds of specdec's prefill (1-token requests) and of the rest of each request."""
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
-    llm = LLM(model=path, num_speculative_tokens=0, max_num_seqs=1)
+    llm = LLM(model=path, num_speculative_tokens=0, max_num_seqs=1, enable_prefix_caching=False)
     full, first = SamplingParams(temperature=0, max_tokens=max_tokens), SamplingParams(temperature=0, max_tokens=1)
     out = dict(prefill=0.0, decode=0.0, out=0)
     for i, ids in enumerate([prompts[0], *prompts]):

@@ -84,10 +84,10 @@ def main() -> None:
     if args.write_adapters:
         print("\n".join(a.lora_path for a in adapters.values()))
         return
-    llms = {"plain": LLM(model, num_speculative_tokens=0, enable_lora=True, max_lora_rank=max(ranks), max_loras=1)}
+    llms = {"plain": LLM(model, num_speculative_tokens=0, enable_lora=True, max_lora_rank=max(ranks), max_loras=1, enable_prefix_caching=False)}
     if args.speculative:
         llms["spec"] = LLM(model, speculative_config=json.loads(args.speculative), enable_lora=True,
-                           max_lora_rank=max(ranks), max_loras=1)
+                           max_lora_rank=max(ranks), max_loras=1, enable_prefix_caching=False)
     cells = [(name, b, r) for b in batches for name in llms for r in [None, *ranks]]
     best, outs = {}, {}
     for _ in range(args.repeats):

@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     dtypes = args.kv_cache_dtype.split(",")
-    llms = {dt: LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=args.batch, kv_cache_dtype=dt) for dt in dtypes}
+    llms = {dt: LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=args.batch, kv_cache_dtype=dt, enable_prefix_caching=False) for dt in dtypes}
     llm = llms[dtypes[0]]
     prompts = spec_bench_requests(llm, args.num_prompts, llm.engine.max_model_len - args.max_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

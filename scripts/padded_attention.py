@@ -118,7 +118,7 @@ def real_model() -> None:
     outs = {}
     for padded in (False, True):
         batch_module.PADDED = padded
-        llm = LLM(model=gguf, dtype="float32", max_num_seqs=8, num_speculative_tokens=0)
+        llm = LLM(model=gguf, dtype="float32", max_num_seqs=8, num_speculative_tokens=0, enable_prefix_caching=False)
         outs[padded] = [o.outputs[0].token_ids for o in llm.generate(
             [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                       add_generation_prompt=True) for p in prompts], params)]

@@ -139,9 +139,9 @@ def main() -> None:
     rows = []
     for name, path in models.items():
         t = time.perf_counter()
-        plain = LLM(str(path), num_speculative_tokens=0)
+        plain = LLM(str(path), num_speculative_tokens=0, enable_prefix_caching=False)
         load_s = time.perf_counter() - t
-        fast = LLM(str(path), speculative_config=spec)
+        fast = LLM(str(path), speculative_config=spec, enable_prefix_caching=False)
         best_plain = best_fast = 0.0
         for _ in range(args.repeats):
             rp, out_plain = decode_rate(plain, args.max_tokens)

@@ -24,7 +24,7 @@ if not (d / "model.safetensors").exists():
     for p in m.parameters(): torch.nn.init.normal_(p, std=0.02)
     save_model(m, d); copy_tokenizer(Path("models/target"), d)
 bw = memory_bandwidth()
-llm = LLM(model=d, num_speculative_tokens=0, dtype="bfloat16")
+llm = LLM(model=d, num_speculative_tokens=0, dtype="bfloat16", enable_prefix_caching=False)
 nb = weight_bytes_per_step(llm.target)
 p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 llm.generate(["def f(x):"], p)

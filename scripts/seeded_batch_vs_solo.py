@@ -30,7 +30,7 @@ spec = {"eagle": {"method": "eagle", "model": "models/eagle", "num_speculative_t
         "ngram+eagle": {"method": "ngram+eagle", "model": "models/eagle", "num_speculative_tokens": 3, "topk": 1},
         "medusa": {"method": "medusa", "model": "models/medusa", "num_speculative_tokens": 4}}[method]
 rng = random.Random(0)
-llm = LLM(T, speculative_config=spec, max_model_len=160, dtype=dtype)
+llm = LLM(T, speculative_config=spec, max_model_len=160, dtype=dtype, enable_prefix_caching=False)
 tok = llm.tokenizer
 files = sorted(glob.glob("/usr/lib/python3*/*.py"))[:200]
 ids = tok.encode("".join(open(f, errors="ignore").read()[:4000] for f in rng.sample(files, 20)))

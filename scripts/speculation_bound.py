@@ -110,7 +110,7 @@ def main() -> None:
     from specdec import LLM, SamplingParams
     from specdec.bench.spec_bench import chat_prompt, read_questions
 
-    llm = LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=1)
+    llm = LLM(model=args.model, num_speculative_tokens=0, max_num_seqs=1, enable_prefix_caching=False)
     grid = cost_grid(llm.target, args.repeats)
     print("T(L, f) / T(L, 1):")
     for L in CONTEXTS:

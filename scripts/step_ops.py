@@ -73,7 +73,7 @@ def main() -> None:
         specs[f"eagle_tree{k}"] = {"method": "eagle", "num_speculative_tokens": k, "topk": 2}
     for name in args.methods.split(","):
         llm = LLM(model, dtype="float32", speculative_config=specs[name],
-                  num_speculative_tokens=0 if specs[name] is None else None, max_num_seqs=args.batch)
+                  num_speculative_tokens=0 if specs[name] is None else None, max_num_seqs=args.batch, enable_prefix_caching=False)
         eng = llm.engine
         qs = read_questions(limit_per_category=2)
         prompts = [chat_prompt(llm.tokenizer, qs[(3 + i) % len(qs)]["prompt"]) for i in range(args.batch)]

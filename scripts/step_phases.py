@@ -107,7 +107,7 @@ def main() -> None:
         ["schedule", "propose", "forward", "model forward", "verify", "commit", "finish_step", "observe"]) + " |")
     print("|---" * 12 + "|")
     per = {}
-    for name, llm in (("plain", LLM(model=str(path))), (args.method, LLM(model=str(path), speculative_config=spec))):
+    for name, llm in (("plain", LLM(model=str(path), enable_prefix_caching=False)), (args.method, LLM(model=str(path), speculative_config=spec, enable_prefix_caching=False))):
         prompts = PROMPTS
         if args.spec_bench:
             prompts = [chat_prompt(llm.tokenizer, q["prompt"])

@@ -98,7 +98,7 @@ def main() -> None:
     model = args.model or str(smollm2_gguf())
     spec = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
     timers = Timers()
-    llms = {"plain": LLM(model, num_speculative_tokens=0), "spec": LLM(model, speculative_config=spec)}
+    llms = {"plain": LLM(model, num_speculative_tokens=0, enable_prefix_caching=False), "spec": LLM(model, speculative_config=spec, enable_prefix_caching=False)}
     prompts = [llms["plain"].chat_prompt([{"role": "user", "content": f"Describe {t} as a JSON object with a name, "
                                             "a category, a description, tags and a rating."}]) for t in TOPICS[:args.topics]]
     warm = SamplingParams(temperature=0, max_tokens=8, structured_outputs=MODES["json_object"])

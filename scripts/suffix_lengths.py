@@ -36,7 +36,7 @@ def references(n: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy output ids) of n Spec-Bench first turns (shuffled with seed 1)."""
     qs = read_questions()
     random.Random(1).shuffle(qs)
-    llm = LLM(num_speculative_tokens=0)
+    llm = LLM(num_speculative_tokens=0, enable_prefix_caching=False)
     prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs[:n]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     llm.shutdown()

@@ -70,7 +70,7 @@ def main() -> None:
     tok, ds = Tokenizer(gguf), load_datastore("models/smollm2-suffix")
     qs = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines()]
     qs = qs[::max(1, len(qs) // args.questions)][:args.questions]
-    llm, dense = LLM(gguf), load_model(gguf, "float32", quantization="none")
+    llm, dense = LLM(gguf, enable_prefix_caching=False), load_model(gguf, "float32", quantization="none")
     params = Params(temperature=args.temperature, top_p=args.top_p)
     own, rows, none = [], [], 0
     for i, q in enumerate(qs):

@@ -42,7 +42,7 @@ def main() -> int:
         outs = [llm.generate([p], params)[0] for p in prompts]
         return time.process_time() - t, outs
 
-    plain = LLM(num_speculative_tokens=0)
+    plain = LLM(num_speculative_tokens=0, enable_prefix_caching=False)
     t_plain, ref = timed(plain)
     variants = [("ngram K=4", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})]
     for k in (2, 3, 4, "auto"):
@@ -53,7 +53,7 @@ def main() -> int:
     print(f"{len(prompts)} validation prompts, {args.max_tokens} tokens each, one thread, CPU clock, {cpu_model()}")
     print("| variant | speedup over plain | tau | greedy = plain |\n|---|---|---|---|")
     for name, cfg in variants:
-        t, outs = timed(LLM(speculative_config=cfg))
+        t, outs = timed(LLM(speculative_config=cfg, enable_prefix_caching=False))
         tok = sum(o.stats.output_tokens for o in outs)
         steps = sum(o.stats.target_forward_passes for o in outs)
         same = all(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(outs, ref))

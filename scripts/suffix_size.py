@@ -53,7 +53,7 @@ def main() -> None:
             if frac < 1:
                 path = Path(tmp) / f"suffix_{frac}"
                 save_datastore(SuffixIndex.build(sub, full.depth), path)
-            llm = LLM(model=None, speculative_config={**SMOLLM2_SPECULATIVE, "model": str(path)})
+            llm = LLM(model=None, speculative_config={**SMOLLM2_SPECULATIVE, "model": str(path)}, enable_prefix_caching=False)
             prompts = [{"prompt_token_ids": chat_prompt(llm.tokenizer, q["prompt"])} for q in qs[:args.questions]]
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
             tokens = sum(o.stats.output_tokens for o in outs)

@@ -71,7 +71,7 @@ def greedy_answers(questions: int, max_tokens: int) -> tuple[list[list[int]], li
     (shuffled with seed 0) through its chat template, as token ids."""
     qs = read_questions()
     random.Random(0).shuffle(qs)
-    llm = LLM(model=str(smollm2_gguf()))
+    llm = LLM(model=str(smollm2_gguf()), enable_prefix_caching=False)
     prompts = [chat_prompt(llm.tokenizer, q["prompt"]) for q in qs[:questions]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     return prompts, [list(o.outputs[0].token_ids) for o in outs]

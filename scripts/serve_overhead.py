@@ -33,7 +33,7 @@ def _port() -> int:
 def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", model, "--served-model-name", "m",
-                             "--port", str(port), "--uvicorn-log-level", "warning", *extra],
+                             "--port", str(port), "--uvicorn-log-level", "warning", "--no-enable-prefix-caching", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, f"http://127.0.0.1:{port}"

@@ -232,9 +232,11 @@ def test_federated_metrics_keep_each_replicas_samples_apart(tiny_pair):
     from specdec.server.metrics import ServerMetrics
 
     a, b = ServerMetrics(LLM(tiny_pair[0]).engine), ServerMetrics(LLM(tiny_pair[0]).engine)
-    a.requests.labels("stop").inc(3)
+    for _ in range(3):
+        a.finished("stop", None)
     a.ttft.observe(0.2)
-    b.requests.labels("length").inc(2)
+    b.finished("length", None)
+    b.finished("length", None)
     fams = {f.name: f for f in text_string_to_metric_families(merge({"a": a.render().decode(),
                                                                       "b": b.render().decode()}).decode())}
     totals = {(s.labels["replica"], s.labels["outcome"]): s.value for s in fams["specdec:requests"].samples

@@ -134,7 +134,7 @@ def lora_info(metrics_text: str) -> tuple[dict, float]:
 
 def test_metrics_name_the_running_and_waiting_adapters(server, tiny_pair, adapters):
     labels, value = lora_info(httpx.get(server.url + "/metrics").text)
-    assert labels == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert labels == {"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert value > 1e9                                     # vLLM's value: the time of the sample
     # with one adapter slot, "code" waits while "sql" runs (an engine of its own, stepped by hand)
     from specdec.server.metrics import ServerMetrics
@@ -146,7 +146,8 @@ def test_metrics_name_the_running_and_waiting_adapters(server, tiny_pair, adapte
     llm.engine.add_request([5, 6, 7], GREEDY)
     llm.engine.step()
     labels, _ = lora_info(metrics.render().decode())
-    assert labels == {"max_lora": "1", "running_lora_adapters": "sql", "waiting_lora_adapters": "code"}
+    assert labels == {"model_name": "specdec", "max_lora": "1", "running_lora_adapters": "sql",
+                      "waiting_lora_adapters": "code"}
 
 
 def test_runtime_load_and_unload(server, adapters, tmp_path):

@@ -216,7 +216,7 @@ def _metrics(url: str) -> dict:
     out = {}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "generation_tokens_total"):
-        m = re.search(rf"^\w+:{name} (\S+)$", text, re.MULTILINE)
+        m = re.search(rf"^\w+:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)     # labels: model_name
         out[name] = float(m.group(1)) if m else None
     return out
 

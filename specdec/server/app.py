@@ -20,7 +20,8 @@ from ..llm import LLM
 from .config import ServerConfig
 from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
-from .errors import APIError, ApiKeyGuard, BodyLimit, error_response, install_error_handlers
+from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
+from .metrics import RequestCounter
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, stream
@@ -50,27 +51,90 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API with speculative decoding statistics.", **docs)
     app.state.service = service
-    install_error_handlers(app, service.metrics.rejected)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=service.metrics.rejected)
-    if config.api_key:      # added last = outermost: the key is checked before the body is read
-        app.add_middleware(ApiKeyGuard, key=config.api_key, on_reject=service.metrics.rejected)
+    install_error_handlers(app)
+    load = ServerLoad()
+    app.include_router(_public_routes(service, load))
+    api = [_api_routes(service), _responses_routes(service, ResponseStore()), _token_routes(service),
+           *embedding_routes(service)]
+    if config.allow_runtime_lora_updating:
+        api.append(_lora_routes(service))
+    for router in api:
+        app.include_router(router, responses=_ERRORS)
+    # middleware added later wraps what was added before (the last one sees a request first)
+    if config.enable_server_load_tracking:
+        app.add_middleware(_TrackLoad, load=load)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    # each request to the API once in requests_total (413s included; 401s are not let this far)
+    app.add_middleware(RequestCounter, metrics=service.metrics, routes=[r for router in api for r in router.routes])
+    if config.api_key:      # the key is checked before the body is read
+        app.add_middleware(ApiKeyGuard, key=config.api_key)
+    app.add_middleware(_RequestIds, echo=config.enable_request_id_headers)
     # outermost: a browser's preflight (which carries no key) is answered, and every response,
     # errors included, carries the CORS headers a page needs to read it
     app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                        allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
                        allow_credentials=config.allow_credentials)
-    app.include_router(_public_routes(service))
-    app.include_router(_api_routes(service), responses=_ERRORS)
-    app.include_router(_responses_routes(service, ResponseStore()), responses=_ERRORS)
-    app.include_router(_token_routes(service), responses=_ERRORS)
-    for router in embedding_routes(service):
-        app.include_router(router, responses=_ERRORS)
-    if config.allow_runtime_lora_updating:
-        app.include_router(_lora_routes(service), responses=_ERRORS)
     return app
 
 
-def _public_routes(service: Service) -> APIRouter:
+class _RequestIds:
+    """ASGI middleware: each request's id, for its completion ids and log lines (vLLM's
+    _base_request_id): its X-Request-Id header, else a new uuid. With `echo` (vLLM's
+    --enable-request-id-headers) every response carries it back as X-Request-Id."""
+
+    def __init__(self, app, echo: bool):
+        self.app, self.echo = app, echo
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        raw = dict(scope["headers"]).get(b"x-request-id")
+        rid = raw.decode("latin-1") if raw else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, with_id if self.echo else send)
+
+
+def _request_id(request: Request) -> str:
+    return request.state.request_id
+
+
+class ServerLoad:
+    """GET /load's figure: requests in flight to the routes that run the model (with
+    --enable-server-load-tracking; otherwise it stays 0, as vLLM's does)."""
+
+    # vLLM's load-tracked routes (load_aware_call), those this server has
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/pooling",
+                       "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+
+    def __init__(self):
+        self.value = 0
+
+
+class _TrackLoad:
+    """ASGI middleware: counts a POST to one of ServerLoad.PATHS from its arrival to the last byte
+    of its answer (a stream's end) or the client leaving."""
+
+    def __init__(self, app, load: ServerLoad):
+        self.app, self.load = app, load
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or app_path(scope) not in ServerLoad.PATHS:
+            return await self.app(scope, receive, send)
+        self.load.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.value -= 1
+
+
+def _public_routes(service: Service, load: ServerLoad) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -78,6 +142,17 @@ def _public_routes(service: Service) -> APIRouter:
         if not service.worker.alive:
             return error_response(503, "the engine is not running")
         return {"status": "ok"}
+
+    @router.get("/ping")
+    async def ping():
+        """vLLM's (SageMaker's health check): /health's answer."""
+        return await health()
+
+    router.add_api_route("/ping", ping, methods=["POST"], name="ping_post", include_in_schema=False)
+
+    @router.get("/load")
+    async def server_load():
+        return {"server_load": load.value}
 
     @router.get("/version")
     async def version():
@@ -119,23 +194,25 @@ def _api_routes(service: Service) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
+        rid = f"cmpl-{_request_id(request)}"
         lora = service.lora_request(body.model)
         if body.use_beam_search:
-            return await _until_done(request, beam_completion(service, body, arrival, lora))
+            return await _until_done(request, beam_completion(service, body, arrival, lora, rid))
         prompts, params = service.prepare_completion(body)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        gen = service.generation(prompts, params, arrival, body.priority, lora)
+        gen = service.generation(prompts, params, arrival, body.priority, lora, rid)
         gen.echo_only = echo_only(body)
-        return await _respond(request, gen, fmt, service.model_name(lora), body)
+        return await _respond(request, gen, fmt, service.model_name(lora, body.model), body, rid)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
+        rid = f"chatcmpl-{_request_id(request)}"
         lora = service.lora_request(body.model)
         if body.use_beam_search:
-            return await _until_done(request, beam_chat(service, body, arrival, lora))
+            return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
         prompts, params, tools = service.prepare_chat(body)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
@@ -143,8 +220,8 @@ def _api_routes(service: Service) -> APIRouter:
                          service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
                          service.chat_echo(body))
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora), fmt,
-                              service.model_name(lora), body)
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora, rid), fmt,
+                              service.model_name(lora, body.model), body, rid)
 
     return router
 
@@ -182,7 +259,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             prompts, params, tools = service.prepare_chat(chat)
         except APIError as e:
             raise renamed(e) from None
-        model = service.model_name(lora)
+        model = service.model_name(lora, chat.model)
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, False, False, service.config.response_role, prompts[0], tools, reasoning,
                          body.include_reasoning)
@@ -192,7 +269,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             if body.store:
                 store.put(rid, conversation(turn, response["output"]), response)
 
-        gen = service.generation(prompts, params, arrival, chat.priority, lora)
+        gen = service.generation(prompts, params, arrival, chat.priority, lora, rid)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -220,14 +297,14 @@ def _as_ids(body, config: ServerConfig) -> bool:
     return config.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids
 
 
-async def _respond(request: Request, gen, fmt, model: str, body):
+async def _respond(request: Request, gen, fmt, model: str, body, response_id: str):
     if body.stream:
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
-        return StreamingResponse(stream(gen, fmt, model, include_usage, include_usage and opts.continuous_usage_stats),
-                                 media_type="text/event-stream",
+        return StreamingResponse(stream(gen, fmt, model, include_usage, include_usage and opts.continuous_usage_stats,
+                                        response_id), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
-    return await _until_done(request, collect(gen, fmt, model))
+    return await _until_done(request, collect(gen, fmt, model, response_id))
 
 
 async def _until_done(request: Request, coro):

@@ -6,7 +6,6 @@ client that leaves cancels them. Not streamed (the beams are known only at the e
 from __future__ import annotations
 
 import time
-import uuid
 
 from ..beam_search import BeamSearch, BeamSearchParams
 from ..config import SamplingParams
@@ -14,14 +13,14 @@ from .errors import APIError
 from .fields import structured_outputs
 
 
-async def beam_completion(service, body, arrival: float, lora) -> dict:
+async def beam_completion(service, body, arrival: float, lora, response_id: str) -> dict:
     service._check_generates("Completions")
     if body.logprobs is not None or body.echo or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with logprobs, echo or best_of", "use_beam_search")
     if structured_outputs(body)[0] is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     prompts = service._completion_prompts(body.prompt)
-    search, outputs = await _search(service, body, prompts, body.max_tokens, arrival, lora)
+    search, outputs = await _search(service, body, prompts, body.max_tokens, arrival, lora, response_id)
     choices, completion_tokens = [], 0
     for p, (prompt, out) in enumerate(zip(prompts, outputs)):
         for j, beam in enumerate(out.sequences):
@@ -29,10 +28,11 @@ async def beam_completion(service, body, arrival: float, lora) -> dict:
             completion_tokens += len(ids)
             choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids),
                             "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
-    return _answer("cmpl", "text_completion", service, lora, choices, prompts, completion_tokens)
+    return _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
+                   completion_tokens)
 
 
-async def beam_chat(service, body, arrival: float, lora) -> dict:
+async def beam_chat(service, body, arrival: float, lora, response_id: str) -> dict:
     """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each a
     plain assistant message (no tools, reasoning split or structured outputs with it)."""
     if body.tools or body.logprobs or body.best_of is not None:
@@ -42,7 +42,7 @@ async def beam_chat(service, body, arrival: float, lora) -> dict:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     search, outputs = await _search(service, body, prompts, max_tokens if max_tokens is not None else sampling.max_tokens,
-                                    arrival, lora)
+                                    arrival, lora, response_id)
     choices, completion_tokens = [], 0
     for j, beam in enumerate(outputs[0].sequences):
         ids = search.output_ids(beam, len(prompts[0]))
@@ -50,10 +50,12 @@ async def beam_chat(service, body, arrival: float, lora) -> dict:
         choices.append({"index": j, "message": {"role": service.config.response_role,
                                                 "content": service.tokenizer.decode(ids)},
                         "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
-    return _answer("chatcmpl", "chat.completion", service, lora, choices, prompts, completion_tokens)
+    return _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
+                   completion_tokens)
 
 
-async def _search(service, body, prompts: list[list[int]], max_tokens: int | None, arrival: float, lora):
+async def _search(service, body, prompts: list[list[int]], max_tokens: int | None, arrival: float, lora,
+                  response_id: str):
     """The beam search of `prompts` with the body's settings, stepped through engine jobs."""
     if body.stream:
         raise APIError(400, "use_beam_search cannot be streamed (the beams are known only at the end)", "stream")
@@ -76,7 +78,8 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
     step = search.step_params()
     while todo := search.pending():
         tops: list = [None] * len(todo)
-        async with service.generation([b.tokens for _, b in todo], step, arrival, body.priority, lora) as gen:
+        async with service.generation([b.tokens for _, b in todo], step, arrival, body.priority, lora,
+                                      response_id) as gen:
             async for index, event in gen.steps():
                 if event.logprobs:
                     tops[index] = event.logprobs[0].top
@@ -84,9 +87,8 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
     return search, search.result(service.tokenizer.decode)
 
 
-def _answer(prefix: str, kind: str, service, lora, choices: list, prompts, completion_tokens: int) -> dict:
+def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": service.model_name(lora), "choices": choices,
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}

@@ -39,7 +39,7 @@ VLLM_FLAGS = frozenset("""
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel enable-force-include-usage
     enable-log-outputs enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
     enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
-    enable-request-id-headers enable-server-load-tracking enable-sleep-mode enable-ssl-refresh
+    enable-sleep-mode enable-ssl-refresh
     enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
     fully-sharded-loras gpu-memory-utilization guided-decoding-backend guided-decoding-disable-additional-properties
@@ -121,6 +121,11 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help="the older vLLM spelling of --no-enable-log-requests (the default)")
     p.add_argument("--max-log-len", type=_positive,
                    help="with --enable-log-requests: at most this many prompt characters and token ids per line")
+    p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
+                   help="every response carries X-Request-Id: the request's own, or a new one (vLLM's flag); "
+                        "completion ids (cmpl-<id>, chatcmpl-<id>) and --enable-log-requests lines use it")
+    p.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                   help="GET /load answers {\"server_load\": the requests running the model} (vLLM's flag)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     lora = p.add_argument_group("LoRA adapters (vLLM's flags; a request names one in `model`)")
@@ -254,7 +259,9 @@ def server_config(args):
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
                         max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),
-                        allow_runtime_lora_updating=runtime_updating_allowed())
+                        allow_runtime_lora_updating=runtime_updating_allowed(),
+                        enable_request_id_headers=args.enable_request_id_headers,
+                        enable_server_load_tracking=args.enable_server_load_tracking)
 
 
 def _lora_modules(args) -> list:

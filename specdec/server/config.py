@@ -32,6 +32,10 @@ class ServerConfig:
     # LoRA adapters served under their names (vLLM's --lora-modules; the LLM needs enable_lora=True)
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False   # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's variable)
+    # vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's, or a
+    # new one), which the completion ids and the request log also use
+    enable_request_id_headers: bool = False
+    enable_server_load_tracking: bool = False   # GET /load counts the requests running the model (vLLM's flag)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

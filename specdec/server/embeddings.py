@@ -73,7 +73,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         service.metrics.pooled(tokens, time.perf_counter() - start)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": service.config.model_name, "data": data,
+                "model": service.model_name(None, body.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def run(fn):
@@ -102,7 +102,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         outs = await run(lambda engine: service.llm.score(body.text_1, body.text_2, body.truncate_prompt_tokens))
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": service.config.model_name,
+                "model": service.model_name(None, body.model),
                 "data": [{"index": i, "object": "score", "score": o.outputs.score} for i, o in enumerate(outs)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -114,7 +114,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
             raise APIError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
         outs = await run(lambda engine: service.llm.score(body.query, body.documents, body.truncate_prompt_tokens))
         order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)[:body.top_n or len(outs)]
-        return {"id": f"rerank-{uuid.uuid4().hex}", "model": service.config.model_name,
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": service.model_name(None, body.model),
                 "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outs)},
                 "results": [{"index": i, "document": {"text": body.documents[i]},
                              "relevance_score": outs[i].outputs.score} for i in order]}
@@ -133,7 +133,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
                  "probs": o.outputs.probs, "num_classes": o.outputs.num_classes} for i, o in enumerate(outs)]
         return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": service.config.model_name, "data": data,
+                "model": service.model_name(None, body.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
     async def pooling(body: EmbeddingRequest):
@@ -154,7 +154,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
             data = [o.outputs.embedding for o in outs]
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": service.config.model_name,
+                "model": service.model_name(None, body.model),
                 "data": [{"index": i, "object": "pooling", "data": _encode(d, body.encoding_format)}
                          for i, d in enumerate(data)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

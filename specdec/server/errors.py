@@ -48,29 +48,25 @@ def bad_value(e: ValueError, default_param: str | None = None) -> APIError:
     return APIError(400, msg, param)
 
 
-def install_error_handlers(app: FastAPI, on_reject=None) -> None:
-    """`on_reject(status)` is told of every error answer (the metrics count them)."""
-    def answer(status, message, param=None, code=None, headers=None):
-        if on_reject is not None:
-            on_reject(status)
-        return error_response(status, message, param, code, headers)
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body (metrics.RequestCounter counts the answers by their status)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return answer(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return answer(400, *_describe(exc.errors()))
+        return error_response(400, *_describe(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return answer(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return answer(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
 
 def _describe(errors) -> tuple[str, str | None]:
@@ -96,13 +92,11 @@ class ApiKeyGuard:
     (not even that its JSON was malformed). /health, /version and /metrics stay open, as in vLLM.
     """
 
-    def __init__(self, app, key: str, on_reject=None):
-        self.app, self.expected, self.on_reject = app, key.encode(), on_reject
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and _app_path(scope).startswith("/v1") and not self._allowed(scope):
-            if self.on_reject is not None:
-                self.on_reject(401)
+        if scope["type"] == "http" and app_path(scope).startswith("/v1") and not self._allowed(scope):
             response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                       None, "invalid_api_key", {"www-authenticate": "Bearer"})
             return await response(scope, receive, send)
@@ -115,7 +109,7 @@ class ApiKeyGuard:
         return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.expected)
 
 
-def _app_path(scope) -> str:
+def app_path(scope) -> str:
     """The request's path within the app: uvicorn's --root-path (a proxy's prefix) stays in
     scope["path"], so /api/v1/models is /v1/models here (as vLLM strips it before its key check)."""
     path, root = scope["path"], scope.get("root_path", "")
@@ -134,8 +128,8 @@ class BodyLimit:
     # instead of the answer.
     DRAIN_FACTOR = 16
 
-    def __init__(self, app, max_bytes: int, on_reject=None):
-        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -158,8 +152,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send, size: int, more: bool):
-        if self.on_reject is not None:
-            self.on_reject(413)
         while more and size <= self.DRAIN_FACTOR * self.max_bytes:
             message = await receive()
             if message["type"] != "http.request":

@@ -14,18 +14,30 @@ scrape time; per-step figures (tokens per step, drafted tokens) are observed by 
 With LoRA enabled, `specdec:lora_requests_info` is vLLM's vllm:lora_requests_info: one sample
 whose labels name the adapters of the running and the waiting requests (comma-separated) and
 max_lora, and whose value is the scrape's time.
+Every series also carries vLLM's `model_name` label (the first served name), so that vLLM
+dashboards' `{model_name="..."}` selectors find them.
+`specdec:requests_total{outcome}` counts each request to the API once: by its completions'
+outcomes when it ran any (an engine's refusal, a ValueError, as invalid), else by the status of
+its answer (RequestCounter: 4xx invalid, 5xx error).
 """
 
 from __future__ import annotations
 
+import contextvars
 import time
 
+import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.routing import Match
 
 from ..metrics import RequestStats
 
 PREFIX = "specdec:"
+MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {model_name="<first served name>"}
+# no `*_created` series beside each counter and histogram (prometheus_client's default; vLLM's
+# exposition has none). A process-wide setting of prometheus_client.
+prometheus_client.disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -37,42 +49,42 @@ class _EngineCollector:
     """What the engine knows, read when /metrics is scraped (plain integer reads of the
     worker-owned engine: a scrape never waits for a step)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model = engine, model_name
 
     def collect(self):
-        e = self.engine
-        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.", value=e.num_running)
-        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued for a seat or KV blocks.",
-                                value=e.num_waiting)
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full).",
-                                value=e.kv_cache_usage)
-        c = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted (blocks freed, to be recomputed).")
-        c.add_metric([], e.num_preemptions)
-        yield c
-        c = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        c.add_metric([], e.prefix_cache_queries)
-        yield c
-        c = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        c.add_metric([], e.prefix_cache_hits)
-        yield c
+        e, labels, values = self.engine, [MODEL_LABEL], [self.model]
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", e.num_running),
+                                 ("num_requests_waiting", "Requests queued for a seat or KV blocks.", e.num_waiting),
+                                 ("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full).",
+                                  e.kv_cache_usage)):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        for name, doc, value in (("num_preemptions", "Requests preempted (blocks freed, to be recomputed).",
+                                  e.num_preemptions),
+                                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  e.prefix_cache_queries),
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits)):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
         graphs = getattr(e, "graphs", None)
         if graphs is not None:      # --compilation-config's CUDA graphs: how the target's forwards ran
             c = CounterMetricFamily(PREFIX + "cuda_graph_forwards", "Target forwards by how they ran: a graph "
-                                    "captured or replayed, or eager (with the reason).", labels=["mode"])
+                                    "captured or replayed, or eager (with the reason).", labels=[MODEL_LABEL, "mode"])
             for mode, n in dict(graphs.stats).items():     # a copy: the worker adds keys meanwhile
-                c.add_metric([mode], n)
+                c.add_metric([self.model, mode], n)
             yield c
         if e.lora is not None:
             yield self._lora_info(e)
 
-    @staticmethod
-    def _lora_info(e) -> GaugeMetricFamily:
+    def _lora_info(self, e) -> GaugeMetricFamily:
         g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
                               "the running and the waiting requests.",
-                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        g.add_metric([str(e.lora.max_loras), _adapter_names(e.scheduler.waiting), _adapter_names(e.scheduler.running)],
-                     time.time())
+                              labels=[MODEL_LABEL, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        g.add_metric([self.model, str(e.lora.max_loras), _adapter_names(e.scheduler.waiting),
+                      _adapter_names(e.scheduler.running)], time.time())
         return g
 
 
@@ -82,57 +94,92 @@ def _adapter_names(requests) -> str:
     return ",".join(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
 
 
+class _Answer:
+    """One HTTP request being answered: whether its completions have counted it in requests_total."""
+    __slots__ = ("counted",)
+
+    def __init__(self):
+        self.counted = False
+
+
+# the request the current task answers (set by RequestCounter; asyncio copies it into the tasks
+# a route starts, and they all share the one _Answer)
+_ANSWERING: contextvars.ContextVar[_Answer | None] = contextvars.ContextVar("specdec_answering", default=None)
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str = "specdec"):
+        """model_name: the `model_name` label of every series (the first served name, as vLLM's)."""
+        self.model_name = model = model_name
         self.registry = reg = CollectorRegistry()
-        reg.register(_EngineCollector(engine))
-        self.requests = Counter(
-            PREFIX + "requests", "Completions by outcome: stop, length, abort (client gone), error; "
-            "invalid counts requests refused with a 4xx before decoding.", ["outcome"], registry=reg)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=reg)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive deliveries "
-                             "of tokens to one completion (one decoding step may deliver several).",
-                             buckets=_LATENCY_BUCKETS, registry=reg)
-        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds", "Per completion: (last token - "
-                              "first token) / (output tokens - 1).", buckets=_LATENCY_BUCKETS, registry=reg)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last token.",
-                             buckets=_E2E_BUCKETS, registry=reg)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to the first step that "
-                                    "schedules the completion.", buckets=_E2E_BUCKETS, registry=reg)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "First scheduled to first token.",
-                                      buckets=_E2E_BUCKETS, registry=reg)
-        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "First token to last token.",
-                                     buckets=_E2E_BUCKETS, registry=reg)
-        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens one engine step fed the target "
-                                          "(decoding tokens, drafts and prompt chunks).", buckets=_TOKEN_BUCKETS,
-                                          registry=reg)
-        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Decoding steps that scored a draft.", registry=reg)
-        self.draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens scored.", registry=reg)
-        self.accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=reg)
-        self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position.", ["position"], registry=reg)
-        self.drafted_per_pos = Counter(PREFIX + "spec_decode_num_draft_tokens_per_pos",
-                                       "Draft tokens scored at each draft position.", ["position"], registry=reg)
+        reg.register(_EngineCollector(engine, model))
+        by_model = [MODEL_LABEL]
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, by_model, registry=reg).labels(model)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, by_model, buckets=buckets, registry=reg).labels(model)
+
+        self._requests = Counter(
+            PREFIX + "requests", "Completions by outcome: stop, length, abort (client gone), error (the "
+            "engine failed, or any other 5xx answer); invalid counts requests to the API answered with a "
+            "4xx (a failed request counts once).", [MODEL_LABEL, "outcome"], registry=reg)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "
+                             "one completion (one decoding step may deliver several).", _LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Per completion: (last token - first "
+                              "token) / (output tokens - 1).", _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first step that schedules "
+                                    "the completion.", _E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", _E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", _E2E_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens one engine step fed the target "
+                                          "(decoding tokens, drafts and prompt chunks).", _TOKEN_BUCKETS)
+        self.num_drafts = counter("spec_decode_num_drafts", "Decoding steps that scored a draft.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                         "accepted at each draft position.", [MODEL_LABEL, "position"], registry=reg)
+        self._drafted_per_pos = Counter(PREFIX + "spec_decode_num_draft_tokens_per_pos", "Draft tokens scored "
+                                        "at each draft position.", [MODEL_LABEL, "position"], registry=reg)
         self.speculating = Gauge(PREFIX + "spec_decode_speculating_fraction", "Of the last step's decoding "
-                                 "requests, the fraction that drafted (the goodput policy's choice).", registry=reg)
+                                 "requests, the fraction that drafted (the goodput policy's choice).", by_model,
+                                 registry=reg).labels(model)
         for outcome in ("stop", "length", "abort", "error", "invalid"):
-            self.requests.labels(outcome)     # present at 0 from the start, so rates are defined
+            self._requests.labels(model, outcome)     # present at 0 from the start, so rates are defined
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        """requests_total{outcome} += n, for the request being answered (which then counts no more)."""
+        self._requests.labels(self.model_name, outcome).inc(n)
+        answer = _ANSWERING.get()
+        if answer is not None:
+            answer.counted = True
 
     def pooled(self, prompt_tokens: int, seconds: float) -> None:
         """One pooling request (embeddings, score, rerank, classify) answered, as vLLM counts them:
         a finished request, its input tokens as prompt tokens, its end-to-end latency."""
-        self.requests.labels("stop").inc()
+        self.count("stop")
         self.prompt_tokens.inc(prompt_tokens)
         self.e2e.observe(seconds)
 
-    def rejected(self, status: int) -> None:
-        if 400 <= status < 500:
-            self.requests.labels("invalid").inc()
+    def answered(self, status: int | None, api_route: bool) -> None:
+        """A request to a route of the API that its completions did not count has been answered:
+        a 5xx counts as an error, a 4xx (a body that fails validation, an unknown model) as
+        invalid. Not counted: other paths (unknown ones from scanners, /health and the other
+        probes), wrong methods, 401 (no key), 499 or no answer (the client left; its completions
+        count as abort)."""
+        if not api_route or status is None:
+            return
+        if status >= 500:
+            self.count("error")
+        elif 400 <= status < 500 and status not in (401, 405, 499):
+            self.count("invalid")
 
     def step(self, engine, events) -> None:
         """After each engine step (on the worker thread)."""
@@ -143,15 +190,15 @@ class ServerMetrics:
 
     def finished(self, outcome: str, stats: RequestStats | None) -> None:
         """One completion is over: count its outcome and its speculative work."""
-        self.requests.labels(outcome or "stop").inc()
+        self.count(outcome or "stop")
         if stats is None:
             return
         self.num_drafts.inc(stats.num_drafts)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
         for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
-            self.drafted_per_pos.labels(str(i)).inc(d)
-            self.accepted_per_pos.labels(str(i)).inc(a)
+            self._drafted_per_pos.labels(self.model_name, str(i)).inc(d)
+            self._accepted_per_pos.labels(self.model_name, str(i)).inc(a)
 
     def latencies(self, stats: RequestStats, first_token: float, last_token: float, arrival: float) -> None:
         """A completion that produced tokens has ended: its per-request latencies."""
@@ -164,3 +211,38 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: each HTTP request to the API counts once in requests_total. One that ran
+    completions is counted by them (ServerMetrics.finished); any other, by its answer
+    (ServerMetrics.answered). `routes`: the API's (not /health, /metrics, ... nor unknown paths)."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes):
+        self.app, self.metrics, self.routes = app, metrics, list(routes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        answer, status = _Answer(), None
+        token = _ANSWERING.set(answer)
+
+        async def watch(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            status = 500                    # the server's error handler answers it
+            raise
+        finally:
+            _ANSWERING.reset(token)
+            if not answer.counted:
+                self.metrics.answered(status, self._api_route(scope))
+
+    def _api_route(self, scope) -> bool:
+        # a wrong method is a partial match: not counted (nor is the 405 it gets)
+        return any(route.matches(scope)[0] == Match.FULL for route in self.routes)

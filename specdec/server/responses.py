@@ -174,8 +174,9 @@ class ChatFormat:
         return chat_logprobs(self.name, entries) if self.want_logprobs else None
 
 
-def _head(fmt, model: str, chunk: bool) -> dict:
-    return {"id": fmt.id_prefix + uuid.uuid4().hex, "object": fmt.chunk_object if chunk else fmt.object,
+def _head(fmt, model: str, chunk: bool, response_id: str | None) -> dict:
+    """response_id: the body's id (vLLM's cmpl-<request id>); None: one of fmt's kind made up."""
+    return {"id": response_id or fmt.id_prefix + uuid.uuid4().hex, "object": fmt.chunk_object if chunk else fmt.object,
             "created": int(time.time()), "model": model}
 
 
@@ -201,7 +202,7 @@ def speculative(gen: Generation) -> dict:
     return total.to_dict()
 
 
-async def collect(gen: Generation, fmt, model: str) -> dict:
+async def collect(gen: Generation, fmt, model: str, response_id: str | None = None) -> dict:
     """Run a generation to the end and build the non-streaming body."""
     per = gen.per_prompt
     results = [ChoiceResult(i, [fmt.prefix(i // per)], prompt_index=i // per) for i in range(len(gen.prompts) * per)]
@@ -222,7 +223,7 @@ async def collect(gen: Generation, fmt, model: str) -> dict:
                    for r in sorted(results[p * per:(p + 1) * per], key=lambda r: -score[r.index])[:gen.params.n]]
         for i, r in enumerate(results):
             r.index = i
-    return {**_head(fmt, model, chunk=False), "choices": [fmt.choice(r) for r in results], **fmt.top_level(results),
+    return {**_head(fmt, model, chunk=False, response_id=response_id), "choices": [fmt.choice(r) for r in results], **fmt.top_level(results),
             "usage": usage(gen, tokens), "speculative": speculative(gen)}
 
 
@@ -231,12 +232,12 @@ def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuous_usage: bool = False) \
-        -> AsyncIterator[str]:
+async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuous_usage: bool = False,
+                 response_id: str | None = None) -> AsyncIterator[str]:
     """Server-sent events: one chunk per decoding step that releases text, then `data: [DONE]`.
     include_usage: a last chunk with the request's usage (every other chunk says "usage": null);
     continuous_usage (vLLM's continuous_usage_stats): every chunk carries its choice's usage so far."""
-    head = _head(fmt, model, chunk=True)
+    head = _head(fmt, model, chunk=True, response_id=response_id)
     n_choices = len(gen.prompts) * gen.params.n      # streams never carry best_of > n
     offsets, tokens, counts = [0] * n_choices, 0, [0] * n_choices
 

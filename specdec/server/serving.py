@@ -46,7 +46,7 @@ class Service:
                              "(or --reasoning-parser openai_gptoss)")
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
-        self.metrics = ServerMetrics(llm.engine)
+        self.metrics = ServerMetrics(llm.engine, config.model_name)
         self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
         # LoRA adapters served by name beside the base model: those of --lora-modules are loaded
         # now, so a bad folder fails before the port opens
@@ -117,17 +117,20 @@ class Service:
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-                   priority: int = 0, lora_request=None) -> Generation:
+                   priority: int = 0, lora_request=None, request_id: str | None = None) -> Generation:
         return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
-                          lora_request)
+                          lora_request, request_id)
 
     def lora_request(self, model: str | None):
         """The LoRA adapter a request's `model` names (None: a base model); 404 for an unknown name."""
         return self.adapters.route(model)
 
-    def model_name(self, lora_request) -> str:
-        """The `model` responses report: the adapter's name, else the first served name (vLLM's)."""
-        return lora_request.lora_name if lora_request is not None else self.config.model_name
+    def model_name(self, lora_request, requested: str | None = None) -> str:
+        """The `model` responses report (vLLM's _get_model_name): the adapter's name, else the served
+        name the request gave, else the first served name."""
+        if lora_request is not None:
+            return lora_request.lora_name
+        return requested if requested in self.config.served_model_names else self.config.model_name
 
     def _check_generates(self, api: str) -> None:
         """A pooling model (runner "pooling": embeddings) has no generation endpoints (vLLM: 404)."""
@@ -320,11 +323,11 @@ class RequestLogger:
         if self.max_len is not None:
             ids, text = ids[:self.max_len], text[:self.max_len]
         log.info("Received request %s: prompt: %r, params: %s, priority: %d, prompt_token_ids: %s",
-                 job.request_id, text, job.params, job.priority, ids)
+                 job.name, text, job.params, job.priority, ids)
 
     def ended(self, job: Job, outcome: str, stats: RequestStats | None) -> None:
         tokens = stats.output_tokens if stats is not None else 0
-        log.info("Finished request %s: %s, %d prompt tokens, %d output tokens", job.request_id, outcome,
+        log.info("Finished request %s: %s, %d prompt tokens, %d output tokens", job.name, outcome,
                  len(job.prompt_ids), tokens)
 
 
@@ -332,12 +335,14 @@ class Generation:
     """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepEvent).
 
     Use `async with`: entering queues the jobs; leaving with choices unfinished (client gone,
-    cancellation, engine error) cancels them, so their slots free at once.
+    cancellation, engine error) cancels them, so their slots free at once. `request_id`: the
+    HTTP request's (cmpl-<X-Request-Id>, ...), which names its jobs in the request log: itself
+    for one job, with "-<i>" for each of several.
     """
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
-                 lora_request=None):
+                 lora_request=None, request_id: str | None = None):
         self.prompts, self.params, self.arrival, self._logger = prompts, params, arrival, logger
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -347,6 +352,9 @@ class Generation:
         self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i),
                           priority=priority, lora_request=lora_request)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
+        if request_id is not None:
+            for i, job in enumerate(self._jobs):
+                job.name = request_id if len(self._jobs) == 1 else f"{request_id}-{i}"
         self._clocks = [_Clock(arrival) for _ in self._jobs]
         self.echo_only = False           # echo with max_tokens 0: each choice's one token is dropped
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
@@ -359,6 +367,7 @@ class Generation:
         try:
             self._worker.submit(self._jobs)
         except ShuttingDown as e:
+            self._metrics.count("error", len(self._jobs))     # its answer may be an event of a stream
             raise APIError(503, str(e)) from None
         if self._logger is not None:
             for job in self._jobs:
@@ -367,7 +376,10 @@ class Generation:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        outcome = "error" if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else "abort"
+        if exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            outcome = "abort"
+        else:       # the request's error answer: a client's error (4xx) or the server's
+            outcome = "invalid" if isinstance(exc, APIError) and exc.status < 500 else "error"
         for i in sorted(self._open):
             self._worker.cancel(self._jobs[i])
             self._finished(i, outcome)
@@ -383,11 +395,12 @@ class Generation:
         while self._open:
             index, item = await self._queue.get()
             if isinstance(item, Exception):
+                # the engine refused the request (a ValueError: a 400, counted as invalid) or failed
+                failure = bad_value(item) if isinstance(item, ValueError) else \
+                    APIError(500, f"generation failed: {type(item).__name__}: {item}")
                 self._open.discard(index)
-                self._finished(index, "error")
-                if isinstance(item, ValueError):
-                    raise bad_value(item)
-                raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
+                self._finished(index, "invalid" if failure.status < 500 else "error")
+                raise failure
             if self.echo_only:
                 item = dataclasses.replace(item, token_ids=[], text="", num_accepted=0,
                                            logprobs=[] if item.logprobs is not None else None,

@@ -38,7 +38,8 @@ class Job:
     params: SamplingParams
     seed_offset: int
     deliver: Callable[[object], None]
-    request_id: str = ""
+    request_id: str = ""                           # the engine's (unique; set by submit)
+    name: str = ""                                 # the logs' (the HTTP request's id); default request_id
     priority: int = 0                              # scheduling_policy="priority": lower first
     lora_request: object | None = None             # the LoRA adapter it runs with (specdec.lora.LoRARequest)
     cancelled: bool = False                        # set by any thread; the worker acts on it
@@ -99,6 +100,7 @@ class EngineWorker:
                 raise ShuttingDown("the server is shutting down")
             for job in jobs:
                 job.request_id = f"req-{next(self._ids)}"
+                job.name = job.name or job.request_id
             self._inbox.extend(jobs)
             self._cond.notify()
 
@@ -204,7 +206,7 @@ class EngineWorker:
                 self._send(job, e)
                 continue
             except Exception as e:           # noqa: BLE001 - this request fails alone; the engine goes on
-                log.exception("request %s could not be added", job.request_id)
+                log.exception("request %s (%s) could not be added", job.name, job.request_id)
                 try:
                     self.engine.abort(job.request_id)
                 except Exception:            # noqa: BLE001 - it was never admitted

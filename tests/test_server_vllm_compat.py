@@ -1,0 +1,260 @@
+"""Small points where the server answers as vLLM's does, end to end (a real uvicorn on a loopback
+port, real HTTP clients): the response `model` is the served name the request used; X-Request-Id
+(--enable-request-id-headers) names the response, its id and its log lines; /ping and /load
+(--enable-server-load-tracking); requests_total counts each request to the API once (5xx as
+error, an engine's refusal once as invalid; unknown paths, wrong methods and 401s not at all);
+every specdec: series carries vLLM's model_name label, and no *_created series is exported."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.llm import LLM
+from specdec.server import ServerConfig, build_app
+from specdec.server.cli import parse_args, server_config
+from test_server import LiveServer, metric
+
+NAMES = ("alias-a", "alias-b")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pair):
+    return LLM(tiny_pair[0], speculative_model=str(tiny_pair[1]), num_speculative_tokens=2, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    config = ServerConfig(served_model_names=NAMES, enable_request_id_headers=True, enable_server_load_tracking=True,
+                          enable_log_requests=True)
+    app = build_app(llm, config)
+    with LiveServer(app) as live:
+        live.app = app
+        yield live
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def requests_total(http) -> dict[str, float]:
+    return {o: metric(http, f'specdec:requests_total{{outcome="{o}"}}')
+            for o in ("stop", "length", "abort", "error", "invalid")}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+# --- D6: the response `model` ------------------------------------------------------------------
+
+def test_response_model_is_the_served_name_the_request_used(http):
+    body = {"prompt": "def", "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name in NAMES:
+        assert http.post("/v1/completions", json={**body, "model": name}).json()["model"] == name
+        assert http.post("/v1/chat/completions", json={**chat, "model": name}).json()["model"] == name
+        chunks = sse(http.post("/v1/chat/completions", json={**chat, "model": name, "stream": True}))
+        assert chunks and {c["model"] for c in chunks} == {name}
+        chunks = sse(http.post("/v1/completions", json={**body, "model": name, "stream": True}))
+        assert chunks and {c["model"] for c in chunks} == {name}
+        r = http.post("/v1/responses", json={"model": name, "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == name
+        r = http.post("/v1/completions", json={**body, "model": name, "use_beam_search": True, "n": 2})
+        assert r.status_code == 200 and r.json()["model"] == name
+    # no model given: the first name (vLLM's base_model_paths[0])
+    assert http.post("/v1/completions", json=body).json()["model"] == NAMES[0]
+    assert http.post("/v1/completions", json={**body, "model": "other"}).status_code == 404
+
+
+# --- D7: X-Request-Id ----------------------------------------------------------------------------
+
+def test_request_id_header_names_the_response_its_id_and_its_log_lines(http, caplog):
+    body = {"prompt": "def", "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="specdec.server"):
+        r = http.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-123"})
+        assert r.headers["x-request-id"] == "trace-123" and r.json()["id"] == "cmpl-trace-123"
+        r = http.post("/v1/completions", json={**body, "n": 2}, headers={"X-Request-Id": "trace-n"})
+        assert r.json()["id"] == "cmpl-trace-n"
+    assert any(m.startswith("Received request cmpl-trace-123:") for m in caplog.messages), caplog.messages
+    assert any(m.startswith("Finished request cmpl-trace-123:") for m in caplog.messages)
+    assert {m.split(":")[0] for m in caplog.messages if m.startswith("Received request cmpl-trace-n")} == \
+        {"Received request cmpl-trace-n-0", "Received request cmpl-trace-n-1"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"})
+    assert r.headers["x-request-id"] == "abc" and r.json()["id"] == "chatcmpl-abc"
+    r = http.post("/v1/chat/completions", json={**chat, "stream": True}, headers={"X-Request-Id": "abc"})
+    assert r.headers["x-request-id"] == "abc" and {c["id"] for c in sse(r)} == {"chatcmpl-abc"}
+    # none sent: one is made, and the response's id is made from the same one
+    r = http.post("/v1/completions", json=body)
+    made = r.headers["x-request-id"]
+    assert len(made) == 32 and r.json()["id"] == f"cmpl-{made}"
+    # every answer carries it, errors and other routes too
+    assert http.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
+    assert http.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-Id": "e"}).headers["x-request-id"] == "e"
+
+
+def test_without_the_flag_no_request_id_header(llm):
+    config = ServerConfig(served_model_names=("tiny",))
+    with LiveServer(build_app(llm, config)) as live:
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "def", "max_tokens": 2},
+                       headers={"X-Request-Id": "trace-9"})
+        assert r.status_code == 200 and "x-request-id" not in r.headers
+        assert r.json()["id"] == "cmpl-trace-9"         # vLLM's _base_request_id reads it all the same
+
+
+def test_the_flags_are_taken_not_ignored(capsys):
+    args, ignored = parse_args(["--enable-request-id-headers", "--enable-server-load-tracking"], "x")
+    config = server_config(args)
+    assert not ignored and config.enable_request_id_headers and config.enable_server_load_tracking
+    config = server_config(parse_args([], "x")[0])
+    assert not config.enable_request_id_headers and not config.enable_server_load_tracking
+
+
+# --- D8: /ping and /load -------------------------------------------------------------------------
+
+def test_ping_answers_as_health(http):
+    for method in ("GET", "POST"):
+        r = http.request(method, "/ping")
+        assert r.status_code == 200 and r.json() == http.get("/health").json()
+
+
+def test_load_counts_the_requests_in_flight(server, http, monkeypatch):
+    assert http.get("/load").json() == {"server_load": 0}
+    engine = server.app.state.service.engine
+    real_step = engine.step
+
+    def paced():                # the streams below last a second or more
+        time.sleep(0.03)
+        return real_step()
+    monkeypatch.setattr(engine, "step", paced)
+    body = {"prompt": "def", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()          # kept: a dropped iterator closes the stream (the client leaves)
+        next(lines)
+        assert http.get("/load").json() == {"server_load": 1}
+        done = threading.Thread(target=lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True}))
+        done.start()
+        deadline = time.monotonic() + 10
+        while http.get("/load").json()["server_load"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in lines:
+            pass
+        done.join()
+    # the last bytes reach the client a moment before the server is done with the request
+    deadline = time.monotonic() + 10
+    while http.get("/load").json() != {"server_load": 0}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_load_stays_0_without_the_flag(llm, monkeypatch):
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        real_step = llm.engine.step
+
+        def paced():
+            time.sleep(0.02)
+            return real_step()
+        monkeypatch.setattr(llm.engine, "step", paced)
+        body = {"prompt": "def", "max_tokens": 30, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=live.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert httpx.get(live.url + "/load").json() == {"server_load": 0}     # vLLM's answer too
+            assert sum(1 for _ in lines) > 1
+
+
+# --- D4, D5, D9: requests_total ------------------------------------------------------------------
+
+def test_only_requests_to_the_api_count_as_invalid(http):
+    before = requests_total(http)
+    for path in ("/favicon.ico", "/.env", "/v1/nothing", "/wp-login.php"):
+        assert http.get(path).status_code == 404
+    assert http.get("/v1/completions").status_code == 405
+    assert http.post("/health").status_code == 405
+    assert requests_total(http) == before
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+    assert http.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert http.post("/v1/completions", content=b"x" * (2 << 20)).status_code == 413
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert delta(before, requests_total(http)) == {"invalid": 4}
+
+
+def test_401_is_not_an_invalid_request(llm):
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",), api_key="k"))) as live:
+        with httpx.Client(base_url=live.url, timeout=60) as h:
+            before = requests_total(h)
+            assert h.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+            assert h.get("/v1/models").status_code == 401
+            assert requests_total(h) == before
+
+
+def test_a_5xx_answer_counts_as_an_error(llm):
+    app = build_app(llm, ServerConfig(served_model_names=("tiny",)))
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as h:
+        before = requests_total(h)
+        app.state.service.worker.stop()          # as during shutdown: no new work is taken
+        r = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        # a stream's status went out first: its error is an event, and counts all the same
+        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                 "stream": True})
+        assert r.status_code == 200 and sse(r)[-1]["error"]["type"] == "service_unavailable"
+        assert h.get("/health").status_code == 503        # a probe, not a request to the API
+        assert delta(before, requests_total(h)) == {"error": 2}
+
+
+def test_a_request_the_engine_refuses_counts_once_as_invalid(tiny_pair, tmp_path):
+    """An adapter evicted from the CPU cache whose folder is then removed: the engine's
+    add_request raises ValueError on the worker; the answer is 400, counted once (as invalid)."""
+    pytest.importorskip("peft")
+    from test_lora import make_adapter
+
+    from specdec.server.lora import LoRAModulePath
+
+    folders = {n: make_adapter(tiny_pair[0], tmp_path / n, seed) for n, seed in (("A", 1), ("B", 2))}
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=64, enable_lora=True, max_loras=1,
+              max_cpu_loras=1)
+    config = ServerConfig(served_model_names=("tiny",),
+                          lora_modules=tuple(LoRAModulePath(n, str(f)) for n, f in folders.items()))
+    with LiveServer(build_app(llm, config)) as live, httpx.Client(base_url=live.url, timeout=60) as h:
+        for name in ("A", "B"):         # B evicts A from the CPU cache
+            assert h.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}).status_code == 200
+        shutil.rmtree(folders["A"])
+        before = requests_total(h)
+        r = h.post("/v1/completions", json={"model": "A", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert delta(before, requests_total(h)) == {"invalid": 1}
+        assert h.post("/v1/completions", json={"model": "B", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# --- D10: the model_name label -------------------------------------------------------------------
+
+def test_every_series_carries_the_model_name_label(http):
+    assert http.post("/v1/completions", json={"prompt": "def", "max_tokens": 8, "temperature": 0}).status_code == 200
+    text = http.get("/metrics").text
+    families = [f for f in text_string_to_metric_families(text) if f.name.startswith("specdec:")]
+    assert {"specdec:requests", "specdec:spec_decode_num_accepted_tokens_per_pos", "specdec:num_requests_running",
+            "specdec:time_to_first_token_seconds", "specdec:prefix_cache_hits"} <= {f.name for f in families}
+    samples = [s for f in families for s in f.samples]
+    assert samples and all(s.labels.get("model_name") == NAMES[0] for s in samples), \
+        [s for s in samples if s.labels.get("model_name") != NAMES[0]][:3]
+    assert "_created" not in text                     # vLLM's exposition has no *_created series
+    # a vLLM dashboard's selector
+    assert f'specdec:requests_total{{model_name="{NAMES[0]}",outcome="stop"}}' in text

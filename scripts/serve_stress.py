@@ -35,12 +35,9 @@ def main() -> int:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                    help="the server's LoRA adapters: valid requests name one of them, or the base model, at random")
     args = p.parse_args()
-    argv = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
-    if not any("prefix-caching" in a or "prefix_caching" in a for a in argv):
-        # the check reads the server's resident memory: a prefix cache (on by default) keeps
-        # filling the KV pool's untouched pages for as long as new prompts come, up to the pool's
-        # size, which reads as growth; --server-args naming it keep it (growth then bounded by the pool)
-        argv.append("--no-enable-prefix-caching")
+    # the memory check reads the server's resident memory: a prefix cache (on by default) keeps
+    # filling the KV pool's untouched pages while new prompts come, which reads as growth
+    argv = serve.without_prefix_caching((["--model", args.model] if args.model else []) + shlex.split(args.server_args))
     log = (args.out.with_suffix(".server.log") if args.out else Path("serve_stress.server.log"))
     before = machine_info()["load_average"]
     serve.unwind_on_sigterm()

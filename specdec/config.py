@@ -133,7 +133,7 @@ class SamplingParams:
                "max_tokens", "must be an integer >= 1", self.max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings", self.stop)
-        _check(all(_unicode(s) for s in stop), "stop", "must be valid Unicode text (no lone surrogates)", self.stop)
+        _check(all(is_unicode_text(s) for s in stop), "stop", "must be valid Unicode text (no lone surrogates)", self.stop)
         _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings", len(stop))
         object.__setattr__(self, "stop", stop)
         ids = list(self.stop_token_ids or [])
@@ -178,7 +178,7 @@ class SamplingParams:
         words = self.bad_words or []
         _check(isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in words),
                "bad_words", "must be non-empty strings", self.bad_words)
-        _check(all(_unicode(w) for w in words), "bad_words", "must be valid Unicode text (no lone surrogates)", self.bad_words)
+        _check(all(is_unicode_text(w) for w in words), "bad_words", "must be valid Unicode text (no lone surrogates)", self.bad_words)
         object.__setattr__(self, "bad_words", list(words) or None)
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0,
                "min_tokens", "must be an integer >= 0", self.min_tokens)
@@ -223,7 +223,7 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _unicode(text: str) -> bool:
+def is_unicode_text(text: str) -> bool:
     """Whether text can be encoded (a lone surrogate, which JSON may spell, cannot)."""
     try:
         text.encode("utf-8")

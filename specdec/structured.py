@@ -171,8 +171,7 @@ class Grammar:
                     # written in place (llguidance.torch's helper would import torch.compile: seconds)
                     row = torch.empty(self.words, dtype=torch.int32)
                     self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
-                    if self.matcher.is_error() and self.error is None:
-                        self.error = _first_line(self.matcher.get_error())
+                    self._note_error()
                     if not row.any():      # nothing left (past the end with ignore_eos): EOS only
                         row = eos_only(self.eos_ids, self.words)
                     self.cache[tuple(path[:n])] = row
@@ -210,7 +209,10 @@ class Grammar:
         self.cache.clear()
         n = self.matcher.validate_tokens(tokens)
         self.matcher.consume_tokens(tokens[:n])     # an emitted token is always allowed but EOS past the end
-        if self.matcher.is_error() and self.error is None:
+        self._note_error()
+
+    def _note_error(self) -> None:
+        if self.error is None and self.matcher.is_error():
             self.error = _first_line(self.matcher.get_error())
 
     def is_accepting(self) -> bool:

@@ -622,6 +622,14 @@ def _last_error(log: Path) -> str:
     return next((line.strip() for line in reversed(lines) if re.search(r"error", line, re.IGNORECASE)), "")
 
 
+def without_prefix_caching(argv: list[str]) -> list[str]:
+    """argv plus --no-enable-prefix-caching unless it names prefix caching already: a benchmark
+    that sends the same prompts again (load points, a stress run's memory check) measures the
+    server without the cache unless asked."""
+    named = any("prefix-caching" in a or "prefix_caching" in a for a in argv)
+    return argv if named else [*argv, "--no-enable-prefix-caching"]
+
+
 @contextmanager
 def server(argv: list[str], log: Path, startup_s: float = 600.0):
     """`specdec serve argv` on a free loopback port until the block ends (then SIGTERM, which

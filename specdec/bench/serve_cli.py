@@ -207,13 +207,12 @@ def cpu_kind() -> str:
 def variants(args) -> list[dict]:
     """[{name, k, argv}] of the servers to start."""
     from ..proposers.suffix import CACHE_KEY
+    from .serve import without_prefix_caching
 
     out = []
-    base = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
-    if not any("prefix-caching" in a or "prefix_caching" in a for a in base):
-        # every load point sends the same prompts: a server's prefix cache (on by default) would
-        # serve the later points' prompts from the earlier ones' blocks
-        base.append("--no-enable-prefix-caching")
+    # every load point sends the same prompts: a server's prefix cache (on by default) would
+    # serve the later points' prompts from the earlier ones' blocks
+    base = without_prefix_caching((["--model", args.model] if args.model else []) + shlex.split(args.server_args))
     for k in args.num_speculative_tokens:
         if k == 0:
             out.append({"name": "plain", "k": 0, "argv": base + ["--num-speculative-tokens", "0"]})

@@ -11,15 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..config import is_unicode_text
+
 
 def _lone_surrogate(value, path: str) -> str | None:
     """The path of the first string in value (dicts, lists) holding a lone surrogate, or None."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+        return None if is_unicode_text(value) else path
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):

@@ -20,12 +20,25 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or its text); regex: the output matches it whole; choice: the
     output is one of these strings; grammar: a Lark grammar, or GBNF (llama.cpp's EBNF, told
-    apart by `::=`); json_object: any JSON object (OpenAI's json_object mode)."""
+    apart by `::=`); json_object: any JSON object (OpenAI's json_object mode).
+
+    vLLM's options for JSON (json, json_object; the other kinds ignore them, as vLLM does):
+    disable_any_whitespace: None (specdec's default) or True: compact JSON, no free whitespace,
+        so a small model cannot loop on blank lines; False: any whitespace between tokens
+        (vLLM's default);
+    whitespace_pattern: a regex for the whitespace allowed between JSON tokens (wins over both);
+    disable_additional_properties: objects whose schema leaves additionalProperties unsaid take
+        no keys beyond `properties` (JSON Schema's own default allows any);
+    disable_fallback: accepted; specdec has one backend (llguidance), so nothing falls back."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
@@ -37,6 +50,11 @@ class StructuredOutputsParams:
             _check(isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice),
                    "structured_outputs.choice", "must be a non-empty list of strings", self.choice)
             object.__setattr__(self, "choice", list(self.choice))
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, bool), f"structured_outputs.{name}", "must be true or false", value)
+        _check(self.whitespace_pattern is None or isinstance(self.whitespace_pattern, str),
+               "structured_outputs.whitespace_pattern", "must be a regex string", self.whitespace_pattern)
 
     @property
     def kind(self) -> str:

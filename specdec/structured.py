@@ -42,16 +42,19 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
 
-    # compact JSON (no free whitespace): a small model cannot loop on blank lines, and every
-    # bounded schema has a bounded output
-    options = {"whitespace_flexible": False}
+    # compact JSON unless asked (no free whitespace): a small model cannot loop on blank lines,
+    # and every bounded schema has a bounded output
+    json_options = {"defaults": {"whitespace_flexible": spec.disable_any_whitespace is False}}
+    if spec.whitespace_pattern is not None:
+        json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
     kind = spec.kind
     try:
-        if kind == "json":
-            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else \
+                json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            if spec.disable_additional_properties:
+                schema = _closed_objects(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, **json_options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":
@@ -62,6 +65,19 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _closed_objects(schema):
+    """A copy of schema where every object schema that leaves additionalProperties unsaid
+    says false (vLLM's disable_additional_properties); subschemas at any depth."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarCompiler:

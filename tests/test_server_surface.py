@@ -62,6 +62,16 @@ def test_json_schema_response_format_and_guided_fields(client):
     choice = client.chat.completions.create(model="toy", messages=MSG, max_tokens=10, temperature=1.0, seed=2,
                                             extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert choice.choices[0].message.content in {"yes", "no", "maybe"}
+    # vLLM's JSON options: whitespace as a pattern (older guided_whitespace_pattern too), closed objects
+    for extra in ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]"},
+                  {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]", "disable_fallback": True}}):
+        spaced = client.completions.create(model="toy", prompt="x = ", max_tokens=80, temperature=0, extra_body=extra)
+        jsonschema.validate(json.loads(spaced.choices[0].text), SCHEMA)
+        assert " " in spaced.choices[0].text and "\n" not in spaced.choices[0].text   # SCHEMA's values hold no space
+    closed = client.completions.create(model="toy", prompt="x = ", max_tokens=80, temperature=0, extra_body={
+        "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+                               "disable_additional_properties": True, "disable_any_whitespace": True}})
+    assert json.loads(closed.choices[0].text).keys() == {"a"}
 
 
 def test_penalties_bias_and_min_tokens_match_the_engine(client, live):
@@ -118,6 +128,9 @@ def test_best_of_keeps_the_most_likely_candidates(live):
     ("completion", dict(extra_body={"guided_json": "{not json"}), "guided_json"),
     ("completion", dict(extra_body={"structured_outputs": {"grammar": "start: missing_rule"}}), "structured_outputs"),
     ("completion", dict(extra_body={"structured_outputs": {"yaml": "x"}}), "structured_outputs"),
+    ("completion", dict(extra_body={"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}}),
+     "structured_outputs"),
+    ("completion", dict(extra_body={"structured_outputs": {"json": {}, "structural_tag": "{}"}}), "structured_outputs"),
     ("completion", dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), "guided_choice"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice"),

@@ -216,3 +216,40 @@ def test_vllm_module_path_and_older_field_name():
     assert sp.structured_outputs.regex == "x+"
     with pytest.raises(ValueError, match="guided_decoding"):
         SP(guided_decoding=GuidedDecodingParams(choice=["a"]), structured_outputs=StructuredOutputsParams(regex="b"))
+
+
+def _accepts(llm, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether the grammar of spec takes text whole (its tokens in turn, then the end)."""
+    import llguidance
+
+    compiler = llm.engine.grammars
+    matcher = llguidance.LLMatcher(compiler._lltokenizer(), compiler.check(spec), log_level=0)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_vllm_json_options_whitespace_and_additional_properties(plain):
+    llm = plain[0]
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact, spaced, extra = '{"a":1}', '{ "a" : 1 }', '{"a":1,"b":2}'
+    default = StructuredOutputsParams(json=open_schema)
+    assert _accepts(llm, default, compact) and not _accepts(llm, default, spaced)
+    anywhite = StructuredOutputsParams(json=open_schema, disable_any_whitespace=False)      # vLLM's default
+    assert _accepts(llm, anywhite, spaced) and _accepts(llm, anywhite, '{\n  "a": 1\n}')
+    assert not _accepts(llm, StructuredOutputsParams(json=open_schema, disable_any_whitespace=True), spaced)
+    pattern = StructuredOutputsParams(json=open_schema, whitespace_pattern=" ?")
+    assert _accepts(llm, pattern, spaced) and not _accepts(llm, pattern, '{\n"a":1}')
+    assert _accepts(llm, StructuredOutputsParams(json_object=True, whitespace_pattern=" ?"), '{ "x" : [ ] }')
+    assert _accepts(llm, default, extra)           # JSON Schema: unsaid additionalProperties allow any
+    closed = StructuredOutputsParams(json=open_schema, disable_additional_properties=True, disable_fallback=True)
+    assert _accepts(llm, closed, compact) and not _accepts(llm, closed, extra)
+    nested = {"type": "array", "items": {"properties": {"a": {"type": "integer"}}}}
+    assert not _accepts(llm, StructuredOutputsParams(json=nested, disable_additional_properties=True), '[{"b":2}]')
+    # generation follows the pattern (llguidance lets each gap be empty or match it): spaces only
+    out = llm.generate("x = ", SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA, whitespace_pattern=" ")))[0].outputs[0].text
+    assert json.loads(out).keys() == SCHEMA["properties"].keys() and ('": ' in out or '" :' in out)
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(json=open_schema, whitespace_pattern=3)
+    with pytest.raises(ValueError, match="disable_any_whitespace"):
+        StructuredOutputsParams(json=open_schema, disable_any_whitespace="no")

@@ -12,6 +12,7 @@ from .errors import APIError
 from .protocol import ChatCompletionRequest, _Sampling
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -37,18 +38,22 @@ def structured_outputs(req: _Sampling) -> tuple[StructuredOutputsParams | None, 
         if getattr(req, name) is not None:
             found.append((name, {key: getattr(req, name)}))
     if req.structured_outputs is not None:
-        given = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        given = {k: v for k, v in req.structured_outputs.items()
+                 if v is not None and not (v is False and k in CONSTRAINTS)}
         found.append(("structured_outputs", given))
     if not found:
         return None, None
     if len(found) > 1:
         raise APIError(400, f"give one structured-output field, got {', '.join(f for f, _ in found)}", found[1][0])
     name, fields = found[0]
+    if req.guided_whitespace_pattern is not None:
+        fields = {**fields, "whitespace_pattern": req.guided_whitespace_pattern}
     try:
         return StructuredOutputsParams(**fields), name
     except TypeError:              # a key StructuredOutputsParams does not have
-        raise APIError(400, f"{name} takes one of json, regex, choice, grammar, json_object; got "
-                            f"{', '.join(sorted(fields))}", name) from None
+        raise APIError(400, f"{name} takes one of json, regex, choice, grammar, json_object (and the JSON options "
+                            f"disable_any_whitespace, whitespace_pattern, disable_additional_properties, "
+                            f"disable_fallback); got {', '.join(sorted(fields))}", name) from None
     except ValueError as e:
         raise APIError(400, f"{name}: {e}", name) from None
 

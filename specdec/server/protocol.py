@@ -82,6 +82,8 @@ class _Sampling(_Body):
     guided_regex: str | None = Field(None, description="vLLM (older name): a regular expression")
     guided_choice: list[str] | None = Field(None, description="vLLM (older name): one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM (older name): a Lark or GBNF grammar")
+    guided_whitespace_pattern: str | None = Field(None, description="vLLM (older name): the whitespace a JSON "
+                                                                    "constraint allows between tokens, a regex")
     user: str | None = None
     prompt_logprobs: int | None = Field(None, description="vLLM extension: each prompt token's logprob, rank and "
                                                           "this many alternatives (not streamed)")

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 300          # OpenAI accepts at most 300 entries in logit_bias
 
@@ -20,7 +21,10 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or its text); regex: the output matches it whole; choice: the
     output is one of these strings; grammar: a Lark grammar, or GBNF (llama.cpp's EBNF, told
-    apart by `::=`); json_object: any JSON object (OpenAI's json_object mode).
+    apart by `::=`); json_object: any JSON object (OpenAI's json_object mode); structural_tag:
+    free text in which each trigger (e.g. "<function=") starts a tagged segment that must follow
+    its structure's begin, JSON schema and end (vLLM's {"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}, as a dict or its JSON text).
 
     vLLM's options for JSON (json, json_object; the other kinds ignore them, as vLLM does):
     disable_any_whitespace: None (specdec's default) or True: compact JSON, no free whitespace,
@@ -35,14 +39,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
     disable_any_whitespace: bool | None = None
     whitespace_pattern: str | None = None
     disable_additional_properties: bool = False
     disable_fallback: bool = False
 
     def __post_init__(self):
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
-        _check(len(given) == 1, "structured_outputs", "must set exactly one of json, regex, choice, grammar, json_object", given)
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"must set exactly one of {', '.join(CONSTRAINT_KINDS)}", given)
+        _check(self.structural_tag is None or isinstance(self.structural_tag, (dict, str)),
+               "structured_outputs.structural_tag", "must be an object or its JSON text", self.structural_tag)
         _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json", "must be a JSON schema", self.json)
         _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex", "must be a string", self.regex)
         _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar", "must be a string", self.grammar)
@@ -58,7 +65,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False))
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass

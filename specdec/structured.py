@@ -62,9 +62,47 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
             # would overflow a parser row (llguidance's max_items_in_row)
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}\n")
+        if kind == "structural_tag":
+            return _structural_tag_grammar(spec.structural_tag)
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
+    except GrammarError:
+        raise
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _structural_tag_grammar(tag: dict | str) -> str:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) as
+    an llguidance grammar: free text, where a trigger starts a segment that must be one of the
+    structures whose begin starts with it (its JSON schema between begin and end)."""
+    import llguidance
+
+    def bad(message: str):
+        return GrammarError("structural_tag", message)
+
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise bad(f"not JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise bad("must be an object with structures and triggers")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise bad("triggers must be a non-empty list of strings")
+    if not isinstance(structures, list) or not structures:
+        raise bad("structures must be a non-empty list of {begin, schema, end}")
+    tags = []
+    for i, s in enumerate(structures):
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), (dict, str))):
+            raise bad(f"structures[{i}] must have begin and end strings and a JSON schema")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise bad(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers {triggers}")
+        schema = json.loads(s["schema"]) if isinstance(s["schema"], str) else s["schema"]
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
+    return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags))
 
 
 def _closed_objects(schema):

@@ -72,6 +72,11 @@ def test_json_schema_response_format_and_guided_fields(client):
         "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
                                "disable_additional_properties": True, "disable_any_whitespace": True}})
     assert json.loads(closed.choices[0].text).keys() == {"a"}
+    tag = {"type": "structural_tag", "triggers": ["<call="],
+           "structures": [{"begin": "<call=f>", "schema": {"type": "integer"}, "end": "</call>"}]}
+    free = client.chat.completions.create(model="toy", messages=MSG, max_tokens=16, temperature=0)
+    tagged = client.chat.completions.create(model="toy", messages=MSG, max_tokens=16, temperature=0, response_format=tag)
+    assert tagged.choices[0].message.content == free.choices[0].message.content      # no trigger: free text
 
 
 def test_penalties_bias_and_min_tokens_match_the_engine(client, live):
@@ -131,6 +136,9 @@ def test_best_of_keeps_the_most_likely_candidates(live):
     ("completion", dict(extra_body={"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}}),
      "structured_outputs"),
     ("completion", dict(extra_body={"structured_outputs": {"json": {}, "structural_tag": "{}"}}), "structured_outputs"),
+    ("completion", dict(extra_body={"structured_outputs": {"structural_tag": {"structures": [], "triggers": ["<"]}}}),
+     "structured_outputs"),
+    ("chat", dict(response_format={"type": "structural_tag", "triggers": ["<f="]}), "response_format"),
     ("completion", dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), "guided_choice"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice"),

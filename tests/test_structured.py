@@ -253,3 +253,24 @@ def test_vllm_json_options_whitespace_and_additional_properties(plain):
         StructuredOutputsParams(json=open_schema, whitespace_pattern=3)
     with pytest.raises(ValueError, match="disable_any_whitespace"):
         StructuredOutputsParams(json=open_schema, disable_any_whitespace="no")
+
+
+def test_structural_tag_constrains_tagged_segments_only(plain):
+    llm = plain[0]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    tag = {"structures": [{"begin": "<call=add>", "schema": schema, "end": "</call>"}], "triggers": ["<call="]}
+    for spec in (StructuredOutputsParams(structural_tag=tag), StructuredOutputsParams(structural_tag=json.dumps(tag))):
+        assert _accepts(llm, spec, "free text, then <call=add>{\"n\":3}</call> and more text")
+        assert _accepts(llm, spec, "no call at all")
+        assert not _accepts(llm, spec, "bad <call=add>{\"m\":3}</call>")
+        assert not _accepts(llm, spec, "unknown <call=sub>{\"n\":3}</call>")
+    # text without a trigger is free: greedy output as without the constraint
+    free = SamplingParams(temperature=0, max_tokens=24)
+    tagged = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, tagged)] == \
+        [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free)]
+    for bad, needle in [({"structures": [], "triggers": ["<"]}, "structures"),
+                        ({"structures": tag["structures"], "triggers": ["<other"]}, "starts with none of the triggers"),
+                        ("{nope", "not JSON")]:
+        with pytest.raises(ValueError, match=f"structured_outputs.structural_tag is invalid: .*{needle}"):
+            llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=bad)))

@@ -7,12 +7,11 @@ Each check raises APIError(400) naming the field the client sent, so that a bad 
 
 from __future__ import annotations
 
-from ..config import StructuredOutputsParams
+from ..config import CONSTRAINT_KINDS, StructuredOutputsParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _Sampling
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -31,15 +30,17 @@ def structured_outputs(req: _Sampling) -> tuple[StructuredOutputsParams | None, 
                 raise APIError(400, "response_format.json_schema.schema is required (a JSON schema object)",
                                "response_format")
             found.append(("response_format", {"json": schema}))
+        elif kind == "structural_tag":
+            found.append(("response_format", {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}))
         elif kind != "text":
-            raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                           "response_format")
+            raise APIError(400, "response_format.type must be 'text', 'json_object', 'json_schema' or "
+                                f"'structural_tag', got {kind!r}", "response_format")
     for name, key in GUIDED.items():
         if getattr(req, name) is not None:
             found.append((name, {key: getattr(req, name)}))
     if req.structured_outputs is not None:
         given = {k: v for k, v in req.structured_outputs.items()
-                 if v is not None and not (v is False and k in CONSTRAINTS)}
+                 if v is not None and not (v is False and k in CONSTRAINT_KINDS)}
         found.append(("structured_outputs", given))
     if not found:
         return None, None
@@ -51,7 +52,7 @@ def structured_outputs(req: _Sampling) -> tuple[StructuredOutputsParams | None, 
     try:
         return StructuredOutputsParams(**fields), name
     except TypeError:              # a key StructuredOutputsParams does not have
-        raise APIError(400, f"{name} takes one of json, regex, choice, grammar, json_object (and the JSON options "
+        raise APIError(400, f"{name} takes one of {', '.join(CONSTRAINT_KINDS)} (and the JSON options "
                             f"disable_any_whitespace, whitespace_pattern, disable_additional_properties, "
                             f"disable_fallback); got {', '.join(sorted(fields))}", name) from None
     except ValueError as e:

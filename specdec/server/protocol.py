@@ -77,7 +77,8 @@ class _Sampling(_Body):
     min_tokens: int | None = Field(None, description="vLLM extension: EOS and stop tokens banned until this many tokens")
     best_of: int | None = Field(None, description="draw this many, return the n of highest cumulative logprob")
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'schema': ...}}")
-    structured_outputs: dict | None = Field(None, description="vLLM: one of json, regex, choice, grammar, json_object")
+    structured_outputs: dict | None = Field(None, description="vLLM: one of json, regex, choice, grammar, json_object, "
+                                                                  "structural_tag, with the JSON options")
     guided_json: dict | str | None = Field(None, description="vLLM (older name): a JSON schema")
     guided_regex: str | None = Field(None, description="vLLM (older name): a regular expression")
     guided_choice: list[str] | None = Field(None, description="vLLM (older name): one of these strings")

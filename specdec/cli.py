@@ -82,8 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
                         "~1.9x the slots of bf16, outputs differ slightly)")
-    p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs",
-                   help="logprobs under the processed distribution (temperature, top-k/p, min-p; default) or the raw one")
+    p.add_argument("--logprobs-mode", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                   default="raw_logprobs",
+                   help="what logprobs report (vLLM's): the raw model's (default) or after the request's controls, "
+                        "temperature, top-k/p and min-p (processed_*); log-probabilities or logits")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
 

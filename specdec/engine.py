@@ -74,7 +74,7 @@ class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, proposer: Proposer | None = None,
                  num_speculative_tokens: int | str = 0, max_model_len: int | None = None, max_k: int = 8,
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
-                 logprobs_mode: str = "processed_logprobs", disable_by_batch_size: int | None = None,
+                 logprobs_mode: str = "raw_logprobs", disable_by_batch_size: int | None = None,
                  kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20,
                  lora_config: LoRAConfig | None = None, cuda_graph_sizes: tuple[int, ...] | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
@@ -324,7 +324,7 @@ class Engine:
         # processed logprobs read the same rows
         logits = controlled_logits(plan.decode, drafts, out.logits, offsets)
         results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
-        logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode == "raw_logprobs" else logits,
+        logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode.startswith("raw_") else logits,
                                   offsets)
         t3 = self.clock()
         committed = self._commit(plan, drafts, results, out.hidden, offsets)

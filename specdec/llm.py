@@ -103,7 +103,8 @@ class LLM:
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
     max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
-    "processed_logprobs" or "raw_logprobs" (specdec/logprobs.py). kv_cache_dtype: the target's
+    "raw_logprobs" (vLLM's default), "raw_logits", "processed_logprobs" or "processed_logits"
+    (specdec/logprobs.py). kv_cache_dtype: the target's
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
@@ -121,7 +122,7 @@ class LLM:
                  seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 block_size: int = 16, logprobs_mode: str = "processed_logprobs", kv_cache_dtype: str = "auto",
+                 block_size: int = 16, logprobs_mode: str = "raw_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
                  enable_prefix_caching: bool | None = None, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  hf_overrides: dict | None = None, disable_sliding_window: bool = False,

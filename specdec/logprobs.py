@@ -5,13 +5,17 @@ predicted by its fed row rows[j] (0 = the last committed token, i + 1 = draft i 
 i), whether it was an accepted draft, a recovered token or the bonus. So logprobs cost no
 second forward, only a log-softmax over the rows of the requests that ask.
 
-Modes (vLLM's `logprobs_mode` names):
-- "processed_logprobs" (default): log p(x) under the distribution the token was verified
-  against: the request's controls (penalties, bias, grammar mask: the rows the engine passes
-  in), then temperature, top-k, top-p and min-p (sampling.process_rows); tokens those
-  removed get FLOOR. Greedy requests report the unscaled distribution (temperature 0
-  has no distribution of its own), so greedy logprobs are the same in both modes.
-- "raw_logprobs": log-softmax of the raw logits, before any processing.
+Modes (vLLM's `logprobs_mode`, its default first):
+- "raw_logprobs" (default, as vLLM's): log-softmax of the raw logits, before any processing.
+- "raw_logits": the raw logits themselves.
+- "processed_logprobs": log p(x) under the distribution the token was verified against: the
+  request's controls (penalties, bias, grammar mask: the rows the engine passes in), then
+  temperature, top-k, top-p and min-p (sampling.process_rows); tokens those removed get
+  FLOOR. Greedy requests report the unscaled distribution (temperature 0 has no distribution
+  of its own), so greedy logprobs are the same as raw ones where no control acts.
+- "processed_logits": the logits after the controls and the temperature, FLOOR where top-k,
+  top-p or min-p removed the token.
+cumulative_logprob (and best_of's ranking) sums what the mode reports, as vLLM does.
 A recovered token is drawn from norm(max(0, p - q)), yet the figure reported is log p(x): the
 probability of the token under the target at its position, as if decoded without speculation.
 """
@@ -27,7 +31,7 @@ from torch import Tensor
 
 from .sampling import process_rows
 
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 FLOOR = -9999.0          # what -inf becomes: JSON has no infinity (vLLM reports the same value)
 
 
@@ -103,15 +107,21 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
 
 
 def _log_distribution(rows: Tensor, params: list, counts: list[int], mode: str) -> Tensor:
-    """[M, V] log-probabilities of each request's rows (counts[i] rows of request i)."""
-    logp = torch.log_softmax(rows.float(), dim=-1)
-    if mode == "raw_logprobs":
-        return logp
+    """[M, V] what mode reports of each request's rows (counts[i] rows of request i)."""
+    logits_mode = mode.endswith("_logits")
+    out = rows.float() if logits_mode else torch.log_softmax(rows.float(), dim=-1)
+    if mode.startswith("raw_"):
+        return out
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
-        return logp
+        return out
     starts = [sum(counts[:i]) for i in range(len(counts))]
     index = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in sampled]).to(rows.device)
     probs = process_rows(rows[index], [params[i] for i in sampled], [counts[i] for i in sampled])
-    logp[index] = probs.log()
-    return logp
+    if logits_mode:
+        temp = torch.tensor([params[i].temperature for i in sampled for _ in range(counts[i])],
+                            dtype=torch.float32, device=rows.device)
+        out[index] = (rows[index].float() / temp[:, None]).masked_fill(probs == 0, float("-inf"))
+    else:
+        out[index] = probs.log()
+    return out

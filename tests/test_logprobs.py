@@ -22,7 +22,13 @@ def reference(llm, prompt_ids, out_ids, params, mode, top_n):
     ids = torch.tensor([prompt_ids + out_ids])
     with torch.inference_mode():
         logits = llm.target(ids).logits[0, len(prompt_ids) - 1:-1].float()      # rows predicting out_ids
-    if mode == "processed_logprobs" and not params.greedy:
+    if mode == "raw_logits":
+        logp = logits
+    elif mode == "processed_logits" and not params.greedy:
+        logp = (logits / params.temperature).masked_fill(process(logits, params) == 0, FLOOR)
+    elif mode == "processed_logits":
+        logp = logits
+    elif mode == "processed_logprobs" and not params.greedy:
         logp = process(logits, params).log().clamp_min(FLOOR)
     else:
         logp = torch.log_softmax(logits, -1)
@@ -56,9 +62,10 @@ def llms(tiny_pair, near_draft):
 
 
 @pytest.mark.parametrize("name", ["plain", "draft_model", "ngram"])
-@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"])
 def test_logprobs_equal_the_models_own(llms, name, mode):
     llm = llms[name]
+    default = llm.engine.logprobs_mode
     llm.engine.logprobs_mode = mode
     try:
         greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
@@ -67,10 +74,19 @@ def test_logprobs_equal_the_models_own(llms, name, mode):
                                  logprobs=2)
         outs = llm.generate(PROMPTS, sampled)
         check(llm, outs, sampled, mode)
-        if mode == "processed_logprobs":      # every emitted token was possible under p
+        if mode.startswith("processed"):      # every emitted token was possible under p
             assert all(x.logprob > FLOOR for o in outs for c in o.outputs for x in c.logprobs)
     finally:
-        llm.engine.logprobs_mode = "processed_logprobs"
+        llm.engine.logprobs_mode = default
+
+
+def test_raw_logprobs_are_the_default_as_in_vllm(tiny_pair):
+    from specdec.cli import main
+
+    assert LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=64).engine.logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tiny_pair[0]), "--logprobs-mode", "raw", "x"])
+    assert e.value.code == 2
 
 
 def test_speculation_emitted_several_tokens_per_step(llms):

@@ -40,7 +40,7 @@ def _ids(tokens: list[str]) -> list[int]:
 
 
 def _check(llm, prompt_ids, ids, logprobs, top, params, n_top):
-    chosen, ref_top = reference(llm, prompt_ids, ids, params, "processed_logprobs", n_top)
+    chosen, ref_top = reference(llm, prompt_ids, ids, params, llm.engine.logprobs_mode, n_top)
     assert len(logprobs) == len(ids) > 0
     assert max(abs(a - b) for a, b in zip(logprobs, chosen)) < TOL
     for j, alts in enumerate(top):

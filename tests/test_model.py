@@ -252,3 +252,20 @@ def test_rope_by_roll_is_rotate_half_bit_for_bit(rot):
         got = apply_rope(x, cos, signed_sin(sin))
         assert got.dtype == dtype and torch.equal(got, want)
         assert torch.equal(torch.cat([apply_rope(x[:, :4], cos, signed_sin(sin)), apply_rope(x[:, 4:], cos, signed_sin(sin))], 1), got)
+
+
+def test_loading_and_running_inside_inference_mode():
+    """User code often wraps everything in torch.inference_mode(): weights made there have no
+    version counter, which the kernels' packed-weight cache read (a RuntimeError before)."""
+    from specdec import LLM, SamplingParams
+    from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
+
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    ref = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=64).generate(["def f(x):"], sp)[0]
+    with torch.inference_mode():
+        llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=64)
+        inside = llm.generate(["def f(x):"], sp)[0]
+        model = load_model(BUNDLED_TARGET)
+    outside = llm.generate(["def f(x):"], sp)[0]
+    assert inside.outputs[0].token_ids == outside.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)

@@ -200,10 +200,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(-1, PANEL, K).transpose(1, 2).contiguous()
 
 
+def weight_key(w: torch.Tensor) -> tuple:
+    """What identifies a weight's values for its packed copy: storage, version (bumped by every
+    in-place change) and dtype. Inference tensors (made under torch.inference_mode) have no
+    version counter; they change in place only inside inference mode, which specdec never does
+    to weights."""
+    return (w.data_ptr(), None if w.is_inference() else w._version, w.dtype)
+
+
 def packed_of(module) -> torch.Tensor:
     """The module's weight packed for the kernel; repacked whenever the weight changes."""
     w = module.weight
-    key = (w.data_ptr(), w._version, w.dtype)
+    key = weight_key(w)
     if getattr(module, "_packed_key", None) != key:
         module._packed, module._packed_key = pack(w.detach()), key
     return module._packed

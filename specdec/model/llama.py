@@ -52,7 +52,7 @@ class Linear(nn.Linear):
 
     def packed(self) -> Tensor:
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype)
+        key = kernels.weight_key(w)
         if self._packed_key != key:
             self._packed, self._packed_key = kernels.pack(w.detach()), key
         return self._packed

@@ -79,6 +79,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='vLLM\'s: a JSON object, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' captures CUDA '
                         "graphs of the decoding forwards on a GPU (off by default), or an optimisation level (no effect)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, whatever --compilation-config says (vLLM's)")
+    p.add_argument("--structured-outputs-config", type=_json_obj, default=None,
+                   help='vLLM\'s: a JSON object of engine-wide structured-output options, e.g. \'{"backend": '
+                        '"guidance", "disable_any_whitespace": false}\' (every backend name runs on llguidance; '
+                        "disable_any_whitespace false: JSON may hold any whitespace, specdec's default is compact)")
+    p.add_argument("--guided-decoding-backend", default=None,
+                   help="vLLM's older flag: --structured-outputs-config's backend")
+    for name in ("disable-any-whitespace", "disable-additional-properties", "disable-fallback"):
+        p.add_argument(f"--guided-decoding-{name}", action="store_true", default=None,
+                       help=f"vLLM's older flag: --structured-outputs-config's {name.replace('-', '_')}")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
                    help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
                         "~1.9x the slots of bf16, outputs differ slightly)")
@@ -200,7 +209,19 @@ def llm_from_args(args, seed: int | None = None, **extra):
                runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
                task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
                compilation_config=getattr(args, "compilation_config", None),
-               enforce_eager=getattr(args, "enforce_eager", False), **extra)
+               enforce_eager=getattr(args, "enforce_eager", False),
+               structured_outputs_config=structured_outputs_config(args), **extra)
+
+
+def structured_outputs_config(args) -> dict | None:
+    """--structured-outputs-config with vLLM's older --guided-decoding-* flags merged in."""
+    out = dict(getattr(args, "structured_outputs_config", None) or {})
+    if getattr(args, "guided_decoding_backend", None) is not None:
+        out["backend"] = args.guided_decoding_backend
+    for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if getattr(args, f"guided_decoding_{name}", None):
+            out[name] = True
+    return out or None
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -262,6 +262,43 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
         raise ValueError(f"{name} {rule}, got {value!r}")
 
 
+STRUCTURED_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config (LLM(structured_outputs_config=...)): engine-wide
+    defaults of structured outputs. backend: vLLM's names are taken, and every one runs on
+    llguidance (vLLM's "guidance"), specdec's only backend. disable_any_whitespace /
+    disable_additional_properties: what a request that leaves them unsaid gets (None: compact
+    JSON, specdec's default; False: any whitespace, vLLM's). disable_fallback: nothing falls back."""
+    backend: str = "auto"
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+
+    def __post_init__(self):
+        _check(self.backend in STRUCTURED_BACKENDS, "structured_outputs_config.backend",
+               f"must be one of {', '.join(STRUCTURED_BACKENDS)}", self.backend)
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or (value is None and name == "disable_any_whitespace"),
+                   f"structured_outputs_config.{name}", "must be true or false", value)
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsConfig":
+        """From None, an instance or a dict (unknown keys are a ValueError naming them)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict, got {value!r}")
+        unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"structured_outputs_config takes {', '.join(cls.__dataclass_fields__)}; got "
+                             f"{', '.join(unknown)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters served beside the base model (vLLM's --enable-lora and its limits).

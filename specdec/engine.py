@@ -27,7 +27,7 @@ import torch
 
 from .adaptive import SpeculationPolicy
 from .goodput import Outcome, SeqInfo, StepCosts
-from .config import LoRAConfig, SamplingParams, SchedulerConfig
+from .config import LoRAConfig, SamplingParams, SchedulerConfig, StructuredOutputsConfig
 from .model import graphs as graphs_module
 from .model.graphs import CudaGraphs
 from .detokenize import Detokenizer
@@ -76,7 +76,8 @@ class Engine:
                  scheduler_config: SchedulerConfig | None = None, typical: tuple[float, float] | None = None,
                  logprobs_mode: str = "raw_logprobs", disable_by_batch_size: int | None = None,
                  kv_cache_dtype: str = "auto", clock=time.perf_counter, max_logprobs: int = 20,
-                 lora_config: LoRAConfig | None = None, cuda_graph_sizes: tuple[int, ...] | None = None):
+                 lora_config: LoRAConfig | None = None, cuda_graph_sizes: tuple[int, ...] | None = None,
+                 structured_outputs_config: StructuredOutputsConfig | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
@@ -125,7 +126,8 @@ class Engine:
         self.num_preemptions = 0
         self.last_step_tokens = 0          # tokens fed to the target
         self.last_step_drafting = 0        # decoding requests that drafted
-        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids))
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids),
+                                        structured_outputs_config)
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0

@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .config import (MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, SpeculativeConfig, cuda_graph_sizes,
+from .config import (MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
+                     StructuredOutputsConfig, cuda_graph_sizes,
                      parse_bytes)
 from .distributed.launch import ParallelConfig
 from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
@@ -107,6 +108,9 @@ class LLM:
     (specdec/logprobs.py). kv_cache_dtype: the target's
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
+    structured_outputs_config: vLLM's engine-wide structured-output options (a dict or
+    config.StructuredOutputsConfig: backend, disable_any_whitespace, disable_additional_properties,
+    disable_fallback), the defaults of requests that leave them unsaid.
     enable_prefix_caching: requests reuse the KV blocks of earlier identical prompt prefixes
     (vLLM's flag; every speculative method; None: on, as vLLM's V1 engine). scheduling_policy: "fcfs" or "priority" (then
     generate(..., priority=[...]) orders the queue, lower first; vLLM's). max_logprobs: the most
@@ -130,8 +134,10 @@ class LLM:
                  max_cpu_loras: int | None = None, lora_dtype: str = "auto", runner: str = "auto",
                  convert: str = "auto", task: str | None = None, pooler_config: dict | None = None,
                  override_pooler_config: dict | None = None, enforce_eager: bool = False,
-                 compilation_config: dict | int | str | None = None):
+                 compilation_config: dict | int | str | None = None,
+                 structured_outputs_config: dict | StructuredOutputsConfig | None = None):
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
+        structured = StructuredOutputsConfig.of(structured_outputs_config)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
         if lora is not None and parallel.tensor_parallel_size > 1:
             raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
@@ -194,7 +200,8 @@ class LLM:
                              logprobs_mode=logprobs_mode,
                              disable_by_batch_size=self.spec.disable_by_batch_size if self.spec else None,
                              kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs, lora_config=lora,
-                             cuda_graph_sizes=cuda_graph_sizes(compilation_config, enforce_eager, max_num_seqs))
+                             cuda_graph_sizes=cuda_graph_sizes(compilation_config, enforce_eager, max_num_seqs),
+                             structured_outputs_config=structured)
         self._counter = 0
 
     def _load(self, path, tokenizer_path=None, target: bool = False):

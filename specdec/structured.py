@@ -22,7 +22,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .config import StructuredOutputsParams
+from .config import StructuredOutputsConfig, StructuredOutputsParams
 
 
 class GrammarError(ValueError):
@@ -38,13 +38,16 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
 
+    config = config or StructuredOutputsConfig()
     # compact JSON unless asked (no free whitespace): a small model cannot loop on blank lines,
     # and every bounded schema has a bounded output
-    json_options = {"defaults": {"whitespace_flexible": spec.disable_any_whitespace is False}}
+    no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
+        else config.disable_any_whitespace
+    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False}}
     if spec.whitespace_pattern is not None:
         json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
     kind = spec.kind
@@ -52,7 +55,7 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else \
                 json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            if spec.disable_additional_properties:
+            if spec.disable_additional_properties or config.disable_additional_properties:
                 schema = _closed_objects(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, **json_options)
         if kind == "regex":
@@ -122,8 +125,9 @@ class GrammarCompiler:
     """Grammars for one tokenizer. The llguidance tokenizer (about half a second to build for a
     50k vocabulary) is made on first use and shared; check() is safe from any thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], config: StructuredOutputsConfig | None = None):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self.config = config or StructuredOutputsConfig()
         self._ll = None
         self._lock = threading.Lock()
 
@@ -143,7 +147,7 @@ class GrammarCompiler:
         """The grammar text of spec, or GrammarError naming the field."""
         import llguidance
 
-        text = _grammar_text(spec)
+        text = _grammar_text(spec, self.config)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._lltokenizer())
         if is_error:
             raise GrammarError(spec.kind, _first_line(messages[0]))

@@ -274,3 +274,30 @@ def test_structural_tag_constrains_tagged_segments_only(plain):
                         ("{nope", "not JSON")]:
         with pytest.raises(ValueError, match=f"structured_outputs.structural_tag is invalid: .*{needle}"):
             llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=bad)))
+
+
+def test_engine_wide_structured_outputs_config(capsys):
+    """vLLM's --structured-outputs-config (and its older --guided-decoding-* flags): defaults for
+    requests that leave an option unsaid; a request's own value wins."""
+    from specdec.cli import main, structured_outputs_config
+    from specdec.server.cli import parse_args
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    llm = LLM(model=BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=64,
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": False,
+                                         "disable_additional_properties": True})
+    assert _accepts(llm, StructuredOutputsParams(json=schema), '{ "a": 1 }')
+    assert not _accepts(llm, StructuredOutputsParams(json=schema, disable_any_whitespace=True), '{ "a": 1 }')
+    assert not _accepts(llm, StructuredOutputsParams(json=schema), '{"a":1,"b":2}')
+    for bad, needle in (({"backend": "magic"}, "backend must be one of"), ({"whitespace": 1}, "got whitespace"),
+                        ({"disable_fallback": "yes"}, "disable_fallback must be true or false")):
+        with pytest.raises(ValueError, match=needle):
+            LLM(model=BUNDLED_TARGET, num_speculative_tokens=0, structured_outputs_config=bad)
+    args, ignored = parse_args(["--model", str(BUNDLED_TARGET), "--guided-decoding-backend", "guidance",
+                                "--guided-decoding-disable-additional-properties",
+                                "--structured-outputs-config", '{"disable_any_whitespace": false}'])
+    assert ignored == [] and structured_outputs_config(args) == {
+        "backend": "guidance", "disable_any_whitespace": False, "disable_additional_properties": True}
+    assert main(["generate", "--model", str(BUNDLED_TARGET), "--structured-outputs-config", '{"backend": "x"}',
+                 "x"]) == 2
+    assert "backend must be one of" in capsys.readouterr().err

@@ -42,8 +42,7 @@ VLLM_FLAGS = frozenset("""
     enable-sleep-mode enable-ssl-refresh
     enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
-    fully-sharded-loras gpu-memory-utilization guided-decoding-backend guided-decoding-disable-additional-properties
-    guided-decoding-disable-any-whitespace guided-decoding-disable-fallback h11-max-header-count
+    fully-sharded-loras gpu-memory-utilization h11-max-header-count
     h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
     intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin kv-cache-memory-bytes
     kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
@@ -60,7 +59,7 @@ VLLM_FLAGS = frozenset("""
     revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor
     show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init spec-decoding-acceptance-method
     speculative-disable-by-batch-size speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
-    speculative-max-model-len speculative-model-quantization structured-outputs-config swap-space
+    speculative-max-model-len speculative-model-quantization swap-space
     tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
     tool-parser-plugin tool-server trust-remote-code typical-acceptance-sampler-posterior-alpha
     typical-acceptance-sampler-posterior-threshold uds use-tqdm-on-load use-v2-block-manager video-pruning-rate

@@ -136,7 +136,10 @@ class Engine:
         """One block pool for the target and the proposer's own caches (they share block tables);
         spare: the target's cache gets a block more, for CUDA graphs' padding rows."""
         k = max_k if self.num_speculative_tokens == "auto" else int(self.num_speculative_tokens)
-        max_slots = self.max_model_len + max(0, self._lookahead(k) - k - 1)
+        # a step reserves len(seq) - 1 + max(j + 1, lookahead(j)) slots for the j it drafts, and
+        # near the end of the context j is cut below k: an EAGLE tree's lookahead stops growing at
+        # its depth, so the excess may peak at a j < k
+        max_slots = self.max_model_len + max([0, *(self._lookahead(j) - j - 1 for j in range(1, k + 1))])
         per_slot = self.target.kv_bytes_per_slot(dtype=self.kv_dtype) + \
             (self.proposer.kv_bytes_per_slot() if self.proposer else 0)
         num_blocks, max_blocks = plan_blocks(self.config, per_slot, max_slots, self.target.device)
@@ -302,7 +305,7 @@ class Engine:
         self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
             if self.proposer is not None:
-                self.proposer.remove_request(r.request_id)
+                self.proposer.preempt_request(r.request_id)
                 self._deferred.pop(r.request_id, None)
                 self._deferred_rows.pop(r.request_id, None)
         for r in plan.admitted:

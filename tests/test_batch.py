@@ -310,3 +310,40 @@ def test_generate_shows_progress_as_vllm_does(setup, capsys):
     llm.generate(prompts, params, use_tqdm=Recorder)
     (bar,) = seen
     assert bar.total == bar.n == 3 and bar.closed and bar.postfix.startswith("est. speed input: ")
+
+
+def test_an_eagle_tree_runs_to_the_end_of_its_context_with_k_past_its_depth():
+    """A tree of K = 6 nodes, 3 wide and 4 deep: near the end of the context K is cut below the
+    depth, where the tree's extra slots peak (the pool sized a sequence for K alone: 'slots
+    exceed the 128 a sequence may hold', failing every request of the step)."""
+    from specdec.defaults import BUNDLED_TARGET, MODELS_DIR
+
+    spec = {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "num_speculative_tokens": 6, "topk": 3, "depth": 4}
+    llm = LLM(model=str(BUNDLED_TARGET), max_model_len=126, speculative_config=spec)
+    plain = LLM(model=str(BUNDLED_TARGET), max_model_len=126, num_speculative_tokens=0)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (121, 118, 110)]
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("method", ["ngram+eagle", "ngram+draft_model"])
+def test_a_preempted_hybrid_request_samples_as_alone(method):
+    """The hybrid's per-request records (which source, how long) survive a preemption: dropped,
+    the recomputed request chose other drafts and its seeded draws differed from its solo run."""
+    from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR
+
+    learned = str(MODELS_DIR / "eagle") if method == "ngram+eagle" else str(BUNDLED_DRAFT)
+    spec = {"method": method, "model": learned, "num_speculative_tokens": 4}
+    probe = LLM(model=str(BUNDLED_TARGET), speculative_config=spec, max_model_len=128)
+    per_block = 16 * (probe.target.kv_bytes_per_slot() + probe.engine.proposer.kv_bytes_per_slot())
+    llm = LLM(model=str(BUNDLED_TARGET), speculative_config=spec, max_model_len=128,
+              kv_cache_memory=probe.engine.blocks.max_blocks_per_seq * per_block)
+    ids = llm.tokenizer.encode(open(__file__).read())
+    prompts = [{"prompt_token_ids": ids[s:s + n]} for s, n in ((100, 98), (400, 10), (900, 60), (1300, 30))]
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=30, ignore_eos=True) for i in range(4)]
+    batch = llm.generate(prompts, params)
+    assert llm.engine.num_preemptions > 0
+    for p, sp, got in zip(prompts, params, batch):
+        assert got.outputs[0].token_ids == llm.generate([p], [sp])[0].outputs[0].token_ids

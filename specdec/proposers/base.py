@@ -136,6 +136,12 @@ class Proposer(Protocol):
 
     def remove_request(self, request_id: Hashable) -> None: ...
 
+    def preempt_request(self, request_id: Hashable) -> None:
+        """The request leaves to be recomputed later (its KV blocks freed): it comes back through
+        add_request and prompt-chunk updates of its whole sequence so far. What the proposer
+        learnt from its earlier steps may be kept, so that its drafts (and a seeded request's
+        draws) go on as if it had never left."""
+
     def propose(self, items: list[ProposeItem]) -> list[Draft]: ...
 
     def update(self, items: list[Committed]) -> None: ...
@@ -166,6 +172,9 @@ class ProposerBase:
 
     def remove_request(self, request_id: Hashable) -> None:
         self.ctx.pop(request_id, None)
+
+    def preempt_request(self, request_id: Hashable) -> None:
+        self.remove_request(request_id)
 
     def update(self, items: list[Committed]) -> None:
         pass

@@ -181,7 +181,11 @@ class _Request:
     records: SourceRecords
     pending: tuple[Choice, int] | None = None              # this step's choice, the sequence length it drafted after
     deferred: list[Committed] = field(default_factory=list)
-    rows: int = 0                                          # feature rows deferred
+    # feature rows the learned drafter has not caught up on, as the request's own steps count
+    # them: kept across a preemption (whose recompute hands the drafter everything) so the
+    # choices, and a seeded request's draws, go on as if it had never left
+    rows: int = 0
+    recomputing: bool = False                              # preempted: its prompt chunks are a recompute
 
 
 class HybridProposer(ProposerBase):
@@ -218,12 +222,22 @@ class HybridProposer(ProposerBase):
     def add_request(self, request_id: Hashable, ctx: RequestContext) -> None:
         super().add_request(request_id, ctx)
         self.learned.add_request(request_id, ctx)
-        self.requests[request_id] = _Request(SourceRecords(self.max_k, self.settings))
+        req = self.requests.get(request_id)
+        if req is None or not req.recomputing:
+            self.requests[request_id] = _Request(SourceRecords(self.max_k, self.settings))
 
     def remove_request(self, request_id: Hashable) -> None:
         super().remove_request(request_id)
         self.learned.remove_request(request_id)
         self.requests.pop(request_id, None)
+
+    def preempt_request(self, request_id: Hashable) -> None:
+        """The records stay; the learned drafter's cache goes (the recompute refills it)."""
+        super().remove_request(request_id)
+        self.learned.remove_request(request_id)
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.deferred, req.pending, req.recomputing = [], None, True
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(items)
@@ -258,6 +272,8 @@ class HybridProposer(ProposerBase):
                 req.records.observe(choice, accepted)
                 self._count(choice, accepted)
                 req.pending = None
+            if not it.prefill:
+                req.recomputing = False
             if not self.learned.caps.deferrable:
                 now.append(it)
                 continue
@@ -265,7 +281,9 @@ class HybridProposer(ProposerBase):
                 # prefix caching registers (only blocks every cache holds are), and its catch-up
                 # costs count decoding steps alone
                 now.append(merge_committed([*req.deferred, it]) if req.deferred else it)
-                req.deferred, req.rows = [], 0
+                req.deferred = []
+                if not req.recomputing:
+                    req.rows = 0
                 continue
             # a copy: a prompt chunk's rows are a view of the whole step's features
             req.deferred.append(it if it.hidden is None else dataclasses.replace(it, hidden=it.hidden.clone()))
@@ -282,7 +300,7 @@ class HybridProposer(ProposerBase):
             req = self.requests[rid]
             if req.deferred:
                 merged.append(merge_committed(req.deferred))
-                req.deferred, req.rows = [], 0
+            req.deferred, req.rows = [], 0
         if merged:
             self.counts.learned_catch_ups += len(merged)
             self.learned.update(merged)

@@ -140,6 +140,7 @@ class SuffixProposer(ProposerBase):
         self.cache = ResponseCache(settings.max_cached_requests, settings.max_tree_depth)
         self._seq: dict[Hashable, list[int]] = {}
         self._prompt_len: dict[Hashable, int] = {}
+        self._recomputing: set = set()          # preempted requests whose prompt chunks are a recompute
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         return [Draft(torch.tensor(self.draft(it.request_id, it.seq, it.k), dtype=torch.long)) for it in items]
@@ -170,13 +171,23 @@ class SuffixProposer(ProposerBase):
     def update(self, items: list[Committed]) -> None:
         for it in items:
             self._seq[it.request_id] = it.seq
-            if it.prefill:
+            if it.prefill and it.request_id not in self._recomputing:
                 self._prompt_len[it.request_id] = it.num_cached
+            elif not it.prefill:
+                self._recomputing.discard(it.request_id)
+
+    def preempt_request(self, request_id: Hashable) -> None:
+        """Its output so far stays out of the response cache (it joins once, whole, at the end),
+        and its prompt length stays what it was: the recompute re-prefills the output too."""
+        super().remove_request(request_id)
+        if request_id in self._prompt_len:
+            self._recomputing.add(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
         """The request's output joins the response cache (with the prompt's last tokens: the
         chat template's assistant header, so that the first tokens of an answer can match)."""
         super().remove_request(request_id)
+        self._recomputing.discard(request_id)
         seq, p = self._seq.pop(request_id, None), self._prompt_len.pop(request_id, None)
         if seq is not None and p is not None and len(seq) > p:
             self.cache.add(seq[max(0, p - HEADER_TOKENS):])

@@ -2,47 +2,187 @@
 
 A .gguf carries no tokenizer.json: it lists the tokens, their types (1 normal, 2 unknown,
 3 control, 4 user-defined, 6 byte), the BPE merges, the special ids and a `pre` name for the
-pre-tokenizer. Two models cover the architectures specdec runs:
+pre-tokenizer. GGUF is llama.cpp's format, so the tokenizer follows llama.cpp's
+(llama-vocab.cpp) where it and transformers' GGUF loader differ. Two models cover the
+architectures specdec runs:
 
 - `gpt2`: byte-level BPE. Tokens are spelled in GPT-2's byte alphabet (each byte a printable
-  character). Text is split by a regex -- GPT-2's unless `pre` names another family (llama3's,
-  qwen2's, ...) -- then byte-mapped and merged.
-- `llama`: SentencePiece-style BPE. Spaces become "\u2581", a "\u2581" is prepended to the first
-  piece, unknown characters fall back to <0xNN> byte tokens. Files without merges get them
-  derived from the vocabulary, best score first.
+  character). Text is split by the regexes llama.cpp uses for the file's `pre` name (GPT-2's
+  for an unknown name, with a warning; llama.cpp's "default" set when the file names none),
+  then byte-mapped and merged. The `pre` name also decides, as in llama.cpp, whether a word
+  that is a token is taken whole (ignore_merges) and whether BOS is added when the file has
+  no `add_bos_token` key (llama3's, tekken's, ...).
+- `llama`: SentencePiece-style BPE. Spaces become "\u2581" and, unless the file's
+  `add_space_prefix` is false, a "\u2581" is prepended to every piece of text (the text's start
+  and the text after each special token, even text that already starts with a space, as
+  llama.cpp and sentencepiece do); unknown characters fall back to <0xNN> byte tokens. Files
+  without merges get them derived from the vocabulary, best score first.
 
-The result encodes exactly as transformers' own GGUF loader (tests/test_tokenizer.py checks it on
-a few hundred strings): control tokens become special added tokens, user-defined ones plain
+Otherwise it encodes as transformers' own GGUF loader (tests/test_tokenizer.py checks it on a
+few hundred strings): control tokens become special added tokens, user-defined ones plain
 added tokens, and BOS is added by a post-processor when the file asks for it.
+`GGUFVocab.eog_token_ids` is llama.cpp's end-of-generation set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+log = logging.getLogger("specdec.gguf")
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Split regexes of the `pre` families whose merges were not learned on GPT-2's split.
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# o200k (GPT-4o's, gpt-oss's tokenizer.json; llama.cpp's "gpt-4o" pre type, which Llama 4's files
-# name too): letter runs split where lower case turns to upper ("HelloWorld" -> Hello, World),
-# digits in threes, punctuation runs keep a trailing "/" or newlines
-_O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"), _LLAMA3),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
-    **dict.fromkeys(("gpt-4o", "llama4"), _O200K),
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe), by pre type. A type is a
+# list of regexes applied in turn: each splits the pieces the previous one left, its matches and
+# the text between them becoming pieces (llama.cpp's unicode_regex_split; a Split "isolated").
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+# o200k's letter runs as llama.cpp writes them: a run of letters that are not a-z, then one of
+# letters that are not A-Z (non-ASCII letters count as both cases)
+_UPPER_LOWER = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+@C"
+                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*@C")
+_TEKKEN = (_UPPER_LOWER.replace("@C", "") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_O200K = (_UPPER_LOWER.replace("@C", _CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+_O200K_MARKS = _O200K.replace(r"(?=[\p{L}])", r"(?=[\p{L}\p{M}])")
+_O200K_CLASSES = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS +
+                  r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS +
+                  r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = (r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK_KANA = r"[一-龥぀-ゟ゠-ヿ]+"
+_NORDIC = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_SPLITS = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "gpt2": [],                                 # GPT-2's own: ByteLevel's regex
+    "llama3": [_LLAMA3],
+    "jais2": [_LLAMA3.replace(r"|\s+(?!\S)|\s+", "") + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4))
+              + r"|\s{1,2}(?!\S)|\s{1}"],
+    "deepseek-llm": [r"[\r\n]",
+                     "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+                     "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+                     "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+                     "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+                     "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-"
+                     "\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+                     "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+                     "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+                     "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+                     "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+                     "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+                     r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}+"],
+    "deepseek-v3": [r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3],
+    "spark2_5": [r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3.replace(r"[\r\n]*|\s*[\r\n]+|", r"|[\r\n]|"), r"\p{N}"],
+    "youtu": [r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+",
+              _O200K.replace(r"|\p{N}{1,3}|", r"|\p{N}|")],
+    "deepseek-coder": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"],
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"],
+    "starcoder": [r"\p{N}", _GPT2],             # digits one by one
+    "qwen2": [_QWEN2],
+    "qwen35": [_QWEN35],
+    "poro": [_NORDIC],
+    "viking": [_NORDIC, r"\p{N}"],
+    "tekken": [_TEKKEN],
+    "chameleon": [r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
+                  r"[\p{P}!-/:-@\[-`{-~]", _GPT2],
+    "gpt-4o": [_O200K],
+    "granite-emb-multi": [_O200K_MARKS],
+    "tiny-aya": [r"\d{1,3}(?=(?:\d{3})*\b)", _O200K_CLASSES],
+    "bailingmoe": [r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"],
+    "seed-coder": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                   r"|\s+(?!\S)|\s+"],
+    "ufakzeka": [_QWEN2[len(_CONTRACTIONS) + 1:]],
+    "laguna": [r"[^\n]+|[\n]+", _QWEN2],
+    "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],
+    "minicpm5": [r"\p{N}{1,3}", _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}+")],
 }
-# Everything else (gpt2, smollm, starcoder, default, ...) keeps GPT-2's own split.
+
+
+@dataclass(frozen=True)
+class PreType:
+    """What a `tokenizer.ggml.pre` name means to llama.cpp."""
+    split: str                  # a key of _SPLITS
+    add_bos: bool = False       # BOS added when the file has no add_bos_token key
+    ignore_merges: bool = False  # a piece that is a token is taken whole
+
+
+def _names(names: str, split: str, **kw) -> dict[str, PreType]:
+    return dict.fromkeys(names.split(), PreType(split, **kw))
+
+
+# llama.cpp's pre names (llama_vocab::impl::load). Left out, as they need llama.cpp's own code or
+# no byte mapping: kimi-k2, afmoe, superbpe, gemma4, sarvam-moe, whitespace, granite-embed-multi-311m.
+PRE_TYPES = {
+    **_names("default", "default"),
+    **_names("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", "llama3",
+             add_bos=True, ignore_merges=True),
+    **_names("dbrx smaug-bpe glm4 chatglm-bpe", "llama3"),
+    **_names("jais-2", "jais2"),
+    **_names("deepseek-llm", "deepseek-llm"),
+    **_names("deepseek-coder", "deepseek-coder"),
+    **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", "deepseek-v3"),
+    **_names("spark2_5", "spark2_5"),
+    **_names("youtu", "youtu", ignore_merges=True),
+    **_names("falcon", "falcon"),
+    **_names("starcoder refact command-r smollm codeshell exaone minerva-7b mellum2", "starcoder"),
+    # "gpt2" is not llama.cpp's spelling ("gpt-2"), but files (and specdec's tests) use it
+    **_names("gpt-2 gpt2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt olmo "
+             "jais trillion granite-docling exaone4 jina-v1-en jina-v2-code roberta-bpe", "gpt2"),
+    **_names("stablelm2 qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open megrez", "qwen2"),
+    **_names("qwen35", "qwen35"),
+    **_names("poro-chat bloom gpt3-finnish", "poro"),
+    **_names("viking", "viking"),
+    **_names("tekken", "tekken", add_bos=True, ignore_merges=True),
+    **_names("chameleon", "chameleon", add_bos=True),
+    **_names("gpt-4o llama4 kanana2 talkie minimax-m2", "gpt-4o"),
+    **_names("granite-embed-multi-97m", "granite-emb-multi", ignore_merges=True),
+    **_names("tiny_aya cohere2moe", "tiny-aya"),
+    **_names("bailingmoe bailingmoe2 llada-moe", "bailingmoe"),
+    **_names("seed-coder", "seed-coder"),
+    **_names("ufakzeka", "ufakzeka"),
+    **_names("grok-2", "qwen2"),
+    **_names("laguna", "laguna"),
+    **_names("exaone-moe", "exaone-moe"),
+    **_names("minicpm5", "minicpm5", ignore_merges=True),
+}
+_warned: set[str] = set()
+
+
+def pre_type(pre: str | None) -> PreType:
+    """llama.cpp's reading of a pre name: a file without one gets its "default" set; a name it
+    does not know (llama.cpp refuses the file) keeps GPT-2's split, with a warning once per name."""
+    if pre is None or pre == "":
+        if "" not in _warned:
+            _warned.add("")
+            log.warning("GGUF tokenizer: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
+        return PRE_TYPES["default"]
+    found = PRE_TYPES.get(pre)
+    if found is None:
+        if pre not in _warned:
+            _warned.add(pre)
+            log.warning("GGUF tokenizer: unknown tokenizer.ggml.pre %r; splitting text as GPT-2 does", pre)
+        return PreType("gpt2")
+    return found
+
+
+# llama.cpp's end-of-generation tokens by text (llama-vocab.cpp: special_eog_ids)
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
 
 
 class GGUFTokenizerError(ValueError):
@@ -67,6 +207,8 @@ class GGUFVocab:
     add_eos_token: bool
     chat_template: str | None
     architecture: str | None = None  # general.architecture (Gemma's SentencePiece files differ)
+    add_space_prefix: bool = True    # SentencePiece: "\u2581" before each piece of text (llama.cpp's default)
+    eom_token_id: int | None = None  # end of message (Llama 3.1's <|eom_id|>): also ends generation
 
     @classmethod
     def from_gguf(cls, g) -> "GGUFVocab":
@@ -79,23 +221,46 @@ class GGUFVocab:
         tokens = g.require("tokenizer.ggml.tokens")
         types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         add_bos = g.get("tokenizer.ggml.add_bos_token")
+        add_prefix = g.get("tokenizer.ggml.add_space_prefix")
+        pre = g.get("tokenizer.ggml.pre")
         opt = lambda key: None if g.get(key) is None else int(g.get(key))  # noqa: E731
         eot = opt("tokenizer.ggml.eot_token_id")
         if eot is None and "<end_of_turn>" in tokens:     # llama.cpp's rule: Gemma's end of turn
             eot = list(tokens).index("<end_of_turn>")
-        return cls(model=model, pre=g.get("tokenizer.ggml.pre"), tokens=list(tokens),
+        # llama.cpp: a SentencePiece vocabulary adds BOS unless the file says otherwise, a
+        # byte-level one when its pre type does (llama3's, tekken's, ...)
+        bos_default = model == "llama" or pre_type(pre).add_bos
+        return cls(model=model, pre=pre, tokens=list(tokens),
                    token_types=[int(t) for t in types], merges=g.get("tokenizer.ggml.merges"),
                    scores=g.get("tokenizer.ggml.scores"),
                    bos_token_id=opt("tokenizer.ggml.bos_token_id"), eos_token_id=opt("tokenizer.ggml.eos_token_id"),
                    eot_token_id=eot, unk_token_id=opt("tokenizer.ggml.unknown_token_id"),
                    pad_token_id=opt("tokenizer.ggml.padding_token_id"),
-                   # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-                   add_bos_token=bool(add_bos) if add_bos is not None else model == "llama",
+                   add_bos_token=bool(add_bos) if add_bos is not None else bos_default,
                    add_eos_token=bool(g.get("tokenizer.ggml.add_eos_token") or False),
-                   chat_template=g.get("tokenizer.chat_template"), architecture=g.architecture)
+                   chat_template=g.get("tokenizer.chat_template"), architecture=g.architecture,
+                   # llama.cpp: true for SentencePiece unless the file's key says false
+                   add_space_prefix=bool(add_prefix) if add_prefix is not None else model == "llama",
+                   eom_token_id=opt("tokenizer.ggml.eom_token_id"))
 
     def token(self, i: int | None) -> str | None:
         return self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else None
+
+    def eog_token_ids(self) -> list[int]:
+        """llama.cpp's end-of-generation set (special_eog_ids): eos, eot and eom, and every
+        token spelled as one of EOG_TEXTS; <|end|> left out where <|return|> and <|call|> (or
+        <|calls|> and <|flush|>) are there too (gpt-oss's harmony, where it ends a message, not
+        the answer), </s> where <|tool_response> is."""
+        n = len(self.tokens)
+        ids = {i for i, t in enumerate(self.tokens) if t in EOG_TEXTS}
+        ids |= {i for i in (self.eos_token_id, self.eot_token_id, self.eom_token_id) if i is not None and 0 <= i < n}
+        texts = {self.tokens[i]: i for i in ids}
+        has_call = "<|call|>" in texts or "<|calls|>" in texts
+        if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
+            ids.discard(texts["<|end|>"])
+        if "</s>" in texts and "<|tool_response>" in texts:
+            ids.discard(texts["</s>"])
+        return sorted(ids)
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -115,12 +280,14 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
     # (a token listed twice keeps its last id, as transformers' loader does)
     vocab = {tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8")): i
              for i, tok in enumerate(v.tokens)}
-    tk = Tokenizer(BPE(vocab, _merges(v, vocab), dropout=None, fuse_unk=False, byte_fallback=False))
-    split = PRE_SPLITS.get(v.pre)
-    if split is None:
+    pre = pre_type(v.pre)
+    tk = Tokenizer(BPE(vocab, _merges(v, vocab), dropout=None, fuse_unk=False, byte_fallback=False,
+                       ignore_merges=pre.ignore_merges))
+    splits = _SPLITS[pre.split]
+    if not splits:
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        tk.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     return tk
@@ -129,9 +296,13 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
 def _sentencepiece(v: GGUFVocab) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(v.tokens)}
     tk = Tokenizer(BPE(vocab, _merges(v, vocab), dropout=None, fuse_unk=True, byte_fallback=True))
-    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(content=" ", left=1, right=0)])
+    # llama.cpp: " " before every piece of text (the start, and after each special token), even
+    # one that starts with a space, unless add_space_prefix is false; then spaces -> "\u2581"
+    # (a normalizer, as Llama 2's own tokenizer.json; Metaspace would skip text starting with one)
+    prefix = [normalizers.Prepend("\u2581")] if v.add_space_prefix else []
+    tk.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(content=" ", left=1, right=0)] if v.add_space_prefix else []
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tk
 
 

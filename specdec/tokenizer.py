@@ -156,10 +156,9 @@ class Tokenizer:
         self.bos_token, self.eos_token = v.token(v.bos_token_id), v.token(v.eos_token_id)
         self.unk_token, self.pad_token = v.token(v.unk_token_id), v.token(v.pad_token_id)
         self.bos_token_id, self.eos_token_id = v.bos_token_id, v.eos_token_id
-        # llama.cpp's end-of-generation rule for gpt-oss's harmony tokens: <|return|> (the end of
-        # a final answer) and <|call|> (a tool call's end), whatever eos_token_id names
-        harmony = [v.tokens.index(t) for t in ("<|return|>", "<|call|>") if t in v.tokens]
-        self.eos_token_ids = sorted({i for i in (v.eos_token_id, v.eot_token_id, *harmony) if i is not None})
+        # every id that ends generation: llama.cpp's end-of-generation set (eos, eot, eom and the
+        # tokens spelled <|im_end|>, <|endoftext|>, <|end|>, ...; gpt-oss's <|return|> and <|call|>)
+        self.eos_token_ids = v.eog_token_ids()
         self.add_bos_token = False          # the post-processor adds it (v.add_bos_token)
         self.chat_template = v.chat_template
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())

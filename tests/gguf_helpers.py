@@ -335,3 +335,36 @@ def sample_strings(n: int = 300, seed: int = 0) -> list[str]:
         sep = rng.choice(["", " ", "\n", "  ", "\t"])
         out.append(sep.join(rng.choice(pieces) for _ in range(k)))
     return out
+
+
+def write_vocab_gguf(path: Path, tokens: list[str], types: list[int], model: str = "llama", pre: str | None = None,
+                     scores: list[float] | None = None, merges: list[str] | None = None, bos: int | None = 1,
+                     eos: int | None = 2, add_bos: bool | None = None, metadata: dict | None = None) -> Path:
+    """A .gguf holding only a tokenizer (tokenizer.ggml.* keys) and one dummy tensor: enough for
+    specdec.tokenizer.Tokenizer. metadata: more keys (bool, int, str)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    for key, value in (metadata or {}).items():
+        (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
+    w.add_tensor("dummy", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+

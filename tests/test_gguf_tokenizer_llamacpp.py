@@ -1,0 +1,162 @@
+"""GGUF files tokenize, add BOS and stop as llama.cpp does with them (llama-vocab.cpp,
+llama-model-loader.cpp), where transformers' GGUF loader differs. Expected ids are written by
+hand from llama.cpp's rules, on tiny vocabularies written here."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gguf_helpers import write_vocab_gguf
+from specdec.gguf_tokenizer import PRE_TYPES, GGUFVocab, build_tokenizer
+from specdec.tokenizer import Tokenizer
+
+# --- SentencePiece (tokenizer.ggml.model = llama) --------------------------------------------
+
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+# <unk> 0, <s> 1, </s> 2, bytes 3..258, then: ▁ 259, a 260, b 261, ▁a 262, ab 263, ▁ab 264
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *BYTES, "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"]
+SPM_TYPES = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1, 1]
+SPM_SCORES = [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+S, A, B, SA, AB, SAB = 259, 260, 261, 262, 263, 264
+
+
+def spm(tmp_path, **metadata) -> Tokenizer:
+    return Tokenizer(write_vocab_gguf(tmp_path / "spm.gguf", SPM_TOKENS, SPM_TYPES, scores=SPM_SCORES,
+                                      metadata={"tokenizer.ggml.unknown_token_id": 0, **metadata}))
+
+
+def test_spm_prefixes_a_space_even_before_a_leading_space(tmp_path):
+    """llama.cpp (and sentencepiece) put " " before the text unconditionally: " ab" is
+    "▁▁ab" -> ▁ ▁ab; and before the text after each special token. transformers' Metaspace
+    skips text that already starts with a space (" ab" -> ▁ab)."""
+    tok = spm(tmp_path)
+    assert tok.encode("ab") == [1, SAB]
+    assert tok.encode(" ab") == [1, S, SAB]
+    assert tok.encode(" ") == [1, S, S]
+    assert tok.encode("  ab") == [1, S, S, SAB]
+    assert tok.encode("ab</s>ab") == [1, SAB, 2, SAB]
+    assert tok.encode("") == [1]
+    assert tok.decode([1, SAB]) == "ab" and tok.decode([S, SAB]) == " ab"
+
+
+def test_spm_honours_add_space_prefix_false(tmp_path):
+    """tokenizer.ggml.add_space_prefix = false (Phi-3's, InternLM2's converters write it): no "▁"
+    put before the text; decoding keeps a leading space."""
+    tok = spm(tmp_path, **{"tokenizer.ggml.add_space_prefix": False})
+    assert tok.encode("ab") == [1, AB]
+    assert tok.encode(" ab") == [1, SAB]
+    assert tok.encode("ab ab") == [1, AB, SAB]
+    assert tok.encode("ab</s>ab") == [1, AB, 2, AB]
+    assert tok.decode([SAB]) == " ab" and tok.decode([AB, SAB]) == "ab ab"
+    assert spm(tmp_path, **{"tokenizer.ggml.add_space_prefix": True}).encode("ab") == [1, SAB]
+
+
+# --- byte-level (gpt2): llama.cpp's split per `pre` name --------------------------------------
+
+def pieces(pre: str | None, text: str) -> list[str]:
+    v = GGUFVocab(model="gpt2", pre=pre, tokens=["a", "b"], token_types=[1, 1], merges=[], scores=None,
+                  bos_token_id=None, eos_token_id=None, eot_token_id=None, unk_token_id=None, pad_token_id=None,
+                  add_bos_token=False, add_eos_token=False, chat_template=None)
+    return [p for p, _ in build_tokenizer(v).pre_tokenizer.pre_tokenize_str(text)]
+
+
+TEXT = "Pay 12345 now (hello) x.append(y)\n\n  z"
+GPT2 = ["Pay", "Ġ12345", "Ġnow", "Ġ(", "hello", ")", "Ġx", ".", "append", "(", "y", ")", "ĊĊĠ", "Ġz"]
+LLAMA3 = ["Pay", "Ġ", "123", "45", "Ġnow", "Ġ(", "hello", ")", "Ġx", ".append", "(y", ")ĊĊ", "Ġ", "Ġz"]
+ONE_DIGIT = ["Pay", "Ġ", "1", "2", "3", "4", "5", "Ġnow", "Ġ(", "hello", ")", "Ġx", ".append", "(y", ")ĊĊ", "Ġ", "Ġz"]
+STARCODER = ["Pay", "Ġ", "1", "2", "3", "4", "5", *GPT2[2:]]
+
+
+@pytest.mark.parametrize("pre,expected", [
+    ("gpt2", GPT2), ("gpt-2", GPT2),
+    ("glm4", LLAMA3),                 # GLM-4.5: llama3's regex
+    ("deepseek-v3", LLAMA3),          # digits in threes, CJK runs apart, then a llama3-like split
+    ("tekken", ONE_DIGIT),            # Mistral Nemo: o200k-like, digits one by one
+    ("stablelm2", ONE_DIGIT),         # qwen2's regex
+    ("default", ["Pay", "Ġ", "123", "45", "Ġnow", "Ġ", "(", "hello", ")", "Ġx", ".", "append", "(", "y", ")",
+                 "ĊĊĠ", "Ġz"]),
+    ("deepseek-llm", ["Pay", "Ġ", "12345", "Ġnow", "Ġ(", "hello", ")", "Ġx", ".", "append", "(", "y", ")", "Ċ", "Ċ",
+                      "Ġ", "Ġz"]),
+    ("starcoder", STARCODER), ("refact", STARCODER), ("command-r", STARCODER), ("smollm", STARCODER),
+])
+def test_pre_names_split_as_llamacpp(pre, expected):
+    assert pieces(pre, TEXT) == expected
+
+
+def test_a_file_without_pre_gets_llamacpp_default():
+    assert pieces(None, TEXT) == pieces("default", TEXT) != GPT2
+
+
+def test_every_pre_name_builds():
+    text = "HelloWorld's 12345 tokens, ok?/\n 日本語 ÉCOLE école\t\t😀 "
+    for name in PRE_TYPES:
+        assert "".join(pieces(name, text)) == "".join(pieces("gpt2", text)), name     # a split loses nothing
+
+
+def test_unknown_pre_warns_once_and_splits_as_gpt2(caplog):
+    with caplog.at_level(logging.WARNING, logger="specdec.gguf"):
+        assert pieces("no-such-pre", TEXT) == GPT2
+        assert pieces("no-such-pre", TEXT) == GPT2
+    assert [r.getMessage() for r in caplog.records].count(
+        "GGUF tokenizer: unknown tokenizer.ggml.pre 'no-such-pre'; splitting text as GPT-2 does") == 1
+
+
+def test_ignore_merges_takes_a_token_whole(tmp_path):
+    """llama3's and tekken's pre types take a piece that is a token whole (llama.cpp's
+    ignore_merges), whatever the merges would make of it."""
+    tokens = ["<s>", "</s>", "h", "i", "hi", "hii"]
+    merges = ["h i"]                      # no merge makes "hii"
+    ids = {pre: Tokenizer(write_vocab_gguf(tmp_path / f"{pre}.gguf", tokens, [3, 3, 1, 1, 1, 1], model="gpt2", pre=pre,
+                                           merges=merges, bos=0, eos=1, add_bos=False)).encode("hii")
+           for pre in ("llama-bpe", "gpt2")}
+    assert ids == {"llama-bpe": [5], "gpt2": [4, 3]}
+
+
+# --- BOS by pre name -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pre,add_bos,expected", [
+    ("llama-bpe", None, True), ("llama3", None, True), ("tekken", None, True), ("pixtral", None, True),
+    ("chameleon", None, True), ("gpt2", None, False), ("qwen2", None, False), ("smollm", None, False),
+    ("llama-bpe", False, False), ("gpt2", True, True),       # the file's key wins
+])
+def test_bos_default_follows_pre_name(tmp_path, pre, add_bos, expected):
+    tokens = ["<s>", "</s>", "H", "i"]
+    tok = Tokenizer(write_vocab_gguf(tmp_path / "v.gguf", tokens, [3, 3, 1, 1], model="gpt2", pre=pre, merges=[],
+                                     bos=0, eos=1, add_bos=add_bos))
+    assert tok.encode("Hi") == ([0] if expected else []) + [2, 3]
+
+
+# --- end of generation -----------------------------------------------------------------------
+
+def eog(tmp_path, tokens, eos, **metadata) -> list[str]:
+    tok = Tokenizer(write_vocab_gguf(tmp_path / "eog.gguf", tokens, [3] * len(tokens), model="gpt2", pre="gpt2",
+                                     merges=[], bos=None, eos=eos, metadata=metadata))
+    return [tokens[i] for i in tok.eos_token_ids]
+
+
+def test_eog_tokens_as_llamacpp(tmp_path):
+    phi3 = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"]
+    assert eog(tmp_path, phi3, 3) == ["</s>", "<|endoftext|>", "<|end|>"]
+    llama3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+    assert eog(tmp_path, llama3, 1) == ["<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"]
+    qwen = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"]
+    assert eog(tmp_path, qwen, 2) == ["<|endoftext|>", "<|im_end|>"]
+    # gpt-oss's harmony: <|end|> ends a message, not the answer; <|return|> and <|call|> do
+    harmony = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|return|>"]
+    assert eog(tmp_path, harmony, 5) == ["<|endoftext|>", "<|call|>", "<|return|>"]
+    # the eot / eom keys name tokens of any spelling
+    odd = ["<bos>", "<eos>", "<stop1>", "<stop2>", "<other>"]
+    assert eog(tmp_path, odd, 1, **{"tokenizer.ggml.eot_token_id": 2, "tokenizer.ggml.eom_token_id": 3}) == \
+        ["<eos>", "<stop1>", "<stop2>"]
+
+
+def test_smollm2_stops_on_endoftext_too(smollm2):
+    """SmolLM2's file names <|im_end|> as eos; llama.cpp also ends on <|endoftext|> (id 0)."""
+    from specdec import LLM, SamplingParams
+
+    assert Tokenizer(smollm2).eos_token_ids == [0, 2]
+    llm = LLM(model=str(smollm2))
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logit_bias={0: 100.0}))[0].outputs[0]
+    assert out.token_ids == [0] and out.finish_reason == "stop"

@@ -368,3 +368,36 @@ def write_vocab_gguf(path: Path, tokens: list[str], types: list[int], model: str
     w.close()
     return path
 
+
+def split_gguf(src: Path, folder: Path, prefix: str, n: int) -> list[Path]:
+    """src cut into n shards as llama.cpp's gguf-split writes them: PREFIX-0000i-of-0000n.gguf, all
+    metadata in the first, split.no / split.count / split.tensors.count in each, the tensors
+    dealt out in order."""
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(str(src))
+    tensors = list(r.tensors)
+    per = -(-len(tensors) // n)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = folder / f"{prefix}-{i + 1:05d}-of-{n:05d}.gguf"
+        w = GGUFWriter(str(path), r.fields["general.architecture"].contents() if i == 0 else None)
+        if i == 0:
+            for key, field in r.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                kind = field.types[0]
+                sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+                w.add_key_value(key, field.contents(), kind, sub)
+        w.add_key_value("split.no", i, GGUFValueType.UINT16)
+        w.add_key_value("split.count", n, GGUFValueType.UINT16)
+        w.add_key_value("split.tensors.count", len(tensors), GGUFValueType.INT32)
+        for t in tensors[i * per:(i + 1) * per]:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths

@@ -1,4 +1,4 @@
-"""GGUF files tokenize, add BOS and stop as llama.cpp does with them (llama-vocab.cpp,
+"""GGUF files tokenize, add BOS, stop and load as llama.cpp does with them (llama-vocab.cpp,
 llama-model-loader.cpp), where transformers' GGUF loader differs. Expected ids are written by
 hand from llama.cpp's rules, on tiny vocabularies written here."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from gguf_helpers import write_vocab_gguf
+from gguf_helpers import split_gguf, write_vocab_gguf
 from specdec.gguf_tokenizer import PRE_TYPES, GGUFVocab, build_tokenizer
 from specdec.tokenizer import Tokenizer
 
@@ -160,3 +160,52 @@ def test_smollm2_stops_on_endoftext_too(smollm2):
     llm = LLM(model=str(smollm2))
     out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logit_bias={0: 100.0}))[0].outputs[0]
     assert out.token_ids == [0] and out.finish_reason == "stop"
+
+
+# --- split files -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def split_set(gguf_files, tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    return gguf_files["llama_q"], split_gguf(gguf_files["llama_q"], root / "set", "tiny", 3)
+
+
+def test_split_gguf_loads_from_first_shard_or_folder(split_set):
+    import torch
+
+    from specdec.model.checkpoint import load_model
+
+    whole, shards = split_set
+    ids = torch.tensor([[3, 17, 42, 7, 99]])
+    with torch.no_grad():
+        expected = load_model(whole)(ids).logits
+        for target in (shards[0], shards[0].parent):
+            assert torch.equal(load_model(target)(ids).logits, expected)
+    assert Tokenizer(shards[0].parent).encode("def add") == Tokenizer(whole).encode("def add")
+
+
+def test_split_gguf_errors_name_the_shard(split_set, tmp_path):
+    import shutil
+
+    from specdec.model.checkpoint import CheckpointError, load_model
+    from specdec.model.gguf import GGUFError, GGUFFile
+
+    _, shards = split_set
+    with pytest.raises(GGUFError, match="shard 2 of a split GGUF .3 files.; name the first, tiny-00001-of-00003.gguf"):
+        GGUFFile(shards[1])
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for s in (shards[0], shards[2]):
+        shutil.copy(s, partial / s.name)
+    with pytest.raises(CheckpointError, match="shard tiny-00002-of-00003.gguf of the split GGUF .2 of 3. is missing"):
+        load_model(partial)
+    shutil.copy(shards[0], tmp_path / "renamed.gguf")
+    with pytest.raises(GGUFError, match="not named NAME-00001-of-00003.gguf"):
+        GGUFFile(tmp_path / "renamed.gguf")
+    (partial / shards[0].name).unlink()
+    with pytest.raises(CheckpointError, match="shard 3 of a split GGUF .3 files.; name the first"):
+        load_model(partial)
+    shutil.copy(shards[1], partial / shards[1].name)
+    with pytest.raises(CheckpointError, match="holds shards of the split GGUF tiny but not its first, "
+                                              "tiny-00001-of-00003.gguf"):
+        load_model(partial)

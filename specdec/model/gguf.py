@@ -65,14 +65,27 @@ class GGUFError(ValueError):
     """A .gguf that cannot be used; the message is one line naming the file."""
 
 
+# llama.cpp's split files (gguf-split): NAME-00001-of-00003.gguf, ...; the first holds the metadata
+# and split.no / split.count / split.tensors.count, every shard some of the tensors
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
 def find_gguf(path: str | os.PathLike) -> Path | None:
     """The .gguf that `path` names: the file itself, or the only .gguf of a folder that is not
-    a Hugging Face folder (no config.json). None for anything else."""
+    a Hugging Face folder (no config.json) -- or the first shard where the folder's .gguf files
+    are one split set. None for anything else."""
     p = Path(path)
     if p.is_file() and p.suffix.lower() == ".gguf":
         return p
     if p.is_dir() and not (p / "config.json").is_file():
         found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".gguf" and q.is_file())
+        names = [SPLIT_NAME.match(q.name) for q in found]
+        if len(found) > 1 and all(names) and len({(m["prefix"], m["count"]) for m in names}) == 1:
+            first = next((q for q, m in zip(found, names) if int(m["no"]) == 1), None)
+            if first is None:
+                raise GGUFError(f"{p}: holds shards of the split GGUF {names[0]['prefix']} but not its first, "
+                                f"{names[0]['prefix']}-00001-of-{names[0]['count']}.gguf")
+            return first
         if len(found) > 1:
             raise GGUFError(f"{p}: holds {len(found)} .gguf files ({', '.join(q.name for q in found[:3])}"
                             f"{', ...' if len(found) > 3 else ''}); name the one to load")
@@ -110,7 +123,45 @@ class GGUFFile:
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise GGUFError(f"{self.path}: not a readable GGUF file ({detail})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.shards = [self.reader]
+        count = self.get("split.count")
+        if count is not None and int(count) > 1:
+            self._open_shards(int(count))
         self.architecture = self.get("general.architecture")
+
+    def _open_shards(self, count: int) -> None:
+        """A split GGUF named by its first shard: the other shards' tensors, found as llama.cpp
+        finds them (PREFIX-0000i-of-0000N.gguf beside the first)."""
+        no = int(self.get("split.no") or 0)
+        m = SPLIT_NAME.match(self.path.name)
+        if no != 0:
+            first = f"{m['prefix']}-00001-of-{count:05d}.gguf" if m else "the first shard"
+            raise GGUFError(f"{self.path}: shard {no + 1} of a split GGUF ({count} files); name the first, {first}")
+        if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
+            raise GGUFError(f"{self.path}: the first of a split GGUF ({count} files), but not named "
+                            f"NAME-00001-of-{count:05d}.gguf, so its other shards cannot be found")
+        for i in range(2, count + 1):
+            path = self.path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
+            if not path.is_file():
+                raise GGUFError(f"{self.path}: shard {path.name} of the split GGUF ({i} of {count}) is missing")
+            try:
+                reader = _reader(path)
+            except Exception as e:
+                detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise GGUFError(f"{path}: not a readable GGUF file ({detail})") from None
+            field = reader.fields.get("split.no")
+            if field is None or int(field.contents()) != i - 1:
+                raise GGUFError(f"{path}: not shard {i} of {self.path.name}'s split GGUF (split.no is "
+                                f"{None if field is None else int(field.contents())}, expected {i - 1})")
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{path}: tensor {t.name} is in two shards of the split GGUF")
+                self.tensors[t.name] = t
+            self.shards.append(reader)
+        total = self.get("split.tensors.count")
+        if total is not None and int(total) != len(self.tensors):
+            raise GGUFError(f"{self.path}: the split GGUF's {count} shards hold {len(self.tensors)} tensors, "
+                            f"split.tensors.count says {int(total)}")
 
     def get(self, key: str, default=None):
         field = self.reader.fields.get(key)

@@ -347,3 +347,25 @@ def test_a_preempted_hybrid_request_samples_as_alone(method):
     assert llm.engine.num_preemptions > 0
     for p, sp, got in zip(prompts, params, batch):
         assert got.outputs[0].token_ids == llm.generate([p], [sp])[0].outputs[0].token_ids
+
+
+def test_a_preempted_suffix_request_joins_the_response_cache_once_whole():
+    """Suffix decoding's response cache takes a finished request's output (with the prompt's last
+    tokens); a preemption used to add the partial output too, and the recompute's prompt chunks
+    moved the prompt's end into the output (its start lost from the cached answer)."""
+    from specdec.defaults import BUNDLED_TARGET
+    from specdec.proposers.suffix import HEADER_TOKENS
+
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    probe = LLM(model=str(BUNDLED_TARGET), speculative_config=spec, max_model_len=128)
+    per_block = 16 * probe.target.kv_bytes_per_slot()
+    llm = LLM(model=str(BUNDLED_TARGET), speculative_config=spec, max_model_len=128,
+              kv_cache_memory=probe.engine.blocks.max_blocks_per_seq * per_block)
+    ids = llm.tokenizer.encode(open(__file__).read())
+    prompts = [ids[s:s + n] for s, n in ((100, 98), (400, 10), (900, 60), (1300, 30))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert llm.engine.num_preemptions > 0
+    docs = sorted(d.tolist() for d in llm.engine.proposer.cache.docs)
+    # the cache holds seq[:-1] after a prefill: the prompt's last token and HEADER_TOKENS before it
+    assert docs == sorted(p[-HEADER_TOKENS - 1:] + o.outputs[0].token_ids for p, o in zip(prompts, outs))

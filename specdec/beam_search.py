@@ -9,6 +9,9 @@ ranked by cum_logprob / len ** length_penalty (len: prompt and output tokens, th
 counted), and the beam_width best are returned, best first. All beams of all prompts of a step
 run as one batch. Prefix caching (on unless the LLM was built with enable_prefix_caching=False)
 serves the shared prefixes from its cache; without it the prompt is prefilled again each step.
+A beam that fills the context (max_model_len tokens, prompt and output) cannot be extended: it
+is set aside as finished (finish_reason "length") and ranked with the others at the end, as
+vLLM's loop completes a beam whose step came back empty at the max-model-len.
 """
 
 from __future__ import annotations
@@ -61,8 +64,11 @@ class BeamSearch:
     LLM, or the server's engine jobs): `pending()` lists the beams to extend, `advance(tops)`
     takes each one's (token, log-probability) candidates, `result(decode)` ranks the end."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: set[int]):
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: set[int],
+                 max_model_len: int | None = None):
+        """max_model_len: the context's length; a beam that long is finished (None: no limit)."""
         self.prompts, self.params, self.eos = [list(p) for p in prompts], params, eos
+        self.max_model_len = max_model_len
         self.live = [[BeamSearchSequence(list(p))] for p in prompts]
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0
@@ -73,8 +79,16 @@ class BeamSearch:
                               ignore_eos=True, seed=0 if self.params.temperature > 0 else None)
 
     def pending(self) -> list[tuple[int, BeamSearchSequence]]:
+        """The beams to extend this step; those that fill the context are finished first."""
         if self.steps >= self.params.max_tokens:
             return []
+        if self.max_model_len is not None:
+            for i, beams in enumerate(self.live):
+                full = [b for b in beams if len(b.tokens) >= self.max_model_len]
+                for b in full:
+                    b.finish_reason = "length"
+                    self.done[i].append(b)
+                self.live[i] = [b for b in beams if len(b.tokens) < self.max_model_len]
         return [(i, b) for i, beams in enumerate(self.live) for b in beams]
 
     def advance(self, todo: list[tuple[int, BeamSearchSequence]], tops: list) -> None:
@@ -109,10 +123,16 @@ class BeamSearch:
         return ids[:-1] if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output else ids
 
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The offline search: each step's beams through llm.generate as one batch."""
-    search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids))
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, lora_request=None,
+                progress=None) -> list[BeamSearchOutput]:
+    """The offline search: each step's beams through llm.generate as one batch (lora_request: one
+    for every prompt, or one per prompt; progress: called once per step)."""
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+    search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids), llm.engine.max_model_len)
     while todo := search.pending():
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], search.step_params())
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], search.step_params(),
+                            lora_request=[loras[i] for i, _ in todo])
         search.advance(todo, [o.outputs[0].logprobs[0].top for o in outs])
+        if progress is not None:
+            progress()
     return search.result(llm.tokenizer.decode)

@@ -254,6 +254,12 @@ class Engine:
         if req is not None:
             self._retire(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's reset_prefix_cache); False while requests run."""
+        if self.has_unfinished():
+            return False
+        return self.blocks.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import numbers
 import os
 import time
 import weakref
+from collections import Counter as _Tally
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -28,6 +32,7 @@ from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eo
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
+log = logging.getLogger("specdec.llm")
 
 
 @dataclass
@@ -85,6 +90,75 @@ def _speculative(speculative_model, num_speculative_tokens, speculative_config) 
     return SpeculativeConfig.from_dict(spec)
 
 
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_text(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _is_size(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+# vLLM's LLM / EngineArgs arguments with no meaning here: name -> (vLLM's default (a tuple: the
+# values said nothing about), the values accepted (a tuple) or a check of a value, why it changes
+# nothing). Accepted and ignored; one warning names those set away from the default. Values
+# outside what is accepted change what vLLM runs in a way specdec cannot: a ValueError.
+_VLLM_IGNORED = {
+    "trust_remote_code": (False, _is_bool, "specdec runs no code from checkpoints"),
+    "tokenizer_mode": ("auto", ("auto", "slow", "hf"), "specdec has one tokenizer (tokenizer.json or the GGUF's)"),
+    "skip_tokenizer_init": (False, (False,), "specdec needs the tokenizer"),
+    "revision": (None, _is_text, "specdec loads local folders and files"),
+    "tokenizer_revision": (None, _is_text, "specdec loads local folders and files"),
+    "code_revision": (None, _is_text, "specdec loads local folders and files"),
+    "download_dir": (None, _is_text, "specdec loads local folders and files"),
+    "hf_token": (None, lambda v: v is None or isinstance(v, (bool, str)), "specdec loads local folders and files"),
+    "load_format": ("auto", ("auto", "hf", "safetensors", "gguf"), "specdec reads the safetensors or GGUF found"),
+    "config_format": ("auto", ("auto", "hf"), "specdec reads config.json (or the GGUF's metadata)"),
+    "swap_space": (4, _is_size, "specdec recomputes preempted requests"),
+    "cpu_offload_gb": (0, _is_size, "specdec keeps the weights on one device"),
+    "disable_custom_all_reduce": (False, _is_bool, "specdec's tensor parallelism has one all-reduce"),
+    "disable_async_output_proc": (False, _is_bool, "specdec processes outputs in the step"),
+    "max_seq_len_to_capture": (8192, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                               "see compilation_config for CUDA graphs"),
+    "disable_log_stats": (True, _is_bool, "specdec logs no periodic stats; get_metrics() always works"),
+    "enable_chunked_prefill": ((None, True), (None, True, False),
+                               "specdec always chunks long prompts (max_num_batched_tokens): outputs are the same"),
+    "max_parallel_loading_workers": (None, lambda v: v is None or (isinstance(v, int) and v > 0),
+                                     "specdec loads in one process"),
+    "allowed_local_media_path": ("", _is_text, "specdec takes text prompts"),
+    "pipeline_parallel_size": (1, (1,), "specdec has no pipeline parallelism (tensor_parallel_size splits the model)"),
+    "distributed_executor_backend": (None, (None, "mp", "uni"), "specdec starts its own tensor-parallel workers"),
+}
+
+
+def _same(a, b) -> bool:
+    """a == b, with True / False / None only themselves (True is not 1 here)."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a is b
+    return type(a) is type(b) and a == b or _is_size(a) and _is_size(b) and a == b
+
+
+def _check_vllm_args(args: dict) -> None:
+    """vLLM's arguments without a meaning here: refused if unknown (TypeError, as Python's) or a
+    value specdec cannot honour (ValueError), else ignored with one warning for those set."""
+    set_away = []
+    for name, value in args.items():
+        if name not in _VLLM_IGNORED:
+            raise TypeError(f"LLM.__init__() got an unexpected keyword argument {name!r}")
+        default, accepted, why = _VLLM_IGNORED[name]
+        ok = any(_same(value, a) for a in accepted) if isinstance(accepted, tuple) else accepted(value)
+        if not ok:
+            allowed = (" (accepted: " + ", ".join(repr(a) for a in accepted) + ")") if isinstance(accepted, tuple) else ""
+            raise ValueError(f"{name}={value!r} is not supported: {why}{allowed}")
+        if not any(_same(value, d) for d in (default if isinstance(default, tuple) else (default,))):
+            set_away.append(f"{name}={value!r} ({why})")
+    if set_away:
+        log.warning("LLM: ignoring vLLM arguments that have no effect in specdec: %s", "; ".join(set_away))
+
+
 class LLM:
     """A target model, optionally with a speculative proposer.
 
@@ -118,12 +192,22 @@ class LLM:
     compilation_config / enforce_eager (vLLM's): {"cudagraph_mode": "FULL_DECODE_ONLY"} captures
     CUDA graphs of the target's decoding and verification forwards on a GPU (model/graphs.py;
     config.cuda_graph_sizes); off by default until measured on one; enforce_eager turns them off.
+    seed: 0 by default, as vLLM's V1 engine: the requests of this LLM that bring no seed and
+    sample take the next unused seeds in turn (seed, seed + 1, ...: one per choice of n / best_of),
+    so a script samples the same text each run while no two completions share draws;
+    seed=None: fresh randomness for every request.
+    vLLM's arguments without a meaning here (trust_remote_code, tokenizer_mode "auto"/"slow"/"hf",
+    revision, tokenizer_revision, download_dir, load_format "auto", swap_space, cpu_offload_gb,
+    disable_custom_all_reduce, disable_log_stats, enable_chunked_prefill, ...: _VLLM_IGNORED) are
+    accepted and ignored (one warning naming those set away from vLLM's default); a value that
+    would change what runs (tokenizer_mode="mistral", load_format="dummy", pipeline_parallel_size=2)
+    is refused; any other keyword is a TypeError.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, speculative_model: str | None = None,
                  num_speculative_tokens: int | str | None = None, speculative_config: dict | None = None,
                  dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
-                 seed: int | None = None, tokenizer: str | None = None, quantization: str | None = None,
+                 seed: int | None = 0, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  block_size: int = 16, logprobs_mode: str = "raw_logprobs", kv_cache_dtype: str = "auto",
@@ -135,7 +219,18 @@ class LLM:
                  convert: str = "auto", task: str | None = None, pooler_config: dict | None = None,
                  override_pooler_config: dict | None = None, enforce_eager: bool = False,
                  compilation_config: dict | int | str | None = None,
-                 structured_outputs_config: dict | StructuredOutputsConfig | None = None):
+                 structured_outputs_config: dict | StructuredOutputsConfig | None = None,
+                 trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
+                 tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
+                 disable_custom_all_reduce: bool = False, **kwargs):
+        _check_vllm_args(dict(trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode, revision=revision,
+                              tokenizer_revision=tokenizer_revision, swap_space=swap_space,
+                              cpu_offload_gb=cpu_offload_gb, disable_custom_all_reduce=disable_custom_all_reduce,
+                              **kwargs))
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)):
+            raise ValueError(f"max_model_len must be an integer (or None: the model's), got {max_model_len!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an integer (or None: unseeded), got {seed!r}")
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
         structured = StructuredOutputsConfig.of(structured_outputs_config)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
@@ -203,6 +298,46 @@ class LLM:
                              cuda_graph_sizes=cuda_graph_sizes(compilation_config, enforce_eager, max_num_seqs),
                              structured_outputs_config=structured)
         self._counter = 0
+        self._seed_next = 0          # the next unused offset from self.seed (_params)
+        # what get_metrics() reports of the requests run so far (vLLM's counters)
+        self._prompt_tokens, self._totals, self._finished = 0, RequestStats(), _Tally()
+
+    @property
+    def llm_engine(self) -> "_EngineView":
+        """vLLM's name of the engine: specdec's Engine (every attribute), with the LLMEngine calls
+        that have a meaning here (get_tokenizer, has_unfinished_requests, abort_request, ...)."""
+        return _EngineView(self)
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
+        True when done; False (nothing changed) while a request holds KV blocks."""
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): a snapshot of the engine's counters and gauges under vLLM's
+        names (vllm:prompt_tokens, vllm:generation_tokens, vllm:request_success,
+        vllm:prefix_cache_queries / hits, vllm:num_preemptions, the requests running and waiting,
+        vllm:kv_cache_usage_perc, and with speculation vllm:spec_decode_num_drafts /
+        num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos), as
+        Counter / Gauge / Vector objects with .name, .labels and .value (.values)."""
+        e, labels = self.engine, {"model_name": self.model_path, "engine": "0"}
+        out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
+               Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
+               Gauge("vllm:kv_cache_usage_perc", labels, float(e.kv_cache_usage)),
+               Counter("vllm:num_preemptions", labels, e.num_preemptions),
+               Counter("vllm:prefix_cache_queries", labels, e.prefix_cache_queries),
+               Counter("vllm:prefix_cache_hits", labels, e.prefix_cache_hits),
+               Counter("vllm:prompt_tokens", labels, self._prompt_tokens),
+               Counter("vllm:generation_tokens", labels, self._totals.output_tokens)]
+        out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, self._finished[reason])
+                for reason in ("stop", "length", "abort")]
+        if self.engine.proposer is not None:
+            t = self._totals
+            out += [Counter("vllm:spec_decode_num_drafts", labels, t.num_drafts),
+                    Counter("vllm:spec_decode_num_draft_tokens", labels, t.draft_tokens),
+                    Counter("vllm:spec_decode_num_accepted_tokens", labels, t.accepted_tokens),
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(t.accepted_per_position))]
+        return out
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
         """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both.
@@ -267,10 +402,17 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"a prompt's 'prompt' must be a string, got {type(text).__name__}")
+            return text, _token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"a prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
+                         + (f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict)
+                            else type(prompt).__name__))
 
     def check_runner(self, wanted: str) -> None:
         """Raise (one line) unless this LLM runs as `wanted` ("generate" or "pooling")."""
@@ -288,8 +430,7 @@ class LLM:
         from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch
 
         self.check_runner("pooling")
-        single = isinstance(prompts, (str, dict))
-        prompts = [prompts] if single else list(prompts)
+        prompts = _prompt_list(prompts)
         plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
         jobs = []
         for prompt, params in zip(prompts, plist):
@@ -315,18 +456,62 @@ class LLM:
             out.append(EmbeddingRequestOutput(str(self._counter), EmbeddingOutput(vec), ids, text))
         return out
 
-    def beam_search(self, prompts, params) -> list:
+    def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = False, lora_request=None, pooling_task: str | None = None) -> list:
+        """vLLM's LLM.encode (runner "pooling"): pooling_task "embed" runs embed(), "classify"
+        classify(); None: the model's own ("classify" for a sequence classifier, else "embed").
+        The outputs are embed()'s or classify()'s (`outputs.embedding`, `outputs.probs`). vLLM's
+        token-level tasks ("encode", "token_embed", "token_classify") are not supported."""
+        self.check_runner("pooling")
+        task = pooling_task or ("classify" if self.classifier is not None else "embed")
+        if task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task must be 'embed' or 'classify' here, got {pooling_task!r}")
+        if lora_request is not None:
+            raise ValueError("lora_request: pooling runs without LoRA adapters")
+        if task == "classify":
+            if pooling_params is not None:
+                raise ValueError("pooling_params do not apply to pooling_task='classify'")
+            return self.classify(prompts, truncate_prompt_tokens)
+        return self.embed(prompts, pooling_params, truncate_prompt_tokens)
+
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list:
         """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt (a string,
         {"prompt"} or {"prompt_token_ids"}), best first, as BeamSearchOutput(sequences=[...]) with
-        each sequence's prompt + output `tokens`, `text`, `cum_logprob` (specdec/beam_search.py)."""
-        from .beam_search import beam_search
+        each sequence's prompt + output `tokens`, `text`, `cum_logprob` (specdec/beam_search.py).
+        Beams that fill the context (max_model_len) finish there (finish_reason "length"); only a
+        prompt that leaves no room for one token is refused, before any search runs.
+        lora_request: one for every prompt or one per prompt; use_tqdm: a bar over the steps;
+        concurrency_limit: search that many prompts at a time (vLLM's; None: all at once)."""
+        from .beam_search import BeamSearchParams, beam_search
 
         self.check_runner("generate")
-        single = isinstance(prompts, (str, dict))
-        ids = [self._prompt_ids(p)[1] for p in ([prompts] if single else prompts)]
-        for p in ids:
-            self.engine.check_prompt(p, SamplingParams(max_tokens=params.max_tokens))
-        return beam_search(self, ids, params)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int)
+                                              or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 (or None), got {concurrency_limit!r}")
+        ids = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
+        loras = _per_prompt(lora_request, len(ids), "lora_request")
+        step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width)      # what each step asks
+        for p, lora in zip(ids, loras):
+            self.engine.check_prompt(p, step)
+            self.engine.check_lora(lora)
+        chunk = concurrency_limit or max(1, len(ids))
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=params.max_tokens * -(-len(ids) // chunk), desc="Beam search", unit="token")
+        try:
+            out = []
+            for start in range(0, len(ids), chunk):
+                out += beam_search(self, ids[start:start + chunk], params, loras[start:start + chunk],
+                                   progress=bar.update if bar is not None else None)
+            return out
+        finally:
+            if bar is not None:
+                bar.close()
 
     def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.classify for a sequence classifier (architectures like
@@ -395,9 +580,14 @@ class LLM:
             raise CheckpointError(f"{path}: {e} (--generation-config vllm ignores the file)") from None
 
     def _params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams (or a list of them, one per prompt), got "
+                            f"{type(params).__name__}")
         params = params or self.get_default_sampling_params()
         if params.seed is None and self.seed is not None and not params.greedy:
-            params = dataclasses.replace(params, seed=self.seed + self._counter)
+            # its choices sample with seed + 0, 1, ... (engine seed_offset): the next request's start after them
+            params = dataclasses.replace(params, seed=self.seed + self._seed_next)
+            self._seed_next += params.best_of or params.n
         return params
 
     def chat_prompt(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -405,6 +595,11 @@ class LLM:
                     tools: list[dict] | None = None) -> dict:
         """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template
         (tools: OpenAI's tool list, given to the template as `tools`)."""
+        for m in messages:
+            if not isinstance(m, dict):
+                raise ValueError(f"a chat message must be a dict with 'role' and 'content', got {type(m).__name__}")
+            if not isinstance(m.get("role"), str) or not m["role"]:
+                raise ValueError(f"a chat message needs a 'role' (a string such as 'user'), got keys {sorted(map(str, m))}")
         msgs = template_messages([{**m, "content": _text_content(m.get("content"))} for m in messages])
         reserved = sorted({"tokenize", "return_dict"} & set(chat_template_kwargs or {}))
         if reserved:         # apply_chat_template's own switches, not template variables: the prompt is text here
@@ -419,16 +614,28 @@ class LLM:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
-        """vLLM's LLM.chat: one conversation (a list of {"role", "content"}) or a list of them;
-        one RequestOutput per conversation, its `prompt` the rendered template. tools: OpenAI's
-        tool list for the template (constrain a call with structured_outputs; the server's
-        tool_choice does that for you)."""
+             use_tqdm: bool = False, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat, its arguments in vLLM's order: one conversation (a list of {"role",
+        "content"}) or a list of them; one RequestOutput per conversation, its `prompt` the
+        rendered template. tools: OpenAI's tool list for the template (constrain a call with
+        structured_outputs; the server's tool_choice does that for you).
+        chat_template_content_format: vLLM's "auto", "string" or "openai"; specdec's messages are
+        text (a string or text parts), which every template is given as a string."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} (or a list of such lists)")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = list(messages)
+        else:
+            raise ValueError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of "
+                             "conversations, not a mix of the two")
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
@@ -452,8 +659,7 @@ class LLM:
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         self.check_runner("generate")
-        single = isinstance(prompts, (str, dict))
-        prompts = [prompts] if single else list(prompts)
+        prompts = _prompt_list(prompts)
         plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must be one per prompt")
@@ -505,7 +711,10 @@ class LLM:
         for i in range(params.best_of or params.n):     # every candidate's work counts
             r = reqs[(rid, i)]
             stats.merge(r.stats)
+            self._finished[r.finish_reason or "abort"] += 1
         stats.prompt_tokens = len(ids)
+        self._prompt_tokens += len(ids)
+        self._totals.merge(stats)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
         prompt_lps = reqs[(rid, 0)].prompt_logprobs
         if prompt_lps is not None:
@@ -514,6 +723,87 @@ class LLM:
 
     def _token_name(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _prompt_list(prompts) -> list:
+    """generate()'s prompts: one prompt (a string or a dict) or an iterable of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts is None or isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a string, a prompt dict ({{'prompt': str}} or {{'prompt_token_ids': [...]}}) "
+                        f"or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _token_ids(value) -> list[int]:
+    """prompt_token_ids as Python ints: a list (tuple, numpy or torch 1-D integer array) of
+    integers; numpy and torch integers become ints, floats and bools are refused."""
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):       # a numpy array or a torch tensor
+        if getattr(value, "ndim", 1) != 1:
+            raise ValueError(f"prompt_token_ids must be one-dimensional, got shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(value).__name__}")
+    ids = []
+    for t in value:
+        if hasattr(t, "tolist") and getattr(t, "ndim", None) == 0:     # a numpy scalar or a 0-d tensor
+            t = t.tolist()
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"prompt_token_ids must be integers, got {t!r} ({type(t).__name__})")
+        ids.append(int(t))
+    return ids
+
+
+@dataclass
+class Metric:
+    """vLLM's metric snapshot (vllm.v1.metrics.reader): a name and its labels."""
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int]
+
+
+class _EngineView:
+    """llm.llm_engine: the LLM's Engine (every attribute is the engine's) with the calls vLLM's
+    LLMEngine offers that mean something here."""
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+
+    def __getattr__(self, name):
+        return getattr(self._llm.engine, name)
+
+    def get_tokenizer(self, lora_request=None) -> Tokenizer:
+        return self._llm.tokenizer
+
+    def has_unfinished_requests(self) -> bool:
+        return self._llm.engine.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._llm.engine.num_running + self._llm.engine.num_waiting
+
+    def abort_request(self, request_ids) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self._llm.engine.abort(rid)
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        return self._llm.reset_prefix_cache(device)
+
+    def get_metrics(self) -> list:
+        return self._llm.get_metrics()
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -1,9 +1,10 @@
 """vLLM's module path for the sampling parameters: `from vllm.sampling_params import
-SamplingParams, StructuredOutputsParams` ports by its module name alone (GuidedDecodingParams:
-vLLM < 0.11's name of StructuredOutputsParams)."""
+SamplingParams, StructuredOutputsParams, BeamSearchParams` ports by its module name alone
+(GuidedDecodingParams: vLLM < 0.11's name of StructuredOutputsParams)."""
 
+from .beam_search import BeamSearchParams
 from .config import SamplingParams, StructuredOutputsParams
 
 GuidedDecodingParams = StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams"]

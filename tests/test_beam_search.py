@@ -73,6 +73,32 @@ def test_beam_search_checks(models):
         llm.beam_search({"prompt_token_ids": list(range(1, 10 ** 4))}, BeamSearchParams(2, 4))
 
 
+def test_beams_that_fill_the_context_finish_there(tiny_pair):
+    """A beam that reaches max_model_len cannot be extended: it finishes ("length") and is ranked
+    with the rest, as vLLM's loop completes it; the other prompts' beams are kept (the search
+    used to fail there with a ValueError from the step, losing every prompt's results)."""
+    llm = LLM(str(tiny_pair[0]), dtype="float32", num_speculative_tokens=0, max_model_len=16)
+    long, short = {"prompt_token_ids": [0] + list(range(1, 13))}, {"prompt_token_ids": PROMPTS[1]}  # 13, 4 tokens
+    params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    outs = llm.beam_search([long, short], params)
+    assert [(len(b.tokens), b.finish_reason) for b in outs[0].sequences] == [(16, "length")] * 2
+    capped = llm.beam_search(long, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0]
+    assert [b.tokens for b in outs[0].sequences] == [b.tokens for b in capped.sequences]
+    assert [b.tokens for b in outs[1].sequences] == [b.tokens for b in llm.beam_search(short, params)[0].sequences]
+    assert [len(b.tokens) for b in outs[1].sequences] == [12, 12]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_any_step(tiny_pair, monkeypatch):
+    """Only what can never run is refused up front: a prompt that leaves no room for a token."""
+    llm = LLM(str(tiny_pair[0]), dtype="float32", num_speculative_tokens=0, max_model_len=16)
+    steps = []
+    monkeypatch.setattr(llm, "generate", lambda *a, **k: steps.append(1))
+    with pytest.raises(ValueError, match="prompt is too long"):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": list(range(1, 17))}],
+                        BeamSearchParams(beam_width=2, max_tokens=4))
+    assert not steps
+
+
 def test_prefix_caching_and_speculation_change_no_beam(tiny_pair, near_draft, models):
     """Beams share their prefixes through the prefix cache, and a speculative LLM scores each
     one-token step as plain decoding does: the same beams either way."""

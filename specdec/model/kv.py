@@ -175,6 +175,17 @@ class BlockManager:
         self._refs[b] = 1
         return b
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every registered block (vLLM's reset_prefix_cache): all become plain free
+        blocks. False, and nothing changed, while a sequence holds blocks."""
+        if self._seqs:
+            return False
+        self._by_hash.clear()
+        self._hash_of.clear()
+        self._idle.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        return True
+
     def cached_prefix(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
         """The registered blocks that hold the longest run of tokens' full blocks from the start
         (root: what else the keys and values depend on, a LoRA adapter: part of every hash)."""

@@ -86,7 +86,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
-    p.add_argument("--seed", type=int, help="seeds sampling requests that bring no seed of their own")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds sampling requests that bring no seed of their own, in arrival order: seed, seed + 16, "
+                        "... (default 0, as vLLM's: a run reproduces, two requests never share draws)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, used instead of "
                                            "the tokenizer's (a request's own chat_template still wins)")

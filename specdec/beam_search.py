@@ -135,4 +135,4 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, lora_re
         search.advance(todo, [o.outputs[0].logprobs[0].top for o in outs])
         if progress is not None:
             progress()
-    return search.result(llm.tokenizer.decode)
+    return search.result(lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))

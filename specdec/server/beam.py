@@ -26,7 +26,7 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
         for j, beam in enumerate(out.sequences):
             ids = search.output_ids(beam, len(prompt))
             completion_tokens += len(ids)
-            choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids),
+            choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids, skip_special_tokens=True),
                             "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
     return _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
                    completion_tokens)
@@ -48,7 +48,7 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         ids = search.output_ids(beam, len(prompts[0]))
         completion_tokens += len(ids)
         choices.append({"index": j, "message": {"role": service.config.response_role,
-                                                "content": service.tokenizer.decode(ids)},
+                                                "content": service.tokenizer.decode(ids, skip_special_tokens=True)},
                         "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
     return _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
                    completion_tokens)

@@ -48,7 +48,7 @@ def self_instruct(target_dir: Path, material: Material, cfg: PromptConfig, n: in
             out = answer_batch(model, part, [False] * len(part), acfg, set(tok.eos_token_ids),
                                make_generator(cfg.seed * 7919 + b))
         for r in out:
-            task = clean_instruction(tok.decode(r["answer"]))
+            task = clean_instruction(tok.decode(r["answer"], skip_special_tokens=True))
             if task and task.lower() not in seen:
                 seen.add(task.lower())
                 tasks.append(task)

@@ -32,12 +32,12 @@ class Detokenizer:
         self.ids.append(token)
         if not self.stop:
             return False
-        before = len(self.text)
+        before = len(self.text.rstrip("\ufffd"))      # complete characters so far
         self.text = self.tokenizer.decode(self.ids, self.skip)
         if len(self.ids) <= self.min_tokens:
             self._from = len(self.text)
             return False
-        lo = max(self._from, before - self._window - 1)
+        lo = max(self._from, before - self._window)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
         if hits:
             i, s = min(hits)
@@ -51,9 +51,11 @@ class Detokenizer:
             self.text = self.tokenizer.decode(self.ids, self.skip)
         end = len(self.text)
         if not final:
+            # the hold counts complete characters: a trailing partial one (U+FFFD until its last
+            # byte token comes) must not stand in for the start of a stop string
             end = len(self.text.rstrip("\ufffd"))
             if self.stop:
-                end = min(end, len(self.text) - self._hold)
+                end -= self._hold
         if end <= self.sent:
             return ""
         out = self.text[self.sent:end]

@@ -419,3 +419,24 @@ def test_a_draft_with_a_shorter_context_keeps_the_targets(tiny_pair, tmp_path):
     counts = hybrid.engine.proposer.counts
     assert out.outputs[0].token_ids == want and counts.lookup_accepted > 0
     assert counts.learned_tokens <= 40 - len(ids)
+
+
+@pytest.mark.parametrize("stop,text", [("🎋🎌", "🎉"), ("🎉🎋🎌", ""), ("🎌", "🎉🎋"), ("测试", "中文")])
+def test_streamed_text_never_holds_part_of_a_stop_string_split_over_byte_tokens(stop, text):
+    """Characters made of several byte tokens: the hold-back for a stop string counts complete
+    characters (a trailing partial one, U+FFFD until its last byte comes, released the character
+    before it: '🎉🎋' streamed for a stop '🎋🎌', the server's non-streamed text too)."""
+    from specdec.defaults import BUNDLED_TARGET
+    from specdec.detokenize import Detokenizer
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer(BUNDLED_TARGET)
+    source = "🎉🎋🎌🎍" if "🎉" in stop + text or "🎋" in stop else "中文测试中文"
+    detok = Detokenizer(tok, [stop])
+    streamed, stopped = "", False
+    for t in tok.encode(source, add_special_tokens=False):
+        stopped = detok.add(t)
+        streamed += detok.delta(final=stopped)
+        if stopped:
+            break
+    assert stopped and detok.stop_reason == stop and streamed == detok.text == text

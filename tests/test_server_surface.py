@@ -150,6 +150,8 @@ def test_best_of_keeps_the_most_likely_candidates(live):
     ("completion", dict(frequency_penalty=-3), "frequency_penalty"),
     ("completion", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     ("completion", dict(n=3, best_of=2), "best_of"),
+    ("completion", dict(stream_options={"include_usage": True}), "stream_options"),
+    ("chat", dict(stream=False, stream_options={"include_usage": True}), "stream_options"),
     ("completion", dict(best_of=3, stream=True), "best_of"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client, kind, kw, param):

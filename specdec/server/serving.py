@@ -153,6 +153,8 @@ class Service:
                                     f"schemas constrain the reply)", field)
             structured, field = tool_constraint, "tools"
         extra.check_grammar(self.engine, structured, field)
+        if req.stream_options is not None and not req.stream:       # vLLM's and OpenAI's rule
+            raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
         if req.best_of is not None and req.best_of > req.n and req.stream:
             raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
         # what a request leaves out comes from the model's generation_config.json (vLLM's

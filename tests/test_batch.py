@@ -328,6 +328,8 @@ def test_an_eagle_tree_runs_to_the_end_of_its_context_with_k_past_its_depth():
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="a recompute prefills the output in one tall product: its "
+                    "bf16 rows equal the decoding steps' through the C kernels only (README)")
 @pytest.mark.parametrize("method", ["ngram+eagle", "ngram+draft_model"])
 def test_a_preempted_hybrid_request_samples_as_alone(method):
     """The hybrid's per-request records (which source, how long) survive a preemption: dropped,

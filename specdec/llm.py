@@ -460,7 +460,8 @@ class LLM:
                use_tqdm: bool = False, lora_request=None, pooling_task: str | None = None) -> list:
         """vLLM's LLM.encode (runner "pooling"): pooling_task "embed" runs embed(), "classify"
         classify(); None: the model's own ("classify" for a sequence classifier, else "embed").
-        The outputs are embed()'s or classify()'s (`outputs.embedding`, `outputs.probs`). vLLM's
+        The outputs are embed()'s or classify()'s (`outputs.embedding`, `outputs.probs`; vLLM's
+        `outputs.data` tensor too). vLLM's
         token-level tasks ("encode", "token_embed", "token_classify") are not supported."""
         self.check_runner("pooling")
         task = pooling_task or ("classify" if self.classifier is not None else "embed")

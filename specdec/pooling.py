@@ -79,6 +79,11 @@ class PoolingParams:
 class EmbeddingOutput:
     embedding: list[float]
 
+    @property
+    def data(self) -> torch.Tensor:
+        """vLLM's PoolingOutput.data (what LLM.encode's outputs hold): the vector as a tensor."""
+        return torch.tensor(self.embedding)
+
 
 @dataclass
 class ScoringOutput:
@@ -220,6 +225,11 @@ class Classifier:
 @dataclass
 class ClassificationOutput:
     probs: list[float]
+
+    @property
+    def data(self) -> torch.Tensor:
+        """vLLM's PoolingOutput.data: the class probabilities as a tensor."""
+        return torch.tensor(self.probs)
 
     @property
     def num_classes(self) -> int:

@@ -149,6 +149,7 @@ def test_encode_runs_the_pooling_task(tiny_pair, llm):
     pooled = LLM(str(tiny_pair[0]), convert="embed")
     enc = pooled.encode(["def add", "class"])
     assert [o.outputs.embedding for o in enc] == [o.outputs.embedding for o in pooled.embed(["def add", "class"])]
+    assert all(o.outputs.data.tolist() == o.outputs.embedding for o in enc)        # vLLM's PoolingOutput.data
     with pytest.raises(ValueError, match="pooling_task"):
         pooled.encode("def", pooling_task="token_embed")
     with pytest.raises(ValueError, match="runner"):

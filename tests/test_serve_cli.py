@@ -71,3 +71,11 @@ def test_the_model_may_follow_the_options():
         assert (args.model, args.port) == ("m", 9), argv
     with pytest.raises(ValueError, match="unexpected argument 'extra'"):
         parse_args(["--port", "9", "m", "extra"])
+
+
+def test_seed_default_and_none():
+    """--seed 0 by default (vLLM V1's); `none` turns the server's seeding off."""
+    assert parse_args(["m"])[0].seed == 0
+    assert parse_args(["m", "--seed", "none"])[0].seed is None and parse_args(["m", "--seed", "7"])[0].seed == 7
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--seed", "lots"])

@@ -86,9 +86,10 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="seeds sampling requests that bring no seed of their own, in arrival order: seed, seed + 16, "
-                        "... (default 0, as vLLM's: a run reproduces, two requests never share draws)")
+                        "... (default 0, as vLLM's: a run reproduces, two requests never share draws); none: "
+                        "fresh randomness (suffix decoding's response cache then serves unseeded sampling too)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, used instead of "
                                            "the tokenizer's (a request's own chat_template still wins)")
@@ -149,6 +150,15 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--replica-cpus", type=float, help="CPUs Ray reserves per replica (default: --tensor-parallel-size)")
     return p
+
+
+def _seed(value: str) -> int | None:
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or none, got {value!r}") from None
 
 
 def _min_max(value: str) -> tuple[int, int]:

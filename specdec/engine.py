@@ -160,11 +160,12 @@ class Engine:
         k = self.max_model_len - 1 if k == -1 else k
         return prompt[-k:]
 
-    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """prompt: as the request runs it (already truncated: truncate_prompt_tokens)."""
+    def check_prompt(self, prompt: list[int], params: SamplingParams, room: int = 1) -> None:
+        """prompt: as the request runs it (already truncated: truncate_prompt_tokens); room: the
+        slots it needs past the prompt (one output token; pooling needs none)."""
         if not prompt:
             raise ValueError("prompt is empty: it must have at least one token")
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) > self.max_model_len - room:
             raise ValueError(f"prompt is too long: {len(prompt)} tokens, the context holds "
                              f"{self.max_model_len} (prompt + output)")
         vocab = self.target.config.vocab_size

@@ -437,15 +437,19 @@ class LLM:
             text, ids = self._prompt_ids(prompt)
             keep = params.truncate_prompt_tokens or truncate_prompt_tokens
             if keep is not None:
-                if keep < 1:
-                    raise ValueError(f"truncate_prompt_tokens must be >= 1, got {keep}")
+                # vLLM's: -1 keeps what the context holds; more than it is refused
+                if keep == -1:
+                    keep = self.engine.max_model_len
+                if not 1 <= keep <= self.engine.max_model_len:
+                    raise ValueError(f"truncate_prompt_tokens must be in [1, max_model_len = "
+                                     f"{self.engine.max_model_len}] or -1, got {keep}")
                 ids = ids[-keep:]
             if not ids:
                 raise ValueError("an embedding prompt must have at least one token")
             if len(ids) > self.engine.max_model_len:
                 raise ValueError(f"this model's maximum context length is {self.engine.max_model_len} tokens; "
                                  f"the input has {len(ids)}")
-            self.engine.check_prompt(ids, SamplingParams(max_tokens=1))
+            self.engine.check_prompt(ids, SamplingParams(max_tokens=1), room=0)     # pooling emits nothing
             check_dimensions(params.dimensions, self.target.config.hidden_size, self._hf_config)
             jobs.append((text, ids, params))
         vectors = embed_batch(self.target, [ids for _, ids, _ in jobs], self.pooler, [p for _, _, p in jobs],

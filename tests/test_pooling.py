@@ -66,6 +66,13 @@ def test_embed_equals_transformers_last_token(embedder):
                                atol=1e-4, rtol=1e-5)
     last2 = llm.embed(TEXTS[0], truncate_prompt_tokens=2)[0]
     assert last2.prompt_token_ids == outs[0].prompt_token_ids[-2:]
+    # a whole context is an input (pooling emits no token); -1 keeps what it holds, as vLLM
+    n = llm.engine.max_model_len
+    full = (llm.tokenizer.encode(" ".join(TEXTS)) * n)[:n + 5]
+    assert len(llm.embed({"prompt_token_ids": full[:n]})[0].outputs.embedding) == 128
+    assert llm.embed({"prompt_token_ids": full}, truncate_prompt_tokens=-1)[0].prompt_token_ids == full[-n:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be in"):
+        llm.embed(TEXTS[0], truncate_prompt_tokens=n + 1)
     with pytest.raises(ValueError, match="needs runner='generate'"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="dimensions=48: this model supports 32, 64, 128"):
@@ -226,10 +233,12 @@ def test_score_and_rerank_endpoints(server):
             results = r.json()["results"]
             assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -cos(TEXTS[0], TEXTS[i]))[:2]
             assert results[0]["document"]["text"] == TEXTS[results[0]["index"]]
+        r = http.post("/v1/rerank", json={"model": "embedder", "query": TEXTS[0], "documents": TEXTS, "top_n": 0})
+        assert r.status_code == 200 and len(r.json()["results"]) == 3          # vLLM's default 0: every document
         bad = [("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "same length"),
                ("/v1/score", {"text_1": "", "text_2": "x"}, "non-empty"),
                ("/v1/rerank", {"query": "q", "documents": []}, "non-empty"),
-               ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n")]
+               ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n")]
         for path, body, message in bad:
             r = http.post(path, json=body)
             assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)

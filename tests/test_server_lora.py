@@ -168,6 +168,8 @@ def test_runtime_load_and_unload(server, adapters, tmp_path):
         assert r.status_code == status and message in r.json()["error"]["message"], (name, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert "bad" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    r = load("gone", tmp_path / "no-such-folder")           # vLLM: 404 for an adapter it cannot find
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
     # unloading while a request runs with the adapter: it finishes with it (the same text as
     # "sql", the same folder); new requests get 404
     body = {"model": "sql2", "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True,

@@ -110,8 +110,8 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         check(body.model)
         if not body.query or not body.documents or not all(body.documents):
             raise APIError(400, "query and documents must hold non-empty text", "documents")
-        if body.top_n is not None and body.top_n < 1:
-            raise APIError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
+        if body.top_n is not None and body.top_n < 0:         # 0 (vLLM's default): every document
+            raise APIError(400, f"top_n must be >= 0, got {body.top_n}", "top_n")
         outs = await run(lambda engine: service.llm.score(body.query, body.documents, body.truncate_prompt_tokens))
         order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)[:body.top_n or len(outs)]
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": service.model_name(None, body.model),

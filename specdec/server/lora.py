@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..lora import LoRARequest
 from .errors import APIError
@@ -140,6 +141,8 @@ class Adapters:
 
         async with self._updates:
             request = self.new_request(name, path)
+            if not Path(path).exists():          # vLLM's 404 for an adapter it cannot find
+                raise APIError(404, f"No adapter found for {name!r}: {path} does not exist", "lora_path")
             try:
                 await asyncio.wrap_future(self._call(lambda engine: engine.check_lora(request)))
             except ValueError as e:

@@ -168,3 +168,15 @@ def test_reasoning_items_and_effort_reach_the_chat_request():
     with pytest.raises(APIError) as e:
         chat_request(ResponsesRequest(model="toy", input="x", reasoning={"effort": "extreme"}), [])
     assert e.value.status == 400
+
+
+def test_a_cut_reply_leaves_only_its_last_item_incomplete():
+    """max_output_tokens cuts the last item; what came before it is done, as the stream closes
+    each item when the next begins (the non-streamed reply marked every item incomplete)."""
+    from specdec.server.responses_api import output_items
+
+    msg = {"reasoning_content": "think", "content": "answer",
+           "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert [i["status"] for i in output_items(msg, "length")] == ["completed", "completed", "incomplete"]
+    assert [i["status"] for i in output_items({"reasoning_content": "think"}, "length")] == ["incomplete"]
+    assert {i["status"] for i in output_items(msg, "stop")} == {"completed"}

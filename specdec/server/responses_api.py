@@ -241,14 +241,16 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
 
 
 def output_items(message: dict, finish: str | None) -> list[dict]:
-    """A chat choice's message -> Responses output items."""
-    status = "incomplete" if finish == "length" else "completed"
+    """A chat choice's message -> Responses output items. A reply cut by max_output_tokens
+    leaves its last item "incomplete", the ones before it done (as the stream closes them)."""
     items = []
     if message.get("reasoning_content"):
-        items.append(_reasoning_item(message["reasoning_content"], status))
+        items.append(_reasoning_item(message["reasoning_content"], "completed"))
     if message.get("content"):
-        items.append(_message_item(message["content"], status))
-    items += [_call_item(c, status) for c in message.get("tool_calls") or []]
+        items.append(_message_item(message["content"], "completed"))
+    items += [_call_item(c, "completed") for c in message.get("tool_calls") or []]
+    if items and finish == "length":
+        items[-1]["status"] = "incomplete"
     return items
 
 

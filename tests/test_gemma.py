@@ -159,3 +159,18 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(files, tmp_path):
     out = LLM(str(tmp_path / "mm"), dtype="float32", num_speculative_tokens=0).generate(
         {"prompt_token_ids": tokens[:10].tolist()}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_gemma3_ignores_attn_logit_softcapping(tmp_path):
+    """transformers' Gemma 3 never caps its attention scores, whatever attn_logit_softcapping says
+    (Gemma 2 does: test_each_gemma_feature_matters)."""
+    from conftest import make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "hf", arch="gemma3_text", sliding_window=WINDOW, sliding_window_pattern=2,
+                         attn_logit_softcapping=0.5, final_logit_softcapping=3.0)
+    model = load_model(hf, "float32")
+    assert (model.config.attn_softcap, model.config.final_softcap) == (0.0, 3.0)
+    tokens = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(hf)(tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4

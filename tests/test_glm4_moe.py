@@ -168,3 +168,12 @@ def test_mtp_needs_nextn_blocks(files, tmp_path):
     path = glm_gguf(files, tmp_path / "plain.gguf")
     with pytest.raises(CheckpointError, match="has no MTP blocks"):
         LLM(model=str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_no_shared_expert(tmp_path):
+    """n_shared_experts 0: transformers saves a zero-width shared expert and runs without one."""
+    hf = make_checkpoint(tmp_path / "hf", arch="glm4_moe", layers=L, n_shared_experts=0)
+    model = load_model(hf, "float32")
+    assert model.config.shared_expert_size == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, reference(hf)(IDS).logits, rtol=1e-4, atol=1e-4)

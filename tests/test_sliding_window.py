@@ -61,3 +61,38 @@ def test_qwen_window_starts_at_max_window_layers(files, tmp_path):
     with torch.no_grad():
         ref = reference(hf)(tokens[None]).logits[0]
         assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+
+
+def _windowed_logits_match(hf, layers) -> None:
+    """hf's window in `layers` (and nowhere else), logits within 1e-4 of transformers'."""
+    model = load_model(hf, "float32")
+    assert model.config.sliding_layers == layers
+    assert [layer.self_attn.window for layer in model.model.layers] == \
+        [WINDOW if i in layers else None for i in range(len(model.model.layers))]
+    tokens = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(hf)(tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 17), (17, 18), (18, 40)]) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("max_window_layers", [1, 28])
+def test_qwen3_moe_windows_every_layer(tmp_path, max_window_layers):
+    """Qwen3-MoE's attention takes the window in every layer: it reads neither max_window_layers
+    nor layer_types (the dense Qwen2 / Qwen3 start at max_window_layers)."""
+    hf = make_checkpoint(tmp_path / "hf", arch="qwen3_moe", sliding_window=WINDOW, use_sliding_window=True,
+                         max_window_layers=max_window_layers)
+    _windowed_logits_match(hf, (0, 1))
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["layer_types", "legacy"])
+def test_qwen2_moe_windows_the_layers_layer_types_marks(tmp_path, written):
+    """Qwen2-MoE: the layers layer_types marks; a config without it (legacy): the even layers
+    below max_window_layers, as Qwen2MoeConfig derives them."""
+    hf = make_checkpoint(tmp_path / "hf", arch="qwen2_moe", layers=4, sliding_window=WINDOW, use_sliding_window=True,
+                         max_window_layers=3, shared_expert_intermediate_size=64)
+    raw = json.loads((hf / "config.json").read_text())
+    assert raw["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    if not written:
+        del raw["layer_types"]
+        (hf / "config.json").write_text(json.dumps(raw))
+    _windowed_logits_match(hf, (0, 2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,8 @@ from safetensors.torch import save_file
 from .config import DEEPSEEK, FUSED_CHECKPOINTS, GEMMA, O_BIASED, ModelConfig, apply_hf_overrides, text_config
 from .llama import Transformer
 from .mla import deinterleave_rope, rope_interleaved
+
+log = logging.getLogger("specdec.checkpoint")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -175,6 +178,9 @@ def hf_to_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
                 out.update({p + f"experts.{e}.{kind}.weight": t[e] for e in range(t.shape[0])})
     for name in [n for n in out if ".mlp.shared_experts." in n or n.endswith(".mlp.gate.e_score_correction_bias")]:
         out[name.replace(".shared_experts.", ".shared_expert.").replace(".gate.e_score", ".e_score")] = out.pop(name)
+    if not cfg.shared_expert_size:      # n_shared_experts 0: transformers saves a zero-width shared expert
+        for name in [n for n in out if ".mlp.shared_expert." in n and out[n].numel() == 0]:
+            del out[name]
     for gate in [n for n in out if n.endswith(".gate_proj.weight")]:      # the MLP's, or each expert's
         up = gate.replace(".gate_proj.", ".up_proj.")
         if up in out:
@@ -418,6 +424,7 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if cfg.attention_bias and cfg.model_type in O_BIASED and any(k.endswith("self_attn.o_proj.bias") for k in sd):
         cfg = dataclasses.replace(cfg, o_bias=True)    # Llama's attention_bias: o_proj's too (a file without
         #                                                one: transformers' zeros, the same model)
+    cfg = _untie_stored_head(sd, cfg, folder)
     if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
         sd = deinterleave_rope(sd, cfg)
     packed = {}
@@ -473,6 +480,34 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if kept_packed:
         model.use_fp32_activations()     # packed products take and return fp32
     return finish(model, torch_dtype, device)
+
+
+def _text_name(name: str) -> str:
+    """A weight's name in a text-only checkpoint (TEXT_PREFIXES)."""
+    for old, new in TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _untie_stored_head(sd: dict[str, torch.Tensor], cfg: ModelConfig, folder) -> ModelConfig:
+    """transformers 5's rule for a config that says tie_word_embeddings over a file holding an
+    lm_head.weight unequal to the embeddings: the stored head is used, untied (with a warning).
+    (vLLM skips the stored head and ties; transformers' logits are the reference here.) An equal
+    head, as .bin checkpoints store both, stays tied."""
+    if not cfg.tie_word_embeddings:
+        return cfg
+    names = {_text_name(n): n for n in sd}
+    head, emb = names.get("lm_head.weight"), names.get("model.embed_tokens.weight")
+    if head is None or emb is None:
+        return cfg
+    h, e = sd[head], sd[emb]
+    if h.shape == e.shape and (torch.equal(h, e) if h.dtype == e.dtype else torch.equal(h.float(), e.float())):
+        return cfg
+    log.warning("%s: config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from the "
+                "embeddings: the stored head is used, untied (as transformers does); set tie_word_embeddings "
+                "false to silence this", folder)
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
 def _packable(quantization: str | None, device):

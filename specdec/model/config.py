@@ -59,6 +59,48 @@ GRANITE = ("granite", "granitemoe", "granitemoeshared")
 # o_proj bias is taken where the checkpoint holds it: checkpoint.load_model); these never read it
 O_BIASED = ("llama", "smollm3", "granite", "olmoe", "granitemoe", "granitemoeshared")
 NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
+QWEN_WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")     # a window only when use_sliding_window
+
+# What transformers' config class of each family gives a field config.json leaves out, where it is
+# not the default from_hf falls back to (rms_norm_eps 1e-5, RoPE base 10000, untied, ...): written
+# from transformers 5's XConfig() defaults (transformers is no runtime dependency). "rope_theta" is
+# the class's default_theta, taken when neither the top level nor rope_parameters names a base;
+# gpt-oss's "rope_parameters" (YaRN) when the config has neither it nor rope_scaling.
+_EPS6 = {"rms_norm_eps": 1e-6}
+HF_DEFAULTS = {
+    "llama": _EPS6, "mistral": {**_EPS6, "sliding_window": 4096}, "qwen2": _EPS6, "qwen3": _EPS6,
+    "phi3": {"rms_norm_eps": 1e-5},
+    "smollm3": {**_EPS6, "rope_theta": 2e6, "tie_word_embeddings": True},
+    "granite": _EPS6, "granitemoe": _EPS6, "granitemoeshared": _EPS6,
+    "gemma": _EPS6, "gemma2": _EPS6, "gemma3_text": _EPS6,
+    "olmo2": {"rms_norm_eps": 1e-5}, "olmo3": {"rms_norm_eps": 1e-5, "rope_theta": 5e5},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "qwen3_moe": _EPS6, "olmoe": {"rms_norm_eps": 1e-5},
+    "qwen2_moe": {**_EPS6, "shared_expert_intermediate_size": 5632},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                 "n_group": 1, "topk_group": 1},
+    "deepseek_v2": {**_EPS6, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "n_shared_experts": 2},
+    "deepseek_v3": {**_EPS6, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "n_shared_experts": 1,
+                    "n_group": 8, "topk_group": 4},
+    "glm4_moe_lite": {"rms_norm_eps": 1e-5, "routed_scaling_factor": 1.8, "n_shared_experts": 1, "n_group": 1,
+                      "topk_group": 1},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "rope_theta": 150000.0},
+}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def with_hf_defaults(cfg: dict, model_type: str) -> dict:
+    """cfg with transformers' defaults (HF_DEFAULTS) for the fields it leaves out."""
+    defaults = dict(HF_DEFAULTS.get(model_type, {}))
+    theta = defaults.pop("rope_theta", None)
+    out = {**defaults, **cfg}
+    if model_type == "gpt_oss" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        out["rope_parameters"] = dict(GPT_OSS_ROPE)
+    flat = out.get("rope_parameters") or out.get("rope_scaling") or {}
+    if theta is not None and "rope_theta" not in cfg and "rope_theta" not in flat:
+        out["rope_theta"] = theta
+    return out
 
 
 @dataclass(frozen=True)
@@ -161,6 +203,7 @@ class ModelConfig:
                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
                 )
             model_type = SUPPORTED_ARCHITECTURES[next(a for a in archs if a in SUPPORTED_ARCHITECTURES)]
+        cfg = with_hf_defaults(cfg, model_type)
         try:
             n_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -246,7 +289,7 @@ class ModelConfig:
             out.update(sliding_window=self.sliding_window, layer_types=self._layer_types())
         elif self.sliding_window and self.model_type not in GEMMA:      # Mistral, Phi-3, Qwen2 / Qwen3
             out["sliding_window"] = self.sliding_window
-            if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            if self.model_type in QWEN_WINDOWED:
                 out.update(use_sliding_window=True, max_window_layers=min(self.sliding_layers, default=0),
                            layer_types=self._layer_types())
         if self.model_type in MOE:
@@ -289,6 +332,8 @@ class ModelConfig:
             out.update(num_local_experts=self.num_experts, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
                        sliding_window=self.sliding_window, layer_types=self._layer_types())
             out.pop("num_experts", None)
+            if self.rope_scaling is None:       # plain RoPE said outright: a config without any is YaRN's
+                out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.model_type in GEMMA:
             out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
             if self.model_type != "gemma":
@@ -420,7 +465,8 @@ def _gemma(cfg: dict, model_type: str) -> dict:
     gemma2 = model_type == "gemma2"
     soft = lambda key, default: float(cfg.get(key, default) or 0.0)  # noqa: E731  (null: none)
     out.update(sandwich_norms=True, attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-               attn_softcap=soft("attn_logit_softcapping", 50.0 if gemma2 else None),
+               # Gemma 3's attention never caps its scores in transformers (nor vLLM), whatever the field says
+               attn_softcap=soft("attn_logit_softcapping", 50.0) if gemma2 else 0.0,
                final_softcap=soft("final_logit_softcapping", 30.0 if gemma2 else None))
     # transformers' defaults: every other layer (Gemma 2), 5 in 6 (Gemma 3)
     out.update(_window_layers(cfg, 2 if gemma2 else int(cfg.get("sliding_window_pattern", 6))))
@@ -619,17 +665,28 @@ def _window_layers(cfg: dict, every: int) -> dict:
 
 
 def _sliding(cfg: dict, model_type: str) -> dict:
-    """The sliding window of Mistral and Phi-3 (every layer) and of Qwen2 / Qwen3 when
-    use_sliding_window is set (the layers layer_types marks, else those from max_window_layers
-    on), as transformers applies them; {} when there is none. (Gemma: _gemma.)"""
+    """The sliding window of Mistral and Phi-3 (every layer) and of the Qwen families when
+    use_sliding_window is set, as transformers applies them: Qwen2 / Qwen3 in the layers
+    layer_types marks, else those from max_window_layers on; Qwen2-MoE in the layers layer_types
+    marks, else the even ones below max_window_layers; Qwen3-MoE in every layer (its attention
+    reads neither layer_types nor max_window_layers). {} when there is none. (Gemma: _gemma.)"""
     window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
-    if not window or model_type not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"):
+    if not window or model_type not in ("mistral", "mixtral", "phi3", *QWEN_WINDOWED):
         return {}
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in QWEN_WINDOWED:
         if not cfg.get("use_sliding_window"):
             return {}                       # Qwen names a window it does not use unless asked
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
-                                           else "full_attention" for i in range(n)]
+        below = cfg.get("max_window_layers", 28)
+        if model_type == "qwen3_moe":
+            types = ["sliding_attention"] * n
+        elif model_type == "qwen2_moe":
+            types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 and i < below else "full_attention"
+                                               for i in range(n)]
+        else:
+            types = cfg.get("layer_types") or ["sliding_attention" if i >= below else "full_attention"
+                                               for i in range(n)]
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     else:
         layers = tuple(range(n))

@@ -154,13 +154,57 @@ def test_a_silent_rank_times_out_instead_of_hanging(tiny_pair):
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        with pytest.raises(TensorParallelError, match="Timed out"):
+        # the silent rank is named (it was "rank 0: RuntimeError: ... Timed out", the healthy leader)
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker.pid}\) did not answer within 2 s.*Timed out"):
             llm.generate(TEXT[0], GREEDY)
         assert time.monotonic() - t0 < 15
     finally:
         if worker.exitcode is None:
             os.kill(worker.pid, signal.SIGKILL)
         worker.join(5)
+
+
+def test_an_interrupt_in_a_collective_stops_the_group_at_once(tiny_pair, monkeypatch):
+    """Ctrl-C while the ranks are in a collective leaves the workers mid-command: the next call
+    hung for distributed_timeout_s, then blamed a rank. Now the group stops there, the interrupt
+    goes on up, and every later call is the TensorParallelError saying why."""
+    llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, tensor_parallel_size=2)
+    leader = llm.target.leader
+    real = leader.comm.send_command
+
+    def interrupted(*a, **kw):
+        real(*a, **kw)                    # the workers have the command: they are in it now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(leader.comm, "send_command", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(TEXT[0], GREEDY)
+    monkeypatch.setattr(leader.comm, "send_command", real)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="interrupted"):
+        llm.generate(TEXT[0], GREEDY)
+    assert time.monotonic() - t0 < 5
+    leader.procs[0].join(5)
+    assert leader.procs[0].exitcode is not None          # the worker was stopped, not left waiting
+
+
+def test_health_says_503_once_the_group_has_stopped(tiny_pair):
+    import httpx
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, tensor_parallel_size=2)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tp",)))) as live:
+        assert httpx.get(live.url + "/health").status_code == 200
+        worker = _worker(llm)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        deadline = time.monotonic() + 10          # the watchdog notices within its poll
+        while httpx.get(live.url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        r = httpx.get(live.url + "/health")
+        assert r.status_code == 503 and "tensor-parallel group" in r.json()["error"]["message"]
 
 
 def test_torchrun_runs_the_same_command_on_every_rank(tiny_pair):

@@ -34,6 +34,7 @@ class Collectives:
 
     def __init__(self, store, rank: int, world_size: int, device: torch.device, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world_size, timeout)
         if self.device.type == "cuda":      # not run in this project's CI (no GPU there)

@@ -74,9 +74,29 @@ class Leader:
         try:
             return fn(*args, **kw)
         except RuntimeError as e:     # gloo reports a dead or silent peer as a RuntimeError
-            failure = self.fail(f"rank 0: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            failure = self.fail(self._silent(e))
             self._close()
             raise failure from e
+        except BaseException as e:    # Ctrl-C in a collective: the workers are left mid-command
+            self.fail(f"interrupted ({type(e).__name__}) while the ranks were in a collective; the group "
+                      "cannot resume: make a new LLM")
+            self._close()
+            raise
+
+    def _silent(self, e: RuntimeError) -> str:
+        """The cause of a failed collective where no worker has exited (fail() looks for that
+        first): past the timeout, a rank stopped answering (with two ranks, rank 1)."""
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "timed out" not in first.lower() and "timeout" not in first.lower():
+            return f"rank 0: {type(e).__name__}: {first}"
+        timeout = getattr(self.comm, "timeout_s", None)
+        within = f" within {timeout:g} s" if timeout else ""
+        if self.comm.world_size == 2:
+            pid = f" (pid {self.procs[0].pid})" if self.procs else ""
+            who = f"rank 1{pid} did not answer{within}"
+        else:
+            who = f"a rank among 1..{self.comm.world_size - 1} did not answer{within}"
+        return f"{who} (gloo on rank 0: {first})"
 
     def check(self) -> None:
         if self.failure is not None:

@@ -141,6 +141,10 @@ def _public_routes(service: Service, load: ServerLoad) -> APIRouter:
     async def health():
         if not service.worker.alive:
             return error_response(503, "the engine is not running")
+        try:
+            service.llm.check_health()        # a tensor-parallel group that has stopped cannot serve
+        except Exception as e:
+            return error_response(503, f"the engine cannot serve: {str(e).splitlines()[0] if str(e) else e!r}")
         return {"status": "ok"}
 
     @router.get("/ping")

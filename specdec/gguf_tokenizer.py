@@ -185,6 +185,19 @@ EOG_TEXTS = frozenset({
 })
 
 
+# llama.cpp's FIM tokens that also end generation (pad, repo name, file separator): the file's
+# tokenizer.ggml.fim_*_token_id, else the first token spelled as one of these
+FIM_EOG_TEXTS = (("pad", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
+                 ("rep", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+                 ("sep", ("<|file_sep|>",)))
+
+
+def _fim_id(given: int | None, tokens, texts: tuple[str, ...]) -> int | None:
+    if given is not None:
+        return given
+    return next((i for i, t in enumerate(tokens) if t in texts), None)
+
+
 class GGUFTokenizerError(ValueError):
     pass
 
@@ -209,6 +222,7 @@ class GGUFVocab:
     architecture: str | None = None  # general.architecture (Gemma's SentencePiece files differ)
     add_space_prefix: bool = True    # SentencePiece: "\u2581" before each piece of text (llama.cpp's default)
     eom_token_id: int | None = None  # end of message (Llama 3.1's <|eom_id|>): also ends generation
+    fim_token_ids: tuple = ()        # FIM pad / repo / file separator: llama.cpp ends generation on them too
 
     @classmethod
     def from_gguf(cls, g) -> "GGUFVocab":
@@ -241,19 +255,23 @@ class GGUFVocab:
                    chat_template=g.get("tokenizer.chat_template"), architecture=g.architecture,
                    # llama.cpp: true for SentencePiece unless the file's key says false
                    add_space_prefix=bool(add_prefix) if add_prefix is not None else model == "llama",
-                   eom_token_id=opt("tokenizer.ggml.eom_token_id"))
+                   eom_token_id=opt("tokenizer.ggml.eom_token_id"),
+                   fim_token_ids=tuple(i for i in (_fim_id(opt(f"tokenizer.ggml.fim_{kind}_token_id"), tokens, texts)
+                                                   for kind, texts in FIM_EOG_TEXTS) if i is not None))
 
     def token(self, i: int | None) -> str | None:
         return self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else None
 
     def eog_token_ids(self) -> list[int]:
-        """llama.cpp's end-of-generation set (special_eog_ids): eos, eot and eom, and every
+        """llama.cpp's end-of-generation set (special_eog_ids): eos, eot, eom and FIM pad / repo /
+        file separator, and every
         token spelled as one of EOG_TEXTS; <|end|> left out where <|return|> and <|call|> (or
         <|calls|> and <|flush|>) are there too (gpt-oss's harmony, where it ends a message, not
         the answer), </s> where <|tool_response> is."""
         n = len(self.tokens)
         ids = {i for i, t in enumerate(self.tokens) if t in EOG_TEXTS}
-        ids |= {i for i in (self.eos_token_id, self.eot_token_id, self.eom_token_id) if i is not None and 0 <= i < n}
+        ids |= {i for i in (self.eos_token_id, self.eot_token_id, self.eom_token_id, *self.fim_token_ids)
+                if i is not None and 0 <= i < n}
         texts = {self.tokens[i]: i for i in ids}
         has_call = "<|call|>" in texts or "<|calls|>" in texts
         if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):

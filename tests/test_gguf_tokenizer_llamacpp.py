@@ -150,13 +150,20 @@ def test_eog_tokens_as_llamacpp(tmp_path):
     odd = ["<bos>", "<eos>", "<stop1>", "<stop2>", "<other>"]
     assert eog(tmp_path, odd, 1, **{"tokenizer.ggml.eot_token_id": 2, "tokenizer.ggml.eom_token_id": 3}) == \
         ["<eos>", "<stop1>", "<stop2>"]
+    # FIM pad / repo name / file separator end generation too, found by their spelling or named by the file
+    fim = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|fim_middle|>"]
+    assert eog(tmp_path, fim, 0) == ["<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    named = ["<bos>", "<eos>", "<pad-ish>", "<repo-ish>", "<x>"]
+    assert eog(tmp_path, named, 1, **{"tokenizer.ggml.fim_pad_token_id": 2, "tokenizer.ggml.fim_rep_token_id": 3}) == \
+        ["<eos>", "<pad-ish>", "<repo-ish>"]
 
 
 def test_smollm2_stops_on_endoftext_too(smollm2):
-    """SmolLM2's file names <|im_end|> as eos; llama.cpp also ends on <|endoftext|> (id 0)."""
+    """SmolLM2's file names <|im_end|> as eos; llama.cpp also ends on <|endoftext|> (id 0) and
+    its FIM repo-name token <reponame> (id 4)."""
     from specdec import LLM, SamplingParams
 
-    assert Tokenizer(smollm2).eos_token_ids == [0, 2]
+    assert Tokenizer(smollm2).eos_token_ids == [0, 2, 4]
     llm = LLM(model=str(smollm2))
     out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logit_bias={0: 100.0}))[0].outputs[0]
     assert out.token_ids == [0] and out.finish_reason == "stop"

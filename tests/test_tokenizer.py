@@ -176,8 +176,8 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     for conv in CONVERSATIONS:
         assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
             hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    # llama.cpp's end of generation: eos <|im_end|> and <|endoftext|>
-    assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == [0, 2]
+        # llama.cpp's end of generation: eos <|im_end|>, <|endoftext|> and the FIM repo name <reponame>
+    assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == [0, 2, 4]
 
 
 def test_gpt4o_pre_tokenizer_splits_as_o200k():

@@ -68,10 +68,12 @@ def write_compressed_tensors(src, dst, scheme_name: str | dict, group: int | Non
 
 def minmax_codes(w: torch.Tensor, bits: int, group: int, sym: bool):
     """Codes [N, K] in 0 .. 2^bits - 1, scales [N, G] (fp16 values) and zeros [N, G] (integers),
-    w ~ scale * (code - zero), group -1 = one group per row."""
+    w ~ scale * (code - zero), group -1 = one group per row; column k in group k // group
+    (ceil(K / group) groups, the last one short where group does not divide K, as GPTQ's)."""
     N, K = w.shape
     g = K if group == -1 else group
-    blocks = w.reshape(N, K // g, g)
+    G = -(-K // g)
+    blocks = torch.nn.functional.pad(w, (0, G * g - K)).reshape(N, G, g)    # zero padding moves no min / max
     maxq = 2 ** bits - 1
     if sym:
         scale = (blocks.abs().amax(-1) / (maxq / 2)).clamp_min(1e-6).half().float()
@@ -80,7 +82,7 @@ def minmax_codes(w: torch.Tensor, bits: int, group: int, sym: bool):
         lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
         scale = ((hi - lo) / maxq).clamp_min(1e-6).half().float()
         zero = torch.round(-lo / scale).clamp(1, maxq)           # >= 1: AutoGPTQ stores zero - 1
-    codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, maxq).reshape(N, K).long()
+    codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, maxq).reshape(N, G * g)[:, :K].long()
     return codes, scale, zero
 
 
@@ -99,32 +101,49 @@ def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
-def write_gptq(src, dst, bits=4, group=128, sym=True, act_order=False, v2=False, seed=0):
+def write_gptq(src, dst, bits=4, group=128, sym=True, act_order=False, v2=False, seed=0, g_idx=True, dynamic=None):
     """dst: src's seven projections in AutoGPTQ's layout (qweight [K * bits / 32, N], qzeros
-    [G, N * bits / 32] holding zero - 1 (v1) or zero (v2), scales [G, N] fp16, g_idx [K]); and
-    dst.parent / (dst.name + "-truth"): the dense model those codes mean, for transformers."""
+    [G, N * bits / 32] holding zero - 1 (v1) or zero (v2), scales [G, N] fp16, g_idx [K], or no
+    g_idx with g_idx=False: desc_act false, as GPTQModel may save); and dst.parent / (dst.name +
+    "-truth"): the dense model those codes mean, for transformers. dynamic: GPTQModel's per-module
+    overrides ({regex: {"bits": .., "group_size": ..}}, the first re.match of the module name
+    wins, "-:regex": left dense), written into the config too."""
+    import re
+
     gen = torch.Generator().manual_seed(seed)
     sd, truth = load_file(src / "model.safetensors"), {}
     out = {n: t for n, t in sd.items() if not any(f".{m}." in n for m in QUANTIZED) or n.endswith(".bias")}
+    global_bits, global_group = bits, group
     for name, w in sd.items():
         if not name.endswith(".weight") or not any(f".{m}." in name for m in QUANTIZED):
             continue
         p = name[:-len("weight")]
+        bits, group = global_bits, global_group
+        for pattern, over in (dynamic or {}).items():
+            if re.match(pattern.removeprefix("-:").removeprefix("+:"), p[:-1]):
+                bits, group = (None, None) if pattern.startswith("-:") else (over.get("bits", bits),
+                                                                             over.get("group_size", group))
+                break
+        if bits is None:
+            out[name] = w
+            continue
         N, K = w.shape
         perm = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
         codes, scale, zero = minmax_codes(w[:, perm].float(), bits, group, sym)     # groups over the permuted k
         g = K if group == -1 else group
-        g_idx = torch.empty(K, dtype=torch.int32)
-        g_idx[perm] = (torch.arange(K) // g).to(torch.int32)
+        gi = torch.empty(K, dtype=torch.int32)
+        gi[perm] = (torch.arange(K) // g).to(torch.int32)
         inv = torch.argsort(perm)
         codes = codes[:, inv]                                                         # back to column order
-        truth[name] = ((codes.float() - zero[:, g_idx.long()]) * scale[:, g_idx.long()]).to(w.dtype)
+        truth[name] = ((codes.float() - zero[:, gi.long()]) * scale[:, gi.long()]).to(w.dtype)
         out[p + "qweight"] = _pack_k(codes, bits)
         out[p + "qzeros"] = pack_fields(zero.t().long() - (0 if v2 else 1), bits)
         out[p + "scales"] = scale.t().contiguous().half()
-        out[p + "g_idx"] = g_idx
-    save_quantized(src, dst, out, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-                          "sym": sym, **({"checkpoint_format": "gptq_v2"} if v2 else {})})
+        if g_idx or act_order:
+            out[p + "g_idx"] = gi
+    save_quantized(src, dst, out, {"quant_method": "gptq", "bits": global_bits, "group_size": global_group,
+                                   "desc_act": act_order, "sym": sym, **({"checkpoint_format": "gptq_v2"} if v2 else {}),
+                                   **({"dynamic": dynamic} if dynamic else {})})
     return dst, save_truth(src, dst, sd, truth)
 
 

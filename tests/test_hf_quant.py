@@ -358,3 +358,121 @@ def test_float16_folders_run_in_bfloat16_on_the_cpu(dense, tmp_path):
     assert llm.target.model.embed_tokens.weight.dtype == torch.bfloat16
     assert (llm.target.c_view(llm.engine.kv) is not None) == (kernels.load() is not None)
     assert load_model(folder, "float16").model.embed_tokens.weight.dtype == torch.float16
+
+
+# --- ragged blocks and groups, per-module bits (a bug hunter's finds) -----------------------------
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory):
+    """A tiny llama with hidden 160 and intermediate 320: no side a multiple of 128."""
+    return make_checkpoint(tmp_path_factory.mktemp("hfq") / "ragged", hidden=160, layers=2, seed=5)
+
+
+def _fp8_block_quantize(w, bo, bi):
+    """FP8 codes and a scale per [bo, bi] block (block (n // bo, k // bi), the last ones short), from
+    the format's definition; and the dense weights they mean."""
+    N, K = w.shape
+    s = torch.empty(-(-N // bo), -(-K // bi))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            s[i, j] = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi].abs().amax().clamp_min(1e-6) / 448.0
+    full = s.repeat_interleave(bo, 0)[:N].repeat_interleave(bi, 1)[:, :K]
+    q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s, q.float() * full
+
+
+def _ct_fp8_block_config(block):
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "dynamic": False}
+    if block is not None:
+        weights["block_structure"] = block
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize("kind,block", [("fp8", [128, 128]), ("fp8", None), ("fp8", [64, 96]), ("ct", [128, 128]),
+                                        ("ct", None), ("ct", [64, 96])])
+def test_fp8_block_with_ragged_last_blocks(ragged, tmp_path, kind, block):
+    """FP8 block-wise weights whose sides are not multiples of the block: the block comes from
+    weight_block_size / block_structure ([128, 128] when left out), the short last block has its
+    own scale (the block size was taken as ceil(side / number of blocks): 107 for 320)."""
+    bo, bi = block or (128, 128)
+    sd, truth, out = load_file(ragged / "model.safetensors"), {}, {}
+    scale_name = "weight_scale_inv" if kind == "fp8" else "weight_scale"
+    for name, w in sd.items():
+        out[name] = w
+        if name.endswith(".weight") and any(f".{m}." in name for m in LINEARS):
+            out[name], out[name[:-len("weight")] + scale_name], truth[name] = _fp8_block_quantize(w, bo, bi)
+    qcfg = ({"quant_method": "fp8", "activation_scheme": "dynamic", **({"weight_block_size": block} if block else {})}
+            if kind == "fp8" else _ct_fp8_block_config(block))
+    folder = tmp_path / "q"
+    save_quantized(ragged, folder, out, qcfg)
+    ref, hf = hf_logits(save_truth(ragged, folder, sd, truth))
+    model = load_model(folder, "float32", quantization="none")
+    for name in LINEARS:
+        want = getattr(hf.model.layers[1].self_attn if name in LINEARS[:4] else hf.model.layers[1].mlp, name).weight
+        torch.testing.assert_close(runtime_weight(model, 1, name), want.float(), atol=0, rtol=0)
+    torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    # a scale grid that does not fit the block: one line naming the module
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    name = f"model.layers.0.mlp.down_proj.{scale_name}"
+    out[name] = out[name][:, :1].contiguous()
+    save_file({k: v.contiguous() for k, v in out.items()}, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj: block scale of shape \(") as e:
+        load_model(bad, "float32", quantization="none")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, 64), (4, -1), (2, 96)])
+def test_gptq_without_g_idx_groups_by_group_size(ragged, tmp_path, bits, group):
+    """GPTQ without g_idx (desc_act false): column k in group k // group_size, ceil(K / group_size)
+    groups (K 160 and 320 with groups of 128: the last group short; was read as K / G columns a
+    group, or refused)."""
+    folder, truth = write_gptq(ragged, tmp_path / "gptq", bits, group, sym=False, g_idx=False)
+    ref, hf = hf_logits(truth)
+    for quantization in ("none", "gptq"):
+        model = load_model(folder, "float32", quantization=quantization)
+        for name in LINEARS:
+            want = getattr(hf.model.layers[1].self_attn if name in LINEARS[:4] else hf.model.layers[1].mlp, name).weight
+            tol = 2 ** -10 * want.abs().max().item() if quantization == "gptq" else 0   # Q4_1's fp16 m
+            torch.testing.assert_close(runtime_weight(model, 1, name), want.float(), atol=tol, rtol=0)
+        if quantization == "none":
+            torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_gptq_dynamic_per_module_overrides(dense, tmp_path):
+    """GPTQModel's `dynamic`: the first regex that matches a module overrides its bits / group_size;
+    "-:" leaves it unquantized (a plain weight)."""
+    dynamic = {"+:.*down_proj": {"bits": 8, "group_size": 64}, r"-:.*layers\.1\.self_attn\.o_proj": {},
+               r".*layers\.0\.self_attn\.[qkv]_proj": {"bits": 2}}
+    folder, truth = write_gptq(dense, tmp_path / "gptq", 4, 128, sym=False, dynamic=dynamic)
+    assert "layers.1.self_attn.o_proj.weight" in "".join(load_file(folder / "model.safetensors"))
+    ref, hf = hf_logits(truth)
+    model = load_model(folder, "float32", quantization="none")
+    torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    for layer in (0, 1):
+        for name in LINEARS:
+            L = hf.model.layers[layer]
+            want = getattr(L.self_attn if name in LINEARS[:4] else L.mlp, name).weight
+            torch.testing.assert_close(runtime_weight(model, layer, name), want.float(), atol=0, rtol=0)
+    packed = load_model(folder, "float32")
+    assert_near(logits(packed), ref)
+
+
+def test_gptq_bits_that_do_not_fit_the_tensors(dense, tmp_path):
+    """A config's bits that do not match the packed words (globally or through `dynamic`): one
+    line naming the module (was a raw RuntimeError from the unpacking); a group_size that does not
+    fit the scales of a module without g_idx too."""
+    gptq, _ = write_gptq(dense, tmp_path / "gptq", 4, 128, g_idx=False)
+    cases = [(lambda q: q.update(bits=3), r"model\.layers\.\d\.\w+\.\w+_proj: GPTQ"),
+             (lambda q: q.update(dynamic={"+:.*down_proj": {"bits": 8}}), r"model\.layers\.\d\.mlp\.down_proj: GPTQ"),
+             (lambda q: q.update(dynamic={"+:.*down_proj": {"group_size": 32}}),
+              r"model\.layers\.\d\.mlp\.down_proj: .*group"),
+             (lambda q: q.update(dynamic={"-:.*down_proj": {}}), r"model\.layers\.\d\.mlp\.down_proj: .*dynamic")]
+    for i, (edit, message) in enumerate(cases):
+        folder = _with_config(gptq, tmp_path / f"bad{i}", edit)
+        for quantization in ("none", None):
+            with pytest.raises(CheckpointError, match=message) as e:
+                load_model(folder, "float32", quantization=quantization)
+            assert "\n" not in str(e.value)

@@ -3,7 +3,9 @@ FP8 / NVFP4 / MXFP4), GPTQ, AWQ and transformers' block FP8, as vLLM reads them.
 
 Every integer scheme these formats store is the same arithmetic: per output row n and input
 column k, w[n, k] = scale[n, g(k)] * (q[n, k] - zero[n, g(k)]) with integer codes q, and a group
-g(k) = k // group_size (or a stored g_idx: GPTQ's activation order). They differ only in how q,
+g(k) = k // group_size with the config's group_size (ceil(K / group_size) groups, the last one
+short; or a stored g_idx: GPTQ's activation order). Block-wise FP8 scales cover [bo, bi] blocks
+of the config's weight_block_size / block_structure ([128, 128] by default), the last short. They differ only in how q,
 zero and scale are laid out. `convert` reads each quantized matrix into that one form (`Codes`)
 and then either
 
@@ -28,6 +30,7 @@ packed when their parts share a format; otherwise the parts are dequantized toge
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,28 +197,76 @@ def unpack_bits(words: Tensor, bits: int, count: int, dim: int = 1) -> Tensor:
 
 
 def _scale_grid(scale: Tensor, N: int, K: int, what: str) -> Tensor:
-    """A stored scale (per tensor [] / [1], per channel [N, 1], per group [N, G], or per block
-    [ceil(N / bn), ceil(K / bk)] (FP8 block and block strategy)) -> [N, G] fp32 with whole groups
-    along k, expanding blocks over their rows."""
+    """A stored scale (per tensor [] / [1], per channel [N, 1] or per group [N, G]) -> [N, G]
+    fp32 with whole groups along k (block scales: _block_scale)."""
     s = scale.float()
     if s.dim() == 0 or s.numel() == 1:
         return s.reshape(1, 1).expand(N, 1).contiguous()
     if s.dim() == 1:
         s = s[:, None]
-    if s.shape[0] == N:
-        return s
-    bn = -(-N // s.shape[0])                                      # block rows (the last block may be short)
-    if s.shape[0] != -(-N // bn):
+    if s.dim() != 2 or s.shape[0] != N:
         raise QuantFormatError(f"{what}: scale of shape {tuple(scale.shape)} does not fit a [{N}, {K}] matrix")
-    return s.repeat_interleave(bn, dim=0)[:N]
+    return s
 
 
 def _full_scale(scale: Tensor, N: int, K: int, what: str) -> Tensor:
-    """[N, K] per-element scale from _scale_grid's [N, G] with groups of ceil(K / G) (the last
-    group may be short, as in FP8's 128x128 blocks)."""
+    """[N, K] per-element scale from _scale_grid's [N, G] with K / G columns a group."""
     s = _scale_grid(scale, N, K, what)
-    bk = -(-K // s.shape[1])
-    return s.repeat_interleave(bk, dim=1)[:, :K]
+    if K % s.shape[1]:
+        raise QuantFormatError(f"{what}: scale of shape {tuple(scale.shape)} does not fit a [{N}, {K}] matrix")
+    return s.repeat_interleave(K // s.shape[1], dim=1)
+
+
+def _block_scale(scale: Tensor, N: int, K: int, block, what: str) -> Tensor:
+    """[N, K] per-element scale from a per-block scale [ceil(N / bo), ceil(K / bi)] with the
+    format's block [bo, bi] (FP8's weight_block_size, compressed-tensors' block_structure): block
+    (n // bo, k // bi), the last block of a side short where bo or bi does not divide it; a single
+    value: per tensor."""
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(N, K)
+    bo, bi = (int(x) for x in block)
+    want = (-(-N // bo), -(-K // bi))
+    if tuple(s.shape) != want:
+        raise QuantFormatError(f"{what}: block scale of shape {tuple(scale.shape)} does not fit a [{N}, {K}] matrix "
+                               f"in [{bo}, {bi}] blocks ({list(want)} expected)")
+    return s.repeat_interleave(bo, dim=0)[:N].repeat_interleave(bi, dim=1)[:, :K]
+
+
+def _ct_weights(qcfg: dict, what: str) -> dict:
+    """The `weights` arguments of the compressed-tensors config group that targets module `what`
+    (targets: "Linear" / a class name: every matrix, "re:<regex>": a match of the name, else
+    the name or its tail); {} where none does."""
+    found = []
+    for group in (qcfg.get("config_groups") or {}).values():
+        weights = (group or {}).get("weights") or {}
+        for t in group.get("targets") or ():
+            t = str(t)
+            if t.startswith("re:"):
+                hit = re.match(t[3:], what) is not None
+            elif "." in t or t.startswith(("model", "lm_head")):
+                hit = what == t or what.endswith("." + t)
+            else:                                   # a module class (Linear, ...): every quantized matrix
+                hit = None
+            if hit:
+                return weights
+            if hit is None:
+                found.append(weights)
+    return found[0] if found else {}
+
+
+def _ct_block(qcfg: dict, what: str, scale: Tensor, N: int) -> list | None:
+    """The [bo, bi] block of a block-strategy compressed-tensors module (its group's
+    block_structure, [128, 128] by default as the format defines it), or None."""
+    weights = _ct_weights(qcfg, what)
+    if str(weights.get("strategy", "")).lower() == "block":
+        return weights.get("block_structure") or [128, 128]
+    if scale.dim() == 2 and scale.shape[0] != N and scale.numel() > 1:   # block scales, no config group says so
+        blocks = [(g or {}).get("weights", {}).get("block_structure")
+                  for g in (qcfg.get("config_groups") or {}).values()]
+        blocks = [b for b in blocks if b]
+        return blocks[0] if blocks else [128, 128]
+    return None
 
 
 # --- the formats ------------------------------------------------------------------------------
@@ -224,7 +275,7 @@ def _take(sd: dict, name: str) -> Tensor | None:
     return sd.pop(name, None)
 
 
-def _compressed_tensors(sd: dict, prefix: str, what: str) -> Codes | Tensor | None:
+def _compressed_tensors(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes | Tensor | None:
     """One module of a compressed-tensors folder: pack-quantized (weight_packed int32 with
     weight_shape), int-/naive-quantized (int8 weight), float-quantized (FP8 weight), or
     NVFP4 / MXFP4 pack-quantized (uint8 weight_packed of FP4 pairs)."""
@@ -257,7 +308,7 @@ def _compressed_tensors(sd: dict, prefix: str, what: str) -> Codes | Tensor | No
         zero = None
         if zp is not None:          # group / channel zero points are packed along the rows
             zero = unpack_bits(zp, bits, N, dim=0) - (1 << (bits - 1)) if zp.dtype == torch.int32 else zp
-        return _codes(q, scale, zero, g_idx, what, 1 << (bits - 1))
+        return _ct_codes(q, scale, zero, g_idx, qcfg, what, 1 << (bits - 1))
     w = _take(sd, prefix + "weight")
     if w is None:
         raise QuantFormatError(f"{what}: quantization scales without a weight")
@@ -265,19 +316,45 @@ def _compressed_tensors(sd: dict, prefix: str, what: str) -> Codes | Tensor | No
         return w
     if w.dtype in (torch.int8, torch.uint8, torch.int32):
         q = w.to(torch.int16) - (128 if w.dtype == torch.uint8 else 0)
-        return _codes(q, scale, None if zp is None else zp.float(), g_idx, what)
+        return _ct_codes(q, scale, None if zp is None else zp.float(), g_idx, qcfg, what)
+    block = _ct_block(qcfg, what, scale, w.shape[0])
+    if block is not None:                                            # FP8_BLOCK
+        return w.float() * _block_scale(scale, *w.shape, block, what)
     return w.float() * _full_scale(scale, *w.shape, what)           # FP8 (float-quantized)
 
 
+def _ct_codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, qcfg: dict, what: str,
+              half: int = 128) -> Codes | Tensor:
+    """compressed-tensors' integer codes: the module's config group says the group size (or the
+    block of a block strategy: dequantized here)."""
+    N, K = q.shape
+    block = _ct_block(qcfg, what, scale, N)
+    if block is not None:
+        w = q.float() if zero is None else q.float() - _block_scale(zero, N, K, block, what)
+        return w * _block_scale(scale, N, K, block, what)
+    return _codes(q, scale, zero, g_idx, what, half, _ct_weights(qcfg, what).get("group_size"))
+
+
 def _codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, what: str,
-           half: int = 128) -> Codes | Tensor:
-    """Integer codes with their stored scale and zero point (same layout) -> Codes, or a dense
-    matrix where the groups are not whole (a block strategy's short last block)."""
+           half: int = 128, group: int | None = None) -> Codes:
+    """Integer codes with their stored scale and zero point (same layout) -> Codes; groups
+    g(k) = k // group (the config's group size: ceil(K / group) groups, the last one short where
+    it does not divide K), or the stored g_idx."""
     N, K = q.shape
     s = _scale_grid(scale, N, K, what)
-    if g_idx is None and K % s.shape[1]:
-        w = q.float() if zero is None else q.float() - _full_scale(zero, N, K, what)
-        return w * _full_scale(scale, N, K, what)
+    G = s.shape[1]
+    if g_idx is None and G > 1:
+        if group is None or int(group) <= 0:
+            if K % G:
+                raise QuantFormatError(f"{what}: {G} groups of scales do not divide {K} columns")
+        elif -(-K // int(group)) != G:
+            raise QuantFormatError(f"{what}: {G} groups of scales for {K} columns, group_size {group} makes "
+                                   f"{-(-K // int(group))}")
+        elif K % int(group):
+            g_idx = torch.arange(K) // int(group)                         # the last group short
+    if g_idx is not None and (g_idx.numel() != K or int(g_idx.min()) < 0 or int(g_idx.max()) >= G):
+        raise QuantFormatError(f"{what}: g_idx of {g_idx.numel()} columns (groups up to {int(g_idx.max())}) does not "
+                               f"fit {K} columns in {G} groups")
     z = None if zero is None else _scale_grid(zero, N, K, what).expand_as(s).contiguous()
     return Codes(q, s, z, g_idx, half)
 
@@ -285,8 +362,15 @@ def _codes(q: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, 
 def _gptq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
     """AutoGPTQ / GPTQModel: qweight int32 [K * bits / 32, N] (packed along k), qzeros int32
     [G, N * bits / 32] (packed along n), scales [G, N], g_idx [K]; version 1 ("gptq") stores
-    each zero minus one, version 2 ("gptq_v2") stores it as is."""
-    bits = int(qcfg.get("bits", 4))
+    each zero minus one, version 2 ("gptq_v2") stores it as is. Without g_idx, column k is in
+    group k // group_size (ceil(K / group_size) groups; -1: one). GPTQModel's `dynamic` overrides
+    bits / group_size per module (_gptq_override)."""
+    override = _gptq_override(qcfg, what)
+    if override is False:
+        raise QuantFormatError(f"{what}: quantization_config.dynamic excludes it from quantization ('-:'), yet it "
+                               "holds a GPTQ qweight")
+    bits = int(override.get("bits", qcfg.get("bits", 4)))
+    group = int(override.get("group_size", qcfg.get("group_size", -1)))
     qweight, qzeros, scales = sd.pop(prefix + "qweight"), _take(sd, prefix + "qzeros"), _take(sd, prefix + "scales")
     g_idx = _take(sd, prefix + "g_idx")
     if qzeros is None or scales is None:
@@ -294,16 +378,41 @@ def _gptq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
     if bits not in (2, 3, 4, 8):
         raise QuantFormatError(f"{what}: GPTQ with {bits} bits (2, 3, 4 and 8 are read)")
     G, N = scales.shape
+    if qweight.dim() != 2 or qweight.shape[1] != N or (qweight.shape[0] * 32) % bits \
+            or qzeros.dim() != 2 or tuple(qzeros.shape) != (G, -(-N * bits // 32)):
+        raise QuantFormatError(f"{what}: GPTQ tensors qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
+                               f"scales {tuple(scales.shape)} do not fit {bits}-bit codes (the config's bits)")
     K = qweight.shape[0] * 32 // bits
+    if g_idx is not None and g_idx.numel() != K:
+        raise QuantFormatError(f"{what}: GPTQ qweight holds {K} columns of {bits} bits, g_idx {g_idx.numel()} (does "
+                               "the config's bits match the tensors?)")
     q = unpack_bits(qweight, bits, K, dim=0).t()                         # [N, K] unsigned
     v1 = str(qcfg.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
     zero = unpack_bits(qzeros, bits, N, dim=1).t().float() + (1 if v1 else 0)   # [N, G]
     half = 1 << (bits - 1)
     if g_idx is not None and K % G == 0 and torch.equal(g_idx.long(), torch.arange(K) // (K // G)):
-        g_idx = None                                                     # the default order: no act-order
-    if g_idx is None and K % G:
-        raise QuantFormatError(f"{what}: {G} GPTQ groups do not divide {K} columns")
-    return Codes(q - half, scales.float().t().contiguous(), zero - half, g_idx, half)
+        g_idx, group = None, K // G                                      # the default order: no act-order
+    if g_idx is None and group > 0 and -(-K // group) != G:
+        raise QuantFormatError(f"{what}: {G} GPTQ groups for {K} columns, group_size {group} makes "
+                               f"{-(-K // group)} (does the config's bits / group_size match the tensors?)")
+    if g_idx is None and group <= 0 and G != 1:
+        raise QuantFormatError(f"{what}: {G} GPTQ groups with group_size {group} (one group)")
+    return _codes(q - half, scales.float().t().contiguous(), zero - half, g_idx, what, half, group if group > 0 else None)
+
+
+def _gptq_override(qcfg: dict, what: str) -> dict | bool:
+    """GPTQModel's `dynamic` (vLLM's gptq reads it the same way): {pattern: overrides}, the first
+    pattern that re.match-es the module name wins; "-:pattern": the module is not quantized,
+    "+:pattern" or a bare one: its keys replace the config's (bits, group_size, ...). {} where
+    none matches."""
+    for pattern, overrides in (qcfg.get("dynamic") or {}).items():
+        pattern = str(pattern)
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], what):
+                return False
+        elif re.match(pattern[2:] if pattern.startswith("+:") else pattern, what):
+            return dict(overrides or {})
+    return {}
 
 
 _AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])   # column of each nibble of an AWQ word
@@ -330,12 +439,13 @@ def _awq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
     return Codes(q - 8, scales.float().t().contiguous(), zero - 8)
 
 
-def _fp8_block(sd: dict, prefix: str, what: str) -> Tensor:
+def _fp8_block(sd: dict, prefix: str, qcfg: dict, what: str) -> Tensor:
     """transformers' FP8 (quant_method "fp8": Qwen3-FP8, DeepSeek-V3): weight float8_e4m3fn and
-    weight_scale_inv per [128, 128] block (or per tensor): w = weight * weight_scale_inv."""
+    weight_scale_inv per weight_block_size block ([128, 128] by default; a short last block where
+    it does not divide a side), or per tensor: w = weight * weight_scale_inv."""
     w = sd.pop(prefix + "weight")
     s = sd.pop(prefix + "weight_scale_inv")
-    return w.float() * _full_scale(s, *w.shape, what)
+    return w.float() * _block_scale(s, *w.shape, qcfg.get("weight_block_size") or [128, 128], what)
 
 
 _FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -387,16 +497,22 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed,
     rows: dict[str, tuple[str, Tensor, int]] = {}       # prefix -> (format, rows, in_features)
     for prefix in prefixes:
         what = prefix[:-1]
-        if kind == "compressed-tensors":
-            got = _compressed_tensors(sd, prefix, what)
-        elif kind == "gptq":
-            got = _gptq(sd, prefix, qcfg, what)
-            if prefix + "bias" in sd:
-                sd[prefix + "bias"] = sd[prefix + "bias"].float()
-        elif kind == "awq":
-            got = _awq(sd, prefix, qcfg, what)
-        else:
-            got = _fp8_block(sd, prefix, what)
+        try:
+            if kind == "compressed-tensors":
+                got = _compressed_tensors(sd, prefix, qcfg, what)
+            elif kind == "gptq":
+                got = _gptq(sd, prefix, qcfg, what)
+                if prefix + "bias" in sd:
+                    sd[prefix + "bias"] = sd[prefix + "bias"].float()
+            elif kind == "awq":
+                got = _awq(sd, prefix, qcfg, what)
+            else:
+                got = _fp8_block(sd, prefix, qcfg, what)
+        except QuantFormatError as e:
+            raise e if str(e).startswith(what + ":") else QuantFormatError(f"{what}: {e}") from None
+        except (RuntimeError, ValueError, IndexError) as e:      # tensors that do not fit each other
+            raise QuantFormatError(f"{what}: {kind} tensors that do not fit together "
+                                   f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         if isinstance(got, (Codes, MXFP4)):
             packed = None if prefix.endswith("embed_tokens.") else got.packed()
             if packed is not None and keep_packed(packed[0]):

@@ -476,3 +476,30 @@ def test_gptq_bits_that_do_not_fit_the_tensors(dense, tmp_path):
             with pytest.raises(CheckpointError, match=message) as e:
                 load_model(folder, "float32", quantization=quantization)
             assert "\n" not in str(e.value)
+
+
+def test_bitsandbytes_flag_and_autogptq_quantize_config_json(dense, tmp_path):
+    """quantization="bitsandbytes" (a vLLM name) is refused as not supported (it said a .gguf was
+    needed); an AutoGPTQ export with its settings in quantize_config.json (no quantization_config
+    in config.json) is read from that file, as vLLM's gptq reads it (it loaded as unquantized and
+    failed on missing weights)."""
+    gptq, truth = write_gptq(dense, tmp_path / "gptq", 4, 64, sym=False)
+    for folder in (gptq, dense):
+        with pytest.raises(CheckpointError, match="quantization='bitsandbytes' is not supported") as e:
+            load_model(folder, quantization="bitsandbytes")
+        assert "\n" not in str(e.value)
+    old = tmp_path / "autogptq"
+    shutil.copytree(gptq, old)
+    cfg = json.loads((old / "config.json").read_text())
+    qcfg = cfg.pop("quantization_config")
+    del qcfg["quant_method"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    (old / "quantize_config.json").write_text(json.dumps({**qcfg, "true_sequential": True, "damp_percent": 0.01,
+                                                          "model_name_or_path": None, "model_file_base_name": None}))
+    ref, _ = hf_logits(truth)
+    for quantization in ("none", "gptq", None):
+        model = load_model(old, "float32", quantization=quantization)
+        if quantization == "none":
+            torch.testing.assert_close(logits(model), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+        else:
+            assert_near(logits(model), ref)

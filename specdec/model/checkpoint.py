@@ -56,6 +56,24 @@ def read_config(folder: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
+def _quantize_config_json(folder) -> dict:
+    """An AutoGPTQ export's quantize_config.json (older ones keep their settings there, with no
+    quantization_config in config.json; vLLM's gptq reads the file): its settings with quant_method
+    "gptq" unless it names one; {} where there is none."""
+    path = Path(folder) / "quantize_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        qcfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(qcfg, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    if qcfg.get("is_marlin_format") or str(qcfg.get("checkpoint_format", "")).lower() == "marlin":
+        raise CheckpointError(f"{path}: AutoGPTQ's Marlin checkpoint format is not read (its GPTQ format is)")
+    return {"quant_method": "gptq", **qcfg}
+
+
 def _not_a_folder(path: Path) -> str:
     """What is wrong with a --model path that is not a folder: a missing .gguf is a missing
     file; a file of a Hugging Face folder (model.safetensors, config.json) stands for its folder."""
@@ -385,10 +403,14 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         raise CheckpointError(str(e)) from None
     from . import hf_quant
 
-    if quantization not in (None, "auto", "none", "mxfp4", *hf_quant.METHODS):
+    if quantization == "gguf":
         raise CheckpointError(f"{folder}: quantization={quantization!r} needs a .gguf checkpoint")
+    if quantization not in (None, "auto", "none", "mxfp4", *hf_quant.METHODS):
+        raise CheckpointError(f"{folder}: quantization={quantization!r} is not supported (specdec reads unquantized "
+                              "folders, compressed-tensors, GPTQ, AWQ and FP8 folders, gpt-oss's MXFP4 experts, and "
+                              "GGUF files)")
     raw = read_config(folder)
-    qcfg = text_config(raw).get("quantization_config") or raw.get("quantization_config") or {}
+    qcfg = text_config(raw).get("quantization_config") or raw.get("quantization_config") or _quantize_config_json(folder)
     quant = hf_quant.method(qcfg)
     if quant not in (None, "mxfp4", *hf_quant.METHODS.values()):
         raise CheckpointError(f"{folder}: quantization_config.quant_method {quant!r} is not supported (specdec reads "

@@ -91,7 +91,8 @@ def test_bench_serve_against_a_running_server(tiny_pair, tmp_path, capsys):
         assert p["completed"] == p["num_prompts"] == 4 - (p["concurrency"] == 1)     # at least 2x concurrency
         assert p["total_output_tokens"] == 6 * p["completed"] and p["output_throughput"] > 0
         assert p["request_goodput"] == p["request_throughput"]                       # loose SLOs: all meet them
-        assert p["tpot"]["median"] > 0 and p["speculation"]["draft_tokens"] > 0
+        # times are measured, not asserted (a tiny model's burst of tokens can arrive microseconds apart)
+        assert p["tpot"]["median"] >= 0 and p["speculation"]["draft_tokens"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "specdec bench serve --base-url" in md and "| tiny K=2 | c=2 |" in md
     # vLLM's console block, once per load point, with the speculative counters
@@ -400,11 +401,13 @@ def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys)
     for v in results["variants"]:
         (point,) = v["points"]
         assert point["completed"] == point["num_prompts"] == 6 and point["total_output_tokens"] == 24
-        assert len(point["rounds"]) == 3 and all(r["tpot_median_ms"] > 0 and r["output_throughput"] > 0
+        assert len(point["rounds"]) == 3 and all(r["tpot_median_ms"] >= 0 and r["output_throughput"] > 0
                                                  for r in point["rounds"])
     # the report pairs each round's figures: plain's median TPOT over the variant's, round by round
+    # (a round whose median rounds to 0 ms, a burst of a tiny model's tokens, has no ratio)
     plain, spec = (v["points"][0]["rounds"] for v in results["variants"])
-    ratios = " / ".join(f"{a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x" for a, b in zip(plain, spec))
+    ratios = " / ".join(f"{a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x" for a, b in zip(plain, spec)
+                        if a["tpot_median_ms"] and b["tpot_median_ms"])
     report = (tmp_path / "results.md").read_text()
     assert "## Round by round" in report and f"| c=1 | speculative K=2 | {ratios} (spread " in report
     # no goodput SLO was given: no goodput ratio, a dash rather than "–x"

@@ -525,11 +525,13 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
                "request_goodput": round(len(good) / wall, 4) if slo else None,
                "errors": sorted({r.error for r in results if not r.ok})[:5]}
     for name, values in per.items():
+        # ms to 0.1 us: a small model's streamed tokens can arrive microseconds apart (2 decimals
+        # rounded such a median TPOT to 0.0)
         xs = np.array(values) * 1000.0
-        summary[name] = {"mean": round(float(xs.mean()), 2) if len(xs) else None,
-                         "median": round(float(np.median(xs)), 2) if len(xs) else None,
-                         "std": round(float(xs.std()), 2) if len(xs) else None,
-                         **{f"p{p:g}": round(float(np.percentile(xs, p)), 2) if len(xs) else None for p in percentiles
+        summary[name] = {"mean": round(float(xs.mean()), 4) if len(xs) else None,
+                         "median": round(float(np.median(xs)), 4) if len(xs) else None,
+                         "std": round(float(xs.std()), 4) if len(xs) else None,
+                         **{f"p{p:g}": round(float(np.percentile(xs, p)), 4) if len(xs) else None for p in percentiles
                             if name in percentile_metrics}}
     return summary
 

@@ -202,13 +202,66 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
+# AnswerConfig fields that fix what a shard holds (batch and threads only change how fast it is made)
+MEANING_FIELDS = ("max_new_tokens", "per_shard", "greedy_fraction", "temperature", "top_p", "max_prompt_tokens", "seed")
+
+
+def chunk_hash(chunk: list[dict]) -> str:
+    """The prompts one shard answers (their ids and text, in order), hashed."""
+    return hashlib.sha256(json.dumps([[p.get("id"), p["prompt"]] for p in chunk]).encode()).hexdigest()[:16]
+
+
+def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, target: dict | None = None,
+                         log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Before answering into `out`: the shards already there were made with these settings, by this
+    target, for the prompts they stand for now (a RunMismatch naming what differs otherwise).
+    Returns the folder's record as it is to be written (config.json: the settings, the target,
+    each shard's prompts hash). A folder from before the record: its settings are checked, its
+    target and prompts taken as given (with a warning)."""
+    from .provenance import RunMismatch, check_run
+
+    rec = None
+    if (out / "config.json").is_file():
+        try:
+            rec = json.loads((out / "config.json").read_text())
+        except json.JSONDecodeError:
+            rec = None
+    present = sorted(out.glob("shard_*.pt")) if out.is_dir() else []
+    advice = "use another --out, or the options it was made with to go on"
+    now = {"target": target, **{k: getattr(cfg, k) for k in MEANING_FIELDS}}
+    hashes = {}
+    if present and rec is not None:
+        check_run({k: v for k, v in rec.items() if k in now and (k != "target" or v)}, now,
+                  f"--out {out}: its shards were", {"target": "--target", **{k: "--" + k.replace("_", "-") for k in now}},
+                  advice, sep=" ")
+        hashes = dict(rec.get("shards") or {})
+        for path in present:
+            i = int(path.stem.split("_")[1])
+            want = hashes.get(path.name)
+            if want is not None and want != chunk_hash(prompts[i * cfg.per_shard:(i + 1) * cfg.per_shard]):
+                raise RunMismatch(f"--out {out}: {path.name} was made for other prompts than its place in this "
+                                  f"--prompts (another prompts file, order or --limit); {advice}")
+        if target is not None and not rec.get("target"):
+            log(f"warning: --out {out}: its shards were made before specdec recorded their target; taken as "
+                f"--target {target['path']}'s and recorded so")
+    elif present:
+        log(f"warning: --out {out}: no record of the settings its {len(present)} shards were made with; taken as these")
+    return {**asdict(cfg), "target": target, "shards": hashes}
+
+
 def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerConfig,
-                 stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[Path]:
+                 stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True),
+                 target: dict | None = None) -> list[Path]:
     """Answer `prompts` shard by shard under `out` (present shards are kept); returns the shard
     paths written so far, in order. `stop_after`: write at most that many new shards.
-    model: specdec's Transformer, or a transformers causal LM (answer_batch_hf)."""
+    model: specdec's Transformer, or a transformers causal LM (answer_batch_hf). target: the
+    target's provenance.target_fingerprint, recorded in out/config.json and checked on resume
+    (check_answers_folder)."""
+    from .provenance import write_record
+
+    record = check_answers_folder(out, prompts, cfg, target, log)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    write_record(out / "config.json", record)
     eos = set(tokenizer.eos_token_ids)
     paths, made = [], 0
     for s in range(0, len(prompts), cfg.per_shard):
@@ -236,6 +289,8 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
             for j, r in zip(order[b:b + cfg.batch], run(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)):
                 results[j] = r
         _save_shard(path, kept, results, cfg)
+        record["shards"][path.name] = chunk_hash(prompts[s:s + cfg.per_shard])
+        write_record(out / "config.json", record)
         paths.append(path)
         made += 1
         n_new = sum(len(r["answer"]) for r in results)

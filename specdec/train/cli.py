@@ -342,10 +342,16 @@ def _chat_data(args: argparse.Namespace) -> int:
         done = add_features(_answer_model(args), paths, Path(args.out))
         print(f"{len(done)} shards with features in {args.out}")
         return 0
+    from .answers import check_answers_folder
+    from .provenance import target_fingerprint
+
     prompts = read_prompts(Path(args.prompts))[:args.limit]
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
                        greedy_fraction=args.greedy_fraction, threads=args.threads)
-    paths = write_shards(_answer_model(args), Tokenizer(args.target), prompts, Path(args.out), cfg, stop_after=args.stop_after)
+    target = target_fingerprint(args.target)
+    check_answers_folder(Path(args.out), prompts, cfg, target, log=lambda s: None)   # before the model loads
+    paths = write_shards(_answer_model(args), Tokenizer(args.target), prompts, Path(args.out), cfg,
+                         stop_after=args.stop_after, target=target)
     total = -(-len(prompts) // cfg.per_shard)
     print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -78,10 +79,20 @@ def encode_split(tokenizer, split: str, root: Path | None = None, limit_mb: floa
 
 
 def cached_tokens(tokenizer, split: str, cache_dir: Path, limit_mb: float | None = None) -> np.ndarray:
+    """A split's token stream, cached in cache_dir/<split>.npy with what made it (<split>.json: the
+    tokenizer's fingerprint and limit_mb); a cache made by another tokenizer or limit is remade.
+    A cache from before that record is used as it is."""
+    from .provenance import folder_record, tokenizer_fingerprint, write_record
+
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{split}.npy"
-    if path.is_file():
+    made_by = {"tokenizer": tokenizer_fingerprint(tokenizer), "limit_mb": limit_mb}
+    rec = folder_record(cache_dir, f"{split}.json")
+    if path.is_file() and (rec is None or rec == made_by):
         return np.load(path)
     arr = encode_split(tokenizer, split, limit_mb=limit_mb)
-    np.save(path, arr)
+    tmp = cache_dir / f"{split}.tmp.npy"
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+    write_record(cache_dir / f"{split}.json", made_by)
     return arr

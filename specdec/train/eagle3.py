@@ -19,6 +19,7 @@ EAGLE-3's "training-time test", saved in vLLM's / the authors' layout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +34,10 @@ from ..model.config import ModelConfig
 from ..model.eagle3 import Eagle3Head, save_eagle3
 from .eagle_unroll import chain_mask
 from .heads import draft_vocabulary, lr_at
-from .lm import optimizer_step, save_checkpoint, use_bf16
+from .lm import optimizer_step, record_command, save_checkpoint, use_bf16
+from .provenance import RunMismatch, check_run, check_state, data_fingerprint, load_optimizer, target_fingerprint
+
+RUNTIME_FIELDS = ("steps", "save_every", "threads", "precision")     # a resume may change these
 
 
 @dataclass(frozen=True)
@@ -240,8 +244,6 @@ def train_eagle3(cfg: Eagle3Config, target_path: str, source: Path, out: Path, w
 
 
 def _train(cfg, target_path, source, out, work, command, stop_after, log, device) -> dict:
-    from ..tokenizer import Tokenizer
-
     torch.set_num_threads(cfg.threads)
     served = load_model(target_path, device=device)       # the weights as served (GGUF on the CPU: kept packed)
     tcfg = served.config
@@ -249,13 +251,20 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
     dense = load_model(target_path, "float32", quantization="none")     # embeddings and LM-head rows
     work.mkdir(parents=True, exist_ok=True)
     embed = dense.model.embed_tokens.to(device)
-    feats_path = work / "features.pt"
-    if feats_path.is_file():
-        data = Features(**torch.load(feats_path))
-    else:
-        prefix = _prefix(Tokenizer(target_path))
-        data = extract(served, documents(source), prefix, 3, layers, cfg.max_tokens + 400 * cfg.val_docs, log)
-        torch.save(asdict(data), feats_path)
+    from ..proposers.suffix import INDEX_FILE
+
+    fingerprint, store = target_fingerprint(target_path), data_fingerprint(source, [source / INDEX_FILE])
+    record = {"target": fingerprint, "data": store, "feature_layers": list(layers),
+              **{k: v for k, v in asdict(cfg).items() if k not in RUNTIME_FIELDS and k != "feature_layers"}}
+    where, advice = f"--work {work}", "use another --work, or the options it was made with to resume"
+    flags = {"target": "--target", "data": "--data", "draft_vocab_ids": "a draft vocabulary of",
+             **{k: "--" + k.replace("_", "-") for k in record if k not in ("target", "data")}}
+    ckpt = work / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
+    if saved:       # before the features are read or made
+        check_run(saved.get("run"), record, where, flags, advice)
+    data = _features(served, target_path, source, work / "features.pt", layers,
+                     cfg.max_tokens + 400 * cfg.val_docs, {"target": fingerprint, "data": store}, log)
     S = len(data.starts)
     if S <= cfg.val_docs:       # documents longer than --max-tokens' share: fewer taken than the datastore holds
         raise ValueError(f"--val-docs {cfg.val_docs}: {S} documents taken (--max-tokens {cfg.max_tokens}), none left "
@@ -273,14 +282,19 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
     data = Features(*(t.to(device) for t in (data.tokens, data.feats, data.final, data.starts, data.ends, data.answer)))
     params = [p for p in head.parameters() if p.requires_grad and p.numel()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = work / "checkpoint.pt"
     state = {"step": 0, "elapsed_s": 0.0, "history": []}
-    if ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False, map_location=device)
+    record["draft_vocab_ids"] = vocab.tolist()
+    if saved:
+        check_run(saved.get("run"), record, where, flags, advice)
+        check_state(head, saved["head"], where, advice)
+        if not torch.equal(saved["head"]["draft_vocab"].cpu(), vocab):
+            raise RunMismatch(f"{where}: its head's draft vocabulary is not the one this run's features give (other "
+                              f"--data, --max-tokens or --val-docs than it was made with); {advice}")
         head.load_state_dict(saved["head"])
-        opt.load_state_dict(saved["optimizer"])
+        load_optimizer(opt, saved["optimizer"], where, advice)
         state = saved["state"]
         log(f"resumed from {ckpt} at step {state['step']}")
+    record_command(state, command)
     bf16 = use_bf16(cfg.precision, device)
     start, t0, base = state["step"], time.time(), state["elapsed_s"]
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -299,7 +313,8 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} per depth {parts} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            save_checkpoint({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+            save_checkpoint({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state, "run": record},
+                            ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     head.eval()
@@ -309,9 +324,33 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
               "draft_vocab_coverage": round(coverage, 4), "chain_top1_by_depth": acc}
     save_eagle3(head.cpu(), out, torch.bfloat16, extra={"vocab_size": tcfg.vocab_size, "max_position_embeddings":
                                                   tcfg.max_position_embeddings})
-    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": [command],
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result,
+                                                    "commands": state.get("commands") or [command],
                                                     "history": state["history"]}, indent=1) + "\n")
     return {"finished": True, **result}
+
+
+def _features(served, target_path, source: Path, path: Path, layers: tuple[int, ...], max_tokens: int,
+              made_by: dict, log) -> Features:
+    """The target's features of the datastore's documents, cached in `path` with what made them
+    (target, datastore, layers, token budget, chat prefix); a cache made otherwise is remade. A
+    cache from before that record is used when its width fits the layers (as before)."""
+    from ..tokenizer import Tokenizer
+
+    prefix = _prefix(Tokenizer(target_path))
+    made_by = {**made_by, "layers": list(layers), "max_tokens": max_tokens, "prefix": prefix}
+    if path.is_file():
+        cached = torch.load(path)
+        meta = cached.pop("meta", None)
+        width = len(layers) * served.config.hidden_size
+        if meta == made_by or (meta is None and cached["feats"].shape[1] == width):
+            return Features(**cached)
+        log(f"{path}: features made for other --target / --data / --feature-layers / --max-tokens; made again")
+    data = extract(served, documents(source), prefix, 3, layers, max_tokens, log)
+    tmp = path.with_suffix(".tmp")
+    torch.save({**asdict(data), "meta": made_by}, tmp)
+    os.replace(tmp, path)
+    return data
 
 
 def _feature_layers(cfg: Eagle3Config, num_layers: int) -> tuple[int, ...]:
@@ -320,8 +359,11 @@ def _feature_layers(cfg: Eagle3Config, num_layers: int) -> tuple[int, ...]:
     if cfg.feature_layers and max(cfg.feature_layers) >= num_layers:
         raise ValueError(f"--feature-layers {','.join(map(str, cfg.feature_layers))}: the target has {num_layers} "
                          f"layers (0 .. {num_layers - 1})")
-    try:
-        return tuple(cfg.feature_layers) if cfg.feature_layers else feature_layers_of({}, num_layers)
+    if cfg.feature_layers and len(set(cfg.feature_layers)) < len(cfg.feature_layers):
+        raise ValueError(f"--feature-layers {','.join(map(str, cfg.feature_layers))}: a layer given twice (each "
+                         "layer's features are read once at inference)")
+    try:     # ascending: the order the loader (and vLLM) reads them in
+        return tuple(sorted(cfg.feature_layers)) if cfg.feature_layers else feature_layers_of({}, num_layers)
     except ValueError as e:
         raise ValueError(f"{e}: set --feature-layers") from None
 

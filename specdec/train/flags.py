@@ -55,14 +55,20 @@ unit_float = float_range(0.0, 1.0)                   # fractions
 
 
 def layer_list(value: str) -> tuple[int, ...]:
-    """An argparse type: comma-separated layer indices (integers >= 0), e.g. "2,4,5"."""
+    """An argparse type: comma-separated layer indices (integers >= 0), e.g. "2,4,5", returned in
+    ascending order: the order features are read in at inference (specdec's loader and vLLM both
+    capture them in layer order), so "5,2,4" means (2, 4, 5). A layer given twice is refused (the
+    loader would read it once, and the head's input would be narrower than trained)."""
     try:
         layers = tuple(int(x) for x in value.split(","))
     except ValueError:
         layers = ()
     if not layers or min(layers) < 0:
         raise argparse.ArgumentTypeError(f"must be comma-separated layer indices >= 0, got {value!r}")
-    return layers
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"layer {twice[0]} given twice in {value!r}: each layer's features are read once")
+    return tuple(sorted(layers))
 
 
 def check_folder(flag: str, path: str | Path, what: str = "folder") -> Path:

@@ -22,7 +22,8 @@ def _sequences(data: FlatData):
 
 @torch.no_grad()
 def medusa_accuracy(heads: MedusaHeads, data: FlatData, to_draft, ranks: int = 10) -> list[list[float]]:
-    """acc[i][r]: how often head i's r-th ranked token is the right one (trained-on positions)."""
+    """acc[i][r]: how often head i's r-th ranked token is the right one (trained-on positions);
+    None where head i has no position to measure on (no data)."""
     M = heads.num_heads
     dev = data.tokens.device
     hits, total = torch.zeros(M, ranks, device=dev), torch.zeros(M, device=dev)
@@ -36,12 +37,14 @@ def medusa_accuracy(heads: MedusaHeads, data: FlatData, to_draft, ranks: int = 1
             labels = to_draft[data.tokens[(t + 2 + i).clamp(max=e - 1)].long()]
             hits[i] += ((top[i] == labels[:, None]) & ok[:, None]).float().sum(0)
             total[i] += ok.sum()
-    return [[round(x, 4) for x in row] for row in (hits / total.clamp(min=1)[:, None]).tolist()]
+    return [[round(x, 4) if n > 0 else None for x in row]
+            for row, n in zip((hits / total.clamp(min=1)[:, None]).tolist(), total.tolist())]
 
 
 @torch.no_grad()
 def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
-    """Top-1 accuracy of the token after next from true features, on trained-on positions."""
+    """Top-1 accuracy of the token after next from true features, on trained-on positions (None:
+    no position to measure on)."""
     hits = total = 0
     for st, a, e in _sequences(data):
         feats = data.hidden[st:e - 2].float()[None]
@@ -50,7 +53,7 @@ def eagle_accuracy(head: EagleHead, embed, data: FlatData, to_draft) -> float:
         mask = torch.arange(st + 2, e, device=labels.device) >= a
         hits += int(((logits[0].argmax(-1) == labels) & mask).sum())
         total += int(mask.sum())
-    return round(hits / max(1, total), 4)
+    return round(hits / total, 4) if total else None
 
 
 @torch.no_grad()
@@ -71,7 +74,7 @@ def eagle_chain_accuracy(head: EagleHead, embed, data: FlatData, to_draft, depth
             keep = (rows + st + 2 >= a) & (rows >= s)
             hits[s] += ((logits[0].argmax(-1) == labels) & keep).sum()
             total[s] += keep.sum()
-    return [round(x, 4) for x in (hits / total.clamp(min=1)).tolist()]
+    return [round(x, 4) if n > 0 else None for x, n in zip((hits / total.clamp(min=1)).tolist(), total.tolist())]
 
 
 def fitting_prompts(prompts, n: int, context: int, log, max_tokens: int = REPORT_TOKENS) -> list[list[int]]:
@@ -115,17 +118,24 @@ def speculation_report(target_dir: Path, heads_dir: Path, kind: str, prompts: li
     return out
 
 
+def shown(v) -> str:
+    """An accuracy (or a list of them) for a card: "–" where it was measured on nothing."""
+    if isinstance(v, list):
+        return "[" + ", ".join(map(shown, v)) + "]"
+    return "–" if v is None else str(v)
+
+
 def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
     what = (f"{cfg.num_heads} Medusa heads (a residual block each, one shared LM head over the draft vocabulary)"
             if cfg.kind == "medusa" else "an EAGLE head (fc + one Llama decoder layer + the target's final norm and LM-head rows)")
     if cfg.kind == "medusa":
-        acc = f"| top-1 accuracy per head, greedy / sampled generations | {r['top1_accuracy_per_head']} / {r['sampled_top1_accuracy_per_head']} |"
+        acc = f"| top-1 accuracy per head, greedy / sampled generations | {shown(r['top1_accuracy_per_head'])} / {shown(r['sampled_top1_accuracy_per_head'])} |"
         steps = f"{r['steps']} x {cfg.batch} positions"
     else:
-        acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {r['top1_accuracy']} / {r['sampled_top1_accuracy']} |"
+        acc = f"| top-1 accuracy of the drafted token, greedy / sampled generations | {shown(r['top1_accuracy'])} / {shown(r['sampled_top1_accuracy'])} |"
         if "chain_top1_accuracy" in r:
             acc += (f"\n| top-1 accuracy by chain position, from the head's own features (given the earlier drafts "
-                    f"right), greedy generations | {' '.join(map(str, r['chain_top1_accuracy']))} |")
+                    f"right), greedy generations | {' '.join(map(shown, r['chain_top1_accuracy']))} |")
         if cfg.unroll > 1:
             acc += f"\n| chain depths trained | {cfg.unroll} (the later ones on the head's own predicted features) |"
         steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"

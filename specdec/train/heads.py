@@ -38,7 +38,9 @@ from ..tokenizer import Tokenizer
 from .data import cached_tokens
 from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
-from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
+from .lm import device_name, optimizer_step, record_command, save_checkpoint, use_bf16
+from .provenance import (RunMismatch, check_run, check_state, data_fingerprint, folder_record, load_optimizer,
+                         same_target, target_fingerprint, write_record)
 from .headreport import card, eagle_accuracy, eagle_chain_accuracy, fitting_prompts, medusa_accuracy, speculation_report
 from .selfdistill import load_shards, make_shards
 
@@ -83,6 +85,9 @@ class HeadsConfig:
             raise ValueError("--init and --init-from-target exclude each other")
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
+        if self.steps < 1 and self.init is None:
+            raise ValueError(f"--steps {self.steps} trains nothing: without --init the heads would be random; "
+                             "give --steps >= 1 (or --init with trained heads to write them as they are)")
         if self.batch is None:
             object.__setattr__(self, "batch", 512 if self.kind == "medusa" else 8)
 
@@ -208,27 +213,95 @@ def eagle_loss(head: EagleHead, embed, data: FlatData, idx, mask, to_draft, nois
     return reg + token_weight * ce, reg, ce
 
 
-def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state: dict, log) -> tuple[FlatData, FlatData, str]:
-    """(train, validation, a line for the card). Chat data: the train shard count is fixed at the
-    first start (state["train_shards"]), so a resumed run trains on the same sequences."""
+# HeadsConfig fields a resume may change: they do not change what the heads are or learn
+RUNTIME_FIELDS = ("steps", "save_every", "threads", "precision", "eval_every", "default_topk")
+# self-distillation shards' fixed settings (selfdistill.make_shards' defaults), recorded with the data
+SELFDISTILL = {"batch": 32, "prompt_len": 64, "gen_len": 192, "temperature": 0.8, "greedy_fraction": 0.5}
+
+
+def check_answers_target(data_dir: Path, target: dict, flag: str = "--data") -> None:
+    """An answers folder whose record names the target that answered: that target, or a RunMismatch."""
+    rec = folder_record(data_dir) or {}
+    if rec.get("target") and not same_target(rec["target"], target):
+        raise RunMismatch(f"{flag} {data_dir}: its answers and features were made by --target {rec['target']['path']} "
+                          f"(this run: --target {target['path']}); give that target, or answers made by this one "
+                          "(`specdec train answers`)")
+
+
+def _selfdistill_record(cfg: HeadsConfig, data_dir: Path, target: dict, log) -> None:
+    """The self-distillation folder's record (selfdistill.json): the target whose generations and
+    features it holds, and what was cut from the corpus; another target is refused. A folder filled
+    before the record existed is taken as this target's (with a warning) and recorded."""
+    now = {"target": target, "corpus_limit_mb": cfg.corpus_limit_mb, **SELFDISTILL}
+    path = data_dir / "selfdistill.json"
+    rec = folder_record(data_dir, "selfdistill.json")
+    advice = "give another --data (an empty folder of its own for each target)"
+    if rec is not None:
+        check_run(rec, now, f"--data {data_dir}: its self-distillation data were", {"target": "--target"}, advice, sep=" ")
+        return
+    if any(data_dir.glob("*/shard_*.pt")):
+        log(f"warning: --data {data_dir}: its shards were made before specdec recorded their target; taken as "
+            f"--target {target['path']}'s and recorded so (if they are another's, {advice})")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_record(path, now)
+
+
+def load_data(cfg: HeadsConfig, target, target_dir: Path, data_dir: Path, state: dict, log,
+              fingerprint: dict | None = None) -> tuple[FlatData, FlatData, str, list[Path]]:
+    """(train, validation, a line for the card, the shard files read). Chat data: the train shard
+    count is fixed at the first start (state["train_shards"]), so a resumed run trains on the same
+    sequences. fingerprint: the target's (provenance.target_fingerprint), checked against the data
+    folder's record."""
+    fingerprint = fingerprint or target_fingerprint(target_dir)
     if cfg.data_kind == "chat":
+        check_answers_target(data_dir, fingerprint)
         train, val, n = chat_data(data_dir, state.get("train_shards", cfg.shards), cfg.val_shards)
         state["train_shards"] = n
+        paths = sorted(data_dir.glob("shard_*.pt"))[:cfg.val_shards + n]
         what = (f"chat self-distillation: {n} shards of the target's answers to chat prompts "
                 f"({train.num_sequences} answers, {len(train.answer_tokens()):,} answer tokens trained on; "
                 f"prompts as context only), from `{data_dir}`")
-        return train, val, what
+        return train, val, what, paths
+    _selfdistill_record(cfg, data_dir, fingerprint, log)
     tok = Tokenizer(target_dir)
     shards = cfg.shards or 48
-    rows = {}
+    rows, paths = {}, []
     for split, n, seed in (("train", shards, 0), ("validation", cfg.val_shards, 1)):
         stream = cached_tokens(tok, split, data_dir / "tokens", cfg.corpus_limit_mb)
-        paths = make_shards(target, stream, data_dir / split, n, seed=seed, log=lambda s: log(f"{split} {s}"))
-        rows[split] = FlatData.from_rows(load_shards(paths))
+        made = make_shards(target, stream, data_dir / split, n, seed=seed, log=lambda s: log(f"{split} {s}"))
+        rows[split] = FlatData.from_rows(load_shards(made))
+        paths += made
+    greedy = rows["train"].greedy
+    mix = ("all greedy" if greedy.all() else f"all at temperature {SELFDISTILL['temperature']}" if not greedy.any()
+           else f"{int(greedy.sum())} greedy, {int((~greedy).sum())} at temperature {SELFDISTILL['temperature']}")
     what = (f"self-distillation: {shards} x 32 prompts of 64 tokens from the train split of the corpus, each "
-            f"continued by the target for 192 tokens (half greedy, half at temperature 0.8), with the target's "
+            f"continued by the target for 192 tokens ({mix}), with the target's "
             f"features; {len(rows['train'].tokens):,} tokens, trained on at every position")
-    return rows["train"], rows["validation"], what
+    return rows["train"], rows["validation"], what, paths
+
+
+def run_record(cfg: HeadsConfig, target: dict, data_dir: Path, paths: list[Path], vocab: torch.Tensor) -> dict:
+    """What fixes a heads checkpoint's meaning (checked on resume, in this order)."""
+    return {"kind": cfg.kind, "target": target,
+            **{k: v for k, v in asdict(cfg).items() if k not in RUNTIME_FIELDS and k != "kind"},
+            "data": data_fingerprint(data_dir, paths), "draft_vocab_ids": vocab.tolist()}
+
+
+RECORD_FLAGS = {"kind": "`specdec train`", "target": "--target", "data": "--data",
+                "draft_vocab_ids": "a draft vocabulary of"}
+
+
+def check_resume(saved: dict, record: dict, heads, work: Path, vocab: torch.Tensor, cfg: HeadsConfig) -> None:
+    """A checkpoint resumed: its record (when it has one) equals this run's, its tensors fit the
+    heads these options build, and its draft vocabulary is the one this run's data give."""
+    where = f"--work {work}"
+    advice = "use another --work, or the options it was made with to resume"
+    flags = {**RECORD_FLAGS, **{k: "--" + k.replace("_", "-") for k in asdict(cfg) if k not in RECORD_FLAGS}}
+    check_run(saved.get("run"), record, where, flags, advice)
+    check_state(heads, saved["heads"], where, advice)
+    if not torch.equal(saved["heads"]["draft_vocab"].cpu(), vocab):
+        raise RunMismatch(f"{where}: its heads' draft vocabulary is not the one this run's data give (other --data, "
+                          f"--shards or --val-shards than it was made with); {advice}")
 
 
 def train_heads(cfg: HeadsConfig, target_dir: Path, out: Path, work: Path, data_dir: Path,
@@ -252,7 +325,11 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     ckpt = work / "checkpoint.pt"
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
-    train, val, what = load_data(cfg, target, target_dir, data_dir, state, log)
+    fingerprint = target_fingerprint(target_dir)
+    if saved:       # another kind or target: refused before the data are read (or made)
+        check_run(saved.get("run"), {"kind": cfg.kind, "target": fingerprint}, f"--work {work}",
+                  RECORD_FLAGS, "use another --work, or the options it was made with to resume")
+    train, val, what, paths = load_data(cfg, target, target_dir, data_dir, state, log, fingerprint)
     # chosen before training: a warning now, not an error after it, where they outgrow the context
     prompts, what_prompts = _report_prompts(cfg, val, report_prompts, target_dir, target.config.max_position_embeddings,
                                             log) if report_prompts else ([], "")
@@ -270,6 +347,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         what = what.replace("prompts as context only", "trained on the prompts' positions too")
     to_draft = _to_draft(vocab, V)
     heads = build_heads(cfg, target, vocab)
+    record = run_record(cfg, fingerprint, data_dir, paths, vocab)
+    if saved:
+        check_resume(saved, record, heads, work, vocab, cfg)
     if trained is not None:
         _start_from(heads, trained, cfg)      # checked on a resume too; the checkpoint then replaces it
     heads = heads.to(device)
@@ -279,8 +359,9 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if saved:
         heads.load_state_dict(saved["heads"])
-        opt.load_state_dict(saved["optimizer"])
+        load_optimizer(opt, saved["optimizer"], f"--work {work}")
         log(f"resumed from {ckpt} at step {state['step']}")
+    record_command(state, command)
     label_t, label_seq = train.label_positions(2)
     bf16 = use_bf16(cfg.precision, device)
     # a fixed probe of greedy validation sequences: top-1 accuracy during training shows overfitting
@@ -313,7 +394,8 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
             log(f"step {step + 1}/{cfg.steps}: loss {loss.item():.4f} {parts or ''} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            save_checkpoint({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+            save_checkpoint({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                             "run": record}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     del data
@@ -330,14 +412,20 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
         result["sampled_top1_accuracy"] = eagle_accuracy(heads, embed, sampled_val, to_draft_dev)
         result["chain_top1_accuracy"] = eagle_chain_accuracy(heads, embed, greedy_val, to_draft_dev)
     else:
-        extra["accuracy"] = medusa_accuracy(heads, greedy_val, to_draft_dev)
-        result["top1_accuracy_per_head"] = [a[0] for a in extra["accuracy"]]
-        result["sampled_top1_accuracy_per_head"] = [a[0] for a in medusa_accuracy(heads, sampled_val, to_draft_dev)]
+        greedy_acc = medusa_accuracy(heads, greedy_val, to_draft_dev)
+        sampled_acc = medusa_accuracy(heads, sampled_val, to_draft_dev)
+        result["top1_accuracy_per_head"] = [a[0] for a in greedy_acc]
+        result["sampled_top1_accuracy_per_head"] = [a[0] for a in sampled_acc]
+        # the candidate tree's shape: measured on greedy generations, else on sampled ones, else
+        # left out (the proposer's default) -- never rows of "0.0" measured on nothing
+        tree = next((acc for acc in (greedy_acc, sampled_acc) if all(row[0] is not None for row in acc)), None)
+        if tree is not None:
+            extra["accuracy"] = tree
     heads, embed = heads.cpu(), embed.cpu()
     save_heads(heads, out, torch.bfloat16, extra=extra)
     if prompts:
         result["speculation"] = speculation_report(target_dir, out, cfg.kind, prompts, what_prompts)
-    commands = [command]
+    commands = state.get("commands") or [command]
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
                                                     "history": state["history"]}, indent=1) + "\n")
     (out / "README.md").write_text(card(out, target_dir, cfg, result, commands))

@@ -92,6 +92,29 @@ def save_checkpoint(obj: dict, path: Path) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
+RUNTIME_FIELDS = ("threads", "max_steps", "save_every", "eval_every", "eval_batches")   # a resume may change these
+
+
+def run_record(cfg: TrainConfig, tok_dir: Path, teacher_dir: Path | None, init_dir: Path | None) -> dict:
+    """What fixes a `train lm | draft` checkpoint's meaning: the teacher, the tokenizer, the
+    initial checkpoint and the config (checked on resume, in this order)."""
+    from .provenance import file_sample, target_fingerprint
+
+    tok_file = Path(tok_dir) / "tokenizer.json"
+    return {"teacher": target_fingerprint(teacher_dir) if teacher_dir else None,
+            "tokenizer": file_sample(tok_file) if tok_file.is_file() else None,
+            "init": target_fingerprint(init_dir) if init_dir else None,
+            **{k: v for k, v in asdict(cfg).items() if k not in RUNTIME_FIELDS}}
+
+
+def record_command(state: dict, command: str) -> None:
+    """A run's commands, kept in its checkpoint's state: each invocation that differs from the one
+    before (a resumed run's card lists them all, in order)."""
+    cmds = state.setdefault("commands", [])
+    if command and (not cmds or cmds[-1] != command):
+        cmds.append(command)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -187,12 +210,21 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "history": []}
     ckpt = work / "checkpoint.pt"
+    record = run_record(cfg, tok_dir, teacher_dir, init_dir)
     if ckpt.is_file():
+        from .provenance import check_run, check_state, load_optimizer
+
         saved = torch.load(ckpt, map_location=device, weights_only=False)
+        where, advice = f"--work {work}", "use another --work, or the options it was made with to resume"
+        flags = {"teacher": "--target", "tokenizer": "the tokenizer", "init": "--init",
+                 **{k: f"the config's {k}" for k in asdict(cfg)}}
+        check_run(saved.get("run"), record, where, flags, advice)
+        check_state(model, saved["model"], where, advice)
         model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+        load_optimizer(opt, saved["optimizer"], where, advice)
         state = saved["state"]
         print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
+    record_command(state, command)
 
     val = eval_windows(data["validation"], cfg)
     model.train()
@@ -216,7 +248,8 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
             state["history"].append({"step": step + 1, "train_loss": loss.item(), "val_loss": v})
             print(f"step {step + 1}: train {loss.item():.4f}  val {v:.4f}", file=sys.stderr)
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+            save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state, "run": record},
+                            ckpt)
     bar.close()
     if state["step"] < cfg.max_steps:
         return {"finished": False, "step": state["step"]}
@@ -235,7 +268,7 @@ def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, in
     }
     save_model(model, out, torch.bfloat16)
     copy_tokenizer(tok_dir, out)
-    commands, init = [command], None
+    commands, init = state.get("commands") or [command], None
     if init_dir is not None and (Path(init_dir) / "training.json").is_file():
         init = json.loads((Path(init_dir) / "training.json").read_text())
         commands = init.get("commands", []) + commands

@@ -11,6 +11,7 @@ Shards are written one by one and skipped when present, so an interrupted run re
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -58,10 +59,11 @@ def make_shards(model: Transformer, stream: np.ndarray, out: Path, num_shards: i
     """Write shards 0..num_shards-1 under `out` (skipping those present); return their paths.
 
     Shard i takes its prompts at offsets drawn from default_rng((seed, i)); the first
-    round(greedy_fraction * num_shards) shards are greedy, the rest sampled.
+    ceil(greedy_fraction * num_shards) shards are greedy (one of one: a single validation shard
+    has greedy rows to measure on), the rest sampled.
     """
     out.mkdir(parents=True, exist_ok=True)
-    n_greedy = round(greedy_fraction * num_shards)
+    n_greedy = math.ceil(greedy_fraction * num_shards - 1e-9)
     paths = []
     for i in range(num_shards):
         path = out / f"shard_{i:05d}.pt"

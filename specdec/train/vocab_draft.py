@@ -31,7 +31,8 @@ from ..model.vocab_draft import VocabDraft, save_vocab_draft
 from .headdata import FlatData, chat_data
 from .headreport import fitting_prompts
 from .heads import draft_vocabulary, lr_at      # the same warm-up and cosine schedule (lr, warmup, steps)
-from .lm import device_name, optimizer_step, save_checkpoint, use_bf16
+from .lm import device_name, optimizer_step, record_command, save_checkpoint, use_bf16
+from .provenance import check_run, check_state, data_fingerprint, load_optimizer, target_fingerprint
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class VocabDraftConfig:
     threads: int = 1
     precision: str = "auto"        # bf16 autocast where matmuls have native bf16 (lm.use_bf16)
     init: str | None = None        # start from this trained draft folder (its layers and draft vocabulary kept)
+
+    def __post_init__(self):
+        if self.steps < 1 and self.init is None:
+            raise ValueError(f"--steps {self.steps} trains nothing: without --init the draft would be the target's "
+                             "first layers untrained; give --steps >= 1 (or --init with a trained draft)")
+
+
+RUNTIME_FIELDS = ("steps", "save_every", "threads", "precision")     # a resume may change these
 
 
 def _check_layers(cfg: VocabDraftConfig, num_layers: int) -> None:
@@ -121,7 +130,7 @@ def agreement(draft: VocabDraft, data: FlatData, window: int, max_seqs: int = 20
         hits += int(((pred == nxt) & mask).sum())
         total += int(mask.sum())
     draft.train()
-    return round(hits / max(1, total), 4)
+    return round(hits / total, 4) if total else None     # None: no greedy answer to measure on
 
 
 def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, out: Path, work: Path,
@@ -138,8 +147,18 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     ckpt = work / "checkpoint.pt"
     saved = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.is_file() else None
     state = saved["state"] if saved else {"step": 0, "elapsed_s": 0.0, "history": []}
+    from .heads import check_answers_target
+
+    fingerprint = target_fingerprint(target_dir)
+    where, advice = f"--work {work}", "use another --work, or the options it was made with to resume"
+    flags = {"target": "--target", "data": "--data", "draft_vocab_ids": "a draft vocabulary of",
+             **{k: "--" + k.replace("_", "-") for k in asdict(cfg)}}
+    if saved:
+        check_run(saved.get("run"), {"target": fingerprint}, where, flags, advice)
+    check_answers_target(answers, fingerprint)
     train, val, n = chat_data(answers, state.get("train_shards", cfg.shards), cfg.val_shards)
     state["train_shards"] = n
+    paths = sorted(answers.glob("shard_*.pt"))[:cfg.val_shards + n]
     # chosen before training: a warning now, not an error after it, where they outgrow the context
     prompts = fitting_prompts((val.tokens[s:a].tolist() for s, a in zip(val.starts.tolist(), val.answer_starts.tolist())),
                               report_prompts, target.config.max_position_embeddings, log) if report_prompts else []
@@ -157,6 +176,11 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     to_draft[vocab] = torch.arange(vocab.numel())
     head_rows = target.lm_head.weight.data[vocab].float().to(device)
     draft = init_draft(cfg, target, vocab)
+    record = {"target": fingerprint, **{k: v for k, v in asdict(cfg).items() if k not in RUNTIME_FIELDS},
+              "data": data_fingerprint(answers, paths), "draft_vocab_ids": vocab.tolist()}
+    if saved:
+        check_run(saved.get("run"), record, where, flags, advice)
+        check_state(draft.decoder, saved["decoder"], where, advice)
     if start is not None and not saved:
         draft.decoder.load_state_dict({k: v for k, v in start.decoder.state_dict().items()
                                        if not k.endswith("embed_tokens.weight")}, strict=False)
@@ -167,8 +191,9 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if saved:
         draft.decoder.load_state_dict(saved["decoder"])
-        opt.load_state_dict(saved["optimizer"])
+        load_optimizer(opt, saved["optimizer"], where, advice)
         log(f"resumed from {ckpt} at step {state['step']}")
+    record_command(state, command)
     bf16 = use_bf16(cfg.precision, device)
     weights = (train.ends - train.answer_starts).double()               # conversations by answer length
     weights /= weights.sum()
@@ -189,7 +214,8 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
             log(f"step {step + 1}/{cfg.steps}: KL {loss.item():.4f}, top-1 agreement {agree:.3f} "
                 f"({(state['elapsed_s'] - base) / (step + 1 - start):.2f} s/step)")
         if (step + 1) % cfg.save_every == 0 or step + 1 == end:
-            save_checkpoint({"decoder": draft.decoder.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+            save_checkpoint({"decoder": draft.decoder.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                             "run": record}, ckpt)
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     del data
@@ -213,9 +239,10 @@ def _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vo
     if prompts:
         result["speculation"] = speculation_report(target_dir, out, "draft_model", prompts,
                                                    "validation chat prompts (chat template, first turn)", sizes=(4,))
-    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": [command],
+    commands = state.get("commands") or [command]
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
                                                     "history": state["history"]}, indent=1) + "\n")
-    (out / "README.md").write_text(card(out, target_dir, cfg, result, command))
+    (out / "README.md").write_text(card(out, target_dir, cfg, result, "\n".join(commands)))
     return {"finished": True, **result}
 
 
@@ -237,7 +264,7 @@ forward KL to the target's distribution restricted to the draft vocabulary, on a
 | data | {r['train_answers']} answers ({r['train_answer_tokens']:,} answer tokens, {r['train_shards']} shards) |
 | steps | {r['steps']} x {cfg.batch} conversations x up to {cfg.window} tokens, AdamW lr {cfg.lr}, cosine |
 | wall time | {r['wall_time_s'] / 3600:.2f} h on {r.get('device') or platform.machine() + ' CPU'}, {cfg.threads} thread(s), precision {cfg.precision} |
-| greedy top-1 agreement with the target (teacher-forced, validation) | {r['greedy_top1_agreement']} |
+| greedy top-1 agreement with the target (teacher-forced, validation) | {"–" if r['greedy_top1_agreement'] is None else r['greedy_top1_agreement']} |
 
 Mean accepted length through the engine on held-out prompts (bfloat16):
 

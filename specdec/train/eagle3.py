@@ -164,6 +164,7 @@ def unrolled(head: Eagle3Head, feats: torch.Tensor, embeds: torch.Tensor, depths
     e = layer.input_layernorm(embeds)
     h = head.fc(feats)
     keys, vals, out = [], [], []
+    prev = None         # depth s > 0 reads depth s - 1's output
     for s in range(depths):
         if s > 0:
             h = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1)

@@ -55,6 +55,7 @@ def unrolled(head: EagleHead, feats: Tensor, embeds: Tensor, depths: int) -> lis
     W = feats.shape[1]
     cos, sin = dec._rope(torch.arange(W, device=feats.device), feats.dtype)     # [W, hd]
     keys, vals, out = [], [], []
+    prev = None         # depth s > 0 reads depth s - 1's output
     f = feats
     for s in range(depths):
         if s > 0:   # row t reads the previous depth's prediction for token t (made at row t - 1)

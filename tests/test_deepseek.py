@@ -347,3 +347,24 @@ def test_packed_gguf_tensor_parallel_equals_tp1(tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == one
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_deep_tree_paths_moved_in_the_latent_cache(files, kv_dtype):
+    """Accepted tree paths through a later sibling (an oracle tree hides the true continuation at a
+    random sibling position) are moved into place in the latent cache, where values are keys:
+    the move copied that one tensor twice, the second copy reading rows the first had overwritten,
+    and the output left plain's at the first such path."""
+    from specdec.engine import Engine
+    from test_heads import OracleTree
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [IDS[0, :n].tolist() for n in (3, 12, 7, 20)]
+    llm = LLM(model=files["hf"], dtype="float32", kv_cache_dtype=kv_dtype, num_speculative_tokens=0)
+    plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    truth = {tuple(p): out for p, out in zip(prompts, plain)}
+    engine = Engine(llm.target, llm.tokenizer, OracleTree(truth, 0), 12, llm.engine.max_model_len)
+    for prompt, want in zip(prompts, plain):
+        events = list(engine.generate(prompt, params))
+        assert [t for e in events for t in e.token_ids] == want
+        assert events[-1].stats.mean_accepted_length > 3      # deep paths accepted and moved

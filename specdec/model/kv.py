@@ -426,9 +426,14 @@ class KVCache:
             return
         sb, so = self.slot_index(seq, src)
         db, do = self.slot_index(seq, dst)
+        # each tensor once: with values_are_keys v is k (and v_scale k_scale), and a second copy
+        # of the same rows would read sources the first already overwrote (dst overlaps src)
+        seen: set[int] = set()
         for cache in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for t in cache:
-                t[:, db, do] = t[:, sb, so]
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    t[:, db, do] = t[:, sb, so]
 
 
 def plan_blocks(config, bytes_per_slot: int, max_slots_per_seq: int, device) -> tuple[int, int]:

@@ -86,7 +86,8 @@ def test_a_repeated_span_drafts_by_lookup_and_fresh_text_by_the_learned_drafter(
 def test_speculation_switched_off_costs_the_learned_drafter_nothing(toy):
     """From disable_by_batch_size requests on nobody drafts (as "auto" may decide): the hybrid is
     never asked, and the learned drafter never catches up."""
-    llm = _hybrid("ngram+eagle", 4, disable_by_batch_size=1)
+    llm = _hybrid("ngram+eagle", 4, disable_by_batch_size=2)
+    llm.engine.policy.disable_by_batch_size = 1      # off for one request too (the config refuses < 2, as vLLM)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == toy["outputs"]
     c = llm.engine.proposer.counts

@@ -16,9 +16,11 @@ token it drafts costs a fraction of a target forward. Per request and step:
    (1 + E(m)) / (1 + m * (verify_cost + c) + u), c = 0 for lookup and learned_cost for the
    learned drafter, u its catch-up (below: catch_up_cost per feature row it has not seen yet);
    m = 0 (plain decoding) competes too, so a source that does not pay for a request stops
-   drafting for it. A source that has drafted for the request but was left unused for
-   probe_every steps drafts one token the next time the step would otherwise draft nothing, so
-   its figures stay measured.
+   drafting for it. A source that has never drafted for the request drafts one token the first
+   time the step would otherwise draft nothing (a first try: the prior alone need not beat plain
+   decoding, as the learned drafter's does not at the default costs; not while its catch-up would
+   cost more than a plain step); a source left unused for
+   probe_every steps drafts one token the next such time, so its figures stay measured.
 
 Lossless. A step's choice depends only on the request's sequence and the outcomes of its
 earlier steps, never on anything drawn in this step; the learned drafter is then asked for
@@ -48,7 +50,7 @@ from .base import (Committed, Draft, ProposeItem, Proposer, ProposerBase, Propos
 from .ngram import match
 
 LOOKUP, LEARNED = "lookup", "learned"
-PRIOR = 0.6            # optimistic start: draft first, let the request's outcomes say otherwise
+PRIOR = 0.6            # optimistic start (and a first try of each source): outcomes decide afterwards
 PRIOR_WEIGHT = 2.0     # ... worth this many observations
 BUCKET_WEIGHT = 2.0    # a match length's own figures against all of the request's lookups
 MAX_DEFERRED = 4096    # feature rows kept per request before the learned drafter catches up anyway
@@ -146,10 +148,19 @@ class SourceRecords:
             ratio, m = best_length(self.learned_rates(learned_max), self.s.verify_cost + self.s.learned_cost,
                                    self.s.catch_up_cost * catch_up)
             best, choice = (ratio, Choice(LEARNED, m)) if ratio > best else (best, choice)
-        if choice.source is None:     # a probe: one token from a tried source left unused too long
-            if lookup_len and self.idle[LOOKUP] >= self.s.probe_every and self.lookup.tried[0] > 0:
+        if choice.source is None:
+            # a first try: a source that has never drafted for this request drafts one token the
+            # first time it may (its measured acceptance decides from then on; the prior alone
+            # does not pay at every cost, e.g. the learned drafter's at the default costs), unless
+            # catching the learned drafter up first would cost more than a plain step
+            if lookup_len and self.lookup.tried[0] == 0:
                 choice = Choice(LOOKUP, 1, n)
-            elif learned_max and self.idle[LEARNED] >= self.s.probe_every and self.learned.tried[0] > 0:
+            elif learned_max and self.learned.tried[0] == 0 and self.s.catch_up_cost * catch_up <= 1.0:
+                choice = Choice(LEARNED, 1)
+            # a probe: one token from a tried source left unused too long
+            elif lookup_len and self.idle[LOOKUP] >= self.s.probe_every:
+                choice = Choice(LOOKUP, 1, n)
+            elif learned_max and self.idle[LEARNED] >= self.s.probe_every:
                 choice = Choice(LEARNED, 1)
         for src, able in ((LOOKUP, lookup_len), (LEARNED, learned_max)):
             self.idle[src] = 0 if choice.source == src else self.idle[src] + bool(able)

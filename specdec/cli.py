@@ -89,8 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--guided-decoding-{name}", action="store_true", default=None,
                        help=f"vLLM's older flag: --structured-outputs-config's {name.replace('-', '_')}")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "int8"], default="auto",
-                   help="the target's KV cache (auto: see the README, 'KV cache dtype'; int8: a scale per row, "
-                        "~1.9x the slots of bf16, outputs differ slightly)")
+                   help="the target's KV cache (auto: bf16 for a GGUF-packed target on the CPU, else the model's "
+                        "dtype; int8: a scale per row, ~1.9x the slots of bf16, outputs differ slightly; --compare's "
+                        "plain run uses the same cache)")
     p.add_argument("--logprobs-mode", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
                    default="raw_logprobs",
                    help="what logprobs report (vLLM's): the raw model's (default) or after the request's controls, "
@@ -393,8 +394,10 @@ def _compare(llm, prompt_ids, params, spec_tokens, spec_stats) -> dict:
     second, which one slice of another process on the machine can double, so for answers under
     COMPARE_SHORT_S each side's rate is the best of COMPARE_RUNS runs, the two taking turns (the
     streamed speculative run is the first of its own)."""
+    from .engine import kv_cache_dtype_name
+
     plain_engine = type(llm.engine)(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
-                                    scheduler_config=llm.engine.config)
+                                    scheduler_config=llm.engine.config, kv_cache_dtype=kv_cache_dtype_name(llm.engine))
     _warm_up(plain_engine, prompt_ids)
     plain_tokens, plain_tps = _run(plain_engine, prompt_ids, params)
     spec_tps = spec_stats.tokens_per_second
@@ -420,7 +423,8 @@ def _print_stats(result: dict, llm) -> None:
     if s["draft_tokens"]:
         per_pos = " ".join(f"{x:.2f}" for x in s["per_position_acceptance"])
         lines += [f"acceptance rate      {s['acceptance_rate']:.3f} ({s['accepted_tokens']}/{s['draft_tokens']} drafted)",
-                  f"mean accepted length {s['mean_accepted_length']:.2f} tokens per target forward",
+                  f"mean accepted length {s['mean_accepted_length']:.2f} (1 + accepted / drafts), "
+                  f"{s['tokens_per_forward']:.2f} tokens per target forward",
                   f"per position         {per_pos}"]
     c = result.get("compare")
     if c:

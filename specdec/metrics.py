@@ -1,9 +1,14 @@
 """Per-request speculative statistics, with vLLM's meanings.
 
-- drafted tokens: proposals the target scored; accepted tokens: those it kept.
+- drafted tokens: proposals the target scored; accepted tokens: those verification kept,
+  counted before a stop string (or max_tokens) cuts the text, as vLLM's scheduler counts them;
+  so accepted_tokens may exceed the output tokens a stop string left.
 - acceptance_rate = accepted / drafted.
-- mean_accepted_length = output tokens per target forward pass (accepted + recovered/bonus),
-  as vLLM counts "mean acceptance length": 1.0 for plain decoding.
+- mean_accepted_length = 1 + accepted / drafts (vLLM's "mean acceptance length": tokens per
+  drafting step, the bonus/recovered token included; 1.0 with no drafts), the same figure as
+  the server's and the serve benchmark's mean_acceptance_length.
+- tokens_per_forward = output tokens per target forward pass (every forward, drafting or not;
+  after any stop-string cut): what plain decoding's 1.0 is compared with.
 - per_position_acceptance[i] = P(draft position i accepted | position i was drafted).
 """
 
@@ -52,6 +57,12 @@ class RequestStats:
 
     @property
     def mean_accepted_length(self) -> float:
+        """vLLM's mean acceptance length: 1 + accepted / drafts (1.0 when nothing was drafted)."""
+        return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Output tokens per target forward pass (0.0 before the first)."""
         return self.output_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
     @property
@@ -81,6 +92,7 @@ class RequestStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "tokens_per_second": round(self.tokens_per_second, 2),
             "wall_time_s": round(self.wall_time_s, 4),

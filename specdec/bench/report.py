@@ -76,7 +76,7 @@ def table(scenario: dict) -> str:
             "× llama.cpp plain": _spread(m.get("speedup_vs_llamacpp_plain"), 2, "x"),
             "of roofline": "–" if roof is None else f"{roof:.0%}",
             "predicted × own plain": _num(m["predicted_speedup"], 2, "x"), "α": _num(m["acceptance_rate"], 3),
-            "tokens/step": _num(m["mean_accepted_length"], 2), "acceptance by position": _positions(m["per_position_acceptance"]),
+            "tokens/step": _num(m.get("tokens_per_forward", m["mean_accepted_length"]), 2), "acceptance by position": _positions(m["per_position_acceptance"]),
             "target fwd ms": _num(m["target_forward_ms"], 2), "draft ms/token": _num(m["draft_token_ms"], 3),
             "c": _num(m["c"], 3), "greedy = plain": _greedy(m), "greedy = own plain": _own(m)}
         lines.append("| " + " | ".join(cell[c] for c in cols) + " |")

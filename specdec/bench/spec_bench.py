@@ -82,9 +82,15 @@ def category_summaries(variants, runs, prompts, greedy: bool) -> dict[str, dict]
     return out
 
 
+def _tau(m: dict) -> float:
+    """Spec-Bench's tau: tokens per target forward (results written before tokens_per_forward
+    was recorded held it as mean_accepted_length)."""
+    return m.get("tokens_per_forward", m["mean_accepted_length"])
+
+
 def _cell(m: dict) -> str:
     sp = m["speedup_vs_plain"]
-    tau = m["mean_accepted_length"] if m["num_drafts"] else None
+    tau = _tau(m) if m["num_drafts"] else None
     return ("–" if sp is None else f"{sp['median']:.2f}x") + (f" / {tau:.2f}" if tau is not None else "")
 
 
@@ -129,7 +135,7 @@ def plot(scenario: dict, path: Path) -> bool:
     for slot, j in enumerate(methods):
         xs = [i + slot * width for i in range(len(groups))]
         sp = [(cats[g]["methods"][j]["speedup_vs_plain"] or {}).get("median", 0.0) for g in groups]
-        tau = [cats[g]["methods"][j]["mean_accepted_length"] for g in groups]
+        tau = [_tau(cats[g]["methods"][j]) for g in groups]
         label = cats["overall"]["methods"][j]["name"]
         axes[0].bar(xs, sp, width, label=label)
         axes[1].bar(xs, tau, width, label=label)

@@ -130,7 +130,8 @@ def summarize_variant(v: Variant, runs: dict[str, list[list[Run]]], greedy: bool
         "target_forward_passes": stats.target_forward_passes,
         "num_drafts": stats.num_drafts, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
         "acceptance_rate": round(stats.acceptance_rate, 4) if stats.draft_tokens else None,
-        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),      # vLLM's: 1 + accepted / drafts
+        "tokens_per_forward": round(stats.tokens_per_forward, 4),          # output / target forwards
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
         **_timing(stats, timed),
         "greedy_match": greedy_comparison(mine, runs[REFERENCE], prompt_ids) if greedy and REFERENCE in runs else None,

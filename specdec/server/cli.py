@@ -52,17 +52,17 @@ VLLM_FLAGS = frozenset("""
     max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture media-io-kwargs middleware
     mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
     mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
-    ngram-prompt-lookup-max ngram-prompt-lookup-min num-gpu-blocks-override num-lookahead-slots
+    num-gpu-blocks-override num-lookahead-slots
     num-redundant-experts num-scheduler-steps otlp-traces-endpoint override-attention-dtype
     override-generation-config override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
     revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor
-    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init spec-decoding-acceptance-method
-    speculative-disable-by-batch-size speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
+    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init
+    speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
     speculative-max-model-len speculative-model-quantization swap-space
     tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
-    tool-parser-plugin tool-server trust-remote-code typical-acceptance-sampler-posterior-alpha
-    typical-acceptance-sampler-posterior-threshold uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
+    tool-parser-plugin tool-server trust-remote-code
+    uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
     worker-cls worker-extension-cls worker-use-ray
 """.split())
 
@@ -75,12 +75,45 @@ def add_parser(sub) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER)
 
 
+# vLLM 0.6's flags for speculative_config's keys: flag -> (key, type or choices)
+LEGACY_SPECULATIVE_FLAGS = {
+    "--ngram-prompt-lookup-max": ("prompt_lookup_max", int),
+    "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
+    "--speculative-disable-by-batch-size": ("disable_by_batch_size", int),
+    "--spec-decoding-acceptance-method": ("acceptance_method", ("rejection_sampler", "typical_acceptance_sampler")),
+    "--typical-acceptance-sampler-posterior-threshold": ("posterior_threshold", float),
+    "--typical-acceptance-sampler-posterior-alpha": ("posterior_alpha", float),
+}
+
+
+def fold_legacy_speculative(args) -> None:
+    """vLLM 0.6's speculative flags onto args.speculative_config (a key it already sets to another
+    value is a one-line ValueError); they need --speculative-model or --speculative-config, as
+    vLLM 0.6 ignored them without a speculative model."""
+    given = {flag: (key, getattr(args, f"legacy_{key}", None)) for flag, (key, _) in LEGACY_SPECULATIVE_FLAGS.items()}
+    given = {flag: kv for flag, kv in given.items() if kv[1] is not None}
+    if not given:
+        return
+    if args.speculative_config is None and args.speculative_model is None:
+        raise ValueError(f"{', '.join(given)}: speculative settings need --speculative-model or --speculative-config")
+    config = dict(args.speculative_config or {})
+    for flag, (key, value) in given.items():
+        if key in config and config[key] is not None and config[key] != value:
+            raise ValueError(f"{flag} {value} disagrees with --speculative-config's {key} ({config[key]!r}): give it once")
+        config[key] = value
+    args.speculative_config = config
+
+
 def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=f"{prog} [MODEL] [options]",
                                 description="OpenAI-compatible server with speculative decoding. MODEL, "
                                             "first or after the options (as in `vllm serve MODEL`), is the same as --model.")
     add_model_args(p)
     add_engine_args(p)
+    legacy = p.add_argument_group("vLLM 0.6's speculative flags (onto --speculative-config's keys, as they meant)")
+    for flag, (key, kind) in LEGACY_SPECULATIVE_FLAGS.items():
+        legacy.add_argument(flag, dest=f"legacy_{key}", metavar=key.upper(), help=f"speculative_config's {key}",
+                            **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}))
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -189,6 +222,7 @@ def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.N
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
         args.model = tag
+    fold_legacy_speculative(args)
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
 
 

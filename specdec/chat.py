@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_args, sampling_params
 from .config import SamplingParams, SchedulerConfig
-from .engine import Engine
+from .engine import Engine, kv_cache_dtype_name
 from .metrics import RequestStats
 from .tokenizer import NO_CHAT_TEMPLATE, load_chat_template
 
@@ -100,9 +100,10 @@ class ChatSession:
         self.llm, self.params, self.system, self.compare = llm, params, system, compare
         self.chat_template = chat_template         # None: the tokenizer's
         self.messages: list[dict] = []
-        self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,
+        self.plain = Engine(llm.target, llm.tokenizer, None, 0, llm.engine.max_model_len,     # the same KV cache dtype
                             scheduler_config=SchedulerConfig(max_num_seqs=1,
-                                                             enable_prefix_caching=llm.engine.config.enable_prefix_caching))
+                                                             enable_prefix_caching=llm.engine.config.enable_prefix_caching),
+                            kv_cache_dtype=kv_cache_dtype_name(llm.engine))
         self.speculative = llm.engine.proposer is not None
         self.reference_rate: float | None = None    # plain decoding, measured once
 

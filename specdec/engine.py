@@ -657,6 +657,12 @@ def kv_cache_dtype_of(target: Transformer, name: str) -> torch.dtype:
     return torch.bfloat16 if packed and target.device.type == "cpu" and target.dtype == torch.float32 else target.dtype
 
 
+def kv_cache_dtype_name(engine: "Engine") -> str:
+    """The kv_cache_dtype name that gives another engine on the same target this engine's cache
+    (a plain baseline compared with it must decode over the same cache)."""
+    return str(engine.kv_dtype).removeprefix("torch.")
+
+
 def _ranked(params) -> bool:
     """best_of > n: the candidates are ranked by cumulative logprob."""
     return (params.best_of or params.n) > params.n

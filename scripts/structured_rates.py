@@ -96,7 +96,7 @@ def main() -> None:
     elif args.threads != 1:
         ap.error("--clock cpu times one thread: use --threads 1")
     model = args.model or str(smollm2_gguf())
-    spec = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    spec = args.speculative_config or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     timers = Timers()
     llms = {"plain": LLM(model, num_speculative_tokens=0, enable_prefix_caching=False), "spec": LLM(model, speculative_config=spec, enable_prefix_caching=False)}
     prompts = [llms["plain"].chat_prompt([{"role": "user", "content": f"Describe {t} as a JSON object with a name, "

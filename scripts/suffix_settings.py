@@ -44,7 +44,7 @@ def main() -> int:
 
     plain = LLM(num_speculative_tokens=0, enable_prefix_caching=False)
     t_plain, ref = timed(plain)
-    variants = [("ngram K=4", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})]
+    variants = [("ngram K=4", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
     for k in (2, 3, 4, "auto"):
         for p, f in ((0.2, 0.5), (0.1, 1.0)):
             variants.append((f"suffix K={k} min_token_prob={p} max_spec_factor={f}",

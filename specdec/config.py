@@ -433,30 +433,50 @@ def _n_predict(model) -> int:
         return 3
 
 
+NGRAM_MODELS = ("[ngram]", "ngram")     # vLLM's `model` values that mean prompt lookup
+DEFAULT_LOOKUP_MAX = 4                   # suffix's and the hybrids' prompt_lookup_max when not given
+OPTIONAL_FIELDS = ("model", "prompt_lookup_max", "prompt_lookup_min", "num_layers", "max_k", "disable_by_batch_size")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`. num_speculative_tokens: an int, or "auto" (adaptive K)."""
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int | str = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    # None: not given. method "ngram" follows vLLM (neither given: both 5; one given: the other
+    # copies it); specdec's own lookup methods (suffix, the hybrids) keep min 1 / max 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     num_layers: int | None = None        # layer_skip: exit after this many layers
     max_k: int | None = None             # upper bound for "auto": K (default 8), tree size (32)
     disable_by_batch_size: int | None = None   # vLLM's: from this many running requests on, nobody drafts
     extra: dict = field(default_factory=dict)
+    # the keys the user gave (from_dict's; else the fields not left at None, and `extra`'s): what
+    # the unread-key warnings and the chain depth's default read; kept by dataclasses.replace
+    given: frozenset | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.given is None:
+            raw = {f for f in OPTIONAL_FIELDS if getattr(self, f) is not None}
+            object.__setattr__(self, "given", frozenset(raw | set(self.extra)))
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens
         ok = k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 64)
         _check(ok, "num_speculative_tokens", 'must be an integer in [0, 64] or "auto"', k)
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
-            v = getattr(self, name)
-            _check(_int(v) and 1 <= v <= 64, f"speculative_config.{name}", "must be an integer in [1, 64]", v)
-        _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
-               "must be >= 1 and <= prompt_lookup_max", self.prompt_lookup_min)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            _check(v is None or (_int(v) and 1 <= v <= 64), f"speculative_config.{name}",
+                   "must be an integer in [1, 64]", v)
+        if self.method == "ngram":          # vLLM's SpeculativeConfig: 5 and 5, or the one given twice
+            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        else:                               # specdec's own lookup methods: their defaults as measured
+            lo = 1 if lo is None else lo
+            hi = max(DEFAULT_LOOKUP_MAX, lo) if hi is None else hi
+        _check(lo <= hi, "speculative_config.prompt_lookup_max", f"must be >= prompt_lookup_min ({lo})", hi)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         _check(self.model is None or isinstance(self.model, str), "speculative_config.model",
@@ -468,8 +488,9 @@ class SpeculativeConfig:
         _check(isinstance(self.max_k, int) and not isinstance(self.max_k, bool) and 1 <= self.max_k <= 64,
                "max_k", "must be an integer in [1, 64]", self.max_k)
         d = self.disable_by_batch_size
-        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
-               "disable_by_batch_size", "must be an integer >= 1", d)
+        # vLLM's: >= 2 (from one running request on nobody would ever draft)
+        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 2),
+               "disable_by_batch_size", "must be an integer >= 2", d)
         if self.method in MODEL_KIND and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}: {MODEL_KIND[self.method]}")
 
@@ -485,14 +506,21 @@ class SpeculativeConfig:
         model = d.get("model")
         _check(model is None or isinstance(model, (str, os.PathLike)), "speculative_config.model",
                "must be a path (a string)", model)
-        _check(isinstance(d.get("method", ""), str), "speculative_config.method", "must be a string", d.get("method"))
-        if "method" not in d:       # as vLLM: the draft folder's config says which method it is
+        _check(d.get("method") is None or isinstance(d["method"], str), "speculative_config.method", "must be a string",
+               d.get("method"))
+        if str(d.get("model")) in NGRAM_MODELS and d.get("method") in (None, *NGRAM_MODELS):
+            d["model"] = None       # vLLM's: {"model": "[ngram]"} (or "ngram") is prompt lookup
+            d["method"] = "ngram"
+        if d.get("method") == "[ngram]":
+            d["method"] = "ngram"
+        if d.get("method") is None:     # as vLLM: the draft folder's config says which method it is
             d["method"] = _method_of(d["model"]) if d.get("model") else "ngram"
         if d["method"] == "mlp_speculator" and "num_speculative_tokens" not in d and d.get("model"):
             d["num_speculative_tokens"] = _n_predict(d["model"])       # vLLM's default: all its stages
-        known = set(cls.__dataclass_fields__) - {"extra"}
+        known = set(cls.__dataclass_fields__) - {"extra", "given"}
+        given = frozenset(k for k, v in d.items() if v is not None and k != "method")
         extra = {k: d.pop(k) for k in list(d) if k not in known}
-        return cls(**d, extra=extra)
+        return cls(**d, extra=extra, given=given)
 
 
 # vLLM's compilation_config keys about torch.compile / Inductor, which specdec does not run: taken, no effect

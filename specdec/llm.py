@@ -27,7 +27,7 @@ from .lora import LoRARequest
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
-from .proposers import build_proposer, typical_acceptance
+from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eos_ids, template_messages
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
@@ -76,18 +76,47 @@ class RequestOutput:
 
 def _speculative(speculative_model, num_speculative_tokens, speculative_config) -> SpeculativeConfig | None:
     if speculative_config is not None:
-        if isinstance(speculative_config, SpeculativeConfig):
-            return speculative_config
-        return SpeculativeConfig.from_dict(speculative_config)
+        config = _merged(speculative_config, speculative_model, num_speculative_tokens)
+        return config if isinstance(config, SpeculativeConfig) else SpeculativeConfig.from_dict(config)
     if speculative_model is None:
         return None
-    if str(speculative_model) in ("[ngram]", "ngram"):
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens or 4)
-    # the folder says which method it is (a draft model, an MLP speculator, an EAGLE-3 head)
+    # "[ngram]": prompt lookup (vLLM's); a folder says which method it is (a draft model, an MLP
+    # speculator, an EAGLE-3 head)
     spec = {"model": str(speculative_model)}
     if num_speculative_tokens is not None:
         spec["num_speculative_tokens"] = num_speculative_tokens
     return SpeculativeConfig.from_dict(spec)
+
+
+def _merged(config, speculative_model, num_speculative_tokens) -> dict | SpeculativeConfig:
+    """speculative_config with speculative_model / num_speculative_tokens given beside it: they
+    fill in what the config leaves out, and must agree with what it says (one-line ValueError)."""
+    if speculative_model is None and num_speculative_tokens is None:
+        return config
+    is_cfg = isinstance(config, SpeculativeConfig)
+    if not is_cfg and not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be an object, got {type(config).__name__}")
+    out = dict(config) if not is_cfg else None
+    pairs = (("speculative_model", "model", None if speculative_model is None else str(speculative_model)),
+             ("num_speculative_tokens", "num_speculative_tokens", num_speculative_tokens))
+    for arg, key, value in pairs:
+        if value is None:
+            continue
+        said = getattr(config, key) if is_cfg else config.get(key)
+        if said is None and not is_cfg:
+            out[key] = value
+        elif not _agree(key, said, value):
+            raise ValueError(f"{arg}={value!r} disagrees with speculative_config's {key} ({said!r}): give it once "
+                             "(in speculative_config)")
+    return config if is_cfg else out
+
+
+def _agree(key: str, said, value) -> bool:
+    if key == "model":
+        ngram = ("[ngram]", "ngram")
+        return str(said) == value or (str(said) in ngram and value in ngram) or \
+            (said is not None and value is not None and Path(str(said)).resolve() == Path(value).resolve())
+    return _same(said, value)
 
 
 def _is_bool(v) -> bool:
@@ -251,6 +280,9 @@ class LLM:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         self.model_path = str(model)
         self.seed = seed
+        if speculative_config is not None:      # what the keyword arguments add to it, or a one-line error
+            speculative_config = _merged(speculative_config, speculative_model, num_speculative_tokens)
+            speculative_model = None
         if isinstance(speculative_config, dict) and not speculative_config.get("model"):
             found = bundled_drafters(model).get(speculative_config.get("method"))
             speculative_config = {**speculative_config, "model": found} if found else speculative_config
@@ -286,6 +318,9 @@ class LLM:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
         max_len = max_model_len or self.target.config.max_position_embeddings
         proposer = None
+        if self.spec is not None and self.spec.num_speculative_tokens == 0:
+            check_keys(self.spec)          # as build_proposer does: a typo, or a key the method ignores, is said
+            typical_acceptance(self.spec)
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
         self.engine = Engine(self.target, self.tokenizer, proposer,

@@ -70,7 +70,7 @@ def check_packed_batch_equals_solo(path) -> None:
     prompts = [{"prompt_token_ids": IDS[0, :n].tolist()} for n in (3, 12, 7, 9)]
     solo = LLM(str(path), quantization="gguf", num_speculative_tokens=0, max_num_seqs=1)
     plain = [o.outputs[0].token_ids for o in solo.generate(prompts, GREEDY)]
-    llm = LLM(str(path), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    llm = LLM(str(path), quantization="gguf", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
               max_num_seqs=4, max_num_batched_tokens=8)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
 
@@ -127,7 +127,7 @@ def check_greedy_equals_transformers_generate(hf, path) -> None:
 
 
 SPECS = {
-    "ngram": lambda f: {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram": lambda f: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
     "draft_model": lambda f: {"method": "draft_model", "model": str(f["near"]), "num_speculative_tokens": 3},
     "self-draft": lambda f: {"method": "draft_model", "model": str(f["hf"]), "num_speculative_tokens": 4},
     "layer_skip": lambda f: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},

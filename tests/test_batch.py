@@ -41,7 +41,7 @@ def setup(tiny_pair, near_draft, tmp_path_factory):
 
 METHODS = {
     "draft_model": lambda s, k: {"method": "draft_model", "model": str(s["draft"]), "num_speculative_tokens": k},
-    "ngram": lambda s, k: {"method": "ngram", "num_speculative_tokens": k},
+    "ngram": lambda s, k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
     "layer_skip": lambda s, k: {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": k},
     "medusa": lambda s, k: {"method": "medusa", "model": str(s["medusa"]), "num_speculative_tokens": k},
     "eagle-tree": lambda s, k: {"method": "eagle", "model": str(s["eagle"]), "num_speculative_tokens": k},

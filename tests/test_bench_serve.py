@@ -260,7 +260,7 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
         return float(re.search(r"^specdec:prefix_cache_hits(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE).group(1))
 
     target, _ = tiny_pair
-    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_model_len=256,
+    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, max_model_len=256,
               enable_prefix_caching=True)       # a draft model keeps per-prompt state: not with prefix caching
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "def f(x):", "output_tokens": 3}\n')
@@ -389,7 +389,7 @@ def test_bench_serve_rounds_interleave_the_variants(tiny_pair, tmp_path, capsys)
     variants taking turns; every variant's point holds all of them."""
     target, _ = tiny_pair
     rc = main(["bench", "serve", "--model", str(target), "--num-speculative-tokens", "0,2", "--speculative-config",
-               json.dumps({"method": "ngram"}), "--server-args", "--max-model-len 256 --max-num-seqs 4",
+               json.dumps({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}), "--server-args", "--max-model-len 256 --max-num-seqs 4",
                "--max-concurrency", "1", "--num-prompts", "6", "--output-len", "4", "--ignore-eos", "--warmup", "0",
                "--rounds", "3", "--out", str(tmp_path)])
     assert rc == 0

@@ -12,12 +12,14 @@ from specdec import LLM, SamplingParams, defaults
 from specdec.cli import main
 
 CONV = [{"role": "user", "content": "def add(a, b):"}]
-NGRAM = ["--speculative-model", "[ngram]", "--num-speculative-tokens", "3"]
+# prompt lookup with explicit sizes (vLLM's "[ngram]" would use 5 and 5, too long to match here)
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+NGRAM = ["--speculative-config", json.dumps(NGRAM_SPEC)]
 
 
 @pytest.fixture(scope="module")
 def chat_llm(gguf_files):
-    return LLM(str(gguf_files["llama_q"]), speculative_model="[ngram]", num_speculative_tokens=3)
+    return LLM(str(gguf_files["llama_q"]), speculative_config=NGRAM_SPEC)
 
 
 def test_llm_chat_renders_the_template_as_transformers(chat_llm, gguf_files):

@@ -157,7 +157,7 @@ def test_cache_features_under_cuda_graphs(pytorch_path, tiny_pair, options):
                "def add(a, b):\n    return a + b\n\ndef sub(a, b):"]
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     outs, engines = [], []
     for graphs in (None, {"cudagraph_mode": "FULL_DECODE_ONLY"}):
         llm = LLM(model=tiny_pair[0], dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,

@@ -309,7 +309,7 @@ def test_packed_gguf_speculation_equals_plain(files, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0, max_num_seqs=1).generate(
         prompts, params)]
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                  {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
         llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec
@@ -323,7 +323,7 @@ def test_int8_latent_cache(files):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     kw = dict(model=files["hf"], dtype="float32", kv_cache_dtype="int8")
     plain = [o.outputs[0].token_ids for o in LLM(**kw, num_speculative_tokens=0).generate(prompts, params)]
-    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=3)
+    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, max_num_seqs=3)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
     fp32 = [o.outputs[0].token_ids for o in LLM(model=files["hf"], dtype="float32").generate(prompts, params)]
     same = sum(a == b for p, q in zip(plain, fp32) for a, b in zip(p, q))

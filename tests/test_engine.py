@@ -51,7 +51,7 @@ def test_greedy_equals_transformers_generate(models):
         assert tokens(llm, [prompt], GREEDY)[0] == out
 
 
-@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 3},
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                                     {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}])
 def test_self_speculative_methods_greedy_lossless(models, method):
     llm = LLM(model=models["target_dir"], speculative_config=method, dtype="float32")
@@ -330,7 +330,7 @@ def test_speculative_config_keys_are_checked_as_vllm_checks_them(tiny_pair):
     """A key specdec cannot honour is one clear error (vLLM rejects unknown keys too: a typo must
     not pass silently); vLLM's keys that mean nothing here are taken."""
     target = str(tiny_pair[0])
-    base = {"method": "ngram", "num_speculative_tokens": 2}
+    base = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     for extra, message in (({"prompt_lookup_maxx": 3}, "unknown key 'prompt_lookup_maxx'"),
                            ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2"),
                            ({"speculative_token_tree": "[(0,), (0, 0)]"}, "speculative_token_tree is not supported")):

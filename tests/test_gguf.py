@@ -192,7 +192,7 @@ def test_packed_rows_do_not_depend_on_how_many_are_multiplied(qtype, packed_path
 PROMPTS = [[0, 9, 17, 9, 17, 9, 17, 9], [0, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 30, 31, 32, 33, 34, 35]]
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                                   {"method": "draft_model", "num_speculative_tokens": 3}])
 def test_packed_speculative_greedy_equals_plain(gguf_files, spec, packed_path):
     path = str(gguf_files["llama_q"])

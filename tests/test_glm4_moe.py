@@ -143,7 +143,7 @@ def test_packed_gguf_speculation_equals_plain(files, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(model=str(path), num_speculative_tokens=0, max_num_seqs=1).generate(
         prompts, params)]
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                  {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}):
         llm = LLM(model=str(path), speculative_config=spec, max_num_seqs=4)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec

@@ -191,7 +191,7 @@ def test_mxfp4_folder_experts_stay_packed(files):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(str(files["mxfp4"]), num_speculative_tokens=0, max_num_seqs=1)
              .generate(prompts, params)]
-    llm = LLM(str(files["mxfp4"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    llm = LLM(str(files["mxfp4"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
               max_num_seqs=4, max_num_batched_tokens=8)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 

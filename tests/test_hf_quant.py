@@ -241,7 +241,7 @@ def test_speculative_greedy_on_quantized_target_equals_plain(ct_folders, dense, 
     draft, _ = write_gptq(dense, tmp_path / "draft", bits=8, group=-1)
     plain = LLM(target)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                  {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
         fast = LLM(target, quantization="compressed-tensors", speculative_config=spec)   # the target's method
         assert assert_same_greedy(plain, fast, PROMPTS, params) > 0

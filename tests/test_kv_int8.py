@@ -149,7 +149,7 @@ def test_prefix_caching_and_preemption_carry_the_scales(setup):
     kw = dict(model=target, dtype="float32", max_num_seqs=4, max_model_len=256, kv_cache_memory=4 * 16 * 5 * per_slot,
               kv_cache_dtype="int8", enable_prefix_caching=True)
     want = _plain_alone(target, prompts, params, max_model_len=256)
-    llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4})
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.num_preemptions > 0 and llm.engine.prefix_cache_hits > 0
@@ -197,7 +197,7 @@ def test_smollm2_ngram_equals_plain_with_int8_and_stays_close_to_full_precision(
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     runs = {}
     for spec in (None, "ngram"):
-        kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}} if spec else \
+        kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}} if spec else \
             {"num_speculative_tokens": 0}
         llm = LLM(model=str(smollm2), max_num_seqs=2, kv_cache_dtype="int8", **kw)
         runs[spec] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -58,7 +58,7 @@ def llms(tiny_pair, near_draft):
     common = dict(dtype="float32", max_model_len=128)
     return {"plain": LLM(target, num_speculative_tokens=0, **common),
             "draft_model": LLM(target, speculative_model=str(near_draft), num_speculative_tokens=3, **common),
-            "ngram": LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common)}
+            "ngram": LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, **common)}
 
 
 @pytest.mark.parametrize("name", ["plain", "draft_model", "ngram"])

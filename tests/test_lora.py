@@ -128,7 +128,7 @@ def test_speculation_under_an_adapter_is_lossless(tiny_pair, near_draft, adapter
     """The drafter proposes without the adapter; the adapted target verifies: greedy outputs are
     plain decoding's with the adapter, alone and batched with other adapters."""
     target, _ = tiny_pair
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram" else \
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1} if method == "ngram" else \
         {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3}
     plain = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
     fast = LLM(str(target), dtype="float32", speculative_config=spec, enable_lora=True, max_loras=2)

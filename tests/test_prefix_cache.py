@@ -94,7 +94,7 @@ def test_multi_turn_outputs_are_unchanged_and_the_history_is_not_recomputed(tiny
     target = tiny_pair[0]
     params = SamplingParams(temperature=0 if greedy else 1.0, top_k=0 if greedy else 8, max_tokens=12,
                             seed=None if greedy else 3, ignore_eos=True)
-    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if method else \
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}} if method else \
         {"num_speculative_tokens": 0}
     runs = {}
     for caching in (False, True):
@@ -285,17 +285,24 @@ def test_an_eagle_hit_behind_another_sequences_next_block(tiny_pair, drafters):
     assert hits == 48
 
 
+def _off(llm):
+    """Speculation off from one running request on (the config refuses disable_by_batch_size < 2,
+    as vLLM does; the engine's policy takes 1)."""
+    llm.engine.policy.disable_by_batch_size = 1
+    return llm
+
+
 def test_blocks_a_trailing_draft_cache_lacks_are_not_registered(tiny_pair, drafters):
     """With speculation off by batch size the draft model's updates are deferred: its cache holds
     the prompt, not the answer. The answer's blocks stay unregistered, so the next turn finds
     only the prompt's, and its draft cache equals the one it computes alone."""
     spec = {"method": "draft_model", "model": str(drafters["draft"]), "num_speculative_tokens": "auto",
-            "disable_by_batch_size": 1}
+            "disable_by_batch_size": 2}
     kw = dict(model=tiny_pair[0], dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
     tok = LLM(**kw).tokenizer
     prompt = tok.encode(PROMPTS[1] * 2)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    llm = LLM(**kw, enable_prefix_caching=True)
+    llm = _off(LLM(**kw, enable_prefix_caching=True))
     answer = list(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
     follow = prompt + answer + tok.encode(PROMPTS[5])
 
@@ -306,7 +313,7 @@ def test_blocks_a_trailing_draft_cache_lacks_are_not_registered(tiny_pair, draft
         return engine.proposer.kv.entries(req.request_id, list(range(len(follow) - 1)), 0), req.stats.cached_tokens
 
     got, hits = draft_after_prefill(llm.engine)
-    alone, _ = draft_after_prefill(LLM(**kw).engine)
+    alone, _ = draft_after_prefill(_off(LLM(**kw)).engine)
     assert 0 < hits <= len(prompt) - 1
     assert all(torch.equal(a, b) for a, b in zip(got, alone))
 

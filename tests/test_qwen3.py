@@ -106,7 +106,7 @@ def test_packed_q8_0_speculative_and_batch_equal_plain_solo(files):
     batch = LLM(str(files["q8_0"]), quantization="gguf", num_speculative_tokens=0, max_num_seqs=4,
                 max_num_batched_tokens=8)
     assert [o.outputs[0].token_ids for o in batch.generate(prompts, GREEDY)] == plain
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
                  {"method": "draft_model", "model": str(files["f32"]), "num_speculative_tokens": 3}):
         llm = LLM(str(files["q8_0"]), quantization="gguf", speculative_config=spec, max_num_seqs=4)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain, spec["method"]

@@ -470,7 +470,7 @@ def test_schemathesis_finds_no_server_errors(server):
 def test_vllm_flags_are_accepted():
     args, ignored = parse_args(["--model", "m", "--use-v2-block-manager", "--gpu-memory-utilization", "0.9",
                                 "--tensor-parallel-size", "1", "--enforce-eager", "--swap-space=4",
-                                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
                                 "--dtype", "half", "--port", "9001", "--served-model-name", "a", "b"])
     assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--swap-space=4"]
     assert args.enforce_eager       # vLLM's: no CUDA graphs (specdec captures them only when asked)

@@ -30,7 +30,7 @@ CONTROLS = {
 }
 METHODS = {
     "draft_model": {"method": "draft_model", "model": str(BUNDLED_DRAFT), "num_speculative_tokens": 3},
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
     "layer_skip": {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 3},
     "medusa": {"method": "medusa", "model": str(MODELS_DIR / "medusa"), "num_speculative_tokens": 8},
     "eagle-tree": {"method": "eagle", "model": str(MODELS_DIR / "eagle"), "num_speculative_tokens": 8},

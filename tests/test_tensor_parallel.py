@@ -37,7 +37,7 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=11, igno
 
 
 def _specs(draft, heads=None) -> dict:
-    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
              "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
              "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}}
     if heads:

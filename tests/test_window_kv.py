@@ -127,7 +127,7 @@ def test_speculation_with_windowed_caches_equals_plain(mistral, method):
     """A windowed draft model's cache shares the blocks (trimmed behind both windows); ngram has
     none. Greedy output equals plain decoding, with no preemption in the small pool."""
     hf, near = mistral
-    spec = {"method": "draft_model", "model": str(near)} if method == "draft_model" else {"method": "ngram"}
+    spec = {"method": "draft_model", "model": str(near)} if method == "draft_model" else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     ps, n = prompts(3, 10), 80
     base = dict(model=hf, dtype="float32", max_model_len=MAX_LEN, block_size=BS, max_num_seqs=4)
     llm = LLM(**base, speculative_config={**spec, "num_speculative_tokens": 3},

@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", default=DEFAULT_KS, type=_ks,
                    help=f'comma-separated K values, "auto" included (default {DEFAULT_KS})')
     p.add_argument("--speculative-config", type=_per_method,
-                   help='per-method settings as JSON, e.g. \'{"layer_skip": {"num_layers": 2}, "ngram": {"prompt_lookup_max": 3}}\'')
+                   help='per-method settings as JSON, e.g. \'{"layer_skip": {"num_layers": 2}, "ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3}}\'')
     p.add_argument("--methods", type=_names, help="comma-separated: plain, any registered method, hf_plain, hf_assisted, "
                    "hf_assisted_default, hf_assisted_heuristic, hf_prompt_lookup, llamacpp_plain, "
                    "llamacpp_prompt_lookup (default: plain, every registered method and every method of the --peers "

@@ -42,10 +42,17 @@ def plain_variant(llm, clock=time.perf_counter, graphs: tuple[int, ...] | None =
     return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine, clock))
 
 
+# `ngram`'s lookup sizes in specdec's benchmarks when --method-config gives neither (what every
+# recorded `specdec bench` run measured; vLLM's own default, which speculative_config follows, is 5 and 5)
+BENCH_NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
 def _spec(method: str, k, draft_dir: str | None, overrides: dict) -> SpeculativeConfig:
     fields = dict(overrides)
     if method == "draft_model" and draft_dir is not None:
         fields.setdefault("model", draft_dir)
+    if method == "ngram" and all(fields.get(key) is None for key in BENCH_NGRAM_LOOKUP):
+        fields.update(BENCH_NGRAM_LOOKUP)
     return SpeculativeConfig.from_dict({**fields, "method": method, "num_speculative_tokens": k})
 
 

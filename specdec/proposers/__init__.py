@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 from ..config import MTP_METHODS, SpeculativeConfig
 from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext
 from .draft_model import DraftModelProposer
-from .eagle import EagleProposer
+from .eagle import DEFAULT_DEPTH, EagleProposer
 from .hybrid import HybridProposer, HybridSettings
 from .layer_skip import LayerSkipProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .suffix import SuffixProposer, SuffixSettings, load_datastore
+
+log = logging.getLogger("specdec.proposers")
 
 
 def _draft_model(spec: SpeculativeConfig, target, loader, max_len):
@@ -55,11 +58,29 @@ def _medusa(spec: SpeculativeConfig, target, loader, max_len):
 
 
 def _tree_shape(spec: SpeculativeConfig, topk: int, depth: int | None) -> tuple[int, int | None]:
-    """The EAGLE proposer's `topk` and `depth` (speculative_config's, else these defaults), checked."""
+    """The EAGLE proposer's `topk` and `depth` (speculative_config's, else these defaults), checked.
+
+    A chain (topk 1) drafts num_speculative_tokens tokens, as vLLM's EAGLE / EAGLE-3 / MTP chains
+    do: its depth defaults to K ("auto": max_k when given, else DEFAULT_DEPTH, the ladder's top),
+    and an explicit depth below K is an error (it would cap every draft below what K asks for).
+    A tree (topk > 1) keeps its rules: depth in [1, 16], default DEFAULT_DEPTH, N nodes kept."""
     topk, depth = spec.extra.get("topk", topk), spec.extra.get("depth", depth)
-    for name, v in (("topk", topk), ("depth", depth)):
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
-            raise ValueError(f"speculative_config.{name} must be an integer in [1, 16], got {v!r}")
+    v = topk
+    if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16):
+        raise ValueError(f"speculative_config.topk must be an integer in [1, 16], got {v!r}")
+    top = 64 if topk == 1 else 16
+    if depth is not None and not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= top):
+        raise ValueError(f"speculative_config.depth must be an integer in [1, {top}], got {depth!r}")
+    if topk == 1:
+        k = spec.num_speculative_tokens
+        if k == "auto":
+            k = spec.max_k if "max_k" in spec.given else DEFAULT_DEPTH
+        if depth is None:
+            depth = k
+        elif depth < k:
+            raise ValueError(f"speculative_config.depth ({depth}) is below num_speculative_tokens ({k}): an "
+                             f"{spec.method} chain (topk 1) drafts num_speculative_tokens tokens; leave depth out "
+                             "or lower num_speculative_tokens")
     return topk, depth
 
 
@@ -121,8 +142,12 @@ def _hybrid(learned_method: str) -> Callable:
                 raise ValueError(f"speculative_config.topk must be 1 for {spec.method!r} (it drafts chains), "
                                  f"got {extra['topk']!r}")
             extra["topk"] = 1
-        learned = REGISTRY[learned_method](dataclasses.replace(spec, method=learned_method, extra=extra),
-                                           target, loader, max_len)
+        inner = dataclasses.replace(spec, method=learned_method, extra=extra)
+        depth = extra.get("depth")
+        if learned_method != "draft_model" and isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 64:
+            # the hybrid's learned chain may stop short of K (lookup drafts up to K either way)
+            inner = dataclasses.replace(inner, num_speculative_tokens=depth)
+        learned = REGISTRY[learned_method](inner, target, loader, max_len)
         return HybridProposer(learned, spec.prompt_lookup_max, spec.prompt_lookup_min, settings)
     return build
 
@@ -159,16 +184,32 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # speculative_config keys beside SpeculativeConfig's fields: the ones specdec reads, and vLLM's
 # that mean nothing here (its engine's internals, eager mode, logging), taken and ignored as
 # vLLM takes them; any other key is an error, as it is in vLLM (a typo must not pass silently)
-READ_KEYS = {"topk", "depth", "acceptance_method", "posterior_threshold", "posterior_alpha", *HYBRID_KEYS,
-             *(f"suffix_decoding_{f}" for f in SuffixSettings.__dataclass_fields__)}
+SUFFIX_KEYS = tuple(f"suffix_decoding_{f}" for f in SuffixSettings.__dataclass_fields__)
+TYPICAL_KEYS = ("posterior_threshold", "posterior_alpha")
+READ_KEYS = {"topk", "depth", "acceptance_method", *TYPICAL_KEYS, *HYBRID_KEYS, *SUFFIX_KEYS}
 VLLM_IGNORED_KEYS = {"enforce_eager", "revision", "code_revision", "disable_log_stats", "disable_logprobs",
                      "disable_padded_drafter_batch", "disable_mqa_scorer", "enable_chunked_prefill", "max_model_len",
                      "quantization", "target_model_config", "target_parallel_config", "draft_model_config",
                      "draft_parallel_config"}
+# what each method reads beside method, num_speculative_tokens, disable_by_batch_size and the
+# acceptance keys (every method's); a key given to a method that does not read it is a warning
+LOOKUP_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
+_EAGLE_READS = ("model", "topk", "depth")
+METHOD_READS: dict[str, tuple[str, ...]] = {
+    "draft_model": ("model",), "ngram": LOOKUP_FIELDS, "suffix": ("model", *LOOKUP_FIELDS, *SUFFIX_KEYS),
+    "layer_skip": ("num_layers",), "medusa": ("model",), "eagle": _EAGLE_READS, "eagle3": _EAGLE_READS,
+    "mlp_speculator": ("model",), **{m: _EAGLE_READS for m in MTP_METHODS if not m.startswith("ngram+")},
+    "ngram+eagle": (*_EAGLE_READS, *LOOKUP_FIELDS, *HYBRID_KEYS),
+    "ngram+mtp": (*_EAGLE_READS, *LOOKUP_FIELDS, *HYBRID_KEYS),
+    "ngram+draft_model": ("model", *LOOKUP_FIELDS, *HYBRID_KEYS),
+}
+EVERY_METHOD_READS = {"method", "num_speculative_tokens", "disable_by_batch_size", "acceptance_method", *TYPICAL_KEYS,
+                      "max_k", *VLLM_IGNORED_KEYS, "draft_tensor_parallel_size"}
 
 
 def check_keys(spec: SpeculativeConfig) -> None:
-    """One clear error for a speculative_config key specdec cannot honour."""
+    """One clear error for a speculative_config key specdec cannot honour, and a warning for
+    each key the chosen method does not read (it would change nothing)."""
     for key, value in spec.extra.items():
         if key in READ_KEYS or key in VLLM_IGNORED_KEYS:
             continue
@@ -180,9 +221,20 @@ def check_keys(spec: SpeculativeConfig) -> None:
         if key == "speculative_token_tree":
             raise ValueError("speculative_config.speculative_token_tree is not supported: specdec grows EAGLE-2 "
                              "dynamic trees (set topk and num_speculative_tokens, the number of nodes)")
-        known = sorted({f for f in SpeculativeConfig.__dataclass_fields__ if f != "extra"} | READ_KEYS
+        known = sorted({f for f in SpeculativeConfig.__dataclass_fields__ if f not in ("extra", "given")} | READ_KEYS
                        | {"draft_tensor_parallel_size"})
         raise ValueError(f"speculative_config: unknown key {key!r} (specdec reads {', '.join(known)})")
+    typical = spec.extra.get("acceptance_method") == "typical_acceptance_sampler"
+    reads = set(METHOD_READS.get(spec.method, ())) | EVERY_METHOD_READS
+    for key in sorted(spec.given):
+        if key not in reads:
+            log.warning("speculative_config: method %r does not read %r: it has no effect", spec.method, key)
+        elif key in TYPICAL_KEYS and not typical:
+            log.warning("speculative_config: %r is read only with acceptance_method 'typical_acceptance_sampler' "
+                        "(method %r verifies by rejection sampling): it has no effect", key, spec.method)
+        elif key == "max_k" and not spec.adaptive:
+            log.warning("speculative_config: 'max_k' is read only with num_speculative_tokens \"auto\": it has no "
+                        "effect on method %r at K = %s", spec.method, spec.num_speculative_tokens)
 
 
 def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer:
@@ -203,15 +255,15 @@ def typical_acceptance(spec: SpeculativeConfig | None) -> tuple[float, float] | 
     if acceptance not in ACCEPTANCE_METHODS:
         raise ValueError(f"speculative_config.acceptance_method must be one of {', '.join(ACCEPTANCE_METHODS)}, "
                          f"got {acceptance!r}")
-    if acceptance != "typical_acceptance_sampler":
-        return None
     threshold = spec.extra.get("posterior_threshold", 0.09)
     alpha = spec.extra.get("posterior_alpha", 0.3)
-    for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):
+    for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):     # checked even unread
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
             raise ValueError(f"speculative_config.{name} must be in (0, 1], got {v!r}")
+    if acceptance != "typical_acceptance_sampler":
+        return None
     return float(threshold), float(alpha)
 
 
-__all__ = ["Committed", "Draft", "HybridProposer", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps",
+__all__ = ["check_keys", "Committed", "Draft", "HybridProposer", "ProposeItem", "Proposer", "ProposerBase", "ProposerCaps",
            "RequestContext", "REGISTRY", "SuffixProposer", "build_proposer", "typical_acceptance"]

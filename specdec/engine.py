@@ -106,6 +106,7 @@ class Engine:
                                         self.caps.max_tree_size,
                                         disable_by_batch_size)
         self.config = scheduler_config or SchedulerConfig()
+        self.tree_nodes_cap = _tree_nodes_cap(target) if self.caps.tree else None
         self.kv_dtype = kv_cache_dtype_of(target, kv_cache_dtype)
         self.blocks, self.kv = self._allocate_kv(max_k, spare=cuda_graph_sizes is not None)
         # CUDA graphs of the target's forwards over this engine's cache (--compilation-config), or None
@@ -367,6 +368,8 @@ class Engine:
             room = self._room(r)
             cap = 0 if room <= 0 else (self.max_model_len - len(r.seq) if self.caps.tree else room)
             cap = draft_room(self.caps, len(r.seq), max(0, cap))     # a draft model's shorter context
+            if self.tree_nodes_cap is not None:                         # no tree as deep as a sliding window
+                cap = min(cap, self.tree_nodes_cap)
             seqs.append(SeqInfo(r.request_id, r.params.greedy, len(r.seq), cap))
         t = self.clock()
         ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
@@ -655,6 +658,18 @@ def kv_cache_dtype_of(target: Transformer, name: str) -> torch.dtype:
         return getattr(torch, name)
     packed = any(isinstance(m, QuantLinear) for m in target.modules())
     return torch.bfloat16 if packed and target.device.type == "cpu" and target.dtype == torch.float32 else target.dtype
+
+
+def _tree_nodes_cap(target) -> int | None:
+    """The most nodes a verified tree may hold on a target with sliding windows: its smallest
+    window - 1. The attention lets a tree node see every node of its path (the tree mask decides
+    past the tree's first slot), which is the window's answer only while the path is shorter
+    than the window; a tree of at most window - 1 nodes is at most that deep. Chains apply the
+    window row by row and need no cap. None: no windowed layer (real windows, 128 and more, are
+    above every K specdec drafts)."""
+    layers = getattr(getattr(target, "model", None), "layers", None) or []
+    windows = [w for layer in layers if (w := getattr(getattr(layer, "self_attn", None), "window", None))]
+    return max(1, min(windows) - 1) if windows else None
 
 
 def kv_cache_dtype_name(engine: "Engine") -> str:

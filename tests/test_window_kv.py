@@ -170,3 +170,25 @@ def test_tensor_parallel_ranks_follow_the_given_back_blocks(mistral):
         assert got == want and tp2.engine.num_preemptions == 0
     finally:
         tp2.shutdown()
+
+
+def test_trees_stay_shallower_than_the_window(mistral):
+    """Oracle trees of 12 nodes (the true continuation hidden at random sibling positions, so deep
+    paths are accepted) on a window of 8: the tree mask lets a node see its whole path, which a
+    window shorter than the path would not, so the engine keeps a tree to window - 1 nodes (it
+    verified paths 8 deep, whose last node saw the root 8 positions back: output left plain's)."""
+    from specdec.engine import Engine
+    from test_heads import OracleTree
+
+    hf, _ = mistral
+    llm = LLM(model=str(hf), dtype="float32", num_speculative_tokens=0)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [[0, 9, 17, 33, 42, 8, 61, 20, 5, 77, 30, 2, 14][:n] for n in (3, 8, 13)]
+    plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ids], params)]
+    truth = {tuple(p): out for p, out in zip(ids, plain)}
+    for seed in range(6):
+        engine = Engine(llm.target, llm.tokenizer, OracleTree(truth, seed), 12, llm.engine.max_model_len, max_k=12)
+        assert engine.tree_nodes_cap == WINDOW - 1
+        for prompt, want in zip(ids, plain):
+            events = list(engine.generate(prompt, params))
+            assert [t for e in events for t in e.token_ids] == want, (seed, len(prompt))

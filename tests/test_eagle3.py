@@ -439,3 +439,18 @@ def greedy_equals_plain(target, head, folder) -> LLM:
               speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     return llm
+
+
+def test_speculators_config_without_norm_before_residual_reads_true(target, head, tmp_path):
+    """A speculators config that leaves norm_before_residual out means True, as vLLM reads it
+    (speculators/algos.py update_eagle3); the authors' layout has no such key and means False."""
+    import shutil
+    folder = tmp_path / "no-nbr"
+    shutil.copytree(head["speculators"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["norm_before_residual"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = load_model(target, "float32")
+    assert load_eagle3(folder, model).decoder.model.layers[0].norm_before_residual is True
+    assert load_eagle3(head["speculators"], model).decoder.model.layers[0].norm_before_residual is False
+    assert load_eagle3(head["authors"], model).decoder.model.layers[0].norm_before_residual is False

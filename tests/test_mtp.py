@@ -156,6 +156,8 @@ def test_layer_matches_the_reference(mtp, monkeypatch, layout, c_path):
     with torch.no_grad():
         feats, embeds = features(hf, ids)[:-1], hf.model.embed_tokens(ids[1:])
         ref_logits, ref_h = ref_mtp(w, mtp["lm_head"], feats, embeds)
+        if layout == "mimo":        # MiMo's layer hands on its final norm's output (vLLM's mimo_mtp)
+            ref_h = rms(ref_h, w[P + "final_layernorm.weight"])
         whole = head(feats[None], embeds[None])
         torch.testing.assert_close(whole.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(whole.hidden[0], ref_h, atol=1e-4, rtol=1e-4)
@@ -192,7 +194,8 @@ def test_first_greedy_chain_equals_the_reference(mtp, monkeypatch):
         for _ in range(3):
             logits, states = ref_mtp(w, mtp["lm_head"], h, embeds)
             chain.append(int(logits[-1].argmax()))
-            h = torch.cat([h, states[-1:]])
+            # MiMo's layer hands on its final norm's output (vLLM's mimo_mtp: final_layernorm(h))
+            h = torch.cat([h, rms(states[-1:], w[P + "final_layernorm.weight"])])
             embeds = torch.cat([embeds, hf.model.embed_tokens(torch.tensor(chain[-1:]))])
     assert drafts[0] == chain
 
@@ -361,4 +364,4 @@ def test_speculators_mtp_drafter(mtp, tmp_path, monkeypatch, c_path):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.stats.accepted_tokens for o in outs) > 0
-    assert llm.engine.proposer.c_chain is None               # forward.c's chain hands on unnormed states
+    assert (llm.engine.proposer.c_chain is not None) == c_path   # forward.c's chain hands on the normed state too

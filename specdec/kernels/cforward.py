@@ -382,15 +382,14 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
 
     if isinstance(head, Eagle3Head):      # (norm_output: the chain would hand on the unnormed state)
         return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 and not head.norm_output else None
-    if isinstance(head, MTPHead) and head.norm_output:      # the chain would hand on the unnormed state
-        return None
     fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
     if isinstance(head, MTPHead) and fc is not None and not _dense_ok(fc):   # a GGUF file's packed eh_proj
         found = _mat(fc)
         if found is None or fc.bias is not None:
             return None
         norms = [n.weight.detach().to(torch.float32).contiguous() for n in (head.enorm, head.hnorm)]
-        return (_Fuse(None, 0, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first), 1, found[0]),
+        return (_Fuse(None, 0, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first),
+                      int(not head.norm_output), found[0]),
                 [found[1], *norms])
     if fc is None or not _dense_ok(fc):
         return None
@@ -402,7 +401,9 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
         return _Fuse(keep[0].data_ptr(), bf16, _ptr(bias), None, None, int(head.embeds_first), 0), keep
     norms = [n.weight.detach().to(torch.float32).contiguous() for n in (head.enorm, head.hnorm)]
     keep += norms
-    return _Fuse(keep[0].data_ptr(), bf16, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first), 1), keep
+    # the state carried on: before the final norm (DeepSeek, GLM), or its output with norm_output (MiMo, speculators)
+    return _Fuse(keep[0].data_ptr(), bf16, None, norms[0].data_ptr(), norms[1].data_ptr(), int(head.embeds_first),
+                 int(not head.norm_output)), keep
 
 
 def eagle_chain(lib, view: CView, fuse: tuple[_Fuse, list], embedding, draft_vocab, rows, base, steps, feats,

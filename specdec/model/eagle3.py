@@ -162,9 +162,12 @@ def _settings(cfg: dict) -> dict:
     transformer_layer_config), as one flat dict."""
     if cfg.get("speculators_model_type") == "eagle3":
         layer = cfg.get("transformer_layer_config") or {}
-        return {**layer, **{k: cfg[k] for k in ("draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                                                "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm",
-                                                "norm_output") if k in cfg}}
+        # norm_before_residual left out: True, as vLLM reads these configs (speculators/algos.py
+        # update_eagle3); the library itself always writes it. The authors' layout: False.
+        return {**layer, "norm_before_residual": True,
+                **{k: cfg[k] for k in ("draft_vocab_size", "norm_before_residual", "target_hidden_size",
+                                       "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm",
+                                       "norm_output") if k in cfg}}
     return cfg
 
 

@@ -164,7 +164,10 @@ def load_mtp(folder: str | Path, target: Transformer) -> MTPHead:
     if embeds is not None and embeds.shape == target.model.embed_tokens.weight.shape and \
             torch.equal(embeds.to(target.model.embed_tokens.weight.dtype), target.model.embed_tokens.weight.cpu()):
         embeds = None                                        # the target's own (DeepSeek-V3's): shared
-    head = MTPHead(cfg, embeds_first=not mimo, embedding_rows=embeds.shape[0] if embeds is not None else 0)
+    # MiMo's layer hands on its final norm's output (vLLM's mimo_mtp returns final_layernorm(h), and
+    # its proposer chains that); DeepSeek / GLM layers hand on the state before shared_head.norm
+    head = MTPHead(cfg, embeds_first=not mimo, embedding_rows=embeds.shape[0] if embeds is not None else 0,
+                   norm_output=mimo)
     if cfg.kv_lora_rank and rope_interleaved(raw):      # DeepSeek's latent attention (model/mla.py)
         layer = deinterleave_rope(layer, cfg)
     state = {**own, **{"decoder." + k: v for k, v in hf_to_fused(layer, cfg).items()}}

@@ -10,6 +10,7 @@ method read from the folder; what is refused."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +209,28 @@ def test_qkv_bias(target, head, tmp_path, monkeypatch):
         assert (c - logits(head["bias"])[0]).abs().max() > 1e-3
         monkeypatch.setattr(kernels, "load", lambda *a: None)
         torch.testing.assert_close(logits(folder)[0], c, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sharded_head_folder(target, head, tmp_path):
+    """The same head saved in shards with their index (pytorch_model-0000i-of-0000N.bin and
+    pytorch_model.bin.index.json) is an EAGLE head and drafts as the single file does (it was
+    taken for a draft model: 'weights missing from the checkpoint: lm_head.weight')."""
+    import shutil
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(Path(head["bias"]) / "config.json", sharded / "config.json")
+    w = torch.load(Path(head["bias"]) / "pytorch_model.bin", weights_only=True)
+    names = sorted(w)
+    parts = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in parts.items():
+        torch.save({k: w[k] for k in keys}, sharded / file)
+    (sharded / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {k: file for file, keys in parts.items() for k in keys}}))
+    assert is_eagle_authors(sharded) and SpeculativeConfig.from_dict({"model": str(sharded)}).method == "eagle"
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = [LLM(model=target, dtype="float32", speculative_config={"method": "eagle", "model": str(folder),
+                                                                   "num_speculative_tokens": 3}).generate(prompts, params)
+            for folder in (head["bias"], sharded)]
+    assert [[o.outputs[0].token_ids for o in outs] for outs in runs][0] == [o.outputs[0].token_ids for o in runs[1]]
+    assert [o.stats.accepted_tokens for o in runs[0]] == [o.stats.accepted_tokens for o in runs[1]]

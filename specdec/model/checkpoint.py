@@ -619,7 +619,26 @@ def read_head_file(folder: Path) -> dict[str, torch.Tensor]:
         return load_file(str(folder / "model.safetensors"))
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    if any((folder / n).is_file() for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")):
+        return read_state_dict(folder)          # sharded, with its index
+    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (nor their .index.json)")
+
+
+def weight_names(folder: Path) -> list[str] | None:
+    """The tensor names of a folder's weights without reading them (a sharded folder's index, a
+    safetensors header, a memory-mapped pickle), None where it holds no weights file."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            try:
+                return list(json.loads((folder / index).read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return list(f.keys())
+    if (folder / "pytorch_model.bin").is_file():
+        return list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
+    return None
 
 
 def check_state(folder, what: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:

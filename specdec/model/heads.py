@@ -225,14 +225,10 @@ def is_eagle_authors(folder: str | os.PathLike) -> bool:
     if (cfg.get("architectures") or [None])[0] in (MEDUSA, EAGLE) or "speculators_model_type" in cfg \
             or not isinstance(cfg.get("num_hidden_layers"), int) or cfg["num_hidden_layers"] > 2:
         return False          # (a draft model has more layers: its weights are never read here)
-    if (folder / "model.safetensors").is_file():
-        from safetensors import safe_open
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            names = list(f.keys())
-    elif (folder / "pytorch_model.bin").is_file():
-        # mapped, not read: only the names are wanted (the loader reads the tensors once, later)
-        names = list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
-    else:
+    from .checkpoint import weight_names
+
+    names = weight_names(folder)        # one file, or shards with their index
+    if names is None:
         return False
     return "fc.weight" in names and any(k.startswith("layers.0.") for k in names)
 
@@ -367,7 +363,9 @@ def load_medusa_released(folder: str | os.PathLike, target: Transformer) -> Resi
     if "lm_head.weight" in sd:            # vLLM's original_lm_head: one LM head for every head
         sd["lm_heads.0.weight"] = sd.pop("lm_head.weight")
     shared = "lm_heads.1.weight" not in sd
-    rows = sd["lm_heads.0.weight"].shape[0] if "lm_heads.0.weight" in sd else 0
+    if "lm_heads.0.weight" not in sd:
+        raise CheckpointError(f"{folder}: Medusa heads without their LM-head weights (lm_heads.N.weight or lm_head.weight)")
+    rows = sd["lm_heads.0.weight"].shape[0]
     vocab = token_map.to(torch.long) if token_map is not None else torch.arange(rows)
     if rows == 0 or vocab.numel() != rows or int(vocab.max()) >= tcfg.vocab_size or int(vocab.min()) < 0:
         raise CheckpointError(f"{folder}: the heads' vocabulary ({rows} rows) does not fit the target's "

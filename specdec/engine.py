@@ -36,11 +36,11 @@ from .lora import LoRAManager, LoRARequest
 from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
-from .proposers import Committed, ProposeItem, Proposer, ProposerCaps, RequestContext
-from .proposers.base import draft_room, merge_committed
+from .proposers import Committed, Draft, ProposeItem, Proposer, ProposerCaps, RequestContext
+from .proposers.base import draft_room, merge_committed, prune_tree
 from .sampling import Controls, make_generator, needs_controls
 from .structured import GrammarCompiler
-from .scheduler import RUNNING, Request, Scheduler
+from .scheduler import Request, Scheduler
 from .verifier import (Verified, controlled_logits, cut_to_grammar, extend_with_forced, feed_of, limit_depth,
                        verify_batch)
 from .tokenizer import Tokenizer
@@ -101,6 +101,7 @@ class Engine:
         self.caps = proposer.caps if proposer is not None else ProposerCaps()
         self._deferred: dict = {}       # request id -> its Committed steps not yet given to the proposer (_update_proposer)
         self._deferred_rows: dict = {}  # request id -> the feature rows those steps hold
+        self._warned_vocab = False      # a draft held a token outside the target's vocabulary (_in_vocab)
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
         self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree and not self.caps.chain, max_k,
                                         self.caps.max_tree_size,
@@ -224,7 +225,7 @@ class Engine:
         adapter = self.check_lora(lora_request)
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
-                             self.controls(prompt, params))
+                             self.controls(prompt, params), prompt_len=len(prompt))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
@@ -327,7 +328,8 @@ class Engine:
         t1 = self.clock()
         drafts = self._propose(plan)
         t2 = self.clock()
-        out, offsets, num_tokens, attention, scored = self._forward(plan, drafts)
+        drafts, host = self._on_host(drafts)
+        out, offsets, num_tokens, attention, scored = self._forward(plan, drafts, host)
         if scored:                            # prompt chunks' rows, after every decoding row
             self._score_prompts(scored, out.logits)
             out = dataclasses.replace(out, logits=out.logits[:scored[0][3]])
@@ -450,16 +452,60 @@ class Engine:
             drafts[i] = draft if draft is not None and draft.k > 0 else None
         return drafts
 
-    def _forward(self, plan, drafts):
+    def _on_host(self, drafts: list) -> tuple[list, list[int]]:
+        """Every draft's tokens to the host at once (proposers may leave them on either device:
+        one sync), and the drafts cut at their first token outside the target's vocabulary
+        [0, vocab_size) (a datastore or drafter made for another tokenizer): such a token would
+        index past the target's embedding. Returns (drafts, their tokens on the host, in order)."""
+        proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
+        host = torch.cat(proposed).tolist() if proposed else []
+        vocab = self.target.config.vocab_size
+        if host and (min(host) < 0 or max(host) >= vocab):
+            drafts, host = self._in_vocab(drafts, host, vocab)
+        return drafts, host
+
+    def _in_vocab(self, drafts: list, host: list[int], vocab: int) -> tuple[list, list[int]]:
+        """The drafts with their tokens outside [0, vocab) dropped: a chain is cut before its
+        first such token, a tree loses those nodes and everything below them. Exact for fixed
+        drafts (q = None, the lookup methods): the target gives such a token p = 0, so it and what
+        follows would be rejected, and the position then draws from p, as it does with no draft.
+        A draft drawn from q never holds one (q is cut to the target's vocabulary)."""
+        if not self._warned_vocab:
+            bad = next(t for t in host if not 0 <= t < vocab)
+            log.warning("the %s proposer drafted token id %d, outside the target's vocabulary of %d: drafts are "
+                        "cut before such tokens (a drafter or datastore made for another tokenizer?); warned once",
+                        getattr(self.proposer, "name", "?"), bad, vocab)
+            self._warned_vocab = True
+        out, kept_host, at = [], [], 0
+        for d in drafts:
+            if d is None:
+                out.append(None)
+                continue
+            toks = host[at:at + d.k]
+            at += d.k
+            keep = [0 <= t < vocab for t in toks]
+            if all(keep):
+                out.append(d)
+                kept_host += toks
+                continue
+            if not d.is_tree:
+                n = keep.index(False)
+                d = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None) if n else None
+                toks = toks[:n]
+            else:
+                toks, parents, kept = prune_tree(toks, d.parents, keep)
+                d = Draft(d.tokens[kept], d.probs[kept] if d.probs is not None else None, parents) if kept else None
+            out.append(d)
+            kept_host += toks
+        return out, kept_host
+
+    def _forward(self, plan, drafts, host: list[int]):
         """One target forward: decoding requests first, then prompt chunks; returns the output,
         each entry's first row in it (for decoding requests also their first logits row: they
         come first and every one of their rows has logits), the number of tokens fed and the
         slots they attend over (each sees its sequence's earlier slots: the attention's work), in
-        all and by the decoding requests' drafted rows."""
+        all and by the decoding requests' drafted rows. host: the drafts' tokens (_on_host)."""
         ids, counts, trees, logits, tokens, offsets = [], [], [], [], [], []
-        # every draft's tokens to the host at once (proposers may leave them on either device)
-        proposed = [d.tokens.to(self.target.device) for d in drafts if d is not None]
-        host = torch.cat(proposed).tolist() if proposed else []
         at = 0
         for r, draft in zip(plan.decode, drafts):
             k = draft.k if draft is not None else 0
@@ -602,10 +648,11 @@ class Engine:
 
     def _retire(self, r: Request) -> None:
         """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""
-        running = r.status == RUNNING
         self.scheduler.finish(r)
         self.policy.forget(r.request_id)
-        if self.proposer is not None and running:
+        if self.proposer is not None:
+            # running, or waiting: a preempted request keeps proposer state (preempt_request) until
+            # here; every proposer takes an id it holds nothing for (one never admitted)
             self.proposer.remove_request(r.request_id)
         self._deferred.pop(r.request_id, None)
         self._deferred_rows.pop(r.request_id, None)

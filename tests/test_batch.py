@@ -369,5 +369,6 @@ def test_a_preempted_suffix_request_joins_the_response_cache_once_whole():
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert llm.engine.num_preemptions > 0
     docs = sorted(d.tolist() for d in llm.engine.proposer.cache.docs)
-    # the cache holds seq[:-1] after a prefill: the prompt's last token and HEADER_TOKENS before it
-    assert docs == sorted(p[-HEADER_TOKENS - 1:] + o.outputs[0].token_ids for p, o in zip(prompts, outs))
+    # each output with the prompt's last HEADER_TOKENS tokens, as the datastore's documents (the
+    # prompt's length is the request's own, no longer a prefill's cache length, seq[:-1])
+    assert docs == sorted(p[-HEADER_TOKENS:] + o.outputs[0].token_ids for p, o in zip(prompts, outs))

@@ -4,6 +4,7 @@ answers with features, and EAGLE / Medusa heads trained on them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,6 +327,9 @@ def test_suffix_datastore_from_answers_is_lossless(answers, tmp_path):
     assert cfg["architectures"] == ["SpecdecSuffixDatastore"] and cfg["depth"] == 16
     assert cfg["num_tokens"] == answer_tokens + 3 * len(data["prompt_lens"])
     assert cfg["source"]["answers"] == len(data["prompt_lens"])
+    # the target's vocabulary is recorded: a target of another one refuses the datastore
+    assert cfg["vocab_size"] == json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    assert cfg["source"]["target"]["path"] == str(Path(target).resolve())
     prompts = [{"prompt_token_ids": chat_ids(Tokenizer(target), r["prompt"])} for r in rows[:4]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(model=target, dtype="float32", num_speculative_tokens=0)

@@ -31,7 +31,8 @@ def _suffix(spec: SpeculativeConfig, target, loader, max_len):
     """Own-context matches of at least max(2, prompt_lookup_min) tokens first (single-token
     matches lose to the datastore's longer ones), then the datastore (`model`) and the cache."""
     settings = SuffixSettings.from_extra(spec.extra)
-    store = load_datastore(spec.model) if spec.model else None
+    vocab = target.config.vocab_size if target is not None else None
+    store = load_datastore(spec.model, vocab) if spec.model else None
     return SuffixProposer(settings, max(spec.prompt_lookup_max, 2), max(2, spec.prompt_lookup_min), store)
 
 

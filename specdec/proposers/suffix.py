@@ -13,7 +13,9 @@ where the request's own text has nothing to copy, from text the target wrote bef
      global cache), re-indexed in a background thread as they accumulate;
    whichever matches longer drafts the most frequent continuation, token by token, while the
    path's share of the occurrences stays >= `suffix_decoding_min_token_prob`, and at most
-   `suffix_decoding_max_spec_factor` x the match length tokens (long matches draft further).
+   floor(`suffix_decoding_max_spec_factor` x the match length) tokens, as vLLM (Arctic
+   Inference) caps it: long matches draft further, and a match too short for one token drafts
+   nothing (factor 0: the datastore and the cache never draft).
 
 Lossless: drafts are deterministic (a point-mass q), so verification is plain greedy matching or
 exact rejection sampling. A request's drafts depend on its own tokens and the datastore, and on
@@ -43,27 +45,36 @@ INDEX_FILE = "suffix_index.npz"
 HEADER_TOKENS = 3       # prompt tokens kept before each answer (the chat template's assistant header)
 PREFIX = "suffix_decoding_"
 CACHE_KEY = PREFIX + "max_cached_requests"
+MAX_MATCH = 1024        # the longest tail matched, whatever max_tree_depth says (vLLM sets no bound; the
+                        # response cache's index pads each build with depth + 1 separators)
 
 
 @dataclass(frozen=True)
 class SuffixSettings:
     """vLLM's suffix_decoding_* settings (same names and defaults)."""
-    max_tree_depth: int = 24             # longest tail matched in the datastore and the cache
+    max_tree_depth: int = 24             # longest tail matched in the datastore and the cache (>= 1;
+                                         # MAX_MATCH at most in effect)
     max_cached_requests: int = 10000     # finished requests' outputs kept for matching (0: none)
-    max_spec_factor: float = 1.0         # draft at most this x the match length
+    max_spec_factor: float = 1.0         # draft at most floor(this x the match length) tokens (>= 0)
     min_token_prob: float = 0.1          # stop where the path's share of the occurrences falls below
 
     def __post_init__(self):
-        def integer(name, lo, hi):
+        # vLLM's bounds: max_tree_depth >= 1 and max_spec_factor >= 0, with no upper bound
+        for name, lo, hi in (("max_tree_depth", 1, None), ("max_cached_requests", 0, 10**7)):
             v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi):
-                raise ValueError(f"speculative_config.{PREFIX}{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        integer("max_tree_depth", 1, 64)
-        integer("max_cached_requests", 0, 10**7)
-        for name, lo, hi in (("max_spec_factor", 0, 64), ("min_token_prob", 0, 1)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and lo <= v and (hi is None or v <= hi)):
+                within = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"speculative_config.{PREFIX}{name} must be an integer {within}, got {v!r}")
+        for name, lo, hi in (("max_spec_factor", 0, math.inf), ("min_token_prob", 0, 1)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi):
-                raise ValueError(f"speculative_config.{PREFIX}{name} must be a number in [{lo}, {hi}], got {v!r}")
+                within = f"in [{lo}, {hi}]" if hi != math.inf else f">= {lo}"
+                raise ValueError(f"speculative_config.{PREFIX}{name} must be a number {within}, got {v!r}")
+
+    @property
+    def depth(self) -> int:
+        """The longest tail matched: max_tree_depth, at most MAX_MATCH."""
+        return min(self.max_tree_depth, MAX_MATCH)
 
     @classmethod
     def from_extra(cls, extra: dict) -> "SuffixSettings":
@@ -71,8 +82,11 @@ class SuffixSettings:
                       and k.removeprefix(PREFIX) in cls.__dataclass_fields__})
 
 
-def load_datastore(folder) -> SuffixIndex:
-    """A datastore folder written by `specdec train suffix` (config.json + suffix_index.npz)."""
+def load_datastore(folder, vocab_size: int | None = None) -> SuffixIndex:
+    """A datastore folder written by `specdec train suffix` (config.json + suffix_index.npz).
+    vocab_size: the target's; a datastore made for another vocabulary is refused in one line:
+    one whose config records another vocab_size, or (any datastore, older ones too) one holding a
+    token id the target does not have (its drafts would index past the target's embedding)."""
     folder = Path(folder)
     try:
         cfg = json.loads((folder / "config.json").read_text())
@@ -81,14 +95,25 @@ def load_datastore(folder) -> SuffixIndex:
                          f"`specdec train suffix`)") from None
     if (cfg.get("architectures") or [None])[0] != ARCH:
         raise ValueError(f"{folder}: not a suffix datastore (architectures: {cfg.get('architectures')})")
-    return SuffixIndex.load(folder / INDEX_FILE)
+    recorded = cfg.get("vocab_size")
+    if vocab_size is not None and recorded is not None and recorded != vocab_size:
+        raise ValueError(f"{folder}: a suffix datastore for a vocabulary of {recorded} tokens, the target's has "
+                         f"{vocab_size} (build one from this target's answers: `specdec train suffix`)")
+    index = SuffixIndex.load(folder / INDEX_FILE)
+    if vocab_size is not None and index.max_token >= vocab_size:
+        raise ValueError(f"{folder}: a suffix datastore holding token id {index.max_token}, the target's vocabulary "
+                         f"has {vocab_size} tokens (build one from this target's answers: `specdec train suffix`)")
+    return index
 
 
-def save_datastore(index: SuffixIndex, folder, extra: dict | None = None) -> None:
+def save_datastore(index: SuffixIndex, folder, extra: dict | None = None, vocab_size: int | None = None) -> None:
+    """vocab_size: the vocabulary the documents' ids are of (the target's), recorded for
+    load_datastore's check (None: not known, not recorded)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     index.save(folder / INDEX_FILE)
-    cfg = {"architectures": [ARCH], "depth": index.depth, "num_tokens": index.num_tokens, **(extra or {})}
+    cfg = {"architectures": [ARCH], "depth": index.depth, "num_tokens": index.num_tokens,
+           **({"vocab_size": int(vocab_size)} if vocab_size is not None else {}), **(extra or {})}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -137,10 +162,14 @@ class SuffixProposer(ProposerBase):
         super().__init__()
         self.settings, self.n_max, self.n_min = settings, n_max, n_min
         self.datastore = datastore
-        self.cache = ResponseCache(settings.max_cached_requests, settings.max_tree_depth)
-        self._seq: dict[Hashable, list[int]] = {}
-        self._prompt_len: dict[Hashable, int] = {}
-        self._recomputing: set = set()          # preempted requests whose prompt chunks are a recompute
+        self.cache = ResponseCache(settings.max_cached_requests, settings.depth)
+        self._seq: dict[Hashable, list[int]] = {}       # each request's sequence (kept while preempted)
+        self._prompt_len: dict[Hashable, int] = {}      # and its prompt's length
+
+    def add_request(self, request_id: Hashable, ctx) -> None:
+        super().add_request(request_id, ctx)
+        if ctx.prompt_len is not None:
+            self._prompt_len[request_id] = ctx.prompt_len
 
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         return [Draft(torch.tensor(self.draft(it.request_id, it.seq, it.k), dtype=torch.long)) for it in items]
@@ -151,10 +180,11 @@ class SuffixProposer(ProposerBase):
         if n:
             return own.tolist()
         s = self.settings
-        tail = arr[-s.max_tree_depth:]
+        tail = arr[-s.depth:]
         ctx = self.ctx.get(request_id)
         sources = [self.datastore]
-        if ctx is None or ctx.params.seed is None:
+        # other requests' outputs only where they cannot change the output: greedy, or unseeded
+        if ctx is None or ctx.params.greedy or ctx.params.seed is None:
             sources.append(self.cache.index)
         best = (0, None, 0, 0)
         for index in sources:
@@ -163,31 +193,32 @@ class SuffixProposer(ProposerBase):
                 if m > best[0]:
                     best = (m, index, lo, hi)
         m, index, lo, hi = best
-        if not m:
+        # vLLM's cap: floor(factor x match length) tokens (0: no draft), never more than k
+        f = s.max_spec_factor * m
+        limit = k if f >= k else math.floor(f)
+        if not m or limit <= 0:
             return []
-        limit = min(k, max(1, math.floor(s.max_spec_factor * m)))
         return index.continue_chain(lo, hi, m, limit, s.min_token_prob)[0]
 
     def update(self, items: list[Committed]) -> None:
         for it in items:
+            if it.request_id not in self._seq and it.request_id not in self._prompt_len and it.prefill:
+                # no prompt length given (a RequestContext built without one): a new request's
+                # first prompt chunk comes before any output, so its sequence is the prompt
+                self._prompt_len[it.request_id] = len(it.seq)
             self._seq[it.request_id] = it.seq
-            if it.prefill and it.request_id not in self._recomputing:
-                self._prompt_len[it.request_id] = it.num_cached
-            elif not it.prefill:
-                self._recomputing.discard(it.request_id)
 
     def preempt_request(self, request_id: Hashable) -> None:
-        """Its output so far stays out of the response cache (it joins once, whole, at the end),
-        and its prompt length stays what it was: the recompute re-prefills the output too."""
+        """Its output so far stays out of the response cache (it joins once, whole, at the end):
+        its sequence and prompt length are kept for remove_request."""
         super().remove_request(request_id)
-        if request_id in self._prompt_len:
-            self._recomputing.add(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
         """The request's output joins the response cache (with the prompt's last tokens: the
-        chat template's assistant header, so that the first tokens of an answer can match)."""
+        chat template's assistant header, so that the first tokens of an answer can match); a
+        request that leaves before any output (aborted in its prefill) adds nothing. Any id is
+        taken, one never added or already removed included."""
         super().remove_request(request_id)
-        self._recomputing.discard(request_id)
         seq, p = self._seq.pop(request_id, None), self._prompt_len.pop(request_id, None)
         if seq is not None and p is not None and len(seq) > p:
             self.cache.add(seq[max(0, p - HEADER_TOKENS):])

@@ -67,11 +67,22 @@ class SuffixIndex:
         text = np.concatenate(parts + [np.zeros(1, np.int64)]) if parts else np.zeros(1, np.int64)
         if text.max(initial=0) >= 2**31 - 1:
             raise ValueError("token ids must be below 2**31 - 1")
+        if text.min(initial=0) < 0:
+            raise ValueError("token ids must be >= 0")
         fwd = np.concatenate([text, np.zeros(depth + 1, np.int64)]).astype(np.int32)
         n = len(text)
         rev = np.concatenate([text[::-1], np.zeros(depth + 1, np.int64)])
         sa = suffix_array(rev, depth)
         return cls(fwd, sa[sa < n].astype(np.int32), depth)
+
+    @property
+    def max_token(self) -> int:
+        """The largest token id in the documents (-1: none). An index holding an id below 0 (build
+        refuses them; a file written otherwise) reports 2**31 - 1: no vocabulary check passes it."""
+        text = self.fwd[:self.n]
+        if text.size and int(text.min()) < 0:
+            return 2**31 - 1
+        return int(text.max(initial=0)) - 1
 
     @property
     def num_tokens(self) -> int:

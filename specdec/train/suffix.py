@@ -38,14 +38,46 @@ def answer_documents(answers_dir: Path, shards: int | None, val_shards: int) -> 
     return docs, {"shards": [p.name for p in used], "answers": len(docs), "greedy_answers": greedy}
 
 
+def answers_target(answers_dir: Path) -> tuple[dict | None, int | None]:
+    """The target the answers were written by (`train answers` records it in config.json) and its
+    vocabulary size, read from its config (a Hugging Face folder or a GGUF); None for what is not
+    known (an answers folder from before the record, a target moved away)."""
+    from .provenance import folder_record
+
+    target = (folder_record(Path(answers_dir)) or {}).get("target")
+    if not isinstance(target, dict) or not target.get("path"):
+        return None, None
+    vocab = None
+    try:
+        from ..model.gguf import GGUFFile, find_gguf
+
+        path = Path(target["path"])
+        gguf = find_gguf(path)
+        if gguf is not None:
+            vocab = GGUFFile(gguf).config().vocab_size
+        elif (path / "config.json").is_file():
+            from ..model.config import text_config
+
+            vocab = text_config(json.loads((path / "config.json").read_text())).get("vocab_size")
+    except Exception:           # the record is a courtesy: a target that cannot be read leaves it out
+        vocab = None
+    return target, int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+
+
 def build(answers_dir: Path, out: Path, shards: int | None = None, val_shards: int = 1, depth: int = 32,
           command: str = "") -> dict:
+    """The datastore, with the vocabulary size of the target that wrote the answers (when it can
+    be read) recorded in its config.json: a target of another vocabulary refuses it."""
     t0 = time.time()
     docs, info = answer_documents(answers_dir, shards, val_shards)
+    target, vocab = answers_target(answers_dir)
     index = SuffixIndex.build(docs, depth)
+    if vocab is not None and index.max_token >= vocab:
+        raise ValueError(f"--data {answers_dir}: token id {index.max_token} in the answers, but their target "
+                         f"{target['path']} has a vocabulary of {vocab}")
     info.update({"num_tokens": index.num_tokens, "depth": depth, "build_s": round(time.time() - t0, 1),
-                 "machine": cpu_model(), "command": command})
-    save_datastore(index, out, {"source": info})
+                 "machine": cpu_model(), "command": command, "target": target})
+    save_datastore(index, out, {"source": info}, vocab_size=vocab)
     return info
 
 

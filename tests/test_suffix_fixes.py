@@ -36,20 +36,20 @@ def toy():
 
 # -- D1 ------------------------------------------------------------------------------------------
 
-def test_a_datastore_of_another_vocabulary_is_refused_in_one_line(toy, tmp_path):
+def test_a_datastore_of_another_vocabulary_is_refused_in_one_line(toy, tmp_path, caplog):
     _, V, prompt, ref = toy
     save_datastore(SuffixIndex.build([prompt + [V + 5, 7]], 16), tmp_path / "big_ids")
     with pytest.raises(ValueError) as e:
         LLM(model=str(TOY_TARGET), speculative_config={"method": "suffix", "model": str(tmp_path / "big_ids")})
     msg = str(e.value)
     assert "\n" not in msg and str(tmp_path / "big_ids") in msg and str(V + 5) in msg and str(V) in msg
-    # a recorded vocabulary (what `specdec train suffix` now writes) is compared too
+    # a recorded vocabulary (what `specdec train suffix` now writes) is compared too: another size
+    # whose ids fit is a warning (one tokenizer may sit under vocabularies padded to other sizes)
     save_datastore(SuffixIndex.build([prompt + ref], 16), tmp_path / "other", vocab_size=2 * V)
     assert json.loads((tmp_path / "other" / "config.json").read_text())["vocab_size"] == 2 * V
-    with pytest.raises(ValueError) as e:
+    with caplog.at_level(logging.WARNING, logger="specdec.proposers.suffix"):
         load_datastore(tmp_path / "other", V)
-    msg = str(e.value)
-    assert "\n" not in msg and str(tmp_path / "other") in msg and str(2 * V) in msg and str(V) in msg
+    assert any(str(2 * V) in r.getMessage() and str(V) in r.getMessage() for r in caplog.records)
     # the same vocabulary, and a datastore without the record whose ids fit, load
     save_datastore(SuffixIndex.build([prompt + ref], 16), tmp_path / "same", vocab_size=V)
     save_datastore(SuffixIndex.build([prompt + ref], 16), tmp_path / "old")

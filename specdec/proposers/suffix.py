@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import threading
 from collections.abc import Hashable
@@ -47,6 +48,8 @@ PREFIX = "suffix_decoding_"
 CACHE_KEY = PREFIX + "max_cached_requests"
 MAX_MATCH = 1024        # the longest tail matched, whatever max_tree_depth says (vLLM sets no bound; the
                         # response cache's index pads each build with depth + 1 separators)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,11 @@ def load_datastore(folder, vocab_size: int | None = None) -> SuffixIndex:
         raise ValueError(f"{folder}: not a suffix datastore (architectures: {cfg.get('architectures')})")
     recorded = cfg.get("vocab_size")
     if vocab_size is not None and recorded is not None and recorded != vocab_size:
-        raise ValueError(f"{folder}: a suffix datastore for a vocabulary of {recorded} tokens, the target's has "
-                         f"{vocab_size} (build one from this target's answers: `specdec train suffix`)")
+        # not refused: one tokenizer may sit under vocabularies padded to other sizes (Qwen2.5 0.5B
+        # and 7B: 151936 and 152064); the ids it holds are checked below
+        logger.warning("%s: a suffix datastore built for a vocabulary of %d tokens, the target's has %d: its "
+                       "drafts may come from another tokenizer (they stay lossless, only acceptance suffers)",
+                       folder, recorded, vocab_size)
     index = SuffixIndex.load(folder / INDEX_FILE)
     if vocab_size is not None and index.max_token >= vocab_size:
         raise ValueError(f"{folder}: a suffix datastore holding token id {index.max_token}, the target's vocabulary "

@@ -84,6 +84,9 @@ def test_bench_reports_per_category(long_target, tmp_path):
     assert "--limit-per-category 1" in results["command"]
     card = spec_bench.method_card_table(results, "ngram K=2")
     assert "| 0 | overall | 13 |" in card and "| 0 | rag | 1 |" in card and card.count("\n") == 16
+    # tau is tokens per target forward, as in the per-category tables (not 1 + accepted / drafts)
+    overall = [m for m in cats["overall"]["methods"] if m["name"] == "ngram K=2"][0]
+    assert f"| 0 | overall | 13 | {overall['tokens_per_forward']:.2f} |" in card
 
 
 def test_bench_categories_by_the_cpu_clock_report_the_decoding_phase(long_target, tmp_path):

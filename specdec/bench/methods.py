@@ -42,7 +42,7 @@ def plain_variant(llm, clock=time.perf_counter, graphs: tuple[int, ...] | None =
     return Variant(PLAIN, SPECDEC, PLAIN, 0, engine_runner(engine, clock))
 
 
-# `ngram`'s lookup sizes in specdec's benchmarks when --method-config gives neither (what every
+# `ngram`'s lookup sizes in specdec's benchmarks when --speculative-config gives neither (what every
 # recorded `specdec bench` run measured; vLLM's own default, which speculative_config follows, is 5 and 5)
 BENCH_NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
 

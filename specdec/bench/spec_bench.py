@@ -166,6 +166,6 @@ def method_card_table(results: dict, name: str) -> str:
             same = "–" if g is None else ("yes" if g["identical"] else f"no ({g['mismatched_prompts']})")
             acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
             speed = "–" if sp is None else f"{sp['median']:.2f}x"
-            lines.append(f"| {s['temperature']:g} | {group} | {c['num_prompts']} | {m['mean_accepted_length']:.2f} | {acc} | "
+            lines.append(f"| {s['temperature']:g} | {group} | {c['num_prompts']} | {_tau(m):.2f} | {acc} | "
                          f"{speed} | {same} |")
     return "\n".join(lines)

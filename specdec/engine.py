@@ -102,6 +102,7 @@ class Engine:
         self._deferred: dict = {}       # request id -> its Committed steps not yet given to the proposer (_update_proposer)
         self._deferred_rows: dict = {}  # request id -> the feature rows those steps hold
         self._warned_vocab = False      # a draft held a token outside the target's vocabulary (_in_vocab)
+        self._warned_draft = False      # a proposer returned a malformed draft (_well_formed)
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
         self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree and not self.caps.chain, max_k,
                                         self.caps.max_tree_size,
@@ -442,7 +443,10 @@ class Engine:
             return drafts
         if self._deferred:
             self._catch_up([a.request_id for _, a in asks])
-        for (i, _), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
+        for (i, ask), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
+            draft = self._well_formed(draft, ask.k)
+            if draft is None:
+                continue
             if draft.is_tree:
                 draft = limit_depth(draft, self._room(plan.decode[i]))
             controls = plan.decode[i].ctx.controls
@@ -451,6 +455,30 @@ class Engine:
                 draft = extend_with_forced(draft, controls.grammar, plan.ks[i])
             drafts[i] = draft if draft is not None and draft.k > 0 else None
         return drafts
+
+    def _well_formed(self, draft: Draft | None, k: int) -> Draft | None:
+        """A proposer's draft as verification needs it, or None (the request decodes plainly this
+        step, lossless) with one warning per proposer: one row of tokens; a tree's parents one per
+        token, each an earlier node or -1; q [tokens, vocab]. A draft longer than the k asked for
+        is cut to k (a tree keeps its first k nodes: their parents come before them)."""
+        if draft is None or draft.k == 0:
+            return draft
+        vocab, parents, q = self.target.config.vocab_size, draft.parents, draft.probs
+        if draft.tokens.dim() != 1:
+            why = f"tokens of shape {tuple(draft.tokens.shape)}, not one row"
+        elif parents is not None and (len(parents) != draft.k or any(not -1 <= int(a) < j for j, a in enumerate(parents))):
+            why = f"{len(parents)} tree parents for {draft.k} tokens, or a parent that is not an earlier node (or -1)"
+        elif q is not None and (q.dim() != 2 or tuple(q.shape) != (draft.k, vocab)):
+            why = f"q of shape {tuple(q.shape)}, not [{draft.k}, {vocab}]"
+        else:
+            if draft.k <= k:
+                return draft
+            return Draft(draft.tokens[:k], None if q is None else q[:k], None if parents is None else list(parents[:k]))
+        if not self._warned_draft:
+            log.warning("the %s proposer returned a malformed draft (%s): such drafts are dropped, the request "
+                        "decodes plainly that step; warned once", getattr(self.proposer, "name", "?"), why)
+            self._warned_draft = True
+        return None
 
     def _on_host(self, drafts: list) -> tuple[list, list[int]]:
         """Every draft's tokens to the host at once (proposers may leave them on either device:

@@ -68,7 +68,9 @@ def rejection_plan_torch(draft: Tensor, q: Tensor | None, p: Tensor) -> tuple[Te
     if q is None:
         q = torch.zeros_like(p[:K]).scatter_(-1, draft[:, None], 1.0)
     p_x, q_x = p[rows, draft], q[rows, draft]
-    accept_prob = torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(q_x))
+    # q(x) = 0: x cannot have been drawn from q (a proposer's inconsistent q, a duplicate sibling):
+    # rejected, so the position draws from the residual and never emits a token p forbids
+    accept_prob = torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(q_x))
     residual = (p[:K] - q).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     # mass 0 means p == q on that row: a rejection there has probability 0, any row will do
@@ -233,7 +235,7 @@ def sibling_plan(p: Tensor, q: Tensor | None, candidates: list[int]) -> tuple[li
             mass = q_left.sum()
             qi = q_left / mass if mass > 0 else q_left
         px, qx = p[x].item(), qi[x].item()
-        accept.append(1.0 if qx <= 0 else min(1.0, px / qx))
+        accept.append(0.0 if qx <= 0 else min(1.0, px / qx))     # q(x) = 0 (a duplicate sibling): rejected
         residual = (p - qi).clamp_min(0.0)
         total = residual.sum()
         # total 0: p == q_i, so a rejection has probability 0 and p stays as good as any

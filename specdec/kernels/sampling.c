@@ -260,7 +260,7 @@ void sampling_residual(const float *p, const float *q, const int64_t *draft, int
         float *ci = cand + (long)i * V;
         int64_t x = draft[i];
         float px = pi[x], qx = qi ? qi[x] : 1.0f;
-        accept[i] = qx > 0.0f ? fminf(px / fmaxf(qx, 1e-30f), 1.0f) : 1.0f;
+        accept[i] = qx > 0.0f ? fminf(px / fmaxf(qx, 1e-30f), 1.0f) : 0.0f;   /* q(x) = 0: x cannot come from q */
         double mass = 0.0;
         if (qi) {
             __m256 acc = _mm256_setzero_ps();

@@ -201,7 +201,7 @@ def test_first_greedy_chain_equals_the_reference(mtp, monkeypatch):
 
 
 @NO_KERNELS
-@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+@pytest.mark.parametrize("layout", ["deepseek"])     # MiMo hands on the normed state: PyTorch drafts its chains
 def test_c_chain_equals_pytorch_chain(mtp, monkeypatch, layout):
     """Chains drafted in one forward.c call per step (the norms, [h ; e] for MiMo or [e ; h] for
     DeepSeek's layout, the projection and the layer) equal the PyTorch chains at every step."""
@@ -364,4 +364,4 @@ def test_speculators_mtp_drafter(mtp, tmp_path, monkeypatch, c_path):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.stats.accepted_tokens for o in outs) > 0
-    assert (llm.engine.proposer.c_chain is not None) == c_path   # forward.c's chain hands on the normed state too
+    assert llm.engine.proposer.c_chain is None               # the normed state: PyTorch drafts the chains

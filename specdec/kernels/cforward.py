@@ -382,6 +382,11 @@ def chain_fuse(head) -> tuple[_Fuse, list] | None:
 
     if isinstance(head, Eagle3Head):      # (norm_output: the chain would hand on the unnormed state)
         return (_Fuse(None, 0, None, None, None, 0, 1), []) if head.logit_scale > 0 and not head.norm_output else None
+    if isinstance(head, MTPHead) and head.norm_output:
+        # the state handed on is the final norm's output (MiMo, the speculators drafter): forward.c's
+        # chain could carry it (state_before_norm 0, EAGLE's way), but no test here separates it from
+        # the unnormed state (RMSNorm-scale invariance, small norm weights), so PyTorch drafts them
+        return None
     fc = head.fc if isinstance(head, EagleHead) else head.eh_proj if isinstance(head, MTPHead) else None
     if isinstance(head, MTPHead) and fc is not None and not _dense_ok(fc):   # a GGUF file's packed eh_proj
         found = _mat(fc)

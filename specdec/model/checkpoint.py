@@ -612,33 +612,18 @@ def save_model(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype
 
 
 def read_head_file(folder: Path) -> dict[str, torch.Tensor]:
-    """The one weights file of a drafter's folder (an EAGLE-3 head, an MLP speculator), as its
-    authors ship it: model.safetensors, else pytorch_model.bin (tensors only)."""
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        return load_file(str(folder / "model.safetensors"))
-    if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if any((folder / n).is_file() for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")):
-        return read_state_dict(folder)          # sharded, with its index
-    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (nor their .index.json)")
+    """The weights of a drafter's folder (an EAGLE-3 head, an MLP speculator), as its authors ship
+    them: model.safetensors, else pytorch_model.bin, or either's shards with their index."""
+    return read_state_dict(folder)
 
 
 def weight_names(folder: Path) -> list[str] | None:
-    """The tensor names of a folder's weights without reading them (a sharded folder's index, a
-    safetensors header, a memory-mapped pickle), None where it holds no weights file."""
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (folder / index).is_file():
-            try:
-                return list(json.loads((folder / index).read_text())["weight_map"])
-            except (ValueError, KeyError, TypeError):
-                return None
-    if (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            return list(f.keys())
-    if (folder / "pytorch_model.bin").is_file():
-        return list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
-    return None
+    """The tensor names of a folder's weights without reading the tensors (safetensors headers,
+    memory-mapped pickles), None where it holds no readable weights file."""
+    try:
+        return [name for path in _weight_files(folder) if path.is_file() for name, _ in _file_tensors(path)]
+    except Exception:           # no weights file, a corrupt index or file: not a folder of this kind
+        return None
 
 
 def check_state(folder, what: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:

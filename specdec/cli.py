@@ -98,6 +98,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "temperature, top-k/p and min-p (processed_*); log-probabilities or logits")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
+    p.add_argument("--profiler-config", default=None, type=_json_obj,
+                   help='vLLM\'s: \'{"profiler": "torch", "torch_profiler_dir": DIR}\' (also with_stack, record_shapes, '
+                        "with_memory, with_flops, use_gzip as torch_profiler_*, delay_iterations, max_iterations): "
+                        "torch.profiler traces of the engine's steps into DIR; serve: between POST /start_profile "
+                        "and /stop_profile, generate: the whole generation (default: VLLM_TORCH_PROFILER_DIR if set)")
 
 
 def positive_int(value: str) -> int:
@@ -211,7 +216,8 @@ def llm_from_args(args, seed: int | None = None, **extra):
                task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
                compilation_config=getattr(args, "compilation_config", None),
                enforce_eager=getattr(args, "enforce_eager", False),
-               structured_outputs_config=structured_outputs_config(args), **extra)
+               structured_outputs_config=structured_outputs_config(args),
+               profiler_config=getattr(args, "profiler_config", None), **extra)
 
 
 def structured_outputs_config(args) -> dict | None:
@@ -336,6 +342,8 @@ def run(args) -> int:
         _warm_up(llm.engine, prompt_ids)
     tokens, split, event = [], HarmonySplit(harmony), None
     tty = sys.stdout.isatty() or args.show_acceptance
+    if llm.engine.profiler is not None:
+        llm.start_profile()
     if not args.json and not args.chat:
         sys.stdout.write(prompt)
     for event in llm.engine.generate(prompt_ids, params):
@@ -347,6 +355,10 @@ def run(args) -> int:
                 sys.stderr.flush()
             sys.stdout.write(_colour(llm, event) if args.show_acceptance and tty and not harmony else piece)
             sys.stdout.flush()
+    if llm.engine.profiler is not None:
+        if llm.engine.profiler.active:
+            llm.stop_profile()
+        print(f"profile: {llm.engine.profiler.last_trace}", file=sys.stderr)
     result = {"text": "".join(split.answer), "token_ids": tokens, "finish_reason": event.finish_reason,
               "stats": event.stats.to_dict()}
     if harmony:

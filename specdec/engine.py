@@ -36,6 +36,7 @@ from .lora import LoRAManager, LoRARequest
 from .metrics import RequestStats
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
+from .profiler import StepProfiler, range_of
 from .proposers import Committed, Draft, ProposeItem, Proposer, ProposerCaps, RequestContext
 from .proposers.base import draft_room, merge_committed, prune_tree
 from .sampling import Controls, make_generator, needs_controls
@@ -131,6 +132,8 @@ class Engine:
         self.last_step_drafting = 0        # decoding requests that drafted
         self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids),
                                         structured_outputs_config)
+        # torch.profiler around steps while start_profile() .. stop_profile() (profiler.py), or None
+        self.profiler: StepProfiler | None = None
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0
@@ -309,9 +312,22 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """Advance every running request by one step; returns the step's events."""
+        prof = self.profiler
+        if prof is None or not prof.active:
+            return self._step(None)
+        if not prof.ranges:                   # delay_iterations still passing
+            events = self._step(None)
+        else:
+            with prof.range(f"specdec:step {self.num_running} running {self.num_waiting} waiting"):
+                events = self._step(prof)
+        prof.after_step()
+        return events
+
+    def _step(self, prof: StepProfiler | None) -> list[StepEvent]:
         t0, wall0 = self.clock(), time.perf_counter()
         self._choose_s = 0.0                  # the policy's time this step (_choose_k)
-        plan = self.scheduler.schedule(self._choose_k)
+        with range_of(prof, "schedule"):
+            plan = self.scheduler.schedule(self._choose_k)
         self.num_preemptions += len(plan.preempted)
         for r in plan.preempted:
             if self.proposer is not None:
@@ -327,10 +343,12 @@ class Engine:
         if plan.empty:
             return []
         t1 = self.clock()
-        drafts = self._propose(plan)
+        with range_of(prof, "propose"):
+            drafts = self._propose(plan)
         t2 = self.clock()
         drafts, host = self._on_host(drafts)
-        out, offsets, num_tokens, attention, scored = self._forward(plan, drafts, host)
+        with range_of(prof, "forward"):
+            out, offsets, num_tokens, attention, scored = self._forward(plan, drafts, host)
         if scored:                            # prompt chunks' rows, after every decoding row
             self._score_prompts(scored, out.logits)
             out = dataclasses.replace(out, logits=out.logits[:scored[0][3]])
@@ -338,15 +356,18 @@ class Engine:
         self.last_step_drafting = sum(d is not None for d in drafts)
         # p's controls (penalties, bias, grammar...) per row path, once: verification and
         # processed logprobs read the same rows
-        logits = controlled_logits(plan.decode, drafts, out.logits, offsets)
-        results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
-        logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode.startswith("raw_") else logits,
-                                  offsets)
+        with range_of(prof, "verify"):
+            logits = controlled_logits(plan.decode, drafts, out.logits, offsets)
+            results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
+            logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode.startswith("raw_") else logits,
+                                      offsets)
         t3 = self.clock()
-        committed = self._commit(plan, drafts, results, out.hidden, offsets)
+        with range_of(prof, "commit"):
+            committed = self._commit(plan, drafts, results, out.hidden, offsets)
         t4 = self.clock()
         if self.proposer is not None and committed:
-            self._update_proposer(plan, committed)
+            with range_of(prof, "proposer update"):
+                self._update_proposer(plan, committed)
         if self.blocks.prefix_caching:
             self._register(committed)
         if self.blocks.window is not None:        # every cache windowed: blocks behind it go back

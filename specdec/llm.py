@@ -27,6 +27,7 @@ from .lora import LoRARequest
 from .metrics import RequestStats
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
+from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eos_ids, template_messages
 
@@ -211,6 +212,9 @@ class LLM:
     (specdec/logprobs.py). kv_cache_dtype: the target's
     KV cache, "auto" (see engine.kv_cache_dtype_of), "bfloat16", "float32" or "int8" (vLLM's
     flag; int8 keys and values with a scale per row, like vLLM's fp8: ~1.9x the slots of bf16).
+    profiler_config: vLLM's --profiler-config ({"profiler": "torch", "torch_profiler_dir": DIR, ...};
+    None: VLLM_TORCH_PROFILER_DIR if set): start_profile() / stop_profile() record the engine's
+    steps with torch.profiler into DIR (specdec/profiler.py).
     structured_outputs_config: vLLM's engine-wide structured-output options (a dict or
     config.StructuredOutputsConfig: backend, disable_any_whitespace, disable_additional_properties,
     disable_fallback), the defaults of requests that leave them unsaid.
@@ -249,6 +253,7 @@ class LLM:
                  override_pooler_config: dict | None = None, enforce_eager: bool = False,
                  compilation_config: dict | int | str | None = None,
                  structured_outputs_config: dict | StructuredOutputsConfig | None = None,
+                 profiler_config: dict | str | ProfilerConfig | None = None,
                  trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
                  tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
                  disable_custom_all_reduce: bool = False, **kwargs):
@@ -261,6 +266,7 @@ class LLM:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer (or None: unseeded), got {seed!r}")
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
+        profiling = ProfilerConfig.of(profiler_config)       # checked before the model loads
         structured = StructuredOutputsConfig.of(structured_outputs_config)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
         if lora is not None and parallel.tensor_parallel_size > 1:
@@ -332,6 +338,8 @@ class LLM:
                              kv_cache_dtype=kv_cache_dtype, max_logprobs=max_logprobs, lora_config=lora,
                              cuda_graph_sizes=cuda_graph_sizes(compilation_config, enforce_eager, max_num_seqs),
                              structured_outputs_config=structured)
+        if profiling is not None:
+            self.engine.profiler = StepProfiler(profiling)
         self._counter = 0
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters)
@@ -413,6 +421,21 @@ class LLM:
         """Raises when the engine cannot serve (a tensor-parallel group that has stopped)."""
         if self._leader is not None:
             self._leader.check()
+
+    def start_profile(self) -> None:
+        """Record the engine's steps with torch.profiler from now (vLLM's; needs profiler_config or
+        VLLM_TORCH_PROFILER_DIR)."""
+        self._profiler().start()
+
+    def stop_profile(self) -> None:
+        """End recording; the trace and its table go into the profiler's folder."""
+        self._profiler().stop()
+
+    def _profiler(self) -> StepProfiler:
+        if self.engine.profiler is None:
+            raise ProfilerNotEnabled("profiling is not enabled: pass profiler_config={'profiler': 'torch', "
+                                     "'torch_profiler_dir': DIR} (or set VLLM_TORCH_PROFILER_DIR)")
+        return self.engine.profiler
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the LLM is collected)."""

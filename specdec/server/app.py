@@ -7,6 +7,7 @@ validation lives in serving.py, response shapes in responses.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,6 +29,7 @@ from .responses import ChatFormat, CompletionFormat, collect, stream
 from .responses_api import (ResponseStore, ResponsesRequest, chat_request, conversation, input_messages, renamed,
                             respond, stream as stream_response)
 from .serving import Service, echo_only
+from .worker import ShuttingDown
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
 
@@ -45,6 +47,10 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         yield
         await warm
         # uvicorn has already let in-flight requests finish; this drains anything left queued
+        profiler = service.engine.profiler
+        if profiler is not None and profiler.active:      # a trace still recording is written, not lost
+            with contextlib.suppress(ShuttingDown):        # (on the engine's thread, which started it)
+                await asyncio.wrap_future(service.worker.call(lambda engine: profiler.stop()))
         await asyncio.to_thread(service.worker.stop)
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
@@ -58,6 +64,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
            *embedding_routes(service)]
     if config.allow_runtime_lora_updating:
         api.append(_lora_routes(service))
+    if service.engine.profiler is not None:
+        api.append(_profile_routes(service))
     for router in api:
         app.include_router(router, responses=_ERRORS)
     # middleware added later wraps what was added before (the last one sees a request first)
@@ -226,6 +234,25 @@ def _api_routes(service: Service) -> APIRouter:
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora, rid), fmt,
                               service.model_name(lora, body.model), body, rid)
+
+    return router
+
+
+def _profile_routes(service: Service) -> APIRouter:
+    """vLLM's /start_profile and /stop_profile (present only with --profiler-config or
+    VLLM_TORCH_PROFILER_DIR): torch.profiler on the engine's thread between two steps; the
+    trace is written before /stop_profile answers."""
+    router = APIRouter()
+
+    @router.post("/start_profile")
+    async def start_profile():
+        await asyncio.wrap_future(service.worker.call(lambda engine: engine.profiler.start()))
+        return Response(status_code=200)
+
+    @router.post("/stop_profile")
+    async def stop_profile():
+        await asyncio.wrap_future(service.worker.call(lambda engine: engine.profiler.stop()))
+        return Response(status_code=200)
 
     return router
 

@@ -131,3 +131,24 @@ def test_cli_refuses_a_bad_config(tmp_path):
                        cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert r.returncode != 0 and "torch_profiler_dir must be set" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_serve_profile(tiny_pair, tmp_path, capsys):
+    """`specdec bench serve --profile` (vLLM's): the servers it starts record the measured requests
+    into OUT/profile/<variant>; a running server without a profiler is one clear error."""
+    from specdec.cli import main
+
+    target, _ = tiny_pair
+    rc = main(["bench", "serve", "--model", str(target), "--num-speculative-tokens", "0",
+               "--server-args", "--max-model-len 128 --max-num-seqs 2", "--max-concurrency", "1",
+               "--num-prompts", "2", "--output-len", "4", "--ignore-eos", "--warmup", "1", "--profile",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    (trace,) = (tmp_path / "profile" / "plain").glob("specdec-rank0.*.pt.trace.json.gz")
+    assert len(_steps(str(trace))) >= 8          # two requests of 4 tokens, the warm-up's left out
+    llm = LLM(str(target), num_speculative_tokens=0, max_model_len=128)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        rc = main(["bench", "serve", "--base-url", live.url, "--max-concurrency", "1", "--num-prompts", "2",
+                   "--output-len", "4", "--warmup", "0", "--profile", "--out", str(tmp_path / "b")])
+    assert rc != 0
+    assert "has no /start_profile; start it with --profiler-config" in capsys.readouterr().err

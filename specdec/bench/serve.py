@@ -702,6 +702,25 @@ def _get(url: str, timeout: float = 30.0) -> str:
         return response.read().decode()
 
 
+def profile(base_url: str, action: str) -> None:
+    """POST /start_profile or /stop_profile (`--profile`, vLLM's): a server started without a
+    profiler has no such route, which is said in one line."""
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get("OPENAI_API_KEY", "EMPTY")
+    request = urllib.request.Request(f"{base_url}/{action}_profile", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise ValueError(f"--profile: {base_url} has no /{action}_profile; start it with --profiler-config "
+                             "'{\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}' (or VLLM_TORCH_PROFILER_DIR)") from None
+        raise ValueError(f"--profile: {base_url}/{action}_profile answered {e.code}") from None
+
+
 def _sampling(args) -> dict:
     """Every request's sampling fields (top_k and min_p are vLLM's extensions: extra_body)."""
     extra = {"ignore_eos": args.ignore_eos, **{k: getattr(args, k) for k in ("top_k", "min_p")
@@ -790,11 +809,15 @@ def measure(base_url: str, loads: list[Load], pool: list[dict], args, slo: dict)
     """Every load point against one server: warm-up requests first, then the measured ones;
     (its point, what was measured) per load point."""
     warm_up(base_url, pool, args)
+    if getattr(args, "profile", False):
+        profile(base_url, "start")
     out = []
     for load in loads:
         m = Measured()
         m.run(base_url, point_requests(load, pool, args), load, args, args.seed)
         out.append((m.point(load, slo, args), m))
+    if getattr(args, "profile", False):
+        profile(base_url, "stop")
     return out
 
 

@@ -125,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: the backend's endpoint, named instead of the backend")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics whose --metric-percentiles are reported (vLLM's; default all four)")
+    p.add_argument("--profile", action="store_true",
+                   help="vLLM's: torch.profiler over the measured requests (after the warm-up): servers started here "
+                        "record into OUT/profile/<variant>; a --base-url server must run with --profiler-config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
     p.add_argument("--result-dir", type=Path, help="vLLM's name for --out")
@@ -484,7 +487,11 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict, runs: list) -
         for v in variants(args):
             log = out / f"server-{re.sub(r'[^a-z0-9]+', '-', v['name'].lower()).strip('-')}.log"
             print(f"starting {v['name']}: specdec serve {shlex.join(v['argv'])}", file=sys.stderr, flush=True)
-            started.append((v, stack.enter_context(serve.server(v["argv"], log)).url))
+            argv = v["argv"]
+            if args.profile:
+                folder = out / "profile" / log.stem.removeprefix("server-")
+                argv = argv + ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(folder)})]
+            started.append((v, stack.enter_context(serve.server(argv, log)).url))
             results["variants"].append({**v, "points": []})
         model = serve.first_model(started[0][1]) if args.save_result else None
         pool = pool(started[0][1]) if callable(pool) else pool
@@ -493,6 +500,8 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict, runs: list) -
         results["settings"]["rounds"] = args.rounds
         for _, url in started:
             serve.warm_up(url, pool, args)
+            if args.profile:
+                serve.profile(url, "start")
         for load in loads:
             items = serve.point_requests(load, pool, args)
             # rounds of at least twice the concurrency each, the variants taking turns in every round
@@ -507,5 +516,8 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict, runs: list) -
                     if r == rounds - 1:
                         entry["points"].append(m.point(load, slo, args))
                         runs.append((v["name"], v["name"], m))
+        if args.profile:
+            for _, url in started:
+                serve.profile(url, "stop")
     return model
 

@@ -4,6 +4,7 @@ answers with features, and EAGLE / Medusa heads trained on them."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,49 @@ def test_features_added_to_token_only_shards_are_the_answers_own(answers, backen
     assert main(["train", "features", "--target", str(target), "--data", str(tmp_path / "none"),
                  "--out", str(tmp_path / "f2")]) == 2
     assert capsys.readouterr().err.strip().endswith("no shard_*.pt files")
+
+
+def test_features_folder_records_what_it_holds(answers, tiny_pair, tmp_path, capsys):
+    """`train features` records the target whose features it wrote (and the dtype, and each token
+    shard it read): resuming with another target, dtype or token shard is one line, exit 2, and
+    `train eagle` on the folder checks the features' target as it does an answers folder's."""
+    from specdec.train.heads import check_answers_target
+    from specdec.train.provenance import RunMismatch, target_fingerprint
+
+    target, root, _ = answers
+    other = tiny_pair[1]                      # the draft: same vocabulary, another model
+    shards = sorted((root / "answers").glob("shard_*.pt"))[:2]
+    (tmp_path / "tokens").mkdir()
+    for p in shards:
+        d = torch.load(p)
+        del d["hidden"]
+        torch.save(d, tmp_path / "tokens" / p.name)
+    shutil.copy(root / "answers" / "config.json", tmp_path / "tokens")      # the answers' record, as it came
+    feats = tmp_path / "feats"
+    base = ["train", "features", "--data", str(tmp_path / "tokens"), "--out", str(feats), "--backend", "specdec"]
+    assert main(base + ["--target", str(target), "--dtype", "float32"]) == 0
+    rec = json.loads((feats / "config.json").read_text())
+    assert rec["target"]["fingerprint"] == target_fingerprint(target)["fingerprint"] == rec["answers_target"]["fingerprint"]
+    assert rec["features_dtype"] == "float32" and sorted(rec["sources"]) == [p.name for p in shards]
+    assert rec["max_new_tokens"] == 12          # the answers' own settings carried over
+    capsys.readouterr()
+    assert main(base + ["--target", str(other), "--dtype", "float32"]) == 2
+    assert "its features were made with --target" in capsys.readouterr().err
+    assert main(base + ["--target", str(target), "--dtype", "bfloat16"]) == 2
+    assert "--dtype float32 (this run: bfloat16)" in capsys.readouterr().err
+    d = torch.load(tmp_path / "tokens" / shards[0].name)
+    d["tokens"] = d["tokens"].flip(0)
+    torch.save(d, tmp_path / "tokens" / shards[0].name)
+    assert main(base + ["--target", str(target), "--dtype", "float32"]) == 2
+    assert "holds the features of another" in capsys.readouterr().err
+    check_answers_target(feats, target_fingerprint(target))
+    with pytest.raises(RunMismatch, match="made by --target"):
+        check_answers_target(feats, target_fingerprint(other))
+    # features of one target over another's answers: allowed, said
+    (tmp_path / "feats2").mkdir()
+    assert main(["train", "features", "--data", str(tmp_path / "tokens"), "--out", str(tmp_path / "feats2"),
+                 "--backend", "specdec", "--target", str(other), "--dtype", "float32"]) == 0
+    assert "answered by --target" in capsys.readouterr().err
 
 
 def test_answers_are_the_targets_own_with_its_features(answers):

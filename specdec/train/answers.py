@@ -353,12 +353,55 @@ def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) 
     return out
 
 
+def check_features_folder(out: Path, paths: list[Path], target: dict | None, dtype: str,
+                          log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Before `train features` writes into `out`: the shards already there hold this target's
+    features (at this dtype) of these very token shards (a RunMismatch naming what differs
+    otherwise). Returns out/config.json's record as it is to be written: the answers folder's
+    own record (its settings, the target that answered, kept as `answers_target`), with `target`
+    the target whose features the shards now hold (what `train eagle / medusa` check), `dtype`,
+    and each shard's source (provenance.file_sample of the token shard)."""
+    from .provenance import RunMismatch, check_run, file_sample, folder_record, same_target
+
+    src_dir = paths[0].parent if paths else out
+    src = folder_record(src_dir) or {}
+    rec = folder_record(out)
+    present = sorted(out.glob("shard_*.pt")) if out.is_dir() else []
+    advice = "use another --out, or the --target / --dtype / --data it was made with to go on"
+    sources = {}
+    if present and rec is not None:
+        check_run({k: v for k, v in rec.items() if k in ("target", "features_dtype") and v},
+                  {"target": target, "features_dtype": dtype}, f"--out {out}: its features were",
+                  {"target": "--target", "features_dtype": "--dtype"}, advice, sep=" ")
+        sources = dict(rec.get("sources") or {})
+        for path in paths:
+            want = sources.get(path.name)
+            if want is not None and (out / path.name).is_file() and want != file_sample(path):
+                raise RunMismatch(f"--out {out}: {path.name} holds the features of another {path.name} than "
+                                  f"--data {src_dir}'s; {advice}")
+    elif present:
+        log(f"warning: --out {out}: no record of what its {len(present)} shards were made from; taken as this "
+            "--target's features of --data's shards")
+    answered_by = src.get("answers_target", src.get("target"))
+    if target is not None and answered_by and not same_target(answered_by, target):
+        log(f"warning: --data {src_dir}: answered by --target {answered_by['path']}; the features are "
+            f"--target {target['path']}'s (heads learn the first's answers from the second's features)")
+    return {**{k: v for k, v in src.items() if k not in ("target", "sources")}, "answers_target": answered_by or None,
+            "target": target, "features_dtype": dtype, "sources": sources}
+
+
 def add_features(model, paths: list[Path], out: Path,
-                 log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[Path]:
+                 log=lambda s: print(s, file=sys.stderr, flush=True), target: dict | None = None,
+                 dtype: str | None = None) -> list[Path]:
     """Answer shards without features (`scripts/gpu_heads.py collect` brings back tokens only)
     -> the same shards with the target's features, under `out` with the same names; present
-    ones are kept (resumable)."""
+    ones are kept (resumable). target: its provenance.target_fingerprint, recorded with dtype in
+    out/config.json and checked on resume (check_features_folder)."""
+    from .provenance import file_sample, write_record
+
+    record = check_features_folder(out, paths, target, dtype, log)
     out.mkdir(parents=True, exist_ok=True)
+    write_record(out / "config.json", record)
     written = []
     for path in paths:
         dst = out / path.name
@@ -377,6 +420,8 @@ def add_features(model, paths: list[Path], out: Path,
             tmp = dst.with_suffix(".tmp")
             torch.save(shard, tmp)
             os.replace(tmp, dst)
+            record["sources"][path.name] = file_sample(path)
+            write_record(out / "config.json", record)
             log(f"{dst.name}: features of {len(seqs)} rows ({len(tokens)} tokens) in {time.perf_counter() - t0:.0f}s")
         written.append(dst)
     return written

@@ -334,12 +334,15 @@ def _chat_data(args: argparse.Namespace) -> int:
     from .answers import AnswerConfig, read_prompts, write_shards
 
     if args.train_cmd == "features":
-        from .answers import add_features
+        from .answers import add_features, check_features_folder
+        from .provenance import target_fingerprint
 
         paths = sorted(Path(args.data).glob("shard_*.pt"))
         if not paths:
             raise ValueError(f"--data {args.data}: no shard_*.pt files")
-        done = add_features(_answer_model(args), paths, Path(args.out))
+        target = target_fingerprint(args.target)
+        check_features_folder(Path(args.out), paths, target, args.dtype, log=lambda s: None)   # before the model loads
+        done = add_features(_answer_model(args), paths, Path(args.out), target=target, dtype=args.dtype)
         print(f"{len(done)} shards with features in {args.out}")
         return 0
     from .answers import check_answers_folder

@@ -43,8 +43,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_obj, default=None,
                    help='JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} over the folder\'s '
                         "sentence-transformers pooling (default LAST, normalized)")
-    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
-                   help="auto: the model's generation_config.json sets default sampling values; vllm: ignore it")
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: the model's generation_config.json sets default sampling values (serve: its "
+                        "max_new_tokens caps every request); vllm: ignore it; a folder: that folder's "
+                        "generation_config.json (vLLM's)")
+    p.add_argument("--override-generation-config", type=_json_obj, default=None,
+                   help='vLLM\'s: generation_config.json keys merged over what --generation-config read, e.g. '
+                        '\'{"temperature": 0.5, "max_new_tokens": 64}\'')
     p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")
     p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
@@ -206,7 +211,9 @@ def llm_from_args(args, seed: int | None = None, **extra):
                num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=seed,
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
-               generation_config=args.generation_config, max_num_seqs=args.max_num_seqs,
+               generation_config=args.generation_config,
+               override_generation_config=getattr(args, "override_generation_config", None),
+               max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,

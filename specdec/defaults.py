@@ -85,20 +85,47 @@ def is_bundled(model) -> bool:
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 
-def generation_defaults(model) -> dict:
+def generation_defaults(model, source: str = "auto", override: dict | None = None) -> dict:
     """The sampling values a checkpoint's generation_config.json sets, renamed to
     SamplingParams fields (max_new_tokens -> max_tokens); {} when there is none. As vLLM's
-    `--generation-config auto`: they become the defaults of requests that do not set them."""
-    p = Path(model)
-    folder = p.parent if p.is_file() else p
-    path = folder / "generation_config.json"
-    try:
-        cfg = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        raise ValueError(f"{path}: not valid JSON") from None
-    if not isinstance(cfg, dict):
-        return {}
+    `--generation-config`: "auto" reads the model's folder, a folder path reads that folder's
+    generation_config.json (a missing one is an error), "vllm" reads none; the requests that do
+    not set a value take it. `override` (vLLM's --override-generation-config, the file's key
+    names) is merged over what was read ("vllm": it is all there is)."""
+    if source == "vllm":
+        cfg = {}
+    else:
+        folder = Path(model) if source == "auto" else Path(source)
+        folder = folder.parent if folder.is_file() else folder
+        path = folder / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there (give a folder "
+                             "holding one, 'auto' for the model's own, or 'vllm' for none)")
+        try:
+            cfg = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            raise ValueError(f"{path}: not valid JSON") from None
+        if not isinstance(cfg, dict):
+            cfg = {}
+    if override:
+        cfg = {**cfg, **override}
     out = {k: cfg[k] for k in SAMPLING_KEYS if cfg.get(k) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     return out
+
+
+def check_generation_override(override) -> dict | None:
+    """vLLM's --override-generation-config: an object of generation_config.json keys; the ones that
+    set no sampling default here are said in one warning (vLLM reads the same six)."""
+    if override is None:
+        return None
+    if not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be an object, got {type(override).__name__}")
+    unused = sorted(set(override) - set(SAMPLING_KEYS))
+    if unused:
+        import logging
+
+        logging.getLogger("specdec").warning("override_generation_config: %s set no sampling default (read: %s)",
+                                             ", ".join(unused), ", ".join(SAMPLING_KEYS))
+    return dict(override)

@@ -20,7 +20,8 @@ from .config import (MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, S
                      StructuredOutputsConfig, cuda_graph_sizes,
                      parse_bytes)
 from .distributed.launch import ParallelConfig
-from .defaults import BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, default_model, generation_defaults
+from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, check_generation_override,
+                       default_model, generation_defaults)
 from .engine import Engine, StepEvent
 from .logprobs import TokenLogprob
 from .lora import LoRARequest
@@ -201,7 +202,9 @@ class LLM:
     a CPU kernel covers their format, else dequantize; "gguf" = keep them packed; "none" =
     dequantize to `dtype`; "mxfp4" (vLLM's, for an MXFP4 folder) = None.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
-    the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them.
+    the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them; a
+    folder = that folder's generation_config.json. override_generation_config (vLLM's): the
+    file's keys, e.g. {"temperature": 0.5, "max_new_tokens": 64}, merged over what was read.
     tensor_parallel_size: split the target over that many ranks (Megatron-style; workers are
     spawned here, or are the other ranks of a torchrun launch); a rank that fails or stays
     silent for distributed_timeout_s stops the group with a TensorParallelError.
@@ -254,6 +257,7 @@ class LLM:
                  compilation_config: dict | int | str | None = None,
                  structured_outputs_config: dict | StructuredOutputsConfig | None = None,
                  profiler_config: dict | str | ProfilerConfig | None = None,
+                 override_generation_config: dict | None = None,
                  trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
                  tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
                  disable_custom_all_reduce: bool = False, **kwargs):
@@ -282,9 +286,13 @@ class LLM:
                     default_spec = {**default_spec, "num_speculative_tokens": num_speculative_tokens}
                 speculative_config = default_spec
                 speculative_model = None if default_spec else bundled_draft
-        if generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
+        if not isinstance(generation_config, (str, os.PathLike)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {generation_config!r}")
+        generation_config = str(generation_config)
+        override_generation_config = check_generation_override(override_generation_config)
         self.model_path = str(model)
+        self.generation_config = generation_config       # read before the model loads: a bad folder fails at once
+        self.generation_defaults = generation_defaults(model, generation_config, override_generation_config)
         self.seed = seed
         if speculative_config is not None:      # what the keyword arguments add to it, or a one-line error
             speculative_config = _merged(speculative_config, speculative_model, num_speculative_tokens)
@@ -318,7 +326,6 @@ class LLM:
         self._leader = None
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
-        self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
         self.get_default_sampling_params()     # a bad value there fails now, naming the file (not at a request)
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
@@ -638,7 +645,8 @@ class LLM:
         try:
             return SamplingParams(**self.generation_defaults)
         except ValueError as e:
-            path = Path(self.model_path)
+            source = self.generation_config
+            path = Path(self.model_path if source in ("auto", "vllm") else source)
             path = (path.parent if path.is_file() else path) / "generation_config.json"
             raise CheckpointError(f"{path}: {e} (--generation-config vllm ignores the file)") from None
 

@@ -54,7 +54,7 @@ VLLM_FLAGS = frozenset("""
     mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
     num-gpu-blocks-override num-lookahead-slots
     num-redundant-experts num-scheduler-steps otlp-traces-endpoint override-attention-dtype
-    override-generation-config override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
+    override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
     revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor
     show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init

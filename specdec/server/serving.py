@@ -158,12 +158,12 @@ class Service:
         if req.best_of is not None and req.best_of > req.n and req.stream:
             raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
         # what a request leaves out comes from the model's generation_config.json (vLLM's
-        # --generation-config auto), then from OpenAI's defaults
+        # --generation-config auto), then from OpenAI's defaults; its max_new_tokens caps every request
         model = self.llm.generation_defaults
         fields = dict(n=req.n, temperature=_or(req.temperature, model.get("temperature", 1.0)),
                       top_p=_or(req.top_p, model.get("top_p", 1.0)), top_k=_or(req.top_k, model.get("top_k", -1)),
                       min_p=_or(req.min_p, model.get("min_p", 0.0)), seed=req.seed,
-                      max_tokens=_or(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
+                      max_tokens=_capped(max_tokens, model.get("max_tokens")), stop=req.stop, stop_token_ids=req.stop_token_ids,
                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
                       presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
                       repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
@@ -283,6 +283,11 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
     if params.top_p < _MIN_TOP_P:
         params = dataclasses.replace(params, top_p=_MIN_TOP_P)
     return params
+
+
+def _capped(asked: int | None, cap: int | None) -> int | None:
+    """max_tokens under generation_config.json's max_new_tokens: vLLM's server-wide limit."""
+    return asked if cap is None else cap if asked is None else min(asked, cap)
 
 
 def _or(value, default):

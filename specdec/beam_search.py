@@ -2,7 +2,8 @@
 
 As vLLM runs it, on top of the engine rather than inside it: each step every live beam is one
 request for a single token with its 2 x beam_width most likely next tokens and their
-log-probabilities (the greedy distribution, or the temperature's); the beam_width best of all
+log-probabilities (as logprobs_mode reports them: with the default raw_logprobs the model's own
+distribution, which temperature does not change); the beam_width best of all
 extensions by cumulative log-probability live on, those ending in an end-of-sequence token
 (unless ignore_eos) are set aside as finished. At the end the finished and the live beams are
 ranked by cum_logprob / len ** length_penalty (len: prompt and output tokens, the EOS not
@@ -12,13 +13,20 @@ serves the shared prefixes from its cache; without it the prompt is prefilled ag
 A beam that fills the context (max_model_len tokens, prompt and output) cannot be extended: it
 is set aside as finished (finish_reason "length") and ranked with the others at the end, as
 vLLM's loop completes a beam whose step came back empty at the max-model-len.
+With no end-of-sequence token among the candidates (ignore_eos, or none comes up) the beams are
+transformers' generate(num_beams=...)'s; with one, vLLM's rules (every EOS beam among the 2 x width
+candidates kept, the length counting the prompt) and transformers' (the output's length, its own
+stopping rule) pick different beams, and this follows vLLM's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import SamplingParams
+from .logprobs import Logprob
 
 
 @dataclass(frozen=True)
@@ -41,12 +49,20 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: `tokens` holds the prompt's and the output's ids (vLLM's), `text` their text."""
+    """One beam, vLLM's fields in vLLM's order. `tokens`: the prompt's and the output's ids;
+    `logprobs`: per output token, its step's {token id: Logprob} (the token chosen and the step's
+    2 x width candidates, as vLLM keeps them: `seq.logprobs[i][tok].logprob`); `lora_request`:
+    the adapter the beam ran with; `text`: decode(tokens) with the tokenizer's defaults (vLLM's
+    offline text: the prompt's and the output's, special tokens and an EOS kept). finish_reason
+    ("stop": an EOS ended it; "length") is what vLLM's server reports of a beam; stop_reason stays
+    None, as vLLM's LLM.beam_search leaves it."""
     tokens: list[int]
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: Any = None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -61,15 +77,17 @@ def beam_score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -
 
 class BeamSearch:
     """The search over several prompts, one step at a time, whoever runs the steps (the offline
-    LLM, or the server's engine jobs): `pending()` lists the beams to extend, `advance(tops)`
-    takes each one's (token, log-probability) candidates, `result(decode)` ranks the end."""
+    LLM, or the server's engine jobs): `pending()` lists the beams to extend, `advance(todo,
+    entries)` takes each one's step logprobs, `result(decode)` ranks the end."""
 
     def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: set[int],
-                 max_model_len: int | None = None):
-        """max_model_len: the context's length; a beam that long is finished (None: no limit)."""
+                 max_model_len: int | None = None, lora_requests: list | None = None):
+        """max_model_len: the context's length; a beam that long is finished (None: no limit).
+        lora_requests: one per prompt (None: the base model), carried by its beams."""
         self.prompts, self.params, self.eos = [list(p) for p in prompts], params, eos
         self.max_model_len = max_model_len
-        self.live = [[BeamSearchSequence(list(p))] for p in prompts]
+        loras = lora_requests if lora_requests is not None else [None] * len(prompts)
+        self.live = [[BeamSearchSequence(list(p), lora_request=lora)] for p, lora in zip(prompts, loras)]
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0
 
@@ -91,11 +109,19 @@ class BeamSearch:
                 self.live[i] = [b for b in beams if len(b.tokens) < self.max_model_len]
         return [(i, b) for i, beams in enumerate(self.live) for b in beams]
 
-    def advance(self, todo: list[tuple[int, BeamSearchSequence]], tops: list) -> None:
+    def advance(self, todo: list[tuple[int, BeamSearchSequence]], entries: list) -> None:
+        """entries: each pending beam's step logprobs (a TokenLogprob: the 2 x width likeliest in
+        `.top`, and a {token id: Logprob} mapping); a beam whose entry is None ends, as vLLM drops it."""
         grown: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
-        for (i, beam), top in zip(todo, tops):
-            for tok, lp in top:
-                new = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [lp], beam.cum_logprob + lp)
+        for (i, beam), entry in zip(todo, entries):
+            if entry is None:
+                continue
+            # the step's {token id: Logprob}, one dict shared by the beam's children (as vLLM's)
+            step = dict(entry) if isinstance(entry, Mapping) else \
+                {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(entry.top)}
+            for tok, lp in entry.top:
+                new = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [step], beam.lora_request,
+                                         beam.cum_logprob + lp)
                 if tok in self.eos and not self.params.ignore_eos:
                     new.finish_reason = "stop"
                     self.done[i].append(new)
@@ -105,16 +131,16 @@ class BeamSearch:
         self.steps += 1
 
     def result(self, decode) -> list[BeamSearchOutput]:
-        """decode(token ids) -> text. Each prompt's width best beams, best first; `text` is the
-        prompt's and the output's (vLLM's), without the EOS unless include_stop_str_in_output."""
+        """decode(token ids) -> text. Each prompt's width best beams, best first; `text` is
+        decode(tokens), vLLM's (output_ids gives what a server's choice shows)."""
         out = []
-        for i, prompt in enumerate(self.prompts):
+        for i in range(len(self.prompts)):
             for b in self.live[i]:
                 b.finish_reason = b.finish_reason or "length"
             best = sorted(self.done[i] + self.live[i], key=lambda b: beam_score(b, self.eos, self.params.length_penalty),
                           reverse=True)[:self.params.beam_width]
             for b in best:
-                b.text = decode(prompt + self.output_ids(b, len(prompt)))
+                b.text = decode(b.tokens)
             out.append(BeamSearchOutput(best))
         return out
 
@@ -128,11 +154,11 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, lora_re
     """The offline search: each step's beams through llm.generate as one batch (lora_request: one
     for every prompt, or one per prompt; progress: called once per step)."""
     loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-    search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids), llm.engine.max_model_len)
+    search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids), llm.engine.max_model_len, list(loras))
     while todo := search.pending():
         outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], search.step_params(),
-                            lora_request=[loras[i] for i, _ in todo])
-        search.advance(todo, [o.outputs[0].logprobs[0].top for o in outs])
+                            lora_request=[b.lora_request for _, b in todo])
+        search.advance(todo, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
         if progress is not None:
             progress()
-    return search.result(lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))
+    return search.result(llm.tokenizer.decode)       # vLLM's tokenizer.decode(beam.tokens)

@@ -13,7 +13,9 @@ except ImportError:                # Python 3.10 (typing_extensions comes with t
 
 
 class TextPrompt(TypedDict):
-    """A text prompt, tokenized by the LLM (vLLM's; multi_modal_data and the rest are not read)."""
+    """A text prompt, tokenized by the LLM (vLLM's). Non-empty multi_modal_data is refused (no model
+    here reads it: vLLM's "... is not a multimodal model"); mm_processor_kwargs and cache_salt are
+    not read."""
     prompt: str
     multi_modal_data: NotRequired[Any]
     mm_processor_kwargs: NotRequired[dict[str, Any]]

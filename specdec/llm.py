@@ -464,6 +464,12 @@ class LLM:
         return self.tokenizer
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # vLLM's multi-modal processor refuses it for a model that is not multimodal; specdec runs
+            # a multimodal checkpoint's language model alone, so no model here reads it (vLLM, as
+            # here, ignores mm_processor_kwargs without data and keys it does not know)
+            raise ValueError(f"{self.model_path} is not a multimodal model here (specdec runs a checkpoint's "
+                             "language model only): a prompt's multi_modal_data cannot be read")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -548,7 +554,9 @@ class LLM:
                     concurrency_limit: int | None = None) -> list:
         """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt (a string,
         {"prompt"} or {"prompt_token_ids"}), best first, as BeamSearchOutput(sequences=[...]) with
-        each sequence's prompt + output `tokens`, `text`, `cum_logprob` (specdec/beam_search.py).
+        each sequence's prompt + output `tokens`, `logprobs` (per output token its step's
+        {token id: Logprob}), `cum_logprob`, `lora_request` and `text` (vLLM's
+        tokenizer.decode(tokens): special tokens and an EOS kept) (specdec/beam_search.py).
         Beams that fill the context (max_model_len) finish there (finish_reason "length"); only a
         prompt that leaves no room for one token is refused, before any search runs.
         lora_request: one for every prompt or one per prompt; use_tqdm: a bar over the steps;

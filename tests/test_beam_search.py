@@ -1,5 +1,7 @@
-"""Beam search (vLLM's LLM.beam_search): on a tiny fp32 llama the beams and their scores equal
-transformers' own beam search (generate(num_beams=...)), with and without end-of-sequence tokens."""
+"""Beam search (vLLM's LLM.beam_search): on a tiny fp32 llama with no end-of-sequence token the
+beams and their scores equal transformers' own beam search (generate(num_beams=...)); with one,
+vLLM's rules (which specdec follows) and transformers' differ, so that case is checked against
+vLLM's rules only (tests/test_beam_fixes.py shows a difference)."""
 
 from __future__ import annotations
 
@@ -60,9 +62,9 @@ def test_beams_with_eos_and_length_penalty(models):
         n = len(b.tokens) - (1 if b.tokens[-1] in eos else 0)
         scores.append(b.cum_logprob / n ** 0.5)
         assert b.tokens[:len(PROMPTS[1])] == PROMPTS[1]
-        assert b.cum_logprob == pytest.approx(sum(b.logprobs), abs=1e-5)
-        assert b.text == llm.tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens,
-                                                skip_special_tokens=True)
+        out_ids = b.tokens[len(PROMPTS[1]):]
+        assert b.cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(b.logprobs, out_ids)), abs=1e-5)
+        assert b.text == llm.tokenizer.decode(b.tokens)       # vLLM's: special tokens and the EOS kept
     assert scores == sorted(scores, reverse=True)
 
 

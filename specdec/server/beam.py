@@ -14,13 +14,16 @@ from .fields import structured_outputs
 
 
 async def beam_completion(service, body, arrival: float, lora, response_id: str) -> dict:
+    """use_beam_search on /v1/completions: the request is checked and its prompts tokenized and
+    truncated (truncate_prompt_tokens) as any completion's (Service.prepare_completion, as vLLM
+    preprocesses before it branches to beam search); then the beams of each prompt."""
     service._check_generates("Completions")
     if body.logprobs is not None or body.echo or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with logprobs, echo or best_of", "use_beam_search")
     if structured_outputs(body)[0] is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
-    prompts = service._completion_prompts(body.prompt)
-    search, outputs = await _search(service, body, prompts, body.max_tokens, arrival, lora, response_id)
+    prompts, sampling = service.prepare_completion(body)
+    search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
     choices, completion_tokens = [], 0
     for p, (prompt, out) in enumerate(zip(prompts, outputs)):
         for j, beam in enumerate(out.sequences):
@@ -34,7 +37,9 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
 
 async def beam_chat(service, body, arrival: float, lora, response_id: str) -> dict:
     """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each a
-    plain assistant message (no tools, reasoning split or structured outputs with it)."""
+    plain assistant message (no tools, reasoning split or structured outputs with it); with
+    echo, the last message (when it has the reply's role) put before each, as vLLM's chat does
+    for every choice, beams included."""
     if body.tools or body.logprobs or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with tools, logprobs or best_of", "use_beam_search")
     prompts, sampling, _ = service.prepare_chat(body)
@@ -43,12 +48,13 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     search, outputs = await _search(service, body, prompts, max_tokens if max_tokens is not None else sampling.max_tokens,
                                     arrival, lora, response_id)
+    echo = service.chat_echo(body) or ""
     choices, completion_tokens = [], 0
     for j, beam in enumerate(outputs[0].sequences):
         ids = search.output_ids(beam, len(prompts[0]))
         completion_tokens += len(ids)
         choices.append({"index": j, "message": {"role": service.config.response_role,
-                                                "content": service.tokenizer.decode(ids, skip_special_tokens=True)},
+                                                "content": echo + service.tokenizer.decode(ids, skip_special_tokens=True)},
                         "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
     return _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
                    completion_tokens)
@@ -74,16 +80,16 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
         raise APIError(400, f"use_beam_search: n (the beam width) can be at most {limit // 2} here "
                             f"(--max-logprobs {limit}), got {params.beam_width}", "n")
     service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), "prompt")
-    search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids))
+    search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids), lora_requests=[lora] * len(prompts))
     step = search.step_params()
     while todo := search.pending():
-        tops: list = [None] * len(todo)
+        entries: list = [None] * len(todo)
         async with service.generation([b.tokens for _, b in todo], step, arrival, body.priority, lora,
                                       response_id) as gen:
             async for index, event in gen.steps():
                 if event.logprobs:
-                    tops[index] = event.logprobs[0].top
-        search.advance(todo, tops)
+                    entries[index] = event.logprobs[0]
+        search.advance(todo, entries)
     return search, search.result(service.tokenizer.decode)
 
 

@@ -6,9 +6,14 @@
   block itself, so the reply starts inside it: everything before `</think>` is reasoning (a
   leading `<think>` is dropped), what follows is the answer; a reply that never closes the block
   is all reasoning.
-- `qwen3` (Qwen3, QwQ): the reply opens the block itself: a reply that starts with `<think>` is
-  reasoning up to `</think>` (or to its end, if cut short), one that does not is all answer (Qwen3
-  with thinking switched off writes no block).
+- `qwen3` (Qwen3, QwQ): the opening `<think>` is optional, as in vLLM's parser: the reply's
+  text before `</think>` is reasoning (a leading `<think>` dropped), what follows the answer.
+  Qwen3 writes the opening tag itself; QwQ's and Qwen3-Thinking-2507's templates end the prompt
+  with it, so their replies start inside the block. A reply without `</think>` is all reasoning
+  when it opened the block (cut short) or the prompt did, else all answer (Qwen3 with thinking
+  switched off writes no block; its template closes an empty one in the prompt). Streamed, a
+  reply that neither starts with `<think>` nor follows a prompt that opened or closed a block is
+  held until `</think>` or its end decides which it is.
 - `openai_gptoss` (gpt-oss; chosen by itself for a gpt_oss model, as vLLM does): OpenAI's harmony
   format. After the prompt's `<|start|>assistant` the reply is a run of messages
   `<|channel|>NAME<|message|>BODY<|end|>`, each after the first opened by
@@ -20,6 +25,7 @@
 
 The answer then goes to the tool-call parser, if any. A constrained reply (structured outputs,
 named or required tool calls) is not split: the grammar leaves the model no think block.
+Only generated text is parsed (a chat echo's prefix is not: responses.ChatFormat).
 """
 
 from __future__ import annotations
@@ -48,10 +54,14 @@ class HarmonyCall:
     closed: bool              # its body ended (<|end|>, or <|call|> / the reply's end when final)
 
 
-def parse_harmony(text: str, final: bool = True, calls: bool = False) -> tuple[str, str, list[HarmonyCall]]:
+def parse_harmony(text: str, final: bool = True, calls: bool = False,
+                  cut: bool = False) -> tuple[str, str, list[HarmonyCall]]:
     """A harmony reply (special tokens kept) -> (reasoning, answer, function calls). final=False:
     the reply may be cut mid-marker (a stream): an unfinished marker or header is left out.
-    calls=False: a call's arguments are answer text (no tool parsing asked)."""
+    calls=False: a call's arguments are answer text (no tool parsing asked). cut: the reply was
+    cut off (finish_reason "length"): a last call whose body did not end is incomplete, so it is
+    no call and its arguments are dropped (vLLM returns only completed messages; a call that
+    ended has finish_reason "stop", <|call|> being a stop token)."""
     reasoning, answer, found = [], [], []
     # text before the first header is outside the format: answer
     pos = min((i for m in (_H_CHANNEL, _H_START) if (i := text.find(m)) >= 0), default=len(text))
@@ -75,7 +85,8 @@ def parse_harmony(text: str, final: bool = True, calls: bool = False) -> tuple[s
             body = body[:len(body) - max(held_back(body, t) for t in (*_H_ENDS, _H_START))]
         recipient = _RECIPIENT.search(header)
         if calls and recipient is not None:
-            found.append(HarmonyCall(recipient.group(1), body, bool(ends) or final))
+            if ends or not (final and cut):
+                found.append(HarmonyCall(recipient.group(1), body, bool(ends) or final))
         else:
             (reasoning if channel.split()[:1] == ["analysis"] else answer).append(body)
         pos = end + len(tag)
@@ -88,19 +99,28 @@ def split_harmony(text: str, final: bool = True) -> tuple[str, str]:
     return parse_harmony(text, final)[:2]
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str, str]:
-    """A finished reply -> (reasoning, answer); either may be empty."""
+def prompt_think(prompt_tail: str) -> str | None:
+    """How the prompt (its last tokens' text) leaves a qwen3 reply: "open" when it ends inside a
+    think block (QwQ's and Qwen3-Thinking-2507's generation prompts end with <think>), "closed"
+    when it ends one (Qwen3 with enable_thinking false), None when it does neither."""
+    s = prompt_tail.rstrip()
+    return "open" if s.endswith(START) else "closed" if s.endswith(END) else None
+
+
+def split_reasoning(parser: str, text: str, prompt: str | None = None) -> tuple[str, str]:
+    """A finished reply -> (reasoning, answer); either may be empty. prompt: prompt_think's."""
     if parser == HARMONY:
         return split_harmony(text)
     s = text.lstrip()
-    if s.startswith(START):
-        body = s[len(START):]
-    elif parser == "deepseek_r1":
-        body = text
-    else:                                                  # qwen3 without a think block
+    if s.startswith(START):                                # the reply opens the block: cut short, all reasoning
+        reasoning, _, answer = s[len(START):].partition(END)
+        return reasoning, answer
+    if prompt == "closed":                                 # qwen3, thinking off
         return "", text
-    reasoning, found, answer = body.partition(END)
-    return reasoning, answer if found else ""
+    reasoning, found, answer = text.partition(END)
+    if found or parser == "deepseek_r1" or prompt == "open":   # inside a block the prompt opened
+        return reasoning, answer
+    return "", text                                        # qwen3 without a think block
 
 
 def held_back(text: str, tag: str) -> int:
@@ -125,8 +145,12 @@ class HarmonyStream:
         self.text += text
         return self._gained(parse_harmony(self.text, False, self.calls))
 
-    def finish(self) -> tuple[str, str]:
-        return self._gained(parse_harmony(self.text, True, self.calls))
+    def finish(self, cut: bool = False) -> tuple[str, str]:
+        """cut: the reply was cut off (finish_reason "length"): parse_harmony's."""
+        return self._gained(parse_harmony(self.text, True, self.calls, cut))
+
+    def pending(self) -> tuple[str, ...]:
+        return ()                  # the whole reply is parsed again each step: nothing held as fed
 
     def take_calls(self) -> list[HarmonyCall]:
         ready = []
@@ -144,8 +168,8 @@ class HarmonyStream:
         return out
 
 
-def reasoning_stream(parser: str, calls: bool = False):
-    return HarmonyStream(calls) if parser == HARMONY else ReasoningStream(parser)
+def reasoning_stream(parser: str, calls: bool = False, prompt: str | None = None):
+    return HarmonyStream(calls) if parser == HARMONY else ReasoningStream(parser, prompt)
 
 
 @dataclass
@@ -153,7 +177,8 @@ class ReasoningStream:
     """One streamed choice: feed() each step's text -> (reasoning delta, answer delta); finish()
     -> what is still held. The deltas joined equal split_reasoning's parts."""
     parser: str
-    state: str = "start"          # start (nothing decided yet) | reasoning | answer
+    prompt: str | None = None     # prompt_think's: "open" | "closed" | None
+    state: str = "start"          # start (nothing decided yet) | reasoning | answer | undecided (qwen3: held)
     buf: str = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -164,12 +189,16 @@ class ReasoningStream:
                 return "", ""
             if s.startswith(START):
                 self.buf, self.state = s[len(START):], "reasoning"
-            else:
-                self.state = "reasoning" if self.parser == "deepseek_r1" else "answer"
+            elif self.parser == "deepseek_r1" or self.prompt == "open":
+                self.state = "reasoning"
+            else:                                    # qwen3: answer, unless a </think> comes
+                self.state = "answer" if self.prompt == "closed" else "undecided"
         if self.state == "answer":
             text, self.buf = self.buf, ""
             return "", text
         at = self.buf.find(END)
+        if self.state == "undecided" and at < 0:
+            return "", ""
         if at >= 0:
             reasoning, answer = self.buf[:at], self.buf[at + len(END):]
             self.buf, self.state = "", "answer"
@@ -178,8 +207,13 @@ class ReasoningStream:
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         return out, ""
 
-    def finish(self) -> tuple[str, str]:
+    def finish(self, cut: bool = False) -> tuple[str, str]:
         """What is still held: (reasoning, answer)."""
         rest, self.buf = self.buf, ""
-        reasoning = self.state == "reasoning" or (self.state == "start" and self.parser == "deepseek_r1")
+        reasoning = self.state == "reasoning" or (
+            self.state == "start" and (self.parser == "deepseek_r1" or self.prompt == "open"))
         return (rest, "") if reasoning else ("", rest)
+
+    def pending(self) -> tuple[str, ...]:
+        """The text fed and not yet sent (a leading <think> already dropped)."""
+        return (self.buf,)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
-from .errors import APIError, error_body
+from .errors import APIError, error_body, log
 from ..logprobs import TokenLogprob
 from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
-from .reasoning import HARMONY, ReasoningStream, parse_harmony, reasoning_stream, split_reasoning
-from .tools import ToolPlan, ToolStream, extract, tool_call
+from .reasoning import HARMONY, ReasoningStream, parse_harmony, prompt_think, reasoning_stream, split_reasoning
+from .tools import ToolPlan, ToolStream, extract, json_arguments, tool_call
 
 
 @dataclass
@@ -85,7 +85,9 @@ class ChatFormat:
                  prompt: list[int] | None = None, tools: ToolPlan | None = None, reasoning: str | None = None,
                  include_reasoning: bool = True, echo: str | None = None):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
-        self.echo = echo                       # vLLM's chat echo: the last (assistant) message's content first
+        # vLLM's chat echo: the last (assistant) message's content put before the content; only
+        # the generated text goes through the reasoning and tool parsers
+        self.echo = echo
         self.role, self.prompt = role, prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
         # tool_choice named / required / auto: replies become tool calls (tools.py); "none": text
@@ -93,12 +95,15 @@ class ChatFormat:
         # --reasoning-parser: the thinking apart from the answer (reasoning.py); the answer then
         # goes to the tool parser
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        # qwen3: whether the prompt opened (QwQ) or closed (thinking off) a think block
+        self.think = prompt_think(tokenizer.decode(prompt[-8:])) if reasoning == "qwen3" and prompt else None
         # gpt-oss's calls (--tool-call-parser openai) are harmony messages: the reasoning parser finds them
         self.harmony_calls = (reasoning == HARMONY and self.tools is not None and self.tools.mode == "auto"
                               and self.tools.parser == "openai")
         self._call_counts: dict[int, int] = {}
         self._streams: dict[int, ToolStream] = {}
         self._thinking: dict[int, ReasoningStream] = {}
+        self._failed: set[int] = set()         # choices whose parsers failed: plain text from then on
 
     def top_level(self, results: list[ChoiceResult]) -> dict:
         if not (self.want_prompt_logprobs and self.prompt and results and results[0].prompt_logprobs is not None):
@@ -106,18 +111,31 @@ class ChatFormat:
         return {"prompt_logprobs": vllm_prompt_logprobs(self.name, self.prompt, results[0].prompt_logprobs)}
 
     def prefix(self, prompt_index: int) -> str:
-        return self.echo or ""
+        return ""                              # the echo is put before the parsed content (choice, opening)
 
     def choice(self, r: ChoiceResult) -> dict:
+        """The finished choice; a parser that fails leaves the reply as text (vLLM's answer too)."""
+        try:
+            out = self._parsed_choice(r)
+        except Exception:                      # noqa: BLE001 - a parser's bug must not fail the request
+            log.exception("the reasoning / tool-call parser failed; the reply is returned as text")
+            out = {"index": r.index, "message": {"role": self.role, "content": "".join(r.text)},
+                   "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason,
+                   "stop_reason": r.stop_reason}
+        if self.echo is not None:
+            out["message"]["content"] = self.echo + (out["message"]["content"] or "")
+        return out
+
+    def _parsed_choice(self, r: ChoiceResult) -> dict:
         message, finish = {"role": self.role, "content": "".join(r.text)}, r.finish_reason
         if self.reasoning is not None:
             if self.harmony_calls:
-                thought, answer, found = parse_harmony(message["content"], True, True)
+                thought, answer, found = parse_harmony(message["content"], True, True, finish == "length")
                 if found:
-                    message["tool_calls"] = [tool_call(c.name, c.arguments) for c in found]
+                    message["tool_calls"] = [tool_call(c.name, json_arguments(c.arguments)) for c in found]
                     finish = "tool_calls" if finish == "stop" else finish
             else:
-                thought, answer = split_reasoning(self.reasoning, message["content"])
+                thought, answer = split_reasoning(self.reasoning, message["content"], self.think)
             message["content"] = answer if answer or not (thought or message.get("tool_calls")) else None
             if self.include_reasoning:
                 message["reasoning_content"] = thought or None
@@ -129,27 +147,48 @@ class ChatFormat:
                 "stop_reason": r.stop_reason}
 
     def opening(self, index: int) -> dict | None:
-        # OpenAI's streams name the role once, in a first chunk of its own
-        return {"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+        # OpenAI's streams name the role once, in a first chunk of its own (with the echo, if any)
+        return {"index": index, "delta": {"role": self.role, "content": self.echo or ""}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
               finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict | None:
+        """One step's chunk choice (None: all of it held back). A parser that fails sends what it
+        held and this step's text as content, and the rest of the choice streams as text."""
+        if index not in self._failed:
+            held = self._pending(index)        # as fed, before this step: what a failure gives back (no copy)
+            try:
+                return self._parsed_delta(index, text, logprobs, finish_reason, stop_reason)
+            except Exception:                  # noqa: BLE001 - a parser's bug must not cut the stream
+                log.exception("the reasoning / tool-call parser failed; the reply streams on as text")
+                self._failed.add(index)
+                text = "".join(held) + text
+        if not (text or logprobs or finish_reason):
+            return None
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _pending(self, index: int) -> tuple[str, ...]:
+        rs, ts = self._thinking.get(index), self._streams.get(index)
+        return (rs.pending() if rs is not None else ()) + (ts.pending() if ts is not None else ())
+
+    def _parsed_delta(self, index: int, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
+                      stop_reason) -> dict | None:
         calls: list[dict] = []
         thought = ""
         if self.reasoning is not None:     # the thinking first; what follows </think> is the answer
             rs = self._thinking.get(index)
             if rs is None:
-                rs = self._thinking[index] = reasoning_stream(self.reasoning, self.harmony_calls)
+                rs = self._thinking[index] = reasoning_stream(self.reasoning, self.harmony_calls, self.think)
             thought, text = rs.feed(text)
             if finish_reason is not None:
-                more_thought, rest = rs.finish()
+                more_thought, rest = rs.finish(finish_reason == "length")
                 thought, text = thought + more_thought, text + rest
             thought = thought if self.include_reasoning else ""
             if self.harmony_calls:
                 for c in rs.take_calls():
                     n = self._call_counts.get(index, 0)
-                    calls.append({"index": n, **tool_call(c.name, c.arguments)})
+                    calls.append({"index": n, **tool_call(c.name, json_arguments(c.arguments))})
                     self._call_counts[index] = n + 1
                 if finish_reason == "stop" and self._call_counts.get(index):
                     finish_reason = "tool_calls"
@@ -276,6 +315,9 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
     except APIError as e:
         # the status line went out with the first byte; the error can only travel as an event
         yield _sse(error_body(e.status, e.message, e.param, e.code))
+    except Exception as e:             # noqa: BLE001 - a bug: still an error event and the stream's end
+        log.exception("a stream failed")
+        yield _sse(error_body(500, f"internal error: {type(e).__name__}"))
     yield "data: [DONE]\n\n"
 
 

@@ -14,32 +14,44 @@
 - `"auto"` (the default when tools are given): the model writes freely and the server's
   `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
   as in vLLM; with `parallel_tool_calls` false only the first call is returned. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), and three whose calls are the whole
+  blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), two whose calls are the whole
   reply: `llama3_json` (`{"name": ..., "parameters": {...}}`, several joined by `;`, after an
   optional `<|python_tag|>`: Llama 3.1 / 3.2), `pythonic` (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's
-  pythonic templates, ToolACE) and `mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`:
-  Mistral 7B v0.3 and later; the marker is a special token, so replies keep special tokens).
+  pythonic templates, ToolACE); `mistral` reads the calls after a `[TOOL_CALLS]` marker (a
+  special token, so replies keep special tokens), the text before it being content, as vLLM's
+  MistralToolParser: a JSON array `[{"name": ..., "arguments": {...}}]` (Mistral 7B v0.3; what
+  follows the array is ignored) or, from Mistral's v11 tokenizers on (Mistral Small 3.1+,
+  Devstral, Magistral), `name{args}` (`name[ARGS]{args}` as Hugging Face tokenizers decode it)
+  after each marker; its calls get Mistral's 9-character alphanumeric ids, which Mistral's chat
+  templates require of the calls sent back (so do named and required calls on such a server).
   `openai` (gpt-oss): its calls are harmony messages addressed `to=functions.NAME`, whose body
   is the arguments; the harmony reasoning parser (reasoning.py) finds them, so this parser
   needs it (a gpt-oss model chooses it by itself). A call is sent once its message has ended
-  (at the reply's end: `<|call|>` stops generation).
+  (at the reply's end: `<|call|>` stops generation); one cut off by max_tokens is no call (vLLM
+  returns only completed messages); arguments that are JSON are re-serialized, as vLLM does.
+
+A parser never fails a reply: whatever it raises (a RecursionError on deeply nested brackets
+among them) means "no call", and the reply is text (vLLM's parsers catch Exception alike).
 
 A constrained reply is lossless under speculation like every structured output: the grammar
 masks p and q alike, and verification keeps exactly the constrained target's tokens.
 
 Streams: a named call streams its arguments as they are generated; `required` sends its calls
 when the array is complete (at the end); `auto` with hermes streams the text outside the call
-blocks and each call once its block has closed; with the whole-reply parsers a reply that begins
-like a call is held to the end (then sent as calls, or as text if it does not parse), any other
-streams as text. The content streamed equals the non-streamed content.
+blocks and each call once its block has closed; mistral streams the text before `[TOOL_CALLS]`
+and holds what follows to the end; with the whole-reply parsers a reply that begins like a call
+is held to the end (then sent as calls, or as text if it does not parse), any other streams as
+text. The content streamed equals the non-streamed content.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import StructuredOutputsParams
 from .errors import APIError
@@ -57,6 +69,7 @@ class ToolPlan:
     tools: tuple[dict, ...]                    # the request's tools, as sent (for the chat template)
     name: str | None = None                    # named: the function
     parser: str | None = None                  # auto: the server's --tool-call-parser
+    mistral_ids: bool = False                  # calls get Mistral's 9-character ids (--tool-call-parser mistral)
     constraint: StructuredOutputsParams | None = None   # named / required: the reply's grammar
     parallel: bool = True                      # auto: parallel_tool_calls (false: the first call only)
 
@@ -91,13 +104,14 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
         functions[name] = _strict(params)
     plain = tuple(tools)
     choice = "auto" if tool_choice is None else tool_choice
+    ids = parser == "mistral"
     if choice == "none":
         return ToolPlan("none", plain)
     if choice == "auto":
         if not (enable_auto and parser):
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "required", "none" or a named function)', "tool_choice")
-        return ToolPlan("auto", plain, parser=parser, parallel=parallel_tool_calls is not False)
+        return ToolPlan("auto", plain, parser=parser, parallel=parallel_tool_calls is not False, mistral_ids=ids)
     if choice == "required":
         defs, bare = _hoisted_defs(functions)
         one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
@@ -106,7 +120,7 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
         schema.update(defs)
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", plain, constraint=StructuredOutputsParams(json=schema))
+        return ToolPlan("required", plain, constraint=StructuredOutputsParams(json=schema), mistral_ids=ids)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -115,7 +129,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
                                 '"function": {"name": ...}}', "tool_choice")
         if name not in functions:
             raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
-        return ToolPlan("named", plain, name=name, constraint=StructuredOutputsParams(json=functions[name]))
+        return ToolPlan("named", plain, name=name, constraint=StructuredOutputsParams(json=functions[name]),
+                        mistral_ids=ids)
     raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                    "tool_choice")
 
@@ -159,13 +174,20 @@ def _hoisted_defs(functions: dict) -> tuple[dict, dict]:
     return {k: v for k, v in defs.items() if v}, bare
 
 
-def call_id() -> str:
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def call_id(mistral: bool = False) -> str:
+    """A call's id: vLLM's `chatcmpl-tool-<hex>`, or (mistral) 9 letters and digits, as vLLM's
+    MistralToolCall: Mistral's chat templates refuse any other id in the calls sent back."""
+    if mistral:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def tool_call(name: str, arguments: str) -> dict:
+def tool_call(name: str, arguments: str, mistral: bool = False) -> dict:
     """One call as OpenAI returns it."""
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id(mistral), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 _call = tool_call
@@ -175,15 +197,25 @@ def _arguments(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _required_calls(text: str) -> list[dict] | None:
+def json_arguments(text: str) -> str:
+    """Arguments written as JSON, re-serialized (vLLM's harmony calls: `json.dumps(json.loads(...))`);
+    any other text as it stands."""
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except Exception:  # noqa: BLE001 - not JSON (or nested past the recursion limit): as written
+        return text
+
+
+def _required_calls(text: str, mistral: bool = False) -> list[dict] | None:
     """The calls of a complete `required` array, or None when the text is not one (cut short)."""
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+        if not isinstance(items, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                  for x in items):
+            return None
+        return [_call(x["name"], _arguments(x.get("parameters", {})), mistral) for x in items]
+    except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no calls
         return None
-    if not isinstance(items, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
-        return None
-    return [_call(x["name"], _arguments(x.get("parameters", {}))) for x in items]
 
 
 # ---- hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> ----
@@ -193,11 +225,11 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 def _hermes_call(body: str) -> dict | None:
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return _call(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {}))))
+    except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no call
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return _call(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {}))))
 
 
 def _hermes_split(text: str) -> tuple[str, list[dict]]:
@@ -234,12 +266,12 @@ def _llama3_json_calls(text: str) -> list[dict] | None:
     while at < len(s):
         try:
             obj, at = dec.raw_decode(s, at)
-        except json.JSONDecodeError:
+            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+            if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
+                return None
+            calls.append(_call(obj["name"], _arguments(args)))
+        except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no calls
             return None
-        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
-            return None
-        calls.append(_call(obj["name"], _arguments(args)))
         while at < len(s) and s[at] in " \t\r\n;":
             at += 1
     return calls or None
@@ -252,7 +284,7 @@ def _pythonic_calls(text: str) -> list[dict] | None:
     s = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
     try:
         tree = ast.parse(s, mode="eval").body
-    except (SyntaxError, ValueError):
+    except Exception:  # noqa: BLE001 - SyntaxError; RecursionError / MemoryError on deep nesting
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
@@ -264,7 +296,7 @@ def _pythonic_calls(text: str) -> list[dict] | None:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
             name = ast.unparse(node.func)
             arguments = json.dumps(args, ensure_ascii=False)     # a set, bytes or complex: no JSON, no call
-        except (ValueError, TypeError, SyntaxError, RecursionError):
+        except Exception:  # noqa: BLE001 - not literals, not JSON, or nested past the recursion limit
             return None
         if len(args) != len(node.keywords):
             return None
@@ -272,27 +304,47 @@ def _pythonic_calls(text: str) -> list[dict] | None:
     return calls
 
 
-def _mistral_calls(text: str) -> list[dict] | None:
-    """`[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`."""
-    s = text.strip()
-    if not s.startswith(_TOOL_CALLS):
-        return None
+def _mistral_split(text: str) -> tuple[str, list[dict]]:
+    """(the text before the first [TOOL_CALLS], the calls after it), as vLLM's MistralToolParser
+    reads them; (text, []) when there is no marker or what follows one is not calls."""
+    at = text.find(_TOOL_CALLS)
+    if at < 0:
+        return text, []
+    calls = []
+    for segment in text[at + len(_TOOL_CALLS):].split(_TOOL_CALLS):
+        found = _mistral_segment(segment.strip())
+        if found is None:
+            return text, []
+        calls += found
+    return text[:at], calls
+
+
+def _mistral_segment(s: str) -> list[dict] | None:
+    """What follows one marker: v0.3's JSON array (or one object) of `{"name", "arguments"}`, or the
+    v11 tokenizers' `name{args}` (`name[ARGS]{args}` in a Hugging Face decoding). Text after the
+    JSON is ignored, as vLLM's raw_decode ignores it."""
+    dec = json.JSONDecoder()
     try:
-        items = json.loads(s[len(_TOOL_CALLS):])
-    except json.JSONDecodeError:
+        if s.startswith(("[", "{")):
+            items = dec.raw_decode(s)[0]
+            items = [items] if isinstance(items, dict) else items
+            if not isinstance(items, list) or not items or not all(
+                    isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
+                return None
+            return [_call(x["name"], _arguments(x.get("arguments", x.get("parameters", {}))), True) for x in items]
+        brace = s.find("{")
+        name = s[:brace].replace("[ARGS]", "").strip()
+        if brace < 0 or not _NAME.match(name):
+            return None
+        args = dec.raw_decode(s, brace)[0]
+        return [_call(name, _arguments(args), True)] if isinstance(args, dict) else None
+    except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no calls
         return None
-    if isinstance(items, dict):
-        items = [items]
-    if not isinstance(items, list) or not items or not all(
-            isinstance(x, dict) and isinstance(x.get("name"), str) for x in items):
-        return None
-    return [_call(x["name"], _arguments(x.get("arguments", x.get("parameters", {})))) for x in items]
 
 
 # parser -> (its calls or None, the starts of a reply that may be a call)
 _WHOLE = {"llama3_json": (_llama3_json_calls, ("{", _PYTHON_TAG)),
-          "pythonic": (_pythonic_calls, ("[", "<|python_start|>")),
-          "mistral": (_mistral_calls, (_TOOL_CALLS,))}
+          "pythonic": (_pythonic_calls, ("[", "<|python_start|>"))}
 
 
 def _may_be_call(parser: str, text: str) -> bool:
@@ -305,6 +357,8 @@ def _split(parser: str, text: str) -> tuple[str, list[dict]]:
     """(text outside the calls, the calls) of a finished reply."""
     if parser == "hermes":
         return _hermes_split(text)
+    if parser == "mistral":
+        return _mistral_split(text)
     if parser == "openai":            # harmony calls: taken out by the reasoning parser (responses.ChatFormat)
         return text, []
     calls = _WHOLE[parser][0](text) if _may_be_call(parser, text) and text.strip() else None
@@ -314,9 +368,9 @@ def _split(parser: str, text: str) -> tuple[str, list[dict]]:
 def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
     """A finished reply -> (message content, tool calls, finish_reason)."""
     if plan.mode == "named":
-        return None, [_call(plan.name, text)], finish_reason
+        return None, [_call(plan.name, text, plan.mistral_ids)], finish_reason
     if plan.mode == "required":
-        calls = _required_calls(text)
+        calls = _required_calls(text, plan.mistral_ids)
         if calls is None:                      # cut short (length): the text as it stands
             return text, [], finish_reason
         return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
@@ -339,7 +393,10 @@ class ToolStream:
     shown: bool = False            # non-whitespace content sent: whitespace is sent as it comes
     held_ws: str = ""              # whitespace-only content not sent yet
     holding: bool = True           # whole-reply parsers: the reply so far may be calls
-    _named_id: str = field(default_factory=call_id)
+    _named_id: str = ""
+
+    def __post_init__(self):
+        self._named_id = call_id(self.plan.mistral_ids)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.plan.mode == "named":
@@ -351,6 +408,8 @@ class ToolStream:
             return "", []
         if self.plan.mode != "auto" or self.plan.parser == "openai":      # openai: harmony calls, found elsewhere
             return text, []
+        if self.plan.parser == "mistral":
+            return self._feed_mistral(text), []
         if self.plan.parser != "hermes":
             return self._feed_whole(text), []
         self.buf += text
@@ -382,13 +441,13 @@ class ToolStream:
             deltas = [] if self.calls else [self._named_delta("")]
             return "", deltas, finish_reason
         if self.plan.mode == "required":
-            calls = _required_calls(self.buf)
+            calls = _required_calls(self.buf, self.plan.mistral_ids)
             if calls is None:
                 return self.buf, [], finish_reason
             return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
         if self.plan.mode != "auto" or self.plan.parser == "openai":
             return "", [], finish_reason
-        if self.plan.parser != "hermes":
+        if self.plan.parser not in ("hermes", "mistral"):
             if not self.holding:
                 return "", [], finish_reason
             content, calls = _split(self.plan.parser, self.buf)
@@ -396,7 +455,10 @@ class ToolStream:
             deltas = [d for d in map(self._delta, calls) if d is not None]
             return self._content(content), deltas, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         rest, deltas = self.buf, []
-        if self.in_call:
+        if self.in_call and self.plan.parser == "mistral":       # rest: [TOOL_CALLS] and all that followed
+            rest, calls = _mistral_split(rest)
+            deltas = [d for d in map(self._delta, calls) if d is not None]
+        elif self.in_call:
             call = _hermes_call(rest)
             rest = _OPEN + rest if call is None else ""
             if call is not None and (d := self._delta(call)) is not None:
@@ -405,6 +467,28 @@ class ToolStream:
         text = self._content(rest) + (self.held_ws if self.shown else "")
         reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
         return text, deltas, reason
+
+    def _feed_mistral(self, text: str) -> str:
+        """mistral: the text before [TOOL_CALLS] streams (a possible marker's start held back);
+        from the marker on, the reply is held to the end (finish() reads its calls)."""
+        self.buf += text
+        if self.in_call:
+            return ""
+        at = self.buf.find(_TOOL_CALLS)
+        if at >= 0:
+            out, self.buf, self.in_call = self.buf[:at], self.buf[at:], True
+        else:
+            keep = held_back(self.buf, _TOOL_CALLS)
+            out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return self._content(out)
+
+    def pending(self) -> tuple[str, ...]:
+        """The text fed and not yet sent, as it was fed, in parts (what a failed parser gives back
+        as content; joined only then)."""
+        if self.plan.mode in ("named", "required") or self.plan.parser == "openai":
+            return (self.buf,)
+        opened = _OPEN if self.in_call and self.plan.parser == "hermes" else ""
+        return self.held_ws, opened, self.buf
 
     def _feed_whole(self, text: str) -> str:
         """Whole-reply parsers: hold the reply while it may be calls; once it cannot, send it as text."""

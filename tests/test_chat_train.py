@@ -386,3 +386,91 @@ def test_suffix_datastore_from_answers_is_lossless(answers, tmp_path):
     assert sum(o.stats.accepted_tokens for o in outs) > 0
     assert main(["train", "suffix", "--data", str(root / "answers"), "--out", str(tmp_path / "x"),
                  "--val-shards", "9"]) == 2       # one line, exit status 2 (as for every CLI error)
+
+
+class _Recorder:
+    """A proposer that drafts nothing and keeps the features the engine hands it (Committed.hidden)."""
+    from specdec.proposers.base import ProposerCaps
+    name, caps = "recorder", ProposerCaps(needs_hidden=True)
+
+    def __init__(self):
+        self.hidden: dict = {}
+
+    def kv_bytes_per_slot(self):
+        return 0
+
+    def initialize_kv(self, blocks, target_kv):
+        pass
+
+    def lookahead_slots(self, k):
+        return k
+
+    def cached_upto(self, request_id):
+        return None
+
+    def add_request(self, request_id, ctx):
+        self.hidden[request_id] = []
+
+    def remove_request(self, request_id):
+        pass
+
+    def propose(self, items):
+        return [None] * len(items)
+
+    def update(self, items):
+        for it in items:
+            self.hidden[it.request_id].append(it.hidden.float().clone())
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="a GGUF target stays packed (bf16 KV cache by default) only with "
+                                                  "specdec's kernels")
+def test_stored_features_are_those_the_engine_feeds_a_proposer_on_a_packed_gguf(gguf_files, tmp_path, capsys):
+    """On a GGUF-packed target the engine keeps a bf16 KV cache by default: `train answers` and
+    `train features` compute over the same cache (--kv-cache-dtype auto), so the stored features
+    are the hidden states the engine hands an EAGLE head at inference and greedy answers are the
+    engine's. The cache dtype is recorded; a resume with another is one line, exit 2."""
+    from specdec.engine import Engine, kv_cache_dtype_of
+
+    gguf = str(gguf_files["llama_q"])
+    target, tok = load_model(gguf, "float32"), Tokenizer(gguf)
+    assert kv_cache_dtype_of(target, "auto") == torch.bfloat16      # what serving it keeps
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": f"say {w} and {w} again"}) + "\n"
+                                              for i, w in enumerate(["one", "two", "three", "four"])))
+    common = ["train", "answers", "--target", gguf, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "a"),
+              "--max-new-tokens", "16", "--batch", "3", "--per-shard", "2", "--greedy-fraction", "1",
+              "--dtype", "float32", "--backend", "specdec"]
+    assert main(common) == 0
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["kv_cache_dtype"] == "bfloat16"
+    shards = sorted((tmp_path / "a").glob("shard_*.pt"))
+    data = load_answer_shards(shards)
+    flat = FlatData.from_answers(data)
+    rec = _Recorder()
+    engine = Engine(target, tok, rec)
+    for i in range(flat.num_sequences):
+        s, a, e = int(flat.starts[i]), int(flat.answer_starts[i]), int(flat.ends[i])
+        events = list(engine.generate(data["tokens"][s:a].tolist(), SamplingParams(temperature=0, max_tokens=e - a)))
+        assert [t for ev in events for t in ev.token_ids] == data["tokens"][a:e].tolist()      # the engine's answer
+        served = torch.cat(rec.hidden[list(rec.hidden)[-1]])           # features of every token but the last
+        stored = data["hidden"][s:e - 1].float()
+        # equal up to the shards' fp16 rounding (over a fp32 cache they differ by 0.3% in norm, 0.015 at most)
+        torch.testing.assert_close(stored, served, rtol=2 ** -11, atol=1e-6)
+    # `train features` over the same cache gives the answers' own features, and records it
+    (tmp_path / "tokens").mkdir()
+    for p in shards:
+        d = torch.load(p)
+        del d["hidden"]
+        torch.save(d, tmp_path / "tokens" / p.name)
+    feats = ["train", "features", "--target", gguf, "--data", str(tmp_path / "tokens"), "--out", str(tmp_path / "f"),
+             "--dtype", "float32", "--backend", "specdec"]
+    assert main(feats) == 0
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["features_kv_cache_dtype"] == "bfloat16"
+    for p in shards:
+        assert torch.equal(torch.load(tmp_path / "f" / p.name)["hidden"], torch.load(p)["hidden"]), p.name
+    capsys.readouterr()
+    assert main([*common, "--kv-cache-dtype", "float32"]) == 2
+    assert "made with --kv-cache-dtype bfloat16 (this run: float32)" in capsys.readouterr().err
+    assert main([*feats, "--kv-cache-dtype", "float32"]) == 2
+    assert "made with --kv-cache-dtype bfloat16 (this run: float32)" in capsys.readouterr().err
+    assert main([*common, "--kv-cache-dtype", "bfloat16"]) == 0 and main([*feats, "--kv-cache-dtype", "bfloat16"]) == 0
+    assert main([*common[:-2], "--backend", "transformers", "--kv-cache-dtype", "bfloat16", "--out", str(tmp_path / "h")]) == 2
+    assert "the transformers backend keeps its KV cache in --dtype" in capsys.readouterr().err

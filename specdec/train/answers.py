@@ -4,8 +4,12 @@ Each prompt goes through the target's chat template (one user turn) and the targ
 greedily or sampled (temperature 0.7, top-p 0.95), in batches of ragged rows on specdec's own
 runtime (flat forwards over a KV cache, model/batch.py): the prompts are prefilled together,
 then the rows decode together, each at its own position, and a row leaves the batch when it
-ends. The final-norm features come out of the same forwards, so they are the features the
-engine feeds a proposer.
+ends. The final-norm features come out of the same forwards, over a KV cache of the dtype the
+engine serving this target keeps (AnswerConfig.kv_cache_dtype, "auto": engine.kv_cache_dtype_of's
+default, bf16 for a GGUF-packed target on the CPU), so they are the features the engine feeds a
+proposer (tests/test_chat_train.py checks them against an engine's). The `transformers` backend
+(answer_batch_hf) runs a transformers model, for a GGUF target its dequantized weights: its
+answers and features are that model's, not those of the packed weights as served.
 
 Shards of `per_shard` prompts (prompt i of the prompt file lives in shard i // per_shard):
 
@@ -33,7 +37,9 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingParams
+from ..engine import KV_CACHE_DTYPES, kv_cache_dtype_of
 from ..model import ForwardBatch, Transformer
+from ..model.kv import KVCache
 from ..sampling import make_generator, process
 
 
@@ -48,10 +54,15 @@ class AnswerConfig:
     max_prompt_tokens: int = 900    # longer prompts are skipped (recorded in the shard log)
     seed: int = 0
     threads: int = 1
+    # the KV cache the answers and features are computed over: "auto" = what the engine serving
+    # the target keeps by default; write_shards records the dtype it resolves to
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if not 0 <= self.greedy_fraction <= 1:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.batch < 1 or self.per_shard < 1 or self.max_new_tokens < 1:
             raise ValueError("batch, per_shard and max_new_tokens must be >= 1")
 
@@ -69,6 +80,30 @@ def _next_tokens(logits: torch.Tensor, greedy: list[bool], params: SamplingParam
         probs = process(logits[sampled], params)
         out[sampled] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return out
+
+
+def kv_cache_dtype_for(model, name: str) -> str:
+    """The KV cache dtype `name` ("auto", "bfloat16", "float32", "int8") means for this answering
+    model, by name: specdec's runtime keeps the one its engine would (engine.kv_cache_dtype_of:
+    "auto" is bf16 for a GGUF-packed target on the CPU, else the model's dtype); a transformers
+    model keeps its cache in its own dtype, so only that (or "auto") is accepted there."""
+    if isinstance(model, Transformer):
+        return str(kv_cache_dtype_of(model, name)).removeprefix("torch.")
+    own = str(model.dtype).removeprefix("torch.")
+    if name not in ("auto", own):
+        raise ValueError(f"--kv-cache-dtype {name}: the transformers backend keeps its KV cache in the model's "
+                         f"dtype ({own}); use --backend specdec for another")
+    return own
+
+
+def _new_cache(model: Transformer, batch: int, max_len: int, kv_dtype: str) -> KVCache:
+    """model.new_cache's contiguous cache, in kv_dtype (a kv_cache_dtype_for name)."""
+    dtype = getattr(torch, kv_dtype)
+    if dtype == model.dtype:
+        return model.new_cache(batch, max_len)
+    cfg = model.local_config
+    return KVCache.dense(batch, max_len, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                         model.device, values_are_keys=model.values_are_keys)
 
 
 def _feed(model: Transformer, kv, seqs: list[int], tokens: list[list[int]], logits: bool = True):
@@ -90,9 +125,10 @@ def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool
 
     Prompts are prefilled together in flat forwards of about `prefill_tokens` tokens; then every
     unfinished row decodes one token per forward, each at its own position (ForwardBatch), and
-    a row that ends simply stops being fed."""
+    a row that ends simply stops being fed. The KV cache: cfg.kv_cache_dtype (kv_cache_dtype_for)."""
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
-    kv = model.new_cache(len(prompts), max(map(len, prompts)) + cfg.max_new_tokens)
+    kv = _new_cache(model, len(prompts), max(map(len, prompts)) + cfg.max_new_tokens,
+                    kv_cache_dtype_for(model, cfg.kv_cache_dtype))
     rows = [{"answer": [], "hidden": [], "finished": False} for _ in prompts]
     last = [None] * len(prompts)
     group: list[int] = []
@@ -132,7 +168,11 @@ def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: An
 
     For a GPU (`--backend auto` picks it there). On the CPU specdec's own runtime is faster since
     forward.c runs whole batched forwards: 151 against 25 answer tokens/s for the Q4_1 SmolLM2 (32
-    rows, one thread, AMD EPYC Zen 3), and its features are those of the weights as served.
+    rows, one thread, AMD EPYC Zen 3), and its answers and features are those of the weights as
+    served. A GGUF target runs here dequantized (model/export.py): for a quantized file that is
+    another function than the packed weights specdec serves (int8-rounded activations), so greedy
+    answers part from the served target's (4 of 8 prompts identical on the Q4_1 SmolLM2 at 48
+    tokens) and the features differ (up to 1.6 on a scale of 53 on the same tokens).
     Prompts are left-padded; rows that end leave the batch (their cache rows are dropped)."""
     from transformers import DynamicCache
 
@@ -202,8 +242,10 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
-# AnswerConfig fields that fix what a shard holds (batch and threads only change how fast it is made)
-MEANING_FIELDS = ("max_new_tokens", "per_shard", "greedy_fraction", "temperature", "top_p", "max_prompt_tokens", "seed")
+# AnswerConfig fields that fix what a shard holds (batch and threads only change how fast it is made);
+# kv_cache_dtype is compared once resolved (write_shards), "auto" before the model is loaded passes
+MEANING_FIELDS = ("max_new_tokens", "per_shard", "greedy_fraction", "temperature", "top_p", "max_prompt_tokens", "seed",
+                  "kv_cache_dtype")
 
 
 def chunk_hash(chunk: list[dict]) -> str:
@@ -228,7 +270,8 @@ def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, targ
             rec = None
     present = sorted(out.glob("shard_*.pt")) if out.is_dir() else []
     advice = "use another --out, or the options it was made with to go on"
-    now = {"target": target, **{k: getattr(cfg, k) for k in MEANING_FIELDS}}
+    now = {"target": target, **{k: getattr(cfg, k) for k in MEANING_FIELDS
+                                if k != "kv_cache_dtype" or cfg.kv_cache_dtype != "auto"}}
     hashes = {}
     if present and rec is not None:
         check_run({k: v for k, v in rec.items() if k in now and (k != "target" or v)}, now,
@@ -244,6 +287,9 @@ def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, targ
         if target is not None and not rec.get("target"):
             log(f"warning: --out {out}: its shards were made before specdec recorded their target; taken as "
                 f"--target {target['path']}'s and recorded so")
+        if "kv_cache_dtype" not in rec and cfg.kv_cache_dtype != "auto":
+            log(f"warning: --out {out}: its shards were made before specdec recorded their KV cache (then the "
+                f"model's dtype); new ones are computed over a {cfg.kv_cache_dtype} cache")
     elif present:
         log(f"warning: --out {out}: no record of the settings its {len(present)} shards were made with; taken as these")
     return {**asdict(cfg), "target": target, "shards": hashes}
@@ -256,9 +302,12 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
     paths written so far, in order. `stop_after`: write at most that many new shards.
     model: specdec's Transformer, or a transformers causal LM (answer_batch_hf). target: the
     target's provenance.target_fingerprint, recorded in out/config.json and checked on resume
-    (check_answers_folder)."""
+    (check_answers_folder), as is the KV cache dtype cfg.kv_cache_dtype resolves to for `model`."""
+    from dataclasses import replace
+
     from .provenance import write_record
 
+    cfg = replace(cfg, kv_cache_dtype=kv_cache_dtype_for(model, cfg.kv_cache_dtype))
     record = check_answers_folder(out, prompts, cfg, target, log)
     out.mkdir(parents=True, exist_ok=True)
     write_record(out / "config.json", record)
@@ -318,11 +367,14 @@ def _save_shard(path: Path, kept: list, results: list[dict], cfg: AnswerConfig) 
 
 
 @torch.inference_mode()
-def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) -> list[torch.Tensor]:
+def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096,
+                      kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """The final-norm features [len(s) - 1, D] of every token of each sequence but its last, fed
-    teacher-forced: what `answer_batch` recorded while answering (specdec's runtime: its C forward
-    gives the same bits however a sequence is chunked), or a transformers causal LM's (right-padded
-    batches of about `prefill_tokens` tokens)."""
+    teacher-forced: what `answer_batch` recorded while answering (specdec's runtime, over a KV
+    cache of kv_cache_dtype (kv_cache_dtype_for), its C forward giving the same bits however a
+    sequence is chunked), or a transformers causal LM's (right-padded batches of about
+    `prefill_tokens` tokens)."""
+    kv_dtype = kv_cache_dtype_for(model, kv_cache_dtype)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     groups, group, size = [], [], 0
@@ -337,7 +389,7 @@ def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) 
     for group in groups:
         fed = [seqs[i][:-1] for i in group]
         if isinstance(model, Transformer):
-            kv = model.new_cache(len(group), max(map(len, fed)))
+            kv = _new_cache(model, len(group), max(map(len, fed)), kv_dtype)
             _, feats = _feed(model, kv, list(range(len(group))), fed, logits=False)
         else:
             L = max(map(len, fed))
@@ -354,26 +406,33 @@ def sequence_features(model, seqs: list[list[int]], prefill_tokens: int = 4096) 
 
 
 def check_features_folder(out: Path, paths: list[Path], target: dict | None, dtype: str,
-                          log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+                          log=lambda s: print(s, file=sys.stderr, flush=True), kv_cache_dtype: str = "auto") -> dict:
     """Before `train features` writes into `out`: the shards already there hold this target's
-    features (at this dtype) of these very token shards (a RunMismatch naming what differs
-    otherwise). Returns out/config.json's record as it is to be written: the answers folder's
-    own record (its settings, the target that answered, kept as `answers_target`), with `target`
-    the target whose features the shards now hold (what `train eagle / medusa` check), `dtype`,
-    and each shard's source (provenance.file_sample of the token shard)."""
+    features (at this dtype, over a KV cache of kv_cache_dtype: a resolved name, kv_cache_dtype_for;
+    "auto", before the model is loaded, is not compared) of these very token shards (a RunMismatch
+    naming what differs otherwise). Returns out/config.json's record as it is to be written: the
+    answers folder's own record (its settings, the target that answered, kept as `answers_target`),
+    with `target` the target whose features the shards now hold (what `train eagle / medusa`
+    check), `features_dtype`, `features_kv_cache_dtype` and each shard's source
+    (provenance.file_sample of the token shard)."""
     from .provenance import RunMismatch, check_run, file_sample, folder_record, same_target
 
     src_dir = paths[0].parent if paths else out
     src = folder_record(src_dir) or {}
     rec = folder_record(out)
     present = sorted(out.glob("shard_*.pt")) if out.is_dir() else []
-    advice = "use another --out, or the --target / --dtype / --data it was made with to go on"
+    advice = "use another --out, or the --target / --dtype / --kv-cache-dtype / --data it was made with to go on"
     sources = {}
+    now = {"target": target, "features_dtype": dtype,
+           **({} if kv_cache_dtype == "auto" else {"features_kv_cache_dtype": kv_cache_dtype})}
     if present and rec is not None:
-        check_run({k: v for k, v in rec.items() if k in ("target", "features_dtype") and v},
-                  {"target": target, "features_dtype": dtype}, f"--out {out}: its features were",
-                  {"target": "--target", "features_dtype": "--dtype"}, advice, sep=" ")
+        check_run({k: v for k, v in rec.items() if k in now and v}, now, f"--out {out}: its features were",
+                  {"target": "--target", "features_dtype": "--dtype", "features_kv_cache_dtype": "--kv-cache-dtype"},
+                  advice, sep=" ")
         sources = dict(rec.get("sources") or {})
+        if "features_kv_cache_dtype" not in rec and kv_cache_dtype != "auto":
+            log(f"warning: --out {out}: its features were made before specdec recorded their KV cache (then the "
+                f"model's dtype); new ones are computed over a {kv_cache_dtype} cache")
         for path in paths:
             want = sources.get(path.name)
             if want is not None and (out / path.name).is_file() and want != file_sample(path):
@@ -387,19 +446,21 @@ def check_features_folder(out: Path, paths: list[Path], target: dict | None, dty
         log(f"warning: --data {src_dir}: answered by --target {answered_by['path']}; the features are "
             f"--target {target['path']}'s (heads learn the first's answers from the second's features)")
     return {**{k: v for k, v in src.items() if k not in ("target", "sources")}, "answers_target": answered_by or None,
-            "target": target, "features_dtype": dtype, "sources": sources}
+            "target": target, "features_dtype": dtype, "features_kv_cache_dtype": kv_cache_dtype, "sources": sources}
 
 
 def add_features(model, paths: list[Path], out: Path,
                  log=lambda s: print(s, file=sys.stderr, flush=True), target: dict | None = None,
-                 dtype: str | None = None) -> list[Path]:
+                 dtype: str | None = None, kv_cache_dtype: str = "auto") -> list[Path]:
     """Answer shards without features (`scripts/gpu_heads.py collect` brings back tokens only)
-    -> the same shards with the target's features, under `out` with the same names; present
-    ones are kept (resumable). target: its provenance.target_fingerprint, recorded with dtype in
-    out/config.json and checked on resume (check_features_folder)."""
+    -> the same shards with the target's features (over a KV cache of kv_cache_dtype, as
+    sequence_features), under `out` with the same names; present ones are kept (resumable).
+    target: its provenance.target_fingerprint, recorded with dtype and the resolved KV cache
+    dtype in out/config.json and checked on resume (check_features_folder)."""
     from .provenance import file_sample, write_record
 
-    record = check_features_folder(out, paths, target, dtype, log)
+    kv_cache_dtype = kv_cache_dtype_for(model, kv_cache_dtype)
+    record = check_features_folder(out, paths, target, dtype, log, kv_cache_dtype)
     out.mkdir(parents=True, exist_ok=True)
     write_record(out / "config.json", record)
     written = []
@@ -414,7 +475,7 @@ def add_features(model, paths: list[Path], out: Path,
             if min(map(len, seqs)) < 2:
                 raise ValueError(f"{path}: a row with fewer than 2 tokens")
             hidden = []
-            for f in sequence_features(model, seqs):
+            for f in sequence_features(model, seqs, kv_cache_dtype=kv_cache_dtype):
                 hidden += [f.to(torch.float16), torch.zeros(1, f.shape[1], dtype=torch.float16)]
             shard["hidden"] = torch.cat(hidden)
             tmp = dst.with_suffix(".tmp")

@@ -10,6 +10,7 @@ from pathlib import Path
 from .flags import (check_folder, check_shards, int_range, layer_list, non_negative_float, non_negative_int,
                     positive_float, positive_int, unit_float)
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")   # engine.KV_CACHE_DTYPES (parsing imports no torch)
 SELFDISTILL_DATA = "runs/selfdistill"      # medusa / eagle: made here when missing (another --data must exist)
 
 
@@ -116,7 +117,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--backend", choices=("auto", "transformers", "specdec"), default="auto",
                     help="specdec: its own runtime, the weights as served (6x transformers' rate for the Q4_1 SmolLM2 "
                          "on a 2-core AMD EPYC Zen 3: 151 against 25 answer tokens/s, 32 rows, one thread); transformers: padded "
-                         "batches; auto (default): specdec on the CPU, transformers on a GPU")
+                         "batches, a GGUF target dequantized, so on a quantized file the answers and features are the "
+                         "dequantized model's, not the packed weights' as served (greedy answers: 4 of 8 identical on the "
+                         "Q4_1 SmolLM2 at 48 tokens); auto (default): specdec on the CPU, transformers on a GPU")
+    an.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the KV cache the answers and features are computed over (specdec backend; recorded, and a "
+                         "resume must match): auto (default) = the engine's default for this target (bf16 for a "
+                         "GGUF-packed target on the CPU, else the model's activations' dtype), so the features are those served")
     an.add_argument("--threads", type=positive_int, default=1)
     an.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
     an.add_argument("--stop-after", type=positive_int, help="write at most this many new shards")
@@ -128,7 +135,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--out", required=True, help="folder for the shards with features (resumable)")
     fe.add_argument("--dtype", default="float32")
     fe.add_argument("--backend", choices=("auto", "transformers", "specdec"), default="auto",
-                    help="as for `train answers` (auto: specdec on the CPU, transformers on a GPU)")
+                    help="as for `train answers` (auto: specdec on the CPU, transformers on a GPU; transformers: "
+                         "a GGUF target's dequantized model's features)")
+    fe.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="as for `train answers` (auto: the engine's default for this target)")
     fe.add_argument("--threads", type=positive_int, default=1)
     fe.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda)")
 
@@ -341,8 +351,10 @@ def _chat_data(args: argparse.Namespace) -> int:
         if not paths:
             raise ValueError(f"--data {args.data}: no shard_*.pt files")
         target = target_fingerprint(args.target)
-        check_features_folder(Path(args.out), paths, target, args.dtype, log=lambda s: None)   # before the model loads
-        done = add_features(_answer_model(args), paths, Path(args.out), target=target, dtype=args.dtype)
+        check_features_folder(Path(args.out), paths, target, args.dtype, log=lambda s: None,   # before the model loads
+                              kv_cache_dtype=args.kv_cache_dtype)
+        done = add_features(_answer_model(args), paths, Path(args.out), target=target, dtype=args.dtype,
+                            kv_cache_dtype=args.kv_cache_dtype)
         print(f"{len(done)} shards with features in {args.out}")
         return 0
     from .answers import check_answers_folder
@@ -350,7 +362,7 @@ def _chat_data(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(Path(args.prompts))[:args.limit]
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
-                       greedy_fraction=args.greedy_fraction, threads=args.threads)
+                       greedy_fraction=args.greedy_fraction, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
     target = target_fingerprint(args.target)
     check_answers_folder(Path(args.out), prompts, cfg, target, log=lambda s: None)   # before the model loads
     paths = write_shards(_answer_model(args), Tokenizer(args.target), prompts, Path(args.out), cfg,
@@ -361,10 +373,14 @@ def _chat_data(args: argparse.Namespace) -> int:
 
 
 def _answer_model(args: argparse.Namespace):
-    """The target as `train answers` / `train features` run it: specdec's runtime or transformers'."""
+    """The target as `train answers` / `train features` run it: specdec's runtime or transformers'
+    (a GGUF target dequantized: on a quantized file, another function than the packed one served)."""
     from ..model import load_model
 
     backend = args.backend if args.backend != "auto" else ("specdec" if args.device == "cpu" else "transformers")
+    if backend == "transformers" and args.kv_cache_dtype not in ("auto", args.dtype):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the transformers backend keeps its KV cache in "
+                         f"--dtype ({args.dtype}); use --backend specdec for another")
     if backend == "specdec":
         return load_model(args.target, args.dtype, args.device)
     import transformers

@@ -42,7 +42,9 @@ def dense_folder(gguf: Path, out: Path) -> Path:
     from specdec.model import load_model
     from specdec.model.export import save_transformers
 
-    save_transformers(load_model(gguf, "float32", quantization="none"), out, torch.bfloat16)
+    from specdec.tokenizer import Tokenizer
+
+    save_transformers(load_model(gguf, "float32", quantization="none"), out, torch.bfloat16, tokenizer=Tokenizer(gguf))
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     return out
 

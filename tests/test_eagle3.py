@@ -454,3 +454,27 @@ def test_speculators_config_without_norm_before_residual_reads_true(target, head
     assert load_eagle3(folder, model).decoder.model.layers[0].norm_before_residual is True
     assert load_eagle3(head["speculators"], model).decoder.model.layers[0].norm_before_residual is False
     assert load_eagle3(head["authors"], model).decoder.model.layers[0].norm_before_residual is False
+
+
+def test_features_are_extracted_over_the_served_kv_cache(gguf_files):
+    """`train eagle3` extracts the target's features over the KV cache the engine keeps for it (bf16
+    for a packed GGUF on the CPU), as `train answers` does: not over a float32 one."""
+    from specdec.engine import kv_cache_dtype_of
+    from specdec.model import ForwardBatch, load_model
+    from specdec.train.answers import _new_cache
+    from specdec.train.eagle3 import extract
+
+    target = load_model(str(gguf_files["llama_q"]), "float32")
+    assert kv_cache_dtype_of(target, "auto") == torch.bfloat16
+    doc = list(range(5, 45))
+    L = target.config.num_hidden_layers
+    got = extract(target, [doc], [], 0, (1,), 10_000, lambda s: None)      # after a layer of attention
+
+    def feats(kv_dtype):
+        cache = _new_cache(target, 1, len(doc) + 1, kv_dtype)
+        out = target(torch.tensor(doc), cache, ForwardBatch.build(cache, [0], [len(doc)], [0]), logits=False,
+                     hidden=(1, L))
+        return out.hidden.float()[:, :target.config.hidden_size].half()
+
+    assert torch.equal(got.feats, feats("bfloat16"))
+    assert not torch.equal(got.feats, feats("float32"))

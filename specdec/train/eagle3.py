@@ -104,7 +104,12 @@ class Features:
 @torch.inference_mode()
 def extract(target, docs: list[list[int]], prefix: list[int], header: int, layers: tuple[int, ...],
             max_tokens: int, log) -> Features:
-    """One target pass per document (prefix + document), the paged C path where it applies."""
+    """One target pass per document (prefix + document), the paged C path where it applies, over the
+    KV cache the engine keeps for this target (bf16 for a packed GGUF on the CPU): the features the
+    head is fed when it serves."""
+    from .answers import _new_cache, kv_cache_dtype_for
+
+    kv_dtype = kv_cache_dtype_for(target, "auto")
     L = target.config.num_hidden_layers
     want = (*layers, L)
     toks, feats, final, starts, ends, answer = [], [], [], [], [], []
@@ -112,7 +117,7 @@ def extract(target, docs: list[list[int]], prefix: list[int], header: int, layer
     norm = target.model.norm
     for i, doc in enumerate(docs):
         ids = prefix + doc
-        cache = target.new_cache(batch=1, max_len=len(ids) + 1)
+        cache = _new_cache(target, 1, len(ids) + 1, kv_dtype)
         out = target(torch.tensor(ids), cache, ForwardBatch.build(cache, [0], [len(ids)], [0]), logits=False,
                      hidden=want)
         h = out.hidden.float()
@@ -339,7 +344,10 @@ def _features(served, target_path, source: Path, path: Path, layers: tuple[int, 
     from ..tokenizer import Tokenizer
 
     prefix = _prefix(Tokenizer(target_path))
-    made_by = {**made_by, "layers": list(layers), "max_tokens": max_tokens, "prefix": prefix}
+    from .answers import kv_cache_dtype_for
+
+    made_by = {**made_by, "layers": list(layers), "max_tokens": max_tokens, "prefix": prefix,
+               "kv_cache_dtype": kv_cache_dtype_for(served, "auto")}
     if path.is_file():
         cached = torch.load(path)
         meta = cached.pop("meta", None)

@@ -147,9 +147,9 @@ def test_errors_and_fields_in_the_responses_apis_own_names(client, live):
 
 def test_reasoning_items_and_effort_reach_the_chat_request():
     """A reasoning item sent back before a function call (or an assistant message) becomes that
-    turn's reasoning_content (gpt-oss's template keeps a call's analysis), one before a user
-    message is dropped; a stored reply keeps its reasoning; reasoning.effort is the template's
-    reasoning_effort, and a bad one a 400."""
+    turn's reasoning_content (gpt-oss's template keeps a call's analysis), one no assistant turn
+    follows is an assistant turn of its own (as a stored reply keeps it); a stored reply keeps
+    its reasoning; reasoning.effort is the template's reasoning_effort, and a bad one a 400."""
     from specdec.server.errors import APIError
     from specdec.server.responses_api import ResponsesRequest, chat_request, conversation
 
@@ -161,8 +161,9 @@ def test_reasoning_items_and_effort_reach_the_chat_request():
     chat = chat_request(req, [])
     msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
     assert msgs[1]["reasoning_content"] == "need the sum" and msgs[1]["tool_calls"][0]["id"] == "c1"
-    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "user"]
-    assert all("reasoning_content" not in m for m in msgs[2:]) and chat.reasoning_effort == "low"
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "user"]
+    assert msgs[3] == {"role": "assistant", "content": "", "reasoning_content": "need the sum"}
+    assert "reasoning_content" not in msgs[2] and "reasoning_content" not in msgs[4] and chat.reasoning_effort == "low"
     reply = conversation([], [{**thought, "id": "rs_1"}, {"type": "message", "content": [{"type": "output_text", "text": "5"}]}])
     assert reply[-1] == {"role": "assistant", "content": "5", "reasoning_content": "need the sum"}
     with pytest.raises(APIError) as e:

@@ -26,8 +26,8 @@ from .metrics import RequestCounter
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, stream
-from .responses_api import (ResponseStore, ResponsesRequest, chat_request, conversation, input_messages, renamed,
-                            respond, stream as stream_response)
+from .responses_api import (ResponseStore, ResponsesRequest, Served, chat_request, conversation, input_messages,
+                            message_sources, renamed, respond, stream as stream_response)
 from .serving import Service, echo_only
 from .worker import ShuttingDown
 
@@ -284,16 +284,19 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         arrival = time.perf_counter()
         history = store.get(body.previous_response_id, "previous_response_id")[0] if body.previous_response_id else []
         turn = history + input_messages(body)
-        chat = chat_request(body, history)
         try:
+            chat = chat_request(body, history)
             lora = service.lora_request(chat.model)
             prompts, params, tools = service.prepare_chat(chat)
         except APIError as e:
-            raise renamed(e) from None
+            raise renamed(e, message_sources(body, history)) from None
         model = service.model_name(lora, chat.model)
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
-        fmt = ChatFormat(service.tokenizer, False, False, service.config.response_role, prompts[0], tools, reasoning,
-                         body.include_reasoning)
+        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, service.config.return_tokens_as_token_ids,
+                         service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
+        # the values used, as vLLM echoes them (no max_output_tokens: what the context leaves)
+        served = Served.of(params, params.max_tokens or service.engine.max_model_len - len(prompts[0]),
+                           lambda text: len(service.tokenizer.encode(text, add_special_tokens=False)))
         rid = f"resp_{uuid.uuid4().hex}"
 
         def keep(response: dict) -> None:
@@ -302,11 +305,12 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
 
         gen = service.generation(prompts, params, arrival, chat.priority, lora, rid)
         if body.stream:
-            return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep), media_type="text/event-stream",
+            return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep, served),
+                                     media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
 
         async def run():
-            response, _ = await respond(gen, fmt, body, model, rid)
+            response, _ = await respond(gen, fmt, body, model, rid, served)
             keep(response)
             return response
         return await _until_done(request, run())

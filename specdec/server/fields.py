@@ -87,8 +87,12 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    """Roles OpenAI knows."""
+    """Roles OpenAI knows; a text part has its text (OpenAI's and vLLM's parts require it)."""
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
                            f"messages[{i}].role")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type == "text" and part.text is None:
+                raise APIError(400, f"messages[{i}].content[{j}].text is required (a text part's text)",
+                               f"messages[{i}].content[{j}].text")

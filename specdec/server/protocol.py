@@ -148,6 +148,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = Field(None, description="vLLM: a Jinja chat template for this request instead of "
                                                          "the server's")
     chat_template_kwargs: dict | None = Field(None, description="vLLM: extra variables for the chat template")
+    documents: list[dict[str, str]] | None = Field(None, description="vLLM: documents for a RAG chat template, which "
+                                                                  "gets them as `documents`")
     include_reasoning: bool = Field(True, description="vLLM: with the server's --reasoning-parser, return the "
                                                       "thinking as reasoning_content (false: leave it out)")
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
@@ -167,6 +169,8 @@ class TokenizeRequest(_Body):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
+    documents: list[dict[str, str]] | None = Field(None, description="vLLM: documents for a RAG chat template, which "
+                                                                  "gets them as `documents`")
     return_token_strs: bool = Field(False, description="also list each token's string")
 
 

@@ -22,21 +22,30 @@ at the end response.completed (or response.incomplete when max_output_tokens cut
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from .errors import APIError, error_body
+from .errors import APIError
 from .protocol import ChatCompletionRequest, _Body
 from .responses import ChatFormat, collect
 from .serving import Generation
 
-# chat fields whose errors a Responses client knows by another name
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+log = logging.getLogger("specdec.server")
+
+# chat fields a Responses client knows by another name: (in messages, as param)
+_NAMES = {"messages": ("input", "input"), "max_tokens": ("max_output_tokens", "max_output_tokens"),
+          "response_format": ("text.format", "text"), "reasoning_effort": ("reasoning.effort", "reasoning.effort")}
+# vLLM's ResponsesRequest.to_sampling_params passes these as the chat endpoint takes them
+_SAMPLING = ("top_k", "min_p", "seed", "repetition_penalty", "stop", "logit_bias", "frequency_penalty",
+             "presence_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+LOGPROBS = "message.output_text.logprobs"
 
 
 class ResponsesRequest(_Body):
@@ -57,11 +66,20 @@ class ResponsesRequest(_Body):
     stream: bool = False
     metadata: dict | None = None
     user: str | None = None
+    top_logprobs: int | None = Field(None, description=f"alternatives per token, with include [{LOGPROBS!r}]")
+    include: list[str] | None = Field(None, description=f"{LOGPROBS!r}: the output_text part's logprobs")
     # vLLM's sampling extensions, as on the chat endpoint
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     include_reasoning: bool = True
     priority: int = 0                   # vLLM's: with --scheduling-policy priority, lower first
 
@@ -102,23 +120,41 @@ def _text(content, where: str) -> str:
                 or not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}.content: only text parts (input_text, output_text) are supported", "input")
         out.append(part["text"])
-    return "".join(out)
+    return "\n".join(out)           # as the chat path joins text parts (vLLM's chat_utils)
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's own input as chat messages (instructions not included)."""
+    return _input(req)[0]
+
+
+def _input(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
+    """(the input as chat messages, the input item each came from: "input[i]")."""
     if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}], ["input"]
     messages: list[dict] = []
-    thought = None             # a reasoning item's text: the next assistant turn's reasoning_content
+    sources: list[str] = []
+    thought, at = None, None    # a reasoning item's text (and its item): the next assistant turn's thinking
+
+    def unclaimed() -> None:
+        """A reasoning item no assistant turn follows is a turn of its own, as a stored reply keeps it."""
+        nonlocal thought
+        if thought:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thought})
+            sources.append(at)
+        thought = None
+
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             if not isinstance(item.get("role"), str):
                 raise APIError(400, f"{where}.role is required", "input")
+            if item["role"] != "assistant":
+                unclaimed()
             messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
-            if item["role"] == "assistant" and thought:
+            sources.append(where)
+            if thought:
                 messages[-1]["reasoning_content"] = thought
             thought = None
         elif kind == "function_call":
@@ -132,20 +168,26 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call],
                                  **({"reasoning_content": thought} if thought else {})})
+                sources.append(where)
             thought = None
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
+            unclaimed()
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else json.dumps(output)})
+            sources.append(where)
         elif kind == "reasoning":     # the thinking before the assistant turn that follows (gpt-oss keeps
-            thought = "".join(p.get("text", "") for p in item.get("content") or item.get("summary") or []
-                              if isinstance(p, dict)) or None     # a call's analysis in its template)
+            text = "".join(p.get("text", "") for p in item.get("content") or item.get("summary") or []
+                           if isinstance(p, dict))           # a call's analysis in its template)
+            if text:                  # several in a row are joined, as a stored reply joins them
+                thought, at = (thought or "") + text, at if thought else where
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
                                 "function_call_output, reasoning)", "input")
-    return messages
+    unclaimed()
+    return messages, sources
 
 
 def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -172,43 +214,69 @@ def _response_format(text: dict | None) -> dict | None:
         return None
     if not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object", "text")
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema"),
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format.schema is required (a JSON schema object)", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
-    return {"type": fmt.get("type")}
+    if kind not in ("text", "json_object"):
+        raise APIError(400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text")
+    return {"type": kind}
 
 
 def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
     """The chat completion request this Responses request means (history: a stored conversation)."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
         + input_messages(req)
+    logprobs = LOGPROBS in (req.include or [])       # vLLM: logprobs=top_logprobs only when included
     body = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-            "seed": req.seed, "repetition_penalty": req.repetition_penalty, "tools": _chat_tools(req.tools),
+            "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
             "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
-            "user": req.user, "priority": req.priority,
-            "reasoning_effort": (req.reasoning or {}).get("effort")}     # OpenAI's reasoning.effort
+            "user": req.user, "priority": req.priority, "logprobs": logprobs,
+            "top_logprobs": req.top_logprobs if logprobs else None,
+            "reasoning_effort": (req.reasoning or {}).get("effort"),     # OpenAI's reasoning.effort
+            **{k: getattr(req, k) for k in _SAMPLING}}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValueError as e:
-        raise APIError(400, f"invalid request: {str(e).splitlines()[0]}", "input") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        raise APIError(400, f"{path}: {err['msg']}" if path else err["msg"], path or None) from None   # renamed()
 
 
-def renamed(e: APIError) -> APIError:
-    """A chat-path error under the Responses API's field names."""
+def message_sources(req: ResponsesRequest, history: list[dict]) -> list[str]:
+    """Where each of chat_request's messages came from, for errors that name one."""
+    return (["instructions"] if req.instructions else []) + ["previous_response_id"] * len(history) + _input(req)[1]
+
+
+def renamed(e: APIError, sources: list[str] | None = None) -> APIError:
+    """A chat-path error under the Responses API's field names; sources (message_sources) turns
+    messages[j] into the input item it came from (instructions and a stored history shift j)."""
     param, message = e.param, e.message
-    for chat, ours in _PARAMS.items():
-        if param and (param == chat or param.startswith(chat + "[") or param.startswith(chat + ".")):
-            param = ours + param[len(chat):]
-            message = re.sub(rf"\b{chat}\b", ours, message)          # "max_tokens must be ..." too
+
+    def item(m: re.Match) -> str:
+        j = int(m.group(1))
+        return sources[j] if sources is not None and j < len(sources) else f"input[{j}]"
+    message = re.sub(r"\bmessages\[(\d+)\]", item, message)
+    param = re.sub(r"^messages\[(\d+)\]", item, param) if param else param
+    for chat, (_, as_param) in _NAMES.items():
+        if param and (param == chat or param.startswith((chat + "[", chat + "."))):
+            param = as_param if chat == "response_format" else as_param + param[len(chat):]
+            if chat == "messages":         # "messages must not be empty", a template's error
+                message = re.sub(r"\bmessages\b", "input", message)
+    message = message.replace(" in the messages,", " in the input,")      # the context-length error
+    message = re.sub(r"\bresponse_format\.json_schema\.schema\b", "text.format.schema", message)
+    for chat in ("max_tokens", "response_format", "reasoning_effort"):
+        message = re.sub(rf"\b{chat}\b", _NAMES[chat][0], message)
     message = message.replace("the Chat Completions API", "the Responses API")
     return APIError(e.status, message, param, e.code)
 
 
-def _message_item(text: str, status: str) -> dict:
+def _message_item(text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _reasoning_item(text: str, status: str = "completed") -> dict:
@@ -221,14 +289,36 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What a response reports beside its output, as vLLM fills it in: the sampling values used
+    (the request's, else the defaults and generation_config.json's), and a counter of the
+    reasoning text's tokens (output_tokens_details.reasoning_tokens). The default: the request's."""
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None
+    count_tokens: Callable[[str], int] | None = None
+
+    @classmethod
+    def of(cls, params, max_output_tokens: int, count_tokens: Callable[[str], int]) -> Served:
+        return cls(params.temperature, params.top_p, max_output_tokens, params.logprobs, count_tokens)
+
+
 def response_body(rid: str, req: ResponsesRequest, model: str, created: int, output: list[dict],
-                  finish: str | None, usage: dict | None, status: str | None = None) -> dict:
+                  finish: str | None, usage: dict | None, status: str | None = None,
+                  served: Served = Served()) -> dict:
     incomplete = finish == "length"
     status = status or ("incomplete" if incomplete else "completed")
     u = usage or {}
+    thought = "".join(p["text"] for i in output if i["type"] == "reasoning" for p in i["content"])
+    reasoning_tokens = 0 if not (thought and served.count_tokens) else \
+        min(served.count_tokens(thought), u.get("completion_tokens", 0))
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
-            "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
+            "output": output, "instructions": req.instructions,
+            "max_output_tokens": _or(served.max_output_tokens, req.max_output_tokens),
+            "previous_response_id": req.previous_response_id, "temperature": _or(served.temperature, req.temperature),
+            "top_p": _or(served.top_p, req.top_p), "top_logprobs": served.top_logprobs,
             "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
             "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
             "reasoning": req.reasoning, "metadata": req.metadata or {}, "user": req.user, "store": req.store,
@@ -237,17 +327,22 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
                 "input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
                 "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
-                "output_tokens_details": {"reasoning_tokens": 0}}}
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}}
 
 
-def output_items(message: dict, finish: str | None) -> list[dict]:
+def _or(value, default):
+    return default if value is None else value
+
+
+def output_items(message: dict, finish: str | None, logprobs: list[dict] | None = None) -> list[dict]:
     """A chat choice's message -> Responses output items. A reply cut by max_output_tokens
-    leaves its last item "incomplete", the ones before it done (as the stream closes them)."""
+    leaves its last item "incomplete", the ones before it done (as the stream closes them).
+    logprobs: the reply's tokens' (OpenAI's shape), given to the output_text part as vLLM does."""
     items = []
     if message.get("reasoning_content"):
         items.append(_reasoning_item(message["reasoning_content"], "completed"))
     if message.get("content"):
-        items.append(_message_item(message["content"], "completed"))
+        items.append(_message_item(message["content"], "completed", logprobs))
     items += [_call_item(c, "completed") for c in message.get("tool_calls") or []]
     if items and finish == "length":
         items[-1]["status"] = "incomplete"
@@ -269,13 +364,15 @@ def conversation(turn: list[dict], items: list[dict]) -> list[dict]:
     return turn + [reply]
 
 
-async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str) -> tuple[dict, str | None]:
+async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
+                  served: Served = Served()) -> tuple[dict, str | None]:
     """Run to the end: (the response body, the chat finish_reason)."""
     created = int(time.time())       # Unix seconds, as OpenAI documents
     body = await collect(gen, fmt, model)
     choice = body["choices"][0]
-    out = response_body(rid, req, model, created, output_items(choice["message"], choice["finish_reason"]),
-                        choice["finish_reason"], body["usage"])
+    logprobs = (choice.get("logprobs") or {}).get("content")
+    out = response_body(rid, req, model, created, output_items(choice["message"], choice["finish_reason"], logprobs),
+                        choice["finish_reason"], body["usage"], served=served)
     return out, choice["finish_reason"]
 
 
@@ -295,15 +392,17 @@ class _ItemStream:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
-    def close(self, status: str = "completed") -> list[str]:
+    def close(self, status: str = "completed", logprobs: list[dict] = ()) -> list[str]:
+        """logprobs: those of tokens whose text never came (held at the end), for an open message."""
         item, self.open = self.open, None
         if item is None:
             return []
         idx, ev = self.output.index(item), self.event
         item["status"] = status
         if item["type"] == "message":
+            item["content"][0]["logprobs"] += logprobs
             events = [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                         text=item["content"][0]["text"], logprobs=[]),
+                         text=item["content"][0]["text"], logprobs=item["content"][0]["logprobs"]),
                       ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
                          part=item["content"][0])]
         elif item["type"] == "reasoning":
@@ -318,20 +417,25 @@ class _ItemStream:
         events = self.close()
         self.output.append(item)
         self.open, idx = item, len(self.output) - 1
-        events.append(self.event("response.output_item.added", output_index=idx, item={**item, "status": "in_progress"}))
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":        # OpenAI's and vLLM's: the part comes in content_part.added
+            added["content"] = []
+        events.append(self.event("response.output_item.added", output_index=idx, item=added))
         if item["type"] == "message":
             events.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                             "logprobs": []}))
         return events
 
-    def text(self, kind: str, delta: str) -> list[str]:
-        """Reasoning (kind "reasoning") or answer ("message") text."""
+    def text(self, kind: str, delta: str, logprobs: list[dict] = ()) -> list[str]:
+        """Reasoning (kind "reasoning") or answer ("message") text; logprobs: an answer's tokens'."""
         events = [] if self.open is not None and self.open["type"] == kind else \
             self.begin(_reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress"))
         self.open["content"][0]["text"] += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
+        if kind == "message":
+            self.open["content"][0]["logprobs"] += logprobs
         return events + [self.event(name, item_id=self.open["id"], output_index=len(self.output) - 1,
                                     content_index=0, delta=delta, **extra)]
 
@@ -352,38 +456,45 @@ class _ItemStream:
 
 
 async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
-                 done) -> AsyncIterator[str]:
-    """Typed events as the reply is generated; done(body) is called with the final response."""
+                 done, served: Served = Served()) -> AsyncIterator[str]:
+    """Typed events as the reply is generated; done(body) is called with the final response.
+    Logprobs (include message.output_text.logprobs) go with the answer's text deltas: those of
+    tokens before it (the thinking's) with its first, as the non-streamed part lists them all."""
     items, created = _ItemStream(), int(time.time())
-    start = response_body(rid, req, model, created, [], None, None, status="in_progress")
+    start = response_body(rid, req, model, created, [], None, None, status="in_progress", served=served)
     yield items.event("response.created", response=start)
     yield items.event("response.in_progress", response=start)
-    finish, tokens = None, 0
+    finish, tokens, logprobs = None, 0, []
     try:
         async with gen:
             async for _, step in gen.steps():
                 tokens += len(step.token_ids)
-                d = fmt.delta(0, step.text, [], 0, step.finish_reason, step.stop_reason)
+                d = fmt.delta(0, step.text, step.logprobs or [], 0, step.finish_reason, step.stop_reason)
                 if step.finished:
                     finish = d["finish_reason"] if d is not None else step.finish_reason
                 if d is None:
                     continue
                 delta, events = d["delta"], []
+                logprobs += (d.get("logprobs") or {}).get("content") or []
                 if delta.get("reasoning_content"):
                     events += items.text("reasoning", delta["reasoning_content"])
                 if delta.get("content"):
-                    events += items.text("message", delta["content"])
+                    events += items.text("message", delta["content"], logprobs)
+                    logprobs = []
                 for c in delta.get("tool_calls") or []:
                     events += items.call(c)
                 for e in events:
                     yield e
-        for e in items.close("incomplete" if finish == "length" else "completed"):
+        for e in items.close("incomplete" if finish == "length" else "completed", logprobs):
             yield e
         prompt_tokens = sum(len(p) for p in gen.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
                  "prompt_tokens_details": {"cached_tokens": max((s.cached_tokens for s in gen.stats if s), default=0)}}
-        body = response_body(rid, req, model, created, items.output, finish, usage)
+        body = response_body(rid, req, model, created, items.output, finish, usage, served=served)
         done(body)
         yield items.event("response.incomplete" if finish == "length" else "response.completed", response=body)
-    except APIError as e:
-        yield items.event("error", **error_body(e.status, e.message, e.param, e.code)["error"])
+    except APIError as e:       # OpenAI's ResponseErrorEvent (its own "type": "error")
+        yield items.event("error", code=e.code, message=e.message, param=e.param)
+    except Exception as e:      # noqa: BLE001 - a bug: still an error event, as the chat stream sends
+        log.exception("a Responses stream failed")
+        yield items.event("error", code=None, message=f"internal error: {type(e).__name__}", param=None)

@@ -243,6 +243,9 @@ class Service:
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")
         if tools is not None:
             kwargs = {**kwargs, "tools": tools}
+        documents = getattr(req, "documents", None)     # vLLM's RAG field (chat, tokenize)
+        if documents is not None and "documents" not in kwargs:    # vLLM: chat_template_kwargs win
+            kwargs = {**kwargs, "documents": documents}
         effort = getattr(req, "reasoning_effort", None)      # OpenAI's field, for templates that read it
         if effort is not None and "reasoning_effort" not in kwargs:
             kwargs = {**kwargs, "reasoning_effort": effort}

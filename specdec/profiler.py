@@ -171,7 +171,15 @@ class StepProfiler:
                 shutil.copyfileobj(src, dst)
             os.remove(path)
             path += ".gz"
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+        try:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+        except Exception as e:          # noqa: BLE001 - the trace is written; the table is extra
+            # torch's Python tracer (with_stack) keeps raw pointers to frame names: a code object
+            # freed while recording (a template compiled per request, say) leaves a name that no
+            # longer decodes (pytorch#64345, #113564); the table is lost, not the trace
+            table = f"no table: torch could not read back every event name ({type(e).__name__}: {e}); " \
+                    "the trace holds the events (torch_profiler_with_stack false avoids it)"
+            log.warning("profiler: %s", table)
         with open(os.path.join(c.torch_profiler_dir, f"profiler_out_{self.rank}.txt"), "w") as f:
             f.write(table + "\n")
         log.info("profiler: %d steps recorded, trace %s", self._steps, path)

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 def _events(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with opener(path, "rt", errors="replace") as f:     # torch's Python tracer may write a name that is not UTF-8
         return json.load(f)["traceEvents"]
 
 
@@ -84,7 +84,8 @@ def test_offline_trace_names_steps_and_phases(profiled):
     names = {e.get("name") for e in _events(trace)}
     assert len(_steps(trace)) >= 4
     assert {"schedule", "propose", "forward", "verify", "commit"} <= names
-    assert "Self CPU" in (folder / "profiler_out_0.txt").read_text()
+    table = (folder / "profiler_out_0.txt").read_text()
+    assert "Self CPU" in table or table.startswith("no table: torch could not read back")
     assert not llm.engine.profiler.active and not llm.engine.profiler.ranges
 
 
@@ -152,3 +153,22 @@ def test_bench_serve_profile(tiny_pair, tmp_path, capsys):
                    "--output-len", "4", "--warmup", "0", "--profile", "--out", str(tmp_path / "b")])
     assert rc != 0
     assert "has no /start_profile; start it with --profiler-config" in capsys.readouterr().err
+
+
+def test_a_table_torch_cannot_read_back_is_no_error(tiny_pair, tmp_path, monkeypatch):
+    """torch's Python tracer (with_stack) may leave event names that do not decode (a code object freed
+    while recording): the trace is written, the table says so, stop_profile does not fail."""
+    import torch.profiler
+
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=64,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+
+    def undecodable(self, *a, **k):
+        raise UnicodeDecodeError("utf-8", b"\x93", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", undecodable)
+    llm.start_profile()
+    llm.generate(["def add(a, b):"], GREEDY)
+    llm.stop_profile()
+    assert llm.engine.profiler.last_trace and os.path.getsize(llm.engine.profiler.last_trace) > 0
+    assert (tmp_path / "profiler_out_0.txt").read_text().startswith("no table: torch could not read back")

@@ -105,8 +105,10 @@ class OnlineLinear:
     samples are dropped: a code path's first run pays one-off costs."""
 
     def __init__(self, dim: int, window: int = 128, half_life: float = 48.0, skip: int = 2, rounds: int = 2,
-                 refit_every: int = 4):
+                 refit_every: int = 4, apart: tuple[int, ...] = ()):
         self.skip, self.rounds, self.refit_every = skip, rounds, refit_every
+        self.apart = np.zeros(dim, dtype=bool)       # columns of occasional large samples (below)
+        self.apart[list(apart)] = True
         self.X, self.y = np.zeros((window, dim)), np.zeros(window)       # a ring of the last samples
         self.decay = 0.5 ** (1.0 / half_life)
         self.n = 0                   # samples seen (with x != 0)
@@ -145,16 +147,29 @@ class OnlineLinear:
         size = min(self.kept, len(self.y))
         X, y = self.X[:size], self.y[:size]
         age = (self.kept - 1 - np.arange(size)) % len(self.y)       # 0 = the newest
-        recency = self.decay ** age
+        # relative errors: a step's noise grows with its length (a prompt chunk's 2% is a decode
+        # step's whole cost), so each sample weighs by 1 / y^2 (y kept off 0 by a tenth of the median)
+        recency = self.decay ** age / np.maximum(y, 0.1 * float(np.median(y)) + 1e-12) ** 2
         weight = recency
         # a weak pull towards the last fit: what the window cannot tell (the per-token cost
-        # while every step fed the same number of tokens) keeps its last measured value
-        prior = 1e-4 * float(np.trace(X.T @ (X * recency[:, None]))) / X.shape[1] + 1e-30
+        # while every step fed the same number of tokens) keeps its last measured value; where
+        # columns move together the cost goes to the larger one. The pull is 1e-4 of the mean
+        # square of a sample's features, taken over the samples without the `apart` columns
+        # (prompt chunks: their tokens and attention run to thousands a sample, and a pull set by
+        # them outweighed the intercept's and D > 0's data, which it held at the last fit, zeros
+        # at the start: with prompt chunks from the first step a plain step was fitted 60-90% too
+        # cheap, for good), plus 1e-4 of each column's own (so a column is never pulled harder
+        # than its data allow)
+        square = X * X * recency[:, None]
+        own = square.sum(0)
+        usual = ~(X[:, self.apart] != 0).any(1)
+        shared = float(square[usual][:, ~self.apart].sum()) / max(1, int((~self.apart).sum()))
+        prior = 1e-4 * (own + np.where(self.apart, 0.0, shared)) + 1e-12 * float(recency.sum())
         for _ in range(self.rounds + 1):
             Xw = X * weight[:, None]
-            w = nonnegative_least_squares(Xw.T @ X + prior * np.eye(X.shape[1]), Xw.T @ y + prior * self._w)
-            r = y - X @ w
-            scale = 1.4826 * float(np.median(np.abs(r))) + 1e-12
+            w = nonnegative_least_squares(Xw.T @ X + np.diag(prior), Xw.T @ y + prior * self._w)
+            r = (y - X @ w) / np.maximum(y, 0.1 * float(np.median(y)) + 1e-12)
+            scale = 1.4826 * float(np.median(np.abs(r))) + 1e-3     # no timing is closer than 0.1%
             weight = recency * np.minimum(1.0, 1.345 * scale / np.maximum(r, 1e-30))
         return w
 
@@ -326,7 +341,7 @@ class GoodputPolicy:
         # what verifying costs at all (SmolLM2 on one request, Intel Xeon: one drafted token added
         # 1.6 ms to a 4.3 ms forward, a second 0.9: one row to two leaves the one-row kernels; a
         # per-token cost alone, fitted between them, took K = 1 and 2 for cheaper than they were)
-        self.target = OnlineLinear(6, refit_every=8)
+        self.target = OnlineLinear(6, refit_every=8, apart=(2,))
         # z = [any, requests drafting, D, longest, P] -> seconds; drafting is observed only on
         # the steps that draft (rarely while speculation is off): it forgets per sample, faster,
         # and a probe's sample is fitted at once (observe)
@@ -348,7 +363,7 @@ class GoodputPolicy:
         # 2.1% / 2.4% / 1.1% faster than with 16 in three runs, and 32 no faster than 16
         # (docs/serving-under-load.md)
         self.reuse = reuse
-        self._last: tuple[tuple, list[int], int] | None = None     # (request ids, sizes, age)
+        self._last: tuple[tuple, list[int], int, bool] | None = None   # (request ids, sizes, age, beside a prompt chunk)
         self._pending: list = []             # observed steps not yet applied (observe)
 
     def _rung(self, size: int) -> int:
@@ -373,13 +388,16 @@ class GoodputPolicy:
             # drafter held at K = 8 for 64 steps on its prior alone ran at 0.67x plain)
             hold = (min(self.reuse, self.warmup + self.steps // 4) if self._last and any(self._last[1])
                     else min(self.reuse, self.probe_every))
-            reused = self._last and self._last[0] == ids and self._last[2] < hold and not prompt_tokens
+            # sizes chosen beside a prompt chunk (drafts cost relatively less there) are not kept
+            # for the decoding-only steps after it
+            reused = (self._last and self._last[0] == ids and self._last[2] < hold and not prompt_tokens
+                      and not self._last[3])
             if reused:
                 ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
-                self._last = (ids, self._last[1], self._last[2] + 1)
+                self._last = (ids, self._last[1], self._last[2] + 1, False)
             else:
                 ks = self._optimise(seqs, prompt_tokens)
-                self._last = (ids, ks, 1)
+                self._last = (ids, ks, 1, bool(prompt_tokens))
             self.idle = 0 if any(ks) else self.idle + 1
             if not reused and self.idle >= self.probe_every:
                 ks = self._probe(seqs, ks)

@@ -40,6 +40,8 @@ class SpeculationPolicy:
         """The size each decoding request may draft (before any room limit); prompt_tokens:
         what the step is expected to prefill besides."""
         if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            if self.goodput is not None:
+                self.goodput.bypass()      # not asked: these steps count against no request
             return [0] * len(seqs)
         if self.goodput is not None:
             return self.goodput.choose(seqs, prompt_tokens)

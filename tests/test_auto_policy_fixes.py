@@ -117,3 +117,21 @@ def test_a_position_never_tried_is_estimated_from_the_ones_before_it():
     assert np.mean(played[-500:]) >= 7.5
     policy._catch_up()
     assert (policy.acceptance[True]._alpha() > 0.9).all()
+
+
+def test_steps_bypassed_by_disable_by_batch_size_count_against_no_request():
+    """Three requests draft (alpha 0.7), a fourth joins and disable_by_batch_size=4 turns drafting
+    off for 60 steps, then two remain: they draft again at once, as ones that never went through
+    the bypassed steps do (these counted as asked and empty: the chance of drafting fell to 0.18
+    and the two stayed plain ~50 steps)."""
+    from specdec.adaptive import SpeculationPolicy
+
+    machine, policy = Machine(seed=2), SpeculationPolicy("auto", disable_by_batch_size=4)
+    alpha = {i: 0.7 for i in range(4)}
+    for _ in range(200):
+        machine.step(policy, [0, 1, 2], alpha)
+    for _ in range(60):
+        assert machine.step(policy, [0, 1, 2, 3], alpha)[0] == [0, 0, 0, 0]
+    assert all(policy.goodput.seqs[i].available() > 0.9 for i in range(3))
+    after = [machine.step(policy, [0, 1], alpha)[0] for _ in range(10)]
+    assert all(k > 0 for ks in after for k in ks)

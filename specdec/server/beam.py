@@ -22,7 +22,7 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
         raise APIError(400, "use_beam_search does not combine with logprobs, echo or best_of", "use_beam_search")
     if structured_outputs(body)[0] is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
-    prompts, sampling = service.prepare_completion(body)
+    prompts, sampling = await service.off_loop(service.prepare_completion, body)
     search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
     choices, completion_tokens = [], 0
     for p, (prompt, out) in enumerate(zip(prompts, outputs)):
@@ -42,7 +42,7 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     for every choice, beams included."""
     if body.tools or body.logprobs or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with tools, logprobs or best_of", "use_beam_search")
-    prompts, sampling, _ = service.prepare_chat(body)
+    prompts, sampling, _ = await service.off_loop(service.prepare_chat, body)
     if sampling.structured_outputs is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -28,6 +28,7 @@ from pydantic import Field
 from ..pooling import PoolingParams
 from .errors import APIError
 from .protocol import ChatMessage, _Body
+from .serving import encode as encode_text
 
 
 class EmbeddingRequest(_Body):
@@ -60,7 +61,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to embeddings", "model")
         start = time.perf_counter()
-        prompts = _inputs(service, body)
+        prompts = await service.off_loop(_inputs, service, body)
         params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
         try:
             future = service.worker.call(lambda engine: service.llm.embed(
@@ -125,7 +126,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                                 "(serve a sequence classifier: architectures like Qwen2ForSequenceClassification)")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to classification", "model")
-        prompts = _inputs(service, body)
+        prompts = await service.off_loop(_inputs, service, body)
         outs = await run(lambda engine: service.llm.classify([{"prompt_token_ids": ids} for ids in prompts],
                                                              body.truncate_prompt_tokens))
         labels = service.llm.classifier.labels
@@ -144,7 +145,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                                 "(serve it with --runner pooling)")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to pooling", "model")
-        prompts = [{"prompt_token_ids": ids} for ids in _inputs(service, body)]
+        prompts = [{"prompt_token_ids": ids} for ids in await service.off_loop(_inputs, service, body)]
         if service.llm.classifier is not None:
             outs = await run(lambda engine: service.llm.classify(prompts, body.truncate_prompt_tokens))
             data = [o.outputs.probs for o in outs]
@@ -193,12 +194,12 @@ class RerankRequest(_Body):
 
 def _inputs(service, body) -> list[list[int]]:
     """The `input` (or the `messages`, through the chat template) of a pooling body as token
-    ids, each checked."""
+    ids, each checked (off the event loop: Service.off_loop)."""
     x, messages = body.input, getattr(body, "messages", None)
     if (x is None) == (messages is None):
         raise APIError(400, "give either input or messages", "input")
     add = body.add_special_tokens if body.add_special_tokens is not None else messages is None
-    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=add)  # noqa: E731
+    encode = lambda text: encode_text(service.tokenizer, text, add_special_tokens=add)  # noqa: E731
     if messages is not None:
         prompts = [encode(service._chat_text(body))]
     elif isinstance(x, str):

@@ -9,8 +9,9 @@ a `reasoning` item (with a --reasoning-parser), a `message` with one `output_tex
 
 Conversation state: a stored response (`store`, default true) keeps its conversation, so a
 later request may send only its new input with `previous_response_id`; `GET` and `DELETE
-/v1/responses/{id}` read and forget one. The store holds the latest `max_items` responses in
-memory (a server restart forgets them, as vLLM's does).
+/v1/responses/{id}` read and forget one. The store holds the latest responses in memory, at most
+1024 and 256 MiB of their JSON (a server restart forgets them, as vLLM's does); `metadata` is
+held to OpenAI's limits (16 pairs, keys of 64 characters, string values of 512).
 
 Streams are OpenAI's typed server-sent events, numbered by `sequence_number`:
 response.created, response.in_progress, then per item response.output_item.added, its deltas
@@ -64,7 +65,8 @@ class ResponsesRequest(_Body):
                                                      "reasoning_effort; the thinking is returned with a reasoning parser")
     store: bool = True
     stream: bool = False
-    metadata: dict | None = None
+    metadata: dict | None = Field(None, description="OpenAI's limits: at most 16 pairs, keys of at most 64 "
+                                                    "characters, string values of at most 512")
     user: str | None = None
     top_logprobs: int | None = Field(None, description=f"alternatives per token, with include [{LOGPROBS!r}]")
     include: list[str] | None = Field(None, description=f"{LOGPROBS!r}: the output_text part's logprobs")
@@ -85,28 +87,78 @@ class ResponsesRequest(_Body):
 
 
 class ResponseStore:
-    """The latest responses, in memory: id -> (the conversation as chat messages, the body)."""
+    """The latest responses, in memory: id -> (the conversation as chat messages, the body).
 
-    def __init__(self, max_items: int = 1024):
-        self.max_items = max_items
-        self._items: collections.OrderedDict[str, tuple[list[dict], dict]] = collections.OrderedDict()
+    Bounded by count and by bytes: at most max_items responses and max_bytes of them, the oldest
+    forgotten first. Each is kept as its JSON text, not as Python objects (a dict of many small
+    keys takes ~8x its JSON in memory), so max_bytes is what the store holds. The default holds
+    max_items ordinary responses (a few KiB to ~100 KiB each) and still more than a hundred of
+    the largest a 1 MiB request body can make."""
+
+    def __init__(self, max_items: int = 1024, max_bytes: int = 256 * 2**20):
+        self.max_items, self.max_bytes, self.bytes = max_items, max_bytes, 0
+        self._items: collections.OrderedDict[str, tuple[bytes, bytes]] = collections.OrderedDict()
 
     def put(self, rid: str, messages: list[dict], body: dict) -> None:
-        self._items[rid] = (messages, body)
-        self._items.move_to_end(rid)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+        if rid in self._items:
+            self._drop(rid)
+        entry = (_json(messages), _json(body))
+        if sum(map(len, entry)) > self.max_bytes:       # it would push out every other: not kept
+            log.warning("response %s not stored: %d bytes, more than the store's %d", rid, sum(map(len, entry)),
+                        self.max_bytes)
+            return
+        self._items[rid] = entry
+        self.bytes += sum(map(len, entry))
+        while len(self._items) > self.max_items or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
 
-    def get(self, rid: str, param: str | None = None) -> tuple[list[dict], dict]:
-        """A stored response (param: the request field that named it, for a 404)."""
+    def get(self, rid: str, param: str | None = None) -> tuple[list[dict], bytes]:
+        """A stored response: (its conversation, its body as JSON) (param: the request field
+        that named it, for a 404)."""
         if rid not in self._items:
             raise APIError(404, f"no stored response with id {rid!r} (only the latest {self.max_items} are kept, "
-                                "in memory)", param, "response_not_found")
-        return self._items[rid]
+                                f"at most {self.max_bytes / 2**20:g} MiB of them, in memory)", param,
+                           "response_not_found")
+        messages, body = self._items[rid]
+        return json.loads(messages), body
 
     def delete(self, rid: str) -> None:
         self.get(rid)
-        del self._items[rid]
+        self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        self.bytes -= sum(map(len, self._items.pop(rid)))
+
+
+def _json(value) -> bytes:
+    """As a JSON answer is written (starlette's JSONResponse)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# OpenAI's limits on metadata (its Metadata object): a stored response keeps it
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+_JSON_TYPES = {dict: "an object", list: "an array", int: "an integer", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def check_request(req: ResponsesRequest) -> None:
+    """What the Responses API checks beyond the chat path's checks: OpenAI's metadata limits
+    (at most 16 pairs, keys of at most 64 characters, string values of at most 512)."""
+    meta = req.metadata
+    if meta is None:
+        return
+    if len(meta) > METADATA_PAIRS:
+        raise APIError(400, f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(meta)}", "metadata")
+    for key, value in meta.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise APIError(400, f"metadata keys are at most {METADATA_KEY_CHARS} characters, got one of {len(key)} "
+                                f"({key[:METADATA_KEY_CHARS]!r}...)", "metadata")
+        if not isinstance(value, str):
+            raise APIError(400, f"metadata.{key} must be a string, got {_JSON_TYPES.get(type(value), 'a value')}",
+                           f"metadata.{key}")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise APIError(400, f"metadata.{key} is at most {METADATA_VALUE_CHARS} characters, got {len(value)}",
+                           f"metadata.{key}")
 
 
 def _text(content, where: str) -> str:

@@ -29,13 +29,25 @@ log = logging.getLogger("specdec.server")
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
 MAX_CHOICES = 16
+# Texts at least this long are tokenized through encode_batch, which lets the GIL go (see encode)
+_LONG_TEXT = 8192
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
                        "chat_template", "continue_final_message", "tools", "tokenize", "return_dict"}
 
 
 class Service:
-    """What the routes need: the model, the worker that owns its engine, and the metrics."""
+    """What the routes need: the model, the worker that owns its engine, and the metrics.
+
+    The prepare_* methods, tokenize and detokenize turn a request into prompts and SamplingParams
+    (tokenizing, rendering the chat template, checking a grammar): CPU work that grows with the
+    request, so the routes run them off the event loop (`off_loop`), as vLLM tokenizes in a
+    thread pool, and one big request does not freeze every other stream. What they touch is safe
+    from any thread: the tokenizer (read only), the grammar compiler (GrammarCompiler.check), the
+    adapters' routing table (a dict read), and of the engine only what its configuration fixes
+    (max_model_len, vocab_size, check_priority / check_logprobs / check_prompt / truncated),
+    never its scheduler or caches, which only the engine's thread touches.
+    """
 
     def __init__(self, llm: LLM, config: ServerConfig):
         model_cfg = getattr(getattr(llm, "target", None), "config", None)
@@ -55,6 +67,10 @@ class Service:
         self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
         # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on a worker thread (the loop's default executor); its APIError comes back as raised."""
+        return await asyncio.to_thread(fn, *args)
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_generates("Completions")
@@ -79,8 +95,8 @@ class Service:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
                           self.config.tool_call_parser)
-        prompts = [self.tokenizer.encode(self._chat_text(req, plan.template_tools if plan else None),
-                                         add_special_tokens=False)]     # the template writes its special tokens
+        prompts = [encode(self.tokenizer, self._chat_text(req, plan.template_tools if plan else None),
+                          add_special_tokens=False)]     # the template writes its special tokens
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         try:
             params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
@@ -190,13 +206,13 @@ class Service:
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [encode(self.tokenizer, prompt)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt]
+            return [encode(self.tokenizer, p) for p in prompt]
         return [list(p) for p in prompt]
 
     def tokenize(self, req: TokenizeRequest) -> dict:
@@ -208,10 +224,10 @@ class Service:
             extra.check_chat(req)
             if req.tools is not None:
                 plan_tools(req.tools, "none", None, False, None)       # the tools' shape only
-            ids = self.tokenizer.encode(self._chat_text(req, req.tools), add_special_tokens=bool(req.add_special_tokens))
+            ids = encode(self.tokenizer, self._chat_text(req, req.tools), add_special_tokens=bool(req.add_special_tokens))
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add)
+            ids = encode(self.tokenizer, req.prompt, add_special_tokens=add)
         strs = [self.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -278,6 +294,18 @@ class Service:
 # all (top_p rounds to 0); vLLM likewise treats T < 1e-5 as greedy. Raising top_p to 1e-6 changes
 # nothing else: the most likely token always has probability >= 1/V > 1e-6.
 _MIN_TEMPERATURE, _MIN_TOP_P = 1e-5, 1e-6
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """tokenizer.encode(text), the GIL let go while a long text is tokenized: the tokenizers
+    binding's encode holds it (a 1 MB prompt: ~0.5-1 s in which no other Python thread runs, the
+    event loop included, even when the encode runs on a worker thread); its encode_batch releases
+    it and gives the same ids."""
+    backend = getattr(tokenizer, "backend", None)
+    if len(text) < _LONG_TEXT or not hasattr(backend, "encode_batch"):
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer._with_bos(ids) if add_special_tokens else ids
 
 
 def _numerically_safe(params: SamplingParams) -> SamplingParams:

@@ -196,3 +196,17 @@ def test_gpt4o_pre_tokenizer_splits_as_o200k():
     expected = ["Hello", "World's", "Ġ", "123", "45", "Ġtokens", ",", "Ġok", "?/Ċ"]
     assert pieces("gpt-4o", text) == pieces("llama4", text) == expected
     assert pieces("gpt2", text) != expected
+
+
+def test_long_texts_encode_to_the_same_ids(tiny_pair, gguf_files):
+    """Texts past LONG_TEXT go through the backend's encode_batch (it lets the GIL go): the same ids
+    as its encode, BOS rules included, for a tokenizer.json and a GGUF's tokenizer."""
+    from specdec.tokenizer import LONG_TEXT
+
+    text = ("def add(a, b):\n    return a + b  # naïve ☃ — café\n" * (LONG_TEXT // 40 + 50))
+    assert len(text) > LONG_TEXT
+    for tok in (Tokenizer(tiny_pair[0]), Tokenizer(gguf_files["llama_q"])):
+        for special in (True, False):
+            want = tok.backend.encode(text, add_special_tokens=special).ids
+            want = tok._with_bos(want) if special else want
+            assert tok.encode(text, add_special_tokens=special) == want

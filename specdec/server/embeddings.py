@@ -28,7 +28,6 @@ from pydantic import Field
 from ..pooling import PoolingParams
 from .errors import APIError
 from .protocol import ChatMessage, _Body
-from .serving import encode as encode_text
 
 
 class EmbeddingRequest(_Body):
@@ -199,7 +198,7 @@ def _inputs(service, body) -> list[list[int]]:
     if (x is None) == (messages is None):
         raise APIError(400, "give either input or messages", "input")
     add = body.add_special_tokens if body.add_special_tokens is not None else messages is None
-    encode = lambda text: encode_text(service.tokenizer, text, add_special_tokens=add)  # noqa: E731
+    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=add)  # noqa: E731
     if messages is not None:
         prompts = [encode(service._chat_text(body))]
     elif isinstance(x, str):

@@ -29,8 +29,6 @@ log = logging.getLogger("specdec.server")
 # Choices (prompts x n) one request may ask for: each is decoded on its own, so this bounds
 # the work one HTTP call can queue on a CPU server.
 MAX_CHOICES = 16
-# Texts at least this long are tokenized through encode_batch, which lets the GIL go (see encode)
-_LONG_TEXT = 8192
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
                        "chat_template", "continue_final_message", "tools", "tokenize", "return_dict"}
@@ -95,7 +93,7 @@ class Service:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
                           self.config.tool_call_parser)
-        prompts = [encode(self.tokenizer, self._chat_text(req, plan.template_tools if plan else None),
+        prompts = [self.tokenizer.encode(self._chat_text(req, plan.template_tools if plan else None),
                           add_special_tokens=False)]     # the template writes its special tokens
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         try:
@@ -206,13 +204,13 @@ class Service:
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [encode(self.tokenizer, prompt)]
+            return [self.tokenizer.encode(prompt)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [encode(self.tokenizer, p) for p in prompt]
+            return [self.tokenizer.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
     def tokenize(self, req: TokenizeRequest) -> dict:
@@ -224,10 +222,10 @@ class Service:
             extra.check_chat(req)
             if req.tools is not None:
                 plan_tools(req.tools, "none", None, False, None)       # the tools' shape only
-            ids = encode(self.tokenizer, self._chat_text(req, req.tools), add_special_tokens=bool(req.add_special_tokens))
+            ids = self.tokenizer.encode(self._chat_text(req, req.tools), add_special_tokens=bool(req.add_special_tokens))
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = encode(self.tokenizer, req.prompt, add_special_tokens=add)
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add)
         strs = [self.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -294,18 +292,6 @@ class Service:
 # all (top_p rounds to 0); vLLM likewise treats T < 1e-5 as greedy. Raising top_p to 1e-6 changes
 # nothing else: the most likely token always has probability >= 1/V > 1e-6.
 _MIN_TEMPERATURE, _MIN_TOP_P = 1e-5, 1e-6
-
-
-def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """tokenizer.encode(text), the GIL let go while a long text is tokenized: the tokenizers
-    binding's encode holds it (a 1 MB prompt: ~0.5-1 s in which no other Python thread runs, the
-    event loop included, even when the encode runs on a worker thread); its encode_batch releases
-    it and gives the same ids."""
-    backend = getattr(tokenizer, "backend", None)
-    if len(text) < _LONG_TEXT or not hasattr(backend, "encode_batch"):
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    ids = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-    return tokenizer._with_bos(ids) if add_special_tokens else ids
 
 
 def _numerically_safe(params: SamplingParams) -> SamplingParams:

@@ -263,8 +263,15 @@ class ChainAcceptance:
         self._got[:drafted] += one
         self._emitted[:accepted] += one
 
+    def discount(self, by: float) -> None:
+        """What was counted so far weighs `by` of itself (the drafts have changed)."""
+        self.forget_by(by)
+
     def forget(self) -> None:
-        self._unit *= self.decay
+        self.forget_by(self.decay)
+
+    def forget_by(self, decay: float) -> None:
+        self._unit *= decay
         if self._unit < 1e-100:                     # rescale long before 1 / _unit overflows
             for a in (self._tried, self._kept, self._offered, self._got, self._emitted):
                 a *= self._unit
@@ -305,9 +312,12 @@ class TreeAcceptance:
                 self.tokens[i] += cut + 1
                 self.count[i] += 1
 
+    def discount(self, by: float) -> None:
+        self.tokens *= by
+        self.count *= by
+
     def forget(self) -> None:
-        self.tokens *= self.decay
-        self.count *= self.decay
+        self.discount(self.decay)
 
 
 @dataclass
@@ -318,9 +328,12 @@ class _Seq:
     expect: float = 0.0     # what the kind's model expected for the same drafts (decayed)
     asks: float = 0.0       # steps it was asked to draft (decayed)
     drafts: float = 0.0     # ... and came back with a draft
+    misses: int = 0         # drafts in a row of which nothing was kept
+    hits: int = 0           # draft tokens in a row kept (in drafts kept whole)
+    miss: float = 1.0       # the chance of that per draft, as modelled when its size was chosen
 
     def multiplier(self, strength: float = 8.0) -> float:
-        return float(np.clip((self.kept + strength) / (self.expect + strength), 0.25, 4.0))
+        return float(np.clip((self.kept + strength) / (self.expect + strength), 0.1, 4.0))
 
     def available(self, strength: float = 2.0) -> float:
         return (self.drafts + strength) / (self.asks + strength)
@@ -339,6 +352,7 @@ class GoodputPolicy:
 
     def __init__(self, max_k: int, tree: bool = False, hysteresis: float = 0.1, probe_every: int = 16,
                  probe_size: int = 2, warmup: int = len(_WARM), reuse: int = 64):
+        self.tree = tree
         make = (lambda: TreeAcceptance(max_k)) if tree else (lambda: ChainAcceptance(max_k))
         self.acceptance = {True: make(), False: make()}
         self.sizes = self.acceptance[True].sizes
@@ -397,6 +411,7 @@ class GoodputPolicy:
             return []
         self.probing = False
         ids = tuple(s.request_id for s in seqs)
+        new = [s.request_id not in self.seqs for s in seqs]
         if self.steps < self.warmup:
             ks = [self._rung(min(s.cap, _WARM[self.steps % len(_WARM)])) for s in seqs]
         else:
@@ -407,8 +422,9 @@ class GoodputPolicy:
                     else min(self.reuse, self.probe_every))
             # sizes chosen beside a prompt chunk (drafts cost relatively less there) are not kept
             # for the decoding-only steps after it
+            contradicted = not self.tree and self._contradicted(seqs)
             reused = (self._last and self._last[0] == ids and self._last[2] < hold and not prompt_tokens
-                      and not self._last[3])
+                      and not self._last[3] and not contradicted)
             if reused:
                 ks = [self._rung(min(s.cap, k)) for s, k in zip(seqs, self._last[1])]
                 self._last = (ids, self._last[1], self._last[2] + 1, False)
@@ -419,9 +435,33 @@ class GoodputPolicy:
             if not reused and self.idle >= self.probe_every:
                 ks = self._probe(seqs, ks)
                 self.probing = True
+            # a request's first step drafts a few tokens where the estimates say plain: they are
+            # the kind's, and may be another request's (one whose drafts turned bad just before)
+            for i, s in enumerate(seqs):
+                if new[i] and not ks[i] and s.cap >= 1:
+                    ks[i], self.probing = self._rung(min(s.cap, self.probe_size)), True
         for s, k in zip(seqs, ks):
             self.seqs.setdefault(s.request_id, _Seq()).asked = k
         return ks
+
+    def _contradicted(self, seqs: list[SeqInfo]) -> bool:
+        """Whether a request's outcomes since its size was last chosen contradict the estimate it
+        was chosen on, each way at under 0.1% as modelled: drafts in a row of which nothing was
+        kept (three at a modelled 95% first-token acceptance, eight at 60%), or draft tokens in a
+        row all kept (a probe's two at 3%); chains only (a tree keeps one path of its nodes). The
+        evidence from before then counts a quarter, the request's and its kind's: the drafts have
+        changed (a request that copied, then writes, or one whose drafts are good after another's
+        were bad)."""
+        hit = False
+        for s in seqs:
+            st = self.seqs.get(s.request_id)
+            if st is None:
+                continue
+            if (st.misses >= 2 and st.miss ** st.misses < 1e-3) or (st.hits and (1 - st.miss) ** st.hits < 1e-3):
+                st.kept, st.expect, st.misses, st.hits, hit = 0.25 * st.kept, 0.25 * st.expect, 0, 0, True
+                self._catch_up()
+                self.acceptance[s.greedy].discount(0.25)
+        return hit
 
     def _probe(self, seqs: list[SeqInfo], ks: list[int]) -> list[int]:
         """One request (in turn) drafts a few tokens, so that acceptance stays measured."""
@@ -474,6 +514,10 @@ class GoodputPolicy:
             if ratio <= lam * (1 + 1e-9):
                 break
             choice, lam = pick, ratio
+        for s, e in zip(seqs, E[:, 1]):               # E[:, 1]: 1 + the chance a first token is kept
+            st = self.seqs.get(s.request_id)
+            if st is not None:
+                st.miss, st.misses, st.hits = float(np.clip(2.0 - e, 0.0, 1.0)), 0, 0
         return [int(sizes[c]) for c in choice]
 
     def observe(self, outcomes: list[Outcome], costs: StepCosts) -> None:
@@ -491,6 +535,9 @@ class GoodputPolicy:
         rows = []
         for o in outcomes:
             st = self.seqs.get(o.request_id)      # None: it finished this step (forgotten)
+            if st is not None and o.drafted > 0:
+                st.misses = st.misses + 1 if o.accepted == 0 else 0
+                st.hits = st.hits + o.drafted if o.accepted >= o.drafted else 0
             rows.append((o, st, 0 if self._bypassed else st.asked if st is not None else o.drafted))
         self._pending.append((rows, costs, self.probing))
         if self.probing:

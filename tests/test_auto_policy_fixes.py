@@ -135,3 +135,32 @@ def test_steps_bypassed_by_disable_by_batch_size_count_against_no_request():
     assert all(policy.goodput.seqs[i].available() > 0.9 for i in range(3))
     after = [machine.step(policy, [0, 1], alpha)[0] for _ in range(10)]
     assert all(k > 0 for ks in after for k in ks)
+
+
+def test_a_held_size_is_dropped_when_its_outcomes_contradict_it():
+    """A request's drafts are kept at 0.95 for 400 steps, then never: the size chosen on the
+    first phase was held up to 64 steps whatever came back (K = 6-8 for ~40 steps). Now two or
+    three drafts in a row with nothing kept, unlikely at the modelled acceptance, release it and
+    discount the old evidence."""
+    machine, policy = Machine(seed=7), GoodputPolicy(8)
+    for _ in range(400):
+        machine.step(policy, [0], {0: 0.95})
+    after = [machine.step(policy, [0], {0: 0.0}) for _ in range(100)]
+    assert sum(k[0] > 0 for k, probe in after if not probe) <= 28
+
+
+def test_a_new_request_is_not_held_plain_by_another_requests_tail():
+    """Request 0 copied (drafts kept at 0.95), then wrote free-form (none kept) until the policy
+    went plain; request 1's drafts are perfect. Its first step drafts (before: 16 plain steps
+    until a probe), and within 40 steps it drafts long."""
+    machine, policy = Machine(seed=7), GoodputPolicy(8)
+    for _ in range(300):
+        machine.step(policy, [0], {0: 0.95})
+    for _ in range(150):
+        machine.step(policy, [0], {0: 0.0})
+    while not machine.step(policy, [0], {0: 0.0})[1]:      # it leaves just after a probe
+        pass
+    policy.forget(0)
+    steps = [machine.step(policy, [1], {1: 1.0})[0][0] for _ in range(40)]
+    assert steps[0] > 0
+    assert max(steps[-10:]) >= 6

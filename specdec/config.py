@@ -8,10 +8,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16         # each is looked for in the new text at every token, on the engine thread
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GREEDY_EPS = 1e-5
-MAX_LOGIT_BIAS = 300          # OpenAI accepts at most 300 entries in logit_bias
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ class SamplingParams:
 
     Output text (vLLM's rules): a stop string ends the text and is left out of it, and so is the
     text of the stop token (EOS, stop_token_ids) that ended it, unless include_stop_str_in_output;
-    stop strings are looked for only in the text after the first min_tokens tokens.
+    stop strings are looked for only in the text after the first min_tokens tokens; at most 16
+    (MAX_STOP_STRINGS: each is searched for at every token; vLLM has no limit, OpenAI allows 4).
     detokenize=False: token ids only, no text (no stop strings then).
     truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds).
     allowed_token_ids: only these tokens are ever generated (a mask on p and q alike).
@@ -142,8 +142,11 @@ class SamplingParams:
             raise
 
     def clone(self) -> "SamplingParams":
-        """A deep copy (vLLM's)."""
-        return copy.deepcopy(self)
+        """A deep copy (vLLM's). What was derived from the fields and kept on the object (the bad
+        words' tokens, sampling.bad_words_of) is shared, not copied: the engine clones each
+        request's params on its thread."""
+        derived = [v for k, v in vars(self).items() if k.startswith("_") and k != "_ready"]
+        return copy.deepcopy(self, {id(v): v for v in derived})
 
     def __post_init__(self):
         # no upper bound here (vLLM's); the server caps the choices of one HTTP request (serving.MAX_CHOICES)
@@ -159,7 +162,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings", self.stop)
         _check(all(is_unicode_text(s) for s in stop), "stop", "must be valid Unicode text (no lone surrogates)", self.stop)
-        _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings", len(stop))
+        _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"must hold at most {MAX_STOP_STRINGS} strings "
+               "(each is looked for in the text at every token)", len(stop))
         object.__setattr__(self, "stop", stop)
         ids = list(self.stop_token_ids or [])
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "stop_token_ids", "must be token ids >= 0", ids)
@@ -190,8 +194,9 @@ class SamplingParams:
         _check(_real(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
                "must be in (0, 2]", self.repetition_penalty)
         bias = self.logit_bias or {}
-        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
-               f"must map at most {MAX_LOGIT_BIAS} token ids to biases", type(bias).__name__)
+        # no limit on the entries (vLLM's): they are distinct token ids the engine checks against the
+        # vocabulary, applied by one tensor operation per step (sampling.Controls.bias)
+        _check(isinstance(bias, dict), "logit_bias", "must map token ids to biases", type(bias).__name__)
         clean = {}
         for tok, b in bias.items():
             # OpenAI's JSON keys are strings of token ids

@@ -39,7 +39,7 @@ from .model.kv import plan_blocks
 from .profiler import StepProfiler, range_of
 from .proposers import Committed, Draft, ProposeItem, Proposer, ProposerCaps, RequestContext
 from .proposers.base import draft_room, merge_committed, prune_tree
-from .sampling import Controls, make_generator, needs_controls
+from .sampling import Controls, bad_words_of, make_generator, needs_controls
 from .structured import GrammarCompiler
 from .scheduler import Request, Scheduler
 from .verifier import (Verified, controlled_logits, cut_to_grammar, extend_with_forced, feed_of, limit_depth,
@@ -186,6 +186,8 @@ class Engine:
             raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.bad_words:        # tokenized here, where the server prepares the request, and kept on params
+            bad_words_of(params, self.tokenizer)
         self.check_logprobs(params)
 
     def check_logprobs(self, params: SamplingParams) -> None:
@@ -200,15 +202,7 @@ class Engine:
         """A request's sequence-reading controls, or None when it has none (the fast path)."""
         if not needs_controls(params):
             return None
-        bad_words = []
-        for word in params.bad_words or []:
-            # vLLM's rule: the word as given and with a leading space (a different token in
-            # byte-level vocabularies), the latter only when it is a distinct same-length encoding
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            bad_words += [w for w in (plain, spaced) if w]
-            if spaced and plain and (spaced[0] == plain[0] or len(spaced) != len(plain)):
-                bad_words.pop()
+        bad_words = bad_words_of(params, self.tokenizer)      # tokenized by check_prompt already
         stop_ids = sorted(({*self.eos_ids} if not params.ignore_eos else set()) | set(params.stop_token_ids))
         grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         return Controls(params, list(prompt), bad_words, stop_ids, grammar)

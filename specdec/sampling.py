@@ -14,6 +14,7 @@ reproduces exactly the *processed* target distribution.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -158,20 +159,133 @@ def sample_with(probs: Tensor, u: Tensor) -> Tensor:
 # Controls: what a row's processing reads from the sequence before it.
 # ---------------------------------------------------------------------------------------------
 
+class BadWords:
+    """A request's bad words as token sequences, indexed so that what a step costs does not grow
+    with their number (a loop over every word, per row and step, let one request with 50,000
+    words slow every other stream ~10x).
+
+    vLLM's rule (its bad-words logits processor): a word's last token is banned at a row where the tokens before the row (the output, then the
+    row's path) end with the word's other tokens; a one-token word is banned everywhere.
+    One-token words: one [V] mask (a masked fill per row). Longer words: a trie of their prefixes
+    read backwards, {token: (last tokens banned, {the token before: ...})}, which a row walks from
+    the end of its sequence only as far as that end matches some prefix (usually 0-2 lookups)."""
+
+    def __init__(self, words: list[list[int]]):
+        self.words = list(words)
+        single = sorted({w[0] for w in self.words if len(w) == 1})
+        self.single = torch.tensor(single, dtype=torch.long)       # [S] one-token words
+        self._masks: dict[tuple, Tensor] = {}
+        self._trie: dict[int, tuple[list[int], dict]] = {}
+        collecting = gc.isenabled()
+        gc.disable()        # the cyclic collector, run by the allocations below, took 3/4 of the time
+        try:
+            self._index()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _index(self) -> None:
+        for w in self.words:
+            if len(w) < 2:
+                continue
+            node = self._trie
+            for t in w[-2:0:-1]:           # the prefix backwards, its first token left for last
+                entry = node.get(t)
+                if entry is None:
+                    entry = node[t] = ([], {})
+                node = entry[1]
+            entry = node.get(w[0])
+            if entry is None:
+                entry = node[w[0]] = ([], {})
+            entry[0].append(w[-1])
+
+    @classmethod
+    def tokenize(cls, tokenizer, words: list[str]) -> "BadWords":
+        """vLLM's rule: each word as given and with a leading space (a different token in
+        byte-level vocabularies), the latter only when it is a distinct same-length encoding."""
+        seqs = []
+        for word in words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            seqs += [w for w in (plain, spaced) if w]
+            if spaced and plain and (spaced[0] == plain[0] or len(spaced) != len(plain)):
+                seqs.pop()
+        return cls(seqs)
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def __iter__(self):
+        return iter(self.words)
+
+    def single_mask(self, vocab: int, device) -> Tensor | None:
+        """[V] bool: the one-token words (ids past the vocabulary left out); None without any."""
+        if self.single.numel() == 0:
+            return None
+        key = (vocab, str(device))
+        if key not in self._masks:
+            ids = self.single[self.single < vocab]
+            self._masks[key] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True).to(device)
+        return self._masks[key]
+
+    def after(self, output: list[int], path: list[int]) -> list[int]:
+        """The last tokens of the longer words whose other tokens output + path ends with."""
+        banned, node = [], self._trie
+        if not node:
+            return banned
+        for seq in (path, output):
+            for i in range(len(seq) - 1, -1, -1):
+                entry = node.get(seq[i])
+                if entry is None:
+                    return banned
+                banned += entry[0]
+                node = entry[1]
+                if not node:
+                    return banned
+        return banned
+
+
+def bad_words_of(params: SamplingParams, tokenizer) -> BadWords:
+    """params.bad_words tokenized by tokenizer and indexed, kept on params (SamplingParams.clone
+    shares it) so that the engine thread reads it ready: the engine's check_prompt, which the
+    server runs when it prepares a request, tokenizes them (vLLM tokenizes them in its frontend,
+    SamplingParams.update_from_tokenizer, not in the engine core). Tokenized again when the
+    words or the tokenizer change."""
+    words = params.bad_words or []
+    cached = params.__dict__.get("_bad_words_tokenized")
+    if cached is None or cached[0] is not tokenizer or cached[1] != words:
+        cached = (tokenizer, list(words), BadWords.tokenize(tokenizer, words))
+        object.__setattr__(params, "_bad_words_tokenized", cached)
+    return cached[2]
+
+
 @dataclass(eq=False)
 class Controls:
     """One request's sequence-reading controls (built once, when the request is added).
 
-    bad_words: token sequences (each word tokenized with and without a leading space, vLLM's
-    rule); stop_ids: the tokens min_tokens bans (EOS unless ignore_eos, and stop_token_ids);
-    grammar: a structured.Grammar or None."""
+    bad_words: BadWords, or its token sequences (each word tokenized with and without a leading
+    space, vLLM's rule: BadWords.tokenize); stop_ids: the tokens min_tokens bans (EOS unless
+    ignore_eos, and stop_token_ids); grammar: a structured.Grammar or None."""
     params: SamplingParams
     prompt: list[int]
-    bad_words: list[list[int]] = field(default_factory=list)
+    bad_words: BadWords | list[list[int]] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
     grammar: object | None = None
     _prompt_mask: Tensor | None = None
     _allowed: Tensor | None = None
+    _bias: tuple[Tensor, Tensor] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.bad_words, BadWords):
+            self.bad_words = BadWords(self.bad_words)
+
+    def bias(self, device) -> tuple[Tensor, Tensor]:
+        """logit_bias as ([n] token ids, [n] float32 biases), built once."""
+        if self._bias is None or self._bias[0].device != torch.device(device):
+            bias = self.params.logit_bias or {}
+            self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                          torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        return self._bias
 
     def allowed_mask(self, vocab: int, device) -> Tensor:
         """[V] bool: the tokens allowed_token_ids lets through."""
@@ -213,42 +327,35 @@ def adjust_rows(logits: Tensor, rows: list[Row]) -> Tensor:
             kept = logits[r].masked_fill(~row.controls.allowed_mask(V, dev), float("-inf"))
             # unless that leaves no token (none the grammar allows): lifted for the row, as bans are
             logits[r] = torch.where((kept > float("-inf")).any(), kept, logits[r])
-    bans_r, bans_t, bias_r, bias_t, bias_v = [], [], [], [], []
+    bans_r, bans_t, masked, biased = [], [], [], []
     for r, (c, output, path) in enumerate(rows):
         p = c.params
-        n_out = len(output) + len(path)
-        banned = list(c.stop_ids) if n_out < p.min_tokens else []
+        banned = list(c.stop_ids) if len(output) + len(path) < p.min_tokens else []
         if c.bad_words:
-            banned += [w[-1] for w in c.bad_words if len(w) == 1 or _ends_with(output, path, w[:-1])]
+            if c.bad_words.single_mask(V, dev) is not None:
+                masked.append(r)
+            banned += c.bad_words.after(output, path)
         bans_r += [r] * len(banned)
         bans_t += banned
         if p.logit_bias:
-            bias_r += [r] * len(p.logit_bias)
-            bias_t += list(p.logit_bias)
-            bias_v += list(p.logit_bias.values())
-    if bans_t:
+            biased.append(r)
+    if bans_t or masked:
         keep = [i for i, t in enumerate(bans_t) if t < V]
         banned = logits.clone()
         banned[torch.tensor([bans_r[i] for i in keep], device=dev, dtype=torch.long),
                torch.tensor([bans_t[i] for i in keep], device=dev, dtype=torch.long)] = float("-inf")
+        for r in masked:                    # one-token bad words: one masked fill per row
+            banned[r].masked_fill_(rows[r].controls.bad_words.single_mask(V, dev), float("-inf"))
         # a ban that leaves no token at all (min_tokens where the grammar allows only EOS) is
         # lifted for that row: the same rule in p, q and plain decoding, so nothing is lost
         alive = (banned > float("-inf")).any(-1, keepdim=True)
         logits = torch.where(alive, banned, logits)
-    if bias_t:
-        logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
-                          torch.tensor(bias_v, device=dev), accumulate=True)
+    if biased:                              # each request's ids and biases as tensors, built once
+        ids, values = zip(*(rows[r].controls.bias(dev) for r in biased))
+        at = torch.cat([torch.full_like(i, r) for i, r in zip(ids, biased)])
+        logits.index_put_((at, torch.cat(ids)), torch.cat(values), accumulate=True)
     _apply_penalties(logits, rows)
     return logits
-
-
-def _ends_with(output: list[int], path: list[int], prefix: list[int]) -> bool:
-    """Whether output + path ends with prefix (without building the concatenation)."""
-    n = len(prefix)
-    if n <= len(path):
-        return path[len(path) - n:] == prefix
-    k = n - len(path)
-    return len(output) >= k and output[len(output) - k:] == prefix[:k] and path == prefix[k:]
 
 
 def _apply_grammar(logits: Tensor, rows: list[Row]) -> None:

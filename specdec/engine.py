@@ -688,6 +688,12 @@ class Engine:
                           sum(k > 0 for k in plan.ks), max(plan.ks), propose_s,
                           step_s - propose_s - self._choose_s, attention[1])
         self.policy.observe(outcomes, costs)
+        from .proposers.hybrid import HybridProposer
+        if isinstance(self.proposer, HybridProposer) and self.policy.goodput is not None:
+            # the hybrid weighs its sources by the costs measured here rather than its constants
+            unit = self.policy.goodput.unit_costs([len(r.seq) for r in plan.decode])
+            if unit is not None:
+                self.proposer.measured(*unit, propose_s)
 
     def _retire(self, r: Request) -> None:
         """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""

@@ -463,6 +463,15 @@ class GoodputPolicy:
                 self.acceptance[s.greedy].discount(0.25)
         return hit
 
+    def unit_costs(self, contexts: list[int]) -> tuple[float, float] | None:
+        """(a plain decoding step's cost per request, a verified draft token's) in seconds for
+        decoding requests at these contexts, from the target's cost model; None while warming up."""
+        if self.steps < self.warmup or not contexts:
+            return None
+        w, B, ctx = self.target.w, len(contexts), sum(contexts) / 1024
+        plain = float(w @ np.array([1.0, B, 0.0, ctx, 0.0, 0.0])) / B
+        return plain, max(float(w[1] + w[4] * ctx / B), 0.0)
+
     def _probe(self, seqs: list[SeqInfo], ks: list[int]) -> list[int]:
         """One request (in turn) drafts a few tokens, so that acceptance stays measured."""
         able = [i for i, s in enumerate(seqs) if s.cap >= 1]

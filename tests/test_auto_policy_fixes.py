@@ -162,3 +162,30 @@ def test_a_new_request_is_not_held_plain_by_another_requests_tail():
     steps = [machine.step(policy, [1], {1: 1.0})[0][0] for _ in range(40)]
     assert min(steps) > 0
     assert min(steps[10:]) >= 4
+
+
+def test_the_hybrid_weighs_its_sources_by_the_costs_measured():
+    """ngram+eagle under "auto": a learned token cost 0.75 of a plain step by the settings, ~0.31
+    measured on SmolLM2 on one core, so at acceptance 0.45 the hybrid kept EAGLE idle where it
+    paid (9-16 of 200 steps). The engine hands it the plain step's and a verified token's cost
+    (its cost model) and what drafting took; it fits the learned drafter's cost per token."""
+    from types import SimpleNamespace
+
+    from specdec.proposers import ProposerCaps
+    from specdec.proposers.hybrid import LEARNED, HybridProposer, HybridSettings, SourceRecords
+
+    hybrid = HybridProposer(SimpleNamespace(name="eagle", caps=ProposerCaps()))
+    assert hybrid.costs is None                     # the settings' constants until measured
+    rng = random.Random(0)
+    for step in range(40):
+        m = rng.choice([0, 1, 2, 3])
+        hybrid._step_learned = m                   # what propose() counts
+        hybrid.measured(5e-3, 0.75e-3, 0.1e-3 + 0.8e-3 * m)
+    verify, learned = hybrid.costs
+    assert verify == pytest.approx(0.15) and learned == pytest.approx(0.16, rel=0.02)
+
+    records = SourceRecords(8, HybridSettings())
+    for _ in range(40):                             # the learned drafter's first token kept 45% of the time
+        records.learned.observe(1, int(rng.random() < 0.45))
+    assert records.choose(0, 0, 1).source is None                       # at the constants: plain
+    assert records.choose(0, 0, 1, costs=hybrid.costs).source == LEARNED  # at the measured costs

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..goodput import OnlineLinear
 from .base import (Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext, draft_room,
                    merge_committed)
 from .ngram import match
@@ -136,16 +137,19 @@ class SourceRecords:
     def learned_rates(self, m: int) -> np.ndarray:
         return self.learned.rates(m, PRIOR, PRIOR_WEIGHT)
 
-    def choose(self, n: int, lookup_len: int, learned_max: int, catch_up: int = 0) -> Choice:
+    def choose(self, n: int, lookup_len: int, learned_max: int, catch_up: int = 0,
+               costs: tuple[float, float] | None = None) -> Choice:
         """n, lookup_len: lookup's match length and how many tokens it found (0: none);
         learned_max: the most the learned drafter may draft now (0: it may not); catch_up: the
-        feature rows it would have to catch up on first."""
+        feature rows it would have to catch up on first; costs: (verify, learned) per token in
+        plain steps as measured (None: the settings')."""
+        verify, learned = costs or (self.s.verify_cost, self.s.learned_cost)
         best, choice = 1.0, Choice(None, 0)               # plain decoding: 1 token per forward
         if lookup_len:
-            ratio, m = best_length(self.lookup_rates(n, lookup_len), self.s.verify_cost)
+            ratio, m = best_length(self.lookup_rates(n, lookup_len), verify)
             best, choice = (ratio, Choice(LOOKUP, m, n)) if ratio > best else (best, choice)
         if learned_max:
-            ratio, m = best_length(self.learned_rates(learned_max), self.s.verify_cost + self.s.learned_cost,
+            ratio, m = best_length(self.learned_rates(learned_max), verify + learned,
                                    self.s.catch_up_cost * catch_up)
             best, choice = (ratio, Choice(LEARNED, m)) if ratio > best else (best, choice)
         if choice.source is None:
@@ -217,6 +221,13 @@ class HybridProposer(ProposerBase):
         self.learned_depth = lc.max_tree_size      # an EAGLE chain's depth; None: no limit
         self.requests: dict[Hashable, _Request] = {}
         self.counts = SourceCounts()
+        # measured costs (engine under "auto": measured()): a step's drafting time against the
+        # learned tokens it drafted, and (verify, learned) per token in plain steps, or None while
+        # unmeasured (the settings' constants are the prior)
+        self._drafting = OnlineLinear(2, window=64, half_life=32.0, refit_every=16)
+        self._learned_steps = 0            # steps measured that drafted from the learned drafter
+        self._step_learned = 0             # learned tokens drafted this step
+        self.costs: tuple[float, float] | None = None
 
     def kv_bytes_per_slot(self) -> int:
         return self.learned.kv_bytes_per_slot()
@@ -250,6 +261,19 @@ class HybridProposer(ProposerBase):
         if req is not None:
             req.deferred, req.pending, req.recomputing = [], None, True
 
+    def measured(self, plain_s: float, verify_s: float, drafting_s: float) -> None:
+        """The engine's measurements of the step just over ("auto"): a plain decoding step's cost
+        per request and a verified token's (from its cost model), and what drafting took. The
+        learned drafter's cost per token is fitted from the steps' drafting times against the
+        learned tokens they drafted; once 8 steps drafted from it, both costs, in plain steps,
+        replace the settings' (on SmolLM2 on one core an EAGLE token cost ~0.31 of a plain step all
+        told where the settings say 0.75, and the hybrid left EAGLE idle where it paid)."""
+        self._drafting.update([1.0, float(self._step_learned)], drafting_s)
+        self._learned_steps += self._step_learned > 0
+        self._step_learned = 0
+        if plain_s > 0 and self._learned_steps >= 8:
+            self.costs = (verify_s / plain_s, max(float(self._drafting.w[1]), 0.0) / plain_s)
+
     def propose(self, items: list[ProposeItem]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(items)
         learned: list[tuple[int, ProposeItem]] = []
@@ -257,12 +281,13 @@ class HybridProposer(ProposerBase):
             req = self.requests[it.request_id]
             tokens, n = match(np.asarray(it.seq, dtype=np.int64), it.k, self.n_max, self.n_min)
             cap = draft_room(self.learned.caps, len(it.seq), min(it.k, self.learned_depth or it.k))
-            choice = req.records.choose(n, len(tokens), cap, req.rows)
+            choice = req.records.choose(n, len(tokens), cap, req.rows, self.costs)
             req.pending = (choice, len(it.seq)) if choice.source else None
             if choice.source == LOOKUP:
                 drafts[i] = Draft(torch.from_numpy(tokens[:choice.m].copy()))
             elif choice.source == LEARNED:
                 learned.append((i, ProposeItem(it.request_id, it.seq, choice.m)))
+                self._step_learned += choice.m
             else:
                 self.counts.empty += 1
         if learned:

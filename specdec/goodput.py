@@ -449,9 +449,9 @@ class GoodputPolicy:
         was chosen on, each way at under 0.1% as modelled: drafts in a row of which nothing was
         kept (three at a modelled 95% first-token acceptance, eight at 60%), or draft tokens in a
         row all kept (a probe's two at 3%); chains only (a tree keeps one path of its nodes). The
-        evidence from before then counts a quarter, the request's and its kind's: the drafts have
-        changed (a request that copied, then writes, or one whose drafts are good after another's
-        were bad)."""
+        evidence from before then counts a quarter, the request's, and its kind's where it is the
+        kind's only request in the batch (others' evidence is theirs): the drafts have changed (a
+        request that copied, then writes, or one whose drafts are good after another's were bad)."""
         hit = False
         for s in seqs:
             st = self.seqs.get(s.request_id)
@@ -459,8 +459,9 @@ class GoodputPolicy:
                 continue
             if (st.misses >= 2 and st.miss ** st.misses < 1e-3) or (st.hits and (1 - st.miss) ** st.hits < 1e-3):
                 st.kept, st.expect, st.misses, st.hits, hit = 0.25 * st.kept, 0.25 * st.expect, 0, 0, True
-                self._catch_up()
-                self.acceptance[s.greedy].discount(0.25)
+                if sum(o.greedy == s.greedy for o in seqs) == 1:   # the kind's model is its alone
+                    self._catch_up()
+                    self.acceptance[s.greedy].discount(0.25)
         return hit
 
     def unit_costs(self, contexts: list[int]) -> tuple[float, float] | None:

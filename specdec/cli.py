@@ -365,7 +365,9 @@ def run(args) -> int:
     if llm.engine.profiler is not None:
         if llm.engine.profiler.active:
             llm.stop_profile()
-        print(f"profile: {llm.engine.profiler.last_trace}", file=sys.stderr)
+        trace = llm.engine.profiler.last_trace
+        print(f"profile: {trace}" if trace else "profile: nothing recorded (the run ended within delay_iterations)",
+              file=sys.stderr)
     result = {"text": "".join(split.answer), "token_ids": tokens, "finish_reason": event.finish_reason,
               "stats": event.stats.to_dict()}
     if harmony:

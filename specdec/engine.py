@@ -314,7 +314,8 @@ class Engine:
         else:
             with prof.range(f"specdec:step {self.num_running} running {self.num_waiting} waiting"):
                 events = self._step(prof)
-        prof.after_step()
+        if self.last_step_tokens:             # a step that ran a forward (not an idle one) counts
+            prof.after_step()
         return events
 
     def _step(self, prof: StepProfiler | None) -> list[StepEvent]:

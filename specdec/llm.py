@@ -292,6 +292,7 @@ class LLM:
         override_generation_config = check_generation_override(override_generation_config)
         self.model_path = str(model)
         self.generation_config = generation_config       # read before the model loads: a bad folder fails at once
+        self.override_generation_config = override_generation_config
         self.generation_defaults = generation_defaults(model, generation_config, override_generation_config)
         self.seed = seed
         if speculative_config is not None:      # what the keyword arguments add to it, or a one-line error
@@ -654,7 +655,9 @@ class LLM:
             return SamplingParams(**self.generation_defaults)
         except ValueError as e:
             source = self.generation_config
-            path = Path(self.model_path if source in ("auto", "vllm") else source)
+            if self.override_generation_config:
+                raise ValueError(f"override_generation_config (merged over --generation-config {source}): {e}") from None
+            path = Path(self.model_path if source == "auto" else source)
             path = (path.parent if path.is_file() else path) / "generation_config.json"
             raise CheckpointError(f"{path}: {e} (--generation-config vllm ignores the file)") from None
 

@@ -9,10 +9,11 @@ stop_profile, `--profiler-config`, the older VLLM_TORCH_PROFILER_DIR).
 
 stop_profile writes a Chrome / Perfetto trace (`specdec-rank0.<time>.pt.trace.json[.gz]`, open it
 in ui.perfetto.dev) and a table of the ops' self time (`profiler_out_0.txt`) into the folder. Each
-engine step is one range ("specdec:step <n> rows <t> tokens"), its phases ranges inside it
+engine step that runs a forward is one range ("specdec:step <n> running <m> waiting"), its phases inside it
 (schedule, propose, forward, verify, commit, proposer update): the C kernels run outside torch's
 ops, so these ranges are where their time shows. `delay_iterations` steps pass before recording
-starts and recording stops by itself after `max_iterations` steps (0: until stop_profile).
+starts and recording stops by itself after `max_iterations` steps (0: until stop_profile); only
+steps that run a forward count (an idle server's empty steps do not).
 """
 
 from __future__ import annotations

@@ -78,3 +78,15 @@ def test_max_new_tokens_caps_every_request(folders):
         comp = httpx.post(f"{live.url}/v1/completions", timeout=60,
                           json={"model": "m", "prompt": "def", "ignore_eos": True})
         assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 7
+
+
+def test_beams_and_bad_overrides(folders):
+    model, _ = folders
+    with pytest.raises(ValueError, match=r"override_generation_config \(merged over --generation-config vllm\)"):
+        LLM(str(model), generation_config="vllm", override_generation_config={"temperature": -1})
+    llm = LLM(str(model), num_speculative_tokens=0, max_model_len=128)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("m",)))) as live:
+        r = httpx.post(f"{live.url}/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "n": 2,
+            "use_beam_search": True, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * 7     # the cap, per beam

@@ -172,3 +172,20 @@ def test_a_table_torch_cannot_read_back_is_no_error(tiny_pair, tmp_path, monkeyp
     llm.stop_profile()
     assert llm.engine.profiler.last_trace and os.path.getsize(llm.engine.profiler.last_trace) > 0
     assert (tmp_path / "profiler_out_0.txt").read_text().startswith("no table: torch could not read back")
+
+
+def test_idle_steps_do_not_count(tiny_pair, tmp_path):
+    """max_iterations / delay_iterations count steps that ran a forward: an idle engine's empty
+    steps (a server between requests) neither use up the budget nor pass the delay."""
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=64,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path), "max_iterations": 2,
+                               "delay_iterations": 1})
+    llm.start_profile()
+    for _ in range(5):
+        llm.engine.step()                      # nothing scheduled
+    assert llm.engine.profiler.active and not llm.engine.profiler.ranges
+    llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    trace = llm.engine.profiler.last_trace
+    assert trace and len(_steps(trace)) == 2
+    names = [e.get("name") for e in _events(trace)]
+    assert names.count("forward") == 2

@@ -45,9 +45,8 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     prompts, sampling, _ = await service.off_loop(service.prepare_chat, body)
     if sampling.structured_outputs is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    search, outputs = await _search(service, body, prompts, max_tokens if max_tokens is not None else sampling.max_tokens,
-                                    arrival, lora, response_id)
+    # prepare_chat's: the request's max_completion_tokens / max_tokens under generation_config.json's cap
+    search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
     echo = service.chat_echo(body) or ""
     choices, completion_tokens = [], 0
     for j, beam in enumerate(outputs[0].sequences):

@@ -168,9 +168,10 @@ def _text(content, where: str) -> str:
         raise APIError(400, f"{where}.content must be a string or a list of text parts", "input")
     out = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             raise APIError(400, f"{where}.content: only text parts (input_text, output_text) are supported", "input")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content: a {part['type']} part needs a string `text`", "input")
         out.append(part["text"])
     return "\n".join(out)           # as the chat path joins text parts (vLLM's chat_utils)
 

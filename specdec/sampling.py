@@ -14,8 +14,10 @@ reproduces exactly the *processed* target distribution.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -159,6 +161,32 @@ def sample_with(probs: Tensor, u: Tensor) -> Tensor:
 # Controls: what a row's processing reads from the sequence before it.
 # ---------------------------------------------------------------------------------------------
 
+_pause_lock = threading.Lock()
+_pauses = 0                 # threads inside _collector_paused
+_resume = False             # whether the last one out turns the collector back on
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic collector off while indexing, across threads: a server prepares several
+    requests at once, and a plain disable / enable pair per thread could leave it off for good (one
+    thread disabling right after another re-enabled: every later cycle leaked). Counted: the first
+    in turns it off (if it was on), the last out turns it back on."""
+    global _pauses, _resume
+    with _pause_lock:
+        if _pauses == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _resume:
+                gc.enable()
+
+
 class BadWords:
     """A request's bad words as token sequences, indexed so that what a step costs does not grow
     with their number (a loop over every word, per row and step, let one request with 50,000
@@ -176,13 +204,8 @@ class BadWords:
         self.single = torch.tensor(single, dtype=torch.long)       # [S] one-token words
         self._masks: dict[tuple, Tensor] = {}
         self._trie: dict[int, tuple[list[int], dict]] = {}
-        collecting = gc.isenabled()
-        gc.disable()        # the cyclic collector, run by the allocations below, took 3/4 of the time
-        try:
+        with _collector_paused():     # the cyclic collector, run by the allocations below, took 3/4 of the time
             self._index()
-        finally:
-            if collecting:
-                gc.enable()
 
     def _index(self) -> None:
         for w in self.words:

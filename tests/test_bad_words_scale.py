@@ -230,3 +230,35 @@ def test_greedy_outputs_equal_the_old_implementation(plain, monkeypatch, seed):
     assert new == old
     assert all(got == new["plain"] for got in new.values())
     assert new["plain"] != [o.outputs[0].token_ids for o in base]
+
+
+def test_indexing_from_many_threads_leaves_the_collector_on():
+    """A server prepares several requests at once: BadWords' collector pause must not leave Python's
+    cyclic garbage collector off for good (a plain disable / enable per thread did, a tester's race)."""
+    import gc
+    import sys
+    import threading
+
+    from specdec.sampling import BadWords
+
+    words = [[i, i + 1] for i in range(200)] + [[5]]     # long enough an index for threads to overlap
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(150):
+            barrier = threading.Barrier(4)
+
+            def build():
+                barrier.wait()
+                for _ in range(200):
+                    BadWords(words)
+
+            threads = [threading.Thread(target=build) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert gc.isenabled()
+    finally:
+        sys.setswitchinterval(old)
+        gc.enable()

@@ -120,7 +120,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
     p.add_argument("--seed", type=_seed, default=0,
-                   help="seeds sampling requests that bring no seed of their own, in arrival order: seed, seed + 16, "
+                   help="seeds sampling requests that bring no seed of their own, in the order they reach the engine: seed, seed + 16, "
                         "... (default 0, as vLLM's: a run reproduces, two requests never share draws); none: "
                         "fresh randomness (suffix decoding's response cache then serves unseeded sampling too)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")

@@ -63,7 +63,7 @@ class Service:
         self.adapters = Adapters(config.served_model_names, llm.engine.lora is not None, self.worker.call)
         self.adapters.load_static(config.lora_modules)
         self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
-        # choice i of a request samples with seed + i, so requests' seeds sit MAX_CHOICES apart
+        # choice i of prompt p samples with seed + p * n + i (at most MAX_CHOICES), so requests sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
 
     async def off_loop(self, fn, *args):
@@ -132,8 +132,14 @@ class Service:
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                    priority: int = 0, lora_request=None, request_id: str | None = None) -> Generation:
+        """The request's choices queued on the engine. A sampling request without a seed takes the
+        server's next one (--seed) here, on the event loop, so seeds go in the order requests reach
+        the engine; each of its prompts x choices then samples with its own offset from it."""
+        spread = False
+        if params.seed is None and self._seeds is not None and not params.greedy:
+            params, spread = dataclasses.replace(params, seed=next(self._seeds)), True
         return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
-                          lora_request, request_id)
+                          lora_request, request_id, spread_prompts=spread)
 
     def lora_request(self, model: str | None):
         """The LoRA adapter a request's `model` names (None: a base model); 404 for an unknown name."""
@@ -198,8 +204,6 @@ class Service:
             raise err from None
         if params.seed is not None and not -2**63 <= params.seed < 2**63:     # choice i seeds with seed + i, mod 2^64
             raise APIError(400, f"seed must be a 64-bit integer, got {params.seed}", "seed")
-        if params.seed is None and self._seeds is not None and not params.greedy:
-            params = dataclasses.replace(params, seed=next(self._seeds))
         return params
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
@@ -366,14 +370,18 @@ class Generation:
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
-                 lora_request=None, request_id: str | None = None):
+                 lora_request=None, request_id: str | None = None, spread_prompts: bool = False):
+        """spread_prompts: prompt p's choice i samples with seed + p * per_prompt + i (a seed the
+        server gave: no two of the request's samples share draws), else with seed + i for every
+        prompt (a seed the request gave, as vLLM: identical prompts then draw the same)."""
         self.prompts, self.params, self.arrival, self._logger = prompts, params, arrival, logger
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         # best_of > n: every candidate runs, the best n per prompt are kept at the end
         self.per_prompt = params.best_of or params.n
-        self._jobs = [Job(ids, params, i, partial(_deliver, loop, self._queue, p * self.per_prompt + i),
+        self._jobs = [Job(ids, params, p * self.per_prompt * spread_prompts + i,
+                          partial(_deliver, loop, self._queue, p * self.per_prompt + i),
                           priority=priority, lora_request=lora_request)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         if request_id is not None:

@@ -161,6 +161,8 @@ _VLLM_IGNORED = {
                                      "specdec loads in one process"),
     "allowed_local_media_path": ("", _is_text, "specdec takes text prompts"),
     "pipeline_parallel_size": (1, (1,), "specdec has no pipeline parallelism (tensor_parallel_size splits the model)"),
+    "enable_sleep_mode": (False, (False,), "specdec has no sleep mode (vLLM's frees GPU memory between RL rollouts, "
+                          "on CUDA only: its CPU backend refuses it too)"),
     "distributed_executor_backend": (None, (None, "mp", "uni"), "specdec starts its own tensor-parallel workers"),
 }
 
@@ -429,6 +431,16 @@ class LLM:
         """Raises when the engine cannot serve (a tensor-parallel group that has stopped)."""
         if self._leader is not None:
             self._leader.check()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (LLM(enable_sleep_mode=True)) is not implemented: a clear error."""
+        raise ValueError("sleep mode is not enabled: specdec has none (LLM(enable_sleep_mode=True) is refused)")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise ValueError("sleep mode is not enabled: specdec has none (LLM(enable_sleep_mode=True) is refused)")
+
+    def is_sleeping(self) -> bool:
+        return False
 
     def start_profile(self) -> None:
         """Record the engine's steps with torch.profiler from now (vLLM's; needs profiler_config or

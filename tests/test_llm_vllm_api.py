@@ -250,3 +250,15 @@ def test_bad_chat_messages(llm):
 def test_max_model_len_of_a_wrong_type(tiny_pair, value):
     with pytest.raises(ValueError, match="max_model_len must be an integer"):
         LLM(str(tiny_pair[0]), max_model_len=value)
+
+
+def test_sleep_mode_is_refused_clearly(tiny_pair):
+    """vLLM's sleep mode (GPU memory freed between RL rollouts; its CPU backend refuses it): asking
+    for it is one ValueError, never an unknown-keyword TypeError; sleep() / wake_up() say so."""
+    with pytest.raises(ValueError, match="enable_sleep_mode=True is not supported: specdec has no sleep mode"):
+        LLM(str(tiny_pair[0]), enable_sleep_mode=True)
+    llm = LLM(str(tiny_pair[0]), enable_sleep_mode=False, num_speculative_tokens=0, max_model_len=64)
+    assert llm.is_sleeping() is False
+    for call in (llm.sleep, llm.wake_up):
+        with pytest.raises(ValueError, match="sleep mode is not enabled"):
+            call()

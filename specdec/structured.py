@@ -131,10 +131,9 @@ class GrammarCompiler:
         self.config = config or StructuredOutputsConfig()
         self._ll = None
         self._lock = threading.Lock()
-        # grammar text -> a compiled matcher no request has advanced: check() compiles it once (where
-        # the server prepares the request, off its engine thread) and each request's grammar() is a
-        # copy (~20 us against ~0.3 s to compile a 3000-branch anyOf again on the engine thread)
-        self._compiled: OrderedDict[str, object] = OrderedDict()
+        # grammar texts check() has validated (where the server prepares requests, off its engine
+        # thread): grammar() on the engine thread then only compiles the request's own matcher
+        self._validated: OrderedDict[str, bool] = OrderedDict()
 
     def _lltokenizer(self):
         with self._lock:
@@ -149,53 +148,44 @@ class GrammarCompiler:
         self._lltokenizer()
 
     def check(self, spec: StructuredOutputsParams) -> str:
-        """The grammar text of spec, or GrammarError naming the field."""
+        """The grammar text of spec, or GrammarError naming the field. A text once validated is
+        remembered (the last VALIDATED_CACHE), so the engine's grammar() does not validate again."""
         import llguidance
 
         text = _grammar_text(spec, self.config)
-        if self._template(text) is not None:
-            return text
+        with self._lock:
+            if text in self._validated:
+                self._validated.move_to_end(text)
+                return text
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._lltokenizer())
         if is_error:
             raise GrammarError(spec.kind, _first_line(messages[0]))
-        self._compile(text, spec.kind)
+        with self._lock:
+            self._validated[text] = True
+            while len(self._validated) > VALIDATED_CACHE:
+                self._validated.popitem(last=False)
         return text
-
-    def _compile(self, text: str, kind: str):
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self._lltokenizer(), text, log_level=0, limits=LIMITS())
-        if matcher.is_error():
-            raise GrammarError(kind, _first_line(matcher.get_error()))
-        with self._lock:
-            self._compiled[text] = matcher
-            while len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
-        return matcher
-
-    def _template(self, text: str):
-        with self._lock:
-            matcher = self._compiled.get(text)
-            if matcher is not None:
-                self._compiled.move_to_end(text)
-            return matcher
 
     def grammar(self, spec: StructuredOutputsParams) -> "Grammar":
         """A request's matcher, its first mask computed: a grammar the parser cannot run from
         the start (a lexer past its limits, an overflowing parser row) is a GrammarError here,
-        before the request is admitted."""
-        text = self.check(spec)
-        # pushed out of the cache since check() (64 other grammars since): compiled once more
-        template = self._template(text) or self._compile(text, spec.kind)
-        grammar = Grammar(template.deep_copy(), self.vocab_size, self.eos_ids, self._lltokenizer())
+        before the request is admitted. Each request compiles its own matcher: copies of one
+        (LLMatcher.deep_copy) share their lexer, whose limits then run out across requests (a
+        second request with the same large regex failed where the first ran)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._lltokenizer(), self.check(spec), log_level=0, limits=LIMITS())
+        if matcher.is_error():
+            raise GrammarError(spec.kind, _first_line(matcher.get_error()))
+        grammar = Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
         grammar.masks([[]])
         if grammar.error is not None:
             raise GrammarError(spec.kind, grammar.error)
         return grammar
 
 
-# compiled grammars kept (each an unadvanced matcher; a request's is a copy)
-COMPILED_CACHE = 64
+# grammar texts remembered as validated (check)
+VALIDATED_CACHE = 256
 
 
 def LIMITS():

@@ -1,6 +1,7 @@
-"""Compiled grammars are kept: a request's grammar is compiled once where it is checked (the
-server prepares requests off its engine thread) and each request runs a copy, never the engine
-thread compiling it again; copies advance apart."""
+"""A grammar is validated once, where its request is checked (the server prepares requests off its
+engine thread); the engine's grammar() then only compiles the request's own matcher. Each request
+has its own matcher: requests sharing a grammar run apart, and a large grammar's lexer limits are
+each request's own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
 from specdec.defaults import BUNDLED_TARGET
-from specdec.structured import COMPILED_CACHE
+from specdec.structured import VALIDATED_CACHE
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"enum": ["x", "y"]}},
@@ -24,35 +25,46 @@ def llm():
     return LLM(model=BUNDLED_TARGET, num_speculative_tokens=0)
 
 
-def _counting(monkeypatch) -> list:
-    """llguidance's LLMatcher, its constructions (compilations) counted."""
-    made, real = [], llguidance.LLMatcher
+def _counting(monkeypatch) -> dict:
+    """llguidance's LLMatcher with its validations and constructions counted."""
+    counts, real = {"validated": 0, "made": 0}, llguidance.LLMatcher
 
     class Counted:
         def __call__(self, *a, **k):
-            made.append(1)
+            counts["made"] += 1
             return real(*a, **k)
 
-        def __getattr__(self, name):            # validate_grammar_with_warnings and the rest
+        def validate_grammar_with_warnings(self, *a, **k):
+            counts["validated"] += 1
+            return real.validate_grammar_with_warnings(*a, **k)
+
+        def __getattr__(self, name):
             return getattr(real, name)
 
     monkeypatch.setattr(llguidance, "LLMatcher", Counted())
-    return made
+    return counts
 
 
-def test_checked_grammar_is_not_compiled_again(llm, monkeypatch):
-    spec = StructuredOutputsParams(json={**SCHEMA, "title": "once"})     # a text no other test compiled
-    made = _counting(monkeypatch)
+def test_a_checked_grammar_is_not_validated_again(llm, monkeypatch):
+    spec = StructuredOutputsParams(json={**SCHEMA, "title": "once"})     # a text no other test validated
+    counts = _counting(monkeypatch)
     llm.engine.grammars.check(spec)                # what preparing a request does
-    assert len(made) == 1
     grammars = [llm.engine.grammars.grammar(spec) for _ in range(3)]     # what admitting does, per request
-    assert len(made) == 1
+    assert counts == {"validated": 1, "made": 3}
     grammars[0].advance(grammars[0].forced([], 4) or [])
     assert grammars[1].forced([], 64) == grammars[2].forced([], 64)      # the others did not move
 
 
+def test_a_large_grammar_runs_for_every_request(llm):
+    """Copies of one compiled matcher share its lexer: a second request with a regex this large then
+    failed on the lexer's limits where the first ran. Each request compiles its own."""
+    spec = StructuredOutputsParams(regex="a{1000000}")
+    for _ in range(2):
+        grammar = llm.engine.grammars.grammar(spec)
+        assert grammar.error is None
+
+
 def test_requests_sharing_a_grammar_run_apart(llm):
-    """Batched requests with one schema (each a copy of the compiled matcher) give what each gives alone."""
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     prompts = ["def parse(data):\n    return ", "import os\n", "class Point:\n", "x = "]
     alone = [llm.generate([p], params)[0].outputs[0].text for p in prompts]
@@ -62,11 +74,7 @@ def test_requests_sharing_a_grammar_run_apart(llm):
         assert set(json.loads(text)) == {"a", "b"}
 
 
-def test_the_cache_is_bounded(llm, monkeypatch):
-    made = _counting(monkeypatch)
-    specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in range(1, COMPILED_CACHE + 2)]
-    for spec in specs:
-        llm.engine.grammars.check(spec)
-    assert len(llm.engine.grammars._compiled) == COMPILED_CACHE
-    llm.engine.grammars.grammar(specs[0])          # pushed out: compiled again, once
-    assert len(made) == COMPILED_CACHE + 2
+def test_the_memory_is_bounded(llm):
+    for i in range(1, VALIDATED_CACHE + 2):
+        llm.engine.grammars.check(StructuredOutputsParams(regex=f"a{{{i}}}"))
+    assert len(llm.engine.grammars._validated) == VALIDATED_CACHE

@@ -134,6 +134,9 @@ class GrammarCompiler:
         # grammar texts check() has validated (where the server prepares requests, off its engine
         # thread): grammar() on the engine thread then only compiles the request's own matcher
         self._validated: OrderedDict[str, bool] = OrderedDict()
+        # grammar text -> grammars prebuild() compiled for requests on their way to the engine
+        self._ready: OrderedDict[str, list] = OrderedDict()
+        self._num_ready = 0
 
     def _lltokenizer(self):
         with self._lock:
@@ -166,26 +169,58 @@ class GrammarCompiler:
                 self._validated.popitem(last=False)
         return text
 
+    def prebuild(self, spec: StructuredOutputsParams, count: int) -> None:
+        """`count` requests' grammars of spec, compiled now and kept for grammar() to take (a
+        server's preparation thread: llguidance lets the GIL go while it compiles, so neither the
+        engine's thread nor the event loop waits on it); a GrammarError as grammar()'s. At most
+        PREBUILT_CACHE are kept (the oldest dropped: grammar() then compiles its own)."""
+        text = self.check(spec)
+        made = [self._build(text, spec.kind) for _ in range(count)]
+        with self._lock:
+            self._ready.setdefault(text, []).extend(made)
+            self._ready.move_to_end(text)
+            self._num_ready += len(made)
+            while self._num_ready > PREBUILT_CACHE:
+                oldest = next(iter(self._ready))
+                self._ready[oldest].pop(0)
+                self._num_ready -= 1
+                if not self._ready[oldest]:
+                    del self._ready[oldest]
+
     def grammar(self, spec: StructuredOutputsParams) -> "Grammar":
-        """A request's matcher, its first mask computed: a grammar the parser cannot run from
-        the start (a lexer past its limits, an overflowing parser row) is a GrammarError here,
-        before the request is admitted. Each request compiles its own matcher: copies of one
-        (LLMatcher.deep_copy) share their lexer, whose limits then run out across requests (a
-        second request with the same large regex failed where the first ran)."""
+        """A request's matcher, its first mask computed: one prebuild() made, else compiled here.
+        A grammar the parser cannot run from the start (a lexer past its limits, an overflowing
+        parser row) is a GrammarError, before the request is admitted. Each request has a matcher
+        of its own: copies of one (LLMatcher.deep_copy) share their lexer, whose limits then run
+        out across requests (a second request with the same large regex failed where the first ran)."""
+        text = self.check(spec)
+        with self._lock:
+            ready = self._ready.get(text)
+            if ready:
+                self._num_ready -= 1
+                grammar = ready.pop(0)
+                if not ready:
+                    del self._ready[text]
+                return grammar
+        return self._build(text, spec.kind)
+
+    def _build(self, text: str, kind: str) -> "Grammar":
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._lltokenizer(), self.check(spec), log_level=0, limits=LIMITS())
+        matcher = llguidance.LLMatcher(self._lltokenizer(), text, log_level=0, limits=LIMITS())
         if matcher.is_error():
-            raise GrammarError(spec.kind, _first_line(matcher.get_error()))
+            raise GrammarError(kind, _first_line(matcher.get_error()))
         grammar = Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
         grammar.masks([[]])
         if grammar.error is not None:
-            raise GrammarError(spec.kind, grammar.error)
+            raise GrammarError(kind, grammar.error)
         return grammar
 
 
 # grammar texts remembered as validated (check)
 VALIDATED_CACHE = 256
+# grammars compiled ahead for requests not yet admitted (prebuild), all texts together
+PREBUILT_CACHE = 64
 
 
 def LIMITS():

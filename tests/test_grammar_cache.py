@@ -78,3 +78,52 @@ def test_the_memory_is_bounded(llm):
     for i in range(1, VALIDATED_CACHE + 2):
         llm.engine.grammars.check(StructuredOutputsParams(regex=f"a{{{i}}}"))
     assert len(llm.engine.grammars._validated) == VALIDATED_CACHE
+
+
+def test_prebuilt_grammars_are_taken_at_admission(llm, monkeypatch):
+    """The server compiles each choice's grammar while preparing the request (prebuild, off the
+    engine's thread: llguidance lets the GIL go); admission takes one instead of compiling."""
+    from specdec.structured import PREBUILT_CACHE
+
+    spec = StructuredOutputsParams(json={**SCHEMA, "title": "prebuilt"})
+    grammars = llm.engine.grammars
+    grammars.prebuild(spec, 2)
+    counts = _counting(monkeypatch)
+    a, b = grammars.grammar(spec), grammars.grammar(spec)
+    assert counts["made"] == 0 and a is not b
+    grammars.grammar(spec)                         # none left: compiled here
+    assert counts["made"] == 1
+    for i in range(PREBUILT_CACHE + 5):            # bounded, the oldest dropped
+        grammars.prebuild(StructuredOutputsParams(regex=f"b{{{i + 1}}}"), 1)
+    assert grammars._num_ready == PREBUILT_CACHE == sum(map(len, grammars._ready.values()))
+
+
+def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, monkeypatch):
+    """Through a real server: the engine's thread builds no matcher for a structured request."""
+    import threading
+
+    import httpx
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
+    real, on_engine = llguidance.LLMatcher, []
+
+    class Watched:
+        def __call__(self, *a, **k):
+            on_engine.append(threading.current_thread().name == "specdec-engine")
+            return real(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Watched())
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        r = httpx.post(f"{live.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": ["x = ", "y = "], "n": 2, "max_tokens": 30, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert set(json.loads(choice["text"])) == {"a", "b"}
+    assert on_engine and not any(on_engine)       # 4 matchers, all made while preparing

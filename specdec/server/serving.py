@@ -290,6 +290,14 @@ class Service:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                                     f"{param}, {params.max_tokens} for the completion).", "max_tokens")
+        if params.structured_outputs is not None:
+            # each choice's grammar compiled here, off the engine's thread (which takes them at admission)
+            from ..structured import GrammarError
+
+            try:
+                self.engine.grammars.prebuild(params.structured_outputs, len(prompts) * per_prompt)
+            except GrammarError as e:
+                raise APIError(400, str(e), "structured_outputs") from None
 
 
 # Below these the engine's float32 sampling overflows (logits / T -> inf) or keeps no token at

@@ -689,8 +689,7 @@ class Engine:
                           sum(k > 0 for k in plan.ks), max(plan.ks), propose_s,
                           step_s - propose_s - self._choose_s, attention[1])
         self.policy.observe(outcomes, costs)
-        from .proposers.hybrid import HybridProposer
-        if isinstance(self.proposer, HybridProposer) and self.policy.goodput is not None:
+        if self.caps.weighs_costs and self.policy.goodput is not None:
             # the hybrid weighs its sources by the costs measured here rather than its constants
             unit = self.policy.goodput.unit_costs([len(r.seq) for r in plan.decode])
             if unit is not None:

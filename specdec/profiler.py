@@ -202,11 +202,15 @@ class StepProfiler:
     def range(self, name: str):
         """A named range while recording, else nothing (no cost on the engine's usual path)."""
         if not self.ranges:
-            return contextlib.nullcontext()
+            return _NO_RANGE
         import torch.autograd.profiler as ap
 
         return ap.record_function(name)
 
 
+_NO_RANGE = contextlib.nullcontext()       # reusable: entering it does nothing
+
+
 def range_of(profiler: StepProfiler | None, name: str):
-    return contextlib.nullcontext() if profiler is None or not profiler.ranges else profiler.range(name)
+    """A named range while `profiler` records, else a shared no-op (the engine's usual path)."""
+    return _NO_RANGE if profiler is None or not profiler.ranges else profiler.range(name)

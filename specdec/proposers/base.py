@@ -65,6 +65,8 @@ class ProposerCaps:
                                        # never holds a slot past it; the target's context is not shortened
     deferrable: bool = False           # update() may be skipped for some steps and then given one
                                        # Committed that merges them (merge_committed): it catches up
+    weighs_costs: bool = False         # under "auto" the engine hands it each step's measured costs
+                                       # (measured(plain_s, verify_s, drafting_s): the hybrids)
     next_token_in_cache: bool = False  # its cache's slot j also depends on token j + 1 (EAGLE's pairs of
                                        # feature j and token j + 1): a prefix-cache hit's last block is
                                        # computed again, since the token after it may differ (vLLM's use_eagle)

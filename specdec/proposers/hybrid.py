@@ -217,7 +217,8 @@ class HybridProposer(ProposerBase):
         self.max_k = max_k
         lc = learned.caps
         # no max_len: lookup drafts past the learned drafter's context, which propose respects
-        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, next_token_in_cache=lc.next_token_in_cache)
+        self.caps = ProposerCaps(needs_hidden=lc.needs_hidden, next_token_in_cache=lc.next_token_in_cache,
+                                 weighs_costs=True)
         self.learned_depth = lc.max_tree_size      # an EAGLE chain's depth; None: no limit
         self.requests: dict[Hashable, _Request] = {}
         self.counts = SourceCounts()

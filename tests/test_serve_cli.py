@@ -30,7 +30,7 @@ def test_vllm_flags_with_no_meaning_here_are_still_ignored():
                              "did you mean --max-num-seqs?)"),
     (["--max_num_seq=4"], "unrecognized arguments: --max-num-seq "),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--config", "serve.yaml"], "--config (vLLM's YAML file of flags) is not read here"),
+    (["--config", "missing.yaml"], "--config missing.yaml: No such file or directory"),
 ])
 def test_an_unknown_flag_is_an_error(argv, message):
     with pytest.raises(ValueError) as e:

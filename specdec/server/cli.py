@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from ..cli import add_engine_args, add_model_args, check_device, dashed_flags, llm_from_args, positive_int as _positive
+from ..cli import add_engine_args, add_model_args, check_device, expand_argv, llm_from_args, positive_int as _positive
 from ..tokenizer import load_chat_template
 from .lora import parse_lora_module, runtime_updating_allowed
 
@@ -23,7 +23,6 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # vLLM's `serve` flags (v0.6 .. v0.11, engine and frontend) that specdec takes and ignores with a
 # warning; the ones it honours are its own flags. A boolean's --no-X form is taken as X is.
-# --config (a YAML file of flags) is left out: ignoring it would drop every setting in it.
 VLLM_FLAGS = frozenset("""
     additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
     api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
@@ -206,7 +205,7 @@ def _min_max(value: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.Namespace, list[str]]:
     """-> (args, the vLLM flags that were ignored); ValueError for any other unknown word."""
-    argv = dashed_flags(argv)
+    argv = expand_argv(argv, build_parser(prog), positional_model=True)
     for i, word in enumerate(argv[:-1]):
         if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
             argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
@@ -252,8 +251,6 @@ def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
         else:
             raise ValueError(f"unexpected argument {word!r}")
     bad = [f.split(" ")[0].split("=")[0] for f in flags if not _is_vllm_flag(f)]
-    if "--config" in bad:
-        raise ValueError("--config (vLLM's YAML file of flags) is not read here: give its flags on the command line")
     if bad:
         import difflib
 
@@ -338,7 +335,7 @@ def run(args, prog: str = "specdec serve") -> int:
         if "-h" in args.argv or "--help" in args.argv:
             build_parser(prog).print_help()
             return 0
-        argv = args.argv
+        argv = expand_argv(args.argv, build_parser(prog), positional_model=True)    # replicas get --config's flags
         args, ignored = parse_args(argv, prog)
     else:
         ignored = []

@@ -1,4 +1,4 @@
-"""`specdec generate | serve | bench | train`.
+"""`specdec generate | chat | serve | run-batch | bench | train`.
 
 Each subcommand lives beside what it drives (server/cli.py, bench/cli.py, train/cli.py) and
 exposes add_parser(subparsers) and run(args); this file only dispatches and turns bad input
@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "generate": "specdec.cli",
     "chat": "specdec.chat",
     "serve": "specdec.server.cli",
+    "run-batch": "specdec.server.run_batch",
     "bench": "specdec.bench.cli",
     "train": "specdec.train.cli",
 }

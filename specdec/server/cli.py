@@ -203,15 +203,18 @@ def _min_max(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_args(argv: list[str], prog: str = "specdec serve") -> tuple[argparse.Namespace, list[str]]:
-    """-> (args, the vLLM flags that were ignored); ValueError for any other unknown word."""
-    argv = expand_argv(argv, build_parser(prog), positional_model=True)
+def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tuple[argparse.Namespace, list[str]]:
+    """-> (args, the vLLM flags that were ignored); ValueError for any other unknown word.
+    extra(parser): adds a command's own flags (run-batch's)."""
+    parser = build_parser(prog)
+    if extra is not None:
+        extra(parser)
+    argv = expand_argv(argv, parser, positional_model=True)
     for i, word in enumerate(argv[:-1]):
         if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
             argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
     # `vllm serve MODEL [options]`: a first word that is not a flag names the model
     tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
-    parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
     if tag is None:        # `vllm serve --port 8000 MODEL`: argparse takes the model after the options too
         i = _stray(unknown)

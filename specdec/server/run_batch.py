@@ -1,0 +1,287 @@
+"""`specdec run-batch -i requests.jsonl -o results.jsonl [serve's flags]`: vLLM's run-batch, the
+OpenAI Batch API's file format run through the server's own handlers, offline.
+
+Each input line is one request: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
+"body": {...}}` (url: /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses). Each
+output line, in the input's order, is `{"id", "custom_id", "response": {"status_code", "request_id",
+"body"}, "error"}`: the body a server would have answered (an OpenAI error JSON for a request it
+refuses, with `error` then naming it). Every request goes through the app in this process (no
+port), all of them queued at once so the engine batches them, speculation included.
+
+A file that cannot be read, or a line that is not a request object, is one line on stderr and exit
+status 2 before the model loads. -i and -o also take http(s) URLs (the output is PUT there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+PROG = "specdec run-batch"
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+
+
+@dataclass
+class BatchLine:
+    number: int                  # 1-based, in the input file
+    custom_id: str
+    method: str
+    url: str
+    body: dict
+
+
+def add_parser(sub) -> None:
+    """Register `run-batch`; its flags (serve's and -i/-o) are parsed in run(), as serve's are."""
+    p = sub.add_parser("run-batch", help="OpenAI Batch API files (JSONL) through the server's handlers, offline "
+                                         "(vLLM's run-batch)", add_help=False, prefix_chars="\x00")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run-batch")
+    g.add_argument("-i", "--input-file", required=True,
+                   help="the requests: a JSONL file of the OpenAI Batch API's request lines, or an http(s) URL")
+    g.add_argument("-o", "--output-file", required=True,
+                   help="where the results go: a JSONL file, or an http(s) URL that takes a PUT")
+    g.add_argument("--output-tmp-dir", default=None,
+                   help="where the output is written before it is uploaded to an URL (default: the system's)")
+    g.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="requests handed to the server at once (default: 4 x --max-num-seqs); the engine "
+                        "batches up to --max-num-seqs of them")
+    g.add_argument("--enable-metrics", action="store_true",
+                   help="vLLM's (a Prometheus port while the batch runs): here the run's speculative "
+                        "statistics are printed at the end either way")
+
+
+def parse_lines(text: str, source: str) -> list[BatchLine]:
+    """The input file's requests; a ValueError naming the line for anything that is not one."""
+    lines = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source} line {number}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{source} line {number}: expected a request object, got {type(obj).__name__}")
+        missing = [k for k in ("custom_id", "method", "url", "body") if k not in obj]
+        if missing:
+            raise ValueError(f"{source} line {number}: missing {', '.join(missing)} (a line is "
+                             '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}})')
+        if not isinstance(obj["custom_id"], str):
+            raise ValueError(f"{source} line {number}: custom_id must be a string")
+        if not isinstance(obj["body"], dict):
+            raise ValueError(f"{source} line {number}: body must be a JSON object")
+        if not isinstance(obj["url"], str) or not isinstance(obj["method"], str):
+            raise ValueError(f"{source} line {number}: method and url must be strings")
+        lines.append(BatchLine(number, obj["custom_id"], obj["method"], obj["url"], obj["body"]))
+    if not lines:
+        raise ValueError(f"{source}: no requests in it")
+    return lines
+
+
+async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One HTTP request through the ASGI app, in process: (status, response body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 0), "server": ("run-batch", 80),
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in
+                         {"content-type": "application/json", "content-length": str(len(body)), **headers}.items()]}
+    sent, done = False, asyncio.Event()
+    status, chunks = 500, []
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()                        # the client never goes away before its answer
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                done.set()
+
+    await app(scope, receive, send)
+    done.set()
+    return status, b"".join(chunks)
+
+
+def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrency: int, progress=None) -> list[dict]:
+    """Every line through the app, `concurrency` at a time; the output records, in the input's order."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(line: BatchLine) -> dict:
+        request_id = f"specdec-batch-{uuid.uuid4().hex}"
+        if line.url not in URLS or line.method.upper() != "POST":
+            status = 400
+            body = _error_body(400, f"{line.method} {line.url} is not a batch endpoint: POST to one of "
+                                    f"{', '.join(URLS)}")
+        elif line.body.get("stream"):
+            status, body = 400, _error_body(400, "stream is not supported in a batch: leave it out or false")
+        else:
+            headers = {"x-request-id": request_id}
+            if api_key:
+                headers["authorization"] = f"Bearer {api_key}"
+            async with gate:
+                status, raw = await asgi_request(app, "POST", line.url, json.dumps(line.body).encode(), headers)
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError:
+                body = _error_body(status, raw.decode("utf-8", "replace")[:500], "InternalServerError")
+        if progress is not None:
+            progress.update(1)
+        error = None
+        if status >= 400:
+            err = body.get("error") if isinstance(body, dict) else None
+            error = {"code": str((err or {}).get("code") or status), "message": (err or {}).get("message", str(body))}
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+                "response": {"status_code": status, "request_id": request_id, "body": body}, "error": error}
+
+    return await asyncio.gather(*(one(line) for line in lines))
+
+
+async def _read_input(path: str) -> str:
+    if path.startswith(("http://", "https://")):
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession() as session, session.get(path) as r:
+                if r.status != 200:
+                    raise ValueError(f"--input-file {path}: HTTP {r.status}")
+                return await r.text()
+        except aiohttp.ClientError as e:
+            raise ValueError(f"--input-file {path}: {type(e).__name__}: {e}") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--input-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--input-file {path}: not UTF-8 text") from None
+
+
+def _check_output(path: str, tmp_dir: str | None) -> None:
+    """Before the model loads: an output file that could not be written fails now, not after the run."""
+    if path.startswith(("http://", "https://")):
+        if tmp_dir is not None and not os.path.isdir(tmp_dir):
+            raise ValueError(f"--output-tmp-dir {tmp_dir}: not a folder")
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output-file {path}: no folder {folder}")
+    if os.path.isdir(path):
+        raise ValueError(f"--output-file {path}: is a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--output-file {path}: not writable")
+
+
+async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> None:
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if not path.startswith(("http://", "https://")):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:           # whole or not at all
+            f.write(text)
+        os.replace(tmp, path)
+        return
+    import aiohttp
+
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=tmp_dir, suffix=".jsonl", delete=False) as f:
+        f.write(text)                                         # kept if the upload fails
+    try:
+        async with aiohttp.ClientSession() as session, session.put(path, data=text.encode()) as r:
+            if r.status >= 300:
+                raise ValueError(f"--output-file {path}: the upload got HTTP {r.status} (the results are in {f.name})")
+    except aiohttp.ClientError as e:
+        raise ValueError(f"--output-file {path}: {type(e).__name__}: {e} (the results are in {f.name})") from None
+    os.unlink(f.name)
+
+
+def run(args, prog: str = PROG) -> int:
+    """`args` from `specdec run-batch` (its words in args.argv) or a namespace holding argv."""
+    from .cli import build_llm, build_parser, parse_args, server_config
+
+    if "-h" in args.argv or "--help" in args.argv:
+        p = build_parser(prog)
+        add_batch_args(p)
+        p.print_help()
+        return 0
+    args, ignored = parse_args(args.argv, prog, extra=add_batch_args)
+    for flag in ignored:
+        print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
+    if args.enable_metrics:
+        print(f"{prog}: warning: --enable-metrics: no metrics port here; the run's statistics are printed at the end",
+              file=sys.stderr)
+    if args.replicas or args.autoscale or args.ray_address:
+        raise ValueError("run-batch runs in this process: --replicas / --autoscale / --ray-address are serve's")
+    text = asyncio.run(_read_input(args.input_file))
+    lines = parse_lines(text, args.input_file)                   # before the model loads
+    _check_output(args.output_file, args.output_tmp_dir)
+    config = server_config(args)
+    llm = build_llm(args)
+    concurrency = args.max_concurrent_requests or 4 * llm.engine.config.max_num_seqs
+    if concurrency < 1:
+        raise ValueError("--max-concurrent-requests must be >= 1")
+    records, metrics, elapsed = asyncio.run(_run_app(llm, config, lines, concurrency))
+    asyncio.run(_write_output(args.output_file, records, args.output_tmp_dir))
+    ok = sum(r["error"] is None for r in records)
+    tokens = sum((r["response"]["body"].get("usage") or {}).get("completion_tokens") or
+                 (r["response"]["body"].get("usage") or {}).get("output_tokens") or 0
+                 for r in records if r["error"] is None)
+    print(f"{len(records)} requests: {ok} succeeded, {len(records) - ok} failed, in {elapsed:.1f} s "
+          f"({tokens} output tokens, {tokens / max(elapsed, 1e-9):.1f} tok/s); results in {args.output_file}",
+          file=sys.stderr)
+    drafts, drafted, accepted = (metrics.get(f"specdec:spec_decode_num_{name}_total", 0.0)
+                                 for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    if drafted:
+        print(f"speculative: acceptance rate {accepted / drafted:.3f} ({accepted:.0f}/{drafted:.0f} drafted), "
+              f"mean accepted length {1 + accepted / drafts:.2f}", file=sys.stderr)
+    return 0
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text: each metric's samples summed over their labels, by name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name = sample.split("{")[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+async def _run_app(llm, config, lines: list[BatchLine], concurrency: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from .app import build_app
+
+    app = build_app(llm, config)
+    with tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr,
+              disable=not sys.stderr.isatty()) as progress:
+        async with app.router.lifespan_context(app):
+            start = time.perf_counter()
+            records = await run_lines(app, lines, config.api_key, concurrency, progress)
+            elapsed = time.perf_counter() - start
+            _, metrics = await asgi_request(app, "GET", "/metrics", b"", {})
+    return records, _samples(metrics.decode()), elapsed

@@ -1,0 +1,138 @@
+"""`specdec run-batch` (vLLM's run-batch): OpenAI Batch API JSONL files through the server's own
+handlers in process; outputs in the input's order, each the body the server would have answered,
+greedy completions identical to the offline LLM's."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.server.run_batch import parse_lines
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+def _write(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_batch_file_runs_through_the_server(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    prompts = ["def add(a, b):", "class Point:", "import os\n"]
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            for i, p in enumerate(prompts)]
+    rows += [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}},
+        {"custom_id": "bad-tokens", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x", "max_tokens": -1}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/foo", "body": {}},
+        {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}},
+        {"custom_id": "stream", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x", "stream": True}},
+        {"custom_id": "bad-model", "method": "POST", "url": "/v1/completions", "body": {"model": "other", "prompt": "x"}},
+    ]
+    src, out = _write(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", src, "-o", str(out), "--model", str(target), "--speculative-model", str(draft),
+                 "--num-speculative-tokens", "3", "--served-model-name", "m", "--chat-template", TEMPLATE]) == 0
+    err = capsys.readouterr().err
+    assert "9 requests: 4 succeeded, 5 failed" in err and "speculative: acceptance rate" in err
+    results = _read(out)
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in rows]          # the input's order
+    assert len({r["id"] for r in results}) == len(rows)
+    plain = LLM(model=str(target))
+    expected = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    for r, text in zip(results[:3], expected):
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == text   # lossless, as served
+        assert body["usage"]["completion_tokens"] == 16
+        assert r["response"]["request_id"].startswith("specdec-batch-")
+    chat = results[3]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    status = {r["custom_id"]: (r["response"]["status_code"], r["error"]) for r in results[4:]}
+    assert status["bad-tokens"][0] == 400 and "max_tokens" in status["bad-tokens"][1]["message"]
+    assert status["bad-url"][0] == 400 and "not a batch endpoint" in status["bad-url"][1]["message"]
+    assert status["get"][0] == 400
+    assert status["stream"][0] == 400 and "stream" in status["stream"][1]["message"]
+    assert status["bad-model"][0] == 404
+    for r in results[4:]:       # the error answer is the server's OpenAI error JSON
+        assert r["response"]["body"]["error"]["message"] == r["error"]["message"]
+
+
+@pytest.mark.parametrize("rows,message", [
+    (["{not json"], "in.jsonl line 1: not JSON"),
+    (["[1, 2]"], "in.jsonl line 1: expected a request object, got list"),
+    ([{"custom_id": "a", "method": "POST", "url": "/v1/completions"}], "in.jsonl line 1: missing body"),
+    ([{"custom_id": 1, "method": "POST", "url": "/v1/completions", "body": {}}], "custom_id must be a string"),
+    ([], "in.jsonl: no requests in it"),
+])
+def test_a_bad_input_file_is_one_line_before_the_model_loads(tmp_path, capsys, rows, message):
+    src = _write(tmp_path / "in.jsonl", rows)
+    # the model does not exist: the file's fault is what is reported
+    assert main(["run-batch", "-i", src, "-o", str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_bad_paths_are_one_line(tmp_path, capsys):
+    good = _write(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}])
+    for argv, message in ((["-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "o.jsonl")], "No such file"),
+                          (["-i", good, "-o", str(tmp_path / "no" / "o.jsonl")], "no folder"),
+                          (["-i", good, "-o", str(tmp_path)], "is a folder")):
+        assert main(["run-batch", *argv, "--model", str(tmp_path / "none")]) == 2
+        assert message in capsys.readouterr().err
+    from specdec.entrypoints.openai.run_batch import PROG, main as module_main
+
+    assert module_main(["-i", str(tmp_path / "none.jsonl"), "-o", "o.jsonl"]) == 2
+    assert capsys.readouterr().err.startswith(f"{PROG}: error: --input-file")
+
+
+def test_urls_in_and_out(tiny_pair, tmp_path):
+    """-i from an http URL, -o PUT to one (a real HTTP server on 127.0.0.1)."""
+    target, _ = tiny_pair
+    payload = Path(_write(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                                    "body": {"model": "m", "prompt": "def f", "max_tokens": 4}}])).read_bytes()
+    received = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_PUT(self):
+            received["body"] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(201)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["run-batch", "-i", url + "/in.jsonl", "-o", url + "/out.jsonl", "--model", str(target),
+                     "--served-model-name", "m"]) == 0
+    finally:
+        server.shutdown()
+    (line,) = received["body"].decode().splitlines()
+    r = json.loads(line)
+    assert r["custom_id"] == "a" and r["response"]["status_code"] == 200
+    assert r["response"]["body"]["usage"]["completion_tokens"] == 4
+
+
+def test_parse_lines_skips_blank_lines():
+    rows = parse_lines('\n{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n\n', "f")
+    assert [(r.number, r.custom_id) for r in rows] == [(2, "a")]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import logging
 import numbers
 import os
 import time
+import types
 import weakref
 from collections import Counter as _Tally
 from collections.abc import Iterable
@@ -234,6 +237,8 @@ class LLM:
     sample take the next unused seeds in turn (seed, seed + 1, ...: one per choice of n / best_of),
     so a script samples the same text each run while no two completions share draws;
     seed=None: fresh randomness for every request.
+    worker_extension_cls (vLLM's, for RL weight syncing): a class (or "module.Class") whose methods
+    collective_rpc(name) can call on the one worker, mixed into it (see Worker).
     vLLM's arguments without a meaning here (trust_remote_code, tokenizer_mode "auto"/"slow"/"hf",
     revision, tokenizer_revision, download_dir, load_format "auto", swap_space, cpu_offload_gb,
     disable_custom_all_reduce, disable_log_stats, enable_chunked_prefill, ...: _VLLM_IGNORED) are
@@ -262,7 +267,7 @@ class LLM:
                  override_generation_config: dict | None = None,
                  trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
                  tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
-                 disable_custom_all_reduce: bool = False, **kwargs):
+                 disable_custom_all_reduce: bool = False, worker_extension_cls: str | type | None = None, **kwargs):
         _check_vllm_args(dict(trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode, revision=revision,
                               tokenizer_revision=tokenizer_revision, swap_space=swap_space,
                               cpu_offload_gb=cpu_offload_gb, disable_custom_all_reduce=disable_custom_all_reduce,
@@ -350,6 +355,7 @@ class LLM:
                              structured_outputs_config=structured)
         if profiling is not None:
             self.engine.profiler = StepProfiler(profiling)
+        self._worker_cls = _worker_class(worker_extension_cls)      # a bad name fails now, not at the first rpc
         self._counter = 0
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters)
@@ -365,6 +371,54 @@ class LLM:
         """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
         True when done; False (nothing changed) while a request holds KV blocks."""
         return self.engine.reset_prefix_cache()
+
+    def apply_model(self, func):
+        """vLLM's: func(model) on the target model of each worker (one here: the process's own)
+        -> [its result]. Weights may be changed in place, e.g. RL's weight sync:
+        `llm.apply_model(lambda model: model.load_weights(named_tensors))` (Hugging Face names).
+        Afterwards, as after any change of the weights, the kernels' views of them are rebuilt and
+        the prefix cache is reset (its KV was computed with the old weights). The drafter keeps its
+        own weights: speculation stays lossless, its acceptance may drop until it is updated too."""
+        self._check_rpc()
+        try:
+            return [func(self.target)]
+        finally:
+            self._weights_changed()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: call `method` on every worker -> [its result] (one worker here). method: the name
+        of a Worker method (worker_extension_cls's included), or a function called as
+        method(worker, *args, **kwargs). timeout: vLLM's, for remote workers (none here). As
+        apply_model, the weights' views are rebuilt and the prefix cache reset afterwards."""
+        self._check_rpc()
+        worker = self._worker_cls(self)
+        if isinstance(method, str):
+            fn = getattr(worker, method, None)
+            if not callable(fn):
+                raise ValueError(f"collective_rpc: the worker has no method {method!r}"
+                                 + ("" if self._worker_cls is not Worker else " (worker_extension_cls adds methods)"))
+        elif callable(method):
+            fn = functools.partial(method, worker)
+        else:
+            raise TypeError(f"collective_rpc: method must be a name or a callable, got {type(method).__name__}")
+        try:
+            return [fn(*args, **(kwargs or {}))]
+        finally:
+            self._weights_changed()
+
+    def _check_rpc(self) -> None:
+        if self._leader is not None:
+            raise ValueError("apply_model / collective_rpc need tensor_parallel_size 1 (the shards live in other processes)")
+        if self.engine.has_unfinished():
+            raise ValueError("apply_model / collective_rpc while requests are running: call it between generate() calls")
+
+    def _weights_changed(self) -> None:
+        from .model.llama import Transformer
+
+        for module in _modules_under((self.target, self.engine.proposer)):
+            if isinstance(module, Transformer):
+                module.weights_changed()
+        self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> list:
         """vLLM's LLM.get_metrics(): a snapshot of the engine's counters and gauges under vLLM's
@@ -868,6 +922,64 @@ class Gauge(Metric):
 @dataclass
 class Vector(Metric):
     values: list[int]
+
+
+class Worker:
+    """The worker collective_rpc calls (vLLM's Worker, as RL code reaches it): `model_runner.model`
+    (and get_model()) is the target model, rank 0 of 1, on `device`. worker_extension_cls's class
+    is mixed in before it, so its methods see the same attributes."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.model_runner = types.SimpleNamespace(model=llm.target)
+        self.rank = self.local_rank = 0
+        self.world_size = 1
+        self.device = llm.target.device
+
+    def get_model(self):
+        return self.model_runner.model
+
+    def load_weights(self, weights) -> set[str]:
+        """model.load_weights(weights): (Hugging Face name, tensor) pairs, in place."""
+        return self.model_runner.model.load_weights(weights)
+
+
+def _worker_class(ext) -> type:
+    if ext is None:
+        return Worker
+    if isinstance(ext, str):
+        module, _, name = ext.rpartition(".")
+        if not module:
+            raise ValueError(f"worker_extension_cls {ext!r}: expected 'module.Class'")
+        try:
+            ext = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"worker_extension_cls {ext!r}: {e}") from None
+    if not isinstance(ext, type):
+        raise ValueError(f"worker_extension_cls must be a class or 'module.Class', got {type(ext).__name__}")
+    return type(f"{ext.__name__}Worker", (ext, Worker), {})
+
+
+def _modules_under(roots, depth: int = 3):
+    """Every torch module reachable from roots: modules and their submodules, and the modules held
+    by the attributes (lists, dicts) of other objects (a proposer and the proposers it combines)."""
+    import torch
+
+    seen: set[int] = set()
+    stack = [(r, 0) for r in roots]
+    while stack:
+        obj, d = stack.pop()
+        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            yield from obj.modules()
+        elif isinstance(obj, (list, tuple)) and d < depth:
+            stack += [(x, d + 1) for x in obj]
+        elif isinstance(obj, dict) and d < depth:
+            stack += [(x, d + 1) for x in obj.values()]
+        elif hasattr(obj, "__dict__") and d < depth and type(obj).__module__.startswith("specdec."):
+            stack += [(x, d + 1) for x in vars(obj).values()]
 
 
 class _EngineView:

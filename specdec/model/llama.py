@@ -542,6 +542,30 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
                        shared_expert_size=cfg.shared_expert_size // tp_size)
 
 
+def _quantized_module(model: nn.Module, name: str) -> str | None:
+    """The module kept quantized (QuantLinear) that a checkpoint weight name points into, or None."""
+    from .quant import QuantEmbedding, QuantLinear
+
+    module = name.rsplit(".", 1)[0]
+    for part, fused in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+                        (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")):
+        if module.endswith(part):
+            module = module[: -len(part)] + fused
+    try:
+        found = model.get_submodule(module)
+    except AttributeError:
+        return None
+    return module if isinstance(found, (QuantLinear, QuantEmbedding)) else None
+
+
+def _is_quantized(model: nn.Module, param_name: str) -> bool:
+    """Whether the parameter belongs to a module kept quantized (model/quant.py's QuantLinear)."""
+    from .quant import QuantLinear
+
+    module = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+    return isinstance(module, QuantLinear)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         """tp_size > 1: one rank's shard of a tensor-parallel model (distributed/shard.py fills
@@ -566,6 +590,80 @@ class Transformer(nn.Module):
         # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
         self.final_norm = True
         self.lora = None        # LoRA adapters' slots beside the layers' matrices (set_lora), or None
+
+    def load_weights(self, weights) -> set[str]:
+        """vLLM's model.load_weights: replace weights in place from (name, tensor) pairs named as
+        the Hugging Face checkpoint names them (q_proj / k_proj / v_proj and gate_proj / up_proj
+        land in their rows of the fused qkv_proj / gate_up_proj; a tied lm_head is the embedding's),
+        cast to each parameter's dtype. Any subset of the weights may come; a name the model does
+        not have, a shape that does not fit, or a weight kept quantized (a GGUF's packed matrices)
+        is a ValueError before anything changes. -> the names of the parameters written. The C
+        path's views are rebuilt (weights_changed); KV already cached was computed with the old
+        weights: LLM.apply_model / collective_rpc reset the prefix cache after them."""
+        from .checkpoint import hf_to_fused
+
+        if self.config.model_type == "gpt_oss":
+            raise ValueError("load_weights: gpt-oss's MXFP4 experts are kept packed; they cannot be replaced in place")
+        given = dict(weights)
+        fused = hf_to_fused(given, self.config)
+        if self.config.tie_word_embeddings and "lm_head.weight" in given and "model.embed_tokens.weight" not in fused:
+            fused["model.embed_tokens.weight"] = given["lm_head.weight"]       # a tied head is the embedding
+        own = dict(self.state_dict(keep_vars=True))
+        writes: list[tuple[str, Tensor, slice, Tensor]] = []
+        for name, t in fused.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"load_weights: {name} is a {type(t).__name__}, not a tensor")
+            target, rows = name, slice(None)
+            if name not in own:
+                quantized = _quantized_module(self, name)
+                if quantized is not None:
+                    raise ValueError(f"load_weights: {quantized} is kept quantized (packed); only unquantized "
+                                     "weights can be replaced in place (load the model with quantization='none')")
+                target, rows = self._fused_rows(name, own)
+            param = own[target]
+            if param.dtype in (torch.uint8, torch.int8, torch.int32) or _is_quantized(self, target):
+                raise ValueError(f"load_weights: {target} is kept quantized ({param.dtype}); only unquantized "
+                                 "weights can be replaced in place")
+            shape = tuple(param[rows].shape)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {shape}")
+            writes.append((target, param, rows, t))
+        with torch.no_grad():
+            for _, param, rows, t in writes:
+                param[rows].copy_(t.to(device=param.device, dtype=param.dtype))
+        self.weights_changed()
+        return {target for target, *_ in writes}
+
+    def _fused_rows(self, name: str, own: dict) -> tuple[str, slice]:
+        """A checkpoint name whose rows live in a fused parameter: (its name, the rows)."""
+        for parts, fused in (((".q_proj.", ".k_proj.", ".v_proj."), ".qkv_proj."),
+                             ((".gate_proj.", ".up_proj."), ".gate_up_proj.")):
+            for i, part in enumerate(parts):
+                if part not in name:
+                    continue
+                target = name.replace(part, fused)
+                if target not in own:
+                    break
+                total = own[target].shape[0]
+                if fused == ".gate_up_proj.":
+                    sizes = [total // 2, total // 2]
+                else:
+                    cfg = self.config
+                    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+                    if q + 2 * kv != total:
+                        raise ValueError(f"load_weights: {name}: {target} has {total} rows, not q + k + v "
+                                         f"({q} + {kv} + {kv}) (a tensor-parallel shard?)")
+                    sizes = [q, kv, kv]
+                start = sum(sizes[:i])
+                return target, slice(start, start + sizes[i])
+        raise ValueError(f"load_weights: the model has no weight named {name}")
+
+    def weights_changed(self) -> None:
+        """After weights change in place: the C path's views (which hold the packed copies they
+        were built with) are built again at the next forward; each Linear repacks its weight by
+        itself (its key holds the weight's version)."""
+        self._c_views.clear()
+        self._c_attention_views.clear()
 
     def set_lora(self, stack) -> None:
         """Serve LoRA adapters from `stack` (specdec/lora: LoRAStack): each projection gets its

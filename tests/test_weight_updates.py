@@ -1,0 +1,131 @@
+"""Weights replaced in place, as RL code syncs a vLLM engine's weights: model.load_weights with
+Hugging Face names through LLM.apply_model / collective_rpc (worker_extension_cls too). After an
+update the engine answers exactly as one loaded from a checkpoint of the new weights (kernels' packed
+copies rebuilt, prefix cache reset), speculation included."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+# longer than a KV block (16 tokens): the prefix cache keeps its blocks between generate() calls
+PROMPTS = ["def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x",
+           "import os\nimport sys\n"]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A target, a draft, and the target's weights perturbed (Hugging Face names), saved as a second checkpoint."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("rl")
+    target = make_checkpoint(root / "target", seed=0, layers=2)
+    draft = make_checkpoint(root / "draft", seed=1, layers=1, hidden=32, tokenizer_from=target)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    new = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in hf.state_dict().items()}
+    hf.load_state_dict(new)
+    updated = root / "updated"
+    hf.save_pretrained(updated)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, updated / f.name)
+    return target, draft, updated, new
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_model": "draft", "num_speculative_tokens": 3},
+                                  {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}])
+def test_apply_model_load_weights_equals_the_new_checkpoint(pair, spec):
+    target, draft, updated, new = pair
+    spec = {k: str(draft) if v == "draft" else v for k, v in spec.items()}
+    llm = LLM(model=str(target), dtype="float32", **spec)
+    old = _tokens(llm)                                    # fills the prefix cache with the old weights' KV
+    loaded = llm.apply_model(lambda model: model.load_weights(new.items()))
+    assert len(loaded) == 1 and "model.layers.0.self_attn.qkv_proj.weight" in loaded[0]
+    fresh = LLM(model=str(updated), dtype="float32")
+    assert _tokens(llm) == _tokens(fresh) != old
+
+
+def test_a_partial_update_lands_in_the_fused_rows(pair):
+    """Only k_proj and up_proj of layer 1: the rest of qkv_proj / gate_up_proj is untouched."""
+    target, _, _, new = pair
+    llm = LLM(model=str(target), dtype="float32")
+    before = {n: p.detach().clone() for n, p in llm.target.named_parameters()}
+    part = {n: new[n] for n in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    (names,) = llm.apply_model(lambda m: m.load_weights(part.items()))
+    assert names == {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}
+    cfg = llm.target.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    qkv = llm.target.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(qkv[q:q + kv], part["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(qkv[:q], before["model.layers.1.self_attn.qkv_proj.weight"][:q])
+    assert torch.equal(qkv[q + kv:], before["model.layers.1.self_attn.qkv_proj.weight"][q + kv:])
+    gate_up = llm.target.model.layers[1].mlp.gate_up_proj.weight
+    half = gate_up.shape[0] // 2
+    assert torch.equal(gate_up[half:], part["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(gate_up[:half], before["model.layers.1.mlp.gate_up_proj.weight"][:half])
+    changed = {n for n, p in llm.target.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == names
+
+
+def test_bad_weights_change_nothing(pair):
+    target, _, _, new = pair
+    llm = LLM(model=str(target), dtype="float32")
+    old = _tokens(llm)
+    good = ("model.norm.weight", new["model.norm.weight"])
+    for bad, message in (((("model.layers.0.self_attn.nope.weight", torch.zeros(3)),), "has no weight named"),
+                         ((("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3)),), r"has shape \(3, 3\)"),
+                         ((("model.norm.weight", [1.0]),), "not a tensor")):
+        with pytest.raises(ValueError, match=message):
+            llm.apply_model(lambda m: m.load_weights([good, *bad]))
+    assert _tokens(llm) == old                      # the good weight before the bad one was not written either
+
+
+def test_collective_rpc_and_worker_extension(pair):
+    target, draft, updated, new = pair
+
+    class WeightSync:                                # what RL frameworks pass as worker_extension_cls
+        def update_weight(self, name, tensor):
+            self.model_runner.model.load_weights(weights=[(name, tensor)])
+            return name
+
+        def checksum(self):
+            return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))
+
+    llm = LLM(model=str(target), dtype="float32", speculative_model=str(draft), num_speculative_tokens=2,
+              worker_extension_cls=WeightSync)
+    assert llm.collective_rpc(lambda worker: worker.rank) == [0]
+    start = llm.collective_rpc("checksum")[0]
+    for name, tensor in new.items():
+        assert llm.collective_rpc("update_weight", args=(name, tensor)) == [name]
+    assert llm.collective_rpc("checksum")[0] != start
+    assert _tokens(llm) == _tokens(LLM(model=str(updated), dtype="float32"))
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        llm.collective_rpc("nope")
+    plain = LLM(model=str(target), dtype="float32")
+    assert plain.collective_rpc("load_weights", kwargs={"weights": list(new.items())})[0]
+    assert _tokens(plain) == _tokens(LLM(model=str(updated), dtype="float32"))
+    with pytest.raises(ValueError, match="worker_extension_cls 'no.such.Class'"):
+        LLM(model=str(target), worker_extension_cls="no.such.Class")
+
+
+def test_quantized_weights_are_refused(gguf_files):
+    """A GGUF kept packed (llama_q's Q4_K q/k/v): its matrices cannot take float weights in place."""
+    llm = LLM(model=str(gguf_files["llama_q"]))
+    from specdec.model.quant import QuantLinear
+
+    if not isinstance(llm.target.model.layers[0].self_attn.qkv_proj, QuantLinear):
+        pytest.skip("this GGUF dequantizes on this CPU")
+    shape = (llm.target.config.num_attention_heads * llm.target.config.head_dim, llm.target.config.hidden_size)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj is kept quantized"):
+        llm.apply_model(lambda m: m.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(shape))]))

@@ -22,7 +22,7 @@ from .config import ServerConfig
 from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
-from .metrics import RequestCounter
+from .metrics import RequestCounter, StatLogger
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, stream
@@ -37,6 +37,8 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 5
 def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     service = Service(llm, config)
+    if config.log_stats:
+        service.metrics.stat_logger = StatLogger(service.engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,7 +46,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         # the grammar engine's tokenizer (a few hundred ms for a 50k vocabulary) is built in the
         # background, so the first JSON-mode request does not stall the event loop on it
         warm = asyncio.get_running_loop().run_in_executor(None, service.engine.grammars.prepare)
+        stats = asyncio.create_task(_log_stats(service.metrics.stat_logger, config.log_stats_interval)) \
+            if service.metrics.stat_logger is not None else None
         yield
+        if stats is not None:
+            stats.cancel()
         await warm
         # uvicorn has already let in-flight requests finish; this drains anything left queued
         profiler = service.engine.profiler
@@ -83,6 +89,13 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                        allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
                        allow_credentials=config.allow_credentials)
     return app
+
+
+async def _log_stats(logger: StatLogger, interval: float) -> None:
+    """vLLM's periodic stats lines, every `interval` seconds while the server runs."""
+    while True:
+        await asyncio.sleep(interval)
+        logger.log()
 
 
 class _RequestIds:

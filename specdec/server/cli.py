@@ -32,7 +32,7 @@ VLLM_FLAGS = frozenset("""
     data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
     dcp decode-context-parallel-size default-chat-template-kwargs default-mm-loras disable-access-log-for-endpoints
     disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
-    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager disable-log-stats
+    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager
     disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
     disable-uvicorn-access-log distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel enable-force-include-usage
@@ -126,6 +126,10 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, used instead of "
                                            "the tokenizer's (a request's own chat_template still wins)")
     p.add_argument("--response-role", default="assistant", help="the role chat responses name (default: assistant)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats lines in the log (vLLM's: every VLLM_LOG_STATS_INTERVAL seconds, default 10, "
+                        "throughput, requests running and waiting, KV cache usage, prefix cache hit rate and "
+                        "the SpecDecoding metrics)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, JSON (default ["*"])')
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, JSON (default ["*"])')
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, JSON (default ["*"])')
@@ -306,7 +310,20 @@ def server_config(args):
                         max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),
                         allow_runtime_lora_updating=runtime_updating_allowed(),
                         enable_request_id_headers=args.enable_request_id_headers,
-                        enable_server_load_tracking=args.enable_server_load_tracking)
+                        enable_server_load_tracking=args.enable_server_load_tracking,
+                        log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval())
+
+
+def _stats_interval() -> float:
+    """VLLM_LOG_STATS_INTERVAL (vLLM's environment variable): seconds between the stats lines."""
+    raw = os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def _lora_modules(args) -> list:

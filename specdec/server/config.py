@@ -36,6 +36,10 @@ class ServerConfig:
     # new one), which the completion ids and the request log also use
     enable_request_id_headers: bool = False
     enable_server_load_tracking: bool = False   # GET /load counts the requests running the model (vLLM's flag)
+    # vLLM's periodic stats lines (throughput, queue, KV cache, SpecDecoding metrics) every
+    # log_stats_interval seconds (VLLM_LOG_STATS_INTERVAL, default 10); --disable-log-stats turns them off
+    log_stats: bool = True
+    log_stats_interval: float = 10.0
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

@@ -24,7 +24,10 @@ its answer (RequestCounter: 4xx invalid, 5xx error).
 from __future__ import annotations
 
 import contextvars
+import logging
+import threading
 import time
+from dataclasses import dataclass, field
 
 import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -107,12 +110,105 @@ class _Answer:
 _ANSWERING: contextvars.ContextVar[_Answer | None] = contextvars.ContextVar("specdec_answering", default=None)
 
 
+log = logging.getLogger("specdec.server.stats")
+
+
+@dataclass
+class _Window:
+    """What the steps did since the last periodic log line (vLLM's LoggingStatLogger interval)."""
+    start: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    cache_queries: int = 0          # the engine's prefix-cache counters when the window opened
+    cache_hits: int = 0
+
+
+class StatLogger:
+    """vLLM's periodic log lines (LoggingStatLogger, every VLLM_LOG_STATS_INTERVAL = 10 s by default;
+    off with --disable-log-stats): prompt and generation throughput, requests running and waiting,
+    KV cache usage and the prefix cache's hit rate over the interval, and with speculation vLLM's
+    "SpecDecoding metrics" line (mean acceptance length, accepted and drafted throughput and counts,
+    per-position acceptance rate, average draft acceptance rate). Counted per step, from each
+    request's running RequestStats, on the worker thread; read on the event loop."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple] = {}           # id(request's stats) -> its counts at the last step
+        self._window = self._new_window()
+
+    def _new_window(self) -> _Window:
+        e = self.engine
+        return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits)
+
+    def step(self, events) -> None:
+        with self._lock:
+            w = self._window
+            for ev in events:
+                s = ev.stats
+                key = id(s)
+                prev = self._last.get(key)
+                if prev is None:
+                    prev = (0, 0, 0, ())
+                    w.prompt_tokens += s.prompt_tokens - s.cached_tokens
+                w.generation_tokens += len(ev.token_ids)
+                w.num_drafts += s.num_drafts - prev[0]
+                w.draft_tokens += s.draft_tokens - prev[1]
+                w.accepted_tokens += s.accepted_tokens - prev[2]
+                pos = s.accepted_per_position
+                if len(w.accepted_per_pos) < len(pos):
+                    w.accepted_per_pos += [0] * (len(pos) - len(w.accepted_per_pos))
+                for i, a in enumerate(pos):
+                    w.accepted_per_pos[i] += a - (prev[3][i] if i < len(prev[3]) else 0)
+                if ev.finished:
+                    self._last.pop(key, None)
+                else:
+                    self._last[key] = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
+
+    def forget(self, stats) -> None:
+        """A request ended without a finishing step (aborted, failed)."""
+        with self._lock:
+            self._last.pop(id(stats), None)
+
+    def log(self, now: float | None = None, force: bool = False) -> list[str]:
+        """Log (and return) the interval's lines and open the next interval; nothing when the
+        server was idle all interval (as vLLM's logger)."""
+        with self._lock:
+            w, self._window = self._window, self._new_window()
+        e = self.engine
+        elapsed = max((now or time.monotonic()) - w.start, 1e-9)
+        running, waiting = e.num_running, e.num_waiting
+        if not (force or w.prompt_tokens or w.generation_tokens or running or waiting):
+            return []
+        queries, hits = e.prefix_cache_queries - w.cache_queries, e.prefix_cache_hits - w.cache_hits
+        lines = [f"Engine 000: Avg prompt throughput: {w.prompt_tokens / elapsed:.1f} tokens/s, "
+                 f"Avg generation throughput: {w.generation_tokens / elapsed:.1f} tokens/s, "
+                 f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {100 * e.kv_cache_usage:.1f}%, "
+                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"]
+        if w.num_drafts:
+            rates = ", ".join(f"{a / w.num_drafts:.3f}" for a in w.accepted_per_pos)
+            lines.append(f"SpecDecoding metrics: Mean acceptance length: {1 + w.accepted_tokens / w.num_drafts:.2f}, "
+                         f"Accepted throughput: {w.accepted_tokens / elapsed:.2f} tokens/s, "
+                         f"Drafted throughput: {w.draft_tokens / elapsed:.2f} tokens/s, "
+                         f"Accepted: {w.accepted_tokens} tokens, Drafted: {w.draft_tokens} tokens, "
+                         f"Per-position acceptance rate: {rates}, "
+                         f"Avg Draft acceptance rate: {100 * w.accepted_tokens / w.draft_tokens:.1f}%")
+        for line in lines:
+            log.info("%s", line)
+        return lines
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, engine, model_name: str = "specdec"):
         """model_name: the `model_name` label of every series (the first served name, as vLLM's)."""
         self.model_name = model = model_name
+        self.stat_logger: StatLogger | None = None      # the periodic log lines (build_app sets it)
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineCollector(engine, model))
         by_model = [MODEL_LABEL]
@@ -183,6 +279,8 @@ class ServerMetrics:
 
     def step(self, engine, events) -> None:
         """After each engine step (on the worker thread)."""
+        if self.stat_logger is not None:
+            self.stat_logger.step(events)
         if engine.last_step_tokens:
             self.iteration_tokens.observe(engine.last_step_tokens)
         if events:
@@ -193,6 +291,8 @@ class ServerMetrics:
         self.count(outcome or "stop")
         if stats is None:
             return
+        if self.stat_logger is not None and outcome not in ("stop", "length"):
+            self.stat_logger.forget(stats)
         self.num_drafts.inc(stats.num_drafts)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)

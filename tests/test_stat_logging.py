@@ -1,0 +1,118 @@
+"""vLLM's periodic stats lines on the server (LoggingStatLogger: throughput, requests running and
+waiting, KV cache usage, prefix cache hit rate, and the SpecDecoding metrics line), every
+VLLM_LOG_STATS_INTERVAL seconds, off with --disable-log-stats. The lines' counts, summed over the
+intervals, are the /metrics counters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specdec import LLM
+from specdec.server.app import build_app
+from specdec.server.config import ServerConfig
+from specdec.server.run_batch import asgi_request
+
+SPEC = re.compile(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), Accepted throughput: ([\d.]+) tokens/s, "
+                  r"Drafted throughput: ([\d.]+) tokens/s, Accepted: (\d+) tokens, Drafted: (\d+) tokens, "
+                  r"Per-position acceptance rate: ([\d., ]+), Avg Draft acceptance rate: ([\d.]+)%")
+ENGINE = re.compile(r"Engine 000: Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) "
+                    r"tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: ([\d.]+)%, "
+                    r"Prefix cache hit rate: ([\d.]+)%")
+
+
+def test_interval_lines_add_up_to_the_counters(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), speculative_model=str(draft), num_speculative_tokens=3)
+    app = build_app(llm, ServerConfig(served_model_names=("m",), log_stats_interval=3600))
+    stat = app.state.service.metrics.stat_logger
+    long = "def add(a, b):\n    return a + b\n\n" * 6             # several KV blocks: cached after its first run
+    prompts = [long, "class Point:", "import os\n", long]
+
+    async def run():
+        lines = []
+        async with app.router.lifespan_context(app):
+            assert stat.log() == []                       # idle: nothing to say
+            for p in prompts:                              # one at a time: a line after each
+                body = {"model": "m", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                status, _ = await asgi_request(app, "POST", "/v1/completions", json.dumps(body).encode(), {})
+                assert status == 200
+                lines += stat.log()
+            _, metrics = await asgi_request(app, "GET", "/metrics", b"", {})
+        return lines, metrics.decode()
+
+    lines, metrics = asyncio.run(run())
+    engine = [ENGINE.search(line) for line in lines if line.startswith("Engine 000")]
+    spec = [SPEC.search(line) for line in lines if line.startswith("SpecDecoding")]
+    assert len(engine) == len(spec) == len(prompts) and all(engine) and all(spec)
+
+    def counter(name):
+        return float(re.search(rf"^specdec:{name}_total\{{[^}}]*\}} ([\d.e+]+)$", metrics, re.M).group(1))
+
+    assert sum(int(m.group(4)) for m in spec) == counter("spec_decode_num_accepted_tokens")
+    assert sum(int(m.group(5)) for m in spec) == counter("spec_decode_num_draft_tokens")
+    for m in spec:
+        accepted, drafted = int(m.group(4)), int(m.group(5))
+        assert float(m.group(7)) == pytest.approx(100 * accepted / drafted, abs=0.05)
+        assert len(m.group(6).split(", ")) == 3 and float(m.group(1)) >= 1
+    for m in engine:
+        assert float(m.group(2)) > 0 and (m.group(3), m.group(4)) == ("0", "0")
+    assert float(engine[3].group(6)) > 0          # the repeated prompt found its blocks in the prefix cache
+
+
+def _serve(target, *flags, env_extra=None):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           **(env_extra or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(target), "--port", str(port),
+                             "--served-model-name", "m", *flags], stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_a_live_server_logs_its_stats(tiny_pair, disabled):
+    target, draft = tiny_pair
+    flags = ["--speculative-model", str(draft), "--num-speculative-tokens", "2"] + (["--disable-log-stats"] if disabled else [])
+    proc, url = _serve(target, *flags, env_extra={"VLLM_LOG_STATS_INTERVAL": "0.3"})
+    try:
+        for _ in range(3):
+            r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "def f(x):", "max_tokens": 40,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200
+        time.sleep(1.0)                  # the interval after the last request ends
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    stats = [line for line in err.splitlines() if "specdec.server.stats" in line]
+    if disabled:
+        assert stats == []
+    else:
+        assert any(ENGINE.search(line) for line in stats) and any(SPEC.search(line) for line in stats)
+
+
+def test_a_bad_interval_is_refused(tmp_path, capsys, monkeypatch):
+    from specdec.cli import main
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0")
+    assert main(["serve", "--model", str(tmp_path / "none"), "--port", "1"]) == 2
+    assert "VLLM_LOG_STATS_INTERVAL must be a number of seconds > 0" in capsys.readouterr().err

@@ -34,6 +34,18 @@ from .model.config import text_config
 LONG_TEXT = 8192
 
 
+def _check_unicode(text) -> None:
+    """A ValueError for text the tokenizer cannot take because it is not Unicode text: a lone
+    surrogate, as Python gives undecodable bytes of argv, stdin or a file read with
+    errors="surrogateescape" (the binding says only `TypeError: TextInputSequence must be str`)."""
+    if not isinstance(text, str):
+        return
+    for i, ch in enumerate(text):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate at character {i} "
+                             f"(bytes that are not UTF-8?): {text[max(0, i - 20):i + 1]!r}") from None
+
+
 class TokenizerError(ValueError):
     pass
 
@@ -184,16 +196,25 @@ class Tokenizer:
         return self.backend.id_to_token(i)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < LONG_TEXT:
-            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        else:       # the same ids, the GIL let go (the binding's encode holds it: 0.5-1 s for 1 MB)
-            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            if len(text) < LONG_TEXT:
+                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            else:       # the same ids, the GIL let go (the binding's encode holds it: 0.5-1 s for 1 MB)
+                ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            _check_unicode(text)
+            raise
         return self._with_bos(ids) if add_special_tokens else ids
 
     def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
         """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
         (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input)."""
-        ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_unicode(text)
+            _check_unicode(pair)
+            raise
         return self._with_bos(ids) if add_special_tokens else ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:

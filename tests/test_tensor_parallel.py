@@ -222,3 +222,34 @@ def test_torchrun_runs_the_same_command_on_every_rank(tiny_pair):
         assert r.returncode == 0, r.stderr[-3000:]
     tokens = lambda r: json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]  # noqa: E731
     assert tokens(launched) == tokens(one)
+
+
+def test_ctrl_c_in_a_terminal_prints_one_line(tiny_pair):
+    """Ctrl-C reaches the terminal's whole process group, the spawned rank too: only rank 0
+    answers it (one `interrupted` line, status 130), the worker prints no traceback of its own
+    and does not outlive rank 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "generate", "--model", str(tiny_pair[0]), "--dtype",
+                             "float32", "--tensor-parallel-size", "2", "--max-tokens", "100000", "--max-model-len",
+                             "256", "--ignore-eos", "def add(a, b):"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.read(8)                       # generating: both ranks are in the forwards
+        os.killpg(proc.pid, signal.SIGINT)               # what the terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = err.decode()
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted"
+    deadline = time.monotonic() + 15                     # the worker notices rank 0 is gone within its poll
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break                                        # nobody left in the group
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("a process of the group outlived rank 0")

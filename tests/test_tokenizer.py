@@ -210,3 +210,24 @@ def test_long_texts_encode_to_the_same_ids(tiny_pair, gguf_files):
             want = tok.backend.encode(text, add_special_tokens=special).ids
             want = tok._with_bos(want) if special else want
             assert tok.encode(text, add_special_tokens=special) == want
+
+
+def test_text_that_is_not_unicode_is_a_clear_value_error(tiny_pair, capsys):
+    """Undecodable bytes of argv / stdin arrive as lone surrogates (Python's surrogateescape): the
+    tokenizer's binding says only `TypeError: TextInputSequence must be str`. The LLM and the CLI
+    say what is wrong, as the server's 400 does."""
+    import pytest
+
+    from specdec import LLM, SamplingParams
+    from specdec.cli import main
+
+    llm = LLM(model=str(tiny_pair[0]))
+    for call in (lambda: llm.generate(["caf\udce9"], SamplingParams(max_tokens=2)),
+                 lambda: llm.chat([{"role": "user", "content": "x\udcff"}], SamplingParams(max_tokens=2),
+                                  chat_template="{{ messages[0]['content'] }}"),
+                 lambda: llm.get_tokenizer().encode_pair("a", "b\ud800")):
+        with pytest.raises(ValueError, match="not valid Unicode: a lone surrogate at character"):
+            call()
+    assert main(["generate", "--model", str(tiny_pair[0]), "caf\udce9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not valid Unicode" in err

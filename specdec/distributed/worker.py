@@ -9,6 +9,7 @@ the process exits, which fails rank 0's next collective at once.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -87,6 +88,9 @@ def worker_main(rank: int, world: int, port: int, spec, config) -> None:
     from ..model import load_model
     from .launch import _device, exit_with_parent
 
+    # Ctrl-C in a terminal reaches the whole process group, this worker too: rank 0 alone handles
+    # it (its shutdown, or its death, ends this process), so no second traceback is printed here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     kernels.set_threads(spec.threads)
     exit_with_parent()

@@ -144,9 +144,13 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's). What was derived from the fields and kept on the object (the bad
         words' tokens, sampling.bad_words_of) is shared, not copied: the engine clones each
-        request's params on its thread."""
-        derived = [v for k, v in vars(self).items() if k.startswith("_") and k != "_ready"]
-        return copy.deepcopy(self, {id(v): v for v in derived})
+        request's params on its thread. So is a frozen structured_outputs (GrammarCompiler.freeze: a
+        server's, which nobody changes), with its grammar text and prebuilt matchers: a large schema
+        is not deep-copied once per choice there."""
+        shared = [v for k, v in vars(self).items() if k.startswith("_") and k != "_ready"]
+        if self.structured_outputs is not None and "_frozen" in self.structured_outputs.__dict__:
+            shared.append(self.structured_outputs)
+        return copy.deepcopy(self, {id(v): v for v in shared})
 
     def __post_init__(self):
         # no upper bound here (vLLM's); the server caps the choices of one HTTP request (serving.MAX_CHOICES)

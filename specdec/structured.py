@@ -134,9 +134,6 @@ class GrammarCompiler:
         # grammar texts check() has validated (where the server prepares requests, off its engine
         # thread): grammar() on the engine thread then only compiles the request's own matcher
         self._validated: OrderedDict[str, bool] = OrderedDict()
-        # grammar text -> grammars prebuild() compiled for requests on their way to the engine
-        self._ready: OrderedDict[str, list] = OrderedDict()
-        self._num_ready = 0
 
     def _lltokenizer(self):
         with self._lock:
@@ -155,6 +152,9 @@ class GrammarCompiler:
         remembered (the last VALIDATED_CACHE), so the engine's grammar() does not validate again."""
         import llguidance
 
+        frozen = spec.__dict__.get("_frozen")
+        if frozen is not None and frozen[0] is self:
+            return frozen[1]                       # validated when frozen
         text = _grammar_text(spec, self.config)
         with self._lock:
             if text in self._validated:
@@ -169,23 +169,24 @@ class GrammarCompiler:
                 self._validated.popitem(last=False)
         return text
 
-    def prebuild(self, spec: StructuredOutputsParams, count: int) -> None:
-        """`count` requests' grammars of spec, compiled now and kept for grammar() to take (a
-        server's preparation thread: llguidance lets the GIL go while it compiles, so neither the
-        engine's thread nor the event loop waits on it); a GrammarError as grammar()'s. At most
-        PREBUILT_CACHE are kept (the oldest dropped: grammar() then compiles its own)."""
+    def freeze(self, spec: StructuredOutputsParams) -> str:
+        """check(spec), its grammar text then kept on spec: later checks (each choice's admission on
+        the engine's thread) neither serialize the schema again nor look it up, and SamplingParams.clone
+        shares a frozen spec instead of deep-copying its schema. For specs nobody changes afterwards
+        (a server's, built from one request's JSON)."""
         text = self.check(spec)
+        object.__setattr__(spec, "_frozen", (self, text))
+        return text
+
+    def prebuild(self, spec: StructuredOutputsParams, count: int) -> None:
+        """`count` matchers of a frozen spec, compiled now and kept on the spec for its requests'
+        grammar() to take, one each (a server compiles them on its grammar thread while the request
+        waits: llguidance lets the GIL go, so neither the engine's thread nor the event loop waits on
+        it); a GrammarError as grammar()'s. They live and die with the request's params: a request
+        abandoned before admission leaves nothing behind."""
+        text = self.freeze(spec) if spec.__dict__.get("_frozen") is None else self.check(spec)
         made = [self._build(text, spec.kind) for _ in range(count)]
-        with self._lock:
-            self._ready.setdefault(text, []).extend(made)
-            self._ready.move_to_end(text)
-            self._num_ready += len(made)
-            while self._num_ready > PREBUILT_CACHE:
-                oldest = next(iter(self._ready))
-                self._ready[oldest].pop(0)
-                self._num_ready -= 1
-                if not self._ready[oldest]:
-                    del self._ready[oldest]
+        spec.__dict__.setdefault("_prebuilt", []).extend(made)
 
     def grammar(self, spec: StructuredOutputsParams) -> "Grammar":
         """A request's matcher, its first mask computed: one prebuild() made, else compiled here.
@@ -194,14 +195,12 @@ class GrammarCompiler:
         of its own: copies of one (LLMatcher.deep_copy) share their lexer, whose limits then run
         out across requests (a second request with the same large regex failed where the first ran)."""
         text = self.check(spec)
-        with self._lock:
-            ready = self._ready.get(text)
-            if ready:
-                self._num_ready -= 1
-                grammar = ready.pop(0)
-                if not ready:
-                    del self._ready[text]
-                return grammar
+        ready = spec.__dict__.get("_prebuilt")
+        if ready:
+            try:
+                return ready.pop()
+            except IndexError:                    # another choice took the last one meanwhile
+                pass
         return self._build(text, spec.kind)
 
     def _build(self, text: str, kind: str) -> "Grammar":
@@ -219,8 +218,6 @@ class GrammarCompiler:
 
 # grammar texts remembered as validated (check)
 VALIDATED_CACHE = 256
-# grammars compiled ahead for requests not yet admitted (prebuild), all texts together
-PREBUILT_CACHE = 64
 
 
 def LIMITS():

@@ -81,9 +81,11 @@ def test_the_memory_is_bounded(llm):
 
 
 def test_prebuilt_grammars_are_taken_at_admission(llm, monkeypatch):
-    """The server compiles each choice's grammar while preparing the request (prebuild, off the
-    engine's thread: llguidance lets the GIL go); admission takes one instead of compiling."""
-    from specdec.structured import PREBUILT_CACHE
+    """The server compiles each choice's grammar before submitting the request (prebuild, off the
+    engine's thread: llguidance lets the GIL go); admission takes one instead of compiling. They
+    are kept on the request's spec, so an abandoned request leaves none behind (no shared pool)."""
+    import gc
+    import weakref
 
     spec = StructuredOutputsParams(json={**SCHEMA, "title": "prebuilt"})
     grammars = llm.engine.grammars
@@ -93,9 +95,37 @@ def test_prebuilt_grammars_are_taken_at_admission(llm, monkeypatch):
     assert counts["made"] == 0 and a is not b
     grammars.grammar(spec)                         # none left: compiled here
     assert counts["made"] == 1
-    for i in range(PREBUILT_CACHE + 5):            # bounded, the oldest dropped
-        grammars.prebuild(StructuredOutputsParams(regex=f"b{{{i + 1}}}"), 1)
-    assert grammars._num_ready == PREBUILT_CACHE == sum(map(len, grammars._ready.values()))
+    other = StructuredOutputsParams(json={**SCHEMA, "title": "abandoned"})
+    grammars.prebuild(other, 3)
+    left = [weakref.ref(g) for g in other.__dict__["_prebuilt"]]
+    del other
+    gc.collect()
+    assert all(ref() is None for ref in left)      # gone with the request's params
+
+
+def test_a_frozen_spec_is_shared_and_not_serialized_again(llm, monkeypatch):
+    """Admission of a server's request costs no schema work per choice on the engine's thread:
+    the frozen spec's text is reused (no second _grammar_text) and clone() shares it (no deep copy
+    of the schema); a spec not frozen (offline, a caller may change it) is still copied."""
+    import specdec.structured as structured
+    from specdec import SamplingParams
+
+    spec = StructuredOutputsParams(json={**SCHEMA, "title": "frozen"})
+    grammars = llm.engine.grammars
+    grammars.freeze(spec)
+    grammars.prebuild(spec, 4)
+    calls = []
+    real = structured._grammar_text
+    monkeypatch.setattr(structured, "_grammar_text", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(max_tokens=4, structured_outputs=spec)
+    assert params.clone().structured_outputs is spec
+    for _ in range(4):
+        llm.engine.add_request([1, 2, 3], params)
+    assert calls == [] and spec.__dict__["_prebuilt"] == []
+    loose = SamplingParams(structured_outputs=StructuredOutputsParams(json={**SCHEMA, "title": "loose"}))
+    assert loose.clone().structured_outputs is not loose.structured_outputs
+    while llm.engine.has_unfinished():
+        llm.engine.step()
 
 
 def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, monkeypatch):
@@ -112,7 +142,7 @@ def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, 
 
     class Watched:
         def __call__(self, *a, **k):
-            on_engine.append(threading.current_thread().name == "specdec-engine")
+            on_engine.append(threading.current_thread().name)
             return real(*a, **k)
 
         def __getattr__(self, name):
@@ -126,4 +156,5 @@ def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, 
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             assert set(json.loads(choice["text"])) == {"a", "b"}
-    assert on_engine and not any(on_engine)       # 4 matchers, all made while preparing
+    # 4 matchers, all made on the grammar threads: neither the engine's nor the preparation pool's
+    assert len(on_engine) == 4 and all(name.startswith("specdec-grammar") for name in on_engine), on_engine

@@ -226,6 +226,7 @@ def _api_routes(service: Service) -> APIRouter:
         if body.use_beam_search:
             return await _until_done(request, beam_completion(service, body, arrival, lora, rid))
         prompts, params = await service.off_loop(service.prepare_completion, body)
+        await service.compile_grammars(prompts, params)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
@@ -241,6 +242,7 @@ def _api_routes(service: Service) -> APIRouter:
         if body.use_beam_search:
             return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
         prompts, params, tools = await service.off_loop(service.prepare_chat, body)
+        await service.compile_grammars(prompts, params)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
@@ -309,6 +311,10 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
                 raise renamed(e, message_sources(body, history)) from None
 
         turn, chat, lora, prompts, params, tools = await service.off_loop(prepare)
+        try:
+            await service.compile_grammars(prompts, params)
+        except APIError as e:
+            raise renamed(e, message_sources(body, history)) from None
         model = service.model_name(lora, chat.model)
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, service.config.return_tokens_as_token_ids,

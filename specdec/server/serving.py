@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from functools import partial
 
@@ -65,10 +67,29 @@ class Service:
         self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
         # choice i of prompt p samples with seed + p * n + i (at most MAX_CHOICES), so requests sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, ((os.cpu_count() or 1) + 1) // 2), thread_name_prefix="specdec-grammar")
 
     async def off_loop(self, fn, *args):
         """fn(*args) on a worker thread (the loop's default executor); its APIError comes back as raised."""
         return await asyncio.to_thread(fn, *args)
+
+    async def compile_grammars(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Each choice's grammar matcher compiled before the request is submitted, on the grammar
+        threads (vLLM's structured-output executor: half the cores), so that neither the engine's
+        thread (which takes one per choice at admission) nor other requests' preparation waits on a
+        large schema; a grammar that cannot start is a 400 here, before any response begins."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        from ..structured import GrammarError
+
+        count = len(prompts) * (params.best_of or params.n)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammars.prebuild,
+                                                             spec, count)
+        except GrammarError as e:
+            raise APIError(400, str(e), "structured_outputs") from None
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_generates("Completions")
@@ -280,6 +301,15 @@ class Service:
         if len(prompts) * per_prompt > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x max(n, best_of)), "
                                 f"got {len(prompts) * per_prompt}", "best_of" if params.best_of else "n")
+        if params.structured_outputs is not None:
+            # the grammar text made and validated once, kept on the spec (the engine's checks of each
+            # choice then reuse it); the matchers are compiled before submission (Generation.compile)
+            from ..structured import GrammarError
+
+            try:
+                self.engine.grammars.freeze(params.structured_outputs)
+            except GrammarError as e:
+                raise APIError(400, str(e), "structured_outputs") from None
         limit = self.engine.max_model_len
         for ids in prompts:
             try:
@@ -290,14 +320,7 @@ class Service:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                                     f"{param}, {params.max_tokens} for the completion).", "max_tokens")
-        if params.structured_outputs is not None:
-            # each choice's grammar compiled here, off the engine's thread (which takes them at admission)
-            from ..structured import GrammarError
 
-            try:
-                self.engine.grammars.prebuild(params.structured_outputs, len(prompts) * per_prompt)
-            except GrammarError as e:
-                raise APIError(400, str(e), "structured_outputs") from None
 
 
 # Below these the engine's float32 sampling overflows (logits / T -> inf) or keeps no token at

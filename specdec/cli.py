@@ -531,13 +531,24 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if not args.chat:                              # they only shape a chat prompt: not silently ignored
+        chat_only = [flag for flag, value in (("--system", args.system), ("--chat-template", args.chat_template))
+                     if value is not None]
+        if chat_only:
+            raise ValueError(f"{' and '.join(chat_only)} need{'s' if len(chat_only) == 1 else ''} --chat "
+                             f"(the prompt as a user message)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt == "-" and args.chat:           # a message typed or echoed ends in a newline: not part of it
+        prompt = prompt.removesuffix("\n").removesuffix("\r")
     from .tokenizer import load_chat_template
 
     sampling_params(args, {})                      # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
     llm.check_runner("generate")
+    if args.compare and llm.engine.proposer is None:
+        raise ValueError("--compare needs a speculative method (this run decodes plainly: nothing to compare "
+                         "with plain decoding)")
     params = sampling_params(args, llm.generation_defaults)
     from .chat import HarmonySplit, writes_harmony
 
@@ -545,7 +556,8 @@ def run(args) -> int:
     if harmony:
         params = dataclasses.replace(params, skip_special_tokens=False)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        # an empty --system is a message (it replaces a template's default one, as LLM.chat's)
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
             [{"role": "user", "content": prompt}]
         rendered = llm.chat_prompt(messages, chat_template=template)
         prompt, prompt_ids = rendered["prompt"], rendered["prompt_token_ids"]

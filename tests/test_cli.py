@@ -55,6 +55,13 @@ def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):
     (["--max-tokens", "0"], "max_tokens"),
     (["-O", '{"cudagraph_mode": "FULLY"}'], "cudagraph_mode must be one of"),
     (["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], "CUDA graphs need a CUDA device"),
+    # chat-only flags without --chat were silently ignored
+    (["--system", "Answer in French."], "--system needs --chat"),
+    (["--chat-template", "{{ messages[0]['content'] }}"], "--chat-template needs --chat"),
+    (["--system", "", "--chat-template", "t.jinja"], "--system and --chat-template need --chat"),
+    # plain decoding compared with itself printed a "speedup"
+    (["--compare"], "--compare needs a speculative method"),
+    (["--speculative-model", "[ngram]", "--num-speculative-tokens", "0", "--compare"], "--compare needs a speculative"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_pair, capsys, argv, message):
     target, _ = tiny_pair
@@ -99,7 +106,7 @@ def test_train_and_generate_do_not_import_the_server():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
     out = subprocess.run([sys.executable, "-m", "specdec", "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "{generate,chat,serve,bench,train}" in out.stdout
+    assert out.returncode == 0 and "{generate,chat,serve,run-batch,bench,train}" in out.stdout
 
 
 @pytest.fixture
@@ -162,3 +169,39 @@ def test_underscore_flag_names_as_vllm(tiny_pair, capsys):
                          "--max_model_len=64", "--json", "def add(a, b):")
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 5
+
+
+def test_generate_chat_reads_a_message_from_stdin_without_its_newline(tiny_pair, capsys, monkeypatch):
+    """`echo hi | specdec generate --chat -` is the message "hi", as `specdec generate --chat hi` and
+    as `specdec chat` reads it (the newline was part of the user message)."""
+    import io
+
+    target, _ = tiny_pair
+    argv = ["generate", "--model", str(target), "--max-tokens", "4", "--ignore-eos", "--json", "--chat"]
+    code, out, _ = run(capsys, *argv, "def add(a, b):")
+    assert code == 0
+    from_argv = json.loads(out)
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
+    code, out, _ = run(capsys, *argv, "-")
+    assert code == 0
+    from_stdin = json.loads(out)
+    assert from_stdin["stats"]["prompt_tokens"] == from_argv["stats"]["prompt_tokens"]
+    assert from_stdin["token_ids"] == from_argv["token_ids"]
+
+
+def test_generate_chat_with_an_empty_system_message(tiny_pair, capsys):
+    """--system "" is a system message with no text (it replaces a template's default one), as
+    LLM.chat renders [{"role": "system", "content": ""}, ...]; it was dropped."""
+    from specdec import LLM, SamplingParams
+
+    target, _ = tiny_pair
+    conv = [{"role": "system", "content": ""}, {"role": "user", "content": "def add(a, b):"}]
+    llm = LLM(str(target))
+    with_system = llm.chat_prompt(conv)["prompt_token_ids"]
+    assert with_system != llm.chat_prompt(conv[1:])["prompt_token_ids"]     # the template renders it
+    expected = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+    code, out, err = run(capsys, "generate", "--model", str(target), "--max-tokens", "4", "--ignore-eos", "--json",
+                         "--chat", "--system", "", "def add(a, b):")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["prompt_tokens"] == len(with_system) and result["token_ids"] == expected

@@ -1,23 +1,31 @@
-"""`specdec chat`: an interactive conversation, streamed, with each answer's speculative statistics.
+'''`specdec chat`: an interactive conversation, streamed, with each answer's speculative statistics.
 
 Each answer is followed (on stderr) by its decoding rate, acceptance rate, mean accepted length
-and its speedup over plain decoding on this machine. Rates are of the decoding phase (output
-tokens over the time after the prompt's forward): the prompt grows with the conversation, and
-its prefill is the same work with or without speculation. The plain rate is measured once at
-start (a short greedy plain decoding of the first question); `--compare` instead decodes every
-answer a second time without speculation, for the exact speedup and an identical-output check.
+and an estimate of its speedup over plain decoding on this machine. Rates are of the decoding
+phase (output tokens over the time after the prompt's forward): the prompt grows with the
+conversation, and its prefill is the same work with or without speculation. The plain reference
+is measured once at start-up (the median of REFERENCE_PROBES greedy runs of REFERENCE_TOKENS
+tokens), and the estimate is printed for answers of at least SPEEDUP_MIN_TOKENS tokens; `--compare`
+instead decodes every answer a second time without speculation, for the exact speedup and an
+identical-output check.
 
-Lines starting with "/" are commands: /reset (forget the conversation), /exit.
+Input: from a terminal through GNU readline (no 4095-byte line limit, line editing, history), else
+line by line. A line `"""` starts a multi-line message that a line `"""` ends; a line ending in a
+backslash goes on on the next line. A line starting with "/" is a command (COMMANDS; "//text"
+sends "/text"). Ctrl-C while an answer streams stops it between engine steps (the request is
+aborted, the turn is not kept); at the prompt it quits.
 
 gpt-oss writes harmony replies (server/reasoning.py): its analysis goes to stderr as it comes,
 its answer to stdout, and only the answer joins the conversation (gpt-oss's template drops
 earlier turns' analysis anyway).
-"""
+'''
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_args, sampling_params
@@ -26,7 +34,22 @@ from .engine import Engine, kv_cache_dtype_name
 from .metrics import RequestStats
 from .tokenizer import NO_CHAT_TEMPLATE, load_chat_template
 
-PLAIN_PROBE_TOKENS = 32
+REFERENCE_PROBES = 3          # plain decoding's reference rate: the median of this many runs ...
+REFERENCE_TOKENS = 64         # ... of this many tokens, measured once at start-up
+SPEEDUP_MIN_TOKENS = 16       # the estimated speedup is printed for answers at least this long
+BLOCK = '"""'                 # a line of its own: starts / ends a multi-line message (ollama's)
+COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset", "/clear": "reset",
+            "/help": "help", "/?": "help"}
+HELP = "\n".join([
+    "commands:",
+    "  /reset, /clear        forget the conversation (the system message stays)",
+    "  /exit, /quit, /bye    quit (also Ctrl-D at the prompt)",
+    "  /help, /?             this help",
+    '  //text                send the message "/text"',
+    '  """                   on a line of its own: a multi-line message follows, up to a line """',
+    "  a line ending in \\    the message goes on on the next line",
+    "  Ctrl-C                stop the answer being written (it is not kept); at the prompt: quit",
+])
 
 
 def add_parser(sub) -> None:
@@ -83,10 +106,12 @@ class HarmonySplit:
 class Answer:
     text: str
     token_ids: list[int]
-    stats: RequestStats
+    stats: RequestStats | None
     plain_rate: float | None = None      # tok/s of plain decoding on this very prompt (--compare)
     identical: bool | None = None        # greedy answers: equal to plain decoding's
     reasoning: str = ""                  # a harmony reply's analysis
+    interrupted: bool = False            # stopped (Ctrl-C) before the end: not part of the conversation
+    compare_interrupted: bool = False    # --compare's plain run stopped: no exact speedup
 
 
 class ChatSession:
@@ -105,50 +130,107 @@ class ChatSession:
                                                              enable_prefix_caching=llm.engine.config.enable_prefix_caching),
                             kv_cache_dtype=kv_cache_dtype_name(llm.engine))
         self.speculative = llm.engine.proposer is not None
-        self.reference_rate: float | None = None    # plain decoding, measured once
+        self.reference_rate: float | None = None    # plain decoding, measured once (measure_reference)
+        self.stop_requested = False                 # interrupt(): the answer being decoded stops
 
     def reset(self) -> None:
         self.messages = []
 
     def prompt_ids(self, user: str) -> list[int]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
+        # an empty system message is a message (it replaces a template's default one, as LLM.chat's)
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
         return self.llm.chat_prompt(head + self.messages + [{"role": "user", "content": user}],
                                     chat_template=self.chat_template)["prompt_token_ids"]
 
+    def check_params(self) -> None:
+        """The engine's checks of a request's sampling parameters against the loaded model (grammar,
+        regex and JSON schema, logit_bias ids in the vocabulary, bad_words, ...), made once before
+        the first message: a ValueError names the bad one (a one-token prompt that fits any context)."""
+        self.llm.engine.check_prompt([0], self.params, room=0)
+
+    def interrupt(self) -> None:
+        """Stop the answer being decoded, between two engine steps (safe from a signal handler)."""
+        self.stop_requested = True
+
     def ask(self, user: str):
         """Yield the answer's text as it is decoded (a harmony reply's analysis as Thought
-        pieces); then the Answer (the last item)."""
+        pieces); then the Answer (the last item). After interrupt(), the request is aborted and the
+        Answer has interrupted=True and joins no conversation."""
+        self.stop_requested = False
         ids = self.prompt_ids(user)
         self.llm.engine.check_prompt(ids, self.params)
-        if self.speculative and not self.compare and self.reference_rate is None:
-            self.reference_rate = self._plain_rate(ids)
         tokens, split, event = [], HarmonySplit(self.harmony), None
-        for event in self.llm.engine.generate(ids, self.params):
+        for event in self._stream(self.llm.engine, ids, self.params):
             tokens += event.token_ids
             thought, piece = split.feed(event.text, last=event.finished)
             if thought:
                 yield Thought(thought)
             if piece:
                 yield piece
-        answer = Answer("".join(split.answer), tokens, event.stats, reasoning="".join(split.reasoning))
+        stats = event.stats if event is not None else None
+        answer = Answer("".join(split.answer), tokens, stats, reasoning="".join(split.reasoning))
+        if event is None or not event.finished:
+            answer.interrupted = True
+            yield answer
+            return
         if self.speculative and self.compare:
-            plain_tokens, plain_stats = self._run_plain(ids, self.params)
-            answer.plain_rate = decode_rate(plain_stats)
-            answer.identical = plain_tokens == tokens if self.params.greedy else None
+            plain = self._run_plain(ids, self.params)
+            if plain is None:
+                answer.compare_interrupted = True
+            else:
+                answer.plain_rate = decode_rate(plain[1])
+                answer.identical = plain[0] == tokens if self.params.greedy else None
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
         yield answer
 
-    def _run_plain(self, ids: list[int], params: SamplingParams) -> tuple[list[int], RequestStats]:
-        tokens, event = [], None
-        for event in self.plain.generate(ids, params):
-            tokens += event.token_ids
-        return tokens, event.stats
+    def _stream(self, engine, ids: list[int], params: SamplingParams):
+        """engine.generate's loop, checking stop_requested between steps: once it is set, the
+        request leaves through engine.abort (its KV blocks and proposer state freed) and the
+        stream ends without a finished event."""
+        req = engine.add_request(ids, params, stream=True)
+        try:
+            while True:
+                while not req.events:
+                    if self.stop_requested:
+                        return
+                    engine.step()
+                event = req.events.popleft()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if not req.finished:
+                engine.abort(req.request_id)
 
-    def _plain_rate(self, ids: list[int]) -> float:
-        """Plain greedy decoding's rate on this machine (after a short warm-up run)."""
-        self._run_plain(ids, SamplingParams(temperature=0, max_tokens=4))
-        probe = SamplingParams(temperature=0, max_tokens=PLAIN_PROBE_TOKENS, ignore_eos=True)
-        return decode_rate(self._run_plain(ids, probe)[1])
+    def _run_plain(self, ids: list[int], params: SamplingParams) -> tuple[list[int], RequestStats] | None:
+        """Plain decoding of ids: (tokens, stats), or None when interrupt() stopped it."""
+        tokens, event = [], None
+        for event in self._stream(self.plain, ids, params):
+            tokens += event.token_ids
+        return (tokens, event.stats) if event is not None and event.finished else None
+
+    def measure_reference(self) -> float | None:
+        """Plain greedy decoding's rate on this machine, for the speedup estimates of speculative
+        answers (not with --compare): the median of REFERENCE_PROBES runs of REFERENCE_TOKENS tokens
+        on a short chat prompt, after a warm-up run. Measured once: call it at start-up."""
+        if not self.speculative or self.compare:
+            return None
+        ids = self.prompt_ids("Hello")
+        n = min(REFERENCE_TOKENS, self.plain.max_model_len - len(ids))
+        if n < SPEEDUP_MIN_TOKENS:             # a context too small to time plain decoding
+            return None
+        self.stop_requested = False
+        if self._run_plain(ids, SamplingParams(temperature=0, max_tokens=4)) is None:
+            return None
+        probe = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        rates = []
+        for _ in range(REFERENCE_PROBES):
+            run = self._run_plain(ids, probe)
+            if run is None:
+                return None
+            rates.append(decode_rate(run[1]))
+        self.reference_rate = sorted(rates)[len(rates) // 2]
+        return self.reference_rate
 
     def summary(self, a: Answer) -> str:
         s, rate = a.stats, decode_rate(a.stats)
@@ -159,7 +241,9 @@ class ChatSession:
         if a.plain_rate:
             same = {True: "identical", False: "DIFFERENT", None: "sampled"}[a.identical]
             return line + f", speedup {rate / a.plain_rate:.2f}x vs plain {a.plain_rate:.1f} tok/s, outputs {same}]"
-        if self.reference_rate:
+        if a.compare_interrupted:
+            return line + ", plain run interrupted]"
+        if self.reference_rate and s.output_tokens >= SPEEDUP_MIN_TOKENS:
             return line + f", speedup ~{rate / self.reference_rate:.2f}x vs plain {self.reference_rate:.1f} tok/s]"
         return line + "]"
 
@@ -167,6 +251,97 @@ class ChatSession:
 def _method(llm) -> str:
     spec = llm.spec
     return f"{spec.method}, K={spec.num_speculative_tokens}" if spec and llm.engine.proposer else "plain decoding"
+
+
+class LineReader:
+    """The chat's input lines, without their newline. A terminal is read with input() after
+    `import readline`: GNU readline reads in raw mode, so there is no 4095-byte line limit (the
+    tty driver's, in canonical mode), and lines can be edited and recalled (history). A pipe or
+    file is read line by line."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stdin
+        self.terminal = self.stream is sys.stdin and self.stream.isatty()
+        if self.terminal:
+            try:
+                import readline  # noqa: F401  (input() edits lines with it from now on)
+            except ImportError:           # a Python built without it: input() alone
+                pass
+
+    def line(self, prompt: str) -> str | None:
+        """The next line (None at the end of the input); a terminal shows prompt first."""
+        if not self.terminal:
+            line = self.stream.readline()
+            if not line:
+                return None
+            return line[:-1].removesuffix("\r") if line.endswith("\n") else line
+        if not sys.stdout.isatty():       # answers go to a file: the prompt to the terminal
+            print(prompt, end="", file=sys.stderr, flush=True)
+            prompt = ""
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+
+    def message(self) -> tuple[str, bool] | None:
+        """The next message and whether it came as a `\"\"\"` block (kept as typed, never a command);
+        None at the end of the input. A line `\"\"\"` starts a block that a line `\"\"\"` ends (or the
+        end of the input); a line ending in a backslash goes on on the next line, the backslash
+        becoming a newline."""
+        line = self.line("> ")
+        if line is None:
+            return None
+        if line.strip() == BLOCK:
+            lines = []
+            while (line := self.line("... ")) is not None and line.strip() != BLOCK:
+                lines.append(line)
+            return "\n".join(lines), True
+        parts = []
+        while line.endswith("\\"):
+            parts.append(line[:-1])
+            line = self.line("... ")
+            if line is None:
+                line = ""
+                break
+        parts.append(line)
+        return "\n".join(parts), False
+
+
+@contextmanager
+def ctrl_c_stops(session: ChatSession):
+    """While an answer is decoded, Ctrl-C (SIGINT) asks the session to stop it: the handler only
+    sets a flag, read between engine steps, so no step is cut in half. A second Ctrl-C before the
+    answer stops is KeyboardInterrupt as usual (the chat exits)."""
+    def handler(signum, frame):
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.interrupt()
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:                    # not the main thread: Ctrl-C keeps its default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def command(session: ChatSession, text: str) -> bool:
+    """Run a "/" command line; False: quit."""
+    action = COMMANDS.get(text)
+    if action == "exit":
+        return False
+    if action == "reset":
+        session.reset()
+        print("(conversation cleared)", file=sys.stderr)
+    elif action == "help":
+        print(HELP, file=sys.stderr)
+    else:
+        print(f"unknown command {text!r} (commands: /help, /reset, /exit; //text sends \"/text\"); "
+              f"not sent", file=sys.stderr)
+    return True
 
 
 def run(args) -> int:
@@ -177,36 +352,42 @@ def run(args) -> int:
     if template is None and not llm.tokenizer.chat_template:
         raise ValueError(NO_CHAT_TEMPLATE)                 # before the prompt, not at every message
     session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare, template)
-    interactive = sys.stdin.isatty()
-    print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits.",
-          file=sys.stderr)
+    session.check_params()                                 # flags bad for this model: exit 2 now
+    session.measure_reference()
+    reader = LineReader()
+    print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits, "
+          f"/help for more.", file=sys.stderr)
     while True:
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        message = reader.message()
+        if message is None:
             return 0
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            session.reset()
-            print("(conversation cleared)", file=sys.stderr)
+        text, block = message
+        if not block:
+            text = text.strip()
+            if text.startswith("//"):
+                text = text[1:]                            # a message that starts with "/"
+            elif text.startswith("/"):
+                if not command(session, text):
+                    return 0
+                continue
+        if not text.strip():
             continue
         answer = None
         try:
-            for answer in session.ask(text):
-                if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
-                    sys.stderr.write(answer)
-                    sys.stderr.flush()
-                elif isinstance(answer, str):
-                    sys.stdout.write(answer)
-                    sys.stdout.flush()
+            with ctrl_c_stops(session):
+                for answer in session.ask(text):
+                    if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
+                        sys.stderr.write(answer)
+                        sys.stderr.flush()
+                    elif isinstance(answer, str):
+                        sys.stdout.write(answer)
+                        sys.stdout.flush()
         except ValueError as e:          # e.g. the conversation outgrew the context: the session goes on
             print(f"error: {e} (the message was not added; /reset clears the conversation)", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if answer.interrupted:
+            print("(interrupted: the answer was not added to the conversation)", file=sys.stderr)
+            continue
         print(session.summary(answer), file=sys.stderr)

@@ -1,6 +1,7 @@
 """What admitting a structured request costs the engine's thread when the server has prepared it
 (its spec frozen, each choice's matcher compiled ahead on the grammar threads), against a spec
-that was not (offline LLM.generate: the text made, validated and compiled at admission).
+that was not (the engine's add_request alone: the text made, validated and compiled at
+admission), and LLM.generate's whole call (which compiles its choices ahead on every core).
 
     python scripts/grammar_admission.py --branches 3000 --choices 16
 
@@ -52,6 +53,12 @@ def main() -> None:
         for r in list(engine.scheduler.waiting):
             engine.abort(r.request_id)
         rows.append(("server (frozen, prebuilt)" if prepared else "offline (at admission)", ahead, admit))
+    # offline: LLM.generate compiles every choice's matcher ahead, on all the cores together
+    spec = StructuredOutputsParams(json=schema(args.branches))
+    t = time.perf_counter()
+    llm.generate(["JSON: "], SamplingParams(n=args.choices, temperature=0.7, seed=0, max_tokens=1,
+                                            structured_outputs=spec))
+    rows.append(("LLM.generate, whole call (n choices, 1 token)", time.perf_counter() - t, float("nan")))
     print(f"{args.choices} choices of a {args.branches}-branch anyOf, {args.threads} thread(s)")
     print("| path | prepared ahead (s) | engine thread at admission (s) |\n|---|---|---|")
     for name, ahead, admit in rows:

@@ -823,6 +823,7 @@ class LLM:
             self.engine.check_lora(lora)
             jobs.append((str(self._counter), text, ids, params, prio, lora))
             self._counter += 1
+        jobs = self._compile_grammars(jobs)
         reqs, logprobs, bar = {}, {}, None
         try:
             for rid, _, ids, params, prio, lora in jobs:
@@ -843,6 +844,32 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _, _ in jobs]
+
+    def _compile_grammars(self, jobs: list[tuple]) -> list[tuple]:
+        """Each structured choice's matcher compiled before the requests are added, on every core at
+        once (llguidance lets the GIL go while it compiles; admission then takes a ready one, as
+        the server's do): on their own copies of the params, whose frozen spec the engine's clones
+        share, so the caller's objects are left as they were."""
+        wanted = [job for job in jobs if job[3].structured_outputs is not None]
+        if not wanted:
+            return jobs
+        from concurrent.futures import ThreadPoolExecutor
+
+        grammars, own, work = self.engine.grammars, {}, []
+        for job in wanted:
+            params = job[3]
+            if id(params) not in own:
+                own[id(params)] = copy = params.clone()
+                grammars.freeze(copy.structured_outputs)
+            work += [own[id(params)].structured_outputs] * (params.best_of or params.n)
+        if len(work) == 1:
+            grammars.prebuild(work[0], 1)
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(work), os.cpu_count() or 1),
+                                    thread_name_prefix="specdec-grammar") as pool:
+                for done in [pool.submit(grammars.prebuild, spec, 1) for spec in work]:
+                    done.result()                      # a grammar that cannot start: its GrammarError
+        return [(rid, text, ids, own.get(id(params), params), prio, lora) for rid, text, ids, params, prio, lora in jobs]
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []

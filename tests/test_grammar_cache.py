@@ -158,3 +158,40 @@ def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, 
             assert set(json.loads(choice["text"])) == {"a", "b"}
     # 4 matchers, all made on the grammar threads: neither the engine's nor the preparation pool's
     assert len(on_engine) == 4 and all(name.startswith("specdec-grammar") for name in on_engine), on_engine
+
+
+def test_offline_generate_compiles_every_choice_ahead_on_all_cores(tiny_pair, monkeypatch):
+    """LLM.generate compiles its structured choices' matchers before adding them, on grammar
+    threads (llguidance lets the GIL go: the cores compile together), on its own copies: the
+    caller's spec is left as it was, and the outputs are those of compiling at admission."""
+    import threading
+
+    from specdec import SamplingParams
+
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    params = SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=5, structured_outputs=spec)
+    real, where = llguidance.LLMatcher, []
+
+    class Watched:
+        def __call__(self, *a, **k):
+            where.append(threading.current_thread().name)
+            return real(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Watched())
+    out = llm.generate(["x = ", "y = "], params)
+    assert len(where) == 6 and all(name.startswith("specdec-grammar") for name in where), where
+    assert "_frozen" not in spec.__dict__ and "_prebuilt" not in spec.__dict__
+    monkeypatch.setattr(llguidance, "LLMatcher", real)
+    for o in out:
+        for c in o.outputs:
+            assert set(json.loads(c.text)) == {"a", "b"}
+    # the same samples as matchers compiled one by one at admission (the engine's own path)
+    engine = llm.engine
+    reqs = [engine.add_request(llm.tokenizer.encode(p), params, seed_offset=i) for p in ("x = ", "y = ") for i in range(3)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.out for r in reqs] == [list(c.token_ids) for o in out for c in o.outputs]

@@ -351,6 +351,9 @@ def run(args) -> int:
     llm.check_runner("generate")
     if template is None and not llm.tokenizer.chat_template:
         raise ValueError(NO_CHAT_TEMPLATE)                 # before the prompt, not at every message
+    if args.compare and llm.engine.proposer is None:       # as generate --compare
+        raise ValueError("--compare needs a speculative method (this chat decodes plainly: nothing to compare "
+                         "with plain decoding)")
     session = ChatSession(llm, sampling_params(args, llm.generation_defaults), args.system, args.compare, template)
     session.check_params()                                 # flags bad for this model: exit 2 now
     session.measure_reference()

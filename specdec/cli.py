@@ -537,6 +537,9 @@ def run(args) -> int:
         if chat_only:
             raise ValueError(f"{' and '.join(chat_only)} need{'s' if len(chat_only) == 1 else ''} --chat "
                              f"(the prompt as a user message)")
+    if args.show_acceptance and args.json:
+        raise ValueError("--show-acceptance colours the streamed text; --json prints one object instead (its "
+                         "stats say what was accepted)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.prompt == "-" and args.chat:           # a message typed or echoed ends in a newline: not part of it
         prompt = prompt.removesuffix("\n").removesuffix("\r")

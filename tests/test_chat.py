@@ -197,6 +197,7 @@ def test_chat_speedup_estimate_is_against_a_reference_measured_once(chat_llm):
     (["--regex", "("], "regex is invalid"),
     (["--json-schema", '{"type": "nope"}'], "json is invalid"),
     (["--logit-bias", '{"999999": 5}'], "logit_bias token id 999999"),
+    (["--compare"], "--compare needs a speculative method"),      # plain: it skipped the comparison silently
 ])
 def test_chat_checks_its_flags_against_the_model_before_the_first_message(flags, message, capsys, monkeypatch):
     """Flags the engine refuses once the model is known: one line and exit 2 at start-up, as

@@ -62,6 +62,8 @@ def test_generate_streams_text_and_prints_stats(tiny_pair, capsys):
     # plain decoding compared with itself printed a "speedup"
     (["--compare"], "--compare needs a speculative method"),
     (["--speculative-model", "[ngram]", "--num-speculative-tokens", "0", "--compare"], "--compare needs a speculative"),
+    # --json prints one object: the colours were silently dropped
+    (["--show-acceptance", "--json"], "--show-acceptance colours the streamed text"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_pair, capsys, argv, message):
     target, _ = tiny_pair

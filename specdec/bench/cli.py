@@ -61,11 +61,23 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path,
                    help="folder for results.json, results.md and the plots (required); {cpu} in it is replaced by the "
                         "CPU's kind (e.g. bench/{cpu}/smollm2 -> bench/xeon-avx512vnni/smollm2: results kept per machine kind)")
-    sub = p.add_subparsers(dest="bench_command", metavar="{serve}")
+    # argparse reads every word against bench's own flags first: without this, throughput's and
+    # latency's --n (vLLM's) is an ambiguous abbreviation (--num-speculative-tokens, --no-peers)
+    p.add_argument("--n", type=_after_subcommand, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="bench_command", metavar="{serve,throughput,latency}")
+    from .offline import add_latency_arguments, add_throughput_arguments
     from .serve_cli import add_arguments
 
     add_arguments(sub.add_parser("serve", help="an OpenAI server under load (vLLM's `vllm bench serve`): throughput, "
                                  "goodput, TTFT/TPOT/ITL/E2EL, acceptance, plain vs fixed K vs auto"))
+    add_throughput_arguments(sub.add_parser("throughput", help="every prompt through one LLM.generate (vLLM's `vllm "
+                                            "bench throughput`): requests/s, tokens/s, acceptance"))
+    add_latency_arguments(sub.add_parser("latency", help="one batch's end-to-end latency over iterations (vLLM's "
+                                         "`vllm bench latency`): mean and percentiles"))
+
+
+def _after_subcommand(value: str):
+    raise argparse.ArgumentTypeError("goes after `throughput` or `latency` (completions per prompt)")
 
 
 def _top_p(value: str) -> float:
@@ -173,6 +185,10 @@ def run(args) -> int:
 
         words = list(getattr(args, "command_line", []))
         return run_serve(args, words[words.index("serve") + 1:] if "serve" in words else [])
+    if args.bench_command in ("throughput", "latency"):
+        from . import offline
+
+        return offline.run(args)
     if args.out is None:
         raise ValueError("specdec bench: --out is required")
     from . import machine

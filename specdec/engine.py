@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .profiler import StepProfiler, range_of
 from .proposers import Committed, Draft, ProposeItem, Proposer, ProposerCaps, RequestContext
+from .prediction import Prediction
 from .proposers.base import draft_room, merge_committed, prune_tree
 from .sampling import Controls, bad_words_of, make_generator, needs_controls
 from .structured import GrammarCompiler
@@ -209,10 +211,12 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, prediction: list[int] | None = None) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free
         (priority: under scheduling_policy="priority", lower joins first; lora_request: the
-        LoRA adapter it runs with)."""
+        LoRA adapter it runs with; prediction: OpenAI's Predicted Outputs, token ids the output is
+        expected to repeat, drafted from where it does (specdec/prediction.py; a speculative engine
+        with a chain proposer: otherwise counted as rejected))."""
         self.check_priority(priority)
         params = params.clone()            # the request's own: later changes to the caller's do not reach it
         prompt = self.truncated(prompt, params)
@@ -223,12 +227,15 @@ class Engine:
         adapter = self.check_lora(lora_request)
         seed = None if params.seed is None else params.seed + seed_offset
         ctx = RequestContext(params, make_generator(seed, self.target.device), self.target.config.vocab_size,
-                             self.controls(prompt, params), prompt_len=len(prompt))
+                             self.controls(prompt, params), prompt_len=len(prompt),
+                             prediction=self._prediction(prediction))
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                   params.include_stop_str_in_output, params.min_tokens), time.perf_counter(),
                       stream=stream, priority=priority, lora=adapter)
+        if ctx.prediction is not None:
+            req.stats.prediction_tokens = len(ctx.prediction.ids)
         self.scheduler.add(req)
         return req
 
@@ -452,15 +459,44 @@ class Engine:
         if merged:
             self.proposer.update(merged)
 
+    def _prediction(self, ids: list[int] | None):
+        """A request's Predicted Outputs, checked; None for none."""
+        if not ids:
+            return None
+        vocab = self.target.config.vocab_size
+        try:
+            ids = [operator.index(t) if not isinstance(t, bool) else None for t in ids]   # numpy / torch ints too
+        except TypeError:
+            ids = [None]
+        bad = next((t for t in ids if t is None or not 0 <= t < vocab), False)
+        if bad is not False:
+            raise ValueError(f"prediction token ids must be integers in [0, {vocab})"
+                             + (f", got {bad}" if bad is not None else ""))
+        return Prediction.of(ids)
+
     def _propose(self, plan) -> list:
         drafts = [None] * len(plan.decode)
         asks = [(i, ProposeItem(r.request_id, r.seq, k)) for i, (r, k) in enumerate(zip(plan.decode, plan.ks)) if k > 0]
         if not asks:
             return drafts
-        if self._deferred:
+        predicted = {}                    # Predicted Outputs: drafted from the request's prediction where it has one
+        if not self.proposer.caps.tree:
+            for i, ask in asks:
+                r = plan.decode[i]
+                pred = r.ctx.prediction
+                if pred is not None:
+                    tokens = pred.draft(r.seq[r.ctx.prompt_len:], ask.k)
+                    pred.drafted = len(tokens) > 0
+                    if pred.drafted:
+                        predicted[i] = Draft(torch.from_numpy(tokens.copy()))
+            asks = [(i, ask) for i, ask in asks if i not in predicted]
+        if self._deferred and asks:
             self._catch_up([a.request_id for _, a in asks])
-        for (i, ask), draft in zip(asks, self.proposer.propose([a for _, a in asks])):
-            draft = self._well_formed(draft, ask.k)
+        proposed = self.proposer.propose([a for _, a in asks]) if asks else []
+        pairs = [*zip(asks, proposed), *(((i, None), d) for i, d in predicted.items())]
+        for (i, ask), draft in pairs:
+            k = plan.ks[i]
+            draft = self._well_formed(draft, k)
             if draft is None:
                 continue
             if draft.is_tree:
@@ -470,6 +506,9 @@ class Engine:
                 draft = cut_to_grammar(draft, controls.grammar) if draft.k > 0 else draft
                 draft = extend_with_forced(draft, controls.grammar, plan.ks[i])
             drafts[i] = draft if draft is not None and draft.k > 0 else None
+        for i in predicted:
+            if drafts[i] is None:                 # cut away (a grammar): this step drafts nothing from it
+                plan.decode[i].ctx.prediction.drafted = False
         return drafts
 
     def _well_formed(self, draft: Draft | None, k: int) -> Draft | None:
@@ -659,6 +698,11 @@ class Engine:
                     r.cumulative_logprob += sum(x.logprob for x in lps)
                     event.cumulative_logprob = r.cumulative_logprob
             stats.record_step(k, res.accepted, len(event.token_ids))
+            pred = r.ctx.prediction
+            if pred is not None and pred.drafted:
+                pred.accepted += res.accepted
+                pred.drafted = False
+                stats.accepted_prediction_tokens = pred.accepted
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
             stats.wall_time_s = now - r.arrival

@@ -34,6 +34,8 @@ class RequestStats:
     prefill_time_s: float = 0.0      # the prompt's forward (and the proposer's own prefill)
     queue_time_s: float = 0.0        # arrival to the step that first scheduled it
     cached_tokens: int = 0           # prompt tokens found in the prefix cache (not computed)
+    prediction_tokens: int = 0       # Predicted Outputs: the prediction's tokens ...
+    accepted_prediction_tokens: int = 0   # ... and those of them verification kept (drafted from it)
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1
@@ -75,7 +77,8 @@ class RequestStats:
 
     def merge(self, other: "RequestStats") -> None:
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
-                     "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s"):
+                     "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s",
+                     "prediction_tokens", "accepted_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

@@ -39,6 +39,7 @@ class RequestContext:
     vocab_size: int                # the target's logits width: q is padded or cut to it
     controls: Controls | None = None   # penalties, bias, bad words, min_tokens, grammar (None: none)
     prompt_len: int | None = None      # the request's prompt length (None: not given; the suffix cache reads it)
+    prediction: object | None = None   # specdec.prediction.Prediction: OpenAI's Predicted Outputs (the engine drafts from it)
 
     def adjust(self, logits: Tensor, seq: list[int], paths: list[list[int]]) -> Tensor:
         """logits [N, V] (row i after seq + paths[i]) with the request's controls applied, as the

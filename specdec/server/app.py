@@ -241,7 +241,8 @@ def _api_routes(service: Service) -> APIRouter:
         lora = service.lora_request(body.model)
         if body.use_beam_search:
             return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
-        prompts, params, tools = await service.off_loop(service.prepare_chat, body)
+        prompts, params, tools, prediction = await service.off_loop(
+            lambda: (*service.prepare_chat(body), service.prediction_ids(body)))
         await service.compile_grammars(prompts, params)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
@@ -249,7 +250,8 @@ def _api_routes(service: Service) -> APIRouter:
                          service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
                          service.chat_echo(body))
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora, rid), fmt,
+        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora, rid,
+                                                          prediction), fmt,
                               service.model_name(lora, body.model), body, rid)
 
     return router

@@ -155,6 +155,10 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
         None, description="OpenAI: how much a reasoning model thinks; the chat template gets it as reasoning_effort "
                           "(gpt-oss's writes it into its system message)")
+    prediction: dict | None = Field(
+        None, description='OpenAI\'s Predicted Outputs: {"type": "content", "content": text or [{"type": "text", '
+                          '"text": ...}]}, what the reply is expected to repeat; drafted from where it does '
+                          "(lossless: the reply is the same with or without it)")
 
 
 class TokenizeRequest(_Body):

@@ -226,8 +226,15 @@ def usage(gen: Generation, completion_tokens: int) -> dict:
     per = gen.per_prompt
     cached = sum(max((s.cached_tokens for s in gen.stats[p * per:(p + 1) * per] if s is not None), default=0)
                  for p in range(len(gen.prompts)))
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    predicted = [s for s in gen.stats if s is not None and s.prediction_tokens]
+    if predicted:           # OpenAI's Predicted Outputs counts, over the choices
+        accepted = sum(s.accepted_prediction_tokens for s in predicted)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(s.prediction_tokens for s in predicted) - accepted}
+    return out
 
 
 def speculative(gen: Generation) -> dict:

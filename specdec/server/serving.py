@@ -152,7 +152,8 @@ class Service:
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
-                   priority: int = 0, lora_request=None, request_id: str | None = None) -> Generation:
+                   priority: int = 0, lora_request=None, request_id: str | None = None,
+                   prediction: list[int] | None = None) -> Generation:
         """The request's choices queued on the engine. A sampling request without a seed takes the
         server's next one (--seed) here, on the event loop, so seeds go in the order requests reach
         the engine; each of its prompts x choices then samples with its own offset from it."""
@@ -160,7 +161,29 @@ class Service:
         if params.seed is None and self._seeds is not None and not params.greedy:
             params, spread = dataclasses.replace(params, seed=next(self._seeds)), True
         return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
-                          lora_request, request_id, spread_prompts=spread)
+                          lora_request, request_id, spread_prompts=spread, prediction=prediction)
+
+    def prediction_ids(self, req) -> list[int] | None:
+        """OpenAI's Predicted Outputs of a chat request, tokenized as the reply would be (no special
+        tokens); a 400 naming `prediction` for any other shape."""
+        pred = getattr(req, "prediction", None)
+        if pred is None:
+            return None
+        if pred.get("type") != "content" or "content" not in pred or set(pred) - {"type", "content"}:
+            raise APIError(400, 'prediction must be {"type": "content", "content": ...}', "prediction")
+        content = pred["content"]
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, 'prediction.content parts must be {"type": "text", "text": ...}',
+                               "prediction.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, "prediction.content must be a string or a list of text parts", "prediction.content")
+        try:
+            return self.tokenizer.encode(content, add_special_tokens=False) or None
+        except ValueError as e:
+            raise APIError(400, str(e), "prediction.content") from None
 
     def lora_request(self, model: str | None):
         """The LoRA adapter a request's `model` names (None: a base model); 404 for an unknown name."""
@@ -401,7 +424,8 @@ class Generation:
 
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
-                 lora_request=None, request_id: str | None = None, spread_prompts: bool = False):
+                 lora_request=None, request_id: str | None = None, spread_prompts: bool = False,
+                 prediction: list[int] | None = None):
         """spread_prompts: prompt p's choice i samples with seed + p * per_prompt + i (a seed the
         server gave: no two of the request's samples share draws), else with seed + i for every
         prompt (a seed the request gave, as vLLM: identical prompts then draw the same)."""
@@ -413,7 +437,7 @@ class Generation:
         self.per_prompt = params.best_of or params.n
         self._jobs = [Job(ids, params, p * self.per_prompt * spread_prompts + i,
                           partial(_deliver, loop, self._queue, p * self.per_prompt + i),
-                          priority=priority, lora_request=lora_request)
+                          priority=priority, lora_request=lora_request, prediction=prediction)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         if request_id is not None:
             for i, job in enumerate(self._jobs):

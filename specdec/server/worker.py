@@ -42,6 +42,7 @@ class Job:
     name: str = ""                                 # the logs' (the HTTP request's id); default request_id
     priority: int = 0                              # scheduling_policy="priority": lower first
     lora_request: object | None = None             # the LoRA adapter it runs with (specdec.lora.LoRARequest)
+    prediction: list[int] | None = None            # Predicted Outputs: token ids the output is expected to repeat
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -201,7 +202,8 @@ class EngineWorker:
         for job in new:
             try:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
-                                        priority=job.priority, lora_request=job.lora_request)
+                                        priority=job.priority, lora_request=job.lora_request,
+                                        prediction=job.prediction)
             except ValueError as e:
                 self._send(job, e)
                 continue

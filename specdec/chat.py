@@ -184,23 +184,9 @@ class ChatSession:
         yield answer
 
     def _stream(self, engine, ids: list[int], params: SamplingParams):
-        """engine.generate's loop, checking stop_requested between steps: once it is set, the
-        request leaves through engine.abort (its KV blocks and proposer state freed) and the
-        stream ends without a finished event."""
-        req = engine.add_request(ids, params, stream=True)
-        try:
-            while True:
-                while not req.events:
-                    if self.stop_requested:
-                        return
-                    engine.step()
-                event = req.events.popleft()
-                yield event
-                if event.finished:
-                    return
-        finally:
-            if not req.finished:
-                engine.abort(req.request_id)
+        """engine.generate, checking stop_requested between steps: once it is set, the request
+        leaves (its KV blocks and proposer state freed) and the stream ends without a finished event."""
+        return engine.generate(ids, params, stop=lambda: self.stop_requested)
 
     def _run_plain(self, ids: list[int], params: SamplingParams) -> tuple[list[int], RequestStats] | None:
         """Plain decoding of ids: (tokens, stats), or None when interrupt() stopped it."""

@@ -294,13 +294,17 @@ class Engine:
         return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
 
     def generate(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
-                 lora_request: LoRARequest | None = None) -> Iterator[StepEvent]:
+                 lora_request: LoRARequest | None = None, stop: Callable[[], bool] | None = None) -> Iterator[StepEvent]:
         """Stream one request; the last event has finished=True and the final stats. Stepping
-        advances every request in the engine: other requests' events wait in their own queues."""
-        req = self.add_request(prompt, params, seed_offset, stream=True, lora_request=lora_request)
+        advances every request in the engine: other requests' events wait in their own queues.
+        stop(): checked between steps; once true the request leaves (its KV blocks and proposer
+        state freed) and the stream ends without a finished event (chat's Ctrl-C)."""
+        req = self.add_request(prompt, params, seed_offset=seed_offset, stream=True, lora_request=lora_request)
         try:
             while True:
                 while not req.events:
+                    if stop is not None and stop():
+                        return
                     self.step()
                 event = req.events.popleft()
                 yield event

@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 
-from ..cli import add_engine_args, add_model_args, check_device, expand_argv, llm_from_args, positive_int as _positive
+from ..cli import _is_number, add_engine_args, add_model_args, check_device, expand_argv, llm_from_args
+from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .lora import parse_lora_module, runtime_updating_allowed
 
@@ -270,14 +271,6 @@ def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
 def _is_vllm_flag(flag: str) -> bool:
     name = flag.split(" ")[0].split("=")[0].lstrip("-")
     return name in VLLM_FLAGS or (name.startswith("no-") and name[3:] in VLLM_FLAGS)
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-        return True
-    except ValueError:
-        return False
 
 
 def _json_list(value: str) -> list[str]:

@@ -5,24 +5,17 @@ vLLM's module path and flags; the same server as `specdec serve`.
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from . import module_main
 
 PROG = "python -m specdec.entrypoints.openai.api_server"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...model import CheckpointError
     from ...server.cli import run
 
-    try:
-        return run(argparse.Namespace(argv=list(sys.argv[1:] if argv is None else argv)), prog=PROG)
-    except KeyboardInterrupt:
-        return 130
-    except (CheckpointError, ValueError, OSError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return 2
+    return module_main(run, PROG, argv)
 
 
 if __name__ == "__main__":

@@ -356,6 +356,7 @@ class LLM:
         if profiling is not None:
             self.engine.profiler = StepProfiler(profiling)
         self._worker_cls = _worker_class(worker_extension_cls)      # a bad name fails now, not at the first rpc
+        self._worker = None      # made at the first collective_rpc and kept: an extension's state lives on it
         self._counter = 0
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters)
@@ -391,7 +392,7 @@ class LLM:
         method(worker, *args, **kwargs). timeout: vLLM's, for remote workers (none here). As
         apply_model, the weights' views are rebuilt and the prefix cache reset afterwards."""
         self._check_rpc()
-        worker = self._worker_cls(self)
+        worker = self.worker
         if isinstance(method, str):
             fn = getattr(worker, method, None)
             if not callable(fn):
@@ -405,6 +406,14 @@ class LLM:
             return [fn(*args, **(kwargs or {}))]
         finally:
             self._weights_changed()
+
+    @property
+    def worker(self) -> "Worker":
+        """The one worker (vLLM's driver worker, worker_extension_cls mixed in): the same object
+        every collective_rpc, so what an extension keeps on it (a communicator) stays."""
+        if self._worker is None:
+            self._worker = self._worker_cls(self)
+        return self._worker
 
     def _check_rpc(self) -> None:
         if self._leader is not None:
@@ -958,7 +967,7 @@ class Worker:
 
     def __init__(self, llm: LLM):
         self.llm = llm
-        self.model_runner = types.SimpleNamespace(model=llm.target)
+        self.model_runner = _ModelRunner(llm.target)
         self.rank = self.local_rank = 0
         self.world_size = 1
         self.device = llm.target.device
@@ -969,6 +978,32 @@ class Worker:
     def load_weights(self, weights) -> set[str]:
         """model.load_weights(weights): (Hugging Face name, tensor) pairs, in place."""
         return self.model_runner.model.load_weights(weights)
+
+
+class _ModelRunner:
+    """vLLM's worker.model_runner as RL code reaches it: `.model` and get_model()."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+
+class _Executor:
+    """llm.llm_engine.model_executor: vLLM's paths to the one worker
+    (driver_worker.worker.model_runner.model, driver_worker.model_runner.model) and its calls."""
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+        worker = llm.worker
+        self.driver_worker = types.SimpleNamespace(worker=worker, model_runner=worker.model_runner)
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        return self._llm.apply_model(func)
 
 
 def _worker_class(ext) -> type:
@@ -1021,6 +1056,13 @@ class _EngineView:
 
     def get_tokenizer(self, lora_request=None) -> Tokenizer:
         return self._llm.tokenizer
+
+    @property
+    def model_executor(self) -> _Executor:
+        return _Executor(self._llm)
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
 
     def has_unfinished_requests(self) -> bool:
         return self._llm.engine.has_unfinished()

@@ -6,6 +6,7 @@ copies rebuilt, prefix cache reset), speculation included."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +130,70 @@ def test_quantized_weights_are_refused(gguf_files):
     shape = (llm.target.config.num_attention_heads * llm.target.config.head_dim, llm.target.config.hidden_size)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj is kept quantized"):
         llm.apply_model(lambda m: m.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(shape))]))
+
+
+def _perturbed(target: Path, folder: Path, inmemory: bool = False) -> tuple[Path, dict]:
+    """target's weights moved a little, saved by transformers in `folder`; -> (folder, the weights
+    by name: the files' names, or the in-memory module's (named_parameters) with inmemory)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    hf.load_state_dict({n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in hf.state_dict().items()})
+    hf.save_pretrained(folder)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    named = {n: p.detach() for n, p in hf.named_parameters()} if inmemory else load_file(str(folder / "model.safetensors"))
+    return folder, named
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_rotary_rows_are_reordered_as_at_load(arch, tmp_path):
+    """DeepSeek's interleaved rotary rows: the loader reorders them; new weights were written as
+    sent (every output differed from a fresh load of the same weights)."""
+    target = make_checkpoint(tmp_path / "target", arch=arch, seed=0, layers=2)
+    updated, new = _perturbed(target, tmp_path / "updated")
+    llm = LLM(model=str(target), dtype="float32")
+    llm.apply_model(lambda m: m.load_weights(new.items()))
+    fresh = LLM(model=str(updated), dtype="float32")
+    ours, theirs = llm.target.state_dict(), fresh.target.state_dict()
+    assert [n for n in theirs if not torch.equal(ours[n], theirs[n])] == []
+    assert _tokens(llm) == _tokens(fresh)
+
+
+def test_names_that_collide_are_refused_not_dropped(tmp_path):
+    """GraniteMoeShared's in-memory names (what a trainer's named_parameters() gives) differ from its
+    files': the router and the experts' gate/up landed on the same weights as down_proj and were
+    silently lost; now a ValueError before anything is written."""
+    target = make_checkpoint(tmp_path / "target", arch="granitemoeshared", seed=0, layers=2)
+    _, new = _perturbed(target, tmp_path / "updated", inmemory=True)
+    llm = LLM(model=str(target), dtype="float32")
+    before = {n: p.clone() for n, p in llm.target.state_dict().items()}
+    with pytest.raises(ValueError, match="both land on"):
+        llm.apply_model(lambda m: m.load_weights(new.items()))
+    assert all(torch.equal(p, before[n]) for n, p in llm.target.state_dict().items())
+
+
+def test_the_worker_keeps_its_state_and_vllm_paths_reach_the_model(pair):
+    """TRL's init_communicator -> update_named_param keeps a communicator on the worker between
+    calls (a new worker per call lost it); verl and others reach the model through vLLM's paths."""
+    target, _, _, new = pair
+
+    class Sync:
+        def init_communicator(self):
+            self.group = "communicator"
+
+        def update_named_param(self, name, tensor):
+            assert self.group == "communicator"
+            return self.model_runner.get_model().load_weights([(name, tensor)])
+
+    llm = LLM(model=str(target), dtype="float32", worker_extension_cls=Sync)
+    llm.collective_rpc("init_communicator")
+    assert llm.collective_rpc("update_named_param", args=("model.norm.weight", new["model.norm.weight"])) == \
+        [{"model.norm.weight"}]
+    executor = llm.llm_engine.model_executor
+    assert executor.driver_worker.worker.model_runner.model is llm.target
+    assert executor.driver_worker.model_runner.model is llm.target
+    assert executor.collective_rpc(lambda w: w.group) == ["communicator"]

@@ -447,7 +447,8 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
         cfg = dataclasses.replace(cfg, o_bias=True)    # Llama's attention_bias: o_proj's too (a file without
         #                                                one: transformers' zeros, the same model)
     cfg = _untie_stored_head(sd, cfg, folder)
-    if cfg.kv_lora_rank and rope_interleaved(text_config(raw)):
+    interleaved = bool(cfg.kv_lora_rank) and rope_interleaved(text_config(raw))
+    if interleaved:
         sd = deinterleave_rope(sd, cfg)
     packed = {}
     if cfg.model_type == "gpt_oss" and quant == "mxfp4" and quantization != "none":
@@ -501,6 +502,7 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     model.reset_rope(device)  # buffers were left uninitialised on meta
     if kept_packed:
         model.use_fp32_activations()     # packed products take and return fp32
+    model.rope_rows_interleaved = interleaved      # load_weights reorders new rotary rows as these were
     return finish(model, torch_dtype, device)
 
 

@@ -590,6 +590,8 @@ class Transformer(nn.Module):
         # False: the LM head reads the last layer's output unnormed (the EAGLE authors' heads)
         self.final_norm = True
         self.lora = None        # LoRA adapters' slots beside the layers' matrices (set_lora), or None
+        # DeepSeek's interleaved rotary rows were reordered at load (checkpoint.deinterleave_rope): new weights too
+        self.rope_rows_interleaved = False
 
     def load_weights(self, weights) -> set[str]:
         """vLLM's model.load_weights: replace weights in place from (name, tensor) pairs named as
@@ -605,7 +607,21 @@ class Transformer(nn.Module):
         if self.config.model_type == "gpt_oss":
             raise ValueError("load_weights: gpt-oss's MXFP4 experts are kept packed; they cannot be replaced in place")
         given = dict(weights)
+        landed: dict[str, str] = {}
+        for name in given:        # a name the conversion drops, or two that land on one weight: an error
+            outs = hf_to_fused({name: given[name]}, self.config)
+            if not outs and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                raise ValueError(f"load_weights: the model has no weight named {name}")
+            for out in outs:
+                if out in landed:
+                    raise ValueError(f"load_weights: {landed[out]} and {name} both land on {out} (send the names "
+                                     "this architecture's checkpoint files use)")
+                landed[out] = name
         fused = hf_to_fused(given, self.config)
+        if self.config.kv_lora_rank and self.rope_rows_interleaved:
+            from .mla import deinterleave_rope
+
+            fused = deinterleave_rope(fused, self.config)     # DeepSeek's rotary rows, as the loader reorders them
         if self.config.tie_word_embeddings and "lm_head.weight" in given and "model.embed_tokens.weight" not in fused:
             fused["model.embed_tokens.weight"] = given["lm_head.weight"]       # a tied head is the embedding
         own = dict(self.state_dict(keep_vars=True))

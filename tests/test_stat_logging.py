@@ -116,3 +116,35 @@ def test_a_bad_interval_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0")
     assert main(["serve", "--model", str(tmp_path / "none"), "--port", "1"]) == 2
     assert "VLLM_LOG_STATS_INTERVAL must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_request_is_counted_once_however_it_ends(tiny_pair):
+    """An aborted stream's last events could reach the logger after the server had counted its
+    abort (ServerMetrics.finished): its prompt was counted again (the tester saw exactly twice the
+    prompt tokens). The counts now live on each request's stats, so a late event adds only what
+    is new."""
+    import dataclasses
+
+    from specdec import SamplingParams
+    from specdec.server.metrics import ServerMetrics, StatLogger
+
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), speculative_model=str(draft), num_speculative_tokens=3)
+    engine = llm.engine
+    metrics = ServerMetrics(engine, "m")
+    metrics.stat_logger = logger = StatLogger(engine)
+    prompt = llm.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    req = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    events = []
+    for _ in range(4):
+        step = engine.step()
+        events += step
+        metrics.step(engine, step)
+    metrics.finished("abort", req.stats)              # the client left: the server counts the abort ...
+    engine.abort(req.request_id)
+    late = dataclasses.replace(events[-1], token_ids=[], text="")
+    metrics.step(engine, [late])                      # ... and a step already under way still reports it
+    w = logger._window
+    assert w.prompt_tokens == len(prompt)
+    assert w.generation_tokens == sum(len(e.token_ids) for e in events)
+    assert (w.draft_tokens, w.accepted_tokens) == (req.stats.draft_tokens, req.stats.accepted_tokens)

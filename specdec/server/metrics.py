@@ -138,7 +138,6 @@ class StatLogger:
     def __init__(self, engine):
         self.engine = engine
         self._lock = threading.Lock()
-        self._last: dict[int, tuple] = {}           # id(request's stats) -> its counts at the last step
         self._window = self._new_window()
 
     def _new_window(self) -> _Window:
@@ -146,12 +145,13 @@ class StatLogger:
         return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits)
 
     def step(self, events) -> None:
+        """Each event's request counted by what its stats gained since the last step (kept on the
+        stats object itself, so a request that ends any way leaves nothing behind here)."""
         with self._lock:
             w = self._window
             for ev in events:
                 s = ev.stats
-                key = id(s)
-                prev = self._last.get(key)
+                prev = getattr(s, "_logged", None)
                 if prev is None:
                     prev = (0, 0, 0, ())
                     w.prompt_tokens += s.prompt_tokens - s.cached_tokens
@@ -164,15 +164,7 @@ class StatLogger:
                     w.accepted_per_pos += [0] * (len(pos) - len(w.accepted_per_pos))
                 for i, a in enumerate(pos):
                     w.accepted_per_pos[i] += a - (prev[3][i] if i < len(prev[3]) else 0)
-                if ev.finished:
-                    self._last.pop(key, None)
-                else:
-                    self._last[key] = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
-
-    def forget(self, stats) -> None:
-        """A request ended without a finishing step (aborted, failed)."""
-        with self._lock:
-            self._last.pop(id(stats), None)
+                s._logged = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
 
     def log(self, now: float | None = None, force: bool = False) -> list[str]:
         """Log (and return) the interval's lines and open the next interval; nothing when the
@@ -291,8 +283,6 @@ class ServerMetrics:
         self.count(outcome or "stop")
         if stats is None:
             return
-        if self.stat_logger is not None and outcome not in ("stop", "length"):
-            self.stat_logger.forget(stats)
         self.num_drafts.inc(stats.num_drafts)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)

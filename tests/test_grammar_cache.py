@@ -6,6 +6,7 @@ each request's own."""
 from __future__ import annotations
 
 import json
+import time
 
 import llguidance
 import pytest
@@ -195,3 +196,43 @@ def test_offline_generate_compiles_every_choice_ahead_on_all_cores(tiny_pair, mo
     while engine.has_unfinished():
         engine.step()
     assert [r.out for r in reqs] == [list(c.token_ids) for o in out for c in o.outputs]
+
+
+def test_a_client_that_leaves_drops_its_queued_compiles(tiny_pair, monkeypatch):
+    """Grammar compiles of a request whose client left went on to the last one (16 large-schema
+    choices kept the grammar thread busy, and the next structured request waited 29.7 s); now those
+    not started are dropped when the client goes."""
+    import threading
+
+    import httpx
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
+    real, built = llguidance.LLMatcher, []
+
+    class Counted:
+        def __call__(self, *a, **k):
+            built.append(threading.current_thread().name)
+            return real(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counted())
+    big = {"anyOf": [{"type": "object", "additionalProperties": False, "required": [f"f{i}"],
+                      "properties": {f"f{i}": {"type": "string", "pattern": f"^v{i}[a-z]*$"}}} for i in range(2000)]}
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
+        body = {"model": "tiny", "prompt": "x", "n": 16, "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.3)
+        time.sleep(3)
+        settled = len(built)
+        time.sleep(2)
+        assert len(built) == settled < 16, built          # nothing more compiled for the departed client
+        r = httpx.post(f"{live.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "x = ", "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+        assert r.status_code == 200 and set(json.loads(r.json()["choices"][0]["text"])) == {"a", "b"}

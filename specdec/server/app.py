@@ -58,6 +58,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             with contextlib.suppress(ShuttingDown):        # (on the engine's thread, which started it)
                 await asyncio.wrap_future(service.worker.call(lambda engine: profiler.stop()))
         await asyncio.to_thread(service.worker.stop)
+        service.close()
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
     app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
@@ -226,7 +227,8 @@ def _api_routes(service: Service) -> APIRouter:
         if body.use_beam_search:
             return await _until_done(request, beam_completion(service, body, arrival, lora, rid))
         prompts, params = await service.off_loop(service.prepare_completion, body)
-        await service.compile_grammars(prompts, params)
+        if not await _compiled(request, service, prompts, params):
+            return Response(status_code=499)
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
@@ -243,7 +245,8 @@ def _api_routes(service: Service) -> APIRouter:
             return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
         prompts, params, tools, prediction = await service.off_loop(
             lambda: (*service.prepare_chat(body), service.prediction_ids(body)))
-        await service.compile_grammars(prompts, params)
+        if not await _compiled(request, service, prompts, params):
+            return Response(status_code=499)
         # a constrained reply (structured outputs, named or required calls) has no think block
         reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
@@ -314,7 +317,8 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
 
         turn, chat, lora, prompts, params, tools = await service.off_loop(prepare)
         try:
-            await service.compile_grammars(prompts, params)
+            if not await _compiled(request, service, prompts, params):
+                return Response(status_code=499)
         except APIError as e:
             raise renamed(e, message_sources(body, history)) from None
         model = service.model_name(lora, chat.model)
@@ -381,6 +385,24 @@ async def _until_done(request: Request, coro):
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=499)
     return JSONResponse(work.result())
+
+
+async def _compiled(request: Request, service, prompts, params) -> bool:
+    """The request's grammars compiled (Service.compile_grammars), unless the client leaves first:
+    then its compiles not yet started are dropped and False is returned (a 499, as _until_done's)."""
+    if params.structured_outputs is None:
+        return True
+    work = asyncio.ensure_future(service.compile_grammars(prompts, params))
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return False
+    work.result()                     # its APIError (a grammar that cannot start: 400)
+    return True
 
 
 async def _disconnected(request: Request) -> None:

@@ -85,11 +85,20 @@ class Service:
         from ..structured import GrammarError
 
         count = len(prompts) * (params.best_of or params.n)
+        loop = asyncio.get_running_loop()
+        # one matcher a task: a request whose client leaves (this coroutine cancelled) drops those not started
+        jobs = [loop.run_in_executor(self._grammar_pool, self.engine.grammars.prebuild, spec, 1) for _ in range(count)]
         try:
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammars.prebuild,
-                                                             spec, count)
+            await asyncio.gather(*jobs)
         except GrammarError as e:
             raise APIError(400, str(e), "structured_outputs") from None
+        finally:
+            for job in jobs:
+                job.cancel()
+
+    def close(self) -> None:
+        """At shutdown: grammars still queued for requests that will not run are dropped."""
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self._check_generates("Completions")

@@ -277,11 +277,15 @@ def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
     for key, value in data.items():
         if not isinstance(key, str) or not key.strip("-"):
             raise ValueError(f"--config {path}: {key!r} is not a flag name")
-        flag = "--" + key.lstrip("-").replace("_", "-")
+        name, dot, keys = key.lstrip("-").partition(".")    # a JSON flag's key keeps its spelling
+        flag = "--" + name.replace("_", "-") + dot + keys
         if flag == "--config":
             raise ValueError(f"--config {path}: a config file cannot name another (config)")
         if value is None or (flag == "--model" and tag):
             continue                                       # null: the default; MODEL on the command line wins
+        if flag == "--model" and positional_model:
+            words += ["--config-model", str(value)]       # serve: a MODEL given after the options still wins
+            continue
         action = actions.get(flag)
         if isinstance(value, bool):
             if value:
@@ -332,15 +336,25 @@ def _json_value(text: str):
 
 
 def _dotted_json(argv: list[str]) -> list[str]:
+    """A JSON flag's keys one at a time (`--x.a.b V`, `--x.l+ a,b`) folded with the flag's whole
+    JSON (`--x '{...}'`) in the order they come: a whole JSON replaces what came before it (as a
+    flag given twice), a key sets itself over it; one `--x JSON` stands where the last of them
+    stood (so a config file's words, which come first, lose to the command line's)."""
     end = argv.index("--") if "--" in argv else len(argv)
-    groups: list[list[str]] = []         # words, grouped so a flag's dotted keys collapse into one slot
-    dotted: dict[str, dict] = {}
+    dotted = {w.partition("=")[0].partition(".")[0] for w in argv[:end]
+              if w.startswith("--") and "." in w.partition("=")[0] and " " not in w.partition("=")[0]
+              and not _is_number(w)}
+    if not dotted:
+        return argv
+    groups: list[list[str]] = []
+    state: dict[str, dict] = {}
     slot: dict[str, int] = {}
     i = 0
     while i < end:
         word = argv[i]
         name, eq, value = word.partition("=")
-        if not (word.startswith("--") and "." in name and " " not in name and not _is_number(word)):
+        flag, dot, path = name.partition(".")
+        if not (word.startswith("--") and flag in dotted and " " not in name and not _is_number(word)):
             groups.append([word])
             i += 1
             continue
@@ -349,17 +363,23 @@ def _dotted_json(argv: list[str]) -> list[str]:
                 raise ValueError(f"{name} needs a value")
             value, i = argv[i + 1], i + 1
         i += 1
-        flag, _, path = name.partition(".")
+        if flag in slot:
+            groups[slot[flag]] = []                 # it moves to this, the latest, place
+        slot[flag] = len(groups)
+        groups.append([])
+        if not dot:                                  # the whole JSON: replaces
+            whole = _json_value(value)
+            if not isinstance(whole, dict):
+                raise ValueError(f"{flag}: expected a JSON object, got {value!r}")
+            state[flag] = whole
+            continue
         keys = path.split(".")
         append = keys[-1].endswith("+")
         if append:
             keys[-1] = keys[-1][:-1]
         if not all(keys):
             raise ValueError(f"{name}: expected --flag.key[.key...] VALUE")
-        if flag not in slot:
-            slot[flag] = len(groups)
-            groups.append([])
-        obj = dotted.setdefault(flag, {})
+        obj = state.setdefault(flag, {})
         for key in keys[:-1]:
             obj = obj.setdefault(key, {})
             if not isinstance(obj, dict):
@@ -371,35 +391,9 @@ def _dotted_json(argv: list[str]) -> list[str]:
             items += [_json_value(v) for v in value.split(",")]
         else:
             obj[keys[-1]] = _json_value(value)
-    for flag, keys in dotted.items():
-        for g, words in enumerate(groups):        # the flag's own JSON, given whole: the keys merge over it
-            name, eq, value = words[0].partition("=") if words else ("", "", "")
-            if name != flag:
-                continue
-            if not eq:
-                if g + 1 >= len(groups) or len(groups[g + 1]) != 1:
-                    continue
-                value = groups[g + 1][0]
-            base = _json_value(value)
-            if not isinstance(base, dict):
-                continue                           # not JSON: the flag's own type reports it
-            merged = _merge(base, keys)
-            if eq:
-                groups[g] = [f"{flag}={json.dumps(merged)}"]
-            else:
-                groups[g + 1] = [json.dumps(merged)]
-            groups[slot[flag]] = []
-            break
-        else:
-            groups[slot[flag]] = [flag, json.dumps(keys)]
+    for flag, where in slot.items():
+        groups[where] = [flag, json.dumps(state[flag])]
     return [w for words in groups for w in words] + argv[end:]
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def _is_number(word: str) -> bool:
@@ -694,6 +688,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict:
+    action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return action.choices if action is not None else {}
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return _subcommands(parser)[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     from .model import CheckpointError
 
@@ -703,13 +706,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(cmd)
     if cmd in ("generate", "chat", "bench") and "-h" not in words and "--help" not in words:
         try:               # --config FILE, --json-flag.key VALUE (serve expands its own words in run())
-            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
-            words = [cmd, *expand_argv(words[1:], sub if cmd != "bench" else None)]
+            sub = _subparser(parser, cmd)
+            head = [cmd]
+            if cmd == "bench" and len(words) > 1 and words[1] in _subcommands(sub):
+                head, sub = [cmd, words[1]], _subparser(sub, words[1])      # bench serve / throughput / latency
+            words = [*head, *expand_argv(words[len(head):], sub)]
         except ValueError as e:
             print(f"specdec {cmd}: error: {e}", file=sys.stderr)
             return 2
     args = parser.parse_args(words)
     args.command_line = given                                          # for model cards: the exact command
+    args.words = words                                                 # what was parsed (--config's flags in)
     try:
         if getattr(args, "device", None) is not None:
             check_device(args.device)              # before any subcommand loads a model on it

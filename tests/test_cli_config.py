@@ -71,9 +71,12 @@ def test_json_flags_take_their_keys_one_at_a_time():
                                 "--speculative_config.num_speculative_tokens", "2",   # the key keeps its underscores
                                 "--speculative-config.prompt_lookup_max=4"])
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}
-    # merged over the flag's own JSON, wherever it stands; `key+` appends to a list
+    # in order: a whole JSON replaces what came before it (a flag given twice), a key sets itself over it
     args, _ = parse_args(["m", "--speculative-config.num_speculative_tokens", "2",
                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    args, _ = parse_args(["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+                          "--speculative-config.num_speculative_tokens", "2"])
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     args, _ = parse_args(["m", "--hf-overrides.rope_scaling.factor", "4.0", "--override-generation-config.x+", "a,1",
                           "--override-generation-config.x+=c"])
@@ -153,3 +156,34 @@ uvicorn-log-level: warning
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_command_line_wins_over_the_file_for_json_flags_and_the_model(tmp_path):
+    """A tester's findings: a YAML key with a dot was respelt (num_speculative_tokens became
+    num-speculative-tokens, refused); the file's JSON could beat the command line's, or a dotted key
+    on the command line was lost; `serve --port N MODEL --config FILE` said the model was named twice."""
+    dotted = _yaml(tmp_path, "speculative_config.method: ngram\nspeculative_config.num_speculative_tokens: 3\n")
+    assert parse_args(["m", "--config", dotted])[0].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    whole = _yaml(tmp_path, "model: from-file\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    args, _ = parse_args(["--config", whole, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 5} and args.model == "from-file"
+    args, _ = parse_args(["--config", whole, "--speculative-config.num_speculative_tokens", "2"])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    args, _ = parse_args(["--port", "9000", "models/draft", "--config", whole])      # MODEL after the options
+    assert args.model == "models/draft" and args.port == 9000
+    args, _ = parse_args(["--config", whole, "--model", "flag"])
+    assert args.model == "flag"
+
+
+def test_bench_subcommands_read_a_config_file(tiny_pair, tmp_path, capsys):
+    """`bench throughput --config FILE`: the file's flags belong to the subcommand (they landed on
+    bench's own parser: a file holding only `model:` benchmarked the default model)."""
+    import json
+
+    target, _ = tiny_pair
+    cfg = _yaml(tmp_path, f"model: {target}\nnum-prompts: 2\ninput-len: 4\noutput-len: 4\nenable-prefix-caching: false\n")
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--config", cfg, "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 2 and result["settings"]["model"] == str(target)
+    assert "Throughput:" in capsys.readouterr().out

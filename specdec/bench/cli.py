@@ -183,7 +183,7 @@ def run(args) -> int:
     if args.bench_command == "serve":
         from .serve_cli import run as run_serve
 
-        words = list(getattr(args, "command_line", []))
+        words = list(getattr(args, "words", None) or getattr(args, "command_line", []))   # --config's flags in
         return run_serve(args, words[words.index("serve") + 1:] if "serve" in words else [])
     if args.bench_command in ("throughput", "latency"):
         from . import offline

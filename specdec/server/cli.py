@@ -114,6 +114,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     for flag, (key, kind) in LEGACY_SPECULATIVE_FLAGS.items():
         legacy.add_argument(flag, dest=f"legacy_{key}", metavar=key.upper(), help=f"speculative_config's {key}",
                             **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}))
+    p.add_argument("--config-model", help=argparse.SUPPRESS)      # --config's `model` (a MODEL given here wins)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -229,6 +230,8 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
         args.model = tag
+    if args.model is None:
+        args.model = args.config_model
     fold_legacy_speculative(args)
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
 

@@ -76,6 +76,8 @@ def test_a_batch_file_runs_through_the_server(tiny_pair, tmp_path, capsys):
     ([{"custom_id": "a", "method": "POST", "url": "/v1/completions"}], "in.jsonl line 1: missing body"),
     ([{"custom_id": 1, "method": "POST", "url": "/v1/completions", "body": {}}], "custom_id must be a string"),
     ([], "in.jsonl: no requests in it"),
+    ([{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}] * 2,
+     "in.jsonl line 2: custom_id 'a' is already on line 1"),
 ])
 def test_a_bad_input_file_is_one_line_before_the_model_loads(tmp_path, capsys, rows, message):
     src = _write(tmp_path / "in.jsonl", rows)
@@ -89,7 +91,9 @@ def test_bad_paths_are_one_line(tmp_path, capsys):
     good = _write(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}])
     for argv, message in ((["-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "o.jsonl")], "No such file"),
                           (["-i", good, "-o", str(tmp_path / "no" / "o.jsonl")], "no folder"),
-                          (["-i", good, "-o", str(tmp_path)], "is a folder")):
+                          (["-i", good, "-o", str(tmp_path)], "is a folder"),
+                          (["-i", good, "-o", str(tmp_path / "o.jsonl"), "--max-concurrent-requests", "0"],
+                           "--max-concurrent-requests must be >= 1")):
         assert main(["run-batch", *argv, "--model", str(tmp_path / "none")]) == 2
         assert message in capsys.readouterr().err
     from specdec.entrypoints.openai.run_batch import PROG, main as module_main

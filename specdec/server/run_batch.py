@@ -85,6 +85,12 @@ def parse_lines(text: str, source: str) -> list[BatchLine]:
         lines.append(BatchLine(number, obj["custom_id"], obj["method"], obj["url"], obj["body"]))
     if not lines:
         raise ValueError(f"{source}: no requests in it")
+    seen: dict[str, int] = {}
+    for line in lines:       # results are matched by custom_id (OpenAI's Batch API refuses repeats too)
+        if line.custom_id in seen:
+            raise ValueError(f"{source} line {line.number}: custom_id {line.custom_id!r} is already on line "
+                             f"{seen[line.custom_id]} (each request needs its own)")
+        seen[line.custom_id] = line.number
     return lines
 
 
@@ -231,14 +237,14 @@ def run(args, prog: str = PROG) -> int:
               file=sys.stderr)
     if args.replicas or args.autoscale or args.ray_address:
         raise ValueError("run-batch runs in this process: --replicas / --autoscale / --ray-address are serve's")
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        raise ValueError("--max-concurrent-requests must be >= 1")
     text = asyncio.run(_read_input(args.input_file))
     lines = parse_lines(text, args.input_file)                   # before the model loads
     _check_output(args.output_file, args.output_tmp_dir)
     config = server_config(args)
     llm = build_llm(args)
     concurrency = args.max_concurrent_requests or 4 * llm.engine.config.max_num_seqs
-    if concurrency < 1:
-        raise ValueError("--max-concurrent-requests must be >= 1")
     records, metrics, elapsed = asyncio.run(_run_app(llm, config, lines, concurrency))
     asyncio.run(_write_output(args.output_file, records, args.output_tmp_dir))
     ok = sum(r["error"] is None for r in records)

@@ -148,3 +148,28 @@ def test_a_request_is_counted_once_however_it_ends(tiny_pair):
     assert w.prompt_tokens == len(prompt)
     assert w.generation_tokens == sum(len(e.token_ids) for e in events)
     assert (w.draft_tokens, w.accepted_tokens) == (req.stats.draft_tokens, req.stats.accepted_tokens)
+
+
+def test_prompt_tokens_are_counted_per_choice_as_vllm_counts_them(tiny_pair):
+    """n choices are n requests to vLLM's engine, each counting its whole prompt (cached or not)
+    when its prefill is done: /metrics and the log lines count that way, and agree."""
+    target, _ = tiny_pair
+    llm = LLM(model=str(target))
+    app = build_app(llm, ServerConfig(served_model_names=("m",), log_stats_interval=3600))
+    stat = app.state.service.metrics.stat_logger
+    prompt = "def add(a, b):\n    return a + b\n\n" * 3
+    n_prompt = len(llm.tokenizer.encode(prompt))
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            for _ in range(2):                     # the second finds its prompt in the prefix cache
+                body = {"model": "m", "prompt": prompt, "n": 3, "max_tokens": 4, "temperature": 0.5, "seed": 1}
+                status, _ = await asgi_request(app, "POST", "/v1/completions", json.dumps(body).encode(), {})
+                assert status == 200
+            window = stat._window.prompt_tokens
+            _, metrics = await asgi_request(app, "GET", "/metrics", b"", {})
+        return window, metrics.decode()
+
+    window, metrics = asyncio.run(run())
+    counted = float(re.search(r"^specdec:prompt_tokens_total\{[^}]*\} ([\d.e+]+)$", metrics, re.M).group(1))
+    assert counted == window == 2 * 3 * n_prompt

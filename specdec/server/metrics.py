@@ -154,7 +154,7 @@ class StatLogger:
                 prev = getattr(s, "_logged", None)
                 if prev is None:
                     prev = (0, 0, 0, ())
-                    w.prompt_tokens += s.prompt_tokens - s.cached_tokens
+                    w.prompt_tokens += s.prompt_tokens        # vLLM's: the whole prompt, cached or not
                 w.generation_tokens += len(ev.token_ids)
                 w.num_drafts += s.num_drafts - prev[0]
                 w.draft_tokens += s.draft_tokens - prev[1]
@@ -215,7 +215,8 @@ class ServerMetrics:
             PREFIX + "requests", "Completions by outcome: stop, length, abort (client gone), error (the "
             "engine failed, or any other 5xx answer); invalid counts requests to the API answered with a "
             "4xx (a failed request counts once).", [MODEL_LABEL, "outcome"], registry=reg)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose prefill is done (each "
+                                     "choice's, cached or not: vLLM's per-request count).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "

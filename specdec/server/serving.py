@@ -468,7 +468,6 @@ class Generation:
         if self._logger is not None:
             for job in self._jobs:
                 self._logger.received(job)
-        self._metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -506,6 +505,8 @@ class Generation:
 
     def _observe(self, index: int, event: StepEvent) -> None:
         clock, now = self._clocks[index], time.perf_counter()
+        if self.stats[index] is None:      # its prefill is done: its prompt counted, per choice (vLLM's per request)
+            self._metrics.prompt_tokens.inc(len(self.prompt_of(index)))
         self.stats[index] = event.stats
         if event.token_ids:
             self._metrics.generation_tokens.inc(len(event.token_ids))

@@ -716,6 +716,8 @@ class Engine:
                 r.events.append(event)
             if event.finished:
                 r.finish_reason, r.stop_reason = event.finish_reason, event.stop_reason
+                if r.ctx.prediction is not None:
+                    stats.rejected_prediction_tokens = r.ctx.prediction.rejected_by(r.out)
                 self._retire(r)
         for r, _, _ in plan.chunks:
             r.stats.prefill_time_s += step_s

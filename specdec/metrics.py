@@ -36,6 +36,7 @@ class RequestStats:
     cached_tokens: int = 0           # prompt tokens found in the prefix cache (not computed)
     prediction_tokens: int = 0       # Predicted Outputs: the prediction's tokens ...
     accepted_prediction_tokens: int = 0   # ... and those of them verification kept (drafted from it)
+    rejected_prediction_tokens: int = 0   # ... and those not in the output (OpenAI's; set when it finishes)
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1
@@ -78,7 +79,7 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
                      "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s",
-                     "prediction_tokens", "accepted_prediction_tokens"):
+                     "prediction_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

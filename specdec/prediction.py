@@ -7,8 +7,9 @@ request drafts with the engine's proposer as any other. The drafts are verified 
 is, so the output is exactly what the target would have written without them (greedy: identical;
 sampling: the same distribution, a point-mass q as n-gram drafts have).
 
-Counted as OpenAI counts them: accepted_prediction_tokens, the prediction's tokens kept by
-verification; rejected_prediction_tokens, the rest of the prediction's tokens.
+Counted as OpenAI counts them: accepted_prediction_tokens, the prediction's tokens verification
+kept as drafts; rejected_prediction_tokens, the prediction's tokens that do not appear in the
+reply (aligned in order).
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ class Prediction:
         ids = np.asarray(list(ids), dtype=np.int64)
         return cls(ids) if len(ids) else None
 
-    @property
-    def rejected(self) -> int:
-        return max(0, len(self.ids) - self.accepted)
+    def rejected_by(self, output: list[int]) -> int:
+        """OpenAI's rejected_prediction_tokens: the prediction's tokens that do not appear in the
+        output, aligned in order (the longest matching blocks, difflib's), whether or not
+        speculation drafted them."""
+        import difflib
+
+        matcher = difflib.SequenceMatcher(None, self.ids.tolist(), list(output), autojunk=False)
+        return len(self.ids) - sum(block.size for block in matcher.get_matching_blocks())
 
     def draft(self, output: list[int], k: int) -> np.ndarray:
         """Up to k tokens the prediction says come next after `output` (empty: none)."""

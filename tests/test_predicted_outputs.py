@@ -63,6 +63,9 @@ def test_greedy_replies_are_identical_whatever_the_prediction(engines, method):
         assert r.out == out, name
         assert r.stats.prediction_tokens == len(pred)
         assert 0 <= r.stats.accepted_prediction_tokens <= min(len(pred), len(out))
+        # OpenAI's rejected_prediction_tokens: the prediction's tokens not in the reply
+        assert r.stats.rejected_prediction_tokens == {"exact": 0, "edited": 3, "longer": len(out)}.get(
+            name, r.stats.rejected_prediction_tokens)
         if name == "exact":       # K=4: up to 5 tokens a forward while the reply follows it
             assert r.stats.target_forward_passes <= len(out) // 5 + 2 < without.stats.target_forward_passes
             assert r.stats.accepted_prediction_tokens >= len(out) - len(out) // 5 - 2
@@ -124,11 +127,14 @@ def test_the_server_takes_openais_prediction():
             fast = client.chat.completions.create(**ask, prediction=prediction, n=2)
             assert [c.message.content for c in fast.choices] == [text, text]
             details = fast.usage.completion_tokens_details
-            predicted = len(llm.tokenizer.encode(text, add_special_tokens=False))
             assert details.accepted_prediction_tokens > 20
-            assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == 2 * predicted
+            assert details.rejected_prediction_tokens <= 2 * 4      # the reply's own text: (almost) all of it appears
             assert fast.model_extra["speculative"]["target_forward_passes"] < \
                 2 * plain.model_extra["speculative"]["target_forward_passes"]
+        predicted = len(llm.tokenizer.encode(text, add_special_tokens=False))
+        odd = client.chat.completions.create(**ask, prediction={"type": "content", "content": text + " zebra quartz"})
+        extra = len(llm.tokenizer.encode(text + " zebra quartz", add_special_tokens=False)) - predicted
+        assert odd.usage.completion_tokens_details.rejected_prediction_tokens >= extra > 0
         stream = client.chat.completions.create(**ask, prediction={"type": "content", "content": text}, stream=True,
                                                 stream_options={"include_usage": True})
         chunks = list(stream)

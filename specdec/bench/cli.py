@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
 
     # "resolve": bench takes a list of K where generate takes one value
     p = sub.add_parser("bench", conflict_handler="resolve",
-                       help="benchmark speculative methods side by side with transformers' generate")
+                       help="benchmark speculative methods side by side with transformers' generate; "
+                            "bench serve / throughput / latency: vLLM's benchmarks")
     add_model_args(p)
     p.add_argument("--num-speculative-tokens", default=DEFAULT_KS, type=_ks,
                    help=f'comma-separated K values, "auto" included (default {DEFAULT_KS})')

@@ -102,6 +102,10 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
     _output_json(p, "latency")
     # as vLLM's: the same batch every iteration, which a prefix cache would serve from the first
     p.set_defaults(enable_prefix_caching=False)
+    for action in p._actions:
+        if "--enable-prefix-caching" in action.option_strings:
+            action.help = ("reuse cached prompt prefixes (default off here, as vLLM's latency benchmark: every "
+                           "iteration runs the same batch, which a prefix cache would serve from the first)")
 
 
 def run(args) -> int:
@@ -128,6 +132,9 @@ def check_throughput(args) -> None:
         raise ValueError("--spec-bench-category goes with --dataset-name spec_bench")
     if args.skip_chat_template and args.dataset_name != "custom":
         raise ValueError("--skip-chat-template goes with --dataset-name custom")
+    for flag, value in (("--random-input-len", args.random_input_len), ("--random-output-len", args.random_output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.random_input_len is not None:
         args.input_len = args.random_input_len
     if args.input_len is None:

@@ -230,10 +230,9 @@ def usage(gen: Generation, completion_tokens: int) -> dict:
            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
     predicted = [s for s in gen.stats if s is not None and s.prediction_tokens]
     if predicted:           # OpenAI's Predicted Outputs counts, over the choices
-        accepted = sum(s.accepted_prediction_tokens for s in predicted)
         out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": sum(s.prediction_tokens for s in predicted) - accepted}
+            "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in predicted),
+            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in predicted)}
     return out
 
 

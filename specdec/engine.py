@@ -107,6 +107,7 @@ class Engine:
         self._warned_vocab = False      # a draft held a token outside the target's vocabulary (_in_vocab)
         self._warned_draft = False      # a proposer returned a malformed draft (_well_formed)
         self.typical = typical          # (threshold, alpha) of Medusa's typical acceptance: lossy, opt-in
+        self.max_k = max_k
         self.policy = SpeculationPolicy(self.num_speculative_tokens, self.caps.tree and not self.caps.chain, max_k,
                                         self.caps.max_tree_size,
                                         disable_by_batch_size)
@@ -404,7 +405,24 @@ class Engine:
         t = self.clock()
         ks = self.policy.choose(seqs, len(self.scheduler.running), self._pending_prefill(len(decoding)))
         self._choose_s = self.clock() - t
-        return [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
+        ks = [max(0, min(k, s.cap)) for k, s in zip(ks, seqs)]
+        if not self.caps.tree:
+            for i, r in enumerate(decoding):
+                pred = r.ctx.prediction
+                if pred is not None:
+                    ks[i] = self._predicted_k(r, pred, ks[i], seqs[i].cap)
+        return ks
+
+    def _predicted_k(self, r: Request, pred: Prediction, k: int, cap: int) -> int:
+        """Predicted Outputs: while the reply follows its prediction (the last draft from it kept
+        whole), the next draft runs as far as the prediction goes, up to max_k, whatever K the
+        policy chose (a followed prediction is accepted far more often than any drafter)."""
+        pred.peeked = None
+        longest = min(self.max_k, cap)
+        if not pred.following or longest <= k or self._lookahead(longest) > longest + 1:
+            return k
+        pred.peeked = pred.draft(r.seq[r.ctx.prompt_len:], longest)
+        return max(k, len(pred.peeked))
 
     def _pending_prefill(self, decoding: int) -> int:
         """Prompt tokens this step will likely prefill: what running and seatable waiting
@@ -489,7 +507,9 @@ class Engine:
                 r = plan.decode[i]
                 pred = r.ctx.prediction
                 if pred is not None:
-                    tokens = pred.draft(r.seq[r.ctx.prompt_len:], ask.k)
+                    tokens = pred.peeked[:ask.k] if pred.peeked is not None else \
+                        pred.draft(r.seq[r.ctx.prompt_len:], ask.k)
+                    pred.peeked = None
                     pred.drafted = len(tokens) > 0
                     if pred.drafted:
                         predicted[i] = Draft(torch.from_numpy(tokens.copy()))
@@ -705,6 +725,7 @@ class Engine:
             pred = r.ctx.prediction
             if pred is not None and pred.drafted:
                 pred.accepted += res.accepted
+                pred.following = res.accepted == k          # kept whole: the next draft may run longer
                 pred.drafted = False
                 stats.accepted_prediction_tokens = pred.accepted
             if not stats.time_to_first_token_s:

@@ -30,6 +30,8 @@ class Prediction:
     base: int = 0                    # ... proposed when the output held `base` tokens
     drafted: bool = False            # the step now being verified drafts from the prediction
     accepted: int = 0                # prediction tokens verification kept, so far
+    following: bool = True           # its last draft was kept whole: the next one may run longer than K
+    peeked: np.ndarray | None = None  # this step's draft, taken when its length was chosen
 
     @classmethod
     def of(cls, ids) -> Prediction | None:

@@ -66,8 +66,8 @@ def test_greedy_replies_are_identical_whatever_the_prediction(engines, method):
         # OpenAI's rejected_prediction_tokens: the prediction's tokens not in the reply
         assert r.stats.rejected_prediction_tokens == {"exact": 0, "edited": 3, "longer": len(out)}.get(
             name, r.stats.rejected_prediction_tokens)
-        if name == "exact":       # K=4: up to 5 tokens a forward while the reply follows it
-            assert r.stats.target_forward_passes <= len(out) // 5 + 2 < without.stats.target_forward_passes
+        if name == "exact":       # while the reply follows it: drafts of up to 8 (max_k), 9 tokens a forward, K=4 or not
+            assert r.stats.target_forward_passes <= len(out) // 9 + 2 < without.stats.target_forward_passes
             assert r.stats.accepted_prediction_tokens >= len(out) - len(out) // 5 - 2
     edited = _run(llm.engine, prompt, GREEDY, cases["edited"])
     assert edited.stats.accepted_prediction_tokens > 25            # it rejoined after the edit
@@ -145,3 +145,18 @@ def test_the_server_takes_openais_prediction():
                            ({"type": "content", "content": 3}, "prediction.content")):
             r = httpx.post(live.url + "/v1/chat/completions", json={**ask, "extra_body": None, "prediction": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_followed_prediction_drafts_past_the_servers_k(tiny_pair):
+    """K=2 (the default model's): while the reply follows the prediction its drafts run up to max_k
+    (8), not 2; once the reply leaves it, drafts are the policy's K again until one is kept whole."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = list(_run(llm.engine, prompt, GREEDY).out)
+    exact = _run(llm.engine, prompt, GREEDY, out)
+    assert exact.out == out
+    assert exact.stats.target_forward_passes <= len(out) // 9 + 2          # 3 a forward at most with K=2
+    assert len(exact.stats.drafted_per_position) == 8                        # drafts as long as max_k
+    edited = _run(llm.engine, prompt, GREEDY, out[:10] + [3, 4, 5] + out[13:])
+    assert edited.out == out and edited.stats.target_forward_passes < len(out) // 3

@@ -37,6 +37,8 @@ class RequestStats:
     prediction_tokens: int = 0       # Predicted Outputs: the prediction's tokens ...
     accepted_prediction_tokens: int = 0   # ... and those of them verification kept (drafted from it)
     rejected_prediction_tokens: int = 0   # ... and those not in the output (OpenAI's; set when it finishes)
+    # the server's stats lines (server/metrics.StatLogger): these counts as of its last look at them
+    logged: tuple | None = field(default=None, repr=False, compare=False)
 
     def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
         self.target_forward_passes += 1

@@ -46,6 +46,24 @@ def _counting(monkeypatch) -> dict:
     return counts
 
 
+def _builders(monkeypatch) -> list[str]:
+    """llguidance's LLMatcher watched: the names of the threads that construct matchers, in order."""
+    import threading
+
+    names, real = [], llguidance.LLMatcher
+
+    class Watched:
+        def __call__(self, *a, **k):
+            names.append(threading.current_thread().name)
+            return real(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Watched())
+    return names
+
+
 def test_a_checked_grammar_is_not_validated_again(llm, monkeypatch):
     spec = StructuredOutputsParams(json={**SCHEMA, "title": "once"})     # a text no other test validated
     counts = _counting(monkeypatch)
@@ -131,25 +149,13 @@ def test_a_frozen_spec_is_shared_and_not_serialized_again(llm, monkeypatch):
 
 def test_server_requests_with_a_schema_compile_off_the_engine_thread(tiny_pair, monkeypatch):
     """Through a real server: the engine's thread builds no matcher for a structured request."""
-    import threading
-
     import httpx
 
     from specdec.server import ServerConfig, build_app
     from test_server import LiveServer
 
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
-    real, on_engine = llguidance.LLMatcher, []
-
-    class Watched:
-        def __call__(self, *a, **k):
-            on_engine.append(threading.current_thread().name)
-            return real(*a, **k)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(llguidance, "LLMatcher", Watched())
+    on_engine = _builders(monkeypatch)
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
         r = httpx.post(f"{live.url}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": ["x = ", "y = "], "n": 2, "max_tokens": 30, "temperature": 0,
@@ -165,24 +171,14 @@ def test_offline_generate_compiles_every_choice_ahead_on_all_cores(tiny_pair, mo
     """LLM.generate compiles its structured choices' matchers before adding them, on grammar
     threads (llguidance lets the GIL go: the cores compile together), on its own copies: the
     caller's spec is left as it was, and the outputs are those of compiling at admission."""
-    import threading
 
     from specdec import SamplingParams
 
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
     spec = StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=5, structured_outputs=spec)
-    real, where = llguidance.LLMatcher, []
-
-    class Watched:
-        def __call__(self, *a, **k):
-            where.append(threading.current_thread().name)
-            return real(*a, **k)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(llguidance, "LLMatcher", Watched())
+    real = llguidance.LLMatcher
+    where = _builders(monkeypatch)
     out = llm.generate(["x = ", "y = "], params)
     assert len(where) == 6 and all(name.startswith("specdec-grammar") for name in where), where
     assert "_frozen" not in spec.__dict__ and "_prebuilt" not in spec.__dict__
@@ -202,7 +198,6 @@ def test_a_client_that_leaves_drops_its_queued_compiles(tiny_pair, monkeypatch):
     """Grammar compiles of a request whose client left went on to the last one (16 large-schema
     choices kept the grammar thread busy, and the next structured request waited 29.7 s); now those
     not started are dropped when the client goes."""
-    import threading
 
     import httpx
 
@@ -210,17 +205,7 @@ def test_a_client_that_leaves_drops_its_queued_compiles(tiny_pair, monkeypatch):
     from test_server import LiveServer
 
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
-    real, built = llguidance.LLMatcher, []
-
-    class Counted:
-        def __call__(self, *a, **k):
-            built.append(threading.current_thread().name)
-            return real(*a, **k)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(llguidance, "LLMatcher", Counted())
+    built = _builders(monkeypatch)
     big = {"anyOf": [{"type": "object", "additionalProperties": False, "required": [f"f{i}"],
                       "properties": {f"f{i}": {"type": "string", "pattern": f"^v{i}[a-z]*$"}}} for i in range(2000)]}
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:

@@ -373,26 +373,13 @@ async def _respond(request: Request, gen, fmt, model: str, body, response_id: st
     return await _until_done(request, collect(gen, fmt, model, response_id))
 
 
-async def _until_done(request: Request, coro):
-    """The JSON body coro builds, unless the client leaves first (then its work is cancelled)."""
+_GONE = object()
+
+
+async def _unless_gone(request: Request, coro):
+    """coro's result, unless the client leaves first: then its work is cancelled (its engine slots
+    or queued grammar compiles freed at once) and _GONE is returned."""
     work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    await asyncio.gather(gone, return_exceptions=True)
-    if not work.done():
-        work.cancel()               # the client left: cancelling frees its engine slots now
-        await asyncio.gather(work, return_exceptions=True)
-        return Response(status_code=499)
-    return JSONResponse(work.result())
-
-
-async def _compiled(request: Request, service, prompts, params) -> bool:
-    """The request's grammars compiled (Service.compile_grammars), unless the client leaves first:
-    then its compiles not yet started are dropped and False is returned (a 499, as _until_done's)."""
-    if params.structured_outputs is None:
-        return True
-    work = asyncio.ensure_future(service.compile_grammars(prompts, params))
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
@@ -400,9 +387,23 @@ async def _compiled(request: Request, service, prompts, params) -> bool:
     if not work.done():
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
-        return False
-    work.result()                     # its APIError (a grammar that cannot start: 400)
-    return True
+        return _GONE
+    return work.result()
+
+
+async def _until_done(request: Request, coro):
+    """The JSON body coro builds, unless the client leaves first (a 499)."""
+    body = await _unless_gone(request, coro)
+    return Response(status_code=499) if body is _GONE else JSONResponse(body)
+
+
+async def _compiled(request: Request, service, prompts, params) -> bool:
+    """The request's grammars compiled (Service.compile_grammars), unless the client leaves first:
+    then its compiles not yet started are dropped and False is returned (a 499, as _until_done's);
+    a grammar that cannot start raises its APIError (400)."""
+    if params.structured_outputs is None:
+        return True
+    return await _unless_gone(request, service.compile_grammars(prompts, params)) is not _GONE
 
 
 async def _disconnected(request: Request) -> None:

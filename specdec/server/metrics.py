@@ -145,13 +145,13 @@ class StatLogger:
         return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits)
 
     def step(self, events) -> None:
-        """Each event's request counted by what its stats gained since the last step (kept on the
-        stats object itself, so a request that ends any way leaves nothing behind here)."""
+        """Each event's request counted by what its stats gained since the last step (RequestStats.logged:
+        kept on the request's own stats, so a request that ends any way leaves nothing behind here)."""
         with self._lock:
             w = self._window
             for ev in events:
                 s = ev.stats
-                prev = getattr(s, "_logged", None)
+                prev = s.logged
                 if prev is None:
                     prev = (0, 0, 0, ())
                     w.prompt_tokens += s.prompt_tokens        # vLLM's: the whole prompt, cached or not
@@ -164,7 +164,7 @@ class StatLogger:
                     w.accepted_per_pos += [0] * (len(pos) - len(w.accepted_per_pos))
                 for i, a in enumerate(pos):
                     w.accepted_per_pos[i] += a - (prev[3][i] if i < len(prev[3]) else 0)
-                s._logged = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
+                s.logged = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
 
     def log(self, now: float | None = None, force: bool = False) -> list[str]:
         """Log (and return) the interval's lines and open the next interval; nothing when the

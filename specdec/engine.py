@@ -257,11 +257,43 @@ class Engine:
             raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
                              f"(--scheduling-policy priority)")
 
-    def abort(self, request_id: Hashable) -> None:
+    def abort(self, request_id: Hashable) -> StepEvent | None:
+        """The request leaves the engine now, its seat, blocks and proposer state freed. -> its
+        last event (finish_reason "abort", its statistics so far), or None when it is not here."""
         req = next((r for r in itertools.chain(self.scheduler.running, self.scheduler.waiting)
                     if r.request_id == request_id), None)
-        if req is not None:
-            self._retire(req)
+        if req is None:
+            return None
+        self._retire(req)
+        return StepEvent([], "", 0, finished=True, finish_reason="abort", stats=req.stats, request_id=request_id)
+
+    def preempt_all(self) -> int:
+        """Every running request back to the waiting queue, its KV blocks freed, as a preemption
+        does: its prompt and output so far are computed again when it is next scheduled (vLLM's
+        reset_running_requests after new weights: no KV of the old weights stays in use).
+        -> how many were running."""
+        running = list(self.scheduler.running)
+        for r in reversed(running):           # the oldest ends first in the queue, as it was
+            self.scheduler.preempt(r)
+        self._preempted(running)
+        return len(running)
+
+    def weights_changed(self, reset_running_requests: bool = True) -> int:
+        """After the target's weights changed in place: no KV of the old weights is found again
+        (every prefix block forgotten) and, with reset_running_requests, none is read again either
+        (running requests preempted: recomputed with the new weights at their next step; without
+        it they go on over the KV they have). -> how many running requests were reset."""
+        n = self.preempt_all() if reset_running_requests else 0
+        self.blocks.forget_prefixes()
+        return n
+
+    def _preempted(self, reqs) -> None:
+        self.num_preemptions += len(reqs)
+        for r in reqs:
+            if self.proposer is not None:
+                self.proposer.preempt_request(r.request_id)
+                self._deferred.pop(r.request_id, None)
+                self._deferred_rows.pop(r.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (vLLM's reset_prefix_cache); False while requests run."""
@@ -335,12 +367,7 @@ class Engine:
         self._choose_s = 0.0                  # the policy's time this step (_choose_k)
         with range_of(prof, "schedule"):
             plan = self.scheduler.schedule(self._choose_k)
-        self.num_preemptions += len(plan.preempted)
-        for r in plan.preempted:
-            if self.proposer is not None:
-                self.proposer.preempt_request(r.request_id)
-                self._deferred.pop(r.request_id, None)
-                self._deferred_rows.pop(r.request_id, None)
+        self._preempted(plan.preempted)
         for r in plan.admitted:
             if not r.num_preemptions:
                 r.stats.queue_time_s = wall0 - r.arrival

@@ -332,6 +332,7 @@ class LLM:
             # config.json's matryoshka fields, read once (each embed request checks `dimensions`)
             self._hf_config = read_config(model) if Path(model).is_dir() else {}
         self._leader = None
+        self.parallel_size = parallel.tensor_parallel_size
         if parallel.tensor_parallel_size > 1:
             self.target = self._shard(self.target, parallel)
         self.get_default_sampling_params()     # a bad value there fails now, naming the file (not at a request)
@@ -392,6 +393,15 @@ class LLM:
         method(worker, *args, **kwargs). timeout: vLLM's, for remote workers (none here). As
         apply_model, the weights' views are rebuilt and the prefix cache reset afterwards."""
         self._check_rpc()
+        return self.call_worker(method, args, kwargs)
+
+    def call_worker(self, method, args: tuple = (), kwargs: dict | None = None,
+                    reset_running_requests: bool = True) -> list:
+        """collective_rpc without its check that no request runs: a server's engine thread calls
+        it between two steps (POST /collective_rpc), where requests may be in flight; they go on
+        over the KV they have unless reset_running_requests (recomputed)."""
+        if self._leader is not None:
+            raise ValueError("collective_rpc needs tensor_parallel_size 1 (the shards live in other processes)")
         worker = self.worker
         if isinstance(method, str):
             fn = getattr(worker, method, None)
@@ -405,7 +415,58 @@ class LLM:
         try:
             return [fn(*args, **(kwargs or {}))]
         finally:
-            self._weights_changed()
+            self._weights_changed(reset_running_requests)
+
+    def reload_weights(self, weights_path: str | os.PathLike | None = None, state_dict=None,
+                       is_checkpoint_format: bool = True, reset_running_requests: bool = True) -> None:
+        """vLLM's hot weight reload, in place, for the same architecture, sizes and tokenizer:
+        from a checkpoint folder or .gguf (weights_path; neither argument: the model's own path
+        again), or from tensors in memory (state_dict: a module, a mapping or (name, tensor)
+        pairs, with the checkpoint's Hugging Face names, or with is_checkpoint_format=False the
+        engine's own parameter names, `llm.target.named_parameters()`). Nothing is written unless
+        every tensor fits. Afterwards no KV of the old weights is found again (the prefix cache is
+        forgotten) and, with reset_running_requests (vLLM's default), requests in flight (an
+        engine driven step by step: llm_engine.add_request / step) are recomputed with the new
+        weights. The drafter keeps its weights: outputs stay lossless, acceptance may drop."""
+        if weights_path is not None and state_dict is not None:
+            raise ValueError("reload_weights: pass weights_path or state_dict, not both")
+        if state_dict is None:
+            self.install_weights(self.read_weights(weights_path), reset_running_requests)
+            return
+        self._check_reload()
+        if isinstance(state_dict, torch.nn.Module):
+            state_dict = state_dict.state_dict()
+        pairs = list(state_dict.items() if hasattr(state_dict, "items") else state_dict)
+        if is_checkpoint_format:
+            self.target.load_weights(pairs)
+        else:
+            _load_own_names(self.target, pairs)
+        self._weights_changed(reset_running_requests)
+
+    def read_weights(self, weights_path: str | os.PathLike | None = None):
+        """reload_weights' first half, which any thread may run while the engine serves: the
+        model at weights_path (default: the model's own path) loaded as the target was (dtype,
+        quantization, overrides), for install_weights."""
+        self._check_reload()
+        path = str(weights_path) if weights_path is not None else self.model_path
+        if not Path(path).exists():
+            raise ValueError(f"reload_weights: {path} does not exist (a checkpoint folder or a .gguf file)")
+        model, _ = self._load(path, target=True)
+        return model
+
+    def install_weights(self, model, reset_running_requests: bool = True) -> None:
+        """reload_weights' second half, on the engine's thread: read_weights' model copied into
+        the target's tensors (the first difference a ValueError, nothing written), then the KV
+        of the old weights dropped as reload_weights says."""
+        from .model.checkpoint import copy_weights
+
+        self._check_reload()
+        copy_weights(self.target, model)
+        self._weights_changed(reset_running_requests)
+
+    def _check_reload(self) -> None:
+        if self._leader is not None:
+            raise ValueError("reload_weights needs tensor_parallel_size 1 (the shards live in other processes)")
 
     @property
     def worker(self) -> "Worker":
@@ -421,13 +482,13 @@ class LLM:
         if self.engine.has_unfinished():
             raise ValueError("apply_model / collective_rpc while requests are running: call it between generate() calls")
 
-    def _weights_changed(self) -> None:
+    def _weights_changed(self, reset_running_requests: bool = True) -> None:
         from .model.llama import Transformer
 
         for module in _modules_under((self.target, self.engine.proposer)):
             if isinstance(module, Transformer):
                 module.weights_changed()
-        self.engine.reset_prefix_cache()
+        self.engine.weights_changed(reset_running_requests)
 
     def get_metrics(self) -> list:
         """vLLM's LLM.get_metrics(): a snapshot of the engine's counters and gauges under vLLM's
@@ -978,6 +1039,27 @@ class Worker:
     def load_weights(self, weights) -> set[str]:
         """model.load_weights(weights): (Hugging Face name, tensor) pairs, in place."""
         return self.model_runner.model.load_weights(weights)
+
+
+def _load_own_names(model, pairs) -> None:
+    """(name, tensor) pairs under the model's own parameter / buffer names (reload_weights with
+    is_checkpoint_format=False): each cast to its tensor's dtype and written in place, after every
+    name and shape is checked."""
+    own = dict(model.named_parameters())
+    own.update((n, b) for n, b in model.named_buffers() if b is not None)
+    checked = []
+    for name, t in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"reload_weights: {name!r} is a {type(t).__name__}, not a tensor")
+        if name not in own:
+            raise ValueError(f"reload_weights: the model has no {name!r} (is_checkpoint_format=False takes "
+                             f"llm.target.named_parameters()' names; Hugging Face names need is_checkpoint_format=True)")
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"reload_weights: {name} is {list(own[name].shape)}, got {list(t.shape)}")
+        checked.append((own[name], t))
+    with torch.no_grad():
+        for dst, t in checked:
+            dst.copy_(t.to(dst.dtype))
 
 
 class _ModelRunner:

@@ -186,7 +186,7 @@ class Scheduler:
             if not others:
                 return False
             victim = max(others, key=lambda q: q.urgency) if self.by_priority else others[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             plan.preempted.append(victim)
             if victim is r:
                 return False
@@ -208,7 +208,8 @@ class Scheduler:
         self.running.append(r)
         return True
 
-    def _preempt(self, r: Request) -> None:
+    def preempt(self, r: Request) -> None:
+        """r (running) back to waiting, its blocks freed: recomputed when next scheduled."""
         self.running.remove(r)
         self.blocks.remove(r.request_id)
         r.status, r.num_cached = WAITING, 0

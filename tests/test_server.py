@@ -450,6 +450,8 @@ def test_schemathesis_finds_no_server_errors(server):
     failures = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        if operation.path in ("/pause", "/resume"):      # they change the server's state for every other test
+            continue
         # negative data needs something to break: only the POST bodies have it
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
         for mode in modes:

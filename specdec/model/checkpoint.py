@@ -638,3 +638,50 @@ def check_state(folder, what: str, state: dict[str, torch.Tensor], expected: dic
     for k, v in state.items():
         if v.shape != expected[k]:
             raise CheckpointError(f"{folder}: {k} is {tuple(v.shape)}, the config gives {tuple(expected[k])}")
+
+
+def copy_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
+    """src's weights written into dst's own tensors, in place (LLM.reload_weights): every
+    parameter and buffer of every module, and the kernels' packed panels of GGUF matrices
+    (QuantLinear.prepared), so that whatever shares them (a tied head, a drafter reading the
+    target's embedding, the C path's views) sees the new values. The two must be the same model
+    (architecture, sizes, dtypes, quantization): the first difference is a ValueError naming it,
+    raised before anything is written. -> the number of tensors written."""
+    from ..kernels import PreparedQuant
+
+    mods_d, mods_s = dict(dst.named_modules()), dict(src.named_modules())
+    if mods_d.keys() != mods_s.keys():
+        diff = sorted(mods_d.keys() ^ mods_s.keys())[0]
+        raise ValueError(f"the new weights' model differs from the engine's: module {diff!r} is in "
+                         f"{'the engine' if diff in mods_d else 'the new weights'} only")
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for name, d in mods_d.items():
+        s = mods_s[name]
+        if type(d) is not type(s):
+            raise ValueError(f"the new weights' model differs from the engine's: {name or 'the model'} is a "
+                             f"{type(s).__name__} there, a {type(d).__name__} here (another quantization?)")
+        for kind in ("_parameters", "_buffers"):
+            td, ts = getattr(d, kind), getattr(s, kind)
+            for key in sorted(td.keys() | ts.keys()):
+                a, b = td.get(key), ts.get(key)
+                if (a is None) != (b is None):
+                    raise ValueError(f"the new weights' model differs from the engine's: {name}.{key} is "
+                                     f"{'missing' if b is None else 'extra'} there")
+                if a is not None:
+                    pairs.append((f"{name}.{key}".lstrip("."), a, b))
+        for key, a in vars(d).items():
+            if isinstance(a, PreparedQuant):
+                b = getattr(s, key, None)
+                if not isinstance(b, PreparedQuant) or (b.qtype, b.n, b.k) != (a.qtype, a.n, a.k):
+                    raise ValueError(f"the new weights' model differs from the engine's: {name} is "
+                                     f"{a.qtype} [{a.n}, {a.k}] here, not there")
+                pairs.append((f"{name}.{key}", a.data, b.data))
+    for name, a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"the new weights' model differs from the engine's: {name} is {b.dtype} "
+                             f"{list(b.shape)} there, {a.dtype} {list(a.shape)} here")
+    with torch.no_grad():
+        for _, a, b in pairs:
+            if a.data_ptr() != b.data_ptr():
+                a.copy_(b)
+    return len(pairs)

@@ -186,6 +186,16 @@ class BlockManager:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         return True
 
+    def forget_prefixes(self) -> None:
+        """No block findable from now on, held or not (new weights: KV computed with the old ones
+        must not be found by a later prompt); those nobody holds become free. Unlike
+        reset_prefix_cache it works while sequences hold blocks: a held block that loses its key
+        is freed as a private one, and a sequence's later blocks chain from keys nobody finds."""
+        self._by_hash.clear()
+        self._hash_of.clear()
+        self._free.extend(self._idle)
+        self._idle.clear()
+
     def cached_prefix(self, tokens: Sequence[int], root: bytes = b"") -> list[int]:
         """The registered blocks that hold the longest run of tokens' full blocks from the start
         (root: what else the keys and values depend on, a LoRA adapter: part of every hash)."""

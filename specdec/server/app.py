@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from .. import __version__
 from ..llm import LLM
 from .config import ServerConfig
+from .control import dev_routes, pause_routes
 from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
@@ -74,6 +75,9 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     if service.engine.profiler is not None:
         api.append(_profile_routes(service))
     for router in api:
+        app.include_router(router, responses=_ERRORS)
+    # control routes (vLLM's RLHF router; its development routes with VLLM_SERVER_DEV_MODE=1)
+    for router in [pause_routes(service), *([dev_routes(service)] if config.dev_mode else [])]:
         app.include_router(router, responses=_ERRORS)
     # middleware added later wraps what was added before (the last one sees a request first)
     if config.enable_server_load_tracking:

@@ -17,6 +17,7 @@ import sys
 from ..cli import _is_number, add_engine_args, add_model_args, check_device, expand_argv, llm_from_args
 from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
+from .control import dev_mode
 from .lora import parse_lora_module, runtime_updating_allowed
 
 # vLLM's dtype spellings that add_model_args does not list
@@ -305,6 +306,7 @@ def server_config(args):
                         reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
                         max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),
                         allow_runtime_lora_updating=runtime_updating_allowed(),
+                        dev_mode=dev_mode(),
                         enable_request_id_headers=args.enable_request_id_headers,
                         enable_server_load_tracking=args.enable_server_load_tracking,
                         log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval())

@@ -32,6 +32,7 @@ class ServerConfig:
     # LoRA adapters served under their names (vLLM's --lora-modules; the LLM needs enable_lora=True)
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False   # /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's variable)
+    dev_mode: bool = False     # VLLM_SERVER_DEV_MODE: /reload_weights, /collective_rpc, /reset_prefix_cache, ... (control.py)
     # vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's, or a
     # new one), which the completion ids and the request log also use
     enable_request_id_headers: bool = False

@@ -505,7 +505,9 @@ class Generation:
 
     def _observe(self, index: int, event: StepEvent) -> None:
         clock, now = self._clocks[index], time.perf_counter()
-        if self.stats[index] is None:      # its prefill is done: its prompt counted, per choice (vLLM's per request)
+        # its prefill is done: its prompt counted, per choice (vLLM's per request); not for a choice
+        # aborted before it (POST /pause)
+        if self.stats[index] is None and (event.finish_reason != "abort" or event.stats.output_tokens):
             self._metrics.prompt_tokens.inc(len(self.prompt_of(index)))
         self.stats[index] = event.stats
         if event.token_ids:

@@ -51,6 +51,10 @@ class ShuttingDown(RuntimeError):
     pass
 
 
+# vLLM's pause modes (POST /pause?mode=): in-flight requests aborted, waited for, or frozen
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class EngineWorker:
     def __init__(self, engine: Engine, on_step: Callable[[Engine, list[StepEvent]], None] | None = None):
         self.engine = engine
@@ -62,6 +66,10 @@ class EngineWorker:
         self._calls: deque[tuple[Callable[[Engine], object], Future]] = deque()   # call(): run between steps
         self._ids = itertools.count()
         self._closing = False
+        # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
+        # while holding (pause mode "wait", draining) the running ones go on and new ones wait
+        self._paused = self._holding = False
+        self._pauses: list[tuple[Future, str, bool]] = []   # pause() calls not yet settled: (future, mode, clear_cache)
         # a step's events, handed over when the next forward starts (or before the thread waits):
         # the event loop's work on them then overlaps that forward, which runs without the GIL,
         # instead of taking the GIL from the next step's drafting and scheduling
@@ -131,11 +139,58 @@ class EngineWorker:
         _run(fn, self.engine, future)
         return future
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> Future:
+        """vLLM's pause_generation, before weights change: from now on no new job enters the
+        engine (they wait, and run after resume()); mode "abort" ends every job submitted so far
+        (finish_reason "abort", the output so far), "wait" lets the engine's requests finish
+        first, "keep" freezes them where they are (no step runs; they go on after resume()).
+        clear_cache (abort, wait): the prefix cache is forgotten once nothing runs. The Future
+        is done when the engine is paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        future: Future = Future()
+        waited = []
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            if mode == "keep" or (self._paused and mode == "wait"):
+                self._paused = True          # a step under way ends first; none starts after it
+                # pauses draining ("wait") are paused now too; an "abort" still aborts
+                waited = [p for p in self._pauses if p[1] == "wait"] + [(future, mode, clear_cache)]
+                self._pauses = [p for p in self._pauses if p[1] != "wait"]
+                self._holding = bool(self._pauses)
+            else:
+                self._holding = True
+                self._pauses.append((future, mode, clear_cache))
+            self._cond.notify()
+        for f, _, _ in waited:
+            f.set_result(None)
+        return future
+
+    def resume(self) -> None:
+        """vLLM's resume_generation: steps run again and the waiting jobs enter the engine (a
+        pause still draining is settled as it stands)."""
+        with self._cond:
+            self._paused = self._holding = False
+            pending, self._pauses = self._pauses, []
+            self._cond.notify()
+        for future, _, _ in pending:
+            future.set_result(None)
+
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new jobs, let the queued and running ones finish, then end the thread."""
+        """Refuse new jobs, let the queued and running ones finish, then end the thread (a
+        paused engine resumes for that)."""
         with self._cond:
             self._closing = True
+            self._paused = self._holding = False
+            pending, self._pauses = self._pauses, []
             self._cond.notify()
+        for future, _, _ in pending:
+            future.set_exception(ShuttingDown("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive() and self.engine.before_forward == self._hand_over:
@@ -181,15 +236,17 @@ class EngineWorker:
     def _between_steps(self) -> bool:
         """Apply cancellations and admit new jobs; wait while there is nothing to do. False
         when closing and everything has finished."""
-        if not self.engine.has_unfinished():
+        if not self.engine.has_unfinished() or self._paused:
             self._hand_over()                # no forward is coming to carry them
         with self._cond:
-            while not (self._inbox or self._cancels or self._calls or self.engine.has_unfinished()):
+            while not self._has_work():
                 if self._closing:
                     return False
                 self._cond.wait()
-            new, cancels, calls = list(self._inbox), list(self._cancels), list(self._calls)
-            self._inbox.clear()
+            admit = not (self._paused or self._holding)
+            new, cancels, calls = list(self._inbox) if admit else [], list(self._cancels), list(self._calls)
+            if admit:
+                self._inbox.clear()
             self._cancels.clear()
             self._calls.clear()
             for job in new:
@@ -216,7 +273,43 @@ class EngineWorker:
                 self._send(job, e)
                 continue
             self._jobs[job.request_id] = job
+        if self._pauses:
+            self._settle_pauses()
         return True
+
+    def _has_work(self) -> bool:
+        """Under the lock: something for the thread to do now."""
+        stepping = self.engine.has_unfinished() and not self._paused
+        admitting = bool(self._inbox) and not (self._paused or self._holding)
+        return bool(stepping or admitting or self._cancels or self._calls or self._pauses)
+
+    def _settle_pauses(self) -> None:
+        """The pending pause() calls: abort what they abort; once nothing runs, paused."""
+        with self._cond:
+            pauses = list(self._pauses)
+            queued = [j for j in self._inbox if not j.cancelled] if any(m == "abort" for _, m, _ in pauses) else []
+            for job in queued:
+                self._inbox.remove(job)
+        if any(mode == "abort" for _, mode, _ in pauses):
+            for rid, job in list(self._jobs.items()):
+                event = self.engine.abort(rid)
+                del self._jobs[rid]
+                self._pending.append((job, event or StepEvent([], "", 0, finished=True, finish_reason="abort",
+                                                              request_id=rid)))
+            for job in queued:
+                self._pending.append((job, StepEvent([], "", 0, finished=True, finish_reason="abort",
+                                                     request_id=job.request_id)))
+            self._hand_over()
+        if self.engine.has_unfinished():
+            return                           # "wait": the running requests go on until they finish
+        if any(clear for _, _, clear in pauses):
+            self.engine.reset_prefix_cache()
+        with self._cond:
+            settled = [p for p in self._pauses if p in pauses]
+            self._pauses = [p for p in self._pauses if p not in pauses]
+            self._paused, self._holding = True, bool(self._pauses)
+        for future, _, _ in settled:
+            future.set_result(None)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, job in list(self._jobs.items()):

@@ -1,0 +1,159 @@
+"""vLLM's control endpoints, outside /v1 as there (no API key, as vLLM's middleware checks /v1
+only: put them behind the network's own guard).
+
+Always (vLLM's RLHF router): `POST /pause?mode=abort|wait|keep&clear_cache=true` (no new request
+enters the engine until /resume; in-flight ones are aborted with finish_reason "abort", waited
+for, or frozen in place), `POST /resume`, `GET /is_paused`, `GET /get_world_size`.
+
+With VLLM_SERVER_DEV_MODE=1 (vLLM's development routes, privileged: they change what the server
+computes): `POST /reload_weights` {"weights_path", "reset_running_requests"} (the same model's
+weights from a folder or .gguf, in place; loaded off the engine's thread, copied in between two
+steps), `POST /collective_rpc` {"method", "args", "kwargs", "timeout"} -> {"results": [...]},
+`POST /reset_prefix_cache?reset_running_requests=false`, `POST /reset_mm_cache`, and sleep mode's
+`POST /sleep`, `POST /wake_up`, `GET /is_sleeping` (no sleep mode here: /sleep is a 400 saying so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict
+
+from .errors import APIError
+from .worker import PAUSE_MODES
+
+log = logging.getLogger("specdec.server")
+
+DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode(environ=os.environ) -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE: "1" or "true"."""
+    return environ.get(DEV_MODE_VARIABLE, "0").strip().lower() in ("1", "true")
+
+
+async def _on_engine(service, fn):
+    """fn(engine) on the engine's thread between two steps; a ValueError is the client's 400."""
+    try:
+        return await asyncio.wrap_future(service.worker.call(fn))
+    except ValueError as e:
+        raise APIError(400, str(e).splitlines()[0] if str(e) else "invalid request") from None
+
+
+def pause_routes(service) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/pause")
+    async def pause(mode: str = Query("abort"), wait_for_inflight_requests: bool = Query(False),
+                    clear_cache: bool = Query(True)):
+        """vLLM's pause_generation (before a weight update)."""
+        if wait_for_inflight_requests:      # vLLM's older spelling of mode=wait
+            mode = "wait"
+        if mode not in PAUSE_MODES:
+            raise APIError(400, f"Invalid pause mode: {mode!r}. Must be one of {list(PAUSE_MODES)}.", "mode")
+        await asyncio.wrap_future(service.worker.pause(mode, clear_cache))
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume():
+        service.worker.resume()
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": service.worker.paused}
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: bool = Query(True)):
+        """Ranks a trainer's weight-transfer group must count (tensor parallel x data parallel:
+        one data-parallel rank here)."""
+        return {"world_size": service.llm.parallel_size}
+
+    return router
+
+
+class ReloadWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weights_path: str | None = None
+    reset_running_requests: bool = True
+
+
+class CollectiveRpcRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+
+
+def _jsonable(value):
+    """A result as JSON carries it: itself when it serializes, else its repr (a tensor, a set)."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def dev_routes(service) -> APIRouter:
+    router = APIRouter()
+    llm = service.llm
+
+    @router.post("/reload_weights")
+    async def reload_weights(body: ReloadWeightsRequest | None = None):
+        body = body or ReloadWeightsRequest()
+        try:                                 # the load runs beside the engine, which keeps serving
+            model = await asyncio.to_thread(llm.read_weights, body.weights_path)
+        except ValueError as e:
+            raise APIError(400, str(e).splitlines()[0], "weights_path") from None
+        await _on_engine(service, lambda engine: llm.install_weights(model, body.reset_running_requests))
+        log.info("weights reloaded from %s", body.weights_path or llm.model_path)
+        return {"status": "ok", "weights_path": body.weights_path or llm.model_path}
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcRequest):
+        results = await _on_engine(service, lambda engine: llm.call_worker(body.method, tuple(body.args), body.kwargs,
+                                                                           reset_running_requests=False))
+        return {"results": [_jsonable(r) for r in results]}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
+        def reset(engine):
+            if reset_running_requests:
+                engine.preempt_all()
+            return engine.blocks.reset_prefix_cache()
+        if not await _on_engine(service, reset):
+            raise APIError(409, "requests in flight hold KV blocks: the prefix cache was not reset "
+                                "(reset_running_requests=true recomputes them)", "reset_running_requests")
+        return Response(status_code=200)
+
+    @router.post("/reset_mm_cache")
+    async def reset_mm_cache():
+        return Response(status_code=200)     # no multimodal inputs here: nothing cached
+
+    @router.post("/sleep")
+    async def sleep(level: int = Query(1)):
+        try:
+            llm.sleep(level)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return Response(status_code=200)
+
+    @router.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)):
+        try:
+            llm.wake_up(tags)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return Response(status_code=200)
+
+    @router.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": llm.is_sleeping()}
+
+    return router

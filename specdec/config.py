@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 import os
 from dataclasses import dataclass, field
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each RequestOutput of a streamed request (AsyncLLM.generate) carries. CUMULATIVE:
+    each completion's text and tokens so far; DELTA: only what is new since the last one; FINAL_ONLY:
+    one output, at the end. LLM.generate returns final outputs whatever it says."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 MAX_STOP_STRINGS = 16         # each is looked for in the new text at every token, on the engine thread
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -124,6 +134,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
     guided_decoding: StructuredOutputsParams | None = None   # vLLM < 0.11's name of structured_outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # AsyncLLM.generate's outputs (vLLM's)
 
     def __setattr__(self, name, value):
         """After construction an assignment is validated like the constructor's arguments (a bad
@@ -188,6 +199,10 @@ class SamplingParams:
                    "must be a non-empty list of token ids >= 0", ids)
             object.__setattr__(self, "allowed_token_ids", list(ids))
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "must be a dict", self.extra_args)
+        kinds = [k.value for k in RequestOutputKind]
+        _check(_int(self.output_kind) and self.output_kind in kinds, "output_kind",
+               "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)", self.output_kind)
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         self._check_controls()
         object.__setattr__(self, "_ready", True)
 

@@ -1,0 +1,161 @@
+"""vLLM's AsyncLLM / AsyncLLMEngine: concurrent generate() streams batched by one engine thread,
+their outputs those of the offline LLM (greedy and seeded, speculation on), in each of vLLM's
+output kinds; abort, a consumer that stops, bad input, pause / resume, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec import (LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, RequestOutputKind, SamplingParams,
+                     TokensPrompt)
+from specdec.server.worker import ShuttingDown
+
+PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):", "# a comment"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    eng = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(target), speculative_model=str(draft),
+                                                    num_speculative_tokens=3))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_pair):
+    target, draft = tiny_pair
+    return LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3)
+
+
+async def _collect(engine, prompt, params, rid):
+    return [o async for o in engine.generate(prompt, params, rid)]
+
+
+def test_concurrent_streams_equal_the_offline_llm(engine, offline):
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=2, ignore_eos=True, logprobs=2)
+
+    async def main():
+        return await asyncio.gather(*[_collect(engine, p, greedy, f"g{i}") for i, p in enumerate(PROMPTS)],
+                                    _collect(engine, PROMPTS[0], seeded, "s"))
+    *streams, sampled = asyncio.run(main())
+    want = offline.generate(PROMPTS, greedy)
+    for outs, ref in zip(streams, want):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1]) and len(outs) > 1
+        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        assert outs[-1].outputs[0].text == ref.outputs[0].text
+        # cumulative (vLLM's default): each output extends the one before
+        texts = [o.outputs[0].text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert outs[-1].prompt_token_ids == ref.prompt_token_ids and outs[-1].request_id.startswith("g")
+    (ref,) = offline.generate(PROMPTS[0], seeded)
+    final = sampled[-1]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ref.outputs]
+    assert [len(c.logprobs) for c in final.outputs] == [40, 40]
+    assert [[next(iter(lp)) for lp in c.logprobs] for c in final.outputs] == \
+        [[next(iter(lp)) for lp in c.logprobs] for c in ref.outputs]
+    assert final.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+    assert final.metrics.output_tokens == 80 and final.metrics.target_forward_passes > 0
+
+
+def test_output_kinds(engine):
+    def params(kind, n=1):
+        return SamplingParams(max_tokens=30, temperature=0.8, seed=3, n=n, ignore_eos=True, output_kind=kind)
+
+    async def main():
+        return await asyncio.gather(_collect(engine, PROMPTS[2], params(RequestOutputKind.CUMULATIVE, 2), "c"),
+                                    _collect(engine, PROMPTS[2], params(RequestOutputKind.DELTA, 2), "d"),
+                                    _collect(engine, PROMPTS[2], params(RequestOutputKind.FINAL_ONLY, 2), "f"))
+    cumulative, delta, final = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished
+    for i in range(2):
+        whole = cumulative[-1].outputs[i]
+        parts = [c for o in delta for c in o.outputs if c.index == i]
+        assert "".join(c.text for c in parts) == whole.text == final[0].outputs[i].text
+        assert [t for c in parts for t in c.token_ids] == whole.token_ids
+        assert parts[-1].finish_reason == "length" and all(c.finish_reason is None for c in parts[:-1])
+
+
+def test_abort_and_a_consumer_that_stops(engine):
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for o in engine.generate(TokensPrompt(prompt_token_ids=[1, 2, 3]), long, "a"):
+            outs.append(o)
+            if len(outs) == 3:
+                await engine.abort("a")
+        stopped = 0
+        async for _ in engine.generate(PROMPTS[0], long, "b"):
+            stopped += 1
+            if stopped == 2:
+                break                        # the request is aborted: its seat and blocks come back
+        await asyncio.sleep(0.2)
+        return outs
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200
+    assert not engine.llm.engine.has_unfinished()
+
+
+def test_bad_input_is_a_value_error(engine):
+    async def first(prompt, params, rid):
+        async for o in engine.generate(prompt, params, rid):
+            return o
+
+    ok = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="a prompt must be"):
+        asyncio.run(first(3.5, ok, "x"))
+    with pytest.raises(ValueError, match="best_of"):
+        asyncio.run(first("hi", SamplingParams(n=1, best_of=2), "x"))
+    with pytest.raises(ValueError, match="request_id"):
+        asyncio.run(first("hi", ok, ""))
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)
+
+    async def twice():
+        gen = engine.generate("hi", SamplingParams(max_tokens=50, ignore_eos=True), "same")
+        await gen.__anext__()
+        try:
+            await first("hi", ok, "same")
+        finally:
+            await gen.aclose()
+    with pytest.raises(ValueError, match="already running"):
+        asyncio.run(twice())
+
+
+def test_pause_resume_and_alias(engine):
+    assert AsyncLLMEngine is AsyncLLM
+
+    async def main():
+        await engine.pause_generation(mode="keep")
+        assert await engine.is_paused()
+        task = asyncio.create_task(_collect(engine, PROMPTS[1], SamplingParams(max_tokens=8, temperature=0), "p"))
+        await asyncio.sleep(0.3)
+        assert not task.done()               # held while paused
+        await engine.resume_generation()
+        outs = await task
+        with pytest.raises(ValueError, match="pause mode"):
+            await engine.pause_generation(mode="never")
+        return outs
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert asyncio.run(engine.collective_rpc(lambda worker: worker.rank)) == [0]
+
+
+def test_shutdown(tiny_pair):
+    eng = AsyncLLM(model=str(tiny_pair[0]))
+    assert eng.is_running
+    eng.shutdown()
+    assert eng.is_stopped and not eng.errored
+
+    async def first():
+        async for o in eng.generate("hi", SamplingParams(max_tokens=2), "z"):
+            return o
+    with pytest.raises(ShuttingDown):
+        asyncio.run(first())
+    # the LLM is the offline one again
+    assert eng.llm.generate("hi", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids

@@ -18,6 +18,9 @@ aborted, the turn is not kept); at the prompt it quits.
 gpt-oss writes harmony replies (server/reasoning.py): its analysis goes to stderr as it comes,
 its answer to stdout, and only the answer joins the conversation (gpt-oss's template drops
 earlier turns' analysis anyway).
+
+With --url, --model-name or --api-key (vLLM's `vllm chat` flags) the chat loads no model: it talks
+to that running OpenAI-compatible server instead (client_cli.py), with the same input and commands.
 '''
 
 from __future__ import annotations
@@ -57,7 +60,19 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_engine_args(p)
     add_sampling_args(p, 256)
-    p.add_argument("--system", help="a system message starting the conversation")
+    p.add_argument("--system", "--system-prompt", dest="system", help="a system message starting the conversation "
+                                                                      "(--system-prompt: vLLM's name)")
+    # vLLM's client flags: with any of --url, --model-name, --api-key the chat talks to that server
+    # (client_cli.py) instead of loading a model. -q is vLLM's --quick there, --quantization here.
+    from .client_cli import add_client_args
+
+    add_client_args(p)
+    quantization = next(a for a in p._actions if a.dest == "quantization")
+    quantization.option_strings.remove("-q")
+    del p._option_string_actions["-q"]
+    p.add_argument("-q", dest="q", metavar="MESSAGE|METHOD",
+                   help="with a server (--url ...): --quick MESSAGE; else --quantization METHOD")
+    p.add_argument("--quick", metavar="MESSAGE", help="send this one message, print the answer, exit (vLLM's)")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template itself, instead of the "
                                            "tokenizer's (as serve's)")
     p.add_argument("--compare", action="store_true",
@@ -331,6 +346,24 @@ def command(session: ChatSession, text: str) -> bool:
 
 
 def run(args) -> int:
+    from . import client_cli
+
+    remote = client_cli.wants_server(args)
+    args.quick = getattr(args, "quick", None)
+    if getattr(args, "q", None) is not None:                                 # -q: --quick with a server, --quantization here
+        if remote:
+            if args.quick is not None:
+                raise ValueError("-q is --quick with --url: give the message once")
+            args.quick = args.q
+        else:
+            choices = next(a for a in _own_parser(args)._actions if a.dest == "quantization").choices
+            if args.q not in choices:
+                raise ValueError(f"argument --quantization/-q: invalid choice: {args.q!r} (choose from "
+                                 f"{', '.join(choices)})")
+            args.quantization = args.q
+    if remote:
+        client_cli.check_local_flags(args, _own_parser(args))
+        return client_cli.run_chat(args)
     sampling_params(args, {})                              # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args)
@@ -344,10 +377,11 @@ def run(args) -> int:
     session.check_params()                                 # flags bad for this model: exit 2 now
     session.measure_reference()
     reader = LineReader()
+    quick = [(args.quick, True)] if args.quick is not None else None       # --quick: one message, kept as typed
     print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits, "
           f"/help for more.", file=sys.stderr)
     while True:
-        message = reader.message()
+        message = reader.message() if quick is None else (quick.pop() if quick else None)
         if message is None:
             return 0
         text, block = message
@@ -372,6 +406,8 @@ def run(args) -> int:
                         sys.stdout.write(answer)
                         sys.stdout.flush()
         except ValueError as e:          # e.g. the conversation outgrew the context: the session goes on
+            if quick is not None:
+                raise
             print(f"error: {e} (the message was not added; /reset clears the conversation)", file=sys.stderr)
             continue
         sys.stdout.write("\n")
@@ -380,3 +416,10 @@ def run(args) -> int:
             print("(interrupted: the answer was not added to the conversation)", file=sys.stderr)
             continue
         print(session.summary(answer), file=sys.stderr)
+
+
+def _own_parser(args):
+    """specdec chat's parser (to read its flags' definitions)."""
+    from .cli import _subparser, build_parser
+
+    return _subparser(build_parser("chat"), "chat")

@@ -16,6 +16,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "specdec.cli",
     "chat": "specdec.chat",
+    "complete": "specdec.client_cli",
     "serve": "specdec.server.cli",
     "run-batch": "specdec.server.run_batch",
     "bench": "specdec.bench.cli",

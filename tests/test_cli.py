@@ -108,7 +108,7 @@ def test_train_and_generate_do_not_import_the_server():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
     out = subprocess.run([sys.executable, "-m", "specdec", "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "{generate,chat,serve,run-batch,bench,train}" in out.stdout
+    assert out.returncode == 0 and "{generate,chat,complete,serve,run-batch,bench,train}" in out.stdout
 
 
 @pytest.fixture

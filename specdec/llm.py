@@ -447,11 +447,18 @@ class LLM:
         """reload_weights' first half, which any thread may run while the engine serves: the
         model at weights_path (default: the model's own path) loaded as the target was (dtype,
         quantization, overrides), for install_weights."""
+        from .model.gguf import GGUFError
+
         self._check_reload()
+        if weights_path is not None and not str(weights_path).strip():
+            raise ValueError("reload_weights: weights_path is empty (a checkpoint folder or a .gguf file)")
         path = str(weights_path) if weights_path is not None else self.model_path
         if not Path(path).exists():
             raise ValueError(f"reload_weights: {path} does not exist (a checkpoint folder or a .gguf file)")
-        model, _ = self._load(path, target=True)
+        try:        # the weights alone: the engine keeps its tokenizer
+            model, _ = self._load_model(path, target=True)
+        except GGUFError as e:
+            raise CheckpointError(str(e)) from None
         return model
 
     def install_weights(self, model, reset_running_requests: bool = True) -> None:
@@ -520,18 +527,10 @@ class LLM:
         """(model, tokenizer) of a folder or .gguf; a GGUF's metadata is parsed once for both.
         The target takes hf_overrides and disable_sliding_window (vLLM's: not the draft); both
         take max_model_len (longrope's factor set: ModelConfig.configured)."""
-        from .model import hf_quant
-        from .model.gguf import GGUFError, GGUFFile, find_gguf, load_gguf
+        from .model.gguf import GGUFError
 
-        cfg = (self.hf_overrides, self.disable_sliding_window) if target else (None, False)
-        cfg = (*cfg, self.max_model_len)
         try:
-            gguf_path = find_gguf(path)
-            g = GGUFFile(gguf_path) if gguf_path is not None else None
-            # vLLM's --quantization names the target's method: a draft in another format loads as auto
-            quant = None if not target and self.quantization in ("mxfp4", *hf_quant.METHODS) else self.quantization
-            model = load_gguf(g, self.dtype, self.device, quant, *cfg) if g is not None else \
-                load_model(path, self.dtype, self.device, quant, *cfg)
+            model, g = self._load_model(path, target)
             tok = Tokenizer(tokenizer_path) if tokenizer_path is not None else Tokenizer(path, gguf=g)
             if tokenizer_path is not None and g is None:
                 # the model's own configs say what ends generation (vLLM reads its generation_config.json)
@@ -539,6 +538,23 @@ class LLM:
         except (GGUFError, TokenizerError) as e:
             raise CheckpointError(str(e)) from None
         return model, tok
+
+    def _load_model(self, path, target: bool = False, dtype=None):
+        """The model of a folder or .gguf (and the parsed GGUF, or None), as _load loads it;
+        dtype: instead of the LLM's."""
+        from .model import hf_quant
+        from .model.gguf import GGUFFile, find_gguf, load_gguf
+
+        cfg = (self.hf_overrides, self.disable_sliding_window) if target else (None, False)
+        cfg = (*cfg, self.max_model_len)
+        dtype = self.dtype if dtype is None else dtype
+        gguf_path = find_gguf(path)
+        g = GGUFFile(gguf_path) if gguf_path is not None else None
+        # vLLM's --quantization names the target's method: a draft in another format loads as auto
+        quant = None if not target and self.quantization in ("mxfp4", *hf_quant.METHODS) else self.quantization
+        model = load_gguf(g, dtype, self.device, quant, *cfg) if g is not None else \
+            load_model(path, dtype, self.device, quant, *cfg)
+        return model, g
 
     def _shard(self, full, parallel: ParallelConfig):
         """The target split over tensor-parallel ranks; the workers stop when this LLM goes."""

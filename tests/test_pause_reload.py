@@ -257,3 +257,158 @@ def test_dev_routes_need_dev_mode(pair):
         assert http.post("/reload_weights", json={}).status_code == 404
         assert http.post("/collective_rpc", json={"method": "x"}).status_code == 404
         assert http.get("/is_paused").json() == {"is_paused": False}      # the RLHF routes are always there
+
+
+# ---- regressions found by a tester ----
+
+def test_no_stale_kv_after_a_reload_that_keeps_running_requests(pair):
+    """reset_running_requests=False: the request in flight goes on over its old KV, but the blocks
+    it fills afterwards never become findable: a later prompt computes its own with the new weights."""
+    target, _, updated, _, _ = pair
+    llm = LLM(model=str(target), dtype="float32", enable_prefix_caching=True)
+    prompt = llm.tokenizer.encode(PROMPTS[0])[:20]
+    llm.engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), request_id="A")
+    out = []
+    while len(out) < 10:
+        for ev in llm.engine.step():
+            out += ev.token_ids
+    llm.reload_weights(str(updated), reset_running_requests=False)
+    while llm.engine.has_unfinished():
+        for ev in llm.engine.step():
+            out += ev.token_ids
+    q = {"prompt_token_ids": (prompt + out)[:70]}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(model=str(updated), dtype="float32").generate(q, params)[0].outputs[0].token_ids
+    for _ in range(3):       # the second and third find the first one's blocks: new weights' KV
+        assert llm.generate(q, params)[0].outputs[0].token_ids == want
+
+
+def test_reload_casts_float_weights_and_needs_no_tokenizer(pair, tmp_path):
+    """A trainer's float32 save into a bf16 engine, a folder with config.json and weights only."""
+    import transformers
+
+    target, _, _, hf, _ = pair
+    bare = tmp_path / "bare"
+    hf.save_pretrained(bare)                 # float32, no tokenizer files
+    half = tmp_path / "bf16"                 # the engine's model, saved in bfloat16: dtype "auto" is bf16
+    transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).save_pretrained(half)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, half / f.name)
+    llm = LLM(model=str(half))
+    assert llm.target.model.embed_tokens.weight.dtype == torch.bfloat16
+    llm.reload_weights(str(bare))
+    ref = LLM(model=str(half))
+    ref.reload_weights(state_dict=hf)
+    assert _tokens(llm) == _tokens(ref)
+    with pytest.raises(ValueError, match="weights_path is empty"):
+        llm.reload_weights("")
+
+
+def test_pause_holds_embeddings_and_aborts_beams_and_responses(pair):
+    http_timeout = 60
+    target, draft, _, _, _ = pair
+    # a pooling server: embeddings wait while paused
+    app = build_app(LLM(model=str(target), dtype="float32", runner="pooling"), ServerConfig(served_model_names=("e",)))
+    with LiveServer(app) as server:
+        http = httpx.Client(base_url=server.url, timeout=http_timeout)
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=http.post("/v1/embeddings", json={"model": "e", "input": "hi"})))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()
+        http.post("/resume")
+        t.join(30)
+        assert got["r"].status_code == 200
+    # beam search and the Responses API cut by an aborting pause
+    llm = LLM(model=str(target), dtype="float32")
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as server:
+        http = httpx.Client(base_url=server.url, timeout=http_timeout)
+        got = {}
+        jobs = {"beam": ("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 150, "n": 3,
+                                             "use_beam_search": True, "temperature": 0, "ignore_eos": True}),
+                "resp": ("/v1/responses", {"model": "tiny", "input": PROMPTS[1], "max_output_tokens": 150,
+                                           "temperature": 0})}
+        threads = [threading.Thread(target=lambda k=k, v=v: got.update({k: http.post(v[0], json=v[1])}))
+                   for k, v in jobs.items()]
+        for t in threads:
+            t.start()
+        while llm.engine.num_running < 2:
+            time.sleep(0.002)
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200     # frozen where they are,
+        assert http.post("/pause", params={"mode": "abort"}).status_code == 200    # then aborted
+        for t in threads:
+            t.join(30)
+        http.post("/resume")
+        beam = got["beam"].json()
+        assert got["beam"].status_code == 200 and len(beam["choices"]) == 3
+        assert {c["finish_reason"] for c in beam["choices"]} == {"abort"}
+        resp = got["resp"].json()
+        assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "abort"}
+
+
+def test_collective_rpc_bad_arguments_are_a_400(live):
+    http = httpx.Client(base_url=live.url, timeout=60)
+    r = http.post("/collective_rpc", json={"method": "load_weights", "args": [1, 2, 3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "args"
+    r = http.post("/reload_weights", json={"weights_path": ""})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
+def test_replicas_refuse_the_control_routes(pair):
+    pytest.importorskip("ray")
+    from specdec.server.replicas import ReplicaApp
+
+    async def metrics():
+        return b""
+
+    app = ReplicaApp(build_app(LLM(model=str(pair[0]), dtype="float32"), ServerConfig(dev_mode=True)), "r1", metrics)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+            return [await c.post("/pause"), await c.get("/is_paused"), await c.post("/reload_weights", json={})]
+    for r in asyncio.run(main()):
+        assert r.status_code == 400 and "--replicas" in r.json()["error"]["message"]
+
+
+def test_sigterm_while_paused_drains_and_exits(pair, tmp_path):
+    """A paused engine holds requests that uvicorn waits for before shutting down: SIGTERM resumes it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    target = pair[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(target), "--port", str(port),
+                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.post(url + "/pause", params={"mode": "keep"}).status_code == 200
+        got = {}
+        held = threading.Thread(target=lambda: got.update(r=httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5}, timeout=60)))
+        held.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)       # uvicorn raises the signal again once drained
+        held.join(10)
+        assert got["r"].status_code == 200 and got["r"].json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

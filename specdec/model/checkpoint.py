@@ -645,8 +645,8 @@ def copy_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     parameter and buffer of every module, and the kernels' packed panels of GGUF matrices
     (QuantLinear.prepared), so that whatever shares them (a tied head, a drafter reading the
     target's embedding, the C path's views) sees the new values. The two must be the same model
-    (architecture, sizes, dtypes, quantization): the first difference is a ValueError naming it,
-    raised before anything is written. -> the number of tensors written."""
+    (architecture, sizes, quantization; floating-point weights are cast to dst's dtypes): the first
+    difference is a ValueError naming it, raised before anything is written. -> the number of tensors written."""
     from ..kernels import PreparedQuant
 
     mods_d, mods_s = dict(dst.named_modules()), dict(src.named_modules())
@@ -676,8 +676,8 @@ def copy_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
                     raise ValueError(f"the new weights' model differs from the engine's: {name} is "
                                      f"{a.qtype} [{a.n}, {a.k}] here, not there")
                 pairs.append((f"{name}.{key}", a.data, b.data))
-    for name, a, b in pairs:
-        if a.shape != b.shape or a.dtype != b.dtype:
+    for name, a, b in pairs:     # floating-point weights are cast to the engine's dtype (a float32 save, say)
+        if a.shape != b.shape or (a.dtype != b.dtype and not (a.is_floating_point() and b.is_floating_point())):
             raise ValueError(f"the new weights' model differs from the engine's: {name} is {b.dtype} "
                              f"{list(b.shape)} there, {a.dtype} {list(a.shape)} here")
     with torch.no_grad():

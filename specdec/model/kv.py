@@ -57,6 +57,7 @@ class _SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks
     released: int = 0          # its first blocks given back behind a sliding window (`trim`)
     root: bytes = b""          # the parent of its first block's hash (a LoRA adapter's key: admit)
+    shares: bool = True        # its full blocks become findable (False: KV of weights since replaced)
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -190,7 +191,10 @@ class BlockManager:
         """No block findable from now on, held or not (new weights: KV computed with the old ones
         must not be found by a later prompt); those nobody holds become free. Unlike
         reset_prefix_cache it works while sequences hold blocks: a held block that loses its key
-        is freed as a private one, and a sequence's later blocks chain from keys nobody finds."""
+        is freed as a private one, and the sequences holding blocks now register none of their
+        later blocks either (they attend over the old weights' KV)."""
+        for s in self._seqs.values():
+            s.shares = False
         self._by_hash.clear()
         self._hash_of.clear()
         self._free.extend(self._idle)
@@ -250,6 +254,8 @@ class BlockManager:
         if not self.prefix_caching:
             return
         s, bs, over = self._seqs[seq], self.block_size, self.key_overlap
+        if not s.shares:
+            return
         for i in range(len(s.hashes), min(num_written // bs, len(s.blocks), max(0, len(tokens) - over) // bs)):
             h = chain_hash(s.hashes[-1] if s.hashes else s.root, tokens[i * bs:(i + 1) * bs + over])
             s.hashes.append(h)

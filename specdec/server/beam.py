@@ -83,11 +83,17 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
     step = search.step_params()
     while todo := search.pending():
         entries: list = [None] * len(todo)
+        aborted = False
         async with service.generation([b.tokens for _, b in todo], step, arrival, body.priority, lora,
                                       response_id) as gen:
             async for index, event in gen.steps():
                 if event.logprobs:
                     entries[index] = event.logprobs[0]
+                aborted |= event.finish_reason == "abort"
+        if aborted:         # the server paused (POST /pause): the beams so far are the answer
+            for _, beam in todo:
+                beam.finish_reason = "abort"
+            break
         search.advance(todo, entries)
     return search, search.result(service.tokenizer.decode)
 

@@ -424,7 +424,14 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(llm, config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # a paused engine (POST /pause) would hold the requests uvicorn waits for: resume it
+            app.state.service.worker.unpause_for_shutdown()
+            super().handle_exit(sig, frame)
+
     # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight requests, run the lifespan's
     # shutdown (which drains the engine worker), then return
-    uvicorn.Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run()
+    Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run()
     return 0

@@ -30,6 +30,10 @@ from .worker import PAUSE_MODES
 log = logging.getLogger("specdec.server")
 
 DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
+# the routes that act on one engine: with --replicas a request reaches one replica at random, so
+# there they are refused (server/replicas.py) rather than pausing or reloading one engine of N
+CONTROL_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/get_world_size", "/reload_weights", "/collective_rpc",
+                           "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping"})
 
 
 def dev_mode(environ=os.environ) -> bool:
@@ -117,8 +121,11 @@ def dev_routes(service) -> APIRouter:
 
     @router.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRpcRequest):
-        results = await _on_engine(service, lambda engine: llm.call_worker(body.method, tuple(body.args), body.kwargs,
-                                                                           reset_running_requests=False))
+        try:
+            results = await _on_engine(service, lambda engine: llm.call_worker(
+                body.method, tuple(body.args), body.kwargs, reset_running_requests=False))
+        except TypeError as e:               # arguments the method does not take
+            raise APIError(400, f"collective_rpc {body.method}: {e}", "args") from None
         return {"results": [_jsonable(r) for r in results]}
 
     @router.post("/reset_prefix_cache")

@@ -64,7 +64,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
         try:
             future = service.worker.call(lambda engine: service.llm.embed(
-                [{"prompt_token_ids": ids} for ids in prompts], params))
+                [{"prompt_token_ids": ids} for ids in prompts], params), work=True)
             outputs = await asyncio.wrap_future(future)
         except ValueError as e:
             raise APIError(400, str(e), "dimensions" if "dimensions" in str(e) else "input") from None
@@ -80,7 +80,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         """fn on the engine's thread; the request counted in the metrics (its outputs' tokens)."""
         start = time.perf_counter()
         try:
-            outs = await asyncio.wrap_future(service.worker.call(fn))
+            outs = await asyncio.wrap_future(service.worker.call(fn, work=True))
         except ValueError as e:
             raise APIError(400, str(e)) from None
         service.metrics.pooled(sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - start)

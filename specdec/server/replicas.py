@@ -15,6 +15,7 @@ labelled `replica="<id>"` (federate.py). Responses carry `x-specdec-replica: <id
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import httpx
@@ -22,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
 from ray import serve
 from ray.serve import Application
 
+from .control import CONTROL_PATHS
+from .errors import error_body
 from .federate import merge
 
 log = logging.getLogger("specdec.server")
@@ -114,6 +117,14 @@ class ReplicaApp:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in CONTROL_PATHS:
+            body = json.dumps(error_body(400, f"{scope['path']} acts on one engine, and with --replicas a request "
+                                              "reaches one replica: not supported there (run one replica per "
+                                              "server to pause or reload it)")).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, self.replica)]})
+            await send({"type": "http.response.body", "body": body})
+            return None
         if scope["path"] == "/metrics" and scope["method"] == "GET":
             body = await self.metrics()
             await send({"type": "http.response.start", "status": 200,

@@ -361,7 +361,7 @@ class Served:
 def response_body(rid: str, req: ResponsesRequest, model: str, created: int, output: list[dict],
                   finish: str | None, usage: dict | None, status: str | None = None,
                   served: Served = Served()) -> dict:
-    incomplete = finish == "length"
+    incomplete = finish in ("length", "abort")     # cut short by max_output_tokens, or aborted (POST /pause)
     status = status or ("incomplete" if incomplete else "completed")
     u = usage or {}
     thought = "".join(p["text"] for i in output if i["type"] == "reasoning" for p in i["content"])
@@ -375,7 +375,8 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
             "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
             "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
             "reasoning": req.reasoning, "metadata": req.metadata or {}, "user": req.user, "store": req.store,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens" if finish == "length" else "abort"}
+            if incomplete else None,
             "usage": None if usage is None else {
                 "input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
@@ -397,7 +398,7 @@ def output_items(message: dict, finish: str | None, logprobs: list[dict] | None 
     if message.get("content"):
         items.append(_message_item(message["content"], "completed", logprobs))
     items += [_call_item(c, "completed") for c in message.get("tool_calls") or []]
-    if items and finish == "length":
+    if items and finish in ("length", "abort"):
         items[-1]["status"] = "incomplete"
     return items
 
@@ -538,14 +539,15 @@ async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model:
                     events += items.call(c)
                 for e in events:
                     yield e
-        for e in items.close("incomplete" if finish == "length" else "completed", logprobs):
+        cut = finish in ("length", "abort")
+        for e in items.close("incomplete" if cut else "completed", logprobs):
             yield e
         prompt_tokens = sum(len(p) for p in gen.prompts)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
                  "prompt_tokens_details": {"cached_tokens": max((s.cached_tokens for s in gen.stats if s), default=0)}}
         body = response_body(rid, req, model, created, items.output, finish, usage, served=served)
         done(body)
-        yield items.event("response.incomplete" if finish == "length" else "response.completed", response=body)
+        yield items.event("response.incomplete" if cut else "response.completed", response=body)
     except APIError as e:       # OpenAI's ResponseErrorEvent (its own "type": "error")
         yield items.event("error", code=e.code, message=e.message, param=e.param)
     except Exception as e:      # noqa: BLE001 - a bug: still an error event, as the chat stream sends

@@ -63,12 +63,14 @@ class EngineWorker:
         self._inbox: deque[Job] = deque()          # submitted, not yet in the engine
         self._cancels: deque[Job] = deque()        # in the engine, to abort before the next step
         self._jobs: dict[str, Job] = {}            # request id -> job, while in the engine
-        self._calls: deque[tuple[Callable[[Engine], object], Future]] = deque()   # call(): run between steps
+        # call(): run between steps; (fn, future, work): `work` ones compute requests (pooling) and
+        # wait while paused, as generation jobs do
+        self._calls: deque[tuple[Callable[[Engine], object], Future, bool]] = deque()
         self._ids = itertools.count()
         self._closing = False
         # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
         # while holding (pause mode "wait", draining) the running ones go on and new ones wait
-        self._paused = self._holding = False
+        self._paused = self._holding = self._no_pauses = False
         self._pauses: list[tuple[Future, str, bool]] = []   # pause() calls not yet settled: (future, mode, clear_cache)
         # a step's events, handed over when the next forward starts (or before the thread waits):
         # the event loop's work on them then overlaps that forward, which runs without the GIL,
@@ -124,16 +126,18 @@ class EngineWorker:
                 self._cancels.append(job)
             self._cond.notify()
 
-    def call(self, fn: Callable[[Engine], object]) -> Future:
+    def call(self, fn: Callable[[Engine], object], work: bool = False) -> Future:
         """fn(engine) on the engine's thread between two steps (the engine is not thread-safe:
-        loading a LoRA adapter, say); its result or exception in the Future. Before start() or
-        after the thread has ended, fn runs here and now; while the worker stops, ShuttingDown."""
+        loading a LoRA adapter, say); its result or exception in the Future. work: fn computes
+        requests (embeddings, scores), so it waits while the engine is paused, as new jobs do.
+        Before start() or after the thread has ended, fn runs here and now; while the worker
+        stops, ShuttingDown."""
         future: Future = Future()
         with self._cond:
             if self._thread.is_alive():
                 if self._closing:
                     raise ShuttingDown("the server is shutting down")
-                self._calls.append((fn, future))
+                self._calls.append((fn, future, work))
                 self._cond.notify()
                 return future
         _run(fn, self.engine, future)
@@ -155,7 +159,7 @@ class EngineWorker:
         future: Future = Future()
         waited = []
         with self._cond:
-            if self._closing:
+            if self._closing or self._no_pauses:
                 raise ShuttingDown("the server is shutting down")
             if mode == "keep" or (self._paused and mode == "wait"):
                 self._paused = True          # a step under way ends first; none starts after it
@@ -180,6 +184,14 @@ class EngineWorker:
             self._cond.notify()
         for future, _, _ in pending:
             future.set_result(None)
+
+    def unpause_for_shutdown(self) -> None:
+        """The server is going down (SIGTERM / SIGINT): a pause ends, so that what it held runs
+        and the server drains instead of waiting on clients that wait on it; no pause is taken
+        from now on."""
+        with self._cond:
+            self._no_pauses = True
+        self.resume()
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new jobs, let the queued and running ones finish, then end the thread (a
@@ -244,17 +256,20 @@ class EngineWorker:
                     return False
                 self._cond.wait()
             admit = not (self._paused or self._holding)
-            new, cancels, calls = list(self._inbox) if admit else [], list(self._cancels), list(self._calls)
+            new, cancels = list(self._inbox) if admit else [], list(self._cancels)
+            calls = [c for c in self._calls if admit or not c[2]]
             if admit:
                 self._inbox.clear()
+                self._calls.clear()
+            else:
+                self._calls = deque(c for c in self._calls if c[2])
             self._cancels.clear()
-            self._calls.clear()
             for job in new:
                 job.started = True
         for job in cancels:
             if self._jobs.pop(job.request_id, None) is not None:
                 self.engine.abort(job.request_id)
-        for fn, future in calls:
+        for fn, future, _ in calls:
             _run(fn, self.engine, future)
         for job in new:
             try:
@@ -280,8 +295,10 @@ class EngineWorker:
     def _has_work(self) -> bool:
         """Under the lock: something for the thread to do now."""
         stepping = self.engine.has_unfinished() and not self._paused
-        admitting = bool(self._inbox) and not (self._paused or self._holding)
-        return bool(stepping or admitting or self._cancels or self._calls or self._pauses)
+        held = self._paused or self._holding
+        admitting = bool(self._inbox) and not held
+        calling = any(not work or not held for _, _, work in self._calls)
+        return bool(stepping or admitting or calling or self._cancels or self._pauses)
 
     def _settle_pauses(self) -> None:
         """The pending pause() calls: abort what they abort; once nothing runs, paused."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
+import logging
 from collections.abc import AsyncGenerator, Iterable
 
 from .config import RequestOutputKind, SamplingParams
@@ -26,21 +28,47 @@ from .llm import LLM, CompletionOutput, RequestOutput
 from .metrics import RequestStats
 from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown
 
+log = logging.getLogger("specdec.async_llm")
 __all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "RequestOutputKind"]
 
 
 class EngineArgs:
     """vLLM's EngineArgs: the LLM's keyword arguments (model, speculative_config, max_model_len,
-    ...), kept to build an engine from (AsyncLLM.from_engine_args)."""
+    ...), kept to build an engine from (AsyncLLM.from_engine_args); an argument not given reads as
+    LLM's default. add_cli_args / from_cli_args: the same flags as `specdec serve` / `generate`."""
 
     def __init__(self, model: str | None = None, **kwargs):
         self.model, self.kwargs = model, kwargs
 
     def __getattr__(self, name):
-        try:
-            return self.__dict__["kwargs"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+        kwargs = self.__dict__.get("kwargs", {})
+        if name in kwargs:
+            return kwargs[name]
+        default = _llm_defaults().get(name, inspect.Parameter.empty)
+        if default is inspect.Parameter.empty:
+            raise AttributeError(f"{type(self).__name__} has no argument {name!r}")
+        return default
+
+    @staticmethod
+    def add_cli_args(parser):
+        """vLLM's: the engine's flags on an argparse parser (specdec's model and batching flags)."""
+        from .cli import add_engine_args, add_model_args
+
+        add_model_args(parser)
+        add_engine_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args):
+        """vLLM's: the engine arguments of a namespace that add_cli_args' parser made."""
+        from .cli import llm_kwargs
+
+        kwargs = llm_kwargs(args, seed=getattr(args, "seed", 0))
+        return cls(**kwargs)
+
+    def create_engine_config(self, *args, **kwargs) -> dict:
+        """The arguments the engine is built with (vLLM returns its VllmConfig)."""
+        return {"model": self.model, **self.kwargs}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in {"model": self.model, **self.kwargs}.items())
@@ -48,7 +76,18 @@ class EngineArgs:
 
 
 class AsyncEngineArgs(EngineArgs):
-    """vLLM's AsyncEngineArgs (the same arguments)."""
+    """vLLM's AsyncEngineArgs: EngineArgs and its request logging (enable_log_requests, or the
+    older disable_log_requests=False): a log line as each request arrives and as it ends."""
+
+
+# AsyncEngineArgs' own arguments, not LLM's
+_ASYNC_ONLY = ("enable_log_requests", "disable_log_requests", "disable_log_stats")
+
+
+@functools.cache
+def _llm_defaults() -> dict:
+    return {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 @dataclasses.dataclass
@@ -69,7 +108,7 @@ class _Stream:
     """A request's jobs and the queue their events come through."""
 
     def __init__(self, jobs: list[Job], queue: asyncio.Queue):
-        self.jobs, self.queue = jobs, queue
+        self.jobs, self.queue, self.aborted = jobs, queue, False
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item) -> None:
@@ -79,23 +118,30 @@ def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, 
 class AsyncLLM:
     """vLLM's AsyncLLM over one LLM (made from its keyword arguments, or given)."""
 
-    def __init__(self, llm: LLM | None = None, **llm_kwargs):
+    def __init__(self, llm: LLM | None = None, log_requests: bool = False, **llm_kwargs):
         if llm is not None and llm_kwargs:
             raise ValueError("AsyncLLM: give an LLM or its keyword arguments, not both")
         self.llm = llm if llm is not None else LLM(**llm_kwargs)
         self.llm.check_runner("generate")
+        if self.llm.engine.owner is not None and self.llm.engine.owner.is_alive():
+            raise ValueError("this LLM's engine already runs under another AsyncLLM (or a server)")
         self.tokenizer = self.llm.tokenizer
-        self._worker = EngineWorker(self.llm.engine)
+        self.log_requests = log_requests
+        self._worker = EngineWorker(self.llm.engine, freeze_heap=False)
         self._worker.start()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self._dead: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **_ignored) -> AsyncLLM:
         """vLLM's constructor (start_engine_loop, usage_context and the like have no meaning here)."""
         if not isinstance(engine_args, EngineArgs):
             raise TypeError(f"from_engine_args takes an (Async)EngineArgs, got {type(engine_args).__name__}")
-        return cls(model=engine_args.model, **engine_args.kwargs)
+        kwargs = dict(engine_args.kwargs)
+        own = {k: kwargs.pop(k) for k in _ASYNC_ONLY if k in kwargs}
+        log = bool(own.get("enable_log_requests")) or own.get("disable_log_requests") is False
+        return cls(model=engine_args.model, log_requests=log, **kwargs)
 
     # ---- generation ----
 
@@ -111,29 +157,39 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        llm = self.llm
-        params = llm._params(sampling_params)
-        if params.best_of is not None and params.best_of > params.n:
-            raise ValueError("best_of > n ranks finished candidates: use LLM.generate (vLLM's AsyncLLM has no best_of)")
-        text, ids = llm._prompt_ids(prompt)
-        ids = llm.engine.truncated(ids, params)
-        llm.engine.check_priority(priority)
-        llm.engine.check_prompt(ids, params)
-        llm.engine.check_lora(lora_request)
-        if params.structured_outputs is not None:        # compiled beside the engine, not on its thread
-            params = params.clone()
-            grammars = llm.engine.grammars
-            grammars.freeze(params.structured_outputs)
-            await asyncio.to_thread(grammars.prebuild, params.structured_outputs, params.n)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(ids, params, i, functools.partial(_deliver, loop, queue, i), priority=priority,
-                    lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}")
-                for i in range(params.n)]
-        self._streams[request_id] = stream = _Stream(jobs, queue)
+        self._streams[request_id] = stream = _Stream([], queue)       # the id is taken from here on
+        try:
+            llm = self.llm
+            params = llm._params(sampling_params)
+            if params.best_of is not None and params.best_of > params.n:
+                raise ValueError("best_of > n ranks finished candidates: use LLM.generate "
+                                 "(vLLM's AsyncLLM has no best_of)")
+            text, ids = llm._prompt_ids(prompt)
+            ids = llm.engine.truncated(ids, params)
+            llm.engine.check_priority(priority)
+            llm.engine.check_prompt(ids, params)
+            llm.engine.check_lora(lora_request)
+            if params.structured_outputs is not None:        # compiled beside the engine, not on its thread
+                params = params.clone()
+                grammars = llm.engine.grammars
+                grammars.freeze(params.structured_outputs)
+                await asyncio.to_thread(grammars.prebuild, params.structured_outputs, params.n)
+        except BaseException:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            raise
+        stream.jobs = [Job(ids, params, i, functools.partial(_deliver, loop, queue, i), priority=priority,
+                           lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}")
+                       for i in range(params.n)]
+        if self.log_requests:
+            log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
         choices = [_Choice(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         open_ = set(range(params.n))
-        prompt_logprobs = None
+        prompt_logprobs, prompt_logprobs_sent = None, False
         try:
+            if stream.aborted:                       # abort(request_id) while its grammar compiled
+                raise asyncio.CancelledError
             self._worker.submit(stream.jobs)
             while open_:
                 moved = set()
@@ -167,11 +223,21 @@ class AsyncLLM:
                 if params.output_kind == RequestOutputKind.FINAL_ONLY and open_:
                     continue
                 if moved:
-                    yield self._output(request_id, text, ids, params, choices, moved, not open_, prompt_logprobs)
+                    # DELTA: the prompt's logprobs come once, with the first output (vLLM's)
+                    lps = None if params.output_kind == RequestOutputKind.DELTA and prompt_logprobs_sent \
+                        else prompt_logprobs
+                    prompt_logprobs_sent |= prompt_logprobs is not None
+                    yield self._output(request_id, text, ids, params, choices, moved, not open_, lps)
+        except asyncio.CancelledError:
+            if not stream.aborted:
+                raise
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             for i in open_:
                 self._worker.cancel(stream.jobs[i])
+            if self.log_requests:
+                log.info("Finished request %s: %s", request_id, ", ".join(str(c.finish_reason) for c in choices))
 
     def _output(self, request_id, text, ids, params, choices, moved, finished, prompt_logprobs) -> RequestOutput:
         delta = params.output_kind == RequestOutputKind.DELTA
@@ -198,9 +264,10 @@ class AsyncLLM:
         """End these requests now: their streams' last output has finish_reason "abort" (an id
         not streaming is ignored, as vLLM's)."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            stream = self._streams.get(rid)
+            stream = self._streams.pop(rid, None)          # the id is free again at once (vLLM's)
             if stream is None:
                 continue
+            stream.aborted = True
             for job in stream.jobs:
                 self._worker.cancel(job)
             stream.queue.put_nowait((None, None))
@@ -226,6 +293,45 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return not self._stopped and not self._worker.alive
+
+    @property
+    def dead_error(self) -> BaseException:
+        """vLLM's: the error a dead engine raises."""
+        return RuntimeError("the engine's thread is not running" + (" (shut down)" if self._stopped else ""))
+
+    async def get_model_config(self):
+        """The target's configuration (specdec's ModelConfig: vocab_size, max_position_embeddings, ...)."""
+        return self.llm.target.config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self, *args, **kwargs) -> None:
+        """vLLM's: log the engine's figures now (get_metrics' counters, one line)."""
+        figures = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
+        log.info("engine stats: %s", ", ".join(f"{k}={v}" for k, v in figures.items() if v is not None))
+
+    async def encode(self, *args, **kwargs):
+        raise ValueError("AsyncLLM.encode: pooling models run offline here (LLM(runner='pooling').embed) or "
+                         "behind `specdec serve` (/v1/embeddings)")
+
+    async def add_lora(self, lora_request) -> bool:
+        """vLLM's: load an adapter now (LLM(enable_lora=True)), not at its first request."""
+        await self._call(lambda engine: engine.check_lora(lora_request))
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
+        def remove(engine):
+            names = [a.name for a in engine.lora.loaded() if a.id == lora_id] if engine.lora is not None else []
+            return any([engine.lora.remove(n) for n in names])
+        return await self._call(remove)
+
+    async def list_loras(self) -> set[int]:
+        return await self._call(lambda engine: {a.id for a in engine.lora.loaded()} if engine.lora is not None else set())
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self._worker.call(fn))
@@ -280,9 +386,16 @@ class AsyncLLM:
         return self.llm.is_sleeping()
 
     def shutdown(self) -> None:
-        """Finish what runs, stop the engine's thread (the LLM may then be used offline again)."""
+        """Stop now, as vLLM's does: requests in flight end (finish_reason "abort"), the engine's
+        thread stops, and the LLM may be used offline again."""
         if not self._stopped:
             self._stopped = True
+            for rid, stream in list(self._streams.items()):
+                self._streams.pop(rid, None)
+                stream.aborted = True
+                for job in stream.jobs:
+                    self._worker.cancel(job)
+                stream.queue.put_nowait((None, None))
             self._worker.stop()
 
 

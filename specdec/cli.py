@@ -409,7 +409,12 @@ def llm_from_args(args, seed: int | None = None, **extra):
     """extra: further LLM(...) arguments (the server's LoRA flags)."""
     from .llm import LLM
 
-    return LLM(model=args.model, speculative_model=args.speculative_model,
+    return LLM(**llm_kwargs(args, seed, **extra))
+
+
+def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
+    """The LLM(...) keyword arguments that add_model_args / add_engine_args' flags give."""
+    return dict(model=args.model, speculative_model=args.speculative_model,
                num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=seed,
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,

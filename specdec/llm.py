@@ -8,6 +8,7 @@ import importlib
 import logging
 import numbers
 import os
+import threading
 import time
 import types
 import weakref
@@ -434,6 +435,7 @@ class LLM:
             self.install_weights(self.read_weights(weights_path), reset_running_requests)
             return
         self._check_reload()
+        self._check_owner()
         if isinstance(state_dict, torch.nn.Module):
             state_dict = state_dict.state_dict()
         pairs = list(state_dict.items() if hasattr(state_dict, "items") else state_dict)
@@ -468,8 +470,17 @@ class LLM:
         from .model.checkpoint import copy_weights
 
         self._check_reload()
+        self._check_owner()
         copy_weights(self.target, model)
         self._weights_changed(reset_running_requests)
+
+    def _check_owner(self) -> None:
+        """Refuse to step the engine from here while another thread does (an AsyncLLM's or a
+        server's): two steppers corrupt its state."""
+        owner = self.engine.owner
+        if owner is not None and owner.is_alive() and threading.current_thread() is not owner:
+            raise ValueError("this LLM's engine is run by an AsyncLLM (or a server) on its own thread: call "
+                             "generate() there, or shut it down first")
 
     def _check_reload(self) -> None:
         if self._leader is not None:
@@ -484,6 +495,7 @@ class LLM:
         return self._worker
 
     def _check_rpc(self) -> None:
+        self._check_owner()
         if self._leader is not None:
             raise ValueError("apply_model / collective_rpc need tensor_parallel_size 1 (the shards live in other processes)")
         if self.engine.has_unfinished():
@@ -878,6 +890,7 @@ class LLM:
                lora_request=None) -> Iterator[StepEvent]:
         """Yield a StepEvent per decoding step (new tokens and text) for one completion."""
         self.check_runner("generate")
+        self._check_owner()
         params = self._params(sampling_params)
         _, ids = self._prompt_ids(prompt)
         self._counter += 1
@@ -893,6 +906,7 @@ class LLM:
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         self.check_runner("generate")
+        self._check_owner()
         prompts = _prompt_list(prompts)
         plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
         if priority is not None and len(priority) != len(prompts):

@@ -159,3 +159,81 @@ def test_shutdown(tiny_pair):
         asyncio.run(first())
     # the LLM is the offline one again
     assert eng.llm.generate("hi", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+# ---- regressions found by a tester ----
+
+def test_the_offline_calls_are_refused_while_it_runs(engine):
+    with pytest.raises(ValueError, match="run by an AsyncLLM"):
+        engine.llm.generate("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already runs"):
+        AsyncLLM(engine.llm)
+
+
+def test_no_frozen_heap_and_the_callers_threads_come_back(tiny_pair):
+    import gc
+
+    import torch
+
+    before_threads, frozen = torch.get_num_threads(), gc.get_freeze_count()
+    a = AsyncLLM(model=str(tiny_pair[0]))
+    b = AsyncLLM(model=str(tiny_pair[0]))          # started from a thread that gave its team to a's engine
+    assert b._worker._threads == before_threads
+    b.shutdown()
+    a.shutdown()
+    assert torch.get_num_threads() == before_threads and gc.get_freeze_count() <= frozen    # nothing frozen
+
+
+def test_ids_prompt_logprobs_and_shutdown_as_vllm(engine, tiny_pair):
+    from specdec.config import StructuredOutputsParams
+
+    regex = SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+
+    async def twice():              # the id is taken before the grammar compiles
+        return await asyncio.gather(_collect(engine, "hi", regex, "same"), _collect(engine, "hi", regex, "same"),
+                                    return_exceptions=True)
+    results = asyncio.run(twice())
+    assert sum(isinstance(r, ValueError) and "already running" in str(r) for r in results) == 1
+
+    async def reuse():
+        gen = engine.generate("hi", SamplingParams(max_tokens=100, ignore_eos=True), "job")
+        await gen.__anext__()
+        await engine.abort("job")
+        again = await _collect(engine, "hi", SamplingParams(max_tokens=3), "job")    # free at once
+        rest = [o async for o in gen]
+        return again, rest
+    again, rest = asyncio.run(reuse())
+    assert again[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+    delta = SamplingParams(max_tokens=6, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA, ignore_eos=True)
+    outs = asyncio.run(_collect(engine, PROMPTS[0], delta, "plp"))
+    assert outs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outs[1:])
+
+    eng = AsyncLLM(model=str(tiny_pair[0]))
+
+    async def cut():
+        outs = []
+        async for o in eng.generate("hi", SamplingParams(max_tokens=200, ignore_eos=True), "long"):
+            outs.append(o)
+            if len(outs) == 2:
+                eng.shutdown()             # vLLM's: now, not after the request
+        return outs
+    outs = asyncio.run(cut())
+    assert outs[-1].outputs[0].finish_reason == "abort" and len(outs[-1].outputs[0].token_ids) < 200
+
+
+def test_engine_args_as_vllm(tiny_pair):
+    import argparse
+
+    args = AsyncEngineArgs(model=str(tiny_pair[0]), enable_log_requests=True)
+    assert args.max_model_len is None and args.tensor_parallel_size == 1 and args.enable_prefix_caching is None
+    parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_pair[0]), "--max-model-len", "128"]))
+    assert parsed.max_model_len == 128 and parsed.model == str(tiny_pair[0])
+    eng = AsyncLLM.from_engine_args(args)
+    try:
+        assert eng.log_requests and asyncio.run(eng.get_supported_tasks()) == ("generate",)
+        assert asyncio.run(eng.get_model_config()).vocab_size > 0 and asyncio.run(eng.list_loras()) == set()
+        assert isinstance(eng.dead_error, RuntimeError)
+    finally:
+        eng.shutdown()

@@ -55,9 +55,18 @@ class ShuttingDown(RuntimeError):
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+# threads that handed their compute to an engine thread -> their torch thread count before that
+# (a second worker started from the same thread computes with it, not with the 1 left after release)
+_RELEASED: dict[int, int] = {}
+
+
 class EngineWorker:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[StepEvent]], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[StepEvent]], None] | None = None,
+                 freeze_heap: bool = True):
+        """freeze_heap: gc.freeze() at start (a server process: its model and pool leave the
+        collector's walks); a library object that may be dropped and made again passes False."""
         self.engine = engine
+        self.freeze_heap = freeze_heap
         self.on_step = on_step                     # told of every step (the metrics)
         self._cond = threading.Condition()
         self._inbox: deque[Job] = deque()          # submitted, not yet in the engine
@@ -96,11 +105,14 @@ class EngineWorker:
         # the model, tokenizer and pool are loaded: move them out of the collector's way, so
         # that collections triggered by each step's short-lived objects stop walking them
         # (vLLM freezes its heap after start-up for the same reason)
-        gc.collect()
-        gc.freeze()
+        if self.freeze_heap:
+            gc.collect()
+            gc.freeze()
         # the engine thread computes from now on, with this thread's thread count; this thread's
         # OpenMP team goes, so that the process holds one team (kernels.release_threads: why)
-        self._threads, self._starter = torch.get_num_threads(), threading.get_ident()
+        self._starter = threading.get_ident()
+        self._threads = _RELEASED.setdefault(self._starter, torch.get_num_threads())
+        self.engine.owner = self._thread
         kernels.release_threads()
         self._thread.start()
 
@@ -207,8 +219,10 @@ class EngineWorker:
             self._thread.join(timeout)
         if not self._thread.is_alive() and self.engine.before_forward == self._hand_over:
             self.engine.before_forward = None        # the engine may serve offline calls again
+            self.engine.owner = None
         if threading.get_ident() == self._starter:
             torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
+            _RELEASED.pop(self._starter, None)
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)

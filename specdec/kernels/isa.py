@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,34 @@ _PROBE = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).specdec_selftest
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("SPECDEC_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "specdec")
-    return Path(base)
+    """Where the compiled kernels live: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec or
+    ~/.cache/specdec; where that cannot be written (a service user's HOME), a folder of this user's
+    in the temporary directory, said once on stderr (without a cache the kernels cannot load, and
+    PyTorch runs the model some 10x slower)."""
+    global _fallback_said
+    base = Path(os.environ.get("SPECDEC_CACHE")
+                or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "specdec"))
+    if _writable(base):
+        return base
+    fallback = Path(tempfile.gettempdir()) / f"specdec-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    if not _writable(fallback):
+        return base
+    if not _fallback_said:
+        _fallback_said = True
+        print(f"specdec: the kernel cache {base} cannot be written; compiling into {fallback} "
+              "(SPECDEC_CACHE names another)", file=sys.stderr)
+    return fallback
+
+
+_fallback_said = False
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def _cpuinfo(key: str) -> str | None:

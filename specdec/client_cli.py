@@ -325,12 +325,7 @@ def run_chat(args) -> int:
         return _fail("chat", str(e))
     session = RemoteChat(client, model, args.system, fields)
     if args.quick is not None:
-        try:
-            reply = session.ask(args.quick)
-        except client_errors() as e:
-            return _fail("chat", describe(e, url))
-        report(reply, args.stats)
-        return 130 if reply.interrupted else 0
+        return _quick("chat", session.ask, args.quick, url, args.stats)
     reader, failed = LineReader(), False
     print(f"specdec chat: {model} at {url}. /reset forgets the conversation, /exit quits, /help for more.",
           file=sys.stderr)
@@ -389,12 +384,7 @@ def run(args) -> int:
                             chat=False)
 
     if args.quick is not None:
-        try:
-            reply = complete(args.quick)
-        except client_errors() as e:
-            return _fail("complete", describe(e, url))
-        report(reply, args.stats)
-        return 130 if reply.interrupted else 0
+        return _quick("complete", complete, args.quick, url, args.stats)
     reader, failed = LineReader(), False
     print(f"specdec complete: {model} at {url}. Each line is a prompt; /exit quits, /help for more.",
           file=sys.stderr)
@@ -417,3 +407,13 @@ def run(args) -> int:
             print(f"error: {describe(e, url)}", file=sys.stderr)
             continue
         report(reply, args.stats)
+
+
+def _quick(command: str, ask, text: str, url: str, stats: bool) -> int:
+    """-q / --quick: one message or prompt, its answer, the exit status (130: interrupted)."""
+    try:
+        reply = ask(text)
+    except client_errors() as e:
+        return _fail(command, describe(e, url))
+    report(reply, stats)
+    return 130 if reply.interrupted else 0

@@ -117,6 +117,30 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, vocab: int
     return folder
 
 
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """src's tokenizer files into dst (a checkpoint written by save_pretrained has none)."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+
+
+def perturbed_checkpoint(target: Path, folder: Path, seed: int = 3, scale: float = 0.05):
+    """target's weights plus scale x N(0, 1) noise, saved in folder with target's tokenizer (an RL
+    step's new weights) -> (the transformers model holding them, their state dict)."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    new = {n: (t + scale * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in hf.state_dict().items()}
+    hf.load_state_dict(new)
+    hf.save_pretrained(folder)
+    copy_tokenizer(target, folder)
+    return hf, new
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> str:
     """The real model's GGUF file (SmolLM2-135M-Instruct, Q4_1), or the test is skipped."""

@@ -10,7 +10,6 @@ server admits nothing until /resume, and an aborted stream ends with finish_reas
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from conftest import make_checkpoint
+from conftest import copy_tokenizer, make_checkpoint, perturbed_checkpoint
 from specdec import LLM, SamplingParams
 from specdec.server.app import build_app
 from specdec.server.config import ServerConfig
@@ -37,20 +36,11 @@ def _tokens(llm: LLM, params=GREEDY) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A target, a draft, and the target's weights perturbed, saved as a second checkpoint."""
-    import transformers
-
     root = tmp_path_factory.mktemp("reload")
     target = make_checkpoint(root / "target", seed=0, layers=2)
     draft = make_checkpoint(root / "draft", seed=1, layers=1, hidden=32, tokenizer_from=target)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    hf.load_state_dict({n: (t + 0.05 * torch.randn(t.shape, generator=gen)).to(t.dtype)
-                        for n, t in hf.state_dict().items()})
     updated = root / "updated"
-    hf.save_pretrained(updated)
-    for f in target.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, updated / f.name)
+    hf, _ = perturbed_checkpoint(target, updated)
     other = make_checkpoint(root / "other", seed=2, layers=3, tokenizer_from=target)     # another shape
     return target, draft, updated, hf, other
 
@@ -292,9 +282,7 @@ def test_reload_casts_float_weights_and_needs_no_tokenizer(pair, tmp_path):
     hf.save_pretrained(bare)                 # float32, no tokenizer files
     half = tmp_path / "bf16"                 # the engine's model, saved in bfloat16: dtype "auto" is bf16
     transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).save_pretrained(half)
-    for f in target.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, half / f.name)
+    copy_tokenizer(target, half)
     llm = LLM(model=str(half))
     assert llm.target.model.embed_tokens.weight.dtype == torch.bfloat16
     llm.reload_weights(str(bare))
@@ -328,19 +316,17 @@ def test_pause_holds_embeddings_and_aborts_beams_and_responses(pair):
         got = {}
         jobs = {"beam": ("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 150, "n": 3,
                                              "use_beam_search": True, "temperature": 0, "ignore_eos": True}),
-                "resp": ("/v1/responses", {"model": "tiny", "input": PROMPTS[1], "max_output_tokens": 150,
+                "resp": ("/v1/responses", {"model": "tiny", "input": PROMPTS[1], "max_output_tokens": 200,
                                            "temperature": 0})}
-        threads = [threading.Thread(target=lambda k=k, v=v: got.update({k: http.post(v[0], json=v[1])}))
-                   for k, v in jobs.items()]
-        for t in threads:
+        for key, (path, body) in jobs.items():        # one at a time: each is running when the pause comes
+            t = threading.Thread(target=lambda k=key, u=path, b=body: got.update({k: http.post(u, json=b)}))
             t.start()
-        while llm.engine.num_running < 2:
-            time.sleep(0.002)
-        assert http.post("/pause", params={"mode": "keep"}).status_code == 200     # frozen where they are,
-        assert http.post("/pause", params={"mode": "abort"}).status_code == 200    # then aborted
-        for t in threads:
+            while llm.engine.num_running == 0:
+                time.sleep(0.002)
+            assert http.post("/pause", params={"mode": "keep"}).status_code == 200     # frozen where it is,
+            assert http.post("/pause", params={"mode": "abort"}).status_code == 200    # then aborted
             t.join(30)
-        http.post("/resume")
+            http.post("/resume")
         beam = got["beam"].json()
         assert got["beam"].status_code == 200 and len(beam["choices"]) == 3
         assert {c["finish_reason"] for c in beam["choices"]} == {"abort"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, perturbed_checkpoint
 from specdec import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -27,21 +27,11 @@ def _tokens(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A target, a draft, and the target's weights perturbed (Hugging Face names), saved as a second checkpoint."""
-    import transformers
-
     root = tmp_path_factory.mktemp("rl")
     target = make_checkpoint(root / "target", seed=0, layers=2)
     draft = make_checkpoint(root / "draft", seed=1, layers=1, hidden=32, tokenizer_from=target)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    new = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in hf.state_dict().items()}
-    hf.load_state_dict(new)
-    updated = root / "updated"
-    hf.save_pretrained(updated)
-    for f in target.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, updated / f.name)
-    return target, draft, updated, new
+    _, new = perturbed_checkpoint(target, root / "updated")
+    return target, draft, root / "updated", new
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculative_model": "draft", "num_speculative_tokens": 3},

@@ -56,6 +56,12 @@ class EngineArgs:
 
         add_model_args(parser)
         add_engine_args(parser)
+        given = {o for a in parser._actions for o in a.option_strings}
+        if "--seed" not in given:
+            parser.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (default 0)")
+        if "--enable-log-requests" not in given:
+            parser.add_argument("--enable-log-requests", action="store_true",
+                                help="a log line as each request arrives and as it ends")
         return parser
 
     @classmethod
@@ -64,6 +70,8 @@ class EngineArgs:
         from .cli import llm_kwargs
 
         kwargs = llm_kwargs(args, seed=getattr(args, "seed", 0))
+        if getattr(args, "enable_log_requests", False):
+            kwargs["enable_log_requests"] = True
         return cls(**kwargs)
 
     def create_engine_config(self, *args, **kwargs) -> dict:
@@ -123,7 +131,7 @@ class AsyncLLM:
             raise ValueError("AsyncLLM: give an LLM or its keyword arguments, not both")
         self.llm = llm if llm is not None else LLM(**llm_kwargs)
         self.llm.check_runner("generate")
-        if self.llm.engine.owner is not None and self.llm.engine.owner.is_alive():
+        if self.llm.engine.owner is not None and self.llm.engine.owner.alive:
             raise ValueError("this LLM's engine already runs under another AsyncLLM (or a server)")
         self.tokenizer = self.llm.tokenizer
         self.log_requests = log_requests
@@ -299,9 +307,10 @@ class AsyncLLM:
         """vLLM's: the error a dead engine raises."""
         return RuntimeError("the engine's thread is not running" + (" (shut down)" if self._stopped else ""))
 
-    async def get_model_config(self):
-        """The target's configuration (specdec's ModelConfig: vocab_size, max_position_embeddings, ...)."""
-        return self.llm.target.config
+    async def get_model_config(self) -> "ModelConfigView":
+        """vLLM's ModelConfig as code reads it: model, max_model_len, dtype, hf_config (the target's
+        configuration), get_vocab_size(), ..."""
+        return ModelConfigView(self.llm)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
@@ -397,6 +406,35 @@ class AsyncLLM:
                     self._worker.cancel(job)
                 stream.queue.put_nowait((None, None))
             self._worker.stop()
+
+
+class ModelConfigView:
+    """What vLLM's ModelConfig gives the code around an AsyncLLM, read from the LLM."""
+
+    def __init__(self, llm: LLM):
+        cfg = llm.target.config
+        self.model = self.tokenizer = llm.model_path
+        self.max_model_len = llm.engine.max_model_len
+        self.dtype = llm.target.dtype
+        self.hf_config = self.hf_text_config = cfg
+        self.served_model_name = llm.model_path
+        self.runner_type = llm.runner
+        self.max_logprobs = llm.engine.max_logprobs
+
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    def get_num_layers(self, *args) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def get_sliding_window(self) -> int | None:
+        return getattr(self.hf_config, "sliding_window", None)
+
+    def __repr__(self) -> str:
+        return f"ModelConfigView(model={self.model!r}, max_model_len={self.max_model_len}, dtype={self.dtype})"
 
 
 AsyncLLMEngine = AsyncLLM          # vLLM's older name (V1 makes it an alias too)

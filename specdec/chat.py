@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (streaming) with each answer's speedup and acceptance")
     add_model_args(p)
     add_engine_args(p)
-    add_sampling_args(p, 256)
+    add_sampling_args(p, 256, remote="with --url: ")
     p.add_argument("--system", "--system-prompt", dest="system", help="a system message starting the conversation "
                                                                       "(--system-prompt: vLLM's name)")
     # vLLM's client flags: with any of --url, --model-name, --api-key the chat talks to that server

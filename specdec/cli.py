@@ -445,14 +445,20 @@ def structured_outputs_config(args) -> dict | None:
     return out or None
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, remote: str = "") -> None:
     """Sampling flags; one left out takes the model's generation_config.json value, else greedy
-    decoding of up to `max_tokens` tokens."""
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's, else 0)")
+    decoding of up to `max_tokens` tokens. remote: how the help names the case where a running
+    server decides instead ("with --url: " for chat; "" with max_tokens None: always, complete)."""
+    local = max_tokens is not None
+    server = "the server's" if not local else None
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: " + (
+        f"the model's, else 0; {remote}the server's)" if local else f"{server})"))
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--min-p", type=float)
-    p.add_argument("--max-tokens", type=int, help=f"default: the model's, else {max_tokens}")
+    p.add_argument("--max-tokens", type=int, help="default: " + (
+        f"the model's, else {max_tokens}" + (f"; {remote}the server's" if remote else "") if local
+        else "the server's (OpenAI's and vLLM's: 16)"))
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")

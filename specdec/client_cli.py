@@ -58,7 +58,8 @@ def add_client_args(p) -> None:
     p.add_argument("--model-name", help="the served model to ask (default: the first of the server's GET /models)")
     p.add_argument("--api-key", help="the server's API key (default: $OPENAI_API_KEY)")
     p.add_argument("--stats", action="store_true",
-                   help="after each answer: time to first token and tokens per second, measured here (vLLM's)")
+                   help="after each answer: time to first token and tokens per second, measured here, on "
+                        "stderr (vLLM's; with --url: the local chat prints its own statistics anyway)")
 
 
 def wants_server(args) -> bool:
@@ -364,10 +365,7 @@ def add_parser(sub) -> None:
                                    "streaming: -q PROMPT once, else each prompt read (a line, or a \"\"\" block).")
     add_client_args(p)
     p.add_argument("-q", "--quick", metavar="PROMPT", help="complete this prompt, print the completion, exit")
-    add_sampling_args(p, 16)
-    for a in p._actions:
-        if a.dest == "max_tokens":
-            a.help = "default: the server's (OpenAI's and vLLM's: 16)"
+    add_sampling_args(p, None)
 
 
 def run(args) -> int:

@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import logging
 import operator
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -138,9 +137,9 @@ class Engine:
                                         structured_outputs_config)
         # torch.profiler around steps while start_profile() .. stop_profile() (profiler.py), or None
         self.profiler: StepProfiler | None = None
-        # the thread that steps this engine for a server or an AsyncLLM (server/worker.py), or None:
-        # while it runs, LLM's offline calls from other threads are refused (one stepper at a time)
-        self.owner: threading.Thread | None = None
+        # the EngineWorker whose thread steps this engine for a server or an AsyncLLM, or None: while
+        # it runs, LLM's offline calls from other threads run on that thread (one stepper at a time)
+        self.owner = None
 
     def _lookahead(self, k: int) -> int:
         return self.proposer.lookahead_slots(k) if self.proposer is not None and k > 0 else 0

@@ -435,7 +435,9 @@ class LLM:
             self.install_weights(self.read_weights(weights_path), reset_running_requests)
             return
         self._check_reload()
-        self._check_owner()
+        if self._foreign_owner() is not None:
+            return self._on_owner(lambda: self.reload_weights(None, state_dict, is_checkpoint_format,
+                                                              reset_running_requests))
         if isinstance(state_dict, torch.nn.Module):
             state_dict = state_dict.state_dict()
         pairs = list(state_dict.items() if hasattr(state_dict, "items") else state_dict)
@@ -470,17 +472,37 @@ class LLM:
         from .model.checkpoint import copy_weights
 
         self._check_reload()
-        self._check_owner()
+        if self._foreign_owner() is not None:
+            return self._on_owner(lambda: self.install_weights(model, reset_running_requests))
         copy_weights(self.target, model)
         self._weights_changed(reset_running_requests)
 
-    def _check_owner(self) -> None:
-        """Refuse to step the engine from here while another thread does (an AsyncLLM's or a
-        server's): two steppers corrupt its state."""
+    def _foreign_owner(self):
+        """The EngineWorker whose thread steps this engine (a server's, an AsyncLLM's) when that
+        is not this thread, else None."""
         owner = self.engine.owner
-        if owner is not None and owner.is_alive() and threading.current_thread() is not owner:
-            raise ValueError("this LLM's engine is run by an AsyncLLM (or a server) on its own thread: call "
-                             "generate() there, or shut it down first")
+        if owner is not None and owner.alive and threading.current_thread() is not owner.thread:
+            return owner
+        return None
+
+    def _on_owner(self, fn):
+        """fn() on the thread that steps this engine, between two of its steps, when that is
+        another thread (two steppers corrupt the engine); with requests of its own in flight there
+        it is refused (an offline call would take their steps' events)."""
+        owner = self._foreign_owner()
+
+        def when_idle(engine):
+            if engine.has_unfinished():
+                raise ValueError("this LLM's engine is serving requests (an AsyncLLM's or a server's): call "
+                                 "generate() there, or wait until they are done")
+            return fn()
+        return owner.call(when_idle).result()
+
+    def _check_owner(self) -> None:
+        """For calls that step the engine on the caller's thread as it iterates (stream())."""
+        if self._foreign_owner() is not None:
+            raise ValueError("this LLM's engine is run by an AsyncLLM (or a server) on its own thread: use that "
+                             "(AsyncLLM.generate / collective_rpc), or shut it down first")
 
     def _check_reload(self) -> None:
         if self._leader is not None:
@@ -495,7 +517,7 @@ class LLM:
         return self._worker
 
     def _check_rpc(self) -> None:
-        self._check_owner()
+        self._check_owner()         # apply_model / collective_rpc: their callers' own thread
         if self._leader is not None:
             raise ValueError("apply_model / collective_rpc need tensor_parallel_size 1 (the shards live in other processes)")
         if self.engine.has_unfinished():
@@ -906,7 +928,8 @@ class LLM:
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
         second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
         self.check_runner("generate")
-        self._check_owner()
+        if self._foreign_owner() is not None:
+            return self._on_owner(lambda: self.generate(prompts, sampling_params, use_tqdm, priority, lora_request))
         prompts = _prompt_list(prompts)
         plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
         if priority is not None and len(priority) != len(prompts):

@@ -163,9 +163,26 @@ def test_shutdown(tiny_pair):
 
 # ---- regressions found by a tester ----
 
-def test_the_offline_calls_are_refused_while_it_runs(engine):
+def test_offline_calls_run_on_its_thread_or_are_refused(engine, offline):
+    """One thread steps an engine: LLM.generate from elsewhere runs on the AsyncLLM's thread while
+    it is idle, and is refused while its requests are in flight (it would take their events)."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    assert engine.llm.generate(PROMPTS, params)[0].outputs[0].token_ids == \
+        offline.generate(PROMPTS, params)[0].outputs[0].token_ids
+
+    async def busy():
+        gen = engine.generate("hi", SamplingParams(max_tokens=100, ignore_eos=True), "busy")
+        await gen.__anext__()
+        try:
+            with pytest.raises(ValueError, match="serving requests"):
+                await asyncio.to_thread(engine.llm.generate, "hi", params)
+        finally:
+            await gen.aclose()
+    asyncio.run(busy())
     with pytest.raises(ValueError, match="run by an AsyncLLM"):
-        engine.llm.generate("hi", SamplingParams(max_tokens=2))
+        next(iter(engine.llm.stream("hi", params)))
+    with pytest.raises(ValueError, match="run by an AsyncLLM"):
+        engine.llm.collective_rpc(lambda worker: 1)
     with pytest.raises(ValueError, match="already runs"):
         AsyncLLM(engine.llm)
 
@@ -228,12 +245,16 @@ def test_engine_args_as_vllm(tiny_pair):
     args = AsyncEngineArgs(model=str(tiny_pair[0]), enable_log_requests=True)
     assert args.max_model_len is None and args.tensor_parallel_size == 1 and args.enable_prefix_caching is None
     parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
-    parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_pair[0]), "--max-model-len", "128"]))
+    parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_pair[0]), "--max-model-len", "128",
+                                                              "--seed", "5", "--enable-log-requests"]))
     assert parsed.max_model_len == 128 and parsed.model == str(tiny_pair[0])
+    assert parsed.seed == 5 and parsed.enable_log_requests
     eng = AsyncLLM.from_engine_args(args)
     try:
         assert eng.log_requests and asyncio.run(eng.get_supported_tasks()) == ("generate",)
-        assert asyncio.run(eng.get_model_config()).vocab_size > 0 and asyncio.run(eng.list_loras()) == set()
+        config = asyncio.run(eng.get_model_config())
+        assert config.get_vocab_size() > 0 and config.max_model_len == eng.llm.engine.max_model_len
+        assert asyncio.run(eng.list_loras()) == set()
         assert isinstance(eng.dead_error, RuntimeError)
     finally:
         eng.shutdown()

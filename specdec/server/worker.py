@@ -55,9 +55,9 @@ class ShuttingDown(RuntimeError):
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-# threads that handed their compute to an engine thread -> their torch thread count before that
-# (a second worker started from the same thread computes with it, not with the 1 left after release)
-_RELEASED: dict[int, int] = {}
+# per thread that handed its compute to an engine thread: its torch thread count before that (a
+# second worker started from the same thread computes with it, not with the 1 left after release)
+_RELEASED = threading.local()
 
 
 class EngineWorker:
@@ -98,6 +98,10 @@ class EngineWorker:
         return self.engine.num_waiting + len(self._inbox)
 
     @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closing
 
@@ -111,8 +115,10 @@ class EngineWorker:
         # the engine thread computes from now on, with this thread's thread count; this thread's
         # OpenMP team goes, so that the process holds one team (kernels.release_threads: why)
         self._starter = threading.get_ident()
-        self._threads = _RELEASED.setdefault(self._starter, torch.get_num_threads())
-        self.engine.owner = self._thread
+        if getattr(_RELEASED, "threads", None) is None:
+            _RELEASED.threads = torch.get_num_threads()
+        self._threads = _RELEASED.threads
+        self.engine.owner = self
         kernels.release_threads()
         self._thread.start()
 
@@ -222,7 +228,7 @@ class EngineWorker:
             self.engine.owner = None
         if threading.get_ident() == self._starter:
             torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
-            _RELEASED.pop(self._starter, None)
+            _RELEASED.threads = None
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)

@@ -328,7 +328,8 @@ def test_pause_holds_embeddings_and_aborts_beams_and_responses(pair):
             t.join(30)
             http.post("/resume")
         beam = got["beam"].json()
-        assert got["beam"].status_code == 200 and len(beam["choices"]) == 3
+        # the beams so far: as many as it had when the pause came (one before its first step ended)
+        assert got["beam"].status_code == 200 and 1 <= len(beam["choices"]) <= 3
         assert {c["finish_reason"] for c in beam["choices"]} == {"abort"}
         resp = got["resp"].json()
         assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "abort"}

@@ -139,7 +139,6 @@ class AsyncLLM:
         self._worker.start()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
-        self._dead: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **_ignored) -> AsyncLLM:

@@ -100,7 +100,7 @@ def llamacpp_variants(names: list[str], ks: list, gguf: str | None, threads: int
     """The requested llama.cpp methods; skipped (with the reason) without the binding or a GGUF."""
     version = available()
     if version is None:
-        return [], [Skipped(n, None, "llama-cpp-python is not installed (pip install -e '.[peers]')") for n in names]
+        return [], [Skipped(n, None, "llama-cpp-python is not installed (pip install 'specdec[peers]', or -e '.[peers]' in a checkout)") for n in names]
     if gguf is None:
         return [], [Skipped(n, None, "llama.cpp runs GGUF files; the target is not one") for n in names]
     from llama_cpp import llama_print_system_info

@@ -171,7 +171,7 @@ def peer_variants(names: list[str], ks: list, target_dir: str, draft_dir: str | 
     try:
         import transformers
     except ImportError:
-        return [], [Skipped(n, None, "transformers is not installed") for n in names]
+        return [], [Skipped(n, None, "transformers is not installed (pip install transformers, or specdec's [test] extra)") for n in names]
     transformers.logging.set_verbosity_error()     # per-call notices would bury the progress bar
     transformers.logging.disable_progress_bar()
     version = {"transformers": transformers.__version__}

@@ -138,6 +138,9 @@ def build(v: Variant) -> Path | None:
         return path
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cc, *_CFLAGS, *v.cflags, *map(str, SOURCES), "-o", str(tmp), "-lm"]
+    if sys.stderr.isatty():     # a person waiting at a terminal (never in a log or a test's capture)
+        print(f"specdec: compiling the {v.name} kernels (first use on this machine, about 30 s) into {path.parent}",
+              file=sys.stderr)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if subprocess.run(cmd, capture_output=True).returncode != 0:

@@ -335,6 +335,30 @@ def test_pause_holds_embeddings_and_aborts_beams_and_responses(pair):
         assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "abort"}
 
 
+def test_calls_while_paused_step_nothing(live):
+    """keep freezes: a control call served while paused (which wakes the engine's thread) must not
+    move the frozen request one step forward."""
+    http = httpx.Client(base_url=live.url, timeout=60)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=_complete(live.url, PROMPTS[0], 150)))
+    t.start()
+    while live.llm.engine.num_running == 0:
+        time.sleep(0.002)
+    assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+    time.sleep(0.3)                          # a step under way when the pause came ends
+    (req,) = live.llm.engine.scheduler.running
+    before = len(req.out)
+    try:
+        for _ in range(5):
+            assert http.post("/collective_rpc", json={"method": "load_weights", "args": [[]]}).status_code == 200
+            assert http.post("/reset_prefix_cache", params={"reset_running_requests": False}).status_code in (200, 409)
+        assert len(req.out) == before
+    finally:
+        http.post("/resume")
+    t.join(30)
+    assert got["r"]["finish_reason"] == "length"
+
+
 def test_collective_rpc_bad_arguments_are_a_400(live):
     http = httpx.Client(base_url=live.url, timeout=60)
     r = http.post("/collective_rpc", json={"method": "load_weights", "args": [1, 2, 3]})

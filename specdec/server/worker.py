@@ -241,6 +241,8 @@ class EngineWorker:
                 log.exception("engine thread: admitting or cancelling requests failed")
                 self._fail_all(e)
                 continue
+            if self._paused:                 # woken for a call or a cancel: the frozen requests stay as they are
+                continue
             try:
                 events = self.engine.step()
             except Exception as e:           # the step's requests cannot go on; the server can

@@ -196,6 +196,19 @@ def _check_vllm_args(args: dict) -> None:
         log.warning("LLM: ignoring vLLM arguments that have no effect in specdec: %s", "; ".join(set_away))
 
 
+def _one_stepper(method):
+    """An LLM method that steps the engine: callers on several threads take turns (vLLM's LLM is
+    not thread-safe either; here concurrent calls wait instead of corrupting the engine). A call
+    that runs on a server's / AsyncLLM's engine thread instead takes no turn here."""
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        if self._foreign_owner() is not None:
+            return method(self, *args, **kwargs)
+        with self._stepping:
+            return method(self, *args, **kwargs)
+    return serialized
+
+
 class LLM:
     """A target model, optionally with a speculative proposer.
 
@@ -360,6 +373,8 @@ class LLM:
         self._worker_cls = _worker_class(worker_extension_cls)      # a bad name fails now, not at the first rpc
         self._worker = None      # made at the first collective_rpc and kept: an extension's state lives on it
         self._counter = 0
+        # generate() from several threads at once: one at a time (two steppers corrupt the engine)
+        self._stepping = threading.Lock()
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters)
         self._prompt_tokens, self._totals, self._finished = 0, RequestStats(), _Tally()
@@ -918,6 +933,7 @@ class LLM:
         self._counter += 1
         return self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request)
 
+    @_one_stepper
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:

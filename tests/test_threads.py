@@ -140,3 +140,21 @@ def test_engine_worker_computes_with_the_starters_thread_count(tiny_pair):
         return True
 
     assert _in_thread(body)
+
+
+def test_generate_from_several_threads_takes_turns(tiny_pair):
+    """LLM.generate from several threads at once: the calls take turns on the engine (two steppers
+    at once corrupted its memory: `free(): corrupted unsorted chunks`), each answer the one it gets alone."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = {i: llm.generate(f"def f{i}(x):", params)[0].outputs[0].token_ids for i in range(4)}
+    got: list = []
+
+    def run(i):
+        got.append((i, llm.generate(f"def f{i}(x):", params)[0].outputs[0].token_ids))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert len(got) == 8 and all(tokens == want[i] for i, tokens in got)

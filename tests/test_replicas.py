@@ -123,8 +123,12 @@ def test_completions_and_streams_spread_over_both_replicas(cluster):
     results = []
     lock = threading.Lock()
 
+    start = threading.Barrier(8)
+
     def one(i):
-        replica, out = _complete(client, prompt=f"def f{i}(x):", max_tokens=400, temperature=0)
+        start.wait(30)               # all 8 sent together, each long enough to still run when the last comes
+        replica, out = _complete(client, prompt=f"def f{i}(x):", max_tokens=1000, temperature=0,
+                                 extra_body={"ignore_eos": True})
         with lock:
             served[replica] += 1
             results.append(out)

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Iterable
 from .config import RequestOutputKind, SamplingParams
 from .llm import LLM, CompletionOutput, RequestOutput
 from .metrics import RequestStats
-from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown
+from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 
 log = logging.getLogger("specdec.async_llm")
 __all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "RequestOutputKind"]
@@ -119,10 +119,6 @@ class _Stream:
         self.jobs, self.queue, self.aborted = jobs, queue, False
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item) -> None:
-    loop.call_soon_threadsafe(queue.put_nowait, (index, item))
-
-
 class AsyncLLM:
     """vLLM's AsyncLLM over one LLM (made from its keyword arguments, or given)."""
 
@@ -186,7 +182,7 @@ class AsyncLLM:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
-        stream.jobs = [Job(ids, params, i, functools.partial(_deliver, loop, queue, i), priority=priority,
+        stream.jobs = [Job(ids, params, i, functools.partial(deliver, loop, queue, i), priority=priority,
                            lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}")
                        for i in range(params.n)]
         if self.log_requests:
@@ -345,11 +341,7 @@ class AsyncLLM:
         return await asyncio.wrap_future(self._worker.call(fn))
 
     async def reset_prefix_cache(self, device=None, reset_running_requests: bool = False) -> bool:
-        def reset(engine):
-            if reset_running_requests:
-                engine.preempt_all()
-            return engine.blocks.reset_prefix_cache()
-        return await self._call(reset)
+        return await self._call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
                                wait_for_inflight_requests: bool = False) -> None:

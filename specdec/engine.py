@@ -298,10 +298,12 @@ class Engine:
                 self._deferred.pop(r.request_id, None)
                 self._deferred_rows.pop(r.request_id, None)
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block (vLLM's reset_prefix_cache); False while requests run."""
-        if self.has_unfinished():
-            return False
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached prefix block (vLLM's reset_prefix_cache); False, and nothing dropped,
+        while requests hold KV blocks, unless reset_running_requests preempts them first (they are
+        recomputed at their next step)."""
+        if reset_running_requests:
+            self.preempt_all()
         return self.blocks.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:

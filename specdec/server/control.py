@@ -130,11 +130,7 @@ def dev_routes(service) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
-        def reset(engine):
-            if reset_running_requests:
-                engine.preempt_all()
-            return engine.blocks.reset_prefix_cache()
-        if not await _on_engine(service, reset):
+        if not await _on_engine(service, lambda engine: engine.reset_prefix_cache(reset_running_requests)):
             raise APIError(409, "requests in flight hold KV blocks: the prefix cache was not reset "
                                 "(reset_running_requests=true recomputes them)", "reset_running_requests")
         return Response(status_code=200)

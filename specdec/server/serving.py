@@ -24,7 +24,7 @@ from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
 from .reasoning import HARMONY
 from .tools import ToolPlan, plan_tools
-from .worker import EngineWorker, Job, ShuttingDown
+from .worker import EngineWorker, Job, ShuttingDown, deliver
 
 log = logging.getLogger("specdec.server")
 
@@ -445,7 +445,7 @@ class Generation:
         # best_of > n: every candidate runs, the best n per prompt are kept at the end
         self.per_prompt = params.best_of or params.n
         self._jobs = [Job(ids, params, p * self.per_prompt * spread_prompts + i,
-                          partial(_deliver, loop, self._queue, p * self.per_prompt + i),
+                          partial(deliver, loop, self._queue, p * self.per_prompt + i),
                           priority=priority, lora_request=lora_request, prediction=prediction)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         if request_id is not None:
@@ -525,6 +525,3 @@ class Generation:
             self._finished(index, event.finish_reason)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item) -> None:
-    """Runs on the worker thread: hand one step to the event loop."""
-    loop.call_soon_threadsafe(queue.put_nowait, (index, item))

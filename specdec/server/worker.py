@@ -373,3 +373,9 @@ def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None
         future.set_result(fn(engine))
     except Exception as e:               # noqa: BLE001 - the caller reads it from the future
         future.set_exception(e)
+
+
+def deliver(loop, queue, index: int, item) -> None:
+    """A Job's deliver (bound with functools.partial): on the worker thread, hand one event of
+    choice `index` to an asyncio queue on `loop`."""
+    loop.call_soon_threadsafe(queue.put_nowait, (index, item))

@@ -27,6 +27,7 @@ from .config import RequestOutputKind, SamplingParams
 from .llm import LLM, CompletionOutput, RequestOutput
 from .metrics import RequestStats
 from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
+from .tracing import extract_trace_headers, warn_tracing_disabled
 
 log = logging.getLogger("specdec.async_llm")
 __all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "RequestOutputKind"]
@@ -149,11 +150,13 @@ class AsyncLLM:
     # ---- generation ----
 
     async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       lora_request=None, priority: int = 0, **_vllm_only) -> AsyncGenerator[RequestOutput, None]:
+                       lora_request=None, priority: int = 0, trace_headers=None,
+                       **_vllm_only) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's RequestOutputs (prompt: text, {"prompt": ...} or
         {"prompt_token_ids": [...]}); the last has finished=True. A bad prompt or parameter is a
         ValueError before anything runs (raised where the first output is awaited, as vLLM's); a
-        request id already streaming is one too."""
+        request id already streaming is one too. trace_headers: a request's W3C trace context
+        (traceparent, tracestate), the parent of its span with otlp_traces_endpoint set."""
         if self._stopped:
             raise ShuttingDown("the engine has been shut down")
         if not isinstance(request_id, str) or not request_id:
@@ -182,8 +185,12 @@ class AsyncLLM:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
+        trace = extract_trace_headers(trace_headers)
+        if trace is not None and self.llm.engine.tracer is None:
+            warn_tracing_disabled()
         stream.jobs = [Job(ids, params, i, functools.partial(deliver, loop, queue, i), priority=priority,
-                           lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}")
+                           lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}",
+                           trace_headers=trace)
                        for i in range(params.n)]
         if self.log_requests:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)

@@ -115,6 +115,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with_memory, with_flops, use_gzip as torch_profiler_*, delay_iterations, max_iterations): "
                         "torch.profiler traces of the engine's steps into DIR; serve: between POST /start_profile "
                         "and /stop_profile, generate: the whole generation (default: VLLM_TORCH_PROFILER_DIR if set)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="vLLM's: export an OpenTelemetry span per request (llm_request: latencies, token counts, "
+                        "speculative counts) to this OTLP endpoint, e.g. http://localhost:4317 (gRPC; "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for OTLP/HTTP); a request's traceparent "
+                        "header makes its span a child. Needs pip install 'specdec[otel]'")
+    p.add_argument("--collect-detailed-traces", default=None,
+                   help="vLLM's: model, worker or all (comma-separated): spans also carry the time in the "
+                        "target's forwards and in drafting (gen_ai.latency.time_in_model_forward / _execute); "
+                        "needs --otlp-traces-endpoint")
 
 
 def human_int(value: str) -> int:
@@ -431,7 +440,9 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                compilation_config=getattr(args, "compilation_config", None),
                enforce_eager=getattr(args, "enforce_eager", False),
                structured_outputs_config=structured_outputs_config(args),
-               profiler_config=getattr(args, "profiler_config", None), **extra)
+               profiler_config=getattr(args, "profiler_config", None),
+               otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+               collect_detailed_traces=getattr(args, "collect_detailed_traces", None), **extra)
 
 
 def structured_outputs_config(args) -> dict | None:

@@ -129,6 +129,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.blocks, self._lookahead,
                                    lora_config.max_loras if lora_config is not None else None)
         self._ids = itertools.count()
+        # OpenTelemetry: a span per retired request (specdec/tracing.RequestTracer), or None
+        self.tracer = None
         # what the last step did, and running totals: read by the server's metrics
         self.num_preemptions = 0
         self.last_step_tokens = 0          # tokens fed to the target
@@ -215,12 +217,14 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False, priority: int = 0,
-                    lora_request: LoRARequest | None = None, prediction: list[int] | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, prediction: list[int] | None = None,
+                    trace_headers: dict | None = None, trace_name: str | None = None) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free
         (priority: under scheduling_policy="priority", lower joins first; lora_request: the
         LoRA adapter it runs with; prediction: OpenAI's Predicted Outputs, token ids the output is
         expected to repeat, drafted from where it does (specdec/prediction.py; a speculative engine
-        with a chain proposer: otherwise counted as rejected))."""
+        with a chain proposer: otherwise counted as rejected); trace_headers / trace_name: the W3C
+        trace context its span goes under and the id the span names, when `tracer` is set)."""
         self.check_priority(priority)
         params = params.clone()            # the request's own: later changes to the caller's do not reach it
         prompt = self.truncated(prompt, params)
@@ -237,7 +241,8 @@ class Engine:
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                   params.include_stop_str_in_output, params.min_tokens), time.perf_counter(),
-                      stream=stream, priority=priority, lora=adapter)
+                      stream=stream, priority=priority, lora=adapter, trace_headers=trace_headers,
+                      trace_name=trace_name)
         if ctx.prediction is not None:
             req.stats.prediction_tokens = len(ctx.prediction.ids)
         self.scheduler.add(req)
@@ -802,6 +807,12 @@ class Engine:
         """r leaves the engine (finished or aborted): its seat, blocks and proposer state are freed."""
         self.scheduler.finish(r)
         self.policy.forget(r.request_id)
+        if self.tracer is not None:
+            try:
+                self.tracer.request_done(r, r.finish_reason or "abort",
+                                         r.lora.name if r.lora is not None else None)
+            except Exception:           # noqa: BLE001 - a span never fails a request
+                log.exception("tracing: the span of request %s was not recorded", r.request_id)
         if self.proposer is not None:
             # running, or waiting: a preempted request keeps proposer state (preempt_request) until
             # here; every proposer takes an id it holds nothing for (one never admitted)

@@ -35,6 +35,7 @@ from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eos_ids, template_messages
+from .tracing import RequestTracer, check_observability
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
@@ -237,6 +238,8 @@ class LLM:
     profiler_config: vLLM's --profiler-config ({"profiler": "torch", "torch_profiler_dir": DIR, ...};
     None: VLLM_TORCH_PROFILER_DIR if set): start_profile() / stop_profile() record the engine's
     steps with torch.profiler into DIR (specdec/profiler.py).
+    otlp_traces_endpoint / collect_detailed_traces (vLLM's): an OpenTelemetry span per request
+    exported over OTLP (specdec/tracing.py; needs specdec[otel]).
     structured_outputs_config: vLLM's engine-wide structured-output options (a dict or
     config.StructuredOutputsConfig: backend, disable_any_whitespace, disable_additional_properties,
     disable_fallback), the defaults of requests that leave them unsaid.
@@ -279,6 +282,7 @@ class LLM:
                  structured_outputs_config: dict | StructuredOutputsConfig | None = None,
                  profiler_config: dict | str | ProfilerConfig | None = None,
                  override_generation_config: dict | None = None,
+                 otlp_traces_endpoint: str | None = None, collect_detailed_traces: str | None = None,
                  trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
                  tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
                  disable_custom_all_reduce: bool = False, worker_extension_cls: str | type | None = None, **kwargs):
@@ -291,6 +295,7 @@ class LLM:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer (or None: unseeded), got {seed!r}")
         parallel = ParallelConfig(tensor_parallel_size, distributed_timeout_s)
+        traces_detail = check_observability(otlp_traces_endpoint, collect_detailed_traces)
         profiling = ProfilerConfig.of(profiler_config)       # checked before the model loads
         structured = StructuredOutputsConfig.of(structured_outputs_config)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_dtype) if enable_lora else None
@@ -370,6 +375,8 @@ class LLM:
                              structured_outputs_config=structured)
         if profiling is not None:
             self.engine.profiler = StepProfiler(profiling)
+        if otlp_traces_endpoint:       # a span per request (specdec/tracing.py); a server names its model
+            self.engine.tracer = RequestTracer(otlp_traces_endpoint, self.model_path, traces_detail)
         self._worker_cls = _worker_class(worker_extension_cls)      # a bad name fails now, not at the first rpc
         self._worker = None      # made at the first collective_rpc and kept: an extension's state lives on it
         self._counter = 0
@@ -647,9 +654,12 @@ class LLM:
         return self.engine.profiler
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the LLM is collected)."""
+        """Stop the tensor-parallel workers, if any (also done when the LLM is collected), and
+        export the spans still queued (otlp_traces_endpoint)."""
         if self._leader is not None:
             self._leader.shutdown()
+        if self.engine.tracer is not None:
+            self.engine.tracer.shutdown()
 
     def _load_draft(self, path: str):
         if is_vocab_draft(path):      # a draft over a draft vocabulary, on the target's embeddings

@@ -68,6 +68,8 @@ class Request:
     prompt_logprobs: list | None = None
     prompt_logprobs_next: int = 1       # the first prompt position not yet scored
     lora: object | None = None          # its LoRA adapter (specdec/lora: LoRAAdapter), or None
+    trace_headers: dict | None = None   # W3C trace context its span is a child of (specdec/tracing.py)
+    trace_name: str | None = None       # its span's gen_ai.request.id (the API request's id), else request_id
 
     def __post_init__(self):
         self.seq = list(self.prompt)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .. import __version__
 from ..llm import LLM
+from ..tracing import TRACE_HEADERS
 from .config import ServerConfig
 from .control import dev_routes, pause_routes
 from .beam import beam_chat, beam_completion
@@ -29,7 +30,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .responses import ChatFormat, CompletionFormat, collect, stream
 from .responses_api import (ResponseStore, ResponsesRequest, Served, chat_request, check_request, conversation,
                             input_messages, message_sources, renamed, respond, stream as stream_response)
-from .serving import Service, echo_only
+from .serving import REQUEST_TRACE, Service, echo_only
 from .worker import ShuttingDown
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
@@ -60,6 +61,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                 await asyncio.wrap_future(service.worker.call(lambda engine: profiler.stop()))
         await asyncio.to_thread(service.worker.stop)
         service.close()
+        if service.engine.tracer is not None:      # the last requests' spans leave before the process
+            await asyncio.to_thread(service.engine.tracer.flush)
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
     app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
@@ -114,9 +117,12 @@ class _RequestIds:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        raw = dict(scope["headers"]).get(b"x-request-id")
+        headers = dict(scope["headers"])
+        raw = headers.get(b"x-request-id")
         rid = raw.decode("latin-1") if raw else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        trace = {name: headers[key].decode("latin-1") for name in TRACE_HEADERS
+                 if (key := name.encode()) in headers} or None
 
         async def with_id(message):
             if message["type"] == "http.response.start":
@@ -124,7 +130,11 @@ class _RequestIds:
                 message = {**message, "headers": [*headers, (b"x-request-id", rid.encode("latin-1"))]}
             await send(message)
 
-        await self.app(scope, receive, with_id if self.echo else send)
+        token = REQUEST_TRACE.set(trace)       # W3C trace context: the engine's spans go under it
+        try:
+            await self.app(scope, receive, with_id if self.echo else send)
+        finally:
+            REQUEST_TRACE.reset(token)
 
 
 def _request_id(request: Request) -> str:

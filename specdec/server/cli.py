@@ -28,7 +28,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 VLLM_FLAGS = frozenset("""
     additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
     api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
-    collect-detailed-traces config-format cpu-offload-gb cuda-graph-sizes cudagraph-capture-sizes
+    config-format cpu-offload-gb cuda-graph-sizes cudagraph-capture-sizes
     data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
     data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size
     data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
@@ -54,7 +54,7 @@ VLLM_FLAGS = frozenset("""
     mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
     mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
     num-gpu-blocks-override num-lookahead-slots
-    num-redundant-experts num-scheduler-steps otlp-traces-endpoint override-attention-dtype
+    num-redundant-experts num-scheduler-steps override-attention-dtype
     override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
     revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -16,6 +17,7 @@ from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
 from ..tokenizer import TokenizerError, template_messages
+from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
 from .lora import Adapters
@@ -34,6 +36,11 @@ MAX_CHOICES = 16
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
                        "chat_template", "continue_final_message", "tools", "tokenize", "return_dict"}
+
+
+# the W3C trace context (traceparent, tracestate) of the HTTP request being answered, set by the
+# app's request-id middleware: the engine's span of each of its completions goes under it
+REQUEST_TRACE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdec_request_trace", default=None)
 
 
 class Service:
@@ -59,6 +66,8 @@ class Service:
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
         self.metrics = ServerMetrics(llm.engine, config.model_name)
+        if llm.engine.tracer is not None:      # spans name the served model, as responses do
+            llm.engine.tracer.model_name = config.model_name
         self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
         # LoRA adapters served by name beside the base model: those of --lora-modules are loaded
         # now, so a bad folder fails before the port opens
@@ -169,8 +178,12 @@ class Service:
         spread = False
         if params.seed is None and self._seeds is not None and not params.greedy:
             params, spread = dataclasses.replace(params, seed=next(self._seeds)), True
+        trace = REQUEST_TRACE.get()
+        if trace is not None and self.engine.tracer is None:
+            warn_tracing_disabled()
         return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
-                          lora_request, request_id, spread_prompts=spread, prediction=prediction)
+                          lora_request, request_id, spread_prompts=spread, prediction=prediction,
+                          trace_headers=trace)
 
     def prediction_ids(self, req) -> list[int] | None:
         """OpenAI's Predicted Outputs of a chat request, tokenized as the reply would be (no special
@@ -434,7 +447,7 @@ class Generation:
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
                  lora_request=None, request_id: str | None = None, spread_prompts: bool = False,
-                 prediction: list[int] | None = None):
+                 prediction: list[int] | None = None, trace_headers: dict | None = None):
         """spread_prompts: prompt p's choice i samples with seed + p * per_prompt + i (a seed the
         server gave: no two of the request's samples share draws), else with seed + i for every
         prompt (a seed the request gave, as vLLM: identical prompts then draw the same)."""
@@ -446,7 +459,8 @@ class Generation:
         self.per_prompt = params.best_of or params.n
         self._jobs = [Job(ids, params, p * self.per_prompt * spread_prompts + i,
                           partial(deliver, loop, self._queue, p * self.per_prompt + i),
-                          priority=priority, lora_request=lora_request, prediction=prediction)
+                          priority=priority, lora_request=lora_request, prediction=prediction,
+                          trace_headers=trace_headers)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         if request_id is not None:
             for i, job in enumerate(self._jobs):

@@ -43,6 +43,7 @@ class Job:
     priority: int = 0                              # scheduling_policy="priority": lower first
     lora_request: object | None = None             # the LoRA adapter it runs with (specdec.lora.LoRARequest)
     prediction: list[int] | None = None            # Predicted Outputs: token ids the output is expected to repeat
+    trace_headers: dict | None = None              # W3C trace context of its span (traceparent, tracestate)
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -297,7 +298,8 @@ class EngineWorker:
             try:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
                                         priority=job.priority, lora_request=job.lora_request,
-                                        prediction=job.prediction)
+                                        prediction=job.prediction, trace_headers=job.trace_headers,
+                                        trace_name=job.name or None)
             except ValueError as e:
                 self._send(job, e)
                 continue

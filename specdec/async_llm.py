@@ -9,8 +9,9 @@ One thread owns the engine (server/worker.EngineWorker, as in `specdec serve`): 
 generate() calls are batched in its steps, each request's outputs come as its tokens do. A
 consumer that stops iterating (break, task cancelled) aborts its request; abort(request_id) ends
 another's stream with finish_reason "abort". SamplingParams.output_kind says what each output
-holds: CUMULATIVE (each completion so far), DELTA (what is new: with n > 1 only the completions
-that moved), FINAL_ONLY (one output at the end). The outputs are the offline LLM's: greedy and
+holds: CUMULATIVE (the completion so far), DELTA (what is new), FINAL_ONLY (one output at the
+end, every completion in it); with n > 1 streamed, each output holds one completion (the one that
+moved; its `index` says which), as vLLM v1's. The outputs are the offline LLM's: greedy and
 seeded requests give LLM.generate's tokens and text.
 """
 
@@ -232,12 +233,18 @@ class AsyncLLM:
                     moved.add(index)
                 if params.output_kind == RequestOutputKind.FINAL_ONLY and open_:
                     continue
-                if moved:
+                # n > 1 streamed (CUMULATIVE, DELTA): one output per choice that moved, holding that
+                # choice alone, the request finished with the last (vLLM v1's ParentRequest);
+                # FINAL_ONLY: every choice in the one output
+                groups = [{i} for i in sorted(moved)] if params.n > 1 and \
+                    params.output_kind != RequestOutputKind.FINAL_ONLY else [moved] if moved else []
+                for j, group in enumerate(groups):
                     # DELTA: the prompt's logprobs come once, with the first output (vLLM's)
                     lps = None if params.output_kind == RequestOutputKind.DELTA and prompt_logprobs_sent \
                         else prompt_logprobs
                     prompt_logprobs_sent |= prompt_logprobs is not None
-                    yield self._output(request_id, text, ids, params, choices, moved, not open_, lps)
+                    yield self._output(request_id, text, ids, params, choices, group,
+                                       not open_ and j == len(groups) - 1, lps)
         except asyncio.CancelledError:
             if not stream.aborted:
                 raise
@@ -252,7 +259,8 @@ class AsyncLLM:
     def _output(self, request_id, text, ids, params, choices, moved, finished, prompt_logprobs) -> RequestOutput:
         delta = params.output_kind == RequestOutputKind.DELTA
         outputs = []
-        for c in (choices[i] for i in sorted(moved)) if delta else choices:
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+        for c in choices if final_only else (choices[i] for i in sorted(moved)):
             toks, txt, lps = c.token_ids, c.text, c.logprobs
             if delta:
                 toks, txt = toks[c.sent_tokens:], txt[c.sent_text:]

@@ -52,13 +52,17 @@ def test_concurrent_streams_equal_the_offline_llm(engine, offline):
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
         assert outs[-1].prompt_token_ids == ref.prompt_token_ids and outs[-1].request_id.startswith("g")
     (ref,) = offline.generate(PROMPTS[0], seeded)
-    final = sampled[-1]
-    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ref.outputs]
-    assert [len(c.logprobs) for c in final.outputs] == [40, 40]
-    assert [[next(iter(lp)) for lp in c.logprobs] for c in final.outputs] == \
+    # n=2 streamed: each output holds the one completion that moved (vLLM v1), the last finishes the request
+    assert all(len(o.outputs) == 1 for o in sampled) and {o.outputs[0].index for o in sampled} == {0, 1}
+    assert sampled[-1].finished and not any(o.finished for o in sampled[:-1])
+    last = {o.outputs[0].index: o.outputs[0] for o in sampled}
+    finals = [last[0], last[1]]
+    assert [c.token_ids for c in finals] == [c.token_ids for c in ref.outputs]
+    assert [len(c.logprobs) for c in finals] == [40, 40]
+    assert [[next(iter(lp)) for lp in c.logprobs] for c in finals] == \
         [[next(iter(lp)) for lp in c.logprobs] for c in ref.outputs]
-    assert final.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
-    assert final.metrics.output_tokens == 80 and final.metrics.target_forward_passes > 0
+    assert finals[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+    assert sampled[-1].metrics.output_tokens == 80 and sampled[-1].metrics.target_forward_passes > 0
 
 
 def test_output_kinds(engine):
@@ -72,7 +76,7 @@ def test_output_kinds(engine):
     cumulative, delta, final = asyncio.run(main())
     assert len(final) == 1 and final[0].finished
     for i in range(2):
-        whole = cumulative[-1].outputs[i]
+        whole = [c for o in cumulative for c in o.outputs if c.index == i][-1]
         parts = [c for o in delta for c in o.outputs if c.index == i]
         assert "".join(c.text for c in parts) == whole.text == final[0].outputs[i].text
         assert [t for c in parts for t in c.token_ids] == whole.token_ids

@@ -127,8 +127,7 @@ class AsyncLLM:
     def __init__(self, llm: LLM | None = None, log_requests: bool = False, **llm_kwargs):
         if llm is not None and llm_kwargs:
             raise ValueError("AsyncLLM: give an LLM or its keyword arguments, not both")
-        self.llm = llm if llm is not None else LLM(**llm_kwargs)
-        self.llm.check_runner("generate")
+        self.llm = llm if llm is not None else LLM(**llm_kwargs)      # a pooling model serves encode()
         if self.llm.engine.owner is not None and self.llm.engine.owner.alive:
             raise ValueError("this LLM's engine already runs under another AsyncLLM (or a server)")
         self.tokenizer = self.llm.tokenizer
@@ -162,6 +161,7 @@ class AsyncLLM:
             raise ShuttingDown("the engine has been shut down")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        self.llm.check_runner("generate")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -278,6 +278,26 @@ class AsyncLLM:
             stats.time_to_first_token_s = choices[0].stats.time_to_first_token_s
         return RequestOutput(request_id, text, ids, outputs, finished, stats, prompt_logprobs)
 
+    async def encode(self, prompt, pooling_params=None, request_id: str | None = None, *, lora_request=None,
+                     truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
+                     **_vllm_only) -> AsyncGenerator[object, None]:
+        """vLLM's AsyncLLM.encode for a pooling model (runner "pooling"): one output, LLM.encode's
+        for the prompt (an EmbeddingRequestOutput, or a ClassificationRequestOutput for a
+        classifier or pooling_task="classify"), named request_id. It runs on the engine's thread
+        between two steps (and waits while the engine is paused, as requests do)."""
+        if self._stopped:
+            raise ShuttingDown("the engine has been shut down")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        self.llm.check_runner("pooling")
+        future = self._worker.call(lambda engine: self.llm.encode(
+            [prompt], pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request,
+            pooling_task=pooling_task), work=True)
+        (out,) = await asyncio.wrap_future(future)
+        if request_id is not None:
+            out.request_id = request_id
+        yield out
+
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """End these requests now: their streams' last output has finish_reason "abort" (an id
         not streaming is ignored, as vLLM's)."""
@@ -332,10 +352,6 @@ class AsyncLLM:
         """vLLM's: log the engine's figures now (get_metrics' counters, one line)."""
         figures = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
         log.info("engine stats: %s", ", ".join(f"{k}={v}" for k, v in figures.items() if v is not None))
-
-    async def encode(self, *args, **kwargs):
-        raise ValueError("AsyncLLM.encode: pooling models run offline here (LLM(runner='pooling').embed) or "
-                         "behind `specdec serve` (/v1/embeddings)")
 
     async def add_lora(self, lora_request) -> bool:
         """vLLM's: load an adapter now (LLM(enable_lora=True)), not at its first request."""

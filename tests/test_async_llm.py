@@ -262,3 +262,38 @@ def test_engine_args_as_vllm(tiny_pair):
         assert isinstance(eng.dead_error, RuntimeError)
     finally:
         eng.shutdown()
+
+
+def test_encode_on_a_pooling_model(tiny_pair):
+    """vLLM's AsyncLLM.encode: concurrent calls, each one output equal to the offline LLM.embed's."""
+    from specdec.pooling import PoolingParams
+
+    target, _ = tiny_pair
+    offline = LLM(str(target), convert="embed", dtype="float32")
+    want = offline.embed(PROMPTS[:3], PoolingParams(dimensions=None, normalize=True))
+    engine = AsyncLLM(model=str(target), convert="embed", dtype="float32")
+
+    async def one(prompt, rid):
+        return [o async for o in engine.encode(prompt, PoolingParams(normalize=True), rid)]
+
+    async def main():
+        outs = await asyncio.gather(*[one(p, f"e{i}") for i, p in enumerate(PROMPTS[:3])])
+        with pytest.raises(ValueError, match="runner='generate'"):
+            await anext(engine.generate("x", SamplingParams(max_tokens=2), "g"))
+        return outs
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for i, (got, ref) in enumerate(zip(outs, want)):
+        assert len(got) == 1 and got[0].request_id == f"e{i}" and got[0].finished
+        assert got[0].prompt_token_ids == ref.prompt_token_ids
+        assert got[0].outputs.embedding == pytest.approx(ref.outputs.embedding, abs=1e-5)
+
+
+def test_encode_needs_a_pooling_model(engine):
+    async def main():
+        async for _ in engine.encode("hi", None, "e"):
+            pass
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        asyncio.run(main())

@@ -11,6 +11,7 @@ import json
 import shutil
 import struct
 
+import httpx
 import openai
 import pytest
 import torch
@@ -353,3 +354,18 @@ def test_chat_messages_and_the_pooling_endpoint(server, embedder):
         assert r.status_code == 200, r.text
         assert [d["object"] for d in r.json()["data"]] == ["pooling"] * 3
         assert [d["data"] for d in r.json()["data"]] == [pytest.approx(server.solo[t], abs=1e-6) for t in TEXTS]
+
+
+def test_invocations_on_an_embedding_model(server):
+    """SageMaker's POST /invocations (vLLM's): `input` is an embeddings request, `text_1` a score."""
+    r = httpx.post(server.url + "/invocations", json={"input": TEXTS[:2]}, timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "list"
+    got = [d["embedding"] for d in r.json()["data"]]
+    assert got[0] == pytest.approx(server.solo[TEXTS[0]], abs=1e-5)
+    assert got[1] == pytest.approx(server.solo[TEXTS[1]], abs=1e-5)
+    r = httpx.post(server.url + "/invocations", json={"text_1": TEXTS[0], "text_2": TEXTS[1:]}, timeout=60)
+    assert r.status_code == 200 and [d["object"] for d in r.json()["data"]] == ["score", "score"]
+    r = httpx.post(server.url + "/invocations", json={"prompt": "hi"}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("Cannot find suitable handler for request. Expected one of: "
+                                            "EmbeddingRequest, ScoreRequest, RerankRequest")

@@ -417,6 +417,36 @@ def test_metrics(http):
     assert metric(http, 'specdec:requests_total{outcome="invalid"}') > 0
 
 
+def test_invocations_picks_the_route_by_the_body(server, http, client):
+    """SageMaker's POST /invocations (vLLM's): `messages` is a chat completion, `prompt` a
+    completion, each answered (and streamed, and counted) as its own route answers it."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    r = http.post("/invocations", json=chat)
+    want = client.chat.completions.create(**chat)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    assert r.json()["choices"][0]["message"]["content"] == want.choices[0].message.content
+    done = metric(http, 'specdec:requests_total{outcome="length"}')
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    r = http.post("/invocations", json=body)
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    assert r.json()["choices"][0]["text"] == client.completions.create(**body).choices[0].text
+    assert metric(http, 'specdec:requests_total{outcome="length"}') == done + 2
+    with http.stream("POST", "/invocations", json={**body, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == r.json()["choices"][0]["text"]
+    # the chosen route's own checks answer a body of its shape that is wrong
+    bad = http.post("/invocations", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    invalid = metric(http, 'specdec:requests_total{outcome="invalid"}')
+    for junk in ({"input": "x"}, [1, 2], b"{oops"):
+        r = http.post("/invocations", **({"content": junk} if isinstance(junk, bytes) else {"json": junk}))
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "Cannot find suitable handler for request. Expected one of: ChatCompletionRequest, CompletionRequest")
+    assert metric(http, 'specdec:requests_total{outcome="invalid"}') == invalid
+    assert http.get("/invocations").status_code == 405
+
+
 def test_api_key(tiny_pair):
     # the target drafting for itself: every greedy draft is accepted, which checks the statistics
     llm = LLM(tiny_pair[0], speculative_model=str(tiny_pair[0]), num_speculative_tokens=2, max_model_len=64)
@@ -427,6 +457,7 @@ def test_api_key(tiny_pair):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         # the key is checked before the body is even parsed
         assert httpx.post(live.url + "/v1/completions", content=b"{oops").status_code == 401
+        assert httpx.post(live.url + "/invocations", json=body).status_code == 401      # as /v1
         assert httpx.get(live.url + "/health").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
@@ -439,6 +470,8 @@ def test_api_key(tiny_pair):
             assert drafts == spec["num_drafts"] and metric(h, "specdec:spec_decode_num_accepted_tokens_total") == \
                 spec["accepted_tokens"]
             assert metric(h, 'specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') == drafts
+        assert httpx.post(live.url + "/invocations", json=body, headers={"authorization": "Bearer sekrit"}
+                          ).status_code == 200
 
 
 def test_schemathesis_finds_no_server_errors(server):

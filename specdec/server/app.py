@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -85,6 +86,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     # middleware added later wraps what was added before (the last one sees a request first)
     if config.enable_server_load_tracking:
         app.add_middleware(_TrackLoad, load=load)
+    # SageMaker's POST /invocations: the body, as BodyLimit replays it, picks the route
+    app.add_middleware(_Invocations, routes=_invocation_routes(service))
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     # each request to the API once in requests_total (413s included; 401s are not let this far)
     app.add_middleware(RequestCounter, metrics=service.metrics, routes=[r for router in api for r in router.routes])
@@ -151,6 +154,60 @@ class ServerLoad:
 
     def __init__(self):
         self.value = 0
+
+
+def _invocation_routes(service: Service) -> list[tuple[str, str, tuple[str, ...]]]:
+    """/invocations' candidates, in vLLM's order, for what this model serves: (path, vLLM's
+    request type, the keys a body of that type has (any one of them))."""
+    if service.llm.runner != "pooling":
+        return [("/v1/chat/completions", "ChatCompletionRequest", ("messages",)),
+                ("/v1/completions", "CompletionRequest", ("prompt",))]
+    classifier = service.llm.classifier
+    routes = [("/classify", "ClassificationRequest", ("input",))] if classifier is not None else \
+        [("/v1/embeddings", "EmbeddingRequest", ("input", "messages"))]
+    if classifier is None or len(classifier.labels) == 1:
+        routes += [("/score", "ScoreRequest", ("text_1",)), ("/rerank", "RerankRequest", ("query",))]
+    return routes
+
+
+class _Invocations:
+    """ASGI middleware: vLLM's POST /invocations (SageMaker's inference route; GET/POST /ping is
+    its health check): the body's shape picks the API route that answers it (`messages`: chat
+    completions, `prompt`: completions; on a pooling model `input`: embeddings or classify,
+    `text_1`: score, `query`: rerank), which then runs as if called by its own path (its errors,
+    streaming, metrics and load counting). A body none of them takes is a 400 naming the
+    request types, as vLLM's. Behind --api-key it needs the key, as /v1 does (vLLM's does not)."""
+
+    def __init__(self, app, routes):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or app_path(scope) != "/invocations":
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            return await error_response(405, "/invocations takes POST", None, None,
+                                        {"allow": "POST"})(scope, receive, send)
+        message = await receive()           # BodyLimit read the body and replays it whole
+        try:
+            body = json.loads(message.get("body", b"") or b"null")
+        except ValueError:
+            body = None
+        path = next((p for p, _, keys in self.routes if isinstance(body, dict) and any(k in body for k in keys)),
+                    None)
+        if path is None:
+            names = ", ".join(name for _, name, _ in self.routes)
+            return await error_response(400, f"Cannot find suitable handler for request. Expected one of: "
+                                             f"{names}")(scope, receive, send)
+        root = scope.get("root_path", "")
+        # in place: the middleware outside (the request counter) sees the route that answered
+        scope["path"] = root + path
+        scope["raw_path"] = scope["path"].encode()
+        replayed = [message]
+
+        async def replay():
+            return replayed.pop() if replayed else await receive()
+
+        await self.app(scope, replay, send)
 
 
 class _TrackLoad:

@@ -86,7 +86,8 @@ def _describe(errors) -> tuple[str, str | None]:
 
 
 class ApiKeyGuard:
-    """ASGI middleware: 401 for /v1/* unless the request carries `Authorization: Bearer <key>`.
+    """ASGI middleware: 401 for /v1/* and /invocations (SageMaker's route to them) unless the
+    request carries `Authorization: Bearer <key>`.
 
     Checked before the body is read or parsed, so a client without the key learns nothing else
     (not even that its JSON was malformed). /health, /version and /metrics stay open, as in vLLM.
@@ -96,7 +97,7 @@ class ApiKeyGuard:
         self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and app_path(scope).startswith("/v1") and not self._allowed(scope):
+        if scope["type"] == "http" and app_path(scope).startswith(("/v1", "/invocations")) and not self._allowed(scope):
             response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                       None, "invalid_api_key", {"www-authenticate": "Bearer"})
             return await response(scope, receive, send)

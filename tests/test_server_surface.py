@@ -522,6 +522,35 @@ def test_enable_log_requests_logs_each_request_and_its_end(tiny_pair, caplog):
         assert len(received) == 2 and all(f"prompt: {text[:5]!r}" in m and f"prompt_token_ids: {ids[:5]}" in m
                                           and "max_tokens=3" in m for m in received)
         assert len(finished) == 2 and all("length" in m and "3 output tokens" in m for m in finished)
+        assert not any(m.startswith("Generated response") for m in caplog.messages)
+
+
+def test_enable_log_outputs_logs_each_completion(tiny_pair, caplog):
+    """vLLM's --enable-log-outputs (with --enable-log-requests): each completion's output text,
+    token ids (cut at max_log_len) and finish reason as it ends, streamed or not."""
+    import logging
+
+    from specdec.server.cli import parse_args, server_config
+
+    assert server_config(parse_args(["--enable-log-requests", "--enable-log-outputs"], "x")[0]).enable_log_outputs
+    llm = LLM(tiny_pair[0], dtype="float32", num_speculative_tokens=0, max_model_len=64)
+    config = ServerConfig(served_model_names=("tiny",), enable_log_requests=True, enable_log_outputs=True,
+                          max_log_len=4)
+    with caplog.at_level(logging.INFO, logger="specdec.server"), LiveServer(build_app(llm, config)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "out-1"})
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="import os", max_tokens=5, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "out-2"}) if c.choices)
+    logged = {m.split(":")[0]: m for m in caplog.messages if m.startswith("Generated response")}
+    assert set(logged) == {"Generated response cmpl-out-1-0", "Generated response cmpl-out-1-1",
+                           "Generated response cmpl-out-2"}
+    for i, choice in enumerate(r.choices):
+        line = logged[f"Generated response cmpl-out-1-{i}"]
+        assert f"output: {choice.text[:4]!r}" in line and line.endswith("finish_reason: length")
+        assert "output_token_ids: [" in line and len(line.split("output_token_ids: [")[1].split("]")[0].split(",")) == 4
+    assert f"output: {streamed[:4]!r}" in logged["Generated response cmpl-out-2"]
 
 
 def test_openai_details_found_by_a_users_probe(client, live, ref):

@@ -38,7 +38,7 @@ VLLM_FLAGS = frozenset("""
     disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
     disable-uvicorn-access-log distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel enable-force-include-usage
-    enable-log-outputs enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
+    enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
     enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
     enable-sleep-mode enable-ssl-refresh
     enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
@@ -160,6 +160,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                    help="log each request: its prompt, sampling parameters, and how it ended (vLLM's flag)")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="the older vLLM spelling of --no-enable-log-requests (the default)")
+    p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --enable-log-requests: also log each completion's output text, token ids and "
+                        "finish reason as it ends (vLLM's flag)")
     p.add_argument("--max-log-len", type=_positive,
                    help="with --enable-log-requests: at most this many prompt characters and token ids per line")
     p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
@@ -304,6 +307,7 @@ def server_config(args):
                         disable_fastapi_docs=args.disable_fastapi_docs,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
+                        enable_log_outputs=args.enable_log_outputs,
                         max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),
                         allow_runtime_lora_updating=runtime_updating_allowed(),
                         dev_mode=dev_mode(),

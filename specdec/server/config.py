@@ -28,6 +28,7 @@ class ServerConfig:
     tool_call_parser: str | None = None   # the format of those calls (tools.PARSERS)
     reasoning_parser: str | None = None   # thinking returned as reasoning_content (reasoning.PARSERS)
     enable_log_requests: bool = False     # log each request's prompt, parameters and end (vLLM's flag)
+    enable_log_outputs: bool = False      # with enable_log_requests: each completion's output too (vLLM's flag)
     max_log_len: int | None = None        # at most this many prompt characters and token ids in that log
     # LoRA adapters served under their names (vLLM's --lora-modules; the LLM needs enable_lora=True)
     lora_modules: tuple[LoRAModulePath, ...] = ()

@@ -73,7 +73,10 @@ class Service:
         # now, so a bad folder fails before the port opens
         self.adapters = Adapters(config.served_model_names, llm.engine.lora is not None, self.worker.call)
         self.adapters.load_static(config.lora_modules)
-        self.request_logger = RequestLogger(self.tokenizer, config.max_log_len) if config.enable_log_requests else None
+        self.request_logger = RequestLogger(self.tokenizer, config.max_log_len, config.enable_log_outputs) \
+            if config.enable_log_requests else None
+        if config.enable_log_outputs and not config.enable_log_requests:
+            log.warning("--enable-log-outputs logs nothing without --enable-log-requests (as vLLM's)")
         # choice i of prompt p samples with seed + p * n + i (at most MAX_CHOICES), so requests sit MAX_CHOICES apart
         self._seeds = itertools.count(config.seed, MAX_CHOICES) if config.seed is not None else None
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
@@ -417,10 +420,12 @@ class _Clock:
 
 class RequestLogger:
     """vLLM's --enable-log-requests: a line when a request's jobs are queued (prompt text and
-    token ids, cut at max_log_len, the sampling parameters, the priority) and one as each ends."""
+    token ids, cut at max_log_len, the sampling parameters, the priority) and one as each ends;
+    with --enable-log-outputs one more as each ends: its output text and token ids (cut the same
+    way) and finish reason."""
 
-    def __init__(self, tokenizer, max_len: int | None):
-        self.tokenizer, self.max_len = tokenizer, max_len
+    def __init__(self, tokenizer, max_len: int | None, outputs: bool = False):
+        self.tokenizer, self.max_len, self.outputs = tokenizer, max_len, outputs
 
     def received(self, job: Job) -> None:
         ids, text = job.prompt_ids, self.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
@@ -429,10 +434,16 @@ class RequestLogger:
         log.info("Received request %s: prompt: %r, params: %s, priority: %d, prompt_token_ids: %s",
                  job.name, text, job.params, job.priority, ids)
 
-    def ended(self, job: Job, outcome: str, stats: RequestStats | None) -> None:
+    def ended(self, job: Job, outcome: str, stats: RequestStats | None, output: tuple[list, str] | None = None) -> None:
         tokens = stats.output_tokens if stats is not None else 0
         log.info("Finished request %s: %s, %d prompt tokens, %d output tokens", job.name, outcome,
                  len(job.prompt_ids), tokens)
+        if output is not None:
+            ids, text = output
+            if self.max_len is not None:
+                ids, text = ids[:self.max_len], text[:self.max_len]
+            log.info("Generated response %s: output: %r, output_token_ids: %s, finish_reason: %s",
+                     job.name, text, ids, outcome)
 
 
 class Generation:
@@ -469,6 +480,8 @@ class Generation:
         self.echo_only = False           # echo with max_tokens 0: each choice's one token is dropped
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
+        # --enable-log-outputs: each choice's output so far (token ids, text), logged as it ends
+        self._outputs = [([], "") for _ in self._jobs] if logger is not None and logger.outputs else None
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.per_prompt]
@@ -497,7 +510,8 @@ class Generation:
     def _finished(self, index: int, outcome: str) -> None:
         self._metrics.finished(outcome, self.stats[index])
         if self._logger is not None:
-            self._logger.ended(self._jobs[index], outcome, self.stats[index])
+            output = self._outputs[index] if self._outputs is not None else None
+            self._logger.ended(self._jobs[index], outcome, self.stats[index], output)
 
     async def steps(self):
         """Yield (choice index, StepEvent) until every choice has finished."""
@@ -524,6 +538,10 @@ class Generation:
         if self.stats[index] is None and (event.finish_reason != "abort" or event.stats.output_tokens):
             self._metrics.prompt_tokens.inc(len(self.prompt_of(index)))
         self.stats[index] = event.stats
+        if self._outputs is not None and (event.token_ids or event.text):
+            ids, text = self._outputs[index]
+            ids += event.token_ids
+            self._outputs[index] = (ids, text + event.text)
         if event.token_ids:
             self._metrics.generation_tokens.inc(len(event.token_ids))
             if clock.last is None:

@@ -168,6 +168,10 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="every response carries X-Request-Id: the request's own, or a new one (vLLM's flag); "
                         "completion ids (cmpl-<id>, chatcmpl-<id>) and --enable-log-requests lines use it")
+    p.add_argument("--metrics-prefix", choices=["specdec", "vllm"], default="specdec",
+                   help="the name prefix of /metrics' families: specdec (specdec:num_requests_running, ...) or vllm "
+                        "(vllm:num_requests_running, ...: vLLM's Grafana dashboard and alerts read the server "
+                        "unchanged); default specdec")
     p.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
                    help="GET /load answers {\"server_load\": the requests running the model} (vLLM's flag)")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -313,7 +317,8 @@ def server_config(args):
                         dev_mode=dev_mode(),
                         enable_request_id_headers=args.enable_request_id_headers,
                         enable_server_load_tracking=args.enable_server_load_tracking,
-                        log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval())
+                        log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval(),
+                        metrics_prefix=args.metrics_prefix)
 
 
 def _stats_interval() -> float:

@@ -42,6 +42,8 @@ class ServerConfig:
     # log_stats_interval seconds (VLLM_LOG_STATS_INTERVAL, default 10); --disable-log-stats turns them off
     log_stats: bool = True
     log_stats_interval: float = 10.0
+    # /metrics' family names: "specdec" (specdec:...) or "vllm" (vllm:..., for vLLM's dashboards and alerts)
+    metrics_prefix: str = "specdec"
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -69,6 +71,8 @@ class ServerConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.metrics_prefix not in ("specdec", "vllm"):
+            raise ValueError(f"metrics_prefix must be 'specdec' or 'vllm', got {self.metrics_prefix!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("response_role must be a non-empty string")
         self._check_lora_modules()

@@ -19,6 +19,12 @@ dashboards' `{model_name="..."}` selectors find them.
 `specdec:requests_total{outcome}` counts each request to the API once: by its completions'
 outcomes when it ran any (an engine's refusal, a ValueError, as invalid), else by the status of
 its answer (RequestCounter: 4xx invalid, 5xx error).
+vLLM's per-request families are here too under their vLLM names (request_success_total by
+finished_reason, the request_prompt_tokens / request_generation_tokens / request_params_n /
+request_params_max_tokens / request_max_num_generation_tokens histograms, request_inference_time,
+and the older names its Grafana dashboard reads, time_per_output_token_seconds and
+gpu_cache_usage_perc); with `prefix="vllm:"` (--metrics-prefix vllm) every family is named as
+vLLM's, so its dashboards and alerts read a specdec server unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from starlette.routing import Match
 from ..metrics import RequestStats
 
 PREFIX = "specdec:"
+PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
 MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {model_name="<first served name>"}
 # no `*_created` series beside each counter and histogram (prometheus_client's default; vLLM's
 # exposition has none). A process-wide setting of prometheus_client.
@@ -48,19 +55,32 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to limit."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class _EngineCollector:
     """What the engine knows, read when /metrics is scraped (plain integer reads of the
     worker-owned engine: a scrape never waits for a step)."""
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model = engine, model_name
+    def __init__(self, engine, model_name: str, prefix: str = PREFIX):
+        self.engine, self.model, self.prefix = engine, model_name, prefix
 
     def collect(self):
-        e, labels, values = self.engine, [MODEL_LABEL], [self.model]
+        e, labels, values, PREFIX = self.engine, [MODEL_LABEL], [self.model], self.prefix
+        usage = e.kv_cache_usage
         for name, doc, value in (("num_requests_running", "Requests in the running batch.", e.num_running),
                                  ("num_requests_waiting", "Requests queued for a seat or KV blocks.", e.num_waiting),
-                                 ("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full).",
-                                  e.kv_cache_usage)):
+                                 ("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full).", usage),
+                                 ("gpu_cache_usage_perc", "kv_cache_usage_perc under vLLM's older name (its Grafana "
+                                  "dashboard reads it).", usage)):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             g.add_metric(values, value)
             yield g
@@ -83,7 +103,7 @@ class _EngineCollector:
             yield self._lora_info(e)
 
     def _lora_info(self, e) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
+        g = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
                               "the running and the waiting requests.",
                               labels=[MODEL_LABEL, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         g.add_metric([self.model, str(e.lora.max_loras), _adapter_names(e.scheduler.waiting),
@@ -197,12 +217,14 @@ class StatLogger:
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine, model_name: str = "specdec"):
-        """model_name: the `model_name` label of every series (the first served name, as vLLM's)."""
+    def __init__(self, engine, model_name: str = "specdec", prefix: str = PREFIX):
+        """model_name: the `model_name` label of every series (the first served name, as vLLM's);
+        prefix: the families' ("specdec:", or "vllm:" to read as vLLM's)."""
         self.model_name = model = model_name
+        self.prefix = PREFIX = prefix
         self.stat_logger: StatLogger | None = None      # the periodic log lines (build_app sets it)
         self.registry = reg = CollectorRegistry()
-        reg.register(_EngineCollector(engine, model))
+        reg.register(_EngineCollector(engine, model, prefix))
         by_model = [MODEL_LABEL]
 
         def counter(name, doc):
@@ -221,6 +243,8 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "
                              "one completion (one decoding step may deliver several).", _LATENCY_BUCKETS)
+        self.itl_old = histogram("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM's older "
+                                 "name (its Grafana dashboard reads it).", _LATENCY_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Per completion: (last token - first "
                               "token) / (output tokens - 1).", _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", _E2E_BUCKETS)
@@ -228,6 +252,20 @@ class ServerMetrics:
                                     "the completion.", _E2E_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", _E2E_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", _E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                        _E2E_BUCKETS)
+        sizes = _one_two_five(max(engine.max_model_len, 1))
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Per finished completion: its prompt's "
+                                               "tokens.", sizes)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Per finished completion: the "
+                                                   "tokens it generated.", sizes)
+        self.request_max_generation = histogram("request_max_num_generation_tokens", "Per finished request: the "
+                                                "most tokens any of its completions generated.", sizes)
+        self.request_n = histogram("request_params_n", "Per finished request: its n.", (1, 2, 5, 10, 20))
+        self.request_max_tokens = histogram("request_params_max_tokens", "Per finished request: its max_tokens "
+                                            "(the context's room when it set none).", sizes)
+        self._success = Counter(PREFIX + "request_success_total", "Finished completions by finish reason "
+                                "(vLLM's: stop, length, abort).", [MODEL_LABEL, "finished_reason"], registry=reg)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens one engine step fed the target "
                                           "(decoding tokens, drafts and prompt chunks).", _TOKEN_BUCKETS)
         self.num_drafts = counter("spec_decode_num_drafts", "Decoding steps that scored a draft.")
@@ -242,6 +280,8 @@ class ServerMetrics:
                                  registry=reg).labels(model)
         for outcome in ("stop", "length", "abort", "error", "invalid"):
             self._requests.labels(model, outcome)     # present at 0 from the start, so rates are defined
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model, reason)
 
     def count(self, outcome: str, n: int = 1) -> None:
         """requests_total{outcome} += n, for the request being answered (which then counts no more)."""
@@ -279,9 +319,14 @@ class ServerMetrics:
         if events:
             self.speculating.set(engine.last_step_drafting / len(events))
 
-    def finished(self, outcome: str, stats: RequestStats | None) -> None:
-        """One completion is over: count its outcome and its speculative work."""
+    def finished(self, outcome: str, stats: RequestStats | None, prompt_tokens: int | None = None) -> None:
+        """One completion is over: count its outcome and its speculative work (and, for one that
+        ran, vLLM's per-completion figures)."""
         self.count(outcome or "stop")
+        if outcome in ("stop", "length", "abort") and prompt_tokens is not None:
+            self._success.labels(self.model_name, outcome).inc()
+            self.request_prompt_tokens.observe(prompt_tokens)
+            self.request_generation_tokens.observe(stats.output_tokens if stats is not None else 0)
         if stats is None:
             return
         self.num_drafts.inc(stats.num_drafts)
@@ -299,6 +344,17 @@ class ServerMetrics:
             self.tpot.observe((last_token - first_token) / (stats.output_tokens - 1))
         self.queue_time.observe(stats.queue_time_s)
         self.prefill_time.observe(max(0.0, first_token - arrival - stats.queue_time_s))
+        self.inference_time.observe(max(0.0, last_token - arrival - stats.queue_time_s))
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.itl_old.observe(seconds)
+
+    def request_ended(self, n: int, max_tokens: int, max_generated: int) -> None:
+        """Every completion of one request has ended (vLLM's per-request histograms)."""
+        self.request_n.observe(n)
+        self.request_max_tokens.observe(max_tokens)
+        self.request_max_generation.observe(max_generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
 from .lora import Adapters
-from .metrics import ServerMetrics
+from .metrics import PREFIXES, ServerMetrics
 from . import fields as extra
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
 from .reasoning import HARMONY
@@ -65,7 +65,7 @@ class Service:
                              "(or --reasoning-parser openai_gptoss)")
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
-        self.metrics = ServerMetrics(llm.engine, config.model_name)
+        self.metrics = ServerMetrics(llm.engine, config.model_name, PREFIXES[config.metrics_prefix])
         if llm.engine.tracer is not None:      # spans name the served model, as responses do
             llm.engine.tracer.model_name = config.model_name
         self.worker = EngineWorker(llm.engine, on_step=self.metrics.step)
@@ -480,6 +480,7 @@ class Generation:
         self.echo_only = False           # echo with max_tokens 0: each choice's one token is dropped
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
+        self._ended = 0
         # --enable-log-outputs: each choice's output so far (token ids, text), logged as it ends
         self._outputs = [([], "") for _ in self._jobs] if logger is not None and logger.outputs else None
 
@@ -508,7 +509,12 @@ class Generation:
         self._open.clear()
 
     def _finished(self, index: int, outcome: str) -> None:
-        self._metrics.finished(outcome, self.stats[index])
+        self._metrics.finished(outcome, self.stats[index], len(self.prompt_of(index)))
+        self._ended += 1
+        if self._ended == len(self._jobs):          # the request's last choice: vLLM's per-request figures
+            room = self._worker.engine.max_model_len - max(len(p) for p in self.prompts)
+            self._metrics.request_ended(self.params.n, self.params.max_tokens or max(room, 0),
+                                        max((s.output_tokens for s in self.stats if s is not None), default=0))
         if self._logger is not None:
             output = self._outputs[index] if self._outputs is not None else None
             self._logger.ended(self._jobs[index], outcome, self.stats[index], output)
@@ -548,7 +554,7 @@ class Generation:
                 self._metrics.ttft.observe(now - clock.arrival)
                 clock.first = now
             else:
-                self._metrics.itl.observe(now - clock.last)
+                self._metrics.inter_token(now - clock.last)
             clock.last = now
         if event.finished:
             self._open.discard(index)

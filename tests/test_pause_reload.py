@@ -367,20 +367,48 @@ def test_collective_rpc_bad_arguments_are_a_400(live):
     assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
 
 
-def test_replicas_refuse_the_control_routes(pair):
+def test_replicas_send_control_routes_to_every_replica(pair):
+    """With --replicas, a control request reaching one replica acts on every one (vLLM's API server
+    on its data-parallel engines): two real apps, one behind its own port as a direct URL."""
     pytest.importorskip("ray")
-    from specdec.server.replicas import ReplicaApp
+    from specdec.server.replicas import ReplicaApp, broadcast
 
     async def metrics():
         return b""
 
-    app = ReplicaApp(build_app(LLM(model=str(pair[0]), dtype="float32"), ServerConfig(dev_mode=True)), "r1", metrics)
+    llms = [LLM(model=str(pair[0]), dtype="float32") for _ in range(2)]
+    apps = [build_app(llm, ServerConfig(dev_mode=True)) for llm in llms]
+    with LiveServer(apps[0]) as a, LiveServer(apps[1]) as b:
+        directs = {"a": a.url, "b": b.url, "gone": "http://127.0.0.1:9"}
+        dropped = []
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
-            return [await c.post("/pause"), await c.get("/is_paused"), await c.post("/reload_weights", json={})]
-    for r in asyncio.run(main()):
-        assert r.status_code == 400 and "--replicas" in r.json()["error"]["message"]
+        async def fan_out(*request):
+            status, body, gone = await broadcast(apps[0], "a", directs, *request)
+            dropped.extend(gone)
+            return status, body
+        front = ReplicaApp(apps[0], "a", metrics, fan_out)
+
+        async def main():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://x",
+                                         timeout=60) as c:
+                out = {"pause": await c.post("/pause", params={"mode": "keep"}), "paused": await c.get("/is_paused"),
+                       "each": [llm.engine.owner.paused for llm in llms],
+                       "size": await c.get("/get_world_size"),
+                       "one": await c.get("/get_world_size", params={"include_dp": "false"}),
+                       "resume": await c.post("/resume"), "resumed": await c.get("/is_paused"),
+                       "rpc": await c.post("/collective_rpc", json={"method": "get_model"}),
+                       "bad": await c.post("/reload_weights", json={"weights_path": "/nonexistent"})}
+                return out
+        out = asyncio.run(main())
+    assert out["pause"].status_code == 200 and out["pause"].json() == {"status": "paused"}
+    assert out["paused"].json() == {"is_paused": True} and out["each"] == [True, True]
+    assert out["size"].json() == {"world_size": 2} and out["one"].json() == {"world_size": 1}
+    assert out["resume"].status_code == 200 and out["resumed"].json() == {"is_paused": False}
+    results = out["rpc"].json()["results"]          # each replica's model (its repr), in turn
+    assert out["rpc"].status_code == 200 and len(results) == 2 and all("Transformer" in r for r in results)
+    assert out["bad"].status_code == 400 and out["bad"].json()["error"]["message"].startswith("replica a: ")
+    assert out["bad"].headers["x-specdec-replica"] == "a"
+    assert set(dropped) == {"gone"}
 
 
 def test_sigterm_while_paused_drains_and_exits(pair, tmp_path):

@@ -152,6 +152,28 @@ def test_completions_and_streams_spread_over_both_replicas(cluster):
     assert set(counts) == set(served) and sum(counts.values()) >= 8 + 3
 
 
+def test_control_routes_reach_every_replica(cluster):
+    """/pause on the shared endpoint pauses both replicas (every later request waits, whichever
+    replica Ray picks), /get_world_size counts both, /resume lets the waiting request finish."""
+    url = cluster["url"]
+    assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=60).json() == {"status": "paused"}
+    for _ in range(4):          # whichever replica answers, all are paused
+        assert httpx.get(url + "/is_paused", timeout=60).json() == {"is_paused": True}
+    assert httpx.get(url + "/get_world_size", timeout=60).json() == {"world_size": 2}
+    got = {}
+    held = [threading.Thread(target=lambda i=i: got.update({i: _complete(
+        cluster["client"], prompt=f"def h{i}():", max_tokens=4, temperature=0)})) for i in range(4)]
+    for t in held:
+        t.start()
+    time.sleep(2.0)
+    assert not got                         # held by whichever replica each reached
+    assert httpx.post(url + "/resume", timeout=60).json() == {"status": "resumed"}
+    for t in held:
+        t.join(60)
+    assert len(got) == 4 and httpx.get(url + "/is_paused", timeout=60).json() == {"is_paused": False}
+
+
+
 def test_a_killed_replica_fails_its_requests_clearly_and_the_service_recovers(cluster):
     client = cluster["client"]
     outcome, replica_of, started = {}, {}, threading.Semaphore(0)

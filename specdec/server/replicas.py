@@ -10,6 +10,15 @@ Metrics: every replica also serves its own registry on a port of its own (its ad
 logged, and kept by a small `MetricsBoard` deployment of the same application), and `GET
 /metrics` on the shared endpoint answers with every live replica's metrics, each sample
 labelled `replica="<id>"` (federate.py). Responses carry `x-specdec-replica: <id>`.
+
+Control routes (control.py: /pause, /resume, /is_paused, /get_world_size, and with
+VLLM_SERVER_DEV_MODE /reload_weights, /collective_rpc, /reset_prefix_cache, ...): act on every
+replica, as vLLM's API server does on its data-parallel engines. Each replica also serves its app
+on a direct port of its own (kept by the board); the replica a control request reaches sends it
+to every live replica at once and answers with the combination: the first failure if any failed
+(its message naming the replica), else /is_paused and /is_sleeping true when every replica is,
+/get_world_size the sum over replicas (include_dp=false: one replica's), /collective_rpc every
+replica's results in turn, the others the first answer.
 """
 
 from __future__ import annotations
@@ -23,8 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
 from ray import serve
 from ray.serve import Application
 
-from .control import CONTROL_PATHS
-from .errors import error_body
+from .control import CONTROL_PATHS, DEV_MODE_VARIABLE
 from .federate import merge
 
 log = logging.getLogger("specdec.server")
@@ -39,15 +47,22 @@ class MetricsBoard:
 
     def __init__(self):
         self.urls: dict[str, str] = {}
+        self.direct: dict[str, str] = {}        # each replica's app on its own port (control routes)
 
-    def register(self, replica: str, url: str) -> None:
+    def register(self, replica: str, url: str, direct: str | None = None) -> None:
         self.urls[replica] = url
+        if direct is not None:
+            self.direct[replica] = direct
 
     def drop(self, replica: str) -> None:
         self.urls.pop(replica, None)
+        self.direct.pop(replica, None)
 
     def all(self) -> dict[str, str]:
         return dict(self.urls)
+
+    def directs(self) -> dict[str, str]:
+        return dict(self.direct)
 
 
 @serve.ingress()
@@ -75,9 +90,10 @@ class EngineReplica:
         server, _ = start_http_server(0, addr=self.node, registry=registry)
         self.metrics_url = f"http://{self.node}:{server.server_port}/metrics"
         log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
+        self.direct_url = _serve_direct(self.server, self.node)
         if self.board is not None:
-            await self.board.register.remote(self.id, self.metrics_url)
-        return ReplicaApp(self.server, self.id, self.federated_metrics)
+            await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+        return ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast)
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the app's own /health (the engine worker runs, a TP
@@ -103,13 +119,88 @@ class EngineReplica:
                 await self.board.drop.remote(replica)
         return merge(texts)
 
+    async def broadcast(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple[int, bytes]:
+        """A control request sent to every live replica (this one through its app, the others to
+        their direct ports) at once -> the combined (status, JSON body)."""
+        directs = await self.board.directs.remote() if self.board is not None else {}
+        status, answer, gone = await broadcast(self.server, self.id, directs, method, path, query, headers, body)
+        for replica in gone:                 # Ray replaces it; it is off the board
+            await self.board.drop.remote(replica)
+        return status, answer
+
+
+async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, path: str, query: bytes,
+                    headers: list, body: bytes) -> tuple[int, bytes, list[str]]:
+    """One control request to this replica's app and to every other replica's direct URL at
+    once -> (status, JSON body) combined, and the replicas that did not answer."""
+    send = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers
+            if k.lower() in (b"content-type", b"authorization")}
+    url = path + ("?" + query.decode("latin-1") if query else "")
+
+    async def one(client):
+        return await client.request(method, url, headers=send, content=body)
+    own = httpx.AsyncClient(transport=httpx.ASGITransport(app=own_app), base_url="http://replica", timeout=None)
+    others = {r: httpx.AsyncClient(base_url=u, timeout=None) for r, u in directs.items() if r != own_id}
+    try:
+        replies = await asyncio.gather(one(own), *(one(c) for c in others.values()), return_exceptions=True)
+    finally:
+        await asyncio.gather(own.aclose(), *(c.aclose() for c in others.values()))
+    answers, gone = {}, []
+    for replica, reply in zip([own_id, *others], replies):
+        if isinstance(reply, httpx.TransportError):
+            gone.append(replica)
+            continue
+        if isinstance(reply, BaseException):
+            raise reply
+        answers[replica] = reply
+    return *combine(path, query, answers), gone
+
+
+def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
+    """Every replica's answer to one control request -> one answer (the module's docstring)."""
+    for replica, r in answers.items():
+        if r.status_code != 200:
+            try:
+                err = r.json()
+                err["error"]["message"] = f"replica {replica}: {err['error']['message']}"
+                return r.status_code, json.dumps(err).encode()
+            except (ValueError, KeyError, TypeError):
+                return r.status_code, r.content
+    bodies = [r.json() if r.content else None for r in answers.values()]
+    if path in ("/is_paused", "/is_sleeping"):
+        key = path[1:]
+        return 200, json.dumps({key: all(b[key] for b in bodies)}).encode()
+    if path == "/get_world_size":
+        one_only = b"include_dp=false" in query.lower()
+        sizes = [b["world_size"] for b in bodies]
+        return 200, json.dumps({"world_size": sizes[0] if one_only else sum(sizes)}).encode()
+    if path == "/collective_rpc":
+        return 200, json.dumps({"results": [x for b in bodies for x in b["results"]]}).encode()
+    first = next(iter(answers.values()))
+    return 200, first.content
+
+
+def _serve_direct(app, host: str) -> str:
+    """The app on a port of its own (uvicorn in a daemon thread, no lifespan: the replica's app
+    runs it) -> its URL, for the control requests other replicas send it."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="specdec-direct").start()
+    return f"http://{host}:{sock.getsockname()[1]}"
+
 
 class ReplicaApp:
     """The server's app with GET /metrics answered for the whole deployment and every
     response marked with the replica that served it."""
 
-    def __init__(self, app, replica: str, metrics):
-        self.app, self.replica, self.metrics = app, replica.encode(), metrics
+    def __init__(self, app, replica: str, metrics, broadcast=None):
+        self.app, self.replica, self.metrics, self.broadcast = app, replica.encode(), metrics, broadcast
 
     def add_exception_handler(self, *args, **kw):      # Ray Serve installs its own handlers
         self.app.add_exception_handler(*args, **kw)
@@ -117,13 +208,19 @@ class ReplicaApp:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["path"] in CONTROL_PATHS:
-            body = json.dumps(error_body(400, f"{scope['path']} acts on one engine, and with --replicas a request "
-                                              "reaches one replica: not supported there (run one replica per "
-                                              "server to pause or reload it)")).encode()
-            await send({"type": "http.response.start", "status": 400,
+        if scope["path"] in CONTROL_PATHS and self.broadcast is not None:
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None                 # the client left
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            status, answer = await self.broadcast(scope["method"], scope["path"], scope.get("query_string", b""),
+                                                  scope["headers"], body)
+            await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, self.replica)]})
-            await send({"type": "http.response.body", "body": body})
+            await send({"type": "http.response.body", "body": answer})
             return None
         if scope["path"] == "/metrics" and scope["method"] == "GET":
             body = await self.metrics()
@@ -214,7 +311,8 @@ def serve_replicas(args, argv: list[str], prog: str) -> int:
     # beside it that happens; a minute each unless the user set them
     for name in PROXY_PATIENCE:
         os.environ.setdefault(name, PROXY_PATIENCE[name])
-    env = {"env_vars": {n: os.environ[n] for n in (PROXY_CALLBACK, *PROXY_PATIENCE)}}
+    env = {"env_vars": {n: os.environ[n] for n in (PROXY_CALLBACK, *PROXY_PATIENCE, DEV_MODE_VARIABLE)
+                        if n in os.environ}}
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
     else:   # a local cluster with room for every replica (logical CPUs: Ray only counts them)

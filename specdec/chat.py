@@ -56,7 +56,8 @@ HELP = "\n".join([
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("chat", help="interactive chat (streaming) with each answer's speedup and acceptance")
+    p = sub.add_parser("chat", help="interactive chat (streaming) with each answer's speedup and acceptance",
+                       allow_abbrev=False)
     add_model_args(p)
     add_engine_args(p)
     add_sampling_args(p, 256, remote="with --url: ")
@@ -174,8 +175,9 @@ class ChatSession:
         self.stop_requested = False
         ids = self.prompt_ids(user)
         self.llm.engine.check_prompt(ids, self.params)
+        params = self.llm._params(self.params)      # unseeded sampling: the LLM's next seed (a run reproduces)
         tokens, split, event = [], HarmonySplit(self.harmony), None
-        for event in self._stream(self.llm.engine, ids, self.params):
+        for event in self._stream(self.llm.engine, ids, params):
             tokens += event.token_ids
             thought, piece = split.feed(event.text, last=event.finished)
             if thought:
@@ -189,7 +191,7 @@ class ChatSession:
             yield answer
             return
         if self.speculative and self.compare:
-            plain = self._run_plain(ids, self.params)
+            plain = self._run_plain(ids, params)
             if plain is None:
                 answer.compare_interrupted = True
             else:
@@ -366,7 +368,7 @@ def run(args) -> int:
         return client_cli.run_chat(args)
     sampling_params(args, {})                              # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, seed=0)        # as vLLM's LLM: unseeded sampling reproduces run to run
     llm.check_runner("generate")
     if template is None and not llm.tokenizer.chat_template:
         raise ValueError(NO_CHAT_TEMPLATE)                 # before the prompt, not at every message

@@ -75,8 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together; the rest queue (default 16)")
     p.add_argument("--max-num-batched-tokens", type=human_int, default=2048,
                    help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048)")
-    p.add_argument("--kv-cache-memory", type=_bytes,
-                   help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most 1 GiB)")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=_bytes,
+                   help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most "
+                        "1 GiB); --kv-cache-memory-bytes is vLLM's name")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prompt prefixes (any speculative "
@@ -91,6 +92,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='vLLM\'s: a JSON object, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' captures CUDA '
                         "graphs of the decoding forwards on a GPU (off by default), or an optimisation level (no effect)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, whatever --compilation-config says (vLLM's)")
+    p.add_argument("--cuda-graph-sizes", "--cudagraph-capture-sizes", nargs="+", type=int, default=None,
+                   dest="cudagraph_capture_sizes",
+                   help="vLLM's: the batch sizes to capture CUDA graphs at (--compilation-config's "
+                        "cudagraph_capture_sizes)")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="vLLM's: the largest batch size captured (--compilation-config's max_cudagraph_capture_size)")
+    p.add_argument("--rope-theta", type=float, default=None,
+                   help="vLLM's older flag: the model's rope_theta (as --hf-overrides '{\"rope_theta\": ...}')")
+    p.add_argument("--rope-scaling", type=_json_obj, default=None,
+                   help="vLLM's older flag: the model's rope_scaling JSON (as --hf-overrides)")
     p.add_argument("--structured-outputs-config", type=_json_obj, default=None,
                    help='vLLM\'s: a JSON object of engine-wide structured-output options, e.g. \'{"backend": '
                         '"guidance", "disable_any_whitespace": false}\' (every backend name runs on llguidance; '
@@ -195,6 +206,8 @@ def _compilation_config(value: str) -> dict | int:
     """-O / --compilation-config: a JSON object or vLLM's optimisation level (-O3, no effect here)."""
     text = value.strip()
     if text.isdigit():
+        if int(text) > 3:
+            raise argparse.ArgumentTypeError(f"an optimisation level is -O0 .. -O3, got {value!r}")
         return int(text)
     try:
         obj = json.loads(text)
@@ -434,15 +447,43 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
-               hf_overrides=args.hf_overrides, disable_sliding_window=args.disable_sliding_window,
+               hf_overrides=_overrides_with_rope(args), disable_sliding_window=args.disable_sliding_window,
                runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
                task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
-               compilation_config=getattr(args, "compilation_config", None),
+               compilation_config=_compilation_with_sizes(args),
                enforce_eager=getattr(args, "enforce_eager", False),
                structured_outputs_config=structured_outputs_config(args),
                profiler_config=getattr(args, "profiler_config", None),
                otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
                collect_detailed_traces=getattr(args, "collect_detailed_traces", None), **extra)
+
+
+def _compilation_with_sizes(args):
+    """--compilation-config with vLLM's --cuda-graph-sizes / --max-cudagraph-capture-size in it."""
+    config = getattr(args, "compilation_config", None)
+    sizes, largest = getattr(args, "cudagraph_capture_sizes", None), getattr(args, "max_cudagraph_capture_size", None)
+    if sizes is None and largest is None:
+        return config
+    out = dict(config) if isinstance(config, dict) else {}
+    if sizes is not None:
+        out["cudagraph_capture_sizes"] = sizes
+    if largest is not None:
+        out["max_cudagraph_capture_size"] = largest
+    return out        # graphs stay off unless cudagraph_mode asks for them (specdec's default)
+
+
+def _overrides_with_rope(args):
+    """--hf-overrides with vLLM's older --rope-theta / --rope-scaling in it (the flags win)."""
+    overrides = getattr(args, "hf_overrides", None)
+    theta, scaling = getattr(args, "rope_theta", None), getattr(args, "rope_scaling", None)
+    if theta is None and scaling is None:
+        return overrides
+    out = dict(overrides or {})
+    if theta is not None:
+        out["rope_theta"] = theta
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def structured_outputs_config(args) -> dict | None:
@@ -470,7 +511,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, remote
     p.add_argument("--max-tokens", type=int, help="default: " + (
         f"the model's, else {max_tokens}" + (f"; {remote}the server's" if remote else "") if local
         else "the server's (OpenAI's and vLLM's: 16)"))
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="the sampling seed (default: " + (
+        "the engine's next unused one from 0, as vLLM's LLM: a run reproduces" if local else "the server's") + ")")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     g = p.add_argument_group("penalties and bias (OpenAI / vLLM meanings, applied exactly under speculation)")
@@ -533,7 +575,8 @@ def sampling_params(args, model_defaults: dict):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion, streaming, with speculative statistics")
+    p = sub.add_parser("generate", help="generate a completion, streaming, with speculative statistics",
+                       allow_abbrev=False)
     add_model_args(p)
     add_engine_args(p)
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
@@ -564,7 +607,7 @@ def run(args) -> int:
 
     sampling_params(args, {})                      # bad flags fail before the model loads
     template = load_chat_template(args.chat_template)
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, seed=0)        # as vLLM's LLM: unseeded sampling reproduces run to run
     llm.check_runner("generate")
     if args.compare and llm.engine.proposer is None:
         raise ValueError("--compare needs a speculative method (this run decodes plainly: nothing to compare "
@@ -575,6 +618,7 @@ def run(args) -> int:
     harmony = args.chat and writes_harmony(llm)      # gpt-oss: its analysis to stderr, its answer to stdout
     if harmony:
         params = dataclasses.replace(params, skip_special_tokens=False)
+    params = llm._params(params)          # unseeded sampling: the LLM's first seed, 0 (a run reproduces)
     if args.chat:
         # an empty --system is a message (it replaces a template's default one, as LLM.chat's)
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
@@ -719,6 +763,13 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict:
     return action.choices if action is not None else {}
 
 
+def _all_parsers(parser: argparse.ArgumentParser):
+    """parser and every subcommand's parser under it."""
+    yield parser
+    for sub in _subcommands(parser).values():
+        yield from _all_parsers(sub)
+
+
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     return _subcommands(parser)[name]
 
@@ -740,7 +791,25 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"specdec {cmd}: error: {e}", file=sys.stderr)
             return 2
-    args = parser.parse_args(words)
+    if cmd in ("generate", "chat", "bench"):
+        # vLLM's flags specdec does not use: dropped with a warning (before parsing, so that none
+        # takes a positional word as its value); any other unknown flag: an error with a did-you-mean
+        from .vllm_flags import drop_vllm_flags, ignored_flags
+
+        own = [s for p in _all_parsers(parser) for a in p._actions for s in a.option_strings]
+        words, dropped = drop_vllm_flags(words, set(own))
+        for flag in dropped:
+            print(f"specdec {cmd}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
+        args, unknown = parser.parse_known_args(words)
+        if unknown:
+            try:
+                ignored_flags(unknown, own)
+                raise ValueError(f"unexpected arguments: {' '.join(unknown)}")
+            except ValueError as e:
+                print(f"specdec {cmd}: error: {e}", file=sys.stderr)
+                return 2
+    else:
+        args = parser.parse_args(words)
     args.command_line = given                                          # for model cards: the exact command
     args.words = words                                                 # what was parsed (--config's flags in)
     try:

@@ -260,8 +260,8 @@ def test_ctrl_c_while_answering_stops_the_answer_and_the_chat_goes_on(gguf_files
     llms = []
     load = chat.llm_from_args
 
-    def loaded(args):
-        llm = load(args)
+    def loaded(args, **kw):
+        llm = load(args, **kw)
         steps, step = [], llm.engine.step
 
         def step_then_ctrl_c():              # the signal arrives while a step is under way

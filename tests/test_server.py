@@ -593,7 +593,7 @@ def test_sigterm_finishes_in_flight_requests(tiny_pair):
         # uvicorn drains, then re-raises the signal so the exit status says what ended it
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
         stderr = proc.stderr.read()
-        assert "ignoring vLLM flag with no meaning here: --use-v2-block-manager" in stderr
+        assert "ignoring vLLM flag (specdec does not use it): --use-v2-block-manager" in stderr
         assert "--gpu-memory-utilization 0.9" in stderr
     finally:
         if proc.poll() is None:

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     from ..cli import add_model_args
 
     # "resolve": bench takes a list of K where generate takes one value
-    p = sub.add_parser("bench", conflict_handler="resolve",
+    p = sub.add_parser("bench", conflict_handler="resolve", allow_abbrev=False,
                        help="benchmark speculative methods side by side with transformers' generate; "
                             "bench serve / throughput / latency: vLLM's benchmarks")
     add_model_args(p)
@@ -69,11 +69,11 @@ def add_parser(sub) -> None:
     from .offline import add_latency_arguments, add_throughput_arguments
     from .serve_cli import add_arguments
 
-    add_arguments(sub.add_parser("serve", help="an OpenAI server under load (vLLM's `vllm bench serve`): throughput, "
+    add_arguments(sub.add_parser("serve", allow_abbrev=False, help="an OpenAI server under load (vLLM's `vllm bench serve`): throughput, "
                                  "goodput, TTFT/TPOT/ITL/E2EL, acceptance, plain vs fixed K vs auto"))
-    add_throughput_arguments(sub.add_parser("throughput", help="every prompt through one LLM.generate (vLLM's `vllm "
+    add_throughput_arguments(sub.add_parser("throughput", allow_abbrev=False, help="every prompt through one LLM.generate (vLLM's `vllm "
                                             "bench throughput`): requests/s, tokens/s, acceptance"))
-    add_latency_arguments(sub.add_parser("latency", help="one batch's end-to-end latency over iterations (vLLM's "
+    add_latency_arguments(sub.add_parser("latency", allow_abbrev=False, help="one batch's end-to-end latency over iterations (vLLM's "
                                          "`vllm bench latency`): mean and percentiles"))
 
 
@@ -172,6 +172,12 @@ def command_line(args) -> str:
         parts += ["--compilation-config", args.compilation_config]
     if args.hf_overrides:
         parts += ["--hf-overrides", json.dumps(args.hf_overrides)]
+    if args.tokenizer:
+        parts += ["--tokenizer", args.tokenizer]
+    if args.generation_config != "auto":
+        parts += ["--generation-config", args.generation_config]
+    if getattr(args, "override_generation_config", None):
+        parts += ["--override-generation-config", json.dumps(args.override_generation_config)]
     if args.disable_sliding_window:
         parts.append("--disable-sliding-window")
     if args.speculative_config:

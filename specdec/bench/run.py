@@ -100,9 +100,15 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
         torch.set_num_threads(args.threads)
         kernels.set_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if getattr(args, "runner", "auto") == "pooling" or getattr(args, "convert", "auto") not in ("auto", "none") \
+            or getattr(args, "task", None) not in (None, "generate") or getattr(args, "pooler_config", None):
+        raise ValueError("specdec bench measures generation: --runner pooling / --convert / --task embed / "
+                         "--pooler-config do not apply")
     llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device, max_num_seqs=1,
               max_model_len=args.max_model_len, hf_overrides=args.hf_overrides,
-              disable_sliding_window=args.disable_sliding_window,
+              disable_sliding_window=args.disable_sliding_window, tokenizer=args.tokenizer,
+              generation_config=args.generation_config,
+              override_generation_config=getattr(args, "override_generation_config", None),
               quantization=None if args.quantization == "auto" else args.quantization)
     draft_dir = _draft_dir(args, llm)
     variants, skipped = build_variants(args, llm, draft_dir, clock)

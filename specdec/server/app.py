@@ -437,8 +437,9 @@ def _as_ids(body, config: ServerConfig) -> bool:
 async def _respond(request: Request, gen, fmt, model: str, body, response_id: str):
     if body.stream:
         opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        return StreamingResponse(stream(gen, fmt, model, include_usage, include_usage and opts.continuous_usage_stats,
+        # --enable-force-include-usage: every stream ends with its usage, as if it asked
+        include_usage = bool(opts and opts.include_usage) or request.app.state.service.config.enable_force_include_usage
+        return StreamingResponse(stream(gen, fmt, model, include_usage, bool(opts and opts.continuous_usage_stats),
                                         response_id), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     return await _until_done(request, collect(gen, fmt, model, response_id))

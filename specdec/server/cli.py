@@ -1,6 +1,6 @@
 """`specdec serve ...` and `python -m specdec.entrypoints.openai.api_server ...`: vLLM's command line.
 
-vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --swap-space 4, ...: VLLM_FLAGS)
+vLLM flags that mean nothing here (--gpu-memory-utilization 0.9, --swap-space 4, ...: vllm_flags.VLLM_FLAGS)
 are accepted with a warning, so an existing vLLM command line works with only the module name
 changed; any other unknown flag (a typo such as --max-num-seq) is an error, as in vLLM. Flag names
 may be spelt with underscores (--max_model_len), as vLLM's parser allows. A model that cannot
@@ -19,53 +19,11 @@ from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .control import dev_mode
 from .lora import parse_lora_module, runtime_updating_allowed
+from ..vllm_flags import _switch, _takes_many, ignored_flags
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
-# vLLM's `serve` flags (v0.6 .. v0.11, engine and frontend) that specdec takes and ignores with a
-# warning; the ones it honours are its own flags. A boolean's --no-X form is taken as X is.
-VLLM_FLAGS = frozenset("""
-    additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
-    api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
-    config-format cpu-offload-gb cuda-graph-sizes cudagraph-capture-sizes
-    data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
-    data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size
-    data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
-    dcp decode-context-parallel-size default-chat-template-kwargs default-mm-loras disable-access-log-for-endpoints
-    disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
-    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager
-    disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
-    disable-uvicorn-access-log distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
-    enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel enable-force-include-usage
-    enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
-    enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
-    enable-sleep-mode enable-ssl-refresh
-    enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
-    eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
-    fully-sharded-loras gpu-memory-utilization h11-max-header-count
-    h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
-    intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin kv-cache-memory-bytes
-    kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
-    log-error-stack logits-processor-pattern logits-processors long-lora-scaling-factors long-prefill-token-threshold
-    lora-extra-vocab-size mamba-block-size mamba-cache-dtype mamba-ssm-cache-dtype max-context-len-to-capture
-    max-cudagraph-capture-size max-long-partial-prefills max-num-partial-prefills max-parallel-loading-workers
-    max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture media-io-kwargs middleware
-    mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
-    mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
-    num-gpu-blocks-override num-lookahead-slots
-    num-redundant-experts num-scheduler-steps override-attention-dtype
-    override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
-    preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
-    revision rope-scaling rope-theta safetensors-load-strategy scheduler-cls scheduler-delay-factor
-    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init
-    speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
-    speculative-max-model-len speculative-model-quantization swap-space
-    tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
-    tool-parser-plugin tool-server trust-remote-code
-    uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
-    worker-cls worker-extension-cls worker-use-ray
-""".split())
 
 
 def add_parser(sub) -> None:
@@ -105,6 +63,50 @@ def fold_legacy_speculative(args) -> None:
     args.speculative_config = config
 
 
+def _json_obj_arg(value: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return obj
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def _env_key() -> str | None:
+    """--api-key's default: $SPECDEC_API_KEY, else vLLM's $VLLM_API_KEY; an empty variable is none."""
+    return os.environ.get("SPECDEC_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
+def bind_socket(host: str, port: int):
+    """The listening socket, bound now (before the model loads, as vLLM binds before building its
+    engine): a port in use or an address this machine lacks is a one-line ValueError."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=f"{prog} [MODEL] [options]",
                                 description="OpenAI-compatible server with speculative decoding. MODEL, "
@@ -117,10 +119,13 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                             **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}))
     p.add_argument("--config-model", help=argparse.SUPPRESS)      # --config's `model` (a MODEL given here wins)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, where vLLM's "
+                                                           "binds every interface: --host 0.0.0.0 for a container)")
+    p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default 8000); bound before the "
+                                                              "model loads, so a port in use fails at once")
+    p.add_argument("--api-key", default=_env_key(),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY, else vLLM's "
+                        "$VLLM_API_KEY; an empty one is no key)")
     p.add_argument("--seed", type=_seed, default=0,
                    help="seeds sampling requests that bring no seed of their own, in the order they reach the engine: seed, seed + 16, "
                         "... (default 0, as vLLM's: a run reproduces, two requests never share draws); none: "
@@ -168,6 +173,14 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="every response carries X-Request-Id: the request's own, or a new one (vLLM's flag); "
                         "completion ids (cmpl-<id>, chatcmpl-<id>) and --enable-log-requests lines use it")
+    p.add_argument("--middleware", action="extend", nargs="+", default=[],
+                   help="vLLM's: import paths of ASGI middleware classes (app.add_middleware) or async HTTP middleware "
+                        "functions f(request, call_next), added around the app; several allowed")
+    p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
+                   help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
+                        "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="vLLM's: every stream ends with a usage chunk, as if it asked stream_options.include_usage")
     p.add_argument("--metrics-prefix", choices=["specdec", "vllm"], default="specdec",
                    help="the name prefix of /metrics' families: specdec (specdec:num_requests_running, ...) or vllm "
                         "(vllm:num_requests_running, ...: vLLM's Grafana dashboard and alerts read the server "
@@ -227,6 +240,7 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
     for i, word in enumerate(argv[:-1]):
         if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
             argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
+    argv = _join_many(argv)
     # `vllm serve MODEL [options]`: a first word that is not a flag names the model
     tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
     args, unknown = parser.parse_known_args(argv)
@@ -244,44 +258,36 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
 
 
+def _join_many(argv: list[str]) -> list[str]:
+    """An ignored vLLM flag that takes several values (MULTI_VALUE_FLAGS) as one word, its values
+    up to the next flag joined (as vLLM's nargs="+" takes them): `--prompt-adapters a=/x b=/y`
+    -> `--prompt-adapters=a=/x b=/y`."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if _takes_many(word):
+            j = i + 1
+            while j < len(argv) and not (argv[j].startswith("-") and not _is_number(argv[j])):
+                j += 1
+            out.append(word + ("=" + " ".join(argv[i + 1:j]) if j > i + 1 else ""))
+            i = j
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def _stray(unknown: list[str]) -> int | None:
     """The index of the first unknown word that is neither a flag nor an unknown flag's value."""
     prev_flag = False
     for i, word in enumerate(unknown):
         if word.startswith("-") and not _is_number(word):
-            prev_flag = "=" not in word
+            prev_flag = "=" not in word and not _switch(word)
         elif prev_flag:
             prev_flag = False
         else:
             return i
     return None
-
-
-def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
-    """Group unknown words into flags with their values: a flag takes the next word as its
-    value unless that word is itself a flag. A stray word without a flag, or a flag that is
-    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean)."""
-    flags: list[str] = []
-    for word in unknown:
-        if word.startswith("-") and not _is_number(word):
-            flags.append(word)
-        elif flags and "=" not in flags[-1] and " " not in flags[-1]:
-            flags[-1] += " " + word
-        else:
-            raise ValueError(f"unexpected argument {word!r}")
-    bad = [f.split(" ")[0].split("=")[0] for f in flags if not _is_vllm_flag(f)]
-    if bad:
-        import difflib
-
-        close = difflib.get_close_matches(bad[0], [*own, *(f"--{n}" for n in VLLM_FLAGS)], n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (neither specdec's flags nor vLLM's{hint})")
-    return flags
-
-
-def _is_vllm_flag(flag: str) -> bool:
-    name = flag.split(" ")[0].split("=")[0].lstrip("-")
-    return name in VLLM_FLAGS or (name.startswith("no-") and name[3:] in VLLM_FLAGS)
 
 
 def _json_list(value: str) -> list[str]:
@@ -318,7 +324,9 @@ def server_config(args):
                         enable_request_id_headers=args.enable_request_id_headers,
                         enable_server_load_tracking=args.enable_server_load_tracking,
                         log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval(),
-                        metrics_prefix=args.metrics_prefix)
+                        metrics_prefix=args.metrics_prefix,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        enable_force_include_usage=args.enable_force_include_usage)
 
 
 def _stats_interval() -> float:
@@ -368,7 +376,7 @@ def run(args, prog: str = "specdec serve") -> int:
         ignored = []
     check_device(args.device)               # a device this machine lacks: one line, before the model loads
     for flag in ignored:
-        print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
+        print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads
     ssl = ssl_settings(args)
     if argv is not None and (args.replicas or args.autoscale or args.ray_address):
@@ -380,8 +388,39 @@ def run(args, prog: str = "specdec serve") -> int:
             raise ValueError(f"--replicas / --autoscale / --ray-address run on Ray Serve, which is not installed "
                              f"({e.name}): pip install 'specdec[serve]'") from None
         return serve_replicas(args, argv, prog)
-    llm = build_llm(args)
-    return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl)
+    middleware = load_middleware(getattr(args, "middleware", None) or [])
+    sock = bind_socket(args.host, args.port)
+    try:
+        llm = build_llm(args)
+    except BaseException:
+        sock.close()
+        raise
+    return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl, sock=sock, middleware=middleware)
+
+
+def load_middleware(paths: list[str]) -> list:
+    """vLLM's --middleware: import paths of ASGI middleware (a class: app.add_middleware(cls)) or
+    of HTTP middleware functions (async def f(request, call_next): @app.middleware("http")),
+    imported before the model loads; a path that does not import is a one-line error."""
+    import importlib
+    import inspect
+
+    out = []
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), name) if module else None
+        except ImportError as e:
+            raise ValueError(f"--middleware {path}: cannot import {module!r}: {e}") from None
+        except AttributeError:
+            obj = None
+        if obj is None:
+            raise ValueError(f"--middleware {path}: no such object (expected module.Name)")
+        if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+            raise ValueError(f"--middleware {path}: must be an ASGI middleware class or an async function "
+                             f"(request, call_next)")
+        out.append(obj)
+    return out
 
 
 def ssl_settings(args) -> dict:
@@ -430,13 +469,22 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
                           **(ssl or {}), **kw)
 
 
-def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None) -> int:
+def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None, sock=None,
+          middleware: list = ()) -> int:
+    """sock: a socket bound already (bind_socket); middleware: load_middleware's, added outermost."""
+    import inspect
+
     import uvicorn
 
     from .app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(llm, config)
+    for m in middleware:
+        if inspect.isclass(m):
+            app.add_middleware(m)
+        else:
+            app.middleware("http")(m)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -446,5 +494,6 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
 
     # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight requests, run the lifespan's
     # shutdown (which drains the engine worker), then return
-    Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run()
+    Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run(
+        sockets=[sock] if sock is not None else None)
     return 0

@@ -44,6 +44,8 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     # /metrics' family names: "specdec" (specdec:...) or "vllm" (vllm:..., for vLLM's dashboards and alerts)
     metrics_prefix: str = "specdec"
+    default_chat_template_kwargs: dict | None = None   # under each chat request's chat_template_kwargs (vLLM's flag)
+    enable_force_include_usage: bool = False    # every stream ends with a usage chunk (vLLM's flag)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -71,6 +73,8 @@ class ServerConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a dict")
         if self.metrics_prefix not in ("specdec", "vllm"):
             raise ValueError(f"metrics_prefix must be 'specdec' or 'vllm', got {self.metrics_prefix!r}")
         if not isinstance(self.response_role, str) or not self.response_role:

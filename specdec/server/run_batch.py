@@ -220,18 +220,31 @@ async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> 
     os.unlink(f.name)
 
 
+# serve's flags about its HTTP listener, which run-batch (no listener) does not use: (flag, dest, default)
+_HTTP_FLAGS = (("--host", "host", "127.0.0.1"), ("--port", "port", 8000), ("--ssl-keyfile", "ssl_keyfile", None),
+               ("--ssl-certfile", "ssl_certfile", None), ("--ssl-ca-certs", "ssl_ca_certs", None),
+               ("--root-path", "root_path", ""), ("--uvicorn-log-level", "uvicorn_log_level", "info"),
+               ("--disable-fastapi-docs", "disable_fastapi_docs", False), ("--middleware", "middleware", []))
+
+
 def run(args, prog: str = PROG) -> int:
     """`args` from `specdec run-batch` (its words in args.argv) or a namespace holding argv."""
     from .cli import build_llm, build_parser, parse_args, server_config
 
     if "-h" in args.argv or "--help" in args.argv:
         p = build_parser(prog)
+        p.description = ("Run a batch file of OpenAI requests (vLLM's run_batch) through the server's routes in this "
+                         "process, with speculative decoding. MODEL, first or after the options, is --model. The "
+                         "HTTP flags (--host, --port, --ssl-*, --root-path, CORS) are serve's and do nothing here.")
         add_batch_args(p)
         p.print_help()
         return 0
     args, ignored = parse_args(args.argv, prog, extra=add_batch_args)
     for flag in ignored:
-        print(f"{prog}: warning: ignoring vLLM flag with no meaning here: {flag}", file=sys.stderr)
+        print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
+    unused = [flag for flag, dest, default in _HTTP_FLAGS if getattr(args, dest, default) != default]
+    if unused:
+        print(f"{prog}: warning: ignoring serve's HTTP flags (no server here): {', '.join(unused)}", file=sys.stderr)
     if args.enable_metrics:
         print(f"{prog}: warning: --enable-metrics: no metrics port here; the run's statistics are printed at the end",
               file=sys.stderr)

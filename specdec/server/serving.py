@@ -324,7 +324,8 @@ class Service:
             # a template is code: one sent by a client could loop for as long as it likes
             raise APIError(400, "this server does not run chat templates sent with a request "
                                 "(it was not started with --trust-request-chat-template)", "chat_template")
-        kwargs = req.chat_template_kwargs or {}
+        # --default-chat-template-kwargs under the request's own (vLLM's)
+        kwargs = {**(self.config.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
         reserved = sorted(set(kwargs) & _TEMPLATE_VARIABLES)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r} (the server does)", "chat_template_kwargs")

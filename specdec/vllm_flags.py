@@ -1,0 +1,131 @@
+"""vLLM's command-line flags that specdec accepts and does not use: which they are, which take
+no value or several, and how the words of a command line are grouped into them (serve, run-batch,
+generate, chat and bench share this; it imports nothing heavy, so generate stays light)."""
+
+from __future__ import annotations
+
+from .cli import _is_number
+
+# vLLM's `serve` flags (v0.6 .. v0.11, engine and frontend) that specdec takes and ignores with a
+# warning; the ones it honours are its own flags. A boolean's --no-X form is taken as X is.
+VLLM_FLAGS = frozenset("""
+    additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
+    api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
+    config-format cpu-offload-gb  
+    data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
+    data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size
+    data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
+    dcp decode-context-parallel-size  default-mm-loras disable-access-log-for-endpoints
+    disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
+    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager
+    disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
+    disable-uvicorn-access-log distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
+    enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel 
+    enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
+    enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
+    enable-sleep-mode enable-ssl-refresh
+    enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
+    eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
+    fully-sharded-loras gpu-memory-utilization h11-max-header-count
+    h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
+    intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin 
+    kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
+    log-error-stack logits-processor-pattern logits-processors long-lora-scaling-factors long-prefill-token-threshold
+    lora-extra-vocab-size mamba-block-size mamba-cache-dtype mamba-ssm-cache-dtype max-context-len-to-capture
+     max-long-partial-prefills max-num-partial-prefills max-parallel-loading-workers
+    max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture media-io-kwargs 
+    mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
+    mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
+    num-gpu-blocks-override num-lookahead-slots
+    num-redundant-experts num-scheduler-steps override-attention-dtype
+    override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
+    preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
+    revision   safetensors-load-strategy scheduler-cls scheduler-delay-factor
+    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init
+    speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
+    speculative-max-model-len speculative-model-quantization swap-space
+    tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
+    tool-parser-plugin tool-server trust-remote-code
+    uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
+    worker-cls worker-extension-cls worker-use-ray
+""".split())
+
+
+# vLLM's switches among VLLM_FLAGS (store_true: they never take the next word as a value)
+VLLM_SWITCHES = frozenset("""
+    aggregate-engine-logging async-scheduling calculate-kv-scales data-parallel-external-lb data-parallel-hybrid-lb
+    disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
+    disable-frontend-multiprocessing disable-hybrid-kv-cache-manager disable-logprobs-during-spec-decoding
+    disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization disable-uvicorn-access-log enable-chunked-prefill
+    enable-dbo enable-eplb enable-expert-parallel enable-lora-bias enable-mm-embeds
+    enable-multimodal-encoder-data-parallel enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details
+    enable-reasoning enable-sleep-mode enable-ssl-refresh enable-tokenizer-info-endpoint engine-use-ray
+    eplb-log-balancedness exclude-tools-when-tool-choice-none fully-sharded-loras headless interleave-mm-strings
+    kv-sharing-fast-prefill multi-step-stream-outputs ray-workers-use-nsight skip-mm-profiling skip-tokenizer-init
+    trust-remote-code use-tqdm-on-load use-v2-block-manager worker-use-ray
+""".split())
+
+
+def _switch(flag: str) -> bool:
+    name = flag.split("=")[0].lstrip("-")
+    return name in VLLM_SWITCHES or (name.startswith("no-") and name[3:] in VLLM_SWITCHES)
+
+
+def drop_vllm_flags(words: list[str], own: set[str]) -> tuple[list[str], list[str]]:
+    """words without vLLM's flags that specdec does not use (VLLM_FLAGS, not among `own`), each
+    with its value(s): a switch takes none, a several-valued flag every word up to the next flag,
+    any other the next word unless it is a flag. -> (the rest, the flags dropped)."""
+    kept, dropped, i = [], [], 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("--") and word.split("=")[0] not in own and _is_vllm_flag(word):
+            j = i + 1
+            if "=" not in word and not _switch(word):
+                while j < len(words) and not (words[j].startswith("-") and not _is_number(words[j])):
+                    j += 1
+                    if not _takes_many(word):
+                        break
+            dropped.append(" ".join(words[i:j]))
+            i = j
+            continue
+        kept.append(word)
+        i += 1
+    return kept, dropped
+
+
+# vLLM's flags among VLLM_FLAGS that take several values (nargs="+"): every word up to the next flag
+MULTI_VALUE_FLAGS = frozenset({"prompt-adapters", "long-lora-scaling-factors", "allowed-media-domains",
+                               "ignore-patterns", "logits-processors"})
+
+
+def _takes_many(flag: str) -> bool:
+    return "=" not in flag and flag.lstrip("-") in MULTI_VALUE_FLAGS
+
+
+def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
+    """Group unknown words into flags with their values: a flag takes the next word as its
+    value unless that word is itself a flag. A stray word without a flag, or a flag that is
+    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean)."""
+    flags: list[str] = []
+    for word in unknown:
+        if word.startswith("-") and not _is_number(word):
+            flags.append(word)
+        elif flags and "=" not in flags[-1] and " " not in flags[-1] and not _switch(flags[-1]):
+            flags[-1] += " " + word
+        else:
+            raise ValueError(f"unexpected argument {word!r}")
+    bad = [f.split(" ")[0].split("=")[0] for f in flags if not _is_vllm_flag(f)]
+    if bad:
+        import difflib
+
+        close = difflib.get_close_matches(bad[0], [*own, *(f"--{n}" for n in VLLM_FLAGS)], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"unrecognized arguments: {' '.join(bad)} (neither specdec's flags nor vLLM's{hint})")
+    return flags
+
+
+def _is_vllm_flag(flag: str) -> bool:
+    name = flag.split(" ")[0].split("=")[0].lstrip("-")
+    return name in VLLM_FLAGS or (name.startswith("no-") and name[3:] in VLLM_FLAGS)
+
+

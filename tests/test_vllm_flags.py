@@ -1,0 +1,184 @@
+"""vLLM's command-line flags that specdec honours (a flag auditor's findings): each observed taking
+effect, on the parsed settings and on a real `specdec serve` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from specdec.cli import llm_kwargs, main
+from specdec.server.cli import parse_args, server_config
+
+TARGET = "models/target"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_api_key_from_vllms_variable(monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert server_config(parse_args([], "x")[0]).api_key == "from-vllm"
+    monkeypatch.setenv("SPECDEC_API_KEY", "own")
+    assert server_config(parse_args([], "x")[0]).api_key == "own"
+    monkeypatch.setenv("SPECDEC_API_KEY", "")           # empty: no key (as vLLM reads an empty variable)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert server_config(parse_args([], "x")[0]).api_key is None
+
+
+def test_engine_flags_reach_the_llm():
+    args, ignored = parse_args(["m", "--kv-cache-memory-bytes", "2M", "--cuda-graph-sizes", "1", "2", "4",
+                                "--max-cudagraph-capture-size", "4", "--rope-theta", "5e5",
+                                "--rope-scaling", '{"rope_type": "linear", "factor": 2.0}'], "x")
+    kw = llm_kwargs(args)
+    assert not ignored and kw["kv_cache_memory"] == 2 * 2**20
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4], "max_cudagraph_capture_size": 4}
+    assert kw["hf_overrides"] == {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    args, _ = parse_args(["m", "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}',
+                          "--cuda-graph-sizes", "8", "--hf-overrides", '{"rope_theta": 1.0, "x": 1}', "--rope-theta", "2"],
+                         "x")
+    kw = llm_kwargs(args)
+    assert kw["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [8]}
+    assert kw["hf_overrides"] == {"rope_theta": 2.0, "x": 1}
+
+
+def test_ignored_vllm_flags_with_several_values_keep_the_command_line_whole():
+    for argv in (["m", "--prompt-adapters", "a=/x", "b=/y"], ["--prompt-adapters", "a=/x", "b=/y", "--model", "m"],
+                 ["--logits-processors", "p.A", "p.B", "--port", "8001", "m"]):
+        args, ignored = parse_args(argv, "x")
+        assert args.model == "m" and len(ignored) == 1 and ignored[0].startswith("--") and "a=/x" not in args.model
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_outside_the_range_is_refused(port, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["m", "--port", port], "x")
+    assert e.value.code == 2
+
+
+def test_optimisation_levels_above_three_are_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["m", "-O7"], "x")
+    assert parse_args(["m", "-O3"], "x")[0].compilation_config == 3
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "specdec", "serve", "--model", str(tmp_path / "nothing-here"),
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    # the socket is bound first: the (missing) model is never reached
+    assert run.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and time.monotonic() - start < 60
+
+
+def test_generate_refuses_abbreviations_and_takes_vllm_flags(capsys):
+    assert main(["generate", "--model", TARGET, "--max-num-seq", "4", "--max-tokens", "2", "hi"]) == 2
+    assert "did you mean --max-num-seqs?" in capsys.readouterr().err
+    assert main(["generate", "--model", TARGET, "--gpu-memory-utilization", "0.5", "--max-tokens", "2",
+                 "--temperature", "0", "hi"]) == 0
+    assert "ignoring vLLM flag (specdec does not use it): --gpu-memory-utilization 0.5" in capsys.readouterr().err
+
+
+def test_generate_samples_the_same_text_run_to_run(capsys):
+    """As vLLM's LLM (seed 0): without --seed, two runs at temperature 1 sample the same text."""
+    outs = []
+    for _ in range(2):
+        assert main(["generate", "--model", TARGET, "--max-tokens", "16", "--temperature", "1", "--json",
+                     "def f(x):"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    assert outs[0] == outs[1]
+
+
+def test_bench_honours_the_model_flags(tmp_path, capsys):
+    assert main(["bench", "--model", TARGET, "--tokenizer", str(tmp_path / "none"), "--out", str(tmp_path / "b"),
+                 "--max-tokens", "2", "--limit-prompts", "1"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["bench", "--model", TARGET, "--runner", "pooling", "--out", str(tmp_path / "b")]) == 2
+    assert "measures generation" in capsys.readouterr().err
+
+
+def test_run_batch_says_serves_http_flags_do_nothing(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": "hi", "max_tokens": 2}}) + "\n")
+    run = subprocess.run([sys.executable, "-m", "specdec", "run-batch", "--model", TARGET, "--served-model-name", "m",
+                          "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--port", "9", "--ssl-keyfile", "/x"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ignoring serve's HTTP flags (no server here): --port, --ssl-keyfile" in run.stderr
+
+
+def test_serve_with_vllms_frontend_flags(tmp_path):
+    """One real server: --middleware (a class and a function, imported by path), --default-chat-
+    template-kwargs (under each request's own), --enable-force-include-usage, VLLM_API_KEY."""
+    (tmp_path / "mw.py").write_text('''
+class Tag:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-tag", b"class")]}
+            await send(message)
+        await self.app(scope, receive, tagged)
+
+
+async def stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-stamp"] = "function"
+    return response
+''')
+    template = "{% for m in messages %}{{ m['content'] }}|{{ greeting }}|{% endfor %}"
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "VLLM_API_KEY": "k", "OMP_NUM_THREADS": "1"}
+    env.pop("SPECDEC_API_KEY", None)
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port),
+                             "--served-model-name", "m", "--middleware", "mw.Tag", "mw.stamp",
+                             "--chat-template", template, "--default-chat-template-kwargs", '{"greeting": "HELLO"}',
+                             "--enable-force-include-usage", "--uvicorn-log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401            # VLLM_API_KEY guards /v1
+        auth = {"authorization": "Bearer k"}
+        r = httpx.get(url + "/v1/models", headers=auth)
+        assert r.status_code == 200 and r.headers["x-tag"] == "class" and r.headers["x-stamp"] == "function"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        r = httpx.post(url + "/tokenize", json=body)
+        assert r.status_code == 200
+        own = httpx.post(url + "/tokenize", json={**body, "chat_template_kwargs": {"greeting": "BYE"}})
+        text = httpx.post(url + "/detokenize", json={"model": "m", "tokens": r.json()["tokens"]}).json()["prompt"]
+        mine = httpx.post(url + "/detokenize", json={"model": "m", "tokens": own.json()["tokens"]}).json()["prompt"]
+        assert "hi|HELLO|" in text and "hi|BYE|" in mine
+        with httpx.stream("POST", url + "/v1/completions", headers=auth, json={
+                "model": "m", "prompt": "x", "max_tokens": 3, "stream": True, "ignore_eos": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+    finally:
+        proc.terminate()
+        proc.wait(60)

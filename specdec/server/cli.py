@@ -398,6 +398,17 @@ def run(args, prog: str = "specdec serve") -> int:
     return serve(llm, config, args.host, args.port, args.uvicorn_log_level, ssl, sock=sock, middleware=middleware)
 
 
+def add_middleware(app, middleware: list) -> None:
+    """load_middleware's objects around the app: a class as ASGI middleware, a function as HTTP middleware."""
+    import inspect
+
+    for m in middleware:
+        if inspect.isclass(m):
+            app.add_middleware(m)
+        else:
+            app.middleware("http")(m)
+
+
 def load_middleware(paths: list[str]) -> list:
     """vLLM's --middleware: import paths of ASGI middleware (a class: app.add_middleware(cls)) or
     of HTTP middleware functions (async def f(request, call_next): @app.middleware("http")),
@@ -472,19 +483,13 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
 def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None, sock=None,
           middleware: list = ()) -> int:
     """sock: a socket bound already (bind_socket); middleware: load_middleware's, added outermost."""
-    import inspect
-
     import uvicorn
 
     from .app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(llm, config)
-    for m in middleware:
-        if inspect.isclass(m):
-            app.add_middleware(m)
-        else:
-            app.middleware("http")(m)
+    add_middleware(app, middleware)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

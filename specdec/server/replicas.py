@@ -76,6 +76,7 @@ class EngineReplica:
 
         args, _ = parse_args(argv)
         self.config = server_config(args)
+        self.middleware = args.middleware
         self.llm = build_llm(args)
         self.board = board
         self.id = serve.get_replica_context().replica_id.unique_id
@@ -85,7 +86,10 @@ class EngineReplica:
     async def __serve_build_asgi_app__(self):
         from .app import build_app
 
+        from .cli import add_middleware, load_middleware
+
         self.server = build_app(self.llm, self.config)
+        add_middleware(self.server, load_middleware(self.middleware))      # --middleware, as one server's
         registry = self.server.state.service.metrics.registry
         server, _ = start_http_server(0, addr=self.node, registry=registry)
         self.metrics_url = f"http://{self.node}:{server.server_port}/metrics"

@@ -199,8 +199,10 @@ class RequestTracer:
             attrs[A.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = max(0.0, ttft - queue)
             attrs[A.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = max(0.0, last - ttft)
             attrs[A.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE] = max(0.0, last - queue)
+        # vLLM's detail levels: "model" the forwards' time, "worker" the whole execution's (drafting too)
         if self.detailed & {"model", "all"}:
             attrs[A.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = stats.target_time_s + stats.prefill_time_s
+        if self.detailed & {"worker", "all"}:
             attrs[A.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = (stats.target_time_s + stats.prefill_time_s
                                                              + stats.draft_time_s)
             attrs[A.LATENCY_TIME_IN_DRAFT] = stats.draft_time_s

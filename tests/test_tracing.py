@@ -135,7 +135,7 @@ def _check_latencies(attrs: dict) -> None:
 def test_offline_llm_exports_a_span_per_request_over_http(tiny_pair, http_collector):
     target, draft = tiny_pair
     llm = LLM(target, speculative_model=str(draft), num_speculative_tokens=3, max_model_len=128,
-              otlp_traces_endpoint=http_collector.endpoint, collect_detailed_traces="model")
+              otlp_traces_endpoint=http_collector.endpoint, collect_detailed_traces="model,worker")
     prompts = ["def add(a, b):", "class Point:"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     long = "import os\nimport sys\n" * 4              # its second run finds its blocks in the prefix cache
@@ -163,7 +163,7 @@ def test_offline_llm_exports_a_span_per_request_over_http(tiny_pair, http_collec
         assert a["specdec.spec_decode.num_draft_tokens"] > 0
         assert a["specdec.spec_decode.mean_accepted_length"] == pytest.approx(
             12 / a["specdec.spec_decode.target_forward_passes"])
-        # collect_detailed_traces="model": the forwards' time, drafting's time beside it
+        # collect_detailed_traces "model" and "worker": the forwards' time; the execution's, drafting's in it
         assert 0 < a["gen_ai.latency.time_in_model_forward"] <= a["gen_ai.latency.time_in_model_execute"]
         assert a["specdec.latency.time_in_draft"] > 0
         _check_latencies(a)

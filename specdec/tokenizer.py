@@ -129,6 +129,24 @@ class Tokenizer:
             raise TokenizerError(str(e)) from None
         self._from_folder(path)
 
+    def info(self, chat_template: str | None = None) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's keys, a
+        GGUF's from its metadata) with its special tokens, `tokenizer_class` and the chat template
+        in use (chat_template: the server's own, else the tokenizer's)."""
+        out = {k: v for k, v in self.init_config.items() if k not in ("vocab_file", "merges_file", "chat_template")}
+        out.update({"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
+                    "pad_token": self.pad_token, "add_bos_token": self.add_bos_token,
+                    "model_max_length": self.model_max_length, "padding_side": self.padding_side,
+                    "additional_special_tokens": list(self.additional_special_tokens)})
+        out.setdefault("added_tokens_decoder", {
+            str(i): {"content": t.content, "special": bool(t.special)}
+            for i, t in sorted(self.backend.get_added_tokens_decoder().items())})
+        out["tokenizer_class"] = self.init_config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        template = chat_template or self.chat_template
+        if template:
+            out["chat_template"] = template
+        return out
+
     def _from_folder(self, folder: Path) -> None:
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -138,6 +156,7 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         cfg = _read_json(folder / "tokenizer_config.json")
+        self.init_config = dict(cfg)        # tokenizer_config.json as read (vLLM's /tokenizer_info)
         model_cfg = text_config(_read_json(folder / "config.json"))    # a multimodal one's language model
         gen_cfg = _read_json(folder / "generation_config.json")
         self.bos_token = _token_content(cfg.get("bos_token"))
@@ -183,6 +202,7 @@ class Tokenizer:
         self.pad_token_id = v.pad_token_id if self.pad_token is not None else None
         self.unk_token_id = v.unk_token_id if self.unk_token is not None else None
         self.additional_special_tokens, self.padding_side, self.model_max_length = [], "right", None
+        self.init_config = {}
 
     @property
     def vocab_size(self) -> int:

@@ -24,7 +24,7 @@ VLLM_FLAGS = frozenset("""
     enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
     enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
     enable-sleep-mode enable-ssl-refresh
-    enable-tokenizer-info-endpoint engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
+     engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
     fully-sharded-loras gpu-memory-utilization h11-max-header-count
     h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
@@ -59,7 +59,7 @@ VLLM_SWITCHES = frozenset("""
     disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization disable-uvicorn-access-log enable-chunked-prefill
     enable-dbo enable-eplb enable-expert-parallel enable-lora-bias enable-mm-embeds
     enable-multimodal-encoder-data-parallel enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details
-    enable-reasoning enable-sleep-mode enable-ssl-refresh enable-tokenizer-info-endpoint engine-use-ray
+    enable-reasoning enable-sleep-mode enable-ssl-refresh  engine-use-ray
     eplb-log-balancedness exclude-tools-when-tool-choice-none fully-sharded-loras headless interleave-mm-strings
     kv-sharing-fast-prefill multi-step-stream-outputs ray-workers-use-nsight skip-mm-profiling skip-tokenizer-init
     trust-remote-code use-tqdm-on-load use-v2-block-manager worker-use-ray

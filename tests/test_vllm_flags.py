@@ -182,3 +182,27 @@ async def stamp(request, call_next):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_tokenizer_info_endpoint(tiny_pair):
+    """vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info is the tokenizer's configuration
+    (what transformers reads from the folder), with the chat template the server uses; 404 without it."""
+    import transformers
+
+    from specdec.llm import LLM
+    from specdec.server import ServerConfig, build_app
+    from tests.test_server import LiveServer
+
+    target = tiny_pair[0]
+    hf = transformers.AutoTokenizer.from_pretrained(target)
+    llm = LLM(target, max_model_len=64)
+    with LiveServer(build_app(llm, ServerConfig(enable_tokenizer_info_endpoint=True,
+                                                chat_template="{{ messages[0]['content'] }}"))) as on:
+        info = httpx.get(on.url + "/tokenizer_info").json()
+    assert info["eos_token"] == hf.eos_token and info["bos_token"] == hf.bos_token
+    assert info["chat_template"] == "{{ messages[0]['content'] }}" and info["tokenizer_class"]
+    added = {int(i): t["content"] for i, t in info["added_tokens_decoder"].items()}
+    assert added == {i: t.content for i, t in hf.added_tokens_decoder.items()}
+    with LiveServer(build_app(llm, ServerConfig())) as off:
+        assert httpx.get(off.url + "/tokenizer_info").status_code == 404
+    assert server_config(parse_args(["--enable-tokenizer-info-endpoint"], "x")[0]).enable_tokenizer_info_endpoint

@@ -268,6 +268,12 @@ def _token_routes(service: Service) -> APIRouter:
 
     # off the event loop, the answer's JSON included (a 1 MB prompt's ~600k ids: ~0.35 s through
     # FastAPI's encoder on the loop)
+    if service.config.enable_tokenizer_info_endpoint:
+        @router.get("/tokenizer_info")
+        async def tokenizer_info():
+            """vLLM's (--enable-tokenizer-info-endpoint): the tokenizer's configuration."""
+            return JSONResponse(service.tokenizer.info(service.config.chat_template))
+
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await service.off_loop(lambda: JSONResponse(service.tokenize(body)))

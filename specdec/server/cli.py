@@ -179,6 +179,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
                    help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
                         "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (special tokens, "
+                        "tokenizer_config.json's keys, the chat template in use)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="vLLM's: every stream ends with a usage chunk, as if it asked stream_options.include_usage")
     p.add_argument("--metrics-prefix", choices=["specdec", "vllm"], default="specdec",
@@ -326,7 +329,8 @@ def server_config(args):
                         log_stats=not args.disable_log_stats, log_stats_interval=_stats_interval(),
                         metrics_prefix=args.metrics_prefix,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
-                        enable_force_include_usage=args.enable_force_include_usage)
+                        enable_force_include_usage=args.enable_force_include_usage,
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def _stats_interval() -> float:

@@ -46,6 +46,7 @@ class ServerConfig:
     metrics_prefix: str = "specdec"
     default_chat_template_kwargs: dict | None = None   # under each chat request's chat_template_kwargs (vLLM's flag)
     enable_force_include_usage: bool = False    # every stream ends with a usage chunk (vLLM's flag)
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's flag)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

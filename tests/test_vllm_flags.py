@@ -206,3 +206,29 @@ def test_tokenizer_info_endpoint(tiny_pair):
     with LiveServer(build_app(llm, ServerConfig())) as off:
         assert httpx.get(off.url + "/tokenizer_info").status_code == 404
     assert server_config(parse_args(["--enable-tokenizer-info-endpoint"], "x")[0]).enable_tokenizer_info_endpoint
+
+
+@pytest.mark.parametrize("flags, logged", [(["--disable-access-log-for-endpoints", "/health,/metrics"], {"/v1/models"}),
+                                           (["--disable-uvicorn-access-log"], set())])
+def test_access_log_flags(tmp_path, flags, logged):
+    port = _free_port()
+    out = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port), *flags],
+                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for path in ("/health", "/metrics", "/v1/models"):
+            assert httpx.get(url + path).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    lines = [ln for ln in out.read_text().splitlines() if '" 200' in ln and "GET " in ln]
+    assert {p for p in ("/health", "/metrics", "/v1/models") if any(f"GET {p} " in ln for ln in lines)} == logged

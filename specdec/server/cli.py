@@ -179,6 +179,11 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
                    help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
                         "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="vLLM's: no uvicorn access log line per request")
+    p.add_argument("--disable-access-log-for-endpoints", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   default=(), help="vLLM's: comma-separated paths whose access log lines are dropped, e.g. "
+                                    "/health,/metrics,/ping")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (special tokens, "
                         "tokenizer_config.json's keys, the chat template in use)")
@@ -330,7 +335,9 @@ def server_config(args):
                         metrics_prefix=args.metrics_prefix,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
                         enable_force_include_usage=args.enable_force_include_usage,
-                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+                        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints)
 
 
 def _stats_interval() -> float:
@@ -480,8 +487,30 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
 
     if ssl:
         kw.setdefault("http", _tls_http_protocol())
+    quiet = getattr(config, "disable_access_log_for_endpoints", ())
+    if quiet:               # vLLM's --disable-access-log-for-endpoints: these paths' access lines dropped
+        _quiet_access_log(quiet)
     return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
-                          **(ssl or {}), **kw)
+                          access_log=not getattr(config, "disable_uvicorn_access_log", False), **(ssl or {}), **kw)
+
+
+class _PathFilter(logging.Filter):
+    """Drops uvicorn's access lines of the given paths (its record args: client, method, path, ...)."""
+
+    def __init__(self, paths):
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = args[2] if len(args) > 2 and isinstance(args[2], str) else ""
+        return path.split("?", 1)[0] not in self.paths
+
+
+def _quiet_access_log(paths) -> None:
+    access = logging.getLogger("uvicorn.access")
+    access.filters = [f for f in access.filters if not isinstance(f, _PathFilter)]
+    access.addFilter(_PathFilter(paths))
 
 
 def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None, sock=None,

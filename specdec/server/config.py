@@ -47,6 +47,8 @@ class ServerConfig:
     default_chat_template_kwargs: dict | None = None   # under each chat request's chat_template_kwargs (vLLM's flag)
     enable_force_include_usage: bool = False    # every stream ends with a usage chunk (vLLM's flag)
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's flag)
+    disable_uvicorn_access_log: bool = False       # no access log lines (vLLM's flag)
+    disable_access_log_for_endpoints: tuple[str, ...] = ()   # none for these paths (vLLM's flag)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

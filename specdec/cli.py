@@ -98,6 +98,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cudagraph_capture_sizes)")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="vLLM's: the largest batch size captured (--compilation-config's max_cudagraph_capture_size)")
+    p.add_argument("--worker-extension-cls", default=None,
+                   help="vLLM's: module.Class whose methods collective_rpc (and serve's POST /collective_rpc) can call "
+                        "on the worker, e.g. an RL framework's weight-sync extension")
     p.add_argument("--rope-theta", type=float, default=None,
                    help="vLLM's older flag: the model's rope_theta (as --hf-overrides '{\"rope_theta\": ...}')")
     p.add_argument("--rope-scaling", type=_json_obj, default=None,
@@ -455,7 +458,8 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                structured_outputs_config=structured_outputs_config(args),
                profiler_config=getattr(args, "profiler_config", None),
                otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
-               collect_detailed_traces=getattr(args, "collect_detailed_traces", None), **extra)
+               collect_detailed_traces=getattr(args, "collect_detailed_traces", None),
+               worker_extension_cls=getattr(args, "worker_extension_cls", None), **extra)
 
 
 def _compilation_with_sizes(args):

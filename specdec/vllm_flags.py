@@ -46,8 +46,8 @@ VLLM_FLAGS = frozenset("""
     speculative-max-model-len speculative-model-quantization swap-space
     tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
     tool-parser-plugin tool-server trust-remote-code
-    uds use-tqdm-on-load use-v2-block-manager video-pruning-rate
-    worker-cls worker-extension-cls worker-use-ray
+     use-tqdm-on-load use-v2-block-manager video-pruning-rate
+    worker-cls  worker-use-ray
 """.split())
 
 

@@ -232,3 +232,37 @@ def test_access_log_flags(tmp_path, flags, logged):
         proc.wait(60)
     lines = [ln for ln in out.read_text().splitlines() if '" 200' in ln and "GET " in ln]
     assert {p for p in ("/health", "/metrics", "/v1/models") if any(f"GET {p} " in ln for ln in lines)} == logged
+
+
+def test_unix_socket_and_worker_extension(tmp_path):
+    """vLLM's --uds (the server on a Unix domain socket) and --worker-extension-cls (its methods
+    reachable through POST /collective_rpc in development mode)."""
+    (tmp_path / "ext.py").write_text('''
+class Ext:
+    def vocab_rows(self):
+        return int(self.get_model().config.vocab_size)
+''')
+    uds = str(tmp_path / "specdec.sock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--uds", uds,
+                             "--worker-extension-cls", "ext.Ext", "--uvicorn-log-level", "warning"],
+                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=uds), base_url="http://specdec", timeout=60) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+                try:
+                    if http.get("/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            r = http.post("/collective_rpc", json={"method": "vocab_rows"})
+            assert r.status_code == 200 and r.json() == {"results": [16384]}
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -90,19 +90,28 @@ def _env_key() -> str | None:
     return os.environ.get("SPECDEC_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
-def bind_socket(host: str, port: int):
+def bind_socket(host: str, port: int, uds: str | None = None):
     """The listening socket, bound now (before the model loads, as vLLM binds before building its
-    engine): a port in use or an address this machine lacks is a one-line ValueError."""
+    engine): a port in use or an address this machine lacks is a one-line ValueError. uds: a Unix
+    domain socket's path instead (vLLM's --uds; a stale socket file there is replaced)."""
     import socket
+    import stat
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if os.path.exists(uds) and stat.S_ISSOCK(os.stat(uds).st_mode):
+            os.unlink(uds)
+        where = uds
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        where = f"{host}:{port}"
     try:
-        sock.bind((host, port))
+        sock.bind(uds if uds is not None else (host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise ValueError(f"cannot listen on {where}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -179,6 +188,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
                    help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
                         "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--uds", default=None, help="vLLM's: listen on this Unix domain socket instead of --host/--port")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="vLLM's: no uvicorn access log line per request")
     p.add_argument("--disable-access-log-for-endpoints", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
@@ -393,6 +403,8 @@ def run(args, prog: str = "specdec serve") -> int:
     if argv is not None and (args.replicas or args.autoscale or args.ray_address):
         if ssl:
             raise ValueError("--ssl-keyfile / --ssl-certfile need a single server (behind Ray Serve its proxy serves HTTP)")
+        if args.uds:
+            raise ValueError("--uds needs a single server (behind Ray Serve its proxy listens on --host / --port)")
         try:
             from .replicas import serve_replicas
         except ImportError as e:
@@ -400,7 +412,7 @@ def run(args, prog: str = "specdec serve") -> int:
                              f"({e.name}): pip install 'specdec[serve]'") from None
         return serve_replicas(args, argv, prog)
     middleware = load_middleware(getattr(args, "middleware", None) or [])
-    sock = bind_socket(args.host, args.port)
+    sock = bind_socket(args.host, args.port, args.uds)
     try:
         llm = build_llm(args)
     except BaseException:

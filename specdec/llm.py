@@ -34,7 +34,8 @@ from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
-from .tokenizer import Tokenizer, TokenizerError, first_vocab_mismatch, model_eos_ids, template_messages
+from .tokenizer import (Tokenizer, TokenizerError, content_format, first_vocab_mismatch, model_eos_ids,
+                        template_content, template_messages)
 from .tracing import RequestTracer, check_observability
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
@@ -885,15 +886,17 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> dict:
+                    tools: list[dict] | None = None, chat_template_content_format: str = "auto") -> dict:
         """One conversation -> {"prompt": text, "prompt_token_ids": ids} through the chat template
-        (tools: OpenAI's tool list, given to the template as `tools`)."""
+        (tools: OpenAI's tool list, given to the template as `tools`; chat_template_content_format:
+        vLLM's, how a message's content reaches the template)."""
         for m in messages:
             if not isinstance(m, dict):
                 raise ValueError(f"a chat message must be a dict with 'role' and 'content', got {type(m).__name__}")
             if not isinstance(m.get("role"), str) or not m["role"]:
                 raise ValueError(f"a chat message needs a 'role' (a string such as 'user'), got keys {sorted(map(str, m))}")
-        msgs = template_messages([{**m, "content": _text_content(m.get("content"))} for m in messages])
+        fmt = content_format(chat_template or self.tokenizer.chat_template, chat_template_content_format)
+        msgs = template_messages([{**m, "content": template_content(m.get("content"), fmt)} for m in messages])
         reserved = sorted({"tokenize", "return_dict"} & set(chat_template_kwargs or {}))
         if reserved:         # apply_chat_template's own switches, not template variables: the prompt is text here
             raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
@@ -915,11 +918,10 @@ class LLM:
         "content"}) or a list of them; one RequestOutput per conversation, its `prompt` the
         rendered template. tools: OpenAI's tool list for the template (constrain a call with
         structured_outputs; the server's tool_choice does that for you).
-        chat_template_content_format: vLLM's "auto", "string" or "openai"; specdec's messages are
-        text (a string or text parts), which every template is given as a string."""
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
-                             f"{chat_template_content_format!r}")
+        chat_template_content_format: vLLM's: how a message's content (a string or text parts)
+        reaches the template, "string" (its text, parts one per line) or "openai" (a list of text
+        parts); "auto" reads the template (one that loops over a message's content takes parts)."""
+        content_format(None, chat_template_content_format)      # a bad value: a ValueError now
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} (or a list of such lists)")
         if all(isinstance(m, dict) for m in messages):
@@ -930,7 +932,7 @@ class LLM:
             raise ValueError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of "
                              "conversations, not a mix of the two")
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
-                                    chat_template_kwargs, tools) for c in conversations]
+                                    chat_template_kwargs, tools, chat_template_content_format) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0,
@@ -1282,15 +1284,6 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _text_content(content) -> str:
-    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(p.get("text") or "" for p in content)
-    raise ValueError("message content must be a string or a list of text parts")
 
 
 RUNNERS = ("auto", "generate", "pooling")

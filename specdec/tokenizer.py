@@ -18,6 +18,7 @@ either behaviour.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -398,6 +399,35 @@ class Tokenizer:
                                          "final message's content, so it cannot be continued")
                 text = text[:text.rindex(last.strip()) + len(last.strip())]
         return text
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+# a template that loops over a message's content reads OpenAI's list of parts ({% for part in message['content'] %})
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def content_format(template: str | None, fmt: str = "auto") -> str:
+    """vLLM's chat_template_content_format: "string" (a message's content is its text) or "openai"
+    (a list of {"type": "text", "text": ...} parts); "auto" reads the template, as vLLM does: one
+    that loops over a message's content takes parts."""
+    if fmt not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got {fmt!r}")
+    if fmt != "auto":
+        return fmt
+    return "openai" if isinstance(template, str) and _CONTENT_LOOP.search(template) else "string"
+
+
+def template_content(content, fmt: str):
+    """A message's content (a string, None, or OpenAI's text parts) as the template takes it in
+    `fmt` (content_format's): the text, parts joined one per line (vLLM's), or a list of text parts."""
+    if content is None or content == "":
+        return ""
+    if isinstance(content, str):
+        return content if fmt == "string" else [{"type": "text", "text": content}]
+    if not (isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)):
+        raise ValueError("message content must be a string or a list of text parts")
+    texts = [p.get("text") or "" for p in content]
+    return "\n".join(texts) if fmt == "string" else [{"type": "text", "text": t} for t in texts]
 
 
 def template_messages(messages) -> list[dict]:

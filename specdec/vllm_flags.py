@@ -10,7 +10,7 @@ from .cli import _is_number
 # warning; the ones it honours are its own flags. A boolean's --no-X form is taken as X is.
 VLLM_FLAGS = frozenset("""
     additional-config aggregate-engine-logging all2all-backend allowed-local-media-path allowed-media-domains
-    api-server-count asc async-scheduling calculate-kv-scales chat-template-content-format code-revision
+    api-server-count asc async-scheduling calculate-kv-scales  code-revision
     config-format cpu-offload-gb  
     data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
     data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size

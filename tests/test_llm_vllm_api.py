@@ -161,9 +161,12 @@ def test_chat_takes_vllms_positional_order_and_content_format(llm):
     by_name = llm.chat(CONV, params, chat_template=TEMPLATE)[0]
     positional = llm.chat(CONV, params, False, None, TEMPLATE)[0]      # messages, params, use_tqdm, lora, template
     assert positional.prompt == by_name.prompt and positional.outputs[0].token_ids == by_name.outputs[0].token_ids
-    for fmt in ("auto", "string", "openai"):
+    for fmt in ("auto", "string"):     # the template prints content: auto gives it the text
         out = llm.chat(CONV, params, chat_template=TEMPLATE, chat_template_content_format=fmt)[0]
         assert out.outputs[0].token_ids == by_name.outputs[0].token_ids
+    # forced "openai": the list of parts reaches the template (as vLLM's; tests/test_vllm_flags.py)
+    parts = llm.chat(CONV, params, chat_template=TEMPLATE, chat_template_content_format="openai")[0]
+    assert "'type': 'text'" in parts.prompt
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(CONV, params, chat_template=TEMPLATE, chat_template_content_format="xml")
 

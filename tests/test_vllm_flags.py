@@ -266,3 +266,39 @@ class Ext:
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+LOOPING = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+PLAIN = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+
+
+@pytest.mark.parametrize("template, fmt, want_str, want_parts", [
+    (LOOPING, "auto", "[hi]", "[a][b]"),          # a template that loops over content gets OpenAI's parts
+    (PLAIN, "auto", "<hi>", "<a\nb>"),            # one that prints it gets the text, parts one per line
+    (PLAIN, "openai", None, None),                # forced: the list itself reaches the template
+    (LOOPING, "string", "[][]", None)])           # forced: a string's characters, as vLLM would give it
+def test_chat_template_content_format(tiny_pair, template, fmt, want_str, want_parts):
+    from specdec.llm import LLM
+    from specdec.server import ServerConfig, build_app
+    from tests.test_server import LiveServer
+
+    llm = LLM(tiny_pair[0], max_model_len=64)
+    config = ServerConfig(chat_template=template, chat_template_content_format=fmt)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    with LiveServer(build_app(llm, config)) as live:
+        def rendered(content):
+            ids = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": content}],
+                                                            "add_generation_prompt": False}).json()["tokens"]
+            return httpx.post(live.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        got_str, got_parts = rendered("hi"), rendered(parts)
+    if want_str is not None:
+        assert got_str == want_str
+        offline = llm.chat([{"role": "user", "content": "hi"}], chat_template=template,
+                           chat_template_content_format=fmt, add_generation_prompt=False)[0].prompt
+        assert offline == want_str
+    else:
+        assert "'type': 'text'" in got_str and "'text': 'hi'" in got_str
+    if want_parts is not None:
+        assert got_parts == want_parts
+    assert server_config(parse_args(["--chat-template-content-format", "openai"], "x")[0]) \
+        .chat_template_content_format == "openai"

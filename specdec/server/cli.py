@@ -188,6 +188,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
                    help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
                         "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                   help="vLLM's: a message's content reaches the chat template as its text (string) or as OpenAI's "
+                        "list of text parts (openai); auto (default): parts for a template that loops over them")
     p.add_argument("--uds", default=None, help="vLLM's: listen on this Unix domain socket instead of --host/--port")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="vLLM's: no uvicorn access log line per request")
@@ -347,7 +350,8 @@ def server_config(args):
                         enable_force_include_usage=args.enable_force_include_usage,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-                        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints)
+                        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
+                        chat_template_content_format=args.chat_template_content_format)
 
 
 def _stats_interval() -> float:

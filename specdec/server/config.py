@@ -47,6 +47,7 @@ class ServerConfig:
     default_chat_template_kwargs: dict | None = None   # under each chat request's chat_template_kwargs (vLLM's flag)
     enable_force_include_usage: bool = False    # every stream ends with a usage chunk (vLLM's flag)
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's flag)
+    chat_template_content_format: str = "auto"     # a message's content as text or OpenAI's parts (vLLM's flag)
     disable_uvicorn_access_log: bool = False       # no access log lines (vLLM's flag)
     disable_access_log_for_endpoints: tuple[str, ...] = ()   # none for these paths (vLLM's flag)
 
@@ -78,6 +79,9 @@ class ServerConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError("default_chat_template_kwargs must be a dict")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be auto, string or openai, got "
+                             f"{self.chat_template_content_format!r}")
         if self.metrics_prefix not in ("specdec", "vllm"):
             raise ValueError(f"metrics_prefix must be 'specdec' or 'vllm', got {self.metrics_prefix!r}")
         if not isinstance(self.response_role, str) or not self.response_role:

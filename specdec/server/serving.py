@@ -16,7 +16,7 @@ from ..config import SamplingParams
 from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
-from ..tokenizer import TokenizerError, template_messages
+from ..tokenizer import TokenizerError, content_format, template_content, template_messages
 from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
@@ -314,8 +314,13 @@ class Service:
         """The conversation through the chat template (req: a chat or tokenize request)."""
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
+        # --chat-template-content-format: a message's content as text, or as OpenAI's parts for a
+        # template that loops over them (auto: read from the template in use, as vLLM's)
+        fmt = content_format(req.chat_template or self.config.chat_template or self.tokenizer.chat_template,
+                             self.config.chat_template_content_format)
         messages = template_messages(
-            {"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None else _join_text(m.content),
+            {"role": m.role, "content": m.content if m.content is None or isinstance(m.content, str) and fmt == "string"
+             else template_content(m.content if isinstance(m.content, str) else _text_parts(m.content), fmt),
              "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
              **_thinking(getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None))} for m in req.messages)
         if req.continue_final_message and req.add_generation_prompt:
@@ -403,9 +408,14 @@ def _thinking(text: str | None) -> dict:
 
 def _join_text(parts) -> str:
     """A message's text parts, one per line (vLLM's chat_utils joins them with newlines)."""
+    return template_content(_text_parts(parts), "string")
+
+
+def _text_parts(parts) -> list[dict]:
+    """A message's content parts as dicts; any but text is a 400."""
     if any(p.type != "text" for p in parts):
         raise APIError(400, "only text content parts are supported", "messages")
-    return "\n".join(p.text or "" for p in parts)
+    return [{"type": "text", "text": p.text or ""} for p in parts]
 
 
 def echo_only(req: CompletionRequest) -> bool:

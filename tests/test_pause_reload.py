@@ -184,9 +184,10 @@ def test_pause_abort_ends_streams_and_holds_new_requests_until_resume(live):
 
 def test_pause_keep_freezes_and_wait_drains(live):
     http = httpx.Client(base_url=live.url, timeout=60)
-    solo = _complete(live.url, PROMPTS[0], 64)["text"]
+    # 150 tokens (the context holds 256): on a loaded machine the request must still run when /pause arrives
+    solo = _complete(live.url, PROMPTS[0], 150)["text"]
     result = {}
-    runner = threading.Thread(target=lambda: result.update(_complete(live.url, PROMPTS[0], 64)))
+    runner = threading.Thread(target=lambda: result.update(_complete(live.url, PROMPTS[0], 150)))
     runner.start()
     while live.llm.engine.num_running == 0:
         time.sleep(0.005)

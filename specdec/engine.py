@@ -761,7 +761,9 @@ class Engine:
             stats.record_step(k, res.accepted, len(event.token_ids))
             pred = r.ctx.prediction
             if pred is not None and pred.drafted:
-                pred.accepted += res.accepted
+                # drafts kept by verification and left in the output (a stop string or max_tokens may
+                # cut the step's tokens): OpenAI's accepted tokens appear in the completion
+                pred.accepted += min(res.accepted, len(event.token_ids))
                 pred.following = res.accepted == k          # kept whole: the next draft may run longer
                 pred.drafted = False
                 stats.accepted_prediction_tokens = pred.accepted

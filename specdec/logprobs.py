@@ -95,7 +95,7 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     rank = ((logp > picked).sum(-1) + 1).tolist()           # vLLM reports it for every token
     chosen = picked[:, 0].clamp_min(FLOOR).tolist()
     n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
-    top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long()))
+    top_v, top_i = _top(logp, n_top) if n_top else (logp[:, :0], logp[:, :0].long())
     top_v, top_i = top_v.clamp_min(FLOOR).tolist(), top_i.tolist()
     out, at = [], 0
     for (params, _, toks), n in zip(wanted, counts):
@@ -104,6 +104,22 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
                     for j, t in enumerate(toks)])
         at += n
     return out
+
+
+def _top(logp: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The n largest of each row, best first, equal values by token id: topk leaves ties in an
+    order (and, at the n-th place, a choice) that depends on the batch's shape, and a grammar's
+    masked tokens all score the same."""
+    top_i = logp.topk(n, dim=-1).indices
+    last = logp.gather(1, top_i[:, -1:])
+    # rows where a token left out ties with the n-th: the tied value's lowest ids fill the places
+    for r in ((logp == last).sum(-1) > (logp.gather(1, top_i) == last).sum(-1)).nonzero().flatten().tolist():
+        above = (logp[r] > last[r]).nonzero().flatten()
+        top_i[r] = torch.cat([above, (logp[r] == last[r]).nonzero().flatten()[:n - above.numel()]])
+    top_i = top_i.sort(dim=-1).values                                   # by id, then (stably) by value
+    order = logp.gather(1, top_i).argsort(dim=-1, descending=True, stable=True)
+    top_i = top_i.gather(1, order)
+    return logp.gather(1, top_i), top_i
 
 
 def _log_distribution(rows: Tensor, params: list, counts: list[int], mode: str) -> Tensor:

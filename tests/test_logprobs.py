@@ -212,3 +212,24 @@ def test_prompt_logprobs_survive_preemption(tiny_pair):
         if w.prompt_logprobs is not None:
             assert [x.logprob if x else None for x in g.prompt_logprobs] == \
                 pytest.approx([x.logprob if x else None for x in w.prompt_logprobs], abs=1e-5)
+
+
+def test_tied_alternatives_are_listed_by_token_id_whatever_the_batch():
+    """A grammar's masked tokens all score the same: which of them top_logprobs lists, and in what
+    order, is by token id, not by the batch's shape (a request alone or among many)."""
+    from specdec.config import SamplingParams as Params
+    from specdec.logprobs import step_logprobs
+
+    V = 4096
+    gen = torch.Generator().manual_seed(0)
+    row = torch.full((V,), -1e4)
+    row[[7, 300, 2000]] = torch.tensor([3.0, 2.0, 2.0])        # two tied leaders, then thousands tied
+    params = Params(temperature=0, logprobs=5)
+    alone = step_logprobs(row[None], [(params, [0], [7])], "raw_logprobs")[0][0]
+    others = torch.randn(70, V, generator=gen)
+    batch = torch.cat([others[:33], row[None], others[33:]])
+    wanted = [(params, [i], [0]) for i in range(33)] + [(params, [33], [7])] + \
+        [(params, [i], [0]) for i in range(34, 71)]
+    among = step_logprobs(batch, wanted, "raw_logprobs")[33][0]
+    assert alone.top == among.top
+    assert [t for t, _ in alone.top] == [7, 300, 2000, 0, 1]

@@ -73,6 +73,28 @@ def test_greedy_replies_are_identical_whatever_the_prediction(engines, method):
     assert edited.stats.accepted_prediction_tokens > 25            # it rejoined after the edit
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_accepted_prediction_tokens_are_in_the_output(engines, method):
+    """A draft verification kept but max_tokens (or a stop string) cut from the output is not an
+    accepted prediction token: OpenAI's count never exceeds the completion's tokens."""
+    llm = engines[method]
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = list(_run(engines["plain"].engine, prompt, GREEDY).out)
+    text = llm.tokenizer.decode(out)
+    for n in (3, 5, 9):
+        # max_tokens: drafts are cut to the room left; a stop string ends a step's tokens after them
+        stop = llm.tokenizer.decode(out[:n + 1])[len(llm.tokenizer.decode(out[:n])):]
+        assert stop and text.count(stop) >= 1
+        for params in (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, stop=[stop])):
+            r = _run(llm.engine, prompt, params, out)
+            got = len(r.out)
+            assert 0 < got <= n + 1 and r.out == out[:got]
+            # every token but one per forward (the target's own) is a draft the prediction gave; never more
+            acc = r.stats.accepted_prediction_tokens
+            assert got - r.stats.target_forward_passes <= acc <= got, (params, got, acc)
+
+
 def test_a_plain_engine_takes_no_draft_from_it(engines):
     llm = engines["plain"]
     prompt = llm.tokenizer.encode(PROMPT)

@@ -366,3 +366,21 @@ def test_on_by_default_as_in_vllm_v1(tiny_pair):
     p = build_parser()
     assert p.parse_args(["generate", "--model", "m", "hi"]).enable_prefix_caching is True
     assert p.parse_args(["generate", "--model", "m", "--no-enable-prefix-caching", "hi"]).enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("extra", [1, 9])
+def test_medusa_keeps_a_hit_that_stops_short_of_the_token_before_the_last(tiny_pair, drafters, extra):
+    """The last hit block is recomputed only when it holds the token before the last (a prompt of
+    whole blocks plus one): otherwise Medusa finds as many cached tokens as plain decoding, and its
+    output is the same as without the cache."""
+    spec = METHODS["medusa"](drafters)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = LLM(model=tiny_pair[0]).tokenizer.encode(PROMPTS[1] * 6)[:4 * 16 + extra]
+    found = {}
+    for name, kw in (("plain", {}), ("medusa", {"speculative_config": spec})):
+        llm = LLM(model=tiny_pair[0], dtype="float32", enable_prefix_caching=True, **kw)
+        outs = [llm.generate([{"prompt_token_ids": ids}], params)[0] for _ in range(2)]
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+        found[name] = outs[1].num_cached_tokens
+    # 65 tokens: the 4 blocks hold the token before the last, Medusa recomputes one; 73: they do not
+    assert found["plain"] == 64 and found["medusa"] == (48 if extra == 1 else 64)

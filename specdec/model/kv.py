@@ -221,8 +221,8 @@ class BlockManager:
         cached ones (at most num_slots), the rest allocated as it is written (sliding windows).
         root: the key of what else the cache depends on (cached_prefix), kept for register."""
         hit = self.cached_prefix(tokens, root) if self.prefix_caching else []
-        if self.recompute_last_hit:
-            hit = hit[:-1]
+        if self.recompute_last_hit and len(hit) * self.block_size >= len(tokens):
+            hit = hit[:-1]          # it holds the token before the last, whose feature must be computed
         if ahead is not None:
             num_slots = min(num_slots, len(hit) * self.block_size + ahead)
         idle = sum(1 for b in hit if self._refs[b] == 0)

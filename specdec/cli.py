@@ -72,9 +72,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Batching flags shared by generate and serve (vLLM's names)."""
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together; the rest queue (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="requests decoded together; the rest queue (default 16, sized for a CPU; vLLM's is 256 on a GPU)")
     p.add_argument("--max-num-batched-tokens", type=human_int, default=2048,
-                   help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048)")
+                   help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048); "
+                        "decoding tokens and their drafts go first, so a budget below them does not cut drafts")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most "
                         "1 GiB); --kv-cache-memory-bytes is vLLM's name")

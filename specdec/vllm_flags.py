@@ -13,13 +13,13 @@ VLLM_FLAGS = frozenset("""
     api-server-count asc async-scheduling calculate-kv-scales  code-revision
     config-format cpu-offload-gb  
     data-parallel-address data-parallel-backend data-parallel-external-lb data-parallel-hybrid-lb
-    data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port data-parallel-size
+    data-parallel-multi-port-external-lb data-parallel-rank data-parallel-rpc-port 
     data-parallel-size-local data-parallel-start-rank dbo-decode-token-threshold dbo-prefill-token-threshold
     dcp decode-context-parallel-size  default-mm-loras 
     disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
     disable-frontend-multiprocessing disable-hybrid-kv-cache-manager
     disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
-     distributed-executor-backend download-dir dp dpa dpb dpl dpn dpp dpr
+     distributed-executor-backend download-dir  dpa dpb dpl dpn dpp dpr
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel 
     enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
     enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning

@@ -302,3 +302,12 @@ def test_chat_template_content_format(tiny_pair, template, fmt, want_str, want_p
         assert got_parts == want_parts
     assert server_config(parse_args(["--chat-template-content-format", "openai"], "x")[0]) \
         .chat_template_content_format == "openai"
+
+
+def test_data_parallel_size_is_replicas():
+    """vLLM's --data-parallel-size / -dp N: N engines behind one endpoint, --replicas N here."""
+    assert parse_args(["m", "-dp", "2"], "x")[0].replicas == 2
+    assert parse_args(["m", "--data-parallel-size", "3", "--replicas", "3"], "x")[0].replicas == 3
+    assert parse_args(["m", "--data-parallel-size", "1"], "x")[0].replicas is None
+    with pytest.raises(ValueError, match="disagree"):
+        parse_args(["m", "-dp", "2", "--replicas", "4"], "x")

@@ -225,6 +225,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                       help="the adapters' weights: auto = bfloat16 beside bf16 or quantized matrices, else float32")
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
     ray.add_argument("--replicas", type=_positive, help="engine replicas behind the one endpoint")
+    ray.add_argument("--data-parallel-size", "-dp", type=_positive, default=None,
+                     help="vLLM's data parallelism: that many engine replicas, as --replicas N (on Ray Serve)")
     ray.add_argument("--autoscale", type=_min_max, metavar="MIN,MAX",
                      help="let Ray Serve scale between MIN and MAX replicas with the load")
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
@@ -276,7 +278,21 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
     if args.model is None:
         args.model = args.config_model
     fold_legacy_speculative(args)
+    _data_parallel_as_replicas(args)
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
+
+
+def _data_parallel_as_replicas(args) -> None:
+    """vLLM's --data-parallel-size N: N engines behind one endpoint, which --replicas N is here."""
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None or dp == 1:
+        return
+    if args.replicas is not None and args.replicas != dp:
+        raise ValueError(f"--data-parallel-size {dp} and --replicas {args.replicas} disagree (they are the same: "
+                         f"engine replicas)")
+    if args.autoscale is not None:
+        raise ValueError("--data-parallel-size and --autoscale: give one (a fixed count, or a range)")
+    args.replicas = dp
 
 
 def _join_many(argv: list[str]) -> list[str]:

@@ -77,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=human_int, default=2048,
                    help="tokens one step feeds the target; longer prompts are prefilled in chunks (default 2048); "
                         "decoding tokens and their drafts go first, so a budget below them does not cut drafts")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's: on CUDA, the fraction of the GPU's memory the process may use, the KV pool getting "
+                        "what the weights leave (no effect on the CPU, where --kv-cache-memory sizes the pool)")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most "
                         "1 GiB); --kv-cache-memory-bytes is vLLM's name")
@@ -449,6 +452,7 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                override_generation_config=getattr(args, "override_generation_config", None),
                max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
@@ -800,10 +804,15 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("generate", "chat", "bench"):
         # vLLM's flags specdec does not use: dropped with a warning (before parsing, so that none
         # takes a positional word as its value); any other unknown flag: an error with a did-you-mean
-        from .vllm_flags import drop_vllm_flags, ignored_flags
+        from .vllm_flags import check_refused, drop_vllm_flags, ignored_flags
 
         own = [s for p in _all_parsers(parser) for a in p._actions for s in a.option_strings]
         words, dropped = drop_vllm_flags(words, set(own))
+        try:
+            check_refused(dropped)          # --pipeline-parallel-size 2 and the like: LLM(...)'s refusal
+        except ValueError as e:
+            print(f"specdec {cmd}: error: {e}", file=sys.stderr)
+            return 2
         for flag in dropped:
             print(f"specdec {cmd}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
         args, unknown = parser.parse_known_args(words)

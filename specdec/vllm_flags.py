@@ -26,7 +26,7 @@ VLLM_FLAGS = frozenset("""
     enable-sleep-mode enable-ssl-refresh
      engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
-    fully-sharded-loras gpu-memory-utilization h11-max-header-count
+    fully-sharded-loras  h11-max-header-count
     h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
     intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin 
     kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
@@ -78,7 +78,7 @@ def drop_vllm_flags(words: list[str], own: set[str]) -> tuple[list[str], list[st
     kept, dropped, i = [], [], 0
     while i < len(words):
         word = words[i]
-        if word.startswith("--") and word.split("=")[0] not in own and _is_vllm_flag(word):
+        if word.startswith("-") and not _is_number(word) and word.split("=")[0] not in own and _is_vllm_flag(word):
             j = i + 1
             if "=" not in word and not _switch(word):
                 while j < len(words) and not (words[j].startswith("-") and not _is_number(words[j])):
@@ -129,3 +129,41 @@ def _is_vllm_flag(flag: str) -> bool:
     return name in VLLM_FLAGS or (name.startswith("no-") and name[3:] in VLLM_FLAGS)
 
 
+
+
+_ALIASES = {"pp": "pipeline_parallel_size"}
+
+
+def check_refused(flags: list[str]) -> None:
+    """Ignored flags whose value would change what vLLM runs in a way specdec cannot (the LLM's
+    own rule, llm._VLLM_IGNORED: --pipeline-parallel-size 2, --tokenizer-mode mistral,
+    --load-format dummy, --enable-sleep-mode): a one-line ValueError, as LLM(...) refuses them."""
+    from .llm import _VLLM_IGNORED, _same
+
+    for flag in flags:
+        word, _, value = flag.replace("=", " ", 1).partition(" ")
+        name = word.lstrip("-")
+        negated = name.startswith("no-") and name[3:].replace("-", "_") in _VLLM_IGNORED
+        key = _ALIASES.get(name, (name[3:] if negated else name).replace("-", "_"))
+        if key not in _VLLM_IGNORED:
+            continue
+        _, accepted, why = _VLLM_IGNORED[key]
+        if _switch(word) or value == "":
+            parsed = not negated
+        else:
+            parsed = _parse_value(value)
+        ok = any(_same(parsed, a) for a in accepted) if isinstance(accepted, tuple) else accepted(parsed)
+        if not ok:
+            raise ValueError(f"{word} {value}".strip() + f": not supported: {why}")
+
+
+def _parse_value(value: str):
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value

@@ -311,3 +311,17 @@ def test_data_parallel_size_is_replicas():
     assert parse_args(["m", "--data-parallel-size", "1"], "x")[0].replicas is None
     with pytest.raises(ValueError, match="disagree"):
         parse_args(["m", "-dp", "2", "--replicas", "4"], "x")
+
+
+@pytest.mark.parametrize("flag, refused", [(["--pipeline-parallel-size", "2"], True), (["-pp", "1"], False),
+                                           (["--tokenizer-mode", "mistral"], True), (["--tokenizer-mode", "auto"], False),
+                                           (["--enable-sleep-mode"], True), (["--load-format", "dummy"], True),
+                                           (["--trust-remote-code"], False)])
+def test_vllm_flags_that_would_change_what_runs_are_refused(flag, refused, capsys):
+    """As LLM(...) refuses them: a vLLM value specdec cannot honour is a one-line error, not a
+    warning followed by a run that does something else."""
+    rc = main(["generate", "--model", TARGET, "--max-tokens", "2", "--temperature", "0", *flag, "hi"])
+    err = capsys.readouterr().err
+    assert (rc, "not supported" in err) == ((2, True) if refused else (0, False)), err
+    if not refused:
+        assert "ignoring vLLM flag" in err

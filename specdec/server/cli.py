@@ -19,7 +19,7 @@ from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .control import dev_mode
 from .lora import parse_lora_module, runtime_updating_allowed
-from ..vllm_flags import _switch, _takes_many, ignored_flags
+from ..vllm_flags import _switch, _takes_many, check_refused, ignored_flags
 
 # vLLM's dtype spellings that add_model_args does not list
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -416,6 +416,7 @@ def run(args, prog: str = "specdec serve") -> int:
     else:
         ignored = []
     check_device(args.device)               # a device this machine lacks: one line, before the model loads
+    check_refused(ignored)                  # --pipeline-parallel-size 2 and the like: LLM(...)'s refusal
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads

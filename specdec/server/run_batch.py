@@ -240,6 +240,9 @@ def run(args, prog: str = PROG) -> int:
         p.print_help()
         return 0
     args, ignored = parse_args(args.argv, prog, extra=add_batch_args)
+    from ..vllm_flags import check_refused
+
+    check_refused(ignored)
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
     unused = [flag for flag, dest, default in _HTTP_FLAGS if getattr(args, dest, default) != default]

@@ -29,7 +29,7 @@ VLLM_FLAGS = frozenset("""
     fully-sharded-loras  h11-max-header-count
     h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
     intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin 
-    kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format log-config-file
+    kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format 
     log-error-stack logits-processor-pattern logits-processors long-lora-scaling-factors long-prefill-token-threshold
     lora-extra-vocab-size mamba-block-size mamba-cache-dtype mamba-ssm-cache-dtype max-context-len-to-capture
      max-long-partial-prefills max-num-partial-prefills max-parallel-loading-workers

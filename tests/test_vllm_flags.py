@@ -325,3 +325,41 @@ def test_vllm_flags_that_would_change_what_runs_are_refused(flag, refused, capsy
     assert (rc, "not supported" in err) == ((2, True) if refused else (0, False)), err
     if not refused:
         assert "ignoring vLLM flag" in err
+
+
+def test_log_config_file(tmp_path):
+    """vLLM's --log-config-file: specdec's and uvicorn's loggers as the JSON file says."""
+    out = tmp_path / "all.log"
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"f": {"format": "CUSTOM|%(name)s|%(message)s"}},
+              "handlers": {"h": {"class": "logging.FileHandler", "filename": str(out), "formatter": "f"}},
+              "loggers": {"specdec": {"handlers": ["h"], "level": "INFO"},
+                          "uvicorn.access": {"handlers": ["h"], "level": "INFO", "propagate": False}}}
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port),
+                             "--log-config-file", str(path), "--enable-log-requests"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    lines = out.read_text().splitlines()
+    assert any(ln.startswith("CUSTOM|specdec.server|Received request") for ln in lines)
+    assert any(ln.startswith("CUSTOM|uvicorn.access|") and "/v1/completions" in ln for ln in lines)
+    path.write_text("{not json")
+    run = subprocess.run([sys.executable, "-m", "specdec", "serve", TARGET, "--log-config-file", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "--log-config-file" in run.stderr and "Traceback" not in run.stderr

@@ -63,6 +63,30 @@ def fold_legacy_speculative(args) -> None:
     args.speculative_config = config
 
 
+def _log_config(path: str | None) -> dict | None:
+    """--log-config-file's JSON, checked now (before the model loads) by logging itself."""
+    if not path:
+        return None
+    import copy
+    import json
+    import logging.config
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--log-config-file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--log-config-file {path}: not JSON ({e})") from None
+    if not isinstance(config, dict) or "version" not in config:
+        raise ValueError(f"--log-config-file {path}: a logging.config.dictConfig object with a 'version' key")
+    try:
+        logging.config.dictConfig(copy.deepcopy(config))
+    except (ValueError, TypeError, AttributeError, ImportError) as e:
+        raise ValueError(f"--log-config-file {path}: {e}") from None
+    return config
+
+
 def _json_obj_arg(value: str) -> dict:
     import json
 
@@ -191,6 +215,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
                    help="vLLM's: a message's content reaches the chat template as its text (string) or as OpenAI's "
                         "list of text parts (openai); auto (default): parts for a template that loops over them")
+    p.add_argument("--log-config-file", default=os.environ.get("VLLM_LOGGING_CONFIG_PATH"),
+                   help="vLLM's: a JSON logging configuration (logging.config.dictConfig's schema) for specdec's and "
+                        "uvicorn's loggers (default: $VLLM_LOGGING_CONFIG_PATH)")
     p.add_argument("--uds", default=None, help="vLLM's: listen on this Unix domain socket instead of --host/--port")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="vLLM's: no uvicorn access log line per request")
@@ -367,7 +394,8 @@ def server_config(args):
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                         disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
-                        chat_template_content_format=args.chat_template_content_format)
+                        chat_template_content_format=args.chat_template_content_format,
+                        log_config=_log_config(args.log_config_file))
 
 
 def _stats_interval() -> float:
@@ -523,6 +551,9 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
     quiet = getattr(config, "disable_access_log_for_endpoints", ())
     if quiet:               # vLLM's --disable-access-log-for-endpoints: these paths' access lines dropped
         _quiet_access_log(quiet)
+    log_config = getattr(config, "log_config", None)
+    if log_config is not None:
+        kw["log_config"] = log_config        # uvicorn's loggers from --log-config-file too (vLLM's)
     return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
                           access_log=not getattr(config, "disable_uvicorn_access_log", False), **(ssl or {}), **kw)
 
@@ -553,7 +584,8 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
 
     from .app import build_app
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if config.log_config is None:        # --log-config-file configured the loggers already
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(llm, config)
     add_middleware(app, middleware)
 

@@ -48,6 +48,7 @@ class ServerConfig:
     enable_force_include_usage: bool = False    # every stream ends with a usage chunk (vLLM's flag)
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's flag)
     chat_template_content_format: str = "auto"     # a message's content as text or OpenAI's parts (vLLM's flag)
+    log_config: dict | None = None                 # --log-config-file's dictConfig, for uvicorn's loggers too
     disable_uvicorn_access_log: bool = False       # no access log lines (vLLM's flag)
     disable_access_log_for_endpoints: tuple[str, ...] = ()   # none for these paths (vLLM's flag)
 

@@ -3,6 +3,7 @@ effect, on the parsed settings and on a real `specdec serve` process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -23,6 +24,34 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(tmp_path, args: list[str], env: dict | None = None, uds: str | None = None):
+    """`specdec serve TARGET *args` in a process of its own (on a free port, or the Unix socket
+    uds) -> an httpx client of it, once /health answers; the server is stopped afterwards."""
+    port = _free_port()
+    where = ["--uds", uds] if uds else ["--port", str(port)]
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, *where, *args],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=uds), base_url="http://specdec", timeout=60) if uds \
+        else httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            try:
+                if client.get("/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_api_key_from_vllms_variable(monkeypatch):
@@ -88,9 +117,9 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
 def test_generate_refuses_abbreviations_and_takes_vllm_flags(capsys):
     assert main(["generate", "--model", TARGET, "--max-num-seq", "4", "--max-tokens", "2", "hi"]) == 2
     assert "did you mean --max-num-seqs?" in capsys.readouterr().err
-    assert main(["generate", "--model", TARGET, "--gpu-memory-utilization", "0.5", "--max-tokens", "2",
+    assert main(["generate", "--model", TARGET, "--swap-space", "4", "--max-tokens", "2",
                  "--temperature", "0", "hi"]) == 0
-    assert "ignoring vLLM flag (specdec does not use it): --gpu-memory-utilization 0.5" in capsys.readouterr().err
+    assert "ignoring vLLM flag (specdec does not use it): --swap-space 4" in capsys.readouterr().err
 
 
 def test_generate_samples_the_same_text_run_to_run(capsys):
@@ -144,44 +173,26 @@ async def stamp(request, call_next):
     return response
 ''')
     template = "{% for m in messages %}{{ m['content'] }}|{{ greeting }}|{% endfor %}"
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "VLLM_API_KEY": "k", "OMP_NUM_THREADS": "1"}
-    env.pop("SPECDEC_API_KEY", None)
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port),
-                             "--served-model-name", "m", "--middleware", "mw.Tag", "mw.stamp",
-                             "--chat-template", template, "--default-chat-template-kwargs", '{"greeting": "HELLO"}',
-                             "--enable-force-include-usage", "--uvicorn-log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert httpx.get(url + "/v1/models").status_code == 401            # VLLM_API_KEY guards /v1
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_API_KEY": "k",
+           "SPECDEC_API_KEY": ""}
+    with served(tmp_path, ["--served-model-name", "m", "--middleware", "mw.Tag", "mw.stamp", "--chat-template", template,
+                           "--default-chat-template-kwargs", '{"greeting": "HELLO"}', "--enable-force-include-usage",
+                           "--uvicorn-log-level", "warning"], env) as http:
+        assert http.get("/v1/models").status_code == 401            # VLLM_API_KEY guards /v1
         auth = {"authorization": "Bearer k"}
-        r = httpx.get(url + "/v1/models", headers=auth)
+        r = http.get("/v1/models", headers=auth)
         assert r.status_code == 200 and r.headers["x-tag"] == "class" and r.headers["x-stamp"] == "function"
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        r = httpx.post(url + "/tokenize", json=body)
+        r = http.post("/tokenize", json=body)
         assert r.status_code == 200
-        own = httpx.post(url + "/tokenize", json={**body, "chat_template_kwargs": {"greeting": "BYE"}})
-        text = httpx.post(url + "/detokenize", json={"model": "m", "tokens": r.json()["tokens"]}).json()["prompt"]
-        mine = httpx.post(url + "/detokenize", json={"model": "m", "tokens": own.json()["tokens"]}).json()["prompt"]
+        own = http.post("/tokenize", json={**body, "chat_template_kwargs": {"greeting": "BYE"}})
+        text = http.post("/detokenize", json={"model": "m", "tokens": r.json()["tokens"]}).json()["prompt"]
+        mine = http.post("/detokenize", json={"model": "m", "tokens": own.json()["tokens"]}).json()["prompt"]
         assert "hi|HELLO|" in text and "hi|BYE|" in mine
-        with httpx.stream("POST", url + "/v1/completions", headers=auth, json={
+        with http.stream("POST", "/v1/completions", headers=auth, json={
                 "model": "m", "prompt": "x", "max_tokens": 3, "stream": True, "ignore_eos": True}) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def test_tokenizer_info_endpoint(tiny_pair):
@@ -211,25 +222,10 @@ def test_tokenizer_info_endpoint(tiny_pair):
 @pytest.mark.parametrize("flags, logged", [(["--disable-access-log-for-endpoints", "/health,/metrics"], {"/v1/models"}),
                                            (["--disable-uvicorn-access-log"], set())])
 def test_access_log_flags(tmp_path, flags, logged):
-    port = _free_port()
-    out = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port), *flags],
-                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with served(tmp_path, flags) as http:
         for path in ("/health", "/metrics", "/v1/models"):
-            assert httpx.get(url + path).status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(60)
+            assert http.get(path).status_code == 200
+    out = tmp_path / "serve.log"
     lines = [ln for ln in out.read_text().splitlines() if '" 200' in ln and "GET " in ln]
     assert {p for p in ("/health", "/metrics", "/v1/models") if any(f"GET {p} " in ln for ln in lines)} == logged
 
@@ -242,30 +238,13 @@ class Ext:
     def vocab_rows(self):
         return int(self.get_model().config.vocab_size)
 ''')
-    uds = str(tmp_path / "specdec.sock")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--uds", uds,
-                             "--worker-extension-cls", "ext.Ext", "--uvicorn-log-level", "warning"],
-                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
-    try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=uds), base_url="http://specdec", timeout=60) as http:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
-                try:
-                    if http.get("/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
-            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-            r = http.post("/collective_rpc", json={"method": "vocab_rows"})
-            assert r.status_code == 200 and r.json() == {"results": [16384]}
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_SERVER_DEV_MODE": "1"}
+    with served(tmp_path, ["--worker-extension-cls", "ext.Ext", "--uvicorn-log-level", "warning"], env,
+                uds=str(tmp_path / "specdec.sock")) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        r = http.post("/collective_rpc", json={"method": "vocab_rows"})
+        assert r.status_code == 200 and r.json() == {"results": [16384]}
 
 
 LOOPING = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
@@ -337,25 +316,8 @@ def test_log_config_file(tmp_path):
                           "uvicorn.access": {"handlers": ["h"], "level": "INFO", "propagate": False}}}
     path = tmp_path / "logging.json"
     path.write_text(json.dumps(config))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", str(port),
-                             "--log-config-file", str(path), "--enable-log-requests"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with served(tmp_path, ["--log-config-file", str(path), "--enable-log-requests"]) as http:
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     lines = out.read_text().splitlines()
     assert any(ln.startswith("CUSTOM|specdec.server|Received request") for ln in lines)
     assert any(ln.startswith("CUSTOM|uvicorn.access|") and "/v1/completions" in ln for ln in lines)

@@ -80,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's: on CUDA, the fraction of the GPU's memory the process may use, the KV pool getting "
                         "what the weights leave (no effect on the CPU, where --kv-cache-memory sizes the pool)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="vLLM's: the KV pool's size in blocks (of --block-size slots), whatever the memory budget says")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=_bytes,
                    help="bytes for the KV pool, e.g. 512M or 2G (default: max-num-seqs full-length sequences, at most "
                         "1 GiB); --kv-cache-memory-bytes is vLLM's name")
@@ -453,6 +455,7 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+               num_gpu_blocks_override=getattr(args, "num_gpu_blocks_override", None),
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,

@@ -377,6 +377,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = False
     scheduling_policy: str = "fcfs"
+    num_gpu_blocks_override: int | None = None   # vLLM's: the pool's blocks, whatever the budget says
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -389,6 +390,9 @@ class SchedulerConfig:
                self.enable_prefix_caching)
         u = self.gpu_memory_utilization
         _check(u is None or (_real(u) and 0 < u <= 1), "gpu_memory_utilization", "must be in (0, 1]", u)
+        b = self.num_gpu_blocks_override
+        _check(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1), "num_gpu_blocks_override",
+               "must be an integer >= 1", b)
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                f"must be one of {', '.join(SCHEDULING_POLICIES)}", self.scheduling_policy)
 

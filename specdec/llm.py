@@ -271,6 +271,7 @@ class LLM:
                  seed: int | None = 0, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 num_gpu_blocks_override: int | None = None,
                  block_size: int = 16, logprobs_mode: str = "raw_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
                  enable_prefix_caching: bool | None = None, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
@@ -305,7 +306,8 @@ class LLM:
         sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                 None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization, block_size,
-                                True if enable_prefix_caching is None else enable_prefix_caching, scheduling_policy)
+                                True if enable_prefix_caching is None else enable_prefix_caching, scheduling_policy,
+                                num_gpu_blocks_override)
         if model is None:
             model, default_spec, bundled_draft = default_model()
             if speculative_model is None and speculative_config is None and num_speculative_tokens != 0:

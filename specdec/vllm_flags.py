@@ -36,7 +36,7 @@ VLLM_FLAGS = frozenset("""
     max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture media-io-kwargs 
     mm-encoder-attn-backend mm-encoder-tp-mode mm-processor-cache-gb mm-processor-cache-type mm-processor-kwargs
     mm-shm-cache-max-object-size-mb model-impl model-loader-extra-config multi-step-stream-outputs
-    num-gpu-blocks-override num-lookahead-slots
+     num-lookahead-slots
     num-redundant-experts num-scheduler-steps override-attention-dtype
     override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight

@@ -325,3 +325,22 @@ def test_log_config_file(tmp_path):
     run = subprocess.run([sys.executable, "-m", "specdec", "serve", TARGET, "--log-config-file", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "--log-config-file" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_num_gpu_blocks_override_sizes_the_pool(tiny_pair):
+    """vLLM's num_gpu_blocks_override: the KV pool has that many blocks; too few for one sequence
+    of max_model_len is a one-line error; requests beyond it wait or are preempted, outputs unchanged."""
+    from specdec import LLM, SamplingParams
+
+    args, _ = parse_args(["m", "--num-gpu-blocks-override", "12"], "x")
+    assert llm_kwargs(args)["num_gpu_blocks_override"] == 12
+    llm = LLM(tiny_pair[0], max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=8)
+    assert llm.engine.blocks.num_blocks == 8
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = ["def f(x):", "class A:", "import os", "x = 1", "for i in y:", "while True:"]
+    roomy = LLM(tiny_pair[0], max_model_len=64, max_num_seqs=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    assert llm.engine.num_preemptions > 0 or llm.engine.blocks.num_blocks < roomy.engine.blocks.num_blocks
+    with pytest.raises(ValueError, match="num_gpu_blocks_override 2 holds 32 token slots"):
+        LLM(tiny_pair[0], max_model_len=64, num_gpu_blocks_override=2)

@@ -465,6 +465,12 @@ def plan_blocks(config, bytes_per_slot: int, max_slots_per_seq: int, device) -> 
     per_seq = math.ceil(max_slots_per_seq / bs)
     block_bytes = bytes_per_slot * bs
     budget = config.kv_cache_memory
+    override = getattr(config, "num_gpu_blocks_override", None)
+    if override is not None:          # vLLM's: this many blocks, whatever the budget (tests of preemption)
+        if override < per_seq:
+            raise ValueError(f"num_gpu_blocks_override {override} holds {override * bs} token slots; one sequence "
+                             f"of max_model_len needs {per_seq} blocks ({per_seq * bs} slots)")
+        return override, per_seq
     if budget is None and config.gpu_memory_utilization is not None and torch.device(device).type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)

@@ -776,6 +776,12 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict:
     return action.choices if action is not None else {}
 
 
+def own_options(parser: argparse.ArgumentParser) -> tuple[list[str], set[str]]:
+    """Every option string of parser and its subcommands, and those of them that take a value."""
+    actions = [a for p in _all_parsers(parser) for a in p._actions]
+    return [s for a in actions for s in a.option_strings], {s for a in actions if a.nargs != 0 for s in a.option_strings}
+
+
 def _all_parsers(parser: argparse.ArgumentParser):
     """parser and every subcommand's parser under it."""
     yield parser
@@ -809,8 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         # takes a positional word as its value); any other unknown flag: an error with a did-you-mean
         from .vllm_flags import check_refused, drop_vllm_flags, ignored_flags
 
-        own = [s for p in _all_parsers(parser) for a in p._actions for s in a.option_strings]
-        words, dropped = drop_vllm_flags(words, set(own))
+        own, valued = own_options(parser)
+        words, dropped = drop_vllm_flags(words, set(own), valued)
         try:
             check_refused(dropped)          # --pipeline-parallel-size 2 and the like: LLM(...)'s refusal
         except ValueError as e:

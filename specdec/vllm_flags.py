@@ -71,14 +71,21 @@ def _switch(flag: str) -> bool:
     return name in VLLM_SWITCHES or (name.startswith("no-") and name[3:] in VLLM_SWITCHES)
 
 
-def drop_vllm_flags(words: list[str], own: set[str]) -> tuple[list[str], list[str]]:
+def drop_vllm_flags(words: list[str], own: set[str], own_valued: set[str] = frozenset()) -> tuple[list[str], list[str]]:
     """words without vLLM's flags that specdec does not use (VLLM_FLAGS, not among `own`), each
     with its value(s): a switch takes none, a several-valued flag every word up to the next flag,
-    any other the next word unless it is a flag. -> (the rest, the flags dropped)."""
+    any other the next word unless it is a flag. The value of one of specdec's own options that
+    take one (own_valued: `--server-args "--trust-remote-code ..."`) is never taken for a flag.
+    -> (the rest, the flags dropped)."""
     kept, dropped, i = [], [], 0
     while i < len(words):
         word = words[i]
-        if word.startswith("-") and not _is_number(word) and word.split("=")[0] not in own and _is_vllm_flag(word):
+        if word in own_valued and i + 1 < len(words):         # its value, whatever it looks like
+            kept += words[i:i + 2]
+            i += 2
+            continue
+        if word.startswith("-") and " " not in word and not _is_number(word) and word.split("=")[0] not in own \
+                and _is_vllm_flag(word):
             j = i + 1
             if "=" not in word and not _switch(word):
                 while j < len(words) and not (words[j].startswith("-") and not _is_number(words[j])):

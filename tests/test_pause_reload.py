@@ -372,19 +372,22 @@ def test_replicas_send_control_routes_to_every_replica(pair):
     """With --replicas, a control request reaching one replica acts on every one (vLLM's API server
     on its data-parallel engines): two real apps, one behind its own port as a direct URL."""
     pytest.importorskip("ray")
-    from specdec.server.replicas import ReplicaApp, broadcast
+    from specdec.server.replicas import TOKEN_HEADER, ReplicaApp, RequireToken, broadcast
 
     async def metrics():
         return b""
 
     llms = [LLM(model=str(pair[0]), dtype="float32") for _ in range(2)]
     apps = [build_app(llm, ServerConfig(dev_mode=True)) for llm in llms]
-    with LiveServer(apps[0]) as a, LiveServer(apps[1]) as b:
+    # each replica's direct port answers only requests with the deployment's token
+    with LiveServer(RequireToken(apps[0], "tok")) as a, LiveServer(RequireToken(apps[1], "tok")) as b:
+        assert httpx.post(b.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 403
+        assert httpx.get(b.url + "/is_paused", headers={TOKEN_HEADER: "nope"}).status_code == 403
         directs = {"a": a.url, "b": b.url, "gone": "http://127.0.0.1:9"}
         dropped = []
 
         async def fan_out(*request):
-            status, body, gone = await broadcast(apps[0], "a", directs, *request)
+            status, body, gone = await broadcast(apps[0], "a", directs, *request, "tok")
             dropped.extend(gone)
             return status, body
         front = ReplicaApp(apps[0], "a", metrics, fan_out)

@@ -145,10 +145,15 @@ def test_run_batch_says_serves_http_flags_do_nothing(tmp_path):
     src.write_text(json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/completions",
                                "body": {"model": "m", "prompt": "hi", "max_tokens": 2}}) + "\n")
     run = subprocess.run([sys.executable, "-m", "specdec", "run-batch", "--model", TARGET, "--served-model-name", "m",
-                          "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--port", "9", "--ssl-keyfile", "/x"],
+                          "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--port", "9", "--ssl-keyfile", "/x",
+                          "--uds", str(tmp_path / "s.sock"), "--disable-uvicorn-access-log",
+                          "--speculative-model", "models/draft", "--num-speculative-tokens", "3",
+                          "--metrics-prefix", "vllm"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "ignoring serve's HTTP flags (no server here): --port, --ssl-keyfile" in run.stderr
+    assert "ignoring serve's HTTP flags (no server here): --port, --ssl-keyfile, --uds, " \
+           "--disable-uvicorn-access-log" in run.stderr
+    assert "speculative: acceptance rate" in run.stderr         # read under the vllm: names too
 
 
 def test_serve_with_vllms_frontend_flags(tmp_path):
@@ -344,3 +349,35 @@ def test_num_gpu_blocks_override_sizes_the_pool(tiny_pair):
     assert llm.engine.num_preemptions > 0 or llm.engine.blocks.num_blocks < roomy.engine.blocks.num_blocks
     with pytest.raises(ValueError, match="num_gpu_blocks_override 2 holds 32 token slots"):
         LLM(tiny_pair[0], max_model_len=64, num_gpu_blocks_override=2)
+
+
+def test_a_vllm_flag_inside_an_options_value_stays_there():
+    """`bench serve --server-args "--trust-remote-code --max-num-seqs 4"`: the value of one of
+    specdec's own options is not taken for a vLLM flag to drop."""
+    from specdec.cli import build_parser, own_options
+    from specdec.vllm_flags import drop_vllm_flags
+
+    own, valued = own_options(build_parser("bench"))
+    words = ["bench", "serve", "--server-args", "--trust-remote-code --max-num-seqs 4", "--swap-space", "4"]
+    kept, dropped = drop_vllm_flags(words, set(own), valued)
+    assert kept == words[:4] and dropped == ["--swap-space 4"]
+    args = build_parser("bench").parse_args(kept)
+    assert args.server_args == "--trust-remote-code --max-num-seqs 4"
+
+
+def test_serve_says_where_it_listens(tmp_path):
+    """The socket is bound before the model loads; the log still says where (a --port 0 run finds its port)."""
+    import re
+
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", TARGET, "--port", "0"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+) ", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{m.group(1)}/health", timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)

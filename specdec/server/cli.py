@@ -481,6 +481,19 @@ def add_middleware(app, middleware: list) -> None:
             app.middleware("http")(m)
 
 
+def _log_listening(sock, scheme: str) -> None:
+    """uvicorn's own line, for the socket bound before the model loaded (a --port 0 run finds its port here)."""
+    import socket
+
+    log = logging.getLogger("uvicorn.error")
+    if sock.family == socket.AF_UNIX:
+        log.info("Uvicorn running on unix socket %s (Press CTRL+C to quit)", sock.getsockname())
+        return
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, shown, port)
+
+
 def load_middleware(paths: list[str]) -> list:
     """vLLM's --middleware: import paths of ASGI middleware (a class: app.add_middleware(cls)) or
     of HTTP middleware functions (async def f(request, call_next): @app.middleware("http")),
@@ -590,6 +603,11 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
     add_middleware(app, middleware)
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if sockets and self.started:      # uvicorn says where it listens only for sockets it bound itself
+                _log_listening(sockets[0], "https" if ssl else "http")
+
         def handle_exit(self, sig, frame) -> None:
             # a paused engine (POST /pause) would hold the requests uvicorn waits for: resume it
             app.state.service.worker.unpause_for_shutdown()

@@ -391,5 +391,8 @@ class RequestCounter:
                 self.metrics.answered(status, self._api_route(scope))
 
     def _api_route(self, scope) -> bool:
-        # a wrong method is a partial match: not counted (nor is the 405 it gets)
+        # a wrong method is a partial match: not counted (nor is the 405 it gets); SageMaker's
+        # /invocations is the API's too (a body no route takes: its 400 is counted)
+        if scope.get("method") == "POST" and scope["path"][len(scope.get("root_path", "")):] == "/invocations":
+            return True
         return any(route.matches(scope)[0] == Match.FULL for route in self.routes)

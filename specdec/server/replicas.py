@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
@@ -33,6 +34,7 @@ from ray import serve
 from ray.serve import Application
 
 from .control import CONTROL_PATHS, DEV_MODE_VARIABLE
+from .errors import error_body
 from .federate import merge
 
 log = logging.getLogger("specdec.server")
@@ -69,7 +71,8 @@ class MetricsBoard:
 class EngineReplica:
     """One replica: the LLM of `argv` (the `specdec serve` flags) and the server's app around it."""
 
-    def __init__(self, argv: list[str], board=None):
+    def __init__(self, argv: list[str], board=None, token: str | None = None):
+        """token: the deployment's secret, which a replica's direct port asks of every request."""
         import ray
 
         from .cli import build_llm, parse_args, server_config
@@ -78,9 +81,12 @@ class EngineReplica:
         self.config = server_config(args)
         self.middleware = args.middleware
         self.llm = build_llm(args)
-        self.board = board
+        self.board, self.token = board, token
         self.id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.util.get_node_ip_address()
+        # the direct port: on loopback when the cluster is this machine's own, else where the
+        # other replicas reach it (the node's address); either way only with the token
+        self.direct_host = "127.0.0.1" if not args.ray_address else self.node
         self.server = None
 
     async def __serve_build_asgi_app__(self):
@@ -94,7 +100,7 @@ class EngineReplica:
         server, _ = start_http_server(0, addr=self.node, registry=registry)
         self.metrics_url = f"http://{self.node}:{server.server_port}/metrics"
         log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
-        self.direct_url = _serve_direct(self.server, self.node)
+        self.direct_url = _serve_direct(self.server, self.direct_host, self.token)
         if self.board is not None:
             await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
         return ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast)
@@ -127,16 +133,18 @@ class EngineReplica:
         """A control request sent to every live replica (this one through its app, the others to
         their direct ports) at once -> the combined (status, JSON body)."""
         directs = await self.board.directs.remote() if self.board is not None else {}
-        status, answer, gone = await broadcast(self.server, self.id, directs, method, path, query, headers, body)
+        status, answer, gone = await broadcast(self.server, self.id, directs, method, path, query, headers, body,
+                                               self.token)
         for replica in gone:                 # Ray replaces it; it is off the board
             await self.board.drop.remote(replica)
         return status, answer
 
 
 async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, path: str, query: bytes,
-                    headers: list, body: bytes) -> tuple[int, bytes, list[str]]:
-    """One control request to this replica's app and to every other replica's direct URL at
-    once -> (status, JSON body) combined, and the replicas that did not answer."""
+                    headers: list, body: bytes, token: str | None = None) -> tuple[int, bytes, list[str]]:
+    """One control request to this replica's app and to every other replica's direct URL (with
+    the deployment's token) at once -> (status, JSON body) combined, and the replicas that did
+    not answer."""
     send = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers
             if k.lower() in (b"content-type", b"authorization")}
     url = path + ("?" + query.decode("latin-1") if query else "")
@@ -144,7 +152,8 @@ async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, 
     async def one(client):
         return await client.request(method, url, headers=send, content=body)
     own = httpx.AsyncClient(transport=httpx.ASGITransport(app=own_app), base_url="http://replica", timeout=None)
-    others = {r: httpx.AsyncClient(base_url=u, timeout=None) for r, u in directs.items() if r != own_id}
+    theirs = {TOKEN_HEADER: token} if token else {}
+    others = {r: httpx.AsyncClient(base_url=u, timeout=None, headers=theirs) for r, u in directs.items() if r != own_id}
     try:
         replies = await asyncio.gather(one(own), *(one(c) for c in others.values()), return_exceptions=True)
     finally:
@@ -184,9 +193,31 @@ def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
     return 200, first.content
 
 
-def _serve_direct(app, host: str) -> str:
+TOKEN_HEADER = "x-specdec-replica-token"
+
+
+class RequireToken:
+    """ASGI middleware of a replica's direct port: a 403 unless the request carries the
+    deployment's token (only the other replicas know it), so the port serves nobody else."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(TOKEN_HEADER.encode(), b"")
+            if not secrets.compare_digest(given, self.token):
+                body = json.dumps(error_body(403, "a replica's direct port answers only the other replicas")).encode()
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _serve_direct(app, host: str, token: str | None) -> str:
     """The app on a port of its own (uvicorn in a daemon thread, no lifespan: the replica's app
-    runs it) -> its URL, for the control requests other replicas send it."""
+    runs it), behind the deployment's token -> its URL, for the control requests other replicas send it."""
     import socket
     import threading
 
@@ -194,7 +225,8 @@ def _serve_direct(app, host: str) -> str:
 
     sock = socket.socket()
     sock.bind((host, 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    guarded = RequireToken(app, token) if token else app
+    server = uvicorn.Server(uvicorn.Config(guarded, lifespan="off", log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="specdec-direct").start()
     return f"http://{host}:{sock.getsockname()[1]}"
 
@@ -251,7 +283,7 @@ def application(argv: list[str]) -> Application:
     check_model(args.model)
     opts = deployment_options(args)
     replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
-    return replica.bind(list(argv), MetricsBoard.bind())
+    return replica.bind(list(argv), MetricsBoard.bind(), secrets.token_urlsafe(24))
 
 
 def check_model(path: str | None) -> None:

@@ -224,7 +224,9 @@ async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> 
 _HTTP_FLAGS = (("--host", "host", "127.0.0.1"), ("--port", "port", 8000), ("--ssl-keyfile", "ssl_keyfile", None),
                ("--ssl-certfile", "ssl_certfile", None), ("--ssl-ca-certs", "ssl_ca_certs", None),
                ("--root-path", "root_path", ""), ("--uvicorn-log-level", "uvicorn_log_level", "info"),
-               ("--disable-fastapi-docs", "disable_fastapi_docs", False), ("--middleware", "middleware", []))
+               ("--disable-fastapi-docs", "disable_fastapi_docs", False), ("--middleware", "middleware", []),
+               ("--uds", "uds", None), ("--disable-uvicorn-access-log", "disable_uvicorn_access_log", False),
+               ("--disable-access-log-for-endpoints", "disable_access_log_for_endpoints", ()))
 
 
 def run(args, prog: str = PROG) -> int:
@@ -270,7 +272,10 @@ def run(args, prog: str = PROG) -> int:
     print(f"{len(records)} requests: {ok} succeeded, {len(records) - ok} failed, in {elapsed:.1f} s "
           f"({tokens} output tokens, {tokens / max(elapsed, 1e-9):.1f} tok/s); results in {args.output_file}",
           file=sys.stderr)
-    drafts, drafted, accepted = (metrics.get(f"specdec:spec_decode_num_{name}_total", 0.0)
+    from .metrics import PREFIXES
+
+    prefix = PREFIXES[config.metrics_prefix]
+    drafts, drafted, accepted = (metrics.get(f"{prefix}spec_decode_num_{name}_total", 0.0)
                                  for name in ("drafts", "draft_tokens", "accepted_tokens"))
     if drafted:
         print(f"speculative: acceptance rate {accepted / drafted:.3f} ({accepted:.0f}/{drafted:.0f} drafted), "

@@ -459,4 +459,28 @@ class ModelConfigView:
         return f"ModelConfigView(model={self.model!r}, max_model_len={self.max_model_len}, dtype={self.dtype})"
 
 
+class VllmConfigView:
+    """What vLLM's VllmConfig gives code (llm.llm_engine.vllm_config): model_config,
+    scheduler_config (max_num_seqs, max_num_batched_tokens, ...), cache_config (block_size,
+    num_gpu_blocks, cache_dtype, enable_prefix_caching), parallel_config and speculative_config,
+    read from the LLM."""
+
+    def __init__(self, llm: LLM):
+        import types
+
+        engine = llm.engine
+        self.model_config = ModelConfigView(llm)
+        self.scheduler_config = engine.config
+        self.cache_config = types.SimpleNamespace(
+            block_size=engine.config.block_size, num_gpu_blocks=engine.blocks.num_blocks,
+            cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
+            enable_prefix_caching=engine.config.enable_prefix_caching)
+        self.parallel_config = types.SimpleNamespace(tensor_parallel_size=llm.parallel_size, pipeline_parallel_size=1,
+                                                     data_parallel_size=1, world_size=llm.parallel_size)
+        self.speculative_config = llm.spec
+
+    def __repr__(self) -> str:
+        return f"VllmConfigView(model={self.model_config.model!r})"
+
+
 AsyncLLMEngine = AsyncLLM          # vLLM's older name (V1 makes it an alias too)

@@ -29,7 +29,8 @@ from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafte
 from .engine import Engine, StepEvent
 from .logprobs import TokenLogprob
 from .lora import LoRARequest
-from .metrics import RequestStats
+from .metrics import (E2E_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
+                      RequestStats, Vector, one_two_five)
 from .model import CheckpointError, load_model
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
@@ -170,7 +171,37 @@ _VLLM_IGNORED = {
     "enable_sleep_mode": (False, (False,), "specdec has no sleep mode (vLLM's frees GPU memory between RL rollouts, "
                           "on CUDA only: its CPU backend refuses it too)"),
     "distributed_executor_backend": (None, (None, "mp", "uni"), "specdec starts its own tensor-parallel workers"),
+    "limit_mm_per_prompt": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
+    "disable_chunked_mm_input": (False, _is_bool, "specdec takes text prompts"),
+    "mm_processor_kwargs": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
 }
+
+
+# what EngineArgs.add_cli_args' parser adds beside LLM's own arguments (vLLM's generate.py passes
+# LLM(**vars(args))): the --config file (read by the parser), vLLM's flags that set keys of other
+# arguments, and request logging (AsyncLLM's)
+_CLI_ONLY = ("config", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "rope_theta", "rope_scaling",
+             "guided_decoding_backend", "guided_decoding_disable_any_whitespace",
+             "guided_decoding_disable_additional_properties", "guided_decoding_disable_fallback",
+             "enable_log_requests", "disable_log_requests")
+
+
+def _fold_cli_arguments(kwargs: dict, compilation_config, hf_overrides, structured_outputs_config):
+    """Take EngineArgs.add_cli_args' own keys out of kwargs, folded into the arguments they set ->
+    (compilation_config, hf_overrides, structured_outputs_config)."""
+    import types
+
+    from .cli import _compilation_with_sizes, _overrides_with_rope
+    from .cli import structured_outputs_config as merged_structured
+
+    given = {k: kwargs.pop(k) for k in _CLI_ONLY if k in kwargs}
+    if not given:
+        return compilation_config, hf_overrides, structured_outputs_config
+    if isinstance(structured_outputs_config, StructuredOutputsConfig):
+        structured_outputs_config = dataclasses.asdict(structured_outputs_config)
+    ns = types.SimpleNamespace(compilation_config=compilation_config, hf_overrides=hf_overrides,
+                               structured_outputs_config=structured_outputs_config, **given)
+    return _compilation_with_sizes(ns), _overrides_with_rope(ns), merged_structured(ns)
 
 
 def _same(a, b) -> bool:
@@ -288,6 +319,12 @@ class LLM:
                  trust_remote_code: bool = False, tokenizer_mode: str = "auto", revision: str | None = None,
                  tokenizer_revision: str | None = None, swap_space: float = 4, cpu_offload_gb: float = 0,
                  disable_custom_all_reduce: bool = False, worker_extension_cls: str | type | None = None, **kwargs):
+        compilation_config, hf_overrides, structured_outputs_config = _fold_cli_arguments(
+            kwargs, compilation_config, hf_overrides, structured_outputs_config)
+        # vLLM's EngineArgs fields are Optional: None is the engine's default (its spec_decode.py passes it)
+        max_num_seqs = 16 if max_num_seqs is None else max_num_seqs
+        max_num_batched_tokens = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
+        block_size = 16 if block_size is None else block_size
         _check_vllm_args(dict(trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode, revision=revision,
                               tokenizer_revision=tokenizer_revision, swap_space=swap_space,
                               cpu_offload_gb=cpu_offload_gb, disable_custom_all_reduce=disable_custom_all_reduce,
@@ -388,12 +425,23 @@ class LLM:
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters)
         self._prompt_tokens, self._totals, self._finished = 0, RequestStats(), _Tally()
+        # vLLM's per-request histograms, observed as each completion finishes (get_metrics)
+        sizes = one_two_five(self.engine.max_model_len)
+        self._histograms = {name: HistogramTally(bounds) for name, bounds in (
+            ("vllm:time_to_first_token_seconds", LATENCY_BUCKETS), ("vllm:e2e_request_latency_seconds", E2E_BUCKETS),
+            ("vllm:request_queue_time_seconds", E2E_BUCKETS), ("vllm:request_prefill_time_seconds", E2E_BUCKETS),
+            ("vllm:request_decode_time_seconds", E2E_BUCKETS), ("vllm:request_inference_time_seconds", E2E_BUCKETS),
+            ("vllm:request_time_per_output_token_seconds", LATENCY_BUCKETS),
+            ("vllm:request_prompt_tokens", sizes), ("vllm:request_generation_tokens", sizes))}
 
     @property
     def llm_engine(self) -> "_EngineView":
         """vLLM's name of the engine: specdec's Engine (every attribute), with the LLMEngine calls
         that have a meaning here (get_tokenizer, has_unfinished_requests, abort_request, ...)."""
-        return _EngineView(self)
+        view = self.__dict__.get("_engine_view")
+        if view is None:                # one view: the requests add_request(request_id, ...) queued live on it
+            view = self.__dict__["_engine_view"] = _EngineView(self)
+        return view
 
     def reset_prefix_cache(self, device=None) -> bool:
         """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
@@ -561,8 +609,12 @@ class LLM:
         names (vllm:prompt_tokens, vllm:generation_tokens, vllm:request_success,
         vllm:prefix_cache_queries / hits, vllm:num_preemptions, the requests running and waiting,
         vllm:kv_cache_usage_perc, and with speculation vllm:spec_decode_num_drafts /
-        num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos), as
-        Counter / Gauge / Vector objects with .name, .labels and .value (.values)."""
+        num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos), and vLLM's
+        per-request histograms (vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
+        the queue / prefill / decode / inference times, vllm:request_time_per_output_token_seconds,
+        vllm:request_prompt_tokens / request_generation_tokens), as Counter / Gauge / Vector /
+        Histogram objects (specdec.metrics) with .name, .labels and .value (.values; .count, .sum and
+        cumulative .buckets {upper bound: observations})."""
         e, labels = self.engine, {"model_name": self.model_path, "engine": "0"}
         out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
                Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
@@ -580,6 +632,7 @@ class LLM:
                     Counter("vllm:spec_decode_num_draft_tokens", labels, t.draft_tokens),
                     Counter("vllm:spec_decode_num_accepted_tokens", labels, t.accepted_tokens),
                     Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(t.accepted_per_position))]
+        out += [tally.snapshot(name, labels) for name, tally in self._histograms.items()]
         return out
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
@@ -700,11 +753,14 @@ class LLM:
                          + (f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict)
                             else type(prompt).__name__))
 
-    def check_runner(self, wanted: str) -> None:
-        """Raise (one line) unless this LLM runs as `wanted` ("generate" or "pooling")."""
+    def check_runner(self, wanted: str, api: str | None = None) -> None:
+        """Raise (one line) unless this LLM runs as `wanted` ("generate" or "pooling"); api: the
+        call the message names (default: the runner's usual ones)."""
         if self.runner != wanted:
-            what = "LLM.generate() / chat() / stream()" if wanted == "generate" else "LLM.embed()"
-            hint = "runner='generate'" if wanted == "generate" else "runner='pooling' (or convert='embed')"
+            what = api or ("LLM.generate() / chat() / stream()" if wanted == "generate" else "LLM.embed()")
+            hint = "runner='generate'" if wanted == "generate" else (
+                "a sequence classifier (architectures like Qwen2ForSequenceClassification) run with runner='pooling'"
+                if api in ("LLM.classify()",) else "runner='pooling' (or convert='embed')")
             raise ValueError(f"{what} needs {hint}; this model runs with runner={self.runner!r}")
 
     def embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None,
@@ -753,7 +809,7 @@ class LLM:
         The outputs are embed()'s or classify()'s (`outputs.embedding`, `outputs.probs`; vLLM's
         `outputs.data` tensor too). vLLM's
         token-level tasks ("encode", "token_embed", "token_classify") are not supported."""
-        self.check_runner("pooling")
+        self.check_runner("pooling", "LLM.encode()")
         task = pooling_task or ("classify" if self.classifier is not None else "embed")
         if task not in ("embed", "classify"):
             raise ValueError(f"pooling_task must be 'embed' or 'classify' here, got {pooling_task!r}")
@@ -812,7 +868,7 @@ class LLM:
         softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt."""
         from .pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams
 
-        self.check_runner("pooling")
+        self.check_runner("pooling", "LLM.classify()")
         if self.classifier is None:
             raise ValueError("LLM.classify() needs a sequence classifier (architectures like "
                              "Qwen2ForSequenceClassification, with a score head)")
@@ -829,7 +885,7 @@ class LLM:
         cross-encoder (a sequence classifier with one label) by reading the pair as one input."""
         from .pooling import ScoringOutput, ScoringRequestOutput, cosine, pairs
 
-        self.check_runner("pooling")
+        self.check_runner("pooling", "LLM.score()")
         todo = pairs(data_1, data_2)
         if self.classifier is not None:
             return self._cross_scores(todo, truncate_prompt_tokens)
@@ -1040,6 +1096,7 @@ class LLM:
             r = reqs[(rid, i)]
             stats.merge(r.stats)
             self._finished[r.finish_reason or "abort"] += 1
+            self._observe(r.stats, len(ids))
         stats.prompt_tokens = len(ids)
         self._prompt_tokens += len(ids)
         self._totals.merge(stats)
@@ -1048,6 +1105,23 @@ class LLM:
         if prompt_lps is not None:
             prompt_lps = [e.named(self._token_name) if e is not None else None for e in prompt_lps]
         return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps)
+
+    def _observe(self, s: RequestStats, prompt_tokens: int) -> None:
+        """One finished completion into vLLM's histograms (get_metrics): its latencies, as the
+        server's /metrics has them, and its prompt and output lengths."""
+        h = self._histograms
+        h["vllm:request_prompt_tokens"].observe(prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(s.output_tokens)
+        h["vllm:request_queue_time_seconds"].observe(s.queue_time_s)
+        if s.output_tokens:
+            h["vllm:time_to_first_token_seconds"].observe(s.time_to_first_token_s)
+            h["vllm:e2e_request_latency_seconds"].observe(s.wall_time_s)
+            h["vllm:request_prefill_time_seconds"].observe(max(0.0, s.time_to_first_token_s - s.queue_time_s))
+            h["vllm:request_decode_time_seconds"].observe(max(0.0, s.wall_time_s - s.time_to_first_token_s))
+            h["vllm:request_inference_time_seconds"].observe(max(0.0, s.wall_time_s - s.queue_time_s))
+        if s.output_tokens > 1:
+            h["vllm:request_time_per_output_token_seconds"].observe(
+                (s.wall_time_s - s.time_to_first_token_s) / (s.output_tokens - 1))
 
     def _token_name(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -1080,28 +1154,6 @@ def _token_ids(value) -> list[int]:
             raise ValueError(f"prompt_token_ids must be integers, got {t!r} ({type(t).__name__})")
         ids.append(int(t))
     return ids
-
-
-@dataclass
-class Metric:
-    """vLLM's metric snapshot (vllm.v1.metrics.reader): a name and its labels."""
-    name: str
-    labels: dict[str, str]
-
-
-@dataclass
-class Counter(Metric):
-    value: int
-
-
-@dataclass
-class Gauge(Metric):
-    value: float
-
-
-@dataclass
-class Vector(Metric):
-    values: list[int]
 
 
 class Worker:
@@ -1222,6 +1274,80 @@ class _EngineView:
     def get_tokenizer(self, lora_request=None) -> Tokenizer:
         return self._llm.tokenizer
 
+    # vLLM's configuration objects, as code reads them (llm.llm_engine.vllm_config.scheduler_config...)
+    @property
+    def vllm_config(self):
+        from .async_llm import VllmConfigView
+
+        return VllmConfigView(self._llm)
+
+    engine_config = vllm_config              # vLLM's older name
+
+    @property
+    def model_config(self):
+        return self.vllm_config.model_config
+
+    @property
+    def cache_config(self):
+        return self.vllm_config.cache_config
+
+    def get_model_config(self):
+        return self.model_config
+
+    def get_vllm_config(self):
+        return self.vllm_config
+
+    def add_request(self, request_id, prompt=None, params=None, arrival_time=None, lora_request=None,
+                    tokenization_kwargs=None, trace_headers=None, priority: int = 0, **engine_kwargs):
+        """vLLM's LLMEngine.add_request(request_id, prompt, params): the prompt (text, {"prompt"} or
+        {"prompt_token_ids"}) queued under request_id; step() returns its RequestOutputs
+        (cumulative, `finished` at the end). The engine's own form, add_request(prompt_ids,
+        params, ...), goes straight to Engine.add_request."""
+        if isinstance(request_id, (list, tuple)):           # specdec's Engine.add_request(prompt_ids, ...)
+            return self._llm.engine.add_request(request_id, prompt, *(() if params is None else (params,)),
+                                                **engine_kwargs)
+        llm = self._llm
+        llm.check_runner("generate")
+        rid = str(request_id)
+        own = self.__dict__.setdefault("_own", {})
+        if rid in own:
+            raise ValueError(f"request id {rid!r} is already running")
+        params = llm._params(params)
+        text, ids = llm._prompt_ids(prompt)
+        ids = llm.engine.truncated(ids, params)
+        llm.engine.check_prompt(ids, params)
+        reqs = {}
+        for i in range(params.best_of or params.n):
+            reqs[(rid, i)] = llm.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}#{i}",
+                                                    priority=priority, lora_request=lora_request,
+                                                    trace_headers=trace_headers, trace_name=rid)
+        own[rid] = (text, ids, params, reqs, {})
+
+    def step(self) -> list:
+        """vLLM's LLMEngine.step: one engine step -> a RequestOutput for each request that
+        add_request(request_id, ...) queued and this step moved (its completions so far; the
+        last one finished=True, best_of's n best)."""
+        own = self.__dict__.setdefault("_own", {})
+        moved = []
+        for event in self._llm.engine.step():
+            rid = event.request_id.rpartition("#")[0] if isinstance(event.request_id, str) else None
+            if rid in own:
+                if event.logprobs:
+                    own[rid][4].setdefault(event.request_id, []).extend(event.logprobs)
+                if rid not in moved:
+                    moved.append(rid)
+        outs = []
+        for rid in moved:
+            text, ids, params, reqs, logprobs = own[rid]
+            if all(r.finished for r in reqs.values()):
+                del own[rid]
+                outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
+                continue
+            outs.append(RequestOutput(rid, text, ids, [
+                CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason)
+                for i, r in enumerate(reqs[(rid, j)] for j in range(params.n))], False))
+        return outs
+
     @property
     def model_executor(self) -> _Executor:
         return _Executor(self._llm)
@@ -1236,8 +1362,13 @@ class _EngineView:
         return self._llm.engine.num_running + self._llm.engine.num_waiting
 
     def abort_request(self, request_ids) -> None:
+        own = self.__dict__.setdefault("_own", {})
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self._llm.engine.abort(rid)
+            if rid in own:                      # queued by add_request(request_id, ...): each choice
+                for key in own.pop(rid)[3]:
+                    self._llm.engine.abort(f"{key[0]}#{key[1]}")
+            else:
+                self._llm.engine.abort(rid)
 
     def reset_prefix_cache(self, device=None) -> bool:
         return self._llm.reset_prefix_cache(device)

@@ -107,3 +107,76 @@ class RequestStats:
             "queue_time_s": round(self.queue_time_s, 4),
             "cached_tokens": self.cached_tokens,
         }
+
+
+# vLLM's latency buckets (seconds): per-token figures and whole requests
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to limit."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass
+class Metric:
+    """vLLM's metric snapshot (vllm.v1.metrics.reader, LLM.get_metrics()): a name and its labels."""
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int]
+
+
+@dataclass
+class Histogram(Metric):
+    """count and sum of the observations, and buckets: {upper bound as text: observations at or
+    below it} (cumulative, "+Inf" last), as vLLM's reader gives them."""
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+class HistogramTally:
+    """Observations into fixed buckets, for Histogram snapshots."""
+
+    def __init__(self, bounds):
+        self.bounds, self.counts, self.count, self.sum = tuple(bounds), [0] * len(bounds), 0, 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+    def snapshot(self, name: str, labels: dict) -> Histogram:
+        buckets, total = {}, 0
+        for bound, n in zip(self.bounds, self.counts):
+            total += n
+            buckets[str(float(bound))] = total
+        buckets["+Inf"] = self.count
+        return Histogram(name, dict(labels), self.count, self.sum, buckets)
+

@@ -388,6 +388,10 @@ class Tokenizer:
                 unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+            # the template met a value of a shape it does not take (vLLM's serving answers these
+            # with a 400 too): e.g. content as a list of parts for a template that adds strings
+            raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
         if continue_final_message:   # cut what the template wrote after the last message
             last = messages[-1].get("content") if messages else None
             if isinstance(last, list):       # text parts: the last one, as transformers reads it

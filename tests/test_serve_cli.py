@@ -11,10 +11,10 @@ from specdec.server.cli import parse_args
 
 def test_underscore_spellings_are_the_dashed_flags():
     args, ignored = parse_args(["--model", "m", "--max_model_len", "512", "--speculative_config", '{"method": "ngram"}',
-                                "--max_num_seqs=4", "--served_model_name", "a_b", "--gpu_memory_utilization=0.8"])
+                                "--max_num_seqs=4", "--served_model_name", "a_b", "--gpu_memory_utilization=0.8", "--cpu_offload_gb=0"])
     assert (args.max_model_len, args.speculative_config, args.max_num_seqs) == (512, {"method": "ngram"}, 4)
     assert args.served_model_name == ["a_b"]                   # values keep their underscores
-    assert ignored == ["--gpu-memory-utilization=0.8"]
+    assert ignored == ["--cpu-offload-gb=0"] and args.gpu_memory_utilization == 0.8
 
 
 def test_vllm_flags_with_no_meaning_here_are_still_ignored():

@@ -503,11 +503,11 @@ def test_schemathesis_finds_no_server_errors(server):
 # --- command line ------------------------------------------------------------------------
 
 def test_vllm_flags_are_accepted():
-    args, ignored = parse_args(["--model", "m", "--use-v2-block-manager", "--gpu-memory-utilization", "0.9",
+    args, ignored = parse_args(["--model", "m", "--use-v2-block-manager", "--cpu-offload-gb", "0",
                                 "--tensor-parallel-size", "1", "--enforce-eager", "--swap-space=4",
                                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
                                 "--dtype", "half", "--port", "9001", "--served-model-name", "a", "b"])
-    assert ignored == ["--use-v2-block-manager", "--gpu-memory-utilization 0.9", "--swap-space=4"]
+    assert ignored == ["--use-v2-block-manager", "--cpu-offload-gb 0", "--swap-space=4"]
     assert args.enforce_eager       # vLLM's: no CUDA graphs (specdec captures them only when asked)
     assert args.tensor_parallel_size == 1          # a flag of specdec's own now (README: Scale-out)
     assert args.model == "m" and args.port == 9001 and args.host == "127.0.0.1" and args.dtype == "float16"
@@ -516,8 +516,8 @@ def test_vllm_flags_are_accepted():
 
 def test_the_model_may_come_first_as_in_vllm_serve(tmp_path, capsys):
     """`vllm serve MODEL [options]`: the first word names the model (vLLM flags still ignored)."""
-    args, ignored = parse_args(["m", "--gpu-memory-utilization", "0.9", "--port", "9001"])
-    assert args.model == "m" and args.port == 9001 and ignored == ["--gpu-memory-utilization 0.9"]
+    args, ignored = parse_args(["m", "--cpu-offload-gb", "0", "--port", "9001"])
+    assert args.model == "m" and args.port == 9001 and ignored == ["--cpu-offload-gb 0"]
     assert parse_args(["m", "--model", "m"])[0].model == "m"
     with pytest.raises(ValueError, match="the model is named twice: 'm' and --model 'n'"):
         parse_args(["m", "--model", "n"])
@@ -556,7 +556,7 @@ def test_sigterm_finishes_in_flight_requests(tiny_pair):
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.entrypoints.openai.api_server", "--model", str(target),
          "--speculative-model", str(draft), "--num-speculative-tokens", "3", "--port", str(port),
-         "--served-model-name", "t", "--use-v2-block-manager", "--gpu-memory-utilization", "0.9",
+         "--served-model-name", "t", "--use-v2-block-manager", "--cpu-offload-gb", "0",
          "--uvicorn-log-level", "warning"],
         stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -594,7 +594,7 @@ def test_sigterm_finishes_in_flight_requests(tiny_pair):
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
         stderr = proc.stderr.read()
         assert "ignoring vLLM flag (specdec does not use it): --use-v2-block-manager" in stderr
-        assert "--gpu-memory-utilization 0.9" in stderr
+        assert "--cpu-offload-gb 0" in stderr
     finally:
         if proc.poll() is None:
             proc.kill()

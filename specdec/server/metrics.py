@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
-from ..metrics import RequestStats
+from ..metrics import E2E_BUCKETS, LATENCY_BUCKETS, RequestStats, one_two_five
 
 PREFIX = "specdec:"
 PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
@@ -48,22 +48,11 @@ MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {mode
 # no `*_created` series beside each counter and histogram (prometheus_client's default; vLLM's
 # exposition has none). A process-wide setting of prometheus_client.
 prometheus_client.disable_created_metrics()
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0)
+_LATENCY_BUCKETS, _E2E_BUCKETS = LATENCY_BUCKETS, E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _one_two_five(limit: int) -> tuple[int, ...]:
-    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to limit."""
-    out, scale = [], 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > limit:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
+_one_two_five = one_two_five
 
 
 class _EngineCollector:

@@ -1,0 +1,110 @@
+"""vLLM's own example patterns (a tester ran vLLM's examples/ with only the import changed):
+EngineArgs.add_cli_args + LLM(**vars(args)), LLMEngine's add_request / step loop, the engine's
+config objects, None as "the default", get_metrics()'s histograms, a chat template that fails
+on its input (a 400, not a 500)."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from specdec import LLM, EngineArgs, SamplingParams
+from specdec.metrics import Counter, Histogram
+
+TARGET, DRAFT = "models/target", "models/draft"
+
+
+def test_engine_args_cli_parser_feeds_llm():
+    """vLLM's basic/generate.py: EngineArgs.add_cli_args(parser), then LLM(**vars(args))."""
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", TARGET, "--max-model-len", "128", "--rope-theta", "10000",
+                              "--cuda-graph-sizes", "1", "2", "--guided-decoding-backend", "guidance"])
+    llm = LLM(**vars(args))
+    assert llm.engine.max_model_len == 128
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_llm_engine_add_request_and_step(tmp_path):
+    """vLLM's llm_engine_example.py: add_request(request_id, prompt, params) and step() until no
+    request is left; each request's last output is finished and equals LLM.generate's."""
+    llm = LLM(TARGET, speculative_model=DRAFT, num_speculative_tokens=3)
+    engine = llm.llm_engine
+    todo = [("To be or not to be,", SamplingParams(temperature=0, max_tokens=12)),
+            ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=8, seed=3)),
+            ("A robot may not injure", SamplingParams(n=2, best_of=3, temperature=0.8, max_tokens=6, seed=4))]
+    finished, seen, i = {}, {}, 0
+    while todo or engine.has_unfinished_requests():
+        if todo:
+            prompt, params = todo.pop(0)
+            engine.add_request(str(i), prompt, params)
+            i += 1
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.finished)
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == ["0", "1", "2"] and all(v[-1] and not any(v[:-1]) for v in seen.values())
+    ref = llm.generate(["To be or not to be,", "What is the meaning of life?"],
+                       [SamplingParams(temperature=0, max_tokens=12),
+                        SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=8, seed=3)])
+    assert [o.token_ids for o in finished["0"].outputs] == [o.token_ids for o in ref[0].outputs]
+    assert [o.token_ids for o in finished["1"].outputs] == [o.token_ids for o in ref[1].outputs]
+    assert len(finished["2"].outputs) == 2
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("x", "hi", SamplingParams(max_tokens=50))
+        engine.add_request("x", "hi", SamplingParams(max_tokens=50))
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests()
+    config = engine.vllm_config
+    assert config.scheduler_config.max_num_seqs == 16 and engine.model_config.max_model_len == llm.engine.max_model_len
+    assert engine.cache_config.block_size == 16 and engine.cache_config.num_gpu_blocks == llm.engine.blocks.num_blocks
+    assert engine.get_model_config().get_vocab_size() == llm.target.config.vocab_size
+
+
+def test_none_means_the_default():
+    """vLLM's EngineArgs fields are Optional (its spec_decode.py passes max_num_seqs=None)."""
+    llm = LLM(TARGET, max_num_seqs=None, max_num_batched_tokens=None, block_size=None)
+    assert (llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens,
+            llm.engine.config.block_size) == (16, 2048, 16)
+
+
+def test_get_metrics_has_vllms_histograms():
+    """vLLM's metrics.py / spec_decode.py read histograms from get_metrics(): count, sum, cumulative buckets."""
+    llm = LLM(TARGET, speculative_model=DRAFT, num_speculative_tokens=3)
+    outs = llm.generate(["def f(x):", "class A:", "import os"], SamplingParams(temperature=0, max_tokens=10,
+                                                                               ignore_eos=True))
+    metrics = {m.name: m for m in llm.get_metrics()}
+    gen = metrics["vllm:request_generation_tokens"]
+    assert isinstance(gen, Histogram) and gen.count == 3 and gen.sum == 30
+    assert gen.buckets["10.0"] == 3 and gen.buckets["5.0"] == 0 and gen.buckets["+Inf"] == 3
+    ttft, e2e = metrics["vllm:time_to_first_token_seconds"], metrics["vllm:e2e_request_latency_seconds"]
+    assert ttft.count == e2e.count == 3 and 0 < ttft.sum <= e2e.sum
+    assert metrics["vllm:request_prompt_tokens"].sum == sum(len(o.prompt_token_ids) for o in outs)
+    assert isinstance(metrics["vllm:generation_tokens"], Counter) and metrics["vllm:generation_tokens"].value == 30
+
+
+def test_a_template_that_fails_on_its_input_is_a_400(tiny_pair):
+    """A template that adds a message's content to a string, given OpenAI's parts
+    (--chat-template-content-format openai): vLLM answers 400; offline, one ValueError."""
+    from specdec.server import ServerConfig, build_app
+    from tests.test_server import LiveServer
+
+    template = "{% for m in messages %}{{ 'User: ' + m['content'] }}{% endfor %}"
+    llm = LLM(tiny_pair[0], max_model_len=64)
+    with pytest.raises(ValueError, match="chat template failed: TypeError"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=template, chat_template_content_format="openai")
+    config = ServerConfig(chat_template=template, chat_template_content_format="openai")
+    with LiveServer(build_app(llm, config)) as live:
+        r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template failed" in r.json()["error"]["message"]
+
+
+def test_pooling_calls_on_a_generative_model_name_themselves():
+    llm = LLM(TARGET)
+    for call, name in ((lambda: llm.classify(["x"]), "LLM.classify()"), (lambda: llm.score("a", "b"), "LLM.score()"),
+                       (lambda: llm.encode(["x"]), "LLM.encode()")):
+        with pytest.raises(ValueError, match=name.replace("(", r"\(").replace(")", r"\)")):
+            call()

@@ -7,9 +7,9 @@ from .llm import LLM, CompletionOutput, RequestOutput
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput", "TextPrompt",
            "TokensPrompt", "RequestOutputKind", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs",
-           "__version__"]
+           "LLMEngine", "__version__"]
 
-_ASYNC = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs")
+_ASYNC = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "LLMEngine")
 
 
 def __getattr__(name):

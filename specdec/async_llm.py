@@ -31,7 +31,7 @@ from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 from .tracing import extract_trace_headers, warn_tracing_disabled
 
 log = logging.getLogger("specdec.async_llm")
-__all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "RequestOutputKind"]
+__all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "LLMEngine", "RequestOutputKind"]
 
 
 class EngineArgs:
@@ -484,3 +484,19 @@ class VllmConfigView:
 
 
 AsyncLLMEngine = AsyncLLM          # vLLM's older name (V1 makes it an alias too)
+
+
+class LLMEngine:
+    """vLLM's LLMEngine as its examples build it: LLMEngine.from_engine_args(EngineArgs(...)) is
+    the engine of an LLM made from those arguments (llm.llm_engine: add_request(request_id,
+    prompt, params), step(), has_unfinished_requests(), abort_request(), vllm_config, ...)."""
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **_ignored):
+        if not isinstance(engine_args, EngineArgs):
+            raise TypeError(f"from_engine_args takes an EngineArgs, got {type(engine_args).__name__}")
+        kwargs = {k: v for k, v in engine_args.kwargs.items() if k not in _ASYNC_ONLY}
+        return LLM(model=engine_args.model, **kwargs).llm_engine
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build it with LLMEngine.from_engine_args(EngineArgs(model=...)), as vLLM's examples do")

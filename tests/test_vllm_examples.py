@@ -64,6 +64,19 @@ def test_llm_engine_add_request_and_step(tmp_path):
     assert engine.get_model_config().get_vocab_size() == llm.target.config.vocab_size
 
 
+def test_llm_engine_from_engine_args():
+    """vLLM's llm_engine_example.py builds the engine with LLMEngine.from_engine_args(EngineArgs(...))."""
+    from specdec import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=TARGET, max_model_len=128))
+    engine.add_request("a", "def f(x):", SamplingParams(temperature=0, max_tokens=5))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "a" and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+    assert engine.vllm_config.model_config.max_model_len == 128
+
+
 def test_none_means_the_default():
     """vLLM's EngineArgs fields are Optional (its spec_decode.py passes max_num_seqs=None)."""
     llm = LLM(TARGET, max_num_seqs=None, max_num_batched_tokens=None, block_size=None)

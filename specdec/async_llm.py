@@ -85,6 +85,20 @@ class EngineArgs:
         return f"{type(self).__name__}({args})"
 
 
+def _engine_args_fields() -> dict:
+    """LLM's keyword arguments as dataclass fields (their defaults LLM's): EngineArgs reads as a
+    dataclass to dataclasses.asdict / fields, as vLLM's examples use it
+    (`LLM(**(asdict(EngineArgs(model=...)) | {...}))`)."""
+    params = [(name, object, dataclasses.field(default=p.default))
+              for name, p in inspect.signature(LLM.__init__).parameters.items()
+              if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+              and p.default is not inspect.Parameter.empty]
+    return dataclasses.make_dataclass("EngineArgsFields", params).__dataclass_fields__
+
+
+EngineArgs.__dataclass_fields__ = _engine_args_fields()
+
+
 class AsyncEngineArgs(EngineArgs):
     """vLLM's AsyncEngineArgs: EngineArgs and its request logging (enable_log_requests, or the
     older disable_log_requests=False): a log line as each request arrives and as it ends."""

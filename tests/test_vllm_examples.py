@@ -121,3 +121,14 @@ def test_pooling_calls_on_a_generative_model_name_themselves():
                        (lambda: llm.encode(["x"]), "LLM.encode()")):
         with pytest.raises(ValueError, match=name.replace("(", r"\(").replace(")", r"\)")):
             call()
+
+
+def test_engine_args_reads_as_a_dataclass():
+    """vLLM's examples: LLM(**(asdict(EngineArgs(model=..., ...)) | {...}))."""
+    from dataclasses import asdict, fields, is_dataclass, replace
+
+    args = EngineArgs(model=TARGET, max_model_len=128)
+    assert is_dataclass(args) and {"model", "max_model_len", "speculative_config"} <= {f.name for f in fields(args)}
+    llm = LLM(**(asdict(args) | {"max_num_seqs": 4}))
+    assert (llm.engine.max_model_len, llm.engine.config.max_num_seqs) == (128, 4)
+    assert replace(args, max_model_len=64).max_model_len == 64

@@ -1098,7 +1098,10 @@ class LLM:
             self._finished[r.finish_reason or "abort"] += 1
             self._observe(r.stats, len(ids))
         stats.prompt_tokens = len(ids)
-        self._prompt_tokens += len(ids)
+        # the prompt's cached tokens once (the most any choice found), not summed over the choices
+        stats.cached_tokens = max(reqs[(rid, i)].stats.cached_tokens for i in range(params.best_of or params.n))
+        # vLLM counts the prompt per request it runs: each choice (as the server's counter and the histogram do)
+        self._prompt_tokens += len(ids) * (params.best_of or params.n)
         self._totals.merge(stats)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
         prompt_lps = reqs[(rid, 0)].prompt_logprobs

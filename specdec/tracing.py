@@ -191,8 +191,8 @@ class RequestTracer:
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = (str(reason),)
         if params.max_tokens is not None:
             attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = int(params.max_tokens)
-        if stats.target_forward_passes:
-            attrs[A.SPEC_MEAN_ACCEPTED_LENGTH] = stats.output_tokens / stats.target_forward_passes
+        if stats.num_drafts:        # vLLM's mean acceptance length, as the responses and the log lines give it
+            attrs[A.SPEC_MEAN_ACCEPTED_LENGTH] = 1 + stats.accepted_tokens / stats.num_drafts
         if stats.output_tokens:      # vLLM's phases: queued -> scheduled -> first token -> last token
             ttft, last = stats.time_to_first_token_s, stats.wall_time_s
             attrs[A.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = ttft

@@ -369,3 +369,19 @@ def test_invocations_on_an_embedding_model(server):
     assert r.status_code == 400
     assert r.json()["error"]["message"] == ("Cannot find suitable handler for request. Expected one of: "
                                             "EmbeddingRequest, ScoreRequest, RerankRequest")
+
+
+def test_embedding_inputs_count_as_finished_requests(server):
+    """vLLM's engine finishes a request per input: request_success_total{stop} grows by the inputs,
+    requests_total by the one API request."""
+    import re
+
+    def value(name):
+        text = httpx.get(server.url + "/metrics").text
+        m = re.search(rf'^{re.escape(name)}{{[^}}]*finished_reason="stop"[^}}]*}} (\S+)$', text, re.MULTILINE) \
+            if "success" in name else re.search(rf'^{re.escape(name)}{{[^}}]*outcome="stop"[^}}]*}} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1))
+    before = value("specdec:request_success_total"), value("specdec:requests_total")
+    assert httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60).status_code == 200
+    after = value("specdec:request_success_total"), value("specdec:requests_total")
+    assert (after[0] - before[0], after[1] - before[1]) == (len(TEXTS), 1)

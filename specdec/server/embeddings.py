@@ -71,7 +71,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body.encoding_format)}
                 for i, o in enumerate(outputs)]
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        service.metrics.pooled(tokens, time.perf_counter() - start)
+        service.metrics.pooled([len(o.prompt_token_ids) for o in outputs], time.perf_counter() - start)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": service.model_name(None, body.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -83,7 +83,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
             outs = await asyncio.wrap_future(service.worker.call(fn, work=True))
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        service.metrics.pooled(sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - start)
+        service.metrics.pooled([len(o.prompt_token_ids) for o in outs], time.perf_counter() - start)
         return outs
 
     def check(model: str | None) -> None:

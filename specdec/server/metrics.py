@@ -7,7 +7,9 @@ Names follow vLLM's (`vllm:` -> `specdec:`), so its meanings carry over:
 - `specdec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`: kept at draft position i
   (0-based); `..._num_draft_tokens_per_pos_total` is its denominator when K adapts.
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
-Counters are added when a completion ends (finished, aborted or failed), from its RequestStats.
+The token and speculative counters grow step by step with what each engine step did (StepDelta:
+a request whose client left counts all the engine computed for it, as vLLM counts per step and as
+the log lines and the spans count); requests_total and the per-request histograms as each ends.
 The engine's own state (requests running and waiting, KV cache usage, preemptions, and with CUDA
 graphs `specdec:cuda_graph_forwards_total{mode="captured"|"replayed"|"eager: <reason>"}`) is read at
 scrape time; per-step figures (tokens per step, drafted tokens) are observed by the worker.
@@ -136,6 +138,45 @@ class _Window:
     cache_hits: int = 0
 
 
+@dataclass
+class StepDelta:
+    """What one engine step did, summed over its events' requests (each counted by what its
+    RequestStats gained since the step before: RequestStats.logged, kept on the request's own
+    stats, so a request that ends any way leaves nothing behind)."""
+    prompt_tokens: int = 0          # prompts whose first tokens came this step (vLLM's: whole, cached or not)
+    generation_tokens: int = 0
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, events) -> "StepDelta":
+        d = cls()
+        for ev in events:
+            s = ev.stats
+            if s is None:
+                continue
+            prev = s.logged
+            if prev is None:
+                prev = (0, 0, 0, (), ())
+                d.prompt_tokens += s.prompt_tokens
+            d.generation_tokens += len(ev.token_ids)
+            d.num_drafts += s.num_drafts - prev[0]
+            d.draft_tokens += s.draft_tokens - prev[1]
+            d.accepted_tokens += s.accepted_tokens - prev[2]
+            for total, now, before in ((d.accepted_per_pos, s.accepted_per_position, prev[3]),
+                                       (d.drafted_per_pos, s.drafted_per_position, prev[4])):
+                if len(total) < len(now):
+                    total += [0] * (len(now) - len(total))
+                for i, v in enumerate(now):
+                    total[i] += v - (before[i] if i < len(before) else 0)
+            s.logged = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(s.accepted_per_position),
+                        tuple(s.drafted_per_position))
+        return d
+
+
 class StatLogger:
     """vLLM's periodic log lines (LoggingStatLogger, every VLLM_LOG_STATS_INTERVAL = 10 s by default;
     off with --disable-log-stats): prompt and generation throughput, requests running and waiting,
@@ -153,27 +194,19 @@ class StatLogger:
         e = self.engine
         return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits)
 
-    def step(self, events) -> None:
-        """Each event's request counted by what its stats gained since the last step (RequestStats.logged:
-        kept on the request's own stats, so a request that ends any way leaves nothing behind here)."""
+    def step(self, d: "StepDelta") -> None:
+        """A step's work (ServerMetrics.step's deltas) into the interval."""
         with self._lock:
             w = self._window
-            for ev in events:
-                s = ev.stats
-                prev = s.logged
-                if prev is None:
-                    prev = (0, 0, 0, ())
-                    w.prompt_tokens += s.prompt_tokens        # vLLM's: the whole prompt, cached or not
-                w.generation_tokens += len(ev.token_ids)
-                w.num_drafts += s.num_drafts - prev[0]
-                w.draft_tokens += s.draft_tokens - prev[1]
-                w.accepted_tokens += s.accepted_tokens - prev[2]
-                pos = s.accepted_per_position
-                if len(w.accepted_per_pos) < len(pos):
-                    w.accepted_per_pos += [0] * (len(pos) - len(w.accepted_per_pos))
-                for i, a in enumerate(pos):
-                    w.accepted_per_pos[i] += a - (prev[3][i] if i < len(prev[3]) else 0)
-                s.logged = (s.num_drafts, s.draft_tokens, s.accepted_tokens, tuple(pos))
+            w.prompt_tokens += d.prompt_tokens
+            w.generation_tokens += d.generation_tokens
+            w.num_drafts += d.num_drafts
+            w.draft_tokens += d.draft_tokens
+            w.accepted_tokens += d.accepted_tokens
+            if len(w.accepted_per_pos) < len(d.accepted_per_pos):
+                w.accepted_per_pos += [0] * (len(d.accepted_per_pos) - len(w.accepted_per_pos))
+            for i, a in enumerate(d.accepted_per_pos):
+                w.accepted_per_pos[i] += a
 
     def log(self, now: float | None = None, force: bool = False) -> list[str]:
         """Log (and return) the interval's lines and open the next interval; nothing when the
@@ -279,12 +312,16 @@ class ServerMetrics:
         if answer is not None:
             answer.counted = True
 
-    def pooled(self, prompt_tokens: int, seconds: float) -> None:
-        """One pooling request (embeddings, score, rerank, classify) answered, as vLLM counts them:
-        a finished request, its input tokens as prompt tokens, its end-to-end latency."""
+    def pooled(self, input_tokens: list[int], seconds: float) -> None:
+        """One pooling request (embeddings, score, rerank, classify) answered: one API request
+        (requests_total), and as vLLM's engine counts them each input a finished request (stop):
+        its tokens as prompt tokens, its end-to-end latency (the request's)."""
         self.count("stop")
-        self.prompt_tokens.inc(prompt_tokens)
-        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(sum(input_tokens))
+        for n in input_tokens:
+            self._success.labels(self.model_name, "stop").inc()
+            self.request_prompt_tokens.observe(n)
+            self.e2e.observe(seconds)
 
     def answered(self, status: int | None, api_route: bool) -> None:
         """A request to a route of the API that its completions did not count has been answered:
@@ -300,30 +337,36 @@ class ServerMetrics:
             self.count("invalid")
 
     def step(self, engine, events) -> None:
-        """After each engine step (on the worker thread)."""
+        """After each engine step (on the worker thread): the tokens and the speculative work it
+        did, counted as the step did them (vLLM counts per engine step: a request a client left
+        counts all it computed, as the log lines and the spans count it)."""
+        d = StepDelta.of(events)
+        if d.prompt_tokens:
+            self.prompt_tokens.inc(d.prompt_tokens)
+        if d.generation_tokens:
+            self.generation_tokens.inc(d.generation_tokens)
+        if d.num_drafts:
+            self.num_drafts.inc(d.num_drafts)
+            self.draft_tokens.inc(d.draft_tokens)
+            self.accepted_tokens.inc(d.accepted_tokens)
+            for i, (n, a) in enumerate(zip(d.drafted_per_pos, d.accepted_per_pos)):
+                self._drafted_per_pos.labels(self.model_name, str(i)).inc(n)
+                self._accepted_per_pos.labels(self.model_name, str(i)).inc(a)
         if self.stat_logger is not None:
-            self.stat_logger.step(events)
+            self.stat_logger.step(d)
         if engine.last_step_tokens:
             self.iteration_tokens.observe(engine.last_step_tokens)
         if events:
             self.speculating.set(engine.last_step_drafting / len(events))
 
     def finished(self, outcome: str, stats: RequestStats | None, prompt_tokens: int | None = None) -> None:
-        """One completion is over: count its outcome and its speculative work (and, for one that
-        ran, vLLM's per-completion figures)."""
+        """One completion is over: count its outcome (and, for one that ran, vLLM's
+        per-completion figures; its tokens and drafts were counted step by step)."""
         self.count(outcome or "stop")
         if outcome in ("stop", "length", "abort") and prompt_tokens is not None:
             self._success.labels(self.model_name, outcome).inc()
             self.request_prompt_tokens.observe(prompt_tokens)
             self.request_generation_tokens.observe(stats.output_tokens if stats is not None else 0)
-        if stats is None:
-            return
-        self.num_drafts.inc(stats.num_drafts)
-        self.draft_tokens.inc(stats.draft_tokens)
-        self.accepted_tokens.inc(stats.accepted_tokens)
-        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
-            self._drafted_per_pos.labels(self.model_name, str(i)).inc(d)
-            self._accepted_per_pos.labels(self.model_name, str(i)).inc(a)
 
     def latencies(self, stats: RequestStats, first_token: float, last_token: float, arrival: float) -> None:
         """A completion that produced tokens has ended: its per-request latencies."""

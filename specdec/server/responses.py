@@ -219,13 +219,18 @@ def _head(fmt, model: str, chunk: bool, response_id: str | None) -> dict:
             "created": int(time.time()), "model": model}
 
 
-def usage(gen: Generation, completion_tokens: int) -> dict:
-    """OpenAI's usage; cached_tokens: each prompt's tokens found in the prefix cache (the most
-    any of its choices found: they may run side by side)."""
-    prompt_tokens = sum(len(p) for p in gen.prompts)
+def cached_prompt_tokens(gen: Generation) -> int:
+    """Each prompt's tokens found in the prefix cache (the most any of its choices found: they
+    may run side by side), summed over the prompts."""
     per = gen.per_prompt
-    cached = sum(max((s.cached_tokens for s in gen.stats[p * per:(p + 1) * per] if s is not None), default=0)
-                 for p in range(len(gen.prompts)))
+    return sum(max((s.cached_tokens for s in gen.stats[p * per:(p + 1) * per] if s is not None), default=0)
+               for p in range(len(gen.prompts)))
+
+
+def usage(gen: Generation, completion_tokens: int) -> dict:
+    """OpenAI's usage (cached_tokens: cached_prompt_tokens)."""
+    prompt_tokens = sum(len(p) for p in gen.prompts)
+    cached = cached_prompt_tokens(gen)
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
     predicted = [s for s in gen.stats if s is not None and s.prediction_tokens]
@@ -243,6 +248,7 @@ def speculative(gen: Generation) -> dict:
     for s in done:
         total.merge(s)
     total.prompt_tokens = sum(len(p) for p in gen.prompts)
+    total.cached_tokens = cached_prompt_tokens(gen)             # per prompt, as usage counts them
     total.time_to_first_token_s = min((s.time_to_first_token_s for s in done), default=0.0)
     return total.to_dict()
 

@@ -550,17 +550,12 @@ class Generation:
 
     def _observe(self, index: int, event: StepEvent) -> None:
         clock, now = self._clocks[index], time.perf_counter()
-        # its prefill is done: its prompt counted, per choice (vLLM's per request); not for a choice
-        # aborted before it (POST /pause)
-        if self.stats[index] is None and (event.finish_reason != "abort" or event.stats.output_tokens):
-            self._metrics.prompt_tokens.inc(len(self.prompt_of(index)))
         self.stats[index] = event.stats
         if self._outputs is not None and (event.token_ids or event.text):
             ids, text = self._outputs[index]
             ids += event.token_ids
             self._outputs[index] = (ids, text + event.text)
-        if event.token_ids:
-            self._metrics.generation_tokens.inc(len(event.token_ids))
+        if event.token_ids:          # (its tokens and prompt are counted by the engine's step: metrics.step)
             if clock.last is None:
                 self._metrics.ttft.observe(now - clock.arrival)
                 clock.first = now

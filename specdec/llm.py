@@ -32,6 +32,7 @@ from .lora import LoRARequest
 from .metrics import (E2E_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
                       RequestStats, Vector, one_two_five)
 from .model import CheckpointError, load_model
+from .model.checkpoint import resolve_hub_id
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
@@ -352,6 +353,10 @@ class LLM:
                     default_spec = {**default_spec, "num_speculative_tokens": num_speculative_tokens}
                 speculative_config = default_spec
                 speculative_model = None if default_spec else bundled_draft
+        # a Hugging Face id (org/name) reads from the local cache, as vLLM's offline mode does
+        model, tokenizer, speculative_model = (resolve_hub_id(x) for x in (model, tokenizer, speculative_model))
+        if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
+            speculative_config = {**speculative_config, "model": resolve_hub_id(speculative_config["model"])}
         if not isinstance(generation_config, (str, os.PathLike)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {generation_config!r}")
         generation_config = str(generation_config)

@@ -63,3 +63,37 @@ def test_an_unwritable_kernel_cache_falls_back_to_a_temporary_folder(tmp_path, m
 def test_version():
     out = subprocess.run([sys.executable, "-m", "specdec", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == __import__("specdec").__version__
+
+
+def test_the_temporary_kernel_cache_is_this_users_alone(tmp_path, monkeypatch):
+    """Another user may make /tmp/specdec-<uid> first (anyone can name it) and plant a library
+    there: the folder is used only when this user owns it and nobody else may write it."""
+    import os
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    planted = tmp_path / f"specdec-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)                             # world-writable: someone else's trap
+    folder = isa._private_temp_folder()
+    assert folder != planted and folder.parent == tmp_path and not folder.stat().st_mode & 0o077
+    planted.chmod(0o700)                             # this user's own, private: reused
+    assert isa._private_temp_folder() == planted
+    planted.rmdir()
+    made = isa._private_temp_folder()
+    assert made == planted and not made.stat().st_mode & 0o077
+
+
+def test_a_user_without_a_home_compiles_into_a_private_temporary_folder(monkeypatch, capsys):
+    """A container's UID with no passwd entry and no HOME: Path.home() raises; no crash."""
+    import pathlib
+
+    monkeypatch.delenv("SPECDEC_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(isa, "_fallback_said", False)
+    folder = isa.cache_dir()
+    assert folder.is_dir() and "no home folder" in capsys.readouterr().err

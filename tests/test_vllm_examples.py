@@ -132,3 +132,25 @@ def test_engine_args_reads_as_a_dataclass():
     llm = LLM(**(asdict(args) | {"max_num_seqs": 4}))
     assert (llm.engine.max_model_len, llm.engine.config.max_num_seqs) == (128, 4)
     assert replace(args, max_model_len=64).max_model_len == 64
+
+
+def test_a_hugging_face_id_reads_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, capsys):
+    """`--model org/name` (vLLM's usual spelling) finds the model in the local Hugging Face cache
+    (HF_HOME), downloading nothing; one not there is a one-line error that says so."""
+    import shutil
+
+    from specdec.cli import main
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_pair[0], snapshot)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = LLM("acme/tiny")
+    assert llm.model_path == str(snapshot)
+    want = LLM(str(tiny_pair[0])).generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=5))
+    got = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=5))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert main(["generate", "--model", "acme/missing", "--max-tokens", "2", "hi"]) == 2
+    assert "not in the local cache" in capsys.readouterr().err

@@ -381,3 +381,31 @@ def test_serve_says_where_it_listens(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_a_live_unix_socket_is_not_taken_over(tmp_path):
+    """A second server on a --uds path a live server listens on fails in one line (as a TCP port in
+    use does); a clean shutdown leaves no socket file; a stale one (a killed server's) is replaced."""
+    uds = tmp_path / "s.sock"
+    with served(tmp_path, [], uds=str(uds)) as http:
+        run = subprocess.run([sys.executable, "-m", "specdec", "serve", TARGET, "--uds", str(uds)],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "a server is listening there already" in run.stderr
+        assert http.get("/health").status_code == 200            # the first one still answers
+    assert not uds.exists()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(uds))
+    stale.close()                                                 # a socket file nobody listens on
+    with served(tmp_path, [], uds=str(uds)) as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_vllm_logging_level_and_an_empty_api_key(tmp_path, monkeypatch):
+    with served(tmp_path, ["--enable-log-requests", "--api-key", ""], {"VLLM_LOGGING_LEVEL": "WARNING"}) as http:
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200   # no key
+    log = (tmp_path / "serve.log").read_text()
+    assert "Received request" not in log                         # INFO lines are below WARNING
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "LOUD")
+    run = subprocess.run([sys.executable, "-m", "specdec", "serve", TARGET], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and "VLLM_LOGGING_LEVEL='LOUD'" in run.stderr and "Traceback" not in run.stderr

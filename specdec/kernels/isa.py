@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import shutil
 import subprocess
 import sys
@@ -61,22 +62,52 @@ def cache_dir() -> Path:
     ~/.cache/specdec; where that cannot be written (a service user's HOME), a folder of this user's
     in the temporary directory, said once on stderr (without a cache the kernels cannot load, and
     PyTorch runs the model some 10x slower)."""
-    global _fallback_said
-    base = Path(os.environ.get("SPECDEC_CACHE")
-                or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "specdec"))
-    if _writable(base):
+    global _fallback_said, _fallback
+    base = _configured_cache()
+    if base is not None and _writable(base):
         return base
-    fallback = Path(tempfile.gettempdir()) / f"specdec-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    if not _writable(fallback):
-        return base
+    if _fallback is None:
+        _fallback = _private_temp_folder()
     if not _fallback_said:
         _fallback_said = True
-        print(f"specdec: the kernel cache {base} cannot be written; compiling into {fallback} "
-              "(SPECDEC_CACHE names another)", file=sys.stderr)
-    return fallback
+        where = f"the kernel cache {base} cannot be written" if base is not None else "this user has no home folder"
+        print(f"specdec: {where}; compiling into {_fallback} (SPECDEC_CACHE names another)", file=sys.stderr)
+    return _fallback
 
 
 _fallback_said = False
+_fallback: Path | None = None
+
+
+def _configured_cache() -> Path | None:
+    """$SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec; None for a user with
+    no home folder (a container's UID without a passwd entry, HOME unset)."""
+    if os.environ.get("SPECDEC_CACHE"):
+        return Path(os.environ["SPECDEC_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "specdec"
+    try:
+        return Path.home() / ".cache" / "specdec"
+    except RuntimeError:
+        return None
+
+
+def _private_temp_folder() -> Path:
+    """A folder in the temporary directory that only this user can write: specdec-<uid>, reused
+    only when this user owns it and nobody else may write it (another user could have made it,
+    and planted a library there that the server would load), else a fresh one."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    path = Path(tempfile.gettempdir()) / f"specdec-{uid if uid is not None else 'user'}"
+    try:
+        path.mkdir(mode=0o700)
+        return path
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and not st.st_mode & 0o077:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix=f"specdec-{uid if uid is not None else 'user'}-"))
 
 
 def _writable(folder: Path) -> bool:

@@ -83,7 +83,32 @@ def _not_a_folder(path: Path) -> str:
         if path.suffix.lower() in (".safetensors", ".json", ".bin"):
             return f"{path} is a file: pass the folder that holds it ({path.parent})"
         return f"{path} is a file, not a model folder (pass a Hugging Face model folder or a .gguf file)"
+    if looks_like_hub_id(str(path)):
+        return (f"model folder {str(path)!r} does not exist, and the Hugging Face id is not in the local cache "
+                f"(HF_HOME; specdec downloads nothing: pass a folder or a .gguf file)")
     return f"model folder {str(path)!r} does not exist"
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """org/name, as a Hugging Face model id is written (not a path that exists or starts like one)."""
+    return (name.count("/") == 1 and not name.startswith((".", "/", "~")) and not os.path.exists(name)
+            and all(part.strip() for part in name.split("/")))
+
+
+def resolve_hub_id(name):
+    """A Hugging Face model id (org/name) that is no local path: its snapshot folder in the local
+    Hugging Face cache (HF_HOME / HF_HUB_CACHE), found by huggingface_hub without any download, as
+    vLLM resolves `--model org/name` offline; anything else as it is."""
+    if not isinstance(name, str) or not looks_like_hub_id(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
+                                                    if os.environ.get("HF_HOME") else None)
+        return snapshot_download(repo_id=name, local_files_only=True, cache_dir=cache)
+    except Exception:            # not cached (or no huggingface_hub): the loader says what is missing
+        return name
 
 
 def _weight_files(folder: Path) -> list[Path]:

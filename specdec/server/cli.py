@@ -122,9 +122,15 @@ def bind_socket(host: str, port: int, uds: str | None = None):
     import stat
 
     if uds is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if os.path.exists(uds) and stat.S_ISSOCK(os.stat(uds).st_mode):
-            os.unlink(uds)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(uds)
+                except OSError:         # nobody listens: a stale socket of a server that died
+                    os.unlink(uds)
+                else:
+                    raise ValueError(f"cannot listen on {uds}: a server is listening there already")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         where = uds
     else:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -371,7 +377,7 @@ def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
-    return ServerConfig(served_model_names=names, api_key=args.api_key,
+    return ServerConfig(served_model_names=names, api_key=args.api_key or None,     # "": no key, as vLLM
                         max_request_bytes=args.max_request_bytes, seed=args.seed,
                         chat_template=load_chat_template(args.chat_template), response_role=args.response_role,
                         trust_request_chat_template=args.trust_request_chat_template,
@@ -445,6 +451,7 @@ def run(args, prog: str = "specdec serve") -> int:
         ignored = []
     check_device(args.device)               # a device this machine lacks: one line, before the model loads
     check_refused(ignored)                  # --pipeline-parallel-size 2 and the like: LLM(...)'s refusal
+    _logging_level()                        # a bad VLLM_LOGGING_LEVEL: one line, now
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads
@@ -479,6 +486,15 @@ def add_middleware(app, middleware: list) -> None:
             app.add_middleware(m)
         else:
             app.middleware("http")(m)
+
+
+def _logging_level() -> str:
+    """VLLM_LOGGING_LEVEL (vLLM's variable): specdec's loggers' level, default INFO; a level logging
+    does not know is a one-line error (checked before the model loads)."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper() or "INFO"
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"VLLM_LOGGING_LEVEL={level!r}: not a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return level
 
 
 def _log_listening(sock, scheme: str) -> None:
@@ -593,20 +609,32 @@ def _quiet_access_log(paths) -> None:
 def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict | None = None, sock=None,
           middleware: list = ()) -> int:
     """sock: a socket bound already (bind_socket); middleware: load_middleware's, added outermost."""
+    import contextlib
+    import socket
+
     import uvicorn
 
     from .app import build_app
 
     if config.log_config is None:        # --log-config-file configured the loggers already
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        # vLLM's VLLM_LOGGING_LEVEL (default INFO) and its line shape: level, time, where, message
+        logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
     app = build_app(llm, config)
     add_middleware(app, middleware)
+    uds_path = sock.getsockname() if sock is not None and sock.family == socket.AF_UNIX else None
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if sockets and self.started:      # uvicorn says where it listens only for sockets it bound itself
                 _log_listening(sockets[0], "https" if ssl else "http")
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            if uds_path:                      # --uds: no socket file left behind (before uvicorn re-raises SIGTERM)
+                with contextlib.suppress(OSError):
+                    os.unlink(uds_path)
 
         def handle_exit(self, sig, frame) -> None:
             # a paused engine (POST /pause) would hold the requests uvicorn waits for: resume it

@@ -1042,8 +1042,11 @@ class LLM:
         try:
             for rid, _, ids, params, prio, lora in jobs:
                 for i in range(params.best_of or params.n):
+                    # a span names the RequestOutput's id (with -i per choice when there are several)
+                    many = (params.best_of or params.n) > 1
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
-                                                             priority=prio, lora_request=lora)
+                                                             priority=prio, lora_request=lora,
+                                                             trace_name=f"{rid}-{i}" if many else rid)
             bar = _Progress(use_tqdm, jobs, reqs) if use_tqdm else None
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():

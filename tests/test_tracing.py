@@ -158,6 +158,7 @@ def test_offline_llm_exports_a_span_per_request_over_http(tiny_pair, http_collec
         assert a["gen_ai.response.finish_reasons"] == ("length",)
         assert a["gen_ai.request.max_tokens"] == 12 and a["gen_ai.request.temperature"] == 0.0
         assert a["gen_ai.response.model"] == str(target)
+        assert a["gen_ai.request.id"] == out.request_id           # the RequestOutput the span belongs to
         assert a["specdec.usage.cached_prompt_tokens"] == 0
         # the speculative counts are those the engine measured for the request
         assert a["specdec.spec_decode.num_draft_tokens"] >= a["specdec.spec_decode.num_accepted_tokens"] >= 0

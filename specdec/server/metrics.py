@@ -50,11 +50,7 @@ MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {mode
 # no `*_created` series beside each counter and histogram (prometheus_client's default; vLLM's
 # exposition has none). A process-wide setting of prometheus_client.
 prometheus_client.disable_created_metrics()
-_LATENCY_BUCKETS, _E2E_BUCKETS = LATENCY_BUCKETS, E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-_one_two_five = one_two_five
 
 
 class _EngineCollector:
@@ -262,21 +258,21 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose prefill is done (each "
                                      "choice's, cached or not: vLLM's per-request count).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", _LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "
-                             "one completion (one decoding step may deliver several).", _LATENCY_BUCKETS)
+                             "one completion (one decoding step may deliver several).", LATENCY_BUCKETS)
         self.itl_old = histogram("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM's older "
-                                 "name (its Grafana dashboard reads it).", _LATENCY_BUCKETS)
+                                 "name (its Grafana dashboard reads it).", LATENCY_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Per completion: (last token - first "
-                              "token) / (output tokens - 1).", _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", _E2E_BUCKETS)
+                              "token) / (output tokens - 1).", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first step that schedules "
-                                    "the completion.", _E2E_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", _E2E_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", _E2E_BUCKETS)
+                                    "the completion.", E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
-                                        _E2E_BUCKETS)
-        sizes = _one_two_five(max(engine.max_model_len, 1))
+                                        E2E_BUCKETS)
+        sizes = one_two_five(max(engine.max_model_len, 1))
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Per finished completion: its prompt's "
                                                "tokens.", sizes)
         self.request_generation_tokens = histogram("request_generation_tokens", "Per finished completion: the "

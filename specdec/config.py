@@ -383,6 +383,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1", v)
+        # vLLM's rule: every running sequence gets at least one token each step
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+               f"must be greater than or equal to max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
         v = self.kv_cache_memory
         _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "kv_cache_memory",
                "must be a number of bytes > 0", v)

@@ -133,9 +133,12 @@ class Scheduler:
         decoding = [r for r in self.running if r.prefilled]
         if self.by_priority:        # the most urgent reserve first: a victim is never already planned
             decoding.sort(key=lambda r: r.urgency)
-        for r, k in zip(decoding, choose_k(decoding) if decoding else []):
+        for i, (r, k) in enumerate(zip(decoding, choose_k(decoding) if decoding else [])):
             if r.status != RUNNING:         # preempted for an older request in this loop
                 continue
+            # drafts fit the step's token budget, every later decoding row keeping its one token
+            # (vLLM trims speculative tokens to the budget the same way); K = 0 is always lossless
+            k = max(0, min(k, budget - (len(decoding) - i)))
             if self._reserve(r, len(r.seq) - 1 + max(k + 1, self.lookahead(k)), plan):
                 plan.decode.append(r)
                 plan.ks.append(k)

@@ -372,3 +372,30 @@ def test_a_preempted_suffix_request_joins_the_response_cache_once_whole():
     # each output with the prompt's last HEADER_TOKENS tokens, as the datastore's documents (the
     # prompt's length is the request's own, no longer a prefill's cache length, seq[:-1])
     assert docs == sorted(p[-HEADER_TOKENS:] + o.outputs[0].token_ids for p, o in zip(prompts, outs))
+
+
+def test_max_num_batched_tokens_below_max_num_seqs_is_refused_as_vllm_does(setup):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be greater than or equal to max_num_seqs \(16\)"):
+        LLM(model=setup["target"], dtype="float32", max_num_batched_tokens=8)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle-tree", "ngram"])
+def test_drafts_are_cut_to_the_step_token_budget(setup, method):
+    """4 decoding rows and a budget of 6 tokens a step: drafts of K = 3 would feed 16; they are cut
+    so that every step's forward stays within max_num_batched_tokens (vLLM trims speculative
+    tokens to the budget), and the outputs stay plain decoding's."""
+    llm = _llm(setup, method, 3, max_num_seqs=4, max_num_batched_tokens=6)
+    engine, seen = llm.engine, []
+    step = engine.step
+
+    def watched():
+        events = step()
+        seen.append(engine.last_step_tokens)
+        return events
+
+    engine.step = watched
+    outs = llm.generate(MIXED, _params(True))
+    assert [o.outputs[0].token_ids for o in outs] == setup["plain"]
+    assert max(seen) <= 6, max(seen)
+    assert sum(o.stats.accepted_tokens for o in outs) > 0        # some rows still drafted
+

@@ -136,7 +136,7 @@ def test_prompt_logprobs_equal_the_models_own_through_chunked_prefill(tiny_pair,
     step here), raw; the output is what the same request decodes without them."""
     target, _ = tiny_pair
     spec = dict(speculative_model=str(near_draft), num_speculative_tokens=3) if name == "draft_model" else {}
-    llm = LLM(target, dtype="float32", max_model_len=128, max_num_batched_tokens=8, **spec)
+    llm = LLM(target, dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=8, **spec)
     prompts = [PROMPTS[0] * 5, PROMPTS[1], "x"]          # 3 chunks and more, one, and a 1-token prompt
     params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3)
     outs = llm.generate(prompts, params)

@@ -258,3 +258,107 @@ def test_every_series_carries_the_model_name_label(http):
     assert "_created" not in text                     # vLLM's exposition has no *_created series
     # a vLLM dashboard's selector
     assert f'specdec:requests_total{{model_name="{NAMES[0]}",outcome="stop"}}' in text
+
+
+# -- vLLM's /v1/chat/completions/batch -------------------------------------------------------------
+
+CONVERSATIONS = [[{"role": "user", "content": "Say one word."}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}],
+                 [{"role": "user", "content": "Hello"}]]
+
+
+def test_batch_chat_answers_each_conversation_as_its_own_chat(http):
+    """One choice per conversation, index i, each the same reply (text, tokens, finish reason) as
+    that conversation alone on /v1/chat/completions; usage is the sum of theirs."""
+    common = {"model": NAMES[0], "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    alone = [http.post("/v1/chat/completions", json={**common, "messages": m}).json() for m in CONVERSATIONS]
+    r = http.post("/v1/chat/completions/batch", json={**common, "messages": CONVERSATIONS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == NAMES[0]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice, one in zip(body["choices"], alone):
+        assert choice["message"] == one["choices"][0]["message"]
+        assert choice["token_ids"] == one["choices"][0]["token_ids"]
+        assert choice["finish_reason"] == one["choices"][0]["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert body["usage"][key] == sum(one["usage"][key] for one in alone)
+    assert body["speculative"]["output_tokens"] == body["usage"]["completion_tokens"]
+    assert body["speculative"]["prompt_tokens"] == body["usage"]["prompt_tokens"]
+
+
+def test_batch_chat_through_the_openai_client(server):
+    """The official client's generic post (vLLM's docs call the route the same way)."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    body = client.post("/chat/completions/batch", cast_to=object,
+                       body={"model": NAMES[1], "messages": CONVERSATIONS[:2], "max_completion_tokens": 4,
+                             "temperature": 0})
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" and c["finish_reason"] for c in body["choices"])
+
+
+@pytest.mark.parametrize("extra, param", [({"stream": True}, "stream"), ({"n": 2}, "n"),
+                                          ({"use_beam_search": True}, "use_beam_search"),
+                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                          ({"messages": []}, "messages"), ({"messages": [[]]}, "messages"),
+                                          ({"messages": [{"role": "user", "content": "hi"}]}, "messages")])
+def test_batch_chat_refuses_what_vllm_does_not_batch(http, extra, param):
+    r = http.post("/v1/chat/completions/batch", json={"model": NAMES[0], "messages": CONVERSATIONS, "max_tokens": 2,
+                                                      **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err.get("param") or "") + err["message"]
+
+
+def test_batch_chat_a_bad_conversation_fails_the_request_and_leaves_nothing_running(server, http):
+    """One conversation too long for the context: a 400 naming it, and no other conversation left
+    running on the engine."""
+    long = [{"role": "user", "content": "word " * 400}]
+    r = http.post("/v1/chat/completions/batch", json={"model": NAMES[0], "messages": [CONVERSATIONS[0], long],
+                                                      "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert "messages" in (r.json()["error"].get("param") or "") + r.json()["error"]["message"]
+    deadline = time.time() + 10
+    while server.app.state.service.engine.num_running and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.app.state.service.engine.num_running == 0
+
+
+# -- vLLM's return_token_ids -----------------------------------------------------------------------
+
+def test_return_token_ids_on_completions_streamed_and_not(http):
+    """Each choice's generated ids and its prompt's ids beside the text (vLLM's fields); streamed,
+    each chunk carries its new ids (they add up to the whole) and the prompt's come first."""
+    req = {"model": NAMES[0], "prompt": ["The cat", "A dog ran"], "max_tokens": 8, "temperature": 0,
+           "return_token_ids": True, "logprobs": 0}
+    body = http.post("/v1/completions", json=req).json()
+    prompts = [http.post("/tokenize", json={"model": NAMES[0], "prompt": p}).json()["tokens"] for p in req["prompt"]]
+    for choice, prompt in zip(body["choices"], prompts):
+        assert choice["prompt_token_ids"] == prompt
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["tokens"]) == body["usage"]["completion_tokens"] // 2
+        assert http.post("/detokenize", json={"model": NAMES[0], "tokens": choice["token_ids"]}).json()["prompt"] == \
+            choice["text"]
+    chunks = sse(http.post("/v1/completions", json={**req, "stream": True}))
+    for choice in body["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    plain = http.post("/v1/completions", json={**req, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_return_token_ids_on_chat_streamed_and_not(http):
+    req = {"model": NAMES[0], "messages": CONVERSATIONS[1], "max_tokens": 8, "temperature": 0,
+           "return_token_ids": True}
+    body = http.post("/v1/chat/completions", json=req).json()
+    prompt = http.post("/tokenize", json={"model": NAMES[0], "messages": CONVERSATIONS[1]}).json()["tokens"]
+    assert body["prompt_token_ids"] == prompt
+    choice = body["choices"][0]
+    assert len(choice["token_ids"]) == body["usage"]["completion_tokens"]
+    assert http.post("/detokenize", json={"model": NAMES[0], "tokens": choice["token_ids"]}).json()["prompt"] == \
+        choice["message"]["content"]
+    chunks = sse(http.post("/v1/chat/completions", json={**req, "stream": True}))
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == choice["token_ids"]

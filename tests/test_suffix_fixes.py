@@ -148,7 +148,7 @@ def test_a_request_preempted_in_its_prefill_caches_only_its_response():
     spec = {"method": "suffix", "num_speculative_tokens": 4}
     probe = LLM(model=str(TOY_TARGET), speculative_config=spec, max_model_len=256)
     per_block = 16 * probe.target.kv_bytes_per_slot()
-    llm = LLM(model=str(TOY_TARGET), speculative_config=spec, max_model_len=256, max_num_batched_tokens=8,
+    llm = LLM(model=str(TOY_TARGET), speculative_config=spec, max_model_len=256, max_num_batched_tokens=8, max_num_seqs=8,
               kv_cache_memory=16 * per_block, enable_chunked_prefill=True)
     eng = llm.engine
     pa, pb = list(range(1000, 1030)), list(range(2000, 2200))

@@ -26,9 +26,9 @@ from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
 from .metrics import RequestCounter, StatLogger
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+from .protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
-from .responses import ChatFormat, CompletionFormat, collect, stream
+from .responses import ChatFormat, CompletionFormat, collect, speculative, stream
 from .responses_api import (ResponseStore, ResponsesRequest, Served, chat_request, check_request, conversation,
                             input_messages, message_sources, renamed, respond, stream as stream_response)
 from .serving import REQUEST_TRACE, Service, echo_only
@@ -149,7 +149,7 @@ class ServerLoad:
     --enable-server-load-tracking; otherwise it stays 0, as vLLM's does)."""
 
     # vLLM's load-tracked routes (load_aware_call), those this server has
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/pooling",
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/embeddings", "/pooling",
                        "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
 
     def __init__(self):
@@ -309,6 +309,7 @@ def _api_routes(service: Service) -> APIRouter:
         fmt = CompletionFormat(service.tokenizer, params.logprobs is not None, service.echo_texts(body, prompts),
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
+        fmt.return_token_ids = bool(body.return_token_ids)
         gen = service.generation(prompts, params, arrival, body.priority, lora, rid)
         gen.echo_only = echo_only(body)
         return await _respond(request, gen, fmt, service.model_name(lora, body.model), body, rid)
@@ -320,21 +321,88 @@ def _api_routes(service: Service) -> APIRouter:
         lora = service.lora_request(body.model)
         if body.use_beam_search:
             return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
-        prompts, params, tools, prediction = await service.off_loop(
-            lambda: (*service.prepare_chat(body), service.prediction_ids(body)))
-        if not await _compiled(request, service, prompts, params):
+        prepared = await service.off_loop(lambda: _prepare_chat(service, body))
+        if not await _compiled(request, service, prepared[0], prepared[1]):
             return Response(status_code=499)
-        # a constrained reply (structured outputs, named or required calls) has no think block
-        reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
-        fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
-                         service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
-                         service.chat_echo(body))
-        fmt.want_prompt_logprobs = body.prompt_logprobs is not None
-        return await _respond(request, service.generation(prompts, params, arrival, body.priority, lora, rid,
-                                                          prediction), fmt,
-                              service.model_name(lora, body.model), body, rid)
+        gen, fmt = _chat_run(service, body, prepared, arrival, lora, rid)
+        return await _respond(request, gen, fmt, service.model_name(lora, body.model), body, rid)
+
+    @router.post("/chat/completions/batch")
+    async def chat_completions_batch(body: BatchChatCompletionRequest, request: Request):
+        """vLLM's batch chat: every conversation runs as its own chat completion, all at once (the
+        engine batches them); one choice per conversation, index i; usage summed."""
+        arrival = time.perf_counter()
+        rid = f"chatcmpl-{_request_id(request)}"
+        lora = service.lora_request(body.model)
+        for refused, message, param in (
+                (body.stream, "Batch chat completions do not support streaming. Please set `stream` to false.",
+                 "stream"),
+                (body.tools, "Batch chat completions do not support tools. Please leave `tools` out.", "tools"),
+                (body.use_beam_search, "Batch chat completions do not support beam search. Please set "
+                                       "`use_beam_search` to False.", "use_beam_search"),
+                (body.n not in (None, 1), "Batch chat completions do not support `n > 1`. Please set `n` to 1.",
+                 "n")):
+            if refused:
+                raise APIError(400, message, param)
+        singles = [body.single(conversation) for conversation in body.messages]
+        prepared = await service.off_loop(lambda: [_prepare_chat(service, one) for one in singles])
+        prompts = [p for one in prepared for p in one[0]]
+        if not await _compiled(request, service, prompts, prepared[0][1]):
+            return Response(status_code=499)
+        model = service.model_name(lora, body.model)
+        runs = [_chat_run(service, one, prep, arrival, lora, f"{rid}_{i}")
+                for i, (one, prep) in enumerate(zip(singles, prepared))]
+        bodies = await _unless_gone(request, _all_of(collect(gen, fmt, model, rid) for gen, fmt in runs))
+        if bodies is _GONE:
+            return Response(status_code=499)
+        choices = []
+        for i, b in enumerate(bodies):
+            choices += [{**c, "index": i} for c in b["choices"]]
+        return JSONResponse({**{k: v for k, v in bodies[0].items() if k not in ("choices", "usage", "speculative", "prompt_logprobs", "prompt_token_ids")},
+                             "choices": choices, "usage": _summed([b["usage"] for b in bodies]),
+                             "speculative": speculative(*(gen for gen, _ in runs))})
 
     return router
+
+
+def _prepare_chat(service: Service, body: ChatCompletionRequest):
+    """(prompts, params, tools, prediction) of one chat request: its template, checks and parameters."""
+    return (*service.prepare_chat(body), service.prediction_ids(body))
+
+
+def _chat_run(service: Service, body: ChatCompletionRequest, prepared, arrival: float, lora, rid: str):
+    """One chat request queued on the engine, and the format of its reply."""
+    prompts, params, tools, prediction = prepared
+    # a constrained reply (structured outputs, named or required calls) has no think block
+    reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
+    fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
+                     service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
+                     service.chat_echo(body))
+    fmt.want_prompt_logprobs = body.prompt_logprobs is not None
+    fmt.return_token_ids = bool(body.return_token_ids)
+    return service.generation(prompts, params, arrival, body.priority, lora, rid, prediction), fmt
+
+
+def _summed(usages: list[dict]) -> dict:
+    """Usage bodies added up, field by field (nested details too)."""
+    out: dict = {}
+    for u in usages:
+        for key, value in u.items():
+            out[key] = _summed([out.get(key, {}), value]) if isinstance(value, dict) else out.get(key, 0) + value
+    return out
+
+
+async def _all_of(coros) -> list:
+    """Every coroutine's result, in order; when one fails the others are cancelled (their engine
+    requests aborted) and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
 
 
 def _profile_routes(service: Service) -> APIRouter:

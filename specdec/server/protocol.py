@@ -7,7 +7,7 @@ Unknown fields are ignored, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -90,6 +90,10 @@ class _Sampling(_Body):
                                                           "this many alternatives (not streamed)")
     return_tokens_as_token_ids: bool | None = Field(None, description="vLLM extension: logprobs name tokens "
                                                                 "'token_id:<id>'")
+    return_token_ids: bool | None = Field(False, description="vLLM extension: each choice's generated token ids "
+                                                             "(`token_ids`) and the prompt's (`prompt_token_ids`); "
+                                                             "streamed: each chunk's new ids, the prompt's in the "
+                                                             "first chunk")
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
     use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
     length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
@@ -159,6 +163,19 @@ class ChatCompletionRequest(_Sampling):
         None, description='OpenAI\'s Predicted Outputs: {"type": "content", "content": text or [{"type": "text", '
                           '"text": ...}]}, what the reply is expected to repeat; drafted from where it does '
                           "(lossless: the reply is the same with or without it)")
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the chat fields, with `messages` a list of conversations;
+    each runs as its own chat completion and the reply has one choice per conversation (index i).
+    No streaming, tools, beam search or n > 1 (vLLM's limits)."""
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(..., min_length=1)
+
+    def single(self, messages: list[ChatMessage]) -> ChatCompletionRequest:
+        """One conversation's request: every other field as sent."""
+        return ChatCompletionRequest.model_construct(
+            **{name: getattr(self, name) for name in ChatCompletionRequest.model_fields if name != "messages"},
+            messages=messages)
 
 
 class TokenizeRequest(_Body):

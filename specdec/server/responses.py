@@ -47,6 +47,7 @@ class CompletionFormat:
         self.name, self.want_logprobs, self.echo = token_namer(tokenizer, tokens_as_ids), want_logprobs, echo
         self.prompts, self.per_prompt = prompts, per_prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed on each choice
+        self.return_token_ids = False          # vLLM's return_token_ids: ids beside the text
 
     def _prompt(self, prompt_index: int, prompt_logprobs) -> tuple | None:
         if not (self.echo and self.prompts and prompt_logprobs):
@@ -90,6 +91,7 @@ class ChatFormat:
         self.echo = echo
         self.role, self.prompt = role, prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed once, beside the choices
+        self.return_token_ids = False          # vLLM's return_token_ids: ids beside the text
         # tool_choice named / required / auto: replies become tool calls (tools.py); "none": text
         self.tools = tools if tools is not None and tools.mode != "none" else None
         # --reasoning-parser: the thinking apart from the answer (reasoning.py); the answer then
@@ -241,14 +243,15 @@ def usage(gen: Generation, completion_tokens: int) -> dict:
     return out
 
 
-def speculative(gen: Generation) -> dict:
-    """The choices' statistics summed; prompt tokens counted once per prompt, as in usage."""
+def speculative(*gens: Generation) -> dict:
+    """The choices' statistics summed (over several generations: a batch of chats); prompt tokens
+    counted once per prompt, as in usage."""
     total = RequestStats()
-    done = [s for s in gen.stats if s is not None]
+    done = [s for gen in gens for s in gen.stats if s is not None]
     for s in done:
         total.merge(s)
-    total.prompt_tokens = sum(len(p) for p in gen.prompts)
-    total.cached_tokens = cached_prompt_tokens(gen)             # per prompt, as usage counts them
+    total.prompt_tokens = sum(len(p) for gen in gens for p in gen.prompts)
+    total.cached_tokens = sum(cached_prompt_tokens(gen) for gen in gens)     # per prompt, as usage counts them
     total.time_to_first_token_s = min((s.time_to_first_token_s for s in done), default=0.0)
     return total.to_dict()
 
@@ -274,7 +277,16 @@ async def collect(gen: Generation, fmt, model: str, response_id: str | None = No
                    for r in sorted(results[p * per:(p + 1) * per], key=lambda r: -score[r.index])[:gen.params.n]]
         for i, r in enumerate(results):
             r.index = i
-    return {**_head(fmt, model, chunk=False, response_id=response_id), "choices": [fmt.choice(r) for r in results], **fmt.top_level(results),
+    choices = [fmt.choice(r) for r in results]
+    top = fmt.top_level(results)
+    if fmt.return_token_ids:        # vLLM's: the generated ids on each choice; the prompt's beside them
+        for c, r in zip(choices, results):
+            c["token_ids"] = list(r.token_ids)
+            if isinstance(fmt, CompletionFormat):
+                c["prompt_token_ids"] = list(gen.prompts[r.prompt_index])
+        if not isinstance(fmt, CompletionFormat):
+            top["prompt_token_ids"] = list(gen.prompts[0])
+    return {**_head(fmt, model, chunk=False, response_id=response_id), "choices": choices, **top,
             "usage": usage(gen, tokens), "speculative": speculative(gen)}
 
 
@@ -300,14 +312,24 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
         return {"usage": _usage_so_far(len(gen.prompt_of(i)), counts[i])}
     echo = [fmt.prefix(i // gen.params.n) for i in range(n_choices)]
     held = [None] * n_choices        # prompt logprobs not sent yet
+    # return_token_ids: each chunk carries the ids generated since its choice's last chunk; the
+    # prompt's go in the first chunk (chat: the response's first; completions: each choice's)
+    ids = [[] for _ in range(n_choices)] if fmt.return_token_ids else None
+    chat_prompt_ids = fmt.return_token_ids and not isinstance(fmt, CompletionFormat)
+    first = [True] * n_choices
     try:
         async with gen:
             for i in range(n_choices):
                 if (opening := fmt.opening(i)) is not None:
-                    yield _sse({**head, "choices": [opening], **extra(i)})
+                    chunk = {**head, "choices": [opening], **extra(i)}
+                    if chat_prompt_ids and i == 0:
+                        chunk["prompt_token_ids"], chat_prompt_ids = list(gen.prompt_of(0)), False
+                    yield _sse(chunk)
             async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
                 counts[index] += len(ev.token_ids)
+                if ids is not None:
+                    ids[index] += ev.token_ids
                 text, echo[index] = echo[index] + ev.text, ""
                 prompt_lps, held[index] = held[index] or ev.prompt_logprobs, None
                 if not (text or ev.finished or ev.logprobs):
@@ -318,7 +340,14 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
                 offsets[index] += len(text)
                 if choice is None:      # all of it held back (a tool call being written)
                     continue
+                if ids is not None:
+                    choice["token_ids"], ids[index] = ids[index], []
+                    if first[index] and isinstance(fmt, CompletionFormat):
+                        choice["prompt_token_ids"] = list(gen.prompt_of(index))
+                first[index] = False
                 chunk = {**head, "choices": [choice], **extra(index)}
+                if chat_prompt_ids:
+                    chunk["prompt_token_ids"], chat_prompt_ids = list(gen.prompt_of(0)), False
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()
                 yield _sse(chunk)

@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.sandbox
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -382,15 +383,16 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
         try:
-            text = _environment().from_string(template).render(
+            text = _bounded(_environment().from_string(template).generate(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
+                unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs))
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+        except Exception as e:      # noqa: BLE001 - whatever a template raises is its input's fault (vLLM: 400)
             # the template met a value of a shape it does not take (vLLM's serving answers these
-            # with a 400 too): e.g. content as a list of parts for a template that adds strings
+            # with a 400 too): e.g. content as a list of parts for a template that adds strings,
+            # an OverflowError of its arithmetic, a RecursionError
             raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
         if continue_final_message:   # cut what the template wrote after the last message
             last = messages[-1].get("content") if messages else None
@@ -470,11 +472,48 @@ def _tensor(rows: list[list[int]], kind: str):
     return torch.tensor(rows, dtype=torch.long)
 
 
+# What a chat template may make: its rendered text, and any one string or list its `*` builds
+# (characters or items). A template runs on the server's memory: a request's own template (vLLM's
+# --trust-request-chat-template) of 32 bytes, {{ 'a' * 10**10 }}, asked for 10 GB at once.
+MAX_RENDERED_CHARS = 1 << 24
+MAX_POWER_EXPONENT = 1 << 16
+
+
+def _bounded(chunks) -> str:
+    """The rendered chunks joined, refused once they pass MAX_RENDERED_CHARS (a loop that writes
+    without end stops there, before it holds the memory)."""
+    out, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise jinja2.TemplateError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters")
+        out.append(chunk)
+    return "".join(out)
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, whose `range` is capped but whose `*` and `**` are not: a
+    repeated string or list larger than MAX_RENDERED_CHARS, and an integer power of an exponent
+    over MAX_POWER_EXPONENT, are refused before they are computed."""
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
+                        len(seq) * times > MAX_RENDERED_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a repetition larger than {MAX_RENDERED_CHARS} is not allowed")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                abs(right) > MAX_POWER_EXPONENT and abs(left) > 1:
+            raise jinja2.sandbox.SecurityError(f"an exponent over {MAX_POWER_EXPONENT} is not allowed")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """Jinja as transformers renders chat templates (templates from a model file are untrusted:
     sandboxed): trimmed blocks, loop controls, raise_exception, strftime_now, a tojson that
-    keeps non-ASCII text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    keeps non-ASCII text; a repetition, a power and the rendered text bounded (_ChatSandbox)."""
+    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(msg):
         raise jinja2.TemplateError(msg)

@@ -385,3 +385,17 @@ def test_embedding_inputs_count_as_finished_requests(server):
     assert httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60).status_code == 200
     after = value("specdec:request_success_total"), value("specdec:requests_total")
     assert (after[0] - before[0], after[1] - before[1]) == (len(TEXTS), 1)
+
+
+def test_v2_rerank_needs_the_api_key_as_v1_does(embedder):
+    """vLLM's key guards /v1, /v2 and /inference: /v2/rerank runs the model as /v1/rerank does."""
+    import httpx
+
+    llm = LLM(str(embedder), max_model_len=64)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("embedder",), api_key="sekrit"))) as live:
+        body = {"model": "embedder", "query": TEXTS[0], "documents": TEXTS}
+        for path in ("/v1/rerank", "/v2/rerank", "/inference/v1/generate"):
+            r = httpx.post(live.url + path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        r = httpx.post(live.url + "/v2/rerank", json=body, headers={"authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and len(r.json()["results"]) == 3

@@ -24,7 +24,7 @@ import uvicorn
 
 from specdec.llm import LLM
 from specdec.server import ServerConfig, build_app
-from specdec.server.cli import parse_args
+from specdec.server.cli import parse_args, server_config
 
 MAX_LEN = 128
 K = 3
@@ -599,3 +599,29 @@ def test_sigterm_finishes_in_flight_requests(tiny_pair):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_several_api_keys_any_of_them_opens_the_api(tiny_pair):
+    """vLLM's --api-key k1 k2 (a key rotated without downtime): either key works, a third does not."""
+    llm = LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=64)
+    args, _ = parse_args([str(tiny_pair[0]), "--api-key", "old-key", "new-key"])
+    config = server_config(args)
+    assert config.api_key == ("old-key", "new-key")
+    with LiveServer(build_app(llm, config)) as live:
+        for key, status in (("old-key", 200), ("new-key", 200), ("other", 401), ("old-keynew-key", 401)):
+            r = httpx.get(live.url + "/v1/models", headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == status, key
+    args, _ = parse_args([str(tiny_pair[0]), "--api-key", "only"])
+    assert server_config(args).api_key == "only"
+
+
+def test_an_overlong_request_id_header_is_refused(tiny_pair):
+    """X-Request-Id names the response and each of its stream chunks: past 512 bytes it is a 400
+    (a 1 MB id made a 500-token stream 176 MB); a normal one still names the response."""
+    llm = LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=64)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("k",)))) as live:
+        body = {"prompt": "x", "max_tokens": 2}
+        r = httpx.post(live.url + "/v1/completions", json=body, headers={"x-request-id": "r" * 513})
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+        r = httpx.post(live.url + "/v1/completions", json=body, headers={"x-request-id": "r" * 512})
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-" + "r" * 512

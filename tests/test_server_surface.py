@@ -612,3 +612,25 @@ def test_openai_details_found_by_a_users_probe(client, live, ref):
             r = http.post("/v1/completions", json={"model": "toy", "prompt": prompt, "max_tokens": 2, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert http.get("/health").status_code == 200          # the same connection, still open
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{{ 'a' * 10**10 }}", "repetition"),                               # 10 GB asked at once: refused first
+    ("{% for i in range(100000) %}{% for j in range(100000) %}aaaaaaaaaa{% endfor %}{% endfor %}",
+     "rendered prompt"),                                                 # 10 GB written bit by bit: stopped
+    ("{{ 7 ** 100000000 }}", "exponent"),
+    ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),       # the sandbox's own guard: was a 500
+    ("{{ (10**400) / 1.5 }}", "OverflowError")])
+def test_a_request_template_that_would_eat_the_server_is_a_400(templated, template, what):
+    """A request's own template (--trust-request-chat-template) runs on the server's memory and
+    CPU: products, powers and the rendered text are bounded, and whatever a template raises is a
+    400 naming chat_template, on chat and on /tokenize (which needs no key)."""
+    import httpx
+
+    msgs = [{"role": "user", "content": "hi"}]
+    status, out = _chat_json(templated.url, messages=msgs, chat_template=template)
+    assert status == 400 and what in out["error"]["message"], out
+    r = httpx.post(templated.url + "/tokenize", json={"model": "toy", "messages": msgs, "chat_template": template},
+                   timeout=120)
+    assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
+    assert _chat_json(templated.url, messages=msgs)[0] == 200            # and the server serves on

@@ -122,6 +122,11 @@ class _RequestIds:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         raw = headers.get(b"x-request-id")
+        if raw is not None and len(raw) > MAX_REQUEST_ID_BYTES:
+            # the id names the response, every stream chunk and log line: a 1 MB header made a
+            # 500-token stream 176 MB (no body limit covers headers)
+            response = error_response(400, f"X-Request-Id is longer than {MAX_REQUEST_ID_BYTES} bytes", "X-Request-Id")
+            return await response(scope, receive, send)
         rid = raw.decode("latin-1") if raw else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         trace = {name: headers[key].decode("latin-1") for name in TRACE_HEADERS
@@ -138,6 +143,9 @@ class _RequestIds:
             await self.app(scope, receive, with_id if self.echo else send)
         finally:
             REQUEST_TRACE.reset(token)
+
+
+MAX_REQUEST_ID_BYTES = 512
 
 
 def _request_id(request: Request) -> str:

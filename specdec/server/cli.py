@@ -162,9 +162,10 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                                                            "binds every interface: --host 0.0.0.0 for a container)")
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default 8000); bound before the "
                                                               "model loads, so a port in use fails at once")
-    p.add_argument("--api-key", default=_env_key(),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY, else vLLM's "
-                        "$VLLM_API_KEY; an empty one is no key)")
+    p.add_argument("--api-key", nargs="+", default=_env_key(),
+                   help="require `Authorization: Bearer KEY` on /v1/*, /v2/* and /invocations; several keys: any "
+                        "of them (vLLM's, to rotate keys) (default: $SPECDEC_API_KEY, else vLLM's $VLLM_API_KEY; "
+                        "an empty one is no key)")
     p.add_argument("--seed", type=_seed, default=0,
                    help="seeds sampling requests that bring no seed of their own, in the order they reach the engine: seed, seed + 16, "
                         "... (default 0, as vLLM's: a run reproduces, two requests never share draws); none: "
@@ -377,7 +378,9 @@ def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
-    return ServerConfig(served_model_names=names, api_key=args.api_key or None,     # "": no key, as vLLM
+    keys = [args.api_key] if isinstance(args.api_key, str) else [k for k in args.api_key or [] if k]
+    keys = [k for k in keys if k]                                                   # "": no key, as vLLM
+    return ServerConfig(served_model_names=names, api_key=(keys[0] if len(keys) == 1 else tuple(keys)) or None,
                         max_request_bytes=args.max_request_bytes, seed=args.seed,
                         chat_template=load_chat_template(args.chat_template), response_role=args.response_role,
                         trust_request_chat_template=args.trust_request_chat_template,

@@ -10,7 +10,7 @@ from .lora import LoRAModulePath
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_names: tuple[str, ...] = ("specdec",)
-    api_key: str | None = None            # when set, /v1/* needs `Authorization: Bearer <key>`
+    api_key: str | tuple[str, ...] | None = None   # when set, /v1/* needs `Authorization: Bearer <key>` (any one)
     max_request_bytes: int = 1 << 20      # larger bodies get 413
     seed: int | None = None               # seeds unseeded sampling requests: seed, seed+1, ...
     chat_template: str | None = None      # replaces the tokenizer's (vLLM's --chat-template, already read)
@@ -66,8 +66,11 @@ class ServerConfig:
             raise ValueError(f"root_path must start with / and not end with one, got {self.root_path!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if not keys or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError(f"api_key must be non-empty strings, got {self.api_key!r}")
+            object.__setattr__(self, "api_key", keys[0] if len(keys) == 1 else keys)
         from .tools import PARSERS
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

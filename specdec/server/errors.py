@@ -93,11 +93,15 @@ class ApiKeyGuard:
     (not even that its JSON was malformed). /health, /version and /metrics stay open, as in vLLM.
     """
 
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, key.encode()
+    # vLLM's guarded prefixes (/v2/rerank runs the model as /v1/rerank does), and /invocations
+    GUARDED = ("/v1", "/v2", "/inference", "/invocations")
+
+    def __init__(self, app, key: str | tuple[str, ...]):
+        keys = (key,) if isinstance(key, str) else tuple(key)
+        self.app, self.expected = app, tuple(k.encode() for k in keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and app_path(scope).startswith(("/v1", "/invocations")) and not self._allowed(scope):
+        if scope["type"] == "http" and app_path(scope).startswith(self.GUARDED) and not self._allowed(scope):
             response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                       None, "invalid_api_key", {"www-authenticate": "Bearer"})
             return await response(scope, receive, send)
@@ -106,8 +110,11 @@ class ApiKeyGuard:
     def _allowed(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, given = header.partition(b" ")
-        # compare_digest: the answer time must not reveal how much of the key was right
-        return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.expected)
+        # compare_digest over every key (vLLM's --api-key k1 k2: any of them): the answer time must
+        # not reveal how much of a key was right, nor which one
+        given = given.strip()
+        matches = [secrets.compare_digest(given, k) for k in self.expected]
+        return scheme.lower() == b"bearer" and any(matches)
 
 
 def app_path(scope) -> str:

@@ -145,7 +145,7 @@ async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrenc
         else:
             headers = {"x-request-id": request_id}
             if api_key:
-                headers["authorization"] = f"Bearer {api_key}"
+                headers["authorization"] = f"Bearer {api_key if isinstance(api_key, str) else api_key[0]}"
             async with gate:
                 status, raw = await asgi_request(app, "POST", line.url, json.dumps(line.body).encode(), headers)
             try:

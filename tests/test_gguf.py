@@ -296,8 +296,8 @@ def test_draft_vocabulary_mismatch(gguf_files, tmp_path, capsys):
     code = main(["generate", "--model", str(gguf_files["llama_q"]), "--speculative-model", str(bad), "hello"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "token id 40" in err and str(bad) in err
-    assert main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "1"]) == 2
-    assert main(["serve", "--model", str(gguf_files["llama_q"]), "--speculative-model", str(bad), "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
+    assert main(["serve", "--model", str(gguf_files["llama_q"]), "--speculative-model", str(bad), "--port", "0"]) == 2
     assert capsys.readouterr().err.count("specdec: error: ") == 2
 
 

@@ -39,7 +39,7 @@ def test_an_unknown_flag_is_an_error(argv, message):
 
 def test_an_unknown_flag_is_one_line_and_exit_2(tmp_path, capsys):
     """Before the model loads (it does not exist): the typo is what is reported."""
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--max-num-seq", "4", "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--max-num-seq", "4", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unrecognized arguments: --max-num-seq" in err
     assert "warning" not in err
@@ -56,7 +56,7 @@ def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch, 
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--device", device, "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--device", device, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specdec: error: ") and message in err
 

@@ -523,7 +523,7 @@ def test_the_model_may_come_first_as_in_vllm_serve(tmp_path, capsys):
         parse_args(["m", "--model", "n"])
     from specdec.cli import main
 
-    assert main(["serve", str(tmp_path / "missing"), "--port", "1"]) == 2      # loaded as --model: one line
+    assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2      # loaded as --model: one line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path / "missing") in err
 
@@ -532,7 +532,7 @@ def test_bad_model_fails_fast(tiny_pair, tmp_path, capsys):
     from specdec.cli import main
 
     target, draft = tiny_pair
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0"]) == 2
     # a draft whose vocabulary disagrees with the target's
     bad = tmp_path / "draft"
     shutil.copytree(draft, bad)
@@ -541,7 +541,7 @@ def test_bad_model_fails_fast(tiny_pair, tmp_path, capsys):
     a, b = sorted(vocab, key=vocab.get)[40:42]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (bad / "tokenizer.json").write_text(json.dumps(tok))
-    assert main(["serve", "--model", str(target), "--speculative-model", str(bad), "--port", "1"]) == 2
+    assert main(["serve", "--model", str(target), "--speculative-model", str(bad), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("specdec: error: ") for line in err)
     assert "vocabular" in err[1]

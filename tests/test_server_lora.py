@@ -233,7 +233,7 @@ def test_flags(tiny_pair, adapters, monkeypatch, capsys):
     for flags, message in ([f"sql={sql}"], "--lora-modules needs --enable-lora"), \
                           (["--enable-lora", "--lora-modules", "sql=/no/such/folder"], "/no/such/folder is not a folder"):
         flags = flags if flags[0] == "--enable-lora" else ["--lora-modules", *flags]
-        assert main(["serve", "m", *flags, "--port", "1"]) == 2          # before the model loads
+        assert main(["serve", "m", *flags, "--port", "0"]) == 2          # before the model loads
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err
 
@@ -243,7 +243,7 @@ def test_a_folder_that_is_no_adapter_exits_with_one_line(tiny_pair, tmp_path):
     target, _ = tiny_pair
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run([sys.executable, "-m", "specdec", "serve", str(target), "--num-speculative-tokens", "0",
-                           "--enable-lora", "--lora-modules", f"x={tmp_path}", "--port", "1"],
+                           "--enable-lora", "--lora-modules", f"x={tmp_path}", "--port", "0"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip().splitlines()

@@ -262,7 +262,7 @@ def test_chat_template_flag_bad_values_exit_2(tmp_path, capsys):
     from specdec.cli import main
 
     for value, says in [(str(tmp_path / "missing.jinja"), "no such file"), ("{% if %}", "not a valid template")]:
-        assert main(["serve", "--model", str(BUNDLED_TARGET), "--chat-template", value, "--port", "1"]) == 2
+        assert main(["serve", "--model", str(BUNDLED_TARGET), "--chat-template", value, "--port", "0"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
 
@@ -406,7 +406,7 @@ def test_http_flags_bad_values_exit_2(flags, says, capsys, tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)
     try:
-        code = main(["serve", "--model", str(BUNDLED_TARGET), *flags, "--port", "1"])
+        code = main(["serve", "--model", str(BUNDLED_TARGET), *flags, "--port", "0"])
     except SystemExit as e:          # argparse's own errors
         code = e.code
     err = capsys.readouterr().err.strip().splitlines()

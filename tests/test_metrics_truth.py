@@ -60,3 +60,31 @@ def test_offline_prompt_tokens_count_each_choice():
     out = llm.generate(["def f(x):"], SamplingParams(n=3, temperature=0.8, max_tokens=3))[0]
     metrics = {m.name: m for m in llm.get_metrics()}
     assert metrics["vllm:prompt_tokens"].value == 3 * len(out.prompt_token_ids) == metrics["vllm:request_prompt_tokens"].sum
+
+
+def test_draft_tokens_per_position_and_the_speculating_fraction():
+    """The README's two speculative series no other test read: drafted tokens per position sum to
+    the drafted total (position 0 = one per draft), and the fraction of the last step's decoding
+    requests that drafted is 1 while a fixed-K request runs, 0 on a server that never drafts."""
+    llm = LLM(TARGET, speculative_model=DRAFT, num_speculative_tokens=3, max_model_len=512)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("m",)))) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        body = {"model": "m", "prompt": "def fib(n):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        spec = http.post("/v1/completions", json=body).json()["speculative"]
+        per_pos = [metric(http, f'specdec:spec_decode_num_draft_tokens_per_pos_total{{position="{i}"}}')
+                   for i in range(3)]
+        assert sum(per_pos) == metric(http, "specdec:spec_decode_num_draft_tokens_total") == spec["draft_tokens"]
+        assert per_pos[0] == spec["num_drafts"] > 0 and per_pos[0] >= per_pos[1] >= per_pos[2] > 0
+        accepted = [metric(http, f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}')
+                    for i in range(3)]
+        assert all(a <= d for a, d in zip(accepted, per_pos)) and sum(accepted) == spec["accepted_tokens"]
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 400, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 6:
+                    assert metric(http, "specdec:spec_decode_speculating_fraction") == 1.0
+                    break
+    plain = LLM(TARGET, num_speculative_tokens=0, max_model_len=512)
+    with LiveServer(build_app(plain, ServerConfig(served_model_names=("m",)))) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8})
+        assert metric(http, "specdec:spec_decode_speculating_fraction") == 0.0

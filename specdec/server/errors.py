@@ -8,6 +8,7 @@ reads these fields) see one shape: FastAPI's 422 validation answers become 400, 
 from __future__ import annotations
 
 import logging
+import hashlib
 import secrets
 
 from fastapi import FastAPI, Request
@@ -98,7 +99,7 @@ class ApiKeyGuard:
 
     def __init__(self, app, key: str | tuple[str, ...]):
         keys = (key,) if isinstance(key, str) else tuple(key)
-        self.app, self.expected = app, tuple(k.encode() for k in keys)
+        self.app, self.expected = app, tuple(hashlib.sha256(k.encode()).digest() for k in keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and app_path(scope).startswith(self.GUARDED) and not self._allowed(scope):
@@ -112,7 +113,7 @@ class ApiKeyGuard:
         scheme, _, given = header.partition(b" ")
         # compare_digest over every key (vLLM's --api-key k1 k2: any of them): the answer time must
         # not reveal how much of a key was right, nor which one
-        given = given.strip()
+        given = hashlib.sha256(given.strip()).digest()       # hashed first, as vLLM's: nor its length
         matches = [secrets.compare_digest(given, k) for k in self.expected]
         return scheme.lower() == b"bearer" and any(matches)
 

@@ -257,3 +257,41 @@ def test_forced_tokens_fill_short_chains():
     assert extend_with_forced(Draft(torch.tensor([1])), grammar, 3).tokens.tolist() == [1]   # left the grammar
     grammar.advance([0, 1, 2])
     assert extend_with_forced(None, grammar, 3) is None                                        # a choice: a or d
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_every_row_of_a_chain_is_controlled_with_its_own_path(name):
+    """controlled_logits processes row j of a chain with the first j drafts counted as output
+    (penalties, bad words, min_tokens, the grammar), each row against the definitions; a path
+    one draft too long on the earlier rows had passed the tests that read the last row only."""
+    from specdec.verifier import row_paths
+
+    params, controls = make_controls(name)
+    assert row_paths(Draft(torch.tensor([0, 2]))) == [[], [0], [0, 2]]
+    assert row_paths(Draft(torch.tensor([0, 2, 3]), parents=[-1, 0, 0])) == [[], [0], [0, 2], [0, 3]]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2 + 3, V, generator=g) * 2
+    reqs = [_req(NEIGHBOUR, None, [0]), _req(params, controls, PROMPT + OUTPUT)]
+    got = controlled_logits(reqs, [Draft(torch.tensor([1])), Draft(torch.tensor([0, 2]))], logits, [0, 2])
+    assert torch.equal(got[:2], logits[:2])                    # the uncontrolled neighbour is left alone
+    for j, path in enumerate([[], [0], [0, 2]]):
+        want = reference(logits[2 + j], params, OUTPUT + path, controls.bad_words, controls.grammar is not None)
+        assert torch.allclose(got[2 + j], want, atol=1e-6), (name, j)
+
+
+def test_a_sampled_draft_that_leaves_the_grammar_is_kept_as_the_last():
+    """cut_to_grammar: a fixed draft (no q) is cut before its first forbidden token (exact: p of it
+    is 0 after the mask); a draft drawn from q keeps that token as its last, because its rejection
+    must still draw from norm(max(0, p - q)) (dropping it would sample p instead: inexact)."""
+    from specdec.verifier import cut_to_grammar
+
+    _, controls = make_controls("grammar+penalties")
+    grammar = controls.grammar
+    tokens = [0, 2, 3, 1]
+    n = grammar.valid_prefix(tokens)
+    assert 0 < n < len(tokens)                      # a forbidden token inside the draft
+    fixed = cut_to_grammar(Draft(torch.tensor(tokens)), grammar)
+    assert fixed.tokens.tolist() == tokens[:n] and fixed.probs is None
+    q = torch.full((len(tokens), V), 1 / V)
+    drawn = cut_to_grammar(Draft(torch.tensor(tokens), q), grammar)
+    assert drawn.tokens.tolist() == tokens[:n + 1] and torch.equal(drawn.probs, q[:n + 1])

@@ -481,3 +481,18 @@ def test_learned_drafters_under_cuda_graphs_keep_the_eager_greedy_output(heads, 
             stats = llm.engine.graphs.stats
             assert stats["replayed"] > 5 and all(k[4] for k in llm.engine.graphs.graphs), stats   # features
     assert outs[0] == outs[1]
+
+
+def test_typical_acceptance_bar_is_the_smaller_of_threshold_and_entropy_term():
+    """Medusa's rule: accept x when p(x) > min(threshold, alpha * exp(-H(p))). A flat p (high
+    entropy) lowers the bar below the threshold: a candidate under the threshold but over the
+    entropy term is taken; a peaked p raises the entropy term past the threshold, which then bars."""
+    from specdec.verify import verify_tree_typical
+
+    g = torch.Generator().manual_seed(0)
+    flat = torch.full((2, 8), 1 / 8)                     # H = ln 8: alpha e^-H = 0.3 / 8 = 0.0375 < 0.09
+    assert verify_tree_typical([3], [-1], flat, g, threshold=0.2, alpha=0.3)[0] == [0]     # 0.125 > 0.0375
+    assert verify_tree_typical([3], [-1], flat, g, threshold=0.1, alpha=0.3)[0] == [0]     # 0.125 > 0.0375
+    peaked = torch.tensor([[0.94, 0.06, 0.0], [1 / 3, 1 / 3, 1 / 3]])   # H ~ 0.23: alpha e^-H ~ 0.24
+    assert verify_tree_typical([1], [-1], peaked, g, threshold=0.05, alpha=0.3)[0] == [0]   # 0.06 > min = 0.05
+    assert verify_tree_typical([1], [-1], peaked, g, threshold=0.09, alpha=0.3)[0] == []    # 0.06 < 0.09

@@ -41,3 +41,16 @@ def test_match_agrees_with_the_definition_on_random_sequences(kernel):
         n_min = int(rng.integers(1, n_max + 1))
         tokens, n = match(seq, k, n_max, n_min, kernel=kernel)
         assert (tokens.tolist(), n) == _reference(seq, k, n_max, n_min), (seq.tolist(), k, n_max, n_min)
+
+
+def test_the_proposer_copies_what_the_context_repeats():
+    """End to end: a greedy reply that repeats itself (the toy target's loop) is drafted from its
+    own earlier tokens and the drafts are accepted; a proposer that drafted garbage would still be
+    lossless, and only this shows it (a mutation tester's finding)."""
+    from specdec import LLM, SamplingParams
+
+    llm = LLM("models/target", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    out = llm.generate(["def add(a, b):\n    return a + b\n\ndef add(a, b):\n"],
+                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    assert out.stats.num_drafts > 0 and out.stats.acceptance_rate > 0.8

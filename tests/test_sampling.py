@@ -148,7 +148,7 @@ def test_kernel_rejection_plan_equals_pytorch(point_mass):
     draft = torch.randint(0, V, (K,), generator=g)
     if q is not None:
         q[2] = p[2]                                       # p == q on a row: nothing to draw there
-        q[3, draft[3]] = 0.0                              # q(x) = 0: accepted with probability 1
+        q[3, draft[3]] = 0.0                              # q(x) = 0: rejected (x cannot come from q)
     accept, cand = rejection_plan(draft, q, p)
     ref_accept, ref_cand = rejection_plan_torch(draft, q, p)
     torch.testing.assert_close(accept, ref_accept, rtol=1e-6, atol=0)

@@ -250,7 +250,7 @@ void sampling_draw(const float *probs, int R, int V, const double *u, int64_t *o
 }
 
 /* The deterministic half of rejection sampling (verify.py: rejection_plan) for a chain of K
- * drafts: accept[i] = min(1, p_i(x_i) / q_i(x_i)) (1 where q_i(x_i) = 0), cand[i] =
+ * drafts: accept[i] = min(1, p_i(x_i) / q_i(x_i)) (0 where q_i(x_i) = 0: x cannot have come from q), cand[i] =
  * norm(max(0, p_i - q_i)) for i < K (p_i itself where that is all zero: a rejection there has
  * probability 0), cand[K] = p_K. p [K + 1, V]; q [K, V], or NULL for a point mass on each draft
  * (n-gram and suffix lookups); draft [K]. */

@@ -13,6 +13,17 @@ VOCAB = 96
 torch.set_num_threads(1)   # 2-core machine: one thread is faster than two that contend
 
 
+def pytest_sessionstart(session) -> None:
+    """CI (.ci/run, SPECDEC_REQUIRE_KERNELS=1): the C kernels must build and pass their self-test
+    here, or the run fails at once; elsewhere the ~40 kernel tests skip where they cannot."""
+    if os.environ.get("SPECDEC_REQUIRE_KERNELS") == "1":
+        from specdec import kernels
+
+        if kernels.load() is None:
+            pytest.exit("SPECDEC_REQUIRE_KERNELS=1 but the C kernels did not load (a compiler? the CPU's "
+                        "instruction sets?): the bit-exactness tests would all skip", returncode=1)
+
+
 def make_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     """A byte-level BPE tokenizer trained on a few lines of code, with `vocab` tokens."""
     from specdec.train.tokenizer import train_tokenizer

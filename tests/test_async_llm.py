@@ -5,6 +5,7 @@ output kinds; abort, a consumer that stops, bad input, pause / resume, shutdown.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -83,8 +84,17 @@ def test_output_kinds(engine):
         assert parts[-1].finish_reason == "length" and all(c.finish_reason is None for c in parts[:-1])
 
 
-def test_abort_and_a_consumer_that_stops(engine):
+def test_abort_and_a_consumer_that_stops(engine, monkeypatch):
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    core, aborted = engine.llm.engine, []
+    real_abort = core.abort
+
+    def abort(request_id):                   # a spy: the engine's own abort, each one it did recorded
+        event = real_abort(request_id)
+        if event is not None:
+            aborted.append(event)
+        return event
+    monkeypatch.setattr(core, "abort", abort)
 
     async def main():
         outs = []
@@ -97,12 +107,17 @@ def test_abort_and_a_consumer_that_stops(engine):
             stopped += 1
             if stopped == 2:
                 break                        # the request is aborted: its seat and blocks come back
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 60     # (once the generator is closed and the engine thread gets to it)
+        while len(aborted) < 2 or core.has_unfinished():
+            assert time.monotonic() < deadline, (len(aborted), core.has_unfinished())
+            await asyncio.sleep(0.01)
         return outs
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert len(outs[-1].outputs[0].token_ids) < 200
-    assert not engine.llm.engine.has_unfinished()
+    # both left through an abort, "b" too (not by running its 200 tokens out)
+    assert len(aborted) == 2 and all(e.finish_reason == "abort" and e.stats.output_tokens < 200 for e in aborted)
+    assert not core.has_unfinished()
 
 
 def test_bad_input_is_a_value_error(engine):
@@ -138,8 +153,13 @@ def test_pause_resume_and_alias(engine):
         await engine.pause_generation(mode="keep")
         assert await engine.is_paused()
         task = asyncio.create_task(_collect(engine, PROMPTS[1], SamplingParams(max_tokens=8, temperature=0), "p"))
+        worker, deadline = engine._worker, time.monotonic() + 60
+        while worker.num_waiting == 0:       # submitted: queued for the paused engine ...
+            assert time.monotonic() < deadline and not task.done(), "the request did not queue"
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
-        assert not task.done()               # held while paused
+        # ... and held there while paused
+        assert not task.done() and worker.num_waiting == 1 and engine.llm.engine.num_running == 0
         await engine.resume_generation()
         outs = await task
         with pytest.raises(ValueError, match="pause mode"):

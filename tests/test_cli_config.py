@@ -5,10 +5,8 @@ file of flags, the command line winning over it), a JSON flag's keys given one a
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +15,8 @@ import pytest
 
 from specdec.cli import main
 from specdec.server.cli import parse_args
+
+from serve_helpers import wait_listening
 
 
 def _yaml(tmp_path: Path, text: str) -> str:
@@ -119,32 +119,23 @@ def test_generate_reads_a_config_file(tiny_pair, tmp_path, capsys):
 
 def test_serve_with_a_config_file(tiny_pair, tmp_path):
     """A real server started from `--config`: its names, context length and speculative method are
-    the file's, its port the command line's."""
+    the file's, its port the command line's (--port 0: the kernel's pick, read from the log)."""
     target, draft = tiny_pair
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = _yaml(tmp_path, f"""
 model: {target}
 served_model_name: [cfg-model]
 max-model-len: 0.2k
 port: 1                                  # the command line's --port wins
 speculative-config: {{model: "{draft}", num_speculative_tokens: 3}}
-uvicorn-log-level: warning
+uvicorn-log-level: info                  # (not warning: "Uvicorn running on" is an INFO line)
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--config", cfg, "--port", str(port)],
-                            stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--config", cfg, "--port", "0"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        url = wait_listening(proc, log, timeout=120)
+        assert int(url.rsplit(":", 1)[1]) != 1                  # not the file's port
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         model = client.models.list().data[0]
         assert model.id == "cfg-model" and model.model_extra["max_model_len"] == 200

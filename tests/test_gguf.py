@@ -297,8 +297,11 @@ def test_draft_vocabulary_mismatch(gguf_files, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "token id 40" in err and str(bad) in err
     assert main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
+    assert capsys.readouterr().err == f"specdec: error: {tmp_path / 'missing.gguf'}: no such file\n"
     assert main(["serve", "--model", str(gguf_files["llama_q"]), "--speculative-model", str(bad), "--port", "0"]) == 2
-    assert capsys.readouterr().err.count("specdec: error: ") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"specdec: error: {bad}: the draft's vocabulary differs from the "
+                                                   f"target's at token id 40"), err
 
 
 def test_quantization_flag_needs_a_gguf(tiny_pair, capsys):

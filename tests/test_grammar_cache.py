@@ -205,7 +205,20 @@ def test_a_client_that_leaves_drops_its_queued_compiles(tiny_pair, monkeypatch):
     from test_server import LiveServer
 
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
-    built = _builders(monkeypatch)
+    built = _builders(monkeypatch)           # compiles started ...
+    done, started = [], llguidance.LLMatcher
+
+    class Finished:                          # ... and those finished
+        def __call__(self, *a, **k):
+            try:
+                return started(*a, **k)
+            finally:
+                done.append(1)
+
+        def __getattr__(self, name):
+            return getattr(started, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Finished())
     big = {"anyOf": [{"type": "object", "additionalProperties": False, "required": [f"f{i}"],
                       "properties": {f"f{i}": {"type": "string", "pattern": f"^v{i}[a-z]*$"}}} for i in range(2000)]}
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("tiny",)))) as live:
@@ -213,10 +226,18 @@ def test_a_client_that_leaves_drops_its_queued_compiles(tiny_pair, monkeypatch):
                 "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.3)
-        time.sleep(3)
-        settled = len(built)
-        time.sleep(2)
-        assert len(built) == settled < 16, built          # nothing more compiled for the departed client
+        # the grammar threads go idle: every compile started has finished and none started for 2 s
+        # (one runs right after another while any are queued), however slowly they run
+        deadline, last, since = time.monotonic() + 90, None, time.monotonic()
+        while True:
+            state = (len(built), len(done))
+            if state != last:
+                last, since = state, time.monotonic()
+            elif state[0] == state[1] and time.monotonic() - since >= 2:
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        assert len(built) < 16, built                      # nothing more compiled for the departed client
         r = httpx.post(f"{live.url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "x = ", "max_tokens": 20, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})

@@ -140,7 +140,16 @@ def live(pair):
     app = build_app(llm, ServerConfig(served_model_names=("tiny",), dev_mode=True))
     with LiveServer(app) as server:
         server.llm = llm
+        server.worker = app.state.service.worker
         yield server
+
+
+def _until(condition, what: str, timeout: float = 60) -> None:
+    """Poll condition() until it holds (a generous deadline: a loaded machine is slow, not wrong)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 16) -> dict:
@@ -172,8 +181,9 @@ def test_pause_abort_ends_streams_and_holds_new_requests_until_resume(live):
     result = {}
     waiter = threading.Thread(target=lambda: result.update(_complete(live.url, PROMPTS[1])))
     waiter.start()
-    time.sleep(0.5)
-    assert waiter.is_alive() and live.llm.engine.num_running == 0
+    _until(lambda: live.worker.num_waiting == 1, "the request to reach the paused engine's queue")
+    time.sleep(0.3)                          # arrived: it stays queued, nothing runs
+    assert waiter.is_alive() and live.llm.engine.num_running == 0 and live.worker.num_waiting == 1
     assert http.post("/resume").json() == {"status": "resumed"}
     waiter.join(30)
     assert result["finish_reason"] == "length" and http.get("/is_paused").json() == {"is_paused": False}
@@ -299,14 +309,17 @@ def test_pause_holds_embeddings_and_aborts_beams_and_responses(pair):
     target, draft, _, _, _ = pair
     # a pooling server: embeddings wait while paused
     app = build_app(LLM(model=str(target), dtype="float32", runner="pooling"), ServerConfig(served_model_names=("e",)))
+    worker = app.state.service.worker
     with LiveServer(app) as server:
         http = httpx.Client(base_url=server.url, timeout=http_timeout)
         assert http.post("/pause", params={"mode": "keep"}).status_code == 200
         got = {}
         t = threading.Thread(target=lambda: got.update(r=http.post("/v1/embeddings", json={"model": "e", "input": "hi"})))
         t.start()
-        time.sleep(0.5)
-        assert t.is_alive()
+        # the embedding's work reached the engine's thread (a call that computes waits while paused) ...
+        _until(lambda: any(work for _, _, work in list(worker._calls)), "the embedding to reach the worker")
+        time.sleep(0.3)
+        assert t.is_alive() and any(work for _, _, work in list(worker._calls))      # ... and is held there
         http.post("/resume")
         t.join(30)
         assert got["r"].status_code == 200
@@ -346,7 +359,8 @@ def test_calls_while_paused_step_nothing(live):
     while live.llm.engine.num_running == 0:
         time.sleep(0.002)
     assert http.post("/pause", params={"mode": "keep"}).status_code == 200
-    time.sleep(0.3)                          # a step under way when the pause came ends
+    # a step under way when the pause came ends: a call runs on the engine's thread only between steps
+    live.worker.call(lambda engine: None).result(timeout=60)
     (req,) = live.llm.engine.scheduler.running
     before = len(req.out)
     try:
@@ -418,34 +432,26 @@ def test_replicas_send_control_routes_to_every_replica(pair):
 def test_sigterm_while_paused_drains_and_exits(pair, tmp_path):
     """A paused engine holds requests that uvicorn waits for before shutting down: SIGTERM resumes it."""
     import signal
-    import socket
     import subprocess
     import sys
 
+    from serve_helpers import wait_listening
+
     target = pair[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(target), "--port", str(port),
-                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+    # --port 0: the port the server holds from the start, read from its log (no race for a free one)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(target), "--port", "0",
+                             "--served-model-name", "tiny", "--enable-server-load-tracking"],
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        url = wait_listening(proc, tmp_path / "server.log", timeout=120)
         assert httpx.post(url + "/pause", params={"mode": "keep"}).status_code == 200
         got = {}
         held = threading.Thread(target=lambda: got.update(r=httpx.post(
             url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5}, timeout=60)))
         held.start()
-        time.sleep(0.5)
+        # GET /load counts the requests in flight: the held one has reached the server before SIGTERM
+        _until(lambda: httpx.get(url + "/load", timeout=10).json()["server_load"] == 1, "the request to arrive")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)       # uvicorn raises the signal again once drained
         held.join(10)

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from specdec import LLM
 from specdec.server.app import build_app
 from specdec.server.config import ServerConfig
 from specdec.server.run_batch import asgi_request
+
+from serve_helpers import wait_listening
 
 SPEC = re.compile(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), Accepted throughput: ([\d.]+) tokens/s, "
                   r"Drafted throughput: ([\d.]+) tokens/s, Accepted: (\d+) tokens, Drafted: (\d+) tokens, "
@@ -70,44 +71,51 @@ def test_interval_lines_add_up_to_the_counters(tiny_pair):
     assert float(engine[3].group(6)) > 0          # the repeated prompt found its blocks in the prefix cache
 
 
-def _serve(target, *flags, env_extra=None):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _serve(target, log, *flags, env_extra=None):
+    """`specdec serve` on --port 0 (the port it holds, read from its log: no race for a free one),
+    its output in the file `log` -> (process, url) once /health answers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
            **(env_extra or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(target), "--port", str(port),
-                             "--served-model-name", "m", *flags], stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(target), "--port", "0",
+                             "--served-model-name", "m", *flags], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=env)
+    try:
+        return proc, wait_listening(proc, log, timeout=120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_a_live_server_logs_its_stats(tiny_pair, disabled):
+def test_a_live_server_logs_its_stats(tiny_pair, tmp_path, disabled):
     target, draft = tiny_pair
     flags = ["--speculative-model", str(draft), "--num-speculative-tokens", "2"] + (["--disable-log-stats"] if disabled else [])
-    proc, url = _serve(target, *flags, env_extra={"VLLM_LOG_STATS_INTERVAL": "0.3"})
+    log = tmp_path / "serve.log"
+    proc, url = _serve(target, log, *flags, env_extra={"VLLM_LOG_STATS_INTERVAL": "0.3"})
+
+    def stats() -> list[str]:
+        return [line for line in log.read_text().splitlines() if "specdec.server.stats" in line]
+
     try:
         for _ in range(3):
             r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "def f(x):", "max_tokens": 40,
                                                           "temperature": 0, "ignore_eos": True}, timeout=60)
             assert r.status_code == 200
-        time.sleep(1.0)                  # the interval after the last request ends
+        if disabled:
+            time.sleep(1.5)              # five intervals: a logger left on would have written by now
+        else:                            # both lines, however slowly the logger's thread gets to run
+            deadline = time.monotonic() + 60
+            while not (any(ENGINE.search(line) for line in stats()) and any(SPEC.search(line) for line in stats())):
+                assert time.monotonic() < deadline, stats()
+                time.sleep(0.1)
     finally:
         proc.terminate()
-        err = proc.communicate(timeout=30)[1]
-    stats = [line for line in err.splitlines() if "specdec.server.stats" in line]
+        proc.wait(timeout=30)
     if disabled:
-        assert stats == []
+        assert stats() == []
     else:
-        assert any(ENGINE.search(line) for line in stats) and any(SPEC.search(line) for line in stats)
+        assert any(ENGINE.search(line) for line in stats()) and any(SPEC.search(line) for line in stats())
 
 
 def test_a_bad_interval_is_refused(tmp_path, capsys, monkeypatch):

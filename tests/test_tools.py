@@ -374,9 +374,15 @@ def test_auto_is_refused_without_the_flags():
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, max_tokens=4)
         assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
+        # "required" needs neither flag: the reply is held to an array of calls. One call at most
+        # (parallel_tool_calls false: the array closes after it), so the toy model, which would
+        # otherwise go on calling until max_tokens, ends it and the call is taken out
         ok = c.chat.completions.create(model="toy", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=60,
-                                       temperature=0)
-        assert ok.choices[0].message.tool_calls or ok.choices[0].finish_reason == "length"
+                                       temperature=0, parallel_tool_calls=False)
+        (call,) = ok.choices[0].message.tool_calls
+        assert ok.choices[0].finish_reason == "tool_calls" and ok.choices[0].message.content is None
+        assert call.function.name in {t["function"]["name"] for t in TOOLS}
+        assert isinstance(json.loads(call.function.arguments), dict)
 
 
 def test_pythonic_parser_through_the_server():

@@ -683,3 +683,43 @@ def test_a_request_template_that_would_eat_the_server_is_a_400(templated, templa
                    timeout=120)
     assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
     assert _chat_json(templated.url, messages=msgs)[0] == 200            # and the server serves on
+
+
+def test_client_certificates_with_ssl_ca_certs_and_cert_reqs(live, tmp_path):
+    """vLLM's --ssl-ca-certs and --ssl-cert-reqs 2 (CERT_REQUIRED): a client without a certificate
+    that CA signed is refused at the handshake; one with it is served."""
+    import shutil
+    import ssl
+    import subprocess
+
+    import httpx
+
+    from specdec.server.cli import build_parser, ssl_settings
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make certificates")
+
+    def run(*cmd):
+        subprocess.run(["openssl", *map(str, cmd)], check=True, capture_output=True)
+
+    ca_key, ca = tmp_path / "ca.key", tmp_path / "ca.pem"
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=test CA")
+    paths = {}
+    for who, subject in (("server", "/CN=127.0.0.1"), ("client", "/CN=a client")):
+        key, csr, cert = (tmp_path / f"{who}.{ext}" for ext in ("key", "csr", "pem"))
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", subject)
+        ext = tmp_path / f"{who}.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n" if who == "server" else "extendedKeyUsage=clientAuth\n")
+        run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1",
+            "-extfile", ext)
+        paths[who] = (key, cert)
+    args = build_parser().parse_args(["--ssl-keyfile", str(paths["server"][0]), "--ssl-certfile", str(paths["server"][1]),
+                                      "--ssl-ca-certs", str(ca), "--ssl-cert-reqs", "2"])
+    config = ServerConfig(served_model_names=("toy",))
+    with _served(build_app(_own_llm(), config), config, ssl_settings(args)) as server:
+        anonymous = ssl.create_default_context(cafile=str(ca))
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(server.url + "/health", verify=anonymous)
+        known = ssl.create_default_context(cafile=str(ca))
+        known.load_cert_chain(str(paths["client"][1]), str(paths["client"][0]))
+        assert httpx.get(server.url + "/health", verify=known).json() == {"status": "ok"}

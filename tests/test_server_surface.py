@@ -723,3 +723,27 @@ def test_client_certificates_with_ssl_ca_certs_and_cert_reqs(live, tmp_path):
         known = ssl.create_default_context(cafile=str(ca))
         known.load_cert_chain(str(paths["client"][1]), str(paths["client"][0]))
         assert httpx.get(server.url + "/health", verify=known).json() == {"status": "ok"}
+
+
+def test_the_http_flags_reach_the_server_from_the_command_line(live):
+    """--max-request-bytes, --allowed-methods and --allowed-headers as a command line gives them:
+    a body over the set limit is a 413 (one under it is read), and a preflight asking for a method
+    or header outside the lists is refused while the listed ones are allowed."""
+    import httpx
+
+    from specdec.server.cli import parse_args, server_config
+
+    args, _ = parse_args([str(BUNDLED_TARGET), "--served-model-name", "toy", "--max-request-bytes", "4096",
+                          "--allowed-methods", '["POST"]', "--allowed-headers", '["content-type"]'])
+    config = server_config(args)
+    with LiveServer(build_app(_own_llm(), config)) as server:
+        pad = {"model": "toy", "prompt": "x", "max_tokens": 1, "user": "u" * 5000}
+        assert httpx.post(server.url + "/v1/completions", json=pad).status_code == 413
+        assert httpx.post(server.url + "/v1/completions", json={**pad, "user": "u" * 3000}).status_code == 200
+        asked = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+        ok = httpx.options(server.url + "/v1/completions", headers=asked)
+        assert ok.status_code == 200 and "POST" in ok.headers["access-control-allow-methods"]
+        assert "DELETE" not in ok.headers["access-control-allow-methods"]
+        for bad in ({"Access-Control-Request-Method": "DELETE"}, {"Access-Control-Request-Headers": "x-secret"}):
+            assert httpx.options(server.url + "/v1/completions", headers={**asked, **bad}).status_code == 400

@@ -140,3 +140,37 @@ def test_urls_in_and_out(tiny_pair, tmp_path):
 def test_parse_lines_skips_blank_lines():
     rows = parse_lines('\n{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n\n', "f")
     assert [(r.number, r.custom_id) for r in rows] == [(2, "a")]
+
+
+def test_a_failed_upload_keeps_the_results_in_the_output_tmp_dir(tiny_pair, tmp_path, capsys):
+    """-o to a URL that refuses the PUT: the run fails in one line naming the file the results
+    were kept in, under --output-tmp-dir; --enable-metrics is taken with its warning."""
+    target, _ = tiny_pair
+    rows = [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": "def f", "max_tokens": 3}}]
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    try:
+        code = main(["run-batch", "-i", _write(tmp_path / "in.jsonl", rows), "-o",
+                     f"http://127.0.0.1:{server.server_address[1]}/out.jsonl", "--output-tmp-dir", str(keep),
+                     "--model", str(target), "--served-model-name", "m", "--enable-metrics"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert code != 0 and "--enable-metrics: no metrics port here" in err
+    assert "the upload got HTTP 503" in err and str(keep) in err
+    (kept,) = keep.glob("*.jsonl")
+    (line,) = kept.read_text().splitlines()
+    assert json.loads(line)["response"]["body"]["usage"]["completion_tokens"] == 3

@@ -9,7 +9,6 @@ row of every step."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch

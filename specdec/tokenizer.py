@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from pathlib import Path
 
 import jinja2
-import jinja2.sandbox
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .jinja_sandbox import (MAX_RENDERED_CHARS, TemplateProcessError, bounded, environment, failure,
+                            isolated_renderer)
 from .model.config import text_config
 
 
@@ -356,7 +355,8 @@ class Tokenizer:
                             chat_template: str | None = None, continue_final_message: bool = False, *,
                             tokenize: bool = False, return_dict: bool = True, padding: bool | str = False,
                             truncation: bool = False, max_length: int | None = None,
-                            return_tensors: str | None = None, tokenizer_kwargs: dict | None = None, **kwargs):
+                            return_tensors: str | None = None, tokenizer_kwargs: dict | None = None,
+                            sandbox_process: bool = False, **kwargs):
         """The prompt text; encode it with add_special_tokens=False (the template writes BOS).
         messages may be a list of conversations (then a list of texts). Other kwargs (tools,
         documents, ...) are template variables.
@@ -365,10 +365,11 @@ class Tokenizer:
         with return_dict=True, the ids alone with return_dict=False; padding, truncation,
         max_length, return_tensors and tokenizer_kwargs go to __call__. Unlike transformers,
         tokenize and add_generation_prompt default to False and True (specdec's callers want
-        the text of a prompt for the assistant)."""
+        the text of a prompt for the assistant). sandbox_process: render in a child process with a
+        memory and a time limit (a template sent with a request: jinja_sandbox.IsolatedRenderer)."""
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
-        texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs)
-                 for c in (messages if batched else [messages])]
+        texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs,
+                              sandbox_process) for c in (messages if batched else [messages])]
         if not tokenize:
             return texts if batched else texts[0]
         out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
@@ -376,24 +377,27 @@ class Tokenizer:
         return out if return_dict else out["input_ids"]
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                continue_final_message: bool, kwargs: dict) -> str:
+                continue_final_message: bool, kwargs: dict, sandbox_process: bool = False) -> str:
         template = chat_template or self.chat_template
         if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
             raise TokenizerError(NO_CHAT_TEMPLATE)
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
+        context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                       unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
         try:
-            text = _bounded(_environment().from_string(template).generate(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs))
-        except jinja2.TemplateError as e:
+            if sandbox_process:     # a request's own template: in the child, under its limits
+                text = isolated_renderer().render(template, context)
+            else:
+                text = bounded(environment().from_string(template).generate(**context))
+        except TemplateProcessError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
         except Exception as e:      # noqa: BLE001 - whatever a template raises is its input's fault (vLLM: 400)
             # the template met a value of a shape it does not take (vLLM's serving answers these
             # with a 400 too): e.g. content as a list of parts for a template that adds strings,
             # an OverflowError of its arithmetic, a RecursionError
-            raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise TokenizerError(f"chat template failed: {failure(e)}") from None
         if continue_final_message:   # cut what the template wrote after the last message
             last = messages[-1].get("content") if messages else None
             if isinstance(last, list):       # text parts: the last one, as transformers reads it
@@ -472,59 +476,9 @@ def _tensor(rows: list[list[int]], kind: str):
     return torch.tensor(rows, dtype=torch.long)
 
 
-# What a chat template may make: its rendered text, and any one string or list its `*` builds
-# (characters or items). A template runs on the server's memory: a request's own template (vLLM's
-# --trust-request-chat-template) of 32 bytes, {{ 'a' * 10**10 }}, asked for 10 GB at once.
-MAX_RENDERED_CHARS = 1 << 24
-MAX_POWER_EXPONENT = 1 << 16
-
-
-def _bounded(chunks) -> str:
-    """The rendered chunks joined, refused once they pass MAX_RENDERED_CHARS (a loop that writes
-    without end stops there, before it holds the memory)."""
-    out, size = [], 0
-    for chunk in chunks:
-        size += len(chunk)
-        if size > MAX_RENDERED_CHARS:
-            raise jinja2.TemplateError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters")
-        out.append(chunk)
-    return "".join(out)
-
-
-class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox, whose `range` is capped but whose `*` and `**` are not: a
-    repeated string or list larger than MAX_RENDERED_CHARS, and an integer power of an exponent
-    over MAX_POWER_EXPONENT, are refused before they are computed."""
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
-                        len(seq) * times > MAX_RENDERED_CHARS:
-                    raise jinja2.sandbox.SecurityError(f"a repetition larger than {MAX_RENDERED_CHARS} is not allowed")
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and \
-                abs(right) > MAX_POWER_EXPONENT and abs(left) > 1:
-            raise jinja2.sandbox.SecurityError(f"an exponent over {MAX_POWER_EXPONENT} is not allowed")
-        return super().call_binop(context, operator, left, right)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    """Jinja as transformers renders chat templates (templates from a model file are untrusted:
-    sandboxed): trimmed blocks, loop controls, raise_exception, strftime_now, a tojson that
-    keeps non-ASCII text; a repetition, a power and the rendered text bounded (_ChatSandbox)."""
-    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-    def raise_exception(msg):
-        raise jinja2.TemplateError(msg)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = tojson
-    return env
+# Chat templates render in Jinja's immutable sandbox, bounded (specdec/jinja_sandbox.py); a
+# request's own template in a child process with a memory and a time limit.
+_environment, _bounded, MAX_RENDERED_CHARS = environment, bounded, MAX_RENDERED_CHARS
 
 
 NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template; pass --chat-template (a Jinja file or the "

@@ -616,13 +616,26 @@ def test_several_api_keys_any_of_them_opens_the_api(tiny_pair):
     assert server_config(args).api_key == "only"
 
 
-def test_an_overlong_request_id_header_is_refused(tiny_pair):
-    """X-Request-Id names the response and each of its stream chunks: past 512 bytes it is a 400
-    (a 1 MB id made a 500-token stream 176 MB); a normal one still names the response."""
+def test_an_overlong_request_id_header_is_not_taken(tiny_pair):
+    """X-Request-Id names the response and each of its stream chunks: past 512 bytes the server
+    makes its own id instead (a 1 MB id made a 500-token stream 176 MB); probes are not refused;
+    a normal one still names the response."""
     llm = LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=64)
-    with LiveServer(build_app(llm, ServerConfig(served_model_names=("k",)))) as live:
+    config = ServerConfig(served_model_names=("k",), enable_request_id_headers=True)
+    with LiveServer(build_app(llm, config)) as live:
         body = {"prompt": "x", "max_tokens": 2}
-        r = httpx.post(live.url + "/v1/completions", json=body, headers={"x-request-id": "r" * 513})
-        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+        long = {"x-request-id": "r" * 513}
+        r = httpx.post(live.url + "/v1/completions", json=body, headers=long)
+        assert r.status_code == 200 and len(r.json()["id"]) < 100 and r.headers["x-request-id"] != "r" * 513
+        assert httpx.get(live.url + "/health", headers=long).status_code == 200
         r = httpx.post(live.url + "/v1/completions", json=body, headers={"x-request-id": "r" * 512})
         assert r.status_code == 200 and r.json()["id"] == "cmpl-" + "r" * 512
+
+
+def test_a_model_after_the_api_key_is_not_taken_as_a_second_key(tiny_pair):
+    """--api-key takes several keys, so `--api-key KEY MODEL` would serve the default model with
+    MODEL as a key: a key that is a path is refused in one line."""
+    with pytest.raises(ValueError, match="--api-key took .* as a second key, and it is a path"):
+        parse_args(["--api-key", "k1", str(tiny_pair[0])])
+    args, _ = parse_args([str(tiny_pair[0]), "--api-key", "k1", "k2"])
+    assert args.model == str(tiny_pair[0]) and args.api_key == ["k1", "k2"]

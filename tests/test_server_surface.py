@@ -669,11 +669,19 @@ def test_openai_details_found_by_a_users_probe(client, live, ref):
      "rendered prompt"),                                                 # 10 GB written bit by bit: stopped
     ("{{ 7 ** 100000000 }}", "exponent"),
     ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),       # the sandbox's own guard: was a 500
-    ("{{ (10**400) / 1.5 }}", "OverflowError")])
+    ("{{ (10**400) / 1.5 }}", "OverflowError"),
+    # what the sandbox does not bound runs into the child's memory limit (the server's stays flat)
+    ("{{ 'a' | center(700000000) }}", "MiB"), ("{{ '%300000000d' % 1 }}", "MiB"),
+    ("{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}",
+     "MiB")])
 def test_a_request_template_that_would_eat_the_server_is_a_400(templated, template, what):
-    """A request's own template (--trust-request-chat-template) runs on the server's memory and
-    CPU: products, powers and the rendered text are bounded, and whatever a template raises is a
-    400 naming chat_template, on chat and on /tokenize (which needs no key)."""
+    """A request's own template (--trust-request-chat-template) runs in a child process with a
+    memory limit: products, powers and the rendered text are bounded, what they do not bound
+    (a filter's width, a doubling loop) meets the limit, the server's own memory does not grow,
+    and whatever a template raises is a 400 naming chat_template, on chat and on /tokenize
+    (which needs no key)."""
+    import resource
+
     import httpx
 
     msgs = [{"role": "user", "content": "hi"}]
@@ -683,6 +691,23 @@ def test_a_request_template_that_would_eat_the_server_is_a_400(templated, templa
                    timeout=120)
     assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
     assert _chat_json(templated.url, messages=msgs)[0] == 200            # and the server serves on
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10       # this process: the server's
+    assert peak < 3 << 30, peak
+
+
+def test_a_request_template_that_never_ends_is_stopped(templated, monkeypatch):
+    """Two nested loops that write nothing (10^10 iterations) end at the time limit with a 400;
+    the next request's template renders in a new child."""
+    from specdec import jinja_sandbox
+
+    monkeypatch.setattr(jinja_sandbox, "TEMPLATE_SECONDS", 2.0)
+    msgs = [{"role": "user", "content": "hi"}]
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    t0 = time.monotonic()
+    status, out = _chat_json(templated.url, messages=msgs, chat_template=loop)
+    assert status == 400 and "longer than 2 s" in out["error"]["message"] and time.monotonic() - t0 < 30
+    status, out = _chat_json(templated.url, messages=msgs, chat_template=PLAIN_TEMPLATE)
+    assert status == 200 and out["usage"]["prompt_tokens"] > 0
 
 
 def test_client_certificates_with_ssl_ca_certs_and_cert_reqs(live, tmp_path):

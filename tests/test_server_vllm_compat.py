@@ -318,7 +318,8 @@ def test_batch_chat_a_bad_conversation_fails_the_request_and_leaves_nothing_runn
     r = http.post("/v1/chat/completions/batch", json={"model": NAMES[0], "messages": [CONVERSATIONS[0], long],
                                                       "max_tokens": 4})
     assert r.status_code == 400, r.text
-    assert "messages" in (r.json()["error"].get("param") or "") + r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["param"].startswith("messages[1]") and err["message"].startswith("conversation 1: ")
     deadline = time.time() + 10
     while server.app.state.service.engine.num_running and time.time() < deadline:
         time.sleep(0.05)
@@ -362,3 +363,28 @@ def test_return_token_ids_on_chat_streamed_and_not(http):
     chunks = sse(http.post("/v1/chat/completions", json={**req, "stream": True}))
     assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+
+
+def test_return_token_ids_streamed_chat_with_n_names_the_prompt_for_each_choice(http):
+    """vLLM's: each choice's first chunk (its role) carries prompt_token_ids."""
+    req = {"model": NAMES[0], "messages": CONVERSATIONS[0], "max_tokens": 4, "n": 2, "temperature": 1, "seed": 3,
+           "return_token_ids": True, "stream": True}
+    chunks = sse(http.post("/v1/chat/completions", json=req))
+    openings = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert sorted(c["choices"][0]["index"] for c in openings) == [0, 1]
+    assert all(c["prompt_token_ids"] == openings[0]["prompt_token_ids"] != [] for c in openings)
+    assert all("prompt_token_ids" not in c for c in chunks if c not in openings)
+
+
+def test_return_token_ids_with_beam_search(http):
+    """The beams carry their ids as sampled choices do (vLLM's beam search answers too)."""
+    base = {"model": NAMES[0], "max_tokens": 5, "n": 2, "use_beam_search": True, "return_token_ids": True}
+    body = http.post("/v1/completions", json={**base, "prompt": "The cat"}).json()
+    prompt = http.post("/tokenize", json={"model": NAMES[0], "prompt": "The cat"}).json()["tokens"]
+    for c in body["choices"]:
+        assert c["prompt_token_ids"] == prompt and c["token_ids"]
+        assert http.post("/detokenize", json={"model": NAMES[0], "tokens": c["token_ids"]}).json()["prompt"] == c["text"]
+    chat = http.post("/v1/chat/completions", json={**base, "messages": CONVERSATIONS[0]}).json()
+    assert chat["prompt_token_ids"] == http.post("/tokenize", json={"model": NAMES[0], "messages": CONVERSATIONS[0]}
+                                                 ).json()["tokens"]
+    assert all(c["token_ids"] for c in chat["choices"])

@@ -124,9 +124,8 @@ class _RequestIds:
         raw = headers.get(b"x-request-id")
         if raw is not None and len(raw) > MAX_REQUEST_ID_BYTES:
             # the id names the response, every stream chunk and log line: a 1 MB header made a
-            # 500-token stream 176 MB (no body limit covers headers)
-            response = error_response(400, f"X-Request-Id is longer than {MAX_REQUEST_ID_BYTES} bytes", "X-Request-Id")
-            return await response(scope, receive, send)
+            # 500-token stream 176 MB (no body limit covers headers); such an id is not taken
+            raw = None
         rid = raw.decode("latin-1") if raw else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         trace = {name: headers[key].decode("latin-1") for name in TRACE_HEADERS
@@ -353,7 +352,7 @@ def _api_routes(service: Service) -> APIRouter:
             if refused:
                 raise APIError(400, message, param)
         singles = [body.single(conversation) for conversation in body.messages]
-        prepared = await service.off_loop(lambda: [_prepare_chat(service, one) for one in singles])
+        prepared = await service.off_loop(lambda: [_prepare_one(service, one, i) for i, one in enumerate(singles)])
         prompts = [p for one in prepared for p in one[0]]
         if not await _compiled(request, service, prompts, prepared[0][1]):
             return Response(status_code=499)
@@ -376,6 +375,17 @@ def _api_routes(service: Service) -> APIRouter:
 def _prepare_chat(service: Service, body: ChatCompletionRequest):
     """(prompts, params, tools, prediction) of one chat request: its template, checks and parameters."""
     return (*service.prepare_chat(body), service.prediction_ids(body))
+
+
+def _prepare_one(service: Service, body: ChatCompletionRequest, i: int):
+    """A batch's conversation i prepared; its errors name it (messages[i]...)."""
+    try:
+        return _prepare_chat(service, body)
+    except APIError as e:
+        if e.param is not None and e.param.startswith("messages"):
+            e.param = f"messages[{i}]" + e.param[len("messages"):]
+        e.message = f"conversation {i}: {e.message}"
+        raise
 
 
 def _chat_run(service: Service, body: ChatCompletionRequest, prepared, arrival: float, lora, rid: str):

@@ -30,7 +30,9 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
             ids = search.output_ids(beam, len(prompt))
             completion_tokens += len(ids)
             choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids, skip_special_tokens=True),
-                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
+                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
+                            **({"token_ids": list(ids), "prompt_token_ids": list(prompt)} if body.return_token_ids
+                               else {})})
     return _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
                    completion_tokens)
 
@@ -54,9 +56,13 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         completion_tokens += len(ids)
         choices.append({"index": j, "message": {"role": service.config.response_role,
                                                 "content": echo + service.tokenizer.decode(ids, skip_special_tokens=True)},
-                        "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None})
-    return _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
-                   completion_tokens)
+                        "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
+                        **({"token_ids": list(ids)} if body.return_token_ids else {})})
+    answer = _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
+                     completion_tokens)
+    if body.return_token_ids:            # vLLM's: the prompt's ids beside the choices
+        answer["prompt_token_ids"] = list(prompts[0])
+    return answer
 
 
 async def _search(service, body, prompts: list[list[int]], max_tokens: int | None, arrival: float, lora,

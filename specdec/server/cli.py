@@ -309,11 +309,23 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
         args.model = tag
+    _check_api_keys(args)
     if args.model is None:
         args.model = args.config_model
     fold_legacy_speculative(args)
     _data_parallel_as_replicas(args)
     return args, ignored_flags(unknown, [s for a in parser._actions for s in a.option_strings])
+
+
+def _check_api_keys(args) -> None:
+    """--api-key takes several keys (vLLM's), so `--api-key KEY MODEL` takes the model as a second
+    key: a key that names an existing file or folder is refused, the model named first instead."""
+    keys = getattr(args, "api_key", None)
+    if isinstance(keys, list) and len(keys) > 1:
+        for key in keys[1:]:
+            if os.path.exists(key):
+                raise ValueError(f"--api-key took {key!r} as a second key, and it is a path: name the model "
+                                 f"before the flags (specdec serve MODEL --api-key KEY) or with --model")
 
 
 def _data_parallel_as_replicas(args) -> None:

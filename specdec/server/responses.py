@@ -313,7 +313,8 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
     echo = [fmt.prefix(i // gen.params.n) for i in range(n_choices)]
     held = [None] * n_choices        # prompt logprobs not sent yet
     # return_token_ids: each chunk carries the ids generated since its choice's last chunk; the
-    # prompt's go in the first chunk (chat: the response's first; completions: each choice's)
+    # prompt's go in each choice's first chunk (chat: on the chunk, beside its role; completions:
+    # on the choice), as vLLM's
     ids = [[] for _ in range(n_choices)] if fmt.return_token_ids else None
     chat_prompt_ids = fmt.return_token_ids and not isinstance(fmt, CompletionFormat)
     first = [True] * n_choices
@@ -322,8 +323,8 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
             for i in range(n_choices):
                 if (opening := fmt.opening(i)) is not None:
                     chunk = {**head, "choices": [opening], **extra(i)}
-                    if chat_prompt_ids and i == 0:
-                        chunk["prompt_token_ids"], chat_prompt_ids = list(gen.prompt_of(0)), False
+                    if chat_prompt_ids:
+                        chunk["prompt_token_ids"] = list(gen.prompt_of(i))
                     yield _sse(chunk)
             async for index, ev in gen.steps():
                 tokens += len(ev.token_ids)
@@ -346,8 +347,6 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
                         choice["prompt_token_ids"] = list(gen.prompt_of(index))
                 first[index] = False
                 chunk = {**head, "choices": [choice], **extra(index)}
-                if chat_prompt_ids:
-                    chunk["prompt_token_ids"], chat_prompt_ids = list(gen.prompt_of(0)), False
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()
                 yield _sse(chunk)

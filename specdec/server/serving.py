@@ -346,7 +346,8 @@ class Service:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template or self.config.chat_template,
-                continue_final_message=req.continue_final_message, **kwargs)
+                continue_final_message=req.continue_final_message,
+                sandbox_process=req.chat_template is not None, **kwargs)      # a request's template: in a child
         except TokenizerError as e:
             raise APIError(400, str(e), "chat_template" if req.chat_template else "messages") from None
 

@@ -1,0 +1,195 @@
+"""Chat templates in Jinja's immutable sandbox, and a child process that renders the templates
+requests bring (vLLM's --trust-request-chat-template) under a memory and a time limit.
+
+Jinja's sandbox keeps a template from reaching Python's internals but not from using the
+machine: `{{ 'a' | center(10**10) }}` asks for 10 GB in 31 bytes, and two nested loops run for
+hours. A model's own template is trusted and renders in the process; a request's runs in a child
+with an address-space limit (RLIMIT_AS) and a deadline, killed and restarted when it passes
+either, so that the server itself neither grows nor waits. This file imports nothing of specdec
+(the child runs it as a script, without the package and its torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+
+import jinja2
+import jinja2.sandbox
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# What a chat template may make: its rendered text, and any one string or list its `*` builds
+# (characters or items); the exponent of an integer power.
+MAX_RENDERED_CHARS = 1 << 24
+MAX_POWER_EXPONENT = 1 << 16
+# A request's template (rendered in the child): its address space and its time.
+TEMPLATE_MEMORY_BYTES = 1 << 30
+TEMPLATE_SECONDS = 10.0
+
+
+def bounded(chunks) -> str:
+    """The rendered chunks joined, refused once they pass MAX_RENDERED_CHARS (a loop that writes
+    without end stops there, before it holds the memory)."""
+    out, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise jinja2.TemplateError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters")
+        out.append(chunk)
+    return "".join(out)
+
+
+class ChatSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, whose `range` is capped but whose `*` and `**` are not: a
+    repeated string or list larger than MAX_RENDERED_CHARS, and an integer power of an exponent
+    over MAX_POWER_EXPONENT, are refused before they are computed (a model's template is trusted
+    beyond that; a request's runs in the child's limits too)."""
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
+                        len(seq) * times > MAX_RENDERED_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a repetition larger than {MAX_RENDERED_CHARS} is not allowed")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                abs(right) > MAX_POWER_EXPONENT and abs(left) > 1:
+            raise jinja2.sandbox.SecurityError(f"an exponent over {MAX_POWER_EXPONENT} is not allowed")
+        return super().call_binop(context, operator, left, right)
+
+
+def environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as transformers renders chat templates: trimmed blocks, loop controls,
+    raise_exception, strftime_now, a tojson that keeps non-ASCII text; bounded as ChatSandbox."""
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(msg):
+        raise jinja2.TemplateError(msg)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = tojson
+    return env
+
+
+def render(template: str, context: dict) -> str:
+    """The template's text for `context` (raises what the template raises)."""
+    return bounded(environment().from_string(template).generate(**context))
+
+
+def failure(e: BaseException) -> str:
+    """A template's error as one line: Jinja's own message, else the exception's name and text."""
+    if isinstance(e, jinja2.TemplateError):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return f"the template needed more than {TEMPLATE_MEMORY_BYTES >> 20} MiB"
+    return f"{type(e).__name__}: {e}"
+
+
+class TemplateProcessError(Exception):
+    """A request's template failed in the child (its message is the one line to answer with)."""
+
+
+class IsolatedRenderer:
+    """The child process that renders requests' templates, one at a time (a lock): JSON lines
+    in and out over its pipes. A render that passes TEMPLATE_SECONDS, or a child that dies (its
+    memory limit reached outside Python's reach), kills it; the next render starts a new one."""
+
+    def __init__(self, memory_bytes: int = TEMPLATE_MEMORY_BYTES, seconds: float | None = None):
+        self.memory_bytes, self.seconds = memory_bytes, seconds
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def render(self, template: str, context: dict) -> str:
+        seconds = TEMPLATE_SECONDS if self.seconds is None else self.seconds
+        line = (json.dumps({"template": template, "context": context}, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            proc = self._child()
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+                answer = self._read_line(proc, time.monotonic() + seconds)
+            except TimeoutError:
+                self._kill()
+                raise TemplateProcessError(f"the template ran longer than {seconds:g} s") from None
+            except (BrokenPipeError, EOFError, OSError):
+                self._kill()
+                raise TemplateProcessError(f"the template needed more than {self.memory_bytes >> 20} MiB") from None
+        out = json.loads(answer)
+        if "error" in out:
+            raise TemplateProcessError(out["error"])
+        return out["text"]
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+    def _child(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(self.memory_bytes)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return self._proc
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    @staticmethod
+    def _read_line(proc: subprocess.Popen, deadline: float) -> bytes:
+        fd, buf = proc.stdout.fileno(), bytearray()
+        while not buf.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+
+_shared: IsolatedRenderer | None = None
+_shared_lock = threading.Lock()
+
+
+def isolated_renderer() -> IsolatedRenderer:
+    """The process's one child for requests' templates (started at its first use)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            import atexit
+
+            _shared = IsolatedRenderer()
+            atexit.register(_shared.close)
+        return _shared
+
+
+def _serve(memory_bytes: int) -> None:
+    """The child: under the memory limit, render each request line and answer one line."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    for line in stdin:
+        try:
+            job = json.loads(line)
+            out = {"text": render(job["template"], job["context"])}
+        except BaseException as e:          # noqa: BLE001 - every failure is the template's answer
+            out = {"error": failure(e)}
+        stdout.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))

@@ -28,19 +28,24 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # (characters or items); the exponent of an integer power.
 MAX_RENDERED_CHARS = 1 << 24
 MAX_POWER_EXPONENT = 1 << 16
-# A request's template (rendered in the child): its address space and its time.
+# A request's template (rendered in the child): its address space, its time, the text it may write
+# (twice the default request body: the server then tokenizes that text, ~200 bytes a character
+# at its peak), and how many requests may wait for the child beside the one it renders.
 TEMPLATE_MEMORY_BYTES = 1 << 30
 TEMPLATE_SECONDS = 10.0
+REQUEST_TEMPLATE_CHARS = 1 << 21
+TEMPLATE_WAITERS = 1
 
 
-def bounded(chunks) -> str:
-    """The rendered chunks joined, refused once they pass MAX_RENDERED_CHARS (a loop that writes
-    without end stops there, before it holds the memory)."""
+def bounded(chunks, limit: int | None = None) -> str:
+    """The rendered chunks joined, refused once they pass `limit` characters (MAX_RENDERED_CHARS;
+    a loop that writes without end stops there, before it holds the memory)."""
+    limit = MAX_RENDERED_CHARS if limit is None else limit
     out, size = [], 0
     for chunk in chunks:
         size += len(chunk)
-        if size > MAX_RENDERED_CHARS:
-            raise jinja2.TemplateError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters")
+        if size > limit:
+            raise jinja2.TemplateError(f"the rendered prompt passes {limit} characters")
         out.append(chunk)
     return "".join(out)
 
@@ -81,9 +86,9 @@ def environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def render(template: str, context: dict) -> str:
+def render(template: str, context: dict, limit: int | None = None) -> str:
     """The template's text for `context` (raises what the template raises)."""
-    return bounded(environment().from_string(template).generate(**context))
+    return bounded(environment().from_string(template).generate(**context), limit)
 
 
 def failure(e: BaseException) -> str:
@@ -99,19 +104,37 @@ class TemplateProcessError(Exception):
     """A request's template failed in the child (its message is the one line to answer with)."""
 
 
+class TemplateProcessBusy(TemplateProcessError):
+    """The child renders another request's template and one more waits for it: refused at once,
+    so that requests' templates never hold the threads every other request is prepared on."""
+
+
 class IsolatedRenderer:
-    """The child process that renders requests' templates, one at a time (a lock): JSON lines
-    in and out over its pipes. A render that passes TEMPLATE_SECONDS, or a child that dies (its
-    memory limit reached outside Python's reach), kills it; the next render starts a new one."""
+    """The child process that renders requests' templates, one at a time (a lock; TEMPLATE_WAITERS
+    more may wait, later ones are refused at once: TemplateProcessBusy): JSON lines in and out over
+    its pipes. A render that passes TEMPLATE_SECONDS, or a child that dies (its memory limit
+    reached outside Python's reach), kills it; the next render starts a new one. The child ends
+    itself when this process is gone, and past its own deadline."""
 
     def __init__(self, memory_bytes: int = TEMPLATE_MEMORY_BYTES, seconds: float | None = None):
         self.memory_bytes, self.seconds = memory_bytes, seconds
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._seats = threading.Semaphore(1 + TEMPLATE_WAITERS)
 
-    def render(self, template: str, context: dict) -> str:
+    def render(self, template: str, context: dict, limit: int | None = None) -> str:
+        if not self._seats.acquire(blocking=False):
+            raise TemplateProcessBusy("the server renders one request's chat template at a time and another "
+                                      "waits: try again")
+        try:
+            return self._render(template, context, REQUEST_TEMPLATE_CHARS if limit is None else limit)
+        finally:
+            self._seats.release()
+
+    def _render(self, template: str, context: dict, limit: int) -> str:
         seconds = TEMPLATE_SECONDS if self.seconds is None else self.seconds
-        line = (json.dumps({"template": template, "context": context}, ensure_ascii=False) + "\n").encode()
+        line = (json.dumps({"template": template, "context": context, "limit": limit, "seconds": seconds}) +
+                "\n").encode()
         with self._lock:
             proc = self._child()
             try:
@@ -123,7 +146,8 @@ class IsolatedRenderer:
                 raise TemplateProcessError(f"the template ran longer than {seconds:g} s") from None
             except (BrokenPipeError, EOFError, OSError):
                 self._kill()
-                raise TemplateProcessError(f"the template needed more than {self.memory_bytes >> 20} MiB") from None
+                raise TemplateProcessError(f"the template's process ended (its limits: {self.memory_bytes >> 20} MiB, "
+                                           f"{seconds:g} s)") from None
         out = json.loads(answer)
         if "error" in out:
             raise TemplateProcessError(out["error"])
@@ -176,18 +200,33 @@ def isolated_renderer() -> IsolatedRenderer:
 
 
 def _serve(memory_bytes: int) -> None:
-    """The child: under the memory limit, render each request line and answer one line."""
+    """The child: under the memory limit, render each request line and answer one line (ASCII
+    JSON: any string, a lone surrogate too, travels). It ends when its parent does (a watchdog
+    thread: a render does not notice its pipe closing), and a render past twice its deadline ends
+    it (SIGALRM), should the parent not be there to."""
     import resource
+    import signal
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     for line in stdin:
         try:
             job = json.loads(line)
-            out = {"text": render(job["template"], job["context"])}
+            signal.alarm(int(2 * job.get("seconds", TEMPLATE_SECONDS)) + 1)
+            out = {"text": render(job["template"], job["context"], job.get("limit"))}
         except BaseException as e:          # noqa: BLE001 - every failure is the template's answer
             out = {"error": failure(e)}
-        stdout.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
+        finally:
+            signal.alarm(0)
+        stdout.write((json.dumps(out) + "\n").encode())
         stdout.flush()
 
 

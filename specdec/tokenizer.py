@@ -24,8 +24,8 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from .jinja_sandbox import (MAX_RENDERED_CHARS, TemplateProcessError, bounded, environment, failure,
-                            isolated_renderer)
+from .jinja_sandbox import (MAX_RENDERED_CHARS, TemplateProcessBusy, TemplateProcessError, bounded, environment,
+                            failure, isolated_renderer)
 from .model.config import text_config
 
 
@@ -49,6 +49,10 @@ def _check_unicode(text) -> None:
 
 class TokenizerError(ValueError):
     pass
+
+
+class TokenizerBusy(TokenizerError):
+    """A request's own chat template cannot be rendered now (the child process is taken): a 429."""
 
 
 def _token_content(tok) -> str | None:
@@ -391,6 +395,8 @@ class Tokenizer:
                 text = isolated_renderer().render(template, context)
             else:
                 text = bounded(environment().from_string(template).generate(**context))
+        except TemplateProcessBusy as e:
+            raise TokenizerBusy(str(e)) from None
         except TemplateProcessError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
         except Exception as e:      # noqa: BLE001 - whatever a template raises is its input's fault (vLLM: 400)

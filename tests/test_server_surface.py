@@ -772,3 +772,79 @@ def test_the_http_flags_reach_the_server_from_the_command_line(live):
         assert "DELETE" not in ok.headers["access-control-allow-methods"]
         for bad in ({"Access-Control-Request-Method": "DELETE"}, {"Access-Control-Request-Headers": "x-secret"}):
             assert httpx.options(server.url + "/v1/completions", headers={**asked, **bad}).status_code == 400
+
+
+def test_request_templates_wait_for_the_child_at_most_one_deep_and_others_flow(templated, monkeypatch):
+    """The child renders one request's template while one more waits; a third is refused at once
+    (429) instead of holding a thread that every other request is prepared on: a plain /tokenize
+    sent meanwhile is answered before the slow templates end."""
+    import threading
+
+    import httpx
+
+    from specdec import jinja_sandbox
+
+    monkeypatch.setattr(jinja_sandbox, "TEMPLATE_SECONDS", 2.0)
+    msgs = [{"role": "user", "content": "hi"}]
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    done: list[tuple[str, int, float]] = []
+
+    def send(name, body):
+        r = httpx.post(templated.url + "/tokenize", json={"model": "toy", "messages": msgs, **body}, timeout=60)
+        done.append((name, r.status_code, time.monotonic()))
+
+    slow = [threading.Thread(target=send, args=(f"slow{i}", {"chat_template": loop})) for i in range(3)]
+    for t in slow:
+        t.start()
+    time.sleep(0.3)
+    send("plain", {})
+    for t in slow:
+        t.join(60)
+    by = {name: (status, at) for name, status, at in done}
+    assert by["plain"][0] == 200
+    statuses = sorted(by[f"slow{i}"][0] for i in range(3))
+    assert statuses == [400, 400, 429], done                   # two timed out in turn, one refused
+    assert by["plain"][1] < max(by[f"slow{i}"][1] for i in range(3))
+
+
+@pytest.mark.parametrize("template, status, what", [
+    ("{{ 'x' * 3000000 }}", 400, "passes 2097152 characters"),      # twice the default body: the text to tokenize
+    ("{{ '\\ud800' }}", 400, "not valid Unicode")])                   # a lone surrogate: the child lives on
+def test_what_a_request_template_writes_is_bounded_and_checked(templated, template, status, what):
+    msgs = [{"role": "user", "content": "hi"}]
+    code, out = _chat_json(templated.url, messages=msgs, chat_template=template)
+    assert code == status and what in out["error"]["message"], out
+    assert _chat_json(templated.url, messages=msgs, chat_template=PLAIN_TEMPLATE)[0] == 200
+
+
+def test_the_template_child_ends_with_its_parent(tmp_path):
+    """A server killed (SIGKILL) mid-render leaves no child spinning on: the child watches its
+    parent and ends within a second or so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from specdec.jinja_sandbox import IsolatedRenderer\n"
+        "r = IsolatedRenderer(seconds=3600)\n"
+        "loop = '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}'\n"
+        "threading.Thread(target=r.render, args=(loop, {}), daemon=True).start()\n"
+        "while r._proc is None: time.sleep(0.01)\n"
+        "print(r._proc.pid, flush=True)\n"
+        "time.sleep(3600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":       # ended, not yet reaped (by init)
+                break
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] != "Z"
+    assert not alive

@@ -21,7 +21,7 @@ from ..config import SamplingParams
 log = logging.getLogger("specdec.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
           503: "service_unavailable"}
 
 

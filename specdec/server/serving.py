@@ -12,11 +12,11 @@ import os
 import time
 from functools import partial
 
-from ..config import SamplingParams
+from ..config import SamplingParams, is_unicode_text
 from ..engine import StepEvent
 from ..llm import LLM
 from ..metrics import RequestStats
-from ..tokenizer import TokenizerError, content_format, template_content, template_messages
+from ..tokenizer import TokenizerBusy, TokenizerError, content_format, template_content, template_messages
 from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
@@ -343,13 +343,19 @@ class Service:
         if effort is not None and "reasoning_effort" not in kwargs:
             kwargs = {**kwargs, "reasoning_effort": effort}
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template or self.config.chat_template,
                 continue_final_message=req.continue_final_message,
                 sandbox_process=req.chat_template is not None, **kwargs)      # a request's template: in a child
+        except TokenizerBusy as e:
+            raise APIError(429, str(e), "chat_template") from None
         except TokenizerError as e:
             raise APIError(400, str(e), "chat_template" if req.chat_template else "messages") from None
+        if not is_unicode_text(text):           # a template's own string (the request's text was checked)
+            raise APIError(400, "the chat template wrote text that is not valid Unicode (a lone surrogate)",
+                           "chat_template" if req.chat_template else "messages")
+        return text
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
         per_prompt = params.best_of or params.n

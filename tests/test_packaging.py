@@ -97,3 +97,37 @@ def test_a_user_without_a_home_compiles_into_a_private_temporary_folder(monkeypa
     monkeypatch.setattr(isa, "_fallback_said", False)
     folder = isa.cache_dir()
     assert folder.is_dir() and "no home folder" in capsys.readouterr().err
+
+
+def test_the_wheel_carries_the_package_its_sources_and_data(tmp_path):
+    """Built for real (`pip wheel`, from a copy: a build writes build/ and egg-info beside its
+    sources): every module and the kernels' C sources are in it, and each data-files entry's files
+    under share/specdec, where defaults.data_path finds them installed."""
+    import shutil
+    import zipfile
+
+    pytest.importorskip("setuptools")                # the build backend (pyproject's), without isolation
+    src = tmp_path / "src"
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    shutil.copytree(ROOT / "specdec", src / "specdec", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    for patterns in table.values():
+        for pattern in patterns:
+            for path in glob.glob(str(ROOT / pattern)):
+                rel = Path(path).relative_to(ROOT)
+                (src / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, src / rel)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist")], cwd=src, check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("specdec-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = {str(p.relative_to(ROOT)) for p in (ROOT / "specdec").rglob("*")
+               if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts}
+    assert package - names == set()                   # every module, the C sources, jinja_sandbox's child
+    data = next(n.split("/data/")[0] + "/data/" for n in names if ".data/data/share/specdec/" in n)
+    for dest, patterns in table.items():
+        for pattern in patterns:
+            for path in glob.glob(str(ROOT / pattern)):
+                assert f"{data}{dest}/{Path(path).name}" in names, (dest, path)

@@ -158,8 +158,10 @@ class IsolatedRenderer:
             self._kill()
 
     def _child(self) -> subprocess.Popen:
+        # -P: this file's folder (the package's modules) is not put on the child's path; the rest
+        # of the parent's environment is, so that jinja2 is found where the parent found it
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(self.memory_bytes)],
+            self._proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), str(self.memory_bytes)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return self._proc
 

@@ -17,6 +17,7 @@ rows. After verification `advance` rolls the walk back and consumes the emitted 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -68,11 +69,23 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}\n")
         if kind == "structural_tag":
             return _structural_tag_grammar(spec.structural_tag)
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
+        return llguidance.LLMatcher.grammar_from_lark(_lark(spec.grammar, any_to_lark))
     except GrammarError:
         raise
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _lark(grammar: str, any_to_lark) -> str:
+    """A request's grammar as Lark, read as vLLM reads it: GBNF when it has `::=` (converted),
+    else Lark, `?` rules (inlined) included, whose root is `start` or else its first rule
+    (llguidance's own detection took `?start:` or a first rule named otherwise for GBNF)."""
+    if "::=" in grammar:
+        return any_to_lark(grammar)
+    rules = re.findall(r"^[ \t]*\??([a-z_][a-z0-9_]*)(?:\.-?\d+)?[ \t]*:", grammar, re.M)
+    if rules and "start" not in rules:
+        grammar = f"start: {rules[0]}\n{grammar}"
+    return grammar
 
 
 def _structural_tag_grammar(tag: dict | str) -> str:

@@ -388,3 +388,40 @@ def test_return_token_ids_with_beam_search(http):
     assert chat["prompt_token_ids"] == http.post("/tokenize", json={"model": NAMES[0], "messages": CONVERSATIONS[0]}
                                                  ).json()["tokens"]
     assert all(c["token_ids"] for c in chat["choices"])
+
+
+def test_the_role_chunk_comes_with_the_first_output_as_vllms(tiny_pair, monkeypatch):
+    """vLLM's chat stream sends its role chunk with the first output, after the prompt's prefill:
+    benchmark clients (vLLM's `bench serve --backend openai-chat`) time TTFT at the first chunk
+    with choices. While the engine makes no step, nothing is streamed."""
+    import threading
+
+    llm = LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=128)
+    gate = threading.Event()
+    step = llm.engine.step
+
+    def gated():
+        gate.wait(60)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", gated)
+    got: list[tuple[float, str]] = []
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("m",)))) as live:
+        def read():
+            with httpx.Client(timeout=60) as c, c.stream("POST", live.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": CONVERSATIONS[0], "max_tokens": 3, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got.append((time.monotonic(), line))
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not llm.engine.has_unfinished() and time.monotonic() < deadline:      # the request is queued
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert got == []                        # no role chunk before any output
+        released = time.monotonic()
+        gate.set()
+        reader.join(60)
+    first = json.loads(got[0][1][6:])
+    assert got[0][0] >= released and first["choices"][0]["delta"]["role"] == "assistant"

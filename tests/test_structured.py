@@ -302,3 +302,18 @@ def test_engine_wide_structured_outputs_config(capsys):
     assert main(["generate", "--model", str(BUNDLED_TARGET), "--structured-outputs-config", '{"backend": "x"}',
                  "x"]) == 2
     assert "backend must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grammar, want", [
+    ('?start: "yes" | "no"', {"yes", "no"}),                      # an inlined root (vLLM's benchmark grammar's)
+    ('answer: "yes" | "no"', {"yes", "no"}),                      # no rule named start: the first is the root
+    ('?start: pick\npick: "SELECT " COL " FROM t"\nCOL: "a" | "b"', {"SELECT a FROM t", "SELECT b FROM t"}),
+    ('root ::= "yes" | "no"', {"yes", "no"}),                     # GBNF still converted
+])
+def test_lark_grammars_vllm_accepts(tiny_pair, grammar, want):
+    """A grammar without `::=` is Lark as vLLM reads it: `?` rules, and a root named otherwise
+    (llguidance's detection had sent both to its GBNF converter: a 400)."""
+    llm = LLM(tiny_pair[0], num_speculative_tokens=0, dtype="float32")
+    out = llm.generate(["Q:"], SamplingParams(temperature=0, max_tokens=40,
+                                               structured_outputs=StructuredOutputsParams(grammar=grammar)))[0]
+    assert out.outputs[0].text in want and out.outputs[0].finish_reason == "stop"

@@ -318,15 +318,18 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
     ids = [[] for _ in range(n_choices)] if fmt.return_token_ids else None
     chat_prompt_ids = fmt.return_token_ids and not isinstance(fmt, CompletionFormat)
     first = [True] * n_choices
+    opened = False
     try:
         async with gen:
-            for i in range(n_choices):
-                if (opening := fmt.opening(i)) is not None:
-                    chunk = {**head, "choices": [opening], **extra(i)}
-                    if chat_prompt_ids:
-                        chunk["prompt_token_ids"] = list(gen.prompt_of(i))
-                    yield _sse(chunk)
             async for index, ev in gen.steps():
+                if not opened:     # the role chunks go with the first output, as vLLM's: a client
+                    opened = True  # that times the first chunk with choices measures the prefill
+                    for i in range(n_choices):
+                        if (opening := fmt.opening(i)) is not None:
+                            chunk = {**head, "choices": [opening], **extra(i)}
+                            if chat_prompt_ids:
+                                chunk["prompt_token_ids"] = list(gen.prompt_of(i))
+                            yield _sse(chunk)
                 tokens += len(ev.token_ids)
                 counts[index] += len(ev.token_ids)
                 if ids is not None:

@@ -42,7 +42,6 @@ def mask_words(vocab_size: int) -> int:
 
 def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> str:
     import llguidance
-    from llguidance.gbnf_to_lark import any_to_lark
 
     config = config or StructuredOutputsConfig()
     # compact JSON unless asked (no free whitespace): a small model cannot loop on blank lines,
@@ -69,18 +68,20 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}\n")
         if kind == "structural_tag":
             return _structural_tag_grammar(spec.structural_tag)
-        return llguidance.LLMatcher.grammar_from_lark(_lark(spec.grammar, any_to_lark))
+        return llguidance.LLMatcher.grammar_from_lark(_lark(spec.grammar))
     except GrammarError:
         raise
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
-def _lark(grammar: str, any_to_lark) -> str:
+def _lark(grammar: str) -> str:
     """A request's grammar as Lark, read as vLLM reads it: GBNF when it has `::=` (converted),
     else Lark, `?` rules (inlined) included, whose root is `start` or else its first rule
     (llguidance's own detection took `?start:` or a first rule named otherwise for GBNF)."""
     if "::=" in grammar:
+        from llguidance.gbnf_to_lark import any_to_lark
+
         return any_to_lark(grammar)
     rules = re.findall(r"^[ \t]*\??([a-z_][a-z0-9_]*)(?:\.-?\d+)?[ \t]*:", grammar, re.M)
     if rules and "start" not in rules:

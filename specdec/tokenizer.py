@@ -24,8 +24,10 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from .jinja_sandbox import (MAX_RENDERED_CHARS, TemplateProcessBusy, TemplateProcessError, bounded, environment,
-                            failure, isolated_renderer)
+# chat templates render in Jinja's immutable sandbox, bounded; a request's own template in a child
+# process with a memory and a time limit (jinja_sandbox.py)
+from .jinja_sandbox import (TemplateProcessBusy, TemplateProcessError, bounded, environment, failure,
+                            isolated_renderer)
 from .model.config import text_config
 
 
@@ -482,11 +484,6 @@ def _tensor(rows: list[list[int]], kind: str):
     return torch.tensor(rows, dtype=torch.long)
 
 
-# Chat templates render in Jinja's immutable sandbox, bounded (specdec/jinja_sandbox.py); a
-# request's own template in a child process with a memory and a time limit.
-_environment, _bounded, MAX_RENDERED_CHARS = environment, bounded, MAX_RENDERED_CHARS
-
-
 NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template; pass --chat-template (a Jinja file or the "
                     "template itself; LLM.chat's chat_template=)")
 
@@ -516,7 +513,7 @@ def load_chat_template(value: str | None) -> str | None:
     else:
         raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
     try:
-        _environment().from_string(template)
+        environment().from_string(template)
     except jinja2.TemplateError as e:
         raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
     return template

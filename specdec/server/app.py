@@ -422,7 +422,6 @@ async def _all_of(coros) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-
 def _profile_routes(service: Service) -> APIRouter:
     """vLLM's /start_profile and /stop_profile (present only with --profiler-config or
     VLLM_TORCH_PROFILER_DIR): torch.profiler on the engine's thread between two steps; the

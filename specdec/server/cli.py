@@ -390,9 +390,9 @@ def server_config(args):
     from .config import ServerConfig
 
     names = tuple(args.served_model_name or [args.model or "specdec"])
-    keys = [args.api_key] if isinstance(args.api_key, str) else [k for k in args.api_key or [] if k]
-    keys = [k for k in keys if k]                                                   # "": no key, as vLLM
-    return ServerConfig(served_model_names=names, api_key=(keys[0] if len(keys) == 1 else tuple(keys)) or None,
+    keys = [args.api_key] if isinstance(args.api_key, str) else args.api_key or []
+    keys = tuple(k for k in keys if k)                                              # "": no key, as vLLM
+    return ServerConfig(served_model_names=names, api_key=keys or None,             # one key: kept as a string
                         max_request_bytes=args.max_request_bytes, seed=args.seed,
                         chat_template=load_chat_template(args.chat_template), response_role=args.response_role,
                         trust_request_chat_template=args.trust_request_chat_template,

@@ -271,3 +271,65 @@ def test_federated_metrics_keep_each_replicas_samples_apart(tiny_pair):
     counts = {s.labels["replica"]: s.value for s in fams["specdec:time_to_first_token_seconds"].samples
               if s.name.endswith("_count")}
     assert fams["specdec:time_to_first_token_seconds"].type == "histogram" and counts == {"a": 1, "b": 0}
+
+
+def test_ray_address_joins_a_running_cluster_and_leaves_it_running(tmp_path):
+    """`--ray-address` joins a cluster someone else started (a driver process here, holding a local
+    cluster until its stdin closes): the replica runs there and answers; on SIGTERM serve deletes
+    its own application only (serve.delete), so the cluster and its Serve proxy keep running (the
+    proxy then answers 404 on the port: no application), where a cluster of serve's own would have
+    been shut down with it."""
+    model = make_checkpoint(tmp_path / "target", layers=2, max_position_embeddings=512)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"OMP_NUM_THREADS": "1"}
+    head = subprocess.Popen([sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, "
+                             "logging_level='WARNING'); print(ray.get_runtime_context().gcs_address, flush=True); "
+                             "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+    log = open(tmp_path / "serve.log", "w+")
+    proc = None
+    try:
+        address = head.stdout.readline().strip()
+        assert address and head.poll() is None
+        port = _free_port()
+        argv = [sys.executable, "-m", "specdec", "serve", "--model", str(model), "--served-model-name", "tiny",
+                "--replicas", "1", "--replica-cpus", "1", "--ray-address", address, "--port", str(port),
+                "--uvicorn-log-level", "warning"]
+        # Ray 2.59+ starts ray.init()'s clusters with token authentication: a process joining without
+        # RAY_AUTH_MODE=token sends no token and is refused; serve says so in one line and what to set
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("specdec: error: Failed to connect to Ray cluster at "), r.stderr[-2000:]
+        assert "RAY_AUTH_MODE=token" in last
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env | {"RAY_AUTH_MODE": "token"})
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        replica, out = _complete(client, prompt="def f(x):", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert replica and out.usage.completion_tokens == 6
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, _tail(log)
+        assert "replica(s) serving on" in _tail(log)
+        assert head.poll() is None                     # the cluster serve joined is still up ...
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(url + "/v1/models", timeout=10).status_code) != 404:
+            assert time.monotonic() < deadline, status   # ... its proxy too, without the application
+            time.sleep(0.5)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        head.stdin.close()                             # the driver leaves: its local cluster stops
+        try:
+            head.wait(120)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(10)
+        log.close()

@@ -350,7 +350,10 @@ def serve_replicas(args, argv: list[str], prog: str) -> int:
     env = {"env_vars": {n: os.environ[n] for n in (PROXY_CALLBACK, *PROXY_PATIENCE, DEV_MODE_VARIABLE)
                         if n in os.environ}}
     if args.ray_address:
-        ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
+        try:
+            ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
+        except ConnectionError as e:
+            raise ValueError(f"{e}{_auth_hint()}") from None
     else:   # a local cluster with room for every replica (logical CPUs: Ray only counts them)
         ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus * hi + 0.999)), include_dashboard=False,
                  logging_level=logging.WARNING, runtime_env=env)
@@ -373,6 +376,19 @@ def serve_replicas(args, argv: list[str], prog: str) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _auth_hint() -> str:
+    """What to try when joining a cluster failed and this process sent it no token: Ray 2.59+ turns
+    token authentication on for clusters that `ray.init()` starts, but a process joining one only
+    sends its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) with
+    RAY_AUTH_MODE=token; the cluster then refuses the join as "Unauthenticated"."""
+    import os
+
+    if os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return (" (a cluster with token authentication, as Ray turns it on for clusters ray.init() starts, "
+            "takes processes with RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or ~/.ray/auth_token)")
 
 
 def _cause(e: Exception) -> str:

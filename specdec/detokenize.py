@@ -4,60 +4,87 @@ from __future__ import annotations
 
 from .tokenizer import Tokenizer
 
+# prompt tokens that the output is decoded after (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET):
+# a SentencePiece tokenizer's decoder strips the space of a text's first token, which the output's
+# first token keeps in the prompt's context (" the", as vLLM returns it, not "the")
+PROMPT_CONTEXT = 5
+
 
 class Detokenizer:
     """Turns output tokens into text one token at a time and watches for stop strings.
 
-    Text is released only when it is final: a trailing incomplete UTF-8 sequence ("\\ufffd")
-    and a tail that could still become a stop string are held back until the next token.
-    vLLM's rules: a stop string ends the text and is cut off with it, unless include_stop (then
-    the text ends with it and nothing is held back); stop strings are looked for only in the
-    text after the first min_tokens tokens.
+    Text grows by whole characters and never changes once there (so the streamed pieces always
+    add up to the final text): the tokens since the last complete character are decoded in the
+    context of the tokens before them (vLLM's prefix / read offsets), and held while their text
+    ends in an incomplete UTF-8 sequence ("\\ufffd"); the end of the output flushes them as they
+    decode. Released text also holds back a tail that could still become a stop string.
+    vLLM's stop rules: a stop string ends the text and is cut off with it, unless include_stop
+    (then the text ends with it and nothing is held back); it counts when it ends after the text
+    of the first min_tokens tokens; of the stop strings that one token completes, the first in
+    `stop` wins. The output's tokens are checked one at a time, so speculative decoding stops at
+    the token plain decoding stops at.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 include_stop: bool = False, min_tokens: int = 0):
+                 include_stop: bool = False, min_tokens: int = 0, prompt: list[int] | tuple = ()):
         self.tokenizer, self.stop, self.skip = tokenizer, stop, skip_special_tokens
         self.include_stop, self.min_tokens = include_stop, min_tokens
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0                       # characters of `text` already released
         self.stop_reason: str | None = None
-        self._window = max((len(s) for s in stop), default=1) - 1    # a stop string's reach into earlier text
-        self._hold = 0 if include_stop else self._window
-        self._from = 0                      # stop strings start at or after this character
+        self._hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
+        self._all = list(prompt[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else []   # context, then the output
+        self._prefix = 0                    # _all[_prefix:_read]: the tokens of the last piece (context)
+        self._read = len(self._all)         # _all[_read:]: tokens whose text is not complete yet
+        self._prefix_text = self._decode(0, self._read) if self._all else ""
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self._all[start:end], self.skip)
+
+    def _advance(self, flush: bool = False) -> None:
+        """Append the text of the tokens since the last complete character, once it is complete
+        (flush: as it decodes)."""
+        if self._read == len(self._all):
+            return
+        full = self._decode(self._prefix)
+        if not flush and (len(full) <= len(self._prefix_text) or full.endswith("\ufffd")):
+            return
+        # the context decodes as before in all but a byte-fallback run that the new bytes made
+        # invalid (every byte then decodes as U+FFFD): the new tokens alone then
+        new = full[len(self._prefix_text):] if full.startswith(self._prefix_text) else self._decode(self._read)
+        self.text += new
+        self._prefix, self._read = self._read, len(self._all)
+        self._prefix_text = self._decode(self._prefix, self._read)
 
     def add(self, token: int) -> bool:
         """Append one token; True when a stop string has completed (text is cut at it)."""
         self.ids.append(token)
+        self._all.append(token)
         if not self.stop:
+            return False                    # decoded by delta(), once a step
+        before = len(self.text)
+        self._advance()
+        if len(self.ids) <= self.min_tokens or len(self.text) == before:
             return False
-        before = len(self.text.rstrip("\ufffd"))      # complete characters so far
-        self.text = self.tokenizer.decode(self.ids, self.skip)
-        if len(self.ids) <= self.min_tokens:
-            self._from = len(self.text)
-            return False
-        lo = max(self._from, before - self._window)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
-        if hits:
-            i, s = min(hits)
-            self.text, self.stop_reason = self.text[:i + len(s) if self.include_stop else i], s
-            return True
+        for s in self.stop:
+            if (i := self.text.find(s, max(before - len(s) + 1, 0))) >= 0:
+                self.text, self.stop_reason = self.text[:i + len(s) if self.include_stop else i], s
+                return True
         return False
 
     def delta(self, final: bool) -> str:
-        """The newly released text."""
-        if not self.stop:
-            self.text = self.tokenizer.decode(self.ids, self.skip)
-        end = len(self.text)
-        if not final:
-            # the hold counts complete characters: a trailing partial one (U+FFFD until its last
-            # byte token comes) must not stand in for the start of a stop string
-            end = len(self.text.rstrip("\ufffd"))
-            if self.stop:
-                end -= self._hold
+        """The newly released text (final: all of it)."""
+        if self.stop_reason is None:
+            self._advance(flush=final)
+        end = len(self.text) if final else len(self.text) - self._hold
         if end <= self.sent:
             return ""
         out = self.text[self.sent:end]
         self.sent = end
         return out
+
+    @property
+    def released(self) -> str:
+        """The text released so far (what a stream has sent)."""
+        return self.text[:self.sent]

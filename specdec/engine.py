@@ -240,7 +240,7 @@ class Engine:
         req = Request(request_id if request_id is not None else str(next(self._ids)), list(prompt), params, ctx,
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                  params.include_stop_str_in_output, params.min_tokens), time.perf_counter(),
+                                  params.include_stop_str_in_output, params.min_tokens, prompt), time.perf_counter(),
                       stream=stream, priority=priority, lora=adapter, trace_headers=trace_headers,
                       trace_name=trace_name)
         if ctx.prediction is not None:

@@ -1355,7 +1355,7 @@ class _EngineView:
                 outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
                 continue
             outs.append(RequestOutput(rid, text, ids, [
-                CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason)
+                CompletionOutput(i, r.detok.released, list(r.out), r.finish_reason, r.stop_reason)
                 for i, r in enumerate(reqs[(rid, j)] for j in range(params.n))], False))
         return outs
 

@@ -234,3 +234,27 @@ def test_a_sharded_head_folder(target, head, tmp_path):
             for folder in (head["bias"], sharded)]
     assert [[o.outputs[0].token_ids for o in outs] for outs in runs][0] == [o.outputs[0].token_ids for o in runs[1]]
     assert [o.stats.accepted_tokens for o in runs[0]] == [o.stats.accepted_tokens for o in runs[1]]
+
+
+@pytest.mark.tp
+def test_tensor_parallel_drafts_with_a_tied_head_and_refuses_an_untied_one(target, head, tmp_path):
+    """Under tensor parallelism the target's LM head is split over the ranks and only rank 0 drafts:
+    a tied target's embedding (whole on every rank) is the head the drafter shares there, greedy
+    output identical to plain decoding at TP=1; an untied target's head is refused at load in one
+    line (forward.c's chain failed on the split head's missing packed weights, and the PyTorch path
+    waited in a collective the other ranks never joined until the rank timeout)."""
+    tied = make_checkpoint(tmp_path / "tied", layers=4, hidden=D, seed=7, tie_word_embeddings=True)
+    prompts = [{"prompt_token_ids": p} for p in head["prompts"][:3]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=tied, dtype="float32", num_speculative_tokens=0).generate(
+        prompts, params)]
+    spec = {"method": "eagle", "model": head["bias"], "num_speculative_tokens": 3}
+    llm = LLM(model=tied, dtype="float32", tensor_parallel_size=2, speculative_config=spec, distributed_timeout_s=60)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.stats.draft_tokens for o in outs) > 0
+    with pytest.raises(CheckpointError, match="shares the target's LM head, which is split over tensor-parallel ranks"):
+        LLM(model=target, dtype="float32", tensor_parallel_size=2, speculative_config=spec)

@@ -144,6 +144,24 @@ def save_heads(heads: MedusaHeads | EagleHead, folder: str | os.PathLike, dtype=
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def whole_lm_head(target: Transformer, folder, what: str) -> nn.Module:
+    """The target's LM head, for a drafter that shares it. Under tensor parallelism the target's
+    head is split over the ranks and only rank 0 drafts, so a tied target's embedding (whole on
+    every rank) serves rank 0 as the whole head; an untied head is refused (the drafter would need
+    the other ranks' rows in a collective they never join)."""
+    if getattr(target, "tp_size", 1) == 1:
+        return target.lm_head
+    emb = getattr(target.model.embed_tokens, "weight", None)
+    if target.config.tie_word_embeddings and isinstance(emb, Tensor) and emb.dim() == 2 \
+            and emb.shape[0] == target.config.vocab_size:
+        with torch.device("meta"):
+            head = Linear(emb.shape[1], emb.shape[0], bias=False)
+        head.weight = nn.Parameter(emb, requires_grad=False)
+        return head
+    raise CheckpointError(f"{folder}: {what} shares the target's LM head, which is split over tensor-parallel "
+                          "ranks here (a target whose LM head is its embedding, tied, can share it)")
+
+
 def place_head(head: nn.Module, target: Transformer, lm_head: nn.Module | None = None) -> nn.Module:
     """An EAGLE-3 or MTP head (a `decoder` Transformer beside its own modules) made ready to draft
     for `target`: on its device, weights in its weight dtype (bf16 beside a packed GGUF target,
@@ -268,7 +286,7 @@ def load_eagle_authors(folder: str | os.PathLike, target: Transformer) -> EagleH
         k: v.shape for k, v in head.state_dict().items()
         if not k.startswith(("decoder.lm_head.", "decoder.model.norm.", "decoder.model.embed_tokens.", "draft_vocab"))})
     head.load_state_dict(state, strict=False)
-    return place_head(head, target, lm_head=target.lm_head)
+    return place_head(head, target, lm_head=whole_lm_head(target, folder, "an EAGLE head in the authors' layout"))
 
 
 class ResidualMedusaHeads(nn.Module):

@@ -39,7 +39,7 @@ from .config import ModelConfig, text_config
 from .kv import KVCache
 from .llama import Linear, RMSNorm, Transformer
 from .mla import deinterleave_rope, rope_interleaved
-from .heads import place_head
+from .heads import place_head, whole_lm_head
 
 
 def num_mtp_layers(raw: dict) -> int:
@@ -231,11 +231,9 @@ def _load_speculators_mtp(folder: Path, raw: dict, target: Transformer) -> MTPHe
             layer["model.layers.0." + rest] = t
     head = MTPHead(cfg, embeds_first=True, norm_output=True)
     state = {**own, **{"decoder." + k: v for k, v in hf_to_fused(layer, cfg).items()}}
-    if getattr(target, "tp_size", 1) > 1:
-        raise CheckpointError(f"{folder}: the speculators MTP drafter shares the target's LM head, which is split "
-                              "over tensor-parallel ranks here")
+    lm_head = whole_lm_head(target, folder, "the speculators MTP drafter")
     expected = {k: v.shape for k, v in head.state_dict().items()
                 if not k.endswith("model.embed_tokens.weight") and k not in ("draft_vocab", "decoder.lm_head.weight")}
     check_state(folder, "MTP weights", state, expected)
     head.load_state_dict(state, strict=False)
-    return place_head(head, target, target.lm_head)
+    return place_head(head, target, lm_head)

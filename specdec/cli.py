@@ -131,6 +131,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "temperature, top-k/p and min-p (processed_*); log-probabilities or logits")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the target over N ranks (worker processes started here, or torchrun's ranks)")
+    p.add_argument("--distributed-timeout-s", type=_positive_float, default=120.0, metavar="S",
+                   help="tensor parallelism: a rank silent this long in a collective stops the group with one error "
+                        "(requests in flight fail, serve's /health answers 503); default 120")
     p.add_argument("--profiler-config", default=None, type=_json_obj,
                    help='vLLM\'s: \'{"profiler": "torch", "torch_profiler_dir": DIR}\' (also with_stack, record_shapes, '
                         "with_memory, with_flops, use_gzip as torch_profiler_*, delay_iterations, max_iterations): "
@@ -182,6 +185,16 @@ def positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
     return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return v
 
 
 def _bytes(value: str) -> int:
@@ -457,7 +470,8 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                num_gpu_blocks_override=getattr(args, "num_gpu_blocks_override", None),
                block_size=args.block_size, logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
-               tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+               tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout_s,
+               enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
                hf_overrides=_overrides_with_rope(args), disable_sliding_window=args.disable_sliding_window,
                runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),

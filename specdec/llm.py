@@ -171,7 +171,10 @@ _VLLM_IGNORED = {
     "pipeline_parallel_size": (1, (1,), "specdec has no pipeline parallelism (tensor_parallel_size splits the model)"),
     "enable_sleep_mode": (False, (False,), "specdec has no sleep mode (vLLM's frees GPU memory between RL rollouts, "
                           "on CUDA only: its CPU backend refuses it too)"),
-    "distributed_executor_backend": (None, (None, "mp", "uni"), "specdec starts its own tensor-parallel workers"),
+    "distributed_executor_backend": (None, lambda v: v in (None, "mp", "uni") or (v == "external_launcher" and _under_torchrun()),
+                                     "specdec starts its own tensor-parallel workers, or, launched by torchrun "
+                                     "('external_launcher'), uses its ranks: LLM() returns on rank 0 only, the "
+                                     "other ranks serve its forwards and exit with it"),
     "limit_mm_per_prompt": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
     "disable_chunked_mm_input": (False, _is_bool, "specdec takes text prompts"),
     "mm_processor_kwargs": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
@@ -210,6 +213,11 @@ def _same(a, b) -> bool:
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
         return a is b
     return type(a) is type(b) and a == b or _is_size(a) and _is_size(b) and a == b
+
+
+def _under_torchrun() -> bool:
+    """This process is one rank of a torchrun (env://) launch (distributed/launch.py's test)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _check_vllm_args(args: dict) -> None:

@@ -253,3 +253,63 @@ def test_ctrl_c_in_a_terminal_prints_one_line(tiny_pair):
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("a process of the group outlived rank 0")
+
+
+def test_vllms_torchrun_example_with_the_external_launcher(tiny_pair, tmp_path):
+    """vLLM's torchrun example (`distributed_executor_backend="external_launcher"`) runs: rank 0's
+    LLM() returns and generates what TP=1 does, rank 1 serves its forwards inside LLM() and exits
+    with it (code after LLM() runs once); outside torchrun that backend is refused in one line."""
+    script = tmp_path / "torchrun_example.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from specdec import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(tiny_pair[0])!r}, dtype='float32', tensor_parallel_size=int(sys.argv[1]),\n"
+        "          distributed_executor_backend=sys.argv[2] if len(sys.argv) > 2 else None, seed=0)\n"
+        "outs = llm.generate(['def add(a, b):', 'class Point:'], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))\n"
+        "print(json.dumps({'rank': os.environ.get('RANK', '0'), 'tokens': [o.outputs[0].token_ids for o in outs]}))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *argv: subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,  # noqa: E731
+                                       timeout=240)
+    one = run(str(script), "1")
+    launched = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "2",
+                   "external_launcher")
+    for r in (one, launched):
+        assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in launched.stdout.splitlines() if x.startswith("{")]
+    assert [x["rank"] for x in lines] == ["0"] and lines[0]["tokens"] == json.loads(one.stdout.splitlines()[-1])["tokens"]
+    alone = run(str(script), "2", "external_launcher")
+    assert alone.returncode != 0
+    assert "distributed_executor_backend='external_launcher' is not supported" in alone.stderr.strip().splitlines()[-1]
+
+
+def test_serve_takes_the_rank_timeout(tiny_pair, tmp_path):
+    """`specdec serve --distributed-timeout-s 3`: with its worker rank stopped (SIGSTOP), a request
+    fails naming the silent rank after ~3 s instead of the fixed 120, and /health says 503."""
+    import httpx
+
+    from serve_helpers import wait_listening
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(tiny_pair[0]), "--dtype", "float32",
+                                 "--tensor-parallel-size", "2", "--distributed-timeout-s", "3", "--port", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    worker = None
+    try:
+        url = wait_listening(proc, log)
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        worker = next(int(c) for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(worker, signal.SIGSTOP)
+        r = httpx.post(url + "/v1/completions", json={"model": str(tiny_pair[0]), "prompt": TEXT[0], "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 500 and f"rank 1 (pid {worker}) did not answer within 3 s" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

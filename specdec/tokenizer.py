@@ -283,6 +283,39 @@ class Tokenizer:
         skip = set(self.all_special_ids) if skip_special_tokens else set()
         return [self.backend.id_to_token(i) for i in _as_list(ids) if i not in skip]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`, "useful where characters are
+        represented by multiple tokens"): a byte-level BPE token's own bytes, a byte-fallback token's
+        one byte, a SentencePiece piece with its spaces; else (special tokens, other decoders) its
+        text. A piece of a character is its bytes where its text is U+FFFD, so the bytes of a reply's
+        tokens add up to the reply."""
+        kind, added = self._byte_layout()
+        tok = self.backend.id_to_token(int(token_id))
+        if tok is not None and int(token_id) not in added:
+            if kind == "ByteLevel" and all(c in _BYTE_OF for c in tok):
+                return bytes(_BYTE_OF[c] for c in tok)
+            if kind == "Metaspace":
+                m = _BYTE_TOKEN.fullmatch(tok)
+                return bytes([int(m.group(1), 16)]) if m else tok.replace("\u2581", " ").encode("utf-8")
+        return self.decode([int(token_id)]).encode("utf-8")
+
+    def _byte_layout(self) -> tuple[str | None, frozenset]:
+        """(how the decoder maps tokens to bytes: "ByteLevel", "Metaspace" (its ▁ as spaces and
+        <0xNN> byte fallback) or None, the added tokens' ids), read once."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            try:
+                decoder = json.loads(self.backend.decoder.__getstate__()) if self.backend.decoder is not None else {}
+            except (AttributeError, TypeError, ValueError):
+                decoder = {}
+            parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+            types = {d.get("type") for d in parts}
+            replaces_pieces = any(d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581"
+                                  for d in parts) or "Metaspace" in types
+            kind = "ByteLevel" if "ByteLevel" in types else "Metaspace" if replaces_pieces else None
+            layout = self.__dict__["_layout"] = (kind, frozenset(self.backend.get_added_tokens_decoder()))
+        return layout
+
     def convert_tokens_to_ids(self, tokens):
         """A token -> its id (UNK's id, or None, for one not in the vocabulary); a list -> a list."""
         if isinstance(tokens, str):
@@ -421,6 +454,22 @@ class Tokenizer:
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 # a template that loops over a message's content reads OpenAI's list of parts ({% for part in message['content'] %})
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE vocabulary writes for
+    each byte -> that byte (printable bytes stand for themselves, the rest are shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF = _bytes_to_unicode()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 

@@ -172,3 +172,26 @@ def test_llm_stream_equals_generate_and_engine_steps_release_prefixes(sp_dir, to
             texts.append(out.outputs[0].text)
     assert texts and all(texts[-1].startswith(t) for t in texts), texts
     assert texts[-1] == full.text[:full.text.index(stop)]
+
+
+def test_chat_logprob_bytes_add_up_to_the_reply(tok, tiny_pair):
+    """OpenAI's chat logprobs carry each token's `bytes` so that pieces of a character can be put
+    together: a byte-level BPE token's own bytes, a byte-fallback token's byte, a SentencePiece piece
+    with its space (vLLM gave U+FFFD's three bytes for each piece of a character); with
+    return_tokens_as_token_ids the bytes are the "token_id:N" name's."""
+    from specdec.logprobs import TokenLogprob
+    from specdec.server.logprobs import chat_logprobs, token_namer
+
+    text = "Hi 🦊 中文 the ÿ café\n\t~ ¡¬®"
+    for t in (tok, Tokenizer(str(tiny_pair[0]))):
+        ids = t.encode(text, add_special_tokens=False)
+        pieces = [t.token_bytes(i) for i in ids]
+        assert b"".join(pieces) in (text.encode(), b" " + text.encode()), pieces     # Metaspace: the prefix space
+        assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)                     # pieces of characters
+        entries = [TokenLogprob(i, -0.5, ((i, -0.5),)) for i in ids]
+        content = chat_logprobs(token_namer(t), entries, t.token_bytes)["content"]
+        assert b"".join(bytes(c["bytes"]) for c in content) == b"".join(pieces)
+        assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+        named = chat_logprobs(token_namer(t, as_ids=True), entries)["content"]
+        assert named[0]["bytes"] == list(f"token_id:{ids[0]}".encode())
+    assert tok.token_bytes(tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"

@@ -62,11 +62,13 @@ def _top_dict(name: Namer, top, chosen: tuple[int, float]) -> dict[str, float]:
     return out
 
 
-def chat_logprobs(name: Namer, entries: list[TokenLogprob]) -> dict:
-    """The chat shape: one object per token with its bytes and its alternatives."""
+def chat_logprobs(name: Namer, entries: list[TokenLogprob], raw: Callable[[int], bytes] | None = None) -> dict:
+    """The chat shape: one object per token with its bytes and its alternatives. raw: a token's
+    bytes (Tokenizer.token_bytes: a piece of a character is its own bytes, as OpenAI's, where its
+    text is U+FFFD); None: the named text's (vLLM's return_tokens_as_token_ids names)."""
     def item(token_id: int, logprob: float) -> dict:
         text = name(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(raw(token_id) if raw else text.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                         for e in entries]}

@@ -86,6 +86,7 @@ class ChatFormat:
                  prompt: list[int] | None = None, tools: ToolPlan | None = None, reasoning: str | None = None,
                  include_reasoning: bool = True, echo: str | None = None):
         self.name, self.want_logprobs = token_namer(tokenizer, tokens_as_ids), want_logprobs
+        self.raw = None if tokens_as_ids else tokenizer.token_bytes
         # vLLM's chat echo: the last (assistant) message's content put before the content; only
         # the generated text goes through the reasoning and tool parsers
         self.echo = echo
@@ -212,7 +213,7 @@ class ChatFormat:
                 "stop_reason": stop_reason}
 
     def _logprobs(self, entries) -> dict | None:
-        return chat_logprobs(self.name, entries) if self.want_logprobs else None
+        return chat_logprobs(self.name, entries, self.raw) if self.want_logprobs else None
 
 
 def _head(fmt, model: str, chunk: bool, response_id: str | None) -> dict:

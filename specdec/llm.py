@@ -782,22 +782,25 @@ class LLM:
         `output.outputs.embedding` is the pooled, normalized vector (specdec/pooling.py).
         pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
         prompt; truncate_prompt_tokens: keep each prompt's last k tokens."""
+        self.check_runner("pooling")
+        if self.classifier is not None:      # vLLM's: a classifier's tasks are classify and score
+            raise ValueError("this model is a sequence classifier: LLM.classify() and LLM.score() (/classify, "
+                             "/score, /rerank), not embeddings")
+        return self._embed(prompts, pooling_params, truncate_prompt_tokens)
+
+    def _embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None) -> list:
+        """embed() for every pooling model: a classifier's pooled states too (classify() reads them)."""
         from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch
 
-        self.check_runner("pooling")
         prompts = _prompt_list(prompts)
         plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
         jobs = []
         for prompt, params in zip(prompts, plist):
             text, ids = self._prompt_ids(prompt)
-            keep = params.truncate_prompt_tokens or truncate_prompt_tokens
+            # the prompt's own value, else the call's; -1 keeps what the context holds, more is refused
+            keep = self._truncation(params.truncate_prompt_tokens if params.truncate_prompt_tokens is not None
+                                    else truncate_prompt_tokens)
             if keep is not None:
-                # vLLM's: -1 keeps what the context holds; more than it is refused
-                if keep == -1:
-                    keep = self.engine.max_model_len
-                if not 1 <= keep <= self.engine.max_model_len:
-                    raise ValueError(f"truncate_prompt_tokens must be in [1, max_model_len = "
-                                     f"{self.engine.max_model_len}] or -1, got {keep}")
                 ids = ids[-keep:]
             if not ids:
                 raise ValueError("an embedding prompt must have at least one token")
@@ -805,7 +808,8 @@ class LLM:
                 raise ValueError(f"this model's maximum context length is {self.engine.max_model_len} tokens; "
                                  f"the input has {len(ids)}")
             self.engine.check_prompt(ids, SamplingParams(max_tokens=1), room=0)     # pooling emits nothing
-            check_dimensions(params.dimensions, self.target.config.hidden_size, self._hf_config)
+            check_dimensions(params.dimensions, self.pooler.out_features(self.target.config.hidden_size),
+                             self._hf_config)
             jobs.append((text, ids, params))
         vectors = embed_batch(self.target, [ids for _, ids, _ in jobs], self.pooler, [p for _, _, p in jobs],
                               self.engine.config.max_num_batched_tokens)
@@ -881,6 +885,12 @@ class LLM:
         softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt."""
         from .pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams
 
+        self._check_classifier()
+        outs = self._embed(prompts, PoolingParams(normalize=False), truncate_prompt_tokens)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(self.classifier.probs(o.outputs.embedding)),
+                                            o.prompt_token_ids) for o in outs]
+
+    def _check_classifier(self) -> None:
         self.check_runner("pooling", "LLM.classify()")
         if self.classifier is None:
             raise ValueError("LLM.classify() needs a sequence classifier (architectures like "
@@ -888,9 +898,6 @@ class LLM:
         if self.pooler.pooling_type != "LAST" or self.pooler.normalize:
             raise ValueError("a sequence classifier reads the last token's state: pooler_config must keep "
                              "pooling_type LAST and normalize false")
-        outs = self.embed(prompts, PoolingParams(normalize=False), truncate_prompt_tokens)
-        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(self.classifier.probs(o.outputs.embedding)),
-                                            o.prompt_token_ids) for o in outs]
 
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.score: one text against a list, or two lists pairwise; ScoringRequestOutput
@@ -916,21 +923,42 @@ class LLM:
 
     def _cross_scores(self, todo: list[tuple], truncate_prompt_tokens: int | None) -> list:
         """A cross-encoder (a sequence classifier with one label) scores each pair read as one
-        sequence (the tokenizer's pair template; token-id prompts are concatenated): the
-        sigmoid of its score head, as vLLM's score for such models."""
-        from .pooling import ScoringOutput, ScoringRequestOutput
+        sequence (the tokenizer's pair template; token-id prompts are concatenated), its score
+        head through the model's score activation (pooling.Classifier.score). truncate_prompt_tokens
+        cuts the pair as transformers' `tokenizer(a, b, truncation=True, max_length=k)` does
+        (vLLM's): the longer side loses tokens first, so the query stays."""
+        from .pooling import PoolingParams, ScoringOutput, ScoringRequestOutput
+        from .tokenizer import longest_first
 
         if len(self.classifier.labels) != 1:
             raise ValueError(f"LLM.score() with a sequence classifier needs one label (a cross-encoder); this one has "
                              f"{len(self.classifier.labels)}: use LLM.classify()")
+        keep = self._truncation(truncate_prompt_tokens)
         ids = []
         for a, b in todo:
             if isinstance(a, str) and isinstance(b, str):
-                ids.append(self.tokenizer.encode_pair(a, b))
-            else:
-                ids.append(self._prompt_ids(a)[1] + self._prompt_ids(b)[1])
-        outs = self.classify([{"prompt_token_ids": i} for i in ids], truncate_prompt_tokens)
-        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids) for o in outs]
+                ids.append(self.tokenizer.encode_pair(a, b, max_length=keep))
+                continue
+            first, second = self._prompt_ids(a)[1], self._prompt_ids(b)[1]
+            n1, n2 = longest_first(len(first), len(second), keep) if keep is not None else (len(first), len(second))
+            ids.append(first[:n1] + second[:n2])
+        self._check_classifier()
+        outs = self._embed([{"prompt_token_ids": i} for i in ids], PoolingParams(normalize=False))
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(self.classifier.score(o.outputs.embedding)),
+                                     o.prompt_token_ids) for o in outs]
+
+    def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """vLLM's truncate_prompt_tokens: None keeps all, -1 what the context holds, else 1 to
+        max_model_len tokens (a ValueError otherwise)."""
+        keep = truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == -1:
+            return self.engine.max_model_len
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= self.engine.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be in [1, max_model_len = {self.engine.max_model_len}] "
+                             f"or -1, got {keep!r}")
+        return keep
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (vLLM's name)."""

@@ -18,25 +18,47 @@ Matryoshka models (`is_matryoshka` / `matryoshka_dimensions` in config.json) acc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .model import ForwardBatch
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
-_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
+             "pooling_mode_max_tokens": "MAX", "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN"}
+# a sentence-transformers Dense module's activation_function -> the function
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": lambda x: x, "torch.nn.modules.activation.Tanh": torch.tanh,
+                   "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+                   "torch.nn.modules.activation.ReLU": torch.relu,
+                   "torch.nn.modules.activation.GELU": torch.nn.functional.gelu}
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A sentence-transformers Dense module after the pooling: activation(W x + b)."""
+    weight: torch.Tensor          # [out, in] fp32
+    bias: torch.Tensor | None
+    activation: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _ST_ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
 
 
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    dense: tuple[Dense, ...] = field(default=(), compare=False, repr=False)    # sentence-transformers' Dense modules
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+    def out_features(self, hidden: int) -> int:
+        """The embedding's size: the last Dense module's output, else the hidden size."""
+        return self.dense[-1].weight.shape[0] if self.dense else hidden
 
     @classmethod
     def of(cls, folder: str | Path, override: dict | None = None) -> PoolerConfig:
@@ -51,19 +73,64 @@ class PoolerConfig:
                 entries = json.loads(modules.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{modules}: not valid JSON ({e})") from None
-            kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in entries if isinstance(m, dict)}
+            steps = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")))
+                     for m in entries if isinstance(m, dict)]
+            kinds = dict(steps)
             mode = None
             if "Pooling" in kinds:
                 pooling = root / kinds["Pooling"] / "config.json"
                 st = json.loads(pooling.read_text()) if pooling.is_file() else {}
                 mode = next((v for k, v in _ST_MODES.items() if st.get(k)), None)
-            cfg = cls(mode or "LAST", "Normalize" in kinds)
+                if mode is None and any(st.get(k) for k in st if k.startswith("pooling_mode_")):
+                    on = [k for k in st if k.startswith("pooling_mode_") and st.get(k)]
+                    raise ValueError(f"{pooling}: {on[0]} is not supported ({', '.join(_ST_MODES)})")
+            unknown = [k for k, _ in steps if k not in ("Transformer", "Pooling", "Normalize", "Dense")]
+            if unknown:
+                raise ValueError(f"{modules}: the sentence-transformers module {unknown[0]} is not supported "
+                                 "(Transformer, Pooling, Dense, Normalize)")
+            dense = tuple(_st_dense(root / path) for kind, path in steps if kind == "Dense")
+            cfg = cls(mode or "LAST", "Normalize" in kinds, dense)
         if override:
-            unknown = set(override) - {f.name for f in fields(cls)}
+            unknown = set(override) - {"pooling_type", "normalize"}
             if unknown:
                 raise ValueError(f"pooler_config: unknown field {sorted(unknown)[0]!r} (pooling_type, normalize)")
-            cfg = replace(cfg, **{k: (str(v).upper() if k == "pooling_type" else bool(v)) for k, v in override.items()})
+            cfg = replace(cfg, **{k: (str(v).upper() if k == "pooling_type" else _flag(v, "pooler_config normalize"))
+                                  for k, v in override.items()})
         return cfg
+
+
+def _flag(value, what: str) -> bool:
+    """A JSON or command-line boolean: true / false, or the words "true" / "false"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{what} must be true or false, got {value!r}")
+
+
+def _st_dense(folder: Path) -> Dense:
+    """A sentence-transformers Dense module's folder (config.json: in_features, out_features, bias,
+    activation_function; weights linear.weight / linear.bias in model.safetensors or
+    pytorch_model.bin)."""
+    from .model.checkpoint import read_state_dict
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{folder}: a Dense module without a readable config.json ({e})") from None
+    act = cfg.get("activation_function", "torch.nn.modules.linear.Identity")
+    if act not in _ST_ACTIVATIONS:
+        raise ValueError(f"{folder}: Dense activation_function {act!r} is not supported "
+                         f"({', '.join(a.rsplit('.', 1)[-1] for a in _ST_ACTIVATIONS)})")
+    sd = read_state_dict(folder, lambda k: k in ("linear.weight", "linear.bias"))
+    if "linear.weight" not in sd:
+        raise ValueError(f"{folder}: a Dense module without linear.weight")
+    w = sd["linear.weight"].float()
+    if w.shape != (cfg.get("out_features", w.shape[0]), cfg.get("in_features", w.shape[1])):
+        raise ValueError(f"{folder}: linear.weight is {tuple(w.shape)}, config.json says "
+                         f"{cfg.get('out_features')} x {cfg.get('in_features')}")
+    bias = sd.get("linear.bias")
+    return Dense(w, bias.float() if bias is not None else None, act)
 
 
 @dataclass(frozen=True)
@@ -174,7 +241,11 @@ def embed_batch(model, prompts: list[list[int]], pooler: PoolerConfig, params: l
 
 def _pool(h: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[float]:
     """[T, D] final-norm states of one prompt -> its embedding."""
-    vec = h[-1] if pooler.pooling_type == "LAST" else h[0] if pooler.pooling_type == "CLS" else h.mean(0)
+    kind = pooler.pooling_type
+    vec = h[-1] if kind == "LAST" else h[0] if kind == "CLS" else h.max(0).values if kind == "MAX" \
+        else h.sum(0) / len(h) ** 0.5 if kind == "MEAN_SQRT_LEN" else h.mean(0)
+    for dense in pooler.dense:
+        vec = dense(vec)
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
     if pooler.normalize if params.normalize is None else params.normalize:
@@ -191,13 +262,30 @@ def _classifier_config(root: Path) -> dict | None:
     return raw if is_classifier(raw) else None
 
 
+# a cross-encoder's activation as sentence-transformers names it in config.json -> ours
+_CE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity",
+                   "torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+                   "torch.nn.modules.activation.Tanh": "tanh", "torch.nn.Tanh": "tanh"}
+
+
+def _activate(logits: torch.Tensor, how: str) -> torch.Tensor:
+    return {"identity": lambda x: x, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+            "softmax": lambda x: torch.softmax(x, -1)}[how](logits)
+
+
 @dataclass
 class Classifier:
     """A sequence classifier's `score` head (transformers' *ForSequenceClassification) over the
-    last token's final-norm state: probabilities by softmax, or sigmoid for one label (vLLM's)."""
+    last token's final-norm state, then vLLM's activations: for classify, as transformers' loss
+    reads config.json's `problem_type` (regression: the raw value, multi_label_classification: a
+    sigmoid per label, else softmax, or a sigmoid for one label); for score (a cross-encoder), the
+    sentence-transformers `activation_fn` (or `sbert_ce_default_activation_function`) where the
+    config names one, else the classify default."""
     weight: torch.Tensor                  # [num_labels, hidden] fp32
     bias: torch.Tensor | None
     labels: list[str]
+    activation: str = "softmax"           # classify's: identity, sigmoid, softmax
+    score_activation: str = "sigmoid"     # score's: identity, sigmoid, tanh, softmax
 
     @classmethod
     def of(cls, folder: str | Path, target) -> Classifier | None:
@@ -215,11 +303,27 @@ class Classifier:
             raise ValueError(f"{root}: score.weight is {tuple(w.shape)}, the hidden size is {target.config.hidden_size}")
         id2label = raw.get("id2label") or {}
         labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(w.shape[0])]
-        return cls(w, sd["score.bias"].float() if "score.bias" in sd else None, labels)
+        problem = raw.get("problem_type")
+        default = "sigmoid" if w.shape[0] == 1 else "softmax"
+        activation = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(problem, default)
+        st = raw.get("sentence_transformers")
+        named = (st.get("activation_fn") if isinstance(st, dict) else None) or raw.get("sbert_ce_default_activation_function")
+        if named is not None and named not in _CE_ACTIVATIONS:
+            raise ValueError(f"{root}: the cross-encoder's activation_fn {named!r} is not supported "
+                             "(torch.nn Identity, Sigmoid, Tanh)")
+        return cls(w, sd["score.bias"].float() if "score.bias" in sd else None, labels, activation,
+                   _CE_ACTIVATIONS[named] if named is not None else default)
+
+    def logits(self, state: list[float]) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tensor(state), self.weight, self.bias)
 
     def probs(self, state: list[float]) -> list[float]:
-        logits = torch.nn.functional.linear(torch.tensor(state), self.weight, self.bias)
-        return (torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)).tolist()
+        """classify's output (vLLM's `probs`, whatever the activation)."""
+        return _activate(self.logits(state), self.activation).tolist()
+
+    def score(self, state: list[float]) -> float:
+        """A cross-encoder's score of the pair read as `state`'s input."""
+        return _activate(self.logits(state), self.score_activation)[0].item()
 
 
 @dataclass

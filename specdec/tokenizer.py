@@ -233,16 +233,33 @@ class Tokenizer:
             raise
         return self._with_bos(ids) if add_special_tokens else ids
 
-    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
-        (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input)."""
+        (what transformers' `tokenizer(text, text_pair)` gives: a cross-encoder's input).
+        max_length: transformers' `truncation=True, max_length=...` ("longest_first": the longer
+        text loses its last token until the whole fits, the special tokens stay); a ValueError
+        when not even the special tokens fit."""
         try:
-            ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+            if max_length is None:
+                ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+                return self._with_bos(ids) if add_special_tokens else ids
+            first = self.backend.encode(text, add_special_tokens=False)
+            second = self.backend.encode(pair, add_special_tokens=False)
         except TypeError:
             _check_unicode(text)
             _check_unicode(pair)
             raise
-        return self._with_bos(ids) if add_special_tokens else ids
+        special = 0
+        if add_special_tokens:             # the template's tokens, and a BOS _with_bos would put in front
+            special = len(self._with_bos(self.backend.post_process(first, second).ids)) - len(first.ids) - len(second.ids)
+        keep = longest_first(len(first.ids), len(second.ids), max_length - special)
+        if keep is None:
+            raise ValueError(f"max_length {max_length} is shorter than the pair's {special} special tokens")
+        first.truncate(keep[0])
+        second.truncate(keep[1])
+        if not add_special_tokens:
+            return first.ids + second.ids
+        return self._with_bos(self.backend.post_process(first, second, add_special_tokens=True).ids)
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         """BOS in front where the checkpoint asks for it and the post-processor did not add it."""
@@ -454,6 +471,20 @@ class Tokenizer:
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 # a template that loops over a message's content reads OpenAI's list of parts ({% for part in message['content'] %})
+def longest_first(n1: int, n2: int, budget: int) -> tuple[int, int] | None:
+    """The lengths a pair keeps under tokenizers' "longest_first" truncation to `budget` tokens
+    (None when the budget is negative): a text no longer than half the budget stays whole and the
+    other takes the rest; else the longer keeps the larger half (the second on a tie)."""
+    if budget < 0:
+        return None
+    if n1 + n2 <= budget:
+        return n1, n2
+    lo, hi = budget // 2, budget - budget // 2
+    if n1 > n2:
+        return (budget - n2, n2) if n2 <= lo else (hi, lo)
+    return (n1, budget - n1) if n1 <= lo else (lo, hi)
+
+
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE vocabulary writes for
     each byte -> that byte (printable bytes stand for themselves, the rest are shifted past 255)."""

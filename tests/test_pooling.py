@@ -105,7 +105,7 @@ def test_sentence_transformers_pooling_and_convert(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="speculative decoding needs runner='generate'"):
         LLM(str(folder), runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="pooling_type must be one of"):
-        LLM(str(folder), runner="pooling", pooler_config={"pooling_type": "max"})
+        LLM(str(folder), runner="pooling", pooler_config={"pooling_type": "weightedmean"})
 
 
 @pytest.fixture(scope="module")
@@ -399,3 +399,150 @@ def test_v2_rerank_needs_the_api_key_as_v1_does(embedder):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
         r = httpx.post(live.url + "/v2/rerank", json=body, headers={"authorization": "Bearer sekrit"})
         assert r.status_code == 200 and len(r.json()["results"]) == 3
+
+
+def _hidden(folder, ids: list[int]) -> torch.Tensor:
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).last_hidden_state[0]
+
+
+def test_sentence_transformers_dense_max_and_sqrt_mean(tiny_pair, tmp_path):
+    """sentence-transformers folders as SentenceTransformer computes them: Pooling (max, and mean
+    times sqrt(n) / n) -> Dense (W x + b, Tanh) -> Normalize; the Dense module's output size is the
+    embedding's (a Dense module was skipped: a 64-d vector where the model gives 16; max and
+    sqrt-mean fell back to the last token). Modules and modes it cannot run are refused."""
+    folder = shutil.copytree(tiny_pair[0], tmp_path / "st")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "2_Dense").mkdir()
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    torch.manual_seed(0)
+    w, b = torch.randn(16, hidden) * 0.2, torch.randn(16) * 0.1
+    torch.save({"linear.weight": w, "linear.bias": b}, folder / "2_Dense" / "pytorch_model.bin")
+    (folder / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": hidden, "out_features": 16, "bias": True,
+        "activation_function": "torch.nn.modules.activation.Tanh"}))
+    for mode in ("max_tokens", "mean_sqrt_len_tokens", "mean_tokens"):
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+        out = LLM(str(folder), convert="embed", dtype="float32").embed(TEXTS[0])[0]
+        h = _hidden(folder, out.prompt_token_ids)
+        pooled = {"max_tokens": h.max(0).values, "mean_sqrt_len_tokens": h.sum(0) / len(h) ** 0.5,
+                  "mean_tokens": h.mean(0)}[mode]
+        want = torch.nn.functional.normalize(torch.tanh(pooled @ w.T + b), dim=0)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=0)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(ValueError, match="pooling_mode_weightedmean_tokens is not supported"):
+        LLM(str(folder), convert="embed")
+    (folder / "modules.json").write_text(json.dumps(modules[:1] + [
+        {"idx": 1, "name": "1", "path": "1_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}]))
+    with pytest.raises(ValueError, match="module LayerNorm is not supported"):
+        LLM(str(folder), convert="embed")
+
+
+def test_pooler_config_normalize_is_a_boolean(tiny_pair):
+    """--pooler-config '{"normalize": "false"}' switched normalization on (any non-empty string)."""
+    llm = LLM(str(tiny_pair[0]), runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": "false"})
+    assert llm.pooler.normalize is False
+    with pytest.raises(ValueError, match="normalize must be true or false, got 0"):
+        LLM(str(tiny_pair[0]), runner="pooling", pooler_config={"normalize": 0})
+
+
+def test_truncate_prompt_tokens_zero_is_refused_alike(server, embedder):
+    """0 was refused by LLM.embed and ignored by /v1/embeddings (the `or` read it as unset); a
+    prompt's own PoolingParams value wins over the call's, 0 included."""
+    llm = LLM(str(embedder), max_model_len=64)
+    for kw in ({"truncate_prompt_tokens": 0}, {"pooling_params": PoolingParams(truncate_prompt_tokens=0),
+                                               "truncate_prompt_tokens": 3}):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be in"):
+            llm.embed(TEXTS[0], **kw)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS[0], "truncate_prompt_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
+
+
+def _classifier_folder(tmp_path, name: str, labels: int, seed: int, **config) -> tuple:
+    src = make_checkpoint(tmp_path / f"{name}-src", arch="qwen2", hidden=64, layers=2, seed=seed)
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg.num_labels, cfg.pad_token_id = labels, 0
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(src, config=cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 1.0)
+    hf.save_pretrained(tmp_path / name)
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, tmp_path / name / f.name)
+    return tmp_path / name, hf
+
+
+def _logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def test_classifier_activations_follow_the_config(tmp_path):
+    """vLLM's activations: problem_type regression gives the raw value, multi_label_classification a
+    sigmoid per label (both were softmax / sigmoid by the label count); a cross-encoder's
+    sentence-transformers activation_fn (Identity here) sets what score() returns; one it cannot
+    run is refused at load."""
+    folder, hf = _classifier_folder(tmp_path, "multi", 3, 6, problem_type="multi_label_classification")
+    out = LLM(str(folder)).classify(TEXTS[0])[0]
+    assert out.outputs.probs == pytest.approx(torch.sigmoid(_logits(hf, out.prompt_token_ids)).tolist(), abs=1e-5)
+    folder, hf = _classifier_folder(tmp_path, "reward", 1, 7, problem_type="regression")
+    out = LLM(str(folder)).classify(TEXTS[0])[0]
+    assert out.outputs.probs == pytest.approx(_logits(hf, out.prompt_token_ids).tolist(), abs=1e-5)
+    folder, hf = _classifier_folder(tmp_path, "ce", 1, 8,
+                                    sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"})
+    llm = LLM(str(folder))
+    out = llm.score(TEXTS[0], TEXTS[1])[0]
+    assert out.outputs.score == pytest.approx(_logits(hf, out.prompt_token_ids)[0].item(), abs=1e-5)
+    assert llm.classify(TEXTS[0])[0].outputs.probs == pytest.approx(
+        torch.sigmoid(_logits(hf, llm.classify(TEXTS[0])[0].prompt_token_ids)).tolist(), abs=1e-5)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "sentence_transformers": {"activation_fn": "os.system"}}))
+    with pytest.raises(ValueError, match="activation_fn 'os.system' is not supported"):
+        LLM(str(folder))
+
+
+def test_cross_encoder_truncation_keeps_the_query(tmp_path):
+    """truncate_prompt_tokens on a pair cuts it as transformers' tokenizer(query, document,
+    truncation=True, max_length=k) does (vLLM's): the longer text loses tokens, the query and the
+    pair's special tokens stay (the last k tokens of the whole pair had left no query token)."""
+    folder, hf = _classifier_folder(tmp_path, "ce", 1, 9)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), max_model_len=128)
+    query, doc = "what does add return", "def add(a, b):\n    return a + b\n" * 4
+    for k in (9, 16, 17, 40):
+        out = llm.score(query, doc, truncate_prompt_tokens=k)[0]
+        want = tok(query, doc, truncation=True, max_length=k)["input_ids"]
+        assert out.prompt_token_ids == want and len(want) == k
+        assert out.outputs.score == pytest.approx(torch.sigmoid(_logits(hf, want)[0]).item(), abs=1e-5)
+    ids = llm.score({"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 30))}, truncate_prompt_tokens=8)
+    assert ids[0].prompt_token_ids == [5, 6, 7, 10, 11, 12, 13, 14]
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("ce",)))) as live:
+        r = httpx.post(live.url + "/v1/rerank", json={"query": query, "documents": [doc], "truncate_prompt_tokens": 16},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["results"][0]["relevance_score"] == pytest.approx(
+            llm.score(query, doc, truncate_prompt_tokens=16)[0].outputs.score, abs=1e-6)
+
+
+def test_a_classifier_gives_no_embeddings(classifier):
+    """vLLM's classifier answers classify and score: LLM.embed and /v1/embeddings returned its raw
+    last-token state; /pooling takes no dimensions or normalize for it (they were dropped)."""
+    folder, _ = classifier
+    llm = LLM(str(folder), max_model_len=64)
+    with pytest.raises(ValueError, match="sequence classifier"):
+        llm.embed(TEXTS[0])
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("clf",)))) as live:
+        r = httpx.post(live.url + "/v1/embeddings", json={"input": TEXTS[0]}, timeout=60)
+        assert r.status_code == 404 and "sequence classifier" in r.json()["error"]["message"]
+        r = httpx.post(live.url + "/pooling", json={"input": TEXTS[0], "dimensions": 2}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+        r = httpx.post(live.url + "/pooling", json={"input": TEXTS[0]}, timeout=60)
+        assert r.status_code == 200 and r.json()["data"][0]["data"] == pytest.approx(llm.classify(TEXTS[0])[0].outputs.probs)

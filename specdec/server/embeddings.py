@@ -57,6 +57,9 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         if service.llm.runner != "pooling":
             raise APIError(404, f"the model {service.config.model_name!r} does not support the Embeddings API "
                                 "(serve an embedding model, or this one with --runner pooling / --convert embed)")
+        if service.llm.classifier is not None:    # vLLM registers a classifier's routes only
+            raise APIError(404, f"the model {service.config.model_name!r} is a sequence classifier: it answers "
+                                "/classify, /score and /rerank, not the Embeddings API")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to embeddings", "model")
         start = time.perf_counter()
@@ -146,6 +149,10 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
             raise APIError(400, "LoRA adapters are not applied to pooling", "model")
         prompts = [{"prompt_token_ids": ids} for ids in await service.off_loop(_inputs, service, body)]
         if service.llm.classifier is not None:
+            for name in ("dimensions", "normalize"):
+                if getattr(body, name) is not None:
+                    raise APIError(400, f"{name} applies to embeddings; this model is a sequence classifier "
+                                        "(its pooled output is the class probabilities)", name)
             outs = await run(lambda engine: service.llm.classify(prompts, body.truncate_prompt_tokens))
             data = [o.outputs.probs for o in outs]
         else:

@@ -257,8 +257,10 @@ class AsyncLLM:
                     lps = None if params.output_kind == RequestOutputKind.DELTA and prompt_logprobs_sent \
                         else prompt_logprobs
                     prompt_logprobs_sent |= prompt_logprobs is not None
-                    yield self._output(request_id, text, ids, params, choices, group,
+                    out = self._output(request_id, text, ids, params, choices, group,
                                        not open_ and j == len(groups) - 1, lps)
+                    out.lora_request = lora_request
+                    yield out
         except asyncio.CancelledError:
             if not stream.aborted:
                 raise
@@ -381,6 +383,10 @@ class AsyncLLM:
 
     async def list_loras(self) -> set[int]:
         return await self._call(lambda engine: {a.id for a in engine.lora.loaded()} if engine.lora is not None else set())
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's: the loaded adapter of that id stays loaded past max_cpu_loras (until removed)."""
+        return await self._call(lambda engine: engine.lora is not None and engine.lora.pin(lora_id))
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self._worker.call(fn))

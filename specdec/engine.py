@@ -241,7 +241,8 @@ class Engine:
                       params.max_tokens or self.max_model_len - len(prompt),
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                   params.include_stop_str_in_output, params.min_tokens, prompt), time.perf_counter(),
-                      stream=stream, priority=priority, lora=adapter, trace_headers=trace_headers,
+                      stream=stream, priority=priority, lora=adapter, lora_request=lora_request if adapter is not None else None,
+                      trace_headers=trace_headers,
                       trace_name=trace_name)
         if ctx.prediction is not None:
             req.stats.prediction_tokens = len(ctx.prediction.ids)

@@ -72,6 +72,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
     # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    lora_request: object | None = None          # vLLM's: the request's LoRARequest, or None
 
     @property
     def metrics(self) -> RequestStats:
@@ -1151,7 +1152,7 @@ class LLM:
         prompt_lps = reqs[(rid, 0)].prompt_logprobs
         if prompt_lps is not None:
             prompt_lps = [e.named(self._token_name) if e is not None else None for e in prompt_lps]
-        return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps)
+        return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps, reqs[(rid, 0)].lora_request)
 
     def _observe(self, s: RequestStats, prompt_tokens: int) -> None:
         """One finished completion into vLLM's histograms (get_metrics): its latencies, as the
@@ -1321,6 +1322,27 @@ class _EngineView:
     def get_tokenizer(self, lora_request=None) -> Tokenizer:
         return self._llm.tokenizer
 
+    # vLLM's LLMEngine LoRA calls (AsyncLLM's, on this thread)
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter now, not at its first request."""
+        self._llm.engine.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
+        lora = self._llm.engine.lora
+        names = [a.name for a in lora.loaded() if a.id == lora_id] if lora is not None else []
+        return any([lora.remove(n) for n in names])
+
+    def list_loras(self) -> set[int]:
+        lora = self._llm.engine.lora
+        return {a.id for a in lora.loaded()} if lora is not None else set()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the loaded adapter of that id loaded past max_cpu_loras (until removed)."""
+        lora = self._llm.engine.lora
+        return lora is not None and lora.pin(lora_id)
+
     # vLLM's configuration objects, as code reads them (llm.llm_engine.vllm_config.scheduler_config...)
     @property
     def vllm_config(self):
@@ -1392,7 +1414,8 @@ class _EngineView:
                 continue
             outs.append(RequestOutput(rid, text, ids, [
                 CompletionOutput(i, r.detok.released, list(r.out), r.finish_reason, r.stop_reason)
-                for i, r in enumerate(reqs[(rid, j)] for j in range(params.n))], False))
+                for i, r in enumerate(reqs[(rid, j)] for j in range(params.n))], False,
+                lora_request=reqs[(rid, 0)].lora_request))
         return outs
 
     @property

@@ -68,6 +68,7 @@ class Request:
     prompt_logprobs: list | None = None
     prompt_logprobs_next: int = 1       # the first prompt position not yet scored
     lora: object | None = None          # its LoRA adapter (specdec/lora: LoRAAdapter), or None
+    lora_request: object | None = None  # the LoRARequest that named it (RequestOutput.lora_request)
     trace_headers: dict | None = None   # W3C trace context its span is a child of (specdec/tracing.py)
     trace_name: str | None = None       # its span's gen_ai.request.id (the API request's id), else request_id
 
@@ -203,7 +204,8 @@ class Scheduler:
         cache when it holds them."""
         # prompt logprobs need every prompt token's forward: no prefix-cache hits then
         wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
-        root = b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.path}".encode()
+        # an adapter's blocks are its own reading's: one added again (a folder rewritten) shares none
+        root = b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.uid}:{r.lora.path}".encode()
         cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, root)
         if cached is None:
             return False

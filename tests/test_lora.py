@@ -355,3 +355,69 @@ def test_a_waiting_adapter_is_not_starved(tiny_pair, adapters):
         engine.step()
         order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
     assert order.index("q") < order.index("a1") and all(r.finished for r in (first, waiting, base, *later))
+
+
+def test_an_id_given_again_after_removal_runs_the_new_adapter(tiny_pair, adapters, tmp_path):
+    """vLLM's remove_lora / add again under the same id (retrain in place, remove, add): the new
+    adapter's weights run, not the slot's old ones, and no prefix-cache block of the old one is
+    reused (a slot matched by id alone had kept serving the removed adapter)."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=1,
+              enable_prefix_caching=True)
+    engine = llm.llm_engine
+    p = {"prompt_token_ids": IDS}
+    first = LoRARequest("a", 1, str(adapters["all"]))
+    old = llm.generate(p, GREEDY, lora_request=first)[0].outputs[0].token_ids
+    assert engine.remove_lora(1) and engine.list_loras() == set()
+    folder = tmp_path / "same-place"
+    make_adapter(target, folder, 11)
+    again = llm.generate(p, GREEDY, lora_request=LoRARequest("b", 1, str(folder)))[0]
+    fresh = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True).generate(
+        p, GREEDY, lora_request=LoRARequest("b", 1, str(folder)))[0].outputs[0].token_ids
+    assert again.outputs[0].token_ids == fresh != old
+    assert again.lora_request == LoRARequest("b", 1, str(folder)) and llm.generate(p, GREEDY)[0].lora_request is None
+    # the same folder rewritten in place, removed and added again: a fresh reading, its own cached blocks
+    make_adapter(target, folder, 12)
+    assert engine.remove_lora(1)
+    rewritten = llm.generate(p, GREEDY, lora_request=LoRARequest("b", 1, str(folder)))[0]
+    assert rewritten.stats.cached_tokens == 0
+    assert rewritten.outputs[0].token_ids == LLM(str(target), dtype="float32", num_speculative_tokens=0,
+                                                 enable_lora=True).generate(
+        p, GREEDY, lora_request=LoRARequest("b", 1, str(folder)))[0].outputs[0].token_ids
+
+
+def test_llm_engine_lora_calls_and_vllms_request_fields(tiny_pair, adapters):
+    """vLLM's LLMEngine add_lora / list_loras / pin_lora / remove_lora; LoRARequest's
+    base_model_name, a Path for the folder, equality and hashing by name."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=1, max_cpu_loras=2)
+    engine = llm.llm_engine
+    a = LoRARequest("all", 1, Path(adapters["all"]), base_model_name="m")
+    assert a.lora_path == str(adapters["all"]) and a.base_model_name == "m"
+    assert a == LoRARequest("all", 9, "/elsewhere") and len({a, LoRARequest("all", 2, "/x")}) == 1
+    assert engine.add_lora(a) and engine.list_loras() == {1}
+    assert engine.pin_lora(1) and not engine.pin_lora(5)
+    engine.add_lora(LoRARequest("qv", 2, str(adapters["qv"])))
+    engine.add_lora(LoRARequest("again", 3, str(adapters["all"])))   # past max_cpu_loras: the pinned one stays
+    assert engine.list_loras() == {1, 3}
+    assert engine.remove_lora(1) and engine.list_loras() == {3}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"lora_alpha": None}, "lora_alpha must be a positive number, got None"),
+    ({"r": "4"}, "r must be a positive integer, got '4'"),
+    ({"rank_pattern": ["x"]}, "rank_pattern must be an object of module patterns"),
+    ({"alpha_pattern": {"q_proj(": 2}}, "alpha_pattern key 'q_proj\\(' is not a regular expression"),
+    ({"lora_bias": True}, "lora_bias: adapters whose lora_B has a trained bias are not supported"),
+])
+def test_bad_config_values_are_one_clear_error(tiny_pair, adapters, tmp_path, config, message):
+    """Values of the wrong type in adapter_config.json were a TypeError, AttributeError or re.error
+    deep in the loader (a 500 from /v1/load_lora_adapter, a traceback at serve's start)."""
+    import shutil
+
+    folder = shutil.copytree(adapters["all"], tmp_path / "bad")
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    llm = LLM(str(tiny_pair[0]), dtype="float32", num_speculative_tokens=0, enable_lora=True)
+    with pytest.raises(ValueError, match=message):
+        llm.generate({"prompt_token_ids": IDS}, GREEDY, lora_request=LoRARequest("bad", 1, str(folder)))

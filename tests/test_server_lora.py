@@ -231,7 +231,7 @@ def test_flags(tiny_pair, adapters, monkeypatch, capsys):
     from specdec.cli import main
 
     for flags, message in ([f"sql={sql}"], "--lora-modules needs --enable-lora"), \
-                          (["--enable-lora", "--lora-modules", "sql=/no/such/folder"], "/no/such/folder is not a folder"):
+                          (["--enable-lora", "--lora-modules", "sql=/no/such/folder"], "/no/such/folder is neither a folder"):
         flags = flags if flags[0] == "--enable-lora" else ["--lora-modules", *flags]
         assert main(["serve", "m", *flags, "--port", "0"]) == 2          # before the model loads
         err = capsys.readouterr().err
@@ -269,3 +269,18 @@ def test_bench_serve_draws_vllms_lora_modules(server, tmp_path):
         assert point["failed"] == failed and point["completed"] == 6 - failed
         if not failed:
             assert rc == 0
+
+
+def test_lora_modules_take_llama_cpp_gguf_files(tmp_path):
+    """--lora-modules names a PEFT folder or a llama.cpp LoRA .gguf (the README's two formats; a
+    .gguf was refused as "not a folder" while /v1/load_lora_adapter took it); other files are refused."""
+    from specdec.server.cli import _lora_modules
+
+    gguf, other = tmp_path / "a.gguf", tmp_path / "a.bin"
+    gguf.write_bytes(b"GGUF")
+    other.write_bytes(b"x")
+    args, _ = parse_args(["m", "--enable-lora", "--lora-modules", f"g={gguf}", f"d={tmp_path}"])
+    assert [m.name for m in _lora_modules(args)] == ["g", "d"]
+    args, _ = parse_args(["m", "--enable-lora", "--lora-modules", f"x={other}"])
+    with pytest.raises(ValueError, match="is neither a folder .* nor a .gguf file"):
+        _lora_modules(args)

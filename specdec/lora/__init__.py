@@ -15,6 +15,7 @@ values.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import OrderedDict
 
@@ -119,6 +120,9 @@ def slot_dtype(model, name: str) -> torch.dtype:
     return torch.float32 if isinstance(w, Tensor) and w.dtype == torch.float32 else torch.bfloat16
 
 
+_LOADS = itertools.count(1)
+
+
 class LoRAManager:
     """Adapters loaded from their folders (kept, least recently used first out, up to
     max_cpu_loras beyond those requests hold) and the slots of the model's LoRAStack."""
@@ -135,6 +139,7 @@ class LoRAManager:
         self._in_slot: list[LoRAAdapter | None] = [None] * config.max_loras
         self._slot_used: list[int] = [0] * config.max_loras             # step of last use (LRU)
         self._steps = 0
+        self._pinned: set[int] = set()                                   # pin(): never evicted
 
     @property
     def max_loras(self) -> int:
@@ -156,21 +161,31 @@ class LoRAManager:
         adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
                                self.config.max_lora_rank, self.stack.heads)
         adapter.id = request.lora_int_id
+        adapter.uid = next(_LOADS)              # this reading of the folder (the prefix cache's key)
         self._loaded[request.lora_int_id] = self._held[request.lora_int_id] = adapter
         self._trim()
         return adapter
 
     def _trim(self) -> None:
-        """Keep max_cpu_loras adapters loaded (least recently used out; requests that hold one keep it)."""
+        """Keep max_cpu_loras adapters loaded (least recently used out, pinned ones stay; requests
+        that hold one keep it)."""
         cap = self.config.max_cpu_loras or self.config.max_loras
-        while len(self._loaded) > cap:
-            self._loaded.popitem(last=False)
+        for i in [i for i in self._loaded if i not in self._pinned][:max(0, len(self._loaded) - cap)]:
+            del self._loaded[i]
+
+    def pin(self, lora_id: int) -> bool:
+        """vLLM's pin_lora: the loaded adapter of that id is never evicted (until removed); False: none loaded."""
+        if lora_id not in self._loaded:
+            return False
+        self._pinned.add(lora_id)
+        return True
 
     def remove(self, lora_name: str) -> bool:
         """Forget the loaded adapter of that name (running requests keep theirs); False: none."""
         ids = [i for i, a in self._loaded.items() if a.name == lora_name]
         for i in ids:
             del self._loaded[i]
+            self._pinned.discard(i)
         held = [i for i, a in self._held.items() if a.name == lora_name]
         for i in held:                         # its requests keep their copy; new ones read it again
             self._held.pop(i, None)
@@ -187,7 +202,8 @@ class LoRAManager:
         wanted = {a.id: a for a in adapters}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step, max_loras is {self.max_loras}")
-        slot_of = {a.id: s for s, a in enumerate(self._in_slot) if a is not None and a.id in wanted}
+        # a slot holds this very adapter, not one that had its id (removed, then another added as it)
+        slot_of = {a.id: s for s, a in enumerate(self._in_slot) if a is not None and wanted.get(a.id) is a}
         for key, adapter in wanted.items():
             if key in slot_of:
                 continue

@@ -37,17 +37,47 @@ class LoRAAdapter:
     rank: int
     mats: dict
     id: int = 0                          # the LoRARequest's lora_int_id
+    uid: int = 0                         # which reading of its folder (LoRAManager: one per load)
 
     def nbytes(self) -> int:
         return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.mats.values())
 
 
 def _pattern(patterns: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern: the first key matching the end of the module name."""
+    """PEFT's rank_pattern / alpha_pattern: the first key matching the end of the module name
+    (load_adapter has checked them)."""
     for key, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_numbers(path, cfg: dict) -> None:
+    """r and lora_alpha positive numbers (r an integer), rank_pattern / alpha_pattern objects
+    of valid regular expressions to such numbers: one ValueError for anything else (a null alpha
+    or a list of patterns had been a TypeError deep in the loader)."""
+    if "r" in cfg and not (_number(cfg["r"]) and isinstance(cfg["r"], int)):
+        _fail(path, f"adapter_config.json: r must be a positive integer, got {cfg['r']!r}")
+    if "lora_alpha" in cfg and not _number(cfg["lora_alpha"]):
+        _fail(path, f"adapter_config.json: lora_alpha must be a positive number, got {cfg['lora_alpha']!r}")
+    for name, integer in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = cfg.get(name)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            _fail(path, f"adapter_config.json: {name} must be an object of module patterns, got {patterns!r}")
+        for key, value in patterns.items():
+            try:
+                re.compile(key)
+            except re.error as e:
+                _fail(path, f"adapter_config.json: {name} key {key!r} is not a regular expression ({e})")
+            if not _number(value) or (integer and not isinstance(value, int)):
+                _fail(path, f"adapter_config.json: {name}[{key!r}] must be a positive "
+                            f"{'integer' if integer else 'number'}, got {value!r}")
 
 
 def _fail(path, why: str):
@@ -80,6 +110,9 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
             _fail(path, f"{why} is not supported")
     if cfg.get("bias", "none") not in ("none", None):
         _fail(path, f"bias={cfg['bias']!r}: adapters that train biases are not supported")
+    if cfg.get("lora_bias"):
+        _fail(path, "lora_bias: adapters whose lora_B has a trained bias are not supported")
+    _check_numbers(path, cfg)
     if cfg.get("modules_to_save"):
         _fail(path, f"modules_to_save {cfg['modules_to_save']} (whole modules replaced) is not supported")
     targets = cfg.get("target_modules")

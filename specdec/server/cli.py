@@ -438,9 +438,9 @@ def _lora_modules(args) -> list:
     if modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     for m in modules:
-        if not os.path.isdir(m.path):
-            raise ValueError(f"--lora-modules {m.name}: {m.path} is not a folder (a Hugging Face PEFT LoRA "
-                             f"adapter is expected)")
+        if not (os.path.isdir(m.path) or (os.path.isfile(m.path) and m.path.endswith(".gguf"))):
+            raise ValueError(f"--lora-modules {m.name}: {m.path} is neither a folder (a Hugging Face PEFT LoRA "
+                             f"adapter) nor a .gguf file (llama.cpp's LoRA)")
     return modules
 
 

@@ -376,10 +376,7 @@ class AsyncLLM:
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
-        def remove(engine):
-            names = [a.name for a in engine.lora.loaded() if a.id == lora_id] if engine.lora is not None else []
-            return any([engine.lora.remove(n) for n in names])
-        return await self._call(remove)
+        return await self._call(lambda engine: engine.lora is not None and engine.lora.remove_id(lora_id))
 
     async def list_loras(self) -> set[int]:
         return await self._call(lambda engine: {a.id for a in engine.lora.loaded()} if engine.lora is not None else set())

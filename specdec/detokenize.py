@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from .tokenizer import Tokenizer
 
-# prompt tokens that the output is decoded after (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET):
-# a SentencePiece tokenizer's decoder strips the space of a text's first token, which the output's
-# first token keeps in the prompt's context (" the", as vLLM returns it, not "the")
-PROMPT_CONTEXT = 5
+# The output is decoded after the prompt's last tokens, as vLLM's incremental detokenizer primes
+# its stream: a SentencePiece tokenizer's decoder strips the space of a text's first token, which
+# the output's first token keeps in the prompt's context (" the", as vLLM returns it, not "the").
+# The context is the shortest suffix of CONTEXT_MIN to CONTEXT_MAX tokens that decodes to whole
+# characters: a byte-fallback decoder turns a run of byte tokens that starts inside a character
+# into U+FFFD as a whole, the output's bytes that join it included. None such: no context.
+CONTEXT_MIN, CONTEXT_MAX = 4, 23
+
+
+def prompt_context(tokenizer: Tokenizer, prompt, skip_special_tokens: bool) -> list[int]:
+    prompt = list(prompt)
+    if len(prompt) <= CONTEXT_MIN:
+        return prompt if "\ufffd" not in tokenizer.decode(prompt, skip_special_tokens) else []
+    for n in range(CONTEXT_MIN, min(len(prompt), CONTEXT_MAX) + 1):
+        if "\ufffd" not in tokenizer.decode(prompt[-n:], skip_special_tokens):
+            return prompt[-n:]
+    return []
 
 
 class Detokenizer:
@@ -34,7 +47,7 @@ class Detokenizer:
         self.sent = 0                       # characters of `text` already released
         self.stop_reason: str | None = None
         self._hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
-        self._all = list(prompt[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else []   # context, then the output
+        self._all = prompt_context(tokenizer, prompt, skip_special_tokens) if prompt else []   # context, then the output
         self._prefix = 0                    # _all[_prefix:_read]: the tokens of the last piece (context)
         self._read = len(self._all)         # _all[_read:]: tokens whose text is not complete yet
         self._prefix_text = self._decode(0, self._read) if self._all else ""

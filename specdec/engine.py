@@ -691,7 +691,7 @@ class Engine:
         if not adapters:
             return None
         slot_of = self.lora.activate(adapters)
-        return [-1 if r.lora is None else slot_of[r.lora.id] for r in reqs]
+        return [-1 if r.lora is None else slot_of[r.lora.uid] for r in reqs]
 
     def _score_prompts(self, scored, logits) -> None:
         """Prompt logprobs (raw log-softmax of the target, as vLLM reports them) of the positions

@@ -1331,8 +1331,7 @@ class _EngineView:
     def remove_lora(self, lora_id: int) -> bool:
         """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
         lora = self._llm.engine.lora
-        names = [a.name for a in lora.loaded() if a.id == lora_id] if lora is not None else []
-        return any([lora.remove(n) for n in names])
+        return lora is not None and lora.remove_id(lora_id)
 
     def list_loras(self) -> set[int]:
         lora = self._llm.engine.lora

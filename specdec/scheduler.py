@@ -174,12 +174,12 @@ class Scheduler:
         and free a slot instead of keeping it forever."""
         if self.max_loras is None:
             return self.waiting[0]
-        in_use = {r.lora.id for r in self.running if r.lora is not None}
+        in_use = {r.lora.uid for r in self.running if r.lora is not None}   # each reading of an adapter
         blocked = False
         for r in self.waiting:
             if r.lora is None:
                 return r
-            if not blocked and (r.lora.id in in_use or len(in_use) < self.max_loras):
+            if not blocked and (r.lora.uid in in_use or len(in_use) < self.max_loras):
                 return r
             blocked = True
         return None

@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, p
 
 from conftest import make_checkpoint
 from specdec import LLM, SamplingParams
-from specdec.detokenize import Detokenizer
+from specdec.detokenize import Detokenizer, prompt_context
 from specdec.tokenizer import Tokenizer
 
 TEXTS = ["Hello world, the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
@@ -102,8 +102,9 @@ def test_pieces_add_up_to_the_text_for_any_tokens_and_steps(tok):
         parts = _stream(d, ids, steps)
         assert "".join(parts) == d.text, (ids, parts)
         if whole:
-            context = tok.decode(prompt[-5:], True)
-            assert d.text == tok.decode(prompt[-5:] + ids, True)[len(context):], ids
+            ctx = prompt_context(tok, prompt, True)
+            assert ctx == prompt[-4:]
+            assert d.text == tok.decode(ctx + ids, True)[len(tok.decode(ctx, True)):], ids
 
 
 def test_first_token_keeps_its_space_as_vllm_returns_it(tok):
@@ -192,6 +193,27 @@ def test_chat_logprob_bytes_add_up_to_the_reply(tok, tiny_pair):
         content = chat_logprobs(token_namer(t), entries, t.token_bytes)["content"]
         assert b"".join(bytes(c["bytes"]) for c in content) == b"".join(pieces)
         assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+        # token and bytes agree: a SentencePiece piece's space in both (its decode alone strips it)
+        assert all(c["token"] == bytes(c["bytes"]).decode("utf-8", "replace") for c in content)
         named = chat_logprobs(token_namer(t, as_ids=True), entries)["content"]
         assert named[0]["bytes"] == list(f"token_id:{ids[0]}".encode())
     assert tok.token_bytes(tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_a_prompt_ending_in_a_cut_run_of_bytes_leaves_the_output_whole(tok):
+    """The context starts where the prompt's tokens decode to whole characters: "Alice said 中文" ends
+    in six byte tokens, and a context of its last 5 began inside 中, so the byte-fallback decoder made
+    the whole run, the output's 'ddd' included, U+FFFD."""
+    prompt = tok.encode("Alice said 中文")
+    assert "\ufffd" in tok.decode(prompt[-5:])
+    ctx = prompt_context(tok, prompt, True)
+    assert "\ufffd" not in tok.decode(ctx) and len(ctx) > 5
+    ids = _bytes(tok, "ddd") + _bytes(tok, "中") + tok.encode(" the dog")[1:]
+    for stop in ([], ["zz"]):
+        d = Detokenizer(tok, stop, prompt=prompt)
+        assert "".join(_stream(d, ids)) == d.text == "ddd中 the dog"
+    # nothing in reach decodes whole (a prompt cut inside a character): no context, the output alone
+    cut = _bytes(tok, "中")[:2]
+    assert prompt_context(tok, cut, True) == [] and prompt_context(tok, tok.encode("abc") + cut * 12, True) == []
+    d = Detokenizer(tok, [], prompt=cut)
+    assert "".join(_stream(d, _bytes(tok, "d"))) == "d"

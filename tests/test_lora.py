@@ -63,7 +63,7 @@ def adapted_logits(llm, lora: LoRARequest | None, ids: list[int]) -> torch.Tenso
     slots = None
     if lora is not None:
         adapter = manager.check(lora)
-        slots = [manager.activate([adapter])[adapter.id]]
+        slots = [manager.activate([adapter])[adapter.uid]]
     cache = model.new_cache(batch=1)
     assert (model.c_view(cache) is not None) == (kernels.load() is not None)     # the path the test names
     return model(torch.tensor(ids), cache, ForwardBatch.build(cache, [0], [len(ids)], [0], lora=slots)).logits
@@ -421,3 +421,31 @@ def test_bad_config_values_are_one_clear_error(tiny_pair, adapters, tmp_path, co
     llm = LLM(str(tiny_pair[0]), dtype="float32", num_speculative_tokens=0, enable_lora=True)
     with pytest.raises(ValueError, match=message):
         llm.generate({"prompt_token_ids": IDS}, GREEDY, lora_request=LoRARequest("bad", 1, str(folder)))
+
+
+def test_a_running_request_keeps_its_adapter_when_its_id_is_given_again(tiny_pair, adapters):
+    """A request of adapter X (id 1) still running when id 1 is removed and added again as adapter
+    Y: both run in the same steps, each with its own weights (slots were keyed by id, so both got
+    one slot); remove_lora(id) removes that id alone, not others of its name."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=2)
+    engine = llm.llm_engine
+    x, y = LoRARequest("x", 1, str(adapters["all"])), LoRARequest("y", 1, str(adapters["qv"]))
+    alone = {}
+    for rid, lora in (("A", x), ("B", y)):
+        alone[rid] = llm.generate({"prompt_token_ids": IDS}, GREEDY, lora_request=lora)[0].outputs[0].token_ids
+        assert engine.remove_lora(1)
+    engine.add_request("A", {"prompt_token_ids": IDS}, GREEDY, lora_request=x)
+    for _ in range(3):
+        engine.step()
+    assert engine.remove_lora(1)
+    engine.add_request("B", {"prompt_token_ids": IDS}, GREEDY, lora_request=y)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert final == alone and alone["A"] != alone["B"]
+    engine.add_lora(LoRARequest("shared", 3, str(adapters["all"])))
+    engine.add_lora(LoRARequest("shared", 4, str(adapters["qv"])))
+    assert engine.remove_lora(3) and 4 in engine.list_loras() and 3 not in engine.list_loras()

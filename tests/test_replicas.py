@@ -84,12 +84,12 @@ def cluster(tmp_path_factory):
             proc.wait(10)
 
 
-def _wait_for_replicas(proc, url: str, log) -> None:
+def _wait_for_replicas(proc, url: str, log, replicas: int = 2) -> None:
     deadline = time.monotonic() + 180
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
-        try:            # both replicas up: each lists its metrics in the federated /metrics
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200 and len(_requests_by_replica(url)) == 2:
+        try:            # every replica up: each lists its metrics in the federated /metrics
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200 and len(_requests_by_replica(url)) == replicas:
                 return
         except httpx.HTTPError:
             pass
@@ -302,15 +302,7 @@ def test_ray_address_joins_a_running_cluster_and_leaves_it_running(tmp_path):
         assert "RAY_AUTH_MODE=token" in last
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env | {"RAY_AUTH_MODE": "token"})
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        _wait_for_replicas(proc, url, log, replicas=1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         replica, out = _complete(client, prompt="def f(x):", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         assert replica and out.usage.completion_tokens == 6

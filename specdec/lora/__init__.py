@@ -181,15 +181,16 @@ class LoRAManager:
         return True
 
     def remove(self, lora_name: str) -> bool:
-        """Forget the loaded adapter of that name (running requests keep theirs); False: none."""
-        ids = [i for i, a in self._loaded.items() if a.name == lora_name]
-        for i in ids:
-            del self._loaded[i]
-            self._pinned.discard(i)
-        held = [i for i, a in self._held.items() if a.name == lora_name]
-        for i in held:                         # its requests keep their copy; new ones read it again
-            self._held.pop(i, None)
-        return bool(ids or held)
+        """Forget the loaded adapters of that name (running requests keep theirs); False: none."""
+        ids = {i for i, a in [*self._loaded.items(), *self._held.items()] if a.name == lora_name}
+        return any([self.remove_id(i) for i in ids])
+
+    def remove_id(self, lora_id: int) -> bool:
+        """Forget the adapter of that lora_int_id (vLLM's remove_lora): its running requests keep
+        their copy, new ones read the folder again; False: none."""
+        found = self._loaded.pop(lora_id, None) is not None
+        self._pinned.discard(lora_id)
+        return self._held.pop(lora_id, None) is not None or found
 
     def loaded(self) -> list[LoRAAdapter]:
         return list(self._loaded.values())
@@ -197,13 +198,13 @@ class LoRAManager:
     def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
         """Slots for this step's adapters (at most max_loras distinct ones: the scheduler's
         rule), loading those not in a slot into the least recently used free ones. Returns
-        {lora_int_id: slot}."""
+        {adapter uid: slot}: by each reading of an adapter, not its lora_int_id, which a removed
+        adapter's running requests share with one added as it afterwards."""
         self._steps += 1
-        wanted = {a.id: a for a in adapters}
+        wanted = {a.uid: a for a in adapters}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step, max_loras is {self.max_loras}")
-        # a slot holds this very adapter, not one that had its id (removed, then another added as it)
-        slot_of = {a.id: s for s, a in enumerate(self._in_slot) if a is not None and wanted.get(a.id) is a}
+        slot_of = {a.uid: s for s, a in enumerate(self._in_slot) if a is not None and wanted.get(a.uid) is a}
         for key, adapter in wanted.items():
             if key in slot_of:
                 continue

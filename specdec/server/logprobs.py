@@ -65,10 +65,14 @@ def _top_dict(name: Namer, top, chosen: tuple[int, float]) -> dict[str, float]:
 def chat_logprobs(name: Namer, entries: list[TokenLogprob], raw: Callable[[int], bytes] | None = None) -> dict:
     """The chat shape: one object per token with its bytes and its alternatives. raw: a token's
     bytes (Tokenizer.token_bytes: a piece of a character is its own bytes, as OpenAI's, where its
-    text is U+FFFD); None: the named text's (vLLM's return_tokens_as_token_ids names)."""
+    text is U+FFFD; `token` is what they read as); None: the named text's (vLLM's
+    return_tokens_as_token_ids names)."""
     def item(token_id: int, logprob: float) -> dict:
-        text = name(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(raw(token_id) if raw else text.encode("utf-8"))}
+        if raw is None:
+            text = name(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        data = raw(token_id)       # the token as its bytes read (a SentencePiece piece with its space, as OpenAI's)
+        return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data)}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                         for e in entries]}

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncGenerator, Iterable
 
 from .config import RequestOutputKind, SamplingParams
-from .llm import LLM, CompletionOutput, RequestOutput
+from .llm import LLM, CompletionOutput, RequestOutput, _salt
 from .metrics import RequestStats
 from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 from .tracing import extract_trace_headers, warn_tracing_disabled
@@ -187,6 +187,7 @@ class AsyncLLM:
                 raise ValueError("best_of > n ranks finished candidates: use LLM.generate "
                                  "(vLLM's AsyncLLM has no best_of)")
             text, ids = llm._prompt_ids(prompt)
+            salt = _salt(prompt)
             ids = llm.engine.truncated(ids, params)
             llm.engine.check_priority(priority)
             llm.engine.check_prompt(ids, params)
@@ -205,7 +206,7 @@ class AsyncLLM:
             warn_tracing_disabled()
         stream.jobs = [Job(ids, params, i, functools.partial(deliver, loop, queue, i), priority=priority,
                            lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}",
-                           trace_headers=trace)
+                           trace_headers=trace, cache_salt=salt)
                        for i in range(params.n)]
         if self.log_requests:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)

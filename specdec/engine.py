@@ -218,13 +218,15 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,
                     request_id: str | None = None, stream: bool = False, priority: int = 0,
                     lora_request: LoRARequest | None = None, prediction: list[int] | None = None,
-                    trace_headers: dict | None = None, trace_name: str | None = None) -> Request:
+                    trace_headers: dict | None = None, trace_name: str | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Queue a request; it joins the running batch at a step when a seat and blocks are free
         (priority: under scheduling_policy="priority", lower joins first; lora_request: the
         LoRA adapter it runs with; prediction: OpenAI's Predicted Outputs, token ids the output is
         expected to repeat, drafted from where it does (specdec/prediction.py; a speculative engine
         with a chain proposer: otherwise counted as rejected); trace_headers / trace_name: the W3C
-        trace context its span goes under and the id the span names, when `tracer` is set)."""
+        trace context its span goes under and the id the span names, when `tracer` is set;
+        cache_salt: vLLM's, prefix-cache blocks are shared only between requests with the same salt)."""
         self.check_priority(priority)
         params = params.clone()            # the request's own: later changes to the caller's do not reach it
         prompt = self.truncated(prompt, params)
@@ -242,8 +244,7 @@ class Engine:
                       Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                   params.include_stop_str_in_output, params.min_tokens, prompt), time.perf_counter(),
                       stream=stream, priority=priority, lora=adapter, lora_request=lora_request if adapter is not None else None,
-                      trace_headers=trace_headers,
-                      trace_name=trace_name)
+                      trace_headers=trace_headers, trace_name=trace_name, cache_salt=check_salt(cache_salt))
         if ctx.prediction is not None:
             req.stats.prediction_tokens = len(ctx.prediction.ids)
         self.scheduler.add(req)
@@ -853,6 +854,13 @@ class Engine:
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+
+
+def check_salt(salt) -> str | None:
+    """vLLM's cache_salt: None, or a non-empty string (a ValueError otherwise)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def kv_cache_dtype_of(target: Transformer, name: str) -> torch.dtype:

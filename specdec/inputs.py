@@ -14,8 +14,8 @@ except ImportError:                # Python 3.10 (typing_extensions comes with t
 
 class TextPrompt(TypedDict):
     """A text prompt, tokenized by the LLM (vLLM's). Non-empty multi_modal_data is refused (no model
-    here reads it: vLLM's "... is not a multimodal model"); mm_processor_kwargs and cache_salt are
-    not read."""
+    here reads it: vLLM's "... is not a multimodal model"); mm_processor_kwargs is not read;
+    cache_salt keeps the prompt's prefix-cache blocks to requests of the same salt."""
     prompt: str
     multi_modal_data: NotRequired[Any]
     mm_processor_kwargs: NotRequired[dict[str, Any]]

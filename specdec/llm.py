@@ -1065,6 +1065,7 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
         jobs = []     # (request id, text, ids, params, priority, lora) per prompt, all checked before any runs
+        salts = {}    # request id -> its prompt's cache_salt
         for prompt, params, prio, lora in zip(prompts, plist, priorities, loras):
             params = self._params(params)
             text, ids = self._prompt_ids(prompt)
@@ -1072,6 +1073,7 @@ class LLM:
             self.engine.check_priority(prio)
             self.engine.check_prompt(ids, params)
             self.engine.check_lora(lora)
+            salts[str(self._counter)] = _salt(prompt)
             jobs.append((str(self._counter), text, ids, params, prio, lora))
             self._counter += 1
         jobs = self._compile_grammars(jobs)
@@ -1083,7 +1085,8 @@ class LLM:
                     many = (params.best_of or params.n) > 1
                     reqs[(rid, i)] = self.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}-{i}",
                                                              priority=prio, lora_request=lora,
-                                                             trace_name=f"{rid}-{i}" if many else rid)
+                                                             trace_name=f"{rid}-{i}" if many else rid,
+                                                             cache_salt=salts[rid])
             bar = _Progress(use_tqdm, jobs, reqs) if use_tqdm else None
             while any(not r.finished for r in reqs.values()):
                 for event in self.engine.step():
@@ -1183,6 +1186,14 @@ def _prompt_list(prompts) -> list:
         raise TypeError(f"prompts must be a string, a prompt dict ({{'prompt': str}} or {{'prompt_token_ids': [...]}}) "
                         f"or a list of them, got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _salt(prompt) -> str | None:
+    """A prompt dict's cache_salt (vLLM's: its prefix-cache blocks are shared only under the same
+    salt), checked."""
+    from .engine import check_salt
+
+    return check_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
 
 
 def _token_ids(value) -> list[int]:
@@ -1388,7 +1399,8 @@ class _EngineView:
         for i in range(params.best_of or params.n):
             reqs[(rid, i)] = llm.engine.add_request(ids, params, seed_offset=i, request_id=f"{rid}#{i}",
                                                     priority=priority, lora_request=lora_request,
-                                                    trace_headers=trace_headers, trace_name=rid)
+                                                    trace_headers=trace_headers, trace_name=rid,
+                                                    cache_salt=_salt(prompt))
         own[rid] = (text, ids, params, reqs, {})
 
     def step(self) -> list:

@@ -69,6 +69,7 @@ class Request:
     prompt_logprobs_next: int = 1       # the first prompt position not yet scored
     lora: object | None = None          # its LoRA adapter (specdec/lora: LoRAAdapter), or None
     lora_request: object | None = None  # the LoRARequest that named it (RequestOutput.lora_request)
+    cache_salt: str | None = None       # vLLM's: its prefix-cache blocks are shared only under the same salt
     trace_headers: dict | None = None   # W3C trace context its span is a child of (specdec/tracing.py)
     trace_name: str | None = None       # its span's gen_ai.request.id (the API request's id), else request_id
 
@@ -204,9 +205,13 @@ class Scheduler:
         cache when it holds them."""
         # prompt logprobs need every prompt token's forward: no prefix-cache hits then
         wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
-        # an adapter's blocks are its own reading's: one added again (a folder rewritten) shares none
-        root = b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.uid}:{r.lora.path}".encode()
-        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, root)
+        # an adapter's blocks are its own reading's (one added again, a folder rewritten, shares none);
+        # a salted request's are its salt's (vLLM's cache_salt: tenants' prefixes kept apart)
+        root = (b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.uid}:{r.lora.path}".encode()) \
+            + (b"" if r.cache_salt is None else b"salt:" + r.cache_salt.encode("utf-8", "surrogatepass"))
+        # a first admission counts its whole prompt as looked up (vLLM's), a return after preemption nothing
+        queries = None if r.num_preemptions or not wanted else len(r.prompt)
+        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, root, queries)
         if cached is None:
             return False
         r.status, r.num_cached = RUNNING, cached

@@ -102,6 +102,7 @@ class BlockManager:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries = 0          # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_hits = 0             # ... found in the cache
+        self.returned_hits = 0           # tokens preempted requests found cached on their return (not in the metrics)
 
     def register_cache(self, window: int | None = None) -> int:
         """A cache mirroring these sequences; returns its index into each sequence's lengths.
@@ -213,13 +214,16 @@ class BlockManager:
         return found
 
     def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int, ahead: int | None = None,
-              root: bytes = b"") -> int | None:
+              root: bytes = b"", queries: int | None = -1) -> int | None:
         """Add seq with room for num_slots slots, its first blocks taken from the prefix cache
         when tokens (what its cache may hold: the prompt but its last token) start with
         registered blocks. Returns how many leading tokens it found cached, or None (nothing
         changed) when the pool lacks the blocks. ahead: room only for that many slots past the
         cached ones (at most num_slots), the rest allocated as it is written (sliding windows).
-        root: the key of what else the cache depends on (cached_prefix), kept for register."""
+        root: the key of what else the cache depends on (cached_prefix), kept for register.
+        queries: the tokens this admission counts as looked up in prefix_queries (its hits in
+        prefix_hits); -1: len(tokens); None: it is not counted (a preempted request's return: vLLM
+        keeps those apart from the prefix-cache metrics, they would hit the request's own blocks)."""
         hit = self.cached_prefix(tokens, root) if self.prefix_caching else []
         if self.recompute_last_hit and len(hit) * self.block_size >= len(tokens):
             hit = hit[:-1]          # it holds the token before the last, whose feature must be computed
@@ -240,9 +244,11 @@ class BlockManager:
             s.hashes.append(self._hash_of[b])
         self.ensure(seq, num_slots)
         cached = len(hit) * self.block_size
-        if self.prefix_caching:
-            self.prefix_queries += len(tokens)
+        if self.prefix_caching and queries is not None:
+            self.prefix_queries += len(tokens) if queries == -1 else queries
             self.prefix_hits += cached
+        elif self.prefix_caching:
+            self.returned_hits += cached        # a preempted request's own blocks, found again
         s.lengths = [cached] * self._num_caches
         return cached
 

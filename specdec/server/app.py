@@ -317,7 +317,7 @@ def _api_routes(service: Service) -> APIRouter:
                                _as_ids(body, service.config), prompts, params.best_of or params.n)
         fmt.want_prompt_logprobs = body.prompt_logprobs is not None
         fmt.return_token_ids = bool(body.return_token_ids)
-        gen = service.generation(prompts, params, arrival, body.priority, lora, rid)
+        gen = service.generation(prompts, params, arrival, body.priority, lora, rid, cache_salt=body.cache_salt)
         gen.echo_only = echo_only(body)
         return await _respond(request, gen, fmt, service.model_name(lora, body.model), body, rid)
 
@@ -398,7 +398,8 @@ def _chat_run(service: Service, body: ChatCompletionRequest, prepared, arrival: 
                      service.chat_echo(body))
     fmt.want_prompt_logprobs = body.prompt_logprobs is not None
     fmt.return_token_ids = bool(body.return_token_ids)
-    return service.generation(prompts, params, arrival, body.priority, lora, rid, prediction), fmt
+    return service.generation(prompts, params, arrival, body.priority, lora, rid, prediction,
+                              cache_salt=body.cache_salt), fmt
 
 
 def _summed(usages: list[dict]) -> dict:
@@ -496,7 +497,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             if body.store:
                 store.put(rid, conversation(turn, response["output"]), response)
 
-        gen = service.generation(prompts, params, arrival, chat.priority, lora, rid)
+        gen = service.generation(prompts, params, arrival, chat.priority, lora, rid, cache_salt=chat.cache_salt)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep, served),
                                      media_type="text/event-stream",

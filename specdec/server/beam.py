@@ -91,7 +91,7 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
         entries: list = [None] * len(todo)
         aborted = False
         async with service.generation([b.tokens for _, b in todo], step, arrival, body.priority, lora,
-                                      response_id) as gen:
+                                      response_id, cache_salt=getattr(body, "cache_salt", None)) as gen:
             async for index, event in gen.steps():
                 if event.logprobs:
                     entries[index] = event.logprobs[0]

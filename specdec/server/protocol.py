@@ -95,6 +95,8 @@ class _Sampling(_Body):
                                                              "streamed: each chunk's new ids, the prompt's in the "
                                                              "first chunk")
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM extension: prefix-cache blocks are shared "
+                                                                   "only between requests with the same salt")
     use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
     length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: the stop string (or stop token) "

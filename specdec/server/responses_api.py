@@ -84,6 +84,7 @@ class ResponsesRequest(_Body):
     include_stop_str_in_output: bool = False
     include_reasoning: bool = True
     priority: int = 0                   # vLLM's: with --scheduling-policy priority, lower first
+    cache_salt: str | None = Field(None, min_length=1)   # vLLM's: prefix-cache blocks shared only under the same salt
 
 
 class ResponseStore:
@@ -287,7 +288,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
             "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
             "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
-            "user": req.user, "priority": req.priority, "logprobs": logprobs,
+            "user": req.user, "priority": req.priority, "cache_salt": req.cache_salt, "logprobs": logprobs,
             "top_logprobs": req.top_logprobs if logprobs else None,
             "reasoning_effort": (req.reasoning or {}).get("effort"),     # OpenAI's reasoning.effort
             **{k: getattr(req, k) for k in _SAMPLING}}

@@ -174,7 +174,7 @@ class Service:
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                    priority: int = 0, lora_request=None, request_id: str | None = None,
-                   prediction: list[int] | None = None) -> Generation:
+                   prediction: list[int] | None = None, cache_salt: str | None = None) -> Generation:
         """The request's choices queued on the engine. A sampling request without a seed takes the
         server's next one (--seed) here, on the event loop, so seeds go in the order requests reach
         the engine; each of its prompts x choices then samples with its own offset from it."""
@@ -186,7 +186,7 @@ class Service:
             warn_tracing_disabled()
         return Generation(self.worker, self.metrics, prompts, params, arrival, priority, self.request_logger,
                           lora_request, request_id, spread_prompts=spread, prediction=prediction,
-                          trace_headers=trace)
+                          trace_headers=trace, cache_salt=cache_salt)
 
     def prediction_ids(self, req) -> list[int] | None:
         """OpenAI's Predicted Outputs of a chat request, tokenized as the reply would be (no special
@@ -476,7 +476,8 @@ class Generation:
     def __init__(self, worker: EngineWorker, metrics: ServerMetrics, prompts: list[list[int]],
                  params: SamplingParams, arrival: float, priority: int = 0, logger: RequestLogger | None = None,
                  lora_request=None, request_id: str | None = None, spread_prompts: bool = False,
-                 prediction: list[int] | None = None, trace_headers: dict | None = None):
+                 prediction: list[int] | None = None, trace_headers: dict | None = None,
+                 cache_salt: str | None = None):
         """spread_prompts: prompt p's choice i samples with seed + p * per_prompt + i (a seed the
         server gave: no two of the request's samples share draws), else with seed + i for every
         prompt (a seed the request gave, as vLLM: identical prompts then draw the same)."""
@@ -489,7 +490,7 @@ class Generation:
         self._jobs = [Job(ids, params, p * self.per_prompt * spread_prompts + i,
                           partial(deliver, loop, self._queue, p * self.per_prompt + i),
                           priority=priority, lora_request=lora_request, prediction=prediction,
-                          trace_headers=trace_headers)
+                          trace_headers=trace_headers, cache_salt=cache_salt)
                       for p, ids in enumerate(prompts) for i in range(self.per_prompt)]
         if request_id is not None:
             for i, job in enumerate(self._jobs):

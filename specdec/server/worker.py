@@ -44,6 +44,7 @@ class Job:
     lora_request: object | None = None             # the LoRA adapter it runs with (specdec.lora.LoRARequest)
     prediction: list[int] | None = None            # Predicted Outputs: token ids the output is expected to repeat
     trace_headers: dict | None = None              # W3C trace context of its span (traceparent, tracestate)
+    cache_salt: str | None = None                  # vLLM's: prefix-cache blocks shared only under the same salt
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -299,7 +300,7 @@ class EngineWorker:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
                                         priority=job.priority, lora_request=job.lora_request,
                                         prediction=job.prediction, trace_headers=job.trace_headers,
-                                        trace_name=job.name or None)
+                                        trace_name=job.name or None, cache_salt=job.cache_salt)
             except ValueError as e:
                 self._send(job, e)
                 continue

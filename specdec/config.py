@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ class RequestOutputKind(enum.IntEnum):
 MAX_STOP_STRINGS = 16         # each is looked for in the new text at every token, on the engine thread
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GREEDY_EPS = 1e-5
+MIN_TEMPERATURE = 0.01      # vLLM's: a smaller positive temperature is raised to it (half-precision logits overflow)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,10 @@ class SamplingParams:
         # no upper bound here (vLLM's); the server caps the choices of one HTTP request (serving.MAX_CHOICES)
         _check(_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         _check(_real(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0", self.temperature)
+        if 0 < self.temperature < MIN_TEMPERATURE:     # vLLM's: raised, with a warning (it still samples)
+            logging.getLogger("specdec").warning("temperature %s is below %s: raised to %s, as vLLM does",
+                                                 self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and (self.top_k >= 1 or self.top_k in (0, -1)),
                "top_k", "must be -1 or 0 (disabled) or a positive integer", self.top_k)
@@ -210,8 +216,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
-        _check(_real(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
-               "must be in (0, 2]", self.repetition_penalty)
+        _check(_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "must be a finite number > 0", self.repetition_penalty)
         bias = self.logit_bias or {}
         # no limit on the entries (vLLM's): they are distinct token ids the engine checks against the
         # vocabulary, applied by one tensor operation per step (sampling.Controls.bias)
@@ -221,7 +227,7 @@ class SamplingParams:
             # OpenAI's JSON keys are strings of token ids
             ok = isinstance(tok, int) and not isinstance(tok, bool) or (isinstance(tok, str) and tok.isdigit())
             _check(ok and int(tok) >= 0, "logit_bias", "keys must be token ids >= 0", tok)
-            _check(_real(b) and -100 <= b <= 100, "logit_bias", "values must be in [-100, 100]", b)
+            _check(_real(b), "logit_bias", "values must be finite numbers", b)     # the server clamps them to [-100, 100]
             clean[int(tok)] = float(b)
         object.__setattr__(self, "logit_bias", clean or None)
         words = self.bad_words or []
@@ -260,7 +266,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # below 1e-5 the scaled logits overflow float32; vLLM treats such temperatures as 0 too
+        # temperature 0 (a positive one below MIN_TEMPERATURE was raised to it)
         return self.temperature < GREEDY_EPS
 
 

@@ -6,8 +6,8 @@ Two stages, in vLLM's order:
    row at draft position i is processed with drafts 0..i-1 counted as output (a tree node:
    the drafts on its own path), exactly as plain decoding would process that position once
    they are accepted. Greedy decoding takes the argmax here.
-2. sampling filters (`process` / `process_rows`): temperature -> top-k -> top-p -> min-p
-   (Hugging Face's warper order).
+2. sampling filters (`process` / `process_rows`): temperature -> top-k -> min-p -> top-p, as vLLM's
+   sampler (min-p before top-k there: the two commute), not Hugging Face's warpers (top-p, then min-p).
 Both p and q go through both stages with the same rows' histories, so rejection sampling
 reproduces exactly the *processed* target distribution.
 """
@@ -74,7 +74,7 @@ def _sorted_drop(probs: Tensor, top_p: Tensor) -> Tensor:
 
 
 def process(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k, top-p, min-p."""
+    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k, min-p, top-p."""
     rows = logits.reshape(-1, logits.shape[-1])
     return process_rows(rows, [params], [rows.shape[0]]).reshape(logits.shape)
 
@@ -110,17 +110,18 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
     if any(top_k):
         logits = _top_k(logits, top_k, per_row)
     probs = torch.softmax(logits, dim=-1)
-    use_p = [p.top_p < 1.0 for p in params]
-    if any(use_p):
-        top_p = per_row([p.top_p for p in params], torch.float32)
-        probs = probs.masked_fill(nucleus_drop(probs, top_p), 0.0)      # top_p 1.0 rows drop nothing
+    # vLLM's order: min-p (before top-k there; the two commute: a token's ratio to the best one
+    # does not change when others go), then top-p over what min-p kept, renormalised after each
     use_min = [p.min_p > 0.0 for p in params]
     if any(use_min):
         min_p = per_row([p.min_p for p in params], torch.float32)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    renorm = [a or b for a, b in zip(use_p, use_min)]
-    if any(renorm):
-        probs = torch.where(per_row(renorm, torch.bool)[:, None], probs / probs.sum(-1, keepdim=True), probs)
+        probs = torch.where(per_row(use_min, torch.bool)[:, None], probs / probs.sum(-1, keepdim=True), probs)
+    use_p = [p.top_p < 1.0 for p in params]
+    if any(use_p):
+        top_p = per_row([p.top_p for p in params], torch.float32)
+        probs = probs.masked_fill(nucleus_drop(probs, top_p), 0.0)      # top_p 1.0 rows drop nothing
+        probs = torch.where(per_row(use_p, torch.bool)[:, None], probs / probs.sum(-1, keepdim=True), probs)
     return probs
 
 

@@ -90,11 +90,12 @@ def test_kernel_processing_equals_pytorch(V):
     # the filters exactly: the kernel's own unfiltered rows through the definitions above (a
     # nucleus that ends among many near-equal tokens may end a few tokens apart on the two
     # paths' softmax roundings, so the supports are compared on the kernel's probabilities)
+    # vLLM's order: min-p, then top-p over what it kept, each renormalised
     top_p, min_p = torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params])
-    want = bare.masked_fill(_sorted_definition(bare, top_p), 0.0)
-    want = want.masked_fill(want < min_p[:, None] * bare.amax(-1, keepdim=True), 0.0)
-    filtered = (top_p < 1.0) | (min_p > 0.0)
-    want = torch.where(filtered[:, None], want / want.sum(-1, keepdim=True), want)
+    want = bare.masked_fill(bare < min_p[:, None] * bare.amax(-1, keepdim=True), 0.0)
+    want = torch.where((min_p > 0.0)[:, None], want / want.sum(-1, keepdim=True), want)
+    want = want.masked_fill(_sorted_definition(want, top_p), 0.0)
+    want = torch.where((top_p < 1.0)[:, None], want / want.sum(-1, keepdim=True), want)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
     one = process(logits[7:8], params[7])                  # a row alone = the same row in a batch
@@ -154,3 +155,40 @@ def test_kernel_rejection_plan_equals_pytorch(point_mass):
     torch.testing.assert_close(accept, ref_accept, rtol=1e-6, atol=0)
     torch.testing.assert_close(cand, ref_cand, rtol=1e-5, atol=1e-9)
     assert torch.equal(cand > 0, ref_cand > 0)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_min_p_runs_before_top_p_as_in_vllm(kernel):
+    """vLLM's sampler applies min-p before top-k / top-p: top-p then keeps its mass of what min-p
+    left. probs .40 / .24 / .21 / .15, min_p 0.5 (cut at .20), top_p 0.7: min-p keeps three
+    (.47 / .28 / .25), of which top-p keeps two; transformers' order (top-p, then min-p) kept three."""
+    if kernel and kernels.load() is None:
+        pytest.skip("CPU kernels off or not built")
+    logits = torch.tensor([[0.40, 0.24, 0.21, 0.15] + [1e-9] * 12]).log()
+    got = process_rows(logits, [SamplingParams(temperature=1.0, top_p=0.7, min_p=0.5)], kernel=kernel)[0]
+    assert (got > 0).nonzero().flatten().tolist() == [0, 1]
+    torch.testing.assert_close(got[:2], torch.tensor([0.40, 0.24]) / 0.64, rtol=1e-5, atol=0)
+
+
+def test_vllms_ranges_for_temperature_penalty_and_bias(caplog):
+    """vLLM's rules: a positive temperature below 0.01 is raised to 0.01 and still samples (it went
+    greedy below 1e-5); repetition_penalty is any finite number > 0 (it was capped at 2); offline a
+    logit bias is any finite number, the server clamps it to [-100, 100] (it was a 400)."""
+    import logging
+
+    from specdec.server.fields import logit_bias
+    from specdec.server.protocol import CompletionRequest
+
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        tiny = SamplingParams(temperature=1e-6)
+    assert tiny.temperature == 0.01 and not tiny.greedy and "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+            SamplingParams(repetition_penalty=bad)
+    assert SamplingParams(logit_bias={3: -1000.0}).logit_bias == {3: -1000.0}
+    with pytest.raises(ValueError, match="logit_bias values must be finite numbers"):
+        SamplingParams(logit_bias={3: float("nan")})
+    req = CompletionRequest(prompt="x", logit_bias={"3": -1000, "4": 150, "5": 7})
+    assert logit_bias(req, 16) == {3: -100.0, 4: 100.0, 5: 7}

@@ -1,5 +1,5 @@
 /* The per-row work of sampling on the CPU (sampling.py): the processed distribution of a row of
- * logits (temperature, softmax, top-p, min-p, renormalised) and the inverse-CDF draw.
+ * logits (temperature, softmax, min-p, top-p, renormalised: vLLM's order) and the inverse-CDF draw.
  *
  * PyTorch spends ~20 dispatched ops on a row of SmolLM2's 49152 logits (topk alone ~0.4 ms
  * for 3 rows), more than a verification step's own arithmetic; here each row is two or three
@@ -132,25 +132,13 @@ static int nucleus(float *p, int V, double top_p, Ranked *buf) {
     return 0;                                            /* not reached: the last tier takes every p > 0 */
 }
 
-/* probs [R, V] = the processed distributions of logits [R, V] (top-k already applied as -inf):
- * softmax(logits / temp), then top-p (top_p < 1), then min-p (min_p > 0: tokens below min_p
- * times the row's best dropped), renormalised when a filter ran. Returns 0, or -1 when scratch
- * memory runs out. */
-/* One row of sampling_process; buf: V entries of scratch, allocated on first need. */
+/* One row of sampling_process: softmax(logits / temp), then min-p (min_p > 0: tokens below min_p
+ * times the row's best dropped), then top-p (top_p < 1) over what min-p kept, renormalised after
+ * each filter that ran (vLLM's order; min-p commutes with the top-k applied before).
+ * buf: V entries of scratch, allocated on first need. */
 static int process_row(const float *x, float *p, int V, float temp, float top_p, float min_p, Ranked **buf) {
     float best = softmax_row(x, p, V, temp), cut = min_p > 0.0f ? min_p * best : 0.0f;
-    if (top_p < 1.0f) {                                  /* a sparse row now: the rest on its kept tokens */
-        if (!*buf && !(*buf = malloc(sizeof(Ranked) * V))) return -1;
-        Ranked *b = *buf;
-        int keep = nucleus(p, V, top_p, b);
-        double sum = 0.0;
-        for (int k = 0; k < keep; k++) {
-            if (b[k].p < cut) p[b[k].i] = 0.0f;          /* min-p (the best token is never cut) */
-            else sum += b[k].p;
-        }
-        float scale = (float)(1.0 / sum);
-        for (int k = 0; k < keep; k++) p[b[k].i] *= scale;
-    } else if (cut > 0.0f) {
+    if (cut > 0.0f) {
         const __m256 vc = _mm256_set1_ps(cut);
         __m256 acc = _mm256_setzero_ps();
         int v = 0;
@@ -169,12 +157,21 @@ static int process_row(const float *x, float *p, int V, float temp, float top_p,
         for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(p + v, _mm256_mul_ps(_mm256_loadu_ps(p + v), k8));
         for (; v < V; v++) p[v] *= _mm256_cvtss_f32(k8);
     }
+    if (top_p < 1.0f) {                                  /* a sparse row now: the rest on its kept tokens */
+        if (!*buf && !(*buf = malloc(sizeof(Ranked) * V))) return -1;
+        Ranked *b = *buf;
+        int keep = nucleus(p, V, top_p, b);
+        double sum = 0.0;
+        for (int k = 0; k < keep; k++) sum += b[k].p;
+        float scale = (float)(1.0 / sum);
+        for (int k = 0; k < keep; k++) p[b[k].i] *= scale;
+    }
     return 0;
 }
 
 /* probs [R, V] = the processed distributions of logits [R, V] (top-k already applied as -inf):
- * softmax(logits / temp), then top-p (top_p < 1), then min-p (min_p > 0: tokens below min_p
- * times the row's best dropped), renormalised when a filter ran. Rows are independent (a row's
+ * softmax(logits / temp), then min-p (min_p > 0: tokens below min_p times the row's best
+ * dropped), then top-p (top_p < 1), renormalised after each filter that ran. Rows are independent (a row's
  * result does not depend on the others or on which thread ran it); a batch of 8 or more rows is
  * shared out over the calling thread's team. Returns 0, or -1 when scratch memory runs out. */
 int sampling_process(const float *logits, float *probs, int R, int V, const float *temp, const float *top_p,

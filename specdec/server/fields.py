@@ -7,6 +7,8 @@ Each check raises APIError(400) naming the field the client sent, so that a bad 
 
 from __future__ import annotations
 
+import math
+
 from ..config import CONSTRAINT_KINDS, StructuredOutputsParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _Sampling
@@ -72,7 +74,9 @@ def check_grammar(engine, spec: StructuredOutputsParams | None, field: str | Non
 
 
 def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's {"token id": bias} with string keys -> {int: float}."""
+    """OpenAI's {"token id": bias} with string keys -> {int: float}, each bias clamped to [-100, 100]
+    as vLLM's server does (a client's -1000 bans the token there; a value that is no finite number
+    is refused by SamplingParams)."""
     if req.logit_bias is None:
         return None
     out = {}
@@ -82,7 +86,7 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
         if int(key) >= vocab_size:
             raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",
                            "logit_bias")
-        out[int(key)] = bias
+        out[int(key)] = min(100.0, max(-100.0, bias)) if isinstance(bias, (int, float)) and math.isfinite(bias) else bias
     return out
 
 

@@ -765,10 +765,8 @@ class Engine:
             if pred is not None and pred.drafted:
                 # drafts kept by verification and left in the output (a stop string or max_tokens may
                 # cut the step's tokens): OpenAI's accepted tokens appear in the completion
-                pred.accepted += min(res.accepted, len(event.token_ids))
                 pred.following = res.accepted == k          # kept whole: the next draft may run longer
                 pred.drafted = False
-                stats.accepted_prediction_tokens = pred.accepted
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
             stats.wall_time_s = now - r.arrival
@@ -778,8 +776,10 @@ class Engine:
                 r.events.append(event)
             if event.finished:
                 r.finish_reason, r.stop_reason = event.finish_reason, event.stop_reason
-                if r.ctx.prediction is not None:
-                    stats.rejected_prediction_tokens = r.ctx.prediction.rejected_by(r.out)
+                if r.ctx.prediction is not None:       # OpenAI's: of the prediction, what the reply holds
+                    appear = r.ctx.prediction.appearing_in(r.out)
+                    stats.accepted_prediction_tokens = appear
+                    stats.rejected_prediction_tokens = len(r.ctx.prediction.ids) - appear
                 self._retire(r)
         for r, _, _ in plan.chunks:
             r.stats.prefill_time_s += step_s

@@ -7,9 +7,11 @@ request drafts with the engine's proposer as any other. The drafts are verified 
 is, so the output is exactly what the target would have written without them (greedy: identical;
 sampling: the same distribution, a point-mass q as n-gram drafts have).
 
-Counted as OpenAI counts them: accepted_prediction_tokens, the prediction's tokens verification
-kept as drafts; rejected_prediction_tokens, the prediction's tokens that do not appear in the
-reply (aligned in order).
+Counted as OpenAI defines them, once the reply is complete: accepted_prediction_tokens, the
+prediction's tokens that appear in the reply, rejected_prediction_tokens, those that do not
+(together the prediction's length); "appear" is an alignment in order, the longest common
+subsequence of the two (bit-parallel: ~20 ms for a 300,000-token prediction against a
+2,000-token reply, where difflib's matcher had taken 29 s on the engine's thread).
 """
 
 from __future__ import annotations
@@ -22,6 +24,23 @@ N_MAX = 8        # the longest output tail looked up in the prediction
 N_MIN = 2        # the shortest that counts as a rejoin (one token matches too often by chance)
 
 
+def common_subsequence(a: list[int], b: list[int]) -> int:
+    """The length of the longest common subsequence of a and b, bit-parallel over b (Hyyro's
+    formulation of Allison and Dix): one pass over a, each step a few operations on a len(b)-bit
+    integer (bit j of V set while b[j] is not yet matched in the current best alignment)."""
+    if not a or not b:
+        return 0
+    masks: dict[int, int] = {}
+    for j, c in enumerate(b):
+        masks[c] = masks.get(c, 0) | (1 << j)
+    full = (1 << len(b)) - 1
+    v = full
+    for c in a:
+        u = v & masks.get(c, 0)
+        v = ((v + u) | (v - u)) & full
+    return len(b) - bin(v).count("1")
+
+
 @dataclass
 class Prediction:
     """One request's prediction and where its output stands in it."""
@@ -29,7 +48,6 @@ class Prediction:
     cursor: int = 0                  # the last draft was ids[cursor:cursor + k] ...
     base: int = 0                    # ... proposed when the output held `base` tokens
     drafted: bool = False            # the step now being verified drafts from the prediction
-    accepted: int = 0                # prediction tokens verification kept, so far
     following: bool = True           # its last draft was kept whole: the next one may run longer than K
     peeked: np.ndarray | None = None  # this step's draft, taken when its length was chosen
 
@@ -38,14 +56,11 @@ class Prediction:
         ids = np.asarray(list(ids), dtype=np.int64)
         return cls(ids) if len(ids) else None
 
-    def rejected_by(self, output: list[int]) -> int:
-        """OpenAI's rejected_prediction_tokens: the prediction's tokens that do not appear in the
-        output, aligned in order (the longest matching blocks, difflib's), whether or not
-        speculation drafted them."""
-        import difflib
-
-        matcher = difflib.SequenceMatcher(None, self.ids.tolist(), list(output), autojunk=False)
-        return len(self.ids) - sum(block.size for block in matcher.get_matching_blocks())
+    def appearing_in(self, output: list[int]) -> int:
+        """OpenAI's accepted_prediction_tokens: the prediction's tokens that appear in the output,
+        aligned in order (their longest common subsequence), whether or not speculation drafted
+        them; the rest of the prediction is rejected_prediction_tokens."""
+        return common_subsequence(self.ids.tolist(), list(output))
 
     def draft(self, output: list[int], k: int) -> np.ndarray:
         """Up to k tokens the prediction says come next after `output` (empty: none)."""

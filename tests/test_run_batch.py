@@ -174,3 +174,14 @@ def test_a_failed_upload_keeps_the_results_in_the_output_tmp_dir(tiny_pair, tmp_
     (kept,) = keep.glob("*.jsonl")
     (line,) = kept.read_text().splitlines()
     assert json.loads(line)["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_lines_end_at_newlines_only():
+    """JSON allows U+2028, U+2029 and U+0085 unescaped inside strings (what json.dumps(...,
+    ensure_ascii=False) writes): str.splitlines() cut such a line in two and refused the file;
+    CRLF line ends are taken too."""
+    body = {"model": "m", "prompt": "Line one\u2028line two\u2029three\x85four"}
+    text = "\r\n".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions", "body": body},
+                                  ensure_ascii=False) for c in ("a", "b")) + "\r\n"
+    rows = parse_lines(text, "f")
+    assert [r.custom_id for r in rows] == ["a", "b"] and rows[0].body["prompt"] == body["prompt"]

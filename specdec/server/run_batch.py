@@ -63,7 +63,10 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 def parse_lines(text: str, source: str) -> list[BatchLine]:
     """The input file's requests; a ValueError naming the line for anything that is not one."""
     lines = []
-    for number, raw in enumerate(text.splitlines(), 1):
+    # lines end at \n (JSONL's; str.splitlines() also split at U+2028, U+2029, U+0085 and the like,
+    # which JSON allows unescaped inside strings)
+    for number, raw in enumerate(text.split("\n"), 1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         try:

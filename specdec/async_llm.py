@@ -291,6 +291,8 @@ class AsyncLLM:
             if c.stats is not None:
                 stats.merge(c.stats)
         stats.prompt_tokens = len(ids)
+        # the prompt's cached tokens once (the most any choice found), not summed over the choices (LLM's)
+        stats.cached_tokens = max((c.stats.cached_tokens for c in choices if c.stats is not None), default=0)
         if choices[0].stats is not None:
             stats.time_to_first_token_s = choices[0].stats.time_to_first_token_s
         return RequestOutput(request_id, text, ids, outputs, finished, stats, prompt_logprobs)

@@ -546,7 +546,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, remote
     g.add_argument("--presence-penalty", type=float, help="subtract this from tokens already in the output")
     g.add_argument("--frequency-penalty", type=float, help="subtract this times each token's count in the output")
     g.add_argument("--repetition-penalty", type=float, help="divide (multiply if negative) logits of tokens in prompt or output")
-    g.add_argument("--logit-bias", type=_json_obj, help='JSON {"token id": bias in [-100, 100]}')
+    g.add_argument("--logit-bias", type=_json_obj, help='JSON {"token id": bias}, clamped to [-100, 100]')
     g.add_argument("--bad-words", action="append", help="a word never generated (repeatable)")
     g.add_argument("--min-tokens", type=int, help="EOS and stop tokens banned until this many tokens are out")
     s = p.add_argument_group("structured outputs (one of)")

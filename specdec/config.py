@@ -22,6 +22,7 @@ class RequestOutputKind(enum.IntEnum):
 MAX_STOP_STRINGS = 16         # each is looked for in the new text at every token, on the engine thread
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GREEDY_EPS = 1e-5
+REPETITION_PENALTY = (0.01, 100.0)   # the accepted range (vLLM's: any finite value > 0)
 MIN_TEMPERATURE = 0.01      # vLLM's: a smaller positive temperature is raised to it (half-precision logits overflow)
 
 
@@ -216,8 +217,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
-        _check(_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               "must be a finite number > 0", self.repetition_penalty)
+        # vLLM takes any finite value > 0; beyond these bounds float32 logits overflow (x / 1e-40 is
+        # inf, and a row of infinities samples nothing) while no useful penalty lies there
+        _check(_real(self.repetition_penalty) and REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1],
+               "repetition_penalty", f"must be in [{REPETITION_PENALTY[0]}, {REPETITION_PENALTY[1]:g}]", self.repetition_penalty)
         bias = self.logit_bias or {}
         # no limit on the entries (vLLM's): they are distinct token ids the engine checks against the
         # vocabulary, applied by one tensor operation per step (sampling.Controls.bias)
@@ -227,8 +230,11 @@ class SamplingParams:
             # OpenAI's JSON keys are strings of token ids
             ok = isinstance(tok, int) and not isinstance(tok, bool) or (isinstance(tok, str) and tok.isdigit())
             _check(ok and int(tok) >= 0, "logit_bias", "keys must be token ids >= 0", tok)
-            _check(_real(b), "logit_bias", "values must be finite numbers", b)     # the server clamps them to [-100, 100]
-            clean[int(tok)] = float(b)
+            # clamped to [-100, 100] as vLLM's server does (-1000 bans the token; a bias of 1e37 would
+            # overflow the float32 logits)
+            _check(isinstance(b, (int, float)) and not isinstance(b, bool) and not math.isnan(b), "logit_bias",
+                   "values must be numbers", b)
+            clean[int(tok)] = min(100.0, max(-100.0, float(b)))
         object.__setattr__(self, "logit_bias", clean or None)
         words = self.bad_words or []
         _check(isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in words),

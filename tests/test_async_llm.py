@@ -317,3 +317,14 @@ def test_encode_needs_a_pooling_model(engine):
             pass
     with pytest.raises(ValueError, match="runner='pooling'"):
         asyncio.run(main())
+
+
+def test_cached_tokens_count_the_prompt_once_with_n_choices(engine):
+    """n choices of a cached prompt: num_cached_tokens is the prompt's (the most any choice found),
+    as LLM.generate and the server report it (it was summed over the choices: 288 of a 157-token
+    prompt with n=2)."""
+    prompt = "def add(a, b):\n    return a + b\n" * 5
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=3, n=3)
+    asyncio.run(_collect(engine, prompt, SamplingParams(max_tokens=1), "warm-cache"))
+    last = asyncio.run(_collect(engine, prompt, params, "cached-n3"))[-1]
+    assert 0 < last.num_cached_tokens < len(last.prompt_token_ids)

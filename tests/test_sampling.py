@@ -184,11 +184,25 @@ def test_vllms_ranges_for_temperature_penalty_and_bias(caplog):
     assert tiny.temperature == 0.01 and not tiny.greedy and "raised to 0.01" in caplog.text
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(repetition_penalty=3.5).repetition_penalty == 3.5
-    for bad in (0, -1.0, float("inf")):
-        with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+    # bounded where float32 logits would overflow (1e-40 made every penalised logit inf: the row
+    # sampled the vocabulary's last token)
+    for bad in (0, -1.0, float("inf"), 1e-40, 1e40):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100\]"):
             SamplingParams(repetition_penalty=bad)
-    assert SamplingParams(logit_bias={3: -1000.0}).logit_bias == {3: -1000.0}
-    with pytest.raises(ValueError, match="logit_bias values must be finite numbers"):
+    assert SamplingParams(logit_bias={3: -1000.0, 4: 1e37, 5: float("-inf")}).logit_bias == {3: -100.0, 4: 100.0, 5: -100.0}
+    with pytest.raises(ValueError, match="logit_bias values must be numbers"):
         SamplingParams(logit_bias={3: float("nan")})
-    req = CompletionRequest(prompt="x", logit_bias={"3": -1000, "4": 150, "5": 7})
-    assert logit_bias(req, 16) == {3: -100.0, 4: 100.0, 5: 7}
+    req = CompletionRequest(prompt="x", logit_bias={"3": -1000, "4": 150, "5": 7, "6": float("-inf")})
+    assert logit_bias(req, 16) == {3: -100.0, 4: 100.0, 5: 7, 6: -100.0}
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_top_p_ends_a_run_of_ties_after_min_p_as_pytorch_does(kernel):
+    """Four tied best tokens, min_p keeping them all, top_p 0.5: two are kept on both paths (the
+    kernel's min-p renormalisation multiplied by a rounded reciprocal, each tie became 0.2499999
+    and a third one fitted under the cut)."""
+    if kernel and kernels.load() is None:
+        pytest.skip("CPU kernels off or not built")
+    logits = torch.tensor([[1.0, 2.0, 0.0, 2.0, 2.0, 1.0, 1.0, 2.0, 0.0]])
+    got = process_rows(logits, [SamplingParams(temperature=0.3, top_p=0.5, min_p=0.5)], kernel=kernel)[0]
+    assert (got > 0).sum().item() == 2 and torch.equal(got[got > 0], torch.tensor([0.5, 0.5]))

@@ -153,9 +153,12 @@ static int process_row(const float *x, float *p, int V, float temp, float top_p,
             if (p[v] < cut) p[v] = 0.0f;
             sum += p[v];
         }
-        const __m256 k8 = _mm256_set1_ps((float)(1.0 / sum));
-        for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(p + v, _mm256_mul_ps(_mm256_loadu_ps(p + v), k8));
-        for (; v < V; v++) p[v] *= _mm256_cvtss_f32(k8);
+        /* divided, not multiplied by a rounded reciprocal: n tied tokens become exactly 1 / n, so
+         * top-p then ends a run of ties where PyTorch's division (and vLLM's sampler) ends it */
+        const float fs = (float)sum;
+        const __m256 s8 = _mm256_set1_ps(fs);
+        for (v = 0; v + 8 <= V; v += 8) _mm256_storeu_ps(p + v, _mm256_div_ps(_mm256_loadu_ps(p + v), s8));
+        for (; v < V; v++) p[v] /= fs;
     }
     if (top_p < 1.0f) {                                  /* a sparse row now: the rest on its kept tokens */
         if (!*buf && !(*buf = malloc(sizeof(Ranked) * V))) return -1;
@@ -163,8 +166,8 @@ static int process_row(const float *x, float *p, int V, float temp, float top_p,
         int keep = nucleus(p, V, top_p, b);
         double sum = 0.0;
         for (int k = 0; k < keep; k++) sum += b[k].p;
-        float scale = (float)(1.0 / sum);
-        for (int k = 0; k < keep; k++) p[b[k].i] *= scale;
+        const float fs = (float)sum;
+        for (int k = 0; k < keep; k++) p[b[k].i] /= fs;
     }
     return 0;
 }

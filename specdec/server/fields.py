@@ -75,8 +75,8 @@ def check_grammar(engine, spec: StructuredOutputsParams | None, field: str | Non
 
 def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's {"token id": bias} with string keys -> {int: float}, each bias clamped to [-100, 100]
-    as vLLM's server does (a client's -1000 bans the token there; a value that is no finite number
-    is refused by SamplingParams)."""
+    as vLLM's server does (a client's -1000 or -Infinity bans the token; NaN is refused by
+    SamplingParams)."""
     if req.logit_bias is None:
         return None
     out = {}
@@ -86,7 +86,7 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
         if int(key) >= vocab_size:
             raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",
                            "logit_bias")
-        out[int(key)] = min(100.0, max(-100.0, bias)) if isinstance(bias, (int, float)) and math.isfinite(bias) else bias
+        out[int(key)] = min(100.0, max(-100.0, bias)) if isinstance(bias, (int, float)) and not math.isnan(bias) else bias
     return out
 
 

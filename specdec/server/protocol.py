@@ -71,8 +71,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, description="[-2, 2]: subtract from tokens already in the output")
     frequency_penalty: float | None = Field(None, description="[-2, 2]: subtract times each token's count in the output")
-    repetition_penalty: float | None = Field(None, description="vLLM extension: (0, 2], over prompt and output; 1 = off")
-    logit_bias: dict[str, float] | None = Field(None, description='{"token id": bias in [-100, 100]}')
+    repetition_penalty: float | None = Field(None, description="vLLM extension: [0.01, 100], over prompt and output; 1 = off")
+    logit_bias: dict[str, float] | None = Field(None, description='{"token id": bias}, clamped to [-100, 100] (vLLM\'s)')
     bad_words: list[str] | None = Field(None, description="vLLM extension: words never generated")
     min_tokens: int | None = Field(None, description="vLLM extension: EOS and stop tokens banned until this many tokens")
     best_of: int | None = Field(None, description="draw this many, return the n of highest cumulative logprob")

@@ -384,15 +384,13 @@ class Service:
 
 
 
-# Below these the engine's float32 sampling overflows (logits / T -> inf) or keeps no token at
-# all (top_p rounds to 0); vLLM likewise treats T < 1e-5 as greedy. Raising top_p to 1e-6 changes
-# nothing else: the most likely token always has probability >= 1/V > 1e-6.
-_MIN_TEMPERATURE, _MIN_TOP_P = 1e-5, 1e-6
+# Below this the engine's float32 sampling keeps no token at all (top_p rounds to 0); raising top_p
+# to 1e-6 changes nothing else: the most likely token always has probability >= 1/V > 1e-6. (A
+# temperature below 0.01 is raised to 0.01 by SamplingParams, as vLLM's.)
+_MIN_TOP_P = 1e-6
 
 
 def _numerically_safe(params: SamplingParams) -> SamplingParams:
-    if 0 < params.temperature < _MIN_TEMPERATURE:
-        params = dataclasses.replace(params, temperature=0.0)
     if params.top_p < _MIN_TOP_P:
         params = dataclasses.replace(params, top_p=_MIN_TOP_P)
     return params

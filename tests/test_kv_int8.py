@@ -152,7 +152,8 @@ def test_prefix_caching_and_preemption_carry_the_scales(setup):
     llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4})
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.engine.num_preemptions > 0 and llm.engine.prefix_cache_hits > 0
+    # blocks found again: preempted requests' own on their return (left out of vLLM's metrics), or others'
+    assert llm.engine.num_preemptions > 0 and llm.engine.scheduler.blocks.returned_hits + llm.engine.prefix_cache_hits > 0
 
 
 def test_the_same_budget_holds_more_slots(setup):

@@ -21,6 +21,7 @@ import time
 from datetime import datetime
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -69,10 +70,21 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %} ... {% endgeneration %}` (its AssistantTracker: the span of
+    an assistant's reply, for return_assistant_tokens_mask; TRL's assistant-only-loss templates):
+    rendered as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def environment() -> ImmutableSandboxedEnvironment:
     """Jinja as transformers renders chat templates: trimmed blocks, loop controls,
     raise_exception, strftime_now, a tojson that keeps non-ASCII text; bounded as ChatSandbox."""
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock])
 
     def raise_exception(msg):
         raise jinja2.TemplateError(msg)

@@ -102,11 +102,18 @@ def _ids(value) -> list[int]:
 
 
 def _pick_template(value) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or a list of {name, template}."""
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (the
+    "default" one; `named_templates` keeps the others, transformers' "tool_use" among them)."""
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = named_templates(value)
         return named.get("default") or next(iter(named.values()), None)
     return value if isinstance(value, str) else None
+
+
+def named_templates(value) -> dict[str, str]:
+    if not isinstance(value, list):
+        return {}
+    return {t.get("name"): t.get("template") for t in value if isinstance(t, dict) and isinstance(t.get("template"), str)}
 
 
 def folder_chat_template(folder: Path, cfg: dict) -> str | None:
@@ -117,6 +124,16 @@ def folder_chat_template(folder: Path, cfg: dict) -> str | None:
     if as_json.get("chat_template"):
         return _pick_template(as_json["chat_template"])
     return _pick_template(cfg.get("chat_template"))
+
+
+def folder_tool_template(folder: Path, cfg: dict) -> str | None:
+    """The template named "tool_use" (Hermes-2-Pro's, Command-R's layout), which transformers
+    renders instead of the default one when tools are given."""
+    extra = folder / "additional_chat_templates" / "tool_use.jinja"
+    if extra.is_file():
+        return extra.read_text()
+    as_json = _read_json(folder / "chat_template.json")
+    return named_templates(as_json.get("chat_template") or cfg.get("chat_template")).get("tool_use")
 
 
 class Tokenizer:
@@ -179,6 +196,7 @@ class Tokenizer:
         # the tokenizer.json's post-processor may not add BOS itself; encode() then does
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.chat_template = folder_chat_template(folder, cfg)
+        self.tool_template = folder_tool_template(folder, cfg)
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
         self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
         self.unk_token_id = self.backend.token_to_id(self.unk_token) if self.unk_token else None
@@ -434,11 +452,20 @@ class Tokenizer:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
                 continue_final_message: bool, kwargs: dict, sandbox_process: bool = False) -> str:
-        template = chat_template or self.chat_template
+        # transformers' choice: the "tool_use" template when tools are given and the folder names one
+        tool_template = getattr(self, "tool_template", None) if kwargs.get("tools") else None
+        template = chat_template or tool_template or self.chat_template
         if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
             raise TokenizerError(NO_CHAT_TEMPLATE)
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
+        # transformers' normalisation: a message's keys set to None are left out (a None content
+        # printed "None" in Mistral's and Gemma's templates and stopped Llama 3.1's)
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        if continue_final_message and messages:
+            # transformers 5's way: a marker after the final message's content, the text cut there,
+            # so its trailing whitespace stays and an empty message is continued from its start
+            messages = [*messages[:-1], _with_marker(messages[-1])]
         context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                        unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
@@ -456,17 +483,32 @@ class Tokenizer:
             # with a 400 too): e.g. content as a list of parts for a template that adds strings,
             # an OverflowError of its arithmetic, a RecursionError
             raise TokenizerError(f"chat template failed: {failure(e)}") from None
-        if continue_final_message:   # cut what the template wrote after the last message
-            last = messages[-1].get("content") if messages else None
-            if isinstance(last, list):       # text parts: the last one, as transformers reads it
-                parts = [p.get("text") for p in last if isinstance(p, dict) and isinstance(p.get("text"), str)]
-                last = parts[-1] if parts else None
-            if isinstance(last, str) and last.strip():
-                if last.strip() not in text:     # transformers refuses it too: the model would start a new turn
-                    raise TokenizerError("continue_final_message is set but the chat template does not reproduce the "
-                                         "final message's content, so it cannot be continued")
-                text = text[:text.rindex(last.strip()) + len(last.strip())]
+        if continue_final_message and messages:   # cut what the template wrote after the last message
+            if CONTINUE_MARK not in text:      # transformers refuses it too: the model would start a new turn
+                raise TokenizerError("continue_final_message is set but the chat template does not reproduce the "
+                                     "final message's content, so it cannot be continued")
+            text = text[:text.rindex(CONTINUE_MARK)]
         return text
+
+
+# put after the final message's content by continue_final_message, and the rendered text cut there
+CONTINUE_MARK = "<|specdec-continue-final-message|>"
+
+
+def _with_marker(message: dict) -> dict:
+    """The message with CONTINUE_MARK after its content (a list of parts: after the last text part;
+    no content: the marker alone)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+        at = max((i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)),
+                 default=None)
+        if at is None:
+            content = [*content, {"type": "text", "text": CONTINUE_MARK}]
+        else:
+            content = [*content[:at], {**content[at], "text": content[at]["text"] + CONTINUE_MARK}, *content[at + 1:]]
+    else:
+        content = (content if isinstance(content, str) else "") + CONTINUE_MARK
+    return {**message, "content": content}
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")

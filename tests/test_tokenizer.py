@@ -231,3 +231,46 @@ def test_text_that_is_not_unicode_is_a_clear_value_error(tiny_pair, capsys):
     assert main(["generate", "--model", str(tiny_pair[0]), "caf\udce9"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not valid Unicode" in err
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+          "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = ("{% for t in tools %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
+         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_chat_templates_render_as_transformers(tiny_pair, tmp_path, named):
+    """transformers' rendering: `{% generation %}` blocks (TRL's assistant-only-loss templates; a
+    400 for every chat request before) render their body; continue_final_message keeps the final
+    message's trailing whitespace and continues an empty one (the turn was closed); keys set to None
+    are left out (a None content printed "None"); with tools, a folder's "tool_use" template is the
+    one rendered (the default was, and the tools never reached the prompt)."""
+    import shutil
+
+    import transformers
+
+    folder = shutil.copytree(tiny_pair[0], tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": TOOLS}] \
+        if named else CHATML
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(folder)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+    cases = [
+        dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}],
+             add_generation_prompt=False, continue_final_message=True),
+        dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\n"}],
+             add_generation_prompt=False, continue_final_message=True),
+        dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+             add_generation_prompt=False, continue_final_message=True),
+        dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "name": None},
+                       {"role": "user", "content": "and?"}], add_generation_prompt=True),
+        dict(messages=[{"role": "user", "content": "weather?"}], add_generation_prompt=True, tools=tools),
+    ]
+    for kw in cases:
+        rest = {k: v for k, v in kw.items() if k != "messages"}
+        want = hf.apply_chat_template(kw["messages"], tokenize=False, **rest)
+        assert ours.apply_chat_template(**kw) == want, kw
+    assert ("TOOL weather" in ours.apply_chat_template(**cases[-1])) == named

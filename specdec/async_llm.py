@@ -372,21 +372,18 @@ class AsyncLLM:
         figures = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
         log.info("engine stats: %s", ", ".join(f"{k}={v}" for k, v in figures.items() if v is not None))
 
+    # vLLM's LoRA calls: the engine's (Engine.add_lora, ...), on its worker
     async def add_lora(self, lora_request) -> bool:
-        """vLLM's: load an adapter now (LLM(enable_lora=True)), not at its first request."""
-        await self._call(lambda engine: engine.check_lora(lora_request))
-        return True
+        return await self._call(lambda engine: engine.add_lora(lora_request))
 
     async def remove_lora(self, lora_id: int) -> bool:
-        """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
-        return await self._call(lambda engine: engine.lora is not None and engine.lora.remove_id(lora_id))
+        return await self._call(lambda engine: engine.remove_lora(lora_id))
 
     async def list_loras(self) -> set[int]:
-        return await self._call(lambda engine: {a.id for a in engine.lora.loaded()} if engine.lora is not None else set())
+        return await self._call(lambda engine: engine.list_loras())
 
     async def pin_lora(self, lora_id: int) -> bool:
-        """vLLM's: the loaded adapter of that id stays loaded past max_cpu_loras (until removed)."""
-        return await self._call(lambda engine: engine.lora is not None and engine.lora.pin(lora_id))
+        return await self._call(lambda engine: engine.pin_lora(lora_id))
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self._worker.call(fn))

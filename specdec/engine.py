@@ -250,6 +250,23 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    # vLLM's LLMEngine LoRA calls (llm.llm_engine forwards to these; AsyncLLM runs them on its worker)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now, not at its first request."""
+        self.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the adapter of that lora_int_id (running requests keep theirs)."""
+        return self.lora is not None and self.lora.remove_id(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return {a.id for a in self.lora.loaded()} if self.lora is not None else set()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the loaded adapter of that id loaded past max_cpu_loras (until removed)."""
+        return self.lora is not None and self.lora.pin(lora_id)
+
     def check_lora(self, lora_request: LoRARequest | None):
         """The adapter a request names, loaded (None for none); a ValueError says what is wrong."""
         if lora_request is None:

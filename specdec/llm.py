@@ -217,8 +217,9 @@ def _same(a, b) -> bool:
 
 
 def _under_torchrun() -> bool:
-    """This process is one rank of a torchrun (env://) launch (distributed/launch.py's test)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    from .distributed.launch import under_torchrun
+
+    return under_torchrun()
 
 
 def _check_vllm_args(args: dict) -> None:
@@ -1332,26 +1333,6 @@ class _EngineView:
 
     def get_tokenizer(self, lora_request=None) -> Tokenizer:
         return self._llm.tokenizer
-
-    # vLLM's LLMEngine LoRA calls (AsyncLLM's, on this thread)
-    def add_lora(self, lora_request) -> bool:
-        """Load an adapter now, not at its first request."""
-        self._llm.engine.check_lora(lora_request)
-        return True
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forget the loaded adapter of that lora_int_id (running requests keep theirs)."""
-        lora = self._llm.engine.lora
-        return lora is not None and lora.remove_id(lora_id)
-
-    def list_loras(self) -> set[int]:
-        lora = self._llm.engine.lora
-        return {a.id for a in lora.loaded()} if lora is not None else set()
-
-    def pin_lora(self, lora_id: int) -> bool:
-        """Keep the loaded adapter of that id loaded past max_cpu_loras (until removed)."""
-        lora = self._llm.engine.lora
-        return lora is not None and lora.pin(lora_id)
 
     # vLLM's configuration objects, as code reads them (llm.llm_engine.vllm_config.scheduler_config...)
     @property

@@ -112,10 +112,15 @@ def _wait_ready(store, procs, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def under_torchrun() -> bool:
+    """This process is one rank of a torchrun (or any env://) launch."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
 def _torchrun(world: int, config: ParallelConfig):
     """(store, rank) when this process is one rank of a torchrun (or any env://) launch."""
     env = os.environ
-    if "RANK" not in env or "WORLD_SIZE" not in env or "MASTER_ADDR" not in env:
+    if not under_torchrun():
         return None
     if int(env["WORLD_SIZE"]) != world:
         raise ValueError(f"tensor_parallel_size {world} differs from the launch's WORLD_SIZE {env['WORLD_SIZE']}")

@@ -187,6 +187,8 @@ class Tokenizer:
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.unk_token = _token_content(cfg.get("unk_token"))
         self.pad_token = _token_content(cfg.get("pad_token"))
+        self.sep_token, self.cls_token, self.mask_token = (_token_content(cfg.get(k)) for k in
+                                                           ("sep_token", "cls_token", "mask_token"))
         self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else model_cfg.get("bos_token_id")
         eos_id = self.backend.token_to_id(self.eos_token) if self.eos_token else None
         cfg_eos = _ids(model_cfg.get("eos_token_id")) + _ids(gen_cfg.get("eos_token_id"))
@@ -217,6 +219,7 @@ class Tokenizer:
             raise TokenizerError(f"{g.path}: cannot build the tokenizer ({str(e).splitlines()[0]})") from None
         self.bos_token, self.eos_token = v.token(v.bos_token_id), v.token(v.eos_token_id)
         self.unk_token, self.pad_token = v.token(v.unk_token_id), v.token(v.pad_token_id)
+        self.sep_token = self.cls_token = self.mask_token = None
         self.bos_token_id, self.eos_token_id = v.bos_token_id, v.eos_token_id
         # every id that ends generation: llama.cpp's end-of-generation set (eos, eot, eom and the
         # tokens spelled <|im_end|>, <|endoftext|>, <|end|>, ...; gpt-oss's <|return|> and <|call|>)
@@ -466,9 +469,11 @@ class Tokenizer:
             # transformers 5's way: a marker after the final message's content, the text cut there,
             # so its trailing whitespace stays and an empty message is continued from its start
             messages = [*messages[:-1], _with_marker(messages[-1])]
-        context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                       unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs)
+        # transformers' variables: the named special tokens that are set (undefined otherwise),
+        # tools and documents None unless given (a template may test `tools is not none`)
+        context = {k: getattr(self, k) for k in _TEMPLATE_TOKENS if getattr(self, k, None) is not None}
+        context.update(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+        context.update(kwargs)
         try:
             if sandbox_process:     # a request's own template: in the child, under its limits
                 text = isolated_renderer().render(template, context)
@@ -490,6 +495,8 @@ class Tokenizer:
             text = text[:text.rindex(CONTINUE_MARK)]
         return text
 
+
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 # put after the final message's content by continue_final_message, and the rendered text cut there
 CONTINUE_MARK = "<|specdec-continue-final-message|>"
@@ -578,6 +585,12 @@ def template_messages(messages) -> list[dict]:
     for m in messages:
         msg = {k: v for k, v in m.items() if v is not None}
         msg["content"] = m.get("content") or ""
+        thought = m.get("reasoning_content") or m.get("reasoning")
+        if thought and m.get("role") == "assistant":
+            # earlier reasoning under the names templates read it by: Qwen3's reasoning_content,
+            # gpt-oss's thinking (vLLM's chat_utils gives a message's `reasoning` both ways)
+            msg.setdefault("reasoning_content", thought)
+            msg.setdefault("thinking", thought)
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:

@@ -274,3 +274,27 @@ def test_chat_templates_render_as_transformers(tiny_pair, tmp_path, named):
         want = hf.apply_chat_template(kw["messages"], tokenize=False, **rest)
         assert ours.apply_chat_template(**kw) == want, kw
     assert ("TOOL weather" in ours.apply_chat_template(**cases[-1])) == named
+
+
+def test_template_variables_are_transformers(tiny_pair, tmp_path):
+    """The variables a template sees are transformers': every named special token that is set
+    (sep / cls / mask included; they were missing, so a BERT-style template printed nothing),
+    an unset one undefined, and tools / documents None unless given (a template testing
+    `tools is not none` showed a tool preamble to every request)."""
+    import shutil
+
+    import transformers
+
+    folder = shutil.copytree(tiny_pair[0], tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.update(sep_token="</s>", cls_token="<s>", chat_template=(
+        "{{ cls_token }}|{{ sep_token }}|{{ mask_token is defined }}|{{ tools is none }}|{{ documents is none }}|"
+        "{% for m in messages %}{{ m['content'] }}{{ sep_token }}{% endfor %}"))
+    cfg.pop("mask_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(folder)
+    msgs = [{"role": "user", "content": "hi"}]
+    for kw in ({}, {"tools": []}, {"documents": [{"text": "d"}]}):
+        want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw)
+        assert ours.apply_chat_template(msgs, add_generation_prompt=False, **kw) == want, kw
+    assert ours.apply_chat_template(msgs).startswith("<s>|</s>|False|True|True|hi</s>")

@@ -459,3 +459,33 @@ def test_required_with_defs_and_named_without_parameters_through_the_server(clie
     named = client.chat.completions.create(model="toy", messages=MSG, tools=[bare], max_tokens=20, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "now"}})
     assert named.choices[0].message.tool_calls[0].function.arguments == "{}"
+
+
+NONE_TEST = ("{% if tools is not none %}<|system|>\ntools[{{ tools|length }}]<|end|>\n{% endif %}"
+             "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m.get('reasoning_content') %}<think>"
+             "{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}<|end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_empty_tools_and_earlier_reasoning_reach_the_template():
+    """`tools: []` reaches the template as an empty list (vLLM's; a template that tests
+    `tools is not none`, as Llama 3.1's, shows its tool preamble): the chat endpoint dropped it
+    while /tokenize kept it. An assistant's earlier `reasoning` reaches the template as
+    reasoning_content through the server and through LLM.chat alike (LLM.chat dropped it)."""
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=128)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "reasoning": "ponder"},
+               {"role": "user", "content": "and?"}]
+    want = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        template_messages([*history[:1], {**history[1], "reasoning_content": "ponder"}, history[2]]),
+        chat_template=NONE_TEST, tools=[]), add_special_tokens=False)
+    assert "tools[0]" in llm.tokenizer.decode(want) and "<think>ponder</think>yes" in llm.tokenizer.decode(want)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",), chat_template=NONE_TEST))) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = c.chat.completions.create(model="toy", messages=history, tools=[], max_tokens=2, temperature=0)
+        assert out.usage.prompt_tokens == len(want)
+        tok = c.post("/../tokenize", body={"model": "toy", "messages": history, "tools": []}, cast_to=object)
+        assert tok["tokens"] == want
+        without = c.chat.completions.create(model="toy", messages=history, max_tokens=2, temperature=0)
+        assert without.usage.prompt_tokens < len(want)          # no tools: no preamble
+    offline = llm.chat(history, SamplingParams(temperature=0, max_tokens=2), chat_template=NONE_TEST, tools=[])
+    assert offline[0].prompt_token_ids == want

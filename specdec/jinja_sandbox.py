@@ -73,12 +73,24 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 class GenerationBlock(jinja2.ext.Extension):
     """transformers' `{% generation %} ... {% endgeneration %}` (its AssistantTracker: the span of
     an assistant's reply, for return_assistant_tokens_mask; TRL's assistant-only-loss templates):
-    rendered as its body."""
+    rendered as its body, between GENERATION_OPEN and GENERATION_CLOSE when the context's
+    TRACK_GENERATION is set (the caller takes the marks out and keeps their spans)."""
     tags = {"generation"}
 
     def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_span", [jinja2.nodes.ContextReference()])
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _span(self, context, caller):
+        text = caller()
+        return f"{GENERATION_OPEN}{text}{GENERATION_CLOSE}" if context.get(TRACK_GENERATION) else text
+
+
+# the marks around a {% generation %} block's text when the context's TRACK_GENERATION is true
+GENERATION_OPEN, GENERATION_CLOSE = "<|specdec-generation|>", "<|/specdec-generation|>"
+TRACK_GENERATION = "_specdec_track_generation"
 
 
 def environment() -> ImmutableSandboxedEnvironment:

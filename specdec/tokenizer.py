@@ -26,8 +26,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 # chat templates render in Jinja's immutable sandbox, bounded; a request's own template in a child
 # process with a memory and a time limit (jinja_sandbox.py)
-from .jinja_sandbox import (TemplateProcessBusy, TemplateProcessError, bounded, environment, failure,
-                            isolated_renderer)
+from .jinja_sandbox import (GENERATION_CLOSE, GENERATION_OPEN, TRACK_GENERATION, TemplateProcessBusy,
+                            TemplateProcessError, bounded, environment, failure, isolated_renderer)
 from .model.config import text_config
 
 
@@ -433,28 +433,59 @@ class Tokenizer:
                             tokenize: bool = False, return_dict: bool = True, padding: bool | str = False,
                             truncation: bool = False, max_length: int | None = None,
                             return_tensors: str | None = None, tokenizer_kwargs: dict | None = None,
-                            sandbox_process: bool = False, **kwargs):
+                            return_assistant_tokens_mask: bool = False, sandbox_process: bool = False, **kwargs):
         """The prompt text; encode it with add_special_tokens=False (the template writes BOS).
         messages may be a list of conversations (then a list of texts). Other kwargs (tools,
         documents, ...) are template variables.
 
         tokenize=True tokenizes as transformers 5 does: a BatchEncoding (input_ids, attention_mask)
         with return_dict=True, the ids alone with return_dict=False; padding, truncation,
-        max_length, return_tensors and tokenizer_kwargs go to __call__. Unlike transformers,
+        max_length, return_tensors and tokenizer_kwargs go to __call__; return_assistant_tokens_mask
+        adds transformers' "assistant_masks": 1 for each token that overlaps the text of a
+        `{% generation %}` block (all 0 for a template without one). Unlike transformers,
         tokenize and add_generation_prompt default to False and True (specdec's callers want
         the text of a prompt for the assistant). sandbox_process: render in a child process with a
         memory and a time limit (a template sent with a request: jinja_sandbox.IsolatedRenderer)."""
+        if return_assistant_tokens_mask and not (tokenize and return_dict):
+            raise ValueError("return_assistant_tokens_mask=True requires return_dict=True and tokenize=True")
+        if return_assistant_tokens_mask and continue_final_message:
+            raise ValueError("continue_final_message is not compatible with return_assistant_tokens_mask")
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        spans = [[] if return_assistant_tokens_mask else None for _ in (messages if batched else [messages])]
         texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs,
-                              sandbox_process) for c in (messages if batched else [messages])]
+                              sandbox_process, spans[i]) for i, c in enumerate(messages if batched else [messages])]
         if not tokenize:
             return texts if batched else texts[0]
-        out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
-                   max_length=max_length, return_tensors=return_tensors, **(tokenizer_kwargs or {}))
-        return out if return_dict else out["input_ids"]
+        if not return_assistant_tokens_mask:
+            out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
+                       max_length=max_length, return_tensors=return_tensors, **(tokenizer_kwargs or {}))
+            return out if return_dict else out["input_ids"]
+        out = self(texts, add_special_tokens=False, padding=padding, truncation=truncation, max_length=max_length,
+                   **{**(tokenizer_kwargs or {}), "return_attention_mask": True})
+        out["assistant_masks"] = [self._assistant_mask(t, row, s) for t, row, s in
+                                  zip(texts, out["attention_mask"], spans)]
+        if return_tensors is not None:
+            return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
+        return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
+
+    def _assistant_mask(self, text: str, attention: list[int], spans: list[tuple[int, int]]) -> list[int]:
+        """transformers' assistant mask of one row: 1 for a token whose characters overlap a span
+        (the row's tokens, cut by truncation, are the text's first ones; padding gets 0)."""
+        offsets = iter(self.backend.encode(text, add_special_tokens=False).offsets)
+        mask = []
+        for real in attention:
+            if not real:
+                mask.append(0)
+                continue
+            start, end = next(offsets)
+            mask.append(int(any(start < b and end > a for a, b in spans)))
+        return mask
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                continue_final_message: bool, kwargs: dict, sandbox_process: bool = False) -> str:
+                continue_final_message: bool, kwargs: dict, sandbox_process: bool = False,
+                spans: list | None = None) -> str:
+        """The text of one conversation; spans, when a list: filled with the (start, end) of each
+        `{% generation %}` block's text in it."""
         # transformers' choice: the "tool_use" template when tools are given and the folder names one
         tool_template = getattr(self, "tool_template", None) if kwargs.get("tools") else None
         template = chat_template or tool_template or self.chat_template
@@ -474,6 +505,8 @@ class Tokenizer:
         context = {k: getattr(self, k) for k in _TEMPLATE_TOKENS if getattr(self, k, None) is not None}
         context.update(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt)
         context.update(kwargs)
+        if spans is not None:
+            context[TRACK_GENERATION] = True
         try:
             if sandbox_process:     # a request's own template: in the child, under its limits
                 text = isolated_renderer().render(template, context)
@@ -488,12 +521,30 @@ class Tokenizer:
             # with a 400 too): e.g. content as a list of parts for a template that adds strings,
             # an OverflowError of its arithmetic, a RecursionError
             raise TokenizerError(f"chat template failed: {failure(e)}") from None
+        if spans is not None:
+            text = _take_generation_marks(text, spans)
         if continue_final_message and messages:   # cut what the template wrote after the last message
             if CONTINUE_MARK not in text:      # transformers refuses it too: the model would start a new turn
                 raise TokenizerError("continue_final_message is set but the chat template does not reproduce the "
                                      "final message's content, so it cannot be continued")
             text = text[:text.rindex(CONTINUE_MARK)]
         return text
+
+
+def _take_generation_marks(text: str, spans: list) -> str:
+    """The text without the marks GenerationBlock put around each block; spans gets each block's
+    (start, end) in the text returned, in order."""
+    parts, opened, length, pos = [], [], 0, 0
+    for m in re.finditer(re.escape(GENERATION_OPEN) + "|" + re.escape(GENERATION_CLOSE), text):
+        parts.append(text[pos:m.start()])
+        length, pos = length + m.start() - pos, m.end()
+        if m.group() == GENERATION_OPEN:
+            opened.append(length)
+        elif opened:
+            spans.append((opened.pop(), length))
+    parts.append(text[pos:])
+    spans.sort()
+    return "".join(parts)
 
 
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

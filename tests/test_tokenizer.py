@@ -298,3 +298,33 @@ def test_template_variables_are_transformers(tiny_pair, tmp_path):
         want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw)
         assert ours.apply_chat_template(msgs, add_generation_prompt=False, **kw) == want, kw
     assert ours.apply_chat_template(msgs).startswith("<s>|</s>|False|True|True|hi</s>")
+
+
+def test_assistant_tokens_mask_as_transformers(tiny_pair, tmp_path):
+    """return_assistant_tokens_mask (TRL's assistant-only loss): transformers' "assistant_masks",
+    1 for each token overlapping a `{% generation %}` block's text, single and batched, padded,
+    truncated, as tensors (it was taken for a template variable and ignored)."""
+    import shutil
+
+    import transformers
+
+    folder = shutil.copytree(tiny_pair[0], tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHATML.replace("{{ m['content'] }}{% endgeneration %}", "{{ m['content'] }}<|im_end|>"
+                                          "{% endgeneration %}")
+    cfg["pad_token"] = cfg.get("pad_token") or cfg["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(folder)
+    convs = [[{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+              {"role": "user", "content": "x"}, {"role": "assistant", "content": "déjà vu 中文"}],
+             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c"}]]
+    for kw in ({}, {"padding": True}, {"padding": True, "return_tensors": "pt"}, {"truncation": True, "max_length": 9}):
+        for messages in (convs[0], convs):
+            a, b = (t.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                          add_generation_prompt=False, **kw) for t in (ours, hf))
+            for key in ("input_ids", "attention_mask", "assistant_masks"):
+                got, want = (x.tolist() if hasattr(x, "tolist") else x for x in (a[key], b[key]))
+                assert got == want, (kw, key)
+    assert 1 in ours.apply_chat_template(convs[0], tokenize=True, return_assistant_tokens_mask=True)["assistant_masks"]
+    with pytest.raises(ValueError, match="tokenize=True"):
+        ours.apply_chat_template(convs[0], return_assistant_tokens_mask=True)

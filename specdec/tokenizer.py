@@ -638,14 +638,17 @@ def template_messages(messages) -> list[dict]:
         msg["content"] = m.get("content") or ""
         thought = m.get("reasoning_content") or m.get("reasoning")
         if thought and m.get("role") == "assistant":
-            # earlier reasoning under the names templates read it by: Qwen3's reasoning_content,
-            # gpt-oss's thinking (vLLM's chat_utils gives a message's `reasoning` both ways)
-            msg.setdefault("reasoning_content", thought)
-            msg.setdefault("thinking", thought)
+            # earlier reasoning under the names templates read it by: reasoning (vLLM's newer name),
+            # Qwen3's reasoning_content, gpt-oss's thinking (vLLM's chat_utils gives the first two)
+            for key in ("reasoning", "reasoning_content", "thinking"):
+                msg.setdefault(key, thought)
         if m.get("tool_calls"):
             calls = []
-            for c in m["tool_calls"]:
-                fn = dict(c.get("function") or {}) if isinstance(c, dict) else {}
+            for i, c in enumerate(m["tool_calls"]):
+                if not isinstance(c, dict) or not isinstance(c.get("function") or {}, dict):
+                    raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                     f"'arguments': ...}}}}, got {c!r:.80}")
+                fn = dict(c.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])

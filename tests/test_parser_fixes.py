@@ -152,6 +152,31 @@ def test_a_stream_never_ends_without_done(hermes_server, monkeypatch):
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError"
 
 
+def test_a_malformed_tool_call_is_a_400_and_a_500_closes_its_connection(hermes_server, monkeypatch):
+    """An earlier assistant call whose `function` is not an object is a 400 naming the field on
+    chat and /tokenize (it was a 500). A 500 says `Connection: close`: uvicorn closes the socket
+    after it, and a pooled client (the openai SDK's) sent its next request down the dead one."""
+    bad = {"model": "toy", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "a", "type": "function", "function": 5}]}]}
+    for route in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(hermes_server.url + route, json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (route, r.text[:200])
+        assert "tool_calls[0]" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="tool_calls"):
+        template_messages(bad["messages"])
+
+    def broken(*a, **kw):
+        raise RuntimeError("planted")
+    monkeypatch.setattr(ChatFormat, "choice", broken)
+    good = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(3):
+            r = client.post(hermes_server.url + "/v1/chat/completions", json=good)
+            assert r.status_code == 500 and r.headers["connection"] == "close"
+            assert client.post(hermes_server.url + "/tokenize", json=good).status_code == 200
+
+
 # ---- 2, 3. mistral: its ids, its formats ----
 
 MISTRAL_TEMPLATE = (  # Mistral-7B-Instruct-v0.3's id check, in a minimal template
@@ -277,7 +302,29 @@ def test_qwen3_streams_at_once_when_the_prompt_tells(tok):
         joined = {k: (first[name] or {}).get(k, "") + last.get(k, "") for k in ("reasoning_content", "content")}
         assert (joined["reasoning_content"] or None, joined["content"] or None) == \
             (msg.get("reasoning_content"), msg["content"]), name
-    assert first == {"open": {"reasoning_content": "Let me see"}, "closed": {"content": "Let me see"}, "plain": None}
+    assert first == {"open": {"reasoning": "Let me see", "reasoning_content": "Let me see"},
+                     "closed": {"content": "Let me see"}, "plain": None}
+
+
+def test_reasoning_under_both_names(tok):
+    """Thinking is returned as `reasoning` (vLLM's name since late 2025, which clients written for
+    it read) and as `reasoning_content` (its older one), in messages and deltas alike; an earlier
+    assistant's `reasoning` reaches the chat template under that name from the server as from
+    LLM.chat (the server gave it only as reasoning_content / thinking)."""
+    msg = ChatFormat(tok, False, reasoning="qwen3").choice(ChoiceResult(0, [QWEN3[1]], finish_reason="stop"))["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == "weigh" and msg["content"] == "42"
+    delta = ChatFormat(tok, False, reasoning="deepseek_r1").delta(0, "hmm", [], 0, None, None)["delta"]
+    assert delta == {"reasoning": "hmm", "reasoning_content": "hmm"}
+    template = ("{% for m in messages %}[{{ m.get('reasoning') }}|{{ m.get('reasoning_content') }}|"
+                "{{ m.get('thinking') }}]{{ m['content'] }}{% endfor %}")
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok", "reasoning": "R1"},
+               {"role": "user", "content": "q2"}]
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=128)
+    offline = llm.chat_prompt(history, chat_template=template)["prompt"]
+    assert "[R1|R1|R1]ok" in offline
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",), chat_template=template))) as server:
+        r = httpx.post(server.url + "/tokenize", json={"model": "toy", "messages": history}, timeout=60)
+        assert llm.tokenizer.decode(r.json()["tokens"]) == offline
 
 
 # ---- 5. gpt-oss: a call cut off by max_tokens is no call ----

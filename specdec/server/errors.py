@@ -67,7 +67,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        # Starlette raises the error again after this answer and uvicorn then closes the
+        # connection: say so, or a client's pool sends its next request down a closed socket
+        return error_response(500, f"internal error: {type(exc).__name__}", headers={"Connection": "close"})
 
 
 def _describe(errors) -> tuple[str, str | None]:

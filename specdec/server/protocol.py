@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import is_unicode_text
 
@@ -132,6 +132,19 @@ class ChatMessage(_Body):
                                                             "template (Qwen3's reads reasoning_content, gpt-oss's "
                                                             "thinking: both are given)")
     reasoning: str | None = Field(None, description="the same, under its newer name")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, calls):
+        """OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}} (a
+        malformed one reached the template and was a 500)."""
+        for i, c in enumerate(calls or []):
+            fn = c.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise ValueError(f"tool_calls[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                                 f"<string>, \"arguments\": <JSON string>}}}}")
+        return calls
 
 
 class ChatCompletionRequest(_Sampling):

@@ -140,8 +140,8 @@ class ChatFormat:
             else:
                 thought, answer = split_reasoning(self.reasoning, message["content"], self.think)
             message["content"] = answer if answer or not (thought or message.get("tool_calls")) else None
-            if self.include_reasoning:
-                message["reasoning_content"] = thought or None
+            if self.include_reasoning:    # vLLM's newer name and its older one (both sent)
+                message["reasoning"] = message["reasoning_content"] = thought or None
         if self.tools is not None and message["content"] is not None and not self.harmony_calls:
             message["content"], calls, finish = extract(self.tools, message["content"], finish)
             if calls:
@@ -206,7 +206,7 @@ class ChatFormat:
             return None                    # all of it held back
         delta = {"content": text} if text else {}
         if thought:
-            delta["reasoning_content"] = thought
+            delta["reasoning"] = delta["reasoning_content"] = thought
         if calls:
             delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,

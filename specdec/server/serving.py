@@ -324,7 +324,8 @@ class Service:
             {"role": m.role, "content": m.content if m.content is None or isinstance(m.content, str) and fmt == "string"
              else template_content(m.content if isinstance(m.content, str) else _text_parts(m.content), fmt),
              "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
-             **_thinking(getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None))} for m in req.messages)
+             "reasoning": getattr(m, "reasoning", None), "reasoning_content": getattr(m, "reasoning_content", None)}
+            for m in req.messages)       # earlier reasoning under each name templates read (template_messages)
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
         if req.chat_template is not None and not self.config.trust_request_chat_template:
@@ -405,12 +406,6 @@ def _capped(asked: int | None, cap: int | None) -> int | None:
 
 def _or(value, default):
     return default if value is None else value
-
-
-def _thinking(text: str | None) -> dict:
-    """An assistant's earlier reasoning under the names chat templates read it by: Qwen3's
-    reasoning_content, gpt-oss's thinking (which keeps the analysis before a tool call)."""
-    return {} if not text else {"reasoning_content": text, "thinking": text}
 
 
 def _join_text(parts) -> str:

@@ -51,7 +51,30 @@ def test_a_yarn_override_equals_the_edited_config(qwen3):
         from specdec.model.config import ModelConfig, apply_hf_overrides
         raw = {**plain.config.to_hf(), "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
         cfg = ModelConfig.from_hf(apply_hf_overrides(raw, {"rope_parameters": {**YARN, "rope_theta": 10000.0}}))
-        assert (cfg.rope_scaling["rope_type"], cfg.max_position_embeddings) == ("yarn", 512)
+        assert (cfg.rope_scaling["rope_type"], cfg.configured().max_position_embeddings) == ("yarn", 512)
+
+
+@pytest.mark.parametrize("scaling", [{"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+                                     {"type": "yarn", "factor": 2.0}, {"type": "linear", "factor": 2.0}])
+def test_a_scaled_config_serves_the_derived_length(qwen3, tmp_path, scaling):
+    """A config.json that carries the scaling (Qwen's YaRN recipe: add rope_scaling to it) serves
+    vLLM's derived length, the original length times the factor, by default and when asked (it
+    kept max_position_embeddings and refused a longer --max-model-len); the export of a linear
+    model writes the length it was trained at, so a reload does not double it."""
+    from specdec.model.export import _trained_length
+
+    folder = shutil.copytree(qwen3["hf"], tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_scaling=scaling, rope_theta=10000.0)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert cfg["max_position_embeddings"] == 256
+    assert LLM(str(folder), dtype="float32", num_speculative_tokens=0).engine.max_model_len == 512
+    llm = LLM(str(folder), dtype="float32", num_speculative_tokens=0, max_model_len=500)
+    assert llm.engine.max_model_len == 500 and _trained_length(llm.target.config) == (256 if "linear" in
+                                                                                      scaling.values() else 512)
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
+        LLM(str(folder), dtype="float32", num_speculative_tokens=0, max_model_len=513)
 
 
 def test_overrides_through_llm_and_the_command_line(qwen3, capsys):

@@ -368,7 +368,13 @@ class ModelConfig:
             cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
                               sliding_window=None, sliding_layers=())
         s = cfg.rope_scaling
-        if s is not None and s["rope_type"] == "dynamic":
+        if s is not None and s["rope_type"] in ("yarn", "linear") and s.get("factor"):
+            # vLLM's derived max model len: the original length times the factor (a config.json
+            # with Qwen's YaRN recipe serves 4 x 32768 tokens); yarn's original length is pinned
+            # in the scaling (by _rope_scaling), so this is said once whatever the route
+            old = s["original_max_position_embeddings"] if s["rope_type"] == "yarn" else cfg.max_position_embeddings
+            cfg = cfg.replace(max_position_embeddings=int(old * float(s["factor"])))
+        elif s is not None and s["rope_type"] == "dynamic":
             cfg = cfg._static_ntk(max_model_len)
         elif s is not None and s["rope_type"] == "longrope" and not cfg.long_rope:
             old = s["original_max_position_embeddings"]
@@ -405,23 +411,14 @@ class ModelConfig:
 
 def apply_hf_overrides(raw: dict, overrides: dict) -> dict:
     """vLLM's --hf-overrides on a config.json: its top-level fields replaced (a dict value
-    replaces the whole field). A yarn or linear rope_scaling brought in without a
-    max_position_embeddings of its own extends the context to the original length x factor, as
-    vLLM derives its max model len, the original length pinned in the scaling."""
+    replaces the whole field). A yarn or linear scaling's longer context is derived where every
+    config's is (ModelConfig.configured)."""
     if not isinstance(overrides, dict):
         raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
     out = {**raw, **overrides}
     key = "rope_scaling" if "rope_scaling" in overrides else "rope_parameters"   # transformers 5's name too
     if key == "rope_parameters" and key in overrides:
         out.pop("rope_scaling", None)     # the config's own scaling would be read first
-    s = overrides.get(key)
-    if isinstance(s, dict) and "max_position_embeddings" not in overrides and s.get("factor"):
-        kind = s.get("rope_type") or s.get("type")
-        if kind in ("yarn", "linear"):
-            old = int(s.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 2048)
-            out["max_position_embeddings"] = int(old * float(s["factor"]))
-            if kind == "yarn":
-                out[key] = {**s, "original_max_position_embeddings": old}
     return out
 
 

@@ -147,6 +147,15 @@ def _stop_ids(cfg: ModelConfig, tokenizer) -> tuple[int | list[int] | None, int 
     return eos, getattr(tokenizer, "pad_token_id", None)
 
 
+def _trained_length(cfg: ModelConfig) -> int:
+    """config.json's max_position_embeddings: under linear scaling the loaded config holds the
+    context times the factor (ModelConfig.configured), which a reload would multiply again."""
+    s = cfg.rope_scaling
+    if s is not None and s.get("rope_type") == "linear" and s.get("factor"):
+        return int(round(cfg.max_position_embeddings / float(s["factor"])))
+    return cfg.max_position_embeddings
+
+
 def llama_config(cfg: ModelConfig, rope_scaling: dict | None = None, tokenizer=None):
     """The transformers config (LlamaConfig, or Qwen2Config with q/k/v biases) of a plain-Llama
     ModelConfig. rope_scaling: instead of cfg's (rope_scaling_of's answer); tokenizer: specdec's
@@ -159,7 +168,7 @@ def llama_config(cfg: ModelConfig, rope_scaling: dict | None = None, tokenizer=N
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=_trained_length(cfg),
         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
         # a copy: transformers standardizes the dict it is handed (adds rope_theta), and cfg is frozen
         rope_scaling=copy.deepcopy(cfg.rope_scaling if rope_scaling is None else rope_scaling),

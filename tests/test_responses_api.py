@@ -2,12 +2,17 @@
 openai client: the reply equals the chat endpoint's for the same conversation, streamed events
 rebuild the same output, function calls and their outputs carry a conversation across turns by
 previous_response_id, stored responses can be read and deleted, bad input is a 400 naming the
-Responses field."""
+Responses field. Scripted replies (a fake generation through the real ChatFormat) check what the
+toy cannot be made to say: text around calls, replies cut short."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+import types
 
+import httpx
 import openai
 import pytest
 
@@ -120,7 +125,6 @@ def test_json_schema_text_format(client):
 @pytest.mark.parametrize("kw,param", [
     (dict(input=[{"type": "image_generation_call"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input"),
-    (dict(input="x", max_output_tokens=10**6), "max_output_tokens"),
     (dict(input="x", tools=[{"type": "web_search"}]), "tools"),
     (dict(input="x", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}), "text"),
     (dict(input="x", temperature=-1), "temperature"),
@@ -164,20 +168,237 @@ def test_reasoning_items_and_effort_reach_the_chat_request():
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "user"]
     assert msgs[3] == {"role": "assistant", "content": "", "reasoning_content": "need the sum"}
     assert "reasoning_content" not in msgs[2] and "reasoning_content" not in msgs[4] and chat.reasoning_effort == "low"
-    reply = conversation([], [{**thought, "id": "rs_1"}, {"type": "message", "content": [{"type": "output_text", "text": "5"}]}])
-    assert reply[-1] == {"role": "assistant", "content": "5", "reasoning_content": "need the sum"}
+    stored = conversation([{"role": "user", "content": "Add 2 and 3."}], [{**thought, "id": "rs_1"}, {
+        "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "5", "logprobs": []}]}])
+    reply = chat_request(ResponsesRequest(model="toy", input="ok"), stored).messages[1]
+    assert reply.model_dump(exclude_none=True) == {"role": "assistant", "content": "5", "reasoning_content": "need the sum"}
     with pytest.raises(APIError) as e:
         chat_request(ResponsesRequest(model="toy", input="x", reasoning={"effort": "extreme"}), [])
     assert e.value.status == 400
 
 
+# scripted replies -----------------------------------------------------------------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _call(city: str) -> str:
+    return f"<tool_call>{json.dumps({'name': 'get_weather', 'arguments': {'city': city}})}</tool_call>"
+
+
+class _Scripted:
+    """A generation that emits the given text chunks, one token each."""
+
+    def __init__(self, chunks: list[str], finish: str = "stop"):
+        self.chunks, self.finish = chunks, finish
+        self.prompts, self.stats, self.per_prompt = [[1, 2, 3]], [], 1
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def steps(self):
+        for i, text in enumerate(self.chunks):
+            last = i == len(self.chunks) - 1
+            yield 0, types.SimpleNamespace(text=text, token_ids=[1], logprobs=[], finished=last,
+                                           finish_reason=self.finish if last else None, stop_reason=None)
+
+
+def _both(chunks: list[str], finish: str = "stop", reasoning: str | None = None) -> tuple[dict, dict]:
+    """(the non-streamed response, the streamed one's final body) of one scripted reply (hermes calls)."""
+    from specdec.server.responses import ChatFormat
+    from specdec.server.responses_api import ResponsesRequest, respond, stream
+    from specdec.server.tools import plan_tools
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer(BUNDLED_TARGET)
+    fmt = lambda: ChatFormat(tok, False, False, "assistant", [1, 2, 3], plan_tools(WEATHER, None, None, True, "hermes"),
+                             reasoning)
+    req = ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": "function", "name": "get_weather"}]})
+    whole, _ = asyncio.run(respond(_Scripted(chunks, finish), fmt(), req, "toy", "resp_1"))
+
+    async def events():
+        return [json.loads(e.split("data: ", 1)[1])
+                async for e in stream(_Scripted(chunks, finish), fmt(), req, "toy", "resp_2", lambda body: None)]
+    return whole, asyncio.run(events())[-1]["response"]
+
+
+def _shape(items: list[dict]) -> list[tuple]:
+    return [(i["type"], i["status"], i["content"][0]["text"] if i["type"] in ("message", "reasoning")
+             else (i["name"], i["arguments"])) for i in items]
+
+
+def test_items_in_generation_order_streamed_or_not():
+    """Text around calls: a message item for each stretch, in the order generated, streamed or
+    not (the non-streamed reply joined the text into one message before the calls)."""
+    whole, streamed = _both(["Let me check. ", _call("Oslo"), " And then ", _call("Rome"), " Done."])
+    expected = [("message", "completed", "Let me check. "), ("function_call", "completed", ("get_weather", '{"city": "Oslo"}')),
+                ("message", "completed", " And then "), ("function_call", "completed", ("get_weather", '{"city": "Rome"}')),
+                ("message", "completed", " Done.")]
+    assert _shape(whole["output"]) == _shape(streamed["output"]) == expected
+    whole, streamed = _both([_call("Oslo"), " ok"])
+    assert [i["type"] for i in whole["output"]] == [i["type"] for i in streamed["output"]] == ["function_call", "message"]
+    assert whole["usage"] == streamed["usage"]
+
+
 def test_a_cut_reply_leaves_only_its_last_item_incomplete():
     """max_output_tokens cuts the last item; what came before it is done, as the stream closes
-    each item when the next begins (the non-streamed reply marked every item incomplete)."""
-    from specdec.server.responses_api import output_items
+    each item when the next begins."""
+    whole, streamed = _both(["think</think>", "answer ", _call("Oslo")], "length", "deepseek_r1")
+    assert _shape(whole["output"]) == _shape(streamed["output"])
+    assert [i["status"] for i in whole["output"]] == ["completed", "completed", "incomplete"]
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    whole, _ = _both(["think", " more"], "length", "deepseek_r1")
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "incomplete")]
 
-    msg = {"reasoning_content": "think", "content": "answer",
-           "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
-    assert [i["status"] for i in output_items(msg, "length")] == ["completed", "completed", "incomplete"]
-    assert [i["status"] for i in output_items({"reasoning_content": "think"}, "length")] == ["incomplete"]
-    assert {i["status"] for i in output_items(msg, "stop")} == {"completed"}
+
+def test_output_items_sent_back_mean_what_previous_response_id_means():
+    """A reply of text and a call: its stored conversation and its output items sent back by hand
+    give one prompt, the text and the call in one assistant turn (by hand gave two turns)."""
+    from specdec.server.responses_api import ResponsesRequest, chat_request, conversation
+
+    whole, _ = _both(["Let me check.", _call("Oslo")])
+    turn = [{"role": "user", "content": "Weather in Oslo?"}]
+    output = [{"type": "function_call_output", "call_id": whole["output"][1]["call_id"], "output": "Sunny"}]
+    chained = chat_request(ResponsesRequest(input=output), conversation(turn, whole["output"]))
+    by_hand = chat_request(ResponsesRequest(input=turn + whole["output"] + output), [])
+    dump = lambda chat: [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert dump(chained) == dump(by_hand)
+    assert [m["role"] for m in dump(by_hand)] == ["user", "assistant", "tool"]
+    assert dump(by_hand)[1]["content"] == "Let me check." and len(dump(by_hand)[1]["tool_calls"]) == 1
+
+
+def test_function_call_output_as_text_parts():
+    """OpenAI's output: a string or a list of input_text parts (their text, one per line, as a
+    chat tool message's parts); any other part is a 400 naming the item."""
+    from specdec.server.errors import APIError
+    from specdec.server.responses_api import ResponsesRequest, input_messages
+
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    parts = [{"type": "input_text", "text": "Sunny,"}, {"type": "input_text", "text": "21 C"}]
+    got = input_messages(ResponsesRequest(input=[call, {"type": "function_call_output", "call_id": "c1",
+                                                        "output": parts}]))
+    assert got[-1] == {"role": "tool", "tool_call_id": "c1", "content": "Sunny,\n21 C"}
+    for output in ([{"type": "input_image", "image_url": "x"}], {"a": 1}, None):
+        with pytest.raises(APIError) as e:
+            input_messages(ResponsesRequest(input=[call, {"type": "function_call_output", "call_id": "c1",
+                                                          "output": output}]))
+        assert e.value.status == 400 and e.value.message.startswith("input[1].output"), e.value.message
+
+
+@pytest.mark.parametrize("bad", [dict(summary=[{"type": "summary_text", "text": 5}]),
+                                 dict(content=[{"type": "reasoning_text", "text": None}]),
+                                 dict(content=True), dict(summary=1.5), dict(content=["x"])])
+def test_a_malformed_reasoning_item_is_a_400(client, bad):
+    item = {"type": "reasoning", "summary": [], **bad}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="toy", input=[{"role": "user", "content": "x"}, item], stream=stream,
+                                    max_output_tokens=2)
+        assert e.value.body["param"] == "input" and e.value.body["message"].startswith("input[1]."), e.value.body
+
+
+def test_tool_choice_auto_without_tools_is_no_tools(client):
+    plain = client.responses.create(model="toy", input="def f(x):", max_output_tokens=6, temperature=0)
+    for kw in (dict(tool_choice="auto"), dict(tool_choice="auto", tools=[])):
+        r = client.responses.create(model="toy", input="def f(x):", max_output_tokens=6, temperature=0, **kw)
+        assert r.output_text == plain.output_text and r.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_max_output_tokens_past_the_context_is_capped(client):
+    """vLLM's: capped at what the context (256) leaves; the reply ends incomplete (was a 400)."""
+    r = client.responses.create(model="toy", input="x", max_output_tokens=5000, temperature=0,
+                                extra_body={"ignore_eos": True})
+    room = 256 - r.usage.input_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == room and r.max_output_tokens == room
+
+
+@pytest.mark.parametrize("kw,param", [(dict(include=["bogus"]), "include"), (dict(truncation="bogus"), "truncation"),
+                                      (dict(background=True, store=False), "background"),
+                                      (dict(background=True, stream=True), "stream")])
+def test_include_truncation_and_background_are_checked(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="toy", input="x", max_output_tokens=2, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_truncation_and_include_values_are_accepted_and_echoed(client):
+    r = client.responses.create(model="toy", input="x", max_output_tokens=2, truncation="auto",
+                                include=["reasoning.encrypted_content"])
+    assert r.truncation == "auto" and r.background is False
+    assert client.responses.create(model="toy", input="x", max_output_tokens=2).truncation == "disabled"
+
+
+def test_background_runs_after_the_answer(client, live):
+    """vLLM's background mode: queued at once, read by id until done; the same reply as in the
+    foreground; cancel stops a running one and is a 400 for any other (vLLM's message)."""
+    kw = dict(model="toy", input="def parse(data):", max_output_tokens=12, temperature=0)
+    fore = client.responses.create(**kw)
+    r = client.responses.create(background=True, **kw)
+    assert r.status in ("queued", "in_progress") and r.background is True and r.output == []
+    deadline = time.monotonic() + 60
+    while (got := client.responses.retrieve(r.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert got.status == fore.status and got.output_text == fore.output_text and got.id == r.id
+    for rid, status in ((r.id, 400), (fore.id, 400), ("resp_nope", 404)):
+        assert httpx.post(f"{live.url}/v1/responses/{rid}/cancel").status_code == status
+    # the stored background response continues a conversation as any other
+    nxt = client.responses.create(model="toy", input="more", previous_response_id=r.id, max_output_tokens=2)
+    assert nxt.usage.input_tokens > fore.usage.input_tokens
+
+
+def test_cancel_stops_a_background_response():
+    """Cancelled while it runs: its work is cancelled (the engine request with it), it is kept
+    "cancelled"; one cancelled or finished is a 400 to cancel; deleting one stops it too."""
+    from specdec.server.errors import APIError
+    from specdec.server.responses_api import Background, ResponseStore
+
+    async def scenario():
+        store = ResponseStore()
+        runs = Background(store)
+        stopped = []
+
+        async def work(started):
+            started()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                stopped.append(True)
+                raise
+        queued = {"id": "resp_1", "status": "queued", "output": []}
+        assert runs.start("resp_1", [{"role": "user", "content": "x"}], queued, work)["status"] == "queued"
+        await asyncio.sleep(0)
+        assert json.loads(store.get("resp_1")[1])["status"] == "in_progress"
+        assert (await runs.cancel("resp_1"))["status"] == "cancelled" and stopped == [True]
+        assert json.loads(store.get("resp_1")[1])["status"] == "cancelled"
+        with pytest.raises(APIError) as e:
+            await runs.cancel("resp_1")
+        assert e.value.status == 400
+
+        async def quick(started):
+            return {"id": "resp_2", "status": "completed", "output": []}
+        runs.start("resp_2", [], {"id": "resp_2", "status": "queued", "output": []}, quick)
+        await asyncio.sleep(0.01)
+        assert json.loads(store.get("resp_2")[1])["status"] == "completed" and not runs.tasks
+        with pytest.raises(APIError) as e:
+            await runs.cancel("resp_2")
+        assert e.value.status == 400
+        runs.start("resp_3", [], {"id": "resp_3", "status": "queued", "output": []}, work)
+        await asyncio.sleep(0)
+        await runs.stop("resp_3")
+        assert stopped == [True, True] and not runs.tasks
+    asyncio.run(scenario())
+
+
+def test_a_response_carries_speculative(client):
+    """Like every response of this server (README), a Responses reply carries the request's
+    speculative statistics."""
+    r = client.responses.create(model="toy", input="def add(a, b):", max_output_tokens=8, temperature=0)
+    spec = r.model_extra["speculative"]
+    assert spec["prompt_tokens"] == r.usage.input_tokens and spec["output_tokens"] == r.usage.output_tokens
+    assert spec["num_drafts"] > 0

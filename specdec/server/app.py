@@ -29,8 +29,9 @@ from .metrics import RequestCounter, StatLogger
 from .protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, speculative, stream
-from .responses_api import (ResponseStore, ResponsesRequest, Served, chat_request, check_request, conversation,
-                            input_messages, message_sources, renamed, respond, stream as stream_response)
+from .responses_api import (Background, ResponseStore, ResponsesRequest, Served, budgeted, chat_request, check_request,
+                            conversation, input_items, message_sources, renamed, respond, response_body,
+                            stream as stream_response)
 from .serving import REQUEST_TRACE, Service, echo_only
 from .worker import ShuttingDown
 
@@ -463,6 +464,7 @@ def _lora_routes(service: Service) -> APIRouter:
 def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
     """OpenAI's Responses API over the chat path (responses_api.py)."""
     router = APIRouter(prefix="/v1")
+    background = Background(store)
 
     @router.post("/responses")
     async def create(body: ResponsesRequest, request: Request):
@@ -471,14 +473,15 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         history = store.get(body.previous_response_id, "previous_response_id")[0] if body.previous_response_id else []
 
         def prepare():      # off the event loop, as the chat route's preparation
-            turn = history + input_messages(body)
             try:
                 chat = chat_request(body, history)
-                return turn, chat, service.lora_request(chat.model), *service.prepare_chat(chat)
+                prompts, params, tools = service.prepare_chat(chat)
+                params = budgeted(params, body, service.engine.max_model_len, prompts[0])
+                return chat, service.lora_request(chat.model), prompts, params, tools
             except APIError as e:
                 raise renamed(e, message_sources(body, history)) from None
 
-        turn, chat, lora, prompts, params, tools = await service.off_loop(prepare)
+        chat, lora, prompts, params, tools = await service.off_loop(prepare)
         try:
             if not await _compiled(request, service, prompts, params):
                 return Response(status_code=499)
@@ -492,12 +495,18 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         served = Served.of(params, params.max_tokens or service.engine.max_model_len - len(prompts[0]),
                            lambda text: len(service.tokenizer.encode(text, add_special_tokens=False)))
         rid = f"resp_{uuid.uuid4().hex}"
+        turn = history + input_items(body)
 
         def keep(response: dict) -> None:
             if body.store:
                 store.put(rid, conversation(turn, response["output"]), response)
 
         gen = service.generation(prompts, params, arrival, chat.priority, lora, rid, cache_salt=chat.cache_salt)
+        if body.background:         # answered now; the client reads it by id (or cancels it)
+            async def work(started):
+                return (await respond(gen, fmt, body, model, rid, served, started))[0]
+            queued = response_body(rid, body, model, int(time.time()), [], None, None, "queued", served)
+            return background.start(rid, turn, queued, work)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep, served),
                                      media_type="text/event-stream",
@@ -515,8 +524,14 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
 
     @router.delete("/responses/{rid}")
     async def forget(rid: str):
+        store.get(rid)
+        await background.stop(rid)
         store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+    @router.post("/responses/{rid}/cancel")
+    async def cancel(rid: str):
+        return await background.cancel(rid)
 
     return router
 

@@ -2,16 +2,24 @@
 
 A request becomes a chat completion request (input items -> messages, `instructions` -> a system
 message first, flat function tools -> chat tools, `text.format` -> response_format,
-`max_output_tokens` -> max_tokens), so templates, tools, reasoning parsers, structured outputs
-and speculation behave exactly as in /v1/chat/completions; the reply becomes output items:
-a `reasoning` item (with a --reasoning-parser), a `message` with one `output_text` part, and a
-`function_call` item per tool call.
+`max_output_tokens` -> max_tokens, capped at what the context leaves as vLLM's), so templates,
+tools, reasoning parsers, structured outputs and speculation behave exactly as in
+/v1/chat/completions; the reply becomes output items in the order generated: a `reasoning` item
+(with a --reasoning-parser), a `message` with one `output_text` part for each stretch of text,
+and a `function_call` item per tool call. Streamed or not, the items are the same (one code
+path makes them).
 
-Conversation state: a stored response (`store`, default true) keeps its conversation, so a
-later request may send only its new input with `previous_response_id`; `GET` and `DELETE
-/v1/responses/{id}` read and forget one. The store holds the latest responses in memory, at most
-1024 and 256 MiB of their JSON (a server restart forgets them, as vLLM's does); `metadata` is
-held to OpenAI's limits (16 pairs, keys of 64 characters, string values of 512).
+Conversation state: a stored response (`store`, default true) keeps its conversation as input
+items (the earlier turns', this request's and its own output items), so a later request may send
+only its new input with `previous_response_id`, and means exactly what sending those items back
+by hand means; `GET` and `DELETE /v1/responses/{id}` read and forget one. The store holds the
+latest responses in memory, at most 1024 and 256 MiB of their JSON (a server restart forgets
+them, as vLLM's does); `metadata` is held to OpenAI's limits (16 pairs, keys of 64 characters,
+string values of 512).
+
+Background mode (vLLM's; `background: true`, which needs `store`): the request is checked, then
+answered at once with status "queued" while it runs; `GET /v1/responses/{id}` shows it
+"in_progress", then the final response; `POST /v1/responses/{id}/cancel` stops it ("cancelled").
 
 Streams are OpenAI's typed server-sent events, numbered by `sequence_number`:
 response.created, response.in_progress, then per item response.output_item.added, its deltas
@@ -22,6 +30,7 @@ at the end response.completed (or response.incomplete when max_output_tokens cut
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import json
@@ -29,13 +38,16 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from .errors import APIError
+from ..config import SamplingParams
+from .errors import APIError, bad_value
 from .protocol import ChatCompletionRequest, _Body
-from .responses import ChatFormat, collect
+from .responses import ChatFormat, speculative
+from .responses import usage as chat_usage
 from .serving import Generation
 
 log = logging.getLogger("specdec.server")
@@ -69,7 +81,14 @@ class ResponsesRequest(_Body):
                                                     "characters, string values of at most 512")
     user: str | None = None
     top_logprobs: int | None = Field(None, description=f"alternatives per token, with include [{LOGPROBS!r}]")
-    include: list[str] | None = Field(None, description=f"{LOGPROBS!r}: the output_text part's logprobs")
+    # vLLM's ResponsesRequest types (OpenAI's values); only LOGPROBS changes the reply
+    include: list[Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                          "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
+                          "reasoning.encrypted_content"]] | None = \
+        Field(None, description=f"{LOGPROBS!r}: the output_text part's logprobs")
+    truncation: Literal["auto", "disabled"] | None = Field("disabled", description="accepted and echoed, as "
+                                                                                   "vLLM's (nothing is cut)")
+    background: bool = Field(False, description="run after answering (status queued), as vLLM's; needs store")
     # vLLM's sampling extensions, as on the chat endpoint
     top_k: int | None = None
     min_p: float | None = None
@@ -88,7 +107,7 @@ class ResponsesRequest(_Body):
 
 
 class ResponseStore:
-    """The latest responses, in memory: id -> (the conversation as chat messages, the body).
+    """The latest responses, in memory: id -> (the conversation as input items, the body).
 
     Bounded by count and by bytes: at most max_items responses and max_bytes of them, the oldest
     forgotten first. Each is kept as its JSON text, not as Python objects (a dict of many small
@@ -100,10 +119,10 @@ class ResponseStore:
         self.max_items, self.max_bytes, self.bytes = max_items, max_bytes, 0
         self._items: collections.OrderedDict[str, tuple[bytes, bytes]] = collections.OrderedDict()
 
-    def put(self, rid: str, messages: list[dict], body: dict) -> None:
+    def put(self, rid: str, items: list[dict], body: dict) -> None:
         if rid in self._items:
             self._drop(rid)
-        entry = (_json(messages), _json(body))
+        entry = (_json(items), _json(body))
         if sum(map(len, entry)) > self.max_bytes:       # it would push out every other: not kept
             log.warning("response %s not stored: %d bytes, more than the store's %d", rid, sum(map(len, entry)),
                         self.max_bytes)
@@ -114,14 +133,14 @@ class ResponseStore:
             self._drop(next(iter(self._items)))
 
     def get(self, rid: str, param: str | None = None) -> tuple[list[dict], bytes]:
-        """A stored response: (its conversation, its body as JSON) (param: the request field
-        that named it, for a 404)."""
+        """A stored response: (its conversation as input items, its body as JSON) (param: the
+        request field that named it, for a 404)."""
         if rid not in self._items:
             raise APIError(404, f"no stored response with id {rid!r} (only the latest {self.max_items} are kept, "
                                 f"at most {self.max_bytes / 2**20:g} MiB of them, in memory)", param,
                            "response_not_found")
-        messages, body = self._items[rid]
-        return json.loads(messages), body
+        items, body = self._items[rid]
+        return json.loads(items), body
 
     def delete(self, rid: str) -> None:
         self.get(rid)
@@ -143,8 +162,14 @@ _JSON_TYPES = {dict: "an object", list: "an array", int: "an integer", float: "a
 
 
 def check_request(req: ResponsesRequest) -> None:
-    """What the Responses API checks beyond the chat path's checks: OpenAI's metadata limits
-    (at most 16 pairs, keys of at most 64 characters, string values of at most 512)."""
+    """What the Responses API checks beyond the chat path's checks: background mode's needs
+    (vLLM's: a stored response; not streamed here), OpenAI's metadata limits (at most 16 pairs,
+    keys of at most 64 characters, string values of at most 512)."""
+    if req.background and not req.store:
+        raise APIError(400, "background can only be used when `store` is true", "background")
+    if req.background and req.stream:
+        raise APIError(400, "background responses cannot be streamed here: leave `stream` out and read the "
+                            "response with GET /v1/responses/{id}", "stream")
     meta = req.metadata
     if meta is None:
         return
@@ -162,30 +187,53 @@ def check_request(req: ResponsesRequest) -> None:
                            f"metadata.{key}")
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, field: str = "content") -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of text parts", "input")
+        raise APIError(400, f"{where}.{field} must be a string or a list of text parts", "input")
     out = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            raise APIError(400, f"{where}.content: only text parts (input_text, output_text) are supported", "input")
+            raise APIError(400, f"{where}.{field}: only text parts (input_text, output_text) are supported", "input")
         if not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}.content: a {part['type']} part needs a string `text`", "input")
+            raise APIError(400, f"{where}.{field}: a {part['type']} part needs a string `text`", "input")
         out.append(part["text"])
     return "\n".join(out)           # as the chat path joins text parts (vLLM's chat_utils)
 
 
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's (reasoning_text parts), else its summary's."""
+    texts = []
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts is not None and not (isinstance(parts, list) and all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts)):
+            raise APIError(400, f"{where}.{field} must be a list of parts, each with a string `text`", "input")
+        texts.append("".join(p["text"] for p in parts or []))
+    return texts[0] or texts[1]
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's own input as a list of items (a string is one user message)."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """The request's own input as chat messages (instructions not included)."""
-    return _input(req)[0]
+    return _input(req, [])[0]
 
 
-def _input(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
-    """(the input as chat messages, the input item each came from: "input[i]")."""
-    if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}], ["input"]
+def _input(req: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[str]]:
+    """(a stored conversation's items and the input, as chat messages; the item each came from:
+    "input[i]", or "previous_response_id" for the history's). Both are converted as one list, so
+    previous_response_id means what sending its items back by hand means."""
+    own = [f"input[{i}]" for i in range(len(req.input))] if isinstance(req.input, list) else ["input"]
+    return _messages(history + input_items(req), ["previous_response_id"] * len(history) + own)
+
+
+def _messages(items: list, names: list[str]) -> tuple[list[dict], list[str]]:
+    """Input items -> (chat messages, the name of the item each came from); names[i]: item i's."""
     messages: list[dict] = []
     sources: list[str] = []
     thought, at = None, None    # a reasoning item's text (and its item): the next assistant turn's thinking
@@ -198,8 +246,7 @@ def _input(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
             sources.append(at)
         thought = None
 
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+    for item, where in zip(items, names):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             if not isinstance(item.get("role"), str):
@@ -216,9 +263,9 @@ def _input(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
                 raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") \
-                    and not messages[-1]["content"] and not thought:
-                messages[-1]["tool_calls"].append(call)        # parallel calls: one assistant turn
+            if messages and messages[-1]["role"] == "assistant" and not thought:
+                # the text before it and parallel calls: one assistant turn, as a chat reply is
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call],
                                  **({"reasoning_content": thought} if thought else {})})
@@ -227,14 +274,14 @@ def _input(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
+            if not isinstance(item.get("output"), (str, list)):
+                raise APIError(400, f"{where}.output must be a string or a list of input_text parts", "input")
             unclaimed()
-            output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else json.dumps(output)})
+                             "content": _text(item["output"], where, "output")})
             sources.append(where)
         elif kind == "reasoning":     # the thinking before the assistant turn that follows (gpt-oss keeps
-            text = "".join(p.get("text", "") for p in item.get("content") or item.get("summary") or []
-                           if isinstance(p, dict))           # a call's analysis in its template)
+            text = _reasoning_text(item, where)                  # a call's analysis in its template)
             if text:                  # several in a row are joined, as a stored reply joins them
                 thought, at = (thought or "") + text, at if thought else where
         else:
@@ -256,7 +303,9 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
     return out
 
 
-def _chat_tool_choice(choice):
+def _chat_tool_choice(choice, tools: list[dict] | None):
+    if choice == "auto" and not tools:      # vLLM's and OpenAI's default, sent without tools: no tools
+        return None
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
@@ -280,13 +329,15 @@ def _response_format(text: dict | None) -> dict | None:
 
 
 def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
-    """The chat completion request this Responses request means (history: a stored conversation)."""
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
-        + input_messages(req)
+    """The chat completion request this Responses request means (history: a stored conversation's
+    items), but for max_output_tokens, which budgeted() applies once the prompt is known."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
+        + _input(req, history)[0]
     logprobs = LOGPROBS in (req.include or [])       # vLLM: logprobs=top_logprobs only when included
-    body = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+    body = {"model": req.model, "messages": messages,
             "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
-            "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
+            "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
             "user": req.user, "priority": req.priority, "cache_salt": req.cache_salt, "logprobs": logprobs,
             "top_logprobs": req.top_logprobs if logprobs else None,
@@ -302,7 +353,21 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
 
 def message_sources(req: ResponsesRequest, history: list[dict]) -> list[str]:
     """Where each of chat_request's messages came from, for errors that name one."""
-    return (["instructions"] if req.instructions else []) + ["previous_response_id"] * len(history) + _input(req)[1]
+    return (["instructions"] if req.instructions else []) + _input(req, history)[1]
+
+
+def budgeted(params: SamplingParams, req: ResponsesRequest, max_model_len: int, prompt: list[int]) -> SamplingParams:
+    """max_output_tokens capped at what the context leaves after the prompt (vLLM's
+    ResponsesRequest.to_sampling_params): the reply then ends incomplete, where max_tokens past
+    the context is a 400 on the chat endpoint. A bad value is a 400 in chat's words (renamed())."""
+    if req.max_output_tokens is None:
+        return params
+    room = max_model_len - len(prompt)
+    cap = room if params.max_tokens is None else min(params.max_tokens, room)
+    try:
+        return dataclasses.replace(params, max_tokens=min(req.max_output_tokens, cap))
+    except ValueError as e:
+        raise bad_value(e) from None
 
 
 def renamed(e: APIError, sources: list[str] | None = None) -> APIError:
@@ -361,7 +426,7 @@ class Served:
 
 def response_body(rid: str, req: ResponsesRequest, model: str, created: int, output: list[dict],
                   finish: str | None, usage: dict | None, status: str | None = None,
-                  served: Served = Served()) -> dict:
+                  served: Served = Served(), speculative: dict | None = None) -> dict:
     incomplete = finish in ("length", "abort")     # cut short by max_output_tokens, or aborted (POST /pause)
     status = status or ("incomplete" if incomplete else "completed")
     u = usage or {}
@@ -376,59 +441,39 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
             "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
             "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
             "reasoning": req.reasoning, "metadata": req.metadata or {}, "user": req.user, "store": req.store,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens" if finish == "length" else "abort"}
+            "truncation": req.truncation or "disabled", "background": req.background, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens" if finish == "length" else "abort"}
             if incomplete else None,
             "usage": None if usage is None else {
                 "input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
                 "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}}
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}},
+            **({} if speculative is None else {"speculative": speculative})}     # as every response of this server
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-def output_items(message: dict, finish: str | None, logprobs: list[dict] | None = None) -> list[dict]:
-    """A chat choice's message -> Responses output items. A reply cut by max_output_tokens
-    leaves its last item "incomplete", the ones before it done (as the stream closes them).
-    logprobs: the reply's tokens' (OpenAI's shape), given to the output_text part as vLLM does."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(_reasoning_item(message["reasoning_content"], "completed"))
-    if message.get("content"):
-        items.append(_message_item(message["content"], "completed", logprobs))
-    items += [_call_item(c, "completed") for c in message.get("tool_calls") or []]
-    if items and finish in ("length", "abort"):
-        items[-1]["status"] = "incomplete"
-    return items
-
-
-def conversation(turn: list[dict], items: list[dict]) -> list[dict]:
-    """What a stored response keeps: the conversation so far (earlier turns and this request's
-    input, as chat messages; not the instructions, which each request gives anew) and the reply."""
-    text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in items if i["type"] == "function_call"]
-    reply = {"role": "assistant", "content": text}
-    if calls:
-        reply["tool_calls"] = calls
-    thought = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
-    if thought:
-        reply["reasoning_content"] = thought
-    return turn + [reply]
+def conversation(turn: list[dict], output: list[dict]) -> list[dict]:
+    """What a stored response keeps: the conversation so far as input items (earlier turns' and
+    this request's input; not the instructions, which each request gives anew) and its output
+    items, as a client sends them back by hand (less the logprobs, which no prompt reads)."""
+    return turn + [{**i, "content": [{k: v for k, v in p.items() if k != "logprobs"} for p in i["content"]]}
+                   if i["type"] == "message" else i for i in output]
 
 
 async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
-                  served: Served = Served()) -> tuple[dict, str | None]:
-    """Run to the end: (the response body, the chat finish_reason)."""
+                  served: Served = Served(), started: Callable[[], None] | None = None) -> tuple[dict, str | None]:
+    """Run to the end: (the response body, the chat finish_reason). The items are made as the
+    stream makes them (its events dropped); started() is called when the first tokens come."""
     created = int(time.time())       # Unix seconds, as OpenAI documents
-    body = await collect(gen, fmt, model)
-    choice = body["choices"][0]
-    logprobs = (choice.get("logprobs") or {}).get("content")
-    out = response_body(rid, req, model, created, output_items(choice["message"], choice["finish_reason"], logprobs),
-                        choice["finish_reason"], body["usage"], served=served)
-    return out, choice["finish_reason"]
+    items = _ItemStream()
+    async for _ in items.run(gen, fmt, started):
+        pass
+    return response_body(rid, req, model, created, items.output, items.finish, chat_usage(gen, items.tokens),
+                         served=served, speculative=speculative(gen)), items.finish
 
 
 class _ItemStream:
@@ -441,6 +486,39 @@ class _ItemStream:
         self.output: list[dict] = []
         self.open: dict | None = None
         self.calls: dict[int, dict] = {}        # a tool-call delta's index -> its item
+        self.finish: str | None = None          # once run() is done: the chat finish_reason
+        self.tokens = 0                         # and the tokens generated
+
+    async def run(self, gen: Generation, fmt: ChatFormat, started: Callable[[], None] | None = None
+                  ) -> AsyncIterator[str]:
+        """Generate the reply: the events of its items, the last one closed at the end. Logprobs
+        (include message.output_text.logprobs) go with the answer's text deltas: those of tokens
+        before it (the thinking's) with its first."""
+        logprobs = []
+        async with gen:
+            async for _, step in gen.steps():
+                if started is not None:
+                    started()
+                    started = None
+                self.tokens += len(step.token_ids)
+                d = fmt.delta(0, step.text, step.logprobs or [], 0, step.finish_reason, step.stop_reason)
+                if step.finished:
+                    self.finish = d["finish_reason"] if d is not None else step.finish_reason
+                if d is None:
+                    continue
+                delta, events = d["delta"], []
+                logprobs += (d.get("logprobs") or {}).get("content") or []
+                if delta.get("reasoning_content"):
+                    events += self.text("reasoning", delta["reasoning_content"])
+                if delta.get("content"):
+                    events += self.text("message", delta["content"], logprobs)
+                    logprobs = []
+                for c in delta.get("tool_calls") or []:
+                    events += self.call(c)
+                for e in events:
+                    yield e
+        for e in self.close("incomplete" if self.finish in ("length", "abort") else "completed", logprobs):
+            yield e
 
     def event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -512,45 +590,73 @@ class _ItemStream:
 
 async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
                  done, served: Served = Served()) -> AsyncIterator[str]:
-    """Typed events as the reply is generated; done(body) is called with the final response.
-    Logprobs (include message.output_text.logprobs) go with the answer's text deltas: those of
-    tokens before it (the thinking's) with its first, as the non-streamed part lists them all."""
+    """Typed events as the reply is generated; done(body) is called with the final response."""
     items, created = _ItemStream(), int(time.time())
     start = response_body(rid, req, model, created, [], None, None, status="in_progress", served=served)
     yield items.event("response.created", response=start)
     yield items.event("response.in_progress", response=start)
-    finish, tokens, logprobs = None, 0, []
     try:
-        async with gen:
-            async for _, step in gen.steps():
-                tokens += len(step.token_ids)
-                d = fmt.delta(0, step.text, step.logprobs or [], 0, step.finish_reason, step.stop_reason)
-                if step.finished:
-                    finish = d["finish_reason"] if d is not None else step.finish_reason
-                if d is None:
-                    continue
-                delta, events = d["delta"], []
-                logprobs += (d.get("logprobs") or {}).get("content") or []
-                if delta.get("reasoning_content"):
-                    events += items.text("reasoning", delta["reasoning_content"])
-                if delta.get("content"):
-                    events += items.text("message", delta["content"], logprobs)
-                    logprobs = []
-                for c in delta.get("tool_calls") or []:
-                    events += items.call(c)
-                for e in events:
-                    yield e
-        cut = finish in ("length", "abort")
-        for e in items.close("incomplete" if cut else "completed", logprobs):
+        async for e in items.run(gen, fmt):
             yield e
-        prompt_tokens = sum(len(p) for p in gen.prompts)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
-                 "prompt_tokens_details": {"cached_tokens": max((s.cached_tokens for s in gen.stats if s), default=0)}}
-        body = response_body(rid, req, model, created, items.output, finish, usage, served=served)
+        body = response_body(rid, req, model, created, items.output, items.finish, chat_usage(gen, items.tokens),
+                             served=served, speculative=speculative(gen))
         done(body)
-        yield items.event("response.incomplete" if cut else "response.completed", response=body)
+        yield items.event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
+                          response=body)
     except APIError as e:       # OpenAI's ResponseErrorEvent (its own "type": "error")
         yield items.event("error", code=e.code, message=e.message, param=e.param)
     except Exception as e:      # noqa: BLE001 - a bug: still an error event, as the chat stream sends
         log.exception("a Responses stream failed")
         yield items.event("error", code=None, message=f"internal error: {type(e).__name__}", param=None)
+
+
+class Background:
+    """vLLM's background mode: responses that run after the request is answered (status
+    "queued"), kept in the store as they go ("in_progress", then the final response) and
+    cancellable until they end."""
+
+    def __init__(self, store: ResponseStore):
+        self.store = store
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, rid: str, turn: list[dict], queued: dict,
+              work: Callable[[Callable[[], None]], Coroutine]) -> dict:
+        """Keep the queued body and run work(started) (it returns the final body; started() when
+        its first tokens come); the queued body."""
+        def started() -> None:
+            self.store.put(rid, turn, {**queued, "status": "in_progress"})
+
+        async def run():
+            try:
+                body = await work(started)
+            except Exception as e:      # noqa: BLE001 - nobody waits for it: the stored response says so
+                log.exception("background response %s failed", rid)
+                message = e.message if isinstance(e, APIError) else f"internal error: {type(e).__name__}"
+                self.store.put(rid, turn, {**queued, "status": "failed",
+                                           "error": {"code": "server_error", "message": message}})
+                return
+            self.store.put(rid, conversation(turn, body["output"]), body)
+        self.store.put(rid, turn, queued)
+        task = self.tasks[rid] = asyncio.ensure_future(run())
+        task.add_done_callback(lambda _: self.tasks.pop(rid, None))
+        return queued
+
+    async def cancel(self, rid: str) -> dict:
+        """vLLM's cancel: a running background response stops and is kept "cancelled"; any other
+        stored response is a 400, an unknown one a 404."""
+        turn, raw = self.store.get(rid)
+        body = json.loads(raw)
+        task = self.tasks.get(rid)
+        if task is None or body["status"] not in ("queued", "in_progress"):
+            raise APIError(400, "Cannot cancel a synchronous response.", None)
+        await self.stop(rid)
+        body["status"] = "cancelled"
+        self.store.put(rid, turn, body)
+        return body
+
+    async def stop(self, rid: str) -> None:
+        """Its work cancelled (the engine request aborted), if it still runs."""
+        task = self.tasks.pop(rid, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

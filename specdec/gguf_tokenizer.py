@@ -18,16 +18,22 @@ architectures specdec runs:
   llama.cpp and sentencepiece do); unknown characters fall back to <0xNN> byte tokens. Files
   without merges get them derived from the vocabulary, best score first.
 
-Otherwise it encodes as transformers' own GGUF loader (tests/test_tokenizer.py checks it on a
-few hundred strings): control tokens become special added tokens, user-defined ones plain
-added tokens, and BOS is added by a post-processor when the file asks for it.
-`GGUFVocab.eog_token_ids` is llama.cpp's end-of-generation set.
+Both: control tokens become special added tokens, user-defined ones plain added tokens, matched
+whole in the text (llama.cpp's tokenizer_st_partition). A byte-level file stores a user-defined
+token as its raw text ("<tool call>", "héllo"), which llama.cpp matches and prints as it is
+(token_to_piece); transformers' loader respells it in the byte alphabet, splitting it into
+pieces, or byte-decodes it ("h\ufffdllo"), and specdec follows llama.cpp. A SentencePiece file
+without the special ids gets llama.cpp's UNK 0, BOS 1, EOS 2. BOS is added by a post-processor
+when the file asks for it. Otherwise it encodes as transformers' own GGUF loader
+(tests/test_tokenizer.py checks it on a few hundred strings). `GGUFVocab.eog_token_ids` is
+llama.cpp's end-of-generation set.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -223,6 +229,7 @@ class GGUFVocab:
     add_space_prefix: bool = True    # SentencePiece: "\u2581" before each piece of text (llama.cpp's default)
     eom_token_id: int | None = None  # end of message (Llama 3.1's <|eom_id|>): also ends generation
     fim_token_ids: tuple = ()        # FIM pad / repo / file separator: llama.cpp ends generation on them too
+    tool_template: str | None = None  # tokenizer.chat_template.tool_use: llama.cpp's template for requests with tools
 
     @classmethod
     def from_gguf(cls, g) -> "GGUFVocab":
@@ -237,7 +244,9 @@ class GGUFVocab:
         add_bos = g.get("tokenizer.ggml.add_bos_token")
         add_prefix = g.get("tokenizer.ggml.add_space_prefix")
         pre = g.get("tokenizer.ggml.pre")
-        opt = lambda key: None if g.get(key) is None else int(g.get(key))  # noqa: E731
+        opt = lambda key, default=None: default if g.get(key) is None else int(g.get(key))  # noqa: E731
+        # llama.cpp's ids for a SentencePiece vocabulary without the keys: UNK 0, BOS 1, EOS 2
+        spm_id = lambda i: i if model == "llama" and i < len(tokens) else None  # noqa: E731
         eot = opt("tokenizer.ggml.eot_token_id")
         if eot is None and "<end_of_turn>" in tokens:     # llama.cpp's rule: Gemma's end of turn
             eot = list(tokens).index("<end_of_turn>")
@@ -247,12 +256,14 @@ class GGUFVocab:
         return cls(model=model, pre=pre, tokens=list(tokens),
                    token_types=[int(t) for t in types], merges=g.get("tokenizer.ggml.merges"),
                    scores=g.get("tokenizer.ggml.scores"),
-                   bos_token_id=opt("tokenizer.ggml.bos_token_id"), eos_token_id=opt("tokenizer.ggml.eos_token_id"),
-                   eot_token_id=eot, unk_token_id=opt("tokenizer.ggml.unknown_token_id"),
+                   bos_token_id=opt("tokenizer.ggml.bos_token_id", spm_id(1)),
+                   eos_token_id=opt("tokenizer.ggml.eos_token_id", spm_id(2)),
+                   eot_token_id=eot, unk_token_id=opt("tokenizer.ggml.unknown_token_id", spm_id(0)),
                    pad_token_id=opt("tokenizer.ggml.padding_token_id"),
                    add_bos_token=bool(add_bos) if add_bos is not None else bos_default,
                    add_eos_token=bool(g.get("tokenizer.ggml.add_eos_token") or False),
                    chat_template=g.get("tokenizer.chat_template"), architecture=g.architecture,
+                   tool_template=g.get("tokenizer.chat_template.tool_use"),
                    # llama.cpp: true for SentencePiece unless the file's key says false
                    add_space_prefix=bool(add_prefix) if add_prefix is not None else model == "llama",
                    eom_token_id=opt("tokenizer.ggml.eom_token_id"),
@@ -294,10 +305,12 @@ def byte_alphabet() -> dict[int, str]:
 def _byte_level(v: GGUFVocab) -> Tokenizer:
     spell = byte_alphabet()
     alphabet = set(spell.values())
-    # a token written outside the byte alphabet (some converters store raw text) is respelled
-    # (a token listed twice keeps its last id, as transformers' loader does)
-    vocab = {tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8")): i
-             for i, tok in enumerate(v.tokens)}
+    respell = lambda tok: "".join(spell[b] for b in tok.encode("utf-8"))  # noqa: E731
+    # a token written outside the byte alphabet (some converters store raw text) is respelled,
+    # but a user-defined one keeps its raw text: llama.cpp's converter writes it so, and llama.cpp
+    # matches it whole in the text and prints it as it is (a token listed twice keeps its last id)
+    user = {i for i, kind in enumerate(v.token_types) if kind == USER_DEFINED}
+    vocab = {tok if set(tok) <= alphabet or i in user else respell(tok): i for i, tok in enumerate(v.tokens)}
     pre = pre_type(v.pre)
     tk = Tokenizer(BPE(vocab, _merges(v, vocab), dropout=None, fuse_unk=False, byte_fallback=False,
                        ignore_merges=pre.ignore_merges))
@@ -307,7 +320,12 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
     else:
         tk.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
+    # ByteLevel decodes every token, added ones too, and keeps raw only a token with a character
+    # outside the alphabet: a raw user-defined token made of alphabet characters (DeepSeek-Coder's
+    # "ø", "héllo") is respelled first, matched whole so that no other token is touched
+    raw = [tok for i, tok in enumerate(v.tokens) if i in user and set(tok) <= alphabet and respell(tok) != tok]
+    tk.decoder = decoders.Sequence([*(decoders.Replace(Regex(rf"\A{re.escape(tok)}\z"), respell(tok)) for tok in raw),
+                                    decoders.ByteLevel()]) if raw else decoders.ByteLevel()
     return tk
 
 

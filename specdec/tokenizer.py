@@ -225,7 +225,10 @@ class Tokenizer:
         # tokens spelled <|im_end|>, <|endoftext|>, <|end|>, ...; gpt-oss's <|return|> and <|call|>)
         self.eos_token_ids = v.eog_token_ids()
         self.add_bos_token = False          # the post-processor adds it (v.add_bos_token)
-        self.chat_template = v.chat_template
+        # the named template "tool_use" (as llama.cpp's converter writes Hermes-2-Pro's, Command-R's)
+        # renders requests with tools; llama.cpp falls back on it where the file has no default one
+        self.chat_template = v.chat_template or v.tool_template
+        self.tool_template = v.tool_template
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
         self.pad_token_id = v.pad_token_id if self.pad_token is not None else None
         self.unk_token_id = v.unk_token_id if self.unk_token is not None else None

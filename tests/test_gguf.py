@@ -376,3 +376,105 @@ def test_a_token_scores_alike_alone_or_among_drafts(gguf_files, packed_path, c_p
         assert torch.equal(tree[:3], decoded([61, 20]))
         assert torch.equal(tree[3], decoded([5])[1])
 
+
+
+# --- metadata read as llama.cpp reads it (load_hparams) -------------------------------------
+
+def rewritten(src, dst, drop=(), over=None):
+    """A copy of the GGUF `src` with metadata keys dropped, or replaced by `over`'s values
+    (lists become arrays; ints uint32, floats float32)."""
+    from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
+
+    r, over = GGUFReader(str(src)), over or {}
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    kind = lambda x: V.UINT32 if isinstance(x, int) else V.FLOAT32 if isinstance(x, float) else V.STRING  # noqa: E731
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture" and key not in drop and key not in over:
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == V.ARRAY else None)
+    for key, value in over.items():
+        w.add_key_value(key, value, *((V.ARRAY, kind(value[0])) if isinstance(value, list) else (kind(value),)))
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def one_line_error(path, capsys) -> str:
+    code = main(["generate", "--model", str(path), "--max-tokens", "1", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(path) in err, err
+    return err
+
+
+def test_per_layer_arrays_of_one_value_load_and_differing_ones_are_refused(gguf_files, tmp_path, capsys):
+    """llama.cpp reads head_count / head_count_kv / feed_forward_length (get_key_or_arr) as one
+    value or one per layer: equal per-layer values are that value; differing ones, a list where
+    one value is read, and a list of differing EOS ids are one line naming the file, not a
+    traceback."""
+    from specdec.model.gguf import GGUFFile
+
+    src = gguf_files["llama_mixed"]
+    g = GGUFFile(src)
+    per_layer = {f"llama.{k}": [g.get(f"llama.{k}")] * 2 for k in
+                 ("attention.head_count", "attention.head_count_kv", "feed_forward_length", "rope.freq_base")}
+    same = rewritten(src, tmp_path / "same.gguf", over={**per_layer, "tokenizer.ggml.eos_token_id": [1, 1]})
+    assert GGUFFile(same).config() == g.config()
+    torch.testing.assert_close(logits(load_model(same)), logits(load_model(src)), atol=0, rtol=0)
+    for key, values, message in [("llama.attention.head_count_kv", [4, 2], "per-layer values are not supported"),
+                                 ("llama.rope.freq_base", [1e4, 1e6], "per-layer values are not supported"),
+                                 ("llama.feed_forward_length", [g.get("llama.feed_forward_length")] * 3,
+                                  "has 3 per-layer values for 2 layers"),
+                                 ("tokenizer.ggml.eos_token_id", [1, 2], "one id expected"),
+                                 ("llama.block_count", [2, 2], "is a list [2, 2], one value expected")]:
+        err = one_line_error(rewritten(src, tmp_path / "bad.gguf", over={key: values}), capsys)
+        assert key in err and message in err, err
+
+
+def test_gemma2_without_softcap_or_window_keys_gets_llamacpp_defaults(tmp_path):
+    """Gemma-2 files converted before llama.cpp wrote the keys: soft-caps 50 / 30 and a 4096 window
+    in the even layers, as llama.cpp's LLM_ARCH_GEMMA2 defaults (and Gemma2Config's)."""
+    from conftest import make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "hf", arch="gemma2", layers=2)
+    bare = load_model(write_gguf(hf, tmp_path / "bare.gguf"))
+    given = load_model(write_gguf(hf, tmp_path / "given.gguf", metadata={
+        "gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0,
+        "gemma2.attention.sliding_window": 4096}))
+    cfg = bare.config
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window, cfg.sliding_layers) == (50.0, 30.0, 4096, (0,))
+    assert cfg == given.config
+    torch.testing.assert_close(logits(bare), logits(given), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("keys", [{"llama.rope.scale_linear": 4.0}, {"llama.rope.scaling.factor": 4.0}],
+                         ids=["old-key", "factor-without-type"])
+def test_linear_rope_from_a_factor_alone(tmp_path, keys):
+    """llama.cpp's rope.scaling.type defaults to linear, and its factor falls back on the old
+    key rope.scale_linear: the model is transformers' with linear scaling x4."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "hf", layers=2, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    ours = load_model(write_gguf(hf, tmp_path / "m.gguf", metadata=keys))
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    ids = torch.arange(40)[None] % 90
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits[0]
+    torch.testing.assert_close(logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
+    assert load_model(write_gguf(hf, tmp_path / "none.gguf")).config.rope_scaling is None
+
+
+@pytest.mark.parametrize("drop,over,message", [
+    ({"llama.context_length"}, None, "metadata lacks llama.context_length"),
+    ({"llama.attention.layer_norm_rms_epsilon"}, None, "metadata lacks llama.attention.layer_norm_rms_epsilon"),
+    ((), {"llama.context_length": 0}, "metadata llama.context_length is 0"),
+], ids=["no-context-length", "no-rms-eps", "context-length-0"])
+def test_keys_llamacpp_requires(gguf_files, tmp_path, capsys, drop, over, message):
+    """llama.cpp refuses a file without context_length or the RMS norm's epsilon (no default),
+    and a zero context is no model: one line naming the file and the key."""
+    err = one_line_error(rewritten(gguf_files["draft"], tmp_path / "bad.gguf", drop, over), capsys)
+    assert message in err, err

@@ -216,3 +216,62 @@ def test_split_gguf_errors_name_the_shard(split_set, tmp_path):
     with pytest.raises(CheckpointError, match="holds shards of the split GGUF tiny but not its first, "
                                               "tiny-00001-of-00003.gguf"):
         load_model(partial)
+
+
+# --- llama.cpp's defaults and named templates ------------------------------------------------
+
+def test_spm_without_special_ids_gets_llamacpp_defaults(tmp_path):
+    """llama-vocab.cpp's SentencePiece branch: UNK 0, BOS 1, EOS 2 when the file names none (and
+    BOS is added), each only where the vocabulary has that id."""
+    from specdec.model.gguf import GGUFFile
+
+    tok = Tokenizer(write_vocab_gguf(tmp_path / "spm.gguf", SPM_TOKENS, SPM_TYPES, scores=SPM_SCORES, bos=None, eos=None))
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.encode("ab") == [1, SAB] and 2 in tok.eos_token_ids
+    short = GGUFVocab.from_gguf(GGUFFile(write_vocab_gguf(tmp_path / "two.gguf", ["<unk>", "<s>"], [2, 3], bos=None,
+                                                          eos=None)))
+    assert (short.unk_token_id, short.bos_token_id, short.eos_token_id) == (0, 1, None)
+    gpt2 = GGUFVocab.from_gguf(GGUFFile(write_vocab_gguf(tmp_path / "bpe.gguf", ["a", "b", "c"], [1, 1, 1],
+                                                         model="gpt2", pre="gpt2", merges=[], bos=None, eos=None)))
+    assert (gpt2.unk_token_id, gpt2.bos_token_id, gpt2.eos_token_id) == (None, None, None)
+
+
+DEFAULT, TOOL_USE = ("DEFAULT:{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                     "TOOL_USE:{{ (tools or []) | length }}:{% for m in messages %}{{ m['content'] }}{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("default", [DEFAULT, None], ids=["both", "tool-use-only"])
+def test_tool_use_template_renders_requests_with_tools(tmp_path, default):
+    """tokenizer.chat_template.tool_use (llama.cpp's converter writes tokenizer_config.json's named
+    templates so): with tools it renders, as llama.cpp's common/chat.cpp and a folder's "tool_use"
+    template; without a default template llama.cpp takes it for every request."""
+    templates = {"tokenizer.chat_template.tool_use": TOOL_USE, **({"tokenizer.chat_template": default} if default else {})}
+    tok = spm(tmp_path, **templates)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tools=TOOLS) == "TOOL_USE:1:hi"
+    assert tok.apply_chat_template(chat) == ("DEFAULT:hi" if default else "TOOL_USE:0:hi")
+
+
+# --- user-defined tokens of a byte-level vocabulary -----------------------------------------
+
+def test_user_defined_tokens_match_whole_and_decode_raw(tmp_path):
+    """llama.cpp's converter stores a byte-level vocabulary's added, non-special tokens as
+    USER_DEFINED with their raw text; llama.cpp matches each whole in the text
+    (tokenizer_st_partition) and prints its text as it is (token_to_piece), where transformers'
+    GGUF loader splits "<tool call>" into pieces and byte-decodes "héllo" to "h\\ufffdllo"."""
+    from specdec.gguf_tokenizer import byte_alphabet
+
+    alphabet = [byte_alphabet()[b] for b in range(256)]          # token b = byte b
+    user = ["<tool call>", "héllo", "日本語", "<think>"]
+    tokens = [*alphabet, "ab", *user]
+    tok = Tokenizer(write_vocab_gguf(tmp_path / "ud.gguf", tokens, [1] * 257 + [4] * len(user), model="gpt2",
+                                     pre="gpt2", merges=["a b"], bos=None, eos=None))
+    ids = {t: 257 + i for i, t in enumerate(user)}
+    sp = ord(" ")
+    for t in user:
+        text = f"x {t} y"
+        assert tok.encode(text, add_special_tokens=False) == [ord("x"), sp, ids[t], sp, ord("y")], t
+        assert tok.decode([ids[t]]) == t and tok.decode(tok.encode(text)) == text
+    assert tok.encode("ab é", add_special_tokens=False) == [256, sp, 0xC3, 0xA9]      # normal tokens: byte-level
+    assert tok.decode([256, sp, 0xC3, 0xA9]) == "ab é"

@@ -59,6 +59,8 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
                 "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0",
                 "TQ2_0", "MXFP4")
 QUANTIZATIONS = (None, "auto", "gguf", "none")
+# hyper-parameters llama.cpp reads as one value or one per layer (get_key_or_arr); the runtime has one
+PER_LAYER = (".attention.head_count", ".attention.head_count_kv", ".feed_forward_length", ".rope.freq_base")
 
 
 class GGUFError(ValueError):
@@ -168,9 +170,33 @@ class GGUFFile:
         if field is None:
             return default
         try:
-            return field.contents()
+            value = field.contents()
         except Exception:
             raise GGUFError(f"{self.path}: metadata {key} is unreadable") from None
+        return self._one_value(key, value) if isinstance(value, list) and self._scalar_key(key) else value
+
+    def _scalar_key(self, key: str) -> bool:
+        """A key specdec reads as one value: the architecture's hyper-parameters (but its
+        per-layer sliding-window pattern), the special token ids and the split keys."""
+        arch = self.__dict__.get("architecture")
+        return ((arch is not None and key.startswith(f"{arch}.") and not key.endswith(".sliding_window_pattern"))
+                or key.endswith("_token_id") or key.startswith("split."))
+
+    def _one_value(self, key: str, values: list):
+        """A list where one value is read: llama.cpp's per-layer arrays (get_key_or_arr: one value
+        per layer) are taken when every layer has the same value, as is a list of one repeated id;
+        anything else is refused."""
+        shown = f"[{', '.join(map(str, values[:4]))}{', ...' if len(values) > 4 else ''}]"
+        if not key.endswith(PER_LAYER) and not key.endswith("_token_id"):
+            raise GGUFError(f"{self.path}: metadata {key} is a list {shown}, one value expected")
+        if key.endswith(PER_LAYER):
+            layers = self.get(f"{self.architecture}.block_count")
+            if layers is not None and len(values) != int(layers):
+                raise GGUFError(f"{self.path}: metadata {key} has {len(values)} per-layer values for {int(layers)} layers")
+        if not values or any(v != values[0] for v in values):
+            raise GGUFError(f"{self.path}: metadata {key} holds differing values {shown}; "
+                            + ("per-layer values are not supported" if key.endswith(PER_LAYER) else "one id expected"))
+        return values[0]
 
     def require(self, key: str):
         value = self.get(key)
@@ -192,16 +218,8 @@ class GGUFFile:
         a = lambda key, default=None: self.get(f"{arch}.{key}", default)  # noqa: E731
         n_heads = int(self.require(f"{arch}.attention.head_count"))
         hidden = int(self.require(f"{arch}.embedding_length"))
-        scaling = a("rope.scaling.type")
-        if scaling not in (None, "none", "linear", "yarn"):
-            raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r} (supported: linear, yarn)")
-        rope_scaling = None
-        if scaling in ("linear", "yarn"):     # llama.cpp's keys -> transformers' rope_scaling
-            rope_scaling = {"rope_type": scaling, "factor": float(self.require(f"{arch}.rope.scaling.factor"))}
-            if scaling == "yarn":
-                rope_scaling["original_max_position_embeddings"] = int(
-                    a("rope.scaling.original_context_length") or a("context_length", 2048))
-        context = int(a("context_length", 2048))
+        context = self.context_length()
+        rope_scaling = self._rope_scaling(context)
         n_layers = int(self.require(f"{arch}.block_count"))
         if "rope_factors_short.weight" in self.tensors:     # Phi-3's longrope, as its converter writes it
             old = int(a("rope.scaling.original_context_length") or context)
@@ -236,7 +254,7 @@ class GGUFFile:
             head_dim=head_dim,
             rotary_dim=rotary if rotary < head_dim else None,
             max_position_embeddings=context,
-            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith("qwen") else 1e-5)),
+            rms_norm_eps=float(self.require(f"{arch}.attention.layer_norm_rms_epsilon")),
             rope_theta=float(a("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in self.tensors,
@@ -254,6 +272,27 @@ class GGUFFile:
             eos_token_id=None if eos is None else int(eos),
         )
 
+    def context_length(self) -> int:
+        """{arch}.context_length, which llama.cpp requires (its n_ctx_train)."""
+        context = int(self.require(f"{self.architecture}.context_length"))
+        if context < 1:
+            raise GGUFError(f"{self.path}: metadata {self.architecture}.context_length is {context}")
+        return context
+
+    def _rope_scaling(self, context: int) -> dict | None:
+        """llama.cpp's keys -> transformers' rope_scaling: the type is linear unless
+        rope.scaling.type says otherwise; the factor is rope.scaling.factor or the old key
+        rope.scale_linear, none (or 0, or 1) meaning no scaling -- but YaRN needs one."""
+        a = lambda key, default=None: self.get(f"{self.architecture}.{key}", default)  # noqa: E731
+        scaling = a("rope.scaling.type", "linear")
+        if scaling not in ("none", "linear", "yarn"):
+            raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r} (supported: linear, yarn)")
+        if scaling == "yarn":
+            return {"rope_type": "yarn", "factor": float(self.require(f"{self.architecture}.rope.scaling.factor")),
+                    "original_max_position_embeddings": int(a("rope.scaling.original_context_length") or context)}
+        factor = a("rope.scaling.factor")
+        factor = float(a("rope.scale_linear", 0.0) if factor is None else factor)
+        return {"rope_type": "linear", "factor": factor} if scaling == "linear" and factor not in (0.0, 1.0) else None
 
     def _hf_config(self) -> dict:
         """GLM-4.5's and DeepSeek-V2 / V3's config.json from llama.cpp's keys (its converters'
@@ -273,8 +312,8 @@ class GGUFFile:
         cfg = {"vocab_size": int(a("vocab_size") or embd.shape[1]), "hidden_size": hidden, "num_attention_heads": heads,
                "intermediate_size": int(req("feed_forward_length")),
                "num_hidden_layers": int(req("block_count")) - self.nextn_layers,
-               "max_position_embeddings": int(a("context_length", 4096)),
-               "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+               "max_position_embeddings": self.context_length(),
+               "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
                "rope_theta": float(a("rope.freq_base", 10000.0)), "tie_word_embeddings": "output.weight" not in self.tensors,
                "n_routed_experts": int(req("expert_count")), "num_experts_per_tok": int(req("expert_used_count")),
                "moe_intermediate_size": int(req("expert_feed_forward_length")),
@@ -376,11 +415,12 @@ def _olmo_fields(g: GGUFFile, arch: str, n_layers: int, rope_scaling: dict | Non
     return out
 
 
-def _gguf_window_layers(g: GGUFFile, arch: str, n_layers: int, every: int) -> dict:
-    """{arch}.attention.sliding_window in the layers {arch}.attention.sliding_window_pattern
-    marks (a per-layer list: true slides; or a period), else in all but every `every`-th layer
-    (llama.cpp's default for the family); {} without a window."""
-    window, pattern = g.get(f"{arch}.attention.sliding_window"), g.get(f"{arch}.attention.sliding_window_pattern")
+def _gguf_window_layers(g: GGUFFile, arch: str, n_layers: int, every: int, window: int | None = None) -> dict:
+    """{arch}.attention.sliding_window (else `window`, llama.cpp's default for the family) in the
+    layers {arch}.attention.sliding_window_pattern marks (a per-layer list: true slides; or a
+    period), else in all but every `every`-th layer (llama.cpp's default); {} without a window."""
+    window = g.get(f"{arch}.attention.sliding_window", window)
+    pattern = g.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):
         sliding = tuple(i for i, f in enumerate(pattern) if f)
     else:
@@ -401,7 +441,8 @@ def _gemma_fields(g: GGUFFile, arch: str, n_layers: int, hidden: int, n_heads: i
     GeGLU; Gemma 2 / 3: sandwich norms, a sliding window (every even layer; 5 layers in 6 for
     Gemma 3, whose sliding layers take RoPE base 10000 unless rope.freq_base_swa says), the
     attention scaled by attention.scale or else llama.cpp's 1 / sqrt(head_dim) (the 27B models:
-    1 / sqrt(hidden / heads)), Gemma 2's soft-caps."""
+    1 / sqrt(hidden / heads)), Gemma 2's soft-caps. A Gemma 2 file without the soft-cap or window
+    keys (converted before llama.cpp wrote them) gets llama.cpp's defaults: 50 / 30, window 4096."""
     a = lambda key, default=None: g.get(f"{arch}.{key}", default)  # noqa: E731
     out = {"hidden_act": "gelu_tanh", "embedding_multiplier": float(hidden ** 0.5)}
     if arch == "gemma":
@@ -411,9 +452,9 @@ def _gemma_fields(g: GGUFFile, arch: str, n_layers: int, hidden: int, n_heads: i
     scale = a("attention.scale")
     out.update(sandwich_norms=True,
                attention_multiplier=float(scale) if scale is not None else (hidden / n_heads if big else head_dim) ** -0.5,
-               attn_softcap=float(a("attn_logit_softcapping") or 0.0),
-               final_softcap=float(a("final_logit_softcapping") or 0.0))
-    out.update(_gguf_window_layers(g, arch, n_layers, 2 if arch == "gemma2" else 6))
+               attn_softcap=float(a("attn_logit_softcapping", 50.0 if arch == "gemma2" else 0.0)),
+               final_softcap=float(a("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)))
+    out.update(_gguf_window_layers(g, arch, n_layers, 2 if arch == "gemma2" else 6, 4096 if arch == "gemma2" else None))
     if arch == "gemma3":
         out["local_rope_theta"] = float(a("rope.freq_base_swa", 10000.0))
     return out
@@ -662,7 +703,7 @@ def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantiz
         cfg = g.config().configured(hf_overrides, disable_sliding_window, max_model_len)
     except GGUFError:
         raise                      # it names the file already
-    except ValueError as e:
+    except (ValueError, TypeError) as e:      # a value of the wrong kind in the metadata
         raise GGUFError(f"{g.path}: {e}") from None
     check_tensors(g, cfg)
     torch_dtype = resolve_dtype(dtype, {"torch_dtype": "float32"})
@@ -787,7 +828,7 @@ def load_mtp_gguf(path: str | os.PathLike, target: Transformer):
         full = g.config()
     except GGUFError:
         raise
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise GGUFError(f"{g.path}: {e}") from None
     L = full.num_hidden_layers
     p = f"blk.{L}."

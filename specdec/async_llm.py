@@ -368,9 +368,17 @@ class AsyncLLM:
         return False
 
     async def do_log_stats(self, *args, **kwargs) -> None:
-        """vLLM's: log the engine's figures now (get_metrics' counters, one line)."""
-        figures = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
-        log.info("engine stats: %s", ", ".join(f"{k}={v}" for k, v in figures.items() if v is not None))
+        """vLLM's: log the engine's figures now (get_metrics' counters and gauges, one line; a
+        labelled family such as vllm:request_success one figure per label, as
+        vllm:request_success{finished_reason=stop}=3)."""
+        figures = []
+        for m in self.llm.get_metrics():
+            value = getattr(m, "value", None)
+            if value is None:
+                continue
+            own = ",".join(f"{k}={v}" for k, v in m.labels.items() if k not in ("model_name", "engine"))
+            figures.append(f"{m.name}{{{own}}}={value}" if own else f"{m.name}={value}")
+        log.info("engine stats: %s", ", ".join(figures))
 
     # vLLM's LoRA calls: the engine's (Engine.add_lora, ...), on its worker
     async def add_lora(self, lora_request) -> bool:

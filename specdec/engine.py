@@ -34,7 +34,7 @@ from .model.graphs import CudaGraphs
 from .detokenize import Detokenizer
 from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
 from .lora import LoRAManager, LoRARequest
-from .metrics import RequestStats
+from .metrics import RequestStats, tree_depth
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .profiler import StepProfiler, range_of
@@ -777,7 +777,9 @@ class Engine:
                 if _ranked(r.params):
                     r.cumulative_logprob += sum(x.logprob for x in lps)
                     event.cumulative_logprob = r.cumulative_logprob
-            stats.record_step(k, res.accepted, len(event.token_ids))
+            # a tree's per-position counts go by depth (the accepted path's positions), a chain's by K
+            depth = tree_depth(draft.parents) if draft is not None and draft.is_tree else None
+            stats.record_step(k, res.accepted, len(event.token_ids), depth)
             pred = r.ctx.prediction
             if pred is not None and pred.drafted:
                 # drafts kept by verification and left in the output (a stop string or max_tokens may

@@ -419,7 +419,7 @@ class LLM:
             typical_acceptance(self.spec)
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
-        self.engine = Engine(self.target, self.tokenizer, proposer,
+        self.engine = _CountedEngine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
@@ -438,8 +438,12 @@ class LLM:
         # generate() from several threads at once: one at a time (two steppers corrupt the engine)
         self._stepping = threading.Lock()
         self._seed_next = 0          # the next unused offset from self.seed (_params)
-        # what get_metrics() reports of the requests run so far (vLLM's counters)
-        self._prompt_tokens, self._totals, self._finished = 0, RequestStats(), _Tally()
+        # what get_metrics() reports of the requests run so far (vLLM's counters): every request
+        # the engine ran, counted as it leaves it, finished or aborted, whatever stepped the engine
+        # (generate, stream, llm_engine.step, an AsyncLLM's or a server's thread: _count_finished)
+        self._totals, self._finished = RequestStats(), _Tally()
+        self._counting = threading.Lock()        # the engine's thread counts, get_metrics reads
+        self.engine.on_finished = self._count_finished
         # vLLM's per-request histograms, observed as each completion finishes (get_metrics)
         sizes = one_two_five(self.engine.max_model_len)
         self._histograms = {name: HistogramTally(bounds) for name, bounds in (
@@ -629,25 +633,28 @@ class LLM:
         the queue / prefill / decode / inference times, vllm:request_time_per_output_token_seconds,
         vllm:request_prompt_tokens / request_generation_tokens), as Counter / Gauge / Vector /
         Histogram objects (specdec.metrics) with .name, .labels and .value (.values; .count, .sum and
-        cumulative .buckets {upper bound: observations})."""
+        cumulative .buckets {upper bound: observations}). Every request the engine ran counts, however
+        it ran (generate, stream, llm_engine.add_request + step, an AsyncLLM's or a server's thread),
+        once as it left the engine, finished or aborted (with the tokens and drafts it computed)."""
         e, labels = self.engine, {"model_name": self.model_path, "engine": "0"}
-        out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
-               Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
-               Gauge("vllm:kv_cache_usage_perc", labels, float(e.kv_cache_usage)),
-               Counter("vllm:num_preemptions", labels, e.num_preemptions),
-               Counter("vllm:prefix_cache_queries", labels, e.prefix_cache_queries),
-               Counter("vllm:prefix_cache_hits", labels, e.prefix_cache_hits),
-               Counter("vllm:prompt_tokens", labels, self._prompt_tokens),
-               Counter("vllm:generation_tokens", labels, self._totals.output_tokens)]
-        out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, self._finished[reason])
-                for reason in ("stop", "length", "abort")]
-        if self.engine.proposer is not None:
+        with self._counting:
             t = self._totals
-            out += [Counter("vllm:spec_decode_num_drafts", labels, t.num_drafts),
-                    Counter("vllm:spec_decode_num_draft_tokens", labels, t.draft_tokens),
-                    Counter("vllm:spec_decode_num_accepted_tokens", labels, t.accepted_tokens),
-                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(t.accepted_per_position))]
-        out += [tally.snapshot(name, labels) for name, tally in self._histograms.items()]
+            out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
+                   Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
+                   Gauge("vllm:kv_cache_usage_perc", labels, float(e.kv_cache_usage)),
+                   Counter("vllm:num_preemptions", labels, e.num_preemptions),
+                   Counter("vllm:prefix_cache_queries", labels, e.prefix_cache_queries),
+                   Counter("vllm:prefix_cache_hits", labels, e.prefix_cache_hits),
+                   Counter("vllm:prompt_tokens", labels, t.prompt_tokens),
+                   Counter("vllm:generation_tokens", labels, t.output_tokens)]
+            out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, self._finished[reason])
+                    for reason in ("stop", "length", "abort")]
+            if self.engine.proposer is not None:
+                out += [Counter("vllm:spec_decode_num_drafts", labels, t.num_drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", labels, t.draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", labels, t.accepted_tokens),
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(t.accepted_per_position))]
+            out += [tally.snapshot(name, labels) for name, tally in self._histograms.items()]
         return out
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
@@ -1044,7 +1051,19 @@ class LLM:
         params = self._params(sampling_params)
         _, ids = self._prompt_ids(prompt)
         self._counter += 1
-        return self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request)
+        return self._until_closed(self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request))
+
+    def _until_closed(self, events: Iterator[StepEvent]) -> Iterator[StepEvent]:
+        """stream()'s events; a stream left before its last event aborts its request (counted as an
+        abort with all it computed, as vLLM counts a request its client left)."""
+        event = None
+        try:
+            for event in events:
+                yield event
+        finally:
+            if event is not None and not event.finished:
+                self.engine.abort(event.request_id)
+            events.close()
 
     @_one_stepper
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1141,28 +1160,33 @@ class LLM:
             cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
             outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
                                             cumulative, lp))
-        for i in range(params.best_of or params.n):     # every candidate's work counts
-            r = reqs[(rid, i)]
-            stats.merge(r.stats)
-            self._finished[r.finish_reason or "abort"] += 1
-            self._observe(r.stats, len(ids))
+        for i in range(params.best_of or params.n):     # every candidate's work (each counted as it left the engine)
+            stats.merge(reqs[(rid, i)].stats)
         stats.prompt_tokens = len(ids)
         # the prompt's cached tokens once (the most any choice found), not summed over the choices
         stats.cached_tokens = max(reqs[(rid, i)].stats.cached_tokens for i in range(params.best_of or params.n))
-        # vLLM counts the prompt per request it runs: each choice (as the server's counter and the histogram do)
-        self._prompt_tokens += len(ids) * (params.best_of or params.n)
-        self._totals.merge(stats)
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
         prompt_lps = reqs[(rid, 0)].prompt_logprobs
         if prompt_lps is not None:
             prompt_lps = [e.named(self._token_name) if e is not None else None for e in prompt_lps]
         return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps, reqs[(rid, 0)].lora_request)
 
-    def _observe(self, s: RequestStats, prompt_tokens: int) -> None:
+    def _count_finished(self, event: StepEvent) -> None:
+        """A request left the engine (its last event: finished, or aborted with its statistics so
+        far), on whatever thread stepped it: vLLM's counters (get_metrics) take its prompt (once per
+        choice, as vLLM counts each request it runs), its tokens and speculative work, its finish
+        reason, and vLLM's per-request histograms."""
+        s = event.stats
+        with self._counting:
+            self._totals.merge(s)
+            self._finished[event.finish_reason or "abort"] += 1
+            self._observe(s)
+
+    def _observe(self, s: RequestStats) -> None:
         """One finished completion into vLLM's histograms (get_metrics): its latencies, as the
         server's /metrics has them, and its prompt and output lengths."""
         h = self._histograms
-        h["vllm:request_prompt_tokens"].observe(prompt_tokens)
+        h["vllm:request_prompt_tokens"].observe(s.prompt_tokens)
         h["vllm:request_generation_tokens"].observe(s.output_tokens)
         h["vllm:request_queue_time_seconds"].observe(s.queue_time_s)
         if s.output_tokens:
@@ -1319,6 +1343,28 @@ def _modules_under(roots, depth: int = 3):
             stack += [(x, d + 1) for x in obj.values()]
         elif hasattr(obj, "__dict__") and d < depth and type(obj).__module__.startswith("specdec."):
             stack += [(x, d + 1) for x in vars(obj).values()]
+
+
+class _CountedEngine(Engine):
+    """The LLM's engine: each request that leaves it, finished (a step's last event) or aborted
+    (abort()'s event, its statistics so far), is told to `on_finished` on the thread that stepped
+    or aborted it: one place counts every request however it ran (LLM.get_metrics)."""
+
+    on_finished: Callable[[StepEvent], None] | None = None
+
+    def step(self) -> list[StepEvent]:
+        events = super().step()
+        if self.on_finished is not None:
+            for event in events:
+                if event.finished:
+                    self.on_finished(event)
+        return events
+
+    def abort(self, request_id) -> StepEvent | None:
+        event = super().abort(request_id)
+        if event is not None and self.on_finished is not None:
+            self.on_finished(event)
+        return event
 
 
 class _EngineView:

@@ -9,7 +9,11 @@
   the server's and the serve benchmark's mean_acceptance_length.
 - tokens_per_forward = output tokens per target forward pass (every forward, drafting or not;
   after any stop-string cut): what plain decoding's 1.0 is compared with.
-- per_position_acceptance[i] = P(draft position i accepted | position i was drafted).
+- per_position_acceptance[i] = P(draft position i accepted | position i was drafted), position i
+  being the (i+1)-th token of the accepted path. A chain drafts positions 0..k-1; a token tree
+  (EAGLE topk > 1, Medusa) of any number of nodes drafts the positions of its depths: position i
+  when it offered at least one node at depth i + 1 (record_step's `depth`). draft_tokens counts a
+  tree's nodes, so for trees the per-position drafted counts do not sum to it.
 """
 
 from __future__ import annotations
@@ -40,19 +44,24 @@ class RequestStats:
     # the server's stats lines (server/metrics.StatLogger): these counts as of its last look at them
     logged: tuple | None = field(default=None, repr=False, compare=False)
 
-    def record_step(self, k: int, num_accepted: int, emitted: int) -> None:
+    def record_step(self, k: int, num_accepted: int, emitted: int, depth: int | None = None) -> None:
+        """One target forward: k draft tokens scored (a chain's, or a tree's nodes), num_accepted of
+        them kept (the accepted path's length), emitted tokens output. depth: a tree's depth
+        (tree_depth(parents)); None for a chain, whose depth is k. Per position (depth) i:
+        drafted when the draft reached depth i + 1, accepted when the path did."""
         self.target_forward_passes += 1
         self.output_tokens += emitted
         if k == 0:
             return
+        depth = k if depth is None else depth
         self.num_drafts += 1
         self.draft_tokens += k
         self.accepted_tokens += num_accepted
-        if len(self.drafted_per_position) < k:
-            grow = k - len(self.drafted_per_position)
+        if len(self.drafted_per_position) < depth:
+            grow = depth - len(self.drafted_per_position)
             self.drafted_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for i in range(k):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
 
@@ -107,6 +116,15 @@ class RequestStats:
             "queue_time_s": round(self.queue_time_s, 4),
             "cached_tokens": self.cached_tokens,
         }
+
+
+def tree_depth(parents: list[int]) -> int:
+    """A token tree's depth: its longest root-to-leaf path (parents[i]: node i's parent, an earlier
+    node, or -1 for a child of the root)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return max(depths, default=0)
 
 
 # vLLM's latency buckets (seconds): per-token figures and whole requests

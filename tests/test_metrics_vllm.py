@@ -92,7 +92,14 @@ def test_per_request_families_count_what_the_requests_did(live):
     assert value(found, "vllm:time_per_output_token_seconds_count") == value(
         found, "vllm:inter_token_latency_seconds_count") > 0
     assert value(found, "vllm:gpu_cache_usage_perc") == value(found, "vllm:kv_cache_usage_perc")
-    assert value(found, "vllm:request_inference_time_seconds_count") == 3
+    # one finished-request record per completion, the abort's too (vLLM's FinishedRequestStats): every
+    # per-completion family counts it, and its generated tokens are all the engine made for it
+    success = value(found, "vllm:request_success_total")
+    for family in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                   "request_decode_time_seconds", "request_inference_time_seconds",
+                   "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert value(found, f"vllm:{family}_count") == success == 4, family
+    assert value(found, "vllm:request_generation_tokens_sum") == value(found, "vllm:generation_tokens_total")
 
 
 def test_metrics_prefix_flag(tiny_pair):

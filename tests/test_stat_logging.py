@@ -148,7 +148,7 @@ def test_a_request_is_counted_once_however_it_ends(tiny_pair):
         step = engine.step()
         events += step
         metrics.step(engine, step)
-    metrics.finished("abort", req.stats)              # the client left: the server counts the abort ...
+    metrics.finished("abort", req.stats, len(prompt), req.stats.output_tokens, 0.0, None, None, 0.0)  # the abort's record ...
     engine.abort(req.request_id)
     late = dataclasses.replace(events[-1], token_ids=[], text="")
     metrics.step(engine, [late])                      # ... and a step already under way still reports it

@@ -355,24 +355,32 @@ class ServerMetrics:
         if events:
             self.speculating.set(engine.last_step_drafting / len(events))
 
-    def finished(self, outcome: str, stats: RequestStats | None, prompt_tokens: int | None = None) -> None:
-        """One completion is over: count its outcome (and, for one that ran, vLLM's
-        per-completion figures; its tokens and drafts were counted step by step)."""
-        self.count(outcome or "stop")
-        if outcome in ("stop", "length", "abort") and prompt_tokens is not None:
-            self._success.labels(self.model_name, outcome).inc()
-            self.request_prompt_tokens.observe(prompt_tokens)
-            self.request_generation_tokens.observe(stats.output_tokens if stats is not None else 0)
-
-    def latencies(self, stats: RequestStats, first_token: float, last_token: float, arrival: float) -> None:
-        """A completion that produced tokens has ended: its per-request latencies."""
-        self.e2e.observe(last_token - arrival)
-        self.decode_time.observe(last_token - first_token)
-        if stats.output_tokens > 1:
-            self.tpot.observe((last_token - first_token) / (stats.output_tokens - 1))
-        self.queue_time.observe(stats.queue_time_s)
-        self.prefill_time.observe(max(0.0, first_token - arrival - stats.queue_time_s))
-        self.inference_time.observe(max(0.0, last_token - arrival - stats.queue_time_s))
+    def finished(self, reason: str, stats: RequestStats | None, prompt_tokens: int, generated: int, arrival: float,
+                 first: float | None, last: float | None, end: float) -> None:
+        """One completion has left the engine (stop, length, or abort once the engine stopped it):
+        vLLM's FinishedRequestStats, every per-completion family observed together from it:
+        request_success{reason}, its prompt and generated tokens (all the engine generated for it:
+        the sum is generation_tokens_total), and its latencies: e2e (arrival to its end), queue
+        (arrival to first scheduled; its whole wait for one never scheduled), prefill (scheduled to
+        first token), decode (first to last token), inference (scheduled to last token) and time
+        per output token (decode / (tokens - 1)), each 0 for one that made no token (0 for TPOT
+        with fewer than 2), as vLLM observes its finished requests."""
+        self._success.labels(self.model_name, reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated)
+        queued = stats.queue_time_s if stats is not None and stats.queue_time_s else None
+        self.e2e.observe(end - arrival)
+        if first is None:        # no token: its time went to waiting (never scheduled) or to its prompt
+            self.queue_time.observe(queued if queued is not None else end - arrival)
+            for h in (self.prefill_time, self.decode_time, self.inference_time, self.tpot):
+                h.observe(0.0)
+            return
+        queued = queued or 0.0
+        self.queue_time.observe(queued)
+        self.prefill_time.observe(max(0.0, first - arrival - queued))
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(max(0.0, last - arrival - queued))
+        self.tpot.observe((last - first) / (generated - 1) if generated > 1 else 0.0)
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)

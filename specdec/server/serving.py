@@ -494,6 +494,8 @@ class Generation:
         self.echo_only = False           # echo with max_tokens 0: each choice's one token is dropped
         self.stats: list[RequestStats | None] = [None] * len(self._jobs)
         self._open = set(range(len(self._jobs)))
+        self._leaving: set[int] = set()  # choices whose client left, until the engine has stopped them
+        self._drainer: asyncio.Task | None = None
         self._ended = 0
         # --enable-log-outputs: each choice's output so far (token ids, text), logged as it ends
         self._outputs = [([], "") for _ in self._jobs] if logger is not None and logger.outputs else None
@@ -502,6 +504,8 @@ class Generation:
         return self.prompts[index // self.per_prompt]
 
     async def __aenter__(self) -> Generation:
+        for job in self._jobs:
+            job.echo_only = self.echo_only
         try:
             self._worker.submit(self._jobs)
         except ShuttingDown as e:
@@ -519,15 +523,45 @@ class Generation:
             outcome = "invalid" if isinstance(exc, APIError) and exc.status < 500 else "error"
         for i in sorted(self._open):
             self._worker.cancel(self._jobs[i])
-            self._finished(i, outcome)
+            if outcome == "abort":       # counted now; its finished-request record once the engine stopped it
+                self._metrics.count(outcome)
+                self._leaving.add(i)
+            else:
+                self._finished(i, outcome)
         self._open.clear()
+        if self._leaving:
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
-    def _finished(self, index: int, outcome: str) -> None:
-        self._metrics.finished(outcome, self.stats[index], len(self.prompt_of(index)))
+    async def _drain(self) -> None:
+        """The choices a client left: their events until the engine has stopped each (its last
+        event: the abort, with all the engine computed for it, or its own end if that came
+        first), then its finished-request record, as vLLM records a request once it has left the
+        engine: its tokens are then all those generation_tokens counted."""
+        while self._leaving:
+            index, item = await self._queue.get()
+            if index not in self._leaving:
+                continue
+            if isinstance(item, Exception):      # the engine failed it meanwhile: its work so far
+                self._leaving.discard(index)
+                self._finished(index, "abort", counted=True)
+                continue
+            self._observe(index, self._as_sent(item))
+
+    def _finished(self, index: int, outcome: str, counted: bool = False) -> None:
+        """Choice `index` is over: requests_total{outcome} (unless counted as its client left) and,
+        for one the engine ran (stop, length, abort), vLLM's finished-request record."""
+        if not counted:
+            self._metrics.count(outcome or "stop")
+        if outcome in ("stop", "length", "abort"):
+            clock, stats = self._clocks[index], self.stats[index]
+            generated = 0 if self.echo_only or stats is None else stats.output_tokens
+            self._metrics.finished(outcome, stats, len(self.prompt_of(index)), generated, clock.arrival,
+                                   clock.first, clock.last, time.perf_counter())
         self._ended += 1
         if self._ended == len(self._jobs):          # the request's last choice: vLLM's per-request figures
             room = self._worker.engine.max_model_len - max(len(p) for p in self.prompts)
             self._metrics.request_ended(self.params.n, self.params.max_tokens or max(room, 0),
+                                        0 if self.echo_only else
                                         max((s.output_tokens for s in self.stats if s is not None), default=0))
         if self._logger is not None:
             output = self._outputs[index] if self._outputs is not None else None
@@ -544,12 +578,18 @@ class Generation:
                 self._open.discard(index)
                 self._finished(index, "invalid" if failure.status < 500 else "error")
                 raise failure
-            if self.echo_only:
-                item = dataclasses.replace(item, token_ids=[], text="", num_accepted=0,
-                                           logprobs=[] if item.logprobs is not None else None,
-                                           finish_reason="length" if item.finished else None, stop_reason=None)
+            item = self._as_sent(item)
             self._observe(index, item)
             yield index, item
+
+    def _as_sent(self, event: StepEvent) -> StepEvent:
+        """The event as the response shows it (echo with max_tokens 0: without its token)."""
+        if not self.echo_only:
+            return event
+        return dataclasses.replace(event, token_ids=[], text="", num_accepted=0,
+                                   logprobs=[] if event.logprobs is not None else None,
+                                   finish_reason=("length" if event.finish_reason != "abort" else "abort")
+                                   if event.finished else None, stop_reason=None)
 
     def _observe(self, index: int, event: StepEvent) -> None:
         clock, now = self._clocks[index], time.perf_counter()
@@ -566,9 +606,9 @@ class Generation:
                 self._metrics.inter_token(now - clock.last)
             clock.last = now
         if event.finished:
+            counted = index in self._leaving         # its client left: counted in requests_total then
             self._open.discard(index)
-            if clock.first is not None:
-                self._metrics.latencies(event.stats, clock.first, clock.last, clock.arrival)
-            self._finished(index, event.finish_reason)
+            self._leaving.discard(index)
+            self._finished(index, event.finish_reason, counted)
 
 

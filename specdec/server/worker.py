@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,7 +33,8 @@ log = logging.getLogger("specdec.server")
 @dataclass(eq=False)
 class Job:
     """One completion choice. `deliver` is called on the worker thread with StepEvents, or one
-    Exception; after an Exception or a finished event, nothing more comes."""
+    Exception; after an Exception or a finished event, nothing more comes. A cancelled job ends
+    with a finished event too (finish_reason "abort", its statistics once the engine stopped it)."""
     prompt_ids: list[int]
     params: SamplingParams
     seed_offset: int
@@ -45,6 +46,7 @@ class Job:
     prediction: list[int] | None = None            # Predicted Outputs: token ids the output is expected to repeat
     trace_headers: dict | None = None              # W3C trace context of its span (traceparent, tracestate)
     cache_salt: str | None = None                  # vLLM's: prefix-cache blocks shared only under the same salt
+    echo_only: bool = False                        # echo with max_tokens 0: its one token is dropped (on_step sees none)
     cancelled: bool = False                        # set by any thread; the worker acts on it
     started: bool = field(default=False, repr=False)   # handed to the engine
 
@@ -137,14 +139,18 @@ class EngineWorker:
 
     def cancel(self, job: Job) -> None:
         """Drop a job: one not yet in the engine leaves the queue now, one in it is aborted
-        (its seat and blocks freed) before the next step."""
+        (its seat and blocks freed) before the next step; either way its last event follows (an
+        abort, with what the engine computed for it until it stopped it)."""
         with self._cond:
             job.cancelled = True
-            if job in self._inbox:
+            queued = job in self._inbox
+            if queued:
                 self._inbox.remove(job)
             elif job.started:
                 self._cancels.append(job)
             self._cond.notify()
+        if queued:
+            self._send(job, StepEvent([], "", 0, finished=True, finish_reason="abort", request_id=job.request_id))
 
     def call(self, fn: Callable[[Engine], object], work: bool = False) -> Future:
         """fn(engine) on the engine's thread between two steps (the engine is not thread-safe:
@@ -253,15 +259,18 @@ class EngineWorker:
                 self._fail_all(e)
                 continue
             self._hand_over()                # the last step's, if this one had no forward
+            seen = []                        # the events as the requests' clients see them (on_step's)
             for event in events:
                 job = self._jobs.get(event.request_id)
-                if job is None:
-                    continue
-                if event.finished:
-                    del self._jobs[event.request_id]     # the engine has freed its seat already
-                self._pending.append((job, event))
+                if job is not None:
+                    if event.finished:
+                        del self._jobs[event.request_id]     # the engine has freed its seat already
+                    self._pending.append((job, event))
+                    if job.echo_only:
+                        event = replace(event, token_ids=[], num_accepted=0)
+                seen.append(event)
             if self.on_step is not None:
-                self.on_step(self.engine, events)
+                self.on_step(self.engine, seen)
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -291,8 +300,10 @@ class EngineWorker:
             for job in new:
                 job.started = True
         for job in cancels:
-            if self._jobs.pop(job.request_id, None) is not None:
-                self.engine.abort(job.request_id)
+            if self._jobs.pop(job.request_id, None) is not None:     # (one that finished has had its last event)
+                event = self.engine.abort(job.request_id)
+                self._pending.append((job, event or StepEvent([], "", 0, finished=True, finish_reason="abort",
+                                                              request_id=job.request_id)))
         for fn, future, _ in calls:
             _run(fn, self.engine, future)
         for job in new:

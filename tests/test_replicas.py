@@ -259,10 +259,12 @@ def test_federated_metrics_keep_each_replicas_samples_apart(tiny_pair):
 
     a, b = ServerMetrics(LLM(tiny_pair[0]).engine), ServerMetrics(LLM(tiny_pair[0]).engine)
     for _ in range(3):
-        a.finished("stop", None)
+        a.count("stop")
+        a.finished("stop", None, 3, 2, 0.0, 0.1, 0.2, 0.2)
     a.ttft.observe(0.2)
-    b.finished("length", None)
-    b.finished("length", None)
+    for _ in range(2):
+        b.count("length")
+        b.finished("length", None, 3, 2, 0.0, 0.1, 0.2, 0.2)
     fams = {f.name: f for f in text_string_to_metric_families(merge({"a": a.render().decode(),
                                                                       "b": b.render().decode()}).decode())}
     totals = {(s.labels["replica"], s.labels["outcome"]): s.value for s in fams["specdec:requests"].samples

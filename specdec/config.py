@@ -43,8 +43,9 @@ class StructuredOutputsParams:
         so a small model cannot loop on blank lines; False: any whitespace between tokens
         (vLLM's default);
     whitespace_pattern: a regex for the whitespace allowed between JSON tokens (wins over both);
-    disable_additional_properties: objects whose schema leaves additionalProperties unsaid take
-        no keys beyond `properties` (JSON Schema's own default allows any);
+    disable_additional_properties: accepted, changes nothing: an object whose schema lists its
+        properties and leaves additionalProperties unsaid takes no other keys in any case, as
+        vLLM's default backend (xgrammar, strict mode) compiles it (vLLM's option is guidance's);
     disable_fallback: accepted; specdec has one backend (llguidance), so nothing falls back."""
     json: dict | str | None = None
     regex: str | None = None
@@ -91,7 +92,9 @@ class SamplingParams:
     stop strings are looked for only in the text after the first min_tokens tokens; at most 16
     (MAX_STOP_STRINGS: each is searched for at every token; vLLM has no limit, OpenAI allows 4).
     detokenize=False: token ids only, no text (no stop strings then).
-    truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds; a
+        text prompt keeps its BOS, as vLLM's tokenizer truncating from the left does).
+    seed: None (or -1, vLLM's) draws fresh randomness; logprobs / prompt_logprobs True mean 1.
     allowed_token_ids: only these tokens are ever generated (a mask on p and q alike).
     spaces_between_special_tokens: taken; the tokenizer's own decoding is the text either way.
     extra_args: kept for plugins, unread (vLLM's).
@@ -100,7 +103,8 @@ class SamplingParams:
     filters; greedy decoding takes the argmax after them):
     structured_outputs: only tokens the grammar allows (EOS only where the output is complete);
     bad_words: a word's last token is banned where the output ends with the rest of it;
-    min_tokens: EOS and stop_token_ids banned until this many tokens are out;
+    min_tokens: EOS and stop_token_ids banned until this many tokens are out (EOS even with
+        ignore_eos, as vLLM's);
     logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI);
     repetition_penalty: a token seen in the prompt or the output has its logit divided by it
         when positive, multiplied when negative (HF/vLLM; 1 = off);
@@ -178,6 +182,8 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and (self.top_k >= 1 or self.top_k in (0, -1)),
                "top_k", "must be -1 or 0 (disabled) or a positive integer", self.top_k)
         _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        if self.seed == -1 and not isinstance(self.seed, bool):    # vLLM's: no seed (what UIs send for "random")
+            object.__setattr__(self, "seed", None)
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer", self.seed)
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1", self.max_tokens)
@@ -192,6 +198,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         # the upper limit is the engine's max_logprobs (20 by default, vLLM's); -1: the whole vocabulary
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:        # vLLM's: True asks for the sampled token's alone
+                object.__setattr__(self, name, 1)
             v = getattr(self, name)
             _check(v is None or (_int(v) and v >= -1), name, "must be an integer >= 0, or -1 (every token)", v)
         for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "detokenize"):

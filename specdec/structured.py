@@ -48,19 +48,21 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
     # and every bounded schema has a bounded output
     no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
         else config.disable_any_whitespace
-    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False}}
+    # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint)
+    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True}}
     if spec.whitespace_pattern is not None:
         json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
     kind = spec.kind
     try:
-        if kind in ("json", "json_object"):
-            schema = {"type": "object"} if kind == "json_object" else \
-                json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            if spec.disable_additional_properties or config.disable_additional_properties:
-                schema = _closed_objects(schema)
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, **json_options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, **json_options)
+        if kind == "json":
+            # closed objects whatever disable_additional_properties says (xgrammar's strict mode)
+            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            return llguidance.LLMatcher.grammar_from_json_schema(_ascii_patterns(closed_objects(schema)),
+                                                                 **json_options)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.regex))
         if kind == "choice":
             # one lexeme (a token-level automaton), not parser alternatives: thousands of labels
             # would overflow a parser row (llguidance's max_items_in_row)
@@ -82,7 +84,7 @@ def _lark(grammar: str) -> str:
     if "::=" in grammar:
         from llguidance.gbnf_to_lark import any_to_lark
 
-        return any_to_lark(grammar)
+        return any_to_lark(_gbnf_escapes(grammar))
     rules = re.findall(r"^[ \t]*\??([a-z_][a-z0-9_]*)(?:\.-?\d+)?[ \t]*:", grammar, re.M)
     if rules and "start" not in rules:
         grammar = f"start: {rules[0]}\n{grammar}"
@@ -119,21 +121,146 @@ def _structural_tag_grammar(tag: dict | str) -> str:
         if trigger is None:
             raise bad(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers {triggers}")
         schema = json.loads(s["schema"]) if isinstance(s["schema"], str) else s["schema"]
+        schema = _ascii_patterns(closed_objects(schema))
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {"coerce_one_of": True, **schema.get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags))
 
 
-def _closed_objects(schema):
-    """A copy of schema where every object schema that leaves additionalProperties unsaid
-    says false (vLLM's disable_additional_properties); subschemas at any depth."""
-    if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+# schema keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas
+# (JSON Schema 2020-12 and draft 4-7); every other keyword's value (const, enum, default, examples, ...)
+# is data, never walked
+_ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+               "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _map_schemas(schema, visit, path: str = "#", merged: bool = False):
+    """A copy of schema with visit(node, path, merged) applied to each of its (sub)schemas, innermost
+    first. path is the node's JSON pointer; merged says the node is intersected with another schema
+    that may declare other keys: an allOf branch, or an anyOf / oneOf branch whose parent lists
+    properties of its own."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_LISTS and isinstance(value, list):
+            joined = key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in schema or "patternProperties" in schema))
+            out[key] = [_map_schemas(v, visit, f"{path}/{key}/{i}", joined) for i, v in enumerate(value)]
+        elif key in _ONE_SCHEMA and isinstance(value, dict):
+            out[key] = _map_schemas(value, visit, f"{path}/{key}")
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _map_schemas(v, visit, f"{path}/{key}/{_pointer(name)}") for name, v in value.items()}
+    return visit(out, path, merged)
+
+
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def closed_objects(schema):
+    """A copy of schema where each object that lists its keys (`properties` or `patternProperties`)
+    and leaves additionalProperties unsaid says false: an output holds the keys its schema declares
+    and no others, as vLLM's default backend compiles schemas (xgrammar's strict mode) and OpenAI's
+    strict mode requires; `"additionalProperties": true` (or a schema) keeps an object open. Only
+    schema positions are walked (never a const, enum, default or examples value). Left as written:
+    an object that lists nothing (`{"type": "object"}`, a free-form dict), one whose required keys
+    are not all listed, and one merged with another schema that may declare more keys (an allOf
+    branch or a definition such a branch refers to, a node with allOf / anyOf / oneOf / $ref beside
+    its properties, an anyOf / oneOf branch under properties of its parent): closing one side would
+    refuse the keys the other declares."""
+    shared = set()       # definitions merged with other schemas where they are referred to
+
+    def note(node, path, merged):
+        if isinstance(node.get("$ref"), str) and (merged or "properties" in node or "patternProperties" in node):
+            shared.add(node["$ref"])
+        return node
+
+    def close(node, path, merged):
+        listed, patterns = node.get("properties"), node.get("patternProperties")
+        if not (isinstance(listed, dict) or isinstance(patterns, dict)) or merged or path in shared:
+            return node
+        if any(k in node for k in ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")):
+            return node
+        required = node.get("required")
+        if patterns is None and isinstance(required, list) and any(r not in (listed or {}) for r in required):
+            return node
+        return {**node, "additionalProperties": False}
+
+    _map_schemas(schema, note)
+    return _map_schemas(schema, close)
+
+
+def ascii_classes(regex: str) -> str:
+    """regex with \\d \\w \\s and their negations as xgrammar's regex converter (vLLM's default
+    backend) reads them, ECMAScript's: [0-9], [a-zA-Z0-9_], [\\f\\n\\r\\t\\v \\xA0]; llguidance's
+    are Unicode's (a fullwidth "４" for \\d). Written as nested classes, valid inside a class too.
+    Explicit classes (`[٠-٩]`, `\\p{L}`) keep what they say."""
+    out, i = [], 0
+    while i < len(regex):
+        pair = regex[i:i + 2]
+        if pair[:1] == "\\" and len(pair) == 2:
+            out.append(_ASCII_CLASSES.get(pair[1], pair))
+            i += 2
+        else:
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
+
+
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[a-zA-Z0-9_]", "W": "[^a-zA-Z0-9_]",
+                  "s": r"[\f\n\r\t\v \xA0]", "S": r"[^\f\n\r\t\v \xA0]"}
+
+
+def _ascii_patterns(schema):
+    """schema with ascii_classes applied to its `pattern`s and `patternProperties` (so \\s means
+    in a JSON schema what it means in a guided regex). A copy."""
+    def visit(node, path, merged):
+        if isinstance(node.get("pattern"), str):
+            node = {**node, "pattern": ascii_classes(node["pattern"])}
+        if isinstance(node.get("patternProperties"), dict):
+            node = {**node, "patternProperties": {ascii_classes(k): v for k, v in node["patternProperties"].items()}}
+        return node
+
+    return _map_schemas(schema, visit)
+
+
+def _gbnf_escapes(grammar: str) -> str:
+    """A GBNF grammar with its \\uXXXX and \\UXXXXXXXX escapes (llama.cpp's and xgrammar's, in
+    strings and classes) written out: the character itself, or \\xHH below 0x80 (a quote, a
+    bracket, a control character). llguidance's converter drops their leading zeros ("\\u00e9"
+    became "\\ue9"), which its Lark lexer refuses."""
+    out, i, closing = [], 0, None          # closing: the character that ends the string or class we are in
+    while i < len(grammar):
+        c = grammar[i]
+        if closing is None:
+            if c == "#":                   # a comment, to the end of its line
+                end = grammar.find("\n", i)
+                end = len(grammar) if end < 0 else end
+                out.append(grammar[i:end])
+                i = end
+                continue
+            closing = '"' if c == '"' else "]" if c == "[" else None
+        elif c == "\\":
+            digits = {"u": 4, "U": 8}.get(grammar[i + 1:i + 2], 0)
+            code = grammar[i + 2:i + 2 + digits]
+            if digits and len(code) == digits and all(h in "0123456789abcdefABCDEF" for h in code):
+                point = int(code, 16)
+                if point > 0x10FFFF or 0xD800 <= point <= 0xDFFF:
+                    raise GrammarError("grammar", f"\\{grammar[i + 1]}{code} is not a Unicode character")
+                out.append(f"\\x{point:02x}" if point < 0x80 else chr(point))
+                i += 2 + digits
+            else:
+                out.append(grammar[i:i + 2])
+                i += 2
+            continue
+        elif c == closing:
+            closing = None
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 class GrammarCompiler:
@@ -244,8 +371,20 @@ def LIMITS():
 
 
 def _first_line(message: str) -> str:
+    """llguidance's message on one line: what it says (its first lines, without the excerpt of the
+    grammar it quotes, `   3 | start: "\\ue9"`, or the caret under it), then the line it points at."""
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    return " ".join(lines[:3]) if lines else "rejected by the grammar compiler"
+    quoted = {m[1]: m[2] for m in map(_QUOTED.fullmatch, lines) if m}
+    said = [ln for ln in lines if not _QUOTED.fullmatch(ln) and set(ln) != {"^"}]
+    text = " ".join(said[:3]) or "rejected by the grammar compiler"
+    at = re.match(r"(?:at )?(\d+)\(\d+\)", said[0]) if said else None
+    if at and quoted.get(at[1]):
+        line = quoted[at[1]]
+        text += f" (line {at[1]}: {line if len(line) <= 160 else line[:160] + ' ...'})"
+    return text
+
+
+_QUOTED = re.compile(r"(\d+) \|(?: (.*))?")
 
 
 class Grammar:

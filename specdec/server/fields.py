@@ -31,6 +31,8 @@ def structured_outputs(req: _Sampling) -> tuple[StructuredOutputsParams | None, 
             if not isinstance(schema, (dict, str)):
                 raise APIError(400, "response_format.json_schema.schema is required (a JSON schema object)",
                                "response_format")
+            # json_schema.strict is taken either way: objects are closed as under OpenAI's strict
+            # (structured.closed_objects, as vLLM's default backend compiles schemas)
             found.append(("response_format", {"json": schema}))
         elif kind == "structural_tag":
             found.append(("response_format", {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}))

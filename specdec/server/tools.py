@@ -5,7 +5,7 @@
 - named, `{"type": "function", "function": {"name": N}}`: the reply is constrained (structured
   outputs) to N's `parameters` schema and returned as one call of N (finish_reason "stop", as
   OpenAI answers a forced function). An object that lists its properties takes no others unless
-  its schema says so (`_strict`: vLLM's default backend compiles schemas that way), so a call
+  its schema says so (`structured.closed_objects`: vLLM's default backend compiles schemas that way), so a call
   holds the declared parameters and a function without any gets `{}`.
 - `"required"`: the reply is constrained to a JSON array of `{"name": ..., "parameters": ...}`
   objects, each one of the tools with its own schema, at least one (exactly one when
@@ -54,6 +54,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..config import StructuredOutputsParams
+from ..structured import closed_objects
 from .errors import APIError
 from .reasoning import held_back
 
@@ -101,7 +102,7 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise APIError(400, f"tools[{i}].function.description must be a string", "tools")
-        functions[name] = _strict(params)
+        functions[name] = closed_objects(params)
     plain = tuple(tools)
     choice = "auto" if tool_choice is None else tool_choice
     ids = parser == "mistral"
@@ -133,29 +134,6 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
                         mistral_ids=ids)
     raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                    "tool_choice")
-
-
-def _strict(schema: dict) -> dict:
-    """The schema with `"additionalProperties": false` wherever an object lists its properties
-    and says nothing of others: a call's arguments are the declared parameters (vLLM's default
-    backend compiles schemas so), and a function without parameters gets `{}`. A copy."""
-    def walk(node):
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) if k in _SUBSCHEMAS else v for k, v in node.items()}
-        for k in ("properties", "$defs", "definitions", "patternProperties"):
-            if isinstance(out.get(k), dict):
-                out[k] = {name: walk(sub) for name, sub in out[k].items()}
-        if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-            out["additionalProperties"] = False
-        return out
-    return walk(schema)
-
-
-_SUBSCHEMAS = {"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
-               "additionalProperties", "contains"}
 
 
 def _hoisted_defs(functions: dict) -> tuple[dict, dict]:

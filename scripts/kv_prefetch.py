@@ -58,7 +58,8 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     else:
         text = "\n\n".join(q["prompt"] for q in questions if q["category"] in ("summarization", "rag"))
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))[-args.prompt_tokens:]
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(chat)[-args.prompt_tokens:]
         prompts = [[ids]] * args.repeats
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"kernels: {kernels.describe()}; {args.threads} thread(s), wall clock")

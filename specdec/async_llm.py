@@ -11,7 +11,8 @@ consumer that stops iterating (break, task cancelled) aborts its request; abort(
 another's stream with finish_reason "abort". SamplingParams.output_kind says what each output
 holds: CUMULATIVE (the completion so far), DELTA (what is new), FINAL_ONLY (one output at the
 end, every completion in it); with n > 1 streamed, each output holds one completion (the one that
-moved; its `index` says which), as vLLM v1's. The outputs are the offline LLM's: greedy and
+moved; its `index` says which), as vLLM v1's (outputs.RequestStream, which llm.llm_engine's step()
+shares). The outputs are the offline LLM's: greedy and
 seeded requests give LLM.generate's tokens and text.
 """
 
@@ -25,8 +26,8 @@ import logging
 from collections.abc import AsyncGenerator, Iterable
 
 from .config import RequestOutputKind, SamplingParams
-from .llm import LLM, CompletionOutput, RequestOutput, _salt
-from .metrics import RequestStats
+from .llm import LLM, RequestOutput, _salt
+from .outputs import RequestStream
 from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 from .tracing import extract_trace_headers, warn_tracing_disabled
 
@@ -114,20 +115,6 @@ def _llm_defaults() -> dict:
             if p.default is not inspect.Parameter.empty}
 
 
-@dataclasses.dataclass
-class _Choice:
-    """One completion's output so far."""
-    index: int
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    stats: RequestStats | None = None
-    sent_tokens: int = 0                 # DELTA: what the last output already carried
-    sent_text: int = 0
-
-
 class _Stream:
     """A request's jobs and the queue their events come through."""
 
@@ -186,7 +173,7 @@ class AsyncLLM:
             if params.best_of is not None and params.best_of > params.n:
                 raise ValueError("best_of > n ranks finished candidates: use LLM.generate "
                                  "(vLLM's AsyncLLM has no best_of)")
-            text, ids = llm._prompt_ids(prompt)
+            text, ids = llm._prompt_ids(prompt, llm.engine.truncation(params))
             salt = _salt(prompt)
             ids = llm.engine.truncated(ids, params)
             llm.engine.check_priority(priority)
@@ -210,57 +197,25 @@ class AsyncLLM:
                        for i in range(params.n)]
         if self.log_requests:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
-        choices = [_Choice(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
-        open_ = set(range(params.n))
-        prompt_logprobs, prompt_logprobs_sent = None, False
+        outs = RequestStream(request_id, text, ids, params, self.llm._token_name, lora_request)
         try:
             if stream.aborted:                       # abort(request_id) while its grammar compiled
                 raise asyncio.CancelledError
             self._worker.submit(stream.jobs)
-            while open_:
-                moved = set()
+            while not outs.finished:
                 items = [await stream.queue.get()]
                 while not stream.queue.empty():          # what one step gave every choice: one output
                     items.append(stream.queue.get_nowait())
                 for index, item in items:
                     if index is None:                    # abort(request_id)
-                        for i in open_:
-                            choices[i].finish_reason = "abort"
-                        moved |= open_
-                        open_.clear()
+                        outs.abort()
                         break
-                    if index not in open_:
+                    if index not in outs.open:
                         continue
                     if isinstance(item, Exception):
                         raise item
-                    c = choices[index]
-                    c.token_ids += item.token_ids
-                    c.text += item.text
-                    if c.logprobs is not None and item.logprobs:
-                        c.logprobs += [e.named(self.llm._token_name) for e in item.logprobs]
-                    if item.prompt_logprobs is not None and prompt_logprobs is None:
-                        prompt_logprobs = [e.named(self.llm._token_name) if e is not None else None
-                                           for e in item.prompt_logprobs]
-                    c.stats = item.stats
-                    if item.finished:
-                        c.finish_reason, c.stop_reason = item.finish_reason, item.stop_reason
-                        open_.discard(index)
-                    moved.add(index)
-                if params.output_kind == RequestOutputKind.FINAL_ONLY and open_:
-                    continue
-                # n > 1 streamed (CUMULATIVE, DELTA): one output per choice that moved, holding that
-                # choice alone, the request finished with the last (vLLM v1's ParentRequest);
-                # FINAL_ONLY: every choice in the one output
-                groups = [{i} for i in sorted(moved)] if params.n > 1 and \
-                    params.output_kind != RequestOutputKind.FINAL_ONLY else [moved] if moved else []
-                for j, group in enumerate(groups):
-                    # DELTA: the prompt's logprobs come once, with the first output (vLLM's)
-                    lps = None if params.output_kind == RequestOutputKind.DELTA and prompt_logprobs_sent \
-                        else prompt_logprobs
-                    prompt_logprobs_sent |= prompt_logprobs is not None
-                    out = self._output(request_id, text, ids, params, choices, group,
-                                       not open_ and j == len(groups) - 1, lps)
-                    out.lora_request = lora_request
+                    outs.add(index, item)
+                for out in outs.outputs():
                     yield out
         except asyncio.CancelledError:
             if not stream.aborted:
@@ -268,34 +223,10 @@ class AsyncLLM:
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-            for i in open_:
+            for i in outs.open:
                 self._worker.cancel(stream.jobs[i])
             if self.log_requests:
-                log.info("Finished request %s: %s", request_id, ", ".join(str(c.finish_reason) for c in choices))
-
-    def _output(self, request_id, text, ids, params, choices, moved, finished, prompt_logprobs) -> RequestOutput:
-        delta = params.output_kind == RequestOutputKind.DELTA
-        outputs = []
-        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
-        for c in choices if final_only else (choices[i] for i in sorted(moved)):
-            toks, txt, lps = c.token_ids, c.text, c.logprobs
-            if delta:
-                toks, txt = toks[c.sent_tokens:], txt[c.sent_text:]
-                lps = lps[c.sent_tokens:] if lps is not None else None
-                c.sent_tokens, c.sent_text = len(c.token_ids), len(c.text)
-            cumulative = sum(e.logprob for e in c.logprobs) if c.logprobs is not None else None
-            outputs.append(CompletionOutput(c.index, txt, list(toks), c.finish_reason, c.stop_reason, cumulative,
-                                            list(lps) if lps is not None else None))
-        stats = RequestStats()
-        for c in choices:
-            if c.stats is not None:
-                stats.merge(c.stats)
-        stats.prompt_tokens = len(ids)
-        # the prompt's cached tokens once (the most any choice found), not summed over the choices (LLM's)
-        stats.cached_tokens = max((c.stats.cached_tokens for c in choices if c.stats is not None), default=0)
-        if choices[0].stats is not None:
-            stats.time_to_first_token_s = choices[0].stats.time_to_first_token_s
-        return RequestOutput(request_id, text, ids, outputs, finished, stats, prompt_logprobs)
+                log.info("Finished request %s: %s", request_id, ", ".join(str(c.finish_reason) for c in outs.choices))
 
     async def encode(self, prompt, pooling_params=None, request_id: str | None = None, *, lora_request=None,
                      truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,

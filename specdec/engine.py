@@ -165,14 +165,23 @@ class Engine:
 
     # -- the public surface ------------------------------------------------------------------
 
-    def truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context
-        holds with room for one generated token)."""
+    def truncation(self, params: SamplingParams) -> int | None:
+        """vLLM's truncate_prompt_tokens as a length: None keeps the whole prompt, -1 as many
+        tokens as the context holds with room for one generated token; more than max_model_len
+        is vLLM's ValueError."""
         k = params.truncate_prompt_tokens
         if k is None:
-            return prompt
-        k = self.max_model_len - 1 if k == -1 else k
-        return prompt[-k:]
+            return None
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                             f"({self.max_model_len}). Please, select a smaller truncation size.")
+        return self.max_model_len - 1 if k == -1 else k
+
+    def truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """vLLM's truncate_prompt_tokens on token ids: the prompt's last k (a text prompt is cut
+        where it is tokenized, keeping its special tokens: Tokenizer.encode_last)."""
+        k = self.truncation(params)
+        return prompt if k is None else prompt[-k:]
 
     def check_prompt(self, prompt: list[int], params: SamplingParams, room: int = 1) -> None:
         """prompt: as the request runs it (already truncated: truncate_prompt_tokens); room: the
@@ -211,7 +220,8 @@ class Engine:
         if not needs_controls(params):
             return None
         bad_words = bad_words_of(params, self.tokenizer)      # tokenized by check_prompt already
-        stop_ids = sorted(({*self.eos_ids} if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        # vLLM's _all_stop_token_ids: EOS is banned under min_tokens whatever ignore_eos says
+        stop_ids = sorted({*self.eos_ids} | set(params.stop_token_ids))
         grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 

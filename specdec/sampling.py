@@ -288,8 +288,8 @@ class Controls:
     """One request's sequence-reading controls (built once, when the request is added).
 
     bad_words: BadWords, or its token sequences (each word tokenized with and without a leading
-    space, vLLM's rule: BadWords.tokenize); stop_ids: the tokens min_tokens bans (EOS unless
-    ignore_eos, and stop_token_ids); grammar: a structured.Grammar or None."""
+    space, vLLM's rule: BadWords.tokenize); stop_ids: the tokens min_tokens bans (EOS, even with
+    ignore_eos as vLLM's, and stop_token_ids); grammar: a structured.Grammar or None."""
     params: SamplingParams
     prompt: list[int]
     bad_words: BadWords | list[list[int]] = field(default_factory=list)

@@ -8,11 +8,10 @@ generation_config.json. A .gguf (or a folder holding one): everything from its m
 
 `LLM.get_tokenizer()` hands this class to users where vLLM hands them a transformers tokenizer,
 so it also answers the calls commonly made on one (`len(tok)`, `tok(texts)`, `batch_decode`,
-`convert_ids_to_tokens`, `get_vocab`, `apply_chat_template(..., tokenize=True)`), with the same
-results as transformers 5 on the same folder or .gguf. Three defaults stay specdec's own, as its
-callers rely on them: `apply_chat_template` returns text (tokenize=False) and adds the generation
-prompt, and `decode`/`batch_decode` skip special tokens; pass these arguments explicitly to get
-either behaviour.
+`convert_ids_to_tokens`, `get_vocab`, `apply_chat_template`), with the same arguments, defaults
+and results as transformers 5 on the same folder or .gguf: `apply_chat_template` tokenizes and
+adds no generation prompt unless asked (specdec's own callers pass tokenize=False,
+add_generation_prompt=True for a prompt's text), `decode` keeps special tokens.
 """
 
 from __future__ import annotations
@@ -407,7 +406,22 @@ class Tokenizer:
             return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
         return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
 
-    def _encode_row(self, text: str, pair: str | None, add_special_tokens: bool, cut: int | None) -> list[int]:
+    def encode_last(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
+        """transformers' encode(text, truncation=True, max_length=max_length) on a tokenizer with
+        truncation_side="left", as vLLM tokenizes a text prompt with truncate_prompt_tokens: the
+        text's last tokens, its special tokens (BOS) kept around them; a ValueError when not even
+        the special tokens fit."""
+        try:
+            ids = self._encode_row(text, None, add_special_tokens, max_length, "left")
+        except TypeError:
+            _check_unicode(text)
+            raise
+        if len(ids) > max_length:
+            raise ValueError(f"max_length {max_length} is shorter than the text's {len(ids)} special tokens")
+        return ids
+
+    def _encode_row(self, text: str, pair: str | None, add_special_tokens: bool, cut: int | None,
+                    side: str = "right") -> list[int]:
         if not isinstance(text, str) or not isinstance(pair, (str, type(None))):
             raise TypeError(f"text must be a string or a list of strings, not {type(text).__name__}")
         if pair is not None:
@@ -420,7 +434,7 @@ class Tokenizer:
         finish = lambda: self._with_bos(self.backend.post_process(content).ids) if add_special_tokens else content.ids
         ids = finish()
         if len(ids) > cut:     # cut the text by what is over, keeping the special tokens around it
-            content.truncate(max(0, cut - (len(ids) - len(content.ids))))
+            content.truncate(max(0, cut - (len(ids) - len(content.ids))), direction=side)
             ids = finish()
         return ids
 
@@ -431,32 +445,38 @@ class Tokenizer:
         pad = lambda r, v: [v] * max(0, width - len(r)) + r if side == "left" else r + [v] * max(0, width - len(r))
         return [pad(r, self.pad_token_id) for r in rows], [pad(m, 0) for m in masks]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False, *,
-                            tokenize: bool = False, return_dict: bool = True, padding: bool | str = False,
-                            truncation: bool = False, max_length: int | None = None,
-                            return_tensors: str | None = None, tokenizer_kwargs: dict | None = None,
-                            return_assistant_tokens_mask: bool = False, sandbox_process: bool = False, **kwargs):
-        """The prompt text; encode it with add_special_tokens=False (the template writes BOS).
-        messages may be a list of conversations (then a list of texts). Other kwargs (tools,
-        documents, ...) are template variables.
-
-        tokenize=True tokenizes as transformers 5 does: a BatchEncoding (input_ids, attention_mask)
-        with return_dict=True, the ids alone with return_dict=False; padding, truncation,
-        max_length, return_tensors and tokenizer_kwargs go to __call__; return_assistant_tokens_mask
-        adds transformers' "assistant_masks": 1 for each token that overlaps the text of a
-        `{% generation %}` block (all 0 for a template without one). Unlike transformers,
-        tokenize and add_generation_prompt default to False and True (specdec's callers want
-        the text of a prompt for the assistant). sandbox_process: render in a child process with a
-        memory and a time limit (a template sent with a request: jinja_sandbox.IsolatedRenderer)."""
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, chat_template: str | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, padding: bool | str = False, truncation: bool = False,
+                            max_length: int | None = None, return_tensors: str | None = None,
+                            return_dict: bool = True, return_assistant_tokens_mask: bool = False,
+                            tokenizer_kwargs: dict | None = None, *, sandbox_process: bool = False, **kwargs):
+        """transformers 5's apply_chat_template, its arguments in its order and with its defaults:
+        conversation (or a list of conversations: then one row each) through the chat template,
+        tools and documents (and any other kwargs) its variables. tokenize=True (the default):
+        a BatchEncoding (input_ids, attention_mask) with return_dict=True, the ids alone with
+        return_dict=False; padding, truncation, max_length, return_tensors and tokenizer_kwargs
+        go to __call__; return_assistant_tokens_mask adds "assistant_masks": 1 for each token
+        that overlaps the text of a `{% generation %}` block (all 0 for a template without one).
+        tokenize=False: the text, to encode with add_special_tokens=False (the template writes
+        BOS). No generation prompt unless add_generation_prompt=True: specdec's callers that
+        want the text of a prompt for the assistant pass tokenize=False, add_generation_prompt=True.
+        sandbox_process (specdec's): render in a child process with a memory and a time limit (a
+        template sent with a request: jinja_sandbox.IsolatedRenderer)."""
+        if tools is not None:
+            kwargs["tools"] = tools
+        if documents is not None:
+            kwargs["documents"] = documents
         if return_assistant_tokens_mask and not (tokenize and return_dict):
             raise ValueError("return_assistant_tokens_mask=True requires return_dict=True and tokenize=True")
         if return_assistant_tokens_mask and continue_final_message:
             raise ValueError("continue_final_message is not compatible with return_assistant_tokens_mask")
-        batched = bool(messages) and isinstance(messages[0], (list, tuple))
-        spans = [[] if return_assistant_tokens_mask else None for _ in (messages if batched else [messages])]
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        conversations = conversation if batched else [conversation]
+        spans = [[] if return_assistant_tokens_mask else None for _ in conversations]
         texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs,
-                              sandbox_process, spans[i]) for i, c in enumerate(messages if batched else [messages])]
+                              sandbox_process, spans[i]) for i, c in enumerate(conversations)]
         if not tokenize:
             return texts if batched else texts[0]
         if not return_assistant_tokens_mask:

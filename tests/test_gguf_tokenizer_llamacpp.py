@@ -249,8 +249,9 @@ def test_tool_use_template_renders_requests_with_tools(tmp_path, default):
     templates = {"tokenizer.chat_template.tool_use": TOOL_USE, **({"tokenizer.chat_template": default} if default else {})}
     tok = spm(tmp_path, **templates)
     chat = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(chat, tools=TOOLS) == "TOOL_USE:1:hi"
-    assert tok.apply_chat_template(chat) == ("DEFAULT:hi" if default else "TOOL_USE:0:hi")
+    assert tok.apply_chat_template(chat, tools=TOOLS, tokenize=False, add_generation_prompt=True) == "TOOL_USE:1:hi"
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ("DEFAULT:hi" if default else "TOOL_USE:0:hi")
 
 
 # --- user-defined tokens of a byte-level vocabulary -----------------------------------------

@@ -99,6 +99,71 @@ def test_unknown_keyword_is_a_type_error(tiny_pair):
         LLM(str(tiny_pair[0]), foo_bar=1)
 
 
+def test_vllms_import_paths_for_outputs_and_output_kind():
+    """vLLM's `from vllm.sampling_params import RequestOutputKind` and `from vllm.outputs import
+    RequestOutput, CompletionOutput` port by their module names."""
+    import specdec
+    from specdec.outputs import CompletionOutput, RequestOutput
+    from specdec.sampling_params import RequestOutputKind
+
+    assert RequestOutputKind is specdec.RequestOutputKind
+    assert RequestOutput is specdec.RequestOutput and CompletionOutput is specdec.CompletionOutput
+
+
+def test_seed_minus_one_is_no_seed_and_true_logprobs_are_one(tiny_pair):
+    """vLLM's SamplingParams: seed -1 is None (fresh draws each request; it was a fixed seed), and
+    logprobs / prompt_logprobs True mean 1 (they were refused)."""
+    assert SamplingParams(seed=-1).seed is None
+    sp = SamplingParams(seed=5)
+    sp.seed = -1
+    assert sp.seed is None
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, seed=None)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=-1)
+    assert len({tuple(llm.generate("def", params)[0].outputs[0].token_ids) for _ in range(3)}) > 1
+    out = llm.generate("def", SamplingParams(temperature=0, max_tokens=3, logprobs=True, prompt_logprobs=True))[0]
+    assert len(out.outputs[0].logprobs) == 3 and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_a_text_prompts_bos():
+    """vLLM tokenizes a text prompt with truncation=True, max_length=k on a truncation_side="left"
+    tokenizer: the text's last tokens after its BOS (specdec cut the ids, BOS and all); token ids
+    keep their last k; k above max_model_len is vLLM's ValueError."""
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained("models/target", truncation_side="left")
+    llm = LLM("models/target", max_model_len=64, num_speculative_tokens=0)
+    text = "hello world foo"
+    ids = llm.get_tokenizer().encode(text)
+    assert ids[0] == llm.get_tokenizer().bos_token_id and len(ids) == 4
+    for k in (1, 2, 3, 10):
+        params = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=k)
+        want = hf.encode(text, truncation=True, max_length=k)
+        assert want[0] == ids[0] and llm.generate(text, params)[0].prompt_token_ids == want, k
+        assert llm.generate({"prompt": text}, params)[0].prompt_token_ids == want
+        assert llm.generate({"prompt_token_ids": ids}, params)[0].prompt_token_ids == ids[-k:]
+    engine = llm.llm_engine
+    engine.add_request("t", text, SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=2))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].prompt_token_ids == [ids[0], ids[-1]]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(65\) is greater than max_model_len \(64\)"):
+        llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=65))
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, truncate_prompt_tokens=65))
+
+
+@pytest.mark.parametrize("which", ["llm", "spec_llm"])
+def test_min_tokens_bans_eos_with_ignore_eos_too(which, request):
+    """vLLM's min_tokens bans every stop token id, EOS included, whatever ignore_eos says (EOS
+    came through with ignore_eos=True), plainly and under speculation."""
+    llm = request.getfixturevalue(which)
+    eos = min(llm.engine.eos_ids)
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=3, ignore_eos=True, logit_bias={eos: 100})
+    out = llm.generate("Hello", params)[0].outputs[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos, eos]
+
+
 def test_llm_engine(llm):
     engine = llm.llm_engine
     assert engine.get_tokenizer() is llm.get_tokenizer()

@@ -41,7 +41,7 @@ def test_llm_chat_raises_and_takes_a_template(bare_llm):
         bare_llm.chat(CONV, PARAMS)
     assert MESSAGE in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match="no chat template"):
-        bare_llm.get_tokenizer().apply_chat_template(CONV)
+        bare_llm.get_tokenizer().apply_chat_template(CONV, tokenize=False, add_generation_prompt=True)
     out = bare_llm.chat(CONV, PARAMS, chat_template=TEMPLATE)[0]
     assert out.prompt == "[user] def add(a, b):\n>" and len(out.outputs[0].token_ids) == 4
     bare_llm.generate("def add(a, b):", PARAMS)        # plain prompts need no template

@@ -205,7 +205,8 @@ def test_mistral_ids_go_back_through_a_mistral_template(tok):
     history = [{"role": "user", "content": "Weather in Oslo?"},
                {"role": "assistant", "content": None, "tool_calls": [call]},
                {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 3}'}]
-    rendered = tok.apply_chat_template(template_messages(history), chat_template=MISTRAL_TEMPLATE, tokenize=False)
+    rendered = tok.apply_chat_template(template_messages(history), chat_template=MISTRAL_TEMPLATE, tokenize=False,
+                                       add_generation_prompt=True)
     assert '[TOOL_CALLS] [{"name": "get_weather"' in rendered
     # the other parsers keep vLLM's chatcmpl-tool- ids
     hermes = plan_tools(TOOLS, "auto", None, True, "hermes")

@@ -65,8 +65,10 @@ def test_embed_equals_transformers_last_token(embedder):
     raw = llm.embed(TEXTS[0], PoolingParams(normalize=False))[0].outputs.embedding
     torch.testing.assert_close(torch.tensor(raw), reference(embedder, outs[0].prompt_token_ids, normalize=False),
                                atol=1e-4, rtol=1e-5)
-    last2 = llm.embed(TEXTS[0], truncate_prompt_tokens=2)[0]
-    assert last2.prompt_token_ids == outs[0].prompt_token_ids[-2:]
+    # vLLM's truncation: a text tokenized from the left with its BOS kept, token ids their last k
+    ids = outs[0].prompt_token_ids
+    assert llm.embed(TEXTS[0], truncate_prompt_tokens=2)[0].prompt_token_ids == [ids[0], ids[-1]]
+    assert llm.embed({"prompt_token_ids": ids}, truncate_prompt_tokens=2)[0].prompt_token_ids == ids[-2:]
     # a whole context is an input (pooling emits no token); -1 keeps what it holds, as vLLM
     n = llm.engine.max_model_len
     full = (llm.tokenizer.encode(" ".join(TEXTS)) * n)[:n + 5]

@@ -121,6 +121,15 @@ def test_json_schema_response_format_and_guided_fields(client):
         "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
                                "disable_additional_properties": True, "disable_any_whitespace": True}})
     assert json.loads(closed.choices[0].text).keys() == {"a"}
+    # closed by default, strict or not (xgrammar's strict mode, OpenAI's strict: true); oneOf read as anyOf
+    person = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    for schema in (person, {"oneOf": [person, {"type": "object", "properties": {"b": {"type": "boolean"}}}]}):
+        for strict in (True, None):
+            rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": strict}}
+            reply = client.chat.completions.create(model="toy", messages=MSG, response_format=rf, max_tokens=40,
+                                                   temperature=0)
+            assert reply.choices[0].finish_reason == "stop"
+            assert json.loads(reply.choices[0].message.content).keys() in ({"a"}, {"b"}, set())
     tag = {"type": "structural_tag", "triggers": ["<call="],
            "structures": [{"begin": "<call=f>", "schema": {"type": "integer"}, "end": "</call>"}]}
     free = client.chat.completions.create(model="toy", messages=MSG, max_tokens=16, temperature=0)
@@ -258,7 +267,7 @@ def test_server_chat_template_and_response_role(templated, live):
     # the same request to the server without the flag renders the tokenizer's own template
     status, plain = _chat_json(live.url, messages=msgs)
     assert status == 200 and plain["choices"][0]["message"]["role"] == "assistant"
-    own = live.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    own = live.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert plain["usage"]["prompt_tokens"] == _prompt_tokens(live.llm, own) != out["usage"]["prompt_tokens"]
     # streamed: the role is named once, in the first chunk
     client = openai.OpenAI(base_url=templated.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -653,6 +662,17 @@ def test_openai_details_found_by_a_users_probe(client, live, ref):
     assert short.usage.prompt_tokens == 3
     assert short.choices[0].text == client.completions.create(model="toy", prompt=ids[-3:], max_tokens=3,
                                                               temperature=0).choices[0].text
+    # a text prompt is cut where it is tokenized, its BOS kept (vLLM's left-truncating tokenizer)
+    kept = [ids[0], *ids[-2:]]
+    assert ids[0] == live.llm.tokenizer.bos_token_id and len(ids) > 3
+    short = client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
+    assert short.usage.prompt_tokens == 3 and short.choices[0].model_extra["prompt_token_ids"] == kept
+    assert short.choices[0].text == client.completions.create(model="toy", prompt=kept, max_tokens=3,
+                                                              temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:       # vLLM's: more than max_model_len (256)
+        client.completions.create(model="toy", prompt=prompt, max_tokens=3, extra_body={"truncate_prompt_tokens": 257})
+    assert e.value.body["param"] == "truncate_prompt_tokens" and "greater than max_model_len" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="toy", messages=MSG, extra_body={"chat_template_kwargs": {"tokenize": True}})
     assert e.value.body["param"] == "chat_template_kwargs"

@@ -59,7 +59,8 @@ def test_prompts_go_through_the_chat_template(long_target):
     name, prompts = load_prompts("spec-bench", tok, 16, 8192, limit_per_category=1)
     assert name == "spec-bench" and len(prompts) == 13
     q = spec_bench.read_questions(limit_per_category=1)[0]
-    assert prompts[0].ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": q["prompt"]}]))
+    assert prompts[0].ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": q["prompt"]}],
+                                                                tokenize=False, add_generation_prompt=True))
     assert prompts[0].category == q["category"] and prompts[0].id == q["id"]
 
 

@@ -205,6 +205,20 @@ def test_keyword_arguments_that_agree_or_fill_in_are_taken():
     assert llm.spec.num_speculative_tokens == 3 and llm.spec.method == "draft_model"
 
 
+def test_num_speculative_tokens_alone_needs_a_method(capsys):
+    """K without a draft or a speculative config decoded plainly without a word; vLLM's ValueError
+    now, in LLM() and the CLI. K 0 stays plain decoding, and without a model K alone sets the
+    default model's method's K (README)."""
+    with pytest.raises(ValueError, match="num_speculative_tokens was provided without speculative_model"):
+        LLM(model=TARGET, max_model_len=256, num_speculative_tokens=3)
+    assert LLM(model=TARGET, max_model_len=256, num_speculative_tokens=0).spec is None
+    code = main(["generate", "--model", TARGET, "--num-speculative-tokens", "3", "--max-tokens", "4", "def f(x):"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "without speculative_model" in err
+    default = LLM(num_speculative_tokens=2, max_model_len=256)
+    assert default.spec is not None and default.spec.num_speculative_tokens == 2
+
+
 def test_cli_speculative_config_beside_num_speculative_tokens_is_one_line(capsys):
     code = main(["generate", "--model", TARGET, "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 4}', "--num-speculative-tokens", "1",

@@ -118,7 +118,7 @@ def test_gguf_chat_template_ids_equal_transformers(vocab_files):
     ours = Tokenizer(path)
     hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for conv in CONVERSATIONS:
-        text = ours.apply_chat_template(conv)
+        text = ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
         expected = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
         assert text == expected
         assert ours.encode(text, add_special_tokens=False) == hf(expected, add_special_tokens=False).input_ids
@@ -139,7 +139,8 @@ def test_transformers5_folder(tiny_pair, tmp_path):
     ours = Tokenizer(folder)
     assert ours.chat_template == hf.chat_template and 5 in ours.eos_token_ids
     conv = CONVERSATIONS[1]
-    assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
+    assert ours.encode(ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) == \
         hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
@@ -174,7 +175,8 @@ def test_tokenizer_override(gguf_files, tiny_pair):
 def test_smollm2_tokenizer_matches_transformers(smollm2):
     ours, hf = assert_same_as_transformers(smollm2, STRINGS[:150])
     for conv in CONVERSATIONS:
-        assert ours.encode(ours.apply_chat_template(conv), add_special_tokens=False) == \
+        assert ours.encode(ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False) == \
             hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         # llama.cpp's end of generation: eos <|im_end|>, <|endoftext|> and the FIM repo name <reponame>
     assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == [0, 2, 4]
@@ -272,8 +274,9 @@ def test_chat_templates_render_as_transformers(tiny_pair, tmp_path, named):
     for kw in cases:
         rest = {k: v for k, v in kw.items() if k != "messages"}
         want = hf.apply_chat_template(kw["messages"], tokenize=False, **rest)
-        assert ours.apply_chat_template(**kw) == want, kw
-    assert ("TOOL weather" in ours.apply_chat_template(**cases[-1])) == named
+        assert ours.apply_chat_template(kw["messages"], tokenize=False, **rest) == want, kw
+    last = {k: v for k, v in cases[-1].items() if k != "messages"}
+    assert ("TOOL weather" in ours.apply_chat_template(cases[-1]["messages"], tokenize=False, **last)) == named
 
 
 def test_template_variables_are_transformers(tiny_pair, tmp_path):
@@ -296,8 +299,9 @@ def test_template_variables_are_transformers(tiny_pair, tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     for kw in ({}, {"tools": []}, {"documents": [{"text": "d"}]}):
         want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw)
-        assert ours.apply_chat_template(msgs, add_generation_prompt=False, **kw) == want, kw
-    assert ours.apply_chat_template(msgs).startswith("<s>|</s>|False|True|True|hi</s>")
+        assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw) == want, kw
+    assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True).startswith(
+        "<s>|</s>|False|True|True|hi</s>")
 
 
 def test_assistant_tokens_mask_as_transformers(tiny_pair, tmp_path):
@@ -325,6 +329,7 @@ def test_assistant_tokens_mask_as_transformers(tiny_pair, tmp_path):
             for key in ("input_ids", "attention_mask", "assistant_masks"):
                 got, want = (x.tolist() if hasattr(x, "tolist") else x for x in (a[key], b[key]))
                 assert got == want, (kw, key)
-    assert 1 in ours.apply_chat_template(convs[0], tokenize=True, return_assistant_tokens_mask=True)["assistant_masks"]
+    assert 1 in ours.apply_chat_template(convs[0], tokenize=True, add_generation_prompt=True,
+                                         return_assistant_tokens_mask=True)["assistant_masks"]
     with pytest.raises(ValueError, match="tokenize=True"):
-        ours.apply_chat_template(convs[0], return_assistant_tokens_mask=True)
+        ours.apply_chat_template(convs[0], tokenize=False, return_assistant_tokens_mask=True)

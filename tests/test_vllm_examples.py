@@ -36,7 +36,7 @@ def test_llm_engine_add_request_and_step(tmp_path):
     todo = [("To be or not to be,", SamplingParams(temperature=0, max_tokens=12)),
             ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=8, seed=3)),
             ("A robot may not injure", SamplingParams(n=2, best_of=3, temperature=0.8, max_tokens=6, seed=4))]
-    finished, seen, i = {}, {}, 0
+    finished, seen, latest, i = {}, {}, {}, 0
     while todo or engine.has_unfinished_requests():
         if todo:
             prompt, params = todo.pop(0)
@@ -44,6 +44,8 @@ def test_llm_engine_add_request_and_step(tmp_path):
             i += 1
         for out in engine.step():
             seen.setdefault(out.request_id, []).append(out.finished)
+            for c in out.outputs:         # n > 1: each output holds the completion that moved (vLLM v1's)
+                latest.setdefault(out.request_id, {})[c.index] = c
             if out.finished:
                 finished[out.request_id] = out
     assert sorted(finished) == ["0", "1", "2"] and all(v[-1] and not any(v[:-1]) for v in seen.values())
@@ -51,7 +53,7 @@ def test_llm_engine_add_request_and_step(tmp_path):
                        [SamplingParams(temperature=0, max_tokens=12),
                         SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=8, seed=3)])
     assert [o.token_ids for o in finished["0"].outputs] == [o.token_ids for o in ref[0].outputs]
-    assert [o.token_ids for o in finished["1"].outputs] == [o.token_ids for o in ref[1].outputs]
+    assert [latest["1"][i].token_ids for i in range(2)] == [o.token_ids for o in ref[1].outputs]
     assert len(finished["2"].outputs) == 2
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("x", "hi", SamplingParams(max_tokens=50))
@@ -75,6 +77,58 @@ def test_llm_engine_from_engine_args():
         outs += engine.step()
     assert outs[-1].request_id == "a" and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
     assert engine.vllm_config.model_config.max_model_len == 128
+
+
+def test_llm_engine_step_honours_output_kind():
+    """vLLM's LLMEngine.step by SamplingParams.output_kind, as AsyncLLM streams (step() gave every
+    request its cumulative completion without logprobs): DELTA pieces add up to the completion,
+    FINAL_ONLY is one output at the end, CUMULATIVE outputs carry the logprobs and
+    cumulative_logprob so far, and with n = 2 each output holds the one completion that moved."""
+    from specdec import RequestOutputKind as Kind
+
+    llm = LLM(TARGET, max_model_len=128, num_speculative_tokens=0)
+    engine, prompt = llm.llm_engine, "def f(x):"
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    ref = llm.generate(prompt, SamplingParams(**greedy))[0].outputs[0]
+    n2 = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    ref2 = llm.generate(prompt, n2)[0].outputs
+    engine.add_request("delta", prompt, SamplingParams(**greedy, output_kind=Kind.DELTA))
+    engine.add_request("final", prompt, SamplingParams(**greedy, output_kind=Kind.FINAL_ONLY))
+    engine.add_request("cumulative", prompt, SamplingParams(**greedy))
+    engine.add_request("n2", prompt, n2)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    delta = [o.outputs[0] for o in outs["delta"]]
+    assert len(delta) == 6 and all(len(c.token_ids) == 1 and len(c.logprobs) == 1 for c in delta)
+    assert "".join(c.text for c in delta) == ref.text and sum((c.token_ids for c in delta), []) == ref.token_ids
+    assert [c.logprobs[0].logprob for c in delta] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    final = outs["final"]
+    assert [o.finished for o in final] == [True] and final[0].outputs[0].token_ids == ref.token_ids
+    for o in outs["cumulative"]:
+        c = o.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) and c.token_ids == ref.token_ids[:len(c.token_ids)]
+        assert c.cumulative_logprob == pytest.approx(sum(e.logprob for e in c.logprobs))
+    assert outs["cumulative"][-1].outputs[0].cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+    assert all(len(o.outputs) == 1 for o in outs["n2"]) and [o.finished for o in outs["n2"]][-1]
+    last = {o.outputs[0].index: o.outputs[0] for o in outs["n2"]}
+    assert [last[i].token_ids for i in range(2)] == [c.token_ids for c in ref2]
+
+
+def test_llm_engine_request_ids_are_strings():
+    """vLLM v1's LLMEngine refuses a request id that is not a string at add_request (an int was
+    stored as its str, so abort_request(7) matched nothing and the request ran on)."""
+    from specdec import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=TARGET, max_model_len=128))
+    with pytest.raises(TypeError, match="request_id must be a string"):
+        engine.add_request(7, "Hello", SamplingParams(max_tokens=100))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("7", "Hello", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.abort_request(["7"])
+    assert not engine.has_unfinished_requests() and engine.step() == []
 
 
 def test_none_means_the_default():

@@ -283,7 +283,8 @@ def prompt_length(tok, item: dict) -> int:
         return len(item["prompt_token_ids"])
     if "prompt" in item:
         return len(tok.encode(item["prompt"]))
-    return len(tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False))
+    text = tok.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
+    return len(tok.encode(text, add_special_tokens=False))
 
 
 def fitting(items: list[dict], base_url: str, output_len: int) -> list[dict]:

@@ -57,7 +57,8 @@ def read_questions(path: Path = QUESTIONS, limit_per_category: int | None = None
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
     """The first turn as one user message through the model's chat template."""
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          tokenize=False, add_generation_prompt=True))
 
 
 def category_indices(categories: list[str | None]) -> dict[str, list[int]]:

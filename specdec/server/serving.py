@@ -117,13 +117,13 @@ class Service:
         self._check_model(req)
         if req.suffix is not None:
             raise APIError(400, "suffix is not currently supported", "suffix")      # vLLM's answer too
-        prompts = self._completion_prompts(req.prompt)
         # echo with max_tokens 0 scores the prompt alone (OpenAI's, vLLM's): one token is made
         # and left out of the response (Generation.echo_only)
         params = self._params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
-        prompts = [self.engine.truncated(p, params) for p in prompts]
+        # a text prompt cut where it is tokenized (its BOS kept), token ids cut to their last k (vLLM's)
+        prompts = [self.engine.truncated(p, params) for p in self._completion_prompts(req.prompt, params)]
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 
@@ -275,17 +275,32 @@ class Service:
             raise err from None
         if params.seed is not None and not -2**63 <= params.seed < 2**63:     # choice i seeds with seed + i, mod 2^64
             raise APIError(400, f"seed must be a 64-bit integer, got {params.seed}", "seed")
+        try:
+            self.engine.truncation(params)
+        except ValueError as e:          # vLLM's: more than max_model_len
+            raise APIError(400, str(e), "truncate_prompt_tokens") from None
         return params
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, params: SamplingParams) -> list[list[int]]:
+        """The prompt(s) as token ids; a text with truncate_prompt_tokens tokenized as vLLM's
+        (Tokenizer.encode_last: its last tokens, the BOS kept)."""
+        keep = self.engine.truncation(params)
+
+        def encode(text: str) -> list[int]:
+            if keep is None:
+                return self.tokenizer.encode(text)
+            try:
+                return self.tokenizer.encode_last(text, keep)
+            except ValueError as e:        # k below the special tokens' count
+                raise APIError(400, str(e), "truncate_prompt_tokens") from None
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [encode(prompt)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt]
+            return [encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
     def tokenize(self, req: TokenizeRequest) -> dict:
@@ -349,7 +364,7 @@ class Service:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template or self.config.chat_template,
-                continue_final_message=req.continue_final_message,
+                continue_final_message=req.continue_final_message, tokenize=False,
                 sandbox_process=req.chat_template is not None, **kwargs)      # a request's template: in a child
         except TokenizerBusy as e:
             raise APIError(429, str(e), "chat_template") from None

@@ -381,7 +381,7 @@ def _prefix(tok) -> list[int]:
     """The chat template's opening of an empty user turn, without its assistant header (each
     document starts with its own), or nothing for a tokenizer without a template."""
     try:
-        text = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False)
     except Exception:       # no chat template
         return []
     ids = tok.encode(text, add_special_tokens=False) if isinstance(text, str) else list(text)

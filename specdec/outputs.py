@@ -1,0 +1,161 @@
+"""vLLM's module path for the outputs (`from vllm.outputs import RequestOutput, CompletionOutput`),
+and how a streamed request's outputs are made from the engine's events.
+
+RequestStream is vLLM v1's OutputProcessor for one request, shared by AsyncLLM.generate and the
+LLMEngine view's step() (llm.llm_engine): SamplingParams.output_kind says what each output holds:
+CUMULATIVE the completion so far (its logprobs and cumulative_logprob too), DELTA what is new
+since the last output (the prompt's logprobs once, with the first), FINAL_ONLY one output at the
+end with every completion in it. With n > 1 streamed each output holds the one completion that
+moved (its `index` says which); the request is finished with the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import RequestOutputKind, SamplingParams
+from .logprobs import TokenLogprob
+from .metrics import RequestStats
+
+__all__ = ["RequestOutput", "CompletionOutput", "RequestStream"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    # per output token, when SamplingParams.logprobs is set: vLLM's {token id: Logprob} (the token
+    # and the most likely ones, with rank and decoded_token), also .token_id / .logprob / .top
+    logprobs: list[TokenLogprob] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    stats: RequestStats = field(default_factory=RequestStats)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
+    # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    lora_request: object | None = None          # vLLM's: the request's LoRARequest, or None
+
+    @property
+    def metrics(self) -> RequestStats:
+        """vLLM's name for a request's figures (specdec's RequestStats: timings, acceptance)."""
+        return self.stats
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
+        return self.stats.cached_tokens
+
+
+@dataclass
+class _Choice:
+    """One completion's output so far."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stats: RequestStats | None = None
+    sent_tokens: int = 0                 # DELTA: what the last output already carried
+    sent_text: int = 0
+
+
+class RequestStream:
+    """One request's n completions, fed its engine events (add, abort), giving its RequestOutputs
+    (outputs: what the events since the last call make, by params.output_kind).
+    token_name: a token id's text (the Logprob entries' decoded_token)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 token_name: Callable[[int], str], lora_request=None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params, self.token_name, self.lora_request = params, token_name, lora_request
+        self.choices = [_Choice(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        self.open = set(range(params.n))          # the choices not finished yet
+        self.prompt_logprobs = None
+        self._prompt_logprobs_sent = False
+        self._moved: set[int] = set()
+
+    @property
+    def finished(self) -> bool:
+        return not self.open
+
+    def add(self, index: int, event) -> None:
+        """A StepEvent of choice `index` (one that finished already is ignored)."""
+        if index not in self.open:
+            return
+        c = self.choices[index]
+        c.token_ids += event.token_ids
+        c.text += event.text
+        if c.logprobs is not None and event.logprobs:
+            c.logprobs += [e.named(self.token_name) for e in event.logprobs]
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [e.named(self.token_name) if e is not None else None for e in event.prompt_logprobs]
+        c.stats = event.stats
+        if event.finished:
+            c.finish_reason, c.stop_reason = event.finish_reason, event.stop_reason
+            self.open.discard(index)
+        self._moved.add(index)
+
+    def abort(self) -> None:
+        """Every open choice ends now (finish_reason "abort")."""
+        for i in self.open:
+            self.choices[i].finish_reason = "abort"
+        self._moved |= self.open
+        self.open.clear()
+
+    def outputs(self) -> list[RequestOutput]:
+        """The outputs of what moved since the last call: FINAL_ONLY one at the end (every choice
+        in it); n > 1 streamed one per choice that moved, holding that choice alone, the request
+        finished with the last (vLLM v1's ParentRequest); else one."""
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and self.open:
+            return []
+        moved, self._moved = self._moved, set()
+        groups = [{i} for i in sorted(moved)] if self.params.n > 1 and kind != RequestOutputKind.FINAL_ONLY \
+            else [moved] if moved else []
+        outs = []
+        for j, group in enumerate(groups):
+            # DELTA: the prompt's logprobs come once, with the first output (vLLM's)
+            lps = None if kind == RequestOutputKind.DELTA and self._prompt_logprobs_sent else self.prompt_logprobs
+            self._prompt_logprobs_sent |= self.prompt_logprobs is not None
+            outs.append(self._output(group, not self.open and j == len(groups) - 1, lps))
+        return outs
+
+    def _output(self, moved: set[int], finished: bool, prompt_logprobs) -> RequestOutput:
+        kind = self.params.output_kind
+        outputs = []
+        for c in self.choices if kind == RequestOutputKind.FINAL_ONLY else (self.choices[i] for i in sorted(moved)):
+            toks, txt, lps = c.token_ids, c.text, c.logprobs
+            if kind == RequestOutputKind.DELTA:
+                toks, txt = toks[c.sent_tokens:], txt[c.sent_text:]
+                lps = lps[c.sent_tokens:] if lps is not None else None
+                c.sent_tokens, c.sent_text = len(c.token_ids), len(c.text)
+            cumulative = sum(e.logprob for e in c.logprobs) if c.logprobs is not None else None
+            outputs.append(CompletionOutput(c.index, txt, list(toks), c.finish_reason, c.stop_reason, cumulative,
+                                            list(lps) if lps is not None else None))
+        stats = RequestStats()
+        for c in self.choices:
+            if c.stats is not None:
+                stats.merge(c.stats)
+        stats.prompt_tokens = len(self.prompt_token_ids)
+        # the prompt's cached tokens once (the most any choice found), not summed over the choices (LLM's)
+        stats.cached_tokens = max((c.stats.cached_tokens for c in self.choices if c.stats is not None), default=0)
+        if self.choices[0].stats is not None:
+            stats.time_to_first_token_s = self.choices[0].stats.time_to_first_token_s
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, stats,
+                             prompt_logprobs, self.lora_request)

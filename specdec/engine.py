@@ -430,9 +430,13 @@ class Engine:
         # p's controls (penalties, bias, grammar...) per row path, once: verification and
         # processed logprobs read the same rows
         with range_of(prof, "verify"):
-            logits = controlled_logits(plan.decode, drafts, out.logits, offsets)
+            # raw logprobs under a grammar see its mask, as vLLM's (it masks before its sampler)
+            raw = self.logprobs_mode.startswith("raw_")
+            masked = [] if raw and any(r.params.logprobs is not None and r.ctx.controls is not None
+                                       and r.ctx.controls.grammar is not None for r in plan.decode) else None
+            logits = controlled_logits(plan.decode, drafts, out.logits, offsets, masked)
             results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
-            logprobs = self._logprobs(plan, results, out.logits if self.logprobs_mode.startswith("raw_") else logits,
+            logprobs = self._logprobs(plan, results, (masked[0] if masked else out.logits) if raw else logits,
                                       offsets)
         t3 = self.clock()
         with range_of(prof, "commit"):

@@ -6,7 +6,8 @@ i), whether it was an accepted draft, a recovered token or the bonus. So logprob
 second forward, only a log-softmax over the rows of the requests that ask.
 
 Modes (vLLM's `logprobs_mode`, its default first):
-- "raw_logprobs" (default, as vLLM's): log-softmax of the raw logits, before any processing.
+- "raw_logprobs" (default, as vLLM's): log-softmax of the raw logits, before any processing but
+  a grammar's mask (vLLM masks the logits before its sampler).
 - "raw_logits": the raw logits themselves.
 - "processed_logprobs": log p(x) under the distribution the token was verified against: the
   request's controls (penalties, bias, grammar mask: the rows the engine passes in), then

@@ -339,13 +339,16 @@ class Row(NamedTuple):
     path: list[int]
 
 
-def adjust_rows(logits: Tensor, rows: list[Row]) -> Tensor:
+def adjust_rows(logits: Tensor, rows: list[Row], masked: list | None = None) -> Tensor:
     """logits [R, V] -> float32 logits [R, V] with every row's controls applied (grammar mask,
     bad words, min_tokens, logit_bias, penalties, in vLLM's order). Rows of one request must
-    be consecutive (the grammar walks its paths in order)."""
+    be consecutive (the grammar walks its paths in order). masked, a list: gets the logits with
+    the grammar mask alone applied (what vLLM's raw logprobs are read from)."""
     logits = logits.float().clone()
     V, dev = logits.shape[-1], logits.device
     _apply_grammar(logits, rows)
+    if masked is not None:
+        masked.append(logits.clone())
     for r, row in enumerate(rows):          # allowed_token_ids: every other token out
         if row.controls.params.allowed_token_ids is not None:
             kept = logits[r].masked_fill(~row.controls.allowed_mask(V, dev), float("-inf"))

@@ -189,12 +189,17 @@ def row_paths(draft: Draft | None) -> list[list[int]]:
     return paths
 
 
-def controlled_logits(reqs, drafts: list[Draft | None], logits: Tensor, offsets: list[int]) -> Tensor:
+def controlled_logits(reqs, drafts: list[Draft | None], logits: Tensor, offsets: list[int],
+                      masked: list | None = None) -> Tensor:
     """logits [R, V] with each controlled request's rows adjusted (sampling.adjust_rows): row j
     processed with the drafts on its path counted as output, as plain decoding processes that
-    position once they are accepted. The same function gives the proposers' q."""
+    position once they are accepted. The same function gives the proposers' q. masked, a list:
+    gets logits [R, V] with the grammar masks alone applied (vLLM applies them before its
+    sampler, so its raw logprobs see them; the other controls are the sampler's)."""
     ctl = [i for i, r in enumerate(reqs) if r.ctx.controls is not None]
     if not ctl:
+        if masked is not None:
+            masked.append(logits)
         return logits
     rows, index = [], []
     for i in ctl:
@@ -203,7 +208,11 @@ def controlled_logits(reqs, drafts: list[Draft | None], logits: Tensor, offsets:
         rows += [Row(r.ctx.controls, output, p) for p in paths]
         index += range(offsets[i], offsets[i] + len(paths))
     index = torch.tensor(index, device=logits.device)
-    return logits.float().index_copy(0, index, adjust_rows(logits[index], rows))
+    grammar_only = [] if masked is not None else None
+    adjusted = logits.float().index_copy(0, index, adjust_rows(logits[index], rows, grammar_only))
+    if masked is not None:
+        masked.append(logits.float().index_copy(0, index, grammar_only[0]))
+    return adjusted
 
 
 def _packed(offsets: list[int], ks: list[int]) -> bool:

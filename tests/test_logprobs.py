@@ -233,3 +233,22 @@ def test_tied_alternatives_are_listed_by_token_id_whatever_the_batch():
     among = step_logprobs(batch, wanted, "raw_logprobs")[33][0]
     assert alone.top == among.top
     assert [t for t, _ in alone.top] == [7, 300, 2000, 0, 1]
+
+
+def test_raw_logprobs_under_a_grammar_see_its_mask(tiny_pair, near_draft):
+    """vLLM applies a grammar's bitmask to the logits before its sampler, so its raw logprobs of a
+    constrained request are spread over the allowed tokens alone (guided_choice's confidence
+    scores): here too, plain and speculative alike (they were the unconstrained distribution:
+    the chosen token at rank 10, none of the top five allowed)."""
+    from specdec.config import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=20,
+                            structured_outputs=StructuredOutputsParams(choice=["def add", "class Point"]))
+    outs = [LLM(str(tiny_pair[0]), max_model_len=128, **kw).generate(["x = 1\n"], params)[0].outputs[0]
+            for kw in ({"num_speculative_tokens": 0}, {"speculative_model": str(near_draft), "num_speculative_tokens": 3})]
+    assert outs[0].text in ("def add", "class Point") and outs[0].token_ids == outs[1].token_ids
+    for entry in outs[0].logprobs:
+        assert entry.rank == 1 and entry.top[0][0] == entry.token_id
+        assert sum(math.exp(lp) for _, lp in entry.top if lp > FLOOR) == pytest.approx(1.0, abs=1e-4)
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

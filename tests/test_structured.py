@@ -218,6 +218,16 @@ def test_vllm_module_path_and_older_field_name():
     assert sp.structured_outputs.regex == "x+"
     with pytest.raises(ValueError, match="guided_decoding"):
         SP(guided_decoding=GuidedDecodingParams(choice=["a"]), structured_outputs=StructuredOutputsParams(regex="b"))
+    # vLLM < 0.11's signature: backend accepted (one backend here), from_optional, a pydantic model as json
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        name: str
+
+    assert GuidedDecodingParams(regex="[0-9]{2}", backend="xgrammar") == StructuredOutputsParams(regex="[0-9]{2}")
+    assert GuidedDecodingParams.from_optional() is None
+    assert GuidedDecodingParams.from_optional(json=Pet, backend="guidance").json == Pet.model_json_schema()
+    assert GuidedDecodingParams.from_optional(choice=["x"]).choice == ["x"]
 
 
 def _accepts(llm, spec: StructuredOutputsParams, text: str) -> bool:

@@ -369,10 +369,10 @@ def write_vocab_gguf(path: Path, tokens: list[str], types: list[int], model: str
     return path
 
 
-def split_gguf(src: Path, folder: Path, prefix: str, n: int) -> list[Path]:
+def split_gguf(src: Path, folder: Path, prefix: str, n: int, odd_no: dict | None = None) -> list[Path]:
     """src cut into n shards as llama.cpp's gguf-split writes them: PREFIX-0000i-of-0000n.gguf, all
     metadata in the first, split.no / split.count / split.tensors.count in each, the tensors
-    dealt out in order."""
+    dealt out in order (odd_no {shard index: a list}: that shard's split.no written as an array)."""
     from gguf import GGUFReader, GGUFValueType
 
     r = GGUFReader(str(src))
@@ -390,7 +390,10 @@ def split_gguf(src: Path, folder: Path, prefix: str, n: int) -> list[Path]:
                 kind = field.types[0]
                 sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
                 w.add_key_value(key, field.contents(), kind, sub)
-        w.add_key_value("split.no", i, GGUFValueType.UINT16)
+        if odd_no and i in odd_no:
+            w.add_key_value("split.no", odd_no[i], GGUFValueType.ARRAY, GGUFValueType.UINT16)
+        else:
+            w.add_key_value("split.no", i, GGUFValueType.UINT16)
         w.add_key_value("split.count", n, GGUFValueType.UINT16)
         w.add_key_value("split.tensors.count", len(tensors), GGUFValueType.INT32)
         for t in tensors[i * per:(i + 1) * per]:

@@ -472,7 +472,8 @@ def test_linear_rope_from_a_factor_alone(tmp_path, keys):
     ({"llama.context_length"}, None, "metadata lacks llama.context_length"),
     ({"llama.attention.layer_norm_rms_epsilon"}, None, "metadata lacks llama.attention.layer_norm_rms_epsilon"),
     ((), {"llama.context_length": 0}, "metadata llama.context_length is 0"),
-], ids=["no-context-length", "no-rms-eps", "context-length-0"])
+    ((), {"llama.rope.freq_base": 0.0}, "rope.freq_base) must be a positive number, got 0.0"),
+], ids=["no-context-length", "no-rms-eps", "context-length-0", "freq-base-0"])
 def test_keys_llamacpp_requires(gguf_files, tmp_path, capsys, drop, over, message):
     """llama.cpp refuses a file without context_length or the RMS norm's epsilon (no default),
     and a zero context is no model: one line naming the file and the key."""

@@ -216,6 +216,10 @@ def test_split_gguf_errors_name_the_shard(split_set, tmp_path):
     with pytest.raises(CheckpointError, match="holds shards of the split GGUF tiny but not its first, "
                                               "tiny-00001-of-00003.gguf"):
         load_model(partial)
+    # a later shard whose split.no is an array: one line (was a TypeError's traceback)
+    odd = split_gguf(split_set[0], tmp_path / "odd", "tiny", 3, odd_no={1: [1, 1]})
+    with pytest.raises(GGUFError, match=r"not shard 2 of tiny-00001-of-00003.gguf's split GGUF \(split.no is \[1, 1\]"):
+        GGUFFile(odd[0])
 
 
 # --- llama.cpp's defaults and named templates ------------------------------------------------

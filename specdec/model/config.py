@@ -364,6 +364,8 @@ class ModelConfig:
         cfg = self
         if hf_overrides:
             cfg = ModelConfig.from_hf(apply_hf_overrides(cfg.to_hf(), hf_overrides))
+        if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):    # a GGUF's rope.freq_base 0 loaded
+            raise ValueError(f"rope_theta (a GGUF's rope.freq_base) must be a positive number, got {cfg.rope_theta}")
         if disable_sliding_window and cfg.sliding_window:
             cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
                               sliding_window=None, sliding_layers=())

@@ -152,9 +152,10 @@ class GGUFFile:
                 detail = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise GGUFError(f"{path}: not a readable GGUF file ({detail})") from None
             field = reader.fields.get("split.no")
-            if field is None or int(field.contents()) != i - 1:
+            value = field.contents() if field is not None else None
+            if not isinstance(value, int) or value != i - 1:       # a list there was a TypeError
                 raise GGUFError(f"{path}: not shard {i} of {self.path.name}'s split GGUF (split.no is "
-                                f"{None if field is None else int(field.contents())}, expected {i - 1})")
+                                f"{value!r}, expected {i - 1})")
             for t in reader.tensors:
                 if t.name in self.tensors:
                     raise GGUFError(f"{path}: tensor {t.name} is in two shards of the split GGUF")

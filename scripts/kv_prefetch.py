@@ -59,7 +59,7 @@ def main() -> None:
     else:
         text = "\n\n".join(q["prompt"] for q in questions if q["category"] in ("summarization", "rag"))
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(chat)[-args.prompt_tokens:]
+        ids = tok.encode(chat, add_special_tokens=False)[-args.prompt_tokens:]
         prompts = [[ids]] * args.repeats
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"kernels: {kernels.describe()}; {args.threads} thread(s), wall clock")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import numbers
 import os
@@ -210,6 +211,12 @@ def _one_stepper(method):
         with self._stepping:
             return method(self, *args, **kwargs)
     return serialized
+
+
+# apply_chat_template's own arguments (transformers' signature, and specdec's sandbox_process):
+# chat_template_kwargs may not set them (they are no template variables; one of them was a 500)
+CHAT_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(Tokenizer.apply_chat_template).parameters) - {
+    "self", "kwargs", "tools", "documents"}
 
 
 class LLM:
@@ -976,8 +983,8 @@ class LLM:
                 raise ValueError(f"a chat message needs a 'role' (a string such as 'user'), got keys {sorted(map(str, m))}")
         fmt = content_format(chat_template or self.tokenizer.chat_template, chat_template_content_format)
         msgs = template_messages([{**m, "content": template_content(m.get("content"), fmt)} for m in messages])
-        reserved = sorted({"tokenize", "return_dict"} & set(chat_template_kwargs or {}))
-        if reserved:         # apply_chat_template's own switches, not template variables: the prompt is text here
+        reserved = sorted(CHAT_TEMPLATE_ARGUMENTS & set(chat_template_kwargs or {}))
+        if reserved:         # apply_chat_template's own arguments, not template variables: the prompt is text here
             raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:

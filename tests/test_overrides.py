@@ -108,3 +108,12 @@ def test_disable_sliding_window_caps_the_context(tmp_path):
     llm = LLM(str(hf), dtype="float32", num_speculative_tokens=0, disable_sliding_window=True)
     with pytest.raises(ValueError, match="prompt is too long"):
         llm.generate({"prompt_token_ids": [5] * 8}, SamplingParams(max_tokens=1))
+
+
+def test_gemma3_scaling_is_its_length_already(tmp_path):
+    """Gemma 3's config stores the scaled length (131072 with linear x8 on its global layers):
+    vLLM derives no longer one from the factor, nor does specdec (it served 8 x the context)."""
+    folder = tmp_path / "g3"
+    make_checkpoint(folder, arch="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0},
+                    max_position_embeddings=256)
+    assert LLM(str(folder), num_speculative_tokens=0).engine.max_model_len == 256

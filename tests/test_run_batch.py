@@ -185,3 +185,24 @@ def test_lines_end_at_newlines_only():
                                   ensure_ascii=False) for c in ("a", "b")) + "\r\n"
     rows = parse_lines(text, "f")
     assert [r.custom_id for r in rows] == ["a", "b"] and rows[0].body["prompt"] == body["prompt"]
+
+
+def test_a_500_ends_no_run():
+    """A line the app answers with a 500: Starlette raises the error again once it answered, which
+    ended the whole run (exit 134, no output written); the line keeps its 500 and the run goes on."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from specdec.server.errors import install_error_handlers
+    from specdec.server.run_batch import asgi_request
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def boom():
+        raise RuntimeError("planted")
+
+    status, body = asyncio.run(asgi_request(app, "POST", "/v1/completions", b"{}", {}))
+    assert status == 500 and json.loads(body)["error"]["message"] == "internal error: RuntimeError"

@@ -673,9 +673,16 @@ def test_openai_details_found_by_a_users_probe(client, live, ref):
     with pytest.raises(openai.BadRequestError) as e:       # vLLM's: more than max_model_len (256)
         client.completions.create(model="toy", prompt=prompt, max_tokens=3, extra_body={"truncate_prompt_tokens": 257})
     assert e.value.body["param"] == "truncate_prompt_tokens" and "greater than max_model_len" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="toy", messages=MSG, extra_body={"chat_template_kwargs": {"tokenize": True}})
-    assert e.value.body["param"] == "chat_template_kwargs"
+    # apply_chat_template's own arguments are no template variables: a 400 each (a new one was a 500)
+    for key, value in (("tokenize", True), ("conversation", []), ("return_assistant_tokens_mask", True),
+                       ("sandbox_process", False), ("padding", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="toy", messages=MSG, extra_body={"chat_template_kwargs": {key: value}})
+        assert e.value.body["param"] == "chat_template_kwargs" and key in e.value.body["message"]
+        r = httpx.post(live.url + "/tokenize", json={"model": "toy", "messages": MSG, "chat_template_kwargs": {key: value}})
+        assert r.status_code == 400, r.text
+        with pytest.raises(ValueError, match=key):
+            live.llm.chat(MSG, chat_template_kwargs={key: value})
     with httpx.Client(base_url=live.url, timeout=30) as http:
         for body, param in [({"suffix": "return x"}, "suffix"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias")]:
             r = http.post("/v1/completions", json={"model": "toy", "prompt": prompt, "max_tokens": 2, **body})

@@ -59,8 +59,8 @@ def test_prompts_go_through_the_chat_template(long_target):
     name, prompts = load_prompts("spec-bench", tok, 16, 8192, limit_per_category=1)
     assert name == "spec-bench" and len(prompts) == 13
     q = spec_bench.read_questions(limit_per_category=1)[0]
-    assert prompts[0].ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": q["prompt"]}],
-                                                                tokenize=False, add_generation_prompt=True))
+    assert prompts[0].ids == tok.apply_chat_template([{"role": "user", "content": q["prompt"]}],
+                                                     add_generation_prompt=True)["input_ids"]
     assert prompts[0].category == q["category"] and prompts[0].id == q["id"]
 
 
@@ -102,3 +102,16 @@ def test_bench_categories_by_the_cpu_clock_report_the_decoding_phase(long_target
     assert list(cats) == ["overall", "qa", "rag"] and "--categories qa,rag" in results["command"]
     # the engine timed its steps by the same CPU clock, so the prefill can be left out
     assert all(m["decode_speedup_vs_plain"] is not None for m in cats["overall"]["methods"])
+
+
+def test_chat_prompts_hold_one_bos(tiny_pair):
+    """The bench's and the trainer's chat prompts are LLM.chat's: the template writes BOS, encoding
+    adds none (the toy's began [BOS, BOS, ...])."""
+    from specdec import LLM
+    from specdec.bench.spec_bench import chat_prompt
+    from specdec.train.answers import chat_ids
+
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0)
+    want = llm.chat_prompt([{"role": "user", "content": "hi"}])["prompt_token_ids"]
+    assert chat_prompt(llm.tokenizer, "hi") == chat_ids(llm.tokenizer, "hi") == want
+    assert want.count(llm.tokenizer.bos_token_id) == 1

@@ -57,8 +57,9 @@ def read_questions(path: Path = QUESTIONS, limit_per_category: int | None = None
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
     """The first turn as one user message through the model's chat template."""
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                          tokenize=False, add_generation_prompt=True))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)      # the template writes its own BOS
 
 
 def category_indices(categories: list[str | None]) -> dict[str, list[int]]:

@@ -370,10 +370,11 @@ class ModelConfig:
             cfg = cfg.replace(max_position_embeddings=min(cfg.max_position_embeddings, cfg.sliding_window),
                               sliding_window=None, sliding_layers=())
         s = cfg.rope_scaling
-        if s is not None and s["rope_type"] in ("yarn", "linear") and s.get("factor"):
+        if s is not None and s["rope_type"] in ("yarn", "linear") and s.get("factor") and cfg.model_type != "gemma3_text":
             # vLLM's derived max model len: the original length times the factor (a config.json
             # with Qwen's YaRN recipe serves 4 x 32768 tokens); yarn's original length is pinned
-            # in the scaling (by _rope_scaling), so this is said once whatever the route
+            # in the scaling (by _rope_scaling), so this is said once whatever the route. Not
+            # Gemma 3's (as vLLM): its 131072 positions are the scaled length already
             old = s["original_max_position_embeddings"] if s["rope_type"] == "yarn" else cfg.max_position_embeddings
             cfg = cfg.replace(max_position_embeddings=int(old * float(s["factor"])))
         elif s is not None and s["rope_type"] == "dynamic":

@@ -124,7 +124,11 @@ async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[s
             if not message.get("more_body", False):
                 done.set()
 
-    await app(scope, receive, send)
+    try:
+        await app(scope, receive, send)
+    except Exception:       # noqa: BLE001 - Starlette raises a 500's error again once it answered (a server's
+        if not chunks:      # uvicorn logs it and goes on): the answer stands, one bad line ends no run
+            raise
     done.set()
     return status, b"".join(chunks)
 

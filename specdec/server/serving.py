@@ -14,7 +14,7 @@ from functools import partial
 
 from ..config import SamplingParams, is_unicode_text
 from ..engine import StepEvent
-from ..llm import LLM
+from ..llm import CHAT_TEMPLATE_ARGUMENTS, LLM
 from ..metrics import RequestStats
 from ..tokenizer import TokenizerBusy, TokenizerError, content_format, template_content, template_messages
 from ..tracing import warn_tracing_disabled
@@ -34,8 +34,7 @@ log = logging.getLogger("specdec.server")
 # the work one HTTP call can queue on a CPU server.
 MAX_CHOICES = 16
 # what the server itself passes to a chat template (apply_chat_template's own arguments)
-_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token",
-                       "chat_template", "continue_final_message", "tools", "tokenize", "return_dict"}
+_TEMPLATE_VARIABLES = {"messages", "bos_token", "eos_token", "unk_token", "pad_token", "tools"} | CHAT_TEMPLATE_ARGUMENTS
 
 
 # the W3C trace context (traceparent, tracestate) of the HTTP request being answered, set by the

@@ -226,8 +226,9 @@ def _cache_kwarg(model) -> str:
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """One user turn through the tokenizer's chat template, ready for the assistant's answer."""
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          tokenize=False, add_generation_prompt=True))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)      # the template writes its own BOS
 
 
 def read_prompts(path: Path) -> list[dict]:

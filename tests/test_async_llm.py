@@ -328,3 +328,29 @@ def test_cached_tokens_count_the_prompt_once_with_n_choices(engine):
     asyncio.run(_collect(engine, prompt, SamplingParams(max_tokens=1), "warm-cache"))
     last = asyncio.run(_collect(engine, prompt, params, "cached-n3"))[-1]
     assert 0 < last.num_cached_tokens < len(last.prompt_token_ids)
+
+
+def test_a_cancelled_engine_call_harms_no_request(engine):
+    """A caller that gives up on an engine call (a wait_for timeout, a client gone) cancels its
+    future: setting it on the engine's thread then raised, and every running stream failed with
+    InvalidStateError (queued calls never returned); now only that caller is affected."""
+    async def main():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        streams = [asyncio.create_task(_collect(engine, p, params, f"c{i}")) for i, p in enumerate(PROMPTS)]
+        while engine.llm.engine.num_running < len(PROMPTS):
+            await asyncio.sleep(0.005)
+        for call in (engine.reset_prefix_cache, engine.list_loras) * 3:
+            task = asyncio.create_task(call())
+            await asyncio.sleep(0)               # queued for the engine's thread
+            task.cancel()
+            await asyncio.sleep(0.01)
+        pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+        await asyncio.sleep(0)
+        pause.cancel()                           # its caller gave up: resuming must still work
+        await asyncio.sleep(0.01)
+        await engine.resume_generation()
+        outs = [await s for s in streams]
+        await engine.reset_prefix_cache()       # the engine's calls go on
+        return outs
+    outs = asyncio.run(main())
+    assert [o[-1].outputs[0].finish_reason for o in outs] == ["length"] * len(PROMPTS)

@@ -198,7 +198,7 @@ class EngineWorker:
                 self._pauses.append((future, mode, clear_cache))
             self._cond.notify()
         for f, _, _ in waited:
-            f.set_result(None)
+            _settle(f)
         return future
 
     def resume(self) -> None:
@@ -209,7 +209,7 @@ class EngineWorker:
             pending, self._pauses = self._pauses, []
             self._cond.notify()
         for future, _, _ in pending:
-            future.set_result(None)
+            _settle(future)
 
     def unpause_for_shutdown(self) -> None:
         """The server is going down (SIGTERM / SIGINT): a pause ends, so that what it held runs
@@ -228,7 +228,7 @@ class EngineWorker:
             pending, self._pauses = self._pauses, []
             self._cond.notify()
         for future, _, _ in pending:
-            future.set_exception(ShuttingDown("the server is shutting down"))
+            _settle(future, ShuttingDown("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive() and self.engine.before_forward == self._hand_over:
@@ -362,7 +362,7 @@ class EngineWorker:
             self._pauses = [p for p in self._pauses if p not in pauses]
             self._paused, self._holding = True, bool(self._pauses)
         for future, _, _ in settled:
-            future.set_result(None)
+            _settle(future)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, job in list(self._jobs.items()):
@@ -383,10 +383,25 @@ class EngineWorker:
 
 
 def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None:
+    """fn(engine) into the future, unless its caller gave up first (an awaiting task cancelled
+    cancels the future: setting it then raised, and the worker failed every request)."""
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(fn(engine))
+        result = fn(engine)
     except Exception as e:               # noqa: BLE001 - the caller reads it from the future
         future.set_exception(e)
+        return
+    future.set_result(result)
+
+
+def _settle(future: Future, error: BaseException | None = None) -> None:
+    """A pause's future done (None, or the error), unless its caller cancelled it."""
+    if future.set_running_or_notify_cancel():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def deliver(loop, queue, index: int, item) -> None:

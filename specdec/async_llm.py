@@ -151,15 +151,26 @@ class AsyncLLM:
     # ---- generation ----
 
     async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       lora_request=None, priority: int = 0, trace_headers=None,
-                       **_vllm_only) -> AsyncGenerator[RequestOutput, None]:
+                       prompt_text: str | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                       trace_headers=None, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's RequestOutputs (prompt: text, {"prompt": ...} or
         {"prompt_token_ids": [...]}); the last has finished=True. A bad prompt or parameter is a
         ValueError before anything runs (raised where the first output is awaited, as vLLM's); a
         request id already streaming is one too. trace_headers: a request's W3C trace context
-        (traceparent, tracestate), the parent of its span with otlp_traces_endpoint set."""
+        (traceparent, tracestate), the parent of its span with otlp_traces_endpoint set.
+        tokenization_kwargs: a text prompt's tokenizer arguments (truncation, max_length, ...), as
+        vLLM's; prompt_text and data_parallel_rank (one engine here) are taken, as vLLM's."""
         if self._stopped:
             raise ShuttingDown("the engine has been shut down")
+        if not self._worker.alive:            # vLLM's EngineDeadError: no request waits on a dead thread
+            raise self.dead_error
+        if tokenization_kwargs and isinstance(prompt, (str, dict)) and \
+                isinstance(prompt if isinstance(prompt, str) else prompt.get("prompt"), str):
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            ids = self.tokenizer(text, **tokenization_kwargs)["input_ids"]
+            prompt = {**({} if isinstance(prompt, str) else {k: v for k, v in prompt.items() if k != "prompt"}),
+                      "prompt_token_ids": ids}
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         self.llm.check_runner("generate")
@@ -293,10 +304,15 @@ class AsyncLLM:
         return ModelConfigView(self.llm)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        """vLLM's: what the runner does (a pooling model's tasks, not "generate")."""
+        if self.llm.runner != "pooling":
+            return ("generate",)
+        return ("encode", "classify", "score") if getattr(self.llm, "classifier", None) is not None \
+            else ("encode", "embed")
 
     async def is_tracing_enabled(self) -> bool:
-        return False
+        """vLLM's: whether requests get spans (otlp_traces_endpoint)."""
+        return getattr(self.llm.engine, "tracer", None) is not None
 
     async def do_log_stats(self, *args, **kwargs) -> None:
         """vLLM's: log the engine's figures now (get_metrics' counters and gauges, one line; a
@@ -372,9 +388,17 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return self.llm.is_sleeping()
 
-    def shutdown(self) -> None:
+    def __del__(self):
+        # vLLM's: one dropped without shutdown() stops its engine thread (which held the model)
+        if getattr(self, "_worker", None) is not None and not getattr(self, "_stopped", True):
+            try:
+                self.shutdown()
+            except Exception:        # noqa: BLE001 - at interpreter exit the loop or the thread may be gone
+                pass
+
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop now, as vLLM's does: requests in flight end (finish_reason "abort"), the engine's
-        thread stops, and the LLM may be used offline again."""
+        thread stops (timeout: how long to wait for it), and the LLM may be used offline again."""
         if not self._stopped:
             self._stopped = True
             for rid, stream in list(self._streams.items()):
@@ -383,7 +407,7 @@ class AsyncLLM:
                 for job in stream.jobs:
                     self._worker.cancel(job)
                 stream.queue.put_nowait((None, None))
-            self._worker.stop()
+            self._worker.stop(timeout)
 
 
 class ModelConfigView:

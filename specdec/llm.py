@@ -1390,6 +1390,7 @@ class _EngineView:
         TypeError); step() returns its RequestOutputs (by output_kind, `finished` at the end).
         The engine's own form, add_request(prompt_ids, params, ...), goes straight to
         Engine.add_request."""
+        self._llm._check_owner()             # an AsyncLLM's / a server's thread steps it: two steppers crash
         if isinstance(request_id, (list, tuple)):           # specdec's Engine.add_request(prompt_ids, ...)
             return self._llm.engine.add_request(request_id, prompt, *(() if params is None else (params,)),
                                                 **engine_kwargs)
@@ -1425,7 +1426,10 @@ class _EngineView:
         that moved); the last one finished=True. best_of > n: one output when finished, its n best."""
         own = self.__dict__.setdefault("_own", {})
         moved = []
-        for event in self._llm.engine.step():
+        self._llm._check_owner()
+        with self._llm._stepping:            # not beside an LLM.generate on another thread
+            events = self._llm.engine.step()
+        for event in events:
             rid, mark, index = event.request_id.rpartition("#") if isinstance(event.request_id, str) else ("", "", "")
             if not mark or rid not in own:      # another caller's request (LLM.generate's, an engine id)
                 continue
@@ -1462,6 +1466,7 @@ class _EngineView:
         return self._llm.engine.num_running + self._llm.engine.num_waiting
 
     def abort_request(self, request_ids) -> None:
+        self._llm._check_owner()
         own = self.__dict__.setdefault("_own", {})
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if rid in own:                      # queued by add_request(request_id, ...): each choice

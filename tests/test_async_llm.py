@@ -292,6 +292,7 @@ def test_encode_on_a_pooling_model(tiny_pair):
     offline = LLM(str(target), convert="embed", dtype="float32")
     want = offline.embed(PROMPTS[:3], PoolingParams(dimensions=None, normalize=True))
     engine = AsyncLLM(model=str(target), convert="embed", dtype="float32")
+    assert asyncio.run(engine.get_supported_tasks()) == ("encode", "embed")      # not "generate" (vLLM's)
 
     async def one(prompt, rid):
         return [o async for o in engine.encode(prompt, PoolingParams(normalize=True), rid)]
@@ -354,3 +355,57 @@ def test_a_cancelled_engine_call_harms_no_request(engine):
         return outs
     outs = asyncio.run(main())
     assert [o[-1].outputs[0].finish_reason for o in outs] == ["length"] * len(PROMPTS)
+
+
+def test_the_engine_view_refuses_an_engine_another_thread_steps(engine):
+    """llm.llm_engine's add_request / step / abort_request beside an AsyncLLM on the same LLM: two
+    threads stepped one engine and the process died (SIGSEGV); now refused, as LLM.stream is."""
+    view = engine.llm.llm_engine
+    for call in (lambda: view.add_request("v", "def f():", SamplingParams(max_tokens=4)), view.step,
+                 lambda: view.abort_request("v")):
+        with pytest.raises(ValueError, match="run by an AsyncLLM"):
+            call()
+
+
+def test_a_dropped_engine_stops_its_thread(tiny_pair):
+    """An AsyncLLM dropped without shutdown() stops its engine thread, as vLLM's __del__ does (the
+    thread and the model it held stayed: ~190 MB each); shutdown takes vLLM's timeout."""
+    import gc
+    import threading
+
+    def engine_threads():
+        return sum(t.name.startswith("specdec-engine") for t in threading.enumerate())
+
+    before = engine_threads()
+    eng = AsyncLLM(model=str(tiny_pair[0]), num_speculative_tokens=0)
+    asyncio.run(_collect(eng, "def f():", SamplingParams(max_tokens=4, temperature=0), "d"))
+    assert engine_threads() == before + 1
+    del eng
+    gc.collect()
+    assert engine_threads() == before
+    other = AsyncLLM(model=str(tiny_pair[0]), num_speculative_tokens=0)
+    other.shutdown(timeout=30)
+    assert engine_threads() == before
+
+
+def test_generate_takes_vllms_keywords_only_and_a_dead_engine_says_so(tiny_pair):
+    """generate() takes vLLM's keywords (tokenization_kwargs truncating a text prompt, as vLLM's
+    tokenizer does) and refuses others (a misspelt lora_requst ran the base model); a request to
+    an engine whose thread has died is refused at once (it waited forever), as vLLM's
+    EngineDeadError; get_supported_tasks / is_tracing_enabled say what the engine does."""
+    eng = AsyncLLM(model=str(tiny_pair[0]), num_speculative_tokens=0)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    try:
+        out = asyncio.run(_collect(eng, "def add(a, b):\n    return", params, "t"))[-1]
+        short = asyncio.run(eng.generate("def add(a, b):\n    return", params, "u",
+                                         tokenization_kwargs={"truncation": True, "max_length": 3}).__anext__())
+        assert len(short.prompt_token_ids) == 3 < len(out.prompt_token_ids)
+        with pytest.raises(TypeError):
+            asyncio.run(eng.generate("x", params, "v", lora_requst=None).__anext__())
+        assert asyncio.run(eng.get_supported_tasks()) == ("generate",) and not asyncio.run(eng.is_tracing_enabled())
+        eng._worker.stop()                        # the engine's thread gone, not by shutdown()
+        with pytest.raises(RuntimeError, match="not running"):
+            asyncio.run(eng.generate("x", params, "w").__anext__())
+        assert eng.errored
+    finally:
+        eng.shutdown()

@@ -210,8 +210,11 @@ class AsyncLLM:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
         outs = RequestStream(request_id, text, ids, params, self.llm._token_name, lora_request)
         try:
-            if stream.aborted:                       # abort(request_id) while its grammar compiled
-                raise asyncio.CancelledError
+            if stream.aborted:                       # abort(request_id) while its grammar compiled:
+                outs.abort()                         # its one output, finish_reason "abort" (vLLM's)
+                for out in outs.outputs():
+                    yield out
+                return
             self._worker.submit(stream.jobs)
             while not outs.finished:
                 items = [await stream.queue.get()]

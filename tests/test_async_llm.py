@@ -409,3 +409,20 @@ def test_generate_takes_vllms_keywords_only_and_a_dead_engine_says_so(tiny_pair)
         assert eng.errored
     finally:
         eng.shutdown()
+
+
+def test_an_abort_while_the_grammar_compiles_ends_with_an_output(engine):
+    """abort(request_id) that lands while the request's grammar compiles ends its stream with one
+    output, finish_reason "abort", as at any later point (it ended with none: outs[-1] failed)."""
+    from specdec.config import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(40)}}
+    params = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema))
+
+    async def main():
+        task = asyncio.create_task(_collect(engine, "x", params, "g"))
+        await asyncio.sleep(0.001)
+        await engine.abort("g")
+        return await task
+    outs = asyncio.run(main())
+    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"

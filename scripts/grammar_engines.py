@@ -167,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer(args.model or str(smollm2_gguf()))
-    V = tok.vocab_size
+    V = len(tok)
     print(json.dumps({"cpu": cpu_model(), "vocab": V}))
     for name, make in ENGINES.items():
         print(json.dumps(measure(name, make, tok, V, walks(tok), args.repeats)), flush=True)

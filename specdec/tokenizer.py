@@ -7,15 +7,21 @@ generation_config.json. A .gguf (or a folder holding one): everything from its m
 (gguf_tokenizer.py).
 
 `LLM.get_tokenizer()` hands this class to users where vLLM hands them a transformers tokenizer,
-so it also answers the calls commonly made on one (`len(tok)`, `tok(texts)`, `batch_decode`,
-`convert_ids_to_tokens`, `get_vocab`, `apply_chat_template`), with the same arguments, defaults
-and results as transformers 5 on the same folder or .gguf: `apply_chat_template` tokenizes and
-adds no generation prompt unless asked (specdec's own callers pass tokenize=False,
-add_generation_prompt=True for a prompt's text), `decode` keeps special tokens.
+so it also answers the calls commonly made on one (`len(tok)`, `tok(texts)`, `encode`, `decode`,
+`batch_decode`, `convert_ids_to_tokens`, `get_vocab`, `pad`, `apply_chat_template`, settable
+special tokens, vLLM's TokenizerLike members), with the same arguments, defaults and results as
+transformers 5 on the same folder or .gguf: `apply_chat_template` tokenizes and adds no
+generation prompt unless asked (specdec's own callers pass tokenize=False,
+add_generation_prompt=True for a prompt's text), `decode` keeps special tokens, `vocab_size` is
+the model's vocabulary without the added tokens (len() counts them). Where it differs on purpose:
+`add_bos_token: true` in tokenizer_config.json adds BOS (transformers 5 ignores it), `chat_template`
+is the default template's text where the folder names several (transformers: a dict of them;
+`chat_template="<name>"` picks one in both), and no overflowing tokens (`stride`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -52,6 +58,22 @@ class TokenizerError(ValueError):
     pass
 
 
+class ChatTemplateError(TokenizerError, jinja2.TemplateError):
+    """A chat template that failed as Jinja (its raise_exception(...) among them): a ValueError,
+    and the jinja2.TemplateError transformers raises."""
+
+
+def _tool_schema(fn) -> dict:
+    """A Python function given as a tool -> its JSON schema, by transformers' get_json_schema
+    (its type hints and Google-style docstring)."""
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError:
+        raise TokenizerError("a Python function as a tool needs transformers (its get_json_schema): "
+                             "pass the tool's JSON schema instead") from None
+    return get_json_schema(fn)
+
+
 class TokenizerBusy(TokenizerError):
     """A request's own chat template cannot be rendered now (the child process is taken): a 429."""
 
@@ -64,16 +86,128 @@ def _token_content(tok) -> str | None:
 
 class BatchEncoding(dict):
     """What `Tokenizer(...)(text)` returns, as transformers' BatchEncoding: a dict of input_ids
-    and attention_mask whose keys also read as attributes (`enc.input_ids`)."""
+    and attention_mask whose keys also read as attributes (`enc.input_ids`); from `tok(...)`, also
+    each row's tokens, word and sequence ids and character offsets (`enc.tokens()`, `word_ids()`,
+    `sequence_ids()`, `char_to_token()`, `n_sequences`)."""
+
+    def __init__(self, data=None, rows=None, n_sequences=None, **kw):
+        super().__init__(data or {}, **kw)
+        self.__dict__["_rows"], self.__dict__["_n_sequences"] = rows, n_sequences
 
     def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
         try:
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
 
+    def __reduce__(self):
+        return BatchEncoding, (dict(self), self.__dict__.get("_rows"), self.__dict__.get("_n_sequences"))
+
+    @property
+    def data(self) -> dict:
+        return dict(self)
+
+    @property
+    def n_sequences(self) -> int | None:
+        return self.__dict__.get("_n_sequences")
+
+    @property
+    def is_fast(self) -> bool:
+        return self.__dict__.get("_rows") is not None
+
+    def _row(self, batch_index: int = 0) -> _Row:
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            raise ValueError("this BatchEncoding was not made by the tokenizer's __call__: it has no token information")
+        return rows[batch_index]
+
+    def tokens(self, batch_index: int = 0) -> list[str]:
+        return list(self._row(batch_index).tokens)
+
+    def word_ids(self, batch_index: int = 0) -> list[int | None]:
+        return list(self._row(batch_index).words)
+
+    def words(self, batch_index: int = 0) -> list[int | None]:
+        return self.word_ids(batch_index)
+
+    def sequence_ids(self, batch_index: int = 0) -> list[int | None]:
+        return list(self._row(batch_index).sequences)
+
+    def token_to_chars(self, batch_or_token_index: int, token_index: int | None = None):
+        batch, token = (0, batch_or_token_index) if token_index is None else (batch_or_token_index, token_index)
+        row = self._row(batch)
+        return None if row.sequences[token] is None else tuple(row.offsets[token])
+
+    def char_to_token(self, batch_or_char_index: int, char_index: int | None = None, sequence_index: int = 0):
+        """The index of the token holding a character of the text (sequence_index 1: of the pair's
+        second text), None when no token does."""
+        batch, char = (0, batch_or_char_index) if char_index is None else (batch_or_char_index, char_index)
+        row = self._row(batch)
+        return next((i for i, (seq, (a, b)) in enumerate(zip(row.sequences, row.offsets))
+                     if seq == sequence_index and a <= char < b), None)
+
     def to(self, device) -> BatchEncoding:
-        return BatchEncoding({k: v.to(device) if hasattr(v, "to") else v for k, v in self.items()})
+        return BatchEncoding({k: v.to(device) if hasattr(v, "to") else v for k, v in self.items()},
+                             self.__dict__.get("_rows"), self.__dict__.get("_n_sequences"))
+
+
+class _Row:
+    """One encoded text (or pair) as transformers' fast tokenizers give it: the ids and, token by
+    token, its type id, special-token flag, character offsets, text, word and sequence index."""
+
+    __slots__ = ("ids", "type_ids", "special", "offsets", "tokens", "words", "sequences", "attention")  # noqa: RUF023 (put's order)
+
+    def __init__(self, enc):
+        fields = (enc.ids, enc.type_ids, enc.special_tokens_mask, enc.offsets, enc.tokens, enc.word_ids,
+                  enc.sequence_ids, [1] * len(enc.ids))
+        for name, value in zip(self.__slots__, fields):
+            setattr(self, name, list(value))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def put(self, at: int, n: int, token_id: int, token: str | None, type_id: int = 0, real: int = 1) -> None:
+        """n copies of a special token with no text at index `at` (BOS; padding, real=0)."""
+        for name, value in zip(self.__slots__, (token_id, type_id, 1, (0, 0), token, None, None, real)):
+            column = getattr(self, name)
+            column[at:at] = [value] * n
+
+
+# transformers' named special tokens, in its order (all_special_tokens, special_tokens_map)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' model_max_length where the tokenizer sets none (no truncation to it, no padding to it)
+VERY_LARGE_INTEGER = int(1e30)
+LARGE_INTEGER = int(1e20)
+PADDING = (True, False, None, "longest", "max_length", "do_not_pad")
+TRUNCATION = (True, False, None, "longest_first", "only_first", "only_second", "do_not_truncate")
+
+
+class _SpecialToken:
+    """A named special token (`tok.pad_token`) or, with `id=True`, its id (`tok.pad_token_id`), as
+    transformers keeps them: setting either sets both, so `tok.pad_token = tok.eos_token` gives
+    pad_token_id the eos id."""
+
+    def __init__(self, id: bool = False):
+        self.id = id
+
+    def __set_name__(self, owner, name):
+        self.name = name.removesuffix("_id")
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj.__dict__.get("_special_ids" if self.id else "_special", {}).get(self.name)
+
+    def __set__(self, obj, value):
+        tokens, ids = obj.__dict__.setdefault("_special", {}), obj.__dict__.setdefault("_special_ids", {})
+        if self.id:
+            ids[self.name] = None if value is None else int(value)
+            tokens[self.name] = None if value is None else obj.backend.id_to_token(int(value))
+        else:
+            tokens[self.name] = _token_content(value)
+            ids[self.name] = None if value is None else obj.convert_tokens_to_ids(tokens[self.name])
 
 
 def _as_list(ids):
@@ -135,8 +269,27 @@ def folder_tool_template(folder: Path, cfg: dict) -> str | None:
     return named_templates(as_json.get("chat_template") or cfg.get("chat_template")).get("tool_use")
 
 
+def folder_named_templates(folder: Path, cfg: dict, default: str | None) -> dict[str, str]:
+    """The folder's templates by name, as transformers reads them (a list of {name, template} in
+    chat_template.json or tokenizer_config.json, additional_chat_templates/<name>.jinja), the
+    default one under "default"; empty where the folder names none."""
+    named = named_templates(_read_json(folder / "chat_template.json").get("chat_template") or cfg.get("chat_template"))
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        named.update({f.stem: f.read_text() for f in sorted(extra.glob("*.jinja"))})
+    if named and default:
+        named.setdefault("default", default)
+    return named
+
+
 class Tokenizer:
     """`Tokenizer(path)`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf."""
+
+    bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token = (_SpecialToken() for _ in range(7))
+    bos_token_id, eos_token_id, unk_token_id, sep_token_id, pad_token_id, cls_token_id, mask_token_id = (
+        _SpecialToken(id=True) for _ in range(7))
+    # transformers' constants of a fast tokenizer (vLLM's TokenizerLike reads is_fast, truncation_side)
+    is_fast, truncation_side, pad_token_type_id, split_special_tokens = True, "right", 0, False
 
     def __init__(self, source, gguf=None):
         """gguf: an already opened model.gguf.GGUFFile for `source` (saves parsing it twice)."""
@@ -152,6 +305,11 @@ class Tokenizer:
             raise TokenizerError(str(e)) from None
         self._from_folder(path)
 
+    def _set_special(self, name: str, token: str | None, token_id: int | None) -> None:
+        """A named special token and its id as loaded (the id may come from config.json)."""
+        self.__dict__.setdefault("_special", {})[name] = token
+        self.__dict__.setdefault("_special_ids", {})[name] = token_id
+
     def info(self, chat_template: str | None = None) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's keys, a
         GGUF's from its metadata) with its special tokens, `tokenizer_class` and the chat template
@@ -159,7 +317,8 @@ class Tokenizer:
         out = {k: v for k, v in self.init_config.items() if k not in ("vocab_file", "merges_file", "chat_template")}
         out.update({"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
                     "pad_token": self.pad_token, "add_bos_token": self.add_bos_token,
-                    "model_max_length": self.model_max_length, "padding_side": self.padding_side,
+                    "model_max_length": self.model_max_length if self.model_max_length < VERY_LARGE_INTEGER else None,
+                    "padding_side": self.padding_side,
                     "additional_special_tokens": list(self.additional_special_tokens)})
         out.setdefault("added_tokens_decoder", {
             str(i): {"content": t.content, "special": bool(t.special)}
@@ -182,29 +341,29 @@ class Tokenizer:
         self.init_config = dict(cfg)        # tokenizer_config.json as read (vLLM's /tokenizer_info)
         model_cfg = text_config(_read_json(folder / "config.json"))    # a multimodal one's language model
         gen_cfg = _read_json(folder / "generation_config.json")
-        self.bos_token = _token_content(cfg.get("bos_token"))
-        self.eos_token = _token_content(cfg.get("eos_token"))
-        self.unk_token = _token_content(cfg.get("unk_token"))
-        self.pad_token = _token_content(cfg.get("pad_token"))
-        self.sep_token, self.cls_token, self.mask_token = (_token_content(cfg.get(k)) for k in
-                                                           ("sep_token", "cls_token", "mask_token"))
-        self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else model_cfg.get("bos_token_id")
-        eos_id = self.backend.token_to_id(self.eos_token) if self.eos_token else None
+        for name in SPECIAL_TOKENS:
+            token = _token_content(cfg.get(name))
+            self._set_special(name, token, self.backend.token_to_id(token) if token else None)
+        if not self.bos_token:
+            self._set_special("bos_token", None, model_cfg.get("bos_token_id"))
         cfg_eos = _ids(model_cfg.get("eos_token_id")) + _ids(gen_cfg.get("eos_token_id"))
-        self.eos_token_id = eos_id if eos_id is not None else (cfg_eos[0] if cfg_eos else None)
+        if self.eos_token_id is None:
+            self._set_special("eos_token", self.eos_token, cfg_eos[0] if cfg_eos else None)
         # every id that ends generation: the tokenizer's eos and the configs' lists
         self.eos_token_ids = sorted({i for i in [self.eos_token_id, *cfg_eos] if i is not None})
         # the tokenizer.json's post-processor may not add BOS itself; encode() then does
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.chat_template = folder_chat_template(folder, cfg)
         self.tool_template = folder_tool_template(folder, cfg)
+        self.named_templates = folder_named_templates(folder, cfg, self.chat_template)
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
-        self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
-        self.unk_token_id = self.backend.token_to_id(self.unk_token) if self.unk_token else None
         extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
         self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
         self.padding_side = cfg.get("padding_side") if cfg.get("padding_side") in ("left", "right") else "right"
-        self.model_max_length = cfg.get("model_max_length") if isinstance(cfg.get("model_max_length"), int) else None
+        self.model_max_length = cfg.get("model_max_length") if isinstance(cfg.get("model_max_length"), int) else VERY_LARGE_INTEGER
+        self.truncation_side = cfg.get("truncation_side") if cfg.get("truncation_side") in ("left", "right") else "right"
+        self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
+        self.name_or_path = str(folder)
 
     def _from_gguf(self, g) -> None:
         from .gguf_tokenizer import GGUFTokenizerError, GGUFVocab, build_tokenizer
@@ -216,10 +375,12 @@ class Tokenizer:
             raise TokenizerError(str(e) if str(e).startswith(str(g.path)) else f"{g.path}: {e}") from None
         except Exception as e:    # tokenizers rejects an inconsistent vocabulary or merge list
             raise TokenizerError(f"{g.path}: cannot build the tokenizer ({str(e).splitlines()[0]})") from None
-        self.bos_token, self.eos_token = v.token(v.bos_token_id), v.token(v.eos_token_id)
-        self.unk_token, self.pad_token = v.token(v.unk_token_id), v.token(v.pad_token_id)
-        self.sep_token = self.cls_token = self.mask_token = None
-        self.bos_token_id, self.eos_token_id = v.bos_token_id, v.eos_token_id
+        for name in SPECIAL_TOKENS:
+            self._set_special(name, None, None)
+        for name, i in (("bos_token", v.bos_token_id), ("eos_token", v.eos_token_id)):
+            self._set_special(name, v.token(i), i)
+        for name, i in (("unk_token", v.unk_token_id), ("pad_token", v.pad_token_id)):
+            self._set_special(name, v.token(i), i if v.token(i) is not None else None)
         # every id that ends generation: llama.cpp's end-of-generation set (eos, eot, eom and the
         # tokens spelled <|im_end|>, <|endoftext|>, <|end|>, ...; gpt-oss's <|return|> and <|call|>)
         self.eos_token_ids = v.eog_token_ids()
@@ -229,32 +390,50 @@ class Tokenizer:
         self.chat_template = v.chat_template or v.tool_template
         self.tool_template = v.tool_template
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
-        self.pad_token_id = v.pad_token_id if self.pad_token is not None else None
-        self.unk_token_id = v.unk_token_id if self.unk_token is not None else None
-        self.additional_special_tokens, self.padding_side, self.model_max_length = [], "right", None
+        self.additional_special_tokens, self.padding_side, self.model_max_length = [], "right", VERY_LARGE_INTEGER
+        self.clean_up_tokenization_spaces, self.name_or_path = False, str(Path(g.path).parent)
         self.init_config = {}
 
     @property
     def vocab_size(self) -> int:
-        """Every token, added ones included (what transformers 5 and len() say)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """The model's vocabulary, without the tokens added on top of it (transformers 5's
+        vocab_size); len() counts every token, added ones included: size things by len()."""
+        return self.backend.get_vocab_size(with_added_tokens=False)
 
     def __len__(self) -> int:
-        return self.vocab_size
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest id in the vocabulary (vLLM's TokenizerLike.max_token_id)."""
+        cached = self.__dict__.get("_max_token_id")
+        if cached is None:
+            cached = self.__dict__["_max_token_id"] = max(self.get_vocab().values())
+        return cached
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            if len(text) < LONG_TEXT:
-                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-            else:       # the same ids, the GIL let go (the binding's encode holds it: 0.5-1 s for 1 MB)
-                ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        except TypeError:
-            _check_unicode(text)
-            raise
-        return self._with_bos(ids) if add_special_tokens else ids
+    def encode(self, text, text_pair=None, add_special_tokens: bool | None = True, padding: bool | str = False,
+               truncation: bool | str | None = None, max_length: int | None = None, stride: int = 0,
+               padding_side: str | None = None, return_tensors: str | None = None, **kwargs):
+        """transformers' encode: the ids of a text (or a text pair) as __call__ gives them, its
+        arguments too; a list of texts gives a list of rows, return_tensors a [1, T] tensor."""
+        add = True if add_special_tokens is None else add_special_tokens
+        if (text_pair is None and isinstance(text, str) and not kwargs and padding is False and truncation is None
+                and max_length is None and return_tensors is None):
+            try:
+                if len(text) < LONG_TEXT:
+                    ids = self.backend.encode(text, add_special_tokens=add).ids
+                else:   # the same ids, the GIL let go (the binding's encode holds it: 0.5-1 s for 1 MB)
+                    ids = self.backend.encode_batch([text], add_special_tokens=add)[0].ids
+            except TypeError:
+                _check_unicode(text)
+                raise
+            return self._with_bos(ids) if add else ids
+        return self(text, text_pair, add_special_tokens=add, padding=padding, truncation=truncation,
+                    max_length=max_length, stride=stride, padding_side=padding_side, return_tensors=return_tensors,
+                    return_attention_mask=False, **kwargs)["input_ids"]
 
     def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """A text pair as one sequence, the tokenizer's pair template deciding the special tokens
@@ -262,48 +441,40 @@ class Tokenizer:
         max_length: transformers' `truncation=True, max_length=...` ("longest_first": the longer
         text loses its last token until the whole fits, the special tokens stay); a ValueError
         when not even the special tokens fit."""
-        try:
-            if max_length is None:
-                ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
-                return self._with_bos(ids) if add_special_tokens else ids
-            first = self.backend.encode(text, add_special_tokens=False)
-            second = self.backend.encode(pair, add_special_tokens=False)
-        except TypeError:
-            _check_unicode(text)
-            _check_unicode(pair)
-            raise
-        special = 0
-        if add_special_tokens:             # the template's tokens, and a BOS _with_bos would put in front
-            special = len(self._with_bos(self.backend.post_process(first, second).ids)) - len(first.ids) - len(second.ids)
-        keep = longest_first(len(first.ids), len(second.ids), max_length - special)
-        if keep is None:
-            raise ValueError(f"max_length {max_length} is shorter than the pair's {special} special tokens")
-        first.truncate(keep[0])
-        second.truncate(keep[1])
-        if not add_special_tokens:
-            return first.ids + second.ids
-        return self._with_bos(self.backend.post_process(first, second, add_special_tokens=True).ids)
+        return self._row(text, pair, add_special_tokens, max_length,
+                         "longest_first" if max_length is not None else None).ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         """BOS in front where the checkpoint asks for it and the post-processor did not add it."""
-        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+        if self._adds_bos(ids):
             return [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None):
+    def _adds_bos(self, ids: list[int]) -> bool:
+        return self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id)
+
+    def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+               **kwargs):
         """ids: a list (or int, tensor, array) of ids -> text; a list of lists -> a list of texts.
         Special tokens are kept unless skip_special_tokens, as transformers' decode (what vLLM's
         get_tokenizer() returns); specdec's own outputs skip them (SamplingParams' default).
-        clean_up_tokenization_spaces is accepted and ignored, as transformers 5 ignores it for the
-        BPE tokenizers (all specdec loads): it would strip the spaces before punctuation."""
+        clean_up_tokenization_spaces (default: tokenizer_config.json's, else False) strips the
+        spaces before punctuation as transformers 5 does: not for a BPE model, where it would
+        corrupt the text. Other keywords (spaces_between_special_tokens, ...) are accepted and
+        ignored, as transformers 5's fast tokenizers ignore them."""
+        ids = token_ids["input_ids"] if isinstance(token_ids, dict) else token_ids
         if not isinstance(ids, list):
             ids = _as_list(ids)
         if ids and isinstance(ids[0], list):
             return self.batch_decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        if clean and type(self.backend.model).__name__ != "BPE":
+            text = clean_up_tokenization(text)
+        return text
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False,
-                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+                     clean_up_tokenization_spaces: bool | None = None, **kwargs) -> list[str]:
         """[decode(s) for s in sequences], with decode's default of keeping special tokens."""
         return [self.decode(_as_list(s), skip_special_tokens, clean_up_tokenization_spaces) for s in _as_list(sequences)]
 
@@ -312,8 +483,71 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
-        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """id -> AddedToken of each token added on top of the model's vocabulary, by id."""
+        return dict(sorted(self.backend.get_added_tokens_decoder().items()))
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self.added_tokens_encoder
+
+    @property
+    def model_input_names(self) -> list[str]:
+        names = self.init_config.get("model_input_names")
+        return list(names) if isinstance(names, list) else ["input_ids", "attention_mask"]
+
+    @property
+    def extra_special_tokens(self) -> list[str]:
+        return list(self.additional_special_tokens)
+
+    add_eos_token = False
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        return len(self._row("", "" if pair else None, True, None, None).ids)
+
+    def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False, **kwargs) -> list[str]:
+        return self(text, pair, add_special_tokens=add_special_tokens, **kwargs).tokens()
+
+    def add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        """transformers' add_tokens: tokens (strings or tokenizers.AddedToken) added to the
+        vocabulary after its last id; the number of tokens that were new."""
+        from tokenizers import AddedToken
+
+        new_tokens = [new_tokens] if isinstance(new_tokens, (str, AddedToken)) else list(new_tokens)
+        tokens = [t if isinstance(t, AddedToken) else AddedToken(t, special=special_tokens, normalized=not special_tokens)
+                  for t in new_tokens]
+        if special_tokens:
+            for t in tokens:
+                t.special = True
+        before = len(self)
+        add = self.backend.add_special_tokens if special_tokens else self.backend.add_tokens
+        add(tokens)
+        self.special_ids = {i for i, t in self.backend.get_added_tokens_decoder().items()}
+        for key in ("_layout", "_max_token_id"):
+            self.__dict__.pop(key, None)
+        return len(self) - before
+
+    def add_special_tokens(self, special_tokens_dict: dict, replace_extra_special_tokens: bool = True) -> int:
+        """transformers' add_special_tokens: {"pad_token": "<pad>", "additional_special_tokens":
+        [...], ...}: each added as a special token where new, and set as that named token."""
+        added = 0
+        for key, value in special_tokens_dict.items():
+            if key in ("additional_special_tokens", "extra_special_tokens"):
+                values = [_token_content(v) for v in value]
+                added += self.add_tokens(list(value), special_tokens=True)
+                self.additional_special_tokens = values if replace_extra_special_tokens else \
+                    list(dict.fromkeys([*self.additional_special_tokens, *values]))
+            elif key in SPECIAL_TOKENS:
+                added += self.add_tokens([value], special_tokens=True)
+                setattr(self, key, value)
+            else:
+                raise ValueError(f"{key} is not a special token name: one of {', '.join(SPECIAL_TOKENS)}, "
+                                 f"additional_special_tokens")
+        return added
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
         """An id -> its token (None if out of range); a list of ids -> a list of tokens. skip drops
@@ -369,81 +603,271 @@ class Tokenizer:
 
     @property
     def special_tokens_map(self) -> dict:
-        names = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
-                 "pad_token": self.pad_token}
+        names = {k: getattr(self, k) for k in SPECIAL_TOKENS}
         return {k: v for k, v in names.items() if v is not None}
 
     @property
     def all_special_tokens(self) -> list[str]:
-        named = [self.bos_token, self.eos_token, self.unk_token, self.pad_token, *self.additional_special_tokens]
+        named = [*(getattr(self, k) for k in SPECIAL_TOKENS), *self.additional_special_tokens]
         return list(dict.fromkeys(t for t in named if t is not None))
 
     @property
     def all_special_ids(self) -> list[int]:
         return [i for i in map(self.backend.token_to_id, self.all_special_tokens) if i is not None]
 
-    def __call__(self, text, text_pair=None, *, add_special_tokens: bool = True, padding: bool | str = False,
-                 truncation: bool | str | None = None, max_length: int | None = None,
-                 padding_side: str | None = None, return_tensors: str | None = None,
-                 return_attention_mask: bool = True) -> BatchEncoding:
-        """transformers' `tokenizer(text)`: a text (or a list of texts, and optionally their pairs)
-        -> BatchEncoding(input_ids, attention_mask). padding: True / "longest" (to the longest in
-        the batch) or "max_length"; truncation cuts the text, never the special tokens;
+    def __call__(self, text=None, text_pair=None, text_target=None, text_pair_target=None,
+                 add_special_tokens: bool = True, padding: bool | str = False, truncation: bool | str | None = None,
+                 max_length: int | None = None, stride: int = 0, is_split_into_words: bool = False,
+                 pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+                 return_tensors: str | None = None, return_token_type_ids: bool | None = None,
+                 return_attention_mask: bool | None = None, return_overflowing_tokens: bool = False,
+                 return_special_tokens_mask: bool = False, return_offsets_mapping: bool = False,
+                 return_length: bool = False, verbose: bool = True, tokenizer_kwargs: dict | None = None,
+                 **kwargs) -> BatchEncoding:
+        """transformers' `tokenizer(text)`, its arguments in its order: a text (or a list of texts,
+        and optionally their pairs; is_split_into_words: lists of words) -> BatchEncoding(input_ids,
+        attention_mask, and token_type_ids, special_tokens_mask, offset_mapping, length when
+        asked; text_target's ids as labels). padding: True / "longest" (to the longest in the
+        batch) or "max_length"; truncation ("longest_first", "only_first", "only_second"; on by
+        itself when only max_length is given) cuts the texts, never the special tokens;
         return_tensors: "pt" or "np" (then a single text gets a batch of one)."""
-        batched = isinstance(text, (list, tuple))
+        args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "tokenizer_kwargs", "text",
+                                                               "text_pair", "text_target", "text_pair_target")}
+        args.update(tokenizer_kwargs or {})
+        if text is None and text_target is None:
+            raise ValueError("You need to specify either `text` or `text_target`.")
+        target = None if text_target is None else self._encode_batch(text_target, text_pair_target, **args)
+        if text is None:
+            return target
+        out = self._encode_batch(text, text_pair, **args)
+        if target is not None:
+            out["labels"] = target["input_ids"]
+        return out
+
+    def _encode_batch(self, text, text_pair, add_special_tokens, padding, truncation, max_length, stride,
+                      is_split_into_words, pad_to_multiple_of, padding_side, return_tensors, return_token_type_ids,
+                      return_attention_mask, return_overflowing_tokens, return_special_tokens_mask,
+                      return_offsets_mapping, return_length, verbose, **kwargs) -> BatchEncoding:
+        if padding not in PADDING:
+            raise ValueError(f"{padding} is not a valid PaddingStrategy, please select one of "
+                             "['longest', 'max_length', 'do_not_pad']")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"{truncation} is not a valid TruncationStrategy, please select one of "
+                             "['only_first', 'only_second', 'longest_first', 'do_not_truncate']")
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"Unknown `direction`: `{side}`. Use one of `left` or `right`")
+        if return_overflowing_tokens:
+            raise ValueError("return_overflowing_tokens=True is not supported by specdec's tokenizer")
+        # transformers' strategies: max_length alone truncates; a padding or truncation to the
+        # model's length does nothing where the tokenizer sets none
+        if max_length is not None and padding is False and truncation is None:
+            truncation = "longest_first"
+        pad = None if padding in (False, None, "do_not_pad") else "longest" if padding is True else padding
+        cut = None if truncation in (False, None, "do_not_truncate") else "longest_first" if truncation is True else truncation
+        if max_length is None:
+            if pad == "max_length":
+                pad, max_length = (None, None) if self.model_max_length > LARGE_INTEGER else (pad, self.model_max_length)
+            if cut is not None:
+                if self.model_max_length > LARGE_INTEGER:
+                    cut = None
+                else:
+                    max_length = self.model_max_length
+        if pad is not None and self.pad_token_id is None:
+            raise ValueError("Asking to pad but the tokenizer does not have a padding token. Please select a token "
+                             "to use as `pad_token` `(tokenizer.pad_token = tokenizer.eos_token e.g.)` or add a new "
+                             "pad token via `tokenizer.add_special_tokens({'pad_token': '[PAD]'})`.")
+        if cut and pad and pad_to_multiple_of and max_length is not None and max_length % pad_to_multiple_of:
+            raise ValueError(f"Truncation and padding are both activated but truncation length ({max_length}) "
+                             f"is not a multiple of pad_to_multiple_of ({pad_to_multiple_of}).")
+        if is_split_into_words:
+            batched = isinstance(text, (list, tuple)) and bool(text) and isinstance(text[0], (list, tuple))
+        else:
+            batched = isinstance(text, (list, tuple))
         texts = list(text) if batched else [text]
         pairs = [None] * len(texts) if text_pair is None else list(text_pair) if batched else [text_pair]
         if len(pairs) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(pairs)} text pairs")
-        limit = max_length if max_length is not None else self.model_max_length
-        cut = limit if truncation not in (None, False, "do_not_truncate") else None
-        rows = [self._encode_row(t, p, add_special_tokens, cut) for t, p in zip(texts, pairs)]
-        masks = [[1] * len(r) for r in rows]
-        if padding not in (False, None, "do_not_pad"):
-            rows, masks = self._pad(rows, masks, limit if padding == "max_length" else None, padding_side or self.padding_side)
-        out = BatchEncoding(input_ids=rows, attention_mask=masks) if return_attention_mask else BatchEncoding(input_ids=rows)
+        rows = [self._row(t, p, add_special_tokens, max_length, cut, self.truncation_side if
+                          kwargs.get("truncation_side") is None else kwargs["truncation_side"], is_split_into_words)
+                for t, p in zip(texts, pairs)]
+        if pad is not None:
+            width = max_length if pad == "max_length" else max(map(len, rows), default=0)
+            if pad_to_multiple_of and width % pad_to_multiple_of:
+                width += pad_to_multiple_of - width % pad_to_multiple_of
+            for r in rows:                      # a longer row stays as it is
+                if width > len(r):
+                    r.put(0 if side == "left" else len(r), width - len(r), self.pad_token_id, self.pad_token,
+                          type_id=self.pad_token_type_id, real=0)
+        names = self.model_input_names
+        columns = {"input_ids": "ids"}
+        if return_token_type_ids or (return_token_type_ids is None and "token_type_ids" in names):
+            columns["token_type_ids"] = "type_ids"
+        if return_attention_mask or (return_attention_mask is None and "attention_mask" in names):
+            columns["attention_mask"] = "attention"
+        if return_special_tokens_mask:
+            columns["special_tokens_mask"] = "special"
+        if return_offsets_mapping:
+            columns["offset_mapping"] = "offsets"
+        data = {key: [getattr(r, column) for r in rows] for key, column in columns.items()}
+        if return_length:
+            data["length"] = [len(r) for r in rows]
+        n_sequences = 2 if text_pair is not None else 1
         if return_tensors is not None:
-            return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
-        return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
+            return BatchEncoding({k: _vector(v, return_tensors) if k == "length" else _tensor(v, return_tensors)
+                                  for k, v in data.items()}, rows, n_sequences)
+        if not batched:
+            data = {k: v if k == "length" else v[0] for k, v in data.items()}
+        return BatchEncoding(data, rows, n_sequences)
+
+    def _row(self, text, pair, add_special_tokens: bool, max_length: int | None, cut: str | None,
+             side: str = "right", split: bool = False) -> _Row:
+        """One text (or pair) encoded: truncated as tokenizers truncates (the special tokens kept,
+        the texts cut to the rest of max_length), then its special tokens (and BOS) added."""
+        for t in (text, pair):
+            if t is not None and not (isinstance(t, (list, tuple)) if split else isinstance(t, str)):
+                raise TypeError(f"text must be a string or a list of strings, not {type(t).__name__}")
+        try:
+            first = self._content(text, split)
+            second = None if pair is None else self._content(pair, split)
+        except TypeError:
+            _check_unicode(text)
+            _check_unicode(pair)
+            raise
+        if max_length is not None and cut is not None:
+            n1, n2 = len(first.ids), len(second.ids) if second is not None else 0
+            special = 0
+            if add_special_tokens:           # the template's tokens, and a BOS _with_bos would put in front
+                special = len(self._with_bos(self.backend.post_process(first, second).ids)) - n1 - n2
+            budget = max_length - special
+            if second is None:
+                if cut == "only_second":
+                    raise ValueError("Truncation error: Second sequence not provided")
+                first.truncate(max(0, budget), direction=side)
+            elif n1 + n2 > budget:
+                if budget < 0:
+                    raise ValueError(f"max_length {max_length} is shorter than the pair's {special} special tokens")
+                if cut == "longest_first":
+                    keep = longest_first(n1, n2, budget)
+                    first.truncate(keep[0], direction=side)
+                    second.truncate(keep[1], direction=side)
+                else:
+                    target = first if cut == "only_first" else second
+                    over = n1 + n2 - budget
+                    if len(target.ids) <= over:
+                        raise ValueError("Truncation error: Sequence to truncate too short to respect the provided "
+                                         "max_length")
+                    target.truncate(len(target.ids) - over, direction=side)
+        row = _Row(self.backend.post_process(first, second, add_special_tokens=add_special_tokens))
+        if second is not None:          # post_process of a pair leaves the first text's tokens unmarked
+            start = next((k for k, seq in enumerate(row.sequences) if seq == 1), len(row))
+            row.sequences[:start] = [None if w is None else 0 for w in row.words[:start]]
+        if add_special_tokens and self._adds_bos(row.ids):
+            row.put(0, 1, self.bos_token_id, self.bos_token)
+        return row
+
+    def _content(self, text, split: bool):
+        """A text's encoding without special tokens (a long text's with the GIL let go)."""
+        if split:
+            return self.backend.encode(list(text), is_pretokenized=True, add_special_tokens=False)
+        if len(text) < LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=False)
+        return self.backend.encode_batch([text], add_special_tokens=False)[0]
 
     def encode_last(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
         """transformers' encode(text, truncation=True, max_length=max_length) on a tokenizer with
         truncation_side="left", as vLLM tokenizes a text prompt with truncate_prompt_tokens: the
         text's last tokens, its special tokens (BOS) kept around them; a ValueError when not even
         the special tokens fit."""
-        try:
-            ids = self._encode_row(text, None, add_special_tokens, max_length, "left")
-        except TypeError:
-            _check_unicode(text)
-            raise
+        ids = self._row(text, None, add_special_tokens, max_length, "longest_first", "left").ids
         if len(ids) > max_length:
             raise ValueError(f"max_length {max_length} is shorter than the text's {len(ids)} special tokens")
         return ids
 
-    def _encode_row(self, text: str, pair: str | None, add_special_tokens: bool, cut: int | None,
-                    side: str = "right") -> list[int]:
-        if not isinstance(text, str) or not isinstance(pair, (str, type(None))):
-            raise TypeError(f"text must be a string or a list of strings, not {type(text).__name__}")
-        if pair is not None:
-            if cut is not None:
-                raise ValueError("truncating a text pair is not supported")
-            return self.encode_pair(text, pair, add_special_tokens)
-        if cut is None:
-            return self.encode(text, add_special_tokens)
-        content = self.backend.encode(text, add_special_tokens=False)
-        finish = lambda: self._with_bos(self.backend.post_process(content).ids) if add_special_tokens else content.ids
-        ids = finish()
-        if len(ids) > cut:     # cut the text by what is over, keeping the special tokens around it
-            content.truncate(max(0, cut - (len(ids) - len(content.ids))), direction=side)
-            ids = finish()
-        return ids
+    def pad(self, encoded_inputs, padding: bool | str = True, max_length: int | None = None,
+            pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+            return_attention_mask: bool | None = None, return_tensors: str | None = None,
+            verbose: bool = True) -> BatchEncoding:
+        """transformers' pad: encodings (a dict of rows, a list of dicts, or one unbatched dict)
+        padded to the longest row (or max_length), with an attention mask."""
+        if isinstance(encoded_inputs, (list, tuple)) and encoded_inputs and isinstance(encoded_inputs[0], dict):
+            encoded_inputs = {k: [e[k] for e in encoded_inputs] for k in encoded_inputs[0]}
+        data = {k: _as_list(v) if hasattr(v, "tolist") or isinstance(v, (list, tuple)) else v
+                for k, v in dict(encoded_inputs).items()}
+        ids = data.get("input_ids")
+        if ids is None:
+            raise ValueError("You should supply an encoding or a list of encodings to this method that includes "
+                             "input_ids, but you provided " + str(list(data)))
+        batched = bool(ids) and isinstance(ids[0], (list, tuple))
+        data = {k: [_as_list(r) for r in v] if batched and isinstance(v, list) else v for k, v in data.items()}
+        if not batched:
+            data = {k: [v] for k, v in data.items()}
+        if return_attention_mask is not False and "attention_mask" in self.model_input_names or return_attention_mask:
+            data.setdefault("attention_mask", [[1] * len(r) for r in data["input_ids"]])
+        if padding not in PADDING:
+            raise ValueError(f"{padding} is not a valid PaddingStrategy, please select one of "
+                             "['longest', 'max_length', 'do_not_pad']")
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"Unknown `direction`: `{side}`. Use one of `left` or `right`")
+        if padding not in (False, None, "do_not_pad"):
+            if self.pad_token_id is None:
+                raise ValueError("Asking to pad but the tokenizer does not have a padding token. Please select a "
+                                 "token to use as `pad_token` `(tokenizer.pad_token = tokenizer.eos_token e.g.)`.")
+            width = max_length if padding == "max_length" and max_length is not None else max(map(len, data["input_ids"]))
+            if pad_to_multiple_of and width % pad_to_multiple_of:
+                width += pad_to_multiple_of - width % pad_to_multiple_of
+            fill = {"input_ids": self.pad_token_id, "attention_mask": 0, "token_type_ids": self.pad_token_type_id,
+                    "special_tokens_mask": 1}
+            for key, value in fill.items():
+                if key in data:
+                    data[key] = [[value] * (width - len(r)) + r if side == "left" else r + [value] * (width - len(r))
+                                 for r in data[key]]
+        if return_tensors is not None:
+            return BatchEncoding({k: _tensor(v, return_tensors) for k, v in data.items()})
+        return BatchEncoding(data if batched else {k: v[0] for k, v in data.items()})
 
-    def _pad(self, rows, masks, length: int | None, side: str):
-        if self.pad_token_id is None:
-            raise ValueError("asking to pad but the tokenizer has no padding token (pad_token)")
-        width = length if length is not None else max(map(len, rows))   # a longer row stays as it is
-        pad = lambda r, v: [v] * max(0, width - len(r)) + r if side == "left" else r + [v] * max(0, width - len(r))
-        return [pad(r, self.pad_token_id) for r in rows], [pad(m, 0) for m in masks]
+    def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> str:
+        """transformers' choice of template: chat_template (the name of one of the tokenizer's
+        named templates, or a template), else "tool_use" when tools are given and the tokenizer
+        names one, else the tokenizer's."""
+        named = self.__dict__.get("named_templates") or {}
+        if chat_template is not None:
+            return named.get(chat_template, chat_template) if named else chat_template
+        template = (getattr(self, "tool_template", None) if tools else None) or self.chat_template
+        if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
+            raise TokenizerError(NO_CHAT_TEMPLATE)
+        return template
+
+    def save_pretrained(self, save_directory, **kwargs) -> tuple[str, ...]:
+        """The tokenizer as a Hugging Face folder that transformers (and specdec) load:
+        tokenizer.json, tokenizer_config.json, chat_template.jinja (and additional_chat_templates/)."""
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = {k: v for k, v in self.init_config.items() if k not in ("chat_template", "added_tokens_decoder")}
+        cfg.update({k: v for k, v in self.special_tokens_map.items()})
+        cfg.update(add_bos_token=self.add_bos_token, padding_side=self.padding_side,
+                   truncation_side=self.truncation_side, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces)
+        if self.model_max_length < VERY_LARGE_INTEGER:
+            cfg["model_max_length"] = self.model_max_length
+        if self.additional_special_tokens:
+            cfg["extra_special_tokens"] = list(self.additional_special_tokens)
+        cfg.setdefault("tokenizer_class", "TokenizersBackend")
+        files = [out / "tokenizer_config.json", out / "tokenizer.json"]
+        files[0].write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        self.backend.save(str(files[1]))
+        if self.chat_template:
+            files.append(out / "chat_template.jinja")
+            files[-1].write_text(self.chat_template)
+        named = {**(self.__dict__.get("named_templates") or {})}
+        if getattr(self, "tool_template", None):
+            named.setdefault("tool_use", self.tool_template)
+        for name, template in named.items():
+            if name != "default" and template != self.chat_template:
+                (out / "additional_chat_templates").mkdir(exist_ok=True)
+                files.append(out / "additional_chat_templates" / f"{name}.jinja")
+                files[-1].write_text(template)
+        return tuple(map(str, files))
 
     def apply_chat_template(self, conversation: list[dict] | list[list[dict]], tools: list[dict] | None = None,
                             documents: list[dict] | None = None, chat_template: str | None = None,
@@ -464,8 +888,10 @@ class Tokenizer:
         want the text of a prompt for the assistant pass tokenize=False, add_generation_prompt=True.
         sandbox_process (specdec's): render in a child process with a memory and a time limit (a
         template sent with a request: jinja_sandbox.IsolatedRenderer)."""
-        if tools is not None:
-            kwargs["tools"] = tools
+        if tools is not None:       # transformers' conversion of a Python function to its JSON schema
+            kwargs["tools"] = [_tool_schema(t) if inspect.isfunction(t) or inspect.ismethod(t) else t for t in tools]
+        if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
+            raise TokenizerError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         if documents is not None:
             kwargs["documents"] = documents
         if return_assistant_tokens_mask and not (tokenize and return_dict):
@@ -510,10 +936,8 @@ class Tokenizer:
         """The text of one conversation; spans, when a list: filled with the (start, end) of each
         `{% generation %}` block's text in it."""
         # transformers' choice: the "tool_use" template when tools are given and the folder names one
-        tool_template = getattr(self, "tool_template", None) if kwargs.get("tools") else None
-        template = chat_template or tool_template or self.chat_template
-        if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
-            raise TokenizerError(NO_CHAT_TEMPLATE)
+        # (a name among the folder's named templates picks that one)
+        template = self.get_chat_template(chat_template, kwargs.get("tools"))
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
         # transformers' normalisation: a message's keys set to None are left out (a None content
@@ -543,7 +967,8 @@ class Tokenizer:
             # the template met a value of a shape it does not take (vLLM's serving answers these
             # with a 400 too): e.g. content as a list of parts for a template that adds strings,
             # an OverflowError of its arithmetic, a RecursionError
-            raise TokenizerError(f"chat template failed: {failure(e)}") from None
+            error = ChatTemplateError if isinstance(e, jinja2.TemplateError) else TokenizerError
+            raise error(f"chat template failed: {failure(e)}") from None
         if spans is not None:
             text = _take_generation_marks(text, spans)
         if continue_final_message and messages:   # cut what the template wrote after the last message
@@ -683,6 +1108,24 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
+def _vector(values: list[int], kind: str):
+    """return_length's lengths as a 1-D tensor or array."""
+    if kind == "np":
+        import numpy as np
+        return np.array(values, dtype=np.int64)
+    import torch
+    return torch.tensor(values, dtype=torch.long)
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization: the spaces WordPiece leaves before punctuation and
+    English contractions taken out."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
 def _tensor(rows: list[list[int]], kind: str):
     """Equal-length rows -> a [B, T] torch tensor ("pt") or numpy array ("np")."""
     if kind not in ("pt", "np"):
@@ -702,7 +1145,7 @@ NO_CHAT_TEMPLATE = ("this model's tokenizer has no chat template; pass --chat-te
 
 def first_vocab_mismatch(a: Tokenizer, b: Tokenizer) -> int | None:
     """The first token id whose text differs between two tokenizers, or None if they agree."""
-    n = max(a.vocab_size, b.vocab_size)
+    n = max(len(a), len(b))           # added tokens included
     for i in range(n):
         if a.id_to_token(i) != b.id_to_token(i):
             return i

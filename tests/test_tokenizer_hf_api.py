@@ -477,3 +477,34 @@ def test_invalid_padding_and_truncation_values_raise(pair, kinds):
             with pytest.raises(ValueError) as got:
                 ours([A, "hi"], **kw)
             assert str(got.value).split(":")[0].split(" ")[-1] == str(want.value).split(":")[0].split(" ")[-1]
+
+
+def test_left_truncation_masks_and_only_second_as_transformers(tmp_path):
+    """A tokenizer_config.json truncating from the left: the assistant mask marks the reply among
+    the tokens kept (it marked the user's text: the mask assumed the text's first tokens were
+    kept); truncation="only_second" on a single text raises only when a cut is needed; and
+    /tokenizer_info reports the file's own model_max_length (it said null for 1e30)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specdec.defaults import BUNDLED_TARGET
+
+    folder = shutil.copytree(BUNDLED_TARGET, tmp_path / "left")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.update(truncation_side="left", model_max_length=int(1e30))
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+                "{{ m['content'] }}<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>{% endif %}\n{% endfor %}")
+    conv = [{"role": "user", "content": "def add(a, b): what does it return"},
+            {"role": "assistant", "content": "it returns a plus b"}, {"role": "user", "content": "and hello world"}]
+    for kw in ({}, {"truncation": True, "max_length": 20}):
+        a, b = (t.apply_chat_template(conv, chat_template=template, return_assistant_tokens_mask=True, **kw)
+                for t in (ours, hf))
+        assert (list(a["input_ids"]), list(a["assistant_masks"])) == (list(b["input_ids"]), list(b["assistant_masks"]))
+    assert ours(["hello", "hi"], truncation="only_second", max_length=16)["input_ids"] == \
+        hf(["hello", "hi"], truncation="only_second", max_length=16)["input_ids"]
+    with pytest.raises(ValueError, match="Second sequence not provided"):
+        ours("hello " * 40, truncation="only_second", max_length=4)
+    assert ours.info()["model_max_length"] == int(1e30)

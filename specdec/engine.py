@@ -92,6 +92,9 @@ class Engine:
         # previous step's events to its event loop there, so that their Python runs while the
         # forward has released the GIL instead of beside the step's own (drafting, scheduling)
         self.before_forward: Callable[[], None] | None = None
+        # called with each request's last event as it leaves the engine (a step's, or abort()'s),
+        # on the thread that stepped or aborted it: LLM.get_metrics counts every request there
+        self.on_finished: Callable[[StepEvent], None] | None = None
         self.logprobs_mode = logprobs_mode
         if not (isinstance(max_logprobs, int) and max_logprobs >= -1):
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {max_logprobs!r}")
@@ -302,7 +305,10 @@ class Engine:
         if req is None:
             return None
         self._retire(req)
-        return StepEvent([], "", 0, finished=True, finish_reason="abort", stats=req.stats, request_id=request_id)
+        event = StepEvent([], "", 0, finished=True, finish_reason="abort", stats=req.stats, request_id=request_id)
+        if self.on_finished is not None:
+            self.on_finished(event)
+        return event
 
     def preempt_all(self) -> int:
         """Every running request back to the waiting queue, its KV blocks freed, as a preemption
@@ -388,17 +394,23 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Advance every running request by one step; returns the step's events."""
+        """Advance every running request by one step; returns the step's events (each request's
+        last one also to on_finished)."""
         prof = self.profiler
         if prof is None or not prof.active:
-            return self._step(None)
-        if not prof.ranges:                   # delay_iterations still passing
             events = self._step(None)
         else:
-            with prof.range(f"specdec:step {self.num_running} running {self.num_waiting} waiting"):
-                events = self._step(prof)
-        if self.last_step_tokens:             # a step that ran a forward (not an idle one) counts
-            prof.after_step()
+            if not prof.ranges:                   # delay_iterations still passing
+                events = self._step(None)
+            else:
+                with prof.range(f"specdec:step {self.num_running} running {self.num_waiting} waiting"):
+                    events = self._step(prof)
+            if self.last_step_tokens:             # a step that ran a forward (not an idle one) counts
+                prof.after_step()
+        if self.on_finished is not None:
+            for event in events:
+                if event.finished:
+                    self.on_finished(event)
         return events
 
     def _step(self, prof: StepProfiler | None) -> list[StepEvent]:

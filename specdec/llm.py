@@ -390,7 +390,7 @@ class LLM:
             typical_acceptance(self.spec)
         if self.spec is not None and self.spec.num_speculative_tokens != 0:
             proposer = build_proposer(self.spec, self.target, self._load_draft, max_len)
-        self.engine = _CountedEngine(self.target, self.tokenizer, proposer,
+        self.engine = Engine(self.target, self.tokenizer, proposer,
                              self.spec.num_speculative_tokens if self.spec else 0, max_len,
                              max_k=self.spec.max_k if self.spec else 8, scheduler_config=sched,
                              typical=typical_acceptance(self.spec) if proposer is not None else None,
@@ -1323,28 +1323,6 @@ def _modules_under(roots, depth: int = 3):
             stack += [(x, d + 1) for x in obj.values()]
         elif hasattr(obj, "__dict__") and d < depth and type(obj).__module__.startswith("specdec."):
             stack += [(x, d + 1) for x in vars(obj).values()]
-
-
-class _CountedEngine(Engine):
-    """The LLM's engine: each request that leaves it, finished (a step's last event) or aborted
-    (abort()'s event, its statistics so far), is told to `on_finished` on the thread that stepped
-    or aborted it: one place counts every request however it ran (LLM.get_metrics)."""
-
-    on_finished: Callable[[StepEvent], None] | None = None
-
-    def step(self) -> list[StepEvent]:
-        events = super().step()
-        if self.on_finished is not None:
-            for event in events:
-                if event.finished:
-                    self.on_finished(event)
-        return events
-
-    def abort(self, request_id) -> StepEvent | None:
-        event = super().abort(request_id)
-        if event is not None and self.on_finished is not None:
-            self.on_finished(event)
-        return event
 
 
 class _EngineView:

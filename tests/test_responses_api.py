@@ -318,8 +318,7 @@ def test_max_output_tokens_past_the_context_is_capped(client):
 
 
 @pytest.mark.parametrize("kw,param", [(dict(include=["bogus"]), "include"), (dict(truncation="bogus"), "truncation"),
-                                      (dict(background=True, store=False), "background"),
-                                      (dict(background=True, stream=True), "stream")])
+                                      (dict(background=True, store=False), "background")])
 def test_include_truncation_and_background_are_checked(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="toy", input="x", max_output_tokens=2, **kw)

@@ -507,6 +507,10 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             async def work(started):
                 return (await respond(gen, fmt, body, model, rid, served, started))[0]
             queued = response_body(rid, body, model, int(time.time()), [], None, None, "queued", served)
+            if body.stream:         # its events kept as they come: a client reconnects with GET ?stream=true
+                events = background.start_stream(rid, turn, queued, lambda started, done: stream_response(
+                    gen, fmt, body, model, rid, done, served, started))
+                return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
             return background.start(rid, turn, queued, work)
         if body.stream:
             return StreamingResponse(stream_response(gen, fmt, body, model, rid, keep, served),
@@ -520,7 +524,10 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         return await _until_done(request, run())
 
     @router.get("/responses/{rid}")
-    async def read(rid: str):
+    async def read(rid: str, stream: bool = False, starting_after: int | None = None):
+        if stream:      # vLLM's: a background stream's events after starting_after, then the live ones
+            return StreamingResponse(background.follow(rid, starting_after), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
         return Response(store.get(rid)[1], media_type="application/json")
 
     @router.delete("/responses/{rid}")

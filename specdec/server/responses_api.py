@@ -20,6 +20,9 @@ string values of 512).
 Background mode (vLLM's; `background: true`, which needs `store`): the request is checked, then
 answered at once with status "queued" while it runs; `GET /v1/responses/{id}` shows it
 "in_progress", then the final response; `POST /v1/responses/{id}/cancel` stops it ("cancelled").
+Streamed too (`stream: true`), its events are kept as they come, so a client that lost the
+stream reconnects with `GET /v1/responses/{id}?stream=true&starting_after=<sequence_number>`:
+the events after that one, then the live ones (vLLM's; a cancelled one's stream just ends).
 
 Streams are OpenAI's typed server-sent events, numbered by `sequence_number`:
 response.created, response.in_progress, then per item response.output_item.added, its deltas
@@ -142,6 +145,9 @@ class ResponseStore:
         items, body = self._items[rid]
         return json.loads(items), body
 
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._items
+
     def delete(self, rid: str) -> None:
         self.get(rid)
         self._drop(rid)
@@ -162,14 +168,11 @@ _JSON_TYPES = {dict: "an object", list: "an array", int: "an integer", float: "a
 
 
 def check_request(req: ResponsesRequest) -> None:
-    """What the Responses API checks beyond the chat path's checks: background mode's needs
-    (vLLM's: a stored response; not streamed here), OpenAI's metadata limits (at most 16 pairs,
-    keys of at most 64 characters, string values of at most 512)."""
+    """What the Responses API checks beyond the chat path's checks: background mode's need
+    (vLLM's: a stored response), OpenAI's metadata limits (at most 16 pairs, keys of at most 64
+    characters, string values of at most 512)."""
     if req.background and not req.store:
         raise APIError(400, "background can only be used when `store` is true", "background")
-    if req.background and req.stream:
-        raise APIError(400, "background responses cannot be streamed here: leave `stream` out and read the "
-                            "response with GET /v1/responses/{id}", "stream")
     meta = req.metadata
     if meta is None:
         return
@@ -589,14 +592,16 @@ class _ItemStream:
 
 
 async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
-                 done, served: Served = Served()) -> AsyncIterator[str]:
-    """Typed events as the reply is generated; done(body) is called with the final response."""
+                 done, served: Served = Served(), started: Callable[[], None] | None = None
+                 ) -> AsyncIterator[str]:
+    """Typed events as the reply is generated; done(body) is called with the final response,
+    started() when the first tokens come."""
     items, created = _ItemStream(), int(time.time())
     start = response_body(rid, req, model, created, [], None, None, status="in_progress", served=served)
     yield items.event("response.created", response=start)
     yield items.event("response.in_progress", response=start)
     try:
-        async for e in items.run(gen, fmt):
+        async for e in items.run(gen, fmt, started):
             yield e
         body = response_body(rid, req, model, created, items.output, items.finish, chat_usage(gen, items.tokens),
                              served=served, speculative=speculative(gen))
@@ -610,14 +615,49 @@ async def stream(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model:
         yield items.event("error", code=None, message=f"internal error: {type(e).__name__}", param=None)
 
 
+class _Events:
+    """A streamed background response's events as they come (event i has sequence_number i),
+    for any number of readers, each from where it joins."""
+
+    def __init__(self):
+        self.sse: list[str] = []
+        self.done = False
+        self._new = asyncio.Event()
+
+    def add(self, event: str) -> None:
+        self.sse.append(event)
+        self._wake()
+
+    def end(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._new.set()
+        self._new = asyncio.Event()     # a fresh one for the next wait: readers never clear it
+
+    async def after(self, seq: int) -> AsyncIterator[str]:
+        """The events after sequence number seq (-1: all), then the live ones until the end."""
+        i = max(seq + 1, 0)
+        while True:
+            while i < len(self.sse):
+                yield self.sse[i]
+                i += 1
+            if self.done:
+                return
+            await self._new.wait()
+
+
 class Background:
     """vLLM's background mode: responses that run after the request is answered (status
     "queued"), kept in the store as they go ("in_progress", then the final response) and
-    cancellable until they end."""
+    cancellable until they end. A streamed one's events are kept for readers that reconnect:
+    while it runs, then for the latest max_streams finished ones the store still holds."""
 
-    def __init__(self, store: ResponseStore):
-        self.store = store
+    def __init__(self, store: ResponseStore, max_streams: int = 64):
+        self.store, self.max_streams = store, max_streams
         self.tasks: dict[str, asyncio.Task] = {}
+        self.streams: collections.OrderedDict[str, _Events] = collections.OrderedDict()
 
     def start(self, rid: str, turn: list[dict], queued: dict,
               work: Callable[[Callable[[], None]], Coroutine]) -> dict:
@@ -641,6 +681,47 @@ class Background:
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
         return queued
 
+    def start_stream(self, rid: str, turn: list[dict], queued: dict,
+                     events: Callable[[Callable[[], None], Callable[[dict], None]], AsyncIterator[str]]
+                     ) -> AsyncIterator[str]:
+        """As start, for a streamed response: events(started, done) makes its events (as stream()
+        does: done(body) with the final response); they are kept as they come and the stream of
+        them is returned, from the first. The run does not depend on that stream's reader: a
+        client that leaves reconnects with follow()."""
+        kept = self.streams[rid] = _Events()
+        self._trim()
+
+        async def work(started):
+            final = []
+            try:
+                async for e in events(started, final.append):
+                    kept.add(e)
+            finally:
+                kept.end()
+            if not final:               # the stream ended with its error event: the response failed
+                raise APIError(500, json.loads(kept.sse[-1].split("data: ", 1)[1])["message"], None)
+            return final[0]
+        self.start(rid, turn, queued, work)
+        return kept.after(-1)
+
+    def follow(self, rid: str, starting_after: int | None = None) -> AsyncIterator[str]:
+        """vLLM's GET /v1/responses/{id}?stream=true: a background stream's events after
+        sequence number starting_after (all without it), then the live ones. 404 for an unknown
+        response, 400 for one not streamed in the background (or whose events are forgotten)."""
+        self.store.get(rid)
+        if rid not in self.streams:
+            raise APIError(400, f"response {rid!r} has no stored events: only background responses created with "
+                                f"stream true can be streamed again (the latest {self.max_streams} finished ones)",
+                           "stream")
+        return self.streams[rid].after(-1 if starting_after is None else starting_after)
+
+    def _trim(self) -> None:
+        """Forget finished streams the store forgot, then the oldest beyond max_streams."""
+        done = [rid for rid, kept in self.streams.items() if kept.done]
+        for i, rid in enumerate(done):
+            if rid not in self.store or i < len(done) - self.max_streams:
+                del self.streams[rid]
+
     async def cancel(self, rid: str) -> dict:
         """vLLM's cancel: a running background response stops and is kept "cancelled"; any other
         stored response is a 400, an unknown one a 404."""
@@ -649,13 +730,18 @@ class Background:
         task = self.tasks.get(rid)
         if task is None or body["status"] not in ("queued", "in_progress"):
             raise APIError(400, "Cannot cancel a synchronous response.", None)
-        await self.stop(rid)
+        await self._halt(rid)
         body["status"] = "cancelled"
         self.store.put(rid, turn, body)
         return body
 
     async def stop(self, rid: str) -> None:
-        """Its work cancelled (the engine request aborted), if it still runs."""
+        """Its work cancelled (the engine request aborted), if it still runs, and its events
+        forgotten (DELETE)."""
+        await self._halt(rid)
+        self.streams.pop(rid, None)
+
+    async def _halt(self, rid: str) -> None:
         task = self.tasks.pop(rid, None)
         if task is not None:
             task.cancel()

@@ -152,6 +152,8 @@ class Service:
         if self.config.reasoning_parser == HARMONY and params.structured_outputs is None:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         prompts = [self.engine.truncated(p, params) for p in prompts]
+        if max_tokens is None:
+            params = _within_context(params, prompts[0], self.engine.max_model_len)
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 
@@ -411,6 +413,16 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
     if params.top_p < _MIN_TOP_P:
         params = dataclasses.replace(params, top_p=_MIN_TOP_P)
     return params
+
+
+def _within_context(params: SamplingParams, prompt: list[int], limit: int) -> SamplingParams:
+    """generation_config.json's max_new_tokens, when the request named no max_tokens, is a default
+    cap, not a request: what the context leaves bounds it (vLLM's get_max_tokens) where the
+    request's own max_tokens past the context is a 400. A prompt with no room is left to that check."""
+    room = limit - len(prompt)
+    if params.max_tokens is None or params.max_tokens <= room or room < 1:
+        return params
+    return dataclasses.replace(params, max_tokens=room)
 
 
 def _capped(asked: int | None, cap: int | None) -> int | None:

@@ -22,8 +22,9 @@ Both: control tokens become special added tokens, user-defined ones plain added 
 whole in the text (llama.cpp's tokenizer_st_partition). A byte-level file stores a user-defined
 token as its raw text ("<tool call>", "héllo"), which llama.cpp matches and prints as it is
 (token_to_piece); transformers' loader respells it in the byte alphabet, splitting it into
-pieces, or byte-decodes it ("h\ufffdllo"), and specdec follows llama.cpp. A SentencePiece file
-without the special ids gets llama.cpp's UNK 0, BOS 1, EOS 2. BOS is added by a post-processor
+pieces, or byte-decodes it ("h\ufffdllo"), and specdec follows llama.cpp. A file without the
+special ids gets llama.cpp's: UNK 0, BOS 1, EOS 2 for SentencePiece, BOS = EOS = 11 for byte-level
+BPE (llama.cpp's other vocabularies, WPM and UGM, are not read). BOS is added by a post-processor
 when the file asks for it. Otherwise it encodes as transformers' own GGUF loader
 (tests/test_tokenizer.py checks it on a few hundred strings). `GGUFVocab.eog_token_ids` is
 llama.cpp's end-of-generation set.
@@ -230,6 +231,9 @@ class GGUFVocab:
     eom_token_id: int | None = None  # end of message (Llama 3.1's <|eom_id|>): also ends generation
     fim_token_ids: tuple = ()        # FIM pad / repo / file separator: llama.cpp ends generation on them too
     tool_template: str | None = None  # tokenizer.chat_template.tool_use: llama.cpp's template for requests with tools
+    # BPE's default id 11 where the file names no BOS / EOS: it begins and ends text as llama.cpp,
+    # but stays a plain token unless its type says otherwise (in GPT-2's vocabulary it is ",")
+    assumed_ids: tuple = ()
 
     @classmethod
     def from_gguf(cls, g) -> "GGUFVocab":
@@ -245,8 +249,11 @@ class GGUFVocab:
         add_prefix = g.get("tokenizer.ggml.add_space_prefix")
         pre = g.get("tokenizer.ggml.pre")
         opt = lambda key, default=None: default if g.get(key) is None else int(g.get(key))  # noqa: E731
-        # llama.cpp's ids for a SentencePiece vocabulary without the keys: UNK 0, BOS 1, EOS 2
+        # llama.cpp's ids for a vocabulary without the keys (llama-vocab.cpp, where the id exists):
+        # SentencePiece UNK 0, BOS 1, EOS 2; byte-level BPE BOS = EOS = 11 (Falcon's <|endoftext|>)
         spm_id = lambda i: i if model == "llama" and i < len(tokens) else None  # noqa: E731
+        bpe_id = 11 if model == "gpt2" and len(tokens) > 11 else None
+        bos, eos = (opt(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
         eot = opt("tokenizer.ggml.eot_token_id")
         if eot is None and "<end_of_turn>" in tokens:     # llama.cpp's rule: Gemma's end of turn
             eot = list(tokens).index("<end_of_turn>")
@@ -256,8 +263,9 @@ class GGUFVocab:
         return cls(model=model, pre=pre, tokens=list(tokens),
                    token_types=[int(t) for t in types], merges=g.get("tokenizer.ggml.merges"),
                    scores=g.get("tokenizer.ggml.scores"),
-                   bos_token_id=opt("tokenizer.ggml.bos_token_id", spm_id(1)),
-                   eos_token_id=opt("tokenizer.ggml.eos_token_id", spm_id(2)),
+                   bos_token_id=bos if bos is not None else spm_id(1) if model == "llama" else bpe_id,
+                   eos_token_id=eos if eos is not None else spm_id(2) if model == "llama" else bpe_id,
+                   assumed_ids=(bpe_id,) if None in (bos, eos) and bpe_id not in (bos, eos) else (),
                    eot_token_id=eot, unk_token_id=opt("tokenizer.ggml.unknown_token_id", spm_id(0)),
                    pad_token_id=opt("tokenizer.ggml.padding_token_id"),
                    add_bos_token=bool(add_bos) if add_bos is not None else bos_default,
@@ -392,8 +400,9 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
     alphabet = set(byte_alphabet().values())
     # control tokens stay whole and are special (skipped when decoding); a "control" token
     # spelled outside the byte alphabet of a byte-level vocabulary is a converter's mislabel.
-    # The tokens named BOS, EOS, UNK and PAD are special too, whatever their type.
-    named = {v.token(i) for i in (v.bos_token_id, v.eos_token_id, v.unk_token_id, v.pad_token_id)} - {None}
+    # The tokens named BOS, EOS, UNK and PAD are special too, whatever their type (not BPE's assumed 11).
+    named = {v.token(i) for i in (v.bos_token_id, v.eos_token_id, v.unk_token_id, v.pad_token_id)
+             if i not in v.assumed_ids} - {None}
     control = [t for t, kind in zip(v.tokens, v.token_types)
                if kind == CONTROL and (not byte_level or set(t) <= alphabet)]
     special = list(dict.fromkeys([*control, *sorted(named - set(control))]))

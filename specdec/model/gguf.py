@@ -323,16 +323,14 @@ class GGUFFile:
                "routed_scaling_factor": float(a("expert_weights_scale") or 1.0),
                "norm_topk_prob": bool(a("expert_weights_norm") or False), "n_group": groups, "topk_group": used_groups,
                "bos_token_id": self.get("tokenizer.ggml.bos_token_id"), "eos_token_id": None if eos is None else int(eos)}
-        kind = a("rope.scaling.type")
-        if kind not in (None, "none", "yarn"):
-            raise GGUFError(f"{self.path}: unsupported rope scaling {kind!r} for {arch} (supported: yarn)")
-        if kind == "yarn":
-            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": float(req("rope.scaling.factor")),
-                                   "original_max_position_embeddings": int(a("rope.scaling.original_context_length")
-                                                                           or cfg["max_position_embeddings"])}
+        # llama.cpp reads the scaling keys alike for every architecture: a factor without a type is linear
+        rope_scaling = self._rope_scaling(cfg["max_position_embeddings"])
+        if rope_scaling is not None:
+            cfg["rope_scaling"] = rope_scaling
             mul = a("rope.scaling.yarn_log_multiplier")
-            if mul and arch == "deepseek2":      # mscale = mscale_all_dim: cos and sin unscaled, as DeepSeek's configs
-                cfg["rope_scaling"].update(mscale=float(mul) / 0.1, mscale_all_dim=float(mul) / 0.1)
+            if mul and arch == "deepseek2" and rope_scaling["rope_type"] == "yarn":
+                # mscale = mscale_all_dim: cos and sin unscaled, as DeepSeek's configs
+                rope_scaling.update(mscale=float(mul) / 0.1, mscale_all_dim=float(mul) / 0.1)
         if arch == "gpt-oss":
             return self._gpt_oss_config(cfg)
         if arch == "glm4moe":
@@ -364,11 +362,10 @@ class GGUFFile:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         n = cfg["num_hidden_layers"]
         window = _gguf_window_layers(self, "gpt-oss", n, 2)
-        rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-        if "rope_scaling" in cfg:
-            rope = {**cfg.pop("rope_scaling"), "beta_fast": float(a("rope.scaling.yarn_beta_fast") or 32.0),
-                    "beta_slow": float(a("rope.scaling.yarn_beta_slow") or 1.0), "truncate": False,
-                    "rope_theta": cfg["rope_theta"]}
+        rope = {**cfg.pop("rope_scaling", {"rope_type": "default"}), "rope_theta": cfg["rope_theta"]}
+        if rope["rope_type"] == "yarn":
+            rope.update(beta_fast=float(a("rope.scaling.yarn_beta_fast") or 32.0),
+                        beta_slow=float(a("rope.scaling.yarn_beta_slow") or 1.0), truncate=False)
         cfg.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
                    head_dim=int(a("attention.key_length") or hidden // heads),
                    num_key_value_heads=int(a("attention.head_count_kv") or heads),

@@ -13,7 +13,12 @@ holds: CUMULATIVE (the completion so far), DELTA (what is new), FINAL_ONLY (one 
 end, every completion in it); with n > 1 streamed, each output holds one completion (the one that
 moved; its `index` says which), as vLLM v1's (outputs.RequestStream, which llm.llm_engine's step()
 shares). The outputs are the offline LLM's: greedy and
-seeded requests give LLM.generate's tokens and text.
+seeded requests give LLM.generate's tokens and text. add_request() is generate() without the
+loop: a RequestOutputCollector whose get() awaits the next output, as vLLM's.
+
+An exception in an engine step is fatal, as in vLLM's engine core: the requests in flight get
+EngineDeadError (the step's exception its __cause__), errored turns True, check_health() raises
+and new requests are refused (a server's EngineWorker instead fails the step's requests and goes on).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 
 from .config import RequestOutputKind, SamplingParams
@@ -32,7 +38,8 @@ from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 from .tracing import extract_trace_headers, warn_tracing_disabled
 
 log = logging.getLogger("specdec.async_llm")
-__all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "LLMEngine", "RequestOutputKind"]
+__all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "LLMEngine",
+           "RequestOutputCollector", "RequestOutputKind"]
 
 
 class EngineArgs:
@@ -115,11 +122,115 @@ def _llm_defaults() -> dict:
             if p.default is not inspect.Parameter.empty}
 
 
-class _Stream:
-    """A request's jobs and the queue their events come through."""
+class EngineDeadError(RuntimeError):
+    """vLLM's: the engine cannot serve any more (its thread has ended, or a step raised: the
+    exception is this one's __cause__)."""
 
-    def __init__(self, jobs: list[Job], queue: asyncio.Queue):
-        self.jobs, self.queue, self.aborted = jobs, queue, False
+
+class _EngineCore(EngineWorker):
+    """The AsyncLLM's engine thread, as vLLM's engine core: an exception in a step (or between
+    two) is fatal. The engine's state after a failed forward is not to be trusted, and a fault
+    that fails one step (a model that raises, a device gone) fails the next as well: a live
+    thread failing every request would pass check_health() forever."""
+
+    def __init__(self, engine):
+        super().__init__(engine, freeze_heap=False)
+        self.error: BaseException | None = None          # what killed the engine
+
+    def dead(self) -> EngineDeadError:
+        dead = EngineDeadError(f"the engine is not running: it failed ({type(self.error).__name__}: {self.error})")
+        dead.__cause__ = self.error
+        return dead
+
+    def _fail_all(self, error: Exception) -> None:
+        self.error = error
+        dead = self.dead()
+        with self._cond:
+            self._closing = True                         # submit() refuses from now on: alive is False
+            queued, self._inbox = list(self._inbox), deque()
+            calls, self._calls = list(self._calls), deque()
+            pauses, self._pauses = self._pauses, []
+        super()._fail_all(dead)                          # the requests in the engine
+        for job in queued:
+            self._send(job, dead)
+        for future in [c[1] for c in calls] + [p[0] for p in pauses]:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(dead)
+
+    def _between_steps(self) -> bool:
+        return self.error is None and super()._between_steps()      # dead: the thread ends
+
+
+def _deliver(loop, queue: asyncio.Queue, index: int, worker: EngineWorker, job: Job, item) -> None:
+    """A Job's deliver: hand one event of it to its request's queue on `loop`. A loop that is
+    closed (asyncio.run returned with the request still in the engine) cancels the job, between
+    two steps: the worker's own answer to that, an abort, may land in the middle of a step
+    (events are handed over as the next forward starts) and fail it."""
+    try:
+        deliver(loop, queue, index, item)
+    except RuntimeError:
+        worker.cancel(job)
+
+
+class RequestOutputCollector:
+    """vLLM's: one request's outputs, as add_request() returns them: get() awaits the next
+    RequestOutput (raising the request's error), get_nowait() gives it or None. The engine's
+    events come through `queue` (index, StepEvent | Exception; (None, None): aborted); the
+    events queued by the time an output is asked for make one output (what one step gave every
+    choice), as vLLM's collector merges what its consumer has not taken yet."""
+
+    def __init__(self, request_id: str, streams: dict, worker: EngineWorker, log_requests: bool):
+        self.request_id, self.queue = request_id, asyncio.Queue()
+        self.jobs: list[Job] = []
+        self.stream: RequestStream | None = None          # set once the request is checked
+        self.aborted = self._closed = False
+        self._streams, self._worker, self._log = streams, worker, log_requests
+        self._ready: deque[RequestOutput] = deque()
+
+    @property
+    def finished(self) -> bool:
+        return self.stream is not None and self.stream.finished and not self._ready
+
+    def get_nowait(self) -> RequestOutput | None:
+        if not self._ready and not self.queue.empty():
+            self._take([])
+        return self._ready.popleft() if self._ready else None
+
+    async def get(self) -> RequestOutput:
+        while not self._ready:
+            self._take([await self.queue.get()])
+        return self._ready.popleft()
+
+    def _take(self, items: list) -> None:
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        outs = self.stream
+        for index, item in items:
+            if index is None:                    # abort(request_id)
+                outs.abort()
+                break
+            if index not in outs.open:
+                continue
+            if isinstance(item, Exception):
+                raise item
+            outs.add(index, item)
+        self._ready.extend(outs.outputs())
+        if outs.finished:
+            self.close()
+
+    def close(self) -> None:
+        """The request is done with: its id is free, its choices still running are aborted."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._streams.get(self.request_id) is self:
+            del self._streams[self.request_id]
+        if self.stream is not None:
+            for i in self.stream.open:
+                self._worker.cancel(self.jobs[i])
+            if self._log:
+                log.info("Finished request %s: %s", self.request_id,
+                         ", ".join(str(c.finish_reason) for c in self.stream.choices))
 
 
 class AsyncLLM:
@@ -133,9 +244,9 @@ class AsyncLLM:
             raise ValueError("this LLM's engine already runs under another AsyncLLM (or a server)")
         self.tokenizer = self.llm.tokenizer
         self.log_requests = log_requests
-        self._worker = EngineWorker(self.llm.engine, freeze_heap=False)
+        self._worker = _EngineCore(self.llm.engine)
         self._worker.start()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestOutputCollector] = {}
         self._stopped = False
 
     @classmethod
@@ -150,20 +261,19 @@ class AsyncLLM:
 
     # ---- generation ----
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       prompt_text: str | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
-                       trace_headers=None, priority: int = 0,
-                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's RequestOutputs (prompt: text, {"prompt": ...} or
-        {"prompt_token_ids": [...]}); the last has finished=True. A bad prompt or parameter is a
-        ValueError before anything runs (raised where the first output is awaited, as vLLM's); a
-        request id already streaming is one too. trace_headers: a request's W3C trace context
-        (traceparent, tracestate), the parent of its span with otlp_traces_endpoint set.
-        tokenization_kwargs: a text prompt's tokenizer arguments (truncation, max_length, ...), as
-        vLLM's; prompt_text and data_parallel_rank (one engine here) are taken, as vLLM's."""
+    async def add_request(self, request_id: str, prompt, params: SamplingParams | None, arrival_time: float | None = None,
+                          lora_request=None, tokenization_kwargs: dict | None = None, trace_headers=None,
+                          priority: int = 0, data_parallel_rank: int | None = None,
+                          prompt_text: str | None = None) -> RequestOutputCollector:
+        """vLLM's: check one request and queue it; its outputs come from the collector's get()
+        (generate() is this and the loop over them). The caller that stops reading calls
+        abort(request_id); the collector frees the id once the request has finished. A bad
+        prompt or parameter, or a request id already running, is a ValueError; a dead engine
+        EngineDeadError. arrival_time, prompt_text and data_parallel_rank (one engine here) are
+        taken, as vLLM's."""
         if self._stopped:
             raise ShuttingDown("the engine has been shut down")
-        if not self._worker.alive:            # vLLM's EngineDeadError: no request waits on a dead thread
+        if self.errored:                      # vLLM's EngineDeadError: no request waits on a dead engine
             raise self.dead_error
         if tokenization_kwargs and isinstance(prompt, (str, dict)) and \
                 isinstance(prompt if isinstance(prompt, str) else prompt.get("prompt"), str):
@@ -176,11 +286,12 @@ class AsyncLLM:
         self.llm.check_runner("generate")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        self._streams[request_id] = stream = _Stream([], queue)       # the id is taken from here on
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = q = RequestOutputCollector(request_id, self._streams, self._worker,
+                                                               self.log_requests)   # the id is taken from here on
         try:
             llm = self.llm
-            params = llm._params(sampling_params)
+            params = llm._params(params)
             if params.best_of is not None and params.best_of > params.n:
                 raise ValueError("best_of > n ranks finished candidates: use LLM.generate "
                                  "(vLLM's AsyncLLM has no best_of)")
@@ -195,52 +306,52 @@ class AsyncLLM:
                 grammars = llm.engine.grammars
                 grammars.freeze(params.structured_outputs)
                 await asyncio.to_thread(grammars.prebuild, params.structured_outputs, params.n)
+            trace = extract_trace_headers(trace_headers)
+            if trace is not None and llm.engine.tracer is None:
+                warn_tracing_disabled()
+            q.jobs = [Job(ids, params, i, None, priority=priority, lora_request=lora_request,
+                          name=request_id if params.n == 1 else f"{request_id}-{i}", trace_headers=trace,
+                          cache_salt=salt)
+                      for i in range(params.n)]
+            for i, job in enumerate(q.jobs):
+                job.deliver = functools.partial(_deliver, loop, q.queue, i, self._worker, job)
+            if self.log_requests:
+                log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                         request_id, text, params, ids)
+            q.stream = RequestStream(request_id, text, ids, params, llm._token_name, lora_request)
+            if not q.aborted:          # abort(request_id) while its grammar compiled: its queue holds the
+                self._worker.submit(q.jobs)          # abort, one output with finish_reason "abort" (vLLM's)
         except BaseException:
-            if self._streams.get(request_id) is stream:
+            if self._streams.get(request_id) is q:
                 del self._streams[request_id]
             raise
-        trace = extract_trace_headers(trace_headers)
-        if trace is not None and self.llm.engine.tracer is None:
-            warn_tracing_disabled()
-        stream.jobs = [Job(ids, params, i, functools.partial(deliver, loop, queue, i), priority=priority,
-                           lora_request=lora_request, name=request_id if params.n == 1 else f"{request_id}-{i}",
-                           trace_headers=trace, cache_salt=salt)
-                       for i in range(params.n)]
-        if self.log_requests:
-            log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
-        outs = RequestStream(request_id, text, ids, params, self.llm._token_name, lora_request)
+        return q
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
+                       prompt_text: str | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                       trace_headers=None, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Stream one request's RequestOutputs (prompt: text, {"prompt": ...} or
+        {"prompt_token_ids": [...]}); the last has finished=True. A bad prompt or parameter is a
+        ValueError before anything runs (raised where the first output is awaited, as vLLM's); a
+        request id already streaming is one too. trace_headers: a request's W3C trace context
+        (traceparent, tracestate), the parent of its span with otlp_traces_endpoint set.
+        tokenization_kwargs: a text prompt's tokenizer arguments (truncation, max_length, ...), as
+        vLLM's; prompt_text and data_parallel_rank (one engine here) are taken, as vLLM's."""
+        q = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+                                   tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
+                                   priority=priority, data_parallel_rank=data_parallel_rank, prompt_text=prompt_text)
         try:
-            if stream.aborted:                       # abort(request_id) while its grammar compiled:
-                outs.abort()                         # its one output, finish_reason "abort" (vLLM's)
-                for out in outs.outputs():
-                    yield out
-                return
-            self._worker.submit(stream.jobs)
-            while not outs.finished:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():          # what one step gave every choice: one output
-                    items.append(stream.queue.get_nowait())
-                for index, item in items:
-                    if index is None:                    # abort(request_id)
-                        outs.abort()
-                        break
-                    if index not in outs.open:
-                        continue
-                    if isinstance(item, Exception):
-                        raise item
-                    outs.add(index, item)
-                for out in outs.outputs():
-                    yield out
+            finished = False
+            while not finished:
+                out = q.get_nowait() or await q.get()
+                finished = out.finished
+                yield out
         except asyncio.CancelledError:
-            if not stream.aborted:
+            if not q.aborted:
                 raise
         finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-            for i in outs.open:
-                self._worker.cancel(stream.jobs[i])
-            if self.log_requests:
-                log.info("Finished request %s: %s", request_id, ", ".join(str(c.finish_reason) for c in outs.choices))
+            q.close()
 
     async def encode(self, prompt, pooling_params=None, request_id: str | None = None, *, lora_request=None,
                      truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
@@ -280,8 +391,10 @@ class AsyncLLM:
         return self.tokenizer
 
     async def check_health(self) -> None:
+        """vLLM's: raises (EngineDeadError) when the engine cannot serve: its thread ended, or a
+        step failed (which is fatal, as in vLLM's engine core)."""
         if not self._worker.alive:
-            raise RuntimeError("the engine is not running")
+            raise self.dead_error
         self.llm.check_health()
 
     @property
@@ -294,12 +407,14 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return not self._stopped and not self._worker.alive
+        return self._worker.error is not None or (not self._stopped and not self._worker.alive)
 
     @property
     def dead_error(self) -> BaseException:
-        """vLLM's: the error a dead engine raises."""
-        return RuntimeError("the engine's thread is not running" + (" (shut down)" if self._stopped else ""))
+        """vLLM's: the error a dead engine raises (the failed step's exception its __cause__)."""
+        if self._worker.error is not None:
+            return self._worker.dead()
+        return EngineDeadError("the engine's thread is not running" + (" (shut down)" if self._stopped else ""))
 
     async def get_model_config(self) -> "ModelConfigView":
         """vLLM's ModelConfig as code reads it: model, max_model_len, dtype, hf_config (the target's

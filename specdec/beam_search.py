@@ -21,6 +21,7 @@ stopping rule) pick different beams, and this follows vLLM's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.length_penalty):      # before the search: it is read only at the end
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
 
 
 @dataclass
@@ -71,8 +74,30 @@ class BeamSearchOutput:
 
 
 def beam_score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
-    n = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos else 0)
-    return beam.cum_logprob / (n ** length_penalty)
+    """vLLM's cum_logprob / len ** length_penalty, through logs where len ** length_penalty leaves
+    the floats (length_penalty 400 on 6 tokens, -110 on 1,000): then -inf or -0.0 at worst.
+    Ranking uses _rank, whose order these floats can lose."""
+    try:
+        return beam.cum_logprob / (_length(beam, eos) ** length_penalty)
+    except (OverflowError, ZeroDivisionError):
+        log = _rank(beam, eos, length_penalty)
+        return -0.0 if log == math.inf else -math.inf if -log > 709 else -math.exp(-log)
+
+
+def _length(beam: BeamSearchSequence, eos: set[int]) -> int:
+    return len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos else 0)
+
+
+def _rank(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
+    """A key in beam_score's order for every finite length_penalty: -log(-score) =
+    length_penalty * log(len) - log(-cum_logprob), which stays finite where the score itself
+    overflows or rounds to 0 (a cum_logprob of 0 scores 0, the best)."""
+    cum = beam.cum_logprob
+    if cum >= 0:
+        return math.inf
+    if cum == -math.inf:
+        return -math.inf
+    return length_penalty * math.log(_length(beam, eos)) - math.log(-cum)
 
 
 class BeamSearch:
@@ -137,7 +162,7 @@ class BeamSearch:
         for i in range(len(self.prompts)):
             for b in self.live[i]:
                 b.finish_reason = b.finish_reason or "length"
-            best = sorted(self.done[i] + self.live[i], key=lambda b: beam_score(b, self.eos, self.params.length_penalty),
+            best = sorted(self.done[i] + self.live[i], key=lambda b: _rank(b, self.eos, self.params.length_penalty),
                           reverse=True)[:self.params.beam_width]
             for b in best:
                 b.text = decode(b.tokens)

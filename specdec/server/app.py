@@ -311,7 +311,7 @@ def _api_routes(service: Service) -> APIRouter:
         rid = f"cmpl-{_request_id(request)}"
         lora = service.lora_request(body.model)
         if body.use_beam_search:
-            return await _until_done(request, beam_completion(service, body, arrival, lora, rid))
+            return await _beam(request, beam_completion(service, body, arrival, lora, rid))
         prompts, params = await service.off_loop(service.prepare_completion, body)
         if not await _compiled(request, service, prompts, params):
             return Response(status_code=499)
@@ -329,7 +329,7 @@ def _api_routes(service: Service) -> APIRouter:
         rid = f"chatcmpl-{_request_id(request)}"
         lora = service.lora_request(body.model)
         if body.use_beam_search:
-            return await _until_done(request, beam_chat(service, body, arrival, lora, rid))
+            return await _beam(request, beam_chat(service, body, arrival, lora, rid))
         prepared = await service.off_loop(lambda: _prepare_chat(service, body))
         if not await _compiled(request, service, prepared[0], prepared[1]):
             return Response(status_code=499)
@@ -582,6 +582,17 @@ async def _until_done(request: Request, coro):
     """The JSON body coro builds, unless the client leaves first (a 499)."""
     body = await _unless_gone(request, coro)
     return Response(status_code=499) if body is _GONE else JSONResponse(body)
+
+
+async def _beam(request: Request, coro):
+    """A beam search's answer (beam.py): its JSON body, or with stream its events (a list: the
+    beams are known only at the end); a 499 if the client leaves first."""
+    answer = await _unless_gone(request, coro)
+    if answer is _GONE:
+        return Response(status_code=499)
+    if isinstance(answer, list):
+        return StreamingResponse(iter(answer), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return JSONResponse(answer)
 
 
 async def _compiled(request: Request, service, prompts, params) -> bool:

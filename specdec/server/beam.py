@@ -1,16 +1,20 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the n best beams of each prompt (n is the beam
 width), through the same engine jobs as any request (specdec/beam_search.py's BeamSearch,
 stepped here: each step's beams are one Generation), so beams batch with other traffic and a
-client that leaves cancels them. Not streamed (the beams are known only at the end), as vLLM."""
+client that leaves cancels them. The beams are known only at the end, so `stream: true` gets
+vLLM's answers then: completions one event holding the whole body, chat the beams as chunks
+(each choice's role, then its text)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from ..beam_search import BeamSearch, BeamSearchParams
 from ..config import SamplingParams
 from .errors import APIError
 from .fields import structured_outputs
+from .responses import ChatFormat, ChoiceResult
 
 
 async def beam_completion(service, body, arrival: float, lora, response_id: str) -> dict:
@@ -33,15 +37,17 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
                             "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
                             **({"token_ids": list(ids), "prompt_token_ids": list(prompt)} if body.return_token_ids
                                else {})})
-    return _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
-                   completion_tokens)
+    answer = _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
+                     completion_tokens)
+    # vLLM's completions stream no beams: a streamed request gets the body as one event
+    return [_event(answer), _DONE] if body.stream else answer
 
 
-async def beam_chat(service, body, arrival: float, lora, response_id: str) -> dict:
-    """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each a
-    plain assistant message (no tools, reasoning split or structured outputs with it); with
-    echo, the last message (when it has the reply's role) put before each, as vLLM's chat does
-    for every choice, beams included."""
+async def beam_chat(service, body, arrival: float, lora, response_id: str) -> dict | list[str]:
+    """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each
+    parsed as a plain reply is (ChatFormat: --reasoning-parser's split, chat echo); no tools,
+    logprobs or structured outputs with it. Streamed: the choices as vLLM's chat streams its
+    beams (events)."""
     if body.tools or body.logprobs or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with tools, logprobs or best_of", "use_beam_search")
     prompts, sampling, _ = await service.off_loop(service.prepare_chat, body)
@@ -49,43 +55,84 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     # prepare_chat's: the request's max_completion_tokens / max_tokens under generation_config.json's cap
     search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
-    echo = service.chat_echo(body) or ""
-    choices, completion_tokens = [], 0
+    fmt = ChatFormat(service.tokenizer, False, role=service.config.response_role, prompt=prompts[0],
+                     reasoning=service.config.reasoning_parser, include_reasoning=body.include_reasoning,
+                     echo=service.chat_echo(body))
+    results = []
     for j, beam in enumerate(outputs[0].sequences):
         ids = search.output_ids(beam, len(prompts[0]))
-        completion_tokens += len(ids)
-        choices.append({"index": j, "message": {"role": service.config.response_role,
-                                                "content": echo + service.tokenizer.decode(ids, skip_special_tokens=True)},
-                        "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
-                        **({"token_ids": list(ids)} if body.return_token_ids else {})})
-    answer = _answer(response_id, "chat.completion", service.model_name(lora, body.model), choices, prompts,
-                     completion_tokens)
+        # as the plain reply's text: harmony's channels are special tokens prepare_chat keeps
+        text = service.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+        results.append(ChoiceResult(j, [text], list(ids), finish_reason=beam.finish_reason))
+    model = service.model_name(lora, body.model)
+    if body.stream:
+        return _chat_events(service, body, fmt, results, prompts[0], response_id, model)
+    choices = [{**fmt.choice(r), **({"token_ids": r.token_ids} if body.return_token_ids else {})} for r in results]
+    answer = _answer(response_id, "chat.completion", model, choices, prompts, sum(len(r.token_ids) for r in results))
     if body.return_token_ids:            # vLLM's: the prompt's ids beside the choices
         answer["prompt_token_ids"] = list(prompts[0])
     return answer
 
 
+def _chat_events(service, body, fmt: ChatFormat, results: list[ChoiceResult], prompt: list[int], response_id: str,
+                 model: str) -> list[str]:
+    """vLLM's chat stream of finished beams: each choice's role chunk, then each choice's whole
+    text in one chunk with its finish_reason (through the streaming parsers, as any stream's),
+    the usage chunk if asked, [DONE]."""
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage) or service.config.enable_force_include_usage
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+
+    def usage(r: ChoiceResult | None) -> dict:
+        if not include_usage:
+            return {}
+        if not continuous:
+            return {"usage": None}
+        done = len(r.token_ids) if r is not None else 0
+        return {"usage": {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}}
+
+    events = []
+    for r in results:
+        chunk = {**head, "choices": [fmt.opening(r.index)], **usage(None)}
+        if body.return_token_ids:
+            chunk["prompt_token_ids"] = list(prompt)
+        events.append(_event(chunk))
+    for r in results:
+        choice = fmt.delta(r.index, "".join(r.text), [], 0, r.finish_reason, r.stop_reason)
+        if body.return_token_ids:
+            choice["token_ids"] = r.token_ids
+        events.append(_event({**head, "choices": [choice], **usage(r)}))
+    if include_usage:
+        completion = sum(len(r.token_ids) for r in results)
+        events.append(_event({**head, "choices": [], "usage": {
+            "prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}}))
+    return events + [_DONE]
+
+
 async def _search(service, body, prompts: list[list[int]], max_tokens: int | None, arrival: float, lora,
                   response_id: str):
-    """The beam search of `prompts` with the body's settings, stepped through engine jobs."""
-    if body.stream:
-        raise APIError(400, "use_beam_search cannot be streamed (the beams are known only at the end)", "stream")
+    """The beam search of `prompts` with the body's settings, stepped through engine jobs.
+    max_tokens None (not asked, no generation_config.json cap): what the context leaves, as a
+    plain request's and vLLM's (get_max_tokens): each prompt's beams end at the max-model-len."""
     model = service.llm.generation_defaults
     temperature = body.temperature if body.temperature is not None else model.get("temperature", 1.0)
     try:
-        params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens if max_tokens is not None else 16,
+        room = service.engine.max_model_len - min(len(p) for p in prompts)
+        params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens if max_tokens is not None else room,
                                   ignore_eos=body.ignore_eos, temperature=temperature,
                                   length_penalty=body.length_penalty,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
-        raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else
-                       "temperature" if "temperature" in str(e) else "n") from None
+        raise APIError(400, str(e), next((f for f in ("max_tokens", "temperature", "length_penalty") if f in str(e)),
+                                         "n")) from None
     limit = service.engine.max_logprobs
     if limit >= 0 and 2 * params.beam_width > limit:     # each step reads 2 x width candidates per beam
         raise APIError(400, f"use_beam_search: n (the beam width) can be at most {limit // 2} here "
                             f"(--max-logprobs {limit}), got {params.beam_width}", "n")
-    service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), "prompt")
-    search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids), lora_requests=[lora] * len(prompts))
+    service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=max_tokens), "prompt")
+    search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids), service.engine.max_model_len,
+                        lora_requests=[lora] * len(prompts))
     step = search.step_params()
     while todo := search.pending():
         entries: list = [None] * len(todo)
@@ -109,3 +156,10 @@ def _answer(response_id: str, kind: str, model: str, choices: list, prompts, com
     return {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -97,8 +97,10 @@ class _Sampling(_Body):
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, lower is served first")
     cache_salt: str | None = Field(None, min_length=1, description="vLLM extension: prefix-cache blocks are shared "
                                                                    "only between requests with the same salt")
-    use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width), not streamed")
-    length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this")
+    use_beam_search: bool = Field(False, description="vLLM extension: the n best beams (n = beam width); streamed "
+                                                     "once the search ends")
+    length_penalty: float = Field(1.0, description="vLLM extension, with use_beam_search: rank by cum / len ** this "
+                                                     "(finite)")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: the stop string (or stop token) "
                                                                 "that ended the text stays in it")
     truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: keep the prompt's last k tokens "
@@ -178,6 +180,12 @@ class ChatCompletionRequest(_Sampling):
         None, description='OpenAI\'s Predicted Outputs: {"type": "content", "content": text or [{"type": "text", '
                           '"text": ...}]}, what the reply is expected to repeat; drafted from where it does '
                           "(lossless: the reply is the same with or without it)")
+    n: int | None = Field(1, description="null means 1 (OpenAI's and vLLM's chat take it; completions do not)")
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, n):
+        return 1 if n is None else n
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):

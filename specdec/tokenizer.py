@@ -1,10 +1,9 @@
 """The tokenizer and chat template of a model: a Hugging Face folder or a GGUF file.
 
-A folder: tokenizer.json, tokenizer_config.json (special tokens, add_bos_token), the chat
-template from chat_template.jinja, chat_template.json or tokenizer_config.json (the first found,
-transformers 5 writes the .jinja), and the end-of-sequence ids of config.json and
-generation_config.json. A .gguf (or a folder holding one): everything from its metadata
-(gguf_tokenizer.py).
+A folder: tokenizer.json, tokenizer_config.json (special tokens), the chat templates of
+chat_template.jinja and additional_chat_templates/, else chat_template.json's or
+tokenizer_config.json's, and the end-of-sequence ids of config.json and generation_config.json.
+A .gguf (or a folder holding one): everything from its metadata (gguf_tokenizer.py).
 
 `LLM.get_tokenizer()` hands this class to users where vLLM hands them a transformers tokenizer,
 so it also answers the calls commonly made on one (`len(tok)`, `tok(texts)`, `encode`, `decode`,
@@ -13,10 +12,10 @@ special tokens, vLLM's TokenizerLike members), with the same arguments, defaults
 transformers 5 on the same folder or .gguf: `apply_chat_template` tokenizes and adds no
 generation prompt unless asked (specdec's own callers pass tokenize=False,
 add_generation_prompt=True for a prompt's text), `decode` keeps special tokens, `vocab_size` is
-the model's vocabulary without the added tokens (len() counts them). Where it differs on purpose:
-`add_bos_token: true` in tokenizer_config.json adds BOS (transformers 5 ignores it), `chat_template`
-is the default template's text where the folder names several (transformers: a dict of them;
-`chat_template="<name>"` picks one in both), and no overflowing tokens (`stride`).
+the model's vocabulary without the added tokens (len() counts them), tokenizer_config.json's
+`add_bos_token` is ignored (the tokenizer.json's post-processor decides), `chat_template` is a
+dict by name where a folder has several templates (`chat_template="<name>"` picks one), and
+`return_overflowing_tokens` gives a row per window of a truncated text.
 """
 
 from __future__ import annotations
@@ -154,25 +153,49 @@ class BatchEncoding(dict):
 
 
 class _Row:
-    """One encoded text (or pair) as transformers' fast tokenizers give it: the ids and, token by
-    token, its type id, special-token flag, character offsets, text, word and sequence index."""
+    """One encoded text (or pair) as transformers' fast tokenizers keep it: its tokenizers.Encoding,
+    and the tokens specdec puts around it (BOS, padding). A column (ids, tokens, offsets, word and
+    sequence ids, ...) becomes a Python list only when read: `tok(texts)` pays for the ids and the
+    attention mask, not for eight lists of every token (1.7x slower, 7x the memory)."""
 
-    __slots__ = ("ids", "type_ids", "special", "offsets", "tokens", "words", "sequences", "attention")  # noqa: RUF023 (put's order)
+    __slots__ = ("enc", "pair", "puts", "columns")
+    # a column -> the Encoding's attribute
+    COLUMNS = {"ids": "ids", "type_ids": "type_ids", "special": "special_tokens_mask", "offsets": "offsets",
+               "tokens": "tokens", "words": "word_ids", "sequences": "sequence_ids", "attention": "attention_mask"}
 
-    def __init__(self, enc):
-        fields = (enc.ids, enc.type_ids, enc.special_tokens_mask, enc.offsets, enc.tokens, enc.word_ids,
-                  enc.sequence_ids, [1] * len(enc.ids))
-        for name, value in zip(self.__slots__, fields):
-            setattr(self, name, list(value))
+    def __init__(self, enc, pair: bool = False):
+        self.enc, self.pair, self.puts, self.columns = enc, pair, (), None
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.enc) + sum(n for _, n, _ in self.puts)
+
+    def __getattr__(self, name):
+        attr = _Row.COLUMNS.get(name)
+        if attr is None:
+            raise AttributeError(name)
+        columns = self.columns if self.columns is not None else {}
+        if name not in columns:
+            column = list(getattr(self.enc, attr))
+            if name == "sequences" and self.pair:   # post_process of a pair leaves the first text's tokens unmarked
+                start = next((k for k, seq in enumerate(column) if seq == 1), len(column))
+                column[:start] = [None if w is None else 0 for w in self.enc.word_ids[:start]]
+            for at, n, values in self.puts:
+                column[at:at] = [values[name]] * n
+            columns[name] = column
+            self.columns = columns
+        return columns[name]
 
     def put(self, at: int, n: int, token_id: int, token: str | None, type_id: int = 0, real: int = 1) -> None:
         """n copies of a special token with no text at index `at` (BOS; padding, real=0)."""
-        for name, value in zip(self.__slots__, (token_id, type_id, 1, (0, 0), token, None, None, real)):
-            column = getattr(self, name)
-            column[at:at] = [value] * n
+        values = {"ids": token_id, "type_ids": type_id, "special": 1, "offsets": (0, 0), "tokens": token,
+                  "words": None, "sequences": None, "attention": real}
+        for name, column in (self.columns or {}).items():     # the columns already read
+            column[at:at] = [values[name]] * n
+        self.puts = (*self.puts, (at, n, values))
+
+    def windows(self) -> list[_Row]:
+        """The rows of the text's overflowing tokens (truncation with return_overflowing_tokens)."""
+        return [_Row(e, self.pair) for e in self.enc.overflowing]
 
 
 # transformers' named special tokens, in its order (all_special_tokens, special_tokens_map)
@@ -234,52 +257,30 @@ def _ids(value) -> list[int]:
     return [i for i in (value or []) if isinstance(i, int) and not isinstance(i, bool)]
 
 
-def _pick_template(value) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (the
-    "default" one; `named_templates` keeps the others, transformers' "tool_use" among them)."""
-    if isinstance(value, list):
-        named = named_templates(value)
-        return named.get("default") or next(iter(named.values()), None)
-    return value if isinstance(value, str) else None
-
-
 def named_templates(value) -> dict[str, str]:
+    """tokenizer_config.json's list of {name, template} -> {name: template}."""
     if not isinstance(value, list):
         return {}
     return {t.get("name"): t.get("template") for t in value if isinstance(t, dict) and isinstance(t.get("template"), str)}
 
 
-def folder_chat_template(folder: Path, cfg: dict) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    as_json = _read_json(folder / "chat_template.json")
-    if as_json.get("chat_template"):
-        return _pick_template(as_json["chat_template"])
-    return _pick_template(cfg.get("chat_template"))
-
-
-def folder_tool_template(folder: Path, cfg: dict) -> str | None:
-    """The template named "tool_use" (Hermes-2-Pro's, Command-R's layout), which transformers
-    renders instead of the default one when tools are given."""
-    extra = folder / "additional_chat_templates" / "tool_use.jinja"
-    if extra.is_file():
-        return extra.read_text()
-    as_json = _read_json(folder / "chat_template.json")
-    return named_templates(as_json.get("chat_template") or cfg.get("chat_template")).get("tool_use")
-
-
-def folder_named_templates(folder: Path, cfg: dict, default: str | None) -> dict[str, str]:
-    """The folder's templates by name, as transformers reads them (a list of {name, template} in
-    chat_template.json or tokenizer_config.json, additional_chat_templates/<name>.jinja), the
-    default one under "default"; empty where the folder names none."""
-    named = named_templates(_read_json(folder / "chat_template.json").get("chat_template") or cfg.get("chat_template"))
+def folder_chat_template(folder: Path, cfg: dict) -> str | dict[str, str] | None:
+    """The folder's chat template as transformers 5 reads it: chat_template.jinja (the default one)
+    and additional_chat_templates/<name>.jinja, which win over tokenizer_config.json's (a string or
+    a list of {name, template}); several templates as a dict by name, the default under "default"
+    (transformers' `tok.chat_template`). A processor's chat_template.json where neither has one."""
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text()
     extra = folder / "additional_chat_templates"
     if extra.is_dir():
-        named.update({f.stem: f.read_text() for f in sorted(extra.glob("*.jinja"))})
-    if named and default:
-        named.setdefault("default", default)
-    return named
+        files.update({f.stem: f.read_text() for f in sorted(extra.glob("*.jinja"))})
+    value = files or _read_json(folder / "chat_template.json").get("chat_template") or cfg.get("chat_template")
+    if isinstance(value, list):
+        value = named_templates(value)
+    if isinstance(value, dict):
+        return value["default"] if list(value) == ["default"] else value or None
+    return value if isinstance(value, str) else None
 
 
 class Tokenizer:
@@ -352,11 +353,11 @@ class Tokenizer:
             self._set_special("eos_token", self.eos_token, cfg_eos[0] if cfg_eos else None)
         # every id that ends generation: the tokenizer's eos and the configs' lists
         self.eos_token_ids = sorted({i for i in [self.eos_token_id, *cfg_eos] if i is not None})
-        # the tokenizer.json's post-processor may not add BOS itself; encode() then does
-        self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.chat_template = folder_chat_template(folder, cfg)
-        self.tool_template = folder_tool_template(folder, cfg)
-        self.named_templates = folder_named_templates(folder, cfg, self.chat_template)
+        # transformers 5 drops tokenizer_config.json's add_bos_token where a tokenizer.json is present:
+        # BOS is whatever its post-processor adds (vLLM's prompts too). Set to True, encode() adds it.
+        self.add_bos_token = False
+        self.chat_template = folder_chat_template(folder, cfg)     # a dict of them where it names several
+        self.tool_template = None           # a folder's "tool_use" is one of chat_template's
         self.special_ids = set(self.backend.get_added_tokens_decoder().keys())
         extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
         self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
@@ -663,8 +664,6 @@ class Tokenizer:
         if truncation not in TRUNCATION:
             raise ValueError(f"{truncation} is not a valid TruncationStrategy, please select one of "
                              "['only_first', 'only_second', 'longest_first', 'do_not_truncate']")
-        if return_overflowing_tokens:
-            raise ValueError("return_overflowing_tokens=True is not supported by specdec's tokenizer")
         # transformers' strategies: max_length alone truncates; a padding or truncation to the
         # model's length does nothing where the tokenizer sets none
         if max_length is not None and padding is False and truncation is None:
@@ -694,9 +693,20 @@ class Tokenizer:
         pairs = [None] * len(texts) if text_pair is None else list(text_pair) if batched else [text_pair]
         if len(pairs) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(pairs)} text pairs")
-        rows = [self._row(t, p, add_special_tokens, max_length, cut, self.truncation_side if
-                          kwargs.get("truncation_side") is None else kwargs["truncation_side"], is_split_into_words)
+        if batched and text_pair is None and not is_split_into_words:
+            # transformers' (and tokenizers') reading of a list item that is a (text, pair) couple:
+            # tok([["a", "b"]]) is a batch of one pair
+            couples = [isinstance(t, (list, tuple)) and len(t) == 2 for t in texts]
+            pairs = [t[1] if c else None for t, c in zip(texts, couples)]
+            texts = [t[0] if c else t for t, c in zip(texts, couples)]
+        cut_side = self.truncation_side if kwargs.get("truncation_side") is None else kwargs["truncation_side"]
+        rows = [self._row(t, p, add_special_tokens, max_length, cut, cut_side, is_split_into_words, stride)
                 for t, p in zip(texts, pairs)]
+        sample = None
+        if return_overflowing_tokens:     # transformers' fast tokenizers: a row per window, and its text's index
+            windows = [[r, *(self._bos(w, add_special_tokens) for w in r.windows())] for r in rows]
+            rows = [w for ws in windows for w in ws]
+            sample = [i for i, ws in enumerate(windows) for _ in ws]
         if pad is not None:
             width = max_length if pad == "max_length" else max(map(len, rows), default=0)
             if pad_to_multiple_of and width % pad_to_multiple_of:
@@ -718,18 +728,21 @@ class Tokenizer:
         data = {key: [getattr(r, column) for r in rows] for key, column in columns.items()}
         if return_length:
             data["length"] = [len(r) for r in rows]
-        n_sequences = 2 if text_pair is not None else 1
+        if sample is not None:
+            data["overflow_to_sample_mapping"] = sample
+        n_sequences = rows[0].enc.n_sequences if rows else 1       # transformers': the first row's
         if return_tensors is not None:
-            return BatchEncoding({k: _vector(v, return_tensors) if k == "length" else _tensor(v, return_tensors)
-                                  for k, v in data.items()}, rows, n_sequences)
-        if not batched:
+            return BatchEncoding({k: _vector(v, return_tensors) if k in ("length", "overflow_to_sample_mapping")
+                                  else _tensor(v, return_tensors) for k, v in data.items()}, rows, n_sequences)
+        if not batched and sample is None:      # transformers keeps the windows' batch
             data = {k: v if k == "length" else v[0] for k, v in data.items()}
         return BatchEncoding(data, rows, n_sequences)
 
     def _row(self, text, pair, add_special_tokens: bool, max_length: int | None, cut: str | None,
-             side: str = "right", split: bool = False) -> _Row:
+             side: str = "right", split: bool = False, stride: int = 0) -> _Row:
         """One text (or pair) encoded: truncated as tokenizers truncates (the special tokens kept,
-        the texts cut to the rest of max_length), then its special tokens (and BOS) added."""
+        the texts cut to the rest of max_length; what is cut off kept as overflowing windows that
+        overlap by `stride` tokens), then its special tokens (and BOS) added."""
         for t in (text, pair):
             if t is not None and not (isinstance(t, (list, tuple)) if split else isinstance(t, str)):
                 raise TypeError(f"text must be a string or a list of strings, not {type(t).__name__}")
@@ -741,7 +754,7 @@ class Tokenizer:
             _check_unicode(pair)
             raise
         if max_length is not None and cut is not None:
-            n1, n2 = len(first.ids), len(second.ids) if second is not None else 0
+            n1, n2 = len(first), len(second) if second is not None else 0
             special = 0
             if add_special_tokens:           # the template's tokens, and a BOS _with_bos would put in front
                 special = len(self._with_bos(self.backend.post_process(first, second).ids)) - n1 - n2
@@ -750,26 +763,26 @@ class Tokenizer:
                 if cut == "only_second" and n1 > budget:     # transformers': only when a cut is needed
                     raise ValueError("Truncation error: Second sequence not provided")
                 if cut != "only_second":
-                    first.truncate(max(0, budget), direction=side)
+                    _truncate(first, max(0, budget), stride, side)
             elif n1 + n2 > budget:
                 if budget < 0:
                     raise ValueError(f"max_length {max_length} is shorter than the pair's {special} special tokens")
                 if cut == "longest_first":
                     keep = longest_first(n1, n2, budget)
-                    first.truncate(keep[0], direction=side)
-                    second.truncate(keep[1], direction=side)
+                    _truncate(first, keep[0], stride, side)
+                    _truncate(second, keep[1], stride, side)
                 else:
                     target = first if cut == "only_first" else second
                     over = n1 + n2 - budget
-                    if len(target.ids) <= over:
+                    if len(target) <= over:
                         raise ValueError("Truncation error: Sequence to truncate too short to respect the provided "
                                          "max_length")
-                    target.truncate(len(target.ids) - over, direction=side)
-        row = _Row(self.backend.post_process(first, second, add_special_tokens=add_special_tokens))
-        if second is not None:          # post_process of a pair leaves the first text's tokens unmarked
-            start = next((k for k, seq in enumerate(row.sequences) if seq == 1), len(row))
-            row.sequences[:start] = [None if w is None else 0 for w in row.words[:start]]
-        if add_special_tokens and self._adds_bos(row.ids):
+                    _truncate(target, len(target) - over, stride, side)
+        row = _Row(self.backend.post_process(first, second, add_special_tokens=add_special_tokens), second is not None)
+        return self._bos(row, add_special_tokens)
+
+    def _bos(self, row: _Row, add_special_tokens: bool) -> _Row:
+        if add_special_tokens and self.add_bos_token and self._adds_bos(row.ids):
             row.put(0, 1, self.bos_token_id, self.bos_token)
         return row
 
@@ -833,10 +846,18 @@ class Tokenizer:
         """transformers' choice of template: chat_template (the name of one of the tokenizer's
         named templates, or a template), else "tool_use" when tools are given and the tokenizer
         names one, else the tokenizer's."""
-        named = self.__dict__.get("named_templates") or {}
+        templates = self.chat_template
+        if isinstance(templates, dict):         # the folder's templates by name
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            name = "tool_use" if tools is not None and "tool_use" in templates else "default"
+            if name not in templates:
+                raise TokenizerError(f"this tokenizer has several chat templates and none is the default: pass "
+                                     f"chat_template=, a template or one of the names {sorted(templates)}")
+            return templates[name]
         if chat_template is not None:
-            return named.get(chat_template, chat_template) if named else chat_template
-        template = (getattr(self, "tool_template", None) if tools else None) or self.chat_template
+            return chat_template
+        template = (getattr(self, "tool_template", None) if tools else None) or templates
         if not template:           # vLLM's refusal (transformers 4.44 dropped its default template)
             raise TokenizerError(NO_CHAT_TEMPLATE)
         return template
@@ -858,17 +879,19 @@ class Tokenizer:
         files = [out / "tokenizer_config.json", out / "tokenizer.json"]
         files[0].write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
         self.backend.save(str(files[1]))
-        if self.chat_template:
-            files.append(out / "chat_template.jinja")
-            files[-1].write_text(self.chat_template)
-        named = {**(self.__dict__.get("named_templates") or {})}
+        templates = dict(self.chat_template) if isinstance(self.chat_template, dict) else \
+            {"default": self.chat_template} if self.chat_template else {}
         if getattr(self, "tool_template", None):
-            named.setdefault("tool_use", self.tool_template)
-        for name, template in named.items():
-            if name != "default" and template != self.chat_template:
+            templates.setdefault("tool_use", self.tool_template)
+        for name, template in templates.items():
+            if name == "default":
+                files.append(out / "chat_template.jinja")
+            elif template != templates.get("default"):
                 (out / "additional_chat_templates").mkdir(exist_ok=True)
                 files.append(out / "additional_chat_templates" / f"{name}.jinja")
-                files[-1].write_text(template)
+            else:
+                continue
+            files[-1].write_text(template)
         return tuple(map(str, files))
 
     def apply_chat_template(self, conversation: list[dict] | list[list[dict]], tools: list[dict] | None = None,
@@ -1026,6 +1049,14 @@ def _with_marker(message: dict) -> dict:
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 # a template that loops over a message's content reads OpenAI's list of parts ({% for part in message['content'] %})
+def _truncate(enc, keep: int, stride: int, side: str) -> None:
+    """enc cut to `keep` tokens, the rest kept as its overflowing windows (`stride` tokens of overlap)."""
+    if 0 < keep < len(enc) and stride >= keep:   # tokenizers would panic (a BaseException)
+        raise ValueError(f"stride ({stride}) must be smaller than the {keep} tokens a text keeps under max_length "
+                         "(its special tokens subtracted)")
+    enc.truncate(keep, stride=stride, direction=side)
+
+
 def longest_first(n1: int, n2: int, budget: int) -> tuple[int, int] | None:
     """The lengths a pair keeps under tokenizers' "longest_first" truncation to `budget` tokens
     (None when the budget is negative): a text no longer than half the budget stays whole and the
@@ -1067,6 +1098,8 @@ def content_format(template: str | None, fmt: str = "auto") -> str:
         raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got {fmt!r}")
     if fmt != "auto":
         return fmt
+    if isinstance(template, dict):      # a tokenizer's named templates: its default one
+        template = template.get("default")
     return "openai" if isinstance(template, str) and _CONTENT_LOOP.search(template) else "string"
 
 

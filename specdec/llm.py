@@ -362,20 +362,26 @@ class LLM:
         self.hf_overrides, self.disable_sliding_window = hf_overrides, disable_sliding_window
         self.max_model_len = max_model_len
         self.target, self.tokenizer = self._load(model, tokenizer, target=True)
-        self.runner = _runner(model, runner, convert, task)
+        self.runner = _runner(model, runner, convert, task, hf_overrides)
         self.pooler = self.classifier = None
+        self._encoder_config = {}
         if self.runner == "pooling":
             from .model.checkpoint import read_config
-            from .pooling import Classifier, PoolerConfig
+            from .model.config import apply_hf_overrides
+            from .pooling import Classifier, PoolerConfig, encoder_config
 
             if self.spec is not None and self.spec.num_speculative_tokens != 0:
                 raise ValueError("speculative decoding needs runner='generate'; this model runs as runner='pooling'")
             if parallel.tensor_parallel_size > 1:
                 raise ValueError("runner='pooling' does not support tensor parallelism")
-            self.pooler = PoolerConfig.of(model, pooler_config or override_pooler_config)
-            self.classifier = Classifier.of(model, self.target)
-            # config.json's matryoshka fields, read once (each embed request checks `dimensions`)
-            self._hf_config = read_config(model) if Path(model).is_dir() else {}
+            # config.json as hf_overrides leave it (matryoshka and classifier fields), read once
+            raw = read_config(model) if Path(model).is_dir() and (Path(model) / "config.json").is_file() else {}
+            self._hf_config = apply_hf_overrides(raw, hf_overrides) if hf_overrides else raw
+            self.pooler = PoolerConfig.of(model, pooler_config if pooler_config is not None else override_pooler_config,
+                                          self._hf_config or None)
+            self.classifier = Classifier.of(model, self.target, self._hf_config or None, self.tokenizer)
+            # sentence_bert_config.json: max_seq_length caps the context, do_lower_case (vLLM's encoder_config)
+            self._encoder_config = encoder_config(model)
         self._leader = None
         self.parallel_size = parallel.tensor_parallel_size
         if parallel.tensor_parallel_size > 1:
@@ -384,6 +390,8 @@ class LLM:
         if max_model_len is not None and not 1 < max_model_len <= self.target.config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {self.target.config.max_position_embeddings}], got {max_model_len}")
         max_len = max_model_len or self.target.config.max_position_embeddings
+        if self.runner == "pooling":
+            max_len = self._pooling_max_len(max_model_len, max_len)
         proposer = None
         if self.spec is not None and self.spec.num_speculative_tokens == 0:
             check_keys(self.spec)          # as build_proposer does: a typo, or a key the method ignores, is said
@@ -762,14 +770,48 @@ class LLM:
                 if api in ("LLM.classify()",) else "runner='pooling' (or convert='embed')")
             raise ValueError(f"{what} needs {hint}; this model runs with runner={self.runner!r}")
 
+    # ---- pooling (specdec/pooling.py): embed, encode, reward, classify, score ----
+    def _pooling_max_len(self, asked: int | None, derived: int) -> int:
+        """vLLM's _get_and_verify_max_len for a sentence-transformers folder: its max_seq_length
+        is the derived context (capped by the model's); a larger max_model_len is refused."""
+        cap = self._encoder_config.get("max_seq_length")
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            return derived
+        cap = min(cap, self.target.config.max_position_embeddings)
+        if asked is not None and asked > cap:
+            raise ValueError(f"max_model_len={asked} is greater than the model's derived context {cap} "
+                             "(sentence_bert_config.json max_seq_length)")
+        return asked or cap
+
+    def _count_pooled(self, lengths: list[int], seconds: float) -> None:
+        """Pooled inputs into get_metrics, as the server's /metrics counts them: each a finished
+        request (stop) with its prompt tokens and the call's end-to-end latency."""
+        with self._counting:
+            for n in lengths:
+                self._totals.prompt_tokens += n
+                self._finished["stop"] += 1
+                self._histograms["vllm:request_prompt_tokens"].observe(n)
+                self._histograms["vllm:request_generation_tokens"].observe(0)
+                self._histograms["vllm:e2e_request_latency_seconds"].observe(seconds)
+
+    @staticmethod
+    def _pooling_extras(lora_request, tokenization_kwargs) -> None:
+        """vLLM's lora_request and tokenization_kwargs: None (or {}) accepted, anything else refused."""
+        if lora_request is not None:
+            raise ValueError("lora_request: pooling runs without LoRA adapters")
+        if tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs are not supported for pooling (got {sorted(tokenization_kwargs)}); "
+                             "use truncate_prompt_tokens")
+
     def embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = False) -> list:
+              use_tqdm: bool = False, *, lora_request=None, tokenization_kwargs: dict | None = None) -> list:
         """vLLM's LLM.embed (runner "pooling"): one EmbeddingRequestOutput per prompt, in order;
         `output.outputs.embedding` is the pooled, normalized vector (specdec/pooling.py).
         pooling_params: a PoolingParams (dimensions for matryoshka models, normalize), or one per
         prompt; truncate_prompt_tokens: keep each prompt's last k tokens (a text's BOS kept, as vLLM's
         tokenizer truncating from the left keeps it)."""
         self.check_runner("pooling")
+        self._pooling_extras(lora_request, tokenization_kwargs)
         if self.classifier is not None:      # vLLM's: a classifier's tasks are classify and score
             raise ValueError("this model is a sequence classifier: LLM.classify() and LLM.score() (/classify, "
                              "/score, /rerank), not embeddings")
@@ -777,9 +819,12 @@ class LLM:
 
     def _embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None) -> list:
         """embed() for every pooling model: a classifier's pooled states too (classify() reads them)."""
-        from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch
+        from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch,
+                              lower_prompt)
 
         prompts = _prompt_list(prompts)
+        if self._encoder_config.get("do_lower_case"):
+            prompts = [lower_prompt(p) for p in prompts]
         plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
         jobs = []
         for prompt, params in zip(prompts, plist):
@@ -798,8 +843,10 @@ class LLM:
             check_dimensions(params.dimensions, self.pooler.out_features(self.target.config.hidden_size),
                              self._hf_config)
             jobs.append((text, ids, params))
+        start = time.perf_counter()
         vectors = embed_batch(self.target, [ids for _, ids, _ in jobs], self.pooler, [p for _, _, p in jobs],
                               self.engine.config.max_num_batched_tokens)
+        self._count_pooled([len(ids) for _, ids, _ in jobs], time.perf_counter() - start)
         out = []
         for (text, ids, _), vec in zip(jobs, vectors):
             self._counter += 1
@@ -807,7 +854,8 @@ class LLM:
         return out
 
     def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
-               use_tqdm: bool = False, lora_request=None, pooling_task: str | None = None) -> list:
+               use_tqdm: bool = False, lora_request=None, pooling_task: str | None = None,
+               tokenization_kwargs: dict | None = None) -> list:
         """vLLM's LLM.encode (runner "pooling"): pooling_task "embed" runs embed(), "classify"
         classify(); None: the model's own ("classify" for a sequence classifier, else "embed").
         The outputs are embed()'s or classify()'s (`outputs.embedding`, `outputs.probs`; vLLM's
@@ -817,13 +865,18 @@ class LLM:
         task = pooling_task or ("classify" if self.classifier is not None else "embed")
         if task not in ("embed", "classify"):
             raise ValueError(f"pooling_task must be 'embed' or 'classify' here, got {pooling_task!r}")
-        if lora_request is not None:
-            raise ValueError("lora_request: pooling runs without LoRA adapters")
+        self._pooling_extras(lora_request, tokenization_kwargs)
         if task == "classify":
-            if pooling_params is not None:
-                raise ValueError("pooling_params do not apply to pooling_task='classify'")
-            return self.classify(prompts, truncate_prompt_tokens)
+            return self.classify(prompts, truncate_prompt_tokens, pooling_params=pooling_params)
         return self.embed(prompts, pooling_params, truncate_prompt_tokens)
+
+    def reward(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+               pooling_params=None, lora_request=None, tokenization_kwargs: dict | None = None) -> list:
+        """vLLM's LLM.reward: encode() with pooling_task "token_classify" (a reward per token),
+        which specdec does not run: refused in one line, as encode() refuses it."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           lora_request=lora_request, pooling_task="token_classify",
+                           tokenization_kwargs=tokenization_kwargs)
 
     def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list:
@@ -866,16 +919,37 @@ class LLM:
             if bar is not None:
                 bar.close()
 
-    def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+    def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, *,
+                 pooling_params=None, lora_request=None, tokenization_kwargs: dict | None = None) -> list:
         """vLLM's LLM.classify for a sequence classifier (architectures like
         Qwen2ForSequenceClassification): the `score` head over each prompt's last token,
-        softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt."""
+        softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt.
+        pooling_params (one, or one per prompt): use_activation False gives the logits,
+        truncate_prompt_tokens as the argument."""
         from .pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams
 
         self._check_classifier()
-        outs = self._embed(prompts, PoolingParams(normalize=False), truncate_prompt_tokens)
-        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(self.classifier.probs(o.outputs.embedding)),
-                                            o.prompt_token_ids) for o in outs]
+        self._pooling_extras(lora_request, tokenization_kwargs)
+        n = len(_prompt_list(prompts))
+        plist = [self._classify_params(p) for p in _per_prompt(pooling_params, n, "pooling_params")]
+        outs = self._embed(prompts, [PoolingParams(normalize=False, truncate_prompt_tokens=p.truncate_prompt_tokens)
+                                     for p in plist], truncate_prompt_tokens)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(
+                    self.classifier.probs(o.outputs.embedding, p.use_activation)), o.prompt_token_ids)
+                for o, p in zip(outs, plist)]
+
+    @staticmethod
+    def _classify_params(params):
+        """A classify or score PoolingParams (None: the defaults); embedding-only fields refused."""
+        from .pooling import PoolingParams
+
+        params = params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        for name in ("dimensions", "normalize"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"pooling_params.{name} applies to embeddings, not to a classifier's outputs")
+        return params
 
     def _check_classifier(self) -> None:
         self.check_runner("pooling", "LLM.classify()")
@@ -886,16 +960,27 @@ class LLM:
             raise ValueError("a sequence classifier reads the last token's state: pooler_config must keep "
                              "pooling_type LAST and normalize false")
 
-    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, *,
+              pooling_params=None, lora_request=None, tokenization_kwargs: dict | None = None,
+              chat_template: str | None = None) -> list:
         """vLLM's LLM.score: one text against a list, or two lists pairwise; ScoringRequestOutput
         per pair. An embedding model scores by the cosine similarity of the two embeddings, a
-        cross-encoder (a sequence classifier with one label) by reading the pair as one input."""
-        from .pooling import ScoringOutput, ScoringRequestOutput, cosine, pairs
+        cross-encoder (a sequence classifier with one label) by reading the pair as one input
+        (pooling_params.use_activation False: its raw logit)."""
+        from .pooling import ScoringOutput, ScoringRequestOutput, cosine, lower_prompt, pairs
 
         self.check_runner("pooling", "LLM.score()")
+        self._pooling_extras(lora_request, tokenization_kwargs)
+        if chat_template is not None:
+            raise ValueError("chat_template: score reads its pairs without a chat template here")
+        params = self._classify_params(pooling_params)
+        if params.truncate_prompt_tokens is not None:
+            truncate_prompt_tokens = params.truncate_prompt_tokens
         todo = pairs(data_1, data_2)
+        if self._encoder_config.get("do_lower_case"):
+            todo = [(lower_prompt(a), lower_prompt(b)) for a, b in todo]
         if self.classifier is not None:
-            return self._cross_scores(todo, truncate_prompt_tokens)
+            return self._cross_scores(todo, truncate_prompt_tokens, params.use_activation)
         texts = list(dict.fromkeys(_prompt_key(x) for pair in todo for x in pair))
         vectors = {key: out for key, out in zip(texts, self.embed([_prompt_of(k) for k in texts],
                                                                  truncate_prompt_tokens=truncate_prompt_tokens))}
@@ -908,7 +993,8 @@ class LLM:
                                                ea.prompt_token_ids + eb.prompt_token_ids))
         return result
 
-    def _cross_scores(self, todo: list[tuple], truncate_prompt_tokens: int | None) -> list:
+    def _cross_scores(self, todo: list[tuple], truncate_prompt_tokens: int | None,
+                      use_activation: bool | None = None) -> list:
         """A cross-encoder (a sequence classifier with one label) scores each pair read as one
         sequence (the tokenizer's pair template; token-id prompts are concatenated), its score
         head through the model's score activation (pooling.Classifier.score). truncate_prompt_tokens
@@ -931,7 +1017,8 @@ class LLM:
             ids.append(first[:n1] + second[:n2])
         self._check_classifier()
         outs = self._embed([{"prompt_token_ids": i} for i in ids], PoolingParams(normalize=False))
-        return [ScoringRequestOutput(o.request_id, ScoringOutput(self.classifier.score(o.outputs.embedding)),
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(self.classifier.score(o.outputs.embedding,
+                                                                                       use_activation)),
                                      o.prompt_token_ids) for o in outs]
 
     def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
@@ -1505,9 +1592,10 @@ class _Progress:
 RUNNERS = ("auto", "generate", "pooling")
 
 
-def _runner(model, runner: str, convert: str, task: str | None) -> str:
+def _runner(model, runner: str, convert: str, task: str | None, hf_overrides: dict | None = None) -> str:
     """vLLM's runner choice: "pooling" when asked (runner, convert="embed", or the legacy
-    task="embed"), or for a bare decoder folder (architectures like Qwen3Model) under "auto"."""
+    task="embed"), or for a bare decoder folder (architectures like Qwen3Model) under "auto";
+    hf_overrides' architectures count (vLLM's Qwen3-Reranker recipe names a classifier)."""
     from .model.checkpoint import is_base_model, is_classifier, read_config
 
     if runner not in RUNNERS:
@@ -1519,6 +1607,8 @@ def _runner(model, runner: str, convert: str, task: str | None) -> str:
     if runner == "pooling" or convert == "embed" or task == "embed":
         return "pooling"
     raw = read_config(model) if Path(model).is_dir() and (Path(model) / "config.json").is_file() else {}
+    if raw and isinstance(hf_overrides, dict) and "architectures" in hf_overrides:
+        raw = {**raw, "architectures": hf_overrides["architectures"]}
     headless = bool(raw) and (is_base_model(raw) or is_classifier(raw))     # no LM head to generate with
     if headless and (runner == "generate" or task == "generate"):
         archs = ", ".join(raw.get("architectures") or [])

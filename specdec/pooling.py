@@ -11,13 +11,17 @@ then L2-normalizes it (unless told not to). The pooling comes from the folder's
 sentence-transformers files when it has them (`modules.json` naming a Pooling module, whose
 `config.json` sets `pooling_mode_*`, and a Normalize module), else LAST with normalization;
 `pooler_config` (vLLM's `--pooler-config` / `--override-pooler-config`) overrides either.
-Matryoshka models (`is_matryoshka` / `matryoshka_dimensions` in config.json) accept
-`dimensions`: the first d components, normalized again.
+Matryoshka models (`is_matryoshka` / `matryoshka_dimensions` in config.json, or in hf_overrides)
+accept `dimensions`: the first d components, normalized again. A sentence-transformers folder's
+`sentence_bert_config.json` (vLLM's encoder config) caps the context at its `max_seq_length` and,
+with `do_lower_case`, lowercases text inputs.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -61,12 +65,13 @@ class PoolerConfig:
         return self.dense[-1].weight.shape[0] if self.dense else hidden
 
     @classmethod
-    def of(cls, folder: str | Path, override: dict | None = None) -> PoolerConfig:
+    def of(cls, folder: str | Path, override=None, raw: dict | None = None) -> PoolerConfig:
         """The folder's pooling (sentence-transformers files, else LAST + normalize; a sequence
-        classifier's: LAST, not normalized), then override."""
+        classifier's: LAST, not normalized), then override (a dict, or a PoolerConfig: ours or
+        vLLM's, its fields that are not None). raw: the config.json with hf_overrides applied."""
         root = Path(folder)
         root = root.parent if root.is_file() else root
-        cfg = cls(normalize=not _classifier_config(root))
+        cfg = cls(normalize=not _classifier_config(root, raw))
         modules = root / "modules.json"
         if modules.is_file():
             try:
@@ -90,6 +95,11 @@ class PoolerConfig:
                                  "(Transformer, Pooling, Dense, Normalize)")
             dense = tuple(_st_dense(root / path) for kind, path in steps if kind == "Dense")
             cfg = cls(mode or "LAST", "Normalize" in kinds, dense)
+        if override is not None and not isinstance(override, dict):
+            if not hasattr(override, "pooling_type"):
+                raise ValueError(f"pooler_config must be a dict or a PoolerConfig, got {type(override).__name__}")
+            override = {k: getattr(override, k) for k in ("pooling_type", "normalize")
+                        if getattr(override, k, None) is not None}
         if override:
             unknown = set(override) - {"pooling_type", "normalize"}
             if unknown:
@@ -97,6 +107,54 @@ class PoolerConfig:
             cfg = replace(cfg, **{k: (str(v).upper() if k == "pooling_type" else _flag(v, "pooler_config normalize"))
                                   for k, v in override.items()})
         return cfg
+
+
+ST_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                   "sentence_camembert_config.json", "sentence_albert_config.json",
+                   "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+
+
+def encoder_config(folder: str | Path) -> dict:
+    """A sentence-transformers folder's tokenizer settings (vLLM's encoder_config: the first of
+    its sentence_*_config.json files): max_seq_length, do_lower_case; {} without one."""
+    root = Path(folder)
+    root = root.parent if root.is_file() else root
+    for name in ST_CONFIG_FILES:
+        if (root / name).is_file():
+            try:
+                cfg = json.loads((root / name).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{root / name}: not valid JSON ({e})") from None
+            return cfg if isinstance(cfg, dict) else {}
+    return {}
+
+
+def lower_prompt(prompt):
+    """A text prompt lowercased (do_lower_case); token ids as they are."""
+    if isinstance(prompt, str):
+        return prompt.lower()
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+        return {**prompt, "prompt": prompt["prompt"].lower()}
+    return prompt
+
+
+class Aborted(Exception):
+    """A pooling call stopped between two forwards: its client left (abort_when)."""
+
+
+_ABORT = threading.local()
+
+
+@contextmanager
+def abort_when(stop):
+    """embed_batch on this thread checks stop() before each forward and raises Aborted when it is
+    true: a server stops a request whose client has gone (the engine thread runs its calls one at
+    a time, so a thread-local reaches the LLM's pooling methods without a new argument)."""
+    _ABORT.stop = stop
+    try:
+        yield
+    finally:
+        _ABORT.stop = None
 
 
 def _flag(value, what: str) -> bool:
@@ -136,10 +194,32 @@ def _st_dense(folder: Path) -> Dense:
 @dataclass(frozen=True)
 class PoolingParams:
     """Per request (vLLM's): dimensions (matryoshka models), normalize (None: the pooler's),
-    truncate_prompt_tokens (keep the last k prompt tokens)."""
+    truncate_prompt_tokens (keep the last k prompt tokens), use_activation (classify and a
+    cross-encoder's score: False gives the raw logits; None: True). activation and softmax are
+    vLLM's deprecated names of use_activation."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+    task: str | None = None
+
+    def __post_init__(self):
+        legacy = self.softmax if self.softmax is not None else self.activation
+        if self.use_activation is None and legacy is not None:
+            object.__setattr__(self, "use_activation", legacy)
+        for name in ("normalize", "use_activation", "activation", "softmax"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PoolingParams {name} must be true or false (or None), got {getattr(self, name)!r}")
+
+
+def use_activation(body) -> bool | None:
+    """vLLM's get_use_activation: a request's softmax or activation (deprecated), else its use_activation."""
+    for name in ("softmax", "activation"):
+        if getattr(body, name, None) is not None:
+            return getattr(body, name)
+    return getattr(body, "use_activation", None)
 
 
 @dataclass
@@ -222,7 +302,10 @@ def embed_batch(model, prompts: list[list[int]], pooler: PoolerConfig, params: l
     attention give a row the same result alone or in a batch, so batching changes no bits."""
     out: list[list[float]] = []
     start = 0
+    stop = getattr(_ABORT, "stop", None)
     while start < len(prompts):
+        if stop is not None and stop():
+            raise Aborted("the pooling request was aborted")
         end, total = start + 1, len(prompts[start])
         while end < len(prompts) and total + len(prompts[end]) <= max_tokens:
             total += len(prompts[end])
@@ -253,12 +336,14 @@ def _pool(h: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[
     return vec.cpu().tolist()
 
 
-def _classifier_config(root: Path) -> dict | None:
+def _classifier_config(root: Path, raw: dict | None = None) -> dict | None:
+    """The config (raw: the one hf_overrides made, else the folder's) of a sequence classifier, else None."""
     from .model.checkpoint import is_classifier, read_config
 
-    if not (root / "config.json").is_file():
-        return None
-    raw = read_config(root)
+    if raw is None:
+        if not (root / "config.json").is_file():
+            return None
+        raw = read_config(root)
     return raw if is_classifier(raw) else None
 
 
@@ -288,14 +373,20 @@ class Classifier:
     score_activation: str = "sigmoid"     # score's: identity, sigmoid, tanh, softmax
 
     @classmethod
-    def of(cls, folder: str | Path, target) -> Classifier | None:
+    def of(cls, folder: str | Path, target, raw: dict | None = None, tokenizer=None) -> Classifier | None:
+        """raw: the config.json with hf_overrides applied (None: the folder's). A config naming
+        `classifier_from_token` (vLLM's recipe for a causal LM served as a classifier, as
+        Qwen3-Reranker) takes its head from the LM head's rows of those tokens."""
         from .model.checkpoint import read_state_dict
 
         root = Path(folder)
-        raw = _classifier_config(root)
+        raw = _classifier_config(root, raw)
         if raw is None:
             return None
-        sd = read_state_dict(root, lambda k: k in ("score.weight", "score.bias"))
+        if raw.get("classifier_from_token"):
+            sd = {"score.weight": _head_from_tokens(raw, target, tokenizer)}
+        else:
+            sd = read_state_dict(root, lambda k: k in ("score.weight", "score.bias"))
         if "score.weight" not in sd:
             raise ValueError(f"{root}: a sequence classifier without score.weight")
         w = sd["score.weight"].float()
@@ -317,13 +408,36 @@ class Classifier:
     def logits(self, state: list[float]) -> torch.Tensor:
         return torch.nn.functional.linear(torch.tensor(state), self.weight, self.bias)
 
-    def probs(self, state: list[float]) -> list[float]:
-        """classify's output (vLLM's `probs`, whatever the activation)."""
-        return _activate(self.logits(state), self.activation).tolist()
+    def probs(self, state: list[float], use_activation: bool | None = None) -> list[float]:
+        """classify's output (vLLM's `probs`, whatever the activation; use_activation False: the logits)."""
+        return _activate(self.logits(state), self.activation if use_activation is not False else "identity").tolist()
 
-    def score(self, state: list[float]) -> float:
-        """A cross-encoder's score of the pair read as `state`'s input."""
-        return _activate(self.logits(state), self.score_activation)[0].item()
+    def score(self, state: list[float], use_activation: bool | None = None) -> float:
+        """A cross-encoder's score of the pair read as `state`'s input (use_activation False: the logit)."""
+        how = self.score_activation if use_activation is not False else "identity"
+        return _activate(self.logits(state), how)[0].item()
+
+
+def _head_from_tokens(raw: dict, target, tokenizer) -> torch.Tensor:
+    """vLLM's classifier_from_token: the LM head's rows of the named tokens ([n, hidden]); with
+    is_original_qwen3_reranker (method from_2_way_softmax) the tokens are (false, true) and the
+    one label's row is true - false, as softmax over the two is sigmoid of their difference."""
+    tokens = raw["classifier_from_token"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) or tokenizer is None:
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    two_way = raw.get("is_original_qwen3_reranker") or raw.get("method") == "from_2_way_softmax"
+    if two_way and len(tokens) != 2:
+        raise ValueError(f"is_original_qwen3_reranker needs classifier_from_token of two tokens (false, true), got {tokens}")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    if None in ids or getattr(tokenizer, "unk_token_id", None) in ids:
+        raise ValueError(f"classifier_from_token: {tokens[ids.index(None) if None in ids else 0]!r} is not "
+                         "a token of the vocabulary")
+    head = getattr(getattr(target, "lm_head", None), "weight", None)
+    if not isinstance(head, torch.Tensor) or not head.is_floating_point() or head.dim() != 2:
+        raise ValueError("classifier_from_token needs the model's LM head unquantized (a GGUF or quantized "
+                         "head is not read here)")
+    rows = head[ids].float().cpu()
+    return (rows[1] - rows[0]).unsqueeze(0) if two_way else rows
 
 
 @dataclass

@@ -172,10 +172,10 @@ def _invocation_routes(service: Service) -> list[tuple[str, str, tuple[str, ...]
         return [("/v1/chat/completions", "ChatCompletionRequest", ("messages",)),
                 ("/v1/completions", "CompletionRequest", ("prompt",))]
     classifier = service.llm.classifier
-    routes = [("/classify", "ClassificationRequest", ("input",))] if classifier is not None else \
+    routes = [("/classify", "ClassificationRequest", ("input", "messages"))] if classifier is not None else \
         [("/v1/embeddings", "EmbeddingRequest", ("input", "messages"))]
-    if classifier is None or len(classifier.labels) == 1:
-        routes += [("/score", "ScoreRequest", ("text_1",)), ("/rerank", "RerankRequest", ("query",))]
+    if classifier is None or len(classifier.labels) == 1:      # score: each of vLLM's ScoreRequest forms
+        routes += [("/score", "ScoreRequest", ("text_1", "queries", "data_1")), ("/rerank", "RerankRequest", ("query",))]
     return routes
 
 

@@ -6,46 +6,65 @@ sequence classifier (label probabilities per input).
 
 The input is a string, a list of strings, a list of token ids or a list of those; each becomes
 one embedding, computed on the engine's thread (EngineWorker.call) so that it never races a
-decoding step. `encoding_format` "base64" packs the float32 values little-endian, as OpenAI's
-client decodes them; `dimensions` is accepted for matryoshka models only. vLLM's extensions:
+decoding step; a client that leaves stops its request before the next forward (a 499), as
+vLLM aborts it. `encoding_format` "base64" packs the values as `embed_dtype` (vLLM's: float32,
+as OpenAI's client decodes them, float16 or bfloat16) in `endianness` (native, little, big);
+`dimensions` is accepted for matryoshka models only. vLLM's extensions:
 `truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true),
-`normalize`. A server whose model generates answers 404 here, and a pooling server answers 404 on
-the generation endpoints, as vLLM registers only the routes its runner serves.
+`normalize`, and on /classify, /score, /rerank `use_activation` (false: the raw logits; its
+deprecated names `activation`, `softmax`). A server whose model generates answers 404 here, and a
+pooling server answers 404 on the generation endpoints, as vLLM registers only the routes its
+runner serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import struct
+import sys
+import threading
 import time
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import Field
 
-from ..pooling import PoolingParams
+from ..pooling import Aborted, PoolingParams, abort_when, lower_prompt, use_activation
 from .errors import APIError
 from .protocol import ChatMessage, _Body
 
 
-class EmbeddingRequest(_Body):
+class _Inputs(_Body):
+    """A pooling request's input, or vLLM's extension: one conversation through the chat template."""
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = Field(None, description="vLLM extension: one conversation through the chat "
                                                                  "template, instead of input")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, description="vLLM extension: keep each input's last k tokens")
     add_special_tokens: bool | None = Field(None, description="vLLM extension: default true for input, false for "
                                                               "messages (the template writes them)")
-    normalize: bool | None = Field(None, description="vLLM extension: default, the model's pooler")
     add_generation_prompt: bool = Field(False, description="vLLM extension, with messages")
     continue_final_message: bool = Field(False, description="vLLM extension, with messages")
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+
+
+class _Activation(_Body):
+    use_activation: bool | None = Field(None, description="vLLM extension: false gives the raw logits")
+    activation: bool | None = Field(None, description="deprecated: use_activation")
+    softmax: bool | None = Field(None, description="deprecated: use_activation")
+
+
+class EmbeddingRequest(_Inputs, _Activation):
+    encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    dimensions: int | None = None
+    normalize: bool | None = Field(None, description="vLLM extension: default, the model's pooler")
 
 
 def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
@@ -53,7 +72,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
     router, top = APIRouter(prefix="/v1"), APIRouter()
 
     @router.post("/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(body: EmbeddingRequest, request: Request):
         if service.llm.runner != "pooling":
             raise APIError(404, f"the model {service.config.model_name!r} does not support the Embeddings API "
                                 "(serve an embedding model, or this one with --runner pooling / --convert embed)")
@@ -62,30 +81,43 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                                 "/classify, /score and /rerank, not the Embeddings API")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to embeddings", "model")
-        start = time.perf_counter()
         prompts = await service.off_loop(_inputs, service, body)
-        params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
-        try:
-            future = service.worker.call(lambda engine: service.llm.embed(
-                [{"prompt_token_ids": ids} for ids in prompts], params), work=True)
-            outputs = await asyncio.wrap_future(future)
-        except ValueError as e:
-            raise APIError(400, str(e), "dimensions" if "dimensions" in str(e) else "input") from None
-        data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body.encoding_format)}
+        params = _embed_params(body)
+        outputs = await run(request, lambda engine: service.llm.embed(
+            [{"prompt_token_ids": ids} for ids in prompts], params),
+            lambda e: "dimensions" if "dimensions" in str(e) else "input")
+        if outputs is None:
+            return Response(status_code=499)
+        data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body)}
                 for i, o in enumerate(outputs)]
-        tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        service.metrics.pooled([len(o.prompt_token_ids) for o in outputs], time.perf_counter() - start)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": service.model_name(None, body.model), "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "model": service.model_name(None, body.model), "data": data, "usage": _usage(outputs)}
 
-    async def run(fn):
-        """fn on the engine's thread; the request counted in the metrics (its outputs' tokens)."""
+    async def run(request: Request, fn, param=lambda e: None):
+        """fn on the engine's thread; the request counted in the metrics (its outputs' tokens).
+        None when the client leaves first: the call stops before its next forward (vLLM aborts a
+        pooling request whose client disconnects), so the requests after it do not wait for it."""
         start = time.perf_counter()
+        stop = threading.Event()
+
+        def guarded(engine):
+            with abort_when(stop.is_set):
+                return fn(engine)
+        work = asyncio.wrap_future(service.worker.call(guarded, work=True))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            stop.set()
+            await asyncio.gather(work, return_exceptions=True)
+            return None
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
         try:
-            outs = await asyncio.wrap_future(service.worker.call(fn, work=True))
+            outs = work.result()
+        except Aborted:
+            return None
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param(e)) from None
         service.metrics.pooled([len(o.prompt_token_ids) for o in outs], time.perf_counter() - start)
         return outs
 
@@ -97,40 +129,52 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
         if service.lora_request(model) is not None:
             raise APIError(400, "LoRA adapters are not applied to scores", "model")
 
-    async def score(body: ScoreRequest):
+    async def score(body: ScoreRequest, request: Request):
         check(body.model)
-        for name, side in (("text_1", body.text_1), ("text_2", body.text_2)):
+        (name_1, data_1), (name_2, data_2) = body.sides()
+        for name, side in ((name_1, data_1), (name_2, data_2)):
             if not side or (isinstance(side, list) and not all(side)):
                 raise APIError(400, f"{name} must hold non-empty text", name)
-        outs = await run(lambda engine: service.llm.score(body.text_1, body.text_2, body.truncate_prompt_tokens))
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        params = PoolingParams(use_activation=use_activation(body))
+        outs = await run(request, lambda engine: service.llm.score(data_1, data_2, body.truncate_prompt_tokens,
+                                                                   pooling_params=params))
+        if outs is None:
+            return Response(status_code=499)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": service.model_name(None, body.model),
                 "data": [{"index": i, "object": "score", "score": o.outputs.score} for i, o in enumerate(outs)],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "usage": _usage(outs)}
 
-    async def rerank(body: RerankRequest):
+    async def rerank(body: RerankRequest, request: Request):
         check(body.model)
         if not body.query or not body.documents or not all(body.documents):
             raise APIError(400, "query and documents must hold non-empty text", "documents")
         if body.top_n is not None and body.top_n < 0:         # 0 (vLLM's default): every document
             raise APIError(400, f"top_n must be >= 0, got {body.top_n}", "top_n")
-        outs = await run(lambda engine: service.llm.score(body.query, body.documents, body.truncate_prompt_tokens))
+        params = PoolingParams(use_activation=use_activation(body))
+        outs = await run(request, lambda engine: service.llm.score(body.query, body.documents,
+                                                                   body.truncate_prompt_tokens, pooling_params=params))
+        if outs is None:
+            return Response(status_code=499)
         order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)[:body.top_n or len(outs)]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": service.model_name(None, body.model),
-                "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outs)},
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": [{"index": i, "document": {"text": body.documents[i]},
                              "relevance_score": outs[i].outputs.score} for i in order]}
 
-    async def classify(body: ClassifyRequest):
+    async def classify(body: ClassifyRequest, request: Request):
         if service.llm.runner != "pooling" or service.llm.classifier is None:
             raise APIError(404, f"the model {service.config.model_name!r} does not support the Classification API "
                                 "(serve a sequence classifier: architectures like Qwen2ForSequenceClassification)")
         if service.lora_request(body.model) is not None:
             raise APIError(400, "LoRA adapters are not applied to classification", "model")
         prompts = await service.off_loop(_inputs, service, body)
-        outs = await run(lambda engine: service.llm.classify([{"prompt_token_ids": ids} for ids in prompts],
-                                                             body.truncate_prompt_tokens))
+        params = PoolingParams(use_activation=use_activation(body))
+        outs = await run(request, lambda engine: service.llm.classify(
+            [{"prompt_token_ids": ids} for ids in prompts], body.truncate_prompt_tokens, pooling_params=params))
+        if outs is None:
+            return Response(status_code=499)
         labels = service.llm.classifier.labels
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
@@ -139,7 +183,7 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                 "model": service.model_name(None, body.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
-    async def pooling(body: EmbeddingRequest):
+    async def pooling(body: EmbeddingRequest, request: Request):
         """vLLM's generic pooling endpoint: each input's pooled output (an embedding model's
         vector; a classifier's probabilities)."""
         if service.llm.runner != "pooling":
@@ -153,18 +197,19 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
                 if getattr(body, name) is not None:
                     raise APIError(400, f"{name} applies to embeddings; this model is a sequence classifier "
                                         "(its pooled output is the class probabilities)", name)
-            outs = await run(lambda engine: service.llm.classify(prompts, body.truncate_prompt_tokens))
-            data = [o.outputs.probs for o in outs]
+            params = PoolingParams(use_activation=use_activation(body))
+            outs = await run(request, lambda engine: service.llm.classify(prompts, body.truncate_prompt_tokens,
+                                                                          pooling_params=params))
+            data = outs and [o.outputs.probs for o in outs]
         else:
-            params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
-            outs = await run(lambda engine: service.llm.embed(prompts, params))
-            data = [o.outputs.embedding for o in outs]
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
+            outs = await run(request, lambda engine: service.llm.embed(prompts, _embed_params(body)))
+            data = outs and [o.outputs.embedding for o in outs]
+        if outs is None:
+            return Response(status_code=499)
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": service.model_name(None, body.model),
-                "data": [{"index": i, "object": "pooling", "data": _encode(d, body.encoding_format)}
-                         for i, d in enumerate(data)],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "data": [{"index": i, "object": "pooling", "data": _encode(d, body)} for i, d in enumerate(data)],
+                "usage": _usage(outs)}
 
     top.add_api_route("/pooling", pooling, methods=["POST"])
     for path in ("/classify", "/v1/classify"):
@@ -176,26 +221,58 @@ def embedding_routes(service) -> tuple[APIRouter, APIRouter]:
     return router, top
 
 
-class ClassifyRequest(_Body):
+class ClassifyRequest(_Inputs, _Activation):
+    """vLLM's ClassificationRequest: input, or (its ClassificationChatRequest) messages."""
+
+
+# vLLM's ScoreRequest forms, in the order it tries them: (first side, second side)
+_SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+
+
+class ScoreRequest(_Activation):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool | None = None
-
-
-class ScoreRequest(_Body):
-    model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = None
 
+    def sides(self) -> tuple[tuple[str, object], tuple[str, object]]:
+        """The two sides to pair, by the first form whose fields the body has."""
+        for a, b in _SCORE_SIDES:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                return (a, getattr(self, a)), (b, getattr(self, b))
+        raise APIError(400, "give the texts to score as queries and documents (or data_1 and data_2, or text_1 "
+                            "and text_2)", "queries")
 
-class RerankRequest(_Body):
+
+class RerankRequest(_Activation):
     model: str | None = None
     query: str
     documents: list[str]
     top_n: int | None = None
     truncate_prompt_tokens: int | None = None
+
+
+def _embed_params(body: EmbeddingRequest) -> PoolingParams:
+    """An embedding body's PoolingParams: vLLM's use_activation is its newer name of normalize."""
+    normalize = body.normalize if body.normalize is not None else use_activation(body)
+    return PoolingParams(body.dimensions, normalize, body.truncate_prompt_tokens)
+
+
+def _usage(outs) -> dict:
+    """vLLM's UsageInfo of a pooling request (its inputs' tokens; no completion)."""
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _inputs(service, body) -> list[list[int]]:
@@ -205,7 +282,9 @@ def _inputs(service, body) -> list[list[int]]:
     if (x is None) == (messages is None):
         raise APIError(400, "give either input or messages", "input")
     add = body.add_special_tokens if body.add_special_tokens is not None else messages is None
-    encode = lambda text: service.tokenizer.encode(text, add_special_tokens=add)  # noqa: E731
+    lower = service.llm._encoder_config.get("do_lower_case")     # sentence_bert_config.json's (vLLM's)
+    encode = lambda text: service.tokenizer.encode(lower_prompt(text) if lower else text,  # noqa: E731
+                                                   add_special_tokens=add)
     if messages is not None:
         prompts = [encode(service._chat_text(body))]
     elif isinstance(x, str):
@@ -228,7 +307,11 @@ def _inputs(service, body) -> list[list[int]]:
     return prompts
 
 
-def _encode(vec: list[float], fmt: str):
-    if fmt == "float":
+def _encode(vec: list[float], body):
+    """A vector as the body asks: floats, or base64 of its embed_dtype values in its endianness."""
+    if body.encoding_format == "float":
         return vec
-    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+    t = torch.tensor(vec, dtype=getattr(torch, body.embed_dtype))
+    raw = (t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)).numpy()
+    order = sys.byteorder if body.endianness == "native" else body.endianness
+    return base64.b64encode(raw.astype(raw.dtype.newbyteorder("<" if order == "little" else ">")).tobytes()).decode()

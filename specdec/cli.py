@@ -70,6 +70,53 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="full attention, the context capped at the model's sliding window")
 
 
+# vLLM 0.6's flags for speculative_config's keys: flag -> (key, type or choices)
+LEGACY_SPECULATIVE_FLAGS = {
+    "--ngram-prompt-lookup-max": ("prompt_lookup_max", int),
+    "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
+    "--speculative-disable-by-batch-size": ("disable_by_batch_size", int),
+    "--spec-decoding-acceptance-method": ("acceptance_method", ("rejection_sampler", "typical_acceptance_sampler")),
+    "--typical-acceptance-sampler-posterior-threshold": ("posterior_threshold", float),
+    "--typical-acceptance-sampler-posterior-alpha": ("posterior_alpha", float),
+}
+
+
+def add_legacy_speculative_args(p: argparse.ArgumentParser) -> None:
+    legacy = p.add_argument_group("vLLM 0.6's speculative flags (onto --speculative-config's keys, as they meant)")
+    for flag, (key, kind) in LEGACY_SPECULATIVE_FLAGS.items():
+        legacy.add_argument(flag, dest=f"legacy_{key}", metavar=key.upper(), help=f"speculative_config's {key}",
+                            **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}))
+
+
+def fold_legacy_speculative(args) -> None:
+    """vLLM 0.6's speculative flags onto args.speculative_config (a key it already sets to another
+    value is a one-line ValueError); they need --speculative-model or --speculative-config, as
+    vLLM 0.6 ignored them without a speculative model."""
+    given = {flag: (key, getattr(args, f"legacy_{key}", None)) for flag, (key, _) in LEGACY_SPECULATIVE_FLAGS.items()}
+    given = {flag: kv for flag, kv in given.items() if kv[1] is not None}
+    if not given:
+        return
+    if args.speculative_config is None and args.speculative_model is None:
+        raise ValueError(f"{', '.join(given)}: speculative settings need --speculative-model or --speculative-config")
+    config = dict(args.speculative_config or {})
+    for flag, (key, value) in given.items():
+        if key in config and config[key] is not None and config[key] != value:
+            raise ValueError(f"{flag} {value} disagrees with --speculative-config's {key} ({config[key]!r}): give it once")
+        config[key] = value
+    args.speculative_config = config
+
+
+def _bench_legacy_speculative(words: list[str]) -> None:
+    """bench sets speculative keys in --speculative-config (per method); vLLM 0.6's flags for them
+    are named in a one-line error rather than misread as a subcommand."""
+    for word in words:
+        flag = word.split("=")[0]
+        if flag in LEGACY_SPECULATIVE_FLAGS:
+            key = LEGACY_SPECULATIVE_FLAGS[flag][0]
+            raise ValueError(f"{flag} (vLLM 0.6's flag for speculative_config's {key}) is not taken by bench: set "
+                             f"{key!r} in --speculative-config")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Batching flags shared by generate and serve (vLLM's names)."""
     p.add_argument("--max-num-seqs", type=int, default=16,
@@ -782,6 +829,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             importlib.import_module(module).add_parser(sub)
         except ImportError:
             continue  # a subcommand whose optional dependencies are missing
+        if name in ("generate", "chat"):          # serve and run-batch register their own
+            add_legacy_speculative_args(sub.choices[name])
     return parser
 
 
@@ -821,6 +870,8 @@ def main(argv: list[str] | None = None) -> int:
             if cmd == "bench" and len(words) > 1 and words[1] in _subcommands(sub):
                 head, sub = [cmd, words[1]], _subparser(sub, words[1])      # bench serve / throughput / latency
             words = [*head, *expand_argv(words[len(head):], sub)]
+            if cmd == "bench":
+                _bench_legacy_speculative(words)
         except ValueError as e:
             print(f"specdec {cmd}: error: {e}", file=sys.stderr)
             return 2
@@ -853,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "device", None) is not None:
             check_device(args.device)              # before any subcommand loads a model on it
+        if args.cmd in ("generate", "chat"):
+            fold_legacy_speculative(args)
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

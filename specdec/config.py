@@ -456,13 +456,30 @@ MODEL_KIND = {"draft_model": "a draft model folder", "ngram+draft_model": "a dra
               "mlp_speculator": "an MLP speculator folder (IBM's accelerators: model_type 'mlp_speculator')"}
 
 
+# specdec's own folders (`specdec train ...`) by their config.json architectures
+OWN_FOLDER_METHODS = {"SpecdecEagleHead": "eagle", "SpecdecMedusaHeads": "medusa", "SpecdecSuffixDatastore": "suffix"}
+
+
+def _architectures(model) -> list:
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return []
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    return archs if isinstance(archs, list) else []
+
+
 def _method_of(model) -> str:
     """The method a draft folder implies when none is named (vLLM reads its config the same
-    way): an MLP speculator's, released Medusa heads', an EAGLE-3 head's or the EAGLE authors'
-    head's folder, else a draft model."""
+    way): specdec's own heads or datastore folder's, an MLP speculator's, released Medusa heads',
+    an EAGLE-3 head's or the EAGLE authors' head's, else a draft model."""
     from .model.eagle3 import is_eagle3
     from .model.heads import is_eagle_authors, is_released_medusa
     from .model.mlp_speculator import is_mlp_speculator
+    own = [OWN_FOLDER_METHODS[a] for a in _architectures(model) if a in OWN_FOLDER_METHODS]
+    if own:
+        return own[0]
     if is_mlp_speculator(model):
         return "mlp_speculator"
     if is_released_medusa(model):
@@ -485,16 +502,84 @@ def _n_predict(model) -> int:
 
 
 NGRAM_MODELS = ("[ngram]", "ngram")     # vLLM's `model` values that mean prompt lookup
+DEFAULT_K = 4                            # num_speculative_tokens left out (vLLM requires it for most methods)
 DEFAULT_LOOKUP_MAX = 4                   # suffix's and the hybrids' prompt_lookup_max when not given
-OPTIONAL_FIELDS = ("model", "prompt_lookup_max", "prompt_lookup_min", "num_layers", "max_k", "disable_by_batch_size")
+OPTIONAL_FIELDS = ("model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers", "max_k",
+                   "disable_by_batch_size")
 
 
-@dataclass(frozen=True)
+def _flag(v) -> bool:
+    return v is None or isinstance(v, bool)
+
+
+def _text(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _only(*values):
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in values)
+
+
+# vLLM's SpeculativeConfig fields (0.6 .. current) beside the ones specdec reads: key -> (the values
+# taken, what else is wrong with a value). A value taken changes nothing here: vLLM's default, or a
+# setting of its engine's internals (eager mode, logging, kernels) with no meaning in specdec; any
+# other is a one-line error naming the key, as it would change what runs in a way specdec cannot.
+_FLAG, _TEXT = "must be true, false or null", "must be a string or null"
+VLLM_SPEC_KEYS: dict[str, tuple] = {
+    **{k: (_flag, _FLAG) for k in ("enforce_eager", "disable_log_stats", "disable_logprobs", "disable_mqa_scorer",
+                                   "enable_chunked_prefill", "disable_padded_drafter_batch",
+                                   "disable_eagle_block_drop", "use_local_argmax_reduction")},
+    **{k: (_text, _TEXT) for k in ("revision", "code_revision", "quantization", "attention_backend", "moe_backend")},
+    # filled in by vLLM's engine, never by a user: taken as vLLM takes them
+    **{k: (lambda v: True, "") for k in ("target_model_config", "target_parallel_config", "draft_model_config",
+                                         "draft_parallel_config")},
+    "max_model_len": (lambda v: v is None or (_int(v) and v >= 1), "must be an integer >= 1 or null"),
+    "kv_cache_dtype": (_only(None, "auto"), "not supported: the draft's KV cache follows the target's "
+                                            "(set LLM's kv_cache_dtype / --kv-cache-dtype)"),
+    "draft_tensor_parallel_size": (_only(None, 1), "specdec runs the drafter unsharded (1)"),
+    "tensor_parallel_size": (_only(None), "not a valid argument in the speculative_config: pass "
+                                          "draft_tensor_parallel_size instead (vLLM's rule)"),
+    "speculative_token_tree": (_only(None), "not supported: specdec grows EAGLE-2 dynamic trees (set topk and "
+                                            "num_speculative_tokens, the number of nodes)"),
+    "rejection_sample_method": (_only("standard"), "not supported: specdec verifies by standard rejection sampling "
+                                                   "('standard', vLLM's default)"),
+    **{k: (_only(None), "not supported: only with rejection_sample_method 'synthetic', which specdec does not run")
+       for k in ("synthetic_acceptance_rates", "synthetic_acceptance_length")},
+    # specdec's learned drafters draw from q when sampling (vLLM's 'probabilistic'); lossless either way
+    "draft_sample_method": (_only("greedy", "probabilistic"), "must be 'greedy' or 'probabilistic'"),
+    "parallel_drafting": (_only(None, False), "not supported: specdec drafts one token after another"),
+    "use_heterogeneous_vocab": (_only(None, False), "not supported: a draft shares the target's vocabulary"),
+    "num_speculative_tokens_per_batch_size": (_only(None), "not supported: specdec sets K by batch size with "
+                                                           "disable_by_batch_size, or per step with "
+                                                           "num_speculative_tokens \"auto\""),
+    "index_share_for_mtp_iteration": (_only(None), "not supported: specdec's MTP layers have no sparse-attention "
+                                                   "indices to share"),
+    "enable_adaptive_verification": (_only(None, False), "not supported: vLLM's dspark method only"),
+    "dspark_draft_topk": (_only(None), "not supported: vLLM's dspark method only"),
+    "draft_load_config": (_only(None), "not supported: specdec loads the draft as it loads the target"),
+}
+
+
+def check_vllm_key(key: str, value) -> None:
+    """One line naming the key where a vLLM speculative_config value is not one specdec takes."""
+    ok, why = VLLM_SPEC_KEYS[key]
+    if ok(value):
+        return
+    if why.startswith("not supported: "):
+        raise ValueError(f"speculative_config.{key} is not supported (got {value!r}): {why[15:]}")
+    raise ValueError(f"speculative_config.{key}={value!r}: {why}")
+
+
+@dataclass(frozen=True, init=False)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`. num_speculative_tokens: an int, or "auto" (adaptive K)."""
-    method: str = "draft_model"
+    """vLLM's `speculative_config`. num_speculative_tokens: an int, or "auto" (adaptive K); left
+    out, 4 (an MLP speculator's n_predict). method left out: read from `model`'s folder, as vLLM
+    does; neither given is vLLM's error. vLLM's other field names (enforce_eager=...,
+    suffix_decoding_min_token_prob=..., topk=...) are taken as keywords too and kept in `extra`,
+    as from_dict keeps a dict's."""
+    method: str | None = None
     model: str | None = None
-    num_speculative_tokens: int | str = 4
+    num_speculative_tokens: int | str | None = None
     # None: not given. method "ngram" follows vLLM (neither given: both 5; one given: the other
     # copies it); specdec's own lookup methods (suffix, the hybrids) keep min 1 / max 4
     prompt_lookup_max: int | None = None
@@ -507,12 +592,38 @@ class SpeculativeConfig:
     # the unread-key warnings and the chain depth's default read; kept by dataclasses.replace
     given: frozenset | None = field(default=None, compare=False, repr=False)
 
+    def __init__(self, method=None, model=None, num_speculative_tokens=None, prompt_lookup_max=None,
+                 prompt_lookup_min=None, num_layers=None, max_k=None, disable_by_batch_size=None, extra=None,
+                 given=None, **keys):
+        if keys:
+            from .proposers import READ_KEYS    # the keys specdec's methods read (suffix_*, topk, ...)
+            bad = sorted(set(keys) - set(VLLM_SPEC_KEYS) - READ_KEYS)
+            if bad:
+                raise TypeError(f"SpeculativeConfig() got an unexpected keyword argument {bad[0]!r}")
+        values = dict(method=method, model=model, num_speculative_tokens=num_speculative_tokens,
+                      prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min, num_layers=num_layers,
+                      max_k=max_k, disable_by_batch_size=disable_by_batch_size, extra={**(extra or {}), **keys},
+                      given=given)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        _check(self.model is None or isinstance(self.model, str), "speculative_config.model",
+               "must be a path (a string)", self.model)
+        _check(self.method is None or isinstance(self.method, str), "speculative_config.method", "must be a string",
+               self.method)
         if self.given is None:
             raw = {f for f in OPTIONAL_FIELDS if getattr(self, f) is not None}
             object.__setattr__(self, "given", frozenset(raw | set(self.extra)))
+        self._infer_method()
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for key, value in self.extra.items():
+            if key in VLLM_SPEC_KEYS:
+                check_vllm_key(key, value)
         k = self.num_speculative_tokens
         ok = k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 64)
         _check(ok, "num_speculative_tokens", 'must be an integer in [0, 64] or "auto"', k)
@@ -528,10 +639,6 @@ class SpeculativeConfig:
         _check(lo <= hi, "speculative_config.prompt_lookup_max", f"must be >= prompt_lookup_min ({lo})", hi)
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if isinstance(self.model, os.PathLike):
-            object.__setattr__(self, "model", os.fspath(self.model))
-        _check(self.model is None or isinstance(self.model, str), "speculative_config.model",
-               "must be a path (a string)", self.model)
         _check(self.num_layers is None or (_int(self.num_layers) and self.num_layers >= 1),
                "speculative_config.num_layers", "must be an integer >= 1", self.num_layers)
         if self.max_k is None:
@@ -545,6 +652,28 @@ class SpeculativeConfig:
         if self.method in MODEL_KIND and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}: {MODEL_KIND[self.method]}")
 
+    def _infer_method(self) -> None:
+        """vLLM's rules: {"model": "[ngram]"} is prompt lookup; without a method, the draft folder's
+        config says which it is; with neither, vLLM's error (no silent default method)."""
+        method, model, k = self.method, self.model, self.num_speculative_tokens
+        if model in NGRAM_MODELS and method in (None, *NGRAM_MODELS):
+            model, method = None, "ngram"
+            object.__setattr__(self, "given", self.given - {"model"})
+        if method == "[ngram]":
+            method = "ngram"
+        if method is None and not model:
+            if k is not None:
+                raise ValueError("speculative_config: num_speculative_tokens was provided but without speculative "
+                                 "model: set \"method\" (e.g. \"ngram\") or \"model\" (a draft folder)")
+            raise ValueError("speculative_config names no method and no model: set \"method\" (e.g. \"ngram\") "
+                             "or \"model\" (a draft folder)")
+        if method is None:
+            method = _method_of(model)
+        if k is None:               # vLLM's mlp_speculator default: all its stages
+            k = _n_predict(model) if method == "mlp_speculator" and model else DEFAULT_K
+        for name, value in (("method", method), ("model", model), ("num_speculative_tokens", k)):
+            object.__setattr__(self, name, value)
+
     @property
     def adaptive(self) -> bool:
         return self.num_speculative_tokens == "auto"
@@ -553,25 +682,10 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be an object, got {type(d).__name__}")
-        d = dict(d)
-        model = d.get("model")
-        _check(model is None or isinstance(model, (str, os.PathLike)), "speculative_config.model",
-               "must be a path (a string)", model)
-        _check(d.get("method") is None or isinstance(d["method"], str), "speculative_config.method", "must be a string",
-               d.get("method"))
-        if str(d.get("model")) in NGRAM_MODELS and d.get("method") in (None, *NGRAM_MODELS):
-            d["model"] = None       # vLLM's: {"model": "[ngram]"} (or "ngram") is prompt lookup
-            d["method"] = "ngram"
-        if d.get("method") == "[ngram]":
-            d["method"] = "ngram"
-        if d.get("method") is None:     # as vLLM: the draft folder's config says which method it is
-            d["method"] = _method_of(d["model"]) if d.get("model") else "ngram"
-        if d["method"] == "mlp_speculator" and "num_speculative_tokens" not in d and d.get("model"):
-            d["num_speculative_tokens"] = _n_predict(d["model"])       # vLLM's default: all its stages
         known = set(cls.__dataclass_fields__) - {"extra", "given"}
         given = frozenset(k for k, v in d.items() if v is not None and k != "method")
-        extra = {k: d.pop(k) for k in list(d) if k not in known}
-        return cls(**d, extra=extra, given=given)
+        fields = {k: v for k, v in d.items() if k in known}
+        return cls(**fields, extra={k: v for k, v in d.items() if k not in known}, given=given)
 
 
 # vLLM's compilation_config keys about torch.compile / Inductor, which specdec does not run: taken, no effect

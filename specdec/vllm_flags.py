@@ -56,7 +56,7 @@ VLLM_SWITCHES = frozenset("""
     aggregate-engine-logging async-scheduling calculate-kv-scales data-parallel-external-lb data-parallel-hybrid-lb
     disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
     disable-frontend-multiprocessing disable-hybrid-kv-cache-manager disable-logprobs-during-spec-decoding
-    disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization  enable-chunked-prefill
+    disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization speculative-disable-mqa-scorer enable-chunked-prefill
     enable-dbo enable-eplb enable-expert-parallel enable-lora-bias enable-mm-embeds
     enable-multimodal-encoder-data-parallel enable-offline-docs enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details
     enable-reasoning enable-sleep-mode enable-ssl-refresh  engine-use-ray
@@ -139,17 +139,30 @@ def _is_vllm_flag(flag: str) -> bool:
 
 
 _ALIASES = {"pp": "pipeline_parallel_size"}
+# vLLM 0.6's flags for speculative_config keys that specdec takes only at values that change nothing:
+# checked as the key is (config.VLLM_SPEC_KEYS), so the flag and the key are refused alike
+SPECULATIVE_FLAG_KEYS = {"speculative-draft-tensor-parallel-size": "draft_tensor_parallel_size",
+                         "speculative-max-model-len": "max_model_len",
+                         "speculative-model-quantization": "quantization",
+                         "speculative-disable-mqa-scorer": "disable_mqa_scorer"}
 
 
 def check_refused(flags: list[str]) -> None:
     """Ignored flags whose value would change what vLLM runs in a way specdec cannot (the LLM's
     own rule, llm._VLLM_IGNORED: --pipeline-parallel-size 2, --tokenizer-mode mistral,
     --load-format dummy, --enable-sleep-mode): a one-line ValueError, as LLM(...) refuses them."""
+    from .config import VLLM_SPEC_KEYS
     from .llm import _VLLM_IGNORED, _same
 
     for flag in flags:
         word, _, value = flag.replace("=", " ", 1).partition(" ")
         name = word.lstrip("-")
+        if name.removeprefix("no-") in SPECULATIVE_FLAG_KEYS:
+            parsed = (not name.startswith("no-")) if _switch(word) or value == "" else _parse_value(value)
+            ok, why = VLLM_SPEC_KEYS[SPECULATIVE_FLAG_KEYS[name.removeprefix("no-")]]
+            if not ok(parsed):
+                raise ValueError(f"{word} {value}".strip() + f": {why}")
+            continue
         negated = name.startswith("no-") and name[3:].replace("-", "_") in _VLLM_IGNORED
         key = _ALIASES.get(name, (name[3:] if negated else name).replace("-", "_"))
         if key not in _VLLM_IGNORED:

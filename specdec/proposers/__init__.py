@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import Callable
 
-from ..config import MTP_METHODS, SpeculativeConfig
+from ..config import MTP_METHODS, VLLM_SPEC_KEYS, SpeculativeConfig
 from .base import Committed, Draft, ProposeItem, Proposer, ProposerBase, ProposerCaps, RequestContext
 from .draft_model import DraftModelProposer
 from .eagle import DEFAULT_DEPTH, EagleProposer
@@ -20,7 +20,20 @@ log = logging.getLogger("specdec.proposers")
 
 
 def _draft_model(spec: SpeculativeConfig, target, loader, max_len):
-    return DraftModelProposer(loader(spec.model))
+    from ..model.vocab_draft import is_vocab_draft
+    draft = loader(spec.model)
+    # vLLM refuses any other size: a smaller one cannot embed the target's tokens past its end (a
+    # padded, larger one is fine here: its logits are cut to the target's; a draft over its own
+    # draft vocabulary maps onto the target's by design)
+    if not is_vocab_draft(spec.model) and draft.config.vocab_size < target.config.vocab_size:
+        raise ValueError(f"{spec.model}: the draft's vocab_size ({draft.config.vocab_size}) is smaller than the "
+                         f"target's ({target.config.vocab_size}): target and draft model should have the same "
+                         "vocabulary size (vLLM's rule)")
+    limit = spec.extra.get("max_model_len")
+    if limit is not None and limit > draft.config.max_position_embeddings:
+        raise ValueError(f"speculative_config.max_model_len={limit} cannot be larger than the draft's context "
+                         f"({draft.config.max_position_embeddings})")
+    return DraftModelProposer(draft)
 
 
 def _ngram(spec: SpeculativeConfig, target, loader, max_len):
@@ -183,15 +196,11 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 
 
 # speculative_config keys beside SpeculativeConfig's fields: the ones specdec reads, and vLLM's
-# that mean nothing here (its engine's internals, eager mode, logging), taken and ignored as
-# vLLM takes them; any other key is an error, as it is in vLLM (a typo must not pass silently)
+# other fields (config.VLLM_SPEC_KEYS: their values checked there, taken where they change nothing);
+# any other key is an error, as it is in vLLM (a typo must not pass silently)
 SUFFIX_KEYS = tuple(f"suffix_decoding_{f}" for f in SuffixSettings.__dataclass_fields__)
 TYPICAL_KEYS = ("posterior_threshold", "posterior_alpha")
 READ_KEYS = {"topk", "depth", "acceptance_method", *TYPICAL_KEYS, *HYBRID_KEYS, *SUFFIX_KEYS}
-VLLM_IGNORED_KEYS = {"enforce_eager", "revision", "code_revision", "disable_log_stats", "disable_logprobs",
-                     "disable_padded_drafter_batch", "disable_mqa_scorer", "enable_chunked_prefill", "max_model_len",
-                     "quantization", "target_model_config", "target_parallel_config", "draft_model_config",
-                     "draft_parallel_config"}
 # what each method reads beside method, num_speculative_tokens, disable_by_batch_size and the
 # acceptance keys (every method's); a key given to a method that does not read it is a warning
 LOOKUP_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
@@ -205,26 +214,18 @@ METHOD_READS: dict[str, tuple[str, ...]] = {
     "ngram+draft_model": ("model", *LOOKUP_FIELDS, *HYBRID_KEYS),
 }
 EVERY_METHOD_READS = {"method", "num_speculative_tokens", "disable_by_batch_size", "acceptance_method", *TYPICAL_KEYS,
-                      "max_k", *VLLM_IGNORED_KEYS, "draft_tensor_parallel_size"}
+                      "max_k", *VLLM_SPEC_KEYS}
 
 
 def check_keys(spec: SpeculativeConfig) -> None:
     """One clear error for a speculative_config key specdec cannot honour, and a warning for
     each key the chosen method does not read (it would change nothing)."""
-    for key, value in spec.extra.items():
-        if key in READ_KEYS or key in VLLM_IGNORED_KEYS:
+    for key in spec.extra:
+        if key in READ_KEYS or key in VLLM_SPEC_KEYS:      # vLLM's: their values checked by SpeculativeConfig
             continue
-        if key == "draft_tensor_parallel_size":
-            if value not in (None, 1):
-                raise ValueError(f"speculative_config.draft_tensor_parallel_size={value!r}: specdec runs the "
-                                 "drafter unsharded (1)")
-            continue
-        if key == "speculative_token_tree":
-            raise ValueError("speculative_config.speculative_token_tree is not supported: specdec grows EAGLE-2 "
-                             "dynamic trees (set topk and num_speculative_tokens, the number of nodes)")
-        known = sorted({f for f in SpeculativeConfig.__dataclass_fields__ if f not in ("extra", "given")} | READ_KEYS
-                       | {"draft_tensor_parallel_size"})
-        raise ValueError(f"speculative_config: unknown key {key!r} (specdec reads {', '.join(known)})")
+        known = sorted({f for f in SpeculativeConfig.__dataclass_fields__ if f not in ("extra", "given")} | READ_KEYS)
+        raise ValueError(f"speculative_config: unknown key {key!r} (specdec reads {', '.join(known)}, and vLLM's "
+                         "other keys)")
     typical = spec.extra.get("acceptance_method") == "typical_acceptance_sampler"
     reads = set(METHOD_READS.get(spec.method, ())) | EVERY_METHOD_READS
     for key in sorted(spec.given):
@@ -244,6 +245,10 @@ def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer
                          f"(available: {', '.join(REGISTRY)})")
     check_keys(spec)
     typical_acceptance(spec)          # a bad acceptance setting fails before any weights load
+    limit = spec.extra.get("max_model_len")       # vLLM's: at most the target's (and the draft's: _draft_model)
+    if limit is not None and limit > max_len:
+        raise ValueError(f"speculative_config.max_model_len={limit} cannot be larger than the target's "
+                         f"max_model_len ({max_len})")
     return REGISTRY[spec.method](spec, target, loader, max_len)
 
 

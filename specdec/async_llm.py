@@ -23,6 +23,7 @@ and new requests are refused (a server's EngineWorker instead fails the step's r
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import functools
@@ -40,6 +41,12 @@ from .tracing import extract_trace_headers, warn_tracing_disabled
 log = logging.getLogger("specdec.async_llm")
 __all__ = ["AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "LLMEngine",
            "RequestOutputCollector", "RequestOutputKind"]
+
+
+# vLLM's scheduler flags that LLM() accepts (and ignores with a warning where they would matter)
+_IGNORED_SCHEDULER_FLAGS = (("--long-prefill-token-threshold", int), ("--max-num-partial-prefills", int),
+                            ("--max-long-partial-prefills", int), ("--preemption-mode", str),
+                            ("--prefix-caching-hash-algo", str))
 
 
 class EngineArgs:
@@ -72,6 +79,9 @@ class EngineArgs:
         if "--enable-log-requests" not in given:
             parser.add_argument("--enable-log-requests", action="store_true",
                                 help="a log line as each request arrives and as it ends")
+        for flag, kind in _IGNORED_SCHEDULER_FLAGS:      # LLM() takes them, warning where they matter
+            if flag not in given:
+                parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help="vLLM's; taken by LLM()")
         return parser
 
     @classmethod
@@ -82,6 +92,10 @@ class EngineArgs:
         kwargs = llm_kwargs(args, seed=getattr(args, "seed", 0))
         if getattr(args, "enable_log_requests", False):
             kwargs["enable_log_requests"] = True
+        for flag, _ in _IGNORED_SCHEDULER_FLAGS:
+            name = flag[2:].replace("-", "_")
+            if hasattr(args, name):
+                kwargs[name] = getattr(args, name)
         return cls(**kwargs)
 
     def create_engine_config(self, *args, **kwargs) -> dict:
@@ -461,7 +475,11 @@ class AsyncLLM:
     async def _call(self, fn):
         return await asyncio.wrap_future(self._worker.call(fn))
 
-    async def reset_prefix_cache(self, device=None, reset_running_requests: bool = False) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's current signature (an older one took a device first: a non-bool is refused,
+        not read as the flag); reset_connector does nothing, there is no KV connector."""
+        if not isinstance(reset_running_requests, bool) or not isinstance(reset_connector, bool):
+            raise TypeError("reset_prefix_cache(reset_running_requests: bool = False, reset_connector: bool = False)")
         return await self._call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,

@@ -175,13 +175,17 @@ class BeamSearch:
 
 
 def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, lora_request=None,
-                progress=None) -> list[BeamSearchOutput]:
+                progress=None, cache_salts: list[str | None] | None = None) -> list[BeamSearchOutput]:
     """The offline search: each step's beams through llm.generate as one batch (lora_request: one
-    for every prompt, or one per prompt; progress: called once per step)."""
+    for every prompt, or one per prompt; progress: called once per step; cache_salts: each
+    prompt's cache_salt or None, which its beams' requests keep, as the server's do)."""
     loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+    salts = cache_salts or [None] * len(prompts)
     search = BeamSearch(prompts, params, set(llm.tokenizer.eos_token_ids), llm.engine.max_model_len, list(loras))
     while todo := search.pending():
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in todo], search.step_params(),
+        asks = [{"prompt_token_ids": b.tokens} if salts[i] is None else
+                {"prompt_token_ids": b.tokens, "cache_salt": salts[i]} for i, b in todo]
+        outs = llm.generate(asks, search.step_params(),
                             lora_request=[b.lora_request for _, b in todo])
         search.advance(todo, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
         if progress is not None:

@@ -98,6 +98,10 @@ def _is_text(v) -> bool:
     return v is None or isinstance(v, str)
 
 
+def _is_count(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
 def _is_size(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
@@ -139,6 +143,13 @@ _VLLM_IGNORED = {
     "limit_mm_per_prompt": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
     "disable_chunked_mm_input": (False, _is_bool, "specdec takes text prompts"),
     "mm_processor_kwargs": (None, lambda v: v is None or isinstance(v, dict), "specdec takes text prompts"),
+    # vLLM's chunked-prefill and scheduler knobs (`specdec serve` ignores their flags the same way)
+    "long_prefill_token_threshold": (0, lambda v: _is_count(v, 0), "specdec chunks prompts by max_num_batched_tokens"),
+    "max_num_partial_prefills": (1, lambda v: _is_count(v, 1), "specdec chunks prompts by max_num_batched_tokens"),
+    "max_long_partial_prefills": (1, lambda v: _is_count(v, 1), "specdec chunks prompts by max_num_batched_tokens"),
+    "preemption_mode": ((None, "recompute"), (None, "recompute", "swap"), "specdec recomputes preempted requests"),
+    "prefix_caching_hash_algo": ("sha256", lambda v: isinstance(v, str),
+                                 "specdec keys its prefix blocks with blake2b over their token ids"),
 }
 
 
@@ -200,6 +211,17 @@ def _check_vllm_args(args: dict) -> None:
         log.warning("LLM: ignoring vLLM arguments that have no effect in specdec: %s", "; ".join(set_away))
 
 
+def _kv_budget(kv_cache_memory, kv_cache_memory_bytes):
+    """The KV pool's bytes: kv_cache_memory, or vLLM's name for it, kv_cache_memory_bytes (its
+    LLM / EngineArgs argument; the CLI takes --kv-cache-memory-bytes too). Both: they must agree."""
+    if kv_cache_memory_bytes is None:
+        return kv_cache_memory
+    if kv_cache_memory is not None and parse_bytes(kv_cache_memory) != parse_bytes(kv_cache_memory_bytes):
+        raise ValueError(f"kv_cache_memory={kv_cache_memory!r} and kv_cache_memory_bytes={kv_cache_memory_bytes!r} "
+                         "disagree: give one (kv_cache_memory_bytes is vLLM's name for it)")
+    return kv_cache_memory_bytes
+
+
 def _one_stepper(method):
     """An LLM method that steps the engine: callers on several threads take turns (vLLM's LLM is
     not thread-safe either; here concurrent calls wait instead of corrupting the engine). A call
@@ -240,7 +262,8 @@ class LLM:
     spawned here, or are the other ranks of a torchrun launch); a rank that fails or stays
     silent for distributed_timeout_s stops the group with a TensorParallelError.
     generate() runs all its prompts concurrently: up to max_num_seqs at once,
-    max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (vLLM's engine
+    max_num_batched_tokens per step, in a KV pool of kv_cache_memory bytes (or vLLM's name,
+    kv_cache_memory_bytes; vLLM's engine
     arguments; see SchedulerConfig). logprobs_mode: what SamplingParams.logprobs reports,
     "raw_logprobs" (vLLM's default), "raw_logits", "processed_logprobs" or "processed_logits"
     (specdec/logprobs.py). kv_cache_dtype: the target's
@@ -280,7 +303,8 @@ class LLM:
                  dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  seed: int | None = 0, tokenizer: str | None = None, quantization: str | None = None,
                  generation_config: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 kv_cache_memory: int | str | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float | None = None,
                  num_gpu_blocks_override: int | None = None,
                  block_size: int = 16, logprobs_mode: str = "raw_logprobs", kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
@@ -308,6 +332,7 @@ class LLM:
                               tokenizer_revision=tokenizer_revision, swap_space=swap_space,
                               cpu_offload_gb=cpu_offload_gb, disable_custom_all_reduce=disable_custom_all_reduce,
                               **kwargs))
+        kv_cache_memory = _kv_budget(kv_cache_memory, kv_cache_memory_bytes)
         if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)):
             raise ValueError(f"max_model_len must be an integer (or None: the model's), got {max_model_len!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -441,10 +466,19 @@ class LLM:
             view = self.__dict__["_engine_view"] = _EngineView(self)
         return view
 
-    def reset_prefix_cache(self, device=None) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
-        True when done; False (nothing changed) while a request holds KV blocks."""
-        return self.engine.reset_prefix_cache()
+        True when done; False (nothing changed) while a request holds KV blocks, unless
+        reset_running_requests preempts the running ones first (recomputed at their next step:
+        RL's weight sync). reset_connector: vLLM's KV connector's cache, which specdec has none of."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            # a bool only: vLLM's old first argument was a device, which must not pass for True
+            if not isinstance(value, bool):
+                raise TypeError(f"reset_prefix_cache: {name} must be a bool, got {value!r}")
+        owner = self._foreign_owner()       # a server's / AsyncLLM's thread: between two of its steps
+        if owner is not None:
+            return owner.call(lambda engine: engine.reset_prefix_cache(reset_running_requests)).result()
+        return self.engine.reset_prefix_cache(reset_running_requests)
 
     def apply_model(self, func):
         """vLLM's: func(model) on the target model of each worker (one here: the process's own)
@@ -721,6 +755,10 @@ class LLM:
     def _load_draft(self, path: str):
         if is_vocab_draft(path):      # a draft over a draft vocabulary, on the target's embeddings
             return load_vocab_draft(path, self.target)
+        from .model.gguf import find_gguf
+        if Path(path).is_dir() and find_gguf(path) is None and \
+                not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            return self._load_model(path)[0]     # vLLM's: a draft without tokenizer files runs on the target's
         draft, draft_tok = self._load(path)
         bad = first_vocab_mismatch(self.tokenizer, draft_tok)
         if bad is not None:
@@ -881,7 +919,7 @@ class LLM:
     def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list:
         """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt (a string,
-        {"prompt"} or {"prompt_token_ids"}), best first, as BeamSearchOutput(sequences=[...]) with
+        {"prompt"} or {"prompt_token_ids"}, and a dict's cache_salt), best first, as BeamSearchOutput(sequences=[...]) with
         each sequence's prompt + output `tokens`, `logprobs` (per output token its step's
         {token id: Logprob}), `cum_logprob`, `lora_request` and `text` (vLLM's
         tokenizer.decode(tokens): special tokens and an EOS kept) (specdec/beam_search.py).
@@ -897,7 +935,9 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int)
                                               or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 (or None), got {concurrency_limit!r}")
-        ids = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
+        listed = _prompt_list(prompts)
+        ids = [self._prompt_ids(p)[1] for p in listed]
+        salts = [_salt(p) for p in listed]        # each step's beams keep their prompt's cache_salt
         loras = _per_prompt(lora_request, len(ids), "lora_request")
         step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width)      # what each step asks
         for p, lora in zip(ids, loras):
@@ -913,7 +953,8 @@ class LLM:
             out = []
             for start in range(0, len(ids), chunk):
                 out += beam_search(self, ids[start:start + chunk], params, loras[start:start + chunk],
-                                   progress=bar.update if bar is not None else None)
+                                   progress=bar.update if bar is not None else None,
+                                   cache_salts=salts[start:start + chunk])
             return out
         finally:
             if bar is not None:
@@ -1540,8 +1581,8 @@ class _EngineView:
             else:
                 self._llm.engine.abort(rid)
 
-    def reset_prefix_cache(self, device=None) -> bool:
-        return self._llm.reset_prefix_cache(device)
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_metrics(self) -> list:
         return self._llm.get_metrics()

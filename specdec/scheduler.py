@@ -9,7 +9,10 @@ Per step, in order:
 2. requests still prefilling get the next chunk of their prompt, within the step's token
    budget (max_num_batched_tokens, decoding tokens counted first);
 3. waiting requests join, oldest first, while there is a free seat (max_num_seqs), budget,
-   and blocks for their whole prompt; none joins in a step that preempted.
+   and blocks for their whole prompt; none joins in a step that preempted. With prefix caching,
+   one whose prompt starts with full blocks that a request already planned computes in this step
+   (n > 1 siblings, a burst sharing a long prefix), at least half of the blocks it would compute,
+   waits a step and then takes those blocks from the cache, instead of computing a copy of them.
 
 When every cache is windowed (model/kv.py: the blocks behind the window are given back after
 each step), a request joins with blocks for its first chunk only, and each later chunk reserves
@@ -157,7 +160,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and not plan.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             r = self._next_seatable()
-            if r is None or not self._admit(r, budget + 1 if windowed else None):
+            if r is None or self._computed_by_other(r, plan) or not self._admit(r, budget + 1 if windowed else None):
                 break
             self.waiting.remove(r)
             plan.admitted.append(r)
@@ -199,19 +202,58 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def _wanted(r: Request) -> list[int]:
+        """What r's cache may take from the prefix cache: its sequence but the last token (none
+        when prompt logprobs need every prompt token's forward)."""
+        return r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
+
+    @staticmethod
+    def _root(r: Request) -> bytes:
+        """What r's blocks' keys depend on beside the tokens: an adapter's blocks are its own
+        reading's (one added again, a folder rewritten, shares none); a salted request's are its
+        salt's (vLLM's cache_salt: tenants' prefixes kept apart)."""
+        return (b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.uid}:{r.lora.path}".encode()) \
+            + (b"" if r.cache_salt is None else b"salt:" + r.cache_salt.encode("utf-8", "surrogatepass"))
+
+    def _computed_by_other(self, r: Request, plan: StepPlan) -> bool:
+        """Does a request planned before r compute, in this step, full blocks of r's prompt that
+        the prefix cache does not hold yet (a burst sharing a system prompt, n > 1 siblings)? Then r
+        waits: blocks become findable after the step's forward, and at its next admission r takes
+        them instead of computing its own copies (vLLM caches a block as it is scheduled, which
+        shares them within the step; here it costs r a step, so r waits only when those blocks are
+        at least half of the full blocks it would compute). Only a request prefilling in this step
+        holds r back, so r waits at most until that prompt is in the cache."""
+        if not self.blocks.prefix_caching:
+            return False
+        wanted = self._wanted(r)
+        bs, over = self.blocks.block_size, self.blocks.key_overlap
+        full = max(0, len(wanted) - over) // bs
+        if full == 0:
+            return False
+        root = self._root(r)
+        have = len(self.blocks.cached_prefix(wanted, root))
+        for q, start, n in plan.chunks:
+            if self._root(q) != root or not self.blocks.shares(q.request_id):
+                continue
+            upto = min(full, (start + n) // bs, max(0, len(q.seq) - over) // bs)   # q's full blocks after this step
+            i = have
+            while i < upto and q.seq[i * bs:(i + 1) * bs + over] == wanted[i * bs:(i + 1) * bs + over]:
+                i += 1
+            # worth a step only where the gain is half of what r would compute or more (n > 1 siblings,
+            # a long shared prefix); a short shared system prompt is computed again, not waited for
+            if i > have and 2 * (i - have) >= full - have and q.seq[:have * bs] == wanted[:have * bs]:
+                return True
+        return False
+
     def _admit(self, r: Request, ahead: int | None = None) -> bool:
         """A seat for r when its whole prompt (and the slot of its first step) fits now, or its
         first `ahead` slots (sliding windows); the prompt's leading blocks come from the prefix
         cache when it holds them."""
-        # prompt logprobs need every prompt token's forward: no prefix-cache hits then
-        wanted = r.seq[:-1] if r.prompt_logprobs is None or r.prompt_logprobs_next >= len(r.prompt) else []
-        # an adapter's blocks are its own reading's (one added again, a folder rewritten, shares none);
-        # a salted request's are its salt's (vLLM's cache_salt: tenants' prefixes kept apart)
-        root = (b"" if r.lora is None else f"lora:{r.lora.id}:{r.lora.uid}:{r.lora.path}".encode()) \
-            + (b"" if r.cache_salt is None else b"salt:" + r.cache_salt.encode("utf-8", "surrogatepass"))
+        wanted = self._wanted(r)
         # a first admission counts its whole prompt as looked up (vLLM's), a return after preemption nothing
         queries = None if r.num_preemptions or not wanted else len(r.prompt)
-        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, root, queries)
+        cached = self.blocks.admit(r.request_id, wanted, len(r.seq), ahead, self._root(r), queries)
         if cached is None:
             return False
         r.status, r.num_cached = RUNNING, cached

@@ -119,3 +119,33 @@ def test_a_request_whose_loop_has_closed_harms_no_other(tiny_pair):
         asyncio.run(eng.check_health())
     finally:
         eng.shutdown()
+
+
+def test_reset_prefix_cache_has_vllms_current_signature(tiny_pair):
+    """reset_prefix_cache(reset_running_requests, reset_connector): a positional True is the
+    flag (it had been read as vLLM's old device argument, resetting nothing), a device a TypeError."""
+    eng = AsyncLLM(model=str(tiny_pair[0]), num_speculative_tokens=0)
+    try:
+        async def run():
+            assert await eng.reset_prefix_cache(True) is True
+            assert await eng.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
+            with pytest.raises(TypeError):
+                await eng.reset_prefix_cache("cpu")
+        asyncio.run(run())
+    finally:
+        eng.shutdown()
+
+
+def test_engine_args_take_vllms_scheduler_flags():
+    """EngineArgs.add_cli_args / from_cli_args carry vLLM's scheduler flags LLM() takes (the
+    parser refused them); left out, they stay out."""
+    import argparse
+
+    from specdec.async_llm import EngineArgs
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "m", "--preemption-mode", "recompute", "--max-num-partial-prefills", "1",
+                              "--long-prefill-token-threshold", "0"])
+    kwargs = EngineArgs.from_cli_args(args).kwargs
+    assert (kwargs["preemption_mode"], kwargs["max_num_partial_prefills"], kwargs["long_prefill_token_threshold"]) \
+        == ("recompute", 1, 0)
+    assert "preemption_mode" not in EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).kwargs

@@ -136,7 +136,8 @@ def _tiny_pool(setup, method, blocks: int, **kw):
 
 
 def test_admission_waits_for_blocks(setup):
-    llm = _tiny_pool(setup, "draft_model", 6, max_num_seqs=8, max_num_batched_tokens=256)
+    # identical prompts: no prefix caching, which would share their blocks (the point is the pool)
+    llm = _tiny_pool(setup, "draft_model", 6, max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=False)
     engine = llm.engine
     assert engine.blocks.num_blocks == 6
     ids = [engine.tokenizer.encode(LONG)[:40] for _ in range(4)]          # 3 blocks each

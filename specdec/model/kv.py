@@ -213,6 +213,11 @@ class BlockManager:
             found.append(b)
         return found
 
+    def shares(self, seq: Hashable) -> bool:
+        """Will seq's full blocks become findable as it computes them (prefix caching on, and its
+        KV not of weights since replaced)?"""
+        return self.prefix_caching and seq in self._seqs and self._seqs[seq].shares
+
     def admit(self, seq: Hashable, tokens: Sequence[int], num_slots: int, ahead: int | None = None,
               root: bytes = b"", queries: int | None = -1) -> int | None:
         """Add seq with room for num_slots slots, its first blocks taken from the prefix cache

@@ -35,7 +35,7 @@ from .cli import add_engine_args, add_model_args, add_sampling_args, llm_from_ar
 from .config import SamplingParams, SchedulerConfig
 from .engine import Engine, kv_cache_dtype_name
 from .metrics import RequestStats
-from .tokenizer import NO_CHAT_TEMPLATE, load_chat_template
+from .tokenizer import NO_CHAT_TEMPLATE, load_chat_template, template_in_use
 
 REFERENCE_PROBES = 3          # plain decoding's reference rate: the median of this many runs ...
 REFERENCE_TOKENS = 64         # ... of this many tokens, measured once at start-up
@@ -370,7 +370,7 @@ def run(args) -> int:
     template = load_chat_template(args.chat_template)
     llm = llm_from_args(args, seed=0)        # as vLLM's LLM: unseeded sampling reproduces run to run
     llm.check_runner("generate")
-    if template is None and not llm.tokenizer.chat_template:
+    if template is None and template_in_use(llm.tokenizer) is None:   # none, or only named ones without a default
         raise ValueError(NO_CHAT_TEMPLATE)                 # before the prompt, not at every message
     if args.compare and llm.engine.proposer is None:       # as generate --compare
         raise ValueError("--compare needs a speculative method (this chat decodes plainly: nothing to compare "

@@ -37,7 +37,7 @@ from .outputs import CompletionOutput, RequestOutput, RequestStream
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import (Tokenizer, TokenizerError, content_format, first_vocab_mismatch, model_eos_ids,
-                        template_content, template_messages)
+                        template_content, template_in_use, template_messages)
 from .tracing import RequestTracer, check_observability
 
 DEFAULT_TARGET, DEFAULT_DRAFT = BUNDLED_TARGET, BUNDLED_DRAFT   # the bundled toy pair (tests, CI)
@@ -1109,7 +1109,7 @@ class LLM:
                 raise ValueError(f"a chat message must be a dict with 'role' and 'content', got {type(m).__name__}")
             if not isinstance(m.get("role"), str) or not m["role"]:
                 raise ValueError(f"a chat message needs a 'role' (a string such as 'user'), got keys {sorted(map(str, m))}")
-        fmt = content_format(chat_template or self.tokenizer.chat_template, chat_template_content_format)
+        fmt = content_format(template_in_use(self.tokenizer, chat_template, tools), chat_template_content_format)
         msgs = template_messages([{**m, "content": template_content(m.get("content"), fmt)} for m in messages])
         reserved = sorted(CHAT_TEMPLATE_ARGUMENTS & set(chat_template_kwargs or {}))
         if reserved:         # apply_chat_template's own arguments, not template variables: the prompt is text here

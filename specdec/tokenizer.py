@@ -1103,6 +1103,16 @@ def content_format(template: str | None, fmt: str = "auto") -> str:
     return "openai" if isinstance(template, str) and _CONTENT_LOOP.search(template) else "string"
 
 
+def template_in_use(tokenizer, chat_template: str | None = None, tools: list | None = None) -> str | None:
+    """The template a request renders with (get_chat_template's choice: a named one, the
+    tool_use one when tools are given, the default), None where there is none: what content_format
+    reads, as vLLM and transformers read the template they render."""
+    try:
+        return tokenizer.get_chat_template(chat_template, tools)
+    except TokenizerError:
+        return None
+
+
 def template_content(content, fmt: str):
     """A message's content (a string, None, or OpenAI's text parts) as the template takes it in
     `fmt` (content_format's): the text, parts joined one per line (vLLM's), or a list of text parts."""

@@ -158,3 +158,19 @@ def test_max_new_tokens_past_the_context_is_capped_there(long_default):
     assert chat.usage.completion_tokens == 64 - chat.usage.prompt_tokens and chat.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1000)
+
+
+def test_completions_with_max_tokens_null_are_capped_there_too(long_default):
+    """/v1/completions with max_tokens null (not OpenAI's default 16) takes the default cap min'd
+    with the room left, as vLLM's; it was a 400 naming 1000 tokens. Beam completions alike."""
+    client = openai.OpenAI(base_url=long_default.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.completions.create(model="m", prompt="hi there", max_tokens=None, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 64 - r.usage.prompt_tokens and r.choices[0].finish_reason == "length"
+    two = client.completions.create(model="m", prompt=["hi", "hi there again and again"], max_tokens=None,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert {c.finish_reason for c in two.choices} == {"length"}     # the longer prompt's room for both
+    beams = client.completions.create(model="m", prompt="hi", max_tokens=None, n=2,
+                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert len(beams.choices) == 2
+    assert client.completions.create(model="m", prompt="hi", temperature=0).usage.completion_tokens <= 16

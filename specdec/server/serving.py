@@ -16,7 +16,8 @@ from ..config import SamplingParams, is_unicode_text
 from ..engine import StepEvent
 from ..llm import CHAT_TEMPLATE_ARGUMENTS, LLM
 from ..metrics import RequestStats
-from ..tokenizer import TokenizerBusy, TokenizerError, content_format, template_content, template_messages
+from ..tokenizer import (TokenizerBusy, TokenizerError, content_format, template_content, template_in_use,
+                         template_messages)
 from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
@@ -123,6 +124,8 @@ class Service:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
         # a text prompt cut where it is tokenized (its BOS kept), token ids cut to their last k (vLLM's)
         prompts = [self.engine.truncated(p, params) for p in self._completion_prompts(req.prompt, params)]
+        if req.max_tokens is None and not echo_only(req) and prompts:
+            params = _within_context(params, prompts, self.engine.max_model_len)
         self._check_prompts(prompts, params, "prompt")
         return prompts, params
 
@@ -153,7 +156,7 @@ class Service:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         prompts = [self.engine.truncated(p, params) for p in prompts]
         if max_tokens is None:
-            params = _within_context(params, prompts[0], self.engine.max_model_len)
+            params = _within_context(params, prompts, self.engine.max_model_len)
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 
@@ -334,7 +337,7 @@ class Service:
             raise APIError(400, "messages must not be empty", "messages")
         # --chat-template-content-format: a message's content as text, or as OpenAI's parts for a
         # template that loops over them (auto: read from the template in use, as vLLM's)
-        fmt = content_format(req.chat_template or self.config.chat_template or self.tokenizer.chat_template,
+        fmt = content_format(template_in_use(self.tokenizer, req.chat_template or self.config.chat_template, tools),
                              self.config.chat_template_content_format)
         messages = template_messages(
             {"role": m.role, "content": m.content if m.content is None or isinstance(m.content, str) and fmt == "string"
@@ -415,11 +418,12 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def _within_context(params: SamplingParams, prompt: list[int], limit: int) -> SamplingParams:
+def _within_context(params: SamplingParams, prompts: list[list[int]], limit: int) -> SamplingParams:
     """generation_config.json's max_new_tokens, when the request named no max_tokens, is a default
     cap, not a request: what the context leaves bounds it (vLLM's get_max_tokens) where the
-    request's own max_tokens past the context is a 400. A prompt with no room is left to that check."""
-    room = limit - len(prompt)
+    request's own max_tokens past the context is a 400. A prompt with no room is left to that check.
+    Several prompts (completions) share one budget: the least room (vLLM's is per prompt)."""
+    room = limit - max(map(len, prompts))
     if params.max_tokens is None or params.max_tokens <= room or room < 1:
         return params
     return dataclasses.replace(params, max_tokens=room)

@@ -363,14 +363,35 @@ def add_parser(sub) -> None:
                                         "`vllm complete`), streaming",
                        description="Complete prompts on a running OpenAI-compatible server (/v1/completions), "
                                    "streaming: -q PROMPT once, else each prompt read (a line, or a \"\"\" block).")
+    p.add_argument("--config", metavar="FILE",
+                   help="vLLM's: a YAML file of flags, e.g. `url: http://host:8000/v1`, `max-tokens: 64`; flags "
+                        "on the command line win over it")
     add_client_args(p)
     p.add_argument("-q", "--quick", metavar="PROMPT", help="complete this prompt, print the completion, exit")
     add_sampling_args(p, None)
 
 
+def with_config(args):
+    """--config FILE: the words parsed again with the file's flags before the command line's (as
+    specdec's main reads them for chat). specdec's main leaves complete's words as they are."""
+    from .cli import _subparser, build_parser, expand_argv
+
+    sub = _subparser(build_parser("complete"), "complete")
+    words = expand_argv(list(args.words[1:]), sub)
+    new = sub.parse_args(words)
+    new.cmd, new.words, new.command_line = args.cmd, [args.words[0], *words], getattr(args, "command_line", None)
+    return new
+
+
 def run(args) -> int:
     from .chat import LineReader
 
+    if args.config is not None and getattr(args, "words", None) is not None:
+        try:
+            args = with_config(args)
+        except ValueError as e:
+            print(f"specdec complete: error: {e}", file=sys.stderr)
+            return 2
     fields = request_fields(args)
     try:
         client, model, url = connect(args)

@@ -37,6 +37,7 @@ import numpy as np
 from .spec_bench import read_questions
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+NUM_PROMPTS = 32            # a load point's requests without --num-prompts (point_size)
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "num_preemptions_total")
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"     # labelled position="i"
@@ -745,10 +746,16 @@ def warm_up(base_url: str, pool: list[dict], args) -> None:
                              Load(float("inf"), args.warmup), 1.0, _sampling(args), args.seed, args.client))
 
 
+def point_size(load: Load, num_prompts: int | None) -> int:
+    """A load point's requests: --num-prompts given, exactly (vLLM's); else NUM_PROMPTS, or
+    twice the concurrency if more, so that its percentiles come from more than one wave."""
+    return num_prompts if num_prompts is not None else max(NUM_PROMPTS, 2 * (load.concurrency or 0))
+
+
 def point_requests(load: Load, pool: list[dict], args) -> list[dict]:
-    """The requests of a load point: --num-prompts (at least twice its concurrency; no more than the
-    dataset's prompts with --no-oversample), shuffled unless --disable-shuffle."""
-    items = sample(pool, max(args.num_prompts, 2 * (load.concurrency or 0)), args.seed,
+    """The requests of a load point (point_size's; no more than the dataset's prompts with
+    --no-oversample), shuffled unless --disable-shuffle."""
+    items = sample(pool, point_size(load, args.num_prompts), args.seed,
                    shuffle=not args.disable_shuffle, oversample=not args.no_oversample)
     return with_lora(items, getattr(args, "lora_modules", None), args.seed)
 

@@ -96,7 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ramp-up-end-rps", type=float, help="the ramp's last rate (requests/s)")
     p.add_argument("--max-concurrency", default="1,2,4,8,16,32", type=_concurrency,
                    help="requests in flight at most, comma-separated (default 1,2,4,8,16,32)")
-    p.add_argument("--num-prompts", type=int, default=32, help="requests per load point (at least 2x its concurrency)")
+    p.add_argument("--num-prompts", type=int,
+                   help="requests per load point, exactly that many (vLLM's); default: 32, or twice the load point's "
+                        "concurrency if more")
     p.add_argument("--output-len", type=int, help=f"max_tokens of each request (default {OUTPUT_LEN}; sharegpt: "
                                                     "the replies' lengths unless given)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -234,6 +236,30 @@ def variants(args) -> list[dict]:
     return out
 
 
+def check_variants(found: list[dict]) -> None:
+    """What a variant's server would refuse before loading its model and the flags alone tell (a K
+    without a method: --model names a model with no default one), as one line before any server
+    starts, not after the variants before it have started and loaded. Flags its parser refuses
+    stay the server's error, named with its log."""
+    import contextlib
+    import io
+
+    from ..server.cli import parse_args
+
+    for v in found:
+        if not v["k"]:
+            continue
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                a, _ = parse_args(v["argv"])
+        except (ValueError, SystemExit):
+            continue
+        if a.model is not None and a.speculative_model is None and a.speculative_config is None:
+            raise ValueError(f"{v['name']}: num_speculative_tokens was provided without speculative_model (or "
+                             f"speculative_config): {a.model} has no default method; give --speculative-config, "
+                             f"or --num-speculative-tokens 0 alone")
+
+
 def ramp(args) -> tuple[str, float, float] | None:
     """(strategy, start, end) of --ramp-up-strategy, checked; None without it."""
     from .serve import ramp_rates
@@ -342,7 +368,9 @@ def _check_random(args) -> None:
 
 def _pool_size(args, loads) -> int:
     """Distinct prompts enough for the largest load point and the warm-up."""
-    return max(max(args.num_prompts, 2 * (load.concurrency or 0)) for load in loads) + args.warmup
+    from .serve import point_size
+
+    return max(point_size(load, args.num_prompts) for load in loads) + args.warmup
 
 
 def random_pool(args, loads, url: str) -> list[dict]:
@@ -419,9 +447,16 @@ def run(args, argv: list[str]) -> int:
     slo = serve.parse_goodput(args.goodput)
     vllm_flags(args)
     lengths(args)
-    if args.num_prompts < 1 or args.output_len < 1 or args.warmup < 0 or not args.burstiness > 0 or args.rounds < 1:
+    if (args.num_prompts is not None and args.num_prompts < 1) or args.output_len < 1 or args.warmup < 0 \
+            or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
     loads = [serve.Load(r, c, ramp(args)) for r in args.request_rate for c in args.max_concurrency]
+    most = max((c for c in args.max_concurrency if c is not None), default=None)
+    if args.num_prompts is not None and most is not None and args.num_prompts < most:
+        print(f"specdec bench serve: warning: --num-prompts {args.num_prompts} is below --max-concurrency {most}: "
+              "those load points never fill, and their percentiles mean little", file=sys.stderr)
+    if not args.base_url:
+        check_variants(variants(args))
     pool = dataset(args, loads)     # a bad category, file or length fails before any server starts
     if args.backend != "openai-chat":                    # vLLM's openai backend: plain prompts, no template
         pool = (lambda make: lambda url: serve.as_completions(make(url)))(pool) if callable(pool) \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -238,7 +239,7 @@ _HTTP_FLAGS = (("--host", "host", "127.0.0.1"), ("--port", "port", 8000), ("--ss
 
 def run(args, prog: str = PROG) -> int:
     """`args` from `specdec run-batch` (its words in args.argv) or a namespace holding argv."""
-    from .cli import build_llm, build_parser, parse_args, server_config
+    from .cli import _logging_level, build_llm, build_parser, parse_args, server_config
 
     if "-h" in args.argv or "--help" in args.argv:
         p = build_parser(prog)
@@ -268,6 +269,9 @@ def run(args, prog: str = PROG) -> int:
     lines = parse_lines(text, args.input_file)                   # before the model loads
     _check_output(args.output_file, args.output_tmp_dir)
     config = server_config(args)
+    if config.log_config is None:        # serve's log lines (--enable-log-requests' too, as vLLM's run-batch)
+        logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
     llm = build_llm(args)
     concurrency = args.max_concurrent_requests or 4 * llm.engine.config.max_num_seqs
     records, metrics, elapsed = asyncio.run(_run_app(llm, config, lines, concurrency))
@@ -314,8 +318,27 @@ async def _run_app(llm, config, lines: list[BatchLine], concurrency: int) -> lis
     with tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr,
               disable=not sys.stderr.isatty()) as progress:
         async with app.router.lifespan_context(app):
-            start = time.perf_counter()
-            records = await run_lines(app, lines, config.api_key, concurrency, progress)
-            elapsed = time.perf_counter() - start
-            _, metrics = await asgi_request(app, "GET", "/metrics", b"", {})
+            try:
+                start = time.perf_counter()
+                records = await run_lines(app, lines, config.api_key, concurrency, progress)
+                elapsed = time.perf_counter() - start
+                _, metrics = await asgi_request(app, "GET", "/metrics", b"", {})
+            except BaseException:        # Ctrl-C (asyncio.run cancels this task) or a failure
+                await _wind_down(app.state.service)
+                raise
     return records, _samples(metrics.decode()), elapsed
+
+
+async def _wind_down(service) -> None:
+    """Every other task cancelled and awaited, then the engine's thread ended. A request's
+    handler runs its generation in a task of its own that outlives the request's cancellation,
+    and cancelling that one starts its Generation's drain: left to asyncio.run's teardown, those
+    were destroyed pending ("Task was destroyed", "Event loop is closed"), and the engine thread,
+    still inside torch at interpreter exit, aborted the process (std::terminate)."""
+    me = asyncio.current_task()
+    while tasks := [t for t in asyncio.all_tasks() if t is not me]:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.to_thread(service.worker.stop)     # its jobs were all cancelled: it ends after this step
+    service.close()

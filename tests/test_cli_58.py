@@ -166,3 +166,35 @@ def test_complete_takes_config(tmp_path, capsys):
     assert main(["complete", "--config", str(tmp_path / "missing.yaml"), "-q", "x"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("specdec complete: error: --config") and "missing.yaml" in line
+
+
+def test_a_cancelled_handler_cancels_its_work():
+    """_unless_gone's work is cancelled with the handler that awaits it (server shutdown,
+    run-batch's Ctrl-C): it had run on, its engine request and drain tasks left pending."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from specdec.server.app import _unless_gone
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def receive():                 # a client that neither sends nor leaves
+            await never.wait()
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        state = {}
+
+        async def work():
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                state["ended"] = True
+        handler = asyncio.ensure_future(_unless_gone(request, work()))
+        await asyncio.sleep(0.05)
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return state, others
+    state, others = asyncio.run(scenario())
+    assert state == {"ended": True} and others == []

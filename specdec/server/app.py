@@ -568,7 +568,13 @@ async def _unless_gone(request: Request, coro):
     or queued grammar compiles freed at once) and _GONE is returned."""
     work = asyncio.ensure_future(coro)
     gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:       # the handler itself cancelled (shutdown, run-batch's Ctrl-C): so is its work
+        for task in (work, gone):
+            task.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+        raise
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
     if not work.done():

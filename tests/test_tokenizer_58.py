@@ -9,25 +9,16 @@ import json
 import tracemalloc
 
 import pytest
-import torch
 from conftest import make_tokenizer
 
 from specdec.tokenizer import Tokenizer
+
+from test_tokenizer_hf_api import same
 
 CONV = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 
 
-def same(a, b) -> None:
-    """Equal, tensors and BatchEncodings included."""
-    if isinstance(a, dict):
-        assert set(a) == set(b)
-        for k in a:
-            same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    else:
-        assert a == b
 
 
 def word_level(folder, post_processor=None, **cfg):

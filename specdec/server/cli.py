@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 
-from ..cli import _is_number, add_engine_args, add_model_args, check_device, expand_argv, llm_from_args
+from ..cli import (_is_number, add_engine_args, add_legacy_speculative_args, add_model_args,
+                   check_device, expand_argv, fold_legacy_speculative, llm_from_args)
 from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .control import dev_mode
@@ -32,35 +33,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)", add_help=False,
                        prefix_chars="\x00")      # no option syntax: every word lands in `argv`
     p.add_argument("argv", nargs=argparse.REMAINDER)
-
-
-# vLLM 0.6's flags for speculative_config's keys: flag -> (key, type or choices)
-LEGACY_SPECULATIVE_FLAGS = {
-    "--ngram-prompt-lookup-max": ("prompt_lookup_max", int),
-    "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
-    "--speculative-disable-by-batch-size": ("disable_by_batch_size", int),
-    "--spec-decoding-acceptance-method": ("acceptance_method", ("rejection_sampler", "typical_acceptance_sampler")),
-    "--typical-acceptance-sampler-posterior-threshold": ("posterior_threshold", float),
-    "--typical-acceptance-sampler-posterior-alpha": ("posterior_alpha", float),
-}
-
-
-def fold_legacy_speculative(args) -> None:
-    """vLLM 0.6's speculative flags onto args.speculative_config (a key it already sets to another
-    value is a one-line ValueError); they need --speculative-model or --speculative-config, as
-    vLLM 0.6 ignored them without a speculative model."""
-    given = {flag: (key, getattr(args, f"legacy_{key}", None)) for flag, (key, _) in LEGACY_SPECULATIVE_FLAGS.items()}
-    given = {flag: kv for flag, kv in given.items() if kv[1] is not None}
-    if not given:
-        return
-    if args.speculative_config is None and args.speculative_model is None:
-        raise ValueError(f"{', '.join(given)}: speculative settings need --speculative-model or --speculative-config")
-    config = dict(args.speculative_config or {})
-    for flag, (key, value) in given.items():
-        if key in config and config[key] is not None and config[key] != value:
-            raise ValueError(f"{flag} {value} disagrees with --speculative-config's {key} ({config[key]!r}): give it once")
-        config[key] = value
-    args.speculative_config = config
 
 
 def _log_config(path: str | None) -> dict | None:
@@ -152,10 +124,7 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
                                             "first or after the options (as in `vllm serve MODEL`), is the same as --model.")
     add_model_args(p)
     add_engine_args(p)
-    legacy = p.add_argument_group("vLLM 0.6's speculative flags (onto --speculative-config's keys, as they meant)")
-    for flag, (key, kind) in LEGACY_SPECULATIVE_FLAGS.items():
-        legacy.add_argument(flag, dest=f"legacy_{key}", metavar=key.upper(), help=f"speculative_config's {key}",
-                            **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}))
+    add_legacy_speculative_args(p)
     p.add_argument("--config-model", help=argparse.SUPPRESS)      # --config's `model` (a MODEL given here wins)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, where vLLM's "

@@ -1129,7 +1129,8 @@ def template_content(content, fmt: str):
 def template_messages(messages) -> list[dict]:
     """Chat messages as chat templates expect them: content as text ("" for none), an assistant's
     earlier tool_calls with their arguments as objects (Hugging Face templates read them; OpenAI
-    sends JSON strings), fields sent as null left out; every other field kept."""
+    sends JSON strings; none or "" is {}, as vLLM gives), fields sent as null left out; every
+    other field kept."""
     out = []
     for m in messages:
         msg = {k: v for k, v in m.items() if v is not None}
@@ -1147,7 +1148,9 @@ def template_messages(messages) -> list[dict]:
                     raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
                                      f"'arguments': ...}}}}, got {c!r:.80}")
                 fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
+                if not fn.get("arguments"):       # "", null or left out: {} (vLLM's _postprocess_messages)
+                    fn["arguments"] = {}
+                elif isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
                     except json.JSONDecodeError:

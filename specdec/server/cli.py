@@ -168,6 +168,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", help="the format of the model's tool calls: hermes (Hermes 2 Pro / 3, "
                                               "Qwen2.5), llama3_json (Llama 3.1 / 3.2), pythonic (Llama 3.2 / 4 "
                                               "pythonic templates), mistral (Mistral 7B v0.3+), openai (gpt-oss's harmony calls)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help='vLLM\'s: with tool_choice "none" the tools are left out of the chat template')
     p.add_argument("--reasoning-parser", help="return a reasoning model's <think> block as reasoning_content: "
                                               "deepseek_r1 (DeepSeek-R1 and its distills), qwen3 (Qwen3, QwQ), "
                                               "openai_gptoss (gpt-oss's harmony channels; the default for gpt-oss)")
@@ -371,6 +373,7 @@ def server_config(args):
                         root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         disable_fastapi_docs=args.disable_fastapi_docs,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         reasoning_parser=args.reasoning_parser, enable_log_requests=args.enable_log_requests,
                         enable_log_outputs=args.enable_log_outputs,
                         max_log_len=args.max_log_len, lora_modules=tuple(_lora_modules(args)),

@@ -26,6 +26,7 @@ class ServerConfig:
     disable_fastapi_docs: bool = False    # no /docs, /redoc, /openapi.json
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's own calls, taken out by the parser
     tool_call_parser: str | None = None   # the format of those calls (tools.PARSERS)
+    exclude_tools_when_tool_choice_none: bool = False   # tool_choice "none": no tools in the prompt (vLLM's flag)
     reasoning_parser: str | None = None   # thinking returned as reasoning_content (reasoning.PARSERS)
     enable_log_requests: bool = False     # log each request's prompt, parameters and end (vLLM's flag)
     enable_log_outputs: bool = False      # with enable_log_requests: each completion's output too (vLLM's flag)

@@ -350,6 +350,14 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
                     if first[index] and isinstance(fmt, CompletionFormat):
                         choice["prompt_token_ids"] = list(gen.prompt_of(index))
                 first[index] = False
+                if choice.get("finish_reason") is not None and choice.get("delta", {}).get("tool_calls"):
+                    # the calls, then the finish_reason in a chunk of its own (OpenAI's last chunk):
+                    # the SDK's stream helper reads a finishing chunk before its deltas, so a call
+                    # first seen there would never get its tool_calls.function.arguments.done
+                    yield _sse({**head, "choices": [{**choice, "finish_reason": None, "stop_reason": None}],
+                                **extra(index)})
+                    choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
+                              "stop_reason": choice["stop_reason"], **({"token_ids": []} if ids is not None else {})}
                 chunk = {**head, "choices": [choice], **extra(index)}
                 if ev.finished:
                     chunk["speculative"] = ev.stats.to_dict()

@@ -137,8 +137,11 @@ class Service:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
                           self.config.tool_call_parser)
-        # an empty tools list reaches the template as [] (vLLM's; a template may test `tools is not none`)
+        # an empty tools list reaches the template as [] (vLLM's; a template may test `tools is not none`);
+        # --exclude-tools-when-tool-choice-none: "none" gives it none (vLLM's tools=None)
         tools = plan.template_tools if plan else (None if req.tools is None else [])
+        if plan is not None and plan.mode == "none" and self.config.exclude_tools_when_tool_choice_none:
+            tools = None
         prompts = [self.tokenizer.encode(self._chat_text(req, tools),
                           add_special_tokens=False)]     # the template writes its special tokens
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -1,7 +1,9 @@
 """OpenAI tool calling (function calling) with vLLM's `tool_choice` semantics.
 
-- `"none"`: the tools are given to the chat template (which may show them to the model); the
-  reply is text.
+- `"none"`: the tools are given to the chat template (which may show them to the model), unless
+  the server runs vLLM's `--exclude-tools-when-tool-choice-none`; the reply is text.
+- A tool's name is any string, as vLLM takes it (MCP bridges name tools `server.tool`, up to
+  128 characters); OpenAI's own API allows 1-64 letters, digits, `_` and `-`.
 - named, `{"type": "function", "function": {"name": N}}`: the reply is constrained (structured
   outputs) to N's `parameters` schema and returned as one call of N (finish_reason "stop", as
   OpenAI answers a forced function). An object that lists its properties takes no others unless
@@ -59,7 +61,7 @@ from .errors import APIError
 from .reasoning import held_back
 
 PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "openai")
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MISTRAL_NAME = re.compile(r"^[^\s{}\[\]]+$")   # v11's `name{args}`: a name is what precedes the brace
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -92,8 +94,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, enable_auto: bool, parse
             raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                                 f'"parameters": {{...}}}}}}', "tools")
         name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
+        if not isinstance(name, str):
+            raise APIError(400, f"tools[{i}].function.name must be a string, got {name!r}", "tools")
         if name in functions:
             raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", "tools")
         params = fn.get("parameters")
@@ -312,7 +314,7 @@ def _mistral_segment(s: str) -> list[dict] | None:
             return [_call(x["name"], _arguments(x.get("arguments", x.get("parameters", {}))), True) for x in items]
         brace = s.find("{")
         name = s[:brace].replace("[ARGS]", "").strip()
-        if brace < 0 or not _NAME.match(name):
+        if brace < 0 or not _MISTRAL_NAME.match(name):
             return None
         args = dec.raw_decode(s, brace)[0]
         return [_call(name, _arguments(args), True)] if isinstance(args, dict) else None

@@ -9,7 +9,8 @@ from .tokenizer import Tokenizer
 # the output's first token keeps in the prompt's context (" the", as vLLM returns it, not "the").
 # The context is the shortest suffix of CONTEXT_MIN to CONTEXT_MAX tokens that decodes to whole
 # characters: a byte-fallback decoder turns a run of byte tokens that starts inside a character
-# into U+FFFD as a whole, the output's bytes that join it included. None such: no context.
+# into U+FFFD as a whole, the output's bytes that join it included. None such (a prompt of ids cut
+# inside a character): the Detokenizer reads the whole prompt as vLLM primes its DecodeStream.
 CONTEXT_MIN, CONTEXT_MAX = 4, 23
 
 
@@ -51,6 +52,19 @@ class Detokenizer:
         self._prefix = 0                    # _all[_prefix:_read]: the tokens of the last piece (context)
         self._read = len(self._all)         # _all[_read:]: tokens whose text is not complete yet
         self._prefix_text = self._decode(0, self._read) if self._all else ""
+        self._out = 0
+        if prompt and not self._all:
+            self._prime(list(prompt))
+        self._out = len(self._all)          # _all[_out:]: the output
+
+    def _prime(self, prompt: list[int]) -> None:
+        """No suffix decodes whole: read the prompt a token at a time, as vLLM primes its stream, so
+        that the bytes of a character it ends inside wait for the output's, which finish the
+        character in the output's text ('我', where the output's bytes alone are U+FFFD)."""
+        for token in prompt:
+            self._all.append(token)
+            self._advance()
+        self.text = ""
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self._all[start:end], self.skip)
@@ -64,8 +78,13 @@ class Detokenizer:
         if not flush and (len(full) <= len(self._prefix_text) or full.endswith("\ufffd")):
             return
         # the context decodes as before in all but a byte-fallback run that the new bytes made
-        # invalid (every byte then decodes as U+FFFD): the new tokens alone then
-        new = full[len(self._prefix_text):] if full.startswith(self._prefix_text) else self._decode(self._read)
+        # invalid (every byte then decodes as U+FFFD; vLLM resets its stream), and the prompt's
+        # unfinished character that the output ends without finishing: the output's tokens alone
+        pending = self._read < self._out    # the prompt's unfinished character, in the piece
+        if full.startswith(self._prefix_text) and not (flush and pending and full.endswith("\ufffd")):
+            new = full[len(self._prefix_text):]
+        else:
+            new = self._decode(max(self._read, self._out))
         self.text += new
         self._prefix, self._read = self._read, len(self._all)
         self._prefix_text = self._decode(self._prefix, self._read)
@@ -85,6 +104,16 @@ class Detokenizer:
                 self.text, self.stop_reason = self.text[:i + len(s) if self.include_stop else i], s
                 return True
         return False
+
+    def feed(self, token: int) -> int:
+        """Append one token and decode it at once, whatever the stop strings (vLLM's per-token
+        stream; for text_offset). Returns the text's length before it: where its text starts, or
+        the character that a piece of one goes into."""
+        start = len(self.text)
+        self.ids.append(token)
+        self._all.append(token)
+        self._advance()
+        return start
 
     def delta(self, final: bool) -> str:
         """The newly released text (final: all of it)."""

@@ -18,7 +18,7 @@ from ..metrics import RequestStats
 from ..tokenizer import Tokenizer
 from .errors import APIError, error_body, log
 from ..logprobs import TokenLogprob
-from .logprobs import chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
+from .logprobs import TextOffsets, chat_logprobs, completion_logprobs, token_namer, vllm_prompt_logprobs
 from .serving import Generation
 from .reasoning import HARMONY, ReasoningStream, parse_harmony, prompt_think, reasoning_stream, split_reasoning
 from .tools import ToolPlan, ToolStream, extract, json_arguments, tool_call
@@ -48,6 +48,18 @@ class CompletionFormat:
         self.prompts, self.per_prompt = prompts, per_prompt
         self.want_prompt_logprobs = False      # vLLM's prompt_logprobs field: listed on each choice
         self.return_token_ids = False          # vLLM's return_token_ids: ids beside the text
+        self.tokenizer, self.params = tokenizer, None      # params: the request's (collect, stream)
+        self._offsets: dict[int, TextOffsets] = {}        # a stream's choices' text_offset trackers
+
+    def _logprobs(self, prompt_index: int, entries: list[TokenLogprob], prompt_logprobs, offsets: TextOffsets) -> dict:
+        prompt = self._prompt(prompt_index, prompt_logprobs)
+        at = (offsets.prompt() if prompt else []) + offsets.add([e.token_id for e in entries])
+        return completion_logprobs(self.name, entries, at, prompt, self.params.logprobs if self.params else None)
+
+    def _tracker(self, prompt_index: int) -> TextOffsets:
+        prompt = self.prompts[prompt_index] if self.prompts else []
+        return TextOffsets(self.tokenizer, prompt, self.echo[prompt_index] if self.echo else None,
+                           self.params.skip_special_tokens if self.params else True)
 
     def _prompt(self, prompt_index: int, prompt_logprobs) -> tuple | None:
         if not (self.echo and self.prompts and prompt_logprobs):
@@ -61,7 +73,7 @@ class CompletionFormat:
         return {}                              # completions list prompt logprobs per choice
 
     def choice(self, r: ChoiceResult) -> dict:
-        lp = (completion_logprobs(self.name, r.logprobs, 0, self._prompt(r.prompt_index, r.prompt_logprobs))
+        lp = (self._logprobs(r.prompt_index, r.logprobs, r.prompt_logprobs, self._tracker(r.prompt_index))
               if self.want_logprobs else None)
         out = {"index": r.index, "text": "".join(r.text), "logprobs": lp,
                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
@@ -74,7 +86,9 @@ class CompletionFormat:
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob], offset: int,
               finish_reason: str | None, stop_reason, prompt_logprobs=None) -> dict:
-        lp = (completion_logprobs(self.name, logprobs, offset, self._prompt(index // self.per_prompt, prompt_logprobs))
+        if self.want_logprobs and index not in self._offsets:
+            self._offsets[index] = self._tracker(index // self.per_prompt)
+        lp = (self._logprobs(index // self.per_prompt, logprobs, prompt_logprobs, self._offsets[index])
               if self.want_logprobs else None)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
@@ -260,6 +274,8 @@ def speculative(*gens: Generation) -> dict:
 async def collect(gen: Generation, fmt, model: str, response_id: str | None = None) -> dict:
     """Run a generation to the end and build the non-streaming body."""
     per = gen.per_prompt
+    if isinstance(fmt, CompletionFormat):
+        fmt.params = gen.params
     results = [ChoiceResult(i, [fmt.prefix(i // per)], prompt_index=i // per) for i in range(len(gen.prompts) * per)]
     score = [0.0] * len(results)
     async with gen:
@@ -304,6 +320,8 @@ async def stream(gen: Generation, fmt, model: str, include_usage: bool, continuo
     head = _head(fmt, model, chunk=True, response_id=response_id)
     n_choices = len(gen.prompts) * gen.params.n      # streams never carry best_of > n
     offsets, tokens, counts = [0] * n_choices, 0, [0] * n_choices
+    if isinstance(fmt, CompletionFormat):
+        fmt.params = gen.params     # its text_offset: each token's place in the returned text, as collect's
 
     def extra(i: int) -> dict:
         if not include_usage:

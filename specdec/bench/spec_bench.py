@@ -104,7 +104,10 @@ def tables(scenario: dict) -> str:
     groups = [g for g in cats if g in ORDER] + [g for g in cats if g not in ORDER]
     names = [m["name"] for m in cats["overall"]["methods"]]
     head = "| method | " + " | ".join(f"{g} ({cats[g]['num_prompts']})" for g in groups) + " |"
-    lines = ["Speedup over specdec plain / mean accepted length tau (tokens per target forward):", "",
+    # tau is tokens per target forward (results.json's tokens_per_forward), not vLLM's mean acceptance
+    # length 1 + accepted / drafts (its mean_accepted_length): the two differ once a step drafts nothing
+    lines = ["Speedup over specdec plain / tau, tokens per target forward (results.json's tokens_per_forward; "
+             "its mean_accepted_length is vLLM's 1 + accepted / drafts):", "",
              head, "|" + "---|" * (len(groups) + 1)]
     for j, name in enumerate(names):
         lines.append(f"| {name} | " + " | ".join(_cell(cats[g]["methods"][j]) for g in groups) + " |")
@@ -157,7 +160,8 @@ def plot(scenario: dict, path: Path) -> bool:
 def method_card_table(results: dict, name: str) -> str:
     """One method's Spec-Bench figures per category (for a model card): tau, acceptance rate,
     speedup over plain and whether greedy output equalled plain, for every scenario of a run."""
-    lines = ["| temperature | category | prompts | tau | acceptance | speedup over plain | greedy = plain |",
+    lines = ["| temperature | category | prompts | tau (tokens per target forward) | acceptance | speedup over plain "
+             "| greedy = plain |",
              "|---|---|---|---|---|---|---|"]
     for s in results["scenarios"]:
         for group, c in s.get("categories", {}).items():

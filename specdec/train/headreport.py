@@ -140,10 +140,13 @@ def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
             acc += f"\n| chain depths trained | {cfg.unroll} (the later ones on the head's own predicted features) |"
         steps = f"{r['steps']} x {cfg.batch} rows x {cfg.window} pairs"
     rows = ""
-    shape = f" (topk {cfg.default_topk}: {'a chain, at most 8 deep' if cfg.default_topk == 1 else 'an EAGLE-2 tree'})" if cfg.kind == "eagle" else ""
     for key, v in r.get("speculation", {}).items():
         if key.startswith("tree"):
             size, mode = key[4:].split("_", 1)
+            # a chain drafts K = size tokens (its depth defaults to K, proposers._tree_shape); a tree keeps
+            # `size` nodes of at most DEFAULT_DEPTH levels
+            shape = ("" if cfg.kind != "eagle" else f" (topk 1: a chain, {size} deep)" if cfg.default_topk == 1
+                     else f" (topk {cfg.default_topk}: an EAGLE-2 tree)")
             rows += f"| {size} nodes{shape}, {mode.replace('_', ' ')} | {v['mean_accepted_length']} |\n"
     s = r.get("speculation", {})
     return f"""# {out.name}
@@ -162,10 +165,10 @@ def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
 
 ## Speculation on held-out prompts
 
-Mean accepted length (tokens per target forward) on {s.get('prompts', 0)} {s.get('what', '')},
-{s.get('max_tokens', 0)} new tokens, bfloat16:
+Tokens per target forward (training.json's mean accepted length; not vLLM's 1 + accepted / drafts) on
+{s.get('prompts', 0)} {s.get('what', '')}, {s.get('max_tokens', 0)} new tokens, bfloat16:
 
-| draft | mean accepted length |
+| draft | tokens per target forward |
 |---|---|
 {rows}
 Reproduce (writes this folder, card included):

@@ -473,6 +473,7 @@ def add_features(model, paths: list[Path], out: Path,
             shard = torch.load(path)
             offs = shard["offsets"].tolist()
             tokens = shard["tokens"]
+            check_token_ids(tokens, model.config.vocab_size, path)
             seqs = [tokens[a:b].tolist() for a, b in zip(offs, offs[1:])]
             if min(map(len, seqs)) < 2:
                 raise ValueError(f"{path}: a row with fewer than 2 tokens")
@@ -488,6 +489,15 @@ def add_features(model, paths: list[Path], out: Path,
             log(f"{dst.name}: features of {len(seqs)} rows ({len(tokens)} tokens) in {time.perf_counter() - t0:.0f}s")
         written.append(dst)
     return written
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, where) -> None:
+    """Every id inside the target's embedding table: the C forward reads past it unchecked (garbage
+    features, or a segfault), as the engine's prompt check refuses."""
+    bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()
+    if len(bad):
+        raise ValueError(f"{where}: token id {int(tokens[bad[0, 0]])} is outside --target's vocabulary [0, "
+                         f"{vocab_size}): shards of another tokenizer's ids")
 
 
 def load_answer_shards(paths: list[Path], hidden: bool = True) -> dict:

@@ -72,6 +72,9 @@ def make_prompt_set(out: Path, cfg: PromptConfig, target: Path | None, n_self_in
     if eval_path is not None:
         prompts, report = check_overlap(prompts, eval_texts(eval_path))
         report["evaluation_file"] = str(eval_path)
+    if not prompts:
+        raise ValueError(f"--count {cfg.count}: no prompt made" + (" (all overlapped the evaluation questions)"
+                                                                   if report and report["prompts_checked"] else ""))
     (out / "prompts.jsonl").write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     summary = {"command": command, "config": asdict(cfg), "prompts": len(prompts),
                "families": dict(Counter(p["family"] for p in prompts).most_common()),

@@ -109,6 +109,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--prompts", required=True, help="prompts.jsonl from `specdec train prompts`")
     an.add_argument("--out", required=True, help="shard folder")
     an.add_argument("--limit", type=positive_int, help="answer only the first N prompts")
+    an.add_argument("--eval", default="spec-bench", help='evaluation questions the prompts must not overlap, checked '
+                    'as `train prompts` does ("spec-bench", a file, or "none"): an overlapping prompt is refused')
     an.add_argument("--max-new-tokens", type=positive_int, default=256)
     an.add_argument("--batch", type=positive_int, default=48)
     an.add_argument("--per-shard", type=positive_int, default=96)
@@ -182,7 +184,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", help="checkpoint folder (default: runs/<out name>)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, help="torch threads (overrides the config)")
-    p.add_argument("--max-steps", type=non_negative_int, help="override the config's max_steps")
+    p.add_argument("--max-steps", type=positive_int, help="override the config's max_steps")
     p.add_argument("--stop-after", type=positive_int, help="stop (checkpointed) after this many steps of this run")
 
 
@@ -326,16 +328,14 @@ def _heads(args: argparse.Namespace) -> int:
 def _chat_data(args: argparse.Namespace) -> int:
     import torch
 
-    from .chatdata import SPEC_BENCH, make_prompt_set
+    from .chatdata import make_prompt_set
 
     torch.set_num_threads(args.threads)
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     if args.train_cmd == "prompts":
         from .prompts import PromptConfig
 
-        ev = {"spec-bench": SPEC_BENCH, "none": None}.get(args.eval, Path(args.eval))
-        if ev is not None and not ev.is_file():
-            raise ValueError(f"--eval {args.eval}: no such file")
+        ev = _eval_file(args.eval)
         s = make_prompt_set(Path(args.out), PromptConfig(count=args.count, seed=args.seed),
                             Path(args.target) if args.target else None, args.self_instruct, ev, command)
         print(json.dumps({k: s[k] for k in ("prompts", "families")}))
@@ -361,6 +361,9 @@ def _chat_data(args: argparse.Namespace) -> int:
     from .provenance import target_fingerprint
 
     prompts = read_prompts(Path(args.prompts))[:args.limit]
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts}: no prompts")
+    _check_eval_overlap(prompts, args.prompts, args.eval)
     cfg = AnswerConfig(max_new_tokens=args.max_new_tokens, batch=args.batch, per_shard=args.per_shard,
                        greedy_fraction=args.greedy_fraction, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
     target = target_fingerprint(args.target)
@@ -370,6 +373,36 @@ def _chat_data(args: argparse.Namespace) -> int:
     total = -(-len(prompts) // cfg.per_shard)
     print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
     return 0
+
+
+def _eval_file(name: str) -> Path | None:
+    from .chatdata import SPEC_BENCH
+
+    ev = {"spec-bench": SPEC_BENCH, "none": None}.get(name, Path(name))
+    if ev is not None and not ev.is_file():
+        raise ValueError(f"--eval {name}: no such file")
+    if ev is not None:       # before any prompt is made: a file of no turns checks nothing
+        from .overlap import eval_texts
+        eval_texts(ev)
+    return ev
+
+
+def _check_eval_overlap(prompts: list[dict], path: str, eval_name: str) -> None:
+    """`train answers` on a prompts file `train prompts` did not write (or did, with --eval none): the
+    same contamination check, refusing what it would have dropped (heads trained on the benchmark's
+    own questions would overstate their acceptance there)."""
+    from .overlap import check_overlap, eval_texts
+
+    ev = _eval_file(eval_name)
+    if ev is None:
+        return
+    _, report = check_overlap(prompts, eval_texts(ev))
+    bad = report["dropped_ids"]
+    if bad:
+        raise ValueError(f"--prompts {path}: {len(bad)} prompts overlap the evaluation questions of {ev} (first: id "
+                         f"{bad[0]!r}; exact {report['dropped_exact']}, shared 13-gram {report['dropped_shared_13gram']}, "
+                         f"8-gram near duplicate {report['dropped_near_duplicate_8gram']}): remove them (`specdec train "
+                         "prompts` drops them), or --eval none to answer them anyway")
 
 
 def _answer_model(args: argparse.Namespace):

@@ -34,7 +34,7 @@ from ..model.config import ModelConfig
 from ..model.eagle3 import Eagle3Head, save_eagle3
 from .eagle_unroll import chain_mask
 from .heads import draft_vocabulary, lr_at
-from .lm import optimizer_step, record_command, save_checkpoint, use_bf16
+from .lm import check_loss, optimizer_step, record_command, save_checkpoint, target_record, use_bf16
 from .provenance import RunMismatch, check_run, check_state, data_fingerprint, load_optimizer, target_fingerprint
 
 RUNTIME_FIELDS = ("steps", "save_every", "threads", "precision")     # a resume may change these
@@ -74,6 +74,31 @@ def check_source(source: Path, val_docs: int) -> None:
     if n <= val_docs:
         raise ValueError(f"--data {source}: {n} documents, --val-docs {val_docs} held out leaves none to train on: "
                          f"lower --val-docs (below {n})")
+
+
+def check_datastore_target(source: Path, target: dict, vocab_size: int) -> None:
+    """The datastore's recorded target (`train suffix` keeps the one that answered, and its
+    vocabulary size) is --target: documents of another tokenizer are other words to it."""
+    from .provenance import folder_record, same_target
+
+    rec = folder_record(source) or {}
+    made_by = (rec.get("source") or {}).get("target")
+    if rec.get("vocab_size") not in (None, vocab_size):
+        raise RunMismatch(f"--data {source}: its documents are token ids of a {rec['vocab_size']}-token vocabulary"
+                          f"{' (--target ' + made_by['path'] + ')' if made_by else ''}; --target {target['path']} has "
+                          f"{vocab_size}: give the target that answered, or a datastore of this one's answers")
+    if isinstance(made_by, dict) and made_by.get("fingerprint") and not same_target(made_by, target):
+        raise RunMismatch(f"--data {source}: its documents were answered by --target {made_by['path']} (this run: "
+                          f"--target {target['path']}); give that target, or a datastore of this one's answers")
+
+
+def check_documents(docs: list[list[int]], vocab_size: int, source: Path) -> None:
+    """Every id inside the target's embedding table (the C forward reads past it unchecked)."""
+    for i, doc in enumerate(docs):
+        bad = [t for t in doc if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"--data {source}: document {i} holds token id {bad[0]}, outside --target's vocabulary "
+                             f"[0, {vocab_size}): a datastore made with another tokenizer")
 
 
 def documents(source: Path) -> list[list[int]]:
@@ -260,6 +285,7 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
     from ..proposers.suffix import INDEX_FILE
 
     fingerprint, store = target_fingerprint(target_path), data_fingerprint(source, [source / INDEX_FILE])
+    check_datastore_target(source, fingerprint, tcfg.vocab_size)
     record = {"target": fingerprint, "data": store, "feature_layers": list(layers),
               **{k: v for k, v in asdict(cfg).items() if k not in RUNTIME_FIELDS and k != "feature_layers"}}
     where, advice = f"--work {work}", "use another --work, or the options it was made with to resume"
@@ -311,6 +337,7 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
         idx, valid = _windows(host, rng, cfg.batch, cfg.window, train_docs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, parts = loss_of(head, embed, data, idx.to(device), valid.to(device), lm_rows, cfg.unroll)
+        check_loss(loss, step, ckpt)
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
@@ -329,11 +356,35 @@ def _train(cfg, target_path, source, out, work, command, stop_after, log, device
               "train_tokens": int(data.ends[S - cfg.val_docs - 1]), "documents": S - cfg.val_docs,
               "draft_vocab_coverage": round(coverage, 4), "chain_top1_by_depth": acc}
     save_eagle3(head.cpu(), out, torch.bfloat16, extra={"vocab_size": tcfg.vocab_size, "max_position_embeddings":
-                                                  tcfg.max_position_embeddings})
-    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result,
-                                                    "commands": state.get("commands") or [command],
+                                                  tcfg.max_position_embeddings,
+                                                  "specdec_target": target_record(target_path, tcfg.vocab_size)})
+    commands = state.get("commands") or [command]
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "result": result, "commands": commands,
                                                     "history": state["history"]}, indent=1) + "\n")
+    (out / "README.md").write_text(card(out, target_path, source, cfg, result, commands))
     return {"finished": True, **result}
+
+
+def card(out: Path, target, source: Path, cfg: Eagle3Config, r: dict, commands: list[str]) -> str:
+    return f"""# {out.name}
+
+An EAGLE-3 head (vLLM's layout) for `{target}`, trained by specdec on the target's own answers
+(the documents of the suffix datastore `{source}`), with EAGLE-3's training-time test
+({cfg.unroll} chain depths). Load it as `{{"method": "eagle3", "model": "{out}"}}`.
+
+| | |
+|---|---|
+| feature layers | {', '.join(map(str, r['feature_layers']))} |
+| draft vocabulary | {cfg.draft_vocab} tokens (coverage of held-out answer tokens {r['draft_vocab_coverage']}) |
+| training | {r['steps']} steps x {cfg.batch} rows x {cfg.window} pairs, {r['documents']} documents, {r['train_tokens']:,} tokens |
+| wall time | {r['wall_time_s'] / 3600:.2f} h |
+| top-1 agreement with the target, by chain depth | {r['chain_top1_by_depth']} ({cfg.val_docs} held-out documents) |
+
+Reproduce:
+```
+{chr(10).join(commands)}
+```
+"""
 
 
 def _features(served, target_path, source: Path, path: Path, layers: tuple[int, ...], max_tokens: int,
@@ -355,7 +406,9 @@ def _features(served, target_path, source: Path, path: Path, layers: tuple[int, 
         if meta == made_by or (meta is None and cached["feats"].shape[1] == width):
             return Features(**cached)
         log(f"{path}: features made for other --target / --data / --feature-layers / --max-tokens; made again")
-    data = extract(served, documents(source), prefix, 3, layers, max_tokens, log)
+    docs = documents(source)
+    check_documents(docs, served.config.vocab_size, source)
+    data = extract(served, docs, prefix, 3, layers, max_tokens, log)
     tmp = path.with_suffix(".tmp")
     torch.save({**asdict(data), "meta": made_by}, tmp)
     os.replace(tmp, path)

@@ -38,7 +38,7 @@ from ..tokenizer import Tokenizer
 from .data import cached_tokens
 from .eagle_unroll import unrolled
 from .headdata import FlatData, chat_data
-from .lm import device_name, optimizer_step, record_command, save_checkpoint, use_bf16
+from .lm import check_loss, device_name, optimizer_step, record_command, save_checkpoint, target_record, use_bf16
 from .provenance import (RunMismatch, check_run, check_state, data_fingerprint, folder_record, load_optimizer,
                          same_target, target_fingerprint, write_record)
 from .headreport import card, eagle_accuracy, eagle_chain_accuracy, fitting_prompts, medusa_accuracy, speculation_report
@@ -384,6 +384,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
                 loss, reg, ce = eagle_loss(heads, embed, data, idx.to(device), mask.to(device), to_draft_dev,
                                            cfg.noise, gen, cfg.soft_labels, cfg.token_weight, cfg.unroll)
                 parts = {"feature_loss": round(reg.item(), 4), "token_loss": round(ce.item(), 4)}
+        check_loss(loss, step, ckpt)
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
@@ -404,7 +405,7 @@ def _train_heads(cfg, target_dir, out, work, data_dir, command, stop_after, repo
               "draft_vocab_coverage": round(coverage, 4), "data": what,
               "train_tokens": int(len(train.tokens)), "device": device_name(device),
               "trainable_parameters": sum(p.numel() for p in params)}
-    extra = {"draft_vocab_coverage": result["draft_vocab_coverage"]}
+    extra = {"draft_vocab_coverage": result["draft_vocab_coverage"], "specdec_target": target_record(target_dir, V)}
     greedy_val, sampled_val = val.select(val.greedy).to(device), val.select(~val.greedy).to(device)
     if cfg.kind == "eagle":
         extra["default_topk"] = cfg.default_topk

@@ -47,15 +47,54 @@ class TrainConfig:
     precision: str = "auto"   # "bf16" autocast, "fp32", or "auto": bf16 where matmuls have native bf16
     corpus_limit_mb: float | None = None   # use only the first files of each split (smoke runs)
 
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "max_steps", "eval_every", "eval_batches", "save_every", "threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: {v!r}, must be an integer >= 1")
+        for name in ("lr", "distill_temperature"):     # 0 or nan: a model of nan weights saved as finished
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}: {v!r}, must be a finite number > 0")
+        if not isinstance(self.min_lr, (int, float)) or not math.isfinite(self.min_lr) or self.min_lr < 0:
+            raise ValueError(f"min_lr: {self.min_lr!r}, must be a finite number >= 0")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: {self.warmup_steps!r}, must be an integer >= 0")
     @classmethod
     def load(cls, path: str | os.PathLike, **overrides) -> "TrainConfig":
-        raw = json.loads(Path(path).read_text())
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a training config is a JSON object, not {type(raw).__name__}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{path}: unknown training option {sorted(unknown)[0]!r}")
         raw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**raw)
+        try:
+            cfg = cls(**raw)
+            check_model(cfg.model)
+            return cfg
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def check_model(m: dict) -> None:
+    """The config's `model` fields make a Llama architecture (a one-line error naming the field)."""
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if not isinstance(m, dict) or any(k not in m for k in need):
+        raise ValueError(f"model: needs {', '.join(need)} (a Llama architecture; the vocabulary comes from "
+                         "the tokenizer)")
+    for k in (*need, "num_key_value_heads", "head_dim"):
+        if k in m and (not isinstance(m[k], int) or isinstance(m[k], bool) or m[k] < 1):
+            raise ValueError(f"model.{k}: {m[k]!r}, must be an integer >= 1")
+    heads, kv = m["num_attention_heads"], m.get("num_key_value_heads", m["num_attention_heads"])
+    if "head_dim" not in m and m["hidden_size"] % heads:
+        raise ValueError(f"model.num_attention_heads: {heads} does not divide hidden_size {m['hidden_size']}")
+    if heads % kv:
+        raise ValueError(f"model.num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -86,10 +125,25 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, clip:
     opt.step()
 
 
+def check_loss(loss: torch.Tensor, step: int, ckpt: Path) -> None:
+    """A non-finite loss: the run diverged. Stopped before the update (and before any later
+    checkpoint or output), so the work folder keeps the last finite checkpoint."""
+    v = loss.item()
+    if not math.isfinite(v):
+        kept = f"the last checkpoint, {ckpt}, is kept" if ckpt.is_file() else "no checkpoint was written"
+        raise ValueError(f"step {step + 1}: loss {v}: the run diverged (lower the learning rate); {kept}, "
+                         "nothing is written as finished")
+
+
 def save_checkpoint(obj: dict, path: Path) -> None:
-    """torch.save through a temporary file, so an interrupted run leaves the last whole one."""
-    torch.save(obj, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    """torch.save through a temporary file, so an interrupted run leaves the last whole one (and
+    no partial temporary file)."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 RUNTIME_FIELDS = ("threads", "max_steps", "save_every", "eval_every", "eval_batches")   # a resume may change these
@@ -165,6 +219,7 @@ def evaluate(model: Transformer, windows: list[torch.Tensor], bf16: bool = False
 
 
 def build_model(cfg: TrainConfig, tok: Tokenizer, seed: int) -> Transformer:
+    check_model(cfg.model)
     fields = dict(cfg.model)
     hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
     mc = ModelConfig(
@@ -195,6 +250,9 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
         train_tokenizer(tok_dir, cfg.vocab_size, limit_mb=cfg.corpus_limit_mb)
     tok = Tokenizer(tok_dir)
     data = {s: cached_tokens(tok, s, work / "tokens", cfg.corpus_limit_mb) for s in ("train", "validation", "test")}
+    for split, tokens in data.items():
+        if len(tokens) < cfg.seq_len + 2:
+            raise ValueError(f"seq_len {cfg.seq_len}: longer than the {split} split ({len(tokens)} tokens)")
     bf16 = use_bf16(cfg.precision, torch.device(device))
     teacher = load_model(teacher_dir, "bfloat16" if bf16 else "float32", device) if teacher_dir else None
 
@@ -237,6 +295,7 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
             g["lr"] = lr_at(step, cfg)
         batch = batch_at(data["train"], step, cfg).to(device)
         loss = _loss(model, batch, teacher, cfg.distill_temperature, bf16)
+        check_loss(loss, step, ckpt)
         optimizer_step(opt, loss, model.parameters(), cfg.grad_clip)
         state["step"] = step + 1
         state["tokens"] += batch.numel() - batch.shape[0]
@@ -253,10 +312,13 @@ def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = 
     bar.close()
     if state["step"] < cfg.max_steps:
         return {"finished": False, "step": state["step"]}
-    return finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir)
+    return finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir,
+                  tokenizer_given=tokenizer_dir is not None,
+                  teacher_vocab=teacher.config.vocab_size if teacher is not None else None)
 
 
-def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir=None) -> dict:
+def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, init_dir=None,
+           tokenizer_given: bool = False, teacher_vocab: int | None = None) -> dict:
     model.eval()
     test = eval_windows(data["test"], cfg)
     val = eval_windows(data["validation"], cfg)
@@ -265,8 +327,12 @@ def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, in
         "validation_loss": round(evaluate(model, val, bf16), 4),
         "test_loss": round(evaluate(model, test, bf16), 4),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size,      # the tokenizer's (cfg.vocab_size only sizes one trained here)
+        "tokenizer": str(tok_dir) if tokenizer_given else "trained on the train split",
+        "device": device_name(model.device),
     }
-    save_model(model, out, torch.bfloat16)
+    target = target_record(teacher_dir, teacher_vocab) if teacher_dir else None
+    save_model(model, out, torch.bfloat16, extra_config={"specdec_target": target} if target else None)
     copy_tokenizer(tok_dir, out)
     commands, init = state.get("commands") or [command], None
     if init_dir is not None and (Path(init_dir) / "training.json").is_file():
@@ -278,6 +344,19 @@ def finish(model, cfg, state, data, tok_dir, out, teacher_dir, command, bf16, in
                                                     "history": state["history"]}, indent=1) + "\n")
     (out / "README.md").write_text(model_card(out, cfg, result, teacher_dir, commands))
     return {"finished": True, **result}
+
+
+def _tokenizer_source(r: dict, teacher_dir) -> str:
+    if teacher_dir is not None:
+        return f"the target's (`{teacher_dir}`)"
+    t = r.get("tokenizer", "trained on the train split")
+    return t if t.startswith("trained") else f"from `{t}`"
+
+
+def target_record(target, vocab_size: int) -> dict:
+    """What a trained drafter's config.json says it was trained for (`specdec_target`, as vLLM's
+    speculators name their verifier; loaders ignore the key): the target's path and vocabulary size."""
+    return {"path": str(target), "vocab_size": int(vocab_size)}
 
 
 def _init_row(r: dict) -> str:
@@ -300,11 +379,11 @@ A Llama-architecture {kind}, trained by specdec on the Python standard library's
 |---|---|
 | parameters | {r['parameters']:,} |
 | layers / hidden / MLP / heads / kv heads | {m['num_hidden_layers']} / {m['hidden_size']} / {m['intermediate_size']} / {m['num_attention_heads']} / {m.get('num_key_value_heads', m['num_attention_heads'])} |
-| tokenizer | byte-level BPE, {cfg.vocab_size} tokens, trained on the train split |
+| tokenizer | byte-level BPE, {r['vocab_size']} tokens, {_tokenizer_source(r, teacher_dir)} |
 | data | CPython {platform.python_version()} stdlib `*.py`, split by file (`data/split.json`); test files never trained on |
 | steps x batch x sequence | {r['steps']} x {cfg.batch_size} x {cfg.seq_len} |
 | tokens seen | {r['tokens_seen']:,} |
-| wall time | {r['wall_time_s'] / 3600:.2f} h on {platform.machine()} CPU, {cfg.threads} thread(s), precision {cfg.precision} |
+| wall time | {r['wall_time_s'] / 3600:.2f} h on {r['device']}, {cfg.threads} thread(s), precision {cfg.precision} |
 {_init_row(r)}| validation loss | {r['validation_loss']} |
 | test loss | {r['test_loss']} |
 

@@ -27,11 +27,19 @@ def ngrams(ws: list[str], n: int) -> set[tuple[str, ...]]:
 
 
 def eval_texts(path: Path) -> list[str]:
-    """Every turn of a Spec-Bench / MT-bench question file ({"turns": [...]} per line)."""
+    """Every turn of a Spec-Bench / MT-bench question file ({"turns": [...]} per line; a "turns"
+    string is one turn). A file yielding no turn is refused: a check against nothing is none."""
     texts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            texts += [t for t in json.loads(line).get("turns", []) if isinstance(t, str)]
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            turns = row.get("turns", []) if isinstance(row, dict) else []
+            texts += [turns] if isinstance(turns, str) else [t for t in turns if isinstance(t, str)]
+    if not any(words(t) for t in texts):
+        raise ValueError(f'{path}: no evaluation turns (a Spec-Bench / MT-bench file has a "turns" list per line)')
     return texts
 
 

@@ -145,15 +145,25 @@ def make_prompt(family: str, m: Material, cfg: PromptConfig, rng: random.Random)
     raise ValueError(f"unknown prompt family {family!r}")
 
 
+def _shares(count: int, weights: dict) -> dict:
+    """`count` split by weight, summing to `count` exactly (largest remainders; rounding each share
+    gave count +- 1, and 0 for a count of 1)."""
+    total = sum(weights.values())
+    exact = {f: count * w / total for f, w in weights.items()}
+    counts = {f: int(x) for f, x in exact.items()}
+    for f in sorted(exact, key=lambda f: counts[f] - exact[f])[:count - sum(counts.values())]:
+        counts[f] += 1
+    return counts
+
+
 def build_prompts(cfg: PromptConfig, material: Material, instructions: list[str] = ()) -> list[dict]:
     """`cfg.count` prompts, families drawn by weight, shuffled; each {"id", "family", "source", "prompt"}.
     `instructions`: self-instruct tasks (their share falls to the other families when empty)."""
     rng = random.Random(cfg.seed)
     weights = {f: w for f, w in cfg.weights.items() if w > 0 and (f != "self_instruct" or instructions)}
-    total = sum(weights.values())
-    counts = {f: int(round(cfg.count * w / total)) for f, w in weights.items()}
     rows, seen = [], set()
-    for family, n in counts.items():
+
+    def draw(family: str, n: int) -> int:
         made, tries = 0, 0
         while made < n and tries < 20 * n:
             tries += 1
@@ -166,6 +176,12 @@ def build_prompts(cfg: PromptConfig, material: Material, instructions: list[str]
             seen.add(text)
             rows.append({"family": family, "source": source, "prompt": text})
             made += 1
+        return made
+
+    open_ = weights
+    while len(rows) < cfg.count and open_:     # a family out of distinct prompts leaves its share to the others
+        counts = _shares(cfg.count - len(rows), open_)
+        open_ = {f: weights[f] for f, n in counts.items() if draw(f, n) == n}
     rng.shuffle(rows)
     return [{"id": f"p{i:06d}", **r} for i, r in enumerate(rows)]
 

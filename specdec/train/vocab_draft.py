@@ -31,7 +31,7 @@ from ..model.vocab_draft import VocabDraft, save_vocab_draft
 from .headdata import FlatData, chat_data
 from .headreport import fitting_prompts
 from .heads import draft_vocabulary, lr_at      # the same warm-up and cosine schedule (lr, warmup, steps)
-from .lm import device_name, optimizer_step, record_command, save_checkpoint, use_bf16
+from .lm import check_loss, device_name, optimizer_step, record_command, save_checkpoint, target_record, use_bf16
 from .provenance import check_run, check_state, data_fingerprint, load_optimizer, target_fingerprint
 
 
@@ -117,14 +117,15 @@ def distill_loss(draft: VocabDraft, head_rows: torch.Tensor, data: FlatData, tok
 
 
 @torch.no_grad()
-def agreement(draft: VocabDraft, data: FlatData, window: int, max_seqs: int = 200) -> float:
+def agreement(draft: VocabDraft, data: FlatData, max_seqs: int = 200) -> float:
     """How often the draft's argmax is the token the target actually wrote next (greedy answers:
-    the target's own argmax), teacher-forced, over answer positions."""
+    the target's own argmax), teacher-forced, over answer positions, each conversation read whole
+    from its start as at inference (not the training windows cut from its end)."""
     hits = total = 0
     draft.eval()
     seqs = [s for s in range(data.num_sequences) if data.greedy[s]][:max_seqs]
     for s in seqs:
-        tokens, pos, mask = batch_rows(data, [s], window)
+        tokens, pos, mask = batch_rows(data, [s], int(data.ends[s] - data.starts[s]))
         pred = draft.draft_vocab[draft.draft_logits(tokens).argmax(-1)]
         nxt = data.tokens[(pos + 1).clamp(max=len(data.tokens) - 1)]
         hits += int(((pred == nxt) & mask).sum())
@@ -206,6 +207,7 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
             g["lr"] = lr_at(step, cfg)
         tokens, pos, mask = (t.to(device) for t in batch_rows(train, seqs, cfg.window))
         loss, agree = distill_loss(draft, head_rows, data, tokens, pos, mask, to_draft_dev, cfg.hard_weight, bf16)
+        check_loss(loss, step, ckpt)
         optimizer_step(opt, loss, params, 1.0)
         state["step"] = step + 1
         state["elapsed_s"] = base + time.time() - t0
@@ -219,10 +221,10 @@ def train_vocab_draft(cfg: VocabDraftConfig, target_dir: Path, answers: Path, ou
     if state["step"] < cfg.steps:
         return {"finished": False, "step": state["step"]}
     del data
-    return _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab)
+    return _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab, V)
 
 
-def _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab) -> dict:
+def _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vocab, vocab_size: int) -> dict:
     from .headreport import speculation_report
 
     where = device_name(draft.device)
@@ -234,8 +236,9 @@ def _finish(cfg, draft, target_dir, train, val, state, out, command, prompts, vo
               "train_answer_tokens": int(len(train.answer_tokens())),
               "draft_vocab_coverage": round(coverage, 4),
               "parameters": sum(p.numel() for n_, p in draft.decoder.named_parameters() if not n_.endswith("embed_tokens.weight")),
-              "greedy_top1_agreement": agreement(draft, val, cfg.window), "device": where}
-    save_vocab_draft(draft, out, torch.bfloat16, extra={"draft_vocab_coverage": result["draft_vocab_coverage"]})
+              "greedy_top1_agreement": agreement(draft, val), "device": where}
+    save_vocab_draft(draft, out, torch.bfloat16, extra={"draft_vocab_coverage": result["draft_vocab_coverage"],
+                                                        "specdec_target": target_record(target_dir, vocab_size)})
     if prompts:
         result["speculation"] = speculation_report(target_dir, out, "draft_model", prompts,
                                                    "validation chat prompts (chat template, first turn)", sizes=(4,))
@@ -264,7 +267,7 @@ forward KL to the target's distribution restricted to the draft vocabulary, on a
 | data | {r['train_answers']} answers ({r['train_answer_tokens']:,} answer tokens, {r['train_shards']} shards) |
 | steps | {r['steps']} x {cfg.batch} conversations x up to {cfg.window} tokens, AdamW lr {cfg.lr}, cosine |
 | wall time | {r['wall_time_s'] / 3600:.2f} h on {r.get('device') or platform.machine() + ' CPU'}, {cfg.threads} thread(s), precision {cfg.precision} |
-| greedy top-1 agreement with the target (teacher-forced, validation) | {"–" if r['greedy_top1_agreement'] is None else r['greedy_top1_agreement']} |
+| greedy top-1 agreement with the target (teacher-forced, validation, each answer with its whole context) | {"–" if r['greedy_top1_agreement'] is None else r['greedy_top1_agreement']} |
 
 Mean accepted length through the engine on held-out prompts (bfloat16):
 

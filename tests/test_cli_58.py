@@ -198,3 +198,13 @@ def test_a_cancelled_handler_cancels_its_work():
         return state, others
     state, others = asyncio.run(scenario())
     assert state == {"ended": True} and others == []
+
+
+def test_bench_refuses_a_speculative_model_path_that_is_not_there(tmp_path):
+    """A typo in --speculative-config's model is a one-line error (exit 2): it had been a
+    skipped row in the results, with exit 0."""
+    r = subprocess.run([sys.executable, "-m", "specdec", "bench", "--model", str(TARGET),
+                        "--methods", "eagle", "--speculative-config", '{"eagle": {"model": "/nope/eagle"}}',
+                        "--max-tokens", "4", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "no such path: eagle's model '/nope/eagle'" in r.stderr, r.stderr[-800:]

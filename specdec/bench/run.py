@@ -65,6 +65,11 @@ def build_variants(args, llm: LLM, draft_dir: str | None, clock=time.perf_counte
     bad = [m for m in overrides if m not in registered_methods()]
     if bad:
         raise ValueError(f"--speculative-config: not a registered method: {', '.join(bad)}")
+    # a path that is not there is the user's typo, not a method to skip with a note in the table
+    missing = [f"{m}'s model {v['model']!r}" for m, v in overrides.items()
+               if isinstance(v.get("model"), str) and not v["model"].startswith("[") and not Path(v["model"]).exists()]
+    if missing:
+        raise ValueError(f"--speculative-config: no such path: {', '.join(missing)}")
     for method, folder in bundled_drafters(llm.model_path).items():     # heads bundled for this target
         if method != "draft_model":
             overrides.setdefault(method, {}).setdefault("model", folder)

@@ -10,8 +10,11 @@ from .tokenizer import Tokenizer
 # The context is the shortest suffix of CONTEXT_MIN to CONTEXT_MAX tokens that decodes to whole
 # characters: a byte-fallback decoder turns a run of byte tokens that starts inside a character
 # into U+FFFD as a whole, the output's bytes that join it included. None such (a prompt of ids cut
-# inside a character): the Detokenizer reads the whole prompt as vLLM primes its DecodeStream.
+# inside a character): the Detokenizer reads the prompt's last PRIME_MAX tokens as vLLM primes its
+# DecodeStream with the whole prompt (a character is at most 4 bytes: what is left incomplete at
+# the end is the same, and a long run of stray bytes costs no quadratic decoding on the engine's thread).
 CONTEXT_MIN, CONTEXT_MAX = 4, 23
+PRIME_MAX = 64
 
 
 def prompt_context(tokenizer: Tokenizer, prompt, skip_special_tokens: bool) -> list[int]:
@@ -54,7 +57,7 @@ class Detokenizer:
         self._prefix_text = self._decode(0, self._read) if self._all else ""
         self._out = 0
         if prompt and not self._all:
-            self._prime(list(prompt))
+            self._prime(list(prompt)[-PRIME_MAX:])
         self._out = len(self._all)          # _all[_out:]: the output
 
     def _prime(self, prompt: list[int]) -> None:

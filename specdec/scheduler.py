@@ -12,7 +12,8 @@ Per step, in order:
    and blocks for their whole prompt; none joins in a step that preempted. With prefix caching,
    one whose prompt starts with full blocks that a request already planned computes in this step
    (n > 1 siblings, a burst sharing a long prefix), at least half of the blocks it would compute,
-   waits a step and then takes those blocks from the cache, instead of computing a copy of them.
+   waits a step and then takes those blocks from the cache, instead of computing a copy of them
+   (the requests behind it are admitted meanwhile).
 
 When every cache is windowed (model/kv.py: the blocks behind the window are given back after
 each step), a request joins with blocks for its first chunk only, and each later chunk reserves
@@ -158,9 +159,15 @@ class Scheduler:
                         continue
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
+        deferred: set = set()           # waiting a step for blocks this step computes: the others go on
         while self.waiting and not plan.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            r = self._next_seatable()
-            if r is None or self._computed_by_other(r, plan) or not self._admit(r, budget + 1 if windowed else None):
+            r = self._next_seatable(deferred)
+            if r is None:
+                break
+            if self._computed_by_other(r, plan):
+                deferred.add(r)
+                continue
+            if not self._admit(r, budget + 1 if windowed else None):
                 break
             self.waiting.remove(r)
             plan.admitted.append(r)
@@ -170,17 +177,19 @@ class Scheduler:
                 budget -= n
         return plan
 
-    def _next_seatable(self) -> Request | None:
+    def _next_seatable(self, skip: set = frozenset()) -> Request | None:
         """The first waiting request whose LoRA adapter (if any) can run now: one the running
         requests use, or a new one while fewer than max_loras are in use. The others keep their
         places (as in vLLM); and once one of them waits, later requests for adapters wait behind
         it (requests without one still go ahead), so that the running adapters' requests drain
-        and free a slot instead of keeping it forever."""
+        and free a slot instead of keeping it forever. `skip`: requests left for the next step."""
         if self.max_loras is None:
-            return self.waiting[0]
+            return next((r for r in self.waiting if r not in skip), None)
         in_use = {r.lora.uid for r in self.running if r.lora is not None}   # each reading of an adapter
         blocked = False
         for r in self.waiting:
+            if r in skip:
+                continue
             if r.lora is None:
                 return r
             if not blocked and (r.lora.uid in in_use or len(in_use) < self.max_loras):

@@ -195,3 +195,19 @@ def test_a_short_shared_prefix_is_not_waited_for(tiny_pair):
     llm = _llm(tiny_pair)
     outs = llm.generate(prompts, GREEDY)
     assert [o.num_cached_tokens for o in outs] == [0] * 4
+
+
+def test_a_request_waiting_for_shared_blocks_holds_no_one_else_back(tiny_pair):
+    """Siblings of one prompt wait a step for its blocks; an unrelated request queued behind them
+    is admitted in the first step all the same (the queue had stopped at the first waiter)."""
+    llm = _llm(tiny_pair)
+    e = llm.engine
+    shared, other = _ids(160, 11), _ids(40, 12)
+    for i, prompt in enumerate([shared, shared, shared, other]):
+        e.add_request(prompt, GREEDY, request_id=f"r{i}")
+    e.step()
+    running = {r.request_id for r in e.scheduler.running}
+    assert running == {"r0", "r3"}, running
+    while e.has_unfinished():
+        e.step()
+    assert e.prefix_cache_hits == 2 * 144

@@ -169,7 +169,11 @@ def test_completions_with_max_tokens_null_are_capped_there_too(long_default):
     assert r.usage.completion_tokens == 64 - r.usage.prompt_tokens and r.choices[0].finish_reason == "length"
     two = client.completions.create(model="m", prompt=["hi", "hi there again and again"], max_tokens=None,
                                     temperature=0, extra_body={"ignore_eos": True})
-    assert {c.finish_reason for c in two.choices} == {"length"}     # the longer prompt's room for both
+    assert {c.finish_reason for c in two.choices} == {"length"}
+    # each prompt's own room, as vLLM's (the longer prompt's had capped both)
+    lens = [len(client.completions.create(model="m", prompt=p, max_tokens=1, echo=True, logprobs=0)
+                .choices[0].logprobs.tokens) - 1 for p in ("hi", "hi there again and again")]
+    assert two.usage.completion_tokens == sum(64 - n for n in lens), (two.usage, lens)
     beams = client.completions.create(model="m", prompt="hi", max_tokens=None, n=2,
                                       extra_body={"use_beam_search": True, "ignore_eos": True})
     assert len(beams.choices) == 2

@@ -55,6 +55,38 @@ def urls(pair):
         yield a.url, b.url
 
 
+def test_priming_decodes_a_bounded_window_of_a_long_prompt(pair, monkeypatch):
+    """A long token-id prompt of stray bytes ending inside a character: priming decodes the last
+    PRIME_MAX tokens, not ever-longer windows of the whole prompt (8,000 tokens had taken 2 s of
+    the engine's thread per choice, quadratic), and the text is what whole-prompt priming gives."""
+    import specdec.detokenize as detokenize
+
+    tok = pair[0].get_tokenizer()
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    stray = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"][:3]
+    decoded = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, token_ids, *args, **kwargs):
+            decoded.append(len(token_ids))
+            return tok.decode(token_ids, *args, **kwargs)
+
+    def text(prompt, out, counting=False):
+        d = Detokenizer(Counting() if counting else tok, [], prompt=prompt)
+        for t in out:
+            d.add(t)
+        return d.text
+    text([stray[0]] * 8000 + ids[:_cuts(tok)[0]], [], counting=True)
+    assert sum(decoded) < 4 * detokenize.PRIME_MAX ** 2, sum(decoded)
+    cases = [([s] * 300 + ids[:cut], ids[cut:cut + more]) for s in stray for cut in _cuts(tok)[:3] for more in (1, 3)]
+    capped = [text(p, o) for p, o in cases]
+    monkeypatch.setattr(detokenize, "PRIME_MAX", 10 ** 9)
+    assert capped == [text(p, o) for p, o in cases]
+
+
 def test_detokenizer_finishes_the_prompts_character_as_vllm(pair):
     """Every cut of TEXT inside a character, followed by 0-4 more of its tokens one at a time: the
     text is vLLM's (the character whole, '我' where the output's byte alone is U+FFFD)."""

@@ -130,7 +130,9 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
     if limit >= 0 and 2 * params.beam_width > limit:     # each step reads 2 x width candidates per beam
         raise APIError(400, f"use_beam_search: n (the beam width) can be at most {limit // 2} here "
                             f"(--max-logprobs {limit}), got {params.beam_width}", "n")
-    service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=max_tokens), "prompt")
+    # a budget the request did not name (generation_config's cap) ends where the context does
+    asked = getattr(body, "max_tokens", None) is not None or getattr(body, "max_completion_tokens", None) is not None
+    service._check_prompts(prompts, SamplingParams(n=params.beam_width, max_tokens=max_tokens), "prompt", asked=asked)
     search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids), service.engine.max_model_len,
                         lora_requests=[lora] * len(prompts))
     step = search.step_params()

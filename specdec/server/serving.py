@@ -124,9 +124,9 @@ class Service:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)   # the prompt is scored too (OpenAI's echo)
         # a text prompt cut where it is tokenized (its BOS kept), token ids cut to their last k (vLLM's)
         prompts = [self.engine.truncated(p, params) for p in self._completion_prompts(req.prompt, params)]
-        if req.max_tokens is None and not echo_only(req) and prompts:
-            params = _within_context(params, prompts, self.engine.max_model_len)
-        self._check_prompts(prompts, params, "prompt")
+        # max_tokens null: generation_config's cap is a default, each prompt's output ends where the
+        # context does (vLLM's get_max_tokens, per prompt) rather than a 400
+        self._check_prompts(prompts, params, "prompt", asked=req.max_tokens is not None)
         return prompts, params
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
@@ -382,7 +382,9 @@ class Service:
                            "chat_template" if req.chat_template else "messages")
         return text
 
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, param: str, asked: bool = True) -> None:
+        """asked: max_tokens is the request's own (past the context: a 400); else a default cap,
+        which the context bounds."""
         per_prompt = params.best_of or params.n
         if len(prompts) * per_prompt > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x max(n, best_of)), "
@@ -402,7 +404,7 @@ class Service:
                 self.engine.check_prompt(ids, params)
             except ValueError as e:
                 raise APIError(400, str(e), param) from None
-            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            if asked and params.max_tokens is not None and len(ids) + params.max_tokens > limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                                     f"{param}, {params.max_tokens} for the completion).", "max_tokens")
@@ -424,8 +426,7 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
 def _within_context(params: SamplingParams, prompts: list[list[int]], limit: int) -> SamplingParams:
     """generation_config.json's max_new_tokens, when the request named no max_tokens, is a default
     cap, not a request: what the context leaves bounds it (vLLM's get_max_tokens) where the
-    request's own max_tokens past the context is a 400. A prompt with no room is left to that check.
-    Several prompts (completions) share one budget: the least room (vLLM's is per prompt)."""
+    request's own max_tokens past the context is a 400. A prompt with no room is left to that check."""
     room = limit - max(map(len, prompts))
     if params.max_tokens is None or params.max_tokens <= room or room < 1:
         return params

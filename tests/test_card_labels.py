@@ -44,3 +44,19 @@ def test_results_md_tau_is_tokens_per_forward_not_mean_accepted_length():
     assert "mean accepted length" not in md and "tokens per target forward" in md
     card_md = method_card_table({"scenarios": [scenario]}, "suffix K=2")
     assert "tau (tokens per target forward)" in card_md and "| 0 | overall | 2 | 1.52 | 0.445 | 1.10x | yes |" in card_md
+
+
+def test_written_cards_keep_their_licence_and_label_tokens_per_forward():
+    """A retrained heads card carries the licence and base-model lines the bundled cards have, and
+    the pair's quality section calls its figure tokens per target forward (as results.md does),
+    not vLLM's mean accepted length (1 + accepted / drafts)."""
+    from specdec.train.report import quality_section
+
+    text = card(Path("models/eagle"), Path("models/target"), HeadsConfig(kind="eagle"), _report((4,)), ["cmd"])
+    assert "Licence: Apache-2.0" in text and "Base model: `models/target`" in text
+    run = {"acceptance_rate": 0.5, "mean_accepted_length": 2.5}
+    r = {"target": {"validation_loss": 1, "test_loss": 1}, "draft": {"validation_loss": 2, "test_loss": 2}, "k": 4,
+         "greedy": run, "temperature_1": run, "ast_parse_share": 0.5, "functions": 10, "max_tokens": 8,
+         "dtype": "bfloat16"}
+    section = quality_section(r, "cmd")
+    assert "tokens per target forward 2.5" in section and "mean accepted length" not in section

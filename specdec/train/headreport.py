@@ -154,6 +154,9 @@ def card(out: Path, target_dir: Path, cfg, r: dict, commands: list[str]) -> str:
 {what} for `{target_dir}`, trained by specdec with the target frozen
 (`specdec train {cfg.kind}`; see specdec/train/heads.py).
 
+Licence: Apache-2.0, as the rest of specdec; the base model's own licence applies to its weights.
+Base model: `{target_dir}` (its final norm and LM-head rows are copied in).
+
 | | |
 |---|---|
 | trainable parameters | {r['trainable_parameters']:,} |

@@ -95,8 +95,8 @@ def quality_section(r: dict, command: str) -> str:
 |---|---|
 | target validation / test loss | {r['target']['validation_loss']} / {r['target']['test_loss']} |
 | draft validation / test loss | {r['draft']['validation_loss']} / {r['draft']['test_loss']} |
-| acceptance rate, K={r['k']}, greedy | {g['acceptance_rate']} (mean accepted length {g['mean_accepted_length']}) |
-| acceptance rate, K={r['k']}, temperature 1 | {t['acceptance_rate']} (mean accepted length {t['mean_accepted_length']}) |
+| acceptance rate, K={r['k']}, greedy | {g['acceptance_rate']} (tokens per target forward {g['mean_accepted_length']}) |
+| acceptance rate, K={r['k']}, temperature 1 | {t['acceptance_rate']} (tokens per target forward {t['mean_accepted_length']}) |
 | target's greedy completions that add a body `ast.parse` accepts | {r['ast_parse_share']:.0%} of {r['functions']} test-split functions |
 
 Measured on {r['functions']} documented test-split functions (def line and docstring as the prompt,

@@ -175,17 +175,6 @@ class _EngineCore(EngineWorker):
         return self.error is None and super()._between_steps()      # dead: the thread ends
 
 
-def _deliver(loop, queue: asyncio.Queue, index: int, worker: EngineWorker, job: Job, item) -> None:
-    """A Job's deliver: hand one event of it to its request's queue on `loop`. A loop that is
-    closed (asyncio.run returned with the request still in the engine) cancels the job, between
-    two steps: the worker's own answer to that, an abort, may land in the middle of a step
-    (events are handed over as the next forward starts) and fail it."""
-    try:
-        deliver(loop, queue, index, item)
-    except RuntimeError:
-        worker.cancel(job)
-
-
 class RequestOutputCollector:
     """vLLM's: one request's outputs, as add_request() returns them: get() awaits the next
     RequestOutput (raising the request's error), get_nowait() gives it or None. The engine's
@@ -328,7 +317,7 @@ class AsyncLLM:
                           cache_salt=salt)
                       for i in range(params.n)]
             for i, job in enumerate(q.jobs):
-                job.deliver = functools.partial(_deliver, loop, q.queue, i, self._worker, job)
+                job.deliver = functools.partial(deliver, loop, q.queue, i)
             if self.log_requests:
                 log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
                          request_id, text, params, ids)

@@ -233,7 +233,7 @@ class Scheduler:
         shares them within the step; here it costs r a step, so r waits only when those blocks are
         at least half of the full blocks it would compute). Only a request prefilling in this step
         holds r back, so r waits at most until that prompt is in the cache."""
-        if not self.blocks.prefix_caching:
+        if not self.blocks.prefix_caching or not plan.chunks:     # nothing prefilled this step: no lookup
             return False
         wanted = self._wanted(r)
         bs, over = self.blocks.block_size, self.blocks.key_overlap

@@ -19,17 +19,11 @@ from specdec.train.overlap import eval_texts
 from specdec.train.prompts import PromptConfig, build_prompts
 from specdec.train.provenance import target_fingerprint
 
+from test_train_cli import run
+
 TINY = {"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2}, "seq_len": 64, "batch_size": 4, "max_steps": 8, "eval_every": 4,
         "save_every": 2}
-
-
-def run(capsys, argv: list[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:       # argparse's refusals
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 def token_shard(path: Path, seqs: list[list[int]]) -> None:

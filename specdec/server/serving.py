@@ -426,7 +426,8 @@ def _numerically_safe(params: SamplingParams) -> SamplingParams:
 def _within_context(params: SamplingParams, prompts: list[list[int]], limit: int) -> SamplingParams:
     """generation_config.json's max_new_tokens, when the request named no max_tokens, is a default
     cap, not a request: what the context leaves bounds it (vLLM's get_max_tokens) where the
-    request's own max_tokens past the context is a 400. A prompt with no room is left to that check."""
+    request's own max_tokens past the context is a 400. A prompt with no room is left to that check.
+    Several prompts (the batch chat endpoint's conversations) share the budget: the least room."""
     room = limit - max(map(len, prompts))
     if params.max_tokens is None or params.max_tokens <= room or room < 1:
         return params

@@ -377,9 +377,9 @@ class EngineWorker:
         try:
             job.deliver(item)
         except RuntimeError:                 # the event loop is gone: nobody is listening any more
-            if job.request_id in self._jobs:
-                del self._jobs[job.request_id]
-                self.engine.abort(job.request_id)
+            # cancelled between two steps: events are handed over as the next forward starts, and
+            # an abort then would fail that step for every request in it
+            self.cancel(job)
 
 
 def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None:

@@ -636,6 +636,28 @@ def test_an_overlong_request_id_header_is_not_taken(tiny_pair):
         assert r.status_code == 200 and r.json()["id"] == "cmpl-" + "r" * 512
 
 
+def test_an_unexpected_error_still_carries_the_request_id(tiny_pair, monkeypatch):
+    """With --enable-request-id-headers every response carries X-Request-Id, the 500 of an
+    unexpected exception too (Starlette answers it outside the middleware that adds the header:
+    the one response a user most needs to find in the logs came without it)."""
+    llm = LLM(tiny_pair[0], num_speculative_tokens=0, max_model_len=64)
+    config = ServerConfig(served_model_names=("k",), enable_request_id_headers=True)
+
+    def broken(*a, **kw):
+        raise TypeError("planted")
+    from specdec.server.responses import ChatFormat
+    monkeypatch.setattr(ChatFormat, "choice", broken)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with LiveServer(build_app(llm, config)) as live:
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, headers={"x-request-id": "find-me"}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: TypeError"
+        assert r.headers["x-request-id"] == "find-me"
+    config = ServerConfig(served_model_names=("k",))
+    with LiveServer(build_app(llm, config)) as live:       # without the flag, no response has it
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "x-request-id" not in r.headers
+
+
 def test_a_model_after_the_api_key_is_not_taken_as_a_second_key(tiny_pair):
     """--api-key takes several keys, so `--api-key KEY MODEL` would serve the default model with
     MODEL as a key: a key that is a path is refused in one line."""

@@ -129,7 +129,11 @@ class _RequestIds:
             # 500-token stream 176 MB (no body limit covers headers); such an id is not taken
             raw = None
         rid = raw.decode("latin-1") if raw else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        # Starlette's outermost error middleware answers an unexpected exception's 500 past this
+        # wrapper: errors._unexpected reads this to put the id on that answer too
+        state["echo_request_id"] = self.echo
         trace = {name: headers[key].decode("latin-1") for name in TRACE_HEADERS
                  if (key := name.encode()) in headers} or None
 

@@ -69,7 +69,10 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         # Starlette raises the error again after this answer and uvicorn then closes the
         # connection: say so, or a client's pool sends its next request down a closed socket
-        return error_response(500, f"internal error: {type(exc).__name__}", headers={"Connection": "close"})
+        headers = {"Connection": "close"}
+        if getattr(request.state, "echo_request_id", False):
+            headers["X-Request-Id"] = request.state.request_id
+        return error_response(500, f"internal error: {type(exc).__name__}", headers=headers)
 
 
 def _describe(errors) -> tuple[str, str | None]:

@@ -75,7 +75,6 @@ def test_a_batch_file_runs_through_the_server(tiny_pair, tmp_path, capsys):
     (["[1, 2]"], "in.jsonl line 1: expected a request object, got list"),
     ([{"custom_id": "a", "method": "POST", "url": "/v1/completions"}], "in.jsonl line 1: missing body"),
     ([{"custom_id": 1, "method": "POST", "url": "/v1/completions", "body": {}}], "custom_id must be a string"),
-    ([], "in.jsonl: no requests in it"),
     ([{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}] * 2,
      "in.jsonl line 2: custom_id 'a' is already on line 1"),
 ])
@@ -206,3 +205,91 @@ def test_a_500_ends_no_run():
 
     status, body = asyncio.run(asgi_request(app, "POST", "/v1/completions", b"{}", {}))
     assert status == 500 and json.loads(body)["error"]["message"] == "internal error: RuntimeError"
+
+
+def test_a_background_response_runs_to_its_end(tiny_pair, tmp_path):
+    """A /v1/responses line with background: true answered a "queued" stub (status 200, no output)
+    whose generation died with the process; in a batch it runs in the foreground, its answer in
+    the output. Without store it is still the server's 400."""
+    target, _ = tiny_pair
+    body = {"model": "m", "input": "hello", "max_output_tokens": 8, "temperature": 0}
+    rows = [{"custom_id": c, "method": "POST", "url": "/v1/responses", "body": {**body, **extra}}
+            for c, extra in (("fg", {}), ("bg", {"background": True, "store": True}),
+                             ("bg-nostore", {"background": True, "store": False}))]
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", _write(tmp_path / "in.jsonl", rows), "-o", str(out), "--model", str(target),
+                 "--served-model-name", "m", "--chat-template", TEMPLATE]) == 0
+    fg, bg, nostore = _read(out)
+    assert bg["error"] is None and bg["response"]["status_code"] == 200
+    assert bg["response"]["body"]["status"] == fg["response"]["body"]["status"] != "queued"
+    text = [[c["text"] for c in item["content"]] for r in (fg, bg) for item in r["response"]["body"]["output"]]
+    assert len(text) == 2 and text[0] == text[1] and text[0][0]          # the same greedy answer, in full
+    assert bg["response"]["body"]["usage"]["output_tokens"] == 8
+    assert nostore["response"]["status_code"] == 400 and "store" in nostore["error"]["message"]
+
+
+def test_score_and_rerank_lines(tiny_pair, tmp_path):
+    """vLLM's run_batch takes urls ending in /score and /rerank: each path the server has runs
+    through its handler, with the offline LLM's scores."""
+    target, _ = tiny_pair
+    texts = ["hello world", "abc", "def f(x):"]
+    score = {"model": "m", "text_1": texts[0], "text_2": texts[1:]}
+    rerank = {"model": "m", "query": texts[0], "documents": texts[1:]}
+    urls = [("/score", score), ("/v1/score", score), ("/rerank", rerank), ("/v1/rerank", rerank), ("/v2/rerank", rerank)]
+    rows = [{"custom_id": url, "method": "POST", "url": url, "body": body} for url, body in urls]
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", _write(tmp_path / "in.jsonl", rows), "-o", str(out), "--model", str(target),
+                 "--served-model-name", "m", "--runner", "pooling"]) == 0
+    want = [o.outputs.score for o in LLM(model=str(target), runner="pooling").score(texts[0], texts[1:])]
+    for r in _read(out):
+        assert r["error"] is None and r["response"]["status_code"] == 200, r
+        body = r["response"]["body"]
+        if "score" in r["custom_id"]:
+            assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-6)
+        else:
+            assert {x["index"]: x["relevance_score"] for x in body["results"]} == pytest.approx(dict(enumerate(want)),
+                                                                                                abs=1e-6)
+
+
+def test_an_empty_file_gives_an_empty_output(tiny_pair, tmp_path, capsys):
+    """vLLM's run_batch writes an empty output for an empty input and exits 0 (sharded pipelines
+    make empty shards); blank lines and a lone BOM are empty too."""
+    target, _ = tiny_pair
+    for i, text in enumerate(("", "\n\n", "\ufeff")):
+        src, out = tmp_path / f"in{i}.jsonl", tmp_path / f"out{i}.jsonl"
+        src.write_text(text, encoding="utf-8")
+        assert main(["run-batch", "-i", str(src), "-o", str(out), "--model", str(target)]) == 0
+        assert out.read_text() == ""
+    assert "0 requests: 0 succeeded, 0 failed" in capsys.readouterr().err
+
+
+def test_a_bom_is_taken():
+    """A UTF-8 BOM at the start of the file (Windows editors write one) was 'not JSON'."""
+    import asyncio
+    import tempfile
+
+    from specdec.server.run_batch import _read_input
+
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}})
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8-sig", suffix=".jsonl", delete=False) as f:
+        f.write(line + "\n")
+    try:
+        assert [r.custom_id for r in parse_lines(asyncio.run(_read_input(f.name)), f.name)] == ["a"]
+    finally:
+        Path(f.name).unlink()
+    assert [r.custom_id for r in parse_lines("\ufeff" + line, "url")] == ["a"]      # an HTTP input's text
+
+
+def test_no_body_limit_unless_asked(tiny_pair, tmp_path):
+    """serve's --max-request-bytes (1 MiB by default) gave a line over it a 413; vLLM's run_batch has
+    no body limit, so here the limit applies only when the flag is given."""
+    target, _ = tiny_pair
+    rows = [{"custom_id": "big", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": "def f", "max_tokens": 2, "user": "x" * (1 << 20)}}]
+    src = _write(tmp_path / "in.jsonl", rows)
+    for extra, status in (([], 200), (["--max-request-bytes", "4096"], 413)):
+        out = tmp_path / "out.jsonl"
+        assert main(["run-batch", "-i", src, "-o", str(out), "--model", str(target), "--served-model-name", "m",
+                     *extra]) == 0
+        (r,) = _read(out)
+        assert r["response"]["status_code"] == status, r["error"]

@@ -2,7 +2,7 @@
 OpenAI Batch API's file format run through the server's own handlers, offline.
 
 Each input line is one request: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
-"body": {...}}` (url: /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses). Each
+"body": {...}}` (url: one of URLS, vLLM's run_batch's score and rerank paths included). Each
 output line, in the input's order, is `{"id", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}`: the body a server would have answered (an OpenAI error JSON for a request it
 refuses, with `error` then naming it). Every request goes through the app in this process (no
@@ -26,7 +26,10 @@ import uuid
 from dataclasses import dataclass
 
 PROG = "specdec run-batch"
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# vLLM's run_batch takes chat, embeddings and any url ending in /score or /rerank: those paths this
+# server has, plus completions and responses
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+        "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
 @dataclass
@@ -59,11 +62,14 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-metrics", action="store_true",
                    help="vLLM's (a Prometheus port while the batch runs): here the run's speculative "
                         "statistics are printed at the end either way")
+    # vLLM's run_batch has no HTTP body limit: serve's --max-request-bytes applies only when given
+    p.set_defaults(max_request_bytes=None)
 
 
 def parse_lines(text: str, source: str) -> list[BatchLine]:
     """The input file's requests; a ValueError naming the line for anything that is not one."""
     lines = []
+    text = text.removeprefix("\ufeff")      # a BOM (Windows editors write one) from a URL: files are read as utf-8-sig
     # lines end at \n (JSONL's; str.splitlines() also split at U+2028, U+2029, U+0085 and the like,
     # which JSON allows unescaped inside strings)
     for number, raw in enumerate(text.split("\n"), 1):
@@ -87,8 +93,6 @@ def parse_lines(text: str, source: str) -> list[BatchLine]:
         if not isinstance(obj["url"], str) or not isinstance(obj["method"], str):
             raise ValueError(f"{source} line {number}: method and url must be strings")
         lines.append(BatchLine(number, obj["custom_id"], obj["method"], obj["url"], obj["body"]))
-    if not lines:
-        raise ValueError(f"{source}: no requests in it")
     seen: dict[str, int] = {}
     for line in lines:       # results are matched by custom_id (OpenAI's Batch API refuses repeats too)
         if line.custom_id in seen:
@@ -151,11 +155,16 @@ async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrenc
         elif line.body.get("stream"):
             status, body = 400, _error_body(400, "stream is not supported in a batch: leave it out or false")
         else:
+            request = line.body
+            if line.url == "/v1/responses" and request.get("background") and request.get("store") is not False:
+                # a background answer is a "queued" stub whose generation dies with this process: the
+                # batch is itself the background run, so the line runs to its end and the output holds it
+                request = {**request, "background": False}
             headers = {"x-request-id": request_id}
             if api_key:
                 headers["authorization"] = f"Bearer {api_key if isinstance(api_key, str) else api_key[0]}"
             async with gate:
-                status, raw = await asgi_request(app, "POST", line.url, json.dumps(line.body).encode(), headers)
+                status, raw = await asgi_request(app, "POST", line.url, json.dumps(request).encode(), headers)
             try:
                 body = json.loads(raw)
             except json.JSONDecodeError:
@@ -184,7 +193,7 @@ async def _read_input(path: str) -> str:
         except aiohttp.ClientError as e:
             raise ValueError(f"--input-file {path}: {type(e).__name__}: {e}") from None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return f.read()
     except OSError as e:
         raise ValueError(f"--input-file {path}: {e.strerror or e}") from None
@@ -268,6 +277,8 @@ def run(args, prog: str = PROG) -> int:
     text = asyncio.run(_read_input(args.input_file))
     lines = parse_lines(text, args.input_file)                   # before the model loads
     _check_output(args.output_file, args.output_tmp_dir)
+    if args.max_request_bytes is None:      # no HTTP client here: a long prompt or inline image is no 413
+        args.max_request_bytes = sys.maxsize
     config = server_config(args)
     if config.log_config is None:        # serve's log lines (--enable-log-requests' too, as vLLM's run-batch)
         logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",

@@ -352,8 +352,8 @@ class LoRAConfig:
     max_lora_rank: the largest rank an adapter may have (slots are sized by it).
     max_cpu_loras: adapters kept loaded in memory once no request uses them (default: max_loras).
     lora_dtype: the slots' dtype: "auto" (bfloat16 when the model's matrices are quantized or
-        bf16, as vLLM's follows the model's dtype; float32 for an fp32 model), "bfloat16" or
-        "float32". Decoding reads the slots' bytes with the weights'.
+        bf16, as vLLM's follows the model's dtype; float32 for an fp32 model), "float16" (vLLM's;
+        float32 on the CPU), "bfloat16" or "float32". Decoding reads the slots' bytes with the weights'.
     """
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -367,8 +367,8 @@ class LoRAConfig:
         v = self.max_cpu_loras
         _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= self.max_loras),
                "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras})", v)
-        _check(self.lora_dtype in ("auto", "bfloat16", "float32"), "lora_dtype",
-               "must be one of auto, bfloat16, float32", self.lora_dtype)
+        _check(self.lora_dtype in ("auto", "float16", "bfloat16", "float32"), "lora_dtype",
+               "must be one of auto, float16, bfloat16, float32", self.lora_dtype)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,10 @@ values.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -27,6 +29,8 @@ from .adapter import KINDS, LoRAAdapter, load_adapter
 from .request import LoRARequest
 
 __all__ = ["LoRAAdapter", "LoRAConfig", "LoRAManager", "LoRARequest", "LoRAStack"]
+
+log = logging.getLogger("specdec.lora")
 
 
 class LoRAMat:
@@ -113,7 +117,12 @@ def check_model(model) -> None:
 
 
 def slot_dtype(model, name: str) -> torch.dtype:
-    """lora_dtype "auto": bf16 beside quantized (GGUF) or bf16 matrices, else fp32."""
+    """lora_dtype "auto": bf16 beside quantized (GGUF) or bf16 matrices, else fp32. "float16"
+    (vLLM's): fp16 slots off the CPU; the CPU's C forward reads fp32 or bf16 slots only, so
+    there fp32, which holds every fp16 value exactly."""
+    if name == "float16" and model.device.type == "cpu":
+        log.warning("lora_dtype float16: the CPU forward reads float32 or bfloat16 LoRA weights; using float32")
+        return torch.float32
     if name != "auto":
         return getattr(torch, name)
     w = getattr(model.model.layers[0].self_attn.qkv_proj, "weight", None)
@@ -121,6 +130,23 @@ def slot_dtype(model, name: str) -> torch.dtype:
 
 
 _LOADS = itertools.count(1)
+
+
+def _stamp(path: str) -> tuple | None:
+    """What the files of an adapter folder (or a GGUF file) are now: name, size, inode and
+    times of each; a rewrite changes the change time at least. None: unreadable."""
+    root = Path(path)
+    try:
+        files = [root] if root.is_file() else sorted(f for f in root.iterdir() if f.is_file())
+        return tuple((f.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for f in files
+                     for st in [f.stat()])
+    except OSError:
+        return None
+
+
+def _same(a: LoRAAdapter, b: LoRAAdapter) -> bool:
+    return a.mats.keys() == b.mats.keys() and all(torch.equal(x, y) for k, pair in a.mats.items()
+                                                  for x, y in zip(pair, b.mats[k]))
 
 
 class LoRAManager:
@@ -140,16 +166,23 @@ class LoRAManager:
         self._slot_used: list[int] = [0] * config.max_loras             # step of last use (LRU)
         self._steps = 0
         self._pinned: set[int] = set()                                   # pin(): never evicted
+        # by id: the request that last read the folder and the folder's files then (_stamp)
+        self._read: dict[int, tuple[LoRARequest, tuple | None]] = {}
 
     @property
     def max_loras(self) -> int:
         return self.config.max_loras
 
     def check(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter a request names, loaded (once per id): a ValueError names what is wrong."""
+        """The adapter a request names, loaded (once per id): a ValueError names what is wrong.
+        load_inplace=True (vLLM's): the id's folder is read again, and if its weights changed they
+        replace the loaded ones under the id for new requests (a new reading: its own slot and
+        prefix-cache keys); running requests finish with the weights they started with."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         found = self._loaded.get(request.lora_int_id) or self._held.get(request.lora_int_id)
+        if found is not None and request.load_inplace:
+            found = self._reload(request, found)
         if found is not None:
             if found.name != request.lora_name or found.path != str(request.lora_path):
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {found.name!r} "
@@ -158,12 +191,32 @@ class LoRAManager:
             self._loaded.move_to_end(request.lora_int_id)
             self._trim()
             return found
+        return self._load(request)
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """A new reading of the request's folder, now what its id names."""
+        stamp = _stamp(request.lora_path)       # before reading: a write during the read shows next time
         adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
                                self.config.max_lora_rank, self.stack.heads)
         adapter.id = request.lora_int_id
         adapter.uid = next(_LOADS)              # this reading of the folder (the prefix cache's key)
         self._loaded[request.lora_int_id] = self._held[request.lora_int_id] = adapter
+        self._read[request.lora_int_id] = (request, stamp)
         self._trim()
+        return adapter
+
+    def _reload(self, request: LoRARequest, found: LoRAAdapter) -> LoRAAdapter:
+        """load_inplace: the id's adapter as its folder now holds it. The folder is read again
+        unless this very request read it and its files are untouched since (one generate() over
+        many prompts reads it once); the same weights from the same place keep the loaded
+        adapter, so requests that name it still batch together and share cached prefixes."""
+        last, stamp = self._read.get(request.lora_int_id, (None, None))
+        if last is request and stamp is not None and stamp == _stamp(request.lora_path):
+            return found
+        adapter = self._load(request)
+        if (adapter.name, adapter.path) == (found.name, found.path) and _same(adapter, found):
+            self._loaded[found.id] = self._held[found.id] = found
+            return found
         return adapter
 
     def _trim(self) -> None:
@@ -190,10 +243,15 @@ class LoRAManager:
         their copy, new ones read the folder again; False: none."""
         found = self._loaded.pop(lora_id, None) is not None
         self._pinned.discard(lora_id)
+        self._read.pop(lora_id, None)
         return self._held.pop(lora_id, None) is not None or found
 
     def loaded(self) -> list[LoRAAdapter]:
         return list(self._loaded.values())
+
+    def _current(self, adapter: LoRAAdapter | None) -> bool:
+        """Whether adapter is what its id names now (not a reading replaced or removed since)."""
+        return adapter is not None and (self._loaded.get(adapter.id) or self._held.get(adapter.id)) is adapter
 
     def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
         """Slots for this step's adapters (at most max_loras distinct ones: the scheduler's
@@ -209,7 +267,8 @@ class LoRAManager:
             if key in slot_of:
                 continue
             free = [s for s in range(self.max_loras) if s not in slot_of.values()]
-            s = min(free, key=lambda s: self._slot_used[s])
+            # empty slots and those of replaced readings (load_inplace, removed ids) first
+            s = min(free, key=lambda s: (self._current(self._in_slot[s]), self._slot_used[s]))
             self.stack.load(s, adapter)
             self._in_slot[s] = adapter
             slot_of[key] = s

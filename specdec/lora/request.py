@@ -11,9 +11,11 @@ class LoRARequest:
     """A LoRA adapter for a request: a Hugging Face PEFT folder (adapter_config.json and
     adapter_model.safetensors) under a name and a positive integer id, as in vLLM. Requests
     naming the same id share the adapter's loaded weights (and their cached prefix blocks).
-    vLLM's other fields are taken (base_model_name: the model /v1/models lists as its parent;
-    tensorizer_config_dict and load_inplace have no use here); two requests are equal when their
-    names are, and hash by name, as vLLM's."""
+    load_inplace=True (vLLM's): the folder of an id already loaded is read again, and new
+    requests get its weights if they changed (under this request's name and path); requests
+    already running finish with the weights they started with. vLLM's other fields are taken
+    (base_model_name: the model /v1/models lists as its parent; tensorizer_config_dict has no
+    use here); two requests are equal when their names are, and hash by name, as vLLM's."""
     lora_name: str
     lora_int_id: int
     lora_path: str = ""

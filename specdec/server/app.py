@@ -455,7 +455,7 @@ def _lora_routes(service: Service) -> APIRouter:
 
     @router.post("/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
-        await service.adapters.load(body.lora_name, body.lora_path)
+        await service.adapters.load(body.lora_name, body.lora_path, load_inplace=body.load_inplace)
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     @router.post("/unload_lora_adapter", response_class=PlainTextResponse)

@@ -227,8 +227,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     lora.add_argument("--max-lora-rank", type=_positive, default=16, help="the largest adapter rank (default 16)")
     lora.add_argument("--max-cpu-loras", type=_positive,
                       help="adapters kept loaded in memory once unused (default: --max-loras)")
-    lora.add_argument("--lora-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                      help="the adapters' weights: auto = bfloat16 beside bf16 or quantized matrices, else float32")
+    lora.add_argument("--lora-dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
+                      help="the adapters' weights: auto = bfloat16 beside bf16 or quantized matrices, else float32; "
+                           "float16 is float32 on the CPU")
     ray = p.add_argument_group("replicas behind Ray Serve (any of these runs the server as a Ray Serve deployment)")
     ray.add_argument("--replicas", type=_positive, help="engine replicas behind the one endpoint")
     ray.add_argument("--data-parallel-size", "-dp", type=_positive, default=None,

@@ -7,16 +7,18 @@
 - A request whose `model` is an adapter's name runs with that adapter; a served base name (or no
   `model`) runs without one; any other name is 404 model_not_found.
 - With VLLM_ALLOW_RUNTIME_LORA_UPDATING (or SPECDEC_ALLOW_RUNTIME_LORA_UPDATING) true,
-  POST /v1/load_lora_adapter {"lora_name", "lora_path"} adds one and POST
-  /v1/unload_lora_adapter {"lora_name"} removes one (app.py). Unloading stops routing new
-  requests to the name; requests already running keep the weights they hold. Without the
-  variable these routes do not exist (404), as in vLLM.
+  POST /v1/load_lora_adapter {"lora_name", "lora_path"} adds one ("load_inplace": true
+  replaces the one of that name, under its id: new weights pushed by a training loop) and
+  POST /v1/unload_lora_adapter {"lora_name"} removes one (app.py). Unloading or replacing
+  changes what new requests get; requests already running keep the weights they hold. Without
+  the variable these routes do not exist (404), as in vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -104,7 +106,8 @@ class Adapters:
         if not name or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name else "lora_path")
         if name in self._by_name:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                "adapter in place, set 'load_inplace' to True.", "lora_name")
         if name in self.base_names:
             raise APIError(400, f"'{name}' is the name of a served base model; an adapter needs another name.", "lora_name")
         if not self.enabled:
@@ -143,13 +146,20 @@ class Adapters:
             self._call(lambda engine: engine.check_lora(request)).result()
             self.add(request, m.base_model_name)
 
-    async def load(self, name: str, path: str, base_model_name: str | None = None) -> None:
+    async def load(self, name: str, path: str, base_model_name: str | None = None, load_inplace: bool = False) -> None:
         """vLLM's /v1/load_lora_adapter: read and load the folder, then route `name` to it
-        (400 APIError: the name is taken, or the adapter is invalid)."""
+        (400 APIError: the name is taken, or the adapter is invalid). load_inplace and a name
+        already served: the folder replaces its adapter under the same id and parent (the old
+        one stays if the new one is refused)."""
         from .worker import ShuttingDown
 
         async with self._updates:
-            request = self.new_request(name, path)
+            old = self._by_name.get(name) if load_inplace and path else None
+            if old is not None:
+                request = LoRARequest(name, old[0].lora_int_id, path, load_inplace=True)
+                base_model_name = base_model_name or old[1]
+            else:
+                request = self.new_request(name, path)
             if not Path(path).exists():          # vLLM's 404 for an adapter it cannot find
                 raise APIError(404, f"No adapter found for {name!r}: {path} does not exist", "lora_path")
             try:
@@ -158,7 +168,9 @@ class Adapters:
                 raise APIError(400, str(e).splitlines()[0] if str(e) else "invalid LoRA adapter", "lora_path") from None
             except ShuttingDown as e:
                 raise APIError(503, str(e)) from None
-            self.add(request, base_model_name)
+            # routed requests name it without load_inplace: the engine reads the folder again
+            # only when asked to (vLLM had kept the flag, re-reading it for every request)
+            self.add(dataclasses.replace(request, load_inplace=False), base_model_name)
         log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
 
     async def unload(self, name: str) -> None:

@@ -224,9 +224,10 @@ class DetokenizeRequest(_Body):
 
 
 class LoadLoRAAdapterRequest(_Body):
-    """vLLM's /v1/load_lora_adapter body."""
+    """vLLM's /v1/load_lora_adapter body (load_inplace: replace the adapter of that name)."""
     lora_name: str = ""
     lora_path: str = ""
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):

@@ -82,7 +82,8 @@ NESTED = {
 @pytest.mark.parametrize("parser", sorted(NESTED))
 def test_deep_nesting_is_text(parser):
     """json.loads / ast.parse raise RecursionError (or MemoryError) on such replies: the reply is
-    text, streamed alike (each parser's own catch, as vLLM's parsers catch Exception)."""
+    text, streamed alike (each parser's own catch, as vLLM's parsers catch Exception); a required
+    array that cannot be parsed is no calls and no content, as vLLM's required branch."""
     text = NESTED[parser]
     plan = plan_tools(TOOLS, "auto", None, True, parser)
     assert extract(plan, text, "length") == (text, [], "length")
@@ -90,8 +91,8 @@ def test_deep_nesting_is_text(parser):
     assert _tool_stream(plan, pieces, "length") == (text, [], "length")
     required = plan_tools(TOOLS, "required", None, True, None)
     deep = '[{"name": "add", "parameters": ' + DEEP + "}]"
-    assert extract(required, deep, "stop") == (deep, [], "stop")
-    assert _tool_stream(required, [deep]) == (deep, [], "stop")
+    assert extract(required, deep, "stop") == (None, [], "stop")
+    assert _tool_stream(required, [deep]) == (None, [], "stop")
 
 
 def test_a_failing_parser_gives_the_reply_back_as_text(monkeypatch, tok):

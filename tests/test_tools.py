@@ -70,7 +70,8 @@ def test_hermes_extract_content_calls_and_bad_blocks():
 def test_required_and_named_extract():
     content, calls, finish = extract(plan("required"), '[{"name": "add", "parameters": {"a": 1, "b": 2}}]', "stop")
     assert content is None and finish == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
-    assert extract(plan("required"), '[{"name": "add", "param', "length") == ('[{"name": "add", "param', [], "length")
+    # cut short, the array does not parse: no calls and no content (vLLM's), not the partial JSON
+    assert extract(plan("required"), '[{"name": "add", "param', "length") == (None, [], "length")
     content, calls, finish = extract(plan("named"), '{"a": 5, "b": 6}', "stop")
     assert content is None and finish == "stop" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 5, "b": 6}'}
 

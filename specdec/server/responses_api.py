@@ -1,13 +1,13 @@
 """OpenAI's Responses API (`POST /v1/responses`, vLLM's shape) on top of the chat path.
 
 A request becomes a chat completion request (input items -> messages, `instructions` -> a system
-message first, flat function tools -> chat tools, `text.format` -> response_format,
-`max_output_tokens` -> max_tokens, capped at what the context leaves as vLLM's), so templates,
-tools, reasoning parsers, structured outputs and speculation behave exactly as in
-/v1/chat/completions; the reply becomes output items in the order generated: a `reasoning` item
-(with a --reasoning-parser), a `message` with one `output_text` part for each stretch of text,
-and a `function_call` item per tool call. Streamed or not, the items are the same (one code
-path makes them).
+message first, flat function tools -> chat tools, `text.format` -> response_format (vLLM's
+`structured_outputs` passes as it is, but not with `text.format`), `max_output_tokens` ->
+max_tokens, capped at what the context leaves as vLLM's), so templates, tools, reasoning parsers,
+structured outputs and speculation behave exactly as in /v1/chat/completions; the reply becomes
+output items in the order generated: a `reasoning` item (with a --reasoning-parser), a `message`
+with one `output_text` part for each stretch of text, and a `function_call` item per tool call.
+Streamed or not, the items are the same (one code path makes them).
 
 Conversation state: a stored response (`store`, default true) keeps its conversation as input
 items (the earlier turns', this request's and its own output items), so a later request may send
@@ -76,6 +76,8 @@ class ResponsesRequest(_Body):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     text: dict | None = Field(None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+    structured_outputs: dict | None = Field(None, description="vLLM's: as on the chat endpoint, when text.format is "
+                                                              "not given")
     reasoning: dict | None = Field(None, description='{"effort": "low" | "medium" | "high"} reaches the chat template as '
                                                      "reasoning_effort; the thinking is returned with a reasoning parser")
     store: bool = True
@@ -337,11 +339,14 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
         + _input(req, history)[0]
     logprobs = LOGPROBS in (req.include or [])       # vLLM: logprobs=top_logprobs only when included
+    if req.structured_outputs is not None and (req.text or {}).get("format") is not None:    # vLLM's words
+        raise APIError(400, "Cannot specify both structured_outputs and text.format", "structured_outputs")
     body = {"model": req.model, "messages": messages,
             "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
             "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
             "parallel_tool_calls": req.parallel_tool_calls,
-            "response_format": _response_format(req.text), "include_reasoning": req.include_reasoning,
+            "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
+            "include_reasoning": req.include_reasoning,
             "user": req.user, "priority": req.priority, "cache_salt": req.cache_salt, "logprobs": logprobs,
             "top_logprobs": req.top_logprobs if logprobs else None,
             "reasoning_effort": (req.reasoning or {}).get("effort"),     # OpenAI's reasoning.effort

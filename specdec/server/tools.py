@@ -12,7 +12,8 @@
 - `"required"`: the reply is constrained to a JSON array of `{"name": ..., "parameters": ...}`
   objects, each one of the tools with its own schema, at least one (exactly one when
   `parallel_tool_calls` is false); returned as calls, finish_reason "tool_calls". The tools'
-  `$defs` move to the array schema's root, where their references resolve (vLLM's).
+  `$defs` move to the array schema's root, where their references resolve (vLLM's). An array
+  cut short (finish_reason "length") gives no calls and null content, as vLLM's.
 - `"auto"` (the default when tools are given): the model writes freely and the server's
   `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
   as in vLLM; with `parallel_tool_calls` false only the first call is returned. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
@@ -351,8 +352,8 @@ def extract(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str |
         return None, [_call(plan.name, text, plan.mistral_ids)], finish_reason
     if plan.mode == "required":
         calls = _required_calls(text, plan.mistral_ids)
-        if calls is None:                      # cut short (length): the text as it stands
-            return text, [], finish_reason
+        if calls is None:      # cut short (length): no calls, and not the broken array as content (vLLM's)
+            return None, [], finish_reason
         return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     if plan.mode == "auto":
         content, calls = _split(plan.parser, text)
@@ -422,8 +423,8 @@ class ToolStream:
             return "", deltas, finish_reason
         if self.plan.mode == "required":
             calls = _required_calls(self.buf, self.plan.mistral_ids)
-            if calls is None:
-                return self.buf, [], finish_reason
+            if calls is None:                  # cut short: nothing, as extract() returns
+                return "", [], finish_reason
             return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
         if self.plan.mode != "auto" or self.plan.parser == "openai":
             return "", [], finish_reason

@@ -426,10 +426,7 @@ class AsyncLLM:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's: what the runner does (a pooling model's tasks, not "generate")."""
-        if self.llm.runner != "pooling":
-            return ("generate",)
-        return ("encode", "classify", "score") if getattr(self.llm, "classifier", None) is not None \
-            else ("encode", "embed")
+        return self.llm.supported_tasks
 
     async def is_tracing_enabled(self) -> bool:
         """vLLM's: whether requests get spans (otlp_traces_endpoint)."""

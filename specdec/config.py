@@ -159,6 +159,14 @@ class SamplingParams:
             object.__setattr__(self, name, old)
             raise
 
+    @staticmethod
+    def from_optional(**kwargs) -> "SamplingParams":
+        """vLLM's: the constructor's keywords, None for n, temperature, top_p or a penalty meaning its
+        default (what a request that leaves them unsaid sends); the others take None as the
+        constructor does (max_tokens None: no limit)."""
+        defaulted = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k not in defaulted})
+
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's). What was derived from the fields and kept on the object (the bad
         words' tokens, sampling.bad_words_of) is shared, not copied: the engine clones each

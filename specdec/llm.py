@@ -466,6 +466,22 @@ class LLM:
             view = self.__dict__["_engine_view"] = _EngineView(self)
         return view
 
+    @property
+    def model_config(self):
+        """vLLM's LLM.model_config (as llm_engine.model_config): model, max_model_len, dtype, hf_config, ..."""
+        return self.llm_engine.model_config
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the runner does (a pooling model's tasks, not "generate")."""
+        if self.runner != "pooling":
+            return ("generate",)
+        return ("encode", "classify", "score") if self.classifier is not None else ("encode", "embed")
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks the model runs on (tensor_parallel_size; no pipeline or data parallelism)."""
+        return self.parallel_size
+
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
         True when done; False (nothing changed) while a request holds KV blocks, unless
@@ -1129,15 +1145,21 @@ class LLM:
              use_tqdm: bool = False, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat, its arguments in vLLM's order: one conversation (a list of {"role",
         "content"}) or a list of them; one RequestOutput per conversation, its `prompt` the
         rendered template. tools: OpenAI's tool list for the template (constrain a call with
         structured_outputs; the server's tool_choice does that for you).
         chat_template_content_format: vLLM's: how a message's content (a string or text parts)
         reaches the template, "string" (its text, parts one per line) or "openai" (a list of text
-        parts); "auto" reads the template (one that loops over a message's content takes parts)."""
+        parts); "auto" reads the template (one that loops over a message's content takes parts).
+        tokenization_kwargs: the tokenizer's arguments for the rendered prompt, as generate()'s (its
+        special tokens stay off unless they say add_special_tokens). mm_processor_kwargs: taken and
+        unread, as vLLM's without multi-modal data."""
         content_format(None, chat_template_content_format)      # a bad value: a ValueError now
+        _check_kwargs("tokenization_kwargs", tokenization_kwargs)
+        _check_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} (or a list of such lists)")
         if all(isinstance(m, dict) for m in messages):
@@ -1149,6 +1171,9 @@ class LLM:
                              "conversations, not a mix of the two")
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs, tools, chat_template_content_format) for c in conversations]
+        if tokenization_kwargs:       # the template wrote its special tokens: none added unless asked
+            kwargs = {"add_special_tokens": False, **tokenization_kwargs}
+            prompts = [self._pretokenized({"prompt": p["prompt"]}, kwargs) for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, index: int = 0,
@@ -1176,17 +1201,22 @@ class LLM:
     @_one_stepper
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = False, priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Every prompt (x n) runs concurrently through the batch engine; outputs in prompt order.
         priority: one per prompt, under scheduling_policy="priority" (lower first; vLLM's).
         lora_request: the LoRA adapter (LLM(enable_lora=True)) of every prompt, or one per prompt
         (None: the base model), as vLLM's.
         use_tqdm: a progress bar over the prompts on stderr with the input and output tokens per
-        second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead)."""
+        second so far, as vLLM's (True: tqdm's; or a tqdm-like class to use instead).
+        tokenization_kwargs: vLLM's, the tokenizer's arguments for text prompts (truncation,
+        max_length, add_special_tokens, ...; as AsyncLLM.generate's); None or {}: its defaults."""
         self.check_runner("generate")
         if self._foreign_owner() is not None:
-            return self._on_owner(lambda: self.generate(prompts, sampling_params, use_tqdm, priority, lora_request))
-        prompts = _prompt_list(prompts)
+            return self._on_owner(lambda: self.generate(prompts, sampling_params, use_tqdm, priority, lora_request,
+                                                        tokenization_kwargs))
+        _check_kwargs("tokenization_kwargs", tokenization_kwargs)
+        prompts = [self._pretokenized(p, tokenization_kwargs) for p in _prompt_list(prompts)]
         plist = _per_prompt(sampling_params, len(prompts), "sampling_params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must be one per prompt")
@@ -1230,6 +1260,16 @@ class LLM:
                 bar.close()
         return [self._output(rid, text, ids, params, reqs, logprobs) for rid, text, ids, params, _, _ in jobs]
 
+    def _pretokenized(self, prompt, tokenization_kwargs: dict | None):
+        """A text prompt as the ids the tokenizer gives it with tokenization_kwargs (its text kept as
+        the prompt); token ids, and any prompt when there are none, left as they are."""
+        text = prompt if isinstance(prompt, str) else \
+            prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None
+        if not tokenization_kwargs or not isinstance(text, str):
+            return prompt
+        ids = self.tokenizer(text, **tokenization_kwargs)["input_ids"]
+        return {**({"prompt": text} if isinstance(prompt, str) else prompt), "prompt_token_ids": ids}
+
     def _compile_grammars(self, jobs: list[tuple]) -> list[tuple]:
         """Each structured choice's matcher compiled before the requests are added, on every core at
         once (llguidance lets the GIL go while it compiles; admission then takes a ready one, as
@@ -1262,22 +1302,26 @@ class LLM:
         ranked = len(candidates) > params.n
         if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
             candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
+        # detokenize=False: no decoded_token either (vLLM's request then has no tokenizer)
+        name = (lambda e: e.named(self._token_name)) if params.detokenize else (lambda e: e)
         for i, r in enumerate(candidates):
-            lp = [e.named(self._token_name) for e in logprobs.get(r.request_id, [])] \
-                if params.logprobs is not None else None
+            lp = [name(e) for e in logprobs.get(r.request_id, [])] if params.logprobs is not None else None
             cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
-            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), r.finish_reason, r.stop_reason,
-                                            cumulative, lp))
+            outputs.append(CompletionOutput(i, r.detok.text, list(r.out), cumulative, lp,
+                                            finish_reason=r.finish_reason, stop_reason=r.stop_reason))
         for i in range(params.best_of or params.n):     # every candidate's work (each counted as it left the engine)
             stats.merge(reqs[(rid, i)].stats)
         stats.prompt_tokens = len(ids)
         # the prompt's cached tokens once (the most any choice found), not summed over the choices
         stats.cached_tokens = max(reqs[(rid, i)].stats.cached_tokens for i in range(params.best_of or params.n))
+        # the request's own latencies: its first choice's
         stats.time_to_first_token_s = reqs[(rid, 0)].stats.time_to_first_token_s
+        stats.queue_time_s = reqs[(rid, 0)].stats.queue_time_s
         prompt_lps = reqs[(rid, 0)].prompt_logprobs
         if prompt_lps is not None:
-            prompt_lps = [e.named(self._token_name) if e is not None else None for e in prompt_lps]
-        return RequestOutput(rid, text, ids, outputs, True, stats, prompt_lps, reqs[(rid, 0)].lora_request)
+            prompt_lps = [name(e) if e is not None else None for e in prompt_lps]
+        return RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, prompt_logprobs=prompt_lps,
+                             outputs=outputs, finished=True, metrics=stats, lora_request=reqs[(rid, 0)].lora_request)
 
     def _count_finished(self, event: StepEvent) -> None:
         """A request left the engine (its last event: finished, or aborted with its statistics so
@@ -1309,6 +1353,11 @@ class LLM:
 
     def _token_name(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _check_kwargs(name: str, value) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or None), got {type(value).__name__}")
 
 
 def _prompt_list(prompts) -> list:
@@ -1509,6 +1558,8 @@ class _EngineView:
         if rid in own:
             raise ValueError(f"request id {rid!r} is already running")
         params = llm._params(params)
+        _check_kwargs("tokenization_kwargs", tokenization_kwargs)
+        prompt = llm._pretokenized(prompt, tokenization_kwargs)
         text, ids = llm._prompt_ids(prompt, llm.engine.truncation(params))
         ids = llm.engine.truncated(ids, params)
         llm.engine.check_prompt(ids, params)

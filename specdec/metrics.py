@@ -88,9 +88,12 @@ class RequestStats:
         return self.output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     def merge(self, other: "RequestStats") -> None:
+        """Add other's counts and times, queue_time_s included. time_to_first_token_s is not added:
+        a merge of one request's choices takes its first choice's TTFT and queue time after
+        (LLM._output, RequestStream), as the request's own latencies."""
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
                      "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s",
-                     "prediction_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"):
+                     "queue_time_s", "prediction_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

@@ -11,6 +11,7 @@ moved (its `index` says which); the request is finished with the last.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,42 +24,97 @@ __all__ = ["RequestOutput", "CompletionOutput", "RequestStream"]
 
 @dataclass
 class CompletionOutput:
+    """vLLM's, its fields in vLLM's order (cumulative_logprob and logprobs default to None here)."""
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     # per output token, when SamplingParams.logprobs is set: vLLM's {token id: Logprob} (the token
     # and the most likely ones, with rank and decoded_token), also .token_id / .logprob / .top
     logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: object | None = None          # vLLM's: the request's LoRARequest, or None
+    kv_transfer_params: dict | None = None      # vLLM's disaggregated prefill: always None here
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass
 class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    stats: RequestStats = field(default_factory=RequestStats)
-    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its raw logprob and
-    # the prompt_logprobs most likely tokens at its position, as vLLM's RequestOutput has them
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    lora_request: object | None = None          # vLLM's: the request's LoRARequest, or None
+    """vLLM's RequestOutput, its constructor's arguments in vLLM's order and names (keywords it
+    does not know are ignored with a warning, as vLLM's are, for code written for a newer one).
+    metrics: specdec's RequestStats (timings, acceptance; also `.stats`, a fresh one when None);
+    num_cached_tokens, when not given, is metrics.cached_tokens. encoder_prompt*: None
+    (decoder-only models). prompt_logprobs: per prompt token (None for the first) its raw
+    logprob and the prompt_logprobs most likely tokens at its position."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None, outputs: list[CompletionOutput] | None = None,
+                 finished: bool = True, metrics: RequestStats | None = None, lora_request=None,
+                 encoder_prompt: str | None = None, encoder_prompt_token_ids: list[int] | None = None,
+                 num_cached_tokens: int | None = None, **kwargs):
+        if kwargs:
+            logging.getLogger("specdec").warning("RequestOutput: ignoring extra arguments: %s", sorted(kwargs))
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs if outputs is not None else []
+        self.finished = finished
+        self.stats = metrics if metrics is not None else RequestStats()
+        self.lora_request = lora_request
+        self.encoder_prompt, self.encoder_prompt_token_ids = encoder_prompt, encoder_prompt_token_ids
+        self._num_cached_tokens = num_cached_tokens
 
     @property
     def metrics(self) -> RequestStats:
         """vLLM's name for a request's figures (specdec's RequestStats: timings, acceptance)."""
         return self.stats
 
+    @metrics.setter
+    def metrics(self, value: RequestStats) -> None:
+        self.stats = value
+
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
-        return self.stats.cached_tokens
+        return self.stats.cached_tokens if self._num_cached_tokens is None else self._num_cached_tokens
+
+    @num_cached_tokens.setter
+    def num_cached_tokens(self, value: int | None) -> None:
+        self._num_cached_tokens = value
+
+    @property
+    def kv_transfer_params(self) -> dict | list[dict] | None:
+        """vLLM's: the completions' kv_transfer_params (one: its dict; several: a list; none: None)."""
+        found = [c.kv_transfer_params for c in self.outputs if c.kv_transfer_params]
+        return found[0] if len(found) == 1 else found or None
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """vLLM's: fold a later output of this request into this one. A completion of an index
+        already here is extended by the new one's text, tokens and logprobs (aggregate: DELTA
+        outputs) or replaced by it; a new index is appended."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            at = next((i for i, c in enumerate(self.outputs) if c.index == new.index), None)
+            if at is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[at] = new
+            else:
+                c = self.outputs[at]
+                c.text += new.text
+                c.token_ids = [*c.token_ids, *new.token_ids]
+                if new.logprobs:
+                    c.logprobs = [*(c.logprobs or []), *new.logprobs]
+                c.cumulative_logprob, c.finish_reason, c.stop_reason, c.kv_transfer_params = \
+                    new.cumulative_logprob, new.finish_reason, new.stop_reason, new.kv_transfer_params
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, encoder_prompt={self.encoder_prompt!r}, "
+                f"encoder_prompt_token_ids={self.encoder_prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+                f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
+                f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens})")
 
 
 @dataclass
@@ -78,12 +134,14 @@ class _Choice:
 class RequestStream:
     """One request's n completions, fed its engine events (add, abort), giving its RequestOutputs
     (outputs: what the events since the last call make, by params.output_kind).
-    token_name: a token id's text (the Logprob entries' decoded_token)."""
+    token_name: a token id's text (the Logprob entries' decoded_token; none with detokenize=False,
+    as vLLM's request without a tokenizer has)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  token_name: Callable[[int], str], lora_request=None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.token_name, self.lora_request = params, token_name, lora_request
+        self._name = (lambda e: e.named(token_name)) if params.detokenize else (lambda e: e)
         self.choices = [_Choice(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.open = set(range(params.n))          # the choices not finished yet
         self.prompt_logprobs = None
@@ -102,9 +160,9 @@ class RequestStream:
         c.token_ids += event.token_ids
         c.text += event.text
         if c.logprobs is not None and event.logprobs:
-            c.logprobs += [e.named(self.token_name) for e in event.logprobs]
+            c.logprobs += [self._name(e) for e in event.logprobs]
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [e.named(self.token_name) if e is not None else None for e in event.prompt_logprobs]
+            self.prompt_logprobs = [self._name(e) if e is not None else None for e in event.prompt_logprobs]
         c.stats = event.stats
         if event.finished:
             c.finish_reason, c.stop_reason = event.finish_reason, event.stop_reason
@@ -146,8 +204,8 @@ class RequestStream:
                 lps = lps[c.sent_tokens:] if lps is not None else None
                 c.sent_tokens, c.sent_text = len(c.token_ids), len(c.text)
             cumulative = sum(e.logprob for e in c.logprobs) if c.logprobs is not None else None
-            outputs.append(CompletionOutput(c.index, txt, list(toks), c.finish_reason, c.stop_reason, cumulative,
-                                            list(lps) if lps is not None else None))
+            outputs.append(CompletionOutput(c.index, txt, list(toks), cumulative, list(lps) if lps is not None else None,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         stats = RequestStats()
         for c in self.choices:
             if c.stats is not None:
@@ -155,7 +213,9 @@ class RequestStream:
         stats.prompt_tokens = len(self.prompt_token_ids)
         # the prompt's cached tokens once (the most any choice found), not summed over the choices (LLM's)
         stats.cached_tokens = max((c.stats.cached_tokens for c in self.choices if c.stats is not None), default=0)
-        if self.choices[0].stats is not None:
+        if self.choices[0].stats is not None:     # the request's own latencies: its first choice's (LLM's)
             stats.time_to_first_token_s = self.choices[0].stats.time_to_first_token_s
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, stats,
-                             prompt_logprobs, self.lora_request)
+            stats.queue_time_s = self.choices[0].stats.queue_time_s
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=prompt_logprobs, outputs=outputs, finished=finished, metrics=stats,
+                             lora_request=self.lora_request)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -973,10 +974,15 @@ class Tokenizer:
         # transformers' normalisation: a message's keys set to None are left out (a None content
         # printed "None" in Mistral's and Gemma's templates and stopped Llama 3.1's)
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
-        if continue_final_message and messages:
-            # transformers 5's way: a marker after the final message's content, the text cut there,
-            # so its trailing whitespace stays and an empty message is continued from its start
-            messages = [*messages[:-1], _with_marker(messages[-1])]
+        if continue_final_message:
+            # transformers 5's way: a marker after the final message's content, the text cut there
+            # (an empty message is continued from its start)
+            if not messages:
+                raise TokenizerError("continue_final_message is set but the conversation is empty")
+            if "content" not in template:
+                raise TokenizerError('continue_final_message is set but the chat template never reads "content"')
+            final, last = _with_marker(messages[-1])
+            messages = [*messages[:-1], last]
         # transformers' variables: the named special tokens that are set (undefined otherwise),
         # tools and documents None unless given (a template may test `tools is not none`)
         context = {k: getattr(self, k) for k in _TEMPLATE_TOKENS if getattr(self, k, None) is not None}
@@ -1001,11 +1007,17 @@ class Tokenizer:
             raise error(f"chat template failed: {failure(e)}") from None
         if spans is not None:
             text = _take_generation_marks(text, spans)
-        if continue_final_message and messages:   # cut what the template wrote after the last message
-            if CONTINUE_MARK not in text:      # transformers refuses it too: the model would start a new turn
+        if continue_final_message:      # cut what the template wrote after the last message
+            mark = CONTINUE_MARK.strip()
+            # transformers refuses it too: the model would start a new turn
+            if mark not in text or final.strip() not in text:
                 raise TokenizerError("continue_final_message is set but the chat template does not reproduce the "
                                      "final message's content, so it cannot be continued")
-            text = text[:text.rindex(CONTINUE_MARK)]
+            at = text.rindex(mark)
+            # the marker's trailing space survived: the content's own trailing whitespace did too. Else
+            # the template trimmed the content (Llama 3's `| trim`), and transformers drops the whitespace
+            # before the marker as well, so the prompt does not end in a space the template never writes
+            text = text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
         return text
 
 
@@ -1027,24 +1039,29 @@ def _take_generation_marks(text: str, spans: list) -> str:
 
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-# put after the final message's content by continue_final_message, and the rendered text cut there
-CONTINUE_MARK = "<|specdec-continue-final-message|>"
+# put after the final message's content by continue_final_message, and the rendered text cut there:
+# transformers' own tag, trailing space included (whether the template kept that space decides the cut)
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _with_marker(message: dict) -> dict:
-    """The message with CONTINUE_MARK after its content (a list of parts: after the last text part;
-    no content: the marker alone)."""
+def _with_marker(message) -> tuple[str, dict]:
+    """(the final message's text, the message with CONTINUE_MARK after it); a list of parts: its last
+    part with a "text" key is the one marked. No content, or no text to continue: refused, as
+    transformers refuses it."""
     content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):
-        at = max((i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)),
-                 default=None)
-        if at is None:
-            content = [*content, {"type": "text", "text": CONTINUE_MARK}]
-        else:
-            content = [*content[:at], {**content[at], "text": content[at]["text"] + CONTINUE_MARK}, *content[at + 1:]]
+    if content is None:
+        raise TokenizerError('continue_final_message is set but the final message has no "content" to continue')
+    if isinstance(content, (list, tuple)):
+        at = max((i for i, p in enumerate(content) if isinstance(p, dict) and "text" in p), default=None)
+        if at is None or not isinstance(content[at]["text"], str):
+            raise TokenizerError("continue_final_message is set but the final message has no text to continue")
+        final = content[at]["text"]
+        content = [*content[:at], {**content[at], "text": final + CONTINUE_MARK}, *content[at + 1:]]
+    elif isinstance(content, str):
+        final, content = content, content + CONTINUE_MARK
     else:
-        content = (content if isinstance(content, str) else "") + CONTINUE_MARK
-    return {**message, "content": content}
+        raise TokenizerError("continue_final_message is set but the final message's content is not text")
+    return final, {**message, "content": content}
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -1113,16 +1130,40 @@ def template_in_use(tokenizer, chat_template: str | None = None, tools: list | N
         return None
 
 
+# vLLM's text content parts (chat_utils' MM_PARSER_MAP): a part's type -> the key its text is under
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+log = logging.getLogger("specdec.tokenizer")
+
+
+def _part_text(part) -> str | None:
+    """A content part's text, as vLLM's chat_utils reads it: a plain string is text, and so are
+    TEXT_PARTS; None for a part with no text (vLLM skips it with a warning); any other part (an
+    image, audio) is refused, this engine reads text only."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in TEXT_PARTS:
+        raise ValueError(f"content part {kind if isinstance(kind, str) else part!r} is not supported: this model reads "
+                         f"text only (strings or parts of type {', '.join(TEXT_PARTS)})")
+    text = part.get(TEXT_PARTS[kind])
+    if text is None:
+        log.warning("skipping a %r content part with no %r", kind, TEXT_PARTS[kind])
+    elif not isinstance(text, str):
+        raise ValueError(f"a {kind!r} content part's {TEXT_PARTS[kind]!r} must be a string, got {type(text).__name__}")
+    return text
+
+
 def template_content(content, fmt: str):
-    """A message's content (a string, None, or OpenAI's text parts) as the template takes it in
-    `fmt` (content_format's): the text, parts joined one per line (vLLM's), or a list of text parts."""
+    """A message's content (a string, None, or OpenAI's parts: TEXT_PARTS or plain strings) as the
+    template takes it in `fmt` (content_format's): the text, parts joined one per line (vLLM's), or
+    a list of text parts; a part with no text is left out, as vLLM leaves it out."""
     if content is None or content == "":
         return ""
     if isinstance(content, str):
         return content if fmt == "string" else [{"type": "text", "text": content}]
-    if not (isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)):
-        raise ValueError("message content must be a string or a list of text parts")
-    texts = [p.get("text") or "" for p in content]
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")
+    texts = [t for t in map(_part_text, content) if t is not None]
     return "\n".join(texts) if fmt == "string" else [{"type": "text", "text": t} for t in texts]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ..config import CONSTRAINT_KINDS, StructuredOutputsParams
+from ..tokenizer import TEXT_PARTS
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _Sampling
 
@@ -99,6 +100,7 @@ def check_chat(req: ChatCompletionRequest) -> None:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
                            f"messages[{i}].role")
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.type == "text" and part.text is None:
-                raise APIError(400, f"messages[{i}].content[{j}].text is required (a text part's text)",
-                               f"messages[{i}].content[{j}].text")
+            key = None if isinstance(part, str) else TEXT_PARTS.get(part.type)     # a plain string part is text
+            if key is not None and getattr(part, key) is None:
+                raise APIError(400, f"messages[{i}].content[{j}].{key} is required (a {part.type} part's text)",
+                               f"messages[{i}].content[{j}].{key}")

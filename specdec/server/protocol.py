@@ -122,11 +122,13 @@ class CompletionRequest(_Sampling):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None      # a "refusal" part's text (vLLM reads it as text)
+    thinking: str | None = None     # a "thinking" part's text
 
 
 class ChatMessage(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[str | ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = Field(None, description="an assistant's earlier calls (given to the chat template)")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")

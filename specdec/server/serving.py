@@ -16,8 +16,8 @@ from ..config import SamplingParams, is_unicode_text
 from ..engine import StepEvent
 from ..llm import CHAT_TEMPLATE_ARGUMENTS, LLM
 from ..metrics import RequestStats
-from ..tokenizer import (TokenizerBusy, TokenizerError, content_format, template_content, template_in_use,
-                         template_messages)
+from ..tokenizer import (TEXT_PARTS, TokenizerBusy, TokenizerError, content_format, template_content,
+                         template_in_use, template_messages)
 from ..tracing import warn_tracing_disabled
 from .config import ServerConfig
 from .errors import APIError, bad_value
@@ -448,11 +448,15 @@ def _join_text(parts) -> str:
     return template_content(_text_parts(parts), "string")
 
 
-def _text_parts(parts) -> list[dict]:
-    """A message's content parts as dicts; any but text is a 400."""
-    if any(p.type != "text" for p in parts):
-        raise APIError(400, "only text content parts are supported", "messages")
-    return [{"type": "text", "text": p.text or ""} for p in parts]
+def _text_parts(parts) -> list:
+    """A message's content parts as template_content reads them (vLLM's: plain strings and
+    TEXT_PARTS; a part sent without its text leaves the key out, and is skipped); any other is a 400."""
+    parts = [p if isinstance(p, str) else p.model_dump(exclude_none=True) for p in parts]
+    bad = next((p["type"] for p in parts if isinstance(p, dict) and p["type"] not in TEXT_PARTS), None)
+    if bad is not None:
+        raise APIError(400, f"content part {bad!r} is not supported: only text parts ({', '.join(TEXT_PARTS)})",
+                       "messages")
+    return parts
 
 
 def echo_only(req: CompletionRequest) -> bool:

@@ -315,6 +315,8 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
 
 
 STRUCTURED_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+# vLLM's reasoning parsers specdec has (server/reasoning.py reads their replies)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 @dataclass(frozen=True)
@@ -323,16 +325,26 @@ class StructuredOutputsConfig:
     defaults of structured outputs. backend: vLLM's names are taken, and every one runs on
     llguidance (vLLM's "guidance"), specdec's only backend. disable_any_whitespace /
     disable_additional_properties: what a request that leaves them unsaid gets (None: compact
-    JSON, specdec's default; False: any whitespace, vLLM's). disable_fallback: nothing falls back."""
+    JSON, specdec's default; False: any whitespace, vLLM's). disable_fallback: nothing falls back.
+    reasoning_parser: the model's reasoning format (vLLM's --reasoning-parser lives here too; "":
+    none). enable_in_reasoning: False (vLLM's default) leaves a reasoning model's think block free
+    and constrains only what follows its end marker (`</think>`; structured.ReasoningGrammar);
+    True constrains the reply from its first token, as without a reasoning parser."""
     backend: str = "auto"
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
     disable_fallback: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
 
     def __post_init__(self):
         _check(self.backend in STRUCTURED_BACKENDS, "structured_outputs_config.backend",
                f"must be one of {', '.join(STRUCTURED_BACKENDS)}", self.backend)
-        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if self.reasoning_parser is None:
+            object.__setattr__(self, "reasoning_parser", "")
+        _check(self.reasoning_parser in ("", *REASONING_PARSERS), "structured_outputs_config.reasoning_parser",
+               f"must be one of {', '.join(REASONING_PARSERS)} (or empty: none)", self.reasoning_parser)
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "enable_in_reasoning"):
             value = getattr(self, name)
             _check(isinstance(value, bool) or (value is None and name == "disable_any_whitespace"),
                    f"structured_outputs_config.{name}", "must be true or false", value)

@@ -225,7 +225,7 @@ class Engine:
         bad_words = bad_words_of(params, self.tokenizer)      # tokenized by check_prompt already
         # vLLM's _all_stop_token_ids: EOS is banned under min_tokens whatever ignore_eos says
         stop_ids = sorted({*self.eos_ids} | set(params.stop_token_ids))
-        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        grammar = self.grammars.grammar(params.structured_outputs, prompt) if params.structured_outputs is not None else None
         return Controls(params, list(prompt), bad_words, stop_ids, grammar)
 
     def add_request(self, prompt: list[int], params: SamplingParams, seed_offset: int = 0,

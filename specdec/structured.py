@@ -17,6 +17,7 @@ rows. After verification `advance` rolls the walk back and consumes the emitted 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -25,6 +26,8 @@ import torch
 from torch import Tensor
 
 from .config import StructuredOutputsConfig, StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -48,8 +51,12 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
     # and every bounded schema has a bounded output
     no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
         else config.disable_any_whitespace
-    # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint)
-    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True}}
+    # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint);
+    # lenient: a keyword or string format llguidance lacks (not, if/then/else, dependentRequired,
+    # uri-reference, ...) is left out with a warning (check() logs it), as xgrammar, vLLM's default
+    # backend, leaves out the keywords it lacks, where llguidance refused the whole schema
+    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True,
+                                 "lenient": True}}
     if spec.whitespace_pattern is not None:
         json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
     kind = spec.kind
@@ -59,8 +66,8 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
         if kind == "json":
             # closed objects whatever disable_additional_properties says (xgrammar's strict mode)
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            return llguidance.LLMatcher.grammar_from_json_schema(_ascii_patterns(closed_objects(schema)),
-                                                                 **json_options)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                _ascii_patterns(closed_objects(_unevaluated_as_additional(schema))), **json_options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.regex))
         if kind == "choice":
@@ -107,6 +114,8 @@ def _structural_tag_grammar(tag: dict | str) -> str:
             raise bad(f"not JSON: {e}") from None
     if not isinstance(tag, dict):
         raise bad("must be an object with structures and triggers")
+    if "format" in tag:
+        tag = _legacy_tag(tag["format"], bad)
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise bad("triggers must be a non-empty list of strings")
@@ -121,11 +130,38 @@ def _structural_tag_grammar(tag: dict | str) -> str:
         if trigger is None:
             raise bad(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers {triggers}")
         schema = json.loads(s["schema"]) if isinstance(s["schema"], str) else s["schema"]
-        schema = _ascii_patterns(closed_objects(schema))
+        schema = _ascii_patterns(closed_objects(_unevaluated_as_additional(schema)))
         if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {"coerce_one_of": True, **schema.get("x-guidance", {})}}
+            schema = {**schema, "x-guidance": {"coerce_one_of": True, "lenient": True, **schema.get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags))
+
+
+def _legacy_tag(fmt, bad) -> dict:
+    """vLLM's newer structural tag ({"format": xgrammar's structural-tag format}) in the form
+    above, for the case llguidance's StructTag has: a `triggered_tags` format whose tags' contents
+    are JSON schemas (what vLLM builds for tool calls). Other formats are refused by name."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind != "triggered_tags":
+        raise bad(f"format of type {kind!r} is not supported: specdec takes the `triggered_tags` format "
+                  f"(tags whose content is a json_schema) or the older form with structures and triggers")
+    for key in ("at_least_one", "stop_after_first"):
+        if fmt.get(key):
+            raise bad(f"format.{key} is not supported (llguidance's structural tags allow any number of tags)")
+    unknown = sorted(set(fmt) - {"type", "triggers", "tags", "at_least_one", "stop_after_first"})
+    if unknown:
+        raise bad(f"format takes type, triggers and tags; got {', '.join(unknown)}")
+    tags = fmt.get("tags")
+    if not isinstance(tags, list):
+        raise bad("format.tags must be a list of {begin, content, end}")
+    structures = []
+    for i, t in enumerate(tags):
+        content = t.get("content") if isinstance(t, dict) else None
+        if not (isinstance(content, dict) and content.get("type") == "json_schema" and "json_schema" in content):
+            raise bad(f"format.tags[{i}].content must be {{\"type\": \"json_schema\", \"json_schema\": ...}} "
+                      f"(other contents are not supported)")
+        structures.append({"begin": t.get("begin"), "schema": content["json_schema"], "end": t.get("end")})
+    return {"structures": structures, "triggers": fmt.get("triggers")}
 
 
 # schema keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas
@@ -191,6 +227,17 @@ def closed_objects(schema):
 
     _map_schemas(schema, note)
     return _map_schemas(schema, close)
+
+
+def _unevaluated_as_additional(schema):
+    """schema with each `unevaluatedProperties` of an object that says no additionalProperties
+    read as its additionalProperties, as xgrammar reads it (llguidance lacks the keyword). A copy."""
+    def visit(node, path, merged):
+        if "unevaluatedProperties" in node and "additionalProperties" not in node:
+            node = {("additionalProperties" if k == "unevaluatedProperties" else k): v for k, v in node.items()}
+        return node
+
+    return _map_schemas(schema, visit)
 
 
 def ascii_classes(regex: str) -> str:
@@ -271,6 +318,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self.config = config or StructuredOutputsConfig()
         self._ll = None
+        self._markers = None
         self._lock = threading.Lock()
         # grammar texts check() has validated (where the server prepares requests, off its engine
         # thread): grammar() on the engine thread then only compiles the request's own matcher
@@ -304,6 +352,8 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._lltokenizer())
         if is_error:
             raise GrammarError(spec.kind, _first_line(messages[0]))
+        for message in messages:        # what the lenient JSON schema reading left out
+            log.warning("structured_outputs.%s: %s (ignored)", spec.kind, _first_line(message))
         with self._lock:
             self._validated[text] = True
             while len(self._validated) > VALIDATED_CACHE:
@@ -329,20 +379,38 @@ class GrammarCompiler:
         made = [self._build(text, spec.kind) for _ in range(count)]
         spec.__dict__.setdefault("_prebuilt", []).extend(made)
 
-    def grammar(self, spec: StructuredOutputsParams) -> "Grammar":
+    def grammar(self, spec: StructuredOutputsParams, prompt: list[int] | None = None) -> "Grammar | ReasoningGrammar":
         """A request's matcher, its first mask computed: one prebuild() made, else compiled here.
+        With a reasoning parser (and enable_in_reasoning off) it waits behind a ReasoningGrammar
+        until the reply ends its reasoning, unless the prompt did (vLLM's is_reasoning_end).
         A grammar the parser cannot run from the start (a lexer past its limits, an overflowing
         parser row) is a GrammarError, before the request is admitted. Each request has a matcher
         of its own: copies of one (LLMatcher.deep_copy) share their lexer, whose limits then run
         out across requests (a second request with the same large regex failed where the first ran)."""
         text = self.check(spec)
+        made = None
         ready = spec.__dict__.get("_prebuilt")
         if ready:
             try:
-                return ready.pop()
+                made = ready.pop()
             except IndexError:                    # another choice took the last one meanwhile
                 pass
-        return self._build(text, spec.kind)
+        made = made or self._build(text, spec.kind)
+        markers = self.reasoning_markers()
+        if markers is None or reasoning_ended(prompt or [], *markers):
+            return made
+        return ReasoningGrammar(made, markers[1], self.vocab_size)
+
+    def reasoning_markers(self) -> tuple[list[int], list[int]] | None:
+        """(start, end) token ids of the reasoning parser's markers, or None when the grammar
+        applies from the reply's first token (no parser, or enable_in_reasoning)."""
+        parser = self.config.reasoning_parser
+        if not parser or self.config.enable_in_reasoning:
+            return None
+        if self._markers is None:
+            start, end = REASONING_MARKERS[parser]
+            self._markers = tuple(self.tokenizer.encode(t, add_special_tokens=False) for t in (start, end))
+        return self._markers
 
     def _build(self, text: str, kind: str) -> "Grammar":
         import llguidance
@@ -479,6 +547,90 @@ class Grammar:
 
     def is_accepting(self) -> bool:
         return self.matcher.is_accepting()
+
+
+# a reasoning parser's (start, end) markers: the grammar starts after the end's tokens. harmony's
+# reply is reasoning until its final channel opens; its prompt ends with `<|start|>assistant`
+REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
+                     "openai_gptoss": ("<|start|>assistant", "<|channel|>final<|message|>")}
+
+
+def _find(seq: list[int], marker: list[int], start: int = 0) -> int:
+    """Where marker first ends in seq[start:] (an index into seq past it), or -1."""
+    n = len(marker)
+    for i in range(start, len(seq) - n + 1):
+        if seq[i:i + n] == marker:
+            return i + n
+    return -1
+
+
+def reasoning_ended(prompt: list[int], start: list[int], end: list[int]) -> bool:
+    """vLLM's is_reasoning_end on a prompt: its last marker is an end (a chat template that closed
+    the think block: Qwen3 with thinking off); one that opens a block or has neither leaves the
+    reply reasoning."""
+    n = max(len(start), len(end))
+    for i in range(len(prompt), 0, -1):
+        tail = prompt[max(0, i - n):i]
+        if tail[len(tail) - len(start):] == start:
+            return False
+        if tail[len(tail) - len(end):] == end:
+            return True
+    return False
+
+
+class ReasoningGrammar:
+    """A Grammar that lets the reply reason freely: every token is allowed until the reasoning
+    parser's end marker (`</think>`) has been emitted, and the grammar constrains what follows
+    (vLLM's structured outputs with enable_in_reasoning off). Lossless under speculation: a
+    draft path's mask is free while the path (after the committed output) has not completed the
+    marker, and the grammar's mask after the part of the path past it when it has, so a path
+    with `</think>` at its 2nd token is constrained from its 3rd; the walk is undone by advance()
+    as the grammar's own."""
+
+    def __init__(self, grammar: Grammar, end: list[int], vocab_size: int):
+        self.grammar, self.end = grammar, list(end)
+        self.ended = False
+        self.tail: list[int] = []        # the committed output's last tokens (a marker split across steps)
+        self.free = torch.full((mask_words(vocab_size),), -1, dtype=torch.int32)     # every token
+
+    @property
+    def error(self) -> str | None:
+        return self.grammar.error
+
+    def _after(self, path: list[int]) -> int:
+        """Where the grammar's part of path starts (0 once reasoning has ended), or -1: none yet."""
+        if self.ended:
+            return 0
+        at = _find(self.tail + list(path), self.end)
+        return at - len(self.tail) if at >= 0 else -1
+
+    def masks(self, paths: list[list[int]]) -> Tensor:
+        cuts = [self._after(p) for p in paths]
+        out = self.free.repeat(len(paths), 1)
+        constrained = [i for i, c in enumerate(cuts) if c >= 0]
+        if constrained:
+            out[constrained] = self.grammar.masks([list(paths[i][cuts[i]:]) for i in constrained])
+        return out
+
+    def valid_prefix(self, path: list[int]) -> int:
+        cut = self._after(path)
+        return len(path) if cut < 0 else cut + self.grammar.valid_prefix(list(path[cut:]))
+
+    def forced(self, path: list[int], limit: int) -> list[int]:
+        cut = self._after(path)
+        return [] if cut < 0 else self.grammar.forced(list(path[cut:]), limit)
+
+    def advance(self, tokens: list[int]) -> None:
+        cut = self._after(tokens)
+        if cut < 0:
+            self.tail = (self.tail + list(tokens))[-(len(self.end) - 1):] if len(self.end) > 1 else []
+            self.grammar.advance([])       # back to where it was (a step's walk undone)
+            return
+        self.ended, self.tail = True, []
+        self.grammar.advance(list(tokens[cut:]))
+
+    def is_accepting(self) -> bool:
+        return self.ended and self.grammar.is_accepting()
 
 
 def eos_only(eos_ids: list[int], words: int) -> Tensor:

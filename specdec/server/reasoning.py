@@ -23,9 +23,18 @@
   (`to=functions.NAME` in the header) are tool calls under `--tool-call-parser openai`
   (parse_harmony(calls=True), responses.ChatFormat); otherwise their arguments are answer text.
 
-The answer then goes to the tool-call parser, if any. A constrained reply (structured outputs,
-named or required tool calls) is not split: the grammar leaves the model no think block.
-Only generated text is parsed (a chat echo's prefix is not: responses.ChatFormat).
+The answer then goes to the tool-call parser, if any. Only generated text is parsed (a chat
+echo's prefix is not: responses.ChatFormat).
+
+Under structured outputs the engine reads the reasoning too, as vLLM's: with this parser in its
+StructuredOutputsConfig (reasoning_parser, enable_in_reasoning off, vLLM's default) a
+constrained reply (structured outputs, named or required tool calls) thinks freely and the
+grammar constrains only what follows the end marker (`</think>`, harmony's final channel;
+structured.ReasoningGrammar), unless the prompt already ended the reasoning (a template that
+closed the think block). With enable_in_reasoning the grammar constrains the reply from its
+first token, leaving it no think block. The server does not yet hand --reasoning-parser to its
+engine's StructuredOutputsConfig, nor split a constrained reply: there the grammar still
+leaves the model no think block and the reply is all answer.
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+from ..config import REASONING_PARSERS
+
+PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
 HARMONY = "openai_gptoss"
 # the harmony markup: a message's header runs from <|start|> (or the reply's start) to

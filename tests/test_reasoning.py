@@ -131,8 +131,23 @@ def test_through_the_server(live):
     assert (streamed_thought or None, streamed_content or None) == (thought, msg.content)
     off = c.chat.completions.create(extra_body={"include_reasoning": False}, **kw).choices[0].message
     assert "reasoning_content" not in (off.model_extra or {}) and off.content == msg.content
-    # a constrained reply is not split: the grammar leaves no think block
+    # a constrained reply thinks first, its grammar waiting for </think> (vLLM's enable_in_reasoning
+    # off): the toy never closes the block, so the grammar never starts and the reply is the free one
     choice = c.chat.completions.create(extra_body={"guided_choice": ["yes", "no"]}, **kw).choices[0].message
+    assert (choice.content, choice.model_extra.get("reasoning_content")) == (msg.content, thought)
+
+
+def test_enable_in_reasoning_constrains_from_the_first_token():
+    """--structured-outputs-config '{"enable_in_reasoning": true}': the grammar holds the reply
+    from its first token, so a constrained reply has no think block and is not split."""
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0, max_model_len=128,
+              structured_outputs_config={"enable_in_reasoning": True})
+    config = ServerConfig(served_model_names=("toy",), reasoning_parser="deepseek_r1")
+    with LiveServer(build_app(llm, config)) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        choice = c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "def f(x):"}],
+                                           max_tokens=12, temperature=0,
+                                           extra_body={"guided_choice": ["yes", "no"]}).choices[0].message
     assert choice.content in ("yes", "no") and not (choice.model_extra or {}).get("reasoning_content")
 
 

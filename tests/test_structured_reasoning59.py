@@ -179,3 +179,34 @@ def test_structural_tag_format(smol):
                        "content must be")):
         with pytest.raises(GrammarError, match=re.escape(said)):
             grammars.check(StructuredOutputsParams(structural_tag={"format": bad}))
+
+
+def test_the_server_hands_its_reasoning_parser_to_the_grammar(thinker):
+    """--reasoning-parser is the engine's structured-outputs reasoning parser too (vLLM's): a
+    constrained chat reply thinks freely, its think block comes back as reasoning_content and its
+    answer is the grammar's, streamed or not (the grammar had held the reply from its first
+    token, leaving a reasoning model no think block)."""
+    import openai
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    target, _, _, prompt = thinker
+    llm = LLM(str(target), num_speculative_tokens=0, dtype="float32")
+    text = llm.tokenizer.decode(prompt)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>"
+    assert llm.tokenizer.encode(text.removesuffix("<think>") + "<think>", add_special_tokens=False) == prompt
+    config = ServerConfig(served_model_names=("t",), reasoning_parser="deepseek_r1", chat_template=template)
+    with LiveServer(build_app(llm, config)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x")
+        ask = dict(model="t", messages=[{"role": "user", "content": text.removesuffix("<think>")}], max_tokens=24,
+                   temperature=0, extra_body={"structured_outputs": {"regex": REGEX}})
+        msg = client.chat.completions.create(**ask).choices[0].message
+        thought = getattr(msg, "reasoning_content", None) or msg.model_extra.get("reasoning_content")
+        assert thought and re.fullmatch(REGEX, msg.content), (thought, msg.content)
+        parts = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            for key in parts:
+                parts[key] += (getattr(delta, key, None) or (delta.model_extra or {}).get(key) or "") if delta else ""
+        assert parts == {"reasoning_content": thought, "content": msg.content}

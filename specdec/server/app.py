@@ -397,8 +397,8 @@ def _prepare_one(service: Service, body: ChatCompletionRequest, i: int):
 def _chat_run(service: Service, body: ChatCompletionRequest, prepared, arrival: float, lora, rid: str):
     """One chat request queued on the engine, and the format of its reply."""
     prompts, params, tools, prediction = prepared
-    # a constrained reply (structured outputs, named or required calls) has no think block
-    reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
+    # a constrained reply (structured outputs, named or required calls) thinks before its grammar holds
+    reasoning = service.reasoning_for(params)
     fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
                      service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
                      service.chat_echo(body))
@@ -493,7 +493,7 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
         except APIError as e:
             raise renamed(e, message_sources(body, history)) from None
         model = service.model_name(lora, chat.model)
-        reasoning = service.config.reasoning_parser if params.structured_outputs is None else None
+        reasoning = service.reasoning_for(params)
         fmt = ChatFormat(service.tokenizer, params.logprobs is not None, service.config.return_tokens_as_token_ids,
                          service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning)
         # the values used, as vLLM echoes them (no max_output_tokens: what the context leaves)

@@ -32,9 +32,9 @@ constrained reply (structured outputs, named or required tool calls) thinks free
 grammar constrains only what follows the end marker (`</think>`, harmony's final channel;
 structured.ReasoningGrammar), unless the prompt already ended the reasoning (a template that
 closed the think block). With enable_in_reasoning the grammar constrains the reply from its
-first token, leaving it no think block. The server does not yet hand --reasoning-parser to its
-engine's StructuredOutputsConfig, nor split a constrained reply: there the grammar still
-leaves the model no think block and the reply is all answer.
+first token, leaving it no think block. The server hands --reasoning-parser to its engine's
+StructuredOutputsConfig (serving.Service) and splits a constrained reply as any other
+(Service.reasoning_for).
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ class Service:
                              "(or --reasoning-parser openai_gptoss)")
         self.llm, self.config = llm, config
         self.tokenizer, self.engine = llm.tokenizer, llm.engine
+        grammars = getattr(llm.engine, "grammars", None)
+        if config.reasoning_parser and grammars is not None and not grammars.config.reasoning_parser:
+            # vLLM's --reasoning-parser is its structured-outputs config's too: a constrained reply
+            # thinks freely and its grammar holds what follows the reasoning (enable_in_reasoning off)
+            grammars.config = dataclasses.replace(grammars.config, reasoning_parser=config.reasoning_parser)
         self.metrics = ServerMetrics(llm.engine, config.model_name, PREFIXES[config.metrics_prefix])
         if llm.engine.tracer is not None:      # spans name the served model, as responses do
             llm.engine.tracer.model_name = config.model_name
@@ -129,6 +134,15 @@ class Service:
         self._check_prompts(prompts, params, "prompt", asked=req.max_tokens is not None)
         return prompts, params
 
+    def reasoning_for(self, params: SamplingParams) -> str | None:
+        """The reasoning parser a reply goes through: --reasoning-parser's; a constrained reply's
+        too when the engine's grammar leaves its reasoning free (enable_in_reasoning off, vLLM's
+        default), and none when the grammar holds the reply from its first token (no think block)."""
+        if params.structured_outputs is None:
+            return self.config.reasoning_parser
+        grammars = getattr(self.engine, "grammars", None)
+        return self.config.reasoning_parser if grammars is not None and grammars.reasoning_markers() else None
+
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         self._check_generates("Chat Completions")
         self._check_model(req)
@@ -155,7 +169,7 @@ class Service:
             raise
         if plan is not None and plan.mode == "auto" and plan.parser == "mistral":
             params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
-        if self.config.reasoning_parser == HARMONY and params.structured_outputs is None:
+        if self.config.reasoning_parser == HARMONY and self.reasoning_for(params) is not None:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         prompts = [self.engine.truncated(p, params) for p in prompts]
         if max_tokens is None:

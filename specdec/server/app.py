@@ -400,7 +400,7 @@ def _chat_run(service: Service, body: ChatCompletionRequest, prepared, arrival: 
     # a constrained reply (structured outputs, named or required calls) thinks before its grammar holds
     reasoning = service.reasoning_for(params)
     fmt = ChatFormat(service.tokenizer, params.logprobs is not None, _as_ids(body, service.config),
-                     service.config.response_role, prompts[0], tools, reasoning, body.include_reasoning,
+                     service.chat_role(body), prompts[0], tools, reasoning, body.include_reasoning,
                      service.chat_echo(body))
     fmt.want_prompt_logprobs = body.prompt_logprobs is not None
     fmt.return_token_ids = bool(body.return_token_ids)

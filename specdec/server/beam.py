@@ -55,7 +55,7 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     # prepare_chat's: the request's max_completion_tokens / max_tokens under generation_config.json's cap
     search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
-    fmt = ChatFormat(service.tokenizer, False, role=service.config.response_role, prompt=prompts[0],
+    fmt = ChatFormat(service.tokenizer, False, role=service.chat_role(body), prompt=prompts[0],
                      reasoning=service.config.reasoning_parser, include_reasoning=body.include_reasoning,
                      echo=service.chat_echo(body))
     results = []

@@ -178,9 +178,16 @@ class Service:
         return prompts, params, plan
 
     def chat_echo(self, req: ChatCompletionRequest) -> str | None:
+    def chat_role(self, req: ChatCompletionRequest) -> str:
+        """The role a chat reply names, as vLLM's: --response-role after a generation prompt;
+        without one the reply goes on with the last message, so it takes that message's role."""
+        if req.add_generation_prompt or not req.messages:
+            return self.config.response_role
+        return req.messages[-1].role
+
         """vLLM's chat echo: the last message's content put before each reply, when that message has
-        the reply's role (an assistant message the reply continues)."""
-        if not req.echo or not req.messages or req.messages[-1].role != self.config.response_role:
+        the reply's role (chat_role: a message the reply continues)."""
+        if not req.echo or not req.messages or req.messages[-1].role != self.chat_role(req):
             return None
         content = req.messages[-1].content
         return content if isinstance(content, str) else _join_text(content) if content else ""

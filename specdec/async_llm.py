@@ -32,6 +32,8 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 
+import torch
+
 from .config import RequestOutputKind, SamplingParams
 from .llm import LLM, RequestOutput, _salt
 from .outputs import RequestStream
@@ -532,6 +534,14 @@ class AsyncLLM:
             self._worker.stop(timeout)
 
 
+def _weights_dtype(target) -> torch.dtype:
+    """vLLM's ModelConfig.dtype: the dtype the model's dense weights are held in (bf16 for a bf16
+    folder, whose activations run in fp32 on the CPU); packed weights: the activations' dtype."""
+    layer = target.model.layers[0]
+    w = getattr(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), "weight", None)
+    return w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else target.dtype
+
+
 class ModelConfigView:
     """What vLLM's ModelConfig gives the code around an AsyncLLM, read from the LLM."""
 
@@ -539,7 +549,7 @@ class ModelConfigView:
         cfg = llm.target.config
         self.model = self.tokenizer = llm.model_path
         self.max_model_len = llm.engine.max_model_len
-        self.dtype = llm.target.dtype
+        self.dtype = _weights_dtype(llm.target)
         self.hf_config = self.hf_text_config = cfg
         self.served_model_name = llm.model_path
         self.runner_type = llm.runner

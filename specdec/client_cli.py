@@ -52,14 +52,16 @@ class ClientError(Exception):
     """One line for stderr; the command exits with status 1."""
 
 
-def add_client_args(p) -> None:
-    """vLLM's --url, --model-name, --api-key and --stats."""
+def add_client_args(p, local: bool = True) -> None:
+    """vLLM's --url, --model-name, --api-key and --stats (local: the command also runs without a
+    server, printing statistics of its own there)."""
     p.add_argument("--url", help=f"a running OpenAI-compatible server's API base (default {DEFAULT_URL}, vLLM's)")
     p.add_argument("--model-name", help="the served model to ask (default: the first of the server's GET /models)")
     p.add_argument("--api-key", help="the server's API key (default: $OPENAI_API_KEY)")
     p.add_argument("--stats", action="store_true",
                    help="after each answer: time to first token and tokens per second, measured here, on "
-                        "stderr (vLLM's; with --url: the local chat prints its own statistics anyway)")
+                        "stderr (vLLM's" + ("; without a server the local chat prints its own statistics anyway)"
+                                            if local else ")"))
 
 
 def wants_server(args) -> bool:
@@ -366,7 +368,7 @@ def add_parser(sub) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="vLLM's: a YAML file of flags, e.g. `url: http://host:8000/v1`, `max-tokens: 64`; flags "
                         "on the command line win over it")
-    add_client_args(p)
+    add_client_args(p, local=False)
     p.add_argument("-q", "--quick", metavar="PROMPT", help="complete this prompt, print the completion, exit")
     add_sampling_args(p, None)
 

@@ -167,3 +167,24 @@ def test_detokenize_false_leaves_decoded_token_none(llm):
         last = next((o for o in eng.step() if o.request_id == "d1"), last)
     assert names(last) == ([None] * len(sample), [None] * len(prompt))
     assert [d.logprob for d in last.outputs[0].logprobs] == [d.logprob for d in out.outputs[0].logprobs]
+
+
+def test_model_config_dtype_is_the_weights():
+    """vLLM's ModelConfig.dtype is the model's: a bf16 folder reports bfloat16 (it reported the
+    fp32 the CPU runs activations in)."""
+    import torch
+
+    from specdec.defaults import BUNDLED_TARGET
+
+    llm = LLM(BUNDLED_TARGET, num_speculative_tokens=0)
+    assert llm.model_config.dtype == torch.bfloat16 == llm.llm_engine.get_model_config().dtype
+
+
+def test_an_unknown_architecture_lists_every_loadable_one():
+    """The refusal's "supported:" list names what loads: MiMo and the multimodal folders whose
+    language model runs alone too (they had been left out)."""
+    from specdec.model.config import ModelConfig
+
+    with pytest.raises(ValueError, match="unsupported architecture") as e:
+        ModelConfig.from_hf({"architectures": ["FooForCausalLM"], "model_type": "foo"})
+    assert "MiMoForCausalLM" in str(e.value) and "Qwen2_5_VLForConditionalGeneration" in str(e.value)

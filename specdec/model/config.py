@@ -200,7 +200,7 @@ class ModelConfig:
             if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}; "
-                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                    f"supported: {', '.join([*SUPPORTED_ARCHITECTURES, *ARCHITECTURE_ALIASES, *TEXT_OF_MULTIMODAL])}"
                 )
             model_type = SUPPORTED_ARCHITECTURES[next(a for a in archs if a in SUPPORTED_ARCHITECTURES)]
         cfg = with_hf_defaults(cfg, model_type)
@@ -440,7 +440,7 @@ def text_config(cfg: dict) -> dict:
     arch = next((a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
     if arch is None:
         raise ValueError(f"{found}'s language model {model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"supported: {', '.join([*SUPPORTED_ARCHITECTURES, *ARCHITECTURE_ALIASES, *TEXT_OF_MULTIMODAL])}")
     out = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}, **text}
     if "tie_word_embeddings" in cfg:
         out["tie_word_embeddings"] = cfg["tie_word_embeddings"]

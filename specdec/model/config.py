@@ -238,13 +238,14 @@ class ModelConfig:
                 rope_theta=_rope_theta(cfg),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA)),
-                attention_bias=model_type in ("qwen2", "qwen2_moe")
-                or (model_type not in NO_ATTENTION_BIAS and bool(cfg.get("attention_bias", model_type == "gpt_oss"))),
+                # Qwen2 always has q/k/v biases; Qwen2-MoE as its qkv_bias says (it never reads attention_bias)
+                attention_bias=(model_type == "qwen2" or bool(cfg.get("qkv_bias", True))) if model_type in ("qwen2", "qwen2_moe")
+                else model_type not in NO_ATTENTION_BIAS and bool(cfg.get("attention_bias", model_type == "gpt_oss")),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO)
                 or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                 nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
                 **(_granite(cfg) if model_type in GRANITE else {}),
-                **{**_sliding(cfg, model_type), **family},
+                **{**_sliding(cfg, model_type, rope_scaling), **family},
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -296,8 +297,8 @@ class ModelConfig:
             out.update(num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
                        **{"num_local_experts" if self.model_type in ("mixtral", *GRANITE) else "num_experts":
                           self.num_experts})
-            if self.model_type == "qwen2_moe":
-                out["shared_expert_intermediate_size"] = self.shared_expert_size
+            if self.model_type == "qwen2_moe":      # its q/k/v biases are qkv_bias (default true), not attention_bias
+                out.update(shared_expert_intermediate_size=self.shared_expert_size, qkv_bias=self.attention_bias)
             if self.model_type == "granitemoeshared":
                 out["shared_intermediate_size"] = self.shared_expert_size
             if self.model_type in ("qwen3_moe", "qwen2_moe"):
@@ -664,7 +665,7 @@ def _window_layers(cfg: dict, every: int) -> dict:
     return {"sliding_window": int(window), "sliding_layers": layers} if window is not None and layers else {}
 
 
-def _sliding(cfg: dict, model_type: str) -> dict:
+def _sliding(cfg: dict, model_type: str, rope_scaling: dict | None = None) -> dict:
     """The sliding window of Mistral and Phi-3 (every layer) and of the Qwen families when
     use_sliding_window is set, as transformers applies them: Qwen2 / Qwen3 in the layers
     layer_types marks, else those from max_window_layers on; Qwen2-MoE in the layers layer_types
@@ -690,9 +691,21 @@ def _sliding(cfg: dict, model_type: str) -> dict:
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     else:
         layers = tuple(range(n))
-    if int(window) >= cfg.get("max_position_embeddings", 2048) or not layers:
+    if int(window) >= _longest_context(cfg, rope_scaling) or not layers:
         return {}                           # the window never hides a slot
     return {"sliding_window": int(window), "sliding_layers": layers}
+
+
+def _longest_context(cfg: dict, rope_scaling: dict | None) -> int:
+    """The longest context ModelConfig.configured may give this config (yarn and linear stretch
+    max_position_embeddings, dynamic does for a long --max-model-len): a window as long as
+    max_position_embeddings still hides slots there, and transformers applies it."""
+    n = cfg.get("max_position_embeddings", 2048)
+    kind = (rope_scaling or {}).get("rope_type")
+    factor = float((rope_scaling or {}).get("factor") or 1.0)
+    if kind == "yarn":
+        return max(n, int(rope_scaling["original_max_position_embeddings"] * factor))
+    return int(n * factor) if kind in ("linear", "dynamic") else n
 
 
 def longrope_attention_factor(factor: float, original: int) -> float:

@@ -73,13 +73,13 @@ def start(full: Transformer, spec: TargetSpec, config: ParallelConfig) -> Leader
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=config.startup_timeout_s))
     ctx = torch.multiprocessing.get_context("spawn")
-    from .worker import worker_main
-    procs = [ctx.Process(target=worker_main, args=(rank, world, store.port, spec, config), daemon=True,
-                         name=f"specdec-tp-rank{rank}") for rank in range(1, world)]
+    started = [ctx.Event() for _ in range(1, world)]
+    procs = [ctx.Process(target=_worker_entry, args=(started[rank - 1], rank, world, store.port, spec, config),
+                         daemon=True, name=f"specdec-tp-rank{rank}") for rank in range(1, world)]
     for p in procs:
         p.start()
     try:
-        _wait_ready(store, procs, config.startup_timeout_s)
+        _wait_ready(store, procs, config.startup_timeout_s, started)
         comm = Collectives(store, 0, world, _device(spec.device, 0), config.timeout_s)
         return shard_model(full, comm, LeaderTransformer, leader=Leader(comm, procs, store))
     except BaseException:
@@ -94,7 +94,31 @@ def _device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if d.type == "cuda" else d
 
 
-def _wait_ready(store, procs, timeout_s: float) -> None:
+def _worker_entry(started, *args) -> None:
+    """A spawned rank: it got past its bootstrapping (re-importing the main module), then works."""
+    started.set()
+    from .worker import worker_main
+    worker_main(*args)
+
+
+def _not_guarded(rank: int, p) -> TensorParallelError:
+    """A rank that died before its entry ran: while re-importing the parent's main module, as a
+    spawned process does first. Where that script builds the LLM at its top level, the import
+    builds it again and its own spawn fails (Python: "... before the current process has
+    finished its bootstrapping phase"), or the script fails there some other way."""
+    import sys
+
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    where = f" ({script})" if script else ""
+    return TensorParallelError(
+        f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {p.exitcode} while re-importing the main "
+        f"module{where}, as a spawned worker does first: a script that builds LLM(tensor_parallel_size > 1) at its "
+        f"top level must do it under `if __name__ == \"__main__\":`, else every worker runs the script again "
+        f"(see the worker's traceback above for what failed there)")
+
+
+def _wait_ready(store, procs, timeout_s: float, started=None) -> None:
+    """started: per worker, an event its entry sets (None: no such check)."""
     deadline = time.monotonic() + timeout_s
     waiting = dict(enumerate(procs, start=1))
     while waiting:
@@ -105,6 +129,8 @@ def _wait_ready(store, procs, timeout_s: float) -> None:
             if store.check([f"ready/{rank}"]):
                 del waiting[rank]
             elif p.exitcode is not None:
+                if started is not None and not started[rank - 1].is_set():
+                    raise _not_guarded(rank, p)
                 raise TensorParallelError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with status "
                                           f"{p.exitcode} while starting")
         if time.monotonic() > deadline:

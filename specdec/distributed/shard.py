@@ -127,6 +127,11 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
         dst.mlp.down_proj = RowParallel(row(src.mlp.down_proj, mlp_rows), comm)
     widths = vocab_split(cfg.vocab_size, world)
     model.lm_head = VocabParallelHead(column(full.lm_head, _span(sum(widths[:rank]), widths[rank])), widths, comm)
+    # the PyTorch path runs here (no C path between all-reduces): tall products on the kernel, whose
+    # rows never depend on each other, as forward.c's at TP=1, so a row's logits ignore its batch
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.row_invariant = True
     return model.eval().requires_grad_(False)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 
 import httpx
@@ -283,7 +284,47 @@ def application(argv: list[str]) -> Application:
     check_model(args.model)
     opts = deployment_options(args)
     replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
-    return replica.bind(list(argv), MetricsBoard.bind(), secrets.token_urlsafe(24))
+    return replica.bind(absolute_paths(argv, args), MetricsBoard.bind(), secrets.token_urlsafe(24))
+
+
+def absolute_paths(argv: list[str], args) -> list[str]:
+    """argv for the replicas, with --config read here and every relative path it names (model,
+    tokenizer, draft, LoRA adapters, chat template file, TLS and logging files) made absolute: a
+    replica runs in the cluster's working directory, not this one (--ray-address). The model keeps
+    its name: --served-model-name defaults to the path as given."""
+    from .cli import build_parser, expand_argv
+
+    spec = dict(args.speculative_config or {})
+    named = [args.model, args.tokenizer, getattr(args, "speculative_model", None), spec.get("model"),
+             args.chat_template, args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.log_config_file,
+             *(m.path for m in getattr(args, "lora_modules", None) or [])]
+    if args.generation_config not in ("auto", "vllm"):
+        named.append(args.generation_config)
+    paths = {p: os.path.abspath(p) for p in named
+             if isinstance(p, str) and p and not os.path.isabs(p) and os.path.exists(p)}
+    words, flag = [], None
+    for word in expand_argv(list(argv), build_parser("specdec serve"), positional_model=True):
+        if word.startswith("--"):
+            flag = word.partition("=")[0]
+        if flag == "--served-model-name" or not paths:      # a name, even one spelled as a path
+            words.append(word)
+        elif word in paths:
+            words.append(paths[word])
+        elif word.lstrip().startswith("{"):        # --speculative-config's model, --lora-modules' path
+            try:
+                obj = json.loads(word)
+            except json.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                word = json.dumps({k: paths.get(v, v) if k in ("model", "path") and isinstance(v, str) else v
+                                   for k, v in obj.items()})
+            words.append(word)
+        else:                                      # --model=PATH, NAME=PATH
+            head, eq, tail = word.partition("=")
+            words.append(head + eq + paths[tail] if eq and tail in paths else word)
+    if args.model in paths and not args.served_model_name:
+        words += ["--served-model-name", args.model]
+    return words
 
 
 def check_model(path: str | None) -> None:
@@ -392,7 +433,18 @@ def _auth_hint() -> str:
 
 
 def _cause(e: Exception) -> str:
-    """The replica's own error in Ray's deployment failure report: its last 'XError: ...' line."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    """The replica's own error: its last 'XError: ...' line, from Ray's deployment failure report
+    or, where that names only the deployment ("Failed to update the deployments"), from the
+    deployment's status message, which holds the replica's traceback."""
+    text = str(e)
+    try:
+        text += "\n" + serve.status().applications[APP_NAME].deployments[DEPLOYMENT].message
+    except Exception:       # no controller or application left to ask: Ray's report alone
+        pass
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     found = [ln for ln in lines if "Error: " in ln and not ln.endswith("Traceback (most recent call last):")]
-    return (found[-1] if found else lines[0] if lines else type(e).__name__)[:500]
+    line = found[-1] if found else lines[0] if lines else type(e).__name__
+    head, colon, rest = line.partition(": ")
+    if colon and "." in head and " " not in head:      # specdec.model.checkpoint.CheckpointError -> CheckpointError
+        line = head.rsplit(".", 1)[1] + colon + rest
+    return line[:500]

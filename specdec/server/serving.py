@@ -13,6 +13,7 @@ import time
 from functools import partial
 
 from ..config import SamplingParams, is_unicode_text
+from ..distributed import TensorParallelError
 from ..engine import StepEvent
 from ..llm import CHAT_TEMPLATE_ARGUMENTS, LLM
 from ..metrics import RequestStats
@@ -177,7 +178,6 @@ class Service:
         self._check_prompts(prompts, params, "messages")
         return prompts, params, plan
 
-    def chat_echo(self, req: ChatCompletionRequest) -> str | None:
     def chat_role(self, req: ChatCompletionRequest) -> str:
         """The role a chat reply names, as vLLM's: --response-role after a generation prompt;
         without one the reply goes on with the last message, so it takes that message's role."""
@@ -185,6 +185,7 @@ class Service:
             return self.config.response_role
         return req.messages[-1].role
 
+    def chat_echo(self, req: ChatCompletionRequest) -> str | None:
         """vLLM's chat echo: the last message's content put before each reply, when that message has
         the reply's role (chat_role: a message the reply continues)."""
         if not req.echo or not req.messages or req.messages[-1].role != self.chat_role(req):
@@ -519,6 +520,15 @@ class RequestLogger:
                      job.name, text, ids, outcome)
 
 
+def _check_group(target) -> None:
+    """A tensor-parallel target whose group has stopped fails every step: a request reaching it is
+    a 503 at once, as /health says (one it was generating when the group stopped keeps vLLM's 500
+    for an engine that died under a request)."""
+    leader = getattr(target, "leader", None)
+    if leader is not None and leader.failure is not None:
+        raise TensorParallelError(f"the engine cannot serve: {leader.failure}")
+
+
 class Generation:
     """The engine jobs of one HTTP request (each prompt x n) as one stream of (choice index, StepEvent).
 
@@ -567,8 +577,9 @@ class Generation:
         for job in self._jobs:
             job.echo_only = self.echo_only
         try:
+            _check_group(getattr(self._worker.engine, "target", None))
             self._worker.submit(self._jobs)
-        except ShuttingDown as e:
+        except (ShuttingDown, TensorParallelError) as e:
             self._metrics.count("error", len(self._jobs))     # its answer may be an event of a stream
             raise APIError(503, str(e)) from None
         if self._logger is not None:

@@ -878,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("generate", "chat", "bench"):
         # vLLM's flags specdec does not use: dropped with a warning (before parsing, so that none
         # takes a positional word as its value); any other unknown flag: an error with a did-you-mean
-        from .vllm_flags import check_refused, drop_vllm_flags, ignored_flags
+        from .vllm_flags import bench_flags, check_refused, drop_vllm_flags, ignored_flags
 
         own, valued = own_options(parser)
         words, dropped = drop_vllm_flags(words, set(own), valued)
@@ -892,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(words)
         if unknown:
             try:
-                ignored_flags(unknown, own)
+                ignored_flags(unknown, *bench_flags(parser, words) if cmd == "bench" else (own,))
                 raise ValueError(f"unexpected arguments: {' '.join(unknown)}")
             except ValueError as e:
                 print(f"specdec {cmd}: error: {e}", file=sys.stderr)

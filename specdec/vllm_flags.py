@@ -109,10 +109,12 @@ def _takes_many(flag: str) -> bool:
     return "=" not in flag and flag.lstrip("-") in MULTI_VALUE_FLAGS
 
 
-def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
+def ignored_flags(unknown: list[str], own: list[str] = (),
+                  bench: tuple[str | None, dict[str, set[str]]] | None = None) -> list[str]:
     """Group unknown words into flags with their values: a flag takes the next word as its
     value unless that word is itself a flag. A stray word without a flag, or a flag that is
-    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean)."""
+    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean; `bench`:
+    the `specdec bench` subcommand and the others' flags, for bench_refusal)."""
     flags: list[str] = []
     for word in unknown:
         if word.startswith("-") and not _is_number(word):
@@ -122,13 +124,61 @@ def ignored_flags(unknown: list[str], own: list[str] = ()) -> list[str]:
         else:
             raise ValueError(f"unexpected argument {word!r}")
     bad = [f.split(" ")[0].split("=")[0] for f in flags if not _is_vllm_flag(f)]
+    if bad and bench is not None:
+        bench_refusal(bad[0], *bench)
     if bad:
         import difflib
 
-        close = difflib.get_close_matches(bad[0], [*own, *(f"--{n}" for n in VLLM_FLAGS)], n=1)
+        names = [c for c in [*own, *(f"--{n}" for n in VLLM_FLAGS)] if c != bad[0]]
+        close = difflib.get_close_matches(bad[0], names, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ValueError(f"unrecognized arguments: {' '.join(bad)} (neither specdec's flags nor vLLM's{hint})")
     return flags
+
+
+# flags of vLLM's `bench throughput` / `bench latency` that specdec's do not take, with why where
+# there is more to say than that (vllm/benchmarks/throughput.py and latency.py, add_cli_args)
+VLLM_BENCH_FLAGS = {
+    "throughput": {"backend": "it picks vLLM's engine: vllm, hf, mii or vllm-chat; specdec's always runs "
+                              "specdec's LLM",
+                   "async-engine": "specdec's runs the LLM class, not an async engine",
+                   "disable-detokenize": "specdec's always detokenizes", "hf-max-batch-size": "",
+                   "lora-path": "", "hf-subset": "", "hf-split": "", "dataset": "",
+                   "profile": "`specdec bench serve --profile` profiles a server"},
+    "latency": {"profile": "`specdec bench serve --profile` profiles a server",
+                "disable-detokenize": "specdec's always detokenizes", "use-beam-search": ""},
+}
+
+
+def bench_flags(parser, words: list[str]) -> tuple[list[str], tuple]:
+    """For an unknown flag of `specdec bench [SUB]` (parser: specdec's, words: the command line):
+    that command's own flags (the did-you-mean's candidates) and (SUB, every other bench command's
+    flags, "" naming the main bench's), ignored_flags' `bench`."""
+    from .cli import _subcommands, _subparser, own_options
+
+    def options(p) -> list[str]:
+        return [s for a in p._actions for s in a.option_strings]
+
+    bench = _subparser(parser, "bench")
+    subs = _subcommands(bench)
+    sub = words[1] if len(words) > 1 and words[1] in subs else None
+    named = {"": set(options(bench)), **{name: set(own_options(p)[0]) for name, p in subs.items()}}
+    here = named.pop(sub or "")
+    return [*options(parser), *here], (sub, named)
+
+
+def bench_refusal(flag: str, sub: str | None, elsewhere: dict[str, set[str]]) -> None:
+    """The one-line refusal of a flag that `specdec bench SUB` lacks when it is vLLM's `bench SUB`
+    flag, or another `specdec bench` subcommand's (elsewhere: that subcommand's name -> its flags,
+    "" for the main bench): said as such instead of "neither specdec's nor vLLM's"."""
+    name = f"specdec bench {sub}" if sub else "specdec bench"
+    homes = " and ".join(f"`specdec bench{' ' + s if s else ''}`" for s, flags in elsewhere.items() if flag in flags)
+    why = VLLM_BENCH_FLAGS.get(sub or "", {}).get(flag.lstrip("-"))
+    if why is not None:
+        raise ValueError(f"{flag} is vLLM's `bench {sub}` flag, which {name} does not take"
+                         + (f" ({why})" if why else "") + (f"; it is also a flag of {homes}" if homes else ""))
+    if homes:
+        raise ValueError(f"{flag} is a flag of {homes}, not of {name}")
 
 
 def _is_vllm_flag(flag: str) -> bool:

@@ -47,6 +47,7 @@ PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"     # labelled po
 class RequestResult:
     ok: bool = False
     error: str = ""
+    arrived: float = 0.0            # when it was due; sent - arrived: its wait for --max-concurrency
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)     # arrival time of each chunk carrying tokens
     output_tokens: int = 0
@@ -317,24 +318,36 @@ def sample(pool: list[dict], num: int, seed: int, shuffle: bool = True, oversamp
     return [order[i % len(order)] for i in range(num)]
 
 
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
-                 ramp: tuple[str, float, float] | None = None) -> list[float]:
-    """Seconds before each request: Gamma(shape=burstiness, mean=1/rate) gaps; 0 at rate inf.
-    With a ramp, each gap's mean is 1 / the rate at that request (a rate of 0: the first request
-    goes at once and the next gap follows the next rate). Burstiness inf: every gap 1/rate, the
-    Gamma's limit (vLLM's get_request)."""
+def arrival_times(n: int, rate: float, burstiness: float, seed: int,
+                  ramp: tuple[str, float, float] | None = None) -> list[float]:
+    """Seconds from the load point's start at which each request is sent (vLLM's get_request):
+    the running sum of Gamma(shape=burstiness, mean=1/rate) gaps, the first request's included,
+    then, at a fixed rate, scaled so that the last goes at exactly n / rate: the sum of random gaps
+    misses it by a seed-dependent share, and the rate offered would vary with --seed. All 0 at rate
+    inf; burstiness inf: every gap 1/rate, the Gamma's limit. With a ramp, each gap's mean is
+    1 / the rate at that request (a rate of 0: no gap), and nothing is scaled (vLLM's)."""
     rng = np.random.default_rng(seed)
 
     def gap(r: float) -> float:
+        if r <= 0 or r == float("inf"):
+            return 0.0
         if burstiness == float("inf"):
             return 1.0 / r
         return float(rng.gamma(burstiness, 1.0 / (r * burstiness)))
 
-    if ramp is not None:
-        return [0.0 if r <= 0 else gap(r) for r in ramp_rates(n, *ramp)]
-    if rate == float("inf"):
-        return [0.0] * n
-    return [gap(rate) for _ in range(n)]
+    rates = ramp_rates(n, *ramp) if ramp is not None else [rate] * n
+    times = np.cumsum([gap(r) for r in rates]).tolist()
+    if ramp is None and times and times[-1] > 0:
+        scale = (n / rate) / times[-1]
+        times = [t * scale for t in times]
+    return times
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
+                 ramp: tuple[str, float, float] | None = None) -> list[float]:
+    """The gaps before each request of arrival_times (the first: from the start)."""
+    times = arrival_times(n, rate, burstiness, seed, ramp)
+    return [t - before for t, before in zip(times, [0.0, *times])]
 
 
 def _is_chat(item: dict) -> bool:
@@ -464,8 +477,11 @@ async def run_load(base_url: str, model: str, items: list[dict], load: Load, bur
 
     start, tasks = time.perf_counter(), []
     try:
-        for item, result, gap in zip(items, results, arrival_gaps(len(items), load.rate, burstiness, seed, load.ramp)):
-            await asyncio.sleep(gap)
+        for item, result, at in zip(items, results, arrival_times(len(items), load.rate, burstiness, seed, load.ramp)):
+            # to the absolute send time (vLLM's): sleeping gap after gap would add up each task's start-up
+            if at > 0 and start + at > time.perf_counter():
+                await asyncio.sleep(start + at - time.perf_counter())
+            result.arrived = time.perf_counter()
             tasks.append(asyncio.create_task(gated(item, result)))
         await asyncio.gather(*tasks)
     finally:
@@ -511,6 +527,26 @@ def count_without_usage(results: list[RequestResult], items: list[dict], base_ur
         r.error = "" if r.ok else "no tokens"
 
 
+def peaks(results: list[RequestResult]) -> tuple[float, int]:
+    """vLLM's peak figures of a load point (calculate_metrics' max_output_tokens_per_s and
+    max_concurrent_requests), over the successful requests: the most chunks carrying tokens that
+    arrived within one second, the seconds counted from the first request sent (vLLM counts each
+    chunk as one token), and the most requests in flight at once, each over [sent, last chunk) so
+    that one ending as another starts does not overlap it."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return 0.0, 0
+    first = min(r.sent for r in ok)
+    seconds = np.zeros(int(np.ceil(max(r.sent + r.e2el for r in ok) - first)) + 1)
+    for r in ok:
+        for t in r.chunks:
+            if 0 <= int(t - first) < len(seconds):
+                seconds[int(t - first)] += 1
+    events = sorted([(r.sent, 1) for r in ok] + [(r.sent + r.e2el, -1) for r in ok])      # ends sort first
+    in_flight = np.cumsum([step for _, step in events])
+    return float(seconds.max()), int(in_flight.max())
+
+
 def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], percentiles: list[float],
               percentile_metrics: tuple[str, ...] = METRICS) -> dict:
     """vLLM's summary of one load point (times in ms): mean, median and std of every metric, the
@@ -525,6 +561,7 @@ def summarize(results: list[RequestResult], wall: float, slo: dict[str, float], 
                "request_throughput": round(len(ok) / wall, 4), "output_throughput": round(out_tokens / wall, 2),
                "total_token_throughput": round((out_tokens + sum(r.prompt_tokens for r in ok)) / wall, 2),
                "request_goodput": round(len(good) / wall, 4) if slo else None,
+               **dict(zip(("max_output_tokens_per_s", "max_concurrent_requests"), peaks(results))),
                "errors": sorted({r.error for r in results if not r.ok})[:5]}
     for name, values in per.items():
         # ms to 0.1 us: a small model's streamed tokens can arrive microseconds apart (2 decimals
@@ -671,11 +708,19 @@ def server(argv: list[str], log: Path, startup_s: float = 600.0):
 
 
 def first_model(base_url: str) -> dict:
-    """The first entry of the server's /v1/models (its "id", and "root", "max_model_len" where given)."""
+    """The first entry of the server's /v1/models (its "id", and "root", "max_model_len" where given);
+    a server that cannot be reached or does not answer there: one line naming the URL (vLLM's
+    get_first_model_from_server says what to check, too)."""
+    url = f"{base_url}/v1/models"
     try:
-        body = json.loads(_get(base_url + "/v1/models"))
+        body = json.loads(_get(url))
     except ValueError:
-        raise ValueError(f"{base_url}/v1/models did not answer JSON") from None
+        raise ValueError(f"{url} did not answer JSON") from None
+    except OSError as e:            # urllib's URLError and HTTPError, a timeout
+        why = getattr(e, "reason", None) if not hasattr(e, "code") else f"HTTP {e.code}"
+        hint = " (the base URL is the server's root: drop the /v1)" if base_url.endswith("/v1") else ""
+        raise ValueError(f"Failed to fetch models from the server at {url} ({why or e}): check that the server "
+                         f"is running and that --base-url (or --host/--port) is correct{hint}") from None
     data = body.get("data") if isinstance(body, dict) else None
     if not data or not isinstance(data[0], dict) or "id" not in data[0]:
         raise ValueError(f"No models found on the server at {base_url} (its /v1/models lists none)")

@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what prefix caching serves); custom: --dataset-path JSONL; sharegpt: --dataset-path, a "
                         "ShareGPT JSON file (first turns as chats, max_tokens their replies' lengths)")
     p.add_argument("--spec-bench-category", help="only this Spec-Bench category (default: all, interleaved)")
-    p.add_argument("--spec-bench-output-len", type=int, dest="output_len", default=argparse.SUPPRESS,
-                   help="spec_bench: vLLM's name for --output-len")
+    p.add_argument("--spec-bench-output-len", type=int,
+                   help="vLLM's: max_tokens of each request unless --output-len is given (which wins, as in vLLM)")
     p.add_argument("--dataset-path", help="spec_bench: a Spec-Bench question.jsonl ({\"turns\", \"category\", "
                                           "\"question_id\"} a line; default: the bundled 240 questions); "
                                           'custom: a JSON Lines file, one {"prompt": ...} a line (optional '
@@ -305,21 +305,25 @@ def vllm_flags(args) -> None:
 
 
 def lengths(args) -> None:
-    """Settle the lengths as vLLM maps its general flags: --input-len is random's --random-input-len;
-    --output-len, when given, is also sharegpt's max_tokens (a dataset's own length flag, given too,
-    wins, as --random-output-len and --prefix-repetition-output-len do). Random prompts ignore EOS
-    (vLLM's main_async), so that each generates the length asked for."""
+    """Settle the lengths as vLLM's main_async maps its general flags: --input-len, when given,
+    overwrites --random-input-len, and --output-len overwrites the datasets' own output lengths
+    (--random-output-len, --sharegpt-output-len, --prefix-repetition-output-len,
+    --spec-bench-output-len). Random prompts ignore EOS (vLLM's main_async), so that each
+    generates the length asked for."""
     if args.input_len is not None:
         if args.dataset_name != "random":
             raise ValueError("--input-len goes with --dataset-name random (vLLM maps it to --random-input-len)")
-        if args.random_input_len is None:
-            args.random_input_len = args.input_len
+        args.random_input_len = args.input_len
     if args.random_input_len is None:
         args.random_input_len = RANDOM_INPUT_LEN
-    if args.dataset_name == "sharegpt" and args.sharegpt_output_len is None and args.output_len is not None:
-        if args.output_len < 4:
-            raise ValueError("--output-len: sharegpt's max_tokens must be >= 4")
-        args.sharegpt_output_len = args.output_len
+    if args.output_len is not None:
+        if args.dataset_name == "sharegpt":
+            if args.output_len < 4:
+                raise ValueError("--output-len: sharegpt's max_tokens must be >= 4")
+            args.sharegpt_output_len = args.output_len
+        args.random_output_len = args.prefix_repetition_output_len = args.output_len
+    elif args.spec_bench_output_len is not None:
+        args.output_len = args.spec_bench_output_len
     if args.output_len is None:
         args.output_len = OUTPUT_LEN
     if args.dataset_name == "random":

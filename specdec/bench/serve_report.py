@@ -126,14 +126,21 @@ def console(results: dict) -> str:
     for v in results["variants"]:
         for p in v["points"]:
             out += [rule(f"{v['name']}, {_load(p)}", "="),
-                    line("Successful requests:", p["completed"]), line("Failed requests:", p["failed"]),
-                    line("Benchmark duration (s):", f"{p['duration_s']:.2f}"),
+                    line("Successful requests:", p["completed"]), line("Failed requests:", p["failed"])]
+            if p.get("concurrency") is not None:
+                out.append(line("Maximum request concurrency:", p["concurrency"]))
+            if p.get("rate") not in (None, "inf"):
+                out.append(line("Request rate configured (RPS):", f"{p['rate']:.2f}"))
+            out += [line("Benchmark duration (s):", f"{p['duration_s']:.2f}"),
                     line("Total input tokens:", p["total_input_tokens"]),
                     line("Total generated tokens:", p["total_output_tokens"]),
                     line("Request throughput (req/s):", f"{p['request_throughput']:.2f}")]
             if p.get("request_goodput") is not None:
                 out.append(line("Request goodput (req/s):", f"{p['request_goodput']:.2f}"))
             out += [line("Output token throughput (tok/s):", f"{p['output_throughput']:.2f}")]
+            if "max_output_tokens_per_s" in p:         # results recorded before they were measured lack them
+                out += [line("Peak output token throughput (tok/s):", f"{p['max_output_tokens_per_s']:.2f}"),
+                        line("Peak concurrent requests:", f"{p['max_concurrent_requests']:.2f}")]
             if p.get("total_token_throughput") is not None:
                 out.append(line("Total token throughput (tok/s):", f"{p['total_token_throughput']:.2f}"))
             for key, (title, short) in names.items():
@@ -141,7 +148,7 @@ def console(results: dict) -> str:
                 out.append(rule(title))
                 out += [line(f"Mean {short} (ms):", _ms2(m.get("mean"))),
                         line(f"Median {short} (ms):", _ms2(m.get("median")))]
-                out += [line(f"P{k[1:]} {short} (ms):", _ms2(m[k])) for k in m if k.startswith("p") and k != "p50"]
+                out += [line(f"P{k[1:]} {short} (ms):", _ms2(m[k])) for k in m if k.startswith("p")]
             spec = p.get("speculation") or {}
             if spec.get("num_drafts"):
                 out += [rule("Speculative Decoding"),

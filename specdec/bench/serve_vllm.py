@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .serve import METRICS, Load, Measured, per_position
+from .serve import METRICS, Load, Measured, peaks, per_position
 
 DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors")
 
@@ -65,8 +65,12 @@ def flat_result(m: Measured, args, head: dict, slo: dict) -> dict:
               "itls": [[float(x) for x in r.itl] if r.ok else [] for r in m.results],
               "latencies": [r.e2el if r.ok else 0.0 for r in m.results],
               "start_times": [r.sent for r in m.results],
+              # each request's wait for --max-concurrency (vLLM keeps this list without --save-detailed)
+              "queue_times": [r.sent - r.arrived for r in m.results],
               "generated_texts": [r.text for r in m.results],
-              "errors": [r.error for r in m.results]}
+              "errors": [r.error for r in m.results],
+              **dict(zip(("max_output_tokens_per_s", "max_concurrent_requests"), peaks(m.results))),
+              "rtfx": 0.0}                  # vLLM's speech-recognition figure: no audio here
     result.update(speculation(m.counters))
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
               "itl": [g for r in ok for g in r.itl], "e2el": [r.e2el for r in ok]}

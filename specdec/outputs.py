@@ -53,7 +53,7 @@ class RequestOutput:
                  prompt_logprobs: list[TokenLogprob | None] | None = None, outputs: list[CompletionOutput] | None = None,
                  finished: bool = True, metrics: RequestStats | None = None, lora_request=None,
                  encoder_prompt: str | None = None, encoder_prompt_token_ids: list[int] | None = None,
-                 num_cached_tokens: int | None = None, **kwargs):
+                 num_cached_tokens: int | None = None, kv_transfer_params: dict | None = None, **kwargs):
         if kwargs:
             logging.getLogger("specdec").warning("RequestOutput: ignoring extra arguments: %s", sorted(kwargs))
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
@@ -64,6 +64,7 @@ class RequestOutput:
         self.lora_request = lora_request
         self.encoder_prompt, self.encoder_prompt_token_ids = encoder_prompt, encoder_prompt_token_ids
         self._num_cached_tokens = num_cached_tokens
+        self._kv_transfer_params = kv_transfer_params
 
     @property
     def metrics(self) -> RequestStats:
@@ -85,9 +86,16 @@ class RequestOutput:
 
     @property
     def kv_transfer_params(self) -> dict | list[dict] | None:
-        """vLLM's: the completions' kv_transfer_params (one: its dict; several: a list; none: None)."""
+        """vLLM's: the request's kv_transfer_params as given, else the completions' (one: its dict;
+        several: a list; none: None)."""
+        if self._kv_transfer_params is not None:
+            return self._kv_transfer_params
         found = [c.kv_transfer_params for c in self.outputs if c.kv_transfer_params]
         return found[0] if len(found) == 1 else found or None
+
+    @kv_transfer_params.setter
+    def kv_transfer_params(self, value: dict | None) -> None:
+        self._kv_transfer_params = value
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """vLLM's: fold a later output of this request into this one. A completion of an index

@@ -159,3 +159,24 @@ def test_lora_dtype_float16(tiny_pair, folders, caplog):
     assert llm.engine.lora.stack.dtype == torch.float32
     out = llm.generate(PROMPT, GREEDY, lora_request=LoRARequest("a", 1, str(src["a"])))[0].outputs[0]
     assert out.token_ids == expected["a"][0]
+
+
+def test_a_request_routed_before_a_move_runs_on_the_new_weights(tiny_pair, folders, tmp_path):
+    """An in-place load from another folder while requests are routed: one that still names the
+    id's old folder reaches the engine after the load and runs on the id's new weights (vLLM
+    looks adapters up by id); it had been refused ("lora_int_id 1 is already adapter ...")."""
+    (target, _), (src, expected) = tiny_pair, folders
+    engine = engine_llm(target).engine
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    put(src["a"], first)
+    put(src["b"], second)
+    routed = LoRARequest("w", 1, first)
+    a = engine.add_request(PROMPT["prompt_token_ids"], GREEDY, request_id="a", lora_request=routed)
+    b = engine.add_request(PROMPT["prompt_token_ids"], GREEDY, request_id="b",
+                           lora_request=LoRARequest("w", 1, second, load_inplace=True))
+    late = engine.add_request(PROMPT["prompt_token_ids"], GREEDY, request_id="late", lora_request=routed)
+    while engine.has_unfinished():
+        engine.step()
+    assert (a.out[:16], b.out[:16], late.out[:16]) == (expected["a"][0], expected["b"][0], expected["b"][0])
+    with pytest.raises(ValueError, match="already adapter"):       # another name on the id stays refused
+        engine.add_request(PROMPT["prompt_token_ids"], GREEDY, request_id="x", lora_request=LoRARequest("v", 1, first))

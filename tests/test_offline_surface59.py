@@ -188,3 +188,11 @@ def test_an_unknown_architecture_lists_every_loadable_one():
     with pytest.raises(ValueError, match="unsupported architecture") as e:
         ModelConfig.from_hf({"architectures": ["FooForCausalLM"], "model_type": "foo"})
     assert "MiMoForCausalLM" in str(e.value) and "Qwen2_5_VLForConditionalGeneration" in str(e.value)
+
+
+def test_request_output_keeps_its_kv_transfer_params():
+    """vLLM's RequestOutput takes kv_transfer_params (it was dropped with an "ignoring extra
+    arguments" warning); without it, the completions' are read."""
+    c = CompletionOutput(0, "x", [1], None, None, kv_transfer_params={"c": 1})
+    assert RequestOutput("r", "p", [1], None, [c], True, kv_transfer_params={"r": 2}).kv_transfer_params == {"r": 2}
+    assert RequestOutput("r", "p", [1], None, [c], True).kv_transfer_params == {"c": 1}

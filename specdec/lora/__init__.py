@@ -168,6 +168,7 @@ class LoRAManager:
         self._pinned: set[int] = set()                                   # pin(): never evicted
         # by id: the request that last read the folder and the folder's files then (_stamp)
         self._read: dict[int, tuple[LoRARequest, tuple | None]] = {}
+        self._paths: dict[int, set[str]] = {}        # by id: every folder it was read from (load_inplace)
 
     @property
     def max_loras(self) -> int:
@@ -184,7 +185,10 @@ class LoRAManager:
         if found is not None and request.load_inplace:
             found = self._reload(request, found)
         if found is not None:
-            if found.name != request.lora_name or found.path != str(request.lora_path):
+            # a request routed to an id before an in-place load from another folder reaches the
+            # engine after it: it runs on the id's new weights, as vLLM looks adapters up by id
+            moved = found.name == request.lora_name and str(request.lora_path) in self._paths.get(found.id, ())
+            if found.name != request.lora_name or (found.path != str(request.lora_path) and not moved):
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {found.name!r} "
                                  f"({found.path}); each adapter needs its own id")
             self._loaded[request.lora_int_id] = found
@@ -202,6 +206,7 @@ class LoRAManager:
         adapter.uid = next(_LOADS)              # this reading of the folder (the prefix cache's key)
         self._loaded[request.lora_int_id] = self._held[request.lora_int_id] = adapter
         self._read[request.lora_int_id] = (request, stamp)
+        self._paths.setdefault(request.lora_int_id, set()).add(str(request.lora_path))
         self._trim()
         return adapter
 
@@ -244,6 +249,7 @@ class LoRAManager:
         found = self._loaded.pop(lora_id, None) is not None
         self._pinned.discard(lora_id)
         self._read.pop(lora_id, None)
+        self._paths.pop(lora_id, None)
         return self._held.pop(lora_id, None) is not None or found
 
     def loaded(self) -> list[LoRAAdapter]:

@@ -319,6 +319,13 @@ class GrammarCompiler:
         self.config = config or StructuredOutputsConfig()
         self._ll = None
         self._markers = None
+        parser = self.config.reasoning_parser
+        if parser and not self.config.enable_in_reasoning and not self.has_reasoning_tokens(parser):
+            # vLLM's parser refuses such a tokenizer: its markers would be several ordinary tokens,
+            # which a model never writes, and the grammar would wait for them forever
+            raise ValueError(f"structured_outputs_config.reasoning_parser {parser!r}: the tokenizer has no "
+                             f"{' / '.join(REASONING_TOKENS[parser])} tokens, so the end of reasoning cannot be "
+                             "found (set enable_in_reasoning to constrain the reply from its first token)")
         self._lock = threading.Lock()
         # grammar texts check() has validated (where the server prepares requests, off its engine
         # thread): grammar() on the engine thread then only compiles the request's own matcher
@@ -400,6 +407,11 @@ class GrammarCompiler:
         if markers is None or reasoning_ended(prompt or [], *markers):
             return made
         return ReasoningGrammar(made, markers[1], self.vocab_size)
+
+    def has_reasoning_tokens(self, parser: str) -> bool:
+        """Whether the tokenizer holds the parser's markers as tokens of their own (vLLM's parsers
+        require them): only then does a model write the end of its reasoning as the grammar reads it."""
+        return all(len(self.tokenizer.encode(t, add_special_tokens=False)) == 1 for t in REASONING_TOKENS[parser])
 
     def reasoning_markers(self) -> tuple[list[int], list[int]] | None:
         """(start, end) token ids of the reasoning parser's markers, or None when the grammar
@@ -553,6 +565,9 @@ class Grammar:
 # reply is reasoning until its final channel opens; its prompt ends with `<|start|>assistant`
 REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
                      "openai_gptoss": ("<|start|>assistant", "<|channel|>final<|message|>")}
+# the tokens those markers are made of, each one token in the parser's models (vLLM's requirement)
+REASONING_TOKENS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
+                    "openai_gptoss": ("<|start|>", "<|channel|>", "<|message|>")}
 
 
 def _find(seq: list[int], marker: list[int], start: int = 0) -> int:

@@ -17,6 +17,7 @@ from ..distributed import TensorParallelError
 from ..engine import StepEvent
 from ..llm import CHAT_TEMPLATE_ARGUMENTS, LLM
 from ..metrics import RequestStats
+from ..structured import REASONING_TOKENS
 from ..tokenizer import (TEXT_PARTS, TokenizerBusy, TokenizerError, content_format, template_content,
                          template_in_use, template_messages)
 from ..tracing import warn_tracing_disabled
@@ -69,8 +70,15 @@ class Service:
         grammars = getattr(llm.engine, "grammars", None)
         if config.reasoning_parser and grammars is not None and not grammars.config.reasoning_parser:
             # vLLM's --reasoning-parser is its structured-outputs config's too: a constrained reply
-            # thinks freely and its grammar holds what follows the reasoning (enable_in_reasoning off)
-            grammars.config = dataclasses.replace(grammars.config, reasoning_parser=config.reasoning_parser)
+            # thinks freely and its grammar holds what follows the reasoning (enable_in_reasoning off).
+            # A tokenizer without the markers as tokens (vLLM refuses the parser there; here it still
+            # splits text) keeps the grammar from the reply's first token, as enable_in_reasoning
+            if grammars.has_reasoning_tokens(config.reasoning_parser):
+                grammars.config = dataclasses.replace(grammars.config, reasoning_parser=config.reasoning_parser)
+            elif not grammars.config.enable_in_reasoning:
+                log.warning("--reasoning-parser %s: the tokenizer has no %s tokens, so structured outputs "
+                            "constrain the reply from its first token (no think block)", config.reasoning_parser,
+                            " / ".join(REASONING_TOKENS[config.reasoning_parser]))
         self.metrics = ServerMetrics(llm.engine, config.model_name, PREFIXES[config.metrics_prefix])
         if llm.engine.tracer is not None:      # spans name the served model, as responses do
             llm.engine.tracer.model_name = config.model_name

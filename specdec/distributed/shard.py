@@ -130,7 +130,7 @@ def shard_model(full: Transformer, comm: Collectives, cls: type[Transformer] = T
     # the PyTorch path runs here (no C path between all-reduces): tall products on the kernel, whose
     # rows never depend on each other, as forward.c's at TP=1, so a row's logits ignore its batch
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, MLAttention)):       # MLA's absorbed per-head products too
             m.row_invariant = True
     return model.eval().requires_grad_(False)
 

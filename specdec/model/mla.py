@@ -25,6 +25,7 @@ import re
 import torch
 from torch import Tensor, nn
 
+from .. import kernels
 from .config import ModelConfig
 from .llama import Linear, RMSNorm, apply_rope, sdpa
 
@@ -55,6 +56,10 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(H * self.v_dim, D, bias=False)
         self.scale = cfg.attention_multiplier          # (nope + rope) ** -0.5, x YaRN's mscale_all_dim ** 2
         self.use_rope, self.window, self.local_rope = True, None, False    # what Backbone sets on attention
+        # True (a TP shard, which runs this PyTorch path on the CPU): the absorbed per-head products
+        # take the kernel, whose rows never depend on each other, as forward.c's do at TP=1
+        self.row_invariant = False
+        self._heads: tuple | None = None       # (weight key, per-head W_UK^T and W_UV with their packs)
 
     def _queries(self, x: Tensor) -> Tensor:
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -68,7 +73,11 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(c)
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.latent)
         w = w if w.dtype == x.dtype else w.to(x.dtype)
-        q_lat = torch.einsum("...hd,hdc->...hc", q_nope, w[:, :self.nope])       # W_UK[h]^T q_nope
+        per_head = self._per_head(w) if self.row_invariant and x.device.type == "cpu" else None
+        if per_head is None:
+            q_lat = torch.einsum("...hd,hdc->...hc", q_nope, w[:, :self.nope])       # W_UK[h]^T q_nope
+        else:
+            q_lat = torch.stack([kernels.linear(q_nope[..., h, :], *uk) for h, (uk, _) in enumerate(per_head)], -2)
         if attend is None:      # training / full-sequence scoring: [B, H, T, .]
             q = torch.cat([q_lat.transpose(1, 2), apply_rope(q_r.transpose(1, 2), cos, sin)], -1)
             k = torch.cat([c[:, None], apply_rope(k_r[:, None], cos, sin)], -1)
@@ -77,8 +86,23 @@ class MLAttention(nn.Module):
             q = torch.cat([q_lat, apply_rope(q_r, cos, sin)], -1)
             k = torch.cat([c[:, None], apply_rope(k_r[:, None], cos, sin)], -1)
             out = attend(layer, q, k, k, True).view(*lead, H, self.head_dim)
-        values = torch.einsum("...hc,hvc->...hv", out[..., :self.latent], w[:, self.nope:])
+        if per_head is None:
+            values = torch.einsum("...hc,hvc->...hv", out[..., :self.latent], w[:, self.nope:])
+        else:
+            values = torch.stack([kernels.linear(out[..., h, :self.latent], *uv) for h, (_, uv) in enumerate(per_head)], -2)
         return self.o_proj(values.reshape(*lead, H * self.v_dim))
+
+    def _per_head(self, w: Tensor) -> list | None:
+        """[(W_UK[h]^T, None, its pack), (W_UV[h], None, its pack)] per head as kernels.linear's
+        arguments, repacked whenever kv_b_proj's weight changes; None where the kernels do not run."""
+        if kernels.load() is None or w.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        key = (kernels.weight_key(self.kv_b_proj.weight), w.dtype)
+        if self._heads is None or self._heads[0] != key:
+            uk = [w[h, :self.nope].t() for h in range(self.n_heads)]    # views: the kernel reads the packs
+            uv = [w[h, self.nope:] for h in range(self.n_heads)]
+            self._heads = key, [((k, None, kernels.pack(k)), (v, None, kernels.pack(v))) for k, v in zip(uk, uv)]
+        return self._heads[1]
 
 
 _ROPE_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$")

@@ -11,28 +11,16 @@ import time
 import openai
 import pytest
 
-from specdec import LLM
-from specdec.defaults import BUNDLED_DRAFT, BUNDLED_TARGET
-from specdec.server import ServerConfig, build_app
 
-from test_server import LiveServer
+import test_responses_api
 
 REGEX = "[0-9]{3}"
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-@pytest.fixture(scope="module")
-def live():
-    llm = LLM(BUNDLED_TARGET, speculative_model=str(BUNDLED_DRAFT), num_speculative_tokens=3, max_model_len=256,
-              max_num_seqs=8)
-    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+# the Responses tests' toy server with a draft model, and its openai client (one fixture, shared)
+live, client = test_responses_api.live, test_responses_api.client
 
 
 def test_responses_structured_outputs_constrains_the_reply(client):

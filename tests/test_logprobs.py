@@ -4,6 +4,7 @@ modes, for plain decoding, draft chains and trees, greedy and sampled, in a batc
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -252,3 +253,29 @@ def test_raw_logprobs_under_a_grammar_see_its_mask(tiny_pair, near_draft):
         assert sum(math.exp(lp) for _, lp in entry.top if lp > FLOOR) == pytest.approx(1.0, abs=1e-4)
     for a, b in zip(outs[0].logprobs, outs[1].logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_completions_logprobs_minus_one_lists_the_whole_vocabulary(tiny_pair):
+    """With --max-logprobs -1, a completions request's logprobs -1 lists every token at each
+    position, as chat's top_logprobs -1 and offline do (it had listed the chosen token alone)."""
+    import httpx
+
+    from specdec.server import ServerConfig, build_app
+    from test_server import LiveServer
+
+    target, _ = tiny_pair
+    llm = LLM(target, dtype="float32", max_model_len=64, num_speculative_tokens=0, max_logprobs=-1)
+    vocab = llm.target.config.vocab_size
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("t",)))) as live:
+        for stream in (False, True):
+            r = httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "prompt": "x y", "max_tokens": 2, "temperature": 0, "logprobs": -1, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                tops = [t for c in chunks for ch in c["choices"] if ch.get("logprobs") for t in ch["logprobs"]["top_logprobs"]]
+            else:
+                tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+            # tokens that decode alike share one key (OpenAI's {text: logprob} shape)
+            names = len({llm.tokenizer.decode([i]) for i in range(vocab)})
+            assert len(tops) == 2 and all(len(t) == names for t in tops), [len(t) for t in tops]

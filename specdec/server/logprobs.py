@@ -84,7 +84,7 @@ def _top_dict(name: Namer, top, chosen: tuple[int, float], top_n: int | None = N
     completions list up to logprobs + 1, as vLLM does; logprobs 0 gives the chosen token alone);
     tokens that decode alike (partial UTF-8 -> U+FFFD) keep the best. top_n: vLLM keeps the first
     top_n + 1 of the chosen token then the likeliest (a wider top: a prompt scored for prompt_logprobs)."""
-    if top_n is not None:
+    if top_n is not None and top_n >= 0:          # -1 (with --max-logprobs -1): the whole vocabulary
         keep = list(dict.fromkeys([chosen[0]] + [t for t, _ in top]))[:top_n + 1]
         top = [(t, lp) for t, lp in top if t in keep]
     out: dict[str, float] = {}

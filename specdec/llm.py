@@ -28,7 +28,7 @@ from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafte
                        default_model, generation_defaults)
 from .engine import Engine, StepEvent
 from .lora import LoRARequest
-from .metrics import (E2E_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
+from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
                       RequestStats, Vector, one_two_five)
 from .model import CheckpointError, load_model
 from .model.checkpoint import resolve_hub_id
@@ -451,10 +451,13 @@ class LLM:
         # vLLM's per-request histograms, observed as each completion finishes (get_metrics)
         sizes = one_two_five(self.engine.max_model_len)
         self._histograms = {name: HistogramTally(bounds) for name, bounds in (
-            ("vllm:time_to_first_token_seconds", LATENCY_BUCKETS), ("vllm:e2e_request_latency_seconds", E2E_BUCKETS),
-            ("vllm:request_queue_time_seconds", E2E_BUCKETS), ("vllm:request_prefill_time_seconds", E2E_BUCKETS),
-            ("vllm:request_decode_time_seconds", E2E_BUCKETS), ("vllm:request_inference_time_seconds", E2E_BUCKETS),
-            ("vllm:request_time_per_output_token_seconds", LATENCY_BUCKETS),
+            ("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+            ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+            ("vllm:request_queue_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("vllm:request_prefill_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("vllm:request_decode_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("vllm:request_inference_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("vllm:request_time_per_output_token_seconds", ITL_BUCKETS),
             ("vllm:request_prompt_tokens", sizes), ("vllm:request_generation_tokens", sizes))}
 
     @property
@@ -838,15 +841,20 @@ class LLM:
         return asked or cap
 
     def _count_pooled(self, lengths: list[int], seconds: float) -> None:
-        """Pooled inputs into get_metrics, as the server's /metrics counts them: each a finished
-        request (stop) with its prompt tokens and the call's end-to-end latency."""
+        """Pooled inputs into get_metrics, as the server's /metrics counts them (ServerMetrics.pooled):
+        each a finished request (stop) with its prompt tokens, none generated, the call's time as
+        its end-to-end, prefill and inference time, and no queue, decode or per-token time."""
+        h = self._histograms
         with self._counting:
             for n in lengths:
                 self._totals.prompt_tokens += n
                 self._finished["stop"] += 1
-                self._histograms["vllm:request_prompt_tokens"].observe(n)
-                self._histograms["vllm:request_generation_tokens"].observe(0)
-                self._histograms["vllm:e2e_request_latency_seconds"].observe(seconds)
+                h["vllm:request_prompt_tokens"].observe(n)
+                h["vllm:request_generation_tokens"].observe(0)
+                for name in ("e2e_request_latency", "request_prefill_time", "request_inference_time"):
+                    h[f"vllm:{name}_seconds"].observe(seconds)
+                for name in ("request_queue_time", "request_decode_time", "request_time_per_output_token"):
+                    h[f"vllm:{name}_seconds"].observe(0.0)
 
     @staticmethod
     def _pooling_extras(lora_request, tokenization_kwargs) -> None:
@@ -1331,25 +1339,36 @@ class LLM:
         s = event.stats
         with self._counting:
             self._totals.merge(s)
+            if not s.output_tokens:         # never prefilled (aborted first): vLLM counts a prompt once its prefill is done
+                self._totals.prompt_tokens -= s.prompt_tokens
             self._finished[event.finish_reason or "abort"] += 1
             self._observe(s)
 
     def _observe(self, s: RequestStats) -> None:
-        """One finished completion into vLLM's histograms (get_metrics): its latencies, as the
-        server's /metrics has them, and its prompt and output lengths."""
+        """One finished completion into vLLM's histograms (get_metrics), each observed once, as
+        the server's /metrics observes its finished-request record: its prompt and output
+        lengths, its queue time, and its e2e / prefill / decode / inference times and time per
+        output token, 0 for those a request without a token did not have (TPOT 0 with fewer than
+        2 tokens); TTFT once it had a token. An abort's end is its last token here (the engine's
+        statistics hold no abort time)."""
         h = self._histograms
         h["vllm:request_prompt_tokens"].observe(s.prompt_tokens)
         h["vllm:request_generation_tokens"].observe(s.output_tokens)
         h["vllm:request_queue_time_seconds"].observe(s.queue_time_s)
-        if s.output_tokens:
-            h["vllm:time_to_first_token_seconds"].observe(s.time_to_first_token_s)
-            h["vllm:e2e_request_latency_seconds"].observe(s.wall_time_s)
-            h["vllm:request_prefill_time_seconds"].observe(max(0.0, s.time_to_first_token_s - s.queue_time_s))
-            h["vllm:request_decode_time_seconds"].observe(max(0.0, s.wall_time_s - s.time_to_first_token_s))
-            h["vllm:request_inference_time_seconds"].observe(max(0.0, s.wall_time_s - s.queue_time_s))
-        if s.output_tokens > 1:
-            h["vllm:request_time_per_output_token_seconds"].observe(
-                (s.wall_time_s - s.time_to_first_token_s) / (s.output_tokens - 1))
+        if not s.output_tokens:
+            h["vllm:e2e_request_latency_seconds"].observe(s.queue_time_s)
+            for name in ("prefill", "decode", "inference"):
+                h[f"vllm:request_{name}_time_seconds"].observe(0.0)
+            h["vllm:request_time_per_output_token_seconds"].observe(0.0)
+            return
+        decode = max(0.0, s.wall_time_s - s.time_to_first_token_s)
+        h["vllm:time_to_first_token_seconds"].observe(s.time_to_first_token_s)
+        h["vllm:e2e_request_latency_seconds"].observe(s.wall_time_s)
+        h["vllm:request_prefill_time_seconds"].observe(max(0.0, s.time_to_first_token_s - s.queue_time_s))
+        h["vllm:request_decode_time_seconds"].observe(decode)
+        h["vllm:request_inference_time_seconds"].observe(max(0.0, s.wall_time_s - s.queue_time_s))
+        h["vllm:request_time_per_output_token_seconds"].observe(
+            decode / (s.output_tokens - 1) if s.output_tokens > 1 else 0.0)
 
     def _token_name(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -179,8 +179,8 @@ def test_graph_counters_reach_prometheus(pytorch_path, tiny_pair):
     llm = LLM(model=tiny_pair[0], dtype="float32", num_speculative_tokens=0, compilation_config={"cudagraph_mode": "FULL"})
     llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     text = generate_latest(ServerMetrics(llm.engine).registry).decode()
-    counts = {m: float(v) for m, v in
-              re.findall(r'specdec:cuda_graph_forwards_total\{mode="([^"]+)",model_name="specdec"\} ([0-9.]+)', text)}
+    counts = {m: float(v) for m, v in re.findall(
+        r'specdec:cuda_graph_forwards_total\{engine="0",mode="([^"]+)",model_name="specdec"\} ([0-9.]+)', text)}
     # a prompt of <= 16 tokens and the decoding steps: all through graphs (2 buckets), none eager
     assert counts == {"captured": 2.0, "replayed": counts["replayed"]} and counts["replayed"] >= 4, counts
     assert 'mode="eager' not in text

@@ -83,9 +83,9 @@ def test_per_request_families_count_what_the_requests_did(live):
     assert value(found, "vllm:request_prompt_tokens_count") == 4
     buckets = {ls["le"]: v for ls, v in found["vllm:request_generation_tokens_bucket"]}
     assert buckets["2.0"] <= buckets["5.0"] - 1 and buckets["10.0"] >= 3      # the chat's 3, the choices' 7
-    # per request: n, max_tokens, the longest completion
+    # per prompt: n, the longest completion; per completion: max_tokens (the n=2 request's twice)
     assert value(found, "vllm:request_params_n_count") == 3 and value(found, "vllm:request_params_n_sum") == 4
-    assert value(found, "vllm:request_params_max_tokens_sum") == 7 + 3 + 100
+    assert value(found, "vllm:request_params_max_tokens_sum") == 7 * 2 + 3 + 100
     assert value(found, "vllm:request_max_num_generation_tokens_count") == 3
     assert value(found, "vllm:request_max_num_generation_tokens_sum") >= 7 + 3
     # the older names carry the same figures as the newer

@@ -94,9 +94,9 @@ def http(server):
 
 
 def metrics_text(http) -> str:
-    """/metrics without the model_name label every sample carries (the first served name), so
-    samples read as `specdec:requests_total{outcome="stop"} 3.0`."""
-    return re.sub(r'model_name="[^"]*",?', "", http.get("/metrics").text).replace("{}", "")
+    """/metrics without the engine and model_name labels every sample carries (vLLM's: "0" and the
+    first served name), so samples read as `specdec:requests_total{outcome="stop"} 3.0`."""
+    return re.sub(r'(engine|model_name)="[^"]*",?', "", http.get("/metrics").text).replace("{}", "")
 
 
 def metric(http, name: str) -> float:

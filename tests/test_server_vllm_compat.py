@@ -3,7 +3,7 @@ port, real HTTP clients): the response `model` is the served name the request us
 (--enable-request-id-headers) names the response, its id and its log lines; /ping and /load
 (--enable-server-load-tracking); requests_total counts each request to the API once (5xx as
 error, an engine's refusal once as invalid; unknown paths, wrong methods and 401s not at all);
-every specdec: series carries vLLM's model_name label, and no *_created series is exported."""
+every specdec: series carries vLLM's model_name and engine labels."""
 
 from __future__ import annotations
 
@@ -255,9 +255,8 @@ def test_every_series_carries_the_model_name_label(http):
     samples = [s for f in families for s in f.samples]
     assert samples and all(s.labels.get("model_name") == NAMES[0] for s in samples), \
         [s for s in samples if s.labels.get("model_name") != NAMES[0]][:3]
-    assert "_created" not in text                     # vLLM's exposition has no *_created series
-    # a vLLM dashboard's selector
-    assert f'specdec:requests_total{{model_name="{NAMES[0]}",outcome="stop"}}' in text
+    # a vLLM dashboard's selector (vLLM's label pair: model_name and engine)
+    assert f'specdec:requests_total{{engine="0",model_name="{NAMES[0]}",outcome="stop"}}' in text
 
 
 # -- vLLM's /v1/chat/completions/batch -------------------------------------------------------------

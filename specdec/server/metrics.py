@@ -16,8 +16,13 @@ scrape time; per-step figures (tokens per step, drafted tokens) are observed by 
 With LoRA enabled, `specdec:lora_requests_info` is vLLM's vllm:lora_requests_info: one sample
 whose labels name the adapters of the running and the waiting requests (comma-separated) and
 max_lora, and whose value is the scrape's time.
-Every series also carries vLLM's `model_name` label (the first served name), so that vLLM
-dashboards' `{model_name="..."}` selectors find them.
+Every series also carries vLLM's label pair, `model_name` (the first served name) and
+`engine="0"` (one engine per server: vLLM's data-parallel index), so that vLLM dashboards'
+`{model_name="...", engine="0"}` selectors find them; lora_requests_info keeps its own labels (and
+model_name). Each counter and histogram has its `*_created` series (its start time), as
+prometheus_client writes them and vLLM's exposition has them. Histogram bounds are vLLM's
+(specdec/metrics.py). The spec_decode families exist only with a speculative method (an engine
+with a proposer, "auto" K included), as vLLM registers them only with a speculative config.
 `specdec:requests_total{outcome}` counts each request to the API once: by its completions'
 outcomes when it ran any (an engine's refusal, a ValueError, as invalid), else by the status of
 its answer (RequestCounter: 4xx invalid, 5xx error).
@@ -37,20 +42,31 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
-from ..metrics import E2E_BUCKETS, LATENCY_BUCKETS, RequestStats, one_two_five
+from ..metrics import (ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS,
+                       RequestStats, one_two_five)
 
 PREFIX = "specdec:"
 PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
 MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {model_name="<first served name>"}
-# no `*_created` series beside each counter and histogram (prometheus_client's default; vLLM's
-# exposition has none). A process-wide setting of prometheus_client.
-prometheus_client.disable_created_metrics()
-_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ENGINE = {"engine": "0"}        # vLLM's other label on every series: its engine (data-parallel) index
+
+
+class _EngineLabelled:
+    """A registry's families, each sample with vLLM's engine label added at scrape time (the
+    metrics are kept and recorded by model_name alone); lora_requests_info as it is, as vLLM's."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        for fam in self.registry.collect():
+            if not fam.name.endswith("lora_requests_info"):
+                fam.samples = [s._replace(labels={**s.labels, **ENGINE}) for s in fam.samples]
+            yield fam
 
 
 class _EngineCollector:
@@ -59,6 +75,7 @@ class _EngineCollector:
 
     def __init__(self, engine, model_name: str, prefix: str = PREFIX):
         self.engine, self.model, self.prefix = engine, model_name, prefix
+        self.created = time.time()      # its counters' `*_created` (they count from the engine's start)
 
     def collect(self):
         e, labels, values, PREFIX = self.engine, [MODEL_LABEL], [self.model], self.prefix
@@ -77,14 +94,14 @@ class _EngineCollector:
                                   e.prefix_cache_queries),
                                  ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits)):
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, value)
+            c.add_metric(values, value, created=self.created)
             yield c
         graphs = getattr(e, "graphs", None)
         if graphs is not None:      # --compilation-config's CUDA graphs: how the target's forwards ran
             c = CounterMetricFamily(PREFIX + "cuda_graph_forwards", "Target forwards by how they ran: a graph "
                                     "captured or replayed, or eager (with the reason).", labels=[MODEL_LABEL, "mode"])
             for mode, n in dict(graphs.stats).items():     # a copy: the worker adds keys meanwhile
-                c.add_metric([self.model, mode], n)
+                c.add_metric([self.model, mode], n, created=self.created)
             yield c
         if e.lora is not None:
             yield self._lora_info(e)
@@ -241,12 +258,18 @@ class ServerMetrics:
         self.model_name = model = model_name
         self.prefix = PREFIX = prefix
         self.stat_logger: StatLogger | None = None      # the periodic log lines (build_app sets it)
-        self.registry = reg = CollectorRegistry()
+        reg = CollectorRegistry()       # the metrics, by model_name; self.registry adds the engine label
         reg.register(_EngineCollector(engine, model, prefix))
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineLabelled(reg))
+        # the spec_decode families: only where speculation can happen (a proposer, "auto" K
+        # included: it may draft at any step), as vLLM registers them only with a speculative
+        # config; without one they are made unregistered, and stay at 0
+        spec = reg if engine.proposer is not None else None
         by_model = [MODEL_LABEL]
 
-        def counter(name, doc):
-            return Counter(PREFIX + name, doc, by_model, registry=reg).labels(model)
+        def counter(name, doc, registry=reg):
+            return Counter(PREFIX + name, doc, by_model, registry=registry).labels(model)
 
         def histogram(name, doc, buckets):
             return Histogram(PREFIX + name, doc, by_model, buckets=buckets, registry=reg).labels(model)
@@ -258,20 +281,22 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose prefill is done (each "
                                      "choice's, cached or not: vLLM's per-request count).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "
-                             "one completion (one decoding step may deliver several).", LATENCY_BUCKETS)
+                             "one completion (one decoding step may deliver several).", ITL_BUCKETS)
         self.itl_old = histogram("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM's older "
-                                 "name (its Grafana dashboard reads it).", LATENCY_BUCKETS)
+                                 "name (its Grafana dashboard reads it).", ITL_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Per completion: (last token - first "
-                              "token) / (output tokens - 1).", LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", E2E_BUCKETS)
+                              "token) / (output tokens - 1).", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.", REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first step that schedules "
-                                    "the completion.", E2E_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
+                                    "the completion.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.",
+                                     REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
-                                        E2E_BUCKETS)
+                                        REQUEST_LATENCY_BUCKETS)
         sizes = one_two_five(max(engine.max_model_len, 1))
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Per finished completion: its prompt's "
                                                "tokens.", sizes)
@@ -279,23 +304,23 @@ class ServerMetrics:
                                                    "tokens it generated.", sizes)
         self.request_max_generation = histogram("request_max_num_generation_tokens", "Per finished request: the "
                                                 "most tokens any of its completions generated.", sizes)
-        self.request_n = histogram("request_params_n", "Per finished request: its n.", (1, 2, 5, 10, 20))
+        self.request_n = histogram("request_params_n", "Per finished request: its n.", REQUEST_N_BUCKETS)
         self.request_max_tokens = histogram("request_params_max_tokens", "Per finished request: its max_tokens "
                                             "(the context's room when it set none).", sizes)
         self._success = Counter(PREFIX + "request_success_total", "Finished completions by finish reason "
                                 "(vLLM's: stop, length, abort).", [MODEL_LABEL, "finished_reason"], registry=reg)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens one engine step fed the target "
-                                          "(decoding tokens, drafts and prompt chunks).", _TOKEN_BUCKETS)
-        self.num_drafts = counter("spec_decode_num_drafts", "Decoding steps that scored a draft.")
-        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored.")
-        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+                                          "(decoding tokens, drafts and prompt chunks).", ITERATION_TOKENS_BUCKETS)
+        self.num_drafts = counter("spec_decode_num_drafts", "Decoding steps that scored a draft.", spec)
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored.", spec)
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec)
         self._accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
-                                         "accepted at each draft position.", [MODEL_LABEL, "position"], registry=reg)
+                                         "accepted at each draft position.", [MODEL_LABEL, "position"], registry=spec)
         self._drafted_per_pos = Counter(PREFIX + "spec_decode_num_draft_tokens_per_pos", "Draft tokens scored "
-                                        "at each draft position.", [MODEL_LABEL, "position"], registry=reg)
+                                        "at each draft position.", [MODEL_LABEL, "position"], registry=spec)
         self.speculating = Gauge(PREFIX + "spec_decode_speculating_fraction", "Of the last step's decoding "
                                  "requests, the fraction that drafted (the goodput policy's choice).", by_model,
-                                 registry=reg).labels(model)
+                                 registry=spec).labels(model)
         for outcome in ("stop", "length", "abort", "error", "invalid"):
             self._requests.labels(model, outcome)     # present at 0 from the start, so rates are defined
         for reason in ("stop", "length", "abort"):
@@ -310,14 +335,24 @@ class ServerMetrics:
 
     def pooled(self, input_tokens: list[int], seconds: float) -> None:
         """One pooling request (embeddings, score, rerank, classify) answered: one API request
-        (requests_total), and as vLLM's engine counts them each input a finished request (stop):
-        its tokens as prompt tokens, its end-to-end latency (the request's)."""
+        (requests_total), and as vLLM's engine counts them each input a finished request (stop),
+        observed in every per-request family as vLLM observes a finished pooling request: its
+        tokens as prompt tokens, none generated, the request's latency as its end-to-end,
+        prefill and inference time (the inputs run in one call: no queue or decode time of
+        their own), n 1 and no max_tokens (vLLM's pooling params have none)."""
         self.count("stop")
         self.prompt_tokens.inc(sum(input_tokens))
         for n in input_tokens:
             self._success.labels(self.model_name, "stop").inc()
             self.request_prompt_tokens.observe(n)
+            self.request_generation_tokens.observe(0)
             self.e2e.observe(seconds)
+            self.prefill_time.observe(seconds)
+            self.inference_time.observe(seconds)
+            for h in (self.queue_time, self.decode_time, self.tpot):
+                h.observe(0.0)
+            self.request_n.observe(1)
+            self.request_max_generation.observe(0)
 
     def answered(self, status: int | None, api_route: bool) -> None:
         """A request to a route of the API that its completions did not count has been answered:
@@ -356,7 +391,7 @@ class ServerMetrics:
             self.speculating.set(engine.last_step_drafting / len(events))
 
     def finished(self, reason: str, stats: RequestStats | None, prompt_tokens: int, generated: int, arrival: float,
-                 first: float | None, last: float | None, end: float) -> None:
+                 first: float | None, last: float | None, end: float, max_tokens: int | None = None) -> None:
         """One completion has left the engine (stop, length, or abort once the engine stopped it):
         vLLM's FinishedRequestStats, every per-completion family observed together from it:
         request_success{reason}, its prompt and generated tokens (all the engine generated for it:
@@ -364,8 +399,11 @@ class ServerMetrics:
         (arrival to first scheduled; its whole wait for one never scheduled), prefill (scheduled to
         first token), decode (first to last token), inference (scheduled to last token) and time
         per output token (decode / (tokens - 1)), each 0 for one that made no token (0 for TPOT
-        with fewer than 2), as vLLM observes its finished requests."""
+        with fewer than 2), as vLLM observes its finished requests; and its max_tokens (vLLM's
+        max_tokens_param, observed per finished completion when set)."""
         self._success.labels(self.model_name, reason).inc()
+        if max_tokens:
+            self.request_max_tokens.observe(max_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generated)
         queued = stats.queue_time_s if stats is not None and stats.queue_time_s else None
@@ -386,10 +424,10 @@ class ServerMetrics:
         self.itl.observe(seconds)
         self.itl_old.observe(seconds)
 
-    def request_ended(self, n: int, max_tokens: int, max_generated: int) -> None:
-        """Every completion of one request has ended (vLLM's per-request histograms)."""
+    def prompt_ended(self, n: int, max_generated: int) -> None:
+        """Every completion of one prompt has ended (vLLM's parent request: a list of prompts is
+        one engine request each): its n and the most tokens one of them generated."""
         self.request_n.observe(n)
-        self.request_max_tokens.observe(max_tokens)
         self.request_max_generation.observe(max_generated)
 
     def render(self) -> bytes:

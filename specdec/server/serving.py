@@ -574,7 +574,10 @@ class Generation:
         self._open = set(range(len(self._jobs)))
         self._leaving: set[int] = set()  # choices whose client left, until the engine has stopped them
         self._drainer: asyncio.Task | None = None
-        self._ended = 0
+        # per prompt (vLLM's parent request): its choices not ended yet, and the most tokens one
+        # of its finished-request records generated (None while it has none)
+        self._left = [self.per_prompt] * len(prompts)
+        self._most: list[int | None] = [None] * len(prompts)
         # --enable-log-outputs: each choice's output so far (token ids, text), logged as it ends
         self._outputs = [([], "") for _ in self._jobs] if logger is not None and logger.outputs else None
 
@@ -628,20 +631,24 @@ class Generation:
 
     def _finished(self, index: int, outcome: str, counted: bool = False) -> None:
         """Choice `index` is over: requests_total{outcome} (unless counted as its client left) and,
-        for one the engine ran (stop, length, abort), vLLM's finished-request record."""
+        for one the engine ran (stop, length, abort), vLLM's finished-request record. A job
+        cancelled before the engine took it makes none (vLLM's: a request that never reached
+        its engine has no stats, and the engine made no span for it)."""
         if not counted:
             self._metrics.count(outcome or "stop")
-        if outcome in ("stop", "length", "abort"):
+        prompt = index // self.per_prompt
+        if outcome in ("stop", "length", "abort") and self._jobs[index].started:
             clock, stats = self._clocks[index], self.stats[index]
             generated = 0 if self.echo_only or stats is None else stats.output_tokens
+            room = self._worker.engine.max_model_len - len(self.prompt_of(index))
             self._metrics.finished(outcome, stats, len(self.prompt_of(index)), generated, clock.arrival,
-                                   clock.first, clock.last, time.perf_counter())
-        self._ended += 1
-        if self._ended == len(self._jobs):          # the request's last choice: vLLM's per-request figures
-            room = self._worker.engine.max_model_len - max(len(p) for p in self.prompts)
-            self._metrics.request_ended(self.params.n, self.params.max_tokens or max(room, 0),
-                                        0 if self.echo_only else
-                                        max((s.output_tokens for s in self.stats if s is not None), default=0))
+                                   clock.first, clock.last, time.perf_counter(),
+                                   max_tokens=self.params.max_tokens or max(room, 0))
+            self._most[prompt] = max(self._most[prompt] or 0, generated)
+        self._left[prompt] -= 1
+        if not self._left[prompt] and self._most[prompt] is not None:
+            # the prompt's last choice: vLLM's per parent request figures (each prompt of a list is one)
+            self._metrics.prompt_ended(self.params.n, self._most[prompt])
         if self._logger is not None:
             output = self._outputs[index] if self._outputs is not None else None
             self._logger.ended(self._jobs[index], outcome, self.stats[index], output)

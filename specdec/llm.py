@@ -33,7 +33,7 @@ from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Counte
 from .model import CheckpointError, load_model
 from .model.checkpoint import resolve_hub_id
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
-from .outputs import CompletionOutput, RequestOutput, RequestStream
+from .outputs import CompletionOutput, RequestOutput, RequestStream, logprob_namer
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
 from .proposers import build_proposer, check_keys, typical_acceptance
 from .tokenizer import (Tokenizer, TokenizerError, content_format, first_vocab_mismatch, model_eos_ids,
@@ -1311,7 +1311,7 @@ class LLM:
         if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
             candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
         # detokenize=False: no decoded_token either (vLLM's request then has no tokenizer)
-        name = (lambda e: e.named(self._token_name)) if params.detokenize else (lambda e: e)
+        name = logprob_namer(params, self._token_name)
         for i, r in enumerate(candidates):
             lp = [name(e) for e in logprobs.get(r.request_id, [])] if params.logprobs is not None else None
             cumulative = r.cumulative_logprob if ranked else (sum(x.logprob for x in lp) if lp is not None else None)
@@ -1327,7 +1327,7 @@ class LLM:
         stats.queue_time_s = reqs[(rid, 0)].stats.queue_time_s
         prompt_lps = reqs[(rid, 0)].prompt_logprobs
         if prompt_lps is not None:
-            prompt_lps = [name(e) if e is not None else None for e in prompt_lps]
+            prompt_lps = [name(e) for e in prompt_lps]
         return RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, prompt_logprobs=prompt_lps,
                              outputs=outputs, finished=True, metrics=stats, lora_request=reqs[(rid, 0)].lora_request)
 

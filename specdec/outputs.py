@@ -139,6 +139,14 @@ class _Choice:
     sent_text: int = 0
 
 
+def logprob_namer(params: SamplingParams, token_name: Callable[[int], str]) -> Callable:
+    """A logprob entry (or None) with its tokens' texts as decoded_token; with detokenize=False
+    as it is, as vLLM's request without a tokenizer leaves decoded_token None."""
+    if not params.detokenize:
+        return lambda e: e
+    return lambda e: None if e is None else e.named(token_name)
+
+
 class RequestStream:
     """One request's n completions, fed its engine events (add, abort), giving its RequestOutputs
     (outputs: what the events since the last call make, by params.output_kind).
@@ -149,7 +157,7 @@ class RequestStream:
                  token_name: Callable[[int], str], lora_request=None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.token_name, self.lora_request = params, token_name, lora_request
-        self._name = (lambda e: e.named(token_name)) if params.detokenize else (lambda e: e)
+        self._name = logprob_namer(params, token_name)
         self.choices = [_Choice(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.open = set(range(params.n))          # the choices not finished yet
         self.prompt_logprobs = None
@@ -170,7 +178,7 @@ class RequestStream:
         if c.logprobs is not None and event.logprobs:
             c.logprobs += [self._name(e) for e in event.logprobs]
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [self._name(e) if e is not None else None for e in event.prompt_logprobs]
+            self.prompt_logprobs = [self._name(e) for e in event.prompt_logprobs]
         c.stats = event.stats
         if event.finished:
             c.finish_reason, c.stop_reason = event.finish_reason, event.stop_reason

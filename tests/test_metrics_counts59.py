@@ -51,22 +51,21 @@ def test_n_and_max_generation_per_prompt_max_tokens_per_completion(live):
     """vLLM runs each prompt of a list as its own (parent) request: request_params_n and
     request_max_num_generation_tokens once per prompt; request_params_max_tokens per finished
     completion (FinishedRequestStats.max_tokens_param)."""
-    body = {"model": "m", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-    a = scrape(live.url)
-    r = httpx.post(live.url + "/v1/completions", json={**body, "prompt": ["def f(x):", "class A:"]}, timeout=60)
-    assert r.status_code == 200
-    d = delta(a, scrape(live.url))
+    def counted(**fields) -> dict:
+        """What one completions request adds to /metrics."""
+        before = scrape(live.url)
+        body = {"model": "m", "max_tokens": 5, "temperature": 0, "ignore_eos": True, **fields}
+        assert httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        return delta(before, scrape(live.url))
+
+    d = counted(prompt=["def f(x):", "class A:"])
     assert d["vllm:request_success_total{finished_reason=length}"] == 2
     assert d["vllm:request_params_n_count"] == 2 and d["vllm:request_params_n_sum"] == 2
     assert d["vllm:request_max_num_generation_tokens_count"] == 2
     assert d["vllm:request_max_num_generation_tokens_sum"] == 10
     assert d["vllm:request_params_max_tokens_count"] == 2 and d["vllm:request_params_max_tokens_sum"] == 10
 
-    a = scrape(live.url)
-    r = httpx.post(live.url + "/v1/completions", json={**body, "prompt": "def f(x):", "n": 3, "temperature": 0.8,
-                                                       "seed": 1}, timeout=60)
-    assert r.status_code == 200
-    d = delta(a, scrape(live.url))
+    d = counted(prompt="def f(x):", n=3, temperature=0.8, seed=1)
     assert d["vllm:request_success_total{finished_reason=length}"] == 3
     assert d["vllm:request_params_n_count"] == 1 and d["vllm:request_params_n_sum"] == 3
     assert d["vllm:request_max_num_generation_tokens_count"] == 1

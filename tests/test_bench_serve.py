@@ -348,7 +348,7 @@ def test_bench_serve_takes_vllms_flags(tiny_pair, tmp_path):
     assert "temperature 0.7, top_p 0.95, top_k 20, min_p 0.01," in (folder / "results.md").read_text()
     assert serve._sampling(argparse.Namespace(output_len=3, temperature=0.7, seed=0, ignore_eos=False, top_p=0.95,
                                               top_k=20, min_p=None)) == {
-        "max_tokens": 3, "temperature": 0.7, "seed": 0, "top_p": 0.95, "extra_body": {"ignore_eos": False, "top_k": 20}}
+        "max_tokens": 3, "temperature": 0.7, "top_p": 0.95, "extra_body": {"ignore_eos": False, "top_k": 20}}
     assert "p99" in point["ttft"] and "p99" in point["e2el"] and "p99" not in point["tpot"] and "median" in point["tpot"]
     assert "as plain prompts (no chat template) to /v1/completions" in (folder / "results.md").read_text()
 

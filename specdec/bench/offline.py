@@ -74,8 +74,9 @@ def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", type=int, help="random: vLLM's name for --output-len (wins over it)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: lengths drawn uniformly within +- this share of the lengths (default 0)")
-    p.add_argument("--prefix-len", "--random-prefix-len", dest="prefix_len", type=int, default=0,
+    p.add_argument("--prefix-len", type=int,
                    help="random: a random prefix of this many tokens shared by every prompt (default 0)")
+    p.add_argument("--random-prefix-len", type=int, help="random: vLLM's name for --prefix-len (wins over it)")
     p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
                    help="prefix_repetition: tokens of each shared prefix (default 256)")
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
@@ -135,12 +136,19 @@ def check_throughput(args) -> None:
     for flag, value in (("--random-input-len", args.random_input_len), ("--random-output-len", args.random_output_len)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.random_input_len is not None:
-        args.input_len = args.random_input_len
+    # vLLM's throughput.py: the random_* flag wins, with a warning when both are given
+    for name in ("input_len", "output_len", "prefix_len"):
+        given = getattr(args, "random_" + name)
+        if given is not None and getattr(args, name) is not None and random_ids:
+            flag = name.replace("_", "-")
+            print(f"specdec bench throughput: warning: both --{flag} and --random-{flag} are given: "
+                  f"--random-{flag} ({given}) is used, as vLLM's", file=sys.stderr)
+        if given is not None:
+            setattr(args, name, given)
     if args.input_len is None:
         args.input_len = RANDOM_INPUT_LEN
-    if args.random_output_len is not None:
-        args.output_len = args.random_output_len
+    if args.prefix_len is None:
+        args.prefix_len = 0
     args.sharegpt_output_len = args.output_len if args.dataset_name == "sharegpt" else None
     if args.output_len is None:
         args.output_len = OUTPUT_LEN

@@ -5,7 +5,7 @@ K) it starts a server (or targets one with --base-url), then for each load point
 Spec-Bench questions as streaming chat requests: Poisson arrivals at --request-rate (gaps from
 a Gamma of shape --burstiness, as vLLM: 1 = Poisson, lower = burstier) and/or at most
 --max-concurrency in flight. Per load point it reports, with vLLM's meanings:
-- TTFT: request sent -> first chunk carrying tokens;
+- TTFT: request sent -> first chunk with choices (its text may be empty: a special token's);
 - TPOT: per request (e2e - TTFT) / (output tokens - 1);
 - ITL: gaps between chunks (with speculation one chunk may carry several tokens);
 - E2EL: request sent -> last chunk;
@@ -49,7 +49,7 @@ class RequestResult:
     error: str = ""
     arrived: float = 0.0            # when it was due; sent - arrived: its wait for --max-concurrency
     sent: float = 0.0
-    chunks: list[float] = field(default_factory=list)     # arrival time of each chunk carrying tokens
+    chunks: list[float] = field(default_factory=list)     # arrival time of each chunk with choices
     output_tokens: int = 0
     prompt_tokens: int = 0
     text: str = ""                  # the generated text, counted by a tokenizer when no usage came
@@ -343,6 +343,25 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int,
     return times
 
 
+def rps_change_events(ramp: tuple[str, float, float], arrived: list[float], began: float) -> list[dict]:
+    """vLLM's rps_change_events of a ramp: its start rate, stamped when the load point began, then
+    each whole rate it passes, stamped when the first request due at that rate (or above) went out.
+    arrived: each request's due time, and began, on time.time()'s clock; stamps are ISO local times."""
+    from datetime import datetime
+
+    def stamp(t: float) -> str:
+        return datetime.fromtimestamp(t).isoformat()
+
+    start = ramp[1]
+    last = int(start)
+    events = [{"rps": last if last == start else start, "timestamp": stamp(began)}]
+    for rate, at in zip(ramp_rates(len(arrived), *ramp), arrived):
+        if int(rate) > last:
+            events += [{"rps": rps, "timestamp": stamp(at)} for rps in range(last + 1, int(rate) + 1)]
+            last = int(rate)
+    return events
+
+
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
                  ramp: tuple[str, float, float] | None = None) -> list[float]:
     """The gaps before each request of arrival_times (the first: from the start)."""
@@ -376,10 +395,10 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
             now = time.perf_counter()
             if chunk.usage is not None:
                 result.output_tokens, result.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-            piece = "".join((c.delta.content if _is_chat(item) else c.text) or "" for c in chunk.choices)
-            if piece:
+            if chunk.choices:           # vLLM's rule, as _one_raw's
                 result.chunks.append(now)
-                result.text += piece
+                result.text += "".join((c.delta.content or getattr(c.delta, "reasoning_content", None)
+                                        if _is_chat(item) else c.text) or "" for c in chunk.choices)
         result.ok = bool(result.chunks)
         result.error = "" if result.ok else "no tokens"
     except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
@@ -387,7 +406,11 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
 
 
 def _text_of(choice: dict, chat: bool):
-    return (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    """A streamed choice's text; a chat delta's reasoning counts as output, as vLLM's client counts it."""
+    if not chat:
+        return choice.get("text")
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content")
 
 
 async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dict, result: RequestResult) -> None:
@@ -408,12 +431,14 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
                 result.error = f"HTTP {response.status}: {text}"
                 return
             async for line in response.content:         # one line at a time: "data: {...}" or blank
-                if not line.startswith(b"data: "):
+                if not line.startswith(b"data:"):      # blank lines, ": ping" comments, other fields
                     continue
                 now = time.perf_counter()
-                data = line[6:].strip()
+                data = line[5:].strip()                 # "data:{...}" or "data: {...}", as vLLM reads both
                 if data == b"[DONE]":
                     break
+                if not data:
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:                    # an error after the status line went out
                     result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
@@ -421,10 +446,11 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                piece = "".join(_text_of(c, chat) or "" for c in chunk.get("choices") or ())
-                if piece:
+                # vLLM's client: a chunk with choices is a token's arrival even when its text is empty
+                # (a special token, a role chunk); a usage-only one is not
+                if chunk.get("choices"):
                     result.chunks.append(now)
-                    result.text += piece
+                    result.text += "".join(_text_of(c, chat) or "" for c in chunk["choices"])
         result.ok = bool(result.chunks)
         result.error = "" if result.ok else "no tokens"
     except Exception as e:          # noqa: BLE001 - a failed request is a result, not a crash
@@ -511,7 +537,8 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 def count_without_usage(results: list[RequestResult], items: list[dict], base_url: str, args) -> None:
     """Token counts for the requests whose stream carried no usage (servers that ignore
     stream_options, llama-cpp-python's among them): the generated text and the prompt through the
-    tokenizer (--tokenizer, else the served model's), as vLLM's benchmark counts them then."""
+    tokenizer (--tokenizer, else the served model's), as vLLM's benchmark counts them then (an
+    empty text counts 0 tokens and the request still completed, as vLLM's)."""
     missing = [(r, it) for r, it in zip(results, items) if r.ok and not r.output_tokens]
     if not missing:
         return
@@ -523,13 +550,11 @@ def count_without_usage(results: list[RequestResult], items: list[dict], base_ur
     for r, it in missing:
         r.output_tokens = len(tok.encode(r.text, add_special_tokens=False))
         r.prompt_tokens = r.prompt_tokens or prompt_length(tok, it)
-        r.ok = r.output_tokens > 0
-        r.error = "" if r.ok else "no tokens"
 
 
 def peaks(results: list[RequestResult]) -> tuple[float, int]:
     """vLLM's peak figures of a load point (calculate_metrics' max_output_tokens_per_s and
-    max_concurrent_requests), over the successful requests: the most chunks carrying tokens that
+    max_concurrent_requests), over the successful requests: the most chunks with choices that
     arrived within one second, the seconds counted from the first request sent (vLLM counts each
     chunk as one token), and the most requests in flight at once, each over [sent, last chunk) so
     that one ending as another starts does not overlap it."""
@@ -772,7 +797,9 @@ def _sampling(args) -> dict:
     """Every request's sampling fields (top_k and min_p are vLLM's extensions: extra_body)."""
     extra = {"ignore_eos": args.ignore_eos, **{k: getattr(args, k) for k in ("top_k", "min_p")
                                                if getattr(args, k, None) is not None}}
-    return {"max_tokens": args.output_len, "temperature": args.temperature, "seed": args.seed,
+    # no "seed": vLLM's bench sends none (--seed seeds the dataset and the arrivals); one seed in
+    # every request would make the repeats of a prompt draw the same sample
+    return {"max_tokens": args.output_len, "temperature": args.temperature,
             **({"top_p": args.top_p} if getattr(args, "top_p", None) is not None else {}), "extra_body": extra}
 
 
@@ -813,12 +840,17 @@ class Measured:
     counters: dict = field(default_factory=dict)     # the speculative counters' increments
     rounds: list = field(default_factory=list)       # per round: its median TPOT and output tok/s
     load: Load | None = None                         # set by point()
+    rps_change_events: list = field(default_factory=list)    # a ramp's, each round's in turn
 
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
+        began, began_perf = time.time(), time.perf_counter()
         results, wall = asyncio.run(run_load(base_url, request_model(base_url, args), items, load, args.burstiness,
                                              _sampling(args), seed, args.client))
         after = read_counters(base_url)
+        if load.ramp:
+            self.rps_change_events += rps_change_events(load.ramp, [began + r.arrived - began_perf for r in results],
+                                                        began)
         count_without_usage(results, items, base_url, args)
         self.results += results
         self.wall += wall

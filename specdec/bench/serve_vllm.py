@@ -70,7 +70,8 @@ def flat_result(m: Measured, args, head: dict, slo: dict) -> dict:
               "generated_texts": [r.text for r in m.results],
               "errors": [r.error for r in m.results],
               **dict(zip(("max_output_tokens_per_s", "max_concurrent_requests"), peaks(m.results))),
-              "rtfx": 0.0}                  # vLLM's speech-recognition figure: no audio here
+              "rtfx": 0.0,                  # vLLM's speech-recognition figure: no audio here
+              **({"rps_change_events": m.rps_change_events} if m.rps_change_events else {})}
     result.update(speculation(m.counters))
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
               "itl": [g for r in ok for g in r.itl], "e2el": [r.e2el for r in ok]}

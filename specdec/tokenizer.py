@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 # chat templates render in Jinja's immutable sandbox, bounded; a request's own template in a child
 # process with a memory and a time limit (jinja_sandbox.py)
@@ -40,6 +41,9 @@ from .model.config import text_config
 # GIL (its encode holds it for the whole text: a server's event loop and every other Python thread
 # stop while a 1 MB prompt is tokenized, even on a worker thread); the ids are the same.
 LONG_TEXT = 8192
+# the post-processor transformers gives a tokenizer.json that has none: a pair's second text type id 1
+PLAIN = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+SECOND_TEXT = processors.TemplateProcessing(single="$A:1", pair="$A:1 $B:1")
 
 
 def _check_unicode(text) -> None:
@@ -366,6 +370,7 @@ class Tokenizer:
         self.model_max_length = cfg.get("model_max_length") if isinstance(cfg.get("model_max_length"), int) else VERY_LARGE_INTEGER
         self.truncation_side = cfg.get("truncation_side") if cfg.get("truncation_side") in ("left", "right") else "right"
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
+        self.split_special_tokens = bool(cfg.get("split_special_tokens", False))
         self.name_or_path = str(folder)
 
     def _from_gguf(self, g) -> None:
@@ -426,10 +431,11 @@ class Tokenizer:
         if (text_pair is None and isinstance(text, str) and not kwargs and padding is False and truncation is None
                 and max_length is None and return_tensors is None):
             try:
+                backend = self._encoder()
                 if len(text) < LONG_TEXT:
-                    ids = self.backend.encode(text, add_special_tokens=add).ids
+                    ids = backend.encode(text, add_special_tokens=add).ids
                 else:   # the same ids, the GIL let go (the binding's encode holds it: 0.5-1 s for 1 MB)
-                    ids = self.backend.encode_batch([text], add_special_tokens=add)[0].ids
+                    ids = backend.encode_batch([text], add_special_tokens=add)[0].ids
             except TypeError:
                 _check_unicode(text)
                 raise
@@ -530,7 +536,7 @@ class Tokenizer:
         add = self.backend.add_special_tokens if special_tokens else self.backend.add_tokens
         add(tokens)
         self.special_ids = {i for i, t in self.backend.get_added_tokens_decoder().items()}
-        for key in ("_layout", "_max_token_id"):
+        for key in ("_layout", "_max_token_id", "_split_encoder"):
             self.__dict__.pop(key, None)
         return len(self) - before
 
@@ -602,7 +608,32 @@ class Tokenizer:
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         decoder = self.backend.decoder
-        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
+
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None,
+                                already_has_special_tokens: bool = False) -> list[int]:
+        """transformers': 1 for a special token, 0 for a text's token. already_has_special_tokens:
+        token_ids_0 is a whole sequence, whose all_special_ids are marked (what data collators ask);
+        else the mask of the sequence the tokenizer makes of the ids (and token_ids_1's), its
+        post-processor's tokens (and BOS) around them, as tok(text, return_special_tokens_mask=True)."""
+        ids_0 = _as_list(token_ids_0)
+        if already_has_special_tokens:
+            if token_ids_1 is not None:
+                raise ValueError("You should not supply a second sequence if the provided sequence of ids is already "
+                                 "formatted with special tokens for the model.")
+            special = set(self.all_special_ids)
+            return [int(int(i) in special) for i in ids_0]
+        # the template's layout from one placeholder token per text: None marks a token it adds
+        lengths = [len(ids_0)] + ([] if token_ids_1 is None else [len(_as_list(token_ids_1))])
+        texts = [self.backend.encode("a", add_special_tokens=False) for _ in lengths]
+        if any(len(t) == 0 for t in texts):
+            raise NotImplementedError(f"{type(self).__name__} cannot place its special tokens: its vocabulary "
+                                      "encodes no placeholder text")
+        for t in texts:
+            t.truncate(1)
+        first, second = texts[0], texts[1] if len(texts) > 1 else None
+        row = self._bos(_Row(self._post_process(first, second), second is not None), True)
+        return [m for seq in row.sequences for m in ([1] if seq is None else [0] * lengths[seq])]
 
     @property
     def special_tokens_map(self) -> dict:
@@ -636,6 +667,8 @@ class Tokenizer:
         return_tensors: "pt" or "np" (then a single text gets a batch of one)."""
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "tokenizer_kwargs", "text",
                                                                "text_pair", "text_target", "text_pair_target")}
+        if "split_special_tokens" in kwargs:
+            args["split_special_tokens"] = kwargs["split_special_tokens"]
         args.update(tokenizer_kwargs or {})
         if text is None and text_target is None:
             raise ValueError("You need to specify either `text` or `text_target`.")
@@ -701,8 +734,8 @@ class Tokenizer:
             pairs = [t[1] if c else None for t, c in zip(texts, couples)]
             texts = [t[0] if c else t for t, c in zip(texts, couples)]
         cut_side = self.truncation_side if kwargs.get("truncation_side") is None else kwargs["truncation_side"]
-        rows = [self._row(t, p, add_special_tokens, max_length, cut, cut_side, is_split_into_words, stride)
-                for t, p in zip(texts, pairs)]
+        rows = [self._row(t, p, add_special_tokens, max_length, cut, cut_side, is_split_into_words, stride,
+                          kwargs.get("split_special_tokens")) for t, p in zip(texts, pairs)]
         sample = None
         if return_overflowing_tokens:     # transformers' fast tokenizers: a row per window, and its text's index
             windows = [[r, *(self._bos(w, add_special_tokens) for w in r.windows())] for r in rows]
@@ -740,7 +773,8 @@ class Tokenizer:
         return BatchEncoding(data, rows, n_sequences)
 
     def _row(self, text, pair, add_special_tokens: bool, max_length: int | None, cut: str | None,
-             side: str = "right", split: bool = False, stride: int = 0) -> _Row:
+             side: str = "right", split: bool = False, stride: int = 0,
+             split_special_tokens: bool | None = None) -> _Row:
         """One text (or pair) encoded: truncated as tokenizers truncates (the special tokens kept,
         the texts cut to the rest of max_length; what is cut off kept as overflowing windows that
         overlap by `stride` tokens), then its special tokens (and BOS) added."""
@@ -748,8 +782,8 @@ class Tokenizer:
             if t is not None and not (isinstance(t, (list, tuple)) if split else isinstance(t, str)):
                 raise TypeError(f"text must be a string or a list of strings, not {type(t).__name__}")
         try:
-            first = self._content(text, split)
-            second = None if pair is None else self._content(pair, split)
+            first = self._content(text, split, split_special_tokens)
+            second = None if pair is None else _second_text(self._content(pair, split, split_special_tokens))
         except TypeError:
             _check_unicode(text)
             _check_unicode(pair)
@@ -758,7 +792,7 @@ class Tokenizer:
             n1, n2 = len(first), len(second) if second is not None else 0
             special = 0
             if add_special_tokens:           # the template's tokens, and a BOS _with_bos would put in front
-                special = len(self._with_bos(self.backend.post_process(first, second).ids)) - n1 - n2
+                special = len(self._with_bos(self._post_process(first, second).ids)) - n1 - n2
             budget = max_length - special
             if second is None:
                 if cut == "only_second" and n1 > budget:     # transformers': only when a cut is needed
@@ -779,21 +813,45 @@ class Tokenizer:
                         raise ValueError("Truncation error: Sequence to truncate too short to respect the provided "
                                          "max_length")
                     _truncate(target, len(target) - over, stride, side)
-        row = _Row(self.backend.post_process(first, second, add_special_tokens=add_special_tokens), second is not None)
+        row = _Row(self._post_process(first, second, add_special_tokens), second is not None)
         return self._bos(row, add_special_tokens)
+
+    def _post_process(self, first, second, add_special_tokens: bool = True):
+        """A text's (and its pair's) encodings as one, the tokenizer's special tokens added; where the
+        tokenizer.json has no post-processor, the one transformers gives it (the backend is left as
+        it is: its serialization fingerprints training data)."""
+        if self.backend.post_processor is None:
+            return PLAIN.process(first, second, add_special_tokens)
+        return self.backend.post_process(first, second, add_special_tokens=add_special_tokens)
 
     def _bos(self, row: _Row, add_special_tokens: bool) -> _Row:
         if add_special_tokens and self.add_bos_token and self._adds_bos(row.ids):
             row.put(0, 1, self.bos_token_id, self.bos_token)
         return row
 
-    def _content(self, text, split: bool):
+    def _content(self, text, split: bool, split_special_tokens: bool | None = None):
         """A text's encoding without special tokens (a long text's with the GIL let go)."""
+        backend = self._encoder(split_special_tokens)
         if split:
-            return self.backend.encode(list(text), is_pretokenized=True, add_special_tokens=False)
+            return backend.encode(list(text), is_pretokenized=True, add_special_tokens=False)
         if len(text) < LONG_TEXT:
-            return self.backend.encode(text, add_special_tokens=False)
-        return self.backend.encode_batch([text], add_special_tokens=False)[0]
+            return backend.encode(text, add_special_tokens=False)
+        return backend.encode_batch([text], add_special_tokens=False)[0]
+
+    def _encoder(self, split_special_tokens: bool | None = None) -> HFTokenizer:
+        """The backend that encodes text; split_special_tokens (default: the tokenizer's attribute, as
+        transformers'): a copy of it that reads special-token text as ordinary text (tokenizers'
+        encode_special_tokens), as transformers does. A copy, made once: transformers flips the
+        shared backend's flag, which would split the prompts other threads encode meanwhile."""
+        split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+        if not split or self.backend.encode_special_tokens:
+            return self.backend
+        encoder = self.__dict__.get("_split_encoder")
+        if encoder is None:
+            encoder = HFTokenizer.from_str(self.backend.to_str())
+            encoder.encode_special_tokens = True
+            self.__dict__["_split_encoder"] = encoder
+        return encoder
 
     def encode_last(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
         """transformers' encode(text, truncation=True, max_length=max_length) on a tokenizer with
@@ -871,7 +929,8 @@ class Tokenizer:
         cfg = {k: v for k, v in self.init_config.items() if k not in ("chat_template", "added_tokens_decoder")}
         cfg.update({k: v for k, v in self.special_tokens_map.items()})
         cfg.update(add_bos_token=self.add_bos_token, padding_side=self.padding_side,
-                   truncation_side=self.truncation_side, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces)
+                   truncation_side=self.truncation_side, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces,
+                   split_special_tokens=self.split_special_tokens)
         if self.model_max_length < VERY_LARGE_INTEGER:
             cfg["model_max_length"] = self.model_max_length
         if self.additional_special_tokens:
@@ -938,18 +997,19 @@ class Tokenizer:
         out = self(texts, add_special_tokens=False, padding=padding, truncation=truncation, max_length=max_length,
                    **{**(tokenizer_kwargs or {}), "return_attention_mask": True})
         side = (tokenizer_kwargs or {}).get("truncation_side") or self.truncation_side
-        out["assistant_masks"] = [self._assistant_mask(t, row, s, side) for t, row, s in
+        encoder = self._encoder((tokenizer_kwargs or {}).get("split_special_tokens"))
+        out["assistant_masks"] = [self._assistant_mask(encoder, t, row, s, side) for t, row, s in
                                   zip(texts, out["attention_mask"], spans)]
         if return_tensors is not None:
             return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
         return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
 
-    def _assistant_mask(self, text: str, attention: list[int], spans: list[tuple[int, int]],
+    def _assistant_mask(self, encoder, text: str, attention: list[int], spans: list[tuple[int, int]],
                         side: str = "right") -> list[int]:
         """transformers' assistant mask of one row: 1 for a token whose characters overlap a span
         (the row's tokens, cut by truncation, are the text's first ones, or its last ones when the
         truncation side is left; padding gets 0)."""
-        offsets = self.backend.encode(text, add_special_tokens=False).offsets
+        offsets = encoder.encode(text, add_special_tokens=False).offsets
         kept = sum(1 for real in attention if real)
         offsets = iter(offsets[len(offsets) - kept:] if side == "left" else offsets[:kept])
         mask = []
@@ -1072,6 +1132,13 @@ def _truncate(enc, keep: int, stride: int, side: str) -> None:
         raise ValueError(f"stride ({stride}) must be smaller than the {keep} tokens a text keeps under max_length "
                          "(its special tokens subtracted)")
     enc.truncate(keep, stride=stride, direction=side)
+
+
+def _second_text(enc):
+    """A pair's second text with type id 1, as tokenizers' encode(text, pair) has it before
+    truncation and post-processing: the windows of its overflowing tokens keep it whatever the
+    post-processor says (transformers' results)."""
+    return SECOND_TEXT.process(enc)
 
 
 def longest_first(n1: int, n2: int, budget: int) -> tuple[int, int] | None:

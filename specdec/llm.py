@@ -881,13 +881,12 @@ class LLM:
 
     def _embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None) -> list:
         """embed() for every pooling model: a classifier's pooled states too (classify() reads them)."""
-        from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, check_dimensions, embed_batch,
-                              lower_prompt)
+        from .pooling import EmbeddingOutput, EmbeddingRequestOutput, check_dimensions, embed_batch, lower_prompt
 
         prompts = _prompt_list(prompts)
         if self._encoder_config.get("do_lower_case"):
             prompts = [lower_prompt(p) for p in prompts]
-        plist = [p or PoolingParams() for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
+        plist = [self._pooling_params(p) for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
         jobs = []
         for prompt, params in zip(prompts, plist):
             # the prompt's own value, else the call's; -1 keeps what the context holds, more is refused
@@ -989,10 +988,11 @@ class LLM:
         """vLLM's LLM.classify for a sequence classifier (architectures like
         Qwen2ForSequenceClassification): the `score` head over each prompt's last token,
         softmax over the labels (sigmoid for one); ClassificationRequestOutput per prompt.
-        pooling_params (one, or one per prompt): use_activation False gives the logits,
-        truncate_prompt_tokens as the argument."""
+        pooling_params (one, or one per prompt; second, as embed() takes them, or by name):
+        use_activation False gives the logits, truncate_prompt_tokens as the argument."""
         from .pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams
 
+        truncate_prompt_tokens, pooling_params = self._params_in_place(truncate_prompt_tokens, pooling_params)
         self._check_classifier()
         self._pooling_extras(lora_request, tokenization_kwargs)
         n = len(_prompt_list(prompts))
@@ -1004,13 +1004,36 @@ class LLM:
                 for o, p in zip(outs, plist)]
 
     @staticmethod
-    def _classify_params(params):
-        """A classify or score PoolingParams (None: the defaults); embedding-only fields refused."""
+    def _pooling_params(params):
+        """A pooling call's PoolingParams (None: the defaults); any other type refused in one line."""
         from .pooling import PoolingParams
 
-        params = params or PoolingParams()
+        if params is None:
+            return PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        return params
+
+    @staticmethod
+    def _params_in_place(truncate_prompt_tokens, pooling_params) -> tuple:
+        """(truncate_prompt_tokens, pooling_params) of classify(prompts, PoolingParams(...)) or
+        score(a, b, PoolingParams(...)): params (or one per prompt) where truncate_prompt_tokens
+        stands are the pooling_params, as embed() takes them second (vLLM's are keyword-only)."""
+        from .pooling import PoolingParams
+
+        kinds = (PoolingParams, SamplingParams)         # a SamplingParams: refused as pooling_params
+        given = truncate_prompt_tokens
+        if not (isinstance(given, kinds) or (isinstance(given, (list, tuple)) and given
+                                             and all(isinstance(p, kinds) or p is None for p in given))):
+            return truncate_prompt_tokens, pooling_params
+        if pooling_params is not None:
+            raise TypeError("pooling_params given twice: positionally and as pooling_params=")
+        return None, given
+
+    @staticmethod
+    def _classify_params(params):
+        """A classify or score PoolingParams (None: the defaults); embedding-only fields refused."""
+        params = LLM._pooling_params(params)
         for name in ("dimensions", "normalize"):
             if getattr(params, name) is not None:
                 raise ValueError(f"pooling_params.{name} applies to embeddings, not to a classifier's outputs")
@@ -1031,9 +1054,10 @@ class LLM:
         """vLLM's LLM.score: one text against a list, or two lists pairwise; ScoringRequestOutput
         per pair. An embedding model scores by the cosine similarity of the two embeddings, a
         cross-encoder (a sequence classifier with one label) by reading the pair as one input
-        (pooling_params.use_activation False: its raw logit)."""
+        (pooling_params.use_activation False: its raw logit; third, or by name)."""
         from .pooling import ScoringOutput, ScoringRequestOutput, cosine, lower_prompt, pairs
 
+        truncate_prompt_tokens, pooling_params = self._params_in_place(truncate_prompt_tokens, pooling_params)
         self.check_runner("pooling", "LLM.score()")
         self._pooling_extras(lora_request, tokenization_kwargs)
         if chat_template is not None:

@@ -10,11 +10,11 @@ decoding step; a client that leaves stops its request before the next forward (a
 vLLM aborts it. `encoding_format` "base64" packs the values as `embed_dtype` (vLLM's: float32,
 as OpenAI's client decodes them, float16 or bfloat16) in `endianness` (native, little, big);
 `dimensions` is accepted for matryoshka models only. vLLM's extensions:
-`truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true),
-`normalize`, and on /classify, /score, /rerank `use_activation` (false: the raw logits; its
-deprecated names `activation`, `softmax`). A server whose model generates answers 404 here, and a
-pooling server answers 404 on the generation endpoints, as vLLM registers only the routes its
-runner serves.
+`truncate_prompt_tokens` (keep the last k tokens: a text's BOS kept, as offline),
+`add_special_tokens` (default true), `normalize`, and on /classify, /score, /rerank
+`use_activation` (false: the raw logits; its deprecated names `activation`, `softmax`). A
+server whose model generates answers 404 here, and a pooling server answers 404 on the
+generation endpoints, as vLLM registers only the routes its runner serves.
 """
 
 from __future__ import annotations
@@ -277,14 +277,28 @@ async def _disconnected(request: Request) -> None:
 
 def _inputs(service, body) -> list[list[int]]:
     """The `input` (or the `messages`, through the chat template) of a pooling body as token
-    ids, each checked (off the event loop: Service.off_loop)."""
+    ids, each checked (off the event loop: Service.off_loop); a text truncated as offline."""
     x, messages = body.input, getattr(body, "messages", None)
     if (x is None) == (messages is None):
         raise APIError(400, "give either input or messages", "input")
     add = body.add_special_tokens if body.add_special_tokens is not None else messages is None
     lower = service.llm._encoder_config.get("do_lower_case")     # sentence_bert_config.json's (vLLM's)
-    encode = lambda text: service.tokenizer.encode(lower_prompt(text) if lower else text,  # noqa: E731
-                                                   add_special_tokens=add)
+    try:
+        keep = service.llm._truncation(body.truncate_prompt_tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), "truncate_prompt_tokens") from None
+
+    def encode(text: str) -> list[int]:
+        # vLLM's left-truncating tokenizer: a text's last tokens with its BOS kept (token ids are
+        # cut to their last k as given, by LLM.embed / classify)
+        text = lower_prompt(text) if lower else text
+        if keep is None:
+            return service.tokenizer.encode(text, add_special_tokens=add)
+        try:
+            return service.tokenizer.encode_last(text, keep, add_special_tokens=add)
+        except ValueError as e:
+            raise APIError(400, str(e), "truncate_prompt_tokens") from None
+
     if messages is not None:
         prompts = [encode(service._chat_text(body))]
     elif isinstance(x, str):

@@ -203,7 +203,7 @@ class Engine:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         bad = next((t for t in params.allowed_token_ids or [] if t >= vocab), None)
         if bad is not None:
-            raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"allowed_token_ids token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         if params.bad_words:        # tokenized here, where the server prepares the request, and kept on params

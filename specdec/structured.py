@@ -433,9 +433,16 @@ class GrammarCompiler:
         grammar = Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
         grammar.masks([[]])
         if grammar.error is not None:
-            raise GrammarError(kind, grammar.error)
+            # llguidance's NoExtensionBias before the first token (its state dump as the message):
+            # no text at all matches, as for a JSON schema whose $ref leads only back to itself
+            empty = grammar.error.startswith("NoExtensionBias")
+            raise GrammarError(kind, _NO_TEXT.get(kind, _NO_TEXT[None]) if empty else grammar.error)
         return grammar
 
+
+_NO_TEXT = {"json": "no JSON value matches the schema: is it recursive with no way out (a $ref that leads "
+                   "only back to itself)?",
+            None: "no text matches it: nothing could be generated"}
 
 # grammar texts remembered as validated (check)
 VALIDATED_CACHE = 256

@@ -21,7 +21,7 @@ from .. import __version__
 from ..llm import LLM
 from ..tracing import TRACE_HEADERS
 from .config import ServerConfig
-from .control import dev_routes, pause_routes
+from .control import KEYED_PATHS, dev_routes, pause_routes
 from .beam import beam_chat, beam_completion
 from .embeddings import embedding_routes
 from .errors import APIError, ApiKeyGuard, BodyLimit, app_path, error_response, install_error_handlers
@@ -94,7 +94,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     # each request to the API once in requests_total (413s included; 401s are not let this far)
     app.add_middleware(RequestCounter, metrics=service.metrics, routes=[r for router in api for r in router.routes])
     if config.api_key:      # the key is checked before the body is read
-        app.add_middleware(ApiKeyGuard, key=config.api_key)
+        app.add_middleware(ApiKeyGuard, key=config.api_key, paths=KEYED_PATHS)
     app.add_middleware(_RequestIds, echo=config.enable_request_id_headers)
     # outermost: a browser's preflight (which carries no key) is answered, and every response,
     # errors included, carries the CORS headers a page needs to read it

@@ -132,7 +132,8 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default 8000); bound before the "
                                                               "model loads, so a port in use fails at once")
     p.add_argument("--api-key", nargs="+", default=_env_key(),
-                   help="require `Authorization: Bearer KEY` on /v1/*, /v2/* and /invocations; several keys: any "
+                   help="require `Authorization: Bearer KEY` on /v1/*, /v2/*, /invocations and the control routes that "
+                        "change state (POST /pause, /resume and the dev-mode routes); several keys: any "
                         "of them (vLLM's, to rotate keys) (default: $SPECDEC_API_KEY, else vLLM's $VLLM_API_KEY; "
                         "an empty one is no key)")
     p.add_argument("--seed", type=_seed, default=0,

@@ -10,7 +10,7 @@ from .lora import LoRAModulePath
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_names: tuple[str, ...] = ("specdec",)
-    api_key: str | tuple[str, ...] | None = None   # when set, /v1/* needs `Authorization: Bearer <key>` (any one)
+    api_key: str | tuple[str, ...] | None = None   # when set, /v1/* and the state-changing control routes need `Authorization: Bearer <key>` (any one)
     max_request_bytes: int = 1 << 20      # larger bodies get 413
     seed: int | None = None               # seeds unseeded sampling requests: seed, seed+1, ...
     chat_template: str | None = None      # replaces the tokenizer's (vLLM's --chat-template, already read)

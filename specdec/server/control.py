@@ -1,5 +1,6 @@
-"""vLLM's control endpoints, outside /v1 as there (no API key, as vLLM's middleware checks /v1
-only: put them behind the network's own guard).
+"""vLLM's control endpoints, outside /v1 as there. With --api-key the routes that change the
+server's state (every POST here) ask for the key as /v1 does (vLLM's key covers /v1 only, and
+mounts these routes only in development mode); the GET ones stay open, as /health does.
 
 Always (vLLM's RLHF router): `POST /pause?mode=abort|wait|keep&clear_cache=true` (no new request
 enters the engine until /resume; in-flight ones are aborted with finish_reason "abort", waited
@@ -30,10 +31,13 @@ from .worker import PAUSE_MODES
 log = logging.getLogger("specdec.server")
 
 DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
-# the routes that act on one engine: with --replicas a request reaches one replica at random, so
-# there they are refused (server/replicas.py) rather than pausing or reloading one engine of N
-CONTROL_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/get_world_size", "/reload_weights", "/collective_rpc",
-                           "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping"})
+# the routes that change the server's state: with --api-key they ask for the key (app.py), as one
+# anonymous POST /pause would otherwise stop every user's generation
+KEYED_PATHS = frozenset({"/pause", "/resume", "/reload_weights", "/collective_rpc", "/reset_prefix_cache",
+                         "/reset_mm_cache", "/sleep", "/wake_up"})
+# the routes that act on one engine: with --replicas the replica a request reaches sends it to
+# every replica (server/replicas.py) rather than pausing or reloading one engine of N
+CONTROL_PATHS = KEYED_PATHS | {"/is_paused", "/get_world_size", "/is_sleeping"}
 
 
 def dev_mode(environ=os.environ) -> bool:

@@ -92,8 +92,9 @@ def _describe(errors) -> tuple[str, str | None]:
 
 
 class ApiKeyGuard:
-    """ASGI middleware: 401 for /v1/* and /invocations (SageMaker's route to them) unless the
-    request carries `Authorization: Bearer <key>`.
+    """ASGI middleware: 401 for /v1/*, /invocations (SageMaker's route to them) and `paths` (the
+    control routes that change the server's state) unless the request carries `Authorization:
+    Bearer <key>`.
 
     Checked before the body is read or parsed, so a client without the key learns nothing else
     (not even that its JSON was malformed). /health, /version and /metrics stay open, as in vLLM.
@@ -102,12 +103,14 @@ class ApiKeyGuard:
     # vLLM's guarded prefixes (/v2/rerank runs the model as /v1/rerank does), and /invocations
     GUARDED = ("/v1", "/v2", "/inference", "/invocations")
 
-    def __init__(self, app, key: str | tuple[str, ...]):
+    def __init__(self, app, key: str | tuple[str, ...], paths: frozenset[str] = frozenset()):
         keys = (key,) if isinstance(key, str) else tuple(key)
         self.app, self.expected = app, tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+        self.paths = paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and app_path(scope).startswith(self.GUARDED) and not self._allowed(scope):
+        path = app_path(scope) if scope["type"] == "http" else ""
+        if (path.startswith(self.GUARDED) or path in self.paths) and not self._allowed(scope):
             response = error_response(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                       None, "invalid_api_key", {"www-authenticate": "Bearer"})
             return await response(scope, receive, send)

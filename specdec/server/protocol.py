@@ -25,9 +25,13 @@ def _lone_surrogate(value, path: str) -> str | None:
     else:
         return None
     for key, item in items:
+        if isinstance(key, str) and not is_unicode_text(key):
+            # escaped (\ud800), and cut: pydantic cannot carry the surrogate itself in its message (a 500)
+            key = key.encode("utf-8", "backslashreplace").decode()
+            key = key if len(key) <= 100 else key[:100] + "..."
+            return f"{path}.{key} (a key)" if path else f"{key} (a key)"
         name = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
-        found = _lone_surrogate(key, name) if isinstance(key, str) else None
-        found = found if found is not None else _lone_surrogate(item, name)
+        found = _lone_surrogate(item, name)
         if found is not None:
             return found
     return None

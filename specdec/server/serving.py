@@ -117,7 +117,8 @@ class Service:
         try:
             await asyncio.gather(*jobs)
         except GrammarError as e:
-            raise APIError(400, str(e), "structured_outputs") from None
+            field = spec.__dict__.get("_field", "structured_outputs")
+            raise APIError(400, f"{field} is invalid: {e.detail}", field) from None
         finally:
             for job in jobs:
                 job.cancel()
@@ -281,6 +282,8 @@ class Service:
                                     f"schemas constrain the reply)", field)
             structured, field = tool_constraint, "tools"
         extra.check_grammar(self.engine, structured, field)
+        if structured is not None:       # compile_grammars' 400 names the field the client sent
+            object.__setattr__(structured, "_field", field)
         if req.stream_options is not None and not req.stream:       # vLLM's and OpenAI's rule
             raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
         if req.best_of is not None and req.best_of > req.n and req.stream:
@@ -433,7 +436,7 @@ class Service:
             try:
                 self.engine.check_prompt(ids, params)
             except ValueError as e:
-                raise APIError(400, str(e), param) from None
+                raise bad_value(e, param) from None
             if asked and params.max_tokens is not None and len(ids) + params.max_tokens > limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                     f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "

@@ -197,6 +197,22 @@ def _check_target(path: str) -> Path:
     return target
 
 
+def _check_tokenizer(flag: str, path: str | Path) -> Path:
+    """A tokenizer given as an input (--tokenizer, or the --target's own) loads as specdec.LLM loads a
+    model's (a tokenizer.json folder, a GGUF): one is never trained into it (a draft on a tokenizer of
+    its own would not fit the target)."""
+    from ..tokenizer import Tokenizer, TokenizerError
+
+    p = check_folder(flag, path) if not Path(path).is_file() else Path(path)
+    try:
+        Tokenizer(p)
+    except TokenizerError as e:
+        hint = "; specdec reads tokenizer.json, not tokenizer.model: save it as one with transformers' " \
+            "AutoTokenizer" if (p / "tokenizer.model").is_file() else ""
+        raise ValueError(f"{flag} {path}: no tokenizer specdec reads ({e}){hint}") from None
+    return p
+
+
 def _check_device(device: str) -> None:
     import torch
 
@@ -232,14 +248,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else Path("runs") / out.name
     command = "specdec " + " ".join(shlex.quote(a) for a in args.command_line)
     if args.train_cmd == "lm":
-        tok = Path(args.tokenizer) if args.tokenizer else None
+        tok = _check_tokenizer("--tokenizer", args.tokenizer) if args.tokenizer else None
         result = train(cfg, out, work, tokenizer_dir=tok, device=args.device, command=command,
                        stop_after=args.stop_after)
     else:
-        target = Path(args.target)
+        target = _check_tokenizer("--target", _check_target(args.target))
+        init = check_folder("--init", args.init) if args.init else None
         result = train(cfg, out, work, tokenizer_dir=target, teacher_dir=target, device=args.device,
-                       command=command, stop_after=args.stop_after,
-                       init_dir=Path(args.init) if args.init else None)
+                       command=command, stop_after=args.stop_after, init_dir=init)
     if result["finished"]:
         print(f"wrote {out}: validation loss {result['validation_loss']}, test loss {result['test_loss']}")
     else:

@@ -239,16 +239,31 @@ def build_model(cfg: TrainConfig, tok: Tokenizer, seed: int) -> Transformer:
     return model
 
 
+def load_tokenizer(tokenizer_dir: Path | None, work: Path, cfg: TrainConfig) -> tuple[Tokenizer, Path]:
+    """The run's tokenizer and a folder holding its tokenizer.json (copied into the output).
+    None: trained on the train split into work/tokenizer (once: a resumed run reuses it). A given
+    folder (--tokenizer, the target's) is an input, loaded as specdec loads a model's tokenizer and
+    never written to (a missing or unreadable one is a TokenizerError, before work is made); one
+    that is not a tokenizer.json (a GGUF's) is saved into work/tokenizer for the output's copy."""
+    given = Tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    work.mkdir(parents=True, exist_ok=True)
+    tok_dir = work / "tokenizer"
+    if given is None:
+        if not (tok_dir / "tokenizer.json").is_file():
+            train_tokenizer(tok_dir, cfg.vocab_size, limit_mb=cfg.corpus_limit_mb)
+        return Tokenizer(tok_dir), tok_dir
+    if (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return given, Path(tokenizer_dir)
+    given.save_pretrained(tok_dir)
+    return given, tok_dir
+
+
 def train(cfg: TrainConfig, out: Path, work: Path, tokenizer_dir: Path | None = None,
           teacher_dir: Path | None = None, device: str = "cpu", command: str = "",
           stop_after: int | None = None, init_dir: Path | None = None) -> dict:
     """Train until cfg.max_steps (or `stop_after` steps in this call), checkpointing to `work`."""
     torch.set_num_threads(cfg.threads)
-    work.mkdir(parents=True, exist_ok=True)
-    tok_dir = tokenizer_dir or (work / "tokenizer")
-    if not (tok_dir / "tokenizer.json").is_file():
-        train_tokenizer(tok_dir, cfg.vocab_size, limit_mb=cfg.corpus_limit_mb)
-    tok = Tokenizer(tok_dir)
+    tok, tok_dir = load_tokenizer(tokenizer_dir, work, cfg)
     data = {s: cached_tokens(tok, s, work / "tokens", cfg.corpus_limit_mb) for s in ("train", "validation", "test")}
     for split, tokens in data.items():
         if len(tokens) < cfg.seq_len + 2:

@@ -14,11 +14,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..config import SamplingParams
 from ..llm import LLM
 from .data import encode_split
-from .lm import TrainConfig, eval_windows, evaluate
+from .lm import TrainConfig, device_name, eval_windows, evaluate
 
 
 def function_headers(n: int) -> list[dict]:
@@ -81,17 +82,22 @@ def run_report(target: Path, draft: Path, k: int = 4, n: int = 50, max_tokens: i
         if temp == 0:
             ok = [completes(p["prompt"], o.outputs[0].text) for p, o in zip(prompts, outs)]
             result["ast_parse_share"] = round(sum(ok) / len(ok), 4)
+    result["machine"] = f"{device_name(torch.device(llm.device))}, {torch.get_num_threads()} thread(s)"   # sums differ per CPU
     result["target"] = losses(target, llm.tokenizer)
     result["draft"] = losses(draft, llm.tokenizer)
     return result
 
 
-def quality_section(r: dict, command: str) -> str:
-    g, t = r["greedy"], r["temperature_1"]
-    return f"""
-## Quality (held-out test split)
+BEGIN = "<!-- specdec train report: generated; each run replaces what lies between these markers -->"
+END = "<!-- end of specdec train report -->"
+HEADING = "## Quality (held-out test split)"
 
-| | |
+
+def quality_section(r: dict, command: str) -> str:
+    """The report's block of a card: its table and the command that measured it."""
+    g, t = r["greedy"], r["temperature_1"]
+    machine = f", on {r['machine']}" if r.get("machine") else ""
+    return f"""| | |
 |---|---|
 | target validation / test loss | {r['target']['validation_loss']} / {r['target']['test_loss']} |
 | draft validation / test loss | {r['draft']['validation_loss']} / {r['draft']['test_loss']} |
@@ -100,18 +106,27 @@ def quality_section(r: dict, command: str) -> str:
 | target's greedy completions that add a body `ast.parse` accepts | {r['ast_parse_share']:.0%} of {r['functions']} test-split functions |
 
 Measured on {r['functions']} documented test-split functions (def line and docstring as the prompt,
-{r['max_tokens']} new tokens, {r['dtype']}) by:
+{r['max_tokens']} new tokens, {r['dtype']}{machine}) by:
 ```
 {command}
 ```
 """
 
 
+def with_report(card: str, block: str) -> str:
+    """The card with the report's block in place of the last run's (between BEGIN and END): text
+    around it, written by hand, is kept. A card without the markers gets a Quality section at its end."""
+    block = f"{BEGIN}\n{block}{END}"
+    start = card.find(BEGIN)
+    end = card.find(END, start)
+    if start >= 0 and end >= 0:
+        return card[:start] + block + card[end + len(END):]
+    return card.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+
+
 def write_into_cards(r: dict, command: str, *folders: Path) -> None:
-    marker = "\n## Quality (held-out test split)"
     for folder in folders:
         card = folder / "README.md"
         text = card.read_text() if card.is_file() else f"# {folder.name}\n"
-        text = text.split(marker)[0].rstrip("\n") + "\n" + quality_section(r, command)
-        card.write_text(text)
+        card.write_text(with_report(text, quality_section(r, command)))
         (folder / "quality.json").write_text(json.dumps(r, indent=1) + "\n")

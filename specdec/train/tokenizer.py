@@ -53,6 +53,6 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (src / name).is_file():
             (dst / name).write_bytes((src / name).read_bytes())

@@ -66,6 +66,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", type=_json_obj,
                    help='fields of the model\'s config.json replaced (a GGUF\'s too), e.g. \'{"rope_scaling": '
                         '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
+    p.add_argument("--hf-config-path", metavar="DIR",
+                   help="vLLM's: a GGUF model runs with DIR's config.json instead of the config built from its "
+                        "metadata (the file still sets the vocabulary size and the tied output layer)")
     p.add_argument("--disable-sliding-window", action="store_true",
                    help="full attention, the context capped at the model's sliding window")
 
@@ -521,6 +524,7 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
                hf_overrides=_overrides_with_rope(args), disable_sliding_window=args.disable_sliding_window,
+               hf_config_path=getattr(args, "hf_config_path", None),
                runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
                task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
                compilation_config=_compilation_with_sizes(args),

@@ -193,6 +193,27 @@ def _under_torchrun() -> bool:
     return under_torchrun()
 
 
+def _hf_config_path(model, path, parallel: ParallelConfig) -> str | None:
+    """vLLM's hf_config_path (a folder, or a Hugging Face id in the local cache): the folder whose
+    config.json (and generation_config.json) a GGUF target runs with instead of its metadata's
+    (model/gguf.py: GGUFFile.config_from). A Hugging Face folder runs with its own; naming it
+    changes nothing."""
+    from .model.gguf import find_gguf
+
+    if path is None:
+        return None
+    path = str(resolve_hub_id(path))
+    if find_gguf(model) is None:
+        if Path(path).resolve() == Path(model).resolve():
+            return None
+        raise ValueError(f"hf_config_path={path!r}: specdec reads it for a GGUF model; {model} runs with its own "
+                         "config.json (hf_overrides replaces its fields)")
+    if parallel.tensor_parallel_size > 1:
+        raise ValueError("hf_config_path is not supported with tensor_parallel_size > 1 (the ranks load the "
+                         "GGUF's own config)")
+    return path
+
+
 def _check_vllm_args(args: dict) -> None:
     """vLLM's arguments without a meaning here: refused if unknown (TypeError, as Python's) or a
     value specdec cannot honour (ValueError), else ignored with one warning for those set."""
@@ -254,6 +275,9 @@ class LLM:
     quantization (GGUF files, and gpt-oss's MXFP4 folders): None = keep the packed matrices where
     a CPU kernel covers their format, else dequantize; "gguf" = keep them packed; "none" =
     dequantize to `dtype`; "mxfp4" (vLLM's, for an MXFP4 folder) = None.
+    hf_config_path (vLLM's, for a GGUF target): a folder whose config.json the model runs with
+    instead of the config built from the file's metadata (the file still fixes the vocabulary size
+    and the tied output layer), and whose generation_config.json gives the sampling defaults.
     generation_config: "auto" = the checkpoint's generation_config.json sampling values are
     the defaults of requests that do not set them (vLLM's behaviour); "vllm" = ignore them; a
     folder = that folder's generation_config.json. override_generation_config (vLLM's): the
@@ -310,6 +334,7 @@ class LLM:
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 120.0,
                  enable_prefix_caching: bool | None = None, scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  hf_overrides: dict | None = None, disable_sliding_window: bool = False,
+                 hf_config_path: str | os.PathLike | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_dtype: str = "auto", runner: str = "auto",
                  convert: str = "auto", task: str | None = None, pooler_config: dict | None = None,
@@ -361,6 +386,7 @@ class LLM:
             raise ValueError("num_speculative_tokens was provided without speculative_model (or speculative_config)")
         # a Hugging Face id (org/name) reads from the local cache, as vLLM's offline mode does
         model, tokenizer, speculative_model = (resolve_hub_id(x) for x in (model, tokenizer, speculative_model))
+        self.hf_config_path = _hf_config_path(model, hf_config_path, parallel)
         if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
             speculative_config = {**speculative_config, "model": resolve_hub_id(speculative_config["model"])}
         if not isinstance(generation_config, (str, os.PathLike)):
@@ -370,7 +396,8 @@ class LLM:
         self.model_path = str(model)
         self.generation_config = generation_config       # read before the model loads: a bad folder fails at once
         self.override_generation_config = override_generation_config
-        self.generation_defaults = generation_defaults(model, generation_config, override_generation_config)
+        self.generation_defaults = generation_defaults(self.hf_config_path or model, generation_config,
+                                                       override_generation_config)
         self.seed = seed
         if speculative_config is not None:      # what the keyword arguments add to it, or a one-line error
             speculative_config = _merged(speculative_config, speculative_model, num_speculative_tokens)
@@ -718,8 +745,8 @@ class LLM:
         g = GGUFFile(gguf_path) if gguf_path is not None else None
         # vLLM's --quantization names the target's method: a draft in another format loads as auto
         quant = None if not target and self.quantization in ("mxfp4", *hf_quant.METHODS) else self.quantization
-        model = load_gguf(g, dtype, self.device, quant, *cfg) if g is not None else \
-            load_model(path, dtype, self.device, quant, *cfg)
+        model = load_gguf(g, dtype, self.device, quant, *cfg, self.hf_config_path if target else None) \
+            if g is not None else load_model(path, dtype, self.device, quant, *cfg)
         return model, g
 
     def _shard(self, full, parallel: ParallelConfig):

@@ -27,7 +27,7 @@ VLLM_FLAGS = frozenset("""
      engine-use-ray eplb-config eplb-log-balancedness eplb-step-interval
     eplb-window-size exclude-tools-when-tool-choice-none expert-placement-strategy external-parameters
     fully-sharded-loras  h11-max-header-count
-    h11-max-incomplete-event-size headless hf-config-path hf-token ignore-patterns
+    h11-max-incomplete-event-size headless hf-token ignore-patterns
     intial-incremental-detokenization-offset interleave-mm-strings io-processor-plugin 
     kv-events-config kv-sharing-fast-prefill kv-transfer-config limit-mm-per-prompt load-format 
     log-error-stack logits-processor-pattern logits-processors long-lora-scaling-factors long-prefill-token-threshold

@@ -411,21 +411,25 @@ def _mixtral_name(name: str) -> str:
 def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", quantization: str | None = None,
                hf_overrides: dict | None = None, disable_sliding_window: bool = False,
-               max_model_len: int | None = None) -> Transformer:
+               max_model_len: int | None = None, hf_config_path: str | os.PathLike | None = None) -> Transformer:
     """A Hugging Face folder, a .gguf file, or a folder holding one .gguf. quantization applies
     to a GGUF (model/gguf.py: None = auto, "gguf" = keep packed, "none" = dequantize) and to
     gpt-oss's MXFP4 experts in a folder (None, or vLLM's "mxfp4": packed where the CPU kernels
     multiply MXFP4; "none": dequantized);
-    hf_overrides, disable_sliding_window and max_model_len as vLLM's flags (ModelConfig.configured)."""
+    hf_overrides, disable_sliding_window and max_model_len as vLLM's flags (ModelConfig.configured);
+    hf_config_path (vLLM's, for a GGUF): a folder whose config.json the model runs with."""
     from .gguf import GGUFError, find_gguf, load_gguf
 
     try:
         gguf_path = find_gguf(folder)
         if gguf_path is not None:
             return load_gguf(gguf_path, dtype, device, quantization, hf_overrides, disable_sliding_window,
-                             max_model_len)
+                             max_model_len, hf_config_path)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
+    if hf_config_path is not None and Path(hf_config_path).resolve() != Path(folder).resolve():
+        raise CheckpointError(f"{folder}: hf_config_path is read for a GGUF model; a Hugging Face folder runs "
+                              "with its own config.json (hf_overrides replaces its fields)")
     from . import hf_quant
 
     if quantization == "gguf":

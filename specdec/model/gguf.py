@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from .config import GEMMA, ModelConfig, longrope_attention_factor
+from .config import GEMMA, ModelConfig, longrope_attention_factor, text_config
 from .quant import QTYPES, QuantEmbedding, QuantLinear, dequantize
 from .llama import Transformer
 from .mla import rope_row_order
@@ -61,6 +62,11 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 QUANTIZATIONS = (None, "auto", "gguf", "none")
 # hyper-parameters llama.cpp reads as one value or one per layer (get_key_or_arr); the runtime has one
 PER_LAYER = (".attention.head_count", ".attention.head_count_kv", ".feed_forward_length", ".rope.freq_base")
+# ggml type ids llama.cpp has removed (gguf-py no longer knows them): name, what replaced it
+REMOVED_TYPES = {4: ("Q4_2", None), 5: ("Q4_3", None), 31: ("Q4_0_4_4", "Q4_0"), 32: ("Q4_0_4_8", "Q4_0"),
+                 33: ("Q4_0_8_8", "Q4_0"), 36: ("IQ4_NL_4_4", "IQ4_NL"), 37: ("IQ4_NL_4_8", "IQ4_NL"),
+                 38: ("IQ4_NL_8_8", "IQ4_NL")}
+GGUF_MAGIC = b"GGUF"
 
 
 class GGUFError(ValueError):
@@ -72,12 +78,26 @@ class GGUFError(ValueError):
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
+def is_gguf_file(p: Path) -> bool:
+    """A file named .gguf, or one that starts with GGUF's magic (Ollama's blobs have no suffix):
+    vLLM's check_gguf_file; llama.cpp never looks at the name."""
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def find_gguf(path: str | os.PathLike) -> Path | None:
-    """The .gguf that `path` names: the file itself, or the only .gguf of a folder that is not
-    a Hugging Face folder (no config.json) -- or the first shard where the folder's .gguf files
-    are one split set. None for anything else."""
+    """The GGUF file that `path` names: the file itself (is_gguf_file), or the only .gguf of a
+    folder that is not a Hugging Face folder (no config.json) -- or the first shard where the
+    folder's .gguf files are one split set. None for anything else."""
     p = Path(path)
-    if p.is_file() and p.suffix.lower() == ".gguf":
+    if is_gguf_file(p):
         return p
     if p.is_dir() and not (p / "config.json").is_file():
         found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".gguf" and q.is_file())
@@ -111,7 +131,60 @@ def _reader(path: Path):
             arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _build_tensors(self, start_offs, fields):
+            """A type id gguf-py does not know is named here with its tensor (gguf-py's own error is
+            the bare id), and as llama.cpp names it where llama.cpp removed it."""
+            from gguf import GGMLQuantizationType
+
+            known = {int(t) for t in GGMLQuantizationType}
+            for field in fields:          # parts: name length, name, n_dims, dims, type, offset
+                kind = int(field.parts[4][0])
+                if kind not in known:
+                    name = bytes(field.parts[1]).decode("utf-8", "replace")
+                    raise GGUFError(f"tensor {name} has {_type_words(kind)}")
+            super()._build_tensors(start_offs, fields)
+
     return Reader(path, mode="c")
+
+
+def _type_words(kind: int) -> str:
+    """What to say of a ggml type id that cannot be read."""
+    if kind in REMOVED_TYPES:
+        name, instead = REMOVED_TYPES[kind]
+        return (f"type {kind} ({name}), which llama.cpp removed: re-quantize the model"
+                + (f" (to {instead}, which llama.cpp repacks at load time)" if instead else ""))
+    return f"type {kind}, which is no ggml type gguf-py knows (a newer one?)"
+
+
+def _open(path: Path):
+    """gguf-py's reader of `path`, its byte order and tensor data offsets checked as llama.cpp
+    checks them; a GGUFError naming the file otherwise."""
+    try:
+        reader = _reader(path)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
+    except Exception as e:   # gguf-py raises ValueError, IndexError, KeyError, ... on damage
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GGUFError(f"{path}: not a readable GGUF file ({detail})") from None
+    if reader.byte_order == "S":         # gguf-py reads the header either way, the tensor data not
+        order = "big" if sys.byteorder == "little" else "little"
+        raise GGUFError(f"{path}: a {order}-endian GGUF file, which this {sys.byteorder}-endian machine cannot "
+                        "use (llama.cpp refuses it too; gguf-py's gguf_convert_endian.py converts it)")
+    _check_offsets(path, reader)
+    return reader
+
+
+def _check_offsets(path: Path, reader) -> None:
+    """Each tensor's data where llama.cpp requires it: at the sum of the sizes of the tensors
+    before it, each padded to the alignment. A damaged offset would otherwise read another
+    tensor's bytes (or part of its own) without a word."""
+    align, expected = int(reader.alignment), 0
+    for t in reader.tensors:
+        offset = int(t.field.parts[-1][0])
+        if offset != expected:
+            raise GGUFError(f"{path}: tensor {t.name} has data offset {offset}, expected {expected} "
+                            "(its data overlaps another tensor's or is out of place: a damaged file)")
+        expected += -(-int(t.n_bytes) // align) * align
 
 
 class GGUFFile:
@@ -119,11 +192,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            self.reader = _reader(self.path)
-        except Exception as e:   # gguf-py raises ValueError, IndexError, KeyError, ... on damage
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({detail})") from None
+        self.reader = _open(self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.shards = [self.reader]
         count = self.get("split.count")
@@ -146,11 +215,7 @@ class GGUFFile:
             path = self.path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
             if not path.is_file():
                 raise GGUFError(f"{self.path}: shard {path.name} of the split GGUF ({i} of {count}) is missing")
-            try:
-                reader = _reader(path)
-            except Exception as e:
-                detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise GGUFError(f"{path}: not a readable GGUF file ({detail})") from None
+            reader = _open(path)
             field = reader.fields.get("split.no")
             value = field.contents() if field is not None else None
             if not isinstance(value, int) or value != i - 1:       # a list there was a TypeError
@@ -272,6 +337,29 @@ class GGUFFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=None if eos is None else int(eos),
         )
+
+    def config_from(self, folder: str | os.PathLike) -> ModelConfig:
+        """vLLM's hf_config_path: the model's config.json read from `folder`, its fields winning
+        over the metadata but for what the file itself fixes (vLLM's
+        maybe_patch_hf_config_from_gguf): the vocabulary's size and whether the output layer is
+        tied (no output.weight)."""
+        from .checkpoint import CheckpointError, read_config
+
+        try:
+            raw = text_config(read_config(folder))
+        except CheckpointError as e:
+            raise GGUFError(f"{self.path}: hf_config_path {e}") from None
+        except ValueError as e:
+            raise GGUFError(f"{self.path}: hf_config_path {folder}: {e}") from None
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise GGUFError(f"{self.path}: no token_embd.weight tensor")
+        vocab = self.get(f"{self.architecture}.vocab_size") or embd.shape[1]
+        raw = {**raw, "vocab_size": int(vocab), "tie_word_embeddings": "output.weight" not in self.tensors}
+        try:
+            return ModelConfig.from_hf(raw)
+        except (ValueError, TypeError) as e:
+            raise GGUFError(f"{self.path}: hf_config_path {folder}: {e}") from None
 
     def context_length(self) -> int:
         """{arch}.context_length, which llama.cpp requires (its n_ctx_train)."""
@@ -539,8 +627,9 @@ def _shapes(cfg: ModelConfig, split_kv_b: bool = False) -> dict[str, tuple[int, 
     return out
 
 
-def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
-    """Every tensor the model needs is there, of a type and shape we can load; nothing else is."""
+def check_tensors(g: GGUFFile, cfg: ModelConfig, source: str = "the metadata") -> None:
+    """Every tensor the model needs is there, of a type and shape we can load; nothing else is
+    (source: where cfg came from, for the errors)."""
     expected = _shapes(cfg, "blk.0.attn_k_b.weight" in g.tensors)
     half = (cfg.rotary_dim or cfg.head_dim) // 2
     optional = {"rope_freqs.weight": (half,), "rope_factors_short.weight": (half,), "rope_factors_long.weight": (half,)}
@@ -554,12 +643,18 @@ def check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
         shape = expected.get(name) or optional.get(name)
         if shape is None:
             raise GGUFError(f"{g.path}: unexpected tensor {name} for architecture {g.architecture}")
+        if int(t.tensor_type) in REMOVED_TYPES:          # an older gguf-py still knows them
+            raise GGUFError(f"{g.path}: tensor {name} has {_type_words(int(t.tensor_type))}")
         if t.tensor_type.name not in TENSOR_TYPES:
             raise GGUFError(f"{g.path}: tensor {name} has type {t.tensor_type.name}, which specdec cannot load "
                             f"(supported: {', '.join(TENSOR_TYPES)})")
         got = tuple(int(x) for x in reversed(t.shape.tolist()))
         if got != shape:
-            raise GGUFError(f"{g.path}: tensor {name} has shape {got}, the metadata implies {shape}")
+            raise GGUFError(f"{g.path}: tensor {name} has shape {got}, {source} implies {shape}")
+    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens.data) > cfg.vocab_size:     # llama.cpp's n_vocab is the list's length
+        raise GGUFError(f"{g.path}: the vocabulary holds {len(tokens.data)} tokens (tokenizer.ggml.tokens), "
+                        f"token_embd.weight has rows for {cfg.vocab_size}")
 
 
 def _raw_rows(t) -> torch.Tensor:
@@ -681,9 +776,10 @@ def _swap_linear(owner: nn.Module, attr: str, new: nn.Module) -> None:
 
 def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantization: str | None = None,
               hf_overrides: dict | None = None, disable_sliding_window: bool = False,
-              max_model_len: int | None = None) -> Transformer:
+              max_model_len: int | None = None, hf_config_path: str | os.PathLike | None = None) -> Transformer:
     """The runtime model of a .gguf (see the module docstring for `quantization`; hf_overrides,
-    disable_sliding_window and max_model_len: ModelConfig.configured)."""
+    disable_sliding_window and max_model_len: ModelConfig.configured; hf_config_path: a folder
+    whose config.json the model runs with, GGUFFile.config_from)."""
     from .checkpoint import finish, resolve_dtype
 
     from .hf_quant import METHODS
@@ -698,16 +794,19 @@ def load_gguf(g: GGUFFile | str | os.PathLike, dtype=None, device="cpu", quantiz
         raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got {quantization!r}")
     g = g if isinstance(g, GGUFFile) else GGUFFile(g)
     try:
-        cfg = g.config().configured(hf_overrides, disable_sliding_window, max_model_len)
+        own = g.config() if hf_config_path is None else g.config_from(hf_config_path)
+        cfg = own.configured(hf_overrides, disable_sliding_window, max_model_len)
     except GGUFError:
         raise                      # it names the file already
     except (ValueError, TypeError) as e:      # a value of the wrong kind in the metadata
         raise GGUFError(f"{g.path}: {e}") from None
-    check_tensors(g, cfg)
+    check_tensors(g, cfg, "the metadata" if hf_config_path is None else f"{Path(hf_config_path) / 'config.json'}")
     torch_dtype = resolve_dtype(dtype, {"torch_dtype": "float32"})
     packed = quantization == "gguf" or (quantization in (None, "auto") and kernels_cover(
         {t.tensor_type.name for t in g.tensors.values()} & set(QTYPES), torch.device(device)))
-    return finish(build_model(g, cfg, torch_dtype, device, packed), torch_dtype, device)
+    # a config.json says its RoPE scaling itself: llama.cpp's rope_freqs tensor is not read (vLLM's)
+    model = build_model(g, cfg, torch_dtype, device, packed, rope_freqs=hf_config_path is None)
+    return finish(model, torch_dtype, device)
 
 
 def kernels_cover(qtypes: set[str], device: torch.device) -> bool:
@@ -725,8 +824,10 @@ def kernels_cover(qtypes: set[str], device: torch.device) -> bool:
     return True
 
 
-def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packed: bool) -> Transformer:
-    """The model of a checked file (check_tensors); packed: keep the kept formats packed."""
+def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packed: bool,
+                rope_freqs: bool = True) -> Transformer:
+    """The model of a checked file (check_tensors); packed: keep the kept formats packed;
+    rope_freqs: apply the file's rope_freqs tensor (llama3 scaling as llama.cpp stores it)."""
     b = _Builder(g, cfg, dtype, device, packed)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -735,7 +836,7 @@ def build_model(g: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, packe
     model.model.norm.weight = b.norm("output_norm.weight")
     _set_embeddings(model, b, cfg)
     model.reset_rope(device)
-    if "rope_freqs.weight" in g.tensors:    # llama3-style scaling, stored as per-frequency divisors
+    if rope_freqs and "rope_freqs.weight" in g.tensors:    # llama3-style scaling, stored as per-frequency divisors
         model.inv_freq = model.inv_freq / _dense(g.tensors["rope_freqs.weight"],
                                                  _raw_rows(g.tensors["rope_freqs.weight"])).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]

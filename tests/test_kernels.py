@@ -23,7 +23,8 @@ ROWS = [1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 25, 64, 65, 70, 97]   # every row-tile 
 
 
 def skinny(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The raw kernel for any M (kernels.linear sends fp32 products over 64 rows to PyTorch)."""
+    """The raw kernel for any M (kernels.linear sends every fp32 product here; bf16 ones over 64
+    rows go to oneDNN on a CPU with native bf16)."""
     out, packed = torch.empty(x.shape[0], w.shape[0]), kernels.pack(w)
     lib.skinny_linear(x.data_ptr(), packed.data_ptr(), int(w.dtype == torch.bfloat16), None,
                       out.data_ptr(), 0, x.shape[0], w.shape[0], w.shape[1])

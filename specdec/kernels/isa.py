@@ -7,7 +7,8 @@ AMX faults until the process asks Linux for it with arch_prctl), so each
 candidate first runs its self-test (`specdec_selftest`, every instruction family it uses) in a
 child process: an illegal instruction kills the child, not us. The verdict is cached next to
 the object, keyed by the CPU's model and flags. The best variant that passes is chosen;
-`SPECDEC_ISA=<name>` forces one (a lower one, to test it), `SPECDEC_KERNELS=0` disables all.
+`SPECDEC_ISA=<name>` forces one (a lower one, to test it; one that cannot run here is an error),
+`SPECDEC_KERNELS=0` disables all.
 """
 
 from __future__ import annotations
@@ -231,13 +232,31 @@ def enabled() -> bool:
 
 
 def choose() -> tuple[Variant, Path] | None:
-    """The variant to use: SPECDEC_ISA's if set (and it runs here), else the best that runs."""
+    """The variant to use: SPECDEC_ISA's if set (a clear error where it cannot run here: the user
+    asked for that code, not PyTorch's), else the best that runs."""
     if not enabled():
         return None
     name = requested()
-    candidates = [BY_NAME[name]] if name else list(VARIANTS)
-    for v in candidates:
+    if name:
+        v = BY_NAME[name]
+        path = usable(v)
+        if path is None:
+            raise ValueError(f"SPECDEC_ISA={name!r}: {_why_not(v)}; unset it to use the best variant that runs here")
+        return v, path
+    for v in VARIANTS:
         path = usable(v)
         if path is not None:
             return v, path
     return None
+
+
+def _why_not(v: Variant) -> str:
+    """Why usable(v) is None, in words."""
+    missing = [f for f in v.needs if f not in cpu_flags()]
+    if missing:
+        return f"this CPU cannot run the {v.name} kernels (it lacks {', '.join(missing)})"
+    if _compiler() is None:
+        return f"no C compiler (gcc, or $CC) to build the {v.name} kernels"
+    if build(v) is None:
+        return f"the {v.name} kernels did not compile"
+    return f"the {v.name} kernels fail their self-test on this CPU"

@@ -104,7 +104,9 @@ Act quant_act(void *scratch, int M, int K) {
 
 /* Per row and block of 32: d = max|x| / 127, q = round-to-even(x / d) (x * (1 / d), as llama.cpp),
  * in 8-lane vectors in every variant: max and the integer sums are exact in any order, and each
- * q is one multiply and one rounding, as the scalar form would do it. */
+ * q is one multiply and one rounding, as the scalar form would do it. A NaN in the block makes d
+ * NaN, so the row's outputs are NaN as F.linear's would be (maxps returns its second operand
+ * when either is NaN: the max alone could drop it, and the NaN would become a finite -127 d). */
 void quantize_rows_for(const float *x, int M, Act *a) {
     int K = a->K, nb = a->nb;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -113,15 +115,16 @@ void quantize_rows_for(const float *x, int M, Act *a) {
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (long)r * K + b * 32;
-            __m256 v[4], mx = _mm256_setzero_ps();
+            __m256 v[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
                 v[i] = _mm256_loadu_ps(xb + 8 * i);
                 mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+            float db = _mm256_movemask_ps(nan) ? NAN : amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
             __m256i q[4], sum = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));   /* nearest even */

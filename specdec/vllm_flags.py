@@ -19,7 +19,7 @@ VLLM_FLAGS = frozenset("""
     disable-async-output-proc disable-cascade-attn disable-chunked-mm-input disable-custom-all-reduce
     disable-frontend-multiprocessing disable-hybrid-kv-cache-manager
     disable-logprobs-during-spec-decoding disable-mm-preprocessor-cache disable-nccl-for-dp-synchronization
-     distributed-executor-backend download-dir  dpa dpb dpl dpn dpp dpr
+     distributed-executor-backend  dpa dpb dpl dpn dpp dpr
     enable-chunked-prefill enable-dbo enable-eplb enable-expert-parallel 
     enable-lora-bias enable-mm-embeds enable-multimodal-encoder-data-parallel
     enable-offline-docs enable-prompt-adapter enable-prompt-embeds enable-prompt-tokens-details enable-reasoning
@@ -40,11 +40,11 @@ VLLM_FLAGS = frozenset("""
     num-redundant-experts num-scheduler-steps override-attention-dtype
     override-neuron-config pipeline-parallel-size pp prefix-caching-hash-algo
     preemption-mode prompt-adapters pt-load-map-location qlora-adapter-name-or-path ray-workers-use-nsight
-    revision   safetensors-load-strategy scheduler-cls scheduler-delay-factor
+    safetensors-load-strategy scheduler-cls scheduler-delay-factor
     show-hidden-metrics-for-version shutdown-timeout skip-mm-profiling skip-tokenizer-init
     speculative-disable-mqa-scorer speculative-draft-tensor-parallel-size
     speculative-max-model-len speculative-model-quantization swap-space
-    tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type tokenizer-revision
+    tokenizer-mode tokenizer-pool-extra-config tokenizer-pool-size tokenizer-pool-type
     tool-parser-plugin tool-server trust-remote-code
      use-tqdm-on-load use-v2-block-manager video-pruning-rate
     worker-cls  worker-use-ray

@@ -182,7 +182,7 @@ async def stamp(request, call_next):
     template = "{% for m in messages %}{{ m['content'] }}|{{ greeting }}|{% endfor %}"
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLLM_API_KEY": "k",
            "SPECDEC_API_KEY": ""}
-    with served(tmp_path, ["--served-model-name", "m", "--middleware", "mw.Tag", "mw.stamp", "--chat-template", template,
+    with served(tmp_path, ["--served-model-name", "m", "--middleware", "mw.Tag", "--middleware", "mw.stamp", "--chat-template", template,
                            "--default-chat-template-kwargs", '{"greeting": "HELLO"}', "--enable-force-include-usage"],
                 env) as http:
         assert http.get("/v1/models").status_code == 401            # VLLM_API_KEY guards /v1

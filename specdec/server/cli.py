@@ -15,15 +15,12 @@ import os
 import sys
 
 from ..cli import (_is_number, add_engine_args, add_legacy_speculative_args, add_model_args,
-                   check_device, expand_argv, fold_legacy_speculative, llm_from_args)
+                   check_device, expand_argv, fold_legacy_speculative, help_keyword, keyword_help, llm_from_args)
 from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .control import dev_mode
 from .lora import parse_lora_module, runtime_updating_allowed
 from ..vllm_flags import _switch, _takes_many, check_refused, ignored_flags
-
-# vLLM's dtype spellings that add_model_args does not list
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 
@@ -186,9 +183,9 @@ def build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="every response carries X-Request-Id: the request's own, or a new one (vLLM's flag); "
                         "completion ids (cmpl-<id>, chatcmpl-<id>) and --enable-log-requests lines use it")
-    p.add_argument("--middleware", action="extend", nargs="+", default=[],
-                   help="vLLM's: import paths of ASGI middleware classes (app.add_middleware) or async HTTP middleware "
-                        "functions f(request, call_next), added around the app; several allowed")
+    p.add_argument("--middleware", action="append", default=[],
+                   help="vLLM's: the import path of an ASGI middleware class (app.add_middleware) or of an async HTTP "
+                        "middleware function f(request, call_next), added around the app; repeat the flag for several")
     p.add_argument("--default-chat-template-kwargs", type=_json_obj_arg, default=None,
                    help="vLLM's: a JSON object of chat template variables every chat request gets, under its own "
                         "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
@@ -268,9 +265,6 @@ def parse_args(argv: list[str], prog: str = "specdec serve", extra=None) -> tupl
     if extra is not None:
         extra(parser)
     argv = expand_argv(argv, parser, positional_model=True)
-    for i, word in enumerate(argv[:-1]):
-        if word == "--dtype" and argv[i + 1] in _DTYPE_ALIASES:
-            argv[i + 1] = _DTYPE_ALIASES[argv[i + 1]]
     argv = _join_many(argv)
     # `vllm serve MODEL [options]`: a first word that is not a flag names the model
     tag = argv.pop(0) if argv and not argv[0].startswith("-") else None
@@ -432,6 +426,10 @@ def run(args, prog: str = "specdec serve") -> int:
     """`args` from `specdec serve` (its words in args.argv) or a parsed namespace."""
     argv = None
     if hasattr(args, "argv"):
+        keyword = help_keyword(args.argv)
+        if keyword is not None:
+            print(keyword_help(build_parser(prog), keyword), end="")
+            return 0
         if "-h" in args.argv or "--help" in args.argv:
             build_parser(prog).print_help()
             return 0

@@ -60,8 +60,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="requests handed to the server at once (default: 4 x --max-num-seqs); the engine "
                         "batches up to --max-num-seqs of them")
     g.add_argument("--enable-metrics", action="store_true",
-                   help="vLLM's (a Prometheus port while the batch runs): here the run's speculative "
-                        "statistics are printed at the end either way")
+                   help="vLLM's: serve's Prometheus metrics at http://URL:PORT/metrics while the batch runs (--url, "
+                        "--port); the run's speculative statistics are printed at the end either way")
+    g.add_argument("--url", default=None,
+                   help="vLLM's: the address the --enable-metrics server binds (default 127.0.0.1, loopback only, "
+                        "as serve's --host; vLLM's binds every interface, 0.0.0.0)")
     # vLLM's run_batch has no HTTP body limit: serve's --max-request-bytes applies only when given
     p.set_defaults(max_request_bytes=None)
 
@@ -248,15 +251,18 @@ _HTTP_FLAGS = (("--host", "host", "127.0.0.1"), ("--port", "port", 8000), ("--ss
 
 def run(args, prog: str = PROG) -> int:
     """`args` from `specdec run-batch` (its words in args.argv) or a namespace holding argv."""
+    from ..cli import help_keyword, keyword_help
     from .cli import _logging_level, build_llm, build_parser, parse_args, server_config
 
-    if "-h" in args.argv or "--help" in args.argv:
+    keyword = help_keyword(args.argv)
+    if keyword is not None or "-h" in args.argv or "--help" in args.argv:
         p = build_parser(prog)
         p.description = ("Run a batch file of OpenAI requests (vLLM's run_batch) through the server's routes in this "
                          "process, with speculative decoding. MODEL, first or after the options, is --model. The "
-                         "HTTP flags (--host, --port, --ssl-*, --root-path, CORS) are serve's and do nothing here.")
+                         "HTTP flags (--host, --ssl-*, --root-path, CORS) are serve's and do nothing here; --port "
+                         "is the metrics server's with --enable-metrics, as vLLM's.")
         add_batch_args(p)
-        p.print_help()
+        print(keyword_help(p, keyword) if keyword is not None else p.format_help(), end="")
         return 0
     args, ignored = parse_args(args.argv, prog, extra=add_batch_args)
     from ..vllm_flags import check_refused
@@ -264,12 +270,13 @@ def run(args, prog: str = PROG) -> int:
     check_refused(ignored)
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
-    unused = [flag for flag, dest, default in _HTTP_FLAGS if getattr(args, dest, default) != default]
+    metrics_flags = ("--port",) if args.enable_metrics else ()           # vLLM's: the metrics server's
+    unused = [flag for flag, dest, default in _HTTP_FLAGS
+              if getattr(args, dest, default) != default and flag not in metrics_flags]
+    if args.url is not None and not args.enable_metrics:
+        unused.append("--url (the --enable-metrics server's)")
     if unused:
         print(f"{prog}: warning: ignoring serve's HTTP flags (no server here): {', '.join(unused)}", file=sys.stderr)
-    if args.enable_metrics:
-        print(f"{prog}: warning: --enable-metrics: no metrics port here; the run's statistics are printed at the end",
-              file=sys.stderr)
     if args.replicas or args.autoscale or args.ray_address:
         raise ValueError("run-batch runs in this process: --replicas / --autoscale / --ray-address are serve's")
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
@@ -283,9 +290,14 @@ def run(args, prog: str = PROG) -> int:
     if config.log_config is None:        # serve's log lines (--enable-log-requests' too, as vLLM's run-batch)
         logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                             datefmt="%m-%d %H:%M:%S")
-    llm = build_llm(args)
-    concurrency = args.max_concurrent_requests or 4 * llm.engine.config.max_num_seqs
-    records, metrics, elapsed = asyncio.run(_run_app(llm, config, lines, concurrency))
+    exporter = _MetricsServer(args.url or "127.0.0.1", args.port) if args.enable_metrics else None
+    try:
+        llm = build_llm(args)
+        concurrency = args.max_concurrent_requests or 4 * llm.engine.config.max_num_seqs
+        records, metrics, elapsed = asyncio.run(_run_app(llm, config, lines, concurrency, exporter))
+    finally:
+        if exporter is not None:
+            exporter.close()
     asyncio.run(_write_output(args.output_file, records, args.output_tmp_dir))
     ok = sum(r["error"] is None for r in records)
     tokens = sum((r["response"]["body"].get("usage") or {}).get("completion_tokens") or
@@ -320,12 +332,38 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-async def _run_app(llm, config, lines: list[BatchLine], concurrency: int) -> list[dict]:
+class _MetricsServer:
+    """vLLM's run-batch --enable-metrics: a Prometheus endpoint at --url:--port, bound before the
+    model loads (a port in use is a one-line error then); it serves the app's /metrics families
+    once run() hands it the app's registry."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.source = None
+        registry = CollectorRegistry()
+        registry.register(self)
+        try:
+            self.httpd, _ = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise ValueError(f"--enable-metrics: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+    def collect(self):
+        return self.source.collect() if self.source is not None else []
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+async def _run_app(llm, config, lines: list[BatchLine], concurrency: int, exporter: _MetricsServer | None = None):
     from tqdm import tqdm
 
     from .app import build_app
 
     app = build_app(llm, config)
+    if exporter is not None:
+        exporter.source = app.state.service.metrics.registry
     with tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr,
               disable=not sys.stderr.isatty()) as progress:
         async with app.router.lifespan_context(app):

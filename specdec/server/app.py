@@ -31,8 +31,8 @@ from .protocol import (BatchChatCompletionRequest, ChatCompletionRequest, Comple
                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .responses import ChatFormat, CompletionFormat, collect, speculative, stream
 from .responses_api import (Background, ResponseStore, ResponsesRequest, Served, budgeted, chat_request, check_request,
-                            conversation, input_items, message_sources, renamed, respond, response_body,
-                            stream as stream_response)
+                            conversation, input_items, list_input_items, message_sources, renamed, respond,
+                            response_body, stream as stream_response)
 from .serving import REQUEST_TRACE, Service, echo_only
 from .worker import ShuttingDown
 
@@ -533,6 +533,10 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
             return StreamingResponse(background.follow(rid, starting_after), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         return Response(store.get(rid)[1], media_type="application/json")
+
+    @router.get("/responses/{rid}/input_items")
+    async def read_input_items(rid: str, request: Request):
+        return list_input_items(store, rid, request.query_params)
 
     @router.delete("/responses/{rid}")
     async def forget(rid: str):

@@ -12,7 +12,8 @@ Streamed or not, the items are the same (one code path makes them).
 Conversation state: a stored response (`store`, default true) keeps its conversation as input
 items (the earlier turns', this request's and its own output items), so a later request may send
 only its new input with `previous_response_id`, and means exactly what sending those items back
-by hand means; `GET` and `DELETE /v1/responses/{id}` read and forget one. The store holds the
+by hand means; `GET` and `DELETE /v1/responses/{id}` read and forget one, and
+`GET /v1/responses/{id}/input_items` lists the input items it was made from. The store holds the
 latest responses in memory, at most 1024 and 256 MiB of their JSON (a server restart forgets
 them, as vLLM's does); `metadata` is held to OpenAI's limits (16 pairs, keys of 64 characters,
 string values of 512).
@@ -26,8 +27,9 @@ the events after that one, then the live ones (vLLM's; a cancelled one's stream 
 
 Streams are OpenAI's typed server-sent events, numbered by `sequence_number`:
 response.created, response.in_progress, then per item response.output_item.added, its deltas
-(response.reasoning_text.delta, response.content_part.added + response.output_text.delta,
-response.function_call_arguments.delta) and their .done events, response.output_item.done, and
+(a reasoning's or a message's after its response.content_part.added: response.reasoning_text.delta,
+response.output_text.delta; response.function_call_arguments.delta) and their .done events
+(response.content_part.done after the text's), response.output_item.done, and
 at the end response.completed (or response.incomplete when max_output_tokens cut it short).
 """
 
@@ -45,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Literal
 
 from pydantic import Field, ValidationError
+from starlette.datastructures import QueryParams
 
 from ..config import SamplingParams
 from .errors import APIError, bad_value
@@ -62,6 +65,9 @@ _NAMES = {"messages": ("input", "input"), "max_tokens": ("max_output_tokens", "m
 _SAMPLING = ("top_k", "min_p", "seed", "repetition_penalty", "stop", "logit_bias", "frequency_penalty",
              "presence_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 LOGPROBS = "message.output_text.logprobs"
+# vLLM's ResponsesRequest.include values (OpenAI's); only LOGPROBS changes a reply
+INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+              "message.input_image.image_url", LOGPROBS, "reasoning.encrypted_content")
 
 
 class ResponsesRequest(_Body):
@@ -86,11 +92,8 @@ class ResponsesRequest(_Body):
                                                     "characters, string values of at most 512")
     user: str | None = None
     top_logprobs: int | None = Field(None, description=f"alternatives per token, with include [{LOGPROBS!r}]")
-    # vLLM's ResponsesRequest types (OpenAI's values); only LOGPROBS changes the reply
-    include: list[Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
-                          "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
-                          "reasoning.encrypted_content"]] | None = \
-        Field(None, description=f"{LOGPROBS!r}: the output_text part's logprobs")
+    include: list[Literal[INCLUDABLE]] | None = Field(None, description=f"{LOGPROBS!r}: the output_text part's "
+                                                                    "logprobs")
     truncation: Literal["auto", "disabled"] | None = Field("disabled", description="accepted and echoed, as "
                                                                                    "vLLM's (nothing is cut)")
     background: bool = Field(False, description="run after answering (status queued), as vLLM's; needs store")
@@ -193,8 +196,8 @@ def check_request(req: ResponsesRequest) -> None:
 
 
 def _text(content, where: str, field: str = "content") -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}.{field} must be a string or a list of text parts", "input")
     out = []
@@ -219,9 +222,15 @@ def _reasoning_text(item: dict, where: str) -> str:
     return texts[0] or texts[1]
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def input_items(req: ResponsesRequest) -> list[dict]:
-    """The request's own input as a list of items (a string is one user message)."""
-    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    """The request's own input as a list of items (a string is one user message), each with an id
+    (its own, else a new one), by which GET /v1/responses/{id}/input_items pages them."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    return [{**i, "id": i.get("id") or f"{_ID_PREFIXES.get(i.get('type', 'message'), 'item')}_{uuid.uuid4().hex}"}
+            if isinstance(i, dict) else i for i in items]
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:
@@ -256,9 +265,11 @@ def _messages(items: list, names: list[str]) -> tuple[list[dict], list[str]]:
         if kind == "message":
             if not isinstance(item.get("role"), str):
                 raise APIError(400, f"{where}.role is required", "input")
+            if item.get("content") is None:
+                raise APIError(400, f"{where}.content is required", "input")
             if item["role"] != "assistant":
                 unclaimed()
-            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            messages.append({"role": item["role"], "content": _text(item["content"], where)})
             sources.append(where)
             if thought:
                 messages[-1]["reasoning_content"] = thought
@@ -296,24 +307,59 @@ def _messages(items: list, names: list[str]) -> tuple[list[dict], list[str]]:
     return messages, sources
 
 
-def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    if tools is None:
-        return None
+def _chat_tools(tools: list[dict] | None, choice) -> list[dict] | None:
+    """The function tools as chat tools; with tool_choice allowed_tools, only those it allows."""
     out = []
-    for i, t in enumerate(tools):
+    for i, t in enumerate(tools or []):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise APIError(400, f"tools[{i}]: only function tools are supported", "tools")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                       if k in t}})
-    return out
+    allowed = _allowed_tools(choice, {t["function"].get("name") for t in out})
+    if tools is None:
+        return None
+    return out if allowed is None else [t for t in out if t["function"].get("name") in allowed]
+
+
+_TOOL_CHOICES = ('tool_choice must be "none", "auto", "required", {"type": "function", "name": ...} or '
+                 '{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", "name": ...}]}')
+
+
+def _allowed_tools(choice, names: set) -> set | None:
+    """OpenAI's tool_choice {"type": "allowed_tools", "mode", "tools"}: the names of the function
+    tools it lets the model call (None for any other tool_choice); each must be one of the tools."""
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return None
+    if choice.get("mode") not in ("auto", "required"):
+        raise APIError(400, f'tool_choice.mode must be "auto" or "required", got {choice.get("mode")!r}',
+                       "tool_choice.mode")
+    listed = choice.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise APIError(400, "tool_choice.tools must list the tools the model may call", "tool_choice.tools")
+    allowed = set()
+    for i, t in enumerate(listed):
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)):
+            raise APIError(400, f'tool_choice.tools[{i}] must be {{"type": "function", "name": ...}} (only '
+                                "function tools are supported)", "tool_choice.tools")
+        if t["name"] not in names:
+            raise APIError(400, f"tool_choice.tools[{i}] names {t['name']!r}, which is not one of the tools",
+                           "tool_choice.tools")
+        allowed.add(t["name"])
+    return allowed
 
 
 def _chat_tool_choice(choice, tools: list[dict] | None):
+    """The Responses tool_choice as the chat path's: allowed_tools is its mode over the tools it
+    allows (_chat_tools keeps only those), a function is named at the top level."""
     if choice == "auto" and not tools:      # vLLM's and OpenAI's default, sent without tools: no tools
         return None
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") == "allowed_tools":
+        return choice["mode"]
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise APIError(400, f"{_TOOL_CHOICES}, got {json.dumps(choice)[:200]}", "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
 
 
 def _response_format(text: dict | None) -> dict | None:
@@ -326,7 +372,9 @@ def _response_format(text: dict | None) -> dict | None:
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, "text.format.schema is required (a JSON schema object)", "text")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
+        if not isinstance(fmt.get("name"), str):         # OpenAI's and vLLM's (ResponseTextConfig): required
+            raise APIError(400, "text.format.name is required (a string) with type json_schema", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
     if kind not in ("text", "json_object"):
         raise APIError(400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text")
@@ -342,7 +390,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
     if req.structured_outputs is not None and (req.text or {}).get("format") is not None:    # vLLM's words
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "structured_outputs")
     body = {"model": req.model, "messages": messages,
-            "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools),
+            "temperature": req.temperature, "top_p": req.top_p, "tools": _chat_tools(req.tools, req.tool_choice),
             "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
             "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
@@ -398,6 +446,8 @@ def renamed(e: APIError, sources: list[str] | None = None) -> APIError:
     for chat in ("max_tokens", "response_format", "reasoning_effort"):
         message = re.sub(rf"\b{chat}\b", _NAMES[chat][0], message)
     message = message.replace("the Chat Completions API", "the Responses API")
+    if param == "top_logprobs":         # the engine's check says logprobs, the count's name in SamplingParams
+        message = re.sub(r"^logprobs\b", "top_logprobs", message)
     return APIError(e.status, message, param, e.code)
 
 
@@ -447,7 +497,8 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
             "previous_response_id": req.previous_response_id, "temperature": _or(served.temperature, req.temperature),
             "top_p": _or(served.top_p, req.top_p), "top_logprobs": served.top_logprobs,
             "tools": req.tools or [], "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "text": req.text or {"format": {"type": "text"}},
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": {**(req.text or {}), "format": (req.text or {}).get("format") or {"type": "text"}},
             "reasoning": req.reasoning, "metadata": req.metadata or {}, "user": req.user, "store": req.store,
             "truncation": req.truncation or "disabled", "background": req.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens" if finish == "length" else "abort"}
@@ -455,7 +506,10 @@ def response_body(rid: str, req: ResponsesRequest, model: str, created: int, out
             "usage": None if usage is None else {
                 "input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
-                "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+                # cache_write_tokens: OpenAI's count of tokens written for extended prompt caching, which
+                # specdec has not (its prefix cache reuses blocks as they are computed, for no charge)
+                "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                                         "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens}},
             **({} if speculative is None else {"speculative": speculative})}     # as every response of this server
 
@@ -470,6 +524,49 @@ def conversation(turn: list[dict], output: list[dict]) -> list[dict]:
     items, as a client sends them back by hand (less the logprobs, which no prompt reads)."""
     return turn + [{**i, "content": [{k: v for k, v in p.items() if k != "logprobs"} for p in i["content"]]}
                    if i["type"] == "message" else i for i in output]
+
+
+def list_input_items(store: ResponseStore, rid: str, query: QueryParams) -> dict:
+    """OpenAI's GET /v1/responses/{id}/input_items (its ResponseItemList): the items a stored
+    response was made from (earlier turns' and its request's input: its stored conversation less
+    its own output), a page of them: query `order` "asc" | "desc" (the default: newest first),
+    `after` (an item id: the items after it), `limit` (1 to 100, default 20), `include` (OpenAI's
+    values; stored items hold nothing more to include). 404 for a response not stored."""
+    order, after = query.get("order", "desc"), query.get("after")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f'order must be "asc" or "desc", got {order!r}', "order")
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
+    for value in query.getlist("include") + query.getlist("include[]"):     # the openai client's: include[]
+        if value not in INCLUDABLE:
+            raise APIError(400, f"include values are {', '.join(INCLUDABLE)}; got {value!r}", "include")
+    items, body = store.get(rid)
+    items = [_listed(i) for i in items[:len(items) - len(json.loads(body)["output"])]]
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((k + 1 for k, i in enumerate(items) if i["id"] == after), None)
+        if start is None:
+            raise APIError(400, f"after: response {rid!r} has no input item with id {after!r}", "after")
+    page = items[start:start + int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + int(limit) < len(items)}
+
+
+def _listed(item: dict) -> dict:
+    """A stored input item in OpenAI's listed shape: typed, with a status, a message's text as
+    parts (input_text; output_text with its annotations in an assistant's), a reasoning's summary."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "status": item.get("status") or "completed"}
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        parts = [{"text": item["content"]}] if isinstance(item["content"], str) else item["content"]
+        out["content"] = [{**p, "type": part, **({"annotations": p.get("annotations") or []} if part == "output_text"
+                                                  else {})} for p in parts]
+    elif kind == "reasoning":
+        out["summary"] = item.get("summary") or []
+    return out
 
 
 async def respond(gen: Generation, fmt: ChatFormat, req: ResponsesRequest, model: str, rid: str,
@@ -548,7 +645,9 @@ class _ItemStream:
                          part=item["content"][0])]
         elif item["type"] == "reasoning":
             events = [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                         text=item["content"][0]["text"])]
+                         text=item["content"][0]["text"]),
+                      ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                         part=item["content"][0])]
         else:
             events = [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
                          arguments=item["arguments"], name=item["name"])]
@@ -558,15 +657,14 @@ class _ItemStream:
         events = self.close()
         self.output.append(item)
         self.open, idx = item, len(self.output) - 1
-        added = {**item, "status": "in_progress"}
-        if item["type"] == "message":        # OpenAI's and vLLM's: the part comes in content_part.added
-            added["content"] = []
-        events.append(self.event("response.output_item.added", output_index=idx, item=added))
-        if item["type"] == "message":
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                            "logprobs": []}))
-        return events
+        if item["type"] == "function_call":
+            return events + [self.event("response.output_item.added", output_index=idx, item=item)]
+        # a message's or reasoning's part comes in content_part.added (OpenAI's and vLLM's simple_streaming_events)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message" \
+            else {"type": "reasoning_text", "text": ""}
+        return events + [self.event("response.output_item.added", output_index=idx, item={**item, "content": []}),
+                         self.event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                    content_index=0, part=part)]
 
     def text(self, kind: str, delta: str, logprobs: list[dict] = ()) -> list[str]:
         """Reasoning (kind "reasoning") or answer ("message") text; logprobs: an answer's tokens'."""

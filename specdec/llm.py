@@ -190,16 +190,16 @@ def _under_torchrun() -> bool:
     return under_torchrun()
 
 
-def _hf_config_path(model, path, parallel: ParallelConfig) -> str | None:
+def _hf_config_path(model, path, parallel: ParallelConfig, revision=None, download_dir=None) -> str | None:
     """vLLM's hf_config_path (a folder, or a Hugging Face id in the local cache): the folder whose
     config.json (and generation_config.json) a GGUF target runs with instead of its metadata's
-    (model/gguf.py: GGUFFile.config_from). A Hugging Face folder runs with its own; naming it
-    changes nothing."""
+    (model/gguf.py: GGUFFile.config_from); an id at the model's revision under download_dir, as
+    vLLM reads it. A Hugging Face folder runs with its own; naming it changes nothing."""
     from .model.gguf import find_gguf
 
     if path is None:
         return None
-    path = str(resolve_hub_id(path))
+    path = str(_hub_snapshot(path, revision, download_dir))
     if find_gguf(model) is None:
         if Path(path).resolve() == Path(model).resolve():
             return None
@@ -415,7 +415,7 @@ class LLM:
         model = _hub_snapshot(model, revision, download_dir)
         tokenizer = _hub_snapshot(tokenizer, tokenizer_revision, download_dir)
         speculative_model = _hub_snapshot(speculative_model, None, download_dir)
-        self.hf_config_path = _hf_config_path(model, hf_config_path, parallel)
+        self.hf_config_path = _hf_config_path(model, hf_config_path, parallel, revision, download_dir)
         if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
             speculative_config = {**speculative_config, "model": _hub_snapshot(speculative_config["model"], None,
                                                                                download_dir)}

@@ -89,6 +89,20 @@ def test_revision_and_download_dir_pick_the_snapshot(hub, monkeypatch):
         LLM("toy/target", num_speculative_tokens=0, download_dir="/nowhere")
 
 
+def test_hf_config_path_id_is_read_at_the_revision_under_download_dir(hub):
+    """vLLM reads hf_config_path at the model's revision: the model's own id at v2 names its own
+    folder (no-op), not main's snapshot (which a folder model refuses as another config)."""
+    from specdec.llm import LLM
+
+    cache, repo = hub
+    llm = LLM("toy/target", num_speculative_tokens=0, revision="v2", download_dir=str(cache),
+              hf_config_path="toy/target")
+    assert llm.model_path == str(repo / "snapshots" / V2) and llm.hf_config_path is None
+    with pytest.raises(ValueError, match="runs with its own config.json"):
+        LLM("toy/target", num_speculative_tokens=0, revision="v2", download_dir=str(cache),
+            hf_config_path=str(repo / "snapshots" / MAIN))
+
+
 def test_generate_runs_the_revision_it_names(hub, tiny_pair, capsys):
     cache, _ = hub
 

@@ -128,3 +128,16 @@ def test_report_replaces_only_its_own_block_in_the_cards(tmp_path):
     assert json.loads((folder / "quality.json").read_text())["greedy"]["acceptance_rate"] == 0.5432
     write_into_cards(_report(0.5432), "specdec train report --threads 2", folder)
     assert (folder / "README.md").read_text() == card       # the same report: the same card
+
+
+def test_report_replaces_an_unmarked_quality_section_once():
+    """A card an older specdec wrote (its Quality section without the markers) gets that section
+    replaced, as then, not a second one; the sections around it stay."""
+    from specdec.train.report import HEADING, with_report
+
+    old = f"# t\n\nintro\n\n{HEADING}\n\n| a | b |\nold table\n\n## Licence\n\nMIT\n"
+    new = with_report(old, "NEW\n")
+    assert new.count(HEADING) == 1 and "old table" not in new and "NEW\n" in new
+    assert new.startswith("# t\n\nintro\n\n") and new.endswith("\n## Licence\n\nMIT\n")
+    again = with_report(new, "NEWER\n")
+    assert again.count(HEADING) == 1 and "NEWER" in again and again.count("NEW") == 1

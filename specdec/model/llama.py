@@ -311,7 +311,8 @@ def _paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: KVCache, layer: int, p
     batch (a masked attention over several rows sums in another order, and a last-bit
     difference can flip a greedy near-tie). A longer chunk takes one masked attention: its
     tokens' results depend on how the prompt was chunked (README: losslessness under batching),
-    so on the CPU with the kernels on, every chunk goes token by token (Transformer._attention).
+    so on the CPU with the kernels on and a head_dim the C attention does not take, every chunk
+    goes token by token (Transformer._attention).
     A sliding window (Gemma 2 / 3) leaves out the slots `window` or more positions back.
 
     On a GPU (plan.padded: batch.PADDED) the sequences feeding at most MAX_ROWS tokens attend
@@ -812,9 +813,11 @@ class Transformer(nn.Module):
     def _attention(self, kv: KVCache, batch: ForwardBatch):
         """Where this forward's attention runs: forward.c's per-token attention on the CPU
         (cforward.attention_supported: whatever the matrices, packed GGUF ones too), else PyTorch.
-        Where the C attention does not apply but the kernels run (a head_dim not a multiple of 8),
-        PyTorch too attends token by token however long the chunk, so that a token's result does
-        not depend on how its prompt was chunked (as the C path's)."""
+        Where the C attention does not apply but the kernels run because of a head_dim not a
+        multiple of 8, PyTorch too attends token by token however long the chunk, so that a token's
+        result does not depend on how its prompt was chunked (as the C path's); other dtypes the C
+        attention leaves out (fp16) keep one masked attention per chunk of more than 64 tokens
+        (token by token, an fp16 prefill of 1000 tokens took 2.8x as long)."""
         lib = kernels.load()
         exact = lib is not None and not self.model.norm.weight.requires_grad and kv.k[0].device.type == "cpu"
         if exact and cforward.attention_supported(self, kv):
@@ -822,7 +825,7 @@ class Transformer(nn.Module):
             if view is None:
                 view = self._c_attention_views[kv] = cforward.CView(self, kv, weights=False)
             return cforward.CAttention(lib, view, batch)
-        rows = batch.num_tokens if exact else kernels.MAX_ROWS
+        rows = batch.num_tokens if exact and self.config.head_dim % 8 else kernels.MAX_ROWS
         return self._torch_attention(kv, AttentionPlan.of(batch, kv, self.device, rows))
 
     def _torch_attention(self, kv: KVCache, plan: AttentionPlan) -> "_TorchAttention":

@@ -115,12 +115,18 @@ Measured on {r['functions']} documented test-split functions (def line and docst
 
 def with_report(card: str, block: str) -> str:
     """The card with the report's block in place of the last run's (between BEGIN and END): text
-    around it, written by hand, is kept. A card without the markers gets a Quality section at its end."""
+    around it, written by hand, is kept. A card without the markers gets a Quality section at its end,
+    or, written by a specdec before the markers, has its Quality section replaced as it was then."""
     block = f"{BEGIN}\n{block}{END}"
     start = card.find(BEGIN)
     end = card.find(END, start)
     if start >= 0 and end >= 0:
         return card[:start] + block + card[end + len(END):]
+    start = card.find(f"{HEADING}\n")
+    if start >= 0:
+        end = card.find("\n## ", start + len(HEADING))
+        rest = card[end + 1:] if end >= 0 else ""
+        return card[:start] + f"{HEADING}\n\n{block}\n" + ("\n" + rest if rest else "")
     return card.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
 
 

@@ -1034,6 +1034,7 @@ class Tokenizer:
         # transformers' normalisation: a message's keys set to None are left out (a None content
         # printed "None" in Mistral's and Gemma's templates and stopped Llama 3.1's)
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        messages = [_alias_reasoning(m) for m in messages]
         if continue_final_message:
             # transformers 5's way: a marker after the final message's content, the text cut there
             # (an empty message is continued from its start)
@@ -1102,6 +1103,19 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_tok
 # put after the final message's content by continue_final_message, and the rendered text cut there:
 # transformers' own tag, trailing space included (whether the template kept that space decides the cut)
 CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+# the names a message's reasoning is sent under, in transformers' order of preference
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message):
+    """transformers 5's _alias_reasoning_fields: a message's reasoning, sent under any of its
+    names, also under reasoning_content (Qwen3's templates) and thinking (gpt-oss's)."""
+    if not isinstance(message, dict):
+        return message
+    thought = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    return message if thought is None else {"thinking": thought, **message, "reasoning_content": thought}
 
 
 def _with_marker(message) -> tuple[str, dict]:
@@ -1235,38 +1249,55 @@ def template_content(content, fmt: str):
 
 
 def template_messages(messages) -> list[dict]:
-    """Chat messages as chat templates expect them: content as text ("" for none), an assistant's
-    earlier tool_calls with their arguments as objects (Hugging Face templates read them; OpenAI
-    sends JSON strings; none or "" is {}, as vLLM gives), fields sent as null left out; every
-    other field kept."""
+    """Chat messages as vLLM's chat_utils hands them to the template (_parse_chat_message_content,
+    _postprocess_messages): role and content ("" for none); name and task when strings; an
+    assistant's tool_calls and earlier reasoning; a tool message's tool_call_id, its text parts
+    joined one per line (templates print a tool result as a string); a developer message's tools.
+    Any other field is left out, and so is one sent as null. An assistant's earlier tool_calls get
+    their arguments as objects (Hugging Face templates read them; OpenAI sends JSON strings; null
+    or a string that is not JSON is {}), and an empty list of them is dropped (templates test
+    `'tool_calls' in message` and would render a call)."""
     out = []
     for m in messages:
-        msg = {k: v for k, v in m.items() if v is not None}
-        msg["content"] = m.get("content") or ""
-        thought = m.get("reasoning_content") or m.get("reasoning")
-        if thought and m.get("role") == "assistant":
-            # earlier reasoning under the names templates read it by: reasoning (vLLM's newer name),
-            # Qwen3's reasoning_content, gpt-oss's thinking (vLLM's chat_utils gives the first two)
-            for key in ("reasoning", "reasoning_content", "thinking"):
-                msg.setdefault(key, thought)
-        if m.get("tool_calls"):
-            calls = []
-            for i, c in enumerate(m["tool_calls"]):
-                if not isinstance(c, dict) or not isinstance(c.get("function") or {}, dict):
-                    raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                     f"'arguments': ...}}}}, got {c!r:.80}")
-                fn = dict(c.get("function") or {})
-                if not fn.get("arguments"):       # "", null or left out: {} (vLLM's _postprocess_messages)
-                    fn["arguments"] = {}
-                elif isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**c, "function": fn} if isinstance(c, dict) else c)
-            msg["tool_calls"] = calls
+        role, content = m.get("role"), m.get("content")
+        msg = {"role": role, "content": content or ""}
+        if role == "tool" and isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" for p in content):
+            msg["content"] = "\n".join(p.get("text", "") for p in content)
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if role == "developer" and m.get("tools") is not None:
+            msg["tools"] = m["tools"]
+        if role == "assistant":
+            thought = m.get("reasoning_content") or m.get("reasoning")
+            if thought:
+                # under the names templates read it by: reasoning (vLLM's newer name), Qwen3's
+                # reasoning_content, gpt-oss's thinking (vLLM's chat_utils gives the first two)
+                msg.update(reasoning=m.get("reasoning") or thought, reasoning_content=thought, thinking=thought)
+            if m.get("tool_calls"):
+                msg["tool_calls"] = [_template_call(i, c) for i, c in enumerate(m["tool_calls"])]
         out.append(msg)
     return out
+
+
+def _template_call(i: int, call) -> dict:
+    """One of an assistant's earlier tool_calls with its arguments as the template takes them."""
+    if not isinstance(call, dict) or not isinstance(call.get("function") or {}, dict):
+        raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                         f"'arguments': ...}}}}, got {call!r:.80}")
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:       # "", whitespace or malformed: {} (vLLM's _postprocess_messages)
+            args = {}
+    elif not isinstance(args, (dict, list)):
+        args = {}
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _vector(values: list[int], kind: str):

@@ -17,10 +17,12 @@
 - `"auto"` (the default when tools are given): the model writes freely and the server's
   `--tool-call-parser` takes its calls out of the text; it needs `--enable-auto-tool-choice`,
   as in vLLM; with `parallel_tool_calls` false only the first call is returned. Parsers: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), two whose calls are the whole
-  reply: `llama3_json` (`{"name": ..., "parameters": {...}}`, several joined by `;`, after an
-  optional `<|python_tag|>`: Llama 3.1 / 3.2), `pythonic` (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's
-  pythonic templates, ToolACE); `mistral` reads the calls after a `[TOOL_CALLS]` marker (a
+  blocks anywhere in the text: Hermes 2 Pro / 3, Qwen2.5), `llama3_json` (`{"name": ...,
+  "parameters": {...}}` objects anywhere in the reply, as vLLM's: joined by `;`, after a
+  `<|python_tag|>`, or among prose, which is then dropped (content null); Llama 3.1 / 3.2),
+  `pythonic`, whose calls are the whole reply (`[f(a=1), g(b="x")]`: Llama 3.2 / 4's pythonic
+  templates, ToolACE; a call whose arguments are not JSON, `1e999` among them, is left out and
+  its siblings kept, as vLLM's); `mistral` reads the calls after a `[TOOL_CALLS]` marker (a
   special token, so replies keep special tokens), the text before it being content, as vLLM's
   MistralToolParser: a JSON array `[{"name": ..., "arguments": {...}}]` (Mistral 7B v0.3; what
   follows the array is ignored) or, from Mistral's v11 tokenizers on (Mistral Small 3.1+,
@@ -42,9 +44,10 @@ masks p and q alike, and verification keeps exactly the constrained target's tok
 Streams: a named call streams its arguments as they are generated; `required` sends its calls
 when the array is complete (at the end); `auto` with hermes streams the text outside the call
 blocks and each call once its block has closed; mistral streams the text before `[TOOL_CALLS]`
-and holds what follows to the end; with the whole-reply parsers a reply that begins like a call
-is held to the end (then sent as calls, or as text if it does not parse), any other streams as
-text. The content streamed equals the non-streamed content.
+and llama3_json the text before the first `{` or `<|python_tag|>`, holding what follows to the
+end; with pythonic a reply that begins like a call is held to the end (then sent as calls, or as
+text if it does not parse), any other streams as text. The content streamed equals the
+non-streamed content, except llama3_json's prose before its calls, sent before they are known.
 """
 
 from __future__ import annotations
@@ -175,7 +178,16 @@ _call = tool_call
 
 
 def _arguments(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    """A call's arguments as a JSON string: a string that is itself a serialized JSON object is
+    those arguments (vLLM's hermes decodes it once); any other value is serialized, a bare
+    string "hello" to '"hello"', as vLLM's."""
+    if isinstance(value, str):
+        try:
+            if isinstance(json.loads(value), dict):
+                return value
+        except (ValueError, RecursionError):
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 def json_arguments(text: str) -> str:
@@ -236,30 +248,32 @@ def _hermes_split(text: str) -> tuple[str, list[dict]]:
     return "".join(content), calls
 
 
-# ---- parsers whose calls are the whole reply ----
+# ---- llama3_json: JSON calls anywhere in the reply; pythonic: the whole reply ----
 _PYTHON_TAG, _TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
 
 
 def _llama3_json_calls(text: str) -> list[dict] | None:
-    """`{"name": ..., "parameters": {...}}` objects joined by `;`, after an optional <|python_tag|>."""
-    s = text.strip().removeprefix(_PYTHON_TAG).strip()
+    """The `{"name": ..., "parameters": {...}}` (or "arguments") objects in the reply, as vLLM's
+    Llama3JsonToolParser finds them: each `{` outside an object already read is tried, and one
+    that does not begin such an object is text (prose around the calls, `;` between them, a
+    <|python_tag|> before them); None when there is no call."""
     calls, at, dec = [], 0, json.JSONDecoder()
-    while at < len(s):
+    while (at := text.find("{", at)) >= 0:
         try:
-            obj, at = dec.raw_decode(s, at)
-            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-            if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
-                return None
-            calls.append(_call(obj["name"], _arguments(args)))
-        except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no calls
-            return None
-        while at < len(s) and s[at] in " \t\r\n;":
+            obj, end = dec.raw_decode(text, at)
+        except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: text
             at += 1
+            continue
+        at = end
+        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict):
+            calls.append(_call(obj["name"], _arguments(args)))
     return calls or None
 
 
 def _pythonic_calls(text: str) -> list[dict] | None:
-    """`[f(a=1, b="x"), g()]`: a Python list of calls with literal keyword arguments."""
+    """`[f(a=1, b="x"), g()]`: a Python list of calls with literal keyword arguments; a call whose
+    arguments are not JSON is left out and its siblings kept (vLLM's), None when none is left."""
     import ast
 
     s = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
@@ -267,22 +281,26 @@ def _pythonic_calls(text: str) -> list[dict] | None:
         tree = ast.parse(s, mode="eval").body
     except Exception:  # noqa: BLE001 - SyntaxError; RecursionError / MemoryError on deep nesting
         return None
-    if not isinstance(tree, ast.List) or not tree.elts:
+    if not isinstance(tree, ast.List) or not all(isinstance(node, ast.Call) for node in tree.elts):
         return None
-    calls = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
-            return None
-        try:
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            name = ast.unparse(node.func)
-            arguments = json.dumps(args, ensure_ascii=False)     # a set, bytes or complex: no JSON, no call
-        except Exception:  # noqa: BLE001 - not literals, not JSON, or nested past the recursion limit
-            return None
-        if len(args) != len(node.keywords):
-            return None
-        calls.append(_call(name, arguments))
-    return calls
+    calls = [c for c in map(_pythonic_call, tree.elts) if c is not None]
+    return calls or None
+
+
+def _pythonic_call(node) -> dict | None:
+    import ast
+
+    if node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        # a set, bytes or complex is no JSON, nor is 1e999 (inf): Infinity is no JSON to a client
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except Exception:  # noqa: BLE001 - not literals, not JSON, or nested past the recursion limit
+        return None
+    if len(args) != len(node.keywords):        # **kwargs
+        return None
+    return _call(ast.unparse(node.func), arguments)
 
 
 def _mistral_split(text: str) -> tuple[str, list[dict]]:
@@ -323,15 +341,15 @@ def _mistral_segment(s: str) -> list[dict] | None:
         return None
 
 
-# parser -> (its calls or None, the starts of a reply that may be a call)
-_WHOLE = {"llama3_json": (_llama3_json_calls, ("{", _PYTHON_TAG)),
-          "pythonic": (_pythonic_calls, ("[", "<|python_start|>"))}
+_PYTHONIC_STARTS = ("[", "<|python_start|>")
+# parser -> where its calls may begin (a stream sends the text before, holds the rest to the end)
+_MARKS = {"mistral": (_TOOL_CALLS,), "llama3_json": ("{", _PYTHON_TAG)}
 
 
-def _may_be_call(parser: str, text: str) -> bool:
-    """Whether a reply beginning with `text` may still turn out to be calls."""
+def _may_be_call(text: str) -> bool:
+    """Whether a pythonic reply beginning with `text` may still turn out to be calls."""
     s = text.lstrip()
-    return any(s.startswith(m) or m.startswith(s) for m in _WHOLE[parser][1])
+    return any(s.startswith(m) or m.startswith(s) for m in _PYTHONIC_STARTS)
 
 
 def _split(parser: str, text: str) -> tuple[str, list[dict]]:
@@ -342,7 +360,10 @@ def _split(parser: str, text: str) -> tuple[str, list[dict]]:
         return _mistral_split(text)
     if parser == "openai":            # harmony calls: taken out by the reasoning parser (responses.ChatFormat)
         return text, []
-    calls = _WHOLE[parser][0](text) if _may_be_call(parser, text) and text.strip() else None
+    if parser == "llama3_json":
+        calls = _llama3_json_calls(text)
+    else:
+        calls = _pythonic_calls(text) if _may_be_call(text) and text.strip() else None
     return ("", calls) if calls else (text, [])
 
 
@@ -389,8 +410,8 @@ class ToolStream:
             return "", []
         if self.plan.mode != "auto" or self.plan.parser == "openai":      # openai: harmony calls, found elsewhere
             return text, []
-        if self.plan.parser == "mistral":
-            return self._feed_mistral(text), []
+        if self.plan.parser in _MARKS:
+            return self._feed_marked(text), []
         if self.plan.parser != "hermes":
             return self._feed_whole(text), []
         self.buf += text
@@ -428,7 +449,7 @@ class ToolStream:
             return "", [self._delta(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
         if self.plan.mode != "auto" or self.plan.parser == "openai":
             return "", [], finish_reason
-        if self.plan.parser not in ("hermes", "mistral"):
+        if self.plan.parser == "pythonic":
             if not self.holding:
                 return "", [], finish_reason
             content, calls = _split(self.plan.parser, self.buf)
@@ -436,8 +457,8 @@ class ToolStream:
             deltas = [d for d in map(self._delta, calls) if d is not None]
             return self._content(content), deltas, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         rest, deltas = self.buf, []
-        if self.in_call and self.plan.parser == "mistral":       # rest: [TOOL_CALLS] and all that followed
-            rest, calls = _mistral_split(rest)
+        if self.in_call and self.plan.parser in _MARKS:       # rest: the first mark and all that followed
+            rest, calls = _split(self.plan.parser, rest)
             deltas = [d for d in map(self._delta, calls) if d is not None]
         elif self.in_call:
             call = _hermes_call(rest)
@@ -449,17 +470,18 @@ class ToolStream:
         reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
         return text, deltas, reason
 
-    def _feed_mistral(self, text: str) -> str:
-        """mistral: the text before [TOOL_CALLS] streams (a possible marker's start held back);
-        from the marker on, the reply is held to the end (finish() reads its calls)."""
+    def _feed_marked(self, text: str) -> str:
+        """mistral, llama3_json: the text before the first place a call may begin ([TOOL_CALLS];
+        `{` or <|python_tag|>) streams, a possible marker's start held back; from there the reply
+        is held to the end (finish() reads its calls, or sends it as text)."""
         self.buf += text
         if self.in_call:
             return ""
-        at = self.buf.find(_TOOL_CALLS)
+        at = min((i for i in map(self.buf.find, _MARKS[self.plan.parser]) if i >= 0), default=-1)
         if at >= 0:
             out, self.buf, self.in_call = self.buf[:at], self.buf[at:], True
         else:
-            keep = held_back(self.buf, _TOOL_CALLS)
+            keep = max(held_back(self.buf, m) for m in _MARKS[self.plan.parser])
             out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         return self._content(out)
 
@@ -476,7 +498,7 @@ class ToolStream:
         if not self.holding:
             return self._content(text)
         self.buf += text
-        if _may_be_call(self.plan.parser, self.buf):
+        if _may_be_call(self.buf):
             return ""
         text, self.buf, self.holding = self.buf, "", False
         return self._content(text)

@@ -553,6 +553,7 @@ VLLM_SPEC_KEYS: dict[str, tuple] = {
     # filled in by vLLM's engine, never by a user: taken as vLLM takes them
     **{k: (lambda v: True, "") for k in ("target_model_config", "target_parallel_config", "draft_model_config",
                                          "draft_parallel_config")},
+    # the exception to "changes nothing": a drafter model's context, lowered to it (proposers._draft_context)
     "max_model_len": (lambda v: v is None or (_int(v) and v >= 1), "must be an integer >= 1 or null"),
     "kv_cache_dtype": (_only(None, "auto"), "not supported: the draft's KV cache follows the target's "
                                             "(set LLM's kv_cache_dtype / --kv-cache-dtype)"),

@@ -161,9 +161,19 @@ def _hybrid(learned_method: str) -> Callable:
         if learned_method != "draft_model" and isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 64:
             # the hybrid's learned chain may stop short of K (lookup drafts up to K either way)
             inner = dataclasses.replace(inner, num_speculative_tokens=depth)
-        learned = REGISTRY[learned_method](inner, target, loader, max_len)
+        learned = _draft_context(REGISTRY[learned_method](inner, target, loader, max_len), inner)
         return HybridProposer(learned, spec.prompt_lookup_max, spec.prompt_lookup_min, settings)
     return build
+
+
+def _draft_context(proposer: Proposer, spec: SpeculativeConfig) -> Proposer:
+    """vLLM's speculative_config.max_model_len, the draft's context: its own lowered to it, so a
+    request past it decodes plainly from there (draft_room), as vLLM skips speculation for it."""
+    limit = spec.extra.get("max_model_len")
+    if limit is not None:
+        own = proposer.caps.max_len
+        proposer.caps = dataclasses.replace(proposer.caps, max_len=limit if own is None else min(own, limit))
+    return proposer
 
 
 def heads_config(folder) -> dict:
@@ -204,17 +214,19 @@ READ_KEYS = {"topk", "depth", "acceptance_method", *TYPICAL_KEYS, *HYBRID_KEYS, 
 # what each method reads beside method, num_speculative_tokens, disable_by_batch_size and the
 # acceptance keys (every method's); a key given to a method that does not read it is a warning
 LOOKUP_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
-_EAGLE_READS = ("model", "topk", "depth")
+# max_model_len: the context of a drafter that is a model (vLLM's draft_model_config); lookup has none
+_MODEL = ("model", "max_model_len")
+_EAGLE_READS = (*_MODEL, "topk", "depth")
 METHOD_READS: dict[str, tuple[str, ...]] = {
-    "draft_model": ("model",), "ngram": LOOKUP_FIELDS, "suffix": ("model", *LOOKUP_FIELDS, *SUFFIX_KEYS),
-    "layer_skip": ("num_layers",), "medusa": ("model",), "eagle": _EAGLE_READS, "eagle3": _EAGLE_READS,
-    "mlp_speculator": ("model",), **{m: _EAGLE_READS for m in MTP_METHODS if not m.startswith("ngram+")},
+    "draft_model": _MODEL, "ngram": LOOKUP_FIELDS, "suffix": ("model", *LOOKUP_FIELDS, *SUFFIX_KEYS),
+    "layer_skip": ("num_layers", "max_model_len"), "medusa": _MODEL, "eagle": _EAGLE_READS, "eagle3": _EAGLE_READS,
+    "mlp_speculator": _MODEL, **{m: _EAGLE_READS for m in MTP_METHODS if not m.startswith("ngram+")},
     "ngram+eagle": (*_EAGLE_READS, *LOOKUP_FIELDS, *HYBRID_KEYS),
     "ngram+mtp": (*_EAGLE_READS, *LOOKUP_FIELDS, *HYBRID_KEYS),
-    "ngram+draft_model": ("model", *LOOKUP_FIELDS, *HYBRID_KEYS),
+    "ngram+draft_model": (*_MODEL, *LOOKUP_FIELDS, *HYBRID_KEYS),
 }
 EVERY_METHOD_READS = {"method", "num_speculative_tokens", "disable_by_batch_size", "acceptance_method", *TYPICAL_KEYS,
-                      "max_k", *VLLM_SPEC_KEYS}
+                      "max_k", *(set(VLLM_SPEC_KEYS) - {"max_model_len"})}
 
 
 def check_keys(spec: SpeculativeConfig) -> None:
@@ -237,6 +249,9 @@ def check_keys(spec: SpeculativeConfig) -> None:
         elif key == "max_k" and not spec.adaptive:
             log.warning("speculative_config: 'max_k' is read only with num_speculative_tokens \"auto\": it has no "
                         "effect on method %r at K = %s", spec.method, spec.num_speculative_tokens)
+    if spec.extra.get("quantization") is not None:      # vLLM would quantize the draft online
+        log.warning("speculative_config: 'quantization' (%r) is ignored: the draft loads as its folder stores it "
+                    "(by its own quantization_config, if any)", spec.extra["quantization"])
 
 
 def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer:
@@ -249,7 +264,10 @@ def build_proposer(spec: SpeculativeConfig, target, loader, max_len) -> Proposer
     if limit is not None and limit > max_len:
         raise ValueError(f"speculative_config.max_model_len={limit} cannot be larger than the target's "
                          f"max_model_len ({max_len})")
-    return REGISTRY[spec.method](spec, target, loader, max_len)
+    proposer = REGISTRY[spec.method](spec, target, loader, max_len)
+    if spec.method in ("ngram", "suffix") or isinstance(proposer, HybridProposer):   # a hybrid's learned one: _hybrid
+        return proposer
+    return _draft_context(proposer, spec)
 
 
 def typical_acceptance(spec: SpeculativeConfig | None) -> tuple[float, float] | None:

@@ -61,9 +61,10 @@ class ProposerCaps:
     feature_layers: tuple[int, ...] = ()   # with needs_hidden: reads instead the residual stream
                                            # entering these target layers, side by side (EAGLE-3)
     max_tree_size: int | None = None   # the most nodes it can draft ("auto" builds its ladder up to it)
-    max_len: int | None = None         # its context (a draft model's): it drafts k tokens after a sequence
-                                       # of n only while n + k - 1 <= max_len (draft_room), and its cache
-                                       # never holds a slot past it; the target's context is not shortened
+    max_len: int | None = None         # its context (a draft model's, or speculative_config.max_model_len's):
+                                       # it drafts k tokens after a sequence of n only while n + k - 1 <=
+                                       # max_len (draft_room), and a draft model's cache never holds a slot
+                                       # past it; the target's context is not shortened
     deferrable: bool = False           # update() may be skipped for some steps and then given one
                                        # Committed that merges them (merge_committed): it catches up
     weighs_costs: bool = False         # under "auto" the engine hands it each step's measured costs

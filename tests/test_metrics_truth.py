@@ -4,6 +4,7 @@ counted once whatever n is; offline prompt counts per choice, as the server's.""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -108,12 +109,19 @@ def test_echo_with_max_tokens_0_counts_no_generated_token(tiny_pair):
             httpx.Client(base_url=live.url, timeout=60) as http:
         r = http.post("/v1/completions", json={"model": "m", "prompt": "def f(x):", "echo": True, "max_tokens": 0})
         assert r.json()["usage"]["completion_tokens"] == 0
+        assert r.json()["speculative"]["output_tokens"] == 0         # the same count in specdec's block
         assert metric(http, "specdec:generation_tokens_total") == 0
         assert metric(http, "specdec:request_generation_tokens_sum") == 0
         assert metric(http, "specdec:request_max_num_generation_tokens_sum") == 0
         assert metric(http, 'specdec:request_success_total{finished_reason="length",}') == 1
         assert metric(http, "specdec:e2e_request_latency_seconds_count") == 1
         assert metric(http, "specdec:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+        with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": "def f(x):", "echo": True,
+                                                           "max_tokens": 0, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        counts = [c["speculative"]["output_tokens"] for c in chunks if "speculative" in c]
+        assert counts and set(counts) == {0}, chunks
 
 
 def _counts(llm) -> dict:

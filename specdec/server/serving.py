@@ -672,10 +672,12 @@ class Generation:
             yield index, item
 
     def _as_sent(self, event: StepEvent) -> StepEvent:
-        """The event as the response shows it (echo with max_tokens 0: without its token)."""
+        """The event as the response shows it (echo with max_tokens 0: without its token, which its
+        statistics do not count either, as usage does not)."""
         if not self.echo_only:
             return event
-        return dataclasses.replace(event, token_ids=[], text="", num_accepted=0,
+        stats = None if event.stats is None else dataclasses.replace(event.stats, output_tokens=0)
+        return dataclasses.replace(event, token_ids=[], text="", num_accepted=0, stats=stats,
                                    logprobs=[] if event.logprobs is not None else None,
                                    finish_reason=("length" if event.finish_reason != "abort" else "abort")
                                    if event.finished else None, stop_reason=None)

@@ -1295,6 +1295,8 @@ def _template_call(i: int, call) -> dict:
             args = json.loads(args)
         except json.JSONDecodeError:       # "", whitespace or malformed: {} (vLLM's _postprocess_messages)
             args = {}
+        if args is None:                   # "null": {} too, as vLLM's
+            args = {}
     elif not isinstance(args, (dict, list)):
         args = {}
     return {**call, "function": {**fn, "arguments": args}}

@@ -271,6 +271,28 @@ def _llama3_json_calls(text: str) -> list[dict] | None:
     return calls or None
 
 
+_JSON_WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")   # "" starts each: text ran out
+_NUMBER_TAIL = re.compile(r"\.|[eE][-+]?")                 # 1. / 1e / 1e- : the number goes on
+
+
+def _json_call_at(text: str) -> bool | int | None:
+    """For a stream's text from a `{`: True when it begins a call object (_llama3_json_calls'
+    kind), None while it may still (JSON cut short: the error is at its end, inside an
+    unterminated string, or at a literal or number not yet complete), else where to go on
+    reading text (past the object that is no call, or past this `{`)."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError as e:
+        rest = text[e.pos:]
+        cut = (e.msg.startswith("Unterminated string") or any(w.startswith(rest) for w in _JSON_WORDS)
+               or _NUMBER_TAIL.fullmatch(rest) is not None)
+        return None if cut else 1
+    except Exception:  # noqa: BLE001 - a RecursionError on deep nesting: text, as _llama3_json_calls
+        return 1
+    args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+    return True if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict) else end
+
+
 def _pythonic_calls(text: str) -> list[dict] | None:
     """`[f(a=1, b="x"), g()]`: a Python list of calls with literal keyword arguments; a call whose
     arguments are not JSON is left out and its siblings kept (vLLM's), None when none is left."""
@@ -472,18 +494,36 @@ class ToolStream:
 
     def _feed_marked(self, text: str) -> str:
         """mistral, llama3_json: the text before the first place a call may begin ([TOOL_CALLS];
-        `{` or <|python_tag|>) streams, a possible marker's start held back; from there the reply
-        is held to the end (finish() reads its calls, or sends it as text)."""
+        <|python_tag|> or a `{` that opens a call object) streams, a possible marker's start held
+        back; from there the reply is held to the end (finish() reads its calls, or sends it as
+        text). A `{` is held only while it may still open a call, as _llama3_json_calls reads
+        them: JSON not yet complete, then an object with a name and arguments; code and other
+        JSON stream on as text once they show they are not one."""
         self.buf += text
         if self.in_call:
             return ""
-        at = min((i for i in map(self.buf.find, _MARKS[self.plan.parser]) if i >= 0), default=-1)
-        if at >= 0:
-            out, self.buf, self.in_call = self.buf[:at], self.buf[at:], True
-        else:
-            keep = max(held_back(self.buf, m) for m in _MARKS[self.plan.parser])
-            out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return self._content(out)
+        out, marks = [], _MARKS[self.plan.parser]
+        while True:
+            at = min((i for i in map(self.buf.find, marks) if i >= 0), default=-1)
+            if at < 0:
+                keep = max(held_back(self.buf, m) for m in marks)
+                out.append(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            out.append(self.buf[:at])
+            self.buf = self.buf[at:]
+            if self.plan.parser != "llama3_json" or self.buf.startswith(_PYTHON_TAG):
+                self.in_call = True
+                break
+            verdict = _json_call_at(self.buf)
+            if verdict is None:               # may still open a call: held until more text decides
+                break
+            if verdict is True:
+                self.in_call = True
+                break
+            out.append(self.buf[:verdict])   # not a call: text up to where the next `{` may be tried
+            self.buf = self.buf[verdict:]
+        return self._content("".join(out))
 
     def pending(self) -> tuple[str, ...]:
         """The text fed and not yet sent, as it was fed, in parts (what a failed parser gives back

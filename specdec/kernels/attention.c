@@ -465,10 +465,15 @@ void attention_for(const Model *m, const Layer *L, const Batch *b, const float *
 
 /* One row of n values -> int8 q [n] and its scale d = absmax / 127, q = x / d rounded to the
  * nearest (ties to even), so that the row reads back as q * d (d = 0: all zeros). The same
- * operations as model/kv.py's quantize_rows, so both paths store the same bytes. */
+ * operations as model/kv.py's quantize_rows, so both paths store the same bytes. A NaN in the
+ * row makes amax, so d, NaN (as torch's amax does; fmaxf would skip it and store the NaN as a
+ * finite value): q is then all zeros and the whole row reads back NaN. */
 static void quantize_row(const float *x, int n, int8_t *q, float *scale) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax;      /* once NaN, stays NaN */
+    }
     float d = amax / 127.0f;
     *scale = d;
     for (int i = 0; i < n; i++) {

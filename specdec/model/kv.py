@@ -325,8 +325,10 @@ class BlockManager:
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., hd] -> (int8 [..., hd], fp32 scales [...]): d = absmax / 127 per row and
-    round(x / d), ties to even (d = 0: zeros). forward.c's quantize_row does the same fp32
-    operations, so both paths store the same bytes for the same keys and values."""
+    round(x / d), ties to even (d = 0: zeros). A NaN in a row makes its d NaN (amax propagates
+    it) and its q zeros, so the whole row reads back NaN. attention.c's
+    quantize_row does the same fp32 operations, so both paths store the same bytes for the same
+    keys and values."""
     x = x.float()
     d = x.abs().amax(-1) / 127
     q = torch.where(d[..., None] > 0, torch.round(x / torch.where(d > 0, d, 1)[..., None]), 0)

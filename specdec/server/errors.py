@@ -41,6 +41,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def clipped(text: str, limit: int = 100) -> str:
+    """A client's name, path or key as an error message echoes it: its first `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def bad_value(e: ValueError, default_param: str | None = None) -> APIError:
     """A ValueError from SamplingParams or the engine; its message starts with the field's name."""
     msg = str(e).splitlines()[0] if str(e) else "invalid request"

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..lora import LoRARequest
-from .errors import APIError
+from .errors import APIError, clipped
 
 log = logging.getLogger("specdec.server")
 
@@ -78,11 +78,6 @@ def model_permission(created: int) -> dict:
             "group": None, "is_blocking": False}
 
 
-def _cut(text: str, limit: int = 100) -> str:
-    """A client's name or path as an error message echoes it: its first `limit` characters."""
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class Adapters:
     """The adapters a server routes to by name. Names are unique and distinct from the base
     model's names; ids are never reused, so an adapter unloaded and loaded again under its name
@@ -101,7 +96,7 @@ class Adapters:
             return None
         found = self._by_name.get(model)
         if found is None:
-            raise APIError(404, f"The model `{_cut(model)}` does not exist.", "model", "model_not_found")
+            raise APIError(404, f"The model `{clipped(model)}` does not exist.", "model", "model_not_found")
         return found[0]
 
     def new_request(self, name: str, path: str) -> LoRARequest:
@@ -110,10 +105,10 @@ class Adapters:
         if not name or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name else "lora_path")
         if name in self._by_name:
-            raise APIError(400, f"The lora adapter '{_cut(name)}' has already been loaded. If you want to load the "
+            raise APIError(400, f"The lora adapter '{clipped(name)}' has already been loaded. If you want to load the "
                                 "adapter in place, set 'load_inplace' to True.", "lora_name")
         if name in self.base_names:
-            raise APIError(400, f"'{_cut(name)}' is the name of a served base model; an adapter needs another name.", "lora_name")
+            raise APIError(400, f"'{clipped(name)}' is the name of a served base model; an adapter needs another name.", "lora_name")
         if not self.enabled:
             raise APIError(400, "LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
         request = LoRARequest(name, self._next_id, path)
@@ -129,7 +124,7 @@ class Adapters:
         if not name:
             raise APIError(400, "'lora_name' must be provided.", "lora_name")
         if self._by_name.pop(name, None) is None:
-            raise APIError(404, f"The lora adapter '{_cut(name)}' cannot be found.", "lora_name", "model_not_found")
+            raise APIError(404, f"The lora adapter '{clipped(name)}' cannot be found.", "lora_name", "model_not_found")
 
     def cards(self, created: int | None = None) -> list[dict]:
         """/v1/models entries of the adapters (vLLM's ModelCard: root = the folder, parent = the base)."""
@@ -167,7 +162,7 @@ class Adapters:
             # vLLM's 404 for an adapter it cannot find; os.path.exists is False, not an OSError, for a
             # path the system cannot even look up (a name over 255 bytes, a NUL)
             if not os.path.exists(path):
-                raise APIError(404, f"No adapter found for {_cut(name)!r}: {_cut(path)} does not exist", "lora_path")
+                raise APIError(404, f"No adapter found for {clipped(name)!r}: {clipped(path)} does not exist", "lora_path")
             try:
                 await asyncio.wrap_future(self._call(lambda engine: engine.check_lora(request)))
             except ValueError as e:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import is_unicode_text
+from .errors import clipped
 
 
 def _lone_surrogate(value, path: str) -> str | None:
@@ -27,8 +28,7 @@ def _lone_surrogate(value, path: str) -> str | None:
     for key, item in items:
         if isinstance(key, str) and not is_unicode_text(key):
             # escaped (\ud800), and cut: pydantic cannot carry the surrogate itself in its message (a 500)
-            key = key.encode("utf-8", "backslashreplace").decode()
-            key = key if len(key) <= 100 else key[:100] + "..."
+            key = clipped(key.encode("utf-8", "backslashreplace").decode())
             return f"{path}.{key} (a key)" if path else f"{key} (a key)"
         name = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
         found = _lone_surrogate(item, name)

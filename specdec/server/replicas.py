@@ -281,7 +281,8 @@ def application(argv: list[str]) -> Application:
 
     args, _ = parse_args(argv)
     server_config(args)                    # bad settings and models fail here, before any replica starts
-    check_model(args.model)
+    check_model(args.model, getattr(args, "hf_config_path", None), getattr(args, "revision", None),
+                getattr(args, "download_dir", None))
     opts = deployment_options(args)
     replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
     return replica.bind(absolute_paths(argv, args), MetricsBoard.bind(), secrets.token_urlsafe(24))
@@ -297,6 +298,7 @@ def absolute_paths(argv: list[str], args) -> list[str]:
     spec = dict(args.speculative_config or {})
     named = [args.model, args.tokenizer, getattr(args, "speculative_model", None), spec.get("model"),
              args.chat_template, args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.log_config_file,
+             getattr(args, "hf_config_path", None), getattr(args, "download_dir", None),
              *(m.path for m in getattr(args, "lora_modules", None) or [])]
     if args.generation_config not in ("auto", "vllm"):
         named.append(args.generation_config)
@@ -327,9 +329,13 @@ def absolute_paths(argv: list[str], args) -> list[str]:
     return words
 
 
-def check_model(path: str | None) -> None:
+def check_model(path: str | None, hf_config_path: str | None = None, revision: str | None = None,
+                download_dir: str | None = None) -> None:
     """What can be checked without loading weights: the folder's config.json, or the GGUF's
-    header and tensor table (CheckpointError naming the file)."""
+    header and tensor table (CheckpointError naming the file), against --hf-config-path's
+    config.json when given, as the replicas will load it."""
+    from ..distributed.launch import ParallelConfig
+    from ..llm import _hf_config_path
     from ..model.checkpoint import CheckpointError, read_config
     from ..model.config import ModelConfig
     from ..model.gguf import GGUFError, GGUFFile, check_tensors, find_gguf
@@ -340,7 +346,11 @@ def check_model(path: str | None) -> None:
         found = find_gguf(path)
         if found is not None:
             g = GGUFFile(found)
-            check_tensors(g, g.config())
+            folder = _hf_config_path(path, hf_config_path, ParallelConfig(), revision, download_dir)
+            if folder is None:
+                check_tensors(g, g.config())
+            else:
+                check_tensors(g, g.config_from(folder), os.path.join(folder, "config.json"))
         else:
             ModelConfig.from_hf(read_config(path))
     except (GGUFError, ValueError) as e:

@@ -4,7 +4,6 @@ checks the model as the replicas will load it, and the folder reaches them as an
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest

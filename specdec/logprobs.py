@@ -12,10 +12,10 @@ Modes (vLLM's `logprobs_mode`, its default first):
 - "processed_logprobs": log p(x) under the distribution the token was verified against: the
   request's controls (penalties, bias, grammar mask: the rows the engine passes in), then
   temperature, top-k, top-p and min-p (sampling.process_rows); tokens those removed get
-  FLOOR. Greedy requests report the unscaled distribution (temperature 0 has no distribution
+  -inf (the server sends FLOOR). Greedy requests report the unscaled distribution (temperature 0 has no distribution
   of its own), so greedy logprobs are the same as raw ones where no control acts.
-- "processed_logits": the logits after the controls and the temperature, FLOOR where top-k,
-  top-p or min-p removed the token.
+- "processed_logits": the logits after the controls and the temperature, -inf where top-k,
+  top-p or min-p removed the token (FLOOR in the server's JSON).
 cumulative_logprob (and best_of's ranking) sums what the mode reports, as vLLM does.
 A recovered token is drawn from norm(max(0, p - q)), yet the figure reported is log p(x): the
 probability of the token under the target at its position, as if decoded without speculation.
@@ -33,7 +33,8 @@ from torch import Tensor
 from .sampling import process_rows
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-FLOOR = -9999.0          # what -inf becomes: JSON has no infinity (vLLM reports the same value)
+FLOOR = -9999.0          # what -inf becomes in the server's JSON, which has no infinity (vLLM's serving_*;
+                         # offline, as vLLM's Logprob, -inf stays -inf)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,10 @@ def step_logprobs(logits: Tensor, wanted: list[tuple[object, list[int], list[int
     logp = _log_distribution(logits[rows], [p for p, _, _ in wanted], counts, mode)      # [M, V]
     picked = logp.gather(1, tokens[:, None])
     rank = ((logp > picked).sum(-1) + 1).tolist()           # vLLM reports it for every token
-    chosen = picked[:, 0].clamp_min(FLOOR).tolist()
+    chosen = picked[:, 0].tolist()
     n_top = min(max(p.logprobs or 0 for p, _, _ in wanted), logp.shape[-1])
     top_v, top_i = _top(logp, n_top) if n_top else (logp[:, :0], logp[:, :0].long())
-    top_v, top_i = top_v.clamp_min(FLOOR).tolist(), top_i.tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
     out, at = [], 0
     for (params, _, toks), n in zip(wanted, counts):
         k = params.logprobs or 0

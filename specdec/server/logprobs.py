@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..detokenize import Detokenizer
-from ..logprobs import TokenLogprob
+from ..logprobs import FLOOR, TokenLogprob
 from ..tokenizer import Tokenizer
 
 Namer = Callable[[int], str]
@@ -21,6 +21,12 @@ def token_namer(tokenizer: Tokenizer, as_ids: bool = False) -> Namer:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _json(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token top-k, top-p or min-p removed, under the
+    processed modes) as FLOOR, as vLLM's server sends it."""
+    return max(logprob, FLOOR)
+
+
 def completion_logprobs(name: Namer, entries: list[TokenLogprob], offsets: list[int],
                         prompt: tuple[list[int], list[TokenLogprob | None]] | None = None,
                         top_n: int | None = None) -> dict:
@@ -32,7 +38,7 @@ def completion_logprobs(name: Namer, entries: list[TokenLogprob], offsets: list[
     items = list(zip(*prompt)) if prompt else []
     items += [(e.token_id, e) for e in entries]
     return {"tokens": [name(t) for t, _ in items],
-            "token_logprobs": [e.logprob if e is not None else None for _, e in items],
+            "token_logprobs": [_json(e.logprob) if e is not None else None for _, e in items],
             "top_logprobs": [_top_dict(name, e.top, (t, e.logprob), top_n) if e is not None else None for t, e in items],
             "text_offset": offsets}
 
@@ -73,8 +79,8 @@ def vllm_prompt_logprobs(name: Namer, ids: list[int], entries: list[TokenLogprob
         if e is None:
             out.append(None)
             continue
-        d = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": name(i)} for r, (i, lp) in enumerate(e.top)}
-        d.setdefault(str(t), {"logprob": e.logprob, "rank": e.rank, "decoded_token": name(t)})
+        d = {str(i): {"logprob": _json(lp), "rank": r + 1, "decoded_token": name(i)} for r, (i, lp) in enumerate(e.top)}
+        d.setdefault(str(t), {"logprob": _json(e.logprob), "rank": e.rank, "decoded_token": name(t)})
         out.append(d)
     return out
 
@@ -89,8 +95,8 @@ def _top_dict(name: Namer, top, chosen: tuple[int, float], top_n: int | None = N
         top = [(t, lp) for t, lp in top if t in keep]
     out: dict[str, float] = {}
     for token_id, lp in top:
-        out.setdefault(name(token_id), lp)
-    out.setdefault(name(chosen[0]), chosen[1])
+        out.setdefault(name(token_id), _json(lp))
+    out.setdefault(name(chosen[0]), _json(chosen[1]))
     return out
 
 
@@ -100,6 +106,7 @@ def chat_logprobs(name: Namer, entries: list[TokenLogprob], raw: Callable[[int],
     text is U+FFFD; `token` is what they read as); None: the named text's (vLLM's
     return_tokens_as_token_ids names)."""
     def item(token_id: int, logprob: float) -> dict:
+        logprob = _json(logprob)
         if raw is None:
             text = name(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -207,8 +207,11 @@ def test_bad_adapters_and_settings_give_one_clear_error(tiny_pair, adapters, tmp
     p = {"prompt_token_ids": IDS}
     with pytest.raises(ValueError, match="rank 8 is above max_lora_rank 4"):
         llm.generate(p, GREEDY, lora_request=request(adapters, "qv"))
-    with pytest.raises(ValueError, match="no adapter_config.json"):
+    with pytest.raises(ValueError, match="missing: does not exist"):          # vLLM: "No adapter found for"
         llm.generate(p, GREEDY, lora_request=LoRARequest("x", 3, str(tmp_path / "missing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate(p, GREEDY, lora_request=LoRARequest("x", 3, str(tmp_path / "empty")))
     head = make_adapter(target, tmp_path / "head", 4, target_modules=["q_proj", "lm_head"])
     with pytest.raises(ValueError, match="adapts lm_head"):
         llm.generate(p, GREEDY, lora_request=LoRARequest("head", 4, str(head)))
@@ -449,3 +452,23 @@ def test_a_running_request_keeps_its_adapter_when_its_id_is_given_again(tiny_pai
     engine.add_lora(LoRARequest("shared", 3, str(adapters["all"])))
     engine.add_lora(LoRARequest("shared", 4, str(adapters["qv"])))
     assert engine.remove_lora(3) and 4 in engine.list_loras() and 3 not in engine.list_loras()
+
+
+def test_an_evicted_adapter_read_again_keeps_its_cached_prefix(tiny_pair, adapters):
+    """max_cpu_loras 1: b's request evicts a, whose unchanged folder is read again; its blocks are
+    still its own (vLLM keys them by the adapter): the prompt is found in the cache, and the
+    output is the same. A rewritten folder is a new reading that shares none."""
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", num_speculative_tokens=0, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, enable_prefix_caching=True, block_size=4)
+    prompt = {"prompt_token_ids": IDS * 3}
+    a, b = request(adapters, "all"), request(adapters, "qv")
+    first = llm.generate(prompt, GREEDY, lora_request=a)[0]
+    llm.generate(prompt, GREEDY, lora_request=b)
+    assert [x.id for x in llm.engine.lora.loaded()] == [2]               # a was evicted
+    again = llm.generate(prompt, GREEDY, lora_request=a)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.generate(prompt, GREEDY, lora_request=b)
+    weights = Path(adapters["all"]) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes())                           # the same bytes, a new write
+    assert llm.generate(prompt, GREEDY, lora_request=a)[0].num_cached_tokens == 0

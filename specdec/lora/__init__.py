@@ -166,8 +166,9 @@ class LoRAManager:
         self._slot_used: list[int] = [0] * config.max_loras             # step of last use (LRU)
         self._steps = 0
         self._pinned: set[int] = set()                                   # pin(): never evicted
-        # by id: the request that last read the folder and the folder's files then (_stamp)
-        self._read: dict[int, tuple[LoRARequest, tuple | None]] = {}
+        # by id: the request that last read the folder, the folder's files then (_stamp) and that
+        # reading's uid (kept past eviction: an unchanged folder read again keeps its cached prefixes)
+        self._read: dict[int, tuple[LoRARequest, tuple | None, int]] = {}
         self._paths: dict[int, set[str]] = {}        # by id: every folder it was read from (load_inplace)
 
     @property
@@ -203,9 +204,15 @@ class LoRAManager:
         adapter = load_adapter(request.lora_name, request.lora_path, self.stack.shapes, self.stack.num_layers,
                                self.config.max_lora_rank, self.stack.heads)
         adapter.id = request.lora_int_id
-        adapter.uid = next(_LOADS)              # this reading of the folder (the prefix cache's key)
+        # this reading of the folder (the prefix cache's key): the last reading's if the id's folder
+        # is the same and its files are untouched since (an adapter evicted past max_cpu_loras and
+        # read again keeps its cached blocks, as vLLM's are keyed by the adapter, not its loading)
+        last, last_stamp, last_uid = self._read.get(request.lora_int_id, (None, None, 0))
+        same = last is not None and stamp is not None and last_stamp == stamp \
+            and str(last.lora_path) == str(request.lora_path)
+        adapter.uid = last_uid if same else next(_LOADS)
         self._loaded[request.lora_int_id] = self._held[request.lora_int_id] = adapter
-        self._read[request.lora_int_id] = (request, stamp)
+        self._read[request.lora_int_id] = (request, stamp, adapter.uid)
         self._paths.setdefault(request.lora_int_id, set()).add(str(request.lora_path))
         self._trim()
         return adapter
@@ -215,7 +222,7 @@ class LoRAManager:
         unless this very request read it and its files are untouched since (one generate() over
         many prompts reads it once); the same weights from the same place keep the loaded
         adapter, so requests that name it still batch together and share cached prefixes."""
-        last, stamp = self._read.get(request.lora_int_id, (None, None))
+        last, stamp, _ = self._read.get(request.lora_int_id, (None, None, 0))
         if last is request and stamp is not None and stamp == _stamp(request.lora_path):
             return found
         adapter = self._load(request)

@@ -94,6 +94,8 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
         if heads is None:
             _fail(path, "a file: a PEFT folder (adapter_config.json) or a llama.cpp GGUF LoRA is expected")
         return load_gguf_adapter(name, path, shapes, num_layers, max_rank, heads)
+    if not root.exists():
+        _fail(path, "does not exist (no adapter found there)")
     cfg_file = root / "adapter_config.json"
     if not cfg_file.is_file():
         _fail(path, "no adapter_config.json there (a Hugging Face PEFT LoRA folder is expected)")

@@ -12,7 +12,7 @@ matplotlib.use("Agg")                    # files only: no display on a server or
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .summary import predicted_speedup  # noqa: E402
+from .summary import OWN_PLAIN, predicted_speedup  # noqa: E402
 
 
 def _label(m: dict) -> str:
@@ -47,7 +47,8 @@ def _own_plain(scenario: dict, family: str) -> float:
     family's own plain decoding (c is measured against its own forwards)."""
     if family == "specdec":
         return 1.0
-    peer = next((m for m in scenario["methods"] if m["method"] == "hf_plain"), None)
+    own = OWN_PLAIN.get(family)
+    peer = next((m for m in scenario["methods"] if m["method"] == own), None)
     return peer["speedup_vs_plain"]["median"] if peer and peer["speedup_vs_plain"] else float("nan")
 
 
@@ -77,9 +78,10 @@ def speedup_plot(scenario: dict, path: Path) -> bool:
             ax.plot([m["mean_k"]], [m["speedup_vs_plain"]["median"]], marker="*", markersize=12, linestyle="none",
                     color=colors.get(_base_label(m), "black"), label=f"{m['name']} (at its mean K)")
     ax.axhline(1.0, color="black", linewidth=0.8, label="specdec plain")
-    peer_plain = _own_plain(scenario, "transformers")
-    if not math.isnan(peer_plain):                     # hf_plain ran
-        ax.axhline(peer_plain, color="grey", linestyle=":", label="transformers plain")
+    for family, style in (("transformers", ":"), ("llama.cpp", "-.")):
+        peer_plain = _own_plain(scenario, family)
+        if not math.isnan(peer_plain):                 # that family's plain decoding ran
+            ax.axhline(peer_plain, color="grey", linestyle=style, label=f"{family} plain")
     ax.set(xlabel="K (tokens drafted per step)", ylabel="speedup over specdec plain (tokens/s ratio)",
            title=f"{scenario['prompt_set']} prompts, temperature {scenario['temperature']:g}: "
                  "measured (median, min–max) and analytic (dashed)")

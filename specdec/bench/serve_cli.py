@@ -475,6 +475,7 @@ def run(args, argv: list[str]) -> int:
                             "burstiness": "inf" if args.burstiness == float("inf") else args.burstiness,
                             "client": args.client,
                             "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
+                            "percentile_metrics": list(args.percentile_metrics),
                             "dataset": dataset_name(args), "requests": requests_sent(args),
                             "backend": args.backend, "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,
                             "oversampled": not args.no_oversample},

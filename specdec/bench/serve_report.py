@@ -122,6 +122,7 @@ def console(results: dict) -> str:
 
     names = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
              "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+    shown = results.get("settings", {}).get("percentile_metrics") or list(names)     # --percentile-metrics
     out = []
     for v in results["variants"]:
         for p in v["points"]:
@@ -144,6 +145,8 @@ def console(results: dict) -> str:
             if p.get("total_token_throughput") is not None:
                 out.append(line("Total token throughput (tok/s):", f"{p['total_token_throughput']:.2f}"))
             for key, (title, short) in names.items():
+                if key not in shown:                   # vLLM prints nothing of a metric not selected
+                    continue
                 m = p[key]
                 out.append(rule(title))
                 out += [line(f"Mean {short} (ms):", _ms2(m.get("mean"))),

@@ -34,7 +34,7 @@ from .model.graphs import CudaGraphs
 from .detokenize import Detokenizer
 from .logprobs import LOGPROBS_MODES, TokenLogprob, step_logprobs
 from .lora import LoRAManager, LoRARequest
-from .metrics import RequestStats, tree_depth
+from .metrics import ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, HistogramTally, RequestStats, tree_depth
 from .model import BlockManager, ForwardBatch, Transformer
 from .model.kv import plan_blocks
 from .profiler import StepProfiler, range_of
@@ -136,8 +136,14 @@ class Engine:
         self.tracer = None
         # what the last step did, and running totals: read by the server's metrics
         self.num_preemptions = 0
-        self.last_step_tokens = 0          # tokens fed to the target
+        self.last_step_tokens = 0          # tokens fed to the target (drafts and prompt chunks included)
         self.last_step_drafting = 0        # decoding requests that drafted
+        # vLLM's tokens per step: the prompts whose first token came (whole, once per request)
+        # plus the tokens generated, observed per step that ran a forward; and its inter-token
+        # latencies, one per decoding step after a request's first token: LLM.get_metrics reads them
+        self.last_step_iteration_tokens = 0
+        self.iteration_tokens = HistogramTally(ITERATION_TOKENS_BUCKETS)
+        self.inter_token_latency = HistogramTally(ITL_BUCKETS)
         self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size, sorted(self.eos_ids),
                                         structured_outputs_config)
         # torch.profiler around steps while start_profile() .. stop_profile() (profiler.py), or None
@@ -260,6 +266,7 @@ class Engine:
                       trace_headers=trace_headers, trace_name=trace_name, cache_salt=check_salt(cache_salt))
         if ctx.prediction is not None:
             req.stats.prediction_tokens = len(ctx.prediction.ids)
+        req.stats.arrival_time, req.stats.queued_ts = time.time(), req.arrival
         self.scheduler.add(req)
         return req
 
@@ -422,9 +429,10 @@ class Engine:
         for r in plan.admitted:
             if not r.num_preemptions:
                 r.stats.queue_time_s = wall0 - r.arrival
+                r.stats.scheduled_ts = wall0
             if self.proposer is not None:
                 self.proposer.add_request(r.request_id, r.ctx)
-        self.last_step_tokens = self.last_step_drafting = 0
+        self.last_step_tokens = self.last_step_drafting = self.last_step_iteration_tokens = 0
         if plan.empty:
             return []
         t1 = self.clock()
@@ -466,6 +474,7 @@ class Engine:
         # model prefills its prompt chunks) is drafting cost too: "auto" must weigh it
         propose_s = (t2 - t1) + (self.clock() - t4)
         events = self._finish_step(plan, drafts, results, logprobs, propose_s, t3 - t2, self.clock() - t0)
+        self.iteration_tokens.observe(self.last_step_iteration_tokens)
         self._observe(plan, drafts, results, attention, propose_s, self.clock() - t0)
         return events
 
@@ -814,7 +823,13 @@ class Engine:
                 pred.drafted = False
             if not stats.time_to_first_token_s:
                 stats.time_to_first_token_s = now - r.arrival
+            self.last_step_iteration_tokens += len(event.token_ids) + (stats.prompt_tokens if first else 0)
+            if not stats.first_token_ts:
+                stats.first_token_ts = now
+            else:
+                self.inter_token_latency.observe(now - stats.last_token_ts)
             stats.wall_time_s = now - r.arrival
+            stats.last_token_ts = now
             event.stats, event.request_id = stats, r.request_id
             events.append(event)
             if r.stream:

@@ -28,8 +28,8 @@ from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafte
                        default_model, generation_defaults)
 from .engine import Engine, StepEvent
 from .lora import LoRARequest
-from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Counter, Gauge, Histogram, HistogramTally, Metric,  # noqa: F401
-                      RequestStats, Vector, one_two_five)
+from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS, Counter, Gauge,  # noqa: F401
+                      Histogram, HistogramTally, Metric, RequestStats, Vector, draft_positions, one_two_five)
 from .model import CheckpointError, load_model
 from .model.checkpoint import looks_like_hub_id, resolve_hub_id
 from .model.vocab_draft import is_vocab_draft, load_vocab_draft
@@ -515,7 +515,9 @@ class LLM:
             ("vllm:request_decode_time_seconds", REQUEST_LATENCY_BUCKETS),
             ("vllm:request_inference_time_seconds", REQUEST_LATENCY_BUCKETS),
             ("vllm:request_time_per_output_token_seconds", ITL_BUCKETS),
-            ("vllm:request_prompt_tokens", sizes), ("vllm:request_generation_tokens", sizes))}
+            ("vllm:request_prompt_tokens", sizes), ("vllm:request_generation_tokens", sizes),
+            ("vllm:request_params_n", REQUEST_N_BUCKETS), ("vllm:request_params_max_tokens", sizes),
+            ("vllm:request_max_num_generation_tokens", sizes))}
 
     @property
     def llm_engine(self) -> "_EngineView":
@@ -716,21 +718,29 @@ class LLM:
         """vLLM's LLM.get_metrics(): a snapshot of the engine's counters and gauges under vLLM's
         names (vllm:prompt_tokens, vllm:generation_tokens, vllm:request_success,
         vllm:prefix_cache_queries / hits, vllm:num_preemptions, the requests running and waiting,
-        vllm:kv_cache_usage_perc, and with speculation vllm:spec_decode_num_drafts /
-        num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos), and vLLM's
-        per-request histograms (vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
-        the queue / prefill / decode / inference times, vllm:request_time_per_output_token_seconds,
-        vllm:request_prompt_tokens / request_generation_tokens), as Counter / Gauge / Vector /
-        Histogram objects (specdec.metrics) with .name, .labels and .value (.values; .count, .sum and
-        cumulative .buckets {upper bound: observations}). Every request the engine ran counts, however
-        it ran (generate, stream, llm_engine.add_request + step, an AsyncLLM's or a server's thread),
-        once as it left the engine, finished or aborted (with the tokens and drafts it computed)."""
+        vllm:kv_cache_usage_perc and its older name vllm:gpu_cache_usage_perc, and with speculation
+        vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens, and the Vectors
+        num_accepted_tokens_per_pos and specdec's num_draft_tokens_per_pos, one value per draft
+        position from the start), and the histograms /metrics has: per step
+        vllm:iteration_tokens_total and vllm:inter_token_latency_seconds (also under its older name
+        vllm:time_per_output_token_seconds; the engine's times between a completion's tokens), per
+        completion vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds, the queue /
+        prefill / decode / inference times, vllm:request_time_per_output_token_seconds,
+        vllm:request_prompt_tokens / request_generation_tokens / request_params_max_tokens, and per
+        prompt vllm:request_params_n and vllm:request_max_num_generation_tokens; as Counter / Gauge /
+        Vector / Histogram objects (specdec.metrics) with .name, .labels and .value (.values; .count,
+        .sum and cumulative .buckets {upper bound: observations}). Every request the engine ran
+        counts, however it ran (generate, stream, llm_engine.add_request + step, an AsyncLLM's or a
+        server's thread), once as it left the engine, finished or aborted (with the tokens and drafts
+        it computed); the per-prompt histograms and max_tokens count the prompts of generate and
+        llm_engine.add_request as their last completion leaves (a server's /metrics counts its own)."""
         e, labels = self.engine, {"model_name": self.model_path, "engine": "0"}
         with self._counting:
             t = self._totals
             out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
                    Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
                    Gauge("vllm:kv_cache_usage_perc", labels, float(e.kv_cache_usage)),
+                   Gauge("vllm:gpu_cache_usage_perc", labels, float(e.kv_cache_usage)),
                    Counter("vllm:num_preemptions", labels, e.num_preemptions),
                    Counter("vllm:prefix_cache_queries", labels, e.prefix_cache_queries),
                    Counter("vllm:prefix_cache_hits", labels, e.prefix_cache_hits),
@@ -739,11 +749,18 @@ class LLM:
             out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, self._finished[reason])
                     for reason in ("stop", "length", "abort")]
             if self.engine.proposer is not None:
+                positions = draft_positions(e)
+                pad = lambda xs: list(xs) + [0] * (positions - len(xs))
                 out += [Counter("vllm:spec_decode_num_drafts", labels, t.num_drafts),
                         Counter("vllm:spec_decode_num_draft_tokens", labels, t.draft_tokens),
                         Counter("vllm:spec_decode_num_accepted_tokens", labels, t.accepted_tokens),
-                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(t.accepted_per_position))]
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, pad(t.accepted_per_position)),
+                        Vector("vllm:spec_decode_num_draft_tokens_per_pos", labels, pad(t.drafted_per_position))]
             out += [tally.snapshot(name, labels) for name, tally in self._histograms.items()]
+        # the engine's per-step tallies (its stepping thread observes them: no lock of ours)
+        out += [e.iteration_tokens.snapshot("vllm:iteration_tokens_total", labels),
+                *(e.inter_token_latency.snapshot(name, labels) for name in
+                  ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"))]
         return out
 
     def _load(self, path, tokenizer_path=None, target: bool = False):
@@ -900,7 +917,8 @@ class LLM:
     def _count_pooled(self, lengths: list[int], seconds: float) -> None:
         """Pooled inputs into get_metrics, as the server's /metrics counts them (ServerMetrics.pooled):
         each a finished request (stop) with its prompt tokens, none generated, the call's time as
-        its end-to-end, prefill and inference time, and no queue, decode or per-token time."""
+        its end-to-end, prefill and inference time, no queue, decode or per-token time, n 1 and no
+        max_tokens."""
         h = self._histograms
         with self._counting:
             for n in lengths:
@@ -908,6 +926,8 @@ class LLM:
                 self._finished["stop"] += 1
                 h["vllm:request_prompt_tokens"].observe(n)
                 h["vllm:request_generation_tokens"].observe(0)
+                h["vllm:request_params_n"].observe(1)
+                h["vllm:request_max_num_generation_tokens"].observe(0)
                 for name in ("e2e_request_latency", "request_prefill_time", "request_inference_time"):
                     h[f"vllm:{name}_seconds"].observe(seconds)
                 for name in ("request_queue_time", "request_decode_time", "request_time_per_output_token"):
@@ -1386,8 +1406,11 @@ class LLM:
         return [(rid, text, ids, own.get(id(params), params), prio, lora) for rid, text, ids, params, prio, lora in jobs]
 
     def _output(self, rid, text, ids, params, reqs, logprobs) -> RequestOutput:
+        """A finished prompt's output (generate, and llm_engine's best_of), its prompt counted
+        (_count_prompt)."""
         stats, outputs = RequestStats(prompt_tokens=len(ids)), []
         candidates = [reqs[(rid, i)] for i in range(params.best_of or params.n)]
+        self._count_prompt(params, candidates)
         ranked = len(candidates) > params.n
         if ranked:        # vLLM's best_of: the n candidates of highest cumulative log-probability
             candidates = sorted(candidates, key=lambda r: -r.cumulative_logprob)[:params.n]
@@ -1424,6 +1447,17 @@ class LLM:
                 self._totals.prompt_tokens -= s.prompt_tokens
             self._finished[event.finish_reason or "abort"] += 1
             self._observe(s)
+
+    def _count_prompt(self, params, choices) -> None:
+        """Every completion of one prompt has left the engine (vLLM's parent request): its n, the
+        most tokens one of them generated, and each one's max_tokens (the context's room when
+        unset) into get_metrics' histograms, as /metrics observes them."""
+        h = self._histograms
+        with self._counting:
+            h["vllm:request_params_n"].observe(params.n)
+            h["vllm:request_max_num_generation_tokens"].observe(max(r.stats.output_tokens for r in choices))
+            for r in choices:
+                h["vllm:request_params_max_tokens"].observe(r.max_tokens)
 
     def _observe(self, s: RequestStats) -> None:
         """One finished completion into vLLM's histograms (get_metrics), each observed once, as
@@ -1704,6 +1738,7 @@ class _EngineView:
                 outs += stream.outputs()
                 if stream.finished:
                     del own[rid]
+                    self._llm._count_prompt(params, list(reqs.values()))
             elif all(r.finished for r in reqs.values()):
                 del own[rid]
                 outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
@@ -1727,8 +1762,10 @@ class _EngineView:
         own = self.__dict__.setdefault("_own", {})
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if rid in own:                      # queued by add_request(request_id, ...): each choice
-                for key in own.pop(rid)[3]:
+                _, _, params, reqs, _, _ = own.pop(rid)
+                for key in reqs:
                     self._llm.engine.abort(f"{key[0]}#{key[1]}")
+                self._llm._count_prompt(params, list(reqs.values()))
             else:
                 self._llm.engine.abort(rid)
 

@@ -14,10 +14,18 @@
   (EAGLE topk > 1, Medusa) of any number of nodes drafts the positions of its depths: position i
   when it offered at least one node at depth i + 1 (record_step's `depth`). draft_tokens counts a
   tree's nodes, so for trees the per-position drafted counts do not sum to it.
+
+RequestStats also carries vLLM v1's RequestStateStats (vllm/v1/metrics/stats.py), as
+RequestOutput.metrics: arrival_time (the wall clock, time.time(), when the engine took the request),
+queued_ts, scheduled_ts (first scheduled: a preemption does not move it), first_token_ts,
+last_token_ts (the engine's monotonic clock, time.perf_counter, as vLLM's engine-core
+timestamps), first_token_latency (= time_to_first_token_s: arrival to first token),
+num_generation_tokens (= output_tokens) and is_corrupted.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 
@@ -41,6 +49,16 @@ class RequestStats:
     prediction_tokens: int = 0       # Predicted Outputs: the prediction's tokens ...
     accepted_prediction_tokens: int = 0   # ... and those of them verification kept (drafted from it)
     rejected_prediction_tokens: int = 0   # ... and those not in the output (OpenAI's; set when it finishes)
+    # vLLM v1's RequestStateStats: arrival on the wall clock, the rest on the engine's monotonic
+    # clock (time.perf_counter); 0.0 until they happen
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    # vLLM sets it when a request's logits held NaNs (only with VLLM_COMPUTE_NANS_IN_LOGITS);
+    # specdec does not count NaNs, so it stays False, as vLLM's does by default
+    is_corrupted: bool = False
     # the server's stats lines (server/metrics.StatLogger): these counts as of its last look at them
     logged: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -64,6 +82,16 @@ class RequestStats:
         for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def first_token_latency(self) -> float:
+        """vLLM's name for time_to_first_token_s."""
+        return self.time_to_first_token_s
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """vLLM's name for output_tokens."""
+        return self.output_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -90,11 +118,16 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         """Add other's counts and times, queue_time_s included. time_to_first_token_s is not added:
         a merge of one request's choices takes its first choice's TTFT and queue time after
-        (LLM._output, RequestStream), as the request's own latencies."""
+        (LLM._output, RequestStream), as the request's own latencies. The timestamps span the
+        choices: the earliest arrival, queueing, scheduling and first token, the latest last token."""
         for name in ("prompt_tokens", "output_tokens", "target_forward_passes", "num_drafts", "draft_tokens",
                      "accepted_tokens", "cached_tokens", "wall_time_s", "draft_time_s", "target_time_s", "prefill_time_s",
                      "queue_time_s", "prediction_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("arrival_time", "queued_ts", "scheduled_ts", "first_token_ts"):
+            setattr(self, name, min((t for t in (getattr(self, name), getattr(other, name)) if t), default=0.0))
+        self.last_token_ts = max(self.last_token_ts, other.last_token_ts)
+        self.is_corrupted |= other.is_corrupted
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
         self.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position), pad(other.drafted_per_position))]
@@ -128,6 +161,15 @@ def tree_depth(parents: list[int]) -> int:
     for p in parents:
         depths.append(1 if p < 0 else depths[p] + 1)
     return max(depths, default=0)
+
+
+def draft_positions(engine) -> int:
+    """The draft positions an engine's speculation can fill: its K, or with "auto" the largest
+    K the policy may choose (a tree's depth is at most its K); 0 without a proposer."""
+    k = engine.num_speculative_tokens
+    if k == "auto":
+        return min(engine.max_k, engine.caps.max_tree_size or engine.max_k)
+    return int(k)
 
 
 # vLLM's histogram buckets (vllm/v1/metrics/buckets.py, its PrometheusStatLogger's defaults), so
@@ -187,24 +229,22 @@ class Histogram(Metric):
 
 
 class HistogramTally:
-    """Observations into fixed buckets, for Histogram snapshots."""
+    """Observations into fixed buckets, for Histogram snapshots. counts[i]: observations in bucket
+    i, the last one above every bound; a snapshot copies them at once, so its buckets and count
+    agree while another thread observes."""
 
     def __init__(self, bounds):
-        self.bounds, self.counts, self.count, self.sum = tuple(bounds), [0] * len(bounds), 0, 0.0
+        self.bounds, self.counts, self.sum = tuple(bounds), [0] * (len(bounds) + 1), 0.0
 
     def observe(self, value: float) -> None:
-        self.count += 1
         self.sum += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+        self.counts[bisect_left(self.bounds, value)] += 1
 
     def snapshot(self, name: str, labels: dict) -> Histogram:
-        buckets, total = {}, 0
-        for bound, n in zip(self.bounds, self.counts):
+        counts, buckets, total = list(self.counts), {}, 0
+        for bound, n in zip(self.bounds, counts):
             total += n
             buckets[str(float(bound))] = total
-        buckets["+Inf"] = self.count
-        return Histogram(name, dict(labels), self.count, self.sum, buckets)
+        buckets["+Inf"] = total = total + counts[-1]
+        return Histogram(name, dict(labels), total, self.sum, buckets)
 

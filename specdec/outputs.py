@@ -44,7 +44,8 @@ class CompletionOutput:
 class RequestOutput:
     """vLLM's RequestOutput, its constructor's arguments in vLLM's order and names (keywords it
     does not know are ignored with a warning, as vLLM's are, for code written for a newer one).
-    metrics: specdec's RequestStats (timings, acceptance; also `.stats`, a fresh one when None);
+    metrics: specdec's RequestStats (timings, acceptance, and vLLM v1's RequestStateStats fields:
+    arrival_time, queued_ts, ..., first_token_latency; also `.stats`, a fresh one when None);
     num_cached_tokens, when not given, is metrics.cached_tokens. encoder_prompt*: None
     (decoder-only models). prompt_logprobs: per prompt token (None for the first) its raw
     logprob and the prompt_logprobs most likely tokens at its position."""
@@ -68,7 +69,10 @@ class RequestOutput:
 
     @property
     def metrics(self) -> RequestStats:
-        """vLLM's name for a request's figures (specdec's RequestStats: timings, acceptance)."""
+        """vLLM's name for a request's figures: specdec's RequestStats, which has vLLM v1's
+        RequestStateStats fields (arrival_time, queued_ts, scheduled_ts, first_token_ts,
+        last_token_ts, first_token_latency, num_generation_tokens, is_corrupted) besides its
+        timings and acceptance."""
         return self.stats
 
     @metrics.setter

@@ -1,5 +1,5 @@
 """vLLM's periodic stats lines on the server (LoggingStatLogger: throughput, requests running and
-waiting, KV cache usage, prefix cache hit rate, and the SpecDecoding metrics line), every
+waiting, preemptions, GPU KV cache usage, prefix cache hit rate, and the SpecDecoding metrics line), every
 VLLM_LOG_STATS_INTERVAL seconds, off with --disable-log-stats. The lines' counts, summed over the
 intervals, are the /metrics counters."""
 
@@ -28,7 +28,8 @@ SPEC = re.compile(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), Acce
                   r"Drafted throughput: ([\d.]+) tokens/s, Accepted: (\d+) tokens, Drafted: (\d+) tokens, "
                   r"Per-position acceptance rate: ([\d., ]+), Avg Draft acceptance rate: ([\d.]+)%")
 ENGINE = re.compile(r"Engine 000: Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) "
-                    r"tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: ([\d.]+)%, "
+                    r"tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, (?:Preemptions: \d+, )?"
+                    r"GPU KV cache usage: ([\d.]+)%, "
                     r"Prefix cache hit rate: ([\d.]+)%")
 
 

@@ -5,14 +5,17 @@ Names follow vLLM's (`vllm:` -> `specdec:`), so its meanings carry over:
 - `specdec:spec_decode_num_draft_tokens_total`: draft tokens scored by the target
 - `specdec:spec_decode_num_accepted_tokens_total`: draft tokens the target kept
 - `specdec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`: kept at draft position i
-  (0-based); `..._num_draft_tokens_per_pos_total` is its denominator when K adapts.
+  (0-based); `..._num_draft_tokens_per_pos_total` is its denominator when K adapts. Both exist at 0
+  from the start for positions 0..K-1 (with "auto", the largest K it may choose), as vLLM's.
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 The token and speculative counters grow step by step with what each engine step did (StepDelta:
 a request whose client left counts all the engine computed for it, as vLLM counts per step and as
 the log lines and the spans count); requests_total and the per-request histograms as each ends.
 The engine's own state (requests running and waiting, KV cache usage, preemptions, and with CUDA
 graphs `specdec:cuda_graph_forwards_total{mode="captured"|"replayed"|"eager: <reason>"}`) is read at
-scrape time; per-step figures (tokens per step, drafted tokens) are observed by the worker.
+scrape time; per-step figures are observed by the worker: iteration_tokens_total as vLLM's (the
+prompts whose first token came plus the tokens generated), and specdec's iteration_fed_tokens (what
+the step fed the target: decoding rows with their drafts, and prompt chunks).
 With LoRA enabled, `specdec:lora_requests_info` is vLLM's vllm:lora_requests_info: one sample
 whose labels name the adapters of the running and the waiting requests (comma-separated) and
 max_lora, and whose value is the scrape's time.
@@ -47,7 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
 from ..metrics import (ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS,
-                       RequestStats, one_two_five)
+                       RequestStats, draft_positions, one_two_five)
 
 PREFIX = "specdec:"
 PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
@@ -147,8 +150,9 @@ class _Window:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    cache_queries: int = 0          # the engine's prefix-cache counters when the window opened
+    cache_queries: int = 0          # the engine's prefix-cache and preemption counters when the window opened
     cache_hits: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -193,7 +197,8 @@ class StepDelta:
 class StatLogger:
     """vLLM's periodic log lines (LoggingStatLogger, every VLLM_LOG_STATS_INTERVAL = 10 s by default;
     off with --disable-log-stats): prompt and generation throughput, requests running and waiting,
-    KV cache usage and the prefix cache's hit rate over the interval, and with speculation vLLM's
+    the interval's preemptions (when any), KV cache usage (vLLM's words, "GPU KV cache usage",
+    whatever the device) and the prefix cache's hit rate over the interval, and with speculation vLLM's
     "SpecDecoding metrics" line (mean acceptance length, accepted and drafted throughput and counts,
     per-position acceptance rate, average draft acceptance rate). Counted per step, from each
     request's running RequestStats, on the worker thread; read on the event loop."""
@@ -205,7 +210,8 @@ class StatLogger:
 
     def _new_window(self) -> _Window:
         e = self.engine
-        return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits)
+        return _Window(cache_queries=e.prefix_cache_queries, cache_hits=e.prefix_cache_hits,
+                       preemptions=e.num_preemptions)
 
     def step(self, d: "StepDelta") -> None:
         """A step's work (ServerMetrics.step's deltas) into the interval."""
@@ -232,9 +238,12 @@ class StatLogger:
         if not (force or w.prompt_tokens or w.generation_tokens or running or waiting):
             return []
         queries, hits = e.prefix_cache_queries - w.cache_queries, e.prefix_cache_hits - w.cache_hits
+        preempted = e.num_preemptions - w.preemptions
         lines = [f"Engine 000: Avg prompt throughput: {w.prompt_tokens / elapsed:.1f} tokens/s, "
                  f"Avg generation throughput: {w.generation_tokens / elapsed:.1f} tokens/s, "
-                 f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {100 * e.kv_cache_usage:.1f}%, "
+                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                 + (f"Preemptions: {preempted}, " if preempted else "")
+                 + f"GPU KV cache usage: {100 * e.kv_cache_usage:.1f}%, "
                  f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"]
         if w.num_drafts:
             rates = ", ".join(f"{a / w.num_drafts:.3f}" for a in w.accepted_per_pos)
@@ -309,8 +318,11 @@ class ServerMetrics:
                                             "(the context's room when it set none).", sizes)
         self._success = Counter(PREFIX + "request_success_total", "Finished completions by finish reason "
                                 "(vLLM's: stop, length, abort).", [MODEL_LABEL, "finished_reason"], registry=reg)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens one engine step fed the target "
-                                          "(decoding tokens, drafts and prompt chunks).", ITERATION_TOKENS_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (vLLM's): the "
+                                          "prompts whose first token came, and the tokens generated.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.fed_tokens = histogram("iteration_fed_tokens", "Tokens one engine step fed the target: decoding "
+                                    "rows with their drafts, and prompt chunks.", ITERATION_TOKENS_BUCKETS)
         self.num_drafts = counter("spec_decode_num_drafts", "Decoding steps that scored a draft.", spec)
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored.", spec)
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec)
@@ -321,6 +333,9 @@ class ServerMetrics:
         self.speculating = Gauge(PREFIX + "spec_decode_speculating_fraction", "Of the last step's decoding "
                                  "requests, the fraction that drafted (the goodput policy's choice).", by_model,
                                  registry=spec).labels(model)
+        for pos in range(draft_positions(engine) if spec is not None else 0):
+            self._accepted_per_pos.labels(model, str(pos))      # at 0 from the start, as vLLM's
+            self._drafted_per_pos.labels(model, str(pos))
         for outcome in ("stop", "length", "abort", "error", "invalid"):
             self._requests.labels(model, outcome)     # present at 0 from the start, so rates are defined
         for reason in ("stop", "length", "abort"):
@@ -385,8 +400,9 @@ class ServerMetrics:
                 self._accepted_per_pos.labels(self.model_name, str(i)).inc(a)
         if self.stat_logger is not None:
             self.stat_logger.step(d)
-        if engine.last_step_tokens:
-            self.iteration_tokens.observe(engine.last_step_tokens)
+        if engine.last_step_tokens:             # a step that ran a forward
+            self.iteration_tokens.observe(engine.last_step_iteration_tokens)
+            self.fed_tokens.observe(engine.last_step_tokens)
         if events:
             self.speculating.set(engine.last_step_drafting / len(events))
 

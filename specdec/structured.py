@@ -16,6 +16,7 @@ rows. After verification `advance` rolls the walk back and consumes the emitted 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .config import StructuredOutputsConfig, StructuredOutputsParams
+from .grammar_ends import map_schemas, never_ends, unending_rules
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,9 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
     no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
         else config.disable_any_whitespace
     # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint);
-    # lenient: a keyword or string format llguidance lacks (not, if/then/else, dependentRequired,
-    # uri-reference, ...) is left out with a warning (check() logs it), as xgrammar, vLLM's default
-    # backend, leaves out the keywords it lacks, where llguidance refused the whole schema
+    # lenient: a keyword or string format llguidance lacks is a warning, not an error. check() then
+    # refuses all but those xgrammar, vLLM's default backend, leaves out too (_IGNORED: not,
+    # if/then/else, ...), which it logs; _enforceable has refused the others already, naming where
     json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True,
                                  "lenient": True}}
     if spec.whitespace_pattern is not None:
@@ -66,8 +68,7 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
         if kind == "json":
             # closed objects whatever disable_additional_properties says (xgrammar's strict mode)
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                _ascii_patterns(closed_objects(_unevaluated_as_additional(schema))), **json_options)
+            return llguidance.LLMatcher.grammar_from_json_schema(_prepared(schema), **json_options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.regex))
         if kind == "choice":
@@ -130,7 +131,7 @@ def _structural_tag_grammar(tag: dict | str) -> str:
         if trigger is None:
             raise bad(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers {triggers}")
         schema = json.loads(s["schema"]) if isinstance(s["schema"], str) else s["schema"]
-        schema = _ascii_patterns(closed_objects(_unevaluated_as_additional(schema)))
+        schema = _prepared(schema, f"structures[{i}].schema#")
         if isinstance(schema, dict):
             schema = {**schema, "x-guidance": {"coerce_one_of": True, "lenient": True, **schema.get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
@@ -164,38 +165,6 @@ def _legacy_tag(fmt, bad) -> dict:
     return {"structures": structures, "triggers": fmt.get("triggers")}
 
 
-# schema keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas
-# (JSON Schema 2020-12 and draft 4-7); every other keyword's value (const, enum, default, examples, ...)
-# is data, never walked
-_ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
-               "not", "if", "then", "else", "contains", "propertyNames")
-_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _map_schemas(schema, visit, path: str = "#", merged: bool = False):
-    """A copy of schema with visit(node, path, merged) applied to each of its (sub)schemas, innermost
-    first. path is the node's JSON pointer; merged says the node is intersected with another schema
-    that may declare other keys: an allOf branch, or an anyOf / oneOf branch whose parent lists
-    properties of its own."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key, value in schema.items():
-        if key in _SCHEMA_LISTS and isinstance(value, list):
-            joined = key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in schema or "patternProperties" in schema))
-            out[key] = [_map_schemas(v, visit, f"{path}/{key}/{i}", joined) for i, v in enumerate(value)]
-        elif key in _ONE_SCHEMA and isinstance(value, dict):
-            out[key] = _map_schemas(value, visit, f"{path}/{key}")
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _map_schemas(v, visit, f"{path}/{key}/{_pointer(name)}") for name, v in value.items()}
-    return visit(out, path, merged)
-
-
-def _pointer(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
 def closed_objects(schema):
     """A copy of schema where each object that lists its keys (`properties` or `patternProperties`)
     and leaves additionalProperties unsaid says false: an output holds the keys its schema declares
@@ -225,19 +194,89 @@ def closed_objects(schema):
             return node
         return {**node, "additionalProperties": False}
 
-    _map_schemas(schema, note)
-    return _map_schemas(schema, close)
+    map_schemas(schema, note)
+    return map_schemas(schema, close)
 
 
-def _unevaluated_as_additional(schema):
-    """schema with each `unevaluatedProperties` of an object that says no additionalProperties
-    read as its additionalProperties, as xgrammar reads it (llguidance lacks the keyword). A copy."""
+def _prepared(schema, root: str = "#"):
+    """schema as llguidance is given it (a copy): what it cannot enforce refused, closed objects,
+    xgrammar's regex classes."""
+    return _ascii_patterns(closed_objects(_enforceable(schema, root)))
+
+
+# keywords llguidance lacks that xgrammar (vLLM's default backend) leaves out with a warning: left out
+# here too, with one (check() logs llguidance's); `dependencies` is draft 7's dependentRequired / dependentSchemas
+_IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
+# string formats xgrammar checks and llguidance lacks: any string here, with a warning (README)
+_IGNORED_FORMATS = ("uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
+# keywords llguidance lacks that change which values are valid: refused, as vLLM refuses them (xgrammar
+# lacks them, so vLLM hands such a schema to its guidance backend, which runs llguidance without lenient)
+_REFUSED = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "$dynamicRef", "$recursiveRef")
+
+
+def _enforceable(schema, root: str = "#"):
+    """A copy of schema with nothing the grammar would quietly leave out, or ValueError naming the
+    first keyword llguidance cannot enforce and the JSON pointer of its schema (`uniqueItems (at
+    #/properties/tags)`). xgrammar's readings first: an object's `unevaluatedProperties` is its
+    additionalProperties, an array's `unevaluatedItems` its items, where those are unsaid (beside them
+    they add nothing). Keywords that constrain nothing are dropped (`uniqueItems: false`, min/maxContains
+    without contains, `propertyNames: {}`, the anchors of $dynamicRef); what sits under an ignored
+    keyword (`not`, `if`, ...) is never refused. Only schema positions are walked: a property named
+    "contains" is not the keyword."""
+    refused, ignored = [], []
+
     def visit(node, path, merged):
-        if "unevaluatedProperties" in node and "additionalProperties" not in node:
-            node = {("additionalProperties" if k == "unevaluatedProperties" else k): v for k, v in node.items()}
+        rest = "additionalItems" if isinstance(node.get("items"), list) else "items"
+        for uneval, plain in (("unevaluatedProperties", "additionalProperties"), ("unevaluatedItems", rest)):
+            if uneval in node:
+                node.setdefault(plain, node.pop(uneval))
+        if "contains" in node and node.get("minContains") == 0 and "maxContains" not in node:
+            del node["contains"]
+        noop = {"uniqueItems": node.get("uniqueItems") is False, "$dynamicAnchor": True, "$recursiveAnchor": True,
+                "minContains": "contains" not in node, "maxContains": "contains" not in node,
+                "propertyNames": node.get("propertyNames") in (True, {}, {"type": "string"})}
+        node = {k: v for k, v in node.items() if not noop.get(k)}
+        ignored.extend(f"{path}/{k}" for k in _IGNORED if k in node)
+        lacking = [k for k in _REFUSED if k in node]
+        fmt = node.get("format")
+        kinds = node.get("type", "string")
+        if isinstance(fmt, str) and fmt not in _IGNORED_FORMATS and ("string" in kinds if isinstance(kinds, list)
+                                                                    else kinds == "string") and not _has_format(fmt):
+            lacking.append(f"format {json.dumps(fmt)}")
+        if lacking:
+            refused.append((path, ", ".join(lacking)))
         return node
 
-    return _map_schemas(schema, visit)
+    out = map_schemas(schema, visit, root)
+    for path, what in refused:
+        if not any(path == at or path.startswith(at + "/") for at in ignored):
+            raise ValueError(f"{what} (at {path}) {_UNENFORCEABLE}")
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _has_format(name: str) -> bool:
+    """Whether llguidance checks this string format (it lists no formats: ask it, once per name)."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]
+
+
+def _unenforced(warning: str) -> str | None:
+    """What llguidance's lenient reading would leave out that is not on the ignored lists (a keyword
+    _enforceable did not see: under a $ref into a non-schema position), as an error message; else None."""
+    keys = re.match(r"Unimplemented keys: (\[.*\])", warning)
+    if keys:
+        missing = [k for k in json.loads(keys[1]) if k not in _IGNORED]
+        return f"{', '.join(missing)} {_UNENFORCEABLE}" if missing else None
+    fmt = re.match(r"Unknown format: (.*)", warning)
+    if fmt and fmt[1] not in _IGNORED_FORMATS:
+        return f"format {json.dumps(fmt[1])} {_UNENFORCEABLE}"
+    return None
+
+
+_UNENFORCEABLE = "is not supported: the grammar cannot enforce it, so the output could break the schema"
 
 
 def ascii_classes(regex: str) -> str:
@@ -271,7 +310,27 @@ def _ascii_patterns(schema):
             node = {**node, "patternProperties": {ascii_classes(k): v for k, v in node["patternProperties"].items()}}
         return node
 
-    return _map_schemas(schema, visit)
+    return map_schemas(schema, visit)
+
+
+def no_finite_output(spec: StructuredOutputsParams) -> str | None:
+    """Why no finite text satisfies spec, or None: a JSON schema whose every value needs itself
+    (a required property whose schema refers back to its own object), a Lark or GBNF grammar whose
+    start rule cannot end (`start: "a" start`). llguidance admits these, then runs until its parser
+    limit; the checks are sound (what they cannot follow counts as able to end), not complete."""
+    try:
+        if spec.kind == "json":
+            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            return _NO_TEXT["json"] if never_ends(schema) else None
+        if spec.kind == "grammar":
+            stuck = unending_rules(_lark(spec.grammar))
+            if "::=" in spec.grammar:                   # GBNF's root is Lark's start
+                stuck = ["root" if r == "start" else r for r in stuck]
+            return (f"no finite text matches the grammar: {', '.join(stuck[:5])} can only recurse (every "
+                    f"alternative leads back to a rule that never ends)") if stuck else None
+    except (ValueError, RecursionError):
+        pass
+    return None
 
 
 def _gbnf_escapes(grammar: str) -> str:
@@ -359,7 +418,14 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._lltokenizer())
         if is_error:
             raise GrammarError(spec.kind, _first_line(messages[0]))
-        for message in messages:        # what the lenient JSON schema reading left out
+        for message in messages:        # what the lenient JSON schema reading left out: refused unless ignorable
+            refused = _unenforced(_first_line(message))
+            if refused:
+                raise GrammarError(spec.kind, refused)
+        endless = no_finite_output(spec)
+        if endless:
+            raise GrammarError(spec.kind, endless)
+        for message in messages:
             log.warning("structured_outputs.%s: %s (ignored)", spec.kind, _first_line(message))
         with self._lock:
             self._validated[text] = True
@@ -472,6 +538,7 @@ def _first_line(message: str) -> str:
 
 
 _QUOTED = re.compile(r"(\d+) \|(?: (.*))?")
+_ENDLESS = re.compile(r"Too many items \([^)]*ff_tokens\)")
 
 
 class Grammar:
@@ -563,6 +630,14 @@ class Grammar:
     def _note_error(self) -> None:
         if self.error is None and self.matcher.is_error():
             self.error = _first_line(self.matcher.get_error())
+            endless = _ENDLESS.search(self.error)
+            if endless:
+                # the only text the grammar allows from here (its forced bytes) outgrew the parser: text
+                # with no end (after "a" in `start: "a" start | "b"`; no_finite_output refuses grammars
+                # that end nowhere up front), or a very long one (a const array of 30000 items)
+                self.error = ("the text the constraint forces from here outgrew the parser: it may have no end "
+                              "(a rule or schema that can only recurse admits no finite output) "
+                              f"[{endless[0]}]")
 
     def is_accepting(self) -> bool:
         return self.matcher.is_accepting()

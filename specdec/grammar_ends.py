@@ -1,0 +1,311 @@
+"""JSON-schema walking and the checks that a constraint admits finite text (structured.py's).
+
+`map_schemas` visits every subschema of a schema (schema positions only: a property named
+"contains" or a keyword inside a const is data). `never_ends` and `unending_rules` say when no
+finite text matches a JSON schema or a Lark grammar: llguidance admits such constraints and
+then runs until its parser limit, so structured.py refuses them when a request is added. Both
+checks are sound (what they cannot follow counts as able to end), not complete.
+"""
+
+from __future__ import annotations
+
+import re
+
+# schema keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas
+# (JSON Schema 2020-12 and draft 4-7); every other keyword's value (const, enum, default, examples, ...)
+# is data, never walked
+_ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+               "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def map_schemas(schema, visit, path: str = "#", merged: bool = False):
+    """A copy of schema with visit(node, path, merged) applied to each of its (sub)schemas, innermost
+    first. path is the node's JSON pointer; merged says the node is intersected with another schema
+    that may declare other keys: an allOf branch, or an anyOf / oneOf branch whose parent lists
+    properties of its own."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_LISTS and isinstance(value, list):
+            joined = key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in schema or "patternProperties" in schema))
+            out[key] = [map_schemas(v, visit, f"{path}/{key}/{i}", joined) for i, v in enumerate(value)]
+        elif key in _ONE_SCHEMA and isinstance(value, dict):
+            out[key] = map_schemas(value, visit, f"{path}/{key}")
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: map_schemas(v, visit, f"{path}/{key}/{pointer(name)}") for name, v in value.items()}
+    return visit(out, path, merged)
+
+
+def pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def never_ends(schema) -> bool:
+    """Whether no finite JSON value matches schema: the least fixpoint of "some finite value matches"
+    over its local $ref targets. A node surely matches nothing when it is false, when its $ref, an
+    allOf branch, every anyOf / oneOf branch, a required property of an "object" or one of the first
+    minItems items of an "array" matches nothing; anything else counts as matchable."""
+    if not isinstance(schema, dict):
+        return False
+    targets, nested_ids = {}, []
+
+    def note(node, path, merged):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            targets[ref] = _resolve(schema, ref)
+        if path != "#" and "$id" in node:
+            nested_ids.append(path)
+        return node
+
+    map_schemas(schema, note)
+    if not targets or nested_ids:           # no recursion (llguidance finds the rest), or refs we cannot resolve alike
+        return False
+    ends = {ref for ref, target in targets.items() if target is None}
+
+    def matchable(node) -> bool:
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in targets and ref not in ends:
+            return False
+        if isinstance(node.get("allOf"), list) and not all(matchable(b) for b in node["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(matchable(b) for b in node[key]):
+                return False
+        kind = node.get("type")
+        if kind in ("object", ["object"]) and isinstance(node.get("required"), list):
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            if any(isinstance(r, str) and r in props and not matchable(props[r]) for r in node["required"]):
+                return False
+        if kind in ("array", ["array"]):
+            least = node.get("minItems", 0)
+            least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+            items = node.get("items")
+            first = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else \
+                items if isinstance(items, list) else []
+            rest = node.get("additionalItems") if isinstance(items, list) else items
+            if not all(matchable(b) for b in first[:least]) or \
+                    (least > len(first) and rest is not None and not matchable(rest)):
+                return False
+        return True
+
+    users = {}                              # ref -> the refs whose targets hold it
+
+    def holds(node, path, merged):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in targets:
+            held.add(ref)
+        return node
+
+    for ref, target in targets.items():
+        held = set()
+        map_schemas(target, holds)
+        for used in held:
+            users.setdefault(used, []).append(ref)
+    _least_fixpoint(ends, targets, lambda ref: matchable(targets[ref]), users)
+    return not matchable(schema)
+
+
+def _least_fixpoint(done: set, names, holds, users: dict) -> None:
+    """Adds to done each name that holds once the names in done do (a worklist: each name is tried
+    again only when one it uses joins)."""
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name not in done and holds(name):
+            done.add(name)
+            todo.extend(users.get(name, ()))
+
+
+def _resolve(schema, ref: str):
+    """The node a local $ref ("#", "#/$defs/a") points at, or None."""
+    from urllib.parse import unquote
+
+    if ref == "#":
+        return schema
+    if not ref.startswith("#/"):
+        return None
+    node = schema
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+_LARK_TOKEN = re.compile(r"""(?P<skip>[ \t\r\f]+|//[^\n]*)|(?P<nl>\n)
+    |(?P<term>"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*|<[^<>\n]*>)
+    |(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<num>-?[0-9]+)|(?P<op>\.\.|->|.)""", re.VERBOSE)
+
+
+def unending_rules(lark: str) -> list[str]:
+    """When `start` derives no finite text, the rules reachable from it that derive none, in the order
+    written; else [] (also when the grammar holds what this reading does not know: llguidance judges it).
+    A rule can end when one of its alternatives has only items that can: a terminal, an optional or
+    starred item, a group that can, a rule that can (the least fixpoint)."""
+    rules = _lark_rules(lark)
+    if rules is None or "start" not in rules:
+        return []
+    ends = {name for name, body in rules.items() if body is None}      # rules with attributes: lexemes
+
+    def can_end(alts) -> bool:
+        return any(all(can_end_item(item) for item in alt) for alt in alts)
+
+    def can_end_item(item) -> bool:
+        if isinstance(item, str):
+            return item in ends or item not in rules
+        return item is True or can_end(item)
+
+    users = {}
+    for name, body in rules.items():
+        for used in set(_refs(body or [])):
+            users.setdefault(used, []).append(name)
+    _least_fixpoint(ends, rules, lambda name: can_end(rules[name]), users)
+    if "start" in ends:
+        return []
+    seen, todo = {"start"}, ["start"]
+    while todo:
+        body = rules[todo.pop()] or []
+        for name in _refs(body):
+            if name in rules and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return [name for name in rules if name in seen and name not in ends]
+
+
+def _refs(alts):
+    for alt in alts:
+        for item in alt:
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, list):
+                yield from _refs(item)
+
+
+def _lark_rules(lark: str) -> dict | None:
+    """{rule: alternatives} of a Lark grammar, each alternative a list of items: True (a terminal, or
+    an item that may be absent), a rule's name, or a group's alternatives; None as the body of a rule
+    with attributes other than `[capture]` (`[stop=...]`, `[lazy]`: a lexeme). None when the text
+    holds a line this reading does not know (llguidance judges such grammars alone)."""
+    tokens = [(m.lastgroup, m.group()) for m in _LARK_TOKEN.finditer(lark) if m.lastgroup != "skip"]
+    bodies, depth, i, current = {}, 0, 0, None
+    while i < len(tokens):
+        kind, text = tokens[i]
+        if kind == "nl" or (depth == 0 and (i == 0 or tokens[i - 1][0] == "nl")):
+            if kind == "nl":
+                i += 1
+                continue
+            head = _definition(tokens, i)
+            if head is not None:                    # a rule (lower case) or a TOKEN: its body follows
+                name, attributes, i = head
+                current = bodies.setdefault(name, []) if _is_rule(name) else None
+                if current is not None and attributes - {"capture"}:       # stop=, max_tokens=, lazy: a lexeme
+                    bodies[name] = current = None
+                continue
+            if text == "%" and i + 1 < len(tokens) and tokens[i + 1][1] in ("import", "ignore", "llguidance", "declare"):
+                current = None
+            elif text != "|":
+                return None
+        depth += {"{": 1, "}": -1}.get(text, 0)
+        if current is not None:
+            current.append((kind, text))
+        i += 1
+    rules = {}
+    for name, body in bodies.items():
+        if body is None:
+            rules[name] = None
+            continue
+        alts, end = _lark_alts(body, 0, None)
+        if alts is None or end != len(body):
+            return None
+        rules[name] = alts
+    return rules
+
+
+def _is_rule(name: str) -> bool:
+    return name.lstrip("_")[:1].islower()
+
+
+def _definition(tokens, i):
+    """(name, the names in its attributes, index past its colon) when a rule or token definition starts at i."""
+    j = i + (tokens[i][1] in ("?", "!"))
+    if j >= len(tokens) or tokens[j][0] != "name":
+        return None
+    name, j = tokens[j][1], j + 1
+    attributes, bracket = set(), j < len(tokens) and tokens[j][1] == "["
+    while bracket and j < len(tokens) and tokens[j][1] != "]":
+        attributes |= {tokens[j][1]} if tokens[j][0] == "name" else set()
+        j += 1
+    j += bracket
+    if j + 1 < len(tokens) and tokens[j][1] == "." and tokens[j + 1][0] == "num":     # a priority
+        j += 2
+    return (name, attributes, j + 1) if j < len(tokens) and tokens[j][1] == ":" else None
+
+
+def _lark_alts(body, i, closer):
+    """(alternatives, index past closer) of the expansion at body[i], or (None, None)."""
+    alts = [[]]
+    while i < len(body) and body[i][1] != closer:
+        if body[i][1] == "|":
+            alts.append([])
+            i += 1
+        elif body[i][1] == "->" and i + 1 < len(body) and body[i + 1][0] == "name":     # an alias
+            i += 2
+        else:
+            item, i = _lark_item(body, i)
+            if i is None:
+                return None, None
+            alts[-1].append(item)
+    if closer is not None and i >= len(body):
+        return None, None
+    return alts, i + (closer is not None)
+
+
+def _lark_item(body, i):
+    """(item, index past it) of the atom at body[i] and its operators (? * + ~n x{m,n} ".."), or (None, None)."""
+    kind, text = body[i]
+    if kind == "term" or (kind == "name" and not _is_rule(text)):
+        item, i = True, i + 1
+    elif kind == "name":
+        item, i = text, i + 1
+    elif text in ("(", "["):
+        alts, i = _lark_alts(body, i + 1, ")" if text == "(" else "]")
+        if alts is None:
+            return None, None
+        item = alts if text == "(" else True
+    elif text == "%" and i + 2 < len(body) and body[i + 1][0] == "name" and body[i + 2][1] == "{":
+        depth, i = 0, i + 2                                     # %json {...}: a terminal
+        while i < len(body):
+            depth += {"{": 1, "}": -1}.get(body[i][1], 0)
+            i += 1
+            if depth == 0:
+                break
+        item = True
+    else:
+        return None, None
+    while i < len(body) and body[i][1] in ("?", "*", "+", "..", "~", "{"):
+        op, i = body[i][1], i + 1
+        if op in ("?", "*"):
+            item = True
+        elif op == "..":                                        # "a".."z"
+            i += 1
+        elif op in ("~", "{"):                                  # x~2, x~0..3, x{2,3}, x{,3}
+            least = int(body[i][1]) if i < len(body) and body[i][0] == "num" else 0
+            while i < len(body) and (body[i][0] == "num" or body[i][1] in ("..", ",")):
+                i += 1
+            if op == "{":
+                if i >= len(body) or body[i][1] != "}":
+                    return None, None
+                i += 1
+            item = True if least <= 0 else item
+    return item, i

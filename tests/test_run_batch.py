@@ -66,8 +66,11 @@ def test_a_batch_file_runs_through_the_server(tiny_pair, tmp_path, capsys):
     assert status["get"][0] == 400
     assert status["stream"][0] == 400 and "stream" in status["stream"][1]["message"]
     assert status["bad-model"][0] == 404
-    for r in results[4:]:       # the error answer is the server's OpenAI error JSON
+    for r in results[4:]:       # the error answer is the server's OpenAI error JSON, whoever refused the line
         assert r["response"]["body"]["error"]["message"] == r["error"]["message"]
+    kinds = {r["custom_id"]: r["response"]["body"]["error"]["type"] for r in results[4:]}
+    assert kinds == {"bad-tokens": "invalid_request_error", "bad-url": "invalid_request_error",
+                     "get": "invalid_request_error", "stream": "invalid_request_error", "bad-model": "not_found_error"}
 
 
 @pytest.mark.parametrize("rows,message", [
@@ -293,3 +296,51 @@ def test_no_body_limit_unless_asked(tiny_pair, tmp_path):
                      *extra]) == 0
         (r,) = _read(out)
         assert r["response"]["status_code"] == status, r["error"]
+
+
+def test_the_output_is_written_through_its_path(tiny_pair, tmp_path):
+    """As vLLM's open(path, "w"): a symlink's target gets the results (the link stays a link), a
+    FIFO's reader reads them, and an existing file keeps its mode."""
+    import os
+    import stat
+
+    target, _ = tiny_pair
+    src = _write(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                          "body": {"model": "m", "prompt": "x", "max_tokens": 2}}])
+    run = ["run-batch", "-i", src, "--model", str(target), "--served-model-name", "m"]
+    real, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    real.write_text("")
+    real.chmod(0o640)
+    link.symlink_to(real)
+    assert main([*run, "-o", str(link)]) == 0
+    assert link.is_symlink() and _read(real)[0]["custom_id"] == "a"
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert main([*run, "-o", str(fifo)]) == 0
+    reader.join(30)
+    assert json.loads(got[0])["custom_id"] == "a"
+
+
+def test_an_existing_output_in_a_read_only_folder_is_written(tiny_pair, tmp_path):
+    import os
+
+    target, _ = tiny_pair
+    src = _write(tmp_path / "in.jsonl", [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                          "body": {"model": "m", "prompt": "x", "max_tokens": 2}}])
+    run = ["run-batch", "-i", src, "--model", str(target), "--served-model-name", "m"]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "out.jsonl").write_text("")
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):       # root writes anywhere: nothing to show then
+            pytest.skip("this user writes into read-only folders")
+        assert main([*run, "-o", str(locked / "out.jsonl")]) == 0
+        assert _read(locked / "out.jsonl")[0]["custom_id"] == "a"
+    finally:
+        locked.chmod(0o700)

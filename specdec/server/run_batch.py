@@ -141,8 +141,11 @@ async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[s
     return status, b"".join(chunks)
 
 
-def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error_body(status: int, message: str, param: str | None = None) -> dict:
+    """A line run-batch refuses itself, in the body the server's routes give the other lines."""
+    from .errors import error_body
+
+    return error_body(status, message, param)
 
 
 async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrency: int, progress=None) -> list[dict]:
@@ -156,7 +159,7 @@ async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrenc
             body = _error_body(400, f"{line.method} {line.url} is not a batch endpoint: POST to one of "
                                     f"{', '.join(URLS)}")
         elif line.body.get("stream"):
-            status, body = 400, _error_body(400, "stream is not supported in a batch: leave it out or false")
+            status, body = 400, _error_body(400, "stream is not supported in a batch: leave it out or false", "stream")
         else:
             request = line.body
             if line.url == "/v1/responses" and request.get("background") and request.get("store") is not False:
@@ -171,7 +174,7 @@ async def run_lines(app, lines: list[BatchLine], api_key: str | None, concurrenc
             try:
                 body = json.loads(raw)
             except json.JSONDecodeError:
-                body = _error_body(status, raw.decode("utf-8", "replace")[:500], "InternalServerError")
+                body = _error_body(status, raw.decode("utf-8", "replace")[:500])
         if progress is not None:
             progress.update(1)
         error = None
@@ -215,17 +218,19 @@ def _check_output(path: str, tmp_dir: str | None) -> None:
         raise ValueError(f"--output-file {path}: no folder {folder}")
     if os.path.isdir(path):
         raise ValueError(f"--output-file {path}: is a folder")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    # written through the path, as vLLM's open(path, "w"): an existing file (a symlink, a FIFO,
+    # /dev/stdout) needs write access to itself, a new one to its folder
+    if not (os.access(path, os.W_OK) if os.path.exists(path) else os.access(folder, os.W_OK)):
         raise ValueError(f"--output-file {path}: not writable")
 
 
 async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> None:
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if not path.startswith(("http://", "https://")):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:           # whole or not at all
+        # through the path, as vLLM writes it: a symlink's target, a FIFO's reader, /dev/stdout and a
+        # file's permissions and links stay what they are (the text is whole before the first byte)
+        with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, path)
         return
     import aiohttp
 

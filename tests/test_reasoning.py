@@ -19,7 +19,8 @@ from specdec.server.tools import plan_tools
 from test_server import LiveServer
 
 REPLIES = ["<think>\nplan</think>\n\nAnswer.", "plan step</think>answer", "just thinking, cut short",
-           "  <think>x</think>", "Plain answer", "<thi", "", "a</think", "<think>unclosed </thi"]
+           "  <think>x</think>", "Plain answer", "<thi", "", "a</think", "<think>unclosed </thi",
+           "<think>", " <think>"]           # a reply cut right after its opening tag: nothing of it is sent
 
 
 def test_split():

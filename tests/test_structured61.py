@@ -81,6 +81,21 @@ def test_names_and_values_are_not_keywords(llm):
     assert _accepts(llm, spec, '{"contains":3,"uniqueItems":{"uniqueItems":true},"tags":[1,1],"n":2}')
 
 
+def test_formats_of_untyped_nodes_and_unused_definitions_pass(llm):
+    """A format checks strings only (xgrammar's reading, vLLM's default): an untyped node's
+    (OpenAPI's {"format": "int64"}, a const with a format) is an annotation, as it was before the
+    refusals; a definition no $ref reaches shapes no value, so what it holds is not refused."""
+    spec = StructuredOutputsParams(json={
+        "type": "object",
+        "properties": {"n": {"format": "int64", "description": "an id"}, "v": {"const": "1.0", "format": "semver"},
+                       "a": {"$ref": "#/$defs/Used"}},
+        "$defs": {"Unused": {**ARRAY, "uniqueItems": True}, "Used": {"type": "string"}},
+        "required": ["n", "a"]})
+    assert _accepts(llm, spec, '{"n":5,"a":"x"}')
+    used = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Used"}}, "$defs": {"Used": {**ARRAY, "uniqueItems": True}}}
+    assert "uniqueItems (at #/$defs/Used)" in _refusal(llm, used)
+
+
 def test_ignored_keywords_stay_ignored_with_a_warning(llm, caplog):
     """What xgrammar (vLLM's default backend) leaves out is still left out, logged."""
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},

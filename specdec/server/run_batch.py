@@ -32,6 +32,14 @@ URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/respon
         "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 @dataclass
 class BatchLine:
     number: int                  # 1-based, in the input file
@@ -91,6 +99,8 @@ def parse_lines(text: str, source: str) -> list[BatchLine]:
                              '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}})')
         if not isinstance(obj["custom_id"], str):
             raise ValueError(f"{source} line {number}: custom_id must be a string")
+        if not obj["custom_id"].isascii() and not _unicode(obj["custom_id"]):    # it is written back as UTF-8
+            raise ValueError(f"{source} line {number}: custom_id must be valid Unicode text (no lone surrogates)")
         if not isinstance(obj["body"], dict):
             raise ValueError(f"{source} line {number}: body must be a JSON object")
         if not isinstance(obj["url"], str) or not isinstance(obj["method"], str):
@@ -224,13 +234,21 @@ def _check_output(path: str, tmp_dir: str | None) -> None:
         raise ValueError(f"--output-file {path}: not writable")
 
 
+def _line(record: dict) -> str:
+    """One output line: UTF-8 text, or JSON's \\u escapes where a string holds a lone surrogate
+    (a client's text echoed in an error) that UTF-8 cannot carry."""
+    line = json.dumps(record, ensure_ascii=False) + "\n"
+    return line if _unicode(line) else json.dumps(record) + "\n"
+
+
 async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> None:
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    text = "".join(_line(r) for r in records)
     if not path.startswith(("http://", "https://")):
         # through the path, as vLLM writes it: a symlink's target, a FIFO's reader, /dev/stdout and a
         # file's permissions and links stay what they are (the text is whole before the first byte)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        data = text.encode("utf-8")       # before the file is opened (and emptied): a failing encode keeps it
+        with open(path, "wb") as f:
+            f.write(data)
         return
     import aiohttp
 

@@ -70,6 +70,9 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
     app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API with speculative decoding statistics.", **docs)
+    # vLLM's --root-path: the app's, not uvicorn's (which prefixed every request's path with it), so that
+    # both /v1/models and /proxy/v1/models answer, and /docs finds its schema either way
+    app.root_path = config.root_path
     app.state.service = service
     install_error_handlers(app)
     load = ServerLoad()
@@ -245,8 +248,9 @@ def _public_routes(service: Service, load: ServerLoad) -> APIRouter:
 
     @router.get("/health")
     async def health():
-        if not service.worker.alive:
-            return error_response(503, "the engine is not running")
+        worker = service.worker
+        if not worker.alive:            # vLLM's 503 once check_health() raises EngineDeadError
+            return error_response(503, str(worker.dead()) if worker.error is not None else "the engine is not running")
         try:
             service.llm.check_health()        # a tensor-parallel group that has stopped cannot serve
         except Exception as e:

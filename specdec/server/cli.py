@@ -10,6 +10,7 @@ load, or a --device this machine lacks, fails before the port opens, with one li
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -440,6 +441,7 @@ def run(args, prog: str = "specdec serve") -> int:
     check_device(args.device)               # a device this machine lacks: one line, before the model loads
     check_refused(ignored)                  # --pipeline-parallel-size 2 and the like: LLM(...)'s refusal
     _logging_level()                        # a bad VLLM_LOGGING_LEVEL: one line, now
+    _keep_alive_seconds()                   # and a bad VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     for flag in ignored:
         print(f"{prog}: warning: ignoring vLLM flag (specdec does not use it): {flag}", file=sys.stderr)
     config = server_config(args)            # bad settings fail before the model loads
@@ -458,6 +460,8 @@ def run(args, prog: str = "specdec serve") -> int:
     middleware = load_middleware(getattr(args, "middleware", None) or [])
     sock = bind_socket(args.host, args.port, args.uds)
     try:
+        _setup_logging(config)
+        _log_start(args, prog, sock, "https" if ssl else "http")
         llm = build_llm(args)
     except BaseException:
         sock.close()
@@ -483,6 +487,36 @@ def _logging_level() -> str:
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(f"VLLM_LOGGING_LEVEL={level!r}: not a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
     return level
+
+
+def _setup_logging(config) -> None:
+    """specdec's log lines from now on (before the model loads, as vLLM's): VLLM_LOGGING_LEVEL (default
+    INFO) in vLLM's line shape (level, time, where, message), unless --log-config-file configured them."""
+    if config.log_config is None:
+        logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
+
+
+def _log_start(args, prog: str, sock, scheme: str) -> None:
+    """vLLM's first lines (log_version_and_model, log_non_default_args, "Starting vLLM server on ..."),
+    logged before the model loads: what is served, with which flags, and where."""
+    import socket
+
+    from .. import __version__
+    from ..defaults import default_model
+
+    log = logging.getLogger("specdec.server")
+    log.info("specdec server version %s, serving model %s", __version__, args.model or default_model()[0])
+    parser = build_parser(prog)
+    dests = {a.dest for a in parser._actions} - {"help"}
+    changed = {k: v for k, v in vars(args).items() if k in dests and v != parser.get_default(k)}
+    log.info("non-default args: %s", {k: "***" if k == "api_key" else v for k, v in changed.items()})
+    if sock.family == socket.AF_UNIX:
+        where = f"unix:{sock.getsockname()}"
+    else:
+        host, port = sock.getsockname()[:2]
+        where = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    log.info("Starting specdec server on %s", where)
 
 
 def _log_listening(sock, scheme: str) -> None:
@@ -524,7 +558,8 @@ def load_middleware(paths: list[str]) -> list:
 
 
 def ssl_settings(args) -> dict:
-    """uvicorn's TLS settings from --ssl-*: both files or neither, each readable."""
+    """uvicorn's TLS settings from --ssl-*: both files or neither, each a PEM file that loads (a
+    context built now, as uvicorn builds it once the model has loaded), the key the certificate's."""
     key, cert, ca = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None), getattr(args, "ssl_ca_certs", None)
     if not (key or cert or ca):
         return {}
@@ -536,7 +571,38 @@ def ssl_settings(args) -> dict:
     out = {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": ca, "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", 0)}
     if getattr(args, "ssl_ciphers", None):
         out["ssl_ciphers"] = args.ssl_ciphers
+    _check_tls(key, cert, ca, out.get("ssl_ciphers"))
     return out
+
+
+def _check_tls(key: str, cert: str, ca: str | None, ciphers: str | None) -> None:
+    """The TLS files load as uvicorn will load them; a ValueError naming the flag and file if not."""
+    import ssl
+
+    def reason(e: ssl.SSLError) -> str:
+        return getattr(e, "reason", None) or str(e.args[-1] if e.args else e)
+
+    try:
+        ssl.create_default_context(cafile=cert)     # certificates only: a cert file that holds none fails here
+    except ssl.SSLError as e:
+        raise ValueError(f"--ssl-certfile {cert}: not a PEM certificate ({reason(e)})") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e):
+            raise ValueError(f"--ssl-keyfile {key}: not the key of --ssl-certfile {cert}") from None
+        raise ValueError(f"--ssl-keyfile {key}: not a PEM private key ({reason(e)})") from None
+    if ca:
+        try:
+            context.load_verify_locations(ca)
+        except ssl.SSLError as e:
+            raise ValueError(f"--ssl-ca-certs {ca}: not PEM CA certificates ({reason(e)})") from None
+    if ciphers:
+        try:
+            context.set_ciphers(ciphers)
+        except ssl.SSLError as e:
+            raise ValueError(f"--ssl-ciphers {ciphers!r}: {reason(e)}") from None
 
 
 def _tls_http_protocol():
@@ -562,8 +628,8 @@ def _tls_http_protocol():
 
 
 def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None, **kw):
-    """uvicorn's settings for the app: the log level, TLS (ssl_settings) and the root path a proxy
-    serves it under (uvicorn sets it on every request; FastAPI's schema names it)."""
+    """uvicorn's settings for the app: the log level, TLS (ssl_settings), the access log and the
+    keep-alive timeout (--root-path is the app's own: build_app, as vLLM's)."""
     import uvicorn
 
     if ssl:
@@ -577,7 +643,7 @@ def uvicorn_config(app, config, log_level: str = "info", ssl: dict | None = None
     # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: how long an idle keep-alive connection stays open (a load
     # balancer's own timeout must be shorter, or it sends requests down closed sockets: 502s)
     kw.setdefault("timeout_keep_alive", _keep_alive_seconds())
-    return uvicorn.Config(app, log_level=log_level, root_path=config.root_path, timeout_graceful_shutdown=None,
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None,
                           access_log=not getattr(config, "disable_uvicorn_access_log", False), **(ssl or {}), **kw)
 
 
@@ -621,19 +687,19 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
 
     from .app import build_app
 
-    if config.log_config is None:        # --log-config-file configured the loggers already
-        # vLLM's VLLM_LOGGING_LEVEL (default INFO) and its line shape: level, time, where, message
-        logging.basicConfig(level=_logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                            datefmt="%m-%d %H:%M:%S")
+    _setup_logging(config)
     app = build_app(llm, config)
     add_middleware(app, middleware)
     uds_path = sock.getsockname() if sock is not None and sock.family == socket.AF_UNIX else None
+    worker = app.state.service.worker
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if sockets and self.started:      # uvicorn says where it listens only for sockets it bound itself
                 _log_listening(sockets[0], "https" if ssl else "http")
+            if self.started and not _keep_alive_on_engine_death():
+                self.watchdog = asyncio.create_task(_watchdog(self, worker))
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
@@ -650,4 +716,22 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
     # shutdown (which drains the engine worker), then return
     Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run(
         sockets=[sock] if sock is not None else None)
-    return 0
+    return 1 if worker.error is not None else 0
+
+
+def _keep_alive_on_engine_death() -> bool:
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: a server whose engine died stays up (answering 503)."""
+    return os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0").strip().lower() in ("1", "true")
+
+
+WATCHDOG_SECONDS = 1.0
+
+
+async def _watchdog(server, worker) -> None:
+    """vLLM's watchdog_loop / terminate_if_errored: once the engine is dead the server shuts down
+    (graceful: the failed requests' answers go out), so that its supervisor restarts it rather
+    than a balancer sending it requests that can only fail."""
+    while worker.error is None:
+        await asyncio.sleep(WATCHDOG_SECONDS)
+    logging.getLogger("specdec.server").error("the engine is dead (%s): shutting the server down", worker.error)
+    server.should_exit = True

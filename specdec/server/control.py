@@ -11,16 +11,20 @@ computes): `POST /reload_weights` {"weights_path", "reset_running_requests"} (th
 weights from a folder or .gguf, in place; loaded off the engine's thread, copied in between two
 steps), `POST /collective_rpc` {"method", "args", "kwargs", "timeout"} -> {"results": [...]},
 `POST /reset_prefix_cache?reset_running_requests=false`, `POST /reset_mm_cache`, and sleep mode's
-`POST /sleep`, `POST /wake_up`, `GET /is_sleeping` (no sleep mode here: /sleep is a 400 saying so).
+`POST /sleep`, `POST /wake_up`, `GET /is_sleeping` (no sleep mode here: /sleep is a 400 saying so), and
+`GET /server_info?config_format=text|json` (vLLM's fields: vllm_config, the configuration served; vllm_env,
+the VLLM_* and SPECDEC_* variables set, none holding a key; system_env, the versions it runs on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict
@@ -35,9 +39,13 @@ DEV_MODE_VARIABLE = "VLLM_SERVER_DEV_MODE"
 # anonymous POST /pause would otherwise stop every user's generation
 KEYED_PATHS = frozenset({"/pause", "/resume", "/reload_weights", "/collective_rpc", "/reset_prefix_cache",
                          "/reset_mm_cache", "/sleep", "/wake_up"})
+# vLLM's runtime LoRA updates (lora.py; under /v1, which --api-key guards already): with --replicas
+# every replica loads or drops the adapter, as vLLM's data-parallel client sends add_lora /
+# remove_lora to every engine
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # the routes that act on one engine: with --replicas the replica a request reaches sends it to
 # every replica (server/replicas.py) rather than pausing or reloading one engine of N
-CONTROL_PATHS = KEYED_PATHS | {"/is_paused", "/get_world_size", "/is_sleeping"}
+CONTROL_PATHS = KEYED_PATHS | LORA_PATHS | {"/is_paused", "/get_world_size", "/is_sleeping"}
 
 
 def dev_mode(environ=os.environ) -> bool:
@@ -163,4 +171,59 @@ def dev_routes(service) -> APIRouter:
     async def is_sleeping():
         return {"is_sleeping": llm.is_sleeping()}
 
+    @router.get("/server_info")
+    async def server_info(config_format: Literal["text", "json"] = Query("text")):
+        config = _served_config(service)
+        text = ", ".join(f"{name}={value!r}" for name, value in config.items())
+        return {"vllm_config": text if config_format == "text" else config, "vllm_env": _env_vars(),
+                "system_env": await asyncio.to_thread(_system_env)}
+
     return router
+
+
+def _served_config(service) -> dict:
+    """/server_info's vllm_config: what this server runs, in vLLM's VllmConfig's sections, and the
+    server's own settings (no API key)."""
+    from ..async_llm import VllmConfigView
+
+    view = VllmConfigView(service.llm)
+    model = view.model_config
+    spec = view.speculative_config
+    server = {k: v for k, v in dataclasses.asdict(service.config).items() if k != "api_key"}
+    config = {"model_config": {"model": model.model, "max_model_len": model.max_model_len, "dtype": str(model.dtype),
+                               "runner_type": model.runner_type, "max_logprobs": model.max_logprobs},
+              "scheduler_config": dataclasses.asdict(view.scheduler_config), "cache_config": vars(view.cache_config),
+              "parallel_config": vars(view.parallel_config),
+              "speculative_config": dataclasses.asdict(spec) if spec is not None else None, "server_config": server}
+    return json.loads(json.dumps(config, default=str))        # sets, dtypes, paths: as text (vLLM's fallback=str)
+
+
+def _env_vars() -> dict:
+    """vLLM's vllm_env: the variables that steer the server, none whose name says it holds a key."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("VLLM_", "SPECDEC_")) and "KEY" not in k and "TOKEN" not in k}
+
+
+@functools.cache
+def _system_env() -> dict:
+    """vLLM's system_env (its collect_env), the parts that say what runs the server."""
+    import platform
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from .. import __version__
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    cuda = torch.cuda.is_available()
+    return {"specdec_version": __version__, "torch_version": torch.__version__,
+            "cuda_compiled_version": torch.version.cuda, "is_cuda_available": cuda,
+            "gpu_models": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            "python_version": sys.version.split()[0], "python_platform": platform.platform(),
+            "cpu_count": os.cpu_count(), **{f"{n}_version": installed(n) for n in ("transformers", "fastapi", "uvicorn")}}

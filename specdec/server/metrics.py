@@ -49,6 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
+from .errors import app_path
 from ..metrics import (ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS,
                        RequestStats, draft_positions, one_two_five)
 
@@ -483,6 +484,6 @@ class RequestCounter:
     def _api_route(self, scope) -> bool:
         # a wrong method is a partial match: not counted (nor is the 405 it gets); SageMaker's
         # /invocations is the API's too (a body no route takes: its 400 is counted)
-        if scope.get("method") == "POST" and scope["path"][len(scope.get("root_path", "")):] == "/invocations":
+        if scope.get("method") == "POST" and app_path(scope) == "/invocations":
             return True
         return any(route.matches(scope)[0] == Match.FULL for route in self.routes)

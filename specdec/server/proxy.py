@@ -5,9 +5,9 @@ When a replica's process dies, Ray Serve's proxy ends the request without a resp
 client would get uvicorn's plain "Internal Server Error") or, for a response already streaming,
 stops sending (the client sees a truncated chunked body). This middleware watches what the
 proxy sends and finishes the exchange instead: a 503 with `{"error": {...}}` when nothing was
-sent yet, or a last server-sent event `data: {"error": {...}}` on a stream (the openai client
-raises it as an APIError). Ray Serve replaces the replica meanwhile; a retry is answered by
-another one.
+sent yet, or a last server-sent event `data: {"error": {...}}` and then `data: [DONE]` on a
+stream, as one server's streams end (the openai client raises the error as an APIError). Ray
+Serve replaces the replica meanwhile; a retry is answered by another one.
 
 `specdec serve --replicas` installs it; with `serve run specdec.serve:app`, set
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=specdec.server.proxy:middlewares.
@@ -67,7 +67,7 @@ class ReplicaLost:
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
         elif state["stream"]:
-            event = b"data: " + json.dumps(_error(503)).encode() + b"\n\n"
+            event = b"data: " + json.dumps(_error(503)).encode() + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:                            # a JSON body cut short cannot be mended: end it
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -6,8 +6,9 @@ FastAPI app (app.py's build_app, unchanged: the same routes, errors, streaming a
 Ray Serve's proxy owns the port and routes each request to a replica with a free seat; it
 replaces a replica whose actor dies or whose health check fails.
 
-Metrics: every replica also serves its own registry on a port of its own (its address is
-logged, and kept by a small `MetricsBoard` deployment of the same application), and `GET
+Metrics: every replica also serves its own registry on a port of its own (on loopback with a
+local cluster; its address is logged, and kept by a small `MetricsBoard` deployment of the same
+application), and `GET
 /metrics` on the shared endpoint answers with every live replica's metrics, each sample
 labelled `replica="<id>"` (federate.py). Responses carry `x-specdec-replica: <id>`.
 
@@ -16,14 +17,23 @@ VLLM_SERVER_DEV_MODE /reload_weights, /collective_rpc, /reset_prefix_cache, ...)
 replica, as vLLM's API server does on its data-parallel engines. Each replica also serves its app
 on a direct port of its own (kept by the board); the replica a control request reaches sends it
 to every live replica at once and answers with the combination: the first failure if any failed
-(its message naming the replica), else /is_paused and /is_sleeping true when every replica is,
+(its message naming the replica, the others that failed and those where it was done), else /is_paused and /is_sleeping true when every replica is,
 /get_world_size the sum over replicas (include_dp=false: one replica's), /collective_rpc every
-replica's results in turn, the others the first answer.
+replica's results in turn, the others the first answer. vLLM's runtime LoRA routes
+(/v1/load_lora_adapter, /v1/unload_lora_adapter) go to every replica the same way; the board keeps
+the adapters so loaded, and a replica Ray starts later (a replacement) loads them too.
+
+Shutdown (SIGINT/SIGTERM): the replicas drain first, as one server does: every new request is
+answered 503 while those in flight finish (a second signal stops at once); then the application
+and, for a cluster of its own, Serve and Ray stop. The signal handlers are set before Ray starts,
+so a signal during the start-up stops it too (after ray.init, which is not cut short: an
+interrupted ray.init leaves its processes running).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,8 +44,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
 from ray import serve
 from ray.serve import Application
 
-from .control import CONTROL_PATHS, DEV_MODE_VARIABLE
-from .errors import error_body
+from .control import CONTROL_PATHS, DEV_MODE_VARIABLE, LORA_PATHS
+from .errors import APIError, error_body
 from .federate import merge
 
 log = logging.getLogger("specdec.server")
@@ -46,16 +56,37 @@ PROXY_CALLBACK, PROXY_MIDDLEWARES = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH",
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class MetricsBoard:
-    """Where each replica's own metrics are served: {replica id: URL}."""
+    """What the replicas share: where each one's own metrics are served ({replica id: URL}), its
+    direct port, the adapters loaded at runtime, and whether the server drains."""
 
-    def __init__(self):
+    def __init__(self, token: str | None = None):
         self.urls: dict[str, str] = {}
         self.direct: dict[str, str] = {}        # each replica's app on its own port (control routes)
+        self.adapters: dict[str, str] = {}      # /v1/load_lora_adapter's: name -> path
+        self.token, self.draining = token, False
 
-    def register(self, replica: str, url: str, direct: str | None = None) -> None:
+    def register(self, replica: str, url: str, direct: str | None = None) -> tuple[bool, dict[str, str]]:
+        """-> (draining, the runtime adapters) for a replica that starts now."""
         self.urls[replica] = url
         if direct is not None:
             self.direct[replica] = direct
+        return self.draining, dict(self.adapters)
+
+    def adapter(self, name: str, path: str | None) -> None:
+        """An adapter every replica loaded (path) or dropped (None)."""
+        if path is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = path
+
+    async def drain(self) -> int:
+        """Every replica refuses new requests from now on -> the requests still in flight."""
+        self.draining = True
+        headers = {TOKEN_HEADER: self.token} if self.token else {}
+        async with httpx.AsyncClient(timeout=10, headers=headers) as client:
+            replies = await asyncio.gather(*(client.post(u + DRAIN_PATH) for u in self.direct.values()),
+                                           return_exceptions=True)
+        return sum(r.json()["in_flight"] for r in replies if isinstance(r, httpx.Response) and r.status_code == 200)
 
     def drop(self, replica: str) -> None:
         self.urls.pop(replica, None)
@@ -97,14 +128,33 @@ class EngineReplica:
 
         self.server = build_app(self.llm, self.config)
         add_middleware(self.server, load_middleware(self.middleware))      # --middleware, as one server's
+        self.front = ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast)
         registry = self.server.state.service.metrics.registry
-        server, _ = start_http_server(0, addr=self.node, registry=registry)
-        self.metrics_url = f"http://{self.node}:{server.server_port}/metrics"
+        # where the direct port is: the metrics are the endpoint's (GET /metrics), not the whole network's
+        server, _ = start_http_server(0, addr=self.direct_host, registry=registry)
+        self.metrics_url = f"http://{self.direct_host}:{server.server_port}/metrics"
         log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
-        self.direct_url = _serve_direct(self.server, self.direct_host, self.token)
+        self.direct_url = _serve_direct(self.server, self.direct_host, self.token, self.drain)
         if self.board is not None:
-            await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
-        return ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast)
+            draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+            self.front.draining = draining
+            await self._load_adapters(adapters)
+        return self.front
+
+    async def _load_adapters(self, adapters: dict[str, str]) -> None:
+        """The adapters the other replicas loaded at runtime (this one replaces a replica, or
+        joins an autoscaled deployment); the engine's worker has not started: they load here."""
+        for name, path in adapters.items():
+            try:
+                await self.server.state.service.adapters.load(name, path)
+            except APIError as e:       # the replica serves without it, as the log says
+                log.warning("replica %s: LoRA adapter %s (%s) not loaded: %s", self.id, name, path, e)
+
+    def drain(self) -> int:
+        """The board's drain (from the driver, on SIGTERM): new requests get 503 -> those in
+        flight; a paused engine resumes, as one server's SIGTERM does, or they never finish."""
+        self.server.state.service.worker.unpause_for_shutdown()
+        return self.front.drain()
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the app's own /health (the engine worker runs, a TP
@@ -138,7 +188,22 @@ class EngineReplica:
                                                self.token)
         for replica in gone:                 # Ray replaces it; it is off the board
             await self.board.drop.remote(replica)
+        if path in LORA_PATHS and self.board is not None:
+            await self._remember_adapter(path, status, body)
         return status, answer
+
+    async def _remember_adapter(self, path: str, status: int, body: bytes) -> None:
+        """A runtime adapter every replica loaded, or one unloaded (a 404: some replica had not
+        got it), kept on the board for the replicas Ray starts later."""
+        load = path == "/v1/load_lora_adapter"
+        if not (status == 200 or (status == 404 and not load)):
+            return
+        try:
+            request = json.loads(body)
+            name, where = request["lora_name"], request["lora_path"] if load else None
+        except (ValueError, KeyError, TypeError):        # not a request the routes took
+            return
+        await self.board.adapter.remote(name, where)
 
 
 async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, path: str, query: bytes,
@@ -171,16 +236,23 @@ async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, 
 
 
 def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
-    """Every replica's answer to one control request -> one answer (the module's docstring)."""
-    for replica, r in answers.items():
-        if r.status_code != 200:
-            try:
-                err = r.json()
-                err["error"]["message"] = f"replica {replica}: {err['error']['message']}"
-                return r.status_code, json.dumps(err).encode()
-            except (ValueError, KeyError, TypeError):
-                return r.status_code, r.content
-    bodies = [r.json() if r.content else None for r in answers.values()]
+    """Every replica's answer to one control request -> one answer (the module's docstring). A
+    failure names its replica, the others that failed and those where the request succeeded."""
+    failed = [replica for replica, r in answers.items() if r.status_code != 200]
+    if failed:
+        r = answers[failed[0]]
+        done = [replica for replica in answers if replica not in failed]
+        note = "".join([f"; failed on replica {', '.join(failed[1:])} too" if failed[1:] else "",
+                        f"; done on replica {', '.join(done)}" if done else ""])
+        try:
+            err = r.json()
+            err["error"]["message"] = f"replica {failed[0]}: {err['error']['message']}{note}"
+            return r.status_code, json.dumps(err).encode()
+        except (ValueError, KeyError, TypeError):
+            return r.status_code, r.content
+    if path not in ("/is_paused", "/is_sleeping", "/get_world_size", "/collective_rpc"):
+        return 200, next(iter(answers.values())).content        # the first answer (a LoRA one is plain text)
+    bodies = [r.json() for r in answers.values()]
     if path in ("/is_paused", "/is_sleeping"):
         key = path[1:]
         return 200, json.dumps({key: all(b[key] for b in bodies)}).encode()
@@ -188,13 +260,11 @@ def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
         one_only = b"include_dp=false" in query.lower()
         sizes = [b["world_size"] for b in bodies]
         return 200, json.dumps({"world_size": sizes[0] if one_only else sum(sizes)}).encode()
-    if path == "/collective_rpc":
-        return 200, json.dumps({"results": [x for b in bodies for x in b["results"]]}).encode()
-    first = next(iter(answers.values()))
-    return 200, first.content
+    return 200, json.dumps({"results": [x for b in bodies for x in b["results"]]}).encode()
 
 
 TOKEN_HEADER = "x-specdec-replica-token"
+DRAIN_PATH = "/specdec/drain"       # on a replica's direct port only: the board's drain
 
 
 class RequireToken:
@@ -216,35 +286,64 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
-def _serve_direct(app, host: str, token: str | None) -> str:
+def _serve_direct(app, host: str, token: str | None, drain=None) -> str:
     """The app on a port of its own (uvicorn in a daemon thread, no lifespan: the replica's app
-    runs it), behind the deployment's token -> its URL, for the control requests other replicas send it."""
+    runs it), behind the deployment's token -> its URL, for the control requests other replicas
+    send it; POST DRAIN_PATH there calls drain() -> {"in_flight": its answer}."""
     import socket
     import threading
 
     import uvicorn
 
+    async def direct(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == DRAIN_PATH and drain is not None:
+            body = json.dumps({"in_flight": drain()}).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
+
     sock = socket.socket()
     sock.bind((host, 0))
-    guarded = RequireToken(app, token) if token else app
+    guarded = RequireToken(direct, token) if token else direct
     server = uvicorn.Server(uvicorn.Config(guarded, lifespan="off", log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="specdec-direct").start()
     return f"http://{host}:{sock.getsockname()[1]}"
 
 
 class ReplicaApp:
-    """The server's app with GET /metrics answered for the whole deployment and every
-    response marked with the replica that served it."""
+    """The server's app with GET /metrics answered for the whole deployment, every response
+    marked with the replica that served it, and the requests in flight counted (drain)."""
 
     def __init__(self, app, replica: str, metrics, broadcast=None):
         self.app, self.replica, self.metrics, self.broadcast = app, replica.encode(), metrics, broadcast
+        self.draining, self.in_flight = False, 0
 
     def add_exception_handler(self, *args, **kw):      # Ray Serve installs its own handlers
         self.app.add_exception_handler(*args, **kw)
 
+    def drain(self) -> int:
+        """From now on every request is answered 503 -> the requests still in flight."""
+        self.draining = True
+        return self.in_flight
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.draining:
+            body = json.dumps(error_body(503, "the server is shutting down")).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, self.replica)]})
+            await send({"type": "http.response.body", "body": body})
+            return None
+        self.in_flight += 1
+        try:
+            return await self._serve(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope, receive, send):
         if scope["path"] in CONTROL_PATHS and self.broadcast is not None:
             body, more = b"", True
             while more:
@@ -255,8 +354,10 @@ class ReplicaApp:
                 more = message.get("more_body", False)
             status, answer = await self.broadcast(scope["method"], scope["path"], scope.get("query_string", b""),
                                                   scope["headers"], body)
+            # a LoRA update's success is vLLM's plain text; everything else is JSON
+            kind = b"text/plain; charset=utf-8" if status == 200 and scope["path"] in LORA_PATHS else b"application/json"
             await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (REPLICA_HEADER, self.replica)]})
+                        "headers": [(b"content-type", kind), (REPLICA_HEADER, self.replica)]})
             await send({"type": "http.response.body", "body": answer})
             return None
         if scope["path"] == "/metrics" and scope["method"] == "GET":
@@ -281,11 +382,14 @@ def application(argv: list[str]) -> Application:
 
     args, _ = parse_args(argv)
     server_config(args)                    # bad settings and models fail here, before any replica starts
+    if getattr(args, "enable_lora", False) and args.tensor_parallel_size > 1:      # LLM()'s refusal, now
+        raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
     check_model(args.model, getattr(args, "hf_config_path", None), getattr(args, "revision", None),
                 getattr(args, "download_dir", None))
     opts = deployment_options(args)
     replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
-    return replica.bind(absolute_paths(argv, args), MetricsBoard.bind(), secrets.token_urlsafe(24))
+    token = secrets.token_urlsafe(24)
+    return replica.bind(absolute_paths(argv, args), MetricsBoard.bind(token), token)
 
 
 def absolute_paths(argv: list[str], args) -> list[str]:
@@ -380,15 +484,17 @@ PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROX
 
 def serve_replicas(args, argv: list[str], prog: str) -> int:
     """`specdec serve --replicas N ...`: join the cluster at --ray-address or start a local
-    one, run the application on --host/--port until SIGINT/SIGTERM, then drain and stop."""
-    import os
+    one, run the application on --host/--port until SIGINT/SIGTERM, then drain and stop (the
+    module's docstring)."""
     import signal
     import sys
     import threading
 
-    import ray
-
     app = application(argv)
+    if not args.ray_address and os.environ.get("RAY_ADDRESS"):
+        raise ValueError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} names a Ray cluster to join, but without "
+                         f"--ray-address serve starts a cluster of its own: pass --ray-address "
+                         f"{os.environ['RAY_ADDRESS']} to run the replicas there, or unset RAY_ADDRESS")
     hi = args.autoscale[1] if args.autoscale else (args.replicas or 1)
     cpus = deployment_options(args)["ray_actor_options"]["num_cpus"]
     # the proxy's error middleware (proxy.py); a joined cluster's proxies need it in their env
@@ -400,33 +506,128 @@ def serve_replicas(args, argv: list[str], prog: str) -> int:
         os.environ.setdefault(name, PROXY_PATIENCE[name])
     env = {"env_vars": {n: os.environ[n] for n in (PROXY_CALLBACK, *PROXY_PATIENCE, DEV_MODE_VARIABLE)
                         if n in os.environ}}
-    if args.ray_address:
+    stop, force = threading.Event(), threading.Event()      # the first signal, a second one
+
+    def on_signal(*_):
+        (force if stop.is_set() else stop).set()
+
+    def catch_signals():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+    catch_signals()                 # before Ray starts: a signal at any point stops
+    # a local cluster with room for every replica (logical CPUs: Ray only counts them)
+    with _ray(args, env, max(os.cpu_count() or 1, int(cpus * hi + 0.999))):
+        # again: Ray's core worker put its failure handler (absl's) on SIGTERM, which passes the
+        # signal on but then aborts the process 3 s later (its alarm, cancelled here if armed)
+        catch_signals()
+        signal.alarm(0)
+        if stop.is_set():
+            return 0
+        deployed = False
         try:
-            ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
-        except ConnectionError as e:
-            raise ValueError(f"{e}{_auth_hint()}") from None
-    else:   # a local cluster with room for every replica (logical CPUs: Ray only counts them)
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus * hi + 0.999)), include_dashboard=False,
-                 logging_level=logging.WARNING, runtime_env=env)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        except RuntimeError as e:
-            raise ValueError(f"the replicas did not start: {_cause(e)}") from None
-        print(f"{prog}: {'autoscaling' if args.autoscale else hi} replica(s) serving on "
-              f"http://{args.host}:{args.port} (Ray Serve; GET /metrics: every replica's metrics)", file=sys.stderr)
-        stop.wait()
-    finally:
-        if args.ray_address:
-            serve.delete(APP_NAME)      # other applications on the cluster keep running
-        else:
-            serve.shutdown()
-        ray.shutdown()
+            serve.start(http_options={"host": args.host, "port": args.port})
+            deployed = not stop.is_set()
+            if deployed and _deploy(app, stop):
+                print(f"{prog}: {'autoscaling' if args.autoscale else hi} replica(s) serving on "
+                      f"http://{args.host}:{args.port} (Ray Serve; GET /metrics: every replica's metrics)",
+                      file=sys.stderr)
+                stop.wait()
+            if deployed:        # a replica serves as soon as it is up, maybe before the application runs
+                _drain(force, prog)
+        finally:
+            own = not args.ray_address
+            if deployed and not (own and force.is_set()):
+                # the replicas stop first, the proxy still relaying their last bytes
+                serve.delete(APP_NAME)      # with --ray-address, other applications keep running
+            if own:
+                serve.shutdown()
     return 0
+
+
+@contextlib.contextmanager
+def _ray(args, env: dict, cpus: int):
+    """ray.init on entering: join --ray-address, or start a local cluster of `cpus` logical CPUs
+    whatever a `ray start` cluster's address file says; ray.shutdown on leaving. ray.init runs in
+    a thread of its own, which no signal interrupts: in the main thread it sets a SIGTERM handler
+    that exits in the middle of the start-up, and a KeyboardInterrupt there leaves its processes
+    running too; a signal is acted on once it returns. The thread stays until Ray is shut down:
+    the processes it starts die with it (Linux's parent-death signal follows the thread)."""
+    import threading
+
+    import ray
+
+    started, done, failed = threading.Event(), threading.Event(), []
+
+    def init():
+        try:
+            if args.ray_address:
+                ray.init(address=args.ray_address, logging_level=logging.WARNING, runtime_env=env)
+            else:
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+                         runtime_env=env)
+        except BaseException as e:
+            failed.append(e)
+        started.set()
+        done.wait()
+
+    def not_main_thread(record) -> bool:     # Ray's note that it set no SIGTERM handler: ours is set
+        return "SIGTERM handler is not set" not in record.getMessage()
+    ray_log = logging.getLogger("ray._private.worker")
+    ray_log.addFilter(not_main_thread)
+    threading.Thread(target=init, name="specdec-ray", daemon=True).start()
+    started.wait()
+    ray_log.removeFilter(not_main_thread)
+    try:
+        if failed and isinstance(failed[0], ConnectionError) and args.ray_address:
+            raise ValueError(f"{failed[0]}{_auth_hint()}") from None
+        if failed:
+            raise failed[0]
+        yield
+    finally:
+        ray.shutdown()
+        done.set()
+
+
+def _deploy(app, stop) -> bool:
+    """The application deployed -> True once it runs, False when a signal came before (its
+    status is polled, as loading the replicas can take minutes)."""
+    from ray.serve.schema import ApplicationStatus
+
+    try:
+        serve.run_many([serve.RunTarget(target=app, name=APP_NAME, route_prefix="/")],
+                       wait_for_applications_running=False)
+    except RuntimeError as e:
+        raise ValueError(f"the replicas did not start: {_cause(e)}") from None
+    while True:
+        stopped = stop.wait(0.5)
+        status = serve.status().applications[APP_NAME]
+        if status.status == ApplicationStatus.RUNNING:        # even if a signal came: it has served
+            return True
+        if status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise ValueError(f"the replicas did not start: {_cause(RuntimeError(status.message))}")
+        if stopped:
+            return False
+
+
+def _drain(force, prog: str) -> None:
+    """Every replica answers new requests 503 while those in flight finish (the board tells
+    them); a second signal (force) stops waiting."""
+    import sys
+
+    board = serve.get_deployment_handle("MetricsBoard", APP_NAME)
+    told = False
+    while not force.is_set():
+        try:
+            in_flight = board.drain.remote().result(timeout_s=10)
+        except Exception as e:      # no board to ask: the replicas stop as they are
+            log.warning("could not drain the replicas: %s", e)
+            return
+        if in_flight == 0:
+            return
+        if not told:
+            print(f"{prog}: finishing {in_flight} request(s) in flight (signal again to stop at once)", file=sys.stderr)
+            told = True
+        force.wait(0.5)
 
 
 def _auth_hint() -> str:

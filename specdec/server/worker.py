@@ -55,6 +55,18 @@ class ShuttingDown(RuntimeError):
     pass
 
 
+class EngineDeadError(ShuttingDown):
+    """vLLM's: the engine cannot serve any more (a step failure it did not recover from, this
+    one's __cause__); the server answers 503 and shuts down."""
+
+
+# consecutive failed steps that kill the engine. One failure is taken as transient: its requests
+# fail and the next step runs. A fault that fails that step too (a device gone, a model that
+# always raises) fails every request, and a server whose /health said 200 meanwhile drew the
+# traffic of its healthy peers; vLLM's engine core dies at the first failure
+FATAL_STEP_FAILURES = 2
+
+
 # vLLM's pause modes (POST /pause?mode=): in-flight requests aborted, waited for, or frozen
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -81,6 +93,8 @@ class EngineWorker:
         self._calls: deque[tuple[Callable[[Engine], object], Future, bool]] = deque()
         self._ids = itertools.count()
         self._closing = False
+        self.error: BaseException | None = None        # what killed the engine (alive is then False)
+        self._failures = 0                             # consecutive failed steps
         # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
         # while holding (pause mode "wait", draining) the running ones go on and new ones wait
         self._paused = self._holding = self._no_pauses = False
@@ -126,11 +140,20 @@ class EngineWorker:
         kernels.release_threads()
         self._thread.start()
 
+    def dead(self) -> EngineDeadError:
+        """The error a dead engine answers with (what killed it, its __cause__)."""
+        dead = EngineDeadError(f"the engine is dead: {type(self.error).__name__}: {self.error}")
+        dead.__cause__ = self.error
+        return dead
+
+    def _refusal(self) -> ShuttingDown:
+        return self.dead() if self.error is not None else ShuttingDown("the server is shutting down")
+
     def submit(self, jobs: list[Job]) -> None:
         """Queue all of a request's jobs at once, or none of them."""
         with self._cond:
             if self._closing:
-                raise ShuttingDown("the server is shutting down")
+                raise self._refusal()
             for job in jobs:
                 job.request_id = f"req-{next(self._ids)}"
                 job.name = job.name or job.request_id
@@ -160,6 +183,8 @@ class EngineWorker:
         stops, ShuttingDown."""
         future: Future = Future()
         with self._cond:
+            if self.error is not None:       # not on a dead engine, here or on its thread
+                raise self.dead()
             if self._thread.is_alive():
                 if self._closing:
                     raise ShuttingDown("the server is shutting down")
@@ -186,7 +211,7 @@ class EngineWorker:
         waited = []
         with self._cond:
             if self._closing or self._no_pauses:
-                raise ShuttingDown("the server is shutting down")
+                raise self._refusal()
             if mode == "keep" or (self._paused and mode == "wait"):
                 self._paused = True          # a step under way ends first; none starts after it
                 # pauses draining ("wait") are paused now too; an "abort" still aborts
@@ -253,11 +278,15 @@ class EngineWorker:
                 continue
             try:
                 events = self.engine.step()
-            except Exception as e:           # the step's requests cannot go on; the server can
+            except Exception as e:           # the step's requests cannot go on; the server may
                 log.exception("engine step failed")
                 self._hand_over()
-                self._fail_all(e)
+                self._failures += 1
+                if not self._fail_all(e) or self._failures >= FATAL_STEP_FAILURES:
+                    self._die(e)
+                    break
                 continue
+            self._failures = 0
             self._hand_over()                # the last step's, if this one had no forward
             seen = []                        # the events as the requests' clients see them (on_step's)
             for event in events:
@@ -364,14 +393,40 @@ class EngineWorker:
         for future, _, _ in settled:
             _settle(future)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: Exception) -> bool:
+        """The engine's requests end with `error` and leave it. -> whether the engine is left
+        consistent: every abort went through and no request is left in it."""
+        clean = True
         for rid, job in list(self._jobs.items()):
             try:
                 self.engine.abort(rid)
             except Exception:                # noqa: BLE001 - the engine is already in trouble
                 log.exception("abort after a failed step")
+                clean = False
             self._send(job, error)
         self._jobs.clear()
+        try:
+            return clean and not self.engine.has_unfinished()
+        except Exception:                    # noqa: BLE001 - as inconsistent as it gets
+            return False
+
+    def _die(self, error: BaseException) -> None:
+        """The engine is dead (vLLM's EngineDeadError): new requests, calls and pauses are refused,
+        those queued get the error; the thread ends. The server's watchdog then shuts it down."""
+        if self.error is None:
+            log.error("the engine is dead after %d failed step(s) in a row: %s: %s", self._failures,
+                      type(error).__name__, error)
+            self.error = error
+        dead = self.dead()
+        with self._cond:
+            self._closing = True                     # alive turns False: /health answers 503
+            queued, self._inbox = list(self._inbox), deque()
+            calls, self._calls = list(self._calls), deque()
+            pauses, self._pauses = self._pauses, []
+        for job in queued:
+            self._send(job, dead)
+        for future in [c[1] for c in calls] + [p[0] for p in pauses]:
+            _settle(future, dead)
 
     def _send(self, job: Job, item) -> None:
         try:

@@ -452,7 +452,7 @@ def run(args, prog: str = "specdec serve") -> int:
         if args.uds:
             raise ValueError("--uds needs a single server (behind Ray Serve its proxy listens on --host / --port)")
         try:
-            from .replicas import serve_replicas
+            from .replicas_run import serve_replicas
         except ImportError as e:
             raise ValueError(f"--replicas / --autoscale / --ray-address run on Ray Serve, which is not installed "
                              f"({e.name}): pip install 'specdec[serve]'") from None

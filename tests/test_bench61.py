@@ -33,3 +33,16 @@ def test_each_peer_familys_curve_sits_at_its_own_plain():
     methods.append({"family": "transformers", "method": "hf_plain", "speedup_vs_plain": _speedup(0.3)})
     assert plots._own_plain({"methods": methods}, "llama.cpp") == 1.5
     assert plots._own_plain({"methods": methods}, "transformers") == 0.3
+
+
+def test_a_draft_transformers_cannot_load_skips_the_assisted_peers_with_the_reason():
+    """`specdec bench` on the default model with transformers installed: SmolLM2's bundled draft is
+    specdec's reduced-vocabulary draft, which transformers cannot load; the assisted peers are
+    skipped with that reason (the run had died with transformers' "Unrecognized model")."""
+    from specdec.bench.peers import peer_variants
+    from specdec.defaults import BUNDLED_TARGET, MODELS_DIR
+
+    variants, skipped = peer_variants(["hf_plain", "hf_assisted_default"], [2], str(BUNDLED_TARGET),
+                                      str(MODELS_DIR / "smollm2-draft"), "float32", "cpu", [0])
+    assert [v.name for v in variants] == ["hf_plain"]
+    assert [s.method for s in skipped] == ["hf_assisted_default"] and "reduced-vocabulary" in skipped[0].reason

@@ -103,6 +103,8 @@ def test_a_dead_engine_shuts_the_server_down_and_startup_is_logged_before_loadin
         assert f"serving model {BUNDLED_TARGET}" in before and "specdec server version" in before
         assert "non-default args: {" in before and "'api_key': '***'" in before and "secret" not in text
         assert f"Starting specdec server on http://127.0.0.1:{port}" in before
+        after = text[text.index("[model loading]"):]           # then what the engine runs (vLLM logs it)
+        assert "engine: " in after and "plain decoding" in after
         broken.touch()
         auth = {"Authorization": "Bearer secret"}
         for _ in range(2):

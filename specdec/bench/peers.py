@@ -143,6 +143,22 @@ def _load(folder: str, dtype: str, device: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
 
 
+def _unloadable_assistant(draft_dir: str | None, dtype: str, device: str):
+    """The draft as transformers' assistant model, or why it cannot be one (the assisted peers are
+    then skipped with that reason, as any peer that cannot run)."""
+    from ..model.vocab_draft import is_vocab_draft
+
+    if draft_dir is None:
+        return "no draft model (--speculative-model)"
+    if is_vocab_draft(draft_dir):
+        return (f"{draft_dir} is specdec's reduced-vocabulary draft (SpecdecVocabDraft), which transformers "
+                "cannot load as an assistant model")
+    try:
+        return _load(draft_dir, dtype, device)
+    except (OSError, ValueError) as e:           # a folder transformers does not know
+        return f"transformers cannot load {draft_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
 def _assistant_setup(assistant, base_cfg, **fields) -> Callable[[], None]:
     def prepare():
         cfg = copy.deepcopy(base_cfg)
@@ -181,10 +197,11 @@ def peer_variants(names: list[str], ks: list, target_dir: str, draft_dir: str | 
     target = _load(target_dir, dtype, device)
     assistant, skipped = None, []
     if any(n in NEEDS_ASSISTANT for n in names):
-        if draft_dir is None:
-            skipped += [Skipped(n, None, "no draft model (--speculative-model)") for n in names if n in NEEDS_ASSISTANT]
+        why = _unloadable_assistant(draft_dir, dtype, device)
+        if isinstance(why, str):
+            skipped += [Skipped(n, None, why) for n in names if n in NEEDS_ASSISTANT]
         else:
-            assistant = _load(draft_dir, dtype, device)
+            assistant = why
     base_cfg = copy.deepcopy(assistant.generation_config) if assistant is not None else None
     int_ks = [k for k in ks if isinstance(k, int) and k > 0]
     variants = []

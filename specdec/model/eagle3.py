@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch import ForwardBatch, ForwardOutput
-from .checkpoint import CheckpointError, read_head_file
+from .checkpoint import CheckpointError, _not_a_folder, read_head_file
 from .config import ModelConfig
 from .kv import KVCache
 from .llama import MLP, Attention, Linear, RMSNorm, Transformer
@@ -190,6 +190,8 @@ def _weights(folder: Path) -> dict[str, Tensor]:
 def load_eagle3(folder: str | os.PathLike, target: Transformer) -> Eagle3Head:
     """An EAGLE-3 folder for `target`: weights in the target's dtype, on its device."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(_not_a_folder(folder))
     if not is_eagle3(folder):
         raise CheckpointError(f"{folder}: not an EAGLE-3 folder (config.json needs architectures "
                               f"{' / '.join(ARCHITECTURES[:2])} or speculators_model_type eagle3)")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, check_state
+from .checkpoint import CheckpointError, _not_a_folder, check_state
 from .config import GEMMA, MOE, OLMO, ModelConfig
 from .batch import ForwardBatch, ForwardOutput
 from .kv import KVCache
@@ -187,6 +187,8 @@ def load_heads(folder: str | os.PathLike, target: Transformer, kind: str | None 
     """Load a heads folder for `target`: weights in the target's dtype, on its device."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
+    if not folder.is_dir():                  # a typo, or a Hugging Face id not cached: said as for --model
+        raise CheckpointError(_not_a_folder(folder))
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder}: no config.json (expected a heads folder written by `specdec train`)")
     cfg = json.loads(cfg_path.read_text())

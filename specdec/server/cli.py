@@ -463,6 +463,7 @@ def run(args, prog: str = "specdec serve") -> int:
         _setup_logging(config)
         _log_start(args, prog, sock, "https" if ssl else "http")
         llm = build_llm(args)
+        _log_engine(llm)
     except BaseException:
         sock.close()
         raise
@@ -517,6 +518,18 @@ def _log_start(args, prog: str, sock, scheme: str) -> None:
         host, port = sock.getsockname()[:2]
         where = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("Starting specdec server on %s", where)
+
+
+def _log_engine(llm) -> None:
+    """What the engine runs (vLLM's "Initializing a V1 LLM engine ... speculative_config=..."): the
+    model, its context and dtype, and the speculative method with its K, or plain decoding."""
+    spec = llm.spec
+    how = "plain decoding" if spec is None else (
+        f"speculative decoding: method {spec.method}, num_speculative_tokens {spec.num_speculative_tokens}"
+        + (f", drafter {spec.model}" if spec.model else ""))
+    context = getattr(getattr(llm, "engine", None), "max_model_len", None)
+    logging.getLogger("specdec.server").info("engine: %s, max_model_len %s, dtype %s; %s", llm.model_path,
+                                             context, getattr(llm.target, "dtype", None), how)
 
 
 def _log_listening(sock, scheme: str) -> None:

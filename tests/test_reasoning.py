@@ -32,14 +32,15 @@ def test_split():
     assert split_reasoning("qwen3", "<think>cut short") == ("cut short", "")
 
 
+@pytest.mark.parametrize("prompt", [None, "open", "closed"])     # prompt_think's: what the prompt left open
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-def test_stream_equals_split_for_any_chunking(parser):
+def test_stream_equals_split_for_any_chunking(parser, prompt):
     rng = random.Random(0)
     for text in REPLIES:
-        want = split_reasoning(parser, text)
+        want = split_reasoning(parser, text, prompt)
         for _ in range(30):
             cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
-            rs, got = ReasoningStream(parser), ["", ""]
+            rs, got = ReasoningStream(parser, prompt), ["", ""]
             for a, b in zip([0] + cuts, cuts + [len(text)]):
                 r, t = rs.feed(text[a:b])
                 got = [got[0] + r, got[1] + t]

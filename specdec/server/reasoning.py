@@ -200,10 +200,12 @@ class ReasoningStream:
                 self.buf, self.state = s[len(START):], "reasoning"
             elif START.startswith(s):                # whitespace, or the opening tag arriving
                 return "", ""
+            elif self.prompt == "closed":            # the prompt closed the block: the answer (split_reasoning's)
+                self.state = "answer"
             elif self.parser == "deepseek_r1" or self.prompt == "open":
                 self.state = "reasoning"
             else:                                    # qwen3: answer, unless a </think> comes
-                self.state = "answer" if self.prompt == "closed" else "undecided"
+                self.state = "undecided"
         if self.state == "answer":
             text, self.buf = self.buf, ""
             return "", text
@@ -221,8 +223,8 @@ class ReasoningStream:
     def finish(self, cut: bool = False) -> tuple[str, str]:
         """What is still held: (reasoning, answer)."""
         rest, self.buf = self.buf, ""
-        reasoning = self.state == "reasoning" or (
-            self.state == "start" and (self.parser == "deepseek_r1" or self.prompt == "open"))
+        reasoning = self.state == "reasoning" or (self.state == "start" and self.prompt != "closed" and (
+            self.parser == "deepseek_r1" or self.prompt == "open"))
         return (rest, "") if reasoning else ("", rest)
 
     def pending(self) -> tuple[str, ...]:

@@ -60,6 +60,8 @@ def test_a_step_failing_twice_in_a_row_kills_the_engine_one_failure_does_not(mon
         broken.clear()                   # dead stays dead: no request reaches the engine again
         r = post()
         assert r.status_code == 503 and "illegal memory access" in r.json()["error"]["message"]
+        r = httpx.post(server.url + "/pause", params={"mode": "keep"})
+        assert r.status_code == 503 and "the engine is dead" in r.json()["error"]["message"], r.text
         assert not app.state.service.worker.thread.is_alive()
     # one failure is fatal when it leaves the engine inconsistent: its requests cannot be aborted
     broken.append(1)
@@ -68,6 +70,39 @@ def test_a_step_failing_twice_in_a_row_kills_the_engine_one_failure_does_not(mon
     with LiveServer(app) as server:
         assert httpx.post(server.url + "/v1/completions", json=BODY, timeout=60).status_code == 500
         assert httpx.get(server.url + "/health").status_code == 503
+
+
+def test_requests_that_fail_on_their_own_do_not_kill_the_engine(monkeypatch):
+    """A step fails while a poisoned request runs (a fault of that request's, not the engine's):
+    the client retries it, so two steps fail in a row, yet the probe after them computes and the
+    server goes on; so does one more poisoned request later, however long the server was idle
+    (the regression tester's openai-client retry had killed the server)."""
+    llm = _llm()
+    real_add, real_step, real_abort, poisoned = llm.engine.add_request, llm.engine.step, llm.engine.abort, set()
+
+    def add(prompt, *a, **kw):
+        req = real_add(prompt, *a, **kw)
+        if 7777 in prompt:
+            poisoned.add(req.request_id)
+        return req
+
+    def abort(rid):
+        poisoned.discard(rid)
+        return real_abort(rid)
+
+    def step():
+        if poisoned:
+            raise RuntimeError("a request's own fault")
+        return real_step()
+
+    for name, fn in (("add_request", add), ("step", step), ("abort", abort)):
+        monkeypatch.setattr(llm.engine, name, fn)
+    with LiveServer(build_app(llm, ServerConfig(served_model_names=("toy",)))) as server:
+        bad = {**BODY, "prompt": [7777, 9]}
+        for _ in range(3):                                   # a client and its two retries
+            assert httpx.post(server.url + "/v1/completions", json=bad, timeout=60).status_code == 500
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.post(server.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
 
 
 SERVE = textwrap.dedent("""
@@ -104,7 +139,7 @@ def test_a_dead_engine_shuts_the_server_down_and_startup_is_logged_before_loadin
         assert "non-default args: {" in before and "'api_key': '***'" in before and "secret" not in text
         assert f"Starting specdec server on http://127.0.0.1:{port}" in before
         after = text[text.index("[model loading]"):]           # then what the engine runs (vLLM logs it)
-        assert "engine: " in after and "plain decoding" in after
+        assert "engine: " in after and "dtype torch.bfloat16; plain decoding" in after      # the folder's weights
         broken.touch()
         auth = {"Authorization": "Bearer secret"}
         for _ in range(2):
@@ -171,6 +206,14 @@ def test_bad_tls_files_and_keep_alive_fail_before_the_model_loads(tmp_path, caps
         assert says in _serve_fails(capsys, monkeypatch, flags)
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "abc")
     assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds" in _serve_fails(capsys, monkeypatch, [])
+    # an encrypted key is uvicorn's to unlock (it asks for the passphrase): the early check asks nothing
+    from specdec.server.cli import _check_tls
+
+    locked = tmp_path / "locked.key"
+    subprocess.run(["openssl", "pkey", "-in", key, "-out", str(locked), "-aes256", "-passout", "pass:secret"],
+                   check=True, capture_output=True)
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked for a passphrase"))
+    _check_tls(str(locked), cert, None, None)
 
 
 def test_server_info_in_dev_mode():

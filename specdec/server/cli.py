@@ -527,9 +527,11 @@ def _log_engine(llm) -> None:
     how = "plain decoding" if spec is None else (
         f"speculative decoding: method {spec.method}, num_speculative_tokens {spec.num_speculative_tokens}"
         + (f", drafter {spec.model}" if spec.model else ""))
-    context = getattr(getattr(llm, "engine", None), "max_model_len", None)
+    from ..async_llm import VllmConfigView
+
+    model = VllmConfigView(llm).model_config         # the weights' dtype, as /server_info and model_config say
     logging.getLogger("specdec.server").info("engine: %s, max_model_len %s, dtype %s; %s", llm.model_path,
-                                             context, getattr(llm.target, "dtype", None), how)
+                                             model.max_model_len, model.dtype, how)
 
 
 def _log_listening(sock, scheme: str) -> None:
@@ -599,9 +601,17 @@ def _check_tls(key: str, cert: str, ca: str | None, ciphers: str | None) -> None
         ssl.create_default_context(cafile=cert)     # certificates only: a cert file that holds none fails here
     except ssl.SSLError as e:
         raise ValueError(f"--ssl-certfile {cert}: not a PEM certificate ({reason(e)})") from None
+    class Encrypted(Exception):
+        pass
+
+    def no_password():          # an encrypted key: uvicorn asks for its passphrase; not asked twice
+        raise Encrypted
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(cert, key)
+        context.load_cert_chain(cert, key, password=no_password)
+    except Encrypted:
+        pass                                   # the certificate was checked above; the key needs its passphrase
     except ssl.SSLError as e:
         if "KEY_VALUES_MISMATCH" in str(e):
             raise ValueError(f"--ssl-keyfile {key}: not the key of --ssl-certfile {cert}") from None

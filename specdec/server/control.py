@@ -30,7 +30,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict
 
 from .errors import APIError
-from .worker import PAUSE_MODES
+from .worker import PAUSE_MODES, ShuttingDown
 
 log = logging.getLogger("specdec.server")
 
@@ -72,7 +72,10 @@ def pause_routes(service) -> APIRouter:
             mode = "wait"
         if mode not in PAUSE_MODES:
             raise APIError(400, f"Invalid pause mode: {mode!r}. Must be one of {list(PAUSE_MODES)}.", "mode")
-        await asyncio.wrap_future(service.worker.pause(mode, clear_cache))
+        try:
+            await asyncio.wrap_future(service.worker.pause(mode, clear_cache))
+        except ShuttingDown as e:           # a dead engine, or one shutting down: 503 with the reason, as elsewhere
+            raise APIError(503, str(e)) from None
         return {"status": "paused"}
 
     @router.post("/resume")

@@ -12,10 +12,12 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -60,10 +62,12 @@ class EngineDeadError(ShuttingDown):
     one's __cause__); the server answers 503 and shuts down."""
 
 
-# consecutive failed steps that kill the engine. One failure is taken as transient: its requests
-# fail and the next step runs. A fault that fails that step too (a device gone, a model that
-# always raises) fails every request, and a server whose /health said 200 meanwhile drew the
-# traffic of its healthy peers; vLLM's engine core dies at the first failure
+# consecutive failed steps after which the engine is probed. One failure is taken as transient: its
+# requests fail and the next step runs. When the next fails too, a probe (one token of a one-token
+# prompt, the engine empty) tells a persistent fault (a device gone, a model that always raises:
+# the engine is dead, as vLLM's engine core at its first failure, rather than a server whose
+# /health says 200 drawing its healthy peers' traffic) from requests that fail on their own (a
+# client retrying the request that failed: the probe passes and the server goes on)
 FATAL_STEP_FAILURES = 2
 
 
@@ -282,7 +286,10 @@ class EngineWorker:
                 log.exception("engine step failed")
                 self._hand_over()
                 self._failures += 1
-                if not self._fail_all(e) or self._failures >= FATAL_STEP_FAILURES:
+                clean = self._fail_all(e)
+                if clean and self._failures >= FATAL_STEP_FAILURES and self._probe():
+                    self._failures = 0           # the engine computes: the fault was those requests'
+                if not clean or self._failures >= FATAL_STEP_FAILURES:
                     self._die(e)
                     break
                 continue
@@ -408,6 +415,21 @@ class EngineWorker:
         try:
             return clean and not self.engine.has_unfinished()
         except Exception:                    # noqa: BLE001 - as inconsistent as it gets
+            return False
+
+    def _probe(self) -> bool:
+        """Whether the engine, left empty by a failed step, still computes: one greedy token of
+        a one-token prompt, stepped here (its events go nowhere)."""
+        rid = f"specdec-probe-{uuid.uuid4().hex}"
+        try:
+            self.engine.add_request([0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            return True
+        except Exception:                    # noqa: BLE001 - the fault is the engine's
+            log.exception("engine probe after failed steps")
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
             return False
 
     def _die(self, error: BaseException) -> None:

@@ -46,3 +46,10 @@ def test_replicas_get_the_hf_config_path_as_an_absolute_path(gguf, monkeypatch):
     assert argv[argv.index("--hf-config-path") + 1] == str(root / "same")
     with pytest.raises(CheckpointError, match="config.json"):
         application([str(path), "--replicas", "1", "--hf-config-path", "wider"])
+
+
+def test_hf_config_path_with_tensor_parallelism_is_refused_by_the_driver(gguf):
+    """As LLM() refuses it (the ranks load the GGUF's own config): before Ray starts, not in each replica."""
+    root, path = gguf
+    with pytest.raises(CheckpointError, match="tensor_parallel_size > 1"):
+        check_model(str(path), str(root / "same"), tensor_parallel_size=2)

@@ -384,7 +384,7 @@ def application(argv: list[str]) -> Application:
     if getattr(args, "enable_lora", False) and args.tensor_parallel_size > 1:      # LLM()'s refusal, now
         raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
     check_model(args.model, getattr(args, "hf_config_path", None), getattr(args, "revision", None),
-                getattr(args, "download_dir", None))
+                getattr(args, "download_dir", None), args.tensor_parallel_size)
     opts = deployment_options(args)
     replica = serve.deployment(EngineReplica, name=DEPLOYMENT).options(**opts)
     token = secrets.token_urlsafe(24)
@@ -433,7 +433,7 @@ def absolute_paths(argv: list[str], args) -> list[str]:
 
 
 def check_model(path: str | None, hf_config_path: str | None = None, revision: str | None = None,
-                download_dir: str | None = None) -> None:
+                download_dir: str | None = None, tensor_parallel_size: int = 1) -> None:
     """What can be checked without loading weights: the folder's config.json, or the GGUF's
     header and tensor table (CheckpointError naming the file), against --hf-config-path's
     config.json when given, as the replicas will load it."""
@@ -449,7 +449,8 @@ def check_model(path: str | None, hf_config_path: str | None = None, revision: s
         found = find_gguf(path)
         if found is not None:
             g = GGUFFile(found)
-            folder = _hf_config_path(path, hf_config_path, ParallelConfig(), revision, download_dir)
+            folder = _hf_config_path(path, hf_config_path, ParallelConfig(tensor_parallel_size), revision,
+                                     download_dir)
             if folder is None:
                 check_tensors(g, g.config())
             else:

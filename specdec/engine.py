@@ -821,11 +821,10 @@ class Engine:
                 # cut the step's tokens): OpenAI's accepted tokens appear in the completion
                 pred.following = res.accepted == k          # kept whole: the next draft may run longer
                 pred.drafted = False
-            if not stats.time_to_first_token_s:
-                stats.time_to_first_token_s = now - r.arrival
             self.last_step_iteration_tokens += len(event.token_ids) + (stats.prompt_tokens if first else 0)
-            if not stats.first_token_ts:
+            if not stats.first_token_ts:                 # the request's first token
                 stats.first_token_ts = now
+                stats.time_to_first_token_s = stats.time_to_first_token_s or now - r.arrival
             else:
                 self.inter_token_latency.observe(now - stats.last_token_ts)
             stats.wall_time_s = now - r.arrival

@@ -25,19 +25,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..config import is_unicode_text
+
 PROG = "specdec run-batch"
 # vLLM's run_batch takes chat, embeddings and any url ending in /score or /rerank: those paths this
 # server has, plus completions and responses
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
         "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
-
-
-def _unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 @dataclass
@@ -99,7 +93,7 @@ def parse_lines(text: str, source: str) -> list[BatchLine]:
                              '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}})')
         if not isinstance(obj["custom_id"], str):
             raise ValueError(f"{source} line {number}: custom_id must be a string")
-        if not obj["custom_id"].isascii() and not _unicode(obj["custom_id"]):    # it is written back as UTF-8
+        if not is_unicode_text(obj["custom_id"]):        # it is written back as UTF-8
             raise ValueError(f"{source} line {number}: custom_id must be valid Unicode text (no lone surrogates)")
         if not isinstance(obj["body"], dict):
             raise ValueError(f"{source} line {number}: body must be a JSON object")
@@ -238,7 +232,7 @@ def _line(record: dict) -> str:
     """One output line: UTF-8 text, or JSON's \\u escapes where a string holds a lone surrogate
     (a client's text echoed in an error) that UTF-8 cannot carry."""
     line = json.dumps(record, ensure_ascii=False) + "\n"
-    return line if _unicode(line) else json.dumps(record) + "\n"
+    return line if is_unicode_text(line) else json.dumps(record) + "\n"
 
 
 async def _write_output(path: str, records: list[dict], tmp_dir: str | None) -> None:

@@ -247,6 +247,8 @@ class Engine:
         trace context its span goes under and the id the span names, when `tracer` is set;
         cache_salt: vLLM's, prefix-cache blocks are shared only between requests with the same salt)."""
         self.check_priority(priority)
+        if request_id is not None and request_id in self.scheduler.ids:       # vLLM's refusal: ids key KV blocks
+            raise ValueError(f"request id {request_id!r} is already running")
         params = params.clone()            # the request's own: later changes to the caller's do not reach it
         prompt = self.truncated(prompt, params)
         self.check_prompt(prompt, params)

@@ -118,9 +118,11 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.ids: set[str] = set()          # the ids of the requests waiting or running
         self.by_priority = config.scheduling_policy == "priority"
 
     def add(self, req: Request) -> None:
+        self.ids.add(req.request_id)
         if self.by_priority:
             self._enqueue(req)
         else:
@@ -287,6 +289,8 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
             self.blocks.remove(r.request_id)
+            self.ids.discard(r.request_id)
         elif r in self.waiting:
             self.waiting.remove(r)
+            self.ids.discard(r.request_id)
         r.status = FINISHED

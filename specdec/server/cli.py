@@ -726,6 +726,8 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
+            if self.force_exit:
+                await _stop_now(self)
             if uds_path:                      # --uds: no socket file left behind (before uvicorn re-raises SIGTERM)
                 with contextlib.suppress(OSError):
                     os.unlink(uds_path)
@@ -733,13 +735,41 @@ def serve(llm, config, host: str, port: int, log_level: str = "info", ssl: dict 
         def handle_exit(self, sig, frame) -> None:
             # a paused engine (POST /pause) would hold the requests uvicorn waits for: resume it
             app.state.service.worker.unpause_for_shutdown()
+            draining = self.should_exit
             super().handle_exit(sig, frame)
+            if draining:             # a second signal (SIGINT or SIGTERM, as vLLM's): stop now
+                self.force_exit = True
+                # uvicorn re-raises every captured signal once it has stopped: a second SIGINT
+                # reached asyncio's handler as a KeyboardInterrupt inside the loop, and each task
+                # left then printed its traceback; the first signal alone says how the server ended
+                del self._captured_signals[1:]
 
     # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight requests, run the lifespan's
-    # shutdown (which drains the engine worker), then return
+    # shutdown (which drains the engine worker), then return; a second signal: _stop_now
     Server(uvicorn_config(app, config, log_level, ssl, host=host, port=port)).run(
         sockets=[sock] if sock is not None else None)
     return 1 if worker.error is not None else 0
+
+
+FORCED_EXIT_SECONDS = 5.0
+
+
+async def _stop_now(server) -> None:
+    """A forced exit (a second signal while draining): the requests in flight are dropped, their
+    connections closed, which ends their handlers as a client leaving does (their engine jobs
+    aborted); then the lifespan's shutdown, skipped by uvicorn's force exit, stops the engine
+    thread. A handler still running after FORCED_EXIT_SECONDS is cancelled."""
+    connections, tasks = list(server.server_state.connections), set(server.server_state.tasks)
+    logging.getLogger("specdec.server").warning("Forced exit: %d request(s) in flight dropped", len(tasks))
+    for connection in connections:
+        connection.transport.abort()
+    if tasks:
+        _, left = await asyncio.wait(tasks, timeout=FORCED_EXIT_SECONDS)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+    if not server.lifespan.shutdown_event.is_set():
+        await server.lifespan.shutdown()
 
 
 def _keep_alive_on_engine_death() -> bool:

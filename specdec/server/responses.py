@@ -245,16 +245,17 @@ def cached_prompt_tokens(gen: Generation) -> int:
 
 
 def usage(gen: Generation, completion_tokens: int) -> dict:
-    """OpenAI's usage (cached_tokens: cached_prompt_tokens)."""
+    """OpenAI's usage (cached_tokens: cached_prompt_tokens); completion_tokens_details when the
+    request gave a prediction, as OpenAI's (vLLM's, without one: none)."""
     prompt_tokens = sum(len(p) for p in gen.prompts)
     cached = cached_prompt_tokens(gen)
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-    predicted = [s for s in gen.stats if s is not None and s.prediction_tokens]
-    if predicted:           # OpenAI's Predicted Outputs counts, over the choices
+    if gen.prediction is not None:     # OpenAI's Predicted Outputs counts, over the choices (an empty one: zeros)
+        done = [s for s in gen.stats if s is not None]
         out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in predicted),
-            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in predicted)}
+            "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in done),
+            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in done)}
     return out
 
 

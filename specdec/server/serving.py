@@ -246,7 +246,7 @@ class Service:
         if not isinstance(content, str):
             raise APIError(400, "prediction.content must be a string or a list of text parts", "prediction.content")
         try:
-            return self.tokenizer.encode(content, add_special_tokens=False) or None
+            return self.tokenizer.encode(content, add_special_tokens=False)     # []: an empty prediction, given
         except ValueError as e:
             raise APIError(400, str(e), "prediction.content") from None
 
@@ -558,6 +558,7 @@ class Generation:
         server gave: no two of the request's samples share draws), else with seed + i for every
         prompt (a seed the request gave, as vLLM: identical prompts then draw the same)."""
         self.prompts, self.params, self.arrival, self._logger = prompts, params, arrival, logger
+        self.prediction = prediction     # Predicted Outputs' ids ([]: an empty one), None: no prediction
         self._worker, self._metrics = worker, metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()

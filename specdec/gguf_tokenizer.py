@@ -19,15 +19,15 @@ architectures specdec runs:
   without merges get them derived from the vocabulary, best score first.
 
 Both: control tokens become special added tokens, user-defined ones plain added tokens, matched
-whole in the text (llama.cpp's tokenizer_st_partition). A byte-level file stores a user-defined
-token as its raw text ("<tool call>", "héllo"), which llama.cpp matches and prints as it is
-(token_to_piece); transformers' loader respells it in the byte alphabet, splitting it into
-pieces, or byte-decodes it ("h\ufffdllo"), and specdec follows llama.cpp. A file without the
-special ids gets llama.cpp's: UNK 0, BOS 1, EOS 2 for SentencePiece, BOS = EOS = 11 for byte-level
-BPE (llama.cpp's other vocabularies, WPM and UGM, are not read). BOS is added by a post-processor
-when the file asks for it. Otherwise it encodes as transformers' own GGUF loader
-(tests/test_tokenizer.py checks it on a few hundred strings). `GGUFVocab.eog_token_ids` is
-llama.cpp's end-of-generation set.
+whole in the text (llama.cpp's tokenizer_st_partition). A byte-level file stores a control or
+user-defined token as its raw text ("<tool call>", "héllo", DeepSeek's "<｜User｜>"), which
+llama.cpp matches and prints as it is (token_to_piece); transformers' loader respells it in the
+byte alphabet, splitting it into pieces, or byte-decodes it ("h\ufffdllo"), and specdec follows
+llama.cpp. A file without the special ids gets llama.cpp's: UNK 0, BOS 1, EOS 2 for SentencePiece,
+BOS = EOS = 11 for byte-level BPE (llama.cpp's other vocabularies, WPM and UGM, are not read).
+BOS is added by a post-processor when the file asks for it. Otherwise it encodes as transformers'
+own GGUF loader (tests/test_tokenizer.py checks it on a few hundred strings).
+`GGUFVocab.eog_token_ids` is llama.cpp's end-of-generation set.
 """
 
 from __future__ import annotations
@@ -315,10 +315,13 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
     alphabet = set(spell.values())
     respell = lambda tok: "".join(spell[b] for b in tok.encode("utf-8"))  # noqa: E731
     # a token written outside the byte alphabet (some converters store raw text) is respelled,
-    # but a user-defined one keeps its raw text: llama.cpp's converter writes it so, and llama.cpp
-    # matches it whole in the text and prints it as it is (a token listed twice keeps its last id)
-    user = {i for i, kind in enumerate(v.token_types) if kind == USER_DEFINED}
-    vocab = {tok if set(tok) <= alphabet or i in user else respell(tok): i for i, tok in enumerate(v.tokens)}
+    # but a control or user-defined one keeps its raw text: llama.cpp's converter writes added
+    # tokens so (DeepSeek's "<｜User｜>"), and llama.cpp matches them whole in the text and prints
+    # them as they are; so do the named BOS / EOS / UNK / PAD, which are special added tokens
+    # (a token listed twice keeps its last id)
+    whole = {i for i, kind in enumerate(v.token_types) if kind in (CONTROL, USER_DEFINED)}
+    raw_key = whole | _named_ids(v)
+    vocab = {tok if set(tok) <= alphabet or i in raw_key else respell(tok): i for i, tok in enumerate(v.tokens)}
     pre = pre_type(v.pre)
     tk = Tokenizer(BPE(vocab, _merges(v, vocab), dropout=None, fuse_unk=False, byte_fallback=False,
                        ignore_merges=pre.ignore_merges))
@@ -329,9 +332,9 @@ def _byte_level(v: GGUFVocab) -> Tokenizer:
         tk.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     # ByteLevel decodes every token, added ones too, and keeps raw only a token with a character
-    # outside the alphabet: a raw user-defined token made of alphabet characters (DeepSeek-Coder's
-    # "ø", "héllo") is respelled first, matched whole so that no other token is touched
-    raw = [tok for i, tok in enumerate(v.tokens) if i in user and set(tok) <= alphabet and respell(tok) != tok]
+    # outside the alphabet: a raw control or user-defined token made of alphabet characters
+    # (DeepSeek-Coder's "ø", "héllo") is respelled first, matched whole so that no other token is touched
+    raw = [tok for i, tok in enumerate(v.tokens) if i in whole and set(tok) <= alphabet and respell(tok) != tok]
     tk.decoder = decoders.Sequence([*(decoders.Replace(Regex(rf"\A{re.escape(tok)}\z"), respell(tok)) for tok in raw),
                                     decoders.ByteLevel()]) if raw else decoders.ByteLevel()
     return tk
@@ -396,15 +399,11 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
         tk = _byte_level(v)
     else:
         tk = _gemma_sentencepiece(v) if v.architecture in GEMMA_ARCHITECTURES else _sentencepiece(v)
-    byte_level = v.model == "gpt2"
-    alphabet = set(byte_alphabet().values())
-    # control tokens stay whole and are special (skipped when decoding); a "control" token
-    # spelled outside the byte alphabet of a byte-level vocabulary is a converter's mislabel.
-    # The tokens named BOS, EOS, UNK and PAD are special too, whatever their type (not BPE's assumed 11).
-    named = {v.token(i) for i in (v.bos_token_id, v.eos_token_id, v.unk_token_id, v.pad_token_id)
-             if i not in v.assumed_ids} - {None}
-    control = [t for t, kind in zip(v.tokens, v.token_types)
-               if kind == CONTROL and (not byte_level or set(t) <= alphabet)]
+    # control tokens stay whole and are special (skipped when decoding), whatever their spelling
+    # (a byte-level file stores them as raw text, as llama.cpp matches them). The tokens named
+    # BOS, EOS, UNK and PAD are special too, whatever their type (not BPE's assumed 11).
+    named = {v.tokens[i] for i in _named_ids(v)}
+    control = [t for t, kind in zip(v.tokens, v.token_types) if kind == CONTROL]
     special = list(dict.fromkeys([*control, *sorted(named - set(control))]))
     tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     vocab = tk.get_vocab()
@@ -413,6 +412,12 @@ def build_tokenizer(v: GGUFVocab) -> Tokenizer:
     tk.add_tokens(user)
     tk.post_processor = _post_processor(v)
     return tk
+
+
+def _named_ids(v: GGUFVocab) -> set[int]:
+    """The ids of the BOS, EOS, UNK and PAD the file names (not BPE's assumed 11)."""
+    return {i for i in (v.bos_token_id, v.eos_token_id, v.unk_token_id, v.pad_token_id)
+            if i not in v.assumed_ids and v.token(i) is not None}
 
 
 def _post_processor(v: GGUFVocab):

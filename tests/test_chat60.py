@@ -398,7 +398,10 @@ def _streamed(parser: str, text: str, seed: int) -> tuple[str | None, list[tuple
         c, d = ts.feed(text[a:b])
         content, calls = content + c, calls + d
     c, d, finish = ts.finish("stop")
-    return content + c or None, [(x["function"]["name"], x["function"]["arguments"]) for x in calls + d], finish
+    joined = {}             # a call's first delta names it, the others add to its arguments
+    for x in calls + d:
+        joined.setdefault(x["index"], [x["function"].get("name"), ""])[1] += x["function"]["arguments"]
+    return content + c or None, [tuple(v) for v in joined.values()], finish
 
 
 def _strict(arguments: str):

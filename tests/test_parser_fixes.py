@@ -72,7 +72,7 @@ def _format_stream(fmt, pieces, finish="stop"):
 
 DEEP = "[" * 5000 + "]" * 5000
 NESTED = {
-    "hermes": '<tool_call>{"name": "add", "arguments": ' + DEEP + "}</tool_call>",
+    "hermes": '<tool_call>{"arguments": ' + DEEP + "}</tool_call>",      # no name: nothing streams before it fails
     "llama3_json": '{"name": "add", "parameters": ' + DEEP + "}",
     "pythonic": "[add(a=" + "-" * 5000 + "1)]",
     "mistral": '[TOOL_CALLS][{"name": "add", "arguments": ' + DEEP + "}]",
@@ -101,6 +101,7 @@ def test_a_failing_parser_gives_the_reply_back_as_text(monkeypatch, tok):
     def broken(body):
         raise ValueError("a parser bug")
     monkeypatch.setattr(tools_module, "_hermes_call", broken)
+    monkeypatch.setattr(tools_module._CallReader, "feed", lambda self, text: broken(text))   # the streamed reader
     plan = plan_tools(TOOLS, "auto", None, True, "hermes")
     text = 'Sure, <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> done.'
     msg = ChatFormat(tok, False, tools=plan).choice(ChoiceResult(0, [text], finish_reason="stop"))

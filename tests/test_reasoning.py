@@ -100,7 +100,11 @@ def test_reasoning_then_tool_calls_streamed_and_not():
             calls += d["delta"].get("tool_calls", [])
             finish = d["finish_reason"] or finish
     assert (thought, content or None, finish) == ("Add them.", None, "tool_calls")
-    assert [c["function"] for c in calls] == [c["function"] for c in msg["message"]["tool_calls"]]
+    joined = {}             # a call's first delta names it, the others add to its arguments
+    for c in calls:
+        joined.setdefault(c["index"], {"name": c["function"].get("name"), "arguments": ""})["arguments"] += \
+            c["function"]["arguments"]
+    assert list(joined.values()) == [c["function"] for c in msg["message"]["tool_calls"]]
     hidden = _format("deepseek_r1", include=False).choice(ChoiceResult(0, ["hmm</think>42"], finish_reason="stop"))
     assert "reasoning_content" not in hidden["message"] and hidden["message"]["content"] == "42"
 

@@ -192,7 +192,7 @@ class _Scripted:
 
     def __init__(self, chunks: list[str], finish: str = "stop"):
         self.chunks, self.finish = chunks, finish
-        self.prompts, self.stats, self.per_prompt = [[1, 2, 3]], [], 1
+        self.prompts, self.stats, self.per_prompt, self.prediction = [[1, 2, 3]], [], 1, None
 
     async def __aenter__(self):
         return self

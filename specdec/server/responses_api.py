@@ -615,11 +615,16 @@ class _ItemStream:
                 logprobs += (d.get("logprobs") or {}).get("content") or []
                 if delta.get("reasoning_content"):
                     events += self.text("reasoning", delta["reasoning_content"])
+                calls = delta.get("tool_calls") or []
+                for c in calls:            # a call going on (hermes streams arguments) precedes the text after it
+                    if c["index"] in self.calls:
+                        events += self.call(c)
                 if delta.get("content"):
                     events += self.text("message", delta["content"], logprobs)
                     logprobs = []
-                for c in delta.get("tool_calls") or []:
-                    events += self.call(c)
+                for c in calls:
+                    if c["index"] not in self.calls:
+                        events += self.call(c)
                 for e in events:
                     yield e
         for e in self.close("incomplete" if self.finish in ("length", "abort") else "completed", logprobs):

@@ -43,11 +43,20 @@ masks p and q alike, and verification keeps exactly the constrained target's tok
 
 Streams: a named call streams its arguments as they are generated; `required` sends its calls
 when the array is complete (at the end); `auto` with hermes streams the text outside the call
-blocks and each call once its block has closed; mistral streams the text before `[TOOL_CALLS]`
-and llama3_json the text before the first `{` or `<|python_tag|>`, holding what follows to the
-end; with pythonic a reply that begins like a call is held to the end (then sent as calls, or as
-text if it does not parse), any other streams as text. The content streamed equals the
-non-streamed content, except llama3_json's prose before its calls, sent before they are known.
+blocks and each call as vLLM's Hermes2ProToolParser (and OpenAI) stream one: a first delta with
+its index, id, type and name (arguments "") once the name has been read, then its arguments in
+pieces as they are generated, which join to the non-streamed arguments (a piece holds only what
+later text cannot change: a number once it ends, a closing bracket once it comes, `\\u00e9` as
+`é`; arguments that are a string, a number or null are sent whole when the block ends). A block
+whose name has been sent stays a call, with the arguments sent, if it then turns out not to
+parse (the reply cut off inside it, text after its object, nesting past the recursion limit;
+the non-streamed reply makes it text) or a key given twice changes what was sent (json.loads
+keeps the last value): vLLM's parser has the same limit. mistral streams the text before
+`[TOOL_CALLS]` and llama3_json the text before the first `{` or `<|python_tag|>`, holding what
+follows to the end; with pythonic a reply that begins like a call is held to the end (then sent
+as calls, or as text if it does not parse), any other streams as text. The content streamed
+equals the non-streamed content, except llama3_json's prose before its calls, sent before they
+are known, and a hermes block whose name has been sent (above).
 """
 
 from __future__ import annotations
@@ -223,6 +232,165 @@ def _hermes_call(body: str) -> dict | None:
         return _call(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {}))))
     except Exception:  # noqa: BLE001 - not JSON, or a RecursionError on deep nesting: no call
         return None
+
+
+_RUN = re.compile(r'[^"\\\x00-\x1f]+')                 # string characters json.dumps writes as they are
+_SCALAR = re.compile(r"[-+.0-9A-Za-z]+")               # a number, true / false / null, NaN / Infinity
+_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+_ESCAPED = {'"': '\\"', "\\": "\\\\", "/": "/", "b": "\\b", "f": "\\f", "n": "\\n", "r": "\\r", "t": "\\t"}
+_CLOSERS = {"}": "{", "]": "["}
+
+
+class _CallReader:
+    """A hermes block's JSON object read as it arrives. For each top-level key it keeps the part
+    of `json.dumps(value, ensure_ascii=False)` that later text can no longer change: brackets and
+    separators as they come, keys once complete, string contents as they come with escapes written
+    as json.dumps writes them (`\\u00e9` is `é`, `\\/` is `/`), numbers and literals once a
+    delimiter ends them (1 may be 10). broken: the text can no longer be one JSON object."""
+
+    def __init__(self):
+        self.stack: list[str] = []       # the open "{" / "[", the call object's first
+        self.expect = "start"            # start | key_or_end | key | colon | value | value_or_end | comma_or_end | end
+        self.string = ""                 # "" | "key" | "value": inside a string of that kind
+        self.key_text = ""               # the key being read, as json.dumps writes it
+        self.scalar: str | None = None   # the number or literal being read
+        self.rest = ""                   # an escape cut short: read with the next text
+        self.key: str | None = None      # the top-level key whose value is being read
+        self.inside = False              # reading that value
+        self.values: dict[str, str] = {}  # top-level key -> its value as written so far
+        self.done: set[str] = set()      # top-level keys whose value is complete
+        self.broken = False
+
+    def feed(self, text: str) -> None:
+        s, i = self.rest + text, 0
+        self.rest = ""
+        while i < len(s) and not self.broken:
+            if self.string:
+                i = self._string(s, i)
+            elif self.scalar is not None:
+                i = self._scalar(s, i)
+            else:
+                i = self._token(s, i)
+            if i < 0:                    # wait for more text
+                self.rest = s[-i - 1:]
+                return
+
+    def _put(self, piece: str) -> None:
+        if self.string == "key":
+            self.key_text += piece
+        elif self.inside:
+            self.values[self.key] += piece
+
+    def _token(self, s: str, i: int) -> int:
+        c, want = s[i], self.expect
+        if c in " \t\n\r":
+            return i + 1
+        if want == "start" and c == "{":
+            self.stack.append("{")
+            self.expect = "key_or_end"
+        elif want in ("key_or_end", "key") and c == '"':
+            self.string, self.key_text = "key", ""
+        elif want == "colon" and c == ":":
+            self._put(": ")
+            self.expect = "value"
+        elif want == "comma_or_end" and c == ",":
+            self._put(", ")
+            self.expect = "key" if self.stack[-1] == "{" else "value"
+        elif c in _CLOSERS and want in ("comma_or_end", "key_or_end" if c == "}" else "value_or_end") \
+                and self.stack[-1] == _CLOSERS[c]:
+            self._put(c)
+            self.stack.pop()
+            self._value_done()
+        elif want in ("value", "value_or_end") and (c in '{["-' or c.isalnum()):
+            if len(self.stack) == 1:     # a top-level value begins (a key given twice: its last value, as json.loads)
+                self.inside, self.values[self.key] = True, ""
+                self.done.discard(self.key)
+            if c in "{[":
+                self._put(c)
+                self.stack.append(c)
+                self.expect = "key_or_end" if c == "{" else "value_or_end"
+            elif c == '"':
+                self._put(c)
+                self.string = "value"
+            else:
+                self.scalar = ""
+                return i
+        else:
+            self.broken = True
+        return i + 1
+
+    def _value_done(self) -> None:
+        if len(self.stack) == 1 and self.inside:
+            self.inside = False
+            self.done.add(self.key)
+        self.expect = "comma_or_end" if self.stack else "end"
+
+    def _scalar(self, s: str, i: int) -> int:
+        m = _SCALAR.match(s, i)
+        if m:
+            self.scalar += m.group()
+            if m.end() == len(s):        # the number may go on
+                return m.end()
+            i = m.end()
+        try:
+            value = json.loads(self.scalar)
+        except ValueError:
+            self.broken = True
+            return i
+        self._put(json.dumps(value))
+        self.scalar = None
+        self._value_done()
+        return i
+
+    def _string(self, s: str, i: int) -> int:
+        """Reads from s[i] on in a string; -(i + 1): wait for more text from s[i]."""
+        if m := _RUN.match(s, i):
+            self._put(m.group())
+            return m.end()
+        c = s[i]
+        if c == '"':
+            kind, self.string = self.string, ""
+            if kind == "key":
+                if len(self.stack) == 1:
+                    self.key = json.loads(f'"{self.key_text}"')
+                else:
+                    self._put(f'"{self.key_text}"')
+                self.expect = "colon"
+            else:
+                self._put(c)
+                self._value_done()
+            return i + 1
+        if c != "\\":                    # a raw control character: json.loads refuses it
+            self.broken = True
+            return i
+        esc = s[i + 1:i + 2]
+        if esc != "u":
+            if not esc:
+                return -(i + 1)
+            if esc not in _ESCAPED:
+                self.broken = True
+                return i
+            self._put(_ESCAPED[esc])
+            return i + 2
+        if not _HEX4.fullmatch(s[i + 2:i + 6]):
+            if len(s) - i < 6 and all(h in string.hexdigits for h in s[i + 2:]):
+                return -(i + 1)
+            self.broken = True
+            return i
+        code, end = int(s[i + 2:i + 6], 16), i + 6
+        if 0xD800 <= code <= 0xDBFF:     # a high surrogate joins a low one that follows (json.loads)
+            after = s[end:end + 6]
+            if "\\u".startswith(after[:2]) and len(after) < 6:
+                return -(i + 1)
+            if after.startswith("\\u"):
+                if not _HEX4.fullmatch(after[2:]):
+                    self.broken = True
+                    return i
+                low = int(after[2:], 16)
+                if 0xDC00 <= low <= 0xDFFF:
+                    code, end = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00), end + 6
+        self._put(json.dumps(chr(code), ensure_ascii=False)[1:-1])
+        return end
 
 
 def _hermes_split(text: str) -> tuple[str, list[dict]]:
@@ -417,6 +585,10 @@ class ToolStream:
     shown: bool = False            # non-whitespace content sent: whitespace is sent as it comes
     held_ws: str = ""              # whitespace-only content not sent yet
     holding: bool = True           # whole-reply parsers: the reply so far may be calls
+    block: str = ""                # hermes: the open block's text read so far (buf: what may be </tool_call>)
+    reader: _CallReader | None = None
+    sent: str | None = None        # hermes: the open block's arguments sent; None: its name not sent yet
+    index: int = 0                 # hermes: the open block's call index, once its name is sent
     _named_id: str = ""
 
     def __post_init__(self):
@@ -448,15 +620,18 @@ class ToolStream:
                     break
                 out.append(self.buf[:start])
                 self.buf, self.in_call = self.buf[start + len(_OPEN):], True
+                self.reader = _CallReader()
             end = self.buf.find(_CLOSE)
             if end < 0:
+                keep = held_back(self.buf, _CLOSE)
+                deltas += self._read_block(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
                 break
-            body, self.buf, self.in_call = self.buf[:end], self.buf[end + len(_CLOSE):], False
-            call = _hermes_call(body)
-            if call is None:
+            body, self.buf, self.in_call = self.block + self.buf[:end], self.buf[end + len(_CLOSE):], False
+            closed = self._close_block(body)
+            if closed is None:
                 out.append(_OPEN + body + _CLOSE)
-            elif (d := self._delta(call)) is not None:
-                deltas.append(d)
+            deltas += closed or []
         return self._content("".join(out)), deltas
 
     def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
@@ -483,10 +658,9 @@ class ToolStream:
             rest, calls = _split(self.plan.parser, rest)
             deltas = [d for d in map(self._delta, calls) if d is not None]
         elif self.in_call:
-            call = _hermes_call(rest)
-            rest = _OPEN + rest if call is None else ""
-            if call is not None and (d := self._delta(call)) is not None:
-                deltas.append(d)
+            rest = self.block + rest
+            closed = self._close_block(rest)
+            rest, deltas = (_OPEN + rest, []) if closed is None else ("", closed)
         self.buf = ""
         text = self._content(rest) + (self.held_ws if self.shown else "")
         reason = "tool_calls" if self.calls and finish_reason == "stop" else finish_reason
@@ -531,7 +705,52 @@ class ToolStream:
         if self.plan.mode in ("named", "required") or self.plan.parser == "openai":
             return (self.buf,)
         opened = _OPEN if self.in_call and self.plan.parser == "hermes" else ""
-        return self.held_ws, opened, self.buf
+        return self.held_ws, opened, self.block, self.buf
+
+    def _read_block(self, text: str) -> list[dict]:
+        """hermes: an open block's new text (no part of </tool_call>). Once its name is known the
+        call is sent with the arguments read so far, then what its arguments gain (_CallReader:
+        only what later text cannot change, so the pieces join to the arguments extract() returns)."""
+        self.block += text
+        r = self.reader
+        r.feed(text)
+        if r.broken:
+            return []
+        deltas = []
+        if self.sent is None:
+            name = json.loads(r.values["name"]) if "name" in r.done else None
+            if not isinstance(name, str) or (self.calls and not self.plan.parallel):
+                return []
+            self.index, self.sent = self.calls, ""
+            self.calls += 1
+            deltas.append({"index": self.index, "id": call_id(), "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+        key = "arguments" if "arguments" in r.values else "parameters"
+        args = r.values.get(key, "")
+        if args[:1] in ("{", "[") and len(args) > len(self.sent) and args.startswith(self.sent):
+            piece, self.sent = args[len(self.sent):], args
+            if deltas:
+                deltas[0]["function"]["arguments"] = piece
+            else:
+                deltas.append({"index": self.index, "function": {"arguments": piece}})
+        # arguments held (a string, a number) are sent at the close; changed ones (a key given twice,
+        # "arguments" after "parameters") are the docstring's limit
+        return deltas
+
+    def _close_block(self, body: str) -> list[dict] | None:
+        """hermes: a block's end (its closing tag, or the reply's). None: the block is text; else
+        the call's deltas: the whole call, or what its arguments lack of what extract() returns."""
+        call, sent = _hermes_call(body), self.sent
+        self.block, self.reader, self.sent = "", None, None
+        if sent is None:
+            if call is None:
+                return None
+            d = self._delta(call)
+            return [] if d is None else [d]
+        args = call["function"]["arguments"] if call is not None else sent
+        if args == sent or not args.startswith(sent):    # see the docstring: a name sent is a call
+            return []
+        return [{"index": self.index, "function": {"arguments": args[len(sent):]}}]
 
     def _feed_whole(self, text: str) -> str:
         """Whole-reply parsers: hold the reply while it may be calls; once it cannot, send it as text."""

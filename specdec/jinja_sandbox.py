@@ -73,24 +73,38 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 class GenerationBlock(jinja2.ext.Extension):
     """transformers' `{% generation %} ... {% endgeneration %}` (its AssistantTracker: the span of
     an assistant's reply, for return_assistant_tokens_mask; TRL's assistant-only-loss templates):
-    rendered as its body, between GENERATION_OPEN and GENERATION_CLOSE when the context's
-    TRACK_GENERATION is set (the caller takes the marks out and keeps their spans)."""
+    rendered as its body, unchanged. While the environment's `generation_tracker` is set, each
+    block's (start, end) goes to it, as transformers records it: start is what the template had
+    yielded when the block ran, end start plus the block's length (a block inside a filter, macro
+    or `{% set %}` is counted from where that began, and the filter's output is not measured)."""
     tags = {"generation"}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        environment.extend(generation_tracker=None)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_span", [jinja2.nodes.ContextReference()])
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
 
-    def _span(self, context, caller):
+    def _span(self, caller):
         text = caller()
-        return f"{GENERATION_OPEN}{text}{GENERATION_CLOSE}" if context.get(TRACK_GENERATION) else text
+        if (tracker := self.environment.generation_tracker) is not None:
+            tracker.spans.append((tracker.written, tracker.written + len(text)))
+        return text
 
 
-# the marks around a {% generation %} block's text when the context's TRACK_GENERATION is true
-GENERATION_OPEN, GENERATION_CLOSE = "<|specdec-generation|>", "<|/specdec-generation|>"
-TRACK_GENERATION = "_specdec_track_generation"
+class GenerationTracker:
+    """The characters a template has yielded so far, and its `{% generation %}` blocks' spans."""
+
+    def __init__(self, spans: list):
+        self.spans, self.written = spans, 0
+
+    def count(self, chunks):
+        for chunk in chunks:
+            self.written += len(chunk)
+            yield chunk
 
 
 def environment() -> ImmutableSandboxedEnvironment:
@@ -110,9 +124,15 @@ def environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def render(template: str, context: dict, limit: int | None = None) -> str:
-    """The template's text for `context` (raises what the template raises)."""
-    return bounded(environment().from_string(template).generate(**context), limit)
+def render(template: str, context: dict, limit: int | None = None, spans: list | None = None) -> str:
+    """The template's text for `context` (raises what the template raises); spans, when a list:
+    filled with each `{% generation %}` block's (start, end), as GenerationBlock records them
+    (outside the text, which is the same with or without them)."""
+    env = environment()
+    if spans is not None:
+        env.generation_tracker = GenerationTracker(spans)
+    chunks = env.from_string(template).generate(**context)
+    return bounded(chunks if spans is None else env.generation_tracker.count(chunks), limit)
 
 
 def failure(e: BaseException) -> str:
@@ -146,19 +166,20 @@ class IsolatedRenderer:
         self._lock = threading.Lock()
         self._seats = threading.Semaphore(1 + TEMPLATE_WAITERS)
 
-    def render(self, template: str, context: dict, limit: int | None = None) -> str:
+    def render(self, template: str, context: dict, limit: int | None = None, spans: list | None = None) -> str:
+        """As `render`, in the child."""
         if not self._seats.acquire(blocking=False):
             raise TemplateProcessBusy("the server renders one request's chat template at a time and another "
                                       "waits: try again")
         try:
-            return self._render(template, context, REQUEST_TEMPLATE_CHARS if limit is None else limit)
+            return self._render(template, context, REQUEST_TEMPLATE_CHARS if limit is None else limit, spans)
         finally:
             self._seats.release()
 
-    def _render(self, template: str, context: dict, limit: int) -> str:
+    def _render(self, template: str, context: dict, limit: int, spans: list | None) -> str:
         seconds = TEMPLATE_SECONDS if self.seconds is None else self.seconds
-        line = (json.dumps({"template": template, "context": context, "limit": limit, "seconds": seconds}) +
-                "\n").encode()
+        job = {"template": template, "context": context, "limit": limit, "seconds": seconds, "spans": spans is not None}
+        line = (json.dumps(job) + "\n").encode()
         with self._lock:
             proc = self._child()
             try:
@@ -175,6 +196,8 @@ class IsolatedRenderer:
         out = json.loads(answer)
         if "error" in out:
             raise TemplateProcessError(out["error"])
+        if spans is not None:
+            spans.extend(map(tuple, out["spans"]))
         return out["text"]
 
     def close(self) -> None:
@@ -247,7 +270,8 @@ def _serve(memory_bytes: int) -> None:
         try:
             job = json.loads(line)
             signal.alarm(int(2 * job.get("seconds", TEMPLATE_SECONDS)) + 1)
-            out = {"text": render(job["template"], job["context"], job.get("limit"))}
+            spans = [] if job.get("spans") else None
+            out = {"text": render(job["template"], job["context"], job.get("limit"), spans), "spans": spans}
         except BaseException as e:          # noqa: BLE001 - every failure is the template's answer
             out = {"error": failure(e)}
         finally:

@@ -32,8 +32,7 @@ from tokenizers import processors
 
 # chat templates render in Jinja's immutable sandbox, bounded; a request's own template in a child
 # process with a memory and a time limit (jinja_sandbox.py)
-from .jinja_sandbox import (GENERATION_CLOSE, GENERATION_OPEN, TRACK_GENERATION, TemplateProcessBusy,
-                            TemplateProcessError, bounded, environment, failure, isolated_renderer)
+from .jinja_sandbox import TemplateProcessBusy, TemplateProcessError, environment, failure, isolated_renderer, render
 from .model.config import text_config
 
 
@@ -1006,26 +1005,31 @@ class Tokenizer:
 
     def _assistant_mask(self, encoder, text: str, attention: list[int], spans: list[tuple[int, int]],
                         side: str = "right") -> list[int]:
-        """transformers' assistant mask of one row: 1 for a token whose characters overlap a span
+        """transformers' assistant mask of one row: 1 for a token whose characters overlap a span, in its
+        one pass over the spans in the order they were recorded (a block nested in another comes first)
         (the row's tokens, cut by truncation, are the text's first ones, or its last ones when the
         truncation side is left; padding gets 0)."""
         offsets = encoder.encode(text, add_special_tokens=False).offsets
         kept = sum(1 for real in attention if real)
         offsets = iter(offsets[len(offsets) - kept:] if side == "left" else offsets[:kept])
-        mask = []
+        mask, at = [], 0
         for real in attention:
             if not real:
                 mask.append(0)
                 continue
             start, end = next(offsets)
-            mask.append(int(any(start < b and end > a for a, b in spans)))
+            while at < len(spans) and start >= spans[at][1]:
+                at += 1
+            mask.append(int(at < len(spans) and end > spans[at][0]))
         return mask
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                continue_final_message: bool, kwargs: dict, sandbox_process: bool = False,
+                continue_final_message: bool | str, kwargs: dict, sandbox_process: bool = False,
                 spans: list | None = None) -> str:
         """The text of one conversation; spans, when a list: filled with the (start, end) of each
-        `{% generation %}` block's text in it."""
+        `{% generation %}` block's text in it, as transformers' AssistantTracker records them (the text
+        is the same as without). continue_final_message: True (the final message's "content"), or
+        transformers 5's name of the field to continue (e.g. "reasoning_content")."""
         # transformers' choice: the "tool_use" template when tools are given and the folder names one
         # (a name among the folder's named templates picks that one)
         template = self.get_chat_template(chat_template, kwargs.get("tools"))
@@ -1036,26 +1040,23 @@ class Tokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         messages = [_alias_reasoning(m) for m in messages]
         if continue_final_message:
-            # transformers 5's way: a marker after the final message's content, the text cut there
+            # transformers 5's way: a marker after the final message's field, the text cut there
             # (an empty message is continued from its start)
             if not messages:
                 raise TokenizerError("continue_final_message is set but the conversation is empty")
-            if "content" not in template:
-                raise TokenizerError('continue_final_message is set but the chat template never reads "content"')
-            final, last = _with_marker(messages[-1])
+            field = continue_final_message if isinstance(continue_final_message, str) else "content"
+            final, last = _with_marker(messages[-1], field, template)
             messages = [*messages[:-1], last]
         # transformers' variables: the named special tokens that are set (undefined otherwise),
         # tools and documents None unless given (a template may test `tools is not none`)
         context = {k: getattr(self, k) for k in _TEMPLATE_TOKENS if getattr(self, k, None) is not None}
         context.update(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt)
         context.update(kwargs)
-        if spans is not None:
-            context[TRACK_GENERATION] = True
         try:
             if sandbox_process:     # a request's own template: in the child, under its limits
-                text = isolated_renderer().render(template, context)
+                text = isolated_renderer().render(template, context, spans=spans)
             else:
-                text = bounded(environment().from_string(template).generate(**context))
+                text = render(template, context, spans=spans)
         except TemplateProcessBusy as e:
             raise TokenizerBusy(str(e)) from None
         except TemplateProcessError as e:
@@ -1066,8 +1067,6 @@ class Tokenizer:
             # an OverflowError of its arithmetic, a RecursionError
             error = ChatTemplateError if isinstance(e, jinja2.TemplateError) else TokenizerError
             raise error(f"chat template failed: {failure(e)}") from None
-        if spans is not None:
-            text = _take_generation_marks(text, spans)
         if continue_final_message:      # cut what the template wrote after the last message
             mark = CONTINUE_MARK.strip()
             # transformers refuses it too: the model would start a new turn
@@ -1080,22 +1079,6 @@ class Tokenizer:
             # before the marker as well, so the prompt does not end in a space the template never writes
             text = text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
         return text
-
-
-def _take_generation_marks(text: str, spans: list) -> str:
-    """The text without the marks GenerationBlock put around each block; spans gets each block's
-    (start, end) in the text returned, in order."""
-    parts, opened, length, pos = [], [], 0, 0
-    for m in re.finditer(re.escape(GENERATION_OPEN) + "|" + re.escape(GENERATION_CLOSE), text):
-        parts.append(text[pos:m.start()])
-        length, pos = length + m.start() - pos, m.end()
-        if m.group() == GENERATION_OPEN:
-            opened.append(length)
-        elif opened:
-            spans.append((opened.pop(), length))
-    parts.append(text[pos:])
-    spans.sort()
-    return "".join(parts)
 
 
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -1118,13 +1101,17 @@ def _alias_reasoning(message):
     return message if thought is None else {"thinking": thought, **message, "reasoning_content": thought}
 
 
-def _with_marker(message) -> tuple[str, dict]:
-    """(the final message's text, the message with CONTINUE_MARK after it); a list of parts: its last
-    part with a "text" key is the one marked. No content, or no text to continue: refused, as
-    transformers refuses it."""
-    content = message.get("content") if isinstance(message, dict) else None
+def _with_marker(message, field: str, template: str) -> tuple[str, dict]:
+    """(the final message's text in `field`, the message with CONTINUE_MARK after it), as transformers
+    5 marks it: a reasoning field under each of its names that holds the same text, a list of parts
+    in its last part with a "text" key. No such field, one the template never names, or no text to
+    continue: refused, as transformers refuses it."""
+    content = message.get(field) if isinstance(message, dict) else None
     if content is None:
-        raise TokenizerError('continue_final_message is set but the final message has no "content" to continue')
+        raise TokenizerError(f'continue_final_message is set but the final message has no "{field}" to continue')
+    fields = [f for f in _REASONING_FIELDS if message.get(f) == content] if field in _REASONING_FIELDS else [field]
+    if not any(f in template for f in fields):
+        raise TokenizerError(f'continue_final_message is set but the chat template never reads "{field}"')
     if isinstance(content, (list, tuple)):
         at = max((i for i, p in enumerate(content) if isinstance(p, dict) and "text" in p), default=None)
         if at is None or not isinstance(content[at]["text"], str):
@@ -1134,8 +1121,8 @@ def _with_marker(message) -> tuple[str, dict]:
     elif isinstance(content, str):
         final, content = content, content + CONTINUE_MARK
     else:
-        raise TokenizerError("continue_final_message is set but the final message's content is not text")
-    return final, {**message, "content": content}
+        raise TokenizerError(f'continue_final_message is set but the final message\'s "{field}" is not text')
+    return final, {**message, **dict.fromkeys(fields, content)}
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")

@@ -11,7 +11,7 @@ import math
 
 from ..config import CONSTRAINT_KINDS, StructuredOutputsParams
 from ..tokenizer import TEXT_PARTS
-from .errors import APIError
+from .errors import APIError, clipped
 from .protocol import ChatCompletionRequest, _Sampling
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -84,12 +84,17 @@ def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, bias in req.logit_bias.items():
-        if not (key.strip().isascii() and key.strip().isdigit()):      # "²".isdigit() too
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        if int(key) >= vocab_size:
-            raise APIError(400, f"logit_bias token id {int(key)} is outside the vocabulary [0, {vocab_size})",
+        digits = key.strip()
+        try:        # "²".isdigit() too; int() refuses more than sys.get_int_max_str_digits() digits (vLLM: 400)
+            token = int(digits) if digits.isascii() and digits.isdigit() else None
+        except ValueError:
+            token = None
+        if token is None:
+            raise APIError(400, f"logit_bias keys must be token ids, got {clipped(key)!r}", "logit_bias")
+        if token >= vocab_size:
+            raise APIError(400, f"logit_bias token id {clipped(digits)} is outside the vocabulary [0, {vocab_size})",
                            "logit_bias")
-        out[int(key)] = min(100.0, max(-100.0, bias)) if isinstance(bias, (int, float)) and not math.isnan(bias) else bias
+        out[token] = min(100.0, max(-100.0, bias)) if isinstance(bias, (int, float)) and not math.isnan(bias) else bias
     return out
 
 

@@ -91,8 +91,9 @@ class Adapters:
         self._updates = asyncio.Lock()           # one load or unload at a time
 
     def route(self, model: str | None) -> LoRARequest | None:
-        """The LoRARequest of a request's `model` (None for a base model or none named)."""
-        if model is None or model in self.base_names:
+        """The LoRARequest of a request's `model` (None for a base model or none named: an empty
+        name too, as vLLM's _is_model_supported)."""
+        if not model or model in self.base_names:
             return None
         found = self._by_name.get(model)
         if found is None:

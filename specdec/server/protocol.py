@@ -59,7 +59,8 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     """The fields both endpoints share."""
-    model: str | None = Field(None, description="a served model name, or a LoRA adapter's; omitted means the served model")
+    model: str | None = Field(None, description="a served model name, or a LoRA adapter's; omitted or empty "
+                                                "means the served model")
     max_tokens: int | None = None
     temperature: float | None = Field(None, description="0 is greedy; default 1")
     top_p: float | None = None
@@ -112,6 +113,13 @@ class _Sampling(_Body):
     allowed_token_ids: list[int] | None = Field(None, description="vLLM extension: only these tokens are generated")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extension: taken (the tokenizer's own "
                                                                   "decoding either way)")
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _empty_options(cls, options):
+        """An empty object is none given: vLLM's validate_stream_options refuses stream_options
+        without streaming only when they are truthy."""
+        return None if options == {} else options
 
 
 class CompletionRequest(_Sampling):

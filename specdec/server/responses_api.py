@@ -50,7 +50,7 @@ from pydantic import Field, ValidationError
 from starlette.datastructures import QueryParams
 
 from ..config import SamplingParams
-from .errors import APIError, bad_value
+from .errors import APIError, bad_value, clipped
 from .protocol import ChatCompletionRequest, _Body
 from .responses import ChatFormat, speculative
 from .responses import usage as chat_usage
@@ -536,8 +536,8 @@ def list_input_items(store: ResponseStore, rid: str, query: QueryParams) -> dict
     if order not in ("asc", "desc"):
         raise APIError(400, f'order must be "asc" or "desc", got {order!r}', "order")
     limit = query.get("limit", "20")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
-        raise APIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):   # "²".isdigit() too
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {clipped(limit)!r}", "limit")
     for value in query.getlist("include") + query.getlist("include[]"):     # the openai client's: include[]
         if value not in INCLUDABLE:
             raise APIError(400, f"include values are {', '.join(INCLUDABLE)}; got {value!r}", "include")

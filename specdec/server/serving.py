@@ -157,7 +157,7 @@ class Service:
         self._check_generates("Chat Completions")
         self._check_model(req)
         extra.check_chat(req)
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs not in (None, 0) and not req.logprobs:      # vLLM's check_logprobs: 0 is none asked
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.enable_auto_tool_choice,
                           self.config.tool_call_parser)
@@ -303,7 +303,7 @@ class Service:
                       include_stop_str_in_output=req.include_stop_str_in_output,
                       truncate_prompt_tokens=req.truncate_prompt_tokens, allowed_token_ids=req.allowed_token_ids,
                       spaces_between_special_tokens=req.spaces_between_special_tokens)
-        if req.prompt_logprobs is not None and req.stream:
+        if req.prompt_logprobs not in (None, 0) and req.stream:        # vLLM's check_logprobs: 0 passes
             raise APIError(400, "prompt_logprobs cannot be streamed", "prompt_logprobs")
         try:
             params = _numerically_safe(SamplingParams(**fields))

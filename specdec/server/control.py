@@ -14,6 +14,9 @@ steps), `POST /collective_rpc` {"method", "args", "kwargs", "timeout"} -> {"resu
 `POST /sleep`, `POST /wake_up`, `GET /is_sleeping` (no sleep mode here: /sleep is a 400 saying so), and
 `GET /server_info?config_format=text|json` (vLLM's fields: vllm_config, the configuration served; vllm_env,
 the VLLM_* and SPECDEC_* variables set, none holding a key; system_env, the versions it runs on).
+
+On a dead engine the routes that reach it (/pause, /resume, /reload_weights, /collective_rpc,
+/reset_prefix_cache) answer 503 with the reason, as /health and the API routes do.
 """
 
 from __future__ import annotations
@@ -54,11 +57,21 @@ def dev_mode(environ=os.environ) -> bool:
 
 
 async def _on_engine(service, fn):
-    """fn(engine) on the engine's thread between two steps; a ValueError is the client's 400."""
+    """fn(engine) on the engine's thread between two steps; a ValueError is the client's 400, a
+    dead engine (or one shutting down) a 503 with the reason, as /pause and /health answer."""
     try:
         return await asyncio.wrap_future(service.worker.call(fn))
     except ValueError as e:
         raise APIError(400, str(e).splitlines()[0] if str(e) else "invalid request") from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e)) from None
+
+
+def _check_alive(service) -> None:
+    """A dead engine's 503 with the reason, for a route that would otherwise answer as if it lived
+    (/resume) or work for nothing first (/reload_weights reads the weights)."""
+    if service.worker.error is not None:
+        raise APIError(503, str(service.worker.dead()))
 
 
 def pause_routes(service) -> APIRouter:
@@ -80,6 +93,7 @@ def pause_routes(service) -> APIRouter:
 
     @router.post("/resume")
     async def resume():
+        _check_alive(service)
         service.worker.resume()
         return {"status": "resumed"}
 
@@ -126,6 +140,7 @@ def dev_routes(service) -> APIRouter:
     @router.post("/reload_weights")
     async def reload_weights(body: ReloadWeightsRequest | None = None):
         body = body or ReloadWeightsRequest()
+        _check_alive(service)
         try:                                 # the load runs beside the engine, which keeps serving
             model = await asyncio.to_thread(llm.read_weights, body.weights_path)
         except ValueError as e:

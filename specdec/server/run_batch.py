@@ -217,14 +217,16 @@ def _check_output(path: str, tmp_dir: str | None) -> None:
         if tmp_dir is not None and not os.path.isdir(tmp_dir):
             raise ValueError(f"--output-tmp-dir {tmp_dir}: not a folder")
         return
-    folder = os.path.dirname(os.path.abspath(path))
+    # written through the path, as vLLM's open(path, "w"): an existing file (a symlink, a FIFO,
+    # /dev/stdout) needs write access to itself, a new one to its folder; a dangling symlink's
+    # target is the new file (resolved only then: /dev/stdout's would be a pipe's name)
+    target = os.path.realpath(path) if os.path.islink(path) and not os.path.exists(path) else path
+    folder = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(folder):
         raise ValueError(f"--output-file {path}: no folder {folder}")
-    if os.path.isdir(path):
+    if os.path.isdir(target):
         raise ValueError(f"--output-file {path}: is a folder")
-    # written through the path, as vLLM's open(path, "w"): an existing file (a symlink, a FIFO,
-    # /dev/stdout) needs write access to itself, a new one to its folder
-    if not (os.access(path, os.W_OK) if os.path.exists(path) else os.access(folder, os.W_OK)):
+    if not (os.access(target, os.W_OK) if os.path.exists(target) else os.access(folder, os.W_OK)):
         raise ValueError(f"--output-file {path}: not writable")
 
 

@@ -62,12 +62,15 @@ class EngineDeadError(ShuttingDown):
     one's __cause__); the server answers 503 and shuts down."""
 
 
-# consecutive failed steps after which the engine is probed. One failure is taken as transient: its
-# requests fail and the next step runs. When the next fails too, a probe (one token of a one-token
-# prompt, the engine empty) tells a persistent fault (a device gone, a model that always raises:
-# the engine is dead, as vLLM's engine core at its first failure, rather than a server whose
-# /health says 200 drawing its healthy peers' traffic) from requests that fail on their own (a
-# client retrying the request that failed: the probe passes and the server goes on)
+# failed steps, with no step decoding between them, after which the engine is probed. One failure
+# is taken as transient: its requests fail and the next step runs. Only a step that decodes (takes
+# a request past its first token) clears the count: a fault on the decode path alone (a drafter
+# whose device is gone) fails every request after its first token, and each new request's first
+# steps, which pass, would clear it for ever. At the second failure a probe (a short prompt decoded
+# for a few tokens, drafts included, the engine empty) tells a persistent fault (a device gone, a
+# model that always raises: the engine is dead, as vLLM's engine core at its first failure, rather
+# than a server whose /health says 200 drawing its healthy peers' traffic) from requests that fail
+# on their own (a client retrying the request that failed: the probe passes and the server goes on)
 FATAL_STEP_FAILURES = 2
 
 
@@ -98,7 +101,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._closing = False
         self.error: BaseException | None = None        # what killed the engine (alive is then False)
-        self._failures = 0                             # consecutive failed steps
+        self._failures = 0                             # failed steps since one last decoded
         # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
         # while holding (pause mode "wait", draining) the running ones go on and new ones wait
         self._paused = self._holding = self._no_pauses = False
@@ -293,7 +296,8 @@ class EngineWorker:
                     self._die(e)
                     break
                 continue
-            self._failures = 0
+            if any(e.stats.output_tokens > len(e.token_ids) for e in events):
+                self._failures = 0           # it decoded: a request had a token before this step
             self._hand_over()                # the last step's, if this one had no forward
             seen = []                        # the events as the requests' clients see them (on_step's)
             for event in events:
@@ -418,26 +422,31 @@ class EngineWorker:
             return False
 
     def _probe(self) -> bool:
-        """Whether the engine, left empty by a failed step, still computes: one greedy token of
-        a one-token prompt, stepped here (its events go nowhere)."""
+        """Whether the engine, left empty by failed steps, still computes each kind of step: a
+        two-token prompt (a prompt chunk, then the first token) decoded greedily for enough
+        tokens that a step decodes past the first one, with room for a whole draft when
+        speculating; stepped here (its events go nowhere)."""
         rid = f"specdec-probe-{uuid.uuid4().hex}"
+        engine = self.engine
+        params = SamplingParams(temperature=0, max_tokens=2 + (engine.max_k if engine.proposer is not None else 0),
+                                ignore_eos=True)
         try:
-            self.engine.add_request([0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=rid)
-            while self.engine.has_unfinished():
-                self.engine.step()
+            engine.add_request([0, 0][:engine.max_model_len - 1], params, request_id=rid)
+            while engine.has_unfinished():
+                engine.step()
             return True
         except Exception:                    # noqa: BLE001 - the fault is the engine's
             log.exception("engine probe after failed steps")
             with contextlib.suppress(Exception):
-                self.engine.abort(rid)
+                engine.abort(rid)
             return False
 
     def _die(self, error: BaseException) -> None:
         """The engine is dead (vLLM's EngineDeadError): new requests, calls and pauses are refused,
         those queued get the error; the thread ends. The server's watchdog then shuts it down."""
         if self.error is None:
-            log.error("the engine is dead after %d failed step(s) in a row: %s: %s", self._failures,
-                      type(error).__name__, error)
+            log.error("the engine is dead after %d failed step(s) with none decoding between: %s: %s",
+                      self._failures, type(error).__name__, error)
             self.error = error
         dead = self.dead()
         with self._cond:

@@ -20,23 +20,91 @@ _SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def map_schemas(schema, visit, path: str = "#", merged: bool = False):
+def map_schemas(schema, visit, path: str = "#", merged: bool = False, reach: dict | None = None):
     """A copy of schema with visit(node, path, merged) applied to each of its (sub)schemas, innermost
     first. path is the node's JSON pointer; merged says the node is intersected with another schema
     that may declare other keys: an allOf branch, or an anyOf / oneOf branch whose parent lists
-    properties of its own."""
+    properties of its own. reach (ref_targets') leads the walk through non-schema positions to the
+    $ref targets there, each walked as a schema."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key, value in schema.items():
         if key in _SCHEMA_LISTS and isinstance(value, list):
             joined = key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in schema or "patternProperties" in schema))
-            out[key] = [map_schemas(v, visit, f"{path}/{key}/{i}", joined) for i, v in enumerate(value)]
+            out[key] = [map_schemas(v, visit, f"{path}/{key}/{i}", joined, reach) for i, v in enumerate(value)]
         elif key in _ONE_SCHEMA and isinstance(value, dict):
-            out[key] = map_schemas(value, visit, f"{path}/{key}")
+            out[key] = map_schemas(value, visit, f"{path}/{key}", reach=reach)
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: map_schemas(v, visit, f"{path}/{key}/{pointer(name)}") for name, v in value.items()}
+            out[key] = {name: map_schemas(v, visit, f"{path}/{key}/{pointer(name)}", reach=reach) for name, v in value.items()}
+        elif reach and f"{path}/{pointer(key)}" in reach:
+            out[key] = _map_data(value, visit, f"{path}/{pointer(key)}", reach)
     return visit(out, path, merged)
+
+
+def _map_data(value, visit, path: str, reach: dict):
+    """value, data at path (not a schema position), with the $ref targets in it walked as schemas."""
+    if reach[path]:
+        return map_schemas(value, visit, path, reach=reach)
+    if isinstance(value, dict):
+        at = {k: f"{path}/{pointer(k)}" for k in value}
+        return {k: _map_data(v, visit, at[k], reach) if at[k] in reach else v for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_data(v, visit, f"{path}/{i}", reach) if f"{path}/{i}" in reach else v for i, v in enumerate(value)]
+    return value
+
+
+def ref_targets(schema, root: str = "#") -> dict:
+    """{pointer: True} for each node a local $ref points at outside schema positions (OpenAPI's
+    `#/components/schemas/Pet`; llguidance resolves a $ref as any JSON pointer into the document),
+    {pointer: False} for the nodes above one: map_schemas' reach. A target's own $refs are followed."""
+    if not isinstance(schema, dict) or all(_in_definitions(schema, ref) for ref in set(_all_refs(schema))):
+        return {}                   # the common case (pydantic's), found without walking: no copies
+    seen, refs, reach = set(), [], {}
+
+    def note(node, path, merged):
+        seen.add(path)
+        if isinstance(node.get("$ref"), str):
+            refs.append(node["$ref"])
+        return node
+
+    map_schemas(schema, note, root)
+    while refs:
+        parts = _ref_parts(refs.pop())
+        at = root + "".join(f"/{pointer(p)}" for p in parts or ())
+        if not parts or at in seen or reach.get(at) or _at(schema, parts) is None:
+            continue
+        for i in range(len(parts)):
+            reach.setdefault(root + "".join(f"/{pointer(p)}" for p in parts[:i]), False)
+        reach[at] = True
+        map_schemas(_at(schema, parts), note, at)
+    reach.pop(root, None)
+    return reach
+
+
+def _all_refs(value):
+    """Each $ref string in value, data included."""
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                yield node["$ref"]
+            todo.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            todo.extend(node)
+
+
+def _in_definitions(schema, ref: str) -> bool:
+    """Whether ref is no local pointer, the root or a definition of it (`#/$defs/a`): a schema position."""
+    parts = _ref_parts(ref)
+    return not parts or (len(parts) == 2 and parts[0] in ("$defs", "definitions") and isinstance(schema.get(parts[0]), dict))
+
+
+def map_document(schema, visit, root: str = "#"):
+    """map_schemas over every node llguidance reads as a schema: the $ref targets outside schema
+    positions too, so a model under OpenAPI's `components/schemas` is read as one under `$defs`."""
+    return map_schemas(schema, visit, root, reach=ref_targets(schema, root))
 
 
 def pointer(name: str) -> str:
@@ -60,7 +128,7 @@ def never_ends(schema) -> bool:
             nested_ids.append(path)
         return node
 
-    map_schemas(schema, note)
+    map_document(schema, note)
     if not targets or nested_ids:           # no recursion (llguidance finds the rest), or refs we cannot resolve alike
         return False
     ends = {ref for ref, target in targets.items() if target is None}
@@ -125,15 +193,25 @@ def _least_fixpoint(done: set, names, holds, users: dict) -> None:
 
 def _resolve(schema, ref: str):
     """The node a local $ref ("#", "#/$defs/a") points at, or None."""
+    parts = _ref_parts(ref)
+    return None if parts is None else _at(schema, parts)
+
+
+def _ref_parts(ref: str) -> list[str] | None:
+    """The keys of a local $ref's JSON pointer, unescaped ([] for "#"), or None: not a local pointer."""
     from urllib.parse import unquote
 
     if ref == "#":
-        return schema
+        return []
     if not ref.startswith("#/"):
         return None
+    return [unquote(part).replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/")]
+
+
+def _at(schema, parts: list[str]):
+    """The node at those keys, or None."""
     node = schema
-    for part in ref[2:].split("/"):
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
+    for part in parts:
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .config import StructuredOutputsConfig, StructuredOutputsParams
-from .grammar_ends import map_schemas, never_ends, unending_rules
+from .grammar_ends import map_document, map_schemas, never_ends, ref_targets, unending_rules
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def closed_objects(schema):
     and leaves additionalProperties unsaid says false: an output holds the keys its schema declares
     and no others, as vLLM's default backend compiles schemas (xgrammar's strict mode) and OpenAI's
     strict mode requires; `"additionalProperties": true` (or a schema) keeps an object open. Only
-    schema positions are walked (never a const, enum, default or examples value). Left as written:
+    schemas are walked: schema positions and $ref targets elsewhere (`#/components/schemas/Pet`), never
+    a const, enum, default or examples value. Left as written:
     an object that lists nothing (`{"type": "object"}`, a free-form dict), one whose required keys
     are not all listed, and one merged with another schema that may declare more keys (an allOf
     branch or a definition such a branch refers to, a node with allOf / anyOf / oneOf / $ref beside
@@ -194,8 +195,9 @@ def closed_objects(schema):
             return node
         return {**node, "additionalProperties": False}
 
-    map_schemas(schema, note)
-    return map_schemas(schema, close)
+    reach = ref_targets(schema)
+    map_schemas(schema, note, reach=reach)
+    return map_schemas(schema, close, reach=reach)
 
 
 def _prepared(schema, root: str = "#"):
@@ -221,9 +223,14 @@ def _enforceable(schema, root: str = "#"):
     additionalProperties, an array's `unevaluatedItems` its items, where those are unsaid (beside them
     they add nothing). Keywords that constrain nothing are dropped (`uniqueItems: false`, min/maxContains
     without contains, `propertyNames: {}`, the anchors of $dynamicRef); what sits under an ignored
-    keyword (`not`, `if`, ...) is never refused. Only schema positions are walked: a property named
-    "contains" is not the keyword."""
+    keyword (`not`, `if`, ...) is never refused. What llguidance reads as a schema is walked: schema
+    positions (a property named "contains" is not the keyword) and the $ref targets elsewhere (OpenAPI's
+    `#/components/schemas/Pet`). There a refused keyword is left for llguidance's own warning to name
+    (check()), which counts only the targets it reaches; a format is judged here wherever it is (that
+    warning cannot tell a string's format from an annotation)."""
     refused, ignored, refs = [], [], set()
+    reach = ref_targets(schema, root)
+    aside = [at for at, target in reach.items() if target]
 
     def visit(node, path, merged):
         if isinstance(node.get("$ref"), str):
@@ -239,21 +246,27 @@ def _enforceable(schema, root: str = "#"):
                 "propertyNames": node.get("propertyNames") in (True, {}, {"type": "string"})}
         node = {k: v for k, v in node.items() if not noop.get(k)}
         ignored.extend(f"{path}/{k}" for k in _IGNORED if k in node)
-        lacking = [k for k in _REFUSED if k in node]
+        lacking = [] if _under(path, aside) else [k for k in _REFUSED if k in node]
         fmt = node.get("format")
-        kinds = node.get("type")          # a format checks strings only (xgrammar's): an untyped node's is not read
-        if isinstance(fmt, str) and fmt not in _IGNORED_FORMATS and ("string" in kinds if isinstance(kinds, list)
-                                                                    else kinds == "string") and not _has_format(fmt):
+        # a format checks a node typed "string" (vLLM's test for xgrammar): on an untyped node or a type list
+        # (OpenAPI 3.1's ["string", "null"]) one llguidance lacks is an annotation, logged by check()
+        if isinstance(fmt, str) and fmt not in _IGNORED_FORMATS and node.get("type") == "string" \
+                and not _has_format(fmt):
             lacking.append(f"format {json.dumps(fmt)}")
         if lacking:
             refused.append((path, ", ".join(lacking)))
         return node
 
-    out = map_schemas(schema, visit, root)
+    out = map_schemas(schema, visit, root, reach=reach)
     for path, what in refused:
-        if not any(path == at or path.startswith(at + "/") for at in ignored) and _used(path, refs):
+        if not _under(path, ignored) and _used(path, refs):
             raise ValueError(f"{what} (at {path}) {_UNENFORCEABLE}")
     return out
+
+
+def _under(path: str, places) -> bool:
+    """Whether path is one of places or inside one."""
+    return any(path == at or path.startswith(at + "/") for at in places)
 
 
 def _used(path: str, refs: set) -> bool:
@@ -279,14 +292,14 @@ def _has_format(name: str) -> bool:
 
 def _unenforced(warning: str) -> str | None:
     """What llguidance's lenient reading would leave out that is not on the ignored lists (a keyword
-    _enforceable did not see: under a $ref into a non-schema position), as an error message; else
+    _enforceable left to it: in a $ref target outside schema positions), as an error message; else
     None (formats too)."""
     keys = re.match(r"Unimplemented keys: (\[.*\])", warning)
     if keys:
         missing = [k for k in json.loads(keys[1]) if k not in _IGNORED]
         return f"{', '.join(missing)} {_UNENFORCEABLE}" if missing else None
-    # an unknown format on a node typed "string" was refused by _enforceable; on an untyped node
-    # it is an annotation (xgrammar reads formats on strings only, as JSON Schema 2020-12 does)
+    # an unknown format on a node typed "string" was refused by _enforceable; on an untyped node or a
+    # type list it is an annotation (vLLM hands xgrammar's schema to its fallback for type "string" only)
     return None
 
 
@@ -324,7 +337,7 @@ def _ascii_patterns(schema):
             node = {**node, "patternProperties": {ascii_classes(k): v for k, v in node["patternProperties"].items()}}
         return node
 
-    return map_schemas(schema, visit)
+    return map_document(schema, visit)
 
 
 def no_finite_output(spec: StructuredOutputsParams) -> str | None:

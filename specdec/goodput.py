@@ -133,8 +133,8 @@ class OnlineLinear:
 
     def update(self, x, y: float) -> None:
         x = np.asarray(x, dtype=float)
-        if not x.any():
-            return
+        if not x.any() or not (np.isfinite(y) and np.isfinite(x).all()):
+            return              # a NaN / inf timing (a caller's clock) would poison every later fit
         self.n += 1
         if self.n <= self.skip:
             return

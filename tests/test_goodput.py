@@ -336,3 +336,27 @@ def test_a_young_policy_revisits_its_sizes_soon():
                            StepCosts(1, k, 0, 300 * (1 + k), int(k > 0), k, 0.5e-3 * k + (0.4e-3 if k else 0), t))
             drafted += i >= 8 and k > 0
     assert drafted < 100, drafted
+
+
+def test_a_non_finite_timing_is_skipped_not_fitted():
+    """One NaN reading of a caller's clock under "auto" K: the sample is dropped; it had poisoned
+    every later fit (an empty-array minimum) and failed every later step."""
+    import time
+    llm = LLM(model="models/target", speculative_config={"method": "draft_model", "model": "models/draft",
+                                                         "num_speculative_tokens": "auto"})
+    n = [0]
+
+    def clock():
+        n[0] += 1
+        return float("nan") if n[0] % 50 == 0 else time.perf_counter()
+
+    llm.engine.clock = clock
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(model="models/target").generate(["def fibonacci(n):"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(3):
+        out = llm.generate(["def fibonacci(n):"], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == plain
+    fit = OnlineLinear(2)
+    fit.update([1.0, 2.0], float("inf"))
+    fit.update([float("nan"), 1.0], 1.0)
+    assert fit.kept == 0

@@ -67,3 +67,16 @@ def test_other_families_refuse_a_partial_rotary():
             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported for llama"):
         ModelConfig.from_hf(base)
+
+
+def test_an_odd_rotated_width_rotates_every_frequency_pair(tmp_path):
+    """int(24 * 0.3) = 7 rotated dims: transformers rotates 8 (4 frequencies, cos/sin twice as
+    wide); the C forward had rotated 6, pairing the wrong dims."""
+    hf = make_checkpoint(tmp_path / "odd", arch="phi3", seed=3, hidden=64, layers=2, partial_rotary_factor=0.3,
+                         head_dim=24, num_attention_heads=2, num_key_value_heads=1)
+    model = load_model(hf, "float32")
+    assert model.config.rotary_dim == 7 and model.inv_freq.shape == (4,)
+    tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = reference(hf)(tokens[None]).logits[0]
+        assert (cached_logits(model, tokens, [(0, 20), (20, 40)]) - ref).abs().max() < 1e-4

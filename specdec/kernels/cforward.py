@@ -274,6 +274,8 @@ class CView:
         head = self._hold(_mat(model.lm_head)) if weights else none
         embed = self._hold(embedding_mat(model.model.embed_tokens)) if weights else none
         self.layers = layers   # the array must live as long as the struct points at it
+        # the rotated width: every frequency's pair (an odd partial width rotates one dim more, as
+        # transformers' cos/sin are twice as wide as its frequencies)
         self.struct = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, cfg.vocab_size, len(kv.k), kv.blocks.num_blocks, kv.block_size,
                              kv.blocks.max_blocks_per_seq, KV_TYPES[kv.dtype], cfg.rms_norm_eps,
@@ -281,7 +283,7 @@ class CView:
                              cfg.attention_multiplier or 0.0, cfg.logits_scaling, cfg.attn_softcap, cfg.final_softcap,
                              ACTS[cfg.hidden_act], embed, _ptr(model.model.norm.weight) if weights and model.final_norm else None, head,
                              _ptr(model.inv_freq), _ptr(model.inv_freq_local), layers, _ptr(kv.blocks.table),
-                             int(cfg.qk_norm_full), cfg.rotary_dim or cfg.head_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
+                             int(cfg.qk_norm_full), 2 * model.inv_freq.numel(), cfg.swiglu_alpha, cfg.swiglu_limit,
                              *((cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.v_head_dim,
                                 cfg.q_lora_rank or 0, LATENT_NORM_EPS) if cfg.kv_lora_rank and weights else ()))
         self.struct.two_inputs = two_inputs

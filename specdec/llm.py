@@ -264,9 +264,10 @@ def _kv_budget(kv_cache_memory, kv_cache_memory_bytes):
 
 
 def _one_stepper(method):
-    """An LLM method that steps the engine: callers on several threads take turns (vLLM's LLM is
-    not thread-safe either; here concurrent calls wait instead of corrupting the engine). A call
-    that runs on a server's / AsyncLLM's engine thread instead takes no turn here."""
+    """An LLM method that steps or changes the engine: callers on several threads take turns (vLLM's
+    LLM is not thread-safe either; here concurrent calls wait instead of corrupting the engine).
+    The turn is re-entrant (generate inside collective_rpc's function, score through embed). A
+    call that runs on a server's / AsyncLLM's engine thread instead takes no turn here."""
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
         if self._foreign_owner() is not None:
@@ -495,8 +496,9 @@ class LLM:
         self._worker_cls = _worker_class(worker_extension_cls)      # a bad name fails now, not at the first rpc
         self._worker = None      # made at the first collective_rpc and kept: an extension's state lives on it
         self._counter = 0
-        # generate() from several threads at once: one at a time (two steppers corrupt the engine)
-        self._stepping = threading.Lock()
+        # calls from several threads at once (generate, a stream's step, llm_engine's add_request /
+        # step / abort_request, weight changes): one at a time (two steppers corrupt the engine)
+        self._stepping = threading.RLock()
         self._seed_next = 0          # the next unused offset from self.seed (_params)
         # what get_metrics() reports of the requests run so far (vLLM's counters): every request
         # the engine ran, counted as it leaves it, finished or aborted, whatever stepped the engine
@@ -543,6 +545,7 @@ class LLM:
         """vLLM's: the ranks the model runs on (tensor_parallel_size; no pipeline or data parallelism)."""
         return self.parallel_size
 
+    @_one_stepper
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached prefix block, so that later prompts compute theirs again.
         True when done; False (nothing changed) while a request holds KV blocks, unless
@@ -557,6 +560,7 @@ class LLM:
             return owner.call(lambda engine: engine.reset_prefix_cache(reset_running_requests)).result()
         return self.engine.reset_prefix_cache(reset_running_requests)
 
+    @_one_stepper
     def apply_model(self, func):
         """vLLM's: func(model) on the target model of each worker (one here: the process's own)
         -> [its result]. Weights may be changed in place, e.g. RL's weight sync:
@@ -570,6 +574,7 @@ class LLM:
         finally:
             self._weights_changed()
 
+    @_one_stepper
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
         """vLLM's: call `method` on every worker -> [its result] (one worker here). method: the name
         of a Worker method (worker_extension_cls's included), or a function called as
@@ -600,6 +605,7 @@ class LLM:
         finally:
             self._weights_changed(reset_running_requests)
 
+    @_one_stepper
     def reload_weights(self, weights_path: str | os.PathLike | None = None, state_dict=None,
                        is_checkpoint_format: bool = True, reset_running_requests: bool = True) -> None:
         """vLLM's hot weight reload, in place, for the same architecture, sizes and tokenizer:
@@ -647,6 +653,7 @@ class LLM:
             raise CheckpointError(str(e)) from None
         return model
 
+    @_one_stepper
     def install_weights(self, model, reset_running_requests: bool = True) -> None:
         """reload_weights' second half, on the engine's thread: read_weights' model copied into
         the target's tensors (the first difference a ValueError, nothing written), then the KV
@@ -955,6 +962,7 @@ class LLM:
                              "/score, /rerank), not embeddings")
         return self._embed(prompts, pooling_params, truncate_prompt_tokens)
 
+    @_one_stepper
     def _embed(self, prompts, pooling_params=None, truncate_prompt_tokens: int | None = None) -> list:
         """embed() for every pooling model: a classifier's pooled states too (classify() reads them)."""
         from .pooling import EmbeddingOutput, EmbeddingRequestOutput, check_dimensions, embed_batch, lower_prompt
@@ -1292,19 +1300,39 @@ class LLM:
         params = self._params(sampling_params)
         _, ids = self._prompt_ids(prompt, self.engine.truncation(params))
         self._counter += 1
-        return self._until_closed(self.engine.generate(ids, params, seed_offset=index, lora_request=lora_request))
+        return self._streamed(ids, params, index, lora_request)
 
-    def _until_closed(self, events: Iterator[StepEvent]) -> Iterator[StepEvent]:
-        """stream()'s events; a stream left before its last event aborts its request (counted as an
-        abort with all it computed, as vLLM counts a request its client left)."""
-        event = None
+    def _streamed(self, ids, params, index, lora_request) -> Iterator[StepEvent]:
+        """stream()'s events, the engine stepped one turn (_stepping) at a time: other threads'
+        calls run between two steps. A stream left before its last event aborts its request
+        (counted as an abort with all it computed, as vLLM counts a request its client left)."""
+        with self._stepping:
+            req = self.engine.add_request(ids, params, seed_offset=index, stream=True, lora_request=lora_request)
         try:
-            for event in events:
+            while True:
+                with self._stepping:           # another thread's step may have moved it meanwhile
+                    if not req.events:
+                        if req.finished:       # aborted by another call (llm_engine.abort_request)
+                            return
+                        self._step()
+                        continue
+                    event = req.events.popleft()
                 yield event
+                if event.finished:
+                    return
         finally:
-            if event is not None and not event.finished:
-                self.engine.abort(event.request_id)
-            events.close()
+            if not req.finished:
+                with self._stepping:
+                    self.engine.abort(req.request_id)
+
+    def _step(self) -> list[StepEvent]:
+        """One engine step, in the caller's turn. The events of requests llm.llm_engine.add_request
+        queued go to that view whoever stepped (its next step() returns their outputs)."""
+        events = self.engine.step()
+        view = self.__dict__.get("_engine_view")
+        if view is not None:
+            view.take(events)
+        return events
 
     @_one_stepper
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1355,7 +1383,7 @@ class LLM:
                                                              cache_salt=salts[rid])
             bar = _Progress(use_tqdm, jobs, reqs) if use_tqdm else None
             while any(not r.finished for r in reqs.values()):
-                for event in self.engine.step():
+                for event in self._step():
                     if event.logprobs is not None:
                         logprobs.setdefault(event.request_id, []).extend(event.logprobs)
                 if bar is not None:

@@ -127,6 +127,8 @@ class _EngineView:
 
     def __init__(self, llm: LLM):
         self._llm = llm
+        self._own = {}      # request id -> (text, ids, params, {(id, i): Request}, logprobs, RequestStream | None)
+        self._moved = {}    # the ids whose events came since the last step() (an insertion-ordered set)
 
     def __getattr__(self, name):
         return getattr(self._llm.engine, name)
@@ -165,20 +167,25 @@ class _EngineView:
         The engine's own form, add_request(prompt_ids, params, ...), goes straight to
         Engine.add_request."""
         self._llm._check_owner()             # an AsyncLLM's / a server's thread steps it: two steppers crash
-        if isinstance(request_id, (list, tuple)):           # specdec's Engine.add_request(prompt_ids, ...)
-            return self._llm.engine.add_request(request_id, prompt, *(() if params is None else (params,)),
-                                                **engine_kwargs)
-        if not isinstance(request_id, str):         # vLLM v1's refusal (abort_request looks ids up as given)
-            raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        with self._llm._stepping:            # not in the middle of another thread's step
+            if isinstance(request_id, (list, tuple)):       # specdec's Engine.add_request(prompt_ids, ...)
+                return self._llm.engine.add_request(request_id, prompt, *(() if params is None else (params,)),
+                                                    **engine_kwargs)
+            self._add(request_id, prompt, params, lora_request, tokenization_kwargs, trace_headers, priority)
+
+    def _add(self, rid, prompt, params, lora_request, tokenization_kwargs, trace_headers, priority) -> None:
+        if not isinstance(rid, str):            # vLLM v1's refusal (abort_request looks ids up as given)
+            raise TypeError(f"request_id must be a string, got {type(rid)}")
         from .llm import _check_kwargs, _salt
 
         llm = self._llm
         llm.check_runner("generate")
-        rid = request_id
-        own = self.__dict__.setdefault("_own", {})
+        own = self._own
         if rid in own:
             raise ValueError(f"request id {rid!r} is already running")
-        params = llm._params(params)
+        # the request's own copy (vLLM's params.clone() at add time): later changes to the caller's
+        # object (output_kind, max_tokens) do not reach it
+        params = llm._params(params).clone()
         _check_kwargs("tokenization_kwargs", tokenization_kwargs)
         prompt = llm._pretokenized(prompt, tokenization_kwargs)
         text, ids = llm._prompt_ids(prompt, llm.engine.truncation(params))
@@ -198,15 +205,33 @@ class _EngineView:
 
     def step(self) -> list:
         """vLLM's LLMEngine.step: one engine step -> the RequestOutputs of the requests that
-        add_request(request_id, ...) queued and this step moved, by their params' output_kind
+        add_request(request_id, ...) queued and that moved since the last step() (in this step, or
+        in an LLM.generate / stream() step in between), by their params' output_kind
         (outputs.RequestStream, as AsyncLLM's: CUMULATIVE the completion so far with its logprobs,
         DELTA what is new, FINAL_ONLY nothing until finished; n > 1 one output per completion
         that moved); the last one finished=True. best_of > n: one output when finished, its n best."""
-        own = self.__dict__.setdefault("_own", {})
-        moved = []
+        own = self._own
         self._llm._check_owner()
         with self._llm._stepping:            # not beside an LLM.generate on another thread
-            events = self._llm.engine.step()
+            self._llm._step()
+            moved, self._moved = list(self._moved), {}
+            outs = []
+            for rid in moved:
+                text, ids, params, reqs, logprobs, stream = own[rid]
+                if stream is not None:
+                    outs += stream.outputs()
+                    if stream.finished:
+                        del own[rid]
+                        self._llm._count_prompt(params, list(reqs.values()))
+                elif all(r.finished for r in reqs.values()):
+                    del own[rid]
+                    outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
+        return outs
+
+    def take(self, events) -> None:
+        """A step's events (this view's step, or LLM.generate's / stream()'s): those of the requests
+        add_request(request_id, ...) queued, into their outputs for the next step()."""
+        own = self._own
         for event in events:
             rid, mark, index = event.request_id.rpartition("#") if isinstance(event.request_id, str) else ("", "", "")
             if not mark or rid not in own:      # another caller's request (LLM.generate's, an engine id)
@@ -216,20 +241,7 @@ class _EngineView:
                 stream.add(int(index), event)
             elif event.logprobs:
                 own[rid][4].setdefault(event.request_id, []).extend(event.logprobs)
-            if rid not in moved:
-                moved.append(rid)
-        outs = []
-        for rid in moved:
-            text, ids, params, reqs, logprobs, stream = own[rid]
-            if stream is not None:
-                outs += stream.outputs()
-                if stream.finished:
-                    del own[rid]
-                    self._llm._count_prompt(params, list(reqs.values()))
-            elif all(r.finished for r in reqs.values()):
-                del own[rid]
-                outs.append(self._llm._output(rid, text, ids, params, reqs, logprobs))
-        return outs
+            self._moved[rid] = None
 
     @property
     def model_executor(self) -> _Executor:
@@ -239,22 +251,39 @@ class _EngineView:
         return self._llm.collective_rpc(method, timeout, args, kwargs)
 
     def has_unfinished_requests(self) -> bool:
-        return self._llm.engine.has_unfinished()
+        """Requests in the engine, or outputs the next step() still owes (a request that
+        finished in another caller's step: LLM.generate's)."""
+        return self._llm.engine.has_unfinished() or bool(self._moved)
 
     def get_num_unfinished_requests(self) -> int:
         return self._llm.engine.num_running + self._llm.engine.num_waiting
 
     def abort_request(self, request_ids) -> None:
         self._llm._check_owner()
-        own = self.__dict__.setdefault("_own", {})
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if rid in own:                      # queued by add_request(request_id, ...): each choice
-                _, _, params, reqs, _, _ = own.pop(rid)
-                for key in reqs:
-                    self._llm.engine.abort(f"{key[0]}#{key[1]}")
-                self._llm._count_prompt(params, list(reqs.values()))
-            else:
-                self._llm.engine.abort(rid)
+        own = self._own
+        with self._llm._stepping:            # not in the middle of another thread's step
+            for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+                if rid in own:                  # queued by add_request(request_id, ...): each choice
+                    _, _, params, reqs, _, _ = own.pop(rid)
+                    self._moved.pop(rid, None)
+                    for key in reqs:
+                        self._llm.engine.abort(f"{key[0]}#{key[1]}")
+                    self._llm._count_prompt(params, list(reqs.values()))
+                else:
+                    self._llm.engine.abort(rid)
+
+    # vLLM's LLMEngine LoRA calls: the engine's, in the caller's turn (they change its adapter slots)
+    def add_lora(self, lora_request) -> bool:
+        with self._llm._stepping:
+            return self._llm.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        with self._llm._stepping:
+            return self._llm.engine.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        with self._llm._stepping:
+            return self._llm.engine.pin_lora(lora_id)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self._llm.reset_prefix_cache(reset_running_requests, reset_connector)

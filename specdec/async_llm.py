@@ -16,7 +16,8 @@ shares). The outputs are the offline LLM's: greedy and
 seeded requests give LLM.generate's tokens and text. add_request() is generate() without the
 loop: a RequestOutputCollector whose get() awaits the next output, as vLLM's.
 
-An exception in an engine step is fatal, as in vLLM's engine core: the requests in flight get
+An exception in an engine step (or any BaseException on the engine's thread, a collective_rpc
+function's SystemExit) is fatal, as in vLLM's engine core: the requests and calls in flight get
 EngineDeadError (the step's exception its __cause__), errored turns True, check_health() raises
 and new requests are refused (a server's EngineWorker instead fails the step's requests and goes on).
 """
@@ -25,19 +26,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
+import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
 from .config import RequestOutputKind, SamplingParams
 from .llm import LLM, RequestOutput, _salt
 from .outputs import RequestStream
-from .server.worker import PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
+from .server.worker import _RELEASED, PAUSE_MODES, EngineWorker, Job, ShuttingDown, deliver
 from .tracing import extract_trace_headers, warn_tracing_disabled
 
 log = logging.getLogger("specdec.async_llm")
@@ -145,20 +149,81 @@ class EngineDeadError(RuntimeError):
 
 class _EngineCore(EngineWorker):
     """The AsyncLLM's engine thread, as vLLM's engine core: an exception in a step (or between
-    two) is fatal. The engine's state after a failed forward is not to be trusted, and a fault
+    two; a BaseException too, a collective_rpc function's SystemExit) is fatal, and every request
+    and call still waiting gets EngineDeadError. The engine's state after a failed forward is not to be trusted, and a fault
     that fails one step (a model that raises, a device gone) fails the next as well: a live
     thread failing every request would pass check_health() forever."""
 
     def __init__(self, engine):
         super().__init__(engine, freeze_heap=False)
         self.error: BaseException | None = None          # what killed the engine
+        # jobs and call() futures not answered yet: a thread that dies answers them (EngineDeadError),
+        # those it had taken off its queues included
+        self._owed: set[Job | Future] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None    # the event loop the requests come from
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self._cond:
+            super().submit(jobs)
+            self._owed.update(jobs)
+
+    def call(self, fn, work: bool = False) -> Future:
+        with self._cond:
+            queued = self._thread.is_alive()
+            if queued:
+                future = super().call(fn, work)
+                self._owed.add(future)
+        if not queued:
+            return super().call(fn, work)                # refused, or run here and now
+        future.add_done_callback(self._answered)
+        return future
+
+    def _answered(self, done: Job | Future) -> None:
+        with self._cond:
+            self._owed.discard(done)
+
+    def _send(self, job: Job, item) -> None:
+        if isinstance(item, Exception) or item.finished:
+            self._answered(job)
+        super()._send(job, item)
+
+    def _loop(self) -> None:
+        try:
+            super()._loop()
+        except BaseException as e:       # SystemExit or a test's pytest.fail() in a call or a step: fatal too
+            log.exception("engine thread failed")
+            self._hand_over()
+            self._fail_all(e)
+        finally:
+            with self._cond:
+                owed, self._owed = list(self._owed) if self.error is not None else [], set()
+            for item in owed:
+                if isinstance(item, Job):
+                    self._send(item, self.dead())
+                else:
+                    with contextlib.suppress(InvalidStateError):     # cancelled by its caller meanwhile
+                        item.set_exception(self.dead())
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)            # gives the starting thread its compute threads back when run there
+        loop = self.loop
+        if threading.get_ident() != self._starter and loop is not None and loop.is_running():
+            with contextlib.suppress(RuntimeError):       # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._give_back_threads)
+
+    def _give_back_threads(self) -> None:
+        """On the starting thread (its event loop), after a stop() run elsewhere: its torch thread
+        count back, as stop() gives it there (a count is per thread: only that thread can set it)."""
+        if threading.get_ident() == self._starter and getattr(_RELEASED, "threads", None) is not None:
+            torch.set_num_threads(self._threads)
+            _RELEASED.threads = None
 
     def dead(self) -> EngineDeadError:
         dead = EngineDeadError(f"the engine is not running: it failed ({type(self.error).__name__}: {self.error})")
         dead.__cause__ = self.error
         return dead
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         self.error = error
         dead = self.dead()
         with self._cond:
@@ -250,6 +315,8 @@ class AsyncLLM:
         self.tokenizer = self.llm.tokenizer
         self.log_requests = log_requests
         self._worker = _EngineCore(self.llm.engine)
+        with contextlib.suppress(RuntimeError):          # built outside a loop: its first request's loop
+            self._worker.loop = asyncio.get_running_loop()
         self._worker.start()
         self._streams: dict[str, RequestOutputCollector] = {}
         self._stopped = False
@@ -280,23 +347,18 @@ class AsyncLLM:
             raise ShuttingDown("the engine has been shut down")
         if self.errored:                      # vLLM's EngineDeadError: no request waits on a dead engine
             raise self.dead_error
-        if tokenization_kwargs and isinstance(prompt, (str, dict)) and \
-                isinstance(prompt if isinstance(prompt, str) else prompt.get("prompt"), str):
-            text = prompt if isinstance(prompt, str) else prompt["prompt"]
-            ids = self.tokenizer(text, **tokenization_kwargs)["input_ids"]
-            prompt = {**({} if isinstance(prompt, str) else {k: v for k, v in prompt.items() if k != "prompt"}),
-                      "prompt_token_ids": ids}
+        prompt = self.llm._pretokenized(prompt, tokenization_kwargs)     # its text kept as the prompt (vLLM's)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         self.llm.check_runner("generate")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        loop = asyncio.get_running_loop()
+        loop = self._worker.loop = asyncio.get_running_loop()
         self._streams[request_id] = q = RequestOutputCollector(request_id, self._streams, self._worker,
                                                                self.log_requests)   # the id is taken from here on
         try:
             llm = self.llm
-            params = llm._params(params)
+            params = llm._params(params).clone()      # vLLM's: the caller's object may change, not the request
             if params.best_of is not None and params.best_of > params.n:
                 raise ValueError("best_of > n ranks finished candidates: use LLM.generate "
                                  "(vLLM's AsyncLLM has no best_of)")
@@ -307,7 +369,6 @@ class AsyncLLM:
             llm.engine.check_prompt(ids, params)
             llm.engine.check_lora(lora_request)
             if params.structured_outputs is not None:        # compiled beside the engine, not on its thread
-                params = params.clone()
                 grammars = llm.engine.grammars
                 grammars.freeze(params.structured_outputs)
                 await asyncio.to_thread(grammars.prebuild, params.structured_outputs, params.n)
@@ -352,10 +413,7 @@ class AsyncLLM:
                 out = q.get_nowait() or await q.get()
                 finished = out.finished
                 yield out
-        except asyncio.CancelledError:
-            if not q.aborted:
-                raise
-        finally:
+        finally:                                  # cancelled or left: its request is aborted (vLLM's re-raises too)
             q.close()
 
     async def encode(self, prompt, pooling_params=None, request_id: str | None = None, *, lora_request=None,
@@ -461,6 +519,7 @@ class AsyncLLM:
         return await self._call(lambda engine: engine.pin_lora(lora_id))
 
     async def _call(self, fn):
+        self._worker.loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._worker.call(fn))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

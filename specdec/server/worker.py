@@ -111,7 +111,7 @@ class EngineWorker:
         # instead of taking the GIL from the next step's drafting and scheduling
         self._pending: list[tuple[Job, object]] = []
         engine.before_forward = self._hand_over
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._guarded_loop, name="specdec-engine", daemon=True)
         self._threads, self._starter = torch.get_num_threads(), None    # start(): the starter's count and id
 
     @property
@@ -269,6 +269,20 @@ class EngineWorker:
         if threading.get_ident() == self._starter:
             torch.set_num_threads(self._threads)     # the starting thread computes again (tests, embedding)
             _RELEASED.threads = None
+
+    def _guarded_loop(self) -> None:
+        """_loop, and if anything escapes it (a BaseException such as SystemExit, which its
+        handlers do not catch) the engine is dead: every request and call waiting is answered
+        rather than left hanging behind a thread that is gone."""
+        try:
+            self._loop()
+        except BaseException as e:       # noqa: BLE001 - the thread ends here either way
+            log.exception("the engine thread died")
+            error = e if isinstance(e, Exception) else RuntimeError(f"engine thread died: {type(e).__name__}: {e}")
+            self.error = self.error or error         # dead before its requests hear of it
+            with contextlib.suppress(Exception):
+                self._fail_all(error)
+            self._die(error)
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)
@@ -477,6 +491,9 @@ def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None
         result = fn(engine)
     except Exception as e:               # noqa: BLE001 - the caller reads it from the future
         future.set_exception(e)
+        return
+    except BaseException as e:           # a function's SystemExit: the call fails, the engine goes on
+        future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
         return
     future.set_result(result)
 

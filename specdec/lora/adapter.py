@@ -11,6 +11,7 @@ with rsLoRA). specdec's layers fuse q/k/v into one matrix (qkv) and gate/up into
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_
 FUSED = {"qkv_proj": ("qkv", (0, 1, 2)), "gate_up_proj": ("gate_up", (0, 1))}
 KINDS = ("qkv", "o", "gate_up", "down")          # forward.h: LORA_QKV .. LORA_DOWN
 NAMES = (*TARGETS, *FUSED)
+log = logging.getLogger(__name__)
+
+# the modules of a vision-language checkpoint outside its language model (PEFT's q_proj / v_proj or
+# all-linear adapters adapt them too: their "layers.N" are the tower's)
+_TOWERS = frozenset({"vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector",
+                     "vision_encoder", "image_encoder", "audio_tower"})
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -126,7 +133,13 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
     rslora = bool(cfg.get("use_rslora"))
     weights = _read_weights(root, path)
     pairs: dict = {}
+    tower = sorted({part for key in weights for part in key.split(".") if part in _TOWERS})
+    if tower:               # vLLM's: a vision-language adapter's tower part is ignored (its layers are not the decoder's)
+        log.warning("LoRA adapter %s: its %s tensors are ignored (LoRA applies to the language model)",
+                    path, " / ".join(tower))
     for key, t in weights.items():
+        if any(part in _TOWERS for part in key.split(".")):
+            continue
         m = _KEY.search(key)
         if m is None:
             what = "lora_" in key and key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
@@ -137,7 +150,9 @@ def load_adapter(name: str, path: str | Path, shapes: dict, num_layers: int, max
             _fail(path, f"tensor {key} adapts {module}: LoRA applies to {', '.join(NAMES)} only")
         if layer >= num_layers:
             _fail(path, f"tensor {key}: the model has {num_layers} layers")
-        pairs.setdefault((layer, module), {})[ab] = t
+        if ab in pairs.setdefault((layer, module), {}):
+            _fail(path, f"tensor {key}: a second lora_{ab} of layer {layer} {module}")
+        pairs[(layer, module)][ab] = t
     if not pairs:
         _fail(path, "no LoRA matrices in its weights")
 

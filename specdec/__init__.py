@@ -1,21 +1,29 @@
-"""specdec: lossless speculative decoding for Llama-family models."""
+"""specdec: lossless speculative decoding for Llama-family models.
 
-from .config import RequestOutputKind, SamplingParams, SpeculativeConfig
-from .inputs import TextPrompt, TokensPrompt
-from .llm import LLM, CompletionOutput, RequestOutput
+The names below are imported when first used (`from specdec import LLM` as before): the `specdec`
+command's module loads without torch, so its Ctrl-C handling is in place while torch loads."""
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput", "TextPrompt",
            "TokensPrompt", "RequestOutputKind", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs",
            "LLMEngine", "__version__"]
 
-_ASYNC = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "LLMEngine")
+# name -> the module that defines it (async_llm brings the server's worker along)
+_HOMES = {"LLM": "llm", "CompletionOutput": "llm", "RequestOutput": "llm",
+          "SamplingParams": "config", "SpeculativeConfig": "config", "RequestOutputKind": "config",
+          "TextPrompt": "inputs", "TokensPrompt": "inputs",
+          **dict.fromkeys(("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "LLMEngine"), "async_llm")}
 
 
 def __getattr__(name):
-    """vLLM's async engine, imported when first named (it brings the server's worker along)."""
-    if name in _ASYNC:
-        from . import async_llm
+    if name in _HOMES:
+        import importlib
 
-        return getattr(async_llm, name)
+        value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -292,6 +292,17 @@ def _json_obj(value: str) -> dict:
     return obj
 
 
+def _json_list(value: str) -> list[str]:
+    """vLLM's JSON list flags (--allowed-origins '["https://a.example"]'); a bare word is a list of one."""
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError:
+        v = [value]
+    if not (isinstance(v, list) and all(isinstance(x, str) and x for x in v)):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
+    return v
+
+
 def _compilation_config(value: str) -> dict | int:
     """-O / --compilation-config: a JSON object or vLLM's optimisation level (-O3, no effect here)."""
     text = value.strip()
@@ -365,8 +376,10 @@ def expand_argv(argv: list[str], parser: argparse.ArgumentParser | None = None,
       words go before the command line's, so a flag given on both wins from the command line
       (vLLM's order: command line > config file > defaults); a positional MODEL
       (`positional_model`: serve's) wins over the file's `model`. true is the bare flag, false its
-      `--no-` form where `parser` has one (else left out: the default), a list is the flag's words
-      (one JSON word where the flag takes one value), a mapping is one JSON word.
+      `--no-` form where `parser` has one (else left out: the default), a value is `--flag=VALUE`
+      (so it may start with "-": `stop: ["---"]`), a list is the flag's words (a repeatable flag
+      once per item; a one-word flag its items joined by commas, as bench's `1,2,4`, or one JSON
+      word where it reads JSON: --allowed-origins), a mapping is one JSON word.
     - a JSON flag's keys one at a time: `--speculative-config.method ngram
       --speculative-config.num_speculative_tokens 3` is `--speculative-config '{"method": "ngram",
       "num_speculative_tokens": 3}'` (each value read as JSON, else kept as a string; `key+ a,b`
@@ -403,7 +416,7 @@ def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
         if value is None or (flag == "--model" and tag):
             continue                                       # null: the default; MODEL on the command line wins
         if flag == "--model" and positional_model:
-            words += ["--config-model", str(value)]       # serve: a MODEL given after the options still wins
+            words.append(f"--config-model={value}")       # serve: a MODEL given after the options still wins
             continue
         action = actions.get(flag)
         if isinstance(value, bool):
@@ -412,19 +425,21 @@ def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
             elif parser is None or f"--no-{flag[2:]}" in actions:
                 words.append(f"--no-{flag[2:]}")
             elif action is not None and action.const is not True and action.nargs != 0:
-                words += [flag, "false"]                   # a flag that takes a value: let its type read it
+                words.append(f"{flag}=false")              # a flag that takes a value: let its type read it
         elif isinstance(value, list):
             items = [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value]
             if isinstance(action, argparse._AppendAction):          # one value a flag (--middleware)
-                words += [w for item in items for w in (flag, item)]
+                words += [f"{flag}={item}" for item in items]
             elif action is None or action.nargs in ("+", "*"):
-                words += [flag, *items]
-            else:
-                words += [flag, json.dumps(value)]
+                words += [flag, *items]                    # vLLM's loader: the flag, then its items
+            elif action.type is _json_list:
+                words.append(f"{flag}={json.dumps(value)}")
+            else:                                          # one word listing them (bench's 1,2,4; MIN,MAX)
+                words.append(f"{flag}={','.join(items)}")
         elif isinstance(value, dict):
             words += [flag, json.dumps(value)]
-        else:
-            words += [flag, str(value)]
+        else:                                              # --flag=VALUE: a value may start with "-"
+            words.append(f"{flag}={value}")
     return tag + words + rest[len(tag):]
 
 
@@ -953,8 +968,18 @@ def _deepest(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Argu
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .model import CheckpointError
+    """The `specdec` command. Ctrl-C at any moment, the start-up's imports (torch) included, is
+    one line and status 130; a closed stdout (`| head`) ends it quietly with status 0."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
 
+
+def _main(argv: list[str] | None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     words = dashed_flags(given)
     cmd = words[0] if words and words[0] in SUBCOMMANDS else None
@@ -962,6 +987,7 @@ def main(argv: list[str] | None = None) -> int:
     keyword = help_keyword(words)
     if keyword is not None and cmd not in ("serve", "run-batch"):    # those two read their own words
         print(keyword_help(_deepest(parser, words), keyword), end="")
+        sys.stdout.flush()
         return 0
     if cmd in ("generate", "chat", "bench") and "-h" not in words and "--help" not in words:
         try:               # --config FILE, --json-flag.key VALUE (serve expands its own words in run())
@@ -1001,6 +1027,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(words)
     args.command_line = given                                          # for model cards: the exact command
     args.words = words                                                 # what was parsed (--config's flags in)
+    from .model import CheckpointError
+
     try:
         if getattr(args, "device", None) is not None:
             check_device(args.device)              # before any subcommand loads a model on it
@@ -1009,11 +1037,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench" and args.bench_command is None:
             _bench_snapshots(args)
         return importlib.import_module(SUBCOMMANDS[args.cmd]).run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
-        return 0
+        raise                                      # main's: not an OSError to report
     except (CheckpointError, ValueError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"specdec: error: {msg}", file=sys.stderr)

@@ -66,16 +66,30 @@ VLLM_SWITCHES = frozenset("""
 """.split())
 
 
+# vLLM 0.6's StoreBoolean switches (nargs="?", const="True"): `--enable-chunked-prefill` alone or
+# followed by true / false (any case), the only values StoreBoolean reads
+OPTIONAL_BOOL_SWITCHES = frozenset({"enable-chunked-prefill", "multi-step-stream-outputs",
+                                    "disable-logprobs-during-spec-decoding"})
+
+
 def _switch(flag: str) -> bool:
     name = flag.split("=")[0].lstrip("-")
     return name in VLLM_SWITCHES or (name.startswith("no-") and name[3:] in VLLM_SWITCHES)
 
 
+def bool_value(flag: str, word: str) -> bool:
+    """Whether word is the true / false that one of OPTIONAL_BOOL_SWITCHES (`flag`, given without
+    `=`) takes after it; any other word is not its value (a prompt after it stays the prompt)."""
+    return "=" not in flag and " " not in flag and flag.lstrip("-") in OPTIONAL_BOOL_SWITCHES \
+        and word.lower() in ("true", "false")
+
+
 def drop_vllm_flags(words: list[str], own: set[str], own_valued: set[str] = frozenset()) -> tuple[list[str], list[str]]:
     """words without vLLM's flags that specdec does not use (VLLM_FLAGS, not among `own`), each
-    with its value(s): a switch takes none, a several-valued flag every word up to the next flag,
-    any other the next word unless it is a flag. The value of one of specdec's own options that
-    take one (own_valued: `--server-args "--trust-remote-code ..."`) is never taken for a flag.
+    with its value(s): a switch takes none (one of OPTIONAL_BOOL_SWITCHES a true / false after
+    it), a several-valued flag every word up to the next flag, any other the next word unless it
+    is a flag. The value of one of specdec's own options that take one (own_valued:
+    `--server-args "--trust-remote-code ..."`) is never taken for a flag.
     -> (the rest, the flags dropped)."""
     kept, dropped, i = [], [], 0
     while i < len(words):
@@ -87,7 +101,9 @@ def drop_vllm_flags(words: list[str], own: set[str], own_valued: set[str] = froz
         if word.startswith("-") and " " not in word and not _is_number(word) and word.split("=")[0] not in own \
                 and _is_vllm_flag(word):
             j = i + 1
-            if "=" not in word and not _switch(word):
+            if j < len(words) and bool_value(word, words[j]):
+                j += 1
+            elif "=" not in word and not _switch(word):
                 while j < len(words) and not (words[j].startswith("-") and not _is_number(words[j])):
                     j += 1
                     if not _takes_many(word):
@@ -112,14 +128,16 @@ def _takes_many(flag: str) -> bool:
 def ignored_flags(unknown: list[str], own: list[str] = (),
                   bench: tuple[str | None, dict[str, set[str]]] | None = None) -> list[str]:
     """Group unknown words into flags with their values: a flag takes the next word as its
-    value unless that word is itself a flag. A stray word without a flag, or a flag that is
-    not one of VLLM_FLAGS, is an error (`own`: specdec's flags, for a did-you-mean; `bench`:
-    the `specdec bench` subcommand and the others' flags, for bench_refusal)."""
+    value unless that word is itself a flag, a switch only a true / false (bool_value). A stray
+    word without a flag, or a flag that is not one of VLLM_FLAGS, is an error (`own`: specdec's
+    flags, for a did-you-mean; `bench`: the `specdec bench` subcommand and the others' flags, for
+    bench_refusal)."""
     flags: list[str] = []
     for word in unknown:
         if word.startswith("-") and not _is_number(word):
             flags.append(word)
-        elif flags and "=" not in flags[-1] and " " not in flags[-1] and not _switch(flags[-1]):
+        elif flags and "=" not in flags[-1] and " " not in flags[-1] and \
+                (not _switch(flags[-1]) or bool_value(flags[-1], word)):
             flags[-1] += " " + word
         else:
             raise ValueError(f"unexpected argument {word!r}")
@@ -218,7 +236,7 @@ def check_refused(flags: list[str]) -> None:
         if key not in _VLLM_IGNORED:
             continue
         _, accepted, why = _VLLM_IGNORED[key]
-        if _switch(word) or value == "":
+        if value == "" or (_switch(word) and not bool_value(word, value)):
             parsed = not negated
         else:
             parsed = _parse_value(value)

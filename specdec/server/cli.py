@@ -15,13 +15,13 @@ import logging
 import os
 import sys
 
-from ..cli import (_is_number, add_engine_args, add_legacy_speculative_args, add_model_args,
+from ..cli import (_is_number, _json_list, add_engine_args, add_legacy_speculative_args, add_model_args,
                    check_device, expand_argv, fold_legacy_speculative, help_keyword, keyword_help, llm_from_args)
 from ..cli import positive_int as _positive
 from ..tokenizer import load_chat_template
 from .control import dev_mode
 from .lora import parse_lora_module, runtime_updating_allowed
-from ..vllm_flags import _switch, _takes_many, check_refused, ignored_flags
+from ..vllm_flags import _switch, _takes_many, bool_value, check_refused, ignored_flags
 
 
 
@@ -335,24 +335,11 @@ def _stray(unknown: list[str]) -> int | None:
     for i, word in enumerate(unknown):
         if word.startswith("-") and not _is_number(word):
             prev_flag = "=" not in word and not _switch(word)
-        elif prev_flag:
+        elif prev_flag or (i and bool_value(unknown[i - 1], word)):
             prev_flag = False
         else:
             return i
     return None
-
-
-def _json_list(value: str) -> list[str]:
-    """vLLM's JSON list flags (--allowed-origins '["https://a.example"]'); a bare word is a list of one."""
-    import json
-
-    try:
-        v = json.loads(value)
-    except json.JSONDecodeError:
-        v = [value]
-    if not (isinstance(v, list) and all(isinstance(x, str) and x for x in v)):
-        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
-    return v
 
 
 def server_config(args):

@@ -13,7 +13,9 @@ Input: from a terminal through GNU readline (no 4095-byte line limit, line editi
 line by line. A line `"""` starts a multi-line message that a line `"""` ends; a line ending in a
 backslash goes on on the next line. A line starting with "/" is a command (COMMANDS; "//text"
 sends "/text"). Ctrl-C while an answer streams stops it between engine steps (the request is
-aborted, the turn is not kept); at the prompt it quits.
+aborted, the turn is not kept); at the prompt it quits. A message that fails (text that is not
+Unicode, a conversation outgrowing the context) is one line on stderr and is not kept; the chat
+goes on and exits 1 at the end of its input.
 
 gpt-oss writes harmony replies (server/reasoning.py): its analysis goes to stderr as it comes,
 its answer to stdout, and only the answer joins the conversation (gpt-oss's template drops
@@ -260,10 +262,14 @@ class LineReader:
     """The chat's input lines, without their newline. A terminal is read with input() after
     `import readline`: GNU readline reads in raw mode, so there is no 4095-byte line limit (the
     tty driver's, in canonical mode), and lines can be edited and recalled (history). A pipe or
-    file is read line by line."""
+    file is read line by line. Bytes that are not UTF-8 are read as lone surrogates (as a C
+    locale's Python reads them), whatever the locale: the message that holds them fails alone,
+    not the reading of the rest."""
 
     def __init__(self, stream=None):
         self.stream = stream if stream is not None else sys.stdin
+        if hasattr(self.stream, "reconfigure"):
+            self.stream.reconfigure(errors="surrogateescape")
         self.terminal = self.stream is sys.stdin and self.stream.isatty()
         if self.terminal:
             try:
@@ -382,10 +388,11 @@ def run(args) -> int:
     quick = [(args.quick, True)] if args.quick is not None else None       # --quick: one message, kept as typed
     print(f"specdec chat: {llm.model_path} ({_method(llm)}). /reset forgets the conversation, /exit quits, "
           f"/help for more.", file=sys.stderr)
+    failed = False                       # a message failed: exit 1 at the end (as the remote chat)
     while True:
         message = reader.message() if quick is None else (quick.pop() if quick else None)
         if message is None:
-            return 0
+            return 1 if failed else 0
         text, block = message
         if not block:
             text = text.strip()
@@ -393,12 +400,14 @@ def run(args) -> int:
                 text = text[1:]                            # a message that starts with "/"
             elif text.startswith("/"):
                 if not command(session, text):
-                    return 0
+                    return 1 if failed else 0
                 continue
         if not text.strip():
             continue
         answer = None
         try:
+            if why := client_cli.not_unicode(text):      # named in the message, not in the templated prompt
+                raise ValueError(why)
             with ctrl_c_stops(session):
                 for answer in session.ask(text):
                     if isinstance(answer, Thought):      # gpt-oss's analysis: beside the answer, on stderr
@@ -410,6 +419,7 @@ def run(args) -> int:
         except ValueError as e:          # e.g. the conversation outgrew the context: the session goes on
             if quick is not None:
                 raise
+            failed = True
             print(f"error: {e} (the message was not added; /reset clears the conversation)", file=sys.stderr)
             continue
         sys.stdout.write("\n")

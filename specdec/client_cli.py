@@ -98,9 +98,30 @@ def check_local_flags(args, sub) -> None:
                              f"out{hint}")
 
 
+def not_unicode(text: str) -> str | None:
+    """Why text cannot be sent (a lone surrogate: Python's stand-in for bytes of stdin or argv that
+    are not UTF-8, which no JSON body can carry), as the local chat's tokenizer words it; None if it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        i = e.start
+        return (f"the text is not valid Unicode: a lone surrogate at character {i} (bytes that are not UTF-8?): "
+                f"{text[max(0, i - 20):i + 1]!r}")
+    return None
+
+
+def _check_sendable(value, where: str) -> None:
+    """A ValueError naming the flag whose text (strings in lists and JSON objects too) cannot be sent."""
+    if isinstance(value, str) and (why := not_unicode(value)):
+        raise ValueError(f"{where}: {why}")
+    for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        _check_sendable(item, where)
+
+
 def request_fields(args) -> dict:
     """The sampling flags given, as create() keywords: OpenAI's fields as they are, vLLM's
-    extensions in extra_body."""
+    extensions in extra_body. Text no request can carry (in these, --system or --quick) is a
+    ValueError naming the flag."""
     fields = {k: getattr(args, k) for k in ("temperature", "top_p", "max_tokens", "seed", "stop",
                                             "presence_penalty", "frequency_penalty", "logit_bias")
               if getattr(args, k, None) is not None}
@@ -120,6 +141,8 @@ def request_fields(args) -> dict:
         fields["extra_body"] = extra
     if getattr(args, "stats", False):
         fields["stream_options"] = {"include_usage": True}
+    for dest in sorted(SAMPLING_DESTS | {"system", "quick"}):   # before connecting: the requests would fail
+        _check_sendable(getattr(args, dest, None), f"--{dest.replace('_', '-')}")
     return fields
 
 
@@ -347,6 +370,10 @@ def run_chat(args) -> int:
                 continue
         if not text.strip():
             continue
+        if why := not_unicode(text):
+            failed = True
+            print(f"error: {why} (the message was not sent)", file=sys.stderr)
+            continue
         try:
             reply = session.ask(text)
         except client_errors() as e:           # the session goes on; this turn is not kept
@@ -421,6 +448,10 @@ def run(args) -> int:
             print(COMPLETE_HELP, file=sys.stderr)
             continue
         if not text.strip():
+            continue
+        if why := not_unicode(text):
+            failed = True
+            print(f"error: {why} (the prompt was not sent)", file=sys.stderr)
             continue
         try:
             reply = complete(text)

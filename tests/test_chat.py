@@ -164,7 +164,7 @@ def test_chat_repl_goes_on_after_a_message_too_long(gguf_files, capsys, monkeypa
     code = main(["chat", "--model", str(gguf_files["llama_q"]), "--max-model-len", "64", "--max-tokens", "4",
                  "--ignore-eos"])
     out, err = capsys.readouterr()
-    assert code == 0 and "prompt is too long" in err
+    assert code == 1 and "prompt is too long" in err
     assert len([line for line in err.splitlines() if line.startswith("[")]) == 1 and out.endswith("\n")
 
 

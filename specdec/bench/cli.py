@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -123,8 +124,8 @@ def _temps(value: str) -> list[float]:
         temps = [float(x) for x in _split(value)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"temperatures must be numbers, got {value!r}") from None
-    if any(not t >= 0 for t in temps):
-        raise argparse.ArgumentTypeError("temperatures must be >= 0")
+    if any(not (math.isfinite(t) and t >= 0) for t in temps):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite numbers >= 0, got {value!r}")
     return list(dict.fromkeys(temps))
 
 
@@ -174,6 +175,8 @@ def command_line(args) -> str:
         parts += ["--hf-overrides", json.dumps(args.hf_overrides)]
     if args.tokenizer:
         parts += ["--tokenizer", args.tokenizer]
+    if args.hf_config_path:
+        parts += ["--hf-config-path", args.hf_config_path]
     if args.generation_config != "auto":
         parts += ["--generation-config", args.generation_config]
     if getattr(args, "override_generation_config", None):
@@ -203,6 +206,7 @@ def run(args) -> int:
 
     if SPEC_BENCH not in args.prompts and (args.limit_per_category is not None or args.categories):
         raise ValueError(f"--limit-per-category and --categories go with --prompts {SPEC_BENCH}")
+    check_hf_config_path(args)
     args.out = output_folder(Path(str(args.out).replace("{cpu}", machine.cpu_kind())), "--out")
     from .run import run_benchmark
 
@@ -220,6 +224,23 @@ def run(args) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def check_hf_config_path(args) -> None:
+    """--hf-config-path settled (a Hugging Face id: its cached snapshot at --revision under
+    --download-dir, as LLM(...) reads it) and refused as generate refuses it, a folder without a
+    config.json, before --out is made and the model loads."""
+    if args.hf_config_path is None:
+        return
+    from ..llm import _hub_snapshot
+    from ..model.checkpoint import CheckpointError, read_config
+
+    args.hf_config_path = str(_hub_snapshot(args.hf_config_path, getattr(args, "revision", None),
+                                            getattr(args, "download_dir", None)))
+    try:
+        read_config(args.hf_config_path)
+    except CheckpointError as e:
+        raise ValueError(f"{args.model or 'the default model'}: hf_config_path {e}") from None
 
 
 def output_folder(path: Path, flag: str) -> Path:

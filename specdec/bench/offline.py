@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import sys
 import time
@@ -175,8 +176,8 @@ def check_throughput(args) -> None:
 
 
 def _check_common(args) -> None:
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.output_json is not None:

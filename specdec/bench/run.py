@@ -96,7 +96,7 @@ def _config(args, llm: LLM, draft_dir: str | None) -> dict:
             "temperatures": args.temperature, "top_p": args.top_p, "ignore_eos": args.ignore_eos, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "seed": args.seed, "peers": args.peers, "clock": args.clock,
             "threads": args.threads or torch.get_num_threads(),
-            "speculative_config": args.speculative_config or {},
+            "speculative_config": args.speculative_config or {}, "hf_config_path": args.hf_config_path,
             "cuda_graphs": cuda_graph_sizes(args.compilation_config, False, 1) is not None}
 
 
@@ -110,7 +110,7 @@ def run_benchmark(args, command: str) -> tuple[dict, list[Path]]:
         raise ValueError("specdec bench measures generation: --runner pooling / --convert / --task embed / "
                          "--pooler-config do not apply")
     llm = LLM(model=args.model, num_speculative_tokens=0, dtype=args.dtype, device=args.device, max_num_seqs=1,
-              max_model_len=args.max_model_len, hf_overrides=args.hf_overrides,
+              max_model_len=args.max_model_len, hf_overrides=args.hf_overrides, hf_config_path=args.hf_config_path,
               disable_sliding_window=args.disable_sliding_window, tokenizer=args.tokenizer,
               generation_config=args.generation_config,
               override_generation_config=getattr(args, "override_generation_config", None),

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 OUTPUT_LEN = 128            # --output-len's default
+DEFAULT_KS = "0,4,auto"     # --num-speculative-tokens' (servers started here)
 RANDOM_INPUT_LEN = 1024     # --random-input-len's
 
 
@@ -37,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters the server serves (its --lora-modules names): each request names one of "
                         "them, drawn at random with --seed (vLLM's)")
     p.add_argument("--speculative-config", type=_json, help="the method for the speculative variants (JSON, as serve)")
-    p.add_argument("--num-speculative-tokens", default="0,4,auto", type=_ks,
-                   help="variants: 0 = plain batched decoding, K, auto (default 0,4,auto)")
-    p.add_argument("--server-args", default="", help="more flags for every server started, e.g. '--max-num-seqs 32' (prefix caching stays off "
+    p.add_argument("--num-speculative-tokens", type=_ks,
+                   help=f"variants: 0 = plain batched decoding, K, auto (default {DEFAULT_KS})")
+    p.add_argument("--server-args", help="more flags for every server started, e.g. '--max-num-seqs 32' (prefix caching stays off "
                         "unless these name it: every load point sends the same prompts)")
     p.add_argument("--dataset-name", default="spec_bench",
                    choices=["spec_bench", "random", "prefix_repetition", "custom", "sharegpt"],
@@ -218,8 +219,8 @@ def variants(args) -> list[dict]:
     out = []
     # every load point sends the same prompts: a server's prefix cache (on by default) would
     # serve the later points' prompts from the earlier ones' blocks
-    base = without_prefix_caching((["--model", args.model] if args.model else []) + shlex.split(args.server_args))
-    for k in args.num_speculative_tokens:
+    base = without_prefix_caching((["--model", args.model] if args.model else []) + shlex.split(args.server_args or ""))
+    for k in args.num_speculative_tokens or _ks(DEFAULT_KS):      # None: not given (servers_started's defaults)
         if k == 0:
             out.append({"name": "plain", "k": 0, "argv": base + ["--num-speculative-tokens", "0"]})
             continue
@@ -258,6 +259,36 @@ def check_variants(found: list[dict]) -> None:
             raise ValueError(f"{v['name']}: num_speculative_tokens was provided without speculative_model (or "
                              f"speculative_config): {a.model} has no default method; give --speculative-config, "
                              f"or --num-speculative-tokens 0 alone")
+
+
+def servers_started(args) -> None:
+    """The flags that configure the servers started here, settled; with a running server
+    (--base-url, --host/--port), which runs with its own settings, they are an error: measured
+    anyway, the results would record a configuration that was not run."""
+    given = [flag for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens),
+                                      ("--speculative-config", args.speculative_config),
+                                      ("--server-args", args.server_args)) if value is not None]
+    if args.base_url and given:
+        raise ValueError(f"{', '.join(given)}: configure{'s' if len(given) == 1 else ''} the servers started here; "
+                         "with --base-url (or --host/--port) the running server is measured with its own settings: "
+                         f"leave {'it' if len(given) == 1 else 'them'} out")
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = _ks(DEFAULT_KS)
+    if args.server_args is None:
+        args.server_args = ""
+
+
+def check_sampling(args) -> None:
+    """The sampling flags every request carries, checked as a server checks them (SamplingParams,
+    vLLM's bounds) before any server starts or request goes: a bad one would fail them all."""
+    from ..config import SamplingParams
+
+    try:
+        SamplingParams(**{k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p")
+                          if getattr(args, k) is not None})
+    except ValueError as e:                                # "top_p must be ..." -> "--top-p must be ..."
+        name, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
 
 
 def ramp(args) -> tuple[str, float, float] | None:
@@ -450,6 +481,8 @@ def run(args, argv: list[str]) -> int:
 
     slo = serve.parse_goodput(args.goodput)
     vllm_flags(args)
+    servers_started(args)
+    check_sampling(args)
     lengths(args)
     if (args.num_prompts is not None and args.num_prompts < 1) or args.output_len < 1 or args.warmup < 0 \
             or not args.burstiness > 0 or args.rounds < 1:

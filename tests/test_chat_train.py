@@ -120,7 +120,9 @@ def test_a_shard_of_prompts_all_too_long_is_skipped(answers, tmp_path, capsys):
     assert main(["train", "answers", "--target", str(target), "--prompts", str(tmp_path / "p.jsonl"),
                  "--out", str(tmp_path / "ans"), "--max-new-tokens", "4", "--per-shard", "2",
                  "--dtype", "float32", "--backend", "specdec"]) == 0
-    assert "shard_00000.pt: all 2 prompts too long" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "shard_00000.pt: all 2 prompts too long" in captured.err
+    assert "run again" not in captured.out and "1 skipped" in captured.out      # the run is complete
     assert [p.name for p in sorted((tmp_path / "ans").glob("shard_*.pt"))] == ["shard_00001.pt"]
     assert load_answer_shards([tmp_path / "ans" / "shard_00001.pt"])["ids"] == [r["id"] for r in rows[:2]]
 

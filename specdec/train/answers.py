@@ -19,9 +19,11 @@ Shards of `per_shard` prompts (prompt i of the prompt file lives in shard i // p
                       "hidden": [N, D] float16 (row r's features at offsets[r] .. offsets[r + 1] - 1;
                                  the row's last token has none: zeros there)}
 
-Written atomically one by one and skipped when present, so an interrupted run resumes; whether
-a prompt is answered greedily is a function of (seed, prompt index), so a resumed run makes the
-same choice.
+Written atomically one by one and skipped when present, so an interrupted run resumes. Whether
+a prompt is answered greedily, and a sampled answer's draws (a generator per prompt, seeded
+from seed and the prompt's index: ROW_SEEDS), are functions of (seed, prompt index), so a resumed
+run, or one with another --batch, answers alike. A shard whose prompts are all longer than
+max_prompt_tokens is not written; config.json records it under "skipped", and it counts as done.
 """
 
 from __future__ import annotations
@@ -72,14 +74,29 @@ def is_greedy(seed: int, index: int, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def _next_tokens(logits: torch.Tensor, greedy: list[bool], params: SamplingParams, gen) -> torch.Tensor:
-    """logits [A, V] -> next token ids [A]; greedy rows take the argmax, the others sample."""
+# how write_shards seeds a prompt's generator (recorded in config.json)
+ROW_SEEDS = "one generator per prompt, seeded seed * 1000003 + prompt index"
+
+
+def _next_tokens(logits: torch.Tensor, greedy: list[bool], params: SamplingParams, gens: list) -> torch.Tensor:
+    """logits [A, V] -> next token ids [A]; greedy rows take the argmax, the others sample, each
+    from gens[row]: rows sharing one generator draw together, a row with its own draws what no
+    other row changes."""
     out = logits.argmax(-1)
     sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
         probs = process(logits[sampled], params)
-        out[sampled] = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        if all(gens[i] is gens[sampled[0]] for i in sampled):
+            out[sampled] = torch.multinomial(probs, 1, generator=gens[sampled[0]]).squeeze(-1)
+        else:
+            for j, i in enumerate(sampled):
+                out[i] = torch.multinomial(probs[j:j + 1], 1, generator=gens[i])[0, 0]
     return out
+
+
+def _row_generators(gen, n: int) -> list:
+    """One generator for the batch, or one per row (a list), as a list per row."""
+    return list(gen) if isinstance(gen, (list, tuple)) else [gen] * n
 
 
 def kv_cache_dtype_for(model, name: str) -> str:
@@ -120,8 +137,10 @@ def _feed(model: Transformer, kv, seqs: list[int], tokens: list[list[int]], logi
 
 @torch.inference_mode()
 def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool], cfg: AnswerConfig,
-                 eos_ids: set[int], gen: torch.Generator, prefill_tokens: int = 4096) -> list[dict]:
+                 eos_ids: set[int], gen: torch.Generator | list[torch.Generator],
+                 prefill_tokens: int = 4096) -> list[dict]:
     """Answer each prompt; returns per row {"answer": [ids], "hidden": [P + len(answer) - 1, D], "finished"}.
+    gen: the batch's generator, or one per prompt (then a row's answer depends on no other row).
 
     Prompts are prefilled together in flat forwards of about `prefill_tokens` tokens; then every
     unfinished row decodes one token per forward, each at its own position (ForwardBatch), and
@@ -141,9 +160,10 @@ def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool
             group = []
         if r < len(prompts):
             group.append(r)
+    gens = _row_generators(gen, len(prompts))
     live, logits = list(range(len(prompts))), torch.stack(last)      # logits [live, V]
     while live:
-        nxt = _next_tokens(logits.float(), [greedy[r] for r in live], params, gen).tolist()
+        nxt = _next_tokens(logits.float(), [greedy[r] for r in live], params, [gens[r] for r in live]).tolist()
         fed = []
         for r, t in zip(live, nxt):
             row = rows[r]
@@ -163,7 +183,7 @@ def answer_batch(model: Transformer, prompts: list[list[int]], greedy: list[bool
 
 @torch.inference_mode()
 def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: AnswerConfig, eos_ids: set[int],
-                    gen: torch.Generator, pad_id: int = 0) -> list[dict]:
+                    gen: torch.Generator | list[torch.Generator], pad_id: int = 0) -> list[dict]:
     """answer_batch's contract on a transformers causal LM (the `transformers` backend).
 
     For a GPU (`--backend auto` picks it there). On the CPU specdec's own runtime is faster since
@@ -192,9 +212,10 @@ def answer_batch_hf(model, prompts: list[list[int]], greedy: list[bool], cfg: An
     h = step(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))             # [B, P, D] final-norm
     host = h.float().cpu()                                              # features gathered on the host
     rows = [{"answer": [], "hidden": [host[i, P - len(p):]], "finished": False} for i, p in enumerate(prompts)]
+    gens = _row_generators(gen, B)
     live, logits = list(range(B)), model.lm_head(h[:, -1]).float()
     while live:
-        nxt = _next_tokens(logits, [greedy[r] for r in live], params, gen).tolist()
+        nxt = _next_tokens(logits, [greedy[r] for r in live], params, [gens[r] for r in live]).tolist()
         keep = []
         for j, (r, t) in enumerate(zip(live, nxt)):
             rows[r]["answer"].append(t)
@@ -244,8 +265,9 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
-# AnswerConfig fields that fix what a shard holds (batch and threads only change how fast it is made);
-# kv_cache_dtype is compared once resolved (write_shards), "auto" before the model is loaded passes
+# AnswerConfig fields that fix what a shard holds (batch and threads only change how fast it is made:
+# each prompt samples from its own generator, ROW_SEEDS); kv_cache_dtype is compared once resolved
+# (write_shards), "auto" before the model is loaded passes
 MEANING_FIELDS = ("max_new_tokens", "per_shard", "greedy_fraction", "temperature", "top_p", "max_prompt_tokens", "seed",
                   "kv_cache_dtype")
 
@@ -260,8 +282,9 @@ def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, targ
     """Before answering into `out`: the shards already there were made with these settings, by this
     target, for the prompts they stand for now (a RunMismatch naming what differs otherwise).
     Returns the folder's record as it is to be written (config.json: the settings, the target,
-    each shard's prompts hash). A folder from before the record: its settings are checked, its
-    target and prompts taken as given (with a warning)."""
+    how sampled rows are seeded, each shard's prompts hash, and those of the shards skipped as all
+    too long). A folder from before the record: its settings are checked, its target and prompts
+    taken as given (with a warning)."""
     from .provenance import RunMismatch, check_run
 
     rec = None
@@ -272,14 +295,15 @@ def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, targ
             rec = None
     present = sorted(out.glob("shard_*.pt")) if out.is_dir() else []
     advice = "use another --out, or the options it was made with to go on"
-    now = {"target": target, **{k: getattr(cfg, k) for k in MEANING_FIELDS
-                                if k != "kv_cache_dtype" or cfg.kv_cache_dtype != "auto"}}
-    hashes = {}
-    if present and rec is not None:
+    now = {"target": target, "row_seeds": ROW_SEEDS, **{k: getattr(cfg, k) for k in MEANING_FIELDS
+                                                        if k != "kv_cache_dtype" or cfg.kv_cache_dtype != "auto"}}
+    hashes, skipped = {}, {}
+    if rec is not None and (present or rec.get("skipped")):
         check_run({k: v for k, v in rec.items() if k in now and (k != "target" or v)}, now,
-                  f"--out {out}: its shards were", {"target": "--target", **{k: "--" + k.replace("_", "-") for k in now}},
+                  f"--out {out}: its shards were", {"target": "--target", "row_seeds": "sampled rows seeded by",
+                                                    **{k: "--" + k.replace("_", "-") for k in MEANING_FIELDS}},
                   advice, sep=" ")
-        hashes = dict(rec.get("shards") or {})
+        hashes, skipped = dict(rec.get("shards") or {}), dict(rec.get("skipped") or {})
         for path in present:
             i = int(path.stem.split("_")[1])
             want = hashes.get(path.name)
@@ -289,19 +313,24 @@ def check_answers_folder(out: Path, prompts: list[dict], cfg: AnswerConfig, targ
         if target is not None and not rec.get("target"):
             log(f"warning: --out {out}: its shards were made before specdec recorded their target; taken as "
                 f"--target {target['path']}'s and recorded so")
+        if "row_seeds" not in rec and cfg.greedy_fraction < 1:
+            log(f"warning: --out {out}: its shards were made before specdec seeded each prompt's sampling on its "
+                f"own (their sampled answers then depended on --batch); new ones are seeded by {ROW_SEEDS}")
         if "kv_cache_dtype" not in rec and cfg.kv_cache_dtype != "auto":
             log(f"warning: --out {out}: its shards were made before specdec recorded their KV cache (then the "
                 f"model's dtype); new ones are computed over a {cfg.kv_cache_dtype} cache")
     elif present:
         log(f"warning: --out {out}: no record of the settings its {len(present)} shards were made with; taken as these")
-    return {**asdict(cfg), "target": target, "shards": hashes}
+    return {**asdict(cfg), "target": target, "row_seeds": ROW_SEEDS, "shards": hashes, "skipped": skipped}
 
 
 def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerConfig,
                  stop_after: int | None = None, log=lambda s: print(s, file=sys.stderr, flush=True),
                  target: dict | None = None) -> list[Path]:
     """Answer `prompts` shard by shard under `out` (present shards are kept); returns the shard
-    paths written so far, in order. `stop_after`: write at most that many new shards.
+    paths written so far, in order. `stop_after`: write at most that many new shards. A shard whose
+    prompts are all too long is not written but recorded in out/config.json's "skipped" (with its
+    prompts' hash): it is done, and a resume passes it (skipped_shards counts them).
     model: specdec's Transformer, or a transformers causal LM (answer_batch_hf). target: the
     target's provenance.target_fingerprint, recorded in out/config.json and checked on resume
     (check_answers_folder), as is the KV cache dtype cfg.kv_cache_dtype resolves to for `model`."""
@@ -320,14 +349,18 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
         if path.is_file():
             paths.append(path)
             continue
+        if record["skipped"].get(path.name) == chunk_hash(prompts[s:s + cfg.per_shard]):
+            continue
         if stop_after is not None and made >= stop_after:
             break
         t0 = time.perf_counter()
         chunk = [(s + i, p) for i, p in enumerate(prompts[s:s + cfg.per_shard])]
         encoded = [(i, p, chat_ids(tokenizer, p["prompt"])) for i, p in chunk]
         kept = [(i, p, ids) for i, p, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-        if not kept:                   # nothing to answer: no shard (a resume skips these prompts again)
-            log(f"{path.name}: all {len(chunk)} prompts too long (> {cfg.max_prompt_tokens} tokens), not written")
+        if not kept:                   # nothing to answer: no shard, recorded as done
+            record["skipped"][path.name] = chunk_hash(prompts[s:s + cfg.per_shard])
+            write_record(out / "config.json", record)
+            log(f"{path.name}: all {len(chunk)} prompts too long (> {cfg.max_prompt_tokens} tokens), skipped")
             continue
         # batches of similar prompt lengths: a padded batch costs its longest prompt per row
         order = sorted(range(len(kept)), key=lambda j: len(kept[j][2]))
@@ -335,19 +368,34 @@ def write_shards(model, tokenizer, prompts: list[dict], out: Path, cfg: AnswerCo
         for b in range(0, len(order), cfg.batch):
             part = [kept[j] for j in order[b:b + cfg.batch]]
             greedy = [is_greedy(cfg.seed, i, cfg.greedy_fraction) for i, _, _ in part]
-            gen = make_generator(cfg.seed * 1_000_003 + part[0][0], model.device)
+            gens = [make_generator(cfg.seed * 1_000_003 + i, model.device) for i, _, _ in part]     # ROW_SEEDS
             run = answer_batch if isinstance(model, Transformer) else answer_batch_hf
-            for j, r in zip(order[b:b + cfg.batch], run(model, [ids for _, _, ids in part], greedy, cfg, eos, gen)):
+            for j, r in zip(order[b:b + cfg.batch], run(model, [ids for _, _, ids in part], greedy, cfg, eos, gens)):
                 results[j] = r
         _save_shard(path, kept, results, cfg)
         record["shards"][path.name] = chunk_hash(prompts[s:s + cfg.per_shard])
+        record["skipped"].pop(path.name, None)          # skipped for other prompts once
         write_record(out / "config.json", record)
         paths.append(path)
         made += 1
         n_new = sum(len(r["answer"]) for r in results)
         log(f"{path.name}: {len(kept)} prompts ({len(chunk) - len(kept)} too long), {n_new} answer tokens "
             f"in {time.perf_counter() - t0:.0f}s")
+    skipped = skipped_shards(out, prompts, cfg.per_shard)
+    if skipped:
+        n = sum(len(prompts[i * cfg.per_shard:(i + 1) * cfg.per_shard]) for i in skipped.values())
+        log(f"{len(skipped)} shards skipped, their {n} prompts all over {cfg.max_prompt_tokens} tokens (recorded in "
+            f"{out / 'config.json'})")
     return paths
+
+
+def skipped_shards(out: Path, prompts: list[dict], per_shard: int) -> dict[str, int]:
+    """{name: shard index} of the shards of `out` that write_shards skipped, their prompts all too
+    long, for these very prompts: done, though not on disk."""
+    rec = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    index = {name: int(Path(name).stem.split("_")[1]) for name in rec.get("skipped") or {}}
+    return {name: i for name, i in index.items()
+            if rec["skipped"][name] == chunk_hash(prompts[i * per_shard:(i + 1) * per_shard])}
 
 
 def _save_shard(path: Path, kept: list, results: list[dict], cfg: AnswerConfig) -> None:

@@ -373,7 +373,7 @@ def _chat_data(args: argparse.Namespace) -> int:
                             kv_cache_dtype=args.kv_cache_dtype)
         print(f"{len(done)} shards with features in {args.out}")
         return 0
-    from .answers import check_answers_folder
+    from .answers import check_answers_folder, skipped_shards
     from .provenance import target_fingerprint
 
     prompts = read_prompts(Path(args.prompts))[:args.limit]
@@ -386,8 +386,10 @@ def _chat_data(args: argparse.Namespace) -> int:
     check_answers_folder(Path(args.out), prompts, cfg, target, log=lambda s: None)   # before the model loads
     paths = write_shards(_answer_model(args), Tokenizer(args.target), prompts, Path(args.out), cfg,
                          stop_after=args.stop_after, target=target)
+    skipped = len(skipped_shards(Path(args.out), prompts, cfg.per_shard))      # all their prompts too long: done
     total = -(-len(prompts) // cfg.per_shard)
-    print(f"{len(paths)}/{total} shards in {args.out}" + ("" if len(paths) == total else "; run again to continue"))
+    print(f"{len(paths)}/{total} shards in {args.out}" + (f", {skipped} skipped: all prompts too long" if skipped else "")
+          + ("" if len(paths) + skipped == total else "; run again to continue"))
     return 0
 
 

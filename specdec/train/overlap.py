@@ -1,7 +1,11 @@
 """Contamination check: training prompts against an evaluation set (Spec-Bench's questions).
 
-A prompt is dropped when, after lower-casing and keeping only word characters,
-- it equals an evaluation turn, or contains a short one (under 8 words) as a phrase;
+A prompt is dropped when, its text and the turns normalised alike (NFKC, case-folded, combining
+marks such as accents removed: NFD text, "u" + U+0308, matches "ü") and cut into words,
+- it equals an evaluation turn, or contains a short one (under 8 words) as a phrase, or contains
+  a short turn's content (4 to 12 words after an instruction prefix of at most 6 words before a
+  ":", such as "Translate German to English:"), so the benchmark's sentence under another
+  wording of the instruction is dropped too;
 - it shares any 13-word sequence with an evaluation turn (GPT-3's contamination rule);
 - it is a near duplicate: at least half the 8-word sequences of the prompt, or of the
   evaluation turn, also occur in the other.
@@ -12,14 +16,27 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
 
 LONG_N, NEAR_N, NEAR_FRACTION = 13, 8, 0.5
+PREFIX_WORDS, CONTENT_MIN = 6, 4      # an instruction prefix's most words; a checked content's fewest
 
 
 def words(text: str) -> list[str]:
+    """The text's words, compared alike however the text is encoded: NFKC, case-folded (ß is ss),
+    and without combining marks (which are no word characters: NFD text would split at each)."""
+    if not text.isascii():
+        text = unicodedata.normalize("NFKD", text.casefold())
+        text = unicodedata.normalize("NFKC", "".join(c for c in text if not unicodedata.category(c).startswith("M")))
     return re.findall(r"\w+", text.lower())
+
+
+def turn_content(turn: str) -> list[str]:
+    """The turn's words past an instruction prefix ("Translate German to English: S" -> S's), or []."""
+    head, sep, rest = turn.partition(":")
+    return words(rest) if sep and 0 < len(words(head)) <= PREFIX_WORDS else []
 
 
 def ngrams(ws: list[str], n: int) -> set[tuple[str, ...]]:
@@ -48,6 +65,8 @@ def check_overlap(prompts: list[dict], evals: list[str]) -> tuple[list[dict], di
     ev_words = [words(t) for t in evals]
     exact = {" ".join(w) for w in ev_words}
     short = [" ".join(w) for w in ev_words if 0 < len(w) < NEAR_N]
+    # longer contents share a 13-gram with the prompt already
+    short += [" ".join(c) for c in map(turn_content, evals) if CONTENT_MIN <= len(c) < LONG_N]
     long_index, near_index = defaultdict(set), defaultdict(set)
     near_sizes = []
     for i, w in enumerate(ev_words):
@@ -88,8 +107,8 @@ def check_overlap(prompts: list[dict], evals: list[str]) -> tuple[list[dict], di
               "prompts_sharing_any_8gram_kept": any_8gram - len(hits["near_duplicate_8gram"]),
               "max_8gram_fraction_kept": round(max_fraction if not hits["near_duplicate_8gram"] else
                                                _max_below(prompts, kept, evals), 4),
-              "rules": f"exact / contains a short turn; any shared {LONG_N}-gram; >= {NEAR_FRACTION:.0%} of "
-                       f"{NEAR_N}-grams shared either way"}
+              "rules": f"exact / contains a short turn or a short turn's content; any shared {LONG_N}-gram; "
+                       f">= {NEAR_FRACTION:.0%} of {NEAR_N}-grams shared either way"}
     return kept, report
 
 

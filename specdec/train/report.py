@@ -1,6 +1,8 @@
 """`specdec train report`: the quality numbers of a target/draft pair on the held-out test split.
 
-- validation and test loss of each model (the same fixed windows as training's evaluation);
+- validation and test loss of each model on the same fixed windows as its training's evaluation
+  (the seq_len, batch_size, eval_batches and corpus_limit_mb its training.json records), so they
+  are training.json's losses, up to the bf16 rounding of the saved weights;
 - acceptance rate and mean accepted length of draft-model speculation at K (default 4), greedy
   and at temperature 1, completing test-split function headers;
 - the share of those functions whose greedy completion `ast.parse` accepts. Greedy speculative
@@ -52,15 +54,27 @@ def completes(header: str, completion: str) -> bool:
         return False
 
 
-def losses(folder: Path, tok, seq_len: int = 512, batches: int = 4) -> dict:
+EVAL_KEYS = ("seq_len", "batch_size", "eval_batches", "corpus_limit_mb")   # what fixes lm.eval_windows
+
+
+def losses(folder: Path, tok) -> dict:
+    """Validation and test loss of the model in `folder` on its training's evaluation windows
+    (training.json's config; a folder without an LM's training.json: 16 windows of 512 tokens),
+    with "windows" saying which."""
     from ..model import load_model
 
     model = load_model(folder, "float32")
-    cfg = TrainConfig(seq_len=seq_len, batch_size=4, eval_batches=batches)
+    path = folder / "training.json"
+    trained = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
+    if "eval_batches" in trained:         # an LM's (specdec train target / draft) record
+        cfg, source = TrainConfig(**{k: trained[k] for k in EVAL_KEYS if k in trained}), "its training's evaluation"
+    else:
+        cfg, source = TrainConfig(seq_len=512, batch_size=4, eval_batches=4), "no training.json"
     out = {}
     for split in ("validation", "test"):
-        tokens = encode_split(tok, split)
+        tokens = encode_split(tok, split, limit_mb=cfg.corpus_limit_mb)
         out[f"{split}_loss"] = round(evaluate(model, eval_windows(np.asarray(tokens), cfg)), 4)
+    out["windows"] = f"{cfg.eval_batches * cfg.batch_size} windows of {cfg.seq_len} tokens per split, {source}"
     return out
 
 
@@ -97,6 +111,8 @@ def quality_section(r: dict, command: str) -> str:
     """The report's block of a card: its table and the command that measured it."""
     g, t = r["greedy"], r["temperature_1"]
     machine = f", on {r['machine']}" if r.get("machine") else ""
+    windows = "".join(f"; {who} losses: {r[who]['windows']}" for who in ("target", "draft")
+                      if r[who].get("windows"))
     return f"""| | |
 |---|---|
 | target validation / test loss | {r['target']['validation_loss']} / {r['target']['test_loss']} |
@@ -106,7 +122,7 @@ def quality_section(r: dict, command: str) -> str:
 | target's greedy completions that add a body `ast.parse` accepts | {r['ast_parse_share']:.0%} of {r['functions']} test-split functions |
 
 Measured on {r['functions']} documented test-split functions (def line and docstring as the prompt,
-{r['max_tokens']} new tokens, {r['dtype']}{machine}) by:
+{r['max_tokens']} new tokens, {r['dtype']}{machine}){windows} by:
 ```
 {command}
 ```

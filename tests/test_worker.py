@@ -65,44 +65,51 @@ def test_stop_takes_the_hook_off_the_engine(tiny_pair):
 
 
 def test_a_base_exception_never_leaves_a_waiter_hanging(tiny_pair):
-    """A call's SystemExit fails that call and the engine goes on; a step's SystemExit (which
-    the step handlers, catching Exception, let through) kills the engine and answers every
-    request waiting, where the thread had died silently and its callers waited for ever."""
+    """A BaseException on the engine thread (a collective_rpc function's SystemExit, one escaping
+    a step: the handlers catch Exception) is fatal, as a vLLM worker process exiting: the call that
+    raised, the requests in flight and later calls are answered with the engine's death, where the
+    thread had died silently and its callers waited for ever."""
     import sys
 
-    target, _ = tiny_pair
-    llm = LLM(str(target), max_model_len=64, dtype="float32")
-    worker = EngineWorker(llm.engine)
-    worker.start()
-    try:
-        future = worker.call(lambda engine: sys.exit(3))
-        try:
-            future.result(30)
-            raise AssertionError("the call should fail")
-        except RuntimeError as e:
-            assert "SystemExit" in str(e)
-        assert worker.call(lambda engine: 7).result(30) == 7          # the engine goes on
-        real_step, got, done = llm.engine.step, [], threading.Event()
+    from specdec.server.worker import EngineDeadError
 
-        def dying_step():
-            llm.engine.step = real_step
-            raise SystemExit(4)
+    target, _ = tiny_pair
+    ids = None
+    for kind in ("call", "step"):
+        llm = LLM(str(target), max_model_len=64, dtype="float32")
+        ids = ids or llm.tokenizer.encode("def f(x):")
+        worker = EngineWorker(llm.engine)
+        got, first, done = [], threading.Event(), threading.Event()
 
         def deliver(item):
             got.append(item)
+            first.set()
             if isinstance(item, BaseException) or item.finished:
                 done.set()
 
-        llm.engine.step = dying_step
-        ids = llm.tokenizer.encode("def f(x):")
-        worker.submit([Job(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 0, deliver)])
-        assert done.wait(30), "the request was left waiting on a dead thread"
-        assert isinstance(got[-1], BaseException) and worker.error is not None
-        from specdec.server.worker import EngineDeadError
-        try:                                                              # refused, not hanging
-            worker.call(lambda engine: 7).result(30)
-            raise AssertionError("a dead engine took a call")
-        except EngineDeadError:
-            pass
-    finally:
-        worker.stop(30)
+        real_step = llm.engine.step
+        if kind == "step":
+            def dying_step():
+                llm.engine.step = real_step
+                raise SystemExit(4)
+            llm.engine.step = dying_step
+        worker.start()
+        try:
+            worker.submit([Job(ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), 0, deliver)])
+            if kind == "call":
+                assert first.wait(30)
+                future = worker.call(lambda engine: sys.exit(3))
+                try:
+                    future.result(30)
+                    raise AssertionError("the call should fail")
+                except EngineDeadError as e:
+                    assert "SystemExit" in str(e)
+            assert done.wait(30), "the request was left waiting on a dead thread"
+            assert isinstance(got[-1], BaseException) and worker.error is not None
+            try:                                                              # refused, not hanging
+                worker.call(lambda engine: 7).result(30)
+                raise AssertionError("a dead engine took a call")
+            except EngineDeadError:
+                pass
+        finally:
+            worker.stop(30)

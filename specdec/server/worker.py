@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -102,6 +102,7 @@ class EngineWorker:
         self._closing = False
         self.error: BaseException | None = None        # what killed the engine (alive is then False)
         self._failures = 0                             # failed steps since one last decoded
+        self._taken: list[Future] = []                 # the calls being run (off their queue)
         # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
         # while holding (pause mode "wait", draining) the running ones go on and new ones wait
         self._paused = self._holding = self._no_pauses = False
@@ -271,8 +272,9 @@ class EngineWorker:
             _RELEASED.threads = None
 
     def _guarded_loop(self) -> None:
-        """_loop, and if anything escapes it (a BaseException such as SystemExit, which its
-        handlers do not catch) the engine is dead: every request and call waiting is answered
+        """_loop, and if anything escapes it (a BaseException such as a collective_rpc function's
+        SystemExit, which its handlers do not catch: fatal, as a vLLM worker process exiting) the
+        engine is dead: every request and call waiting is answered, the one that raised included,
         rather than left hanging behind a thread that is gone."""
         try:
             self._loop()
@@ -283,6 +285,9 @@ class EngineWorker:
             with contextlib.suppress(Exception):
                 self._fail_all(error)
             self._die(error)
+            for future in self._taken:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(self.dead())
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)
@@ -358,8 +363,10 @@ class EngineWorker:
                 event = self.engine.abort(job.request_id)
                 self._pending.append((job, event or StepEvent([], "", 0, finished=True, finish_reason="abort",
                                                               request_id=job.request_id)))
+        self._taken = [future for _, future, _ in calls]    # answered by _guarded_loop if one ends the thread
         for fn, future, _ in calls:
             _run(fn, self.engine, future)
+        self._taken = []
         for job in new:
             try:
                 self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
@@ -491,9 +498,6 @@ def _run(fn: Callable[[Engine], object], engine: Engine, future: Future) -> None
         result = fn(engine)
     except Exception as e:               # noqa: BLE001 - the caller reads it from the future
         future.set_exception(e)
-        return
-    except BaseException as e:           # a function's SystemExit: the call fails, the engine goes on
-        future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
         return
     future.set_result(result)
 

@@ -16,13 +16,17 @@ _HOMES = {"LLM": "llm", "CompletionOutput": "llm", "RequestOutput": "llm",
 
 
 def __getattr__(name):
-    if name in _HOMES:
-        import importlib
+    import importlib
+    import importlib.util
 
+    if name in _HOMES:
         value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)      # a submodule: specdec.kernels, as before
+    else:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__():

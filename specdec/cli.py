@@ -418,6 +418,9 @@ def _config_words(argv: list[str], parser, positional_model: bool) -> list[str]:
         if flag == "--model" and positional_model:
             words.append(f"--config-model={value}")       # serve: a MODEL given after the options still wins
             continue
+        if dot:                                            # a JSON flag's key: its value read as JSON
+            words.append(f"{flag}={value if isinstance(value, str) else json.dumps(value)}")
+            continue
         action = actions.get(flag)
         if isinstance(value, bool):
             if value:

@@ -130,3 +130,25 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(launch):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, "interrupted\n")
+
+
+def test_the_lazy_package_still_reaches_its_submodules():
+    """`import specdec` then `specdec.kernels` (the README's release_threads), `specdec.inputs`:
+    the lazy __init__ imports a submodule on first use, as the eager one had them imported."""
+    code = ("import specdec\n"
+            "assert specdec.kernels.__name__ == 'specdec.kernels'\n"
+            "assert specdec.inputs.TokensPrompt and specdec.config.SamplingParams is specdec.SamplingParams\n"
+            "try:\n    specdec.no_such_thing\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    assert subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True).returncode == 0
+
+
+def test_config_dotted_keys_take_bools_and_lists(tmp_path):
+    """`speculative_config.x: true` / `false` / `[1, 2]` in a --config file read as on the command
+    line; a true one had needed a value (and took the next flag as it), false was dropped."""
+    from specdec.server.cli import parse_args
+
+    for value, expected in (("true", True), ("false", False), ("[1, 2]", [1, 2])):
+        f = tmp_path / "c.yaml"
+        f.write_text(f"speculative_config.method: ngram\nspeculative_config.x: {value}\n")
+        args = parse_args(["m", "--config", str(f), "--port", "18792"])[0]
+        assert args.speculative_config == {"method": "ngram", "x": expected} and args.port == 18792

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -973,6 +974,9 @@ def _deepest(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Argu
 def main(argv: list[str] | None = None) -> int:
     """The `specdec` command. Ctrl-C at any moment, the start-up's imports (torch) included, is
     one line and status 130; a closed stdout (`| head`) ends it quietly with status 0."""
+    for name in ("stdout", "stderr"):          # started with it closed (`>&-`): Python sets None
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))     # noqa: SIM115 - the process's
     try:
         return _main(argv)
     except KeyboardInterrupt:

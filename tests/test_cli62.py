@@ -152,3 +152,14 @@ def test_config_dotted_keys_take_bools_and_lists(tmp_path):
         f.write_text(f"speculative_config.method: ngram\nspeculative_config.x: {value}\n")
         args = parse_args(["m", "--config", str(f), "--port", "18792"])[0]
         assert args.speculative_config == {"method": "ngram", "x": expected} and args.port == 18792
+
+
+def test_a_closed_stdout_is_not_a_crash(tmp_path):
+    """Started with stdout closed (`>&-`, Python's sys.stdout None): the command runs (its output
+    goes nowhere) instead of an AttributeError traceback."""
+    code = ("import sys; sys.argv = ['specdec', 'generate', '--model', 'models/target', '--max-tokens', '2', 'hi']\n"
+            "from specdec.cli import main; raise SystemExit(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       pass_fds=(), close_fds=True, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

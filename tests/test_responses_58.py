@@ -169,3 +169,17 @@ def test_completions_with_max_tokens_null_are_capped_there_too(long_default):
                                       extra_body={"use_beam_search": True, "ignore_eos": True})
     assert len(beams.choices) == 2
     assert client.completions.create(model="m", prompt="hi", temperature=0).usage.completion_tokens <= 16
+
+
+def test_a_chain_on_a_background_response_still_running_is_refused(client, live):
+    """previous_response_id naming a background response not done yet: a 400, where the chain had
+    been built without its reply (the stored entry held only its input)."""
+    r = client.responses.create(model="toy", input="hi", max_output_tokens=400, background=True, temperature=0,
+                                extra_body={"ignore_eos": True})
+    try:
+        got = httpx.post(f"{live.url}/v1/responses", json={"model": "toy", "input": "next", "previous_response_id": r.id,
+                                                           "max_output_tokens": 4}, timeout=60)
+        if client.responses.retrieve(r.id).status in ("queued", "in_progress"):   # still running when asked
+            assert got.status_code == 400 and got.json()["error"]["param"] == "previous_response_id", got.text
+    finally:
+        httpx.post(f"{live.url}/v1/responses/{r.id}/cancel", timeout=60)

@@ -479,7 +479,13 @@ def _responses_routes(service: Service, store: ResponseStore) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
         check_request(body)
-        history = store.get(body.previous_response_id, "previous_response_id")[0] if body.previous_response_id else []
+        history = []
+        if body.previous_response_id:
+            history, stored = store.get(body.previous_response_id, "previous_response_id")
+            status = json.loads(stored).get("status")
+            if status in ("queued", "in_progress"):     # its reply is not in the chain yet: it would be left out
+                raise APIError(400, f"previous response {body.previous_response_id!r} is still {status}: continue "
+                                    "it once it has completed (or cancel it)", "previous_response_id")
 
         def prepare():      # off the event loop, as the chat route's preparation
             try:

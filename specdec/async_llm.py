@@ -34,7 +34,6 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
-from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -150,59 +149,14 @@ class EngineDeadError(RuntimeError):
 class _EngineCore(EngineWorker):
     """The AsyncLLM's engine thread, as vLLM's engine core: an exception in a step (or between
     two; a BaseException too, a collective_rpc function's SystemExit) is fatal, and every request
-    and call still waiting gets EngineDeadError. The engine's state after a failed forward is not to be trusted, and a fault
-    that fails one step (a model that raises, a device gone) fails the next as well: a live
-    thread failing every request would pass check_health() forever."""
+    and call still waiting gets EngineDeadError. The engine's state after a failed forward is not
+    to be trusted, and a fault that fails one step (a model that raises, a device gone) fails the
+    next as well: a live thread failing every request would pass check_health() forever. (The
+    server's worker, its base, probes the engine after failed steps instead.)"""
 
     def __init__(self, engine):
         super().__init__(engine, freeze_heap=False)
-        self.error: BaseException | None = None          # what killed the engine
-        # jobs and call() futures not answered yet: a thread that dies answers them (EngineDeadError),
-        # those it had taken off its queues included
-        self._owed: set[Job | Future] = set()
         self.loop: asyncio.AbstractEventLoop | None = None    # the event loop the requests come from
-
-    def submit(self, jobs: list[Job]) -> None:
-        with self._cond:
-            super().submit(jobs)
-            self._owed.update(jobs)
-
-    def call(self, fn, work: bool = False) -> Future:
-        with self._cond:
-            queued = self._thread.is_alive()
-            if queued:
-                future = super().call(fn, work)
-                self._owed.add(future)
-        if not queued:
-            return super().call(fn, work)                # refused, or run here and now
-        future.add_done_callback(self._answered)
-        return future
-
-    def _answered(self, done: Job | Future) -> None:
-        with self._cond:
-            self._owed.discard(done)
-
-    def _send(self, job: Job, item) -> None:
-        if isinstance(item, Exception) or item.finished:
-            self._answered(job)
-        super()._send(job, item)
-
-    def _loop(self) -> None:
-        try:
-            super()._loop()
-        except BaseException as e:       # SystemExit or a test's pytest.fail() in a call or a step: fatal too
-            log.exception("engine thread failed")
-            self._hand_over()
-            self._fail_all(e)
-        finally:
-            with self._cond:
-                owed, self._owed = list(self._owed) if self.error is not None else [], set()
-            for item in owed:
-                if isinstance(item, Job):
-                    self._send(item, self.dead())
-                else:
-                    with contextlib.suppress(InvalidStateError):     # cancelled by its caller meanwhile
-                        item.set_exception(self.dead())
 
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)            # gives the starting thread its compute threads back when run there
@@ -223,20 +177,12 @@ class _EngineCore(EngineWorker):
         dead.__cause__ = self.error
         return dead
 
-    def _fail_all(self, error: BaseException) -> None:
-        self.error = error
-        dead = self.dead()
-        with self._cond:
-            self._closing = True                         # submit() refuses from now on: alive is False
-            queued, self._inbox = list(self._inbox), deque()
-            calls, self._calls = list(self._calls), deque()
-            pauses, self._pauses = self._pauses, []
-        super()._fail_all(dead)                          # the requests in the engine
-        for job in queued:
-            self._send(job, dead)
-        for future in [c[1] for c in calls] + [p[0] for p in pauses]:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(dead)
+    def _fail_all(self, error: BaseException) -> bool:
+        """Any failure is fatal: the engine is dead, every request in it, queued or called hears so."""
+        self.error = self.error or error
+        self._die(error)                                 # refused from now on (alive False); the queues answered
+        super()._fail_all(self.dead())                   # the requests in the engine
+        return False
 
     def _between_steps(self) -> bool:
         return self.error is None and super()._between_steps()      # dead: the thread ends

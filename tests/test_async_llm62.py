@@ -101,7 +101,7 @@ def test_tokenization_kwargs_keep_the_prompt(engine, llm):
         return await last(text, "text"), await last(both, "both")
 
     got = asyncio.run(main())
-    assert not engine._worker._owed                  # what the engine thread answers is not kept
+    assert not engine._worker._taken                 # what the engine thread answers is not kept
     offline = [llm.generate(p, params, tokenization_kwargs=kwargs)[0] for p in (text, both)]
     for a, o in zip(got, offline):
         assert (a.prompt, a.prompt_token_ids, a.outputs[0].token_ids) == \

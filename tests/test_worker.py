@@ -113,3 +113,46 @@ def test_a_base_exception_never_leaves_a_waiter_hanging(tiny_pair):
                 pass
         finally:
             worker.stop(30)
+
+
+def test_jobs_taken_with_a_call_that_kills_the_thread_are_answered(tiny_pair):
+    """A request taken off the queue between two steps together with a call that then raises a
+    BaseException (a collective_rpc function's SystemExit) was never admitted: the dying thread
+    answers it too, where it had waited for ever."""
+    from specdec.server.worker import EngineDeadError
+
+    target, _ = tiny_pair
+    llm = LLM(str(target), max_model_len=64, dtype="float32")
+    ids = llm.tokenizer.encode("def f(x):")
+    worker = EngineWorker(llm.engine)
+    holding, release, got, done = threading.Event(), threading.Event(), [], threading.Event()
+
+    def hold(engine):
+        holding.set()
+        release.wait(30)
+
+    def leave(engine):
+        raise SystemExit("the worker function exits")
+
+    def deliver(item):
+        got.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            done.set()
+
+    worker.start()
+    try:
+        worker.call(hold)
+        assert holding.wait(30)              # the thread is busy: the next two are queued together
+        fatal = worker.call(leave)
+        worker.submit([Job(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 0, deliver)])
+        release.set()
+        try:
+            fatal.result(30)
+            raise AssertionError("the call should fail")
+        except EngineDeadError as e:
+            assert "SystemExit" in str(e)
+        assert done.wait(30), "the request taken with the call was left waiting"
+        assert isinstance(got[-1], EngineDeadError) and not worker._taken
+    finally:
+        release.set()
+        worker.stop(30)

@@ -102,7 +102,7 @@ class EngineWorker:
         self._closing = False
         self.error: BaseException | None = None        # what killed the engine (alive is then False)
         self._failures = 0                             # failed steps since one last decoded
-        self._taken: list[Future] = []                 # the calls being run (off their queue)
+        self._taken: deque[Future | Job] = deque()     # calls and new jobs off their queues, not yet answered
         # vLLM's pause_generation: while paused no step runs and new jobs wait in the inbox;
         # while holding (pause mode "wait", draining) the running ones go on and new ones wait
         self._paused = self._holding = self._no_pauses = False
@@ -274,20 +274,31 @@ class EngineWorker:
     def _guarded_loop(self) -> None:
         """_loop, and if anything escapes it (a BaseException such as a collective_rpc function's
         SystemExit, which its handlers do not catch: fatal, as a vLLM worker process exiting) the
-        engine is dead: every request and call waiting is answered, the one that raised included,
-        rather than left hanging behind a thread that is gone."""
+        engine is dead (_fatal)."""
         try:
             self._loop()
         except BaseException as e:       # noqa: BLE001 - the thread ends here either way
             log.exception("the engine thread died")
-            error = e if isinstance(e, Exception) else RuntimeError(f"engine thread died: {type(e).__name__}: {e}")
-            self.error = self.error or error         # dead before its requests hear of it
-            with contextlib.suppress(Exception):
-                self._fail_all(error)
-            self._die(error)
-            for future in self._taken:
-                with contextlib.suppress(InvalidStateError):
-                    future.set_exception(self.dead())
+            self._fatal(e)
+
+    def _fatal(self, error: BaseException) -> None:
+        """The engine thread is ending on `error`: every request and call waiting is answered,
+        those it had taken off its queues included (the call that raised, the jobs it was
+        admitting), rather than left hanging behind a thread that is gone."""
+        self.error = self.error or error             # dead before its requests hear of it
+        with contextlib.suppress(Exception):
+            self._hand_over()                        # what was computed reaches them first
+        self._die(error)                             # refused from now on; the queues answered
+        with contextlib.suppress(Exception):
+            self._fail_all(error if isinstance(error, Exception) else self.dead())
+        dead = self.dead()
+        for item in self._taken:
+            if isinstance(item, Job):
+                self._send(item, dead)
+            else:
+                with contextlib.suppress(InvalidStateError):     # run, or cancelled by its caller
+                    item.set_exception(dead)
+        self._taken.clear()
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)     # this thread's OpenMP count (and torch's)
@@ -363,31 +374,37 @@ class EngineWorker:
                 event = self.engine.abort(job.request_id)
                 self._pending.append((job, event or StepEvent([], "", 0, finished=True, finish_reason="abort",
                                                               request_id=job.request_id)))
-        self._taken = [future for _, future, _ in calls]    # answered by _guarded_loop if one ends the thread
+        # taken off the queues: _fatal answers those still here if one ends the thread
+        self._taken = deque([future for _, future, _ in calls] + new)
         for fn, future, _ in calls:
             _run(fn, self.engine, future)
-        self._taken = []
-        for job in new:
-            try:
-                self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
-                                        priority=job.priority, lora_request=job.lora_request,
-                                        prediction=job.prediction, trace_headers=job.trace_headers,
-                                        trace_name=job.name or None, cache_salt=job.cache_salt)
-            except ValueError as e:
-                self._send(job, e)
-                continue
-            except Exception as e:           # noqa: BLE001 - this request fails alone; the engine goes on
-                log.exception("request %s (%s) could not be added", job.name, job.request_id)
-                try:
-                    self.engine.abort(job.request_id)
-                except Exception:            # noqa: BLE001 - it was never admitted
-                    pass
-                self._send(job, e)
-                continue
-            self._jobs[job.request_id] = job
+            self._taken.popleft()
+        while self._taken:
+            self._admit(self._taken[0])
+            self._taken.popleft()
         if self._pauses:
             self._settle_pauses()
         return True
+
+    def _admit(self, job: Job) -> None:
+        """A new job into the engine; one it refuses hears why (alone: the engine goes on)."""
+        try:
+            self.engine.add_request(job.prompt_ids, job.params, job.seed_offset, request_id=job.request_id,
+                                    priority=job.priority, lora_request=job.lora_request,
+                                    prediction=job.prediction, trace_headers=job.trace_headers,
+                                    trace_name=job.name or None, cache_salt=job.cache_salt)
+        except ValueError as e:
+            self._send(job, e)
+            return
+        except Exception as e:           # noqa: BLE001 - this request fails alone; the engine goes on
+            log.exception("request %s (%s) could not be added", job.name, job.request_id)
+            try:
+                self.engine.abort(job.request_id)
+            except Exception:            # noqa: BLE001 - it was never admitted
+                pass
+            self._send(job, e)
+            return
+        self._jobs[job.request_id] = job
 
     def _has_work(self) -> bool:
         """Under the lock: something for the thread to do now."""

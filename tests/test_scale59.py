@@ -120,8 +120,10 @@ def test_a_stopped_tp_group_answers_new_requests_503(tiny_pair):
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(5)
         deadline = time.monotonic() + 10
-        while httpx.get(live.url + "/health").status_code == 200 and time.monotonic() < deadline:
+        while (health := httpx.get(live.url + "/health")).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
+        # /health's reason reads as the requests' (it had come quoted, as a repr)
+        assert health.json()["error"]["message"].startswith("the engine cannot serve: tensor-parallel group of 2")
         with pytest.raises(openai.APIStatusError) as caught:
             client.completions.create(model="tp", prompt="def f(x):", max_tokens=2)
         e = caught.value

@@ -254,7 +254,8 @@ def _public_routes(service: Service, load: ServerLoad) -> APIRouter:
         try:
             service.llm.check_health()        # a tensor-parallel group that has stopped cannot serve
         except Exception as e:
-            return error_response(503, f"the engine cannot serve: {str(e).splitlines()[0] if str(e) else e!r}")
+            reason = str(e).splitlines()[0] if str(e) else repr(e)    # (a !r in the braces had quoted every message)
+            return error_response(503, f"the engine cannot serve: {reason}")
         return {"status": "ok"}
 
     @router.get("/ping")

@@ -3,7 +3,8 @@
 As vLLM runs it, on top of the engine rather than inside it: each step every live beam is one
 request for a single token with its 2 x beam_width most likely next tokens and their
 log-probabilities (as logprobs_mode reports them: with the default raw_logprobs the model's own
-distribution, which temperature does not change); the beam_width best of all
+distribution, which temperature does not change; a logits mode: the logits, summed as vLLM
+sums them, whatever their sign); the beam_width best of all
 extensions by cumulative log-probability live on, those ending in an end-of-sequence token
 (unless ignore_eos) are set aside as finished. At the end the finished and the live beams are
 ranked by cum_logprob / len ** length_penalty (len: prompt and output tokens, the EOS not
@@ -58,7 +59,7 @@ class BeamSearchSequence:
     the adapter the beam ran with; `text`: decode(tokens) with the tokenizer's defaults (vLLM's
     offline text: the prompt's and the output's, special tokens and an EOS kept). finish_reason
     ("stop": an EOS ended it; "length") is what vLLM's server reports of a beam; stop_reason stays
-    None, as vLLM's LLM.beam_search leaves it."""
+    None, as vLLM's LLM.beam_search leaves it (the server reports the EOS id, as vLLM's)."""
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     lora_request: Any = None
@@ -75,29 +76,30 @@ class BeamSearchOutput:
 
 def beam_score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
     """vLLM's cum_logprob / len ** length_penalty, through logs where len ** length_penalty leaves
-    the floats (length_penalty 400 on 6 tokens, -110 on 1,000): then -inf or -0.0 at worst.
+    the floats (length_penalty 400 on 6 tokens, -110 on 1,000): then +-inf or +-0.0 at worst.
     Ranking uses _rank, whose order these floats can lose."""
     try:
         return beam.cum_logprob / (_length(beam, eos) ** length_penalty)
     except (OverflowError, ZeroDivisionError):
-        log = _rank(beam, eos, length_penalty)
-        return -0.0 if log == math.inf else -math.inf if -log > 709 else -math.exp(-log)
+        sign, key = _rank(beam, eos, length_penalty)
+        log = sign * key                                  # log |score|
+        return sign * (math.inf if log > 709 else math.exp(log))
 
 
 def _length(beam: BeamSearchSequence, eos: set[int]) -> int:
     return len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos else 0)
 
 
-def _rank(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
-    """A key in beam_score's order for every finite length_penalty: -log(-score) =
-    length_penalty * log(len) - log(-cum_logprob), which stays finite where the score itself
-    overflows or rounds to 0 (a cum_logprob of 0 scores 0, the best)."""
+def _rank(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> tuple[int, float]:
+    """A key in beam_score's order for every finite length_penalty and either sign of cum_logprob
+    (a logits logprobs_mode sums logits, often positive): the score's sign, then log(score) where it
+    is positive, -log(-score) where negative; log |score| = log |cum_logprob| - length_penalty *
+    log(len) stays finite where the score itself overflows or rounds to 0."""
     cum = beam.cum_logprob
-    if cum >= 0:
-        return math.inf
-    if cum == -math.inf:
-        return -math.inf
-    return length_penalty * math.log(_length(beam, eos)) - math.log(-cum)
+    if cum == 0:
+        return 0, 0.0
+    sign = 1 if cum > 0 else -1
+    return sign, sign * (math.log(abs(cum)) - length_penalty * math.log(_length(beam, eos)))
 
 
 class BeamSearch:

@@ -34,7 +34,7 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
             ids = search.output_ids(beam, len(prompt))
             completion_tokens += len(ids)
             choices.append({"index": p * search.params.beam_width + j, "text": service.tokenizer.decode(ids, skip_special_tokens=True),
-                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
+                            "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": _stop_reason(beam),
                             **({"token_ids": list(ids), "prompt_token_ids": list(prompt)} if body.return_token_ids
                                else {})})
     answer = _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
@@ -63,7 +63,8 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         ids = search.output_ids(beam, len(prompts[0]))
         # as the plain reply's text: harmony's channels are special tokens prepare_chat keeps
         text = service.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
-        results.append(ChoiceResult(j, [text], list(ids), finish_reason=beam.finish_reason))
+        results.append(ChoiceResult(j, [text], list(ids), finish_reason=beam.finish_reason,
+                                    stop_reason=_stop_reason(beam)))
     model = service.model_name(lora, body.model)
     if body.stream:
         return _chat_events(service, body, fmt, results, prompts[0], response_id, model)
@@ -151,6 +152,12 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
             break
         search.advance(todo, entries)
     return search, search.result(service.tokenizer.decode)
+
+
+def _stop_reason(beam) -> int | None:
+    """vLLM's server gives a beam that EOS ended the EOS id as its stop_reason (a plain request's
+    EOS stop, and vLLM's offline LLM.beam_search, leave None); the beam's last token is that EOS."""
+    return beam.tokens[-1] if beam.finish_reason == "stop" else None
 
 
 def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int) -> dict:

@@ -51,11 +51,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="pooling: an embedding model (/v1/embeddings, LLM.embed); auto: pooling for a bare "
                         "decoder folder (architectures like Qwen3Model), else generate (vLLM's)")
-    p.add_argument("--convert", choices=["auto", "none", "embed"], default="auto",
-                   help="embed: serve a generative model's hidden states as embeddings (= --runner pooling)")
-    p.add_argument("--task", choices=["generate", "embed"], default=None, help="vLLM's older spelling of --runner")
+    p.add_argument("--convert", choices=["auto", "none", "embed", "classify", "reward"], default="auto",
+                   help="embed: serve a generative model's hidden states as embeddings (= --runner pooling); "
+                        "classify: a sequence classifier's scores; reward is refused")
+    p.add_argument("--task", choices=["auto", "generate", "embed", "embedding", "classify", "score", "reward"],
+                   default=None, help="vLLM's older spelling of --runner / --convert (any but generate: pooling; "
+                                      "reward is refused)")
     p.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_obj, default=None,
-                   help='JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} over the folder\'s '
+                   help='JSON {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool, "use_activation": bool} over the folder\'s '
                         "sentence-transformers pooling (default LAST, normalized)")
     p.add_argument("--generation-config", default="auto",
                    help="auto: the model's generation_config.json sets default sampling values (serve: its "

@@ -1084,8 +1084,12 @@ class LLM:
         outs = self._embed(prompts, [PoolingParams(normalize=False, truncate_prompt_tokens=p.truncate_prompt_tokens)
                                      for p in plist], truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(
-                    self.classifier.probs(o.outputs.embedding, p.use_activation)), o.prompt_token_ids)
+                    self.classifier.probs(o.outputs.embedding, self._activation(p))), o.prompt_token_ids)
                 for o, p in zip(outs, plist)]
+
+    def _activation(self, params) -> bool | None:
+        """A classify or score request's use_activation, else pooler_config's (vLLM's default of it)."""
+        return params.use_activation if params.use_activation is not None else self.pooler.use_activation
 
     @staticmethod
     def _pooling_params(params):
@@ -1153,7 +1157,7 @@ class LLM:
         if self._encoder_config.get("do_lower_case"):
             todo = [(lower_prompt(a), lower_prompt(b)) for a, b in todo]
         if self.classifier is not None:
-            return self._cross_scores(todo, truncate_prompt_tokens, params.use_activation)
+            return self._cross_scores(todo, truncate_prompt_tokens, self._activation(params))
         texts = list(dict.fromkeys(_prompt_key(x) for pair in todo for x in pair))
         vectors = {key: out for key, out in zip(texts, self.embed([_prompt_of(k) for k in texts],
                                                                  truncate_prompt_tokens=truncate_prompt_tokens))}
@@ -1601,25 +1605,39 @@ class _Progress:
 
 
 RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+# vLLM's deprecated task -> the convert it stands for ("score": the model's own pooling task)
+TASKS = {"auto": "auto", "generate": "auto", "embed": "embed", "embedding": "embed", "classify": "classify",
+         "score": "score", "reward": "reward"}
 
 
 def _runner(model, runner: str, convert: str, task: str | None, hf_overrides: dict | None = None) -> str:
-    """vLLM's runner choice: "pooling" when asked (runner, convert="embed", or the legacy
-    task="embed"), or for a bare decoder folder (architectures like Qwen3Model) under "auto";
-    hf_overrides' architectures count (vLLM's Qwen3-Reranker recipe names a classifier)."""
+    """vLLM's runner choice: "pooling" when asked (runner, convert "embed" / "classify", or the
+    legacy task "embed", "embedding", "classify", "score"), or for a bare decoder folder
+    (architectures like Qwen3Model) under "auto"; hf_overrides' architectures count (vLLM's
+    Qwen3-Reranker recipe names a classifier). "classify" needs a sequence classifier's folder;
+    "reward" (vLLM's per-token reward pooling) is refused."""
     from .model.checkpoint import is_base_model, is_classifier, read_config
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
-    if convert not in ("auto", "none", "embed"):
-        raise ValueError(f"convert must be 'auto', 'none' or 'embed', got {convert!r}")
-    if task not in (None, "auto", "generate", "embed"):
-        raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
-    if runner == "pooling" or convert == "embed" or task == "embed":
-        return "pooling"
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    asked, wanted = ("convert", convert) if convert not in ("auto", "none") else ("task", TASKS.get(task, "auto"))
+    if wanted == "reward":
+        raise ValueError(f"{asked}='reward' (vLLM's per-token reward pooling) is not supported; a sequence "
+                         "classifier (a reward model with a score head) runs with runner='pooling'")
     raw = read_config(model) if Path(model).is_dir() and (Path(model) / "config.json").is_file() else {}
     if raw and isinstance(hf_overrides, dict) and "architectures" in hf_overrides:
         raw = {**raw, "architectures": hf_overrides["architectures"]}
+    if wanted == "classify" and not (raw and is_classifier(raw)):
+        archs = ", ".join(raw.get("architectures") or []) or "no architectures"
+        raise ValueError(f"{asked}='classify' needs a sequence classifier (architectures like "
+                         f"Qwen2ForSequenceClassification, with a score head); {model} has {archs}")
+    if runner == "pooling" or wanted in ("embed", "classify", "score"):
+        return "pooling"
     headless = bool(raw) and (is_base_model(raw) or is_classifier(raw))     # no LM head to generate with
     if headless and (runner == "generate" or task == "generate"):
         archs = ", ".join(raw.get("architectures") or [])

@@ -9,7 +9,8 @@ forward over the prompt and pools the final-norm hidden states of its tokens int
 
 then L2-normalizes it (unless told not to). The pooling comes from the folder's
 sentence-transformers files when it has them (`modules.json` naming a Pooling module, whose
-`config.json` sets `pooling_mode_*`, and a Normalize module), else LAST with normalization;
+`config.json` sets `pooling_mode_*`: several are concatenated in SentenceTransformer's order, and a
+Normalize module), else LAST with normalization;
 `pooler_config` (vLLM's `--pooler-config` / `--override-pooler-config`) overrides either.
 Matryoshka models (`is_matryoshka` / `matryoshka_dimensions` in config.json, or in hf_overrides)
 accept `dimensions`: the first d components, normalized again. A sentence-transformers folder's
@@ -24,14 +25,19 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from .model import ForwardBatch
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
-_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
-             "pooling_mode_max_tokens": "MAX", "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN"}
+# a sentence-transformers Pooling config's modes, in the order its forward() concatenates them
+_ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_max_tokens": "MAX", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN", "pooling_mode_lasttoken": "LAST"}
+# pooler_config's fields: vLLM's use_activation (and its deprecated activation / softmax) is, for
+# an embedding model, whether to normalize, and for a classifier the default of requests' use_activation
+_OVERRIDES = ("pooling_type", "normalize", "use_activation", "activation", "softmax")
 # a sentence-transformers Dense module's activation_function -> the function
 _ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": lambda x: x, "torch.nn.modules.activation.Tanh": torch.tanh,
                    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
@@ -55,23 +61,28 @@ class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
     dense: tuple[Dense, ...] = field(default=(), compare=False, repr=False)    # sentence-transformers' Dense modules
+    use_activation: bool | None = None     # a classifier's default of a request's use_activation (None: True)
+    concat: tuple[str, ...] = ()           # sentence-transformers' further pooling modes, appended to pooling_type's
 
     def __post_init__(self):
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        for kind in (self.pooling_type, *self.concat):
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {kind!r}")
 
     def out_features(self, hidden: int) -> int:
-        """The embedding's size: the last Dense module's output, else the hidden size."""
-        return self.dense[-1].weight.shape[0] if self.dense else hidden
+        """The embedding's size: the last Dense module's output, else the pooled vectors' (concatenated)."""
+        return self.dense[-1].weight.shape[0] if self.dense else hidden * (1 + len(self.concat))
 
     @classmethod
     def of(cls, folder: str | Path, override=None, raw: dict | None = None) -> PoolerConfig:
         """The folder's pooling (sentence-transformers files, else LAST + normalize; a sequence
         classifier's: LAST, not normalized), then override (a dict, or a PoolerConfig: ours or
-        vLLM's, its fields that are not None). raw: the config.json with hf_overrides applied."""
+        vLLM's, its fields that are not None; use_activation as _OVERRIDES reads it). raw: the
+        config.json with hf_overrides applied."""
         root = Path(folder)
         root = root.parent if root.is_file() else root
-        cfg = cls(normalize=not _classifier_config(root, raw))
+        classifier = _classifier_config(root, raw) is not None
+        cfg = cls(normalize=not classifier)
         modules = root / "modules.json"
         if modules.is_file():
             try:
@@ -81,31 +92,38 @@ class PoolerConfig:
             steps = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")))
                      for m in entries if isinstance(m, dict)]
             kinds = dict(steps)
-            mode = None
+            modes = []
             if "Pooling" in kinds:
                 pooling = root / kinds["Pooling"] / "config.json"
                 st = json.loads(pooling.read_text()) if pooling.is_file() else {}
-                mode = next((v for k, v in _ST_MODES.items() if st.get(k)), None)
-                if mode is None and any(st.get(k) for k in st if k.startswith("pooling_mode_")):
-                    on = [k for k in st if k.startswith("pooling_mode_") and st.get(k)]
-                    raise ValueError(f"{pooling}: {on[0]} is not supported ({', '.join(_ST_MODES)})")
+                bad = [k for k in st if k.startswith("pooling_mode_") and st.get(k) and k not in _ST_MODES]
+                if bad:
+                    raise ValueError(f"{pooling}: {bad[0]} is not supported ({', '.join(_ST_MODES)})")
+                modes = [v for k, v in _ST_MODES.items() if st.get(k)]     # several: concatenated, as ST does
             unknown = [k for k, _ in steps if k not in ("Transformer", "Pooling", "Normalize", "Dense")]
             if unknown:
                 raise ValueError(f"{modules}: the sentence-transformers module {unknown[0]} is not supported "
                                  "(Transformer, Pooling, Dense, Normalize)")
             dense = tuple(_st_dense(root / path) for kind, path in steps if kind == "Dense")
-            cfg = cls(mode or "LAST", "Normalize" in kinds, dense)
+            cfg = cls(modes[0] if modes else "LAST", "Normalize" in kinds, dense, concat=tuple(modes[1:]))
         if override is not None and not isinstance(override, dict):
             if not hasattr(override, "pooling_type"):
                 raise ValueError(f"pooler_config must be a dict or a PoolerConfig, got {type(override).__name__}")
-            override = {k: getattr(override, k) for k in ("pooling_type", "normalize")
-                        if getattr(override, k, None) is not None}
+            override = {k: getattr(override, k) for k in _OVERRIDES if getattr(override, k, None) is not None}
         if override:
-            unknown = set(override) - {"pooling_type", "normalize"}
+            unknown = set(override) - set(_OVERRIDES)
             if unknown:
-                raise ValueError(f"pooler_config: unknown field {sorted(unknown)[0]!r} (pooling_type, normalize)")
-            cfg = replace(cfg, **{k: (str(v).upper() if k == "pooling_type" else _flag(v, "pooler_config normalize"))
-                                  for k, v in override.items()})
+                raise ValueError(f"pooler_config: unknown field {sorted(unknown)[0]!r} ({', '.join(_OVERRIDES)})")
+            flags = {k: _flag(v, f"pooler_config {k}") for k, v in override.items() if k != "pooling_type"}
+            changes = {k: v for k, v in flags.items() if k == "normalize"}
+            active = use_activation(SimpleNamespace(**flags))
+            if active is not None and classifier:
+                changes["use_activation"] = active
+            elif active is not None:
+                changes["normalize"] = flags.get("normalize", active)
+            if "pooling_type" in override:
+                changes.update(pooling_type=str(override["pooling_type"]).upper(), concat=())
+            cfg = replace(cfg, **changes)
         return cfg
 
 
@@ -195,8 +213,9 @@ def _st_dense(folder: Path) -> Dense:
 class PoolingParams:
     """Per request (vLLM's): dimensions (matryoshka models), normalize (None: the pooler's),
     truncate_prompt_tokens (keep the last k prompt tokens), use_activation (classify and a
-    cross-encoder's score: False gives the raw logits; None: True). activation and softmax are
-    vLLM's deprecated names of use_activation."""
+    cross-encoder's score: False gives the raw logits; None: True; an embedding: whether to
+    normalize, where normalize, vLLM's older name of it, is None). activation and softmax are
+    vLLM's deprecated names of use_activation, read before it as vLLM and the server read them."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
@@ -206,16 +225,15 @@ class PoolingParams:
     task: str | None = None
 
     def __post_init__(self):
-        legacy = self.softmax if self.softmax is not None else self.activation
-        if self.use_activation is None and legacy is not None:
-            object.__setattr__(self, "use_activation", legacy)
         for name in ("normalize", "use_activation", "activation", "softmax"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PoolingParams {name} must be true or false (or None), got {getattr(self, name)!r}")
+        object.__setattr__(self, "use_activation", use_activation(self))    # the server's reading of the names
 
 
 def use_activation(body) -> bool | None:
-    """vLLM's get_use_activation: a request's softmax or activation (deprecated), else its use_activation."""
+    """vLLM's get_use_activation: a request's softmax or activation (deprecated), else its use_activation
+    (an embedding request's normalize, vLLM's older name of it there, is read before this)."""
     for name in ("softmax", "activation"):
         if getattr(body, name, None) is not None:
             return getattr(body, name)
@@ -324,16 +342,22 @@ def embed_batch(model, prompts: list[list[int]], pooler: PoolerConfig, params: l
 
 def _pool(h: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[float]:
     """[T, D] final-norm states of one prompt -> its embedding."""
-    kind = pooler.pooling_type
-    vec = h[-1] if kind == "LAST" else h[0] if kind == "CLS" else h.max(0).values if kind == "MAX" \
-        else h.sum(0) / len(h) ** 0.5 if kind == "MEAN_SQRT_LEN" else h.mean(0)
+    vec = torch.cat([_pooled(h, kind) for kind in (pooler.pooling_type, *pooler.concat)])
     for dense in pooler.dense:
         vec = dense(vec)
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
-    if pooler.normalize if params.normalize is None else params.normalize:
+    # vLLM's use_activation is an embedding's normalize (normalize, its older name, read first)
+    on = params.normalize if params.normalize is not None else params.use_activation
+    if pooler.normalize if on is None else on:
         vec = torch.nn.functional.normalize(vec, dim=0)
     return vec.cpu().tolist()
+
+
+def _pooled(h: torch.Tensor, kind: str) -> torch.Tensor:
+    """[T, D] -> [D] by one pooling type."""
+    return h[-1] if kind == "LAST" else h[0] if kind == "CLS" else h.max(0).values if kind == "MAX" \
+        else h.sum(0) / len(h) ** 0.5 if kind == "MEAN_SQRT_LEN" else h.mean(0)
 
 
 def _classifier_config(root: Path, raw: dict | None = None) -> dict | None:

@@ -11,8 +11,9 @@ vLLM aborts it. `encoding_format` "base64" packs the values as `embed_dtype` (vL
 as OpenAI's client decodes them, float16 or bfloat16) in `endianness` (native, little, big);
 `dimensions` is accepted for matryoshka models only. vLLM's extensions:
 `truncate_prompt_tokens` (keep the last k tokens: a text's BOS kept, as offline),
-`add_special_tokens` (default true), `normalize`, and on /classify, /score, /rerank
-`use_activation` (false: the raw logits; its deprecated names `activation`, `softmax`). A
+`add_special_tokens` (default true), `normalize` (its newer name `use_activation`, as
+PoolingParams reads it offline), and on /classify, /score, /rerank `use_activation` (false: the
+raw logits; its deprecated names `activation`, `softmax`). A
 server whose model generates answers 404 here, and a pooling server answers 404 on the
 generation endpoints, as vLLM registers only the routes its runner serves.
 """

@@ -169,7 +169,10 @@ class RequestTracer:
         now_perf, now_ns = time.perf_counter(), time.time_ns()
         stats, params, A = req.stats, req.params, SpanAttributes
         start_ns = now_ns - int((now_perf - req.arrival) * 1e9)
-        queue = stats.queue_time_s
+        # one never scheduled (aborted while queued) spent its whole life queued: /metrics'
+        # request_queue_time observes that wait too (vLLM's scheduled_ts - queued_ts has no value
+        # for it; its client aborts make no span)
+        queue = stats.queue_time_s if stats.scheduled_ts else now_perf - req.arrival
         attrs = {
             A.GEN_AI_REQUEST_ID: getattr(req, "trace_name", None) or str(req.request_id),
             A.GEN_AI_RESPONSE_MODEL: model_name or self.model_name,

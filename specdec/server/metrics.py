@@ -30,10 +30,11 @@ with a proposer, "auto" K included), as vLLM registers them only with a speculat
 outcomes when it ran any (an engine's refusal, a ValueError, as invalid), else by the status of
 its answer (RequestCounter: 4xx invalid, 5xx error).
 vLLM's per-request families are here too under their vLLM names (request_success_total by
-finished_reason, the request_prompt_tokens / request_generation_tokens / request_params_n /
-request_params_max_tokens / request_max_num_generation_tokens histograms, request_inference_time,
-and the older names its Grafana dashboard reads, time_per_output_token_seconds and
-gpu_cache_usage_perc); with `prefix="vllm:"` (--metrics-prefix vllm) every family is named as
+finished_reason, the request_prompt_tokens / request_generation_tokens /
+request_prefill_kv_computed_tokens / request_params_n / request_params_max_tokens /
+request_max_num_generation_tokens histograms, request_inference_time, prompt_tokens_cached,
+cache_config_info, and the older names its Grafana dashboard reads, time_per_output_token_seconds
+and gpu_cache_usage_perc); with `prefix="vllm:"` (--metrics-prefix vllm) every family is named as
 vLLM's, so its dashboards and alerts read a specdec server unchanged.
 """
 
@@ -50,6 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
 from .errors import app_path
+from ..engine import kv_cache_dtype_name
 from ..metrics import (ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS,
                        RequestStats, draft_positions, one_two_five)
 
@@ -57,6 +59,9 @@ PREFIX = "specdec:"
 PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
 MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {model_name="<first served name>"}
 ENGINE = {"engine": "0"}        # vLLM's other label on every series: its engine (data-parallel) index
+# vLLM's FinishReason (vllm/v1/engine): request_success_total has a series for each from the start
+# (specdec detects no repetition: that one stays at 0, as vLLM's does without repetition detection)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class _EngineLabelled:
@@ -107,8 +112,24 @@ class _EngineCollector:
             for mode, n in dict(graphs.stats).items():     # a copy: the worker adds keys meanwhile
                 c.add_metric([self.model, mode], n, created=self.created)
             yield c
+        yield self._cache_config_info(e)
         if e.lora is not None:
             yield self._lora_info(e)
+
+    def _cache_config_info(self, e) -> GaugeMetricFamily:
+        """vLLM's vllm:cache_config_info: 1, labelled with the KV cache's configuration under its
+        CacheConfig field names (those specdec has: a value not set reads "None", as vLLM writes
+        it; cache_dtype the dtype the cache holds), and model_name as lora_requests_info."""
+        c, blocks = e.config, e.blocks
+        info = {"block_size": blocks.block_size, "cache_dtype": kv_cache_dtype_name(e),
+                "enable_prefix_caching": blocks.prefix_caching,
+                "gpu_memory_utilization": c.gpu_memory_utilization, "kv_cache_memory_bytes": c.kv_cache_memory,
+                "kv_cache_size_tokens": blocks.num_blocks * blocks.block_size, "num_gpu_blocks": blocks.num_blocks,
+                "num_gpu_blocks_override": c.num_gpu_blocks_override}
+        g = GaugeMetricFamily(self.prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                              labels=[MODEL_LABEL, *info])
+        g.add_metric([self.model, *map(str, info.values())], 1)
+        return g
 
     def _lora_info(self, e) -> GaugeMetricFamily:
         g = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
@@ -162,6 +183,7 @@ class StepDelta:
     RequestStats gained since the step before: RequestStats.logged, kept on the request's own
     stats, so a request that ends any way leaves nothing behind)."""
     prompt_tokens: int = 0          # prompts whose first tokens came this step (vLLM's: whole, cached or not)
+    prompt_cached: int = 0          # ... of which found in the prefix cache
     generation_tokens: int = 0
     num_drafts: int = 0
     draft_tokens: int = 0
@@ -180,6 +202,7 @@ class StepDelta:
             if prev is None:
                 prev = (0, 0, 0, (), ())
                 d.prompt_tokens += s.prompt_tokens
+                d.prompt_cached += s.cached_tokens
             d.generation_tokens += len(ev.token_ids)
             d.num_drafts += s.num_drafts - prev[0]
             d.draft_tokens += s.draft_tokens - prev[1]
@@ -290,6 +313,9 @@ class ServerMetrics:
             "4xx (a failed request counts once).", [MODEL_LABEL, "outcome"], registry=reg)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose prefill is done (each "
                                      "choice's, cached or not: vLLM's per-request count).")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Of prompt_tokens, those found in the prefix "
+                                            "cache (vLLM's: cached prompt tokens, local + external; specdec's "
+                                            "are all local).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive deliveries of tokens to "
@@ -312,13 +338,17 @@ class ServerMetrics:
                                                "tokens.", sizes)
         self.request_generation_tokens = histogram("request_generation_tokens", "Per finished completion: the "
                                                    "tokens it generated.", sizes)
+        self.request_kv_computed = histogram("request_prefill_kv_computed_tokens", "Per finished completion: its "
+                                             "prompt's tokens less those found in the prefix cache (vLLM's: the "
+                                             "KV computed at prefill).", sizes)
         self.request_max_generation = histogram("request_max_num_generation_tokens", "Per finished request: the "
                                                 "most tokens any of its completions generated.", sizes)
         self.request_n = histogram("request_params_n", "Per finished request: its n.", REQUEST_N_BUCKETS)
         self.request_max_tokens = histogram("request_params_max_tokens", "Per finished request: its max_tokens "
                                             "(the context's room when it set none).", sizes)
         self._success = Counter(PREFIX + "request_success_total", "Finished completions by finish reason "
-                                "(vLLM's: stop, length, abort).", [MODEL_LABEL, "finished_reason"], registry=reg)
+                                "(vLLM's: stop, length, abort, error, repetition).", [MODEL_LABEL, "finished_reason"],
+                                registry=reg)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (vLLM's): the "
                                           "prompts whose first token came, and the tokens generated.",
                                           ITERATION_TOKENS_BUCKETS)
@@ -339,7 +369,7 @@ class ServerMetrics:
             self._drafted_per_pos.labels(model, str(pos))
         for outcome in ("stop", "length", "abort", "error", "invalid"):
             self._requests.labels(model, outcome)     # present at 0 from the start, so rates are defined
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             self._success.labels(model, reason)
 
     def count(self, outcome: str, n: int = 1) -> None:
@@ -361,6 +391,7 @@ class ServerMetrics:
         for n in input_tokens:
             self._success.labels(self.model_name, "stop").inc()
             self.request_prompt_tokens.observe(n)
+            self.request_kv_computed.observe(n)
             self.request_generation_tokens.observe(0)
             self.e2e.observe(seconds)
             self.prefill_time.observe(seconds)
@@ -390,6 +421,7 @@ class ServerMetrics:
         d = StepDelta.of(events)
         if d.prompt_tokens:
             self.prompt_tokens.inc(d.prompt_tokens)
+            self.prompt_tokens_cached.inc(d.prompt_cached)
         if d.generation_tokens:
             self.generation_tokens.inc(d.generation_tokens)
         if d.num_drafts:
@@ -409,10 +441,12 @@ class ServerMetrics:
 
     def finished(self, reason: str, stats: RequestStats | None, prompt_tokens: int, generated: int, arrival: float,
                  first: float | None, last: float | None, end: float, max_tokens: int | None = None) -> None:
-        """One completion has left the engine (stop, length, or abort once the engine stopped it):
-        vLLM's FinishedRequestStats, every per-completion family observed together from it:
-        request_success{reason}, its prompt and generated tokens (all the engine generated for it:
-        the sum is generation_tokens_total), and its latencies: e2e (arrival to its end), queue
+        """One completion has left the engine (stop, length, abort once the engine stopped it, or
+        error when the engine failed it): vLLM's FinishedRequestStats, every per-completion family
+        observed together from it: request_success{reason}, its prompt and generated tokens (all
+        the engine generated for it: the sum is generation_tokens_total), its prompt tokens less
+        those found in the prefix cache (request_prefill_kv_computed_tokens, vLLM's), and its
+        latencies: e2e (arrival to its end), queue
         (arrival to first scheduled; its whole wait for one never scheduled), prefill (scheduled to
         first token), decode (first to last token), inference (scheduled to last token) and time
         per output token (decode / (tokens - 1)), each 0 for one that made no token (0 for TPOT
@@ -422,6 +456,7 @@ class ServerMetrics:
         if max_tokens:
             self.request_max_tokens.observe(max_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_kv_computed.observe(prompt_tokens - (stats.cached_tokens if stats is not None else 0))
         self.request_generation_tokens.observe(generated)
         queued = stats.queue_time_s if stats is not None and stats.queue_time_s else None
         self.e2e.observe(end - arrival)

@@ -10,7 +10,20 @@ Metrics: every replica also serves its own registry on a port of its own (on loo
 local cluster; its address is logged, and kept by a small `MetricsBoard` deployment of the same
 application), and `GET
 /metrics` on the shared endpoint answers with every live replica's metrics, each sample
-labelled `replica="<id>"` (federate.py). Responses carry `x-specdec-replica: <id>`.
+labelled `replica="<id>"` (federate.py); a replica that does not answer a scrape in 2 s (busy,
+frozen a moment) is left out of that one. Responses carry `x-specdec-replica: <id>`.
+
+The board lists the live replicas: a replica leaves it when nothing listens on its ports any more
+(its process is gone: Ray replaces it), and every replica registers again at each of Ray's health
+checks (every 5 s), so one taken off by mistake comes back, with the drain and the runtime
+adapters it missed.
+
+Stored responses (the Responses API's `GET`/`DELETE /v1/responses/{id}`, `.../input_items`,
+`.../cancel`, `previous_response_id`) live in the replica that made them, as one server's do: a
+replica that does not hold the response named asks the others (their direct ports) and passes
+the request to the one that does, answer and stream as they come (marked with that replica), so
+a follow-up is found whichever replica Ray picks, a background response shows its live status and
+is cancelled where it runs, and a conversation continues where it is stored.
 
 Control routes (control.py: /pause, /resume, /is_paused, /get_world_size, and with
 VLLM_SERVER_DEV_MODE /reload_weights, /collective_rpc, /reset_prefix_cache, ...): act on every
@@ -36,7 +49,9 @@ import asyncio
 import json
 import logging
 import os
+import re
 import secrets
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
@@ -64,12 +79,14 @@ class MetricsBoard:
         self.adapters: dict[str, str] = {}      # /v1/load_lora_adapter's: name -> path
         self.token, self.draining = token, False
 
-    def register(self, replica: str, url: str, direct: str | None = None) -> tuple[bool, dict[str, str]]:
-        """-> (draining, the runtime adapters) for a replica that starts now."""
+    def register(self, replica: str, url: str, direct: str | None = None) -> tuple[bool, bool, dict[str, str]]:
+        """A replica that starts, or checks in again (idempotent) -> (whether it was on the board,
+        draining, the runtime adapters)."""
+        known = replica in self.urls
         self.urls[replica] = url
         if direct is not None:
             self.direct[replica] = direct
-        return self.draining, dict(self.adapters)
+        return known, self.draining, dict(self.adapters)
 
     def adapter(self, name: str, path: str | None) -> None:
         """An adapter every replica loaded (path) or dropped (None)."""
@@ -127,7 +144,7 @@ class EngineReplica:
 
         self.server = build_app(self.llm, self.config)
         add_middleware(self.server, load_middleware(self.middleware))      # --middleware, as one server's
-        self.front = ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast)
+        self.front = ReplicaApp(self.server, self.id, self.federated_metrics, self.broadcast, self.peers, self.token)
         registry = self.server.state.service.metrics.registry
         # where the direct port is: the metrics are the endpoint's (GET /metrics), not the whole network's
         server, _ = start_http_server(0, addr=self.direct_host, registry=registry)
@@ -135,10 +152,34 @@ class EngineReplica:
         log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
         self.direct_url = _serve_direct(self.server, self.direct_host, self.token, self.drain)
         if self.board is not None:
-            draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+            _, draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
             self.front.draining = draining
             await self._load_adapters(adapters)
         return self.front
+
+    async def peers(self) -> dict[str, str]:
+        """The other live replicas' direct URLs."""
+        directs = await self.board.directs.remote() if self.board is not None else {}
+        return {r: u for r, u in directs.items() if r != self.id}
+
+    async def rejoin(self) -> None:
+        """On the board again, if a scrape or a broadcast took this replica off while it lived (the
+        board cannot tell a dead replica from one whose reply was lost): then it drains if the
+        server does, and loads the runtime adapters loaded meanwhile (off the health check's time)."""
+        try:
+            known, draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+        except Exception as e:      # noqa: BLE001 - no board to tell (it restarts): the next check tries again
+            log.warning("replica %s: could not check in with the board: %s", self.id, e)
+            return
+        if known:
+            return
+        log.info("replica %s: back on the board", self.id)
+        if draining and not self.front.draining:
+            self.drain()
+        loaded = {card["id"] for card in self.server.state.service.adapters.cards()}
+        missed = {name: path for name, path in adapters.items() if name not in loaded}
+        if missed:
+            self.catch_up = asyncio.ensure_future(self._load_adapters(missed))
 
     async def _load_adapters(self, adapters: dict[str, str]) -> None:
         """The adapters the other replicas loaded at runtime (this one replaces a replica, or
@@ -157,15 +198,20 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the app's own /health (the engine worker runs, a TP
-        group has not stopped); a failure gets the replica replaced."""
+        group has not stopped); a failure gets the replica replaced. Ray calls it every few
+        seconds while the replica lives: a healthy one checks in with the board (rejoin)."""
         self.llm.check_health()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.server), base_url="http://replica") as c:
             r = await c.get("/health")
         if r.status_code != 200:
             raise RuntimeError(f"replica {self.id} is unhealthy: {r.text}")
+        if self.board is not None:
+            await self.rejoin()
 
     async def federated_metrics(self) -> bytes:
-        """Every live replica's metrics, labelled; a replica that does not answer is dropped."""
+        """Every live replica's metrics, labelled: those that answer within 2 s. One whose port
+        refuses the connection is gone (its process died) and leaves the board; a slow or failed
+        answer leaves its replica out of this scrape only."""
         own = self.server.state.service.metrics.render().decode()
         urls = await self.board.all.remote() if self.board is not None else {}
         texts = {self.id: own}
@@ -175,7 +221,7 @@ class EngineReplica:
         for (replica, _), reply in zip(others, replies):
             if isinstance(reply, httpx.Response) and reply.status_code == 200:
                 texts[replica] = reply.text
-            else:
+            elif isinstance(reply, httpx.ConnectError):
                 await self.board.drop.remote(replica)
         return merge(texts)
 
@@ -185,7 +231,7 @@ class EngineReplica:
         directs = await self.board.directs.remote() if self.board is not None else {}
         status, answer, gone = await broadcast(self.server, self.id, directs, method, path, query, headers, body,
                                                self.token)
-        for replica in gone:                 # Ray replaces it; it is off the board
+        for replica in gone:                 # Ray replaces it; it is off the board (a live one checks in again)
             await self.board.drop.remote(replica)
         if path in LORA_PATHS and self.board is not None:
             await self._remember_adapter(path, status, body)
@@ -312,11 +358,16 @@ def _serve_direct(app, host: str, token: str | None, drain=None) -> str:
 
 
 class ReplicaApp:
-    """The server's app with GET /metrics answered for the whole deployment, every response
-    marked with the replica that served it, and the requests in flight counted (drain)."""
+    """The server's app with GET /metrics answered for the whole deployment, control routes
+    broadcast, a stored response found on the replica that holds it, every response marked with
+    the replica that served it, and the requests in flight counted (drain).
 
-    def __init__(self, app, replica: str, metrics, broadcast=None):
+    peers: async () -> {replica id: direct URL} of the other replicas (their apps behind the
+    deployment's token); None: stored responses are this app's alone."""
+
+    def __init__(self, app, replica: str, metrics, broadcast=None, peers=None, token: str | None = None):
         self.app, self.replica, self.metrics, self.broadcast = app, replica.encode(), metrics, broadcast
+        self.peers, self.token = peers, token
         self.draining, self.in_flight = False, 0
 
     def add_exception_handler(self, *args, **kw):      # Ray Serve installs its own handlers
@@ -344,13 +395,9 @@ class ReplicaApp:
 
     async def _serve(self, scope, receive, send):
         if scope["path"] in CONTROL_PATHS and self.broadcast is not None:
-            body, more = b"", True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return None                 # the client left
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
+            body = await _read_body(receive)
+            if body is None:
+                return None                     # the client left
             status, answer = await self.broadcast(scope["method"], scope["path"], scope.get("query_string", b""),
                                                   scope["headers"], body)
             # a LoRA update's success is vLLM's plain text; everything else is JSON
@@ -365,13 +412,171 @@ class ReplicaApp:
                         "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()), (REPLICA_HEADER, self.replica)]})
             await send({"type": "http.response.body", "body": body})
             return None
+        if self.peers is not None and scope["path"].startswith("/v1/responses"):
+            return await self._responses(scope, receive, send)
+        return await self.app(scope, receive, _marked(send, self.replica))
 
-        async def marked(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.replica)]}
-            await send(message)
+    async def _responses(self, scope, receive, send):
+        """A Responses request naming a stored response (in its path, or previous_response_id):
+        answered here, unless this replica does not hold it ("response_not_found") and another
+        does: then that one answers it."""
+        rid, body, given = None, b"", receive
+        found = _RESPONSE_PATH.fullmatch(scope["path"])
+        if found:
+            rid = found[1]
+        elif scope["path"] == "/v1/responses" and scope["method"] == "POST":
+            body = await _read_body(receive)
+            if body is None:
+                return None                     # the client left
+            rid, receive = _previous_id(body), _replay(body, receive)
+        if rid is None:
+            return await self.app(scope, receive, _marked(send, self.replica))
+        here = _HoldNotFound(_marked(send, self.replica))
+        await self.app(scope, receive, here.send)
+        if not here.held:
+            return None
+        holder = await find_holder(await self.peers(), rid, scope["headers"], self.token)
+        if holder is None:
+            return await here.release()
+        replica, url = holder
+        return await forward(url, scope, body, given, _marked(send, replica.encode()), self.token)
 
-        return await self.app(scope, receive, marked)
+
+def _marked(send, replica: bytes):
+    async def marked(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, replica)]}
+        await send(message)
+    return marked
+
+
+async def _read_body(receive) -> bytes | None:
+    """A request's whole body (None: the client left first)."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive giving a body already read, then what `receive` gives (the disconnect)."""
+    given = [False]
+
+    async def again():
+        if given[0]:
+            return await receive()
+        given[0] = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return again
+
+
+_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/input_items|/cancel)?")
+# not passed on when a request goes to another replica (httpx and uvicorn set their own)
+_HOP = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"upgrade",
+                  b"te", b"trailer", b"date", b"server", TOKEN_HEADER.encode()})
+
+
+def _previous_id(body: bytes) -> str | None:
+    """A POST /v1/responses body's previous_response_id (None: none, or not a request body)."""
+    if b"previous_response_id" not in body:             # most requests: not parsed twice
+        return None
+    try:
+        rid = json.loads(body).get("previous_response_id")
+    except (ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) and rid else None
+
+
+class _HoldNotFound:
+    """An ASGI send that passes the answer on, unless it is a 404 "response_not_found": that one
+    is held (held: True) until release()."""
+
+    def __init__(self, send):
+        self.forward, self.kept, self.held = send, [], False
+
+    async def send(self, message):
+        if message["type"] == "http.response.start" and message["status"] == 404:
+            self.kept = [message]
+        elif self.kept and not self.held:
+            self.kept.append(message)
+            if not message.get("more_body", False):
+                body = b"".join(m.get("body", b"") for m in self.kept[1:])
+                try:
+                    self.held = json.loads(body)["error"]["code"] == "response_not_found"
+                except (ValueError, KeyError, TypeError):
+                    pass
+                if not self.held:
+                    await self.release()
+        else:
+            await self.forward(message)
+
+    async def release(self) -> None:
+        kept, self.kept = self.kept, []
+        for message in kept:
+            await self.forward(message)
+
+
+async def find_holder(peers: dict[str, str], rid: str, headers: list, token: str | None) -> tuple[str, str] | None:
+    """The replica (id, direct URL) among peers that holds stored response rid, asked at once
+    (with the client's credentials, as the request itself goes); None: none does."""
+    send = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"}
+    if token:
+        send[TOKEN_HEADER] = token
+
+    async def holds(client, url: str) -> bool:
+        async with client.stream("GET", f"{url}/v1/responses/{quote(rid, safe='')}") as r:
+            return r.status_code == 200
+    async with httpx.AsyncClient(timeout=10, headers=send) as client:
+        found = await asyncio.gather(*(holds(client, u) for u in peers.values()), return_exceptions=True)
+    return next(((r, u) for (r, u), yes in zip(peers.items(), found) if yes is True), None)
+
+
+async def forward(url: str, scope, body: bytes, receive, send, token: str | None = None) -> None:
+    """The request of `scope` (its body already read) sent to the app at url (another replica's
+    direct port), its answer passed on as it comes; a client that leaves closes that request
+    (the other replica aborts its work, as for its own clients)."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+    if token:
+        headers.append((TOKEN_HEADER.encode(), token.encode()))
+    query = scope.get("query_string", b"").decode("latin-1")
+    target = url + quote(scope["path"]) + ("?" + query if query else "")
+    started = False
+
+    async def relay():
+        nonlocal started
+        async with httpx.AsyncClient(timeout=None) as client, \
+                client.stream(scope["method"], target, headers=headers, content=body) as r:
+            await send({"type": "http.response.start", "status": r.status_code,
+                        "headers": [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP - {b"content-length"}]})
+            started = True
+            async for chunk in r.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def left():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    work, gone = asyncio.ensure_future(relay()), asyncio.ensure_future(left())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled() or work.exception() is None:
+        return
+    if not isinstance(work.exception(), httpx.TransportError):
+        raise work.exception()
+    if started:          # the holder died mid-answer: the answer ends there
+        await send({"type": "http.response.body", "body": b""})
+        return
+    message = f"the replica holding this response stopped ({type(work.exception()).__name__}); retry the request"
+    await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(error_body(503, message)).encode()})
 
 
 def application(argv: list[str]) -> Application:

@@ -433,32 +433,45 @@ def _llama3_json_calls(text: str) -> list[dict] | None:
             at += 1
             continue
         at = end
-        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict):
-            calls.append(_call(obj["name"], _arguments(args)))
+        if (call := _json_call(obj)) is not None:
+            calls.append(call)
     return calls or None
+
+
+def _json_call(obj) -> dict | None:
+    """obj as a llama3_json call: a name, and arguments that are a JSON object."""
+    args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)):
+        return None
+    try:
+        return _call(obj["name"], _arguments(args))
+    except RecursionError:                   # nesting past the limit: no call
+        return None
 
 
 _JSON_WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")   # "" starts each: text ran out
 _NUMBER_TAIL = re.compile(r"\.|[eE][-+]?")                 # 1. / 1e / 1e- : the number goes on
+# text that ends in a \uXXXX escape (a surrogate pair's second half too): json reports it as an
+# "Invalid \uXXXX escape" at its `u`, even with its 4 digits when nothing follows them
+_ESCAPE_TAIL = re.compile(r"\\?u[0-9a-fA-F]{0,4}")
 
 
 def _json_call_at(text: str) -> bool | int | None:
     """For a stream's text from a `{`: True when it begins a call object (_llama3_json_calls'
     kind), None while it may still (JSON cut short: the error is at its end, inside an
-    unterminated string, or at a literal or number not yet complete), else where to go on
-    reading text (past the object that is no call, or past this `{`)."""
+    unterminated string or a \\u escape, or at a literal or number not yet complete), else where
+    to go on reading text (past the object that is no call, or past this `{`)."""
     try:
         obj, end = json.JSONDecoder().raw_decode(text)
     except json.JSONDecodeError as e:
         rest = text[e.pos:]
         cut = (e.msg.startswith("Unterminated string") or any(w.startswith(rest) for w in _JSON_WORDS)
-               or _NUMBER_TAIL.fullmatch(rest) is not None)
+               or _NUMBER_TAIL.fullmatch(rest) is not None
+               or (e.msg.startswith("Invalid \\uXXXX") and _ESCAPE_TAIL.fullmatch(rest) is not None))
         return None if cut else 1
     except Exception:  # noqa: BLE001 - a RecursionError on deep nesting: text, as _llama3_json_calls
         return 1
-    args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-    return True if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict) else end
+    return True if _json_call(obj) is not None else end
 
 
 def _pythonic_calls(text: str) -> list[dict] | None:

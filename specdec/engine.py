@@ -452,10 +452,12 @@ class Engine:
         # p's controls (penalties, bias, grammar...) per row path, once: verification and
         # processed logprobs read the same rows
         with range_of(prof, "verify"):
-            # raw logprobs under a grammar see its mask, as vLLM's (it masks before its sampler)
+            # raw logprobs under a grammar see its mask, as vLLM's (it masks before its sampler),
+            # and so does best_of's ranking, asked for logprobs or not
             raw = self.logprobs_mode.startswith("raw_")
-            masked = [] if raw and any(r.params.logprobs is not None and r.ctx.controls is not None
-                                       and r.ctx.controls.grammar is not None for r in plan.decode) else None
+            masked = [] if raw and any((r.params.logprobs is not None or _ranked(r.params))
+                                       and r.ctx.controls is not None and r.ctx.controls.grammar is not None
+                                       for r in plan.decode) else None
             logits = controlled_logits(plan.decode, drafts, out.logits, offsets, masked)
             results = verify_batch(plan.decode, drafts, logits, offsets, self.typical)
             logprobs = self._logprobs(plan, results, (masked[0] if masked else out.logits) if raw else logits,

@@ -3,15 +3,16 @@
 Why llguidance (measured on SmolLM2's 49152-token vocabulary, README "Structured outputs"):
 a pure Rust wheel with no dependencies (xgrammar pulls triton, ~1 GB, and transformers onto a
 CPU box), grammars built lazily (under a millisecond per schema, against xgrammar's ~20 ms
-compile), rollback of consumed tokens, `validate_tokens` to check a draft without moving, Lark
-grammars plus a GBNF converter, and the widest JSON-schema coverage of the three
-(outlines-core turns schemas into one regex: no recursion, ~150 ms index per schema).
+compile), matchers copied in microseconds (deep_copy), `validate_tokens` to check a draft
+without moving, Lark grammars plus a GBNF converter, and the widest JSON-schema coverage of the
+three (outlines-core turns schemas into one regex: no recursion, ~150 ms index per schema).
 
 One request's `Grammar` keeps its matcher at the committed output. A speculative step asks
-for the masks of several paths after it (a chain's prefixes, a tree's root-to-node paths): the
-matcher walks to each path (rolling back to the common prefix, consuming the rest), writes the
-mask, and the step's masks are cached, so the proposer's q and the verifier's p read the same
-rows. After verification `advance` rolls the walk back and consumes the emitted tokens.
+for the masks of several paths after it (a chain's prefixes, a tree's root-to-node paths): a
+copy of the matcher walks to each path (going on from the copy taken furthest along it,
+consuming the rest), writes the mask, and the step's masks are cached, so the proposer's q and
+the verifier's p read the same rows. After verification `advance` moves the committed matcher
+on by the emitted tokens; what a rejected path did to its copy is forgotten.
 """
 
 from __future__ import annotations
@@ -525,11 +526,11 @@ class GrammarCompiler:
             raise GrammarError(kind, _first_line(matcher.get_error()))
         grammar = Grammar(matcher, self.vocab_size, self.eos_ids, self._lltokenizer())
         grammar.masks([[]])
-        if grammar.error is not None:
+        if grammar.failure is not None:
             # llguidance's NoExtensionBias before the first token (its state dump as the message):
             # no text at all matches, as for a JSON schema whose $ref leads only back to itself
-            empty = grammar.error.startswith("NoExtensionBias")
-            raise GrammarError(kind, _NO_TEXT.get(kind, _NO_TEXT[None]) if empty else grammar.error)
+            empty = grammar.failure.startswith("NoExtensionBias")
+            raise GrammarError(kind, _NO_TEXT.get(kind, _NO_TEXT[None]) if empty else grammar.failure)
         return grammar
 
 
@@ -569,55 +570,105 @@ _ENDLESS = re.compile(r"Too many items \([^)]*ff_tokens\)")
 
 
 class Grammar:
-    """One request's matcher: at the committed output between steps, walking draft paths
-    during one. A path that leaves the grammar is never walked past its first bad token."""
+    """One request's matcher at the committed output, and copies of it that walk a step's draft
+    paths. A path that leaves the grammar is never walked past its first bad token.
+
+    llguidance's parser can fail along a path (a limit: the text forced after `a` in
+    `start: x | "b"` / `x: "a" x` outgrows a parser row), and whether it fails depends on the
+    calls before: consuming a token right after the position's mask was computed fails where
+    consuming it without one, or after a rollback, does not. So a walk does what plain decoding
+    does, each position's mask before the token after it, and never rolls back: it goes on from
+    a copy taken just after a mask (`states`). A failure met on a draft path only marks that
+    path (`failed`): its row allows EOS alone, as llguidance's failed matcher, and a token that
+    failed to be consumed is cut from a draft. `advance` walks the emitted tokens the same way,
+    and only a failure there sets `error`, which ends the request."""
 
     def __init__(self, matcher, vocab_size: int, eos_ids: list[int], lltokenizer=None):
-        self.matcher, self.vocab_size, self.eos_ids, self.lltokenizer = matcher, vocab_size, eos_ids, lltokenizer
+        self.committed, self.vocab_size, self.eos_ids, self.lltokenizer = matcher, vocab_size, eos_ids, lltokenizer
         self.words = mask_words(vocab_size)
-        self.cursor: list[int] = []          # tokens consumed past the committed output
+        self.matcher = None                  # the copy walking this step's paths
+        self.cursor: list[int] = []          # its tokens past the committed output
+        self.masked = False                  # its mask computed where it stands
+        self.states: dict[tuple, object] = {}    # copies of the walker after its mask at a path it left
         self.cache: dict[tuple, Tensor] = {}
-        # the matcher's error once it has failed (a parser or lexer limit: llguidance then allows
-        # EOS alone); the engine ends the request with finish_reason "abort" instead of a "stop"
-        # whose output breaks the grammar
+        # this step's paths where the matcher failed -> how many of their tokens are valid (the
+        # path's length when its mask failed, one less when its last token could not be consumed)
+        self.failed: dict[tuple, int] = {}
+        self.failure: str | None = None      # the first of those failures
+        # the matcher's error once an emitted token made it fail (a parser or lexer limit: llguidance
+        # then allows EOS alone); the engine ends the request with finish_reason "abort" instead of
+        # a "stop" whose output breaks the grammar
         self.error: str | None = None
 
     def _walk(self, path: list[int]) -> int:
-        """Move the matcher to the longest valid prefix of path; returns its length."""
-        common = 0
-        for a, b in zip(self.cursor, path):
-            if a != b:
+        """Move the walker to the longest valid prefix of path; returns its length."""
+        path = tuple(path)
+        for j in range(len(path) + 1):                 # a path through a failure stops before it
+            if path[:j] in self.failed:
+                path = path[:self.failed[path[:j]]]
                 break
-            common += 1
-        if common < len(self.cursor):
-            self.matcher.rollback(len(self.cursor) - common)
-            del self.cursor[common:]
-        rest = list(path[common:])
+        cursor = tuple(self.cursor)
+        here = self.matcher is not None and path[:len(cursor)] == cursor and not self.matcher.is_error()
+        if not here or not (len(cursor) == len(path) or self.masked and path[:len(cursor) + 1] not in self.states):
+            # from the copy taken furthest along path, unless the walker stands there or further
+            at = next((j for j in range(len(path), -1, -1) if path[:j] in self.states), None)
+            if not here or (at is not None and (at, True) > (len(cursor), self.masked)):
+                start = self.committed if at is None else self.states[path[:at]]
+                self.matcher, self.cursor, self.masked = start.deep_copy(), list(path[:at or 0]), at is not None
+        rest = list(path[len(self.cursor):])
         n = self.matcher.validate_tokens(rest) if rest else 0
-        if n:
-            self.matcher.consume_tokens(rest[:n])
-            self.cursor += rest[:n]
-        return common + n
+        for i, token in enumerate(rest[:n]):
+            if self.matcher.is_stopped():     # EOS past the end: allowed, nothing to consume
+                return len(self.cursor) + n - i
+            where = tuple(self.cursor)
+            if not self.masked and self._mask(where) is None:
+                break
+            if where not in self.states:      # where a later walk may go on from
+                self.states[where] = self.matcher.deep_copy()
+            self.matcher.consume_tokens([token])
+            self.masked = False
+            if self.matcher.is_error():
+                self._fail(tuple(self.cursor) + (token,), len(self.cursor))
+                break
+            self.cursor.append(token)
+        return len(self.cursor)
+
+    def _mask(self, path: tuple) -> Tensor | None:
+        """The mask where the walker stands (path), cached; None when computing it failed."""
+        row = torch.empty(self.words, dtype=torch.int32)
+        # written in place (llguidance.torch's helper would import torch.compile: seconds)
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
+        self.masked = True
+        if self.matcher.is_error():
+            self._fail(path, len(path))
+            return None
+        if not row.any():          # nothing left (past the end with ignore_eos): EOS only
+            row = eos_only(self.eos_ids, self.words)
+        return self.cache.setdefault(path, row)
+
+    def _fail(self, path: tuple, valid: int) -> None:
+        self.failed[path] = valid
+        self.failure = self.failure or _failure(self.matcher.get_error())
 
     def masks(self, paths: list[list[int]]) -> Tensor:
         """[len(paths), words] int32: the allowed next tokens after the committed output plus
         each path. A path that leaves the grammar gets the mask of its valid prefix: its row is
-        never reached (the bad token has p = 0, so it is rejected first), any real mask will do."""
+        never reached (the bad token has p = 0, so it is rejected first), any real mask will do.
+        A path through a failure of the matcher allows EOS alone."""
         out = torch.empty(len(paths), self.words, dtype=torch.int32)
         for i, path in enumerate(paths):
             key = tuple(path)
             row = self.cache.get(key)
             if row is None:
                 n = self._walk(path)
-                row = self.cache.get(tuple(path[:n]))
-                if row is None:
-                    # written in place (llguidance.torch's helper would import torch.compile: seconds)
-                    row = torch.empty(self.words, dtype=torch.int32)
-                    self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
-                    self._note_error()
-                    if not row.any():      # nothing left (past the end with ignore_eos): EOS only
+                if key[:n] in self.failed or key[:n + 1] in self.failed:
+                    row = eos_only(self.eos_ids, self.words)
+                else:
+                    row = self.cache.get(key[:n])
+                    if row is None:
+                        row = self._mask(key[:n])
+                    if row is None:
                         row = eos_only(self.eos_ids, self.words)
-                    self.cache[tuple(path[:n])] = row
                 self.cache[key] = row
             out[i] = row
         return out
@@ -630,7 +681,7 @@ class Grammar:
         """Up to `limit` tokens the grammar forces after the committed output plus path (the
         canonical tokens of bytes it leaves no choice about: `","name":"` between two JSON
         fields); [] when path leaves the grammar."""
-        if limit <= 0 or self._walk(path) < len(path):
+        if limit <= 0 or self._walk(path) < len(path) or tuple(path) in self.failed:
             return []
         ff = self.matcher.compute_ff_tokens()
         if self.lltokenizer is not None:
@@ -641,33 +692,39 @@ class Grammar:
             forced_bytes = self.matcher.compute_ff_bytes()
             if forced_bytes:
                 ff = self.lltokenizer.tokenize_bytes(forced_bytes)
+        self.matcher = None          # plain decoding computes no forced text: walk on from a copy
         ff = ff[:limit]
         return ff[:self._walk(list(path) + ff) - len(path)] if ff else []
 
     def advance(self, tokens: list[int]) -> None:
-        """The step's verdict: back to the committed output, then consume what was emitted."""
-        if self.cursor:
-            self.matcher.rollback(len(self.cursor))
-            self.cursor = []
-        self.cache.clear()
-        n = self.matcher.validate_tokens(tokens)
-        self.matcher.consume_tokens(tokens[:n])     # an emitted token is always allowed but EOS past the end
-        self._note_error()
-
-    def _note_error(self) -> None:
+        """The step's verdict: the committed output moves on by what was emitted (every token but
+        EOS past the end), walked as plain decoding would; a failure there ends the request."""
+        self.failed.clear()
+        self._walk(tokens)
         if self.error is None and self.matcher.is_error():
-            self.error = _first_line(self.matcher.get_error())
-            endless = _ENDLESS.search(self.error)
-            if endless:
-                # the only text the grammar allows from here (its forced bytes) outgrew the parser: text
-                # with no end (after "a" in `start: "a" start | "b"`; no_finite_output refuses grammars
-                # that end nowhere up front), or a very long one (a const array of 30000 items)
-                self.error = ("the text the constraint forces from here outgrew the parser: it may have no end "
-                              "(a rule or schema that can only recurse admits no finite output) "
-                              f"[{endless[0]}]")
+            self.error = _failure(self.matcher.get_error())
+        self.committed, self.matcher, self.cursor, self.masked = self.matcher, None, [], False
+        self.states.clear()
+        self.cache.clear()
+        self.failed.clear()
+        self.failure = None
 
     def is_accepting(self) -> bool:
-        return self.matcher.is_accepting()
+        return self.committed.is_accepting()
+
+
+def _failure(message: str) -> str:
+    """llguidance's error on one line, the parser's overflow on forced text said plainly."""
+    text = _first_line(message)
+    endless = _ENDLESS.search(text)
+    if endless:
+        # the only text the grammar allows from here (its forced bytes) outgrew the parser: text
+        # with no end (after "a" in `start: "a" start | "b"`; no_finite_output refuses grammars
+        # that end nowhere up front), or a very long one (a const array of 30000 items)
+        text = ("the text the constraint forces from here outgrew the parser: it may have no end "
+                "(a rule or schema that can only recurse admits no finite output) "
+                f"[{endless[0]}]")
+    return text
 
 
 # a reasoning parser's (start, end) markers: the grammar starts after the end's tokens. harmony's

@@ -12,6 +12,7 @@ import time
 
 from ..beam_search import BeamSearch, BeamSearchParams
 from ..config import SamplingParams
+from ..prediction import common_subsequence
 from .errors import APIError
 from .fields import structured_outputs
 from .responses import ChatFormat, ChoiceResult
@@ -47,10 +48,12 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     """use_beam_search on /v1/chat/completions: the beams of the rendered conversation, each
     parsed as a plain reply is (ChatFormat: --reasoning-parser's split, chat echo); no tools,
     logprobs or structured outputs with it. Streamed: the choices as vLLM's chat streams its
-    beams (events)."""
+    beams (events). A prediction is checked as a plain request's and counted over the beams
+    (completion_tokens_details), as a plain decoding server counts it: no step drafts from it."""
     if body.tools or body.logprobs or body.best_of is not None:
         raise APIError(400, "use_beam_search does not combine with tools, logprobs or best_of", "use_beam_search")
-    prompts, sampling, _ = await service.off_loop(service.prepare_chat, body)
+    (prompts, sampling, _), prediction = await service.off_loop(
+        lambda: (service.prepare_chat(body), service.prediction_ids(body)))
     if sampling.structured_outputs is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     # prepare_chat's: the request's max_completion_tokens / max_tokens under generation_config.json's cap
@@ -66,17 +69,27 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
         results.append(ChoiceResult(j, [text], list(ids), finish_reason=beam.finish_reason,
                                     stop_reason=_stop_reason(beam)))
     model = service.model_name(lora, body.model)
+    details = None if prediction is None else await service.off_loop(_prediction_details, prediction, results)
     if body.stream:
-        return _chat_events(service, body, fmt, results, prompts[0], response_id, model)
+        return _chat_events(service, body, fmt, results, prompts[0], response_id, model, details)
     choices = [{**fmt.choice(r), **({"token_ids": r.token_ids} if body.return_token_ids else {})} for r in results]
-    answer = _answer(response_id, "chat.completion", model, choices, prompts, sum(len(r.token_ids) for r in results))
+    answer = _answer(response_id, "chat.completion", model, choices, prompts, sum(len(r.token_ids) for r in results),
+                     details)
     if body.return_token_ids:            # vLLM's: the prompt's ids beside the choices
         answer["prompt_token_ids"] = list(prompts[0])
     return answer
 
 
+def _prediction_details(prediction: list[int], results: list[ChoiceResult]) -> dict:
+    """OpenAI's Predicted Outputs counts summed over the beams (responses.usage's for a plain reply):
+    the prediction's tokens that appear in each beam, in order, and the rest."""
+    accepted = [common_subsequence(prediction, r.token_ids) for r in results]
+    return {"accepted_prediction_tokens": sum(accepted),
+            "rejected_prediction_tokens": len(prediction) * len(results) - sum(accepted)}
+
+
 def _chat_events(service, body, fmt: ChatFormat, results: list[ChoiceResult], prompt: list[int], response_id: str,
-                 model: str) -> list[str]:
+                 model: str, details: dict | None) -> list[str]:
     """vLLM's chat stream of finished beams: each choice's role chunk, then each choice's whole
     text in one chunk with its finish_reason (through the streaming parsers, as any stream's),
     the usage chunk if asked, [DONE]."""
@@ -107,7 +120,8 @@ def _chat_events(service, body, fmt: ChatFormat, results: list[ChoiceResult], pr
     if include_usage:
         completion = sum(len(r.token_ids) for r in results)
         events.append(_event({**head, "choices": [], "usage": {
-            "prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}}))
+            "prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion,
+            **({"completion_tokens_details": details} if details is not None else {})}}))
     return events + [_DONE]
 
 
@@ -160,11 +174,13 @@ def _stop_reason(beam) -> int | None:
     return beam.tokens[-1] if beam.finish_reason == "stop" else None
 
 
-def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int) -> dict:
+def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int,
+            details: dict | None = None) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     return {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      **({"completion_tokens_details": details} if details is not None else {})}}
 
 
 _DONE = "data: [DONE]\n\n"

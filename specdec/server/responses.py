@@ -244,15 +244,18 @@ def cached_prompt_tokens(gen: Generation) -> int:
                for p in range(len(gen.prompts)))
 
 
-def usage(gen: Generation, completion_tokens: int) -> dict:
+def usage(gen: Generation, completion_tokens: int, returned: list[int] | None = None) -> dict:
     """OpenAI's usage (cached_tokens: cached_prompt_tokens); completion_tokens_details when the
-    request gave a prediction, as OpenAI's (vLLM's, without one: none)."""
+    request gave a prediction, as OpenAI's (vLLM's, without one: none). The prediction counts are
+    of the choices returned (`returned`: their candidates' indices, best_of > n; None: all), as
+    OpenAI defines them against the completion: each choice's add up to the prediction's length."""
     prompt_tokens = sum(len(p) for p in gen.prompts)
     cached = cached_prompt_tokens(gen)
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
     if gen.prediction is not None:     # OpenAI's Predicted Outputs counts, over the choices (an empty one: zeros)
-        done = [s for s in gen.stats if s is not None]
+        stats = gen.stats if returned is None else [gen.stats[i] for i in returned]
+        done = [s for s in stats if s is not None]
         out["completion_tokens_details"] = {
             "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in done),
             "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in done)}
@@ -290,9 +293,11 @@ async def collect(gen: Generation, fmt, model: str, response_id: str | None = No
             r.finish_reason, r.stop_reason = ev.finish_reason, ev.stop_reason
             score[index] = ev.cumulative_logprob if ev.cumulative_logprob is not None else score[index]
     tokens = sum(len(r.token_ids) for r in results)      # every candidate's tokens are billed
+    returned = None
     if per > gen.params.n:       # best_of: each prompt's n candidates of highest cumulative logprob
         results = [r for p in range(len(gen.prompts))
                    for r in sorted(results[p * per:(p + 1) * per], key=lambda r: -score[r.index])[:gen.params.n]]
+        returned = [r.index for r in results]
         for i, r in enumerate(results):
             r.index = i
     choices = [fmt.choice(r) for r in results]
@@ -305,7 +310,7 @@ async def collect(gen: Generation, fmt, model: str, response_id: str | None = No
         if not isinstance(fmt, CompletionFormat):
             top["prompt_token_ids"] = list(gen.prompts[0])
     return {**_head(fmt, model, chunk=False, response_id=response_id), "choices": choices, **top,
-            "usage": usage(gen, tokens), "speculative": speculative(gen)}
+            "usage": usage(gen, tokens, returned), "speculative": speculative(gen)}
 
 
 def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -202,6 +202,8 @@ async def _read_input(path: str) -> str:
                 return await r.text()
         except aiohttp.ClientError as e:
             raise ValueError(f"--input-file {path}: {type(e).__name__}: {e}") from None
+        except UnicodeDecodeError as e:     # the text in the charset the server names, else UTF-8
+            raise ValueError(f"--input-file {path}: not {e.encoding.upper()} text") from None
     try:
         with open(path, encoding="utf-8-sig") as f:
             return f.read()

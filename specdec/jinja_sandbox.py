@@ -11,6 +11,8 @@ either, so that the server itself neither grows nor waits. This file imports not
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import os
 import select
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from datetime import datetime
 
 import jinja2
@@ -36,6 +39,11 @@ TEMPLATE_MEMORY_BYTES = 1 << 30
 TEMPLATE_SECONDS = 10.0
 REQUEST_TEMPLATE_CHARS = 1 << 21
 TEMPLATE_WAITERS = 1
+# Compiled templates kept by their source, least recently used out first: compiling Llama 3.1's
+# takes ~15 ms, rendering it ~0.05 ms. At most this many, and this much source in all (the
+# child's cache lives under its memory limit: a few tens of bytes compiled per character).
+CACHED_TEMPLATES = 32
+CACHED_TEMPLATE_CHARS = 1 << 20
 
 
 def bounded(chunks, limit: int | None = None) -> str:
@@ -70,18 +78,19 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+# the GenerationTracker of the render running in this thread (None: no spans asked for)
+TRACKER: contextvars.ContextVar[GenerationTracker | None] = contextvars.ContextVar("generation_tracker", default=None)
+
+
 class GenerationBlock(jinja2.ext.Extension):
     """transformers' `{% generation %} ... {% endgeneration %}` (its AssistantTracker: the span of
     an assistant's reply, for return_assistant_tokens_mask; TRL's assistant-only-loss templates):
-    rendered as its body, unchanged. While the environment's `generation_tracker` is set, each
-    block's (start, end) goes to it, as transformers records it: start is what the template had
-    yielded when the block ran, end start plus the block's length (a block inside a filter, macro
-    or `{% set %}` is counted from where that began, and the filter's output is not measured)."""
+    rendered as its body, unchanged. While a render's GenerationTracker is set (TRACKER: one
+    compiled template serves every render), each block's (start, end) goes to it, as
+    transformers records it: start is what the template had yielded when the block ran, end
+    start plus the block's length (a block inside a filter, macro or `{% set %}` is counted from
+    where that began, and the filter's output is not measured)."""
     tags = {"generation"}
-
-    def __init__(self, environment):
-        super().__init__(environment)
-        environment.extend(generation_tracker=None)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -90,7 +99,7 @@ class GenerationBlock(jinja2.ext.Extension):
 
     def _span(self, caller):
         text = caller()
-        if (tracker := self.environment.generation_tracker) is not None:
+        if (tracker := TRACKER.get()) is not None:
             tracker.spans.append((tracker.written, tracker.written + len(text)))
         return text
 
@@ -128,11 +137,46 @@ def render(template: str, context: dict, limit: int | None = None, spans: list |
     """The template's text for `context` (raises what the template raises); spans, when a list:
     filled with each `{% generation %}` block's (start, end), as GenerationBlock records them
     (outside the text, which is the same with or without them)."""
-    env = environment()
-    if spans is not None:
-        env.generation_tracker = GenerationTracker(spans)
-    chunks = env.from_string(template).generate(**context)
-    return bounded(chunks if spans is None else env.generation_tracker.count(chunks), limit)
+    tracker = None if spans is None else GenerationTracker(spans)
+    chunks = compiled(template).generate(**context)
+    token = TRACKER.set(tracker)
+    try:
+        return bounded(chunks if tracker is None else tracker.count(chunks), limit)
+    finally:
+        TRACKER.reset(token)
+
+
+@functools.lru_cache(maxsize=8)
+def literal_text(template: str) -> str:
+    """The template's literal strings (its text outside tags, its string constants), joined by NULs
+    so that no search matches across two (transformers 5's _get_template_literal_text)."""
+    ast = environment().parse(template)
+    literals = {n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
+    literals |= {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
+    return "\0".join(literals)
+
+
+_compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+_compiled_lock = threading.Lock()
+
+
+def compiled(template: str) -> jinja2.Template:
+    """The template compiled in `environment()`, from the cache of recent ones (CACHED_TEMPLATES;
+    a compiled template holds no state of a render: the limits are the environment's and
+    `bounded`'s, applied as each render runs)."""
+    with _compiled_lock:
+        if (hit := _compiled.get(template)) is not None:
+            _compiled.move_to_end(template)
+            return hit
+    out = environment().from_string(template)       # outside the lock: compiling takes milliseconds
+    if len(template) <= CACHED_TEMPLATE_CHARS:
+        with _compiled_lock:
+            _compiled[template] = out
+            _compiled.move_to_end(template)
+            chars = sum(map(len, _compiled))
+            while len(_compiled) > CACHED_TEMPLATES or chars > CACHED_TEMPLATE_CHARS:
+                chars -= len(_compiled.popitem(last=False)[0])
+    return out
 
 
 def failure(e: BaseException) -> str:

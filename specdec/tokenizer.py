@@ -20,10 +20,13 @@ dict by name where a folder has several templates (`chat_template="<name>"` pick
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import json
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import jinja2
@@ -32,7 +35,8 @@ from tokenizers import processors
 
 # chat templates render in Jinja's immutable sandbox, bounded; a request's own template in a child
 # process with a memory and a time limit (jinja_sandbox.py)
-from .jinja_sandbox import TemplateProcessBusy, TemplateProcessError, environment, failure, isolated_renderer, render
+from .jinja_sandbox import (TemplateProcessBusy, TemplateProcessError, compiled, failure, isolated_renderer,
+                            literal_text, render)
 from .model.config import text_config
 
 
@@ -295,6 +299,9 @@ class Tokenizer:
         _SpecialToken(id=True) for _ in range(7))
     # transformers' constants of a fast tokenizer (vLLM's TokenizerLike reads is_fast, truncation_side)
     is_fast, truncation_side, pad_token_type_id, split_special_tokens = True, "right", 0, False
+    # transformers 5's: the added tokens that apply_chat_template(sanitize_control_tokens=True) takes
+    # for control tokens besides the special ones (tokenizer_config.json's; None: those the template names)
+    chat_control_tokens: list[str] | None = None
 
     def __init__(self, source, gguf=None):
         """gguf: an already opened model.gguf.GGUFFile for `source` (saves parsing it twice)."""
@@ -370,6 +377,10 @@ class Tokenizer:
         self.truncation_side = cfg.get("truncation_side") if cfg.get("truncation_side") in ("left", "right") else "right"
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         self.split_special_tokens = bool(cfg.get("split_special_tokens", False))
+        self.chat_control_tokens = cfg.get("chat_control_tokens")
+        if self.chat_control_tokens is not None and not isinstance(self.chat_control_tokens, list):
+            raise TokenizerError(f"{folder}: tokenizer_config.json's chat_control_tokens must be a list of strings, "
+                                 f"got {self.chat_control_tokens!r:.80}")
         self.name_or_path = str(folder)
 
     def _from_gguf(self, g) -> None:
@@ -666,8 +677,9 @@ class Tokenizer:
         return_tensors: "pt" or "np" (then a single text gets a batch of one)."""
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "tokenizer_kwargs", "text",
                                                                "text_pair", "text_target", "text_pair_target")}
-        if "split_special_tokens" in kwargs:
-            args["split_special_tokens"] = kwargs["split_special_tokens"]
+        for key in ("split_special_tokens", "sanitize_control_tokens"):
+            if key in kwargs:
+                args[key] = kwargs[key]
         args.update(tokenizer_kwargs or {})
         if text is None and text_target is None:
             raise ValueError("You need to specify either `text` or `text_target`.")
@@ -732,6 +744,13 @@ class Tokenizer:
             couples = [isinstance(t, (list, tuple)) and len(t) == 2 for t in texts]
             pairs = [t[1] if c else None for t, c in zip(texts, couples)]
             texts = [t[0] if c else t for t, c in zip(texts, couples)]
+        if kwargs.get("sanitize_control_tokens"):      # a chat marked by apply_chat_template
+            ids = [self._marked_ids(t) for t in texts]
+            if cut is not None and max_length is not None:      # transformers': the tokenizer's side
+                ids = [r[:max_length] if self.truncation_side == "right" else r[-max_length:] for r in ids]
+            return self.pad({"input_ids": ids if batched or return_tensors else ids[0]}, padding=pad or False,
+                            max_length=max_length, pad_to_multiple_of=pad_to_multiple_of, padding_side=side,
+                            return_attention_mask=return_attention_mask, return_tensors=return_tensors)
         cut_side = self.truncation_side if kwargs.get("truncation_side") is None else kwargs["truncation_side"]
         rows = [self._row(t, p, add_special_tokens, max_length, cut, cut_side, is_split_into_words, stride,
                           kwargs.get("split_special_tokens")) for t, p in zip(texts, pairs)]
@@ -934,6 +953,8 @@ class Tokenizer:
             cfg["model_max_length"] = self.model_max_length
         if self.additional_special_tokens:
             cfg["extra_special_tokens"] = list(self.additional_special_tokens)
+        if self.chat_control_tokens is not None:
+            cfg["chat_control_tokens"] = list(self.chat_control_tokens)
         cfg.setdefault("tokenizer_class", "TokenizersBackend")
         files = [out / "tokenizer_config.json", out / "tokenizer.json"]
         files[0].write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
@@ -953,25 +974,32 @@ class Tokenizer:
             files[-1].write_text(template)
         return tuple(map(str, files))
 
-    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], tools: list[dict] | None = None,
+    def apply_chat_template(self, /, conversation, tools: list[dict] | None = None,
                             documents: list[dict] | None = None, chat_template: str | None = None,
-                            add_generation_prompt: bool = False, continue_final_message: bool = False,
-                            tokenize: bool = True, padding: bool | str = False, truncation: bool = False,
+                            add_generation_prompt: bool = False, continue_final_message: bool | str = False,
+                            tokenize: bool = True, sanitize_control_tokens: bool = False,
+                            padding: bool | str = False, truncation: bool = False,
                             max_length: int | None = None, return_tensors: str | None = None,
                             return_dict: bool = True, return_assistant_tokens_mask: bool = False,
                             tokenizer_kwargs: dict | None = None, *, sandbox_process: bool = False, **kwargs):
         """transformers 5's apply_chat_template, its arguments in its order and with its defaults:
-        conversation (or a list of conversations: then one row each) through the chat template,
-        tools and documents (and any other kwargs) its variables. tokenize=True (the default):
+        conversation (or a list of conversations: then one row each; messages as dicts, or as
+        pydantic models, like the OpenAI SDK's, or dataclasses) through the chat template, tools
+        and documents (and any other kwargs) its variables. tokenize=True (the default):
         a BatchEncoding (input_ids, attention_mask) with return_dict=True, the ids alone with
         return_dict=False; padding, truncation, max_length, return_tensors and tokenizer_kwargs
         go to __call__; return_assistant_tokens_mask adds "assistant_masks": 1 for each token
         that overlaps the text of a `{% generation %}` block (all 0 for a template without one).
+        sanitize_control_tokens=True: a control token (a special token, or an added one the template
+        names, or tokenizer_config.json's chat_control_tokens) written in the messages, tools,
+        documents or kwargs is encoded as plain text, only the template's own as the token.
         tokenize=False: the text, to encode with add_special_tokens=False (the template writes
         BOS). No generation prompt unless add_generation_prompt=True: specdec's callers that
         want the text of a prompt for the assistant pass tokenize=False, add_generation_prompt=True.
         sandbox_process (specdec's): render in a child process with a memory and a time limit (a
         template sent with a request: jinja_sandbox.IsolatedRenderer)."""
+        if "self" in kwargs:        # Jinja's render takes no variable of that name (a TypeError there)
+            raise TokenizerError("'self' cannot be a chat template variable")
         if tools is not None:       # transformers' conversion of a Python function to its JSON schema
             kwargs["tools"] = [_tool_schema(t) if inspect.isfunction(t) or inspect.ismethod(t) else t for t in tools]
         if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
@@ -982,16 +1010,26 @@ class Tokenizer:
             raise ValueError("return_assistant_tokens_mask=True requires return_dict=True and tokenize=True")
         if return_assistant_tokens_mask and continue_final_message:
             raise ValueError("continue_final_message is not compatible with return_assistant_tokens_mask")
-        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
-        conversations = conversation if batched else [conversation]
+        if sanitize_control_tokens and (not tokenize or return_assistant_tokens_mask):
+            raise ValueError("`sanitize_control_tokens=True` requires `tokenize=True` and is not compatible with "
+                             "`return_assistant_tokens_mask=True`.")
+        template = self.get_chat_template(chat_template, kwargs.get("tools"))
+        batched = isinstance(conversation, (list, tuple)) and (
+            isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
+        conversations = [chat_messages(c) for c in (conversation if batched else [conversation])]
+        if sanitize_control_tokens:     # transformers 5's: marked here, encoded as text by _marked_ids
+            control = _control_patterns(self._control_tokens(template))[0]
+            conversations = [_mark_control_tokens(c, control) for c in conversations]
+            kwargs = _mark_control_tokens(kwargs, control)
         spans = [[] if return_assistant_tokens_mask else None for _ in conversations]
-        texts = [self._render(list(c), add_generation_prompt, chat_template, continue_final_message, kwargs,
+        texts = [self._render(c, add_generation_prompt, template, continue_final_message, kwargs,
                               sandbox_process, spans[i]) for i, c in enumerate(conversations)]
         if not tokenize:
             return texts if batched else texts[0]
         if not return_assistant_tokens_mask:
+            marked = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
             out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
-                       max_length=max_length, return_tensors=return_tensors, **(tokenizer_kwargs or {}))
+                       max_length=max_length, return_tensors=return_tensors, **(tokenizer_kwargs or {}), **marked)
             return out if return_dict else out["input_ids"]
         out = self(texts, add_special_tokens=False, padding=padding, truncation=truncation, max_length=max_length,
                    **{**(tokenizer_kwargs or {}), "return_attention_mask": True})
@@ -1002,6 +1040,40 @@ class Tokenizer:
         if return_tensors is not None:
             return BatchEncoding({k: _tensor(v, return_tensors) for k, v in out.items()})
         return out if batched else BatchEncoding({k: v[0] for k, v in out.items()})
+
+    def _control_tokens(self, template: str) -> tuple[str, ...]:
+        """transformers 5's control tokens of a template: the special added tokens, and the other
+        added tokens in chat_control_tokens, or (where that is None) in the template's literal text,
+        whitespace tokens aside (Gemma's "\\n" is ordinary text in templates)."""
+        added = self.added_tokens_decoder.values()
+        if self.chat_control_tokens is not None:
+            named = set(self.chat_control_tokens)
+            return tuple(t.content for t in added if t.special or t.content in named)
+        text = literal_text(template)
+        return tuple(t.content for t in added if t.special or (t.content in text and not t.content.isspace()))
+
+    def _marked_ids(self, chat: str) -> list[int]:
+        """transformers 5's encode_marked_chat: a chat rendered from marked inputs encoded, each marked
+        control token as plain text, the rest (the template's own control tokens) as usual; a lone
+        marker is dropped but still breaks the text, so that its two sides cannot join into a token."""
+        markers = _control_patterns(tuple(self.added_tokens_encoder))[1]
+        pieces = markers.split(chat)        # text, marked token (None: a lone marker), text, ...
+        newline = self._content("\n", False).ids
+        ids = self._content(pieces[0], False).ids
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue
+            as_text = i % 2 == 1
+            # after a newline, then cut: SentencePiece adds no prefix space in the middle of a chat
+            piece_ids = self._content("\n" + piece, False, True if as_text else None).ids
+            if piece_ids[:len(newline)] == newline:
+                piece_ids = piece_ids[len(newline):]
+            else:
+                piece_ids = self._content(piece, False, True if as_text else None).ids
+            if as_text and self.backend.token_to_id(piece) in piece_ids:
+                raise ValueError(f"Can't sanitize {piece!r}: the tokenizer produces it from plain text")
+            ids += piece_ids
+        return ids
 
     def _assistant_mask(self, encoder, text: str, attention: list[int], spans: list[tuple[int, int]],
                         side: str = "right") -> list[int]:
@@ -1023,21 +1095,15 @@ class Tokenizer:
             mask.append(int(at < len(spans) and end > spans[at][0]))
         return mask
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template: str,
                 continue_final_message: bool | str, kwargs: dict, sandbox_process: bool = False,
                 spans: list | None = None) -> str:
-        """The text of one conversation; spans, when a list: filled with the (start, end) of each
-        `{% generation %}` block's text in it, as transformers' AssistantTracker records them (the text
-        is the same as without). continue_final_message: True (the final message's "content"), or
-        transformers 5's name of the field to continue (e.g. "reasoning_content")."""
-        # transformers' choice: the "tool_use" template when tools are given and the folder names one
-        # (a name among the folder's named templates picks that one)
-        template = self.get_chat_template(chat_template, kwargs.get("tools"))
+        """The text of one conversation (chat_messages'); spans, when a list: filled with the (start,
+        end) of each `{% generation %}` block's text in it, as transformers' AssistantTracker records
+        them (the text is the same as without). continue_final_message: True (the final message's
+        "content"), or transformers 5's name of the field to continue (e.g. "reasoning_content")."""
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set")
-        # transformers' normalisation: a message's keys set to None are left out (a None content
-        # printed "None" in Mistral's and Gemma's templates and stopped Llama 3.1's)
-        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         messages = [_alias_reasoning(m) for m in messages]
         if continue_final_message:
             # transformers 5's way: a marker after the final message's field, the text cut there
@@ -1099,6 +1165,61 @@ def _alias_reasoning(message):
         return message
     thought = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
     return message if thought is None else {"thinking": thought, **message, "reasoning_content": thought}
+
+
+def _as_dicts(value):
+    """transformers 5's _message_objects_to_dicts: mappings, pydantic models (model_dump: the
+    OpenAI SDK's messages, their tool calls) and dataclasses as dicts, all the way down."""
+    if isinstance(value, Mapping):
+        return {k: _as_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_dicts(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_as_dicts(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _as_dicts(value.model_dump())
+    return value
+
+
+def chat_messages(conversation) -> list[dict]:
+    """transformers 5's normalisation of a conversation (or an object with .messages): its messages
+    as dicts (_as_dicts), their keys set to None left out (a None content printed "None" in Mistral's
+    and Gemma's templates and stopped Llama 3.1's; a pydantic reply holds content=None)."""
+    try:
+        messages = _as_dicts(list(getattr(conversation, "messages", conversation)))
+    except RecursionError:
+        raise TokenizerError("the conversation is nested too deeply") from None
+    for m in messages:
+        if not isinstance(m, dict):
+            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {m!r:.80}.")
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+# what marks a control token written in apply_chat_template(sanitize_control_tokens=True)'s inputs:
+# transformers 5's private-use characters, put around it and taken off again by _marked_ids
+MARK_START, MARK_END = "\U000f0000", "\U000f0001"
+
+
+@functools.lru_cache(maxsize=16)
+def _control_patterns(tokens: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
+    """(any of the tokens, the longest first; one marked, or a lone marker), as transformers 5's."""
+    control = re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) or "(?!)")
+    return control, re.compile(f"{MARK_START}({control.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
+
+
+def _mark_control_tokens(value, control: re.Pattern):
+    """transformers 5's mark_control_tokens: each control token in the strings of value (lists, dicts'
+    values) put between the markers, any marker already there dropped (it would forge one)."""
+    if isinstance(value, str):
+        value = value.replace(MARK_START, "").replace(MARK_END, "")
+        return control.sub(f"{MARK_START}\\g<0>{MARK_END}", value)
+    if isinstance(value, dict):
+        return {k: _mark_control_tokens(v, control) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_control_tokens(v, control) for v in value]
+    return value
 
 
 def _with_marker(message, field: str, template: str) -> tuple[str, dict]:
@@ -1273,8 +1394,8 @@ def template_messages(messages) -> list[dict]:
 def _template_call(i: int, call) -> dict:
     """One of an assistant's earlier tool_calls with its arguments as the template takes them."""
     if not isinstance(call, dict) or not isinstance(call.get("function") or {}, dict):
-        raise ValueError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                         f"'arguments': ...}}}}, got {call!r:.80}")
+        raise TokenizerError(f"tool_calls[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             f"'arguments': ...}}}}, got {call!r:.80}")
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
     if isinstance(args, str):
@@ -1282,6 +1403,8 @@ def _template_call(i: int, call) -> dict:
             args = json.loads(args)
         except json.JSONDecodeError:       # "", whitespace or malformed: {} (vLLM's _postprocess_messages)
             args = {}
+        except RecursionError:             # vLLM's: an error of the request (400)
+            raise TokenizerError(f"tool_calls[{i}].function.arguments is nested too deeply") from None
         if args is None:                   # "null": {} too, as vLLM's
             args = {}
     elif not isinstance(args, (dict, list)):
@@ -1343,7 +1466,11 @@ def load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:         # a name too long for one (ENAMETOOLONG): vLLM's open() fails the same way
+        is_file = False
+    if is_file:
         try:
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -1356,9 +1483,9 @@ def load_chat_template(value: str | None) -> str | None:
     else:
         raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no braces)")
     try:
-        environment().from_string(template)
+        compiled(template)
     except jinja2.TemplateError as e:
-        raise ValueError(f"--chat-template {value if path.is_file() else '(inline)'}: not a valid template: {e}") from None
+        raise ValueError(f"--chat-template {value if is_file else '(inline)'}: not a valid template: {e}") from None
     return template
 
 

@@ -16,25 +16,39 @@ from .errors import clipped
 
 
 def _lone_surrogate(value, path: str) -> str | None:
-    """The path of the first string in value (dicts, lists) holding a lone surrogate, or None."""
-    if isinstance(value, str):
-        return None if is_unicode_text(value) else path
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
+    """The path of the first string in value (dicts, lists) holding a lone surrogate, or None.
+    Walked with a stack of iterators, not by recursion: the JSON parser takes bodies nested deeper
+    than the frames left under this validator (a RecursionError had been a 500)."""
+    keys, stack = [_TOP], [iter([(_TOP, value)])]      # the keys down to each iterator's container
+    while stack:
+        step = next(stack[-1], None)
+        if step is None:
+            keys.pop()
+            stack.pop()
+            continue
+        key, item = step
         if isinstance(key, str) and not is_unicode_text(key):
             # escaped (\ud800), and cut: pydantic cannot carry the surrogate itself in its message (a 500)
             key = clipped(key.encode("utf-8", "backslashreplace").decode())
-            return f"{path}.{key} (a key)" if path else f"{key} (a key)"
-        name = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
-        found = _lone_surrogate(item, name)
-        if found is not None:
-            return found
+            where = _path(path, keys)
+            return f"{where}.{key} (a key)" if where else f"{key} (a key)"
+        if isinstance(item, str) and not is_unicode_text(item):
+            return _path(path, [*keys, key])
+        if isinstance(item, (dict, list, tuple)):
+            keys.append(key)
+            stack.append(iter(item.items()) if isinstance(item, dict) else enumerate(item))
     return None
+
+
+_TOP = object()     # _lone_surrogate's key of the value itself
+
+
+def _path(path: str, keys: list) -> str:
+    """path.key[0].other: a dict's key after a dot, a list's index in brackets."""
+    for key in keys:
+        if key is not _TOP:
+            path = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
+    return path
 
 
 class _Body(BaseModel):

@@ -375,12 +375,16 @@ class Service:
         # template that loops over them (auto: read from the template in use, as vLLM's)
         fmt = content_format(template_in_use(self.tokenizer, req.chat_template or self.config.chat_template, tools),
                              self.config.chat_template_content_format)
-        messages = template_messages(
-            {"role": m.role, "content": m.content if m.content is None or isinstance(m.content, str) and fmt == "string"
-             else template_content(m.content if isinstance(m.content, str) else _text_parts(m.content), fmt),
-             "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
-             "reasoning": getattr(m, "reasoning", None), "reasoning_content": getattr(m, "reasoning_content", None)}
-            for m in req.messages)       # earlier reasoning under each name templates read (template_messages)
+        try:
+            messages = template_messages(
+                {"role": m.role,
+                 "content": m.content if m.content is None or isinstance(m.content, str) and fmt == "string"
+                 else template_content(m.content if isinstance(m.content, str) else _text_parts(m.content), fmt),
+                 "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
+                 "reasoning": getattr(m, "reasoning", None), "reasoning_content": getattr(m, "reasoning_content", None)}
+                for m in req.messages)       # earlier reasoning under each name templates read (template_messages)
+        except TokenizerError as e:     # e.g. a tool call's arguments nested past the recursion limit
+            raise APIError(400, str(e), "messages") from None
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
         if req.chat_template is not None and not self.config.trust_request_chat_template:

@@ -142,3 +142,34 @@ def test_a_request_aborted_in_the_queue_spent_its_span_queued(live, monkeypatch)
     after = scrape(http)
     assert value(after, "vllm:request_queue_time_seconds_sum") - value(before, "vllm:request_queue_time_seconds_sum") \
         >= a["gen_ai.latency.time_in_queue"]
+
+
+def test_an_engine_failure_is_a_finished_record_with_reason_error(live, monkeypatch):
+    """vLLM counts a request its engine failed (FinishReason.ERROR) in request_success_total and
+    every per-request histogram, as any finished request."""
+    llm, server, http, _ = live
+    real_step, calls = llm.engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:          # mid-generation: the step's request ends with an error
+            raise RuntimeError("boom")
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", failing)
+    before = scrape(http)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 10,
+                                           "ignore_eos": True})
+    assert r.status_code == 500 and "boom" in r.text
+    monkeypatch.setattr(llm.engine, "step", real_step)
+    after = scrape(http)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="error") == 1
+    assert delta("vllm:requests_total", outcome="error") == 1
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_kv_computed_tokens",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"vllm:{name}_count") == 1, name
+    # the tokens it made before the failing step, as generation_tokens_total counted them
+    assert delta("vllm:request_generation_tokens_sum") == delta("vllm:generation_tokens_total") > 0

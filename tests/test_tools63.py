@@ -1,7 +1,7 @@
 """Auto tool calls streamed equal the non-streamed ones wherever a stream's chunks end, inside a
 \\uXXXX escape or between a surrogate pair's halves among them (llama3_json took a call cut there
-for text); arguments holding NaN or an infinity are no JSON to a strict client, so such a call is
-text with every parser, as pythonic's (tools63)."""
+for text); hermes reads its markers when the model's tokenizer makes them special tokens
+(tools63)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,50 @@ def test_a_llama3_json_call_with_escapes_streams_as_it_returns(client):
     assert (got.message.content or None, got.finish_reason) == (None, "tool_calls")     # no text sent
     assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
         ("get_weather", '{"city": "Zoë 😀"}')]
+
+
+def test_hermes_reads_markers_that_are_special_tokens(tmp_path):
+    """Some Hermes checkpoints make <tool_call> and </tool_call> special tokens: a request with
+    tools (tool_choice not "none") keeps special tokens in the reply's text, as vLLM's hermes parser
+    (adjust_request) does, so the markers reach the parser; skipped, the call came back as content."""
+    import shutil
+
+    folder = tmp_path / "hermes"
+    shutil.copytree(BUNDLED_TARGET, folder)
+    names = {"<|pad|>": "<tool_call>", "<|system|>": "</tool_call>"}      # ids 2 and 3, special: true
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        added["content"] = names.get(added["content"], added["content"])
+    vocab = tok["model"]["vocab"]
+    for old, new in names.items():
+        vocab[new] = vocab.pop(old)
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.pop("pad_token", None)
+            path.write_text(json.dumps(config))
+    llm = LLM(str(folder), num_speculative_tokens=0, max_model_len=256, max_num_seqs=2)
+    ids = llm.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert len(ids) == 1 and llm.tokenizer.decode(ids, skip_special_tokens=True) == ""     # a special token
+    config = ServerConfig(served_model_names=("toy",), enable_auto_tool_choice=True, tool_call_parser="hermes")
+    grammar = 'start: <[%d]> "{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}" <[%d]>' % (
+        ids[0], llm.tokenizer.encode("</tool_call>", add_special_tokens=False)[0])
+    with LiveServer(build_app(llm, config)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="toy", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=list(TOOLS),
+                  temperature=0, max_tokens=40, extra_body={"structured_outputs": {"grammar": grammar}})
+        whole = client.chat.completions.create(**kw).choices[0]
+        with client.chat.completions.stream(**kw) as s:
+            for _ in s:
+                pass
+            streamed = s.get_final_completion().choices[0]
+        free = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "Hi"}],
+                                              temperature=0, max_tokens=4)     # no tools: skipped as asked
+        client.close()
+    for choice in (whole, streamed):
+        assert (choice.message.content or None, choice.finish_reason) == (None, "tool_calls")
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            ("get_weather", '{"city": "Oslo"}')]
+    assert "<tool_call>" not in (free.choices[0].message.content or "")

@@ -177,8 +177,10 @@ class Service:
                 e.param = "max_completion_tokens"           # the field the client sent
                 e.message = e.message.replace("max_tokens", "max_completion_tokens", 1)
             raise
-        if plan is not None and plan.mode == "auto" and plan.parser == "mistral":
-            params = dataclasses.replace(params, skip_special_tokens=False)   # [TOOL_CALLS] is one
+        if plan is not None and plan.mode == "auto" and plan.parser in ("mistral", "hermes"):
+            # [TOOL_CALLS] is a special token, and so are <tool_call> / </tool_call> in some Hermes
+            # checkpoints: the parser must see them (vLLM's parsers' adjust_request)
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if self.config.reasoning_parser == HARMONY and self.reasoning_for(params) is not None:
             params = dataclasses.replace(params, skip_special_tokens=False)   # its channels are special tokens
         prompts = [self.engine.truncated(p, params) for p in prompts]
@@ -639,13 +641,14 @@ class Generation:
 
     def _finished(self, index: int, outcome: str, counted: bool = False) -> None:
         """Choice `index` is over: requests_total{outcome} (unless counted as its client left) and,
-        for one the engine ran (stop, length, abort), vLLM's finished-request record. A job
+        for one the engine ran (stop, length, abort, or error: the engine failed it, as vLLM's
+        FinishReason.ERROR), vLLM's finished-request record. A job
         cancelled before the engine took it makes none (vLLM's: a request that never reached
         its engine has no stats, and the engine made no span for it)."""
         if not counted:
             self._metrics.count(outcome or "stop")
         prompt = index // self.per_prompt
-        if outcome in ("stop", "length", "abort") and self._jobs[index].started:
+        if outcome in ("stop", "length", "abort", "error") and self._jobs[index].started:
             clock, stats = self._clocks[index], self.stats[index]
             generated = 0 if self.echo_only or stats is None else stats.output_tokens
             room = self._worker.engine.max_model_len - len(self.prompt_of(index))

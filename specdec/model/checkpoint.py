@@ -475,7 +475,6 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
     if cfg.attention_bias and cfg.model_type in O_BIASED and any(k.endswith("self_attn.o_proj.bias") for k in sd):
         cfg = dataclasses.replace(cfg, o_bias=True)    # Llama's attention_bias: o_proj's too (a file without
         #                                                one: transformers' zeros, the same model)
-    cfg = _untie_stored_head(sd, cfg, folder)
     interleaved = bool(cfg.kv_lora_rank) and rope_interleaved(text_config(raw))
     if interleaved:
         sd = deinterleave_rope(sd, cfg)
@@ -490,6 +489,7 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
             sd = hf_quant.convert(sd, quant, qcfg, _packable(quantization, device), torch_dtype)
         except hf_quant.QuantFormatError as e:
             raise CheckpointError(f"{folder}: {e}") from None
+    cfg = _untie_stored_head(sd, cfg, folder)      # after convert: a quantized head (lm_head.qweight) is a weight now
     # RoPE's inverse frequencies, saved as buffers by transformers before 4.31: recomputed from
     # the config here (vLLM skips them the same way)
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -547,7 +547,9 @@ def _untie_stored_head(sd: dict[str, torch.Tensor], cfg: ModelConfig, folder) ->
     """transformers 5's rule for a config that says tie_word_embeddings over a file holding an
     lm_head.weight unequal to the embeddings: the stored head is used, untied (with a warning).
     (vLLM skips the stored head and ties; transformers' logits are the reference here.) An equal
-    head, as .bin checkpoints store both, stays tied."""
+    head, as .bin checkpoints store both, stays tied. A quantized head (GPTQ's lm_head.qweight,
+    compressed-tensors' lm_head.weight_packed) is read after hf_quant.convert: dequantized, or
+    packed rows, which differ from the embeddings too."""
     if not cfg.tie_word_embeddings:
         return cfg
     names = {_text_name(n): n for n in sd}

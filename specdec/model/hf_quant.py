@@ -1,5 +1,6 @@
 """Quantized Hugging Face folders: compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8 /
-FP8 / NVFP4 / MXFP4), GPTQ, AWQ and transformers' block FP8, as vLLM reads them.
+FP8 / NVFP4 / MXFP4 / MXFP8), GPTQ, AWQ and FP8 (transformers' block FP8, AutoFP8's per-tensor
+FP8), as vLLM reads them.
 
 Every integer scheme these formats store is the same arithmetic: per output row n and input
 column k, w[n, k] = scale[n, g(k)] * (q[n, k] - zero[n, g(k)]) with integer codes q, and a group
@@ -233,13 +234,13 @@ def _block_scale(scale: Tensor, N: int, K: int, block, what: str) -> Tensor:
     return s.repeat_interleave(bo, dim=0)[:N].repeat_interleave(bi, dim=1)[:, :K]
 
 
-def _ct_weights(qcfg: dict, what: str) -> dict:
-    """The `weights` arguments of the compressed-tensors config group that targets module `what`
-    (targets: "Linear" / a class name: every matrix, "re:<regex>": a match of the name, else
-    the name or its tail); {} where none does."""
+def _ct_group(qcfg: dict, what: str) -> dict:
+    """The compressed-tensors config group that targets module `what` (targets: "Linear" / a
+    class name: every matrix, "re:<regex>": a match of the name, else the name or its tail); {}
+    where none does."""
     found = []
     for group in (qcfg.get("config_groups") or {}).values():
-        weights = (group or {}).get("weights") or {}
+        group = group or {}
         for t in group.get("targets") or ():
             t = str(t)
             if t.startswith("re:"):
@@ -249,10 +250,15 @@ def _ct_weights(qcfg: dict, what: str) -> dict:
             else:                                   # a module class (Linear, ...): every quantized matrix
                 hit = None
             if hit:
-                return weights
+                return group
             if hit is None:
-                found.append(weights)
+                found.append(group)
     return found[0] if found else {}
+
+
+def _ct_weights(qcfg: dict, what: str) -> dict:
+    """The `weights` arguments of the config group that targets module `what` ({} where none does)."""
+    return _ct_group(qcfg, what).get("weights") or {}
 
 
 def _ct_block(qcfg: dict, what: str, scale: Tensor, N: int) -> list | None:
@@ -275,10 +281,22 @@ def _take(sd: dict, name: str) -> Tensor | None:
     return sd.pop(name, None)
 
 
+# compressed-tensors' formats (a config group's `format`, else the config's) read here; "mixed-precision":
+# each group names its own
+_CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "mxfp8-quantized",
+               "nvfp4-pack-quantized", "mxfp4-pack-quantized", "dense", "mixed-precision")
+
+
 def _compressed_tensors(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes | Tensor | None:
     """One module of a compressed-tensors folder: pack-quantized (weight_packed int32 with
-    weight_shape), int-/naive-quantized (int8 weight), float-quantized (FP8 weight), or
-    NVFP4 / MXFP4 pack-quantized (uint8 weight_packed of FP4 pairs)."""
+    weight_shape), int-/naive-quantized (int8 weight), float-quantized (FP8 weight), mxfp8-quantized
+    (FP8 weight, E8M0 scales per 32), NVFP4 / MXFP4 pack-quantized (uint8 weight_packed of FP4
+    pairs), or dense (llm-compressor's save_compressed=False: the weight as the model computes with
+    it, its scales beside it unused, as compressed_tensors' DenseCompressor and transformers load it)."""
+    fmt = _ct_group(qcfg, what).get("format") or qcfg.get("format")
+    if fmt is not None and fmt not in _CT_FORMATS:
+        raise QuantFormatError(f"{what}: compressed-tensors format {fmt!r} is not read (specdec reads "
+                               f"{', '.join(_CT_FORMATS[:-1])})")
     scale = _take(sd, prefix + "weight_scale")
     zp = _take(sd, prefix + "weight_zero_point")
     g_idx = _take(sd, prefix + "weight_g_idx")
@@ -291,7 +309,8 @@ def _compressed_tensors(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes |
         N, K = packed.shape[0], packed.shape[1] * 2
         if scale.dtype == torch.uint8:                                   # MXFP4: E8M0 exponents per 32
             if scale.shape != (N, K // 32):
-                raise QuantFormatError(f"{what}: MXFP4 scales {tuple(scale.shape)} for a [{N}, {K}] matrix")
+                raise QuantFormatError(f"{what}: uint8 weight_packed {tuple(packed.shape)} with E8M0 scales "
+                                       f"{tuple(scale.shape)} is not MXFP4 (two values a byte, a scale per 32)")
             return MXFP4(packed, scale)
         vals = _FP4[torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(N, K).long()]
         s = scale.float() / (gscale.float() if gscale is not None else 1.0)   # NVFP4: FP8 scales per 16 / global
@@ -312,11 +331,13 @@ def _compressed_tensors(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes |
     w = _take(sd, prefix + "weight")
     if w is None:
         raise QuantFormatError(f"{what}: quantization scales without a weight")
-    if scale is None:
+    if scale is None or fmt == "dense":
         return w
     if w.dtype in (torch.int8, torch.uint8, torch.int32):
         q = w.to(torch.int16) - (128 if w.dtype == torch.uint8 else 0)
         return _ct_codes(q, scale, None if zp is None else zp.float(), g_idx, qcfg, what)
+    if scale.dtype == torch.uint8:                                   # MXFP8: E8M0 exponents, 2^(e - 127)
+        scale = torch.exp2(scale.float() - 127)
     block = _ct_block(qcfg, what, scale, w.shape[0])
     if block is not None:                                            # FP8_BLOCK
         return w.float() * _block_scale(scale, *w.shape, block, what)
@@ -424,6 +445,11 @@ def _awq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
     qweight, qzeros, scales = sd.pop(prefix + "qweight"), _take(sd, prefix + "qzeros"), _take(sd, prefix + "scales")
     if qzeros is None or scales is None:
         raise QuantFormatError(f"{what}: AWQ qweight without qzeros and scales")
+    if qweight.dim() != 2 or scales.dim() != 2 or scales.shape[1] != 8 * qweight.shape[1] \
+            or tuple(qzeros.shape) != (scales.shape[0], qweight.shape[1]):
+        raise QuantFormatError(f"{what}: AWQ tensors qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
+                               f"scales {tuple(scales.shape)} do not fit AutoAWQ's GEMM layout ([K, N / 8], "
+                               "[G, N / 8], [G, N]); does the config name the folder's method?")
 
     def unpack(words: Tensor) -> Tensor:
         r = unpack_bits(words, 4, words.shape[1] * 8)                    # nibbles in stream order
@@ -439,12 +465,16 @@ def _awq(sd: dict, prefix: str, qcfg: dict, what: str) -> Codes:
     return Codes(q - 8, scales.float().t().contiguous(), zero - 8)
 
 
-def _fp8_block(sd: dict, prefix: str, qcfg: dict, what: str) -> Tensor:
-    """transformers' FP8 (quant_method "fp8": Qwen3-FP8, DeepSeek-V3): weight float8_e4m3fn and
-    weight_scale_inv per weight_block_size block ([128, 128] by default; a short last block where
-    it does not divide a side), or per tensor: w = weight * weight_scale_inv."""
+def _fp8(sd: dict, prefix: str, qcfg: dict, what: str) -> Tensor:
+    """quant_method "fp8", weight float8_e4m3fn with either transformers' FineGrainedFP8
+    weight_scale_inv (Qwen3-FP8, DeepSeek-V3) per weight_block_size block ([128, 128] by default; a
+    short last block where it does not divide a side) or per tensor, or vLLM's / AutoFP8's
+    weight_scale per tensor (vLLM's Fp8LinearMethod without weight_block_size; its input_scale, the
+    static activation scale, is read past as every activation scheme is): w = weight * scale."""
     w = sd.pop(prefix + "weight")
-    s = sd.pop(prefix + "weight_scale_inv")
+    s = _take(sd, prefix + "weight_scale_inv")
+    if s is None:
+        return w.float() * _full_scale(sd.pop(prefix + "weight_scale"), *w.shape, what)
     return w.float() * _block_scale(s, *w.shape, qcfg.get("weight_block_size") or [128, 128], what)
 
 
@@ -455,7 +485,7 @@ _FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
 
 def _quantized_prefixes(sd: dict, kind: str) -> list[str]:
     marker = {"compressed-tensors": ("weight_scale", "weight_packed"), "gptq": ("qweight",),
-              "awq": ("qweight",), "fp8": ("weight_scale_inv",)}[kind]
+              "awq": ("qweight",), "fp8": ("weight_scale_inv", "weight_scale")}[kind]
     found = set()
     for name in sd:
         for m in marker:
@@ -492,7 +522,7 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed,
         del sd[name]
     prefixes = _quantized_prefixes(sd, kind)
     if not prefixes and kind != "compressed-tensors":    # (a compressed-tensors folder may quantize only its KV cache)
-        marker = "weight_scale_inv" if kind == "fp8" else "qweight"
+        marker = "weight_scale_inv or weight_scale" if kind == "fp8" else "qweight"
         raise QuantFormatError(f"quantization_config names {kind} but no matrix in the folder has its tensors ({marker})")
     rows: dict[str, tuple[str, Tensor, int]] = {}       # prefix -> (format, rows, in_features)
     for prefix in prefixes:
@@ -507,7 +537,7 @@ def convert(sd: dict[str, Tensor], kind: str, qcfg: dict, keep_packed,
             elif kind == "awq":
                 got = _awq(sd, prefix, qcfg, what)
             else:
-                got = _fp8_block(sd, prefix, qcfg, what)
+                got = _fp8(sd, prefix, qcfg, what)
         except QuantFormatError as e:
             raise e if str(e).startswith(what + ":") else QuantFormatError(f"{what}: {e}") from None
         except (RuntimeError, ValueError, IndexError) as e:      # tensors that do not fit each other

@@ -210,6 +210,10 @@ class Engine:
         bad = next((t for t in params.allowed_token_ids or [] if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"allowed_token_ids token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]       # vLLM's _validate_stop_token_ids
+        if bad:
+            raise ValueError(f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+                             f"Vocabulary size: {vocab}")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         if params.bad_words:        # tokenized here, where the server prepares the request, and kept on params

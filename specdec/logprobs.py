@@ -11,9 +11,10 @@ Modes (vLLM's `logprobs_mode`, its default first):
 - "raw_logits": the raw logits themselves.
 - "processed_logprobs": log p(x) under the distribution the token was verified against: the
   request's controls (penalties, bias, grammar mask: the rows the engine passes in), then
-  temperature, top-k, top-p and min-p (sampling.process_rows); tokens those removed get
-  -inf (the server sends FLOOR). Greedy requests report the unscaled distribution (temperature 0 has no distribution
-  of its own), so greedy logprobs are the same as raw ones where no control acts.
+  temperature, top-k, top-p and min-p (sampling.processed_logits: log-softmax of its logits);
+  tokens those removed get -inf (the server sends FLOOR), and only those. Greedy requests report
+  the unscaled distribution (temperature 0 has no distribution of its own), so greedy logprobs
+  are the same as raw ones where no control acts.
 - "processed_logits": the logits after the controls and the temperature, -inf where top-k,
   top-p or min-p removed the token (FLOOR in the server's JSON).
 cumulative_logprob (and best_of's ranking) sums what the mode reports, as vLLM does.
@@ -30,7 +31,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .sampling import process_rows
+from .sampling import processed_logits
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 FLOOR = -9999.0          # what -inf becomes in the server's JSON, which has no infinity (vLLM's serving_*;
@@ -135,11 +136,7 @@ def _log_distribution(rows: Tensor, params: list, counts: list[int], mode: str) 
         return out
     starts = [sum(counts[:i]) for i in range(len(counts))]
     index = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in sampled]).to(rows.device)
-    probs = process_rows(rows[index], [params[i] for i in sampled], [counts[i] for i in sampled])
-    if logits_mode:
-        temp = torch.tensor([params[i].temperature for i in sampled for _ in range(counts[i])],
-                            dtype=torch.float32, device=rows.device)
-        out[index] = (rows[index].float() / temp[:, None]).masked_fill(probs == 0, float("-inf"))
-    else:
-        out[index] = probs.log()
+    # from the logits, not log(probs): a probability that underflowed to 0 is not a removed token
+    x = processed_logits(rows[index], [params[i] for i in sampled], [counts[i] for i in sampled])
+    out[index] = x if logits_mode else torch.log_softmax(x, dim=-1)
     return out

@@ -29,6 +29,7 @@ from .config import SamplingParams
 
 
 NUCLEUS_TIERS = (256, 4096)      # tokens ranked first; a nucleus wider than all of them sorts its whole row
+UNDERFLOW = -80.0                # log p - log p(best) below which a float32 probability may be 0 (sampling.c: -87)
 
 
 def nucleus_drop(probs: Tensor, top_p: Tensor) -> Tensor:
@@ -93,10 +94,7 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
     """
     dev = logits.device
     repeats = [1] * len(params) if repeats is None else repeats
-
-    def per_row(values, dtype):              # one value per request -> one per row
-        return torch.tensor([v for v, r in zip(values, repeats) for _ in range(r)], dtype=dtype, device=dev)
-
+    per_row = _per_row(repeats, dev)
     V = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     if kernel and dev.type == "cpu" and kernels.load() is not None:
@@ -123,6 +121,39 @@ def process_rows(logits: Tensor, params: list[SamplingParams], repeats: list[int
         probs = probs.masked_fill(nucleus_drop(probs, top_p), 0.0)      # top_p 1.0 rows drop nothing
         probs = torch.where(per_row(use_p, torch.bool)[:, None], probs / probs.sum(-1, keepdim=True), probs)
     return probs
+
+
+def processed_logits(logits: Tensor, params: list[SamplingParams], repeats: list[int] | None = None,
+                     kernel: bool = True) -> Tensor:
+    """logits [R, V] -> [R, V] float32: each row divided by its temperature, -inf exactly where
+    top-k, min-p or top-p removed the token (process_rows's decisions: what vLLM's processed
+    logits report; log_softmax of them is its processed logprobs).
+
+    A probability of 0 alone does not say that: float32 softmax underflows (sampling.c zeroes
+    every token e^-87 below the best), so a token that far below the best is read as removed
+    only where a filter would remove it: top-k by its rank, top-p < 1 always (the mass ranked
+    before it is 1 in float32), min-p where its ratio to the best is under min_p."""
+    dev = logits.device
+    repeats = [1] * len(params) if repeats is None else repeats
+    per_row = _per_row(repeats, dev)
+    temp, top_p, min_p = per_row([(p.temperature, p.top_p, p.min_p) for p in params], torch.float32).unbind(-1)
+    x = logits.float() / temp[:, None]
+    top_k = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
+    if not any(top_k) and all(p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        return x                                     # no filter: nothing removed
+    if any(top_k):
+        x = _top_k(x, top_k, per_row)
+    probs = process_rows(logits, params, repeats, kernel)
+    below = x - x.amax(-1, keepdim=True)             # log p - log p(best)
+    # 0 by underflow, not removed: far below the best, with no top-p and a min-p it passes
+    kept = (below < UNDERFLOW) & (top_p >= 1.0)[:, None] & (below >= min_p.log()[:, None])
+    return x.masked_fill((probs == 0) & ~kept, float("-inf"))
+
+
+def _per_row(repeats: list[int], dev):
+    def per_row(values, dtype):              # one value per request -> one per row
+        return torch.tensor([v for v, r in zip(values, repeats) for _ in range(r)], dtype=dtype, device=dev)
+    return per_row
 
 
 def _top_k(logits: Tensor, top_k: list[int], per_row) -> Tensor:

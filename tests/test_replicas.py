@@ -10,6 +10,7 @@ One cluster serves the module (about 20-30 s to start on 2 cores; marked `ray`: 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import signal
 import socket
@@ -61,6 +62,11 @@ def _replica_pids(driver: int) -> list[int]:
     return pids
 
 
+def _replicas_in(text: str) -> set[str]:
+    """The replica labels of a federated /metrics text."""
+    return {s.labels["replica"] for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = make_checkpoint(tmp_path_factory.mktemp("replicas") / "target", layers=2, max_position_embeddings=2048)
@@ -73,7 +79,7 @@ def cluster(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_replicas(proc, url, log)
-        yield {"url": url, "driver": proc.pid,
+        yield {"url": url, "driver": proc.pid, "log": log,
                "client": openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)}
     finally:
         proc.send_signal(signal.SIGTERM)          # drains, shuts Serve and the local cluster down
@@ -172,6 +178,55 @@ def test_control_routes_reach_every_replica(cluster):
         t.join(60)
     assert len(got) == 4 and httpx.get(url + "/is_paused", timeout=60).json() == {"is_paused": False}
 
+
+
+def test_with_ray_serve_responses_follow_ups_and_a_frozen_replica(cluster):
+    """A stored response is answered by the replica that holds it whichever one a follow-up
+    reaches; a replica frozen through a few /metrics scrapes stays on the board, so /metrics lists
+    it and /pause holds it too (tests/test_replicas63.py has the pieces without a cluster)."""
+    client, url = cluster["client"], cluster["url"]
+    kw = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.with_raw_response.create(input="hello", **kw)
+    rid, maker = first.parse().id, first.headers["x-specdec-replica"]
+    answered = set()
+    for _ in range(8):               # Ray spreads them: some reach the other replica
+        got = client.responses.with_raw_response.retrieve(rid)
+        answered.add(got.headers["x-specdec-replica"])
+        assert got.parse().id == rid
+        follow = client.responses.with_raw_response.create(input="more", previous_response_id=rid, **kw)
+        assert follow.headers["x-specdec-replica"] == maker
+    assert answered == {maker}       # every answer from the replica that holds it
+
+    # one replica frozen through a few scrapes (each waits 2 s for it): it stays on the board
+    pids = _replica_pids(cluster["driver"])
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url + "/metrics", timeout=4)
+            except httpx.TimeoutException:      # Ray gave it to the frozen one
+                pass
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    for _ in range(4):
+        assert len(_replicas_in(httpx.get(url + "/metrics", timeout=30).text)) == 2, _tail(cluster["log"])
+    paused = httpx.post(url + "/pause?mode=keep", timeout=30)
+    try:
+        assert paused.status_code == 200
+        assert httpx.get(url + "/is_paused", timeout=30).json() == {"is_paused": True}
+        # every replica paused: requests wait, whichever replica they reach
+        def one(_):
+            try:
+                return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                                  timeout=4).headers["x-specdec-replica"]
+            except httpx.TimeoutException:
+                return None
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == [None] * 4
+    finally:
+        assert httpx.post(url + "/resume", timeout=30).status_code == 200
 
 
 def test_a_killed_replica_fails_its_requests_clearly_and_the_service_recovers(cluster):

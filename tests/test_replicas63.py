@@ -5,20 +5,14 @@ runtime adapters; the Responses API's stored responses are found whichever repli
 reaches (GET, input_items, previous_response_id, a background response's live status, cancel,
 its stream, DELETE).
 
-The tests without a cluster take seconds (real apps on 127.0.0.1, the board's own class); the one
-marked `ray` starts one local cluster for the module, as tests/test_replicas.py does."""
+The tests here take seconds (real apps on 127.0.0.1, the board's own class); the end-to-end one
+on Ray Serve is in tests/test_replicas.py, on that module's cluster."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import types
 
 import httpx
@@ -31,8 +25,7 @@ from specdec import LLM  # noqa: E402
 from specdec.server import ServerConfig, build_app  # noqa: E402
 from specdec.server.replicas import TOKEN_HEADER, EngineReplica, MetricsBoard, ReplicaApp, RequireToken  # noqa: E402
 
-from conftest import make_checkpoint  # noqa: E402
-from test_replicas import _free_port, _replica_pids, _tail, _wait_for_replicas  # noqa: E402
+from test_replicas import _replicas_in  # noqa: E402
 from test_server import LiveServer  # noqa: E402
 
 TOKEN = {TOKEN_HEADER: "tok"}
@@ -65,9 +58,6 @@ def _board() -> tuple:
     return board, _Handle(board)
 
 
-def _replicas_in(text: str) -> set[str]:
-    from prometheus_client.parser import text_string_to_metric_families
-    return {s.labels["replica"] for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 # --- 1. the board keeps a replica slow to answer a scrape; a live one taken off comes back --------
@@ -207,75 +197,3 @@ def test_a_stored_response_is_found_whichever_replica_gets_the_follow_up(two_app
             with pytest.raises(openai.NotFoundError):
                 client.responses.create(input="x", previous_response_id="resp_nowhere", **kw)
             on_b.close()
-
-
-# --- 3. with Ray Serve: both, end to end ---------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = make_checkpoint(tmp_path_factory.mktemp("replicas63") / "target", layers=2, max_position_embeddings=2048)
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("replicas63-log") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(model), "--served-model-name", "tiny",
-                             "--replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "4", "--port", str(port),
-                             "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_replicas(proc, url, log)
-        yield {"url": url, "driver": proc.pid, "log": log,
-               "client": openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-@pytest.mark.ray
-def test_with_ray_serve_responses_follow_ups_and_a_frozen_replica(cluster):
-    client, url = cluster["client"], cluster["url"]
-    kw = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
-    first = client.responses.with_raw_response.create(input="hello", **kw)
-    rid, maker = first.parse().id, first.headers["x-specdec-replica"]
-    answered = set()
-    for _ in range(8):               # Ray spreads them: some reach the other replica
-        got = client.responses.with_raw_response.retrieve(rid)
-        answered.add(got.headers["x-specdec-replica"])
-        assert got.parse().id == rid
-        follow = client.responses.with_raw_response.create(input="more", previous_response_id=rid, **kw)
-        assert follow.headers["x-specdec-replica"] == maker
-    assert answered == {maker}       # every answer from the replica that holds it
-
-    # one replica frozen through a few scrapes (each waits 2 s for it): it stays on the board
-    pids = _replica_pids(cluster["driver"])
-    assert len(pids) == 2
-    os.kill(pids[0], signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(url + "/metrics", timeout=4)
-            except httpx.TimeoutException:      # Ray gave it to the frozen one
-                pass
-    finally:
-        os.kill(pids[0], signal.SIGCONT)
-    for _ in range(4):
-        assert len(_replicas_in(httpx.get(url + "/metrics", timeout=30).text)) == 2, _tail(cluster["log"])
-    paused = httpx.post(url + "/pause?mode=keep", timeout=30)
-    try:
-        assert paused.status_code == 200
-        assert httpx.get(url + "/is_paused", timeout=30).json() == {"is_paused": True}
-        # every replica paused: requests wait, whichever replica they reach
-        def one(_):
-            try:
-                return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
-                                  timeout=4).headers["x-specdec-replica"]
-            except httpx.TimeoutException:
-                return None
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(one, range(4))) == [None] * 4
-    finally:
-        assert httpx.post(url + "/resume", timeout=30).status_code == 200

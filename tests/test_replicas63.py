@@ -51,6 +51,7 @@ class _Replica:
     federated_metrics, check_health, rejoin = EngineReplica.federated_metrics, EngineReplica.check_health, EngineReplica.rejoin
     drain, broadcast, peers, _load_adapters = (EngineReplica.drain, EngineReplica.broadcast, EngineReplica.peers,
                                                EngineReplica._load_adapters)
+    _follow_pause = EngineReplica._follow_pause
 
 
 def _board() -> tuple:
@@ -134,6 +135,51 @@ def test_a_live_replica_taken_off_the_board_checks_in_again_and_catches_up(tiny_
             await me.catch_up
         asyncio.run(check())
         assert [card["id"] for card in me.server.state.service.adapters.cards()] == ["three"]
+    llm.shutdown()
+
+
+def test_a_replica_that_missed_a_pause_or_a_resume_follows_the_service(tiny_pair):
+    """The board keeps whether the service is paused: a replica on the board that is not paused
+    while the service is (it registered while the /pause went out) pauses at its next check-in, and
+    one taken off the board meanwhile resumes if it missed the /resume; a /pause refused (a bad
+    mode) leaves the service unpaused."""
+    llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
+    board, handle = _board()
+    me = _Replica()
+    me.id, me.board, me.llm, me.token = "me", handle, llm, "tok"
+    me.server = build_app(llm, ServerConfig(served_model_names=("tiny",)))
+    me.front = ReplicaApp(me.server, "me", me.federated_metrics, me.broadcast)
+    me.metrics_url, me.direct_url = "http://127.0.0.1:1/metrics", "http://127.0.0.1:1"
+    worker = me.server.state.service.worker
+    with LiveServer(me.front) as front:     # its lifespan is the app's: the engine runs
+        board.register("me", me.metrics_url, me.direct_url)
+        assert httpx.post(front.url + "/pause", params={"mode": "bogus"}, timeout=30).status_code == 400
+        assert not board.paused and not worker.paused
+        board.paused = True                     # a /pause that went out before "me" registered
+        asyncio.run(me.check_health())
+        assert worker.paused
+        done = []
+
+        def ask():
+            done.append(httpx.post(front.url + "/v1/completions", timeout=60,
+                                   json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code)
+        import threading
+        t = threading.Thread(target=ask)
+        t.start()
+        t.join(1.0)
+        assert done == []                       # it waits, as on the replicas the /pause reached
+        assert httpx.post(front.url + "/resume", timeout=30).status_code == 200
+        t.join(60)
+        assert done == [200] and not board.paused and not worker.paused
+        asyncio.run(me.check_health())          # on the board and not paused: nothing changes
+        assert not worker.paused
+
+        assert httpx.post(front.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        assert board.paused and worker.paused
+        board.drop("me")                        # taken off; meanwhile the service resumed without it
+        board.paused = False
+        asyncio.run(me.check_health())
+        assert not worker.paused and set(board.all()) == {"me"}
     llm.shutdown()
 
 

@@ -15,8 +15,9 @@ frozen a moment) is left out of that one. Responses carry `x-specdec-replica: <i
 
 The board lists the live replicas: a replica leaves it when nothing listens on its ports any more
 (its process is gone: Ray replaces it), and every replica registers again at each of Ray's health
-checks (every 5 s), so one taken off by mistake comes back, with the drain and the runtime
-adapters it missed.
+checks (every 5 s), so one taken off by mistake comes back, with the drain, the runtime
+adapters and the /pause or /resume it missed. A replica Ray starts while the service is paused
+(a replacement, or one more under autoscaling) starts paused, as the others are, until /resume.
 
 Stored responses (the Responses API's `GET`/`DELETE /v1/responses/{id}`, `.../input_items`,
 `.../cancel`, `previous_response_id`) live in the replica that made them, as one server's do: a
@@ -51,14 +52,14 @@ import logging
 import os
 import re
 import secrets
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
 from ray import serve
 from ray.serve import Application
 
-from .control import CONTROL_PATHS, LORA_PATHS
+from .control import CONTROL_PATHS, LORA_PATHS, PAUSE_MODES
 from .errors import APIError, error_body
 from .federate import merge
 
@@ -78,15 +79,21 @@ class MetricsBoard:
         self.direct: dict[str, str] = {}        # each replica's app on its own port (control routes)
         self.adapters: dict[str, str] = {}      # /v1/load_lora_adapter's: name -> path
         self.token, self.draining = token, False
+        self.paused = False                     # /pause broadcast (and not /resume since)
 
-    def register(self, replica: str, url: str, direct: str | None = None) -> tuple[bool, bool, dict[str, str]]:
+    def register(self, replica: str, url: str, direct: str | None = None) -> tuple[bool, bool, dict[str, str], bool]:
         """A replica that starts, or checks in again (idempotent) -> (whether it was on the board,
-        draining, the runtime adapters)."""
+        draining, the runtime adapters, paused)."""
         known = replica in self.urls
         self.urls[replica] = url
         if direct is not None:
             self.direct[replica] = direct
-        return known, self.draining, dict(self.adapters)
+        return known, self.draining, dict(self.adapters), self.paused
+
+    def set_paused(self, paused: bool) -> bool:
+        """The service is paused (/pause) or not (/resume) -> what it was before."""
+        before, self.paused = self.paused, paused
+        return before
 
     def adapter(self, name: str, path: str | None) -> None:
         """An adapter every replica loaded (path) or dropped (None)."""
@@ -152,9 +159,12 @@ class EngineReplica:
         log.info("replica %s: its own metrics at %s", self.id, self.metrics_url)
         self.direct_url = _serve_direct(self.server, self.direct_host, self.token, self.drain)
         if self.board is not None:
-            _, draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+            _, draining, adapters, paused = await self.board.register.remote(self.id, self.metrics_url,
+                                                                             self.direct_url)
             self.front.draining = draining
             await self._load_adapters(adapters)
+            if paused and not draining:
+                self._follow_pause(True)
         return self.front
 
     async def peers(self) -> dict[str, str]:
@@ -165,17 +175,23 @@ class EngineReplica:
     async def rejoin(self) -> None:
         """On the board again, if a scrape or a broadcast took this replica off while it lived (the
         board cannot tell a dead replica from one whose reply was lost): then it drains if the
-        server does, and loads the runtime adapters loaded meanwhile (off the health check's time)."""
+        server does, pauses or resumes as the service did, and loads the runtime adapters loaded
+        meanwhile (off the health check's time). A replica on the board pauses at a check-in too
+        if it is not paused while the service is (a /pause broadcast that started before it
+        registered did not reach it)."""
         try:
-            known, draining, adapters = await self.board.register.remote(self.id, self.metrics_url, self.direct_url)
+            known, draining, adapters, paused = await self.board.register.remote(self.id, self.metrics_url,
+                                                                                 self.direct_url)
         except Exception as e:      # noqa: BLE001 - no board to tell (it restarts): the next check tries again
             log.warning("replica %s: could not check in with the board: %s", self.id, e)
             return
+        if draining and not self.front.draining:
+            self.drain()
+        elif not draining and (paused or not known):
+            self._follow_pause(paused)
         if known:
             return
         log.info("replica %s: back on the board", self.id)
-        if draining and not self.front.draining:
-            self.drain()
         loaded = {card["id"] for card in self.server.state.service.adapters.cards()}
         missed = {name: path for name, path in adapters.items() if name not in loaded}
         if missed:
@@ -189,6 +205,20 @@ class EngineReplica:
                 await self.server.state.service.adapters.load(name, path)
             except APIError as e:       # the replica serves without it, as the log says
                 log.warning("replica %s: LoRA adapter %s (%s) not loaded: %s", self.id, name, path, e)
+
+    def _follow_pause(self, paused: bool) -> None:
+        """Pause (mode keep: nothing of this replica's is aborted) or resume as the service did."""
+        worker = self.server.state.service.worker
+        if worker.paused == paused:
+            return
+        log.info("replica %s: %s, as the service is", self.id, "paused" if paused else "resumed")
+        if not paused:
+            worker.resume()
+            return
+        try:
+            worker.pause("keep", False)
+        except Exception as e:      # noqa: BLE001 - shutting down: it drains instead
+            log.warning("replica %s: could not pause: %s", self.id, e)
 
     def drain(self) -> int:
         """The board's drain (from the driver, on SIGTERM): new requests get 503 -> those in
@@ -229,8 +259,16 @@ class EngineReplica:
         """A control request sent to every live replica (this one through its app, the others to
         their direct ports) at once -> the combined (status, JSON body)."""
         directs = await self.board.directs.remote() if self.board is not None else {}
+        # the board knows the service pauses before any replica does (a replica that registers
+        # meanwhile pauses at its next check-in), and that it resumes before any replica resumes
+        # (none is paused again by a check-in); a /pause that failed is undone there
+        before = None
+        if path in PAUSE_PATHS and method == "POST" and self.board is not None and _pause_mode(query) in PAUSE_MODES:
+            before = await self.board.set_paused.remote(path == "/pause")
         status, answer, gone = await broadcast(self.server, self.id, directs, method, path, query, headers, body,
                                                self.token)
+        if before is not None and path == "/pause" and status != 200:
+            await self.board.set_paused.remote(before)
         for replica in gone:                 # Ray replaces it; it is off the board (a live one checks in again)
             await self.board.drop.remote(replica)
         if path in LORA_PATHS and self.board is not None:
@@ -280,6 +318,11 @@ async def broadcast(own_app, own_id: str, directs: dict[str, str], method: str, 
     return *combine(path, query, answers), gone
 
 
+def _pause_mode(query: bytes) -> str:
+    """/pause's mode (vLLM's default abort); /resume has none."""
+    return parse_qs(query.decode("latin-1")).get("mode", ["abort"])[-1]
+
+
 def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
     """Every replica's answer to one control request -> one answer (the module's docstring). A
     failure names its replica, the others that failed and those where the request succeeded."""
@@ -309,6 +352,7 @@ def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
 
 
 TOKEN_HEADER = "x-specdec-replica-token"
+PAUSE_PATHS = ("/pause", "/resume")
 DRAIN_PATH = "/specdec/drain"       # on a replica's direct port only: the board's drain
 
 

@@ -23,7 +23,8 @@ pytest.importorskip("ray.serve")
 
 from specdec import LLM  # noqa: E402
 from specdec.server import ServerConfig, build_app  # noqa: E402
-from specdec.server.replicas import TOKEN_HEADER, EngineReplica, MetricsBoard, ReplicaApp, RequireToken  # noqa: E402
+from specdec.server.replicas import (TOKEN_HEADER, EngineReplica, MetricsBoard, ReplicaApp, RequireToken,  # noqa: E402
+                                      direct_app)
 
 from test_replicas import _replicas_in  # noqa: E402
 from test_server import LiveServer  # noqa: E402
@@ -194,7 +195,14 @@ def test_a_stored_response_is_found_whichever_replica_gets_the_follow_up(two_app
     async def metrics():
         return b""
 
-    with LiveServer(RequireToken(b, "tok")) as direct_b:
+    def invalid(app) -> float:          # specdec:requests_total{outcome="invalid"}
+        for line in app.state.service.metrics.render().decode().splitlines():
+            if line.startswith("specdec:requests_total{") and 'outcome="invalid"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    before = invalid(a), invalid(b)
+
+    with LiveServer(RequireToken(direct_app(b), "tok")) as direct_b:
         async def peers():
             return {"b": direct_b.url}
         with LiveServer(ReplicaApp(a, "a", metrics, None, peers, "tok")) as front:
@@ -242,4 +250,7 @@ def test_a_stored_response_is_found_whichever_replica_gets_the_follow_up(two_app
             assert e.value.body["code"] == "response_not_found"
             with pytest.raises(openai.NotFoundError):
                 client.responses.create(input="x", previous_response_id="resp_nowhere", **kw)
+            # the metrics count what the clients got: two 404s on a, one on b (looking for the
+            # holder and passing a follow-up on count nothing: they had counted 9 on a, 3 on b)
+            assert (invalid(a) - before[0], invalid(b) - before[1]) == (2, 1)
             on_b.close()

@@ -77,7 +77,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     load = ServerLoad()
     app.include_router(_public_routes(service, load))
-    api = [_api_routes(service), _responses_routes(service, ResponseStore()), _token_routes(service),
+    app.state.responses = ResponseStore()       # the Responses API's stored responses (replicas look here)
+    api = [_api_routes(service), _responses_routes(service, app.state.responses), _token_routes(service),
            *embedding_routes(service)]
     if config.allow_runtime_lora_updating:
         api.append(_lora_routes(service))

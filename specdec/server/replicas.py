@@ -52,7 +52,7 @@ import logging
 import os
 import re
 import secrets
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, unquote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
@@ -353,7 +353,8 @@ def combine(path: str, query: bytes, answers: dict) -> tuple[int, bytes]:
 
 TOKEN_HEADER = "x-specdec-replica-token"
 PAUSE_PATHS = ("/pause", "/resume")
-DRAIN_PATH = "/specdec/drain"       # on a replica's direct port only: the board's drain
+DRAIN_PATH = "/specdec/drain"
+HOLDS_PATH = "/specdec/holds"       # on a replica's direct port only: whether it stores a response       # on a replica's direct port only: the board's drain
 
 
 class RequireToken:
@@ -375,26 +376,36 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
+def direct_app(app, drain=None):
+    """A replica's app as its direct port serves it: DRAIN_PATH (POST: drain() -> {"in_flight":
+    its answer}) and HOLDS_PATH/<id> ({"held": whether it stores that response}) answered here,
+    everything else by the app."""
+    async def direct(scope, receive, send):
+        internal = None
+        if scope["type"] == "http" and scope["path"] == DRAIN_PATH and drain is not None:
+            internal = {"in_flight": drain()}
+        elif scope["type"] == "http" and scope["path"].startswith(HOLDS_PATH + "/"):
+            internal = {"held": _holds(app, unquote(scope["path"][len(HOLDS_PATH) + 1:]))}
+        if internal is None:
+            return await app(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(internal).encode()})
+    return direct
+
+
 def _serve_direct(app, host: str, token: str | None, drain=None) -> str:
     """The app on a port of its own (uvicorn in a daemon thread, no lifespan: the replica's app
     runs it), behind the deployment's token -> its URL, for the control requests other replicas
-    send it; POST DRAIN_PATH there calls drain() -> {"in_flight": its answer}."""
+    send it (direct_app)."""
     import socket
     import threading
 
     import uvicorn
 
-    async def direct(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == DRAIN_PATH and drain is not None:
-            body = json.dumps({"in_flight": drain()}).encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await app(scope, receive, send)
-
     sock = socket.socket()
     sock.bind((host, 0))
+    direct = direct_app(app, drain)
     guarded = RequireToken(direct, token) if token else direct
     server = uvicorn.Server(uvicorn.Config(guarded, lifespan="off", log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="specdec-direct").start()
@@ -473,15 +484,11 @@ class ReplicaApp:
             if body is None:
                 return None                     # the client left
             rid, receive = _previous_id(body), _replay(body, receive)
-        if rid is None:
+        holder = None
+        if rid is not None and not _holds(self.app, rid):
+            holder = await find_holder(await self.peers(), rid, self.token)
+        if holder is None:           # this replica's, or nobody's (this one's 404)
             return await self.app(scope, receive, _marked(send, self.replica))
-        here = _HoldNotFound(_marked(send, self.replica))
-        await self.app(scope, receive, here.send)
-        if not here.held:
-            return None
-        holder = await find_holder(await self.peers(), rid, scope["headers"], self.token)
-        if holder is None:
-            return await here.release()
         replica, url = holder
         return await forward(url, scope, body, given, _marked(send, replica.encode()), self.token)
 
@@ -535,45 +542,21 @@ def _previous_id(body: bytes) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
-class _HoldNotFound:
-    """An ASGI send that passes the answer on, unless it is a 404 "response_not_found": that one
-    is held (held: True) until release()."""
-
-    def __init__(self, send):
-        self.forward, self.kept, self.held = send, [], False
-
-    async def send(self, message):
-        if message["type"] == "http.response.start" and message["status"] == 404:
-            self.kept = [message]
-        elif self.kept and not self.held:
-            self.kept.append(message)
-            if not message.get("more_body", False):
-                body = b"".join(m.get("body", b"") for m in self.kept[1:])
-                try:
-                    self.held = json.loads(body)["error"]["code"] == "response_not_found"
-                except (ValueError, KeyError, TypeError):
-                    pass
-                if not self.held:
-                    await self.release()
-        else:
-            await self.forward(message)
-
-    async def release(self) -> None:
-        kept, self.kept = self.kept, []
-        for message in kept:
-            await self.forward(message)
+def _holds(app, rid: str) -> bool:
+    """Whether this replica's app stores response rid."""
+    store = getattr(app.state, "responses", None)
+    return store is not None and rid in store
 
 
-async def find_holder(peers: dict[str, str], rid: str, headers: list, token: str | None) -> tuple[str, str] | None:
-    """The replica (id, direct URL) among peers that holds stored response rid, asked at once
-    (with the client's credentials, as the request itself goes); None: none does."""
-    send = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"}
-    if token:
-        send[TOKEN_HEADER] = token
+async def find_holder(peers: dict[str, str], rid: str, token: str | None) -> tuple[str, str] | None:
+    """The replica (id, direct URL) among peers that holds stored response rid, asked at once on
+    their direct ports (HOLDS_PATH: a look in the store, which no API metric counts; the request
+    itself then goes with the client's credentials); None: none does."""
+    send = {TOKEN_HEADER: token} if token else {}
 
     async def holds(client, url: str) -> bool:
-        async with client.stream("GET", f"{url}/v1/responses/{quote(rid, safe='')}") as r:
-            return r.status_code == 200
+        r = await client.get(f"{url}{HOLDS_PATH}/{quote(rid, safe='')}")
+        return r.status_code == 200 and r.json().get("held") is True
     async with httpx.AsyncClient(timeout=10, headers=send) as client:
         found = await asyncio.gather(*(holds(client, u) for u in peers.values()), return_exceptions=True)
     return next(((r, u) for (r, u), yes in zip(peers.items(), found) if yes is True), None)

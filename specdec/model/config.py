@@ -243,7 +243,8 @@ class ModelConfig:
                 else model_type not in NO_ATTENTION_BIAS and bool(cfg.get("attention_bias", model_type == "gpt_oss")),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe", *OLMO)
                 or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
-                nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
+                nope_layers=_nope_layers(cfg) if model_type == "smollm3"
+                else _granite_nope_layers(cfg) if model_type in GRANITE else (),
                 **(_granite(cfg) if model_type in GRANITE else {}),
                 **{**_sliding(cfg, model_type, rope_scaling), **family},
                 model_type=model_type,
@@ -281,7 +282,9 @@ class ModelConfig:
         }
         if self.rotary_dim and not self.kv_lora_rank:      # MLA's rotary dims are qk_rope_head_dim
             out["partial_rotary_factor"] = self.rotary_dim / self.head_dim
-        if self.model_type == "smollm3":
+        if self.model_type == "smollm3" or (self.model_type in GRANITE and self.nope_layers):
+            # Granite: only a GGUF's rope.scaling.finetuned false gives it (no transformers field; kept
+            # so that --hf-overrides and a saved folder keep it for specdec)
             out["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
         if self.model_type in GRANITE:
             out.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
@@ -732,6 +735,17 @@ def _nope_layers(cfg: dict) -> tuple[int, ...]:
         raise ValueError(f"no_rope_layers has {len(flags)} entries for {cfg['num_hidden_layers']} layers")
     if cfg.get("use_sliding_window"):
         raise ValueError("smollm3 with use_sliding_window=true is not supported (full attention only)")
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _granite_nope_layers(cfg: dict) -> tuple[int, ...]:
+    """The layers without RoPE that specdec's own config.json of a Granite GGUF names (its
+    rope.scaling.finetuned false: see ModelConfig.to_hf); none in Granite's own configs."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return ()
+    if len(flags) != cfg["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {cfg['num_hidden_layers']} layers")
     return tuple(i for i, f in enumerate(flags) if not f)
 
 

@@ -327,11 +327,8 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm=arch in ("qwen3", "gemma3", "olmo2", "qwen3moe", "olmoe"),
             # SmolLM3: llama.cpp skips RoPE in every 4th layer (its n_no_rope_layer_step)
-            nope_layers=tuple(range(3, n_layers, 4)) if arch == "smollm3" else (),
-            **({"embedding_multiplier": float(a("embedding_scale", 1.0)),
-                "residual_multiplier": float(a("residual_scale", 1.0)),
-                "attention_multiplier": float(a("attention.scale", 1.0)),
-                "logits_scaling": float(a("logit_scale", 1.0))} if arch in ("granite", "granitemoe") else {}),
+            **({"nope_layers": tuple(range(3, n_layers, 4))} if arch == "smollm3" else {}),
+            **(_granite_fields(self, arch, n_layers) if arch in ("granite", "granitemoe") else {}),
             **(family or _sliding_fields(a("attention.sliding_window"), context, n_layers)),
             **({"model_type": MODEL_TYPES.get(arch, arch)} if "model_type" not in family else {}),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
@@ -371,14 +368,22 @@ class GGUFFile:
     def _rope_scaling(self, context: int) -> dict | None:
         """llama.cpp's keys -> transformers' rope_scaling: the type is linear unless
         rope.scaling.type says otherwise; the factor is rope.scaling.factor or the old key
-        rope.scale_linear, none (or 0, or 1) meaning no scaling -- but YaRN needs one."""
+        rope.scale_linear, none (or 0, or 1) meaning no scaling -- but YaRN needs one. YaRN's
+        beta_fast, beta_slow and attention_factor where the file has them (llama.cpp's converter
+        writes a config's as rope.scaling.yarn_beta_fast / yarn_beta_slow / yarn_attn_factor:
+        Kimi K2's betas are 1 and 1, not the defaults 32 and 1), as transformers applies them."""
         a = lambda key, default=None: self.get(f"{self.architecture}.{key}", default)  # noqa: E731
         scaling = a("rope.scaling.type", "linear")
         if scaling not in ("none", "linear", "yarn"):
             raise GGUFError(f"{self.path}: unsupported rope scaling {scaling!r} (supported: linear, yarn)")
         if scaling == "yarn":
-            return {"rope_type": "yarn", "factor": float(self.require(f"{self.architecture}.rope.scaling.factor")),
-                    "original_max_position_embeddings": int(a("rope.scaling.original_context_length") or context)}
+            out = {"rope_type": "yarn", "factor": float(self.require(f"{self.architecture}.rope.scaling.factor")),
+                   "original_max_position_embeddings": int(a("rope.scaling.original_context_length") or context)}
+            for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_attn_factor", "attention_factor")):
+                if a(f"rope.scaling.{key}") is not None:
+                    out[name] = float(a(f"rope.scaling.{key}"))
+            return out
         factor = a("rope.scaling.factor")
         factor = float(a("rope.scale_linear", 0.0) if factor is None else factor)
         return {"rope_type": "linear", "factor": factor} if scaling == "linear" and factor not in (0.0, 1.0) else None
@@ -486,6 +491,23 @@ def _moe_fields(g: GGUFFile, arch: str, n_layers: int) -> dict:
         out["model_type"] = "mixtral"
     if arch == "olmoe":
         out["qk_norm_full"] = True
+    return out
+
+
+def _granite_fields(g: GGUFFile, arch: str, n_layers: int) -> dict:
+    """Granite's multipliers as llama.cpp reads its keys: embedding_scale, residual_scale and
+    attention.scale are optional, absent or 0 meaning none (the attention's: the usual
+    1 / sqrt(head_dim); its converter leaves out a multiplier the config has as null or 0), and
+    logit_scale 1 where absent (llama.cpp requires it); rope.scaling.finetuned false turns RoPE off in every layer (llama.cpp's switch for Granite,
+    transformers' position_embedding_type "nope" of Granite 4)."""
+    a = lambda key: g.get(f"{arch}.{key}")  # noqa: E731
+    scale = a("attention.scale")
+    out = {"embedding_multiplier": float(a("embedding_scale") or 1.0),
+           "residual_multiplier": float(a("residual_scale") or 1.0),
+           "attention_multiplier": float(scale) if scale else None,
+           "logits_scaling": float(a("logit_scale") or 1.0)}
+    if a("rope.scaling.finetuned") is False:
+        out["nope_layers"] = tuple(range(n_layers))
     return out
 
 

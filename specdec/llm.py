@@ -25,7 +25,7 @@ from .config import (MTP_METHODS, LoRAConfig, SamplingParams, SchedulerConfig, S
 from .distributed.launch import ParallelConfig
 from .defaults import (BUNDLED_DRAFT, BUNDLED_TARGET, MODELS_DIR, bundled_drafters, check_generation_override,
                        default_model, generation_defaults)
-from .engine import Engine, StepEvent
+from .engine import Engine, StepEvent, kv_cache_dtype_name
 from .llm_engine import Worker, _EngineView, _load_own_names, _modules_under, _worker_class
 from .lora import LoRARequest
 from .metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS, Counter, Gauge,  # noqa: F401
@@ -277,6 +277,36 @@ def _one_stepper(method):
     return serialized
 
 
+# vLLM's FinishReason (vllm/v1/engine): request_success has a series for each from the start, in
+# get_metrics() and on a server's /metrics alike (specdec detects no repetition: that one stays at
+# 0, as vLLM's does without repetition detection)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def cache_config_info(engine: Engine) -> dict[str, str]:
+    """vLLM's vllm:cache_config_info labels (get_metrics and /metrics): the KV cache's
+    configuration under its CacheConfig field names (those specdec has: a value not set reads
+    "None", as vLLM writes it; cache_dtype the dtype the cache holds)."""
+    c, blocks = engine.config, engine.blocks
+    info = {"block_size": blocks.block_size, "cache_dtype": kv_cache_dtype_name(engine),
+            "enable_prefix_caching": blocks.prefix_caching,
+            "gpu_memory_utilization": c.gpu_memory_utilization, "kv_cache_memory_bytes": c.kv_cache_memory,
+            "kv_cache_size_tokens": blocks.num_blocks * blocks.block_size, "num_gpu_blocks": blocks.num_blocks,
+            "num_gpu_blocks_override": c.num_gpu_blocks_override}
+    return {k: str(v) for k, v in info.items()}
+
+
+def lora_requests_info(engine: Engine) -> dict[str, str]:
+    """vLLM's vllm:lora_requests_info labels (get_metrics and /metrics; LoRA enabled): max_lora,
+    and the adapters of the waiting and of the running requests, each once, comma-separated."""
+    def names(requests) -> str:
+        # the stepping thread changes the queues meanwhile: list() copies one without running
+        # Python code, so without interruption
+        return ",".join(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
+    return {"max_lora": str(engine.lora.max_loras), "waiting_lora_adapters": names(engine.scheduler.waiting),
+            "running_lora_adapters": names(engine.scheduler.running)}
+
+
 # apply_chat_template's own arguments (transformers' signature, and specdec's sandbox_process):
 # chat_template_kwargs may not set them (they are no template variables; one of them was a 500)
 CHAT_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(Tokenizer.apply_chat_template).parameters) - {
@@ -517,6 +547,7 @@ class LLM:
             ("vllm:request_inference_time_seconds", REQUEST_LATENCY_BUCKETS),
             ("vllm:request_time_per_output_token_seconds", ITL_BUCKETS),
             ("vllm:request_prompt_tokens", sizes), ("vllm:request_generation_tokens", sizes),
+            ("vllm:request_prefill_kv_computed_tokens", sizes),
             ("vllm:request_params_n", REQUEST_N_BUCKETS), ("vllm:request_params_max_tokens", sizes),
             ("vllm:request_max_num_generation_tokens", sizes))}
 
@@ -722,18 +753,26 @@ class LLM:
 
     def get_metrics(self) -> list:
         """vLLM's LLM.get_metrics(): a snapshot of the engine's counters and gauges under vLLM's
-        names (vllm:prompt_tokens, vllm:generation_tokens, vllm:request_success,
-        vllm:prefix_cache_queries / hits, vllm:num_preemptions, the requests running and waiting,
-        vllm:kv_cache_usage_perc and its older name vllm:gpu_cache_usage_perc, and with speculation
-        vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens, and the Vectors
-        num_accepted_tokens_per_pos and specdec's num_draft_tokens_per_pos, one value per draft
-        position from the start), and the histograms /metrics has: per step
-        vllm:iteration_tokens_total and vllm:inter_token_latency_seconds (also under its older name
+        names, the families a server's /metrics has where the engine has their data (the same
+        names and labels; not the server's own requests_total, nor the per-step
+        iteration_fed_tokens and spec_decode_speculating_fraction): vllm:prompt_tokens and of them
+        vllm:prompt_tokens_cached, vllm:generation_tokens, vllm:request_success by
+        finished_reason (each of vLLM's FinishReason from the start),
+        vllm:prefix_cache_queries / hits, vllm:num_preemptions, the requests running and waiting
+        and vllm:num_requests_waiting_by_reason (reason "capacity" or "deferred": Scheduler.
+        waiting_by_reason), vllm:kv_cache_usage_perc and its older name vllm:gpu_cache_usage_perc,
+        vllm:cache_config_info (1, labelled with the KV cache's configuration), with LoRA
+        vllm:lora_requests_info, with CUDA graphs vllm:cuda_graph_forwards by mode, and with
+        speculation vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens, and the
+        Vectors num_accepted_tokens_per_pos and specdec's num_draft_tokens_per_pos, one value per
+        draft position from the start; and the histograms: per step vllm:iteration_tokens_total
+        and vllm:inter_token_latency_seconds (also under its older name
         vllm:time_per_output_token_seconds; the engine's times between a completion's tokens), per
         completion vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds, the queue /
         prefill / decode / inference times, vllm:request_time_per_output_token_seconds,
-        vllm:request_prompt_tokens / request_generation_tokens / request_params_max_tokens, and per
-        prompt vllm:request_params_n and vllm:request_max_num_generation_tokens; as Counter / Gauge /
+        vllm:request_prompt_tokens / request_generation_tokens /
+        request_prefill_kv_computed_tokens / request_params_max_tokens, and per prompt
+        vllm:request_params_n and vllm:request_max_num_generation_tokens; as Counter / Gauge /
         Vector / Histogram objects (specdec.metrics) with .name, .labels and .value (.values; .count,
         .sum and cumulative .buckets {upper bound: observations}). Every request the engine ran
         counts, however it ran (generate, stream, llm_engine.add_request + step, an AsyncLLM's or a
@@ -741,19 +780,30 @@ class LLM:
         it computed); the per-prompt histograms and max_tokens count the prompts of generate and
         llm_engine.add_request as their last completion leaves (a server's /metrics counts its own)."""
         e, labels = self.engine, {"model_name": self.model_path, "engine": "0"}
+        waiting = e.scheduler.waiting_by_reason()
         with self._counting:
             t = self._totals
             out = [Gauge("vllm:num_requests_running", labels, float(e.num_running)),
-                   Gauge("vllm:num_requests_waiting", labels, float(e.num_waiting)),
+                   Gauge("vllm:num_requests_waiting", labels, float(sum(waiting.values()))),
+                   *(Gauge("vllm:num_requests_waiting_by_reason", {**labels, "reason": reason}, float(n))
+                     for reason, n in waiting.items()),
                    Gauge("vllm:kv_cache_usage_perc", labels, float(e.kv_cache_usage)),
                    Gauge("vllm:gpu_cache_usage_perc", labels, float(e.kv_cache_usage)),
+                   Gauge("vllm:cache_config_info", {**labels, **cache_config_info(e)}, 1.0),
                    Counter("vllm:num_preemptions", labels, e.num_preemptions),
                    Counter("vllm:prefix_cache_queries", labels, e.prefix_cache_queries),
                    Counter("vllm:prefix_cache_hits", labels, e.prefix_cache_hits),
                    Counter("vllm:prompt_tokens", labels, t.prompt_tokens),
+                   Counter("vllm:prompt_tokens_cached", labels, t.cached_tokens),
                    Counter("vllm:generation_tokens", labels, t.output_tokens)]
             out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, self._finished[reason])
-                    for reason in ("stop", "length", "abort")]
+                    for reason in FINISH_REASONS]
+            if e.lora is not None:      # its value the snapshot's time, as vLLM's (and /metrics')
+                out.append(Gauge("vllm:lora_requests_info", {"model_name": self.model_path, **lora_requests_info(e)},
+                                 time.time()))
+            if e.graphs is not None:    # --compilation-config's CUDA graphs: how the target's forwards ran
+                out += [Counter("vllm:cuda_graph_forwards", {**labels, "mode": mode}, n)
+                        for mode, n in dict(e.graphs.stats).items()]
             if self.engine.proposer is not None:
                 positions = draft_positions(e)
                 pad = lambda xs: list(xs) + [0] * (positions - len(xs))
@@ -931,6 +981,7 @@ class LLM:
                 self._totals.prompt_tokens += n
                 self._finished["stop"] += 1
                 h["vllm:request_prompt_tokens"].observe(n)
+                h["vllm:request_prefill_kv_computed_tokens"].observe(n)
                 h["vllm:request_generation_tokens"].observe(0)
                 h["vllm:request_params_n"].observe(1)
                 h["vllm:request_max_num_generation_tokens"].observe(0)
@@ -1476,6 +1527,7 @@ class LLM:
             self._totals.merge(s)
             if not s.output_tokens:         # never prefilled (aborted first): vLLM counts a prompt once its prefill is done
                 self._totals.prompt_tokens -= s.prompt_tokens
+                self._totals.cached_tokens -= s.cached_tokens
             self._finished[event.finish_reason or "abort"] += 1
             self._observe(s)
 
@@ -1493,12 +1545,14 @@ class LLM:
     def _observe(self, s: RequestStats) -> None:
         """One finished completion into vLLM's histograms (get_metrics), each observed once, as
         the server's /metrics observes its finished-request record: its prompt and output
-        lengths, its queue time, and its e2e / prefill / decode / inference times and time per
-        output token, 0 for those a request without a token did not have (TPOT 0 with fewer than
-        2 tokens); TTFT once it had a token. An abort's end is its last token here (the engine's
+        lengths, its prompt's tokens less those found in the prefix cache (vLLM's
+        request_prefill_kv_computed_tokens), its queue time, and its e2e / prefill / decode /
+        inference times and time per output token, 0 for those a request without a token did not
+        have (TPOT 0 with fewer than 2 tokens); TTFT once it had a token. An abort's end is its last token here (the engine's
         statistics hold no abort time)."""
         h = self._histograms
         h["vllm:request_prompt_tokens"].observe(s.prompt_tokens)
+        h["vllm:request_prefill_kv_computed_tokens"].observe(s.prompt_tokens - s.cached_tokens)
         h["vllm:request_generation_tokens"].observe(s.output_tokens)
         h["vllm:request_queue_time_seconds"].observe(s.queue_time_s)
         if not s.output_tokens:

@@ -15,6 +15,12 @@ Per step, in order:
    waits a step and then takes those blocks from the cache, instead of computing a copy of them
    (the requests behind it are admitted meanwhile).
 
+Why each waiting request waits (vLLM's vllm:num_requests_waiting_by_reason, waiting_by_reason()):
+"deferred" when the last schedule() passed over it for a transient reason (its LoRA adapter
+could not be loaded beside the running ones, max_loras; or it waits a step for prompt blocks
+another request computed in that step), "capacity" otherwise (no seat, no room in the step's
+token budget, no free KV blocks for its prompt, or a step that preempted).
+
 When every cache is windowed (model/kv.py: the blocks behind the window are given back after
 each step), a request joins with blocks for its first chunk only, and each later chunk reserves
 its own slots as decoding does (preempting when the pool is out of blocks): a long prompt then
@@ -120,6 +126,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.ids: set[str] = set()          # the ids of the requests waiting or running
         self.by_priority = config.scheduling_policy == "priority"
+        # the waiting requests the last schedule() passed over for a transient reason (LoRA slots,
+        # blocks another request computes): replaced whole, so readers on other threads see one set
+        self.deferred: frozenset[Request] = frozenset()
 
     def add(self, req: Request) -> None:
         self.ids.add(req.request_id)
@@ -162,8 +171,9 @@ class Scheduler:
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
         deferred: set = set()           # waiting a step for blocks this step computes: the others go on
+        lora_blocked: set = set()       # passed over: their adapters cannot be loaded now (max_loras)
         while self.waiting and not plan.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            r = self._next_seatable(deferred)
+            r = self._next_seatable(deferred, lora_blocked)
             if r is None:
                 break
             if self._computed_by_other(r, plan):
@@ -177,14 +187,16 @@ class Scheduler:
             if n > 0:
                 plan.chunks.append((r, r.num_cached, n))
                 budget -= n
+        self.deferred = frozenset(deferred | lora_blocked)
         return plan
 
-    def _next_seatable(self, skip: set = frozenset()) -> Request | None:
+    def _next_seatable(self, skip: set = frozenset(), passed: set | None = None) -> Request | None:
         """The first waiting request whose LoRA adapter (if any) can run now: one the running
         requests use, or a new one while fewer than max_loras are in use. The others keep their
         places (as in vLLM); and once one of them waits, later requests for adapters wait behind
         it (requests without one still go ahead), so that the running adapters' requests drain
-        and free a slot instead of keeping it forever. `skip`: requests left for the next step."""
+        and free a slot instead of keeping it forever. `skip`: requests left for the next step;
+        `passed`: gets the requests passed over for their adapters (vLLM's skipped waiting queue)."""
         if self.max_loras is None:
             return next((r for r in self.waiting if r not in skip), None)
         in_use = {r.lora.uid for r in self.running if r.lora is not None}   # each reading of an adapter
@@ -197,7 +209,19 @@ class Scheduler:
             if not blocked and (r.lora.uid in in_use or len(in_use) < self.max_loras):
                 return r
             blocked = True
+            if passed is not None:
+                passed.add(r)
         return None
+
+    def waiting_by_reason(self) -> dict[str, int]:
+        """The waiting requests by why they wait (vLLM's num_requests_waiting_by_reason; the two
+        add up to the queue's length): "deferred", passed over by the last schedule() for a
+        transient reason, and "capacity", the others. Read from one copy of the queue (list()
+        copies the deque without running Python code: a reader on another thread is not
+        interrupted by the worker's changes)."""
+        waiting, deferred = list(self.waiting), self.deferred
+        n = sum(r in deferred for r in waiting)
+        return {"capacity": len(waiting) - n, "deferred": n}
 
     def _reserve(self, r: Request, num_slots: int, plan: StepPlan, spare: frozenset = frozenset()) -> bool:
         """Blocks for r's step, preempting the newest (or least urgent) running requests outside
@@ -293,4 +317,6 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
             self.ids.discard(r.request_id)
+        if r in self.deferred:          # an abort of a deferred request: not kept until the next step
+            self.deferred = self.deferred - {r}
         r.status = FINISHED

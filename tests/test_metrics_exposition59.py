@@ -100,8 +100,10 @@ def test_offline_get_metrics_has_the_servers_bounds_and_labels(tiny_pair):
     llm = LLM(tiny_pair[0], speculative_model=str(tiny_pair[1]), num_speculative_tokens=3, max_model_len=MAX_LEN)
     llm.generate(["def add(a, b):"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     metrics = llm.get_metrics()
-    assert all(set(m.labels) - {"finished_reason"} == {"model_name", "engine"} and m.labels["engine"] == "0"
-               for m in metrics)
+    assert all({"model_name", "engine"} <= set(m.labels) and m.labels["engine"] == "0" for m in metrics)
+    # labels of their own: the finish reason, the waiting reason, the cache's configuration
+    assert {m.name.split(":")[-1] for m in metrics if set(m.labels) - {"model_name", "engine"}} <= {
+        "request_success_total", "request_success", "num_requests_waiting_by_reason", "cache_config_info"}
     hist = {m.name: m for m in metrics if hasattr(m, "buckets")}
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",

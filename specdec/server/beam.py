@@ -28,7 +28,7 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
     if structured_outputs(body)[0] is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     prompts, sampling = await service.off_loop(service.prepare_completion, body)
-    search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
+    search, outputs, cached = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
     choices, completion_tokens = [], 0
     for p, (prompt, out) in enumerate(zip(prompts, outputs)):
         for j, beam in enumerate(out.sequences):
@@ -39,7 +39,7 @@ async def beam_completion(service, body, arrival: float, lora, response_id: str)
                             **({"token_ids": list(ids), "prompt_token_ids": list(prompt)} if body.return_token_ids
                                else {})})
     answer = _answer(response_id, "text_completion", service.model_name(lora, body.model), choices, prompts,
-                     completion_tokens)
+                     completion_tokens, cached)
     # vLLM's completions stream no beams: a streamed request gets the body as one event
     return [_event(answer), _DONE] if body.stream else answer
 
@@ -57,7 +57,7 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     if sampling.structured_outputs is not None:
         raise APIError(400, "use_beam_search does not combine with structured outputs", "use_beam_search")
     # prepare_chat's: the request's max_completion_tokens / max_tokens under generation_config.json's cap
-    search, outputs = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
+    search, outputs, cached = await _search(service, body, prompts, sampling.max_tokens, arrival, lora, response_id)
     fmt = ChatFormat(service.tokenizer, False, role=service.chat_role(body), prompt=prompts[0],
                      reasoning=service.config.reasoning_parser, include_reasoning=body.include_reasoning,
                      echo=service.chat_echo(body))
@@ -71,10 +71,10 @@ async def beam_chat(service, body, arrival: float, lora, response_id: str) -> di
     model = service.model_name(lora, body.model)
     details = None if prediction is None else await service.off_loop(_prediction_details, prediction, results)
     if body.stream:
-        return _chat_events(service, body, fmt, results, prompts[0], response_id, model, details)
+        return _chat_events(service, body, fmt, results, prompts[0], response_id, model, details, cached)
     choices = [{**fmt.choice(r), **({"token_ids": r.token_ids} if body.return_token_ids else {})} for r in results]
     answer = _answer(response_id, "chat.completion", model, choices, prompts, sum(len(r.token_ids) for r in results),
-                     details)
+                     cached, details)
     if body.return_token_ids:            # vLLM's: the prompt's ids beside the choices
         answer["prompt_token_ids"] = list(prompts[0])
     return answer
@@ -89,7 +89,7 @@ def _prediction_details(prediction: list[int], results: list[ChoiceResult]) -> d
 
 
 def _chat_events(service, body, fmt: ChatFormat, results: list[ChoiceResult], prompt: list[int], response_id: str,
-                 model: str, details: dict | None) -> list[str]:
+                 model: str, details: dict | None, cached: int) -> list[str]:
     """vLLM's chat stream of finished beams: each choice's role chunk, then each choice's whole
     text in one chunk with its finish_reason (through the streaming parsers, as any stream's),
     the usage chunk if asked, [DONE]."""
@@ -121,6 +121,7 @@ def _chat_events(service, body, fmt: ChatFormat, results: list[ChoiceResult], pr
         completion = sum(len(r.token_ids) for r in results)
         events.append(_event({**head, "choices": [], "usage": {
             "prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
             **({"completion_tokens_details": details} if details is not None else {})}}))
     return events + [_DONE]
 
@@ -129,7 +130,10 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
                   response_id: str):
     """The beam search of `prompts` with the body's settings, stepped through engine jobs.
     max_tokens None (not asked, no generation_config.json cap): what the context leaves, as a
-    plain request's and vLLM's (get_max_tokens): each prompt's beams end at the max-model-len."""
+    plain request's and vLLM's (get_max_tokens): each prompt's beams end at the max-model-len.
+    -> (search, its result, cached): cached is usage's prompt_tokens_details.cached_tokens, each
+    prompt's tokens found in the prefix cache by its first step (the prompt's own request; later
+    steps find the beams' own tokens too), summed over the prompts as a plain request's usage."""
     model = service.llm.generation_defaults
     temperature = body.temperature if body.temperature is not None else model.get("temperature", 1.0)
     try:
@@ -151,6 +155,7 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
     search = BeamSearch(prompts, params, set(service.tokenizer.eos_token_ids), service.engine.max_model_len,
                         lora_requests=[lora] * len(prompts))
     step = search.step_params()
+    cached: int | None = None
     while todo := search.pending():
         entries: list = [None] * len(todo)
         aborted = False
@@ -160,12 +165,18 @@ async def _search(service, body, prompts: list[list[int]], max_tokens: int | Non
                 if event.logprobs:
                     entries[index] = event.logprobs[0]
                 aborted |= event.finish_reason == "abort"
+        if cached is None:
+            first = [0] * len(prompts)
+            for (p, _), stats in zip(todo, gen.stats):
+                if stats is not None:
+                    first[p] = max(first[p], stats.cached_tokens)
+            cached = sum(first)
         if aborted:         # the server paused (POST /pause): the beams so far are the answer
             for _, beam in todo:
                 beam.finish_reason = "abort"
             break
         search.advance(todo, entries)
-    return search, search.result(service.tokenizer.decode)
+    return search, search.result(service.tokenizer.decode), cached or 0
 
 
 def _stop_reason(beam) -> int | None:
@@ -174,12 +185,13 @@ def _stop_reason(beam) -> int | None:
     return beam.tokens[-1] if beam.finish_reason == "stop" else None
 
 
-def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int,
+def _answer(response_id: str, kind: str, model: str, choices: list, prompts, completion_tokens: int, cached: int,
             details: dict | None = None) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     return {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": cached},
                       **({"completion_tokens_details": details} if details is not None else {})}}
 
 

@@ -11,7 +11,8 @@ acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted
 The token and speculative counters grow step by step with what each engine step did (StepDelta:
 a request whose client left counts all the engine computed for it, as vLLM counts per step and as
 the log lines and the spans count); requests_total and the per-request histograms as each ends.
-The engine's own state (requests running and waiting, KV cache usage, preemptions, and with CUDA
+The engine's own state (requests running and waiting, the waiting by reason as vLLM's
+`num_requests_waiting_by_reason{reason="capacity"|"deferred"}`, KV cache usage, preemptions, and with CUDA
 graphs `specdec:cuda_graph_forwards_total{mode="captured"|"replayed"|"eager: <reason>"}`) is read at
 scrape time; per-step figures are observed by the worker: iteration_tokens_total as vLLM's (the
 prompts whose first token came plus the tokens generated), and specdec's iteration_fed_tokens (what
@@ -51,7 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import Match
 
 from .errors import app_path
-from ..engine import kv_cache_dtype_name
+from ..llm import FINISH_REASONS, cache_config_info, lora_requests_info
 from ..metrics import (ITERATION_TOKENS_BUCKETS, ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, REQUEST_N_BUCKETS, TTFT_BUCKETS,
                        RequestStats, draft_positions, one_two_five)
 
@@ -59,9 +60,9 @@ PREFIX = "specdec:"
 PREFIXES = {"specdec": "specdec:", "vllm": "vllm:"}      # --metrics-prefix
 MODEL_LABEL = "model_name"      # on every series, as vLLM labels its own: {model_name="<first served name>"}
 ENGINE = {"engine": "0"}        # vLLM's other label on every series: its engine (data-parallel) index
-# vLLM's FinishReason (vllm/v1/engine): request_success_total has a series for each from the start
-# (specdec detects no repetition: that one stays at 0, as vLLM's does without repetition detection)
-FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+# FINISH_REASONS (specdec/llm.py, shared with LLM.get_metrics): vLLM's FinishReason, each a series of
+# request_success_total from the start
+WAITING_REASONS = ("capacity", "deferred")      # vLLM's num_requests_waiting_by_reason{reason}
 
 
 class _EngineLabelled:
@@ -89,14 +90,24 @@ class _EngineCollector:
     def collect(self):
         e, labels, values, PREFIX = self.engine, [MODEL_LABEL], [self.model], self.prefix
         usage = e.kv_cache_usage
+        waiting = e.scheduler.waiting_by_reason()     # one reading of the queue: the reasons add up to it
         for name, doc, value in (("num_requests_running", "Requests in the running batch.", e.num_running),
-                                 ("num_requests_waiting", "Requests queued for a seat or KV blocks.", e.num_waiting),
+                                 ("num_requests_waiting", "Requests queued for a seat or KV blocks.",
+                                  sum(waiting.values())),
                                  ("kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full).", usage),
                                  ("gpu_cache_usage_perc", "kv_cache_usage_perc under vLLM's older name (its Grafana "
                                   "dashboard reads it).", usage)):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             g.add_metric(values, value)
             yield g
+        g = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Waiting requests by reason (vLLM's): "
+                              "'capacity' = waiting for a seat, the step's token budget or KV blocks; 'deferred' = "
+                              "passed over by the last step for a transient reason (its LoRA adapter's slot, "
+                              "prompt blocks another request was computing). They add up to num_requests_waiting.",
+                              labels=[MODEL_LABEL, "reason"])
+        for reason in WAITING_REASONS:
+            g.add_metric([self.model, reason], waiting[reason])
+        yield g
         for name, doc, value in (("num_preemptions", "Requests preempted (blocks freed, to be recomputed).",
                                   e.num_preemptions),
                                  ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -118,32 +129,19 @@ class _EngineCollector:
 
     def _cache_config_info(self, e) -> GaugeMetricFamily:
         """vLLM's vllm:cache_config_info: 1, labelled with the KV cache's configuration under its
-        CacheConfig field names (those specdec has: a value not set reads "None", as vLLM writes
-        it; cache_dtype the dtype the cache holds), and model_name as lora_requests_info."""
-        c, blocks = e.config, e.blocks
-        info = {"block_size": blocks.block_size, "cache_dtype": kv_cache_dtype_name(e),
-                "enable_prefix_caching": blocks.prefix_caching,
-                "gpu_memory_utilization": c.gpu_memory_utilization, "kv_cache_memory_bytes": c.kv_cache_memory,
-                "kv_cache_size_tokens": blocks.num_blocks * blocks.block_size, "num_gpu_blocks": blocks.num_blocks,
-                "num_gpu_blocks_override": c.num_gpu_blocks_override}
+        CacheConfig field names (specdec/llm.cache_config_info), and model_name as lora_requests_info."""
+        info = cache_config_info(e)
         g = GaugeMetricFamily(self.prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
                               labels=[MODEL_LABEL, *info])
-        g.add_metric([self.model, *map(str, info.values())], 1)
+        g.add_metric([self.model, *info.values()], 1)
         return g
 
     def _lora_info(self, e) -> GaugeMetricFamily:
+        info = lora_requests_info(e)
         g = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests: the adapters of "
-                              "the running and the waiting requests.",
-                              labels=[MODEL_LABEL, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        g.add_metric([self.model, str(e.lora.max_loras), _adapter_names(e.scheduler.waiting),
-                      _adapter_names(e.scheduler.running)], time.time())
+                              "the running and the waiting requests.", labels=[MODEL_LABEL, *info])
+        g.add_metric([self.model, *info.values()], time.time())
         return g
-
-
-def _adapter_names(requests) -> str:
-    """The adapters of requests, each once, comma-separated. The worker thread changes the
-    queue meanwhile: list() copies it without running Python code, so without interruption."""
-    return ",".join(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
 
 
 class _Answer:

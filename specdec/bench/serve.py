@@ -52,6 +52,7 @@ class RequestResult:
     chunks: list[float] = field(default_factory=list)     # arrival time of each chunk with choices
     output_tokens: int = 0
     prompt_tokens: int = 0
+    usage: bool = False             # the stream carried usage (its completion_tokens, 0 included, stand)
     text: str = ""                  # the generated text, counted by a tokenizer when no usage came
 
     @property
@@ -393,8 +394,9 @@ async def _one(client, model: str, item: dict, sampling: dict, result: RequestRe
                                                      stream_options={"include_usage": True}, **sampling)
         async for chunk in stream:
             now = time.perf_counter()
-            if chunk.usage is not None:
-                result.output_tokens, result.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            if chunk.usage is not None and chunk.usage.completion_tokens is not None:
+                result.output_tokens, result.usage = chunk.usage.completion_tokens, True
+                result.prompt_tokens = chunk.usage.prompt_tokens or 0
             if chunk.choices:           # vLLM's rule, as _one_raw's
                 result.chunks.append(now)
                 result.text += "".join((c.delta.content or getattr(c.delta, "reasoning_content", None)
@@ -443,9 +445,11 @@ async def _one_raw(session, base_url: str, model: str, item: dict, sampling: dic
                 if "error" in chunk:                    # an error after the status line went out
                     result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                     return
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                usage = chunk.get("usage")
+                # vLLM's client reads usage.get("completion_tokens"): one without it counts as none sent
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    result.output_tokens, result.usage = usage["completion_tokens"], True
+                    result.prompt_tokens = usage.get("prompt_tokens") or 0
                 # vLLM's client: a chunk with choices is a token's arrival even when its text is empty
                 # (a special token, a role chunk); a usage-only one is not
                 if chunk.get("choices"):
@@ -538,8 +542,9 @@ def count_without_usage(results: list[RequestResult], items: list[dict], base_ur
     """Token counts for the requests whose stream carried no usage (servers that ignore
     stream_options, llama-cpp-python's among them): the generated text and the prompt through the
     tokenizer (--tokenizer, else the served model's), as vLLM's benchmark counts them then (an
-    empty text counts 0 tokens and the request still completed, as vLLM's)."""
-    missing = [(r, it) for r, it in zip(results, items) if r.ok and not r.output_tokens]
+    empty text counts 0 tokens and the request still completed, as vLLM's). A stream whose usage
+    said 0 completion tokens (a reply that ended at once) keeps its 0: it needs no tokenizer."""
+    missing = [(r, it) for r, it in zip(results, items) if r.ok and not r.usage and not r.output_tokens]
     if not missing:
         return
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 OUTPUT_LEN = 128            # --output-len's default
 DEFAULT_KS = "0,4,auto"     # --num-speculative-tokens' (servers started here)
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32"     # --max-concurrency's, without --request-rate or a ramp
 RANDOM_INPUT_LEN = 1024     # --random-input-len's
 
 
@@ -95,8 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--ramp-up-end-rps over each load point's requests")
     p.add_argument("--ramp-up-start-rps", type=float, help="the ramp's first rate (requests/s)")
     p.add_argument("--ramp-up-end-rps", type=float, help="the ramp's last rate (requests/s)")
-    p.add_argument("--max-concurrency", default="1,2,4,8,16,32", type=_concurrency,
-                   help="requests in flight at most, comma-separated (default 1,2,4,8,16,32)")
+    p.add_argument("--max-concurrency", type=_concurrency,
+                   help=f"requests in flight at most, comma-separated, or none (default {DEFAULT_CONCURRENCY}; with "
+                        "--request-rate or --ramp-up-strategy given, none: vLLM's, the arrivals alone set the load)")
     p.add_argument("--num-prompts", type=int,
                    help="requests per load point, exactly that many (vLLM's); default: 32, or twice the load point's "
                         "concurrency if more")
@@ -289,6 +291,15 @@ def check_sampling(args) -> None:
     except ValueError as e:                                # "top_p must be ..." -> "--top-p must be ..."
         name, _, rest = str(e).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+
+
+def concurrency(args) -> None:
+    """--max-concurrency left out: the sweep DEFAULT_CONCURRENCY at all-at-once arrivals, but no
+    cap when --request-rate or a ramp sets the arrivals (vLLM's default: a rate given alone is
+    an open load, not one capped at 1, 2, ... 32 requests in flight)."""
+    if args.max_concurrency is None:
+        paced = args.request_rate != [float("inf")] or args.ramp_up_strategy is not None
+        args.max_concurrency = [None] if paced else _concurrency(DEFAULT_CONCURRENCY)
 
 
 def ramp(args) -> tuple[str, float, float] | None:
@@ -487,6 +498,7 @@ def run(args, argv: list[str]) -> int:
     if (args.num_prompts is not None and args.num_prompts < 1) or args.output_len < 1 or args.warmup < 0 \
             or not args.burstiness > 0 or args.rounds < 1:
         raise ValueError("--num-prompts, --output-len and --rounds must be >= 1, --warmup >= 0, --burstiness > 0")
+    concurrency(args)
     loads = [serve.Load(r, c, ramp(args)) for r in args.request_rate for c in args.max_concurrency]
     most = max((c for c in args.max_concurrency if c is not None), default=None)
     if args.num_prompts is not None and most is not None and args.num_prompts < most:
@@ -507,7 +519,7 @@ def run(args, argv: list[str]) -> int:
                             **{k: getattr(args, k) for k in ("top_p", "top_k", "min_p") if getattr(args, k) is not None}, "ignore_eos": args.ignore_eos,
                             "burstiness": "inf" if args.burstiness == float("inf") else args.burstiness,
                             "client": args.client,
-                            "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
+                            "goodput_slo_ms": {k: round(v * 1000, 6) for k, v in slo.items()},   # 1001, not 1000.99..
                             "percentile_metrics": list(args.percentile_metrics),
                             "dataset": dataset_name(args), "requests": requests_sent(args),
                             "backend": args.backend, "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,

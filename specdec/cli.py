@@ -868,12 +868,21 @@ def _print_stats(result: dict, llm) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a one-line error: the error and where the usage is, not the whole
+    usage first (generate's and bench's run to 40-60 lines above the error). Subcommands' parsers
+    are of this class too (argparse gives them their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; `only`: register that subcommand alone (main() passes the one asked for,
     so `specdec train ...` never imports the server's stack)."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, module in SUBCOMMANDS.items():

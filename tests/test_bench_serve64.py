@@ -225,3 +225,31 @@ def test_goodput_slos_are_recorded_as_given(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["goodput_slo_ms"] == {"ttft": 1001, "tpot": 1003, "e2el": 60000}
     assert results["variants"][0]["points"][0]["request_goodput"] is not None
+
+
+def test_counters_that_could_not_be_read_are_left_out(tmp_path, capsys):
+    """/metrics answers before the load point and fails after it (or the other way round): the
+    point's speculation counters are left out with a warning, as vLLM drops them; they had been
+    recorded as negative increments (-40 draft tokens, -30 accepted)."""
+    app, calls = fake_server(None), []
+    counters = ("specdec:spec_decode_num_drafts_total 10\nspecdec:spec_decode_num_draft_tokens_total 40\n"
+                "specdec:spec_decode_num_accepted_tokens_total 30\n")
+
+    async def failing_metrics(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            calls.append(1)
+            ok = len(calls) == 1
+            await send({"type": "http.response.start", "status": 200 if ok else 500,
+                        "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": counters.encode() if ok else b"oops"})
+            return
+        await app(scope, receive, send)
+
+    out = tmp_path / "out"
+    with uvicorn_server(failing_metrics) as url:
+        assert main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--max-concurrency", "1",
+                     "--output-len", "2", "--warmup", "0", "--out", str(out)]) == 0
+    (point,) = json.loads((out / "results.json").read_text())["variants"][0]["points"]
+    spec = point["speculation"]
+    assert (spec["draft_tokens"], spec["accepted_tokens"], spec["acceptance_rate"]) == (0, 0, None), spec
+    assert "did not answer after the load point" in capsys.readouterr().err

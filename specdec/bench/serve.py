@@ -846,6 +846,7 @@ class Measured:
     rounds: list = field(default_factory=list)       # per round: its median TPOT and output tok/s
     load: Load | None = None                         # set by point()
     rps_change_events: list = field(default_factory=list)    # a ramp's, each round's in turn
+    scrape_failed: bool = False                      # a round's counters could not be read
 
     def run(self, base_url: str, items: list[dict], load: Load, args, seed: int) -> None:
         before = read_counters(base_url)
@@ -861,6 +862,10 @@ class Measured:
         self.wall += wall
         this = summarize(results, wall, {}, [])
         self.rounds.append({"tpot_median_ms": this["tpot"]["median"], "output_throughput": this["output_throughput"]})
+        if bool(before) != bool(after):          # /metrics answered on one side only: no increments
+            self.scrape_failed = True
+            print(f"warning: {base_url}/metrics did not answer {'after' if before else 'before'} the load point: "
+                  "its speculation counters are left out", file=sys.stderr)
         for k in set(before) | set(after):
             self.counters[k] = self.counters.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
 
@@ -872,7 +877,7 @@ class Measured:
                     if load.ramp else {}),
                  "num_prompts": len(self.results),
                  **summarize(self.results, self.wall, slo, args.metric_percentiles, args.percentile_metrics),
-                 "speculation": acceptance({}, self.counters), "rounds": self.rounds}
+                 "speculation": acceptance({}, {} if self.scrape_failed else self.counters), "rounds": self.rounds}
         print(f"  {load.name}: {point['output_throughput']:.1f} tok/s, median TPOT {point['tpot']['median']} ms, "
               f"median TTFT {point['ttft']['median']} ms, {point['failed']} failed", file=sys.stderr, flush=True)
         return point

@@ -54,32 +54,149 @@ def _map_data(value, visit, path: str, reach: dict):
     return value
 
 
-def ref_targets(schema, root: str = "#") -> dict:
+def ref_targets(schema, root: str = "#", refs: "Refs | None" = None) -> dict:
     """{pointer: True} for each node a local $ref points at outside schema positions (OpenAPI's
     `#/components/schemas/Pet`; llguidance resolves a $ref as any JSON pointer into the document),
-    {pointer: False} for the nodes above one: map_schemas' reach. A target's own $refs are followed."""
+    {pointer: False} for the nodes above one: map_schemas' reach. A target's own $refs are followed.
+    $refs are resolved as Refs resolves them (a nested `$id`'s pointers start at its node)."""
     if not isinstance(schema, dict) or all(_in_definitions(schema, ref) for ref in set(_all_refs(schema))):
         return {}                   # the common case (pydantic's), found without walking: no copies
-    seen, refs, reach = set(), [], {}
+    refs = refs or Refs(schema, root)
+    seen, pending, reach = set(), [], {}
 
     def note(node, path, merged):
         seen.add(path)
         if isinstance(node.get("$ref"), str):
-            refs.append(node["$ref"])
+            pending.append(refs.target(path, node["$ref"]))
         return node
 
     map_schemas(schema, note, root)
-    while refs:
-        parts = _ref_parts(refs.pop())
-        at = root + "".join(f"/{pointer(p)}" for p in parts or ())
-        if not parts or at in seen or reach.get(at) or _at(schema, parts) is None:
+    while pending:
+        parts = pending.pop()
+        at = _path(root, parts or ())
+        if not parts or at in seen or reach.get(at):
             continue
         for i in range(len(parts)):
-            reach.setdefault(root + "".join(f"/{pointer(p)}" for p in parts[:i]), False)
+            reach.setdefault(_path(root, parts[:i]), False)
         reach[at] = True
         map_schemas(_at(schema, parts), note, at)
     reach.pop(root, None)
     return reach
+
+
+class Refs:
+    """Where the $refs of a schema point, as JSON Schema 2020-12 resolves them (and llguidance, whose
+    resolver follows it): a $ref is joined with the base URI its enclosing `$id`s give it; the URI
+    names the document (its root's `$id`, or none) or a subschema with an `$id` of its own; a fragment
+    that is a JSON pointer is read from that node (`#/$defs/a` inside a nested `$id` is that
+    resource's definition, not the root's), any other fragment is a plain name that node's resource
+    declares with `$anchor` or `$dynamicAnchor` (and, in draft 6 / 7 documents, with an `$id` of
+    `#name`). `$id`s and anchors count in schema positions only, as both resolvers crawl them.
+    target(path, ref): the keys, from the root, of the node that the $ref at path names, or None
+    (a remote or unknown URI, a name nobody declares, a pointer to nothing)."""
+
+    def __init__(self, schema, root: str = "#"):
+        self.schema, self.root = schema, root
+        self.bases: dict[str, str] | None = None     # path of a resource's root -> its URI, once crawled
+        self.nodes: dict[str, list[str]] = {}        # a resource's URI -> the keys of its root
+        self.anchors: dict[tuple[str, str], list[str]] = {}     # (resource URI, name) -> keys
+        self.nested: bool | None = None              # whether a subschema has an `$id`
+
+    def named(self, path: str, ref: str) -> str | None:
+        """target() as a path (the root's name, then the escaped keys), as map_schemas writes them."""
+        parts = self.target(path, ref)
+        return None if parts is None else _path(self.root, parts)
+
+    def target(self, path: str, ref: str) -> list[str] | None:
+        if ref == "#" or ref.startswith("#/"):
+            if self.nested is None:
+                self.nested = _has_nested_ids(self.schema)
+            if self.bases is None and not self.nested:
+                parts = _ref_parts(ref)             # the common case: a pointer from the root, no crawl
+                return parts if parts is not None and _at(self.schema, parts) is not None else None
+        if self.bases is None:
+            self._crawl()
+        from urllib.parse import unquote, urldefrag
+
+        uri, fragment = urldefrag(_join(self._base(path), ref))
+        keys = self.nodes.get(uri)
+        if keys is None:
+            return None
+        if fragment.startswith("/"):
+            parts = keys + [unquote(p).replace("~1", "/").replace("~0", "~") for p in fragment[1:].split("/")]
+        elif fragment:
+            parts = self.anchors.get((uri, unquote(fragment)))
+        else:
+            parts = keys
+        return parts if parts is not None and _at(self.schema, parts) is not None else None
+
+    def _base(self, path: str) -> str:
+        """The URI of the innermost resource whose subtree holds path."""
+        best, base = -1, self.bases.get(self.root, "")
+        for at, uri in self.bases.items():
+            if len(at) > best and (path == at or path.startswith(at + "/")):
+                best, base = len(at), uri
+        return base
+
+    def _crawl(self) -> None:
+        found = []
+
+        def note(node, path, merged):
+            found.append((path, node))
+            return node
+
+        map_schemas(self.schema, note, self.root)
+        found.sort(key=lambda item: len(_keys(self.root, item[0])))          # a resource before what it holds
+        legacy = isinstance(self.schema.get("$schema"), str) and re.search(r"draft-0[67]", self.schema["$schema"])
+        self.bases = {self.root: _join("", self.schema["$id"]) if isinstance(self.schema.get("$id"), str) else ""}
+        self.bases[self.root] = self.bases[self.root].split("#")[0]
+        for path, node in found:
+            ident = node.get("$id")
+            if isinstance(ident, str) and path != self.root:
+                uri, _, name = _join(self._base(path), ident).partition("#")
+                if uri and not (legacy and ident.startswith("#")):
+                    self.bases[path] = uri
+                if legacy and name:
+                    self.anchors.setdefault((self._base(path), name), _keys(self.root, path))
+        for at, uri in sorted(self.bases.items(), key=lambda item: -len(item[0])):
+            self.nodes[uri] = _keys(self.root, at)          # the outermost of two alike wins
+        for path, node in found:
+            for key in ("$anchor", "$dynamicAnchor"):       # a dynamic anchor is a plain name too
+                if isinstance(node.get(key), str):
+                    self.anchors.setdefault((self._base(path), node[key]), _keys(self.root, path))
+
+
+def _join(base: str, ref: str) -> str:
+    """ref resolved against base (RFC 3986; a bare fragment keeps any base, a URN's too)."""
+    from urllib.parse import urljoin
+
+    if ref.startswith("#"):
+        return base.split("#")[0] + ref
+    return urljoin(base, ref) if base else ref
+
+
+def _has_nested_ids(schema) -> bool:
+    """Whether a dict below the root has an `$id` (data included: a false alarm only costs a crawl)."""
+    todo = [v for v in schema.values() if isinstance(v, (dict, list))] if isinstance(schema, dict) else []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "$id" in node:
+                return True
+            todo.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            todo.extend(v for v in node if isinstance(v, (dict, list)))
+    return False
+
+
+def _path(root: str, parts) -> str:
+    return root + "".join(f"/{pointer(p)}" for p in parts)
+
+
+def _keys(root: str, path: str) -> list[str]:
+    """The keys of a path map_schemas wrote (root + escaped keys)."""
+    rest = path[len(root):]
+    return [p.replace("~1", "/").replace("~0", "~") for p in rest[1:].split("/")] if rest else []
 
 
 def _all_refs(value):
@@ -96,15 +213,18 @@ def _all_refs(value):
 
 
 def _in_definitions(schema, ref: str) -> bool:
-    """Whether ref is no local pointer, the root or a definition of it (`#/$defs/a`): a schema position."""
+    """Whether ref names a schema position: a resource or an anchor (no pointer: both are declared in
+    schema positions only), the root, or a definition (`#/$defs/a`)."""
+    if not ref.partition("#")[2].startswith("/"):
+        return True
     parts = _ref_parts(ref)
-    return not parts or (len(parts) == 2 and parts[0] in ("$defs", "definitions") and isinstance(schema.get(parts[0]), dict))
+    return parts is not None and len(parts) == 2 and parts[0] in ("$defs", "definitions")
 
 
-def map_document(schema, visit, root: str = "#"):
+def map_document(schema, visit, root: str = "#", refs: Refs | None = None):
     """map_schemas over every node llguidance reads as a schema: the $ref targets outside schema
     positions too, so a model under OpenAPI's `components/schemas` is read as one under `$defs`."""
-    return map_schemas(schema, visit, root, reach=ref_targets(schema, root))
+    return map_schemas(schema, visit, root, reach=ref_targets(schema, root, refs))
 
 
 def pointer(name: str) -> str:
@@ -115,69 +235,103 @@ def never_ends(schema) -> bool:
     """Whether no finite JSON value matches schema: the least fixpoint of "some finite value matches"
     over its local $ref targets. A node surely matches nothing when it is false, when its $ref, an
     allOf branch, every anyOf / oneOf branch, a required property of an "object" or one of the first
-    minItems items of an "array" matches nothing; anything else counts as matchable."""
-    if not isinstance(schema, dict):
-        return False
-    targets, nested_ids = {}, []
+    minItems items of an "array" matches nothing; anything else counts as matchable. $refs resolve
+    as Refs reads them (anchors and nested `$id`s included); one that names nothing counts as matchable."""
+    matchable, _ = _matchability(schema)
+    return matchable is not None and not matchable(schema, "#")
+
+
+def without_dead_ends(schema):
+    """schema with each subschema that surely matches nothing (never_ends' reading) made `false`, the
+    root excepted: a property, an anyOf branch or the items of an array whose schema can only recurse
+    (`{"$ref": "#/$defs/n"}` where n requires itself). The values that match are the same; what
+    changes is that the grammar no longer lets a reply start such a value, which it could never
+    finish (llguidance forces its text until its parser limit). A copy, or schema itself when
+    nothing is dead."""
+    matchable, dead_targets = _matchability(schema)
+    if not dead_targets or not matchable(schema, "#"):
+        return schema                       # no $ref target is dead, or nothing matches: never_ends refuses it
+    memo, dead = {}, []
+
+    def visit(node, path, merged):
+        memo[path] = matchable(node, path, memo)
+        if not memo[path]:
+            dead.append(path)
+        return node if memo[path] else False
+
+    out = map_document(schema, visit)
+    return out if dead else schema
+
+
+def _matchability(schema):
+    """(never_ends' test as matchable(node, path, memo=None) once its $ref targets' fixpoint is known,
+    whether some target matches nothing), or (None, False) when schema has no local $ref to follow
+    (llguidance finds the rest)."""
+    if not isinstance(schema, dict) or next(_all_refs(schema), None) is None:
+        return None, False
+    refs = Refs(schema)
+    targets, ref_at = {}, {}                # target's path -> its node; a $ref's own path -> its target's
 
     def note(node, path, merged):
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            targets[ref] = _resolve(schema, ref)
-        if path != "#" and "$id" in node:
-            nested_ids.append(path)
+        parts = refs.target(path, ref) if isinstance(ref, str) else None
+        if parts is not None:
+            ref_at[path] = _path("#", parts)
+            targets[ref_at[path]] = _at(schema, parts)
         return node
 
-    map_document(schema, note)
-    if not targets or nested_ids:           # no recursion (llguidance finds the rest), or refs we cannot resolve alike
-        return False
-    ends = {ref for ref, target in targets.items() if target is None}
+    map_document(schema, note, refs=refs)
+    if not targets:
+        return None, False
+    ends = set()
 
-    def matchable(node) -> bool:
+    def matchable(node, path: str, memo: dict | None = None) -> bool:
+        if memo is not None and path in memo:
+            return memo[path]
         if node is False:
             return False
         if not isinstance(node, dict):
             return True
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref in targets and ref not in ends:
+
+        def sub(child, at):
+            return matchable(child, at, memo)
+
+        if path in ref_at and ref_at[path] not in ends:
             return False
-        if isinstance(node.get("allOf"), list) and not all(matchable(b) for b in node["allOf"]):
+        if isinstance(node.get("allOf"), list) and \
+                not all(sub(b, f"{path}/allOf/{i}") for i, b in enumerate(node["allOf"])):
             return False
         for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key] and not any(matchable(b) for b in node[key]):
+            if isinstance(node.get(key), list) and node[key] and \
+                    not any(sub(b, f"{path}/{key}/{i}") for i, b in enumerate(node[key])):
                 return False
         kind = node.get("type")
         if kind in ("object", ["object"]) and isinstance(node.get("required"), list):
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            if any(isinstance(r, str) and r in props and not matchable(props[r]) for r in node["required"]):
+            if any(isinstance(r, str) and r in props and not sub(props[r], f"{path}/properties/{pointer(r)}")
+                   for r in node["required"]):
                 return False
         if kind in ("array", ["array"]):
             least = node.get("minItems", 0)
             least = least if isinstance(least, int) and not isinstance(least, bool) else 0
             items = node.get("items")
-            first = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else \
-                items if isinstance(items, list) else []
-            rest = node.get("additionalItems") if isinstance(items, list) else items
-            if not all(matchable(b) for b in first[:least]) or \
-                    (least > len(first) and rest is not None and not matchable(rest)):
+            first, at = (node["prefixItems"], "prefixItems") if isinstance(node.get("prefixItems"), list) else \
+                (items, "items") if isinstance(items, list) else ([], "")
+            rest, rest_at = (node.get("additionalItems"), "additionalItems") if isinstance(items, list) else (items, "items")
+            if not all(sub(b, f"{path}/{at}/{i}") for i, b in enumerate(first[:least])) or \
+                    (least > len(first) and rest is not None and not sub(rest, f"{path}/{rest_at}")):
                 return False
         return True
 
-    users = {}                              # ref -> the refs whose targets hold it
-
-    def holds(node, path, merged):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref in targets:
-            held.add(ref)
-        return node
-
-    for ref, target in targets.items():
-        held = set()
-        map_schemas(target, holds)
-        for used in held:
-            users.setdefault(used, []).append(ref)
-    _least_fixpoint(ends, targets, lambda ref: matchable(targets[ref]), users)
-    return not matchable(schema)
+    users = {}                              # target -> the targets whose subtrees hold a $ref to it
+    for path, used in ref_at.items():
+        parts = path.split("/")
+        for i in range(1, len(parts) + 1):
+            holder = "/".join(parts[:i])
+            if holder in targets:
+                users.setdefault(used, []).append(holder)
+    _least_fixpoint(ends, targets, lambda at: matchable(targets[at], at), users)
+    return matchable, len(ends) < len(targets)
 
 
 def _least_fixpoint(done: set, names, holds, users: dict) -> None:
@@ -189,12 +343,6 @@ def _least_fixpoint(done: set, names, holds, users: dict) -> None:
         if name not in done and holds(name):
             done.add(name)
             todo.extend(users.get(name, ()))
-
-
-def _resolve(schema, ref: str):
-    """The node a local $ref ("#", "#/$defs/a") points at, or None."""
-    parts = _ref_parts(ref)
-    return None if parts is None else _at(schema, parts)
 
 
 def _ref_parts(ref: str) -> list[str] | None:

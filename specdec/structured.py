@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from .config import StructuredOutputsConfig, StructuredOutputsParams
-from .grammar_ends import map_document, map_schemas, never_ends, ref_targets, unending_rules
+from .grammar_ends import (Refs, map_document, map_schemas, never_ends, ref_targets, unending_rules,
+                           without_dead_ends)
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,7 @@ def mask_words(vocab_size: int) -> int:
 def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> str:
     import llguidance
 
-    config = config or StructuredOutputsConfig()
-    # compact JSON unless asked (no free whitespace): a small model cannot loop on blank lines,
-    # and every bounded schema has a bounded output
-    no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
-        else config.disable_any_whitespace
-    # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint);
-    # lenient: a keyword or string format llguidance lacks is a warning, not an error. check() then
-    # refuses all but those xgrammar, vLLM's default backend, leaves out too (_IGNORED: not,
-    # if/then/else, ...), which it logs; _enforceable has refused the others already, naming where
-    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True,
-                                 "lenient": True}}
-    if spec.whitespace_pattern is not None:
-        json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
+    json_options = _json_options(spec, config)
     kind = spec.kind
     try:
         if kind == "json_object":
@@ -84,6 +73,23 @@ def _grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig
         raise
     except Exception as e:          # a schema that is not JSON, a GBNF text that does not parse
         raise GrammarError(kind, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _json_options(spec: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> dict:
+    config = config or StructuredOutputsConfig()
+    # compact JSON unless asked (no free whitespace): a small model cannot loop on blank lines,
+    # and every bounded schema has a bounded output
+    no_whitespace = spec.disable_any_whitespace if spec.disable_any_whitespace is not None \
+        else config.disable_any_whitespace
+    # oneOf as anyOf (xgrammar's reading: llguidance otherwise refuses branches it cannot prove disjoint);
+    # lenient: a keyword or string format llguidance lacks is a warning, not an error. check() then
+    # refuses all but those xgrammar, vLLM's default backend, leaves out too (_IGNORED: not,
+    # if/then/else, ...), which it logs; _enforceable has refused the others already, naming where
+    json_options = {"defaults": {"whitespace_flexible": no_whitespace is False, "coerce_one_of": True,
+                                 "lenient": True}}
+    if spec.whitespace_pattern is not None:
+        json_options["overrides"] = {"whitespace_pattern": spec.whitespace_pattern}
+    return json_options
 
 
 def _lark(grammar: str) -> str:
@@ -179,10 +185,11 @@ def closed_objects(schema):
     its properties, an anyOf / oneOf branch under properties of its parent): closing one side would
     refuse the keys the other declares."""
     shared = set()       # definitions merged with other schemas where they are referred to
+    refs = Refs(schema)
 
     def note(node, path, merged):
         if isinstance(node.get("$ref"), str) and (merged or "properties" in node or "patternProperties" in node):
-            shared.add(node["$ref"])
+            shared.add(refs.named(path, node["$ref"]))
         return node
 
     def close(node, path, merged):
@@ -196,15 +203,16 @@ def closed_objects(schema):
             return node
         return {**node, "additionalProperties": False}
 
-    reach = ref_targets(schema)
+    reach = ref_targets(schema, refs=refs)
     map_schemas(schema, note, reach=reach)
     return map_schemas(schema, close, reach=reach)
 
 
 def _prepared(schema, root: str = "#"):
     """schema as llguidance is given it (a copy): what it cannot enforce refused, closed objects,
-    xgrammar's regex classes."""
-    return _ascii_patterns(closed_objects(_enforceable(schema, root)))
+    xgrammar's regex classes, subschemas that can only recurse made `false` (a reply that started
+    one could never end: llguidance forced its text until its parser limit, then aborted)."""
+    return _ascii_patterns(closed_objects(_enforceable(without_dead_ends(schema), root)))
 
 
 # keywords llguidance lacks that xgrammar (vLLM's default backend) leaves out with a warning: left out
@@ -229,13 +237,18 @@ def _enforceable(schema, root: str = "#"):
     `#/components/schemas/Pet`). There a refused keyword is left for llguidance's own warning to name
     (check()), which counts only the targets it reaches; a format is judged here wherever it is (that
     warning cannot tell a string's format from an annotation)."""
-    refused, ignored, refs = [], [], set()
-    reach = ref_targets(schema, root)
+    refused, ignored, refs = [], [], set()     # refs: the paths of the nodes $refs name
+    resolver = Refs(schema, root)
+    reach = ref_targets(schema, root, resolver)
     aside = [at for at, target in reach.items() if target]
 
     def visit(node, path, merged):
-        if isinstance(node.get("$ref"), str):
-            refs.add(node["$ref"])
+        named = resolver.named(path, node["$ref"]) if isinstance(node.get("$ref"), str) else None
+        if named is not None:
+            refs.add(named)
+        if isinstance(node.get("$dynamicAnchor"), str) and "$anchor" not in node:
+            # dropped below, but a $dynamicAnchor is a plain name as well: a $ref may name it
+            node["$anchor"] = node["$dynamicAnchor"]
         rest = "additionalItems" if isinstance(node.get("items"), list) else "items"
         for uneval, plain in (("unevaluatedProperties", "additionalProperties"), ("unevaluatedItems", rest)):
             if uneval in node:
@@ -453,6 +466,8 @@ class GrammarCompiler:
         endless = no_finite_output(spec)
         if endless:
             raise GrammarError(spec.kind, endless)
+        if spec.kind == "json" and len(text) > LONG_VALUE:
+            self._check_long_values(spec)
         for message in messages:
             log.warning("structured_outputs.%s: %s (ignored)", spec.kind, _first_line(message))
         with self._lock:
@@ -460,6 +475,37 @@ class GrammarCompiler:
             while len(self._validated) > VALIDATED_CACHE:
                 self._validated.popitem(last=False)
         return text
+
+    def _check_long_values(self, spec: StructuredOutputsParams) -> None:
+        """GrammarError naming the first `const` or `enum` value too long for llguidance to write. Once a
+        reply starts such a value, the rest of its text is forced, and llguidance forces it into its
+        parser within one step's item limit: a value of many JSON tokens (a const array of 30000
+        numbers) overflowed it after the first token and aborted the request mid-reply. Each value
+        whose text is longer than LONG_VALUE is tried alone here, as decoding would write it."""
+        import llguidance
+
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        long_values = []
+
+        def visit(node, path, merged):
+            values = [("const", node["const"])] if "const" in node else []
+            if isinstance(node.get("enum"), list):
+                values += [(f"enum[{i}]", v) for i, v in enumerate(node["enum"])]
+            for what, value in values:
+                size = len(json.dumps(value, separators=(",", ":")))
+                if size > LONG_VALUE:
+                    long_values.append((f"{what} (at {path})", value, size))
+            return node
+
+        map_document(schema, visit)
+        options = _json_options(spec, self.config)
+        for where, value, size in long_values:
+            text = llguidance.LLMatcher.grammar_from_json_schema({"const": value}, **options)
+            matcher = llguidance.LLMatcher(self._lltokenizer(), text, log_level=0, limits=LIMITS())
+            failed = _forcing_fails(matcher, mask_words(self.vocab_size))
+            if failed:
+                raise GrammarError(spec.kind, f"{where} is too long to be written: its {size} characters, forced "
+                                              f"once the value starts, outgrow the grammar engine's parser [{failed}]")
 
     def freeze(self, spec: StructuredOutputsParams) -> str:
         """check(spec), its grammar text then kept on spec: later checks (each choice's admission on
@@ -540,6 +586,21 @@ _NO_TEXT = {"json": "no JSON value matches the schema: is it recursive with no w
 
 # grammar texts remembered as validated (check)
 VALIDATED_CACHE = 256
+# const / enum values with more characters than this are tried alone when a schema is checked
+LONG_VALUE = 4096
+
+
+def _forcing_fails(matcher, words: int) -> str | None:
+    """What went wrong when matcher, fresh, takes the first token of its forced text and computes
+    the mask after it (where llguidance forces the rest into its parser), or None."""
+    row = torch.empty(words, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    forced = [] if matcher.is_error() else matcher.compute_ff_tokens()
+    if forced:
+        matcher.consume_tokens(forced[:1])
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    return matcher.get_error().strip().splitlines()[0] if matcher.is_error() else None
 
 
 def LIMITS():
@@ -580,8 +641,9 @@ class Grammar:
     does, each position's mask before the token after it, and never rolls back: it goes on from
     a copy taken just after a mask (`states`). A failure met on a draft path only marks that
     path (`failed`): its row allows EOS alone, as llguidance's failed matcher, and a token that
-    failed to be consumed is cut from a draft. `advance` walks the emitted tokens the same way,
-    and only a failure there sets `error`, which ends the request."""
+    failed to be consumed is cut from a draft. Only a failure on the emitted tokens ends the
+    request (`advance`): the output is then the tokens up to the failure and one EOS, whichever
+    call met it, and `error` says why."""
 
     def __init__(self, matcher, vocab_size: int, eos_ids: list[int], lltokenizer=None):
         self.committed, self.vocab_size, self.eos_ids, self.lltokenizer = matcher, vocab_size, eos_ids, lltokenizer
@@ -594,7 +656,13 @@ class Grammar:
         # this step's paths where the matcher failed -> how many of their tokens are valid (the
         # path's length when its mask failed, one less when its last token could not be consumed)
         self.failed: dict[tuple, int] = {}
+        self.why: dict[tuple, str] = {}       # each of those paths' failure, said plainly
         self.failure: str | None = None      # the first of those failures
+        # the committed output met a failure at its end (its last token could not be consumed, or
+        # the mask after it could not be computed): every row allows EOS alone, as llguidance's
+        # failed matcher, and the next emitted token (that EOS) sets `error`. Plain decoding and
+        # speculation then end alike, whichever call met the failure (see advance)
+        self.broken: str | None = None
         # the matcher's error once an emitted token made it fail (a parser or lexer limit: llguidance
         # then allows EOS alone); the engine ends the request with finish_reason "abort" instead of
         # a "stop" whose output breaks the grammar
@@ -648,13 +716,16 @@ class Grammar:
 
     def _fail(self, path: tuple, valid: int) -> None:
         self.failed[path] = valid
-        self.failure = self.failure or _failure(self.matcher.get_error())
+        self.why[path] = _failure(self.matcher.get_error())
+        self.failure = self.failure or self.why[path]
 
     def masks(self, paths: list[list[int]]) -> Tensor:
         """[len(paths), words] int32: the allowed next tokens after the committed output plus
         each path. A path that leaves the grammar gets the mask of its valid prefix: its row is
         never reached (the bad token has p = 0, so it is rejected first), any real mask will do.
         A path through a failure of the matcher allows EOS alone."""
+        if self.broken is not None:
+            return eos_only(self.eos_ids, self.words).repeat(len(paths), 1)
         out = torch.empty(len(paths), self.words, dtype=torch.int32)
         for i, path in enumerate(paths):
             key = tuple(path)
@@ -675,13 +746,13 @@ class Grammar:
 
     def valid_prefix(self, path: list[int]) -> int:
         """How many leading tokens of path the grammar allows after the committed output."""
-        return self._walk(path)
+        return 0 if self.broken is not None else self._walk(path)
 
     def forced(self, path: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces after the committed output plus path (the
         canonical tokens of bytes it leaves no choice about: `","name":"` between two JSON
         fields); [] when path leaves the grammar."""
-        if limit <= 0 or self._walk(path) < len(path) or tuple(path) in self.failed:
+        if limit <= 0 or self.broken is not None or self._walk(path) < len(path) or tuple(path) in self.failed:
             return []
         ff = self.matcher.compute_ff_tokens()
         if self.lltokenizer is not None:
@@ -698,19 +769,53 @@ class Grammar:
 
     def advance(self, tokens: list[int]) -> None:
         """The step's verdict: the committed output moves on by what was emitted (every token but
-        EOS past the end), walked as plain decoding would; a failure there ends the request."""
-        self.failed.clear()
-        self._walk(tokens)
-        if self.error is None and self.matcher.is_error():
-            self.error = _failure(self.matcher.get_error())
-        self.committed, self.matcher, self.cursor, self.masked = self.matcher, None, [], False
+        EOS past the end), walked as plain decoding would; a failure there ends the request.
+
+        Where a failure ends it does not depend on which call met it. Plain decoding meets a
+        parser limit either consuming a token or computing the mask after it (the step's walks,
+        or the matcher's shared lexer, decide which), and speculation may meet it on a draft that
+        is then accepted, with the token after it drawn from the failed row (EOS alone). So the
+        emitted tokens are read against the failures this step's walks met before any walk again:
+        tokens past a failure (that EOS) end the request now (`error`); a failure at their end
+        makes the output `broken`, whose next token, an EOS, ends it. Either way the output is the
+        tokens up to the failure, then one EOS, then finish_reason "abort"."""
+        tokens = list(tokens)
+        if self.broken is not None:
+            if tokens and self.error is None:
+                self.error = self.broken
+        elif tokens:
+            hit = self._failure_on(tokens)
+            if hit is None or hit[0] == len(tokens):       # walked again as plain decoding walks them
+                self.failed.clear()
+                self.why.clear()
+                self._walk(tokens)
+                hit = self._failure_on(tokens)
+                if hit is None and self.matcher.is_error():
+                    hit = len(tokens), _failure(self.matcher.get_error())
+            if hit is None:
+                self.committed = self.matcher
+            elif hit[0] < len(tokens):
+                self.error = self.error or hit[1]
+            else:
+                self.broken = hit[1]
+        self.matcher, self.cursor, self.masked = None, [], False
         self.states.clear()
         self.cache.clear()
         self.failed.clear()
+        self.why.clear()
         self.failure = None
 
+    def _failure_on(self, tokens: list[int]) -> tuple[int, str] | None:
+        """(how many of tokens come before the failure this step's walks met along them, what it
+        was): a path whose mask failed ends there, one whose last token failed ends with it."""
+        for j in range(len(tokens) + 1):
+            key = tuple(tokens[:j])
+            if key in self.failed:
+                return j, self.why.get(key) or self.failure or "the grammar's matcher failed"
+        return None
+
     def is_accepting(self) -> bool:
-        return self.committed.is_accepting()
+        return self.broken is None and self.committed.is_accepting()
 
 
 def _failure(message: str) -> str:

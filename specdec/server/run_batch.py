@@ -6,7 +6,8 @@ Each input line is one request: `{"custom_id": ..., "method": "POST", "url": "/v
 output line, in the input's order, is `{"id", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}`: the body a server would have answered (an OpenAI error JSON for a request it
 refuses, with `error` then naming it). Every request goes through the app in this process (no
-port), all of them queued at once so the engine batches them, speculation included.
+port), up to --max-concurrent-requests at a time (default 4 x --max-num-seqs) so the engine
+batches them, speculation included.
 
 A file that cannot be read, or a line that is not a request object, is one line on stderr and exit
 status 2 before the model loads. -i and -o also take http(s) URLs (the output is PUT there).

@@ -17,8 +17,10 @@ by the line the local chat prints, `[N tokens, R tok/s, acceptance A, mean accep
 reasoning_content goes to stderr as it comes, as the local chat writes gpt-oss's analysis.
 
 Input is chat.py's: readline from a terminal, `"""` blocks, a backslash continuing a line, "/"
-commands. Errors (server unreachable, an unknown model, a refused key, a server error mid-stream)
-are one line on stderr: with --quick the command exits 1; in the loop the message is dropped, the
+commands. A --url without http(s)://, a key no HTTP header can carry (never quoted) or a --model-name
+that is not Unicode is an error before connecting (status 2, as a bad flag). Errors (server
+unreachable, an unknown model, a refused key, a --url answering with a web page or another API's
+JSON instead of OpenAI's, a server error mid-stream) are one line on stderr: with --quick the command exits 1; in the loop the message is dropped, the
 loop goes on, and the command exits 1 at the end of its input. Ctrl-C while an answer streams
 closes the stream (the server aborts the request) and the answer is not kept; at the prompt it quits.
 '''
@@ -50,6 +52,11 @@ COMPLETE_HELP = "\n".join([
 
 class ClientError(Exception):
     """One line for stderr; the command exits with status 1."""
+
+
+class NotAStream(ClientError):
+    """A streamed request answered 200 with no chunk at all: what came instead (a web page, a JSON
+    body), as describe() words it."""
 
 
 def add_client_args(p, local: bool = True) -> None:
@@ -149,23 +156,65 @@ def request_fields(args) -> dict:
 # ---------------------------------------------------------------- talking to the server
 
 def connect(args):
-    """(client, model name, url): the openai client for --url and the model to ask."""
+    """(client, model name, url): the openai client for --url and the model to ask. A --url, key
+    or --model-name that no request can carry is a ValueError naming it, before connecting."""
     try:
         import openai
     except ImportError:
         raise ClientError("talking to a server needs the openai package (pip install openai)") from None
     url = (args.url or DEFAULT_URL).rstrip("/")
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+    check_target(url, key, "--api-key" if args.api_key else "$OPENAI_API_KEY", args.model_name)
     client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
     if args.model_name:
         return client, args.model_name, url
     try:
-        models = client.models.list().data
+        answer = client.models.with_raw_response.list().http_response
     except client_errors() as e:
         raise ClientError(describe(e, url)) from None
+    models = model_ids(answer)
+    if models is None:                 # a web page, another API: what the client would fail to parse
+        raise ClientError(f"the server at {url} answered GET /models with no OpenAI model list "
+                          f"({content_type(answer)}): is --url an OpenAI-compatible API's base, such as "
+                          f"{DEFAULT_URL}?")
     if not models:
         raise ClientError(f"the server at {url} lists no models: name one with --model-name")
-    return client, models[0].id, url
+    return client, models[0], url
+
+
+def check_target(url: str, key: str, key_source: str, model: str | None) -> None:
+    """A ValueError naming what the request cannot carry: a --url that is not http(s) (the HTTP
+    library's words say the connection broke), an API key with a character no HTTP header holds
+    (its words quote the whole key), a --model-name that is not Unicode. The key is never quoted."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--url {url!r} is not an http:// or https:// URL (such as {DEFAULT_URL})")
+    for i, ch in enumerate(key):
+        if not (ch.isascii() and ch.isprintable()):
+            kind = "a control character" if ch.isascii() else "a character that is not ASCII"
+            raise ValueError(f"{key_source}: the API key holds {kind} ({ch!r}) at position {i}, which no HTTP "
+                             f"header can carry")
+    _check_sendable(model, "--model-name")
+
+
+def model_ids(answer) -> list[str] | None:
+    """The model ids of a GET /models answer (an httpx response); None if it is no OpenAI list."""
+    try:
+        body = answer.json()
+    except ValueError:                 # not JSON (UnicodeDecodeError is one too)
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        return None
+    return [m["id"] for m in data]
+
+
+def content_type(answer) -> str:
+    """What an HTTP answer's body is, in words: "a body of type text/html"."""
+    kind = (answer.headers.get("content-type") or "").split(";")[0].strip()
+    return f"a body of type {kind}" if kind else "a body of no Content-Type"
 
 
 def client_errors() -> tuple:
@@ -175,7 +224,7 @@ def client_errors() -> tuple:
 
     import openai
 
-    errors = [openai.APIError]
+    errors = [openai.APIError, NotAStream]
     for name in ("httpx", "httpx2"):               # openai's HTTP library, by version
         try:
             errors.append(importlib.import_module(name).HTTPError)
@@ -188,6 +237,9 @@ def describe(e, url: str) -> str:
     """A client_errors() error as one line."""
     import openai
 
+    if isinstance(e, NotAStream):
+        return (f"the server at {url} answered {e} instead of a stream of chunks: is --url an OpenAI-compatible "
+                f"API's base, such as {DEFAULT_URL}?")
     if not isinstance(e, openai.APIError):         # the HTTP library's own
         return f"the connection to the server at {url} broke ({' '.join(str(e).split()) or type(e).__name__})"
     if isinstance(e, openai.APIConnectionError) and not isinstance(e, openai.APITimeoutError):
@@ -230,14 +282,16 @@ class Reply:
 def stream_reply(create, chat: bool) -> Reply:
     """Run create() (a streaming request), write its first choice's text to stdout as it comes
     (reasoning_content to stderr) and return the Reply. Ctrl-C closes the stream: the Reply is
-    interrupted. openai errors propagate (the stream closed)."""
+    interrupted. openai errors propagate (the stream closed), and NotAStream where a 200 answer
+    held no chunk at all."""
     import openai
 
-    reply, pieces, stream, ended = Reply(), [], None, False
+    reply, pieces, stream, ended, chunks = Reply(), [], None, False, 0
     start = time.perf_counter()
     try:
         stream = create()
         for chunk in stream:
+            chunks += 1
             extra = chunk.model_extra or {}
             if getattr(chunk, "object", None) == "error":    # an error event the client does not raise
                 raise openai.APIError(str(extra.get("message") or "an error event"), None, body=extra)  # (older vLLM)
@@ -265,6 +319,10 @@ def stream_reply(create, chat: bool) -> Reply:
                     sys.stdout.flush()
                 if choice.finish_reason:
                     reply.finish_reason = choice.finish_reason
+        if not chunks:                   # a web page, a JSON body: no server answers a stream with nothing
+            answer = getattr(stream, "response", None)
+            kind = content_type(answer) if answer is not None else "nothing"
+            raise NotAStream("an empty event stream" if kind == "a body of type text/event-stream" else kind)
         ended = True
     except KeyboardInterrupt:
         reply.interrupted = ended = True

@@ -8,8 +8,10 @@ into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import os
 import sys
@@ -989,6 +991,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stdout", "stderr"):          # started with it closed (`>&-`): Python sets None
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))     # noqa: SIM115 - the process's
+        elif isinstance(getattr(sys, name), io.TextIOWrapper) and getattr(sys, name).errors == "strict":
+            # an encoding that cannot write every answer (PYTHONIOENCODING=ascii, a Latin-1 locale):
+            # what it cannot write is escaped (\xe9), not the command's end mid-answer
+            with contextlib.suppress(ValueError, OSError):
+                getattr(sys, name).reconfigure(errors="backslashreplace")
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -23,3 +23,20 @@ def test_a_bad_argument_is_a_one_line_error(argv, first, capsys):
     assert e.value.code == 2
     assert err.count("\n") == 1 and err.startswith(first), err
     assert err.rstrip().endswith(f"(see {first.split(':')[0]} --help)")
+
+
+def test_an_answer_the_terminal_cannot_encode_is_escaped_not_an_error():
+    """stdout in ASCII (PYTHONIOENCODING=ascii, a C or Latin-1 locale): what it cannot encode is
+    written as \\xe9; the command had ended mid-answer with "'ascii' codec can't encode", status 2."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    run = subprocess.run([sys.executable, "-m", "specdec", "generate", "--model", str(root / "models" / "target"),
+                          "--max-tokens", "4", "--num-speculative-tokens", "0", "é café"],
+                         capture_output=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr.decode("ascii", "replace")[-500:]
+    assert run.stdout.startswith(b"\\xe9 caf\\xe9")

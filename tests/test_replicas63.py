@@ -60,6 +60,17 @@ def _board() -> tuple:
     return board, _Handle(board)
 
 
+def _live_replica(llm) -> tuple:
+    """A board and replica "me" serving llm's app (its ports made up: nothing dials them)."""
+    board, handle = _board()
+    me = _Replica()
+    me.id, me.board, me.llm, me.token = "me", handle, llm, "tok"
+    me.server = build_app(llm, ServerConfig(served_model_names=("tiny",)))
+    me.front = ReplicaApp(me.server, "me", me.federated_metrics, me.broadcast)
+    me.metrics_url, me.direct_url = "http://127.0.0.1:1/metrics", "http://127.0.0.1:1"
+    return board, me
+
+
 
 
 # --- 1. the board keeps a replica slow to answer a scrape; a live one taken off comes back --------
@@ -115,12 +126,7 @@ def test_a_live_replica_taken_off_the_board_checks_in_again_and_catches_up(tiny_
 
     adapter = make_adapter(tiny_pair[0], tmp_path / "three", 3)
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128, enable_lora=True)
-    board, handle = _board()
-    me = _Replica()
-    me.id, me.board, me.llm, me.token = "me", handle, llm, "tok"
-    me.server = build_app(llm, ServerConfig(served_model_names=("tiny",)))
-    me.front = ReplicaApp(me.server, "me", me.federated_metrics, me.broadcast)
-    me.metrics_url, me.direct_url = "http://127.0.0.1:1/metrics", "http://127.0.0.1:1"
+    board, me = _live_replica(llm)
     with LiveServer(me.server):          # its lifespan runs the engine, as in the replica
         board.register("me", me.metrics_url, me.direct_url)
         asyncio.run(me.check_health())              # on the board: nothing to catch up
@@ -145,12 +151,7 @@ def test_a_replica_that_missed_a_pause_or_a_resume_follows_the_service(tiny_pair
     one taken off the board meanwhile resumes if it missed the /resume; a /pause refused (a bad
     mode) leaves the service unpaused."""
     llm = LLM(str(tiny_pair[0]), num_speculative_tokens=0, max_model_len=128)
-    board, handle = _board()
-    me = _Replica()
-    me.id, me.board, me.llm, me.token = "me", handle, llm, "tok"
-    me.server = build_app(llm, ServerConfig(served_model_names=("tiny",)))
-    me.front = ReplicaApp(me.server, "me", me.federated_metrics, me.broadcast)
-    me.metrics_url, me.direct_url = "http://127.0.0.1:1/metrics", "http://127.0.0.1:1"
+    board, me = _live_replica(llm)
     worker = me.server.state.service.worker
     with LiveServer(me.front) as front:     # its lifespan is the app's: the engine runs
         board.register("me", me.metrics_url, me.direct_url)

@@ -808,6 +808,8 @@ class Grammar:
     def _failure_on(self, tokens: list[int]) -> tuple[int, str] | None:
         """(how many of tokens come before the failure this step's walks met along them, what it
         was): a path whose mask failed ends there, one whose last token failed ends with it."""
+        if not self.failed:             # the usual step: no walk failed
+            return None
         for j in range(len(tokens) + 1):
             key = tuple(tokens[:j])
             if key in self.failed:

@@ -382,12 +382,13 @@ def test_a_token_scores_alike_alone_or_among_drafts(gguf_files, packed_path, c_p
 
 def rewritten(src, dst, drop=(), over=None):
     """A copy of the GGUF `src` with metadata keys dropped, or replaced by `over`'s values
-    (lists become arrays; ints uint32, floats float32)."""
+    (lists become arrays; bools bool, ints uint32, floats float32)."""
     from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
 
     r, over = GGUFReader(str(src)), over or {}
     w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    kind = lambda x: V.UINT32 if isinstance(x, int) else V.FLOAT32 if isinstance(x, float) else V.STRING  # noqa: E731
+    kind = lambda x: (V.BOOL if isinstance(x, bool) else V.UINT32 if isinstance(x, int)  # noqa: E731
+                      else V.FLOAT32 if isinstance(x, float) else V.STRING)
     for key, f in r.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture" and key not in drop and key not in over:
             w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == V.ARRAY else None)

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.numpy import load_file
 
 from arch_checks import cached_logits, reference, without_kernels
 from conftest import make_checkpoint, make_tokenizer
 from gguf_helpers import write_gguf
 from specdec import kernels
+from test_gguf import rewritten
 from specdec.model import load_model, save_model
 
 TOKENS = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(0))
@@ -44,24 +43,6 @@ def check_logits(hf, path, **load) -> float:
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
     return diff
 
-
-def with_keys(src, out, **keys):
-    """src with more metadata (name -> value; bool values as GGUF bools), tensors unchanged."""
-    r = GGUFReader(str(src))
-    w = GGUFWriter(str(out), r.fields["general.architecture"].contents())
-    for key, field in r.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            kind = field.types[0]
-            w.add_key_value(key, field.contents(), kind, field.types[-1] if kind == GGUFValueType.ARRAY else None)
-    for key, value in keys.items():
-        w.add_bool(key, value) if isinstance(value, bool) else w.add_float32(key, value)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 # --- YaRN's betas and attention factor ---------------------------------------------------------
@@ -157,14 +138,14 @@ def test_granite_rope_finetuned_false_runs_without_rope(tmp_path, monkeypatch, c
         pytest.skip("no C compiler or no AVX2/FMA here")
     without_kernels(monkeypatch, c_path)
     hf_nope, plain = granite4(tmp_path, "nope")
-    path = with_keys(plain, tmp_path / "nope-switch.gguf", **{"granite.rope.scaling.finetuned": False})
+    path = rewritten(plain, tmp_path / "nope-switch.gguf", over={"granite.rope.scaling.finetuned": False})
     assert load_model(path).config.nope_layers == (0, 1)
     check_logits(hf_nope, path)
     check_logits(hf_nope, path, hf_overrides={"logits_scaling": 2.5})
     save_model(load_model(path), tmp_path / "saved", torch.float32)
     check_logits(hf_nope, tmp_path / "saved", dtype="float32")
     hf_rope, plain = granite4(tmp_path, "rope")
-    check_logits(hf_rope, with_keys(plain, tmp_path / "rope-switch.gguf", **{"granite.rope.scaling.finetuned": True}))
+    check_logits(hf_rope, rewritten(plain, tmp_path / "rope-switch.gguf", over={"granite.rope.scaling.finetuned": True}))
 
 
 # --- Gemma 3 (checked: no defect) ------------------------------------------------------------------

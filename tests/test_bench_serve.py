@@ -296,6 +296,9 @@ def test_bench_serve_random_and_custom_datasets(tiny_pair, tmp_path):
                 assert results["settings"]["shuffled"] is False and results["settings"]["oversampled"] is False
                 continue
             assert point["completed"] == point["num_prompts"] == 4 and point["failed"] == 0
+            # the backend the prompts went through: random ids always to /v1/completions (it had said openai-chat)
+            sent = "openai" if name in ("random", "prefix_repetition", "custom-raw") else "openai-chat"
+            assert results["settings"]["backend"] == sent, name
             if name == "random":
                 assert point["total_input_tokens"] == 4 * 24 and point["total_output_tokens"] == 4 * 5
                 assert "random token ids after a shared random prefix of 4" in (out / "results.md").read_text()

@@ -522,7 +522,7 @@ def run(args, argv: list[str]) -> int:
                             "goodput_slo_ms": {k: round(v * 1000, 6) for k, v in slo.items()},   # 1001, not 1000.99..
                             "percentile_metrics": list(args.percentile_metrics),
                             "dataset": dataset_name(args), "requests": requests_sent(args),
-                            "backend": args.backend, "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,
+                            "backend": sent_backend(args), "lora_modules": args.lora_modules, "shuffled": not args.disable_shuffle,
                             "oversampled": not args.no_oversample},
                "variants": []}
     runs = []           # (variant, its vLLM label, Measured) of each load point measured
@@ -550,13 +550,23 @@ def run(args, argv: list[str]) -> int:
     return 0
 
 
+def sent_backend(args) -> str:
+    """The backend the prompts really went through, as vLLM names it: random and prefix_repetition
+    prompts, and custom ones with --skip-chat-template, go to /v1/completions (vLLM's openai
+    backend) whatever --backend says."""
+    if args.backend == "openai-chat" and (args.dataset_name in ("random", "prefix_repetition")
+                                          or args.dataset_name == "custom" and args.skip_chat_template):
+        return "openai"
+    return args.backend
+
+
 def _vllm_head(args, model: dict) -> dict:
     """The keys vLLM's result files open with: the model as vLLM names it (--model, else the
     server's first model's root)."""
     from datetime import datetime
 
     model_id = args.model or model.get("root") or model["id"]
-    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend, "backend": args.backend,
+    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": sent_backend(args), "backend": sent_backend(args),
             "model_id": model_id, "tokenizer_id": args.tokenizer or model_id}
 
 

@@ -36,7 +36,7 @@ from .batch import ForwardBatch, ForwardOutput
 from .checkpoint import CheckpointError, _not_a_folder, read_head_file
 from .config import ModelConfig
 from .kv import KVCache
-from .llama import MLP, Attention, Linear, RMSNorm, Transformer
+from .llama import MLP, Attention, Embedding, Linear, RMSNorm, Transformer
 from .heads import place_head
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
@@ -110,7 +110,7 @@ class Eagle3Head(nn.Module):
         self.decoder.model.layers[0] = Eagle3Layer(cfg, norm_before_residual)
         self.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, D))
         # its own token embedding (over the target's vocabulary) when the checkpoint has one
-        self.embed_tokens = nn.Embedding(embedding_rows, D) if embedding_rows else None
+        self.embed_tokens = Embedding(embedding_rows, D) if embedding_rows else None
         self.logit_scale = logit_scale
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long))
 

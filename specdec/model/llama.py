@@ -65,6 +65,13 @@ class Linear(nn.Linear):
         return y if self.lora is None else self.lora.add(x, y)
 
 
+def Embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, built on the meta device (a checkpoint's load) without its N(0, 1) fill: a
+    meta tensor's normal_ imports torch._dynamo, 1.5 s of CPU at every model load."""
+    weight = torch.empty(rows, dim)
+    return nn.Embedding(rows, dim, _weight=weight) if weight.is_meta else nn.Embedding(rows, dim)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -512,7 +519,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         for i in cfg.nope_layers:            # SmolLM3's NoPE layers (a drafter's shorter copy: those it has)
             if i < len(self.layers):
@@ -580,9 +587,12 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.register_buffer("inv_freq_local", local_inv_freq(cfg), persistent=False)   # None but in Gemma 3
-        self.rope_attention = rope_attention_factor(cfg)    # cos and sin are scaled by it (YaRN)
+        here = torch.empty(0).device       # the device the model is built on: meta in a checkpoint's load
+        with torch.device("cpu"):           # on meta, the frequencies' ops would import torch._dynamo (1.5 s)
+            inv_freq, local = rope_inv_freq(cfg), local_inv_freq(cfg)
+            self.rope_attention = rope_attention_factor(cfg)    # cos and sin are scaled by it (YaRN)
+        self.register_buffer("inv_freq", inv_freq.to(here), persistent=False)
+        self.register_buffer("inv_freq_local", None if local is None else local.to(here), persistent=False)   # Gemma 3's
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
         # the C path's views of each cache this model writes into (kernels/cforward.CView): the

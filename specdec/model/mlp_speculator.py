@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpoint import CheckpointError, read_head_file
-from .llama import Linear
+from .llama import Embedding, Linear
 
 
 ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
@@ -72,7 +72,7 @@ class MLPSpeculator(nn.Module):
         self.emb_dim, self.inner_dim, self.vocab_size, self.n_predict = emb_dim, inner_dim, vocab_size, n_predict
         self.tie_weights, self.scale_input = tie_weights, scale_input
         stages = 1 if tie_weights else n_predict
-        self.emb = nn.ModuleList(nn.Embedding(vocab_size, inner_dim) for _ in range(stages))
+        self.emb = nn.ModuleList(Embedding(vocab_size, inner_dim) for _ in range(stages))
         self.proj = nn.ModuleList(Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False)
                                   for i in range(min(2, n_predict) if tie_weights else n_predict))
         self.head = nn.ModuleList(Linear(inner_dim, vocab_size, bias=False) for _ in range(stages))

@@ -37,7 +37,7 @@ from .batch import ForwardBatch, ForwardOutput
 from .checkpoint import MTP_PREFIX, CheckpointError, check_state, hf_to_fused, is_mtp_weight, read_config, read_state_dict
 from .config import ModelConfig, text_config
 from .kv import KVCache
-from .llama import Linear, RMSNorm, Transformer
+from .llama import Embedding, Linear, RMSNorm, Transformer
 from .mla import deinterleave_rope, rope_interleaved
 from .heads import place_head, whole_lm_head
 
@@ -65,7 +65,7 @@ class MTPHead(nn.Module):
         # its cache is the head's own (one layer) on the engine's blocks
         self.decoder = Transformer(layer_cfg)
         self.decoder.model.embed_tokens.weight = nn.Parameter(torch.empty(0, D))
-        self.embed_tokens = nn.Embedding(embedding_rows, D) if embedding_rows else None
+        self.embed_tokens = Embedding(embedding_rows, D) if embedding_rows else None
         self.register_buffer("draft_vocab", torch.arange(layer_cfg.vocab_size))
 
     @property

@@ -111,19 +111,21 @@ def test_train_and_generate_do_not_import_the_server():
     assert out.returncode == 0 and "{generate,chat,complete,serve,run-batch,bench,train}" in out.stdout
 
 
-def test_loading_a_model_leaves_torch_dynamo_unimported(tiny_pair, smollm2):
+def test_loading_a_model_leaves_torch_dynamo_sympy_and_fastapi_unimported(tiny_pair, smollm2):
     """A checkpoint or GGUF load builds its modules on the meta device without a meta tensor's
-    normal_ or pow, which import torch._dynamo: 1.5 s of CPU at every start of the command."""
+    normal_, pow or empty_like, which import torch._dynamo or sympy (~2 s of CPU at every start of
+    the command); `specdec generate`'s reply splitter takes the server's reasoning module without
+    FastAPI's stack."""
     import subprocess
     import sys
 
-    code = ("import sys\nfrom specdec import LLM\n"
+    code = ("import sys\nfrom specdec import LLM\nfrom specdec.chat import HarmonySplit\n"
             f"LLM(model={str(tiny_pair[0])!r}, speculative_model={str(tiny_pair[1])!r}, num_speculative_tokens=2)\n"
-            f"LLM(model={str(smollm2)!r})\n"
-            "print('torch._dynamo' in sys.modules)\n")
+            f"LLM(model={str(smollm2)!r})\nHarmonySplit(True)\n"
+            "print([m for m in ('torch._dynamo', 'sympy', 'fastapi') if m in sys.modules])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.fixture

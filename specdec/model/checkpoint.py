@@ -505,7 +505,9 @@ def load_model(folder: str | os.PathLike, dtype: str | torch.dtype | None = None
                               f"{folder}: weight missing from the checkpoint: {next(iter(missing))}")
     if unexpected:
         raise CheckpointError(f"{folder}: unexpected weight in the checkpoint: {sorted(unexpected)[0]}")
-    model = model.to_empty(device=device)
+    # to_empty, with torch.empty: empty_like on a meta tensor goes through torch._refs, which
+    # imports sympy and torch.fx's symbolic shapes (~1 s of CPU at every start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for name, param in model.named_parameters():
         if name not in sd:  # the tied LM head, re-tied below
             continue

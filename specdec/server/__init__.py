@@ -12,7 +12,17 @@
     errors.py     OpenAI-style error JSON, the body size limit, the API key check
 """
 
-from .app import build_app
-from .config import ServerConfig
-
 __all__ = ["ServerConfig", "build_app"]
+
+
+def __getattr__(name):
+    """build_app and ServerConfig load when first used: the package's light modules (reasoning,
+    tool parsers: `specdec generate` and `chat` use them) come without FastAPI's stack."""
+    if name == "build_app":
+        from .app import build_app as value
+    elif name == "ServerConfig":
+        from .config import ServerConfig as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -24,6 +24,19 @@ def pytest_sessionstart(session) -> None:
                         "instruction sets?): the bit-exactness tests would all skip", returncode=1)
 
 
+# Files that take 30 s or more on two cores, slowest first (most of it waiting on Ray or on
+# spawned processes). They run first, so that under `-n N --dist loadfile` no worker is left
+# with one of them while the others have finished.
+SLOW_FILES = ("test_replicas.py", "test_scale61.py", "test_tensor_parallel.py", "test_scale59.py", "test_moe.py",
+              "test_deepseek.py", "test_vllm_flags.py", "test_bench_serve.py", "test_cli62.py",
+              "test_kernels_avx2_64.py", "test_server_surface.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES)))    # stable: the rest keep their order
+
+
 def make_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     """A byte-level BPE tokenizer trained on a few lines of code, with `vocab` tokens."""
     from specdec.train.tokenizer import train_tokenizer

@@ -565,8 +565,8 @@ def _vllm_head(args, model: dict) -> dict:
     server's first model's root)."""
     from datetime import datetime
 
-    model_id = args.model or model.get("root") or model["id"]
-    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": sent_backend(args), "backend": sent_backend(args),
+    model_id, backend = args.model or model.get("root") or model["id"], sent_backend(args)
+    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
             "model_id": model_id, "tokenizer_id": args.tokenizer or model_id}
 
 

@@ -587,12 +587,9 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        here = torch.empty(0).device       # the device the model is built on: meta in a checkpoint's load
-        with torch.device("cpu"):           # on meta, the frequencies' ops would import torch._dynamo (1.5 s)
-            inv_freq, local = rope_inv_freq(cfg), local_inv_freq(cfg)
-            self.rope_attention = rope_attention_factor(cfg)    # cos and sin are scaled by it (YaRN)
-        self.register_buffer("inv_freq", inv_freq.to(here), persistent=False)
-        self.register_buffer("inv_freq_local", None if local is None else local.to(here), persistent=False)   # Gemma 3's
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.register_buffer("inv_freq_local", None, persistent=False)   # None but in Gemma 3
+        self.reset_rope(torch.empty(0).device)     # the device it is built on: meta in a checkpoint's load
         # activations and KV cache dtype; None = the weights' dtype (see use_fp32_activations)
         self.compute_dtype: torch.dtype | None = None
         # the C path's views of each cache this model writes into (kernels/cforward.CView): the
@@ -846,9 +843,13 @@ class Transformer(nn.Module):
                                sinks if any(t is not None for t in sinks) else None)
 
     def reset_rope(self, device) -> None:
-        """The rotary frequency buffers from the config (a load leaves them uninitialised on meta)."""
-        self.inv_freq = rope_inv_freq(self.config).to(device)
-        local = local_inv_freq(self.config)
+        """The rotary frequency buffers and the factor cos and sin are scaled by (YaRN) from the
+        config (a load leaves the buffers uninitialised on meta), computed on the CPU: on meta
+        their ops would import torch._dynamo (1.5 s of CPU)."""
+        with torch.device("cpu"):
+            inv_freq, local = rope_inv_freq(self.config), local_inv_freq(self.config)
+            self.rope_attention = rope_attention_factor(self.config)
+        self.inv_freq = inv_freq.to(device)
         self.inv_freq_local = None if local is None else local.to(device)
 
     def _rope(self, positions: Tensor, dtype, local: bool = False) -> tuple[Tensor, Tensor]:
